@@ -1,0 +1,75 @@
+"""The ``flashprobe`` command: train, study, bench, fuzz, compare, report, kernels.
+
+Each subcommand lives in its own module with a ``main(argv) -> int``; this file only dispatches,
+importing the module on demand so ``flashprobe --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+#: command → ("module:function", one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("flashprobe.t2i.train:cli_main", "train the text-to-image model (Hydra overrides)"),
+    "study": ("flashprobe.study:main", "run the weight-deviation study of paper §V (Hydra multirun)"),
+    "compare": ("flashprobe.weights.compare:main", "compare the weight snapshots of run directories"),
+    "report": ("flashprobe.report.cli:main", "regenerate report.md and figures from a run or study dir"),
+    "fuzz": ("flashprobe.bench.fuzz:main", "fuzz kernels with adversarial edge cases"),
+    "kernels": ("flashprobe.cli:list_kernels", "list the registered kernels and their options"),
+}
+
+#: ``flashprobe bench NAME`` → ("module:function", one-line help)
+BENCH_COMMANDS: dict[str, tuple[str, str]] = {
+    "precision": ("flashprobe.bench.precision:main", "deviation vs precision (paper Figs 3, 4)"),
+    "seqlen": ("flashprobe.bench.seqlen:main", "deviation vs sequence length (paper Fig 5)"),
+    "tiles": ("flashprobe.bench.tiles:main", "deviation vs tile sizes and order (paper Fig 6)"),
+    "speed": ("flashprobe.bench.speed:main", "time and peak memory of kernels vs math"),
+    "overhead": ("flashprobe.bench.overhead:main", "training-step overhead of the shadow probe"),
+    "wasserstein": ("flashprobe.bench.wasserstein:main", "torch Wasserstein distance vs scipy"),
+}
+
+
+def _usage(table: dict[str, tuple[str, str]], prog: str) -> str:
+    width = max(len(n) for n in table)
+    lines = [f"usage: {prog} COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in table.items()]
+    return "\n".join(lines)
+
+
+def _dispatch(table: dict[str, tuple[str, str]], argv: list[str], prog: str) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage(table, prog))
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in table:
+        print(f"{prog}: unknown command {name!r}\n\n{_usage(table, prog)}", file=sys.stderr)
+        return 2
+    module, _, func = table[name][0].partition(":")
+    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+
+
+def list_kernels(argv: Sequence[str]) -> int:
+    """Print every registered kernel with its options."""
+    from flashprobe.kernels.registry import _REGISTRY, available_kernels
+
+    for name, description in available_kernels().items():
+        options = ", ".join(_REGISTRY[name].options) or "-"
+        print(f"{name:<15} {description}\n{'':<15} options: {options}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``flashprobe`` console script."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "bench":
+        return _dispatch(BENCH_COMMANDS, args[1:], "flashprobe bench")
+    table = {**COMMANDS, "bench": ("", "microbenchmarks: " + ", ".join(BENCH_COMMANDS))}
+    return _dispatch(table, args, "flashprobe")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

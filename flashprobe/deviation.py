@@ -1,0 +1,102 @@
+"""Elementwise deviation between two attention outputs, and the error ratio.
+
+Vocabulary (DESIGN.md): for outputs ``a`` and reference ``b`` of the same shape,
+
+* ``max_abs``  = max |a − b| over finite pairs,
+* ``mean_abs`` = mean |a − b| over finite pairs,
+* ``rel_l2``   = ‖a − b‖₂ / ‖b‖₂ over finite pairs (0 when both are 0),
+* ``nonfinite`` = number of positions where ``a`` or ``b`` is NaN/±inf — counted, never
+  allowed to turn the maxima into NaN;
+* **error ratio** = ``max_abs(primary, golden) / max_abs(baseline, golden)``; flash-attention's own
+  tests pass a kernel when it is ≤ 2.
+
+Differences are computed in float64. :func:`deviation_tensors` returns 0-d tensors on the inputs'
+device (no host synchronisation) so callers can accumulate them; :func:`deviation` returns floats.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+__all__ = ["Deviation", "deviation", "deviation_tensors", "error_ratio", "finish_deviation"]
+
+
+@dataclass(frozen=True)
+class Deviation:
+    """Deviation of ``a`` from a reference ``b`` (see module docstring)."""
+
+    max_abs: float
+    mean_abs: float
+    rel_l2: float
+    nonfinite: int
+    numel: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+def deviation_tensors(a: torch.Tensor, b: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Sufficient statistics of ``a − b`` as 0-d float64 tensors on the inputs' device.
+
+    Args:
+        a: any shape.
+        b: the reference, same shape as ``a``.
+
+    Returns:
+        ``max_abs``, ``sum_abs``, ``sum_sq_diff``, ``sum_sq_ref``, ``nonfinite`` (count of
+        positions where either is non-finite) and ``count`` (finite positions). Reductions of
+        several calls: max of ``max_abs``, sums of the rest.
+    """
+    if a.shape != b.shape:
+        raise ValueError(f"deviation: shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    a64, b64 = a.detach().double(), b.detach().double()
+    finite = torch.isfinite(a64) & torch.isfinite(b64)
+    diff = torch.where(finite, a64 - b64, 0.0).abs()
+    ref = torch.where(finite, b64, 0.0)
+    count = finite.sum(dtype=torch.float64)
+    return {
+        "max_abs": diff.amax() if diff.numel() else diff.new_zeros(()),
+        "sum_abs": diff.sum(),
+        "sum_sq_diff": diff.square().sum(),
+        "sum_sq_ref": ref.square().sum(),
+        "nonfinite": a64.numel() - count,
+        "count": count,
+    }
+
+
+def _finish(t: dict[str, float]) -> Deviation:
+    count = t["count"]
+    rel = (
+        math.sqrt(t["sum_sq_diff"] / t["sum_sq_ref"])
+        if t["sum_sq_ref"] > 0
+        else (0.0 if t["sum_sq_diff"] == 0 else math.inf)
+    )
+    return Deviation(
+        max_abs=t["max_abs"],
+        mean_abs=t["sum_abs"] / count if count else 0.0,
+        rel_l2=rel,
+        nonfinite=int(t["nonfinite"]),
+        numel=int(count + t["nonfinite"]),
+    )
+
+
+def deviation(a: torch.Tensor, b: torch.Tensor) -> Deviation:
+    """Deviation of ``a`` from reference ``b`` as Python floats (one host sync)."""
+    t = deviation_tensors(a, b)
+    values = torch.stack(list(t.values())).tolist()
+    return _finish(dict(zip(t.keys(), values, strict=True)))
+
+
+def finish_deviation(sums: dict[str, float]) -> Deviation:
+    """Turn accumulated sufficient statistics (see :func:`deviation_tensors`) into a :class:`Deviation`."""
+    return _finish(sums)
+
+
+def error_ratio(primary_vs_golden: float, baseline_vs_golden: float) -> float:
+    """``primary_vs_golden / baseline_vs_golden``; 1 when both are 0, inf when only the baseline is exact."""
+    if baseline_vs_golden == 0:
+        return 1.0 if primary_vs_golden == 0 else math.inf
+    return primary_vs_golden / baseline_vs_golden

@@ -1,0 +1,55 @@
+"""Attention kernels behind one SDPA signature, chosen by spec strings.
+
+``kernel(q, k, v, *, attn_mask=None, is_causal=False, scale=None) -> out`` with ``(B, H, N, D)``
+tensors. Built-in names: ``math`` (the baseline), ``tiled`` (FlashAttention re-implemented at any
+precision), ``sdpa_flash``, ``sdpa_efficient``, ``sdpa_cudnn``, ``sdpa_math`` (torch SDPA pinned to
+one backend) and ``flash_attn`` (Dao-AILab flash-attn, CUDA only).
+"""
+
+from flashprobe.kernels._inputs import (
+    KernelInputError,
+    causal_mask,
+    check_inputs,
+    default_scale,
+    dtype_name,
+    to_dtype,
+)
+from flashprobe.kernels.flash_attn import flash_attn_attention
+from flashprobe.kernels.math import golden_attention, math_attention
+from flashprobe.kernels.registry import (
+    AttentionFn,
+    Kernel,
+    KernelSpecError,
+    KernelUnavailableError,
+    available_kernels,
+    get_kernel,
+    parse_spec,
+    register_kernel,
+)
+from flashprobe.kernels.sdpa import BACKENDS, sdpa_attention
+from flashprobe.kernels.tiled import TileSizes, tile_sizes, tiled_attention
+
+__all__ = [
+    "BACKENDS",
+    "AttentionFn",
+    "Kernel",
+    "KernelInputError",
+    "KernelSpecError",
+    "KernelUnavailableError",
+    "TileSizes",
+    "available_kernels",
+    "causal_mask",
+    "check_inputs",
+    "default_scale",
+    "dtype_name",
+    "flash_attn_attention",
+    "get_kernel",
+    "golden_attention",
+    "math_attention",
+    "parse_spec",
+    "register_kernel",
+    "sdpa_attention",
+    "tile_sizes",
+    "tiled_attention",
+    "to_dtype",
+]

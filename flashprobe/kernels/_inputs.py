@@ -1,0 +1,191 @@
+"""Input validation and mask handling shared by every kernel.
+
+All kernels use torch SDPA's conventions:
+
+* tensors are ``(B, H, N, D)``; ``q`` is ``(B, H, N_q, D)``, ``k`` is ``(B, H, N_k, D)`` and
+  ``v`` is ``(B, H, N_k, D_v)``;
+* a boolean ``attn_mask`` is ``True`` where a query may attend to a key; a floating mask is
+  *added* to the scaled scores; either broadcasts to ``(B, H, N_q, N_k)``;
+* ``is_causal=True`` uses the top-left aligned lower-triangular mask (query ``i`` sees keys
+  ``j <= i``), as torch SDPA does when ``N_q != N_k``;
+* ``scale`` defaults to ``1 / sqrt(D)``;
+* a row whose keys are all masked outputs zeros (torch's "safe softmax"), never NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "DTYPE_NAMES",
+    "KernelInputError",
+    "causal_mask",
+    "check_inputs",
+    "default_scale",
+    "dtype_name",
+    "to_dtype",
+]
+
+#: Accepted spellings of the floating dtypes flashprobe works with.
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+    "double": torch.float64,
+}
+
+
+class KernelInputError(ValueError):
+    """Raised when the inputs of an attention kernel are malformed."""
+
+
+def to_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+    """Turn a dtype name (``"bf16"``, ``"float32"``, ...) or a ``torch.dtype`` into a dtype.
+
+    Raises:
+        ValueError: the name is not a floating dtype flashprobe supports.
+    """
+    if value is None or isinstance(value, torch.dtype):
+        if value is not None and not value.is_floating_point:
+            raise ValueError(f"dtype {value} is not a floating dtype; use one of bf16, fp16, fp32, fp64")
+        return value
+    key = str(value).lower().removeprefix("torch.")
+    if key not in DTYPE_NAMES:
+        allowed = ", ".join(sorted(DTYPE_NAMES))
+        raise ValueError(f"unknown dtype {value!r}; use one of: {allowed}")
+    return DTYPE_NAMES[key]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Short name of a dtype: ``torch.bfloat16`` → ``"bf16"``."""
+    return {
+        torch.bfloat16: "bf16",
+        torch.float16: "fp16",
+        torch.float32: "fp32",
+        torch.float64: "fp64",
+    }.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def default_scale(head_dim: int, scale: float | None) -> float:
+    """The softmax scale: ``scale`` if given, else ``1 / sqrt(head_dim)``."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    *,
+    kernel: str = "attention",
+) -> None:
+    """Validate the shapes, dtypes and mask of an attention call.
+
+    Args:
+        q: ``(B, H, N_q, D)`` queries.
+        k: ``(B, H, N_k, D)`` keys.
+        v: ``(B, H, N_k, D_v)`` values.
+        attn_mask: optional boolean or additive mask broadcastable to ``(B, H, N_q, N_k)``.
+        is_causal: whether a causal mask is applied too.
+        kernel: the kernel's name, used in error messages.
+
+    Raises:
+        KernelInputError: naming the problem and how to fix it.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise KernelInputError(f"{kernel}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise KernelInputError(
+                f"{kernel}: {name} must have shape (B, H, N, D), got {tuple(t.shape)} "
+                f"({t.dim()} dims); reshape with .view(B, N, H, D).transpose(1, 2)"
+            )
+        if not t.is_floating_point():
+            raise KernelInputError(f"{kernel}: {name} must be floating point, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise KernelInputError(
+            f"{kernel}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; "
+            "cast them with .to(dtype)"
+        )
+    if not (q.device == k.device == v.device):
+        raise KernelInputError(
+            f"{kernel}: q, k, v are on different devices: {q.device}, {k.device}, {v.device}"
+        )
+    if q.shape[0] != k.shape[0] or k.shape[0] != v.shape[0]:
+        raise KernelInputError(
+            f"{kernel}: batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}"
+        )
+    if q.shape[1] != k.shape[1] or k.shape[1] != v.shape[1]:
+        raise KernelInputError(
+            f"{kernel}: head counts differ: q {q.shape[1]}, k {k.shape[1]}, v {v.shape[1]}; "
+            "repeat k/v heads for grouped-query attention (k.repeat_interleave(g, dim=1))"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise KernelInputError(
+            f"{kernel}: head dims of q ({q.shape[-1]}) and k ({k.shape[-1]}) differ; they must match"
+        )
+    if k.shape[2] != v.shape[2]:
+        raise KernelInputError(
+            f"{kernel}: k has {k.shape[2]} keys but v has {v.shape[2]} values; they must match"
+        )
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise KernelInputError(f"{kernel}: attn_mask must be a tensor or None")
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise KernelInputError(
+                f"{kernel}: attn_mask must be bool (True = attend) or floating (added to scores), "
+                f"got {attn_mask.dtype}"
+            )
+        target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        try:
+            torch.broadcast_shapes(attn_mask.shape, target)
+        except RuntimeError:
+            raise KernelInputError(
+                f"{kernel}: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                f"(B, H, N_q, N_k) = {target}"
+            ) from None
+        if is_causal:
+            raise KernelInputError(
+                f"{kernel}: pass either attn_mask or is_causal=True, not both (as torch SDPA); "
+                "fold the causal mask into attn_mask instead"
+            )
+
+
+def causal_mask(
+    n_q: int,
+    n_k: int,
+    device: torch.device | str,
+    q_start: int = 0,
+    k_start: int = 0,
+    q_len: int | None = None,
+    k_len: int | None = None,
+) -> torch.Tensor:
+    """Boolean top-left aligned causal mask (``True`` = attend) for a block of the score matrix.
+
+    Args:
+        n_q: total number of queries (unused except as default block length).
+        n_k: total number of keys (unused except as default block length).
+        device: device of the mask.
+        q_start: index of the block's first query.
+        k_start: index of the block's first key.
+        q_len: queries in the block (default ``n_q - q_start``).
+        k_len: keys in the block (default ``n_k - k_start``).
+
+    Returns:
+        ``(q_len, k_len)`` boolean tensor, ``True`` where key index <= query index.
+    """
+    q_len = n_q - q_start if q_len is None else q_len
+    k_len = n_k - k_start if k_len is None else k_len
+    qi = torch.arange(q_start, q_start + q_len, device=device).unsqueeze(-1)
+    ki = torch.arange(k_start, k_start + k_len, device=device).unsqueeze(0)
+    return ki <= qi

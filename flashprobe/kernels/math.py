@@ -1,0 +1,83 @@
+"""The baseline: plain ``softmax(q kᵀ · scale) v``, every step in one dtype.
+
+Computed in float64 from the same inputs it is the **golden** value every deviation is measured
+against. It materialises the ``(B, H, N_q, N_k)`` score matrix, as unfused attention does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashprobe.kernels._inputs import check_inputs, default_scale, to_dtype
+from flashprobe.kernels.registry import register_kernel
+
+__all__ = ["golden_attention", "math_attention"]
+
+
+@register_kernel("math")
+def math_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dtype: str | torch.dtype | None = None,
+) -> torch.Tensor:
+    """Baseline attention ``softmax(q kᵀ · scale + mask) v`` (fully masked rows give 0).
+
+    Args:
+        q: ``(B, H, N_q, D)`` queries.
+        k: ``(B, H, N_k, D)`` keys.
+        v: ``(B, H, N_k, D_v)`` values.
+        attn_mask: bool (``True`` = attend) or additive mask, broadcastable to
+            ``(B, H, N_q, N_k)``.
+        is_causal: apply the top-left aligned causal mask.
+        scale: softmax scale, default ``1/sqrt(D)``.
+        dtype: compute every step in this dtype instead of the inputs' dtype; the result is cast
+            back to the inputs' dtype.
+
+    Returns:
+        ``(B, H, N_q, D_v)`` in the inputs' dtype.
+    """
+    check_inputs(q, k, v, attn_mask, is_causal, kernel="math")
+    out_dtype = q.dtype
+    compute = to_dtype(dtype) or q.dtype
+    q, k, v = q.to(compute), k.to(compute), v.to(compute)
+    s = default_scale(q.shape[-1], scale)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * s  # (B, H, N_q, N_k)
+    if is_causal:
+        n_q, n_k = q.shape[-2], k.shape[-2]
+        keep = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    elif attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.to(compute)
+    probs = torch.softmax(scores, dim=-1)
+    # Safe softmax, as torch SDPA: a row with every key masked (all -inf) gives 0, not NaN.
+    fully_masked = (scores == float("-inf")).all(dim=-1, keepdim=True)
+    probs = probs.masked_fill(fully_masked, 0.0)
+    return torch.matmul(probs, v).to(out_dtype)  # (B, H, N_q, D_v)
+
+
+def golden_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The golden value: the baseline computed in float64 from the same inputs.
+
+    Shapes as :func:`math_attention`; returns a float64 ``(B, H, N_q, D_v)`` tensor.
+    """
+    if attn_mask is not None and attn_mask.is_floating_point():
+        attn_mask = attn_mask.double()
+    return math_attention(
+        q.double(), k.double(), v.double(), attn_mask=attn_mask, is_causal=is_causal, scale=scale
+    )
