@@ -96,7 +96,26 @@ def finish_deviation(sums: dict[str, float]) -> Deviation:
 
 
 def error_ratio(primary_vs_golden: float, baseline_vs_golden: float) -> float:
-    """``primary_vs_golden / baseline_vs_golden``; 1 when both are 0, inf when only the baseline is exact."""
+    """The error ratio ``primary_vs_golden / baseline_vs_golden`` of two ``max_abs`` deviations.
+
+    Args:
+        primary_vs_golden: ``max_abs`` of the primary kernel against the golden value.
+        baseline_vs_golden: ``max_abs`` of the baseline against the golden value.
+
+    Returns:
+        The ratio; 1 when both are 0 (both exact), inf when only the baseline is exact, NaN when
+        either is NaN.
+
+    Raises:
+        ValueError: a deviation is negative (it is an absolute difference).
+    """
+    if primary_vs_golden < 0 or baseline_vs_golden < 0:
+        raise ValueError(
+            f"error_ratio: deviations are absolute differences and cannot be negative, got "
+            f"{primary_vs_golden} and {baseline_vs_golden}"
+        )
+    if math.isnan(primary_vs_golden) or math.isnan(baseline_vs_golden):
+        return math.nan
     if baseline_vs_golden == 0:
         return 1.0 if primary_vs_golden == 0 else math.inf
     return primary_vs_golden / baseline_vs_golden

@@ -148,12 +148,19 @@ def check_inputs(
             )
         target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         try:
-            torch.broadcast_shapes(attn_mask.shape, target)
+            fits = torch.broadcast_shapes(attn_mask.shape, target) == target
         except RuntimeError:
+            fits = False
+        if not fits:
             raise KernelInputError(
                 f"{kernel}: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
-                f"(B, H, N_q, N_k) = {target}"
-            ) from None
+                f"(B, H, N_q, N_k) = {target}; use size 1 (or omit leading dims) to broadcast"
+            )
+        if attn_mask.device != q.device:
+            raise KernelInputError(
+                f"{kernel}: attn_mask is on {attn_mask.device} but q, k, v are on {q.device}; "
+                "move it with attn_mask.to(q.device)"
+            )
         if is_causal:
             raise KernelInputError(
                 f"{kernel}: pass either attn_mask or is_causal=True, not both (as torch SDPA); "

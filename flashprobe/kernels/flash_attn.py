@@ -37,7 +37,8 @@ def _check(device: torch.device, dtype: torch.dtype) -> None:
     if device.type != "cuda":
         raise KernelUnavailableError(
             f"flash_attn: Dao-AILab flash-attn runs only on CUDA devices, not {device.type}; "
-            "on CPU use sdpa_flash (torch's fused flash kernel) or tiled"
+            "on CPU use sdpa_flash (torch's fused flash kernel) or tiled; on a CUDA machine "
+            "install the CUDA extra: pip install 'flashprobe[cuda]'"
         )
     if dtype not in (torch.float16, torch.bfloat16):
         raise KernelUnavailableError(
@@ -70,7 +71,8 @@ def flash_attn_attention(
         ``(B, H, N_q, D)`` in the inputs' dtype.
 
     Raises:
-        KernelUnavailableError: not on CUDA, wrong dtype, package missing, or a mask was given.
+        KernelUnavailableError: not on CUDA, wrong dtype, package missing, a mask was given,
+            D_v != D, or causal with N_q != N_k.
     """
     check_inputs(q, k, v, attn_mask, is_causal, kernel="flash_attn")
     _check(q.device, q.dtype)
@@ -78,6 +80,11 @@ def flash_attn_attention(
         raise KernelUnavailableError(
             "flash_attn: flash-attn's dense API takes no attn_mask; use is_causal, or a kernel "
             "with mask support (sdpa_flash, sdpa_efficient, tiled)"
+        )
+    if v.shape[-1] != q.shape[-1]:
+        raise KernelUnavailableError(
+            f"flash_attn: flash-attn needs v's head dim ({v.shape[-1]}) to equal q's ({q.shape[-1]}); "
+            "use sdpa_math or tiled for D_v != D"
         )
     if is_causal and q.shape[-2] != k.shape[-2]:
         raise KernelUnavailableError(

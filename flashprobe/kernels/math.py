@@ -14,7 +14,11 @@ from flashprobe.kernels.registry import register_kernel
 __all__ = ["golden_attention", "math_attention"]
 
 
-@register_kernel("math")
+def _validate(dtype: str | torch.dtype | None = None) -> None:
+    to_dtype(dtype)
+
+
+@register_kernel("math", validate=_validate)
 def math_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -57,6 +57,7 @@ class _Entry:
     description: str
     check: Callable[..., None] | None
     options: tuple[str, ...]
+    validate: Callable[..., None] | None = None
 
 
 _REGISTRY: dict[str, _Entry] = {}
@@ -68,6 +69,7 @@ def register_kernel(
     *,
     description: str = "",
     check: Callable[..., None] | None = None,
+    validate: Callable[..., None] | None = None,
     overwrite: bool = False,
 ) -> Any:
     """Register an attention kernel under ``name`` so specs can select it.
@@ -82,8 +84,11 @@ def register_kernel(
         name: the spec name, letters, digits and ``_`` only.
         fn: the kernel function (omit to use as a decorator).
         description: one line shown by ``flashprobe`` listings.
-        check: optional ``check(device, dtype, **options)`` that raises
-            :class:`KernelUnavailableError` when the kernel cannot run there.
+        check: optional ``check(device, dtype, /, **options)`` that raises
+            :class:`KernelUnavailableError` when the kernel cannot run there (make ``device`` and
+            ``dtype`` positional-only if the kernel has an option of that name).
+        validate: optional ``validate(**options)`` that raises ``ValueError`` for bad option
+            values; :func:`get_kernel` calls it so a bad spec fails when it is parsed.
         overwrite: replace an existing kernel of that name.
 
     Returns:
@@ -102,7 +107,7 @@ def register_kernel(
         base = {"q", "k", "v", "attn_mask", "is_causal", "scale"}
         options = tuple(p for p, prm in params.items() if p not in base and prm.kind == prm.KEYWORD_ONLY)
         doc = description or (inspect.getdoc(f) or "").split("\n")[0]
-        _REGISTRY[name] = _Entry(f, doc, check, options)
+        _REGISTRY[name] = _Entry(f, doc, check, options, validate)
         return f
 
     return decorate(fn) if fn is not None else decorate
@@ -148,6 +153,8 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
                     f"kernel spec {spec!r}: option {item!r} must look like key=value "
                     "(e.g. 'tiled:block_k=64,dtype=bf16')"
                 )
+            if key.strip() in options:
+                raise KernelSpecError(f"kernel spec {spec!r}: option {key.strip()!r} is given twice")
             options[key.strip()] = _parse_value(value)
     return name.strip(), options
 
@@ -202,7 +209,8 @@ def get_kernel(spec: str | Kernel) -> Kernel:
     """Resolve a spec string (or pass through a :class:`Kernel`).
 
     Raises:
-        KernelSpecError: unknown kernel name or option, naming the allowed ones.
+        KernelSpecError: unknown kernel name or option (naming the allowed ones), or an option
+            value the kernel rejects.
     """
     if isinstance(spec, Kernel):
         return spec
@@ -221,6 +229,11 @@ def get_kernel(spec: str | Kernel) -> Kernel:
         raise KernelSpecError(
             f"kernel {name!r} has no option {unknown[0]!r} (spec {spec!r}); its options: {allowed}"
         )
+    if entry.validate is not None:
+        try:
+            entry.validate(**options)
+        except ValueError as err:
+            raise KernelSpecError(f"kernel spec {spec!r}: {err}") from None
     return Kernel(name, options)
 
 

@@ -64,11 +64,12 @@ def sdpa_attention(
             f"{backend}: torch's {BACKENDS[backend].name} backend needs a CUDA device, inputs are "
             f"on {q.device.type}; on CPU use sdpa_flash or sdpa_math"
         )
+    # torch explains why a backend was not used only through warnings: record them for the error.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             with sdpa_kernel(BACKENDS[backend]):
-                return F.scaled_dot_product_attention(
+                out = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale
                 )
         except RuntimeError as err:
@@ -78,6 +79,9 @@ def sdpa_attention(
                 f"(q {tuple(q.shape)} {q.dtype} on {q.device}, mask "
                 f"{None if attn_mask is None else attn_mask.dtype}, causal={is_causal}): {reasons}"
             ) from None
+    for w in caught:  # a successful call's warnings reach the caller's filters unchanged
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return out
 
 
 def _check(backend: str, device: torch.device, dtype: torch.dtype) -> None:

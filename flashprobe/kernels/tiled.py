@@ -14,16 +14,20 @@ block_q, block_k Br and Bc, the tile's query and key sizes (default 64 and 128)
 sram             the paper's SRAM size M (elements): Bc = ceil(M / 4d), Br = min(Bc, d)
 swap_blocks      swap Br and Bc (paper Fig 6a)
 square           force square tiles Br = Bc = min(Br, Bc) (paper Fig 6b)
-loop             ``"kv"``: query blocks form one batch dimension, a single loop over key blocks
-                 (FlashAttention-2, the fast default); ``"q"``: an outer loop over query blocks
-                 (FlashAttention-1 order). Per row, both apply the same updates in the same order.
+loop             ``"kv"``: all query blocks form one batch dimension, a single loop over key
+                 blocks (FlashAttention-2, the fast default); ``"q"``: an outer loop over query
+                 blocks of ``block_q`` rows (FlashAttention-1 order). Per row both apply the same
+                 updates in the same order; results differ only where the matmul library rounds
+                 a slab of rows differently from all rows (fp32: last bit).
 dtype            dtype of the inputs and both matmuls (q kᵀ and p v); default: inputs' dtype
 stats_dtype      dtype of the running max, the exponentials and the running sum; default: dtype
 acc_dtype        dtype of the output accumulator; default: dtype
 mask_value       value written into masked logits *and* the initial running max. ``-inf``
                  (default) with exact handling of fully masked rows (they output 0); a finite
                  sentinel such as ``-5e4`` reproduces kernels that use one (FlashInfer, PR 4401):
-                 rows whose valid logits all lie below it silently output zeros.
+                 rows whose running max never rises above it, i.e. whose valid logits all lie
+                 below it, silently output zeros (FlashInfer: ``d_rcp = m != -inf ? 1/d : 0``).
+                 It must be finite in stats_dtype (-1e5 overflows fp16).
 ===============  ===========================================================================
 
 Peak memory is ``O(N_q · block_k)`` per (batch, head): one ``(B, H, rows, block_k)`` tile of
@@ -33,11 +37,12 @@ scores at a time. It is differentiable through autograd (the backward then store
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from flashprobe.kernels._inputs import check_inputs, default_scale, to_dtype
-from flashprobe.kernels.registry import register_kernel
+from flashprobe.kernels.registry import KernelUnavailableError, register_kernel
 
 __all__ = ["TileSizes", "tile_sizes", "tiled_attention"]
 
@@ -60,6 +65,21 @@ class TileSizes(tuple):
     @property
     def block_k(self) -> int:
         return self[1]
+
+
+def _positive_int(name: str, value: Any) -> int:
+    integral = (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and value.is_integer()
+    )
+    if not integral or value < 1:
+        raise ValueError(f"tiled: {name}={value!r} must be a positive integer")
+    return int(value)
+
+
+def _flag(name: str, value: Any) -> bool:
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise ValueError(f"tiled: {name}={value!r} must be true or false")
 
 
 def tile_sizes(
@@ -91,25 +111,83 @@ def tile_sizes(
     if sram is not None:
         if block_q is not None or block_k is not None:
             raise ValueError("tiled: give either sram=M or block_q/block_k, not both")
-        if int(sram) != sram or sram < 4 * head_dim:
+        m = _positive_int("sram", sram)
+        if m < 4 * head_dim:
             raise ValueError(f"tiled: sram={sram} must be an integer ≥ 4·d = {4 * head_dim}")
-        bc = math.ceil(int(sram) / (4 * head_dim))
-        br, bc = min(bc, head_dim), bc
+        bc = math.ceil(m / (4 * head_dim))
+        br = min(bc, head_dim)
     else:
-        br = DEFAULT_BLOCK_Q if block_q is None else block_q
-        bc = DEFAULT_BLOCK_K if block_k is None else block_k
-    for name, size in (("block_q", br), ("block_k", bc)):
-        if isinstance(size, bool) or int(size) != size or size < 1:
-            raise ValueError(f"tiled: {name}={size} must be a positive integer")
-    br, bc = int(br), int(bc)
-    if swap_blocks:
+        br = _positive_int("block_q", DEFAULT_BLOCK_Q if block_q is None else block_q)
+        bc = _positive_int("block_k", DEFAULT_BLOCK_K if block_k is None else block_k)
+    if _flag("swap_blocks", swap_blocks):
         br, bc = bc, br
-    if square:
+    if _flag("square", square):
         br = bc = min(br, bc)
     return TileSizes(br, bc)
 
 
-@register_kernel("tiled")
+def _validate(
+    block_q: int | None = None,
+    block_k: int | None = None,
+    sram: int | None = None,
+    swap_blocks: bool = False,
+    square: bool = False,
+    loop: str = "kv",
+    dtype: str | torch.dtype | None = None,
+    stats_dtype: str | torch.dtype | None = None,
+    acc_dtype: str | torch.dtype | None = None,
+    mask_value: float = float("-inf"),
+) -> None:
+    """Check option values that do not depend on the inputs (called when a spec is parsed)."""
+    tile_sizes(1, block_q=block_q, block_k=block_k, sram=sram, swap_blocks=swap_blocks, square=square)
+    if loop not in ("kv", "q"):
+        raise ValueError(f"tiled: loop={loop!r} must be 'kv' or 'q'")
+    for dt in (dtype, stats_dtype, acc_dtype):
+        to_dtype(dt)
+    _mask_value(mask_value)
+
+
+def _mask_value(value: Any) -> float:
+    try:
+        mask_value = float(value)
+    except (TypeError, ValueError):
+        mask_value = math.nan
+    if math.isnan(mask_value) or mask_value == float("inf"):
+        raise ValueError(f"tiled: mask_value={value!r} must be -inf or a finite number such as -5e4")
+    return mask_value
+
+
+def _dtypes(
+    input_dtype: torch.dtype,
+    dtype: str | torch.dtype | None,
+    stats_dtype: str | torch.dtype | None,
+    acc_dtype: str | torch.dtype | None,
+    mask_value: float,
+) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+    """Resolve (compute, stats, acc) dtypes and check the mask value fits the stats dtype."""
+    compute = to_dtype(dtype) or input_dtype
+    stats = to_dtype(stats_dtype) or compute
+    acc = to_dtype(acc_dtype) or compute
+    if math.isfinite(mask_value) and math.isinf(torch.tensor(mask_value, dtype=stats).item()):
+        raise ValueError(
+            f"tiled: mask_value={mask_value:g} overflows to -inf in the stats dtype {stats} "
+            f"(smallest finite: {torch.finfo(stats).min:g}); pick a smaller magnitude or "
+            "stats_dtype=fp32"
+        )
+    return compute, stats, acc
+
+
+def _check(device: torch.device, dtype: torch.dtype, /, **options: Any) -> None:
+    """``Kernel.check``: the options must resolve for inputs of ``dtype`` (any device works)."""
+    try:
+        _validate(**options)
+        mask_value = _mask_value(options.get("mask_value", float("-inf")))
+        _dtypes(dtype, options.get("dtype"), options.get("stats_dtype"), options.get("acc_dtype"), mask_value)
+    except ValueError as err:
+        raise KernelUnavailableError(f"{err} (inputs {dtype} on {device})") from None
+
+
+@register_kernel("tiled", check=_check, validate=_validate)
 def tiled_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -146,13 +224,14 @@ def tiled_attention(
 
     Returns:
         ``(B, H, N_q, D_v)`` in the inputs' dtype.
+
+    Raises:
+        KernelInputError: malformed inputs.
+        ValueError: a bad option value.
     """
     check_inputs(q, k, v, attn_mask, is_causal, kernel="tiled")
-    if loop not in ("kv", "q"):
-        raise ValueError(f"tiled: loop={loop!r} must be 'kv' or 'q'")
-    mask_value = float(mask_value)
-    if math.isnan(mask_value) or mask_value == float("inf"):
-        raise ValueError(f"tiled: mask_value={mask_value} must be -inf or a finite number")
+    _validate(block_q, block_k, sram, swap_blocks, square, loop, dtype, stats_dtype, acc_dtype, mask_value)
+    mask_value = _mask_value(mask_value)
     br, bc = tile_sizes(
         q.shape[-1],
         block_q=block_q,
@@ -161,9 +240,7 @@ def tiled_attention(
         swap_blocks=swap_blocks,
         square=square,
     )
-    compute = to_dtype(dtype) or q.dtype
-    stats = to_dtype(stats_dtype) or compute
-    acc = to_dtype(acc_dtype) or compute
+    compute, stats, acc = _dtypes(q.dtype, dtype, stats_dtype, acc_dtype, mask_value)
     s = default_scale(q.shape[-1], scale)
     n_q, n_k = q.shape[-2], k.shape[-2]
     if attn_mask is not None:
@@ -208,6 +285,10 @@ def _attend_rows(
 ) -> torch.Tensor:
     """Online softmax of one slab of query rows over all key tiles.
 
+    The running max only shifts the exponent and cancels between numerator and denominator, so
+    it is computed from detached scores: autograd then differentiates only ``exp``, the sums and
+    the matmuls. Tile-sized temporaries are updated in place (same values, fewer allocations).
+
     Args:
         q: ``(B, H, R, D)`` query rows ``row_offset … row_offset+R-1``, in the compute dtype.
         k: ``(B, H, N_k, D)`` keys; v: ``(B, H, N_k, D_v)`` values (compute dtype).
@@ -220,38 +301,41 @@ def _attend_rows(
     n_k, d_v = k.shape[-2], v.shape[-1]
     exact = mask_value == float("-inf")
     m = torch.full((b, h, r, 1), mask_value, dtype=stats, device=q.device)  # running max
+    m_init = torch.tensor(mask_value, dtype=stats).item()  # the mask value as stored (host-side)
     l = torch.zeros((b, h, r, 1), dtype=stats, device=q.device)  # running sum  # noqa: E741
     o = torch.zeros((b, h, r, d_v), dtype=acc, device=q.device)  # unnormalised output
     last_row = row_offset + r - 1
+    row_index = torch.arange(row_offset, row_offset + r, device=q.device).unsqueeze(-1)  # (R, 1)
     for j0 in range(0, n_k, block_k):
         if causal and j0 > last_row:
             break  # every later key tile lies above the diagonal for all these rows
         j1 = min(j0 + block_k, n_k)
-        kt = k[:, :, j0:j1]
-        scores = (torch.matmul(q, kt.transpose(-2, -1)) * scale).to(stats)  # (B, H, R, Bc)
+        scores = torch.matmul(q, k[:, :, j0:j1].transpose(-2, -1))  # (B, H, R, Bc)
+        scores = scores.mul_(scale).to(stats)
         if causal:
-            keep = torch.arange(j0, j1, device=q.device) <= torch.arange(
-                row_offset, row_offset + r, device=q.device
-            ).unsqueeze(-1)
-            scores = scores.masked_fill(~keep, mask_value)
+            if j1 - 1 > row_offset:  # the tile crosses the diagonal
+                scores.masked_fill_(torch.arange(j0, j1, device=q.device) > row_index, mask_value)
         elif mask is not None:
             tile = mask[..., j0:j1]
             if tile.dtype == torch.bool:
-                scores = scores.masked_fill(~tile, mask_value)
+                scores.masked_fill_(~tile, mask_value)
             else:
-                scores = scores + tile.to(stats)
+                scores.add_(tile.to(stats))
                 if not exact:  # a sentinel kernel stores its sentinel, never -inf
-                    scores = scores.clamp_min(mask_value)
-        m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
+                    scores.masked_fill_(scores == float("-inf"), mask_value)
+        m_new = torch.maximum(m, scores.detach().amax(dim=-1, keepdim=True))
         # With -inf masking a row may have seen only masked keys so far: subtract 0, not -inf,
         # so exp() gives exactly 0 for masked logits instead of NaN.
         m_ref = m_new.masked_fill(m_new == float("-inf"), 0.0) if exact else m_new
-        p = torch.exp(scores - m_ref)  # (B, H, R, Bc)
+        p = scores.sub_(m_ref).exp_()  # (B, H, R, Bc)
         alpha = torch.exp(m - m_ref)  # rescaling of everything accumulated so far
         l = alpha * l + p.sum(dim=-1, keepdim=True)  # noqa: E741
         pv = torch.matmul(p.to(v.dtype), v[:, :, j0:j1])  # (B, H, R, D_v)
-        o = alpha.to(acc) * o + pv.to(acc)
+        o = o.mul_(alpha.to(acc)).add_(pv.to(acc))
         m = m_new
-    # Rows that saw no valid key (l == 0) output 0, as torch SDPA does.
-    safe_l = l.masked_fill(l == 0, 1.0).to(acc)
-    return o / safe_l
+    # Rows whose running max never rose above the mask value output 0. With -inf these are the
+    # fully masked rows (torch SDPA's safe softmax); with a finite sentinel they also include rows
+    # whose valid logits all lie below it, as in FlashInfer (`d_rcp = m != -inf ? 1/d : 0`).
+    dead = m == m_init
+    out = o / l.masked_fill(dead, 1.0).to(acc)
+    return out.masked_fill(dead, 0.0)
