@@ -1,0 +1,190 @@
+"""``flashprobe bench wasserstein``: our torch Wasserstein-1 distance against scipy's, side by side.
+
+For each size ``n`` and case, draws float64 samples from a seed and times, interleaved in one run,
+:func:`scipy.stats.wasserstein_distance` and :func:`flashprobe.weights.wasserstein_distance`
+(median of ``--repeats``), and reports their relative difference. Cases:
+
+* ``equal``: ``n`` vs ``n`` unweighted values (the case of two runs' weight tensors);
+* ``unequal``: ``n`` vs ``3n/4`` values (the merged-CDF path);
+* ``weighted``: ``n`` vs ``n`` values with random weights.
+
+Each row also times one sort of ``n`` float64 values with numpy and with torch, because CPU sort
+speed differs several-fold between the two libraries and explains most of the result.
+
+Writes ``DIR/wasserstein.json`` and ``DIR/wasserstein.csv`` and prints a table. On a CPU shared with
+other busy processes, torch's multi-threaded elementwise kernels can stall waiting for a descheduled
+thread; ``--threads 1`` shows the single-threaded figure (scipy and numpy are single-threaded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import scipy.stats
+import torch
+
+from flashprobe.bench.common import (
+    BenchArgumentError,
+    format_table,
+    run_cli,
+    write_results,
+)
+from flashprobe.weights.distances import wasserstein_distance
+
+__all__ = ["CASES", "bench_case", "main"]
+
+CASES = ("equal", "unequal", "weighted")
+
+_COLUMNS = (
+    ("case", "case"),
+    ("n", "n"),
+    ("m", "m"),
+    ("device", "device"),
+    ("scipy_ms", "scipy_ms"),
+    ("torch_ms", "torch_ms"),
+    ("speedup", "speedup"),
+    ("rel_diff", "rel_diff"),
+    ("sort_numpy_ms", "np.sort_ms"),
+    ("sort_torch_ms", "torch.sort_ms"),
+)
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1e3, out
+
+
+def bench_case(case: str, n: int, *, repeats: int, seed: int, device: torch.device) -> dict[str, Any]:
+    """Time scipy and torch on one case; returns one result row (times in ms, medians)."""
+    if case not in CASES:
+        raise BenchArgumentError(f"unknown case {case!r}; use one of: {', '.join(CASES)}")
+    rng = np.random.default_rng(seed)
+    m = n if case != "unequal" else max(1, 3 * n // 4)
+    u = rng.standard_normal(n)
+    v = rng.standard_normal(m) * 1.02 + 0.01
+    uw = rng.random(n) if case == "weighted" else None
+    vw = rng.random(m) if case == "weighted" else None
+    tu, tv = torch.from_numpy(u).to(device), torch.from_numpy(v).to(device)
+    tuw = None if uw is None else torch.from_numpy(uw).to(device)
+    tvw = None if vw is None else torch.from_numpy(vw).to(device)
+
+    scipy_ms, torch_ms = [], []
+    expected = got = 0.0
+    wasserstein_distance(tu[:1000], tv[:1000])  # warm-up (lazy imports, allocator)
+    for _ in range(repeats):  # interleaved so both see the same machine load
+        t, expected = _timed(lambda: scipy.stats.wasserstein_distance(u, v, uw, vw), torch.device("cpu"))
+        scipy_ms.append(t)
+        t, got = _timed(lambda: wasserstein_distance(tu, tv, tuw, tvw), device)
+        torch_ms.append(t)
+    sort_np, _ = _timed(lambda: np.sort(u), torch.device("cpu"))
+    sort_torch, _ = _timed(lambda: torch.sort(tu), device)
+    scipy_med, torch_med = statistics.median(scipy_ms), statistics.median(torch_ms)
+    return {
+        "case": case,
+        "n": n,
+        "m": m,
+        "weighted": case == "weighted",
+        "device": str(device),
+        "scipy_ms": scipy_med,
+        "torch_ms": torch_med,
+        "speedup": scipy_med / torch_med,
+        "rel_diff": abs(got - expected) / abs(expected) if expected else abs(got - expected),
+        "scipy_value": expected,
+        "torch_value": got,
+        "scipy_ms_all": scipy_ms,
+        "torch_ms_all": torch_ms,
+        "sort_numpy_ms": sort_np,
+        "sort_torch_ms": sort_torch,
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flashprobe bench wasserstein",
+        description="Time flashprobe's torch Wasserstein-1 distance against scipy.stats.wasserstein_distance "
+        "on float64 samples and check they agree.",
+    )
+    parser.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=[4_000_000],
+        metavar="N",
+        help="sample sizes (default 4000000)",
+    )
+    parser.add_argument(
+        "--cases", nargs="+", default=list(CASES), metavar="CASE", help=f"cases (default: {' '.join(CASES)})"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per method (median; default 3)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the samples (default 0)")
+    parser.add_argument("--device", default="cpu", help="device of the torch tensors (default cpu)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op CPU threads (torch.set_num_threads); default: torch's own choice",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("out") / "wasserstein",
+        metavar="DIR",
+        help="output directory for wasserstein.json and wasserstein.csv (default out/wasserstein)",
+    )
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.repeats < 1:
+        raise BenchArgumentError(f"--repeats must be >= 1, got {args.repeats}")
+    bad = [n for n in args.sizes if n < 1]
+    if bad:
+        raise BenchArgumentError(f"--sizes must be positive, got {bad}")
+    unknown = [c for c in args.cases if c not in CASES]
+    if unknown:
+        raise BenchArgumentError(f"unknown case(s) {unknown}; use: {', '.join(CASES)}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as err:
+        raise BenchArgumentError(f"bad --device {args.device!r}: {err}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BenchArgumentError("--device cuda given but CUDA is not available; use --device cpu")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise BenchArgumentError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    rows = [
+        bench_case(case, n, repeats=args.repeats, seed=args.seed, device=device)
+        for n in args.sizes
+        for case in args.cases
+    ]
+    paths = write_results(
+        args.out,
+        "wasserstein",
+        rows,
+        meta={
+            "repeats": args.repeats,
+            "seed": args.seed,
+            "dtype": "float64",
+            "torch_threads": torch.get_num_threads(),
+        },
+    )
+    print(format_table(rows, _COLUMNS))
+    print(f"wrote {paths['json']} and {paths['csv']}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``flashprobe bench wasserstein``."""
+    return run_cli("wasserstein", _parser(), _run, argv)

@@ -1,0 +1,320 @@
+"""Lightning callback that saves the model's weights at chosen training steps.
+
+Snapshots go to ``RUN_DIR/snapshots/step_XXXXXXX.safetensors`` with a JSON manifest (see
+:mod:`flashprobe.weights.store` for the layout); :class:`flashprobe.weights.SnapshotStore` reads
+them back and ``flashprobe compare`` compares the snapshots of several runs.
+
+Which steps: ``step`` is ``trainer.global_step`` just after the optimizer step, so the snapshot at
+step 100 holds the weights after 100 optimizer updates. A step is saved when it is a multiple of
+``every_n_steps`` or listed in ``steps``; step 0 (the initial weights, at ``on_train_start``) and
+the last step (at ``on_train_end``) are saved unless turned off.
+
+Distributed training: the decision to save depends only on the step, so every rank takes it alike.
+Under DDP (replicated weights) rank zero copies its own parameters; under FSDP (Lightning's
+``FSDPStrategy``, or ``ModelParallelStrategy`` / ``fully_shard``) every rank takes part in
+gathering the full, unsharded state dict with torch's
+``torch.distributed.checkpoint.state_dict.get_model_state_dict(full_state_dict=True,
+cpu_offload=True)``, which leaves the full tensors on rank zero's CPU only. Only rank zero writes
+files. The gathered copy costs one model's worth of CPU memory on rank zero during a save.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from flashprobe.weights.store import SnapshotWriter, TensorSpec
+
+__all__ = ["WeightSnapshot"]
+
+log = logging.getLogger(__name__)
+
+# Prefixes that wrappers (FSDP1, activation checkpointing, torch.compile) insert into module paths.
+_WRAPPER_PREFIX = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.")
+
+
+def _clean_name(name: str) -> str:
+    return _WRAPPER_PREFIX.sub("", name)
+
+
+def _to_json_config(config: Any) -> dict[str, Any]:
+    """A JSON-serialisable plain dict from a dict, a dataclass or an OmegaConf config."""
+    if config is None:
+        return {}
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(config, DictConfig):
+            config = OmegaConf.to_container(config, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        pass
+    if hasattr(config, "__dataclass_fields__"):
+        from dataclasses import asdict
+
+        config = asdict(config)
+    if not isinstance(config, Mapping):
+        raise TypeError(
+            f"config must be a mapping (dict, dataclass or OmegaConf DictConfig), got {type(config)}"
+        )
+    try:
+        return json.loads(json.dumps(dict(config)))
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"config must be JSON-serialisable for the snapshot manifest: {err}") from err
+
+
+class WeightSnapshot(Callback):
+    """Save the model's weights at configured steps into ``RUN_DIR/snapshots``.
+
+    Args:
+        dirpath: the run directory; snapshots go to ``dirpath/snapshots``. Default:
+            ``trainer.log_dir`` (the logger's version directory), else ``trainer.default_root_dir``.
+        every_n_steps: save every ``n`` optimizer steps (steps ``n, 2n, ...``); ``None`` for none.
+        steps: explicit steps to save, in addition to ``every_n_steps``.
+        save_initial: save the initial weights as step 0 when training starts from scratch.
+        save_last: always save the weights at the end of training (the last step).
+        include_buffers: also save the model's persistent buffers (e.g. norm running statistics).
+        trainable_only: save only parameters with ``requires_grad=True`` (skip frozen encoders).
+        run_id: recorded in the manifest; default: the name of the run directory.
+        seed: recorded in the manifest; default: ``PL_GLOBAL_SEED`` as set by ``pl.seed_everything``.
+        attention: the attention kernel spec, recorded in the manifest; default: the LightningModule's
+            ``hparams["attention"]`` if it has one.
+        precision: recorded in the manifest; default: ``trainer.precision`` (e.g. ``bf16-mixed``).
+        config: any JSON-serialisable mapping (a dict, dataclass or OmegaConf config) recorded in the
+            manifest, typically the run's full configuration.
+
+    Raises:
+        ValueError: an argument is out of range, or nothing would ever be saved.
+        TypeError: ``config`` cannot be stored as JSON.
+
+    Weights are saved detached, on CPU, in their training dtype: under mixed precision
+    (``16-mixed``/``bf16-mixed``) these are the float32 master weights; under ``bf16-true`` they are
+    bfloat16. Writes are atomic (see :mod:`flashprobe.weights.store`). Resuming from a checkpoint
+    restores the list of saved steps (:meth:`state_dict`), so no step is written twice; snapshots on
+    disk from steps after the resumed checkpoint belong to an abandoned timeline and are removed
+    (with a warning) before training continues, then written again as training reaches them.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str] | None = None,
+        *,
+        every_n_steps: int | None = None,
+        steps: Iterable[int] | None = None,
+        save_initial: bool = True,
+        save_last: bool = True,
+        include_buffers: bool = False,
+        trainable_only: bool = False,
+        run_id: str | None = None,
+        seed: int | None = None,
+        attention: str | None = None,
+        precision: str | None = None,
+        config: Any = None,
+    ) -> None:
+        if every_n_steps is not None and (
+            isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1
+        ):
+            raise ValueError(f"every_n_steps must be a positive int or None, got {every_n_steps!r}")
+        step_list = sorted(set(steps or ()))
+        bad = [s for s in step_list if isinstance(s, bool) or not isinstance(s, int) or s < 0]
+        if bad:
+            raise ValueError(f"steps must be non-negative ints, got {bad}")
+        if every_n_steps is None and not step_list and not save_initial and not save_last:
+            raise ValueError(
+                "WeightSnapshot would save nothing: "
+                "set every_n_steps, steps, save_initial=True or save_last=True"
+            )
+        self.dirpath = Path(dirpath) if dirpath is not None else None
+        self.every_n_steps = every_n_steps
+        self.steps = tuple(step_list)
+        self.save_initial = save_initial
+        self.save_last = save_last
+        self.include_buffers = include_buffers
+        self.trainable_only = trainable_only
+        self.run_id = None if run_id is None else str(run_id)
+        self.seed = None if seed is None else int(seed)
+        self.attention = None if attention is None else str(attention)
+        self.precision = None if precision is None else str(precision)
+        self.config = _to_json_config(config)
+        self._saved: set[int] = set()
+        self._restored_run_id: str | None = None
+        self._run_dir: Path | None = None
+        self._writer: SnapshotWriter | None = None
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_steps=self.every_n_steps, steps=self.steps)
+
+    @property
+    def saved_steps(self) -> list[int]:
+        """Steps saved by this run so far (including those restored from a checkpoint), ascending."""
+        return sorted(self._saved)
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The run directory, known once ``fit`` has started."""
+        return self._run_dir
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` is one of the configured snapshot steps (ignores initial/last)."""
+        return (self.every_n_steps is not None and step % self.every_n_steps == 0 and step > 0) or (
+            step in self.steps
+        )
+
+    # ---------------------------------------------------------------- hooks
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        run_dir = (
+            self.dirpath if self.dirpath is not None else Path(trainer.log_dir or trainer.default_root_dir)
+        )
+        self._run_dir = Path(trainer.strategy.broadcast(str(run_dir)))
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        step = trainer.global_step
+        self._saved = {s for s in self._saved if s <= step}
+        if trainer.is_global_zero:
+            self._writer = SnapshotWriter(self._run_dir, self._header(trainer, pl_module))
+            dropped = self._writer.prune_after(step)
+            if dropped:
+                rank_zero_warn(
+                    f"WeightSnapshot: removed snapshots of steps {dropped} from {self._writer.directory}: "
+                    f"they are later than the step training starts from ({step}), so they belong to an "
+                    "abandoned run; they are written again as training reaches them"
+                )
+            lost = sorted(self._saved - set(self._writer.steps))
+            if lost:
+                rank_zero_warn(
+                    f"WeightSnapshot: the checkpoint says steps {lost} were saved, but "
+                    f"{self._writer.directory} does not list them (was the run directory changed or "
+                    "cleaned?); they cannot be recreated"
+                )
+        if self.save_initial and step == 0 and 0 not in self._saved:
+            self._save(trainer, pl_module, 0)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step not in self._saved and self.should_save(step):
+            self._save(trainer, pl_module, step)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        step = trainer.global_step
+        if self.save_last and step not in self._saved:
+            self._save(trainer, pl_module, step)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "saved_steps": sorted(self._saved),
+            "run_id": self._resolved_run_id(),
+            "dirpath": None if self._run_dir is None else str(self._run_dir),
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._saved = {int(s) for s in state_dict.get("saved_steps", [])}
+        self._restored_run_id = state_dict.get("run_id")
+
+    # ---------------------------------------------------------------- saving
+
+    def _resolved_run_id(self) -> str | None:
+        if self.run_id is not None:
+            return self.run_id
+        if self._restored_run_id is not None:
+            return self._restored_run_id
+        return None if self._run_dir is None else self._run_dir.name
+
+    def _header(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        seed = self.seed
+        if seed is None and os.environ.get("PL_GLOBAL_SEED", "").lstrip("-").isdigit():
+            seed = int(os.environ["PL_GLOBAL_SEED"])
+        attention = self.attention
+        if attention is None:
+            hparams = getattr(pl_module, "hparams", {})
+            if isinstance(hparams, Mapping) and hparams.get("attention") is not None:
+                attention = str(hparams["attention"])
+        return {
+            "run_id": self._resolved_run_id(),
+            "seed": seed,
+            "attention": attention,
+            "precision": self.precision if self.precision is not None else str(trainer.precision),
+            "config": self.config,
+        }
+
+    def _save(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+        tensors, specs = self._collect(trainer, pl_module)
+        if trainer.is_global_zero:
+            assert self._writer is not None and tensors is not None
+            path = self._writer.write(step, tensors, specs, epoch=trainer.current_epoch)
+            log.info("WeightSnapshot: saved step %d to %s", step, path)
+        self._saved.add(step)
+
+    def _collect(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule
+    ) -> tuple[dict[str, torch.Tensor] | None, list[TensorSpec]]:
+        """CPU copies of the tensors to save (rank zero; ``None`` elsewhere) and their specs.
+
+        Every rank must call this: under FSDP the full state dict is gathered collectively.
+        """
+        params = {_clean_name(n): p for n, p in pl_module.named_parameters()}
+        if self.trainable_only:
+            params = {n: p for n, p in params.items() if p.requires_grad}
+        buffers: dict[str, torch.Tensor] = {}
+        if self.include_buffers:
+            persistent = {_clean_name(k) for k in pl_module.state_dict(keep_vars=True)}
+            buffers = {
+                _clean_name(n): b for n, b in pl_module.named_buffers() if _clean_name(n) in persistent
+            }
+        kinds = {**{n: "parameter" for n in params}, **{n: "buffer" for n in buffers}}
+        if _is_sharded(trainer, pl_module):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            module = trainer.strategy.model if trainer.strategy.model is not None else pl_module
+            full = get_model_state_dict(
+                module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+            if not trainer.is_global_zero:
+                return None, []
+            full = {_clean_name(k): v for k, v in full.items()}
+            missing = [n for n in kinds if n not in full]
+            if missing:
+                raise RuntimeError(
+                    f"WeightSnapshot: the gathered FSDP state dict has no entry for {missing[0]!r} "
+                    f"(keys: {list(full)[:5]}...); please report this with your strategy settings"
+                )
+            tensors = {n: full[n].detach().to("cpu", copy=True).contiguous() for n in kinds}
+        else:
+            if not trainer.is_global_zero:
+                return None, []
+            live = {**params, **buffers}
+            tensors = {n: live[n].detach().to("cpu", copy=True).contiguous() for n in kinds}
+        return tensors, [TensorSpec.of(n, t, kinds[n]) for n, t in tensors.items()]
+
+
+def _is_sharded(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+    """Whether the weights are sharded across ranks (FSDP1 via Lightning, or FSDP2/DTensor)."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    if isinstance(trainer.strategy, FSDPStrategy | ModelParallelStrategy):
+        return True
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in pl_module.parameters())

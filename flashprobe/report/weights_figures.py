@@ -1,0 +1,150 @@
+"""Figures of weight deviation over training (paper §V, Figs 7 and 8).
+
+Both functions draw from the columnar pair records of ``study.json`` (written by
+``flashprobe compare``): ``{"steps": [...], "model": {"wasserstein": [...], "max_abs": [...]},
+"runs": {...}}``, so figures can be redrawn from that file without the snapshots.
+
+* Fig 7 (:func:`plot_pair_over_steps`): one pair (flash vs baseline), max difference and Wasserstein
+  distance of the whole model over steps, side by side.
+* Fig 8 (:func:`plot_wasserstein_curves`): the whole-model Wasserstein curves of every pair on one
+  log-scale plot (flash vs baseline against the identical-run, other-seed and low-precision bounds).
+
+Fig 8 has a log axis; Fig 7 uses one when a curve spans more than two decades. Zero distances
+(bit-identical weights, e.g. at step 0 of runs with one seed) cannot be drawn on a log axis: those
+points are left out (a note under the plot says so), and a pair that is zero at every step says so
+in the legend.
+Files are written atomically with matplotlib's Agg renderer (no pyplot, no display needed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+__all__ = [
+    "pair_over_steps_figure",
+    "plot_pair_over_steps",
+    "plot_wasserstein_curves",
+    "wasserstein_curves_figure",
+]
+
+_ZERO_NOTE = "zero distances (identical weights) are not drawn on the log axis"
+
+
+def _positive(steps: Sequence[int], values: Sequence[float | None]) -> tuple[list[int], list[float]]:
+    pts = [(s, v) for s, v in zip(steps, values, strict=True) if v is not None and v > 0]
+    return [s for s, _ in pts], [v for _, v in pts]
+
+
+def _all_zero(values: Sequence[float | None]) -> bool:
+    return bool(values) and all(v == 0 for v in values)
+
+
+def _describe(pair: Mapping[str, Any]) -> str:
+    runs = pair.get("runs") or {}
+    a, b = runs.get("a") or {}, runs.get("b") or {}
+    keys = ("attention", "precision", "seed")
+    diff = [f"{k} {a.get(k)} vs {b.get(k)}" for k in keys if a.get(k) != b.get(k)]
+    return ", ".join(diff) if diff else "same attention, precision and seed"
+
+
+def _save(fig: Figure, path: str | os.PathLike[str]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", dpi=120, bbox_inches="tight")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return path
+
+
+def _curve(
+    ax: Axes, steps: Sequence[int], values: Sequence[float | None], label: str, *, log: bool, **style: Any
+) -> None:
+    if log:
+        xs, ys = _positive(steps, values)
+        if _all_zero(values):
+            label += " (0 at every step)"
+    else:
+        xs, ys = zip(*[(s, v) for s, v in zip(steps, values, strict=True) if v is not None], strict=True)
+    ax.plot(xs, ys, marker="o", markersize=3, label=label, **style)
+
+
+def _wide_range(values: Sequence[float | None]) -> bool:
+    """Whether the positive values span more than two decades (then a log axis reads better)."""
+    positive = [v for v in values if v is not None and v > 0]
+    return bool(positive) and max(positive) > 100 * min(positive)
+
+
+def pair_over_steps_figure(name: str, pair: Mapping[str, Any]) -> Figure:
+    """Fig 7: max difference and Wasserstein distance of one pair over training steps.
+
+    Args:
+        name: the pair's name (title).
+        pair: the pair's record from ``study.json`` (needs ``steps`` and ``model``).
+
+    Returns:
+        A matplotlib figure (not attached to pyplot).
+    """
+    steps, model = pair["steps"], pair["model"]
+    fig = Figure(figsize=(10, 4), layout="constrained")
+    axes = fig.subplots(1, 2)
+    panels = (("max_abs", "max |W_a − W_b|", "C3"), ("wasserstein", "Wasserstein-1 distance", "C0"))
+    for ax, (key, label, color) in zip(axes, panels, strict=True):
+        log = _wide_range(model[key])
+        _curve(ax, steps, model[key], label, log=log, color=color)
+        if log:
+            ax.set_yscale("log")
+            ax.text(0.5, -0.2, _ZERO_NOTE, transform=ax.transAxes, ha="center", fontsize=7, color="0.4")
+        else:
+            ax.set_ylim(bottom=0)
+        ax.set_xlabel("training step")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(loc="best", fontsize=8)
+    fig.suptitle(f"Fig 7: weight deviation over training, {name} ({_describe(pair)})", fontsize=10)
+    return fig
+
+
+def wasserstein_curves_figure(pairs: Mapping[str, Mapping[str, Any]]) -> Figure:
+    """Fig 8: the whole-model Wasserstein distance of every pair over training steps, log scale.
+
+    Args:
+        pairs: pair name → its record from ``study.json``.
+
+    Returns:
+        A matplotlib figure (not attached to pyplot).
+    """
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
+    for i, (name, pair) in enumerate(pairs.items()):
+        style = {"linewidth": 2.5} if "flash" in name.lower() else {"linewidth": 1.3}
+        _curve(ax, pair["steps"], pair["model"]["wasserstein"], name, log=True, color=f"C{i % 10}", **style)
+    ax.set_yscale("log")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("Wasserstein-1 distance of all weights")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    ax.set_title("Fig 8: weight deviation of each comparison over training", fontsize=10)
+    fig.text(0.5, -0.02, _ZERO_NOTE, ha="center", fontsize=7, color="0.4")
+    return fig
+
+
+def plot_pair_over_steps(name: str, pair: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Draw Fig 7 (:func:`pair_over_steps_figure`) and save it atomically to ``path``; returns ``path``."""
+    return _save(pair_over_steps_figure(name, pair), path)
+
+
+def plot_wasserstein_curves(pairs: Mapping[str, Mapping[str, Any]], path: str | os.PathLike[str]) -> Path:
+    """Draw Fig 8 (:func:`wasserstein_curves_figure`) and save it atomically to ``path``; returns ``path``."""
+    return _save(wasserstein_curves_figure(pairs), path)

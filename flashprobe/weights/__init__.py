@@ -1,0 +1,38 @@
+"""Weight-deviation bounds (paper §V): snapshots, distances and run comparison.
+
+* :mod:`~flashprobe.weights.store`: the on-disk snapshot layout (``RUN_DIR/snapshots/``, safetensors
+  files plus a JSON manifest, atomic writes) and :class:`SnapshotStore`, a lazy reader.
+* :mod:`~flashprobe.weights.distances`: :func:`wasserstein_distance` (exactly scipy's 1-D
+  Wasserstein-1, in torch) and :func:`max_abs_diff`.
+* :mod:`~flashprobe.weights.compare`: :func:`compare_runs` / ``flashprobe compare``, distances per
+  tensor, module group and whole model at every common step of two or more runs.
+
+Snapshots are written during training by :class:`flashprobe.callbacks.WeightSnapshot`.
+"""
+
+from flashprobe.weights.compare import (
+    Comparison,
+    Distances,
+    PairComparison,
+    SnapshotMismatchError,
+    compare_pair,
+    compare_runs,
+    group_of,
+)
+from flashprobe.weights.distances import max_abs_diff, wasserstein_distance
+from flashprobe.weights.store import SnapshotError, SnapshotStore, TensorSpec
+
+__all__ = [
+    "Comparison",
+    "Distances",
+    "PairComparison",
+    "SnapshotError",
+    "SnapshotMismatchError",
+    "SnapshotStore",
+    "TensorSpec",
+    "compare_pair",
+    "compare_runs",
+    "group_of",
+    "max_abs_diff",
+    "wasserstein_distance",
+]

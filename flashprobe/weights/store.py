@@ -1,0 +1,347 @@
+"""Weight snapshots on disk: the layout, atomic writes, and a lazy reader.
+
+A run directory holds its snapshots as::
+
+    RUN_DIR/snapshots/manifest.json
+    RUN_DIR/snapshots/step_0000100.safetensors      one file per saved step
+
+``manifest.json`` (format ``flashprobe.snapshots/1``)::
+
+    {"format": "flashprobe.snapshots/1", "run_id": "...", "seed": 0, "attention": "math",
+     "precision": "32-true", "config": {...},
+     "tensors": [{"name": "blocks.0.attn.qkv.weight", "shape": [96, 32], "dtype": "float32",
+                  "kind": "parameter"}, ...],
+     "snapshots": [{"step": 100, "file": "step_0000100.safetensors", "bytes": 123456,
+                    "epoch": 0, "saved_at": "2025-01-01T00:00:00Z"}, ...]}
+
+Writes are atomic: a snapshot is written to a hidden temporary file in the same directory, flushed
+to disk and renamed over its final name (``os.replace``); the manifest is rewritten the same way,
+and only after the snapshot file is complete. A process killed at any moment therefore leaves a
+manifest whose every listed snapshot is complete and readable (at worst a stray ``.*.tmp`` file,
+removed by the next writer).
+
+:class:`SnapshotStore` reads lazily: listing steps and tensor specs touches only the manifest, and
+:meth:`SnapshotStore.tensor` / :meth:`SnapshotStore.iter_tensors` memory-map one ``safetensors``
+file and materialise one tensor at a time, so runs far larger than memory can be compared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+__all__ = [
+    "MANIFEST_NAME",
+    "SNAPSHOT_DIRNAME",
+    "SNAPSHOT_FORMAT",
+    "SnapshotError",
+    "SnapshotStore",
+    "SnapshotWriter",
+    "TensorSpec",
+    "atomic_write_text",
+    "snapshot_filename",
+]
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_FORMAT = "flashprobe.snapshots/1"
+SNAPSHOT_DIRNAME = "snapshots"
+MANIFEST_NAME = "manifest.json"
+_TMP_SUFFIX = ".tmp"
+
+
+class SnapshotError(ValueError):
+    """A snapshot directory or manifest is missing, malformed or inconsistent."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, shape and dtype of one saved tensor.
+
+    Attributes:
+        name: the module path of the tensor, e.g. ``blocks.0.attn.qkv.weight``.
+        shape: its shape.
+        dtype: its dtype without the ``torch.`` prefix (``float32``, ``bfloat16``, ...).
+        kind: ``parameter`` or ``buffer``.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    kind: str = "parameter"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "kind": self.kind}
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor, kind: str = "parameter") -> TensorSpec:
+        return cls(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), kind)
+
+
+def snapshot_filename(step: int) -> str:
+    """File name of the snapshot at ``step``: ``step_0000100.safetensors`` (7 digits, more if needed)."""
+    if step < 0:
+        raise ValueError(f"snapshot step must be >= 0, got {step}")
+    return f"step_{step:07d}.safetensors"
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` atomically: temporary file in the same directory, fsync, rename."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}{_TMP_SUFFIX}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def _snapshot_dir(run_dir: str | os.PathLike[str]) -> Path:
+    """``RUN_DIR/snapshots``, or ``run_dir`` itself when it already holds a manifest."""
+    run_dir = Path(run_dir)
+    if (run_dir / MANIFEST_NAME).is_file() and not (run_dir / SNAPSHOT_DIRNAME).is_dir():
+        return run_dir
+    return run_dir / SNAPSHOT_DIRNAME
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class SnapshotWriter:
+    """Writes snapshots and the manifest of one run directory (use from rank zero only).
+
+    Args:
+        run_dir: the run directory; files go to ``run_dir/snapshots``.
+        header: manifest fields other than ``tensors`` and ``snapshots`` (``run_id``, ``seed``,
+            ``attention``, ``precision``, ``config``); must be JSON-serialisable.
+
+    An existing manifest in the directory is loaded and extended (resumed runs); stray temporary
+    files left by a killed writer are removed.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str], header: Mapping[str, Any]) -> None:
+        self.directory = Path(run_dir) / SNAPSHOT_DIRNAME
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for stale in self.directory.glob(f".*{_TMP_SUFFIX}"):
+            log.warning("removing incomplete snapshot file %s left by an interrupted write", stale)
+            stale.unlink(missing_ok=True)
+        self.manifest: dict[str, Any] = {"format": SNAPSHOT_FORMAT, **header, "tensors": [], "snapshots": []}
+        path = self.directory / MANIFEST_NAME
+        if path.is_file():
+            old = json.loads(path.read_text(encoding="utf-8"))
+            self.manifest["tensors"] = old.get("tensors", [])
+            self.manifest["snapshots"] = [
+                entry for entry in old.get("snapshots", []) if (self.directory / entry["file"]).is_file()
+            ]
+
+    @property
+    def steps(self) -> list[int]:
+        """Steps listed in the manifest, ascending."""
+        return sorted(entry["step"] for entry in self.manifest["snapshots"])
+
+    def write(
+        self, step: int, tensors: Mapping[str, torch.Tensor], specs: Iterable[TensorSpec], **extra: Any
+    ) -> Path:
+        """Save one snapshot atomically, then list it in the manifest (replacing an entry of that step).
+
+        Args:
+            step: the global step the weights belong to.
+            tensors: name → tensor (CPU, contiguous, not sharing memory with each other).
+            specs: the spec of every tensor, in model order (written to the manifest).
+            **extra: JSON-serialisable fields stored in the snapshot's manifest entry (e.g. epoch).
+
+        Returns:
+            The path of the snapshot file.
+        """
+        name = snapshot_filename(step)
+        final = self.directory / name
+        tmp = self.directory / f".{name}.{os.getpid()}{_TMP_SUFFIX}"
+        metadata = {"format": SNAPSHOT_FORMAT, "step": str(step), "run_id": str(self.manifest.get("run_id"))}
+        try:
+            save_file(dict(tensors), tmp, metadata=metadata)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        entry = {"step": step, "file": name, "bytes": final.stat().st_size, **extra, "saved_at": _now()}
+        snapshots = [e for e in self.manifest["snapshots"] if e["step"] != step] + [entry]
+        self.manifest["snapshots"] = sorted(snapshots, key=lambda e: e["step"])
+        self.manifest["tensors"] = [spec.as_dict() for spec in specs]
+        self._write_manifest()
+        return final
+
+    def prune_after(self, step: int) -> list[int]:
+        """Delete the snapshots of steps after ``step`` (a timeline abandoned by a resume); returns them."""
+        dropped = [e for e in self.manifest["snapshots"] if e["step"] > step]
+        if not dropped:
+            return []
+        self.manifest["snapshots"] = [e for e in self.manifest["snapshots"] if e["step"] <= step]
+        self._write_manifest()  # unlist first, delete after: a crash in between leaves only orphans
+        for entry in dropped:
+            (self.directory / entry["file"]).unlink(missing_ok=True)
+        return [e["step"] for e in dropped]
+
+    def _write_manifest(self) -> None:
+        atomic_write_text(self.directory / MANIFEST_NAME, _dumps_manifest(self.manifest))
+
+
+def _dumps_manifest(manifest: Mapping[str, Any]) -> str:
+    """JSON with one line per field, and one line per tensor and per snapshot entry."""
+    lines = []
+    for key, value in manifest.items():
+        if key in ("tensors", "snapshots") and value:
+            items = ",\n".join(f"  {json.dumps(item)}" for item in value)
+            lines.append(f" {json.dumps(key)}: [\n{items}\n ]")
+        else:
+            lines.append(f" {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
+class SnapshotStore:
+    """Lazy, read-only view of the snapshots of one run directory.
+
+    Args:
+        run_dir: a run directory (holding ``snapshots/manifest.json``) or the snapshot directory
+            itself.
+
+    Raises:
+        FileNotFoundError: there is no manifest.
+        SnapshotError: the manifest is malformed or lists a file that does not exist.
+
+    Example:
+        >>> store = SnapshotStore("runs/flash")  # doctest: +SKIP
+        >>> for name, w in store.iter_tensors(store.steps[-1]):  # one tensor in memory at a time
+        ...     print(name, w.shape)
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+        self.run_dir = Path(run_dir)
+        self.directory = _snapshot_dir(run_dir)
+        path = self.directory / MANIFEST_NAME
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"no snapshot manifest at {path}: is {self.run_dir} a run directory written with the "
+                "WeightSnapshot callback (flashprobe.callbacks.WeightSnapshot)?"
+            )
+        try:
+            self.manifest: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+            fmt = self.manifest.get("format")
+            entries = self.manifest["snapshots"]
+            specs = [
+                TensorSpec(t["name"], tuple(t["shape"]), t["dtype"], t.get("kind", "parameter"))
+                for t in self.manifest["tensors"]
+            ]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise SnapshotError(f"malformed snapshot manifest {path}: {err!r}") from err
+        if fmt != SNAPSHOT_FORMAT:
+            raise SnapshotError(
+                f"{path} has format {fmt!r}; this version of flashprobe reads {SNAPSHOT_FORMAT!r}"
+            )
+        self.specs: dict[str, TensorSpec] = {s.name: s for s in specs}
+        self._files: dict[int, Path] = {}
+        for entry in entries:
+            file = self.directory / entry["file"]
+            if not file.is_file():
+                raise SnapshotError(f"{path} lists step {entry['step']} but {file} does not exist")
+            self._files[int(entry["step"])] = file
+
+    def __repr__(self) -> str:
+        return f"SnapshotStore({str(self.run_dir)!r}, run_id={self.run_id!r}, steps={self.steps})"
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def __contains__(self, step: object) -> bool:
+        return step in self._files
+
+    @property
+    def steps(self) -> list[int]:
+        """The saved steps, ascending."""
+        return sorted(self._files)
+
+    @property
+    def run_id(self) -> str | None:
+        return self.manifest.get("run_id")
+
+    @property
+    def seed(self) -> int | None:
+        return self.manifest.get("seed")
+
+    @property
+    def attention(self) -> str | None:
+        return self.manifest.get("attention")
+
+    @property
+    def precision(self) -> str | None:
+        return self.manifest.get("precision")
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.manifest.get("config") or {}
+
+    def names(self, kind: str | None = None) -> list[str]:
+        """Tensor names in model order; ``kind`` = ``parameter`` or ``buffer`` filters them."""
+        return [s.name for s in self.specs.values() if kind is None or s.kind == kind]
+
+    def path(self, step: int) -> Path:
+        """The snapshot file of ``step``."""
+        try:
+            return self._files[step]
+        except KeyError:
+            raise KeyError(
+                f"{self.run_dir} has no snapshot at step {step}; saved steps: {self.steps}"
+            ) from None
+
+    def tensor(self, step: int, name: str) -> torch.Tensor:
+        """Read one tensor of one snapshot (nothing else is loaded)."""
+        with safe_open(self.path(step), framework="pt") as f:
+            if name not in f.keys():  # noqa: SIM118 - safe_open handles have no __contains__
+                raise KeyError(f"snapshot {self.path(step)} has no tensor {name!r}")
+            return f.get_tensor(name)
+
+    def iter_tensors(
+        self, step: int, names: Iterable[str] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, tensor)`` of one snapshot one at a time, in model order (or ``names``' order)."""
+        with safe_open(self.path(step), framework="pt") as f:
+            available = set(f.keys())
+            for name in self.names() if names is None else names:
+                if name not in available:
+                    raise KeyError(f"snapshot {self.path(step)} has no tensor {name!r}")
+                yield name, f.get_tensor(name)
+
+    def load(self, step: int) -> dict[str, torch.Tensor]:
+        """All tensors of one snapshot as a state dict (loads the whole snapshot)."""
+        return dict(self.iter_tensors(step))
+
+    def metadata(self, step: int) -> dict[str, str]:
+        """The ``safetensors`` header metadata of one snapshot (``step``, ``run_id``, ``format``)."""
+        with safe_open(self.path(step), framework="pt") as f:
+            return dict(f.metadata() or {})

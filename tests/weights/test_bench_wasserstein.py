@@ -1,0 +1,65 @@
+"""``flashprobe bench wasserstein`` on tiny sizes: rows, files and agreement with scipy."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashprobe.cli import main as cli_main
+
+
+@pytest.fixture
+def keep_torch_threads():
+    """``--threads`` sets torch's process-wide thread count; restore it for the other tests."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_bench_writes_rows_that_agree_with_scipy(tmp_path: Path, capsys, keep_torch_threads) -> None:
+    code = cli_main(
+        [
+            "bench",
+            "wasserstein",
+            "--sizes",
+            "1000",
+            "2001",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert code == 0
+    data = json.loads((tmp_path / "wasserstein.json").read_text())
+    rows = data["rows"]
+    assert [(r["case"], r["n"], r["m"]) for r in rows] == [
+        ("equal", 1000, 1000),
+        ("unequal", 1000, 750),
+        ("weighted", 1000, 1000),
+        ("equal", 2001, 2001),
+        ("unequal", 2001, 1500),
+        ("weighted", 2001, 2001),
+    ]
+    for row in rows:
+        assert row["rel_diff"] <= 1e-9
+        assert row["scipy_value"] > 0
+        assert row["speedup"] == row["scipy_ms"] / row["torch_ms"]
+    assert data["torch_threads"] == 1
+    with open(tmp_path / "wasserstein.csv", newline="") as f:
+        assert len(list(csv.DictReader(f))) == 6
+    table = capsys.readouterr().out
+    assert "speedup" in table and "rel_diff" in table
+
+
+def test_bench_rejects_bad_arguments(tmp_path: Path, capsys) -> None:
+    assert cli_main(["bench", "wasserstein", "--cases", "sideways", "--out", str(tmp_path)]) == 2
+    assert "unknown case(s) ['sideways']" in capsys.readouterr().err
+    assert cli_main(["bench", "wasserstein", "--sizes", "0", "--out", str(tmp_path)]) == 2
+    assert cli_main(["bench", "wasserstein", "--repeats", "0", "--out", str(tmp_path)]) == 2
