@@ -1,0 +1,365 @@
+"""``flashprobe bench overhead``: what the shadow probe costs a training step.
+
+A small causal transformer language model (``nn.TransformerEncoder`` layers, pre-norm, torch SDPA)
+is trained for a fixed number of steps in four **modes**, each with its own copy of the same
+initial weights, optimizer and batches:
+
+* ``no_probe`` — plain training;
+* ``control`` — every attention call also computes the same reference attention(s) as the probe
+  (baseline, golden; their gradients with ``--backward``) and throws them away: the floor any
+  shadow has to pay;
+* ``probe`` — :func:`flashprobe.probe.probe` on every call;
+* ``probe_every_N`` — the probe attached throughout, comparing only at steps that are multiples of
+  ``--every`` (the step counter advanced once per step, as the callback does).
+
+**Side by side.** The modes run round-robin, one step each per round, in an order that rotates
+every round, so machine noise hits all of them alike. Probe handles are attached just for their
+own mode's step (the attach/detach is timed with it) so the other modes run untouched. Rounds are
+grouped in blocks of ``--every`` rounds (one sampling period); for each block the ratio of the
+block's total step time to the reference mode's is taken, and a row reports the median over
+blocks: ``ratio_vs_no_probe`` and ``ratio_vs_control``. ``step_ms`` is the median block mean.
+
+Floors (CPU): ``probe`` ≤ 1.05 × ``control`` (the statistics cost at most 5 %) and
+``probe_every_N`` ≤ 1.10 × ``no_probe``; they are printed, recorded in the JSON and, with
+``--check``, turned into the exit code.
+
+Writes ``DIR/overhead.json`` (rows with ``mode``, ``step_ms``, ``ratio_vs_no_probe``,
+``ratio_vs_control``, ``steps``), ``DIR/overhead.csv`` and the figure (``--figure``, default
+``DIR/overhead.png``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashprobe.bench.common import (
+    BenchArgumentError,
+    add_output_args,
+    format_table,
+    run_cli,
+    write_results,
+)
+from flashprobe.probe import Probe, ShadowAttention
+
+__all__ = ["FLOORS", "OverheadConfig", "TinyLM", "main", "measure_overhead", "plot_overhead"]
+
+#: ``(mode, reference, limit)``: the mode's ratio to the reference must not exceed the limit.
+FLOORS: tuple[tuple[str, str, float], ...] = (("probe", "control", 1.05), ("probe_every", "no_probe", 1.10))
+
+TABLE_COLUMNS = [
+    ("mode", "mode"),
+    ("step_ms", "step ms"),
+    ("ratio_vs_no_probe", "vs no probe"),
+    ("ratio_vs_control", "vs control"),
+    ("steps", "steps"),
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverheadConfig:
+    """What ``flashprobe bench overhead`` trains and how long."""
+
+    steps: int = 80
+    """Timed rounds (each runs one step of every mode)."""
+    warmup: int = 3
+    """Untimed rounds first."""
+    every: int = 10
+    """Sampling period of the ``probe_every_N`` mode and block length of the ratios."""
+    batch: int = 2
+    """Sequences per step."""
+    seq_len: int = 256
+    """Tokens per sequence."""
+    d_model: int = 256
+    """Model width."""
+    heads: int = 4
+    """Attention heads (head dim = d_model / heads)."""
+    layers: int = 2
+    """Transformer layers."""
+    vocab: int = 256
+    """Vocabulary size of the random tokens."""
+    backward: bool = False
+    """Compare gradients too (probe and control)."""
+    golden: bool = True
+    """Compute the FP64 golden value (probe and control)."""
+    threads: int = 1
+    """torch intra-op threads during the run."""
+    seed: int = 0
+    """Seed of the weights and the batches."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "steps",
+            "warmup",
+            "every",
+            "batch",
+            "seq_len",
+            "d_model",
+            "heads",
+            "layers",
+            "vocab",
+            "threads",
+        ):
+            value = getattr(self, name)
+            low = 0 if name == "warmup" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                flag = "--" + name.replace("_", "-")
+                raise BenchArgumentError(f"{flag} must be an integer >= {low}, got {value!r}")
+        if self.d_model % self.heads:
+            raise BenchArgumentError(f"--d-model {self.d_model} must be divisible by --heads {self.heads}")
+        if self.steps < self.every:
+            raise BenchArgumentError(
+                f"--steps {self.steps} must cover at least one block of --every {self.every}"
+            )
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return ("no_probe", "control", "probe", f"probe_every_{self.every}")
+
+
+class TinyLM(nn.Module):
+    """Causal transformer LM: embedding + positions → pre-norm ``nn.TransformerEncoder`` → head."""
+
+    def __init__(self, *, vocab: int, seq_len: int, d_model: int, heads: int, layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.pos = nn.Parameter(0.02 * torch.randn(seq_len, d_model))
+        layer = nn.TransformerEncoderLayer(
+            d_model, heads, 4 * d_model, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, vocab)
+        self.register_buffer(
+            "mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False
+        )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens (B, N)`` → logits ``(B, N, vocab)``."""
+        h = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        h = self.blocks(h, mask=self.mask, is_causal=True)
+        return self.head(h)
+
+
+def measure_overhead(
+    config: OverheadConfig, progress: Callable[[str], None] | None = None
+) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
+    """Train the four modes side by side and return the rows and each mode's block means (ms)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.threads)
+    try:
+        return _measure(config, progress or (lambda _: None))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(
+    config: OverheadConfig, progress: Callable[[str], None]
+) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
+    torch.manual_seed(config.seed)
+    base = TinyLM(
+        vocab=config.vocab,
+        seq_len=config.seq_len,
+        d_model=config.d_model,
+        heads=config.heads,
+        layers=config.layers,
+    )
+    gen = torch.Generator().manual_seed(config.seed + 1)
+    rounds = config.warmup + config.steps
+    tokens = torch.randint(config.vocab, (rounds, config.batch, config.seq_len + 1), generator=gen)
+    modes = config.modes
+    models = {m: copy.deepcopy(base) for m in modes}
+    optims = {m: torch.optim.AdamW(models[m].parameters(), lr=1e-3) for m in modes}
+
+    def shadow(record: bool) -> ShadowAttention:
+        return ShadowAttention(None, "math", config.golden, backward=config.backward, record=record)
+
+    handles: dict[str, Probe | None] = {
+        "no_probe": None,
+        "control": Probe(models["control"], shadow(record=False)),
+        "probe": Probe(models["probe"], shadow(record=True)),
+        modes[3]: Probe(models[modes[3]], shadow(record=True), every_n_steps=config.every),
+    }
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(rounds):
+        order = modes[r % len(modes) :] + modes[: r % len(modes)]
+        for mode in order:
+            model, opt, handle = models[mode], optims[mode], handles[mode]
+            x, y = tokens[r, :, :-1], tokens[r, :, 1:]
+            start = time.perf_counter()
+            if handle is not None:
+                handle.set_step(max(r - config.warmup, 0))  # warm-up rounds compare too
+                handle.attach()
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            if handle is not None:
+                handle.detach()
+            if r >= config.warmup:
+                times[mode].append(time.perf_counter() - start)
+        if r >= config.warmup and (r - config.warmup + 1) % config.every == 0:
+            done = r - config.warmup + 1
+            means = ", ".join(f"{m} {1e3 * statistics.fmean(times[m][-config.every :]):.0f}" for m in modes)
+            progress(f"[{done}/{config.steps}] ms per step over the last block: {means}")
+    # The probes really compared something (and the sampled one only at its steps).
+    probed = handles["probe"].shadow.summary()  # type: ignore[union-attr]
+    sampled = handles[modes[3]].shadow.summary()  # type: ignore[union-attr]
+    n_blocks = config.steps // config.every
+    blocks = {
+        m: [sum(times[m][b * config.every : (b + 1) * config.every]) for b in range(n_blocks)] for m in modes
+    }
+    rows = []
+    for mode in modes:
+        vs_none = [a / b for a, b in zip(blocks[mode], blocks["no_probe"], strict=True)]
+        vs_control = [a / b for a, b in zip(blocks[mode], blocks["control"], strict=True)]
+        rows.append(
+            {
+                "mode": mode,
+                "step_ms": 1e3 * statistics.median(blocks[mode]) / config.every,
+                "ratio_vs_no_probe": statistics.median(vs_none),
+                "ratio_vs_control": statistics.median(vs_control),
+                "steps": len(times[mode]),
+            }
+        )
+    rows[2]["compared_calls"] = probed["forward_calls"]
+    rows[3]["compared_calls"] = sampled["forward_calls"]
+    block_ms = {m: [1e3 * b / config.every for b in blocks[m]] for m in modes}
+    return rows, block_ms
+
+
+def floors(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The floor checks: ``{"mode", "reference", "ratio", "limit", "ok"}`` each."""
+    by_mode = {row["mode"]: row for row in rows}
+    checks = []
+    for prefix, reference, limit in FLOORS:
+        mode = next(m for m in by_mode if m == prefix or m.startswith(prefix + "_"))
+        ratio = by_mode[mode][f"ratio_vs_{reference}"]
+        checks.append(
+            {"mode": mode, "reference": reference, "ratio": ratio, "limit": limit, "ok": ratio <= limit}
+        )
+    return checks
+
+
+def plot_overhead(rows: Sequence[dict[str, Any]], path: Path, subtitle: str = "") -> Path:
+    """Bar chart of the median step time per mode, annotated with the ratios; written atomically."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [row["mode"] for row in rows]
+    values = [row["step_ms"] for row in rows]
+    fig, ax = plt.subplots(figsize=(7.5, 3.2))
+    colors = ["#9e9e9e", "#f4a259", "#2e86ab", "#5fb49c"]
+    bars = ax.barh(labels[::-1], values[::-1], color=colors[: len(rows)][::-1])
+    for bar, row in zip(bars, rows[::-1], strict=True):
+        text = (
+            f" {row['step_ms']:.0f} ms  ×{row['ratio_vs_no_probe']:.2f} vs no probe, "
+            f"×{row['ratio_vs_control']:.2f} vs control"
+        )
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, text, va="center", fontsize=8)
+    ax.set_xlabel("median training step time (ms)")
+    ax.set_xlim(0, max(values) * 1.9)
+    ax.set_title("flashprobe bench overhead" + (f"\n{subtitle}" if subtitle else ""), fontsize=9)
+    ax.spines[["top", "right"]].set_visible(False)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=130)
+    plt.close(fig)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(buf.getvalue())
+    tmp.replace(path)
+    return path
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = OverheadConfig()
+    parser = argparse.ArgumentParser(
+        prog="flashprobe bench overhead",
+        description="Training-step overhead of the shadow probe: no probe, control, probe, sampled probe.",
+    )
+    parser.add_argument("--steps", type=int, default=d.steps, help=f"timed rounds (default {d.steps})")
+    parser.add_argument(
+        "--warmup", type=int, default=d.warmup, help=f"untimed rounds first (default {d.warmup})"
+    )
+    parser.add_argument(
+        "--every", type=int, default=d.every, help=f"sampling period in steps (default {d.every})"
+    )
+    parser.add_argument("--batch", type=int, default=d.batch, help=f"sequences per step (default {d.batch})")
+    parser.add_argument(
+        "--seq-len", type=int, default=d.seq_len, help=f"tokens per sequence (default {d.seq_len})"
+    )
+    parser.add_argument("--d-model", type=int, default=d.d_model, help=f"model width (default {d.d_model})")
+    parser.add_argument("--heads", type=int, default=d.heads, help=f"attention heads (default {d.heads})")
+    parser.add_argument(
+        "--layers", type=int, default=d.layers, help=f"transformer layers (default {d.layers})"
+    )
+    parser.add_argument("--backward", action="store_true", help="compare gradients too (probe and control)")
+    parser.add_argument("--no-golden", action="store_true", help="skip the FP64 golden value")
+    parser.add_argument("--threads", type=int, default=d.threads, help=f"torch threads (default {d.threads})")
+    parser.add_argument("--seed", type=int, default=d.seed, help=f"seed (default {d.seed})")
+    parser.add_argument("--figure", type=Path, help="where to write the PNG (default DIR/overhead.png)")
+    parser.add_argument("--check", action="store_true", help="exit with 1 when a floor is exceeded")
+    add_output_args(parser, "overhead")
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    config = OverheadConfig(
+        steps=args.steps,
+        warmup=args.warmup,
+        every=args.every,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        d_model=args.d_model,
+        heads=args.heads,
+        layers=args.layers,
+        backward=args.backward,
+        golden=not args.no_golden,
+        threads=args.threads,
+        seed=args.seed,
+    )
+    start = time.perf_counter()
+    rows, block_ms = measure_overhead(config, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    seconds = time.perf_counter() - start
+    checks = floors(rows)
+    print(format_table(rows, TABLE_COLUMNS))
+    for c in checks:
+        verdict = "ok" if c["ok"] else "EXCEEDED"
+        print(f"floor: {c['mode']} / {c['reference']} = {c['ratio']:.3f} <= {c['limit']:.2f}: {verdict}")
+    meta = {
+        "command": args.command_line,
+        "config": asdict(config),
+        "floors": checks,
+        "block_ms": block_ms,
+        "seconds": round(seconds, 2),
+    }
+    paths = write_results(args.out, "overhead", rows, meta=meta)
+    subtitle = (
+        f"{config.layers} layers, d={config.d_model}, {config.heads} heads, B={config.batch}, "
+        f"N={config.seq_len}, golden={config.golden}, backward={config.backward}, "
+        f"{config.steps} steps/mode, {config.threads} thread(s)"
+    )
+    paths["png"] = plot_overhead(rows, args.figure or args.out / "overhead.png", subtitle)
+    print(f"{len(rows)} rows in {seconds:.1f} s; wrote " + ", ".join(str(p) for p in paths.values()))
+    return 1 if args.check and not all(c["ok"] for c in checks) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``flashprobe bench overhead``; returns the exit code."""
+    return run_cli("overhead", _parser(), _run, argv)

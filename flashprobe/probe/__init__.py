@@ -1,0 +1,47 @@
+"""The shadow attention probe: compare kernels at every attention call inside real training.
+
+* :func:`probe` attaches to an unmodified model; every ``scaled_dot_product_attention`` call made
+  inside it runs the primary kernel (its output is what the model gets) and, on identical
+  detached inputs, the baseline and the FP64 golden value; deviations are accumulated per site
+  (module path) on the device, forward and optionally backward.
+* :class:`ShadowAttention` is the same as an ``nn.Module`` to call in place of SDPA.
+* :func:`use_kernel` routes a model's SDPA calls to any kernel spec, with no statistics.
+* :class:`DeviationStats` holds one site's on-device statistics; the layout of its accumulator
+  (``FIELDS``, ``N_MAX``) is what cross-rank reductions need.
+"""
+
+from flashprobe.probe.intercept import ROOT_SITE, KernelRoute, ProbeWarning, SdpaCall, use_kernel
+from flashprobe.probe.probe import Probe, probe
+from flashprobe.probe.shadow import DEFAULT_CHUNK_ELEMENTS, ShadowAttention
+from flashprobe.probe.stats import (
+    DIRECTIONS,
+    FIELDS,
+    INPUTS,
+    MAX_FIELDS,
+    N_MAX,
+    PAIRS,
+    SUM_FIELDS,
+    DeviationStats,
+    stats_dict,
+)
+
+__all__ = [
+    "DEFAULT_CHUNK_ELEMENTS",
+    "DIRECTIONS",
+    "FIELDS",
+    "INPUTS",
+    "MAX_FIELDS",
+    "N_MAX",
+    "PAIRS",
+    "ROOT_SITE",
+    "SUM_FIELDS",
+    "DeviationStats",
+    "KernelRoute",
+    "Probe",
+    "ProbeWarning",
+    "SdpaCall",
+    "ShadowAttention",
+    "probe",
+    "stats_dict",
+    "use_kernel",
+]

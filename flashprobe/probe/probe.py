@@ -1,0 +1,226 @@
+"""``probe(model)``: shadow every attention call of an unmodified model, per site.
+
+::
+
+    with probe(model, golden=True, backward=True) as p:       # or p = probe(...); ...; p.detach()
+        for batch in loader:
+            loss = model(batch).sum(); loss.backward(); opt.step()
+            if p.step % 100 == 0:
+                print(p.summary()["max_error_ratio"]); p.reset()
+            p.next_step()
+
+Every ``scaled_dot_product_attention`` call made inside ``model`` (see
+:mod:`flashprobe.probe.intercept` for how calls are caught and named) goes through one
+:class:`~flashprobe.probe.ShadowAttention`; statistics are kept per site (module path) on the
+device and read once when asked. Sampling keeps the cost low in long runs: ``every_n_calls``
+(per site), ``every_n_steps`` (on the step counter the caller advances) and ``sites`` patterns.
+Calls that are not sampled run only the primary.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from flashprobe.kernels import Kernel
+from flashprobe.probe.intercept import (
+    AttentionRoute,
+    KernelRoute,
+    SdpaCall,
+    active_handles,
+    model_device_dtype,
+)
+from flashprobe.probe.shadow import DEFAULT_CHUNK_ELEMENTS, ShadowAttention
+
+__all__ = ["Probe", "probe"]
+
+
+def _patterns(sites: str | Sequence[str] | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    if sites is None:
+        return (), ()
+    items = [sites] if isinstance(sites, str) else list(sites)
+    if not all(isinstance(s, str) and s.strip("!") for s in items):
+        raise ValueError(f"sites={sites!r}: give glob patterns such as 'blocks.*.attn' or '!blocks.0.*'")
+    include = tuple(s for s in items if not s.startswith("!"))
+    exclude = tuple(s[1:] for s in items if s.startswith("!"))
+    return include, exclude
+
+
+class Probe(AttentionRoute):
+    """Handle of a probed model (returned by :func:`probe`).
+
+    Attributes:
+        model: the probed model (unmodified).
+        shadow: the :class:`ShadowAttention` every sampled call goes through.
+        every_n_calls: probe every n-th call of each site.
+        every_n_steps: probe only when ``step % every_n_steps == 0``.
+    """
+
+    kind = "probe"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        shadow: ShadowAttention,
+        *,
+        every_n_calls: int = 1,
+        every_n_steps: int = 1,
+        sites: str | Sequence[str] | None = None,
+    ) -> None:
+        super().__init__(model)
+        for name, value in (("every_n_calls", every_n_calls), ("every_n_steps", every_n_steps)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int (1 = every one)")
+        self.shadow = shadow
+        self.every_n_calls = every_n_calls
+        self.every_n_steps = every_n_steps
+        self._include, self._exclude = _patterns(sites)
+        self._selected: dict[str, bool] = {}
+        self._calls: dict[str, int] = {}
+        self._step = 0
+
+    # Routing --------------------------------------------------------------------------------
+
+    def attach(self) -> Probe:
+        """(Re-)attach; another probe already on the same model pauses until this one detaches."""
+        if not self.attached and any(b.kind == "probe" for b in active_handles(self.model)):
+            self.warn_once(
+                "stacked",
+                f"flashprobe: {type(self.model).__name__} already has a probe attached; it pauses "
+                "until this one detaches",
+            )
+        return super().attach()
+
+    def _wanted(self, site: str) -> bool:
+        wanted = self._selected.get(site)
+        if wanted is None:
+            include = not self._include or any(fnmatch.fnmatchcase(site, p) for p in self._include)
+            wanted = include and not any(fnmatch.fnmatchcase(site, p) for p in self._exclude)
+            self._selected[site] = wanted
+        return wanted
+
+    def handle(self, site: str, call: SdpaCall, route: KernelRoute | None = None) -> torch.Tensor:
+        """Run one intercepted call made at ``site`` (called by the dispatcher)."""
+        n = self._calls.get(site, 0)
+        self._calls[site] = n + 1
+        if n % self.every_n_calls or self._step % self.every_n_steps or not self._wanted(site):
+            return self.shadow.primary_output(call, route)
+        return self.shadow.run(site, call, route)
+
+    # Step counter -----------------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """The step counter (advanced by the caller; sampling with ``every_n_steps`` reads it)."""
+        return self._step
+
+    def set_step(self, step: int) -> None:
+        """Set the step counter (e.g. to ``trainer.global_step``)."""
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step={step!r} must be a non-negative int")
+        self._step = step
+
+    def next_step(self) -> int:
+        """Advance the step counter by one; returns the new step."""
+        self._step += 1
+        return self._step
+
+    # Reading ----------------------------------------------------------------------------------
+
+    @property
+    def sites(self) -> list[str]:
+        """Sites with recorded statistics, in first-call order."""
+        return self.shadow.sites
+
+    @property
+    def calls(self) -> dict[str, int]:
+        """Intercepted calls per site since attaching (sampled or not)."""
+        return dict(self._calls)
+
+    def stat_tensors(self) -> dict[str, torch.Tensor]:
+        """Raw per-site accumulators for cross-rank reduction; see :meth:`ShadowAttention.stat_tensors`."""
+        return self.shadow.stat_tensors()
+
+    def stats(
+        self, tensors: Mapping[str, torch.Tensor] | None = None, *, flat: bool = False
+    ) -> dict[str, Any]:
+        """Per-site statistics as plain Python data; see :meth:`ShadowAttention.stats`."""
+        return self.shadow.stats(tensors, flat=flat)
+
+    def summary(self, stats: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Worst values over all sites; see :meth:`ShadowAttention.summary`."""
+        summary = self.shadow.summary(stats)
+        summary["step"] = self._step
+        return summary
+
+    def reset(self) -> None:
+        """Zero the statistics (e.g. after each logging step); the step counter is kept."""
+        self.shadow.reset()
+
+    def __repr__(self) -> str:
+        return f"Probe({type(self.model).__name__}, {self.shadow.extra_repr()}, attached={self.attached})"
+
+
+def probe(
+    model: nn.Module,
+    primary: str | Kernel | None = None,
+    baseline: str | Kernel = "math",
+    golden: bool = True,
+    *,
+    backward: bool = False,
+    every_n_calls: int = 1,
+    every_n_steps: int = 1,
+    sites: str | Sequence[str] | None = None,
+    dropout: str = "compare",
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Probe:
+    """Attach a shadow probe to every attention call made inside ``model``.
+
+    Args:
+        model: any ``nn.Module`` (not modified); its SDPA calls, including those of
+            ``nn.MultiheadAttention``/``nn.TransformerEncoderLayer`` and of libraries calling
+            ``F.scaled_dot_product_attention``, are compared per site.
+        primary: the kernel whose output the model receives. None: the kernel the model already
+            uses — the one routed with :func:`~flashprobe.probe.use_kernel` if any, else torch's
+            SDPA with the call's own arguments (the model's outputs are then exactly unchanged).
+        baseline: kernel spec of the baseline (same dtype as the primary).
+        golden: also compute the FP64 golden value and the error ratio.
+        backward: also compare ``dq, dk, dv`` using the model's own output gradient.
+        every_n_calls: compare every n-th call of each site.
+        every_n_steps: compare only at steps that are multiples of n (see :meth:`Probe.next_step`).
+        sites: glob patterns of sites to compare; ``"!pattern"`` excludes.
+        dropout: ``"compare"`` (dropout-free primary vs baseline) or ``"skip"`` for calls with
+            attention dropout.
+        chunk_elements: most score elements a reference chunk may materialise (memory bound).
+        device: device to check the kernels against (default: the model's).
+        dtype: compute dtype to check against (default: the model's; pass the autocast dtype when
+            the model runs under autocast).
+
+    Returns:
+        The attached :class:`Probe`; use it as a context manager or call ``.detach()``.
+
+    Raises:
+        KernelSpecError: unknown kernel spec or option.
+        KernelUnavailableError: a kernel cannot run on the model's device/dtype (e.g.
+            ``flash_attn`` on CPU), or golden on a device without float64.
+        ValueError: bad sampling, pattern or dropout arguments.
+    """
+    dev, dt = model_device_dtype(model, device, dtype)
+    shadow = ShadowAttention(
+        primary,
+        baseline,
+        golden,
+        backward=backward,
+        dropout=dropout,
+        chunk_elements=chunk_elements,
+        device=dev,
+        dtype=dt,
+    )
+    handle = Probe(model, shadow, every_n_calls=every_n_calls, every_n_steps=every_n_steps, sites=sites)
+    return handle.attach()

@@ -1,0 +1,585 @@
+"""``ShadowAttention``: the primary kernel's output, with the baseline and golden alongside.
+
+For each call the **primary** kernel produces the output the model receives, untouched. Then, on
+detached copies of the same inputs (cast to the dtype the primary computed in, e.g. the autocast
+dtype), the **baseline** kernel runs at that dtype and, with ``golden=True``, the FP64 **golden**
+value is computed; their deviations are folded into per-site :class:`DeviationStats` on the
+device, without host synchronisation.
+
+**Backward** (``backward=True``). The primary's inputs pass through an identity autograd
+function (:class:`_GradTap`) and a hook on the primary's output records the gradient the model
+sends into it. When the model's backward reaches the inputs, the tap sees the primary's own
+``dq, dk, dv``; the baseline's and golden's are computed with ``torch.autograd.grad`` from the
+same output gradient on detached copies, compared, and the primary's gradients are passed on
+unchanged — so the model's gradients are bit-identical.
+
+**Memory** is bounded: the references are computed over chunks of at most ``chunk_elements``
+score elements (whole batch entries when they fit, else query rows of one entry; causal masks
+become explicit per chunk), and statistics use fixed scratch buffers. Only statistics are kept.
+
+**Never breaking training.** The probe consumes no random numbers, changes no autocast state or
+dtype, and any failure of a reference computation is counted (``shadow_errors``) and warned about
+once per site instead of raised. Attention dropout cannot be compared exactly: with
+``dropout="compare"`` (default) the probe compares the dropout-free primary (one extra primary call
+under ``no_grad``) and the model still gets its dropout output; ``dropout="skip"`` skips those
+calls. Backward comparison is skipped for dropout calls.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from flashprobe.kernels import Kernel, KernelUnavailableError, causal_mask, get_kernel, golden_attention
+from flashprobe.probe.intercept import (
+    KernelRoute,
+    Prepared,
+    ProbeWarning,
+    SdpaCall,
+    autocast_off,
+    check_kernel_here,
+    expand_kv,
+    passthrough,
+    prepare,
+    run_kernel,
+)
+from flashprobe.probe.stats import (
+    DeviationStats,
+    StatsWorkspace,
+    count_nonfinite,
+    pair_sums,
+    stats_dict,
+    worst,
+)
+
+__all__ = ["DEFAULT_CHUNK_ELEMENTS", "DROPOUT_POLICIES", "ShadowAttention"]
+
+#: Default bound on the score elements (``B·H·rows·N_k``) one reference chunk materialises:
+#: 4M elements, i.e. 32 MiB per float64 score matrix.
+DEFAULT_CHUNK_ELEMENTS = 1 << 22
+#: What to do with calls that use attention dropout.
+DROPOUT_POLICIES = ("compare", "skip")
+
+
+class _Chunk(NamedTuple):
+    """A block of the score tensor: batch entries, key/value heads, and query row slices."""
+
+    batch: slice
+    heads: slice  # key/value heads; query heads are rep times as many
+    rows: list[slice | None]  # [None] = all rows
+
+    def q_heads(self, rep: int) -> slice:
+        return slice(self.heads.start * rep, self.heads.stop * rep)
+
+    def take(self, x: torch.Tensor, rep: int = 1, rows: slice | None = None) -> torch.Tensor:
+        """The chunk of a ``(B, H, N, D)`` tensor; ``rep`` > 1 for tensors with query heads."""
+        x = x[self.batch][:, self.q_heads(rep)]
+        return x if rows is None else x[:, :, rows]
+
+
+class _GradTap(torch.autograd.Function):
+    """Identity on the primary's inputs; its backward hands their gradients to a record."""
+
+    @staticmethod
+    def forward(ctx: Any, record: _BackwardRecord, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.record = record
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        ctx.record.on_input_grads(grads)
+        return (None, *grads)
+
+
+class _BackwardRecord:
+    """What the backward comparison of one call needs, filled in as the backward runs."""
+
+    def __init__(self, shadow: ShadowAttention, site: str, prepared: Prepared) -> None:
+        self.shadow = shadow
+        self.site = site
+        self.prepared = prepared  # detached, compute dtype, 4-D
+        self.names: tuple[str, ...] = ()
+        self.grad_out: torch.Tensor | None = None
+
+    def tap(self, call: SdpaCall) -> SdpaCall:
+        tensors = {"q": call.query, "k": call.key, "v": call.value}
+        self.names = tuple(n for n, t in tensors.items() if t.requires_grad)
+        tapped = _GradTap.apply(self, *(tensors[n] for n in self.names))
+        tensors.update(zip(self.names, tapped, strict=True))
+        return call.replace(query=tensors["q"], key=tensors["k"], value=tensors["v"])
+
+    def on_grad_out(self, grad: torch.Tensor) -> None:
+        self.grad_out = grad.detach()
+
+    def on_input_grads(self, grads: Iterable[torch.Tensor | None]) -> None:
+        grad_out, self.grad_out = self.grad_out, None
+        if grad_out is None:
+            return
+        primary = {n: g.detach() for n, g in zip(self.names, grads, strict=True) if g is not None}
+        self.shadow._compare_backward(self, grad_out, primary)
+
+
+class ShadowAttention(nn.Module):
+    """Drop-in for ``F.scaled_dot_product_attention`` that shadows the primary kernel.
+
+    ``forward`` takes SDPA's arguments and returns the primary kernel's output unchanged; on
+    identical detached inputs it computes the baseline at the same dtype and, optionally, the FP64
+    golden value, and records their deviations per site (see the module docstring). Use it inside
+    your own attention module (``self.attend = ShadowAttention(...)``), or let
+    :func:`flashprobe.probe.probe` route a whole model through one. It has no parameters or
+    buffers: ``state_dict`` is unchanged.
+
+    Args:
+        primary: kernel spec of the primary; None means torch's own SDPA with the call's exact
+            arguments (so the output is exactly what the model would have got).
+        baseline: kernel spec of the baseline, computed at the primary's dtype (default ``math``).
+        golden: also compute the FP64 golden value (enables the golden pairs and the error ratio).
+        backward: also compare ``dq, dk, dv`` (see the module docstring).
+        dropout: ``"compare"`` or ``"skip"``, for calls with ``dropout_p > 0``.
+        chunk_elements: most score elements one reference chunk may materialise.
+        record: keep statistics; ``False`` computes the references and throws them away (the
+            overhead control of ``flashprobe bench overhead``).
+        name: site name used when called directly.
+        device: if given, check the kernels against this device (and ``dtype``) now.
+        dtype: compute dtype for that check (default float32).
+
+    Raises:
+        KernelSpecError: unknown kernel or option.
+        KernelUnavailableError: ``device`` given and a kernel cannot run there.
+        ValueError: bad ``dropout`` or ``chunk_elements``.
+    """
+
+    def __init__(
+        self,
+        primary: str | Kernel | None = None,
+        baseline: str | Kernel = "math",
+        golden: bool = True,
+        *,
+        backward: bool = False,
+        dropout: str = "compare",
+        chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+        record: bool = True,
+        name: str = "attention",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if dropout not in DROPOUT_POLICIES:
+            raise ValueError(f"dropout={dropout!r}: use one of {', '.join(DROPOUT_POLICIES)}")
+        if not isinstance(chunk_elements, int) or chunk_elements < 1:
+            raise ValueError(
+                f"chunk_elements={chunk_elements!r} must be a positive int (e.g. {DEFAULT_CHUNK_ELEMENTS})"
+            )
+        self.primary = None if primary is None else get_kernel(primary)
+        self.baseline = get_kernel(baseline)
+        self.golden = bool(golden)
+        self.backward = bool(backward)
+        self.dropout = dropout
+        self.chunk_elements = chunk_elements
+        self.record = bool(record)
+        self.name = name
+        if device is not None:
+            self.check(torch.device(device), dtype or torch.float32)
+        self._stats: dict[str, DeviationStats] = {}
+        self._errors: dict[str, int] = {}
+        self._dropout_calls: dict[str, int] = {}
+        self._warned: set[Any] = set()
+        self._workspace = StatsWorkspace()
+
+    def check(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Raise :class:`KernelUnavailableError` if a kernel cannot run on ``device``/``dtype``."""
+        if self.primary is not None:
+            check_kernel_here(self.primary, device, dtype, "primary")
+        check_kernel_here(self.baseline, device, dtype, "baseline")
+        if self.golden and device.type == "mps":
+            raise KernelUnavailableError(
+                "golden attention needs float64, which MPS devices do not support; pass golden=False"
+            )
+
+    def extra_repr(self) -> str:
+        primary = "torch SDPA" if self.primary is None else self.primary.spec
+        return (
+            f"primary={primary!r}, baseline={self.baseline.spec!r}, golden={self.golden}, "
+            f"backward={self.backward}"
+        )
+
+    # ---------------------------------------------------------------------------------------
+    # Calls
+    # ---------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        """SDPA's signature; returns the primary's ``(..., N_q, D_v)`` output unchanged."""
+        call = SdpaCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        with passthrough():
+            return self.run(self.name, call)
+
+    def primary_output(self, call: SdpaCall, route: KernelRoute | None = None) -> torch.Tensor:
+        """The output the model receives: the primary kernel, else ``route``'s, else torch's SDPA."""
+        if self.primary is None:
+            return call.original() if route is None else route.run(call)
+        if call.dropout_p > 0:
+            self._warn_once(
+                ("dropout-primary",),
+                f"flashprobe: primary {self.primary.spec!r} has no attention dropout, so calls with "
+                "dropout_p > 0 give the model torch's scaled_dot_product_attention output",
+            )
+            return call.original()
+        return run_kernel(self.primary, call)
+
+    def run(self, site: str, call: SdpaCall, route: KernelRoute | None = None) -> torch.Tensor:
+        """Run one call at ``site``: return the primary's output, record the comparison."""
+        if call.dropout_p > 0:
+            return self._run_dropout(site, call, route)
+        tensors = (call.query, call.key, call.value)
+        record = None
+        if self.backward and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            try:
+                record = _BackwardRecord(self, site, prepare(_detached(call)))
+            except Exception as err:
+                self._failed(site, err)
+        if record is not None:
+            out = self.primary_output(record.tap(call), route)
+            if out.requires_grad:
+                out.register_hook(record.on_grad_out)
+        else:
+            out = self.primary_output(call, route)
+        self._compare_forward(site, call, out, None if record is None else record.prepared)
+        return out
+
+    def _run_dropout(self, site: str, call: SdpaCall, route: KernelRoute | None) -> torch.Tensor:
+        out = self.primary_output(call, route)
+        self._dropout_calls[site] = self._dropout_calls.get(site, 0) + 1
+        if self.dropout == "skip":
+            if self.record:
+                self._site(site, out.device)  # the site shows in stats() with its dropout_calls
+            self._warn_once(
+                ("dropout", site),
+                f"flashprobe: site {site!r} uses attention dropout (dropout_p={call.dropout_p}), which "
+                "cannot be compared exactly; skipping these calls (dropout='skip')",
+            )
+            return out
+        self._warn_once(
+            ("dropout", site),
+            f"flashprobe: site {site!r} uses attention dropout (dropout_p={call.dropout_p}), which "
+            "cannot be compared exactly; comparing the dropout-free primary instead (one extra "
+            "primary call, no random numbers drawn, forward only); pass dropout='skip' to skip",
+        )
+        plain = call.replace(dropout_p=0.0)
+        try:
+            with torch.no_grad():
+                reference = self.primary_output(_detached(plain), route)
+        except Exception as err:
+            self._failed(site, err)
+            return out
+        self._compare_forward(site, plain, reference)
+        return out
+
+    # ---------------------------------------------------------------------------------------
+    # Comparisons
+    # ---------------------------------------------------------------------------------------
+
+    def _plan(self, p: Prepared) -> list[_Chunk]:
+        """Chunks of at most ``chunk_elements`` scores: whole batch entries when they fit, else
+        groups of heads (exact, heads are independent), else query rows of one head group."""
+        b, h_kv = p.k.shape[:2]
+        n_q, n_k = p.q.shape[2], p.k.shape[2]
+        budget = self.chunk_elements
+        group = p.rep * n_q * n_k  # scores of one key/value head and its query heads
+        every_head = slice(0, h_kv)
+        if h_kv * group <= budget:
+            step = max(1, budget // max(h_kv * group, 1))
+            return [_Chunk(slice(i, min(b, i + step)), every_head, [None]) for i in range(0, b, step)]
+        if group <= budget:
+            step = budget // group
+            heads = [slice(j, min(h_kv, j + step)) for j in range(0, h_kv, step)]
+            return [_Chunk(slice(i, i + 1), hs, [None]) for i in range(b) for hs in heads]
+        rows = max(1, budget // max(p.rep * n_k, 1))
+        row_slices: list[slice | None] = [slice(r, min(n_q, r + rows)) for r in range(0, n_q, rows)]
+        return [_Chunk(slice(i, i + 1), slice(j, j + 1), row_slices) for i in range(b) for j in range(h_kv)]
+
+    @staticmethod
+    def _chunk_mask(p: Prepared, c: _Chunk, rs: slice | None) -> tuple[torch.Tensor | None, bool]:
+        mask = p.attn_mask
+        if mask is not None:
+            if mask.shape[0] > 1:
+                mask = mask[c.batch]
+            if mask.shape[1] > 1:
+                mask = mask[:, c.q_heads(p.rep)]
+        if rs is None:
+            return mask, p.is_causal
+        if p.is_causal:
+            n_q, n_k = p.q.shape[2], p.k.shape[2]
+            return causal_mask(n_q, n_k, p.q.device, q_start=rs.start, q_len=rs.stop - rs.start), False
+        if mask is not None and mask.shape[2] > 1:
+            mask = mask[:, :, rs]
+        return mask, False
+
+    def _references(
+        self, p: Prepared, c: _Chunk, rs: slice | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Baseline (compute dtype) and golden (float64) outputs of one chunk, 4-D."""
+        q = c.take(p.q, p.rep, rs)
+        k, v = expand_kv(c.take(p.k), c.take(p.v), p.rep)
+        mask, causal = self._chunk_mask(p, c, rs)
+        base = self.baseline(q, k, v, attn_mask=mask, is_causal=causal, scale=p.scale)
+        gold = (
+            golden_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=p.scale)
+            if self.golden
+            else None
+        )
+        return base, gold
+
+    def _compare_forward(
+        self, site: str, call: SdpaCall, out: torch.Tensor, prepared: Prepared | None = None
+    ) -> None:
+        try:
+            # Prepared before autocast is switched off: the compute dtype is the autocast dtype.
+            p = prepare(_detached(call)) if prepared is None else prepared
+            with passthrough(), torch.no_grad(), autocast_off(out.device.type):
+                out4 = out.detach().reshape(p.out_shape)
+                sums = None
+                for c in self._plan(p):
+                    for rs in c.rows:
+                        base, gold = self._references(p, c, rs)
+                        if self.record:
+                            mine = c.take(out4, p.rep, rs)
+                            sums = _combine(sums, pair_sums(mine, base, gold, self._workspace))
+                if self.record and sums is not None:
+                    stats = self._site(site, out.device)
+                    stats.add("out", sums)
+                    stats.add_nonfinite_inputs(
+                        {n: count_nonfinite(t) for n, t in zip("qkv", p[:3], strict=True)}
+                    )
+        except Exception as err:
+            self._failed(site, err)
+
+    def _reference_grads(
+        self,
+        fn: Callable[..., torch.Tensor],
+        p: Prepared,
+        c: _Chunk,
+        names: tuple[str, ...],
+        grad_out: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> dict[str, torch.Tensor]:
+        """``d(q|k|v)`` of ``fn`` over chunk ``c`` for the output gradient, in ``dtype``."""
+        sources = {"q": c.take(p.q, p.rep), "k": c.take(p.k), "v": c.take(p.v)}
+        leaves = {n: t.detach().to(dtype).requires_grad_(n in names) for n, t in sources.items()}
+        wanted = [leaves[n] for n in names]
+        g_all = c.take(grad_out, p.rep)
+        grads: dict[str, torch.Tensor] = {}
+        with torch.enable_grad():
+            for rs in c.rows:
+                q = leaves["q"] if rs is None else leaves["q"][:, :, rs]
+                k, v = expand_kv(leaves["k"], leaves["v"], p.rep)
+                mask, causal = self._chunk_mask(p, c, rs)
+                out = fn(q, k, v, attn_mask=mask, is_causal=causal, scale=p.scale)
+                g_out = g_all if rs is None else g_all[:, :, rs]
+                parts = torch.autograd.grad(out, wanted, g_out.to(out.dtype), allow_unused=True)
+                for n, g in zip(names, parts, strict=True):
+                    g = torch.zeros_like(leaves[n]) if g is None else g
+                    if len(c.rows) == 1:
+                        grads[n] = g
+                    else:  # summed over row chunks in at least float32
+                        acc = torch.promote_types(g.dtype, torch.float32)
+                        grads[n] = g.to(acc) if n not in grads else grads[n] + g
+        return grads
+
+    def _compare_backward(
+        self, record: _BackwardRecord, grad_out: torch.Tensor, primary: Mapping[str, torch.Tensor]
+    ) -> None:
+        site = record.site
+        try:
+            p = record.prepared
+            with passthrough(), autocast_off(grad_out.device.type):
+                names = tuple(n for n in ("q", "k", "v") if n in primary)
+                go4 = grad_out.reshape(p.out_shape)
+                mine = {n: primary[n].reshape(getattr(p, n).shape) for n in names}
+                sums: dict[str, torch.Tensor | None] = dict.fromkeys(names)
+                for c in self._plan(p):
+                    base = self._reference_grads(self.baseline, p, c, names, go4, p.dtype)
+                    gold = (
+                        self._reference_grads(golden_attention, p, c, names, go4, torch.float64)
+                        if self.golden
+                        else {}
+                    )
+                    if self.record:
+                        with torch.no_grad():
+                            for n in names:
+                                part = pair_sums(
+                                    c.take(mine[n], p.rep if n == "q" else 1),
+                                    base[n],
+                                    gold.get(n),
+                                    self._workspace,
+                                )
+                                sums[n] = _combine(sums[n], part)
+                if self.record:
+                    stats = self._site(site, grad_out.device)
+                    for n in names:
+                        if sums[n] is not None:
+                            stats.add(f"d{n}", sums[n])
+                    stats.add_nonfinite_inputs({"grad_out": count_nonfinite(grad_out)})
+        except Exception as err:
+            self._failed(site, err)
+
+    # ---------------------------------------------------------------------------------------
+    # Bookkeeping and reading
+    # ---------------------------------------------------------------------------------------
+
+    def _site(self, site: str, device: torch.device) -> DeviationStats:
+        stats = self._stats.get(site)
+        if stats is None:
+            stats = self._stats[site] = DeviationStats(device, golden=self.golden)
+        return stats
+
+    def _failed(self, site: str, err: BaseException) -> None:
+        self._errors[site] = self._errors.get(site, 0) + 1
+        self._warn_once(
+            ("error", site),
+            f"flashprobe: the shadow computation at site {site!r} failed and was skipped "
+            f"({type(err).__name__}: {err}); the model's output is unaffected. Further failures at "
+            "this site are counted in stats()[site]['shadow_errors']",
+        )
+
+    def _warn_once(self, key: Any, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, ProbeWarning, stacklevel=4)
+
+    @property
+    def sites(self) -> list[str]:
+        """Sites with recorded statistics, in the order they were first recorded."""
+        return list(self._stats)
+
+    def stat_tensors(self) -> dict[str, torch.Tensor]:
+        """Copies of the raw per-site accumulators (layout in :mod:`flashprobe.probe.stats`).
+
+        For distributed training: all-reduce ``t[:N_MAX]`` with MAX and ``t[N_MAX:]`` with SUM,
+        then pass the result to :meth:`stats` (``stats(tensors=...)``).
+        """
+        return {site: s.values.clone() for site, s in self._stats.items()}
+
+    def stats(
+        self, tensors: Mapping[str, torch.Tensor] | None = None, *, flat: bool = False
+    ) -> dict[str, Any]:
+        """Per-site statistics as plain Python data (one host copy for all sites).
+
+        Args:
+            tensors: accumulators to read instead of this shadow's own (e.g. all-reduced copies
+                of :meth:`stat_tensors`).
+            flat: flatten each site's nested dict to ``"out.primary_golden.max_abs"``-style keys.
+
+        Returns:
+            ``{site: {"forward": ..., "backward": ..., "nonfinite_inputs": ...,
+            "shadow_errors": n, "dropout_calls": n}}``; see :func:`flashprobe.probe.stats.stats_dict`.
+        """
+        source = {s: v.values for s, v in self._stats.items()} if tensors is None else dict(tensors)
+        if not source:
+            return {}
+        device = next(iter(source.values())).device
+        rows = torch.stack([t.detach().to(device, torch.float64) for t in source.values()]).tolist()
+        result: dict[str, Any] = {}
+        for site, values in zip(source, rows, strict=True):
+            entry = stats_dict(values, golden=self.golden)
+            entry["shadow_errors"] = self._errors.get(site, 0)
+            entry["dropout_calls"] = self._dropout_calls.get(site, 0)
+            result[site] = _flatten(entry) if flat else entry
+        return result
+
+    def summary(self, stats: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Worst values over all sites, as plain Python data.
+
+        Returns:
+            ``sites``, ``forward_calls``, ``backward_calls``, ``max_error_ratio`` (forward) and
+            ``max_error_ratio_site``, ``max_call_error_ratio``, ``max_backward_error_ratio`` and
+            its site, ``max_abs`` per pair (forward), ``nonfinite`` (all pairs, directions and
+            inputs), ``nonfinite_sites``, ``shadow_errors``.
+        """
+        stats = self.stats() if stats is None else stats
+        fwd = {s: e["forward"]["out"] for s, e in stats.items()}
+        bwd = {(s, d): e["backward"][d] for s, e in stats.items() for d in ("dq", "dk", "dv")}
+        ratio_site = _argworst({s: f["error_ratio"] for s, f in fwd.items()})
+        bwd_site = _argworst({k: b["error_ratio"] for k, b in bwd.items()})
+        nonfinite_sites = []
+        total_nonfinite = 0
+        for site, e in stats.items():
+            n = sum(e["nonfinite_inputs"].values())
+            for d in (e["forward"]["out"], *(e["backward"][x] for x in ("dq", "dk", "dv"))):
+                n += sum(
+                    d[p]["nonfinite"]
+                    for p in ("primary_baseline", "primary_golden", "baseline_golden")
+                    if d[p]
+                )
+            total_nonfinite += n
+            if n:
+                nonfinite_sites.append(site)
+        return {
+            "sites": len(stats),
+            "forward_calls": sum(e["forward"]["calls"] for e in stats.values()),
+            "backward_calls": sum(e["backward"]["calls"] for e in stats.values()),
+            "max_error_ratio": None if ratio_site is None else fwd[ratio_site]["error_ratio"],
+            "max_error_ratio_site": ratio_site,
+            "max_call_error_ratio": worst([f["max_call_error_ratio"] for f in fwd.values()]),
+            "max_backward_error_ratio": None if bwd_site is None else bwd[bwd_site]["error_ratio"],
+            "max_backward_error_ratio_site": None if bwd_site is None else f"{bwd_site[0]}:{bwd_site[1]}",
+            "max_abs": {
+                pair: worst([f[pair]["max_abs"] if f[pair] else None for f in fwd.values()])
+                for pair in ("primary_baseline", "primary_golden", "baseline_golden")
+            },
+            "nonfinite": total_nonfinite,
+            "nonfinite_sites": nonfinite_sites,
+            "shadow_errors": sum(e["shadow_errors"] for e in stats.values()),
+        }
+
+    def reset(self) -> None:
+        """Zero every site's statistics (on device, no sync); sites stay known."""
+        for s in self._stats.values():
+            s.reset()
+        self._errors.clear()
+        self._dropout_calls.clear()
+
+
+def _detached(call: SdpaCall) -> SdpaCall:
+    mask = call.attn_mask.detach() if isinstance(call.attn_mask, torch.Tensor) else call.attn_mask
+    return call.replace(
+        query=call.query.detach(), key=call.key.detach(), value=call.value.detach(), attn_mask=mask
+    )
+
+
+def _combine(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
+    """Fold one chunk's ``(6, P)`` pair sums into the call's: max of row 0, sums of the rest."""
+    if total is None:
+        return part
+    return torch.cat((torch.maximum(total[:1], part[:1]), total[1:] + part[1:]))
+
+
+def _argworst(values: Mapping[Any, float | None]) -> Any:
+    best = worst(list(values.values()))
+    if best is None:
+        return None
+    return next(k for k, v in values.items() if v is best or v == best)
+
+
+def _flatten(entry: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in entry.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat

@@ -1,0 +1,61 @@
+"""Bad input fails at attach time with a clear message; shadow failures never reach the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashprobe.kernels import KernelSpecError, KernelUnavailableError, register_kernel
+from flashprobe.probe import ProbeWarning, ShadowAttention, probe, use_kernel
+
+from ._models import TinyTransformer
+from .test_sites import Direct
+
+_ORIGINAL = F.scaled_dot_product_attention
+
+
+@pytest.mark.parametrize("attach", [lambda m, s: probe(m, primary=s), lambda m, s: use_kernel(m, s)])
+def test_kernel_errors_at_attach_time(attach) -> None:
+    model = TinyTransformer()
+    with pytest.raises(KernelUnavailableError, match=r"flash_attn.*(CUDA|not installed)"):
+        attach(model, "flash_attn")
+    with pytest.raises(KernelUnavailableError, match="sdpa_efficient"):
+        attach(model, "sdpa_efficient")
+    with pytest.raises(KernelSpecError, match=r"unknown kernel 'flash'.*available:"):
+        attach(model, "flash")
+    with pytest.raises(KernelSpecError, match="no option 'block'"):
+        attach(model, "tiled:block=4")
+    assert F.scaled_dot_product_attention is _ORIGINAL  # nothing was attached
+
+
+def test_bad_probe_arguments() -> None:
+    model = Direct()
+    with pytest.raises(KernelSpecError):
+        probe(model, baseline="nope")
+    with pytest.raises(ValueError, match="every_n_calls"):
+        probe(model, every_n_calls=0)
+    with pytest.raises(ValueError, match="dropout"):
+        probe(model, dropout="ignore")
+    with pytest.raises(ValueError, match="sites"):
+        probe(model, sites=["!"])
+    with pytest.raises(ValueError, match="chunk_elements"):
+        probe(model, chunk_elements=0)
+    with pytest.raises(TypeError, match=r"nn\.Module"):
+        probe(lambda x: x)  # type: ignore[arg-type]
+    assert F.scaled_dot_product_attention is _ORIGINAL
+
+
+def test_failing_shadow_is_counted_not_raised() -> None:
+    def broken(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+        raise RuntimeError("boom")
+
+    register_kernel("broken_for_probe_test", broken, overwrite=True)
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    shadow = ShadowAttention(None, "broken_for_probe_test")
+    with pytest.warns(ProbeWarning, match="failed and was skipped.*boom"):
+        out = shadow(q, k, v)
+    shadow(q, k, v)
+    assert torch.equal(out, _ORIGINAL(q, k, v))
+    assert shadow.stats() == {}  # nothing recorded
+    assert shadow._errors == {"attention": 2}

@@ -1,0 +1,43 @@
+"""The example script and ``flashprobe bench overhead`` run end to end (tiny settings)."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashprobe.bench.overhead import main as overhead_main
+from flashprobe.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_example_prints_a_table_per_site(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["probe_any_model.py", "--steps", "1"])
+    runpy.run_path(str(ROOT / "examples" / "probe_any_model.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    for i in range(3):
+        assert f"1.layers.{i}.self_attn" in out
+    assert "passes the 2x rule" in out
+
+
+def test_overhead_bench_writes_rows_and_figure(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    figure = tmp_path / "fig" / "overhead.png"
+    argv = ["--steps", "2", "--warmup", "1", "--every", "2", "--batch", "1", "--seq-len", "8"]
+    argv += ["--d-model", "16", "--heads", "2", "--layers", "1", "--backward", "--out", str(tmp_path)]
+    assert overhead_main([*argv, "--figure", str(figure)]) == 0
+    doc = json.loads((tmp_path / "overhead.json").read_text())
+    rows = {row["mode"]: row for row in doc["rows"]}
+    assert list(rows) == ["no_probe", "control", "probe", "probe_every_2"]
+    assert rows["no_probe"]["ratio_vs_no_probe"] == 1 and rows["control"]["ratio_vs_control"] == 1
+    assert all(row["step_ms"] > 0 and row["steps"] == 2 for row in rows.values())
+    assert rows["probe"]["compared_calls"] == 3  # 1 layer x (1 warm-up + 2 timed) steps
+    assert rows["probe_every_2"]["compared_calls"] == 2  # warm-up and step 0
+    assert {c["mode"] for c in doc["floors"]} == {"probe", "probe_every_2"}
+    assert figure.stat().st_size > 1000 and (tmp_path / "overhead.csv").exists()
+    assert cli_main(["bench", "overhead", "--steps", "0"]) == 2  # bad input: one clear error

@@ -1,0 +1,244 @@
+"""Statistics against independent float64 computations, non-finite handling, chunking, DDP layout."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashprobe.probe.shadow as shadow_module
+import flashprobe.probe.stats as stats_module
+from flashprobe.deviation import deviation_tensors
+from flashprobe.kernels import get_kernel, math_attention
+from flashprobe.probe import N_MAX, ProbeWarning, ShadowAttention, probe
+from flashprobe.probe.stats import pair_sums
+
+from .test_sites import Direct
+
+
+def _qkv(b=2, h=2, n=7, d=8, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, h, n, d, generator=gen, dtype=torch.float64).to(dtype) for _ in range(3))
+
+
+def _np_attention(q, k, v, scale):
+    """Float64 attention in numpy, with its hand-derived gradients for a given output gradient."""
+    q, k, v = (np.asarray(t, dtype=np.float64) for t in (q, k, v))
+    s = q @ np.swapaxes(k, -1, -2) * scale
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = p @ v
+
+    def grads(do):
+        do = np.asarray(do, dtype=np.float64)
+        dp = do @ np.swapaxes(v, -1, -2)
+        ds = p * (dp - (do * out).sum(-1, keepdims=True))
+        return ds @ k * scale, np.swapaxes(ds, -1, -2) @ q * scale, np.swapaxes(p, -1, -2) @ do
+
+    return out, grads
+
+
+def _np_dev(a, b):
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    fin = np.isfinite(a) & np.isfinite(b)
+    d = np.abs(np.where(fin, a - b, 0.0))
+    ref = np.where(fin, b, 0.0)
+    return {
+        "max_abs": d.max(),
+        "mean_abs": d.sum() / fin.sum(),
+        "rel_l2": math.sqrt((d**2).sum() / (ref**2).sum()),
+        "nonfinite": int((~fin).sum()),
+    }
+
+
+def _check(got, want, rel=1e-9):
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=rel, abs=1e-300), key
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pair_sums_match_deviation_tensors_with_nonfinite(dtype, monkeypatch) -> None:
+    monkeypatch.setattr(stats_module, "STATS_CHUNK_CPU", 37)  # exercise the chunk loop
+    gen = torch.Generator().manual_seed(1)
+    g = torch.randn(3, 5, 11, generator=gen, dtype=torch.float64)
+    p = (g + 1e-2 * torch.randn(g.shape, generator=gen, dtype=torch.float64)).to(dtype)
+    b = (g + 1e-2 * torch.randn(g.shape, generator=gen, dtype=torch.float64)).to(dtype)
+    p[0, 0, :3] = float("nan")
+    b[1, 2, 4] = float("inf")
+    g[2, 1, 0] = float("-inf")
+    got = pair_sums(p, b, g)
+    for j, (x, y) in enumerate(((p, b), (p, g), (b, g))):
+        want = deviation_tensors(x.double(), y)
+        for i, name in enumerate(("max_abs", "sum_abs", "sum_sq_diff", "sum_sq_ref", "nonfinite", "count")):
+            assert got[i, j].item() == pytest.approx(want[name].item(), rel=1e-12), (j, name)
+    assert torch.isfinite(got).all()
+
+
+def test_forward_stats_against_numpy_float64() -> None:
+    q, k, v = _qkv()
+    primary = get_kernel("tiled:block_q=3,block_k=4")
+    shadow = ShadowAttention(primary, "math", golden=True)
+    out = shadow(q, k, v, scale=0.3)
+    assert torch.equal(out, primary(q, k, v, scale=0.3))  # the model gets the primary's output
+    golden, _ = _np_attention(q, k, v, 0.3)
+    base = math_attention(q, k, v, scale=0.3)
+    got = shadow.stats()["attention"]["forward"]["out"]
+    _check(got["primary_baseline"], _np_dev(out, base))
+    _check(got["primary_golden"], _np_dev(out, golden), rel=1e-6)
+    _check(got["baseline_golden"], _np_dev(base, golden), rel=1e-6)
+    want_ratio = _np_dev(out, golden)["max_abs"] / _np_dev(base, golden)["max_abs"]
+    assert got["error_ratio"] == pytest.approx(want_ratio, rel=1e-6)
+    assert got["max_call_error_ratio"] == pytest.approx(want_ratio, rel=1e-6)
+
+
+def test_backward_stats_against_hand_computed_gradients() -> None:
+    q, k, v = (t.requires_grad_() for t in _qkv(b=1, n=6))
+    gen = torch.Generator().manual_seed(5)
+    grad_out = torch.randn(1, 2, 6, 8, generator=gen)
+    model = Direct()
+    with probe(model, backward=True) as p:
+        out = model(q, k, v)
+    out.backward(grad_out)
+    primary = {"dq": q.grad, "dk": k.grad, "dv": v.grad}
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    base = dict(
+        zip(("dq", "dk", "dv"), torch.autograd.grad(math_attention(*leaves), leaves, grad_out), strict=True)
+    )
+    _, np_grads = _np_attention(q.detach(), k.detach(), v.detach(), 1 / math.sqrt(8))
+    golden = dict(zip(("dq", "dk", "dv"), np_grads(grad_out), strict=True))
+    got = p.stats()[p.sites[0]]["backward"]
+    assert got["calls"] == 1
+    for name in ("dq", "dk", "dv"):
+        _check(got[name]["primary_baseline"], _np_dev(primary[name], base[name]))
+        _check(got[name]["primary_golden"], _np_dev(primary[name], golden[name]), rel=1e-6)
+        _check(got[name]["baseline_golden"], _np_dev(base[name], golden[name]), rel=1e-6)
+
+
+def test_nonfinite_inputs_are_counted_without_raising() -> None:
+    q, k, v = _qkv(b=1)
+    q[0, 1, 3, 2] = float("nan")  # poisons one output row of head 1
+    shadow = ShadowAttention(None, "math", golden=True)
+    out = shadow(q, k, v)  # no exception
+    entry = shadow.stats()["attention"]
+    assert entry["nonfinite_inputs"] == {"q": 1, "k": 0, "v": 0, "grad_out": 0}
+    fwd = entry["forward"]["out"]
+    golden, _ = _np_attention(q, k, v, 1 / math.sqrt(8))
+    rows = np.isnan(golden)  # the poisoned row; torch's CPU flash kernel returns 0 there, not NaN
+    assert rows.sum() == 8
+    finite = ~rows
+    for pair in ("primary_baseline", "primary_golden", "baseline_golden"):
+        assert fwd[pair]["nonfinite"] == 8, pair
+        assert math.isfinite(fwd[pair]["max_abs"]), pair
+    want = np.abs(out.double().numpy() - golden)[finite].max()
+    assert fwd["primary_golden"]["max_abs"] == pytest.approx(want, rel=1e-9)
+    assert math.isfinite(fwd["error_ratio"])
+    summary = shadow.summary()
+    assert summary["nonfinite"] == 1 + 3 * 8 and summary["nonfinite_sites"] == ["attention"]
+
+
+def test_chunked_references_bound_memory_and_agree(monkeypatch) -> None:
+    seen = []
+    real = shadow_module.golden_attention
+
+    def spy(q, k, v, **kw):
+        seen.append(q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(shadow_module, "golden_attention", spy)
+    q, k, v = (t.requires_grad_() for t in _qkv(b=3, n=20))
+    grad_out = torch.randn(3, 2, 20, 8, generator=torch.Generator().manual_seed(2))
+    results, calls = {}, {}
+    # whole tensor; one (batch, head) per chunk (exact); 5 query rows per chunk
+    for chunk in (10**9, 400, 100):
+        seen.clear()
+        shadow = ShadowAttention(None, "math", backward=True, chunk_elements=chunk)
+        shadow(q, k, v, is_causal=True).backward(grad_out)
+        results[chunk] = shadow.stats()["attention"]
+        calls[chunk] = len(seen)
+        assert max(seen) <= chunk
+    assert calls == {10**9: 2, 400: 2 * 6, 100: 2 * 6 * 4}  # forward + backward golden calls
+    parts = (("forward", "out"), ("backward", "dq"), ("backward", "dk"), ("backward", "dv"))
+    whole = results[10**9]
+    for direction, part in parts:
+        for pair in ("primary_baseline", "primary_golden", "baseline_golden"):
+            got, want = results[400][direction][part][pair], whole[direction][part][pair]
+            assert got["max_abs"] == pytest.approx(want["max_abs"], rel=1e-6), (part, pair)
+            assert got["rel_l2"] == pytest.approx(want["rel_l2"], rel=1e-6), (part, pair)
+        # Row chunks: golden unchanged; the fp32 baseline sums dk, dv over chunks, so only its
+        # rounding differs.
+        rows = results[100][direction][part]
+        assert rows["primary_golden"]["max_abs"] == pytest.approx(
+            whole[direction][part]["primary_golden"]["max_abs"]
+        )
+        assert (
+            0.2
+            < rows["baseline_golden"]["max_abs"] / whole[direction][part]["baseline_golden"]["max_abs"]
+            < 5
+        )
+
+
+def test_stat_tensors_reduce_like_one_run() -> None:
+    """Two 'ranks' reduced with MAX over [:N_MAX] and SUM over [N_MAX:] equal one probe over both."""
+    batches = [_qkv(seed=s) for s in (1, 2)]
+    ranks = []
+    for batch in batches:
+        shadow = ShadowAttention()
+        shadow(*batch)
+        ranks.append(shadow.stat_tensors()["attention"])
+    reduced = torch.cat(
+        (torch.maximum(ranks[0][:N_MAX], ranks[1][:N_MAX]), ranks[0][N_MAX:] + ranks[1][N_MAX:])
+    )
+    both = ShadowAttention()
+    for batch in batches:
+        both(*batch)
+    got = both.stats({"attention": reduced})["attention"]
+    want = both.stats()["attention"]
+    assert got["forward"]["calls"] == 2
+    for pair in ("primary_baseline", "primary_golden", "baseline_golden"):
+        for key, value in want["forward"]["out"][pair].items():
+            assert got["forward"]["out"][pair][key] == pytest.approx(value, rel=1e-12)
+    flat = both.stats(flat=True)["attention"]
+    assert flat["forward.out.primary_golden.max_abs"] == want["forward"]["out"]["primary_golden"]["max_abs"]
+
+
+def test_sdpa_arguments_are_forwarded_faithfully() -> None:
+    """GQA, additive and bool masks, scale and 3-D inputs reach the kernel as SDPA sees them."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 5, 8, generator=gen)
+    k, v = torch.randn(2, 2, 7, 8, generator=gen), torch.randn(2, 2, 7, 6, generator=gen)
+    additive = torch.randn(5, 7, generator=gen)
+    keep = torch.rand(2, 1, 5, 7, generator=gen) > 0.3
+    model = Direct()
+    cases = [
+        dict(enable_gqa=True, attn_mask=additive, scale=0.2),
+        dict(enable_gqa=True, attn_mask=keep),
+        dict(enable_gqa=True, is_causal=True),
+    ]
+    for kwargs in cases:
+        want = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        shadow = ShadowAttention("math")
+        assert torch.allclose(shadow(q, k, v, **kwargs), want, atol=1e-6), kwargs
+        assert shadow.stats()["attention"]["forward"]["out"]["primary_baseline"]["max_abs"] == 0
+    q3, k3, v3 = q[0], k[0].repeat_interleave(2, 0), v[0].repeat_interleave(2, 0)  # (H, N, D)
+    with probe(model, primary="math") as p:
+        got = F.scaled_dot_product_attention(q3, k3, v3)  # outside: untouched
+        assert torch.allclose(model.forward.__func__(model, q3, k3, v3), got)
+    assert p.calls == {}  # forward called directly, not through __call__: not attributed
+
+
+def test_without_golden_and_with_dropout_skip() -> None:
+    q, k, v = _qkv()
+    shadow = ShadowAttention("tiled", golden=False)
+    assert shadow.summary()["max_error_ratio"] is None  # nothing recorded yet
+    shadow(q, k, v)
+    out = shadow.stats()["attention"]["forward"]["out"]
+    assert out["primary_golden"] is None and out["baseline_golden"] is None and out["error_ratio"] is None
+    assert 0 < out["primary_baseline"]["max_abs"] < 1e-5
+    skipping = ShadowAttention(dropout="skip")
+    with pytest.warns(ProbeWarning, match="skipping"):
+        skipping(q, k, v, dropout_p=0.5)
+    entry = skipping.stats()["attention"]
+    assert entry["dropout_calls"] == 1 and entry["forward"]["calls"] == 0

@@ -1,0 +1,62 @@
+"""No host synchronisation per attention call: the probe adds no host reads to a training step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashprobe.probe import probe
+
+from ._models import TinyTransformer
+
+# Tensor methods that copy a value to the host (a device synchronisation on CUDA).
+_SYNCING = ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__float__", "__int__", "__index__")
+
+
+def _count_host_reads(monkeypatch: pytest.MonkeyPatch, fn) -> dict[str, int]:
+    counts = dict.fromkeys(_SYNCING, 0)
+    for name in _SYNCING:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            counts[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    fn()
+    monkeypatch.undo()
+    return counts
+
+
+def test_probe_adds_no_host_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    x = torch.randn(2, 6, 4)
+
+    def step() -> None:
+        model(x).sum().backward()
+
+    step()  # warm-up
+    plain = _count_host_reads(monkeypatch, step)
+    with probe(model, backward=True, golden=True) as p:
+        probed = _count_host_reads(monkeypatch, step)
+        stats = p.stats()  # reading is one host copy, outside the step
+    assert probed == plain
+    assert stats["block"]["backward"]["calls"] == 1  # the probe did run, forward and backward
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA device")
+def test_probe_step_has_no_cuda_sync() -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer().cuda()
+    x = torch.randn(2, 6, 4, device="cuda")
+    with probe(model, backward=True, golden=True) as p:
+        model(x).sum().backward()  # warm-up (lazy CUDA init may sync)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            model(x).sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert p.stats()["block"]["forward"]["calls"] == 2
