@@ -1,0 +1,390 @@
+"""``AttentionProbe``: the shadow attention probe inside any Lightning ``Trainer``.
+
+At fit start it builds :func:`flashprobe.probe.probe` for the ``LightningModule`` (checking that
+every kernel can run there); during training batches every ``scaled_dot_product_attention`` call
+made inside the module is compared with the baseline and the FP64 golden value (validation and
+sampling run the primary alone). It advances the probe's step with ``trainer.global_step``, and every
+``log_every_n_steps`` reads the statistics once, reduces them across ranks (max of maxima, sum of
+sums), logs them to every logger of the Trainer and appends one JSON line to
+``DIRPATH/probe.jsonl``. It detaches at the end of fit. Its state (last logged step) goes into
+checkpoints, so a resumed run continues ``probe.jsonl`` without duplicate lines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from flashprobe.kernels import get_kernel
+from flashprobe.probe import N_MAX, Probe, probe
+
+__all__ = ["AttentionProbe"]
+
+log = logging.getLogger(__name__)
+
+_PRECISION_DTYPES = {
+    "bf16-mixed": torch.bfloat16,
+    "bf16-true": torch.bfloat16,
+    "16-mixed": torch.float16,
+    "16-true": torch.float16,
+    "64-true": torch.float64,
+}
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class AttentionProbe(Callback):
+    """Compare the model's attention kernel with the baseline at every call during training.
+
+    Args:
+        primary: kernel spec whose output the model receives; ``None`` (default) keeps the kernel
+            the model already uses (a :func:`~flashprobe.probe.use_kernel` route, else torch SDPA).
+        baseline: kernel spec computed beside it, at the same dtype.
+        golden: also compute the FP64 golden value and the error ratio.
+        backward: also compare ``dq, dk, dv`` using the model's own output gradient.
+        every_n_steps: probe one training step in ``n`` (others run the primary only).
+        every_n_calls: within a probed step, compare every n-th call of each site.
+        sites: glob patterns of sites (module paths) to compare; ``"!pattern"`` excludes.
+        log_every_n_steps: read, log and reset the statistics every n steps; default: the
+            Trainer's ``log_every_n_steps``.
+        dirpath: directory of ``probe.jsonl``; default: ``trainer.log_dir`` or
+            ``trainer.default_root_dir``.
+        filename: name of the JSON-lines file.
+        log_sites: also log every site's statistics as scalars (else only the summary).
+
+    Raises:
+        ValueError: a non-positive interval or an empty filename, naming the argument.
+        KernelSpecError: an unknown kernel spec (at construction, before any training).
+        KernelUnavailableError: at fit start, a kernel that cannot run on the model's device
+            or dtype (e.g. ``flash_attn`` on CPU).
+    """
+
+    def __init__(
+        self,
+        primary: str | None = None,
+        baseline: str = "math",
+        golden: bool = True,
+        *,
+        backward: bool = False,
+        every_n_steps: int = 1,
+        every_n_calls: int = 1,
+        sites: str | Sequence[str] | None = None,
+        log_every_n_steps: int | None = None,
+        dirpath: str | os.PathLike[str] | None = None,
+        filename: str = "probe.jsonl",
+        log_sites: bool = True,
+    ) -> None:
+        for name, value in (
+            ("every_n_steps", every_n_steps),
+            ("every_n_calls", every_n_calls),
+            ("log_every_n_steps", 1 if log_every_n_steps is None else log_every_n_steps),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"AttentionProbe: {name}={value!r} must be a positive int")
+        if not filename:
+            raise ValueError("AttentionProbe: filename must be a non-empty file name, e.g. 'probe.jsonl'")
+        for spec in (primary, baseline):
+            if spec is not None:
+                get_kernel(spec)  # unknown kernels or options fail here, not at the first step
+        self.primary = primary
+        self.baseline = baseline
+        self.golden = golden
+        self.backward = backward
+        self.every_n_steps = every_n_steps
+        self.every_n_calls = every_n_calls
+        self.sites = sites
+        self.log_every_n_steps = log_every_n_steps
+        self.dirpath = None if dirpath is None else Path(dirpath)
+        self.filename = filename
+        self.log_sites = log_sites
+        self.last_logged_step = -1
+        self.records = 0
+        self.last_summary: dict[str, Any] = {}
+        self._probe: Probe | None = None
+        self._path: Path | None = None
+        self._file_checked = False
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(primary=self.primary, baseline=self.baseline, filename=self.filename)
+
+    @property
+    def probe(self) -> Probe | None:
+        """The attached probe handle (``None`` outside fit)."""
+        return self._probe
+
+    # ------------------------------------------------------------------------------ lifecycle
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        dtype = _PRECISION_DTYPES.get(str(trainer.precision))
+        # Attaching checks every kernel on the model's device and dtype now, before any step.
+        self._probe = probe(
+            pl_module,
+            self.primary,
+            self.baseline,
+            self.golden,
+            backward=self.backward,
+            every_n_calls=self.every_n_calls,
+            every_n_steps=self.every_n_steps,
+            sites=self.sites,
+            dtype=dtype,
+        )
+        self._probe.detach()  # only training batches are probed: attached at each batch start
+        root = self.dirpath or Path(trainer.log_dir or trainer.default_root_dir)
+        self._path = root / self.filename
+        self._file_checked = False
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._detach()
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._detach()
+
+    def _detach(self) -> None:
+        if self._probe is not None:
+            self._probe.detach()
+            self._probe = None
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._probe is not None:
+            self._probe.attach()
+            self._probe.set_step(trainer.global_step)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Validation and sampling calls run the primary only; the probe re-attaches at the next batch.
+        if self._probe is not None:
+            self._probe.detach()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._probe is None:
+            return
+        step = trainer.global_step
+        every = self.log_every_n_steps or trainer.log_every_n_steps or 1
+        last_batch = trainer.max_steps != -1 and step >= trainer.max_steps
+        if step <= self.last_logged_step or (step % every and not last_batch):
+            return
+        self._flush(trainer, pl_module, step)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Steps probed since the last logging step (e.g. max_epochs runs) are not lost.
+        if self._probe is not None and trainer.global_step > self.last_logged_step:
+            self._flush(trainer, pl_module, trainer.global_step)
+
+    # ------------------------------------------------------------------------------- reading
+    def _reduced_tensors(self, trainer: pl.Trainer) -> dict[str, torch.Tensor]:
+        """The per-site accumulators, all-reduced across ranks (MAX for maxima, SUM for sums)."""
+        assert self._probe is not None
+        local = self._probe.stat_tensors()
+        if (
+            trainer.world_size <= 1
+            or not torch.distributed.is_available()
+            or not torch.distributed.is_initialized()
+        ):
+            return local
+        gathered: list[list[str]] = [[] for _ in range(trainer.world_size)]
+        torch.distributed.all_gather_object(gathered, sorted(local))
+        sites = sorted({s for names in gathered for s in names})
+        width = next(iter(local.values())).numel() if local else None
+        if width is None:  # this rank recorded nothing: borrow the layout from the probe module
+            from flashprobe.probe import FIELDS
+
+            width = len(FIELDS)
+        device = trainer.strategy.root_device
+        table = (
+            torch.stack(
+                [
+                    local[s].detach().to(device, torch.float64)
+                    if s in local
+                    else torch.zeros(width, dtype=torch.float64, device=device)
+                    for s in sites
+                ]
+            )
+            if sites
+            else torch.zeros(0, width, dtype=torch.float64, device=device)
+        )
+        maxima, sums = table[:, :N_MAX].contiguous(), table[:, N_MAX:].contiguous()
+        torch.distributed.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM)
+        reduced = torch.cat([maxima, sums], dim=1)
+        return {s: reduced[i] for i, s in enumerate(sites)}
+
+    def _flush(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+        assert self._probe is not None
+        tensors = self._reduced_tensors(trainer)
+        stats = self._probe.stats(tensors)
+        summary = self._probe.summary(stats)
+        summary["step"] = step
+        self._probe.reset()
+        self.last_logged_step = step
+        if not stats:
+            return
+        self.last_summary = summary
+        ratio = summary.get("max_error_ratio")
+        if ratio is not None and math.isfinite(ratio):
+            pl_module.log(
+                "probe/err_ratio",
+                float(ratio),
+                prog_bar=True,
+                on_step=True,
+                on_epoch=False,
+                rank_zero_only=True,
+            )
+        if trainer.is_global_zero:
+            self._log_to_loggers(trainer, stats, summary, step)
+            self._append(step, stats, summary)
+
+    def _log_to_loggers(
+        self, trainer: pl.Trainer, stats: dict[str, Any], summary: dict[str, Any], step: int
+    ) -> None:
+        metrics: dict[str, float] = {}
+        for key in ("max_error_ratio", "max_call_error_ratio", "max_backward_error_ratio", "nonfinite"):
+            value = summary.get(key)
+            if value is not None:
+                metrics[f"probe/{key}"] = float(value)
+        for pair, value in (summary.get("max_abs") or {}).items():
+            if value is not None:
+                metrics[f"probe/max_abs/{pair}"] = float(value)
+        if self.log_sites:
+            metrics.update(_flatten_sites(stats))
+        metrics = {k: v for k, v in metrics.items() if v is not None and math.isfinite(v)}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+            log_table = getattr(logger, "log_table", None)
+            if log_table is not None and type(logger).__name__ == "WandbLogger":
+                columns, rows = _site_table(stats)
+                log_table(key="probe/sites", columns=columns, data=rows, step=step)
+
+    def _append(self, step: int, stats: dict[str, Any], summary: dict[str, Any]) -> None:
+        assert self._path is not None
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        if not self._file_checked:
+            self._drop_lines_after_resume()
+            self._file_checked = True
+        record = {"step": step, "summary": summary, "sites": stats}
+        line = json.dumps(_clean(record))
+        with self._path.open("a") as f:
+            f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.records += 1
+
+    def _drop_lines_after_resume(self) -> None:
+        """On a fresh run start a new file; on a resumed run keep only lines up to the checkpoint."""
+        assert self._path is not None
+        if not self._path.exists():
+            return
+        keep_upto = self._resumed_from
+        kept = []
+        if keep_upto is not None:
+            for line in self._path.read_text().splitlines():
+                if line.strip() and json.loads(line)["step"] <= keep_upto:
+                    kept.append(line)
+        _atomic_write_text(self._path, "".join(f"{line}\n" for line in kept))
+
+    # ---------------------------------------------------------------------------- checkpoints
+    _resumed_from: int | None = None
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_logged_step": self.last_logged_step, "records": self.records}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.last_logged_step = state_dict.get("last_logged_step", -1)
+        self.records = state_dict.get("records", 0)
+        self._resumed_from = self.last_logged_step
+
+
+def _clean(x: Any) -> Any:
+    """JSON-safe copy: non-finite floats become strings ``"nan"``/``"inf"``/``"-inf"``."""
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return x
+
+
+def _flatten_sites(stats: dict[str, Any]) -> dict[str, float]:
+    """``probe/<site>/out/primary_golden/max_abs``-style scalars of every site (None dropped)."""
+    flat: dict[str, float] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}/{k}", v)
+        elif isinstance(node, int | float) and not isinstance(node, bool):
+            flat[prefix] = float(node)
+
+    for site, entry in stats.items():
+        walk(f"probe/{site}/forward", entry["forward"]["out"])
+        if entry["backward"]["calls"]:
+            for d in ("dq", "dk", "dv"):
+                walk(f"probe/{site}/backward/{d}", entry["backward"][d])
+    return flat
+
+
+def _site_table(stats: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    """One row per site: calls, forward max_abs of each pair, error ratio, non-finite inputs."""
+    columns = [
+        "site",
+        "calls",
+        "primary_vs_baseline_max",
+        "primary_vs_golden_max",
+        "baseline_vs_golden_max",
+        "error_ratio",
+        "nonfinite_inputs",
+    ]
+    rows = []
+    for site, entry in stats.items():
+        out = entry["forward"]["out"]
+
+        def mx(pair: str, out: dict[str, Any] = out) -> float | None:
+            return out[pair]["max_abs"] if out.get(pair) else None
+
+        rows.append(
+            [
+                site,
+                entry["forward"]["calls"],
+                mx("primary_baseline"),
+                mx("primary_golden"),
+                mx("baseline_golden"),
+                out.get("error_ratio"),
+                sum(entry["nonfinite_inputs"].values()),
+            ]
+        )
+    return columns, rows

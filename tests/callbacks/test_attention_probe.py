@@ -1,0 +1,102 @@
+"""AttentionProbe in a plain user Trainer (the example), checked against an independent computation."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flashprobe.callbacks import AttentionProbe
+from flashprobe.kernels import KernelSpecError, get_kernel, golden_attention, math_attention
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_example():
+    spec = importlib.util.spec_from_file_location(
+        "lightning_callbacks", ROOT / "examples" / "lightning_callbacks.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_example_trainer_writes_probe_jsonl(tmp_path: Path) -> None:
+    records = _load_example().main(tmp_path, steps=10)
+    assert [r["step"] for r in records] == [5, 10]
+    sites = set(records[0]["sites"])
+    assert sites == {"encoder.layers.0.self_attn", "encoder.layers.1.self_attn"}
+    for r in records:
+        s = r["summary"]
+        assert s["forward_calls"] == 2 * 5  # two layers, five steps per record
+        assert s["backward_calls"] == 2 * 5
+        assert s["nonfinite"] == 0
+        assert 0 < s["max_error_ratio"] < 10 and 0 < s["max_backward_error_ratio"] < 10
+    manifest = json.loads((tmp_path / "snapshots" / "manifest.json").read_text())
+    assert [m["step"] for m in manifest["snapshots"]] == [0, 10]
+
+
+class _Sdpa(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+class _OneAttention(L.LightningModule):
+    """One SDPA call per step on fixed inputs: the probe's numbers can be recomputed by hand."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        super().__init__()
+        self.q, self.k, self.v = q, k, v
+        self.w = nn.Parameter(torch.ones(()))
+        self.attn = _Sdpa()
+
+    def training_step(self, batch, batch_idx):
+        out = self.attn(self.q * self.w, self.k, self.v)
+        return out.sum() * 0.0 + (self.w - 1) ** 2
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.zeros(4, 1), batch_size=1)
+
+
+def test_logged_statistics_match_a_direct_fp64_computation(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 37, 16, generator=g) for _ in range(3))
+    trainer = L.Trainer(
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=2,
+        callbacks=[AttentionProbe(primary="tiled:block_k=8", dirpath=tmp_path)],
+    )
+    trainer.fit(_OneAttention(q, k, v))
+    record = json.loads((tmp_path / "probe.jsonl").read_text().splitlines()[0])
+    ((site, entry),) = record["sites"].items()
+    assert site == "attn"
+    out = entry["forward"]["out"]
+    primary = get_kernel("tiled:block_k=8")(q, k, v)
+    golden = golden_attention(q, k, v)
+    baseline = math_attention(q, k, v)
+    expect_pg = (primary.double() - golden).abs().max().item()
+    expect_bg = (baseline.double() - golden).abs().max().item()
+    assert out["primary_golden"]["max_abs"] == pytest.approx(expect_pg, rel=1e-12)
+    assert out["baseline_golden"]["max_abs"] == pytest.approx(expect_bg, rel=1e-12)
+    assert out["error_ratio"] == pytest.approx(expect_pg / expect_bg, rel=1e-12)
+    assert entry["forward"]["calls"] == 2
+
+
+def test_bad_arguments_fail_at_construction() -> None:
+    with pytest.raises(KernelSpecError, match="unknown kernel"):
+        AttentionProbe(primary="nope")
+    with pytest.raises(ValueError, match="every_n_steps=0 must be a positive int"):
+        AttentionProbe(every_n_steps=0)
