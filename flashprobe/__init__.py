@@ -19,6 +19,8 @@ from flashprobe.kernels import (
     register_kernel,
     tiled_attention,
 )
+from flashprobe.probe import ShadowAttention, probe, use_kernel
+from flashprobe.weights import SnapshotStore, compare_runs, max_abs_diff, wasserstein_distance
 
 __version__ = "0.1.0"
 
@@ -28,13 +30,20 @@ __all__ = [
     "KernelInputError",
     "KernelSpecError",
     "KernelUnavailableError",
+    "ShadowAttention",
+    "SnapshotStore",
     "__version__",
     "available_kernels",
+    "compare_runs",
     "deviation",
     "error_ratio",
     "get_kernel",
     "golden_attention",
     "math_attention",
+    "max_abs_diff",
+    "probe",
     "register_kernel",
     "tiled_attention",
+    "use_kernel",
+    "wasserstein_distance",
 ]
