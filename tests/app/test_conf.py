@@ -1,0 +1,45 @@
+"""Every config group option composes, and every composed config builds its objects."""
+
+from __future__ import annotations
+
+import hydra
+import pytest
+from omegaconf import OmegaConf
+
+from flashprobe.kernels import get_kernel
+from flashprobe.t2i.train import CONF_DIR, compose
+
+GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and not p.name.startswith("_"))
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def test_every_group_has_options() -> None:
+    assert {"attention", "callbacks", "data", "experiment", "logger", "model", "study_run", "trainer"} <= set(
+        GROUPS
+    )
+    for group in GROUPS:
+        assert _options(group), f"conf/{group} has no option"
+
+
+@pytest.mark.parametrize(("group", "option"), [(g, o) for g in GROUPS for o in _options(g)])
+def test_option_composes(group: str, option: str, tmp_path) -> None:
+    cfg = compose([f"{group}={option}"], run_dir=tmp_path)
+    OmegaConf.resolve(cfg)  # every interpolation resolves
+    assert cfg.run_dir == str(tmp_path)
+    if cfg.attention.kernel is not None:
+        get_kernel(cfg.attention.kernel)
+    get_kernel(cfg.attention.probe.baseline)
+    if group == "model":
+        model = hydra.utils.instantiate(cfg.model)
+        assert sum(p.numel() for p in model.parameters()) > 0
+    if group == "study_run":
+        assert cfg.run_name == option
+
+
+def test_experiments_start_with_their_command() -> None:
+    for path in (CONF_DIR / "experiment").glob("*.yaml"):
+        text = path.read_text()
+        assert f"flashprobe train experiment={path.stem}" in text, f"{path.name} does not name its command"
