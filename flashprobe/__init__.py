@@ -19,7 +19,7 @@ from flashprobe.kernels import (
     register_kernel,
     tiled_attention,
 )
-from flashprobe.probe import ShadowAttention, probe, use_kernel
+from flashprobe.probe import ShadowAttention, use_kernel
 from flashprobe.weights import SnapshotStore, compare_runs, max_abs_diff, wasserstein_distance
 
 __version__ = "0.1.0"
@@ -41,7 +41,6 @@ __all__ = [
     "golden_attention",
     "math_attention",
     "max_abs_diff",
-    "probe",
     "register_kernel",
     "tiled_attention",
     "use_kernel",
