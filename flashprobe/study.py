@@ -37,9 +37,11 @@ PAIRS: dict[str, tuple[str, str]] = {
 
 #: Overrides of the embedded default study: short runs of the ~1 M-parameter model on 2 CPU cores.
 STUDY_DEFAULTS: tuple[str, ...] = (
-    "trainer.max_steps=200",
-    "trainer.val_check_interval=200",
-    "callbacks.weight_snapshot.every_n_steps=25",
+    "data.batch_size=32",
+    "trainer.max_steps=120",
+    "trainer.val_check_interval=120",
+    "trainer.log_every_n_steps=20",
+    "callbacks.weight_snapshot.every_n_steps=20",
     "callbacks.checkpoint=null",
     "module.num_samples=8",
     "module.num_sample_steps=20",

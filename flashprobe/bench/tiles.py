@@ -1,0 +1,289 @@
+"""``flashprobe bench tiles``: deviation vs tile size, block order and tile shape (paper Fig 6).
+
+Tile sizes follow the paper: for an on-chip memory of ``M`` elements, ``Bc = ⌈M/4d⌉`` keys and
+``Br = min(⌈M/4d⌉, d)`` queries per tile. The sweep runs ``tiled`` over several ``M`` (so over
+block areas ``Br·Bc``) in four variants:
+
+=========  ===================================================================================
+variant    kernel options added to the spec
+=========  ===================================================================================
+default    ``sram=M``
+swapped    ``sram=M,swap_blocks=true``: Br and Bc exchanged (Fig 6a, block order swapped)
+square     ``sram=M,square=true``: Br = Bc = min(Br, Bc) (Fig 6b)
+loop_q     ``sram=M,loop=q``: outer loop over query tiles (FlashAttention-1 loop order)
+=========  ===================================================================================
+
+Each row is one (variant, M, dtype) with ``block_q``, ``block_k``, ``block_area`` and the
+deviation keys of ``flashprobe bench precision``. Writes ``DIR/tiles.json`` (rows under
+``"rows"``), ``DIR/tiles.csv`` and ``DIR/tiles.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from flashprobe.bench.common import (
+    BenchArgumentError,
+    InputConfig,
+    Primary,
+    Shape,
+    SweepPoint,
+    add_input_args,
+    add_kernel_args,
+    add_output_args,
+    add_shape_args,
+    deviation_sweep,
+    format_table,
+    load_results,
+    parse_device,
+    parse_dtypes,
+    parse_input_config,
+    parse_kernels,
+    parse_seeds,
+    run_cli,
+    write_results,
+)
+from flashprobe.kernels import Kernel, KernelSpecError, dtype_name, get_kernel, tile_sizes
+
+__all__ = [
+    "DEFAULT_BLOCK_K",
+    "TABLE_COLUMNS",
+    "VARIANTS",
+    "build_parser",
+    "main",
+    "tile_kernels",
+    "tiles_rows",
+]
+
+#: Variant name → options added to the base spec (besides ``sram``).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "swapped": {"swap_blocks": True},
+    "square": {"square": True},
+    "loop_q": {"loop": "q"},
+}
+
+#: Default Bc values of the sweep; the SRAM sizes are ``M = 4·d·Bc``.
+DEFAULT_BLOCK_K = (16, 32, 64, 128, 256, 512)
+
+#: Options the sweep sets itself, which the base spec must leave alone.
+_SWEEP_OPTIONS = ("block_q", "block_k", "sram", "swap_blocks", "square", "loop")
+
+_PROG = "flashprobe bench tiles"
+
+#: Columns of the printed table: (row key, header).
+TABLE_COLUMNS = [
+    ("dtype", "dtype"),
+    ("variant", "variant"),
+    ("sram", "M"),
+    ("block_q", "Br"),
+    ("block_k", "Bc"),
+    ("block_area", "Br*Bc"),
+    ("primary_vs_baseline_max", "max|p-b|"),
+    ("primary_vs_golden_max", "max|p-g|"),
+    ("baseline_vs_golden_max", "max|b-g|"),
+    ("error_ratio", "ratio"),
+]
+
+
+def tile_kernels(base: Kernel, head_dim: int, srams: Sequence[int], variants: Sequence[str]) -> list[Primary]:
+    """The kernels of the sweep: ``base`` with ``sram=M`` and each variant's options.
+
+    Args:
+        base: the kernel to vary, ``tiled`` or a kernel with the same tile options.
+        head_dim: d, which with ``M`` fixes the tile sizes.
+        srams: the SRAM sizes M (elements).
+        variants: names from :data:`VARIANTS`.
+
+    Returns:
+        One :class:`~flashprobe.bench.common.Primary` per (variant, M), labelled with
+        ``variant``, ``sram``, ``block_q``, ``block_k``, ``block_area`` and ``kernel``.
+
+    Raises:
+        BenchArgumentError: unknown variant, a base kernel without tile options, a base spec
+            that already sets a tile option, or ``M < 4·d``.
+    """
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise BenchArgumentError(f"unknown variant {unknown[0]!r}; use any of: {', '.join(VARIANTS)}")
+    fixed = [o for o in _SWEEP_OPTIONS if o in base.options]
+    if fixed:
+        raise BenchArgumentError(
+            f"kernel spec {base.spec!r} sets {fixed[0]!r}, which the tiles sweep varies itself; "
+            "drop it from the spec (use --sram to choose the tile sizes)"
+        )
+    primaries = []
+    for variant in variants:
+        for m in srams:
+            options = {**base.options, "sram": m, **VARIANTS[variant]}
+            spec = Kernel(base.name, options).spec
+            try:
+                kernel = get_kernel(spec)
+            except KernelSpecError as err:
+                raise BenchArgumentError(
+                    f"the tiles sweep needs a kernel with tiled's tile options (sram, swap_blocks, "
+                    f"square, loop): {err}"
+                ) from None
+            try:
+                br, bc = tile_sizes(
+                    head_dim,
+                    sram=m,
+                    swap_blocks=options.get("swap_blocks", False),
+                    square=options.get("square", False),
+                )
+            except ValueError as err:
+                raise BenchArgumentError(f"--sram {m}: {err}") from None
+            labels = {
+                "variant": variant,
+                "sram": m,
+                "block_q": br,
+                "block_k": bc,
+                "block_area": br * bc,
+                "kernel": spec,
+            }
+            primaries.append(Primary(kernel, labels))
+    return primaries
+
+
+def tiles_rows(
+    shape: Shape,
+    *,
+    base: Kernel,
+    srams: Sequence[int],
+    variants: Sequence[str],
+    baseline: Kernel,
+    dtypes: Sequence[torch.dtype],
+    seeds: Sequence[int],
+    inputs: InputConfig | None = None,
+    device: torch.device | str = "cpu",
+    is_causal: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Deviation of ``base`` over tile sizes and variants at each dtype (see :func:`tile_kernels`).
+
+    Args:
+        shape: the ``(B, H, N, D)`` input shape.
+        base: the kernel to vary (``tiled``).
+        srams: the SRAM sizes M.
+        variants: names from :data:`VARIANTS`.
+        baseline, dtypes, seeds, inputs, device, is_causal: as in
+            :func:`~flashprobe.bench.precision.precision_rows`.
+        progress: optional callable taking a short message before each (N, dtype).
+
+    Returns:
+        ``(rows, skipped)`` with one row per (variant, M, dtype).
+    """
+    point = SweepPoint(shape, tile_kernels(base, shape.head_dim, srams, variants))
+    return deviation_sweep(
+        [point],
+        baseline=baseline,
+        dtypes=dtypes,
+        seeds=seeds,
+        inputs=inputs or InputConfig(),
+        device=device,
+        is_causal=is_causal,
+        progress=progress,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``flashprobe bench tiles``."""
+    parser = argparse.ArgumentParser(
+        prog="flashprobe bench tiles",
+        description="Deviation of the tiled FlashAttention vs tile size, block order and tile shape "
+        "(paper Fig 6).",
+    )
+    add_kernel_args(parser, default=["tiled"])
+    add_shape_args(parser, batch=1, heads=2, seq_len=1024, head_dim=64)
+    parser.add_argument(
+        "--sram",
+        type=int,
+        nargs="+",
+        metavar="M",
+        help="SRAM sizes M in elements; Bc = ⌈M/4d⌉, Br = min(Bc, d) "
+        f"(default: 4·d·Bc for Bc in {' '.join(map(str, DEFAULT_BLOCK_K))})",
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=list(VARIANTS),
+        metavar="NAME",
+        help=f"variants to run (default: {' '.join(VARIANTS)})",
+    )
+    add_input_args(parser, repeats=3)
+    add_output_args(parser, "tiles", replot=True)
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    from flashprobe.report.bench_figures import plot_tiles
+
+    if args.replot:
+        doc = load_results(args.out, "tiles")
+        print(f"redrew {plot_tiles(doc['rows'], args.out / 'tiles.png')}")
+        return 0
+
+    shape = Shape(batch=args.batch, heads=args.heads, seq_len=args.seq_len, head_dim=args.head_dim)
+    kernels = parse_kernels(args.kernel)
+    if len(kernels) != 1:
+        raise BenchArgumentError(
+            f"the tiles sweep varies one kernel, got {len(kernels)} (--kernel given more than once)"
+        )
+    (baseline,) = parse_kernels([args.baseline])
+    srams = args.sram or [4 * shape.head_dim * bc for bc in DEFAULT_BLOCK_K]
+    dtypes = parse_dtypes(args.dtype)
+    seeds = parse_seeds(args.seed, args.repeats)
+    inputs = parse_input_config(args)
+    start = time.perf_counter()
+    rows, skipped = tiles_rows(
+        shape,
+        base=kernels[0],
+        srams=srams,
+        variants=args.variants,
+        baseline=baseline,
+        dtypes=dtypes,
+        seeds=seeds,
+        inputs=inputs,
+        device=parse_device(args.device),
+        is_causal=args.causal,
+        progress=lambda msg: print(f"{_PROG}: {msg}", file=sys.stderr, flush=True),
+    )
+    seconds = time.perf_counter() - start
+    dtype_order = [dtype_name(d) for d in dtypes]
+    rows.sort(key=lambda r: (dtype_order.index(r["dtype"]), list(VARIANTS).index(r["variant"]), r["sram"]))
+    print(format_table(rows, TABLE_COLUMNS))
+    for s in skipped:
+        print(f"skipped {s['kernel']} at {s['dtype']}: {s['reason']}")
+    meta = {
+        "command": args.command_line,
+        "config": {
+            "base_kernel": kernels[0].spec,
+            "baseline": baseline.spec,
+            "sram": srams,
+            "variants": args.variants,
+            **shape.as_dict(),
+            **inputs.as_dict(),
+            "seeds": seeds,
+        },
+        "seconds": round(seconds, 2),
+    }
+    paths = write_results(args.out, "tiles", rows, meta=meta, skipped=skipped)
+    if rows:
+        paths["png"] = plot_tiles(rows, args.out / "tiles.png")
+    print(f"{len(rows)} rows in {seconds:.1f} s; wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``flashprobe bench tiles``; returns the exit code."""
+    return run_cli("tiles", build_parser(), _run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

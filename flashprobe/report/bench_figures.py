@@ -1,0 +1,378 @@
+"""Figures of the ``flashprobe bench`` commands, one PNG per paper figure.
+
+Each ``plot_*`` function takes the rows a bench command wrote (the ``"rows"`` of its JSON) and
+saves one PNG atomically. Figures are drawn with matplotlib's object-oriented API on the Agg
+canvas, so plotting never touches pyplot's global state or needs a display. Deviations span
+decades, so their axes are logarithmic; a zero deviation (bitwise identical outputs) cannot sit
+on a log axis and is drawn as a hollow marker on the bottom edge, labelled "= 0".
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+__all__ = ["plot_precision", "plot_seqlen", "plot_speed", "plot_tiles", "save_figure"]
+
+Row = Mapping[str, Any]
+
+#: Explicit mantissa bits of each dtype, the x axis of paper Fig 3.
+MANTISSA_BITS = {"bf16": 7, "fp16": 10, "fp32": 23, "fp64": 52}
+_DTYPE_COLORS = {"bf16": "tab:red", "fp16": "tab:orange", "fp32": "tab:blue", "fp64": "tab:green"}
+_MARKERS = "osD^v<>ph*"
+_STYLES = ("-", "--", ":", "-.")
+_UNITS = "absolute, in units of v"
+
+
+def save_figure(fig: Figure, path: Path | str, *, dpi: int = 130) -> Path:
+    """Save ``fig`` as a PNG at ``path`` atomically (temporary file + ``os.replace``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    FigureCanvasAgg(fig)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fig.savefig(fh, format="png", dpi=dpi, bbox_inches="tight")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _unique(values: Sequence[Any]) -> list[Any]:
+    return list(dict.fromkeys(values))
+
+
+def _dtypes(rows: Sequence[Row]) -> list[str]:
+    return sorted(_unique([r["dtype"] for r in rows]), key=lambda d: MANTISSA_BITS.get(d, 99))
+
+
+def _color(dtype: str, i: int) -> str:
+    return _DTYPE_COLORS.get(dtype, f"C{i}")
+
+
+def _finite_pos(x: Any) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0
+
+
+def _plot_series(
+    ax: Axes,
+    xs: Sequence[float],
+    rows: Sequence[Row],
+    key: str,
+    *,
+    spread: bool = True,
+    **style: Any,
+) -> None:
+    """Plot ``rows[i][key]`` against ``xs`` on a log-y axis, with min/max error bars; zeros are
+    drawn as hollow markers on the bottom edge."""
+    pts = [(x, r) for x, r in zip(xs, rows, strict=True) if _finite_pos(r.get(key))]
+    if pts:
+        px = [x for x, _ in pts]
+        py = [r[key] for _, r in pts]
+        if spread and all(f"{key}_lo" in r for _, r in pts):
+            lo = [max(y - (r[f"{key}_lo"] or y), 0.0) for y, (_, r) in zip(py, pts, strict=True)]
+            hi = [max((r[f"{key}_hi"] or y) - y, 0.0) for y, (_, r) in zip(py, pts, strict=True)]
+            ax.errorbar(px, py, yerr=[lo, hi], capsize=3, **style)
+        else:
+            ax.plot(px, py, **style)
+    zeros = [x for x, r in zip(xs, rows, strict=True) if r.get(key) == 0]
+    if zeros:
+        ax.plot(
+            zeros,
+            [0.0] * len(zeros),
+            linestyle="none",
+            marker=style.get("marker", "o"),
+            markerfacecolor="none",
+            color=style.get("color"),
+            clip_on=False,
+            transform=ax.get_xaxis_transform(),
+            label=f"{style.get('label', key)} = 0" if style.get("label") else None,
+        )
+
+
+def plot_precision(rows: Sequence[Row], path: Path | str) -> Path:
+    """Paper Figs 3 and 4 from ``flashprobe bench precision`` rows.
+
+    Left (Fig 3): max and mean ``|primary − baseline|`` per dtype, ordered by mantissa bits.
+    Right (Fig 4): max deviation from the FP64 golden value of the baseline and of each primary
+    kernel, with the error ratio written above each primary's bar.
+
+    Args:
+        rows: rows with ``kernel``, ``dtype`` and the deviation keys.
+        path: where the PNG goes.
+
+    Returns:
+        ``path``.
+    """
+    dtypes = _dtypes(rows)
+    kernels = _unique([r["kernel"] for r in rows])
+    fig = Figure(figsize=(13, 5), layout="constrained")
+    ax3, ax4 = fig.subplots(1, 2)
+    xs = list(range(len(dtypes)))
+    labels = [f"{d}\n({MANTISSA_BITS[d]} bits)" if d in MANTISSA_BITS else d for d in dtypes]
+    for i, kernel in enumerate(kernels):
+        by_dtype = {r["dtype"]: r for r in rows if r["kernel"] == kernel}
+        present = [(x, by_dtype[d]) for x, d in zip(xs, dtypes, strict=True) if d in by_dtype]
+        px, prow = [x for x, _ in present], [r for _, r in present]
+        color = f"C{i}"
+        _plot_series(ax3, px, prow, "primary_vs_baseline_max", color=color, marker="o", label=kernel)
+        _plot_series(ax3, px, prow, "primary_vs_baseline_mean", color=color, marker="s", linestyle="--")
+    ax3.set_yscale("log")
+    ax3.set_xticks(xs, labels)
+    ax3.set_xlabel("input dtype (explicit mantissa bits)")
+    ax3.set_ylabel(f"|primary − baseline| ({_UNITS})")
+    ax3.set_title("Fig 3: primary vs baseline at the same precision\n(solid: max, dashed: mean)")
+    ax3.grid(True, which="major", alpha=0.3)
+    ax3.legend(fontsize=8)
+
+    baseline = rows[0].get("baseline", "baseline")
+    series = [(f"baseline ({baseline})", "baseline_vs_golden_max", None)]
+    series += [(kernel, "primary_vs_golden_max", kernel) for kernel in kernels]
+    width = 0.8 / len(series)
+    for j, (label, key, kernel) in enumerate(series):
+        legend_label: str | None = label
+        for x, dtype in zip(xs, dtypes, strict=True):
+            match = [r for r in rows if r["dtype"] == dtype and (kernel is None or r["kernel"] == kernel)]
+            bx = x - 0.4 + width * (j + 0.5)
+            if match and match[0][key] == 0:
+                ax4.annotate("0", (bx, 0), xycoords=("data", "axes fraction"), ha="center", va="bottom")
+            if not match or not _finite_pos(match[0][key]):
+                continue
+            row = match[0]
+            err = [[row[key] - row[f"{key}_lo"]], [row[f"{key}_hi"] - row[key]]]
+            ax4.bar(
+                bx,
+                row[key],
+                width,
+                yerr=err,
+                capsize=2,
+                color="0.6" if kernel is None else f"C{kernels.index(kernel)}",
+                label=legend_label,
+            )
+            legend_label = None
+            ratio = row.get("error_ratio")
+            if kernel is not None and isinstance(ratio, int | float) and math.isfinite(ratio):
+                ax4.annotate(
+                    f"×{ratio:.2g}",
+                    (bx, row[f"{key}_hi"]),
+                    xytext=(0, 3),
+                    textcoords="offset points",
+                    ha="center",
+                    fontsize=7,
+                )
+    ax4.set_yscale("log")
+    ax4.set_xticks(xs, labels)
+    ax4.set_xlabel("input dtype (0: identical to the golden value)")
+    ax4.set_ylabel(f"max |output − FP64 golden| ({_UNITS})")
+    ax4.set_title("Fig 4: deviation from the FP64 golden value\n(×: error ratio primary/baseline)")
+    ax4.grid(True, axis="y", which="major", alpha=0.3)
+    ax4.legend(fontsize=8)
+    _caption(fig, rows)
+    return save_figure(fig, path)
+
+
+def _caption(fig: Figure, rows: Sequence[Row], extra: str = "") -> None:
+    r = rows[0]
+    lengths = _unique([row.get("seq_len") for row in rows])
+    parts = [
+        f"B={r.get('batch')} H={r.get('heads')} D={r.get('head_dim')}"
+        + (f" N={lengths[0]}" if len(lengths) == 1 else ""),
+        f"inputs: {r.get('distribution', 'normal')} ×{r.get('input_scale', 1)}",
+        f"baseline: {r.get('baseline', '?')}",
+        f"{r.get('repeats', 1)} seeds (median, bars: min–max)",
+    ]
+    if extra:
+        parts.insert(1, extra)
+    fig.text(0.5, -0.02, " · ".join(parts), ha="center", va="top", fontsize=8, color="0.3")
+
+
+def plot_seqlen(rows: Sequence[Row], path: Path | str) -> Path:
+    """Paper Fig 5 from ``flashprobe bench seqlen`` rows: deviation vs sequence length.
+
+    Panels: max ``|primary − baseline|`` (the paper's metric); the growth with N of the relative
+    L2 error against golden, ``‖out − golden‖/‖golden‖`` divided by its value at the smallest N,
+    for the primary (solid) and the baseline (dashed) — outputs shrink as N grows, which the
+    absolute max does not correct for; max deviation from golden of the primary (solid) and the
+    baseline (dashed); the error ratio. Colour tells dtypes apart (kernels with a single dtype),
+    markers tell kernels apart.
+    """
+    dtypes = _dtypes(rows)
+    kernels = _unique([r["kernel"] for r in rows])
+    fig = Figure(figsize=(13, 9), layout="constrained")
+    (ax_pb, ax_rel), (ax_g, ax_r) = fig.subplots(2, 2)
+    for i, dtype in enumerate(dtypes):
+        for j, kernel in enumerate(kernels):
+            sel = sorted((r for r in rows if r["dtype"] == dtype and r["kernel"] == kernel), key=_n)
+            if not sel:
+                continue
+            xs = [_n(r) for r in sel]
+            name = dtype if len(kernels) == 1 else f"{kernel} {dtype}"
+            # Colour tells the dtypes apart; with a single dtype it tells the kernels apart.
+            color = _color(dtype, i) if len(dtypes) > 1 else f"C{j}"
+            style = {"color": color, "marker": _MARKERS[j % len(_MARKERS)], "label": name}
+            _plot_series(ax_pb, xs, sel, "primary_vs_baseline_max", **style)
+            _plot_growth(ax_rel, xs, sel, "primary_vs_golden_rel_l2", **style)
+            if j == 0:
+                base_style = {**style, "linestyle": "--", "marker": "x", "label": f"baseline {dtype}"}
+                if len(dtypes) == 1:
+                    base_style["color"] = "0.35"
+                _plot_growth(ax_rel, xs, sel, "baseline_vs_golden_rel_l2", **base_style)
+            _plot_series(ax_g, xs, sel, "primary_vs_golden_max", **style)
+            if j == 0:
+                _plot_series(
+                    ax_g,
+                    xs,
+                    sel,
+                    "baseline_vs_golden_max",
+                    spread=False,
+                    color=color if len(dtypes) > 1 else "0.35",
+                    marker="x",
+                    linestyle="--",
+                    label=f"baseline {dtype}",
+                )
+            ratio = [
+                (x, r["error_ratio"]) for x, r in zip(xs, sel, strict=True) if _finite_pos(r["error_ratio"])
+            ]
+            if ratio:
+                ax_r.plot(*zip(*ratio, strict=True), **style)
+    for ax in (ax_pb, ax_rel, ax_g, ax_r):
+        _n_axis(ax, [_n(r) for r in rows])
+        ax.set_xlabel("sequence length N")
+        ax.grid(True, which="major", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    if not ax_rel.lines:
+        ax_rel.text(0.5, 0.5, "no rel_l2 in these rows", transform=ax_rel.transAxes, ha="center")
+    ax_rel.axhline(1.0, color="0.5", linewidth=0.8)
+    ax_pb.set_yscale("log")
+    ax_pb.set_ylabel(f"max |primary − baseline| ({_UNITS})")
+    ax_pb.set_title("Fig 5: primary vs baseline, max")
+    ax_rel.set_ylabel("‖out − golden‖₂ / ‖golden‖₂, ÷ its value at the smallest N")
+    ax_rel.set_title("growth of the relative error: primary (solid), baseline (dashed)")
+    ax_g.set_yscale("log")
+    ax_g.set_ylabel(f"max |output − FP64 golden| ({_UNITS})")
+    ax_g.set_title("vs golden: primary (solid), baseline (dashed)")
+    ax_r.axhline(1.0, color="0.5", linewidth=0.8)
+    ratios = [y for line in ax_r.lines for y in line.get_ydata() if _finite_pos(y)]
+    if ratios and max(ratios) / min(ratios) > 10:
+        ax_r.set_yscale("log")
+    ax_r.set_ylabel("error ratio  max|p−g| / max|b−g|")
+    ax_r.set_title("error ratio (FP64 omitted: baseline = golden)")
+    _caption(fig, rows, f"kernels: {', '.join(kernels)}")
+    return save_figure(fig, path)
+
+
+def _plot_growth(ax: Axes, xs: Sequence[int], rows: Sequence[Row], key: str, **style: Any) -> None:
+    """Plot ``rows[i][key] / rows[0][key]`` (growth relative to the first point), if defined."""
+    if not rows or key not in rows[0] or not _finite_pos(rows[0][key]):
+        return
+    first = rows[0][key]
+    pts = [(x, r[key] / first) for x, r in zip(xs, rows, strict=True) if _finite_pos(r.get(key))]
+    ax.plot(*zip(*pts, strict=True), **style)
+
+
+def _n(row: Row) -> int:
+    return int(row["seq_len"])
+
+
+def _n_axis(ax: Axes, values: Sequence[int]) -> None:
+    """Log-2 x axis with the swept values as plain-number ticks."""
+    ax.set_xscale("log", base=2)
+    ticks = sorted(set(values))
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
+
+
+def plot_tiles(rows: Sequence[Row], path: Path | str) -> Path:
+    """Paper Fig 6 from ``flashprobe bench tiles`` rows: deviation vs block area.
+
+    One panel per dtype; x is the block area Br·Bc, y the max ``|primary − baseline|``; one line
+    per variant (default tiles, block dimensions swapped, square tiles, query-outer loop order).
+    """
+    dtypes = _dtypes(rows)
+    variants = _unique([r["variant"] for r in rows])
+    ncols = min(len(dtypes), 2)
+    nrows = math.ceil(len(dtypes) / ncols)
+    fig = Figure(figsize=(6.5 * ncols, 4.5 * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax, dtype in zip(axes, dtypes, strict=False):
+        for j, variant in enumerate(variants):
+            sel = sorted(
+                (r for r in rows if r["dtype"] == dtype and r["variant"] == variant),
+                key=lambda r: (r["block_area"], r["block_k"]),
+            )
+            if not sel:
+                continue
+            _plot_series(
+                ax,
+                [r["block_area"] for r in sel],
+                sel,
+                "primary_vs_baseline_max",
+                color=f"C{j}",
+                marker=_MARKERS[j % len(_MARKERS)],
+                markersize=9 - 2 * j,
+                linestyle=_STYLES[j % len(_STYLES)],
+                label=variant,
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("block area Br·Bc (score elements per tile)")
+        ax.set_ylabel(f"max |primary − baseline| ({_UNITS})")
+        ax.set_title(f"Fig 6 at {dtype}")
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in axes[len(dtypes) :]:
+        ax.set_visible(False)
+    _caption(fig, rows, "Bc=⌈M/4d⌉, Br=min(Bc, d) over SRAM sizes M")
+    return save_figure(fig, path)
+
+
+def plot_speed(rows: Sequence[Row], path: Path | str, skipped: Sequence[Row] = ()) -> Path:
+    """Time and peak memory of each kernel vs sequence length, from ``flashprobe bench speed``.
+
+    Args:
+        rows: rows with ``kernel``, ``dtype``, ``seq_len``, ``ms`` (median), ``ms_lo``,
+            ``ms_hi`` and ``peak_mb`` (may be None).
+        path: where the PNG goes.
+        skipped: skipped runs (``kernel``, ``dtype``, ``seq_len``, ``reason``), listed on the plot.
+    """
+    series = _unique([(r["kernel"], r["dtype"]) for r in rows])
+    dtypes = _unique([r["dtype"] for r in rows])
+    fig = Figure(figsize=(13, 5), layout="constrained")
+    ax_t, ax_m = fig.subplots(1, 2)
+    for j, (kernel, dtype) in enumerate(series):
+        sel = sorted((r for r in rows if r["kernel"] == kernel and r["dtype"] == dtype), key=_n)
+        name = kernel if len(dtypes) == 1 else f"{kernel} {dtype}"
+        style = {"color": f"C{j}", "marker": _MARKERS[j % len(_MARKERS)], "label": name}
+        _plot_series(ax_t, [_n(r) for r in sel], sel, "ms", **style)
+        mem = [r for r in sel if _finite_pos(r.get("peak_mb"))]
+        if mem:
+            ax_m.plot([_n(r) for r in mem], [r["peak_mb"] for r in mem], **style)
+    for ax in (ax_t, ax_m):
+        _n_axis(ax, [_n(r) for r in rows])
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length N")
+        ax.grid(True, which="major", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    if not ax_m.lines:
+        ax_m.text(0.5, 0.5, "peak memory not measured", transform=ax_m.transAxes, ha="center")
+    ax_t.set_ylabel("forward time per call (ms, median; bars: min–max)")
+    ax_t.set_title("time")
+    ax_m.set_ylabel("peak extra memory of one call (MB)")
+    ax_m.set_title("peak memory (resident set growth, fresh process)")
+    notes = [f"{s['kernel']} {s['dtype']} N={s['seq_len']} skipped: {s['reason']}" for s in skipped]
+    r = rows[0]
+    text = f"B={r.get('batch')} H={r.get('heads')} D={r.get('head_dim')} · device {r.get('device', 'cpu')}"
+    fig.text(0.5, -0.02, "\n".join([text, *notes]), ha="center", va="top", fontsize=8, color="0.3")
+    return save_figure(fig, path)

@@ -1,0 +1,110 @@
+"""``flashprobe bench speed``: timing rows, peak memory in a fresh process, skipping math."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashprobe.bench import speed
+from flashprobe.bench.common import Shape
+from flashprobe.kernels import get_kernel
+
+SMALL = ["--batch", "1", "--heads", "2", "--head-dim", "16", "--repeats", "2"]
+
+
+def test_rows_ratios_and_files(tmp_path: Path) -> None:
+    argv = [*SMALL, "--seq-len", "64", "128", "--kernel", "tiled", "--no-memory", "--out", str(tmp_path)]
+    assert speed.main(argv) == 0
+    rows = json.loads((tmp_path / "speed.json").read_text())["rows"]
+    with open(tmp_path / "speed.csv", newline="") as fh:
+        assert len(list(csv.DictReader(fh))) == 4
+    assert (tmp_path / "speed.png").read_bytes().startswith(b"\x89PNG")
+    assert [(r["kernel"], r["seq_len"]) for r in rows] == [
+        ("math", 64),
+        ("tiled", 64),
+        ("math", 128),
+        ("tiled", 128),
+    ]
+    for math_row, tiled_row in (rows[0:2], rows[2:4]):
+        for row in (math_row, tiled_row):
+            assert {"kernel", "seq_len", "dtype", "ms", "peak_mb", "ratio_vs_math"} <= set(row)
+            assert row["dtype"] == "fp32" and row["ms_lo"] <= row["ms"] <= row["ms_hi"] and row["ms"] > 0
+            assert row["peak_mb"] is None
+        assert math_row["ratio_vs_math"] == 1.0
+        assert tiled_row["ratio_vs_math"] == pytest.approx(tiled_row["ms"] / math_row["ms"])
+
+
+def test_peak_memory_sees_the_score_matrix() -> None:
+    """math holds the (B, H, N, N) scores: its peak is at least one fp32 score matrix (64 MiB
+    here) and at most a few; tiled holds one (B, H, N, Bc) tile at a time and stays far below."""
+    shape = Shape(batch=1, heads=4, seq_len=2048, head_dim=32)
+    matrix_mb = 4 * 2048 * 2048 * 4 / 2**20
+    math_mb, method = speed.peak_memory_mb(get_kernel("math"), shape, torch.float32)
+    tiled_mb, _ = speed.peak_memory_mb(get_kernel("tiled"), shape, torch.float32)
+    assert method in ("VmHWM-VmRSS", "ru_maxrss-VmRSS")
+    assert matrix_mb <= math_mb <= 4 * matrix_mb, (math_mb, matrix_mb)
+    assert tiled_mb < 0.25 * math_mb, (tiled_mb, math_mb)
+
+
+def test_math_is_skipped_when_it_would_not_fit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 3·B·H·N²·4 bytes at N = 256 is 1.5 MiB > 0.001 GiB: math is skipped, tiled still runs.
+    argv = [
+        *SMALL,
+        "--seq-len",
+        "256",
+        "--kernel",
+        "tiled",
+        "--max-memory-gb",
+        "0.001",
+        "--out",
+        str(tmp_path),
+    ]
+    assert speed.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "skipped math at fp32, N=256: would need ~0.0 GiB" in out
+    doc = json.loads((tmp_path / "speed.json").read_text())
+    assert [r["kernel"] for r in doc["rows"]] == ["tiled"]
+    assert doc["rows"][0]["ratio_vs_math"] is None and doc["rows"][0]["peak_mb"] > 0
+    assert doc["skipped"][0]["kernel"] == "math" and "--max-memory-gb" in doc["skipped"][0]["reason"]
+
+
+def test_materialised_bytes() -> None:
+    shape = Shape(batch=1, heads=8, seq_len=32768, head_dim=64)
+    assert speed.materialised_bytes(shape, torch.float32) == 3 * 8 * 32768**2 * 4  # 96 GiB
+
+
+def test_time_kernels_interleaves_and_counts() -> None:
+    calls: list[str] = []
+
+    def make(name: str):
+        def fn(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+            calls.append(name)
+            return q
+
+        return fn
+
+    q = torch.zeros(1, 1, 4, 4)
+    times = speed.time_kernels([make("a"), make("b")], q, q, q, repeats=3)  # type: ignore[list-item]
+    assert calls == ["a", "b"] * 4  # one warm-up round, then three interleaved timed rounds
+    assert [len(t) for t in times] == [3, 3] and all(t >= 0 for ts in times for t in ts)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--repeats", "0"], "--repeats must be at least 1"),
+        (["--dtype", "int8"], "unsupported dtype 'int8'"),
+        (["--kernel", "tiled:nope=1"], "no option 'nope'"),
+        (["--max-memory-gb", "-1"], "--max-memory-gb must be positive"),
+    ],
+)
+def test_bad_arguments(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    assert speed.main(["--seq-len", "32", *args, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flashprobe bench speed: error:") and message in err, err
