@@ -7,7 +7,8 @@ Layout (after DiT, Peebles & Xie 2023, with PixArt-style cross-attention):
 * the noisy image ``(B, 3, S, S)`` is cut into ``(S/p)²`` patches, embedded, plus a fixed 2-D
   sin-cos position embedding;
 * the timestep embedding plus a projection of all caption features (in word order) conditions
-  every block through adaLN-Zero (shift, scale, gate), and each block runs **self-attention** over the patches,
+  every block through adaLN-Zero (shift, scale, gate), and each block runs **self-attention**
+  over the patches,
   **cross-attention** from the patches to the caption, and an MLP;
 * a final adaLN layer maps each patch back to pixels: the predicted noise ``(B, 3, S, S)``.
 
