@@ -28,6 +28,8 @@ def test_linear_schedule_matches_ddpm() -> None:
     assert a[999].item() == pytest.approx(math.prod(1 - b for b in betas), rel=1e-9)
     with pytest.raises(ValueError, match="unknown schedule 'quadratic'"):
         GaussianDiffusion(10, "quadratic")
+    with pytest.raises(ValueError, match="unknown prediction 'x0'"):
+        GaussianDiffusion(10, prediction="x0")
 
 
 def test_q_sample_formula() -> None:
@@ -41,29 +43,48 @@ def test_q_sample_formula() -> None:
 
 
 def _oracle(diffusion: GaussianDiffusion, targets: dict[int, torch.Tensor]):
-    """A perfect noise predictor for a data set of one image per caption token ``tokens[:, 0]``."""
+    """A perfect ε (or v) predictor for a data set of one image per caption token ``tokens[:, 0]``."""
 
     def predict(x: torch.Tensor, t: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         a = diffusion.alphas_cumprod[t].float().view(-1, 1, 1, 1)
         x0 = torch.stack([targets[int(k)] for k in tokens[:, 0]])
-        return (x - a.sqrt() * x0) / (1 - a).sqrt()
+        eps = (x - a.sqrt() * x0) / (1 - a).sqrt()
+        return eps if diffusion.prediction == "epsilon" else a.sqrt() * eps - (1 - a).sqrt() * x0
 
     return predict
 
 
-def test_loss_is_zero_for_a_perfect_predictor_and_one_for_zero() -> None:
-    diffusion = GaussianDiffusion(1000)
+@pytest.mark.parametrize("prediction", ["epsilon", "v"])
+def test_loss_is_zero_for_a_perfect_predictor(prediction: str) -> None:
+    diffusion = GaussianDiffusion(1000, prediction=prediction)
     x0 = torch.rand(8, 3, 8, 8) * 2 - 1
     tokens = torch.arange(8)[:, None].expand(8, 12)
     oracle = _oracle(diffusion, dict(enumerate(x0)))
     torch.manual_seed(0)
     assert diffusion.training_loss(oracle, x0, tokens).item() < 1e-6
-    zero = diffusion.training_loss(lambda x, t, c: torch.zeros_like(x), x0, tokens, stratified=True)
-    assert zero.item() == pytest.approx(1.0, abs=0.1)  # the variance of the noise
 
 
-def test_ddim_with_perfect_predictor_recovers_the_image_and_guidance_picks_the_caption() -> None:
-    diffusion = GaussianDiffusion(1000)
+def test_loss_of_the_zero_predictor() -> None:
+    x0 = torch.rand(256, 3, 8, 8) * 2 - 1  # uniform on [-1, 1]: E[x0²] = 1/3
+    tokens = torch.zeros(256, 12, dtype=torch.long)
+
+    def zero(x, t, c):
+        return torch.zeros_like(x)
+
+    eps = GaussianDiffusion(1000, prediction="epsilon")
+    assert eps.training_loss(zero, x0, tokens, stratified=True).item() == pytest.approx(1.0, abs=0.02)
+    # v = sqrt(ᾱ) ε − sqrt(1 − ᾱ) x0, so E[v²] = mean over t of ᾱ + (1 − ᾱ)/3
+    v = GaussianDiffusion(1000, prediction="v")
+    a = v.alphas_cumprod.mean().item()
+    expected = a + (1 - a) / 3
+    assert v.training_loss(zero, x0, tokens, stratified=True).item() == pytest.approx(expected, abs=0.02)
+
+
+@pytest.mark.parametrize("prediction", ["epsilon", "v"])
+def test_ddim_with_perfect_predictor_recovers_the_image_and_guidance_picks_the_caption(
+    prediction: str,
+) -> None:
+    diffusion = GaussianDiffusion(1000, prediction=prediction)
     cat, dog = torch.rand(3, 8, 8) * 2 - 1, torch.rand(3, 8, 8) * 2 - 1
     oracle = _oracle(diffusion, {1: cat, 0: dog})  # token 0 is the "empty caption"
     tokens = torch.ones(2, 12, dtype=torch.long)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,9 @@ def test_grid_shows_each_image_and_grows_with_rows(tmp_path: Path) -> None:
     png2 = imread(save_sample_grid(images, ["a", "b", "c"], tmp_path / "b.png", ncols=1))
     assert png2.shape[0] > 2 * one_row[0] and png2.shape[1] < one_row[1]
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["grid.png"]  # no temp files left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # not the temp file's private mode
 
 
 def test_grey_and_value_range(tmp_path: Path) -> None:

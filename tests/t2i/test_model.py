@@ -28,7 +28,7 @@ def _inputs(batch: int, size: int, seed: int = 0) -> tuple[torch.Tensor, torch.T
 @pytest.mark.parametrize("name", sorted(DIT_MODELS))
 def test_presets_predict_noise_of_image_shape(name: str) -> None:
     model = DIT_MODELS[name]()
-    x, t, tokens = _inputs(2, 32)
+    x, t, tokens = _inputs(2, model.config.image_size)
     out = model(x, t, tokens)
     assert out.shape == x.shape and out.dtype == torch.float32
     assert torch.count_nonzero(out) == 0  # adaLN-Zero: the untrained model predicts zero noise
@@ -37,23 +37,23 @@ def test_presets_predict_noise_of_image_shape(name: str) -> None:
 def test_preset_sizes_and_overrides() -> None:
     n_tiny = sum(p.numel() for p in dit_tiny().parameters())
     n_small = sum(p.numel() for p in dit_small().parameters())
-    assert n_tiny < 100_000 < 500_000 < n_small < 2_000_000
+    assert n_tiny < 100_000 < 300_000 < n_small < 1_000_000
     model = dit_tiny(image_size=16, patch_size=2)
     assert model.config.num_patches == 64
     with pytest.raises(ValueError, match="not divisible by patch_size"):
-        dit_tiny(image_size=30)
+        dit_tiny(image_size=15)
     with pytest.raises(ValueError, match="not divisible by heads"):
         TextToImageDiT(dim=30, heads=4)
-    with pytest.raises(ValueError, match=r"images must be \(B, 3, 32, 32\)"):
-        dit_tiny()(*_inputs(1, 16))
+    with pytest.raises(ValueError, match=r"images must be \(B, 3, 16, 16\)"):
+        dit_tiny()(*_inputs(1, 32))
     with pytest.raises(ValueError, match=r"caption tokens must be \(B, 12\)"):
-        dit_tiny()(torch.zeros(1, 3, 32, 32), torch.zeros(1), torch.zeros(1, 5, dtype=torch.long))
+        dit_tiny()(torch.zeros(1, 3, 16, 16), torch.zeros(1), torch.zeros(1, 5, dtype=torch.long))
 
 
 def test_every_attention_call_goes_through_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
     model = dit_tiny(depth=3, text_depth=2)
     _randomize(model)
-    x, t, tokens = _inputs(2, 32)
+    x, t, tokens = _inputs(2, 16)
     expected = model(x, t, tokens)
     calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     original = F.scaled_dot_product_attention
@@ -88,7 +88,7 @@ def test_attention_matches_softmax_reference() -> None:
 def test_output_depends_on_caption_timestep_and_image() -> None:
     model = dit_tiny()
     _randomize(model)
-    x, t, tokens = _inputs(2, 32)
+    x, t, tokens = _inputs(2, 16)
     base = model(x, t, tokens)
     other_tokens = tokens.roll(1, dims=1)
     assert not torch.allclose(model(x, t, other_tokens), base)
