@@ -6,7 +6,8 @@ made inside the module is compared with the baseline and the FP64 golden value (
 sampling run the primary alone). It advances the probe's step with ``trainer.global_step``, and every
 ``log_every_n_steps`` reads the statistics once, reduces them across ranks (max of maxima, sum of
 sums), logs them to every logger of the Trainer and appends one JSON line to
-``DIRPATH/probe.jsonl``. It detaches at the end of fit. Its state (last logged step) goes into
+``DIRPATH/probe.jsonl``; at the end of training it draws the per-site deviation plot
+``DIRPATH/probe.png`` from that file. It detaches at the end of fit. Its state (last logged step) goes into
 checkpoints, so a resumed run continues ``probe.jsonl`` without duplicate lines.
 """
 
@@ -71,6 +72,8 @@ class AttentionProbe(Callback):
             ``trainer.default_root_dir``.
         filename: name of the JSON-lines file.
         log_sites: also log every site's statistics as scalars (else only the summary).
+        plot: at the end of training, draw the per-site deviation plot of the file next to it
+            (``probe.png``, :func:`flashprobe.report.probe_figures.plot_probe`).
 
     Raises:
         ValueError: a non-positive interval or an empty filename, naming the argument.
@@ -93,6 +96,7 @@ class AttentionProbe(Callback):
         dirpath: str | os.PathLike[str] | None = None,
         filename: str = "probe.jsonl",
         log_sites: bool = True,
+        plot: bool = True,
     ) -> None:
         for name, value in (
             ("every_n_steps", every_n_steps),
@@ -117,6 +121,7 @@ class AttentionProbe(Callback):
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.filename = filename
         self.log_sites = log_sites
+        self.plot = plot
         self.last_logged_step = -1
         self.records = 0
         self.last_summary: dict[str, Any] = {}
@@ -202,6 +207,12 @@ class AttentionProbe(Callback):
         # Steps probed since the last logging step (e.g. max_epochs runs) are not lost.
         if self._probe is not None and trainer.global_step > self.last_logged_step:
             self._flush(trainer, pl_module, trainer.global_step)
+        if self.plot and trainer.is_global_zero and self._path is not None and self._path.is_file():
+            from flashprobe.report.probe_figures import plot_probe
+
+            if self._path.stat().st_size:
+                figure = plot_probe(self._path, self._path.with_suffix(".png"))
+                log.info("AttentionProbe: per-site deviation plot %s", figure)
 
     # ------------------------------------------------------------------------------- reading
     def _reduced_tensors(self, trainer: pl.Trainer) -> dict[str, torch.Tensor]:

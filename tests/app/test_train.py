@@ -46,6 +46,9 @@ def test_train_writes_the_run_directory(tmp_path: Path) -> None:
     manifest = json.loads((tmp_path / "snapshots" / "manifest.json").read_text())
     assert [s["step"] for s in manifest["snapshots"]] == [0, 2, 4]
     assert list(tmp_path.glob("csv/version_0/samples/step_*.png"))
+    # the per-site deviation plot, drawn from probe.jsonl at the end of training
+    png = (tmp_path / "probe.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
 def test_same_seed_gives_identical_weights(tmp_path: Path) -> None:

@@ -1,0 +1,99 @@
+"""The per-site deviation plot and ``flashprobe report RUN_DIR``, from hand-written probe.jsonl files."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from flashprobe.report.cli import main as report_main
+from flashprobe.report.probe_figures import MAX_LINES, load_probe_records, plot_probe, site_series
+
+
+def _site(ratio: float | None, pb: float, pg: float, bg: float, dq: float | None = None) -> dict:
+    pair = {"mean_abs": 0.0, "rel_l2": 0.0, "nonfinite": 0, "numel": 8}
+    grad = {"error_ratio": dq} if dq is not None else {"error_ratio": None}
+    return {
+        "forward": {
+            "calls": 1,
+            "out": {
+                "primary_baseline": {**pair, "max_abs": pb},
+                "primary_golden": {**pair, "max_abs": pg},
+                "baseline_golden": {**pair, "max_abs": bg},
+                "error_ratio": ratio,
+            },
+        },
+        "backward": {"calls": 0, "dq": grad, "dk": {"error_ratio": None}, "dv": {"error_ratio": None}},
+    }
+
+
+def _write(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _records() -> list[dict]:
+    return [
+        {
+            "step": 5,
+            "summary": {"nonfinite": 0, "max_error_ratio": 2.0},
+            "sites": {
+                "model.a.attn": _site(2.0, 1e-6, 2e-6, 1e-6, dq=3.0),
+                "model.b.attn": _site(0.5, 4e-7, 1e-7, 2e-7),
+            },
+        },
+        {
+            "step": 10,
+            "summary": {"nonfinite": 1, "max_error_ratio": 1.5},
+            "sites": {
+                "model.a.attn": _site(1.5, 3e-6, 3e-6, 2e-6),
+            },
+        },
+    ]
+
+
+def test_site_series_reads_every_quantity(tmp_path: Path) -> None:
+    series = site_series(load_probe_records(_write(tmp_path / "probe.jsonl", _records())))
+    assert list(series) == ["model.a.attn", "model.b.attn"]
+    a, b = series["model.a.attn"], series["model.b.attn"]
+    assert a["error_ratio"] == [2.0, 1.5]
+    assert a["backward_error_ratio"][0] == 3.0 and math.isnan(a["backward_error_ratio"][1])
+    assert a["primary_baseline"] == [1e-6, 3e-6]
+    assert b["error_ratio"][0] == 0.5 and math.isnan(b["error_ratio"][1])  # not probed at step 10
+
+
+@pytest.mark.parametrize("sites", [2, MAX_LINES + 3])  # line plot and heat map
+def test_plot_probe_writes_a_png(tmp_path: Path, sites: int) -> None:
+    records = [
+        {
+            "step": s,
+            "summary": {"nonfinite": 0},
+            "sites": {f"model.blocks.{i}.attn": _site(1 + i / 10, 1e-6, 1e-6, 1e-6) for i in range(sites)},
+        }
+        for s in (1, 2, 3)
+    ]
+    out = plot_probe(_write(tmp_path / "probe.jsonl", records), tmp_path / "figs" / "probe.png")
+    assert out.read_bytes().startswith(b"\x89PNG")
+    assert not list(out.parent.glob(".*tmp"))  # written atomically, no temporary left
+
+
+def test_bad_files_give_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="AttentionProbe"):
+        plot_probe(tmp_path / "missing.jsonl", tmp_path / "p.png")
+    path = tmp_path / "probe.jsonl"
+    path.write_text(json.dumps(_records()[0]) + '\n{"step": 10, "sum')
+    with pytest.raises(ValueError, match=r"probe.jsonl:2: not a JSON line"):
+        plot_probe(path, tmp_path / "p.png")
+    _write(path, [{"step": 1, "summary": {}, "sites": {}}])
+    with pytest.raises(ValueError, match="no per-site statistics"):
+        plot_probe(path, tmp_path / "p.png")
+
+
+def test_report_command_on_a_run_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _write(tmp_path / "probe.jsonl", _records())
+    assert report_main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| 5 | 2 |" in out and "| 10 | 1.5 |" in out
+    assert (tmp_path / "probe.png").read_bytes().startswith(b"\x89PNG")
