@@ -20,7 +20,8 @@ an N where ``3·B·H·N²·itemsize`` (scores, probabilities and their temporari
 the skip is printed and recorded under ``"skipped"``.
 
 Writes ``DIR/speed.json`` (rows with ``kernel``, ``seq_len``, ``dtype``, ``ms``, ``peak_mb``,
-``ratio_vs_math``), ``DIR/speed.csv`` and ``DIR/speed.png``.
+``ratio_vs_math``), ``DIR/speed.csv`` and ``DIR/speed.png``. The JSON and CSV are rewritten after
+every sequence length with ``"complete": false``, so an interrupted sweep keeps what it measured.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -208,7 +210,10 @@ def peak_memory_mb(
         "import sys; from flashprobe.bench.speed import _memory_child; sys.exit(_memory_child(sys.argv[1:]))"
     )
     args = [kernel.spec, *map(str, shape.dims), str(dtype).removeprefix("torch."), "1" if is_causal else "0"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    # The child imports this very flashprobe (not whatever another install puts on its path).
+    package_root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), "PYTHONPATH": path}
     proc = subprocess.run(
         [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, env=env
     )
@@ -234,7 +239,8 @@ def speed_rows(
     is_causal: bool = False,
     memory: bool = True,
     max_memory_bytes: int | None = None,
-    progress: Any = None,
+    progress: Callable[[str], None] | None = None,
+    checkpoint: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Time (and measure the peak memory of) each kernel and ``math`` at each N and dtype.
 
@@ -252,6 +258,8 @@ def speed_rows(
         max_memory_bytes: skip :data:`MATERIALISING` kernels whose estimated peak exceeds this
             (default 80 % of available memory).
         progress: optional callable taking a short message.
+        checkpoint: optional callable given ``(rows, skipped)`` so far after each (N, dtype), so a
+            long sweep that is interrupted still leaves its finished points behind.
 
     Returns:
         ``(rows, skipped)``: rows with ``kernel``, ``dtype``, ``seq_len``, ``ms``, ``ms_lo``,
@@ -322,6 +330,8 @@ def speed_rows(
                 both = ref and row["peak_mb"] is not None and ref["peak_mb"]
                 row["mem_ratio_vs_math"] = row["peak_mb"] / ref["peak_mb"] if both else None
             rows += block
+            if checkpoint:
+                checkpoint(rows, skipped)
     return rows, skipped
 
 
@@ -364,6 +374,18 @@ def _run(args: argparse.Namespace) -> int:
         raise BenchArgumentError(f"--max-memory-gb must be positive, got {args.max_memory_gb}")
     limit = None if args.max_memory_gb is None else int(args.max_memory_gb * 2**30)
     inputs = parse_input_config(args)
+    meta: dict[str, Any] = {
+        "command": args.command_line,
+        "config": {
+            "kernels": ["math", *[k.spec for k in kernels if k.spec != "math"]],
+            **shape.as_dict(),
+            "seq_len": sorted(set(args.seq_len)),
+            **inputs.as_dict(),
+            "seed": args.seed,
+            "repeats": args.repeats,
+        },
+        "complete": False,
+    }
     start = time.perf_counter()
     rows, skipped = speed_rows(
         shape,
@@ -378,23 +400,13 @@ def _run(args: argparse.Namespace) -> int:
         memory=not args.no_memory,
         max_memory_bytes=limit,
         progress=lambda msg: print(msg, file=sys.stderr, flush=True),
+        checkpoint=lambda done, skip: write_results(args.out, "speed", done, meta=meta, skipped=skip),
     )
     seconds = time.perf_counter() - start
     print(format_table(rows, TABLE_COLUMNS))
     for s in skipped:
         print(f"skipped {s['kernel']} at {s['dtype']}, N={s['seq_len']}: {s['reason']}")
-    meta = {
-        "command": args.command_line,
-        "config": {
-            "kernels": ["math", *[k.spec for k in kernels if k.spec != "math"]],
-            **shape.as_dict(),
-            "seq_len": sorted(set(args.seq_len)),
-            **inputs.as_dict(),
-            "seed": args.seed,
-            "repeats": args.repeats,
-        },
-        "seconds": round(seconds, 2),
-    }
+    meta |= {"complete": True, "seconds": round(seconds, 2)}
     paths = write_results(args.out, "speed", rows, meta=meta, skipped=skipped)
     if rows:
         paths["png"] = plot_speed(rows, args.out / "speed.png", skipped)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,13 +37,13 @@ def save_figure(fig: Figure, path: Path | str, *, dpi: int = 130) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with os.fdopen(fd, "wb") as fh:
+        with open(tmp, "xb") as fh:  # not mkstemp: keep the umask's permissions
             fig.savefig(fh, format="png", dpi=dpi, bbox_inches="tight")
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return path
 
@@ -254,6 +254,8 @@ def plot_seqlen(rows: Sequence[Row], path: Path | str) -> Path:
     if not ax_rel.lines:
         ax_rel.text(0.5, 0.5, "no rel_l2 in these rows", transform=ax_rel.transAxes, ha="center")
     ax_rel.axhline(1.0, color="0.5", linewidth=0.8)
+    if max((y for line in ax_rel.lines for y in line.get_ydata()), default=1.0) > 10:
+        ax_rel.set_yscale("log")
     ax_pb.set_yscale("log")
     ax_pb.set_ylabel(f"max |primary − baseline| ({_UNITS})")
     ax_pb.set_title("Fig 5: primary vs baseline, max")

@@ -24,6 +24,12 @@ _LINE_INCHES = 0.13
 _WRAP = 24
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _to_hwc(images: torch.Tensor | np.ndarray, value_range: tuple[float, float]) -> np.ndarray:
     """``(N, C, H, W)`` with C = 1 or 3 in ``value_range`` → ``(N, H, W, 3)`` float in [0, 1]."""
     array = images.detach().float().cpu().numpy() if isinstance(images, torch.Tensor) else np.asarray(images)
@@ -117,6 +123,7 @@ def save_sample_grid(
     try:
         with os.fdopen(fd, "wb") as f:
             fig.savefig(f, format="png")
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes the file private; give it the usual mode
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

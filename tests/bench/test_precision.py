@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
+import stat
 import statistics
 from pathlib import Path
 
@@ -198,6 +200,9 @@ def test_summarize_and_write_results(tmp_path: Path) -> None:
     assert doc["rows"] == [{"a": 1.5, "b": None}, {"a": 2.0, "c": "z"}] and doc["command"] == "x"
     assert paths["csv"].read_text() == "a,b,c\n1.5,inf,\n2.0,,z\n"
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["t.csv", "t.json"]  # no temp files left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(paths["json"].stat().st_mode) == 0o666 & ~umask  # not mkstemp's private 0600
     table = common.format_table(rows, [("a", "A"), ("b", "B")]).splitlines()
     assert (
         table[0].split() == ["A", "B"]

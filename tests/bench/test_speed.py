@@ -11,7 +11,6 @@ import torch
 
 from flashprobe.bench import speed
 from flashprobe.bench.common import Shape
-from flashprobe.kernels import get_kernel
 
 SMALL = ["--batch", "1", "--heads", "2", "--head-dim", "16", "--repeats", "2"]
 
@@ -19,7 +18,9 @@ SMALL = ["--batch", "1", "--heads", "2", "--head-dim", "16", "--repeats", "2"]
 def test_rows_ratios_and_files(tmp_path: Path) -> None:
     argv = [*SMALL, "--seq-len", "64", "128", "--kernel", "tiled", "--no-memory", "--out", str(tmp_path)]
     assert speed.main(argv) == 0
-    rows = json.loads((tmp_path / "speed.json").read_text())["rows"]
+    doc = json.loads((tmp_path / "speed.json").read_text())
+    rows = doc["rows"]
+    assert doc["complete"] is True and doc["command"].startswith("flashprobe bench speed")
     with open(tmp_path / "speed.csv", newline="") as fh:
         assert len(list(csv.DictReader(fh))) == 4
     assert (tmp_path / "speed.png").read_bytes().startswith(b"\x89PNG")
@@ -38,37 +39,28 @@ def test_rows_ratios_and_files(tmp_path: Path) -> None:
         assert tiled_row["ratio_vs_math"] == pytest.approx(tiled_row["ms"] / math_row["ms"])
 
 
-def test_peak_memory_sees_the_score_matrix() -> None:
-    """math holds the (B, H, N, N) scores: its peak is at least one fp32 score matrix (64 MiB
+def test_peak_memory_sees_the_score_matrix(tmp_path: Path) -> None:
+    """math holds the (B, H, N, N) scores: its peak is at least one fp32 score matrix (16 MiB
     here) and at most a few; tiled holds one (B, H, N, Bc) tile at a time and stays far below."""
-    shape = Shape(batch=1, heads=4, seq_len=2048, head_dim=32)
-    matrix_mb = 4 * 2048 * 2048 * 4 / 2**20
-    math_mb, method = speed.peak_memory_mb(get_kernel("math"), shape, torch.float32)
-    tiled_mb, _ = speed.peak_memory_mb(get_kernel("tiled"), shape, torch.float32)
-    assert method in ("VmHWM-VmRSS", "ru_maxrss-VmRSS")
-    assert matrix_mb <= math_mb <= 4 * matrix_mb, (math_mb, matrix_mb)
-    assert tiled_mb < 0.25 * math_mb, (tiled_mb, math_mb)
+    argv = ["--heads", "4", "--head-dim", "32", "--seq-len", "1024", "--kernel", "tiled", "--repeats", "1"]
+    assert speed.main([*argv, "--out", str(tmp_path)]) == 0
+    math_row, tiled_row = json.loads((tmp_path / "speed.json").read_text())["rows"]
+    matrix_mb = 4 * 1024 * 1024 * 4 / 2**20
+    assert math_row["memory_method"] in ("VmHWM-VmRSS", "ru_maxrss-VmRSS")
+    assert matrix_mb <= math_row["peak_mb"] <= 4 * matrix_mb, math_row
+    assert tiled_row["peak_mb"] < 0.25 * math_row["peak_mb"], (tiled_row, math_row)
+    assert tiled_row["mem_ratio_vs_math"] == pytest.approx(tiled_row["peak_mb"] / math_row["peak_mb"])
 
 
 def test_math_is_skipped_when_it_would_not_fit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # 3·B·H·N²·4 bytes at N = 256 is 1.5 MiB > 0.001 GiB: math is skipped, tiled still runs.
-    argv = [
-        *SMALL,
-        "--seq-len",
-        "256",
-        "--kernel",
-        "tiled",
-        "--max-memory-gb",
-        "0.001",
-        "--out",
-        str(tmp_path),
-    ]
-    assert speed.main(argv) == 0
+    argv = [*SMALL, "--seq-len", "256", "--kernel", "tiled", "--max-memory-gb", "0.001", "--no-memory"]
+    assert speed.main([*argv, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "skipped math at fp32, N=256: would need ~0.0 GiB" in out
     doc = json.loads((tmp_path / "speed.json").read_text())
     assert [r["kernel"] for r in doc["rows"]] == ["tiled"]
-    assert doc["rows"][0]["ratio_vs_math"] is None and doc["rows"][0]["peak_mb"] > 0
+    assert doc["rows"][0]["ratio_vs_math"] is None and doc["rows"][0]["ms"] > 0
     assert doc["skipped"][0]["kernel"] == "math" and "--max-memory-gb" in doc["skipped"][0]["reason"]
 
 
