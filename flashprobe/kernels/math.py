@@ -62,7 +62,8 @@ def math_attention(
             scores = scores + attn_mask.to(compute)
     probs = torch.softmax(scores, dim=-1)
     # Safe softmax, as torch SDPA: a row with every key masked (all -inf) gives 0, not NaN.
-    fully_masked = (scores == float("-inf")).all(dim=-1, keepdim=True)
+    # (A row is fully masked iff its maximum is -inf; one reduction, no (N_q, N_k) bool temporary.)
+    fully_masked = scores.amax(dim=-1, keepdim=True) == float("-inf")
     probs = probs.masked_fill(fully_masked, 0.0)
     return torch.matmul(probs, v).to(out_dtype)  # (B, H, N_q, D_v)
 
