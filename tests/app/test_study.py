@@ -53,3 +53,25 @@ def test_report_without_study_json_says_what_to_run(
 ) -> None:
     assert report_main([str(tmp_path)]) == 2
     assert "flashprobe study --out" in capsys.readouterr().err
+
+
+def _pair(values: list[float]) -> dict:
+    return {"steps": [0, 10], "model": {"wasserstein": values, "max_abs": values}, "runs": {}}
+
+
+@pytest.mark.parametrize(
+    ("flash", "finding"),
+    [
+        (2e-7, "100× below the low-precision deviation (paper: 2–5× below). The paper's finding holds"),
+        (
+            4e-5,
+            "0.5× below the low-precision deviation (paper: 2–5× below). The paper's finding does not hold",
+        ),
+    ],
+)
+def test_report_verdict_against_low_precision(tmp_path: Path, flash: float, finding: str) -> None:
+    pairs = {"flash_vs_baseline": _pair([0.0, flash]), "fp16_vs_fp32": _pair([0.0, 2e-5])}
+    (tmp_path / "study.json").write_text(json.dumps({"pairs": pairs}))
+    assert verdict(pairs)["context"]["fp16_vs_fp32"]["flash_over_context"] == pytest.approx(flash / 2e-5)
+    assert report_main([str(tmp_path)]) == 0
+    assert finding in (tmp_path / "report.md").read_text()
