@@ -128,6 +128,7 @@ class AttentionProbe(Callback):
         self._probe: Probe | None = None
         self._path: Path | None = None
         self._file_checked = False
+        self._calls_checked = False
 
     @property
     @override
@@ -159,6 +160,7 @@ class AttentionProbe(Callback):
         root = self.dirpath or Path(trainer.log_dir or trainer.default_root_dir)
         self._path = root / self.filename
         self._file_checked = False
+        self._calls_checked = False
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -195,12 +197,34 @@ class AttentionProbe(Callback):
     ) -> None:
         if self._probe is None:
             return
+        if not self._calls_checked:
+            self._check_calls(pl_module)
         step = trainer.global_step
         every = self.log_every_n_steps or trainer.log_every_n_steps or 1
         last_batch = trainer.max_steps != -1 and step >= trainer.max_steps
         if step <= self.last_logged_step or (step % every and not last_batch):
             return
         self._flush(trainer, pl_module, step)
+
+    def _check_calls(self, pl_module: pl.LightningModule) -> None:
+        """After the first training batch: fail early when there is nothing to probe (host-side counts)."""
+        assert self._probe is not None
+        self._calls_checked = True
+        calls = self._probe.calls
+        if not calls:
+            raise RuntimeError(
+                f"AttentionProbe: {type(pl_module).__name__} made no "
+                "torch.nn.functional.scaled_dot_product_attention call in its first training batch, "
+                "so there is nothing to probe. Either the model has no attention, or it calls a fused "
+                "kernel directly (e.g. flash_attn_func) or nn.MultiheadAttention's inference fast path. "
+                "Route its attention through F.scaled_dot_product_attention, or remove the callback "
+                "(flashprobe train: attention.probe.enabled=false)."
+            )
+        if self.sites is not None and not any(self._probe.selects(site) for site in calls):
+            raise ValueError(
+                f"AttentionProbe: sites={self.sites!r} matches none of the model's attention sites "
+                f"({', '.join(sorted(calls))}); fix the patterns or use sites=None for all"
+            )
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

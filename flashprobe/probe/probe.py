@@ -103,6 +103,10 @@ class Probe(AttentionRoute):
             self._selected[site] = wanted
         return wanted
 
+    def selects(self, site: str) -> bool:
+        """Whether the ``sites`` patterns select ``site`` for comparison."""
+        return self._wanted(site)
+
     def handle(self, site: str, call: SdpaCall, route: KernelRoute | None = None) -> torch.Tensor:
         """Run one intercepted call made at ``site`` (called by the dispatcher)."""
         n = self._calls.get(site, 0)

@@ -100,3 +100,51 @@ def test_bad_arguments_fail_at_construction() -> None:
         AttentionProbe(primary="nope")
     with pytest.raises(ValueError, match="every_n_steps=0 must be a positive int"):
         AttentionProbe(every_n_steps=0)
+
+
+class _NoAttention(L.LightningModule):
+    """A linear model: no SDPA call anywhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.lin(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=2)
+
+
+def _trainer(callback: AttentionProbe) -> L.Trainer:
+    return L.Trainer(
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+
+
+def test_a_model_without_attention_fails_after_its_first_batch(tmp_path: Path) -> None:
+    trainer = _trainer(AttentionProbe(dirpath=tmp_path))
+    with pytest.raises(
+        RuntimeError, match=r"_NoAttention made no torch\.nn\.functional\.scaled_dot_product_attention"
+    ):
+        trainer.fit(_NoAttention())
+    assert trainer.global_step == 1  # stopped after the first batch, not at the end (3 steps)
+    assert not (tmp_path / "probe.jsonl").exists()
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention  # detached
+
+
+def test_site_patterns_that_match_nothing_fail_early(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(3))
+    with pytest.raises(
+        ValueError, match=r"sites='blocks\.\*' matches none of the model's attention sites \(attn\)"
+    ):
+        _trainer(AttentionProbe(sites="blocks.*", dirpath=tmp_path)).fit(_OneAttention(q, k, v))
