@@ -21,12 +21,10 @@ import csv
 import io
 import json
 import math
-import os
 import platform
 import shlex
 import statistics
 import sys
-import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +32,7 @@ from typing import Any
 
 import torch
 
+from flashprobe._atomic import atomic_write_text
 from flashprobe.deviation import deviation_tensors, error_ratio, finish_deviation
 from flashprobe.kernels import (
     Kernel,
@@ -637,21 +636,6 @@ def deviation_sweep(
 # --------------------------------------------------------------------------------------------
 # Results
 # --------------------------------------------------------------------------------------------
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same directory and ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # A unique name opened with "x" (not mkstemp, whose files are private 0600): the result gets
-    # the usual permissions from the umask.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "x", encoding="utf-8", newline="") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _json_safe(value: Any) -> Any:

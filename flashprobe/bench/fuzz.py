@@ -47,8 +47,8 @@ import math
 import os
 import random
 import sys
-import tempfile
 import time
+import uuid
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from flashprobe._atomic import atomic_write_text
 from flashprobe.bench.fuzz_cases import (
     CaseInputs,
     FuzzCase,
@@ -584,19 +585,19 @@ def shrink(
 
 
 def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
+    """``write(tmp_path)`` to a unique temporary file next to ``path``, then rename it over ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        write(tmp)
+        write(str(tmp))
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
 def _write_text(path: Path, text: str) -> None:
-    _atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    atomic_write_text(path, text)
 
 
 _SNIPPET = '''"""Reproducer saved by `flashprobe fuzz --budget`: {kernel} fails {case} at {dtype}.

@@ -17,7 +17,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from flashprobe._atomic import atomic_write_text
 from flashprobe.kernels import get_kernel
 from flashprobe.probe import N_MAX, Probe, probe
 
@@ -41,17 +41,6 @@ _PRECISION_DTYPES = {
     "16-true": torch.float16,
     "64-true": torch.float64,
 }
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class AttentionProbe(Callback):
@@ -235,8 +224,11 @@ class AttentionProbe(Callback):
             from flashprobe.report.probe_figures import plot_probe
 
             if self._path.stat().st_size:
-                figure = plot_probe(self._path, self._path.with_suffix(".png"))
-                log.info("AttentionProbe: per-site deviation plot %s", figure)
+                try:  # a convenience: a plotting error must not fail a finished run
+                    figure = plot_probe(self._path, self._path.with_suffix(".png"))
+                    log.info("AttentionProbe: per-site deviation plot %s", figure)
+                except Exception as err:
+                    log.warning("AttentionProbe: could not draw %s: %s", self._path.with_suffix(".png"), err)
 
     # ------------------------------------------------------------------------------- reading
     def _reduced_tensors(self, trainer: pl.Trainer) -> dict[str, torch.Tensor]:
@@ -347,7 +339,7 @@ class AttentionProbe(Callback):
             for line in self._path.read_text().splitlines():
                 if line.strip() and json.loads(line)["step"] <= keep_upto:
                     kept.append(line)
-        _atomic_write_text(self._path, "".join(f"{line}\n" for line in kept))
+        atomic_write_text(self._path, "".join(f"{line}\n" for line in kept))
 
     # ---------------------------------------------------------------------------- checkpoints
     _resumed_from: int | None = None

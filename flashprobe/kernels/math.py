@@ -63,8 +63,9 @@ def math_attention(
     probs = torch.softmax(scores, dim=-1)
     # Safe softmax, as torch SDPA: a row with every key masked (all -inf) gives 0, not NaN.
     # (A row is fully masked iff its maximum is -inf; one reduction, no (N_q, N_k) bool temporary.)
-    fully_masked = scores.amax(dim=-1, keepdim=True) == float("-inf")
-    probs = probs.masked_fill(fully_masked, 0.0)
+    if scores.shape[-1]:  # (no keys at all: the empty product below already gives zeros)
+        fully_masked = scores.amax(dim=-1, keepdim=True) == float("-inf")
+        probs = probs.masked_fill(fully_masked, 0.0)
     return torch.matmul(probs, v).to(out_dtype)  # (B, H, N_q, D_v)
 
 

@@ -10,8 +10,6 @@ on a log axis and is drawn as a hollow marker on the bottom edge, labelled "= 0"
 from __future__ import annotations
 
 import math
-import os
-import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,8 @@ from typing import Any
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from flashprobe._atomic import atomic_write
 
 __all__ = ["plot_precision", "plot_seqlen", "plot_speed", "plot_tiles", "save_figure"]
 
@@ -37,14 +37,7 @@ def save_figure(fig: Figure, path: Path | str, *, dpi: int = 130) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "xb") as fh:  # not mkstemp: keep the umask's permissions
-            fig.savefig(fh, format="png", dpi=dpi, bbox_inches="tight")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda fh: fig.savefig(fh, format="png", dpi=dpi, bbox_inches="tight"), binary=True)
     return path
 
 

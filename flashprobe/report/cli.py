@@ -60,12 +60,14 @@ def _run_report(run_dir: Path) -> int:
     print("| step | max error ratio | worst site | max abs primary-baseline | non-finite |")
     print("| ---: | ---: | --- | ---: | ---: |")
     for row in probe_summary(run_dir):
-        ratio = row.get("max_error_ratio")
-        diff = (row.get("max_abs") or {}).get("primary_baseline")
-        print(
-            f"| {row['step']} | {'-' if ratio is None else f'{ratio:.3g}'} | "
-            f"{row.get('max_error_ratio_site') or '-'} | {'-' if diff is None else f'{diff:.3g}'} | "
-            f"{row.get('nonfinite', 0)} |"
-        )
+        ratio = _g(row.get("max_error_ratio"))
+        diff = _g((row.get("max_abs") or {}).get("primary_baseline"))
+        site = row.get("max_error_ratio_site") or "-"
+        print(f"| {row['step']} | {ratio} | {site} | {diff} | {row.get('nonfinite', 0)} |")
     print(f"wrote {figure}")
     return 0
+
+
+def _g(value: float | str | None) -> str:
+    """A number of probe.jsonl (non-finite ones are stored as "inf"/"nan" strings) as 3 digits."""
+    return "-" if value is None else f"{float(value):.3g}"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,17 +16,13 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 
+from flashprobe._atomic import atomic_write
+
 __all__ = ["sample_grid_figure", "save_sample_grid"]
 
 _CELL_INCHES = 1.5
 _LINE_INCHES = 0.13
 _WRAP = 24
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _to_hwc(images: torch.Tensor | np.ndarray, value_range: tuple[float, float]) -> np.ndarray:
@@ -119,13 +114,5 @@ def save_sample_grid(
     fig = sample_grid_figure(images, captions, ncols=ncols, title=title, value_range=value_range)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png")
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes the file private; give it the usual mode
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda fh: fig.savefig(fh, format="png"), binary=True)
     return path

@@ -32,8 +32,8 @@ from flashprobe.report.bench_figures import save_figure
 
 __all__ = ["MAX_LINES", "load_probe_records", "plot_probe", "site_series"]
 
-#: Above this many sites the error-ratio panel becomes a heat map.
-MAX_LINES = 12
+#: Above this many sites the error-ratio panel becomes a heat map (one colour per site up to here).
+MAX_LINES = 10
 
 _GRADS = ("dq", "dk", "dv")
 
@@ -63,7 +63,14 @@ def load_probe_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def _num(x: Any) -> float:
-    return float(x) if isinstance(x, int | float) and math.isfinite(x) else math.nan
+    """A value of probe.jsonl as a float: numbers, or "inf"/"-inf"/"nan" (how non-finite values are
+    stored); None or anything else is NaN (not recorded)."""
+    if isinstance(x, bool) or x is None:
+        return math.nan
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def site_series(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, list[float]]]:
@@ -122,33 +129,49 @@ def plot_probe(
     steps = [int(r["step"]) for r in records]
     names = list(series)
     nonfinite = sum(int((r.get("summary") or {}).get("nonfinite") or 0) for r in records)
+    # An infinite error ratio (the baseline matched golden exactly, the primary did not) is drawn at
+    # the top of the axis with a triangle, so the worst points are not lost as gaps.
+    ratios = [v for s in series.values() for k in ("error_ratio", "backward_error_ratio") for v in s[k]]
+    cap = 1.5 * max((v for v in ratios if math.isfinite(v)), default=1.0)
+    infinite = sum(v == math.inf for v in ratios)
+
+    def capped(values: list[float]) -> list[float]:
+        return [cap if v == math.inf else v for v in values]
 
     fig = Figure(figsize=(15, 4.8 if len(names) <= MAX_LINES else 4.8 + 0.12 * len(names)))
     ax_ratio, ax_pb, ax_site = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1.2, 1.0, 1.0]})
     colours = [f"C{i % 10}" for i in range(len(names))]
-    styles = ["-", "--", ":", "-."]
 
     if len(names) <= MAX_LINES:
         for i, name in enumerate(names):
-            style = styles[(i // 10) % len(styles)]
-            ax_ratio.plot(steps, series[name]["error_ratio"], style, color=colours[i], label=_short(name))
-            if not all(math.isnan(v) for v in series[name]["backward_error_ratio"]):
-                ax_ratio.plot(steps, series[name]["backward_error_ratio"], "--", color=colours[i], alpha=0.6)
+            forward, backward = series[name]["error_ratio"], series[name]["backward_error_ratio"]
+            ax_ratio.plot(steps, capped(forward), "-", color=colours[i], label=_short(name))
+            if not all(math.isnan(v) for v in backward):
+                ax_ratio.plot(steps, capped(backward), "--", color=colours[i], alpha=0.6)
+            for values in (forward, backward):
+                top = [s for s, v in zip(steps, values, strict=True) if v == math.inf]
+                ax_ratio.plot(top, [cap] * len(top), "^", color=colours[i], markersize=7)
         ax_ratio.axhline(1.0, color="0.4", linewidth=0.8)
         ax_ratio.set_xlabel("training step")
         ax_ratio.set_ylabel("error ratio  |primary − golden| / |baseline − golden|")
         has_backward = any(not all(math.isnan(v) for v in s["backward_error_ratio"]) for s in series.values())
         ax_ratio.set_title("forward error ratio per site" + (" (dashed: backward)" if has_backward else ""))
     else:
-        grid = np.array([series[n]["error_ratio"] for n in names], dtype=float)
-        image = ax_ratio.imshow(
-            np.ma.masked_invalid(grid),
-            aspect="auto",
-            interpolation="nearest",
-            cmap="viridis",
-            extent=(steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5),
+        grid = np.array([capped(series[n]["error_ratio"]) for n in names], dtype=float)
+        x = np.asarray(steps, dtype=float)
+        half = np.diff(x) / 2 if len(x) > 1 else np.array([])
+        edges = np.concatenate(
+            (
+                [x[0] - (half[0] if len(half) else 0.5)],
+                x[:-1] + half,
+                [x[-1] + (half[-1] if len(half) else 0.5)],
+            )
+        )
+        image = ax_ratio.pcolormesh(
+            edges, np.arange(len(names) + 1) - 0.5, np.ma.masked_invalid(grid), cmap="viridis"
         )
         ax_ratio.set_yticks(range(len(names)), [_short(n) for n in names], fontsize=6)
+        ax_ratio.invert_yaxis()
         ax_ratio.set_xlabel("training step")
         ax_ratio.set_title("forward error ratio per site")
         fig.colorbar(image, ax=ax_ratio, label="error ratio")
@@ -162,7 +185,7 @@ def plot_probe(
     ax_pb.set_title("primary vs baseline, per site")
 
     def worst(name: str, pair: str) -> float:
-        values = [v for v in series[name][pair] if not math.isnan(v)]
+        values = [v for v in series[name][pair] if math.isfinite(v)]
         return max(values) if values else math.nan
 
     y = np.arange(len(names))
@@ -184,6 +207,7 @@ def plot_probe(
     fig.suptitle(
         f"{head}: {len(names)} sites, {len(records)} logged intervals, steps {steps[0]}–{steps[-1]}, "
         f"{nonfinite} non-finite values"
+        + (f", {infinite} infinite error ratios (▲ at the top)" if infinite else "")
     )
     fig.tight_layout()
     return save_figure(fig, path)

@@ -11,23 +11,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from flashprobe._atomic import atomic_write_text
+
 __all__ = ["probe_summary", "verdict", "write_report"]
 
 FLASH = "flash_vs_baseline"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def _final(pair: Mapping[str, Any], metric: str = "wasserstein") -> tuple[int, float] | None:
@@ -134,7 +127,8 @@ def write_report(study_dir: str | Path, figures: Sequence[str] | None = None) ->
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} not found: run `flashprobe study --out {study_dir}` or "
-            f"`flashprobe compare RUN_A RUN_B --out {study_dir}` first"
+            f"`flashprobe compare RUN_A RUN_B --out {study_dir}` first (a training run directory "
+            "needs its probe.jsonl for `flashprobe report`)"
         )
     pairs = json.loads(path.read_text())["pairs"]
     v = verdict(pairs)
@@ -223,5 +217,5 @@ def write_report(study_dir: str | Path, figures: Sequence[str] | None = None) ->
             ]
     lines += ["", f"Regenerate with `flashprobe report {study_dir}`.", ""]
     out = study_dir / "report.md"
-    _atomic_write(out, "\n".join(lines))
+    atomic_write_text(out, "\n".join(lines))
     return out

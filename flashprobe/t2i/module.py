@@ -61,7 +61,8 @@ class TextToImageModule(L.LightningModule):
     """Text-to-image diffusion training with a chosen attention kernel.
 
     Args:
-        model: the noise predictor ``model(x_t, t, tokens)``; default :func:`dit_small`.
+        model: the denoiser ``model(x_t, t, tokens)`` (it predicts ε or v, see ``prediction``);
+            default :func:`dit_small`.
         optimizer: builds the optimizer from the parameters; default AdamW, lr 2e-3, no weight decay.
         attention: kernel spec routed to every attention call of ``model`` (``None``: torch's
             default SDPA dispatch).

@@ -41,6 +41,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from flashprobe._atomic import atomic_write_text
+
 __all__ = [
     "MANIFEST_NAME",
     "SNAPSHOT_DIRNAME",
@@ -101,22 +103,6 @@ def snapshot_filename(step: int) -> str:
     if step < 0:
         raise ValueError(f"snapshot step must be >= 0, got {step}")
     return f"step_{step:07d}.safetensors"
-
-
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` atomically: temporary file in the same directory, fsync, rename."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}{_TMP_SUFFIX}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
 
 
 def _snapshot_dir(run_dir: str | os.PathLike[str]) -> Path:

@@ -97,3 +97,30 @@ def test_report_command_on_a_run_directory(tmp_path: Path, capsys: pytest.Captur
     out = capsys.readouterr().out
     assert "| 5 | 2 |" in out and "| 10 | 1.5 |" in out
     assert (tmp_path / "probe.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_non_finite_values_as_stored_in_probe_jsonl(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The callback stores inf/nan as strings; the series keep them and the report prints them."""
+    site = _site(None, 1e-6, 1e-6, 0.0)
+    site["forward"]["out"]["error_ratio"] = "inf"  # baseline exact, primary not
+    records = [
+        {
+            "step": 1,
+            "summary": {"nonfinite": 0, "max_error_ratio": "inf", "max_abs": {"primary_baseline": 1e-6}},
+            "sites": {"model.a.attn": site},
+        },
+        {
+            "step": 2,
+            "summary": {"nonfinite": 2, "max_error_ratio": 1.5, "max_abs": {"primary_baseline": "nan"}},
+            "sites": {"model.a.attn": _site(1.5, 2e-6, 2e-6, 1e-6)},
+        },
+    ]
+    _write(tmp_path / "probe.jsonl", records)
+    series = site_series(load_probe_records(tmp_path / "probe.jsonl"))
+    assert series["model.a.attn"]["error_ratio"] == [math.inf, 1.5]
+    assert report_main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| 1 | inf | - | 1e-06 | 0 |" in out and "| 2 | 1.5 | - | nan | 2 |" in out
+    assert (tmp_path / "probe.png").read_bytes().startswith(b"\x89PNG")

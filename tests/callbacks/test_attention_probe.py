@@ -148,3 +148,22 @@ def test_site_patterns_that_match_nothing_fail_early(tmp_path: Path) -> None:
         ValueError, match=r"sites='blocks\.\*' matches none of the model's attention sites \(attn\)"
     ):
         _trainer(AttentionProbe(sites="blocks.*", dirpath=tmp_path)).fit(_OneAttention(q, k, v))
+
+
+def test_a_plotting_error_does_not_fail_the_finished_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import flashprobe.report.probe_figures as probe_figures
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no display")
+
+    monkeypatch.setattr(probe_figures, "plot_probe", broken)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(3))
+    trainer = _trainer(AttentionProbe(dirpath=tmp_path, log_every_n_steps=1))
+    trainer.fit(_OneAttention(q, k, v))
+    assert trainer.global_step == 3
+    assert len((tmp_path / "probe.jsonl").read_text().splitlines()) == 3
+    assert not (tmp_path / "probe.png").exists()
+    assert "could not draw" in caplog.text and "no display" in caplog.text

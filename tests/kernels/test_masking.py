@@ -101,3 +101,14 @@ def test_sentinel_kernel_treats_bool_and_additive_masks_alike(make_qkv):
     additive = torch.zeros(19, 33).masked_fill(~keep, float("-inf"))
     kernel = get_kernel("tiled:mask_value=-5e4,block_k=8")
     assert torch.equal(kernel(q, k, v, attn_mask=keep), kernel(q, k, v, attn_mask=additive))
+
+
+@pytest.mark.parametrize("spec", ["math", "tiled"])
+def test_no_keys_gives_zeros_like_torch(spec):
+    """N_k = 0: every row is fully masked; torch SDPA returns zeros of shape (B, H, N_q, D_v)."""
+    q = torch.randn(1, 2, 3, 4, dtype=torch.float64)
+    k, v = torch.randn(1, 2, 0, 4, dtype=torch.float64), torch.randn(1, 2, 0, 5, dtype=torch.float64)
+    out = get_kernel(spec)(q, k, v)
+    assert out.shape == (1, 2, 3, 5)
+    assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    assert torch.equal(out, torch.zeros_like(out))
