@@ -33,11 +33,12 @@ _UNITS = "absolute, in units of v"
 
 
 def save_figure(fig: Figure, path: Path | str, *, dpi: int = 130) -> Path:
-    """Save ``fig`` as a PNG at ``path`` atomically (temporary file + ``os.replace``)."""
+    """Save ``fig`` at ``path`` atomically (temporary file + ``os.replace``), in the format its
+    suffix names (``.png``, ``.pdf``, ``.svg``, ...; PNG without a suffix)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    fmt = path.suffix.lstrip(".") or "png"
     FigureCanvasAgg(fig)
-    atomic_write(path, lambda fh: fig.savefig(fh, format="png", dpi=dpi, bbox_inches="tight"), binary=True)
+    atomic_write(path, lambda fh: fig.savefig(fh, format=fmt, dpi=dpi, bbox_inches="tight"), binary=True)
     return path
 
 

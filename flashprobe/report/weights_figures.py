@@ -18,7 +18,6 @@ Files are written atomically with matplotlib's Agg renderer (no pyplot, no displ
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -26,6 +25,8 @@ from typing import Any
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+
+from flashprobe.report.bench_figures import save_figure
 
 __all__ = [
     "pair_over_steps_figure",
@@ -52,20 +53,6 @@ def _describe(pair: Mapping[str, Any]) -> str:
     keys = ("attention", "precision", "seed")
     diff = [f"{k} {a.get(k)} vs {b.get(k)}" for k in keys if a.get(k) != b.get(k)]
     return ", ".join(diff) if diff else "same attention, precision and seed"
-
-
-def _save(fig: Figure, path: str | os.PathLike[str]) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", dpi=120, bbox_inches="tight")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    return path
 
 
 def _curve(
@@ -142,9 +129,9 @@ def wasserstein_curves_figure(pairs: Mapping[str, Mapping[str, Any]]) -> Figure:
 
 def plot_pair_over_steps(name: str, pair: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
     """Draw Fig 7 (:func:`pair_over_steps_figure`) and save it atomically to ``path``; returns ``path``."""
-    return _save(pair_over_steps_figure(name, pair), path)
+    return save_figure(pair_over_steps_figure(name, pair), path, dpi=120)
 
 
 def plot_wasserstein_curves(pairs: Mapping[str, Mapping[str, Any]], path: str | os.PathLike[str]) -> Path:
     """Draw Fig 8 (:func:`wasserstein_curves_figure`) and save it atomically to ``path``; returns ``path``."""
-    return _save(wasserstein_curves_figure(pairs), path)
+    return save_figure(wasserstein_curves_figure(pairs), path, dpi=120)
