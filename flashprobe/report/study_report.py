@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from flashprobe._atomic import atomic_write_text
+from flashprobe.report.probe_figures import load_probe_records
 
 __all__ = ["probe_summary", "verdict", "write_report"]
 
@@ -67,12 +68,7 @@ def probe_summary(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "probe.jsonl"
     if not path.is_file():
         return []
-    rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            rows.append({"step": record["step"], **record.get("summary", {})})
-    return rows
+    return [{"step": r["step"], **r.get("summary", {})} for r in load_probe_records(path)]
 
 
 def _fmt(x: float | None) -> str:
