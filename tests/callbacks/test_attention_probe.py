@@ -67,17 +67,24 @@ class _OneAttention(L.LightningModule):
         return torch.utils.data.DataLoader(torch.zeros(4, 1), batch_size=1)
 
 
-def test_logged_statistics_match_a_direct_fp64_computation(tmp_path: Path) -> None:
-    g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(2, 3, 37, 16, generator=g) for _ in range(3))
-    trainer = L.Trainer(
-        max_steps=2,
+def _trainer(callback: AttentionProbe, *, max_steps: int = 3, **kwargs) -> L.Trainer:
+    """A quiet CPU Trainer with one callback (no logger, checkpoints or progress bar)."""
+    return L.Trainer(
+        max_steps=max_steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        log_every_n_steps=2,
-        callbacks=[AttentionProbe(primary="tiled:block_k=8", dirpath=tmp_path)],
+        callbacks=[callback],
+        **kwargs,
+    )
+
+
+def test_logged_statistics_match_a_direct_fp64_computation(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 37, 16, generator=g) for _ in range(3))
+    trainer = _trainer(
+        AttentionProbe(primary="tiled:block_k=8", dirpath=tmp_path), max_steps=2, log_every_n_steps=2
     )
     trainer.fit(_OneAttention(q, k, v))
     record = json.loads((tmp_path / "probe.jsonl").read_text().splitlines()[0])
@@ -117,17 +124,6 @@ class _NoAttention(L.LightningModule):
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=2)
-
-
-def _trainer(callback: AttentionProbe) -> L.Trainer:
-    return L.Trainer(
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-    )
 
 
 def test_a_model_without_attention_fails_after_its_first_batch(tmp_path: Path) -> None:
