@@ -54,11 +54,11 @@ def _dispatch(table: dict[str, tuple[str, str]], argv: list[str], prog: str) -> 
 
 def list_kernels(argv: Sequence[str]) -> int:
     """Print every registered kernel with its options."""
-    from flashprobe.kernels.registry import _REGISTRY, available_kernels
+    from flashprobe.kernels import list_kernels
 
-    for name, description in available_kernels().items():
-        options = ", ".join(_REGISTRY[name].options) or "-"
-        print(f"{name:<15} {description}\n{'':<15} options: {options}")
+    for info in list_kernels():
+        options = ", ".join(info.options) or "-"
+        print(f"{info.name:<15} {info.description}\n{'':<15} options: {options}")
     return 0
 
 

@@ -10,6 +10,12 @@ Vocabulary (DESIGN.md): for outputs ``a`` and reference ``b`` of the same shape,
 * **error ratio** = ``max_abs(primary, golden) / max_abs(baseline, golden)``; flash-attention's own
   tests pass a kernel when it is ≤ 2.
 
+**Names** used everywhere (probe statistics, bench rows, fuzz results, reports): the three
+:data:`PAIRS` ``primary_baseline``, ``primary_golden``, ``baseline_golden`` (``a_b`` = deviation of
+``a`` from reference ``b``) and the statistics of :class:`Deviation`. A flat key joins them with an
+underscore (``primary_golden_max_abs``), a nested record nests them (``{"primary_golden": {"max_abs":
+...}}``).
+
 Differences are computed in float64. :func:`deviation_tensors` returns 0-d tensors on the inputs'
 device (no host synchronisation) so callers can accumulate them; :func:`deviation` returns floats.
 """
@@ -21,7 +27,24 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["Deviation", "deviation", "deviation_tensors", "error_ratio", "finish_deviation"]
+__all__ = [
+    "PAIRS",
+    "PAIR_LABELS",
+    "Deviation",
+    "deviation",
+    "deviation_tensors",
+    "error_ratio",
+    "finish_deviation",
+]
+
+#: The compared pairs, ``a_b`` meaning deviation of ``a`` from reference ``b``.
+PAIRS: tuple[str, ...] = ("primary_baseline", "primary_golden", "baseline_golden")
+#: Each pair in words, for tables and figures.
+PAIR_LABELS: dict[str, str] = {
+    "primary_baseline": "primary vs baseline",
+    "primary_golden": "primary vs golden",
+    "baseline_golden": "baseline vs golden",
+}
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from flashprobe._atomic import atomic_write_text
 from flashprobe.deviation import deviation_tensors, error_ratio, finish_deviation
+from flashprobe.formats.atomic import atomic_write_text
 from flashprobe.kernels import (
     Kernel,
     KernelInputError,

@@ -57,7 +57,6 @@ from typing import Any
 
 import torch
 
-from flashprobe._atomic import atomic_write_text
 from flashprobe.bench.fuzz_cases import (
     CaseInputs,
     FuzzCase,
@@ -68,6 +67,7 @@ from flashprobe.bench.fuzz_cases import (
     select_cases,
 )
 from flashprobe.deviation import error_ratio
+from flashprobe.formats.atomic import atomic_write_text
 from flashprobe.kernels import (
     Kernel,
     KernelInputError,

@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from flashprobe._atomic import atomic_write_text
+from flashprobe.formats.atomic import atomic_write_text
 from flashprobe.kernels import get_kernel
 from flashprobe.probe import N_MAX, Probe, probe
 

@@ -19,12 +19,15 @@ from flashprobe.kernels.math import golden_attention, math_attention
 from flashprobe.kernels.registry import (
     AttentionFn,
     Kernel,
+    KernelInfo,
     KernelSpecError,
     KernelUnavailableError,
     available_kernels,
     get_kernel,
+    list_kernels,
     parse_spec,
     register_kernel,
+    unregister_kernel,
 )
 from flashprobe.kernels.sdpa import BACKENDS, sdpa_attention
 from flashprobe.kernels.tiled import TileSizes, tile_sizes, tiled_attention
@@ -33,6 +36,7 @@ __all__ = [
     "BACKENDS",
     "AttentionFn",
     "Kernel",
+    "KernelInfo",
     "KernelInputError",
     "KernelSpecError",
     "KernelUnavailableError",
@@ -45,6 +49,7 @@ __all__ = [
     "flash_attn_attention",
     "get_kernel",
     "golden_attention",
+    "list_kernels",
     "math_attention",
     "parse_spec",
     "register_kernel",
@@ -52,4 +57,5 @@ __all__ = [
     "tile_sizes",
     "tiled_attention",
     "to_dtype",
+    "unregister_kernel",
 ]

@@ -19,12 +19,15 @@ import torch
 __all__ = [
     "AttentionFn",
     "Kernel",
+    "KernelInfo",
     "KernelSpecError",
     "KernelUnavailableError",
     "available_kernels",
     "get_kernel",
+    "list_kernels",
     "parse_spec",
     "register_kernel",
+    "unregister_kernel",
 ]
 
 
@@ -113,10 +116,50 @@ def register_kernel(
     return decorate(fn) if fn is not None else decorate
 
 
+@dataclass(frozen=True)
+class KernelInfo:
+    """What the registry knows of one kernel.
+
+    Attributes:
+        name: the spec name.
+        description: one line.
+        options: the spec options it accepts, in signature order.
+        builtin: shipped with flashprobe (cannot be unregistered).
+    """
+
+    name: str
+    description: str
+    options: tuple[str, ...]
+    builtin: bool
+
+
+def list_kernels() -> list[KernelInfo]:
+    """Every registered kernel, sorted by name."""
+    _ensure_builtin()
+    return [KernelInfo(n, e.description, e.options, _is_builtin(e)) for n, e in sorted(_REGISTRY.items())]
+
+
+def _is_builtin(entry: _Entry) -> bool:
+    return entry.fn.__module__.startswith("flashprobe.kernels.")
+
+
 def available_kernels() -> dict[str, str]:
     """Registered kernel names mapped to their one-line descriptions."""
+    return {info.name: info.description for info in list_kernels()}
+
+
+def unregister_kernel(name: str) -> None:
+    """Remove a kernel registered with :func:`register_kernel`.
+
+    Raises:
+        KernelSpecError: no kernel of that name, or a built-in kernel (they cannot be removed).
+    """
     _ensure_builtin()
-    return {n: e.description for n, e in sorted(_REGISTRY.items())}
+    if name not in _REGISTRY:
+        raise KernelSpecError(f"no kernel {name!r} is registered; registered: {', '.join(sorted(_REGISTRY))}")
+    if _is_builtin(_REGISTRY[name]):
+        raise KernelSpecError(f"kernel {name!r} is built into flashprobe and cannot be unregistered")
+    del _REGISTRY[name]
 
 
 def _parse_value(text: str) -> Any:

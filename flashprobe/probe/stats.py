@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from flashprobe.deviation import error_ratio, finish_deviation
+from flashprobe.deviation import PAIRS, error_ratio, finish_deviation
 
 __all__ = [
     "DIRECTIONS",
@@ -53,8 +53,6 @@ __all__ = [
 
 #: ``out`` is the forward output; ``dq``, ``dk``, ``dv`` the input gradients (``backward=True``).
 DIRECTIONS: tuple[str, ...] = ("out", "dq", "dk", "dv")
-#: The compared pairs, ``a_b`` meaning deviation of ``a`` from reference ``b``.
-PAIRS: tuple[str, ...] = ("primary_baseline", "primary_golden", "baseline_golden")
 #: Inputs whose non-finite entries are counted per site.
 INPUTS: tuple[str, ...] = ("q", "k", "v", "grad_out")
 _SUMS: tuple[str, ...] = ("sum_abs", "sum_sq_diff", "sum_sq_ref", "nonfinite", "count")

@@ -18,7 +18,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from flashprobe._atomic import atomic_write
+from flashprobe.formats.atomic import atomic_write
 
 __all__ = ["plot_precision", "plot_seqlen", "plot_speed", "plot_tiles", "save_figure"]
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 
-from flashprobe._atomic import atomic_write
+from flashprobe.formats.atomic import atomic_write
 
 __all__ = ["sample_grid_figure", "save_sample_grid"]
 

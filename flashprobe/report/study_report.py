@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from flashprobe._atomic import atomic_write_text
+from flashprobe.formats.atomic import atomic_write_text
 from flashprobe.report.probe_figures import load_probe_records
 
 __all__ = ["probe_summary", "verdict", "write_report"]

@@ -41,7 +41,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from flashprobe._atomic import atomic_write_text
+from flashprobe.formats.atomic import atomic_write_text
 
 __all__ = [
     "MANIFEST_NAME",

@@ -14,11 +14,12 @@ from flashprobe.kernels import (
     available_kernels,
     get_kernel,
     golden_attention,
+    list_kernels,
     math_attention,
     parse_spec,
     register_kernel,
+    unregister_kernel,
 )
-from flashprobe.kernels.registry import _REGISTRY
 
 BUILTINS = ["flash_attn", "math", "sdpa_cudnn", "sdpa_efficient", "sdpa_flash", "sdpa_math", "tiled"]
 CPU_OK = ["math", "tiled", "sdpa_flash", "sdpa_math"]
@@ -31,7 +32,8 @@ def user_kernel_name():
     """A registry name for a user kernel, removed again after the test."""
     name = "user_test_kernel"
     yield name
-    _REGISTRY.pop(name, None)
+    if name in available_kernels():
+        unregister_kernel(name)
 
 
 def test_parse_spec_values():
@@ -193,3 +195,23 @@ def test_kernel_built_directly_still_validates_at_call(make_qkv):
         Kernel("tiled", {"dtype": "fp8"})(q, k, v)
     with pytest.raises(KernelUnavailableError, match=r"unknown dtype 'fp8'"):
         Kernel("tiled", {"dtype": "fp8"}).check("cpu", torch.float32)
+
+
+def test_list_and_unregister_kernels(user_kernel_name):
+    infos = {info.name: info for info in list_kernels()}
+    assert sorted(n for n, i in infos.items() if i.builtin) == BUILTINS
+    assert infos["tiled"].options[:2] == ("block_q", "block_k")
+
+    @register_kernel(user_kernel_name, description="mine")
+    def mine(q, k, v, *, attn_mask=None, is_causal=False, scale=None, block=64):
+        return math_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+
+    info = next(i for i in list_kernels() if i.name == user_kernel_name)
+    assert (info.description, info.options, info.builtin) == ("mine", ("block",), False)
+    unregister_kernel(user_kernel_name)
+    assert user_kernel_name not in available_kernels()
+    with pytest.raises(KernelSpecError, match="no kernel"):
+        unregister_kernel(user_kernel_name)
+    with pytest.raises(KernelSpecError, match="built into flashprobe"):
+        unregister_kernel("math")
+    assert "math" in available_kernels()

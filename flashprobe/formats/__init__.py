@@ -1,0 +1,39 @@
+"""flashprobe's files: one writer for every file, one convention for JSON, one owner per format.
+
+* :mod:`~flashprobe.formats.atomic` — every file is written atomically (temporary file, fsync,
+  rename) with the umask's permissions;
+* :mod:`~flashprobe.formats.jsonio` — non-finite numbers in JSON are ``"nan"``/``"inf"``/``"-inf"``,
+  ``null`` means not recorded;
+
+and the formats, each read and written by one module only:
+
+=====================================  ===============================================
+file                                   owner
+=====================================  ===============================================
+``RUN_DIR/probe.jsonl``                :mod:`flashprobe.formats.probe_log`
+``STUDY_DIR/study.json``, ``.csv``     :mod:`flashprobe.formats.study_file`
+``RUN_DIR/snapshots/`` (+ manifest)    :mod:`flashprobe.weights.store`
+``DIR/<bench>.json``, ``.csv``         :mod:`flashprobe.bench.results`
+``DIR/fuzz.json``, reproducers         :mod:`flashprobe.fuzz`
+=====================================  ===============================================
+"""
+
+from flashprobe.formats.atomic import (
+    atomic_write,
+    atomic_write_bytes,
+    atomic_write_file,
+    atomic_write_text,
+)
+from flashprobe.formats.jsonio import dumps, encode, number, read_json, write_json
+
+__all__ = [
+    "atomic_write",
+    "atomic_write_bytes",
+    "atomic_write_file",
+    "atomic_write_text",
+    "dumps",
+    "encode",
+    "number",
+    "read_json",
+    "write_json",
+]

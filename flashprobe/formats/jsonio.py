@@ -1,0 +1,95 @@
+"""JSON as flashprobe writes it: one convention for non-finite numbers in every file.
+
+JSON has no NaN or infinity. Every JSON file flashprobe writes (``probe.jsonl``, ``study.json``,
+the snapshot manifest, the bench and fuzz results) stores a non-finite float as the string
+``"nan"``, ``"inf"`` or ``"-inf"``, so an infinite error ratio stays distinguishable from an
+undefined one; ``null`` means *not recorded* (no golden value, nothing measured, undefined).
+:func:`number` reads any of these back: ``float("inf")`` for ``"inf"``, ``None`` for ``null``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from flashprobe.formats.atomic import atomic_write_text
+
+__all__ = ["NONFINITE", "dumps", "encode", "number", "read_json", "write_json"]
+
+#: How each non-finite float is written.
+NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def encode(value: Any) -> Any:
+    """A JSON-ready copy of ``value``: non-finite floats become ``"nan"``/``"inf"``/``"-inf"``,
+    tuples become lists, mapping keys strings, dataclasses dicts, paths and other objects ``str``."""
+    if isinstance(value, bool) or value is None or isinstance(value, int | str):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, Mapping):
+        return {str(k): encode(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [encode(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return encode(dataclasses.asdict(value))
+    return str(value)
+
+
+def dumps(value: Any, *, indent: int | None = None) -> str:
+    """``json.dumps`` of :func:`encode` (strict JSON: no bare NaN/Infinity)."""
+    return json.dumps(encode(value), indent=indent, allow_nan=False)
+
+
+def number(value: Any) -> float | None:
+    """A number as written by :func:`encode`: a float, or ``None`` for ``null``/absent.
+
+    Raises:
+        ValueError: ``value`` is neither a number, ``null``, nor one of ``"nan"``, ``"inf"``, ``"-inf"``.
+    """
+    if value is None:
+        return None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str) and value in NONFINITE:
+        return NONFINITE[value]
+    raise ValueError(f"expected a number, null, 'nan', 'inf' or '-inf', got {value!r}")
+
+
+def write_json(path: str | os.PathLike[str], value: Any, *, indent: int | None = 1) -> Path:
+    """Write ``value`` as JSON (:func:`dumps`, trailing newline) to ``path`` atomically."""
+    return atomic_write_text(path, dumps(value, indent=indent) + "\n")
+
+
+def read_json(path: str | os.PathLike[str], *, written_by: str) -> Any:
+    """Read a JSON file, with errors that name the file and what writes it.
+
+    Args:
+        path: the file.
+        written_by: the command that writes it, for the error message (``flashprobe compare``).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is not valid JSON (line and column named).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found: it is written by `{written_by}`") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path} is a directory, not a JSON file written by `{written_by}`") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{path}: not valid JSON at line {err.lineno}, column {err.colno} ({err.msg}); "
+            f"rewrite it with `{written_by}`"
+        ) from None
