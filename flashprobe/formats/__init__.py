@@ -4,6 +4,8 @@
   rename) with the umask's permissions;
 * :mod:`~flashprobe.formats.jsonio` — non-finite numbers in JSON are ``"nan"``/``"inf"``/``"-inf"``,
   ``null`` means not recorded;
+* :mod:`~flashprobe.formats.paths` — output directories and names used in file names are checked
+  before any work;
 
 and the formats, each read and written by one module only:
 
@@ -25,8 +27,10 @@ from flashprobe.formats.atomic import (
     atomic_write_text,
 )
 from flashprobe.formats.jsonio import dumps, encode, number, read_json, write_json
+from flashprobe.formats.paths import OutputPathError, prepare_output_dir, safe_name
 
 __all__ = [
+    "OutputPathError",
     "atomic_write",
     "atomic_write_bytes",
     "atomic_write_file",
@@ -34,6 +38,8 @@ __all__ = [
     "dumps",
     "encode",
     "number",
+    "prepare_output_dir",
     "read_json",
+    "safe_name",
     "write_json",
 ]

@@ -1,0 +1,75 @@
+"""Checks on where results go, made before any work starts.
+
+* :func:`prepare_output_dir` — ``--out DIR`` must be a directory flashprobe can create and write
+  to; a path that is a file, lies under a file, or is not writable fails at once, naming the path
+  and the fix, instead of after minutes of work;
+* :func:`safe_name` — a name that becomes part of a file name (a comparison pair's name, a case
+  name) must stay inside its directory: no path separators, no ``..``, nothing hidden.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from pathlib import Path
+
+__all__ = ["OutputPathError", "prepare_output_dir", "safe_name"]
+
+_SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=-]*")
+
+
+class OutputPathError(ValueError):
+    """An output directory or a name used in a file name is unusable."""
+
+
+def prepare_output_dir(path: str | os.PathLike[str], *, flag: str = "--out") -> Path:
+    """Create ``path`` (and its parents) if needed and check that files can be written there.
+
+    Args:
+        path: the output directory.
+        flag: how the user gave it, for the error message (``--out``, ``hydra.run.dir``).
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        OutputPathError: ``path`` is a file, lies under a file, or is not writable.
+    """
+    path = Path(path)
+    for parent in (path, *path.parents):
+        if parent.exists() and not parent.is_dir():
+            where = "is a file" if parent == path else f"lies under {parent}, which is a file"
+            raise OutputPathError(f"{flag} {path} {where}; give a directory path")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".flashprobe-write-check.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        probe.touch(exist_ok=False)
+        probe.unlink()
+    except OSError as err:
+        raise OutputPathError(
+            f"{flag} {path} is not writable ({err.strerror or err}); give a directory you can write to"
+        ) from None
+    return path
+
+
+def safe_name(name: str, *, what: str = "name") -> str:
+    """``name`` if it can be used as (part of) a file name inside an output directory.
+
+    Args:
+        name: the name, e.g. a comparison pair's name.
+        what: what the name is, for the error message (``--pair name``).
+
+    Returns:
+        ``name`` unchanged.
+
+    Raises:
+        OutputPathError: empty, a path separator, ``..``, a leading dot or dash, or characters
+            other than letters, digits and ``_ . + = -``.
+    """
+    if not isinstance(name, str) or not _SAFE.fullmatch(name) or ".." in name:
+        raise OutputPathError(
+            f"{what} {name!r} cannot be used in a file name: use letters, digits and _ . + = - only "
+            "(no '/', no '..', not starting with '.' or '-'), e.g. flash_vs_baseline"
+        )
+    return name
