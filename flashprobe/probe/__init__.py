@@ -7,15 +7,24 @@
 * :class:`ShadowAttention` is the same as an ``nn.Module`` to call in place of SDPA.
 * :func:`use_kernel` routes a model's SDPA calls to any kernel spec, with no statistics.
 * :class:`DeviationStats` holds one site's on-device statistics; the layout of its accumulator
-  (``FIELDS``, ``N_MAX``) is what cross-rank reductions need.
+  (``FIELDS``, ``N_MAX``) is what cross-rank reductions need; :func:`summarize` gives the worst
+  values over sites.
+
+Modules, one idea each: ``call`` (one SDPA call adapted to the kernels' convention),
+``intercept`` (catching SDPA calls inside attached models and naming their sites), ``routing``
+(``use_kernel``), ``shadow`` (``ShadowAttention``), ``chunks`` (bounding the references' memory),
+``stats`` (on-device statistics), ``summary`` (the summary over sites), ``probe`` (``probe``).
 """
 
-from flashprobe.probe.intercept import ROOT_SITE, KernelRoute, ProbeWarning, SdpaCall, use_kernel
+from flashprobe.probe.call import SdpaCall
+from flashprobe.probe.intercept import ROOT_SITE, ProbeWarning
 from flashprobe.probe.probe import Probe, probe
+from flashprobe.probe.routing import KernelRoute, use_kernel
 from flashprobe.probe.shadow import DEFAULT_CHUNK_ELEMENTS, ShadowAttention
 from flashprobe.probe.stats import (
     DIRECTIONS,
     FIELDS,
+    GRADIENTS,
     INPUTS,
     MAX_FIELDS,
     N_MAX,
@@ -24,11 +33,13 @@ from flashprobe.probe.stats import (
     DeviationStats,
     stats_dict,
 )
+from flashprobe.probe.summary import summarize
 
 __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
     "DIRECTIONS",
     "FIELDS",
+    "GRADIENTS",
     "INPUTS",
     "MAX_FIELDS",
     "N_MAX",
@@ -43,5 +54,6 @@ __all__ = [
     "ShadowAttention",
     "probe",
     "stats_dict",
+    "summarize",
     "use_kernel",
 ]

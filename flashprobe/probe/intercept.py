@@ -1,13 +1,18 @@
-"""Routing every ``scaled_dot_product_attention`` call made inside a model, and ``use_kernel``.
+"""Interception: every ``scaled_dot_product_attention`` call made inside an attached model.
 
-**How calls are caught.** While at least one handle (:class:`KernelRoute` from :func:`use_kernel`,
-or a :class:`~flashprobe.probe.Probe`) is attached, ``torch.nn.functional.scaled_dot_product_attention``
-is replaced by a dispatcher. ``nn.MultiheadAttention`` (through ``F.multi_head_attention_forward``)
-and libraries calling ``F.scaled_dot_product_attention`` look the name up at call time, so they
-reach it; modules of the attached model's classes that did ``from torch.nn.functional import
-scaled_dot_product_attention`` have that global swapped too. When the last handle detaches every
-swapped name is restored. (A ``TorchFunctionMode`` would also catch names bound elsewhere, but it
-puts Python on the path of *every* tensor op of the model.)
+A handle (:class:`~flashprobe.probe.KernelRoute` from :func:`~flashprobe.probe.use_kernel`, or a
+:class:`~flashprobe.probe.Probe`) derives from :class:`AttentionRoute`; attaching registers its
+model, and every SDPA call made inside a registered model reaches the handle as a
+:class:`~flashprobe.probe.call.SdpaCall` together with its site.
+
+**How calls are caught.** While at least one handle is attached,
+``torch.nn.functional.scaled_dot_product_attention`` is replaced by a dispatcher.
+``nn.MultiheadAttention`` (through ``F.multi_head_attention_forward``) and libraries calling
+``F.scaled_dot_product_attention`` look the name up at call time, so they reach it; modules of the
+attached model's classes that did ``from torch.nn.functional import scaled_dot_product_attention``
+have that global swapped too. When the last handle detaches every swapped name is restored. (A
+``TorchFunctionMode`` would also catch names bound elsewhere, but it puts Python on the path of
+*every* tensor op of the model.)
 
 **Which module made a call.** The dispatcher walks up the Python stack to the innermost
 ``nn.Module.__call__`` frame whose module belongs to an attached model: that module's path in
@@ -26,7 +31,6 @@ call time and reported once per site with a :class:`ProbeWarning` naming the mod
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import re
 import sys
@@ -34,31 +38,23 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator
 from types import FrameType, ModuleType
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashprobe.kernels import Kernel, get_kernel
+from flashprobe.probe.call import ORIGINAL_SDPA, SdpaCall
+
+if TYPE_CHECKING:
+    from flashprobe.probe.routing import KernelRoute
 
 __all__ = [
     "ROOT_SITE",
     "AttentionRoute",
-    "KernelRoute",
-    "Prepared",
     "ProbeWarning",
-    "SdpaCall",
     "active_handles",
-    "autocast_dtype",
-    "autocast_off",
-    "check_kernel_here",
-    "expand_kv",
-    "model_device_dtype",
     "passthrough",
-    "prepare",
-    "run_kernel",
-    "use_kernel",
 ]
 
 #: Site name of an attention call made by the attached model's root module itself.
@@ -67,172 +63,9 @@ ROOT_SITE = "<root>"
 # Prefixes that wrappers (FSDP1, activation checkpointing, torch.compile) insert into module paths.
 _WRAPPER_PREFIX = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.?")
 
-#: torch's SDPA as it was when flashprobe was imported (restored after every detach).
-_ORIGINAL_SDPA: Callable[..., torch.Tensor] = F.scaled_dot_product_attention
-
 
 class ProbeWarning(UserWarning):
     """An attention call inside an attached model that flashprobe cannot route or compare."""
-
-
-# --------------------------------------------------------------------------------------------
-# One SDPA call, normalised
-# --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class SdpaCall:
-    """The arguments of one ``scaled_dot_product_attention`` call, bound to their names.
-
-    Tensors are SDPA's: ``query (..., N_q, D)``, ``key (..., N_k, D)``, ``value (..., N_k, D_v)``
-    (usually ``(B, H, N, D)``; with ``enable_gqa`` key/value may have fewer heads).
-    """
-
-    query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
-    attn_mask: torch.Tensor | None = None
-    dropout_p: float = 0.0
-    is_causal: bool = False
-    scale: float | None = None
-    enable_gqa: bool = False
-
-    @staticmethod
-    def bind(
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        dropout_p: float = 0.0,
-        is_causal: bool = False,
-        scale: float | None = None,
-        enable_gqa: bool = False,
-    ) -> SdpaCall:
-        """Bind SDPA's positional/keyword arguments (raises ``TypeError`` for unknown ones)."""
-        return SdpaCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-
-    def replace(self, **changes: Any) -> SdpaCall:
-        return dataclasses.replace(self, **changes)
-
-    def original(self) -> torch.Tensor:
-        """Run torch's own SDPA with exactly these arguments (what the model would have got)."""
-        return _ORIGINAL_SDPA(
-            self.query,
-            self.key,
-            self.value,
-            attn_mask=self.attn_mask,
-            dropout_p=self.dropout_p,
-            is_causal=self.is_causal,
-            scale=self.scale,
-            enable_gqa=self.enable_gqa,
-        )
-
-
-def autocast_dtype(t: torch.Tensor) -> torch.dtype:
-    """The dtype SDPA computes in for input ``t``: the autocast dtype if autocast is on for its
-    device and ``t`` is a floating tensor other than float64 (torch's autocast rule), else ``t.dtype``."""
-    device_type = t.device.type
-    try:
-        enabled = torch.is_autocast_enabled(device_type)
-    except RuntimeError:  # a device type without autocast support
-        return t.dtype
-    if enabled and t.is_floating_point() and t.dtype != torch.float64:
-        return torch.get_autocast_dtype(device_type)
-    return t.dtype
-
-
-@contextlib.contextmanager
-def autocast_off(device_type: str) -> Iterator[None]:
-    """Disable autocast for ``device_type`` inside the block (no-op when it is off)."""
-    try:
-        enabled = torch.is_autocast_enabled(device_type)
-    except RuntimeError:
-        enabled = False
-    if not enabled:
-        yield
-        return
-    with torch.autocast(device_type, enabled=False):
-        yield
-
-
-def _to_4d(x: torch.Tensor) -> torch.Tensor:
-    if x.dim() == 4:
-        return x
-    if x.dim() < 4:
-        return x.reshape((1,) * (4 - x.dim()) + tuple(x.shape))
-    return x.reshape(-1, *x.shape[-3:])
-
-
-class Prepared(NamedTuple):
-    """An SDPA call brought to the kernels' convention.
-
-    Attributes:
-        q: ``(B, H, N_q, D)`` in the compute dtype (the autocast dtype under autocast).
-        k: ``(B, H_kv, N_k, D)``; ``H_kv = H / rep`` under grouped-query attention.
-        v: ``(B, H_kv, N_k, D_v)``.
-        attn_mask: bool or additive mask broadcastable to ``(B, H, N_q, N_k)``, 4-D, or None.
-        is_causal: top-left causal mask.
-        scale: softmax scale or None.
-        rep: query heads per key/value head (1 without GQA); expand with :func:`expand_kv`.
-        dtype: the compute dtype.
-    """
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    attn_mask: torch.Tensor | None
-    is_causal: bool
-    scale: float | None
-    rep: int
-    dtype: torch.dtype
-
-    @property
-    def out_shape(self) -> tuple[int, int, int, int]:
-        """Shape of the 4-D output, ``(B, H, N_q, D_v)``."""
-        return (self.q.shape[0], self.q.shape[1], self.q.shape[2], self.v.shape[3])
-
-
-def prepare(call: SdpaCall, dtype: torch.dtype | None = None) -> Prepared:
-    """Cast to the compute dtype (``dtype``, default :func:`autocast_dtype`), reshape to 4-D.
-
-    Differentiable: gradients flow back to the call's tensors.
-    """
-    q, k, v, mask = call.query, call.key, call.value, call.attn_mask
-    dtype = dtype or autocast_dtype(q)
-    if q.dim() > 4 and mask is not None:
-        mask = mask.expand(*q.shape[:-2], q.shape[-2], k.shape[-2])
-        mask = mask.reshape(-1, q.shape[-3], q.shape[-2], k.shape[-2])
-    q4, k4, v4 = (_to_4d(t).to(dtype) for t in (q, k, v))
-    if mask is not None:
-        mask = _to_4d(mask)
-        if mask.is_floating_point():
-            mask = mask.to(dtype)
-    rep = 1
-    if call.enable_gqa and k4.shape[1] != q4.shape[1]:
-        rep = q4.shape[1] // max(k4.shape[1], 1)
-    return Prepared(q4, k4, v4, mask, bool(call.is_causal), call.scale, rep, dtype)
-
-
-def expand_kv(k: torch.Tensor, v: torch.Tensor, rep: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Repeat each key/value head ``rep`` times along dim 1, as SDPA's ``enable_gqa`` does."""
-    if rep == 1:
-        return k, v
-    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-
-
-def run_kernel(kernel: Kernel, call: SdpaCall) -> torch.Tensor:
-    """Run ``kernel`` with SDPA's semantics: autocast casting, any leading dims, GQA, mask, scale.
-
-    Dropout is not handled here (kernels have none); callers fall back to torch's SDPA.
-
-    Returns:
-        The output in SDPA's layout: ``query.shape[:-1] + (D_v,)``.
-    """
-    p = prepare(call)
-    k, v = expand_kv(p.k, p.v, p.rep)
-    with autocast_off(p.q.device.type):
-        out = kernel(p.q, k, v, attn_mask=p.attn_mask, is_causal=p.is_causal, scale=p.scale)
-    return out.reshape(*call.query.shape[:-1], call.value.shape[-1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,7 +95,8 @@ _H = TypeVar("_H", bound="AttentionRoute")
 
 
 class AttentionRoute:
-    """Base of the handles that attach to a model (:class:`KernelRoute`, ``Probe``).
+    """Base of the handles that attach to a model (:class:`~flashprobe.probe.KernelRoute`,
+    :class:`~flashprobe.probe.Probe`).
 
     Attaching never touches the model's modules; it registers the model so that SDPA calls made
     inside it reach this handle. Use as a context manager or call :meth:`detach`.
@@ -307,36 +141,6 @@ class AttentionRoute:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, ProbeWarning, stacklevel=3)
-
-
-class KernelRoute(AttentionRoute):
-    """Handle returned by :func:`use_kernel`: SDPA calls inside ``model`` run ``kernel``.
-
-    Attributes:
-        model: the routed model.
-        kernel: the kernel every call is routed to.
-    """
-
-    kind = "route"
-
-    def __init__(self, model: nn.Module, kernel: Kernel) -> None:
-        super().__init__(model)
-        self.kernel = kernel
-
-    def run(self, call: SdpaCall) -> torch.Tensor:
-        """Run one call: the kernel, or torch's SDPA for calls with attention dropout."""
-        if call.dropout_p > 0:
-            self.warn_once(
-                "dropout",
-                f"use_kernel({self.kernel.spec!r}): attention calls with dropout_p="
-                f"{call.dropout_p} run torch's scaled_dot_product_attention (kernels implement "
-                "no attention dropout); set the attention dropout to 0 to route them",
-            )
-            return call.original()
-        return run_kernel(self.kernel, call)
-
-    def __repr__(self) -> str:
-        return f"KernelRoute({type(self.model).__name__}, {self.kernel.spec!r}, attached={self.attached})"
 
 
 class _Resolution(NamedTuple):
@@ -397,6 +201,11 @@ def _rebuild() -> None:
         _uninstall()
 
 
+# --------------------------------------------------------------------------------------------
+# The dispatcher: which attached module made a call
+# --------------------------------------------------------------------------------------------
+
+
 _CALL_IMPL_CODE = nn.Module._call_impl.__code__
 
 
@@ -416,14 +225,14 @@ def _find(frame: FrameType | None) -> _Resolution | None:
 def _dispatch(*args: Any, **kwargs: Any) -> torch.Tensor:
     """Stand-in for ``F.scaled_dot_product_attention`` while any handle is attached."""
     if _state.busy:
-        return _ORIGINAL_SDPA(*args, **kwargs)
+        return ORIGINAL_SDPA(*args, **kwargs)
     res = _find(sys._getframe(1))
     if res is None:
-        return _ORIGINAL_SDPA(*args, **kwargs)
+        return ORIGINAL_SDPA(*args, **kwargs)
     try:
         call = SdpaCall.bind(*args, **kwargs)
     except TypeError:  # arguments from a newer torch: leave the call alone
-        return _ORIGINAL_SDPA(*args, **kwargs)
+        return ORIGINAL_SDPA(*args, **kwargs)
     _state.busy = True
     try:
         if res.probe is not None:
@@ -434,9 +243,14 @@ def _dispatch(*args: Any, **kwargs: Any) -> torch.Tensor:
         _state.busy = False
 
 
-_dispatch.__doc__ = _ORIGINAL_SDPA.__doc__
+_dispatch.__doc__ = ORIGINAL_SDPA.__doc__
 _dispatch.__name__ = "scaled_dot_product_attention"
 _dispatch.__qualname__ = "scaled_dot_product_attention"
+
+
+# --------------------------------------------------------------------------------------------
+# Fused fast paths, reported
+# --------------------------------------------------------------------------------------------
 
 
 def _unprobed(res: _Resolution, reason: str) -> None:
@@ -487,6 +301,11 @@ def _mha_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     return multi_head_attention_forward
 
 
+# --------------------------------------------------------------------------------------------
+# Swapping the global names
+# --------------------------------------------------------------------------------------------
+
+
 def _patch(namespace: dict[str, Any], name: str, replacement: Any) -> None:
     if any(ns is namespace and n == name for ns, n, _, _ in _patches):
         return
@@ -518,7 +337,7 @@ def _install(roots: list[nn.Module]) -> None:
                     continue
                 namespace = vars(py_module)
                 for name, value in list(namespace.items()):
-                    if value is _ORIGINAL_SDPA:
+                    if value is ORIGINAL_SDPA:
                         _patch(namespace, name, _dispatch)
 
 
@@ -534,80 +353,3 @@ def _uninstall() -> None:
                 ProbeWarning,
                 stacklevel=3,
             )
-
-
-# --------------------------------------------------------------------------------------------
-# use_kernel
-# --------------------------------------------------------------------------------------------
-
-
-def model_device_dtype(
-    model: nn.Module, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-) -> tuple[torch.device, torch.dtype]:
-    """The device and floating dtype a model computes in: given values, else its first floating
-    parameter or buffer, else CPU and the default dtype.
-
-    Raises:
-        TypeError: ``model`` is not an ``nn.Module``.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"expected an nn.Module, got {type(model).__name__}; to shadow a bare attention "
-            "function use flashprobe.probe.ShadowAttention"
-        )
-    if device is None or dtype is None:
-        for t in (*model.parameters(), *model.buffers()):
-            if t.is_floating_point():
-                device = t.device if device is None else device
-                dtype = t.dtype if dtype is None else dtype
-                break
-    return torch.device(device if device is not None else "cpu"), dtype or torch.get_default_dtype()
-
-
-def check_kernel_here(kernel: Kernel, device: torch.device, dtype: torch.dtype, role: str) -> None:
-    """Run ``kernel.check`` with a hint on how to tell flashprobe the dtype under autocast."""
-    from flashprobe.kernels import KernelUnavailableError
-
-    try:
-        kernel.check(device, dtype)
-    except KernelUnavailableError as err:
-        raise KernelUnavailableError(
-            f"{role} kernel {kernel.spec!r} cannot run on {device} with {dtype}: {err} "
-            "(if the model runs under autocast, pass dtype=<the autocast dtype>)"
-        ) from None
-
-
-def use_kernel(
-    model: nn.Module,
-    spec: str | Kernel,
-    *,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-) -> KernelRoute:
-    """Route every ``scaled_dot_product_attention`` call made inside ``model`` to ``spec``.
-
-    No statistics, no host synchronisation: each call runs the kernel with SDPA's semantics
-    (mask, ``is_causal``, ``scale``, ``enable_gqa``, autocast, any leading dims). Calls with
-    attention dropout run torch's SDPA (kernels have no dropout; warned once). Re-routing the same
-    model stacks: the newest route applies, and detaching it restores the previous one.
-
-    Args:
-        model: any ``nn.Module``; it is not modified.
-        spec: a kernel spec (``"tiled:mask_value=-5e4"``) or :class:`~flashprobe.kernels.Kernel`.
-        device: device to check the kernel against (default: the model's).
-        dtype: compute dtype to check against (default: the model's; pass the autocast dtype
-            when the model runs under autocast).
-
-    Returns:
-        The attached :class:`KernelRoute`; ``.detach()`` it or use it as a context manager.
-
-    Raises:
-        KernelSpecError: unknown kernel or option.
-        KernelUnavailableError: the kernel cannot run on the model's device/dtype.
-    """
-    kernel = get_kernel(spec)
-    dev, dt = model_device_dtype(model, device, dtype)
-    check_kernel_here(kernel, dev, dt, "routed")
-    route = KernelRoute(model, kernel)
-    route.attach()
-    return route

@@ -27,14 +27,11 @@ import torch
 from torch import nn
 
 from flashprobe.kernels import Kernel
-from flashprobe.probe.intercept import (
-    AttentionRoute,
-    KernelRoute,
-    SdpaCall,
-    active_handles,
-    model_device_dtype,
-)
+from flashprobe.probe.call import SdpaCall
+from flashprobe.probe.intercept import AttentionRoute, active_handles
+from flashprobe.probe.routing import KernelRoute, model_device_dtype
 from flashprobe.probe.shadow import DEFAULT_CHUNK_ELEMENTS, ShadowAttention
+from flashprobe.probe.summary import summarize
 
 __all__ = ["Probe", "probe"]
 
@@ -156,8 +153,12 @@ class Probe(AttentionRoute):
         return self.shadow.stats(tensors, flat=flat)
 
     def summary(self, stats: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Worst values over all sites; see :meth:`ShadowAttention.summary`."""
-        summary = self.shadow.summary(stats)
+        """Worst values over all sites and the step counter; see :func:`~flashprobe.probe.summarize`.
+
+        Args:
+            stats: per-site statistics to summarise (default: :meth:`stats`).
+        """
+        summary = summarize(self.stats() if stats is None else stats)
         summary["step"] = self._step
         return summary
 

@@ -14,8 +14,9 @@ same output gradient on detached copies, compared, and the primary's gradients a
 unchanged — so the model's gradients are bit-identical.
 
 **Memory** is bounded: the references are computed over chunks of at most ``chunk_elements``
-score elements (whole batch entries when they fit, else query rows of one entry; causal masks
-become explicit per chunk), and statistics use fixed scratch buffers. Only statistics are kept.
+score elements (whole batch entries when they fit, else groups of heads, else query rows of one
+head group; planned in :mod:`flashprobe.probe.chunks`), and statistics use fixed scratch buffers.
+Only statistics are kept; :mod:`flashprobe.probe.summary` summarises them over sites.
 
 **Never breaking training.** The probe consumes no random numbers, changes no autocast state or
 dtype, and any failure of a reference computation is counted (``shadow_errors``) and warned about
@@ -29,32 +30,25 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
-from flashprobe.kernels import Kernel, KernelUnavailableError, causal_mask, get_kernel, golden_attention
-from flashprobe.probe.intercept import (
-    KernelRoute,
-    Prepared,
-    ProbeWarning,
-    SdpaCall,
-    autocast_off,
-    check_kernel_here,
-    expand_kv,
-    passthrough,
-    prepare,
-    run_kernel,
-)
+from flashprobe.kernels import Kernel, KernelUnavailableError, get_kernel, golden_attention
+from flashprobe.probe.call import Prepared, SdpaCall, autocast_off, expand_kv, prepare, run_kernel
+from flashprobe.probe.chunks import Chunk, chunk_mask, plan_chunks
+from flashprobe.probe.intercept import ProbeWarning, passthrough
+from flashprobe.probe.routing import KernelRoute, check_kernel_here
 from flashprobe.probe.stats import (
     DeviationStats,
     StatsWorkspace,
+    combine_sums,
     count_nonfinite,
     pair_sums,
     stats_dict,
-    worst,
 )
+from flashprobe.probe.summary import summarize
 
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "DROPOUT_POLICIES", "ShadowAttention"]
 
@@ -63,22 +57,6 @@ __all__ = ["DEFAULT_CHUNK_ELEMENTS", "DROPOUT_POLICIES", "ShadowAttention"]
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
 #: What to do with calls that use attention dropout.
 DROPOUT_POLICIES = ("compare", "skip")
-
-
-class _Chunk(NamedTuple):
-    """A block of the score tensor: batch entries, key/value heads, and query row slices."""
-
-    batch: slice
-    heads: slice  # key/value heads; query heads are rep times as many
-    rows: list[slice | None]  # [None] = all rows
-
-    def q_heads(self, rep: int) -> slice:
-        return slice(self.heads.start * rep, self.heads.stop * rep)
-
-    def take(self, x: torch.Tensor, rep: int = 1, rows: slice | None = None) -> torch.Tensor:
-        """The chunk of a ``(B, H, N, D)`` tensor; ``rep`` > 1 for tensors with query heads."""
-        x = x[self.batch][:, self.q_heads(rep)]
-        return x if rows is None else x[:, :, rows]
 
 
 class _GradTap(torch.autograd.Function):
@@ -248,7 +226,7 @@ class ShadowAttention(nn.Module):
         record = None
         if self.backward and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             try:
-                record = _BackwardRecord(self, site, prepare(_detached(call)))
+                record = _BackwardRecord(self, site, prepare(call.detached()))
             except Exception as err:
                 self._failed(site, err)
         if record is not None:
@@ -281,7 +259,7 @@ class ShadowAttention(nn.Module):
         plain = call.replace(dropout_p=0.0)
         try:
             with torch.no_grad():
-                reference = self.primary_output(_detached(plain), route)
+                reference = self.primary_output(plain.detached(), route)
         except Exception as err:
             self._failed(site, err)
             return out
@@ -292,49 +270,13 @@ class ShadowAttention(nn.Module):
     # Comparisons
     # ---------------------------------------------------------------------------------------
 
-    def _plan(self, p: Prepared) -> list[_Chunk]:
-        """Chunks of at most ``chunk_elements`` scores: whole batch entries when they fit, else
-        groups of heads (exact, heads are independent), else query rows of one head group."""
-        b, h_kv = p.k.shape[:2]
-        n_q, n_k = p.q.shape[2], p.k.shape[2]
-        budget = self.chunk_elements
-        group = p.rep * n_q * n_k  # scores of one key/value head and its query heads
-        every_head = slice(0, h_kv)
-        if h_kv * group <= budget:
-            step = max(1, budget // max(h_kv * group, 1))
-            return [_Chunk(slice(i, min(b, i + step)), every_head, [None]) for i in range(0, b, step)]
-        if group <= budget:
-            step = budget // group
-            heads = [slice(j, min(h_kv, j + step)) for j in range(0, h_kv, step)]
-            return [_Chunk(slice(i, i + 1), hs, [None]) for i in range(b) for hs in heads]
-        rows = max(1, budget // max(p.rep * n_k, 1))
-        row_slices: list[slice | None] = [slice(r, min(n_q, r + rows)) for r in range(0, n_q, rows)]
-        return [_Chunk(slice(i, i + 1), slice(j, j + 1), row_slices) for i in range(b) for j in range(h_kv)]
-
-    @staticmethod
-    def _chunk_mask(p: Prepared, c: _Chunk, rs: slice | None) -> tuple[torch.Tensor | None, bool]:
-        mask = p.attn_mask
-        if mask is not None:
-            if mask.shape[0] > 1:
-                mask = mask[c.batch]
-            if mask.shape[1] > 1:
-                mask = mask[:, c.q_heads(p.rep)]
-        if rs is None:
-            return mask, p.is_causal
-        if p.is_causal:
-            n_q, n_k = p.q.shape[2], p.k.shape[2]
-            return causal_mask(n_q, n_k, p.q.device, q_start=rs.start, q_len=rs.stop - rs.start), False
-        if mask is not None and mask.shape[2] > 1:
-            mask = mask[:, :, rs]
-        return mask, False
-
     def _references(
-        self, p: Prepared, c: _Chunk, rs: slice | None
+        self, p: Prepared, c: Chunk, rs: slice | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Baseline (compute dtype) and golden (float64) outputs of one chunk, 4-D."""
         q = c.take(p.q, p.rep, rs)
         k, v = expand_kv(c.take(p.k), c.take(p.v), p.rep)
-        mask, causal = self._chunk_mask(p, c, rs)
+        mask, causal = chunk_mask(p, c, rs)
         base = self.baseline(q, k, v, attn_mask=mask, is_causal=causal, scale=p.scale)
         gold = (
             golden_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=p.scale)
@@ -348,16 +290,16 @@ class ShadowAttention(nn.Module):
     ) -> None:
         try:
             # Prepared before autocast is switched off: the compute dtype is the autocast dtype.
-            p = prepare(_detached(call)) if prepared is None else prepared
+            p = prepare(call.detached()) if prepared is None else prepared
             with passthrough(), torch.no_grad(), autocast_off(out.device.type):
                 out4 = out.detach().reshape(p.out_shape)
                 sums = None
-                for c in self._plan(p):
+                for c in plan_chunks(p, self.chunk_elements):
                     for rs in c.rows:
                         base, gold = self._references(p, c, rs)
                         if self.record:
                             mine = c.take(out4, p.rep, rs)
-                            sums = _combine(sums, pair_sums(mine, base, gold, self._workspace))
+                            sums = combine_sums(sums, pair_sums(mine, base, gold, self._workspace))
                 if self.record and sums is not None:
                     stats = self._site(site, out.device)
                     stats.add("out", sums)
@@ -371,7 +313,7 @@ class ShadowAttention(nn.Module):
         self,
         fn: Callable[..., torch.Tensor],
         p: Prepared,
-        c: _Chunk,
+        c: Chunk,
         names: tuple[str, ...],
         grad_out: torch.Tensor,
         dtype: torch.dtype,
@@ -386,7 +328,7 @@ class ShadowAttention(nn.Module):
             for rs in c.rows:
                 q = leaves["q"] if rs is None else leaves["q"][:, :, rs]
                 k, v = expand_kv(leaves["k"], leaves["v"], p.rep)
-                mask, causal = self._chunk_mask(p, c, rs)
+                mask, causal = chunk_mask(p, c, rs)
                 out = fn(q, k, v, attn_mask=mask, is_causal=causal, scale=p.scale)
                 g_out = g_all if rs is None else g_all[:, :, rs]
                 parts = torch.autograd.grad(out, wanted, g_out.to(out.dtype), allow_unused=True)
@@ -407,26 +349,8 @@ class ShadowAttention(nn.Module):
             p = record.prepared
             with passthrough(), autocast_off(grad_out.device.type):
                 names = tuple(n for n in ("q", "k", "v") if n in primary)
-                go4 = grad_out.reshape(p.out_shape)
                 mine = {n: primary[n].reshape(getattr(p, n).shape) for n in names}
-                sums: dict[str, torch.Tensor | None] = dict.fromkeys(names)
-                for c in self._plan(p):
-                    base = self._reference_grads(self.baseline, p, c, names, go4, p.dtype)
-                    gold = (
-                        self._reference_grads(golden_attention, p, c, names, go4, torch.float64)
-                        if self.golden
-                        else {}
-                    )
-                    if self.record:
-                        with torch.no_grad():
-                            for n in names:
-                                part = pair_sums(
-                                    c.take(mine[n], p.rep if n == "q" else 1),
-                                    base[n],
-                                    gold.get(n),
-                                    self._workspace,
-                                )
-                                sums[n] = _combine(sums[n], part)
+                sums = self._gradient_sums(p, grad_out.reshape(p.out_shape), mine)
                 if self.record:
                     stats = self._site(site, grad_out.device)
                     for n in names:
@@ -435,6 +359,28 @@ class ShadowAttention(nn.Module):
                     stats.add_nonfinite_inputs({"grad_out": count_nonfinite(grad_out)})
         except Exception as err:
             self._failed(site, err)
+
+    def _gradient_sums(
+        self, p: Prepared, grad_out: torch.Tensor, mine: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor | None]:
+        """Pair sums of the primary's gradients ``mine`` (``q``/``k``/``v``, shaped as in ``p``)
+        against the references' for the ``(B, H, N_q, D_v)`` output gradient, over all chunks."""
+        names = tuple(mine)
+        sums: dict[str, torch.Tensor | None] = dict.fromkeys(names)
+        for c in plan_chunks(p, self.chunk_elements):
+            base = self._reference_grads(self.baseline, p, c, names, grad_out, p.dtype)
+            gold = (
+                self._reference_grads(golden_attention, p, c, names, grad_out, torch.float64)
+                if self.golden
+                else {}
+            )
+            if self.record:
+                with torch.no_grad():
+                    for n in names:
+                        mine_c = c.take(mine[n], p.rep if n == "q" else 1)
+                        part = pair_sums(mine_c, base[n], gold.get(n), self._workspace)
+                        sums[n] = combine_sums(sums[n], part)
+        return sums
 
     # ---------------------------------------------------------------------------------------
     # Bookkeeping and reading
@@ -501,49 +447,12 @@ class ShadowAttention(nn.Module):
         return result
 
     def summary(self, stats: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Worst values over all sites, as plain Python data.
+        """Worst values over all sites, as plain Python data; see :func:`~flashprobe.probe.summarize`.
 
-        Returns:
-            ``sites``, ``forward_calls``, ``backward_calls``, ``max_error_ratio`` (forward) and
-            ``max_error_ratio_site``, ``max_call_error_ratio``, ``max_backward_error_ratio`` and
-            its site, ``max_abs`` per pair (forward), ``nonfinite`` (all pairs, directions and
-            inputs), ``nonfinite_sites``, ``shadow_errors``.
+        Args:
+            stats: per-site statistics to summarise (default: :meth:`stats`).
         """
-        stats = self.stats() if stats is None else stats
-        fwd = {s: e["forward"]["out"] for s, e in stats.items()}
-        bwd = {(s, d): e["backward"][d] for s, e in stats.items() for d in ("dq", "dk", "dv")}
-        ratio_site = _argworst({s: f["error_ratio"] for s, f in fwd.items()})
-        bwd_site = _argworst({k: b["error_ratio"] for k, b in bwd.items()})
-        nonfinite_sites = []
-        total_nonfinite = 0
-        for site, e in stats.items():
-            n = sum(e["nonfinite_inputs"].values())
-            for d in (e["forward"]["out"], *(e["backward"][x] for x in ("dq", "dk", "dv"))):
-                n += sum(
-                    d[p]["nonfinite"]
-                    for p in ("primary_baseline", "primary_golden", "baseline_golden")
-                    if d[p]
-                )
-            total_nonfinite += n
-            if n:
-                nonfinite_sites.append(site)
-        return {
-            "sites": len(stats),
-            "forward_calls": sum(e["forward"]["calls"] for e in stats.values()),
-            "backward_calls": sum(e["backward"]["calls"] for e in stats.values()),
-            "max_error_ratio": None if ratio_site is None else fwd[ratio_site]["error_ratio"],
-            "max_error_ratio_site": ratio_site,
-            "max_call_error_ratio": worst([f["max_call_error_ratio"] for f in fwd.values()]),
-            "max_backward_error_ratio": None if bwd_site is None else bwd[bwd_site]["error_ratio"],
-            "max_backward_error_ratio_site": None if bwd_site is None else f"{bwd_site[0]}:{bwd_site[1]}",
-            "max_abs": {
-                pair: worst([f[pair]["max_abs"] if f[pair] else None for f in fwd.values()])
-                for pair in ("primary_baseline", "primary_golden", "baseline_golden")
-            },
-            "nonfinite": total_nonfinite,
-            "nonfinite_sites": nonfinite_sites,
-            "shadow_errors": sum(e["shadow_errors"] for e in stats.values()),
-        }
+        return summarize(self.stats() if stats is None else stats)
 
     def reset(self) -> None:
         """Zero every site's statistics (on device, no sync); sites stay known."""
@@ -551,27 +460,6 @@ class ShadowAttention(nn.Module):
             s.reset()
         self._errors.clear()
         self._dropout_calls.clear()
-
-
-def _detached(call: SdpaCall) -> SdpaCall:
-    mask = call.attn_mask.detach() if isinstance(call.attn_mask, torch.Tensor) else call.attn_mask
-    return call.replace(
-        query=call.query.detach(), key=call.key.detach(), value=call.value.detach(), attn_mask=mask
-    )
-
-
-def _combine(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
-    """Fold one chunk's ``(6, P)`` pair sums into the call's: max of row 0, sums of the rest."""
-    if total is None:
-        return part
-    return torch.cat((torch.maximum(total[:1], part[:1]), total[1:] + part[1:]))
-
-
-def _argworst(values: Mapping[Any, float | None]) -> Any:
-    best = worst(list(values.values()))
-    if best is None:
-        return None
-    return next(k for k, v in values.items() if v is best or v == best)
 
 
 def _flatten(entry: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

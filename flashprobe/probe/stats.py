@@ -37,6 +37,7 @@ from flashprobe.deviation import PAIRS, error_ratio, finish_deviation
 __all__ = [
     "DIRECTIONS",
     "FIELDS",
+    "GRADIENTS",
     "INPUTS",
     "MAX_FIELDS",
     "N_MAX",
@@ -45,14 +46,17 @@ __all__ = [
     "DeviationStats",
     "StatsWorkspace",
     "call_error_ratio",
+    "combine_sums",
     "count_nonfinite",
     "pair_sums",
     "stats_dict",
     "worst",
 ]
 
-#: ``out`` is the forward output; ``dq``, ``dk``, ``dv`` the input gradients (``backward=True``).
-DIRECTIONS: tuple[str, ...] = ("out", "dq", "dk", "dv")
+#: The gradients of the inputs ``q``, ``k``, ``v`` compared with ``backward=True``.
+GRADIENTS: tuple[str, ...] = ("dq", "dk", "dv")
+#: ``out`` is the forward output; then the input gradients (:data:`GRADIENTS`).
+DIRECTIONS: tuple[str, ...] = ("out", *GRADIENTS)
 #: Inputs whose non-finite entries are counted per site.
 INPUTS: tuple[str, ...] = ("q", "k", "v", "grad_out")
 _SUMS: tuple[str, ...] = ("sum_abs", "sum_sq_diff", "sum_sq_ref", "nonfinite", "count")
@@ -170,11 +174,17 @@ def pair_sums(
                 z.sum(dim=1),
             )
         )
-        total = (
-            part if total is None else torch.cat((torch.maximum(total[:1], part[:1]), total[1:] + part[1:]))
-        )
+        total = combine_sums(total, part)
     assert total is not None
     return torch.cat((total, (n - total[4]).unsqueeze(0)))
+
+
+def combine_sums(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
+    """Fold one part's ``(R, P)`` sums into the running total: max of row 0 (``max_abs``), sums of
+    the rest; ``part`` itself when ``total`` is None. Used over slices and over reference chunks."""
+    if total is None:
+        return part
+    return torch.cat((torch.maximum(total[:1], part[:1]), total[1:] + part[1:]))
 
 
 def count_nonfinite(x: torch.Tensor) -> torch.Tensor:
@@ -287,8 +297,8 @@ def stats_dict(values: Sequence[float], *, golden: bool = True) -> dict[str, Any
     return {
         "forward": {"calls": int(fields["out.calls"]), "out": direction("out")},
         "backward": {
-            "calls": int(max(fields["dq.calls"], fields["dk.calls"], fields["dv.calls"])),
-            **{d: direction(d) for d in ("dq", "dk", "dv")},
+            "calls": int(max(fields[f"{d}.calls"] for d in GRADIENTS)),
+            **{d: direction(d) for d in GRADIENTS},
         },
         "nonfinite_inputs": {i: int(fields[f"nonfinite_inputs.{i}"]) for i in INPUTS},
     }

@@ -1,0 +1,206 @@
+"""One ``scaled_dot_product_attention`` call, adapted to the kernels' convention.
+
+SDPA takes tensors with any leading dims, casts them under autocast, repeats key/value heads with
+``enable_gqa`` and has a ``dropout_p``; kernels take ``(B, H, N, D)`` tensors in one dtype with
+equal head counts and no dropout. :class:`SdpaCall` holds one call's arguments by name,
+:func:`prepare` brings them to the kernels' convention (:class:`Prepared`), :func:`expand_kv`
+repeats grouped key/value heads, and :func:`run_kernel` runs a kernel with SDPA's semantics and
+layout. :data:`ORIGINAL_SDPA` is torch's own SDPA, saved before anything replaces it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from flashprobe.kernels import Kernel
+
+__all__ = [
+    "ORIGINAL_SDPA",
+    "Prepared",
+    "SdpaCall",
+    "autocast_dtype",
+    "autocast_off",
+    "expand_kv",
+    "prepare",
+    "run_kernel",
+]
+
+#: torch's SDPA as it was when flashprobe was imported (restored after every detach).
+ORIGINAL_SDPA: Callable[..., torch.Tensor] = F.scaled_dot_product_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class SdpaCall:
+    """The arguments of one ``scaled_dot_product_attention`` call, bound to their names.
+
+    Tensors are SDPA's: ``query (..., N_q, D)``, ``key (..., N_k, D)``, ``value (..., N_k, D_v)``
+    (usually ``(B, H, N, D)``; with ``enable_gqa`` key/value may have fewer heads).
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attn_mask: torch.Tensor | None = None
+    dropout_p: float = 0.0
+    is_causal: bool = False
+    scale: float | None = None
+    enable_gqa: bool = False
+
+    @staticmethod
+    def bind(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> SdpaCall:
+        """Bind SDPA's positional/keyword arguments (raises ``TypeError`` for unknown ones)."""
+        return SdpaCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+    def replace(self, **changes: Any) -> SdpaCall:
+        return dataclasses.replace(self, **changes)
+
+    def detached(self) -> SdpaCall:
+        """The same call on detached tensors (no autograd history; same storage)."""
+        mask = self.attn_mask.detach() if isinstance(self.attn_mask, torch.Tensor) else self.attn_mask
+        return self.replace(
+            query=self.query.detach(), key=self.key.detach(), value=self.value.detach(), attn_mask=mask
+        )
+
+    def original(self) -> torch.Tensor:
+        """Run torch's own SDPA with exactly these arguments (what the model would have got)."""
+        return ORIGINAL_SDPA(
+            self.query,
+            self.key,
+            self.value,
+            attn_mask=self.attn_mask,
+            dropout_p=self.dropout_p,
+            is_causal=self.is_causal,
+            scale=self.scale,
+            enable_gqa=self.enable_gqa,
+        )
+
+
+def autocast_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype SDPA computes in for input ``t``: the autocast dtype if autocast is on for its
+    device and ``t`` is a floating tensor other than float64 (torch's autocast rule), else ``t.dtype``."""
+    device_type = t.device.type
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type without autocast support
+        return t.dtype
+    if enabled and t.is_floating_point() and t.dtype != torch.float64:
+        return torch.get_autocast_dtype(device_type)
+    return t.dtype
+
+
+@contextlib.contextmanager
+def autocast_off(device_type: str) -> Iterator[None]:
+    """Disable autocast for ``device_type`` inside the block (no-op when it is off)."""
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        enabled = False
+    if not enabled:
+        yield
+        return
+    with torch.autocast(device_type, enabled=False):
+        yield
+
+
+def _to_4d(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 4:
+        return x
+    if x.dim() < 4:
+        return x.reshape((1,) * (4 - x.dim()) + tuple(x.shape))
+    return x.reshape(-1, *x.shape[-3:])
+
+
+class Prepared(NamedTuple):
+    """An SDPA call brought to the kernels' convention.
+
+    Attributes:
+        q: ``(B, H, N_q, D)`` in the compute dtype (the autocast dtype under autocast).
+        k: ``(B, H_kv, N_k, D)``; ``H_kv = H / rep`` under grouped-query attention.
+        v: ``(B, H_kv, N_k, D_v)``.
+        attn_mask: bool or additive mask broadcastable to ``(B, H, N_q, N_k)``, 4-D, or None.
+        is_causal: top-left causal mask.
+        scale: softmax scale or None.
+        rep: query heads per key/value head (1 without GQA); expand with :func:`expand_kv`.
+        dtype: the compute dtype.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    attn_mask: torch.Tensor | None
+    is_causal: bool
+    scale: float | None
+    rep: int
+    dtype: torch.dtype
+
+    @property
+    def out_shape(self) -> tuple[int, int, int, int]:
+        """Shape of the 4-D output, ``(B, H, N_q, D_v)``."""
+        return (self.q.shape[0], self.q.shape[1], self.q.shape[2], self.v.shape[3])
+
+
+def prepare(call: SdpaCall, dtype: torch.dtype | None = None) -> Prepared:
+    """Cast to the compute dtype (``dtype``, default :func:`autocast_dtype`), reshape to 4-D.
+
+    Differentiable: gradients flow back to the call's tensors.
+    """
+    q, k, v, mask = call.query, call.key, call.value, call.attn_mask
+    dtype = dtype or autocast_dtype(q)
+    if q.dim() > 4 and mask is not None:
+        mask = mask.expand(*q.shape[:-2], q.shape[-2], k.shape[-2])
+        mask = mask.reshape(-1, q.shape[-3], q.shape[-2], k.shape[-2])
+    q4, k4, v4 = (_to_4d(t).to(dtype) for t in (q, k, v))
+    if mask is not None:
+        mask = _to_4d(mask)
+        if mask.is_floating_point():
+            mask = mask.to(dtype)
+    rep = 1
+    if call.enable_gqa and k4.shape[1] != q4.shape[1]:
+        rep = q4.shape[1] // max(k4.shape[1], 1)
+    return Prepared(q4, k4, v4, mask, bool(call.is_causal), call.scale, rep, dtype)
+
+
+def expand_kv(k: torch.Tensor, v: torch.Tensor, rep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Repeat each key/value head ``rep`` times along dim 1, as SDPA's ``enable_gqa`` does.
+
+    Args:
+        k: ``(B, H_kv, N_k, D)``.
+        v: ``(B, H_kv, N_k, D_v)``.
+        rep: query heads per key/value head.
+
+    Returns:
+        ``k`` and ``v`` with ``H_kv · rep`` heads (the inputs themselves when ``rep`` is 1).
+    """
+    if rep == 1:
+        return k, v
+    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+
+def run_kernel(kernel: Kernel, call: SdpaCall) -> torch.Tensor:
+    """Run ``kernel`` with SDPA's semantics: autocast casting, any leading dims, GQA, mask, scale.
+
+    Dropout is not handled here (kernels have none); callers fall back to torch's SDPA.
+
+    Returns:
+        The output in SDPA's layout: ``query.shape[:-1] + (D_v,)``.
+    """
+    p = prepare(call)
+    k, v = expand_kv(p.k, p.v, p.rep)
+    with autocast_off(p.q.device.type):
+        out = kernel(p.q, k, v, attn_mask=p.attn_mask, is_causal=p.is_causal, scale=p.scale)
+    return out.reshape(*call.query.shape[:-1], call.value.shape[-1])

@@ -1,0 +1,69 @@
+"""The summary over sites: the worst values of a probe's per-site statistics, in one dict.
+
+:func:`summarize` reads what :meth:`ShadowAttention.stats <flashprobe.probe.ShadowAttention.stats>`
+returns (plain Python data, already on the host) and reports the worst error ratios and the sites
+they occurred at, the worst ``max_abs`` per pair, call counts, and every non-finite value counted.
+It is what :meth:`ShadowAttention.summary <flashprobe.probe.ShadowAttention.summary>` and
+:meth:`Probe.summary <flashprobe.probe.Probe.summary>` return.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from flashprobe.probe.stats import GRADIENTS, PAIRS, worst
+
+__all__ = ["summarize"]
+
+
+def summarize(stats: Mapping[str, Any]) -> dict[str, Any]:
+    """Worst values over all sites, as plain Python data.
+
+    Args:
+        stats: per-site statistics, ``{site: entry}`` as returned by ``ShadowAttention.stats()``
+            (not flattened).
+
+    Returns:
+        ``sites``, ``forward_calls``, ``backward_calls``, ``max_error_ratio`` (forward) and
+        ``max_error_ratio_site``, ``max_call_error_ratio``, ``max_backward_error_ratio`` and
+        its site (``"site:dq"``), ``max_abs`` per pair (forward), ``nonfinite`` (all pairs,
+        directions and inputs), ``nonfinite_sites``, ``shadow_errors``.
+    """
+    fwd = {s: e["forward"]["out"] for s, e in stats.items()}
+    bwd = {(s, d): e["backward"][d] for s, e in stats.items() for d in GRADIENTS}
+    ratio_site = _argworst({s: f["error_ratio"] for s, f in fwd.items()})
+    bwd_site = _argworst({k: b["error_ratio"] for k, b in bwd.items()})
+    nonfinite = {site: _nonfinite(entry) for site, entry in stats.items()}
+    return {
+        "sites": len(stats),
+        "forward_calls": sum(e["forward"]["calls"] for e in stats.values()),
+        "backward_calls": sum(e["backward"]["calls"] for e in stats.values()),
+        "max_error_ratio": None if ratio_site is None else fwd[ratio_site]["error_ratio"],
+        "max_error_ratio_site": ratio_site,
+        "max_call_error_ratio": worst([f["max_call_error_ratio"] for f in fwd.values()]),
+        "max_backward_error_ratio": None if bwd_site is None else bwd[bwd_site]["error_ratio"],
+        "max_backward_error_ratio_site": None if bwd_site is None else f"{bwd_site[0]}:{bwd_site[1]}",
+        "max_abs": {
+            pair: worst([f[pair]["max_abs"] if f[pair] else None for f in fwd.values()]) for pair in PAIRS
+        },
+        "nonfinite": sum(nonfinite.values()),
+        "nonfinite_sites": [site for site, n in nonfinite.items() if n],
+        "shadow_errors": sum(e["shadow_errors"] for e in stats.values()),
+    }
+
+
+def _nonfinite(entry: Mapping[str, Any]) -> int:
+    """Non-finite values counted at one site: its inputs and every pair of every direction."""
+    n = sum(entry["nonfinite_inputs"].values())
+    for d in (entry["forward"]["out"], *(entry["backward"][g] for g in GRADIENTS)):
+        n += sum(d[p]["nonfinite"] for p in PAIRS if d[p])
+    return n
+
+
+def _argworst(values: Mapping[Any, float | None]) -> Any:
+    """The key of the worst value (as :func:`~flashprobe.probe.stats.worst`), None if all are None."""
+    best = worst(list(values.values()))
+    if best is None:
+        return None
+    return next(k for k, v in values.items() if v is best or v == best)
