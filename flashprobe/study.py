@@ -18,15 +18,15 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["DEFAULT_RUNS", "PAIRS", "main", "run_study"]
+__all__ = ["COMPARISONS", "DEFAULT_RUNS", "main", "run_study"]
 
 log = logging.getLogger(__name__)
 
 #: Runs of the study (``conf/study_run/<name>.yaml``).
 DEFAULT_RUNS: tuple[str, ...] = ("flash", "baseline", "identical", "seed1", "seed2", "fp16", "bf16")
 
-#: Comparison name → (run A, run B). Pairs whose runs were not trained are left out.
-PAIRS: dict[str, tuple[str, str]] = {
+#: Comparison name → (run A, run B). Comparisons whose runs were not trained are left out.
+COMPARISONS: dict[str, tuple[str, str]] = {
     "flash_vs_baseline": ("flash", "baseline"),
     "identical": ("identical", "baseline"),
     "seed1_vs_seed0": ("seed1", "baseline"),
@@ -68,6 +68,7 @@ def run_study(
         ValueError: an unknown run name, or no comparable pair.
     """
     from flashprobe.report.study_report import write_report
+    from flashprobe.report.weights_figures import plot_study_figures
     from flashprobe.t2i.train import CONF_DIR, cli_main
     from flashprobe.weights import compare_runs
 
@@ -94,15 +95,18 @@ def run_study(
         {p.name for p in runs_dir.iterdir() if (p / "snapshots").is_dir()} if runs_dir.is_dir() else set()
     )
     pairs = {
-        name: (runs_dir / a, runs_dir / b) for name, (a, b) in PAIRS.items() if a in present and b in present
+        name: (runs_dir / a, runs_dir / b)
+        for name, (a, b) in COMPARISONS.items()
+        if a in present and b in present
     }
     if not pairs:
         raise ValueError(
             f"no comparable pair of runs in {runs_dir} (found {sorted(present) or 'none'}); "
             "every pair needs the 'baseline' run and one of: "
-            + ", ".join(sorted({a for a, _ in PAIRS.values()}))
+            + ", ".join(sorted({a for a, _ in COMPARISONS.values()}))
         )
-    compare_runs(pairs, out)
+    comparison = compare_runs(pairs, out)
+    plot_study_figures(comparison.as_dict()["pairs"], out)
     return write_report(out)
 
 

@@ -13,7 +13,6 @@ checkpoints, so a resumed run continues ``probe.jsonl`` without duplicate lines.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -26,7 +25,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from flashprobe.formats.atomic import atomic_write_text
+from flashprobe.deviation import PAIRS
+from flashprobe.formats.probe_log import PROBE_LOG_NAME, ProbeLogWriter
 from flashprobe.kernels import get_kernel
 from flashprobe.probe import N_MAX, Probe, probe
 
@@ -83,7 +83,7 @@ class AttentionProbe(Callback):
         sites: str | Sequence[str] | None = None,
         log_every_n_steps: int | None = None,
         dirpath: str | os.PathLike[str] | None = None,
-        filename: str = "probe.jsonl",
+        filename: str = PROBE_LOG_NAME,
         log_sites: bool = True,
         plot: bool = True,
     ) -> None:
@@ -116,7 +116,7 @@ class AttentionProbe(Callback):
         self.last_summary: dict[str, Any] = {}
         self._probe: Probe | None = None
         self._path: Path | None = None
-        self._file_checked = False
+        self._writer: ProbeLogWriter | None = None
         self._calls_checked = False
 
     @property
@@ -148,7 +148,7 @@ class AttentionProbe(Callback):
         self._probe.detach()  # only training batches are probed: attached at each batch start
         root = self.dirpath or Path(trainer.log_dir or trainer.default_root_dir)
         self._path = root / self.filename
-        self._file_checked = False
+        self._writer = ProbeLogWriter(self._path)
         self._calls_checked = False
 
     @override
@@ -315,31 +315,19 @@ class AttentionProbe(Callback):
                 log_table(key="probe/sites", columns=columns, data=rows, step=step)
 
     def _append(self, step: int, stats: dict[str, Any], summary: dict[str, Any]) -> None:
-        assert self._path is not None
-        self._path.parent.mkdir(parents=True, exist_ok=True)
-        if not self._file_checked:
-            self._drop_lines_after_resume()
-            self._file_checked = True
-        record = {"step": step, "summary": summary, "sites": stats}
-        line = json.dumps(_clean(record))
-        with self._path.open("a") as f:
-            f.write(line + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        assert self._writer is not None
+        if not self._writer.opened:
+            # A fresh run starts a new log; a resumed run drops the records after its checkpoint.
+            dropped = self._writer.open(self._resumed_from)
+            if dropped:
+                log.warning(
+                    "AttentionProbe: dropped records of steps %s from %s: they are later than the "
+                    "checkpoint training resumed from",
+                    dropped,
+                    self._writer.path,
+                )
+        self._writer.append({"step": step, "summary": summary, "sites": stats})
         self.records += 1
-
-    def _drop_lines_after_resume(self) -> None:
-        """On a fresh run start a new file; on a resumed run keep only lines up to the checkpoint."""
-        assert self._path is not None
-        if not self._path.exists():
-            return
-        keep_upto = self._resumed_from
-        kept = []
-        if keep_upto is not None:
-            for line in self._path.read_text().splitlines():
-                if line.strip() and json.loads(line)["step"] <= keep_upto:
-                    kept.append(line)
-        atomic_write_text(self._path, "".join(f"{line}\n" for line in kept))
 
     # ---------------------------------------------------------------------------- checkpoints
     _resumed_from: int | None = None
@@ -353,17 +341,6 @@ class AttentionProbe(Callback):
         self.last_logged_step = state_dict.get("last_logged_step", -1)
         self.records = state_dict.get("records", 0)
         self._resumed_from = self.last_logged_step
-
-
-def _clean(x: Any) -> Any:
-    """JSON-safe copy: non-finite floats become strings ``"nan"``/``"inf"``/``"-inf"``."""
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_clean(v) for v in x]
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    return x
 
 
 def _flatten_sites(stats: dict[str, Any]) -> dict[str, float]:
@@ -387,29 +364,15 @@ def _flatten_sites(stats: dict[str, Any]) -> dict[str, float]:
 
 def _site_table(stats: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
     """One row per site: calls, forward max_abs of each pair, error ratio, non-finite inputs."""
-    columns = [
-        "site",
-        "calls",
-        "primary_vs_baseline_max",
-        "primary_vs_golden_max",
-        "baseline_vs_golden_max",
-        "error_ratio",
-        "nonfinite_inputs",
-    ]
+    columns = ["site", "calls", *(f"{pair}_max_abs" for pair in PAIRS), "error_ratio", "nonfinite_inputs"]
     rows = []
     for site, entry in stats.items():
         out = entry["forward"]["out"]
-
-        def mx(pair: str, out: dict[str, Any] = out) -> float | None:
-            return out[pair]["max_abs"] if out.get(pair) else None
-
         rows.append(
             [
                 site,
                 entry["forward"]["calls"],
-                mx("primary_baseline"),
-                mx("primary_golden"),
-                mx("baseline_golden"),
+                *(out[pair]["max_abs"] if out.get(pair) else None for pair in PAIRS),
                 out.get("error_ratio"),
                 sum(entry["nonfinite_inputs"].values()),
             ]

@@ -26,7 +26,7 @@ from flashprobe.formats.atomic import (
     atomic_write_file,
     atomic_write_text,
 )
-from flashprobe.formats.jsonio import dumps, encode, number, read_json, write_json
+from flashprobe.formats.jsonio import decode, dumps, encode, number, read_json, write_json
 from flashprobe.formats.paths import OutputPathError, prepare_output_dir, safe_name
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_file",
     "atomic_write_text",
+    "decode",
     "dumps",
     "encode",
     "number",

@@ -19,7 +19,7 @@ from typing import Any
 
 from flashprobe.formats.atomic import atomic_write_text
 
-__all__ = ["NONFINITE", "dumps", "encode", "number", "read_json", "write_json"]
+__all__ = ["NONFINITE", "decode", "dumps", "encode", "number", "read_json", "write_json"]
 
 #: How each non-finite float is written.
 NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -46,6 +46,19 @@ def encode(value: Any) -> Any:
 def dumps(value: Any, *, indent: int | None = None) -> str:
     """``json.dumps`` of :func:`encode` (strict JSON: no bare NaN/Infinity)."""
     return json.dumps(encode(value), indent=indent, allow_nan=False)
+
+
+def decode(value: Any, *, text_keys: frozenset[str] = frozenset()) -> Any:
+    """The inverse of :func:`encode` for numbers: ``"nan"``/``"inf"``/``"-inf"`` strings anywhere in
+    ``value`` become floats again, except under the mapping keys in ``text_keys`` (fields that hold
+    free text, such as a site name, which is never decoded)."""
+    if isinstance(value, str):
+        return NONFINITE.get(value, value)
+    if isinstance(value, Mapping):
+        return {k: v if k in text_keys else decode(v, text_keys=text_keys) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode(v, text_keys=text_keys) for v in value]
+    return value
 
 
 def number(value: Any) -> float | None:

@@ -1,23 +1,155 @@
-"""``flashprobe report DIR``: regenerate ``report.md`` (and figures) of a study or comparison, or the
-per-site deviation plot ``probe.png`` of a training run (a directory holding ``probe.jsonl``)."""
+"""``flashprobe compare`` and ``flashprobe report``: results files → figures and ``report.md``.
+
+* ``flashprobe compare RUN_A RUN_B ... [--pair NAME=A,B] --out DIR`` compares runs' weight
+  snapshots (:func:`flashprobe.weights.compare_runs`), writes ``study.json``/``study.csv`` and draws
+  Figs 7 and 8;
+* ``flashprobe report DIR`` regenerates ``report.md`` (and with ``--figures`` the figures) of a study
+  or comparison from its ``study.json``, or redraws ``probe.png`` of a training run (a directory
+  holding ``probe.jsonl``).
+
+Arguments and output paths are checked before any work; errors print one line and exit with 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import logging
+import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-__all__ = ["main"]
+from flashprobe.formats.paths import OutputPathError, prepare_output_dir, safe_name
+from flashprobe.formats.probe_log import PROBE_LOG_NAME
+from flashprobe.formats.study_file import STUDY_NAME, read_study
+
+__all__ = ["compare_main", "report_main"]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Rebuild ``DIR/report.md`` from ``DIR/study.json``; with ``--figures``, redraw the figures.
+def _fail(prog: str, err: BaseException | str) -> int:
+    print(f"{prog}: error: {err}", file=sys.stderr)
+    return 2
 
-    A training run directory (``probe.jsonl``, no ``study.json``) gets its ``probe.png`` redrawn and
-    the worst error ratio per logged step printed.
-    """
-    parser = argparse.ArgumentParser(prog="flashprobe report", description=__doc__)
+
+# ------------------------------------------------------------------------------------------ compare
+
+
+def _parse_pair(text: str) -> tuple[str, tuple[str, str]]:
+    name, sep, runs = text.partition("=")
+    run_a, comma, run_b = runs.partition(",")
+    if not sep or not comma or not name or not run_a or not run_b or "," in run_b:
+        raise argparse.ArgumentTypeError(f"--pair wants NAME=RUN_A,RUN_B, got {text!r}")
+    try:
+        safe_name(name, what="--pair name")
+    except OutputPathError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return name, (run_a, run_b)
+
+
+def _auto_name(a: str, b: str, taken: Mapping[str, Any]) -> str:
+    base = f"{Path(a).name or a}_vs_{Path(b).name or b}"
+    name, i = base, 2
+    while name in taken:
+        name, i = f"{base}_{i}", i + 1
+    return name
+
+
+def _compare_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flashprobe compare",
+        description="Compare the weight snapshots of runs (Wasserstein and max difference over steps). "
+        "Two runs give one comparison; more runs give every pair; --pair names pairs explicitly.",
+    )
+    parser.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run directories (holding snapshots/)")
+    parser.add_argument(
+        "--pair",
+        action="append",
+        default=[],
+        type=_parse_pair,
+        metavar="NAME=RUN_A,RUN_B",
+        help="a named comparison (repeatable), e.g. flash_vs_baseline=runs/flash,runs/baseline",
+    )
+    parser.add_argument("--out", default="compare", help="output directory (default: ./compare)")
+    parser.add_argument("--group-depth", type=int, default=2, help="module path depth of groups; 0: none")
+    parser.add_argument("--no-model", action="store_true", help="skip the whole-model distribution")
+    parser.add_argument("--no-figures", action="store_true", help="write only study.json and study.csv")
+    parser.add_argument(
+        "--fig7-pair", default=None, help="the pair drawn in Fig 7 (default: flash_vs_baseline)"
+    )
+    return parser
+
+
+def _pairs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, tuple[str, str]]:
+    pairs: dict[str, tuple[str, str]] = {}
+    for name, runs in args.pair:
+        if name in pairs:
+            parser.error(f"--pair {name} given twice")
+        pairs[name] = runs
+    if len(args.runs) == 1:
+        parser.error("give at least two run directories (or --pair NAME=RUN_A,RUN_B)")
+    for a, b in itertools.combinations(args.runs, 2):
+        pairs[_auto_name(a, b, pairs)] = (a, b)
+    if not pairs:
+        parser.error("nothing to compare: give two or more run directories or --pair NAME=RUN_A,RUN_B")
+    if args.group_depth < 0:
+        parser.error(f"--group-depth must be >= 0, got {args.group_depth}")
+    if args.fig7_pair is not None and args.fig7_pair not in pairs:
+        parser.error(f"--fig7-pair {args.fig7_pair!r} is not one of the compared pairs {list(pairs)}")
+    return pairs
+
+
+def _fmt_e(x: float) -> str:
+    return "nan" if math.isnan(x) else f"{x:.3e}"
+
+
+def compare_main(argv: Sequence[str] | None = None) -> int:
+    """``flashprobe compare``: compare the weight snapshots of two or more run directories."""
+    from flashprobe.report.weights_figures import plot_study_figures
+    from flashprobe.weights import SnapshotStore, compare_runs
+
+    prog = "flashprobe compare"
+    parser = _compare_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    pairs = _pairs(parser, args)
+    try:
+        out = prepare_output_dir(args.out, flag="--out")
+        for run in dict.fromkeys(r for pair in pairs.values() for r in pair):
+            SnapshotStore(run)  # a missing or malformed run fails here, before any distance
+    except (FileNotFoundError, ValueError) as err:
+        return _fail(prog, err)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        result = compare_runs(pairs, out, group_depth=args.group_depth, whole_model=not args.no_model)
+    except (FileNotFoundError, ValueError) as err:
+        return _fail(prog, err)
+    if not args.no_figures:
+        result.files += plot_study_figures(result.as_dict()["pairs"], out, fig7=args.fig7_pair)
+    width = max(len(n) for n in result.pairs)
+    print(f"{'pair':<{width}}  {'steps':>5}  {'last step':>9}  {'wasserstein':>11}  {'max_abs':>9}")
+    for name, pair in result.pairs.items():
+        last = pair.model[-1] if pair.model else None
+        w = _fmt_e(last.wasserstein) if last else "-"
+        m = _fmt_e(last.max_abs) if last else "-"
+        print(f"{name:<{width}}  {len(pair.steps):>5}  {pair.steps[-1]:>9}  {w:>11}  {m:>9}")
+    for path in result.files:
+        print(f"wrote {path}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------- report
+
+
+def report_main(argv: Sequence[str] | None = None) -> int:
+    """``flashprobe report DIR``: rebuild ``DIR/report.md`` from ``DIR/study.json`` (``--figures``:
+    redraw the figures too); for a training run directory (``probe.jsonl``, no ``study.json``)
+    redraw ``probe.png`` and print the worst error ratio per logged step."""
+    from flashprobe.report.study_report import write_report
+    from flashprobe.report.weights_figures import plot_study_figures
+
+    prog = "flashprobe report"
+    parser = argparse.ArgumentParser(prog=prog, description=report_main.__doc__)
     parser.add_argument(
         "dir",
         type=Path,
@@ -25,24 +157,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--figures", action="store_true", help="also redraw fig7/fig8 from study.json")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    from flashprobe.report.study_report import write_report
-
-    if not (args.dir / "study.json").is_file() and (args.dir / "probe.jsonl").is_file():
+    if not args.dir.is_dir():
+        return _fail(prog, f"{args.dir} is not a directory; give a study, comparison or run directory")
+    if not (args.dir / STUDY_NAME).is_file() and (args.dir / PROBE_LOG_NAME).is_file():
         return _run_report(args.dir)
-    if args.figures:
-        import json
-
-        from flashprobe.report.weights_figures import plot_pair_over_steps, plot_wasserstein_curves
-
-        pairs = json.loads((args.dir / "study.json").read_text())["pairs"]
-        chosen = "flash_vs_baseline" if "flash_vs_baseline" in pairs else next(iter(pairs))
-        plot_pair_over_steps(chosen, pairs[chosen], args.dir / f"fig7_{chosen}.png")
-        plot_wasserstein_curves(pairs, args.dir / "fig8_wasserstein.png")
     try:
+        study = read_study(args.dir)
+        prepare_output_dir(args.dir, flag="DIR")
+        if args.figures:
+            plot_study_figures(study["pairs"], args.dir)
         report = write_report(args.dir)
-    except FileNotFoundError as err:
-        print(f"flashprobe report: {err}", file=sys.stderr)
-        return 2
+    except (FileNotFoundError, ValueError) as err:
+        return _fail(prog, err)
     print(report.read_text())
     return 0
 
@@ -53,10 +179,9 @@ def _run_report(run_dir: Path) -> int:
     from flashprobe.report.study_report import probe_summary
 
     try:
-        figure = plot_probe(run_dir / "probe.jsonl", run_dir / "probe.png")
-    except ValueError as err:
-        print(f"flashprobe report: {err}", file=sys.stderr)
-        return 2
+        figure = plot_probe(run_dir / PROBE_LOG_NAME, run_dir / "probe.png")
+    except (FileNotFoundError, ValueError) as err:
+        return _fail("flashprobe report", err)
     print("| step | max error ratio | worst site | max abs primary-baseline | non-finite |")
     print("| ---: | ---: | --- | ---: | ---: |")
     for row in probe_summary(run_dir):
@@ -68,6 +193,5 @@ def _run_report(run_dir: Path) -> int:
     return 0
 
 
-def _g(value: float | str | None) -> str:
-    """A number of probe.jsonl (non-finite ones are stored as "inf"/"nan" strings) as 3 digits."""
-    return "-" if value is None else f"{float(value):.3g}"
+def _g(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"

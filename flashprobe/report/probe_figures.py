@@ -18,7 +18,6 @@ matplotlib's Agg canvas (no pyplot, no display) and written atomically.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -28,9 +27,10 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
+from flashprobe.formats.probe_log import load_probe_records
 from flashprobe.report.bench_figures import save_figure
 
-__all__ = ["MAX_LINES", "load_probe_records", "plot_probe", "site_series"]
+__all__ = ["MAX_LINES", "plot_probe", "site_series"]
 
 #: Above this many sites the error-ratio panel becomes a heat map (one colour per site up to here).
 MAX_LINES = 10
@@ -38,39 +38,9 @@ MAX_LINES = 10
 _GRADS = ("dq", "dk", "dv")
 
 
-def load_probe_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The records of a ``probe.jsonl`` file, in file order.
-
-    Raises:
-        FileNotFoundError: no such file, with the command that writes one.
-        ValueError: a line that is not JSON, naming the line number.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} not found: a run writes probe.jsonl when trained with the AttentionProbe "
-            "callback (flashprobe train with attention.probe.enabled=true)"
-        )
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: not a JSON line ({err.msg}); is the file truncated?") from err
-    return records
-
-
 def _num(x: Any) -> float:
-    """A value of probe.jsonl as a float: numbers, or "inf"/"-inf"/"nan" (how non-finite values are
-    stored); None or anything else is NaN (not recorded)."""
-    if isinstance(x, bool) or x is None:
-        return math.nan
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return math.nan
+    """A number of a decoded probe record as a float; ``None`` (not recorded) is NaN."""
+    return math.nan if x is None or isinstance(x, bool) else float(x)
 
 
 def site_series(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, list[float]]]:

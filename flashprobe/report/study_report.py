@@ -9,7 +9,6 @@ by low-precision (FP16/BF16 vs FP32) training. The paper found flash's Wasserste
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -17,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from flashprobe.formats.atomic import atomic_write_text
-from flashprobe.report.probe_figures import load_probe_records
+from flashprobe.formats.probe_log import PROBE_LOG_NAME, load_probe_records
+from flashprobe.formats.study_file import read_study
 
 __all__ = ["probe_summary", "verdict", "write_report"]
 
@@ -65,7 +65,7 @@ def verdict(pairs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
 
 def probe_summary(run_dir: Path) -> list[dict[str, Any]]:
     """Per logged step of a run's ``probe.jsonl``: worst error ratio, worst max_abs, non-finite count."""
-    path = run_dir / "probe.jsonl"
+    path = run_dir / PROBE_LOG_NAME
     if not path.is_file():
         return []
     return [{"step": r["step"], **r.get("summary", {})} for r in load_probe_records(path)]
@@ -94,14 +94,12 @@ def _steps_table(pairs: Mapping[str, Mapping[str, Any]], metric: str, max_rows: 
 
 
 def _runs_table(runs_dir: Path) -> list[str]:
+    from flashprobe.weights.store import SnapshotStore
+
     lines = ["| run | attention | seed | precision | snapshots |", "| --- | --- | ---: | --- | ---: |"]
     for run in sorted(p for p in runs_dir.iterdir() if (p / "snapshots" / "manifest.json").is_file()):
-        manifest = json.loads((run / "snapshots" / "manifest.json").read_text())
-        snaps = manifest.get("snapshots", [])
-        lines.append(
-            f"| {run.name} | {manifest.get('attention')} | {manifest.get('seed')} | "
-            f"{manifest.get('precision')} | {len(snaps)} |"
-        )
+        store = SnapshotStore(run)
+        lines.append(f"| {run.name} | {store.attention} | {store.seed} | {store.precision} | {len(store)} |")
     return lines
 
 
@@ -117,16 +115,10 @@ def write_report(study_dir: str | Path, figures: Sequence[str] | None = None) ->
 
     Raises:
         FileNotFoundError: no ``study.json`` in ``study_dir``.
+        ValueError: a malformed ``study.json``.
     """
     study_dir = Path(study_dir)
-    path = study_dir / "study.json"
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} not found: run `flashprobe study --out {study_dir}` or "
-            f"`flashprobe compare RUN_A RUN_B --out {study_dir}` first (a training run directory "
-            "needs its probe.jsonl for `flashprobe report`)"
-        )
-    pairs = json.loads(path.read_text())["pairs"]
+    pairs = read_study(study_dir)["pairs"]
     v = verdict(pairs)
     lines = ["# flashprobe study: weight deviation of flash attention (paper §V)", ""]
     runs_dir = study_dir / "runs"

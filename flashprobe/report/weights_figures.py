@@ -26,11 +26,14 @@ from typing import Any
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from flashprobe.formats.paths import safe_name
 from flashprobe.report.bench_figures import save_figure
 
 __all__ = [
+    "fig7_pair",
     "pair_over_steps_figure",
     "plot_pair_over_steps",
+    "plot_study_figures",
     "plot_wasserstein_curves",
     "wasserstein_curves_figure",
 ]
@@ -135,3 +138,42 @@ def plot_pair_over_steps(name: str, pair: Mapping[str, Any], path: str | os.Path
 def plot_wasserstein_curves(pairs: Mapping[str, Mapping[str, Any]], path: str | os.PathLike[str]) -> Path:
     """Draw Fig 8 (:func:`wasserstein_curves_figure`) and save it atomically to ``path``; returns ``path``."""
     return save_figure(wasserstein_curves_figure(pairs), path, dpi=120)
+
+
+def fig7_pair(names: Sequence[str], wanted: str | None = None) -> str:
+    """The pair drawn in Fig 7: ``wanted`` if given, else ``flash_vs_baseline``, else the first pair
+    whose name contains ``flash``, else the first pair.
+
+    Raises:
+        ValueError: ``wanted`` is not one of ``names``.
+    """
+    if wanted is not None:
+        if wanted not in names:
+            raise ValueError(f"fig7 pair {wanted!r} is not one of the compared pairs {list(names)}")
+        return wanted
+    if "flash_vs_baseline" in names:
+        return "flash_vs_baseline"
+    return next((n for n in names if "flash" in n.lower()), names[0])
+
+
+def plot_study_figures(
+    pairs: Mapping[str, Mapping[str, Any]], out_dir: str | os.PathLike[str], *, fig7: str | None = None
+) -> list[Path]:
+    """Draw Fig 7 (of :func:`fig7_pair`) and Fig 8 of a study's pairs into ``out_dir``.
+
+    Args:
+        pairs: ``study.json``'s ``"pairs"`` (:func:`flashprobe.formats.study_file.read_study`).
+        out_dir: where ``fig7_<pair>.png`` and ``fig8_wasserstein.png`` go.
+        fig7: the pair of Fig 7 (default: see :func:`fig7_pair`).
+
+    Returns:
+        The two paths; none when no pair has whole-model distances (``compare --no-model``).
+    """
+    if not any(pair["model"]["wasserstein"] for pair in pairs.values()):
+        return []
+    out = Path(out_dir)
+    chosen = safe_name(fig7_pair(list(pairs), fig7), what="pair name")
+    return [
+        plot_pair_over_steps(chosen, pairs[chosen], out / f"fig7_{chosen}.png"),
+        plot_wasserstein_curves(pairs, out / "fig8_wasserstein.png"),
+    ]

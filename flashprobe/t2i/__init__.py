@@ -1,7 +1,7 @@
 """The text-to-image workload: synthetic captioned shapes, a tiny text-conditioned DiT, training.
 
 ``ShapesDataModule`` renders a deterministic captioned-shapes dataset (no download);
-``TextToImageDiT`` (presets in ``DIT_MODELS``) predicts diffusion noise with self-attention over
+``TextToImageDiT`` (presets in ``DIT_MODELS``) denoises images (predicts v or ε) with self-attention over
 image patches and cross-attention to the caption, every attention call through torch SDPA;
 ``TextToImageModule`` trains it with Lightning, routes attention to a chosen kernel, and writes a
 grid of generated samples with a caption-agreement score after each validation.

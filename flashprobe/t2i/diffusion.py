@@ -38,12 +38,11 @@ class GaussianDiffusion:
     Args:
         num_timesteps: ``T``.
         schedule: ``"cosine"`` or ``"linear"``.
-        prediction: what the model outputs, ``"epsilon"`` (the noise) or ``"v"`` (the velocity).
+        prediction: what the model outputs, ``"v"`` (the velocity, default, as
+            :class:`~flashprobe.t2i.TextToImageModule`) or ``"epsilon"`` (the noise).
     """
 
-    def __init__(
-        self, num_timesteps: int = 1000, schedule: str = "cosine", prediction: str = "epsilon"
-    ) -> None:
+    def __init__(self, num_timesteps: int = 1000, schedule: str = "cosine", prediction: str = "v") -> None:
         if num_timesteps < 2:
             raise ValueError(f"num_timesteps must be at least 2, got {num_timesteps}")
         if schedule not in _SCHEDULES:

@@ -1,4 +1,4 @@
-"""A tiny text-conditioned diffusion transformer (DiT-style) that predicts the noise of an image.
+"""A tiny text-conditioned diffusion transformer (DiT-style) that denoises an image (predicts ε or v).
 
 Layout (after DiT, Peebles & Xie 2023, with PixArt-style cross-attention):
 
@@ -260,7 +260,7 @@ class TextToImageDiT(nn.Module):
         nn.init.zeros_(self.final.weight)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Predict the noise in ``x``.
+        """Predict what the diffusion is trained on (the velocity v by default, or the noise ε).
 
         Args:
             x: noisy images ``(B, C, S, S)``.
@@ -268,7 +268,8 @@ class TextToImageDiT(nn.Module):
             tokens: caption token ids ``(B, L)``.
 
         Returns:
-            Predicted noise ``(B, C, S, S)``.
+            The prediction ``(B, C, S, S)``: v or ε, as set by
+            :class:`~flashprobe.t2i.diffusion.GaussianDiffusion`'s ``prediction``.
         """
         cfg = self.config
         if x.dim() != 4 or tuple(x.shape[1:]) != (cfg.in_channels, cfg.image_size, cfg.image_size):

@@ -4,7 +4,7 @@
   files plus a JSON manifest, atomic writes) and :class:`SnapshotStore`, a lazy reader.
 * :mod:`~flashprobe.weights.distances`: :func:`wasserstein_distance` (exactly scipy's 1-D
   Wasserstein-1, in torch) and :func:`max_abs_diff`.
-* :mod:`~flashprobe.weights.compare`: :func:`compare_runs` / ``flashprobe compare``, distances per
+* :mod:`~flashprobe.weights.compare`: :func:`compare_runs` (behind ``flashprobe compare``), distances per
   tensor, module group and whole model at every common step of two or more runs.
 
 Snapshots are written during training by :class:`flashprobe.callbacks.WeightSnapshot`.

@@ -17,23 +17,15 @@ the group and model distributions need every parameter of a step at once, so the
 three model-sized float64 vectors per run (the tensors, their concatenation and its sorted copy).
 Pass ``whole_model=False, group_depth=0`` to keep only one tensor pair in memory.
 
-Outputs of :func:`compare_runs` (and ``flashprobe compare``) in ``out_dir``: ``study.json``,
-``study.csv`` (one row per pair × step × level × name), ``fig7_<pair>.png`` (max difference and
-Wasserstein distance over steps for the flash-vs-baseline pair, or the first pair) and
-``fig8_wasserstein.png`` (the whole-model Wasserstein curves of every pair).
+With ``out_dir``, :func:`compare_runs` writes ``study.json`` and ``study.csv``
+(:mod:`flashprobe.formats.study_file`); figures are drawn from those by :mod:`flashprobe.report`
+(``flashprobe compare`` does both).
 """
 
 from __future__ import annotations
 
-import argparse
-import csv
-import io
-import itertools
-import json
-import logging
 import math
 import os
-import sys
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,11 +34,11 @@ from typing import Any
 
 import torch
 
+from flashprobe.formats.study_file import write_study
 from flashprobe.weights.distances import _cdf_distance_w1
-from flashprobe.weights.store import SnapshotStore, atomic_write_text
+from flashprobe.weights.store import SnapshotStore
 
 __all__ = [
-    "COMPARE_FORMAT",
     "Comparison",
     "Distances",
     "PairComparison",
@@ -55,23 +47,7 @@ __all__ = [
     "compare_pair",
     "compare_runs",
     "group_of",
-    "main",
 ]
-
-log = logging.getLogger(__name__)
-
-COMPARE_FORMAT = "flashprobe.compare/1"
-CSV_FIELDS = (
-    "pair",
-    "step",
-    "level",
-    "name",
-    "numel",
-    "wasserstein",
-    "max_abs",
-    "nonfinite_a",
-    "nonfinite_b",
-)
 
 
 class SnapshotMismatchError(ValueError):
@@ -152,7 +128,8 @@ class PairComparison:
         return [getattr(d, metric) for d in series[level]()]
 
     def as_dict(self) -> dict[str, Any]:
-        """Columnar JSON-ready form: every curve is a list aligned with ``steps``; NaN → ``None``."""
+        """Columnar form of ``study.json`` (:mod:`flashprobe.formats.study_file`): every curve is a
+        list aligned with ``steps``."""
         return {
             "run_a": self.run_a,
             "run_b": self.run_b,
@@ -191,8 +168,8 @@ class Comparison:
     files: list[Path] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
+        """``study.json``'s fields (without ``format``)."""
         return {
-            "format": COMPARE_FORMAT,
             "group_depth": self.group_depth,
             "pairs": {name: pair.as_dict() for name, pair in self.pairs.items()},
         }
@@ -202,15 +179,11 @@ class Comparison:
             yield from pair.rows()
 
 
-def _nan_to_none(x: float) -> float | None:
-    return None if math.isnan(x) else x
-
-
 def _columns(series: Sequence[Distances]) -> dict[str, Any]:
     return {
         "numel": series[0].numel if series else 0,
-        "wasserstein": [_nan_to_none(d.wasserstein) for d in series],
-        "max_abs": [_nan_to_none(d.max_abs) for d in series],
+        "wasserstein": [d.wasserstein for d in series],
+        "max_abs": [d.max_abs for d in series],
         "nonfinite_a": [d.nonfinite_a for d in series],
         "nonfinite_b": [d.nonfinite_b for d in series],
     }
@@ -219,8 +192,8 @@ def _columns(series: Sequence[Distances]) -> dict[str, Any]:
 def _row(d: Distances) -> dict[str, Any]:
     return {
         "numel": d.numel,
-        "wasserstein": "" if math.isnan(d.wasserstein) else repr(d.wasserstein),
-        "max_abs": "" if math.isnan(d.max_abs) else repr(d.max_abs),
+        "wasserstein": d.wasserstein,
+        "max_abs": d.max_abs,
         "nonfinite_a": d.nonfinite_a,
         "nonfinite_b": d.nonfinite_b,
     }
@@ -357,7 +330,7 @@ def compare_pair(
                 warned_nonfinite = True
                 warnings.warn(
                     f"{name}: non-finite weights at step {step} in {n!r} ({bad_a} in A, {bad_b} in B); "
-                    "their distances are NaN (null in study.json)",
+                    'their distances are NaN ("nan" in study.json)',
                     UserWarning,
                     stacklevel=2,
                 )
@@ -391,26 +364,14 @@ def _run_info(store: SnapshotStore) -> dict[str, Any]:
     }
 
 
-def _pick_fig7_pair(names: Sequence[str], wanted: str | None) -> str:
-    if wanted is not None:
-        if wanted not in names:
-            raise ValueError(f"fig7 pair {wanted!r} is not one of the compared pairs {list(names)}")
-        return wanted
-    if "flash_vs_baseline" in names:
-        return "flash_vs_baseline"
-    return next((n for n in names if "flash" in n.lower()), names[0])
-
-
 def compare_runs(
     pairs: Mapping[str, tuple[str | os.PathLike[str], str | os.PathLike[str]]],
     out_dir: str | os.PathLike[str] | None = None,
     *,
     group_depth: int = 2,
     whole_model: bool = True,
-    figures: bool = True,
-    fig7_pair: str | None = None,
 ) -> Comparison:
-    """Compare named pairs of runs and (with ``out_dir``) write ``study.json``, ``study.csv`` and figures.
+    """Compare named pairs of runs and (with ``out_dir``) write ``study.json`` and ``study.csv``.
 
     Args:
         pairs: comparison name → ``(run_a, run_b)`` directories, e.g.
@@ -419,9 +380,6 @@ def compare_runs(
         out_dir: where to write the outputs; ``None`` only computes.
         group_depth: module path depth of the groups (0 disables groups).
         whole_model: also compare all parameters as one distribution.
-        figures: write ``fig7_<pair>.png`` and ``fig8_wasserstein.png``.
-        fig7_pair: the pair drawn in Fig 7; default ``flash_vs_baseline``, else the first pair whose
-            name contains ``flash``, else the first pair.
 
     Returns:
         The comparison; ``files`` lists what was written.
@@ -439,114 +397,6 @@ def compare_runs(
         },
         group_depth=group_depth,
     )
-    if out_dir is None:
-        return result
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    data = result.as_dict()
-    atomic_write_text(out / "study.json", json.dumps(data, indent=1) + "\n")
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=CSV_FIELDS, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(result.rows())
-    atomic_write_text(out / "study.csv", buffer.getvalue())
-    result.files += [out / "study.json", out / "study.csv"]
-    if figures:
-        from flashprobe.report.weights_figures import plot_pair_over_steps, plot_wasserstein_curves
-
-        if whole_model:
-            chosen = _pick_fig7_pair(list(result.pairs), fig7_pair)
-            result.files.append(
-                plot_pair_over_steps(chosen, data["pairs"][chosen], out / f"fig7_{chosen}.png")
-            )
-            result.files.append(plot_wasserstein_curves(data["pairs"], out / "fig8_wasserstein.png"))
-        else:
-            log.warning("figures need the whole-model distances; none drawn with whole_model=False")
+    if out_dir is not None:
+        result.files += write_study(out_dir, result.as_dict(), result.rows())
     return result
-
-
-# ------------------------------------------------------------------------------------------------ CLI
-
-
-def _parse_pair(text: str) -> tuple[str, tuple[str, str]]:
-    name, sep, runs = text.partition("=")
-    run_a, comma, run_b = runs.partition(",")
-    if not sep or not comma or not name or not run_a or not run_b or "," in run_b:
-        raise argparse.ArgumentTypeError(f"--pair wants NAME=RUN_A,RUN_B, got {text!r}")
-    return name, (run_a, run_b)
-
-
-def _auto_name(a: str, b: str, taken: Mapping[str, Any]) -> str:
-    base = f"{Path(a).name or a}_vs_{Path(b).name or b}"
-    name, i = base, 2
-    while name in taken:
-        name, i = f"{base}_{i}", i + 1
-    return name
-
-
-def _fmt(x: float) -> str:
-    return "nan" if math.isnan(x) else f"{x:.3e}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``flashprobe compare``: compare the weight snapshots of two or more run directories."""
-    parser = argparse.ArgumentParser(
-        prog="flashprobe compare",
-        description="Compare the weight snapshots of runs (Wasserstein and max difference over steps). "
-        "Two runs give one comparison; more runs give every pair; --pair names pairs explicitly.",
-    )
-    parser.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run directories (holding snapshots/)")
-    parser.add_argument(
-        "--pair",
-        action="append",
-        default=[],
-        type=_parse_pair,
-        metavar="NAME=RUN_A,RUN_B",
-        help="a named comparison (repeatable), e.g. flash_vs_baseline=runs/flash,runs/baseline",
-    )
-    parser.add_argument("--out", default="compare", help="output directory (default: ./compare)")
-    parser.add_argument("--group-depth", type=int, default=2, help="module path depth of groups; 0: none")
-    parser.add_argument("--no-model", action="store_true", help="skip the whole-model distribution")
-    parser.add_argument("--no-figures", action="store_true", help="write only study.json and study.csv")
-    parser.add_argument(
-        "--fig7-pair", default=None, help="the pair drawn in Fig 7 (default: flash_vs_baseline)"
-    )
-    args = parser.parse_args(argv)
-
-    pairs: dict[str, tuple[str, str]] = {}
-    for name, runs in args.pair:
-        if name in pairs:
-            parser.error(f"--pair {name} given twice")
-        pairs[name] = runs
-    if len(args.runs) == 1:
-        parser.error("give at least two run directories (or --pair NAME=RUN_A,RUN_B)")
-    for a, b in itertools.combinations(args.runs, 2):
-        pairs[_auto_name(a, b, pairs)] = (a, b)
-    if not pairs:
-        parser.error("nothing to compare: give two or more run directories or --pair NAME=RUN_A,RUN_B")
-    if args.group_depth < 0:
-        parser.error(f"--group-depth must be >= 0, got {args.group_depth}")
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        result = compare_runs(
-            pairs,
-            args.out,
-            group_depth=args.group_depth,
-            whole_model=not args.no_model,
-            figures=not args.no_figures,
-            fig7_pair=args.fig7_pair,
-        )
-    except (FileNotFoundError, ValueError) as err:
-        print(f"flashprobe compare: {err}", file=sys.stderr)
-        return 1
-    width = max(len(n) for n in result.pairs)
-    print(f"{'pair':<{width}}  {'steps':>5}  {'last step':>9}  {'wasserstein':>11}  {'max_abs':>9}")
-    for name, pair in result.pairs.items():
-        last = pair.model[-1] if pair.model else None
-        w = _fmt(last.wasserstein) if last else "-"
-        m = _fmt(last.max_abs) if last else "-"
-        print(f"{name:<{width}}  {len(pair.steps):>5}  {pair.steps[-1]:>9}  {w:>11}  {m:>9}")
-    for path in result.files:
-        print(f"wrote {path}")
-    return 0

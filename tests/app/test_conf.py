@@ -43,3 +43,31 @@ def test_experiments_start_with_their_command() -> None:
     for path in (CONF_DIR / "experiment").glob("*.yaml"):
         text = path.read_text()
         assert f"flashprobe train experiment={path.stem}" in text, f"{path.name} does not name its command"
+
+
+#: Overrides that shrink any experiment to seconds (applied after the experiment's own values).
+TINY = [
+    "model=tiny",
+    "logger=csv",
+    "data.num_train=16",
+    "data.num_val=8",
+    "data.batch_size=8",
+    "trainer.max_steps=2",
+    "trainer.val_check_interval=2",
+    "trainer.log_every_n_steps=1",
+    "module.num_samples=2",
+    "module.num_sample_steps=2",
+    "module.warmup_steps=0",
+    "callbacks.weight_snapshot.every_n_steps=1",
+]
+
+
+@pytest.mark.parametrize("experiment", _options("experiment"))
+def test_every_experiment_runs_at_a_tiny_budget(experiment: str, tmp_path) -> None:
+    from flashprobe.t2i.train import train
+
+    cfg = compose([f"experiment={experiment}", *TINY], run_dir=tmp_path)
+    _, objects = train(cfg)
+    assert objects["trainer"].global_step == 2
+    assert (tmp_path / "snapshots" / "manifest.json").is_file()
+    assert (tmp_path / "probe.jsonl").is_file() == bool(cfg.attention.probe.enabled)

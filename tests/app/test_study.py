@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from flashprobe.report.cli import main as report_main
+from flashprobe.report.cli import report_main
 from flashprobe.report.study_report import verdict
 from flashprobe.study import run_study
 
@@ -55,6 +56,37 @@ def test_report_without_study_json_says_what_to_run(
     assert "flashprobe study --out" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"pairs": ', r"study.json: not valid JSON at line 1"),
+        ('{"format": "other/1", "pairs": {}}', r"format 'other/1', expected 'flashprobe.compare/1'"),
+        ('{"format": "flashprobe.compare/1", "pairs": {}}', r"no comparison under 'pairs'"),
+        (
+            '{"format": "flashprobe.compare/1", "pairs": {"x": {"steps": [0, 1], "model": '
+            '{"wasserstein": [0.0], "max_abs": [0.0, 0.0]}}}}',
+            r"pair 'x' column model.wasserstein does not align with its 2 steps",
+        ),
+    ],
+)
+def test_report_on_a_malformed_study_json_names_the_problem(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, message: str
+) -> None:
+    (tmp_path / "study.json").write_text(content)
+    for argv in ([str(tmp_path)], [str(tmp_path), "--figures"]):
+        assert report_main(argv) == 2
+        err = capsys.readouterr().err
+        assert re.search(message, err), err
+    assert not list(tmp_path.glob("*.png")) and not (tmp_path / "report.md").exists()
+
+
+def test_report_on_a_missing_directory_or_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert report_main([str(tmp_path / "nope")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    (tmp_path / "f").write_text("x")
+    assert report_main([str(tmp_path / "f")]) == 2
+
+
 def _pair(values: list[float]) -> dict:
     return {"steps": [0, 10], "model": {"wasserstein": values, "max_abs": values}, "runs": {}}
 
@@ -71,7 +103,7 @@ def _pair(values: list[float]) -> dict:
 )
 def test_report_verdict_against_low_precision(tmp_path: Path, flash: float, finding: str) -> None:
     pairs = {"flash_vs_baseline": _pair([0.0, flash]), "fp16_vs_fp32": _pair([0.0, 2e-5])}
-    (tmp_path / "study.json").write_text(json.dumps({"pairs": pairs}))
+    (tmp_path / "study.json").write_text(json.dumps({"format": "flashprobe.compare/1", "pairs": pairs}))
     assert verdict(pairs)["context"]["fp16_vs_fp32"]["flash_over_context"] == pytest.approx(flash / 2e-5)
     assert report_main([str(tmp_path)]) == 0
     assert finding in (tmp_path / "report.md").read_text()

@@ -60,6 +60,20 @@ def test_same_seed_gives_identical_weights(tmp_path: Path) -> None:
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_the_probe_leaves_training_bit_identical(tmp_path: Path) -> None:
+    """flashprobe train with the probe on (forward and backward, golden) vs off: the same weights."""
+    flash = [*SMOKE, "attention=flash", "logger=csv"]
+    train(compose([*flash, "attention.probe.backward=true"], run_dir=tmp_path / "probed"))
+    train(compose([*flash, "attention.probe.enabled=false"], run_dir=tmp_path / "plain"))
+    assert (tmp_path / "probed" / "probe.jsonl").is_file()
+    assert not (tmp_path / "plain" / "probe.jsonl").exists()
+    for step in (0, 2, 4):
+        name = f"snapshots/step_{step:07d}.safetensors"
+        a, b = load_file(tmp_path / "probed" / name), load_file(tmp_path / "plain" / name)
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a), f"step {step}"
+
+
 def test_bad_config_fails_before_training(tmp_path: Path) -> None:
     with pytest.raises(KernelSpecError, match="unknown kernel 'nope'"):
         train(compose([*SMOKE, "attention.kernel=nope"], run_dir=tmp_path))

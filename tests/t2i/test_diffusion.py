@@ -134,3 +134,12 @@ def test_training_loss_draws_from_the_global_rng() -> None:
     torch.manual_seed(6)
     other = diffusion.training_loss(model, x0, tokens)
     assert first.item() == again.item() != other.item()
+
+
+def test_diffusion_and_module_default_to_the_same_prediction() -> None:
+    import inspect
+
+    from flashprobe.t2i import TextToImageModule
+
+    module_default = inspect.signature(TextToImageModule).parameters["prediction"].default
+    assert GaussianDiffusion().prediction == module_default == "v"

@@ -14,6 +14,7 @@ import torch
 from matplotlib.image import imread
 
 from flashprobe.cli import main as cli_main
+from flashprobe.formats.study_file import read_study
 from flashprobe.weights import SnapshotMismatchError, SnapshotStore, compare_pair, compare_runs, group_of
 
 from ._helpers import train_run, write_run
@@ -127,11 +128,11 @@ def test_non_finite_weights_are_counted_and_give_nan(tmp_path: Path) -> None:
     assert result.tensors["y.weight"][0].wasserstein == 0.0
     assert math.isnan(result.model[0].wasserstein) and result.model[0].nonfinite_b == 2
     with pytest.warns(UserWarning, match="non-finite"):
-        data = compare_runs({"nan": (a, b)}, tmp_path / "out", figures=False).as_dict()
-    assert data["pairs"]["nan"]["model"]["wasserstein"] == [None]
-    assert json.loads((tmp_path / "out" / "study.json").read_text())["pairs"]["nan"]["model"][
-        "nonfinite_b"
-    ] == [2]
+        data = compare_runs({"nan": (a, b)}, tmp_path / "out").as_dict()
+    assert math.isnan(data["pairs"]["nan"]["model"]["wasserstein"][0])
+    written = json.loads((tmp_path / "out" / "study.json").read_text())["pairs"]["nan"]["model"]
+    assert written["wasserstein"] == ["nan"] and written["nonfinite_b"] == [2]  # the JSON convention
+    assert math.isnan(read_study(tmp_path / "out")["pairs"]["nan"]["model"]["wasserstein"][0])
 
 
 def test_cli_writes_study_json_csv_and_figures(runs: dict[str, Path], tmp_path: Path, capsys) -> None:
@@ -184,5 +185,28 @@ def test_cli_bad_input(runs: dict[str, Path], tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit):
         cli_main(["compare", "--pair", "oops"])
     assert "NAME=RUN_A,RUN_B" in capsys.readouterr().err
-    assert cli_main(["compare", str(runs["base"]), str(tmp_path / "missing"), "--out", str(tmp_path)]) == 1
+    assert cli_main(["compare", str(runs["base"]), str(tmp_path / "missing"), "--out", str(tmp_path)]) == 2
     assert "no snapshot manifest" in capsys.readouterr().err
+    assert not (tmp_path / "study.json").exists()
+
+
+@pytest.mark.parametrize("name", ["../../../x", "a/b", ".hidden"])
+def test_cli_refuses_pair_names_that_leave_the_output_directory(
+    runs: dict[str, Path], tmp_path: Path, capsys, name: str
+) -> None:
+    out = tmp_path / "deep" / "out"
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["compare", "--pair", f"{name}={runs['base']},{runs['same']}", "--out", str(out)])
+    assert exit_.value.code == 2
+    assert "cannot be used in a file name" in capsys.readouterr().err
+    assert not list(tmp_path.rglob("*.png")) and not out.exists()
+
+
+@pytest.mark.parametrize("where", ["file", "under_file"])
+def test_cli_refuses_an_unusable_out_before_any_work(
+    runs: dict[str, Path], tmp_path: Path, capsys, where: str
+) -> None:
+    (tmp_path / "f").write_text("x")
+    out = tmp_path / "f" if where == "file" else tmp_path / "f" / "out"
+    assert cli_main(["compare", str(runs["base"]), str(runs["same"]), "--out", str(out)]) == 2
+    assert "--out" in capsys.readouterr().err

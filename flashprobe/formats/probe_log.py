@@ -1,0 +1,157 @@
+"""``probe.jsonl``: the attention probe's log of one run, written and read here only.
+
+One JSON line per logging step, appended in step order::
+
+    {"step": 25, "summary": {...}, "sites": {"model.blocks.0.attn": {...}, ...}}
+
+``summary`` is :meth:`flashprobe.probe.Probe.summary` and ``sites`` is
+:meth:`flashprobe.probe.Probe.stats` of the logging interval; numbers follow
+:mod:`flashprobe.formats.jsonio` (non-finite ones as ``"inf"``/``"nan"``, ``null`` = not recorded).
+
+**Write-ahead-log semantics.** A record is one ``write`` of a whole line followed by ``fsync``, so
+after a crash the file is a sequence of complete records possibly followed by one *torn* line (a
+kill mid-append). Readers (:func:`read_probe_log`) take the valid prefix and report what they
+dropped; the writer (:class:`ProbeLogWriter`) cuts a torn tail, with a warning, before it appends.
+A run resumed from a checkpoint at step ``S`` continues the log after dropping the records of
+steps after ``S`` (they belong to the abandoned timeline and are written again).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flashprobe.formats.atomic import atomic_write_text
+from flashprobe.formats.jsonio import decode, dumps
+
+__all__ = ["PROBE_LOG_NAME", "ProbeLog", "ProbeLogWriter", "load_probe_records", "read_probe_log"]
+
+log = logging.getLogger(__name__)
+
+#: The file name of the log in a run directory.
+PROBE_LOG_NAME = "probe.jsonl"
+
+#: Fields of a record that hold text (site names), never decoded as numbers.
+_TEXT_KEYS = frozenset({"max_error_ratio_site", "max_backward_error_ratio_site", "nonfinite_sites"})
+
+
+@dataclass
+class ProbeLog:
+    """The records of a ``probe.jsonl`` file, in file order.
+
+    Attributes:
+        path: the file.
+        records: the complete, valid records (numbers decoded: ``"inf"`` → ``float("inf")``).
+        dropped: what was not read, in words (a torn last line, or everything from the first
+            invalid line on), or ``""`` when the whole file was read.
+        valid_bytes: length of the valid prefix of the file.
+    """
+
+    path: Path
+    records: list[dict[str, Any]] = field(default_factory=list)
+    dropped: str = ""
+    valid_bytes: int = 0
+
+    @property
+    def steps(self) -> list[int]:
+        return [int(r["step"]) for r in self.records]
+
+
+def _parse(line: bytes) -> dict[str, Any] | None:
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+        return None
+    return decode(record, text_keys=_TEXT_KEYS)
+
+
+def read_probe_log(path: str | os.PathLike[str]) -> ProbeLog:
+    """Read the valid prefix of a ``probe.jsonl`` file (see the module docstring).
+
+    Raises:
+        FileNotFoundError: no such file, naming the callback that writes one.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} not found: a run writes {PROBE_LOG_NAME} when trained with the AttentionProbe "
+            "callback (flashprobe train with attention.probe.enabled=true)"
+        )
+    data = path.read_bytes()
+    result = ProbeLog(path)
+    offset = 0
+    lines = data.splitlines(keepends=True)
+    for number, line in enumerate(lines, start=1):
+        complete = line.endswith(b"\n")
+        if complete and not line.strip():
+            offset += len(line)
+            continue
+        record = _parse(line) if complete else None  # a line without its newline was cut short
+        if record is None:
+            rest = len(data) - offset
+            if number == len(lines) and not complete:
+                result.dropped = f"a torn last line ({rest} bytes, an interrupted write) at line {number}"
+            else:
+                result.dropped = f"line {number} and everything after it ({rest} bytes): not a probe record"
+            break
+        result.records.append(record)
+        offset += len(line)
+    result.valid_bytes = offset
+    return result
+
+
+def load_probe_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The valid records of a ``probe.jsonl`` file; logs a warning naming anything dropped."""
+    probe_log = read_probe_log(path)
+    if probe_log.dropped:
+        log.warning("%s: read %d records, dropped %s", path, len(probe_log.records), probe_log.dropped)
+    return probe_log.records
+
+
+class ProbeLogWriter:
+    """Appends records to a run's ``probe.jsonl`` (use from rank zero only).
+
+    Args:
+        path: the file (created with its directory on the first append).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.opened = False
+
+    def open(self, keep_until: int | None) -> list[int]:
+        """Prepare the file for appending; returns the steps of the records dropped.
+
+        Args:
+            keep_until: the step the run starts from when resumed from a checkpoint: records of
+                later steps are dropped. ``None``: a fresh run, which starts an empty log.
+        """
+        self.opened = True
+        if not self.path.exists():
+            return []
+        existing = read_probe_log(self.path)
+        kept = [r for r in existing.records if keep_until is not None and r["step"] <= keep_until]
+        dropped = [r["step"] for r in existing.records if r not in kept]
+        if existing.dropped:
+            log.warning("%s: cutting %s before appending", self.path, existing.dropped)
+        if dropped or existing.dropped:
+            atomic_write_text(self.path, "".join(dumps(r) + "\n" for r in kept))
+        return dropped
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        """Append one record as a line and fsync it (see the module docstring)."""
+        if not self.opened:
+            self.open(None)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        line = (dumps(record) + "\n").encode("utf-8")
+        with self.path.open("ab") as fh:
+            fh.write(line)
+            fh.flush()
+            os.fsync(fh.fileno())
