@@ -1,0 +1,22 @@
+"""Microbenchmarks: ``flashprobe bench NAME`` runs ``flashprobe.bench.NAME:main``.
+
+Commands (one module each):
+
+* :mod:`~flashprobe.bench.precision` — deviation vs dtype (paper Figs 3, 4);
+* :mod:`~flashprobe.bench.seqlen` — deviation vs sequence length at a fixed tile size (Fig 5);
+* :mod:`~flashprobe.bench.tiles` — deviation vs tile size, block order and tile shape (Fig 6);
+* :mod:`~flashprobe.bench.speed` — time and peak memory of kernels vs ``math``;
+* :mod:`~flashprobe.bench.overhead` — training-step overhead of the shadow probe, against upper limits;
+* :mod:`~flashprobe.bench.wasserstein` — flashprobe's torch Wasserstein distance vs scipy's.
+
+Shared pieces:
+
+* :mod:`~flashprobe.bench.errors` — ``BenchArgumentError``: bad input, exit code 2;
+* :mod:`~flashprobe.bench.args` — the common options, their parsing, ``--out`` checking, ``run_cli``;
+* :mod:`~flashprobe.bench.inputs` — input shape and distribution, ``q, k, v`` drawn in float64;
+* :mod:`~flashprobe.bench.sweep` — primary vs baseline vs golden over points × dtypes × seeds;
+* :mod:`~flashprobe.bench.sweep_command` — the pipeline of ``precision``, ``seqlen`` and ``tiles``;
+* :mod:`~flashprobe.bench.results` — ``DIR/<name>.json`` and ``.csv``, ``--replot`` loading, tables.
+
+Figures are drawn by :mod:`flashprobe.report.bench_figures`; edge-case fuzzing is :mod:`flashprobe.fuzz`.
+"""

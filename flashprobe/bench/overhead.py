@@ -19,9 +19,9 @@ grouped in blocks of ``--every`` rounds (one sampling period); for each block th
 block's total step time to the reference mode's is taken, and a row reports the median over
 blocks: ``ratio_vs_no_probe`` and ``ratio_vs_control``. ``step_ms`` is the median block mean.
 
-Floors (CPU): ``probe`` ≤ 1.05 × ``control`` (the statistics cost at most 5 %) and
-``probe_every_N`` ≤ 1.10 × ``no_probe``; they are printed, recorded in the JSON and, with
-``--check``, turned into the exit code.
+Limits (:data:`LIMITS`, CPU): ``probe`` ≤ 1.05 × ``control`` (the statistics cost at most 5 %)
+and ``probe_every_N`` ≤ 1.10 × ``no_probe``; the checks are printed, recorded in the JSON under
+``"limits"`` and, with ``--check``, turned into the exit code.
 
 Writes ``DIR/overhead.json`` (rows with ``mode``, ``step_ms``, ``ratio_vs_no_probe``,
 ``ratio_vs_control``, ``steps``), ``DIR/overhead.csv`` and the figure (``--figure``, default
@@ -44,19 +44,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashprobe.bench.common import (
-    BenchArgumentError,
-    add_output_args,
-    format_table,
-    run_cli,
-    write_results,
-)
+from flashprobe.bench.args import add_output_args, run_cli
+from flashprobe.bench.errors import BenchArgumentError
+from flashprobe.bench.results import format_table, write_results, wrote_line
 from flashprobe.probe import Probe, ShadowAttention
 
-__all__ = ["FLOORS", "OverheadConfig", "TinyLM", "main", "measure_overhead", "plot_overhead"]
+__all__ = ["LIMITS", "OverheadConfig", "TinyLM", "limit_checks", "main", "measure_overhead"]
 
-#: ``(mode, reference, limit)``: the mode's ratio to the reference must not exceed the limit.
-FLOORS: tuple[tuple[str, str, float], ...] = (("probe", "control", 1.05), ("probe_every", "no_probe", 1.10))
+#: Upper limits on the overhead, ``(mode, reference, limit)``: the mode's ratio to the reference
+#: must not exceed the limit (``probe_every`` matches ``probe_every_N``).
+LIMITS: tuple[tuple[str, str, float], ...] = (("probe", "control", 1.05), ("probe_every", "no_probe", 1.10))
 
 TABLE_COLUMNS = [
     ("mode", "mode"),
@@ -194,27 +191,50 @@ def _measure(
     for r in range(rounds):
         order = modes[r % len(modes) :] + modes[: r % len(modes)]
         for mode in order:
-            model, opt, handle = models[mode], optims[mode], handles[mode]
             x, y = tokens[r, :, :-1], tokens[r, :, 1:]
-            start = time.perf_counter()
-            if handle is not None:
-                handle.set_step(max(r - config.warmup, 0))  # warm-up rounds compare too
-                handle.attach()
-            opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            loss.backward()
-            opt.step()
-            if handle is not None:
-                handle.detach()
+            step = max(r - config.warmup, 0)  # warm-up rounds compare too
+            seconds = _timed_step(models[mode], optims[mode], handles[mode], x, y, step)
             if r >= config.warmup:
-                times[mode].append(time.perf_counter() - start)
+                times[mode].append(seconds)
         if r >= config.warmup and (r - config.warmup + 1) % config.every == 0:
             done = r - config.warmup + 1
             means = ", ".join(f"{m} {1e3 * statistics.fmean(times[m][-config.every :]):.0f}" for m in modes)
             progress(f"[{done}/{config.steps}] ms per step over the last block: {means}")
+    rows, block_ms = _summarize(config, times)
     # The probes really compared something (and the sampled one only at its steps).
-    probed = handles["probe"].shadow.summary()  # type: ignore[union-attr]
-    sampled = handles[modes[3]].shadow.summary()  # type: ignore[union-attr]
+    rows[2]["compared_calls"] = handles["probe"].shadow.summary()["forward_calls"]  # type: ignore[union-attr]
+    rows[3]["compared_calls"] = handles[modes[3]].shadow.summary()["forward_calls"]  # type: ignore[union-attr]
+    return rows, block_ms
+
+
+def _timed_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    handle: Probe | None,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    step: int,
+) -> float:
+    """One training step on tokens ``x (B, N)`` → targets ``y (B, N)``, with ``handle`` attached
+    just for it; returns its wall-clock seconds (attach and detach included)."""
+    start = time.perf_counter()
+    if handle is not None:
+        handle.set_step(step)
+        handle.attach()
+    opt.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    opt.step()
+    if handle is not None:
+        handle.detach()
+    return time.perf_counter() - start
+
+
+def _summarize(
+    config: OverheadConfig, times: dict[str, list[float]]
+) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
+    """Rows (median block ratios, see the module docstring) and each mode's block means in ms."""
+    modes = config.modes
     n_blocks = config.steps // config.every
     blocks = {
         m: [sum(times[m][b * config.every : (b + 1) * config.every]) for b in range(n_blocks)] for m in modes
@@ -232,59 +252,21 @@ def _measure(
                 "steps": len(times[mode]),
             }
         )
-    rows[2]["compared_calls"] = probed["forward_calls"]
-    rows[3]["compared_calls"] = sampled["forward_calls"]
     block_ms = {m: [1e3 * b / config.every for b in blocks[m]] for m in modes}
     return rows, block_ms
 
 
-def floors(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The floor checks: ``{"mode", "reference", "ratio", "limit", "ok"}`` each."""
+def limit_checks(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The checks of :data:`LIMITS` on the rows: ``{"mode", "reference", "ratio", "limit", "ok"}`` each."""
     by_mode = {row["mode"]: row for row in rows}
     checks = []
-    for prefix, reference, limit in FLOORS:
+    for prefix, reference, limit in LIMITS:
         mode = next(m for m in by_mode if m == prefix or m.startswith(prefix + "_"))
         ratio = by_mode[mode][f"ratio_vs_{reference}"]
         checks.append(
             {"mode": mode, "reference": reference, "ratio": ratio, "limit": limit, "ok": ratio <= limit}
         )
     return checks
-
-
-def plot_overhead(rows: Sequence[dict[str, Any]], path: Path, subtitle: str = "") -> Path:
-    """Bar chart of the median step time per mode, annotated with the ratios; written atomically."""
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [row["mode"] for row in rows]
-    values = [row["step_ms"] for row in rows]
-    fig, ax = plt.subplots(figsize=(7.5, 3.2))
-    colors = ["#9e9e9e", "#f4a259", "#2e86ab", "#5fb49c"]
-    bars = ax.barh(labels[::-1], values[::-1], color=colors[: len(rows)][::-1])
-    for bar, row in zip(bars, rows[::-1], strict=True):
-        text = (
-            f" {row['step_ms']:.0f} ms  ×{row['ratio_vs_no_probe']:.2f} vs no probe, "
-            f"×{row['ratio_vs_control']:.2f} vs control"
-        )
-        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, text, va="center", fontsize=8)
-    ax.set_xlabel("median training step time (ms)")
-    ax.set_xlim(0, max(values) * 1.9)
-    ax.set_title("flashprobe bench overhead" + (f"\n{subtitle}" if subtitle else ""), fontsize=9)
-    ax.spines[["top", "right"]].set_visible(False)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=130)
-    plt.close(fig)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(buf.getvalue())
-    tmp.replace(path)
-    return path
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -314,13 +296,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=d.threads, help=f"torch threads (default {d.threads})")
     parser.add_argument("--seed", type=int, default=d.seed, help=f"seed (default {d.seed})")
     parser.add_argument("--figure", type=Path, help="where to write the PNG (default DIR/overhead.png)")
-    parser.add_argument("--check", action="store_true", help="exit with 1 when a floor is exceeded")
+    parser.add_argument("--check", action="store_true", help="exit with 1 when a limit is exceeded")
     add_output_args(parser, "overhead")
     return parser
 
 
-def _run(args: argparse.Namespace) -> int:
-    config = OverheadConfig(
+def _config(args: argparse.Namespace) -> OverheadConfig:
+    return OverheadConfig(
         steps=args.steps,
         warmup=args.warmup,
         every=args.every,
@@ -334,18 +316,24 @@ def _run(args: argparse.Namespace) -> int:
         threads=args.threads,
         seed=args.seed,
     )
+
+
+def _run(args: argparse.Namespace) -> int:
+    from flashprobe.report.bench_figures import plot_overhead
+
+    config = _config(args)
     start = time.perf_counter()
     rows, block_ms = measure_overhead(config, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
     seconds = time.perf_counter() - start
-    checks = floors(rows)
+    checks = limit_checks(rows)
     print(format_table(rows, TABLE_COLUMNS))
     for c in checks:
         verdict = "ok" if c["ok"] else "EXCEEDED"
-        print(f"floor: {c['mode']} / {c['reference']} = {c['ratio']:.3f} <= {c['limit']:.2f}: {verdict}")
+        print(f"limit: {c['mode']} / {c['reference']} = {c['ratio']:.3f} <= {c['limit']:.2f}: {verdict}")
     meta = {
         "command": args.command_line,
         "config": asdict(config),
-        "floors": checks,
+        "limits": checks,
         "block_ms": block_ms,
         "seconds": round(seconds, 2),
     }
@@ -356,7 +344,7 @@ def _run(args: argparse.Namespace) -> int:
         f"{config.steps} steps/mode, {config.threads} thread(s)"
     )
     paths["png"] = plot_overhead(rows, args.figure or args.out / "overhead.png", subtitle)
-    print(f"{len(rows)} rows in {seconds:.1f} s; wrote " + ", ".join(str(p) for p in paths.values()))
+    print(wrote_line(rows, seconds, paths))
     return 1 if args.check and not all(c["ok"] for c in checks) else 0
 
 

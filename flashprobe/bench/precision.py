@@ -17,48 +17,35 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from flashprobe.bench.common import (
-    InputConfig,
-    Primary,
-    Shape,
-    SweepPoint,
-    add_input_args,
-    add_kernel_args,
-    add_output_args,
-    add_shape_args,
-    deviation_sweep,
-    format_table,
-    load_results,
-    parse_device,
-    parse_dtypes,
-    parse_input_config,
-    parse_kernels,
-    parse_seeds,
-    run_cli,
-    write_results,
-)
+from flashprobe.bench.args import add_input_args, add_kernel_args, add_output_args, add_shape_args
+from flashprobe.bench.inputs import InputConfig, Shape
+from flashprobe.bench.sweep import Primary, SweepPoint, deviation_sweep
+from flashprobe.bench.sweep_command import SweepCommand, SweepPlan, SweepSetup, run_sweep_cli
 from flashprobe.kernels import Kernel
 
-__all__ = ["TABLE_COLUMNS", "build_parser", "main", "precision_rows"]
+__all__ = ["COMMAND", "TABLE_COLUMNS", "build_parser", "main", "precision_rows"]
 
 #: Columns of the printed table: (row key, header).
 TABLE_COLUMNS = [
     ("kernel", "kernel"),
     ("dtype", "dtype"),
-    ("primary_vs_baseline_max", "max|p-b|"),
-    ("primary_vs_baseline_mean", "mean|p-b|"),
-    ("primary_vs_golden_max", "max|p-g|"),
-    ("baseline_vs_golden_max", "max|b-g|"),
+    ("primary_baseline_max_abs", "max|p-b|"),
+    ("primary_baseline_mean_abs", "mean|p-b|"),
+    ("primary_golden_max_abs", "max|p-g|"),
+    ("baseline_golden_max_abs", "max|b-g|"),
     ("error_ratio", "ratio"),
     ("error_ratio_lo", "ratio lo"),
     ("error_ratio_hi", "ratio hi"),
 ]
+
+
+def _point(shape: Shape, kernels: Sequence[Kernel]) -> SweepPoint:
+    return SweepPoint(shape, [Primary(k, {"kernel": k.spec}) for k in kernels])
 
 
 def precision_rows(
@@ -85,14 +72,13 @@ def precision_rows(
         is_causal: apply the causal mask.
 
     Returns:
-        ``(rows, skipped)``, see :func:`~flashprobe.bench.common.deviation_sweep`; every row has
-        ``kernel``, ``dtype``, ``primary_vs_baseline_max``, ``primary_vs_golden_max``,
-        ``baseline_vs_golden_max``, ``error_ratio``, the ``_mean``/``_std`` variants and the
-        ``_lo``/``_hi`` spread over seeds.
+        ``(rows, skipped)``, see :func:`~flashprobe.bench.sweep.deviation_sweep`; every row has
+        ``kernel``, ``dtype``, ``{pair}_{stat}`` for the pairs ``primary_baseline``,
+        ``primary_golden``, ``baseline_golden`` and the stats ``max_abs``, ``mean_abs``,
+        ``std_abs``, ``rel_l2``, ``error_ratio``, and the ``_lo``/``_hi`` spread over seeds.
     """
-    point = SweepPoint(shape, [Primary(k, {"kernel": k.spec}) for k in kernels])
     return deviation_sweep(
-        [point],
+        [_point(shape, kernels)],
         baseline=baseline,
         dtypes=dtypes,
         seeds=seeds,
@@ -116,56 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run(args: argparse.Namespace) -> int:
-    from flashprobe.report.bench_figures import plot_precision
+def _plan(args: argparse.Namespace, setup: SweepSetup) -> SweepPlan:
+    config = {"kernels": [k.spec for k in setup.kernels], "baseline": setup.baseline.spec}
+    return SweepPlan(points=[_point(setup.shape, setup.kernels)], config={**config, **setup.shape.as_dict()})
 
-    if args.replot:
-        doc = load_results(args.out, "precision")
-        print(f"redrew {plot_precision(doc['rows'], args.out / 'precision.png')}")
-        return 0
 
-    shape = Shape(batch=args.batch, heads=args.heads, seq_len=args.seq_len, head_dim=args.head_dim)
-    kernels = parse_kernels(args.kernel)
-    (baseline,) = parse_kernels([args.baseline])
-    dtypes = parse_dtypes(args.dtype)
-    seeds = parse_seeds(args.seed, args.repeats)
-    inputs = parse_input_config(args)
-    start = time.perf_counter()
-    rows, skipped = precision_rows(
-        shape,
-        kernels=kernels,
-        baseline=baseline,
-        dtypes=dtypes,
-        seeds=seeds,
-        inputs=inputs,
-        device=parse_device(args.device),
-        is_causal=args.causal,
-    )
-    seconds = time.perf_counter() - start
-    print(format_table(rows, TABLE_COLUMNS))
-    for s in skipped:
-        print(f"skipped {s['kernel']} at {s['dtype']}: {s['reason']}")
-    meta = {
-        "command": args.command_line,
-        "config": {
-            "kernels": [k.spec for k in kernels],
-            "baseline": baseline.spec,
-            **shape.as_dict(),
-            **inputs.as_dict(),
-            "seeds": seeds,
-        },
-        "seconds": round(seconds, 2),
-    }
-    paths = write_results(args.out, "precision", rows, meta=meta, skipped=skipped)
-    if rows:
-        paths["png"] = plot_precision(rows, args.out / "precision.png")
-    print(f"{len(rows)} rows in {seconds:.1f} s; wrote " + ", ".join(str(p) for p in paths.values()))
-    return 0
+#: The command's part of the shared deviation-sweep pipeline.
+COMMAND = SweepCommand(name="precision", columns=TABLE_COLUMNS, plan=_plan, figure="plot_precision")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``flashprobe bench precision``; returns the exit code."""
-    return run_cli("precision", build_parser(), _run, argv)
+    return run_sweep_cli(COMMAND, build_parser(), argv)
 
 
 if __name__ == "__main__":

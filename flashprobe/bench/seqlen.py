@@ -11,50 +11,37 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from flashprobe.bench.common import (
-    InputConfig,
-    Primary,
-    Shape,
-    SweepPoint,
-    add_input_args,
-    add_kernel_args,
-    add_output_args,
-    add_shape_args,
-    deviation_sweep,
-    format_table,
-    load_results,
-    parse_device,
-    parse_dtypes,
-    parse_input_config,
-    parse_kernels,
-    parse_seeds,
-    run_cli,
-    write_results,
-)
+from flashprobe.bench.args import add_input_args, add_kernel_args, add_output_args, add_shape_args
+from flashprobe.bench.inputs import InputConfig, Shape
+from flashprobe.bench.sweep import Primary, SweepPoint, deviation_sweep
+from flashprobe.bench.sweep_command import SweepCommand, SweepPlan, SweepSetup, run_sweep_cli
 from flashprobe.kernels import Kernel
 
-__all__ = ["TABLE_COLUMNS", "build_parser", "main", "seqlen_rows"]
-
-_PROG = "flashprobe bench seqlen"
+__all__ = ["COMMAND", "TABLE_COLUMNS", "build_parser", "main", "seqlen_rows"]
 
 #: Columns of the printed table: (row key, header).
 TABLE_COLUMNS = [
     ("kernel", "kernel"),
     ("dtype", "dtype"),
     ("seq_len", "N"),
-    ("primary_vs_baseline_max", "max|p-b|"),
-    ("primary_vs_baseline_mean", "mean|p-b|"),
-    ("primary_vs_golden_max", "max|p-g|"),
-    ("baseline_vs_golden_max", "max|b-g|"),
+    ("primary_baseline_max_abs", "max|p-b|"),
+    ("primary_baseline_mean_abs", "mean|p-b|"),
+    ("primary_golden_max_abs", "max|p-g|"),
+    ("baseline_golden_max_abs", "max|b-g|"),
     ("error_ratio", "ratio"),
 ]
+
+
+def _points(shape: Shape, seq_lens: Sequence[int], kernels: Sequence[Kernel]) -> list[SweepPoint]:
+    """One point per distinct N, shortest first."""
+    primaries = [Primary(k, {"kernel": k.spec}) for k in kernels]
+    return [SweepPoint(replace(shape, seq_len=n), primaries) for n in sorted(dict.fromkeys(seq_lens))]
 
 
 def seqlen_rows(
@@ -82,12 +69,8 @@ def seqlen_rows(
     Returns:
         ``(rows, skipped)`` with one row per (N, kernel, dtype).
     """
-    points = [
-        SweepPoint(replace(shape, seq_len=n), [Primary(k, {"kernel": k.spec}) for k in kernels])
-        for n in sorted(dict.fromkeys(seq_lens))
-    ]
     return deviation_sweep(
-        points,
+        _points(shape, seq_lens, kernels),
         baseline=baseline,
         dtypes=dtypes,
         seeds=seeds,
@@ -111,60 +94,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run(args: argparse.Namespace) -> int:
-    from flashprobe.report.bench_figures import plot_seqlen
-
-    if args.replot:
-        doc = load_results(args.out, "seqlen")
-        print(f"redrew {plot_seqlen(doc['rows'], args.out / 'seqlen.png')}")
-        return 0
-
-    shape = Shape(batch=args.batch, heads=args.heads, seq_len=min(args.seq_len), head_dim=args.head_dim)
-    kernels = parse_kernels(args.kernel)
-    (baseline,) = parse_kernels([args.baseline])
-    dtypes = parse_dtypes(args.dtype)
-    seeds = parse_seeds(args.seed, args.repeats)
-    inputs = parse_input_config(args)
-    start = time.perf_counter()
-    rows, skipped = seqlen_rows(
-        shape,
-        args.seq_len,
-        kernels=kernels,
-        baseline=baseline,
-        dtypes=dtypes,
-        seeds=seeds,
-        inputs=inputs,
-        device=parse_device(args.device),
-        is_causal=args.causal,
-        progress=lambda msg: print(f"{_PROG}: {msg}", file=sys.stderr, flush=True),
+def _plan(args: argparse.Namespace, setup: SweepSetup) -> SweepPlan:
+    config = {"kernels": [k.spec for k in setup.kernels], "baseline": setup.baseline.spec}
+    config |= {**setup.shape.as_dict(), "seq_len": sorted(set(args.seq_len))}
+    return SweepPlan(
+        points=_points(setup.shape, args.seq_len, setup.kernels),
+        config=config,
+        sort_key=lambda r: (r["kernel"], r["dtype"], r["seq_len"]),
     )
-    seconds = time.perf_counter() - start
-    rows.sort(key=lambda r: (r["kernel"], r["dtype"], r["seq_len"]))
-    print(format_table(rows, TABLE_COLUMNS))
-    for s in skipped:
-        print(f"skipped {s['kernel']} at {s['dtype']}, N={s['seq_len']}: {s['reason']}")
-    meta = {
-        "command": args.command_line,
-        "config": {
-            "kernels": [k.spec for k in kernels],
-            "baseline": baseline.spec,
-            **shape.as_dict(),
-            "seq_len": sorted(set(args.seq_len)),
-            **inputs.as_dict(),
-            "seeds": seeds,
-        },
-        "seconds": round(seconds, 2),
-    }
-    paths = write_results(args.out, "seqlen", rows, meta=meta, skipped=skipped)
-    if rows:
-        paths["png"] = plot_seqlen(rows, args.out / "seqlen.png")
-    print(f"{len(rows)} rows in {seconds:.1f} s; wrote " + ", ".join(str(p) for p in paths.values()))
-    return 0
+
+
+#: The command's part of the shared deviation-sweep pipeline.
+COMMAND = SweepCommand(
+    name="seqlen",
+    columns=TABLE_COLUMNS,
+    plan=_plan,
+    figure="plot_seqlen",
+    skipped_line="skipped {kernel} at {dtype}, N={seq_len}: {reason}",
+    progress=True,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``flashprobe bench seqlen``; returns the exit code."""
-    return run_cli("seqlen", build_parser(), _run, argv)
+    return run_sweep_cli(COMMAND, build_parser(), argv)
 
 
 if __name__ == "__main__":

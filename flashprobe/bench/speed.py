@@ -40,26 +40,21 @@ from typing import Any
 
 import torch
 
-from flashprobe.bench.common import (
-    BenchArgumentError,
-    InputConfig,
-    Shape,
+from flashprobe.bench.args import (
     add_input_args,
     add_kernel_args,
     add_output_args,
     add_shape_args,
-    cast_inputs,
-    check_kernel,
-    format_table,
-    load_results,
-    make_inputs,
     parse_device,
     parse_dtypes,
     parse_input_config,
     parse_kernels,
     run_cli,
-    write_results,
 )
+from flashprobe.bench.errors import BenchArgumentError
+from flashprobe.bench.inputs import InputConfig, Shape, cast_inputs, make_inputs
+from flashprobe.bench.results import format_table, load_results, write_results, wrote_line
+from flashprobe.bench.sweep import check_kernel
 from flashprobe.kernels import Kernel, dtype_name, get_kernel
 
 __all__ = [
@@ -268,6 +263,7 @@ def speed_rows(
         ``reason``.
     """
     device = torch.device(device)
+    say = progress or (lambda _: None)
     math_kernel = get_kernel("math")
     run = [math_kernel, *[kn for kn in kernels if kn.spec != "math"]]
     if max_memory_bytes is None:
@@ -280,15 +276,7 @@ def speed_rows(
         for dtype in dtypes:
             ok: list[Kernel] = []
             for kernel in run:
-                reason = check_kernel(kernel, dtype, device, at_n.head_dim)
-                need = materialised_bytes(at_n, dtype)
-                too_big = max_memory_bytes is not None and need > max_memory_bytes
-                if reason is None and kernel.name in MATERIALISING and too_big:
-                    reason = (
-                        f"would need ~{need / 2**30:.1f} GiB for the score matrices "
-                        f"(3·B·H·N²·{dtype.itemsize} B) but the limit is "
-                        f"{max_memory_bytes / 2**30:.1f} GiB (--max-memory-gb)"
-                    )
+                reason = _skip_reason(kernel, at_n, dtype, device, max_memory_bytes)
                 if reason:
                     skipped.append(
                         {"kernel": kernel.spec, "dtype": dtype_name(dtype), "seq_len": n, "reason": reason}
@@ -297,8 +285,7 @@ def speed_rows(
                     ok.append(kernel)
             if not ok:
                 continue
-            if progress:
-                progress(f"N={n} {dtype_name(dtype)}: timing {', '.join(kn.spec for kn in ok)}")
+            say(f"N={n} {dtype_name(dtype)}: timing {', '.join(kn.spec for kn in ok)}")
             q, k, v = cast_inputs(make_inputs(at_n, seed, inputs), dtype, device)
             times = time_kernels(ok, q, k, v, repeats=repeats, is_causal=is_causal)
             del q, k, v
@@ -306,33 +293,65 @@ def speed_rows(
             for kernel, ms in zip(ok, times, strict=True):
                 peak, method = (None, None)
                 if memory and device.type == "cpu":
-                    if progress:
-                        progress(f"N={n} {dtype_name(dtype)}: peak memory of {kernel.spec}")
+                    say(f"N={n} {dtype_name(dtype)}: peak memory of {kernel.spec}")
                     peak, method = peak_memory_mb(kernel, at_n, dtype, is_causal=is_causal)
-                block.append(
-                    {
-                        "kernel": kernel.spec,
-                        "seq_len": n,
-                        "dtype": dtype_name(dtype),
-                        "ms": statistics.median(ms),
-                        "ms_lo": min(ms),
-                        "ms_hi": max(ms),
-                        "peak_mb": peak,
-                        "memory_method": method,
-                        **at_n.as_dict(),
-                        "device": str(device),
-                        "repeats": repeats,
-                    }
-                )
-            ref = block[0] if ok[0] is math_kernel else None
-            for row in block:
-                row["ratio_vs_math"] = row["ms"] / ref["ms"] if ref else None
-                both = ref and row["peak_mb"] is not None and ref["peak_mb"]
-                row["mem_ratio_vs_math"] = row["peak_mb"] / ref["peak_mb"] if both else None
+                block.append(_row(kernel, at_n, dtype, ms, peak, method, device=device, repeats=repeats))
+            _add_ratios(block, block[0] if ok[0] is math_kernel else None)
             rows += block
             if checkpoint:
                 checkpoint(rows, skipped)
     return rows, skipped
+
+
+def _skip_reason(
+    kernel: Kernel, shape: Shape, dtype: torch.dtype, device: torch.device, max_memory_bytes: int | None
+) -> str | None:
+    """Why ``kernel`` cannot be timed at ``shape`` and ``dtype`` here, or ``None``."""
+    reason = check_kernel(kernel, dtype, device, shape.head_dim)
+    need = materialised_bytes(shape, dtype)
+    too_big = max_memory_bytes is not None and need > max_memory_bytes
+    if reason is None and kernel.name in MATERIALISING and too_big:
+        reason = (
+            f"would need ~{need / 2**30:.1f} GiB for the score matrices "
+            f"(3·B·H·N²·{dtype.itemsize} B) but the limit is "
+            f"{max_memory_bytes / 2**30:.1f} GiB (--max-memory-gb)"
+        )
+    return reason
+
+
+def _row(
+    kernel: Kernel,
+    shape: Shape,
+    dtype: torch.dtype,
+    ms: Sequence[float],
+    peak: float | None,
+    method: str | None,
+    *,
+    device: torch.device,
+    repeats: int,
+) -> dict[str, Any]:
+    """One result row (without the ratios to ``math``)."""
+    return {
+        "kernel": kernel.spec,
+        "seq_len": shape.seq_len,
+        "dtype": dtype_name(dtype),
+        "ms": statistics.median(ms),
+        "ms_lo": min(ms),
+        "ms_hi": max(ms),
+        "peak_mb": peak,
+        "memory_method": method,
+        **shape.as_dict(),
+        "device": str(device),
+        "repeats": repeats,
+    }
+
+
+def _add_ratios(block: Sequence[dict[str, Any]], ref: dict[str, Any] | None) -> None:
+    """Set ``ratio_vs_math`` and ``mem_ratio_vs_math`` of each row against ``math``'s row ``ref``."""
+    for row in block:
+        row["ratio_vs_math"] = row["ms"] / ref["ms"] if ref else None
+        both = ref and row["peak_mb"] is not None and ref["peak_mb"]
+        row["mem_ratio_vs_math"] = row["peak_mb"] / ref["peak_mb"] if both else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -410,7 +429,7 @@ def _run(args: argparse.Namespace) -> int:
     paths = write_results(args.out, "speed", rows, meta=meta, skipped=skipped)
     if rows:
         paths["png"] = plot_speed(rows, args.out / "speed.png", skipped)
-    print(f"{len(rows)} rows in {seconds:.1f} s; wrote " + ", ".join(str(p) for p in paths.values()))
+    print(wrote_line(rows, seconds, paths))
     return 0
 
 

@@ -22,36 +22,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from flashprobe.bench.common import (
-    BenchArgumentError,
-    InputConfig,
-    Primary,
-    Shape,
-    SweepPoint,
-    add_input_args,
-    add_kernel_args,
-    add_output_args,
-    add_shape_args,
-    deviation_sweep,
-    format_table,
-    load_results,
-    parse_device,
-    parse_dtypes,
-    parse_input_config,
-    parse_kernels,
-    parse_seeds,
-    run_cli,
-    write_results,
-)
+from flashprobe.bench.args import add_input_args, add_kernel_args, add_output_args, add_shape_args
+from flashprobe.bench.errors import BenchArgumentError
+from flashprobe.bench.inputs import InputConfig, Shape
+from flashprobe.bench.sweep import Primary, SweepPoint, deviation_sweep
+from flashprobe.bench.sweep_command import SweepCommand, SweepPlan, SweepSetup, run_sweep_cli
 from flashprobe.kernels import Kernel, KernelSpecError, dtype_name, get_kernel, tile_sizes
 
 __all__ = [
+    "COMMAND",
     "DEFAULT_BLOCK_K",
     "TABLE_COLUMNS",
     "VARIANTS",
@@ -75,8 +59,6 @@ DEFAULT_BLOCK_K = (16, 32, 64, 128, 256, 512)
 #: Options the sweep sets itself, which the base spec must leave alone.
 _SWEEP_OPTIONS = ("block_q", "block_k", "sram", "swap_blocks", "square", "loop")
 
-_PROG = "flashprobe bench tiles"
-
 #: Columns of the printed table: (row key, header).
 TABLE_COLUMNS = [
     ("dtype", "dtype"),
@@ -85,11 +67,35 @@ TABLE_COLUMNS = [
     ("block_q", "Br"),
     ("block_k", "Bc"),
     ("block_area", "Br*Bc"),
-    ("primary_vs_baseline_max", "max|p-b|"),
-    ("primary_vs_golden_max", "max|p-g|"),
-    ("baseline_vs_golden_max", "max|b-g|"),
+    ("primary_baseline_max_abs", "max|p-b|"),
+    ("primary_golden_max_abs", "max|p-g|"),
+    ("baseline_golden_max_abs", "max|b-g|"),
     ("error_ratio", "ratio"),
 ]
+
+
+def _tile_kernel(base: Kernel, head_dim: int, variant: str, sram: int) -> Primary:
+    """``base`` with ``sram`` and the variant's options, labelled with its tile sizes."""
+    options = {**base.options, "sram": sram, **VARIANTS[variant]}
+    spec = Kernel(base.name, options).spec
+    try:
+        kernel = get_kernel(spec)
+    except KernelSpecError as err:
+        raise BenchArgumentError(
+            f"the tiles sweep needs a kernel with tiled's tile options (sram, swap_blocks, "
+            f"square, loop): {err}"
+        ) from None
+    try:
+        br, bc = tile_sizes(
+            head_dim,
+            sram=sram,
+            swap_blocks=options.get("swap_blocks", False),
+            square=options.get("square", False),
+        )
+    except ValueError as err:
+        raise BenchArgumentError(f"--sram {sram}: {err}") from None
+    labels = {"variant": variant, "sram": sram, "block_q": br, "block_k": bc, "block_area": br * bc}
+    return Primary(kernel, {**labels, "kernel": spec})
 
 
 def tile_kernels(base: Kernel, head_dim: int, srams: Sequence[int], variants: Sequence[str]) -> list[Primary]:
@@ -102,7 +108,7 @@ def tile_kernels(base: Kernel, head_dim: int, srams: Sequence[int], variants: Se
         variants: names from :data:`VARIANTS`.
 
     Returns:
-        One :class:`~flashprobe.bench.common.Primary` per (variant, M), labelled with
+        One :class:`~flashprobe.bench.sweep.Primary` per (variant, M), labelled with
         ``variant``, ``sram``, ``block_q``, ``block_k``, ``block_area`` and ``kernel``.
 
     Raises:
@@ -118,37 +124,7 @@ def tile_kernels(base: Kernel, head_dim: int, srams: Sequence[int], variants: Se
             f"kernel spec {base.spec!r} sets {fixed[0]!r}, which the tiles sweep varies itself; "
             "drop it from the spec (use --sram to choose the tile sizes)"
         )
-    primaries = []
-    for variant in variants:
-        for m in srams:
-            options = {**base.options, "sram": m, **VARIANTS[variant]}
-            spec = Kernel(base.name, options).spec
-            try:
-                kernel = get_kernel(spec)
-            except KernelSpecError as err:
-                raise BenchArgumentError(
-                    f"the tiles sweep needs a kernel with tiled's tile options (sram, swap_blocks, "
-                    f"square, loop): {err}"
-                ) from None
-            try:
-                br, bc = tile_sizes(
-                    head_dim,
-                    sram=m,
-                    swap_blocks=options.get("swap_blocks", False),
-                    square=options.get("square", False),
-                )
-            except ValueError as err:
-                raise BenchArgumentError(f"--sram {m}: {err}") from None
-            labels = {
-                "variant": variant,
-                "sram": m,
-                "block_q": br,
-                "block_k": bc,
-                "block_area": br * bc,
-                "kernel": spec,
-            }
-            primaries.append(Primary(kernel, labels))
-    return primaries
+    return [_tile_kernel(base, head_dim, variant, m) for variant in variants for m in srams]
 
 
 def tiles_rows(
@@ -221,68 +197,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run(args: argparse.Namespace) -> int:
-    from flashprobe.report.bench_figures import plot_tiles
-
-    if args.replot:
-        doc = load_results(args.out, "tiles")
-        print(f"redrew {plot_tiles(doc['rows'], args.out / 'tiles.png')}")
-        return 0
-
-    shape = Shape(batch=args.batch, heads=args.heads, seq_len=args.seq_len, head_dim=args.head_dim)
-    kernels = parse_kernels(args.kernel)
-    if len(kernels) != 1:
+def _plan(args: argparse.Namespace, setup: SweepSetup) -> SweepPlan:
+    if len(setup.kernels) != 1:
         raise BenchArgumentError(
-            f"the tiles sweep varies one kernel, got {len(kernels)} (--kernel given more than once)"
+            f"the tiles sweep varies one kernel, got {len(setup.kernels)} (--kernel given more than once)"
         )
-    (baseline,) = parse_kernels([args.baseline])
-    srams = args.sram or [4 * shape.head_dim * bc for bc in DEFAULT_BLOCK_K]
-    dtypes = parse_dtypes(args.dtype)
-    seeds = parse_seeds(args.seed, args.repeats)
-    inputs = parse_input_config(args)
-    start = time.perf_counter()
-    rows, skipped = tiles_rows(
-        shape,
-        base=kernels[0],
-        srams=srams,
-        variants=args.variants,
-        baseline=baseline,
-        dtypes=dtypes,
-        seeds=seeds,
-        inputs=inputs,
-        device=parse_device(args.device),
-        is_causal=args.causal,
-        progress=lambda msg: print(f"{_PROG}: {msg}", file=sys.stderr, flush=True),
+    base = setup.kernels[0]
+    srams = args.sram or [4 * setup.shape.head_dim * bc for bc in DEFAULT_BLOCK_K]
+    point = SweepPoint(setup.shape, tile_kernels(base, setup.shape.head_dim, srams, args.variants))
+    config = {"base_kernel": base.spec, "baseline": setup.baseline.spec, "sram": srams}
+    config |= {"variants": args.variants, **setup.shape.as_dict()}
+    dtype_order = [dtype_name(d) for d in setup.dtypes]
+    variant_order = list(VARIANTS)
+    return SweepPlan(
+        points=[point],
+        config=config,
+        sort_key=lambda r: (dtype_order.index(r["dtype"]), variant_order.index(r["variant"]), r["sram"]),
     )
-    seconds = time.perf_counter() - start
-    dtype_order = [dtype_name(d) for d in dtypes]
-    rows.sort(key=lambda r: (dtype_order.index(r["dtype"]), list(VARIANTS).index(r["variant"]), r["sram"]))
-    print(format_table(rows, TABLE_COLUMNS))
-    for s in skipped:
-        print(f"skipped {s['kernel']} at {s['dtype']}: {s['reason']}")
-    meta = {
-        "command": args.command_line,
-        "config": {
-            "base_kernel": kernels[0].spec,
-            "baseline": baseline.spec,
-            "sram": srams,
-            "variants": args.variants,
-            **shape.as_dict(),
-            **inputs.as_dict(),
-            "seeds": seeds,
-        },
-        "seconds": round(seconds, 2),
-    }
-    paths = write_results(args.out, "tiles", rows, meta=meta, skipped=skipped)
-    if rows:
-        paths["png"] = plot_tiles(rows, args.out / "tiles.png")
-    print(f"{len(rows)} rows in {seconds:.1f} s; wrote " + ", ".join(str(p) for p in paths.values()))
-    return 0
+
+
+#: The command's part of the shared deviation-sweep pipeline.
+COMMAND = SweepCommand(name="tiles", columns=TABLE_COLUMNS, plan=_plan, figure="plot_tiles", progress=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``flashprobe bench tiles``; returns the exit code."""
-    return run_cli("tiles", build_parser(), _run, argv)
+    return run_sweep_cli(COMMAND, build_parser(), argv)
 
 
 if __name__ == "__main__":

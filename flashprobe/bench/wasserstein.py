@@ -22,19 +22,15 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import scipy.stats
 import torch
 
-from flashprobe.bench.common import (
-    BenchArgumentError,
-    format_table,
-    run_cli,
-    write_results,
-)
+from flashprobe.bench.args import add_output_args, run_cli
+from flashprobe.bench.errors import BenchArgumentError
+from flashprobe.bench.results import format_table, write_results
 from flashprobe.weights.distances import wasserstein_distance
 
 __all__ = ["CASES", "bench_case", "main"]
@@ -135,13 +131,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="torch intra-op CPU threads (torch.set_num_threads); default: torch's own choice",
     )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=Path("out") / "wasserstein",
-        metavar="DIR",
-        help="output directory for wasserstein.json and wasserstein.csv (default out/wasserstein)",
-    )
+    add_output_args(parser, "wasserstein", figure=False)
     return parser
 
 

@@ -20,7 +20,7 @@ from matplotlib.figure import Figure
 
 from flashprobe.formats.atomic import atomic_write
 
-__all__ = ["plot_precision", "plot_seqlen", "plot_speed", "plot_tiles", "save_figure"]
+__all__ = ["plot_overhead", "plot_precision", "plot_seqlen", "plot_speed", "plot_tiles", "save_figure"]
 
 Row = Mapping[str, Any]
 
@@ -58,6 +58,11 @@ def _finite_pos(x: Any) -> bool:
     return isinstance(x, int | float) and math.isfinite(x) and x > 0
 
 
+def _bound(value: Any, default: float) -> float:
+    """An error-bar end: ``value`` when it is a finite number other than 0, else ``default``."""
+    return value if isinstance(value, int | float) and math.isfinite(value) and value else default
+
+
 def _plot_series(
     ax: Axes,
     xs: Sequence[float],
@@ -74,8 +79,8 @@ def _plot_series(
         px = [x for x, _ in pts]
         py = [r[key] for _, r in pts]
         if spread and all(f"{key}_lo" in r for _, r in pts):
-            lo = [max(y - (r[f"{key}_lo"] or y), 0.0) for y, (_, r) in zip(py, pts, strict=True)]
-            hi = [max((r[f"{key}_hi"] or y) - y, 0.0) for y, (_, r) in zip(py, pts, strict=True)]
+            lo = [max(y - _bound(r[f"{key}_lo"], y), 0.0) for y, (_, r) in zip(py, pts, strict=True)]
+            hi = [max(_bound(r[f"{key}_hi"], y) - y, 0.0) for y, (_, r) in zip(py, pts, strict=True)]
             ax.errorbar(px, py, yerr=[lo, hi], capsize=3, **style)
         else:
             ax.plot(px, py, **style)
@@ -114,58 +119,16 @@ def plot_precision(rows: Sequence[Row], path: Path | str) -> Path:
     ax3, ax4 = fig.subplots(1, 2)
     xs = list(range(len(dtypes)))
     labels = [f"{d}\n({MANTISSA_BITS[d]} bits)" if d in MANTISSA_BITS else d for d in dtypes]
-    for i, kernel in enumerate(kernels):
-        by_dtype = {r["dtype"]: r for r in rows if r["kernel"] == kernel}
-        present = [(x, by_dtype[d]) for x, d in zip(xs, dtypes, strict=True) if d in by_dtype]
-        px, prow = [x for x, _ in present], [r for _, r in present]
-        color = f"C{i}"
-        _plot_series(ax3, px, prow, "primary_vs_baseline_max", color=color, marker="o", label=kernel)
-        _plot_series(ax3, px, prow, "primary_vs_baseline_mean", color=color, marker="s", linestyle="--")
-    ax3.set_yscale("log")
-    ax3.set_xticks(xs, labels)
+    _fig3(ax3, rows, dtypes, kernels)
+    _fig4(ax4, rows, dtypes, kernels)
+    for ax in (ax3, ax4):
+        ax.set_yscale("log")
+        ax.set_xticks(xs, labels)
     ax3.set_xlabel("input dtype (explicit mantissa bits)")
     ax3.set_ylabel(f"|primary − baseline| ({_UNITS})")
     ax3.set_title("Fig 3: primary vs baseline at the same precision\n(solid: max, dashed: mean)")
     ax3.grid(True, which="major", alpha=0.3)
     ax3.legend(fontsize=8)
-
-    baseline = rows[0].get("baseline", "baseline")
-    series = [(f"baseline ({baseline})", "baseline_vs_golden_max", None)]
-    series += [(kernel, "primary_vs_golden_max", kernel) for kernel in kernels]
-    width = 0.8 / len(series)
-    for j, (label, key, kernel) in enumerate(series):
-        legend_label: str | None = label
-        for x, dtype in zip(xs, dtypes, strict=True):
-            match = [r for r in rows if r["dtype"] == dtype and (kernel is None or r["kernel"] == kernel)]
-            bx = x - 0.4 + width * (j + 0.5)
-            if match and match[0][key] == 0:
-                ax4.annotate("0", (bx, 0), xycoords=("data", "axes fraction"), ha="center", va="bottom")
-            if not match or not _finite_pos(match[0][key]):
-                continue
-            row = match[0]
-            err = [[row[key] - row[f"{key}_lo"]], [row[f"{key}_hi"] - row[key]]]
-            ax4.bar(
-                bx,
-                row[key],
-                width,
-                yerr=err,
-                capsize=2,
-                color="0.6" if kernel is None else f"C{kernels.index(kernel)}",
-                label=legend_label,
-            )
-            legend_label = None
-            ratio = row.get("error_ratio")
-            if kernel is not None and isinstance(ratio, int | float) and math.isfinite(ratio):
-                ax4.annotate(
-                    f"×{ratio:.2g}",
-                    (bx, row[f"{key}_hi"]),
-                    xytext=(0, 3),
-                    textcoords="offset points",
-                    ha="center",
-                    fontsize=7,
-                )
-    ax4.set_yscale("log")
-    ax4.set_xticks(xs, labels)
     ax4.set_xlabel("input dtype (0: identical to the golden value)")
     ax4.set_ylabel(f"max |output − FP64 golden| ({_UNITS})")
     ax4.set_title("Fig 4: deviation from the FP64 golden value\n(×: error ratio primary/baseline)")
@@ -173,6 +136,49 @@ def plot_precision(rows: Sequence[Row], path: Path | str) -> Path:
     ax4.legend(fontsize=8)
     _caption(fig, rows)
     return save_figure(fig, path)
+
+
+def _fig3(ax: Axes, rows: Sequence[Row], dtypes: Sequence[str], kernels: Sequence[str]) -> None:
+    """Max (solid) and mean (dashed) ``|primary − baseline|`` of each kernel at x = dtype index."""
+    for i, kernel in enumerate(kernels):
+        by_dtype = {r["dtype"]: r for r in rows if r["kernel"] == kernel}
+        present = [(x, by_dtype[d]) for x, d in enumerate(dtypes) if d in by_dtype]
+        px, prow = [x for x, _ in present], [r for _, r in present]
+        color = f"C{i}"
+        _plot_series(ax, px, prow, "primary_baseline_max_abs", color=color, marker="o", label=kernel)
+        _plot_series(ax, px, prow, "primary_baseline_mean_abs", color=color, marker="s", linestyle="--")
+
+
+def _fig4(ax: Axes, rows: Sequence[Row], dtypes: Sequence[str], kernels: Sequence[str]) -> None:
+    """Bars of the max deviation from golden: the baseline's, then each kernel's with its error ratio."""
+    baseline = rows[0].get("baseline", "baseline")
+    series = [(f"baseline ({baseline})", "baseline_golden_max_abs", None)]
+    series += [(kernel, "primary_golden_max_abs", kernel) for kernel in kernels]
+    width = 0.8 / len(series)
+    for j, (label, key, kernel) in enumerate(series):
+        legend_label: str | None = label
+        for x, dtype in enumerate(dtypes):
+            match = [r for r in rows if r["dtype"] == dtype and (kernel is None or r["kernel"] == kernel)]
+            bx = x - 0.4 + width * (j + 0.5)
+            if match and match[0][key] == 0:
+                ax.annotate("0", (bx, 0), xycoords=("data", "axes fraction"), ha="center", va="bottom")
+            if not match or not _finite_pos(match[0][key]):
+                continue
+            row = match[0]
+            err = [[row[key] - row[f"{key}_lo"]], [row[f"{key}_hi"] - row[key]]]
+            color = "0.6" if kernel is None else f"C{kernels.index(kernel)}"
+            ax.bar(bx, row[key], width, yerr=err, capsize=2, color=color, label=legend_label)
+            legend_label = None
+            ratio = row.get("error_ratio")
+            if kernel is not None and isinstance(ratio, int | float) and math.isfinite(ratio):
+                ax.annotate(
+                    f"×{ratio:.2g}",
+                    (bx, row[f"{key}_hi"]),
+                    xytext=(0, 3),
+                    textcoords="offset points",
+                    ha="center",
+                    fontsize=7,
+                )
 
 
 def _caption(fig: Figure, rows: Sequence[Row], extra: str = "") -> None:
@@ -203,42 +209,46 @@ def plot_seqlen(rows: Sequence[Row], path: Path | str) -> Path:
     dtypes = _dtypes(rows)
     kernels = _unique([r["kernel"] for r in rows])
     fig = Figure(figsize=(13, 9), layout="constrained")
-    (ax_pb, ax_rel), (ax_g, ax_r) = fig.subplots(2, 2)
+    axes = fig.subplots(2, 2)
     for i, dtype in enumerate(dtypes):
         for j, kernel in enumerate(kernels):
             sel = sorted((r for r in rows if r["dtype"] == dtype and r["kernel"] == kernel), key=_n)
             if not sel:
                 continue
-            xs = [_n(r) for r in sel]
             name = dtype if len(kernels) == 1 else f"{kernel} {dtype}"
             # Colour tells the dtypes apart; with a single dtype it tells the kernels apart.
             color = _color(dtype, i) if len(dtypes) > 1 else f"C{j}"
             style = {"color": color, "marker": _MARKERS[j % len(_MARKERS)], "label": name}
-            _plot_series(ax_pb, xs, sel, "primary_vs_baseline_max", **style)
-            _plot_growth(ax_rel, xs, sel, "primary_vs_golden_rel_l2", **style)
-            if j == 0:
-                base_style = {**style, "linestyle": "--", "marker": "x", "label": f"baseline {dtype}"}
-                if len(dtypes) == 1:
-                    base_style["color"] = "0.35"
-                _plot_growth(ax_rel, xs, sel, "baseline_vs_golden_rel_l2", **base_style)
-            _plot_series(ax_g, xs, sel, "primary_vs_golden_max", **style)
-            if j == 0:
-                _plot_series(
-                    ax_g,
-                    xs,
-                    sel,
-                    "baseline_vs_golden_max",
-                    spread=False,
-                    color=color if len(dtypes) > 1 else "0.35",
-                    marker="x",
-                    linestyle="--",
-                    label=f"baseline {dtype}",
-                )
-            ratio = [
-                (x, r["error_ratio"]) for x, r in zip(xs, sel, strict=True) if _finite_pos(r["error_ratio"])
-            ]
-            if ratio:
-                ax_r.plot(*zip(*ratio, strict=True), **style)
+            baseline_color = color if len(dtypes) > 1 else "0.35"
+            _seqlen_series(axes, sel, style, dtype=dtype, baseline_color=baseline_color if j == 0 else None)
+    _seqlen_axes(axes, rows)
+    _caption(fig, rows, f"kernels: {', '.join(kernels)}")
+    return save_figure(fig, path)
+
+
+def _seqlen_series(
+    axes: Any, sel: Sequence[Row], style: dict[str, Any], *, dtype: str, baseline_color: str | None
+) -> None:
+    """One (kernel, dtype) on the four panels of :func:`plot_seqlen`; with ``baseline_color``
+    also the baseline's series (dashed), drawn once per dtype."""
+    (ax_pb, ax_rel), (ax_g, ax_r) = axes
+    xs = [_n(r) for r in sel]
+    _plot_series(ax_pb, xs, sel, "primary_baseline_max_abs", **style)
+    _plot_growth(ax_rel, xs, sel, "primary_golden_rel_l2", **style)
+    base_style = {"color": baseline_color, "marker": "x", "linestyle": "--", "label": f"baseline {dtype}"}
+    if baseline_color is not None:
+        _plot_growth(ax_rel, xs, sel, "baseline_golden_rel_l2", **{**style, **base_style})
+    _plot_series(ax_g, xs, sel, "primary_golden_max_abs", **style)
+    if baseline_color is not None:
+        _plot_series(ax_g, xs, sel, "baseline_golden_max_abs", spread=False, **base_style)
+    ratio = [(x, r["error_ratio"]) for x, r in zip(xs, sel, strict=True) if _finite_pos(r["error_ratio"])]
+    if ratio:
+        ax_r.plot(*zip(*ratio, strict=True), **style)
+
+
+def _seqlen_axes(axes: Any, rows: Sequence[Row]) -> None:
+    """Scales, ticks, labels and legends of the four panels of :func:`plot_seqlen`."""
+    (ax_pb, ax_rel), (ax_g, ax_r) = axes
     for ax in (ax_pb, ax_rel, ax_g, ax_r):
         _n_axis(ax, [_n(r) for r in rows])
         ax.set_xlabel("sequence length N")
@@ -264,8 +274,6 @@ def plot_seqlen(rows: Sequence[Row], path: Path | str) -> Path:
         ax_r.set_yscale("log")
     ax_r.set_ylabel("error ratio  max|p−g| / max|b−g|")
     ax_r.set_title("error ratio (FP64 omitted: baseline = golden)")
-    _caption(fig, rows, f"kernels: {', '.join(kernels)}")
-    return save_figure(fig, path)
 
 
 def _plot_growth(ax: Axes, xs: Sequence[int], rows: Sequence[Row], key: str, **style: Any) -> None:
@@ -313,7 +321,7 @@ def plot_tiles(rows: Sequence[Row], path: Path | str) -> Path:
                 ax,
                 [r["block_area"] for r in sel],
                 sel,
-                "primary_vs_baseline_max",
+                "primary_baseline_max_abs",
                 color=f"C{j}",
                 marker=_MARKERS[j % len(_MARKERS)],
                 markersize=9 - 2 * j,
@@ -371,4 +379,37 @@ def plot_speed(rows: Sequence[Row], path: Path | str, skipped: Sequence[Row] = (
     r = rows[0]
     text = f"B={r.get('batch')} H={r.get('heads')} D={r.get('head_dim')} · device {r.get('device', 'cpu')}"
     fig.text(0.5, -0.02, "\n".join([text, *notes]), ha="center", va="top", fontsize=8, color="0.3")
+    return save_figure(fig, path)
+
+
+def plot_overhead(rows: Sequence[Row], path: Path | str, subtitle: str = "") -> Path:
+    """Median training-step time per mode, from ``flashprobe bench overhead`` rows.
+
+    One horizontal bar per mode (first mode on top), annotated with its step time and its ratios
+    to ``no_probe`` and ``control``.
+
+    Args:
+        rows: rows with ``mode``, ``step_ms``, ``ratio_vs_no_probe`` and ``ratio_vs_control``.
+        path: where the PNG goes.
+        subtitle: second title line (the model and run settings).
+
+    Returns:
+        ``path``.
+    """
+    labels = [row["mode"] for row in rows]
+    values = [row["step_ms"] for row in rows]
+    fig = Figure(figsize=(7.5, 3.2), layout="tight")
+    ax = fig.subplots()
+    colors = ["#9e9e9e", "#f4a259", "#2e86ab", "#5fb49c"]
+    bars = ax.barh(labels[::-1], values[::-1], color=colors[: len(rows)][::-1])
+    for bar, row in zip(bars, rows[::-1], strict=True):
+        text = (
+            f" {row['step_ms']:.0f} ms  ×{row['ratio_vs_no_probe']:.2f} vs no probe, "
+            f"×{row['ratio_vs_control']:.2f} vs control"
+        )
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, text, va="center", fontsize=8)
+    ax.set_xlabel("median training step time (ms)")
+    ax.set_xlim(0, max(values) * 1.9)
+    ax.set_title("flashprobe bench overhead" + (f"\n{subtitle}" if subtitle else ""), fontsize=9)
+    ax.spines[["top", "right"]].set_visible(False)
     return save_figure(fig, path)

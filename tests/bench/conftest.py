@@ -9,7 +9,7 @@ import torch
 
 #: Modules whose tensors are tiny: one intra-op thread avoids OpenMP hand-offs, which dominate on
 #: a busy CPU (results are identical; the peak-memory child inherits the setting).
-_ONE_THREAD = {"test_precision", "test_speed", "test_sweeps"}
+_ONE_THREAD = {"test_precision", "test_speed", "test_sweep", "test_sweeps"}
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -1,37 +1,35 @@
-"""``flashprobe bench precision`` and the shared bench plumbing, checked against FP64 oracles."""
+"""``flashprobe bench precision``, checked against FP64 oracles."""
 
 from __future__ import annotations
 
 import csv
 import json
 import math
-import os
-import stat
 import statistics
 from pathlib import Path
 
 import pytest
 import torch
 
-from flashprobe.bench import common, precision
-from flashprobe.bench.common import InputConfig, Shape
+from flashprobe.bench import precision
+from flashprobe.bench.results import load_results
 from flashprobe.cli import main as cli_main
-from flashprobe.kernels import KernelInputError, get_kernel
+from flashprobe.kernels import get_kernel
 
 SMALL = ["--batch", "1", "--heads", "2", "--seq-len", "96", "--head-dim", "16"]
 KEYS = {
     "kernel",
     "dtype",
-    "primary_vs_baseline_max",
-    "primary_vs_golden_max",
-    "baseline_vs_golden_max",
+    "primary_baseline_max_abs",
+    "primary_golden_max_abs",
+    "baseline_golden_max_abs",
     "error_ratio",
-    "primary_vs_baseline_mean",
-    "primary_vs_baseline_std",
-    "primary_vs_golden_mean",
-    "primary_vs_golden_std",
-    "baseline_vs_golden_mean",
-    "baseline_vs_golden_std",
+    "primary_baseline_mean_abs",
+    "primary_baseline_std_abs",
+    "primary_golden_mean_abs",
+    "primary_golden_std_abs",
+    "baseline_golden_mean_abs",
+    "baseline_golden_std_abs",
     "error_ratio_lo",
     "error_ratio_hi",
 }
@@ -75,7 +73,7 @@ def test_files_and_keys(default_run: tuple[dict, list[dict]]) -> None:
         assert row["kernel"] == "tiled" and row["baseline"] == "math" and row["repeats"] == 3
     assert [r["dtype"] for r in csv_rows] == ["bf16", "fp16", "fp32", "fp64"]
     assert csv_rows[0].keys() >= KEYS
-    assert float(csv_rows[0]["primary_vs_golden_max"]) == pytest.approx(rows[0]["primary_vs_golden_max"])
+    assert float(csv_rows[0]["primary_golden_max_abs"]) == pytest.approx(rows[0]["primary_golden_max_abs"])
     assert doc["command"].startswith("flashprobe bench precision --batch 1")
     assert doc["config"]["seeds"] == [0, 1, 2]
 
@@ -93,32 +91,22 @@ def test_bf16_row_matches_an_independent_computation(default_run: tuple[dict, li
         p_vs_g.append((tiled(q, k, v).double() - golden).abs().max().item())
         b_vs_g.append((baseline.double() - golden).abs().max().item())
         ratios.append(p_vs_g[-1] / b_vs_g[-1])
-    assert row["primary_vs_golden_max"] == pytest.approx(statistics.median(p_vs_g), rel=1e-9)
-    assert row["primary_vs_golden_max_lo"] == pytest.approx(min(p_vs_g), rel=1e-9)
-    assert row["primary_vs_golden_max_hi"] == pytest.approx(max(p_vs_g), rel=1e-9)
-    assert row["baseline_vs_golden_max"] == pytest.approx(statistics.median(b_vs_g), rel=1e-9)
+    assert row["primary_golden_max_abs"] == pytest.approx(statistics.median(p_vs_g), rel=1e-9)
+    assert row["primary_golden_max_abs_lo"] == pytest.approx(min(p_vs_g), rel=1e-9)
+    assert row["primary_golden_max_abs_hi"] == pytest.approx(max(p_vs_g), rel=1e-9)
+    assert row["baseline_golden_max_abs"] == pytest.approx(statistics.median(b_vs_g), rel=1e-9)
     assert row["error_ratio"] == pytest.approx(statistics.median(ratios), rel=1e-9)
-
-
-def test_mean_and_std_match_numpy_style_statistics() -> None:
-    a = torch.tensor([1.0, 2.0, 4.0, float("nan")])
-    b = torch.tensor([0.0, 0.0, 0.0, 1.0])
-    stats = common.deviation_stats(a, b)
-    assert stats["max"] == 4.0
-    assert stats["mean"] == pytest.approx(7 / 3)
-    assert stats["std"] == pytest.approx(statistics.pstdev([1.0, 2.0, 4.0]))
-    assert stats["nonfinite"] == 1
 
 
 def test_fp64_row_is_exact_to_rounding(default_run: tuple[dict, list[dict]]) -> None:
     doc, csv_rows = default_run
     fp64 = doc["rows"][3]
-    assert fp64["primary_vs_baseline_max"] <= 1e-12
-    assert fp64["primary_vs_golden_max"] <= 1e-12
-    # In fp64 the baseline *is* the golden value, so the error ratio has no finite value:
-    # JSON has no inf, it is written as null (and as "inf" in the CSV).
-    assert fp64["baseline_vs_golden_max"] == 0.0
-    assert fp64["error_ratio"] is None
+    assert fp64["primary_baseline_max_abs"] <= 1e-12
+    assert fp64["primary_golden_max_abs"] <= 1e-12
+    # In fp64 the baseline *is* the golden value, so the error ratio is infinite: JSON has no
+    # inf, it is written as the string "inf" (flashprobe.formats.jsonio), and as inf in the CSV.
+    assert fp64["baseline_golden_max_abs"] == 0.0
+    assert fp64["error_ratio"] == "inf"
     assert csv_rows[3]["error_ratio"] == "inf"
 
 
@@ -126,10 +114,10 @@ def test_fig3_deviation_falls_with_mantissa_bits(default_run: tuple[dict, list[d
     """Paper Fig 3 (docs/microbenchmark.md): primary-vs-baseline deviation decreases from bf16 to
     fp64, for the max and the mean, by orders of magnitude between fp16 and fp32."""
     rows = default_run[0]["rows"]
-    for key in ("primary_vs_baseline_max", "primary_vs_baseline_mean"):
+    for key in ("primary_baseline_max_abs", "primary_baseline_mean_abs"):
         values = [r[key] for r in rows]
         assert values == sorted(values, reverse=True) and len(set(values)) == 4, (key, values)
-    assert rows[1]["primary_vs_baseline_max"] > 100 * rows[2]["primary_vs_baseline_max"]
+    assert rows[1]["primary_baseline_max_abs"] > 100 * rows[2]["primary_baseline_max_abs"]
 
 
 def test_sdpa_flash_and_fa2_knobs_run_side_by_side(tmp_path: Path) -> None:
@@ -148,8 +136,8 @@ def test_sdpa_flash_and_fa2_knobs_run_side_by_side(tmp_path: Path) -> None:
     )
     rows = {r["kernel"]: r for r in doc["rows"]}
     assert set(rows) == {"tiled", "tiled:stats_dtype=fp32,acc_dtype=fp32", "sdpa_flash"}
-    # The baseline and golden are shared, so baseline_vs_golden is one number for all kernels.
-    assert len({r["baseline_vs_golden_max"] for r in rows.values()}) == 1
+    # The baseline and golden are shared, so baseline_golden_max_abs is one number for all kernels.
+    assert len({r["baseline_golden_max_abs"] for r in rows.values()}) == 1
     # torch's CPU flash kernel upcasts bf16 to fp32 inside: it is closer to the golden value than
     # the all-bf16 baseline (docs/microbenchmark.md, "real kernel").
     assert rows["sdpa_flash"]["error_ratio"] < 1
@@ -172,43 +160,6 @@ def test_cli_dispatch_and_input_distributions(tmp_path: Path) -> None:
 def test_replot_without_results_says_what_to_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert precision.main(["--replot", "--out", str(tmp_path)]) == 2
     assert "run `flashprobe bench precision --out" in capsys.readouterr().err
-
-
-def test_make_inputs_follows_its_documented_recipe() -> None:
-    shape = Shape(batch=1, heads=2, seq_len=50, head_dim=8)
-    q, k, v = common.make_inputs(shape, 7, InputConfig(scale=2.0))
-    for got, want in zip((q, k, v), _inputs(shape.dims, 7), strict=True):
-        assert got.dtype == torch.float64 and torch.equal(got, want * 2.0)
-    u = torch.cat(common.make_inputs(shape, 7, InputConfig(distribution="uniform")))
-    assert u.abs().max() <= math.sqrt(3) and u.min() < -1.5 and u.max() > 1.5
-    big = Shape(batch=1, heads=1, seq_len=1000, head_dim=100)
-    o = common.make_inputs(
-        big, 0, InputConfig(distribution="outliers", outlier_frac=0.01, outlier_scale=1e3)
-    )[0]
-    frac = (o.abs() > 10).double().mean().item()  # normal entries never exceed 10; outliers mostly do
-    assert 0.007 < frac < 0.0115
-
-
-def test_summarize_and_write_results(tmp_path: Path) -> None:
-    summary = common.summarize_seeds(
-        [{"x": 3.0, "nonfinite": 1}, {"x": 1.0, "nonfinite": 0}, {"x": 10.0, "nonfinite": 2}]
-    )
-    assert summary == {"x": 3.0, "x_lo": 1.0, "x_hi": 10.0, "nonfinite": 3}
-    rows = [{"a": 1.5, "b": math.inf}, {"a": 2.0, "c": "z"}]
-    paths = common.write_results(tmp_path / "r", "t", rows, meta={"command": "x"})
-    doc = json.loads(paths["json"].read_text())
-    assert doc["rows"] == [{"a": 1.5, "b": None}, {"a": 2.0, "c": "z"}] and doc["command"] == "x"
-    assert paths["csv"].read_text() == "a,b,c\n1.5,inf,\n2.0,,z\n"
-    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["t.csv", "t.json"]  # no temp files left
-    umask = os.umask(0)
-    os.umask(umask)
-    assert stat.S_IMODE(paths["json"].stat().st_mode) == 0o666 & ~umask  # not mkstemp's private 0600
-    table = common.format_table(rows, [("a", "A"), ("b", "B")]).splitlines()
-    assert (
-        table[0].split() == ["A", "B"]
-        and table[2].split() == ["1.5", "inf"]
-        and table[3].split() == ["2", "-"]
-    )
 
 
 @pytest.mark.parametrize(
@@ -234,12 +185,16 @@ def test_bad_arguments_give_one_clear_error(
     assert not (tmp_path / "precision.json").exists()
 
 
-def test_bad_tensors_name_the_problem() -> None:
-    math_k = get_kernel("math")
-    q = torch.randn(1, 2, 8, 16)
-    with pytest.raises(KernelInputError, match=r"\(B, H, N, D\)"):
-        common.compare_to_references(q[0], q[0], q[0], [math_k], math_k)
-    with pytest.raises(KernelInputError, match="head counts differ"):
-        common.compare_to_references(q, torch.randn(1, 3, 8, 16), torch.randn(1, 3, 8, 16), [math_k], math_k)
-    with pytest.raises(KernelInputError, match="head dims"):
-        common.compare_to_references(q, torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 16), [math_k], math_k)
+def test_replot_reads_infinite_ratios_back(tmp_path: Path) -> None:
+    """The fp64 error ratio is infinite: written as "inf", read back as a float by --replot, which
+    redraws the very figure the measuring run drew."""
+    doc, _ = _run(tmp_path, "--dtype", "fp32", "fp64", "--repeats", "1")
+    assert doc["rows"][1]["error_ratio"] == "inf"
+    out = tmp_path / "out"
+    loaded = load_results(out, "precision")
+    assert loaded["rows"][1]["error_ratio"] == math.inf and loaded["rows"][1]["seq_len"] == 96
+    assert isinstance(loaded["rows"][1]["seq_len"], int)  # only "inf"/"nan" strings are decoded
+    drawn = (out / "precision.png").read_bytes()
+    (out / "precision.png").unlink()
+    assert precision.main(["--replot", "--out", str(out)]) == 0
+    assert (out / "precision.png").read_bytes() == drawn

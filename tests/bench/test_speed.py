@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import csv
 import json
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from flashprobe.bench import speed
-from flashprobe.bench.common import Shape
+from flashprobe.bench.inputs import Shape
 
 SMALL = ["--batch", "1", "--heads", "2", "--head-dim", "16", "--repeats", "2"]
 
@@ -69,20 +70,28 @@ def test_materialised_bytes() -> None:
     assert speed.materialised_bytes(shape, torch.float32) == 3 * 8 * 32768**2 * 4  # 96 GiB
 
 
-def test_time_kernels_interleaves_and_counts() -> None:
+def test_time_kernels_interleaves_counts_and_times_in_ms() -> None:
     calls: list[str] = []
 
-    def make(name: str):
+    def make(name: str, sleep_s: float = 0.0):
         def fn(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
             calls.append(name)
+            time.sleep(sleep_s)
             return q
 
         return fn
 
     q = torch.zeros(1, 1, 4, 4)
-    times = speed.time_kernels([make("a"), make("b")], q, q, q, repeats=3)  # type: ignore[list-item]
+    kernels = [make("a"), make("b", sleep_s=0.02)]
+    start = time.perf_counter()
+    times = speed.time_kernels(kernels, q, q, q, repeats=3)  # type: ignore[arg-type]
+    total_ms = (time.perf_counter() - start) * 1e3
     assert calls == ["a", "b"] * 4  # one warm-up round, then three interleaved timed rounds
-    assert [len(t) for t in times] == [3, 3] and all(t >= 0 for ts in times for t in ts)
+    assert [len(t) for t in times] == [3, 3]
+    # The slow kernel sleeps 20 ms per call: each of its times is at least that, in milliseconds,
+    # and all timed calls together fit in the wall time of the whole (warm-up included).
+    assert all(t >= 20.0 for t in times[1]), times
+    assert sum(times[0]) + sum(times[1]) <= total_ms - 20.0
 
 
 @pytest.mark.parametrize(

@@ -50,7 +50,7 @@ def test_seqlen_rows_and_an_independent_oracle(tmp_path: Path) -> None:
             "kernel",
             "dtype",
             "seq_len",
-            "primary_vs_baseline_max",
+            "primary_baseline_max_abs",
             "error_ratio",
             "error_ratio_hi",
         } <= set(row)
@@ -59,7 +59,7 @@ def test_seqlen_rows_and_an_independent_oracle(tmp_path: Path) -> None:
     for seed in (0, 1):
         q, k, v = _inputs((1, 1, 64, 8), seed, torch.float32)
         devs.append((tiled(q, k, v) - _baseline(q, k, v)).abs().max().item())
-    assert rows[3]["primary_vs_baseline_max"] == pytest.approx(statistics.median(devs), rel=1e-9)
+    assert rows[3]["primary_baseline_max_abs"] == pytest.approx(statistics.median(devs), rel=1e-9)
 
 
 def test_fig5_bf16_deviation_grows_with_sequence_length(tmp_path: Path) -> None:
@@ -75,11 +75,11 @@ def test_fig5_bf16_deviation_grows_with_sequence_length(tmp_path: Path) -> None:
     def growth(kernel: str, key: str) -> float:
         return by[(kernel, 1024)][key] / by[(kernel, 64)][key]
 
-    baseline_growth = growth("tiled", "baseline_vs_golden_rel_l2")
-    assert growth("tiled", "primary_vs_golden_rel_l2") > baseline_growth
-    assert growth("tiled:block_k=16", "primary_vs_golden_rel_l2") > 1.8 * baseline_growth
+    baseline_growth = growth("tiled", "baseline_golden_rel_l2")
+    assert growth("tiled", "primary_golden_rel_l2") > baseline_growth
+    assert growth("tiled:block_k=16", "primary_golden_rel_l2") > 1.8 * baseline_growth
     small = [by[("tiled:block_k=16", n)] for n in (64, 256, 1024)]
-    devs = [r["primary_vs_baseline_max"] for r in small]
+    devs = [r["primary_baseline_max_abs"] for r in small]
     ratios = [r["error_ratio"] for r in small]
     assert devs[2] > devs[0] and ratios == sorted(ratios) and ratios[2] > 2 * ratios[0], (devs, ratios)
 
@@ -98,13 +98,13 @@ def test_tiles_block_sizes_variants_and_oracle(tmp_path: Path) -> None:
     assert got[("loop_q", 1024)] == (8, 32, 256)
     by = {(r["variant"], r["sram"]): r for r in rows}
     # Numerics depend on Bc only (Br just batches rows): equal Bc gives identical deviations.
-    assert by[("square", 512)]["primary_vs_baseline_max"] == by[("swapped", 512)]["primary_vs_baseline_max"]
-    assert by[("square", 128)]["primary_vs_golden_max"] == by[("default", 128)]["primary_vs_golden_max"]
+    assert by[("square", 512)]["primary_baseline_max_abs"] == by[("swapped", 512)]["primary_baseline_max_abs"]
+    assert by[("square", 128)]["primary_golden_max_abs"] == by[("default", 128)]["primary_golden_max_abs"]
     # Oracle: sram=1024 at d=8 is Bc=32, so the row equals tiled:block_k=32 vs hand-written attention.
     q, k, v = _inputs((1, 1, 64, 8), 0, torch.float32)
     dev = (get_kernel("tiled:block_k=32")(q, k, v) - _baseline(q, k, v)).abs().max().item()
-    assert by[("default", 1024)]["primary_vs_baseline_max"] == pytest.approx(dev, rel=1e-9)
-    assert by[("loop_q", 1024)]["primary_vs_baseline_max"] == pytest.approx(dev, abs=1e-6)
+    assert by[("default", 1024)]["primary_baseline_max_abs"] == pytest.approx(dev, rel=1e-9)
+    assert by[("loop_q", 1024)]["primary_baseline_max_abs"] == pytest.approx(dev, abs=1e-6)
 
 
 def test_fig6_larger_tiles_smaller_deviation_and_swapped_worse(tmp_path: Path) -> None:
@@ -115,7 +115,7 @@ def test_fig6_larger_tiles_smaller_deviation_and_swapped_worse(tmp_path: Path) -
     argv += ["--sram", "1024", "32768", "--variants", "default", "swapped", "--out", str(tmp_path)]
     assert tiles.main(argv) == 0
     rows, _ = _load(tmp_path, "tiles")
-    by = {(r["dtype"], r["variant"], r["block_k"]): r["primary_vs_baseline_max"] for r in rows}
+    by = {(r["dtype"], r["variant"], r["block_k"]): r["primary_baseline_max_abs"] for r in rows}
     for dtype in ("bf16", "fp16"):
         assert by[(dtype, "default", 512)] < by[(dtype, "default", 16)], by
         assert by[(dtype, "swapped", 16)] >= by[(dtype, "default", 512)], by

@@ -1,4 +1,4 @@
-"""Every CPU kernel against the FP64 golden value, judged by flash-attention's noise-floor rule.
+"""Every CPU kernel against the FP64 golden value, judged by the 2x noise-floor rule of the fuzzer.
 
 Awkward sizes as in flash-attention's tests: head dims 40/59/111, lengths 113/203, N_q != N_k,
 causal, boolean and additive masks with fully masked rows, D_v != D. Each case runs every kernel
@@ -13,9 +13,10 @@ import torch
 from scipy.special import softmax
 
 from flashprobe.deviation import deviation
+from flashprobe.fuzz.rule import check_output, rounding_floor
 from flashprobe.kernels import KernelUnavailableError, get_kernel, golden_attention, math_attention
 
-from ._helpers import make_mask, noise_floor_ok
+from ._helpers import make_mask
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -77,9 +78,9 @@ def test_kernels_within_noise_floor_of_golden(case, make_qkv):
             continue
         out = kernel(q, k, v, **kw)
         assert out.shape == (1, 2, n_q, d_v or d) and out.dtype == dtype, spec
-        ok, text = noise_floor_ok(out, baseline, golden)
-        if not ok:
-            failures.append(f"{spec}: {text}")
+        verdict = check_output(out, baseline, golden, floor=rounding_floor(golden, dtype))
+        if not verdict.passed:
+            failures.append(f"{spec}: {verdict.reason}")
     assert not failures, "\n".join(failures)
 
 
@@ -96,8 +97,8 @@ def test_low_precision_statistics_add_deviation(dtype, make_qkv):
     lossy = get_kernel("tiled:block_k=8")(q, k, v)
     faithful = get_kernel("tiled:block_k=8,stats_dtype=fp32,acc_dtype=fp32")(q, k, v)
     assert deviation(lossy, golden).mean_abs > 1.4 * deviation(faithful, golden).mean_abs
-    ok, text = noise_floor_ok(faithful, baseline, golden)
-    assert ok, text
+    verdict = check_output(faithful, baseline, golden, floor=rounding_floor(golden, dtype))
+    assert verdict.passed, verdict.reason
 
 
 def _numpy_attention(q, k, v, keep, bias, scale):

@@ -8,10 +8,9 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from flashprobe.fuzz.rule import check_output, rounding_floor
 from flashprobe.kernels import KernelUnavailableError, get_kernel, golden_attention, math_attention
 from flashprobe.kernels.flash_attn import _import_flash_attn
-
-from ._helpers import noise_floor_ok
 
 
 @pytest.mark.parametrize(
@@ -89,7 +88,8 @@ def test_cuda_kernels_within_noise_floor(spec, dtype, causal):
     except KernelUnavailableError as err:  # e.g. no cuDNN attention on this GPU
         pytest.skip(str(err))
     out = kernel(q, k, v, is_causal=causal)
-    ok, text = noise_floor_ok(
-        out, math_attention(q, k, v, is_causal=causal), golden_attention(q, k, v, is_causal=causal)
+    golden = golden_attention(q, k, v, is_causal=causal)
+    verdict = check_output(
+        out, math_attention(q, k, v, is_causal=causal), golden, floor=rounding_floor(golden, dtype)
     )
-    assert ok, f"{spec}: {text}"
+    assert verdict.passed, f"{spec}: {verdict.reason}"

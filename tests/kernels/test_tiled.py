@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from flashprobe.fuzz.rule import check_output, rounding_floor
 from flashprobe.kernels import (
     KernelUnavailableError,
     get_kernel,
@@ -17,7 +18,7 @@ from flashprobe.kernels import (
     tiled_attention,
 )
 
-from ._helpers import make_mask, noise_floor_ok
+from ._helpers import make_mask
 
 KNOBS = [
     "tiled",
@@ -51,8 +52,9 @@ def test_fp32_agrees_with_sdpa_flash(n_q, n_k, kind, make_qkv):
     flash = get_kernel("sdpa_flash")(q, k, v, **kw)
     golden = golden_attention(q, k, v, **kw)
     assert (tiled - flash).abs().max().item() <= 2e-6
-    ok, text = noise_floor_ok(tiled, flash, golden)  # sdpa_flash as the baseline
-    assert ok, text
+    # sdpa_flash as the baseline
+    verdict = check_output(tiled, flash, golden, floor=rounding_floor(golden, q.dtype))
+    assert verdict.passed, verdict.reason
 
 
 def test_compute_dtype_option_reaches_golden(make_qkv):

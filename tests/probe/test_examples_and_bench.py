@@ -38,6 +38,6 @@ def test_overhead_bench_writes_rows_and_figure(tmp_path: Path, capsys: pytest.Ca
     assert all(row["step_ms"] > 0 and row["steps"] == 2 for row in rows.values())
     assert rows["probe"]["compared_calls"] == 3  # 1 layer x (1 warm-up + 2 timed) steps
     assert rows["probe_every_2"]["compared_calls"] == 2  # warm-up and step 0
-    assert {c["mode"] for c in doc["floors"]} == {"probe", "probe_every_2"}
+    assert {c["mode"] for c in doc["limits"]} == {"probe", "probe_every_2"}
     assert figure.stat().st_size > 1000 and (tmp_path / "overhead.csv").exists()
     assert cli_main(["bench", "overhead", "--steps", "0"]) == 2  # bad input: one clear error

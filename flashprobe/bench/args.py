@@ -1,0 +1,277 @@
+"""Command-line plumbing shared by the ``flashprobe bench`` commands.
+
+``add_*_args`` put the common options on an :class:`argparse.ArgumentParser` (kernel specs,
+dtypes, shapes, input distribution, seeds, output directory), ``parse_*`` turn them into
+validated objects, and :func:`run_cli` runs a command so that bad input — including an unusable
+``--out`` — gives exit code 2 and one line naming the problem and the fix, before any work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from flashprobe.bench.errors import BenchArgumentError
+from flashprobe.bench.inputs import InputConfig
+from flashprobe.formats.paths import OutputPathError, prepare_output_dir
+from flashprobe.kernels import Kernel, KernelInputError, KernelSpecError, get_kernel, to_dtype
+
+__all__ = [
+    "DEFAULT_DTYPES",
+    "add_input_args",
+    "add_kernel_args",
+    "add_output_args",
+    "add_shape_args",
+    "parse_device",
+    "parse_dtypes",
+    "parse_input_config",
+    "parse_kernels",
+    "parse_seeds",
+    "run_cli",
+]
+
+#: Dtypes the microbenchmark sweeps by default, fewest mantissa bits first.
+DEFAULT_DTYPES = ("bf16", "fp16", "fp32", "fp64")
+
+#: Errors that mean bad input: exit code 2 and one line, no traceback.
+_INPUT_ERRORS = (BenchArgumentError, OutputPathError, KernelSpecError, KernelInputError)
+
+
+def add_kernel_args(
+    parser: argparse.ArgumentParser, *, default: Sequence[str], baseline: bool = True
+) -> None:
+    """Add ``--kernel SPEC`` (repeatable) and, with ``baseline``, ``--baseline SPEC``."""
+    parser.add_argument(
+        "--kernel",
+        action="append",
+        metavar="SPEC",
+        help=f"primary kernel spec, repeatable (default: {' '.join(default)}); e.g. "
+        "'tiled:block_k=64,stats_dtype=fp32' or 'sdpa_flash'; see `flashprobe kernels`",
+    )
+    parser.set_defaults(kernel_default=list(default))
+    if baseline:
+        parser.add_argument(
+            "--baseline", default="math", metavar="SPEC", help="baseline kernel (default: math)"
+        )
+
+
+def add_shape_args(
+    parser: argparse.ArgumentParser,
+    *,
+    batch: int,
+    heads: int,
+    seq_len: int | Sequence[int],
+    head_dim: int,
+    dtypes: Sequence[str] = DEFAULT_DTYPES,
+) -> None:
+    """Add ``--dtype``, ``--batch``, ``--heads``, ``--seq-len``, ``--head-dim``, ``--causal``, ``--device``.
+
+    ``--seq-len`` takes several values when ``seq_len`` is a sequence (the command sweeps it).
+    """
+    parser.add_argument(
+        "--dtype",
+        nargs="+",
+        default=list(dtypes),
+        metavar="DTYPE",
+        help=f"input dtypes: bf16, fp16, fp32, fp64 (default: {' '.join(dtypes)})",
+    )
+    parser.add_argument("--batch", type=int, default=batch, metavar="B", help=f"batch size (default {batch})")
+    parser.add_argument("--heads", type=int, default=heads, metavar="H", help=f"heads (default {heads})")
+    if isinstance(seq_len, int):
+        parser.add_argument(
+            "--seq-len", type=int, default=seq_len, metavar="N", help=f"sequence length (default {seq_len})"
+        )
+    else:
+        parser.add_argument(
+            "--seq-len",
+            type=int,
+            nargs="+",
+            default=list(seq_len),
+            metavar="N",
+            help=f"sequence lengths to sweep (default: {' '.join(map(str, seq_len))})",
+        )
+    parser.add_argument(
+        "--head-dim", type=int, default=head_dim, metavar="D", help=f"head dimension (default {head_dim})"
+    )
+    parser.add_argument("--causal", action="store_true", help="apply the causal mask")
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+
+
+def add_input_args(parser: argparse.ArgumentParser, *, repeats: int, seed: int = 0) -> None:
+    """Add ``--distribution``, ``--input-scale``, ``--outlier-frac``, ``--outlier-scale``,
+    ``--seed`` and ``--repeats``."""
+    defaults = InputConfig()
+    parser.add_argument(
+        "--distribution",
+        default=defaults.distribution,
+        metavar="NAME",
+        help="input distribution: normal (N(0,1)), uniform (U(-√3,√3)), outliers "
+        "(normal with a few large entries) (default normal)",
+    )
+    parser.add_argument(
+        "--input-scale",
+        type=float,
+        default=defaults.scale,
+        metavar="S",
+        help="multiply q, k, v by S; larger S gives larger logits (default 1)",
+    )
+    parser.add_argument(
+        "--outlier-frac",
+        type=float,
+        default=defaults.outlier_frac,
+        metavar="P",
+        help=f"outliers: fraction of entries that are outliers (default {defaults.outlier_frac})",
+    )
+    parser.add_argument(
+        "--outlier-scale",
+        type=float,
+        default=defaults.outlier_scale,
+        metavar="X",
+        help=f"outliers: factor applied to outlier entries (default {defaults.outlier_scale:g})",
+    )
+    parser.add_argument("--seed", type=int, default=seed, help=f"first seed (default {seed})")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=repeats,
+        metavar="R",
+        help=f"repeat over R seeds seed, seed+1, ...; rows carry the median and min/max (default {repeats})",
+    )
+
+
+def add_output_args(
+    parser: argparse.ArgumentParser, name: str, *, replot: bool = False, figure: bool = True
+) -> None:
+    """Add ``--out DIR`` (default ``out/<name>``) and, with ``replot``, ``--replot``.
+
+    :func:`run_cli` checks ``--out`` before the command starts. ``figure`` says whether the
+    command draws ``DIR/<name>.png`` (for the help text).
+    """
+    files = f"{name}.json, {name}.csv and {name}.png" if figure else f"{name}.json and {name}.csv"
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("out") / name,
+        metavar="DIR",
+        help=f"output directory for {files} (default out/{name})",
+    )
+    if replot:
+        parser.add_argument(
+            "--replot",
+            action="store_true",
+            help=f"measure nothing: redraw DIR/{name}.png from the rows in DIR/{name}.json",
+        )
+
+
+def parse_kernels(specs: Iterable[str]) -> list[Kernel]:
+    """Resolve kernel spec strings.
+
+    Raises:
+        BenchArgumentError: a spec is malformed or names an unknown kernel or option.
+    """
+    kernels = []
+    for spec in specs:
+        try:
+            kernels.append(get_kernel(spec))
+        except KernelSpecError as err:
+            raise BenchArgumentError(str(err)) from None
+    return kernels
+
+
+def parse_dtypes(names: Iterable[str]) -> list[torch.dtype]:
+    """Turn dtype names into dtypes, keeping order and dropping repeats.
+
+    Raises:
+        BenchArgumentError: a name is not bf16, fp16, fp32 or fp64 (or a spelling of one).
+    """
+    dtypes: list[torch.dtype] = []
+    for name in names:
+        try:
+            dtype = to_dtype(name)
+        except ValueError:
+            raise BenchArgumentError(f"unsupported dtype {name!r}; use bf16, fp16, fp32 or fp64") from None
+        if dtype not in dtypes:
+            dtypes.append(dtype)
+    if not dtypes:
+        raise BenchArgumentError("give at least one dtype (--dtype bf16 fp32 ...)")
+    return dtypes
+
+
+def parse_seeds(seed: int, repeats: int) -> list[int]:
+    """``[seed, seed + 1, ..., seed + repeats - 1]``.
+
+    Raises:
+        BenchArgumentError: ``repeats`` < 1.
+    """
+    if repeats < 1:
+        raise BenchArgumentError(f"--repeats must be at least 1, got {repeats}")
+    return [seed + i for i in range(repeats)]
+
+
+def parse_device(name: str) -> torch.device:
+    """Turn ``--device`` into a :class:`torch.device`.
+
+    Raises:
+        BenchArgumentError: the name is not a device, or CUDA was asked for but is not available.
+    """
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise BenchArgumentError(f"bad --device {name!r}: {err}; use cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BenchArgumentError(f"--device {name} given but CUDA is not available here; use --device cpu")
+    return device
+
+
+def parse_input_config(args: argparse.Namespace) -> InputConfig:
+    """The :class:`~flashprobe.bench.inputs.InputConfig` from the options of :func:`add_input_args`."""
+    return InputConfig(
+        distribution=args.distribution,
+        scale=args.input_scale,
+        outlier_frac=args.outlier_frac,
+        outlier_scale=args.outlier_scale,
+    )
+
+
+def run_cli(
+    name: str,
+    parser: argparse.ArgumentParser,
+    run: Callable[[argparse.Namespace], int],
+    argv: Sequence[str] | None,
+) -> int:
+    """Parse ``argv``, check ``--out``, and call ``run(args)``; bad input prints one error and returns 2.
+
+    ``args.command_line`` is set to the equivalent shell command, for the results' metadata, and
+    ``args.out`` (when the parser has it) is created and checked with
+    :func:`~flashprobe.formats.paths.prepare_output_dir` before ``run`` starts, so a file, a path
+    under a file or an unwritable directory fails at once instead of after the measurements.
+
+    Args:
+        name: the command name used in messages (``precision``).
+        parser: the command's parser.
+        run: the command body.
+        argv: arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit code: ``run``'s, 0 for ``--help``, 2 for bad input.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else 2
+    args.command_line = shlex.join(["flashprobe", "bench", name, *argv])
+    if getattr(args, "kernel", "absent") is None:
+        args.kernel = list(args.kernel_default)
+    try:
+        if getattr(args, "out", None) is not None:
+            args.out = prepare_output_dir(args.out, flag="--out")
+        return run(args)
+    except _INPUT_ERRORS as err:
+        print(f"flashprobe bench {name}: error: {err}", file=sys.stderr)
+        return 2

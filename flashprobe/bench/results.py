@@ -1,0 +1,150 @@
+"""The result files of the ``flashprobe bench`` commands, and their terminal table.
+
+:func:`write_results` writes ``DIR/<name>.json`` (rows under ``"rows"``, with the command, its
+configuration and the environment) and ``DIR/<name>.csv``, each atomically; :func:`load_results`
+reads the JSON back for ``--replot``; :func:`format_table` renders rows for the terminal.
+
+JSON follows :mod:`flashprobe.formats.jsonio`: a non-finite number (an error ratio of ``inf``
+when the baseline equals the golden value) is written as ``"inf"``/``"-inf"``/``"nan"`` and read
+back as a float; ``null`` means not recorded.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import platform
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashprobe.bench.errors import BenchArgumentError
+from flashprobe.formats.atomic import atomic_write_text
+from flashprobe.formats.jsonio import NONFINITE, number, read_json, write_json
+
+__all__ = ["environment", "format_table", "load_results", "write_results", "wrote_line"]
+
+
+def environment() -> dict[str, Any]:
+    """Versions and machine facts recorded with every result."""
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def _csv_text(rows: Sequence[Mapping[str, Any]]) -> str:
+    """One column per key seen in the rows (first-seen order); missing values are empty."""
+    columns: list[str] = []
+    for row in rows:
+        columns += [key for key in row if key not in columns]
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns, restval="", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def write_results(
+    out_dir: Path,
+    name: str,
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    meta: Mapping[str, Any] | None = None,
+    skipped: Sequence[Mapping[str, Any]] = (),
+) -> dict[str, Path]:
+    """Write ``out_dir/<name>.json`` and ``out_dir/<name>.csv`` atomically.
+
+    The JSON object holds ``name``, ``environment``, the ``meta`` entries, ``rows`` and
+    ``skipped``, written by :func:`~flashprobe.formats.jsonio.write_json` (non-finite numbers as
+    ``"inf"``/``"-inf"``/``"nan"``). The CSV has one column per key seen in the rows (first-seen
+    order); missing values are empty and non-finite numbers are written as ``inf``/``nan``.
+
+    Returns:
+        ``{"json": path, "csv": path}``.
+    """
+    out_dir = Path(out_dir)
+    doc = {"name": name, "environment": environment(), **(meta or {}), "rows": rows, "skipped": skipped}
+    paths = {"json": out_dir / f"{name}.json", "csv": out_dir / f"{name}.csv"}
+    write_json(paths["json"], doc)
+    atomic_write_text(paths["csv"], _csv_text(rows))
+    return paths
+
+
+def _decode(value: Any) -> Any:
+    """``"nan"``/``"inf"``/``"-inf"`` back to floats (:func:`~flashprobe.formats.jsonio.number`),
+    through lists and dicts; everything else unchanged (integers stay integers)."""
+    if isinstance(value, str) and value in NONFINITE:
+        return number(value)
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _decode(v) for k, v in value.items()}
+    return value
+
+
+def load_results(out_dir: Path, name: str) -> dict[str, Any]:
+    """Read ``out_dir/<name>.json`` as written by :func:`write_results`.
+
+    Returns:
+        The JSON object, with the non-finite numbers of ``rows`` and ``skipped`` decoded to floats.
+
+    Raises:
+        BenchArgumentError: the file is missing, is not JSON, or has no ``"rows"`` (or none).
+    """
+    path = Path(out_dir) / f"{name}.json"
+    try:
+        doc = read_json(path, written_by=f"flashprobe bench {name}")
+    except FileNotFoundError:
+        raise BenchArgumentError(
+            f"no {path} to replot; run `flashprobe bench {name} --out {out_dir}` without --replot first"
+        ) from None
+    except ValueError as err:
+        raise BenchArgumentError(str(err)) from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list) or not doc["rows"]:
+        raise BenchArgumentError(f"{path} has no rows under 'rows' to plot; was it written by flashprobe?")
+    doc["rows"] = _decode(doc["rows"])
+    doc["skipped"] = _decode(doc.get("skipped", []))
+    return doc
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if math.isinf(value):
+            return "inf"
+        return f"{value:.3g}"
+    return str(value)
+
+
+def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
+    """Render rows as an aligned text table.
+
+    Args:
+        rows: the rows; missing keys show as ``-``.
+        columns: ``(key, header)`` pairs in display order.
+
+    Returns:
+        The table, header first, without a trailing newline.
+    """
+    cells = [[header for _, header in columns]]
+    cells += [[_cell(row.get(key)) for key, _ in columns] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def wrote_line(rows: Sequence[Mapping[str, Any]], seconds: float, paths: Mapping[str, Path]) -> str:
+    """The last line a bench command prints: ``"N rows in S s; wrote PATH, PATH, ..."``."""
+    return f"{len(rows)} rows in {seconds:.1f} s; wrote " + ", ".join(str(p) for p in paths.values())

@@ -1,0 +1,175 @@
+"""The pipeline shared by the deviation-sweep commands ``precision``, ``seqlen`` and ``tiles``.
+
+A command is a :class:`SweepCommand`: its name, table columns, the line printed per skipped run,
+the figure that draws its rows, whether it reports progress, and a ``plan`` function that turns
+the parsed arguments into a :class:`SweepPlan` (sweep points, sort order, its configuration
+entries). :func:`run_sweep_command` does the rest, the same way for every command: ``--replot``,
+the shared options (:class:`SweepSetup`), the timed :func:`~flashprobe.bench.sweep.deviation_sweep`,
+the table, the skipped runs, ``DIR/<name>.json`` and ``.csv`` and ``DIR/<name>.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashprobe.bench.args import (
+    parse_device,
+    parse_dtypes,
+    parse_input_config,
+    parse_kernels,
+    parse_seeds,
+    run_cli,
+)
+from flashprobe.bench.inputs import InputConfig, Shape
+from flashprobe.bench.results import format_table, load_results, write_results, wrote_line
+from flashprobe.bench.sweep import SweepPoint, deviation_sweep
+from flashprobe.kernels import Kernel
+
+__all__ = ["SweepCommand", "SweepPlan", "SweepSetup", "parse_setup", "run_sweep_cli", "run_sweep_command"]
+
+Row = Mapping[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepSetup:
+    """The options every deviation sweep shares, parsed and validated (:func:`parse_setup`)."""
+
+    shape: Shape
+    """``(B, H, N, D)``; with several ``--seq-len`` values, N is the smallest."""
+    kernels: list[Kernel]
+    """The ``--kernel`` specs."""
+    baseline: Kernel
+    """The ``--baseline`` spec."""
+    dtypes: list[torch.dtype]
+    """The ``--dtype`` values, in the order given."""
+    seeds: list[int]
+    """``--seed`` … ``--seed + --repeats − 1``."""
+    inputs: InputConfig
+    """The input distribution."""
+    device: torch.device
+    """Where the kernels run."""
+    is_causal: bool
+    """``--causal``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepPlan:
+    """What one command sweeps: the points, how its rows are sorted, and its configuration."""
+
+    points: Sequence[SweepPoint]
+    """The sweep points, each with its shape and primary kernels."""
+    config: Mapping[str, Any]
+    """The command's entries of the results' ``"config"``; the inputs and seeds follow them."""
+    sort_key: Callable[[Row], Any] | None = None
+    """Sort key of the rows (``None``: the sweep's order, point × dtype × primary)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepCommand:
+    """What differs between the deviation-sweep commands; :func:`run_sweep_command` does the rest."""
+
+    name: str
+    """The command (``precision``): ``flashprobe bench NAME``, ``DIR/NAME.json``, ..."""
+    columns: Sequence[tuple[str, str]]
+    """Columns of the printed table: ``(row key, header)``."""
+    plan: Callable[[argparse.Namespace, SweepSetup], SweepPlan]
+    """Builds the sweep from the parsed arguments; raises ``BenchArgumentError`` on bad input."""
+    figure: str
+    """Name of the :mod:`flashprobe.report.bench_figures` function that draws the rows
+    (imported only when drawing: matplotlib is slow to import)."""
+    skipped_line: str = "skipped {kernel} at {dtype}: {reason}"
+    """Line printed per skipped run, formatted with the skipped entry's keys."""
+    progress: bool = False
+    """Report each (point, dtype) on stderr as the sweep goes."""
+
+
+def parse_setup(args: argparse.Namespace) -> SweepSetup:
+    """The :class:`SweepSetup` from the options of ``add_kernel_args``, ``add_shape_args`` and
+    ``add_input_args`` (:mod:`flashprobe.bench.args`).
+
+    Raises:
+        BenchArgumentError: a bad shape, kernel spec, dtype, repeat count, distribution or device.
+    """
+    seq_len = min(args.seq_len) if isinstance(args.seq_len, list) else args.seq_len
+    shape = Shape(batch=args.batch, heads=args.heads, seq_len=seq_len, head_dim=args.head_dim)
+    kernels = parse_kernels(args.kernel)
+    (baseline,) = parse_kernels([args.baseline])
+    return SweepSetup(
+        shape=shape,
+        kernels=kernels,
+        baseline=baseline,
+        dtypes=parse_dtypes(args.dtype),
+        seeds=parse_seeds(args.seed, args.repeats),
+        inputs=parse_input_config(args),
+        device=parse_device(args.device),
+        is_causal=args.causal,
+    )
+
+
+def _draw(command: SweepCommand, rows: Sequence[Row], path: Path) -> Path:
+    from flashprobe.report import bench_figures
+
+    return getattr(bench_figures, command.figure)(rows, path)
+
+
+def _progress(command: SweepCommand) -> Callable[[str], None] | None:
+    if not command.progress:
+        return None
+    prog = f"flashprobe bench {command.name}"
+    return lambda msg: print(f"{prog}: {msg}", file=sys.stderr, flush=True)
+
+
+def run_sweep_command(command: SweepCommand, args: argparse.Namespace) -> int:
+    """Run a deviation-sweep command on its parsed arguments; returns the exit code.
+
+    With ``--replot`` only redraws ``DIR/<name>.png`` from ``DIR/<name>.json``. Otherwise parses
+    the shared options, runs the command's plan through
+    :func:`~flashprobe.bench.sweep.deviation_sweep`, prints the table and the skipped runs, and
+    writes the results and the figure (``args.out`` was checked by
+    :func:`~flashprobe.bench.args.run_cli`).
+    """
+    png = args.out / f"{command.name}.png"
+    if args.replot:
+        doc = load_results(args.out, command.name)
+        print(f"redrew {_draw(command, doc['rows'], png)}")
+        return 0
+    setup = parse_setup(args)
+    plan = command.plan(args, setup)
+    start = time.perf_counter()
+    rows, skipped = deviation_sweep(
+        plan.points,
+        baseline=setup.baseline,
+        dtypes=setup.dtypes,
+        seeds=setup.seeds,
+        inputs=setup.inputs,
+        device=setup.device,
+        is_causal=setup.is_causal,
+        progress=_progress(command),
+    )
+    seconds = time.perf_counter() - start
+    if plan.sort_key is not None:
+        rows.sort(key=plan.sort_key)
+    print(format_table(rows, command.columns))
+    for entry in skipped:
+        print(command.skipped_line.format(**entry))
+    config = {**plan.config, **setup.inputs.as_dict(), "seeds": setup.seeds}
+    meta = {"command": args.command_line, "config": config, "seconds": round(seconds, 2)}
+    paths = write_results(args.out, command.name, rows, meta=meta, skipped=skipped)
+    if rows:
+        paths["png"] = _draw(command, rows, png)
+    print(wrote_line(rows, seconds, paths))
+    return 0
+
+
+def run_sweep_cli(command: SweepCommand, parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
+    """The ``main`` of a deviation-sweep command: :func:`~flashprobe.bench.args.run_cli` around
+    :func:`run_sweep_command`."""
+    return run_cli(command.name, parser, lambda args: run_sweep_command(command, args), argv)

@@ -1,0 +1,455 @@
+"""The catalogue of adversarial attention inputs behind ``flashprobe fuzz``.
+
+Each :class:`FuzzCase` has a name, a line saying what it probes, the semantics the FP64 golden
+expects, and a generator ``make(dtype, generator) -> CaseInputs``. Generators build every tensor in
+float64 and cast it to the dtype under test; the golden is then computed in float64 *from the cast
+inputs*, so it is the exact answer to the question the kernel was asked.
+
+Where a case needs precise logits (the sentinel cases, huge magnitudes, tiny scales, a running max
+that rises tile after tile) it builds them exactly: query ``r`` is ``c·e_r`` (one-hot, ``c`` a power
+of two) and key ``j`` carries ``z[r, j] / (c · scale)`` in channel ``r``, so ``q·kᵀ·scale = z`` with a
+single non-zero product per dot product: no rounding in any dtype once ``z`` itself is rounded to
+the dtype (``c · scale`` is a power of two). This needs ``D ≥ N_q``. Those cases use scales that are
+powers of four, so kernels that scale q and k by √scale each (torch SDPA) get the same exact logits
+and the baseline's noise floor is not made artificially small for them.
+
+Cases whose logits the dtype cannot hold (valid logits below −1e5 in fp16, whose max is 65504)
+raise :class:`~flashprobe.fuzz.inputs.UnrepresentableCaseError`; ``flashprobe fuzz`` reports them as
+``skip``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from flashprobe.fuzz._tensors import (
+    F64,
+    additive_mask,
+    dense,
+    finfo_max,
+    padding_mask,
+    rand,
+    randn,
+    uniform,
+)
+from flashprobe.fuzz.inputs import CaseInputs, UnrepresentableCaseError
+from flashprobe.kernels import default_scale, dtype_name
+
+__all__ = ["CATALOGUE", "SENTINELS", "FuzzCase", "case_generator", "exact_logit_qk", "select_cases"]
+
+
+def case_generator(seed: int, name: str) -> torch.Generator:
+    """The generator of a case's inputs: they depend only on ``seed`` and the case's name."""
+    return torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+
+
+@dataclass(frozen=True)
+class FuzzCase:
+    """One adversarial case of the catalogue.
+
+    Attributes:
+        name: short identifier used by ``--case`` patterns, e.g. ``sentinel_5e4``.
+        probes: what the case is built to expose, one line.
+        expected: the semantics the FP64 golden gives, one line.
+        make: ``make(dtype, generator) -> CaseInputs``; raises :class:`UnrepresentableCaseError`
+            when the case cannot be posed in ``dtype``.
+    """
+
+    name: str
+    probes: str
+    expected: str
+    make: Callable[[torch.dtype, torch.Generator], CaseInputs]
+
+    def build(self, dtype: torch.dtype, *, seed: int = 0) -> CaseInputs:
+        """The case's inputs in ``dtype`` for ``seed`` (:func:`case_generator`), on the CPU.
+
+        Raises:
+            UnrepresentableCaseError: the case cannot be posed in ``dtype``.
+        """
+        return self.make(dtype, case_generator(seed, self.name))
+
+
+def exact_logit_qk(
+    z: torch.Tensor, dtype: torch.dtype, *, head_dim: int, c: float, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries and keys whose scaled logits are exactly ``z`` rounded to ``dtype``.
+
+    Query ``r`` is ``c · e_r`` and key ``j`` holds ``z[..., r, j] / (c · scale)`` in channel ``r``,
+    so every dot product has one non-zero term and is exact in any dtype.
+
+    Args:
+        z: ``(B, H, N_q, N_k)`` float64 target logits ``q·kᵀ·scale``.
+        dtype: the dtype under test.
+        head_dim: ``D ≥ N_q``.
+        c: query magnitude; ``c · scale`` must be a power of two.
+        scale: the softmax scale the case passes to the kernel.
+
+    Returns:
+        ``q`` ``(B, H, N_q, D)`` and ``k`` ``(B, H, N_k, D)`` in ``dtype``.
+
+    Raises:
+        UnrepresentableCaseError: a logit or key entry does not fit ``dtype``.
+    """
+    b, h, n_q, n_k = z.shape
+    if head_dim < n_q:
+        raise ValueError(f"exact logits need head_dim ≥ N_q, got D={head_dim}, N_q={n_q}")
+    unit = c * scale
+    if unit <= 0 or math.frexp(unit)[0] != 0.5:
+        raise ValueError(f"c · scale = {unit} must be a power of two for exact logits")
+    zr = z.to(dtype).to(F64)
+    if not torch.isfinite(zr).all():
+        raise UnrepresentableCaseError(
+            f"logits up to {z.abs().max().item():.3g} overflow {dtype_name(dtype)} "
+            f"(max {finfo_max(dtype):.6g})"
+        )
+    q = torch.zeros(b, h, n_q, head_dim, dtype=F64)
+    q[..., torch.arange(n_q), torch.arange(n_q)] = c  # (B, H, N_q, D): row r = c·e_r
+    k = torch.zeros(b, h, n_k, head_dim, dtype=F64)
+    k[..., :n_q] = (zr / unit).transpose(-2, -1)  # (B, H, N_k, N_q)
+    k_cast = k.to(dtype)
+    if not torch.equal(k_cast.to(F64), k):
+        raise UnrepresentableCaseError(f"key entries z/(c·scale) are not exact in {dtype_name(dtype)}")
+    return q.to(dtype), k_cast
+
+
+# --------------------------------------------------------------------------------------------
+# the catalogue
+
+#: Sentinel name → its value for a dtype. Kernels that use a finite "minus infinity" as the masked
+#: logit and as the initial running max return zeros for rows whose valid logits lie below it.
+SENTINELS: dict[str, Callable[[torch.dtype], float]] = {
+    "1e4": lambda dtype: -1e4,
+    "5e4": lambda dtype: -5e4,
+    "1e5": lambda dtype: -1e5,
+    "halfmax": lambda dtype: -finfo_max(dtype) / 2,
+}
+
+_SENTINEL_TEXT = {
+    "1e4": "−1e4",
+    "5e4": "−5e4 (FlashInfer before PR 4401)",
+    "1e5": "−1e5 (TransformerLens)",
+    "halfmax": "−finfo(dtype).max/2",
+}
+
+
+def _sentinel_case(key: str) -> FuzzCase:
+    def make(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+        sentinel = SENTINELS[key](dtype)
+        hi = min(3.0, 0.9 * finfo_max(dtype) / abs(sentinel))
+        if hi <= 1.05:
+            raise UnrepresentableCaseError(
+                f"valid logits below {sentinel:g} do not fit {dtype_name(dtype)} (max {finfo_max(dtype):g})"
+            )
+        b, h, n_q, n_k, d = 2, 2, 16, 203, 64
+        level = sentinel * uniform(gen, 1.05, hi, b, h, n_q, 1)  # every valid logit below the sentinel
+        z = level - uniform(gen, 0.0, 8.0, b, h, n_q, n_k)
+        q, k = exact_logit_qk(z, dtype, head_dim=d, c=16.0, scale=1.0)
+        mask = padding_mask([n_k, 150], n_k)  # batch 0 decode-like (no masked key), batch 1 padded
+        return CaseInputs(q=q, k=k, v=randn(gen, b, h, n_k, d).to(dtype), attn_mask=mask, scale=1.0)
+
+    return FuzzCase(
+        f"sentinel_{key}",
+        f"every valid logit 1.05–3× (as the dtype allows) below the sentinel {_SENTINEL_TEXT[key]}; "
+        "one batch decode-like (no masked key), one padded",
+        "the exact softmax over the valid keys: neither zeros nor the masked keys' values",
+        make,
+    )
+
+
+def _large_logits(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+    b, h, n_q, n_k, d = 1, 3, 32, 203, 64
+    big = finfo_max(dtype) / 4  # any difference of two logits stays finite
+    z = torch.empty(b, h, n_q, n_k, dtype=F64)
+    z[:, 0] = big * uniform(gen, 0.5, 1.0, b, n_q, 1) - uniform(gen, 0, 8, b, n_q, n_k)  # huge, ≈ equal
+    magnitude = 10 ** (math.log10(big) * rand(gen, b, n_q, n_k))  # log-uniform in [1, big]
+    z[:, 1] = torch.where(rand(gen, b, n_q, n_k) < 0.5, magnitude, -magnitude)
+    z[:, 2] = -big * uniform(gen, 0.5, 1.0, b, n_q, 1) - uniform(gen, 0, 8, b, n_q, n_k)
+    q, k = exact_logit_qk(z, dtype, head_dim=d, c=16.0, scale=1.0)
+    return CaseInputs(q=q, k=k, v=randn(gen, b, h, n_k, d).to(dtype), scale=1.0)
+
+
+def _qk_overflow(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+    b, h, n_q, n_k, d = 2, 2, 64, 203, 64
+    q, k, v = randn(gen, b, h, n_q, d), randn(gen, b, h, n_k, d), randn(gen, b, h, n_k, d)
+    raw = (q @ k.transpose(-2, -1)).abs().max().item()
+    f = math.sqrt(4 * finfo_max(torch.float16) / raw)  # q·kᵀ peaks at 4 × 65504, logits at 32752
+    return CaseInputs(q=(q * f).to(dtype), k=(k * f).to(dtype), v=v.to(dtype))
+
+
+def _scale_tiny(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+    b, h, n_q, n_k, d = 1, 2, 32, 203, 64
+    scale = 2.0**-14
+    level = uniform(gen, 4, 12, b, h, n_q, 1) * torch.where(rand(gen, b, h, n_q, 1) < 0.5, 1.0, -1.0)
+    z = level - uniform(gen, 0, 4, b, h, n_q, n_k)  # q·kᵀ = z · 2^14 reaches 2e5
+    q, k = exact_logit_qk(z, dtype, head_dim=d, c=256.0, scale=scale)
+    return CaseInputs(q=q, k=k, v=randn(gen, b, h, n_k, d).to(dtype), scale=scale)
+
+
+def _scale_huge(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+    b, h, n_q, n_k, d = 1, 2, 64, 203, 64
+    small = 2.0**-7
+    q, k, v = randn(gen, b, h, n_q, d) * small, randn(gen, b, h, n_k, d) * small, randn(gen, b, h, n_k, d)
+    return CaseInputs(q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), scale=2.0**12)
+
+
+def _scale_zero(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+    b, h, n_q, n_k, d = 2, 2, 33, 203, 64
+    q, k, v = dense(gen, dtype, b, h, n_q, n_k, d)
+    return CaseInputs(q=q, k=k, v=v, attn_mask=padding_mask([n_k, 77], n_k), scale=0.0)
+
+
+def _scale_zero_causal(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+    q, k, v = dense(gen, dtype, 1, 2, 67, 67, 64)
+    return CaseInputs(q=q, k=k, v=v, is_causal=True, scale=0.0)
+
+
+def _fully_masked_keep(gen: torch.Generator, b: int, h: int, n_q: int, n_k: int) -> torch.Tensor:
+    keep = rand(gen, b, h, n_q, n_k) < 0.5
+    keep[:, :, ::4] = False  # every 4th row sees no key
+    keep[-1, -1] = False  # one whole (batch, head) fully masked
+    return keep
+
+
+def _fully_masked_rows(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+    b, h, n_q, n_k, d = 2, 2, 37, 150, 40
+    q, k, v = dense(gen, dtype, b, h, n_q, n_k, d)
+    return CaseInputs(q=q, k=k, v=v, attn_mask=_fully_masked_keep(gen, b, h, n_q, n_k))
+
+
+def _fully_masked_additive(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+    b, h, n_q, n_k, d = 2, 2, 37, 150, 40
+    q, k, v = dense(gen, dtype, b, h, n_q, n_k, d)
+    keep = _fully_masked_keep(gen, b, h, n_q, n_k)
+    bias = uniform(gen, -3.0, 0.0, b, h, n_q, n_k)  # an ALiBi-like bias on the valid keys
+    return CaseInputs(q=q, k=k, v=v, attn_mask=additive_mask(keep, bias, dtype))
+
+
+def _one_valid_key(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+    b, h, n_q, n_k, d = 1, 2, 29, 257, 64
+    q, k, v = dense(gen, dtype, b, h, n_q, n_k, d)
+    index = torch.randint(0, n_k, (b, h, n_q), generator=gen)
+    index[..., :3] = torch.tensor([n_k - 1, 0, 128])  # the only key in the last tile, first, mid
+    keep = torch.nn.functional.one_hot(index, n_k).bool()  # (B, H, N_q, N_k)
+    return CaseInputs(q=q, k=k, v=v, attn_mask=keep)
+
+
+def _causal(n_q: int, n_k: int) -> Callable[[torch.dtype, torch.Generator], CaseInputs]:
+    def make(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+        q, k, v = dense(gen, dtype, 1, 2, n_q, n_k, 64)
+        return CaseInputs(q=q, k=k, v=v, is_causal=True)
+
+    return make
+
+
+def _padding(lengths: list[int], additive: bool) -> Callable[[torch.dtype, torch.Generator], CaseInputs]:
+    def make(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+        n_k = 203
+        q, k, v = dense(gen, dtype, len(lengths), 2, 64, n_k, 64)
+        keep = padding_mask(lengths, n_k)
+        mask = additive_mask(keep, torch.zeros(keep.shape, dtype=F64), dtype) if additive else keep
+        return CaseInputs(q=q, k=k, v=v, attn_mask=mask)
+
+    return make
+
+
+def _odd_shapes(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+    q, k, v = dense(gen, dtype, 2, 3, 113, 203, 59)
+    return CaseInputs(q=q, k=k, v=v)
+
+
+def _odd_shapes_causal(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+    q, k, v = dense(gen, dtype, 1, 2, 131, 131, 111)
+    return CaseInputs(q=q, k=k, v=v, is_causal=True)
+
+
+def _single_query(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+    n_k = 259
+    q, k, v = dense(gen, dtype, 3, 2, 1, n_k, 80)
+    return CaseInputs(q=q, k=k, v=v, attn_mask=padding_mask([n_k, 130, 1], n_k))
+
+
+def _single_key(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+    q, k, v = dense(gen, dtype, 2, 2, 33, 1, 64)
+    return CaseInputs(q=q, k=k, v=v)
+
+
+def _rising_max(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+    b, h, n_q, n_k, d = 1, 2, 16, 517, 16  # default scale 1/4: √scale is exact too
+    j = torch.arange(n_k, dtype=F64)
+    z = uniform(gen, 0.0, 0.5, b, h, n_q, n_k)
+    z[..., 0::4, :] += 0.05 * j  # rises: a new running max in every tile
+    z[..., 1::4, :] -= 0.05 * j  # falls: the max is in the first tile
+    z[..., 2::4, -1] += 40.0  # one jump in the last tile rescales everything before by e^-40
+    z[..., 3::4, :] += 20.0 * torch.div(j, 128, rounding_mode="floor")  # steps at tile boundaries
+    q, k = exact_logit_qk(z, dtype, head_dim=d, c=4.0, scale=default_scale(d, None))
+    return CaseInputs(q=q, k=k, v=randn(gen, b, h, n_k, d).to(dtype))
+
+
+def _outliers(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+    b, h, n, d = 2, 2, 150, 64
+    q, k, v = randn(gen, b, h, n, d), randn(gen, b, h, n, d), randn(gen, b, h, n, d)
+    q[..., 3] *= 20.0  # an outlier channel in q and k
+    k[..., 3] *= 20.0
+    k[..., 0, 3] = 30.0  # key 0 is an attention sink for rows with q[3] > 0
+    v[..., 7] *= 1000.0  # a massive-activation channel in v
+    return CaseInputs(q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), is_causal=True)
+
+
+def _gqa_broadcast(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+    b, h, h_kv, n, d = 2, 8, 2, 97, 64
+    q, k, v = randn(gen, b, h, n, d), randn(gen, b, h_kv, n, d), randn(gen, b, h_kv, n, d)
+    return CaseInputs(q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), is_causal=True)
+
+
+_SOFTMAX = "the exact softmax"
+
+#: Every case, by name, in the order ``flashprobe fuzz`` runs them.
+CATALOGUE: dict[str, FuzzCase] = {
+    c.name: c
+    for c in [
+        *(_sentinel_case(key) for key in SENTINELS),
+        FuzzCase(
+            "large_logits",
+            "logits up to ±finfo.max/4: huge equal positives, log-uniform magnitudes, huge negatives",
+            f"{_SOFTMAX}; a kernel must subtract the row max before exp()",
+            _large_logits,
+        ),
+        FuzzCase(
+            "qk_overflow",
+            "dense q, k without QK-norm: q·kᵀ reaches 4 × 65504 (overflows fp16), scaled logits fit",
+            f"{_SOFTMAX} of finite logits (fp16 kernels must not form q·kᵀ unscaled in fp16)",
+            _qk_overflow,
+        ),
+        FuzzCase(
+            "scale_tiny",
+            "scale 2^-14 with large q, k: logits in ±12 but q·kᵀ up to 2e5",
+            f"{_SOFTMAX}; apply the scale before q·kᵀ leaves the dtype's range",
+            _scale_tiny,
+        ),
+        FuzzCase(
+            "scale_huge",
+            "scale 2^12 with tiny q, k (entries ~2^-7, products near fp16's smallest normal)",
+            _SOFTMAX,
+            _scale_huge,
+        ),
+        FuzzCase(
+            "scale_zero",
+            "scale=0.0 (falsy: `scale or 1/sqrt(d)` silently uses the default)",
+            "the plain average of the valid values",
+            _scale_zero,
+        ),
+        FuzzCase(
+            "scale_zero_causal",
+            "scale=0.0 with is_causal (0 · -inf is NaN if the mask is applied before the scale)",
+            "query i averages the values of keys 0..i",
+            _scale_zero_causal,
+        ),
+        FuzzCase(
+            "fully_masked_rows",
+            "bool mask with rows (and one whole head) where every key is masked",
+            "0 for fully masked rows (torch SDPA's convention), never NaN",
+            _fully_masked_rows,
+        ),
+        FuzzCase(
+            "fully_masked_additive",
+            "additive mask: -inf rows plus a finite bias on the valid keys",
+            "0 for fully masked rows, never NaN; the bias is added to the valid logits",
+            _fully_masked_additive,
+        ),
+        FuzzCase(
+            "one_valid_key",
+            "exactly one valid key per row, some in the last tile after fully masked tiles",
+            "exactly v of that key",
+            _one_valid_key,
+        ),
+        FuzzCase(
+            "causal_nq_lt_nk",
+            "is_causal with N_q=45 < N_k=203",
+            "top-left aligned causal mask (query i sees keys j ≤ i), as torch SDPA",
+            _causal(45, 203),
+        ),
+        FuzzCase(
+            "causal_nq_gt_nk",
+            "is_causal with N_q=203 > N_k=45",
+            "top-left aligned: queries i ≥ 45 see every key",
+            _causal(203, 45),
+        ),
+        FuzzCase(
+            "padding_mask",
+            "key-padding mask (B, 1, 1, N_k) with lengths 0, 1, 129, 203",
+            "softmax over each sequence's first `length` keys; a length-0 sequence gives 0",
+            _padding([0, 1, 129, 203], additive=False),
+        ),
+        FuzzCase(
+            "padding_mask_additive",
+            "additive 0/-inf key-padding mask (B, 1, 1, N_k) with lengths 203, 77, 1, 128",
+            "softmax over each sequence's first `length` keys",
+            _padding([203, 77, 1, 128], additive=True),
+        ),
+        FuzzCase(
+            "odd_shapes",
+            "D=59, N_q=113, N_k=203: no size is a multiple of a tile",
+            _SOFTMAX,
+            _odd_shapes,
+        ),
+        FuzzCase(
+            "odd_shapes_causal",
+            "causal, D=111, N_q=N_k=131",
+            _SOFTMAX,
+            _odd_shapes_causal,
+        ),
+        FuzzCase(
+            "single_query",
+            "decode: N_q=1, N_k=259, D=80, padded lengths 259, 130, 1",
+            _SOFTMAX,
+            _single_query,
+        ),
+        FuzzCase("single_key", "N_k=1", "v of the only key, for every query", _single_key),
+        FuzzCase(
+            "rising_max",
+            "logits that set a new running max in every tile, fall, step at tile edges, jump by 40",
+            f"{_SOFTMAX}; stresses the online-softmax rescaling",
+            _rising_max,
+        ),
+        FuzzCase(
+            "outliers",
+            "outlier channels (q, k ×20; v ×1000) and an attention-sink key, causal",
+            _SOFTMAX,
+            _outliers,
+        ),
+        FuzzCase(
+            "gqa_broadcast",
+            "grouped-query attention: 8 query heads share 2 k/v heads (causal)",
+            "attention with each k/v head repeated for its 4 query heads (unsupported if rejected)",
+            _gqa_broadcast,
+        ),
+    ]
+}
+
+
+def select_cases(patterns: Iterable[str] | None = None) -> list[FuzzCase]:
+    """The catalogue cases matching any of the glob ``patterns`` (all when none are given).
+
+    A pattern starting with ``-`` or ``!`` removes the cases it matches, e.g. ``["*", "-gqa_*"]``.
+
+    Raises:
+        ValueError: a positive pattern matches no case; the message lists the case names.
+    """
+    patterns = [p for p in (patterns or []) if p]
+    include = [p for p in patterns if not p.startswith(("-", "!"))] or ["*"]
+    exclude = [p[1:] for p in patterns if p.startswith(("-", "!"))]
+    for pattern in include:
+        if not fnmatch.filter(CATALOGUE, pattern):
+            raise ValueError(f"case pattern {pattern!r} matches no case; cases: {', '.join(CATALOGUE)}")
+    return [
+        case
+        for name, case in CATALOGUE.items()
+        if any(fnmatch.fnmatchcase(name, p) for p in include)
+        and not any(fnmatch.fnmatchcase(name, p) for p in exclude)
+    ]

@@ -1,0 +1,266 @@
+"""``flashprobe fuzz``: run adversarial edge cases against attention kernels and judge each one.
+
+Every case of :data:`~flashprobe.fuzz.cases.CATALOGUE` (and, with ``--budget N``, N random
+samples) runs against every kernel at every dtype, judged by the 2x rule
+(:mod:`flashprobe.fuzz.rule`). Every argument is checked before any case runs: bad usage exits 2
+with one message naming the argument and the fix. Prints the verdict grid, every failure, the
+skip/unsupported reasons one line per distinct reason, and, last, the files it wrote:
+``fuzz.json`` (:func:`flashprobe.formats.write_json`), ``fuzz.md`` and the reproducers.
+Exits 0 when nothing fails and 1 when a (kernel, case, dtype) fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashprobe.formats import OutputPathError, atomic_write_text, prepare_output_dir, write_json
+from flashprobe.fuzz.cases import FuzzCase, select_cases
+from flashprobe.fuzz.kernel_call import kernel_label
+from flashprobe.fuzz.rule import RULE
+from flashprobe.fuzz.run import FuzzResult, run_catalogue
+from flashprobe.fuzz.search import random_search
+from flashprobe.fuzz.tables import (
+    catalogue_table,
+    markdown_table,
+    reason_lines,
+    summary_counts,
+    terminal_table,
+)
+from flashprobe.kernels import KernelSpecError, available_kernels, dtype_name, to_dtype
+
+__all__ = ["DEFAULT_DTYPES", "main"]
+
+DEFAULT_DTYPES = ("bf16", "fp16", "fp32")
+_DTYPE_CHOICES = "bf16, fp16, fp32, fp64"
+
+
+class UsageError(ValueError):
+    """A command-line argument is unusable; the message names it and the fix."""
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The checked arguments of one ``flashprobe fuzz`` run."""
+
+    kernels: list[str]
+    baseline: str
+    dtypes: list[torch.dtype]
+    cases: list[FuzzCase]
+    budget: int
+    seed: int
+    device: torch.device
+    out_dir: Path
+    verbose: bool
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="flashprobe fuzz",
+        description="Run adversarial edge cases (sentinel logits, fully masked rows, overflow, odd shapes, "
+        "...) against attention kernels; judge each against the FP64 golden with the 2x rule. "
+        "Exits 1 when any (kernel, case) fails, 2 on bad usage.",
+    )
+    p.add_argument(
+        "--kernel",
+        action="append",
+        metavar="SPEC",
+        help="kernel spec, repeatable (e.g. --kernel tiled --kernel 'tiled:mask_value=-5e4')",
+    )
+    p.add_argument(
+        "--dtype", action="append", metavar="DTYPE", help="dtypes, repeatable or comma list (bf16,fp16,fp32)"
+    )
+    p.add_argument("--case", action="append", metavar="PATTERN", help="glob of case names to run, repeatable")
+    p.add_argument("--exclude", action="append", metavar="PATTERN", help="glob of case names to leave out")
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs (default 0)")
+    p.add_argument("--out", default="out/fuzz", metavar="DIR", help="output directory (default out/fuzz)")
+    p.add_argument(
+        "--budget", type=int, default=0, metavar="N", help="random samples after the catalogue (default 0)"
+    )
+    p.add_argument("--no-catalogue", action="store_true", help="run only the random search")
+    p.add_argument("--baseline", default="math", metavar="SPEC", help="same-dtype baseline (default math)")
+    p.add_argument("--device", default="cpu", help="device to run on (default cpu)")
+    p.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        metavar="MODULE",
+        help="import MODULE first (it registers your kernels with flashprobe.register_kernel); repeatable",
+    )
+    p.add_argument("--list", action="store_true", help="print the catalogue as a Markdown table and exit")
+    p.add_argument(
+        "-v", "--verbose", action="store_true", help="print every (kernel, case, dtype) with its reason"
+    )
+    return p
+
+
+def _listed(values: Sequence[str] | None, flag: str, example: str) -> list[str]:
+    """The comma-separated items of a repeatable option; given but empty is an error."""
+    items = [p.strip() for v in values or [] for p in v.split(",") if p.strip()]
+    if values is not None and not items:
+        given = " ".join(repr(v) for v in values)
+        raise UsageError(f"{flag} {given} lists nothing; give e.g. {flag} {example}, or leave {flag} out")
+    return items
+
+
+def _dtypes(values: Sequence[str] | None) -> list[torch.dtype]:
+    names = _listed(values, "--dtype", "bf16,fp32") or list(DEFAULT_DTYPES)
+    dtypes = []
+    for name in names:
+        try:
+            dtypes.append(to_dtype(name))
+        except ValueError:
+            raise UsageError(f"--dtype {name}: unknown dtype; use one of {_DTYPE_CHOICES}") from None
+    return dtypes
+
+
+def _cases(args: argparse.Namespace) -> list[FuzzCase]:
+    patterns = _listed(args.case, "--case", "'sentinel_*'")
+    patterns += ["!" + p for p in _listed(args.exclude, "--exclude", "'gqa_*'")]
+    if args.no_catalogue:
+        return []
+    try:
+        return select_cases(patterns)
+    except ValueError as err:
+        raise UsageError(f"--case/--exclude: {err}") from None
+
+
+def _device(text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError) as err:
+        raise UsageError(f"--device {text!r}: {err}; use --device cpu or --device cuda[:N]") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {text}: CUDA is not available on this machine; use --device cpu")
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as err:
+        raise UsageError(f"--device {text}: cannot place tensors there ({err}); use --device cpu") from None
+    return device
+
+
+def _label(spec: str, flag: str) -> str:
+    try:
+        return kernel_label(spec)
+    except KernelSpecError as err:
+        raise UsageError(f"{flag} {spec!r}: {err}") from None
+
+
+def _plan(args: argparse.Namespace) -> _Plan:
+    """Check every argument, in the order given on the command line's help, before any work."""
+    for module in args.imports or []:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise UsageError(f"--import {module}: {err}; make the module importable (PYTHONPATH)") from None
+    if not args.kernel:
+        raise UsageError("give at least one --kernel SPEC; available: " + ", ".join(available_kernels()))
+    kernels = [_label(k, "--kernel") for k in args.kernel]
+    baseline = _label(args.baseline, "--baseline")
+    dtypes, cases = _dtypes(args.dtype), _cases(args)
+    if args.budget < 0:
+        raise UsageError(f"--budget {args.budget}: must be ≥ 0 (random samples; 0 runs only the catalogue)")
+    device = _device(args.device)
+    try:
+        out_dir = prepare_output_dir(args.out, flag="--out")
+    except OutputPathError as err:
+        raise UsageError(str(err)) from None
+    return _Plan(kernels, baseline, dtypes, cases, args.budget, args.seed, device, out_dir, args.verbose)
+
+
+def _print_results(plan: _Plan, results: list[FuzzResult], elapsed: float) -> None:
+    catalogue = [r for r in results if r.params is None]
+    randoms = [r for r in results if r.params is not None]
+    names = ", ".join(dtype_name(d) for d in plan.dtypes)
+    print(
+        f"flashprobe fuzz: {len(plan.cases)} cases + {plan.budget} random × {len(plan.kernels)} kernels × "
+        f"{names} (seed {plan.seed}, baseline {plan.baseline}) in {elapsed:.1f} s\n"
+    )
+    if catalogue:
+        print(terminal_table(catalogue))
+    if randoms:
+        failed = sum(r.verdict == "fail" for r in randoms)
+        print(f"random search: {plan.budget} samples, {failed} failing (kernel, sample) pairs")
+    for r in results:
+        if r.verdict == "fail" or plan.verbose:
+            print(f"{r.verdict.upper():<5} {r.kernel} | {r.case} | {r.dtype}: {r.reason}")
+            if r.repro:
+                print(f"      shrunk reproducer: {r.repro} (run: python {Path(r.repro).with_suffix('.py')})")
+    if not plan.verbose and (lines := reason_lines(results)):
+        print("\nskipped / unsupported (count of kernel × case × dtype | cases | dtypes | kernels: reason):")
+        print("\n".join(lines))
+
+
+def _payload(
+    plan: _Plan, command: str, results: list[FuzzResult], timing: dict[str, float]
+) -> dict[str, Any]:
+    return {
+        "command": command,
+        "torch": torch.__version__,
+        "device": str(plan.device),
+        "seed": plan.seed,
+        "baseline": plan.baseline,
+        "dtypes": [dtype_name(d) for d in plan.dtypes],
+        "kernels": plan.kernels,
+        "cases": [c.name for c in plan.cases],
+        "budget": plan.budget,
+        "rule": RULE,
+        **{k: round(v, 3) for k, v in timing.items()},
+        "summary": summary_counts(results),
+        "rows": [r.as_dict() for r in results],
+    }
+
+
+def _write(plan: _Plan, payload: dict[str, Any], results: list[FuzzResult]) -> list[Path]:
+    """Write ``fuzz.json`` (and ``fuzz.md`` when the catalogue ran); every file written, reproducers too."""
+    written = [write_json(plan.out_dir / "fuzz.json", payload)]
+    if plan.cases:
+        written.append(
+            atomic_write_text(
+                plan.out_dir / "fuzz.md", markdown_table([r for r in results if r.params is None])
+            )
+        )
+    for r in results:
+        if r.repro:
+            written += [Path(r.repro), Path(r.repro).with_suffix(".py")]
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``flashprobe fuzz``: 0 when nothing fails, 1 when a (kernel, case) fails, 2 on bad usage."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as stop:  # --help (0) or a usage error (2)
+        return int(stop.code or 0)
+    if args.list:
+        print(catalogue_table())
+        return 0
+    try:
+        plan = _plan(args)
+    except UsageError as err:
+        print(f"flashprobe fuzz: {err}", file=sys.stderr)
+        return 2
+    common = {"seed": plan.seed, "device": plan.device, "baseline": plan.baseline}
+    start = time.perf_counter()
+    results = run_catalogue(plan.kernels, plan.dtypes, cases=plan.cases, **common)
+    catalogue_s = time.perf_counter() - start
+    results += random_search(plan.kernels, plan.dtypes, budget=plan.budget, out_dir=plan.out_dir, **common)
+    elapsed = time.perf_counter() - start
+    _print_results(plan, results, elapsed)
+    timing = {"elapsed_s": elapsed, "catalogue_s": catalogue_s}
+    written = _write(plan, _payload(plan, "flashprobe fuzz " + " ".join(argv), results, timing), results)
+    summary = summary_counts(results)
+    print(
+        f"\n{summary['pass']} pass, {summary['fail']} fail, {summary['skip']} skip, "
+        f"{summary['unsupported']} unsupported; wrote {', '.join(str(p) for p in written)}"
+    )
+    return 1 if summary["fail"] else 0

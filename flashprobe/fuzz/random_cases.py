@@ -1,0 +1,245 @@
+"""The random family of ``flashprobe fuzz --budget``: sampled shapes, masks, logit levels and scales.
+
+:class:`RandomCaseSpec` describes one sample of the randomised search: shapes, mask kind, logit
+spread, a per-row logit level (e.g. below a sentinel), scale and outliers; it can be halved along
+each size, which is how failures are shrunk to small reproducers
+(:func:`~flashprobe.fuzz.search.shrink`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from flashprobe.fuzz._tensors import F64, additive_mask, finfo_max, padding_mask, rand, randn, uniform
+from flashprobe.fuzz.cases import SENTINELS
+from flashprobe.fuzz.inputs import CaseInputs
+from flashprobe.kernels import default_scale
+
+__all__ = ["MASK_KINDS", "RandomCaseSpec", "make_random_case", "sample_random_spec"]
+
+#: Mask kinds the random search samples, with their weights.
+MASK_KINDS: dict[str, float] = {
+    "none": 0.15,
+    "causal": 0.2,
+    "padding": 0.15,
+    "random": 0.15,
+    "fully_masked_rows": 0.12,
+    "one_valid_key": 0.08,
+    "additive": 0.15,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RandomCaseSpec:
+    """One sample of the randomised search; :func:`make_random_case` turns it into inputs.
+
+    Attributes:
+        batch, heads, n_q, n_k, head_dim: the shape ``(B, H, N_q|N_k, D)``.
+        mask: one of :data:`MASK_KINDS`.
+        logit_std: standard deviation of the logits ``q·kᵀ·scale`` (before the level).
+        level: a per-row logit offset around this value (e.g. below a sentinel); 0 for none.
+            Carried by the last channel of ``q`` and ``k``, so it needs ``head_dim ≥ 2``; q and k
+            then lie on an integer grid that makes every logit exact in the dtype.
+        scale: the softmax scale, ``None`` for ``1/sqrt(D)``.
+        outliers: scale channel 0 of q, k by 8 and of v by 1000.
+        seed: seed of the tensors.
+    """
+
+    batch: int
+    heads: int
+    n_q: int
+    n_k: int
+    head_dim: int
+    mask: str
+    logit_std: float
+    level: float
+    scale: float | None
+    outliers: bool
+    seed: int
+
+    def __post_init__(self) -> None:
+        if self.mask not in MASK_KINDS:
+            raise ValueError(f"mask={self.mask!r} must be one of {', '.join(MASK_KINDS)}")
+        for name in ("batch", "heads", "n_q", "n_k", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be ≥ 1")
+        if self.level and self.head_dim < 2:
+            raise ValueError("a logit level needs head_dim ≥ 2 (it uses the last channel)")
+
+    #: the sizes that shrinking halves, in the order it tries them
+    SIZES = ("n_q", "n_k", "head_dim", "batch", "heads")
+
+    def halved(self, size: str) -> RandomCaseSpec | None:
+        """This spec with ``size`` halved, or ``None`` when it cannot shrink further."""
+        value = getattr(self, size)
+        smallest = 2 if (size == "head_dim" and self.level) else 1
+        if value // 2 < smallest:
+            return None
+        return replace(self, **{size: value // 2})
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        scale = "1/sqrt(D)" if self.scale is None else f"{self.scale:.3g}"
+        text = (
+            f"B={self.batch} H={self.heads} Nq={self.n_q} Nk={self.n_k} D={self.head_dim} "
+            f"mask={self.mask} logit_std={self.logit_std:.3g} scale={scale}"
+        )
+        if self.level:
+            text += f" level={self.level:.3g}"
+        return text + (" outliers" if self.outliers else "")
+
+
+def sample_random_spec(rng: random.Random, dtype: torch.dtype) -> RandomCaseSpec:
+    """Draw one random case: shapes, mask kind, logit spread and level, scale, outliers.
+
+    The scale is the default with probability 0.6, zero with 0.05, else log-uniform within 10^±2
+    of the default. With probability 0.4 every row's logits sit below one of :data:`SENTINELS`
+    (×1.05 … ×3, and ×1 … ×1.1 per row), among those for which both the logits and the unscaled
+    ``q·kᵀ`` fit ``dtype``: the level is a construct of the search, so it must not overflow by
+    itself (the catalogue's ``qk_overflow`` and ``scale_tiny`` test that); such samples get the
+    nearest power of four as their scale, so their logits are exact (:func:`make_random_case`).
+    """
+    head_dim = rng.randint(2, 128)
+    u = rng.random()
+    scale = None if u < 0.6 else 0.0 if u < 0.65 else default_scale(head_dim, None) * 10 ** rng.uniform(-2, 2)
+    level = 0.0
+    if rng.random() < 0.4 and scale != 0.0:
+        scale = 4.0 ** round(math.log(default_scale(head_dim, scale), 4))  # exact √scale as well
+        limit = 0.8 * finfo_max(dtype) * min(1.0, scale) / 1.1
+        fitting = [s(dtype) for s in SENTINELS.values() if 1.05 * abs(s(dtype)) < limit]
+        if fitting:
+            sentinel = rng.choice(fitting)
+            level = sentinel * rng.uniform(1.05, min(3.0, limit / abs(sentinel)))
+    return RandomCaseSpec(
+        batch=rng.randint(1, 3),
+        heads=rng.randint(1, 4),
+        n_q=round(10 ** rng.uniform(0, math.log10(160))),
+        n_k=round(10 ** rng.uniform(0, math.log10(300))),
+        head_dim=head_dim,
+        mask=rng.choices(list(MASK_KINDS), weights=list(MASK_KINDS.values()))[0],
+        logit_std=10 ** rng.uniform(-1, 1.5),
+        level=level,
+        scale=scale,
+        outliers=rng.random() < 0.15,
+        seed=rng.randrange(2**31),
+    )
+
+
+def _level_grid_qk(
+    gen: torch.Generator, spec: RandomCaseSpec, dtype: torch.dtype, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """q, k on an integer grid: logits ≈ dense + a per-row level, every dot product exact in ``dtype``.
+
+    Every entry is an integer times a power of two and ``q_d · k_d`` a multiple of one unit ``u``;
+    with ``Σ|q_d k_d| ≤ 2^p · u`` (``p`` the significand bits) every partial sum is representable,
+    so ``q·kᵀ`` is exact in any summation order, in every kernel. The level rides on the last
+    channel (``q = n_r · 2^e``, ``k = −2^e'``); the scale is a power of four (see
+    :func:`sample_random_spec`), so ``q·kᵀ·scale`` and torch's ``(q√s)·(k√s)`` are exact too.
+
+    Returns:
+        ``q (B, H, N_q, D)``, ``k (B, H, N_k, D)`` in float64 (exact in ``dtype``) and the logit
+        unit ``u · scale``.
+    """
+    b, h, n_q, n_k, d = spec.batch, spec.heads, spec.n_q, spec.n_k, spec.head_dim
+    budget = 2.0 ** (1 - round(math.log2(torch.finfo(dtype).eps)))  # 2^p: 256 bf16, 2048 fp16, 2^24 fp32
+    shift = spec.level * uniform(gen, 1.0, 1.1, b, h, n_q)  # per-row logit level
+    unit = 2.0 ** math.ceil(math.log2(abs(spec.level) * 1.1 / scale / (budget / 4)))  # level ≤ budget/4 units
+    e_q = math.floor(math.log2(unit) / 2)
+    e_k = round(math.log2(unit)) - e_q
+    dense = d - 1
+    top = max(1, math.isqrt(int(budget / 2 / max(dense, 1))))  # dense part ≤ budget/2 units
+    sigma = math.sqrt(spec.logit_std / (scale * unit * math.sqrt(max(dense, 1))))
+    a = (randn(gen, b, h, n_q, dense) * sigma).round().clamp(-top, top)
+    c = (randn(gen, b, h, n_k, dense) * sigma).round().clamp(-top, top)
+    q = torch.cat([a, (shift.abs() / (scale * unit)).round().unsqueeze(-1)], dim=-1) * 2.0**e_q
+    k = torch.cat([c, -torch.ones(b, h, n_k, 1, dtype=F64)], dim=-1) * 2.0**e_k
+    return q, k, unit * scale
+
+
+def _random_qk(
+    gen: torch.Generator, spec: RandomCaseSpec, dtype: torch.dtype, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """Float64 q ``(B, H, N_q, D)``, k, v ``(B, H, N_k, D)`` of a sample, and its bias unit.
+
+    Samples with a logit level use :func:`_level_grid_qk` (exact logits; outliers then only scale
+    v) and snap additive biases to multiples of the returned unit; the others use normal q, k
+    scaled to ``logit_std`` and a unit of 0 (no snapping).
+    """
+    b, h, n_q, n_k, d = spec.batch, spec.heads, spec.n_q, spec.n_k, spec.head_dim
+    bias_unit = 0.0
+    if spec.level and scale > 0:
+        q, k, bias_unit = _level_grid_qk(gen, spec, dtype, scale)
+    else:
+        sigma = math.sqrt(spec.logit_std / (scale * math.sqrt(d))) if scale > 0 else 1.0
+        q, k = randn(gen, b, h, n_q, d) * sigma, randn(gen, b, h, n_k, d) * sigma
+        if spec.outliers:
+            q[..., 0] *= 8.0
+            k[..., 0] *= 8.0
+    v = randn(gen, b, h, n_k, d)
+    if spec.outliers:
+        v[..., 0] *= 1000.0
+    return q, k, v, bias_unit
+
+
+def _random_mask(
+    gen: torch.Generator, spec: RandomCaseSpec, dtype: torch.dtype, bias_unit: float
+) -> torch.Tensor | None:
+    """The sample's mask (``None`` for ``none`` and ``causal``), anchored at index 0.
+
+    Returns:
+        ``(B, 1, 1, N_k)`` for ``padding``, else ``(B, H, N_q, N_k)``: bool, or additive in ``dtype``.
+    """
+    b, h, n_q, n_k = spec.batch, spec.heads, spec.n_q, spec.n_k
+    if spec.mask == "padding":
+        lengths = torch.randint(0, n_k + 1, (b,), generator=gen)
+        if rand(gen, 1).item() < 0.3:
+            lengths[0] = 0
+        return padding_mask(lengths.tolist(), n_k)
+    if spec.mask == "random":
+        return rand(gen, b, h, n_q, n_k) < uniform(gen, 0.02, 0.9, 1).item()
+    if spec.mask == "fully_masked_rows":
+        mask = rand(gen, b, h, n_q, n_k) < 0.5
+        mask[..., 0, :] = False
+        mask[rand(gen, b, h, n_q) < 0.3] = False
+        return mask
+    if spec.mask == "one_valid_key":
+        return torch.nn.functional.one_hot(torch.randint(0, n_k, (b, h, n_q), generator=gen), n_k).bool()
+    if spec.mask == "additive":
+        keep = rand(gen, b, h, n_q, n_k) < 0.7
+        if rand(gen, 1).item() < 0.5:
+            keep[..., 0, :] = False
+        bias = uniform(gen, -4.0, 0.0, b, h, n_q, n_k)
+        if bias_unit > 0:
+            bias = (bias / bias_unit).round() * bias_unit
+        return additive_mask(keep, bias, dtype)
+    return None
+
+
+def make_random_case(spec: RandomCaseSpec, dtype: torch.dtype) -> CaseInputs:
+    """Build the inputs of a random sample in ``dtype`` (deterministic in ``spec``).
+
+    Samples with a logit level have exact logits (:func:`_level_grid_qk`), so the verdict does not
+    hinge on how each kernel rounds a sum dominated by the level; the others use normal q, k
+    scaled to ``logit_std``. Special structure is anchored at index 0 (row 0 fully masked, batch 0
+    of length 0, ...) so it survives halving the sizes.
+
+    Returns:
+        The inputs: q ``(B, H, N_q, D)``, k and v ``(B, H, N_k, D)`` in ``dtype``.
+    """
+    gen = torch.Generator().manual_seed(spec.seed)
+    q, k, v, bias_unit = _random_qk(gen, spec, dtype, default_scale(spec.head_dim, spec.scale))
+    mask = _random_mask(gen, spec, dtype, bias_unit)
+    return CaseInputs(
+        q=q.to(dtype),
+        k=k.to(dtype),
+        v=v.to(dtype),
+        attn_mask=mask,
+        is_causal=spec.mask == "causal",
+        scale=spec.scale,
+    )

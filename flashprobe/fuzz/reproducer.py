@@ -1,0 +1,156 @@
+"""Reproducers of fuzz failures: ``repro_<case>_<hash>.pt`` (the inputs) and a ``.py`` that re-checks them.
+
+The ``.py`` reloads the ``.pt`` beside it, runs the kernel, prints the non-finite and all-zero row
+counts and the verdict, and exits 1 while the failure reproduces and 0 once it passes. Everything
+in it that comes from the failure (kernel spec, case, reason) is a Python literal (``repr``), so
+the snippet is valid Python whatever that text contains.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashprobe.formats import atomic_write_file, atomic_write_text, safe_name
+from flashprobe.fuzz.inputs import CaseInputs
+from flashprobe.fuzz.kernel_call import kernel_label
+from flashprobe.fuzz.run import FuzzResult
+from flashprobe.kernels import Kernel, get_kernel
+
+__all__ = ["reproducer_snippet", "save_reproducer"]
+
+_SNIPPET = '''"""Reproducer saved by `flashprobe fuzz`: KERNEL fails CASE at DTYPE (the constants below).
+
+Run `python {stem}.py`: it exits 1 while the kernel still fails and 0 once it passes.
+"""
+
+import importlib
+import sys
+from pathlib import Path
+
+import torch
+
+from flashprobe import get_kernel, golden_attention
+from flashprobe.fuzz import CaseInputs, check_case
+
+KERNEL = {kernel!r}
+KERNEL_MODULE = {module!r}  # imported first: it registers the kernel (None: built in)
+CASE = {case!r}
+DTYPE = {dtype!r}
+INPUTS = {shape!r}
+REASON = {reason!r}  # the failure when the reproducer was saved
+
+if KERNEL_MODULE:
+    importlib.import_module(KERNEL_MODULE)
+saved = torch.load(Path(__file__).with_suffix(".pt"), weights_only=True)
+inputs = CaseInputs(
+    q=saved["q"],  # (B, H, N_q, D)
+    k=saved["k"],  # (B, H_kv, N_k, D)
+    v=saved["v"],  # (B, H_kv, N_k, D_v)
+    attn_mask=saved["attn_mask"],
+    is_causal=saved["is_causal"],
+    scale=saved["scale"],
+)
+k, v = inputs.reference_kv()
+out = get_kernel(KERNEL)(inputs.q, inputs.k, inputs.v, attn_mask=inputs.attn_mask,
+                         is_causal=inputs.is_causal, scale=inputs.scale)
+golden = golden_attention(inputs.q, k, v, attn_mask=inputs.attn_mask, is_causal=inputs.is_causal,
+                          scale=inputs.scale)
+print(f"{{KERNEL}} on {{inputs.describe()}}")
+print(f"non-finite outputs: {{(~torch.isfinite(out)).sum().item()}}, all-zero rows: "
+      f"{{(out == 0).all(-1).sum().item()}}, golden all-zero rows: {{(golden == 0).all(-1).sum().item()}}")
+result = check_case(KERNEL, inputs, case=CASE, baseline=saved["baseline"])
+print(f"{{result.verdict}}: {{result.reason}}")
+sys.exit(1 if result.verdict == "fail" else 0)
+'''
+
+
+def reproducer_snippet(
+    *, stem: str, kernel: str, module: str | None, case: str, dtype: str, shape: str, reason: str
+) -> str:
+    """The source of the ``.py`` that re-checks ``<stem>.pt``; every text is embedded as a literal."""
+    return _SNIPPET.format(
+        stem=stem, kernel=kernel, module=module, case=case, dtype=dtype, shape=shape, reason=reason
+    )
+
+
+def _user_module(kernel: Kernel) -> str | None:
+    """The module that registered a user kernel (``None`` for a built-in or ``__main__``)."""
+    module = kernel.fn.__module__
+    return None if module.startswith("flashprobe.kernels") or module == "__main__" else module
+
+
+def _tensors(inputs: CaseInputs) -> dict[str, Any]:
+    """The call's inputs on the CPU, as saved in the ``.pt``."""
+    cpu = inputs.to("cpu")
+    return {
+        "q": cpu.q,
+        "k": cpu.k,
+        "v": cpu.v,
+        "attn_mask": cpu.attn_mask,
+        "is_causal": cpu.is_causal,
+        "scale": cpu.scale,
+    }
+
+
+def save_reproducer(
+    out_dir: str | os.PathLike[str],
+    case: str,
+    kernel: str | Kernel,
+    inputs: CaseInputs,
+    result: FuzzResult,
+    *,
+    baseline: str | Kernel = "math",
+    params: dict[str, Any] | None = None,
+) -> Path:
+    """Save ``repro_<case>_<hash>.pt`` (inputs on CPU, kernel, dtype) and a ``.py`` that re-checks it.
+
+    The snippet imports the module that registered a user kernel (``kernel.fn.__module__``) and
+    exits 1 while the failure reproduces.
+
+    Args:
+        out_dir: the directory (created if needed).
+        case: the case's name, part of the file name.
+        kernel: the failing kernel.
+        inputs: the (shrunk) inputs: q ``(B, H, N_q, D)``, k, v ``(B, H_kv, N_k, ·)``.
+        result: the kernel's result on ``inputs``.
+        baseline: the same-dtype baseline spec the snippet re-checks with.
+        params: the random sample's parameters, saved with the inputs.
+
+    Returns:
+        Path of the ``.pt`` file (the ``.py`` is beside it).
+
+    Raises:
+        OutputPathError: ``case`` cannot be used in a file name.
+    """
+    label, module = kernel_label(kernel), _user_module(get_kernel(kernel))
+    key = json.dumps([label, result.dtype, params, inputs.describe()], sort_keys=True, default=str)
+    stem = f"repro_{safe_name(case, what='case name')}_{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+    payload = {
+        **_tensors(inputs),
+        "kernel": label,
+        "kernel_module": module,
+        "dtype": result.dtype,
+        "baseline": kernel_label(baseline),
+        "case": case,
+        "reason": result.reason,
+        "params": params or {},
+    }
+    path = Path(out_dir) / f"{stem}.pt"
+    atomic_write_file(path, lambda tmp: torch.save(payload, tmp))
+    snippet = reproducer_snippet(
+        stem=stem,
+        kernel=label,
+        module=module,
+        case=case,
+        dtype=result.dtype,
+        shape=inputs.describe(),
+        reason=result.reason,
+    )
+    atomic_write_text(path.with_suffix(".py"), snippet)
+    return path

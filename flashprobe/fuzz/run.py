@@ -1,0 +1,211 @@
+"""Running kernels on cases: one :class:`FuzzResult` per (kernel, case, dtype).
+
+Every (kernel, case, dtype) gets a verdict:
+
+``pass``
+    the output matches the FP64 golden within the noise floor (:mod:`flashprobe.fuzz.rule`);
+``fail``
+    with the reason: the kernel raised; NaN/Inf where the golden is finite; a row of zeros where
+    the golden is clearly non-zero (the sentinel/underflow signature of FlashInfer PR 4401);
+    non-zero output for a fully masked row (expected 0, torch SDPA's convention); or wrong values
+    beyond the rule;
+``skip``
+    the case cannot be posed in this dtype (its logits do not fit the dtype's range);
+``unsupported``
+    the kernel raised :class:`~flashprobe.KernelUnavailableError` or
+    :class:`~flashprobe.KernelInputError` (wrong device, mask kind or GQA not supported): not a
+    failure, reported with the kernel's message.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from flashprobe.fuzz.cases import FuzzCase, case_generator, select_cases
+from flashprobe.fuzz.inputs import CaseInputs, UnrepresentableCaseError
+from flashprobe.fuzz.kernel_call import call_kernel, kernel_label
+from flashprobe.fuzz.references import references
+from flashprobe.fuzz.rule import References, judge
+from flashprobe.kernels import (
+    Kernel,
+    KernelInputError,
+    KernelUnavailableError,
+    dtype_name,
+    get_kernel,
+    to_dtype,
+)
+
+__all__ = ["FuzzResult", "check_case", "kernel_availability", "run_catalogue"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FuzzResult:
+    """The verdict for one (kernel, case, dtype); a row of ``fuzz.json``.
+
+    Attributes:
+        kernel: the kernel's spec string.
+        case: catalogue name or ``random_<i>``.
+        dtype: ``bf16``/``fp16``/``fp32``/``fp64``.
+        verdict: one of :data:`~flashprobe.fuzz.rule.VERDICTS`.
+        reason: why, in words (also on pass: the error and the tolerance).
+        failure: kind of the first failed check: ``raised``, ``inplace``, ``shape``, ``nonfinite``,
+            ``zeros``, ``masked_nonzero`` or ``values``; ``None`` unless the verdict is ``fail``.
+        primary_golden_max_abs: ``max|primary − golden|``; ``None`` when the primary has NaN/Inf
+            where the golden is finite, or produced no output.
+        baseline_golden_max_abs: ``max|baseline − golden|``; ``None`` when the baseline is
+            non-finite.
+        tolerance: ``2 · noise + floor`` the error was held to.
+        noise_from: which baseline set the noise floor.
+        primary_nonfinite: NaN/Inf count of the output where the golden is finite.
+        baseline_nonfinite: NaN/Inf count of the same-dtype baseline.
+        shape: the inputs, e.g. ``B=2 H=2 Nq=16 Nk=203 D=64 mask=bool(2,1,1,203) scale=1``.
+        params: the random sample's parameters (random cases only).
+        repro: path of the saved reproducer (shrunk random failures only).
+    """
+
+    kernel: str
+    case: str
+    dtype: str
+    verdict: str
+    reason: str
+    failure: str | None = None
+    primary_golden_max_abs: float | None = None
+    baseline_golden_max_abs: float | None = None
+    tolerance: float | None = None
+    noise_from: str | None = None
+    primary_nonfinite: int = 0
+    baseline_nonfinite: int = 0
+    shape: str = ""
+    params: dict[str, Any] | None = None
+    repro: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The row as a dict (written with :func:`flashprobe.formats.write_json`)."""
+        return asdict(self)
+
+
+def check_case(
+    kernel: str | Kernel,
+    inputs: CaseInputs,
+    *,
+    case: str = "custom",
+    baseline: str | Kernel = "math",
+    refs: References | None = None,
+) -> FuzzResult:
+    """Run one kernel on one case and judge it.
+
+    Args:
+        kernel: spec or :class:`~flashprobe.Kernel`.
+        inputs: the case in the dtype under test: q ``(B, H, N_q, D)``, k, v ``(B, H_kv, N_k, ·)``.
+        case: the case's name, for the result.
+        baseline: same-dtype baseline spec (ignored when ``refs`` is given).
+        refs: precomputed :func:`~flashprobe.fuzz.references.references` (reused across kernels).
+
+    Returns:
+        The :class:`FuzzResult`.
+    """
+    label = kernel_label(kernel)
+    refs = references(inputs, baseline) if refs is None else refs
+    common = {
+        "kernel": label,
+        "case": case,
+        "dtype": dtype_name(inputs.dtype),
+        "shape": inputs.describe(),
+        "baseline_golden_max_abs": refs.baseline_golden_max_abs,
+        "baseline_nonfinite": refs.baseline_nonfinite,
+    }
+    if refs.skip:
+        return FuzzResult(verdict="skip", reason=refs.skip, **common)
+    call = call_kernel(get_kernel(kernel), inputs)
+    verdict = call.problem if call.output is None else judge(call.output, refs)
+    return FuzzResult(
+        verdict=verdict.verdict,
+        reason=verdict.reason,
+        failure=verdict.failure,
+        primary_golden_max_abs=verdict.primary_golden_max_abs,
+        primary_nonfinite=verdict.primary_nonfinite,
+        tolerance=refs.tolerance,
+        noise_from=refs.noise_from,
+        **common,
+    )
+
+
+def kernel_availability(
+    kernels: Sequence[str], device: torch.device, dtypes: Sequence[torch.dtype]
+) -> dict[tuple[str, torch.dtype], str | None]:
+    """Why each (kernel spec, dtype) cannot run on ``device`` (``None`` when it can)."""
+    why: dict[tuple[str, torch.dtype], str | None] = {}
+    for label in kernels:
+        for dtype in dtypes:
+            try:
+                get_kernel(label).check(device, dtype)
+                why[label, dtype] = None
+            except (KernelUnavailableError, KernelInputError) as err:
+                why[label, dtype] = f"{type(err).__name__}: {err}"
+    return why
+
+
+def _run_case(
+    case: FuzzCase,
+    dtype: torch.dtype,
+    labels: Sequence[str],
+    unavailable: dict[tuple[str, torch.dtype], str | None],
+    *,
+    seed: int,
+    device: torch.device,
+    baseline: str | Kernel,
+) -> list[FuzzResult]:
+    """Every kernel on one case at one dtype, sharing golden and baseline."""
+    common = {"case": case.name, "dtype": dtype_name(dtype)}
+    try:
+        inputs = case.make(dtype, case_generator(seed, case.name)).to(device)
+        refs = references(inputs, baseline)
+    except UnrepresentableCaseError as err:
+        return [FuzzResult(kernel=k, verdict="skip", reason=str(err), **common) for k in labels]
+    results = []
+    for kernel in labels:
+        if (why := unavailable[kernel, dtype]) is not None:
+            result = FuzzResult(
+                kernel=kernel, verdict="unsupported", reason=why, shape=inputs.describe(), **common
+            )
+        else:
+            result = check_case(kernel, inputs, case=case.name, refs=refs)
+        log.debug("%s %s %s: %s", kernel, case.name, common["dtype"], result.verdict)
+        results.append(result)
+    return results
+
+
+def run_catalogue(
+    kernels: Sequence[str | Kernel],
+    dtypes: Sequence[str | torch.dtype],
+    *,
+    cases: Iterable[FuzzCase] | None = None,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    baseline: str | Kernel = "math",
+) -> list[FuzzResult]:
+    """Run every case against every kernel at every dtype.
+
+    Golden and baseline are computed once per (case, dtype) and shared by the kernels. The inputs
+    of a case depend only on ``seed`` and the case's name.
+
+    Returns:
+        One :class:`FuzzResult` per (case, dtype, kernel), in that order.
+    """
+    labels = [kernel_label(k) for k in kernels]
+    device = torch.device(device)
+    resolved = [to_dtype(d) for d in dtypes]
+    unavailable = kernel_availability(labels, device, resolved)
+    return [
+        result
+        for case in (cases if cases is not None else select_cases())
+        for dtype in resolved
+        for result in _run_case(case, dtype, labels, unavailable, seed=seed, device=device, baseline=baseline)
+    ]

@@ -1,0 +1,99 @@
+"""How fuzz results are shown: the terminal grid, the Markdown table, the catalogue, the reasons.
+
+* :func:`terminal_table` — one block per dtype, a row per case, a column per kernel;
+* :func:`markdown_table` — the same as Markdown (``fuzz.md``), each cell the verdicts per dtype;
+* :func:`catalogue_table` — the cases, what each probes and what the golden expects (``--list``);
+* :func:`reason_lines` — skip/unsupported reasons, one line per distinct reason with its count and
+  the cases, dtypes and kernels it applies to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from flashprobe.fuzz.cases import select_cases
+from flashprobe.fuzz.rule import VERDICTS
+from flashprobe.fuzz.run import FuzzResult
+
+__all__ = ["catalogue_table", "markdown_table", "reason_lines", "summary_counts", "terminal_table"]
+
+_CELL = {"pass": "pass", "fail": "FAIL", "skip": "skip", "unsupported": "unsup"}
+
+
+def _unique(values: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(values))
+
+
+def terminal_table(results: Sequence[FuzzResult]) -> str:
+    """One block per dtype: a row per case, a column per kernel, a verdict per cell."""
+    kernels = _unique(r.kernel for r in results)
+    widths = [max(len(k), 5) for k in kernels]
+    lines: list[str] = []
+    for dtype in _unique(r.dtype for r in results):
+        rows = [r for r in results if r.dtype == dtype]
+        cases = _unique(r.case for r in rows)
+        width = max(len(c) for c in [*cases, dtype])
+        cell = {(r.case, r.kernel): _CELL[r.verdict] for r in rows}
+        lines.append(
+            "  ".join([f"{dtype:<{width}}", *(f"{k:<{w}}" for k, w in zip(kernels, widths, strict=True))])
+        )
+        for case in cases:
+            cells = (f"{cell.get((case, k), '-'):<{w}}" for k, w in zip(kernels, widths, strict=True))
+            lines.append("  ".join([f"{case:<{width}}", *cells]).rstrip())
+        lines.append("")
+    return "\n".join(lines)
+
+
+def markdown_table(results: Sequence[FuzzResult]) -> str:
+    """A Markdown table: a row per case, a column per kernel, each cell the verdicts per dtype."""
+    kernels = _unique(r.kernel for r in results)
+    dtypes = _unique(r.dtype for r in results)
+    verdict = {(r.case, r.kernel, r.dtype): r.verdict for r in results}
+    mark = {"pass": "pass", "fail": "**FAIL**", "skip": "skip", "unsupported": "unsup"}
+    lines = [
+        f"| case ({' / '.join(dtypes)}) | " + " | ".join(f"`{k}`" for k in kernels) + " |",
+        "| --- |" + " --- |" * len(kernels),
+    ]
+    for case in _unique(r.case for r in results):
+        cells = [" / ".join(mark.get(verdict.get((case, k, d), ""), "-") for d in dtypes) for k in kernels]
+        lines.append(f"| `{case}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def catalogue_table() -> str:
+    """The catalogue as a Markdown table: case, what it probes, what the golden expects."""
+    lines = ["| case | what it probes | expected (FP64 golden) |", "| --- | --- | --- |"]
+    lines += [f"| `{c.name}` | {c.probes} | {c.expected} |" for c in select_cases()]
+    return "\n".join(lines)
+
+
+def summary_counts(results: Sequence[FuzzResult]) -> dict[str, int]:
+    """How many results got each verdict, for every verdict."""
+    return {v: sum(r.verdict == v for r in results) for v in VERDICTS}
+
+
+def _names(values: Sequence[str], limit: int = 4) -> str:
+    """``a, b, c, d (+3 more)``."""
+    more = f" (+{len(values) - limit} more)" if len(values) > limit else ""
+    return ", ".join(values[:limit]) + more
+
+
+def reason_lines(
+    results: Sequence[FuzzResult], verdicts: Sequence[str] = ("skip", "unsupported")
+) -> list[str]:
+    """One line per distinct (verdict, reason) among ``verdicts``, most frequent first.
+
+    Each line reads ``SKIP  ×2  sentinel_1e5 | fp16 | tiled, math: <reason>``: the count of
+    (kernel, case, dtype) it applies to, then the cases, dtypes and kernels (long lists cut short).
+    """
+    groups: dict[tuple[str, str], list[FuzzResult]] = {}
+    for r in results:
+        if r.verdict in verdicts:
+            groups.setdefault((r.verdict, r.reason), []).append(r)
+    lines = []
+    for (verdict, reason), rows in sorted(groups.items(), key=lambda item: -len(item[1])):
+        where = " | ".join(
+            _names(_unique(getattr(r, field) for r in rows)) for field in ("case", "dtype", "kernel")
+        )
+        lines.append(f"{_CELL[verdict].upper():<5} ×{len(rows):<3} {where}: {reason}")
+    return lines

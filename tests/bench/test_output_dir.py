@@ -1,0 +1,79 @@
+"""Every ``flashprobe bench`` command checks ``--out`` before any work (exit code 2, one line)."""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import os
+from pathlib import Path
+
+import pytest
+
+SMALL = ["--batch", "1", "--heads", "1", "--seq-len", "16", "--head-dim", "8", "--dtype", "fp32"]
+
+
+def _precision(argv: list[str]) -> int:
+    from flashprobe.bench import precision
+
+    return precision.main([*SMALL, "--repeats", "1", *argv])
+
+
+def test_out_that_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "results"
+    out.write_text("not a directory")
+    assert _precision(["--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"flashprobe bench precision: error: --out {out} is a file; give a directory path\n"
+    assert out.read_text() == "not a directory"
+
+
+def test_out_under_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / "sub"
+    assert _precision(["--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flashprobe bench precision: error:")
+    assert f"--out {out} lies under {tmp_path / 'file'}, which is a file" in err
+    assert err.count("\n") == 1
+
+
+def test_out_that_is_not_writable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "read_only"
+    out.mkdir()
+    out.chmod(0o500)
+    if os.geteuid() == 0:  # root writes anyway: make the write check fail as it would for a user
+        real_touch = Path.touch
+
+        def touch(self: Path, *args, **kwargs) -> None:
+            if self.parent == out:
+                raise PermissionError(errno.EACCES, "Permission denied")
+            real_touch(self, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "touch", touch)
+    try:
+        assert _precision(["--out", str(out)]) == 2
+    finally:
+        out.chmod(0o700)
+    err = capsys.readouterr().err
+    assert err == (
+        f"flashprobe bench precision: error: --out {out} is not writable (Permission denied); "
+        "give a directory you can write to\n"
+    )
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.timeout(60)  # with the check missing, the default settings would measure for minutes
+@pytest.mark.parametrize("command", ["precision", "seqlen", "tiles", "speed", "overhead", "wasserstein"])
+def test_every_command_checks_out_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    out = tmp_path / "taken"
+    out.write_text("x")
+    main = importlib.import_module(f"flashprobe.bench.{command}").main
+    assert main(["--out", str(out)]) == 2  # default settings: the check comes before any work
+    captured = capsys.readouterr()
+    message = f"flashprobe bench {command}: error: --out {out} is a file; give a directory path\n"
+    assert captured.err == message
+    assert captured.out == ""

@@ -1,0 +1,159 @@
+"""``flashprobe fuzz``: exit codes, fuzz.json and fuzz.md, the printed output, bad input.
+
+Bad input must fail before any case runs, with exit code 2 and one message that names the
+argument and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashprobe.fuzz.cli as cli
+from flashprobe.fuzz import VERDICTS, ZEROS_REASON
+from flashprobe.fuzz.cli import main
+
+from ._helpers import SENTINEL_KERNEL
+
+
+def test_main_exit_codes_json_schema_and_table(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["--kernel", "tiled", "--kernel", SENTINEL_KERNEL, "--dtype", "fp32,fp16", "--case", "sentinel_*"]
+    assert main([*argv, "--out", str(out)]) == 1
+    printed = capsys.readouterr().out
+    assert SENTINEL_KERNEL in printed and ZEROS_REASON in printed
+    payload = json.loads((out / "fuzz.json").read_text())
+    assert payload["kernels"] == ["tiled", SENTINEL_KERNEL] and payload["dtypes"] == ["fp32", "fp16"]
+    rows = payload["rows"]
+    assert len(rows) == 4 * 2 * 2
+    required = {
+        "kernel",
+        "case",
+        "dtype",
+        "verdict",
+        "primary_golden_max_abs",
+        "baseline_golden_max_abs",
+        "reason",
+    }
+    for row in rows:
+        assert required <= row.keys()
+        assert row["verdict"] in VERDICTS
+        for key in ("primary_golden_max_abs", "baseline_golden_max_abs"):
+            assert row[key] is None or (isinstance(row[key], float) and row[key] >= 0)
+    assert payload["summary"] == {v: sum(r["verdict"] == v for r in rows) for v in VERDICTS}
+    assert payload["summary"]["skip"] == 2  # sentinel_1e5 in fp16, for both kernels
+    table = (out / "fuzz.md").read_text()
+    assert (
+        f"`{SENTINEL_KERNEL}`" in table and "| `sentinel_5e4` | pass / pass | **FAIL** / **FAIL** |" in table
+    )
+
+    assert main(["--kernel", "tiled", "--dtype", "fp32", "--case", "sentinel_*", "--out", str(out)]) == 0
+    argv = ["--kernel", SENTINEL_KERNEL, "--dtype", "fp32", "--case", "sentinel_*", "--out", str(out)]
+    assert main([*argv, "--exclude", "sentinel_5e4,sentinel_1e5,sentinel_halfmax"]) == 0  # only 1e4 left
+    assert [r["case"] for r in json.loads((out / "fuzz.json").read_text())["rows"]] == ["sentinel_1e4"]
+    assert main(["--kernel", "no_such_kernel", "--out", str(out)]) == 2
+    assert main(["--out", str(out)]) == 2
+    assert main(["--kernel", "tiled", "--case", "nothing_matches", "--out", str(out)]) == 2
+    assert main(["--kernel", "tiled", "--dtype", "int8", "--out", str(out)]) == 2
+    assert main(["--import", "no_such_module_for_fuzz", "--kernel", "tiled", "--out", str(out)]) == 2
+    assert main(["--list"]) == 0
+    assert "sentinel_5e4" in capsys.readouterr().out
+
+
+def test_output_lists_skip_and_unsupported_reasons_and_every_file_written(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["--kernel", "tiled", "--kernel", "sdpa_efficient", "--dtype", "fp16,fp32"]
+    assert main([*argv, "--case", "sentinel_1e5,gqa_broadcast", "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.rstrip().splitlines()
+    reasons = [line for line in lines if line.startswith(("SKIP ", "UNSUP "))]
+    rows = json.loads((out / "fuzz.json").read_text())["rows"]
+    distinct = {(r["verdict"], r["reason"]) for r in rows if r["verdict"] in ("skip", "unsupported")}
+    assert len(reasons) == len(distinct) == 3, reasons  # one line per distinct reason
+    skip = next(line for line in reasons if line.startswith("SKIP "))
+    assert skip.startswith("SKIP  ×2") and "sentinel_1e5 | fp16 | tiled, sdpa_efficient: " in skip
+    cuda = next(line for line in reasons if "needs a CUDA device" in line)
+    assert (
+        cuda.startswith("UNSUP ×3") and "sentinel_1e5, gqa_broadcast | fp32, fp16 | sdpa_efficient: " in cuda
+    )
+    gqa = next(line for line in reasons if "KernelInputError" in line)
+    assert "gqa_broadcast | fp16, fp32 | tiled: KernelInputError" in gqa
+    assert lines[-1] == f"1 pass, 0 fail, 2 skip, 5 unsupported; wrote {out / 'fuzz.json'}, {out / 'fuzz.md'}"
+
+
+@pytest.fixture
+def no_run(monkeypatch):
+    """Fails the test if any case runs."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a case ran despite bad input")
+
+    monkeypatch.setattr(cli, "run_catalogue", refuse)
+    monkeypatch.setattr(cli, "random_search", refuse)
+
+
+def _bad_input(argv: list[str], capsys) -> str:
+    """Run ``flashprobe fuzz`` expecting exit 2; its one-line message."""
+    assert main(["--kernel", "tiled", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("make_out", "message"),
+    [
+        (lambda tmp: tmp / "file", "--out {out} is a file; give a directory path"),
+        (
+            lambda tmp: tmp / "file" / "sub",
+            "--out {out} lies under {tmp}/file, which is a file; give a directory",
+        ),
+    ],
+    ids=["is-a-file", "under-a-file"],
+)
+def test_bad_out_fails_before_any_case_runs(tmp_path, capsys, no_run, make_out, message):
+    (tmp_path / "file").write_text("not a directory")
+    out = make_out(tmp_path)
+    text = _bad_input(["--out", str(out)], capsys)
+    assert message.format(out=out, tmp=tmp_path) in text
+    assert (tmp_path / "file").read_text() == "not a directory"
+
+
+def test_unwritable_out_fails_before_any_case_runs(tmp_path, capsys, no_run, monkeypatch):
+    out = tmp_path / "readonly"
+
+    def denied(self, *args, **kwargs):  # what a read-only directory does (root may write anywhere)
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "touch", denied)
+    text = _bad_input(["--out", str(out)], capsys)
+    assert f"--out {out} is not writable (Permission denied); give a directory you can write to" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_device_cuda_without_cuda_fails_before_any_case_runs(tmp_path, capsys, no_run):
+    text = _bad_input(["--device", "cuda", "--out", str(tmp_path)], capsys)
+    assert text == "flashprobe fuzz: --device cuda: CUDA is not available on this machine; use --device cpu"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--dtype", ","], "--dtype ',' lists nothing; give e.g. --dtype bf16,fp32, or leave --dtype out"),
+        (["--dtype", "fp32,int8"], "--dtype int8: unknown dtype; use one of bf16, fp16, fp32, fp64"),
+        (["--case", " , "], "--case ' , ' lists nothing; give e.g. --case 'sentinel_*', or leave --case out"),
+        (["--budget", "-1"], "--budget -1: must be ≥ 0 (random samples; 0 runs only the catalogue)"),
+        (["--device", "nonsense"], "--device 'nonsense': "),
+        (["--baseline", "nope"], "--baseline 'nope': unknown kernel 'nope'"),
+    ],
+    ids=["empty-dtype", "unknown-dtype", "empty-case", "negative-budget", "bad-device", "bad-baseline"],
+)
+def test_bad_arguments_fail_before_any_case_runs(tmp_path, capsys, no_run, argv, message):
+    out = tmp_path / "out"
+    text = _bad_input([*argv, "--out", str(out)], capsys)
+    assert text.startswith("flashprobe fuzz: ") and message in text
+    assert not out.exists()  # nothing created either

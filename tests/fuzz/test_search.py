@@ -1,0 +1,195 @@
+"""Random search, shrinking and reproducers.
+
+Oracles: a kernel with a planted bug (NaN for rows with no valid key) registered by a user module;
+the FlashInfer sentinel bug, which must be found exactly in samples whose logits lie below −5e4.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashprobe
+from flashprobe.fuzz import (
+    ZEROS_REASON,
+    CaseInputs,
+    FuzzResult,
+    RandomCaseSpec,
+    check_case,
+    make_random_case,
+    random_search,
+    save_reproducer,
+)
+from flashprobe.fuzz.cli import main
+from flashprobe.kernels import available_kernels, unregister_kernel
+
+from ._helpers import SENTINEL_KERNEL, case, logits64
+
+REPO = Path(flashprobe.__file__).resolve().parents[1]
+
+PLANTED = '''
+import torch
+from flashprobe import register_kernel
+
+
+@register_kernel("planted_nan")
+def planted_nan(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Correct attention, except that a row with no valid key comes back as NaN."""
+    s = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+    if is_causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+'''
+
+
+@pytest.fixture
+def planted_module(tmp_path, monkeypatch):
+    """A user module on disk, importable, that registers ``planted_nan`` when imported."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "planted_kernels.py").write_text(textwrap.dedent(PLANTED))
+    monkeypatch.syspath_prepend(str(src))
+    yield src
+    if "planted_nan" in available_kernels():
+        unregister_kernel("planted_nan")
+    sys.modules.pop("planted_kernels", None)
+
+
+#: Runs reproducer snippets one after another in one fresh interpreter, as `python snippet.py`
+#: would (run_name="__main__"), printing each exit status: one torch import instead of several.
+_DRIVER = """
+import runpy, sys
+for path in sys.argv[1:]:
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as stop:
+        print(f"EXIT {stop.code}", flush=True)
+"""
+
+
+def _run_snippets(*snippets: Path, path: Path | None = None) -> list[tuple[int, str]]:
+    """Exit status and stdout of each snippet, run in a new Python process."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*([str(path)] if path else []), str(REPO)])}
+    proc = subprocess.run(
+        [sys.executable, "-c", _DRIVER, *map(str, snippets)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    parts = re.split(r"^EXIT (-?\d+)$", proc.stdout, flags=re.MULTILINE)  # out, code, out, code, ""
+    return [(int(code), out) for out, code in zip(parts[0:-1:2], parts[1::2], strict=True)]
+
+
+def test_budget_search_finds_shrinks_and_saves_a_planted_bug(planted_module, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = [
+        "--kernel",
+        "planted_nan",
+        "--dtype",
+        "fp32",
+        "--budget",
+        "10",
+        "--no-catalogue",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 2  # not registered yet
+    capsys.readouterr()
+    assert main(["--import", "planted_kernels", *argv]) == 1
+    rows = json.loads((out / "fuzz.json").read_text())["rows"]
+    failed = [r for r in rows if r["verdict"] == "fail"]
+    assert failed and all(r["failure"] == "nonfinite" for r in failed)
+    first = next(r for r in failed if r["repro"])
+    last = capsys.readouterr().out.rstrip().splitlines()[-1]  # names every file written
+    assert last.endswith(
+        f"wrote {out / 'fuzz.json'}, {first['repro']}, {Path(first['repro']).with_suffix('.py')}"
+    )
+    saved = torch.load(first["repro"], weights_only=True)
+    assert saved["kernel"] == "planted_nan" and saved["kernel_module"] == "planted_kernels"
+
+    inputs = CaseInputs(
+        q=saved["q"],
+        k=saved["k"],
+        v=saved["v"],
+        attn_mask=saved["attn_mask"],
+        is_causal=saved["is_causal"],
+        scale=saved["scale"],
+    )
+    assert (~inputs.valid_keys().any(-1)).any()  # the bug's trigger survived shrinking
+    params = first["params"]
+    before = params["batch"] * params["heads"] * params["n_q"] * params["n_k"] * params["head_dim"]
+    b, h, n_q, d = inputs.q.shape
+    assert b * h * n_q * inputs.k.shape[2] * d < before
+    assert max(inputs.q.shape[2], inputs.k.shape[2]) <= 2  # halving went all the way down
+
+    ((code, out),) = _run_snippets(Path(first["repro"]).with_suffix(".py"), path=planted_module)
+    assert code == 1 and "fail: " in out and "NaN" in out, out
+
+
+def test_reproducer_snippet_exits_zero_once_the_kernel_passes(tmp_path):
+    spec = RandomCaseSpec(
+        batch=2, heads=2, n_q=9, n_k=33, head_dim=8, mask="none", logit_std=3.0,
+        level=-8e4, scale=None, outliers=False, seed=5,
+    )  # fmt: skip
+    inputs = make_random_case(spec, torch.float32)
+    assert logits64(inputs).max() < -5e4  # every row below the FlashInfer sentinel
+    saved = {}
+    for kernel in (SENTINEL_KERNEL, "tiled"):
+        result = check_case(kernel, inputs, case="planted")
+        saved[kernel] = save_reproducer(tmp_path, "planted", kernel, inputs, result, params=spec.as_dict())
+    assert saved[SENTINEL_KERNEL] != saved["tiled"]
+    (code_bug, out_bug), (code_ok, out_ok) = _run_snippets(
+        saved[SENTINEL_KERNEL].with_suffix(".py"), saved["tiled"].with_suffix(".py")
+    )
+    assert code_bug == 1 and ZEROS_REASON in out_bug, out_bug
+    assert code_ok == 0 and out_ok.rstrip().splitlines()[-1].startswith("pass: "), out_ok
+
+
+def test_reproducer_snippet_is_valid_python_whatever_the_reason_says(tmp_path):
+    reason = (
+        "raised ValueError: bad path C:\\new\\x41 \\N{oops} \\u12 \"\"\"ended\"\"\" '''too'''\nsecond line\\"
+    )
+    inputs = case("single_key")
+    result = FuzzResult(
+        kernel="tiled", case="odd", dtype="fp32", verdict="fail", reason=reason, failure="raised"
+    )
+    path = save_reproducer(tmp_path, "odd", "tiled", inputs, result)
+    source = path.with_suffix(".py").read_text(encoding="utf-8")
+    compile(source, str(path.with_suffix(".py")), "exec")  # a SyntaxError fails the test
+    constants = {
+        node.targets[0].id: ast.literal_eval(node.value)
+        for node in ast.parse(source).body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.targets[0], ast.Name)
+        and node.targets[0].id.isupper()
+    }
+    assert constants["REASON"] == reason and constants["KERNEL"] == "tiled" and constants["CASE"] == "odd"
+    assert torch.load(path, weights_only=True)["reason"] == reason
+    with pytest.raises(ValueError, match=r"case name '\.\./up' cannot be used in a file name"):
+        save_reproducer(tmp_path, "../up", "tiled", inputs, result)
+
+
+def test_random_search_finds_the_sentinel_bug_and_no_false_alarm_on_correct_kernels():
+    results = random_search(["tiled", "sdpa_flash", SENTINEL_KERNEL], ["fp32"], budget=16, seed=0)
+    by_kernel = {k: [r for r in results if r.kernel == k] for k in ("tiled", "sdpa_flash", SENTINEL_KERNEL)}
+    for kernel in ("tiled", "sdpa_flash"):
+        assert {r.verdict for r in by_kernel[kernel]} <= {"pass", "skip"}, [
+            r.reason for r in by_kernel[kernel]
+        ]
+    sentinel_fails = [r for r in by_kernel[SENTINEL_KERNEL] if r.verdict == "fail"]
+    assert sentinel_fails and all(r.failure == "zeros" for r in sentinel_fails)
+    assert all(r.params["level"] < -5e4 for r in sentinel_fails)  # exactly the rows below the sentinel
