@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from flashprobe.formats.probe_log import load_probe_records
@@ -37,13 +38,16 @@ MAX_LINES = 10
 
 _GRADS = ("dq", "dk", "dv")
 
+#: site → quantity → one value per record (:func:`site_series`).
+Series = dict[str, dict[str, list[float]]]
+
 
 def _num(x: Any) -> float:
     """A number of a decoded probe record as a float; ``None`` (not recorded) is NaN."""
     return math.nan if x is None or isinstance(x, bool) else float(x)
 
 
-def site_series(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, list[float]]]:
+def site_series(records: Sequence[Mapping[str, Any]]) -> Series:
     """Per site, per quantity, one value per record (NaN where the site was not probed).
 
     Quantities: ``error_ratio`` (forward), ``backward_error_ratio`` (worst of dq, dk, dv),
@@ -74,6 +78,84 @@ def _short(name: str, width: int = 34) -> str:
     return name if len(name) <= width else "…" + name[-(width - 1) :]
 
 
+def _capped(values: Sequence[float], cap: float) -> list[float]:
+    """Infinite ratios drawn at ``cap`` (the top of the axis)."""
+    return [cap if v == math.inf else v for v in values]
+
+
+def _ratio_lines(ax: Axes, steps: list[int], series: Series, cap: float) -> None:
+    """The error ratio of each site over steps, one colour per site; backward ratios dashed."""
+    for i, (name, s) in enumerate(series.items()):
+        colour = f"C{i % 10}"
+        forward, backward = s["error_ratio"], s["backward_error_ratio"]
+        ax.plot(steps, _capped(forward, cap), "-", color=colour, label=_short(name))
+        if not all(math.isnan(v) for v in backward):
+            ax.plot(steps, _capped(backward, cap), "--", color=colour, alpha=0.6)
+        for values in (forward, backward):
+            top = [step for step, v in zip(steps, values, strict=True) if v == math.inf]
+            ax.plot(top, [cap] * len(top), "^", color=colour, markersize=7)
+    ax.axhline(1.0, color="0.4", linewidth=0.8)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("error ratio  |primary − golden| / |baseline − golden|")
+    has_backward = any(not all(math.isnan(v) for v in s["backward_error_ratio"]) for s in series.values())
+    ax.set_title("forward error ratio per site" + (" (dashed: backward)" if has_backward else ""))
+    ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False)
+
+
+def _ratio_heatmap(fig: Figure, ax: Axes, steps: list[int], series: Series, cap: float) -> None:
+    """The forward error ratio as a sites × steps heat map (many sites)."""
+    names = list(series)
+    grid = np.array([_capped(series[n]["error_ratio"], cap) for n in names], dtype=float)
+    x = np.asarray(steps, dtype=float)
+    half = np.diff(x) / 2 if len(x) > 1 else np.array([])
+    edges = np.concatenate(
+        (
+            [x[0] - (half[0] if len(half) else 0.5)],
+            x[:-1] + half,
+            [x[-1] + (half[-1] if len(half) else 0.5)],
+        )
+    )
+    image = ax.pcolormesh(edges, np.arange(len(names) + 1) - 0.5, np.ma.masked_invalid(grid), cmap="viridis")
+    ax.set_yticks(range(len(names)), [_short(n) for n in names], fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlabel("training step")
+    ax.set_title("forward error ratio per site")
+    fig.colorbar(image, ax=ax, label="error ratio")
+
+
+def _primary_baseline_panel(ax: Axes, steps: list[int], series: Series) -> None:
+    """max |primary − baseline| of each site over steps, log axis."""
+    for i, s in enumerate(series.values()):
+        values = [v if v > 0 else math.nan for v in s["primary_baseline"]]
+        ax.plot(steps, values, color=f"C{i % 10}", linewidth=1.0)
+    ax.set_yscale("log")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("max |primary − baseline|")
+    ax.set_title("primary vs baseline, per site")
+
+
+def _per_site_panel(ax: Axes, series: Series) -> None:
+    """Per site, the largest |primary − golden| and |baseline − golden| over the run."""
+
+    def worst(values: list[float]) -> float:
+        finite = [v for v in values if math.isfinite(v)]
+        return max(finite) if finite else math.nan
+
+    names = list(series)
+    y = np.arange(len(names))
+    primary = [worst(series[n]["primary_golden"]) for n in names]
+    baseline = [worst(series[n]["baseline_golden"]) for n in names]
+    ax.barh(y - 0.2, primary, height=0.4, color="tab:red", label="primary vs golden")
+    ax.barh(y + 0.2, baseline, height=0.4, color="tab:blue", label="baseline vs golden")
+    ax.set_yticks(y, [_short(n) for n in names], fontsize=7 if len(names) <= MAX_LINES else 6)
+    ax.invert_yaxis()
+    if any(v > 0 for v in primary + baseline if not math.isnan(v)):
+        ax.set_xscale("log")
+    ax.set_xlabel("largest max |· − golden| over the run")
+    ax.set_title("per site, whole run")
+    ax.legend(fontsize=7, loc="lower right")
+
+
 def plot_probe(
     jsonl: str | os.PathLike[str], path: str | os.PathLike[str], *, title: str | None = None
 ) -> Path:
@@ -97,7 +179,6 @@ def plot_probe(
     if not series:
         raise ValueError(f"{jsonl}: no per-site statistics to plot (did the probe see any attention call?)")
     steps = [int(r["step"]) for r in records]
-    names = list(series)
     nonfinite = sum(int((r.get("summary") or {}).get("nonfinite") or 0) for r in records)
     # An infinite error ratio (the baseline matched golden exactly, the primary did not) is drawn at
     # the top of the axis with a triangle, so the worst points are not lost as gaps.
@@ -105,77 +186,18 @@ def plot_probe(
     cap = 1.5 * max((v for v in ratios if math.isfinite(v)), default=1.0)
     infinite = sum(v == math.inf for v in ratios)
 
-    def capped(values: list[float]) -> list[float]:
-        return [cap if v == math.inf else v for v in values]
-
-    fig = Figure(figsize=(15, 4.8 if len(names) <= MAX_LINES else 4.8 + 0.12 * len(names)))
+    many = len(series) > MAX_LINES
+    fig = Figure(figsize=(15, 4.8 + 0.12 * len(series) if many else 4.8))
     ax_ratio, ax_pb, ax_site = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1.2, 1.0, 1.0]})
-    colours = [f"C{i % 10}" for i in range(len(names))]
-
-    if len(names) <= MAX_LINES:
-        for i, name in enumerate(names):
-            forward, backward = series[name]["error_ratio"], series[name]["backward_error_ratio"]
-            ax_ratio.plot(steps, capped(forward), "-", color=colours[i], label=_short(name))
-            if not all(math.isnan(v) for v in backward):
-                ax_ratio.plot(steps, capped(backward), "--", color=colours[i], alpha=0.6)
-            for values in (forward, backward):
-                top = [s for s, v in zip(steps, values, strict=True) if v == math.inf]
-                ax_ratio.plot(top, [cap] * len(top), "^", color=colours[i], markersize=7)
-        ax_ratio.axhline(1.0, color="0.4", linewidth=0.8)
-        ax_ratio.set_xlabel("training step")
-        ax_ratio.set_ylabel("error ratio  |primary − golden| / |baseline − golden|")
-        has_backward = any(not all(math.isnan(v) for v in s["backward_error_ratio"]) for s in series.values())
-        ax_ratio.set_title("forward error ratio per site" + (" (dashed: backward)" if has_backward else ""))
+    if many:
+        _ratio_heatmap(fig, ax_ratio, steps, series, cap)
     else:
-        grid = np.array([capped(series[n]["error_ratio"]) for n in names], dtype=float)
-        x = np.asarray(steps, dtype=float)
-        half = np.diff(x) / 2 if len(x) > 1 else np.array([])
-        edges = np.concatenate(
-            (
-                [x[0] - (half[0] if len(half) else 0.5)],
-                x[:-1] + half,
-                [x[-1] + (half[-1] if len(half) else 0.5)],
-            )
-        )
-        image = ax_ratio.pcolormesh(
-            edges, np.arange(len(names) + 1) - 0.5, np.ma.masked_invalid(grid), cmap="viridis"
-        )
-        ax_ratio.set_yticks(range(len(names)), [_short(n) for n in names], fontsize=6)
-        ax_ratio.invert_yaxis()
-        ax_ratio.set_xlabel("training step")
-        ax_ratio.set_title("forward error ratio per site")
-        fig.colorbar(image, ax=ax_ratio, label="error ratio")
-
-    for i, name in enumerate(names):
-        values = [v if v > 0 else math.nan for v in series[name]["primary_baseline"]]
-        ax_pb.plot(steps, values, color=colours[i], linewidth=1.0)
-    ax_pb.set_yscale("log")
-    ax_pb.set_xlabel("training step")
-    ax_pb.set_ylabel("max |primary − baseline|")
-    ax_pb.set_title("primary vs baseline, per site")
-
-    def worst(name: str, pair: str) -> float:
-        values = [v for v in series[name][pair] if math.isfinite(v)]
-        return max(values) if values else math.nan
-
-    y = np.arange(len(names))
-    primary = [worst(n, "primary_golden") for n in names]
-    baseline = [worst(n, "baseline_golden") for n in names]
-    ax_site.barh(y - 0.2, primary, height=0.4, color="tab:red", label="primary vs golden")
-    ax_site.barh(y + 0.2, baseline, height=0.4, color="tab:blue", label="baseline vs golden")
-    ax_site.set_yticks(y, [_short(n) for n in names], fontsize=7 if len(names) <= MAX_LINES else 6)
-    ax_site.invert_yaxis()
-    if any(v > 0 for v in primary + baseline if not math.isnan(v)):
-        ax_site.set_xscale("log")
-    ax_site.set_xlabel("largest max |· − golden| over the run")
-    ax_site.set_title("per site, whole run")
-    ax_site.legend(fontsize=7, loc="lower right")
-    if len(names) <= MAX_LINES:
-        ax_ratio.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False)
-
+        _ratio_lines(ax_ratio, steps, series, cap)
+    _primary_baseline_panel(ax_pb, steps, series)
+    _per_site_panel(ax_site, series)
     head = title or jsonl.parent.name
     fig.suptitle(
-        f"{head}: {len(names)} sites, {len(records)} logged intervals, steps {steps[0]}–{steps[-1]}, "
+        f"{head}: {len(series)} sites, {len(records)} logged intervals, steps {steps[0]}–{steps[-1]}, "
         f"{nonfinite} non-finite values"
         + (f", {infinite} infinite error ratios (▲ at the top)" if infinite else "")
     )
