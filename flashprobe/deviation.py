@@ -6,9 +6,15 @@ Vocabulary (DESIGN.md): for outputs ``a`` and reference ``b`` of the same shape,
 * ``mean_abs`` = mean |a − b| over finite pairs,
 * ``rel_l2``   = ‖a − b‖₂ / ‖b‖₂ over finite pairs (0 when both are 0),
 * ``nonfinite`` = number of positions where ``a`` or ``b`` is NaN/±inf — counted, never
-  allowed to turn the maxima into NaN;
-* **error ratio** = ``max_abs(primary, golden) / max_abs(baseline, golden)``; flash-attention's own
-  tests pass a kernel when it is ≤ 2.
+  allowed to turn the maxima into NaN; when *no* pair is finite the other statistics are
+  undefined (NaN);
+* **error ratio** = ``max_abs(primary, golden) / max(max_abs(baseline, golden), noise floor)``;
+  flash-attention's own tests pass a kernel when it is ≤ 2. The **noise floor**
+  (:func:`noise_floor`) is half a unit in the last place of the largest golden value in the dtype
+  the kernels computed in, ``½·eps(dtype)·max|golden|``: the rounding error of merely storing the
+  golden output in that dtype, which any baseline error normally exceeds. It only matters when the
+  baseline is (nearly) exact, where a bare ratio would be infinite or noise over noise. A ratio
+  that is undefined — no finite value compared (every output NaN), or 0/0 — is ``None``.
 
 **Names** used everywhere (probe statistics, bench rows, fuzz results, reports): the three
 :data:`PAIRS` ``primary_baseline``, ``primary_golden``, ``baseline_golden`` (``a_b`` = deviation of
@@ -35,6 +41,7 @@ __all__ = [
     "deviation_tensors",
     "error_ratio",
     "finish_deviation",
+    "noise_floor",
 ]
 
 #: The compared pairs, ``a_b`` meaning deviation of ``a`` from reference ``b``.
@@ -91,7 +98,9 @@ def deviation_tensors(a: torch.Tensor, b: torch.Tensor) -> dict[str, torch.Tenso
 
 
 def _finish(t: dict[str, float]) -> Deviation:
-    count = t["count"]
+    count, nonfinite = t["count"], int(t["nonfinite"])
+    if not count and nonfinite:  # no finite pair compared: every statistic is undefined
+        return Deviation(math.nan, math.nan, math.nan, nonfinite, nonfinite)
     rel = (
         math.sqrt(t["sum_sq_diff"] / t["sum_sq_ref"])
         if t["sum_sq_ref"] > 0
@@ -101,8 +110,8 @@ def _finish(t: dict[str, float]) -> Deviation:
         max_abs=t["max_abs"],
         mean_abs=t["sum_abs"] / count if count else 0.0,
         rel_l2=rel,
-        nonfinite=int(t["nonfinite"]),
-        numel=int(count + t["nonfinite"]),
+        nonfinite=nonfinite,
+        numel=int(count + nonfinite),
     )
 
 
@@ -118,27 +127,40 @@ def finish_deviation(sums: dict[str, float]) -> Deviation:
     return _finish(sums)
 
 
-def error_ratio(primary_vs_golden: float, baseline_vs_golden: float) -> float:
-    """The error ratio ``primary_vs_golden / baseline_vs_golden`` of two ``max_abs`` deviations.
+def noise_floor(golden_max_abs: float, dtype: torch.dtype) -> float:
+    """The error ratio's noise floor: ``½ · eps(dtype) · max|golden|``.
 
     Args:
-        primary_vs_golden: ``max_abs`` of the primary kernel against the golden value.
-        baseline_vs_golden: ``max_abs`` of the baseline against the golden value.
+        golden_max_abs: the largest magnitude of the golden output.
+        dtype: the dtype the kernels computed in.
+    """
+    return 0.5 * float(torch.finfo(dtype).eps) * golden_max_abs
+
+
+def error_ratio(primary_golden: float, baseline_golden: float, *, floor: float = 0.0) -> float | None:
+    """The error ratio ``primary_golden / max(baseline_golden, floor)`` of two ``max_abs`` deviations.
+
+    Args:
+        primary_golden: ``max_abs`` of the primary kernel against the golden value.
+        baseline_golden: ``max_abs`` of the baseline against the golden value.
+        floor: the noise floor (:func:`noise_floor`); with the default 0 an exact baseline gives
+            an infinite ratio.
 
     Returns:
-        The ratio; 1 when both are 0 (both exact), inf when only the baseline is exact, NaN when
-        either is NaN.
+        The ratio; ``inf`` when the denominator is 0 and the primary is not exact; ``None`` when it
+        is undefined: 0/0, or a NaN deviation (nothing finite was compared).
 
     Raises:
-        ValueError: a deviation is negative (it is an absolute difference).
+        ValueError: a deviation or the floor is negative (they are absolute differences).
     """
-    if primary_vs_golden < 0 or baseline_vs_golden < 0:
+    if primary_golden < 0 or baseline_golden < 0 or floor < 0:
         raise ValueError(
-            f"error_ratio: deviations are absolute differences and cannot be negative, got "
-            f"{primary_vs_golden} and {baseline_vs_golden}"
+            f"error_ratio: deviations and the floor are absolute differences and cannot be negative, got "
+            f"{primary_golden}, {baseline_golden} and floor {floor}"
         )
-    if math.isnan(primary_vs_golden) or math.isnan(baseline_vs_golden):
-        return math.nan
-    if baseline_vs_golden == 0:
-        return 1.0 if primary_vs_golden == 0 else math.inf
-    return primary_vs_golden / baseline_vs_golden
+    if math.isnan(primary_golden) or math.isnan(baseline_golden):
+        return None
+    denominator = max(baseline_golden, floor)
+    if denominator == 0:
+        return None if primary_golden == 0 else math.inf
+    return primary_golden / denominator

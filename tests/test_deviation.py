@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from flashprobe.deviation import Deviation, deviation, deviation_tensors, error_ratio, finish_deviation
+from flashprobe.deviation import (
+    Deviation,
+    deviation,
+    deviation_tensors,
+    error_ratio,
+    finish_deviation,
+    noise_floor,
+)
 
 
 def test_hand_values():
@@ -49,8 +56,9 @@ def test_nonfinite_values_are_counted_and_do_not_poison_the_maxima():
     assert dev.nonfinite == 3 and dev.numel == 5
     assert dev.max_abs == 1.0 and dev.mean_abs == 1.0  # finite pairs: |1 - 0|, |5 - 4|
     assert dev.rel_l2 == pytest.approx(math.sqrt(2) / 4)
-    everything_bad = deviation(torch.full((4,), math.nan), torch.zeros(4))
-    assert everything_bad == Deviation(max_abs=0.0, mean_abs=0.0, rel_l2=0.0, nonfinite=4, numel=4)
+    everything_bad = deviation(torch.full((4,), math.nan), torch.zeros(4))  # nothing finite compared
+    assert (everything_bad.nonfinite, everything_bad.numel) == (4, 4)
+    assert all(math.isnan(x) for x in (everything_bad.max_abs, everything_bad.mean_abs, everything_bad.rel_l2))
 
 
 def test_zero_reference_and_empty_tensors():
@@ -81,15 +89,37 @@ def test_accumulated_statistics_equal_one_pass():
 
 
 @pytest.mark.parametrize(
-    ("primary", "baseline", "expected"),
-    [(2.0, 1.0, 2.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0), (1e-9, 0.0, math.inf), (math.inf, 1.0, math.inf)],
+    ("primary", "baseline", "floor", "expected"),
+    [
+        (2.0, 1.0, 0.0, 2.0),
+        (0.0, 1.0, 0.0, 0.0),
+        (0.0, 0.0, 0.0, None),  # 0/0: undefined, not "as good as the baseline"
+        (1e-9, 0.0, 0.0, math.inf),
+        (math.inf, 1.0, 0.0, math.inf),
+        (1.6e-11, 0.0, 4e-12, 4.0),  # an exact baseline: the primary's error in units of the floor
+        (3.0, 2.0, 1.0, 1.5),  # a floor below the baseline's error changes nothing
+        (0.0, 0.0, 1e-9, 0.0),
+    ],
 )
-def test_error_ratio(primary, baseline, expected):
-    assert error_ratio(primary, baseline) == expected
+def test_error_ratio(primary, baseline, floor, expected):
+    assert error_ratio(primary, baseline, floor=floor) == expected
 
 
 def test_error_ratio_edge_cases():
-    assert math.isnan(error_ratio(math.nan, 1.0)) and math.isnan(error_ratio(1.0, math.nan))
-    assert math.isnan(error_ratio(math.nan, 0.0))
+    assert error_ratio(math.nan, 1.0) is None and error_ratio(1.0, math.nan) is None
+    assert error_ratio(math.nan, 0.0) is None
     with pytest.raises(ValueError, match="cannot be negative"):
         error_ratio(-1.0, 1.0)
+    with pytest.raises(ValueError, match="cannot be negative"):
+        error_ratio(1.0, 1.0, floor=-1.0)
+
+
+def test_noise_floor_is_half_an_ulp_of_the_largest_golden_value():
+    assert noise_floor(1.0, torch.float32) == 2.0**-24  # half of fp32's eps
+    assert noise_floor(4.0, torch.bfloat16) == 4.0 * 2.0**-8
+
+
+def test_max_abs_is_undefined_when_nothing_finite_was_compared():
+    dev = deviation(torch.full((3,), math.nan), torch.zeros(3))
+    assert math.isnan(dev.max_abs) and dev.nonfinite == 3 and dev.numel == 3
+    assert error_ratio(dev.max_abs, 0.1) is None

@@ -19,7 +19,7 @@ import torch
 
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.inputs import InputConfig, Shape, cast_inputs, make_inputs
-from flashprobe.deviation import PAIRS, deviation_tensors, error_ratio, finish_deviation
+from flashprobe.deviation import PAIRS, deviation_tensors, error_ratio, finish_deviation, noise_floor
 from flashprobe.kernels import (
     Kernel,
     KernelUnavailableError,
@@ -136,8 +136,9 @@ def compare_to_references(
     Returns:
         One dict per primary with ``{pair}_{stat}`` for each pair of
         :data:`~flashprobe.deviation.PAIRS` and each of :data:`STATS`, ``error_ratio``
-        (``primary_golden_max_abs / baseline_golden_max_abs``; ``inf`` when the baseline is
-        exact), ``primary_nonfinite`` and ``baseline_nonfinite``.
+        (``primary_golden_max_abs / max(baseline_golden_max_abs, noise floor)``, see
+        :func:`~flashprobe.deviation.error_ratio`; ``None`` when undefined), ``primary_nonfinite``
+        and ``baseline_nonfinite``.
 
     Raises:
         KernelInputError: malformed inputs (rank, heads, head dims, dtypes), naming the problem.
@@ -147,6 +148,7 @@ def compare_to_references(
         golden = golden_attention(q, k, v, is_causal=is_causal)
         base = baseline(q, k, v, is_causal=is_causal)
         base_golden = deviation_stats(base, golden)
+        floor = noise_floor(golden.abs().max().item() if golden.numel() else 0.0, q.dtype)
         base_nonfinite = int(torch.count_nonzero(~torch.isfinite(base)))
         rows = []
         for kernel in primaries:
@@ -157,14 +159,16 @@ def compare_to_references(
                 "baseline_golden": base_golden,
             }
             row = {f"{pair}_{stat}": stats[pair][stat] for pair in PAIRS for stat in STATS}
-            row["error_ratio"] = error_ratio(row["primary_golden_max_abs"], row["baseline_golden_max_abs"])
+            row["error_ratio"] = error_ratio(
+                row["primary_golden_max_abs"], row["baseline_golden_max_abs"], floor=floor
+            )
             row["primary_nonfinite"] = int(torch.count_nonzero(~torch.isfinite(out)))
             row["baseline_nonfinite"] = base_nonfinite
             rows.append(row)
     return rows
 
 
-def summarize_seeds(per_seed: Sequence[Mapping[str, float]]) -> dict[str, float]:
+def summarize_seeds(per_seed: Sequence[Mapping[str, float | None]]) -> dict[str, float | None]:
     """Median over seeds of every metric, plus its spread.
 
     Args:
@@ -172,17 +176,19 @@ def summarize_seeds(per_seed: Sequence[Mapping[str, float]]) -> dict[str, float]
 
     Returns:
         For each key ``m``: ``m`` (median over seeds), ``m_lo`` and ``m_hi`` (min and max over
-        seeds); counts (keys ending in ``nonfinite``) are summed instead.
+        seeds), over the seeds where ``m`` is defined (not ``None``/NaN); ``None`` when it is
+        defined for none. Counts (keys ending in ``nonfinite``) are summed instead.
     """
-    out: dict[str, float] = {}
+    out: dict[str, float | None] = {}
     for key in per_seed[0]:
         values = [row[key] for row in per_seed]
         if key.endswith("nonfinite"):
-            out[key] = int(sum(values))
+            out[key] = int(sum(v or 0 for v in values))
             continue
-        out[key] = statistics.median(values)
-        out[f"{key}_lo"] = min(values)
-        out[f"{key}_hi"] = max(values)
+        defined = [v for v in values if v is not None and not math.isnan(v)]
+        out[key] = statistics.median(defined) if defined else None
+        out[f"{key}_lo"] = min(defined) if defined else None
+        out[f"{key}_hi"] = max(defined) if defined else None
     return out
 
 

@@ -221,9 +221,9 @@ def judge(out: torch.Tensor, refs: References) -> Verdict:
             primary_golden_max_abs=primary_max,
             primary_nonfinite=bad,
         )
-    reason = (
-        f"max|primary − golden| = {err:.3g} ≤ {rule} (ratio {error_ratio(err, refs.noise_max):.2f})" + note
-    )
+    ratio = error_ratio(err, refs.noise_max)
+    ratio_text = "both exact" if ratio is None else f"ratio {ratio:.2f}"
+    reason = f"max|primary − golden| = {err:.3g} ≤ {rule} ({ratio_text})" + note
     return Verdict(verdict="pass", reason=reason, primary_golden_max_abs=primary_max)
 
 

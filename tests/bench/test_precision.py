@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flashprobe.bench import precision
-from flashprobe.bench.results import load_results
+from flashprobe.bench.results import load_results, write_results
 from flashprobe.cli import main as cli_main
 from flashprobe.kernels import get_kernel
 
@@ -103,11 +103,20 @@ def test_fp64_row_is_exact_to_rounding(default_run: tuple[dict, list[dict]]) -> 
     fp64 = doc["rows"][3]
     assert fp64["primary_baseline_max_abs"] <= 1e-12
     assert fp64["primary_golden_max_abs"] <= 1e-12
-    # In fp64 the baseline *is* the golden value, so the error ratio is infinite: JSON has no
-    # inf, it is written as the string "inf" (flashprobe.formats.jsonio), and as inf in the CSV.
+    # In fp64 the baseline *is* the golden value: its error is 0, so the ratio is taken against
+    # the noise floor (half an ulp of the largest golden value) instead of being infinite.
     assert fp64["baseline_golden_max_abs"] == 0.0
-    assert fp64["error_ratio"] == "inf"
-    assert csv_rows[3]["error_ratio"] == "inf"
+    assert math.isfinite(fp64["error_ratio"]) and 0 < fp64["error_ratio"] < 64
+    assert float(csv_rows[3]["error_ratio"]) == fp64["error_ratio"]
+
+
+def test_an_exact_baseline_gives_the_ratio_against_the_noise_floor(tmp_path: Path) -> None:
+    doc, _ = _run(tmp_path, "--dtype", "fp64", "--repeats", "1")
+    (row,) = doc["rows"]
+    golden = _golden(*_inputs((1, 2, 96, 16), 0))  # the oracle: hand-written fp64 attention, seed 0
+    floor = 0.5 * torch.finfo(torch.float64).eps * golden.abs().max().item()
+    assert row["baseline_golden_max_abs"] == 0.0
+    assert row["error_ratio"] == pytest.approx(row["primary_golden_max_abs"] / floor, rel=1e-9)
 
 
 def test_fig3_deviation_falls_with_mantissa_bits(default_run: tuple[dict, list[dict]]) -> None:
@@ -186,13 +195,16 @@ def test_bad_arguments_give_one_clear_error(
 
 
 def test_replot_reads_infinite_ratios_back(tmp_path: Path) -> None:
-    """The fp64 error ratio is infinite: written as "inf", read back as a float by --replot, which
-    redraws the very figure the measuring run drew."""
+    """An infinite value is written as "inf" and read back as a float by --replot, which redraws
+    the very figure the measuring run drew."""
     doc, _ = _run(tmp_path, "--dtype", "fp32", "fp64", "--repeats", "1")
-    assert doc["rows"][1]["error_ratio"] == "inf"
     out = tmp_path / "out"
+    rows = doc["rows"]
+    rows[1]["error_ratio_hi"] = math.inf  # e.g. a seed whose golden output is all zeros
+    write_results(out, "precision", rows)
+    assert json.loads((out / "precision.json").read_text())["rows"][1]["error_ratio_hi"] == "inf"
     loaded = load_results(out, "precision")
-    assert loaded["rows"][1]["error_ratio"] == math.inf and loaded["rows"][1]["seq_len"] == 96
+    assert loaded["rows"][1]["error_ratio_hi"] == math.inf and loaded["rows"][1]["seq_len"] == 96
     assert isinstance(loaded["rows"][1]["seq_len"], int)  # only "inf"/"nan" strings are decoded
     drawn = (out / "precision.png").read_bytes()
     (out / "precision.png").unlink()
