@@ -58,7 +58,8 @@ def test_nonfinite_values_are_counted_and_do_not_poison_the_maxima():
     assert dev.rel_l2 == pytest.approx(math.sqrt(2) / 4)
     everything_bad = deviation(torch.full((4,), math.nan), torch.zeros(4))  # nothing finite compared
     assert (everything_bad.nonfinite, everything_bad.numel) == (4, 4)
-    assert all(math.isnan(x) for x in (everything_bad.max_abs, everything_bad.mean_abs, everything_bad.rel_l2))
+    bad = everything_bad
+    assert all(math.isnan(x) for x in (bad.max_abs, bad.mean_abs, bad.rel_l2))
 
 
 def test_zero_reference_and_empty_tensors():
