@@ -16,6 +16,7 @@ of :data:`VOCAB` to an id (``0`` is padding) and decodes back to the exact capti
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,6 +24,8 @@ import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
+
+from flashprobe.t2i.steps import StepLoader, StepSampler
 
 __all__ = [
     "COLOURS",
@@ -293,15 +296,19 @@ class ShapesDataModule(L.LightningDataModule):
     """Train/val splits of :class:`ShapesDataset`, each from its own seed derived from ``seed``.
 
     Batches are dicts: ``image`` ``(B, 3, S, S)`` in ``[-1, 1]``, ``tokens`` ``(B, L)`` int64,
-    ``caption`` (list of ``B`` strings). The training order is shuffled with torch's global RNG,
-    so ``lightning.seed_everything`` fixes it.
+    ``caption`` (list of ``B`` strings). The training order is a function of ``(shuffle_seed,
+    batch index)`` (:class:`~flashprobe.t2i.steps.StepSampler`), so a run resumed from a checkpoint
+    sees exactly the batches the uninterrupted run would have; under DDP each rank takes its slice
+    of every global batch (the Trainer needs ``use_distributed_sampler=False``).
 
     Args:
         num_train: training images.
         num_val: validation images.
         image_size: side in pixels.
-        batch_size: batch size of both loaders.
+        batch_size: batch size of both loaders (per rank).
         seed: seed of the data (independent of the training seed).
+        shuffle_seed: seed of the training order; default: the training seed set by
+            ``lightning.seed_everything`` (``PL_GLOBAL_SEED``), else 0.
         num_workers: DataLoader workers (0 keeps everything in-process and deterministic).
     """
 
@@ -312,6 +319,7 @@ class ShapesDataModule(L.LightningDataModule):
         image_size: int = 16,
         batch_size: int = 32,
         seed: int = 0,
+        shuffle_seed: int | None = None,
         num_workers: int = 0,
     ) -> None:
         super().__init__()
@@ -331,20 +339,41 @@ class ShapesDataModule(L.LightningDataModule):
             self.train_set = ShapesDataset(self.hparams.num_train, size, train_seed, self.tokenizer)
             self.val_set = ShapesDataset(self.hparams.num_val, size, val_seed, self.tokenizer)
 
-    def _loader(self, dataset: ShapesDataset | None, shuffle: bool) -> DataLoader:
+    def _loader(self, dataset: ShapesDataset | None, sampler: StepSampler | None = None) -> DataLoader:
         if dataset is None:
             raise RuntimeError("ShapesDataModule: call setup() before asking for a dataloader")
-        return DataLoader(
+        workers = self.hparams.num_workers
+        return (DataLoader if sampler is None else StepLoader)(
             dataset,
             batch_size=self.hparams.batch_size,
-            shuffle=shuffle,
-            drop_last=shuffle,
-            num_workers=self.hparams.num_workers,
-            persistent_workers=self.hparams.num_workers > 0,
+            sampler=sampler,
+            drop_last=sampler is not None,
+            num_workers=workers,
+            persistent_workers=workers > 0,
         )
 
+    def _next_batch(self) -> int:
+        """The index (over the whole run) of the next training batch: what the Trainer has done."""
+        if self.trainer is None:
+            return 0
+        return self.trainer.fit_loop.epoch_loop.total_batch_idx + 1
+
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+        seed = self.hparams.shuffle_seed
+        if seed is None:
+            seed = int(os.environ.get("PL_GLOBAL_SEED", "0"))
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        if self.train_set is None:
+            return self._loader(None)  # raises: setup() first
+        sampler = StepSampler(
+            len(self.train_set),
+            self.hparams.batch_size,
+            seed,
+            self._next_batch,
+            rank=rank,
+            world_size=world,
+        )
+        return self._loader(self.train_set, sampler)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
+        return self._loader(self.val_set)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from flashprobe.t2i.data import COLOURS, CaptionTokenizer, ShapeAttributes, desc
 from flashprobe.t2i.diffusion import GaussianDiffusion
 from flashprobe.t2i.metrics import CaptionAgreement, caption_agreement
 from flashprobe.t2i.model import DiTConfig, dit_small
+from flashprobe.t2i.steps import batch_generator
 
 __all__ = ["OptimizerFactory", "TextToImageModule", "default_sample_captions"]
 
@@ -78,6 +80,11 @@ class TextToImageModule(L.LightningModule):
         sample_captions: captions of the grid (default :func:`default_sample_captions`).
         sample_seed: seed of the grid's starting noise and of the validation noise.
         warmup_steps: linear learning-rate warm-up steps (0 = none).
+        noise_seed: seed of the training noise: each batch's caption dropout, timesteps and noise come
+            from a generator seeded with ``(seed, batch index, rank)``
+            (:func:`~flashprobe.t2i.steps.batch_generator`), so a resumed run repeats the
+            uninterrupted one exactly; default: the training seed set by
+            ``lightning.seed_everything`` (``PL_GLOBAL_SEED``), else 0.
         tokenizer: caption tokenizer (default :class:`~flashprobe.t2i.data.CaptionTokenizer`).
     """
 
@@ -98,6 +105,7 @@ class TextToImageModule(L.LightningModule):
         sample_captions: Sequence[str] | None = None,
         sample_seed: int = 0,
         warmup_steps: int = 50,
+        noise_seed: int | None = None,
         tokenizer: CaptionTokenizer | None = None,
     ) -> None:
         super().__init__()
@@ -187,12 +195,22 @@ class TextToImageModule(L.LightningModule):
         """The model's ε or v ``(B, C, H, W)`` for ``x (B, C, H, W)`` at ``t (B,)``, ``tokens (B, L)``."""
         return self.model(x, t, tokens)
 
+    def _batch_generator(self) -> torch.Generator:
+        """The generator of the current training batch (see ``noise_seed``)."""
+        seed = self.hparams.noise_seed
+        if seed is None:
+            seed = int(os.environ.get("PL_GLOBAL_SEED", "0"))
+        index = self.trainer.fit_loop.epoch_loop.total_batch_idx if self._trainer is not None else 0
+        return batch_generator(seed, index, self.global_rank, self.device)
+
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         tokens = batch["tokens"]
+        generator = self._batch_generator()
         if self.hparams.caption_dropout > 0:
-            drop = torch.rand(tokens.shape[0], device=tokens.device) < self.hparams.caption_dropout
+            drop = torch.rand(tokens.shape[0], device=tokens.device, generator=generator)
+            drop = drop < self.hparams.caption_dropout
             tokens = torch.where(drop[:, None], self.tokenizer.pad_id, tokens)
-        loss = self.diffusion.training_loss(self.model, batch["image"], tokens)
+        loss = self.diffusion.training_loss(self.model, batch["image"], tokens, generator=generator)
         self.log("train/loss", loss, prog_bar=True, batch_size=tokens.shape[0])
         return loss
 

@@ -10,24 +10,52 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import shutil
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import hydra
 import lightning as L
+import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from flashprobe.formats.run_record import finish_session, read_run_record, start_session
+from flashprobe.machine import machine_facts
 from flashprobe.t2i.precision import trainer_precision
 
-__all__ = ["CONF_DIR", "cli_main", "compose", "train"]
+__all__ = [
+    "CONF_DIR",
+    "RUN_OUTPUTS",
+    "cli_main",
+    "command_line",
+    "compose",
+    "existing_run",
+    "last_checkpoint",
+    "train",
+]
 
 log = logging.getLogger(__name__)
 
 #: The packaged Hydra configs.
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+#: What a run writes into its directory; a directory holding any of these holds a run.
+RUN_OUTPUTS = (
+    "run.json",
+    "config.yaml",
+    "snapshots",
+    "probe.jsonl",
+    "probe.png",
+    "checkpoints",
+    "samples",
+    "csv",
+    "wandb",
+)
 
 
 def _run_dir(cfg: DictConfig) -> Path:
@@ -39,22 +67,119 @@ def _run_dir(cfg: DictConfig) -> Path:
     raise ValueError("train: no run directory; set run_dir=... when calling train() outside Hydra")
 
 
+def existing_run(run_dir: Path) -> list[str]:
+    """The outputs of an earlier run found in ``run_dir`` (empty when there is none)."""
+    return [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+
+
+def last_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint a resume continues from: ``checkpoints/last.ckpt``, else the newest ``*.ckpt``."""
+    directory = run_dir / "checkpoints"
+    if (directory / "last.ckpt").is_file():
+        return directory / "last.ckpt"
+    found = sorted(directory.glob("*.ckpt"), key=lambda p: p.stat().st_mtime) if directory.is_dir() else []
+    return found[-1] if found else None
+
+
+def _launched_rank() -> bool:
+    """Whether this process is a rank Lightning's launcher started (not the one the user ran)."""
+    return any(int(os.environ.get(var, "0") or 0) > 0 for var in ("LOCAL_RANK", "NODE_RANK"))
+
+
+def _refusal(run_dir: Path, found: list[str]) -> str:
+    return (
+        f"{run_dir} already holds a run ({', '.join(found)}); flashprobe never deletes a run it did not "
+        f"create. Continue it with `flashprobe train resume={run_dir}`, start afresh there with "
+        "overwrite=true (deletes those outputs), or choose another directory"
+    )
+
+
+def _start(cfg: DictConfig, run_dir: Path) -> tuple[str | None, str | None]:
+    """Decide how the run starts: ``(checkpoint to resume from or None, why it is skipped or None)``.
+
+    Raises:
+        FileExistsError: a fresh start in a directory that holds a run (no resume, no overwrite).
+        FileNotFoundError: ``resume`` names a run without a checkpoint.
+        ValueError: ``resume`` names another directory than the run directory.
+    """
+    resume, found = cfg.get("resume"), existing_run(run_dir)
+    if _launched_rank():  # a DDP rank started by rank zero, which has decided already
+        checkpoint = last_checkpoint(run_dir) if resume is not None else None
+        return (str(checkpoint) if checkpoint else cfg.get("ckpt_path")), None
+    if resume not in (None, "auto") and Path(str(resume)).resolve() != run_dir.resolve():
+        raise ValueError(
+            f"resume={resume} but the run directory is {run_dir}; use `flashprobe train resume=DIR` "
+            "(it trains in DIR) or set run_dir to the same directory"
+        )
+    if resume is not None:
+        record = read_run_record(run_dir)
+        max_steps = cfg.trainer.get("max_steps", -1)
+        if (
+            record is not None
+            and record.get("status") == "finished"
+            and record.get("global_step") == max_steps
+        ):
+            return None, f"{run_dir} finished {max_steps} steps already"
+        checkpoint = last_checkpoint(run_dir)
+        if checkpoint is not None:
+            return str(checkpoint), None
+        if resume != "auto":
+            raise FileNotFoundError(
+                f"resume={resume}: {run_dir / 'checkpoints'} holds no checkpoint to continue from (the run "
+                "saves them with callbacks.checkpoint); start it again with overwrite=true"
+            )
+        _remove_outputs(run_dir, found)  # a study's own run that stopped before its first checkpoint
+        return None, None
+    if found and not cfg.get("overwrite"):
+        raise FileExistsError(_refusal(run_dir, found))
+    _remove_outputs(run_dir, found)
+    return cfg.get("ckpt_path"), None
+
+
+def _remove_outputs(run_dir: Path, names: list[str]) -> None:
+    for name in names:
+        path = run_dir / name
+        log.warning("removing %s of the earlier run in %s", name, run_dir)
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
 def _check(cfg: DictConfig) -> None:
     from flashprobe.kernels import get_kernel
 
     max_steps = cfg.trainer.get("max_steps", -1)
+    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int)):
+        raise ValueError(f"trainer.max_steps={max_steps!r} must be an integer (or -1 for max_epochs)")
     if max_steps is not None and max_steps != -1 and max_steps <= 0:
         raise ValueError(f"trainer.max_steps={max_steps} must be positive (or -1 for max_epochs)")
     if cfg.attention.kernel is not None:
         get_kernel(cfg.attention.kernel)  # unknown kernels and options fail here, before any work
-    for key in ("baseline",):
-        spec = cfg.attention.probe.get(key)
-        if spec is not None:
-            get_kernel(spec)
+    spec = cfg.attention.probe.get("baseline")
+    if spec is not None:
+        get_kernel(spec)
+
+
+def _trainer_arguments(cfg: DictConfig, callbacks: list[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The Trainer's config and extra arguments: exact precision on CPU, atomic checkpoints."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from flashprobe.formats.checkpoint_io import AtomicCheckpointIO
+
+    config = OmegaConf.to_container(cfg.trainer, resolve=True)
+    extra = trainer_precision(config.pop("precision", "32-true"), config.get("accelerator", "cpu"))
+    extra["plugins"] = [*extra.get("plugins", []), AtomicCheckpointIO()]
+    if not any(isinstance(c, ModelCheckpoint) for c in callbacks):
+        config["enable_checkpointing"] = False  # callbacks.checkpoint=null means no checkpoints
+    return config, extra
 
 
 def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     """Train the text-to-image model described by ``cfg``.
+
+    A run directory that already holds a run is refused unless ``resume`` (continue it from its
+    last checkpoint; ``"auto"``: continue if it can, skip it if it finished, else start it) or
+    ``overwrite=true`` (delete its outputs) is set. Every random choice of a training batch is a
+    function of ``(seed, batch index)`` (:mod:`flashprobe.t2i.steps`), so a resumed run gives the
+    same weights, snapshots and ``probe.jsonl`` as an uninterrupted one.
 
     Args:
         cfg: a composed ``flashprobe/conf/config.yaml`` (see :func:`compose`), optionally with
@@ -62,15 +187,24 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
 
     Returns:
         ``(metrics, objects)``: the trainer's final callback metrics as floats, and the built
-        ``datamodule``, ``module``, ``trainer``, ``callbacks``, ``loggers`` and ``run_dir``.
+        ``datamodule``, ``module``, ``trainer``, ``callbacks``, ``loggers`` and ``run_dir``
+        (only ``run_dir`` and ``skipped`` when the run had finished already).
+
+    Raises:
+        FileExistsError: see :func:`_start`; nothing is written then.
     """
     _check(cfg)
     run_dir = _run_dir(cfg)
+    checkpoint, skipped = _start(cfg, run_dir)
+    if skipped:
+        log.info("skipping the run: %s", skipped)
+        return {}, {"run_dir": run_dir, "skipped": skipped}
     run_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("WANDB_MODE", "offline")  # no account, no network unless asked for
-    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    if not _launched_rank():
+        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
 
-    L.seed_everything(cfg.seed, workers=True)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = hydra.utils.instantiate(cfg.data)
     module = hydra.utils.instantiate(cfg.module)
     callbacks = [
@@ -79,15 +213,26 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         if c is not None and (name != "attention_probe" or cfg.attention.probe.enabled)
     ]
     loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
-    trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
-    precision = trainer_precision(
-        trainer_cfg.pop("precision", "32-true"), trainer_cfg.get("accelerator", "cpu")
-    )
+    trainer_config, extra = _trainer_arguments(cfg, callbacks)
     trainer: L.Trainer = hydra.utils.instantiate(
-        trainer_cfg, default_root_dir=str(run_dir), callbacks=callbacks, logger=loggers or False, **precision
+        trainer_config, default_root_dir=str(run_dir), callbacks=callbacks, logger=loggers or False, **extra
     )
+    from_step = (
+        int(torch.load(checkpoint, map_location="cpu", weights_only=False)["global_step"])
+        if checkpoint
+        else 0
+    )
+    if trainer.is_global_zero:
+        start_session(
+            run_dir,
+            from_step=from_step,
+            max_steps=trainer.max_steps,
+            machine=machine_facts(),
+            resumed_from=checkpoint,
+        )
+    started = time.perf_counter()
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        trainer.fit(module, datamodule=datamodule, ckpt_path=checkpoint)
     finally:
         for lg in loggers:
             finalize = getattr(lg, "finalize", None)
@@ -98,6 +243,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
 
             if wandb.run is not None:
                 wandb.finish()
+    if trainer.is_global_zero:
+        finish_session(run_dir, global_step=trainer.global_step, seconds=time.perf_counter() - started)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     objects = {
         "datamodule": datamodule,
@@ -137,6 +284,44 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     return metrics.get("val/loss")
 
 
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _value(args: Sequence[str], key: str) -> str | None:
+    return next((a.split("=", 1)[1] for a in args if _key(a) == key and "=" in a), None)
+
+
+def command_line(args: Sequence[str]) -> list[str]:
+    """The Hydra command line of ``flashprobe train ARGS``; checked before Hydra writes anything.
+
+    ``resume=DIR`` continues the run in ``DIR`` with the overrides it was started with
+    (``DIR/.hydra/overrides.yaml``), any overrides given now on top, and ``hydra.run.dir=DIR``.
+
+    Raises:
+        FileNotFoundError: ``resume=DIR`` where ``DIR`` holds no run started by ``flashprobe train``.
+        FileExistsError: ``hydra.run.dir=DIR`` where ``DIR`` holds a run, without resume or overwrite.
+    """
+    args = list(args)
+    resume, run_dir = _value(args, "resume"), _value(args, "hydra.run.dir")
+    if resume not in (None, "null", "auto") and run_dir is None:
+        saved = Path(resume) / ".hydra" / "overrides.yaml"
+        if not saved.is_file():
+            raise FileNotFoundError(
+                f"resume={resume}: no run started by `flashprobe train` there ({saved} is missing)"
+            )
+        given = {_key(a) for a in args}
+        skip = {"resume", "overwrite", "ckpt_path", "hydra.run.dir"}
+        original = [str(o) for o in OmegaConf.load(saved) if _key(str(o)) not in given | skip]
+        return [*original, *args, f"hydra.run.dir={resume}"]
+    overwrite = str(_value(args, "overwrite")).lower() == "true"
+    if run_dir is not None and resume in (None, "null") and not overwrite:
+        found = existing_run(Path(run_dir))
+        if found:
+            raise FileExistsError(_refusal(Path(run_dir), found))
+    return args
+
+
 def cli_main(argv: Sequence[str] | None = None) -> int:
     """``flashprobe train [overrides]``: run the Hydra app with ``argv`` as its command line.
 
@@ -144,7 +329,12 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     ``sys.argv[1:]``; ``sys.argv`` and ``__main__.__spec__`` are pointed at this module, so the
     ranks re-run this Hydra app (``python -m flashprobe.t2i.train OVERRIDES``), not the CLI.
     """
-    sys.argv = [__file__, *(sys.argv[1:] if argv is None else argv)]
+    try:
+        args = command_line(sys.argv[1:] if argv is None else argv)
+    except (FileNotFoundError, FileExistsError) as err:
+        print(f"flashprobe train: error: {err}", file=sys.stderr)
+        return 2
+    sys.argv = [__file__, *args]
     main_module = sys.modules.get("__main__")
     if main_module is not None and getattr(main_module, "__spec__", None) is not None:
         main_module.__spec__ = importlib.util.find_spec(__name__)

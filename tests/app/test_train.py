@@ -82,18 +82,6 @@ def test_bad_config_fails_before_training(tmp_path: Path) -> None:
     assert not (tmp_path / "probe.jsonl").exists()
 
 
-def test_resume_continues_probe_jsonl_without_duplicates(tmp_path: Path) -> None:
-    extra = [*SMOKE, "trainer.val_check_interval=2", "callbacks.weight_snapshot=null"]
-    train(compose([*extra, "trainer.max_steps=4"], run_dir=tmp_path))
-    ckpt = tmp_path / "checkpoints" / "step=2.ckpt"
-    if not ckpt.exists():  # ModelCheckpoint's file name carries the epoch too
-        ckpt = next(p for p in (tmp_path / "checkpoints").glob("*step=2*.ckpt"))
-    # the "crashed" run had logged step 4 after the checkpoint at step 2; resuming must drop it
-    train(compose([*extra, "trainer.max_steps=6", f"ckpt_path='{ckpt}'"], run_dir=tmp_path))
-    steps = [r["step"] for r in _jsonl(tmp_path / "probe.jsonl")]
-    assert steps == [2, 4, 6]
-
-
 def test_multirun_sweeps_attention_kernels(tmp_path: Path) -> None:
     cli_main(
         [

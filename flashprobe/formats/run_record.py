@@ -1,0 +1,89 @@
+"""``RUN_DIR/run.json``: what a training run is, where it stands, and how long it took.
+
+Written by ``flashprobe train`` (:func:`flashprobe.t2i.train.train`) at the start and at the end of
+every session (a first start or a resume)::
+
+    {"format": "flashprobe.run/1", "status": "running" | "finished",
+     "max_steps": 900, "global_step": 900,
+     "sessions": [{"started": "...", "from_step": 0, "to_step": 300, "seconds": 80.1,
+                   "resumed_from": null}, ...],
+     "machine": {...flashprobe.machine.machine_facts()...}}
+
+A session killed before its end keeps ``"seconds": null``; ``status`` says whether the run reached
+its ``max_steps``. ``flashprobe study`` reads it to skip finished runs and to report timings.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from flashprobe.formats.jsonio import read_json, write_json
+
+__all__ = ["RUN_FORMAT", "RUN_RECORD", "finish_session", "read_run_record", "run_seconds", "start_session"]
+
+RUN_FORMAT = "flashprobe.run/1"
+RUN_RECORD = "run.json"
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def read_run_record(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The run's ``run.json``, or ``None`` when it has none (or an unreadable one)."""
+    path = Path(run_dir) / RUN_RECORD
+    if not path.is_file():
+        return None
+    try:
+        record = read_json(path, written_by="flashprobe train")
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and record.get("format") == RUN_FORMAT else None
+
+
+def start_session(
+    run_dir: str | os.PathLike[str],
+    *,
+    from_step: int,
+    max_steps: int,
+    machine: dict[str, Any],
+    resumed_from: str | None = None,
+) -> None:
+    """Record that a session starts at ``from_step`` (a fresh run when there is no record yet)."""
+    record = (read_run_record(run_dir) if resumed_from is not None else None) or {
+        "format": RUN_FORMAT,
+        "sessions": [],
+    }
+    record.update(status="running", max_steps=max_steps, global_step=from_step, machine=machine)
+    record["sessions"].append(
+        {
+            "started": _now(),
+            "from_step": from_step,
+            "to_step": None,
+            "seconds": None,
+            "resumed_from": resumed_from,
+        }
+    )
+    write_json(Path(run_dir) / RUN_RECORD, record)
+
+
+def finish_session(run_dir: str | os.PathLike[str], *, global_step: int, seconds: float) -> dict[str, Any]:
+    """Record the end of the current session; the run is ``finished`` once it reached ``max_steps``."""
+    record = read_run_record(run_dir)
+    if record is None or not record["sessions"]:
+        raise ValueError(f"{Path(run_dir) / RUN_RECORD}: no session was started")
+    record["sessions"][-1].update(to_step=global_step, seconds=round(seconds, 3))
+    record["global_step"] = global_step
+    done = record.get("max_steps") in (None, -1) or global_step >= record["max_steps"]
+    record["status"] = "finished" if done else "stopped"
+    write_json(Path(run_dir) / RUN_RECORD, record)
+    return record
+
+
+def run_seconds(record: dict[str, Any]) -> float | None:
+    """Training time over all completed sessions (``None`` if no session completed)."""
+    times = [s["seconds"] for s in record.get("sessions", []) if s.get("seconds") is not None]
+    return sum(times) if times else None

@@ -1,0 +1,145 @@
+"""A run killed with SIGKILL and resumed is bit-identical to the uninterrupted run; runs are never
+deleted by accident; bad resumes fail before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flashprobe.formats.run_record import read_run_record
+from flashprobe.t2i.train import cli_main, command_line, compose, train
+
+ROOT = Path(__file__).resolve().parents[2]
+#: 6 steps; a checkpoint, a snapshot and a probe record every 2 steps.
+RUN = [
+    "experiment=smoke",
+    "trainer.max_steps=6",
+    "trainer.val_check_interval=2",
+    "trainer.log_every_n_steps=2",
+    "callbacks.weight_snapshot.every_n_steps=2",
+]
+
+
+def _flashprobe_train(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "flashprobe.cli", "train", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+
+
+def _snapshots(run: Path) -> dict[int, dict[str, torch.Tensor]]:
+    return {int(p.stem[5:]): load_file(p) for p in sorted((run / "snapshots").glob("step_*.safetensors"))}
+
+
+def _assert_same_run(a: Path, b: Path) -> None:
+    sa, sb = _snapshots(a), _snapshots(b)
+    assert sa.keys() == sb.keys() == {0, 2, 4, 6}
+    for step in sa:
+        assert all(torch.equal(sa[step][k], sb[step][k]) for k in sa[step]), f"weights differ at step {step}"
+    assert (a / "probe.jsonl").read_text() == (b / "probe.jsonl").read_text()
+    assert [s["step"] for s in json.loads((b / "snapshots" / "manifest.json").read_text())["snapshots"]] == [
+        0,
+        2,
+        4,
+        6,
+    ]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("uninterrupted") / "run"
+    train(compose([*RUN, "logger=csv"], run_dir=run))
+    return run
+
+
+@pytest.mark.parametrize("kill_at", [3, 4])  # between checkpoints, and just after one
+def test_kill_9_then_resume_is_bit_identical(uninterrupted: Path, tmp_path: Path, kill_at: int) -> None:
+    run = tmp_path / "run"
+    killed = _flashprobe_train(
+        *RUN,
+        "logger=csv",
+        f"hydra.run.dir={run}",
+        "+callbacks.kill._target_=tests.app._kill.KillAt",
+        f"+callbacks.kill.step={kill_at}",
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    record = read_run_record(run)
+    assert record["status"] == "running" and record["sessions"][-1]["seconds"] is None
+    resumed = _flashprobe_train(f"resume={run}", "~callbacks.kill")  # the resume must not be killed
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _assert_same_run(uninterrupted, run)
+    record = read_run_record(run)
+    assert record["status"] == "finished" and len(record["sessions"]) == 2
+    assert record["sessions"][1]["from_step"] == 4 if kill_at >= 4 else 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at", [1, 2, 3, 4, 5])
+def test_kill_at_every_step_then_resume_is_bit_identical(
+    uninterrupted: Path, tmp_path: Path, kill_at: int
+) -> None:
+    test_kill_9_then_resume_is_bit_identical(uninterrupted, tmp_path, kill_at)
+
+
+def test_resume_in_process_from_an_older_checkpoint(uninterrupted: Path, tmp_path: Path) -> None:
+    """A run whose last checkpoint is step 2 (killed later) continues from there, exactly."""
+    run = tmp_path / "run"
+    train(compose([*RUN, "logger=csv", "trainer.max_steps=2"], run_dir=run))
+    # the "crashed" session also wrote a probe record and a snapshot at step 4, after the checkpoint
+    lines = (uninterrupted / "probe.jsonl").read_text().splitlines(keepends=True)
+    (run / "probe.jsonl").write_text("".join(lines[:2]) + '{"step": 6, "su')  # and a torn last line
+    train(compose([*RUN, "logger=csv", f"resume={run}"], run_dir=run))
+    _assert_same_run(uninterrupted, run)
+
+
+def test_a_fresh_start_in_an_existing_run_is_refused(uninterrupted: Path, tmp_path: Path, capsys) -> None:
+    run = tmp_path / "run"
+    train(compose([*RUN, "logger=csv", "trainer.max_steps=2"], run_dir=run))
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(FileExistsError, match=r"already holds a run .*resume=.*overwrite=true"):
+        train(compose([*RUN, "logger=csv"], run_dir=run))
+    assert cli_main([*RUN, f"hydra.run.dir={run}"]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # nothing touched
+    train(compose([*RUN, "logger=csv", "overwrite=true"], run_dir=run))
+    assert read_run_record(run)["global_step"] == 6 and len(read_run_record(run)["sessions"]) == 1
+
+
+def test_a_finished_run_is_skipped_by_resume_auto(uninterrupted: Path) -> None:
+    before = (uninterrupted / "run.json").read_text()
+    _, objects = train(compose([*RUN, "logger=csv", "resume=auto"], run_dir=uninterrupted))
+    assert "finished 6 steps already" in objects["skipped"]
+    assert (uninterrupted / "run.json").read_text() == before
+
+
+def test_bad_resumes_fail_before_any_work(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"resume=.*nowhere.*overrides.yaml is missing"):
+        command_line([f"resume={tmp_path / 'nowhere'}"])
+    run = tmp_path / "run"
+    train(compose([*RUN, "logger=csv", "trainer.max_steps=2", "callbacks.checkpoint=null"], run_dir=run))
+    assert not (run / "checkpoints").exists()  # no checkpoint configured: none written
+    with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
+        train(compose([*RUN, f"resume={run}"], run_dir=run))
+    with pytest.raises(ValueError, match="but the run directory is"):
+        train(compose([*RUN, f"resume={tmp_path / 'other'}"], run_dir=run))
+
+
+def test_resume_reuses_the_runs_own_overrides(tmp_path: Path) -> None:
+    saved = tmp_path / "run" / ".hydra"
+    saved.mkdir(parents=True)
+    (saved / "overrides.yaml").write_text("- experiment=smoke\n- trainer.max_steps=6\n- seed=3\n")
+    args = command_line([f"resume={tmp_path / 'run'}", "trainer.max_steps=8"])
+    assert args == [
+        "experiment=smoke",
+        "seed=3",
+        f"resume={tmp_path / 'run'}",
+        "trainer.max_steps=8",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
