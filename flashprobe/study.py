@@ -1,12 +1,25 @@
-"""``flashprobe study``: the paper's §V weight-deviation study in one command.
+"""``flashprobe study``: the paper's §V weight-deviation study in one command, like for like.
 
-It trains the runs of ``conf/study_run/`` with Hydra multirun (flash and baseline attention from one
-seed, an identical repeat of the baseline, the baseline from other seeds, and the baseline in FP16
-and BF16 mixed precision), then compares their weight snapshots pairwise
-(:func:`flashprobe.weights.compare_runs`) and writes ``study.json``, ``study.csv``, the Fig 7/8
-figures and ``report.md`` with the verdict: flash-vs-baseline deviation as multiples of the
-seed-to-seed and the low-precision deviation. Any Hydra override is passed to every run, e.g.
-``flashprobe study trainer.max_steps=400 hydra/launcher=submitit_slurm``.
+A study trains the text-to-image model several times and compares the runs' weights pairwise. Every
+comparison differs in exactly **one** thing, which it names (:class:`Comparison.isolates`):
+
+=========================  ==========================  ===========================================
+comparison                 runs (A vs B)               isolates
+=========================  ==========================  ===========================================
+``flash_vs_baseline``      flash vs baseline           the attention kernel, at the study precision
+``identical``              identical vs baseline       nothing (the noise floor: 0 on a CPU)
+``seed1_vs_seed0`` (…2)    seed1 vs baseline           the random seed
+``bf16_vs_fp32``           baseline at bf16 vs fp32    training precision (baseline attention)
+``fp16_vs_fp32``           baseline at fp16 vs fp32    training precision (baseline attention)
+``flash_vs_baseline_fp32`` flash vs baseline, fp32     the attention kernel without low precision
+=========================  ==========================  ===========================================
+
+``flash``, ``baseline``, ``identical`` and the seed runs train at the **study precision**
+(``study.precision``, default ``bf16-mixed``: flash kernels run in 16-bit, so their deviation is
+measured where it is used); the low-precision pairs compare the baseline across precisions, so
+the verdict (:mod:`flashprobe.report.study_report`) only ever divides distances of pairs that each
+isolate one thing. Runs go through Hydra multirun with ``resume=auto``: a study that is invoked
+again skips the runs that finished and resumes the others from their last checkpoint.
 """
 
 from __future__ import annotations
@@ -16,96 +29,233 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["COMPARISONS", "DEFAULT_RUNS", "main", "run_study"]
+__all__ = [
+    "PRECISIONS",
+    "STUDY_DEFAULTS",
+    "Comparison",
+    "StudyPlan",
+    "StudyRun",
+    "main",
+    "run_study",
+    "study_plan",
+]
 
 log = logging.getLogger(__name__)
 
-#: Runs of the study (``conf/study_run/<name>.yaml``).
-DEFAULT_RUNS: tuple[str, ...] = ("flash", "baseline", "identical", "seed1", "seed2", "fp16", "bf16")
+#: Study precisions → the short name of the baseline run at that precision.
+PRECISIONS: dict[str, str] = {"32-true": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16"}
 
-#: Comparison name → (run A, run B). Comparisons whose runs were not trained are left out.
-COMPARISONS: dict[str, tuple[str, str]] = {
-    "flash_vs_baseline": ("flash", "baseline"),
-    "identical": ("identical", "baseline"),
-    "seed1_vs_seed0": ("seed1", "baseline"),
-    "seed2_vs_seed0": ("seed2", "baseline"),
-    "fp16_vs_fp32": ("fp16", "baseline"),
-    "bf16_vs_fp32": ("bf16", "baseline"),
-}
-
-#: Overrides of the embedded default study: 120-step runs of the ~0.5 M-parameter dit_small on 2 CPU
-#: cores (about 8 minutes for all seven runs, most of it the fp16 and bf16 runs).
+#: Overrides of the embedded default study: 120-step runs of the ~0.5 M-parameter dit_small on a
+#: 2-core CPU (every 20 steps a snapshot, a probe record and a checkpoint to resume from).
 STUDY_DEFAULTS: tuple[str, ...] = (
     "data.batch_size=32",
     "trainer.max_steps=120",
     "trainer.val_check_interval=120",
     "trainer.log_every_n_steps=20",
     "callbacks.weight_snapshot.every_n_steps=20",
-    "callbacks.checkpoint=null",
+    "callbacks.checkpoint.every_n_train_steps=20",
+    "callbacks.checkpoint.save_top_k=0",  # only last.ckpt: what a resume needs
     "module.num_samples=8",
     "module.num_sample_steps=20",
+    "threads=2",  # CPU results depend on the thread count: fix it, so they repeat on other machines
 )
+
+
+@dataclass(frozen=True)
+class StudyRun:
+    """One training run of a study (``conf/study_run/<name>.yaml``)."""
+
+    name: str
+    attention: str
+    """``flash`` or ``math`` (the ``attention`` config)."""
+    precision: str
+    """The Lightning precision it trains at."""
+    seed: int
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A pair of runs that differ in exactly one thing."""
+
+    name: str
+    run_a: str
+    run_b: str
+    kind: str
+    """``kernel``, ``noise``, ``seed``, ``precision`` or ``kernel_fp32``."""
+    isolates: str
+    """What differs between the two runs, in words."""
+
+
+@dataclass(frozen=True)
+class StudyPlan:
+    """The runs a study trains and the comparisons it makes."""
+
+    precision: str
+    runs: dict[str, StudyRun]
+    comparisons: dict[str, Comparison]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "precision": self.precision,
+            "runs": {n: asdict(r) for n, r in self.runs.items()},
+            "comparisons": {n: asdict(c) for n, c in self.comparisons.items()},
+        }
+
+
+def _all_runs(precision: str) -> dict[str, StudyRun]:
+    runs = [
+        StudyRun("flash", "flash", precision, 0),
+        StudyRun("baseline", "math", precision, 0),
+        StudyRun("identical", "math", precision, 0),
+        StudyRun("seed1", "math", precision, 1),
+        StudyRun("seed2", "math", precision, 2),
+    ]
+    runs += [StudyRun(name, "math", p, 0) for p, name in PRECISIONS.items() if p != precision]
+    if precision != "32-true":
+        runs.append(StudyRun("flash_fp32", "flash", "32-true", 0))
+    return {r.name: r for r in runs}
+
+
+def _all_comparisons(precision: str) -> list[Comparison]:
+    def baseline_at(p: str) -> str:
+        return "baseline" if p == precision else PRECISIONS[p]
+
+    short = PRECISIONS[precision]
+    comparisons = [
+        Comparison(
+            "flash_vs_baseline",
+            "flash",
+            "baseline",
+            "kernel",
+            f"the attention kernel (sdpa_flash vs math), at {short}",
+        ),
+        Comparison(
+            "identical", "identical", "baseline", "noise", "nothing: the same configuration trained twice"
+        ),
+        *(
+            Comparison(
+                f"seed{i}_vs_seed0", f"seed{i}", "baseline", "seed", f"the random seed ({i} vs 0), at {short}"
+            )
+            for i in (1, 2)
+        ),
+        *(
+            Comparison(
+                f"{PRECISIONS[p]}_vs_fp32",
+                baseline_at(p),
+                baseline_at("32-true"),
+                "precision",
+                f"training precision ({p} vs 32-true), baseline attention",
+            )
+            for p in ("bf16-mixed", "16-mixed")
+        ),
+    ]
+    if precision != "32-true":
+        comparisons.append(
+            Comparison(
+                "flash_vs_baseline_fp32",
+                "flash_fp32",
+                "fp32",
+                "kernel_fp32",
+                "the attention kernel (sdpa_flash vs math), at fp32: its deviation without low precision",
+            )
+        )
+    return comparisons
+
+
+def study_plan(precision: str = "bf16-mixed", runs: Sequence[str] | None = None) -> StudyPlan:
+    """The runs and like-for-like comparisons of a study.
+
+    Args:
+        precision: the study precision (a key of :data:`PRECISIONS`).
+        runs: run names to train (default: every run of the plan); comparisons whose two runs are
+            not both in it are left out.
+
+    Raises:
+        ValueError: an unknown precision or run name, or runs that form no ``flash_vs_baseline``
+            pair (the comparison every verdict rests on) — naming the valid choices.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"study.precision={precision!r} is not a study precision; use one of {', '.join(PRECISIONS)}"
+        )
+    every = _all_runs(precision)
+    chosen = list(every) if runs is None else list(dict.fromkeys(runs))
+    unknown = [r for r in chosen if r not in every]
+    if unknown:
+        raise ValueError(
+            f"unknown study run {unknown[0]!r} at study.precision={precision}; "
+            f"choose from: {', '.join(every)}"
+        )
+    comparisons = {c.name: c for c in _all_comparisons(precision) if c.run_a in chosen and c.run_b in chosen}
+    if "flash_vs_baseline" not in comparisons:
+        raise ValueError(
+            f"runs {', '.join(chosen)} form no like-for-like flash_vs_baseline pair: a study needs the runs "
+            "'flash' and 'baseline' (and, for context, 'seed1', 'identical', 'fp32', ...)"
+        )
+    return StudyPlan(precision, {r: every[r] for r in chosen}, comparisons)
+
+
+def _precision_override(overrides: Sequence[str]) -> str:
+    values = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == "study.precision"]
+    return values[-1] if values else "bf16-mixed"
 
 
 def run_study(
     out: str | Path,
-    runs: Sequence[str] = DEFAULT_RUNS,
+    runs: Sequence[str] | None = None,
     overrides: Sequence[str] = (),
     *,
     train: bool = True,
 ) -> Path:
-    """Train the study's runs and compare them; returns the path of ``report.md``.
+    """Train the study's runs (skipping finished ones) and compare them; returns ``report.md``.
 
     Args:
         out: the study directory; runs go to ``out/runs/<name>``.
-        runs: names from ``conf/study_run/`` to train (``baseline`` is needed by every pair).
-        overrides: Hydra overrides applied to every run (after the study defaults).
-        train: train the runs (``False``: only compare runs already in ``out/runs``).
+        runs: run names (default: all of the plan; see :func:`study_plan`).
+        overrides: Hydra overrides applied to every run (after the study defaults), e.g.
+            ``study.precision=16-mixed`` or ``trainer.max_steps=400``.
+        train: train the runs (``False``: only compare the runs already in ``out/runs``).
 
     Raises:
-        ValueError: an unknown run name, or no comparable pair.
+        ValueError: a bad precision, run name or run set (before any training).
     """
+    from flashprobe.formats.paths import prepare_output_dir
+    from flashprobe.formats.study_file import write_study
+    from flashprobe.machine import machine_facts
     from flashprobe.report.study_report import write_report
     from flashprobe.report.weights_figures import plot_study_figures
-    from flashprobe.t2i.train import CONF_DIR, cli_main
+    from flashprobe.t2i.train import cli_main
     from flashprobe.weights import compare_runs
 
-    known = sorted(p.stem for p in (CONF_DIR / "study_run").glob("*.yaml"))
-    unknown = [r for r in runs if r not in known]
-    if unknown:
-        raise ValueError(f"unknown study run {unknown[0]!r}; choose from: {', '.join(known)}")
-    out = Path(out).resolve()
+    plan = study_plan(_precision_override(overrides), runs)
+    out = prepare_output_dir(Path(out).resolve())
     runs_dir = out / "runs"
     if train:
         start = time.perf_counter()
         cli_main(
             [
                 "-m",
-                f"study_run={','.join(runs)}",
+                f"study_run={','.join(plan.runs)}",
                 f"hydra.sweep.dir={runs_dir}",
                 "hydra.sweep.subdir=${run_name}",
+                "resume=auto",
                 *STUDY_DEFAULTS,
                 *overrides,
             ]
         )
-        log.info("trained %d runs in %.0f s", len(runs), time.perf_counter() - start)
-    present = (
-        {p.name for p in runs_dir.iterdir() if (p / "snapshots").is_dir()} if runs_dir.is_dir() else set()
+        log.info("trained %d runs in %.0f s", len(plan.runs), time.perf_counter() - start)
+    missing = sorted(r for r in plan.runs if not (runs_dir / r / "snapshots").is_dir())
+    if missing:
+        raise ValueError(f"{runs_dir} has no snapshots of the runs {', '.join(missing)}; train them first")
+    comparison = compare_runs(
+        {n: (runs_dir / c.run_a, runs_dir / c.run_b) for n, c in plan.comparisons.items()}
     )
-    pairs = {
-        name: (runs_dir / a, runs_dir / b)
-        for name, (a, b) in COMPARISONS.items()
-        if a in present and b in present
-    }
-    if not pairs:
-        raise ValueError(
-            f"no comparable pair of runs in {runs_dir} (found {sorted(present) or 'none'}); "
-            "every pair needs the 'baseline' run and one of: "
-            + ", ".join(sorted({a for a, _ in COMPARISONS.values()}))
-        )
-    comparison = compare_runs(pairs, out)
+    meta = {**plan.as_dict(), "overrides": [*STUDY_DEFAULTS, *overrides], "machine": machine_facts()}
+    write_study(out, {**comparison.as_dict(), "study": meta}, comparison.rows())
     plot_study_figures(comparison.as_dict()["pairs"], out)
     return write_report(out)
 
@@ -114,26 +264,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``flashprobe study [--out DIR] [--runs a,b,...] [--compare-only] [HYDRA_OVERRIDES...]``."""
     parser = argparse.ArgumentParser(
         prog="flashprobe study",
-        description="Train flash, baseline, identical, other-seed and low-precision runs of the "
-        "text-to-image model and bound flash attention's weight deviation (paper §V).",
+        description="Train flash and baseline attention at a training precision (study.precision, default "
+        "bf16-mixed), an identical repeat, other seeds and the baseline at other precisions, and bound "
+        "flash attention's weight deviation like for like (paper §V).",
     )
     parser.add_argument("--out", default="out/study", help="study directory (default: out/study)")
-    parser.add_argument(
-        "--runs",
-        default=",".join(DEFAULT_RUNS),
-        help=f"comma-separated runs from conf/study_run (default: {','.join(DEFAULT_RUNS)})",
-    )
+    parser.add_argument("--runs", default=None, help="comma-separated runs (default: every run of the plan)")
     parser.add_argument(
         "--compare-only", action="store_true", help="compare runs already trained in OUT/runs"
     )
     parser.add_argument(
-        "overrides", nargs="*", help="Hydra overrides for every run, e.g. trainer.max_steps=400"
+        "overrides", nargs="*", help="Hydra overrides for every run, e.g. study.precision=16-mixed"
     )
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    report = run_study(
-        args.out, [r for r in args.runs.split(",") if r], args.overrides, train=not args.compare_only
-    )
+    runs = None if args.runs is None else [r for r in args.runs.split(",") if r]
+    try:
+        report = run_study(args.out, runs, args.overrides, train=not args.compare_only)
+    except ValueError as err:
+        print(f"flashprobe study: error: {err}", file=sys.stderr)
+        return 2
     print(report.read_text())
     print(f"wrote {report.parent}/study.json, study.csv, figures and {report}")
     return 0

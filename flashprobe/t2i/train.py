@@ -204,6 +204,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     if not _launched_rank():
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
 
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg.threads))  # CPU reductions (and so the last bits) depend on it
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = hydra.utils.instantiate(cfg.data)
     module = hydra.utils.instantiate(cfg.module)
