@@ -12,10 +12,12 @@ Wasserstein-1 distance between the two empirical weight distributions) and ``max
 (``max |W_a − W_b|`` element by element). Non-finite weights are counted (``nonfinite_a``,
 ``nonfinite_b``) and make that tensor's, group's and model's distances ``NaN`` (``null`` in JSON).
 
-Memory: tensors are read from the snapshot files one pair at a time (:class:`SnapshotStore`);
-the group and model distributions need every parameter of a step at once, so the peak is about
-three model-sized float64 vectors per run (the tensors, their concatenation and its sorted copy).
-Pass ``whole_model=False, group_depth=0`` to keep only one tensor pair in memory.
+Speed and memory: a study compares each run's snapshot in several pairs, so :func:`compare_runs`
+reads every run's weights once per step and sorts each tensor, group and the whole model once,
+for all the pairs that need them (sorting is the cost floor of an exact Wasserstein distance).
+The peak is therefore about four model-sized float64 vectors per run taking part in a step (the
+weights, and their sorted copies per tensor, per group and whole); ``whole_model=False`` and
+``group_depth=0`` leave out the last two.
 
 With ``out_dir``, :func:`compare_runs` writes ``study.json`` and ``study.csv``
 (:mod:`flashprobe.formats.study_file`); figures are drawn from those by :mod:`flashprobe.report`
@@ -35,7 +37,7 @@ from typing import Any
 import torch
 
 from flashprobe.formats.study_file import write_study
-from flashprobe.weights.distances import _cdf_distance_w1
+from flashprobe.weights.distances import sorted_values, wasserstein_sorted
 from flashprobe.weights.store import SnapshotStore
 
 __all__ = [
@@ -236,18 +238,136 @@ def _count_nonfinite(t: torch.Tensor) -> int:
     return int((~torch.isfinite(t)).sum())
 
 
-def _distances(
-    a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], max_abs: float, bad_a: int, bad_b: int
-) -> Distances:
-    """Distances of the concatenations of float64 1-D pieces (``max_abs`` precomputed per piece)."""
-    numel = sum(t.numel() for t in a)
+class _Weights:
+    """One run's weights at one step, read once and sorted once for every pair that needs them.
+
+    Args:
+        store: the run's snapshots.
+        step: the step.
+        names: the parameters, in order.
+
+    Attributes:
+        flat: name → the tensor flattened to float64 ``(numel,)``.
+        nonfinite: name → its count of NaN/±inf values.
+    """
+
+    def __init__(self, store: SnapshotStore, step: int, names: Sequence[str]) -> None:
+        self.flat = {n: t.reshape(-1).to(torch.float64) for n, t in store.iter_tensors(step, names)}
+        self.nonfinite = {n: _count_nonfinite(t) for n, t in self.flat.items()}
+        self._sorted: dict[tuple[str, ...], torch.Tensor] = {}
+
+    def sorted(self, members: tuple[str, ...]) -> torch.Tensor:
+        """The values of ``members`` (concatenated) in ascending order, sorted on first use."""
+        if members not in self._sorted:
+            flat = self.flat[members[0]] if len(members) == 1 else torch.cat([self.flat[m] for m in members])
+            self._sorted[members] = sorted_values(flat)
+        return self._sorted[members]
+
+
+def _distances(a: _Weights, b: _Weights, members: tuple[str, ...], max_abs: dict[str, float]) -> Distances:
+    """Distances between the concatenated ``members`` of two runs (same shapes, see check_compatible)."""
+    numel = sum(a.flat[m].numel() for m in members)
+    bad_a, bad_b = sum(a.nonfinite[m] for m in members), sum(b.nonfinite[m] for m in members)
     if bad_a or bad_b:
         return Distances(math.nan, math.nan, numel, bad_a, bad_b)
     if numel == 0:
         return Distances(0.0, 0.0, 0)
-    flat_a = a[0] if len(a) == 1 else torch.cat(list(a))
-    flat_b = b[0] if len(b) == 1 else torch.cat(list(b))
-    return Distances(float(_cdf_distance_w1(flat_a, flat_b, None, None)), max_abs, numel)
+    wasserstein = float(wasserstein_sorted(a.sorted(members), b.sorted(members)))
+    return Distances(wasserstein, max(max_abs[m] for m in members), numel)
+
+
+def _max_abs(a: _Weights, b: _Weights) -> dict[str, float]:
+    """Per tensor, ``max |W_a − W_b|`` (0 for empty or non-finite tensors, whose distances are NaN)."""
+    return {
+        n: float((fa - b.flat[n]).abs().amax())
+        if fa.numel() and not (a.nonfinite[n] or b.nonfinite[n])
+        else 0.0
+        for n, fa in a.flat.items()
+    }
+
+
+def _run_info(store: SnapshotStore) -> dict[str, Any]:
+    return {
+        "run_id": store.run_id,
+        "seed": store.seed,
+        "attention": store.attention,
+        "precision": store.precision,
+        "steps": store.steps,
+    }
+
+
+def _weights_at(cache: dict[str, _Weights], store: SnapshotStore, step: int) -> _Weights:
+    key = str(store.run_dir)
+    if key not in cache:
+        cache[key] = _Weights(store, step, store.names("parameter"))
+    return cache[key]
+
+
+@dataclass
+class _PairPlan:
+    """What one pair compares (its runs, parameters, groups) and the distances found so far."""
+
+    a: SnapshotStore
+    b: SnapshotStore
+    names: list[str]
+    groups: dict[str, tuple[str, ...]]
+    whole_model: bool
+    result: PairComparison
+    warned: bool = False
+
+    @classmethod
+    def of(
+        cls, name: str, a: SnapshotStore, b: SnapshotStore, group_depth: int, whole_model: bool
+    ) -> _PairPlan:
+        """Check the two runs and find their common steps (warning about the others)."""
+        names = check_compatible(a, b)
+        steps = sorted(set(a.steps) & set(b.steps))
+        only_a, only_b = sorted(set(a.steps) - set(b.steps)), sorted(set(b.steps) - set(a.steps))
+        if not steps:
+            raise SnapshotMismatchError(
+                f"{a.run_dir} (steps {a.steps}) and {b.run_dir} (steps {b.steps}) have no snapshot step in "
+                "common; save snapshots at the same steps (WeightSnapshot every_n_steps/steps)"
+            )
+        if only_a or only_b:
+            warnings.warn(
+                f"comparing {name} on the {len(steps)} steps both runs saved; steps only in {a.run_dir}: "
+                f"{only_a}, only in {b.run_dir}: {only_b}",
+                UserWarning,
+                stacklevel=4,
+            )
+        groups: dict[str, list[str]] = {}
+        for n in names if group_depth else ():
+            groups.setdefault(group_of(n, group_depth), []).append(n)
+        result = PairComparison(
+            name=name,
+            run_a=str(a.run_dir),
+            run_b=str(b.run_dir),
+            steps=steps,
+            steps_only_a=only_a,
+            steps_only_b=only_b,
+            groups={g: [] for g in groups},
+            tensors={n: [] for n in names},
+            runs={"a": _run_info(a), "b": _run_info(b)},
+        )
+        return cls(a, b, names, {g: tuple(m) for g, m in groups.items()}, whole_model, result)
+
+    def add(self, a: _Weights, b: _Weights, step: int) -> None:
+        """Append the distances of ``step`` (every tensor, group and the whole model)."""
+        maxes = _max_abs(a, b)
+        for n in self.names:
+            self.result.tensors[n].append(_distances(a, b, (n,), maxes))
+            if (a.nonfinite[n] or b.nonfinite[n]) and not self.warned:
+                self.warned = True
+                warnings.warn(
+                    f"{self.result.name}: non-finite weights at step {step} in {n!r} ({a.nonfinite[n]} in A, "
+                    f'{b.nonfinite[n]} in B); their distances are NaN ("nan" in study.json)',
+                    UserWarning,
+                    stacklevel=4,
+                )
+        for g, members in self.groups.items():
+            self.result.groups[g].append(_distances(a, b, members, maxes))
+        if self.whole_model:
+            self.result.model.append(_distances(a, b, tuple(self.names), maxes))
 
 
 def compare_pair(
@@ -259,15 +379,14 @@ def compare_pair(
     whole_model: bool = True,
     per_tensor: bool = True,
 ) -> PairComparison:
-    """Compare the snapshots of two runs at every step both saved.
+    """Compare the snapshots of two runs at every step both saved (:func:`compare_runs` of one pair).
 
     Args:
         run_a: run directory (or snapshot directory) of run A.
         run_b: the same for run B.
         name: the comparison's name.
         group_depth: module path depth of the groups (``blocks.0`` at 2); 0 disables groups.
-        whole_model: also compare all parameters as one distribution (needs a model-sized float64
-            vector per run; see the module docstring).
+        whole_model: also compare all parameters as one distribution.
         per_tensor: keep the per-tensor distances in the result (they are always computed).
 
     Returns:
@@ -281,87 +400,12 @@ def compare_pair(
     Warns:
         UserWarning: the runs saved different steps; only the common steps are compared.
     """
-    if group_depth < 0:
-        raise ValueError(f"group_depth must be >= 0 (0 = no groups), got {group_depth}")
-    a, b = SnapshotStore(run_a), SnapshotStore(run_b)
-    names = check_compatible(a, b)
-    steps = sorted(set(a.steps) & set(b.steps))
-    only_a = sorted(set(a.steps) - set(b.steps))
-    only_b = sorted(set(b.steps) - set(a.steps))
-    if not steps:
-        raise SnapshotMismatchError(
-            f"{a.run_dir} (steps {a.steps}) and {b.run_dir} (steps {b.steps}) have no snapshot step in "
-            "common; save snapshots at the same steps (WeightSnapshot every_n_steps/steps)"
-        )
-    if only_a or only_b:
-        warnings.warn(
-            f"comparing {name} on the {len(steps)} steps both runs saved; steps only in {a.run_dir}: "
-            f"{only_a}, only in {b.run_dir}: {only_b}",
-            UserWarning,
-            stacklevel=2,
-        )
-    groups: dict[str, list[str]] = {}
-    if group_depth:
-        for n in names:
-            groups.setdefault(group_of(n, group_depth), []).append(n)
-    keep = whole_model or bool(groups)
-
-    result = PairComparison(
-        name=name,
-        run_a=str(a.run_dir),
-        run_b=str(b.run_dir),
-        steps=steps,
-        steps_only_a=only_a,
-        steps_only_b=only_b,
-        runs={key: _run_info(store) for key, store in (("a", a), ("b", b))},
-    )
-    tensors: dict[str, list[Distances]] = {n: [] for n in names}
-    group_series: dict[str, list[Distances]] = {g: [] for g in groups}
-    warned_nonfinite = False
-    for step in steps:
-        flat: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        per_step: dict[str, Distances] = {}
-        for (n, ta), (_, tb) in zip(a.iter_tensors(step, names), b.iter_tensors(step, names), strict=True):
-            fa, fb = ta.reshape(-1).to(torch.float64), tb.reshape(-1).to(torch.float64)
-            bad_a, bad_b = _count_nonfinite(fa), _count_nonfinite(fb)
-            max_abs = float((fa - fb).abs().amax()) if fa.numel() and not (bad_a or bad_b) else 0.0
-            per_step[n] = _distances([fa], [fb], max_abs, bad_a, bad_b)
-            if (bad_a or bad_b) and not warned_nonfinite:
-                warned_nonfinite = True
-                warnings.warn(
-                    f"{name}: non-finite weights at step {step} in {n!r} ({bad_a} in A, {bad_b} in B); "
-                    'their distances are NaN ("nan" in study.json)',
-                    UserWarning,
-                    stacklevel=2,
-                )
-            tensors[n].append(per_step[n])
-            if keep:
-                flat[n] = (fa, fb)
-        for g, members in groups.items():
-            group_series[g].append(_aggregate([flat[n] for n in members], [per_step[n] for n in members]))
-        if whole_model:
-            result.model.append(_aggregate([flat[n] for n in names], [per_step[n] for n in names]))
-        del flat
-    result.groups = group_series
-    result.tensors = tensors if per_tensor else {}
+    result = compare_runs({name: (run_a, run_b)}, group_depth=group_depth, whole_model=whole_model).pairs[
+        name
+    ]
+    if not per_tensor:
+        result.tensors = {}
     return result
-
-
-def _aggregate(pieces: Sequence[tuple[torch.Tensor, torch.Tensor]], parts: Sequence[Distances]) -> Distances:
-    bad_a = sum(d.nonfinite_a for d in parts)
-    bad_b = sum(d.nonfinite_b for d in parts)
-    max_abs = max((d.max_abs for d in parts), default=0.0)
-    return _distances([p[0] for p in pieces], [p[1] for p in pieces], max_abs, bad_a, bad_b)
-
-
-def _run_info(store: SnapshotStore) -> dict[str, Any]:
-    return {
-        "run_id": store.run_id,
-        "seed": store.seed,
-        "attention": store.attention,
-        "precision": store.precision,
-        "steps": store.steps,
-    }
 
 
 def compare_runs(
@@ -390,13 +434,19 @@ def compare_runs(
     """
     if not pairs:
         raise ValueError("compare_runs needs at least one pair: {name: (run_a, run_b)}")
-    result = Comparison(
-        pairs={
-            name: compare_pair(a, b, name=name, group_depth=group_depth, whole_model=whole_model)
-            for name, (a, b) in pairs.items()
-        },
-        group_depth=group_depth,
-    )
+    if group_depth < 0:
+        raise ValueError(f"group_depth must be >= 0 (0 = no groups), got {group_depth}")
+    stores = {str(run): SnapshotStore(run) for pair in pairs.values() for run in pair}
+    plans = {
+        name: _PairPlan.of(name, stores[str(a)], stores[str(b)], group_depth, whole_model)
+        for name, (a, b) in pairs.items()
+    }
+    for step in sorted({s for plan in plans.values() for s in plan.result.steps}):
+        cache: dict[str, _Weights] = {}  # each run's weights at this step, read and sorted once
+        for plan in plans.values():
+            if step in plan.result.steps:
+                plan.add(_weights_at(cache, plan.a, step), _weights_at(cache, plan.b, step), step)
+    result = Comparison(pairs={name: plan.result for name, plan in plans.items()}, group_depth=group_depth)
     if out_dir is not None:
         result.files += write_study(out_dir, result.as_dict(), result.rows())
     return result

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["max_abs_diff", "wasserstein_distance"]
+__all__ = ["max_abs_diff", "sorted_values", "wasserstein_distance", "wasserstein_sorted"]
 
 ArrayLike = torch.Tensor | np.ndarray | list[float] | tuple[float, ...]
 
@@ -78,8 +78,12 @@ def _validate_distribution(
     return v, w
 
 
-def _sort(x: torch.Tensor) -> torch.Tensor:
-    """Sorted copy of a 1-D float64 tensor (numpy's SIMD sort on CPU, torch.sort elsewhere)."""
+def sorted_values(x: torch.Tensor) -> torch.Tensor:
+    """Sorted copy of a 1-D float64 tensor (numpy's SIMD sort on CPU, ``torch.sort`` elsewhere).
+
+    Sorting is the cost floor of an exact Wasserstein distance: callers comparing one sample with
+    several others sort it once and pass the result to :func:`wasserstein_sorted`.
+    """
     if x.device.type == "cpu":
         return torch.from_numpy(np.sort(x.numpy()))
     return torch.sort(x).values
@@ -93,54 +97,74 @@ def _argsort(x: torch.Tensor, *, stable: bool = False) -> torch.Tensor:
     return torch.sort(x, stable=stable).indices
 
 
+def wasserstein_sorted(
+    us: torch.Tensor,
+    vs: torch.Tensor,
+    u_steps: torch.Tensor | None = None,
+    v_steps: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """W1 of two samples given in ascending order; returns a 0-d float64 tensor.
+
+    Args:
+        us: ``(n,)`` float64 values, ascending.
+        vs: ``(m,)`` float64 values, ascending.
+        u_steps: ``(n,)`` the CDF step of each value of ``us`` (its weight over the total weight),
+            in the same order; ``None``: ``1/n`` each.
+        v_steps: the same for ``vs``.
+
+    For two unweighted samples of one size this is ``mean |us − vs|``. Otherwise the CDFs are
+    integrated over the merged values: a stable argsort of ``cat(us, vs)`` (two sorted runs: a linear
+    merge for numpy's timsort) gives the order, and the running sum of the signed steps in that order
+    is ``U(x_k) − V(x_k)``, exact wherever ``x_{k+1} > x_k`` (scipy's ``searchsorted`` counts); where
+    ``x_{k+1} = x_k`` the term has zero width in both formulations.
+    """
+    n, m = us.numel(), vs.numel()
+    if u_steps is None and v_steps is None and n == m:
+        return torch.dist(us, vs, p=1) / n  # mean |sort(u) − sort(v)|, fused
+    if us.device.type == "cpu":  # numpy's take and in-place passes are faster here than torch indexing
+        return torch.tensor(_merged_w1_numpy(us.numpy(), vs.numpy(), u_steps, v_steps), dtype=torch.float64)
+    both = torch.cat((us, vs))  # (n + m,)
+    order = _argsort(both, stable=True)
+    steps = torch.cat(
+        (
+            us.new_full((n,), 1.0 / n) if u_steps is None else u_steps,
+            vs.new_full((m,), -1.0 / m) if v_steps is None else v_steps.neg(),
+        )
+    )[order]  # (n + m,) signed CDF steps in merged order
+    cdf_gap = steps[:-1].cumsum_(0).abs_()  # (n + m − 1,) |U(x_k) − V(x_k)|
+    return torch.dot(cdf_gap, torch.diff(both[order]))
+
+
+def _merged_w1_numpy(
+    us: np.ndarray, vs: np.ndarray, u_steps: torch.Tensor | None, v_steps: torch.Tensor | None
+) -> float:
+    """:func:`wasserstein_sorted`'s merge on the CPU, in numpy (same arithmetic as the torch path)."""
+    n, m = us.size, vs.size
+    both = np.concatenate((us, vs))  # (n + m,)
+    order = np.argsort(both, kind="stable")  # two sorted runs: a linear merge
+    steps = np.empty(n + m)
+    steps[:n] = 1.0 / n if u_steps is None else u_steps.numpy()
+    steps[n:] = -1.0 / m if v_steps is None else -v_steps.numpy()
+    cdf_gap = np.take(steps, order[:-1])  # (n + m − 1,) signed steps in merged order
+    np.cumsum(cdf_gap, out=cdf_gap)
+    np.abs(cdf_gap, out=cdf_gap)  # |U(x_k) − V(x_k)|
+    return float(np.dot(cdf_gap, np.diff(np.take(both, order))))
+
+
 def _cdf_distance_w1(
     u: torch.Tensor, v: torch.Tensor, u_weights: torch.Tensor | None, v_weights: torch.Tensor | None
 ) -> torch.Tensor:
-    """scipy's ``_cdf_distance(1, ...)`` on validated 1-D float64 tensors; returns a 0-d tensor.
+    """scipy's ``_cdf_distance(1, ...)`` on validated 1-D float64 tensors; returns a 0-d tensor."""
 
-    The merged sorted values come from a stable argsort of ``cat(sort(u), sort(v))`` (two sorted
-    runs: a linear merge for numpy's timsort), which also tells which input every merged value came
-    from. The running count (or running weight) of ``u`` values up to position ``k`` equals scipy's
-    ``searchsorted(sort(u), x_k, 'right')`` wherever ``x_{k+1} > x_k``; where ``x_{k+1} = x_k`` the
-    term is multiplied by a zero delta in both formulations, so every summand is the same.
-    """
-    n, m = u.numel(), v.numel()
-    if u_weights is None and v_weights is None and n == m:
-        return torch.dist(_sort(u), _sort(v), p=1) / n  # mean |sort(u) − sort(v)|, fused
-
-    def sorted_with_weights(
-        x: torch.Tensor, w: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def ordered(x: torch.Tensor, w: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if w is None:
-            return _sort(x), None
+            return sorted_values(x), None
         order = _argsort(x)
-        return x[order], w[order]
+        return x[order], w[order] / w.sum()
 
-    us, uw = sorted_with_weights(u, u_weights)
-    vs, vw = sorted_with_weights(v, v_weights)
-    both = torch.cat((us, vs))  # (n + m,)
-    order = _argsort(both, stable=True)
-    merged = both[order]  # (n + m,) all values, ascending
-    from_u = order < n  # (n + m,) bool: merged value k came from u
-    deltas = torch.diff(merged)  # (n + m − 1,)
-    # Large fresh allocations are costly on some hosts (page faults), so the CDFs are built in place.
-    if uw is not None or vw is not None:
-        ones = torch.ones(1, dtype=torch.float64, device=u.device)
-        merged_weights = torch.cat(
-            (ones.expand(n) if uw is None else uw, ones.expand(m) if vw is None else vw)
-        )
-        merged_weights = merged_weights[order]  # (n + m,) every value's weight, in merged order
-
-    def cdf(mask: torch.Tensor, size: int, weights: torch.Tensor | None) -> torch.Tensor:
-        """(n + m,) CDF of one input at every merged value (exact where the next value differs)."""
-        if weights is None:
-            return torch.cumsum(mask, 0, dtype=torch.float64).div_(size)  # counts / size, as scipy
-        cum = torch.where(mask, merged_weights, 0.0).cumsum_(0)
-        return cum.div_(cum[-1].clone())
-
-    u_cdf = cdf(from_u, n, uw)
-    v_cdf = cdf(from_u.logical_not_(), m, vw)
-    return torch.dot(u_cdf.sub_(v_cdf).abs_()[:-1], deltas)
+    us, u_steps = ordered(u, u_weights)
+    vs, v_steps = ordered(v, v_weights)
+    return wasserstein_sorted(us, vs, u_steps, v_steps)
 
 
 def wasserstein_distance(

@@ -210,3 +210,28 @@ def test_cli_refuses_an_unusable_out_before_any_work(
     out = tmp_path / "f" if where == "file" else tmp_path / "f" / "out"
     assert cli_main(["compare", str(runs["base"]), str(runs["same"]), "--out", str(out)]) == 2
     assert "--out" in capsys.readouterr().err
+
+
+def test_each_run_is_sorted_once_per_step_for_all_its_pairs(
+    runs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three pairs share the run `base`: it is read and sorted once per step, not once per pair."""
+    import flashprobe.weights.compare as compare
+
+    calls: list[int] = []
+    real = compare.sorted_values
+    monkeypatch.setattr(compare, "sorted_values", lambda x: calls.append(x.numel()) or real(x))
+    pairs = {
+        "same": (runs["base"], runs["same"]),
+        "seed": (runs["base"], runs["seed1"]),
+        "back": (runs["seed1"], runs["base"]),
+    }
+    result = compare.compare_runs(pairs)
+    names = SnapshotStore(runs["base"]).names("parameter")
+    distributions = {(n,) for n in names} | {tuple(names)}  # each tensor, the whole model, each group:
+    distributions |= {tuple(n for n in names if group_of(n, 2) == g) for g in result.pairs["same"].groups}
+    # (a group of one tensor is that tensor's distribution, sorted once)
+    assert len(calls) == 3 * len(distributions) * len(result.pairs["same"].steps)  # 3 runs, not 6 sides
+    for name, (a, b) in pairs.items():  # and the distances are those of each pair alone
+        alone = compare_pair(a, b, name=name)
+        assert [d.wasserstein for d in result.pairs[name].model] == [d.wasserstein for d in alone.model]
