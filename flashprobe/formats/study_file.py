@@ -29,6 +29,7 @@ from typing import Any
 
 from flashprobe.formats.atomic import atomic_write_text
 from flashprobe.formats.jsonio import decode, read_json, write_json
+from flashprobe.formats.paths import OutputPathError, safe_name
 
 __all__ = ["CSV_FIELDS", "STUDY_FORMAT", "STUDY_NAME", "read_study", "write_study"]
 
@@ -86,6 +87,10 @@ def read_study(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(pairs, dict) or not pairs:
         raise ValueError(f"{path}: no comparison under 'pairs'; rewrite it with `{_WRITERS}`")
     for name, pair in pairs.items():
+        try:
+            safe_name(name, what="pair name")  # it becomes part of a figure's file name
+        except OutputPathError as err:
+            raise ValueError(f"{path}: {err}") from None
         steps = pair.get("steps") if isinstance(pair, dict) else None
         model = pair.get("model") if isinstance(pair, dict) else None
         if not isinstance(steps, list) or not isinstance(model, dict):

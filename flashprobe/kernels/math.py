@@ -60,11 +60,15 @@ def math_attention(
             scores = scores.masked_fill(~attn_mask, float("-inf"))
         else:
             scores = scores + attn_mask.to(compute)
-    probs = torch.softmax(scores, dim=-1)
-    # Safe softmax, as torch SDPA: a row with every key masked (all -inf) gives 0, not NaN.
-    # (A row is fully masked iff its maximum is -inf; one reduction, no (N_q, N_k) bool temporary.)
+    # Safe softmax, as torch SDPA: a row with every key masked (all -inf) gives 0, not NaN, in the
+    # output and in the gradients. Such a row is found with one row-max reduction (no (N_q, N_k) bool
+    # temporary) and given finite scores before the softmax, so autograd never sees inf - inf.
+    fully_masked = None
     if scores.shape[-1]:  # (no keys at all: the empty product below already gives zeros)
-        fully_masked = scores.amax(dim=-1, keepdim=True) == float("-inf")
+        fully_masked = scores.detach().amax(dim=-1, keepdim=True) == float("-inf")  # (B, H, N_q, 1)
+        scores = scores.masked_fill(fully_masked, 0.0)
+    probs = torch.softmax(scores, dim=-1)
+    if fully_masked is not None:
         probs = probs.masked_fill(fully_masked, 0.0)
     return torch.matmul(probs, v).to(out_dtype)  # (B, H, N_q, D_v)
 

@@ -23,6 +23,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from flashprobe.formats.paths import OutputPathError, prepare_output_dir
 from flashprobe.formats.run_record import finish_session, read_run_record, start_session
 from flashprobe.machine import machine_facts
 from flashprobe.t2i.precision import trainer_precision
@@ -303,6 +304,7 @@ def command_line(args: Sequence[str]) -> list[str]:
     Raises:
         FileNotFoundError: ``resume=DIR`` where ``DIR`` holds no run started by ``flashprobe train``.
         FileExistsError: ``hydra.run.dir=DIR`` where ``DIR`` holds a run, without resume or overwrite.
+        OutputPathError: ``hydra.run.dir`` is a file, lies under one, or is not writable.
     """
     args = list(args)
     resume, run_dir = _value(args, "resume"), _value(args, "hydra.run.dir")
@@ -317,6 +319,8 @@ def command_line(args: Sequence[str]) -> list[str]:
         original = [str(o) for o in OmegaConf.load(saved) if _key(str(o)) not in given | skip]
         return [*original, *args, f"hydra.run.dir={resume}"]
     overwrite = str(_value(args, "overwrite")).lower() == "true"
+    if run_dir is not None:
+        prepare_output_dir(run_dir, flag="hydra.run.dir")  # a file in the way fails now, not in Hydra
     if run_dir is not None and resume in (None, "null") and not overwrite:
         found = existing_run(Path(run_dir))
         if found:
@@ -333,7 +337,7 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     """
     try:
         args = command_line(sys.argv[1:] if argv is None else argv)
-    except (FileNotFoundError, FileExistsError) as err:
+    except (FileNotFoundError, FileExistsError, OutputPathError) as err:
         print(f"flashprobe train: error: {err}", file=sys.stderr)
         return 2
     sys.argv = [__file__, *args]

@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from flashprobe.formats.atomic import atomic_write_text
+from flashprobe.formats.atomic import TMP_SUFFIX, atomic_write_file, atomic_write_text
 
 __all__ = [
     "MANIFEST_NAME",
@@ -51,7 +51,6 @@ __all__ = [
     "SnapshotStore",
     "SnapshotWriter",
     "TensorSpec",
-    "atomic_write_text",
     "snapshot_filename",
 ]
 
@@ -60,7 +59,6 @@ log = logging.getLogger(__name__)
 SNAPSHOT_FORMAT = "flashprobe.snapshots/1"
 SNAPSHOT_DIRNAME = "snapshots"
 MANIFEST_NAME = "manifest.json"
-_TMP_SUFFIX = ".tmp"
 
 
 class SnapshotError(ValueError):
@@ -132,7 +130,7 @@ class SnapshotWriter:
     def __init__(self, run_dir: str | os.PathLike[str], header: Mapping[str, Any]) -> None:
         self.directory = Path(run_dir) / SNAPSHOT_DIRNAME
         self.directory.mkdir(parents=True, exist_ok=True)
-        for stale in self.directory.glob(f".*{_TMP_SUFFIX}"):
+        for stale in self.directory.glob(f".*{TMP_SUFFIX}"):
             log.warning("removing incomplete snapshot file %s left by an interrupted write", stale)
             stale.unlink(missing_ok=True)
         self.manifest: dict[str, Any] = {"format": SNAPSHOT_FORMAT, **header, "tensors": [], "snapshots": []}
@@ -165,17 +163,8 @@ class SnapshotWriter:
         """
         name = snapshot_filename(step)
         final = self.directory / name
-        tmp = self.directory / f".{name}.{os.getpid()}{_TMP_SUFFIX}"
         metadata = {"format": SNAPSHOT_FORMAT, "step": str(step), "run_id": str(self.manifest.get("run_id"))}
-        try:
-            save_file(dict(tensors), tmp, metadata=metadata)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
+        atomic_write_file(final, lambda tmp: save_file(dict(tensors), tmp, metadata=metadata))
         entry = {"step": step, "file": name, "bytes": final.stat().st_size, **extra, "saved_at": _now()}
         snapshots = [e for e in self.manifest["snapshots"] if e["step"] != step] + [entry]
         self.manifest["snapshots"] = sorted(snapshots, key=lambda e: e["step"])
@@ -305,9 +294,23 @@ class SnapshotStore:
                 f"{self.run_dir} has no snapshot at step {step}; saved steps: {self.steps}"
             ) from None
 
+    @contextlib.contextmanager
+    def _open(self, step: int) -> Iterator[Any]:
+        """``safe_open`` of one snapshot; a truncated or corrupt file raises :class:`SnapshotError`."""
+        path = self.path(step)
+        try:
+            with safe_open(path, framework="pt") as f:
+                yield f
+        except SafetensorError as err:
+            raise SnapshotError(
+                f"snapshot {path} (step {step}) cannot be read ({err}): the file is truncated or corrupt. "
+                f"Remove its entry from {self.directory / MANIFEST_NAME} or resume the run from a "
+                "checkpoint before that step to write it again"
+            ) from None
+
     def tensor(self, step: int, name: str) -> torch.Tensor:
         """Read one tensor of one snapshot (nothing else is loaded)."""
-        with safe_open(self.path(step), framework="pt") as f:
+        with self._open(step) as f:
             if name not in f.keys():  # noqa: SIM118 - safe_open handles have no __contains__
                 raise KeyError(f"snapshot {self.path(step)} has no tensor {name!r}")
             return f.get_tensor(name)
@@ -316,7 +319,7 @@ class SnapshotStore:
         self, step: int, names: Iterable[str] | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, tensor)`` of one snapshot one at a time, in model order (or ``names``' order)."""
-        with safe_open(self.path(step), framework="pt") as f:
+        with self._open(step) as f:
             available = set(f.keys())
             for name in self.names() if names is None else names:
                 if name not in available:
@@ -329,5 +332,5 @@ class SnapshotStore:
 
     def metadata(self, step: int) -> dict[str, str]:
         """The ``safetensors`` header metadata of one snapshot (``step``, ``run_id``, ``format``)."""
-        with safe_open(self.path(step), framework="pt") as f:
+        with self._open(step) as f:
             return dict(f.metadata() or {})

@@ -143,3 +143,10 @@ def test_resume_reuses_the_runs_own_overrides(tmp_path: Path) -> None:
         "trainer.max_steps=8",
         f"hydra.run.dir={tmp_path / 'run'}",
     ]
+
+
+def test_a_run_directory_under_a_file_is_refused_before_hydra_starts(tmp_path: Path, capsys) -> None:
+    (tmp_path / "f").write_text("x")
+    assert cli_main([*RUN, f"hydra.run.dir={tmp_path / 'f' / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "hydra.run.dir" in err and "which is a file" in err

@@ -125,6 +125,11 @@ def test_report_without_study_json_says_what_to_run(
         ('{"format": "other/1", "pairs": {}}', r"format 'other/1', expected 'flashprobe.compare/1'"),
         ('{"format": "flashprobe.compare/1", "pairs": {}}', r"no comparison under 'pairs'"),
         (
+            '{"format": "flashprobe.compare/1", "pairs": {"../../../x": {"steps": [0], "model": '
+            '{"wasserstein": [0.0], "max_abs": [0.0]}}}}',
+            r"pair name '\.\./\.\./\.\./x' cannot be used in a file name",
+        ),
+        (
             '{"format": "flashprobe.compare/1", "pairs": {"x": {"steps": [0, 1], "model": '
             '{"wasserstein": [0.0], "max_abs": [0.0, 0.0]}}}}',
             r"pair 'x' column model.wasserstein does not align with its 2 steps",

@@ -146,3 +146,31 @@ def test_errors_name_the_problem(tmp_path: Path) -> None:
     manifest.write_text("{not json")
     with pytest.raises(SnapshotError, match="malformed"):
         SnapshotStore(tmp_path / "run")
+
+
+def test_snapshots_get_the_umask_permissions_like_every_other_output(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        run = write_run(tmp_path / "run", {0: {"w": torch.ones(3)}})
+    finally:
+        os.umask(old)
+    for path in (run / "snapshots").iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path.name  # not safetensors' own 0600
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_corrupt_snapshot_is_named_with_the_fix(tmp_path: Path, damage: str) -> None:
+    run = write_run(tmp_path / "run", {0: {"w": torch.ones(3)}, 2: {"w": torch.ones(3)}})
+    path = run / "snapshots" / snapshot_filename(2)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x00" * len(data))
+    store = SnapshotStore(run)
+    assert store.tensor(0, "w").sum() == 3  # the other snapshots still read
+    for read in (lambda: store.tensor(2, "w"), lambda: store.load(2), lambda: store.metadata(2)):
+        with pytest.raises(
+            SnapshotError, match=r"step_0000002.safetensors \(step 2\) cannot be read .*truncated or corrupt"
+        ):
+            read()
