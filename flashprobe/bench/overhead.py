@@ -23,6 +23,10 @@ Limits (:data:`LIMITS`, CPU): ``probe`` ≤ 1.05 × ``control`` (the statistics 
 and ``probe_every_N`` ≤ 1.10 × ``no_probe``; the checks are printed, recorded in the JSON under
 ``"limits"`` and, with ``--check``, turned into the exit code.
 
+``--compile [BACKEND]`` compiles every mode's model with ``torch.compile`` (default backend
+inductor) and measures the same ratios on compiled training: the probe's graph breaks at each
+attention call are part of what it costs (warm-up rounds absorb the compilation).
+
 Writes ``DIR/overhead.json`` (rows with ``mode``, ``step_ms``, ``ratio_vs_no_probe``,
 ``ratio_vs_control``, ``steps``), ``DIR/overhead.csv`` and the figure (``--figure``, default
 ``DIR/overhead.png``).
@@ -94,6 +98,8 @@ class OverheadConfig:
     """torch intra-op threads during the run."""
     seed: int = 0
     """Seed of the weights and the batches."""
+    compile: str = ""
+    """``torch.compile`` backend every mode's model is compiled with (``""``: eager)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -115,6 +121,9 @@ class OverheadConfig:
                 raise BenchArgumentError(f"{flag} must be an integer >= {low}, got {value!r}")
         if self.d_model % self.heads:
             raise BenchArgumentError(f"--d-model {self.d_model} must be divisible by --heads {self.heads}")
+        if self.compile and self.compile not in torch._dynamo.list_backends(exclude_tags=()):
+            known = ", ".join(torch._dynamo.list_backends(exclude_tags=()))
+            raise BenchArgumentError(f"--compile {self.compile!r}: not a torch.compile backend ({known})")
         if self.steps < self.every:
             raise BenchArgumentError(
                 f"--steps {self.steps} must cover at least one block of --every {self.every}"
@@ -177,6 +186,15 @@ def _measure(
     modes = config.modes
     models = {m: copy.deepcopy(base) for m in modes}
     optims = {m: torch.optim.AdamW(models[m].parameters(), lr=1e-3) for m in modes}
+    if config.compile:
+        torch._dynamo.reset()
+        # Each mode's own compiled model; the probes attach to the model inside it (warm-up rounds
+        # compile both the plain graph and the one with the probe's graph breaks).
+        calls: dict[str, Callable[..., torch.Tensor]] = {
+            m: torch.compile(models[m], backend=config.compile) for m in modes
+        }
+    else:
+        calls = dict(models)
 
     def shadow(record: bool) -> ShadowAttention:
         return ShadowAttention(None, "math", config.golden, backward=config.backward, record=record)
@@ -193,7 +211,7 @@ def _measure(
         for mode in order:
             x, y = tokens[r, :, :-1], tokens[r, :, 1:]
             step = max(r - config.warmup, 0)  # warm-up rounds compare too
-            seconds = _timed_step(models[mode], optims[mode], handles[mode], x, y, step)
+            seconds = _timed_step(calls[mode], optims[mode], handles[mode], x, y, step)
             if r >= config.warmup:
                 times[mode].append(seconds)
         if r >= config.warmup and (r - config.warmup + 1) % config.every == 0:
@@ -208,7 +226,7 @@ def _measure(
 
 
 def _timed_step(
-    model: nn.Module,
+    model: Callable[[torch.Tensor], torch.Tensor],
     opt: torch.optim.Optimizer,
     handle: Probe | None,
     x: torch.Tensor,
@@ -295,6 +313,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-golden", action="store_true", help="skip the FP64 golden value")
     parser.add_argument("--threads", type=int, default=d.threads, help=f"torch threads (default {d.threads})")
     parser.add_argument("--seed", type=int, default=d.seed, help=f"seed (default {d.seed})")
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default="",
+        metavar="BACKEND",
+        help="torch.compile every mode's model (backend default inductor; e.g. eager, aot_eager)",
+    )
     parser.add_argument("--figure", type=Path, help="where to write the PNG (default DIR/overhead.png)")
     parser.add_argument("--check", action="store_true", help="exit with 1 when a limit is exceeded")
     add_output_args(parser, "overhead")
@@ -315,6 +341,7 @@ def _config(args: argparse.Namespace) -> OverheadConfig:
         golden=not args.no_golden,
         threads=args.threads,
         seed=args.seed,
+        compile=args.compile,
     )
 
 
@@ -342,6 +369,7 @@ def _run(args: argparse.Namespace) -> int:
         f"{config.layers} layers, d={config.d_model}, {config.heads} heads, B={config.batch}, "
         f"N={config.seq_len}, golden={config.golden}, backward={config.backward}, "
         f"{config.steps} steps/mode, {config.threads} thread(s)"
+        + (f", torch.compile(backend={config.compile!r})" if config.compile else "")
     )
     paths["png"] = plot_overhead(rows, args.figure or args.out / "overhead.png", subtitle)
     print(wrote_line(rows, seconds, paths))

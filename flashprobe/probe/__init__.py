@@ -11,12 +11,14 @@
   values over sites.
 
 Modules, one idea each: ``call`` (one SDPA call adapted to the kernels' convention),
-``intercept`` (catching SDPA calls inside attached models and naming their sites), ``routing``
+``intercept`` (catching SDPA calls inside attached models, also compiled ones, and naming their
+sites), ``compiled`` (the attach-time check for ``torch.compile(..., fullgraph=True)``), ``routing``
 (``use_kernel``), ``shadow`` (``ShadowAttention``), ``chunks`` (bounding the references' memory),
 ``stats`` (on-device statistics), ``summary`` (the summary over sites), ``probe`` (``probe``).
 """
 
 from flashprobe.probe.call import SdpaCall
+from flashprobe.probe.compiled import ProbeCompileError
 from flashprobe.probe.intercept import ROOT_SITE, ProbeWarning
 from flashprobe.probe.probe import Probe, probe
 from flashprobe.probe.routing import KernelRoute, use_kernel
@@ -49,6 +51,7 @@ __all__ = [
     "DeviationStats",
     "KernelRoute",
     "Probe",
+    "ProbeCompileError",
     "ProbeWarning",
     "SdpaCall",
     "ShadowAttention",

@@ -21,6 +21,20 @@ attributes), so ``state_dict``, ``deepcopy``, pickling and torch's fused fast pa
 calls made outside attached models, and calls made by the probe's own kernels, pass straight to
 torch. Nested models: the innermost attached model that has a probe (or a route) wins.
 
+**Compiled models.** The dispatcher is installed wrapped in ``torch.compiler.disable``, so under
+``torch.compile`` every intercepted attention call is a graph break: Dynamo compiles the code
+between attention calls and runs the dispatcher eagerly, on real tensors, with the modules'
+``__call__`` frames on the Python stack (Dynamo runs ``nn.Module._call_impl`` itself, or a copy of
+its code when the module was compiled with ``module.compile()``; both are recognised), so sites are
+named as in eager mode. Swapping the global names changes what Dynamo's guards check, so a model
+compiled before attaching recompiles once with the breaks and returns to its first graph after
+detaching. Two Dynamo details are handled: ``F.multi_head_attention_forward`` is one opaque op to
+Dynamo (its SDPA call would run with FakeTensors at trace time and without module frames at run
+time), so while compiling the stand-in calls a plain copy of it that Dynamo traces down to the
+SDPA call; and Dynamo's table of torch functions is built before the first swap, so it never lists
+a stand-in. ``fullgraph=True`` forbids graph breaks: :mod:`flashprobe.probe.compiled` refuses it at
+attach time.
+
 **Fused fast paths.** In eval mode without autograd, ``nn.TransformerEncoderLayer`` and
 ``nn.MultiheadAttention`` call fused C++ ops (``torch._transformer_encoder_layer_fwd``,
 ``torch._native_multi_head_attention``) that never reach SDPA; ``nn.MultiheadAttention`` called with
@@ -35,6 +49,7 @@ import inspect
 import re
 import sys
 import threading
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from types import FrameType, ModuleType
@@ -45,6 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashprobe.probe.call import ORIGINAL_SDPA, SdpaCall
+from flashprobe.probe.compiled import check_compiled
 
 if TYPE_CHECKING:
     from flashprobe.probe.routing import KernelRoute
@@ -116,9 +132,14 @@ class AttentionRoute:
         return any(b is self for b in _bindings)
 
     def attach(self: _H) -> _H:
-        """(Re-)attach to the model; a no-op when attached. Returns ``self``."""
+        """(Re-)attach to the model; a no-op when attached. Returns ``self``.
+
+        Raises:
+            ProbeCompileError: a module of the model is compiled with ``fullgraph=True``.
+        """
         with _lock:
             if not self.attached:
+                check_compiled(self.model, "probe" if self.kind == "probe" else "use_kernel")
                 _bindings.append(self)
                 _rebuild()
         return self
@@ -209,11 +230,19 @@ def _rebuild() -> None:
 _CALL_IMPL_CODE = nn.Module._call_impl.__code__
 
 
+def _is_call_impl(code: types.CodeType) -> bool:
+    """``nn.Module._call_impl``'s code, or the copy Dynamo runs when it compiled that frame
+    (``model.compile()``): same name and file, new bytecode."""
+    return code is _CALL_IMPL_CODE or (
+        code.co_name == _CALL_IMPL_CODE.co_name and code.co_filename == _CALL_IMPL_CODE.co_filename
+    )
+
+
 def _find(frame: FrameType | None) -> _Resolution | None:
     """The innermost attached module whose ``__call__`` is on the stack above ``frame``."""
     index = _index
     while frame is not None:
-        if frame.f_code is _CALL_IMPL_CODE:
+        if _is_call_impl(frame.f_code):
             module = frame.f_locals.get("self")
             res = index.get(id(module))
             if res is not None and res.module is module:
@@ -223,7 +252,12 @@ def _find(frame: FrameType | None) -> _Resolution | None:
 
 
 def _dispatch(*args: Any, **kwargs: Any) -> torch.Tensor:
-    """Stand-in for ``F.scaled_dot_product_attention`` while any handle is attached."""
+    """Stand-in for ``F.scaled_dot_product_attention`` while any handle is attached.
+
+    Installed wrapped in ``torch.compiler.disable`` (:data:`_COMPILED_DISPATCH`): under
+    ``torch.compile`` each call is a graph break and runs here eagerly, on real tensors, with the
+    modules' ``__call__`` frames on the Python stack (see "Compiled models" in the module docstring).
+    """
     if _state.busy:
         return ORIGINAL_SDPA(*args, **kwargs)
     res = _find(sys._getframe(1))
@@ -243,9 +277,19 @@ def _dispatch(*args: Any, **kwargs: Any) -> torch.Tensor:
         _state.busy = False
 
 
-_dispatch.__doc__ = ORIGINAL_SDPA.__doc__
+#: Why the dispatcher is a graph break: Dynamo prints this when it skips the call (and in the
+#: error that ``torch.compile(..., fullgraph=True)`` raises).
+GRAPH_BREAK_REASON = (
+    "flashprobe: an attached probe or use_kernel route runs each attention call eagerly at a graph "
+    "break (the shadow computation needs real tensors and the module stack); compile without "
+    "fullgraph=True while it is attached, or detach it"
+)
+
 _dispatch.__name__ = "scaled_dot_product_attention"
 _dispatch.__qualname__ = "scaled_dot_product_attention"
+#: What replaces ``F.scaled_dot_product_attention``: the dispatcher, opaque to ``torch.compile``.
+_COMPILED_DISPATCH: Callable[..., torch.Tensor] = torch.compiler.disable(_dispatch, reason=GRAPH_BREAK_REASON)
+_COMPILED_DISPATCH.__doc__ = ORIGINAL_SDPA.__doc__
 
 
 # --------------------------------------------------------------------------------------------
@@ -253,11 +297,25 @@ _dispatch.__qualname__ = "scaled_dot_product_attention"
 # --------------------------------------------------------------------------------------------
 
 
-def _unprobed(res: _Resolution, reason: str) -> None:
+def _attention_child(module: nn.Module) -> str:
+    """Path of the first ``nn.MultiheadAttention`` inside ``module`` (``"self_attn"`` for a
+    ``TransformerEncoderLayer``): the site its attention call has when it reaches SDPA."""
+    for name, sub in module.named_modules():
+        if name and isinstance(sub, nn.MultiheadAttention):
+            return name
+    return ""
+
+
+def _unprobed(res: _Resolution, reason: str, child: str = "") -> None:
+    """Warn once per site that a call there is not probed; ``child`` is the path, below the module
+    that made the call, of the module whose calls the probe names (the site a user would look for)."""
     module = f"{type(res.module).__module__}.{type(res.module).__qualname__}"
     for handle, site in ((res.probe, res.site), (res.route, res.route_site)):
         if handle is not None:
-            handle.warn_once(("unprobed", site, reason), f"flashprobe: site {site!r} ({module}) {reason}")
+            where = module
+            if child:
+                where, site = f"{module} at {site!r}", child if site == ROOT_SITE else f"{site}.{child}"
+            handle.warn_once(("unprobed", site, reason), f"flashprobe: site {site!r} ({where}) {reason}")
 
 
 _FASTPATH_HELP = (
@@ -270,10 +328,11 @@ _FASTPATH_HELP = (
 
 def _fused_wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if not _state.busy:
+        if not torch.compiler.is_compiling() and not _state.busy:
             res = _find(sys._getframe(1))
             if res is not None:
-                _unprobed(res, f"ran torch's fused fast path torch.{name}, {_FASTPATH_HELP}")
+                child = _attention_child(res.module) if name == "_transformer_encoder_layer_fwd" else ""
+                _unprobed(res, f"ran torch's fused fast path torch.{name}, {_FASTPATH_HELP}", child)
         return original(*args, **kwargs)
 
     wrapper.__name__ = wrapper.__qualname__ = name
@@ -283,8 +342,17 @@ def _fused_wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any
 
 def _mha_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     position = list(inspect.signature(original).parameters).index("need_weights")
+    # Dynamo records torch's own function as one opaque graph op, run later (with FakeTensors while
+    # compiling, then from the compiled graph): its SDPA call would reach the dispatcher with no
+    # module frames on the stack. A copy of the function is plain Python to Dynamo, which traces it
+    # down to the SDPA call, where the dispatcher makes its graph break.
+    fn = original
+    traceable = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    traceable.__kwdefaults__ = original.__kwdefaults__
 
     def multi_head_attention_forward(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # traced by Dynamo: no frames to walk, nothing to warn
+            return traceable(*args, **kwargs)
         need_weights = kwargs.get("need_weights", args[position] if len(args) > position else True)
         if need_weights and not _state.busy:
             res = _find(sys._getframe(1))
@@ -316,10 +384,23 @@ def _patch(namespace: dict[str, Any], name: str, replacement: Any) -> None:
     namespace[name] = replacement
 
 
+def _freeze_dynamo_rules() -> None:
+    """Build Dynamo's table of torch functions (cached on first use, keyed by the objects found
+    under their torch names) before any name is swapped, so it never lists our stand-ins as torch
+    functions to put in a graph. Best effort: the table is a Dynamo internal."""
+    try:
+        from torch._dynamo.trace_rules import get_torch_obj_rule_map
+
+        get_torch_obj_rule_map()
+    except Exception:  # a torch without this internal: nothing to freeze
+        return
+
+
 def _install(roots: list[nn.Module]) -> None:
     if not _patches:
+        _freeze_dynamo_rules()
         functional, torch_ns = vars(F), vars(torch)
-        _patch(functional, "scaled_dot_product_attention", _dispatch)
+        _patch(functional, "scaled_dot_product_attention", _COMPILED_DISPATCH)
         _patch(functional, "multi_head_attention_forward", _mha_wrapper(F.multi_head_attention_forward))
         for name in ("_transformer_encoder_layer_fwd", "_native_multi_head_attention"):
             if name in torch_ns:
@@ -338,7 +419,7 @@ def _install(roots: list[nn.Module]) -> None:
                 namespace = vars(py_module)
                 for name, value in list(namespace.items()):
                     if value is ORIGINAL_SDPA:
-                        _patch(namespace, name, _dispatch)
+                        _patch(namespace, name, _COMPILED_DISPATCH)
 
 
 def _uninstall() -> None:

@@ -149,18 +149,74 @@ class Probe(AttentionRoute):
     def stats(
         self, tensors: Mapping[str, torch.Tensor] | None = None, *, flat: bool = False
     ) -> dict[str, Any]:
-        """Per-site statistics as plain Python data; see :meth:`ShadowAttention.stats`."""
+        """Per-site statistics as plain Python data; see :meth:`ShadowAttention.stats`.
+
+        Warns (:class:`ProbeWarning`, once) when the model has made no attention call since the
+        probe was attached, saying why that usually happens.
+        """
+        self._warn_if_no_calls()
         return self.shadow.stats(tensors, flat=flat)
 
     def summary(self, stats: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Worst values over all sites and the step counter; see :func:`~flashprobe.probe.summarize`.
+        """Worst values over all sites, the step counter and ``notes``; see
+        :func:`~flashprobe.probe.summarize`.
+
+        ``notes`` lists, in words, why values are missing: no attention call seen, or backward
+        comparisons skipped at sites with attention dropout (with the fix). ``dropout_calls``
+        counts the calls with attention dropout.
 
         Args:
             stats: per-site statistics to summarise (default: :meth:`stats`).
         """
-        summary = summarize(self.stats() if stats is None else stats)
+        stats = self.stats() if stats is None else stats
+        summary = summarize(stats)
         summary["step"] = self._step
+        summary["dropout_calls"] = sum(e.get("dropout_calls", 0) for e in stats.values())
+        summary["notes"] = self._notes(stats)
         return summary
+
+    def _no_calls_message(self) -> str:
+        return (
+            f"flashprobe: {type(self.model).__name__} has made no "
+            "torch.nn.functional.scaled_dot_product_attention call since the probe was attached, so "
+            "there is nothing to compare. Usual causes: a transformers model loaded with "
+            "attn_implementation='eager' (load it with attn_implementation='sdpa'); "
+            "nn.MultiheadAttention called with need_weights=True; torch's fused inference fast path "
+            "(eval mode under no_grad); a fused kernel called directly (flash_attn_func); or the model "
+            "has not run yet"
+        )
+
+    def _warn_if_no_calls(self) -> None:
+        if not self._calls:
+            self.warn_once("no-calls", self._no_calls_message())
+
+    def _notes(self, stats: Mapping[str, Any]) -> list[str]:
+        notes = []
+        if not self._calls:
+            notes.append(self._no_calls_message().removeprefix("flashprobe: "))
+        dropout = {site: e["dropout_calls"] for site, e in stats.items() if e.get("dropout_calls")}
+        if dropout:
+            sites = ", ".join(sorted(dropout))
+            calls = sum(dropout.values())
+            if self.shadow.dropout == "skip":
+                notes.append(
+                    f"{calls} calls with attention dropout at {sites} were skipped (dropout='skip'); "
+                    "dropout='compare' compares their dropout-free primary"
+                )
+            else:
+                notes.append(
+                    f"{calls} calls with attention dropout at {sites}: their forward compares the "
+                    "dropout-free primary"
+                    + (
+                        "; their backward is not compared (the gradients depend on the random dropout "
+                        "mask), so those sites have no dq/dk/dv statistics. Set the attention dropout to "
+                        "0 to compare gradients (transformers configs: attention_dropout, attn_pdrop or "
+                        "attention_probs_dropout_prob = 0.0; nn.MultiheadAttention: dropout=0.0)"
+                        if self.shadow.backward
+                        else ""
+                    )
+                )
+        return notes
 
     def reset(self) -> None:
         """Zero the statistics (e.g. after each logging step); the step counter is kept."""

@@ -28,7 +28,9 @@ calls. Backward comparison is skipped for dropout calls.
 
 from __future__ import annotations
 
+import collections
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -38,13 +40,13 @@ from torch import nn
 from flashprobe.kernels import Kernel, KernelUnavailableError, get_kernel, golden_attention
 from flashprobe.probe.call import Prepared, SdpaCall, autocast_off, expand_kv, prepare, run_kernel
 from flashprobe.probe.chunks import Chunk, chunk_mask, plan_chunks
-from flashprobe.probe.intercept import ProbeWarning, passthrough
+from flashprobe.probe.intercept import GRAPH_BREAK_REASON, ProbeWarning, passthrough
 from flashprobe.probe.routing import KernelRoute, check_kernel_here
 from flashprobe.probe.stats import (
     DeviationStats,
     StatsWorkspace,
     combine_sums,
-    count_nonfinite,
+    count_nonfinite_positions,
     pair_sums,
     stats_dict,
 )
@@ -74,7 +76,14 @@ class _GradTap(torch.autograd.Function):
 
 
 class _BackwardRecord:
-    """What the backward comparison of one call needs, filled in as the backward runs."""
+    """What the comparison of one call needs until its backward runs.
+
+    With ``backward=True`` a call's forward comparison waits for its backward: the references'
+    forward outputs come out of the same forward pass their gradients need, so each reference runs
+    forward once, not twice. If the backward never reaches the call (no loss through it, a graph
+    freed without ``backward()``), the record's finalizer queues the forward comparison on the
+    shadow, which runs it at its next call or read (:meth:`ShadowAttention._drain`).
+    """
 
     def __init__(self, shadow: ShadowAttention, site: str, prepared: Prepared) -> None:
         self.shadow = shadow
@@ -82,6 +91,24 @@ class _BackwardRecord:
         self.prepared = prepared  # detached, compute dtype, 4-D
         self.names: tuple[str, ...] = ()
         self.grad_out: torch.Tensor | None = None
+        self.out: torch.Tensor | None = None  # the primary's output, kept for the forward comparison
+        self._finalizer: weakref.finalize | None = None
+
+    def keep_output(self, out: torch.Tensor) -> None:
+        """Keep a copy of the primary's output (the model may change its own in place) and queue its
+        forward comparison on the shadow should this record die before its backward."""
+        self.out = out.detach().clone()
+        self._finalizer = weakref.finalize(
+            self, self.shadow._orphans.append, (self.site, self.prepared, self.out)
+        )
+
+    def take_output(self) -> torch.Tensor | None:
+        """The kept output, once (the backward compares it; the finalizer then has nothing to do)."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        out, self.out = self.out, None
+        return out
 
     def tap(self, call: SdpaCall) -> SdpaCall:
         tensors = {"q": call.query, "k": call.key, "v": call.value}
@@ -95,10 +122,13 @@ class _BackwardRecord:
 
     def on_input_grads(self, grads: Iterable[torch.Tensor | None]) -> None:
         grad_out, self.grad_out = self.grad_out, None
-        if grad_out is None:
+        out = self.take_output()
+        if grad_out is None:  # no gradient reached the output: forward comparison only
+            if out is not None:
+                self.shadow._compare_forward(self.site, None, out, self.prepared)
             return
         primary = {n: g.detach() for n, g in zip(self.names, grads, strict=True) if g is not None}
-        self.shadow._compare_backward(self, grad_out, primary)
+        self.shadow._compare_backward(self, grad_out, primary, out)
 
 
 class ShadowAttention(nn.Module):
@@ -167,6 +197,8 @@ class ShadowAttention(nn.Module):
         self._dropout_calls: dict[str, int] = {}
         self._warned: set[Any] = set()
         self._workspace = StatsWorkspace()
+        # Forward comparisons of calls whose backward never came (appended by finalizers).
+        self._orphans: collections.deque[tuple[str, Prepared, torch.Tensor]] = collections.deque()
 
     def check(self, device: torch.device, dtype: torch.dtype) -> None:
         """Raise :class:`KernelUnavailableError` if a kernel cannot run on ``device``/``dtype``."""
@@ -189,6 +221,7 @@ class ShadowAttention(nn.Module):
     # Calls
     # ---------------------------------------------------------------------------------------
 
+    @torch.compiler.disable(reason=GRAPH_BREAK_REASON)
     def forward(
         self,
         query: torch.Tensor,
@@ -200,7 +233,10 @@ class ShadowAttention(nn.Module):
         scale: float | None = None,
         enable_gqa: bool = False,
     ) -> torch.Tensor:
-        """SDPA's signature; returns the primary's ``(..., N_q, D_v)`` output unchanged."""
+        """SDPA's signature; returns the primary's ``(..., N_q, D_v)`` output unchanged.
+
+        Under ``torch.compile`` this call is a graph break: it runs eagerly, on real tensors.
+        """
         call = SdpaCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         with passthrough():
             return self.run(self.name, call)
@@ -219,7 +255,14 @@ class ShadowAttention(nn.Module):
         return run_kernel(self.primary, call)
 
     def run(self, site: str, call: SdpaCall, route: KernelRoute | None = None) -> torch.Tensor:
-        """Run one call at ``site``: return the primary's output, record the comparison."""
+        """Run one call at ``site``: return the primary's output, record the comparison.
+
+        With ``backward=True`` and a call that will get a backward, the forward comparison is made
+        together with the backward one (see :class:`_BackwardRecord`).
+        """
+        self._drain()
+        if self.record:  # sites are listed in the order of their first call
+            self._site(site, call.query.device)
         if call.dropout_p > 0:
             return self._run_dropout(site, call, route)
         tensors = (call.query, call.key, call.value)
@@ -233,10 +276,19 @@ class ShadowAttention(nn.Module):
             out = self.primary_output(record.tap(call), route)
             if out.requires_grad:
                 out.register_hook(record.on_grad_out)
-        else:
-            out = self.primary_output(call, route)
-        self._compare_forward(site, call, out, None if record is None else record.prepared)
+                record.keep_output(out)
+                return out
+            self._compare_forward(site, call, out, record.prepared)
+            return out
+        out = self.primary_output(call, route)
+        self._compare_forward(site, call, out)
         return out
+
+    def _drain(self) -> None:
+        """Run the forward comparisons of calls whose backward never came."""
+        while self._orphans:
+            site, prepared, out = self._orphans.popleft()
+            self._compare_forward(site, None, out, prepared)
 
     def _run_dropout(self, site: str, call: SdpaCall, route: KernelRoute | None) -> torch.Tensor:
         out = self.primary_output(call, route)
@@ -286,11 +338,15 @@ class ShadowAttention(nn.Module):
         return base, gold
 
     def _compare_forward(
-        self, site: str, call: SdpaCall, out: torch.Tensor, prepared: Prepared | None = None
+        self, site: str, call: SdpaCall | None, out: torch.Tensor, prepared: Prepared | None = None
     ) -> None:
+        """Compare the primary's output ``out`` with the references (``prepared``, else ``call``'s)."""
         try:
             # Prepared before autocast is switched off: the compute dtype is the autocast dtype.
-            p = prepare(call.detached()) if prepared is None else prepared
+            if prepared is None:
+                assert call is not None
+                prepared = prepare(call.detached())
+            p = prepared
             with passthrough(), torch.no_grad(), autocast_off(out.device.type):
                 out4 = out.detach().reshape(p.out_shape)
                 sums = None
@@ -302,9 +358,9 @@ class ShadowAttention(nn.Module):
                             sums = combine_sums(sums, pair_sums(mine, base, gold, self._workspace))
                 if self.record and sums is not None:
                     stats = self._site(site, out.device)
-                    stats.add("out", sums)
+                    stats.add("out", sums, p.dtype)
                     stats.add_nonfinite_inputs(
-                        {n: count_nonfinite(t) for n, t in zip("qkv", p[:3], strict=True)}
+                        {n: count_nonfinite_positions(t) for n, t in zip("qkv", p[:3], strict=True)}
                     )
         except Exception as err:
             self._failed(site, err)
@@ -317,19 +373,22 @@ class ShadowAttention(nn.Module):
         names: tuple[str, ...],
         grad_out: torch.Tensor,
         dtype: torch.dtype,
-    ) -> dict[str, torch.Tensor]:
-        """``d(q|k|v)`` of ``fn`` over chunk ``c`` for the output gradient, in ``dtype``."""
+    ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        """Outputs (one per row chunk of ``c``, detached) and ``d(q|k|v)`` of ``fn`` over chunk ``c``
+        for the output gradient, in ``dtype``."""
         sources = {"q": c.take(p.q, p.rep), "k": c.take(p.k), "v": c.take(p.v)}
         leaves = {n: t.detach().to(dtype).requires_grad_(n in names) for n, t in sources.items()}
         wanted = [leaves[n] for n in names]
         g_all = c.take(grad_out, p.rep)
         grads: dict[str, torch.Tensor] = {}
+        outs: list[torch.Tensor] = []
         with torch.enable_grad():
             for rs in c.rows:
                 q = leaves["q"] if rs is None else leaves["q"][:, :, rs]
                 k, v = expand_kv(leaves["k"], leaves["v"], p.rep)
                 mask, causal = chunk_mask(p, c, rs)
                 out = fn(q, k, v, attn_mask=mask, is_causal=causal, scale=p.scale)
+                outs.append(out.detach())
                 g_out = g_all if rs is None else g_all[:, :, rs]
                 parts = torch.autograd.grad(out, wanted, g_out.to(out.dtype), allow_unused=True)
                 for n, g in zip(names, parts, strict=True):
@@ -339,43 +398,66 @@ class ShadowAttention(nn.Module):
                     else:  # summed over row chunks in at least float32
                         acc = torch.promote_types(g.dtype, torch.float32)
                         grads[n] = g.to(acc) if n not in grads else grads[n] + g
-        return grads
+        return outs, grads
 
     def _compare_backward(
-        self, record: _BackwardRecord, grad_out: torch.Tensor, primary: Mapping[str, torch.Tensor]
+        self,
+        record: _BackwardRecord,
+        grad_out: torch.Tensor,
+        primary: Mapping[str, torch.Tensor],
+        out: torch.Tensor | None = None,
     ) -> None:
+        """Compare the primary's gradients (and, when ``out`` is given, its forward output) with the
+        references', all from one forward and backward pass of each reference."""
         site = record.site
         try:
             p = record.prepared
             with passthrough(), autocast_off(grad_out.device.type):
                 names = tuple(n for n in ("q", "k", "v") if n in primary)
                 mine = {n: primary[n].reshape(getattr(p, n).shape) for n in names}
-                sums = self._gradient_sums(p, grad_out.reshape(p.out_shape), mine)
+                grad_out = grad_out.reshape(p.out_shape)
+                out4 = None if out is None else out.reshape(p.out_shape)
+                sums = self._gradient_sums(p, grad_out, mine, out4)
                 if self.record:
                     stats = self._site(site, grad_out.device)
+                    if out4 is not None and sums["out"] is not None:
+                        stats.add("out", sums["out"], p.dtype)
+                        stats.add_nonfinite_inputs(
+                            {n: count_nonfinite_positions(t) for n, t in zip("qkv", p[:3], strict=True)}
+                        )
                     for n in names:
                         if sums[n] is not None:
-                            stats.add(f"d{n}", sums[n])
-                    stats.add_nonfinite_inputs({"grad_out": count_nonfinite(grad_out)})
+                            stats.add(f"d{n}", sums[n], p.dtype)
+                    stats.add_nonfinite_inputs({"grad_out": count_nonfinite_positions(grad_out)})
         except Exception as err:
             self._failed(site, err)
 
     def _gradient_sums(
-        self, p: Prepared, grad_out: torch.Tensor, mine: Mapping[str, torch.Tensor]
+        self,
+        p: Prepared,
+        grad_out: torch.Tensor,
+        mine: Mapping[str, torch.Tensor],
+        out: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor | None]:
         """Pair sums of the primary's gradients ``mine`` (``q``/``k``/``v``, shaped as in ``p``)
-        against the references' for the ``(B, H, N_q, D_v)`` output gradient, over all chunks."""
+        against the references' for the ``(B, H, N_q, D_v)`` output gradient, over all chunks; with
+        the primary's ``(B, H, N_q, D_v)`` output ``out``, also the forward pair sums (key
+        ``"out"``), from the references' outputs of the same passes."""
         names = tuple(mine)
-        sums: dict[str, torch.Tensor | None] = dict.fromkeys(names)
+        sums: dict[str, torch.Tensor | None] = dict.fromkeys((*names, "out"))
         for c in plan_chunks(p, self.chunk_elements):
-            base = self._reference_grads(self.baseline, p, c, names, grad_out, p.dtype)
-            gold = (
+            base_out, base = self._reference_grads(self.baseline, p, c, names, grad_out, p.dtype)
+            gold_out, gold = (
                 self._reference_grads(golden_attention, p, c, names, grad_out, torch.float64)
                 if self.golden
-                else {}
+                else ([None] * len(c.rows), {})
             )
             if self.record:
                 with torch.no_grad():
+                    if out is not None:
+                        for rs, b, g in zip(c.rows, base_out, gold_out, strict=True):
+                            part = pair_sums(c.take(out, p.rep, rs), b, g, self._workspace)
+                            sums["out"] = combine_sums(sums["out"], part)
                     for n in names:
                         mine_c = c.take(mine[n], p.rep if n == "q" else 1)
                         part = pair_sums(mine_c, base[n], gold.get(n), self._workspace)
@@ -417,6 +499,7 @@ class ShadowAttention(nn.Module):
         For distributed training: all-reduce ``t[:N_MAX]`` with MAX and ``t[N_MAX:]`` with SUM,
         then pass the result to :meth:`stats` (``stats(tensors=...)``).
         """
+        self._drain()
         return {site: s.values.clone() for site, s in self._stats.items()}
 
     def stats(
@@ -433,6 +516,7 @@ class ShadowAttention(nn.Module):
             ``{site: {"forward": ..., "backward": ..., "nonfinite_inputs": ...,
             "shadow_errors": n, "dropout_calls": n}}``; see :func:`flashprobe.probe.stats.stats_dict`.
         """
+        self._drain()
         source = {s: v.values for s, v in self._stats.items()} if tensors is None else dict(tensors)
         if not source:
             return {}
@@ -456,6 +540,7 @@ class ShadowAttention(nn.Module):
 
     def reset(self) -> None:
         """Zero every site's statistics (on device, no sync); sites stay known."""
+        self._orphans.clear()
         for s in self._stats.values():
             s.reset()
         self._errors.clear()

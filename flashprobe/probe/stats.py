@@ -18,10 +18,22 @@ Layout of the accumulator (also what :meth:`Probe.stat_tensors` returns, for DDP
     values[:N_MAX]   maxima  -> reduce across ranks with MAX   (names: MAX_FIELDS)
     values[N_MAX:]   sums    -> reduce across ranks with SUM   (names: SUM_FIELDS)
 
-``MAX_FIELDS`` are ``{dir}.{pair}.max_abs`` and ``{dir}.max_call_error_ratio`` (the worst
-per-call error ratio); ``SUM_FIELDS`` are ``{dir}.{pair}.{sum_abs,sum_sq_diff,sum_sq_ref,
-nonfinite,count}``, ``{dir}.calls`` and ``nonfinite_inputs.{q,k,v,grad_out}``, for ``dir`` in
-``out, dq, dk, dv``.
+Per direction ``dir`` in ``out, dq, dk, dv``:
+
+* ``MAX_FIELDS``: ``{dir}.{pair}.max_abs``; ``{dir}.max_call_error_ratio``, the worst per-call
+  error ratio (:func:`call_error_ratio`; a call whose ratio is undefined adds 0, so it never
+  raises or poisons the maximum); ``{dir}.noise_floor``, the largest per-call noise floor
+  ``½·eps(compute dtype)·max|golden|`` (:func:`flashprobe.deviation.noise_floor`), which is what
+  the accumulated error ratio is floored with.
+* ``SUM_FIELDS``: ``{dir}.{pair}.{sum_abs,sum_sq_diff,sum_sq_ref,nonfinite,count}``,
+  ``{dir}.calls`` and ``{dir}.ratio_calls`` (calls whose error ratio was defined: when it is 0,
+  ``max_call_error_ratio`` reads as None).
+* then, per site, ``nonfinite_inputs.{q,k,v,grad_out}``: **positions** (batch entry × token)
+  where the input has a NaN/±inf in any head or channel — one NaN token counts once, not once per
+  element (:func:`count_nonfinite_positions`).
+
+Every field composes: the maximum or sum over calls, over logging intervals and over ranks is
+the same number a single run over all of them would give.
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ __all__ = [
     "call_error_ratio",
     "combine_sums",
     "count_nonfinite",
+    "count_nonfinite_positions",
     "pair_sums",
     "stats_dict",
     "worst",
@@ -62,10 +75,16 @@ INPUTS: tuple[str, ...] = ("q", "k", "v", "grad_out")
 _SUMS: tuple[str, ...] = ("sum_abs", "sum_sq_diff", "sum_sq_ref", "nonfinite", "count")
 
 MAX_FIELDS: tuple[str, ...] = tuple(
-    name for d in DIRECTIONS for name in (*(f"{d}.{p}.max_abs" for p in PAIRS), f"{d}.max_call_error_ratio")
+    name
+    for d in DIRECTIONS
+    for name in (*(f"{d}.{p}.max_abs" for p in PAIRS), f"{d}.max_call_error_ratio", f"{d}.noise_floor")
 )
 SUM_FIELDS: tuple[str, ...] = (
-    *(name for d in DIRECTIONS for name in (*(f"{d}.{p}.{s}" for p in PAIRS for s in _SUMS), f"{d}.calls")),
+    *(
+        name
+        for d in DIRECTIONS
+        for name in (*(f"{d}.{p}.{s}" for p in PAIRS for s in _SUMS), f"{d}.calls", f"{d}.ratio_calls")
+    ),
     *(f"nonfinite_inputs.{i}" for i in INPUTS),
 )
 #: Every field, in accumulator order: maxima first, then sums.
@@ -73,8 +92,8 @@ FIELDS: tuple[str, ...] = MAX_FIELDS + SUM_FIELDS
 #: Number of leading max-reduced fields.
 N_MAX: int = len(MAX_FIELDS)
 
-_MAX_BLOCK = len(PAIRS) + 1  # per direction: 3 max_abs + max_call_error_ratio
-_SUM_BLOCK = len(PAIRS) * len(_SUMS) + 1  # per direction: 15 sums + calls
+_MAX_BLOCK = len(PAIRS) + 2  # per direction: 3 max_abs, max_call_error_ratio, noise_floor
+_SUM_BLOCK = len(PAIRS) * len(_SUMS) + 2  # per direction: 15 sums, calls, ratio_calls
 _INPUTS_AT = N_MAX + len(DIRECTIONS) * _SUM_BLOCK
 
 #: Elements :func:`pair_sums` processes per slice on CPU (cache-sized) and on other devices
@@ -130,8 +149,10 @@ def pair_sums(
         workspace: scratch buffers to reuse across calls.
 
     Returns:
-        ``(6, P)`` float64 tensor, ``P`` = 3 pairs (1 without golden); rows ``max_abs``,
-        ``sum_abs``, ``sum_sq_diff``, ``sum_sq_ref``, ``nonfinite``, ``count``.
+        ``(7, P)`` float64 tensor, ``P`` = 3 pairs (1 without golden); rows ``max_abs``,
+        ``sum_abs``, ``sum_sq_diff``, ``sum_sq_ref``, ``nonfinite``, ``count`` and ``max_ref``
+        (the largest |reference| over the finite pairs: max|golden| for the golden pairs, what the
+        noise floor needs).
     """
     p = primary.detach().reshape(-1)
     b = baseline.detach().reshape(-1)
@@ -172,19 +193,33 @@ def pair_sums(
                 torch.linalg.vector_norm(d, dim=1).square(),
                 torch.linalg.vector_norm(r, dim=1).square(),
                 z.sum(dim=1),
+                r.new_zeros(pairs),  # the count, filled in below
+                r.abs_().amax(dim=1) if m else r.new_zeros(pairs),  # (after its norm: in place)
             )
         )
         total = combine_sums(total, part)
     assert total is not None
-    return torch.cat((total, (n - total[4]).unsqueeze(0)))
+    total[5] = n - total[4]
+    return total
+
+
+#: Rows of :func:`pair_sums` that combine by maximum (``max_abs``, ``max_ref``); the others add.
+_MAX_ROWS = (0, 6)
 
 
 def combine_sums(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
-    """Fold one part's ``(R, P)`` sums into the running total: max of row 0 (``max_abs``), sums of
-    the rest; ``part`` itself when ``total`` is None. Used over slices and over reference chunks."""
+    """Fold one part's ``(7, P)`` :func:`pair_sums` into the running total: maxima of ``max_abs``
+    and ``max_ref``, sums of the rest; ``part`` itself when ``total`` is None. Used over slices and
+    over reference chunks."""
     if total is None:
         return part
-    return torch.cat((torch.maximum(total[:1], part[:1]), total[1:] + part[1:]))
+    return torch.cat(
+        (
+            torch.maximum(total[:1], part[:1]),
+            total[1:6] + part[1:6],
+            torch.maximum(total[6:], part[6:]),
+        )
+    )
 
 
 def count_nonfinite(x: torch.Tensor) -> torch.Tensor:
@@ -201,14 +236,45 @@ def count_nonfinite(x: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def call_error_ratio(sums: torch.Tensor) -> torch.Tensor:
-    """Per-call error ratio ``max_abs(primary, golden) / max_abs(baseline, golden)`` on device.
+def count_nonfinite_positions(x: torch.Tensor) -> torch.Tensor:
+    """Positions of a ``(B, H, N, D)`` tensor with a NaN/±inf in any head or channel, as a 0-d
+    int64 tensor on its device (no host sync): one NaN token counts once, whatever ``H·D`` is.
 
-    1 when both are 0, inf when only the baseline is exact (as :func:`flashprobe.deviation.error_ratio`).
+    One pass: the float64 sum over heads and channels of a position is non-finite exactly when one
+    of its entries is (finite float32/bf16/fp16 values cannot overflow a float64 sum), and ``s − s``
+    is NaN (non-zero) there and 0 elsewhere.
+
+    Args:
+        x: ``(B, H, N, D)``.
+
+    Returns:
+        The number of ``(b, n)`` with a non-finite ``x[b, :, n, :]``.
+    """
+    sums = x.detach().sum(dim=(1, 3), dtype=torch.float64)  # (B, N)
+    return torch.count_nonzero(sums - sums)
+
+
+def call_error_ratio(sums: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One call's error ratio on device, as :func:`flashprobe.deviation.error_ratio` defines it.
+
+    ``max_abs(primary, golden) / max(max_abs(baseline, golden), floor)``; ``inf`` when the
+    denominator is 0 and the primary is not exact (golden exactly 0 where the primary is not).
+
+    Args:
+        sums: the call's ``(7, 3)`` :func:`pair_sums` (with the golden pairs).
+        floor: 0-d noise floor, ``½·eps(compute dtype)·max|golden|``.
+
+    Returns:
+        ``(ratio, defined)``: 0-d float64 tensors. Where the ratio is undefined (0/0: primary,
+        baseline and the floor all 0, which includes "nothing finite was compared") ``ratio`` is 0,
+        so it never raises a maximum, and ``defined`` is 0 (else 1).
     """
     pg, bg = sums[0, 1], sums[0, 2]
-    exact = torch.where(pg > 0, torch.full_like(pg, math.inf), torch.ones_like(pg))
-    return torch.where(bg > 0, pg / bg, exact)
+    denominator = torch.maximum(bg, floor)
+    inexact = torch.where(pg > 0, torch.full_like(pg, math.inf), torch.zeros_like(pg))
+    ratio = torch.where(denominator > 0, pg / denominator.clamp_min(torch.finfo(torch.float64).tiny), inexact)
+    defined = ((denominator > 0) | (pg > 0)).to(torch.float64)
+    return ratio, defined
 
 
 class DeviationStats:
@@ -226,22 +292,30 @@ class DeviationStats:
         self.values = torch.zeros(len(FIELDS), dtype=torch.float64, device=device)
         self.golden = golden
 
-    def add(self, direction: str, sums: torch.Tensor) -> None:
-        """Fold one call's ``(6, P)`` :func:`pair_sums` into ``direction`` (``out``/``dq``/``dk``/``dv``)."""
+    def add(self, direction: str, sums: torch.Tensor, dtype: torch.dtype) -> None:
+        """Fold one call's ``(7, P)`` :func:`pair_sums` into ``direction`` (``out``/``dq``/``dk``/``dv``).
+
+        Args:
+            direction: ``out``, ``dq``, ``dk`` or ``dv``.
+            sums: the call's :func:`pair_sums` (``P`` = 3 with golden, else 1).
+            dtype: the dtype the kernels computed in (sets the noise floor's ``eps``).
+        """
         i = DIRECTIONS.index(direction)
         sums = sums.to(self.values.device)
         pairs = sums.shape[1]
         if pairs == len(PAIRS):
-            ratio = call_error_ratio(sums).unsqueeze(0)
+            floor = (0.5 * torch.finfo(dtype).eps) * torch.maximum(sums[6, 1], sums[6, 2])
+            ratio, defined = call_error_ratio(sums, floor)
+            extra = torch.stack((ratio, floor))
         else:
-            sums = torch.cat((sums, sums.new_zeros(6, len(PAIRS) - pairs)), dim=1)
-            ratio = sums.new_zeros(1)
+            sums = torch.cat((sums, sums.new_zeros(sums.shape[0], len(PAIRS) - pairs)), dim=1)
+            extra, defined = sums.new_zeros(2), sums.new_zeros(())
         maxima = self.values[_MAX_BLOCK * i : _MAX_BLOCK * (i + 1)]
-        torch.maximum(maxima, torch.cat((sums[0], ratio)), out=maxima)
+        torch.maximum(maxima, torch.cat((sums[0], extra)), out=maxima)
         at = N_MAX + _SUM_BLOCK * i
         block = self.values[at : at + _SUM_BLOCK]
-        block[:-1].add_(sums[1:6].T.reshape(-1))
-        block[-1:].add_(1.0)
+        block[:-2].add_(sums[1:6].T.reshape(-1))
+        block[-2:].add_(torch.stack((torch.ones_like(defined), defined)))
 
     def add_nonfinite_inputs(self, counts: Mapping[str, torch.Tensor]) -> None:
         """Add non-finite counts (0-d tensors) of inputs named in :data:`INPUTS`."""
@@ -271,9 +345,10 @@ def stats_dict(values: Sequence[float], *, golden: bool = True) -> dict[str, Any
         ``{"forward": {"calls", "out"}, "backward": {"calls", "dq", "dk", "dv"},
         "nonfinite_inputs": {"q", "k", "v", "grad_out"}}`` where each of ``out``/``dq``/``dk``/``dv``
         maps every pair to ``{max_abs, mean_abs, rel_l2, nonfinite, numel}`` (None without
-        golden, or when nothing was recorded), plus ``error_ratio`` (ratio of the accumulated
-        ``max_abs`` of ``primary_golden`` and ``baseline_golden``) and ``max_call_error_ratio``
-        (the worst single call).
+        golden, or when nothing was recorded), plus ``error_ratio`` (the accumulated ``max_abs`` of
+        ``primary_golden`` over that of ``baseline_golden`` floored at ``noise_floor``, as
+        :func:`flashprobe.deviation.error_ratio`; None when undefined), ``max_call_error_ratio``
+        (the worst single call; None when no call's ratio was defined) and ``noise_floor``.
     """
     if len(values) != len(FIELDS):
         raise ValueError(f"expected {len(FIELDS)} accumulator values, got {len(values)}")
@@ -286,12 +361,15 @@ def stats_dict(values: Sequence[float], *, golden: bool = True) -> dict[str, Any
             has = recorded and (golden or p == "primary_baseline")
             entry[p] = _pair(fields, f"{d}.{p}") if has else None
         if recorded and golden:
+            floor = fields[f"{d}.noise_floor"]
             entry["error_ratio"] = error_ratio(
-                fields[f"{d}.primary_golden.max_abs"], fields[f"{d}.baseline_golden.max_abs"]
+                fields[f"{d}.primary_golden.max_abs"], fields[f"{d}.baseline_golden.max_abs"], floor=floor
             )
-            entry["max_call_error_ratio"] = fields[f"{d}.max_call_error_ratio"]
+            defined = fields[f"{d}.ratio_calls"] > 0
+            entry["max_call_error_ratio"] = fields[f"{d}.max_call_error_ratio"] if defined else None
+            entry["noise_floor"] = floor
         else:
-            entry["error_ratio"] = entry["max_call_error_ratio"] = None
+            entry["error_ratio"] = entry["max_call_error_ratio"] = entry["noise_floor"] = None
         return entry
 
     return {

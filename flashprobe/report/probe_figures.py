@@ -10,7 +10,12 @@ colour:
   sites × steps heat map instead.
 * **max |primary − baseline| over steps** (log axis), what a user swapping kernels would see.
 * **per site over the whole run**: the largest ``|primary − golden|`` and ``|baseline − golden|``
-  (log axis), so a site where the kernel is worse than the baseline stands out.
+  as two dots per site joined by a line (log axis): position, not bar length, carries the value,
+  so a 1.3× gap looks like 1.3× whatever the axis starts at, and a site where the kernel is worse
+  than the baseline stands out.
+
+Site names are the probe's, exactly as in ``probe.jsonl`` (``model.blocks.0.attn``; long names keep
+their end); the figure grows with the number of sites so the labels never overlap.
 
 Non-finite outputs (counted by the probe) are written into the title. The figure is rendered with
 matplotlib's Agg canvas (no pyplot, no display) and written atomically.
@@ -27,6 +32,7 @@ from typing import Any
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.ticker import LogLocator, NullFormatter
 
 from flashprobe.formats.probe_log import load_probe_records
 from flashprobe.report.bench_figures import save_figure
@@ -73,9 +79,18 @@ def site_series(records: Sequence[Mapping[str, Any]]) -> Series:
     return out
 
 
-def _short(name: str, width: int = 34) -> str:
-    name = name.removeprefix("model.")
-    return name if len(name) <= width else "…" + name[-(width - 1) :]
+def _short(name: str, width: int = 56) -> str:
+    """The site name as in probe.jsonl; longer than ``width``, its middle is elided (the start
+    names the block, the end the attention module)."""
+    if len(name) <= width:
+        return name
+    head = (width - 1) // 2
+    return name[:head] + "…" + name[-(width - 1 - head) :]
+
+
+def _label_size(sites: int) -> float:
+    """Tick-label font size for ``sites`` labels on one axis of the figure's height."""
+    return 7.0 if sites <= MAX_LINES else 6.0
 
 
 def _capped(values: Sequence[float], cap: float) -> list[float]:
@@ -116,7 +131,7 @@ def _ratio_heatmap(fig: Figure, ax: Axes, steps: list[int], series: Series, cap:
         )
     )
     image = ax.pcolormesh(edges, np.arange(len(names) + 1) - 0.5, np.ma.masked_invalid(grid), cmap="viridis")
-    ax.set_yticks(range(len(names)), [_short(n) for n in names], fontsize=6)
+    ax.set_yticks(range(len(names)), [_short(n) for n in names], fontsize=_label_size(len(names)))
     ax.invert_yaxis()
     ax.set_xlabel("training step")
     ax.set_title("forward error ratio per site")
@@ -145,15 +160,26 @@ def _per_site_panel(ax: Axes, series: Series) -> None:
     y = np.arange(len(names))
     primary = [worst(series[n]["primary_golden"]) for n in names]
     baseline = [worst(series[n]["baseline_golden"]) for n in names]
-    ax.barh(y - 0.2, primary, height=0.4, color="tab:red", label="primary vs golden")
-    ax.barh(y + 0.2, baseline, height=0.4, color="tab:blue", label="baseline vs golden")
-    ax.set_yticks(y, [_short(n) for n in names], fontsize=7 if len(names) <= MAX_LINES else 6)
-    ax.invert_yaxis()
-    if any(v > 0 for v in primary + baseline if not math.isnan(v)):
+    log = any(v > 0 for v in primary + baseline if not math.isnan(v))
+    # Dots, not bars: on a log axis a bar's length depends on where the axis starts.
+    shown_p = [v if v > 0 or not log else math.nan for v in primary]
+    shown_b = [v if v > 0 or not log else math.nan for v in baseline]
+    ax.hlines(y, shown_p, shown_b, color="0.75", linewidth=1.0, zorder=1)
+    ax.plot(shown_p, y, "o", color="tab:red", markersize=5, label="primary vs golden", zorder=2)
+    ax.plot(shown_b, y, "s", color="tab:blue", markersize=4, label="baseline vs golden", zorder=2)
+    ax.set_yticks(y, [_short(n) for n in names], fontsize=_label_size(len(names)))
+    ax.set_ylim(len(names) - 0.5, -0.5)
+    if log:
         ax.set_xscale("log")
+        ax.margins(x=0.15)
+        # Labelled ticks at 1, 2, 5 per decade, no labelled minor ticks: never overlapping.
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=8))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.tick_params(axis="x", labelsize=7)
+    ax.grid(axis="x", which="major", color="0.9", linewidth=0.6)
     ax.set_xlabel("largest max |· − golden| over the run")
     ax.set_title("per site, whole run")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
 
 
 def plot_probe(
@@ -187,7 +213,8 @@ def plot_probe(
     infinite = sum(v == math.inf for v in ratios)
 
     many = len(series) > MAX_LINES
-    fig = Figure(figsize=(15, 4.8 + 0.12 * len(series) if many else 4.8))
+    # Tall enough for one readable label per site (the per-site panel lists every site).
+    fig = Figure(figsize=(17, max(4.8, 1.8 + 0.24 * len(series))))
     ax_ratio, ax_pb, ax_site = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1.2, 1.0, 1.0]})
     if many:
         _ratio_heatmap(fig, ax_ratio, steps, series, cap)

@@ -41,3 +41,14 @@ def test_overhead_bench_writes_rows_and_figure(tmp_path: Path, capsys: pytest.Ca
     assert {c["mode"] for c in doc["limits"]} == {"probe", "probe_every_2"}
     assert figure.stat().st_size > 1000 and (tmp_path / "overhead.csv").exists()
     assert cli_main(["bench", "overhead", "--steps", "0"]) == 2  # bad input: one clear error
+
+
+def test_overhead_bench_compiled(tmp_path: Path) -> None:
+    argv = ["--steps", "2", "--warmup", "1", "--every", "2", "--batch", "1", "--seq-len", "8"]
+    argv += ["--d-model", "16", "--heads", "2", "--layers", "1", "--compile", "eager", "--out", str(tmp_path)]
+    assert overhead_main(argv) == 0
+    doc = json.loads((tmp_path / "overhead.json").read_text())
+    assert doc["config"]["compile"] == "eager"
+    rows = {row["mode"]: row for row in doc["rows"]}
+    assert rows["probe"]["compared_calls"] == 3  # the compiled model's calls were compared
+    assert overhead_main(["--compile", "no_such_backend", "--out", str(tmp_path)]) == 2

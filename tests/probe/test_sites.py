@@ -139,7 +139,9 @@ def test_fused_eval_fast_path_is_reported_by_module_name() -> None:
         enc(x)
     messages = sorted(str(w.message) for w in caught)
     for i, message in enumerate(messages):
-        assert f"site 'layers.{i}' (torch.nn.modules.transformer.TransformerEncoderLayer)" in message
+        # Named by the site the probe would use (the layer's self_attn), not the layer itself.
+        layer = f"(torch.nn.modules.transformer.TransformerEncoderLayer at 'layers.{i}')"
+        assert f"site 'layers.{i}.self_attn' {layer}" in message
         assert "torch._transformer_encoder_layer_fwd" in message and "set_fastpath_enabled(False)" in message
     assert len(messages) == 2 and p.sites == []
     with (

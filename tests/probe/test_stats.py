@@ -159,7 +159,9 @@ def test_chunked_references_bound_memory_and_agree(monkeypatch) -> None:
         results[chunk] = shadow.stats()["attention"]
         calls[chunk] = len(seen)
         assert max(seen) <= chunk
-    assert calls == {10**9: 2, 400: 2 * 6, 100: 2 * 6 * 4}  # forward + backward golden calls
+    # One golden forward per chunk: with backward=True the forward comparison uses the outputs of
+    # the same pass that the gradients need.
+    assert calls == {10**9: 1, 400: 6, 100: 6 * 4}
     parts = (("forward", "out"), ("backward", "dq"), ("backward", "dk"), ("backward", "dv"))
     whole = results[10**9]
     for direction, part in parts:
@@ -242,3 +244,36 @@ def test_without_golden_and_with_dropout_skip() -> None:
         skipping(q, k, v, dropout_p=0.5)
     entry = skipping.stats()["attention"]
     assert entry["dropout_calls"] == 1 and entry["forward"]["calls"] == 0
+
+
+def test_backward_mode_compares_the_forward_even_without_a_backward() -> None:
+    """With backward=True the forward comparison waits for the backward; a call whose backward never
+    comes (graph dropped, or no gradient reaching its output) is still compared, exactly once."""
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    shadow = ShadowAttention(None, "math", backward=True)
+    out = shadow(q, k, v)
+    del out  # graph freed without backward: its finalizer queues the forward comparison
+    other = shadow(q, k, v)
+    (q * 2).sum().backward()  # a backward runs, but no gradient reaches `other`
+    assert shadow.stats()["attention"]["forward"]["calls"] == 1  # `other` may still get one
+    del other
+    stats = shadow.stats()["attention"]
+    assert stats["forward"]["calls"] == 2 and stats["backward"]["calls"] == 0
+    with_backward = ShadowAttention(None, "math", backward=True)
+    with_backward(q, k, v).sum().backward()
+    got = with_backward.stats()["attention"]
+    assert got["forward"]["calls"] == got["backward"]["calls"] == 1
+    # The deferred forward comparison equals the one made at once without backward.
+    plain = ShadowAttention(None, "math", backward=False)
+    plain(q, k, v)
+    assert got["forward"] == plain.stats()["attention"]["forward"]
+
+
+def test_one_nan_token_counts_once() -> None:
+    """nonfinite_inputs counts positions (batch entry x token), not elements (heads x channels)."""
+    q, k, v = _qkv(b=2, h=2, n=5, d=8)
+    q[1, :, 3, :] = float("nan")  # one token of one sequence, every head and channel
+    k[0, 1, 2, 4] = float("inf")  # one element
+    shadow = ShadowAttention(None, "math", golden=True)
+    shadow(q, k, v)
+    assert shadow.stats()["attention"]["nonfinite_inputs"] == {"q": 1, "k": 1, "v": 0, "grad_out": 0}

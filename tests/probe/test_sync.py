@@ -60,3 +60,24 @@ def test_probe_step_has_no_cuda_sync() -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert p.stats()["block"]["forward"]["calls"] == 2
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_probe_adds_no_host_reads(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(2, 6, 4)
+
+    def step() -> None:
+        compiled(x).sum().backward()
+
+    step()  # warm-up: compiles without the probe
+    plain = _count_host_reads(monkeypatch, step)
+    with probe(model, backward=True, golden=True) as p:
+        step()  # warm-up: recompiles with the probe's graph breaks
+        probed = _count_host_reads(monkeypatch, step)
+        stats = p.stats()
+    assert probed == plain
+    assert stats["block"]["backward"]["calls"] == 2

@@ -1,0 +1,1 @@
+"""Hydra discovers flashprobe's search-path plugin here (the ``hydra_plugins`` namespace package)."""

@@ -1,0 +1,141 @@
+"""The probe on real transformers model classes (GPT-2, Llama with GQA and left padding, BERT with
+padding, ViT), built from tiny random-init configs: every site found and named, training
+bit-identical, statistics recorded, and the rough edges a new user meets explained."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from flashprobe.probe import ProbeWarning, probe
+
+from ._training import assert_identical, train_steps
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, TOKENS = 64, 8
+_SMALL = {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4}
+
+
+def _gpt2(attn: str = "sdpa", dropout: float = 0.0) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16, attn_pdrop=dropout,
+        bos_token_id=0, eos_token_id=0, attn_implementation=attn,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        **_SMALL, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa",
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def _bert() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        **_SMALL, vocab_size=VOCAB, max_position_embeddings=32, attn_implementation="sdpa"
+    )  # default attention dropout 0.1
+    return transformers.BertModel(config)
+
+
+def _tokens(step: int, *, left_pad: bool = False) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    batch = {"input_ids": torch.randint(1, VOCAB, (2, TOKENS), generator=gen)}
+    if left_pad:  # the first sequence is left-padded by 3 tokens
+        mask = torch.ones(2, TOKENS, dtype=torch.long)
+        mask[0, :3] = 0
+        batch["attention_mask"] = mask
+    return batch
+
+
+def _logits(out) -> torch.Tensor:
+    return out.logits
+
+
+def test_gpt2_sites_and_bit_identical_training() -> None:
+    plain = train_steps(_gpt2(), _tokens, _logits)
+    model = _gpt2()
+    with probe(model, backward=True) as p:
+        probed = train_steps(model, _tokens, _logits)
+    assert_identical(plain, probed)
+    assert p.sites == ["transformer.h.0.attn", "transformer.h.1.attn"]
+    summary = p.summary()
+    assert summary["forward_calls"] == summary["backward_calls"] == 4
+    assert 0 < summary["max_error_ratio"] < 2 and summary["nonfinite"] == 0 and not summary["notes"]
+
+
+def test_llama_gqa_with_left_padding() -> None:
+    batch = lambda step: _tokens(step, left_pad=True)  # noqa: E731
+    plain = train_steps(_llama(), batch, _logits)
+    model = _llama()
+    with probe(model, backward=True) as p:
+        probed = train_steps(model, batch, _logits)
+    assert_identical(plain, probed)
+    assert p.sites == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    stats = p.stats()["model.layers.0.self_attn"]
+    # 4 query heads share 2 key/value heads (transformers repeats them before SDPA when a mask is
+    # given, else passes enable_gqa=True): every gradient is compared, dq at the query heads' shape.
+    assert stats["backward"]["dq"]["primary_golden"]["numel"] == 2 * (2 * 4 * TOKENS * 8)
+    assert stats["backward"]["dk"]["primary_golden"]["numel"] in (2 * (2 * h * TOKENS * 8) for h in (2, 4))
+    assert stats["nonfinite_inputs"] == {"q": 0, "k": 0, "v": 0, "grad_out": 0}
+    assert p.summary()["max_backward_error_ratio"] is not None
+
+
+def test_bert_attention_dropout_is_explained() -> None:
+    batch = lambda step: _tokens(step, left_pad=True)  # noqa: E731
+    output = lambda out: out.last_hidden_state  # noqa: E731
+    plain = train_steps(_bert(), batch, output)
+    model = _bert()
+    with pytest.warns(ProbeWarning, match="attention dropout"), probe(model, backward=True) as p:
+        probed = train_steps(model, batch, output)
+    assert_identical(plain, probed)  # BERT's dropout masks are unchanged: no random number drawn
+    summary = p.summary()
+    assert p.sites == ["encoder.layer.0.attention.self", "encoder.layer.1.attention.self"]
+    assert summary["forward_calls"] == 4 and summary["backward_calls"] == 0
+    assert summary["dropout_calls"] == 4
+    (note,) = summary["notes"]
+    assert "backward is not compared" in note and "attention_probs_dropout_prob" in note
+
+
+def test_vit_sites() -> None:
+    torch.manual_seed(0)
+    model = transformers.ViTModel(
+        transformers.ViTConfig(**_SMALL, image_size=16, patch_size=8, attn_implementation="sdpa")
+    )
+    with probe(model) as p:
+        model(pixel_values=torch.randn(2, 3, 16, 16))
+    assert len(p.sites) == 2 and all(site.endswith("attention") for site in p.sites), p.sites
+    assert p.summary()["forward_calls"] == 2
+
+
+def test_eager_attention_implementation_warns_with_the_fix() -> None:
+    model = _gpt2(attn="eager")
+    with probe(model) as p:
+        model(**_tokens(0))
+    with pytest.warns(ProbeWarning, match="attn_implementation='sdpa'"):
+        summary = p.summary()
+    assert summary["sites"] == 0 and "attn_implementation='sdpa'" in summary["notes"][0]
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("aot_eager", marks=pytest.mark.slow)])
+def test_compiled_gpt2_matches_compiled_without_probe(backend: str) -> None:
+    torch._dynamo.reset()
+    model = _gpt2()
+    plain = train_steps(model, _tokens, _logits, call=torch.compile(model, backend=backend))
+    torch._dynamo.reset()
+    model = _gpt2()
+    compiled = torch.compile(model, backend=backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ProbeWarning)
+        with probe(compiled, backward=True) as p:
+            probed = train_steps(model, _tokens, _logits, call=compiled)
+    assert_identical(plain, probed)
+    assert p.sites == ["transformer.h.0.attn", "transformer.h.1.attn"]  # as in eager mode
+    assert p.summary()["backward_calls"] == 4 and p.summary()["shadow_errors"] == 0
