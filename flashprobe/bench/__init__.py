@@ -2,6 +2,9 @@
 
 Commands (one module each):
 
+* :mod:`~flashprobe.bench.paper` — every microbenchmark claim of the paper (Figs 3–6), measured at
+  the setting it needs (:mod:`~flashprobe.bench.paper_runs`) and judged against a stated criterion
+  (:mod:`~flashprobe.bench.claims`), beside the real kernels;
 * :mod:`~flashprobe.bench.precision` — deviation vs dtype (paper Figs 3, 4);
 * :mod:`~flashprobe.bench.seqlen` — deviation vs sequence length at a fixed tile size (Fig 5);
 * :mod:`~flashprobe.bench.tiles` — deviation vs tile size, block order and tile shape (Fig 6);

@@ -1,8 +1,10 @@
 """``flashprobe bench seqlen``: deviation vs sequence length at a fixed tile size (paper Fig 5).
 
 The tile size stays whatever the kernel spec says (``tiled`` defaults to Br=64, Bc=128), so a
-longer sequence means more key tiles per row and more online-softmax rescalings. Each row is one
-(kernel, dtype, N) with the same deviation keys as ``flashprobe bench precision``.
+longer sequence means more key tiles per row and more online-softmax rescalings. The default
+kernels are ``tiled:preset=paper`` (every step in the compute dtype, where the deviation grows with
+the number of tiles) and ``tiled`` (the ``fa2`` preset: fp32 statistics, where it does not). Each row
+is one (kernel, dtype, N) with the same deviation keys as ``flashprobe bench precision``.
 
 Writes ``DIR/seqlen.json`` (rows under ``"rows"``), ``DIR/seqlen.csv`` and ``DIR/seqlen.png``.
 """
@@ -87,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="flashprobe bench seqlen",
         description="Deviation of attention kernels vs sequence length at a fixed tile size (paper Fig 5).",
     )
-    add_kernel_args(parser, default=["tiled"])
+    add_kernel_args(parser, default=["tiled:preset=paper", "tiled"])
     add_shape_args(parser, batch=1, heads=2, seq_len=[128, 256, 512, 1024, 2048, 4096], head_dim=64)
     add_input_args(parser, repeats=3)
     add_output_args(parser, "seqlen", replot=True)

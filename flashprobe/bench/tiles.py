@@ -1,8 +1,9 @@
 """``flashprobe bench tiles``: deviation vs tile size, block order and tile shape (paper Fig 6).
 
 Tile sizes follow the paper: for an on-chip memory of ``M`` elements, ``Bc = ⌈M/4d⌉`` keys and
-``Br = min(⌈M/4d⌉, d)`` queries per tile. The sweep runs ``tiled`` over several ``M`` (so over
-block areas ``Br·Bc``) in four variants:
+``Br = min(⌈M/4d⌉, d)`` queries per tile. The sweep runs one kernel (default
+``tiled:preset=paper``, the paper's re-implementation; the ``fa2`` preset's deviation does not
+depend on the tiles) over several ``M`` (so over block areas ``Br·Bc``) in these variants:
 
 =========  ===================================================================================
 variant    kernel options added to the spec
@@ -11,6 +12,8 @@ default    ``sram=M``
 swapped    ``sram=M,swap_blocks=true``: Br and Bc exchanged (Fig 6a, block order swapped)
 square     ``sram=M,square=true``: Br = Bc = min(Br, Bc) (Fig 6b)
 loop_q     ``sram=M,loop=q``: outer loop over query tiles (FlashAttention-1 loop order)
+reverse    ``sram=M,order=reverse``: key tiles consumed last to first (Fig 6a, block order)
+shuffle    ``sram=M,order=shuffle``: key tiles consumed in a random order (seed 0)
 =========  ===================================================================================
 
 Each row is one (variant, M, dtype) with ``block_q``, ``block_k``, ``block_area`` and the
@@ -51,13 +54,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "swapped": {"swap_blocks": True},
     "square": {"square": True},
     "loop_q": {"loop": "q"},
+    "reverse": {"order": "reverse"},
+    "shuffle": {"order": "shuffle"},
 }
 
 #: Default Bc values of the sweep; the SRAM sizes are ``M = 4·d·Bc``.
 DEFAULT_BLOCK_K = (16, 32, 64, 128, 256, 512)
 
 #: Options the sweep sets itself, which the base spec must leave alone.
-_SWEEP_OPTIONS = ("block_q", "block_k", "sram", "swap_blocks", "square", "loop")
+_SWEEP_OPTIONS = ("block_q", "block_k", "sram", "swap_blocks", "square", "loop", "order")
 
 #: Columns of the printed table: (row key, header).
 TABLE_COLUMNS = [
@@ -83,7 +88,7 @@ def _tile_kernel(base: Kernel, head_dim: int, variant: str, sram: int) -> Primar
     except KernelSpecError as err:
         raise BenchArgumentError(
             f"the tiles sweep needs a kernel with tiled's tile options (sram, swap_blocks, "
-            f"square, loop): {err}"
+            f"square, loop, order): {err}"
         ) from None
     try:
         br, bc = tile_sizes(
@@ -175,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Deviation of the tiled FlashAttention vs tile size, block order and tile shape "
         "(paper Fig 6).",
     )
-    add_kernel_args(parser, default=["tiled"])
+    add_kernel_args(parser, default=["tiled:preset=paper"])
     add_shape_args(parser, batch=1, heads=2, seq_len=1024, head_dim=64)
     parser.add_argument(
         "--sram",

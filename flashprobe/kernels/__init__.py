@@ -30,16 +30,32 @@ from flashprobe.kernels.registry import (
     unregister_kernel,
 )
 from flashprobe.kernels.sdpa import BACKENDS, sdpa_attention
-from flashprobe.kernels.tiled import TileSizes, tile_sizes, tiled_attention
+from flashprobe.kernels.tiled import (
+    DEFAULT_PRESET,
+    ORDERS,
+    PRESETS,
+    UPDATES,
+    TileNumerics,
+    TileSizes,
+    resolve_numerics,
+    tile_order,
+    tile_sizes,
+    tiled_attention,
+)
 
 __all__ = [
     "BACKENDS",
+    "DEFAULT_PRESET",
+    "ORDERS",
+    "PRESETS",
+    "UPDATES",
     "AttentionFn",
     "Kernel",
     "KernelInfo",
     "KernelInputError",
     "KernelSpecError",
     "KernelUnavailableError",
+    "TileNumerics",
     "TileSizes",
     "available_kernels",
     "causal_mask",
@@ -53,7 +69,9 @@ __all__ = [
     "math_attention",
     "parse_spec",
     "register_kernel",
+    "resolve_numerics",
     "sdpa_attention",
+    "tile_order",
     "tile_sizes",
     "tiled_attention",
     "to_dtype",

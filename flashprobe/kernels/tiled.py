@@ -1,27 +1,59 @@
 """A readable numerical re-implementation of FlashAttention's forward pass, at any precision.
 
-The score matrix is never materialised. Keys and values are consumed one block of ``block_k``
-columns at a time (FlashAttention-2 style); for every query row the kernel keeps a **running
-max** ``m`` and **running sum** ``l`` of the softmax, and whenever the max grows it **rescales**
-the partial output by ``exp(m_old - m_new)``. Those rescalings are the extra arithmetic the paper
-suspects of adding numeric deviation. Each step's dtype is a separate knob, so one can see which
-step of the algorithm causes a deviation:
+The score matrix is never materialised. Keys and values are consumed one tile of ``block_k``
+columns at a time; for every query row the kernel keeps a **running max** ``m`` and **running
+sum** ``l`` of the softmax, and whenever the max grows it **rescales** the partial output by
+``exp(m_old - m_new)``. Those rescalings are the extra arithmetic the paper suspects of adding
+numeric deviation. Each step's dtype and the order of the steps are knobs, so one can see which
+step of the algorithm causes a deviation.
+
+Every GEMM follows the one rule of the hardware and libraries real kernels call (tensor cores,
+oneDNN/MKL): operands in their dtype, products accumulated in at least fp32, the result rounded
+**once** to its destination dtype. A tile step, for query rows ``R`` and key tile ``j``:
+
+1. ``s = round_score(q kⱼᵀ · scale)``: the scale is applied *before* any rounding, in the
+   accumulator (real kernels never form an unscaled 16-bit ``q kᵀ``, so no fp16 overflow);
+2. ``s`` is converted to ``stats_dtype``, masked, and the softmax statistics are updated there;
+3. ``P = exp(s − m)`` is rounded to ``dtype`` and ``P vⱼ`` is accumulated into the output in
+   ``acc_dtype`` (``update``: FA2 rescales an unnormalised output and divides once at the end;
+   FA1 keeps the output normalised after every tile).
 
 ===============  ===========================================================================
 knob             meaning
 ===============  ===========================================================================
+preset           named set of the numerics knobs below, each overridable in the same spec
+                 (``tiled:preset=paper,order=reverse``); plain ``tiled`` is ``fa2``:
+
+                 * ``fa2``: real FlashAttention-2 kernels (Dao-AILab ``flash_fwd_kernel.h``,
+                   torch's CPU ``FlashAttentionKernel.cpp``): inputs, ``P`` and the output in
+                   ``dtype``; scores, statistics and accumulator in ``opmath`` (fp32, fp64 for
+                   fp64 inputs); ``update=fa2``; ``order=reverse`` (FA2's CUDA kernel walks the
+                   key tiles from the last to the first);
+                 * ``paper``: every step in ``dtype``, as the paper's re-implementation:
+                   ``score_dtype = stats_dtype = acc_dtype = dtype``, ``update=fa1`` (FA1's
+                   Algorithm 1, where the paper's ``Bc = ⌈M/4d⌉`` comes from),
+                   ``order=forward``.
 block_q, block_k Br and Bc, the tile's query and key sizes (default 64 and 128)
 sram             the paper's SRAM size M (elements): Bc = ceil(M / 4d), Br = min(Bc, d)
-swap_blocks      swap Br and Bc (paper Fig 6a)
+swap_blocks      swap Br and Bc (paper Fig 6a as the tile shape)
 square           force square tiles Br = Bc = min(Br, Bc) (paper Fig 6b)
-loop             ``"kv"``: all query blocks form one batch dimension, a single loop over key
-                 blocks (FlashAttention-2, the fast default); ``"q"``: an outer loop over query
-                 blocks of ``block_q`` rows (FlashAttention-1 order). Per row both apply the same
-                 updates in the same order; results differ only where the matmul library rounds
-                 a slab of rows differently from all rows (fp32: last bit).
-dtype            dtype of the inputs and both matmuls (q kᵀ and p v); default: inputs' dtype
-stats_dtype      dtype of the running max, the exponentials and the running sum; default: dtype
-acc_dtype        dtype of the output accumulator; default: dtype
+loop             ``"kv"``: all query rows form one batch dimension, a single loop over key
+                 tiles (fast); ``"q"``: an outer loop over query tiles of ``block_q`` rows.
+                 Per row both apply the same updates in the same order (Br never changes a
+                 row's arithmetic); results differ only where the matmul library rounds a
+                 slab of rows differently from all rows (fp32: last bit).
+order            the order in which a row consumes its key tiles: ``forward`` (first to last,
+                 torch's CPU flash kernel), ``reverse`` (last to first, FA2's CUDA kernel) or
+                 ``shuffle`` (a random permutation drawn from ``order_seed``); paper Fig 6a
+order_seed       seed of the ``shuffle`` permutation (default 0)
+update           ``fa2``: deferred normalisation, ``o ← α·o + P v``, ``out = o / l`` once at
+                 the end (FlashAttention-2); ``fa1``: the output is renormalised after every
+                 tile, ``o ← (l·α·o + β·P̃ v) / l_new`` with ``P̃ = exp(s − rowmax(s))`` and
+                 ``β = exp(rowmax(s) − m_new)`` (FlashAttention-1, Algorithm 1)
+dtype            dtype of the inputs and of ``P`` in the ``P v`` GEMM; default: inputs' dtype
+score_dtype      dtype the scaled scores ``q kᵀ · scale`` are rounded to
+stats_dtype      dtype of the running max, the exponentials and the running sum
+acc_dtype        dtype of the output accumulator
 mask_value       value written into masked logits *and* the initial running max. ``-inf``
                  (default) with exact handling of fully masked rows (they output 0); a finite
                  sentinel such as ``-5e4`` reproduces kernels that use one (FlashInfer, PR 4401):
@@ -30,6 +62,11 @@ mask_value       value written into masked logits *and* the initial running max.
                  It must be finite in stats_dtype (-1e5 overflows fp16).
 ===============  ===========================================================================
 
+The three step dtypes accept a dtype name (``bf16``, ``fp32``, ...), ``opmath`` (at least fp32:
+fp32 for 16-bit and fp32 compute, fp64 for fp64, as torch's ``at::opmath_type``) or ``none``
+(the preset's value). A dtype *narrower* than the inputs (``stats_dtype=fp32`` on fp64 inputs) is
+a precision loss on request; the presets never narrow.
+
 Peak memory is ``O(N_q · block_k)`` per (batch, head): one ``(B, H, rows, block_k)`` tile of
 scores at a time. It is differentiable through autograd (the backward then stores every tile).
 """
@@ -37,17 +74,57 @@ scores at a time. It is differentiable through autograd (the backward then store
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from flashprobe.kernels._inputs import check_inputs, default_scale, to_dtype
+from flashprobe.kernels._inputs import check_inputs, default_scale, dtype_name, to_dtype
 from flashprobe.kernels.registry import KernelUnavailableError, register_kernel
 
-__all__ = ["TileSizes", "tile_sizes", "tiled_attention"]
+__all__ = [
+    "DEFAULT_PRESET",
+    "ORDERS",
+    "PRESETS",
+    "UPDATES",
+    "TileNumerics",
+    "TileSizes",
+    "resolve_numerics",
+    "tile_order",
+    "tile_sizes",
+    "tiled_attention",
+]
 
 DEFAULT_BLOCK_Q = 64
 DEFAULT_BLOCK_K = 128
+
+#: The order in which a row consumes its key tiles.
+ORDERS = ("forward", "reverse", "shuffle")
+#: How the output accumulator is updated per tile.
+UPDATES = ("fa2", "fa1")
+#: The dtype value meaning "at least fp32" (torch's ``at::opmath_type``).
+OPMATH = "opmath"
+
+#: Preset name → the numerics knobs it sets (``None``: the compute dtype ``dtype``).
+PRESETS: dict[str, dict[str, Any]] = {
+    "fa2": {
+        "score_dtype": OPMATH,
+        "stats_dtype": OPMATH,
+        "acc_dtype": OPMATH,
+        "update": "fa2",
+        "order": "reverse",
+    },
+    "paper": {
+        "score_dtype": None,
+        "stats_dtype": None,
+        "acc_dtype": None,
+        "update": "fa1",
+        "order": "forward",
+    },
+}
+#: What plain ``tiled`` means: the numerics of the kernels people train with.
+DEFAULT_PRESET = "fa2"
 
 
 class TileSizes(tuple):
@@ -67,6 +144,37 @@ class TileSizes(tuple):
         return self[1]
 
 
+@dataclass(frozen=True)
+class TileNumerics:
+    """The resolved numerics of one call: the dtype of every step, the update and the order.
+
+    Attributes:
+        compute: dtype of the inputs and of ``P`` in the ``P v`` GEMM.
+        score: dtype of the scaled scores.
+        stats: dtype of the running max, the exponentials and the running sum.
+        acc: dtype of the output accumulator.
+        update: ``"fa2"`` or ``"fa1"``.
+        order: ``"forward"``, ``"reverse"`` or ``"shuffle"``.
+        order_seed: seed of the ``shuffle`` permutation.
+    """
+
+    compute: torch.dtype
+    score: torch.dtype
+    stats: torch.dtype
+    acc: torch.dtype
+    update: str
+    order: str
+    order_seed: int
+
+    def describe(self) -> str:
+        """One line such as ``"scores fp32, stats fp32, acc fp32, P bf16, update fa2, order reverse"``."""
+        order = f"shuffle (seed {self.order_seed})" if self.order == "shuffle" else self.order
+        return (
+            f"scores {dtype_name(self.score)}, stats {dtype_name(self.stats)}, acc {dtype_name(self.acc)}, "
+            f"P {dtype_name(self.compute)}, update {self.update}, order {order}"
+        )
+
+
 def _positive_int(name: str, value: Any) -> int:
     integral = (isinstance(value, int) and not isinstance(value, bool)) or (
         isinstance(value, float) and value.is_integer()
@@ -80,6 +188,30 @@ def _flag(name: str, value: Any) -> bool:
     if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
         return bool(value)
     raise ValueError(f"tiled: {name}={value!r} must be true or false")
+
+
+def _choice(name: str, value: Any, choices: Sequence[str]) -> str:
+    """``value`` if it is one of ``choices``, else a ValueError naming them all."""
+    if value not in choices:
+        quoted = [repr(c) for c in choices]
+        raise ValueError(f"tiled: {name}={value!r} must be {', '.join(quoted[:-1])} or {quoted[-1]}")
+    return str(value)
+
+
+def _seed(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"tiled: order_seed={value!r} must be an integer ≥ 0")
+    return value
+
+
+def _step_dtype(name: str, value: Any) -> None:
+    """Check a step dtype value: a dtype name, ``opmath`` or ``None``."""
+    if value is None or (isinstance(value, str) and value.lower() == OPMATH):
+        return
+    try:
+        to_dtype(value)
+    except ValueError as err:
+        raise ValueError(f"tiled: {name}={value!r}: {err}, or {OPMATH} (at least fp32)") from None
 
 
 def tile_sizes(
@@ -126,6 +258,32 @@ def tile_sizes(
     return TileSizes(br, bc)
 
 
+def tile_order(n_tiles: int, order: str = "forward", seed: int = 0) -> list[int]:
+    """The order in which a row consumes ``n_tiles`` key tiles.
+
+    Args:
+        n_tiles: the number of key tiles the row visits.
+        order: ``"forward"`` (0, 1, …), ``"reverse"`` (…, 1, 0) or ``"shuffle"``.
+        seed: seed of the ``shuffle`` permutation (``torch.randperm`` on its own generator).
+
+    Returns:
+        A permutation of ``range(n_tiles)``.
+
+    Raises:
+        ValueError: an unknown order.
+    """
+    _choice("order", order, ORDERS)
+    if order == "forward":
+        return list(range(n_tiles))
+    if order == "reverse":
+        return list(range(n_tiles - 1, -1, -1))
+    return torch.randperm(n_tiles, generator=torch.Generator().manual_seed(_seed(seed))).tolist()
+
+
+def _preset_knobs(preset: str | None) -> Mapping[str, Any]:
+    return PRESETS[_choice("preset", DEFAULT_PRESET if preset is None else preset, tuple(PRESETS))]
+
+
 def _validate(
     block_q: int | None = None,
     block_k: int | None = None,
@@ -133,17 +291,31 @@ def _validate(
     swap_blocks: bool = False,
     square: bool = False,
     loop: str = "kv",
+    preset: str | None = None,
+    order: str | None = None,
+    order_seed: int = 0,
+    update: str | None = None,
     dtype: str | torch.dtype | None = None,
+    score_dtype: str | torch.dtype | None = None,
     stats_dtype: str | torch.dtype | None = None,
     acc_dtype: str | torch.dtype | None = None,
     mask_value: float = float("-inf"),
 ) -> None:
     """Check option values that do not depend on the inputs (called when a spec is parsed)."""
+    _preset_knobs(preset)
     tile_sizes(1, block_q=block_q, block_k=block_k, sram=sram, swap_blocks=swap_blocks, square=square)
-    if loop not in ("kv", "q"):
-        raise ValueError(f"tiled: loop={loop!r} must be 'kv' or 'q'")
-    for dt in (dtype, stats_dtype, acc_dtype):
-        to_dtype(dt)
+    _choice("loop", loop, ("kv", "q"))
+    if order is not None:
+        _choice("order", order, ORDERS)
+    _seed(order_seed)
+    if update is not None:
+        _choice("update", update, UPDATES)
+    try:
+        to_dtype(dtype)
+    except ValueError as err:
+        raise ValueError(f"tiled: dtype={dtype!r}: {err}") from None
+    for name, value in (("score_dtype", score_dtype), ("stats_dtype", stats_dtype), ("acc_dtype", acc_dtype)):
+        _step_dtype(name, value)
     _mask_value(mask_value)
 
 
@@ -157,24 +329,68 @@ def _mask_value(value: Any) -> float:
     return mask_value
 
 
-def _dtypes(
+def _step(value: Any, compute: torch.dtype) -> torch.dtype:
+    """A step dtype: ``None`` → the compute dtype, ``opmath`` → at least fp32, else the named dtype."""
+    if value is None:
+        return compute
+    if isinstance(value, str) and value.lower() == OPMATH:
+        return torch.promote_types(compute, torch.float32)
+    return to_dtype(value)  # type: ignore[return-value]
+
+
+def resolve_numerics(
     input_dtype: torch.dtype,
-    dtype: str | torch.dtype | None,
-    stats_dtype: str | torch.dtype | None,
-    acc_dtype: str | torch.dtype | None,
-    mask_value: float,
-) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
-    """Resolve (compute, stats, acc) dtypes and check the mask value fits the stats dtype."""
+    *,
+    preset: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    score_dtype: str | torch.dtype | None = None,
+    stats_dtype: str | torch.dtype | None = None,
+    acc_dtype: str | torch.dtype | None = None,
+    update: str | None = None,
+    order: str | None = None,
+    order_seed: int = 0,
+    mask_value: float = float("-inf"),
+) -> TileNumerics:
+    """The numerics of a call on inputs of ``input_dtype``: the preset's knobs, overridden by the
+    ones given, with the mask value checked against the stats dtype.
+
+    Raises:
+        ValueError: a bad knob value, or a finite ``mask_value`` that overflows the stats dtype.
+    """
+    knobs = _preset_knobs(preset)
     compute = to_dtype(dtype) or input_dtype
-    stats = to_dtype(stats_dtype) or compute
-    acc = to_dtype(acc_dtype) or compute
+    pick = {
+        "score_dtype": score_dtype,
+        "stats_dtype": stats_dtype,
+        "acc_dtype": acc_dtype,
+        "update": update,
+        "order": order,
+    }
+    chosen = {key: knobs[key] if value is None else value for key, value in pick.items()}
+    for name in ("score_dtype", "stats_dtype", "acc_dtype"):
+        _step_dtype(name, chosen[name])
+    numerics = TileNumerics(
+        compute=compute,
+        score=_step(chosen["score_dtype"], compute),
+        stats=_step(chosen["stats_dtype"], compute),
+        acc=_step(chosen["acc_dtype"], compute),
+        update=_choice("update", chosen["update"], UPDATES),
+        order=_choice("order", chosen["order"], ORDERS),
+        order_seed=_seed(order_seed),
+    )
+    stats = numerics.stats
     if math.isfinite(mask_value) and math.isinf(torch.tensor(mask_value, dtype=stats).item()):
         raise ValueError(
             f"tiled: mask_value={mask_value:g} overflows to -inf in the stats dtype {stats} "
             f"(smallest finite: {torch.finfo(stats).min:g}); pick a smaller magnitude or "
             "stats_dtype=fp32"
         )
-    return compute, stats, acc
+    return numerics
+
+
+def _numerics_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    keys = ("preset", "dtype", "score_dtype", "stats_dtype", "acc_dtype", "update", "order", "order_seed")
+    return {key: options[key] for key in keys if key in options}
 
 
 def _check(device: torch.device, dtype: torch.dtype, /, **options: Any) -> None:
@@ -182,7 +398,7 @@ def _check(device: torch.device, dtype: torch.dtype, /, **options: Any) -> None:
     try:
         _validate(**options)
         mask_value = _mask_value(options.get("mask_value", float("-inf")))
-        _dtypes(dtype, options.get("dtype"), options.get("stats_dtype"), options.get("acc_dtype"), mask_value)
+        resolve_numerics(dtype, mask_value=mask_value, **_numerics_options(options))
     except ValueError as err:
         raise KernelUnavailableError(f"{err} (inputs {dtype} on {device})") from None
 
@@ -202,7 +418,12 @@ def tiled_attention(
     swap_blocks: bool = False,
     square: bool = False,
     loop: str = "kv",
+    preset: str | None = None,
+    order: str | None = None,
+    order_seed: int = 0,
+    update: str | None = None,
     dtype: str | torch.dtype | None = None,
+    score_dtype: str | torch.dtype | None = None,
     stats_dtype: str | torch.dtype | None = None,
     acc_dtype: str | torch.dtype | None = None,
     mask_value: float = float("-inf"),
@@ -219,7 +440,10 @@ def tiled_attention(
         scale: softmax scale, default ``1/sqrt(D)``.
         block_q, block_k, sram, swap_blocks, square: tile sizes, see :func:`tile_sizes`.
         loop: ``"kv"`` (one loop over key tiles) or ``"q"`` (outer loop over query tiles).
-        dtype, stats_dtype, acc_dtype: per-step dtypes (module docstring).
+        preset: ``"fa2"`` (default) or ``"paper"``: values of the numerics knobs not given.
+        order, order_seed: the order of the key tiles, see :func:`tile_order`.
+        update: ``"fa2"`` (deferred normalisation) or ``"fa1"`` (per-tile renormalisation).
+        dtype, score_dtype, stats_dtype, acc_dtype: per-step dtypes (module docstring).
         mask_value: masked-logit value and initial running max.
 
     Returns:
@@ -230,7 +454,10 @@ def tiled_attention(
         ValueError: a bad option value.
     """
     check_inputs(q, k, v, attn_mask, is_causal, kernel="tiled")
-    _validate(block_q, block_k, sram, swap_blocks, square, loop, dtype, stats_dtype, acc_dtype, mask_value)
+    _validate(
+        block_q, block_k, sram, swap_blocks, square, loop, preset, order, order_seed, update,
+        dtype, score_dtype, stats_dtype, acc_dtype, mask_value,
+    )  # fmt: skip
     mask_value = _mask_value(mask_value)
     br, bc = tile_sizes(
         q.shape[-1],
@@ -240,33 +467,71 @@ def tiled_attention(
         swap_blocks=swap_blocks,
         square=square,
     )
-    compute, stats, acc = _dtypes(q.dtype, dtype, stats_dtype, acc_dtype, mask_value)
+    numerics = resolve_numerics(
+        q.dtype,
+        preset=preset,
+        dtype=dtype,
+        score_dtype=score_dtype,
+        stats_dtype=stats_dtype,
+        acc_dtype=acc_dtype,
+        update=update,
+        order=order,
+        order_seed=order_seed,
+        mask_value=mask_value,
+    )
     s = default_scale(q.shape[-1], scale)
     n_q, n_k = q.shape[-2], k.shape[-2]
     if attn_mask is not None:
         attn_mask = attn_mask.expand(*attn_mask.shape[:-2], n_q, n_k)
 
-    qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
+    # GEMM operands, converted once: scores accumulate in at least fp32, P·V in the accumulator's
+    # GEMM dtype; a 16-bit destination is rounded once from the fp32 result.
+    gemm_s, gemm_o = _gemm_dtype(numerics.score), _gemm_dtype(numerics.acc)
+    q_s = q.to(numerics.compute).to(gemm_s)
+    k_s = k.to(numerics.compute).to(gemm_s)
+    v_o = v.to(numerics.compute).to(gemm_o)
     row_starts = [0] if loop == "kv" else range(0, n_q, br)
     rows = n_q if loop == "kv" else br
     blocks = [
         _attend_rows(
-            qc[:, :, r0 : r0 + rows],
-            kc,
-            vc,
+            q_s[:, :, r0 : r0 + rows],
+            k_s,
+            v_o,
             mask=None if attn_mask is None else attn_mask[..., r0 : r0 + rows, :],
             causal=is_causal,
             row_offset=r0,
             scale=s,
             block_k=bc,
-            stats=stats,
-            acc=acc,
+            numerics=numerics,
             mask_value=mask_value,
         )
         for r0 in row_starts
     ]
     out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-2)
     return out.to(q.dtype)
+
+
+def _gemm_dtype(destination: torch.dtype) -> torch.dtype:
+    """The dtype a GEMM accumulates in for a result held in ``destination``: at least fp32."""
+    return torch.promote_types(destination, torch.float32)
+
+
+def _visited_tiles(n_k: int, block_k: int, causal: bool, row_offset: int, rows: int) -> list[int]:
+    """First key index of each key tile these rows attend to, first to last.
+
+    With the causal mask, tiles that lie entirely above the diagonal for every row are skipped.
+    """
+    last_row = row_offset + rows - 1
+    return [j0 for j0 in range(0, n_k, block_k) if not (causal and j0 > last_row)]
+
+
+@dataclass
+class _RowState:
+    """The online-softmax state of a slab of R query rows (tensors ``(B, H, R, ·)``)."""
+
+    m: torch.Tensor  # running max, stats dtype, (B, H, R, 1)
+    l: torch.Tensor  # running sum, stats dtype, (B, H, R, 1)  # noqa: E741
+    o: torch.Tensor  # output accumulator, acc dtype, (B, H, R, D_v)
 
 
 def _attend_rows(
@@ -279,19 +544,19 @@ def _attend_rows(
     row_offset: int,
     scale: float,
     block_k: int,
-    stats: torch.dtype,
-    acc: torch.dtype,
+    numerics: TileNumerics,
     mask_value: float,
 ) -> torch.Tensor:
-    """Online softmax of one slab of query rows over all key tiles.
+    """Online softmax of one slab of query rows over its key tiles, in ``numerics.order``.
 
     The running max only shifts the exponent and cancels between numerator and denominator, so
     it is computed from detached scores: autograd then differentiates only ``exp``, the sums and
     the matmuls. Tile-sized temporaries are updated in place (same values, fewer allocations).
 
     Args:
-        q: ``(B, H, R, D)`` query rows ``row_offset … row_offset+R-1``, in the compute dtype.
-        k: ``(B, H, N_k, D)`` keys; v: ``(B, H, N_k, D_v)`` values (compute dtype).
+        q: ``(B, H, R, D)`` query rows ``row_offset … row_offset+R-1``, in the score GEMM dtype.
+        k: ``(B, H, N_k, D)`` keys (score GEMM dtype); v: ``(B, H, N_k, D_v)`` values (output
+            GEMM dtype).
         mask: bool or additive mask ``(…, R, N_k)`` for these rows, or None.
 
     Returns:
@@ -299,43 +564,95 @@ def _attend_rows(
     """
     b, h, r, _ = q.shape
     n_k, d_v = k.shape[-2], v.shape[-1]
-    exact = mask_value == float("-inf")
-    m = torch.full((b, h, r, 1), mask_value, dtype=stats, device=q.device)  # running max
+    stats, acc = numerics.stats, numerics.acc
+    state = _RowState(
+        m=torch.full((b, h, r, 1), mask_value, dtype=stats, device=q.device),
+        l=torch.zeros((b, h, r, 1), dtype=stats, device=q.device),
+        o=torch.zeros((b, h, r, d_v), dtype=acc, device=q.device),
+    )
     m_init = torch.tensor(mask_value, dtype=stats).item()  # the mask value as stored (host-side)
-    l = torch.zeros((b, h, r, 1), dtype=stats, device=q.device)  # running sum  # noqa: E741
-    o = torch.zeros((b, h, r, d_v), dtype=acc, device=q.device)  # unnormalised output
-    last_row = row_offset + r - 1
     row_index = torch.arange(row_offset, row_offset + r, device=q.device).unsqueeze(-1)  # (R, 1)
-    for j0 in range(0, n_k, block_k):
-        if causal and j0 > last_row:
-            break  # every later key tile lies above the diagonal for all these rows
+    tiles = _visited_tiles(n_k, block_k, causal, row_offset, r)
+    step = _fa2_step if numerics.update == "fa2" else _fa1_step
+    for t in tile_order(len(tiles), numerics.order, numerics.order_seed):
+        j0 = tiles[t]
         j1 = min(j0 + block_k, n_k)
-        scores = torch.matmul(q, k[:, :, j0:j1].transpose(-2, -1))  # (B, H, R, Bc)
-        scores = scores.mul_(scale).to(stats)
+        scores = torch.matmul(q, k[:, :, j0:j1].transpose(-2, -1))  # (B, H, R, Bc), fp32 or wider
+        scores = scores.mul_(scale).to(numerics.score).to(stats)
         if causal:
             if j1 - 1 > row_offset:  # the tile crosses the diagonal
                 scores.masked_fill_(torch.arange(j0, j1, device=q.device) > row_index, mask_value)
         elif mask is not None:
-            tile = mask[..., j0:j1]
-            if tile.dtype == torch.bool:
-                scores.masked_fill_(~tile, mask_value)
-            else:
-                scores.add_(tile.to(stats))
-                if not exact:  # a sentinel kernel stores its sentinel, never -inf
-                    scores.masked_fill_(scores == float("-inf"), mask_value)
-        m_new = torch.maximum(m, scores.detach().amax(dim=-1, keepdim=True))
-        # With -inf masking a row may have seen only masked keys so far: subtract 0, not -inf,
-        # so exp() gives exactly 0 for masked logits instead of NaN.
-        m_ref = m_new.masked_fill(m_new == float("-inf"), 0.0) if exact else m_new
-        p = scores.sub_(m_ref).exp_()  # (B, H, R, Bc)
-        alpha = torch.exp(m - m_ref)  # rescaling of everything accumulated so far
-        l = alpha * l + p.sum(dim=-1, keepdim=True)  # noqa: E741
-        pv = torch.matmul(p.to(v.dtype), v[:, :, j0:j1])  # (B, H, R, D_v)
-        o = o.mul_(alpha.to(acc)).add_(pv.to(acc))
-        m = m_new
+            _apply_mask(scores, mask[..., j0:j1], mask_value)
+        state = step(state, scores, v[:, :, j0:j1], numerics, exact=mask_value == float("-inf"))
     # Rows whose running max never rose above the mask value output 0. With -inf these are the
     # fully masked rows (torch SDPA's safe softmax); with a finite sentinel they also include rows
     # whose valid logits all lie below it, as in FlashInfer (`d_rcp = m != -inf ? 1/d : 0`).
-    dead = m == m_init
-    out = o / l.masked_fill(dead, 1.0).to(acc)
+    dead = state.m == m_init
+    out = state.o if numerics.update == "fa1" else state.o / state.l.masked_fill(dead, 1.0).to(acc)
     return out.masked_fill(dead, 0.0)
+
+
+def _apply_mask(scores: torch.Tensor, tile: torch.Tensor, mask_value: float) -> None:
+    """Mask ``scores (B, H, R, Bc)`` in place with the mask's tile ``(…, R, Bc)``."""
+    if tile.dtype == torch.bool:
+        scores.masked_fill_(~tile, mask_value)
+        return
+    scores.add_(tile.to(scores.dtype))
+    if mask_value != float("-inf"):  # a sentinel kernel stores its sentinel, never -inf
+        scores.masked_fill_(scores == float("-inf"), mask_value)
+
+
+def _no_neg_inf(x: torch.Tensor, exact: bool) -> torch.Tensor:
+    """``x`` with ``-inf`` replaced by 0, so that ``exp(s - x)`` is 0 (not NaN) for masked ``s``.
+
+    With -inf masking a row may have seen only masked keys so far; a finite sentinel never
+    produces -inf.
+    """
+    return x.masked_fill(x == float("-inf"), 0.0) if exact else x
+
+
+def _pv(p: torch.Tensor, v: torch.Tensor, numerics: TileNumerics) -> torch.Tensor:
+    """``P v``: P rounded to the compute dtype, products accumulated in the GEMM dtype of ``v``,
+    the result rounded once to the accumulator dtype. ``(B, H, R, Bc) × (B, H, Bc, D_v)``."""
+    return torch.matmul(p.to(numerics.compute).to(v.dtype), v).to(numerics.acc)
+
+
+def _fa2_step(
+    state: _RowState, scores: torch.Tensor, v: torch.Tensor, numerics: TileNumerics, *, exact: bool
+) -> _RowState:
+    """FlashAttention-2's update: rescale the unnormalised output, add ``P v``; divide at the end.
+
+    ``m_new = max(m, rowmax(s))``, ``P = exp(s − m_new)``, ``α = exp(m − m_new)``,
+    ``l ← α·l + rowsum(P)``, ``o ← α·o + P v``.
+    """
+    m_new = torch.maximum(state.m, scores.detach().amax(dim=-1, keepdim=True))
+    m_ref = _no_neg_inf(m_new, exact)
+    p = scores.sub_(m_ref).exp_()  # (B, H, R, Bc)
+    alpha = torch.exp(state.m - m_ref)  # rescaling of everything accumulated so far
+    l = alpha * state.l + p.sum(dim=-1, keepdim=True)  # noqa: E741
+    o = state.o.mul_(alpha.to(numerics.acc)).add_(_pv(p, v, numerics))
+    return _RowState(m=m_new, l=l, o=o)
+
+
+def _fa1_step(
+    state: _RowState, scores: torch.Tensor, v: torch.Tensor, numerics: TileNumerics, *, exact: bool
+) -> _RowState:
+    """FlashAttention-1's update (Algorithm 1): the output stays normalised after every tile.
+
+    ``m̃ = rowmax(s)``, ``P̃ = exp(s − m̃)``, ``l̃ = rowsum(P̃)``, ``m_new = max(m, m̃)``,
+    ``α = exp(m − m_new)``, ``β = exp(m̃ − m_new)``, ``l_new = α·l + β·l̃``,
+    ``o ← (l·α·o + β·P̃ v) / l_new``. A row with ``l_new = 0`` (only masked keys so far, or every
+    exponential underflowed) keeps ``o = 0``.
+    """
+    m_tile = scores.detach().amax(dim=-1, keepdim=True)
+    m_new = torch.maximum(state.m, m_tile)
+    m_ref = _no_neg_inf(m_new, exact)
+    p = scores.sub_(_no_neg_inf(m_tile, exact)).exp_()  # P̃ (B, H, R, Bc)
+    alpha = torch.exp(state.m - m_ref)
+    beta = torch.exp(m_tile - m_ref)
+    l_new = alpha * state.l + beta * p.sum(dim=-1, keepdim=True)
+    acc = numerics.acc
+    kept = state.o * (state.l * alpha).to(acc)
+    o = (kept + _pv(p, v, numerics) * beta.to(acc)) / l_new.masked_fill(l_new == 0, 1.0).to(acc)
+    return _RowState(m=m_new, l=l_new, o=o)

@@ -20,7 +20,15 @@ from matplotlib.figure import Figure
 
 from flashprobe.formats.atomic import atomic_write
 
-__all__ = ["plot_overhead", "plot_precision", "plot_seqlen", "plot_speed", "plot_tiles", "save_figure"]
+__all__ = [
+    "plot_overhead",
+    "plot_paper_tiles",
+    "plot_precision",
+    "plot_seqlen",
+    "plot_speed",
+    "plot_tiles",
+    "save_figure",
+]
 
 Row = Mapping[str, Any]
 
@@ -301,7 +309,8 @@ def plot_tiles(rows: Sequence[Row], path: Path | str) -> Path:
     """Paper Fig 6 from ``flashprobe bench tiles`` rows: deviation vs block area.
 
     One panel per dtype; x is the block area Br·Bc, y the max ``|primary − baseline|``; one line
-    per variant (default tiles, block dimensions swapped, square tiles, query-outer loop order).
+    per variant (default tiles, block dimensions swapped, square tiles, query-outer loop order,
+    key tiles reversed or shuffled).
     """
     dtypes = _dtypes(rows)
     variants = _unique([r["variant"] for r in rows])
@@ -324,7 +333,7 @@ def plot_tiles(rows: Sequence[Row], path: Path | str) -> Path:
                 "primary_baseline_max_abs",
                 color=f"C{j}",
                 marker=_MARKERS[j % len(_MARKERS)],
-                markersize=9 - 2 * j,
+                markersize=max(9 - 2 * j, 3),
                 linestyle=_STYLES[j % len(_STYLES)],
                 label=variant,
             )
@@ -339,6 +348,105 @@ def plot_tiles(rows: Sequence[Row], path: Path | str) -> Path:
         ax.set_visible(False)
     _caption(fig, rows, "Bc=⌈M/4d⌉, Br=min(Bc, d) over SRAM sizes M")
     return save_figure(fig, path)
+
+
+def plot_paper_tiles(rows: Sequence[Row], path: Path | str) -> Path:
+    """Paper Fig 6 from the tiles sweep of ``flashprobe bench paper``: F6c, F6a and F6b.
+
+    Left (F6c, F6a as tile shape): max ``|primary − baseline|`` against the SRAM size M of the
+    paper's formula (``Bc = ⌈M/4d⌉``, ``Br = min(Bc, d)``), for the ``paper`` and ``fa2`` presets
+    and for the paper preset with Br and Bc swapped. Middle (F6a as order): the deviation when the
+    key tiles are consumed forward, in reverse and shuffled. Right (F6b): a square tile against a
+    non-square tile of the same Bc. Bars are medians over seeds with min–max error bars.
+
+    Args:
+        rows: rows labelled ``role`` (``paper``/``fa2``), ``variant``, ``order``, ``block_q``,
+            ``block_k`` and ``sram`` where set, with the deviation keys.
+        path: where the PNG goes.
+
+    Returns:
+        ``path``.
+    """
+    fig = Figure(figsize=(15, 4.8), layout="constrained")
+    ax_m, ax_order, ax_square = fig.subplots(1, 3, width_ratios=[1.6, 1, 1])
+    key = "primary_baseline_max_abs"
+    series = [("paper", "default", "C3", "o", "-"), ("paper", "swapped", "C1", "s", "--")]
+    series += [("fa2", "default", "C0", "D", "-")]
+    for role, variant, color, marker, style in series:
+        sel = sorted((r for r in rows if r.get("role") == role and r.get("variant") == variant), key=_sram)
+        sel = [r for r in sel if r.get("sram") is not None]
+        if sel:
+            label = f"{role} preset" + (", Br↔Bc swapped" if variant == "swapped" else "")
+            _plot_series(
+                ax_m,
+                [_sram(r) for r in sel],
+                sel,
+                key,
+                color=color,
+                marker=marker,
+                linestyle=style,
+                label=label,
+            )
+    srams = sorted({_sram(r) for r in rows if r.get("sram") is not None and r.get("variant") == "default"})
+    ax_m.set_xscale("log", base=2)
+    bcs = {
+        _sram(r): r["block_k"] for r in rows if r.get("variant") == "default" and r.get("sram") is not None
+    }
+    ax_m.set_xticks(srams, [f"{m}\nBc={bcs.get(m, '?')}" for m in srams], fontsize=7)
+    ax_m.minorticks_off()
+    ax_m.set_yscale("log")
+    ax_m.set_xlabel("SRAM size M (elements); Bc = ⌈M/4d⌉, Br = min(Bc, d)")
+    ax_m.set_ylabel(f"max |primary − baseline| ({_UNITS})")
+    ax_m.set_title("F6c: larger tiles, smaller deviation?\nF6a (tile shape): Br and Bc swapped")
+    ax_m.grid(True, which="major", alpha=0.3)
+    ax_m.legend(fontsize=8)
+    orders = [(role, order) for role in ("paper", "fa2") for order in ("forward", "reverse", "shuffle")]
+    order_rows = {(r.get("role"), r.get("order")): r for r in rows if _is_order_row(r, rows)}
+    _bars(ax_order, [(f"{role}\n{order}", order_rows.get((role, order))) for role, order in orders], key)
+    ax_order.set_title("F6a (block order): key tiles consumed\nforward, reversed or shuffled")
+    pairs = [(role, variant) for role in ("paper", "fa2") for variant in ("square", "narrow")]
+    shape_rows = {
+        (r.get("role"), r.get("variant")): r for r in rows if r.get("variant") in ("square", "narrow")
+    }
+    labelled = []
+    for role, variant in pairs:
+        row = shape_rows.get((role, variant))
+        tile = f"{row['block_q']}×{row['block_k']}" if row else "?"
+        labelled.append((f"{role}\n{tile}", row))
+    _bars(ax_square, labelled, key)
+    ax_square.set_title("F6b: square vs non-square tile\nof the same Bc (Br×Bc, loop over query tiles)")
+    for ax in (ax_order, ax_square):
+        ax.set_yscale("log")
+        ax.set_ylabel(f"max |primary − baseline| ({_UNITS})")
+        ax.grid(True, axis="y", which="major", alpha=0.3)
+    _caption(fig, rows, "bf16")
+    return save_figure(fig, path)
+
+
+def _sram(row: Row) -> int:
+    return int(row.get("sram") or 0)
+
+
+def _is_order_row(row: Row, rows: Sequence[Row]) -> bool:
+    """Whether ``row`` is one of the key-tile order runs: the SRAM size where the order variants ran."""
+    srams = {r.get("sram") for r in rows if r.get("variant") in ("reverse", "shuffle", "forward")}
+    return row.get("sram") in srams and row.get("variant") in ("default", "reverse", "shuffle", "forward")
+
+
+def _bars(ax: Axes, labelled: Sequence[tuple[str, Row | None]], key: str) -> None:
+    """One bar per ``(label, row)`` with min–max error bars; missing rows are left empty."""
+    for x, (_, row) in enumerate(labelled):
+        if row is None or not _finite_pos(row.get(key)):
+            continue
+        y = row[key]
+        err = [
+            [max(y - _bound(row.get(f"{key}_lo"), y), 0.0)],
+            [max(_bound(row.get(f"{key}_hi"), y) - y, 0.0)],
+        ]
+        color = "C3" if row.get("role") == "paper" else "C0"
+        ax.bar(x, y, 0.7, yerr=err, capsize=3, color=color)
+        ax.annotate(f"{y:.2g}", (x, y), xytext=(0, 3), textcoords="offset points", ha="center", fontsize=7)
+    ax.set_xticks(range(len(labelled)), [label for label, _ in labelled], fontsize=8)
 
 
 def plot_speed(rows: Sequence[Row], path: Path | str, skipped: Sequence[Row] = ()) -> Path:

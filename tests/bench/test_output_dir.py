@@ -65,7 +65,9 @@ def test_out_that_is_not_writable(
 
 
 @pytest.mark.timeout(60)  # with the check missing, the default settings would measure for minutes
-@pytest.mark.parametrize("command", ["precision", "seqlen", "tiles", "speed", "overhead", "wasserstein"])
+@pytest.mark.parametrize(
+    "command", ["precision", "seqlen", "tiles", "paper", "speed", "overhead", "wasserstein"]
+)
 def test_every_command_checks_out_first(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
 ) -> None:

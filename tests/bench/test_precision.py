@@ -48,8 +48,10 @@ def _golden(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def _run(tmp_path: Path, *args: str) -> tuple[dict, list[dict]]:
+    """Run the command (with ``--kernel tiled`` unless ``args`` name kernels) and read its files."""
     out = tmp_path / "out"
-    assert precision.main([*SMALL, *args, "--out", str(out)]) == 0
+    kernels = [] if "--kernel" in args else ["--kernel", "tiled"]
+    assert precision.main([*SMALL, *kernels, *args, "--out", str(out)]) == 0
     doc = json.loads((out / "precision.json").read_text())
     with open(out / "precision.csv", newline="") as fh:
         csv_rows = list(csv.DictReader(fh))
@@ -129,13 +131,18 @@ def test_fig3_deviation_falls_with_mantissa_bits(default_run: tuple[dict, list[d
     assert rows[1]["primary_baseline_max_abs"] > 100 * rows[2]["primary_baseline_max_abs"]
 
 
-def test_sdpa_flash_and_fa2_knobs_run_side_by_side(tmp_path: Path) -> None:
+def test_default_kernels_are_both_presets() -> None:
+    args = precision.build_parser().parse_args([])
+    assert args.kernel is None and args.kernel_default == ["tiled:preset=paper", "tiled"]
+
+
+def test_sdpa_flash_and_both_presets_run_side_by_side(tmp_path: Path) -> None:
     doc, _ = _run(
         tmp_path,
         "--kernel",
-        "tiled",
+        "tiled:preset=paper",
         "--kernel",
-        "tiled:stats_dtype=fp32,acc_dtype=fp32",
+        "tiled",
         "--kernel",
         "sdpa_flash",
         "--dtype",
@@ -144,7 +151,10 @@ def test_sdpa_flash_and_fa2_knobs_run_side_by_side(tmp_path: Path) -> None:
         "1",
     )
     rows = {r["kernel"]: r for r in doc["rows"]}
-    assert set(rows) == {"tiled", "tiled:stats_dtype=fp32,acc_dtype=fp32", "sdpa_flash"}
+    assert set(rows) == {"tiled:preset=paper", "tiled", "sdpa_flash"}
+    # The fa2 preset models real kernels: within a factor 2 of sdpa_flash's ratio.
+    flash = rows["sdpa_flash"]["error_ratio"]
+    assert flash / 2 <= rows["tiled"]["error_ratio"] <= 2 * flash
     # The baseline and golden are shared, so baseline_golden_max_abs is one number for all kernels.
     assert len({r["baseline_golden_max_abs"] for r in rows.values()}) == 1
     # torch's CPU flash kernel upcasts bf16 to fp32 inside: it is closer to the golden value than

@@ -36,7 +36,7 @@ def _load(out: Path, name: str) -> tuple[list[dict], list[dict]]:
 
 def test_seqlen_rows_and_an_independent_oracle(tmp_path: Path) -> None:
     argv = ["--seq-len", "64", "24", "--heads", "1", "--head-dim", "8", "--dtype", "fp32", "bf16"]
-    assert seqlen.main([*argv, "--repeats", "2", "--out", str(tmp_path)]) == 0
+    assert seqlen.main([*argv, "--kernel", "tiled", "--repeats", "2", "--out", str(tmp_path)]) == 0
     rows, csv_rows = _load(tmp_path, "seqlen")
     assert [(r["dtype"], r["seq_len"]) for r in rows] == [
         ("bf16", 24),
@@ -63,22 +63,25 @@ def test_seqlen_rows_and_an_independent_oracle(tmp_path: Path) -> None:
 
 
 def test_fig5_bf16_deviation_grows_with_sequence_length(tmp_path: Path) -> None:
-    """docs/microbenchmark.md, Fig 5 (deterministic on CPU): in bf16 the flash kernel's relative
+    """docs/microbenchmark.md, Fig 5 (deterministic on CPU): in bf16 the paper preset's relative
     error against golden grows with N faster than the baseline's, at the default tile (Bc = 128)
     and much more at Bc = 16, where the absolute deviation from the baseline and the error ratio
-    grow too."""
-    argv = ["--kernel", "tiled", "--kernel", "tiled:block_k=16", "--dtype", "bf16", "--seq-len", "64", "256"]
-    assert seqlen.main([*argv, "1024", "--heads", "1", "--head-dim", "16", "--out", str(tmp_path)]) == 0
+    grow too; the fa2 preset's (fp32 statistics) does not grow faster than the baseline's."""
+    paper, small_tiles = "tiled:preset=paper", "tiled:preset=paper,block_k=16"
+    argv = ["--kernel", paper, "--kernel", small_tiles, "--kernel", "tiled:block_k=16"]
+    argv += ["--dtype", "bf16", "--seq-len", "64", "256", "1024", "--heads", "1", "--head-dim", "16"]
+    assert seqlen.main([*argv, "--out", str(tmp_path)]) == 0
     rows, _ = _load(tmp_path, "seqlen")
     by = {(r["kernel"], r["seq_len"]): r for r in rows}
 
     def growth(kernel: str, key: str) -> float:
         return by[(kernel, 1024)][key] / by[(kernel, 64)][key]
 
-    baseline_growth = growth("tiled", "baseline_golden_rel_l2")
-    assert growth("tiled", "primary_golden_rel_l2") > baseline_growth
-    assert growth("tiled:block_k=16", "primary_golden_rel_l2") > 1.8 * baseline_growth
-    small = [by[("tiled:block_k=16", n)] for n in (64, 256, 1024)]
+    baseline_growth = growth(paper, "baseline_golden_rel_l2")
+    assert growth(paper, "primary_golden_rel_l2") > baseline_growth
+    assert growth(small_tiles, "primary_golden_rel_l2") > 1.8 * baseline_growth
+    assert growth("tiled:block_k=16", "primary_golden_rel_l2") < 1.3 * baseline_growth
+    small = [by[(small_tiles, n)] for n in (64, 256, 1024)]
     devs = [r["primary_baseline_max_abs"] for r in small]
     ratios = [r["error_ratio"] for r in small]
     assert devs[2] > devs[0] and ratios == sorted(ratios) and ratios[2] > 2 * ratios[0], (devs, ratios)
@@ -89,22 +92,27 @@ def test_tiles_block_sizes_variants_and_oracle(tmp_path: Path) -> None:
     argv = ["--seq-len", "64", "--heads", "1", "--head-dim", "8", "--dtype", "fp32", "--repeats", "1"]
     assert tiles.main([*argv, "--sram", "128", "512", "1024", "--out", str(tmp_path)]) == 0
     rows, csv_rows = _load(tmp_path, "tiles")
-    assert len(rows) == len(csv_rows) == 12
+    assert len(rows) == len(csv_rows) == 18  # 6 variants × 3 SRAM sizes
     got = {(r["variant"], r["sram"]): (r["block_q"], r["block_k"], r["block_area"]) for r in rows}
     assert got[("default", 128)] == (4, 4, 16)
     assert got[("default", 512)] == (8, 16, 128)
     assert got[("swapped", 512)] == (16, 8, 128)
     assert got[("square", 1024)] == (8, 8, 64)
     assert got[("loop_q", 1024)] == (8, 32, 256)
+    assert got[("reverse", 1024)] == got[("shuffle", 1024)] == (8, 32, 256)
+    assert rows[0]["kernel"].startswith("tiled:preset=paper,sram=")  # the default kernel
     by = {(r["variant"], r["sram"]): r for r in rows}
     # Numerics depend on Bc only (Br just batches rows): equal Bc gives identical deviations.
     assert by[("square", 512)]["primary_baseline_max_abs"] == by[("swapped", 512)]["primary_baseline_max_abs"]
     assert by[("square", 128)]["primary_golden_max_abs"] == by[("default", 128)]["primary_golden_max_abs"]
-    # Oracle: sram=1024 at d=8 is Bc=32, so the row equals tiled:block_k=32 vs hand-written attention.
+    # Oracle: sram=1024 at d=8 is Bc=32, so the row equals tiled:preset=paper,block_k=32 vs
+    # hand-written attention.
     q, k, v = _inputs((1, 1, 64, 8), 0, torch.float32)
-    dev = (get_kernel("tiled:block_k=32")(q, k, v) - _baseline(q, k, v)).abs().max().item()
+    dev = (get_kernel("tiled:preset=paper,block_k=32")(q, k, v) - _baseline(q, k, v)).abs().max().item()
     assert by[("default", 1024)]["primary_baseline_max_abs"] == pytest.approx(dev, rel=1e-9)
     assert by[("loop_q", 1024)]["primary_baseline_max_abs"] == pytest.approx(dev, abs=1e-6)
+    for order in ("reverse", "shuffle"):  # fp32: the order changes the last bits only
+        assert by[(order, 1024)]["primary_baseline_max_abs"] == pytest.approx(dev, abs=1e-6)
 
 
 def test_fig6_larger_tiles_smaller_deviation_and_swapped_worse(tmp_path: Path) -> None:
@@ -126,6 +134,7 @@ def test_fig6_larger_tiles_smaller_deviation_and_swapped_worse(tmp_path: Path) -
     [
         (["--kernel", "math"], "tile options"),
         (["--kernel", "tiled:block_k=64"], "sets 'block_k'"),
+        (["--kernel", "tiled:order=reverse"], "sets 'order'"),
         (["--kernel", "tiled", "--kernel", "sdpa_flash"], "varies one kernel"),
         (["--variants", "diagonal"], "unknown variant 'diagonal'"),
         (["--sram", "16"], "sram=16 must be an integer ≥ 4·d = 32"),

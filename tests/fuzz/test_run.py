@@ -49,16 +49,18 @@ def test_tiled_passes_the_whole_catalogue_at_fp32():
     assert "KernelInputError" in gqa.reason
 
 
-def test_fp16_qk_overflow_is_judged_against_what_fp16_can_represent():
+def test_fp16_qk_overflow_is_judged_against_what_fp16_can_represent(register):
+    unscaled = register("user_unscaled_logits", h.naive_softmax)  # q·kᵀ in fp16, then the scale
     cases = select_cases(["qk_overflow", "scale_tiny"])
-    results = run_catalogue(["tiled", "sdpa_math"], ["fp16"], cases=cases)
+    results = run_catalogue([unscaled, "tiled", "sdpa_math"], ["fp16"], cases=cases)
+    assert len(results) == 6
     for r in results:
         assert r.baseline_golden_max_abs is None and r.baseline_nonfinite > 0  # math overflows too
         assert r.noise_from == "rounded-logits baseline"
-        if r.kernel == "tiled":  # forms q·kᵀ unscaled in fp16: NaN where the golden is finite
+        if r.kernel == unscaled:  # forms q·kᵀ unscaled in fp16: inf − inf = NaN where the golden is finite
             assert r.verdict == "fail" and r.failure == "nonfinite"
             assert "overflows fp16 before the scale" in r.reason
-        else:  # torch scales q and k by √scale before the product
+        else:  # tiled scales in its fp32 accumulator as real kernels do; torch scales q and k by √scale
             assert r.verdict == "pass", r.reason
     # the logits themselves fit fp16: the case is posable, not a skip
     for c in cases:

@@ -1,4 +1,9 @@
-"""The tiled FlashAttention re-implementation: exactness, tile sizes, autograd, memory."""
+"""The tiled FlashAttention re-implementation: exactness, tile sizes, autograd, memory.
+
+Oracle: the FP64 golden value (plain softmax attention in float64). In fp64 every preset and every
+knob must land within 1e-12 of it: tiling, ordering and the update rule change only the order of
+rounding, and fp64 rounding is ~1e-16.
+"""
 
 from __future__ import annotations
 
@@ -21,18 +26,27 @@ from flashprobe.kernels import (
 from ._helpers import make_mask
 
 KNOBS = [
-    "tiled",
-    "tiled:block_k=7",
-    "tiled:loop=q,block_q=16,block_k=32",
-    "tiled:swap_blocks=true,block_q=8,block_k=64",
-    "tiled:square=true,block_q=24",
-    "tiled:sram=2048",
+    "",
+    "block_k=7",
+    "loop=q,block_q=16,block_k=32",
+    "swap_blocks=true,block_q=8,block_k=64",
+    "square=true,block_q=24",
+    "sram=2048",
+    "update=fa1,block_k=7",
+    "update=fa2,order=forward,block_k=13",
+    "order=reverse,loop=q,block_q=32,block_k=16",
+    "order=shuffle,order_seed=3,block_k=9",
+    "update=fa1,order=shuffle,block_k=5",
+    "score_dtype=opmath,stats_dtype=opmath,acc_dtype=opmath,block_k=11",
 ]
 
 
-@pytest.mark.parametrize("spec", KNOBS)
+@pytest.mark.parametrize("preset", ["fa2", "paper"])
+@pytest.mark.parametrize("knobs", KNOBS)
 @pytest.mark.parametrize("kind", ["none", "causal", "bool", "additive"])
-def test_fp64_equals_golden(spec, kind, make_qkv):
+def test_fp64_equals_golden(preset, knobs, kind, make_qkv):
+    """The fp64 floor: any preset, any knobs, max |tiled − golden| ≤ 1e-12."""
+    spec = f"tiled:preset={preset}" + (f",{knobs}" if knobs else "")
     q, k, v = make_qkv(113, 203, 40, 24, h=1, dtype=torch.float64, seed=2)
     attn_mask, causal = make_mask(kind, 113, 203, h=1, dtype=torch.float64, seed=2)
     out = get_kernel(spec)(q, k, v, attn_mask=attn_mask, is_causal=causal)
@@ -144,6 +158,8 @@ def test_gradcheck_fp64():
     bias = torch.randn(1, 2, 5, 7, generator=gen, dtype=torch.float64).masked_fill(~keep, float("-inf"))
     for kw in ({}, {"is_causal": True}, {"attn_mask": keep}, {"attn_mask": bias}):
         assert torch.autograd.gradcheck(partial(tiled_attention, block_k=3, **kw), (q, k, v))
+        fa1 = partial(tiled_attention, block_k=2, update="fa1", order="shuffle", **kw)
+        assert torch.autograd.gradcheck(fa1, (q, k, v))
 
 
 @pytest.mark.parametrize("kind", ["causal", "bool"])
@@ -163,12 +179,13 @@ def test_gradients_match_golden(kind, make_qkv):
 
 def test_mask_value_must_fit_the_stats_dtype(make_qkv):
     q, k, v = make_qkv(8, 8, 4, dtype=torch.float16)
+    lossy = "tiled:preset=paper,mask_value=-1e5"  # statistics in fp16: -1e5 overflows
     with pytest.raises(
         ValueError, match=r"mask_value=-100000 overflows to -inf in the stats dtype torch.float16"
     ):
-        get_kernel("tiled:mask_value=-1e5")(q, k, v)
+        get_kernel(lossy)(q, k, v)
     with pytest.raises(KernelUnavailableError, match="overflows to -inf"):
-        get_kernel("tiled:mask_value=-1e5").check("cpu", torch.float16)
-    get_kernel("tiled:mask_value=-1e5,stats_dtype=fp32").check("cpu", torch.float16)
-    out = get_kernel("tiled:mask_value=-1e5,stats_dtype=fp32")(q, k, v)
-    assert torch.isfinite(out).all()
+        get_kernel(lossy).check("cpu", torch.float16)
+    for spec in (f"{lossy},stats_dtype=fp32", "tiled:mask_value=-1e5"):  # fa2: statistics in fp32
+        get_kernel(spec).check("cpu", torch.float16)
+        assert torch.isfinite(get_kernel(spec)(q, k, v)).all()

@@ -1,0 +1,238 @@
+"""``flashprobe bench paper``: every microbenchmark claim of the paper, measured and judged.
+
+*Is Flash Attention Stable?* makes six claims about FlashAttention's forward pass (Figs 3–6: F3,
+F4, F5, F6a, F6b, F6c). This command measures each one at the setting it needs
+(:mod:`flashprobe.bench.paper_runs`), with the paper's re-implementation (``tiled:preset=paper``,
+every step in the compute dtype) and, at the same setting, the real kernels' numerics
+(``tiled:preset=fa2`` and ``sdpa_flash``; ``flash_attn`` and torch's CUDA backends on a GPU), and
+judges every claim from the numbers against a stated criterion (:mod:`flashprobe.bench.claims`).
+
+Writes, under ``--out DIR`` (default ``out/paper``):
+
+* ``paper.json``: ``{"claims": [{"id", "paper", "measured", "unit", "display", "spread",
+  "details", "setting", "criterion", "verdict", "why", "real"}, ...], "sweeps": {name: rows},
+  "settings", "skipped", "command", "environment", "seconds"}`` (non-finite numbers as ``"inf"``);
+* ``paper.md``: the claims table and, per claim, its setting, criterion and reason;
+* ``paper_length.png`` (F4, F5), ``paper_precision.png`` (F3) and ``paper_tiles.png`` (F6).
+
+``--replot`` redraws the figures and ``paper.md`` from ``paper.json`` without measuring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashprobe.bench.args import parse_device, run_cli
+from flashprobe.bench.errors import BenchArgumentError
+from flashprobe.bench.paper_runs import PaperSettings, build_claims, run_sweeps
+from flashprobe.bench.results import environment
+from flashprobe.formats.atomic import atomic_write_text
+from flashprobe.formats.jsonio import decode, read_json, write_json
+
+__all__ = ["FIGURES", "build_parser", "claims_markdown", "draw_figures", "load_paper", "main", "run"]
+
+#: Sweep → (file name, :mod:`flashprobe.report.bench_figures` function drawing its rows).
+FIGURES: dict[str, tuple[str, str]] = {
+    "length": ("paper_length.png", "plot_seqlen"),
+    "precision": ("paper_precision.png", "plot_precision"),
+    "tiles": ("paper_tiles.png", "plot_paper_tiles"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``flashprobe bench paper``."""
+    parser = argparse.ArgumentParser(
+        prog="flashprobe bench paper",
+        description="Measure and judge every microbenchmark claim of 'Is Flash Attention Stable?' "
+        "(Figs 3–6) with the paper's re-implementation and the real kernels' numerics.",
+    )
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--seed", type=int, default=0, help="first seed of every sweep (default 0)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        metavar="T",
+        help="torch intra-op threads while measuring (default 1: the tiled kernels are many small ops, "
+        "and on a small CPU thread hand-offs cost more than they save)",
+    )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="small shapes and 2–3 seeds: runs in seconds, to check the command (verdicts mean little)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("out") / "paper",
+        metavar="DIR",
+        help="output directory for paper.json, paper.md and the paper_*.png figures (default out/paper)",
+    )
+    parser.add_argument(
+        "--replot",
+        action="store_true",
+        help="measure nothing: redraw the figures and paper.md from DIR/paper.json",
+    )
+    return parser
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _setting_text(setting: Mapping[str, Any]) -> str:
+    parts = []
+    for key, value in setting.items():
+        if key == "seeds" and isinstance(value, list) and len(value) > 2:
+            value = f"{value[0]}–{value[-1]} ({len(value)})"
+        elif isinstance(value, list):
+            value = ", ".join(map(str, value))
+        quoted = key in ("kernel", "baseline", "compared_with")
+        parts.append(f"{key} `{value}`" if quoted else f"{key} {value}")
+    return "; ".join(parts)
+
+
+def claims_markdown(doc: Mapping[str, Any]) -> str:
+    """``paper.md``: the claims table, then each claim's setting, criterion and reason.
+
+    Args:
+        doc: the ``paper.json`` object (``claims``, ``command``, ``environment``, ``seconds``, ``device``).
+    """
+    env = doc.get("environment", {})
+    lines = [
+        "# Is Flash Attention Stable? — the microbenchmark claims, measured",
+        "",
+        f"`{doc.get('command', 'flashprobe bench paper')}` · torch {env.get('torch', '?')} · "
+        f"device {doc.get('device', 'cpu')} · {doc.get('threads', '?')} thread(s) · "
+        f"{doc.get('seconds', 0):.0f} s",
+        "",
+        "| claim | the paper | measured (`tiled:preset=paper`) | verdict | real kernels, same setting |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for claim in doc["claims"]:
+        real = "<br>".join(
+            f"`{kernel}`: {_cell(r['display'])} ({r['verdict']})" for kernel, r in claim["real"].items()
+        )
+        lines.append(
+            f"| {claim['id']} | {_cell(claim['paper'])} | {_cell(claim['display'])} | "
+            f"**{claim['verdict']}** | {real or '–'} |"
+        )
+    for claim in doc["claims"]:
+        lines += [
+            "",
+            f"**{claim['id']}** — {claim['paper']}.",
+            f"- setting: {_setting_text(claim['setting'])}",
+            f"- measured: {claim['display']} — {claim['unit']}",
+            f"- criterion: {claim['criterion']}",
+            f"- verdict: **{claim['verdict']}** — {claim['why']}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def draw_figures(sweeps: Mapping[str, Sequence[Mapping[str, Any]]], out_dir: Path) -> list[Path]:
+    """Draw :data:`FIGURES` from the sweeps' rows into ``out_dir``; returns the paths written."""
+    from flashprobe.report import bench_figures  # matplotlib is slow to import: only when drawing
+
+    paths = []
+    for name, (file_name, function) in FIGURES.items():
+        if sweeps.get(name):
+            paths.append(getattr(bench_figures, function)(sweeps[name], out_dir / file_name))
+    return paths
+
+
+def load_paper(out_dir: Path) -> dict[str, Any]:
+    """Read ``out_dir/paper.json`` with its non-finite numbers decoded.
+
+    Raises:
+        BenchArgumentError: the file is missing, is not JSON or has no claims.
+    """
+    path = Path(out_dir) / "paper.json"
+    try:
+        doc = read_json(path, written_by="flashprobe bench paper")
+    except FileNotFoundError:
+        raise BenchArgumentError(
+            f"no {path} to replot; run `flashprobe bench paper --out {out_dir}` without --replot first"
+        ) from None
+    except ValueError as err:
+        raise BenchArgumentError(str(err)) from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("claims"), list):
+        raise BenchArgumentError(f"{path} has no 'claims'; was it written by flashprobe bench paper?")
+    return decode(doc, text_keys=frozenset({"paper", "display", "unit", "criterion", "why", "command"}))
+
+
+def _write(doc: Mapping[str, Any], out_dir: Path) -> list[Path]:
+    md = out_dir / "paper.md"
+    atomic_write_text(md, claims_markdown(doc))
+    return [md, *draw_figures(doc.get("sweeps", {}), out_dir)]
+
+
+def _summary(doc: Mapping[str, Any]) -> str:
+    width = max(len(c["id"]) for c in doc["claims"])
+    return "\n".join(
+        f"{c['id']:<{width}}  {c['verdict']:<14}  {c['display']}  [real: "
+        + "; ".join(f"{k} {r['display']}" for k, r in c["real"].items())
+        + "]"
+        for c in doc["claims"]
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """The command body on parsed arguments (``args.out`` already checked); returns the exit code."""
+    if args.replot:
+        doc = load_paper(args.out)
+        paths = _write(doc, args.out)
+        print(f"redrew {', '.join(map(str, paths))}")
+        return 0
+    device = parse_device(args.device)
+    if args.threads < 1:
+        raise BenchArgumentError(f"--threads must be at least 1, got {args.threads}")
+    settings = PaperSettings.tiny(args.seed) if args.tiny else PaperSettings(first_seed=args.seed)
+    start = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        elapsed = time.perf_counter() - start
+        print(f"flashprobe bench paper: [{elapsed:5.1f} s] {msg}", file=sys.stderr, flush=True)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        sweeps, skipped = run_sweeps(settings, device=device, progress=progress)
+    finally:
+        torch.set_num_threads(threads)
+    claims = build_claims(sweeps, settings)
+    seconds = time.perf_counter() - start
+    doc = {
+        "name": "paper",
+        "environment": environment(),
+        "command": args.command_line,
+        "device": str(device),
+        "seconds": round(seconds, 1),
+        "threads": args.threads,
+        "settings": settings.as_dict(),
+        "claims": [c.as_dict() for c in claims],
+        "sweeps": sweeps,
+        "skipped": skipped,
+    }
+    json_path = write_json(args.out / "paper.json", doc)
+    paths = [json_path, *_write(doc, args.out)]
+    print(_summary(doc))
+    for entry in skipped:
+        print(f"skipped {entry['kernel']} at {entry['dtype']} ({entry['sweep']} sweep): {entry['reason']}")
+    print(f"{len(claims)} claims in {seconds:.1f} s; wrote " + ", ".join(map(str, paths)))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``flashprobe bench paper``; returns the exit code."""
+    return run_cli("paper", build_parser(), run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
