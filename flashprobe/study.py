@@ -25,7 +25,10 @@ again skips the runs that finished and resumes the others from their last checkp
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -34,8 +37,9 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "DEFAULT_EXPERIMENT",
+    "LAUNCHER_PACKAGES",
     "PRECISIONS",
-    "STUDY_DEFAULTS",
     "Comparison",
     "StudyPlan",
     "StudyRun",
@@ -49,20 +53,22 @@ log = logging.getLogger(__name__)
 #: Study precisions → the short name of the baseline run at that precision.
 PRECISIONS: dict[str, str] = {"32-true": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16"}
 
-#: Overrides of the embedded default study: 120-step runs of the ~0.5 M-parameter dit_small on a
-#: 2-core CPU (every 20 steps a snapshot, a probe record and a checkpoint to resume from).
-STUDY_DEFAULTS: tuple[str, ...] = (
-    "data.batch_size=32",
-    "trainer.max_steps=120",
-    "trainer.val_check_interval=120",
-    "trainer.log_every_n_steps=20",
-    "callbacks.weight_snapshot.every_n_steps=20",
-    "callbacks.checkpoint.every_n_train_steps=20",
-    "callbacks.checkpoint.save_top_k=0",  # only last.ckpt: what a resume needs
-    "module.num_samples=8",
-    "module.num_sample_steps=20",
-    "threads=2",  # CPU results depend on the thread count: fix it, so they repeat on other machines
-)
+#: The experiment a study uses unless given another (``flashprobe/conf/experiment/study.yaml``).
+DEFAULT_EXPERIMENT = "study"
+
+#: Hydra launcher option → the package that provides it.
+LAUNCHER_PACKAGES: dict[str, str] = {
+    "joblib": "hydra-joblib-launcher",
+    "submitit_local": "hydra-submitit-launcher",
+    "submitit_slurm": "hydra-submitit-launcher",
+    "ray": "hydra-ray-launcher",
+    "ray_aws": "hydra-ray-launcher",
+}
+_LAUNCHER_MODULES = {
+    "hydra-joblib-launcher": "hydra_plugins.hydra_joblib_launcher",
+    "hydra-submitit-launcher": "hydra_plugins.hydra_submitit_launcher",
+    "hydra-ray-launcher": "hydra_plugins.hydra_ray_launcher",
+}
 
 
 @dataclass(frozen=True)
@@ -160,7 +166,7 @@ def _all_comparisons(precision: str) -> list[Comparison]:
                 "flash_fp32",
                 "fp32",
                 "kernel_fp32",
-                "the attention kernel (sdpa_flash vs math), at fp32: its deviation without low precision",
+                "the attention kernel (under test vs math), at fp32: its deviation without low precision",
             )
         )
     return comparisons
@@ -199,9 +205,46 @@ def study_plan(precision: str = "bf16-mixed", runs: Sequence[str] | None = None)
     return StudyPlan(precision, {r: every[r] for r in chosen}, comparisons)
 
 
-def _precision_override(overrides: Sequence[str]) -> str:
-    values = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == "study.precision"]
-    return values[-1] if values else "bf16-mixed"
+def _value(overrides: Sequence[str], key: str) -> str | None:
+    values = [o.split("=", 1)[1] for o in overrides if "=" in o and o.split("=", 1)[0].lstrip("+~") == key]
+    return values[-1] if values else None
+
+
+def check_launcher(overrides: Sequence[str]) -> None:
+    """Fail before any training when ``hydra/launcher=NAME`` names a plugin that is not installed.
+
+    Raises:
+        ValueError: naming the package to install.
+    """
+    name = _value(overrides, "hydra/launcher")
+    if name is None or name == "basic":
+        return
+    package = LAUNCHER_PACKAGES.get(name)
+    if package is None:
+        return  # another launcher: Hydra itself says what it finds
+    if importlib.util.find_spec(_LAUNCHER_MODULES[package]) is None:
+        raise ValueError(
+            f"hydra/launcher={name} needs the Hydra plugin {package}, which is not installed: "
+            f"pip install {package} (keep your torch: pip install torch==<your version> {package})"
+        )
+
+
+def study_config(overrides: Sequence[str]) -> Any:
+    """The composed config of a study's ``flash`` run (the user's ``conf/`` included).
+
+    Raises:
+        ValueError: the overrides do not compose (unknown group option or key), with Hydra's reason.
+    """
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from flashprobe.t2i.train import compose
+
+    config_overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+    try:
+        return compose(["study_run=flash", *config_overrides])
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ValueError(f"the study's overrides do not compose: {err}") from None
 
 
 def run_study(
@@ -216,37 +259,39 @@ def run_study(
     Args:
         out: the study directory; runs go to ``out/runs/<name>``.
         runs: run names (default: all of the plan; see :func:`study_plan`).
-        overrides: Hydra overrides applied to every run (after the study defaults), e.g.
-            ``study.precision=16-mixed`` or ``trainer.max_steps=400``.
+        overrides: Hydra overrides applied to every run, e.g. ``study.precision=16-mixed``,
+            ``study.kernel=tiled:preset=fa2``, ``trainer.max_steps=400``, ``experiment=NAME``
+            (default ``experiment=study``) or ``hydra/launcher=submitit_local``.
         train: train the runs (``False``: only compare the runs already in ``out/runs``).
 
     Raises:
-        ValueError: a bad precision, run name or run set (before any training).
+        ValueError: a bad precision, kernel, run name, run set, launcher or override (before any
+            training).
     """
     from flashprobe.formats.paths import prepare_output_dir
     from flashprobe.formats.study_file import write_study
-    from flashprobe.machine import machine_facts
+    from flashprobe.kernels import KernelSpecError, get_kernel
     from flashprobe.report.study_report import write_report
     from flashprobe.report.weights_figures import plot_study_figures
     from flashprobe.t2i.train import cli_main
     from flashprobe.weights import compare_runs
 
-    plan = study_plan(_precision_override(overrides), runs)
+    overrides = list(overrides)
+    if _value(overrides, "experiment") is None:
+        overrides.insert(0, f"experiment={DEFAULT_EXPERIMENT}")
+    check_launcher(overrides)
+    cfg = study_config(overrides)
+    plan = study_plan(str(cfg.study.precision), runs)
+    try:
+        get_kernel(cfg.study.kernel)
+    except KernelSpecError as err:
+        raise ValueError(f"study.kernel: {err}") from None
     out = prepare_output_dir(Path(out).resolve())
     runs_dir = out / "runs"
     if train:
         start = time.perf_counter()
-        cli_main(
-            [
-                "-m",
-                f"study_run={','.join(plan.runs)}",
-                f"hydra.sweep.dir={runs_dir}",
-                "hydra.sweep.subdir=${run_name}",
-                "resume=auto",
-                *STUDY_DEFAULTS,
-                *overrides,
-            ]
-        )
+        argv = ["-m", f"study_run={','.join(plan.runs)}", f"hydra.sweep.dir={runs_dir}"]
+        cli_main([*argv, "hydra.sweep.subdir=${run_name}", "resume=auto", *overrides])
         log.info("trained %d runs in %.0f s", len(plan.runs), time.perf_counter() - start)
     missing = sorted(r for r in plan.runs if not (runs_dir / r / "snapshots").is_dir())
     if missing:
@@ -254,10 +299,40 @@ def run_study(
     comparison = compare_runs(
         {n: (runs_dir / c.run_a, runs_dir / c.run_b) for n, c in plan.comparisons.items()}
     )
-    meta = {**plan.as_dict(), "overrides": [*STUDY_DEFAULTS, *overrides], "machine": machine_facts()}
+    meta = {
+        **plan.as_dict(),
+        "kernel": str(cfg.study.kernel),
+        "overrides": overrides,
+        "machine": _runs_machine(runs_dir, plan.runs),
+    }
     write_study(out, {**comparison.as_dict(), "study": meta}, comparison.rows())
     plot_study_figures(comparison.as_dict()["pairs"], out)
     return write_report(out)
+
+
+def _runs_machine(runs_dir: Path, names: Sequence[str]) -> dict[str, Any]:
+    """The machine facts the runs trained with (their ``run.json``), checked to be one machine.
+
+    Returns:
+        The facts of the runs' last sessions when they agree (``torch_threads``, the torch build,
+        the CPU, ...); otherwise ``{"differ": {run: facts}}``, with a warning: results on CPU depend
+        on them, so pairs from different machines differ in more than the one thing they isolate.
+    """
+    from flashprobe.formats.run_record import read_run_record
+    from flashprobe.machine import machine_facts
+
+    facts = {}
+    for name in names:
+        record = read_run_record(runs_dir / name) or {}
+        facts[name] = record.get("machine") or machine_facts()  # runs from before run.json: this process
+    distinct = {json.dumps(f, sort_keys=True) for f in facts.values()}
+    if len(distinct) == 1:
+        return next(iter(facts.values()))
+    log.warning(
+        "the study's runs trained on different machines or settings (torch build, threads, CPU): "
+        "a pair's deviation then includes that difference; see study.json's study.machine.differ"
+    )
+    return {"differ": facts}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -279,6 +354,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     runs = None if args.runs is None else [r for r in args.runs.split(",") if r]
+    if args.config_dir is not None:
+        if not Path(args.config_dir).is_dir():
+            print(
+                f"flashprobe study: error: --config-dir {args.config_dir} is not a directory", file=sys.stderr
+            )
+            return 2
+        os.environ["FLASHPROBE_CONFIG_DIR"] = str(Path(args.config_dir).resolve())  # read by the search path
     try:
         report = run_study(args.out, runs, args.overrides, train=not args.compare_only)
     except ValueError as err:

@@ -88,10 +88,10 @@ def _times(ratio: float) -> str:
     return f"{1 / ratio:.3g}× below" if ratio < 1 else f"{ratio:.3g}× above"
 
 
-def verdict_lines(v: Mapping[str, Any], precision: str) -> list[str]:
+def verdict_lines(v: Mapping[str, Any], precision: str, kernel: str = "sdpa_flash") -> list[str]:
     """The verdict in a few sentences, each computed from ``v`` (:func:`verdict`)."""
     lines = [
-        f"At step {v['step']}, flash attention (sdpa_flash) trained at {precision} is at whole-model "
+        f"At step {v['step']}, the kernel under test ({kernel}) trained at {precision} is at whole-model "
         f"Wasserstein distance **{_fmt(v['flash'])}** from the baseline (math attention, same precision and "
         "seed)."
     ]
@@ -238,13 +238,26 @@ def _machine_lines(meta: Mapping[str, Any]) -> list[str]:
     machine = meta.get("machine") or {}
     if not machine:
         return []
-    facts = ", ".join(
-        f"{k} {machine.get(k)}" for k in ("torch", "cpu", "cpu_capability", "torch_threads", "cuda")
-    )
+    keys = ("torch", "cpu", "cpu_capability", "torch_threads", "cuda")
+    if "differ" in machine:
+        per_run = [
+            f"{run}: " + ", ".join(f"{k} {f.get(k)}" for k in keys) for run, f in machine["differ"].items()
+        ]
+        return [
+            "## What these numbers depend on",
+            "",
+            "**The runs trained on different machines or settings**, so each pair's deviation includes "
+            "that difference as well as the one thing it isolates:",
+            "",
+            *(f"- {line}" for line in per_run),
+            "",
+        ]
+    facts = ", ".join(f"{k} {machine.get(k)}" for k in keys)
     return [
         "## What these numbers depend on",
         "",
-        f"{facts}; deterministic algorithms. On a CPU the runs are bit-identical from one seed "
+        f"{facts} (as the runs recorded them in run.json); deterministic algorithms. "
+        "On a CPU the runs are bit-identical from one seed "
         "for a given torch build, CPU instruction set and thread count; another of these changes the last "
         "bits of every step, so the distances change a little (their ratios much less).",
         "",
@@ -276,7 +289,7 @@ def write_report(study_dir: str | Path) -> Path:
         "",
     ]
     if v:
-        lines += [f"- {line}" for line in verdict_lines(v, precision)]
+        lines += [f"- {line}" for line in verdict_lines(v, precision, meta.get("kernel", "sdpa_flash"))]
     else:
         lines.append(
             "No like-for-like `flash_vs_baseline` comparison here: the distances below carry no verdict."

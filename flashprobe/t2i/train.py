@@ -205,8 +205,17 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     if not _launched_rank():
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
 
+    callers_threads = torch.get_num_threads()
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))  # CPU reductions (and so the last bits) depend on it
+    try:
+        return _fit(cfg, run_dir, checkpoint)
+    finally:
+        torch.set_num_threads(callers_threads)  # an in-process run leaves the caller's setting as it was
+
+
+def _fit(cfg: DictConfig, run_dir: Path, checkpoint: str | None) -> tuple[dict[str, float], dict[str, Any]]:
+    """Build the run's objects and fit (the body of :func:`train`, threads already set)."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = hydra.utils.instantiate(cfg.data)
     module = hydra.utils.instantiate(cfg.module)
