@@ -335,6 +335,25 @@ def _runs_machine(runs_dir: Path, names: Sequence[str]) -> dict[str, Any]:
     return {"differ": facts}
 
 
+EPILOG = """\
+common overrides (Hydra, applied to every run):
+  study.precision=bf16-mixed|16-mixed|32-true   precision of flash, baseline, identical, seeds
+  study.kernel=SPEC          the kernel under test (flashprobe kernels), e.g. tiled:preset=paper
+  experiment=NAME            the study's settings (default: study; ./conf/experiment/NAME.yaml)
+  trainer.max_steps=N        optimizer steps per run
+  hydra/launcher=joblib|submitit_local|submitit_slurm   run the runs in parallel / on a cluster
+  trainer=ddp_cpu            each run as a 2-process DDP run
+
+examples:
+  flashprobe study                                    the quick study (out/study)
+  flashprobe study --out out/paper_study experiment=paper_study
+  flashprobe study --runs flash,baseline,identical trainer.max_steps=40
+  flashprobe study hydra/launcher=submitit_local      each run a submitit job on this machine
+
+Re-running the same command skips finished runs and resumes interrupted ones.
+Writes OUT/study.json, study.csv, report.md, fig7_<pair>.png, fig8_wasserstein.png, OUT/runs/<run>/."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``flashprobe study [--out DIR] [--runs a,b,...] [--compare-only] [HYDRA_OVERRIDES...]``."""
     parser = argparse.ArgumentParser(
@@ -342,6 +361,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Train flash and baseline attention at a training precision (study.precision, default "
         "bf16-mixed), an identical repeat, other seeds and the baseline at other precisions, and bound "
         "flash attention's weight deviation like for like (paper §V).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", default="out/study", help="study directory (default: out/study)")
     parser.add_argument("--runs", default=None, help="comma-separated runs (default: every run of the plan)")
@@ -349,10 +370,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--compare-only", action="store_true", help="compare runs already trained in OUT/runs"
     )
     parser.add_argument(
+        "--config-dir",
+        default=None,
+        metavar="DIR",
+        help="a conf/ directory of your own, searched before ./conf and the packaged configs",
+    )
+    parser.add_argument(
         "overrides", nargs="*", help="Hydra overrides for every run, e.g. study.precision=16-mixed"
     )
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     runs = None if args.runs is None else [r for r in args.runs.split(",") if r]
     if args.config_dir is not None:
         if not Path(args.config_dir).is_dir():
@@ -366,6 +392,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         print(f"flashprobe study: error: {err}", file=sys.stderr)
         return 2
-    print(report.read_text())
-    print(f"wrote {report.parent}/study.json, study.csv, figures and {report}")
+    print(_closing(report))
     return 0
+
+
+def _closing(report: Path) -> str:
+    """The verdict (plain text) and the paths a study wrote: the last lines a user sees."""
+    from flashprobe.formats.study_file import read_study
+    from flashprobe.report.study_report import verdict, verdict_lines
+
+    study = read_study(report.parent)
+    meta = study.get("study", {})
+    lines = verdict_lines(verdict(study), str(meta.get("precision")), str(meta.get("kernel", "sdpa_flash")))
+    out = report.parent
+    return "\n".join(
+        [
+            "",
+            *(line.replace("**", "") for line in lines),
+            "",
+            f"report:  {report}",
+            f"numbers: {out / 'study.json'}, {out / 'study.csv'}",
+            f"figures: {out}/fig7_*.png, {out / 'fig8_wasserstein.png'}",
+            f"runs:    {out / 'runs'}/<run> (probe.png, snapshots, samples)",
+        ]
+    )

@@ -7,13 +7,14 @@ the ``flashprobe train`` command (``-m`` multirun sweeps included).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,8 @@ import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf, open_dict
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from flashprobe.formats.paths import OutputPathError, prepare_output_dir
 from flashprobe.formats.run_record import finish_session, read_run_record, start_session
@@ -85,6 +87,51 @@ def last_checkpoint(run_dir: Path) -> Path | None:
 def _launched_rank() -> bool:
     """Whether this process is a rank Lightning's launcher started (not the one the user ran)."""
     return any(int(os.environ.get(var, "0") or 0) > 0 for var in ("LOCAL_RANK", "NODE_RANK"))
+
+
+#: The variables Lightning's DDP launcher sets in the launching process (rank zero).
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+@contextlib.contextmanager
+def _ranks_rerun_this_job(run_dir: Path) -> Iterator[None]:
+    """Point Lightning's DDP launcher at this one job when Hydra runs a multirun (a study).
+
+    Lightning starts ranks 1… by re-running the main module with ``sys.argv[1:]`` and
+    ``hydra.run.dir=<HydraConfig run.dir>``. In a multirun job (the study's basic, joblib or
+    submitit launcher) that would re-run the whole sweep — or submitit's worker module — in a
+    directory of its own. For the duration of ``fit`` the ranks are made to run exactly this job:
+    ``python -m flashprobe.t2i.train <this job's overrides>`` in this job's directory. Afterwards
+    the rendezvous variables Lightning set (``LOCAL_RANK``, ...) are removed and the process group
+    destroyed, so the next job of the sweep launches its own ranks. Outside a multirun nothing
+    changes.
+    """
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        yield
+        return
+    import __main__
+
+    hydra_cfg = HydraConfig.get()
+    saved = sys.argv, getattr(__main__, "__spec__", None), hydra_cfg.run.dir
+    sys.argv = [__file__, *hydra_cfg.overrides.task]
+    __main__.__spec__ = importlib.util.find_spec(__name__)
+    with read_write(hydra_cfg.run):
+        hydra_cfg.run.dir = str(run_dir)
+    environment = {var: os.environ.get(var) for var in _RENDEZVOUS}
+    try:
+        yield
+    finally:
+        sys.argv, __main__.__spec__ = saved[0], saved[1]
+        with read_write(hydra_cfg.run):
+            hydra_cfg.run.dir = saved[2]
+        if not _launched_rank():
+            for var, value in environment.items():
+                if value is None:
+                    os.environ.pop(var, None)
+                else:
+                    os.environ[var] = value
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
 
 
 def _refusal(run_dir: Path, found: list[str]) -> str:
@@ -244,7 +291,8 @@ def _fit(cfg: DictConfig, run_dir: Path, checkpoint: str | None) -> tuple[dict[s
         )
     started = time.perf_counter()
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=checkpoint)
+        with _ranks_rerun_this_job(run_dir):
+            trainer.fit(module, datamodule=datamodule, ckpt_path=checkpoint)
     finally:
         for lg in loggers:
             finalize = getattr(lg, "finalize", None)

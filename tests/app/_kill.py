@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -11,13 +12,27 @@ from lightning.pytorch.callbacks import Callback
 
 
 class KillAt(Callback):
-    """SIGKILL this process when the training batch after ``step`` optimizer steps starts."""
+    """SIGKILL this process when the training batch after ``step`` optimizer steps starts.
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    Args:
+        step: the optimizer step after which to kill.
+        only_in: kill only in the run whose directory has this name (a study run, e.g. ``baseline``).
+        once: a marker file: kill only if it does not exist, and create it just before the kill, so
+            the same command run again (a re-invoked study) is not killed a second time.
+    """
+
+    def __init__(self, step: int, only_in: str | None = None, once: str | None = None) -> None:
+        self.step, self.only_in, self.once = step, only_in, once
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int
     ) -> None:
-        if trainer.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if trainer.global_step != self.step:
+            return
+        if self.only_in is not None and Path(trainer.default_root_dir).name != self.only_in:
+            return
+        if self.once is not None:
+            if Path(self.once).exists():
+                return
+            Path(self.once).touch()
+        os.kill(os.getpid(), signal.SIGKILL)

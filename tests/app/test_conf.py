@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import hydra
 import pytest
 from omegaconf import OmegaConf
@@ -10,6 +12,9 @@ from flashprobe.kernels import get_kernel
 from flashprobe.t2i.train import CONF_DIR, compose
 
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and not p.name.startswith("_"))
+#: The repository's conf/: the experiments users run from the repository root.
+REPO_CONF = Path(__file__).resolve().parents[2] / "conf"
+REPO_EXPERIMENTS = sorted(p.stem for p in (REPO_CONF / "experiment").glob("*.yaml"))
 
 
 def _options(group: str) -> list[str]:
@@ -39,8 +44,17 @@ def test_option_composes(group: str, option: str, tmp_path) -> None:
         assert cfg.run_name == option
 
 
+def test_the_repository_conf_only_adds_options() -> None:
+    """Files in ./conf replace packaged options of the same name: the repository's own must not."""
+    assert REPO_EXPERIMENTS, "conf/experiment is empty"
+    for path in REPO_CONF.rglob("*.yaml"):
+        group = path.parent.relative_to(REPO_CONF)
+        replaced = CONF_DIR / group / path.name
+        assert not replaced.exists(), f"conf/{group}/{path.name} replaces a packaged option"
+
+
 def test_experiments_start_with_their_command() -> None:
-    for path in (CONF_DIR / "experiment").glob("*.yaml"):
+    for path in [*(CONF_DIR / "experiment").glob("*.yaml"), *(REPO_CONF / "experiment").glob("*.yaml")]:
         text = path.read_text()
         assert f"flashprobe train experiment={path.stem}" in text, f"{path.name} does not name its command"
 
@@ -62,10 +76,11 @@ TINY = [
 ]
 
 
-@pytest.mark.parametrize("experiment", _options("experiment"))
-def test_every_experiment_runs_at_a_tiny_budget(experiment: str, tmp_path) -> None:
+@pytest.mark.parametrize("experiment", [*_options("experiment"), *REPO_EXPERIMENTS])
+def test_every_experiment_runs_at_a_tiny_budget(experiment: str, tmp_path, monkeypatch) -> None:
     from flashprobe.t2i.train import train
 
+    monkeypatch.chdir(REPO_CONF.parent)  # ./conf is the repository's
     cfg = compose([f"experiment={experiment}", *TINY], run_dir=tmp_path)
     _, objects = train(cfg)
     assert objects["trainer"].global_step == 2
