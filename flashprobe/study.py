@@ -25,13 +25,13 @@ again skips the runs that finished and resumes the others from their last checkp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import logging
 import os
 import sys
-import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -273,6 +273,7 @@ def run_study(
     from flashprobe.kernels import KernelSpecError, get_kernel
     from flashprobe.report.study_report import write_report
     from flashprobe.report.weights_figures import plot_study_figures
+    from flashprobe.study_progress import StudyProgress
     from flashprobe.t2i.train import cli_main
     from flashprobe.weights import compare_runs
 
@@ -289,10 +290,24 @@ def run_study(
     out = prepare_output_dir(Path(out).resolve())
     runs_dir = out / "runs"
     if train:
-        start = time.perf_counter()
         argv = ["-m", f"study_run={','.join(plan.runs)}", f"hydra.sweep.dir={runs_dir}"]
-        cli_main([*argv, "hydra.sweep.subdir=${run_name}", "resume=auto", *overrides])
-        log.info("trained %d runs in %.0f s", len(plan.runs), time.perf_counter() - start)
+        argv += [
+            f"{group}=study"
+            for group in ("hydra/job_logging", "hydra/hydra_logging")
+            if _value(overrides, group) is None
+        ]
+        kernel = str(cfg.study.kernel)
+        labels = {
+            n: f"{kernel if r.attention == 'flash' else 'math'}, {r.precision}, seed {r.seed}"
+            for n, r in plan.runs.items()
+        }
+        print(
+            f"flashprobe study: {len(plan.runs)} runs into {runs_dir} (each run's log: runs/<run>/train.log; "
+            "interrupted? run the same command again to resume)",
+            flush=True,
+        )
+        with _quiet_runs(), StudyProgress(runs_dir, labels):
+            cli_main([*argv, "hydra.sweep.subdir=${run_name}", "resume=auto", *overrides])
     missing = sorted(r for r in plan.runs if not (runs_dir / r / "snapshots").is_dir())
     if missing:
         raise ValueError(f"{runs_dir} has no snapshots of the runs {', '.join(missing)}; train them first")
@@ -308,6 +323,32 @@ def run_study(
     write_study(out, {**comparison.as_dict(), "study": meta}, comparison.rows())
     plot_study_figures(comparison.as_dict()["pairs"], out)
     return write_report(out)
+
+
+@contextlib.contextmanager
+def _quiet_runs() -> Iterator[None]:
+    """While the study's runs train: Python warnings to the runs' train.log, W&B silent.
+
+    Afterwards the root logger (which Hydra pointed at the last run's train.log) prints warnings
+    to the console again, so the comparison's messages do not land in a run's log.
+    """
+    silent = os.environ.get("WANDB_SILENT")
+    os.environ["WANDB_SILENT"] = silent or "true"
+    logging.captureWarnings(True)
+    try:
+        yield
+    finally:
+        logging.captureWarnings(False)
+        if silent is None:
+            os.environ.pop("WANDB_SILENT", None)
+        root = logging.getLogger()
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+            handler.close()
+        console = logging.StreamHandler(sys.stdout)
+        console.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        root.addHandler(console)
+        root.setLevel(logging.WARNING)
 
 
 def _runs_machine(runs_dir: Path, names: Sequence[str]) -> dict[str, Any]:

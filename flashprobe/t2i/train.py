@@ -25,6 +25,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from flashprobe.console import quiet_third_party
 from flashprobe.formats.paths import OutputPathError, prepare_output_dir
 from flashprobe.formats.run_record import finish_session, read_run_record, start_session
 from flashprobe.machine import machine_facts
@@ -213,6 +214,7 @@ def _trainer_arguments(cfg: DictConfig, callbacks: list[Any]) -> tuple[dict[str,
     from flashprobe.formats.checkpoint_io import AtomicCheckpointIO
 
     config = OmegaConf.to_container(cfg.trainer, resolve=True)
+    config.setdefault("enable_progress_bar", sys.stdout.isatty())  # a bar in a terminal, none in logs
     extra = trainer_precision(config.pop("precision", "32-true"), config.get("accelerator", "cpu"))
     extra["plugins"] = [*extra.get("plugins", []), AtomicCheckpointIO()]
     if not any(isinstance(c, ModelCheckpoint) for c in callbacks):
@@ -242,6 +244,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         FileExistsError: see :func:`_start`; nothing is written then.
     """
     _check(cfg)
+    quiet_third_party()
     run_dir = _run_dir(cfg)
     checkpoint, skipped = _start(cfg, run_dir)
     if skipped:
@@ -302,6 +305,13 @@ def _fit(cfg: DictConfig, run_dir: Path, checkpoint: str | None) -> tuple[dict[s
             import wandb
 
             if wandb.run is not None:
+                offline = wandb.run.settings.mode in ("offline", "dryrun")
+                log.info(
+                    "W&B run %s: %s%s",
+                    "(offline)" if offline else wandb.run.url,
+                    Path(wandb.run.dir).parent,
+                    f" (upload: wandb sync {Path(wandb.run.dir).parent})" if offline else "",
+                )
                 wandb.finish()
     if trainer.is_global_zero:
         finish_session(run_dir, global_step=trainer.global_step, seconds=time.perf_counter() - started)

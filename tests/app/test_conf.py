@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 from flashprobe.kernels import get_kernel
 from flashprobe.t2i.train import CONF_DIR, compose
 
-GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and not p.name.startswith("_"))
+#: flashprobe's config groups (conf/hydra holds options of Hydra's own groups: logging, help).
+GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name[0] != "_" and p.name != "hydra")
 #: The repository's conf/: the experiments users run from the repository root.
 REPO_CONF = Path(__file__).resolve().parents[2] / "conf"
 REPO_EXPERIMENTS = sorted(p.stem for p in (REPO_CONF / "experiment").glob("*.yaml"))

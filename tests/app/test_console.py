@@ -1,0 +1,130 @@
+"""What a user sees: a study's console is short, progress per run, the verdict and paths last;
+``flashprobe train`` prints every line once, without tips or third-party deprecation noise."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashprobe.formats.run_record import finish_session, start_session
+from flashprobe.study_progress import StudyProgress, format_seconds
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = [
+    "model=tiny",
+    "data.num_train=64",
+    "data.num_val=16",
+    "data.batch_size=16",
+    "trainer.val_check_interval=4",
+    "callbacks.weight_snapshot.every_n_steps=2",
+    "module.num_samples=2",
+    "module.num_sample_steps=2",
+]
+NOISE = ("💡", "Tip:", "LeafSpec", "anonymous setting", "Run summary", "Run history")
+
+
+def _run(*args: str, cwd: Path) -> tuple[int, list[str]]:
+    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    env.pop("WANDB_SILENT", None)  # what a user's shell has
+    proc = subprocess.run(
+        [sys.executable, "-m", "flashprobe.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=cwd,
+    )
+    return proc.returncode, (proc.stdout + proc.stderr).splitlines()
+
+
+def test_a_tiny_study_prints_at_most_40_lines_ending_with_the_verdict_and_paths(tmp_path: Path) -> None:
+    out = tmp_path / "study"
+    rc, lines = _run(
+        "study",
+        "--out",
+        str(out),
+        "--runs",
+        "flash,baseline,identical",
+        "trainer.max_steps=4",
+        *TINY,
+        cwd=tmp_path,
+    )
+    assert rc == 0, "\n".join(lines[-40:])
+    assert len(lines) <= 40, "\n".join(lines)
+    text = [line for line in lines if line.strip()]
+    assert len(text) == len(set(text)), "a line is printed twice"
+    assert not [line for line in lines if any(n in line for n in NOISE)]
+    for k, run in enumerate(("flash", "baseline", "identical"), start=1):
+        assert any(re.match(rf"\[{k}/3\] {run} +training \(", line) for line in lines), run
+        assert any(re.match(rf"\[{k}/3\] {run} +done in \d+ s · elapsed", line) for line in lines), run
+    assert [line.split(":")[0] for line in lines[-4:]] == ["report", "numbers", "figures", "runs"]
+    verdict = lines[lines.index("") + 1 : -5] if "" in lines else []
+    assert any(line.startswith("At step 4, the kernel under test (sdpa_flash)") for line in verdict)
+    assert (out / "report.md").is_file() and str(out / "report.md") in lines[-4]
+    # everything else went to the runs' logs
+    log = (out / "runs" / "flash" / "train.log").read_text()
+    assert "WeightSnapshot: saved step 4" in log and "Trainer.fit` stopped" in log
+
+    rc, again = _run(
+        "study",
+        "--out",
+        str(out),
+        "--runs",
+        "flash,baseline,identical",
+        "trainer.max_steps=4",
+        *TINY,
+        cwd=tmp_path,
+    )
+    assert rc == 0 and sum("finished earlier: skipped" in line for line in again) == 3
+
+
+def test_flashprobe_train_prints_each_line_once_without_noise(tmp_path: Path) -> None:
+    rc, lines = _run("train", f"hydra.run.dir={tmp_path / 'run'}", "trainer.max_steps=4", *TINY, cwd=tmp_path)
+    assert rc == 0, "\n".join(lines[-40:])
+    assert not [line for line in lines if any(n in line for n in NOISE)]
+    messages = [line.split("] - ", 1)[-1] for line in lines if line.strip()]
+    assert len(messages) == len(set(messages)), "a line is printed twice"
+    assert any("W&B run (offline)" in line and "wandb sync" in line for line in lines)
+    assert not any("Epoch 0" in line for line in lines)  # no progress bar in a log (stdout is not a TTY)
+
+
+def _record(runs: Path, name: str, seconds: float | None, from_step: int = 0) -> None:
+    start_session(runs / name, from_step=from_step, max_steps=4, machine={}, resumed_from=None)
+    if seconds is not None:
+        finish_session(runs / name, global_step=4, seconds=seconds)
+
+
+def test_progress_reads_the_runs_records(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    for name in ("a", "b", "c"):
+        (runs / name).mkdir(parents=True)
+    _record(runs, "a", 30.0)  # finished before this invocation
+    stream = io.StringIO()
+    progress = StudyProgress(runs, {"a": "math", "b": "flash", "c": "math"}, stream=stream, interval=3600)
+    with progress:
+        _record(runs, "b", None, from_step=2)
+        progress.poll()
+        finish_session(runs / "b", global_step=4, seconds=100.0)
+        progress.poll()
+        _record(runs, "c", 50.0)
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "[1/3] a  finished earlier: skipped"
+    assert lines[1] == "[2/3] b  training (flash, resumed at step 2)"
+    assert lines[2].startswith("[2/3] b  done in 1 min 40 s · elapsed ") and lines[2].endswith(
+        "ETA 1 min 40 s"
+    )
+    assert lines[3].startswith("[3/3] c  done in 50 s · elapsed ") and "ETA" not in lines[3]
+    assert lines[4].startswith("trained 2 runs in ") and lines[4].endswith("(1 finished earlier)")
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"), [(0.4, "0 s"), (59.6, "1 min 00 s"), (125, "2 min 05 s"), (3720, "1 h 02 min")]
+)
+def test_format_seconds(seconds: float, text: str) -> None:
+    assert format_seconds(seconds) == text
