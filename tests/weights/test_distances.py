@@ -160,3 +160,27 @@ def test_cuda_matches_scipy(n: int, m: int, weighted: bool) -> None:
     cuda = [None if x is None else torch.from_numpy(x).cuda() for x in (u, v, uw, vw)]
     assert wasserstein_distance(*cuda) == pytest.approx(expected, rel=1e-12)
     assert max_abs_diff(cuda[0], cuda[0] + 0.5) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_two_threads_sort_the_samples_to_the_same_distance(weighted: bool) -> None:
+    from flashprobe.weights import distances
+
+    g = torch.Generator().manual_seed(3)
+    n, m = distances._TWO_THREADS_MIN + 5, distances._TWO_THREADS_MIN * 2
+    u, v = torch.randn(n, dtype=torch.float64, generator=g), torch.randn(m, dtype=torch.float64, generator=g)
+    uw = torch.rand(n, dtype=torch.float64, generator=g) if weighted else None
+    vw = torch.rand(m, dtype=torch.float64, generator=g) if weighted else None
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = wasserstein_distance(u, v, uw, vw)
+        torch.set_num_threads(2)
+        two = wasserstein_distance(u, v, uw, vw)
+    finally:
+        torch.set_num_threads(threads)
+    assert two == one  # the same sorts, only concurrent
+    expected = scipy.stats.wasserstein_distance(
+        u.numpy(), v.numpy(), None if uw is None else uw.numpy(), None if vw is None else vw.numpy()
+    )
+    assert two == pytest.approx(expected, rel=1e-9)
