@@ -205,6 +205,17 @@ def _check(cfg: DictConfig) -> None:
     spec = cfg.attention.probe.get("baseline")
     if spec is not None:
         get_kernel(spec)
+    checkpoint = (cfg.get("callbacks") or {}).get("checkpoint") or {}
+    every, log_every = checkpoint.get("every_n_train_steps"), cfg.trainer.get("log_every_n_steps")
+    probing = cfg.attention.probe.enabled and (cfg.get("callbacks") or {}).get("attention_probe") is not None
+    if probing and every and log_every and every % log_every and (max_steps or 0) >= log_every:
+        log.warning(
+            "callbacks.checkpoint.every_n_train_steps=%s is not a multiple of trainer.log_every_n_steps=%s: "
+            "a run resumed from a checkpoint inside a logging interval loses the probe statistics of that "
+            "interval's first steps (weights and snapshots still resume exactly); make it a multiple",
+            every,
+            log_every,
+        )
 
 
 def _trainer_arguments(cfg: DictConfig, callbacks: list[Any]) -> tuple[dict[str, Any], dict[str, Any]]:

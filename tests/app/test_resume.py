@@ -150,3 +150,14 @@ def test_a_run_directory_under_a_file_is_refused_before_hydra_starts(tmp_path: P
     assert cli_main([*RUN, f"hydra.run.dir={tmp_path / 'f' / 'run'}"]) == 2
     err = capsys.readouterr().err
     assert "hydra.run.dir" in err and "which is a file" in err
+
+
+def test_a_checkpoint_interval_that_splits_a_probe_interval_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from flashprobe.t2i.train import _check
+
+    _check(compose([*RUN, "callbacks.checkpoint.every_n_train_steps=2"], run_dir=tmp_path))
+    assert "not a multiple" not in caplog.text  # 2 is a multiple of log_every_n_steps=2
+    _check(compose([*RUN, "callbacks.checkpoint.every_n_train_steps=3"], run_dir=tmp_path))
+    assert "every_n_train_steps=3 is not a multiple of trainer.log_every_n_steps=2" in caplog.text
