@@ -117,10 +117,23 @@ def wasserstein_curves_figure(pairs: Mapping[str, Mapping[str, Any]]) -> Figure:
     """
     fig = Figure(figsize=(7, 4.5), layout="constrained")
     ax = fig.subplots()
+    zero: list[tuple[str, str]] = []  # pairs at 0 at every step: drawn as a floor line below
     for i, (name, pair) in enumerate(pairs.items()):
+        values = pair["model"]["wasserstein"]
+        if _all_zero(values):
+            zero.append((name, f"C{i % 10}"))
+            continue
         style = {"linewidth": 2.5} if "flash" in name.lower() else {"linewidth": 1.3}
-        _curve(ax, pair["steps"], pair["model"]["wasserstein"], name, log=True, color=f"C{i % 10}", **style)
+        _curve(ax, pair["steps"], values, name, log=True, color=f"C{i % 10}", **style)
     ax.set_yscale("log")
+    if zero:
+        if len(ax.get_lines()) == 0:
+            ax.set_ylim(1e-12, 1.0)
+        floor = ax.get_ylim()[0] / 2  # below every drawn value
+        for name, color in zero:  # 0 has no place on a log axis: a dashed line below the data
+            label = f"{name}: 0 at every step (drawn low)"
+            ax.axhline(floor, color=color, linestyle="--", linewidth=2, label=label)
+        ax.set_ylim(bottom=floor / 2)
     ax.set_xlabel("training step")
     ax.set_ylabel("Wasserstein-1 distance of all weights")
     ax.grid(True, which="both", alpha=0.3)
