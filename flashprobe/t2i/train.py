@@ -172,12 +172,20 @@ def _start(cfg: DictConfig, run_dir: Path) -> tuple[str | None, str | None]:
         checkpoint = last_checkpoint(run_dir)
         if checkpoint is not None:
             return str(checkpoint), None
-        if resume != "auto":
+        killed_early = (
+            record is not None
+            and record.get("status") == "running"
+            and (cfg.get("callbacks") or {}).get("checkpoint") is not None
+        )
+        if killed_early:  # stopped before its first checkpoint: the only continuation is from step 0
+            log.warning("%s stopped before its first checkpoint: training it again from step 0", run_dir)
+        if resume != "auto" and not killed_early:
             raise FileNotFoundError(
                 f"resume={resume}: {run_dir / 'checkpoints'} holds no checkpoint to continue from (the run "
                 "saves them with callbacks.checkpoint); start it again with overwrite=true"
             )
-        _remove_outputs(run_dir, found)  # a study's own run that stopped before its first checkpoint
+        # this run's own outputs, written before its first checkpoint; run.json keeps its sessions
+        _remove_outputs(run_dir, [n for n in found if n != "run.json"] if killed_early else found)
         return None, None
     if found and not cfg.get("overwrite"):
         raise FileExistsError(_refusal(run_dir, found))
