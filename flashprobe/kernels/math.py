@@ -48,28 +48,32 @@ def math_attention(
     check_inputs(q, k, v, attn_mask, is_causal, kernel="math")
     out_dtype = q.dtype
     compute = to_dtype(dtype) or q.dtype
-    q, k, v = q.to(compute), k.to(compute), v.to(compute)
+    q, k, v = q.to(compute), k.to(compute), v.to(compute)  # (no copies when already there)
     s = default_scale(q.shape[-1], scale)
-    scores = torch.matmul(q, k.transpose(-2, -1)) * s  # (B, H, N_q, N_k)
+    # In place on fresh intermediates: the matmul and the scaling save their inputs, not outputs.
+    scores = torch.matmul(q, k.transpose(-2, -1)).mul_(s)  # (B, H, N_q, N_k)
     if is_causal:
         n_q, n_k = q.shape[-2], k.shape[-2]
-        keep = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
+        above = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).triu_(1)  # (N_q, N_k)
+        scores = scores.masked_fill_(above, float("-inf"))
     elif attn_mask is not None:
         if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, float("-inf"))
+            scores = scores.masked_fill_(~attn_mask, float("-inf"))
         else:
             scores = scores + attn_mask.to(compute)
     # Safe softmax, as torch SDPA: a row with every key masked (all -inf) gives 0, not NaN, in the
-    # output and in the gradients. Such a row is found with one row-max reduction (no (N_q, N_k) bool
-    # temporary) and given finite scores before the softmax, so autograd never sees inf - inf.
+    # output and in the gradients. Only a mask can mask a whole row (a top-left causal row i keeps
+    # key 0 whenever there are keys; with no keys at all the empty product below gives zeros), so
+    # unmasked and causal calls skip this. Such a row is found with one row-max reduction (no
+    # (N_q, N_k) bool temporary) and given finite scores before the softmax, so autograd never
+    # sees inf - inf.
     fully_masked = None
-    if scores.shape[-1]:  # (no keys at all: the empty product below already gives zeros)
+    if attn_mask is not None and not is_causal and scores.shape[-1]:
         fully_masked = scores.detach().amax(dim=-1, keepdim=True) == float("-inf")  # (B, H, N_q, 1)
-        scores = scores.masked_fill(fully_masked, 0.0)
+        scores = scores.masked_fill_(fully_masked, 0.0)
     probs = torch.softmax(scores, dim=-1)
     if fully_masked is not None:
-        probs = probs.masked_fill(fully_masked, 0.0)
+        probs = probs.masked_fill(fully_masked, 0.0)  # (not in place: the softmax saved its output)
     return torch.matmul(probs, v).to(out_dtype)  # (B, H, N_q, D_v)
 
 

@@ -97,7 +97,7 @@ _SUM_BLOCK = len(PAIRS) * len(_SUMS) + 2  # per direction: 15 sums, calls, ratio
 _INPUTS_AT = N_MAX + len(DIRECTIONS) * _SUM_BLOCK
 
 #: Elements :func:`pair_sums` processes per slice on CPU (cache-sized) and on other devices
-#: (fewer kernel launches); the scratch memory is 11 float64 values per element of a slice.
+#: (fewer kernel launches); the scratch memory is 9 float64 values per element of a slice.
 STATS_CHUNK_CPU = 1 << 16
 STATS_CHUNK = 1 << 20
 
@@ -109,7 +109,7 @@ def _chunk_size(device: torch.device) -> int:
 class StatsWorkspace:
     """Reusable float64 scratch buffers for :func:`pair_sums` (avoids re-allocating per call).
 
-    Holds at most ``11 · STATS_CHUNK`` float64 values per device (``STATS_CHUNK_CPU`` on CPU).
+    Holds at most ``9 · STATS_CHUNK`` float64 values per device (``STATS_CHUNK_CPU`` on CPU).
     """
 
     def __init__(self) -> None:
@@ -137,10 +137,17 @@ def pair_sums(
 
     Equivalent to :func:`flashprobe.deviation.deviation_tensors` applied to
     ``(primary, baseline)``, ``(primary, golden)`` and ``(baseline, golden)``, but batched over
-    the pairs, in place in reused buffers and sliced into chunks of ``STATS_CHUNK`` elements:
-    about 3x faster, which is what keeps the probe's statistics within a few percent of the
-    reference attention they summarise. A position counts as non-finite for a pair when the
-    float64 difference is non-finite, i.e. when either side is NaN or ±inf.
+    the pairs, in place in reused buffers and sliced into chunks of ``STATS_CHUNK`` elements,
+    which is what keeps the probe's statistics within a few percent of the reference attention
+    they summarise. A position counts as non-finite for a pair when the float64 difference is
+    non-finite, i.e. when either side is NaN or ±inf.
+
+    Per slice of ``m`` elements the scratch rows are laid out as ``z (P, m)`` (non-finite
+    markers), ``d (P, m)`` (differences), ``r (P, m)`` (references), so that each reduction runs
+    once over two adjacent blocks: ``sum`` over ``[z; d]``, ``amax`` and the squared norm over
+    ``[d; r]``. The differences are taken in float64 (the float32/bf16 sides are promoted on the
+    fly, exactly), the references are masked with ``ref + 0·d`` (NaN where the pair is not finite)
+    before one ``nan_to_num`` zeroes every masked entry of ``d`` and ``r``.
 
     Args:
         primary: any shape, any floating dtype.
@@ -165,36 +172,39 @@ def pair_sums(
     n, pairs, device = p.numel(), (1 if g is None else 3), p.device
     workspace = workspace or StatsWorkspace()
     chunk = max(1, min(n, _chunk_size(device)))
-    buf = workspace.get(device, (2 + 3 * pairs) * chunk)
+    buf = workspace.get(device, 3 * pairs * chunk)
     total: torch.Tensor | None = None
     for start in range(0, max(n, 1), chunk):
         stop = min(n, start + chunk)
         m = stop - start
-        x = buf[: 2 * m].view(2, m)  # primary and baseline in float64
-        d = buf[2 * m : (2 + pairs) * m].view(pairs, m)  # differences
-        z = buf[(2 + pairs) * m : (2 + 2 * pairs) * m].view(pairs, m)  # non-finite markers
-        r = buf[(2 + 2 * pairs) * m : (2 + 3 * pairs) * m].view(pairs, m)  # references
-        x[0].copy_(p[start:stop])
-        x[1].copy_(b[start:stop])
-        torch.sub(x[0], x[1], out=d[0])
+        rows = buf[: 3 * pairs * m].view(3 * pairs, m)
+        z, d, r = rows[:pairs], rows[pairs : 2 * pairs], rows[2 * pairs :]
+        zd, dr = rows[: 2 * pairs], rows[pairs:]
+        ps = p[start:stop]
+        r[0].copy_(b[start:stop])  # the baseline in float64 (its reference row, masked below)
+        torch.sub(ps, r[0], out=d[0])
         if g is not None:
-            torch.sub(x, g[start:stop], out=d[1:])
+            gs = g[start:stop]
+            torch.sub(ps, gs, out=d[1])
+            torch.sub(r[0], gs, out=d[2])
         torch.mul(d, 0.0, out=z)  # 0 where the pair is finite, NaN where it is not
-        torch.add(x[1], z[0], out=r[0])
+        r[0].add_(z[0])
         if g is not None:
-            torch.add(g[start:stop], z[1:], out=r[1:])
-        r.nan_to_num_(0.0, 0.0, 0.0)  # the reference over finite pairs only
+            torch.add(gs, z[1:], out=r[1:])
+        dr.nan_to_num_(0.0, 0.0, 0.0).abs_()  # differences and references over finite pairs only
         z.nan_to_num_(1.0)  # 1 where the pair is non-finite
-        d.nan_to_num_(0.0, 0.0, 0.0).abs_()
+        sums = zd.sum(dim=1)  # (2P,): non-finite counts, then sum_abs
+        maxima = dr.amax(dim=1) if m else dr.new_zeros(2 * pairs)  # (2P,): max_abs, then max_ref
+        squares = torch.linalg.vector_norm(dr, dim=1).square()  # (2P,): sum_sq_diff, then sum_sq_ref
         part = torch.stack(
             (
-                d.amax(dim=1) if m else d.new_zeros(pairs),
-                d.sum(dim=1),
-                torch.linalg.vector_norm(d, dim=1).square(),
-                torch.linalg.vector_norm(r, dim=1).square(),
-                z.sum(dim=1),
-                r.new_zeros(pairs),  # the count, filled in below
-                r.abs_().amax(dim=1) if m else r.new_zeros(pairs),  # (after its norm: in place)
+                maxima[:pairs],
+                sums[pairs:],
+                squares[:pairs],
+                squares[pairs:],
+                sums[:pairs],
+                sums.new_zeros(pairs),  # the count, filled in below
+                maxima[pairs:],
             )
         )
         total = combine_sums(total, part)

@@ -277,3 +277,41 @@ def test_one_nan_token_counts_once() -> None:
     shadow = ShadowAttention(None, "math", golden=True)
     shadow(q, k, v)
     assert shadow.stats()["attention"]["nonfinite_inputs"] == {"q": 1, "k": 1, "v": 0, "grad_out": 0}
+
+
+@pytest.mark.parametrize("golden", [True, False])
+@pytest.mark.parametrize("chunk", [1, 16, 37, 1 << 16])
+def test_pair_sums_against_numpy_oracle(golden, chunk, monkeypatch) -> None:
+    """Every row of :func:`pair_sums`, ``max_ref`` included, from an independent numpy float64
+    computation, with non-finite values of every kind on and around slice boundaries."""
+    monkeypatch.setattr(stats_module, "STATS_CHUNK_CPU", chunk)
+    gen = torch.Generator().manual_seed(3)
+    g = 3.0 * torch.randn(2, 3, 41, generator=gen, dtype=torch.float64)
+    p = (g + 1e-3 * torch.randn(g.shape, generator=gen, dtype=torch.float64)).float()
+    b = (g + 1e-3 * torch.randn(g.shape, generator=gen, dtype=torch.float64)).float()
+    flat_p, flat_b, flat_g = p.view(-1), b.view(-1), g.view(-1)
+    flat_p[[0, 15, 16, 36]] = float("nan")
+    flat_b[[16, 17, 37, 200]] = float("inf")
+    flat_b[[90]] = float("-inf")
+    flat_g[[36, 37, 100]] = float("-inf")
+    flat_g[[101]] = float("nan")
+    flat_p[[100]] = float("-inf")
+    got = pair_sums(p, b, g if golden else None).numpy()
+    pairs = [(p, b), (p, g), (b, g)] if golden else [(p, b)]
+    assert got.shape == (7, len(pairs))
+    for j, (x, y) in enumerate(pairs):
+        x64, y64 = x.double().numpy().ravel(), y.double().numpy().ravel()
+        fin = np.isfinite(x64) & np.isfinite(y64)
+        with np.errstate(invalid="ignore"):  # inf - inf where the pair is not finite
+            d = np.abs(np.where(fin, x64 - y64, 0.0))
+        ref = np.abs(np.where(fin, y64, 0.0))
+        want = [d.max(), d.sum(), (d**2).sum(), (ref**2).sum(), (~fin).sum(), fin.sum(), ref.max()]
+        for i, value in enumerate(want):
+            assert got[i, j] == pytest.approx(value, rel=1e-12, abs=1e-300), (j, i)
+
+
+def test_pair_sums_of_empty_tensors_are_zero() -> None:
+    empty = torch.empty(0, 4)
+    got = pair_sums(empty, empty, empty.double())
+    assert got.shape == (7, 3)
+    assert (got == 0).all()
