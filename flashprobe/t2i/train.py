@@ -86,8 +86,13 @@ def last_checkpoint(run_dir: Path) -> Path | None:
 
 
 def _launched_rank() -> bool:
-    """Whether this process is a rank Lightning's launcher started (not the one the user ran)."""
-    return any(int(os.environ.get(var, "0") or 0) > 0 for var in ("LOCAL_RANK", "NODE_RANK"))
+    """Whether this process is a rank other than zero: started by Lightning's launcher (``LOCAL_RANK``,
+    ``NODE_RANK``), by torchrun (``RANK``) or as a SLURM task of a multi-task job (``SLURM_PROCID``),
+    where rank zero decides how the run starts and writes its records."""
+    ranks = ["LOCAL_RANK", "NODE_RANK", "RANK"]
+    if int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1:
+        ranks.append("SLURM_PROCID")
+    return any(int(os.environ.get(var, "0") or 0) > 0 for var in ranks)
 
 
 #: The variables Lightning's DDP launcher sets in the launching process (rank zero).

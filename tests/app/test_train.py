@@ -124,3 +124,27 @@ def test_ddp_on_two_cpu_processes_gives_one_probe_jsonl(tmp_path: Path) -> None:
         for site in s["sites"]:
             assert d["sites"][site]["forward"]["calls"] == 2 * s["sites"][site]["forward"]["calls"], site
         assert d["summary"]["nonfinite"] == 0
+
+
+@pytest.mark.parametrize(
+    ("env", "launched"),
+    [
+        ({}, False),
+        ({"LOCAL_RANK": "1"}, True),
+        ({"NODE_RANK": "1", "LOCAL_RANK": "0"}, True),
+        ({"RANK": "3"}, True),
+        ({"SLURM_NTASKS": "8", "SLURM_PROCID": "5"}, True),
+        ({"SLURM_NTASKS": "8", "SLURM_PROCID": "0"}, False),
+        ({"SLURM_NTASKS": "1", "SLURM_PROCID": "5"}, False),  # one task: Lightning launches the ranks
+    ],
+)
+def test_only_rank_zero_decides_how_a_run_starts(
+    monkeypatch: pytest.MonkeyPatch, env: dict, launched: bool
+) -> None:
+    from flashprobe.t2i.train import _launched_rank
+
+    for var in ("LOCAL_RANK", "NODE_RANK", "RANK", "SLURM_NTASKS", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert _launched_rank() is launched
