@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("flashprobe.report.cli:compare_main", "compare the weight snapshots of run directories"),
     "report": ("flashprobe.report.cli:report_main", "redraw report.md and figures of a run or study dir"),
     "fuzz": ("flashprobe.fuzz.cli:main", "fuzz kernels with adversarial edge cases"),
-    "kernels": ("flashprobe.cli:list_kernels", "list the registered kernels and their options"),
+    "kernels": ("flashprobe.cli:list_kernels", "list the kernels, their options and whether they run here"),
 }
 
 #: ``flashprobe bench NAME`` → ("module:function", one-line help)
@@ -54,12 +54,51 @@ def _dispatch(table: dict[str, tuple[str, str]], argv: list[str], prog: str) -> 
 
 
 def list_kernels(argv: Sequence[str]) -> int:
-    """Print every registered kernel with its options."""
-    from flashprobe.kernels import list_kernels
+    """``flashprobe kernels``: every registered kernel, its options and whether it runs here.
 
+    Each kernel is tried on the CPU (and on CUDA when torch sees a GPU) at bf16, fp16, fp32 and
+    fp64 with its own check and one tiny call; a kernel that cannot run says why.
+    """
+    import argparse
+
+    import torch
+
+    from flashprobe.kernels import kernel_availability, list_kernels
+
+    parser = argparse.ArgumentParser(
+        prog="flashprobe kernels",
+        description="List the registered kernels, their spec options and whether each runs on this "
+        "machine (tried with one tiny call per dtype), with the reason when it does not.",
+    )
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        metavar="MODULE",
+        help="import MODULE first (it registers your kernels); repeatable",
+    )
+    args = parser.parse_args(list(argv))
+    for module in args.imports or []:
+        importlib.import_module(module)
+    devices = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+    runnable: dict[str, list[str]] = {d: [] for d in devices}
     for info in list_kernels():
-        options = ", ".join(info.options) or "-"
-        print(f"{info.name:<15} {info.description}\n{'':<15} options: {options}")
+        print(f"{info.name:<15} {info.description}\n{'':<15} options: {', '.join(info.options) or '-'}")
+        for device in devices:
+            found = kernel_availability(info.name, device)
+            if found.available:
+                runnable[device].append(info.name)
+                note = f"runs on {device}: {', '.join(found.dtypes)}"
+                print(f"{'':<15} {note}" + (f" (not {found.reason})" if found.reasons else ""))
+            else:
+                print(f"{'':<15} NOT on {device}: {found.reason}")
+    names = [info.name for info in list_kernels()]
+    for device in devices:
+        missing = [n for n in names if n not in runnable[device]]
+        print(
+            f"\non {device}: {len(runnable[device])} of {len(names)} kernels run"
+            + (f"; not: {', '.join(missing)}" if missing else "")
+        )
     return 0
 
 

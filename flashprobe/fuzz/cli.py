@@ -156,11 +156,15 @@ def _label(spec: str, flag: str) -> str:
 
 def _plan(args: argparse.Namespace) -> _Plan:
     """Check every argument, in the order given on the command line's help, before any work."""
+    if args.imports and "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))  # modules in the working directory, as `python -m` finds them
     for module in args.imports or []:
         try:
             importlib.import_module(module)
         except ImportError as err:
-            raise UsageError(f"--import {module}: {err}; make the module importable (PYTHONPATH)") from None
+            raise UsageError(
+                f"--import {module}: {err}; run from the directory that holds it or add that to PYTHONPATH"
+            ) from None
     if not args.kernel:
         raise UsageError("give at least one --kernel SPEC; available: " + ", ".join(available_kernels()))
     kernels = [_label(k, "--kernel") for k in args.kernel]

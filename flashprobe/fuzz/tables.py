@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 
 from flashprobe.fuzz.cases import select_cases
@@ -85,15 +86,24 @@ def reason_lines(
 
     Each line reads ``SKIP  ×2  sentinel_1e5 | fp16 | tiled, math: <reason>``: the count of
     (kernel, case, dtype) it applies to, then the cases, dtypes and kernels (long lists cut short).
+    A reason that names its kernel (``KernelInputError: math: head counts differ ...``) is shown
+    with ``<kernel>`` in its place, so kernels that fail the same way share one line.
     """
     groups: dict[tuple[str, str], list[FuzzResult]] = {}
     for r in results:
         if r.verdict in verdicts:
-            groups.setdefault((r.verdict, r.reason), []).append(r)
+            groups.setdefault((r.verdict, _generic_reason(r)), []).append(r)
     lines = []
     for (verdict, reason), rows in sorted(groups.items(), key=lambda item: -len(item[1])):
         where = " | ".join(
-            _names(_unique(getattr(r, field) for r in rows)) for field in ("case", "dtype", "kernel")
+            _names(_unique(getattr(r, field) for r in rows), limit)
+            for field, limit in (("case", 4), ("dtype", 4), ("kernel", 8))
         )
         lines.append(f"{_CELL[verdict].upper():<5} ×{len(rows):<3} {where}: {reason}")
     return lines
+
+
+def _generic_reason(result: FuzzResult) -> str:
+    """The reason with the kernel's own name (``tiled: ...``, as kernels' errors begin) as ``<kernel>``."""
+    name = re.escape(result.kernel.partition(":")[0])
+    return re.sub(rf"(?<![\w:=]){name}(?=: )", "<kernel>", result.reason)

@@ -19,11 +19,13 @@ import torch
 __all__ = [
     "AttentionFn",
     "Kernel",
+    "KernelAvailability",
     "KernelInfo",
     "KernelSpecError",
     "KernelUnavailableError",
     "available_kernels",
     "get_kernel",
+    "kernel_availability",
     "list_kernels",
     "parse_spec",
     "register_kernel",
@@ -146,6 +148,80 @@ def _is_builtin(entry: _Entry) -> bool:
 def available_kernels() -> dict[str, str]:
     """Registered kernel names mapped to their one-line descriptions."""
     return {info.name: info.description for info in list_kernels()}
+
+
+#: the dtypes :func:`kernel_availability` tries, in this order
+_AVAILABILITY_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class KernelAvailability:
+    """Whether a kernel runs on one device, and why not.
+
+    Attributes:
+        spec: the kernel spec that was tried.
+        device: the device, e.g. ``"cpu"``.
+        dtypes: the dtypes it ran at (``"bf16"``, ...); empty when it cannot run there at all.
+        reasons: dtype name → why it cannot run at that dtype (the kernel's own message).
+    """
+
+    spec: str
+    device: str
+    dtypes: tuple[str, ...]
+    reasons: Mapping[str, str]
+
+    @property
+    def available(self) -> bool:
+        """True when it runs at one dtype or more."""
+        return bool(self.dtypes)
+
+    @property
+    def reason(self) -> str:
+        """Why it cannot run (at some dtypes); ``""`` when it runs at every dtype tried."""
+        distinct = list(dict.fromkeys(self.reasons.values()))
+        if len(distinct) == 1 and not self.dtypes:
+            return distinct[0]
+        return "; ".join(f"{dtype}: {why}" for dtype, why in self.reasons.items())
+
+
+def kernel_availability(
+    spec: str | Kernel,
+    device: torch.device | str = "cpu",
+    dtypes: tuple[torch.dtype, ...] = _AVAILABILITY_DTYPES,
+) -> KernelAvailability:
+    """Try a kernel on ``device`` at each dtype: its ``check``, then one tiny call ``(1, 1, 8, 16)``.
+
+    Nothing heavy runs; the tiny call catches what a kernel's ``check`` does not know (a
+    missing package imported only when called, a user kernel without a check).
+
+    Args:
+        spec: the kernel spec.
+        device: where to try it.
+        dtypes: the dtypes to try.
+
+    Returns:
+        the dtypes it ran at and, for the others, the reason it gave.
+
+    Raises:
+        KernelSpecError: the spec is not valid.
+    """
+    kernel = get_kernel(spec)
+    device = torch.device(device)
+    ran: list[str] = []
+    reasons: dict[str, str] = {}
+    for dtype in dtypes:
+        name = str(dtype).removeprefix("torch.")
+        name = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}.get(name, name)
+        try:
+            kernel.check(device, dtype)
+            x = torch.zeros(1, 1, 8, 16, device=device, dtype=dtype)
+            kernel(x, x, x)
+        except Exception as err:  # any failure means "not here"; its message says why
+            unavailable = isinstance(err, KernelUnavailableError)
+            reasons[name] = str(err) if unavailable else f"{type(err).__name__}: {err}"
+        else:
+            ran.append(name)
+    return KernelAvailability(kernel.spec, str(device), tuple(ran), reasons)
 
 
 def unregister_kernel(name: str) -> None:

@@ -7,6 +7,7 @@ argument and the fix.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 import flashprobe.fuzz.cli as cli
 from flashprobe.fuzz import VERDICTS, ZEROS_REASON
 from flashprobe.fuzz.cli import main
+from flashprobe.kernels import unregister_kernel
 
 from ._helpers import SENTINEL_KERNEL
 
@@ -81,6 +83,39 @@ def test_output_lists_skip_and_unsupported_reasons_and_every_file_written(tmp_pa
     gqa = next(line for line in reasons if "KernelInputError" in line)
     assert "gqa_broadcast | fp16, fp32 | tiled: KernelInputError" in gqa
     assert lines[-1] == f"1 pass, 0 fail, 2 skip, 5 unsupported; wrote {out / 'fuzz.json'}, {out / 'fuzz.md'}"
+
+
+def test_kernels_that_fail_alike_share_one_reason_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["--kernel", "math", "--kernel", "tiled", "--kernel", "sdpa_math", "--dtype", "fp32"]
+    assert main([*argv, "--case", "gqa_broadcast,single_key", "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.rstrip().splitlines()
+    reasons = [line for line in lines if line.startswith(("SKIP ", "UNSUP "))]
+    rows = json.loads((out / "fuzz.json").read_text())["rows"]
+    assert len({r["reason"] for r in rows if r["verdict"] == "unsupported"}) == 3  # each names its kernel
+    assert reasons == [
+        "UNSUP ×3   gqa_broadcast | fp32 | math, tiled, sdpa_math: KernelInputError: <kernel>: head counts "
+        "differ: q 8, k 2, v 2; repeat k/v heads for grouped-query attention (k.repeat_interleave(g, dim=1))"
+    ]
+    assert lines[-1] == f"3 pass, 0 fail, 0 skip, 3 unsupported; wrote {out / 'fuzz.json'}, {out / 'fuzz.md'}"
+
+
+def test_import_finds_a_module_in_the_working_directory(tmp_path, monkeypatch, capsys):
+    (tmp_path / "userkernels_cwd").mkdir()
+    (tmp_path / "userkernels_cwd" / "mine.py").write_text(
+        "from flashprobe import math_attention, register_kernel\n\n\n"
+        "@register_kernel('cwd_kernel', overwrite=True)\n"
+        "def cwd_kernel(q, k, v, *, attn_mask=None, is_causal=False, scale=None):\n"
+        "    return math_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    try:
+        argv = ["--import", "userkernels_cwd.mine", "--kernel", "cwd_kernel", "--dtype", "fp32"]
+        assert main([*argv, "--case", "single_key", "--out", "out"]) == 0
+    finally:
+        unregister_kernel("cwd_kernel")
+    assert capsys.readouterr().out.rstrip().endswith("wrote out/fuzz.json, out/fuzz.md")
 
 
 @pytest.fixture

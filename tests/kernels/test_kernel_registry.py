@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from flashprobe.cli import main as cli_main
 from flashprobe.kernels import (
     Kernel,
     KernelSpecError,
@@ -14,6 +15,7 @@ from flashprobe.kernels import (
     available_kernels,
     get_kernel,
     golden_attention,
+    kernel_availability,
     list_kernels,
     math_attention,
     parse_spec,
@@ -226,3 +228,51 @@ def test_list_and_unregister_kernels(user_kernel_name):
     with pytest.raises(KernelSpecError, match="built into flashprobe"):
         unregister_kernel("math")
     assert "math" in available_kernels()
+
+
+def test_availability_on_cpu_says_why_not():
+    for name in CPU_OK:
+        found = kernel_availability(name, "cpu")
+        assert found.available and found.dtypes == ("bf16", "fp16", "fp32", "fp64") and found.reason == ""
+    for name in CUDA_ONLY:
+        found = kernel_availability(name, "cpu")
+        assert not found.available and found.dtypes == ()
+        assert found.reason.startswith(f"{name}: ") and "CUDA" in found.reason  # one reason, said once
+        assert set(found.reasons) == {"bf16", "fp16", "fp32", "fp64"}
+
+
+def test_availability_of_a_user_kernel_comes_from_its_check_and_a_tiny_call(user_kernel_name):
+    def check(device, dtype):
+        if dtype == torch.float16:
+            raise KernelUnavailableError(f"{user_kernel_name}: no fp16 here")
+
+    @register_kernel(user_kernel_name, check=check)
+    def fragile(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+        if q.dtype == torch.float64:
+            raise RuntimeError("fp64 kernel not compiled")
+        return math_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+
+    found = kernel_availability(user_kernel_name, "cpu")
+    assert found.available and found.dtypes == ("bf16", "fp32")
+    assert found.reasons == {
+        "fp16": f"{user_kernel_name}: no fp16 here",
+        "fp64": "RuntimeError: fp64 kernel not compiled",
+    }
+    expected = f"fp16: {user_kernel_name}: no fp16 here; fp64: RuntimeError: fp64 kernel not compiled"
+    assert found.reason == expected
+    with pytest.raises(KernelSpecError, match="unknown kernel"):
+        kernel_availability("no_such_kernel")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only listing")
+def test_flashprobe_kernels_marks_what_runs_here(capsys):
+    assert cli_main(["kernels"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for name in BUILTINS:
+        start = next(i for i, line in enumerate(lines) if line.startswith(f"{name} "))
+        status = lines[start + 2].strip()
+        if name in CPU_OK:
+            assert status == "runs on cpu: bf16, fp16, fp32, fp64", (name, status)
+        else:
+            assert status.startswith(f"NOT on cpu: {name}: ") and "CUDA" in status, (name, status)
+    assert lines[-1] == "on cpu: 4 of 7 kernels run; not: flash_attn, sdpa_cudnn, sdpa_efficient"

@@ -1,0 +1,97 @@
+"""Tiny budgets for documented commands, and the files each command says it writes.
+
+A documented command is run as written with :func:`budget` appended. argparse keeps the last
+value of an option given twice, and Hydra applies later overrides over earlier ones, so the
+appended arguments shrink the work without editing the command. Hydra commands get overrides
+that exist in every run configuration; bench commands get small shapes and one seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["HYDRA_TINY", "budget", "family", "outputs"]
+
+#: Hydra overrides that shrink one training run to seconds (a subset of experiment=smoke that
+#: leaves the documented experiment, attention and precision in place)
+HYDRA_TINY = (
+    "model=tiny",
+    "logger=csv",
+    "threads=1",
+    "data.num_train=32",
+    "data.num_val=8",
+    "data.batch_size=8",
+    "trainer.max_steps=2",
+    "trainer.val_check_interval=2",
+    "trainer.log_every_n_steps=1",
+    "callbacks.weight_snapshot.every_n_steps=1",
+    "module.num_samples=2",
+    "module.num_sample_steps=2",
+    "module.warmup_steps=0",
+)
+
+#: argparse flags per command family; appended after the documented ones, so they win
+_BENCH_SHAPE = ("--batch", "1", "--heads", "1", "--head-dim", "16", "--repeats", "1")
+_BUDGETS: dict[str, tuple[str, ...]] = {
+    "bench paper": ("--tiny",),
+    "bench precision": (*_BENCH_SHAPE, "--seq-len", "64"),
+    "bench seqlen": (*_BENCH_SHAPE, "--seq-len", "32", "64"),
+    "bench tiles": (*_BENCH_SHAPE, "--seq-len", "64", "--sram", "256", "1024"),
+    "bench speed": (*_BENCH_SHAPE, "--seq-len", "64", "--no-memory"),
+    "bench overhead": ("--steps", "2"),
+    "bench wasserstein": ("--sizes", "1000", "--repeats", "1"),
+    "study": ("--runs", "flash,baseline", *HYDRA_TINY),
+    "train": HYDRA_TINY,
+    "fuzz": (),
+    "compare": (),
+    "report": (),
+    "kernels": (),
+}
+
+#: files a command family writes into its output directory (``--out``), as the docs say
+_OUTPUTS: dict[str, tuple[str, ...]] = {
+    "bench paper": ("paper.json", "paper.md"),
+    "bench precision": ("precision.json", "precision.csv", "precision.png"),
+    "bench seqlen": ("seqlen.json", "seqlen.csv", "seqlen.png"),
+    "bench tiles": ("tiles.json", "tiles.csv", "tiles.png"),
+    "bench speed": ("speed.json", "speed.csv", "speed.png"),
+    "bench wasserstein": ("wasserstein.json",),
+    "study": ("study.json", "study.csv", "report.md", "fig8_wasserstein.png"),
+    "compare": ("study.json", "study.csv", "fig8_wasserstein.png"),
+    "fuzz": ("fuzz.json",),
+}
+
+
+def family(argv: Sequence[str]) -> str:
+    """``"bench precision"``, ``"fuzz"``, ... for a ``flashprobe`` command; ``""`` otherwise."""
+    if len(argv) < 2 or argv[0] != "flashprobe":
+        return ""
+    return " ".join(argv[1:3]) if argv[1] == "bench" and len(argv) > 2 else argv[1]
+
+
+def budget(argv: Sequence[str]) -> list[str]:
+    """The arguments to append to ``argv`` so it runs in seconds.
+
+    Raises:
+        KeyError: a ``flashprobe`` command family without a budget (add it to ``_BUDGETS``).
+    """
+    name = family(argv)
+    if not name:
+        return []
+    if name not in _BUDGETS:
+        raise KeyError(f"no tiny budget for 'flashprobe {name}'; add one to tests/docs/_budget.py")
+    return list(_BUDGETS[name])  # in a Hydra sweep (-m) every job gets it
+
+
+def outputs(argv: Sequence[str]) -> list[str]:
+    """The files the command writes, as paths relative to its working directory (``--out`` joined)."""
+    files = _OUTPUTS.get(family(argv), ())
+    out = None
+    for i, arg in enumerate(argv):
+        if arg == "--out" and i + 1 < len(argv):
+            out = argv[i + 1]
+        elif arg.startswith("--out="):
+            out = arg.split("=", 1)[1]
+    if out is None:
+        return []
+    return [f"{out}/{name}" for name in files]
