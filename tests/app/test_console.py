@@ -45,16 +45,8 @@ def _run(*args: str, cwd: Path) -> tuple[int, list[str]]:
 
 def test_a_tiny_study_prints_at_most_40_lines_ending_with_the_verdict_and_paths(tmp_path: Path) -> None:
     out = tmp_path / "study"
-    rc, lines = _run(
-        "study",
-        "--out",
-        str(out),
-        "--runs",
-        "flash,baseline,identical",
-        "trainer.max_steps=4",
-        *TINY,
-        cwd=tmp_path,
-    )
+    command = ["study", "--out", str(out), "--runs", "flash,baseline,identical", "trainer.max_steps=4", *TINY]
+    rc, lines = _run(*command, cwd=tmp_path)
     assert rc == 0, "\n".join(lines[-40:])
     assert len(lines) <= 40, "\n".join(lines)
     text = [line for line in lines if line.strip()]
@@ -71,16 +63,7 @@ def test_a_tiny_study_prints_at_most_40_lines_ending_with_the_verdict_and_paths(
     log = (out / "runs" / "flash" / "train.log").read_text()
     assert "WeightSnapshot: saved step 4" in log and "Trainer.fit` stopped" in log
 
-    rc, again = _run(
-        "study",
-        "--out",
-        str(out),
-        "--runs",
-        "flash,baseline,identical",
-        "trainer.max_steps=4",
-        *TINY,
-        cwd=tmp_path,
-    )
+    rc, again = _run(*command, cwd=tmp_path)
     assert rc == 0 and sum("finished earlier: skipped" in line for line in again) == 3
 
 

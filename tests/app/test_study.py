@@ -13,22 +13,8 @@ from flashprobe.formats.study_file import read_study
 from flashprobe.report.cli import report_main
 from flashprobe.report.study_report import verdict
 from flashprobe.study import PRECISIONS, run_study, study_plan
+from tests.app._study import TINY
 
-#: The study experiment (threads pinned, last.ckpt only, ...) shrunk to seconds.
-TINY = [
-    "model=tiny",
-    "logger=csv",
-    "data.num_train=64",
-    "data.num_val=16",
-    "data.batch_size=16",
-    "trainer.max_steps=4",
-    "trainer.val_check_interval=4",
-    "callbacks.weight_snapshot.every_n_steps=2",
-    "callbacks.checkpoint.every_n_train_steps=2",
-    "module.num_samples=2",
-    "module.num_sample_steps=2",
-    "module.warmup_steps=0",
-]
 RUNS = ["flash", "baseline", "identical", "seed1", "fp32"]
 
 

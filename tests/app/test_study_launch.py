@@ -16,24 +16,10 @@ import flashprobe.study as study_module
 from flashprobe.formats.run_record import read_run_record
 from flashprobe.formats.study_file import read_study
 from flashprobe.study import check_launcher, run_study
+from tests.app._study import TINY
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: The study experiment shrunk to seconds (as tests/app/test_study.py).
-TINY = [
-    "model=tiny",
-    "logger=csv",
-    "data.num_train=64",
-    "data.num_val=16",
-    "data.batch_size=16",
-    "trainer.max_steps=4",
-    "trainer.val_check_interval=4",
-    "callbacks.weight_snapshot.every_n_steps=2",
-    "callbacks.checkpoint.every_n_train_steps=2",
-    "module.num_samples=2",
-    "module.num_sample_steps=2",
-    "module.warmup_steps=0",
-]
 RUNS = ["flash", "baseline", "identical"]
 
 
