@@ -419,7 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "overrides", nargs="*", help="Hydra overrides for every run, e.g. study.precision=16-mixed"
     )
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))  # options anywhere
     runs = None if args.runs is None else [r for r in args.runs.split(",") if r]
     if args.config_dir is not None:
         if not Path(args.config_dir).is_dir():

@@ -20,6 +20,8 @@ __all__ = ["COMMAND_PROGRAMS", "SHELL_LANGUAGES", "Snippet", "extract"]
 
 SHELL_LANGUAGES = frozenset({"bash", "sh", "shell", "console", "zsh"})
 PYTHON_LANGUAGES = frozenset({"python", "py", "python3"})
+#: config files a page asks the reader to create (a block whose first line is ``# path.yaml``)
+YAML_LANGUAGES = frozenset({"yaml", "yml"})
 #: the programs whose commands are run; other lines of a shell block (pip, bash .ci/run, wandb
 #: sync, cd) are setup or side trips the tests do not repeat
 COMMAND_PROGRAMS = ("flashprobe", "python")
@@ -27,7 +29,7 @@ COMMAND_PROGRAMS = ("flashprobe", "python")
 _FENCE = re.compile(
     r"^(?P<fence>```+|~~~+)[ \t]*(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^(?P=fence)[ \t]*$", re.S | re.M
 )
-_FILE_COMMENT = re.compile(r"#\s*(?P<path>[\w./-]+\.py)\s*$")
+_FILE_COMMENT = re.compile(r"#\s*(?P<path>[\w./-]+\.(?:py|ya?ml))\s*$")
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,10 @@ def extract(root: Path, doc: str) -> list[Snippet]:
                 snippets.append(Snippet(doc, block, 0, "file", body, line, found.group("path")))
             else:
                 snippets.append(Snippet(doc, block, 0, "python", body, line))
+        elif lang in YAML_LANGUAGES:
+            first = body.splitlines()[0] if body.strip() else ""
+            if (found := _FILE_COMMENT.fullmatch(first.strip())) is not None:
+                snippets.append(Snippet(doc, block, 0, "file", body, line, found.group("path")))
         elif lang in SHELL_LANGUAGES:
             for part, command in enumerate(_commands(body, lang)):
                 snippets.append(Snippet(doc, block, part, "command", command, line))

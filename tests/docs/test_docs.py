@@ -29,6 +29,10 @@ DOCS = (
     "docs/fuzz.md",
     "docs/microbenchmark.md",
     "docs/weights.md",
+    "docs/README.md",
+    "docs/study.md",
+    "docs/training.md",
+    "conf/README.md",
 )
 
 #: budgets for documented scripts (``python SCRIPT ...``): their own flags, appended
@@ -157,6 +161,9 @@ def test_every_file_block_is_used_on_its_page() -> None:
     """A file the page asks for (``# mypkg/kernels.py``) is imported or run by one of its snippets."""
     for snippet in (s for s in SNIPPETS if s.kind == "file"):
         module = snippet.path.removesuffix(".py").replace("/", ".")
+        if snippet.path.endswith((".yaml", ".yml")):  # a Hydra option: conf/<group>/<name>.yaml
+            group, name = Path(snippet.path).parent.name, Path(snippet.path).stem
+            module = f"{group}={name}"
         users = [s for s in SNIPPETS if s.doc == snippet.doc and s.kind != "file"]
         assert any(module in s.text or snippet.path in s.text for s in users), snippet.id
 
