@@ -3,6 +3,7 @@ re-invoked studies, and users' own conf/ directories — each against the basic 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -47,8 +48,22 @@ def basic(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def _plugin(module: str) -> pytest.MarkDecorator:
+    missing = importlib.util.find_spec(module) is None
+    return pytest.mark.skipif(missing, reason=f"{module} not installed: pip install -e '.[cluster]'")
+
+
 @pytest.mark.parametrize(
-    "launcher", [["hydra/launcher=submitit_local"], ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]]
+    "launcher",
+    [
+        pytest.param(
+            ["hydra/launcher=submitit_local"], marks=_plugin("hydra_plugins.hydra_submitit_launcher")
+        ),
+        pytest.param(
+            ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"],
+            marks=_plugin("hydra_plugins.hydra_joblib_launcher"),
+        ),
+    ],
 )
 def test_a_launcher_gives_the_basic_launchers_numbers(
     basic: Path, tmp_path: Path, launcher: list[str]
@@ -121,7 +136,7 @@ def test_a_launcher_plugin_that_is_not_installed_is_named_before_any_work(
 
 
 @pytest.mark.skipif(
-    __import__("importlib").util.find_spec("hydra_plugins.hydra_ray_launcher") is not None,
+    importlib.util.find_spec("hydra_plugins.hydra_ray_launcher") is not None,
     reason="hydra-ray-launcher is installed here",
 )
 def test_the_cli_names_the_missing_ray_plugin(tmp_path: Path) -> None:
