@@ -170,11 +170,15 @@ def _ordered(x: torch.Tensor, w: torch.Tensor | None) -> tuple[torch.Tensor, tor
     """``x`` sorted, and each sorted value's CDF step ``w / Σw`` in the same order (``None``: equal)."""
     if w is None:
         return sorted_values(x), None
-    if x.device.type == "cpu":  # numpy's argsort and take: faster than torch's here
-        order = np.argsort(x.numpy())
-        steps = np.take(w.numpy(), order)
-        steps /= np.sum(w.numpy())  # numpy: the same sum whatever torch.get_num_threads() is
-        return torch.from_numpy(np.take(x.numpy(), order)), torch.from_numpy(steps)
+    if x.device.type == "cpu":
+        # A key-value sort: each weight rides along as the imaginary part of its value. numpy sorts
+        # complex numbers by real part (ties by imaginary part, which W1 ignores: equal values have
+        # zero width), faster than an argsort and two gathers.
+        pairs = np.empty(x.numel(), dtype=np.complex128)  # (n,)
+        pairs.real, pairs.imag = x.numpy(), w.numpy()
+        pairs.sort()
+        steps = pairs.imag / np.sum(w.numpy())  # numpy's sum: the same whatever torch's thread count
+        return torch.from_numpy(np.ascontiguousarray(pairs.real)), torch.from_numpy(steps)
     order = _argsort(x)
     return x[order], w[order] / w.sum()
 

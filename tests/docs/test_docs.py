@@ -107,6 +107,7 @@ def _train_run(shared: SharedRuns) -> CommandResult:
 
 def _prepare(snippet: Snippet, shared: SharedRuns, cwd: Path) -> str:
     """Create what the snippet needs in ``cwd``; returns its text with placeholders filled in."""
+    shutil.copytree(REPO / "conf", cwd / "conf")  # the docs' commands run from the repository root
     for path, text in _files(snippet.doc).items():
         (cwd / path).parent.mkdir(parents=True, exist_ok=True)
         (cwd / path).write_text(text)
