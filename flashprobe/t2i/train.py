@@ -189,8 +189,7 @@ def _start(cfg: DictConfig, run_dir: Path) -> tuple[str | None, str | None]:
                 f"resume={resume}: {run_dir / 'checkpoints'} holds no checkpoint to continue from (the run "
                 "saves them with callbacks.checkpoint); start it again with overwrite=true"
             )
-        # this run's own outputs, written before its first checkpoint; run.json keeps its sessions
-        _remove_outputs(run_dir, [n for n in found if n != "run.json"] if killed_early else found)
+        _remove_outputs(run_dir, found)  # this run's own outputs, written before its first checkpoint
         return None, None
     if found and not cfg.get("overwrite"):
         raise FileExistsError(_refusal(run_dir, found))
@@ -329,13 +328,9 @@ def _fit(cfg: DictConfig, run_dir: Path, checkpoint: str | None) -> tuple[dict[s
             import wandb
 
             if wandb.run is not None:
-                offline = wandb.run.settings.mode in ("offline", "dryrun")
-                log.info(
-                    "W&B run %s: %s%s",
-                    "(offline)" if offline else wandb.run.url,
-                    Path(wandb.run.dir).parent,
-                    f" (upload: wandb sync {Path(wandb.run.dir).parent})" if offline else "",
-                )
+                offline, where = wandb.run.settings.mode in ("offline", "dryrun"), Path(wandb.run.dir).parent
+                upload = f" (upload: wandb sync {where})" if offline else ""
+                log.info("W&B run %s: %s%s", "(offline)" if offline else wandb.run.url, where, upload)
                 wandb.finish()
     if trainer.is_global_zero:
         finish_session(run_dir, global_step=trainer.global_step, seconds=time.perf_counter() - started)
