@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from flashprobe.overrides import override_value
+
 __all__ = [
     "DEFAULT_EXPERIMENT",
     "LAUNCHER_PACKAGES",
@@ -205,18 +207,13 @@ def study_plan(precision: str = "bf16-mixed", runs: Sequence[str] | None = None)
     return StudyPlan(precision, {r: every[r] for r in chosen}, comparisons)
 
 
-def _value(overrides: Sequence[str], key: str) -> str | None:
-    values = [o.split("=", 1)[1] for o in overrides if "=" in o and o.split("=", 1)[0].lstrip("+~") == key]
-    return values[-1] if values else None
-
-
 def check_launcher(overrides: Sequence[str]) -> None:
     """Fail before any training when ``hydra/launcher=NAME`` names a plugin that is not installed.
 
     Raises:
         ValueError: naming the package to install.
     """
-    name = _value(overrides, "hydra/launcher")
+    name = override_value(overrides, "hydra/launcher")
     if name is None or name == "basic":
         return
     package = LAUNCHER_PACKAGES.get(name)
@@ -278,7 +275,7 @@ def run_study(
     from flashprobe.weights import compare_runs
 
     overrides = list(overrides)
-    if _value(overrides, "experiment") is None:
+    if override_value(overrides, "experiment") is None:
         overrides.insert(0, f"experiment={DEFAULT_EXPERIMENT}")
     check_launcher(overrides)
     cfg = study_config(overrides)
@@ -294,7 +291,7 @@ def run_study(
         argv += [
             f"{group}=study"
             for group in ("hydra/job_logging", "hydra/hydra_logging")
-            if _value(overrides, group) is None
+            if override_value(overrides, group) is None
         ]
         kernel = str(cfg.study.kernel)
         labels = {

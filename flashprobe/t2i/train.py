@@ -29,6 +29,7 @@ from flashprobe.console import quiet_third_party
 from flashprobe.formats.paths import OutputPathError, prepare_output_dir
 from flashprobe.formats.run_record import finish_session, read_run_record, start_session
 from flashprobe.machine import machine_facts
+from flashprobe.overrides import override_key, override_value
 from flashprobe.t2i.precision import trainer_precision
 
 __all__ = [
@@ -373,14 +374,6 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     return metrics.get("val/loss")
 
 
-def _key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
-
-
-def _value(args: Sequence[str], key: str) -> str | None:
-    return next((a.split("=", 1)[1] for a in args if _key(a) == key and "=" in a), None)
-
-
 def command_line(args: Sequence[str]) -> list[str]:
     """The Hydra command line of ``flashprobe train ARGS``; checked before Hydra writes anything.
 
@@ -393,18 +386,18 @@ def command_line(args: Sequence[str]) -> list[str]:
         OutputPathError: ``hydra.run.dir`` is a file, lies under one, or is not writable.
     """
     args = list(args)
-    resume, run_dir = _value(args, "resume"), _value(args, "hydra.run.dir")
+    resume, run_dir = override_value(args, "resume"), override_value(args, "hydra.run.dir")
     if resume not in (None, "null", "auto") and run_dir is None:
         saved = Path(resume) / ".hydra" / "overrides.yaml"
         if not saved.is_file():
             raise FileNotFoundError(
                 f"resume={resume}: no run started by `flashprobe train` there ({saved} is missing)"
             )
-        given = {_key(a) for a in args}
+        given = {override_key(a) for a in args}
         skip = {"resume", "overwrite", "ckpt_path", "hydra.run.dir"}
-        original = [str(o) for o in OmegaConf.load(saved) if _key(str(o)) not in given | skip]
+        original = [str(o) for o in OmegaConf.load(saved) if override_key(str(o)) not in given | skip]
         return [*original, *args, f"hydra.run.dir={resume}"]
-    overwrite = str(_value(args, "overwrite")).lower() == "true"
+    overwrite = str(override_value(args, "overwrite")).lower() == "true"
     if run_dir is not None:
         prepare_output_dir(run_dir, flag="hydra.run.dir")  # a file in the way fails now, not in Hydra
     if run_dir is not None and resume in (None, "null") and not overwrite:
