@@ -1,6 +1,32 @@
-"""What the study tests share: the study experiment shrunk to seconds."""
+"""What the app tests share: ``flashprobe`` in a subprocess, and the study experiment shrunk to seconds."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+#: The repository root (on PYTHONPATH of the subprocess, so callbacks in tests/ can be named).
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def flashprobe_cli(
+    *args: str, cwd: Path = ROOT, env: Mapping[str, str] | None = None, unset: Sequence[str] = ()
+) -> subprocess.CompletedProcess:
+    """Run ``flashprobe ARGS`` as a user would (W&B offline, one OMP thread), output captured.
+
+    Args:
+        env: extra environment variables; ``unset``: variables removed (e.g. ``WANDB_SILENT``).
+    """
+    environment = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    environment.update(env or {})
+    for var in unset:
+        environment.pop(var, None)
+    cmd = [sys.executable, "-m", "flashprobe.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=environment, cwd=cwd)
+
 
 #: Overrides that shrink ``experiment=study`` to seconds: a tiny model, 4 steps, a snapshot and a
 #: checkpoint every 2 steps, a 2-image sample grid.

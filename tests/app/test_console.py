@@ -4,18 +4,15 @@
 from __future__ import annotations
 
 import io
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from flashprobe.formats.run_record import finish_session, start_session
 from flashprobe.study_progress import StudyProgress, format_seconds
+from tests.app._study import flashprobe_cli
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY = [
     "model=tiny",
     "data.num_train=64",
@@ -30,16 +27,7 @@ NOISE = ("💡", "Tip:", "LeafSpec", "anonymous setting", "Run summary", "Run hi
 
 
 def _run(*args: str, cwd: Path) -> tuple[int, list[str]]:
-    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
-    env.pop("WANDB_SILENT", None)  # what a user's shell has
-    proc = subprocess.run(
-        [sys.executable, "-m", "flashprobe.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=cwd,
-    )
+    proc = flashprobe_cli(*args, cwd=cwd, unset=["WANDB_SILENT"])  # WANDB_SILENT: not in a user's shell
     return proc.returncode, (proc.stdout + proc.stderr).splitlines()
 
 

@@ -4,10 +4,8 @@ deleted by accident; bad resumes fail before any work."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +14,8 @@ from safetensors.torch import load_file
 
 from flashprobe.formats.run_record import read_run_record
 from flashprobe.t2i.train import cli_main, command_line, compose, train
+from tests.app._study import flashprobe_cli
 
-ROOT = Path(__file__).resolve().parents[2]
 #: 6 steps; a checkpoint, a snapshot and a probe record every 2 steps.
 RUN = [
     "experiment=smoke",
@@ -29,9 +27,7 @@ RUN = [
 
 
 def _flashprobe_train(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "flashprobe.cli", "train", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    return flashprobe_cli("train", *args)
 
 
 def _snapshots(run: Path) -> dict[int, dict[str, torch.Tensor]]:

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,21 +15,9 @@ import flashprobe.study as study_module
 from flashprobe.formats.run_record import read_run_record
 from flashprobe.formats.study_file import read_study
 from flashprobe.study import check_launcher, run_study
-from tests.app._study import TINY
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.app._study import ROOT, TINY, flashprobe_cli
 
 RUNS = ["flash", "baseline", "identical"]
-
-
-def _flashprobe(
-    *args: str, cwd: Path = ROOT, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "flashprobe.cli", *args]
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=600, env={**environment, **(env or {})}, cwd=cwd
-    )
 
 
 def _pairs(out: Path) -> dict:
@@ -69,7 +55,7 @@ def test_a_launcher_gives_the_basic_launchers_numbers(
     basic: Path, tmp_path: Path, launcher: list[str]
 ) -> None:
     out = tmp_path / "study"
-    proc = _flashprobe("study", "--out", str(out), "--runs", ",".join(RUNS), *TINY, *launcher)
+    proc = flashprobe_cli("study", "--out", str(out), "--runs", ",".join(RUNS), *TINY, *launcher)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _pairs(out) == _pairs(basic)  # every distance at every step, exactly
     for run in RUNS:
@@ -88,13 +74,13 @@ def test_a_killed_study_invoked_again_trains_only_what_had_not_finished(basic: P
         f"+callbacks.kill.once={tmp_path / 'killed-once'}",
     ]
     command = ["study", "--out", str(out), "--runs", ",".join(RUNS), *TINY, *kill]
-    killed = _flashprobe(*command)
+    killed = flashprobe_cli(*command)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert read_run_record(out / "runs" / "flash")["status"] == "finished"
     assert read_run_record(out / "runs" / "baseline")["status"] == "running"
     assert not (out / "runs" / "identical").exists() and not (out / "study.json").exists()
 
-    again = _flashprobe(*command)  # the same command
+    again = flashprobe_cli(*command)  # the same command
     assert again.returncode == 0, again.stderr[-3000:]
     flash, baseline, identical = (read_run_record(out / "runs" / r) for r in RUNS)
     assert len(flash["sessions"]) == 1  # finished: skipped, not retrained
@@ -105,7 +91,7 @@ def test_a_killed_study_invoked_again_trains_only_what_had_not_finished(basic: P
 
 def test_each_study_run_can_be_a_ddp_run(tmp_path: Path) -> None:
     out = tmp_path / "study"
-    proc = _flashprobe(
+    proc = flashprobe_cli(
         "study", "--out", str(out), "--runs", "flash,baseline", *TINY, "trainer=ddp_cpu", cwd=tmp_path
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -140,7 +126,7 @@ def test_a_launcher_plugin_that_is_not_installed_is_named_before_any_work(
     reason="hydra-ray-launcher is installed here",
 )
 def test_the_cli_names_the_missing_ray_plugin(tmp_path: Path) -> None:
-    proc = _flashprobe("study", "--out", str(tmp_path / "s"), "hydra/launcher=ray")
+    proc = flashprobe_cli("study", "--out", str(tmp_path / "s"), "hydra/launcher=ray")
     assert proc.returncode == 2
     assert "pip install hydra-ray-launcher" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "s").exists()
@@ -175,11 +161,11 @@ def test_a_conf_dir_in_the_working_directory_overrides_and_extends_the_packaged_
     tmp_path: Path,
 ) -> None:
     _user_conf(tmp_path)
-    cfg = _job_config(_flashprobe("train", "experiment=mine", "model=tiny", "--cfg", "job", cwd=tmp_path))
+    cfg = _job_config(flashprobe_cli("train", "experiment=mine", "model=tiny", "--cfg", "job", cwd=tmp_path))
     assert cfg["model"]["depth"] == 3 and cfg["module"]["guidance_scale"] == 2.5
     assert cfg["study"]["kernel"] == "tiled:block_k=16"
     assert cfg["threads"] == 2  # from the packaged experiment=study the user's file builds on
-    packaged = _job_config(_flashprobe("train", "model=tiny", "--cfg", "job", cwd=ROOT))
+    packaged = _job_config(flashprobe_cli("train", "model=tiny", "--cfg", "job", cwd=ROOT))
     assert "depth" not in packaged["model"]  # the repository's own conf/ replaces nothing
 
 
@@ -187,15 +173,15 @@ def test_config_dir_and_the_environment_variable_point_at_a_conf_dir_elsewhere(t
     conf = _user_conf(tmp_path / "mine")
     elsewhere = tmp_path / "work"
     elsewhere.mkdir()
-    by_flag = _flashprobe(
+    by_flag = flashprobe_cli(
         "train", "--config-dir", str(conf), "experiment=mine", "--cfg", "job", cwd=elsewhere
     )
     assert _job_config(by_flag)["module"]["guidance_scale"] == 2.5
-    by_env = _flashprobe(
+    by_env = flashprobe_cli(
         "train", "experiment=mine", "--cfg", "job", cwd=elsewhere, env={"FLASHPROBE_CONFIG_DIR": str(conf)}
     )
     assert _job_config(by_env)["module"]["guidance_scale"] == 2.5
-    missing = _flashprobe(
+    missing = flashprobe_cli(
         "study", "--config-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "s"), cwd=elsewhere
     )
     assert (
