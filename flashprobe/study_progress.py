@@ -79,13 +79,12 @@ class StudyProgress:
                 if name in self._skipped or name in self._finished:
                     continue
                 status, sessions = self._status(name)
-                if status == "running" and name not in self._started:
+                if status in ("running", "finished") and sessions and name not in self._started:
+                    # a short run can start and finish between two polls: it still gets its line
                     self._started.add(name)
-                    session = sessions[-1] if sessions else {}
-                    resumed = f", resumed at step {session['from_step']}" if session.get("from_step") else ""
-                    self._say(name, f"training ({what}{resumed})")
-                elif status == "finished" and sessions:
-                    self._started.add(name)
+                    resumed = sessions[-1].get("from_step")
+                    self._say(name, f"training ({what}{f', resumed at step {resumed}' if resumed else ''})")
+                if status == "finished" and sessions:
                     self._finished[name] = float(sessions[-1].get("seconds") or 0.0)
                     self._say(name, f"done in {format_seconds(self._finished[name])}{self._clock()}")
 

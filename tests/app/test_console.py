@@ -83,15 +83,16 @@ def test_progress_reads_the_runs_records(tmp_path: Path) -> None:
         progress.poll()
         finish_session(runs / "b", global_step=4, seconds=100.0)
         progress.poll()
-        _record(runs, "c", 50.0)
+        _record(runs, "c", 50.0)  # started and finished between two polls
     lines = stream.getvalue().splitlines()
     assert lines[0] == "[1/3] a  finished earlier: skipped"
     assert lines[1] == "[2/3] b  training (flash, resumed at step 2)"
     assert lines[2].startswith("[2/3] b  done in 1 min 40 s · elapsed ") and lines[2].endswith(
         "ETA 1 min 40 s"
     )
-    assert lines[3].startswith("[3/3] c  done in 50 s · elapsed ") and "ETA" not in lines[3]
-    assert lines[4].startswith("trained 2 runs in ") and lines[4].endswith("(1 finished earlier)")
+    assert lines[3] == "[3/3] c  training (math)"
+    assert lines[4].startswith("[3/3] c  done in 50 s · elapsed ") and "ETA" not in lines[4]
+    assert lines[5].startswith("trained 2 runs in ") and lines[5].endswith("(1 finished earlier)")
 
 
 @pytest.mark.parametrize(
