@@ -12,8 +12,9 @@ An exact 1-D Wasserstein distance cannot cost less than sorting both inputs, so 
 times that **sort floor**, interleaved with the distances: ``np.sort`` of both samples
 (``sort_floor_ms``), and for weighted samples the sort that carries the weights along
 (``np.argsort`` and two gathers per sample, ``weighted_sort_floor_ms``); ``vs_floor`` is
-flashprobe's time over the floor of its case. It also times one ``torch.sort`` of ``n`` values: CPU
-sort speed differs several-fold between the libraries (flashprobe sorts with numpy on CPU).
+flashprobe's time over the floor of its case and ``vs_sort`` its time over ``np.sort`` of both
+samples. It also times one ``torch.sort`` of ``n`` values: CPU sort speed differs several-fold
+between the libraries (flashprobe sorts with numpy on CPU).
 
 Writes ``DIR/wasserstein.json`` and ``DIR/wasserstein.csv`` and prints a table. On a CPU shared with
 other busy processes, torch's multi-threaded elementwise kernels can stall waiting for a descheduled
@@ -53,6 +54,7 @@ _COLUMNS = (
     ("floor_ms", "floor_ms"),
     ("vs_floor", "vs_floor"),
     ("sort_floor_ms", "np.sort×2_ms"),
+    ("vs_sort", "vs_np.sort×2"),
     ("sort_torch_ms", "torch.sort_ms"),
 )
 
@@ -127,6 +129,7 @@ def bench_case(case: str, n: int, *, repeats: int, seed: int, device: torch.devi
         "floor_ms": floor,
         "vs_floor": torch_med / floor,
         "sort_floor_ms": med["floor"],
+        "vs_sort": torch_med / med["floor"],
         "weighted_sort_floor_ms": med["weighted_floor"],
         "sort_torch_ms": sort_torch,
     }

@@ -119,16 +119,18 @@ def wasserstein_sorted(
         v_steps: the same for ``vs``.
 
     For two unweighted samples of one size this is ``mean |us − vs|``. Otherwise the CDFs are
-    integrated over the merged values: a stable argsort of ``cat(us, vs)`` (two sorted runs: a linear
-    merge for numpy's timsort) gives the order, and the running sum of the signed steps in that order
-    is ``U(x_k) − V(x_k)``, exact wherever ``x_{k+1} > x_k`` (scipy's ``searchsorted`` counts); where
-    ``x_{k+1} = x_k`` the term has zero width in both formulations.
+    integrated over the merged values: merging the two ascending runs gives the order, and the
+    running sum of the signed steps in that order is ``U(x_k) − V(x_k)``, exact wherever
+    ``x_{k+1} > x_k`` (scipy's ``searchsorted`` counts); where ``x_{k+1} = x_k`` the term has zero
+    width in both formulations.
     """
     n, m = us.numel(), vs.numel()
     if u_steps is None and v_steps is None and n == m:
         return torch.dist(us, vs, p=1) / n  # mean |sort(u) − sort(v)|, fused
-    if us.device.type == "cpu":  # numpy's take and in-place passes are faster here than torch indexing
-        return torch.tensor(_merged_w1_numpy(us.numpy(), vs.numpy(), u_steps, v_steps), dtype=torch.float64)
+    if us.device.type == "cpu":
+        u = us.numpy() if u_steps is None else _keyed(us.numpy(), u_steps.numpy())
+        v = vs.numpy() if v_steps is None else _keyed(vs.numpy(), v_steps.numpy())
+        return torch.tensor(_merged_w1_numpy(u, v, 1.0, 1.0), dtype=torch.float64)
     both = torch.cat((us, vs))  # (n + m,)
     order = _argsort(both, stable=True)
     steps = torch.cat(
@@ -141,49 +143,109 @@ def wasserstein_sorted(
     return torch.dot(cdf_gap, torch.diff(both[order]))
 
 
-def _merged_w1_numpy(
-    us: np.ndarray, vs: np.ndarray, u_steps: torch.Tensor | None, v_steps: torch.Tensor | None
-) -> float:
-    """:func:`wasserstein_sorted`'s merge on the CPU, in numpy (same arithmetic as the torch path)."""
-    n, m = us.size, vs.size
-    both = np.concatenate((us, vs))  # (n + m,)
-    order = np.argsort(both, kind="stable")  # two sorted runs: a linear merge
-    steps = np.empty(n + m)
-    steps[:n] = 1.0 / n if u_steps is None else u_steps.numpy()
-    steps[n:] = -1.0 / m if v_steps is None else -v_steps.numpy()
-    cdf_gap = np.take(steps, order[:-1])  # (n + m − 1,) signed steps in merged order
-    np.cumsum(cdf_gap, out=cdf_gap)
-    np.abs(cdf_gap, out=cdf_gap)  # |U(x_k) − V(x_k)|
-    return float(np.dot(cdf_gap, np.diff(np.take(both, order))))
+# On the CPU a weighted sample is sorted as complex128 ``value + i·weight``: numpy sorts complex
+# numbers by real part (ties by imaginary part, which W1 ignores: equal values have zero width), a
+# key-value sort faster than an argsort and two gathers. The merge of two samples sorts such keyed
+# values too, with the signed CDF steps as imaginary parts, so no index array is ever gathered.
+
+
+def _keyed(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """``(n,)`` complex128 ``values + i·weights``."""
+    keyed = np.empty(values.size, dtype=np.complex128)
+    keyed.real, keyed.imag = values, weights
+    return keyed
+
+
+def _sorted_numpy(values: np.ndarray, weights: np.ndarray | None) -> np.ndarray:
+    """``values`` sorted (float64), or with weights: ``values + i·weights`` sorted by value (complex128)."""
+    if weights is None:
+        return np.sort(values)
+    keyed = _keyed(values, weights)
+    keyed.sort()
+    return keyed
+
+
+def _real(sample: np.ndarray) -> np.ndarray:
+    return sample.real if np.iscomplexobj(sample) else sample
+
+
+def _merge_part(
+    a: np.ndarray, b: np.ndarray, a_total: float, b_total: float, offset: float
+) -> tuple[float, ...]:
+    """One stretch of the merged CDF integral.
+
+    Args:
+        a: ascending values of ``u`` (float64, each step ``1/a_total``) or keyed by weight (complex128,
+            each step ``weight/a_total``).
+        b: the same for ``v``, whose steps count negatively.
+        a_total, b_total: the divisors of the steps.
+        offset: ``U − V`` just below this stretch.
+
+    Returns:
+        ``(Σ_k |U(x_k) − V(x_k)|·(x_{k+1} − x_k) within the stretch, its first value, its last value)``.
+    """
+    both = np.empty(a.size + b.size, dtype=np.complex128)  # (n_a + n_b,) value + i·signed step
+    for part, sample, total in ((both[: a.size], a, a_total), (both[a.size :], b, -b_total)):
+        if np.iscomplexobj(sample):
+            part[...] = sample
+            np.divide(part.imag, total, out=part.imag)
+        else:
+            part.real, part.imag = sample, 1.0 / total
+    both.sort(kind="stable")  # two ascending runs: a linear merge
+    gap = np.cumsum(both.imag[:-1])  # (n_a + n_b − 1,) U − V, less the offset
+    if offset:
+        gap += offset
+    np.abs(gap, out=gap)
+    return float(np.dot(gap, np.diff(both.real))), float(both.real[0]), float(both.real[-1])
+
+
+def _merged_w1_numpy(u: np.ndarray, v: np.ndarray, u_total: float, v_total: float) -> float:
+    """W1 of two ascending samples (as :func:`_sorted_numpy` returns them) over their merged values.
+
+    The merge is split at the median of ``u``: values below it form one stretch, the rest another,
+    and ``U − V`` at the split is the steps' sum below it. The two stretches are merged concurrently
+    when torch may use more than one thread; the split is the same either way, so is the value.
+    """
+    i = u.size // 2
+    pivot = _real(u)[i] if i else 0.0
+    j = int(np.searchsorted(_real(v), pivot, side="left"))
+    if i == 0 or j == v.size:  # nothing to split off: one stretch
+        return _merge_part(u, v, u_total, v_total, 0.0)[0]
+    below = (np.sum(u.imag[:i]) if np.iscomplexobj(u) else i) / u_total
+    below -= (np.sum(v.imag[:j]) if np.iscomplexobj(v) else j) / v_total
+    (low, _, low_last), (high, high_first, _) = _on_two_threads(
+        _merge_part, (u[:i], v[:j], u_total, v_total, 0.0), (u[i:], v[j:], u_total, v_total, below)
+    )
+    return low + high + abs(below) * (high_first - low_last)
 
 
 def _cdf_distance_w1(
     u: torch.Tensor, v: torch.Tensor, u_weights: torch.Tensor | None, v_weights: torch.Tensor | None
 ) -> torch.Tensor:
     """scipy's ``_cdf_distance(1, ...)`` on validated 1-D float64 tensors; returns a 0-d tensor."""
-
-    (us, u_steps), (vs, v_steps) = _on_two_threads(_ordered, (u, u_weights), (v, v_weights))
-    return wasserstein_sorted(us, vs, u_steps, v_steps)
+    if u.device.type != "cpu":
+        (us, u_steps), (vs, v_steps) = (_ordered(u, u_weights), _ordered(v, v_weights))
+        return wasserstein_sorted(us, vs, u_steps, v_steps)
+    uw = None if u_weights is None else u_weights.numpy()
+    vw = None if v_weights is None else v_weights.numpy()
+    us, vs = _on_two_threads(_sorted_numpy, (u.numpy(), uw), (v.numpy(), vw))
+    if uw is None and vw is None and us.size == vs.size:
+        return wasserstein_sorted(torch.from_numpy(us), torch.from_numpy(vs))
+    # numpy's sums: the same whatever torch's thread count
+    u_total = us.size if uw is None else float(np.sum(uw))
+    v_total = vs.size if vw is None else float(np.sum(vw))
+    return torch.tensor(_merged_w1_numpy(us, vs, u_total, v_total), dtype=torch.float64)
 
 
 def _ordered(x: torch.Tensor, w: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``x`` sorted, and each sorted value's CDF step ``w / Σw`` in the same order (``None``: equal)."""
+    """``x`` sorted (on a GPU), and each sorted value's CDF step ``w / Σw`` (``None``: equal)."""
     if w is None:
         return sorted_values(x), None
-    if x.device.type == "cpu":
-        # A key-value sort: each weight rides along as the imaginary part of its value. numpy sorts
-        # complex numbers by real part (ties by imaginary part, which W1 ignores: equal values have
-        # zero width), faster than an argsort and two gathers.
-        pairs = np.empty(x.numel(), dtype=np.complex128)  # (n,)
-        pairs.real, pairs.imag = x.numpy(), w.numpy()
-        pairs.sort()
-        steps = pairs.imag / np.sum(w.numpy())  # numpy's sum: the same whatever torch's thread count
-        return torch.from_numpy(np.ascontiguousarray(pairs.real)), torch.from_numpy(steps)
     order = _argsort(x)
     return x[order], w[order] / w.sum()
 
 
-#: Samples at least this large are sorted on two threads at once (each sort releases the GIL).
+#: Samples at least this large are sorted (and merged) on two threads at once (numpy releases the GIL).
 _TWO_THREADS_MIN = 1 << 16
 
 
@@ -192,14 +254,10 @@ def _on_two_threads(fn: Callable[..., T], a: tuple[Any, ...], b: tuple[Any, ...]
 
     numpy's sorts release the GIL, so the two samples of a distance sort in parallel; the result is
     the same as sorting them one after the other. With ``torch.set_num_threads(1)`` (or small
-    samples, or CUDA tensors) the calls run in turn.
+    samples) the calls run in turn.
     """
     x, y = a[0], b[0]
-    if (
-        x.device.type == "cpu"
-        and torch.get_num_threads() > 1
-        and min(x.numel(), y.numel()) >= _TWO_THREADS_MIN
-    ):
+    if torch.get_num_threads() > 1 and min(len(x), len(y)) >= _TWO_THREADS_MIN:
         with ThreadPoolExecutor(max_workers=1) as pool:
             first = pool.submit(fn, *a)
             second = fn(*b)

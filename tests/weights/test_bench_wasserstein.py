@@ -51,11 +51,12 @@ def test_bench_writes_rows_that_agree_with_scipy(tmp_path: Path, capsys, keep_to
         assert row["rel_diff"] <= 1e-9
         assert row["scipy_value"] > 0
         assert row["speedup"] == row["scipy_ms"] / row["torch_ms"]
+        assert row["vs_sort"] == row["torch_ms"] / row["sort_floor_ms"]
     assert data["torch_threads"] == 1
     with open(tmp_path / "wasserstein.csv", newline="") as f:
         assert len(list(csv.DictReader(f))) == 6
     table = capsys.readouterr().out
-    assert "speedup" in table and "rel_diff" in table
+    assert "speedup" in table and "rel_diff" in table and "vs_np.sort×2" in table
 
 
 def test_bench_rejects_bad_arguments(tmp_path: Path, capsys) -> None:

@@ -184,3 +184,25 @@ def test_two_threads_sort_the_samples_to_the_same_distance(weighted: bool) -> No
         u.numpy(), v.numpy(), None if uw is None else uw.numpy(), None if vw is None else vw.numpy()
     )
     assert two == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("where", ["distinct", "ties_at_the_split", "v_below", "v_above", "single_u"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_merge_split_at_the_median_of_u_matches_scipy(where: str, weighted: bool) -> None:
+    """The merge runs as two stretches split at u's median; ties across the split, a v entirely on
+    one side of it, or a u too short to split change nothing."""
+    rng = np.random.default_rng(7)
+    u = {"single_u": np.array([0.5]), "distinct": np.linspace(-1.0, 1.0, 15) ** 3}.get(
+        where, np.repeat([-1.0, 0.0, 2.0], [3, 9, 4])
+    )
+    v = {
+        "distinct": rng.standard_normal(11),
+        "ties_at_the_split": np.array([-2.0, 0.0, 0.0, 0.0, 1.0, 3.0]),
+        "v_below": np.array([-5.0, -4.0, -4.0]),
+        "v_above": np.array([4.0, 5.0, 5.0, 6.0]),
+        "single_u": np.array([0.0, 0.5, 1.0]),
+    }[where]
+    uw, vw = (rng.random(u.size), rng.random(v.size)) if weighted else (None, None)
+    expected = scipy.stats.wasserstein_distance(u, v, uw, vw)
+    assert wasserstein_distance(u, v, uw, vw) == pytest.approx(expected, rel=1e-12, abs=1e-15)
+    assert wasserstein_distance(v, u, vw, uw) == pytest.approx(expected, rel=1e-12, abs=1e-15)
