@@ -420,15 +420,14 @@ class ShadowAttention(nn.Module):
                 sums = self._gradient_sums(p, grad_out, mine, out4)
                 if self.record:
                     stats = self._site(site, grad_out.device)
+                    counts = {"grad_out": count_nonfinite_positions(grad_out)}
                     if out4 is not None and sums["out"] is not None:
-                        stats.add("out", sums["out"], p.dtype)
-                        stats.add_nonfinite_inputs(
-                            {n: count_nonfinite_positions(t) for n, t in zip("qkv", p[:3], strict=True)}
+                        counts.update(
+                            (n, count_nonfinite_positions(t)) for n, t in zip("qkv", p[:3], strict=True)
                         )
-                    for n in names:
-                        if sums[n] is not None:
-                            stats.add(f"d{n}", sums[n], p.dtype)
-                    stats.add_nonfinite_inputs({"grad_out": count_nonfinite_positions(grad_out)})
+                    found = {("out" if n == "out" else f"d{n}"): s for n, s in sums.items() if s is not None}
+                    stats.add_many(found, p.dtype)
+                    stats.add_nonfinite_inputs(counts)
         except Exception as err:
             self._failed(site, err)
 

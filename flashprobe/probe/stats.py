@@ -97,7 +97,8 @@ _SUM_BLOCK = len(PAIRS) * len(_SUMS) + 2  # per direction: 15 sums, calls, ratio
 _INPUTS_AT = N_MAX + len(DIRECTIONS) * _SUM_BLOCK
 
 #: Elements :func:`pair_sums` processes per slice on CPU (cache-sized) and on other devices
-#: (fewer kernel launches); the scratch memory is 9 float64 values per element of a slice.
+#: (fewer kernel launches); the scratch memory is 9 float64 values per element of a slice
+#: (the all-finite path on the CPU: 5 per element of a slice twice as long).
 STATS_CHUNK_CPU = 1 << 16
 STATS_CHUNK = 1 << 20
 
@@ -109,7 +110,7 @@ def _chunk_size(device: torch.device) -> int:
 class StatsWorkspace:
     """Reusable float64 scratch buffers for :func:`pair_sums` (avoids re-allocating per call).
 
-    Holds at most ``9 · STATS_CHUNK`` float64 values per device (``STATS_CHUNK_CPU`` on CPU).
+    Holds at most ``9 · STATS_CHUNK`` float64 values per device (``10 · STATS_CHUNK_CPU`` on CPU).
     """
 
     def __init__(self) -> None:
@@ -142,7 +143,10 @@ def pair_sums(
     they summarise. A position counts as non-finite for a pair when the float64 difference is
     non-finite, i.e. when either side is NaN or ±inf.
 
-    Per slice of ``m`` elements the scratch rows are laid out as ``z (P, m)`` (non-finite
+    On the CPU the all-finite case, by far the common one, takes a short path with no masking
+    (:func:`_finite_pair_sums`, a third of the passes); a non-finite input makes its result
+    non-finite and the call is redone as on other devices. There, per slice of ``m`` elements the
+    scratch rows are laid out as ``z (P, m)`` (non-finite
     markers), ``d (P, m)`` (differences), ``r (P, m)`` (references), so that each reduction runs
     once over two adjacent blocks: ``sum`` over ``[z; d]``, ``amax`` and the squared norm over
     ``[d; r]``. The differences are taken in float64 (the float32/bf16 sides are promoted on the
@@ -161,16 +165,109 @@ def pair_sums(
         (the largest |reference| over the finite pairs: max|golden| for the golden pairs, what the
         noise floor needs).
     """
-    p = primary.detach().reshape(-1)
-    b = baseline.detach().reshape(-1)
-    g = None if golden is None else golden.detach().reshape(-1)
+    p, b = primary.detach(), baseline.detach()
+    g = None if golden is None else golden.detach()
     if p.numel() != b.numel() or (g is not None and g.numel() != p.numel()):
         raise ValueError(
             f"pair_sums: shapes differ: primary {tuple(primary.shape)}, baseline {tuple(baseline.shape)}"
             + ("" if golden is None else f", golden {tuple(golden.shape)}")
         )
-    n, pairs, device = p.numel(), (1 if g is None else 3), p.device
     workspace = workspace or StatsWorkspace()
+    if _finite_path_first(p.device):
+        # On the CPU a branch on a computed value costs no device synchronisation: take the short
+        # path of all-finite inputs, and redo the call masked if anything came out non-finite.
+        fast = _finite_pair_sums(p, b, g, workspace)
+        if math.isfinite(float(fast.sum())):  # NaN or ±inf anywhere makes the sum so
+            return fast
+    flat = (None if t is None else t.reshape(-1) for t in (p, b, g))
+    return _masked_pair_sums(*flat, workspace)
+
+
+def _finite_path_first(device: torch.device) -> bool:
+    """Whether :func:`pair_sums` tries the all-finite path first: only where reading a value back
+    does not wait for a device (the CPU); elsewhere it would be a host synchronisation per call."""
+    return device.type == "cpu"
+
+
+def _finite_layout(pairs: int, device: torch.device) -> torch.Tensor:
+    """Where each entry of :func:`pair_sums`' ``(7, P)`` result lies in the vector
+    ``[max|r|…, max|d|…, Σr²…, Σd²…, Σ|d|…, 0]`` that :func:`_finite_pair_sums` reduces to (``r``:
+    the references, baseline then golden; ``d``: the ``P`` differences)."""
+    key = (pairs, device)
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        refs = 1 if pairs == 1 else 2
+        rows = refs + pairs  # per statistic over the rows [r; d]
+        ref_of_pair = [0] if pairs == 1 else [0, 1, 1]  # the golden pairs share the golden reference
+        zero = 2 * rows + pairs
+        d = range(refs, rows)
+        table = [
+            list(d),  # max_abs
+            [2 * rows + j for j in range(pairs)],  # sum_abs
+            [rows + i for i in d],  # sum_sq_diff
+            [rows + i for i in ref_of_pair],  # sum_sq_ref
+            [zero] * pairs,  # nonfinite: none, or the result is not finite
+            [zero] * pairs,  # count, filled in by the caller
+            ref_of_pair,  # max_ref
+        ]
+        layout = _LAYOUTS[key] = torch.tensor(table, dtype=torch.long, device=device)
+    return layout
+
+
+_LAYOUTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _finite_pair_sums(
+    p: torch.Tensor, b: torch.Tensor, g: torch.Tensor | None, workspace: StatsWorkspace
+) -> torch.Tensor:
+    """:func:`pair_sums`, correct when every value is finite (no masking).
+
+    Per slice the inputs are copied into contiguous float64 rows ``[p, r; d]`` (exact; a strided
+    input is read in place, so a tensor of one slice is never flattened into a copy first), with
+    ``r`` the references (baseline, golden) and ``d`` the ``P`` differences; then each statistic
+    is one pass over the block ``[r; d]``: the sums of squares (a dot product per row, faster
+    than a batched norm on the CPU), ``|·|`` in place, the maxima, and the sums of ``|d|``. A non-finite input
+    makes the result non-finite, which is how :func:`pair_sums` knows to redo the call masked.
+    """
+    n, pairs = p.numel(), (1 if g is None else 3)
+    inputs = [t for t in (p, b, g) if t is not None]
+    chunk = max(1, min(n, 2 * _chunk_size(p.device)))  # 6 scratch rows at most, not 9: twice the slice
+    whole = n <= chunk and all(t.shape == p.shape for t in inputs)  # one slice, no flattening
+    if not whole:
+        inputs = [t.reshape(-1) for t in inputs]
+    height = len(inputs) + pairs
+    buf = workspace.get(p.device, height * chunk)
+    layout = _finite_layout(pairs, p.device)
+    total: torch.Tensor | None = None
+    for start in range(0, max(n, 1), chunk):
+        m = min(n, start + chunk) - start
+        rows = buf[: height * m].view(height, m)
+        for i, t in enumerate(inputs):
+            if whole:
+                rows[i].view(t.shape).copy_(t)
+            else:
+                rows[i].copy_(t[start : start + m])
+        p64, block = rows[0], rows[1:]  # block: [r; d]
+        refs, d = block[: len(inputs) - 1], block[len(inputs) - 1 :]
+        torch.sub(p64, refs[0], out=d[0])
+        if g is not None:
+            torch.sub(p64, refs[1], out=d[1])
+            torch.sub(refs[0], refs[1], out=d[2])
+        squares = torch.stack([torch.dot(row, row) for row in block])  # (R + P,) Σr², Σd²
+        block.abs_()
+        maxima = block.amax(dim=1) if m else block.new_zeros(block.shape[0])  # (R + P,) max|r|, max|d|
+        part = torch.cat((maxima, squares, d.sum(dim=1), block.new_zeros(1)))[layout]  # (7, P)
+        total = combine_sums(total, part)
+    assert total is not None
+    total[5] = n
+    return total
+
+
+def _masked_pair_sums(
+    p: torch.Tensor, b: torch.Tensor, g: torch.Tensor | None, workspace: StatsWorkspace
+) -> torch.Tensor:
+    """:func:`pair_sums` of flat tensors, any values (see its docstring for the layout)."""
+    n, pairs, device = p.numel(), (1 if g is None else 3), p.device
     chunk = max(1, min(n, _chunk_size(device)))
     buf = workspace.get(device, 3 * pairs * chunk)
     total: torch.Tensor | None = None
@@ -271,15 +368,16 @@ def call_error_ratio(sums: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Ten
     denominator is 0 and the primary is not exact (golden exactly 0 where the primary is not).
 
     Args:
-        sums: the call's ``(7, 3)`` :func:`pair_sums` (with the golden pairs).
-        floor: 0-d noise floor, ``½·eps(compute dtype)·max|golden|``.
+        sums: the call's ``(7, 3)`` :func:`pair_sums` (with the golden pairs), or ``(K, 7, 3)``
+            for ``K`` directions at once.
+        floor: noise floor ``½·eps(compute dtype)·max|golden|``, 0-d (or ``(K,)``).
 
     Returns:
-        ``(ratio, defined)``: 0-d float64 tensors. Where the ratio is undefined (0/0: primary,
+        ``(ratio, defined)``: 0-d (or ``(K,)``) float64 tensors. Where the ratio is undefined (0/0: primary,
         baseline and the floor all 0, which includes "nothing finite was compared") ``ratio`` is 0,
         so it never raises a maximum, and ``defined`` is 0 (else 1).
     """
-    pg, bg = sums[0, 1], sums[0, 2]
+    pg, bg = sums[..., 0, 1], sums[..., 0, 2]
     denominator = torch.maximum(bg, floor)
     inexact = torch.where(pg > 0, torch.full_like(pg, math.inf), torch.zeros_like(pg))
     ratio = torch.where(denominator > 0, pg / denominator.clamp_min(torch.finfo(torch.float64).tiny), inexact)
@@ -310,28 +408,47 @@ class DeviationStats:
             sums: the call's :func:`pair_sums` (``P`` = 3 with golden, else 1).
             dtype: the dtype the kernels computed in (sets the noise floor's ``eps``).
         """
-        i = DIRECTIONS.index(direction)
+        self.add_many({direction: sums}, dtype)
+
+    def add_many(self, sums: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
+        """:meth:`add` for several directions of one call (e.g. ``out``, ``dq``, ``dk``, ``dv``), with
+        one set of small tensor ops per run of adjacent directions instead of one per direction."""
+        runs: list[list[str]] = []
+        for direction in sorted(sums, key=DIRECTIONS.index):
+            i = DIRECTIONS.index(direction)
+            if runs and DIRECTIONS.index(runs[-1][-1]) == i - 1:
+                runs[-1].append(direction)
+            else:
+                runs.append([direction])
+        for run in runs:
+            self._add_run(DIRECTIONS.index(run[0]), torch.stack([sums[d] for d in run]), dtype)
+
+    def _add_run(self, first: int, sums: torch.Tensor, dtype: torch.dtype) -> None:
+        """Fold ``(K, 7, P)`` sums into the ``K`` adjacent directions from ``DIRECTIONS[first]``."""
         sums = sums.to(self.values.device)
-        pairs = sums.shape[1]
+        k, _, pairs = sums.shape
         if pairs == len(PAIRS):
-            floor = (0.5 * torch.finfo(dtype).eps) * torch.maximum(sums[6, 1], sums[6, 2])
+            floor = (0.5 * torch.finfo(dtype).eps) * torch.maximum(sums[:, 6, 1], sums[:, 6, 2])  # (K,)
             ratio, defined = call_error_ratio(sums, floor)
-            extra = torch.stack((ratio, floor))
+            extra = torch.stack((ratio, floor), dim=1)  # (K, 2)
         else:
-            sums = torch.cat((sums, sums.new_zeros(sums.shape[0], len(PAIRS) - pairs)), dim=1)
-            extra, defined = sums.new_zeros(2), sums.new_zeros(())
-        maxima = self.values[_MAX_BLOCK * i : _MAX_BLOCK * (i + 1)]
-        torch.maximum(maxima, torch.cat((sums[0], extra)), out=maxima)
-        at = N_MAX + _SUM_BLOCK * i
-        block = self.values[at : at + _SUM_BLOCK]
-        block[:-2].add_(sums[1:6].T.reshape(-1))
-        block[-2:].add_(torch.stack((torch.ones_like(defined), defined)))
+            sums = torch.cat((sums, sums.new_zeros(k, sums.shape[1], len(PAIRS) - pairs)), dim=2)
+            extra, defined = sums.new_zeros(k, 2), sums.new_zeros(k)
+        maxima = self.values[:N_MAX].view(len(DIRECTIONS), _MAX_BLOCK)[first : first + k]
+        torch.maximum(maxima, torch.cat((sums[:, 0], extra), dim=1), out=maxima)
+        block = self.values[N_MAX:_INPUTS_AT].view(len(DIRECTIONS), _SUM_BLOCK)[first : first + k]
+        block[:, :-2].add_(sums[:, 1:6].transpose(1, 2).reshape(k, -1))  # pair-major, as SUM_FIELDS
+        block[:, -2:].add_(torch.stack((torch.ones_like(defined), defined), dim=1))
 
     def add_nonfinite_inputs(self, counts: Mapping[str, torch.Tensor]) -> None:
         """Add non-finite counts (0-d tensors) of inputs named in :data:`INPUTS`."""
-        for name, count in counts.items():
-            j = _INPUTS_AT + INPUTS.index(name)
-            self.values[j : j + 1].add_(count.to(self.values.device))
+        names = sorted(counts, key=INPUTS.index)
+        at = [_INPUTS_AT + INPUTS.index(n) for n in names]
+        if at and at == list(range(at[0], at[0] + len(at))):  # adjacent fields: one add
+            self.values[at[0] : at[0] + len(at)].add_(torch.stack([counts[n] for n in names]).to(self.values))
+            return
+        for name, j in zip(names, at, strict=True):
+            self.values[j : j + 1].add_(counts[name].to(self.values))
 
     def reset(self) -> None:
         """Zero the accumulator in place."""

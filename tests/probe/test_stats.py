@@ -279,23 +279,34 @@ def test_one_nan_token_counts_once() -> None:
     assert shadow.stats()["attention"]["nonfinite_inputs"] == {"q": 1, "k": 1, "v": 0, "grad_out": 0}
 
 
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("finite_path_first", [True, False])
+@pytest.mark.parametrize("nonfinite", [True, False])
 @pytest.mark.parametrize("golden", [True, False])
 @pytest.mark.parametrize("chunk", [1, 16, 37, 1 << 16])
-def test_pair_sums_against_numpy_oracle(golden, chunk, monkeypatch) -> None:
+def test_pair_sums_against_numpy_oracle(
+    golden, chunk, nonfinite, finite_path_first, strided, monkeypatch
+) -> None:
     """Every row of :func:`pair_sums`, ``max_ref`` included, from an independent numpy float64
-    computation, with non-finite values of every kind on and around slice boundaries."""
+    computation, with non-finite values of every kind on and around slice boundaries, or none;
+    on the CPU's all-finite path first, and on the masked path alone (what other devices run);
+    contiguous tensors, or strided views (as autograd hands gradients over)."""
     monkeypatch.setattr(stats_module, "STATS_CHUNK_CPU", chunk)
+    monkeypatch.setattr(stats_module, "_finite_path_first", lambda device: finite_path_first)
     gen = torch.Generator().manual_seed(3)
     g = 3.0 * torch.randn(2, 3, 41, generator=gen, dtype=torch.float64)
     p = (g + 1e-3 * torch.randn(g.shape, generator=gen, dtype=torch.float64)).float()
     b = (g + 1e-3 * torch.randn(g.shape, generator=gen, dtype=torch.float64)).float()
     flat_p, flat_b, flat_g = p.view(-1), b.view(-1), g.view(-1)
-    flat_p[[0, 15, 16, 36]] = float("nan")
-    flat_b[[16, 17, 37, 200]] = float("inf")
-    flat_b[[90]] = float("-inf")
-    flat_g[[36, 37, 100]] = float("-inf")
-    flat_g[[101]] = float("nan")
-    flat_p[[100]] = float("-inf")
+    if nonfinite:
+        flat_p[[0, 15, 16, 36]] = float("nan")
+        flat_b[[16, 17, 37, 200]] = float("inf")
+        flat_b[[90]] = float("-inf")
+        flat_g[[36, 37, 100]] = float("-inf")
+        flat_g[[101]] = float("nan")
+        flat_p[[100]] = float("-inf")
+    if strided:
+        p, b, g = (t.transpose(0, 2) for t in (p, b, g))
     got = pair_sums(p, b, g if golden else None).numpy()
     pairs = [(p, b), (p, g), (b, g)] if golden else [(p, b)]
     assert got.shape == (7, len(pairs))

@@ -1,10 +1,13 @@
-"""No host synchronisation per attention call: the probe adds no host reads to a training step."""
+"""No host synchronisation per attention call: the probe adds no host reads to a training step
+on the path a device runs (on the CPU, where a read waits for nothing, the statistics read one
+value per compared tensor)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import flashprobe.probe.stats as stats_module
 from flashprobe.probe import probe
 
 from ._models import TinyTransformer
@@ -29,6 +32,8 @@ def _count_host_reads(monkeypatch: pytest.MonkeyPatch, fn) -> dict[str, int]:
 
 
 def test_probe_adds_no_host_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device path (what runs on CUDA) reads nothing back; on the CPU, where a read waits for
+    nothing, the statistics read one value (a sum) per compared tensor to take their all-finite path."""
     torch.manual_seed(0)
     model = TinyTransformer()
     x = torch.randn(2, 6, 4)
@@ -39,10 +44,15 @@ def test_probe_adds_no_host_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     step()  # warm-up
     plain = _count_host_reads(monkeypatch, step)
     with probe(model, backward=True, golden=True) as p:
-        probed = _count_host_reads(monkeypatch, step)
+        monkeypatch.setattr(stats_module, "_finite_path_first", lambda device: False)
+        device_path = _count_host_reads(monkeypatch, step)
+        cpu_path = _count_host_reads(monkeypatch, step)
         stats = p.stats()  # reading is one host copy, outside the step
-    assert probed == plain
-    assert stats["block"]["backward"]["calls"] == 1  # the probe did run, forward and backward
+        sites = p.sites
+    assert device_path == plain
+    assert len(sites) == 2  # one call each: out, dq, dk, dv compared
+    assert cpu_path == {**plain, "__float__": plain["__float__"] + 4 * len(sites)}
+    assert stats["block"]["backward"]["calls"] == 2  # the probe did run, forward and backward
 
 
 @pytest.mark.gpu
@@ -77,6 +87,7 @@ def test_compiled_probe_adds_no_host_reads(monkeypatch: pytest.MonkeyPatch, back
     plain = _count_host_reads(monkeypatch, step)
     with probe(model, backward=True, golden=True) as p:
         step()  # warm-up: recompiles with the probe's graph breaks
+        monkeypatch.setattr(stats_module, "_finite_path_first", lambda device: False)  # the CUDA path
         probed = _count_host_reads(monkeypatch, step)
         stats = p.stats()
     assert probed == plain
