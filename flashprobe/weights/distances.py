@@ -130,7 +130,8 @@ def wasserstein_sorted(
     if us.device.type == "cpu":
         u = us.numpy() if u_steps is None else _keyed(us.numpy(), u_steps.numpy())
         v = vs.numpy() if v_steps is None else _keyed(vs.numpy(), v_steps.numpy())
-        return torch.tensor(_merged_w1_numpy(u, v, 1.0, 1.0), dtype=torch.float64)
+        totals = (n if u_steps is None else 1.0, m if v_steps is None else 1.0)  # steps: 1/n, or given
+        return torch.tensor(_merged_w1_numpy(u, v, *totals), dtype=torch.float64)
     both = torch.cat((us, vs))  # (n + m,)
     order = _argsort(both, stable=True)
     steps = torch.cat(
@@ -171,7 +172,7 @@ def _real(sample: np.ndarray) -> np.ndarray:
 
 def _merge_part(
     a: np.ndarray, b: np.ndarray, a_total: float, b_total: float, offset: float
-) -> tuple[float, ...]:
+) -> tuple[float, float, float]:
     """One stretch of the merged CDF integral.
 
     Args:

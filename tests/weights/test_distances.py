@@ -206,3 +206,21 @@ def test_the_merge_split_at_the_median_of_u_matches_scipy(where: str, weighted: 
     expected = scipy.stats.wasserstein_distance(u, v, uw, vw)
     assert wasserstein_distance(u, v, uw, vw) == pytest.approx(expected, rel=1e-12, abs=1e-15)
     assert wasserstein_distance(v, u, vw, uw) == pytest.approx(expected, rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.parametrize(
+    ("u_weighted", "v_weighted"), [(False, True), (True, False), (True, True), (False, False)]
+)
+def test_wasserstein_sorted_with_steps_of_either_sample_matches_scipy(
+    u_weighted: bool, v_weighted: bool
+) -> None:
+    """The public sorted-input form: CDF steps given for one sample, both or neither."""
+    from flashprobe.weights.distances import wasserstein_sorted
+
+    rng = np.random.default_rng(11)
+    u, v = np.sort(rng.standard_normal(40)), np.sort(rng.standard_normal(27) + 0.2)
+    uw = rng.random(40) if u_weighted else None
+    vw = rng.random(27) if v_weighted else None
+    steps = [None if w is None else torch.from_numpy(w / w.sum()) for w in (uw, vw)]
+    got = float(wasserstein_sorted(torch.from_numpy(u), torch.from_numpy(v), *steps))
+    assert got == pytest.approx(scipy.stats.wasserstein_distance(u, v, uw, vw), rel=1e-12)
