@@ -98,7 +98,7 @@ _INPUTS_AT = N_MAX + len(DIRECTIONS) * _SUM_BLOCK
 
 #: Elements :func:`pair_sums` processes per slice on CPU (cache-sized) and on other devices
 #: (fewer kernel launches); the scratch memory is 9 float64 values per element of a slice
-#: (the all-finite path on the CPU: 5 per element of a slice twice as long).
+#: (the all-finite path on the CPU: 6 rows of a slice twice as long).
 STATS_CHUNK_CPU = 1 << 16
 STATS_CHUNK = 1 << 20
 
@@ -110,7 +110,7 @@ def _chunk_size(device: torch.device) -> int:
 class StatsWorkspace:
     """Reusable float64 scratch buffers for :func:`pair_sums` (avoids re-allocating per call).
 
-    Holds at most ``9 · STATS_CHUNK`` float64 values per device (``10 · STATS_CHUNK_CPU`` on CPU).
+    Holds at most ``9 · STATS_CHUNK`` float64 values per device (``12 · STATS_CHUNK_CPU`` on CPU).
     """
 
     def __init__(self) -> None:
@@ -134,24 +134,24 @@ def pair_sums(
     golden: torch.Tensor | None,
     workspace: StatsWorkspace | None = None,
 ) -> torch.Tensor:
-    """Sufficient statistics of the three pairs at once, on the tensors' device (no host sync).
+    """Sufficient statistics of the three pairs at once, on the tensors' device (no device sync).
 
     Equivalent to :func:`flashprobe.deviation.deviation_tensors` applied to
     ``(primary, baseline)``, ``(primary, golden)`` and ``(baseline, golden)``, but batched over
-    the pairs, in place in reused buffers and sliced into chunks of ``STATS_CHUNK`` elements,
-    which is what keeps the probe's statistics within a few percent of the reference attention
-    they summarise. A position counts as non-finite for a pair when the float64 difference is
-    non-finite, i.e. when either side is NaN or ±inf.
+    the pairs, in place in reused buffers and sliced into chunks of ``STATS_CHUNK`` elements
+    (their cost, measured by ``flashprobe bench overhead``, is in docs/probe.md "Overhead"). A
+    position counts as non-finite for a pair when the float64 difference is non-finite, i.e. when
+    either side is NaN or ±inf.
 
     On the CPU the all-finite case, by far the common one, takes a short path with no masking
-    (:func:`_finite_pair_sums`, a third of the passes); a non-finite input makes its result
+    (:func:`_finite_pair_sums`, about half the tensor passes); a non-finite input makes its result
     non-finite and the call is redone as on other devices. There, per slice of ``m`` elements the
-    scratch rows are laid out as ``z (P, m)`` (non-finite
-    markers), ``d (P, m)`` (differences), ``r (P, m)`` (references), so that each reduction runs
-    once over two adjacent blocks: ``sum`` over ``[z; d]``, ``amax`` and the squared norm over
-    ``[d; r]``. The differences are taken in float64 (the float32/bf16 sides are promoted on the
-    fly, exactly), the references are masked with ``ref + 0·d`` (NaN where the pair is not finite)
-    before one ``nan_to_num`` zeroes every masked entry of ``d`` and ``r``.
+    scratch rows are laid out as ``z (P, m)`` (non-finite markers), ``d (P, m)`` (differences),
+    ``r (P, m)`` (references), so that each reduction runs once over two adjacent blocks: ``sum``
+    over ``[z; d]``, ``amax`` and the squared norm over ``[d; r]``. The differences are taken in
+    float64 (the float32/bf16 sides are promoted on the fly, exactly), the references are masked
+    with ``ref + 0·d`` (NaN where the pair is not finite) before one ``nan_to_num`` zeroes every
+    masked entry of ``d`` and ``r``.
 
     Args:
         primary: any shape, any floating dtype.
@@ -225,13 +225,14 @@ def _finite_pair_sums(
     Per slice the inputs are copied into contiguous float64 rows ``[p, r; d]`` (exact; a strided
     input is read in place, so a tensor of one slice is never flattened into a copy first), with
     ``r`` the references (baseline, golden) and ``d`` the ``P`` differences; then each statistic
-    is one pass over the block ``[r; d]``: the sums of squares (a dot product per row, faster
-    than a batched norm on the CPU), ``|·|`` in place, the maxima, and the sums of ``|d|``. A non-finite input
-    makes the result non-finite, which is how :func:`pair_sums` knows to redo the call masked.
+    is one pass over the block ``[r; d]``: the sums of squares (a dot product per row, faster than
+    a batched norm on the CPU), ``|·|`` in place, the maxima, and the sums of ``|d|``. A
+    non-finite input makes the result non-finite, which is how :func:`pair_sums` knows to redo
+    the call masked.
     """
     n, pairs = p.numel(), (1 if g is None else 3)
     inputs = [t for t in (p, b, g) if t is not None]
-    chunk = max(1, min(n, 2 * _chunk_size(p.device)))  # 6 scratch rows at most, not 9: twice the slice
+    chunk = max(1, min(n, 2 * _chunk_size(p.device)))  # 6 scratch rows, not 9: twice the slice
     whole = n <= chunk and all(t.shape == p.shape for t in inputs)  # one slice, no flattening
     if not whole:
         inputs = [t.reshape(-1) for t in inputs]
