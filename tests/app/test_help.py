@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from flashprobe.t2i.train import compose
+from tests.app._study import flashprobe_cli
 
 #: the overrides a new user reaches for first; each must be explained by --help
 COMMON = (
@@ -29,16 +27,7 @@ COMMON = (
 
 
 def _flashprobe(*args: str, cwd: Path) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "flashprobe.cli", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc = flashprobe_cli(*args, cwd=cwd)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
