@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from flashprobe.deviation import PAIRS, error_ratio, finish_deviation
+from flashprobe.probe import native
 
 __all__ = [
     "DIRECTIONS",
@@ -143,9 +144,11 @@ def pair_sums(
     position counts as non-finite for a pair when the float64 difference is non-finite, i.e. when
     either side is NaN or ±inf.
 
-    On the CPU the all-finite case, by far the common one, takes a short path with no masking
-    (:func:`_finite_pair_sums`, about half the tensor passes); a non-finite input makes its result
-    non-finite and the call is redone as on other devices. There, per slice of ``m`` elements the
+    On the CPU a C kernel (:mod:`flashprobe.probe.native`) reads each input once and computes all
+    seven rows in one pass. Where it cannot be built, the all-finite case, by far the common one,
+    takes a short path of tensor ops with no masking (:func:`_finite_pair_sums`, about half the
+    passes of the masked path); a non-finite input makes its result non-finite and the call is
+    redone as on other devices. There (the masked path), per slice of ``m`` elements the
     scratch rows are laid out as ``z (P, m)`` (non-finite markers), ``d (P, m)`` (differences),
     ``r (P, m)`` (references), so that each reduction runs once over two adjacent blocks: ``sum``
     over ``[z; d]``, ``amax`` and the squared norm over ``[d; r]``. The differences are taken in
@@ -172,20 +175,24 @@ def pair_sums(
             f"pair_sums: shapes differ: primary {tuple(primary.shape)}, baseline {tuple(baseline.shape)}"
             + ("" if golden is None else f", golden {tuple(golden.shape)}")
         )
-    workspace = workspace or StatsWorkspace()
-    if _finite_path_first(p.device):
-        # On the CPU a branch on a computed value costs no device synchronisation: take the short
-        # path of all-finite inputs, and redo the call masked if anything came out non-finite.
-        fast = _finite_pair_sums(p, b, g, workspace)
+    if _on_host(p.device):
+        sums = native.pair_sums(p, b, g)  # one pass over the inputs (None: no C kernel here)
+        if sums is not None:
+            return sums
+        # Tensor ops: the short path of all-finite inputs first, the call redone masked if
+        # anything came out non-finite.
+        fast = _finite_pair_sums(p, b, g, workspace or StatsWorkspace())
         if math.isfinite(float(fast.sum())):  # NaN or ±inf anywhere makes the sum so
             return fast
     flat = (None if t is None else t.reshape(-1) for t in (p, b, g))
-    return _masked_pair_sums(*flat, workspace)
+    return _masked_pair_sums(*flat, workspace or StatsWorkspace())
 
 
-def _finite_path_first(device: torch.device) -> bool:
-    """Whether :func:`pair_sums` tries the all-finite path first: only where reading a value back
-    does not wait for a device (the CPU); elsewhere it would be a host synchronisation per call."""
+def _on_host(device: torch.device) -> bool:
+    """Whether the statistics may branch on computed values: only where reading one back waits for
+    no device (the CPU). There they take shortcuts — the C kernel (:mod:`flashprobe.probe.native`),
+    all-finite short paths, accumulation on the host — and elsewhere they stay in tensor ops with no
+    host synchronisation (the tests switch this off to run the device path on the CPU)."""
     return device.type == "cpu"
 
 
@@ -358,7 +365,13 @@ def count_nonfinite_positions(x: torch.Tensor) -> torch.Tensor:
     Returns:
         The number of ``(b, n)`` with a non-finite ``x[b, :, n, :]``.
     """
-    sums = x.detach().sum(dim=(1, 3), dtype=torch.float64)  # (B, N)
+    x = x.detach()
+    if _on_host(x.device):  # one plain sum first: a NaN/±inf makes it non-finite (an overflow
+        # only sends a finite tensor to the exact count below)
+        total = x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+        if math.isfinite(float(total)):
+            return torch.zeros((), dtype=torch.int64, device=x.device)
+    sums = x.sum(dim=(1, 3), dtype=torch.float64)  # (B, N)
     return torch.count_nonzero(sums - sums)
 
 
@@ -426,6 +439,9 @@ class DeviationStats:
 
     def _add_run(self, first: int, sums: torch.Tensor, dtype: torch.dtype) -> None:
         """Fold ``(K, 7, P)`` sums into the ``K`` adjacent directions from ``DIRECTIONS[first]``."""
+        if _on_host(self.values.device) and _on_host(sums.device):
+            self._add_run_on_host(first, sums, dtype)
+            return
         sums = sums.to(self.values.device)
         k, _, pairs = sums.shape
         if pairs == len(PAIRS):
@@ -440,6 +456,33 @@ class DeviationStats:
         block = self.values[N_MAX:_INPUTS_AT].view(len(DIRECTIONS), _SUM_BLOCK)[first : first + k]
         block[:, :-2].add_(sums[:, 1:6].transpose(1, 2).reshape(k, -1))  # pair-major, as SUM_FIELDS
         block[:, -2:].add_(torch.stack((torch.ones_like(defined), defined), dim=1))
+
+    def _add_run_on_host(self, first: int, sums: torch.Tensor, dtype: torch.dtype) -> None:
+        """:meth:`_add_run` for CPU tensors, in Python floats: the same float64 operations on the
+        same values as the tensor ops (bit for bit, tested), without their dozens of tiny
+        dispatches per call; the error ratio is :func:`flashprobe.deviation.error_ratio`'s."""
+        values = self.values.numpy()  # shares the accumulator's memory
+        half_eps = 0.5 * torch.finfo(dtype).eps
+        for k, rows in enumerate(sums.tolist()):  # rows: 7 lists of P values
+            d = first + k
+            pairs = len(rows[0])
+            if pairs == len(PAIRS):
+                floor = half_eps * _maximum(rows[6][1], rows[6][2])
+                ratio = error_ratio(rows[0][1], rows[0][2], floor=floor)
+                new_max = [*rows[0], 0.0 if ratio is None else ratio, floor]
+                defined = 0.0 if ratio is None else 1.0
+            else:
+                new_max = [*rows[0], *[0.0] * (len(PAIRS) - pairs), 0.0, 0.0]
+                defined = 0.0
+            at = d * _MAX_BLOCK
+            for i, value in enumerate(new_max):
+                values[at + i] = _maximum(values[at + i], value)
+            at = N_MAX + d * _SUM_BLOCK
+            for j in range(pairs):
+                for i in range(len(_SUMS)):
+                    values[at + j * len(_SUMS) + i] += rows[1 + i][j]
+            values[at + _SUM_BLOCK - 2] += 1.0
+            values[at + _SUM_BLOCK - 1] += defined
 
     def add_nonfinite_inputs(self, counts: Mapping[str, torch.Tensor]) -> None:
         """Add non-finite counts (0-d tensors) of inputs named in :data:`INPUTS`."""
@@ -458,6 +501,11 @@ class DeviationStats:
     def as_dict(self) -> dict[str, Any]:
         """Read the accumulator (one host copy) as plain Python data; see :func:`stats_dict`."""
         return stats_dict(self.values.tolist(), golden=self.golden)
+
+
+def _maximum(a: float, b: float) -> float:
+    """``torch.maximum`` of two floats: NaN if either is NaN."""
+    return a if a > b or a != a else b
 
 
 def _pair(fields: Mapping[str, float], prefix: str) -> dict[str, float | int]:

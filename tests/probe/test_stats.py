@@ -13,7 +13,7 @@ import flashprobe.probe.shadow as shadow_module
 import flashprobe.probe.stats as stats_module
 from flashprobe.deviation import deviation_tensors
 from flashprobe.kernels import get_kernel, math_attention
-from flashprobe.probe import N_MAX, ProbeWarning, ShadowAttention, probe
+from flashprobe.probe import N_MAX, ProbeWarning, ShadowAttention, native, probe
 from flashprobe.probe.stats import pair_sums
 
 from .test_sites import Direct
@@ -279,20 +279,31 @@ def test_one_nan_token_counts_once() -> None:
     assert shadow.stats()["attention"]["nonfinite_inputs"] == {"q": 1, "k": 1, "v": 0, "grad_out": 0}
 
 
+def use_path(monkeypatch: pytest.MonkeyPatch, path: str, chunk: int) -> None:
+    """Make :func:`pair_sums` take ``path``: ``native`` (the CPU's C kernel), ``tensor`` (the CPU's
+    tensor ops, all-finite path first) or ``masked`` (what other devices run), in slices of
+    ``chunk`` elements."""
+    monkeypatch.setattr(stats_module, "STATS_CHUNK_CPU", chunk)
+    monkeypatch.setattr(native, "CHUNK", chunk)
+    if path == "native" and not native.available():
+        pytest.skip(f"no C kernel here: {native.status()}")
+    if path == "tensor":
+        monkeypatch.setattr(native, "pair_sums", lambda *args: None)
+    if path == "masked":
+        monkeypatch.setattr(stats_module, "_on_host", lambda device: False)
+
+
 @pytest.mark.parametrize("strided", [False, True])
-@pytest.mark.parametrize("finite_path_first", [True, False])
+@pytest.mark.parametrize("path", ["native", "tensor", "masked"])
 @pytest.mark.parametrize("nonfinite", [True, False])
 @pytest.mark.parametrize("golden", [True, False])
 @pytest.mark.parametrize("chunk", [1, 16, 37, 1 << 16])
-def test_pair_sums_against_numpy_oracle(
-    golden, chunk, nonfinite, finite_path_first, strided, monkeypatch
-) -> None:
+def test_pair_sums_against_numpy_oracle(golden, chunk, nonfinite, path, strided, monkeypatch) -> None:
     """Every row of :func:`pair_sums`, ``max_ref`` included, from an independent numpy float64
     computation, with non-finite values of every kind on and around slice boundaries, or none;
-    on the CPU's all-finite path first, and on the masked path alone (what other devices run);
-    contiguous tensors, or strided views (as autograd hands gradients over)."""
-    monkeypatch.setattr(stats_module, "STATS_CHUNK_CPU", chunk)
-    monkeypatch.setattr(stats_module, "_finite_path_first", lambda device: finite_path_first)
+    on each path (the C kernel, the CPU's tensor ops, the masked path other devices run) and
+    chunk size; contiguous tensors, or strided views (as autograd hands gradients over)."""
+    use_path(monkeypatch, path, chunk)
     gen = torch.Generator().manual_seed(3)
     g = 3.0 * torch.randn(2, 3, 41, generator=gen, dtype=torch.float64)
     p = (g + 1e-3 * torch.randn(g.shape, generator=gen, dtype=torch.float64)).float()
