@@ -27,6 +27,9 @@ and ``probe_every_N`` ≤ 1.10 × ``no_probe``; the checks are printed, recorded
 inductor) and measures the same ratios on compiled training: the probe's graph breaks at each
 attention call are part of what it costs (warm-up rounds absorb the compilation).
 
+The run prints (and records under ``"cpu_statistics"``) which path the statistics took on the
+CPU: the C kernel of :mod:`flashprobe.probe.native`, or tensor ops and why.
+
 Writes ``DIR/overhead.json`` (rows with ``mode``, ``step_ms``, ``ratio_vs_no_probe``,
 ``ratio_vs_control``, ``steps``), ``DIR/overhead.csv`` and the figure (``--figure``, default
 ``DIR/overhead.png``).
@@ -51,7 +54,7 @@ from torch import nn
 from flashprobe.bench.args import add_output_args, run_cli
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.results import format_table, write_results, wrote_line
-from flashprobe.probe import Probe, ShadowAttention
+from flashprobe.probe import Probe, ShadowAttention, native
 
 __all__ = ["LIMITS", "OverheadConfig", "TinyLM", "limit_checks", "main", "measure_overhead"]
 
@@ -354,6 +357,7 @@ def _run(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     checks = limit_checks(rows)
     print(format_table(rows, TABLE_COLUMNS))
+    print(f"statistics on the CPU: {native.status()}")
     for c in checks:
         verdict = "ok" if c["ok"] else "EXCEEDED"
         print(f"limit: {c['mode']} / {c['reference']} = {c['ratio']:.3f} <= {c['limit']:.2f}: {verdict}")
@@ -361,6 +365,7 @@ def _run(args: argparse.Namespace) -> int:
         "command": args.command_line,
         "config": asdict(config),
         "limits": checks,
+        "cpu_statistics": native.status(),
         "block_ms": block_ms,
         "seconds": round(seconds, 2),
     }
