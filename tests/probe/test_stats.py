@@ -337,3 +337,58 @@ def test_pair_sums_of_empty_tensors_are_zero() -> None:
     got = pair_sums(empty, empty, empty.double())
     assert got.shape == (7, 3)
     assert (got == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_accumulation_on_the_host_gives_the_bits_of_the_tensor_ops(dtype, monkeypatch) -> None:
+    """The CPU folds each call's sums into the accumulator in Python floats; the device path does
+    it with tensor ops. Same calls, same accumulator, bit for bit: maxima, sums, the per-call error
+    ratio and noise floor, undefined ratios (0/0) and infinite ones (exact baseline, no floor)."""
+    gen = torch.Generator().manual_seed(5)
+    host, device = stats_module.DeviationStats("cpu"), stats_module.DeviationStats("cpu")
+    no_golden_host = stats_module.DeviationStats("cpu", golden=False)
+    no_golden_device = stats_module.DeviationStats("cpu", golden=False)
+    for call in range(40):
+        scale = 10.0 ** torch.randint(-14, 4, (), generator=gen).item()
+        sums = {
+            d: scale * torch.rand(7, 3, generator=gen, dtype=torch.float64) for d in ("out", "dq", "dk", "dv")
+        }
+        if call % 4 == 1:
+            sums["dq"][0] = 0.0  # primary, baseline and golden agree: ratio 0/0 with a zero floor
+            sums["dq"][6] = 0.0
+        if call % 4 == 2:
+            sums["dk"][0, 2] = 0.0  # exact baseline and zero golden: floor 0, ratio inf
+            sums["dk"][6] = 0.0
+        picked = dict(list(sums.items())[call % 3 :])  # runs of adjacent directions
+        host.add_many(picked, dtype)
+        no_golden_host.add_many({d: s[:, :1] for d, s in picked.items()}, dtype)
+        with monkeypatch.context() as m:
+            m.setattr(stats_module, "_on_host", lambda device: False)
+            device.add_many(picked, dtype)
+            no_golden_device.add_many({d: s[:, :1] for d, s in picked.items()}, dtype)
+    assert torch.equal(host.values, device.values)
+    assert torch.equal(no_golden_host.values, no_golden_device.values)
+    assert math.isinf(host.as_dict()["backward"]["dk"]["max_call_error_ratio"])
+    assert host.as_dict()["backward"]["dq"]["error_ratio"] is not None
+
+
+@pytest.mark.parametrize("on_host", [True, False])
+def test_nonfinite_positions_count_tokens_and_an_overflowing_sum_is_not_a_nan(on_host, monkeypatch) -> None:
+    """On the CPU a finite plain sum short-cuts the count to 0; a sum that overflows (finite
+    values near the float32 maximum) falls through to the exact count, which finds none."""
+    monkeypatch.setattr(stats_module, "_on_host", lambda device: on_host)
+    big = torch.full((2, 3, 5, 4), 3e38)
+    assert torch.isinf(big.sum())
+    assert stats_module.count_nonfinite_positions(big).item() == 0
+    x = torch.randn(2, 3, 5, 4)
+    assert stats_module.count_nonfinite_positions(x).item() == 0
+    x[0, :, 1, :] = float("nan")  # one token, every head and channel: counts once
+    x[1, 2, 4, 0] = float("-inf")
+    x[1, 0, 4, 3] = float("inf")  # same token as the -inf
+    assert stats_module.count_nonfinite_positions(x).item() == 2
+    assert (
+        stats_module.count_nonfinite_positions(
+            x.to(torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2)
+        ).item()
+        == 2
+    )
