@@ -111,7 +111,7 @@ def _build_and_load() -> tuple[ctypes.CDLL, str]:
     except OSError as err:
         raise _UnavailableError(f"cannot read the kernel's source: {err}") from err
     version = _run([*compiler, "--version"]).splitlines()[0] if compiler else ""
-    cache = _cache_dir()
+    cache, private = _cache_dir()
     errors = []
     for arch in (_ARCH, ()):
         key = hashlib.sha256(
@@ -133,7 +133,12 @@ def _build_and_load() -> tuple[ctypes.CDLL, str]:
                 errors.append(str(err))
                 continue
         lib = _open(path)
+        if private:  # loaded: the file is no longer needed (where the system lets it go)
+            shutil.rmtree(cache, ignore_errors=True)
+            return lib, f"built for this process: {_cache_hint()} is not a writable directory"
         return lib, str(path)
+    if private:
+        shutil.rmtree(cache, ignore_errors=True)
     raise _UnavailableError("; ".join(errors))
 
 
@@ -159,19 +164,26 @@ def _run(cmd: list[str]) -> str:
     return done.stdout or " "
 
 
-def _cache_dir() -> Path:
+def _cache_hint() -> Path:
+    """The cache directory: ``$FLASHPROBE_CACHE_DIR``, else ``$XDG_CACHE_HOME/flashprobe`` or
+    ``~/.cache/flashprobe``."""
     root = os.environ.get("FLASHPROBE_CACHE_DIR")
     if root:
-        base = Path(root)
-    else:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flashprobe"
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flashprobe"
+
+
+def _cache_dir() -> tuple[Path, bool]:
+    """The cache directory, created if needed, or a private temporary one when it cannot be
+    written (then True: the caller removes it)."""
+    base = _cache_hint()
     try:
         base.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=base, prefix=".write-test-"):
             pass
-        return base
+        return base, False
     except OSError:
-        return Path(tempfile.mkdtemp(prefix="flashprobe-native-"))  # this process only
+        return Path(tempfile.mkdtemp(prefix="flashprobe-native-")), True
 
 
 def _cpu_id() -> bytes:

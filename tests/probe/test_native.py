@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -211,3 +212,13 @@ def test_a_build_that_fails_its_self_check_is_not_used(tmp_path: Path, monkeypat
     assert not native.available()
     assert "self-check failed" in native.status()
     assert native.pair_sums(torch.zeros(3), torch.zeros(3), None) is None  # the caller uses tensor ops
+
+
+@needs_kernel
+def test_an_unusable_cache_directory_builds_into_a_private_temporary_one(tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    out = _python(_STATUS_AND_VALUE, {"FLASHPROBE_CACHE_DIR": str(blocker / "cache")})
+    status = out.splitlines()[0]
+    assert status == f"C kernel (built for this process: {blocker / 'cache'} is not a writable directory)"
+    assert not list(Path(tempfile.gettempdir()).glob("flashprobe-native-*"))  # removed once loaded
