@@ -31,8 +31,9 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -64,6 +65,7 @@ class _Native:
         self.loaded = False
         self.pool: ThreadPoolExecutor | None = None
         self.pool_size = 0
+        self.pool_pid = 0
 
 
 _state = _Native()
@@ -112,34 +114,58 @@ def _build_and_load() -> tuple[ctypes.CDLL, str]:
         raise _UnavailableError(f"cannot read the kernel's source: {err}") from err
     version = _run([*compiler, "--version"]).splitlines()[0] if compiler else ""
     cache, private = _cache_dir()
-    errors = []
-    for arch in (_ARCH, ()):
-        key = hashlib.sha256(
-            b"\0".join(
-                [
-                    source,
-                    " ".join(compiler).encode(),
-                    version.encode(),
-                    " ".join(_FLAGS + arch).encode(),
-                    _cpu_id(),
-                ]
-            )
-        ).hexdigest()[:20]
-        path = cache / f"native_stats-{key}.so"
-        if not path.exists():
+    errors: list[str] = []
+    try:
+        for arch in (_ARCH, ()):
+            key = hashlib.sha256(
+                b"\0".join(
+                    [
+                        source,
+                        " ".join(compiler).encode(),
+                        version.encode(),
+                        " ".join(_FLAGS + arch).encode(),
+                        _cpu_id(),
+                    ]
+                )
+            ).hexdigest()[:20]
+            path = cache / f"native_stats-{key}.so"
             try:
-                _compile(compiler, arch, path)
+                if not path.exists():
+                    _compile(compiler, arch, path)
+                lib = _open(path)
             except _UnavailableError as err:
                 errors.append(str(err))
-                continue
-        lib = _open(path)
-        if private:  # loaded: the file is no longer needed (where the system lets it go)
+                if private or not path.exists():
+                    continue
+                # A cached build this process cannot use (another user's, or one that fails its
+                # check here): build a copy of its own instead.
+                lib = _private_build(compiler, arch, path.name, errors)
+                if lib is None:
+                    continue
+                return lib, f"built for this process: {path} cannot be used"
+            if private:
+                return lib, f"built for this process: {_cache_hint()} is not a writable directory"
+            return lib, str(path)
+    finally:
+        if private:  # loaded or failed: the file is no longer needed (where the system lets it go)
             shutil.rmtree(cache, ignore_errors=True)
-            return lib, f"built for this process: {_cache_hint()} is not a writable directory"
-        return lib, str(path)
-    if private:
-        shutil.rmtree(cache, ignore_errors=True)
     raise _UnavailableError("; ".join(errors))
+
+
+def _private_build(
+    compiler: list[str], arch: tuple[str, ...], name: str, errors: list[str]
+) -> ctypes.CDLL | None:
+    """Build and load the kernel in a temporary directory removed once loaded; None (the reason
+    appended to ``errors``) if that fails too."""
+    private = Path(tempfile.mkdtemp(prefix="flashprobe-native-"))
+    try:
+        _compile(compiler, arch, private / name)
+        return _open(private / name)
+    except _UnavailableError as err:
+        errors.append(str(err))
+        return None
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def _compiler() -> list[str]:
@@ -205,10 +231,17 @@ def _compile(compiler: list[str], arch: tuple[str, ...], path: Path) -> None:
     os.close(fd)
     try:
         _run([*compiler, *_FLAGS, *arch, str(_SOURCE), "-o", tmp, "-lm"])
+        os.chmod(tmp, 0o755 & ~_umask())  # mkstemp made it private; others sharing the cache load it
         os.replace(tmp, path)  # atomic: a concurrent build of the same key writes the same file
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _open(path: Path) -> ctypes.CDLL:
@@ -276,6 +309,9 @@ def pair_sums(p: torch.Tensor, b: torch.Tensor, g: torch.Tensor | None) -> torch
         return None
     lib = _state.lib
     assert lib is not None
+    p, b = p.resolve_neg(), b.resolve_neg()  # the kernel reads memory: no lazy negation
+    if g is not None:
+        g = g.resolve_neg()
     if p.dtype != b.dtype or p.dtype not in _KERNELS:
         # Mixed or other dtypes (float16): compare in float64, exactly.
         p, b = p.to(torch.float64), b.to(torch.float64)
@@ -293,18 +329,8 @@ def pair_sums(p: torch.Tensor, b: torch.Tensor, g: torch.Tensor | None) -> torch
     chunks = max(1, -(-n // CHUNK))
     partials = torch.zeros(chunks, 7, pairs, dtype=torch.float64)
     args = (p.data_ptr(), b.data_ptr(), None if g is None else g.data_ptr(), size, strides, CHUNK)
-    workers = min(torch.get_num_threads(), chunks)
-    if workers > 1:  # ctypes releases the GIL: chunk ranges run in parallel
-        bounds = [chunks * w // workers for w in range(workers + 1)]
-        pool = _pool(workers)
-        jobs = [
-            pool.submit(kernel, *args, c0, c1, partials[c0].data_ptr())
-            for c0, c1 in itertools.pairwise(bounds)
-        ]
-        for job in jobs:
-            job.result()
-    elif n:
-        kernel(*args, 0, chunks, partials.data_ptr())
+    if n:
+        _run_chunks(kernel, args, chunks, partials)
     if chunks == 1:
         return partials[0]
     out = torch.empty(7, pairs, dtype=torch.float64)
@@ -342,8 +368,37 @@ def _layout(tensors: tuple[torch.Tensor, ...]) -> tuple[ctypes.Array, ctypes.Arr
     return _Sizes(*(size for size, _ in dims)), _Strides(*strides)
 
 
+def _run_chunks(kernel: Any, args: tuple[Any, ...], chunks: int, partials: torch.Tensor) -> None:
+    """Chunks ``[0, chunks)`` into ``partials``: in ranges on torch's thread count (ctypes releases
+    the GIL), else here. Returns only once no thread is still writing (``partials`` and the inputs
+    must outlive every call); a range that cannot get a thread runs in this one."""
+    workers = min(torch.get_num_threads(), chunks)
+    if workers <= 1:
+        kernel(*args, 0, chunks, partials.data_ptr())
+        return
+    bounds = [chunks * w // workers for w in range(workers + 1)]
+    pool = _pool(workers)
+    jobs: list[Future[None]] = []
+    try:
+        for c0, c1 in itertools.pairwise(bounds):
+            try:
+                jobs.append(pool.submit(kernel, *args, c0, c1, partials[c0].data_ptr()))
+            except RuntimeError:  # no new threads (e.g. the interpreter is shutting down)
+                kernel(*args, c0, c1, partials[c0].data_ptr())
+    finally:
+        wait(jobs)
+    for job in jobs:
+        job.result()
+
+
 def _pool(workers: int) -> ThreadPoolExecutor:
-    if _state.pool is None or _state.pool_size < workers:  # grow to the thread count
-        _state.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flashprobe-stats")
-        _state.pool_size = workers
-    return _state.pool
+    """The worker threads, at least ``workers``; a new pool after a fork (the parent's threads do
+    not exist in the child)."""
+    with _state.lock:
+        stale = _state.pool is not None and _state.pool_pid != os.getpid()
+        if _state.pool is None or stale or _state.pool_size < workers:
+            if _state.pool is not None and not stale:
+                _state.pool.shutdown(wait=False)
+            _state.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flashprobe-stats")
+            _state.pool_size, _state.pool_pid = workers, os.getpid()
+        return _state.pool

@@ -38,6 +38,7 @@ the same number a single run over all of them would give.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -46,6 +47,8 @@ import torch
 
 from flashprobe.deviation import PAIRS, error_ratio, finish_deviation
 from flashprobe.probe import native
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "DIRECTIONS",
@@ -176,7 +179,7 @@ def pair_sums(
             + ("" if golden is None else f", golden {tuple(golden.shape)}")
         )
     if _on_host(p.device):
-        sums = native.pair_sums(p, b, g)  # one pass over the inputs (None: no C kernel here)
+        sums = _native_pair_sums(p, b, g)  # one pass over the inputs (None: no C kernel here)
         if sums is not None:
             return sums
         # Tensor ops: the short path of all-finite inputs first, the call redone masked if
@@ -186,6 +189,23 @@ def pair_sums(
             return fast
     flat = (None if t is None else t.reshape(-1) for t in (p, b, g))
     return _masked_pair_sums(*flat, workspace or StatsWorkspace())
+
+
+def _native_pair_sums(p: torch.Tensor, b: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor | None:
+    """:func:`flashprobe.probe.native.pair_sums`, or None (tensor ops) if it is unavailable or
+    fails: a faster path must never break the probe (the failure is logged once)."""
+    if _NATIVE_FAILED:
+        return None
+    try:
+        return native.pair_sums(p, b, g)
+    except Exception as err:
+        if not _NATIVE_FAILED:
+            _NATIVE_FAILED.append(err)
+            _log.warning("flashprobe: the C statistics kernel failed (%r); tensor ops from here on", err)
+        return None
+
+
+_NATIVE_FAILED: list[BaseException] = []
 
 
 def _on_host(device: torch.device) -> bool:
@@ -356,8 +376,10 @@ def count_nonfinite_positions(x: torch.Tensor) -> torch.Tensor:
     int64 tensor on its device (no host sync): one NaN token counts once, whatever ``H·D`` is.
 
     One pass: the float64 sum over heads and channels of a position is non-finite exactly when one
-    of its entries is (finite float32/bf16/fp16 values cannot overflow a float64 sum), and ``s − s``
-    is NaN (non-zero) there and 0 elsewhere.
+    of its entries is (finite float32/bf16/fp16 values cannot overflow a float64 sum; float64
+    inputs are summed as ``x − x``, 0 or NaN, for the same reason), and ``s − s`` is NaN (non-zero)
+    there and 0 elsewhere. On the CPU one plain sum of the whole tensor comes first: when it is
+    finite nothing is (an overflow only sends a finite tensor on to the exact count).
 
     Args:
         x: ``(B, H, N, D)``.
@@ -371,6 +393,8 @@ def count_nonfinite_positions(x: torch.Tensor) -> torch.Tensor:
         total = x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
         if math.isfinite(float(total)):
             return torch.zeros((), dtype=torch.int64, device=x.device)
+    if x.dtype == torch.float64:  # finite float64 values can overflow a sum: sum x - x instead
+        x = x - x  # 0 where finite, NaN where not
     sums = x.sum(dim=(1, 3), dtype=torch.float64)  # (B, N)
     return torch.count_nonzero(sums - sums)
 
@@ -394,7 +418,8 @@ def call_error_ratio(sums: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Ten
     pg, bg = sums[..., 0, 1], sums[..., 0, 2]
     denominator = torch.maximum(bg, floor)
     inexact = torch.where(pg > 0, torch.full_like(pg, math.inf), torch.zeros_like(pg))
-    ratio = torch.where(denominator > 0, pg / denominator.clamp_min(torch.finfo(torch.float64).tiny), inexact)
+    positive = denominator > 0
+    ratio = torch.where(positive, pg / torch.where(positive, denominator, 1.0), inexact)
     defined = ((denominator > 0) | (pg > 0)).to(torch.float64)
     return ratio, defined
 

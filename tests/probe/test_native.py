@@ -222,3 +222,94 @@ def test_an_unusable_cache_directory_builds_into_a_private_temporary_one(tmp_pat
     status = out.splitlines()[0]
     assert status == f"C kernel (built for this process: {blocker / 'cache'} is not a writable directory)"
     assert not list(Path(tempfile.gettempdir()).glob("flashprobe-native-*"))  # removed once loaded
+
+
+@needs_kernel
+def test_threads_that_cannot_start_leave_the_work_to_the_caller(monkeypatch) -> None:
+    """A range whose thread cannot be started (e.g. at interpreter shutdown) runs in the calling
+    thread, and the call returns only once every started range is done."""
+    monkeypatch.setattr(native, "CHUNK", 500)
+    p, b, g = _triple((4, 1000), torch.float32, seed=6)
+    want = native.pair_sums(p, b, g)
+    pool = native._pool(2)
+    real_submit, submitted = pool.submit, []
+
+    def flaky_submit(fn, *args):
+        if submitted:
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+        submitted.append(1)
+        return real_submit(fn, *args)
+
+    monkeypatch.setattr(pool, "submit", flaky_submit)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(native.pair_sums(p, b, g), want)
+    finally:
+        torch.set_num_threads(threads)
+    assert submitted == [1]
+
+
+_FORK_INPUTS: list[torch.Tensor] = []
+
+
+def _in_forked_child(queue) -> None:
+    # Inputs made by the parent: torch's own OpenMP threads are not usable in a forked child
+    # either, so the child runs no parallel torch op, only the kernel's threads.
+    torch.set_num_threads(2)
+    queue.put(native.pair_sums(*_FORK_INPUTS).tolist())
+
+
+@needs_kernel
+@pytest.mark.skipif(sys.platform != "linux", reason="fork start method")
+def test_a_forked_child_gets_threads_of_its_own() -> None:
+    """The parent's worker threads do not exist in a forked child (fork-based multiprocessing):
+    the child must start its own instead of waiting for them forever."""
+    import multiprocessing
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _FORK_INPUTS[:] = _triple((4, 70000), torch.float32, seed=7)
+        want = native.pair_sums(*_FORK_INPUTS).tolist()  # the parent's pool now exists
+        assert native._state.pool is not None
+        ctx = multiprocessing.get_context("fork")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_in_forked_child, args=(queue,))
+        child.start()
+        got = queue.get(timeout=60)
+        child.join(timeout=60)
+    finally:
+        torch.set_num_threads(threads)
+        _FORK_INPUTS.clear()
+    assert got == want and child.exitcode == 0
+
+
+@needs_kernel
+def test_a_cached_build_is_readable_by_others_sharing_the_cache() -> None:
+    path = Path(native.status().removeprefix("C kernel (").removesuffix(")"))
+    if not path.is_file():
+        pytest.skip(f"not loaded from a cache file: {native.status()}")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert path.stat().st_mode & 0o777 == 0o755 & ~mask
+
+
+def test_a_kernel_failure_falls_back_to_tensor_ops_once_and_says_so(monkeypatch, caplog) -> None:
+    import flashprobe.probe.stats as stats_module
+
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise ValueError("boom")
+
+    monkeypatch.setattr(native, "pair_sums", broken)
+    monkeypatch.setattr(stats_module, "_NATIVE_FAILED", [])
+    p, b, g = _triple((3, 50), torch.float32, seed=8)
+    with caplog.at_level("WARNING"):
+        first = stats_module.pair_sums(p, b, g)
+        second = stats_module.pair_sums(p, b, g)
+    np.testing.assert_allclose(first.numpy(), _oracle(p, b, g), rtol=1e-12)
+    assert torch.equal(first, second) and calls == [1]  # not tried again
+    assert [r.message for r in caplog.records if "C statistics kernel failed" in r.message]

@@ -359,6 +359,9 @@ def test_accumulation_on_the_host_gives_the_bits_of_the_tensor_ops(dtype, monkey
         if call % 4 == 2:
             sums["dk"][0, 2] = 0.0  # exact baseline and zero golden: floor 0, ratio inf
             sums["dk"][6] = 0.0
+        if call % 4 == 3:
+            sums["dv"][0, 1:] = torch.tensor([1e-20, 0.0])  # exact baseline, golden 1e-300: a subnormal floor
+            sums["dv"][6] = 1e-300  # (in float64: ratio 1e-20 / 1.1e-316, finite)
         picked = dict(list(sums.items())[call % 3 :])  # runs of adjacent directions
         host.add_many(picked, dtype)
         no_golden_host.add_many({d: s[:, :1] for d, s in picked.items()}, dtype)
@@ -380,6 +383,9 @@ def test_nonfinite_positions_count_tokens_and_an_overflowing_sum_is_not_a_nan(on
     big = torch.full((2, 3, 5, 4), 3e38)
     assert torch.isinf(big.sum())
     assert stats_module.count_nonfinite_positions(big).item() == 0
+    huge = torch.full((2, 3, 5, 4), 1e308, dtype=torch.float64)  # its float64 sums overflow too
+    huge[:, 1] = -1e308
+    assert stats_module.count_nonfinite_positions(huge).item() == 0
     x = torch.randn(2, 3, 5, 4)
     assert stats_module.count_nonfinite_positions(x).item() == 0
     x[0, :, 1, :] = float("nan")  # one token, every head and channel: counts once
