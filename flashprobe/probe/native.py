@@ -303,12 +303,23 @@ def pair_sums(p: torch.Tensor, b: torch.Tensor, g: torch.Tensor | None) -> torch
         g: golden (cast to float64 if it is not), same number of elements, or None.
 
     Returns:
-        ``(7, P)`` float64, ``P`` = 3 with ``g``, else 1 (rows as in ``pair_sums``).
+        ``(7, P)`` float64, ``P`` = 3 with ``g``, else 1 (rows as in ``pair_sums``), or None. A
+        call that fails switches the kernel off for the process (logged once, and :func:`status`
+        says why): a faster path must never break the probe.
     """
     if not available():
         return None
     lib = _state.lib
     assert lib is not None
+    try:
+        return _pair_sums(lib, p, b, g)
+    except Exception as err:
+        _state.lib, _state.reason = None, f"the kernel failed and was switched off: {err!r}"
+        _log.warning("flashprobe: CPU statistics run as tensor ops: %s", _state.reason)
+        return None
+
+
+def _pair_sums(lib: ctypes.CDLL, p: torch.Tensor, b: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
     p, b = p.resolve_neg(), b.resolve_neg()  # the kernel reads memory: no lazy negation
     if g is not None:
         g = g.resolve_neg()

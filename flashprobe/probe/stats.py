@@ -38,7 +38,6 @@ the same number a single run over all of them would give.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -47,8 +46,6 @@ import torch
 
 from flashprobe.deviation import PAIRS, error_ratio, finish_deviation
 from flashprobe.probe import native
-
-_log = logging.getLogger(__name__)
 
 __all__ = [
     "DIRECTIONS",
@@ -179,7 +176,7 @@ def pair_sums(
             + ("" if golden is None else f", golden {tuple(golden.shape)}")
         )
     if _on_host(p.device):
-        sums = _native_pair_sums(p, b, g)  # one pass over the inputs (None: no C kernel here)
+        sums = native.pair_sums(p, b, g)  # one pass over the inputs (None: no C kernel here)
         if sums is not None:
             return sums
         # Tensor ops: the short path of all-finite inputs first, the call redone masked if
@@ -189,23 +186,6 @@ def pair_sums(
             return fast
     flat = (None if t is None else t.reshape(-1) for t in (p, b, g))
     return _masked_pair_sums(*flat, workspace or StatsWorkspace())
-
-
-def _native_pair_sums(p: torch.Tensor, b: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor | None:
-    """:func:`flashprobe.probe.native.pair_sums`, or None (tensor ops) if it is unavailable or
-    fails: a faster path must never break the probe (the failure is logged once)."""
-    if _NATIVE_FAILED:
-        return None
-    try:
-        return native.pair_sums(p, b, g)
-    except Exception as err:
-        if not _NATIVE_FAILED:
-            _NATIVE_FAILED.append(err)
-            _log.warning("flashprobe: the C statistics kernel failed (%r); tensor ops from here on", err)
-        return None
-
-
-_NATIVE_FAILED: list[BaseException] = []
 
 
 def _on_host(device: torch.device) -> bool:
