@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from flashprobe.formats.atomic import atomic_write_file
+
 __all__ = ["CHUNK", "available", "pair_sums", "status"]
 
 _log = logging.getLogger(__name__)
@@ -112,22 +114,13 @@ def _build_and_load() -> tuple[ctypes.CDLL, str]:
         source = _SOURCE.read_bytes()
     except OSError as err:
         raise _UnavailableError(f"cannot read the kernel's source: {err}") from err
-    version = _run([*compiler, "--version"]).splitlines()[0] if compiler else ""
+    version = _run([*compiler, "--version"]).splitlines()[0]
+    build = [source, " ".join(compiler).encode(), version.encode(), _cpu_id()]  # what a build depends on
     cache, private = _cache_dir()
     errors: list[str] = []
     try:
         for arch in (_ARCH, ()):
-            key = hashlib.sha256(
-                b"\0".join(
-                    [
-                        source,
-                        " ".join(compiler).encode(),
-                        version.encode(),
-                        " ".join(_FLAGS + arch).encode(),
-                        _cpu_id(),
-                    ]
-                )
-            ).hexdigest()[:20]
+            key = hashlib.sha256(b"\0".join([*build, " ".join(_FLAGS + arch).encode()])).hexdigest()[:20]
             path = cache / f"native_stats-{key}.so"
             try:
                 if not path.exists():
@@ -227,21 +220,11 @@ def _cpu_id() -> bytes:
 
 
 def _compile(compiler: list[str], arch: tuple[str, ...], path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        _run([*compiler, *_FLAGS, *arch, str(_SOURCE), "-o", tmp, "-lm"])
-        os.chmod(tmp, 0o755 & ~_umask())  # mkstemp made it private; others sharing the cache load it
-        os.replace(tmp, path)  # atomic: a concurrent build of the same key writes the same file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    """Build into a temporary file renamed over ``path`` (the project's atomic writer: the umask's
+    permissions, so others sharing the cache can load it; a concurrent build of the same key writes
+    the same file)."""
+    command = [*compiler, *_FLAGS, *arch, str(_SOURCE), "-lm", "-o"]
+    atomic_write_file(path, lambda tmp: _run([*command, str(tmp)]))
 
 
 def _open(path: Path) -> ctypes.CDLL:

@@ -292,7 +292,7 @@ def test_a_cached_build_is_readable_by_others_sharing_the_cache() -> None:
         pytest.skip(f"not loaded from a cache file: {native.status()}")
     mask = os.umask(0)
     os.umask(mask)
-    assert path.stat().st_mode & 0o777 == 0o755 & ~mask
+    assert path.stat().st_mode & 0o777 == 0o666 & ~mask  # the umask's mode, as every file written
 
 
 @needs_kernel
