@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 
 from flashprobe.kernels._inputs import check_inputs, default_scale, to_dtype
+from flashprobe.kernels.reference import reference_attention
 from flashprobe.kernels.registry import register_kernel
 
-__all__ = ["GOLDEN_CAUSAL_ROWS", "golden_attention", "math_attention"]
+__all__ = ["golden_attention", "math_attention"]
 
 
 def _validate(dtype: str | torch.dtype | None = None) -> None:
@@ -85,52 +86,27 @@ def golden_attention(
     attn_mask: torch.Tensor | None = None,
     is_causal: bool = False,
     scale: float | None = None,
+    budget: int | None = None,
 ) -> torch.Tensor:
-    """The golden value: the baseline computed in float64 from the same inputs.
+    """The golden value: the baseline computed in float64 from the same inputs, in bounded memory.
 
-    Shapes as :func:`math_attention`; returns a float64 ``(B, H, N_q, D_v)`` tensor.
-
-    A causal call (``is_causal=True``, no mask) of at least ``2 · GOLDEN_CAUSAL_ROWS`` query rows
-    is computed in blocks of query rows, each against only the keys it can see
-    (:func:`_causal_in_row_blocks`): the keys above the diagonal add exact zeros to every sum, so
-    the value is the same up to float64 rounding of shorter sums. Measured (1 thread, d = 64,
-    forward and backward): 0.8× the time of the full score matrix at 256 rows, 0.45× at 1024.
+    Shapes as :func:`math_attention`; returns a float64 ``(B, H, N_q, D_v)`` tensor. Computed in
+    blocks of at most ``budget`` bytes (:func:`flashprobe.kernels.reference.reference_attention`:
+    default a quarter of the device's free memory), causal calls in row blocks against only the keys
+    they see; each row's value is that of the whole score matrix up to float64 rounding of
+    differently shaped sums.
     """
+    check_inputs(q, k, v, attn_mask, is_causal, kernel="golden")
     if attn_mask is not None and attn_mask.is_floating_point():
         attn_mask = attn_mask.double()
-    q, k, v = q.double(), k.double(), v.double()
-    if is_causal and attn_mask is None and q.shape[-2] >= 2 * GOLDEN_CAUSAL_ROWS and k.shape[-2]:
-        check_inputs(q, k, v, attn_mask, is_causal, kernel="math")
-        return _causal_in_row_blocks(q, k, v, default_scale(q.shape[-1], scale))
-    return math_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
-
-
-#: Query rows per block of a causal golden call (:func:`_causal_in_row_blocks`).
-GOLDEN_CAUSAL_ROWS = 128
-_GOLDEN_CAUSAL_BLOCKS = 16
-
-
-def _causal_in_row_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Top-left causal ``softmax(q kᵀ · scale) v`` in blocks of query rows (one dtype throughout).
-
-    Rows ``[r0, r1)`` see keys ``[0, min(r1, N_k))``; within a block, key ``j`` is masked for row
-    ``i`` when ``j > i`` (global indices). Every row keeps key 0, so no row is fully masked. At most
-    ``_GOLDEN_CAUSAL_BLOCKS`` blocks of at least ``GOLDEN_CAUSAL_ROWS`` rows.
-
-    Args:
-        q: ``(B, H, N_q, D)``; k: ``(B, H, N_k, D)``; v: ``(B, H, N_k, D_v)``, ``N_k ≥ 1``.
-
-    Returns:
-        ``(B, H, N_q, D_v)``.
-    """
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    rows = max(GOLDEN_CAUSAL_ROWS, -(-n_q // _GOLDEN_CAUSAL_BLOCKS))
-    outs = []
-    for r0 in range(0, n_q, rows):
-        r1 = min(n_q, r0 + rows)
-        keys = min(r1, n_k)
-        scores = torch.matmul(q[..., r0:r1, :], k[..., :keys, :].transpose(-2, -1)).mul_(scale)
-        above = torch.ones(r1 - r0, keys, dtype=torch.bool, device=q.device).triu_(r0 + 1)
-        probs = torch.softmax(scores.masked_fill_(above, float("-inf")), dim=-1)  # (B, H, r1 − r0, keys)
-        outs.append(torch.matmul(probs, v[..., :keys, :]))
-    return torch.cat(outs, dim=-2)
+    return reference_attention(
+        math_attention,
+        q,
+        k,
+        v,
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        scale=scale,
+        dtype=torch.float64,
+        budget=budget,
+    )

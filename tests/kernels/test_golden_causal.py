@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashprobe.kernels import golden_attention
-from flashprobe.kernels.math import GOLDEN_CAUSAL_ROWS
+from flashprobe.kernels.reference import CAUSAL_BLOCK_ROWS as GOLDEN_CAUSAL_ROWS
 
 
 def _np_causal(q, k, v, do, scale):

@@ -1,0 +1,527 @@
+"""Reference attention in bounded memory: the baseline and the FP64 golden of any call, in blocks.
+
+A reference computation materialises scores: ``(B, H, N_q, N_k)`` of them, 32 GiB in float64 for
+one 16k-token call of 16 heads. This module is the one place that splits such a call into
+**blocks** that fit a memory budget, and it serves the probe (:mod:`flashprobe.probe.shadow`), the
+benchmarks and the fuzzer alike (:func:`golden_attention` is built on it).
+
+* **Blocks** (:func:`plan_blocks`) cover every score once: whole batch entries when they fit, else
+  groups of key/value heads of one entry, else query rows of one key/value head group. Heads and
+  batch entries are independent and rows are independent, so a block's output rows are exactly
+  those of the whole call (up to the rounding of a differently shaped matmul).
+* **Causal calls** (top-left aligned, as torch SDPA) of at least ``2 · CAUSAL_BLOCK_ROWS`` query
+  rows are cut into row blocks of at least ``CAUSAL_BLOCK_ROWS`` rows (at most
+  ``CAUSAL_BLOCKS``), each against only the keys it can see (``[0, r1)`` for rows ``[r0, r1)``)
+  with an explicit mask on that block; the keys above the diagonal add exact zeros to every sum
+  and are never computed, so the masked-out work is the diagonal blocks' upper triangles only.
+* **The budget** (:func:`reference_budget`) comes from the device: on CUDA a quarter of the memory
+  free for tensors (``torch.cuda.mem_get_info`` plus the caching allocator's unused reserve), on the
+  CPU a quarter of ``MemAvailable``; clamped to ``[MIN_BUDGET, MAX_BUDGET[device]]``. A block's
+  working set is estimated per score element (:data:`BYTES_PER_SCORE`: scores, probabilities and,
+  for gradients, their gradients, in float64) plus its inputs, outputs and gradients.
+* **Numerics of the references.** Inside :func:`reference_numerics` float32 matmuls are IEEE (no
+  TF32 on CUDA, no TF32/bf16 in oneDNN on the CPU), whatever the training set with
+  ``torch.set_float32_matmul_precision`` or ``torch.backends.cuda.matmul.allow_tf32``; the previous
+  settings are restored after. :func:`numerics_flags` records what training runs with.
+
+:func:`reference_outputs` yields the output of each block (the probe compares block by block and
+keeps nothing); :func:`reference_attention` assembles the whole output; :func:`reference_gradients`
+yields, per group of heads, the outputs and the input gradients for a given output gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flashprobe.kernels._inputs import causal_mask
+
+__all__ = [
+    "BYTES_PER_SCORE",
+    "CAUSAL_BLOCKS",
+    "CAUSAL_BLOCK_ROWS",
+    "MAX_BUDGET",
+    "MIN_BUDGET",
+    "Block",
+    "GroupGradients",
+    "expand_kv",
+    "numerics_flags",
+    "plan_blocks",
+    "reference_attention",
+    "reference_budget",
+    "reference_gradients",
+    "reference_numerics",
+    "reference_outputs",
+]
+
+#: Query rows per block of a causal call (at least), and the most row blocks one call is cut into.
+CAUSAL_BLOCK_ROWS = 128
+CAUSAL_BLOCKS = 16
+#: Working set per score element of one block, forward and with gradients: float64 scores and
+#: probabilities (forward); probabilities, their gradient, the scores' gradient and one temporary
+#: (backward); plus one byte of mask.
+BYTES_PER_SCORE: Mapping[bool, int] = {False: 2 * 8 + 1, True: 4 * 8 + 1}
+#: Fraction of the device's available memory one block may use.
+BUDGET_FRACTION = 0.25
+#: Bounds of the budget (bytes): at least 64 MiB; at most 2 GiB on the CPU (bigger blocks are not
+#: faster there) and 16 GiB on an accelerator.
+MIN_BUDGET = 64 << 20
+MAX_BUDGET: Mapping[str, int] = {"cpu": 2 << 30, "default": 16 << 30}
+
+AttentionCall = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block of a call's scores: batch entries × key/value heads × query rows × the first keys.
+
+    Attributes:
+        batch: batch entries.
+        heads: key/value heads (a block holds ``rep`` query heads per key/value head).
+        rows: query rows.
+        keys: the block sees keys ``[0, keys)``: all of them, or for a causal row block the keys its
+            last row can see.
+        causal: the block is causal on its own (``is_causal=True`` on the whole call); a causal
+            row block instead gets an explicit mask from :meth:`mask`.
+    """
+
+    batch: slice
+    heads: slice
+    rows: slice
+    keys: int
+    causal: bool = False
+
+    def q_heads(self, rep: int) -> slice:
+        """The query heads of this block's key/value heads."""
+        return slice(self.heads.start * rep, self.heads.stop * rep)
+
+    def group(self) -> tuple[int, int, int, int]:
+        """``(batch.start, batch.stop, heads.start, heads.stop)``: blocks of one group share them."""
+        return (self.batch.start, self.batch.stop, self.heads.start, self.heads.stop)
+
+    def take_q(self, x: torch.Tensor, rep: int) -> torch.Tensor:
+        """This block's part of a ``(B, H, N_q, ·)`` tensor with query heads (q, out, dq, grad_out)."""
+        return x[self.batch, self.q_heads(rep), self.rows]
+
+    def take_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """This block's part of a ``(B, H_kv, N_k, ·)`` tensor (k, v), keys ``[0, keys)``."""
+        return x[self.batch, self.heads, : self.keys]
+
+    def mask(
+        self, attn_mask: torch.Tensor | None, rep: int, causal: bool, device: torch.device
+    ) -> tuple[torch.Tensor | None, bool]:
+        """``(attn_mask, is_causal)`` for this block's ``(B_b, H_b, rows, keys)`` scores.
+
+        Args:
+            attn_mask: the call's mask broadcastable to ``(B, H, N_q, N_k)``, or None.
+            rep: query heads per key/value head.
+            causal: the call is causal (top-left aligned).
+            device: device of an explicit causal mask.
+        """
+        if causal:
+            if self.causal:
+                return None, True
+            rows = self.rows.stop - self.rows.start
+            return causal_mask(0, 0, device, q_start=self.rows.start, q_len=rows, k_len=self.keys), False
+        if attn_mask is None:
+            return None, False
+        m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+        if m.shape[0] > 1:
+            m = m[self.batch]
+        if m.shape[1] > 1:
+            m = m[:, self.q_heads(rep)]
+        if m.shape[2] > 1:
+            m = m[:, :, self.rows]
+        if m.shape[3] > 1:
+            m = m[..., : self.keys]
+        return m, False
+
+
+def _available_bytes(device: torch.device) -> int:
+    """Memory free for tensors on ``device`` (bytes)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        unused_reserve = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free + max(unused_reserve, 0))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+def reference_budget(device: torch.device | str, *, available: int | None = None) -> int:
+    """Bytes one reference block may use on ``device`` (see the module docstring).
+
+    Args:
+        device: where the references run.
+        available: memory free for tensors there, in bytes (default: read from the device now).
+    """
+    device = torch.device(device)
+    free = _available_bytes(device) if available is None else int(available)
+    ceiling = MAX_BUDGET.get(device.type, MAX_BUDGET["default"])
+    return int(min(max(free * BUDGET_FRACTION, MIN_BUDGET), ceiling))
+
+
+def _block_bytes(rows: int, keys: int, heads_q: int, d: int, d_v: int, backward: bool) -> int:
+    """Estimated working set of one block of ``heads_q`` query heads (batch entries folded in)."""
+    scores = heads_q * rows * keys * BYTES_PER_SCORE[backward]
+    io = heads_q * (rows * (d + d_v) + keys * (d + d_v)) * 8  # q, out, expanded k, v in float64
+    return scores + io * (2 if backward else 1)
+
+
+def plan_blocks(
+    q_shape: Sequence[int],
+    k_shape: Sequence[int],
+    v_shape: Sequence[int] | None = None,
+    *,
+    is_causal: bool = False,
+    backward: bool = False,
+    budget: int,
+) -> list[Block]:
+    """Blocks covering every score of a call once, each within ``budget`` bytes where possible.
+
+    Args:
+        q_shape: ``(B, H, N_q, D)``.
+        k_shape: ``(B, H_kv, N_k, D)`` with ``H`` a multiple of ``H_kv`` (grouped-query attention).
+        v_shape: ``(B, H_kv, N_k, D_v)`` (default: like ``k_shape``).
+        is_causal: top-left aligned causal call (row blocks see only their visible keys).
+        backward: size for a forward and backward pass (gradients).
+        budget: bytes one block may use (:func:`reference_budget`); a single query row of one head
+            group is the smallest block, whatever the budget.
+
+    Returns:
+        Blocks ordered by group (batch entries and heads), then rows.
+    """
+    b, h, n_q, d = (int(x) for x in q_shape)
+    h_kv, n_k = int(k_shape[1]), int(k_shape[2])
+    d_v = int((v_shape or k_shape)[3])
+    rep = max(1, h // max(h_kv, 1))
+    if is_causal and n_q >= 2 * CAUSAL_BLOCK_ROWS and n_k:
+        step = max(CAUSAL_BLOCK_ROWS, -(-n_q // CAUSAL_BLOCKS))
+        spans = [(r0, min(n_q, r0 + step), min(n_q, r0 + step, n_k)) for r0 in range(0, n_q, step)]
+        # a row block past the last key sees every key: rows i >= N_k keep keys [0, N_k)
+        causal_whole = False
+    else:
+        spans = [(0, n_q, n_k)]
+        causal_whole = is_causal
+    blocks: list[Block] = []
+    for r0, r1, keys in spans:
+        rows = r1 - r0
+        per_head = _block_bytes(rows, keys, rep, d, d_v, backward)  # one key/value head, all its rows
+        if h_kv * per_head <= budget:
+            step_b = max(1, budget // max(h_kv * per_head, 1))
+            parts = [(slice(i, min(b, i + step_b)), slice(0, h_kv), [(r0, r1)]) for i in range(0, b, step_b)]
+        elif per_head <= budget:
+            step_h = max(1, budget // per_head)
+            heads = [slice(j, min(h_kv, j + step_h)) for j in range(0, h_kv, step_h)]
+            parts = [(slice(i, i + 1), hs, [(r0, r1)]) for i in range(b) for hs in heads]
+        else:
+            fixed = _block_bytes(0, keys, rep, d, d_v, backward)  # the keys and values
+            per_row = _block_bytes(1, keys, rep, d, d_v, backward) - fixed
+            n = max(1, (budget - fixed) // per_row)
+            n = -(-rows // -(-rows // n))  # equal spans: 2 × 4096 rows, not 7700 + 492
+            row_spans = [(r, min(r1, r + n)) for r in range(r0, r1, n)]
+            parts = [(slice(i, i + 1), slice(j, j + 1), row_spans) for i in range(b) for j in range(h_kv)]
+        for bs, hs, row_spans in parts:
+            for a, z in row_spans:
+                whole = causal_whole and (a, z) == (0, n_q)
+                blocks.append(Block(bs, hs, slice(a, z), keys if is_causal else n_k, causal=whole))
+    if not is_causal:
+        return blocks
+    # order by group, then rows (the causal row blocks were planned one row span at a time)
+    return sorted(blocks, key=lambda blk: (blk.group(), blk.rows.start))
+
+
+def expand_kv(k: torch.Tensor, v: torch.Tensor, rep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Repeat each key/value head ``rep`` times along dim 1, as SDPA's ``enable_gqa`` does.
+
+    Args:
+        k: ``(B, H_kv, N_k, D)``.
+        v: ``(B, H_kv, N_k, D_v)``.
+        rep: query heads per key/value head.
+
+    Returns:
+        ``k`` and ``v`` with ``H_kv · rep`` heads (the inputs themselves when ``rep`` is 1).
+    """
+    if rep == 1:
+        return k, v
+    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+
+_FP32_BACKENDS = ("cuda", "mkldnn")
+
+
+def _fp32_backends() -> dict[str, Any]:
+    """The backends whose float32 matmul precision torch lets one set (``fp32_precision``, torch
+    2.9 and later), by name."""
+    found = {}
+    for name in _FP32_BACKENDS:
+        try:
+            matmul = getattr(torch.backends, name).matmul
+            matmul.fp32_precision  # noqa: B018 (raises where this torch has no such setting)
+        except Exception:
+            continue
+        found[name] = matmul
+    return found
+
+
+@contextlib.contextmanager
+def reference_numerics() -> Iterator[None]:
+    """Inside the block float32 matmuls are IEEE on every backend (no TF32, no bf16 passes); the
+    previous settings are restored after, even on an exception. Reads and sets plain flags: no
+    device work."""
+    backends = _fp32_backends()
+    if not backends:  # a torch before the per-backend setting: the global one
+        previous = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(previous)
+        return
+    saved = [(m, m.fp32_precision) for m in backends.values()]
+    saved = [(m, value) for m, value in saved if value != "ieee"]
+    try:
+        for matmul, _ in saved:
+            matmul.fp32_precision = "ieee"
+        yield
+    finally:
+        for matmul, value in reversed(saved):
+            matmul.fp32_precision = value
+
+
+def numerics_flags() -> dict[str, Any]:
+    """What the training's matmuls run with: float32 precision per backend (``ieee``, ``tf32``,
+    ``bf16``, or ``none`` = torch's default, IEEE) and whether fp16/bf16 matmuls on CUDA may round
+    partial sums to 16 bits (``..._reduced_precision_reduction``). The references ignore the first
+    (:func:`reference_numerics`); the second applies to a 16-bit baseline as to the model."""
+    flags: dict[str, Any] = {}
+    backends = _fp32_backends()
+    for name, matmul in backends.items():
+        flags[f"{name}_matmul_fp32_precision"] = matmul.fp32_precision
+    if not backends:
+        flags["float32_matmul_precision"] = torch.get_float32_matmul_precision()
+    for kind in ("fp16", "bf16"):
+        with contextlib.suppress(Exception):
+            value = getattr(torch.backends.cuda.matmul, f"allow_{kind}_reduced_precision_reduction")
+            flags[f"cuda_{kind}_reduced_precision_reduction"] = bool(value)
+    return flags
+
+
+def _budget(device: torch.device, budget: int | None) -> int:
+    return reference_budget(device) if budget is None else budget
+
+
+def reference_outputs(
+    kernel: AttentionCall,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dtype: torch.dtype | None = None,
+    budget: int | None = None,
+    blocks: Sequence[Block] | None = None,
+    grad: bool = False,
+) -> Iterator[tuple[Block, torch.Tensor]]:
+    """Run ``kernel`` block by block and yield each block with its output.
+
+    Args:
+        kernel: SDPA-signature attention on ``(B, H, N, D)`` tensors of equal head counts (e.g.
+            :func:`~flashprobe.kernels.math_attention`).
+        q: ``(B, H, N_q, D)``.
+        k: ``(B, H_kv, N_k, D)`` (``H_kv`` divides ``H``: grouped-query attention).
+        v: ``(B, H_kv, N_k, D_v)``.
+        attn_mask: bool or additive mask broadcastable to ``(B, H, N_q, N_k)``, or None.
+        is_causal: top-left aligned causal mask.
+        scale: softmax scale.
+        dtype: cast each block's inputs (and a floating mask) to this dtype first (default: as given).
+        budget: bytes per block (default :func:`reference_budget` of the inputs' device).
+        blocks: a plan to use instead of planning one.
+        grad: record autograd history (the outputs are differentiable; autograd then keeps every
+            block's saved tensors until the backward); default: no autograd.
+
+    Yields:
+        ``(block, out)``, ``out`` of shape ``(B_b, H_b, rows, D_v)`` for
+        :meth:`Block.take_q` of the call's output.
+    """
+    rep = q.shape[1] // max(k.shape[1], 1)
+    plan = blocks if blocks is not None else plan_blocks(
+        q.shape, k.shape, v.shape, is_causal=is_causal, budget=_budget(q.device, budget)
+    )
+    for blk in plan:  # (no context is held across a yield: the caller runs in its own modes)
+        qb, kb, vb = blk.take_q(q, rep), blk.take_kv(k), blk.take_kv(v)
+        mask, causal = blk.mask(attn_mask, rep, is_causal, q.device)
+        if dtype is not None:
+            qb, kb, vb = qb.to(dtype), kb.to(dtype), vb.to(dtype)
+            if mask is not None and mask.is_floating_point():
+                mask = mask.to(dtype)
+        with torch.set_grad_enabled(grad), reference_numerics():
+            kb, vb = expand_kv(kb, vb, rep)
+            out = kernel(qb, kb, vb, attn_mask=mask, is_causal=causal, scale=scale)
+        yield blk, out
+
+
+def reference_attention(
+    kernel: AttentionCall,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dtype: torch.dtype | None = None,
+    budget: int | None = None,
+) -> torch.Tensor:
+    """The whole output of ``kernel`` computed in blocks (:func:`reference_outputs`).
+
+    Differentiable when autograd is on and an input requires grad (the blocks' saved tensors are
+    then kept for the backward: for gradients in bounded memory use :func:`reference_gradients`).
+
+    Returns:
+        ``(B, H, N_q, D_v)`` in the kernel's output dtype (``dtype`` if given, else the inputs').
+    """
+    rep = q.shape[1] // max(k.shape[1], 1)
+    out: torch.Tensor | None = None
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    for blk, part in reference_outputs(
+        kernel,
+        q,
+        k,
+        v,
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        scale=scale,
+        dtype=dtype,
+        budget=budget,
+        grad=grad,
+    ):
+        if out is None:
+            out = part.new_empty(*q.shape[:3], v.shape[3])
+        out[blk.batch, blk.q_heads(rep), blk.rows] = part
+    if out is None:  # no blocks: an empty call
+        out = q.new_empty(*q.shape[:3], v.shape[3], dtype=dtype or q.dtype)
+    return out
+
+
+def _groups(blocks: Sequence[Block]) -> list[list[Block]]:
+    groups: list[list[Block]] = []
+    for blk in blocks:
+        if groups and groups[-1][0].group() == blk.group():
+            groups[-1].append(blk)
+        else:
+            groups.append([blk])
+    return groups
+
+
+@dataclass(frozen=True)
+class GroupGradients:
+    """The reference's results for one group of heads (the blocks sharing batch entries and heads).
+
+    Attributes:
+        blocks: the group's blocks (its row blocks), in row order.
+        outs: each block's output ``(B_b, H_b, rows, D_v)``, detached.
+        dq: each block's ``dq`` ``(B_b, H_b, rows, D)`` (empty when not requested).
+        dk: ``(B_b, H_kv_b, N_k, D)`` summed over the row blocks, or None when not requested.
+        dv: ``(B_b, H_kv_b, N_k, D_v)``, likewise.
+    """
+
+    blocks: list[Block]
+    outs: list[torch.Tensor]
+    dq: list[torch.Tensor]
+    dk: torch.Tensor | None
+    dv: torch.Tensor | None
+
+
+def reference_gradients(
+    kernel: AttentionCall,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dtype: torch.dtype | None = None,
+    need: Sequence[str] = ("q", "k", "v"),
+    budget: int | None = None,
+    blocks: Sequence[Block] | None = None,
+) -> Iterator[GroupGradients]:
+    """Outputs and input gradients of ``kernel`` for the output gradient ``grad_out``, per group.
+
+    Each block runs forward and backward on its own leaves (``q`` rows, the keys it sees), so
+    memory stays within the budget; ``dk``/``dv`` of a group are summed over its row blocks in at
+    least float32 and returned in the compute dtype (one rounding, as a kernel's own backward).
+
+    Args:
+        kernel: SDPA-signature attention (differentiable).
+        q: ``(B, H, N_q, D)``; k: ``(B, H_kv, N_k, D)``; v: ``(B, H_kv, N_k, D_v)``.
+        grad_out: ``(B, H, N_q, D_v)``.
+        attn_mask, is_causal, scale: as the call.
+        dtype: compute dtype (default: the inputs').
+        need: which of ``q``, ``k``, ``v`` get gradients.
+        budget: bytes per block (default: :func:`reference_budget`).
+        blocks: a plan (``backward=True``) to use instead of planning one.
+
+    Yields:
+        :class:`GroupGradients`, one per group, in plan order.
+    """
+    rep = q.shape[1] // max(k.shape[1], 1)
+    compute = dtype or q.dtype
+    plan = blocks if blocks is not None else plan_blocks(
+        q.shape, k.shape, v.shape, is_causal=is_causal, backward=True, budget=_budget(q.device, budget)
+    )
+    acc_dtype = torch.promote_types(compute, torch.float32)
+    for group in _groups(plan):  # (no context is held across a yield)
+        first = group[0]
+        k_all, v_all = k[first.batch, first.heads], v[first.batch, first.heads]
+        whole = len(group) == 1 and first.keys == k.shape[2]  # one block: its grads are the group's
+        acc: dict[str, torch.Tensor | None] = {n: None for n in ("k", "v") if n in need}
+        outs: list[torch.Tensor] = []
+        dqs: list[torch.Tensor] = []
+        for blk in group:
+            qb = blk.take_q(q, rep).detach().to(compute).requires_grad_("q" in need)
+            kb = k_all[:, :, : blk.keys].detach().to(compute).requires_grad_("k" in need)
+            vb = v_all[:, :, : blk.keys].detach().to(compute).requires_grad_("v" in need)
+            mask, causal = blk.mask(attn_mask, rep, is_causal, q.device)
+            if mask is not None and mask.is_floating_point():
+                mask = mask.to(compute)
+            wanted = {n: t for n, t in (("q", qb), ("k", kb), ("v", vb)) if n in need}
+            with torch.enable_grad(), reference_numerics():
+                ke, ve = expand_kv(kb, vb, rep)
+                out = kernel(qb, ke, ve, attn_mask=mask, is_causal=causal, scale=scale)
+                g = blk.take_q(grad_out, rep).to(out.dtype)
+                parts = torch.autograd.grad(out, list(wanted.values()), g, allow_unused=True)
+            outs.append(out.detach())
+            for n, part in zip(wanted, parts, strict=True):
+                part = torch.zeros_like(wanted[n]) if part is None else part
+                if n == "q":
+                    dqs.append(part)
+                    continue
+                if whole:
+                    acc[n] = part
+                    continue
+                total = acc[n]
+                if total is None:
+                    shape = (*part.shape[:2], (k if n == "k" else v).shape[2], part.shape[3])
+                    total = acc[n] = part.new_zeros(shape, dtype=acc_dtype)
+                total[:, :, : blk.keys] += part
+        if not whole:
+            acc = {n: None if t is None else t.to(compute) for n, t in acc.items()}
+        yield GroupGradients(group, outs, dqs, acc.get("k"), acc.get("v"))
