@@ -22,8 +22,13 @@ Vocabulary (DESIGN.md): for outputs ``a`` and reference ``b`` of the same shape,
 underscore (``primary_golden_max_abs``), a nested record nests them (``{"primary_golden": {"max_abs":
 ...}}``).
 
-Differences are computed in float64. :func:`deviation_tensors` returns 0-d tensors on the inputs'
-device (no host synchronisation) so callers can accumulate them; :func:`deviation` returns floats.
+**One implementation.** :func:`pair_sums` computes the sufficient statistics of up to three pairs
+at once with plain tensor ops on the tensors' device, with no host synchronisation and no branch on
+the values (one path for the CPU and every accelerator); the probe, the benchmarks and the fuzzer
+all use it, through :func:`deviation_tensors` / :func:`deviation` or directly. Differences are taken
+in float64 (the float32/bf16/fp16 sides are promoted exactly), so on a given device the bits do not
+depend on the inputs' layout; across devices the order of the reductions (and so the last bits of
+the sums) may differ.
 """
 
 from __future__ import annotations
@@ -36,12 +41,17 @@ import torch
 __all__ = [
     "PAIRS",
     "PAIR_LABELS",
+    "SLICE_ELEMENTS",
+    "SUM_ROWS",
     "Deviation",
+    "StatsWorkspace",
+    "combine_sums",
     "deviation",
     "deviation_tensors",
     "error_ratio",
     "finish_deviation",
     "noise_floor",
+    "pair_sums",
 ]
 
 #: The compared pairs, ``a_b`` meaning deviation of ``a`` from reference ``b``.
@@ -68,6 +78,145 @@ class Deviation:
         return asdict(self)
 
 
+#: The rows of :func:`pair_sums`, per pair.
+SUM_ROWS: tuple[str, ...] = (
+    "max_abs",
+    "sum_abs",
+    "sum_sq_diff",
+    "sum_sq_ref",
+    "nonfinite",
+    "count",
+    "max_ref",
+)
+#: Elements :func:`pair_sums` processes per slice, by device type: cache-sized on the CPU, fewer
+#: launches elsewhere. Its scratch memory is ``3 · P`` float64 rows of a slice (``P`` pairs).
+SLICE_ELEMENTS: dict[str, int] = {"cpu": 1 << 16, "default": 1 << 20}
+
+
+def _slice_elements(device: torch.device) -> int:
+    return SLICE_ELEMENTS.get(device.type, SLICE_ELEMENTS["default"])
+
+
+class StatsWorkspace:
+    """Reusable float64 scratch for :func:`pair_sums` (no allocation per call); holds at most
+    ``9 · SLICE_ELEMENTS[device]`` values per device."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device, numel: int) -> torch.Tensor:
+        """A flat float64 buffer of at least ``numel`` elements on ``device``."""
+        buf = self._buffers.get(device)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=torch.float64, device=device)
+            self._buffers[device] = buf
+        return buf
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
+def pair_sums(
+    primary: torch.Tensor,
+    baseline: torch.Tensor,
+    golden: torch.Tensor | None = None,
+    workspace: StatsWorkspace | None = None,
+) -> torch.Tensor:
+    """Sufficient statistics of the pairs ``(primary, baseline)``, ``(primary, golden)``,
+    ``(baseline, golden)`` at once, on the tensors' device (no host synchronisation).
+
+    A position counts as non-finite for a pair when the float64 difference is non-finite, i.e.
+    when either side is NaN or ±inf; every other statistic is over the finite positions. Per slice
+    of ``m`` elements (:data:`SLICE_ELEMENTS`) the scratch rows are ``z (P, m)`` (non-finite
+    markers), ``d (P, m)`` (differences) and ``r (P, m)`` (references), so that each reduction runs
+    once over two adjacent blocks: ``sum`` over ``[z; d]``, ``amax`` and the squared norm over
+    ``[d; r]`` (the squares as one dot product per row: exact sums of squares, no square root). The
+    references are masked with ``ref + 0·d`` (NaN where the pair is not finite)
+    before one ``nan_to_num`` zeroes every masked entry of ``d`` and ``r``.
+
+    Args:
+        primary: any shape, any floating dtype.
+        baseline: as many elements as ``primary`` (compared in row-major order).
+        golden: as many elements, or None (then only ``primary_baseline`` is computed).
+        workspace: scratch buffers to reuse across calls.
+
+    Returns:
+        ``(7, P)`` float64 tensor, ``P`` = 3 pairs (1 without golden), rows :data:`SUM_ROWS`:
+        ``max_abs``, ``sum_abs``, ``sum_sq_diff``, ``sum_sq_ref``, ``nonfinite``, ``count`` and
+        ``max_ref`` (the largest |reference| over the finite positions: max|golden| for the golden
+        pairs, what the noise floor needs).
+
+    Raises:
+        ValueError: the tensors have different numbers of elements.
+    """
+    p, b = primary.detach(), baseline.detach()
+    g = None if golden is None else golden.detach()
+    if p.numel() != b.numel() or (g is not None and g.numel() != p.numel()):
+        raise ValueError(
+            f"pair_sums: shapes differ: primary {tuple(primary.shape)}, baseline {tuple(baseline.shape)}"
+            + ("" if golden is None else f", golden {tuple(golden.shape)}")
+        )
+    p, b = p.reshape(-1), b.reshape(-1)
+    g = None if g is None else g.reshape(-1)
+    workspace = workspace or StatsWorkspace()
+    n, pairs, device = p.numel(), (1 if g is None else 3), p.device
+    chunk = max(1, min(n, _slice_elements(device)))
+    buf = workspace.get(device, 3 * pairs * chunk)
+    total: torch.Tensor | None = None
+    for start in range(0, max(n, 1), chunk):
+        stop = min(n, start + chunk)
+        m = stop - start
+        rows = buf[: 3 * pairs * m].view(3 * pairs, m)
+        z, d, r = rows[:pairs], rows[pairs : 2 * pairs], rows[2 * pairs :]
+        zd, dr = rows[: 2 * pairs], rows[pairs:]
+        ps = p[start:stop]
+        r[0].copy_(b[start:stop])  # the baseline in float64 (its reference row, masked below)
+        torch.sub(ps, r[0], out=d[0])
+        if g is not None:
+            gs = g[start:stop]
+            torch.sub(ps, gs, out=d[1])
+            torch.sub(r[0], gs, out=d[2])
+        torch.mul(d, 0.0, out=z)  # 0 where the pair is finite, NaN where it is not
+        r[0].add_(z[0])
+        if g is not None:
+            torch.add(gs, z[1:], out=r[1:])
+        dr.nan_to_num_(0.0, 0.0, 0.0).abs_()  # differences and references over finite pairs only
+        z.nan_to_num_(1.0)  # 1 where the pair is non-finite
+        sums = zd.sum(dim=1)  # (2P,): non-finite counts, then sum_abs
+        maxima = dr.amax(dim=1) if m else dr.new_zeros(2 * pairs)  # (2P,): max_abs, then max_ref
+        squares = torch.stack([torch.dot(row, row) for row in dr])  # (2P,): sum_sq_diff, then sum_sq_ref
+        part = torch.stack(
+            (
+                maxima[:pairs],
+                sums[pairs:],
+                squares[:pairs],
+                squares[pairs:],
+                sums[:pairs],
+                sums.new_zeros(pairs),  # the count, filled in below
+                maxima[pairs:],
+            )
+        )
+        total = combine_sums(total, part)
+    assert total is not None
+    total[5] = n - total[4]
+    return total
+
+
+def combine_sums(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
+    """Fold one part's ``(7, P)`` :func:`pair_sums` into the running total: maxima of ``max_abs``
+    and ``max_ref``, sums of the rest; ``part`` itself when ``total`` is None. Used over slices,
+    reference blocks and calls."""
+    if total is None:
+        return part
+    return torch.cat(
+        (
+            torch.maximum(total[:1], part[:1]),
+            total[1:6] + part[1:6],
+            torch.maximum(total[6:], part[6:]),
+        )
+    )
+
+
 def deviation_tensors(a: torch.Tensor, b: torch.Tensor) -> dict[str, torch.Tensor]:
     """Sufficient statistics of ``a − b`` as 0-d float64 tensors on the inputs' device.
 
@@ -77,24 +226,14 @@ def deviation_tensors(a: torch.Tensor, b: torch.Tensor) -> dict[str, torch.Tenso
 
     Returns:
         ``max_abs``, ``sum_abs``, ``sum_sq_diff``, ``sum_sq_ref``, ``nonfinite`` (count of
-        positions where either is non-finite) and ``count`` (finite positions). Reductions of
-        several calls: max of ``max_abs``, sums of the rest.
+        positions where either is non-finite) and ``count`` (finite positions): the
+        ``primary_baseline`` column of :func:`pair_sums`. Reductions of several calls: max of
+        ``max_abs``, sums of the rest.
     """
     if a.shape != b.shape:
         raise ValueError(f"deviation: shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
-    a64, b64 = a.detach().double(), b.detach().double()
-    finite = torch.isfinite(a64) & torch.isfinite(b64)
-    diff = torch.where(finite, a64 - b64, 0.0).abs()
-    ref = torch.where(finite, b64, 0.0)
-    count = finite.sum(dtype=torch.float64)
-    return {
-        "max_abs": diff.amax() if diff.numel() else diff.new_zeros(()),
-        "sum_abs": diff.sum(),
-        "sum_sq_diff": diff.square().sum(),
-        "sum_sq_ref": ref.square().sum(),
-        "nonfinite": a64.numel() - count,
-        "count": count,
-    }
+    column = pair_sums(a, b)[:, 0]
+    return {name: column[i] for i, name in enumerate(SUM_ROWS[:6])}
 
 
 def _finish(t: dict[str, float]) -> Deviation:

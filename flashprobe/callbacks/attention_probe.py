@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,7 @@ from typing_extensions import override
 
 from flashprobe.deviation import PAIRS
 from flashprobe.formats.probe_log import PROBE_LOG_NAME, ProbeLogWriter
-from flashprobe.kernels import get_kernel
-from flashprobe.probe import N_MAX, Probe, probe
+from flashprobe.probe import Probe, ProbeConfig, probe, reduce_across_ranks
 
 __all__ = ["AttentionProbe"]
 
@@ -47,14 +46,10 @@ class AttentionProbe(Callback):
     """Compare the model's attention kernel with the baseline at every call during training.
 
     Args:
-        primary: kernel spec whose output the model receives; ``None`` (default) keeps the kernel
-            the model already uses (a :func:`~flashprobe.probe.use_kernel` route, else torch SDPA).
-        baseline: kernel spec computed beside it, at the same dtype.
-        golden: also compute the FP64 golden value and the error ratio.
-        backward: also compare ``dq, dk, dv`` using the model's own output gradient.
-        every_n_steps: probe one training step in ``n`` (others run the primary only).
-        every_n_calls: within a probed step, compare every n-th call of each site.
-        sites: glob patterns of sites (module paths) to compare; ``"!pattern"`` excludes.
+        config: the probe's settings (:class:`~flashprobe.probe.ProbeConfig`: ``primary``,
+            ``baseline``, ``golden``, ``backward``, ``every_n_steps``, ``every_n_calls``, ``sites``,
+            ``dropout``, ``memory_budget``); default: its defaults. ``primary=None`` keeps the kernel
+            the model already uses.
         log_every_n_steps: read, log and reset the statistics every n steps; default: the
             Trainer's ``log_every_n_steps``.
         dirpath: directory of ``probe.jsonl``; default: ``trainer.log_dir`` or
@@ -63,9 +58,14 @@ class AttentionProbe(Callback):
         log_sites: also log every site's statistics as scalars (else only the summary).
         plot: at the end of training, draw the per-site deviation plot of the file next to it
             (``probe.png``, :func:`flashprobe.report.probe_figures.plot_probe`).
+        **settings: fields of :class:`~flashprobe.probe.ProbeConfig` replacing ``config``'s.
+
+    With ``16-mixed`` precision the gradient statistics are divided by the ``GradScaler``'s current
+    scale (read on the device, no sync), so they are in the model's units.
 
     Raises:
-        ValueError: a non-positive interval or an empty filename, naming the argument.
+        ProbeConfigError: an unknown setting or a bad value, naming it.
+        ValueError: a non-positive logging interval or an empty filename, naming the argument.
         KernelSpecError: an unknown kernel spec (at construction, before any training).
         KernelUnavailableError: at fit start, a kernel that cannot run on the model's device
             or dtype (e.g. ``flash_attn`` on CPU).
@@ -73,39 +73,29 @@ class AttentionProbe(Callback):
 
     def __init__(
         self,
-        primary: str | None = None,
-        baseline: str = "math",
-        golden: bool = True,
+        config: ProbeConfig | None = None,
+        /,
         *,
-        backward: bool = False,
-        every_n_steps: int = 1,
-        every_n_calls: int = 1,
-        sites: str | Sequence[str] | None = None,
         log_every_n_steps: int | None = None,
         dirpath: str | os.PathLike[str] | None = None,
         filename: str = PROBE_LOG_NAME,
         log_sites: bool = True,
         plot: bool = True,
+        **settings: Any,
     ) -> None:
-        for name, value in (
-            ("every_n_steps", every_n_steps),
-            ("every_n_calls", every_n_calls),
-            ("log_every_n_steps", 1 if log_every_n_steps is None else log_every_n_steps),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"AttentionProbe: {name}={value!r} must be a positive int")
-        if not filename:
-            raise ValueError("AttentionProbe: filename must be a non-empty file name, e.g. 'probe.jsonl'")
-        for spec in (primary, baseline):
-            if spec is not None:
-                get_kernel(spec)  # unknown kernels or options fail here, not at the first step
-        self.primary = primary
-        self.baseline = baseline
-        self.golden = golden
-        self.backward = backward
-        self.every_n_steps = every_n_steps
-        self.every_n_calls = every_n_calls
-        self.sites = sites
+        self.config = ProbeConfig.from_settings(config, **settings)
+        value = 1 if log_every_n_steps is None else log_every_n_steps
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"AttentionProbe: log_every_n_steps={log_every_n_steps!r} must be a positive int"
+            )
+        plain = isinstance(filename, str) and filename not in {"", ".", ".."}
+        plain = plain and Path(filename).name == filename
+        if not plain:
+            raise ValueError(
+                f"AttentionProbe: filename={filename!r} must be a plain file name inside dirpath, e.g. "
+                "'probe.jsonl' (no directories: set dirpath for the directory)"
+            )
         self.log_every_n_steps = log_every_n_steps
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.filename = filename
@@ -118,6 +108,32 @@ class AttentionProbe(Callback):
         self._path: Path | None = None
         self._writer: ProbeLogWriter | None = None
         self._calls_checked = False
+
+    @classmethod
+    def from_mapping(cls, settings: Mapping[str, Any], /, **kwargs: Any) -> AttentionProbe:
+        """The callback from a mapping of probe settings, e.g. Hydra's ``attention.probe`` (its
+        ``enabled`` key, which decides whether the callback exists at all, is left out).
+
+        Args:
+            settings: fields of :class:`~flashprobe.probe.ProbeConfig` (plus ``enabled``).
+            **kwargs: the callback's own arguments (``dirpath``, ``log_every_n_steps``, ...).
+        """
+        return cls(ProbeConfig.from_mapping(settings, ignore=("enabled",)), **kwargs)
+
+    @property
+    def primary(self) -> Any:
+        """The primary kernel spec (None: the model's own)."""
+        return self.config.primary
+
+    @property
+    def baseline(self) -> Any:
+        """The baseline kernel spec."""
+        return self.config.baseline
+
+    @property
+    def sites(self) -> tuple[str, ...] | None:
+        """The site patterns (None: every site)."""
+        return self.config.sites
 
     @property
     @override
@@ -134,18 +150,9 @@ class AttentionProbe(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         dtype = _PRECISION_DTYPES.get(str(trainer.precision))
         # Attaching checks every kernel on the model's device and dtype now, before any step.
-        self._probe = probe(
-            pl_module,
-            self.primary,
-            self.baseline,
-            self.golden,
-            backward=self.backward,
-            every_n_calls=self.every_n_calls,
-            every_n_steps=self.every_n_steps,
-            sites=self.sites,
-            dtype=dtype,
-        )
+        self._probe = probe(pl_module, self.config, dtype=dtype)
         self._probe.detach()  # only training batches are probed: attached at each batch start
+        self._probe.shadow.set_grad_scale(_loss_scale(trainer))
         root = self.dirpath or Path(trainer.log_dir or trainer.default_root_dir)
         self._path = root / self.filename
         self._writer = ProbeLogWriter(self._path)
@@ -211,7 +218,7 @@ class AttentionProbe(Callback):
             )
         if self.sites is not None and not any(self._probe.selects(site) for site in calls):
             raise ValueError(
-                f"AttentionProbe: sites={self.sites!r} matches none of the model's attention sites "
+                f"AttentionProbe: sites={list(self.sites)!r} matches none of the model's attention sites "
                 f"({', '.join(sorted(calls))}); fix the patterns or use sites=None for all"
             )
 
@@ -235,38 +242,9 @@ class AttentionProbe(Callback):
         """The per-site accumulators, all-reduced across ranks (MAX for maxima, SUM for sums)."""
         assert self._probe is not None
         local = self._probe.stat_tensors()
-        if (
-            trainer.world_size <= 1
-            or not torch.distributed.is_available()
-            or not torch.distributed.is_initialized()
-        ):
+        if trainer.world_size <= 1:
             return local
-        gathered: list[list[str]] = [[] for _ in range(trainer.world_size)]
-        torch.distributed.all_gather_object(gathered, sorted(local))
-        sites = sorted({s for names in gathered for s in names})
-        width = next(iter(local.values())).numel() if local else None
-        if width is None:  # this rank recorded nothing: borrow the layout from the probe module
-            from flashprobe.probe import FIELDS
-
-            width = len(FIELDS)
-        device = trainer.strategy.root_device
-        table = (
-            torch.stack(
-                [
-                    local[s].detach().to(device, torch.float64)
-                    if s in local
-                    else torch.zeros(width, dtype=torch.float64, device=device)
-                    for s in sites
-                ]
-            )
-            if sites
-            else torch.zeros(0, width, dtype=torch.float64, device=device)
-        )
-        maxima, sums = table[:, :N_MAX].contiguous(), table[:, N_MAX:].contiguous()
-        torch.distributed.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX)
-        torch.distributed.all_reduce(sums, op=torch.distributed.ReduceOp.SUM)
-        reduced = torch.cat([maxima, sums], dim=1)
-        return {s: reduced[i] for i, s in enumerate(sites)}
+        return reduce_across_ranks(local, trainer.strategy.root_device)
 
     def _flush(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
         assert self._probe is not None
@@ -341,6 +319,23 @@ class AttentionProbe(Callback):
         self.last_logged_step = state_dict.get("last_logged_step", -1)
         self.records = state_dict.get("records", 0)
         self._resumed_from = self.last_logged_step
+
+
+def _loss_scale(trainer: pl.Trainer) -> Callable[[], torch.Tensor | float | None] | None:
+    """The current loss scale of the Trainer's ``GradScaler`` (``16-mixed``), read without a sync:
+    its scale tensor where it has one (a private attribute of ``torch.amp.GradScaler``), else
+    ``get_scale()``; None without loss scaling."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None:
+        return None
+
+    def current() -> torch.Tensor | float | None:
+        if not scaler.is_enabled():
+            return None
+        scale = getattr(scaler, "_scale", None)
+        return scale if isinstance(scale, torch.Tensor) else scaler.get_scale()
+
+    return current
 
 
 def _flatten_sites(stats: dict[str, Any]) -> dict[str, float]:

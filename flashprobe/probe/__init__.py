@@ -6,23 +6,26 @@
   (module path) on the device, forward and optionally backward.
 * :class:`ShadowAttention` is the same as an ``nn.Module`` to call in place of SDPA.
 * :func:`use_kernel` routes a model's SDPA calls to any kernel spec, with no statistics.
-* :class:`DeviationStats` holds one site's on-device statistics; the layout of its accumulator
-  (``FIELDS``, ``N_MAX``) is what cross-rank reductions need; :func:`summarize` gives the worst
-  values over sites.
+* :class:`ProbeConfig` holds every setting, validated once (the callback and the Hydra config use
+  it too).
+* :class:`DeviationStats` holds one site's on-device statistics; :func:`reduce_across_ranks`
+  all-reduces them in distributed training; :func:`summarize` gives the worst values over sites.
 
 Modules, one idea each: ``call`` (one SDPA call adapted to the kernels' convention),
 ``intercept`` (catching SDPA calls inside attached models, also compiled ones, and naming their
 sites), ``compiled`` (the attach-time check for ``torch.compile(..., fullgraph=True)``), ``routing``
-(``use_kernel``), ``shadow`` (``ShadowAttention``), ``chunks`` (bounding the references' memory),
-``stats`` (on-device statistics), ``summary`` (the summary over sites), ``probe`` (``probe``).
+(``use_kernel``), ``shadow`` (``ShadowAttention``; its references are planned in bounded memory
+by :mod:`flashprobe.kernels.reference`), ``config`` (``ProbeConfig``), ``stats`` (on-device
+statistics and their cross-rank reduction), ``summary`` (the summary over sites), ``probe`` (``probe``).
 """
 
 from flashprobe.probe.call import SdpaCall
 from flashprobe.probe.compiled import ProbeCompileError
+from flashprobe.probe.config import DROPOUT_POLICIES, ProbeConfig, ProbeConfigError
 from flashprobe.probe.intercept import ROOT_SITE, ProbeWarning
 from flashprobe.probe.probe import Probe, probe
 from flashprobe.probe.routing import KernelRoute, use_kernel
-from flashprobe.probe.shadow import DEFAULT_CHUNK_ELEMENTS, ShadowAttention
+from flashprobe.probe.shadow import ShadowAttention
 from flashprobe.probe.stats import (
     DIRECTIONS,
     FIELDS,
@@ -33,13 +36,14 @@ from flashprobe.probe.stats import (
     PAIRS,
     SUM_FIELDS,
     DeviationStats,
+    reduce_across_ranks,
     stats_dict,
 )
 from flashprobe.probe.summary import summarize
 
 __all__ = [
-    "DEFAULT_CHUNK_ELEMENTS",
     "DIRECTIONS",
+    "DROPOUT_POLICIES",
     "FIELDS",
     "GRADIENTS",
     "INPUTS",
@@ -52,10 +56,13 @@ __all__ = [
     "KernelRoute",
     "Probe",
     "ProbeCompileError",
+    "ProbeConfig",
+    "ProbeConfigError",
     "ProbeWarning",
     "SdpaCall",
     "ShadowAttention",
     "probe",
+    "reduce_across_ranks",
     "stats_dict",
     "summarize",
     "use_kernel",

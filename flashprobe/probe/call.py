@@ -3,8 +3,9 @@
 SDPA takes tensors with any leading dims, casts them under autocast, repeats key/value heads with
 ``enable_gqa`` and has a ``dropout_p``; kernels take ``(B, H, N, D)`` tensors in one dtype with
 equal head counts and no dropout. :class:`SdpaCall` holds one call's arguments by name,
-:func:`prepare` brings them to the kernels' convention (:class:`Prepared`), :func:`expand_kv`
-repeats grouped key/value heads, and :func:`run_kernel` runs a kernel with SDPA's semantics and
+:func:`prepare` brings them to the kernels' convention (:class:`Prepared`),
+:func:`~flashprobe.kernels.reference.expand_kv` repeats grouped key/value heads, and
+:func:`run_kernel` runs a kernel with SDPA's semantics and
 layout. :data:`ORIGINAL_SDPA` is torch's own SDPA, saved before anything replaces it.
 """
 
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from flashprobe.kernels import Kernel
+from flashprobe.kernels.reference import expand_kv
 
 __all__ = [
     "ORIGINAL_SDPA",
@@ -135,7 +137,8 @@ class Prepared(NamedTuple):
         attn_mask: bool or additive mask broadcastable to ``(B, H, N_q, N_k)``, 4-D, or None.
         is_causal: top-left causal mask.
         scale: softmax scale or None.
-        rep: query heads per key/value head (1 without GQA); expand with :func:`expand_kv`.
+        rep: query heads per key/value head (1 without GQA); expand with
+            :func:`~flashprobe.kernels.reference.expand_kv`.
         dtype: the compute dtype.
     """
 
@@ -173,22 +176,6 @@ def prepare(call: SdpaCall, dtype: torch.dtype | None = None) -> Prepared:
     if call.enable_gqa and k4.shape[1] != q4.shape[1]:
         rep = q4.shape[1] // max(k4.shape[1], 1)
     return Prepared(q4, k4, v4, mask, bool(call.is_causal), call.scale, rep, dtype)
-
-
-def expand_kv(k: torch.Tensor, v: torch.Tensor, rep: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Repeat each key/value head ``rep`` times along dim 1, as SDPA's ``enable_gqa`` does.
-
-    Args:
-        k: ``(B, H_kv, N_k, D)``.
-        v: ``(B, H_kv, N_k, D_v)``.
-        rep: query heads per key/value head.
-
-    Returns:
-        ``k`` and ``v`` with ``H_kv · rep`` heads (the inputs themselves when ``rep`` is 1).
-    """
-    if rep == 1:
-        return k, v
-    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
 
 
 def run_kernel(kernel: Kernel, call: SdpaCall) -> torch.Tensor:

@@ -20,31 +20,20 @@ Calls that are not sampled run only the primary.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from flashprobe.kernels import Kernel
 from flashprobe.probe.call import SdpaCall
+from flashprobe.probe.config import ProbeConfig
 from flashprobe.probe.intercept import AttentionRoute, active_handles
 from flashprobe.probe.routing import KernelRoute, model_device_dtype
-from flashprobe.probe.shadow import DEFAULT_CHUNK_ELEMENTS, ShadowAttention
+from flashprobe.probe.shadow import ShadowAttention
 from flashprobe.probe.summary import summarize
 
 __all__ = ["Probe", "probe"]
-
-
-def _patterns(sites: str | Sequence[str] | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    if sites is None:
-        return (), ()
-    items = [sites] if isinstance(sites, str) else list(sites)
-    if not all(isinstance(s, str) and s.strip("!") for s in items):
-        raise ValueError(f"sites={sites!r}: give glob patterns such as 'blocks.*.attn' or '!blocks.0.*'")
-    include = tuple(s for s in items if not s.startswith("!"))
-    exclude = tuple(s[1:] for s in items if s.startswith("!"))
-    return include, exclude
 
 
 class Probe(AttentionRoute):
@@ -52,33 +41,36 @@ class Probe(AttentionRoute):
 
     Attributes:
         model: the probed model (unmodified).
-        shadow: the :class:`ShadowAttention` every sampled call goes through.
-        every_n_calls: probe every n-th call of each site.
-        every_n_steps: probe only when ``step % every_n_steps == 0``.
+        shadow: the :class:`ShadowAttention` every sampled call goes through; its ``config``
+            (:class:`~flashprobe.probe.ProbeConfig`) holds the sampling settings too.
     """
 
     kind = "probe"
 
-    def __init__(
-        self,
-        model: nn.Module,
-        shadow: ShadowAttention,
-        *,
-        every_n_calls: int = 1,
-        every_n_steps: int = 1,
-        sites: str | Sequence[str] | None = None,
-    ) -> None:
+    def __init__(self, model: nn.Module, shadow: ShadowAttention) -> None:
         super().__init__(model)
-        for name, value in (("every_n_calls", every_n_calls), ("every_n_steps", every_n_steps)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive int (1 = every one)")
         self.shadow = shadow
-        self.every_n_calls = every_n_calls
-        self.every_n_steps = every_n_steps
-        self._include, self._exclude = _patterns(sites)
+        sites = shadow.config.sites or ()
+        self._include = tuple(p for p in sites if not p.startswith("!"))
+        self._exclude = tuple(p[1:] for p in sites if p.startswith("!"))
         self._selected: dict[str, bool] = {}
         self._calls: dict[str, int] = {}
         self._step = 0
+
+    @property
+    def config(self) -> ProbeConfig:
+        """The probe's settings."""
+        return self.shadow.config
+
+    @property
+    def every_n_calls(self) -> int:
+        """Compare every n-th call of each site."""
+        return self.shadow.config.every_n_calls
+
+    @property
+    def every_n_steps(self) -> int:
+        """Compare only when ``step % every_n_steps == 0``."""
+        return self.shadow.config.every_n_steps
 
     # Routing --------------------------------------------------------------------------------
 
@@ -228,18 +220,12 @@ class Probe(AttentionRoute):
 
 def probe(
     model: nn.Module,
-    primary: str | Kernel | None = None,
-    baseline: str | Kernel = "math",
-    golden: bool = True,
+    config: ProbeConfig | None = None,
+    /,
     *,
-    backward: bool = False,
-    every_n_calls: int = 1,
-    every_n_steps: int = 1,
-    sites: str | Sequence[str] | None = None,
-    dropout: str = "compare",
-    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    **settings: Any,
 ) -> Probe:
     """Attach a shadow probe to every attention call made inside ``model``.
 
@@ -247,41 +233,27 @@ def probe(
         model: any ``nn.Module`` (not modified); its SDPA calls, including those of
             ``nn.MultiheadAttention``/``nn.TransformerEncoderLayer`` and of libraries calling
             ``F.scaled_dot_product_attention``, are compared per site.
-        primary: the kernel whose output the model receives. None: the kernel the model already
-            uses — the one routed with :func:`~flashprobe.probe.use_kernel` if any, else torch's
-            SDPA with the call's own arguments (the model's outputs are then exactly unchanged).
-        baseline: kernel spec of the baseline (same dtype as the primary).
-        golden: also compute the FP64 golden value and the error ratio.
-        backward: also compare ``dq, dk, dv`` using the model's own output gradient.
-        every_n_calls: compare every n-th call of each site.
-        every_n_steps: compare only at steps that are multiples of n (see :meth:`Probe.next_step`).
-        sites: glob patterns of sites to compare; ``"!pattern"`` excludes.
-        dropout: ``"compare"`` (dropout-free primary vs baseline) or ``"skip"`` for calls with
-            attention dropout.
-        chunk_elements: most score elements a reference chunk may materialise (memory bound).
+        config: the settings (:class:`~flashprobe.probe.ProbeConfig`; default: its defaults):
+            ``primary`` (None: the kernel the model already uses — a
+            :func:`~flashprobe.probe.use_kernel` route if any, else torch's SDPA with the call's own
+            arguments, so the model's outputs are exactly unchanged), ``baseline``, ``golden``,
+            ``backward``, ``every_n_calls``, ``every_n_steps`` (see :meth:`Probe.next_step`),
+            ``sites``, ``dropout``, ``memory_budget``.
         device: device to check the kernels against (default: the model's).
         dtype: compute dtype to check against (default: the model's; pass the autocast dtype when
             the model runs under autocast).
+        **settings: fields of :class:`~flashprobe.probe.ProbeConfig` replacing ``config``'s.
 
     Returns:
         The attached :class:`Probe`; use it as a context manager or call ``.detach()``.
 
     Raises:
+        ProbeConfigError: an unknown setting or a bad value (sampling, patterns, dropout, ...).
         KernelSpecError: unknown kernel spec or option.
         KernelUnavailableError: a kernel cannot run on the model's device/dtype (e.g.
             ``flash_attn`` on CPU), or golden on a device without float64.
-        ValueError: bad sampling, pattern or dropout arguments.
     """
+    cfg = ProbeConfig.from_settings(config, **settings)
     dev, dt = model_device_dtype(model, device, dtype)
-    shadow = ShadowAttention(
-        primary,
-        baseline,
-        golden,
-        backward=backward,
-        dropout=dropout,
-        chunk_elements=chunk_elements,
-        device=dev,
-        dtype=dt,
-    )
-    handle = Probe(model, shadow, every_n_calls=every_n_calls, every_n_steps=every_n_steps, sites=sites)
-    return handle.attach()
+    shadow = ShadowAttention(cfg, device=dev, dtype=dt)
+    return Probe(model, shadow).attach()

@@ -13,10 +13,20 @@ sends into it. When the model's backward reaches the inputs, the tap sees the pr
 same output gradient on detached copies, compared, and the primary's gradients are passed on
 unchanged — so the model's gradients are bit-identical.
 
-**Memory** is bounded: the references are computed over chunks of at most ``chunk_elements``
-score elements (whole batch entries when they fit, else groups of heads, else query rows of one
-head group; planned in :mod:`flashprobe.probe.chunks`), and statistics use fixed scratch buffers.
-Only statistics are kept; :mod:`flashprobe.probe.summary` summarises them over sites.
+**Memory** is bounded: the references are computed in blocks planned by
+:mod:`flashprobe.kernels.reference` (the same path the benchmarks and the fuzzer use): whole batch
+entries when they fit the memory budget, else groups of heads, else query rows; causal calls in
+row blocks against only the keys they see. The budget is a quarter of the device's free memory
+(``memory_budget`` to set it), read when a call shape is first seen; the plan is kept per shape.
+Statistics use fixed scratch buffers. Only statistics are kept; :mod:`flashprobe.probe.summary`
+summarises them over sites.
+
+**Numerics of the references**: float32 matmuls inside them are IEEE whatever TF32 setting the
+training uses (restored after each call; :func:`~flashprobe.kernels.reference.reference_numerics`);
+:meth:`ShadowAttention.numerics` records the training's own flags. **Loss scaling**: with a
+``GradScaler`` (``16-mixed``), the output gradient carries the loss scale; :meth:`set_grad_scale`
+gives the probe the scale (a device tensor, read without a sync), and the gradient statistics are
+divided by it, so they are in the model's units whatever the scale does over training.
 
 **Never breaking training.** The probe consumes no random numbers, changes no autocast state or
 dtype, and any failure of a reference computation is counted (``shadow_errors``) and warned about
@@ -29,6 +39,7 @@ calls. Backward comparison is skipped for dropout calls.
 from __future__ import annotations
 
 import collections
+import itertools
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -37,28 +48,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from flashprobe.kernels import Kernel, KernelUnavailableError, get_kernel, golden_attention
-from flashprobe.probe.call import Prepared, SdpaCall, autocast_off, expand_kv, prepare, run_kernel
-from flashprobe.probe.chunks import Chunk, chunk_mask, plan_chunks
+from flashprobe.deviation import StatsWorkspace, combine_sums, pair_sums
+from flashprobe.kernels import KernelUnavailableError, get_kernel, math_attention
+from flashprobe.kernels.reference import (
+    Block,
+    numerics_flags,
+    plan_blocks,
+    reference_budget,
+    reference_gradients,
+    reference_outputs,
+)
+from flashprobe.probe.call import Prepared, SdpaCall, autocast_off, prepare, run_kernel
+from flashprobe.probe.config import ProbeConfig
 from flashprobe.probe.intercept import GRAPH_BREAK_REASON, ProbeWarning, passthrough
 from flashprobe.probe.routing import KernelRoute, check_kernel_here
-from flashprobe.probe.stats import (
-    DeviationStats,
-    StatsWorkspace,
-    combine_sums,
-    count_nonfinite_positions,
-    pair_sums,
-    stats_dict,
-)
+from flashprobe.probe.stats import DeviationStats, count_nonfinite_positions, stats_dict
 from flashprobe.probe.summary import summarize
 
-__all__ = ["DEFAULT_CHUNK_ELEMENTS", "DROPOUT_POLICIES", "ShadowAttention"]
+__all__ = ["ShadowAttention"]
 
-#: Default bound on the score elements (``B·H·rows·N_k``) one reference chunk materialises:
-#: 4M elements, i.e. 32 MiB per float64 score matrix.
-DEFAULT_CHUNK_ELEMENTS = 1 << 22
-#: What to do with calls that use attention dropout.
-DROPOUT_POLICIES = ("compare", "skip")
+#: Per row of :func:`~flashprobe.deviation.pair_sums`, the power of the loss scale it carries:
+#: maxima and sums of |d| and |ref| (1), sums of squares (2), counts (0).
+_SCALE_POWERS = (1, 1, 2, 2, 0, 0, 1)
 
 
 class _GradTap(torch.autograd.Function):
@@ -142,52 +153,37 @@ class ShadowAttention(nn.Module):
     buffers: ``state_dict`` is unchanged.
 
     Args:
-        primary: kernel spec of the primary; None means torch's own SDPA with the call's exact
-            arguments (so the output is exactly what the model would have got).
-        baseline: kernel spec of the baseline, computed at the primary's dtype (default ``math``).
-        golden: also compute the FP64 golden value (enables the golden pairs and the error ratio).
-        backward: also compare ``dq, dk, dv`` (see the module docstring).
-        dropout: ``"compare"`` or ``"skip"``, for calls with ``dropout_p > 0``.
-        chunk_elements: most score elements one reference chunk may materialise.
+        config: the probe's settings (:class:`~flashprobe.probe.ProbeConfig`; default: its defaults).
         record: keep statistics; ``False`` computes the references and throws them away (the
             overhead control of ``flashprobe bench overhead``).
         name: site name used when called directly.
         device: if given, check the kernels against this device (and ``dtype``) now.
         dtype: compute dtype for that check (default float32).
+        **settings: fields of :class:`~flashprobe.probe.ProbeConfig` (``primary``, ``baseline``,
+            ``golden``, ``backward``, ``dropout``, ``memory_budget``, ...) replacing ``config``'s.
 
     Raises:
+        ProbeConfigError: an unknown setting or a bad value.
         KernelSpecError: unknown kernel or option.
         KernelUnavailableError: ``device`` given and a kernel cannot run there.
-        ValueError: bad ``dropout`` or ``chunk_elements``.
     """
 
     def __init__(
         self,
-        primary: str | Kernel | None = None,
-        baseline: str | Kernel = "math",
-        golden: bool = True,
+        config: ProbeConfig | None = None,
+        /,
         *,
-        backward: bool = False,
-        dropout: str = "compare",
-        chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
         record: bool = True,
         name: str = "attention",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        **settings: Any,
     ) -> None:
         super().__init__()
-        if dropout not in DROPOUT_POLICIES:
-            raise ValueError(f"dropout={dropout!r}: use one of {', '.join(DROPOUT_POLICIES)}")
-        if not isinstance(chunk_elements, int) or chunk_elements < 1:
-            raise ValueError(
-                f"chunk_elements={chunk_elements!r} must be a positive int (e.g. {DEFAULT_CHUNK_ELEMENTS})"
-            )
-        self.primary = None if primary is None else get_kernel(primary)
-        self.baseline = get_kernel(baseline)
-        self.golden = bool(golden)
-        self.backward = bool(backward)
-        self.dropout = dropout
-        self.chunk_elements = chunk_elements
+        self.config = ProbeConfig.from_settings(config, **settings)
+        cfg = self.config
+        self.primary = None if cfg.primary is None else get_kernel(cfg.primary)
+        self.baseline = get_kernel(cfg.baseline)
         self.record = bool(record)
         self.name = name
         if device is not None:
@@ -197,8 +193,41 @@ class ShadowAttention(nn.Module):
         self._dropout_calls: dict[str, int] = {}
         self._warned: set[Any] = set()
         self._workspace = StatsWorkspace()
+        self._plans: dict[tuple[Any, ...], list[Block]] = {}
+        self._budgets: dict[torch.device, int] = {}
+        self._grad_scale: Callable[[], torch.Tensor | float | None] | None = None
         # Forward comparisons of calls whose backward never came (appended by finalizers).
         self._orphans: collections.deque[tuple[str, Prepared, torch.Tensor]] = collections.deque()
+
+    @property
+    def golden(self) -> bool:
+        """Whether the FP64 golden value is computed."""
+        return self.config.golden
+
+    @property
+    def backward(self) -> bool:
+        """Whether gradients are compared."""
+        return self.config.backward
+
+    @property
+    def dropout(self) -> str:
+        """The policy for calls with attention dropout."""
+        return self.config.dropout
+
+    def set_grad_scale(self, scale: Callable[[], torch.Tensor | float | None] | None) -> None:
+        """Give the probe the loss scale of the backward passes it compares (``GradScaler``).
+
+        Args:
+            scale: called at each compared backward; returns the scale the output gradient carries
+                (a 0-d tensor, e.g. a ``GradScaler``'s current scale tensor, read on its device without
+                a host sync, or a float), or None for no scaling. ``None``: no loss scaling.
+        """
+        self._grad_scale = scale
+
+    def numerics(self) -> dict[str, Any]:
+        """The training's matmul precision flags (:func:`~flashprobe.kernels.reference.numerics_flags`)
+        and that the references ran with IEEE float32 matmuls regardless."""
+        return {**numerics_flags(), "references_fp32_matmul": "ieee"}
 
     def check(self, device: torch.device, dtype: torch.dtype) -> None:
         """Raise :class:`KernelUnavailableError` if a kernel cannot run on ``device``/``dtype``."""
@@ -216,6 +245,23 @@ class ShadowAttention(nn.Module):
             f"primary={primary!r}, baseline={self.baseline.spec!r}, golden={self.golden}, "
             f"backward={self.backward}"
         )
+
+    def _plan(self, p: Prepared, backward: bool) -> list[Block]:
+        """The reference blocks of a call of ``p``'s shape (planned once per shape)."""
+        mask_key = None if p.attn_mask is None else tuple(p.attn_mask.shape)
+        key = (tuple(p.q.shape), tuple(p.k.shape), tuple(p.v.shape), mask_key, p.is_causal, backward)
+        plan = self._plans.get(key)
+        if plan is None:
+            device = p.q.device
+            budget = self.config.memory_budget
+            if budget is None:
+                budget = self._budgets.get(device)
+                if budget is None:
+                    budget = self._budgets[device] = reference_budget(device)
+            plan = self._plans[key] = plan_blocks(
+                p.q.shape, p.k.shape, p.v.shape, is_causal=p.is_causal, backward=backward, budget=budget
+            )
+        return plan
 
     # ---------------------------------------------------------------------------------------
     # Calls
@@ -322,20 +368,8 @@ class ShadowAttention(nn.Module):
     # Comparisons
     # ---------------------------------------------------------------------------------------
 
-    def _references(
-        self, p: Prepared, c: Chunk, rs: slice | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Baseline (compute dtype) and golden (float64) outputs of one chunk, 4-D."""
-        q = c.take(p.q, p.rep, rs)
-        k, v = expand_kv(c.take(p.k), c.take(p.v), p.rep)
-        mask, causal = chunk_mask(p, c, rs)
-        base = self.baseline(q, k, v, attn_mask=mask, is_causal=causal, scale=p.scale)
-        gold = (
-            golden_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=p.scale)
-            if self.golden
-            else None
-        )
-        return base, gold
+    def _call_args(self, p: Prepared) -> dict[str, Any]:
+        return {"attn_mask": p.attn_mask, "is_causal": p.is_causal, "scale": p.scale}
 
     def _compare_forward(
         self, site: str, call: SdpaCall | None, out: torch.Tensor, prepared: Prepared | None = None
@@ -349,13 +383,19 @@ class ShadowAttention(nn.Module):
             p = prepared
             with passthrough(), torch.no_grad(), autocast_off(out.device.type):
                 out4 = out.detach().reshape(p.out_shape)
+                plan = self._plan(p, backward=False)
+                args = self._call_args(p)
+                base = reference_outputs(self.baseline, p.q, p.k, p.v, blocks=plan, **args)
+                gold = (
+                    reference_outputs(math_attention, p.q, p.k, p.v, blocks=plan, dtype=torch.float64, **args)
+                    if self.golden
+                    else itertools.repeat((None, None))
+                )
                 sums = None
-                for c in plan_chunks(p, self.chunk_elements):
-                    for rs in c.rows:
-                        base, gold = self._references(p, c, rs)
-                        if self.record:
-                            mine = c.take(out4, p.rep, rs)
-                            sums = combine_sums(sums, pair_sums(mine, base, gold, self._workspace))
+                for (blk, b), (_, g) in zip(base, gold, strict=False):  # gold: repeat(None) without golden
+                    if self.record:
+                        part = pair_sums(blk.take_q(out4, p.rep), b, g, self._workspace)
+                        sums = combine_sums(sums, part)
                 if self.record and sums is not None:
                     stats = self._site(site, out.device)
                     stats.add("out", sums, p.dtype)
@@ -364,41 +404,6 @@ class ShadowAttention(nn.Module):
                     )
         except Exception as err:
             self._failed(site, err)
-
-    def _reference_grads(
-        self,
-        fn: Callable[..., torch.Tensor],
-        p: Prepared,
-        c: Chunk,
-        names: tuple[str, ...],
-        grad_out: torch.Tensor,
-        dtype: torch.dtype,
-    ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-        """Outputs (one per row chunk of ``c``, detached) and ``d(q|k|v)`` of ``fn`` over chunk ``c``
-        for the output gradient, in ``dtype``."""
-        sources = {"q": c.take(p.q, p.rep), "k": c.take(p.k), "v": c.take(p.v)}
-        leaves = {n: t.detach().to(dtype).requires_grad_(n in names) for n, t in sources.items()}
-        wanted = [leaves[n] for n in names]
-        g_all = c.take(grad_out, p.rep)
-        grads: dict[str, torch.Tensor] = {}
-        outs: list[torch.Tensor] = []
-        with torch.enable_grad():
-            for rs in c.rows:
-                q = leaves["q"] if rs is None else leaves["q"][:, :, rs]
-                k, v = expand_kv(leaves["k"], leaves["v"], p.rep)
-                mask, causal = chunk_mask(p, c, rs)
-                out = fn(q, k, v, attn_mask=mask, is_causal=causal, scale=p.scale)
-                outs.append(out.detach())
-                g_out = g_all if rs is None else g_all[:, :, rs]
-                parts = torch.autograd.grad(out, wanted, g_out.to(out.dtype), allow_unused=True)
-                for n, g in zip(names, parts, strict=True):
-                    g = torch.zeros_like(leaves[n]) if g is None else g
-                    if len(c.rows) == 1:
-                        grads[n] = g
-                    else:  # summed over row chunks in at least float32
-                        acc = torch.promote_types(g.dtype, torch.float32)
-                        grads[n] = g.to(acc) if n not in grads else grads[n] + g
-        return outs, grads
 
     def _compare_backward(
         self,
@@ -431,6 +436,15 @@ class ShadowAttention(nn.Module):
         except Exception as err:
             self._failed(site, err)
 
+    def _unscale(self, sums: torch.Tensor) -> torch.Tensor:
+        """Gradient pair sums in the model's units: divided by the loss scale's power per row."""
+        scale = None if self._grad_scale is None else self._grad_scale()
+        if scale is None:
+            return sums
+        s = torch.as_tensor(scale, dtype=torch.float64, device=sums.device).reshape(())
+        powers = torch.tensor(_SCALE_POWERS, dtype=torch.float64, device=sums.device).unsqueeze(1)
+        return sums / s.pow(powers)
+
     def _gradient_sums(
         self,
         p: Prepared,
@@ -439,28 +453,38 @@ class ShadowAttention(nn.Module):
         out: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor | None]:
         """Pair sums of the primary's gradients ``mine`` (``q``/``k``/``v``, shaped as in ``p``)
-        against the references' for the ``(B, H, N_q, D_v)`` output gradient, over all chunks; with
+        against the references' for the ``(B, H, N_q, D_v)`` output gradient, over all blocks; with
         the primary's ``(B, H, N_q, D_v)`` output ``out``, also the forward pair sums (key
         ``"out"``), from the references' outputs of the same passes."""
         names = tuple(mine)
         sums: dict[str, torch.Tensor | None] = dict.fromkeys((*names, "out"))
-        for c in plan_chunks(p, self.chunk_elements):
-            base_out, base = self._reference_grads(self.baseline, p, c, names, grad_out, p.dtype)
-            gold_out, gold = (
-                self._reference_grads(golden_attention, p, c, names, grad_out, torch.float64)
-                if self.golden
-                else ([None] * len(c.rows), {})
-            )
-            if self.record:
-                with torch.no_grad():
+        plan = self._plan(p, backward=True)
+        args = {**self._call_args(p), "need": names, "blocks": plan}
+        base = reference_gradients(self.baseline, p.q, p.k, p.v, grad_out, dtype=p.dtype, **args)
+        gold = (
+            reference_gradients(math_attention, p.q, p.k, p.v, grad_out, dtype=torch.float64, **args)
+            if self.golden
+            else itertools.repeat(None)
+        )
+        ws = self._workspace
+        for bg, gg in zip(base, gold, strict=False):  # gold: repeat(None) without golden
+            if not self.record:
+                continue
+            with torch.no_grad():
+                for i, blk in enumerate(bg.blocks):
                     if out is not None:
-                        for rs, b, g in zip(c.rows, base_out, gold_out, strict=True):
-                            part = pair_sums(c.take(out, p.rep, rs), b, g, self._workspace)
-                            sums["out"] = combine_sums(sums["out"], part)
-                    for n in names:
-                        mine_c = c.take(mine[n], p.rep if n == "q" else 1)
-                        part = pair_sums(mine_c, base[n], gold.get(n), self._workspace)
-                        sums[n] = combine_sums(sums[n], part)
+                        part = pair_sums(blk.take_q(out, p.rep), bg.outs[i], gg.outs[i] if gg else None, ws)
+                        sums["out"] = combine_sums(sums["out"], part)
+                    if "q" in names:
+                        mine_q = blk.take_q(mine["q"], p.rep)
+                        part = pair_sums(mine_q, bg.dq[i], gg.dq[i] if gg else None, ws)
+                        sums["q"] = combine_sums(sums["q"], self._unscale(part))
+                first = bg.blocks[0]
+                for n in ("k", "v"):
+                    if n in names:
+                        b_grad, g_grad = getattr(bg, f"d{n}"), getattr(gg, f"d{n}") if gg else None
+                        part = pair_sums(mine[n][first.batch, first.heads], b_grad, g_grad, ws)
+                        sums[n] = combine_sums(sums[n], self._unscale(part))
         return sums
 
     # ---------------------------------------------------------------------------------------

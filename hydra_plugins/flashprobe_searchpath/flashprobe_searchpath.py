@@ -7,7 +7,8 @@ directory named by ``$FLASHPROBE_CONFIG_DIR`` (``flashprobe study --config-dir D
 them to Hydra's search path, so a user's ``conf/attention/flash.yaml`` overrides the packaged one
 and a new ``conf/experiment/mine.yaml`` adds an experiment, without touching the package. It acts
 only on flashprobe's own app (a search path that holds ``flashprobe/conf``), so other Hydra apps
-in the same environment are left alone. It imports nothing heavy (no torch).
+in the same environment are left alone (for them it imports nothing heavy; for flashprobe's app
+it also registers the structured schema of ``attention.probe``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ class FlashprobeSearchPathPlugin(SearchPathPlugin):
         packaged = _packaged_conf()
         if packaged is None or not _is_flashprobe(search_path, packaged):
             return
+        # The schema of attention.probe (flashprobe.probe.ProbeConfig's settings), which the packaged
+        # attention configs extend; flashprobe's own app imports torch anyway.
+        from flashprobe.probe.config import register_schema
+
+        register_schema()
         candidates = [Path("conf"), Path(os.environ.get(CONFIG_DIR_ENV, "") or "conf")]
         for directory in dict.fromkeys(p.resolve() for p in candidates):  # the env dir ends up first
             if directory.is_dir() and directory != packaged:

@@ -105,8 +105,11 @@ def test_logged_statistics_match_a_direct_fp64_computation(tmp_path: Path) -> No
 def test_bad_arguments_fail_at_construction() -> None:
     with pytest.raises(KernelSpecError, match="unknown kernel"):
         AttentionProbe(primary="nope")
-    with pytest.raises(ValueError, match="every_n_steps=0 must be a positive int"):
+    with pytest.raises(ValueError, match=r"every_n_steps=0 must be an int >= 1"):
         AttentionProbe(every_n_steps=0)
+    for name in ("../x.jsonl", "/tmp/x.jsonl", "sub/x.jsonl", "..", ""):
+        with pytest.raises(ValueError, match="must be a plain file name inside dirpath"):
+            AttentionProbe(filename=name)
 
 
 class _NoAttention(L.LightningModule):
@@ -141,7 +144,7 @@ def test_site_patterns_that_match_nothing_fail_early(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(3))
     with pytest.raises(
-        ValueError, match=r"sites='blocks\.\*' matches none of the model's attention sites \(attn\)"
+        ValueError, match=r"sites=\['blocks\.\*'\] matches none of the model's attention sites \(attn\)"
     ):
         _trainer(AttentionProbe(sites="blocks.*", dirpath=tmp_path)).fit(_OneAttention(q, k, v))
 

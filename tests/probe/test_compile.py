@@ -156,7 +156,7 @@ def test_shadow_attention_inside_a_compiled_module() -> None:
     class Own(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.attend = ShadowAttention(None, "math", golden=True, name="own")
+            self.attend = ShadowAttention(baseline="math", golden=True, name="own")
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.attend(x, x, x) + 1

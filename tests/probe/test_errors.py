@@ -39,8 +39,8 @@ def test_bad_probe_arguments() -> None:
         probe(model, dropout="ignore")
     with pytest.raises(ValueError, match="sites"):
         probe(model, sites=["!"])
-    with pytest.raises(ValueError, match="chunk_elements"):
-        probe(model, chunk_elements=0)
+    with pytest.raises(ValueError, match="memory_budget"):
+        probe(model, memory_budget=0)
     with pytest.raises(TypeError, match=r"nn\.Module"):
         probe(lambda x: x)  # type: ignore[arg-type]
     assert F.scaled_dot_product_attention is _ORIGINAL
@@ -52,7 +52,7 @@ def test_failing_shadow_is_counted_not_raised() -> None:
 
     register_kernel("broken_for_probe_test", broken, overwrite=True)
     q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
-    shadow = ShadowAttention(None, "broken_for_probe_test")
+    shadow = ShadowAttention(baseline="broken_for_probe_test")
     with pytest.warns(ProbeWarning, match="failed and was skipped.*boom"):
         out = shadow(q, k, v)
     shadow(q, k, v)

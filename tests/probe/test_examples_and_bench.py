@@ -11,7 +11,6 @@ import pytest
 
 from flashprobe.bench.overhead import main as overhead_main
 from flashprobe.cli import main as cli_main
-from flashprobe.probe import native
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,8 +39,7 @@ def test_overhead_bench_writes_rows_and_figure(tmp_path: Path, capsys: pytest.Ca
     assert rows["probe"]["compared_calls"] == 3  # 1 layer x (1 warm-up + 2 timed) steps
     assert rows["probe_every_2"]["compared_calls"] == 2  # warm-up and step 0
     assert {c["mode"] for c in doc["limits"]} == {"probe", "probe_every_2"}
-    assert doc["cpu_statistics"] == native.status()  # which path the statistics took, and why
-    assert f"statistics on the CPU: {native.status()}" in capsys.readouterr().out
+    assert doc["environment"]["torch"]  # what the figures depend on
     assert figure.stat().st_size > 1000 and (tmp_path / "overhead.csv").exists()
     assert cli_main(["bench", "overhead", "--steps", "0"]) == 2  # bad input: one clear error
 

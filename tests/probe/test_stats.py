@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -13,10 +14,13 @@ import flashprobe.probe.shadow as shadow_module
 import flashprobe.probe.stats as stats_module
 from flashprobe.deviation import deviation_tensors
 from flashprobe.kernels import get_kernel, math_attention
-from flashprobe.probe import N_MAX, ProbeWarning, ShadowAttention, native, probe
+from flashprobe.kernels.reference import BYTES_PER_SCORE
+from flashprobe.probe import N_MAX, ProbeWarning, ShadowAttention, probe
 from flashprobe.probe.stats import pair_sums
 
 from .test_sites import Direct
+
+deviation_module = sys.modules["flashprobe.deviation"]  # (the package's `deviation` is the function)
 
 
 def _qkv(b=2, h=2, n=7, d=8, dtype=torch.float32, seed=0):
@@ -61,7 +65,7 @@ def _check(got, want, rel=1e-9):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pair_sums_match_deviation_tensors_with_nonfinite(dtype, monkeypatch) -> None:
-    monkeypatch.setattr(stats_module, "STATS_CHUNK_CPU", 37)  # exercise the chunk loop
+    monkeypatch.setitem(deviation_module.SLICE_ELEMENTS, "cpu", 37)  # exercise the slice loop
     gen = torch.Generator().manual_seed(1)
     g = torch.randn(3, 5, 11, generator=gen, dtype=torch.float64)
     p = (g + 1e-2 * torch.randn(g.shape, generator=gen, dtype=torch.float64)).to(dtype)
@@ -80,7 +84,7 @@ def test_pair_sums_match_deviation_tensors_with_nonfinite(dtype, monkeypatch) ->
 def test_forward_stats_against_numpy_float64() -> None:
     q, k, v = _qkv()
     primary = get_kernel("tiled:block_q=3,block_k=4")
-    shadow = ShadowAttention(primary, "math", golden=True)
+    shadow = ShadowAttention(primary=primary, baseline="math", golden=True)
     out = shadow(q, k, v, scale=0.3)
     assert torch.equal(out, primary(q, k, v, scale=0.3))  # the model gets the primary's output
     golden, _ = _np_attention(q, k, v, 0.3)
@@ -120,7 +124,7 @@ def test_backward_stats_against_hand_computed_gradients() -> None:
 def test_nonfinite_inputs_are_counted_without_raising() -> None:
     q, k, v = _qkv(b=1)
     q[0, 1, 3, 2] = float("nan")  # poisons one output row of head 1
-    shadow = ShadowAttention(None, "math", golden=True)
+    shadow = ShadowAttention(baseline="math", golden=True)
     out = shadow(q, k, v)  # no exception
     entry = shadow.stats()["attention"]
     assert entry["nonfinite_inputs"] == {"q": 1, "k": 0, "v": 0, "grad_out": 0}
@@ -139,39 +143,45 @@ def test_nonfinite_inputs_are_counted_without_raising() -> None:
     assert summary["nonfinite"] == 1 + 3 * 8 and summary["nonfinite_sites"] == ["attention"]
 
 
-def test_chunked_references_bound_memory_and_agree(monkeypatch) -> None:
+def test_blocked_references_bound_memory_and_agree(monkeypatch) -> None:
+    """The references run in the blocks of flashprobe.kernels.reference: with a budget that fits the
+    whole call, one block; with smaller ones, per batch entry and row blocks. Every block keeps
+    within the budget's scores, and the statistics agree with the one-block run (golden exactly up
+    to float64 rounding; the fp32 baseline sums dk, dv over row blocks, so only its rounding moves)."""
     seen = []
-    real = shadow_module.golden_attention
+    real = math_attention
 
     def spy(q, k, v, **kw):
-        seen.append(q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
+        if q.dtype == torch.float64:  # the golden's blocks
+            seen.append(q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
         return real(q, k, v, **kw)
 
-    monkeypatch.setattr(shadow_module, "golden_attention", spy)
+    monkeypatch.setattr(shadow_module, "math_attention", spy)
     q, k, v = (t.requires_grad_() for t in _qkv(b=3, n=20))
     grad_out = torch.randn(3, 2, 20, 8, generator=torch.Generator().manual_seed(2))
     results, calls = {}, {}
-    # whole tensor; one (batch, head) per chunk (exact); 5 query rows per chunk
-    for chunk in (10**9, 400, 100):
+    # whole call; one batch entry per block; a few query rows per block
+    budgets = {"whole": 10**9, "entry": 60_000, "rows": 9_000}
+    for name, budget in budgets.items():
         seen.clear()
-        shadow = ShadowAttention(None, "math", backward=True, chunk_elements=chunk)
+        shadow = ShadowAttention(baseline="math", backward=True, memory_budget=budget)
         shadow(q, k, v, is_causal=True).backward(grad_out)
-        results[chunk] = shadow.stats()["attention"]
-        calls[chunk] = len(seen)
-        assert max(seen) <= chunk
-    # One golden forward per chunk: with backward=True the forward comparison uses the outputs of
+        results[name] = shadow.stats()["attention"]
+        calls[name] = len(seen)
+        assert all(n * BYTES_PER_SCORE[True] <= budget for n in seen)
+    # One golden forward per block: with backward=True the forward comparison uses the outputs of
     # the same pass that the gradients need.
-    assert calls == {10**9: 1, 400: 6, 100: 6 * 4}
+    assert calls["whole"] == 1
+    assert calls["entry"] == 3
+    assert calls["rows"] > 3 * 2
     parts = (("forward", "out"), ("backward", "dq"), ("backward", "dk"), ("backward", "dv"))
-    whole = results[10**9]
+    whole = results["whole"]
     for direction, part in parts:
         for pair in ("primary_baseline", "primary_golden", "baseline_golden"):
-            got, want = results[400][direction][part][pair], whole[direction][part][pair]
+            got, want = results["entry"][direction][part][pair], whole[direction][part][pair]
             assert got["max_abs"] == pytest.approx(want["max_abs"], rel=1e-6), (part, pair)
             assert got["rel_l2"] == pytest.approx(want["rel_l2"], rel=1e-6), (part, pair)
-        # Row chunks: golden unchanged; the fp32 baseline sums dk, dv over chunks, so only its
-        # rounding differs.
-        rows = results[100][direction][part]
+        rows = results["rows"][direction][part]
         assert rows["primary_golden"]["max_abs"] == pytest.approx(
             whole[direction][part]["primary_golden"]["max_abs"]
         )
@@ -221,7 +231,7 @@ def test_sdpa_arguments_are_forwarded_faithfully() -> None:
     ]
     for kwargs in cases:
         want = F.scaled_dot_product_attention(q, k, v, **kwargs)
-        shadow = ShadowAttention("math")
+        shadow = ShadowAttention(primary="math")
         assert torch.allclose(shadow(q, k, v, **kwargs), want, atol=1e-6), kwargs
         assert shadow.stats()["attention"]["forward"]["out"]["primary_baseline"]["max_abs"] == 0
     q3, k3, v3 = q[0], k[0].repeat_interleave(2, 0), v[0].repeat_interleave(2, 0)  # (H, N, D)
@@ -233,7 +243,7 @@ def test_sdpa_arguments_are_forwarded_faithfully() -> None:
 
 def test_without_golden_and_with_dropout_skip() -> None:
     q, k, v = _qkv()
-    shadow = ShadowAttention("tiled", golden=False)
+    shadow = ShadowAttention(primary="tiled", golden=False)
     assert shadow.summary()["max_error_ratio"] is None  # nothing recorded yet
     shadow(q, k, v)
     out = shadow.stats()["attention"]["forward"]["out"]
@@ -250,7 +260,7 @@ def test_backward_mode_compares_the_forward_even_without_a_backward() -> None:
     """With backward=True the forward comparison waits for the backward; a call whose backward never
     comes (graph dropped, or no gradient reaching its output) is still compared, exactly once."""
     q, k, v = (t.requires_grad_() for t in _qkv())
-    shadow = ShadowAttention(None, "math", backward=True)
+    shadow = ShadowAttention(baseline="math", backward=True)
     out = shadow(q, k, v)
     del out  # graph freed without backward: its finalizer queues the forward comparison
     other = shadow(q, k, v)
@@ -259,12 +269,12 @@ def test_backward_mode_compares_the_forward_even_without_a_backward() -> None:
     del other
     stats = shadow.stats()["attention"]
     assert stats["forward"]["calls"] == 2 and stats["backward"]["calls"] == 0
-    with_backward = ShadowAttention(None, "math", backward=True)
+    with_backward = ShadowAttention(baseline="math", backward=True)
     with_backward(q, k, v).sum().backward()
     got = with_backward.stats()["attention"]
     assert got["forward"]["calls"] == got["backward"]["calls"] == 1
     # The deferred forward comparison equals the one made at once without backward.
-    plain = ShadowAttention(None, "math", backward=False)
+    plain = ShadowAttention(baseline="math", backward=False)
     plain(q, k, v)
     assert got["forward"] == plain.stats()["attention"]["forward"]
 
@@ -274,36 +284,20 @@ def test_one_nan_token_counts_once() -> None:
     q, k, v = _qkv(b=2, h=2, n=5, d=8)
     q[1, :, 3, :] = float("nan")  # one token of one sequence, every head and channel
     k[0, 1, 2, 4] = float("inf")  # one element
-    shadow = ShadowAttention(None, "math", golden=True)
+    shadow = ShadowAttention(baseline="math", golden=True)
     shadow(q, k, v)
     assert shadow.stats()["attention"]["nonfinite_inputs"] == {"q": 1, "k": 1, "v": 0, "grad_out": 0}
 
 
-def use_path(monkeypatch: pytest.MonkeyPatch, path: str, chunk: int) -> None:
-    """Make :func:`pair_sums` take ``path``: ``native`` (the CPU's C kernel), ``tensor`` (the CPU's
-    tensor ops, all-finite path first) or ``masked`` (what other devices run), in slices of
-    ``chunk`` elements."""
-    monkeypatch.setattr(stats_module, "STATS_CHUNK_CPU", chunk)
-    monkeypatch.setattr(native, "CHUNK", chunk)
-    if path == "native" and not native.available():
-        pytest.skip(f"no C kernel here: {native.status()}")
-    if path == "tensor":
-        monkeypatch.setattr(native, "pair_sums", lambda *args: None)
-    if path == "masked":
-        monkeypatch.setattr(stats_module, "_on_host", lambda device: False)
-
-
 @pytest.mark.parametrize("strided", [False, True])
-@pytest.mark.parametrize("path", ["native", "tensor", "masked"])
 @pytest.mark.parametrize("nonfinite", [True, False])
 @pytest.mark.parametrize("golden", [True, False])
 @pytest.mark.parametrize("chunk", [1, 16, 37, 1 << 16])
-def test_pair_sums_against_numpy_oracle(golden, chunk, nonfinite, path, strided, monkeypatch) -> None:
+def test_pair_sums_against_numpy_oracle(golden, chunk, nonfinite, strided, monkeypatch) -> None:
     """Every row of :func:`pair_sums`, ``max_ref`` included, from an independent numpy float64
     computation, with non-finite values of every kind on and around slice boundaries, or none;
-    on each path (the C kernel, the CPU's tensor ops, the masked path other devices run) and
-    chunk size; contiguous tensors, or strided views (as autograd hands gradients over)."""
-    use_path(monkeypatch, path, chunk)
+    at each slice size; contiguous tensors, or strided views (as autograd hands gradients over)."""
+    monkeypatch.setitem(deviation_module.SLICE_ELEMENTS, "cpu", chunk)
     gen = torch.Generator().manual_seed(3)
     g = 3.0 * torch.randn(2, 3, 41, generator=gen, dtype=torch.float64)
     p = (g + 1e-3 * torch.randn(g.shape, generator=gen, dtype=torch.float64)).float()
@@ -339,47 +333,8 @@ def test_pair_sums_of_empty_tensors_are_zero() -> None:
     assert (got == 0).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-def test_accumulation_on_the_host_gives_the_bits_of_the_tensor_ops(dtype, monkeypatch) -> None:
-    """The CPU folds each call's sums into the accumulator in Python floats; the device path does
-    it with tensor ops. Same calls, same accumulator, bit for bit: maxima, sums, the per-call error
-    ratio and noise floor, undefined ratios (0/0) and infinite ones (exact baseline, no floor)."""
-    gen = torch.Generator().manual_seed(5)
-    host, device = stats_module.DeviationStats("cpu"), stats_module.DeviationStats("cpu")
-    no_golden_host = stats_module.DeviationStats("cpu", golden=False)
-    no_golden_device = stats_module.DeviationStats("cpu", golden=False)
-    for call in range(40):
-        scale = 10.0 ** torch.randint(-14, 4, (), generator=gen).item()
-        sums = {
-            d: scale * torch.rand(7, 3, generator=gen, dtype=torch.float64) for d in ("out", "dq", "dk", "dv")
-        }
-        if call % 4 == 1:
-            sums["dq"][0] = 0.0  # primary, baseline and golden agree: ratio 0/0 with a zero floor
-            sums["dq"][6] = 0.0
-        if call % 4 == 2:
-            sums["dk"][0, 2] = 0.0  # exact baseline and zero golden: floor 0, ratio inf
-            sums["dk"][6] = 0.0
-        if call % 4 == 3:
-            sums["dv"][0, 1:] = torch.tensor([1e-20, 0.0])  # exact baseline, golden 1e-300: a subnormal floor
-            sums["dv"][6] = 1e-300  # (in float64: ratio 1e-20 / 1.1e-316, finite)
-        picked = dict(list(sums.items())[call % 3 :])  # runs of adjacent directions
-        host.add_many(picked, dtype)
-        no_golden_host.add_many({d: s[:, :1] for d, s in picked.items()}, dtype)
-        with monkeypatch.context() as m:
-            m.setattr(stats_module, "_on_host", lambda device: False)
-            device.add_many(picked, dtype)
-            no_golden_device.add_many({d: s[:, :1] for d, s in picked.items()}, dtype)
-    assert torch.equal(host.values, device.values)
-    assert torch.equal(no_golden_host.values, no_golden_device.values)
-    assert math.isinf(host.as_dict()["backward"]["dk"]["max_call_error_ratio"])
-    assert host.as_dict()["backward"]["dq"]["error_ratio"] is not None
-
-
-@pytest.mark.parametrize("on_host", [True, False])
-def test_nonfinite_positions_count_tokens_and_an_overflowing_sum_is_not_a_nan(on_host, monkeypatch) -> None:
-    """On the CPU a finite plain sum short-cuts the count to 0; a sum that overflows (finite
-    values near the float32 maximum) falls through to the exact count, which finds none."""
-    monkeypatch.setattr(stats_module, "_on_host", lambda device: on_host)
+def test_nonfinite_positions_count_tokens_and_an_overflowing_sum_is_not_a_nan() -> None:
+    """Finite values near the float32 (or float64) maximum whose sums overflow count as finite."""
     big = torch.full((2, 3, 5, 4), 3e38)
     assert torch.isinf(big.sum())
     assert stats_module.count_nonfinite_positions(big).item() == 0
