@@ -166,3 +166,53 @@ def test_a_plotting_error_does_not_fail_the_finished_run(
     assert len((tmp_path / "probe.jsonl").read_text().splitlines()) == 3
     assert not (tmp_path / "probe.png").exists()
     assert "could not draw" in caplog.text and "no display" in caplog.text
+
+
+class _ScaledLoss(L.LightningModule):
+    """One SDPA call per step on fixed inputs, with a fixed non-zero output gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(11)
+        self.q, self.k, self.v = (torch.randn(1, 2, 16, 8, generator=gen) for _ in range(3))
+        self.target = torch.randn(1, 2, 16, 8, generator=gen)
+        self.w = nn.Parameter(torch.ones(()))
+        self.attn = _Sdpa()
+
+    def training_step(self, batch, batch_idx):
+        out = self.attn(self.q * self.w, self.k * self.w, self.v * self.w)
+        return (out.float() * self.target).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.zeros(4, 1), batch_size=1)
+
+
+def test_gradient_statistics_are_in_the_models_units_under_16_mixed(tmp_path: Path) -> None:
+    """16-mixed with a GradScaler: the output gradient the kernels see carries the loss scale; the
+    probe divides it out. At scales where fp16 rounding commutes with the scale (powers of two, no
+    overflow, no subnormals) the statistics are the same; without the division they would grow with
+    the scale (sums of squares with its square)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    def run(scale: float) -> dict:
+        scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+        callback = AttentionProbe(dirpath=tmp_path / str(scale), backward=True, plot=False)
+        precision = MixedPrecision("16-mixed", "cpu", scaler)
+        trainer = _trainer(callback, max_steps=2, log_every_n_steps=2, plugins=[precision])
+        trainer.fit(_ScaledLoss())
+        lines = (tmp_path / str(scale) / "probe.jsonl").read_text().splitlines()
+        (record,) = [json.loads(line) for line in lines]
+        return record["sites"]["attn"]["backward"]
+
+    one, eight, thirty_two = run(1.0), run(8.0), run(32.0)
+    for grad in ("dq", "dk", "dv"):
+        for pair in ("primary_baseline", "primary_golden", "baseline_golden"):
+            for stat in ("max_abs", "mean_abs", "rel_l2"):
+                want = one[grad][pair][stat]
+                assert eight[grad][pair][stat] == pytest.approx(want, rel=1e-12), (grad, pair, stat)
+                assert thirty_two[grad][pair][stat] == pytest.approx(want, rel=1e-12), (grad, pair, stat)
+            assert one[grad][pair]["nonfinite"] == 0
+        assert one[grad]["primary_golden"]["max_abs"] > 0  # something was compared
