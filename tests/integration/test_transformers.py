@@ -139,3 +139,55 @@ def test_compiled_gpt2_matches_compiled_without_probe(backend: str) -> None:
     assert_identical(plain, probed)
     assert p.sites == ["transformer.h.0.attn", "transformer.h.1.attn"]  # as in eager mode
     assert p.summary()["backward_calls"] == 4 and p.summary()["shadow_errors"] == 0
+
+
+def _explain_breaks(model: torch.nn.Module) -> int:
+    ids = _tokens(0)["input_ids"]
+    return torch._dynamo.explain(lambda x: model(input_ids=x).logits)(ids).graph_break_count
+
+
+@pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2", "llama"])
+def test_compiled_graph_breaks_are_those_of_one_disabled_attention_call(make) -> None:
+    """docs/probe.md "Graph breaks": with the probe attached, torch._dynamo.explain counts exactly
+    the breaks of the same model whose SDPA is wrapped in a plain torch.compiler.disable (the
+    breaks come from running attention eagerly, and nested frames each count one), and none
+    without either."""
+    torch._dynamo.reset()
+    model = make()
+    assert _explain_breaks(model) == 0
+    torch._dynamo.reset()
+    with probe(model, golden=False):
+        probed = _explain_breaks(model)
+    torch._dynamo.reset()
+    original = torch.nn.functional.scaled_dot_product_attention
+    disabled = torch.compiler.disable(original)
+    try:
+        torch.nn.functional.scaled_dot_product_attention = disabled
+        plain = _explain_breaks(model)
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+    torch._dynamo.reset()
+    assert probed == plain > 0
+
+
+@pytest.mark.slow
+def test_compiled_llama_under_aot_eager_matches_a_plain_disabled_attention() -> None:
+    """Under aot_eager a graph break changes the compiled training of a tiny Llama (some gradients
+    move in their last bits); the probe's training is bit-identical to that of the same model with
+    SDPA wrapped in a plain torch.compiler.disable: the difference is the break's, not the probe's."""
+    batch = _tokens
+    original = torch.nn.functional.scaled_dot_product_attention
+    torch._dynamo.reset()
+    model = _llama()
+    try:
+        torch.nn.functional.scaled_dot_product_attention = torch.compiler.disable(original)
+        plain = train_steps(model, batch, _logits, call=torch.compile(model, backend="aot_eager"))
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+    torch._dynamo.reset()
+    model = _llama()
+    compiled = torch.compile(model, backend="aot_eager")
+    with probe(model, backward=True):
+        probed = train_steps(model, batch, _logits, call=compiled)
+    torch._dynamo.reset()
+    assert_identical(plain, probed)
