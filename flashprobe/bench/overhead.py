@@ -64,6 +64,9 @@ LIMITS: dict[bool, tuple[tuple[str, str, float], ...]] = {
     True: (("probe", "control", 1.08), ("probe_every", "no_probe", 1.10)),
 }
 
+#: ``--autocast`` values and their dtypes (``""``: no autocast).
+AUTOCAST: dict[str, torch.dtype | None] = {"": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 TABLE_COLUMNS = [
     ("mode", "mode"),
     ("step_ms", "step ms"),
@@ -105,6 +108,11 @@ class OverheadConfig:
     """Seed of the weights and the batches."""
     compile: str = ""
     """``torch.compile`` backend every mode's model is compiled with (``""``: eager)."""
+    device: str = "cpu"
+    """Where the models train (``cpu``, ``cuda``, ``cuda:1``); on CUDA each step ends with a
+    synchronisation so that its wall time is the device's."""
+    autocast: str = ""
+    """Train under ``torch.autocast`` in ``bf16`` or ``fp16`` (``""``: fp32 throughout)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -129,6 +137,22 @@ class OverheadConfig:
         if self.compile and self.compile not in torch._dynamo.list_backends(exclude_tags=()):
             known = ", ".join(torch._dynamo.list_backends(exclude_tags=()))
             raise BenchArgumentError(f"--compile {self.compile!r}: not a torch.compile backend ({known})")
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as err:
+            raise BenchArgumentError(
+                f"--device {self.device!r}: not a device ({err}); use cpu or cuda"
+            ) from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise BenchArgumentError(
+                f"--device {self.device}: torch has no CUDA device here; use --device cpu"
+            )
+        if device.type not in ("cpu", "cuda"):
+            raise BenchArgumentError(f"--device {self.device}: only cpu and cuda are supported")
+        if self.autocast not in AUTOCAST:
+            raise BenchArgumentError(
+                f"--autocast {self.autocast!r}: use one of {', '.join(a for a in AUTOCAST if a)}"
+            )
         if self.steps < self.every:
             raise BenchArgumentError(
                 f"--steps {self.steps} must cover at least one block of --every {self.every}"
@@ -178,16 +202,17 @@ def _measure(
     config: OverheadConfig, progress: Callable[[str], None]
 ) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
     torch.manual_seed(config.seed)
+    device = torch.device(config.device)
     base = TinyLM(
         vocab=config.vocab,
         seq_len=config.seq_len,
         d_model=config.d_model,
         heads=config.heads,
         layers=config.layers,
-    )
+    ).to(device)
     gen = torch.Generator().manual_seed(config.seed + 1)
     rounds = config.warmup + config.steps
-    tokens = torch.randint(config.vocab, (rounds, config.batch, config.seq_len + 1), generator=gen)
+    tokens = torch.randint(config.vocab, (rounds, config.batch, config.seq_len + 1), generator=gen).to(device)
     modes = config.modes
     models = {m: copy.deepcopy(base) for m in modes}
     optims = {m: torch.optim.AdamW(models[m].parameters(), lr=1e-3) for m in modes}
@@ -218,7 +243,7 @@ def _measure(
         for mode in order:
             x, y = tokens[r, :, :-1], tokens[r, :, 1:]
             step = max(r - config.warmup, 0)  # warm-up rounds compare too
-            seconds = _timed_step(calls[mode], optims[mode], handles[mode], x, y, step)
+            seconds = _timed_step(calls[mode], optims[mode], handles[mode], x, y, step, config.autocast)
             if r >= config.warmup:
                 times[mode].append(seconds)
         if r >= config.warmup and (r - config.warmup + 1) % config.every == 0:
@@ -239,19 +264,29 @@ def _timed_step(
     x: torch.Tensor,
     y: torch.Tensor,
     step: int,
+    autocast: str = "",
 ) -> float:
     """One training step on tokens ``x (B, N)`` → targets ``y (B, N)``, with ``handle`` attached
-    just for it; returns its wall-clock seconds (attach and detach included)."""
+    just for it; returns its wall-clock seconds (attach and detach included; on CUDA up to a
+    synchronisation after the optimizer step)."""
+    cuda = x.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(x.device)
     start = time.perf_counter()
     if handle is not None:
         handle.set_step(step)
         handle.attach()
     opt.zero_grad(set_to_none=True)
-    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    dtype = AUTOCAST[autocast]
+    with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
+        logits = model(x)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
     loss.backward()
     opt.step()
     if handle is not None:
         handle.detach()
+    if cuda:
+        torch.cuda.synchronize(x.device)
     return time.perf_counter() - start
 
 
@@ -322,6 +357,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=d.threads, help=f"torch threads (default {d.threads})")
     parser.add_argument("--seed", type=int, default=d.seed, help=f"seed (default {d.seed})")
     parser.add_argument(
+        "--device", default=d.device, help=f"where to train: cpu or cuda (default {d.device})"
+    )
+    parser.add_argument(
+        "--autocast", default=d.autocast, choices=[a for a in AUTOCAST if a], help="train under autocast"
+    )
+    parser.add_argument(
         "--compile",
         nargs="?",
         const="inductor",
@@ -350,6 +391,8 @@ def _config(args: argparse.Namespace) -> OverheadConfig:
         threads=args.threads,
         seed=args.seed,
         compile=args.compile,
+        device=args.device,
+        autocast=args.autocast or "",
     )
 
 
@@ -376,7 +419,8 @@ def _run(args: argparse.Namespace) -> int:
     subtitle = (
         f"{config.layers} layers, d={config.d_model}, {config.heads} heads, B={config.batch}, "
         f"N={config.seq_len}, golden={config.golden}, backward={config.backward}, "
-        f"{config.steps} steps/mode, {config.threads} thread(s)"
+        f"{config.steps} steps/mode, {config.threads} thread(s), {config.device}"
+        + (f", autocast {config.autocast}" if config.autocast else "")
         + (f", torch.compile(backend={config.compile!r})" if config.compile else "")
     )
     paths["png"] = plot_overhead(rows, args.figure or args.out / "overhead.png", subtitle)

@@ -15,6 +15,7 @@ import csv
 import io
 import math
 import platform
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,32 @@ def environment() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
+
+
+def peak_memory() -> dict[str, int | None]:
+    """The process's peak memory so far, in bytes: resident set (``getrusage``, everything the
+    process touched, imports included) and, where CUDA is used, the caching allocator's peak of
+    allocated tensors on the current device."""
+    try:
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    except (ImportError, OSError):
+        rss = None
+    cuda = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = torch.cuda.max_memory_allocated()
+    return {"peak_rss_bytes": rss, "cuda_peak_allocated_bytes": cuda}
+
+
+def peak_memory_line(peak: Mapping[str, int | None]) -> str:
+    """``peak memory: 1.23 GiB resident (process peak)[, CUDA 0.50 GiB allocated]``."""
+    parts = []
+    if peak.get("peak_rss_bytes") is not None:
+        parts.append(f"{peak['peak_rss_bytes'] / 2**30:.2f} GiB resident (process peak)")
+    if peak.get("cuda_peak_allocated_bytes") is not None:
+        parts.append(f"CUDA {peak['cuda_peak_allocated_bytes'] / 2**30:.2f} GiB allocated (peak)")
+    return "peak memory: " + (", ".join(parts) or "unknown")
 
 
 def _csv_text(rows: Sequence[Mapping[str, Any]]) -> str:

@@ -29,7 +29,14 @@ from flashprobe.bench.args import (
     run_cli,
 )
 from flashprobe.bench.inputs import InputConfig, Shape
-from flashprobe.bench.results import format_table, load_results, write_results, wrote_line
+from flashprobe.bench.results import (
+    format_table,
+    load_results,
+    peak_memory,
+    peak_memory_line,
+    write_results,
+    wrote_line,
+)
 from flashprobe.bench.sweep import SweepPoint, deviation_sweep
 from flashprobe.kernels import Kernel
 
@@ -161,7 +168,9 @@ def run_sweep_command(command: SweepCommand, args: argparse.Namespace) -> int:
     for entry in skipped:
         print(command.skipped_line.format(**entry))
     config = {**plan.config, **setup.inputs.as_dict(), "seeds": setup.seeds}
-    meta = {"command": args.command_line, "config": config, "seconds": round(seconds, 2)}
+    peak = peak_memory()
+    print(peak_memory_line(peak))
+    meta = {"command": args.command_line, "config": config, "seconds": round(seconds, 2), "peak_memory": peak}
     paths = write_results(args.out, command.name, rows, meta=meta, skipped=skipped)
     if rows:
         paths["png"] = _draw(command, rows, png)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from flashprobe.bench.overhead import main as overhead_main
 from flashprobe.cli import main as cli_main
@@ -53,3 +54,15 @@ def test_overhead_bench_compiled(tmp_path: Path) -> None:
     rows = {row["mode"]: row for row in doc["rows"]}
     assert rows["probe"]["compared_calls"] == 3  # the compiled model's calls were compared
     assert overhead_main(["--compile", "no_such_backend", "--out", str(tmp_path)]) == 2
+
+
+def test_overhead_bench_under_autocast_and_device_checks(tmp_path: Path) -> None:
+    argv = ["--steps", "2", "--warmup", "0", "--every", "2", "--batch", "1", "--seq-len", "8"]
+    argv += ["--d-model", "16", "--heads", "2", "--layers", "1", "--autocast", "bf16", "--out", str(tmp_path)]
+    assert overhead_main(argv) == 0
+    doc = json.loads((tmp_path / "overhead.json").read_text())
+    assert doc["config"]["autocast"] == "bf16" and doc["config"]["device"] == "cpu"
+    assert {row["mode"]: row for row in doc["rows"]}["probe"]["compared_calls"] == 2
+    assert overhead_main(["--device", "nosuch", "--out", str(tmp_path)]) == 2
+    if not torch.cuda.is_available():
+        assert overhead_main(["--device", "cuda", "--out", str(tmp_path)]) == 2
