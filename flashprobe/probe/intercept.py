@@ -292,6 +292,18 @@ _COMPILED_DISPATCH: Callable[..., torch.Tensor] = torch.compiler.disable(_dispat
 _COMPILED_DISPATCH.__doc__ = ORIGINAL_SDPA.__doc__
 
 
+def _stand_in(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """What replaces ``F.scaled_dot_product_attention`` while a handle is attached: the eager
+    dispatcher, or, while Dynamo traces it, one opaque op per call
+    (:func:`flashprobe.probe.opaque.traced_call`; the graph break where that cannot be)."""
+    if torch.compiler.is_compiling():
+        return opaque.traced_call(*args, **kwargs)
+    return _dispatch(*args, **kwargs)
+
+
+_stand_in.__name__ = _stand_in.__qualname__ = "scaled_dot_product_attention"
+
+
 # --------------------------------------------------------------------------------------------
 # Fused fast paths, reported
 # --------------------------------------------------------------------------------------------
@@ -400,7 +412,7 @@ def _install(roots: list[nn.Module]) -> None:
     if not _patches:
         _freeze_dynamo_rules()
         functional, torch_ns = vars(F), vars(torch)
-        _patch(functional, "scaled_dot_product_attention", _COMPILED_DISPATCH)
+        _patch(functional, "scaled_dot_product_attention", _stand_in)
         _patch(functional, "multi_head_attention_forward", _mha_wrapper(F.multi_head_attention_forward))
         for name in ("_transformer_encoder_layer_fwd", "_native_multi_head_attention"):
             if name in torch_ns:
@@ -419,7 +431,7 @@ def _install(roots: list[nn.Module]) -> None:
                 namespace = vars(py_module)
                 for name, value in list(namespace.items()):
                     if value is ORIGINAL_SDPA:
-                        _patch(namespace, name, _COMPILED_DISPATCH)
+                        _patch(namespace, name, _stand_in)
 
 
 def _uninstall() -> None:
@@ -434,3 +446,6 @@ def _uninstall() -> None:
                 ProbeWarning,
                 stacklevel=3,
             )
+
+
+from flashprobe.probe import opaque  # noqa: E402  (it uses this module's names at run time)

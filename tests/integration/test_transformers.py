@@ -141,53 +141,41 @@ def test_compiled_gpt2_matches_compiled_without_probe(backend: str) -> None:
     assert p.summary()["backward_calls"] == 4 and p.summary()["shadow_errors"] == 0
 
 
-def _explain_breaks(model: torch.nn.Module) -> int:
+def _explain(model: torch.nn.Module):
     ids = _tokens(0)["input_ids"]
-    return torch._dynamo.explain(lambda x: model(input_ids=x).logits)(ids).graph_break_count
+    return torch._dynamo.explain(lambda x: model(input_ids=x).logits)(ids)
 
 
 @pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2", "llama"])
-def test_compiled_graph_breaks_are_those_of_one_disabled_attention_call(make) -> None:
-    """docs/probe.md "Graph breaks": with the probe attached, torch._dynamo.explain counts exactly
-    the breaks of the same model whose SDPA is wrapped in a plain torch.compiler.disable (the
-    breaks come from running attention eagerly, and nested frames each count one), and none
-    without either."""
+def test_compiled_no_graph_break_one_op_per_attention_call(make) -> None:
+    """docs/probe.md "Graph breaks": torch._dynamo.explain counts no graph break with the probe
+    attached, as without it; each attention call is one flashprobe::attention op in the graph."""
     torch._dynamo.reset()
     model = make()
-    assert _explain_breaks(model) == 0
+    assert _explain(model).graph_break_count == 0
     torch._dynamo.reset()
     with probe(model, golden=False):
-        probed = _explain_breaks(model)
+        explained = _explain(model)
     torch._dynamo.reset()
-    original = torch.nn.functional.scaled_dot_product_attention
-    disabled = torch.compiler.disable(original)
-    try:
-        torch.nn.functional.scaled_dot_product_attention = disabled
-        plain = _explain_breaks(model)
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = original
-    torch._dynamo.reset()
-    assert probed == plain > 0
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    code = explained.graphs[0].code
+    assert code.count("torch.ops.flashprobe.attention(") == 2  # the two layers' attention calls
+    assert "scaled_dot_product_attention" not in code
 
 
 @pytest.mark.slow
-def test_compiled_llama_under_aot_eager_matches_a_plain_disabled_attention() -> None:
-    """Under aot_eager a graph break changes the compiled training of a tiny Llama (some gradients
-    move in their last bits); the probe's training is bit-identical to that of the same model with
-    SDPA wrapped in a plain torch.compiler.disable: the difference is the break's, not the probe's."""
+def test_compiled_llama_under_aot_eager_matches_compiled_without_probe() -> None:
+    """Under aot_eager the probe's compiled training of a tiny Llama (GQA, causal) is bit-identical
+    to the compiled training without it."""
     batch = _tokens
-    original = torch.nn.functional.scaled_dot_product_attention
     torch._dynamo.reset()
     model = _llama()
-    try:
-        torch.nn.functional.scaled_dot_product_attention = torch.compiler.disable(original)
-        plain = train_steps(model, batch, _logits, call=torch.compile(model, backend="aot_eager"))
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = original
+    plain = train_steps(model, batch, _logits, call=torch.compile(model, backend="aot_eager"))
     torch._dynamo.reset()
     model = _llama()
     compiled = torch.compile(model, backend="aot_eager")
-    with probe(model, backward=True):
+    with probe(model, backward=True) as p:
         probed = train_steps(model, batch, _logits, call=compiled)
     torch._dynamo.reset()
     assert_identical(plain, probed)
+    assert p.summary()["backward_calls"] > 0 and p.summary()["shadow_errors"] == 0

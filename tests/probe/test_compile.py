@@ -127,7 +127,7 @@ def test_compiled_stock_encoder_under_aot_eager() -> None:
     assert summary["shadow_errors"] == 0 and 0 < summary["max_error_ratio"] < 2
 
 
-def test_graph_breaks_only_at_attention_calls() -> None:
+def test_no_graph_break_one_opaque_op_per_attention_call() -> None:
     model = Stack(4)
     x = torch.randn(2, 6, 16)
     plain = torch._dynamo.explain(model)(x)
@@ -135,10 +135,33 @@ def test_graph_breaks_only_at_attention_calls() -> None:
     torch._dynamo.reset()
     with probe(model):
         explained = torch._dynamo.explain(model)(x)
-    # One break where the block's forward calls SDPA, and the one it forces in the loop calling it.
-    assert explained.graph_break_count == 2
-    for reason in explained.break_reasons:
-        assert "torch.compiler.disable" in reason.reason and "flashprobe" in reason.reason
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    code = explained.graphs[0].code
+    assert code.count("torch.ops.flashprobe.attention(") == 4  # one op per attention call
+    assert "scaled_dot_product_attention" not in code
+
+
+def test_a_call_the_op_cannot_express_is_a_graph_break() -> None:
+    """A mask that needs a gradient: the op gives none, so the call takes the eager graph break."""
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = nn.Parameter(torch.zeros(6, 6))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x * 2
+            return F.scaled_dot_product_attention(x, x, x, attn_mask=self.bias) + 1
+
+    model = Masked()
+    x = torch.randn(1, 2, 6, 8)
+    with probe(model, backward=True) as p:
+        explained = torch._dynamo.explain(model)(x)
+        assert explained.graph_break_count == 1
+        assert "flashprobe" in explained.break_reasons[0].reason
+        torch._dynamo.reset()
+        torch.compile(model, backend="aot_eager")(x).sum().backward()
+    assert model.bias.grad is not None and p.sites == ["<root>"]
 
 
 def test_fullgraph_is_refused_at_attach_time() -> None:
@@ -180,3 +203,50 @@ def test_inductor_same_sites_and_close_outputs() -> None:
     for x, y in zip(plain["outputs"], probed["outputs"], strict=True):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
     assert p.sites == ["encoder.self_attn", "block"] and p.summary()["backward_calls"] == 6
+
+
+class BreaksItself(nn.Module):
+    """A block with a graph break of its own before attention: Dynamo compiles its frame on its own
+    and would reuse that code for a sibling block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.lin(x)
+        torch._dynamo.graph_break()
+        return F.scaled_dot_product_attention(x, x, x, is_causal=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sibling_blocks_compiled_on_their_own_keep_their_sites(backend: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(BreaksItself(), BreaksItself(), BreaksItself())
+    x = torch.randn(1, 2, 12, 8)
+    with probe(model, backward=True) as eager:
+        model(x).sum().backward()
+    compiled = torch.compile(model, backend=backend)
+    for _ in range(2):  # the second pass runs the cached code
+        with probe(model, backward=True) as p:
+            compiled(x).sum().backward()
+        assert p.sites == ["0", "1", "2"]
+        assert p.stats() == eager.stats()  # every site's own numbers, not a sibling's
+
+
+def test_use_kernel_route_inside_a_compiled_graph() -> None:
+    """A routed call is one op too: the compiled model gets the routed kernel's output and gradients."""
+    torch.manual_seed(0)
+    model = Stack(2)
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    with use_kernel(model, "tiled:block_q=4,block_k=4"):
+        eager = model(x)
+        (eager_grad,) = torch.autograd.grad(eager.sum(), x)
+        explained = torch._dynamo.explain(model)(x)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager")(x)
+        (compiled_grad,) = torch.autograd.grad(compiled.sum(), x)
+    assert explained.graph_break_count == 0
+    assert torch.equal(compiled, eager) and torch.equal(compiled_grad, eager_grad)
+    without = model(x)
+    assert not torch.equal(without, eager)  # the route did change the kernel
