@@ -1,9 +1,9 @@
 """Compiled models: the attach-time check for what the probe cannot support under ``torch.compile``.
 
-The probe supports ``torch.compile`` by being a graph break (see "Compiled models" in
-:mod:`flashprobe.probe.intercept`): each intercepted attention call runs eagerly between compiled
-graphs. A model compiled with ``fullgraph=True`` forbids graph breaks, so Dynamo would raise inside
-the user's forward. :func:`check_compiled` finds such modules (``torch.compile(model,
+Under ``torch.compile`` each intercepted attention call is one opaque op, but a call the op cannot
+express falls back to a graph break (see "Compiled models" in :mod:`flashprobe.probe.intercept`).
+A model compiled with ``fullgraph=True`` forbids graph breaks, so Dynamo would raise inside the
+user's forward at such a call. :func:`check_compiled` finds such modules (``torch.compile(model,
 fullgraph=True)`` wrappers and ``module.compile(fullgraph=True)``) when a handle attaches and
 raises :class:`ProbeCompileError` naming them and the fix, before any forward runs.
 

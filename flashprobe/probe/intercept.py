@@ -21,19 +21,19 @@ attributes), so ``state_dict``, ``deepcopy``, pickling and torch's fused fast pa
 calls made outside attached models, and calls made by the probe's own kernels, pass straight to
 torch. Nested models: the innermost attached model that has a probe (or a route) wins.
 
-**Compiled models.** The dispatcher is installed wrapped in ``torch.compiler.disable``, so under
-``torch.compile`` every intercepted attention call is a graph break: Dynamo compiles the code
-between attention calls and runs the dispatcher eagerly, on real tensors, with the modules'
-``__call__`` frames on the Python stack (Dynamo runs ``nn.Module._call_impl`` itself, or a copy of
-its code when the module was compiled with ``module.compile()``; both are recognised), so sites are
-named as in eager mode. Swapping the global names changes what Dynamo's guards check, so a model
-compiled before attaching recompiles once with the breaks and returns to its first graph after
-detaching. Two Dynamo details are handled: ``F.multi_head_attention_forward`` is one opaque op to
-Dynamo (its SDPA call would run with FakeTensors at trace time and without module frames at run
-time), so while compiling the stand-in calls a plain copy of it that Dynamo traces down to the
-SDPA call; and Dynamo's table of torch functions is built before the first swap, so it never lists
-a stand-in. ``fullgraph=True`` forbids graph breaks: :mod:`flashprobe.probe.compiled` refuses it at
-attach time.
+**Compiled models.** While Dynamo traces the stand-in, each intercepted call becomes one opaque op
+(:mod:`flashprobe.probe.opaque`: the site found at trace time and guarded on, the handle run on
+real tensors when the graph runs); a call the op cannot express runs the dispatcher wrapped in
+``torch.compiler.disable`` (:data:`_COMPILED_DISPATCH`), one graph break, eagerly, with the
+modules' ``__call__`` frames on the Python stack (Dynamo runs ``nn.Module._call_impl`` itself, or a
+copy of its code when the module was compiled with ``module.compile()``; both are recognised).
+Swapping the global names changes what Dynamo's guards check, so a model compiled before attaching
+recompiles once and returns to its first graph after detaching. Two Dynamo details are handled:
+``F.multi_head_attention_forward`` is one opaque op to Dynamo (its SDPA call would run with
+FakeTensors at trace time and without module frames at run time), so while compiling the stand-in
+calls a plain copy of it that Dynamo traces down to the SDPA call; and Dynamo's table of torch
+functions is built before the first swap, so it never lists a stand-in. ``fullgraph=True`` forbids
+the fallback's graph breaks: :mod:`flashprobe.probe.compiled` refuses it at attach time.
 
 **Fused fast paths.** In eval mode without autograd, ``nn.TransformerEncoderLayer`` and
 ``nn.MultiheadAttention`` call fused C++ ops (``torch._transformer_encoder_layer_fwd``,
@@ -254,9 +254,10 @@ def _find(frame: FrameType | None) -> _Resolution | None:
 def _dispatch(*args: Any, **kwargs: Any) -> torch.Tensor:
     """Stand-in for ``F.scaled_dot_product_attention`` while any handle is attached.
 
-    Installed wrapped in ``torch.compiler.disable`` (:data:`_COMPILED_DISPATCH`): under
-    ``torch.compile`` each call is a graph break and runs here eagerly, on real tensors, with the
-    modules' ``__call__`` frames on the Python stack (see "Compiled models" in the module docstring).
+    Called by :func:`_stand_in` in eager mode, and, wrapped in ``torch.compiler.disable``
+    (:data:`_COMPILED_DISPATCH`), for the calls a compiled graph cannot hold as an op: a graph break,
+    run here eagerly, on real tensors, with the modules' ``__call__`` frames on the Python stack
+    (see "Compiled models" in the module docstring).
     """
     if _state.busy:
         return ORIGINAL_SDPA(*args, **kwargs)
