@@ -1,13 +1,24 @@
-"""Shared fixtures: random attention inputs from a private generator (no global RNG state)."""
+"""Shared fixtures: random attention inputs from a private generator; a clean kernel registry per test."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
+from flashprobe.kernels import available_kernels, unregister_kernel
+
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@pytest.fixture(autouse=True)
+def _kernels_registered_by_a_test_stay_in_it() -> Iterator[None]:
+    """Unregister every kernel a test registered, so no later test sees it (the registry is global)."""
+    before = set(available_kernels())
+    yield
+    for name in set(available_kernels()) - before:
+        unregister_kernel(name)
 
 
 @pytest.fixture
