@@ -1,4 +1,4 @@
-"""The ``flashprobe`` command: train, study, bench, fuzz, compare, report, kernels.
+"""The ``flashprobe`` command: train, study, bench, fuzz, replay, compare, report, kernels.
 
 Each subcommand lives in its own module with a ``main(argv) -> int``; this file only dispatches,
 importing the module on demand so ``flashprobe --help`` stays fast.
@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("flashprobe.report.cli:compare_main", "compare the weight snapshots of run directories"),
     "report": ("flashprobe.report.cli:report_main", "redraw report.md and figures of a run or study dir"),
     "fuzz": ("flashprobe.fuzz.cli:main", "fuzz kernels with adversarial edge cases"),
+    "replay": ("flashprobe.probe.replay_cli:main", "rerun a failing attention call the probe saved"),
     "kernels": ("flashprobe.cli:list_kernels", "list the kernels, their options and whether they run here"),
 }
 

@@ -25,14 +25,16 @@ from flashprobe.probe.config import DROPOUT_POLICIES, ProbeConfig, ProbeConfigEr
 from flashprobe.probe.intercept import ROOT_SITE, ProbeWarning
 from flashprobe.probe.probe import Probe, probe
 from flashprobe.probe.routing import KernelRoute, use_kernel
-from flashprobe.probe.shadow import ShadowAttention
+from flashprobe.probe.shadow import ON_FAILURE, ProbeFailureError, ShadowAttention
 from flashprobe.probe.stats import (
+    ARG_FIELDS,
     DIRECTIONS,
     FIELDS,
     GRADIENTS,
     INPUTS,
     MAX_FIELDS,
     N_MAX,
+    N_SUMS,
     PAIRS,
     SUM_FIELDS,
     DeviationStats,
@@ -42,6 +44,7 @@ from flashprobe.probe.stats import (
 from flashprobe.probe.summary import summarize
 
 __all__ = [
+    "ARG_FIELDS",
     "DIRECTIONS",
     "DROPOUT_POLICIES",
     "FIELDS",
@@ -49,6 +52,8 @@ __all__ = [
     "INPUTS",
     "MAX_FIELDS",
     "N_MAX",
+    "N_SUMS",
+    "ON_FAILURE",
     "PAIRS",
     "ROOT_SITE",
     "SUM_FIELDS",
@@ -58,6 +63,7 @@ __all__ = [
     "ProbeCompileError",
     "ProbeConfig",
     "ProbeConfigError",
+    "ProbeFailureError",
     "ProbeWarning",
     "SdpaCall",
     "ShadowAttention",

@@ -20,6 +20,7 @@ Calls that are not sampled run only the primary.
 from __future__ import annotations
 
 import fnmatch
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,7 +32,6 @@ from flashprobe.probe.config import ProbeConfig
 from flashprobe.probe.intercept import AttentionRoute, active_handles
 from flashprobe.probe.routing import KernelRoute, model_device_dtype
 from flashprobe.probe.shadow import ShadowAttention
-from flashprobe.probe.summary import summarize
 
 __all__ = ["Probe", "probe"]
 
@@ -113,14 +113,21 @@ class Probe(AttentionRoute):
 
     def set_step(self, step: int) -> None:
         """Set the step counter (e.g. to ``trainer.global_step``)."""
-        if not isinstance(step, int) or step < 0:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} must be a non-negative int")
-        self._step = step
+        self._step = self.shadow.step = step
 
     def next_step(self) -> int:
         """Advance the step counter by one; returns the new step."""
         self._step += 1
+        self.shadow.step = self._step
         return self._step
+
+    @property
+    def failures(self) -> list[dict[str, Any]]:
+        """The first failure of each site and direction seen so far (kept across :meth:`reset`):
+        ``{site, direction, step, kind, value, reason, repro}`` each, in step order."""
+        return sorted(self.shadow.failures.values(), key=lambda f: (f["step"], f["site"], f["direction"]))
 
     # Reading ----------------------------------------------------------------------------------
 
@@ -161,7 +168,7 @@ class Probe(AttentionRoute):
             stats: per-site statistics to summarise (default: :meth:`stats`).
         """
         stats = self.stats() if stats is None else stats
-        summary = summarize(stats)
+        summary = self.shadow.summary(stats)
         summary["step"] = self._step
         summary["dropout_calls"] = sum(e.get("dropout_calls", 0) for e in stats.values())
         summary["notes"] = self._notes(stats)
@@ -225,6 +232,9 @@ def probe(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    on_failure: str = "warn",
+    repro_dir: str | os.PathLike[str] | None = None,
+    max_reproducers: int = 8,
     **settings: Any,
 ) -> Probe:
     """Attach a shadow probe to every attention call made inside ``model``.
@@ -242,6 +252,10 @@ def probe(
         device: device to check the kernels against (default: the model's).
         dtype: compute dtype to check against (default: the model's; pass the autocast dtype when
             the model runs under autocast).
+        on_failure: ``"warn"`` (default), ``"raise"`` or ``"ignore"`` at the first failing call of
+            each site and direction (see :class:`~flashprobe.probe.ShadowAttention`).
+        repro_dir: save reproducers of failing calls there (:mod:`flashprobe.probe.repro`).
+        max_reproducers: at most this many reproducer files.
         **settings: fields of :class:`~flashprobe.probe.ProbeConfig` replacing ``config``'s.
 
     Returns:
@@ -255,5 +269,7 @@ def probe(
     """
     cfg = ProbeConfig.from_settings(config, **settings)
     dev, dt = model_device_dtype(model, device, dtype)
-    shadow = ShadowAttention(cfg, device=dev, dtype=dt)
+    shadow = ShadowAttention(
+        cfg, device=dev, dtype=dt, on_failure=on_failure, repro_dir=repro_dir, max_reproducers=max_reproducers
+    )
     return Probe(model, shadow).attach()

@@ -40,15 +40,17 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from flashprobe.deviation import StatsWorkspace, combine_sums, pair_sums
+from flashprobe.deviation import FAILURE_KINDS, StatsWorkspace, combine_sums, failure_reason, pair_sums
 from flashprobe.kernels import KernelUnavailableError, get_kernel, math_attention
 from flashprobe.kernels.reference import (
     Block,
@@ -65,7 +67,26 @@ from flashprobe.probe.routing import KernelRoute, check_kernel_here
 from flashprobe.probe.stats import DeviationStats, count_nonfinite_positions, stats_dict
 from flashprobe.probe.summary import summarize
 
-__all__ = ["ShadowAttention"]
+__all__ = ["ON_FAILURE", "ProbeFailureError", "ShadowAttention"]
+
+#: What the probe does at a call's first failure per site and direction.
+ON_FAILURE: tuple[str, ...] = ("warn", "raise", "ignore")
+
+
+def reads_each_call(device: torch.device) -> bool:
+    """Whether the shadow reads each compared call's verdict on the host at once: where that read is
+    free, on the CPU (no device to synchronise with); elsewhere only armed sites are read."""
+    return device.type == "cpu"
+
+
+class ProbeFailureError(RuntimeError):
+    """Raised with ``on_failure="raise"`` at the first failing call (message: site, direction, step,
+    reason, reproducer)."""
+
+    def __init__(self, message: str, failure: Mapping[str, Any]) -> None:
+        super().__init__(message)
+        self.failure = dict(failure)
+
 
 #: Per row of :func:`~flashprobe.deviation.pair_sums`, the power of the loss scale it carries:
 #: maxima and sums of |d| and |ref| (1), sums of squares (2), counts (0).
@@ -99,6 +120,7 @@ class _BackwardRecord:
     def __init__(self, shadow: ShadowAttention, site: str, prepared: Prepared) -> None:
         self.shadow = shadow
         self.site = site
+        self.step = shadow.step  # the step of the forward, recorded with a failure in the backward
         self.prepared = prepared  # detached, compute dtype, 4-D
         self.names: tuple[str, ...] = ()
         self.grad_out: torch.Tensor | None = None
@@ -110,7 +132,7 @@ class _BackwardRecord:
         forward comparison on the shadow should this record die before its backward."""
         self.out = out.detach().clone()
         self._finalizer = weakref.finalize(
-            self, self.shadow._orphans.append, (self.site, self.prepared, self.out)
+            self, self.shadow._orphans.append, (self.site, self.prepared, self.out, self.step)
         )
 
     def take_output(self) -> torch.Tensor | None:
@@ -136,7 +158,7 @@ class _BackwardRecord:
         out = self.take_output()
         if grad_out is None:  # no gradient reached the output: forward comparison only
             if out is not None:
-                self.shadow._compare_forward(self.site, None, out, self.prepared)
+                self.shadow._compare_forward(self.site, None, out, self.prepared, step=self.step)
             return
         primary = {n: g.detach() for n, g in zip(self.names, grads, strict=True) if g is not None}
         self.shadow._compare_backward(self, grad_out, primary, out)
@@ -159,8 +181,24 @@ class ShadowAttention(nn.Module):
         name: site name used when called directly.
         device: if given, check the kernels against this device (and ``dtype``) now.
         dtype: compute dtype for that check (default float32).
+        on_failure: at the first failing call of a site and direction (the verdict's rule,
+            :func:`flashprobe.deviation.judge_sums`): ``"warn"`` (default: one
+            :class:`~flashprobe.probe.ProbeWarning` line with site, direction, step, reason and
+            reproducer), ``"raise"`` (:class:`ProbeFailureError`, from the forward or backward of the
+            call) or ``"ignore"`` (only recorded). See "When a failure is seen" below.
+        repro_dir: directory for reproducers of failing calls (:mod:`flashprobe.probe.repro`);
+            None: none are saved.
+        max_reproducers: at most this many reproducer files per shadow (bounded disk).
         **settings: fields of :class:`~flashprobe.probe.ProbeConfig` (``primary``, ``baseline``,
             ``golden``, ``backward``, ``dropout``, ``memory_budget``, ...) replacing ``config``'s.
+
+    **When a failure is seen.** The rule runs on the device at every compared call, and its
+    verdicts accumulate there (``stats()[site][...]["verdict"]``, ``first_failure``). Where a host
+    read costs nothing (tensors on the CPU) each compared call's verdict is read at once: the
+    warning or exception comes at the failing call, with that call's reproducer. On an accelerator
+    nothing is read per call: a failure is seen when the statistics are read (:meth:`stats`, the
+    callback's logging steps), and the site is then *armed*: its next failing call is read at once
+    (one synchronisation per armed call) and saved as the reproducer.
 
     Raises:
         ProbeConfigError: an unknown setting or a bad value.
@@ -177,9 +215,26 @@ class ShadowAttention(nn.Module):
         name: str = "attention",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        on_failure: str = "warn",
+        repro_dir: str | os.PathLike[str] | None = None,
+        max_reproducers: int = 8,
         **settings: Any,
     ) -> None:
         super().__init__()
+        if on_failure not in ON_FAILURE:
+            raise ValueError(f"on_failure={on_failure!r} must be one of {', '.join(map(repr, ON_FAILURE))}")
+        if isinstance(max_reproducers, bool) or not isinstance(max_reproducers, int) or max_reproducers < 0:
+            raise ValueError(f"max_reproducers={max_reproducers!r} must be an int >= 0 (0: save none)")
+        if repro_dir is not None and (not str(repro_dir) or Path(repro_dir).is_file()):
+            raise ValueError(f"repro_dir={str(repro_dir)!r} must be a directory path (not empty, not a file)")
+        self.on_failure = on_failure
+        self.repro_dir = None if repro_dir is None else Path(repro_dir)
+        self.max_reproducers = max_reproducers
+        self.step = 0
+        #: ``{(site, direction): failure}``: the first failure of each, kept on the host across resets.
+        self.failures: dict[tuple[str, str], dict[str, Any]] = {}
+        self.reproducers: list[Path] = []
+        self._armed: set[str] = set()
         self.config = ProbeConfig.from_settings(config, **settings)
         cfg = self.config
         self.primary = None if cfg.primary is None else get_kernel(cfg.primary)
@@ -197,7 +252,7 @@ class ShadowAttention(nn.Module):
         self._budgets: dict[torch.device, int] = {}
         self._grad_scale: Callable[[], torch.Tensor | float | None] | None = None
         # Forward comparisons of calls whose backward never came (appended by finalizers).
-        self._orphans: collections.deque[tuple[str, Prepared, torch.Tensor]] = collections.deque()
+        self._orphans: collections.deque[tuple[str, Prepared, torch.Tensor, int]] = collections.deque()
 
     @property
     def golden(self) -> bool:
@@ -333,8 +388,8 @@ class ShadowAttention(nn.Module):
     def _drain(self) -> None:
         """Run the forward comparisons of calls whose backward never came."""
         while self._orphans:
-            site, prepared, out = self._orphans.popleft()
-            self._compare_forward(site, None, out, prepared)
+            site, prepared, out, step = self._orphans.popleft()
+            self._compare_forward(site, None, out, prepared, step=step)
 
     def _run_dropout(self, site: str, call: SdpaCall, route: KernelRoute | None) -> torch.Tensor:
         out = self.primary_output(call, route)
@@ -372,9 +427,15 @@ class ShadowAttention(nn.Module):
         return {"attn_mask": p.attn_mask, "is_causal": p.is_causal, "scale": p.scale}
 
     def _compare_forward(
-        self, site: str, call: SdpaCall | None, out: torch.Tensor, prepared: Prepared | None = None
+        self,
+        site: str,
+        call: SdpaCall | None,
+        out: torch.Tensor,
+        prepared: Prepared | None = None,
+        step: int | None = None,
     ) -> None:
         """Compare the primary's output ``out`` with the references (``prepared``, else ``call``'s)."""
+        step = self.step if step is None else step
         try:
             # Prepared before autocast is switched off: the compute dtype is the autocast dtype.
             if prepared is None:
@@ -398,10 +459,13 @@ class ShadowAttention(nn.Module):
                         sums = combine_sums(sums, part)
                 if self.record and sums is not None:
                     stats = self._site(site, out.device)
-                    stats.add("out", sums, p.dtype)
+                    kinds = stats.add_many({"out": sums}, p.dtype, step)
                     stats.add_nonfinite_inputs(
                         {n: count_nonfinite_positions(t) for n, t in zip("qkv", p[:3], strict=True)}
                     )
+                    self._after_call(site, step, kinds, p, None)
+        except ProbeFailureError:
+            raise
         except Exception as err:
             self._failed(site, err)
 
@@ -431,8 +495,11 @@ class ShadowAttention(nn.Module):
                             (n, count_nonfinite_positions(t)) for n, t in zip("qkv", p[:3], strict=True)
                         )
                     found = {("out" if n == "out" else f"d{n}"): s for n, s in sums.items() if s is not None}
-                    stats.add_many(found, p.dtype)
+                    kinds = stats.add_many(found, p.dtype, record.step)
                     stats.add_nonfinite_inputs(counts)
+                    self._after_call(site, record.step, kinds, p, grad_out)
+        except ProbeFailureError:
+            raise
         except Exception as err:
             self._failed(site, err)
 
@@ -486,6 +553,127 @@ class ShadowAttention(nn.Module):
                         part = pair_sums(mine[n][first.batch, first.heads], b_grad, g_grad, ws)
                         sums[n] = combine_sums(sums[n], self._unscale(part))
         return sums
+
+    # ---------------------------------------------------------------------------------------
+    # Failures: seen, saved, reported
+    # ---------------------------------------------------------------------------------------
+
+    def _after_call(
+        self,
+        site: str,
+        step: int,
+        kinds: Mapping[str, torch.Tensor],
+        p: Prepared,
+        grad_out: torch.Tensor | None,
+    ) -> None:
+        """Read this call's verdicts where that is free (CPU) or the site is armed; act on new failures."""
+        if not self.golden or not kinds:
+            return
+        device = next(iter(kinds.values())).device
+        if not reads_each_call(device) and site not in self._armed:
+            return
+        codes = torch.stack(
+            list(kinds.values())
+        ).tolist()  # host read: free on the CPU; armed sites only elsewhere
+        for direction, code in zip(kinds, codes, strict=True):
+            if code and (site, direction) not in self.failures:
+                self._new_failure(site, direction, step, int(code), p, grad_out)
+            elif code and site in self._armed and not self._has_repro(site, direction):
+                self._save_repro(self.failures[(site, direction)], p, grad_out)
+        if site in self._armed and all(self._has_repro(s, d) for s, d in self.failures if s == site):
+            self._armed.discard(site)
+
+    def _new_failure(
+        self, site: str, direction: str, step: int, code: int, p: Prepared, grad_out: torch.Tensor | None
+    ) -> None:
+        stats = self._stats[site].as_dict()
+        entry = stats["forward"]["out"] if direction == "out" else stats["backward"][direction]
+        first = entry.get("first_failure") or {}
+        kind = FAILURE_KINDS.get(code, "l2")
+        value = first.get("value", float("nan")) if first.get("step") == step else float("nan")
+        failure = {
+            "site": site,
+            "direction": direction,
+            "step": step,
+            "kind": kind,
+            "value": value,
+            "reason": failure_reason(kind, value),
+            "repro": None,
+        }
+        self.failures[(site, direction)] = failure
+        self._save_repro(failure, p, grad_out)
+        self._react(failure)
+
+    def _has_repro(self, site: str, direction: str) -> bool:
+        failure = self.failures.get((site, direction))
+        return failure is not None and (failure.get("repro") is not None or self.repro_dir is None)
+
+    def _save_repro(self, failure: dict[str, Any], p: Prepared, grad_out: torch.Tensor | None) -> None:
+        """Save the failing call ``p`` (with ``grad_out`` for a gradient's failure) as a reproducer."""
+        if self.repro_dir is None or len(self.reproducers) >= self.max_reproducers:
+            return
+        from flashprobe.probe.repro import reproducer_stem, save_reproducer
+
+        backward = failure["direction"] != "out"
+        path = self.repro_dir / (
+            reproducer_stem(failure["site"], failure["direction"], failure["step"]) + ".safetensors"
+        )
+        try:
+            save_reproducer(
+                path,
+                q=p.q,
+                k=p.k,
+                v=p.v,
+                attn_mask=p.attn_mask,
+                is_causal=p.is_causal,
+                scale=p.scale,
+                grad_out=grad_out if backward else None,
+                meta={
+                    **{k: failure[k] for k in ("site", "direction", "step", "kind", "reason")},
+                    "primary": None if self.primary is None else self.primary.spec,
+                    "baseline": self.baseline.spec,
+                    "gqa_rep": p.rep,
+                },
+            )
+        except OSError as err:
+            self._warn_once(
+                ("repro", str(self.repro_dir)),
+                f"flashprobe: could not save a reproducer in {self.repro_dir}: {err}",
+            )
+            return
+        failure["repro"] = str(path)
+        self.reproducers.append(path)
+
+    def _react(self, failure: Mapping[str, Any]) -> None:
+        message = failure_message(failure)
+        if self.on_failure == "raise":
+            raise ProbeFailureError(message, failure)
+        if self.on_failure == "warn":
+            warnings.warn(message, ProbeWarning, stacklevel=2)
+
+    def _note_read(self, stats: Mapping[str, Any]) -> None:
+        """Record the failures a read of the accumulators shows (e.g. on an accelerator, where calls
+        are not read one by one); arm their sites so the next failing call is saved."""
+        for site, entry in stats.items():
+            directions = {
+                "out": entry["forward"]["out"],
+                **{d: entry["backward"][d] for d in ("dq", "dk", "dv")},
+            }
+            for direction, e in directions.items():
+                first = e.get("first_failure")
+                if not first:
+                    continue
+                known = self.failures.get((site, direction))
+                if known is not None and known["step"] <= first["step"]:
+                    continue
+                failure = {"site": site, "direction": direction, **first, "repro": None}
+                if known is not None:
+                    failure["repro"] = known.get("repro")
+                self.failures[(site, direction)] = failure
+                if known is None:
+                    self._react(failure)
+                if not self._has_repro(site, direction):
+                    self._armed.add(site)
 
     # ---------------------------------------------------------------------------------------
     # Bookkeeping and reading
@@ -546,10 +734,16 @@ class ShadowAttention(nn.Module):
         device = next(iter(source.values())).device
         rows = torch.stack([t.detach().to(device, torch.float64) for t in source.values()]).tolist()
         result: dict[str, Any] = {}
+        nested: dict[str, Any] = {}
         for site, values in zip(source, rows, strict=True):
             entry = stats_dict(values, golden=self.golden)
             entry["shadow_errors"] = self._errors.get(site, 0)
             entry["dropout_calls"] = self._dropout_calls.get(site, 0)
+            entry["verdict"], entry["verdict_reason"] = site_verdict(entry, golden=self.golden)
+            nested[site] = entry
+        if self.record:
+            self._note_read(nested)
+        for site, entry in nested.items():
             result[site] = _flatten(entry) if flat else entry
         return result
 
@@ -559,7 +753,9 @@ class ShadowAttention(nn.Module):
         Args:
             stats: per-site statistics to summarise (default: :meth:`stats`).
         """
-        return summarize(self.stats() if stats is None else stats)
+        summary = summarize(self.stats() if stats is None else stats)
+        summary.update(failure_summary(self.failures, summary))
+        return summary
 
     def reset(self) -> None:
         """Zero every site's statistics (on device, no sync); sites stay known."""
@@ -568,6 +764,58 @@ class ShadowAttention(nn.Module):
             s.reset()
         self._errors.clear()
         self._dropout_calls.clear()
+
+
+def site_verdict(entry: Mapping[str, Any], *, golden: bool = True) -> tuple[str, str]:
+    """A site's verdict over its directions: ``fail`` when one failed, ``pass`` when at least one
+    was judged and none failed, else ``undetermined``; with the reason in words."""
+    directions = {"out": entry["forward"]["out"], **{d: entry["backward"][d] for d in ("dq", "dk", "dv")}}
+    failed = [d for d, e in directions.items() if e.get("verdict") == "fail"]
+    if failed:
+        return "fail", "; ".join(
+            f"{d}: {directions[d]['first_failure']['reason']}"
+            for d in failed
+            if directions[d].get("first_failure")
+        )
+    if any(e.get("verdict") == "pass" for e in directions.values()):
+        return "pass", "every compared call within the rule"
+    if not golden:
+        return "undetermined", "no FP64 golden value (golden=False): the rule needs it"
+    if entry.get("dropout_calls"):
+        return "undetermined", "only calls with attention dropout, which are not judged"
+    if entry.get("shadow_errors"):
+        return "undetermined", "every reference computation failed"
+    return "undetermined", "no call compared"
+
+
+def failure_message(failure: Mapping[str, Any]) -> str:
+    """One line for a failure: site, direction, step, reason and the reproducer."""
+    repro = failure.get("repro")
+    where = f"; reproducer: {repro} (flashprobe replay {repro})" if repro else ""
+    return (
+        f"flashprobe: FAIL at site {failure['site']!r}, {failure['direction']}, step {failure['step']}: "
+        f"{failure['reason']}{where}"
+    )
+
+
+def failure_summary(
+    failures: Mapping[tuple[str, str], Mapping[str, Any]], summary: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``verdict`` and ``failures`` of a summary from a shadow's failure log (the first failure of each
+    site and direction seen so far, kept across resets, with reproducer paths) and the summary's
+    own worst call; the summary's verdict when nothing failed yet."""
+    if not failures:
+        return {
+            "verdict": summary.get("verdict", "undetermined"),
+            "failures": list(summary.get("failures", [])),
+        }
+    listed = [
+        dict(f) for f in sorted(failures.values(), key=lambda f: (f["step"], f["site"], f["direction"]))
+    ]
+    worst = summary.get("worst_failure")
+    if worst is not None:
+        listed.append({**worst, "worst": True})
+    return {"verdict": "fail", "failures": listed}
 
 
 def _flatten(entry: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

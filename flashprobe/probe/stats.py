@@ -32,6 +32,19 @@ Per direction ``dir`` in ``out, dq, dk, dv``:
   where the input has a NaN/±inf in any head or channel — one NaN token counts once, not once per
   element (:func:`count_nonfinite_positions`).
 
+**The verdict's fields** (the rule: :func:`flashprobe.deviation.judge_sums`, applied on the device
+by :func:`call_judgement` at every call, no host read): ``{dir}.max_l2_ratio`` (MAX: the worst
+call's :func:`~flashprobe.deviation.l2_error_ratio`), ``{dir}.first_fail`` (MAX:
+``FIRST_KEY − step`` of the earliest failing call, 0 when none failed), ``{dir}.fail_calls``
+(SUM), and three **arg fields** after the sums, each the value *at* the call that set its key
+field: ``{dir}.first_fail_kind`` and ``{dir}.first_fail_value`` (at ``first_fail``: the
+:data:`~flashprobe.deviation.FAILURE_KINDS` code and the ratio or count), ``{dir}.max_l2_step``
+(at ``max_l2_ratio``). Across ranks an arg field is taken from the rank whose key field won
+(:func:`reduce_across_ranks`)::
+
+    values[N_MAX:N_SUMS]   sums          -> SUM
+    values[N_SUMS:]        arg fields    -> the value of the rank holding the key's maximum
+
 Every field composes: the maximum or sum over calls, over logging intervals and over ranks is
 the same number a single run over all of them would give.
 """
@@ -44,20 +57,34 @@ from typing import Any
 
 import torch
 
-from flashprobe.deviation import PAIRS, StatsWorkspace, combine_sums, error_ratio, finish_deviation, pair_sums
+from flashprobe.deviation import (
+    FAILURE_KINDS,
+    L2_RATIO_LIMIT,
+    PAIRS,
+    StatsWorkspace,
+    combine_sums,
+    error_ratio,
+    failure_reason,
+    finish_deviation,
+    pair_sums,
+)
 
 __all__ = [
+    "ARG_FIELDS",
     "DIRECTIONS",
     "FIELDS",
+    "FIRST_KEY",
     "GRADIENTS",
     "INPUTS",
     "MAX_FIELDS",
     "N_MAX",
+    "N_SUMS",
     "PAIRS",
     "SUM_FIELDS",
     "DeviationStats",
     "StatsWorkspace",
     "call_error_ratio",
+    "call_judgement",
     "combine_sums",
     "count_nonfinite_positions",
     "pair_sums",
@@ -77,24 +104,53 @@ _SUMS: tuple[str, ...] = ("sum_abs", "sum_sq_diff", "sum_sq_ref", "nonfinite", "
 MAX_FIELDS: tuple[str, ...] = tuple(
     name
     for d in DIRECTIONS
-    for name in (*(f"{d}.{p}.max_abs" for p in PAIRS), f"{d}.max_call_error_ratio", f"{d}.noise_floor")
+    for name in (
+        *(f"{d}.{p}.max_abs" for p in PAIRS),
+        f"{d}.max_call_error_ratio",
+        f"{d}.noise_floor",
+        f"{d}.max_l2_ratio",
+        f"{d}.first_fail",
+    )
 )
 SUM_FIELDS: tuple[str, ...] = (
     *(
         name
         for d in DIRECTIONS
-        for name in (*(f"{d}.{p}.{s}" for p in PAIRS for s in _SUMS), f"{d}.calls", f"{d}.ratio_calls")
+        for name in (
+            *(f"{d}.{p}.{s}" for p in PAIRS for s in _SUMS),
+            f"{d}.calls",
+            f"{d}.ratio_calls",
+            f"{d}.fail_calls",
+        )
     ),
     *(f"nonfinite_inputs.{i}" for i in INPUTS),
 )
-#: Every field, in accumulator order: maxima first, then sums.
-FIELDS: tuple[str, ...] = MAX_FIELDS + SUM_FIELDS
+#: Fields taken at the call that set another field's maximum: ``{field: its key field}``.
+ARG_FIELDS: dict[str, str] = {
+    name: key
+    for d in DIRECTIONS
+    for name, key in (
+        (f"{d}.first_fail_kind", f"{d}.first_fail"),
+        (f"{d}.first_fail_value", f"{d}.first_fail"),
+        (f"{d}.max_l2_step", f"{d}.max_l2_ratio"),
+    )
+}
+#: Every field, in accumulator order: maxima, sums, then arg fields.
+FIELDS: tuple[str, ...] = MAX_FIELDS + SUM_FIELDS + tuple(ARG_FIELDS)
 #: Number of leading max-reduced fields.
 N_MAX: int = len(MAX_FIELDS)
+#: End of the sum-reduced fields (the arg fields follow).
+N_SUMS: int = N_MAX + len(SUM_FIELDS)
+#: ``first_fail`` stores ``FIRST_KEY − step`` so that the maximum is the earliest step (exact in
+#: float64 for any step below 2**52).
+FIRST_KEY: float = float(2**52)
 
-_MAX_BLOCK = len(PAIRS) + 2  # per direction: 3 max_abs, max_call_error_ratio, noise_floor
-_SUM_BLOCK = len(PAIRS) * len(_SUMS) + 2  # per direction: 15 sums, calls, ratio_calls
+_MAX_BLOCK = len(PAIRS) + 4  # per direction: 3 max_abs, max_call_error_ratio, noise_floor, l2, first
+_SUM_BLOCK = len(PAIRS) * len(_SUMS) + 3  # per direction: 15 sums, calls, ratio_calls, fail_calls
+_ARG_BLOCK = 3  # per direction: first_fail_kind, first_fail_value, max_l2_step
 _INPUTS_AT = N_MAX + len(DIRECTIONS) * _SUM_BLOCK
+_ARG_KEYS = [FIELDS.index(key) for key in ARG_FIELDS.values()]
+
 
 def count_nonfinite_positions(x: torch.Tensor) -> torch.Tensor:
     """Positions of a ``(B, H, N, D)`` tensor with a NaN/±inf in any head or channel, as a 0-d
@@ -143,6 +199,33 @@ def call_error_ratio(sums: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Ten
     return ratio, defined
 
 
+def call_judgement(
+    sums: torch.Tensor, dtype: torch.dtype, limit: float = L2_RATIO_LIMIT
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The verdict's rule (:func:`flashprobe.deviation.judge_sums`) on the device, no host read.
+
+    Args:
+        sums: ``(K, 7, 3)`` :func:`pair_sums` of ``K`` directions of one call (golden pairs).
+        dtype: the dtype the kernels computed in (the L2 floor's ``eps``).
+        limit: the L2 ratio limit.
+
+    Returns:
+        ``(l2, kind, value)``, each ``(K,)`` float64: the :func:`~flashprobe.deviation.l2_error_ratio`
+        (0 where undefined), the failure code (0 pass, 1 non-finite, 2 L2; see
+        :data:`~flashprobe.deviation.FAILURE_KINDS`) and its value (the extra non-finite positions,
+        else the ratio).
+    """
+    pg, bg, g = sums[:, 2, 1], sums[:, 2, 2], sums[:, 3, 1]
+    denominator = torch.maximum(bg, ((0.5 * torch.finfo(dtype).eps) ** 2) * g)
+    positive = denominator > 0
+    l2 = torch.where(positive, (pg / torch.where(positive, denominator, 1.0)).sqrt(), 0.0)
+    extra = sums[:, 4, 1] - sums[:, 4, 2]
+    nonfinite = extra > 0
+    codes = torch.tensor([0.0, 2.0, 1.0], dtype=torch.float64, device=sums.device)
+    kind = codes[nonfinite * 2 + (l2 > limit) * (~nonfinite)]  # 1 non-finite, else 2 above the limit, else 0
+    return l2, kind, torch.where(nonfinite, extra, l2)
+
+
 class DeviationStats:
     """Accumulated deviation statistics of one attention site, on the site's device.
 
@@ -158,19 +241,30 @@ class DeviationStats:
         self.values = torch.zeros(len(FIELDS), dtype=torch.float64, device=device)
         self.golden = golden
 
-    def add(self, direction: str, sums: torch.Tensor, dtype: torch.dtype) -> None:
+    def add(self, direction: str, sums: torch.Tensor, dtype: torch.dtype, step: int = 0) -> torch.Tensor:
         """Fold one call's ``(7, P)`` :func:`pair_sums` into ``direction`` (``out``/``dq``/``dk``/``dv``).
 
         Args:
             direction: ``out``, ``dq``, ``dk`` or ``dv``.
             sums: the call's :func:`pair_sums` (``P`` = 3 with golden, else 1).
             dtype: the dtype the kernels computed in (sets the noise floor's ``eps``).
-        """
-        self.add_many({direction: sums}, dtype)
+            step: the training step of the call (recorded with its failure).
 
-    def add_many(self, sums: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
+        Returns:
+            The call's failure code, a 0-d float64 tensor on the device (see :meth:`add_many`).
+        """
+        return self.add_many({direction: sums}, dtype, step)[direction]
+
+    def add_many(
+        self, sums: Mapping[str, torch.Tensor], dtype: torch.dtype, step: int = 0
+    ) -> dict[str, torch.Tensor]:
         """:meth:`add` for several directions of one call (e.g. ``out``, ``dq``, ``dk``, ``dv``), with
-        one set of small tensor ops per run of adjacent directions instead of one per direction."""
+        one set of small tensor ops per run of adjacent directions instead of one per direction.
+
+        Returns:
+            ``{direction: failure code}``, 0-d float64 tensors on the device (0: the call passed, or
+            no golden), for a caller that reads them where a host read is free (the CPU).
+        """
         runs: list[list[str]] = []
         for direction in sorted(sums, key=DIRECTIONS.index):
             i = DIRECTIONS.index(direction)
@@ -178,25 +272,40 @@ class DeviationStats:
                 runs[-1].append(direction)
             else:
                 runs.append([direction])
+        kinds: dict[str, torch.Tensor] = {}
         for run in runs:
-            self._add_run(DIRECTIONS.index(run[0]), torch.stack([sums[d] for d in run]), dtype)
+            kind = self._add_run(DIRECTIONS.index(run[0]), torch.stack([sums[d] for d in run]), dtype, step)
+            kinds.update(zip(run, kind, strict=True))
+        return kinds
 
-    def _add_run(self, first: int, sums: torch.Tensor, dtype: torch.dtype) -> None:
-        """Fold ``(K, 7, P)`` sums into the ``K`` adjacent directions from ``DIRECTIONS[first]``."""
+    def _add_run(self, first: int, sums: torch.Tensor, dtype: torch.dtype, step: int) -> torch.Tensor:
+        """Fold ``(K, 7, P)`` sums into the ``K`` adjacent directions from ``DIRECTIONS[first]``;
+        returns the ``(K,)`` failure codes."""
         sums = sums.to(self.values.device)
         k, _, pairs = sums.shape
+        maxima = self.values[:N_MAX].view(len(DIRECTIONS), _MAX_BLOCK)[first : first + k]
+        args = self.values[N_SUMS:].view(len(DIRECTIONS), _ARG_BLOCK)[first : first + k]
         if pairs == len(PAIRS):
             floor = (0.5 * torch.finfo(dtype).eps) * torch.maximum(sums[:, 6, 1], sums[:, 6, 2])  # (K,)
             ratio, defined = call_error_ratio(sums, floor)
-            extra = torch.stack((ratio, floor), dim=1)  # (K, 2)
+            l2, kind, value = call_judgement(sums, dtype)
+            failed = kind > 0
+            key = torch.where(failed, torch.full_like(kind, FIRST_KEY - step), 0.0)  # float64: exact steps
+            # The arg fields change where this call sets a new maximum of their key field.
+            first_now = (key > maxima[:, -1]).unsqueeze(1)
+            worst_now = l2 > maxima[:, -2]
+            args[:, :2] = torch.where(first_now, torch.stack((kind, value), dim=1), args[:, :2])
+            args[:, 2] = torch.where(worst_now, float(step), args[:, 2])
+            extra = torch.stack((ratio, floor, l2, key), dim=1)  # (K, 4)
         else:
             sums = torch.cat((sums, sums.new_zeros(k, sums.shape[1], len(PAIRS) - pairs)), dim=2)
-            extra, defined = sums.new_zeros(k, 2), sums.new_zeros(k)
-        maxima = self.values[:N_MAX].view(len(DIRECTIONS), _MAX_BLOCK)[first : first + k]
+            extra, defined = sums.new_zeros(k, 4), sums.new_zeros(k)
+            kind = failed = sums.new_zeros(k)
         torch.maximum(maxima, torch.cat((sums[:, 0], extra), dim=1), out=maxima)
         block = self.values[N_MAX:_INPUTS_AT].view(len(DIRECTIONS), _SUM_BLOCK)[first : first + k]
-        block[:, :-2].add_(sums[:, 1:6].transpose(1, 2).reshape(k, -1))  # pair-major, as SUM_FIELDS
-        block[:, -2:].add_(torch.stack((torch.ones_like(defined), defined), dim=1))
+        block[:, :-3].add_(sums[:, 1:6].transpose(1, 2).reshape(k, -1))  # pair-major, as SUM_FIELDS
+        block[:, -3:].add_(torch.stack((torch.ones_like(defined), defined, failed.to(defined)), dim=1))
+        return kind
 
     def add_nonfinite_inputs(self, counts: Mapping[str, torch.Tensor]) -> None:
         """Add non-finite counts (0-d tensors) of inputs named in :data:`INPUTS`."""
@@ -221,12 +330,14 @@ def reduce_across_ranks(
     tensors: Mapping[str, torch.Tensor], device: torch.device | str, group: Any = None
 ) -> dict[str, torch.Tensor]:
     """All-reduce per-site accumulators over the ranks of ``torch.distributed``: the maxima
-    (``[:N_MAX]``) with MAX and the sums (``[N_MAX:]``) with SUM, so the result is what one probe
-    over every rank's calls would hold. Sites are matched by name; a site a rank did not see counts
-    as zeros there. A no-op (the tensors themselves) outside an initialised process group.
+    (``[:N_MAX]``) with MAX, the sums (``[N_MAX:N_SUMS]``) with SUM and each arg field
+    (``[N_SUMS:]``) from the rank whose key field holds the maximum (MAX over the ranks that hold
+    it), so the result is what one probe over every rank's calls would hold. Sites are matched by
+    name; a site a rank did not see counts as zeros there. A no-op (the tensors themselves) outside
+    an initialised process group.
 
     Every rank must call it (it is a collective: one ``all_gather_object`` of the site names, then
-    two ``all_reduce`` of one ``(sites, len(FIELDS))`` table each).
+    three ``all_reduce`` of one table each).
 
     Args:
         tensors: ``{site: accumulator}`` of this rank (e.g. :meth:`ShadowAttention.stat_tensors`).
@@ -246,10 +357,14 @@ def reduce_across_ranks(
     zeros = torch.zeros(len(FIELDS), dtype=torch.float64, device=device)
     rows = [tensors[s].detach().to(device, torch.float64) if s in tensors else zeros for s in sites]
     table = torch.stack(rows) if rows else zeros.new_zeros(0, len(FIELDS))
-    maxima, sums = table[:, :N_MAX].contiguous(), table[:, N_MAX:].contiguous()
+    maxima, sums = table[:, :N_MAX].contiguous(), table[:, N_MAX:N_SUMS].contiguous()
+    local_keys = table[:, _ARG_KEYS]
     dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
     dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-    reduced = torch.cat([maxima, sums], dim=1)
+    won = local_keys == maxima[:, _ARG_KEYS]  # this rank holds the key's maximum
+    args = torch.where(won, table[:, N_SUMS:], -math.inf).contiguous()
+    dist.all_reduce(args, op=dist.ReduceOp.MAX, group=group)
+    reduced = torch.cat([maxima, sums, args], dim=1)
     return {s: reduced[i] for i, s in enumerate(sites)}
 
 
@@ -269,7 +384,11 @@ def stats_dict(values: Sequence[float], *, golden: bool = True) -> dict[str, Any
         golden, or when nothing was recorded), plus ``error_ratio`` (the accumulated ``max_abs`` of
         ``primary_golden`` over that of ``baseline_golden`` floored at ``noise_floor``, as
         :func:`flashprobe.deviation.error_ratio`; None when undefined), ``max_call_error_ratio``
-        (the worst single call; None when no call's ratio was defined) and ``noise_floor``.
+        (the worst single call; None when no call's ratio was defined), ``noise_floor``, and the
+        verdict's entries: ``verdict`` (``pass``/``fail``; None when nothing was judged: no call,
+        or no golden), ``l2_error_ratio`` (the worst call's) and ``l2_error_ratio_step``,
+        ``failed_calls``, ``first_failure`` (``{step, kind, value, reason}`` of the earliest failing
+        call, or None).
     """
     if len(values) != len(FIELDS):
         raise ValueError(f"expected {len(FIELDS)} accumulator values, got {len(values)}")
@@ -291,6 +410,7 @@ def stats_dict(values: Sequence[float], *, golden: bool = True) -> dict[str, Any
             entry["noise_floor"] = floor
         else:
             entry["error_ratio"] = entry["max_call_error_ratio"] = entry["noise_floor"] = None
+        entry.update(_judged(fields, d, recorded and golden))
         return entry
 
     return {
@@ -300,6 +420,36 @@ def stats_dict(values: Sequence[float], *, golden: bool = True) -> dict[str, Any
             **{d: direction(d) for d in GRADIENTS},
         },
         "nonfinite_inputs": {i: int(fields[f"nonfinite_inputs.{i}"]) for i in INPUTS},
+    }
+
+
+def _judged(fields: Mapping[str, float], d: str, judged: bool) -> dict[str, Any]:
+    """The verdict's entries of direction ``d`` (see :func:`stats_dict`)."""
+    if not judged:
+        return {
+            "verdict": None,
+            "l2_error_ratio": None,
+            "l2_error_ratio_step": None,
+            "failed_calls": 0,
+            "first_failure": None,
+        }
+    failed = int(fields[f"{d}.fail_calls"])
+    first = None
+    if failed and fields[f"{d}.first_fail"] > 0:
+        kind = FAILURE_KINDS.get(int(fields[f"{d}.first_fail_kind"]), "l2")
+        value = fields[f"{d}.first_fail_value"]
+        first = {
+            "step": int(FIRST_KEY - fields[f"{d}.first_fail"]),
+            "kind": kind,
+            "value": value,
+            "reason": failure_reason(kind, value),
+        }
+    return {
+        "verdict": "fail" if failed else "pass",
+        "l2_error_ratio": fields[f"{d}.max_l2_ratio"],
+        "l2_error_ratio_step": int(fields[f"{d}.max_l2_step"]),
+        "failed_calls": failed,
+        "first_failure": first,
     }
 
 

@@ -2,7 +2,8 @@
 
 :func:`summarize` reads what :meth:`ShadowAttention.stats <flashprobe.probe.ShadowAttention.stats>`
 returns (plain Python data, already on the host) and reports the worst error ratios and the sites
-they occurred at, the worst ``max_abs`` per pair, call counts, and every non-finite value counted.
+they occurred at, the worst ``max_abs`` per pair, call counts, every non-finite value counted, and
+the verdict over sites (``verdict``, ``verdict_reason``, ``worst_failure``).
 It is what :meth:`ShadowAttention.summary <flashprobe.probe.ShadowAttention.summary>` and
 :meth:`Probe.summary <flashprobe.probe.Probe.summary>` return.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from flashprobe.deviation import failure_reason
 from flashprobe.probe.stats import GRADIENTS, PAIRS, worst
 
 __all__ = ["summarize"]
@@ -28,7 +30,12 @@ def summarize(stats: Mapping[str, Any]) -> dict[str, Any]:
         ``sites``, ``forward_calls``, ``backward_calls``, ``max_error_ratio`` (forward) and
         ``max_error_ratio_site``, ``max_call_error_ratio``, ``max_backward_error_ratio`` and
         its site (``"site:dq"``), ``max_abs`` per pair (forward), ``nonfinite`` (all pairs,
-        directions and inputs), ``nonfinite_sites``, ``shadow_errors``.
+        directions and inputs), ``nonfinite_sites``, ``shadow_errors``; ``verdict``: ``fail`` when
+        a site failed, ``pass`` when every site passed, else ``undetermined`` (no site, or a site
+        with nothing judged), with ``verdict_reason``; ``worst_failure``: the failing site and
+        direction with the largest L2 error ratio (``{site, direction, step, kind, value,
+        reason}``), or None; ``failures``: the first failure of each site and direction, in step
+        order, then the worst (``"worst": True``).
     """
     fwd = {s: e["forward"]["out"] for s, e in stats.items()}
     bwd = {(s, d): e["backward"][d] for s, e in stats.items() for d in GRADIENTS}
@@ -50,6 +57,55 @@ def summarize(stats: Mapping[str, Any]) -> dict[str, Any]:
         "nonfinite": sum(nonfinite.values()),
         "nonfinite_sites": [site for site, n in nonfinite.items() if n],
         "shadow_errors": sum(e["shadow_errors"] for e in stats.values()),
+        **_verdict(stats),
+    }
+
+
+def _verdict(stats: Mapping[str, Any]) -> dict[str, Any]:
+    verdicts = {site: e.get("verdict", "undetermined") for site, e in stats.items()}
+    failed = [s for s, v in verdicts.items() if v == "fail"]
+    open_ = [s for s, v in verdicts.items() if v == "undetermined"]
+    if failed:
+        verdict, reason = "fail", f"failed at {', '.join(failed)}"
+    elif not verdicts:
+        verdict, reason = "undetermined", "no site recorded"
+    elif open_:
+        reasons = "; ".join(f"{s}: {stats[s].get('verdict_reason', '')}" for s in open_)
+        verdict, reason = "undetermined", f"not judged at {reasons}"
+    else:
+        verdict, reason = "pass", f"every site passed ({len(verdicts)})"
+    worst_failure = None
+    best = -1.0
+    for site, entry in stats.items():
+        for d in ("out", *GRADIENTS):
+            e = entry["forward"]["out"] if d == "out" else entry["backward"][d]
+            if e.get("verdict") != "fail":
+                continue
+            ratio = e.get("l2_error_ratio") or 0.0
+            if ratio > best:
+                best = ratio
+                worst_failure = {
+                    "site": site,
+                    "direction": d,
+                    "step": e.get("l2_error_ratio_step"),
+                    "kind": "l2",
+                    "value": ratio,
+                    "reason": f"worst call: {failure_reason('l2', ratio)}",
+                }
+    failures = [
+        {"site": site, "direction": d, **e["first_failure"]}
+        for site, entry in stats.items()
+        for d, e in (("out", entry["forward"]["out"]), *((g, entry["backward"][g]) for g in GRADIENTS))
+        if e.get("first_failure")
+    ]
+    failures.sort(key=lambda f: (f["step"], f["site"], f["direction"]))
+    if worst_failure is not None:
+        failures.append({**worst_failure, "worst": True})
+    return {
+        "verdict": verdict,
+        "verdict_reason": reason,
+        "worst_failure": worst_failure,
+        "failures": failures,
     }
 
 

@@ -15,7 +15,7 @@ import flashprobe.probe.stats as stats_module
 from flashprobe.deviation import deviation_tensors
 from flashprobe.kernels import get_kernel, math_attention
 from flashprobe.kernels.reference import BYTES_PER_SCORE
-from flashprobe.probe import N_MAX, ProbeWarning, ShadowAttention, probe
+from flashprobe.probe import N_MAX, N_SUMS, ProbeWarning, ShadowAttention, probe
 from flashprobe.probe.stats import pair_sums
 
 from .test_sites import Direct
@@ -193,7 +193,8 @@ def test_blocked_references_bound_memory_and_agree(monkeypatch) -> None:
 
 
 def test_stat_tensors_reduce_like_one_run() -> None:
-    """Two 'ranks' reduced with MAX over [:N_MAX] and SUM over [N_MAX:] equal one probe over both."""
+    """Two 'ranks' reduced with MAX over [:N_MAX] and SUM over [N_MAX:N_SUMS] equal one probe over
+    both (no call fails: the arg fields are equal on both ranks)."""
     batches = [_qkv(seed=s) for s in (1, 2)]
     ranks = []
     for batch in batches:
@@ -201,7 +202,11 @@ def test_stat_tensors_reduce_like_one_run() -> None:
         shadow(*batch)
         ranks.append(shadow.stat_tensors()["attention"])
     reduced = torch.cat(
-        (torch.maximum(ranks[0][:N_MAX], ranks[1][:N_MAX]), ranks[0][N_MAX:] + ranks[1][N_MAX:])
+        (
+            torch.maximum(ranks[0][:N_MAX], ranks[1][:N_MAX]),
+            ranks[0][N_MAX:N_SUMS] + ranks[1][N_MAX:N_SUMS],
+            ranks[0][N_SUMS:],
+        )
     )
     both = ShadowAttention()
     for batch in batches:

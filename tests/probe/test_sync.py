@@ -1,12 +1,13 @@
-"""No host synchronisation per attention call: the probe adds no host reads to a training step,
-on the CPU as on a GPU (one statistics path for both)."""
+"""No host synchronisation per attention call: the probe adds no host reads to a training step
+on a device (one statistics path for the CPU and a GPU); on the CPU, where a host read is free, the
+only read it adds is each compared call's verdict (``reads_each_call``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from flashprobe.probe import probe
+from flashprobe.probe import probe, shadow
 
 from ._models import TinyTransformer
 
@@ -29,8 +30,10 @@ def _count_host_reads(monkeypatch: pytest.MonkeyPatch, fn) -> dict[str, int]:
     return counts
 
 
-def test_probe_adds_no_host_reads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A probed training step (forward, backward, golden) reads exactly what the plain step reads."""
+@pytest.mark.parametrize("per_call", [False, True])
+def test_probe_adds_no_host_reads(monkeypatch: pytest.MonkeyPatch, per_call: bool) -> None:
+    """A probed training step (forward, backward, golden) reads exactly what the plain step reads,
+    as on a device; with the CPU's per-call verdict read, one ``tolist`` per compared call more."""
     torch.manual_seed(0)
     model = TinyTransformer()
     x = torch.randn(2, 6, 4)
@@ -40,12 +43,18 @@ def test_probe_adds_no_host_reads(monkeypatch: pytest.MonkeyPatch) -> None:
 
     step()  # warm-up
     plain = _count_host_reads(monkeypatch, step)
-    with probe(model, backward=True, golden=True) as p:
-        step()  # warm-up (plans the reference blocks, reads the free memory once)
-        probed = _count_host_reads(monkeypatch, step)
-        stats = p.stats()  # reading is one host copy, outside the step
-        sites = p.sites
-    assert probed == plain
+    original = shadow.reads_each_call
+    shadow.reads_each_call = lambda device: per_call  # (_count_host_reads undoes its monkeypatches)
+    try:
+        with probe(model, backward=True, golden=True) as p:
+            step()  # warm-up (plans the reference blocks, reads the free memory once)
+            probed = _count_host_reads(monkeypatch, step)
+            stats = p.stats()  # reading is one host copy, outside the step
+            sites = p.sites
+    finally:
+        shadow.reads_each_call = original
+    compared = 2  # two sites, one call each, forward and backward judged together
+    assert probed == {**plain, "tolist": plain["tolist"] + (compared if per_call else 0)}
     assert len(sites) == 2  # one call each: out, dq, dk, dv compared
     assert stats["block"]["backward"]["calls"] == 2  # the probe did run, forward and backward
 
@@ -80,9 +89,14 @@ def test_compiled_probe_adds_no_host_reads(monkeypatch: pytest.MonkeyPatch, back
 
     step()  # warm-up: compiles without the probe
     plain = _count_host_reads(monkeypatch, step)
-    with probe(model, backward=True, golden=True) as p:
-        step()  # warm-up: recompiles with the probe's graph breaks
-        probed = _count_host_reads(monkeypatch, step)
-        stats = p.stats()
+    original = shadow.reads_each_call
+    shadow.reads_each_call = lambda device: False  # as on a device
+    try:
+        with probe(model, backward=True, golden=True) as p:
+            step()  # warm-up: recompiles with the probe's ops
+            probed = _count_host_reads(monkeypatch, step)
+            stats = p.stats()
+    finally:
+        shadow.reads_each_call = original
     assert probed == plain
     assert stats["block"]["backward"]["calls"] == 2
