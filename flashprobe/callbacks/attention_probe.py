@@ -7,8 +7,19 @@ sampling run the primary alone). It advances the probe's step with ``trainer.glo
 ``log_every_n_steps`` reads the statistics once, reduces them across ranks (max of maxima, sum of
 sums), logs them to every logger of the Trainer and appends one JSON line to
 ``DIRPATH/probe.jsonl``; at the end of training it draws the per-site deviation plot
-``DIRPATH/probe.png`` from that file. It detaches at the end of fit. Its state (last logged step) goes into
-checkpoints, so a resumed run continues ``probe.jsonl`` without duplicate lines.
+``DIRPATH/probe.png`` from that file. It detaches at the end of fit. Its state (last logged step,
+the failures seen) goes into checkpoints, so a resumed run continues ``probe.jsonl`` without
+duplicate lines and keeps its verdict.
+
+**Verdicts.** Every compared call is judged on the device (:func:`flashprobe.deviation.judge_sums`);
+the summary of each record carries ``verdict`` and ``failures`` (the first failure of each site and
+direction since training started, and the worst call). At the first failure of a site and
+direction the callback warns with one line (``on_failure="warn"``), raises
+:class:`~flashprobe.probe.ProbeFailureError` (``"raise"``) or writes its record and asks the
+Trainer to stop (``"stop"``: ``trainer.should_stop``); the failing call is saved as a reproducer in
+``DIRPATH/repro/`` (at most ``max_reproducers``; ``flashprobe replay FILE``). On the CPU a failure
+is seen at the batch it happens in; on a GPU at the next logging step (no host read per call),
+and the reproducer is that site's next failing call.
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,7 +39,8 @@ from typing_extensions import override
 
 from flashprobe.deviation import PAIRS
 from flashprobe.formats.probe_log import PROBE_LOG_NAME, ProbeLogWriter
-from flashprobe.probe import Probe, ProbeConfig, probe, reduce_across_ranks
+from flashprobe.probe import Probe, ProbeConfig, ProbeFailureError, ProbeWarning, probe, reduce_across_ranks
+from flashprobe.probe.shadow import failure_message
 
 __all__ = ["AttentionProbe"]
 
@@ -58,6 +71,10 @@ class AttentionProbe(Callback):
         log_sites: also log every site's statistics as scalars (else only the summary).
         plot: at the end of training, draw the per-site deviation plot of the file next to it
             (``probe.png``, :func:`flashprobe.report.probe_figures.plot_probe`).
+        on_failure: at the first failure of each site and direction: ``"warn"`` (default, one
+            line), ``"raise"`` (:class:`~flashprobe.probe.ProbeFailureError`) or ``"stop"`` (write
+            the record, then stop training through ``trainer.should_stop``).
+        max_reproducers: reproducer files saved in ``DIRPATH/repro/`` at most (0: none).
         **settings: fields of :class:`~flashprobe.probe.ProbeConfig` replacing ``config``'s.
 
     With ``16-mixed`` precision the gradient statistics are divided by the ``GradScaler``'s current
@@ -81,9 +98,17 @@ class AttentionProbe(Callback):
         filename: str = PROBE_LOG_NAME,
         log_sites: bool = True,
         plot: bool = True,
+        on_failure: str = "warn",
+        max_reproducers: int = 8,
         **settings: Any,
     ) -> None:
         self.config = ProbeConfig.from_settings(config, **settings)
+        if on_failure not in ("warn", "raise", "stop"):
+            raise ValueError(f"AttentionProbe: on_failure={on_failure!r} must be 'warn', 'raise' or 'stop'")
+        if isinstance(max_reproducers, bool) or not isinstance(max_reproducers, int) or max_reproducers < 0:
+            raise ValueError(f"AttentionProbe: max_reproducers={max_reproducers!r} must be an int >= 0")
+        self.on_failure = on_failure
+        self.max_reproducers = max_reproducers
         value = 1 if log_every_n_steps is None else log_every_n_steps
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(
@@ -108,6 +133,9 @@ class AttentionProbe(Callback):
         self._path: Path | None = None
         self._writer: ProbeLogWriter | None = None
         self._calls_checked = False
+        self._reported: set[tuple[str, str]] = set()
+        self._restored_failures: list[dict[str, Any]] = []
+        self._worst: dict[str, Any] | None = None
 
     @classmethod
     def from_mapping(cls, settings: Mapping[str, Any], /, **kwargs: Any) -> AttentionProbe:
@@ -149,14 +177,32 @@ class AttentionProbe(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         dtype = _PRECISION_DTYPES.get(str(trainer.precision))
+        root = self.dirpath or Path(trainer.log_dir or trainer.default_root_dir)
         # Attaching checks every kernel on the model's device and dtype now, before any step.
-        self._probe = probe(pl_module, self.config, dtype=dtype)
+        self._probe = probe(
+            pl_module,
+            self.config,
+            dtype=dtype,
+            on_failure="ignore",  # the callback reports, once per site and direction
+            repro_dir=root / "repro" if trainer.is_global_zero and self.max_reproducers else None,
+            max_reproducers=self.max_reproducers,
+        )
         self._probe.detach()  # only training batches are probed: attached at each batch start
         self._probe.shadow.set_grad_scale(_loss_scale(trainer))
-        root = self.dirpath or Path(trainer.log_dir or trainer.default_root_dir)
+        self._apply_restored()
         self._path = root / self.filename
         self._writer = ProbeLogWriter(self._path)
         self._calls_checked = False
+
+    def _apply_restored(self) -> None:
+        """A resumed run keeps the failures it had seen (restored before or after fit start)."""
+        if self._probe is None:
+            return
+        for failure in self._restored_failures:
+            key = (failure["site"], failure["direction"])
+            self._probe.shadow.failures.setdefault(key, dict(failure))
+            self._reported.add(key)
+        self._restored_failures = []
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -178,6 +224,7 @@ class AttentionProbe(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._probe is not None:
+            self._apply_restored()
             self._probe.attach()
             self._probe.set_step(trainer.global_step)
 
@@ -198,9 +245,33 @@ class AttentionProbe(Callback):
         step = trainer.global_step
         every = self.log_every_n_steps or trainer.log_every_n_steps or 1
         last_batch = trainer.max_steps != -1 and step >= trainer.max_steps
-        if step <= self.last_logged_step or (step % every and not last_batch):
+        new = self._new_failures()
+        if new and self.on_failure == "stop" and step > self.last_logged_step:
+            self._flush(trainer, pl_module, step)  # the record of the failing step is written first
+        elif step > self.last_logged_step and (not step % every or last_batch):
+            self._flush(trainer, pl_module, step)
+            new += self._new_failures()  # failures a read on a device found
+        self._react(trainer, new)
+
+    def _new_failures(self) -> list[dict[str, Any]]:
+        """Failures not reported yet (the shadow's log: at once on the CPU, at reads elsewhere)."""
+        assert self._probe is not None
+        new = [f for f in self._probe.failures if (f["site"], f["direction"]) not in self._reported]
+        self._reported.update((f["site"], f["direction"]) for f in new)
+        return new
+
+    def _react(self, trainer: pl.Trainer, failures: list[dict[str, Any]]) -> None:
+        if not failures:
             return
-        self._flush(trainer, pl_module, step)
+        if self.on_failure == "raise":
+            raise ProbeFailureError(failure_message(failures[0]), failures[0])
+        if trainer.is_global_zero:
+            for failure in failures:
+                warnings.warn(failure_message(failure), ProbeWarning, stacklevel=2)
+        if self.on_failure == "stop":
+            trainer.should_stop = True
+            if trainer.is_global_zero:
+                log.warning("AttentionProbe: stopping training (on_failure='stop')")
 
     def _check_calls(self, pl_module: pl.LightningModule) -> None:
         """After the first training batch: fail early when there is nothing to probe (host-side counts)."""
@@ -227,6 +298,7 @@ class AttentionProbe(Callback):
         # Steps probed since the last logging step (e.g. max_epochs runs) are not lost.
         if self._probe is not None and trainer.global_step > self.last_logged_step:
             self._flush(trainer, pl_module, trainer.global_step)
+            self._react(trainer, self._new_failures())
         if self.plot and trainer.is_global_zero and self._path is not None and self._path.is_file():
             from flashprobe.report.probe_figures import plot_probe
 
@@ -252,6 +324,7 @@ class AttentionProbe(Callback):
         stats = self._probe.stats(tensors)
         summary = self._probe.summary(stats)
         summary["step"] = step
+        self._keep_worst(summary)
         self._probe.reset()
         self.last_logged_step = step
         if not stats:
@@ -271,6 +344,16 @@ class AttentionProbe(Callback):
             self._log_to_loggers(trainer, stats, summary, step)
             self._append(step, stats, summary)
 
+    def _keep_worst(self, summary: dict[str, Any]) -> None:
+        """The worst failing call since training started (the summary's own is its interval's)."""
+        worst = summary.get("worst_failure")
+        if worst is not None and (self._worst is None or worst["value"] > self._worst["value"]):
+            self._worst = dict(worst)
+        if self._worst is not None:
+            failures = [f for f in summary.get("failures", []) if not f.get("worst")]
+            summary["failures"] = [*failures, {**self._worst, "worst": True}]
+            summary["worst_failure"] = dict(self._worst)
+
     def _log_to_loggers(
         self, trainer: pl.Trainer, stats: dict[str, Any], summary: dict[str, Any], step: int
     ) -> None:
@@ -279,6 +362,8 @@ class AttentionProbe(Callback):
             value = summary.get(key)
             if value is not None:
                 metrics[f"probe/{key}"] = float(value)
+        metrics["probe/failed"] = float(summary.get("verdict") == "fail")
+        metrics["probe/failures"] = float(sum(not f.get("worst") for f in summary.get("failures", [])))
         for pair, value in (summary.get("max_abs") or {}).items():
             if value is not None:
                 metrics[f"probe/max_abs/{pair}"] = float(value)
@@ -312,12 +397,21 @@ class AttentionProbe(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"last_logged_step": self.last_logged_step, "records": self.records}
+        failures = [] if self._probe is None else self._probe.failures
+        return {
+            "last_logged_step": self.last_logged_step,
+            "records": self.records,
+            "failures": [
+                {k: v for k, v in f.items() if isinstance(v, str | int | float | type(None))}
+                for f in failures
+            ],
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.last_logged_step = state_dict.get("last_logged_step", -1)
         self.records = state_dict.get("records", 0)
+        self._restored_failures = [dict(f) for f in state_dict.get("failures", [])]
         self._resumed_from = self.last_logged_step
 
 
