@@ -217,6 +217,7 @@ class AttentionProbe(Callback):
     def _detach(self) -> None:
         if self._probe is not None:
             self._probe.detach()
+            self._restored_failures = self._probe.failures  # kept for state_dict and a next fit
             self._probe = None
 
     @override
@@ -397,7 +398,7 @@ class AttentionProbe(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        failures = [] if self._probe is None else self._probe.failures
+        failures = self._restored_failures if self._probe is None else self._probe.failures
         return {
             "last_logged_step": self.last_logged_step,
             "records": self.records,

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashprobe.callbacks import AttentionProbe
+from flashprobe.cli import main as cli_main
 from flashprobe.kernels import KernelSpecError, get_kernel, golden_attention, math_attention
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -216,3 +217,90 @@ def test_gradient_statistics_are_in_the_models_units_under_16_mixed(tmp_path: Pa
                 assert thirty_two[grad][pair][stat] == pytest.approx(want, rel=1e-12), (grad, pair, stat)
             assert one[grad][pair]["nonfinite"] == 0
         assert one[grad]["primary_golden"]["max_abs"] > 0  # something was compared
+
+
+# ---------------------------------------------------------------------------------- verdicts
+class _Scheduled(L.LightningModule):
+    """tests/probe/test_verdicts.py's two-site model and shape schedule, one batch per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.probe.test_verdicts import TwoSites
+
+        torch.manual_seed(0)
+        self.model = TwoSites()
+
+    def training_step(self, batch, batch_idx):
+        from tests.probe.test_verdicts import SCHEDULE, _padding_mask
+
+        b, n, padded = SCHEDULE[batch_idx % len(SCHEDULE)]
+        x = torch.randn(b, n, 4, generator=torch.Generator().manual_seed(batch_idx))
+        return self.model(x, _padding_mask(b, n) if padded else None).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.zeros(6, 1), batch_size=1)
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_stop_writes_the_failing_record_saves_the_call_and_stops(tmp_path: Path) -> None:
+    from tests.probe.buggy_kernels import register_buggy_kernels
+
+    register_buggy_kernels()
+    callback = AttentionProbe(
+        primary="bug_batch_kv_mixup", backward=True, dirpath=tmp_path, on_failure="stop", log_every_n_steps=10
+    )
+    trainer = _trainer(callback, max_steps=6)
+    with pytest.warns(UserWarning, match=r"FAIL at site 'model.attn1', out, step 1: .*flashprobe replay"):
+        trainer.fit(_Scheduled())
+    assert trainer.global_step == 2  # the batch of step 1 finished, then training stopped
+    record = _records(tmp_path / "probe.jsonl")[-1]
+    assert record["summary"]["verdict"] == "fail"
+    firsts = {(f["site"], f["direction"]): f for f in record["summary"]["failures"] if not f.get("worst")}
+    assert firsts[("model.attn1", "out")]["step"] == firsts[("model.attn0", "out")]["step"] == 1
+    assert record["sites"]["model.attn0"]["verdict"] == "fail"
+    repro = Path(firsts[("model.attn1", "out")]["repro"])
+    assert repro.parent == tmp_path / "repro" and repro.is_file()
+    assert cli_main(["replay", str(repro), "--kernel", "bug_none"]) == 0
+    assert cli_main(["replay", str(repro)]) == 1  # the recorded primary, bug_batch_kv_mixup
+
+
+def test_raise_fails_the_fit(tmp_path: Path) -> None:
+    from flashprobe.probe import ProbeFailureError
+    from tests.probe.buggy_kernels import register_buggy_kernels
+
+    register_buggy_kernels()
+    callback = AttentionProbe(
+        primary="bug_dk_partial_tile", backward=True, dirpath=tmp_path, on_failure="raise"
+    )
+    with pytest.raises(ProbeFailureError, match=r"dk, step 2"):
+        _trainer(callback, max_steps=6).fit(_Scheduled())
+
+
+def test_a_correct_kernel_passes_and_a_resumed_run_keeps_its_failures(tmp_path: Path) -> None:
+    callback = AttentionProbe(backward=True, dirpath=tmp_path, on_failure="raise", log_every_n_steps=1)
+    _trainer(callback, max_steps=6).fit(_Scheduled())
+    records = _records(tmp_path / "probe.jsonl")
+    assert [r["summary"]["verdict"] for r in records] == ["pass"] * 6
+    assert not (tmp_path / "repro").exists()
+    # A failure seen before a checkpoint stays in the verdict after resuming from it.
+    old = {
+        "site": "model.attn0",
+        "direction": "dq",
+        "step": 3,
+        "kind": "l2",
+        "value": 40.0,
+        "reason": "x",
+        "repro": None,
+    }
+    resumed = AttentionProbe(backward=True, dirpath=tmp_path / "resumed", on_failure="warn")
+    resumed.load_state_dict({"last_logged_step": -1, "records": 0, "failures": [old]})
+    _trainer(resumed, max_steps=2).fit(_Scheduled())
+    summary = _records(tmp_path / "resumed" / "probe.jsonl")[-1]["summary"]
+    assert summary["verdict"] == "fail" and summary["failures"] == [old]
+    assert resumed.state_dict()["failures"] == [old]
