@@ -127,7 +127,10 @@ class Probe(AttentionRoute):
     def failures(self) -> list[dict[str, Any]]:
         """The first failure of each site and direction seen so far (kept across :meth:`reset`):
         ``{site, direction, step, kind, value, reason, repro}`` each, in step order."""
-        return sorted(self.shadow.failures.values(), key=lambda f: (f["step"], f["site"], f["direction"]))
+        order = ("out", "dq", "dk", "dv")
+        return sorted(
+            self.shadow.failures.values(), key=lambda f: (f["step"], f["site"], order.index(f["direction"]))
+        )
 
     # Reading ----------------------------------------------------------------------------------
 

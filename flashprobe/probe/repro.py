@@ -4,8 +4,12 @@ When the probe's verdict finds a failing call (:func:`flashprobe.deviation.judge
 what reproduces it as one ``safetensors`` file — no pickle — plus a short Python script next to
 it::
 
-    REPRO_DIR/<site>.<direction>.step<step>.safetensors   q, k, v, [attn_mask], [grad_out]
-    REPRO_DIR/<site>.<direction>.step<step>.py            replays it (flashprobe replay FILE)
+    REPRO_DIR/<site>.step<step>.safetensors   q, k, v, [attn_mask], [grad_out]
+    REPRO_DIR/<site>.step<step>.py            replays it (flashprobe replay FILE)
+
+One file per failing call: every direction that failed at it (``directions`` in the metadata;
+``direction`` the first of ``out``, ``dq``, ``dk``, ``dv``); the output gradient is saved whenever
+the call had a backward.
 
 The tensors are the call as the kernels saw it (the compute dtype, 4-D, ``k``/``v`` with their own
 head count under grouped-query attention); a tensor that was a permuted view (e.g. the transpose of
@@ -82,11 +86,11 @@ class Reproducer:
         return self.q.dtype
 
 
-def reproducer_stem(site: str, direction: str, step: int) -> str:
-    """The file name (without suffix) of a reproducer: ``<site>.<direction>.step<step>``, the site
-    with every character but letters, digits, ``.``, ``_`` and ``-`` replaced by ``_``."""
+def reproducer_stem(site: str, step: int) -> str:
+    """The file name (without suffix) of a reproducer: ``<site>.step<step>``, the site with every
+    character but letters, digits, ``.``, ``_`` and ``-`` replaced by ``_``."""
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", site).strip(".") or "attention"
-    return f"{safe}.{direction}.step{step:07d}"
+    return f"{safe}.step{step:07d}"
 
 
 def _memory_order(t: torch.Tensor) -> tuple[torch.Tensor, list[int]]:

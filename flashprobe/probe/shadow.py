@@ -50,7 +50,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from flashprobe.deviation import FAILURE_KINDS, StatsWorkspace, combine_sums, failure_reason, pair_sums
+from flashprobe.deviation import (
+    FAILURE_KINDS,
+    L2_RATIO_LIMITS,
+    StatsWorkspace,
+    combine_sums,
+    failure_reason,
+    pair_sums,
+)
 from flashprobe.kernels import KernelUnavailableError, get_kernel, math_attention
 from flashprobe.kernels.reference import (
     Block,
@@ -66,6 +73,8 @@ from flashprobe.probe.intercept import GRAPH_BREAK_REASON, ProbeWarning, passthr
 from flashprobe.probe.routing import KernelRoute, check_kernel_here
 from flashprobe.probe.stats import DeviationStats, count_nonfinite_positions, stats_dict
 from flashprobe.probe.summary import summarize
+
+_ORDER = ("out", "dq", "dk", "dv")  # failures sort by step, site, then this
 
 __all__ = ["ON_FAILURE", "ProbeFailureError", "ShadowAttention"]
 
@@ -572,52 +581,50 @@ class ShadowAttention(nn.Module):
         device = next(iter(kinds.values())).device
         if not reads_each_call(device) and site not in self._armed:
             return
-        codes = torch.stack(
-            list(kinds.values())
-        ).tolist()  # host read: free on the CPU; armed sites only elsewhere
-        for direction, code in zip(kinds, codes, strict=True):
-            if code and (site, direction) not in self.failures:
-                self._new_failure(site, direction, step, int(code), p, grad_out)
-            elif code and site in self._armed and not self._has_repro(site, direction):
-                self._save_repro(self.failures[(site, direction)], p, grad_out)
+        codes = torch.stack(list(kinds.values())).tolist()  # free on the CPU; armed sites only elsewhere
+        failing = [d for d, code in zip(kinds, codes, strict=True) if code]
+        new = [d for d in failing if (site, d) not in self.failures]
+        if new:
+            self._new_failures(site, step, {d: int(codes[list(kinds).index(d)]) for d in new})
+        unsaved = [self.failures[(site, d)] for d in failing if not self._has_repro(site, d)]
+        if unsaved:
+            self._save_repro(unsaved, p, grad_out)
+        for d in new:
+            self._react(self.failures[(site, d)])
         if site in self._armed and all(self._has_repro(s, d) for s, d in self.failures if s == site):
             self._armed.discard(site)
 
-    def _new_failure(
-        self, site: str, direction: str, step: int, code: int, p: Prepared, grad_out: torch.Tensor | None
-    ) -> None:
+    def _new_failures(self, site: str, step: int, codes: Mapping[str, int]) -> None:
+        """Record the first failures of ``site``'s directions at this call (their values: one read)."""
         stats = self._stats[site].as_dict()
-        entry = stats["forward"]["out"] if direction == "out" else stats["backward"][direction]
-        first = entry.get("first_failure") or {}
-        kind = FAILURE_KINDS.get(code, "l2")
-        value = first.get("value", float("nan")) if first.get("step") == step else float("nan")
-        failure = {
-            "site": site,
-            "direction": direction,
-            "step": step,
-            "kind": kind,
-            "value": value,
-            "reason": failure_reason(kind, value),
-            "repro": None,
-        }
-        self.failures[(site, direction)] = failure
-        self._save_repro(failure, p, grad_out)
-        self._react(failure)
+        for direction, code in codes.items():
+            entry = stats["forward"]["out"] if direction == "out" else stats["backward"][direction]
+            first = entry.get("first_failure") or {}
+            kind = FAILURE_KINDS.get(code, "l2")
+            value = first.get("value", float("nan")) if first.get("step") == step else float("nan")
+            self.failures[(site, direction)] = {
+                "site": site,
+                "direction": direction,
+                "step": step,
+                "kind": kind,
+                "value": value,
+                "reason": failure_reason(kind, value, limit=L2_RATIO_LIMITS[direction]),
+                "repro": None,
+            }
 
     def _has_repro(self, site: str, direction: str) -> bool:
         failure = self.failures.get((site, direction))
         return failure is not None and (failure.get("repro") is not None or self.repro_dir is None)
 
-    def _save_repro(self, failure: dict[str, Any], p: Prepared, grad_out: torch.Tensor | None) -> None:
-        """Save the failing call ``p`` (with ``grad_out`` for a gradient's failure) as a reproducer."""
+    def _save_repro(self, failures: list[dict[str, Any]], p: Prepared, grad_out: torch.Tensor | None) -> None:
+        """Save the failing call ``p`` (with the output gradient when it had a backward) as one
+        reproducer for the directions ``failures`` name."""
         if self.repro_dir is None or len(self.reproducers) >= self.max_reproducers:
             return
         from flashprobe.probe.repro import reproducer_stem, save_reproducer
 
-        backward = failure["direction"] != "out"
-        path = self.repro_dir / (
-            reproducer_stem(failure["site"], failure["direction"], failure["step"]) + ".safetensors"
-        )
+        first = failures[0]
+        path = self.repro_dir / (reproducer_stem(first["site"], first["step"]) + ".safetensors")
         try:
             save_reproducer(
                 path,
@@ -627,9 +634,11 @@ class ShadowAttention(nn.Module):
                 attn_mask=p.attn_mask,
                 is_causal=p.is_causal,
                 scale=p.scale,
-                grad_out=grad_out if backward else None,
+                grad_out=grad_out,
                 meta={
-                    **{k: failure[k] for k in ("site", "direction", "step", "kind", "reason")},
+                    **{k: first[k] for k in ("site", "direction", "step", "kind", "reason")},
+                    "directions": [f["direction"] for f in failures],
+                    "reasons": {f["direction"]: f["reason"] for f in failures},
                     "primary": None if self.primary is None else self.primary.spec,
                     "baseline": self.baseline.spec,
                     "gqa_rep": p.rep,
@@ -641,7 +650,8 @@ class ShadowAttention(nn.Module):
                 f"flashprobe: could not save a reproducer in {self.repro_dir}: {err}",
             )
             return
-        failure["repro"] = str(path)
+        for failure in failures:
+            failure["repro"] = str(path)
         self.reproducers.append(path)
 
     def _react(self, failure: Mapping[str, Any]) -> None:
@@ -810,7 +820,8 @@ def failure_summary(
             "failures": list(summary.get("failures", [])),
         }
     listed = [
-        dict(f) for f in sorted(failures.values(), key=lambda f: (f["step"], f["site"], f["direction"]))
+        dict(f)
+        for f in sorted(failures.values(), key=lambda f: (f["step"], f["site"], _ORDER.index(f["direction"])))
     ]
     worst = summary.get("worst_failure")
     if worst is not None:

@@ -59,7 +59,7 @@ import torch
 
 from flashprobe.deviation import (
     FAILURE_KINDS,
-    L2_RATIO_LIMIT,
+    L2_RATIO_LIMITS,
     PAIRS,
     StatsWorkspace,
     combine_sums,
@@ -200,14 +200,14 @@ def call_error_ratio(sums: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Ten
 
 
 def call_judgement(
-    sums: torch.Tensor, dtype: torch.dtype, limit: float = L2_RATIO_LIMIT
+    sums: torch.Tensor, dtype: torch.dtype, limit: torch.Tensor | float = L2_RATIO_LIMITS["out"]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The verdict's rule (:func:`flashprobe.deviation.judge_sums`) on the device, no host read.
 
     Args:
         sums: ``(K, 7, 3)`` :func:`pair_sums` of ``K`` directions of one call (golden pairs).
         dtype: the dtype the kernels computed in (the L2 floor's ``eps``).
-        limit: the L2 ratio limit.
+        limit: the L2 ratio limit, or ``(K,)`` limits (one per direction).
 
     Returns:
         ``(l2, kind, value)``, each ``(K,)`` float64: the :func:`~flashprobe.deviation.l2_error_ratio`
@@ -240,6 +240,7 @@ class DeviationStats:
     def __init__(self, device: torch.device | str, *, golden: bool = True) -> None:
         self.values = torch.zeros(len(FIELDS), dtype=torch.float64, device=device)
         self.golden = golden
+        self._limit_cache: dict[tuple[int, int], torch.Tensor] = {}
 
     def add(self, direction: str, sums: torch.Tensor, dtype: torch.dtype, step: int = 0) -> torch.Tensor:
         """Fold one call's ``(7, P)`` :func:`pair_sums` into ``direction`` (``out``/``dq``/``dk``/``dv``).
@@ -288,7 +289,8 @@ class DeviationStats:
         if pairs == len(PAIRS):
             floor = (0.5 * torch.finfo(dtype).eps) * torch.maximum(sums[:, 6, 1], sums[:, 6, 2])  # (K,)
             ratio, defined = call_error_ratio(sums, floor)
-            l2, kind, value = call_judgement(sums, dtype)
+            limits = self._limits(first, k)
+            l2, kind, value = call_judgement(sums, dtype, limits)
             failed = kind > 0
             key = torch.where(failed, torch.full_like(kind, FIRST_KEY - step), 0.0)  # float64: exact steps
             # The arg fields change where this call sets a new maximum of their key field.
@@ -306,6 +308,18 @@ class DeviationStats:
         block[:, :-3].add_(sums[:, 1:6].transpose(1, 2).reshape(k, -1))  # pair-major, as SUM_FIELDS
         block[:, -3:].add_(torch.stack((torch.ones_like(defined), defined, failed.to(defined)), dim=1))
         return kind
+
+    def _limits(self, first: int, k: int) -> torch.Tensor:
+        """The ``(K,)`` L2 limits of the directions from ``DIRECTIONS[first]`` (cached on the device)."""
+        key = (first, k)
+        cached = self._limit_cache.get(key)
+        if cached is None:
+            names = DIRECTIONS[first : first + k]
+            cached = torch.tensor(
+                [L2_RATIO_LIMITS[d] for d in names], dtype=torch.float64, device=self.values.device
+            )
+            self._limit_cache[key] = cached
+        return cached
 
     def add_nonfinite_inputs(self, counts: Mapping[str, torch.Tensor]) -> None:
         """Add non-finite counts (0-d tensors) of inputs named in :data:`INPUTS`."""
@@ -442,7 +456,7 @@ def _judged(fields: Mapping[str, float], d: str, judged: bool) -> dict[str, Any]
             "step": int(FIRST_KEY - fields[f"{d}.first_fail"]),
             "kind": kind,
             "value": value,
-            "reason": failure_reason(kind, value),
+            "reason": failure_reason(kind, value, limit=L2_RATIO_LIMITS[d]),
         }
     return {
         "verdict": "fail" if failed else "pass",

@@ -13,8 +13,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from flashprobe.deviation import failure_reason
+from flashprobe.deviation import L2_RATIO_LIMITS, failure_reason
 from flashprobe.probe.stats import GRADIENTS, PAIRS, worst
+
+_ORDER = ("out", "dq", "dk", "dv")  # failures sort by step, site, then this
 
 __all__ = ["summarize"]
 
@@ -90,7 +92,7 @@ def _verdict(stats: Mapping[str, Any]) -> dict[str, Any]:
                     "step": e.get("l2_error_ratio_step"),
                     "kind": "l2",
                     "value": ratio,
-                    "reason": f"worst call: {failure_reason('l2', ratio)}",
+                    "reason": f"worst call: {failure_reason('l2', ratio, limit=L2_RATIO_LIMITS[d])}",
                 }
     failures = [
         {"site": site, "direction": d, **e["first_failure"]}
@@ -98,7 +100,7 @@ def _verdict(stats: Mapping[str, Any]) -> dict[str, Any]:
         for d, e in (("out", entry["forward"]["out"]), *((g, entry["backward"][g]) for g in GRADIENTS))
         if e.get("first_failure")
     ]
-    failures.sort(key=lambda f: (f["step"], f["site"], f["direction"]))
+    failures.sort(key=lambda f: (f["step"], f["site"], _ORDER.index(f["direction"])))
     if worst_failure is not None:
         failures.append({**worst_failure, "worst": True})
     return {
