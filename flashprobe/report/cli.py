@@ -182,13 +182,19 @@ def _run_report(run_dir: Path) -> int:
         figure = plot_probe(run_dir / PROBE_LOG_NAME, run_dir / "probe.png")
     except (FileNotFoundError, ValueError) as err:
         return _fail("flashprobe report", err)
-    print("| step | max error ratio | worst site | max abs primary-baseline | non-finite |")
-    print("| ---: | ---: | --- | ---: | ---: |")
-    for row in probe_summary(run_dir):
+    print("| step | verdict | max error ratio | worst site | max abs primary-baseline | non-finite |")
+    print("| ---: | --- | ---: | --- | ---: | ---: |")
+    rows = probe_summary(run_dir)
+    for row in rows:
         ratio = _g(row.get("max_error_ratio"))
         diff = _g((row.get("max_abs") or {}).get("primary_baseline"))
         site = row.get("max_error_ratio_site") or "-"
-        print(f"| {row['step']} | {ratio} | {site} | {diff} | {row.get('nonfinite', 0)} |")
+        verdict = row.get("verdict") or "-"
+        print(f"| {row['step']} | {verdict} | {ratio} | {site} | {diff} | {row.get('nonfinite', 0)} |")
+    for f in (rows[-1].get("failures") or []) if rows else []:
+        kind = "worst" if f.get("worst") else "first failure"
+        repro = f"; reproducer {f['repro']}" if f.get("repro") else ""
+        print(f"{kind}: {f['site']} {f['direction']}, step {f['step']}: {f['reason']}{repro}")
     print(f"wrote {figure}")
     return 0
 

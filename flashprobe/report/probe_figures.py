@@ -223,10 +223,22 @@ def plot_probe(
     _primary_baseline_panel(ax_pb, steps, series)
     _per_site_panel(ax_site, series)
     head = title or jsonl.parent.name
+    last = records[-1].get("summary") or {}
+    firsts = [f for f in last.get("failures") or [] if not f.get("worst")]
+    for f in firsts:  # each first failure: a red line at its step
+        ax_ratio.axvline(f["step"], color="red", linewidth=1.0, linestyle="--", alpha=0.7)
+    verdict = last.get("verdict")
+    verdict_text = "" if verdict is None else f"verdict {verdict.upper()}"
+    if firsts:
+        f = firsts[0]
+        verdict_text += (
+            f" (first: {f['site']} {f['direction']} at step {f['step']}; red lines: first failures)"
+        )
     fig.suptitle(
         f"{head}: {len(series)} sites, {len(records)} logged intervals, steps {steps[0]}–{steps[-1]}, "
         f"{nonfinite} non-finite values"
         + (f", {infinite} infinite error ratios (▲ at the top)" if infinite else "")
+        + (f"\n{verdict_text}" if verdict_text else "")
     )
     fig.tight_layout()
     return save_figure(fig, path)

@@ -216,22 +216,37 @@ def _probe_lines(study_dir: Path, runs: Mapping[str, Any]) -> list[str]:
             ratios = [r.get("max_error_ratio") for r in summary if r.get("max_error_ratio") is not None]
             nonfinite = sum(r.get("nonfinite", 0) for r in summary)
             first, last, worst = (ratios[0], ratios[-1], max(ratios)) if ratios else (None, None, None)
+            verdict, failure = _verdict_cell(summary[-1])
             rows.append(
-                f"| {name} | {len(summary)} | {_fmt(first)} | {_fmt(last)} | {_fmt(worst)} | {nonfinite} |"
+                f"| {name} | {verdict} | {len(summary)} | {_fmt(first)} | {_fmt(last)} | {_fmt(worst)} | "
+                f"{nonfinite} | {failure} |"
             )
     if not rows:
         return []
     return [
         "## Attention probe (primary vs baseline vs FP64 golden, every logged step)",
         "",
-        "Error ratio = max|primary − golden| / max|baseline − golden| over all sites (against the noise "
-        "floor when the baseline is exact); flash-attention's tests pass a kernel at ≤ 2.",
+        "Verdict: the probe's rule at every compared call (relative L2 error ratio to the baseline's "
+        "within 8 for the output and 64 for the gradients, no NaN/Inf where the golden is finite; "
+        'docs/probe.md "Reading the verdict"), over the whole run. Error ratio = max|primary − golden| / '
+        "max|baseline − golden| over all sites (against the noise floor when the baseline is exact), "
+        "for reference: flash-attention's tests pass a kernel at ≤ 2.",
         "",
-        "| run | logged steps | first error ratio | last | worst | non-finite |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| run | verdict | logged steps | first error ratio | last | worst | non-finite | first failure |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
         *rows,
         "",
     ]
+
+
+def _verdict_cell(summary: Mapping[str, Any]) -> tuple[str, str]:
+    """The run's verdict (its last record covers the whole run) and its first failure, in words."""
+    verdict = summary.get("verdict") or "–"
+    firsts = [f for f in summary.get("failures") or [] if not f.get("worst")]
+    if not firsts:
+        return verdict, "–"
+    f = firsts[0]
+    return verdict, f"{f['site']} {f['direction']}, step {f['step']}: {f['reason']}"
 
 
 def _machine_lines(meta: Mapping[str, Any]) -> list[str]:

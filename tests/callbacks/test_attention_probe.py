@@ -248,7 +248,9 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_stop_writes_the_failing_record_saves_the_call_and_stops(tmp_path: Path) -> None:
+def test_stop_writes_the_failing_record_saves_the_call_and_stops(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from tests.probe.buggy_kernels import register_buggy_kernels
 
     register_buggy_kernels()
@@ -268,6 +270,19 @@ def test_stop_writes_the_failing_record_saves_the_call_and_stops(tmp_path: Path)
     assert repro.parent == tmp_path / "repro" and repro.is_file()
     assert cli_main(["replay", str(repro), "--kernel", "bug_none"]) == 0
     assert cli_main(["replay", str(repro)]) == 1  # the recorded primary, bug_batch_kv_mixup
+    # flashprobe report shows the verdict and the first failures (and redraws probe.png)
+    capsys.readouterr()
+    assert cli_main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| fail |" in out and "first failure: model.attn0 out, step 1: relative L2 error" in out
+    assert (tmp_path / "probe.png").is_file()
+    from flashprobe.report.study_report import _probe_lines
+
+    runs = tmp_path / "study" / "runs"
+    runs.mkdir(parents=True)
+    (runs / "flash").symlink_to(tmp_path, target_is_directory=True)
+    table = "\n".join(_probe_lines(tmp_path / "study", {"flash": {}}))
+    assert "| flash | fail |" in table and "model.attn0 out, step 1: relative L2 error" in table
 
 
 def test_raise_fails_the_fit(tmp_path: Path) -> None:

@@ -40,12 +40,14 @@ _BUDGETS: dict[str, tuple[str, ...]] = {
     "bench speed": (*_BENCH_SHAPE, "--seq-len", "64", "--no-memory"),
     "bench overhead": ("--steps", "2"),
     "bench wasserstein": ("--sizes", "1000", "--repeats", "1"),
+    "bench verdicts": ("--steps", "2", "--models", "t2i,gpt2"),
     "study": ("--runs", "flash,baseline", *HYDRA_TINY),
     "train": HYDRA_TINY,
     "fuzz": (),
     "compare": (),
     "report": (),
     "kernels": (),
+    "replay": (),
 }
 
 #: files a command family writes into its output directory (``--out``), as the docs say
@@ -56,6 +58,7 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "bench tiles": ("tiles.json", "tiles.csv", "tiles.png"),
     "bench speed": ("speed.json", "speed.csv", "speed.png"),
     "bench wasserstein": ("wasserstein.json",),
+    "bench verdicts": ("verdicts.json", "verdicts.csv"),
     "study": ("study.json", "study.csv", "report.md", "fig8_wasserstein.png"),
     "compare": ("study.json", "study.csv", "fig8_wasserstein.png"),
     "fuzz": ("fuzz.json",),
