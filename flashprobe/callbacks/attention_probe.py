@@ -68,7 +68,8 @@ class AttentionProbe(Callback):
         dirpath: directory of ``probe.jsonl``; default: ``trainer.log_dir`` or
             ``trainer.default_root_dir``.
         filename: name of the JSON-lines file.
-        log_sites: also log every site's statistics as scalars (else only the summary).
+        log_sites: also log every site's statistics as scalars (about 15 per site and direction;
+            default: only the summary's, every site's statistics stay in ``probe.jsonl``).
         plot: at the end of training, draw the per-site deviation plot of the file next to it
             (``probe.png``, :func:`flashprobe.report.probe_figures.plot_probe`).
         on_failure: at the first failure of each site and direction: ``"warn"`` (default, one
@@ -96,7 +97,7 @@ class AttentionProbe(Callback):
         log_every_n_steps: int | None = None,
         dirpath: str | os.PathLike[str] | None = None,
         filename: str = PROBE_LOG_NAME,
-        log_sites: bool = True,
+        log_sites: bool = False,
         plot: bool = True,
         on_failure: str = "warn",
         max_reproducers: int = 8,
@@ -333,10 +334,13 @@ class AttentionProbe(Callback):
         self.last_summary = summary
         ratio = summary.get("max_error_ratio")
         if ratio is not None and math.isfinite(ratio):
+            # The progress bar only (logger=False): the loggers get every metric once, below, under
+            # the same name and step.
             pl_module.log(
-                "probe/err_ratio",
+                "probe/max_error_ratio",
                 float(ratio),
                 prog_bar=True,
+                logger=False,
                 on_step=True,
                 on_epoch=False,
                 rank_zero_only=True,

@@ -39,7 +39,12 @@ def test_train_writes_the_run_directory(tmp_path: Path) -> None:
         rows = list(csv.DictReader(f))
     logged = [float(r["probe/max_error_ratio"]) for r in rows if r.get("probe/max_error_ratio")]
     assert logged[-1] == pytest.approx(ratio)
-    assert metrics["probe/err_ratio"] == pytest.approx(ratio, rel=1e-6)
+    assert metrics["probe/max_error_ratio"] == pytest.approx(ratio, rel=1e-6)  # the progress bar's
+    # one name per metric, and every probe value of a logging step in its row (no per-site columns)
+    probe_columns = {c for c in rows[0] if c.startswith("probe/")}
+    assert "probe/err_ratio" not in probe_columns and not any(c.count("/") > 2 for c in probe_columns)
+    last = next(r for r in reversed(rows) if r.get("probe/max_error_ratio"))
+    assert last["probe/failed"] == "0.0" and last["probe/nonfinite"] == "0.0"
     # W&B ran offline into the run directory
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     # snapshots at 0, 2, 4 and a sample grid
