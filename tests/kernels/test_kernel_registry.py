@@ -23,7 +23,7 @@ from flashprobe.kernels import (
     unregister_kernel,
 )
 
-BUILTINS = ["flash_attn", "math", "sdpa_cudnn", "sdpa_efficient", "sdpa_flash", "sdpa_math", "tiled"]
+BUILTINS = ["flash_attn", "flex", "math", "sdpa_cudnn", "sdpa_efficient", "sdpa_flash", "sdpa_math", "tiled"]
 CPU_OK = ["math", "tiled", "sdpa_flash", "sdpa_math"]
 CUDA_ONLY = ["sdpa_efficient", "sdpa_cudnn", "flash_attn"]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
@@ -273,6 +273,8 @@ def test_flashprobe_kernels_marks_what_runs_here(capsys):
         status = lines[start + 2].strip()
         if name in CPU_OK:
             assert status == "runs on cpu: bf16, fp16, fp32, fp64", (name, status)
+        elif name == "flex":  # compiled FlexAttention on the CPU: no fp64 (flex:compile=false has it)
+            assert status.startswith("runs on cpu: bf16, fp16, fp32 (not fp64: flex: compiled"), status
         else:
             assert status.startswith(f"NOT on cpu: {name}: ") and "CUDA" in status, (name, status)
-    assert lines[-1] == "on cpu: 4 of 7 kernels run; not: flash_attn, sdpa_cudnn, sdpa_efficient"
+    assert lines[-1] == "on cpu: 5 of 8 kernels run; not: flash_attn, sdpa_cudnn, sdpa_efficient"

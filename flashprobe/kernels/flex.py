@@ -1,0 +1,133 @@
+"""``flex``: torch's FlexAttention behind the SDPA signature.
+
+``flex`` runs :func:`torch.nn.attention.flex_attention.flex_attention` — compiled with
+``torch.compile`` by default (the fused kernel; the first call of a shape compiles, about 30 s on
+this project's 2-core CPU, a few seconds per new shape after), ``flex:compile=false`` for torch's
+eager, unfused implementation (exact math, for tests and quick checks). SDPA's arguments become
+FlexAttention's: ``is_causal`` a causal ``mask_mod`` (top-left aligned, as SDPA), a bool
+``attn_mask`` a ``mask_mod`` reading it, an additive float mask a ``score_mod`` adding it (its
+``-inf`` entries also masked in the block mask, so a fully masked row gives 0, as the ``math``
+baseline), grouped key/value heads ``enable_gqa``.
+
+**Directions.** torch (2.13) has no FlexAttention backward on the CPU: called on CPU tensors that
+require grad, ``flex`` raises :class:`~flashprobe.kernels.KernelUnavailableError` saying so (the
+fuzzer reports such a kernel's gradients as unsupported; a training run must use another kernel or
+a GPU). Forward calls on the CPU and both directions on CUDA run.
+
+The model's own ``score_mod``/``block_mask`` (soft-capping, ALiBi, sliding windows, document masks)
+are not expressible in SDPA's signature; this kernel checks FlexAttention on what SDPA can say.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import torch
+
+from flashprobe.kernels.registry import KernelUnavailableError, register_kernel
+
+__all__ = ["flex_attention_kernel"]
+
+
+def _flex_module() -> Any:
+    try:
+        from torch.nn.attention import flex_attention as module
+    except ImportError:  # torch < 2.5
+        raise KernelUnavailableError(
+            f"flex: torch {torch.__version__} has no torch.nn.attention.flex_attention (needs torch >= 2.5)"
+        ) from None
+    return module
+
+
+@cache
+def _compiled() -> Any:
+    return torch.compile(_flex_module().flex_attention, dynamic=False)
+
+
+def _check(device: torch.device, dtype: torch.dtype, /, compile: bool = True) -> None:
+    _flex_module()
+    if device.type not in ("cpu", "cuda"):
+        raise KernelUnavailableError(f"flex: FlexAttention runs on CPU and CUDA devices, not {device.type}")
+    if compile and device.type == "cpu" and dtype == torch.float64:
+        raise KernelUnavailableError(
+            "flex: compiled FlexAttention on the CPU supports fp32, bf16 and fp16, not fp64 "
+            "(flex:compile=false runs fp64 eagerly)"
+        )
+
+
+def _validate(compile: bool = True) -> None:
+    if not isinstance(compile, bool):
+        raise ValueError(f"flex: compile={compile!r} must be true or false")
+
+
+def _mods(
+    attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[int, int, int, int]
+) -> tuple[Any, Any]:
+    """``(score_mod, mask_mod)`` for SDPA's mask arguments on a ``(B, H, N_q, N_k)`` score grid."""
+    b, h, n_q, n_k = shape
+    keep = None
+    score_mod = None
+    if attn_mask is not None:
+        mask = attn_mask.expand(b, h, n_q, n_k)  # broadcast views: indexed per (b, h, q, kv) below
+        if mask.dtype == torch.bool:
+            keep = mask
+        else:
+            bias = mask
+            keep = bias > float("-inf")
+
+            def score_mod(score, bb, hh, qi, ki):  # type: ignore[no-untyped-def]
+                return score + bias[bb, hh, qi, ki].to(score.dtype)
+
+    def mask_mod(bb, hh, qi, ki):  # type: ignore[no-untyped-def]
+        allowed = qi >= ki if is_causal else qi >= 0
+        if keep is not None:
+            allowed = allowed & keep[bb, hh, qi, ki]
+        return allowed
+
+    return score_mod, (mask_mod if (is_causal or keep is not None) else None)
+
+
+@register_kernel(
+    "flex",
+    description="torch FlexAttention (compiled; compile=false: eager); forward only on the CPU",
+    check=_check,
+    validate=_validate,
+)
+def flex_attention_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    compile: bool = True,
+) -> torch.Tensor:
+    """FlexAttention on ``q (B, H, N_q, D)``, ``k (B, H_kv, N_k, D)``, ``v (B, H_kv, N_k, D_v)`` →
+    ``(B, H, N_q, D_v)``; see the module docstring.
+
+    Raises:
+        KernelUnavailableError: CPU tensors that require grad (no CPU backward in torch).
+    """
+    module = _flex_module()
+    if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise KernelUnavailableError(
+            f"flex: torch {torch.__version__} has no FlexAttention backward on the CPU; compare its forward "
+            "(no_grad, or the fuzzer's --no-backward) or run it on a GPU"
+        )
+    b, h, n_q, _ = q.shape
+    n_k = k.shape[2]
+    score_mod, mask_mod = _mods(attn_mask, is_causal, (b, h, n_q, n_k))
+    block_mask = None
+    if mask_mod is not None:
+        block_mask = module.create_block_mask(mask_mod, b, h, n_q, n_k, device=q.device)
+    fn = _compiled() if compile else module.flex_attention
+    kwargs = {"score_mod": score_mod, "block_mask": block_mask, "scale": scale, "enable_gqa": k.shape[1] != h}
+    if compile:
+        return fn(q, k, v, **kwargs)
+    import warnings
+
+    with warnings.catch_warnings():  # the eager implementation is asked for: its warning is noise here
+        warnings.filterwarnings("ignore", message=r".*flex_attention called without torch.compile")
+        return fn(q, k, v, **kwargs)

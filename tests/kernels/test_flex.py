@@ -1,0 +1,64 @@
+"""The ``flex`` kernel (torch FlexAttention behind the SDPA signature) against FP64 math: causal,
+bool and additive masks (fully masked rows give 0), scale, grouped-query heads; its CPU backward is
+refused with the reason, before any work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashprobe.kernels import KernelUnavailableError, get_kernel, golden_attention
+
+EAGER = get_kernel("flex:compile=false")
+
+
+def _inputs(h_kv: int = 4):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 40, 16, generator=gen)
+    k, v = (torch.randn(2, h_kv, 40, 16, generator=gen) for _ in range(2))
+    keep = torch.rand(2, 1, 40, 40, generator=gen) > 0.3
+    keep[:, :, 3] = False  # a fully masked row
+    bias = torch.randn(1, 4, 40, 40, generator=gen).masked_fill(~keep[:1], float("-inf"))
+    return q, k, v, keep, bias
+
+
+@pytest.mark.parametrize(
+    "case", ["plain", "causal", "bool_mask", "additive_mask", "scale", "gqa", "causal_gqa"]
+)
+def test_eager_flex_matches_fp64_math(case: str) -> None:
+    q, k, v, keep, bias = _inputs(h_kv=2 if "gqa" in case else 4)
+    kwargs = {
+        "plain": {},
+        "causal": {"is_causal": True},
+        "bool_mask": {"attn_mask": keep},
+        "additive_mask": {"attn_mask": bias},
+        "scale": {"scale": 0.37},
+        "gqa": {},
+        "causal_gqa": {"is_causal": True},
+    }[case]
+    rep = q.shape[1] // k.shape[1]
+    kx, vx = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    golden = golden_attention(q, kx, vx, **kwargs)
+    out = EAGER(q, k, v, **kwargs)
+    assert out.dtype == torch.float32 and out.shape == (2, 4, 40, 16)
+    assert (out.double() - golden).abs().max() < 2e-6
+    if "attn_mask" in kwargs:
+        assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))  # the fully masked row
+
+
+def test_cpu_backward_is_refused_with_the_reason() -> None:
+    q, k, v, _, _ = _inputs()
+    with pytest.raises(KernelUnavailableError, match="no FlexAttention backward on the CPU"):
+        EAGER(q.requires_grad_(), k, v)
+    with pytest.raises(KernelUnavailableError, match="not fp64"):
+        get_kernel("flex").check("cpu", torch.float64)
+    EAGER.check("cpu", torch.float64)  # eager FlexAttention runs fp64
+    with pytest.raises(ValueError, match="compile"):
+        get_kernel("flex:compile=maybe")
+
+
+def test_compiled_flex_is_the_fused_kernel_and_close() -> None:
+    q, k, v, keep, _ = _inputs()
+    with torch.no_grad():
+        out = get_kernel("flex")(q, k, v, attn_mask=keep)  # compiles (tens of seconds the first time)
+    assert (out.double() - golden_attention(q, k, v, attn_mask=keep)).abs().max() < 1e-5
