@@ -27,7 +27,7 @@ import torch
 
 from flashprobe.kernels.registry import KernelUnavailableError, register_kernel
 
-__all__ = ["flex_attention_kernel"]
+__all__ = ["FLEX_ORIGINAL", "flex_attention_kernel"]
 
 
 def _flex_module() -> Any:
@@ -40,9 +40,23 @@ def _flex_module() -> Any:
     return module
 
 
+try:
+    from torch.nn.attention.flex_attention import flex_attention as _torch_flex_attention
+
+    #: ``flex_attention`` as torch defines it, captured at import (the probe swaps the name while it
+    #: is attached); None on a torch without FlexAttention.
+    FLEX_ORIGINAL: Any = _torch_flex_attention
+except ImportError:  # torch < 2.5
+    FLEX_ORIGINAL = None
+
+
+def _original() -> Any:
+    return FLEX_ORIGINAL if FLEX_ORIGINAL is not None else _flex_module().flex_attention
+
+
 @cache
 def _compiled() -> Any:
-    return torch.compile(_flex_module().flex_attention, dynamic=False)
+    return torch.compile(_original(), dynamic=False)
 
 
 def _check(device: torch.device, dtype: torch.dtype, /, compile: bool = True) -> None:
@@ -122,7 +136,7 @@ def flex_attention_kernel(
     block_mask = None
     if mask_mod is not None:
         block_mask = module.create_block_mask(mask_mod, b, h, n_q, n_k, device=q.device)
-    fn = _compiled() if compile else module.flex_attention
+    fn = _compiled() if compile else _original()
     kwargs = {"score_mod": score_mod, "block_mask": block_mask, "scale": scale, "enable_gqa": k.shape[1] != h}
     if compile:
         return fn(q, k, v, **kwargs)

@@ -35,6 +35,12 @@ calls a plain copy of it that Dynamo traces down to the SDPA call; and Dynamo's 
 functions is built before the first swap, so it never lists a stand-in. ``fullgraph=True`` forbids
 the fallback's graph breaks: :mod:`flashprobe.probe.compiled` refuses it at attach time.
 
+**FlexAttention.** ``torch.nn.attention.flex_attention.flex_attention`` (and the names model code
+imported it under) is swapped the same way: a call made inside a probed model is a site, compared
+forward with references that apply its own ``score_mod`` and ``block_mask``
+(:mod:`flashprobe.probe.flex`); calls while Dynamo traces (e.g. a compiled ``flex_attention``) run
+unchanged and are not seen.
+
 **Fused fast paths.** In eval mode without autograd, ``nn.TransformerEncoderLayer`` and
 ``nn.MultiheadAttention`` call fused C++ ops (``torch._transformer_encoder_layer_fwd``,
 ``torch._native_multi_head_attention``) that never reach SDPA; ``nn.MultiheadAttention`` called with
@@ -59,6 +65,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashprobe.probe import flex as _flex
 from flashprobe.probe.call import ORIGINAL_SDPA, SdpaCall
 from flashprobe.probe.compiled import check_compiled
 
@@ -293,6 +300,31 @@ _COMPILED_DISPATCH: Callable[..., torch.Tensor] = torch.compiler.disable(_dispat
 _COMPILED_DISPATCH.__doc__ = ORIGINAL_SDPA.__doc__
 
 
+def _flex_dispatch(*args: Any, **kwargs: Any) -> Any:
+    """Stand-in for ``flex_attention`` while a handle is attached: a call made inside a probed
+    model goes to its probe (:meth:`Probe.handle_flex <flashprobe.probe.Probe.handle_flex>`);
+    anything else, and any call while Dynamo traces, runs the original unchanged."""
+    original = _flex.FLEX_ORIGINAL
+    assert original is not None
+    if _state.busy or torch.compiler.is_compiling():
+        return original(*args, **kwargs)
+    res = _find(sys._getframe(1))
+    if res is None or res.probe is None:
+        return original(*args, **kwargs)
+    try:
+        call = _flex.FlexCall.bind(*args, **kwargs)
+    except TypeError:  # arguments from a newer torch: leave the call alone
+        return original(*args, **kwargs)
+    _state.busy = True
+    try:
+        return res.probe.handle_flex(res.site, call)
+    finally:
+        _state.busy = False
+
+
+_flex_dispatch.__name__ = _flex_dispatch.__qualname__ = "flex_attention"
+
+
 def _stand_in(*args: Any, **kwargs: Any) -> torch.Tensor:
     """What replaces ``F.scaled_dot_product_attention`` while a handle is attached: the eager
     dispatcher, or, while Dynamo traces it, one opaque op per call
@@ -418,6 +450,8 @@ def _install(roots: list[nn.Module]) -> None:
         for name in ("_transformer_encoder_layer_fwd", "_native_multi_head_attention"):
             if name in torch_ns:
                 _patch(torch_ns, name, _fused_wrapper(name, torch_ns[name]))
+        if _flex.FLEX_ORIGINAL is not None:
+            _patch(vars(_flex._flex_module), "flex_attention", _flex_dispatch)
     # Model code that imported the function by name: swap that module global as well.
     seen: set[str] = set()
     for root in roots:
@@ -433,6 +467,8 @@ def _install(roots: list[nn.Module]) -> None:
                 for name, value in list(namespace.items()):
                     if value is ORIGINAL_SDPA:
                         _patch(namespace, name, _stand_in)
+                    elif value is _flex.FLEX_ORIGINAL and value is not None:
+                        _patch(namespace, name, _flex_dispatch)
 
 
 def _uninstall() -> None:

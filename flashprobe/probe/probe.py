@@ -104,6 +104,14 @@ class Probe(AttentionRoute):
             return self.shadow.primary_output(call, route)
         return self.shadow.run(site, call, route)
 
+    def handle_flex(self, site: str, call: Any) -> Any:
+        """Run one intercepted ``flex_attention`` call made at ``site`` (sampled like SDPA calls)."""
+        n = self._calls.get(site, 0)
+        self._calls[site] = n + 1
+        if n % self.every_n_calls or self._step % self.every_n_steps or not self._wanted(site):
+            return call.original()
+        return self.shadow.run_flex(site, call)
+
     # Step counter -----------------------------------------------------------------------------
 
     @property

@@ -394,6 +394,42 @@ class ShadowAttention(nn.Module):
         self._compare_forward(site, call, out)
         return out
 
+    def run_flex(self, site: str, call: Any) -> Any:
+        """Run one ``flex_attention`` call (:class:`~flashprobe.probe.flex.FlexCall`) at ``site``:
+        return its own output, compare it forward with references applying its ``score_mod`` and
+        ``block_mask`` (:func:`~flashprobe.probe.flex.flex_reference`)."""
+        from flashprobe.probe.flex import flex_reference
+
+        self._drain()
+        out = call.original()
+        primary = out[0] if isinstance(out, tuple) else out
+        device = primary.device
+        if self.record:
+            self._site(site, device)
+        try:
+            with passthrough(), torch.no_grad():
+                budget = self.config.memory_budget or self._budgets.get(device)
+                if budget is None:
+                    budget = self._budgets[device] = reference_budget(device)
+                base = flex_reference(call, primary.dtype, budget=budget)
+                gold = flex_reference(call, torch.float64, budget=budget) if self.golden else None
+                if self.record:
+                    sums = pair_sums(primary.detach(), base, gold, self._workspace)
+                    stats = self._stats[site]
+                    kinds = stats.add_many({"out": sums}, primary.dtype, self.step)
+                    stats.add_nonfinite_inputs(
+                        {
+                            n: count_nonfinite_positions(t)
+                            for n, t in zip("qkv", (call.query, call.key, call.value), strict=True)
+                        }
+                    )
+                    self._after_call(site, self.step, kinds, None, None)
+        except ProbeFailureError:
+            raise
+        except Exception as err:
+            self._failed(site, err)
+        return out
+
     def _drain(self) -> None:
         """Run the forward comparisons of calls whose backward never came."""
         while self._orphans:
@@ -572,7 +608,7 @@ class ShadowAttention(nn.Module):
         site: str,
         step: int,
         kinds: Mapping[str, torch.Tensor],
-        p: Prepared,
+        p: Prepared | None,
         grad_out: torch.Tensor | None,
     ) -> None:
         """Read this call's verdicts where that is free (CPU) or the site is armed; act on new failures."""
@@ -616,11 +652,13 @@ class ShadowAttention(nn.Module):
         failure = self.failures.get((site, direction))
         return failure is not None and (failure.get("repro") is not None or self.repro_dir is None)
 
-    def _save_repro(self, failures: list[dict[str, Any]], p: Prepared, grad_out: torch.Tensor | None) -> None:
+    def _save_repro(
+        self, failures: list[dict[str, Any]], p: Prepared | None, grad_out: torch.Tensor | None
+    ) -> None:
         """Save the failing call ``p`` (with the output gradient when it had a backward) as one
         reproducer for the directions ``failures`` name."""
-        if self.repro_dir is None or len(self.reproducers) >= self.max_reproducers:
-            return
+        if p is None or self.repro_dir is None or len(self.reproducers) >= self.max_reproducers:
+            return  # (p is None: a FlexAttention call, whose score_mod is code, not data)
         from flashprobe.probe.repro import reproducer_stem, save_reproducer
 
         first = failures[0]

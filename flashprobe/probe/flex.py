@@ -1,0 +1,124 @@
+"""FlexAttention calls under the probe: ``flex_attention(q, k, v, score_mod, block_mask, ...)``.
+
+While a probe is attached, ``torch.nn.attention.flex_attention.flex_attention`` (and the names model
+code imported it under) is swapped for a stand-in like SDPA's (:mod:`flashprobe.probe.intercept`).
+A call made inside an attached model is a site like an SDPA call; the model gets the call's own
+output, unchanged (the original function with the original arguments), and the probe compares it
+with a **baseline** (the same dtype) and the FP64 **golden** value that apply the call's own
+``score_mod`` and ``block_mask`` on materialised scores::
+
+    s = scale · q kᵀ;  s = score_mod(s, b, h, q_idx, kv_idx);  s[~mask] = −inf;  out = softmax(s) v
+
+where ``mask`` is the block mask's ``mask_mod`` within its non-empty blocks (a row with no key left
+gives 0, as FlexAttention), and the index arguments are broadcast index tensors (``b`` of shape
+``(B, 1, 1, 1)``, ..., ``kv_idx`` of shape ``(1, 1, 1, N_k)``), so any ``score_mod``/``mask_mod``
+written with tensor ops — soft-capping, ALiBi, sliding windows, document masks — is applied as the
+model uses it. The references run in blocks of query rows sized from the device's free memory.
+
+Only the forward is compared (the probe records FlexAttention calls in the ``out`` direction);
+``return_lse``/``return_aux`` outputs are passed through and their first element compared. No
+reproducer is saved for a FlexAttention call (its ``score_mod`` is Python code, not data).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["FLEX_ORIGINAL", "FlexCall", "flex_reference"]
+
+from flashprobe.kernels.flex import FLEX_ORIGINAL
+
+try:
+    from torch.nn.attention import flex_attention as _flex_module
+except ImportError:  # torch < 2.5
+    _flex_module = None  # type: ignore[assignment]
+_SIGNATURE = None if FLEX_ORIGINAL is None else inspect.signature(FLEX_ORIGINAL)
+
+
+@dataclass(frozen=True)
+class FlexCall:
+    """One ``flex_attention`` call's arguments, bound by name."""
+
+    arguments: dict[str, Any]
+
+    @classmethod
+    def bind(cls, *args: Any, **kwargs: Any) -> FlexCall:
+        assert _SIGNATURE is not None
+        bound = _SIGNATURE.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return cls(dict(bound.arguments))
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.arguments[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def original(self) -> Any:
+        """The call itself: what the model receives."""
+        assert FLEX_ORIGINAL is not None
+        return FLEX_ORIGINAL(**self.arguments)
+
+
+def _element_mask(
+    block_mask: Any, shape: tuple[int, int, int, int], rows: slice, device: torch.device
+) -> torch.Tensor:
+    """``(B|1, H|1, rows, N_k)`` bool: the mask_mod inside the block mask's non-empty blocks."""
+    b, h, _, n_k = shape
+    idx_b = torch.arange(b, device=device).view(-1, 1, 1, 1)
+    idx_h = torch.arange(h, device=device).view(1, -1, 1, 1)
+    idx_q = torch.arange(rows.start, rows.stop, device=device).view(1, 1, -1, 1)
+    idx_k = torch.arange(n_k, device=device).view(1, 1, 1, -1)
+    keep = block_mask.mask_mod(idx_b, idx_h, idx_q, idx_k)
+    blocks = block_mask.to_dense().to(device).bool()  # (B|1, H|1, Q blocks, KV blocks)
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    dense = blocks.repeat_interleave(q_block, dim=2).repeat_interleave(kv_block, dim=3)
+    dense = dense[:, :, rows.start : rows.stop, :n_k]
+    return keep & dense
+
+
+def flex_reference(call: FlexCall, dtype: torch.dtype, *, budget: int) -> torch.Tensor:
+    """The call's attention on materialised scores in ``dtype`` (see the module docstring).
+
+    Args:
+        call: the bound ``flex_attention`` call: ``query (B, H, N_q, D)``, ``key (B, H_kv, N_k, D)``,
+            ``value (B, H_kv, N_k, D_v)``.
+        dtype: compute dtype (the inputs' for the baseline, float64 for the golden).
+        budget: bytes of scores per block of query rows.
+
+    Returns:
+        ``(B, H, N_q, D_v)`` in ``dtype``.
+    """
+    q, k, v = (t.detach().to(dtype) for t in (call.query, call.key, call.value))
+    b, h, n_q, d = q.shape
+    if k.shape[1] != h:  # grouped-query attention
+        rep = h // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    n_k = k.shape[2]
+    scale = call.scale if call.scale is not None else 1.0 / math.sqrt(d)
+    per_row = max(1, b * h * n_k * torch.finfo(dtype).bits // 8 * 3)
+    step = max(1, min(n_q, budget // per_row))
+    out = q.new_empty(b, h, n_q, v.shape[3])
+    device = q.device
+    idx_b = torch.arange(b, device=device).view(-1, 1, 1, 1)
+    idx_h = torch.arange(h, device=device).view(1, -1, 1, 1)
+    idx_k = torch.arange(n_k, device=device).view(1, 1, 1, -1)
+    for start in range(0, n_q, step):
+        rows = slice(start, min(n_q, start + step))
+        s = torch.matmul(q[:, :, rows], k.transpose(-1, -2)) * scale
+        if call.score_mod is not None:
+            idx_q = torch.arange(rows.start, rows.stop, device=device).view(1, 1, -1, 1)
+            s = call.score_mod(s, idx_b, idx_h, idx_q, idx_k).to(dtype).expand_as(s)
+        if call.block_mask is not None:
+            keep = _element_mask(call.block_mask, (b, h, n_q, n_k), rows, device)
+            s = s.masked_fill(~keep, float("-inf"))
+        top = s.amax(dim=-1, keepdim=True)
+        p = torch.exp(s - torch.where(torch.isfinite(top), top, 0.0))
+        denom = p.sum(dim=-1, keepdim=True)
+        out[:, :, rows] = torch.matmul(p, v) / torch.where(denom > 0, denom, 1.0)
+    return out
