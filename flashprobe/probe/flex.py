@@ -10,10 +10,12 @@ with a **baseline** (the same dtype) and the FP64 **golden** value that apply th
     s = scale · q kᵀ;  s = score_mod(s, b, h, q_idx, kv_idx);  s[~mask] = −inf;  out = softmax(s) v
 
 where ``mask`` is the block mask's ``mask_mod`` within its non-empty blocks (a row with no key left
-gives 0, as FlexAttention), and the index arguments are broadcast index tensors (``b`` of shape
-``(B, 1, 1, 1)``, ..., ``kv_idx`` of shape ``(1, 1, 1, N_k)``), so any ``score_mod``/``mask_mod``
-written with tensor ops — soft-capping, ALiBi, sliding windows, document masks — is applied as the
-model uses it. The references run in blocks of query rows sized from the device's free memory.
+gives 0, as FlexAttention). The mods are applied element by element as FlexAttention's own eager
+implementation applies them (``torch.vmap`` over the batch, head, query and key indices, through
+torch's private ``_vmap_for_bhqkv``; on a torch without it, broadcast index tensors), so
+soft-capping, ALiBi, sliding windows, document masks and transformers' own ``score_mod`` (which
+indexes its mask tensor one index at a time) are applied as the model applies them. The
+references run in blocks of query rows sized from the device's free memory.
 
 Only the forward is compared (the probe records FlexAttention calls in the ``out`` direction);
 ``return_lse``/``return_aux`` outputs are passed through and their first element compared. No
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,9 +45,16 @@ _SIGNATURE = None if FLEX_ORIGINAL is None else inspect.signature(FLEX_ORIGINAL)
 
 @dataclass(frozen=True)
 class FlexCall:
-    """One ``flex_attention`` call's arguments, bound by name."""
+    """One ``flex_attention`` call's arguments, bound by name.
+
+    Attributes:
+        arguments: ``flex_attention``'s parameters by name.
+        runner: what produces the model's output (default: the original ``flex_attention`` with
+            ``arguments``), e.g. transformers' compiled wrapper with its own extra arguments.
+    """
 
     arguments: dict[str, Any]
+    runner: Callable[[], Any] | None = None
 
     @classmethod
     def bind(cls, *args: Any, **kwargs: Any) -> FlexCall:
@@ -61,8 +71,24 @@ class FlexCall:
 
     def original(self) -> Any:
         """The call itself: what the model receives."""
+        if self.runner is not None:
+            return self.runner()
         assert FLEX_ORIGINAL is not None
         return FLEX_ORIGINAL(**self.arguments)
+
+
+def _elementwise(fn: Callable[..., torch.Tensor], score: bool) -> Callable[..., torch.Tensor]:
+    """``fn`` applied to every (b, h, q, kv) as FlexAttention applies it: vmapped over 1-D index
+    ranges (with the ``(B, H, rows, N_k)`` scores first for a score_mod)."""
+    vmap = getattr(_flex_module, "_vmap_for_bhqkv", None)
+    if vmap is not None:
+        return vmap(fn, prefix=(0,) if score else ())
+
+    def broadcast(*args: torch.Tensor) -> torch.Tensor:  # a torch without the helper: broadcasting
+        *head, b, h, q, kv = args
+        return fn(*head, b.view(-1, 1, 1, 1), h.view(1, -1, 1, 1), q.view(1, 1, -1, 1), kv.view(1, 1, 1, -1))
+
+    return broadcast
 
 
 def _element_mask(
@@ -70,11 +96,12 @@ def _element_mask(
 ) -> torch.Tensor:
     """``(B|1, H|1, rows, N_k)`` bool: the mask_mod inside the block mask's non-empty blocks."""
     b, h, _, n_k = shape
-    idx_b = torch.arange(b, device=device).view(-1, 1, 1, 1)
-    idx_h = torch.arange(h, device=device).view(1, -1, 1, 1)
-    idx_q = torch.arange(rows.start, rows.stop, device=device).view(1, 1, -1, 1)
-    idx_k = torch.arange(n_k, device=device).view(1, 1, 1, -1)
-    keep = block_mask.mask_mod(idx_b, idx_h, idx_q, idx_k)
+    keep = _elementwise(block_mask.mask_mod, score=False)(
+        torch.arange(b, device=device),
+        torch.arange(h, device=device),
+        torch.arange(rows.start, rows.stop, device=device),
+        torch.arange(n_k, device=device),
+    )
     blocks = block_mask.to_dense().to(device).bool()  # (B|1, H|1, Q blocks, KV blocks)
     q_block, kv_block = block_mask.BLOCK_SIZE
     dense = blocks.repeat_interleave(q_block, dim=2).repeat_interleave(kv_block, dim=3)
@@ -105,15 +132,14 @@ def flex_reference(call: FlexCall, dtype: torch.dtype, *, budget: int) -> torch.
     step = max(1, min(n_q, budget // per_row))
     out = q.new_empty(b, h, n_q, v.shape[3])
     device = q.device
-    idx_b = torch.arange(b, device=device).view(-1, 1, 1, 1)
-    idx_h = torch.arange(h, device=device).view(1, -1, 1, 1)
-    idx_k = torch.arange(n_k, device=device).view(1, 1, 1, -1)
+    idx_b, idx_h, idx_k = (torch.arange(n, device=device) for n in (b, h, n_k))
+    score_mod = None if call.score_mod is None else _elementwise(call.score_mod, score=True)
     for start in range(0, n_q, step):
         rows = slice(start, min(n_q, start + step))
         s = torch.matmul(q[:, :, rows], k.transpose(-1, -2)) * scale
-        if call.score_mod is not None:
-            idx_q = torch.arange(rows.start, rows.stop, device=device).view(1, 1, -1, 1)
-            s = call.score_mod(s, idx_b, idx_h, idx_q, idx_k).to(dtype).expand_as(s)
+        if score_mod is not None:
+            idx_q = torch.arange(rows.start, rows.stop, device=device)
+            s = score_mod(s, idx_b, idx_h, idx_q, idx_k).to(dtype).expand_as(s)
         if call.block_mask is not None:
             keep = _element_mask(call.block_mask, (b, h, n_q, n_k), rows, device)
             s = s.masked_fill(~keep, float("-inf"))

@@ -324,6 +324,38 @@ def _flex_dispatch(*args: Any, **kwargs: Any) -> Any:
 
 _flex_dispatch.__name__ = _flex_dispatch.__qualname__ = "flex_attention"
 
+#: transformers' FlexAttention entry point (``attn_implementation="flex_attention"``): it calls a
+#: compiled ``flex_attention``, which no name swap reaches, so its wrapper is swapped instead.
+_HF_FLEX = ("transformers.integrations.flex_attention", "compile_friendly_flex_attention")
+
+
+def _hf_flex_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """transformers' ``compile_friendly_flex_attention``, probed: the model gets its output (the
+    compiled FlexAttention, unchanged); the probe compares it like a direct call."""
+
+    def compile_friendly_flex_attention(
+        query: Any, key: Any, value: Any, training: bool = False, **kwargs: Any
+    ):  # type: ignore[no-untyped-def]
+        def run() -> Any:
+            return original(query, key, value, training=training, **kwargs)
+
+        if _state.busy or torch.compiler.is_compiling():
+            return run()
+        res = _find(sys._getframe(1))
+        if res is None or res.probe is None:
+            return run()
+        try:
+            call = _flex.FlexCall.bind(query, key, value, **kwargs)
+        except TypeError:
+            return run()
+        _state.busy = True
+        try:
+            return res.probe.handle_flex(res.site, _flex.FlexCall(call.arguments, runner=run))
+        finally:
+            _state.busy = False
+
+    return compile_friendly_flex_attention
+
 
 def _stand_in(*args: Any, **kwargs: Any) -> torch.Tensor:
     """What replaces ``F.scaled_dot_product_attention`` while a handle is attached: the eager
@@ -452,6 +484,9 @@ def _install(roots: list[nn.Module]) -> None:
                 _patch(torch_ns, name, _fused_wrapper(name, torch_ns[name]))
         if _flex.FLEX_ORIGINAL is not None:
             _patch(vars(_flex._flex_module), "flex_attention", _flex_dispatch)
+            hf = sys.modules.get(_HF_FLEX[0])
+            if hf is not None and callable(getattr(hf, _HF_FLEX[1], None)):
+                _patch(vars(hf), _HF_FLEX[1], _hf_flex_wrapper(getattr(hf, _HF_FLEX[1])))
     # Model code that imported the function by name: swap that module global as well.
     seen: set[str] = set()
     for root in roots:

@@ -179,3 +179,28 @@ def test_compiled_llama_under_aot_eager_matches_compiled_without_probe() -> None
     torch._dynamo.reset()
     assert_identical(plain, probed)
     assert p.summary()["backward_calls"] > 0 and p.summary()["shadow_errors"] == 0
+
+
+def test_llama_with_flex_attention_forward() -> None:
+    """attn_implementation="flex_attention": transformers calls a compiled FlexAttention through its
+    own wrapper, which the probe swaps: every call is a site, outputs are bit-identical, and the
+    references apply transformers' score_mod and block mask (causal, left padding)."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        **_SMALL, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="flex_attention",
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    batch = _tokens(0, left_pad=True)
+    with torch.no_grad(), warnings.catch_warnings():  # (no FlexAttention backward on the CPU)
+        warnings.simplefilter("ignore")
+        plain = model(**batch).logits  # compiles FlexAttention (seconds; cached on disk after)
+        with probe(model) as p:
+            probed = model(**batch).logits
+    assert torch.equal(plain, probed)
+    assert p.sites == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    for entry in p.stats().values():
+        out = entry["forward"]["out"]
+        assert entry["shadow_errors"] == 0 and out["verdict"] == "pass"
+        assert out["primary_golden"]["max_abs"] < 1e-5  # the mask and padding applied as the model does
