@@ -3,8 +3,8 @@
 ``kernel(q, k, v, *, attn_mask=None, is_causal=False, scale=None) -> out`` with ``(B, H, N, D)``
 tensors. Built-in names: ``math`` (the baseline), ``tiled`` (FlashAttention re-implemented at any
 precision), ``sdpa_flash``, ``sdpa_efficient``, ``sdpa_cudnn``, ``sdpa_math`` (torch SDPA pinned to
-one backend), ``flex`` (torch FlexAttention, forward only on the CPU) and ``flash_attn``
-(Dao-AILab flash-attn, CUDA only).
+one backend), ``flex`` (torch FlexAttention, forward only on the CPU), ``flash_attn``
+(Dao-AILab flash-attn, CUDA only) and ``flashinfer`` (FlashInfer prefill, CUDA only).
 """
 
 from flashprobe.kernels._inputs import (
@@ -16,6 +16,7 @@ from flashprobe.kernels._inputs import (
     to_dtype,
 )
 from flashprobe.kernels.flash_attn import flash_attn_attention
+from flashprobe.kernels.flashinfer import flashinfer_attention
 from flashprobe.kernels.flex import flex_attention_kernel
 from flashprobe.kernels.math import golden_attention, math_attention
 from flashprobe.kernels.registry import (
@@ -68,6 +69,7 @@ __all__ = [
     "default_scale",
     "dtype_name",
     "flash_attn_attention",
+    "flashinfer_attention",
     "flex_attention_kernel",
     "get_kernel",
     "golden_attention",

@@ -23,9 +23,19 @@ from flashprobe.kernels import (
     unregister_kernel,
 )
 
-BUILTINS = ["flash_attn", "flex", "math", "sdpa_cudnn", "sdpa_efficient", "sdpa_flash", "sdpa_math", "tiled"]
+BUILTINS = [
+    "flash_attn",
+    "flashinfer",
+    "flex",
+    "math",
+    "sdpa_cudnn",
+    "sdpa_efficient",
+    "sdpa_flash",
+    "sdpa_math",
+    "tiled",
+]
 CPU_OK = ["math", "tiled", "sdpa_flash", "sdpa_math"]
-CUDA_ONLY = ["sdpa_efficient", "sdpa_cudnn", "flash_attn"]
+CUDA_ONLY = ["sdpa_efficient", "sdpa_cudnn", "flash_attn", "flashinfer"]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
 
 
@@ -75,9 +85,9 @@ def test_parse_spec_errors(spec, message):
 
 def test_unknown_kernel_lists_the_available_ones():
     with pytest.raises(KernelSpecError) as err:
-        get_kernel("flashinfer:block_k=64")
+        get_kernel("flashinferr:block_k=64")
     text = str(err.value)
-    assert "unknown kernel 'flashinfer'" in text
+    assert "unknown kernel 'flashinferr'" in text
     assert all(name in text for name in BUILTINS)
     assert "register_kernel" in text
 
@@ -277,4 +287,4 @@ def test_flashprobe_kernels_marks_what_runs_here(capsys):
             assert status.startswith("runs on cpu: bf16, fp16, fp32 (not fp64: flex: compiled"), status
         else:
             assert status.startswith(f"NOT on cpu: {name}: ") and "CUDA" in status, (name, status)
-    assert lines[-1] == "on cpu: 5 of 8 kernels run; not: flash_attn, sdpa_cudnn, sdpa_efficient"
+    assert lines[-1] == "on cpu: 5 of 9 kernels run; not: flash_attn, flashinfer, sdpa_cudnn, sdpa_efficient"

@@ -1,6 +1,7 @@
-"""The ``flex`` kernel (torch FlexAttention behind the SDPA signature) against FP64 math: causal,
+"""The `flex` kernel (torch FlexAttention behind the SDPA signature) against FP64 math: causal,
 bool and additive masks (fully masked rows give 0), scale, grouped-query heads; its CPU backward is
-refused with the reason, before any work."""
+refused with the reason, before any work. The ``flashinfer`` adapter: refused without CUDA naming
+the install; on CUDA (``gpu``) against FP64 math."""
 
 from __future__ import annotations
 
@@ -62,3 +63,29 @@ def test_compiled_flex_is_the_fused_kernel_and_close() -> None:
     with torch.no_grad():
         out = get_kernel("flex")(q, k, v, attn_mask=keep)  # compiles (tens of seconds the first time)
     assert (out.double() - golden_attention(q, k, v, attn_mask=keep)).abs().max() < 1e-5
+
+
+def test_flashinfer_says_what_it_needs_here() -> None:
+    """On a machine without CUDA the spec is refused at the check, naming the device and the install."""
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal without CUDA")
+    with pytest.raises(
+        KernelUnavailableError, match=r"flashinfer: FlashInfer runs only on CUDA.*pip install flashinfer"
+    ):
+        get_kernel("flashinfer").check("cpu", torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA device")
+def test_flashinfer_matches_sdpa_on_cuda() -> (
+    None
+):  # run by scripts/gpu_check.sh where flashinfer is installed
+    pytest.importorskip("flashinfer")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 8, 100, 64, device="cuda", generator=gen, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 120, 64, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    keep = torch.rand(2, 1, 100, 120, device="cuda", generator=gen) > 0.2
+    kernel = get_kernel("flashinfer")
+    for kwargs in ({}, {"is_causal": True}, {"attn_mask": keep}):
+        golden = golden_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), **kwargs)
+        assert (kernel(q, k, v, **kwargs).double() - golden).abs().max() < 2e-2

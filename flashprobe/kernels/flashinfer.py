@@ -1,0 +1,105 @@
+"""Adapter for FlashInfer's prefill kernel (CUDA only; ``pip install flashinfer-python``).
+
+FlashInfer is the library whose −50,000 sentinel started this project (``../shared/PAPER.md``).
+``flashinfer`` runs ``flashinfer.single_prefill_with_kv_cache`` once per batch entry on
+``(N, H, D)`` ("NHD") views of flashprobe's ``(B, H, N, D)`` tensors, with grouped key/value heads
+passed natively. FlashInfer aligns its causal mask to the bottom-right when ``N_q != N_k``
+(append attention); SDPA's is top-left, so a causal call with ``N_q != N_k`` is given as a custom
+mask. A bool ``attn_mask`` that is the same for every head becomes FlashInfer's ``custom_mask``
+(per batch entry); an additive float mask or a per-head mask has no FlashInfer equivalent and is
+refused with that reason. fp16/bf16 only; forward only (FlashInfer has no backward): a call whose
+inputs require grad is refused. The package is imported lazily, at the first check or call.
+
+The CUDA path is untested on this project's CPU machines (``scripts/gpu_check.sh`` runs the
+``gpu``-marked comparison against SDPA where a GPU is present).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flashprobe.kernels._inputs import default_scale
+from flashprobe.kernels.registry import KernelUnavailableError, register_kernel
+
+__all__ = ["flashinfer_attention"]
+
+_INSTALL = "pip install flashinfer-python (on a CUDA machine; see https://docs.flashinfer.ai)"
+
+
+def _import_flashinfer() -> Any:
+    try:
+        import flashinfer
+    except ImportError as err:
+        raise KernelUnavailableError(
+            f"flashinfer: the flashinfer package is not installed ({err}); {_INSTALL}"
+        ) from None
+    return flashinfer
+
+
+def _check(device: torch.device, dtype: torch.dtype) -> None:
+    if device.type != "cuda":
+        raise KernelUnavailableError(
+            f"flashinfer: FlashInfer runs only on CUDA devices, not {device.type}; "
+            f"on a CUDA machine: {_INSTALL}"
+        )
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise KernelUnavailableError(f"flashinfer: FlashInfer's prefill supports fp16 and bf16, not {dtype}")
+    _import_flashinfer()
+
+
+@register_kernel(
+    "flashinfer", description="FlashInfer single prefill (CUDA fp16/bf16, forward only)", check=_check
+)
+def flashinfer_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``q (B, H, N_q, D)``, ``k (B, H_kv, N_k, D)``, ``v (B, H_kv, N_k, D_v)`` → ``(B, H, N_q, D_v)``.
+
+    Raises:
+        KernelUnavailableError: not CUDA, not fp16/bf16, inputs that require grad, or a mask FlashInfer
+            cannot take (additive, or different per head).
+    """
+    _check(q.device, q.dtype)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise KernelUnavailableError("flashinfer: FlashInfer has no backward; compare it forward only")
+    flashinfer = _import_flashinfer()
+    b, _, n_q, d = q.shape
+    n_k = k.shape[2]
+    mask = attn_mask
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise KernelUnavailableError(
+                "flashinfer: an additive float mask has no FlashInfer equivalent; pass a bool mask"
+            )
+        mask = mask.expand(b, -1, n_q, n_k)
+        if mask.shape[1] != 1 and not bool((mask == mask[:, :1]).all()):
+            raise KernelUnavailableError(
+                "flashinfer: FlashInfer's custom mask is per batch entry, not per head"
+            )
+        mask = mask[:, 0]
+    causal = is_causal
+    if is_causal and n_q != n_k:  # FlashInfer aligns causal bottom-right: give SDPA's top-left mask
+        mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril().expand(b, n_q, n_k)
+        causal = False
+    outs = []
+    for i in range(b):
+        outs.append(
+            flashinfer.single_prefill_with_kv_cache(
+                q[i].transpose(0, 1),
+                k[i].transpose(0, 1),
+                v[i].transpose(0, 1),
+                custom_mask=None if mask is None else mask[i],
+                causal=causal,
+                kv_layout="NHD",
+                sm_scale=default_scale(d, scale),
+            ).transpose(0, 1)
+        )
+    return torch.stack(outs)
