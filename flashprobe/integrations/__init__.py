@@ -2,5 +2,5 @@
 
 * :mod:`flashprobe.integrations.hf`: Hugging Face transformers — ``AttentionProbeCallback`` for
   ``transformers.Trainer`` and :func:`~flashprobe.integrations.hf.register_attention`, which makes a
-  flashprobe kernel selectable as ``attn_implementation="flashprobe"``.
+  flashprobe kernel selectable as ``attn_implementation="probe_kernel"``.
 """

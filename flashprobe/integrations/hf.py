@@ -11,7 +11,7 @@ as an ``attn_implementation``.
   ``OUTPUT_DIR/probe.jsonl`` (:mod:`flashprobe.formats.probe_log`). Verdicts as in Lightning:
   ``on_failure`` warn / raise / stop, reproducers in ``OUTPUT_DIR/repro/``.
 * :func:`register_attention` registers a flashprobe kernel spec in transformers'
-  ``AttentionInterface``: a model loaded with ``attn_implementation="flashprobe"`` runs that kernel,
+  ``AttentionInterface``: a model loaded with ``attn_implementation="probe_kernel"`` runs that kernel,
   and a probe attached to it compares that kernel as the primary.
 
 **Design of the attention function.** transformers calls it with ``(module, query, key, value,
@@ -47,25 +47,39 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from flashprobe.formats.probe_log import PROBE_LOG_NAME, ProbeLogWriter
 from flashprobe.kernels import Kernel, get_kernel
-from flashprobe.probe import Probe, ProbeConfig, ProbeFailureError, ProbeWarning, SdpaCall, probe, reduce_across_ranks
+from flashprobe.probe import (
+    Probe,
+    ProbeConfig,
+    ProbeFailureError,
+    ProbeWarning,
+    SdpaCall,
+    probe,
+    reduce_across_ranks,
+)
 from flashprobe.probe import intercept
 from flashprobe.probe.call import autocast_dtype, run_kernel
 from flashprobe.probe.routing import check_kernel_here
 from flashprobe.probe.shadow import failure_message
 
-__all__ = ["AttentionProbeCallback", "register_attention"]
+__all__ = ["DEFAULT_NAME", "AttentionProbeCallback", "register_attention"]
 
 log = logging.getLogger(__name__)
 
 #: The summary's scalars put into the Trainer's logs (as ``probe/<key>``).
 _SUMMARY_SCALARS = ("max_error_ratio", "max_call_error_ratio", "max_backward_error_ratio", "nonfinite")
 
+#: The ``attn_implementation`` name :func:`register_attention` registers by default. Not
+#: "flashprobe": transformers takes every name containing "flash" for a flash-attn kernel to load.
+DEFAULT_NAME = "probe_kernel"
+
 #: transformers' own attention implementations: not replaceable by register_attention.
-_RESERVED = frozenset({"eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "paged|eager"})
+_RESERVED = frozenset(
+    {"eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "paged|eager"}
+)
 
 
 # ------------------------------------------------------------------------------------------------
-# attn_implementation="flashprobe"
+# attn_implementation="probe_kernel"
 # ------------------------------------------------------------------------------------------------
 
 
@@ -160,13 +174,13 @@ def _attention_function(runner: _AttentionKernel) -> Callable[..., tuple[torch.T
     return flashprobe_attention
 
 
-def register_attention(name: str = "flashprobe", kernel: str | Kernel = "math") -> str:
+def register_attention(name: str = DEFAULT_NAME, kernel: str | Kernel = "math") -> str:
     """Make a flashprobe kernel an ``attn_implementation`` of transformers.
 
     ::
 
-        register_attention("flashprobe", "tiled:preset=fa2")
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="flashprobe")
+        register_attention("probe_kernel", "tiled:preset=fa2")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="probe_kernel")
 
     The model's attention calls run ``kernel`` (masks as for ``"sdpa"``); with a probe attached,
     that kernel is the primary the probe compares (see the module docstring). Registering a name
@@ -182,13 +196,20 @@ def register_attention(name: str = "flashprobe", kernel: str | Kernel = "math") 
         ``name``.
 
     Raises:
-        ValueError: ``name`` is one of transformers' own implementations, or not a plain name.
+        ValueError: ``name`` is one of transformers' own implementations, contains ``flash``,
+            ``sdpa`` or ``flex`` (names transformers gives its own meaning), or is not a plain name.
         KernelSpecError: unknown kernel or option.
     """
     if not isinstance(name, str) or not name or name in _RESERVED or any(c in name for c in "/:|"):
         raise ValueError(
             f"register_attention: name={name!r} must be a new plain name (no '/', ':' or '|'), not one "
-            f"of transformers' own ({', '.join(sorted(_RESERVED))}); e.g. 'flashprobe'"
+            f"of transformers' own ({', '.join(sorted(_RESERVED))}); e.g. {DEFAULT_NAME!r}"
+        )
+    if "flash" in name or "sdpa" in name or "flex" in name:
+        raise ValueError(
+            f"register_attention: name={name!r} contains 'flash', 'sdpa' or 'flex', which transformers "
+            "reads as a request for its own kernels of that family (it would try to load flash-attn); "
+            f"choose another name, e.g. {DEFAULT_NAME!r}"
         )
     runner = _AttentionKernel(name, get_kernel(kernel))
     ALL_ATTENTION_FUNCTIONS.register(name, _attention_function(runner))
@@ -254,9 +275,13 @@ class AttentionProbeCallback(TrainerCallback):
         if isinstance(max_reproducers, bool) or not isinstance(max_reproducers, int) or max_reproducers < 0:
             raise ValueError(f"{name}: max_reproducers={max_reproducers!r} must be an int >= 0")
         if log_every_n_steps is not None and (
-            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
+            isinstance(log_every_n_steps, bool)
+            or not isinstance(log_every_n_steps, int)
+            or log_every_n_steps < 1
         ):
-            raise ValueError(f"{name}: log_every_n_steps={log_every_n_steps!r} must be a positive int or None")
+            raise ValueError(
+                f"{name}: log_every_n_steps={log_every_n_steps!r} must be a positive int or None"
+            )
         if not isinstance(filename, str) or filename in {"", ".", ".."} or Path(filename).name != filename:
             raise ValueError(
                 f"{name}: filename={filename!r} must be a plain file name, e.g. 'probe.jsonl' (set "
@@ -397,7 +422,7 @@ class AttentionProbeCallback(TrainerCallback):
                 f"{type(self).__name__}: the model made no attention call the probe can see in its first "
                 "training step, so there is nothing to compare. A transformers model loaded with "
                 "attn_implementation='eager' computes attention with matmuls: load it with "
-                "attn_implementation='sdpa' (or register_attention() and 'flashprobe'); a model calling "
+                "attn_implementation='sdpa' (or register_attention() and 'probe_kernel'); a model calling "
                 "a fused kernel directly (flash_attn_func) is not seen either. Or remove the callback."
             )
         if self.config.sites is not None and not any(self._probe.selects(site) for site in calls):
@@ -447,7 +472,11 @@ class AttentionProbeCallback(TrainerCallback):
             if not self._writer.opened:
                 dropped = self._writer.open(self._keep_until)
                 if dropped:
-                    log.warning("%s: dropped records of steps %s (after the resumed checkpoint)", self._writer.path, dropped)
+                    log.warning(
+                        "%s: dropped records of steps %s (after the resumed checkpoint)",
+                        self._writer.path,
+                        dropped,
+                    )
             self._writer.append({"step": step, "summary": summary, "sites": stats})
             self.records += 1
 

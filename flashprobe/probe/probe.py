@@ -284,7 +284,7 @@ def probe(
             f"flashprobe: {type(model).__name__}{where} has a transformers config with "
             "attn_implementation='eager', which computes attention with matmuls and makes no "
             "scaled_dot_product_attention call, so the probe has nothing to compare there. Load the "
-            "model with attn_implementation='sdpa' (or 'flashprobe' after "
+            "model with attn_implementation='sdpa' (or 'probe_kernel' after "
             "flashprobe.integrations.hf.register_attention())",
         )
     return handle.attach()
