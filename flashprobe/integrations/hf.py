@@ -53,10 +53,10 @@ from flashprobe.probe import (
     ProbeFailureError,
     ProbeWarning,
     SdpaCall,
+    intercept,
     probe,
     reduce_across_ranks,
 )
-from flashprobe.probe import intercept
 from flashprobe.probe.call import autocast_dtype, run_kernel
 from flashprobe.probe.routing import check_kernel_here
 from flashprobe.probe.shadow import failure_message
