@@ -56,22 +56,36 @@ def _llama(attn: str) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
-def _train(model: torch.nn.Module, out: Path, callbacks: list | None = None):
+class _Recorder(transformers.TrainerCallback):
+    """Stands for a ``report_to`` logger: keeps every ``logs`` dict it is given."""
+
+    def __init__(self) -> None:
+        self.logs: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs or {}))
+
+
+def _train(model: torch.nn.Module, out: Path, callbacks: list | None = None, *, evaluate: bool = False):
     args = transformers.TrainingArguments(
         output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=2, learning_rate=1e-3,
         logging_steps=2, report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0,
-        seed=0, disable_tqdm=True,
+        seed=0, disable_tqdm=True, eval_strategy="steps" if evaluate else "no", eval_steps=2,
+        per_device_eval_batch_size=2,
     )  # fmt: skip
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(), callbacks=callbacks)
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=_Tokens(), eval_dataset=_Tokens(2) if evaluate else None,
+        callbacks=callbacks,
+    )  # fmt: skip
     trainer.train()
     return trainer
 
 
 @needs_accelerate
 def test_trainer_callback_writes_records_and_training_is_bit_identical(tmp_path: Path) -> None:
-    plain = _train(_gpt2(), tmp_path / "plain")
-    callback = hf.AttentionProbeCallback(golden=True, backward=True)
-    probed = _train(_gpt2(), tmp_path / "probed", [callback])
+    plain = _train(_gpt2(), tmp_path / "plain", evaluate=True)
+    callback, recorder = hf.AttentionProbeCallback(golden=True, backward=True), _Recorder()
+    probed = _train(_gpt2(), tmp_path / "probed", [recorder, callback], evaluate=True)
     for (name, a), b in zip(plain.model.named_parameters(), probed.model.parameters(), strict=True):
         assert torch.equal(a, b), f"{name} differs after training with the probe"
     assert callback.probe is None and not (tmp_path / "plain" / "probe.jsonl").exists()
@@ -81,11 +95,44 @@ def test_trainer_callback_writes_records_and_training_is_bit_identical(tmp_path:
     for record in records:
         assert set(record["sites"]) == {"transformer.h.0.attn", "transformer.h.1.attn"}
         assert record["summary"]["verdict"] == "pass" and record["summary"]["failures"] == []
-        assert record["summary"]["backward_calls"] > 0
+    # Two layers per training step (steps 1-2, 3-4, 5); the evaluations at steps 2 and 4 are not probed.
+    assert [r["summary"]["forward_calls"] for r in records] == [4, 4, 2]
+    assert [r["summary"]["backward_calls"] for r in records] == [4, 4, 2]
     # The summary's scalars are in the Trainer's logs (every report_to logger gets these).
     logged = [e for e in probed.state.log_history if "probe/max_error_ratio" in e]
     assert [e["step"] for e in logged] == [2, 4, 5] and all(e["probe/failed"] == 0.0 for e in logged)
     assert all("loss" in e for e in logged)
+    # A logger listed before the callback gets the scalars too (the callback moves ahead of it).
+    assert [e["probe/max_error_ratio"] for e in recorder.logs if "probe/max_error_ratio" in e] == [
+        e["probe/max_error_ratio"] for e in logged
+    ]
+
+
+@needs_accelerate
+def test_trainer_callback_stop_and_raise_on_a_buggy_kernel(tmp_path: Path) -> None:
+    from flashprobe.cli import main as cli_main
+    from flashprobe.probe import ProbeFailureError
+    from tests.probe.buggy_kernels import register_buggy_kernels
+
+    register_buggy_kernels()
+    callback = hf.AttentionProbeCallback(
+        primary="bug_batch_kv_mixup", on_failure="stop", log_every_n_steps=10
+    )
+    with pytest.warns(ProbeWarning, match=r"FAIL at site 'transformer.h.0.attn', out, step 0"):
+        trainer = _train(_gpt2(), tmp_path / "stop", [callback])
+    assert trainer.state.global_step == 1  # the failing step finished, then training stopped
+    (record,) = read_probe_log(tmp_path / "stop" / "probe.jsonl").records
+    assert record["step"] == 1 and record["summary"]["verdict"] == "fail"
+    first = next(f for f in record["summary"]["failures"] if not f.get("worst"))
+    repro = Path(first["repro"])
+    assert repro.parent == tmp_path / "stop" / "repro" and repro.is_file()
+    assert cli_main(["replay", str(repro)]) == 1  # the recorded primary fails again
+    with pytest.raises(ProbeFailureError, match="out, step 0"):
+        _train(
+            _gpt2(),
+            tmp_path / "raise",
+            [hf.AttentionProbeCallback(primary="bug_batch_kv_mixup", on_failure="raise")],
+        )
 
 
 def test_trainer_callback_checks_its_arguments() -> None:
@@ -99,6 +146,9 @@ def test_trainer_callback_checks_its_arguments() -> None:
 
 @needs_accelerate
 def test_llama_with_flashprobe_attention_trains_and_is_probed(tmp_path: Path) -> None:
+    from tests.probe.buggy_kernels import register_buggy_kernels
+
+    register_buggy_kernels()
     hf.register_attention("probe_kernel", "tiled:block_q=4,block_k=4")
     model = _llama("probe_kernel")
     assert model.config._attn_implementation == "probe_kernel"
@@ -112,6 +162,13 @@ def test_llama_with_flashprobe_attention_trains_and_is_probed(tmp_path: Path) ->
     # The primary is the flashprobe kernel (tiled, fp32): close to, not equal to, the math baseline.
     assert 0 < summary["max_abs"]["primary_baseline"] < 1e-5
     assert summary["verdict"] == "pass"
+    # A buggy registered kernel is what the probe judges.
+    hf.register_attention("probe_kernel", "bug_batch_kv_mixup")
+    batch = torch.cat([ids, ids.flip(1)])
+    with probe(model, on_failure="ignore") as p:
+        model(input_ids=batch)
+    assert p.summary(p.stats())["verdict"] == "fail"
+    hf.register_attention("probe_kernel", "tiled:block_q=4,block_k=4")
     # Without a probe the kernel still runs, and gives what sdpa gives up to rounding.
     reference = _llama("sdpa")(input_ids=ids).logits
     torch.testing.assert_close(_llama("probe_kernel")(input_ids=ids).logits, reference)
