@@ -44,6 +44,7 @@ from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.trainer_callback import ExportableState
 
 from flashprobe.formats.probe_log import PROBE_LOG_NAME, ProbeLogWriter
 from flashprobe.kernels import Kernel, get_kernel
@@ -222,7 +223,7 @@ def register_attention(name: str = DEFAULT_NAME, kernel: str | Kernel = "math") 
 # ------------------------------------------------------------------------------------------------
 
 
-class AttentionProbeCallback(TrainerCallback):
+class AttentionProbeCallback(TrainerCallback, ExportableState):
     """Compare the model's attention kernel with the baseline at every training call of a HF ``Trainer``.
 
     ::
@@ -247,6 +248,10 @@ class AttentionProbeCallback(TrainerCallback):
     ``probe/max_backward_error_ratio``, ``probe/nonfinite``, ``probe/failed``, ``probe/failures`` and
     ``probe/max_abs/<pair>``. So that every ``report_to`` logger gets them, the callback moves itself
     ahead of the Trainer's reporting callbacks at train begin (right after ``DefaultFlowCallback``).
+
+    Its state (settings, last logged step, the failures seen) goes into the Trainer's checkpoints
+    (``ExportableState``); resumed with ``restore_callback_states_from_checkpoint=True``, a run keeps
+    its verdict, and ``probe.jsonl`` drops the records after the checkpoint's step either way.
 
     Raises:
         ProbeConfigError: an unknown setting or a bad value, naming it.
@@ -302,6 +307,7 @@ class AttentionProbeCallback(TrainerCallback):
         self._worst: dict[str, Any] | None = None
         self._checked = False
         self._keep_until: int | None = None
+        self._restored_failures: list[dict[str, Any]] = []
 
     @property
     def probe(self) -> Probe | None:
@@ -332,6 +338,10 @@ class AttentionProbeCallback(TrainerCallback):
             max_reproducers=self.max_reproducers,
         )
         self._probe.detach()  # attached during training steps only
+        for failure in self._restored_failures:  # a resumed run keeps the failures it had seen
+            key = (failure["site"], failure["direction"])
+            self._probe.shadow.failures.setdefault(key, dict(failure))
+            self._reported.add(key)
         self._writer = ProbeLogWriter(root / self.filename)
         self._keep_until = state.global_step if state.global_step > 0 else None  # resumed run
         self._checked = False
@@ -409,7 +419,31 @@ class AttentionProbeCallback(TrainerCallback):
                 self._react(state, control, self._new_failures())
         finally:
             self._probe.detach()
+            self._restored_failures = self._probe.failures
             self._probe = None
+
+    # ---------------------------------------------------------------------------- checkpoints
+    def state(self) -> dict[str, Any]:
+        """The callback's arguments and progress, as plain data for the Trainer's checkpoints."""
+        failures = self._restored_failures if self._probe is None else self._probe.failures
+        return {
+            "args": {
+                **self.config.as_dict(),
+                "log_every_n_steps": self.log_every_n_steps,
+                "dirpath": None if self.dirpath is None else str(self.dirpath),
+                "filename": self.filename,
+                "on_failure": self.on_failure,
+                "max_reproducers": self.max_reproducers,
+            },
+            "attributes": {
+                "last_logged_step": self.last_logged_step,
+                "records": self.records,
+                "_restored_failures": [
+                    {k: v for k, v in f.items() if isinstance(v, str | int | float | type(None))}
+                    for f in failures
+                ],
+            },
+        }
 
     # ------------------------------------------------------------------------------- verdicts
     def _check_calls(self) -> None:

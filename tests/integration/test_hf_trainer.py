@@ -66,18 +66,28 @@ class _Recorder(transformers.TrainerCallback):
         self.logs.append(dict(logs or {}))
 
 
-def _train(model: torch.nn.Module, out: Path, callbacks: list | None = None, *, evaluate: bool = False):
+def _train(
+    model: torch.nn.Module,
+    out: Path,
+    callbacks: list | None = None,
+    *,
+    evaluate: bool = False,
+    max_steps: int = STEPS,
+    save_steps: int | None = None,
+    resume: Path | None = None,
+):
     args = transformers.TrainingArguments(
-        output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=2, learning_rate=1e-3,
-        logging_steps=2, report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0,
-        seed=0, disable_tqdm=True, eval_strategy="steps" if evaluate else "no", eval_steps=2,
-        per_device_eval_batch_size=2,
+        output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=2, learning_rate=1e-3,
+        logging_steps=2, report_to=[], use_cpu=True, dataloader_num_workers=0, seed=0, disable_tqdm=True,
+        eval_strategy="steps" if evaluate else "no", eval_steps=2, per_device_eval_batch_size=2,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        restore_callback_states_from_checkpoint=True,
     )  # fmt: skip
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=_Tokens(), eval_dataset=_Tokens(2) if evaluate else None,
         callbacks=callbacks,
     )  # fmt: skip
-    trainer.train()
+    trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
     return trainer
 
 
@@ -133,6 +143,26 @@ def test_trainer_callback_stop_and_raise_on_a_buggy_kernel(tmp_path: Path) -> No
             tmp_path / "raise",
             [hf.AttentionProbeCallback(primary="bug_batch_kv_mixup", on_failure="raise")],
         )
+
+
+@needs_accelerate
+def test_a_resumed_run_continues_the_log_and_keeps_its_failures(tmp_path: Path) -> None:
+    old = {"site": "transformer.h.0.attn", "direction": "dq", "step": 1, "kind": "l2", "value": 40.0,
+           "reason": "x", "repro": None}  # fmt: skip
+    first = hf.AttentionProbeCallback(backward=True)
+    first._restored_failures = [old]  # as if seen before: goes into the checkpoint's state
+    _train(_gpt2(), tmp_path, [first], save_steps=2, max_steps=4)  # restored failures: not warned again
+    assert [r["step"] for r in read_probe_log(tmp_path / "probe.jsonl").records] == [2, 4]
+    given = hf.AttentionProbeCallback(backward=True)
+    trainer = _train(_gpt2(), tmp_path, [given], save_steps=2, max_steps=4, resume=tmp_path / "checkpoint-2")
+    # restore_callback_states_from_checkpoint: the Trainer rebuilt the callback from its state
+    (resumed,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, hf.AttentionProbeCallback)]
+    assert resumed is not given and resumed.last_logged_step == 4
+    records = read_probe_log(tmp_path / "probe.jsonl").records
+    assert [r["step"] for r in records] == [2, 4]  # step 4 of the first run dropped, written again
+    assert records[-1]["summary"]["verdict"] == "fail" and records[-1]["summary"]["failures"] == [old]
+    state = resumed.state()
+    assert state["args"]["backward"] is True and state["attributes"]["_restored_failures"] == [old]
 
 
 def test_trainer_callback_checks_its_arguments() -> None:
