@@ -6,6 +6,8 @@ compares as its primary) and the attach-time warning for eager attention."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -234,3 +236,32 @@ def test_trainer_callback_on_an_eager_model_stops_with_the_fix(tmp_path: Path) -
         pytest.raises(RuntimeError, match="attn_implementation='sdpa'"),
     ):
         _train(_gpt2(attn="eager"), tmp_path, [hf.AttentionProbeCallback()])
+
+
+@pytest.mark.slow
+def test_flashprobe_attention_under_torch_compile_is_probed() -> None:
+    """Each call of the registered attention is a graph break under torch.compile: same sites and
+    outputs as in eager mode."""
+    hf.register_attention("probe_kernel", "tiled:block_q=4,block_k=4")
+    model = _llama("probe_kernel")
+    ids = _Tokens()[0]["input_ids"][None]
+    eager = model(input_ids=ids).logits
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")
+    with probe(model, backward=True) as p:
+        out = compiled(input_ids=ids).logits
+        out.square().mean().backward()
+    torch._dynamo.reset()
+    assert torch.equal(out, eager)
+    assert p.sites == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert p.summary()["backward_calls"] == 2
+
+
+def test_flashprobe_imports_without_transformers() -> None:
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "import flashprobe, flashprobe.probe, flashprobe.integrations\n"
+        "try:\n    import flashprobe.integrations.hf\nexcept ImportError:\n    pass\n"
+        "else:\n    raise SystemExit('flashprobe.integrations.hf imported without transformers')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
