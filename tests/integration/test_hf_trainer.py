@@ -130,8 +130,14 @@ def test_trainer_callback_stop_and_raise_on_a_buggy_kernel(tmp_path: Path) -> No
     callback = hf.AttentionProbeCallback(
         primary="bug_batch_kv_mixup", on_failure="stop", log_every_n_steps=10
     )
-    with pytest.warns(ProbeWarning, match=r"FAIL at site 'transformer.h.0.attn', out, step 0"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         trainer = _train(_gpt2(), tmp_path / "stop", [callback])
+    fails = sorted(str(w.message).split(":")[1] for w in caught if "FAIL at site" in str(w.message))
+    assert fails == [
+        " FAIL at site 'transformer.h.0.attn', out, step 0",
+        " FAIL at site 'transformer.h.1.attn', out, step 0",
+    ]
     assert trainer.state.global_step == 1  # the failing step finished, then training stopped
     (record,) = read_probe_log(tmp_path / "stop" / "probe.jsonl").records
     assert record["step"] == 1 and record["summary"]["verdict"] == "fail"
@@ -176,8 +182,7 @@ def test_trainer_callback_checks_its_arguments() -> None:
         hf.AttentionProbeCallback(filename="logs/probe.jsonl")
 
 
-@needs_accelerate
-def test_llama_with_flashprobe_attention_trains_and_is_probed(tmp_path: Path) -> None:
+def test_llama_with_probe_kernel_attention_is_probed() -> None:
     from tests.probe.buggy_kernels import register_buggy_kernels
 
     register_buggy_kernels()
@@ -191,7 +196,7 @@ def test_llama_with_flashprobe_attention_trains_and_is_probed(tmp_path: Path) ->
     assert p.sites == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     summary = p.summary()
     assert summary["forward_calls"] == summary["backward_calls"] == 2
-    # The primary is the flashprobe kernel (tiled, fp32): close to, not equal to, the math baseline.
+    # The primary is the registered kernel (tiled, fp32): close to, not equal to, the math baseline.
     assert 0 < summary["max_abs"]["primary_baseline"] < 1e-5
     assert summary["verdict"] == "pass"
     # A buggy registered kernel is what the probe judges.
@@ -201,15 +206,24 @@ def test_llama_with_flashprobe_attention_trains_and_is_probed(tmp_path: Path) ->
         model(input_ids=batch)
     assert p.summary(p.stats())["verdict"] == "fail"
     hf.register_attention("probe_kernel", "tiled:block_q=4,block_k=4")
-    # Without a probe the kernel still runs, and gives what sdpa gives up to rounding.
-    reference = _llama("sdpa")(input_ids=ids).logits
-    torch.testing.assert_close(_llama("probe_kernel")(input_ids=ids).logits, reference)
+    # Without a probe the kernel runs too, and gives what sdpa gives up to rounding (GQA, left padding).
+    mask = torch.ones(2, TOKENS, dtype=torch.long)
+    mask[0, :3] = 0
+    reference = _llama("sdpa")(input_ids=batch, attention_mask=mask).logits
+    torch.testing.assert_close(_llama("probe_kernel")(input_ids=batch, attention_mask=mask).logits, reference)
 
-    callback = hf.AttentionProbeCallback()
-    _train(_llama("probe_kernel"), tmp_path, [callback])
-    (last, *_) = reversed(read_probe_log(tmp_path / "probe.jsonl").records)
-    assert set(last["sites"]) == {"model.layers.0.self_attn", "model.layers.1.self_attn"}
-    assert last["summary"]["verdict"] == "pass"
+
+@needs_accelerate
+def test_llama_with_probe_kernel_attention_trains_in_the_trainer(tmp_path: Path) -> None:
+    hf.register_attention("probe_kernel", "tiled:block_q=4,block_k=4")
+    plain = _train(_llama("probe_kernel"), tmp_path / "plain")
+    probed = _train(_llama("probe_kernel"), tmp_path / "probed", [hf.AttentionProbeCallback(backward=True)])
+    for a, b in zip(plain.model.parameters(), probed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    records = read_probe_log(tmp_path / "probed" / "probe.jsonl").records
+    assert [r["step"] for r in records] == [2, 4, 5]
+    assert all(set(r["sites"]) == {"model.layers.0.self_attn", "model.layers.1.self_attn"} for r in records)
+    assert all(r["summary"]["verdict"] == "pass" for r in records)
 
 
 def test_register_attention_refuses_names_transformers_reads() -> None:
