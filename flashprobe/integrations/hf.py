@@ -238,6 +238,8 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
             the Trainer's ``logging_steps``.
         dirpath: directory of ``probe.jsonl`` and ``repro/``; default: ``args.output_dir``.
         filename: name of the JSON-lines file.
+        plot: at the end of training, draw the per-site deviation plot of the file next to it
+            (``probe.png``, :func:`flashprobe.report.probe_figures.plot_probe`).
         on_failure: at the first failure of each site and direction: ``"warn"`` (one line),
             ``"raise"`` (:class:`~flashprobe.probe.ProbeFailureError`) or ``"stop"`` (write the
             record, then stop training through ``control.should_training_stop``).
@@ -269,6 +271,7 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
         log_every_n_steps: int | None = None,
         dirpath: str | os.PathLike[str] | None = None,
         filename: str = PROBE_LOG_NAME,
+        plot: bool = True,
         on_failure: str = "warn",
         max_reproducers: int = 8,
         **settings: Any,
@@ -297,6 +300,7 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
         self.log_every_n_steps = log_every_n_steps
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.filename = filename
+        self.plot = plot
         self.last_logged_step = -1
         self.records = 0
         self.last_summary: dict[str, Any] = {}
@@ -421,6 +425,24 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
             self._probe.detach()
             self._restored_failures = self._probe.failures
             self._probe = None
+        path = self.path
+        if (
+            self.plot
+            and state.is_world_process_zero
+            and path is not None
+            and path.is_file()
+            and path.stat().st_size
+        ):
+            from flashprobe.report.probe_figures import plot_probe
+
+            try:  # a convenience: a plotting error must not fail a finished run
+                log.info(
+                    "%s: per-site deviation plot %s",
+                    type(self).__name__,
+                    plot_probe(path, path.with_suffix(".png")),
+                )
+            except Exception as err:
+                log.warning("%s: could not draw %s: %s", type(self).__name__, path.with_suffix(".png"), err)
 
     # ---------------------------------------------------------------------------- checkpoints
     def state(self) -> dict[str, Any]:
@@ -432,6 +454,7 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
                 "log_every_n_steps": self.log_every_n_steps,
                 "dirpath": None if self.dirpath is None else str(self.dirpath),
                 "filename": self.filename,
+                "plot": self.plot,
                 "on_failure": self.on_failure,
                 "max_reproducers": self.max_reproducers,
             },

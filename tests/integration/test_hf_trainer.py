@@ -101,6 +101,7 @@ def test_trainer_callback_writes_records_and_training_is_bit_identical(tmp_path:
     for (name, a), b in zip(plain.model.named_parameters(), probed.model.parameters(), strict=True):
         assert torch.equal(a, b), f"{name} differs after training with the probe"
     assert callback.probe is None and not (tmp_path / "plain" / "probe.jsonl").exists()
+    assert (tmp_path / "probed" / "probe.png").is_file()  # the per-site deviation plot
 
     records = read_probe_log(tmp_path / "probed" / "probe.jsonl").records
     assert [r["step"] for r in records] == [2, 4, 5]  # every logging_steps, and the last step
@@ -128,7 +129,7 @@ def test_trainer_callback_stop_and_raise_on_a_buggy_kernel(tmp_path: Path) -> No
 
     register_buggy_kernels()
     callback = hf.AttentionProbeCallback(
-        primary="bug_batch_kv_mixup", on_failure="stop", log_every_n_steps=10
+        plot=False, primary="bug_batch_kv_mixup", on_failure="stop", log_every_n_steps=10
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -149,7 +150,7 @@ def test_trainer_callback_stop_and_raise_on_a_buggy_kernel(tmp_path: Path) -> No
         _train(
             _gpt2(),
             tmp_path / "raise",
-            [hf.AttentionProbeCallback(primary="bug_batch_kv_mixup", on_failure="raise")],
+            [hf.AttentionProbeCallback(plot=False, primary="bug_batch_kv_mixup", on_failure="raise")],
         )
 
 
@@ -157,11 +158,11 @@ def test_trainer_callback_stop_and_raise_on_a_buggy_kernel(tmp_path: Path) -> No
 def test_a_resumed_run_continues_the_log_and_keeps_its_failures(tmp_path: Path) -> None:
     old = {"site": "transformer.h.0.attn", "direction": "dq", "step": 1, "kind": "l2", "value": 40.0,
            "reason": "x", "repro": None}  # fmt: skip
-    first = hf.AttentionProbeCallback(backward=True)
+    first = hf.AttentionProbeCallback(plot=False, backward=True)
     first._restored_failures = [old]  # as if seen before: goes into the checkpoint's state
     _train(_gpt2(), tmp_path, [first], save_steps=2, max_steps=4)  # restored failures: not warned again
     assert [r["step"] for r in read_probe_log(tmp_path / "probe.jsonl").records] == [2, 4]
-    given = hf.AttentionProbeCallback(backward=True)
+    given = hf.AttentionProbeCallback(plot=False, backward=True)
     trainer = _train(_gpt2(), tmp_path, [given], save_steps=2, max_steps=4, resume=tmp_path / "checkpoint-2")
     # restore_callback_states_from_checkpoint: the Trainer rebuilt the callback from its state
     (resumed,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, hf.AttentionProbeCallback)]
@@ -217,7 +218,9 @@ def test_llama_with_probe_kernel_attention_is_probed() -> None:
 def test_llama_with_probe_kernel_attention_trains_in_the_trainer(tmp_path: Path) -> None:
     hf.register_attention("probe_kernel", "tiled:block_q=4,block_k=4")
     plain = _train(_llama("probe_kernel"), tmp_path / "plain")
-    probed = _train(_llama("probe_kernel"), tmp_path / "probed", [hf.AttentionProbeCallback(backward=True)])
+    probed = _train(
+        _llama("probe_kernel"), tmp_path / "probed", [hf.AttentionProbeCallback(plot=False, backward=True)]
+    )
     for a, b in zip(plain.model.parameters(), probed.model.parameters(), strict=True):
         assert torch.equal(a, b)
     records = read_probe_log(tmp_path / "probed" / "probe.jsonl").records
@@ -249,7 +252,7 @@ def test_trainer_callback_on_an_eager_model_stops_with_the_fix(tmp_path: Path) -
         pytest.warns(ProbeWarning, match="attn_implementation='eager'"),
         pytest.raises(RuntimeError, match="attn_implementation='sdpa'"),
     ):
-        _train(_gpt2(attn="eager"), tmp_path, [hf.AttentionProbeCallback()])
+        _train(_gpt2(attn="eager"), tmp_path, [hf.AttentionProbeCallback(plot=False)])
 
 
 @pytest.mark.slow
