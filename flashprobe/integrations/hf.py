@@ -62,7 +62,7 @@ from flashprobe.probe.call import autocast_dtype, run_kernel
 from flashprobe.probe.routing import check_kernel_here
 from flashprobe.probe.shadow import failure_message
 
-__all__ = ["DEFAULT_NAME", "AttentionProbeCallback", "register_attention"]
+__all__ = ["CONFIG_KEY", "DEFAULT_NAME", "AttentionProbeCallback", "register_attention"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,10 @@ _SUMMARY_SCALARS = ("max_error_ratio", "max_call_error_ratio", "max_backward_err
 #: The ``attn_implementation`` name :func:`register_attention` registers by default. Not
 #: "flashprobe": transformers takes every name containing "flash" for a flash-attn kernel to load.
 DEFAULT_NAME = "probe_kernel"
+
+#: The config field that picks a model's own kernel spec for a registered ``attn_implementation``
+#: (e.g. ``LlamaConfig(..., flashprobe_kernel="tiled:block_k=32")``); saved in ``config.json``.
+CONFIG_KEY = "flashprobe_kernel"
 
 #: transformers' own attention implementations: not replaceable by register_attention.
 _RESERVED = frozenset(
@@ -132,8 +136,19 @@ def _dispatch(runner: _AttentionKernel, call: SdpaCall) -> torch.Tensor:
 _COMPILED_DISPATCH = torch.compiler.disable(_dispatch, reason=intercept.GRAPH_BREAK_REASON)
 
 
-def _attention_function(runner: _AttentionKernel) -> Callable[..., tuple[torch.Tensor, None]]:
+def _attention_function(default: _AttentionKernel) -> Callable[..., tuple[torch.Tensor, None]]:
     from transformers.integrations.sdpa_attention import create_position_bias_mask
+
+    runners: dict[str, _AttentionKernel] = {}
+
+    def runner_for(module: nn.Module) -> _AttentionKernel:
+        """The registered kernel, or the one the module's config names in ``flashprobe_kernel``."""
+        spec = getattr(getattr(module, "config", None), CONFIG_KEY, None)
+        if spec is None:
+            return default
+        if spec not in runners:
+            runners[spec] = _AttentionKernel(default.name, get_kernel(spec))
+        return runners[spec]
 
     def flashprobe_attention(
         module: nn.Module,
@@ -150,6 +165,7 @@ def _attention_function(runner: _AttentionKernel) -> Callable[..., tuple[torch.T
         """transformers' attention-function convention: ``query (B, H, N_q, D)``, ``key``/``value``
         ``(B, H_kv, N_k, D)``, ``attention_mask`` bool or additive ``(B, 1, N_q, N_k)`` or None;
         returns ``(B, N_q, H, D_v)`` and no attention weights."""
+        runner = runner_for(module)
         if kwargs.get("softcap") is not None:
             raise ValueError(
                 f"attn_implementation={runner.name!r} does not support softcap (the SDPA signature "
@@ -183,15 +199,17 @@ def register_attention(name: str = DEFAULT_NAME, kernel: str | Kernel = "math") 
         register_attention("probe_kernel", "tiled:preset=fa2")
         model = AutoModelForCausalLM.from_config(config, attn_implementation="probe_kernel")
 
-    The model's attention calls run ``kernel`` (masks as for ``"sdpa"``); with a probe attached,
-    that kernel is the primary the probe compares (see the module docstring). Registering a name
-    again replaces its kernel for models loaded afterwards and before.
+    The model's attention calls run ``kernel`` (masks as for ``"sdpa"``), or the kernel spec its
+    config names in ``flashprobe_kernel`` (:data:`CONFIG_KEY`); with a probe attached, that kernel
+    is the primary the probe compares (see the module docstring). Registering a name again replaces
+    its kernel for models loaded afterwards and before.
 
     Args:
         name: the ``attn_implementation`` name.
         kernel: a kernel spec (``"math"``, ``"tiled:block_k=32"``, a registered kernel) or a
             :class:`~flashprobe.kernels.Kernel`; checked against each call's device and dtype at the
-            first call there.
+            first call there. A model config's ``flashprobe_kernel`` overrides it for that model
+            (an unknown spec there raises ``KernelSpecError`` at the model's first attention call).
 
     Returns:
         ``name``.

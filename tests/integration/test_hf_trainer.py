@@ -207,6 +207,12 @@ def test_llama_with_probe_kernel_attention_is_probed() -> None:
         model(input_ids=batch)
     assert p.summary(p.stats())["verdict"] == "fail"
     hf.register_attention("probe_kernel", "tiled:block_q=4,block_k=4")
+    # A model's config can name its own kernel spec.
+    model.config.flashprobe_kernel = "bug_batch_kv_mixup"
+    with probe(model, on_failure="ignore") as p:
+        model(input_ids=batch)
+    assert p.summary(p.stats())["verdict"] == "fail"
+    del model.config.flashprobe_kernel
     # Without a probe the kernel runs too, and gives what sdpa gives up to rounding (GQA, left padding).
     mask = torch.ones(2, TOKENS, dtype=torch.long)
     mask[0, :3] = 0
