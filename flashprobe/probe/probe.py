@@ -264,6 +264,10 @@ def probe(
     Returns:
         The attached :class:`Probe`; use it as a context manager or call ``.detach()``.
 
+    Warns:
+        ProbeWarning: at attach time, when a module's transformers config asks for
+            ``attn_implementation='eager'`` (no SDPA call to compare), with the fix.
+
     Raises:
         ProbeConfigError: an unknown setting or a bad value (sampling, patterns, dropout, ...).
         KernelSpecError: unknown kernel spec or option.
