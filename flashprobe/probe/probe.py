@@ -272,6 +272,10 @@ def probe(
     Returns:
         The attached :class:`Probe`; use it as a context manager or call ``.detach()``.
 
+    Warns:
+        ProbeWarning: at attach time, when a module's transformers config asks for
+            ``attn_implementation='eager'`` (no SDPA call to compare), with the fix.
+
     Raises:
         ProbeConfigError: an unknown setting or a bad value (sampling, patterns, dropout, ...).
         KernelSpecError: unknown kernel spec or option.
@@ -283,4 +287,24 @@ def probe(
     shadow = ShadowAttention(
         cfg, device=dev, dtype=dt, on_failure=on_failure, repro_dir=repro_dir, max_reproducers=max_reproducers
     )
-    return Probe(model, shadow).attach()
+    handle = Probe(model, shadow)
+    eager = _eager_attention_site(model)
+    if eager is not None:
+        where = "" if not eager else f" (its submodule {eager!r})"
+        handle.warn_once(
+            "eager",
+            f"flashprobe: {type(model).__name__}{where} has a transformers config with "
+            "attn_implementation='eager', which computes attention with matmuls and makes no "
+            "scaled_dot_product_attention call, so the probe has nothing to compare there. Load the "
+            "model with attn_implementation='sdpa' (or 'probe_kernel' after "
+            "flashprobe.integrations.hf.register_attention())",
+        )
+    return handle.attach()
+
+
+def _eager_attention_site(model: nn.Module) -> str | None:
+    """Path of the first module whose (duck-typed transformers) config asks for eager attention."""
+    for name, module in model.named_modules():
+        if getattr(getattr(module, "config", None), "_attn_implementation", None) == "eager":
+            return name
+    return None

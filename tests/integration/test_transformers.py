@@ -117,7 +117,9 @@ def test_vit_sites() -> None:
 
 def test_eager_attention_implementation_warns_with_the_fix() -> None:
     model = _gpt2(attn="eager")
-    with probe(model) as p:
+    with pytest.warns(ProbeWarning, match="attn_implementation='eager'"):  # at attach time
+        p = probe(model)
+    with p:
         model(**_tokens(0))
     with pytest.warns(ProbeWarning, match="attn_implementation='sdpa'"):
         summary = p.summary()

@@ -1,0 +1,581 @@
+"""Hugging Face transformers: the attention probe in ``transformers.Trainer``, and flashprobe kernels
+as an ``attn_implementation``.
+
+* :class:`AttentionProbeCallback` is the Lightning :class:`~flashprobe.callbacks.AttentionProbe` for
+  the HF ``Trainer``: at train begin it builds :func:`flashprobe.probe.probe` on the Trainer's model;
+  it is attached from ``on_step_begin`` to ``on_step_end`` only (every micro-batch of a training step
+  is compared; evaluation and prediction run the model alone); the probe's step is
+  ``state.global_step``; every ``logging_steps`` it reads the statistics once (all-reduced across
+  ranks in distributed training), puts the summary's scalars into the Trainer's ``logs`` (so every
+  ``report_to`` logger, the console and ``state.log_history`` get them) and appends one record to
+  ``OUTPUT_DIR/probe.jsonl`` (:mod:`flashprobe.formats.probe_log`). Verdicts as in Lightning:
+  ``on_failure`` warn / raise / stop, reproducers in ``OUTPUT_DIR/repro/``.
+* :func:`register_attention` registers a flashprobe kernel spec in transformers'
+  ``AttentionInterface``: a model loaded with ``attn_implementation="probe_kernel"`` runs that kernel,
+  and a probe attached to it compares that kernel as the primary.
+
+**Design of the attention function.** transformers calls it with ``(module, query, key, value,
+attention_mask, dropout=, scaling=, is_causal=, ...)`` and ``(B, H, N, D)`` tensors and takes back
+``(B, N, H, D)``; it prepares the call exactly as transformers' own ``sdpa`` function does (causal
+flag, grouped key/value heads, position bias) and runs the kernel with SDPA's semantics
+(:func:`flashprobe.probe.call.run_kernel`). It makes no SDPA call: inside a probed model it hands the
+call to the probe directly, at the site the probe would give an SDPA call made there, with the
+kernel as the route the primary runs (:meth:`flashprobe.probe.ShadowAttention.primary_output`), so
+``probe(model)`` compares the flashprobe kernel against the baseline and golden; ``probe(model,
+primary=...)`` and a :func:`~flashprobe.probe.use_kernel` route on the model still take precedence.
+Under ``torch.compile`` each call is one graph break (run eagerly, like the probe's own fallback).
+
+This module imports transformers; ``import flashprobe`` does not.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.trainer_callback import ExportableState
+
+from flashprobe.formats.probe_log import PROBE_LOG_NAME, ProbeLogWriter
+from flashprobe.kernels import Kernel, get_kernel
+from flashprobe.probe import (
+    Probe,
+    ProbeConfig,
+    ProbeFailureError,
+    ProbeWarning,
+    SdpaCall,
+    intercept,
+    probe,
+    reduce_across_ranks,
+)
+from flashprobe.probe.call import autocast_dtype, run_kernel
+from flashprobe.probe.routing import check_kernel_here
+from flashprobe.probe.shadow import failure_message
+
+__all__ = ["CONFIG_KEY", "DEFAULT_NAME", "AttentionProbeCallback", "register_attention"]
+
+log = logging.getLogger(__name__)
+
+#: The summary's scalars put into the Trainer's logs (as ``probe/<key>``).
+_SUMMARY_SCALARS = ("max_error_ratio", "max_call_error_ratio", "max_backward_error_ratio", "nonfinite")
+
+#: The ``attn_implementation`` name :func:`register_attention` registers by default. Not
+#: "flashprobe": transformers takes every name containing "flash" for a flash-attn kernel to load.
+DEFAULT_NAME = "probe_kernel"
+
+#: The config field that picks a model's own kernel spec for a registered ``attn_implementation``
+#: (e.g. ``LlamaConfig(..., flashprobe_kernel="tiled:block_k=32")``); saved in ``config.json``.
+CONFIG_KEY = "flashprobe_kernel"
+
+#: transformers' own attention implementations: not replaceable by register_attention.
+_RESERVED = frozenset(
+    {"eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "paged|eager"}
+)
+
+
+# ------------------------------------------------------------------------------------------------
+# attn_implementation="probe_kernel"
+# ------------------------------------------------------------------------------------------------
+
+
+class _AttentionKernel:
+    """One registered kernel: checked once per device and dtype, run with SDPA's semantics. It is the
+    ``route`` a probe's primary runs (duck-typed :class:`~flashprobe.probe.KernelRoute`: ``run``)."""
+
+    def __init__(self, name: str, kernel: Kernel) -> None:
+        self.name = name
+        self.kernel = kernel
+        self._checked: set[tuple[torch.device, torch.dtype]] = set()
+        self._warned_dropout = False
+
+    def check(self, call: SdpaCall) -> None:
+        key = (call.query.device, autocast_dtype(call.query))
+        if key not in self._checked:
+            check_kernel_here(self.kernel, *key, f"attn_implementation={self.name!r}")
+            self._checked.add(key)
+
+    def run(self, call: SdpaCall) -> torch.Tensor:
+        if call.dropout_p > 0:
+            if not self._warned_dropout:
+                self._warned_dropout = True
+                warnings.warn(
+                    f"flashprobe: attn_implementation={self.name!r} ({self.kernel.spec!r}): attention "
+                    f"calls with dropout {call.dropout_p} run torch's scaled_dot_product_attention "
+                    "(kernels implement no attention dropout); set the attention dropout to 0 "
+                    "(e.g. config.attention_dropout=0.0) to run the kernel",
+                    ProbeWarning,
+                    stacklevel=4,
+                )
+            return call.original()
+        return run_kernel(self.kernel, call)
+
+
+def _dispatch(runner: _AttentionKernel, call: SdpaCall) -> torch.Tensor:
+    """Run ``call`` with the registered kernel, through the probe attached to the calling module if any."""
+    runner.check(call)
+    res = None if intercept._state.busy else intercept._find(sys._getframe(1))
+    with intercept.passthrough():
+        if res is None:
+            return runner.run(call)
+        route = res.route or runner
+        if res.probe is not None:
+            return res.probe.handle(res.site, call, route)
+        return route.run(call)
+
+
+_COMPILED_DISPATCH = torch.compiler.disable(_dispatch, reason=intercept.GRAPH_BREAK_REASON)
+
+
+def _attention_function(default: _AttentionKernel) -> Callable[..., tuple[torch.Tensor, None]]:
+    from transformers.integrations.sdpa_attention import create_position_bias_mask
+
+    runners: dict[str, _AttentionKernel] = {}
+
+    def runner_for(module: nn.Module) -> _AttentionKernel:
+        """The registered kernel, or the one the module's config names in ``flashprobe_kernel``."""
+        spec = getattr(getattr(module, "config", None), CONFIG_KEY, None)
+        if spec is None:
+            return default
+        if spec not in runners:
+            runners[spec] = _AttentionKernel(default.name, get_kernel(spec))
+        return runners[spec]
+
+    def flashprobe_attention(
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        is_causal: bool | None = None,
+        position_bias: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        """transformers' attention-function convention: ``query (B, H, N_q, D)``, ``key``/``value``
+        ``(B, H_kv, N_k, D)``, ``attention_mask`` bool or additive ``(B, 1, N_q, N_k)`` or None;
+        returns ``(B, N_q, H, D_v)`` and no attention weights."""
+        runner = runner_for(module)
+        if kwargs.get("softcap") is not None:
+            raise ValueError(
+                f"attn_implementation={runner.name!r} does not support softcap (the SDPA signature "
+                "has no soft-capping); load the model with attn_implementation='eager' or 'flex_attention'"
+            )
+        q_length, kv_length = query.shape[2], key.shape[2]
+        # As transformers' sdpa_attention_forward: causal only without a mask and beyond one query.
+        is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        is_causal = bool(q_length > 1 and attention_mask is None and is_causal)
+        if is_causal and kv_length > q_length:  # prefill with an empty static cache
+            key, value = key[:, :, :q_length], value[:, :, :q_length]
+            if position_bias is not None:
+                position_bias = position_bias[..., :q_length]
+        if position_bias is not None:
+            attention_mask = create_position_bias_mask(position_bias, attention_mask, is_causal, query, key)
+            is_causal = False
+        gqa = key.shape[1] != query.shape[1]
+        call = SdpaCall(query, key, value, attention_mask, float(dropout), is_causal, scaling, gqa)
+        run = _COMPILED_DISPATCH if torch.compiler.is_compiling() else _dispatch
+        out = run(runner, call)  # (B, H, N_q, D_v)
+        return out.transpose(1, 2).contiguous(), None
+
+    return flashprobe_attention
+
+
+def register_attention(name: str = DEFAULT_NAME, kernel: str | Kernel = "math") -> str:
+    """Make a flashprobe kernel an ``attn_implementation`` of transformers.
+
+    ::
+
+        register_attention("probe_kernel", "tiled:preset=fa2")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="probe_kernel")
+
+    The model's attention calls run ``kernel`` (masks as for ``"sdpa"``), or the kernel spec its
+    config names in ``flashprobe_kernel`` (:data:`CONFIG_KEY`); with a probe attached, that kernel
+    is the primary the probe compares (see the module docstring). Registering a name again replaces
+    its kernel for models loaded afterwards and before.
+
+    Args:
+        name: the ``attn_implementation`` name.
+        kernel: a kernel spec (``"math"``, ``"tiled:block_k=32"``, a registered kernel) or a
+            :class:`~flashprobe.kernels.Kernel`; checked against each call's device and dtype at the
+            first call there. A model config's ``flashprobe_kernel`` overrides it for that model
+            (an unknown spec there raises ``KernelSpecError`` at the model's first attention call).
+
+    Returns:
+        ``name``.
+
+    Raises:
+        ValueError: ``name`` is one of transformers' own implementations, contains ``flash``,
+            ``sdpa`` or ``flex`` (names transformers gives its own meaning), or is not a plain name.
+        KernelSpecError: unknown kernel or option.
+    """
+    if not isinstance(name, str) or not name or name in _RESERVED or any(c in name for c in "/:|"):
+        raise ValueError(
+            f"register_attention: name={name!r} must be a new plain name (no '/', ':' or '|'), not one "
+            f"of transformers' own ({', '.join(sorted(_RESERVED))}); e.g. {DEFAULT_NAME!r}"
+        )
+    if "flash" in name or "sdpa" in name or "flex" in name:
+        raise ValueError(
+            f"register_attention: name={name!r} contains 'flash', 'sdpa' or 'flex', which transformers "
+            "reads as a request for its own kernels of that family (it would try to load flash-attn); "
+            f"choose another name, e.g. {DEFAULT_NAME!r}"
+        )
+    runner = _AttentionKernel(name, get_kernel(kernel))
+    ALL_ATTENTION_FUNCTIONS.register(name, _attention_function(runner))
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+    return name
+
+
+# ------------------------------------------------------------------------------------------------
+# The Trainer callback
+# ------------------------------------------------------------------------------------------------
+
+
+class AttentionProbeCallback(TrainerCallback, ExportableState):
+    """Compare the model's attention kernel with the baseline at every training call of a HF ``Trainer``.
+
+    ::
+
+        trainer = Trainer(model, args, train_dataset=data, callbacks=[AttentionProbeCallback(golden=True)])
+
+    Args:
+        config: the probe's settings (:class:`~flashprobe.probe.ProbeConfig`: ``primary``,
+            ``baseline``, ``golden``, ``backward``, ``every_n_steps``, ``every_n_calls``, ``sites``,
+            ``dropout``, ``memory_budget``); default: its defaults.
+        log_every_n_steps: read, log and reset the statistics every n optimizer steps; default:
+            the Trainer's ``logging_steps``.
+        dirpath: directory of ``probe.jsonl`` and ``repro/``; default: ``args.output_dir``.
+        filename: name of the JSON-lines file.
+        plot: at the end of training, draw the per-site deviation plot of the file next to it
+            (``probe.png``, :func:`flashprobe.report.probe_figures.plot_probe`).
+        on_failure: at the first failure of each site and direction: ``"warn"`` (one line),
+            ``"raise"`` (:class:`~flashprobe.probe.ProbeFailureError`) or ``"stop"`` (write the
+            record, then stop training through ``control.should_training_stop``).
+        max_reproducers: reproducer files saved in ``DIRPATH/repro/`` at most (0: none).
+        **settings: fields of :class:`~flashprobe.probe.ProbeConfig` replacing ``config``'s.
+
+    The scalars logged are ``probe/max_error_ratio``, ``probe/max_call_error_ratio``,
+    ``probe/max_backward_error_ratio``, ``probe/nonfinite``, ``probe/failed``, ``probe/failures`` and
+    ``probe/max_abs/<pair>``. So that every ``report_to`` logger gets them, the callback moves itself
+    ahead of the Trainer's reporting callbacks at train begin (right after ``DefaultFlowCallback``).
+
+    Its state (settings, last logged step, the failures seen) goes into the Trainer's checkpoints
+    (``ExportableState``); resumed with ``restore_callback_states_from_checkpoint=True``, a run keeps
+    its verdict, and ``probe.jsonl`` drops the records after the checkpoint's step either way.
+
+    Raises:
+        ProbeConfigError: an unknown setting or a bad value, naming it.
+        ValueError: a bad ``on_failure``, ``max_reproducers``, interval or filename, naming it.
+        KernelSpecError: an unknown kernel spec (at construction).
+        KernelUnavailableError: at train begin, a kernel that cannot run on the model's device/dtype.
+        RuntimeError: after the first training step, when the model made no attention call.
+    """
+
+    def __init__(
+        self,
+        config: ProbeConfig | None = None,
+        /,
+        *,
+        log_every_n_steps: int | None = None,
+        dirpath: str | os.PathLike[str] | None = None,
+        filename: str = PROBE_LOG_NAME,
+        plot: bool = True,
+        on_failure: str = "warn",
+        max_reproducers: int = 8,
+        **settings: Any,
+    ) -> None:
+        self.config = ProbeConfig.from_settings(config, **settings)
+        name = type(self).__name__
+        if on_failure not in ("warn", "raise", "stop"):
+            raise ValueError(f"{name}: on_failure={on_failure!r} must be 'warn', 'raise' or 'stop'")
+        if isinstance(max_reproducers, bool) or not isinstance(max_reproducers, int) or max_reproducers < 0:
+            raise ValueError(f"{name}: max_reproducers={max_reproducers!r} must be an int >= 0")
+        if log_every_n_steps is not None and (
+            isinstance(log_every_n_steps, bool)
+            or not isinstance(log_every_n_steps, int)
+            or log_every_n_steps < 1
+        ):
+            raise ValueError(
+                f"{name}: log_every_n_steps={log_every_n_steps!r} must be a positive int or None"
+            )
+        if not isinstance(filename, str) or filename in {"", ".", ".."} or Path(filename).name != filename:
+            raise ValueError(
+                f"{name}: filename={filename!r} must be a plain file name, e.g. 'probe.jsonl' (set "
+                "dirpath for the directory)"
+            )
+        self.on_failure = on_failure
+        self.max_reproducers = max_reproducers
+        self.log_every_n_steps = log_every_n_steps
+        self.dirpath = None if dirpath is None else Path(dirpath)
+        self.filename = filename
+        self.plot = plot
+        self.last_logged_step = -1
+        self.records = 0
+        self.last_summary: dict[str, Any] = {}
+        self._probe: Probe | None = None
+        self._writer: ProbeLogWriter | None = None
+        self._pending: dict[str, float] = {}
+        self._reported: set[tuple[str, str]] = set()
+        self._worst: dict[str, Any] | None = None
+        self._checked = False
+        self._keep_until: int | None = None
+        self._restored_failures: list[dict[str, Any]] = []
+
+    @property
+    def probe(self) -> Probe | None:
+        """The probe handle (``None`` outside training)."""
+        return self._probe
+
+    @property
+    def path(self) -> Path | None:
+        """The ``probe.jsonl`` being written (``None`` before training)."""
+        return None if self._writer is None else self._writer.path
+
+    # ------------------------------------------------------------------------------ lifecycle
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        model = kwargs.get("model")
+        if not isinstance(model, nn.Module):
+            raise RuntimeError(f"{type(self).__name__}: the Trainer passed no model to on_train_begin")
+        self._lead_the_loggers()
+        root = self.dirpath or Path(args.output_dir or ".")
+        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+        self._probe = probe(
+            model,
+            self.config,
+            dtype=dtype,
+            on_failure="ignore",  # the callback reports, once per site and direction
+            repro_dir=root / "repro" if state.is_world_process_zero and self.max_reproducers else None,
+            max_reproducers=self.max_reproducers,
+        )
+        self._probe.detach()  # attached during training steps only
+        for failure in self._restored_failures:  # a resumed run keeps the failures it had seen
+            key = (failure["site"], failure["direction"])
+            self._probe.shadow.failures.setdefault(key, dict(failure))
+            self._reported.add(key)
+        self._writer = ProbeLogWriter(root / self.filename)
+        self._keep_until = state.global_step if state.global_step > 0 else None  # resumed run
+        self._checked = False
+
+    def _lead_the_loggers(self) -> None:
+        """Move this callback right after ``DefaultFlowCallback`` in the Trainer's callback list, so
+        that the scalars it puts into ``logs`` reach the reporting callbacks that follow. The list is
+        that of the ``CallbackHandler`` calling this hook (found on the call stack)."""
+        from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
+
+        frame = sys._getframe(1)
+        while frame is not None and not isinstance(frame.f_locals.get("self"), CallbackHandler):
+            frame = frame.f_back
+        callbacks = None if frame is None else frame.f_locals["self"].callbacks
+        if callbacks is None or self not in callbacks:
+            log.warning(
+                "%s: could not find the Trainer's callback list; the probe's scalars reach only the "
+                "callbacks after it",
+                type(self).__name__,
+            )
+            return
+        callbacks.remove(self)
+        flow = [i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)]
+        callbacks.insert(flow[0] + 1 if flow else 0, self)
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._probe is not None:
+            self._probe.attach()
+            self._probe.set_step(state.global_step)
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
+        if self._probe is None:
+            return control
+        self._probe.detach()  # evaluation, saving and logging run the model alone
+        if not self._checked:
+            self._check_calls()
+        step = state.global_step
+        every = self.log_every_n_steps or state.logging_steps or 1
+        last = state.max_steps > 0 and step >= state.max_steps
+        new = self._new_failures()
+        if step > self.last_logged_step and ((new and self.on_failure == "stop") or not step % every or last):
+            self._flush(args, state, step)
+            control.should_log = True  # the Trainer logs at this step, with the probe's scalars
+            new += self._new_failures()  # failures a read on a device found
+        self._react(state, control, new)
+        return control
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if logs is None or not self._pending or "loss" not in logs:  # training logs only
+            return
+        logs.update(self._pending)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(self._pending)
+        self._pending = {}
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._probe is None:
+            return
+        try:
+            if state.global_step > self.last_logged_step and self._probe.calls:
+                self._flush(args, state, state.global_step)
+                self._react(state, control, self._new_failures())
+        finally:
+            self._probe.detach()
+            self._restored_failures = self._probe.failures
+            self._probe = None
+        path = self.path
+        if (
+            self.plot
+            and state.is_world_process_zero
+            and path is not None
+            and path.is_file()
+            and path.stat().st_size
+        ):
+            from flashprobe.report.probe_figures import plot_probe
+
+            try:  # a convenience: a plotting error must not fail a finished run
+                log.info(
+                    "%s: per-site deviation plot %s",
+                    type(self).__name__,
+                    plot_probe(path, path.with_suffix(".png")),
+                )
+            except Exception as err:
+                log.warning("%s: could not draw %s: %s", type(self).__name__, path.with_suffix(".png"), err)
+
+    # ---------------------------------------------------------------------------- checkpoints
+    def state(self) -> dict[str, Any]:
+        """The callback's arguments and progress, as plain data for the Trainer's checkpoints."""
+        failures = self._restored_failures if self._probe is None else self._probe.failures
+        return {
+            "args": {
+                **self.config.as_dict(),
+                "log_every_n_steps": self.log_every_n_steps,
+                "dirpath": None if self.dirpath is None else str(self.dirpath),
+                "filename": self.filename,
+                "plot": self.plot,
+                "on_failure": self.on_failure,
+                "max_reproducers": self.max_reproducers,
+            },
+            "attributes": {
+                "last_logged_step": self.last_logged_step,
+                "records": self.records,
+                "_restored_failures": [
+                    {k: v for k, v in f.items() if isinstance(v, str | int | float | type(None))}
+                    for f in failures
+                ],
+            },
+        }
+
+    # ------------------------------------------------------------------------------- verdicts
+    def _check_calls(self) -> None:
+        assert self._probe is not None
+        self._checked = True
+        calls = self._probe.calls
+        if not calls:
+            self._probe = None
+            raise RuntimeError(
+                f"{type(self).__name__}: the model made no attention call the probe can see in its first "
+                "training step, so there is nothing to compare. A transformers model loaded with "
+                "attn_implementation='eager' computes attention with matmuls: load it with "
+                "attn_implementation='sdpa' (or register_attention() and 'probe_kernel'); a model calling "
+                "a fused kernel directly (flash_attn_func) is not seen either. Or remove the callback."
+            )
+        if self.config.sites is not None and not any(self._probe.selects(site) for site in calls):
+            self._probe = None
+            raise ValueError(
+                f"{type(self).__name__}: sites={list(self.config.sites)!r} matches none of the model's "
+                f"attention sites ({', '.join(sorted(calls))}); fix the patterns or use sites=None"
+            )
+
+    def _new_failures(self) -> list[dict[str, Any]]:
+        assert self._probe is not None
+        new = [f for f in self._probe.failures if (f["site"], f["direction"]) not in self._reported]
+        self._reported.update((f["site"], f["direction"]) for f in new)
+        return new
+
+    def _react(self, state: TrainerState, control: TrainerControl, failures: list[dict[str, Any]]) -> None:
+        if not failures:
+            return
+        if self.on_failure == "raise":
+            raise ProbeFailureError(failure_message(failures[0]), failures[0])
+        if state.is_world_process_zero:
+            for failure in failures:
+                warnings.warn(failure_message(failure), ProbeWarning, stacklevel=2)
+        if self.on_failure == "stop":
+            control.should_training_stop = True
+            if state.is_world_process_zero:
+                log.warning("%s: stopping training (on_failure='stop')", type(self).__name__)
+
+    # ------------------------------------------------------------------------------- reading
+    def _flush(self, args: TrainingArguments, state: TrainerState, step: int) -> None:
+        assert self._probe is not None
+        tensors = self._probe.stat_tensors()
+        if args.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            tensors = reduce_across_ranks(tensors, args.device)  # max of maxima, sum of sums
+        stats = self._probe.stats(tensors)
+        summary = self._probe.summary(stats)
+        summary["step"] = step
+        self._keep_worst(summary)
+        self._probe.reset()
+        self.last_logged_step = step
+        if not stats:
+            return
+        self.last_summary = summary
+        self._pending = _scalars(summary)
+        if state.is_world_process_zero:
+            assert self._writer is not None
+            if not self._writer.opened:
+                dropped = self._writer.open(self._keep_until)
+                if dropped:
+                    log.warning(
+                        "%s: dropped records of steps %s (after the resumed checkpoint)",
+                        self._writer.path,
+                        dropped,
+                    )
+            self._writer.append({"step": step, "summary": summary, "sites": stats})
+            self.records += 1
+
+    def _keep_worst(self, summary: dict[str, Any]) -> None:
+        """The worst failing call since training started (the summary's own is its interval's)."""
+        worst = summary.get("worst_failure")
+        if worst is not None and (self._worst is None or worst["value"] > self._worst["value"]):
+            self._worst = dict(worst)
+        if self._worst is not None:
+            failures = [f for f in summary.get("failures", []) if not f.get("worst")]
+            summary["failures"] = [*failures, {**self._worst, "worst": True}]
+            summary["worst_failure"] = dict(self._worst)
+
+
+def _scalars(summary: dict[str, Any]) -> dict[str, float]:
+    """The summary's finite scalars, named ``probe/...`` (as the Lightning callback logs them)."""
+    metrics: dict[str, float] = {}
+    for key in _SUMMARY_SCALARS:
+        value = summary.get(key)
+        if value is not None:
+            metrics[f"probe/{key}"] = float(value)
+    metrics["probe/failed"] = float(summary.get("verdict") == "fail")
+    metrics["probe/failures"] = float(sum(not f.get("worst") for f in summary.get("failures", [])))
+    for pair, value in (summary.get("max_abs") or {}).items():
+        if value is not None:
+            metrics[f"probe/max_abs/{pair}"] = float(value)
+    return {k: v for k, v in metrics.items() if math.isfinite(v)}

@@ -1,0 +1,290 @@
+"""flashprobe.integrations.hf: the probe in a real ``transformers.Trainer`` (tiny GPT-2, 5 steps:
+probe.jsonl, verdict, scalars in the Trainer's logs, training bit-identical to the run without it),
+``attn_implementation="probe_kernel"`` (a tiny Llama trains with a flashprobe kernel that the probe
+compares as its primary) and the attach-time warning for eager attention."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashprobe.formats.probe_log import read_probe_log
+from flashprobe.probe import ProbeWarning, probe
+
+transformers = pytest.importorskip("transformers")
+hf = pytest.importorskip("flashprobe.integrations.hf")
+needs_accelerate = pytest.mark.skipif(
+    importlib.util.find_spec("accelerate") is None, reason="transformers.Trainer needs accelerate"
+)
+
+VOCAB, TOKENS, STEPS = 64, 8, 5
+
+
+class _Tokens(torch.utils.data.Dataset):
+    """A few random token sequences; labels are the inputs (causal LM loss)."""
+
+    def __init__(self, n: int = 2 * STEPS) -> None:
+        self.ids = torch.randint(1, VOCAB, (n, TOKENS), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _gpt2(attn: str = "sdpa") -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16, attn_pdrop=0.0,
+        resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation=attn,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _llama(attn: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0, attn_implementation=attn,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+class _Recorder(transformers.TrainerCallback):
+    """Stands for a ``report_to`` logger: keeps every ``logs`` dict it is given."""
+
+    def __init__(self) -> None:
+        self.logs: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs or {}))
+
+
+def _train(
+    model: torch.nn.Module,
+    out: Path,
+    callbacks: list | None = None,
+    *,
+    evaluate: bool = False,
+    max_steps: int = STEPS,
+    save_steps: int | None = None,
+    resume: Path | None = None,
+):
+    args = transformers.TrainingArguments(
+        output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=2, learning_rate=1e-3,
+        logging_steps=2, report_to=[], use_cpu=True, dataloader_num_workers=0, seed=0, disable_tqdm=True,
+        eval_strategy="steps" if evaluate else "no", eval_steps=2, per_device_eval_batch_size=2,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        restore_callback_states_from_checkpoint=True,
+    )  # fmt: skip
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=_Tokens(), eval_dataset=_Tokens(2) if evaluate else None,
+        callbacks=callbacks,
+    )  # fmt: skip
+    trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
+    return trainer
+
+
+@needs_accelerate
+def test_trainer_callback_writes_records_and_training_is_bit_identical(tmp_path: Path) -> None:
+    plain = _train(_gpt2(), tmp_path / "plain", evaluate=True)
+    callback, recorder = hf.AttentionProbeCallback(golden=True, backward=True), _Recorder()
+    probed = _train(_gpt2(), tmp_path / "probed", [recorder, callback], evaluate=True)
+    for (name, a), b in zip(plain.model.named_parameters(), probed.model.parameters(), strict=True):
+        assert torch.equal(a, b), f"{name} differs after training with the probe"
+    assert callback.probe is None and not (tmp_path / "plain" / "probe.jsonl").exists()
+    assert (tmp_path / "probed" / "probe.png").is_file()  # the per-site deviation plot
+
+    records = read_probe_log(tmp_path / "probed" / "probe.jsonl").records
+    assert [r["step"] for r in records] == [2, 4, 5]  # every logging_steps, and the last step
+    for record in records:
+        assert set(record["sites"]) == {"transformer.h.0.attn", "transformer.h.1.attn"}
+        assert record["summary"]["verdict"] == "pass" and record["summary"]["failures"] == []
+    # Two layers per training step (steps 1-2, 3-4, 5); the evaluations at steps 2 and 4 are not probed.
+    assert [r["summary"]["forward_calls"] for r in records] == [4, 4, 2]
+    assert [r["summary"]["backward_calls"] for r in records] == [4, 4, 2]
+    # The summary's scalars are in the Trainer's logs (every report_to logger gets these).
+    logged = [e for e in probed.state.log_history if "probe/max_error_ratio" in e]
+    assert [e["step"] for e in logged] == [2, 4, 5] and all(e["probe/failed"] == 0.0 for e in logged)
+    assert all("loss" in e for e in logged)
+    # A logger listed before the callback gets the scalars too (the callback moves ahead of it).
+    assert [e["probe/max_error_ratio"] for e in recorder.logs if "probe/max_error_ratio" in e] == [
+        e["probe/max_error_ratio"] for e in logged
+    ]
+
+
+@needs_accelerate
+def test_trainer_callback_stop_and_raise_on_a_buggy_kernel(tmp_path: Path) -> None:
+    from flashprobe.cli import main as cli_main
+    from flashprobe.probe import ProbeFailureError
+    from tests.probe.buggy_kernels import register_buggy_kernels
+
+    register_buggy_kernels()
+    callback = hf.AttentionProbeCallback(
+        plot=False, primary="bug_batch_kv_mixup", on_failure="stop", log_every_n_steps=10
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _train(_gpt2(), tmp_path / "stop", [callback])
+    fails = sorted(str(w.message).split(":")[1] for w in caught if "FAIL at site" in str(w.message))
+    assert fails == [
+        " FAIL at site 'transformer.h.0.attn', out, step 0",
+        " FAIL at site 'transformer.h.1.attn', out, step 0",
+    ]
+    assert trainer.state.global_step == 1  # the failing step finished, then training stopped
+    (record,) = read_probe_log(tmp_path / "stop" / "probe.jsonl").records
+    assert record["step"] == 1 and record["summary"]["verdict"] == "fail"
+    first = next(f for f in record["summary"]["failures"] if not f.get("worst"))
+    repro = Path(first["repro"])
+    assert repro.parent == tmp_path / "stop" / "repro" and repro.is_file()
+    assert cli_main(["replay", str(repro)]) == 1  # the recorded primary fails again
+    with pytest.raises(ProbeFailureError, match="out, step 0"):
+        _train(
+            _gpt2(),
+            tmp_path / "raise",
+            [hf.AttentionProbeCallback(plot=False, primary="bug_batch_kv_mixup", on_failure="raise")],
+        )
+
+
+@needs_accelerate
+def test_a_resumed_run_continues_the_log_and_keeps_its_failures(tmp_path: Path) -> None:
+    old = {"site": "transformer.h.0.attn", "direction": "dq", "step": 1, "kind": "l2", "value": 40.0,
+           "reason": "x", "repro": None}  # fmt: skip
+    first = hf.AttentionProbeCallback(plot=False, backward=True)
+    first._restored_failures = [old]  # as if seen before: goes into the checkpoint's state
+    _train(_gpt2(), tmp_path, [first], save_steps=2, max_steps=4)  # restored failures: not warned again
+    assert [r["step"] for r in read_probe_log(tmp_path / "probe.jsonl").records] == [2, 4]
+    given = hf.AttentionProbeCallback(plot=False, backward=True)
+    trainer = _train(_gpt2(), tmp_path, [given], save_steps=2, max_steps=4, resume=tmp_path / "checkpoint-2")
+    # restore_callback_states_from_checkpoint: the Trainer rebuilt the callback from its state
+    (resumed,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, hf.AttentionProbeCallback)]
+    assert resumed is not given and resumed.last_logged_step == 4
+    records = read_probe_log(tmp_path / "probe.jsonl").records
+    assert [r["step"] for r in records] == [2, 4]  # step 4 of the first run dropped, written again
+    assert records[-1]["summary"]["verdict"] == "fail" and records[-1]["summary"]["failures"] == [old]
+    state = resumed.state()
+    assert state["args"]["backward"] is True and state["attributes"]["_restored_failures"] == [old]
+
+
+def test_trainer_callback_checks_its_arguments() -> None:
+    with pytest.raises(ValueError, match="on_failure='halt' must be"):
+        hf.AttentionProbeCallback(on_failure="halt")
+    with pytest.raises(ValueError, match="log_every_n_steps=0"):
+        hf.AttentionProbeCallback(log_every_n_steps=0)
+    with pytest.raises(ValueError, match="plain file name"):
+        hf.AttentionProbeCallback(filename="logs/probe.jsonl")
+
+
+def test_llama_with_probe_kernel_attention_is_probed() -> None:
+    from tests.probe.buggy_kernels import register_buggy_kernels
+
+    register_buggy_kernels()
+    hf.register_attention("probe_kernel", "tiled:block_q=4,block_k=4")
+    model = _llama("probe_kernel")
+    assert model.config._attn_implementation == "probe_kernel"
+    ids = _Tokens()[0]["input_ids"][None]
+    with probe(model, backward=True) as p:
+        out = model(input_ids=ids).logits
+        out.square().mean().backward()
+    assert p.sites == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    summary = p.summary()
+    assert summary["forward_calls"] == summary["backward_calls"] == 2
+    # The primary is the registered kernel (tiled, fp32): close to, not equal to, the math baseline.
+    assert 0 < summary["max_abs"]["primary_baseline"] < 1e-5
+    assert summary["verdict"] == "pass"
+    # A buggy registered kernel is what the probe judges.
+    hf.register_attention("probe_kernel", "bug_batch_kv_mixup")
+    batch = torch.cat([ids, ids.flip(1)])
+    with probe(model, on_failure="ignore") as p:
+        model(input_ids=batch)
+    assert p.summary(p.stats())["verdict"] == "fail"
+    hf.register_attention("probe_kernel", "tiled:block_q=4,block_k=4")
+    # A model's config can name its own kernel spec.
+    model.config.flashprobe_kernel = "bug_batch_kv_mixup"
+    with probe(model, on_failure="ignore") as p:
+        model(input_ids=batch)
+    assert p.summary(p.stats())["verdict"] == "fail"
+    del model.config.flashprobe_kernel
+    # Without a probe the kernel runs too, and gives what sdpa gives up to rounding (GQA, left padding).
+    mask = torch.ones(2, TOKENS, dtype=torch.long)
+    mask[0, :3] = 0
+    reference = _llama("sdpa")(input_ids=batch, attention_mask=mask).logits
+    torch.testing.assert_close(_llama("probe_kernel")(input_ids=batch, attention_mask=mask).logits, reference)
+
+
+@needs_accelerate
+def test_llama_with_probe_kernel_attention_trains_in_the_trainer(tmp_path: Path) -> None:
+    hf.register_attention("probe_kernel", "tiled:block_q=4,block_k=4")
+    plain = _train(_llama("probe_kernel"), tmp_path / "plain")
+    probed = _train(
+        _llama("probe_kernel"), tmp_path / "probed", [hf.AttentionProbeCallback(plot=False, backward=True)]
+    )
+    for a, b in zip(plain.model.parameters(), probed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    records = read_probe_log(tmp_path / "probed" / "probe.jsonl").records
+    assert [r["step"] for r in records] == [2, 4, 5]
+    assert all(set(r["sites"]) == {"model.layers.0.self_attn", "model.layers.1.self_attn"} for r in records)
+    assert all(r["summary"]["verdict"] == "pass" for r in records)
+
+
+def test_register_attention_refuses_names_transformers_reads() -> None:
+    with pytest.raises(ValueError, match="must be a new plain name"):
+        hf.register_attention("eager")
+    with pytest.raises(ValueError, match="would try to load flash-attn"):
+        hf.register_attention("flashprobe")
+
+
+def test_eager_attention_warns_at_attach_time() -> None:
+    model = _gpt2(attn="eager")
+    with pytest.warns(ProbeWarning, match="attn_implementation='eager'.*attn_implementation='sdpa'"):
+        p = probe(model)
+    p.detach()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ProbeWarning)
+        probe(_gpt2()).detach()  # sdpa: no warning
+
+
+@needs_accelerate
+def test_trainer_callback_on_an_eager_model_stops_with_the_fix(tmp_path: Path) -> None:
+    with (
+        pytest.warns(ProbeWarning, match="attn_implementation='eager'"),
+        pytest.raises(RuntimeError, match="attn_implementation='sdpa'"),
+    ):
+        _train(_gpt2(attn="eager"), tmp_path, [hf.AttentionProbeCallback(plot=False)])
+
+
+@pytest.mark.slow
+def test_flashprobe_attention_under_torch_compile_is_probed() -> None:
+    """Each call of the registered attention is a graph break under torch.compile: same sites and
+    outputs as in eager mode."""
+    hf.register_attention("probe_kernel", "tiled:block_q=4,block_k=4")
+    model = _llama("probe_kernel")
+    ids = _Tokens()[0]["input_ids"][None]
+    eager = model(input_ids=ids).logits
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")
+    with probe(model, backward=True) as p:
+        out = compiled(input_ids=ids).logits
+        out.square().mean().backward()
+    torch._dynamo.reset()
+    assert torch.equal(out, eager)
+    assert p.sites == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert p.summary()["backward_calls"] == 2
+
+
+def test_flashprobe_imports_without_transformers() -> None:
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "import flashprobe, flashprobe.probe, flashprobe.integrations\n"
+        "try:\n    import flashprobe.integrations.hf\nexcept ImportError:\n    pass\n"
+        "else:\n    raise SystemExit('flashprobe.integrations.hf imported without transformers')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
