@@ -77,3 +77,13 @@ def test_help_examples_compose(train_help: str, tmp_path: Path) -> None:
 def test_hydra_help_still_shows_hydras_flags(tmp_path: Path) -> None:
     text = _flashprobe("train", "--hydra-help", cwd=tmp_path)
     assert "== Flags ==" in text and "--cfg,-c" in text and "--multirun,-m" in text
+
+
+def test_version_names_flashprobe_and_torch(capsys) -> None:
+    from importlib.metadata import version
+
+    from flashprobe import __version__
+    from flashprobe.cli import main
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"flashprobe {__version__} (torch {version('torch')})"
