@@ -44,6 +44,7 @@ __all__ = [
     "replay",
     "reproducer_stem",
     "save_reproducer",
+    "shrink_reproducer",
 ]
 
 #: ``format`` in the metadata of every reproducer file.
@@ -281,3 +282,72 @@ def replay(
             "l2_error_ratio": {d: e["l2_error_ratio"] for d, e in directions.items()},
         }
     return results
+
+
+def _sliced(call: Reproducer, b: int, h: int, n_q: int, n_k: int) -> Reproducer:
+    """The call cut to its first ``b`` batch entries, ``h`` query heads (and their key/value heads),
+    ``n_q`` query rows and ``n_k`` keys (the mask and output gradient cut alike)."""
+    rep = call.q.shape[1] // max(call.k.shape[1], 1)
+    h_kv = max(1, h // rep)
+    mask = call.attn_mask
+    if mask is not None:
+        mask = mask[
+            : min(b, mask.shape[0]),
+            : min(h, mask.shape[1]),
+            : min(n_q, mask.shape[2]),
+            : min(n_k, mask.shape[3]),
+        ]
+    grad = None if call.grad_out is None else call.grad_out[:b, :h, :n_q]
+    return Reproducer(
+        q=call.q[:b, :h, :n_q],
+        k=call.k[:b, :h_kv, :n_k],
+        v=call.v[:b, :h_kv, :n_k],
+        attn_mask=mask,
+        grad_out=grad,
+        is_causal=call.is_causal,
+        scale=call.scale,
+        meta=dict(call.meta),
+    )
+
+
+def shrink_reproducer(
+    call: Reproducer, kernel: str, *, baseline: str | None = None, max_tries: int = 200
+) -> tuple[Reproducer, int]:
+    """The smallest prefix of the call (batch entries, query heads, query rows, keys) on which
+    ``kernel`` still fails the judge of :func:`replay`, by greedy halving then single steps.
+
+    A causal call keeps ``N_q == N_k`` when it had it (SDPA's top-left causal mask depends on both);
+    grouped heads shrink in whole groups. Returns the shrunk call and the number of replays tried.
+
+    Raises:
+        ValueError: the call does not fail with ``kernel`` to begin with.
+    """
+    tries = 1
+    if replay(call, [kernel], baseline=baseline)[kernel]["verdict"] != "fail":
+        raise ValueError(f"the saved call does not fail with {kernel!r}: nothing to shrink")
+    rep = call.q.shape[1] // max(call.k.shape[1], 1)
+    dims = {"b": call.q.shape[0], "h": call.q.shape[1], "n_q": call.q.shape[2], "n_k": call.k.shape[2]}
+    square = call.is_causal and dims["n_q"] == dims["n_k"]
+    best = call
+    changed = True
+    while changed and tries < max_tries:
+        changed = False
+        for name in ("b", "h", "n_q", "n_k"):
+            if square and name == "n_k":
+                continue
+            step = rep if name == "h" else 1
+            candidates = sorted(
+                {max(step, (dims[name] // 2) // step * step), dims[name] - step}, reverse=False
+            )
+            for size in candidates:
+                if size < step or size >= dims[name] or tries >= max_tries:
+                    continue
+                trial = {**dims, name: size}
+                if square and name == "n_q":
+                    trial["n_k"] = size
+                candidate = _sliced(call, trial["b"], trial["h"], trial["n_q"], trial["n_k"])
+                tries += 1
+                if replay(candidate, [kernel], baseline=baseline)[kernel]["verdict"] == "fail":
+                    dims, best, changed = trial, candidate, True
+                    break
+    return best, tries

@@ -205,3 +205,17 @@ def test_replay_refuses_what_is_not_a_reproducer(tmp_path: Path, capsys: pytest.
         cli_main(["replay", str(bad), "--kernel", "math"])
     assert info.value.code == 2
     assert "not a safetensors file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bug", ["dk_partial_tile", "batch_kv_mixup", "causal_off_by_one"])
+def test_a_reproducer_shrinks_to_a_smaller_failing_call(bug: str, bugs: None, tmp_path: Path) -> None:
+    from flashprobe.probe.repro import shrink_reproducer
+
+    p = train(f"bug_{bug}", repro_dir=tmp_path, on_failure="ignore")
+    call = load_reproducer(p.failures[0]["repro"])
+    small, tries = shrink_reproducer(call, f"bug_{bug}")
+    assert small.q.numel() < call.q.numel() and tries > 1
+    assert replay(small, [f"bug_{bug}"])[f"bug_{bug}"]["verdict"] == "fail"
+    assert replay(small, ["bug_none"])["bug_none"]["verdict"] == "pass"
+    if bug == "batch_kv_mixup":  # needs a second batch entry to fire: the shrinker keeps two
+        assert small.q.shape[0] == 2
