@@ -1,8 +1,10 @@
 """``flashprobe fuzz``: run adversarial edge cases against attention kernels and judge each one.
 
-Every case of :data:`~flashprobe.fuzz.cases.CATALOGUE` (and, with ``--budget N``, N random
-samples) runs against every kernel at every dtype, judged by the 2x rule
-(:mod:`flashprobe.fuzz.rule`). Every argument is checked before any case runs: bad usage exits 2
+Every case of the chosen profile (``--profile default``, the CI gate, or ``full``) of
+:data:`~flashprobe.fuzz.cases.CATALOGUE` (and, with ``--budget N``, N random samples) runs against
+every kernel at every dtype, judged by the 2x rule (:mod:`flashprobe.fuzz.rule`) on the output
+and, unless ``--no-backward``, on ``dq``, ``dk``, ``dv``. The run reports its coverage: which
+values of each axis it exercised. Every argument is checked before any case runs: bad usage exits 2
 with one message naming the argument and the fix. Prints the verdict grid, every failure, the
 skip/unsupported reasons one line per distinct reason, and, last, the files it wrote:
 ``fuzz.json`` (:func:`flashprobe.formats.write_json`), ``fuzz.md`` and the reproducers.
@@ -23,13 +25,15 @@ from typing import Any
 import torch
 
 from flashprobe.formats import OutputPathError, atomic_write_text, prepare_output_dir, write_json
-from flashprobe.fuzz.cases import FuzzCase, select_cases
+from flashprobe.fuzz.cases import PROFILES, FuzzCase, select_cases
 from flashprobe.fuzz.kernel_call import kernel_label
 from flashprobe.fuzz.rule import RULE
 from flashprobe.fuzz.run import FuzzResult, run_catalogue
 from flashprobe.fuzz.search import random_search
 from flashprobe.fuzz.tables import (
     catalogue_table,
+    coverage,
+    coverage_lines,
     markdown_table,
     reason_lines,
     summary_counts,
@@ -60,6 +64,8 @@ class _Plan:
     device: torch.device
     out_dir: Path
     verbose: bool
+    backward: bool
+    profile: str
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -86,6 +92,15 @@ def _parser() -> argparse.ArgumentParser:
         "--budget", type=int, default=0, metavar="N", help="random samples after the catalogue (default 0)"
     )
     p.add_argument("--no-catalogue", action="store_true", help="run only the random search")
+    p.add_argument(
+        "--profile",
+        default="default",
+        metavar="NAME",
+        help="cases to run: default (the CI gate) or full (adds 16k/32k keys and the shape sweep)",
+    )
+    p.add_argument(
+        "--no-backward", action="store_true", help="check outputs only, not the gradients dq, dk, dv"
+    )
     p.add_argument("--baseline", default="math", metavar="SPEC", help="same-dtype baseline (default math)")
     p.add_argument("--device", default="cpu", help="device to run on (default cpu)")
     p.add_argument(
@@ -125,10 +140,12 @@ def _dtypes(values: Sequence[str] | None) -> list[torch.dtype]:
 def _cases(args: argparse.Namespace) -> list[FuzzCase]:
     patterns = _listed(args.case, "--case", "'sentinel_*'")
     patterns += ["!" + p for p in _listed(args.exclude, "--exclude", "'gqa_*'")]
+    if args.profile not in PROFILES:
+        raise UsageError(f"--profile {args.profile}: unknown profile; use one of {', '.join(PROFILES)}")
     if args.no_catalogue:
         return []
     try:
-        return select_cases(patterns)
+        return select_cases(patterns, profile=args.profile)
     except ValueError as err:
         raise UsageError(f"--case/--exclude: {err}") from None
 
@@ -177,16 +194,30 @@ def _plan(args: argparse.Namespace) -> _Plan:
         out_dir = prepare_output_dir(args.out, flag="--out")
     except OutputPathError as err:
         raise UsageError(str(err)) from None
-    return _Plan(kernels, baseline, dtypes, cases, args.budget, args.seed, device, out_dir, args.verbose)
+    return _Plan(
+        kernels,
+        baseline,
+        dtypes,
+        cases,
+        args.budget,
+        args.seed,
+        device,
+        out_dir,
+        args.verbose,
+        not args.no_backward,
+        args.profile,
+    )
 
 
 def _print_results(plan: _Plan, results: list[FuzzResult], elapsed: float) -> None:
     catalogue = [r for r in results if r.params is None]
     randoms = [r for r in results if r.params is not None]
     names = ", ".join(dtype_name(d) for d in plan.dtypes)
+    grads = "with gradients" if plan.backward else "outputs only"
     print(
-        f"flashprobe fuzz: {len(plan.cases)} cases + {plan.budget} random × {len(plan.kernels)} kernels × "
-        f"{names} (seed {plan.seed}, baseline {plan.baseline}) in {elapsed:.1f} s\n"
+        f"flashprobe fuzz: {len(plan.cases)} cases ({plan.profile} profile) + {plan.budget} random × "
+        f"{len(plan.kernels)} kernels × {names}, {grads} (seed {plan.seed}, baseline {plan.baseline}) "
+        f"in {elapsed:.1f} s\n"
     )
     if catalogue:
         print(terminal_table(catalogue))
@@ -198,9 +229,12 @@ def _print_results(plan: _Plan, results: list[FuzzResult], elapsed: float) -> No
             print(f"{r.verdict.upper():<5} {r.kernel} | {r.case} | {r.dtype}: {r.reason}")
             if r.repro:
                 print(f"      shrunk reproducer: {r.repro} (run: python {Path(r.repro).with_suffix('.py')})")
-    if not plan.verbose and (lines := reason_lines(results)):
+    if not plan.verbose and (lines := reason_lines(results, ("skip", "unsupported", "no_backward"))):
         print("\nskipped / unsupported (count of kernel × case × dtype | cases | dtypes | kernels: reason):")
         print("\n".join(lines))
+    if cover := coverage(results):
+        print("\ncoverage (values exercised per axis):")
+        print("\n".join("  " + line for line in coverage_lines(cover)))
 
 
 def _payload(
@@ -216,9 +250,12 @@ def _payload(
         "kernels": plan.kernels,
         "cases": [c.name for c in plan.cases],
         "budget": plan.budget,
+        "profile": plan.profile,
+        "backward": plan.backward,
         "rule": RULE,
         **{k: round(v, 3) for k, v in timing.items()},
         "summary": summary_counts(results),
+        "coverage": coverage(results),
         "rows": [r.as_dict() for r in results],
     }
 
@@ -253,18 +290,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as err:
         print(f"flashprobe fuzz: {err}", file=sys.stderr)
         return 2
-    common = {"seed": plan.seed, "device": plan.device, "baseline": plan.baseline}
+    common = {"seed": plan.seed, "device": plan.device, "baseline": plan.baseline, "backward": plan.backward}
     start = time.perf_counter()
     results = run_catalogue(plan.kernels, plan.dtypes, cases=plan.cases, **common)
     catalogue_s = time.perf_counter() - start
-    results += random_search(plan.kernels, plan.dtypes, budget=plan.budget, out_dir=plan.out_dir, **common)
+    results += random_search(
+        plan.kernels, plan.dtypes, budget=plan.budget, out_dir=plan.out_dir, profile=plan.profile, **common
+    )
     elapsed = time.perf_counter() - start
     _print_results(plan, results, elapsed)
     timing = {"elapsed_s": elapsed, "catalogue_s": catalogue_s}
     written = _write(plan, _payload(plan, "flashprobe fuzz " + " ".join(argv), results, timing), results)
     summary = summary_counts(results)
+    no_backward = f", {summary['no_backward']} no_backward" if summary["no_backward"] else ""
     print(
         f"\n{summary['pass']} pass, {summary['fail']} fail, {summary['skip']} skip, "
-        f"{summary['unsupported']} unsupported; wrote {', '.join(str(p) for p in written)}"
+        f"{summary['unsupported']} unsupported{no_backward}; wrote {', '.join(str(p) for p in written)}"
     )
     return 1 if summary["fail"] else 0

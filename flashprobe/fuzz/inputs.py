@@ -85,6 +85,25 @@ class CaseInputs:
             valid = valid & keep
         return valid
 
+    def axes(self) -> dict[str, int | str]:
+        """Where this call lies on each axis the fuzzer covers: ``head_dim``, ``head_dim_v``,
+        ``n_q``, ``n_k``, ``batch_heads`` (B·H), ``gqa_ratio`` (H / H_kv), ``layout``, ``mask``
+        (``none``, ``causal``, ``bool``, ``additive``)."""
+        b, h, n_q, d = self.q.shape
+        mask = "causal" if self.is_causal else "none"
+        if self.attn_mask is not None:
+            mask = "bool" if self.attn_mask.dtype == torch.bool else "additive"
+        return {
+            "head_dim": d,
+            "head_dim_v": self.v.shape[-1],
+            "n_q": n_q,
+            "n_k": self.k.shape[2],
+            "batch_heads": b * h,
+            "gqa_ratio": h // max(self.k.shape[1], 1),
+            "layout": self.layout,
+            "mask": mask,
+        }
+
     def describe(self) -> str:
         """A one-line summary: ``B=2 H=2 Nq=16 Nk=203 D=64 mask=bool(2,1,1,203) scale=1``."""
         b, h, n_q, d = self.q.shape

@@ -81,6 +81,7 @@ class FuzzResult:
         gradients: per gradient (``dq``, ``dk``, ``dv``) its ``max_abs``, ``tolerance``,
             ``l2`` and ``l2_tolerance``; empty when not checked.
         layout: the inputs' memory layout (:data:`~flashprobe.fuzz.layouts.LAYOUTS`).
+        axes: where the inputs lie on each covered axis (:meth:`CaseInputs.axes`).
     """
 
     kernel: str
@@ -101,6 +102,7 @@ class FuzzResult:
     backward: str | None = None
     gradients: dict[str, dict[str, float | None]] = field(default_factory=dict)
     layout: str = "contiguous"
+    axes: dict[str, int | str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """The row as a dict (written with :func:`flashprobe.formats.write_json`)."""
@@ -140,6 +142,7 @@ def check_case(
         "baseline_golden_max_abs": refs.baseline_golden_max_abs,
         "baseline_nonfinite": refs.baseline_nonfinite,
         "layout": inputs.layout,
+        "axes": inputs.axes(),
     }
     if refs.skip:
         return FuzzResult(verdict="skip", reason=refs.skip, **common)
@@ -223,7 +226,13 @@ def _run_case(
     for kernel in labels:
         if (why := unavailable[kernel, dtype]) is not None:
             result = FuzzResult(
-                kernel=kernel, verdict="unsupported", reason=why, shape=inputs.describe(), **common
+                kernel=kernel,
+                verdict="unsupported",
+                reason=why,
+                shape=inputs.describe(),
+                layout=inputs.layout,
+                axes=inputs.axes(),
+                **common,
             )
         else:
             result = check_case(kernel, inputs, case=case.name, refs=refs)

@@ -4,7 +4,9 @@
 * :func:`markdown_table` — the same as Markdown (``fuzz.md``), each cell the verdicts per dtype;
 * :func:`catalogue_table` — the cases, what each probes and what the golden expects (``--list``);
 * :func:`reason_lines` — skip/unsupported reasons, one line per distinct reason with its count and
-  the cases, dtypes and kernels it applies to.
+  the cases, dtypes and kernels it applies to;
+* :func:`coverage` — which values of each axis (head dims, lengths, B·H, GQA ratios, layouts,
+  masks, dtypes, gradients) the run exercised.
 """
 
 from __future__ import annotations
@@ -16,9 +18,18 @@ from flashprobe.fuzz.cases import select_cases
 from flashprobe.fuzz.rule import VERDICTS
 from flashprobe.fuzz.run import FuzzResult
 
-__all__ = ["catalogue_table", "markdown_table", "reason_lines", "summary_counts", "terminal_table"]
+__all__ = [
+    "catalogue_table",
+    "coverage",
+    "coverage_lines",
+    "markdown_table",
+    "reason_lines",
+    "summary_counts",
+    "terminal_table",
+]
 
-_CELL = {"pass": "pass", "fail": "FAIL", "skip": "skip", "unsupported": "unsup"}
+_CELL = {"pass": "pass", "fail": "FAIL", "skip": "skip", "unsupported": "unsup", "no_backward": "nobwd"}
+_RAN = ("pass", "fail", "no_backward")
 
 
 def _unique(values: Iterable[str]) -> list[str]:
@@ -50,7 +61,13 @@ def markdown_table(results: Sequence[FuzzResult]) -> str:
     kernels = _unique(r.kernel for r in results)
     dtypes = _unique(r.dtype for r in results)
     verdict = {(r.case, r.kernel, r.dtype): r.verdict for r in results}
-    mark = {"pass": "pass", "fail": "**FAIL**", "skip": "skip", "unsupported": "unsup"}
+    mark = {
+        "pass": "pass",
+        "fail": "**FAIL**",
+        "skip": "skip",
+        "unsupported": "unsup",
+        "no_backward": "nobwd",
+    }
     lines = [
         f"| case ({' / '.join(dtypes)}) | " + " | ".join(f"`{k}`" for k in kernels) + " |",
         "| --- |" + " --- |" * len(kernels),
@@ -62,10 +79,42 @@ def markdown_table(results: Sequence[FuzzResult]) -> str:
 
 
 def catalogue_table() -> str:
-    """The catalogue as a Markdown table: case, what it probes, what the golden expects."""
-    lines = ["| case | what it probes | expected (FP64 golden) |", "| --- | --- | --- |"]
-    lines += [f"| `{c.name}` | {c.probes} | {c.expected} |" for c in select_cases()]
+    """The catalogue as a Markdown table: case, what it probes, what the golden expects, whether its
+    gradients are checked and its profiles."""
+    lines = [
+        "| case | what it probes | expected (FP64 golden) | gradients | profile |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| `{c.name}` | {c.probes} | {c.expected} | {'yes' if c.backward else 'no'} | "
+        f"{'default' if 'default' in c.profiles else 'full'} |"
+        for c in select_cases(profile="full")
+    ]
     return "\n".join(lines)
+
+
+def coverage(results: Sequence[FuzzResult]) -> dict[str, list[int | str]]:
+    """The values of each axis exercised: by the results a kernel ran on (pass, fail, no_backward).
+
+    Returns:
+        Axis → sorted distinct values: ``head_dim``, ``head_dim_v``, ``n_q``, ``n_k``,
+        ``batch_heads``, ``gqa_ratio``, ``layout``, ``mask`` (:meth:`CaseInputs.axes`), ``dtype``
+        and ``gradients`` (``checked`` where the gradients were judged, ``forward only``
+        elsewhere).
+    """
+    ran = [r for r in results if r.verdict in _RAN and r.axes]
+    axes: dict[str, set[int | str]] = {}
+    for r in ran:
+        for axis, value in r.axes.items():
+            axes.setdefault(axis, set()).add(value)
+        axes.setdefault("dtype", set()).add(r.dtype)
+        axes.setdefault("gradients", set()).add("checked" if r.gradients else "forward only")
+    return {axis: sorted(values, key=lambda x: (isinstance(x, str), x)) for axis, values in axes.items()}
+
+
+def coverage_lines(cover: dict[str, list[int | str]]) -> list[str]:
+    """One line per axis: ``n_k: 1, 45, 203, 8192 (4 values)``."""
+    return [f"{axis}: {_names([str(v) for v in values], 16)}" for axis, values in cover.items()]
 
 
 def summary_counts(results: Sequence[FuzzResult]) -> dict[str, int]:
