@@ -42,7 +42,7 @@ def _fused(*xs: torch.Tensor) -> list[torch.Tensor]:
 
 def _offset(x: torch.Tensor) -> torch.Tensor:
     """``x`` as a contiguous view starting ``_OFFSET`` elements into a larger buffer."""
-    buffer = torch.empty(x.numel() + 2 * _OFFSET, dtype=x.dtype, device=x.device)
+    buffer = torch.zeros(x.numel() + 2 * _OFFSET, dtype=x.dtype, device=x.device)
     view = buffer[_OFFSET : _OFFSET + x.numel()].view(x.shape)
     view.copy_(x)
     return view

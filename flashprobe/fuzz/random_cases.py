@@ -25,7 +25,7 @@ __all__ = ["MASK_KINDS", "MAX_KEYS", "MAX_SCORES", "RandomCaseSpec", "make_rando
 #: Most keys a random sample has, per profile (lengths are drawn log-uniformly up to it).
 MAX_KEYS = {"default": 8192, "full": 16384}
 #: Most scores ``B · H · N_q · N_k`` of one random sample (N_q is redrawn smaller beyond it).
-MAX_SCORES = 1 << 22
+MAX_SCORES = 1 << 20
 
 #: Mask kinds the random search samples, with their weights.
 MASK_KINDS: dict[str, float] = {
