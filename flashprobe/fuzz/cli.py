@@ -66,6 +66,7 @@ class _Plan:
     verbose: bool
     backward: bool
     profile: str
+    seeds: int
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -87,6 +88,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--case", action="append", metavar="PATTERN", help="glob of case names to run, repeatable")
     p.add_argument("--exclude", action="append", metavar="PATTERN", help="glob of case names to leave out")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs (default 0)")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the catalogue for N seeds from --seed on (a calibration: a correct kernel fails none)",
+    )
     p.add_argument("--out", default="out/fuzz", metavar="DIR", help="output directory (default out/fuzz)")
     p.add_argument(
         "--budget", type=int, default=0, metavar="N", help="random samples after the catalogue (default 0)"
@@ -187,6 +195,10 @@ def _plan(args: argparse.Namespace) -> _Plan:
     kernels = [_label(k, "--kernel") for k in args.kernel]
     baseline = _label(args.baseline, "--baseline")
     dtypes, cases = _dtypes(args.dtype), _cases(args)
+    if args.seeds < 1:
+        raise UsageError(
+            f"--seeds {args.seeds}: must be ≥ 1 (the catalogue runs for seeds --seed … --seed+N-1)"
+        )
     if args.budget < 0:
         raise UsageError(f"--budget {args.budget}: must be ≥ 0 (random samples; 0 runs only the catalogue)")
     device = _device(args.device)
@@ -206,6 +218,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
         args.verbose,
         not args.no_backward,
         args.profile,
+        args.seeds,
     )
 
 
@@ -214,9 +227,11 @@ def _print_results(plan: _Plan, results: list[FuzzResult], elapsed: float) -> No
     randoms = [r for r in results if r.params is not None]
     names = ", ".join(dtype_name(d) for d in plan.dtypes)
     grads = "with gradients" if plan.backward else "outputs only"
+    last = plan.seed + plan.seeds - 1
+    seeds = f"seed {plan.seed}" if plan.seeds == 1 else f"seeds {plan.seed}–{last}"
     print(
         f"flashprobe fuzz: {len(plan.cases)} cases ({plan.profile} profile) + {plan.budget} random × "
-        f"{len(plan.kernels)} kernels × {names}, {grads} (seed {plan.seed}, baseline {plan.baseline}) "
+        f"{len(plan.kernels)} kernels × {names}, {grads} ({seeds}, baseline {plan.baseline}) "
         f"in {elapsed:.1f} s\n"
     )
     if catalogue:
@@ -226,7 +241,8 @@ def _print_results(plan: _Plan, results: list[FuzzResult], elapsed: float) -> No
         print(f"random search: {plan.budget} samples, {failed} failing (kernel, sample) pairs")
     for r in results:
         if r.verdict == "fail" or plan.verbose:
-            print(f"{r.verdict.upper():<5} {r.kernel} | {r.case} | {r.dtype}: {r.reason}")
+            seed = f" | seed {r.seed}" if plan.seeds > 1 and r.seed is not None else ""
+            print(f"{r.verdict.upper():<5} {r.kernel} | {r.case} | {r.dtype}{seed}: {r.reason}")
             if r.repro:
                 print(f"      shrunk reproducer: {r.repro} (run: python {Path(r.repro).with_suffix('.py')})")
     if not plan.verbose and (lines := reason_lines(results, ("skip", "unsupported", "no_backward"))):
@@ -245,6 +261,7 @@ def _payload(
         "torch": torch.__version__,
         "device": str(plan.device),
         "seed": plan.seed,
+        "seeds": plan.seeds,
         "baseline": plan.baseline,
         "dtypes": [dtype_name(d) for d in plan.dtypes],
         "kernels": plan.kernels,
@@ -292,7 +309,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     common = {"seed": plan.seed, "device": plan.device, "baseline": plan.baseline, "backward": plan.backward}
     start = time.perf_counter()
-    results = run_catalogue(plan.kernels, plan.dtypes, cases=plan.cases, **common)
+    results = [
+        r
+        for seed in range(plan.seed, plan.seed + plan.seeds)
+        for r in run_catalogue(plan.kernels, plan.dtypes, cases=plan.cases, **{**common, "seed": seed})
+    ]
     catalogue_s = time.perf_counter() - start
     results += random_search(
         plan.kernels, plan.dtypes, budget=plan.budget, out_dir=plan.out_dir, profile=plan.profile, **common

@@ -7,13 +7,13 @@ inputs and ``baseline`` plain attention at the same dtype:
 
 beside an L2 rule: a value is wrong only when **both** fail,
 
-    ‖primary − golden‖₂ > 3 · ‖baseline − golden‖₂ + eps(dtype) · ‖golden‖₂
+    ‖primary − golden‖₂ > 4 · ‖baseline − golden‖₂ + eps(dtype) · ‖golden‖₂
 
-(in relative terms: ``rel_l2(primary) > 3 · rel_l2(baseline) + eps``).
+(in relative terms: ``rel_l2(primary) > 4 · rel_l2(baseline) + eps``).
 
 A max-over-max ratio of two small tensors is noisy (torch's own fp32 CPU flash backward exceeds
 2× the math baseline's max error in about 15 % of random 16-token calls); the L2 ratio averages
-over every element and is stable, while a real bug (a wrong row, a missing scale, a ignored tile)
+over every element and is stable, while a real bug (a wrong row, a missing scale, an ignored tile)
 moves both statistics by orders of magnitude. The gradients ``dq``, ``dk``, ``dv`` for a fixed
 random output gradient are judged by the same two rules (:class:`GradientReference`), their floor
 ``eps(dtype) · max|golden gradient|``.
@@ -60,12 +60,12 @@ VERDICTS = ("pass", "fail", "skip", "unsupported", "no_backward")
 #: The input gradients checked, in order.
 GRADIENTS = ("dq", "dk", "dv")
 #: Multiple of the baseline's relative L2 error the L2 rule allows.
-L2_FACTOR = 3.0
+L2_FACTOR = 4.0
 ZEROS_REASON = "row returned zeros where golden is non-zero: sentinel/underflow bug"
 #: The rule in words, as recorded in ``fuzz.json``.
 RULE = (
     "wrong values when both max|primary - golden| > 2 * max|baseline - golden| + eps(dtype) * max|v| "
-    "and ||primary - golden||_2 > 3 * ||baseline - golden||_2 + eps(dtype) * ||golden||_2; golden = "
+    "and ||primary - golden||_2 > 4 * ||baseline - golden||_2 + eps(dtype) * ||golden||_2; golden = "
     "fp64 from the cast inputs; baseline error = max over scale placements (q k^T) s and "
     "(q sqrt(s)) (k sqrt(s))^T (and, for gradients, the flash form of the backward); a non-finite "
     "baseline is replaced by the baseline on dtype-rounded logits; dq, dk, dv for a fixed random "

@@ -82,6 +82,7 @@ class FuzzResult:
             ``l2`` and ``l2_tolerance``; empty when not checked.
         layout: the inputs' memory layout (:data:`~flashprobe.fuzz.layouts.LAYOUTS`).
         axes: where the inputs lie on each covered axis (:meth:`CaseInputs.axes`).
+        seed: the seed of a catalogue case's inputs (``None`` for random samples and custom cases).
     """
 
     kernel: str
@@ -103,6 +104,7 @@ class FuzzResult:
     gradients: dict[str, dict[str, float | None]] = field(default_factory=dict)
     layout: str = "contiguous"
     axes: dict[str, int | str] = field(default_factory=dict)
+    seed: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The row as a dict (written with :func:`flashprobe.formats.write_json`)."""
@@ -221,7 +223,7 @@ def _run_case(
         inputs = case.make(dtype, case_generator(seed, case.name)).to(device)
         refs = references(inputs, baseline, backward=backward and case.backward)
     except UnrepresentableCaseError as err:
-        return [FuzzResult(kernel=k, verdict="skip", reason=str(err), **common) for k in labels]
+        return [FuzzResult(kernel=k, verdict="skip", reason=str(err), seed=seed, **common) for k in labels]
     results = []
     for kernel in labels:
         if (why := unavailable[kernel, dtype]) is not None:
@@ -237,7 +239,7 @@ def _run_case(
         else:
             result = check_case(kernel, inputs, case=case.name, refs=refs)
         log.debug("%s %s %s: %s", kernel, case.name, common["dtype"], result.verdict)
-        results.append(result)
+        results.append(replace(result, seed=seed))
     return results
 
 

@@ -30,6 +30,15 @@ __all__ = [
 
 _CELL = {"pass": "pass", "fail": "FAIL", "skip": "skip", "unsupported": "unsup", "no_backward": "nobwd"}
 _RAN = ("pass", "fail", "no_backward")
+#: which verdict a cell shows when several seeds gave different ones: the worst
+_WORST = ("fail", "no_backward", "pass", "skip", "unsupported")
+
+
+def _worst(cells: dict, key: tuple, verdict: str) -> None:
+    """Keep the worst verdict of ``key`` in ``cells`` (several seeds share one cell)."""
+    old = cells.get(key)
+    if old is None or _WORST.index(verdict) < _WORST.index(old):
+        cells[key] = verdict
 
 
 def _unique(values: Iterable[str]) -> list[str]:
@@ -37,7 +46,8 @@ def _unique(values: Iterable[str]) -> list[str]:
 
 
 def terminal_table(results: Sequence[FuzzResult]) -> str:
-    """One block per dtype: a row per case, a column per kernel, a verdict per cell."""
+    """One block per dtype: a row per case, a column per kernel, a verdict per cell (the worst
+    over seeds)."""
     kernels = _unique(r.kernel for r in results)
     widths = [max(len(k), 5) for k in kernels]
     lines: list[str] = []
@@ -45,7 +55,10 @@ def terminal_table(results: Sequence[FuzzResult]) -> str:
         rows = [r for r in results if r.dtype == dtype]
         cases = _unique(r.case for r in rows)
         width = max(len(c) for c in [*cases, dtype])
-        cell = {(r.case, r.kernel): _CELL[r.verdict] for r in rows}
+        worst: dict[tuple[str, str], str] = {}
+        for r in rows:
+            _worst(worst, (r.case, r.kernel), r.verdict)
+        cell = {key: _CELL[v] for key, v in worst.items()}
         lines.append(
             "  ".join([f"{dtype:<{width}}", *(f"{k:<{w}}" for k, w in zip(kernels, widths, strict=True))])
         )
@@ -57,10 +70,13 @@ def terminal_table(results: Sequence[FuzzResult]) -> str:
 
 
 def markdown_table(results: Sequence[FuzzResult]) -> str:
-    """A Markdown table: a row per case, a column per kernel, each cell the verdicts per dtype."""
+    """A Markdown table: a row per case, a column per kernel, each cell the verdicts per dtype (the
+    worst over seeds)."""
     kernels = _unique(r.kernel for r in results)
     dtypes = _unique(r.dtype for r in results)
-    verdict = {(r.case, r.kernel, r.dtype): r.verdict for r in results}
+    verdict: dict[tuple[str, str, str], str] = {}
+    for r in results:
+        _worst(verdict, (r.case, r.kernel, r.dtype), r.verdict)
     mark = {
         "pass": "pass",
         "fail": "**FAIL**",
