@@ -27,6 +27,7 @@ import torch
 from flashprobe.formats import OutputPathError, atomic_write_text, prepare_output_dir, write_json
 from flashprobe.fuzz.cases import PROFILES, FuzzCase, select_cases
 from flashprobe.fuzz.kernel_call import kernel_label
+from flashprobe.fuzz.layouts import LAYOUTS
 from flashprobe.fuzz.rule import RULE
 from flashprobe.fuzz.run import FuzzResult, run_catalogue
 from flashprobe.fuzz.search import random_search
@@ -67,6 +68,7 @@ class _Plan:
     backward: bool
     profile: str
     seeds: int
+    layouts: list[str]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -109,6 +111,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-backward", action="store_true", help="check outputs only, not the gradients dq, dk, dv"
     )
+    p.add_argument(
+        "--layout",
+        action="append",
+        metavar="LAYOUT",
+        help="run every case with its inputs in these layouts, repeatable or comma list, or 'all': "
+        f"{', '.join(LAYOUTS)} (default contiguous; the layout_* cases run in their own)",
+    )
     p.add_argument("--baseline", default="math", metavar="SPEC", help="same-dtype baseline (default math)")
     p.add_argument("--device", default="cpu", help="device to run on (default cpu)")
     p.add_argument(
@@ -143,6 +152,16 @@ def _dtypes(values: Sequence[str] | None) -> list[torch.dtype]:
         except ValueError:
             raise UsageError(f"--dtype {name}: unknown dtype; use one of {_DTYPE_CHOICES}") from None
     return dtypes
+
+
+def _layouts(values: Sequence[str] | None) -> list[str]:
+    names = _listed(values, "--layout", "bnhd,offset") or ["contiguous"]
+    if "all" in names:
+        return list(LAYOUTS)
+    for name in names:
+        if name not in LAYOUTS:
+            raise UsageError(f"--layout {name}: unknown layout; use one of {', '.join(LAYOUTS)} or all")
+    return list(dict.fromkeys(names))
 
 
 def _cases(args: argparse.Namespace) -> list[FuzzCase]:
@@ -219,6 +238,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
         not args.no_backward,
         args.profile,
         args.seeds,
+        _layouts(args.layout),
     )
 
 
@@ -242,7 +262,8 @@ def _print_results(plan: _Plan, results: list[FuzzResult], elapsed: float) -> No
     for r in results:
         if r.verdict == "fail" or plan.verbose:
             seed = f" | seed {r.seed}" if plan.seeds > 1 and r.seed is not None else ""
-            print(f"{r.verdict.upper():<5} {r.kernel} | {r.case} | {r.dtype}{seed}: {r.reason}")
+            layout = f" | {r.layout}" if r.layout != "contiguous" else ""
+            print(f"{r.verdict.upper():<5} {r.kernel} | {r.case} | {r.dtype}{layout}{seed}: {r.reason}")
             if r.repro:
                 print(f"      shrunk reproducer: {r.repro} (run: python {Path(r.repro).with_suffix('.py')})")
     if not plan.verbose and (lines := reason_lines(results, ("skip", "unsupported", "no_backward"))):
@@ -262,6 +283,7 @@ def _payload(
         "device": str(plan.device),
         "seed": plan.seed,
         "seeds": plan.seeds,
+        "layouts": plan.layouts,
         "baseline": plan.baseline,
         "dtypes": [dtype_name(d) for d in plan.dtypes],
         "kernels": plan.kernels,
@@ -312,7 +334,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = [
         r
         for seed in range(plan.seed, plan.seed + plan.seeds)
-        for r in run_catalogue(plan.kernels, plan.dtypes, cases=plan.cases, **{**common, "seed": seed})
+        for r in run_catalogue(
+            plan.kernels, plan.dtypes, cases=plan.cases, layouts=plan.layouts, **{**common, "seed": seed}
+        )
     ]
     catalogue_s = time.perf_counter() - start
     results += random_search(

@@ -216,14 +216,43 @@ def _run_case(
     device: torch.device,
     baseline: str | Kernel,
     backward: bool,
+    layouts: Sequence[str] = ("contiguous",),
 ) -> list[FuzzResult]:
-    """Every kernel on one case at one dtype, sharing golden and baseline."""
+    """Every kernel on one case at one dtype (in each of ``layouts``), sharing golden and baseline.
+
+    A case built in its own layout (``layout_*``) runs in that one only; ``expanded_kv`` changes
+    the values (every k/v head is the first), so it gets references of its own.
+    """
     common = {"case": case.name, "dtype": dtype_name(dtype)}
     try:
-        inputs = case.make(dtype, case_generator(seed, case.name)).to(device)
-        refs = references(inputs, baseline, backward=backward and case.backward)
+        base = case.make(dtype, case_generator(seed, case.name)).to(device)
+        refs = references(base, baseline, backward=backward and case.backward)
     except UnrepresentableCaseError as err:
         return [FuzzResult(kernel=k, verdict="skip", reason=str(err), seed=seed, **common) for k in labels]
+    results = []
+    for layout in layouts if base.layout == "contiguous" else (base.layout,):
+        inputs = base if layout == base.layout else base.with_layout(layout)
+        layout_refs = refs
+        if layout == "expanded_kv" and inputs is not base:
+            try:
+                layout_refs = references(inputs, baseline, backward=backward and case.backward)
+            except ValueError:  # a golden the expanded values do not allow: this layout is not posable
+                continue
+        results += _run_kernels(case, inputs, layout_refs, labels, unavailable, dtype, seed)
+    return results
+
+
+def _run_kernels(
+    case: FuzzCase,
+    inputs: CaseInputs,
+    refs: References,
+    labels: Sequence[str],
+    unavailable: dict[tuple[str, torch.dtype], str | None],
+    dtype: torch.dtype,
+    seed: int,
+) -> list[FuzzResult]:
+    """Every kernel on one case's inputs."""
+    common = {"case": case.name, "dtype": dtype_name(dtype)}
     results = []
     for kernel in labels:
         if (why := unavailable[kernel, dtype]) is not None:
@@ -252,11 +281,13 @@ def run_catalogue(
     device: str | torch.device = "cpu",
     baseline: str | Kernel = "math",
     backward: bool = True,
+    layouts: Sequence[str] = ("contiguous",),
 ) -> list[FuzzResult]:
-    """Run every case against every kernel at every dtype.
+    """Run every case against every kernel at every dtype, in every layout of ``layouts``.
 
     Golden and baseline are computed once per (case, dtype) and shared by the kernels. The inputs
-    of a case depend only on ``seed`` and the case's name. ``backward`` checks the gradients too.
+    of a case depend only on ``seed`` and the case's name. ``backward`` checks the gradients too;
+    ``layouts`` (:data:`~flashprobe.fuzz.layouts.LAYOUTS`) lays each case's inputs out so.
 
     Returns:
         One :class:`FuzzResult` per (case, dtype, kernel), in that order.
@@ -270,6 +301,14 @@ def run_catalogue(
         for case in (cases if cases is not None else select_cases())
         for dtype in resolved
         for result in _run_case(
-            case, dtype, labels, unavailable, seed=seed, device=device, baseline=baseline, backward=backward
+            case,
+            dtype,
+            labels,
+            unavailable,
+            seed=seed,
+            device=device,
+            baseline=baseline,
+            backward=backward,
+            layouts=layouts,
         )
     ]

@@ -12,6 +12,7 @@ import torch
 
 from flashprobe import register_kernel
 from flashprobe.fuzz import CATALOGUE, check_case, run_catalogue, select_cases
+from flashprobe.fuzz.layouts import LAYOUTS
 from flashprobe.kernels import unregister_kernel
 
 from ._helpers import case
@@ -110,3 +111,17 @@ def test_a_kernel_without_backward_is_reported_as_such_not_as_a_pass(register):
     # a wrong forward is still a failure
     bad = register("user_forward_only_bad", lambda q, k, v, **kw: forward_only(q, k, v, **kw) * 2)
     assert check_case(bad, case("odd_shapes")).verdict == "fail"
+
+
+def test_every_case_can_run_in_every_layout_and_a_strided_read_fails_each_strided_one():
+    cases = select_cases(["odd_shapes", "gqa_broadcast"])
+    results = run_catalogue(
+        ["explicit:bug=strided_read", "sdpa_math"], ["fp32"], cases=cases, layouts=LAYOUTS
+    )
+    verdict = {(r.kernel, r.case, r.layout): r.verdict for r in results}
+    assert {layout for _, _, layout in verdict} == set(LAYOUTS)
+    for name in ("odd_shapes", "gqa_broadcast"):
+        for layout in LAYOUTS:
+            assert verdict["sdpa_math", name, layout] == "pass"
+            strided = layout in ("bnhd", "fused_qkv", "expanded_kv")  # contiguous and offset views read right
+            assert verdict["explicit:bug=strided_read", name, layout] == ("fail" if strided else "pass")
