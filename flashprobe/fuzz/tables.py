@@ -71,12 +71,14 @@ def terminal_table(results: Sequence[FuzzResult]) -> str:
 
 def markdown_table(results: Sequence[FuzzResult]) -> str:
     """A Markdown table: a row per case, a column per kernel, each cell the verdicts per dtype (the
-    worst over seeds)."""
+    worst over seeds and layouts; a failure among several shows how many failed: ``**FAIL** 2/20``)."""
     kernels = _unique(r.kernel for r in results)
     dtypes = _unique(r.dtype for r in results)
     verdict: dict[tuple[str, str, str], str] = {}
+    runs: dict[tuple[str, str, str], list[str]] = {}
     for r in results:
         _worst(verdict, (r.case, r.kernel, r.dtype), r.verdict)
+        runs.setdefault((r.case, r.kernel, r.dtype), []).append(r.verdict)
     mark = {
         "pass": "pass",
         "fail": "**FAIL**",
@@ -84,12 +86,20 @@ def markdown_table(results: Sequence[FuzzResult]) -> str:
         "unsupported": "unsup",
         "no_backward": "nobwd",
     }
+
+    def cell(key: tuple[str, str, str]) -> str:
+        text = mark.get(verdict.get(key, ""), "-")
+        seen = runs.get(key, [])
+        if len(seen) > 1 and verdict.get(key) == "fail":
+            text += f" {seen.count('fail')}/{len(seen)}"
+        return text
+
     lines = [
         f"| case ({' / '.join(dtypes)}) | " + " | ".join(f"`{k}`" for k in kernels) + " |",
         "| --- |" + " --- |" * len(kernels),
     ]
     for case in _unique(r.case for r in results):
-        cells = [" / ".join(mark.get(verdict.get((case, k, d), ""), "-") for d in dtypes) for k in kernels]
+        cells = [" / ".join(cell((case, k, d)) for d in dtypes) for k in kernels]
         lines.append(f"| `{case}` | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -115,8 +125,8 @@ def coverage(results: Sequence[FuzzResult]) -> dict[str, list[int | str]]:
     Returns:
         Axis → sorted distinct values: ``head_dim``, ``head_dim_v``, ``n_q``, ``n_k``,
         ``batch_heads``, ``gqa_ratio``, ``layout``, ``mask`` (:meth:`CaseInputs.axes`), ``dtype``
-        and ``gradients`` (``checked`` where the gradients were judged, ``forward only``
-        elsewhere).
+        and ``gradients`` (``checked`` where the gradients were judged, ``forward only`` where an
+        output passed without them: ``--no-backward`` or a forward-only case).
     """
     ran = [r for r in results if r.verdict in _RAN and r.axes]
     axes: dict[str, set[int | str]] = {}
@@ -124,7 +134,10 @@ def coverage(results: Sequence[FuzzResult]) -> dict[str, list[int | str]]:
         for axis, value in r.axes.items():
             axes.setdefault(axis, set()).add(value)
         axes.setdefault("dtype", set()).add(r.dtype)
-        axes.setdefault("gradients", set()).add("checked" if r.gradients else "forward only")
+        if r.backward is not None:
+            axes.setdefault("gradients", set()).add("checked")
+        elif r.verdict == "pass":  # the output passed and its gradients were not asked for
+            axes.setdefault("gradients", set()).add("forward only")
     return {axis: sorted(values, key=lambda x: (isinstance(x, str), x)) for axis, values in axes.items()}
 
 
