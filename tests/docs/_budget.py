@@ -42,7 +42,7 @@ _BUDGETS: dict[str, tuple[str, ...]] = {
     "bench wasserstein": ("--sizes", "1000", "--repeats", "1"),
     "study": ("--runs", "flash,baseline", *HYDRA_TINY),
     "train": HYDRA_TINY,
-    "fuzz": (),
+    "fuzz": ("--seeds", "1", "--profile", "default"),
     "compare": (),
     "report": (),
     "kernels": (),
