@@ -11,7 +11,16 @@ import pytest
 import torch
 
 from flashprobe import register_kernel
-from flashprobe.fuzz import CATALOGUE, check_case, run_catalogue, select_cases
+from flashprobe.fuzz import (
+    CATALOGUE,
+    CaseInputs,
+    RandomCaseSpec,
+    check_case,
+    run_catalogue,
+    save_reproducer,
+    select_cases,
+    shrink,
+)
 from flashprobe.fuzz.layouts import LAYOUTS
 from flashprobe.kernels import unregister_kernel
 
@@ -125,3 +134,25 @@ def test_every_case_can_run_in_every_layout_and_a_strided_read_fails_each_stride
             assert verdict["sdpa_math", name, layout] == "pass"
             strided = layout in ("bnhd", "fused_qkv", "expanded_kv")  # contiguous and offset views read right
             assert verdict["explicit:bug=strided_read", name, layout] == ("fail" if strided else "pass")
+
+
+def test_a_gradient_failure_is_shrunk_and_saved_with_its_kind(tmp_path):
+    spec = RandomCaseSpec(
+        batch=2, heads=4, n_q=40, n_k=70, head_dim=24, mask="padding", logit_std=2.0, level=0.0,
+        scale=None, outliers=False, seed=3, kv_heads=2, layout="bnhd",
+    )  # fmt: skip
+    small, inputs, result = shrink("explicit:bug=dq_no_scale", spec, torch.float32, "dq:values")
+    assert result.verdict == "fail" and result.failure == "dq:values"
+    assert small.n_q * small.n_k * small.head_dim * small.batch * small.heads < 40 * 70 * 24 * 2 * 4
+    assert small.layout == "contiguous" and small.kv_heads == 0  # simplified along every axis
+    path = save_reproducer(
+        tmp_path, "grad", "explicit:bug=dq_no_scale", inputs, result, params=small.as_dict()
+    )
+    saved = torch.load(path, weights_only=True)
+    assert saved["backward"] is True and saved["layout"] == "contiguous"
+    again = CaseInputs(
+        q=saved["q"], k=saved["k"], v=saved["v"], attn_mask=saved["attn_mask"],
+        is_causal=saved["is_causal"], scale=saved["scale"],
+    ).with_layout(saved["layout"])  # fmt: skip
+    assert check_case("explicit:bug=dq_no_scale", again).failure == "dq:values"
+    assert check_case("explicit", again).verdict == "pass"
