@@ -16,6 +16,13 @@ and the baseline's noise floor is not made artificially small for them.
 Cases whose logits the dtype cannot hold (valid logits below −1e5 in fp16, whose max is 65504)
 raise :class:`~flashprobe.fuzz.inputs.UnrepresentableCaseError`; ``flashprobe fuzz`` reports them as
 ``skip``.
+
+Beside the adversarial values, the catalogue covers what kernels really get: one case per memory
+layout (``layout_*``, :mod:`~flashprobe.fuzz.layouts`), head dims past 128 (and v's head dim
+different from q's), ``N_k % 128 == 64``, 8192 keys, B·H = 1280, GQA and MQA. The ``full`` profile
+(:data:`PROFILES`) adds 16384 keys, decode against 32768 keys and a sweep of every head dim
+flash-attention tests with (N_q, N_k) pairs up to 2048. Every case checks the gradients too, except
+the three whose logits reach the dtype's range (``FuzzCase.backward``).
 """
 
 from __future__ import annotations
