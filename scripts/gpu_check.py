@@ -73,17 +73,38 @@ STEPS: tuple[Step, ...] = (
     Step(
         "fuzz_cuda_sdpa",
         (
-            "-m", "flashprobe.cli", "fuzz", "--device", "cuda", "--kernel", "sdpa_flash",
-            "--kernel", "sdpa_efficient", "--kernel", "sdpa_cudnn", "--kernel", "sdpa_math",
-            "--dtype", "bf16,fp16", "--out", "{out}",
+            "-m",
+            "flashprobe.cli",
+            "fuzz",
+            "--device",
+            "cuda",
+            "--kernel",
+            "sdpa_flash",
+            "--kernel",
+            "sdpa_efficient",
+            "--kernel",
+            "sdpa_cudnn",
+            "--kernel",
+            "sdpa_math",
+            "--dtype",
+            "bf16,fp16",
+            "--out",
+            "{out}",
         ),
         75,
     ),
     Step(
         "study_50_steps",
         (
-            "-m", "flashprobe.cli", "study", "--out", "{out}", "trainer=gpu", "trainer.max_steps=50",
-            "callbacks.weight_snapshot.every_n_steps=10", "trainer.log_every_n_steps=10",
+            "-m",
+            "flashprobe.cli",
+            "study",
+            "--out",
+            "{out}",
+            "trainer=gpu",
+            "trainer.max_steps=50",
+            "callbacks.weight_snapshot.every_n_steps=10",
+            "trainer.log_every_n_steps=10",
         ),
         95,
     ),
@@ -92,9 +113,7 @@ STEPS: tuple[Step, ...] = (
 
 def plan(out_dir: Path) -> list[str]:
     """The commands the check runs, one line each (what a machine without CUDA is shown)."""
-    return [
-        f"{s.name} (<= {s.limit_s} s): {shlex.join(s.command(out_dir / s.name))}" for s in STEPS
-    ]
+    return [f"{s.name} (<= {s.limit_s} s): {shlex.join(s.command(out_dir / s.name))}" for s in STEPS]
 
 
 def _read_json(path: Path) -> Any:

@@ -1,10 +1,17 @@
-"""Edge-case fuzzing of attention kernels: the catalogue, the 2x rule, random search, reproducers.
+"""Edge-case fuzzing of attention kernels: the catalogue, the rule, random search, reproducers.
+
+Outputs and gradients (``dq``, ``dk``, ``dv``), in every memory layout, at the shapes of
+long-context training.
 
 * :mod:`~flashprobe.fuzz.inputs` — :class:`CaseInputs`, one attention call in the dtype under test;
-* :mod:`~flashprobe.fuzz.cases` — the catalogue of adversarial cases (:data:`CATALOGUE`);
+* :mod:`~flashprobe.fuzz.layouts` — the memory layouts a case's inputs can take (:data:`LAYOUTS`);
+* :mod:`~flashprobe.fuzz.cases` — the catalogue of adversarial cases (:data:`CATALOGUE`, profiles);
 * :mod:`~flashprobe.fuzz.random_cases` — the random family sampled by ``--budget``;
-* :mod:`~flashprobe.fuzz.rule` — the 2x rule: :class:`Verdict`, :func:`judge`, :func:`check_output`;
-* :mod:`~flashprobe.fuzz.references` — golden, baseline noise and floor of a case;
+* :mod:`~flashprobe.fuzz.rule` — the rule: :class:`Verdict`, :func:`judge`, :func:`judge_gradients`,
+  :func:`check_output`;
+* :mod:`~flashprobe.fuzz.references` — golden, baseline noise and floor of a case, and of its
+  gradients;
+* :mod:`~flashprobe.fuzz.flash_form` — the baseline's flash-form backward (a noise form);
 * :mod:`~flashprobe.fuzz.kernel_call` — calling a kernel on copies of a case's inputs;
 * :mod:`~flashprobe.fuzz.run` — :class:`FuzzResult`, :func:`check_case`, :func:`run_catalogue`;
 * :mod:`~flashprobe.fuzz.search` — :func:`random_search` and :func:`shrink`;
@@ -13,20 +20,34 @@
 * :mod:`~flashprobe.fuzz.cli` — the ``flashprobe fuzz`` command.
 """
 
-from flashprobe.fuzz.cases import CATALOGUE, SENTINELS, FuzzCase, case_generator, exact_logit_qk, select_cases
+from flashprobe.fuzz.cases import (
+    CATALOGUE,
+    PROFILES,
+    SENTINELS,
+    FuzzCase,
+    case_generator,
+    exact_logit_qk,
+    select_cases,
+)
+from flashprobe.fuzz.flash_form import flash_form_attention
 from flashprobe.fuzz.inputs import CaseInputs, UnrepresentableCaseError
 from flashprobe.fuzz.kernel_call import KernelCall, call_kernel, kernel_label
+from flashprobe.fuzz.layouts import LAYOUTS, apply_layout
 from flashprobe.fuzz.random_cases import MASK_KINDS, RandomCaseSpec, make_random_case, sample_random_spec
-from flashprobe.fuzz.references import references
+from flashprobe.fuzz.references import grad_output, gradient_references, references
 from flashprobe.fuzz.reproducer import save_reproducer
 from flashprobe.fuzz.rule import (
+    GRADIENTS,
+    L2_FACTOR,
     RULE,
     VERDICTS,
     ZEROS_REASON,
+    GradientReference,
     References,
     Verdict,
     check_output,
     judge,
+    judge_gradients,
     rounding_floor,
     value_floor,
 )
@@ -34,6 +55,7 @@ from flashprobe.fuzz.run import FuzzResult, check_case, run_catalogue
 from flashprobe.fuzz.search import random_search, shrink
 from flashprobe.fuzz.tables import (
     catalogue_table,
+    coverage,
     markdown_table,
     reason_lines,
     summary_counts,
@@ -42,7 +64,11 @@ from flashprobe.fuzz.tables import (
 
 __all__ = [
     "CATALOGUE",
+    "GRADIENTS",
+    "L2_FACTOR",
+    "LAYOUTS",
     "MASK_KINDS",
+    "PROFILES",
     "RULE",
     "SENTINELS",
     "VERDICTS",
@@ -50,18 +76,25 @@ __all__ = [
     "CaseInputs",
     "FuzzCase",
     "FuzzResult",
+    "GradientReference",
     "KernelCall",
     "RandomCaseSpec",
     "References",
     "UnrepresentableCaseError",
     "Verdict",
+    "apply_layout",
     "call_kernel",
     "case_generator",
     "catalogue_table",
     "check_case",
     "check_output",
+    "coverage",
     "exact_logit_qk",
+    "flash_form_attention",
+    "grad_output",
+    "gradient_references",
     "judge",
+    "judge_gradients",
     "kernel_label",
     "make_random_case",
     "markdown_table",

@@ -16,6 +16,13 @@ and the baseline's noise floor is not made artificially small for them.
 Cases whose logits the dtype cannot hold (valid logits below −1e5 in fp16, whose max is 65504)
 raise :class:`~flashprobe.fuzz.inputs.UnrepresentableCaseError`; ``flashprobe fuzz`` reports them as
 ``skip``.
+
+Beside the adversarial values, the catalogue covers what kernels really get: one case per memory
+layout (``layout_*``, :mod:`~flashprobe.fuzz.layouts`), head dims past 128 (and v's head dim
+different from q's), ``N_k % 128 == 64``, 8192 keys, B·H = 1280, GQA and MQA. The ``full`` profile
+(:data:`PROFILES`) adds 16384 keys, decode against 32768 keys and a sweep of every head dim
+flash-attention tests with (N_q, N_k) pairs up to 2048. Every case checks the gradients too, except
+the three whose logits reach the dtype's range (``FuzzCase.backward``).
 """
 
 from __future__ import annotations
@@ -41,7 +48,20 @@ from flashprobe.fuzz._tensors import (
 from flashprobe.fuzz.inputs import CaseInputs, UnrepresentableCaseError
 from flashprobe.kernels import default_scale, dtype_name
 
-__all__ = ["CATALOGUE", "SENTINELS", "FuzzCase", "case_generator", "exact_logit_qk", "select_cases"]
+__all__ = [
+    "CATALOGUE",
+    "PROFILES",
+    "SENTINELS",
+    "FuzzCase",
+    "case_generator",
+    "exact_logit_qk",
+    "select_cases",
+]
+
+#: The profiles: ``default`` is what a CI gate can afford (≤ 90 s for one kernel at bf16, fp16 and
+#: fp32 with gradients on a 2-core CPU); ``full`` adds the long-context cases (16k keys, decode
+#: against 32k keys), every head dim flash-attention tests and the (N_q, N_k) pairs up to 2048.
+PROFILES = ("default", "full")
 
 
 def case_generator(seed: int, name: str) -> torch.Generator:
@@ -59,12 +79,19 @@ class FuzzCase:
         expected: the semantics the FP64 golden gives, one line.
         make: ``make(dtype, generator) -> CaseInputs``; raises :class:`UnrepresentableCaseError`
             when the case cannot be posed in ``dtype``.
+        backward: its gradients are checked too; ``False`` for the cases whose logits reach the
+            dtype's range (the softmax is saturated there and every gradient is the cancellation of
+            terms near ``finfo.max``: no baseline form judges it).
+        profiles: the profiles that run it (:data:`PROFILES`): ``default`` (the CI gate) and
+            ``full``, which runs every case.
     """
 
     name: str
     probes: str
     expected: str
     make: Callable[[torch.dtype, torch.Generator], CaseInputs]
+    backward: bool = True
+    profiles: tuple[str, ...] = ("default", "full")
 
     def build(self, dtype: torch.dtype, *, seed: int = 0) -> CaseInputs:
         """The case's inputs in ``dtype`` for ``seed`` (:func:`case_generator`), on the CPU.
@@ -159,6 +186,7 @@ def _sentinel_case(key: str) -> FuzzCase:
         "one batch decode-like (no masked key), one padded",
         "the exact softmax over the valid keys: neither zeros nor the masked keys' values",
         make,
+        backward=key != "halfmax",
     )
 
 
@@ -309,6 +337,130 @@ def _gqa_broadcast(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
 
 _SOFTMAX = "the exact softmax"
 
+
+def _dense_case(
+    b: int,
+    h: int,
+    n_q: int,
+    n_k: int,
+    d: int,
+    *,
+    d_v: int | None = None,
+    h_kv: int | None = None,
+    causal: bool = False,
+    lengths: list[int] | None = None,
+    layout: str = "contiguous",
+) -> Callable[[torch.dtype, torch.Generator], CaseInputs]:
+    """A generator of standard normal inputs of one shape (``lengths``: a key-padding mask)."""
+
+    def make(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+        kv = h if h_kv is None else h_kv
+        q = randn(gen, b, h, n_q, d).to(dtype)
+        k = randn(gen, b, kv, n_k, d).to(dtype)
+        v = randn(gen, b, kv, n_k, d if d_v is None else d_v).to(dtype)
+        mask = None if lengths is None else padding_mask(lengths, n_k)
+        inputs = CaseInputs(q=q, k=k, v=v, attn_mask=mask, is_causal=causal)
+        return inputs.with_layout(layout)
+
+    return make
+
+
+#: head dims flash-attention's tests use; those of the default profile, the rest in ``full``
+HEAD_DIMS = (32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256)
+_DEFAULT_HEAD_DIMS = (160, 192, 224, 256)
+#: (N_q, N_k) pairs of the full profile's shape sweep: odd sizes, N_q ≠ N_k both ways, up to 2048
+SHAPE_PAIRS = ((113, 203), (203, 113), (1, 2048), (2047, 1023), (257, 2048), (2048, 2048))
+_FULL = ("full",)
+
+
+def _shape_cases() -> list[FuzzCase]:
+    """Layouts, head dims to 256, N_k % 128 == 64, long context, large grids, GQA/MQA."""
+    cases = [
+        FuzzCase(
+            f"layout_{layout}",
+            f"inputs as {_LAYOUT_TEXT[layout]}; causal, B=2 H=3 N=77 D=40",
+            "the same answer as for contiguous inputs",
+            _dense_case(2, 3, 77, 77, 40, causal=True, layout=layout),
+        )
+        for layout in _LAYOUT_TEXT
+    ]
+    cases += [
+        FuzzCase(
+            f"head_dim_{d}",
+            f"head dim {d} > 128 (channels past 128 must count), N_q=33, N_k=77",
+            _SOFTMAX,
+            _dense_case(1, 2, 33, 77, d),
+        )
+        for d in _DEFAULT_HEAD_DIMS
+    ]
+    cases += [
+        FuzzCase(
+            "head_dim_qk192_v128",
+            "q, k head dim 192, v head dim 128 (as DeepSeek's MLA); padded",
+            f"{_SOFTMAX} (unsupported where the kernel needs D_v = D)",
+            _dense_case(2, 2, 45, 131, 192, d_v=128, lengths=[131, 70]),
+        ),
+        FuzzCase(
+            "keys_mod128_64",
+            "N_k=320 (N_k % 128 == 64: a half tile at the end), N_q=61",
+            _SOFTMAX,
+            _dense_case(1, 2, 61, 320, 64),
+        ),
+        FuzzCase(
+            "long_context_8k",
+            "N_k=8192 keys (past 4096), N_q=32, D=16, padded lengths 8192, 5000",
+            f"{_SOFTMAX}; the golden in bounded memory",
+            _dense_case(2, 1, 32, 8192, 16, lengths=[8192, 5000]),
+        ),
+        FuzzCase(
+            "large_grid",
+            "B·H = 1280 (B=8, H=160): heads past a launch-grid limit of 1024",
+            _SOFTMAX,
+            _dense_case(8, 160, 16, 16, 16, causal=True),
+        ),
+        FuzzCase(
+            "mqa",
+            "multi-query attention: 6 query heads share 1 k/v head, padded",
+            "attention with the k/v head repeated for every query head (unsupported if rejected)",
+            _dense_case(2, 6, 45, 203, 64, h_kv=1, lengths=[203, 100]),
+        ),
+        FuzzCase(
+            "long_context_16k",
+            "N_k=16384 keys, N_q=1024, D=64 (full profile)",
+            f"{_SOFTMAX}; the golden in bounded memory",
+            _dense_case(1, 1, 1024, 16384, 64),
+            profiles=_FULL,
+        ),
+        FuzzCase(
+            "decode_32k",
+            "decode: N_q=1 against 32768 keys, H=2, D=128, padded (full profile)",
+            f"{_SOFTMAX}; the golden in bounded memory",
+            _dense_case(2, 2, 1, 32768, 128, lengths=[32768, 20000]),
+            profiles=_FULL,
+        ),
+    ]
+    for i, d in enumerate(HEAD_DIMS):
+        n_q, n_k = SHAPE_PAIRS[i % len(SHAPE_PAIRS)]
+        cases.append(
+            FuzzCase(
+                f"shape_d{d}_{n_q}x{n_k}",
+                f"head dim {d}, N_q={n_q}, N_k={n_k}, causal (full profile)",
+                _SOFTMAX,
+                _dense_case(1, 1, n_q, n_k, d, causal=True),
+                profiles=_FULL,
+            )
+        )
+    return cases
+
+
+_LAYOUT_TEXT = {
+    "bnhd": "transposed views of (B, N, H, D) projections",
+    "fused_qkv": "slices of one fused (B, N, 3, H, D) qkv projection",
+    "expanded_kv": "k, v of one head expanded with stride 0 to every batch entry and head",
+    "offset": "views at a non-zero storage offset",
+}
+
+
 #: Every case, by name, in the order ``flashprobe fuzz`` runs them.
 CATALOGUE: dict[str, FuzzCase] = {
     c.name: c
@@ -319,12 +471,14 @@ CATALOGUE: dict[str, FuzzCase] = {
             "logits up to ±finfo.max/4: huge equal positives, log-uniform magnitudes, huge negatives",
             f"{_SOFTMAX}; a kernel must subtract the row max before exp()",
             _large_logits,
+            backward=False,
         ),
         FuzzCase(
             "qk_overflow",
             "dense q, k without QK-norm: q·kᵀ reaches 4 × 65504 (overflows fp16), scaled logits fit",
             f"{_SOFTMAX} of finite logits (fp16 kernels must not form q·kᵀ unscaled in fp16)",
             _qk_overflow,
+            backward=False,
         ),
         FuzzCase(
             "scale_tiny",
@@ -429,18 +583,23 @@ CATALOGUE: dict[str, FuzzCase] = {
             "attention with each k/v head repeated for its 4 query heads (unsupported if rejected)",
             _gqa_broadcast,
         ),
+        *_shape_cases(),
     ]
 }
 
 
-def select_cases(patterns: Iterable[str] | None = None) -> list[FuzzCase]:
-    """The catalogue cases matching any of the glob ``patterns`` (all when none are given).
+def select_cases(patterns: Iterable[str] | None = None, *, profile: str = "default") -> list[FuzzCase]:
+    """The catalogue cases of ``profile`` matching any of the glob ``patterns`` (all when none).
 
     A pattern starting with ``-`` or ``!`` removes the cases it matches, e.g. ``["*", "-gqa_*"]``.
+    A case named exactly by a pattern runs whatever its profile.
 
     Raises:
-        ValueError: a positive pattern matches no case; the message lists the case names.
+        ValueError: a positive pattern matches no case, or an unknown profile; the message lists
+            the case names (or profiles).
     """
+    if profile not in PROFILES:
+        raise ValueError(f"profile {profile!r} must be one of {', '.join(PROFILES)}")
     patterns = [p for p in (patterns or []) if p]
     include = [p for p in patterns if not p.startswith(("-", "!"))] or ["*"]
     exclude = [p[1:] for p in patterns if p.startswith(("-", "!"))]
@@ -450,6 +609,7 @@ def select_cases(patterns: Iterable[str] | None = None) -> list[FuzzCase]:
     return [
         case
         for name, case in CATALOGUE.items()
-        if any(fnmatch.fnmatchcase(name, p) for p in include)
+        if (profile in case.profiles or name in include)
+        and any(fnmatch.fnmatchcase(name, p) for p in include)
         and not any(fnmatch.fnmatchcase(name, p) for p in exclude)
     ]

@@ -1,8 +1,10 @@
 """``flashprobe fuzz``: run adversarial edge cases against attention kernels and judge each one.
 
-Every case of :data:`~flashprobe.fuzz.cases.CATALOGUE` (and, with ``--budget N``, N random
-samples) runs against every kernel at every dtype, judged by the 2x rule
-(:mod:`flashprobe.fuzz.rule`). Every argument is checked before any case runs: bad usage exits 2
+Every case of the chosen profile (``--profile default``, the CI gate, or ``full``) of
+:data:`~flashprobe.fuzz.cases.CATALOGUE` (and, with ``--budget N``, N random samples) runs against
+every kernel at every dtype, judged by the 2x rule (:mod:`flashprobe.fuzz.rule`) on the output
+and, unless ``--no-backward``, on ``dq``, ``dk``, ``dv``. The run reports its coverage: which
+values of each axis it exercised. Every argument is checked before any case runs: bad usage exits 2
 with one message naming the argument and the fix. Prints the verdict grid, every failure, the
 skip/unsupported reasons one line per distinct reason, and, last, the files it wrote:
 ``fuzz.json`` (:func:`flashprobe.formats.write_json`), ``fuzz.md`` and the reproducers.
@@ -23,13 +25,16 @@ from typing import Any
 import torch
 
 from flashprobe.formats import OutputPathError, atomic_write_text, prepare_output_dir, write_json
-from flashprobe.fuzz.cases import FuzzCase, select_cases
+from flashprobe.fuzz.cases import PROFILES, FuzzCase, select_cases
 from flashprobe.fuzz.kernel_call import kernel_label
+from flashprobe.fuzz.layouts import LAYOUTS
 from flashprobe.fuzz.rule import RULE
 from flashprobe.fuzz.run import FuzzResult, run_catalogue
 from flashprobe.fuzz.search import random_search
 from flashprobe.fuzz.tables import (
     catalogue_table,
+    coverage,
+    coverage_lines,
     markdown_table,
     reason_lines,
     summary_counts,
@@ -60,6 +65,10 @@ class _Plan:
     device: torch.device
     out_dir: Path
     verbose: bool
+    backward: bool
+    profile: str
+    seeds: int
+    layouts: list[str]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -81,11 +90,34 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--case", action="append", metavar="PATTERN", help="glob of case names to run, repeatable")
     p.add_argument("--exclude", action="append", metavar="PATTERN", help="glob of case names to leave out")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs (default 0)")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the catalogue for N seeds from --seed on (a calibration: a correct kernel fails none)",
+    )
     p.add_argument("--out", default="out/fuzz", metavar="DIR", help="output directory (default out/fuzz)")
     p.add_argument(
         "--budget", type=int, default=0, metavar="N", help="random samples after the catalogue (default 0)"
     )
     p.add_argument("--no-catalogue", action="store_true", help="run only the random search")
+    p.add_argument(
+        "--profile",
+        default="default",
+        metavar="NAME",
+        help="cases to run: default (the CI gate) or full (adds 16k/32k keys and the shape sweep)",
+    )
+    p.add_argument(
+        "--no-backward", action="store_true", help="check outputs only, not the gradients dq, dk, dv"
+    )
+    p.add_argument(
+        "--layout",
+        action="append",
+        metavar="LAYOUT",
+        help="run every case with its inputs in these layouts, repeatable or comma list, or 'all': "
+        f"{', '.join(LAYOUTS)} (default contiguous; the layout_* cases run in their own)",
+    )
     p.add_argument("--baseline", default="math", metavar="SPEC", help="same-dtype baseline (default math)")
     p.add_argument("--device", default="cpu", help="device to run on (default cpu)")
     p.add_argument(
@@ -122,13 +154,25 @@ def _dtypes(values: Sequence[str] | None) -> list[torch.dtype]:
     return dtypes
 
 
+def _layouts(values: Sequence[str] | None) -> list[str]:
+    names = _listed(values, "--layout", "bnhd,offset") or ["contiguous"]
+    if "all" in names:
+        return list(LAYOUTS)
+    for name in names:
+        if name not in LAYOUTS:
+            raise UsageError(f"--layout {name}: unknown layout; use one of {', '.join(LAYOUTS)} or all")
+    return list(dict.fromkeys(names))
+
+
 def _cases(args: argparse.Namespace) -> list[FuzzCase]:
     patterns = _listed(args.case, "--case", "'sentinel_*'")
     patterns += ["!" + p for p in _listed(args.exclude, "--exclude", "'gqa_*'")]
+    if args.profile not in PROFILES:
+        raise UsageError(f"--profile {args.profile}: unknown profile; use one of {', '.join(PROFILES)}")
     if args.no_catalogue:
         return []
     try:
-        return select_cases(patterns)
+        return select_cases(patterns, profile=args.profile)
     except ValueError as err:
         raise UsageError(f"--case/--exclude: {err}") from None
 
@@ -170,6 +214,10 @@ def _plan(args: argparse.Namespace) -> _Plan:
     kernels = [_label(k, "--kernel") for k in args.kernel]
     baseline = _label(args.baseline, "--baseline")
     dtypes, cases = _dtypes(args.dtype), _cases(args)
+    if args.seeds < 1:
+        raise UsageError(
+            f"--seeds {args.seeds}: must be ≥ 1 (the catalogue runs for seeds --seed … --seed+N-1)"
+        )
     if args.budget < 0:
         raise UsageError(f"--budget {args.budget}: must be ≥ 0 (random samples; 0 runs only the catalogue)")
     device = _device(args.device)
@@ -177,16 +225,34 @@ def _plan(args: argparse.Namespace) -> _Plan:
         out_dir = prepare_output_dir(args.out, flag="--out")
     except OutputPathError as err:
         raise UsageError(str(err)) from None
-    return _Plan(kernels, baseline, dtypes, cases, args.budget, args.seed, device, out_dir, args.verbose)
+    return _Plan(
+        kernels,
+        baseline,
+        dtypes,
+        cases,
+        args.budget,
+        args.seed,
+        device,
+        out_dir,
+        args.verbose,
+        not args.no_backward,
+        args.profile,
+        args.seeds,
+        _layouts(args.layout),
+    )
 
 
 def _print_results(plan: _Plan, results: list[FuzzResult], elapsed: float) -> None:
     catalogue = [r for r in results if r.params is None]
     randoms = [r for r in results if r.params is not None]
     names = ", ".join(dtype_name(d) for d in plan.dtypes)
+    grads = "with gradients" if plan.backward else "outputs only"
+    last = plan.seed + plan.seeds - 1
+    seeds = f"seed {plan.seed}" if plan.seeds == 1 else f"seeds {plan.seed}–{last}"
     print(
-        f"flashprobe fuzz: {len(plan.cases)} cases + {plan.budget} random × {len(plan.kernels)} kernels × "
-        f"{names} (seed {plan.seed}, baseline {plan.baseline}) in {elapsed:.1f} s\n"
+        f"flashprobe fuzz: {len(plan.cases)} cases ({plan.profile} profile) + {plan.budget} random × "
+        f"{len(plan.kernels)} kernels × {names}, {grads} ({seeds}, baseline {plan.baseline}) "
+        f"in {elapsed:.1f} s\n"
     )
     if catalogue:
         print(terminal_table(catalogue))
@@ -195,12 +261,17 @@ def _print_results(plan: _Plan, results: list[FuzzResult], elapsed: float) -> No
         print(f"random search: {plan.budget} samples, {failed} failing (kernel, sample) pairs")
     for r in results:
         if r.verdict == "fail" or plan.verbose:
-            print(f"{r.verdict.upper():<5} {r.kernel} | {r.case} | {r.dtype}: {r.reason}")
+            seed = f" | seed {r.seed}" if plan.seeds > 1 and r.seed is not None else ""
+            layout = f" | {r.layout}" if r.layout != "contiguous" else ""
+            print(f"{r.verdict.upper():<5} {r.kernel} | {r.case} | {r.dtype}{layout}{seed}: {r.reason}")
             if r.repro:
                 print(f"      shrunk reproducer: {r.repro} (run: python {Path(r.repro).with_suffix('.py')})")
-    if not plan.verbose and (lines := reason_lines(results)):
+    if not plan.verbose and (lines := reason_lines(results, ("skip", "unsupported", "no_backward"))):
         print("\nskipped / unsupported (count of kernel × case × dtype | cases | dtypes | kernels: reason):")
         print("\n".join(lines))
+    if cover := coverage(results):
+        print("\ncoverage (values exercised per axis):")
+        print("\n".join("  " + line for line in coverage_lines(cover)))
 
 
 def _payload(
@@ -211,14 +282,19 @@ def _payload(
         "torch": torch.__version__,
         "device": str(plan.device),
         "seed": plan.seed,
+        "seeds": plan.seeds,
+        "layouts": plan.layouts,
         "baseline": plan.baseline,
         "dtypes": [dtype_name(d) for d in plan.dtypes],
         "kernels": plan.kernels,
         "cases": [c.name for c in plan.cases],
         "budget": plan.budget,
+        "profile": plan.profile,
+        "backward": plan.backward,
         "rule": RULE,
         **{k: round(v, 3) for k, v in timing.items()},
         "summary": summary_counts(results),
+        "coverage": coverage(results),
         "rows": [r.as_dict() for r in results],
     }
 
@@ -253,18 +329,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as err:
         print(f"flashprobe fuzz: {err}", file=sys.stderr)
         return 2
-    common = {"seed": plan.seed, "device": plan.device, "baseline": plan.baseline}
+    common = {"seed": plan.seed, "device": plan.device, "baseline": plan.baseline, "backward": plan.backward}
     start = time.perf_counter()
-    results = run_catalogue(plan.kernels, plan.dtypes, cases=plan.cases, **common)
+    results = [
+        r
+        for seed in range(plan.seed, plan.seed + plan.seeds)
+        for r in run_catalogue(
+            plan.kernels, plan.dtypes, cases=plan.cases, layouts=plan.layouts, **{**common, "seed": seed}
+        )
+    ]
     catalogue_s = time.perf_counter() - start
-    results += random_search(plan.kernels, plan.dtypes, budget=plan.budget, out_dir=plan.out_dir, **common)
+    results += random_search(
+        plan.kernels, plan.dtypes, budget=plan.budget, out_dir=plan.out_dir, profile=plan.profile, **common
+    )
     elapsed = time.perf_counter() - start
     _print_results(plan, results, elapsed)
     timing = {"elapsed_s": elapsed, "catalogue_s": catalogue_s}
     written = _write(plan, _payload(plan, "flashprobe fuzz " + " ".join(argv), results, timing), results)
     summary = summary_counts(results)
+    no_backward = f", {summary['no_backward']} no_backward" if summary["no_backward"] else ""
     print(
         f"\n{summary['pass']} pass, {summary['fail']} fail, {summary['skip']} skip, "
-        f"{summary['unsupported']} unsupported; wrote {', '.join(str(p) for p in written)}"
+        f"{summary['unsupported']} unsupported{no_backward}; wrote {', '.join(str(p) for p in written)}"
     )
     return 1 if summary["fail"] else 0

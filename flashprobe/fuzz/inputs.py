@@ -6,6 +6,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from flashprobe.fuzz.layouts import LAYOUTS, apply_layout
+
 __all__ = ["CaseInputs", "UnrepresentableCaseError"]
 
 
@@ -24,6 +26,8 @@ class CaseInputs:
         attn_mask: bool (``True`` = attend) or additive mask broadcastable to ``(B, H, N_q, N_k)``.
         is_causal: top-left aligned causal mask (as torch SDPA).
         scale: softmax scale; ``None`` means ``1/sqrt(D)``.
+        layout: the memory layout of ``q``, ``k``, ``v`` (:data:`~flashprobe.fuzz.layouts.LAYOUTS`);
+            set it with :meth:`with_layout`, which lays the tensors out so.
     """
 
     q: torch.Tensor
@@ -32,6 +36,17 @@ class CaseInputs:
     attn_mask: torch.Tensor | None = None
     is_causal: bool = False
     scale: float | None = None
+    layout: str = "contiguous"
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout={self.layout!r} must be one of {', '.join(LAYOUTS)}")
+
+    def with_layout(self, layout: str) -> CaseInputs:
+        """The same call with ``q``, ``k``, ``v`` laid out as ``layout``
+        (:func:`~flashprobe.fuzz.layouts.apply_layout`; ``expanded_kv`` repeats the first k/v head)."""
+        q, k, v = apply_layout(self.q, self.k, self.v, layout)
+        return replace(self, q=q, k=k, v=v, layout=layout)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -41,12 +56,15 @@ class CaseInputs:
     def to(self, device: torch.device | str) -> CaseInputs:
         """The same inputs on ``device``."""
         mask = None if self.attn_mask is None else self.attn_mask.to(device)
-        return replace(self, q=self.q.to(device), k=self.k.to(device), v=self.v.to(device), attn_mask=mask)
+        moved = replace(self, q=self.q.to(device), k=self.k.to(device), v=self.v.to(device), attn_mask=mask)
+        return moved.with_layout(self.layout)
 
     def clone(self) -> CaseInputs:
-        """Copies of every tensor, so a kernel that writes to its inputs cannot touch these."""
+        """Copies of every tensor in the same layout, so a kernel that writes to its inputs cannot
+        touch these."""
         mask = None if self.attn_mask is None else self.attn_mask.clone()
-        return replace(self, q=self.q.clone(), k=self.k.clone(), v=self.v.clone(), attn_mask=mask)
+        q, k, v = (t.contiguous().clone() for t in (self.q, self.k, self.v))
+        return replace(self, q=q, k=k, v=v, attn_mask=mask).with_layout(self.layout)
 
     def reference_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``k`` and ``v`` with their heads repeated to ``H`` (GQA semantics), ``(B, H, N_k, ·)``."""
@@ -67,6 +85,25 @@ class CaseInputs:
             valid = valid & keep
         return valid
 
+    def axes(self) -> dict[str, int | str]:
+        """Where this call lies on each axis the fuzzer covers: ``head_dim``, ``head_dim_v``,
+        ``n_q``, ``n_k``, ``batch_heads`` (B·H), ``gqa_ratio`` (H / H_kv), ``layout``, ``mask``
+        (``none``, ``causal``, ``bool``, ``additive``)."""
+        b, h, n_q, d = self.q.shape
+        mask = "causal" if self.is_causal else "none"
+        if self.attn_mask is not None:
+            mask = "bool" if self.attn_mask.dtype == torch.bool else "additive"
+        return {
+            "head_dim": d,
+            "head_dim_v": self.v.shape[-1],
+            "n_q": n_q,
+            "n_k": self.k.shape[2],
+            "batch_heads": b * h,
+            "gqa_ratio": h // max(self.k.shape[1], 1),
+            "layout": self.layout,
+            "mask": mask,
+        }
+
     def describe(self) -> str:
         """A one-line summary: ``B=2 H=2 Nq=16 Nk=203 D=64 mask=bool(2,1,1,203) scale=1``."""
         b, h, n_q, d = self.q.shape
@@ -79,4 +116,8 @@ class CaseInputs:
             kind = "bool" if self.attn_mask.dtype == torch.bool else "additive"
             parts.append(f"mask={kind}{tuple(self.attn_mask.shape)}".replace(" ", ""))
         parts.append(f"scale={'1/sqrt(D)' if self.scale is None else f'{self.scale:g}'}")
+        if self.v.shape[-1] != d:
+            parts.insert(2, f"Dv={self.v.shape[-1]}")
+        if self.layout != "contiguous":
+            parts.append(f"layout={self.layout}")
         return " ".join(parts)

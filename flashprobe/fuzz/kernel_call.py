@@ -1,8 +1,13 @@
-"""Calling a kernel on a case: its spec as the user wrote it, and one typed outcome per call."""
+"""Calling a kernel on a case: its spec as the user wrote it, and one typed outcome per call.
+
+With an output gradient the kernel runs with autograd on leaves laid out as the case's inputs, and
+its ``dq``, ``dk``, ``dv`` come back with the output; a kernel whose output has no autograd graph
+has no backward (``KernelCall.no_backward``), which is reported as such, never as a pass.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,6 +52,11 @@ class KernelCall:
 
     Attributes:
         output: ``(B, H, N_q, D_v)`` the kernel's output; ``None`` when ``problem`` is set.
+        grads: ``dq`` ``(B, H, N_q, D)``, ``dk`` ``(B, H_kv, N_k, D)``, ``dv`` ``(B, H_kv, N_k, D_v)``
+            when an output gradient was given and the backward ran (``None`` for an input the
+            output does not depend on); empty otherwise.
+        no_backward: the output has no autograd graph (the kernel has no backward).
+        backward_problem: the backward raised (``fail``, kind ``backward:raised``); ``None`` otherwise.
         problem: ``unsupported`` (the kernel raised KernelUnavailableError/KernelInputError) or
             ``fail`` (``raised``: it raised anything else or returned no tensor; ``inplace``: it
             modified its inputs); ``None`` when there is an output to judge.
@@ -54,13 +64,47 @@ class KernelCall:
 
     output: torch.Tensor | None = None
     problem: Verdict | None = None
+    grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    no_backward: bool = False
+    backward_problem: Verdict | None = None
 
 
-def call_kernel(kernel: Kernel, inputs: CaseInputs) -> KernelCall:
-    """Call ``kernel`` on copies of ``inputs`` and check that it left them untouched."""
-    copies = inputs.clone()
+def _forward_backward(
+    kernel: Kernel, inputs: CaseInputs, grad_out: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | None] | None, Verdict | None]:
+    """The output with autograd, and the gradients (None: no backward) or the backward's problem."""
+    q, k, v = (t.requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v))
+    with torch.enable_grad():
+        out = kernel(q, k, v, attn_mask=inputs.attn_mask, is_causal=inputs.is_causal, scale=inputs.scale)
+    if not isinstance(out, torch.Tensor) or not out.requires_grad:
+        return out, None, None
     try:
-        out = attend(kernel, copies, copies.k, copies.v)
+        grads = torch.autograd.grad(out, (q, k, v), grad_out.to(out.dtype), allow_unused=True)
+    except Exception as err:  # a backward that raises is a bug the fuzzer reports
+        why = f"backward raised {type(err).__name__}: {err}"
+        return out.detach(), {}, Verdict(verdict="fail", failure="backward:raised", reason=why)
+    for t in (q, k, v):
+        t.requires_grad_(False)
+    return out.detach(), dict(zip(("dq", "dk", "dv"), grads, strict=True)), None
+
+
+def call_kernel(kernel: Kernel, inputs: CaseInputs, grad_out: torch.Tensor | None = None) -> KernelCall:
+    """Call ``kernel`` on copies of ``inputs`` and check that it left them untouched.
+
+    Args:
+        kernel: the kernel under test.
+        inputs: the case.
+        grad_out: ``(B, H, N_q, D_v)`` output gradient: also run the backward and return
+            ``dq``, ``dk``, ``dv``; ``None`` runs the forward under ``no_grad``.
+    """
+    copies = inputs.clone()
+    grads: dict[str, torch.Tensor | None] | None = {}
+    backward_problem = None
+    try:
+        if grad_out is None:
+            out = attend(kernel, copies, copies.k, copies.v)
+        else:
+            out, grads, backward_problem = _forward_backward(kernel, copies, grad_out)
     except (KernelUnavailableError, KernelInputError) as err:
         return KernelCall(problem=Verdict(verdict="unsupported", reason=f"{type(err).__name__}: {err}"))
     except Exception as err:  # any other exception is a bug the fuzzer reports
@@ -72,9 +116,15 @@ def call_kernel(kernel: Kernel, inputs: CaseInputs) -> KernelCall:
     changed = [
         name
         for name in ("q", "k", "v", "attn_mask")
-        if getattr(inputs, name) is not None and not torch.equal(getattr(inputs, name), getattr(copies, name))
+        if getattr(inputs, name) is not None
+        and not torch.equal(getattr(inputs, name), getattr(copies, name).detach())
     ]
     if changed:
         reason = f"modified its inputs in place: {', '.join(changed)}"
         return KernelCall(problem=Verdict(verdict="fail", failure="inplace", reason=reason))
-    return KernelCall(output=out)
+    return KernelCall(
+        output=out,
+        grads=grads or {},
+        no_backward=grad_out is not None and grads is None,
+        backward_problem=backward_problem,
+    )

@@ -15,11 +15,17 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from flashprobe.fuzz._tensors import F64, additive_mask, finfo_max, padding_mask, rand, randn, uniform
-from flashprobe.fuzz.cases import SENTINELS
+from flashprobe.fuzz.cases import HEAD_DIMS, SENTINELS
 from flashprobe.fuzz.inputs import CaseInputs
+from flashprobe.fuzz.layouts import LAYOUTS
 from flashprobe.kernels import default_scale
 
-__all__ = ["MASK_KINDS", "RandomCaseSpec", "make_random_case", "sample_random_spec"]
+__all__ = ["MASK_KINDS", "MAX_KEYS", "MAX_SCORES", "RandomCaseSpec", "make_random_case", "sample_random_spec"]
+
+#: Most keys a random sample has, per profile (lengths are drawn log-uniformly up to it).
+MAX_KEYS = {"default": 8192, "full": 16384}
+#: Most scores ``B · H · N_q · N_k`` of one random sample (N_q is redrawn smaller beyond it).
+MAX_SCORES = 1 << 20
 
 #: Mask kinds the random search samples, with their weights.
 MASK_KINDS: dict[str, float] = {
@@ -47,6 +53,9 @@ class RandomCaseSpec:
         scale: the softmax scale, ``None`` for ``1/sqrt(D)``.
         outliers: scale channel 0 of q, k by 8 and of v by 1000.
         seed: seed of the tensors.
+        kv_heads: key/value heads (a divisor of ``heads``: grouped-query attention); 0 for
+            ``heads``.
+        layout: the inputs' memory layout (:data:`~flashprobe.fuzz.layouts.LAYOUTS`).
     """
 
     batch: int
@@ -60,8 +69,14 @@ class RandomCaseSpec:
     scale: float | None
     outliers: bool
     seed: int
+    kv_heads: int = 0
+    layout: str = "contiguous"
 
     def __post_init__(self) -> None:
+        if self.kv_heads < 0 or (self.kv_heads and self.heads % self.kv_heads):
+            raise ValueError(f"kv_heads={self.kv_heads} must divide heads={self.heads} (0: no GQA)")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout={self.layout!r} must be one of {', '.join(LAYOUTS)}")
         if self.mask not in MASK_KINDS:
             raise ValueError(f"mask={self.mask!r} must be one of {', '.join(MASK_KINDS)}")
         for name in ("batch", "heads", "n_q", "n_k", "head_dim"):
@@ -72,14 +87,30 @@ class RandomCaseSpec:
 
     #: the sizes that shrinking halves, in the order it tries them
     SIZES = ("n_q", "n_k", "head_dim", "batch", "heads")
+    #: the other axes shrinking simplifies: the layout to contiguous, GQA to plain heads
+    SIMPLER = ("layout", "kv_heads")
 
     def halved(self, size: str) -> RandomCaseSpec | None:
-        """This spec with ``size`` halved, or ``None`` when it cannot shrink further."""
+        """This spec with ``size`` halved, or ``None`` when it cannot shrink further.
+
+        Halving ``heads`` halves ``kv_heads`` too, keeping the GQA ratio.
+        """
         value = getattr(self, size)
         smallest = 2 if (size == "head_dim" and self.level) else 1
         if value // 2 < smallest:
             return None
+        if size == "heads" and self.kv_heads:
+            ratio = self.heads // self.kv_heads
+            if (value // 2) % ratio:
+                return None
+            return replace(self, heads=value // 2, kv_heads=value // 2 // ratio)
         return replace(self, **{size: value // 2})
+
+    def simplified(self, axis: str) -> RandomCaseSpec | None:
+        """This spec with ``axis`` (one of :attr:`SIMPLER`) at its plain value, or ``None`` when it
+        already is."""
+        plain = {"layout": "contiguous", "kv_heads": 0}[axis]
+        return None if getattr(self, axis) == plain else replace(self, **{axis: plain})
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -92,11 +123,39 @@ class RandomCaseSpec:
         )
         if self.level:
             text += f" level={self.level:.3g}"
+        if self.kv_heads:
+            text += f" H_kv={self.kv_heads}"
+        if self.layout != "contiguous":
+            text += f" layout={self.layout}"
         return text + (" outliers" if self.outliers else "")
 
 
-def sample_random_spec(rng: random.Random, dtype: torch.dtype) -> RandomCaseSpec:
-    """Draw one random case: shapes, mask kind, logit spread and level, scale, outliers.
+def _shape(rng: random.Random, profile: str) -> dict[str, int]:
+    """Batch, heads (GQA), lengths (log-uniform up to :data:`MAX_KEYS`) of one sample.
+
+    One sample in ten is a large grid (B·H from 256 to 2048, lengths ≤ 32); the others have B ≤ 3,
+    H ≤ 8. N_q is redrawn below ``MAX_SCORES / (B · H · N_k)`` so one sample stays cheap.
+    """
+    if rng.random() < 0.1:
+        batch, heads = rng.randint(2, 8), rng.choice([128, 160, 256])
+        n_q, n_k = rng.randint(1, 32), rng.randint(1, 32)
+    else:
+        batch, heads = rng.randint(1, 3), rng.choice([1, 2, 3, 4, 6, 8])
+        n_k = round(10 ** rng.uniform(0, math.log10(MAX_KEYS[profile])))
+        most_q = max(1, min(2048, MAX_SCORES // (batch * heads * n_k)))
+        n_q = round(10 ** rng.uniform(0, math.log10(most_q)))
+    kv_heads = 0
+    if heads > 1 and rng.random() < 0.3:  # grouped-query (or multi-query) attention
+        kv_heads = rng.choice([d for d in range(1, heads) if heads % d == 0])
+    return {"batch": batch, "heads": heads, "n_q": n_q, "n_k": n_k, "kv_heads": kv_heads}
+
+
+def sample_random_spec(rng: random.Random, dtype: torch.dtype, profile: str = "default") -> RandomCaseSpec:
+    """Draw one random case: shapes, GQA, layout, mask kind, logit spread and level, scale, outliers.
+
+    Head dims are one of flash-attention's (32 … 256) half the time, else uniform in 2–256;
+    lengths, B·H and GQA ratios as :func:`_shape`; the layout uniform over
+    :data:`~flashprobe.fuzz.layouts.LAYOUTS`.
 
     The scale is the default with probability 0.6, zero with 0.05, else log-uniform within 10^±2
     of the default. With probability 0.4 every row's logits sit below one of :data:`SENTINELS`
@@ -105,7 +164,7 @@ def sample_random_spec(rng: random.Random, dtype: torch.dtype) -> RandomCaseSpec
     itself (the catalogue's ``qk_overflow`` and ``scale_tiny`` test that); such samples get the
     nearest power of four as their scale, so their logits are exact (:func:`make_random_case`).
     """
-    head_dim = rng.randint(2, 128)
+    head_dim = rng.choice(HEAD_DIMS) if rng.random() < 0.5 else rng.randint(2, 256)
     u = rng.random()
     scale = None if u < 0.6 else 0.0 if u < 0.65 else default_scale(head_dim, None) * 10 ** rng.uniform(-2, 2)
     level = 0.0
@@ -117,10 +176,8 @@ def sample_random_spec(rng: random.Random, dtype: torch.dtype) -> RandomCaseSpec
             sentinel = rng.choice(fitting)
             level = sentinel * rng.uniform(1.05, min(3.0, limit / abs(sentinel)))
     return RandomCaseSpec(
-        batch=rng.randint(1, 3),
-        heads=rng.randint(1, 4),
-        n_q=round(10 ** rng.uniform(0, math.log10(160))),
-        n_k=round(10 ** rng.uniform(0, math.log10(300))),
+        **_shape(rng, profile),
+        layout=rng.choice(LAYOUTS),
         head_dim=head_dim,
         mask=rng.choices(list(MASK_KINDS), weights=list(MASK_KINDS.values()))[0],
         logit_std=10 ** rng.uniform(-1, 1.5),
@@ -143,10 +200,11 @@ def _level_grid_qk(
     :func:`sample_random_spec`), so ``q·kᵀ·scale`` and torch's ``(q√s)·(k√s)`` are exact too.
 
     Returns:
-        ``q (B, H, N_q, D)``, ``k (B, H, N_k, D)`` in float64 (exact in ``dtype``) and the logit
+        ``q (B, H, N_q, D)``, ``k (B, H_kv, N_k, D)`` in float64 (exact in ``dtype``) and the logit
         unit ``u · scale``.
     """
     b, h, n_q, n_k, d = spec.batch, spec.heads, spec.n_q, spec.n_k, spec.head_dim
+    h_kv = spec.kv_heads or h
     budget = 2.0 ** (1 - round(math.log2(torch.finfo(dtype).eps)))  # 2^p: 256 bf16, 2048 fp16, 2^24 fp32
     shift = spec.level * uniform(gen, 1.0, 1.1, b, h, n_q)  # per-row logit level
     unit = 2.0 ** math.ceil(math.log2(abs(spec.level) * 1.1 / scale / (budget / 4)))  # level ≤ budget/4 units
@@ -156,32 +214,33 @@ def _level_grid_qk(
     top = max(1, math.isqrt(int(budget / 2 / max(dense, 1))))  # dense part ≤ budget/2 units
     sigma = math.sqrt(spec.logit_std / (scale * unit * math.sqrt(max(dense, 1))))
     a = (randn(gen, b, h, n_q, dense) * sigma).round().clamp(-top, top)
-    c = (randn(gen, b, h, n_k, dense) * sigma).round().clamp(-top, top)
+    c = (randn(gen, b, h_kv, n_k, dense) * sigma).round().clamp(-top, top)
     q = torch.cat([a, (shift.abs() / (scale * unit)).round().unsqueeze(-1)], dim=-1) * 2.0**e_q
-    k = torch.cat([c, -torch.ones(b, h, n_k, 1, dtype=F64)], dim=-1) * 2.0**e_k
+    k = torch.cat([c, -torch.ones(b, h_kv, n_k, 1, dtype=F64)], dim=-1) * 2.0**e_k
     return q, k, unit * scale
 
 
 def _random_qk(
     gen: torch.Generator, spec: RandomCaseSpec, dtype: torch.dtype, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
-    """Float64 q ``(B, H, N_q, D)``, k, v ``(B, H, N_k, D)`` of a sample, and its bias unit.
+    """Float64 q ``(B, H, N_q, D)``, k, v ``(B, H_kv, N_k, D)`` of a sample, and its bias unit.
 
     Samples with a logit level use :func:`_level_grid_qk` (exact logits; outliers then only scale
     v) and snap additive biases to multiples of the returned unit; the others use normal q, k
     scaled to ``logit_std`` and a unit of 0 (no snapping).
     """
     b, h, n_q, n_k, d = spec.batch, spec.heads, spec.n_q, spec.n_k, spec.head_dim
+    h_kv = spec.kv_heads or h
     bias_unit = 0.0
     if spec.level and scale > 0:
         q, k, bias_unit = _level_grid_qk(gen, spec, dtype, scale)
     else:
         sigma = math.sqrt(spec.logit_std / (scale * math.sqrt(d))) if scale > 0 else 1.0
-        q, k = randn(gen, b, h, n_q, d) * sigma, randn(gen, b, h, n_k, d) * sigma
+        q, k = randn(gen, b, h, n_q, d) * sigma, randn(gen, b, h_kv, n_k, d) * sigma
         if spec.outliers:
             q[..., 0] *= 8.0
             k[..., 0] *= 8.0
-    v = randn(gen, b, h, n_k, d)
+    v = randn(gen, b, h_kv, n_k, d)
     if spec.outliers:
         v[..., 0] *= 1000.0
     return q, k, v, bias_unit
@@ -230,7 +289,8 @@ def make_random_case(spec: RandomCaseSpec, dtype: torch.dtype) -> CaseInputs:
     of length 0, ...) so it survives halving the sizes.
 
     Returns:
-        The inputs: q ``(B, H, N_q, D)``, k and v ``(B, H, N_k, D)`` in ``dtype``.
+        The inputs: q ``(B, H, N_q, D)``, k and v ``(B, H_kv, N_k, D)`` in ``dtype``, laid out as
+        ``spec.layout``.
     """
     gen = torch.Generator().manual_seed(spec.seed)
     q, k, v, bias_unit = _random_qk(gen, spec, dtype, default_scale(spec.head_dim, spec.scale))
@@ -242,4 +302,4 @@ def make_random_case(spec: RandomCaseSpec, dtype: torch.dtype) -> CaseInputs:
         attn_mask=mask,
         is_causal=spec.mask == "causal",
         scale=spec.scale,
-    )
+    ).with_layout(spec.layout)

@@ -8,6 +8,13 @@ overflows fp16 before the scale, ...), it cannot provide a noise floor; the base
 recomputed from the logits rounded to the dtype (``softmax(round(q·kᵀ·scale)) · v``, every step in
 the dtype): what the dtype can represent. A kernel is judged against that, and its row reports
 both (``baseline_golden_max_abs`` is null, ``noise_from`` says which baseline set the floor).
+
+With ``backward=True`` the references also hold the input gradients for a fixed random output
+gradient (:func:`grad_output`): the golden ``dq``, ``dk``, ``dv`` in float64 and the same-dtype
+baseline's gradient noise over both scale placements and the flash form of the backward
+(:mod:`~flashprobe.fuzz.flash_form`), computed in bounded memory
+(:func:`~flashprobe.kernels.reference.reference_input_gradients`). When neither placement of the
+baseline gives finite gradients, the noise is the rounding of the golden gradient to the dtype.
 """
 
 from __future__ import annotations
@@ -17,12 +24,21 @@ from dataclasses import replace
 
 import torch
 
+from flashprobe.fuzz.flash_form import flash_form_attention
 from flashprobe.fuzz.inputs import CaseInputs
 from flashprobe.fuzz.kernel_call import attend, kernel_label
-from flashprobe.fuzz.rule import References, finite_max_abs, value_floor
-from flashprobe.kernels import Kernel, default_scale, dtype_name, get_kernel, golden_attention
+from flashprobe.fuzz.rule import (
+    GRADIENTS,
+    GradientReference,
+    References,
+    finite_max_abs,
+    l2_error,
+    value_floor,
+)
+from flashprobe.kernels import Kernel, default_scale, dtype_name, get_kernel, golden_attention, math_attention
+from flashprobe.kernels.reference import reference_input_gradients
 
-__all__ = ["references"]
+__all__ = ["grad_output", "gradient_references", "references"]
 
 
 def _rounded_logits_baseline(inputs: CaseInputs, logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -44,20 +60,21 @@ def _rounded_logits_baseline(inputs: CaseInputs, logits: torch.Tensor, valid: to
 
 def _prescaled_baseline_max(
     kernel: Kernel, inputs: CaseInputs, k: torch.Tensor, v: torch.Tensor, golden: torch.Tensor
-) -> float:
-    """``max|baseline − golden|`` with the scale's other standard placement: ``(q√s)·(k√s)ᵀ``.
+) -> tuple[float, float]:
+    """``max|baseline − golden|`` and the relative L2 error with the scale's other standard
+    placement: ``(q√s)·(k√s)ᵀ``.
 
     Where the scale is applied is an implementation detail of plain attention (torch SDPA's math
     backend scales q and k by √scale); both placements round differently, so both belong to the
-    noise floor. Returns 0 when this placement is non-finite or raises (the plain one decides).
+    noise floor. Returns 0s when this placement is non-finite or raises (the plain one decides).
     """
     root = math.sqrt(default_scale(inputs.q.shape[-1], inputs.scale))
     try:
         out = attend(kernel, replace(inputs, q=inputs.q * root, scale=1.0), k * root, v)
     except Exception:  # this placement is only a second opinion on the noise
-        return 0.0
+        return 0.0, 0.0
     err, bad = finite_max_abs(out.double(), golden)
-    return 0.0 if bad else err
+    return (0.0, 0.0) if bad else (err, l2_error(out.double(), golden))
 
 
 def _masked_max(x: torch.Tensor, valid: torch.Tensor) -> float:
@@ -65,23 +82,128 @@ def _masked_max(x: torch.Tensor, valid: torch.Tensor) -> float:
     return x.abs().masked_fill(~valid, 0.0).max().item() if valid.any() else 0.0
 
 
-def _baseline_error(kernel: Kernel, inputs: CaseInputs, golden: torch.Tensor) -> tuple[float, int, str]:
-    """``(max|baseline − golden|, its NaN/Inf count, the problem in words or "")``."""
+def _baseline_error(
+    kernel: Kernel, inputs: CaseInputs, golden: torch.Tensor
+) -> tuple[float, float, int, str]:
+    """``(max|baseline − golden|, its relative L2 error, its NaN/Inf count, the problem or "")``."""
     k, v = inputs.reference_kv()
     try:
         base = attend(kernel, inputs, k, v).double()
     except Exception as err:  # the baseline cannot serve the case: fall back, and say so
-        return math.inf, 0, f"raised {type(err).__name__}: {err}"
+        return math.inf, math.inf, 0, f"raised {type(err).__name__}: {err}"
     base_max, base_bad = finite_max_abs(base, golden)
-    return base_max, base_bad, (f"is non-finite at {base_bad} positions" if base_bad else "")
+    return (
+        base_max,
+        l2_error(base, golden),
+        base_bad,
+        (f"is non-finite at {base_bad} positions" if base_bad else ""),
+    )
 
 
-def references(inputs: CaseInputs, baseline: str | Kernel = "math") -> References:
+def grad_output(
+    shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """The fixed random output gradient of a case: standard normal ``shape`` (seed 0), in ``dtype``.
+
+    Args:
+        shape: the output's shape ``(B, H, N_q, D_v)``.
+        dtype: the dtype under test.
+        device: where the case runs.
+    """
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
+
+
+def _prescaled(kernel: Kernel, root: float):
+    """``kernel`` with the scale applied to q and k (``√scale`` each): differentiable in q and k."""
+
+    def call(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+        return kernel(q * root, k * root, v, attn_mask=attn_mask, is_causal=is_causal, scale=1.0)
+
+    return call
+
+
+def gradient_references(
+    inputs: CaseInputs, baseline: str | Kernel, grad_out: torch.Tensor, valid: torch.Tensor
+) -> tuple[dict[str, GradientReference], str]:
+    """Golden ``dq``, ``dk``, ``dv`` and the baseline's gradient noise for ``grad_out``.
+
+    Args:
+        inputs: the case in the dtype under test.
+        baseline: spec of the same-dtype baseline kernel.
+        grad_out: ``(B, H, N_q, D_v)`` the output gradient, in the dtype.
+        valid: ``(B, H, N_q, N_k)`` bool, where a query may attend to a key.
+
+    Returns:
+        ``dq``/``dk``/``dv`` → :class:`~flashprobe.fuzz.rule.GradientReference`, and a note (why
+        the noise came from the golden's rounding; empty otherwise). Empty when the golden
+        gradient is not finite (the note says so).
+    """
+    mask = inputs.attn_mask
+    call = {"attn_mask": mask, "is_causal": inputs.is_causal, "scale": inputs.scale}
+    q, k, v = inputs.q.contiguous(), inputs.k.contiguous(), inputs.v.contiguous()
+    gold_mask = mask.double() if mask is not None and mask.is_floating_point() else mask
+    _, *golden = reference_input_gradients(
+        math_attention,
+        q.double(),
+        k.double(),
+        v.double(),
+        grad_out.double(),
+        **{**call, "attn_mask": gold_mask},
+        dtype=torch.float64,
+    )
+    if not all(torch.isfinite(g).all() for g in golden):
+        return (
+            {},
+            "the golden gradient is not finite (logits beyond float64's exp range): gradients not checked",
+        )
+    kernel = get_kernel(baseline)
+    root = math.sqrt(default_scale(q.shape[-1], inputs.scale))
+    placements = []
+    for fn in (kernel, _prescaled(kernel, root), flash_form_attention):
+        try:
+            _, *grads = reference_input_gradients(fn, q, k, v, grad_out, **call, dtype=inputs.dtype)
+        except Exception:  # a placement that cannot run gives no opinion on the noise
+            continue
+        placements.append([g.double() for g in grads])
+    eps = float(torch.finfo(inputs.dtype).eps)
+    b, h, _, n_k = valid.shape
+    h_kv = k.shape[1]
+    unseen = ~valid.any(2).view(b, h_kv, h // h_kv, n_k).any(2)  # (B, H_kv, N_k): keys no query sees
+    zero_rows = {"dq": ~valid.any(-1), "dk": unseen, "dv": unseen}
+    refs, fallback = {}, []
+    for i, name in enumerate(GRADIENTS):
+        g = golden[i]
+        finite = [p[i] for p in placements if bool(torch.isfinite(p[i]).all())]
+        if not finite:  # what the dtype can represent of the golden gradient
+            fallback.append(name)
+            finite = [g.to(inputs.dtype).double()]
+        refs[name] = GradientReference(
+            name=name,
+            golden=g,
+            noise_max=max(finite_max_abs(p, g)[0] for p in finite),
+            noise_l2=max(l2_error(p, g) for p in finite),
+            floor=eps * (g.abs().max().item() if g.numel() else 0.0),
+            eps=eps,
+            zero_rows=zero_rows[name],
+        )
+    note = (
+        f"the baseline's {', '.join(fallback)} is non-finite in {dtype_name(inputs.dtype)}: its noise is the "
+        "golden gradient's rounding to the dtype"
+        if fallback
+        else ""
+    )
+    return refs, note
+
+
+def references(inputs: CaseInputs, baseline: str | Kernel = "math", *, backward: bool = False) -> References:
     """Golden, baseline error and noise floor for one case (see the module docstring).
 
     Args:
         inputs: the case in the dtype under test; GQA inputs are expanded for golden and baseline.
         baseline: spec of the same-dtype baseline kernel.
+        backward: also the gradient references (:func:`gradient_references`) for the output
+            gradient :func:`grad_output`.
 
     Returns:
         The :class:`~flashprobe.fuzz.rule.References`; ``skip`` is set when the valid logits do not
@@ -101,7 +223,12 @@ def references(inputs: CaseInputs, baseline: str | Kernel = "math") -> Reference
     logits = raw * default_scale(q64.shape[-1], inputs.scale)
     if mask is not None and mask.is_floating_point():
         logits = logits + torch.where(valid, mask.double(), 0.0)
-    common = {"golden": golden, "floor": value_floor(v64, inputs.dtype), "fully_masked": ~valid.any(-1)}
+    common = {
+        "golden": golden,
+        "floor": value_floor(v64, inputs.dtype),
+        "fully_masked": ~valid.any(-1),
+        "eps": float(torch.finfo(inputs.dtype).eps),
+    }
     fmax, name = float(torch.finfo(inputs.dtype).max), dtype_name(inputs.dtype)
     if (largest := _masked_max(logits, valid)) > fmax:
         skip = f"valid logits up to {largest:.3g} exceed the {name} range (max {fmax:.6g})"
@@ -109,24 +236,31 @@ def references(inputs: CaseInputs, baseline: str | Kernel = "math") -> Reference
             baseline_golden_max_abs=None, baseline_nonfinite=0, noise_max=0.0, noise_from="", **common
         )
         return replace(refs, skip=skip)
+    if backward:
+        grad_out = grad_output(golden.shape, inputs.dtype, golden.device)
+        grads, grad_note = gradient_references(inputs, baseline, grad_out, valid)
+        common.update(grad_out=grad_out if grads else None, gradients=grads, grad_note=grad_note)
     kernel = get_kernel(baseline)
-    base_max, base_bad, problem = _baseline_error(kernel, inputs, golden)
+    base_max, base_l2, base_bad, problem = _baseline_error(kernel, inputs, golden)
     if not problem:
-        noise = max(base_max, _prescaled_baseline_max(kernel, inputs, k, v, golden))
+        pre_max, pre_l2 = _prescaled_baseline_max(kernel, inputs, k, v, golden)
         return References(
             baseline_golden_max_abs=base_max,
             baseline_nonfinite=0,
-            noise_max=noise,
+            noise_max=max(base_max, pre_max),
+            noise_l2=max(base_l2, pre_l2),
             noise_from="baseline",
             **common,
         )
     raw_max = _masked_max(raw, valid)
     why = f"q·kᵀ (max {raw_max:.3g}) overflows {name} before the scale is applied; " if raw_max > fmax else ""
-    fb_max, fb_bad = finite_max_abs(_rounded_logits_baseline(inputs, logits, valid).double(), golden)
+    fallback = _rounded_logits_baseline(inputs, logits, valid).double()
+    fb_max, fb_bad = finite_max_abs(fallback, golden)
     return References(
         baseline_golden_max_abs=None,
         baseline_nonfinite=base_bad,
         noise_max=fb_max,
+        noise_l2=l2_error(fallback, golden),
         noise_from="rounded-logits baseline",
         note=f"baseline {kernel_label(baseline)} at {name} {problem} ({why}noise floor taken from the "
         f"baseline on {name}-rounded logits)",

@@ -1,7 +1,8 @@
 """Reproducers of fuzz failures: ``repro_<case>_<hash>.pt`` (the inputs) and a ``.py`` that re-checks them.
 
-The ``.py`` reloads the ``.pt`` beside it, runs the kernel, prints the non-finite and all-zero row
-counts and the verdict, and exits 1 while the failure reproduces and 0 once it passes. Everything
+The ``.py`` reloads the ``.pt`` beside it (in the inputs' memory layout), runs the kernel, prints
+the non-finite and all-zero row counts and the verdict (gradients included when the failure was
+found with them), and exits 1 while the failure reproduces and 0 once it passes. Everything
 in it that comes from the failure (kernel spec, case, reason) is a Python literal (``repr``), so
 the snippet is valid Python whatever that text contains.
 """
@@ -55,7 +56,7 @@ inputs = CaseInputs(
     attn_mask=saved["attn_mask"],
     is_causal=saved["is_causal"],
     scale=saved["scale"],
-)
+).with_layout(saved.get("layout", "contiguous"))
 k, v = inputs.reference_kv()
 out = get_kernel(KERNEL)(inputs.q, inputs.k, inputs.v, attn_mask=inputs.attn_mask,
                          is_causal=inputs.is_causal, scale=inputs.scale)
@@ -64,7 +65,8 @@ golden = golden_attention(inputs.q, k, v, attn_mask=inputs.attn_mask, is_causal=
 print(f"{{KERNEL}} on {{inputs.describe()}}")
 print(f"non-finite outputs: {{(~torch.isfinite(out)).sum().item()}}, all-zero rows: "
       f"{{(out == 0).all(-1).sum().item()}}, golden all-zero rows: {{(golden == 0).all(-1).sum().item()}}")
-result = check_case(KERNEL, inputs, case=CASE, baseline=saved["baseline"])
+backward = saved.get("backward", True)  # gradients too, as when the failure was found
+result = check_case(KERNEL, inputs, case=CASE, baseline=saved["baseline"], backward=backward)
 print(f"{{result.verdict}}: {{result.reason}}")
 sys.exit(1 if result.verdict == "fail" else 0)
 '''
@@ -89,12 +91,13 @@ def _tensors(inputs: CaseInputs) -> dict[str, Any]:
     """The call's inputs on the CPU, as saved in the ``.pt``."""
     cpu = inputs.to("cpu")
     return {
-        "q": cpu.q,
-        "k": cpu.k,
-        "v": cpu.v,
+        "q": cpu.q.contiguous(),
+        "k": cpu.k.contiguous(),
+        "v": cpu.v.contiguous(),
         "attn_mask": cpu.attn_mask,
         "is_causal": cpu.is_causal,
         "scale": cpu.scale,
+        "layout": cpu.layout,
     }
 
 
@@ -107,6 +110,7 @@ def save_reproducer(
     *,
     baseline: str | Kernel = "math",
     params: dict[str, Any] | None = None,
+    backward: bool = True,
 ) -> Path:
     """Save ``repro_<case>_<hash>.pt`` (inputs on CPU, kernel, dtype) and a ``.py`` that re-checks it.
 
@@ -121,6 +125,7 @@ def save_reproducer(
         result: the kernel's result on ``inputs``.
         baseline: the same-dtype baseline spec the snippet re-checks with.
         params: the random sample's parameters, saved with the inputs.
+        backward: the failure was found with gradients checked; the snippet checks them too.
 
     Returns:
         Path of the ``.pt`` file (the ``.py`` is beside it).
@@ -140,6 +145,7 @@ def save_reproducer(
         "case": case,
         "reason": result.reason,
         "params": params or {},
+        "backward": backward,
     }
     path = Path(out_dir) / f"{stem}.pt"
     atomic_write_file(path, lambda tmp: torch.save(payload, tmp))

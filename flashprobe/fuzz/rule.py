@@ -3,7 +3,20 @@
 flash-attention's test rule plus a floor, with ``golden`` computed in float64 from the *cast*
 inputs and ``baseline`` plain attention at the same dtype:
 
-    max|primary − golden| ≤ 2 · max|baseline − golden| + eps(dtype) · max|v|.
+    max|primary − golden| ≤ 2 · max|baseline − golden| + eps(dtype) · max|v|,
+
+beside an L2 rule: a value is wrong only when **both** fail,
+
+    ‖primary − golden‖₂ > 4 · ‖baseline − golden‖₂ + eps(dtype) · ‖golden‖₂
+
+(in relative terms: ``rel_l2(primary) > 4 · rel_l2(baseline) + eps``).
+
+A max-over-max ratio of two small tensors is noisy (torch's own fp32 CPU flash backward exceeds
+2× the math baseline's max error in about 15 % of random 16-token calls); the L2 ratio averages
+over every element and is stable, while a real bug (a wrong row, a missing scale, an ignored tile)
+moves both statistics by orders of magnitude. The gradients ``dq``, ``dk``, ``dv`` for a fixed
+random output gradient are judged by the same two rules (:class:`GradientReference`), their floor
+``eps(dtype) · max|golden gradient|``.
 
 The floor (:func:`value_floor`) is one unit in the last place of the largest value, the resolution
 of the output; it keeps the rule meaningful when the baseline is exact. flash-attention's own tests
@@ -17,33 +30,47 @@ the noise of both scale placements, the fallback baseline) and names the first f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from flashprobe.deviation import error_ratio
 
 __all__ = [
+    "GRADIENTS",
+    "L2_FACTOR",
     "RULE",
     "VERDICTS",
     "ZEROS_REASON",
+    "GradientReference",
     "References",
     "Verdict",
     "check_output",
     "finite_max_abs",
     "judge",
+    "judge_gradients",
+    "l2_error",
     "rounding_floor",
     "value_floor",
 ]
 
-#: The verdicts a (kernel, case, dtype) can get.
-VERDICTS = ("pass", "fail", "skip", "unsupported")
+#: The verdicts a (kernel, case, dtype) can get; ``no_backward``: the forward passes, but the
+#: kernel's output has no autograd graph, so its gradients could not be checked.
+VERDICTS = ("pass", "fail", "skip", "unsupported", "no_backward")
+#: The input gradients checked, in order.
+GRADIENTS = ("dq", "dk", "dv")
+#: Multiple of the baseline's relative L2 error the L2 rule allows.
+L2_FACTOR = 4.0
 ZEROS_REASON = "row returned zeros where golden is non-zero: sentinel/underflow bug"
 #: The rule in words, as recorded in ``fuzz.json``.
 RULE = (
-    "max|primary - golden| <= 2 * max|baseline - golden| + eps(dtype) * max|v|; golden = fp64 "
-    "from the cast inputs; baseline error = max over scale placements (q k^T) s and (q sqrt(s)) "
-    "(k sqrt(s))^T; a non-finite baseline is replaced by the baseline on dtype-rounded logits"
+    "wrong values when both max|primary - golden| > 2 * max|baseline - golden| + eps(dtype) * max|v| "
+    "and ||primary - golden||_2 > 4 * ||baseline - golden||_2 + eps(dtype) * ||golden||_2; golden = "
+    "fp64 from the cast inputs; baseline error = max over scale placements (q k^T) s and "
+    "(q sqrt(s)) (k sqrt(s))^T (and, for gradients, the flash form of the backward); a non-finite "
+    "baseline is replaced by the baseline on dtype-rounded logits; dq, dk, dv for a fixed random "
+    "output gradient by the same rules with floor eps(dtype) * max|golden gradient|, plus "
+    "NaN/Inf, zero rows and gradient into fully masked positions"
 )
 
 
@@ -94,6 +121,13 @@ class References:
         fully_masked: ``(B, H, N_q)`` bool, rows that see no key.
         note: why the fallback was used (empty otherwise).
         skip: why the case cannot be posed in this dtype (empty otherwise).
+        noise_l2: the baseline's L2 error ``‖baseline − golden‖₂`` (the larger over the forms
+            that set ``noise_max``).
+        eps: ``eps(dtype)``; the L2 rule's floor is ``eps · ‖golden‖₂``.
+        grad_out: ``(B, H, N_q, D_v)`` the fixed random output gradient (in the dtype), or None
+            when gradients are not checked.
+        gradients: ``dq``/``dk``/``dv`` → :class:`GradientReference` (empty when not checked).
+        grad_note: why the gradients are not checked although asked for (empty otherwise).
     """
 
     golden: torch.Tensor
@@ -105,11 +139,65 @@ class References:
     fully_masked: torch.Tensor
     note: str = ""
     skip: str = ""
+    noise_l2: float = 0.0
+    eps: float = 0.0
+    grad_out: torch.Tensor | None = None
+    gradients: dict[str, GradientReference] = field(default_factory=dict)
+    grad_note: str = ""
 
     @property
     def tolerance(self) -> float:
         """``2 · noise_max + floor``."""
         return 2.0 * self.noise_max + self.floor
+
+    @property
+    def l2_tolerance(self) -> float:
+        """``L2_FACTOR · noise_l2 + eps · ‖golden‖₂``."""
+        return L2_FACTOR * self.noise_l2 + self.eps * self.golden.norm().item()
+
+
+@dataclass(frozen=True, kw_only=True)
+class GradientReference:
+    """What one input gradient of a kernel is judged against.
+
+    Attributes:
+        name: ``dq``, ``dk`` or ``dv``.
+        golden: the FP64 golden gradient: ``(B, H, N_q, D)`` for dq, ``(B, H_kv, N_k, ·)`` for dk, dv.
+        noise_max: ``max|baseline gradient − golden|`` (the larger over both scale placements).
+        noise_l2: the baseline gradient's L2 error ``‖baseline − golden‖₂``.
+        floor: ``eps(dtype) · max|golden|``.
+        eps: ``eps(dtype)``.
+        zero_rows: bool, shape of ``golden`` without its last dim: rows that must be 0 (queries that
+            see no key for dq, keys no query sees for dk and dv): gradient into masked positions.
+    """
+
+    name: str
+    golden: torch.Tensor
+    noise_max: float
+    noise_l2: float
+    floor: float
+    eps: float
+    zero_rows: torch.Tensor
+
+    @property
+    def tolerance(self) -> float:
+        """``2 · noise_max + floor``."""
+        return 2.0 * self.noise_max + self.floor
+
+    @property
+    def l2_tolerance(self) -> float:
+        """``L2_FACTOR · noise_l2 + eps · ‖golden‖₂``."""
+        return L2_FACTOR * self.noise_l2 + self.eps * self.golden.norm().item()
+
+
+def l2_error(a: torch.Tensor, golden: torch.Tensor) -> float:
+    """``‖a − golden‖₂`` over the positions where ``a`` is finite.
+
+    Args:
+        a: any shape.
+        golden: the same shape, finite.
+    """
+    return torch.where(torch.isfinite(a), a - golden, 0.0).norm().item()
 
 
 def value_floor(v: torch.Tensor, dtype: torch.dtype) -> float:
@@ -207,8 +295,10 @@ def judge(out: torch.Tensor, refs: References) -> Verdict:
     err, bad = finite_max_abs(o, golden)
     reasons = [*_nonfinite(o, bad, refs), *_zero_rows(o, refs), *_masked_nonzero(o, refs)]
     rule = f"2 × {refs.noise_from} {refs.noise_max:.3g} + floor {refs.floor:.3g}"
-    if err > refs.tolerance:
-        reasons.append(("values", f"wrong values: max|primary − golden| = {err:.3g} > {rule}"))
+    l2 = l2_error(o, golden)
+    l2_rule = f"‖·‖₂ {l2:.3g} > {L2_FACTOR:g} × {refs.noise_l2:.3g} + eps·‖golden‖₂"
+    if err > refs.tolerance and l2 > refs.l2_tolerance:
+        reasons.append(("values", f"wrong values: max|primary − golden| = {err:.3g} > {rule} and {l2_rule}"))
     note = f" [{refs.note}]" if refs.note else ""
     primary_max = None if bad else err
     if reasons:
@@ -223,7 +313,13 @@ def judge(out: torch.Tensor, refs: References) -> Verdict:
         )
     ratio = error_ratio(err, refs.noise_max)
     ratio_text = "both exact" if ratio is None else f"ratio {ratio:.2f}"
-    reason = f"max|primary − golden| = {err:.3g} ≤ {rule} ({ratio_text})" + note
+    if err <= refs.tolerance:
+        reason = f"max|primary − golden| = {err:.3g} ≤ {rule} ({ratio_text})" + note
+    else:
+        reason = (
+            f"max|primary − golden| = {err:.3g} > {rule} ({ratio_text}), but ‖primary − golden‖₂ "
+            f"{l2:.3g} ≤ {refs.l2_tolerance:.3g} (the L2 rule)" + note
+        )
     return Verdict(verdict="pass", reason=reason, primary_golden_max_abs=primary_max)
 
 
@@ -260,8 +356,97 @@ def check_output(
         baseline_golden_max_abs=noise,
         baseline_nonfinite=0,
         noise_max=noise,
+        noise_l2=l2_error(baseline.detach().double(), golden),
+        eps=float(torch.finfo(out.dtype).eps) if out.is_floating_point() else 0.0,
         noise_from="baseline",
         floor=floor,
         fully_masked=torch.zeros(golden.shape[:-1], dtype=torch.bool, device=golden.device),
     )
     return judge(out, refs)
+
+
+def _gradient_reasons(grad: torch.Tensor | None, ref: GradientReference) -> list[tuple[str, str]]:
+    """Every failed check of one gradient, as ``(failure kind, text)``; kinds ``<name>:<check>``."""
+    name, golden = ref.name, ref.golden
+    if grad is None or tuple(grad.shape) != tuple(golden.shape):
+        got = "no gradient" if grad is None else f"shape {tuple(grad.shape)}"
+        return [(f"{name}:shape", f"{name}: {got}, expected {tuple(golden.shape)}")]
+    g = grad.detach().double()
+    err, bad = finite_max_abs(g, golden)
+    reasons = []
+    if bad:
+        n_nan = int(torch.isnan(g).sum().item())
+        reasons.append(
+            (f"{name}:nonfinite", f"{name}: {n_nan} NaN and {bad - n_nan} ±Inf where golden is finite")
+        )
+    golden_rows = golden.abs().amax(-1)
+    zero_rows = (g == 0).all(-1) & (golden_rows > 2 * ref.tolerance)
+    if zero_rows.any():
+        reasons.append(
+            (
+                f"{name}:zeros",
+                f"{name}: rows of zeros where golden is non-zero ({int(zero_rows.sum())} of "
+                f"{zero_rows.numel()} rows; golden row max up to {golden_rows[zero_rows].max().item():.3g})",
+            )
+        )
+    leak = ref.zero_rows & (torch.where(torch.isfinite(g), g, 0.0).abs().amax(-1) > ref.tolerance)
+    if leak.any():
+        what = "queries that see no key" if name == "dq" else "keys no query sees"
+        reasons.append(
+            (
+                f"{name}:masked",
+                f"{name}: gradient into fully masked positions ({int(leak.sum())} rows of {what}; "
+                "expected 0)",
+            )
+        )
+    l2 = l2_error(g, golden)
+    if err > ref.tolerance and l2 > ref.l2_tolerance:
+        reasons.append(
+            (
+                f"{name}:values",
+                f"{name}: wrong values: max|{name} − golden| = {err:.3g} > 2 × baseline "
+                f"{ref.noise_max:.3g} + floor {ref.floor:.3g} and ‖·‖₂ {l2:.3g} > {L2_FACTOR:g} × "
+                f"{ref.noise_l2:.3g} + eps·‖golden‖₂",
+            )
+        )
+    return reasons
+
+
+def judge_gradients(
+    grads: dict[str, torch.Tensor | None], refs: References
+) -> tuple[Verdict, dict[str, dict[str, float | None]]]:
+    """Apply the rule to a kernel's input gradients.
+
+    Args:
+        grads: ``dq`` ``(B, H, N_q, D)``, ``dk`` ``(B, H_kv, N_k, D)``, ``dv`` ``(B, H_kv, N_k, D_v)``
+            (None: the kernel gave no gradient for that input).
+        refs: the case's :class:`References` with ``gradients`` set.
+
+    Returns:
+        The verdict (``pass``, or ``fail`` with every failed check; ``failure`` is the first's kind,
+        ``dq:nonfinite``, ``dk:zeros``, ``dv:masked``, ``dq:values``, ...) and per gradient its
+        ``max_abs``, ``tolerance``, ``l2`` (``‖grad − golden‖₂``), ``l2_tolerance``.
+    """
+    reasons: list[tuple[str, str]] = []
+    stats: dict[str, dict[str, float | None]] = {}
+    for name, ref in refs.gradients.items():
+        grad = grads.get(name)
+        reasons += _gradient_reasons(grad, ref)
+        ok = grad is not None and tuple(grad.shape) == tuple(ref.golden.shape)
+        err, bad = finite_max_abs(grad.detach().double(), ref.golden) if ok else (None, 0)
+        stats[name] = {
+            "max_abs": None if (err is None or bad) else err,
+            "tolerance": ref.tolerance,
+            "l2": l2_error(grad.detach().double(), ref.golden) if ok else None,
+            "l2_tolerance": ref.l2_tolerance,
+        }
+    if reasons:
+        text = "; ".join(t for _, t in reasons)
+        return Verdict(verdict="fail", failure=reasons[0][0], reason=text), stats
+    summary = ", ".join(
+        f"{n} {s['max_abs']:.3g} ≤ {s['tolerance']:.3g}"
+        if s["max_abs"] <= s["tolerance"]
+        else f"{n} ‖·‖₂ {s['l2']:.3g} ≤ {s['l2_tolerance']:.3g}"
+        for n, s in stats.items()
+    )
+    return Verdict(verdict="pass", reason=f"gradients: {summary}"), stats

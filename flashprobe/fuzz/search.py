@@ -1,7 +1,8 @@
 """The random search of ``flashprobe fuzz --budget N``, and the shrinking of what it finds.
 
-Random failures are shrunk (halving N_q, N_k, D, B, H while the same failure persists) and, with
-an output directory, saved as reproducers (:func:`~flashprobe.fuzz.reproducer.save_reproducer`).
+Random failures are shrunk (halving N_q, N_k, D, B, H and making the layout contiguous and GQA
+plain while the same failure persists) and, with an output directory, saved as reproducers
+(:func:`~flashprobe.fuzz.reproducer.save_reproducer`).
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ def shrink(
     device: str | torch.device = "cpu",
     baseline: str | Kernel = "math",
     max_tries: int = 60,
+    backward: bool = True,
 ) -> tuple[RandomCaseSpec, CaseInputs, FuzzResult]:
-    """Halve N_q, N_k, D, B, H (in turn, repeatedly) while the kernel fails the same way.
+    """Halve N_q, N_k, D, B, H (in turn, repeatedly), then try the contiguous layout and plain
+    heads, while the kernel fails the same way (``failure``, e.g. ``nonfinite`` or ``dq:values``).
 
     Args:
         kernel: the failing kernel.
@@ -48,24 +51,34 @@ def shrink(
         device: where to run.
         baseline: same-dtype baseline spec.
         max_tries: most candidate cases to evaluate.
+        backward: check gradients (as the search that found the failure).
 
     Returns:
         The smallest failing spec found, its inputs and its result.
     """
     kernel = kernel_label(kernel)
     inputs = make_random_case(spec, dtype).to(device)
-    result = check_case(kernel, inputs, case="shrink", baseline=baseline)
+    result = check_case(kernel, inputs, case="shrink", baseline=baseline, backward=backward)
     tries, changed = 0, True
+
+    def attempt(smaller: RandomCaseSpec) -> bool:
+        nonlocal spec, inputs, result, tries
+        tries += 1
+        candidate = make_random_case(smaller, dtype).to(device)
+        outcome = check_case(kernel, candidate, case="shrink", baseline=baseline, backward=backward)
+        if outcome.verdict != "fail" or outcome.failure != failure:
+            return False
+        spec, inputs, result = smaller, candidate, outcome
+        return True
+
     while changed and tries < max_tries:
         changed = False
         for size in RandomCaseSpec.SIZES:
-            while tries < max_tries and (smaller := spec.halved(size)) is not None:
-                tries += 1
-                candidate = make_random_case(smaller, dtype).to(device)
-                outcome = check_case(kernel, candidate, case="shrink", baseline=baseline)
-                if outcome.verdict != "fail" or outcome.failure != failure:
-                    break
-                spec, inputs, result, changed = smaller, candidate, outcome, True
+            while tries < max_tries and (smaller := spec.halved(size)) is not None and attempt(smaller):
+                changed = True
+        for axis in RandomCaseSpec.SIMPLER:
+            if tries < max_tries and (plain := spec.simplified(axis)) is not None and attempt(plain):
+                changed = True
     log.info("shrunk %s failure of %s to %s after %d tries", failure, kernel, spec.describe(), tries)
     return spec, inputs, result
 
@@ -79,12 +92,13 @@ class _Search:
     baseline: str | Kernel
     out_dir: Path | None
     unavailable: dict[tuple[str, torch.dtype], str | None]
+    backward: bool = True
     shrunk: set[tuple[str, torch.dtype, str | None]] = field(default_factory=set)
 
     def sample(self, name: str, spec: RandomCaseSpec, dtype: torch.dtype) -> list[FuzzResult]:
         """Every kernel on one random sample; the first failure of each kind is shrunk and saved."""
         inputs = make_random_case(spec, dtype).to(self.device)
-        refs = references(inputs, self.baseline)
+        refs = references(inputs, self.baseline, backward=self.backward)
         results = []
         for kernel in self.labels:
             if (why := self.unavailable[kernel, dtype]) is not None:
@@ -106,7 +120,13 @@ class _Search:
     ) -> FuzzResult:
         """Shrink a failure and, with an output directory, save it: ``result`` with ``repro`` set."""
         small, small_inputs, small_result = shrink(
-            kernel, spec, dtype, result.failure or "", device=self.device, baseline=self.baseline
+            kernel,
+            spec,
+            dtype,
+            result.failure or "",
+            device=self.device,
+            baseline=self.baseline,
+            backward=self.backward,
         )
         if self.out_dir is None:
             return result
@@ -118,6 +138,7 @@ class _Search:
             small_result,
             baseline=self.baseline,
             params=small.as_dict(),
+            backward=self.backward,
         )
         return replace(result, repro=str(path))
 
@@ -131,8 +152,13 @@ def random_search(
     device: str | torch.device = "cpu",
     baseline: str | Kernel = "math",
     out_dir: str | os.PathLike[str] | None = None,
+    backward: bool = True,
+    profile: str = "default",
 ) -> list[FuzzResult]:
     """Sample ``budget`` random cases (dtypes in turn) and run every kernel on each.
+
+    ``backward`` checks the gradients too; ``profile`` sets the longest lengths sampled
+    (:data:`~flashprobe.fuzz.random_cases.MAX_KEYS`).
 
     The first failure of each (kernel, dtype, failure kind) is shrunk with :func:`shrink` and, when
     ``out_dir`` is given, saved with :func:`~flashprobe.fuzz.reproducer.save_reproducer`; its row
@@ -155,10 +181,11 @@ def random_search(
         baseline=baseline,
         out_dir=None if out_dir is None else Path(out_dir),
         unavailable=kernel_availability(labels, device, resolved),
+        backward=backward,
     )
     rng = random.Random(seed)
     results: list[FuzzResult] = []
     for i in range(budget):
         dtype = resolved[i % len(resolved)]
-        results += search.sample(f"random_{i:03d}", sample_random_spec(rng, dtype), dtype)
+        results += search.sample(f"random_{i:03d}", sample_random_spec(rng, dtype, profile), dtype)
     return results

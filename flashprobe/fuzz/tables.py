@@ -4,7 +4,9 @@
 * :func:`markdown_table` — the same as Markdown (``fuzz.md``), each cell the verdicts per dtype;
 * :func:`catalogue_table` — the cases, what each probes and what the golden expects (``--list``);
 * :func:`reason_lines` — skip/unsupported reasons, one line per distinct reason with its count and
-  the cases, dtypes and kernels it applies to.
+  the cases, dtypes and kernels it applies to;
+* :func:`coverage` — which values of each axis (head dims, lengths, B·H, GQA ratios, layouts,
+  masks, dtypes, gradients) the run exercised.
 """
 
 from __future__ import annotations
@@ -16,9 +18,27 @@ from flashprobe.fuzz.cases import select_cases
 from flashprobe.fuzz.rule import VERDICTS
 from flashprobe.fuzz.run import FuzzResult
 
-__all__ = ["catalogue_table", "markdown_table", "reason_lines", "summary_counts", "terminal_table"]
+__all__ = [
+    "catalogue_table",
+    "coverage",
+    "coverage_lines",
+    "markdown_table",
+    "reason_lines",
+    "summary_counts",
+    "terminal_table",
+]
 
-_CELL = {"pass": "pass", "fail": "FAIL", "skip": "skip", "unsupported": "unsup"}
+_CELL = {"pass": "pass", "fail": "FAIL", "skip": "skip", "unsupported": "unsup", "no_backward": "nobwd"}
+_RAN = ("pass", "fail", "no_backward")
+#: which verdict a cell shows when several seeds gave different ones: the worst
+_WORST = ("fail", "no_backward", "pass", "skip", "unsupported")
+
+
+def _worst(cells: dict, key: tuple, verdict: str) -> None:
+    """Keep the worst verdict of ``key`` in ``cells`` (several seeds share one cell)."""
+    old = cells.get(key)
+    if old is None or _WORST.index(verdict) < _WORST.index(old):
+        cells[key] = verdict
 
 
 def _unique(values: Iterable[str]) -> list[str]:
@@ -26,7 +46,8 @@ def _unique(values: Iterable[str]) -> list[str]:
 
 
 def terminal_table(results: Sequence[FuzzResult]) -> str:
-    """One block per dtype: a row per case, a column per kernel, a verdict per cell."""
+    """One block per dtype: a row per case, a column per kernel, a verdict per cell (the worst
+    over seeds)."""
     kernels = _unique(r.kernel for r in results)
     widths = [max(len(k), 5) for k in kernels]
     lines: list[str] = []
@@ -34,7 +55,10 @@ def terminal_table(results: Sequence[FuzzResult]) -> str:
         rows = [r for r in results if r.dtype == dtype]
         cases = _unique(r.case for r in rows)
         width = max(len(c) for c in [*cases, dtype])
-        cell = {(r.case, r.kernel): _CELL[r.verdict] for r in rows}
+        worst: dict[tuple[str, str], str] = {}
+        for r in rows:
+            _worst(worst, (r.case, r.kernel), r.verdict)
+        cell = {key: _CELL[v] for key, v in worst.items()}
         lines.append(
             "  ".join([f"{dtype:<{width}}", *(f"{k:<{w}}" for k, w in zip(kernels, widths, strict=True))])
         )
@@ -46,26 +70,80 @@ def terminal_table(results: Sequence[FuzzResult]) -> str:
 
 
 def markdown_table(results: Sequence[FuzzResult]) -> str:
-    """A Markdown table: a row per case, a column per kernel, each cell the verdicts per dtype."""
+    """A Markdown table: a row per case, a column per kernel, each cell the verdicts per dtype (the
+    worst over seeds and layouts; a failure among several shows how many failed: ``**FAIL** 2/20``)."""
     kernels = _unique(r.kernel for r in results)
     dtypes = _unique(r.dtype for r in results)
-    verdict = {(r.case, r.kernel, r.dtype): r.verdict for r in results}
-    mark = {"pass": "pass", "fail": "**FAIL**", "skip": "skip", "unsupported": "unsup"}
+    verdict: dict[tuple[str, str, str], str] = {}
+    runs: dict[tuple[str, str, str], list[str]] = {}
+    for r in results:
+        _worst(verdict, (r.case, r.kernel, r.dtype), r.verdict)
+        runs.setdefault((r.case, r.kernel, r.dtype), []).append(r.verdict)
+    mark = {
+        "pass": "pass",
+        "fail": "**FAIL**",
+        "skip": "skip",
+        "unsupported": "unsup",
+        "no_backward": "nobwd",
+    }
+
+    def cell(key: tuple[str, str, str]) -> str:
+        text = mark.get(verdict.get(key, ""), "-")
+        seen = runs.get(key, [])
+        if len(seen) > 1 and verdict.get(key) == "fail":
+            text += f" {seen.count('fail')}/{len(seen)}"
+        return text
+
     lines = [
         f"| case ({' / '.join(dtypes)}) | " + " | ".join(f"`{k}`" for k in kernels) + " |",
         "| --- |" + " --- |" * len(kernels),
     ]
     for case in _unique(r.case for r in results):
-        cells = [" / ".join(mark.get(verdict.get((case, k, d), ""), "-") for d in dtypes) for k in kernels]
+        cells = [" / ".join(cell((case, k, d)) for d in dtypes) for k in kernels]
         lines.append(f"| `{case}` | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def catalogue_table() -> str:
-    """The catalogue as a Markdown table: case, what it probes, what the golden expects."""
-    lines = ["| case | what it probes | expected (FP64 golden) |", "| --- | --- | --- |"]
-    lines += [f"| `{c.name}` | {c.probes} | {c.expected} |" for c in select_cases()]
+    """The catalogue as a Markdown table: case, what it probes, what the golden expects, whether its
+    gradients are checked and its profiles."""
+    lines = [
+        "| case | what it probes | expected (FP64 golden) | gradients | profile |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| `{c.name}` | {c.probes} | {c.expected} | {'yes' if c.backward else 'no'} | "
+        f"{'default' if 'default' in c.profiles else 'full'} |"
+        for c in select_cases(profile="full")
+    ]
     return "\n".join(lines)
+
+
+def coverage(results: Sequence[FuzzResult]) -> dict[str, list[int | str]]:
+    """The values of each axis exercised: by the results a kernel ran on (pass, fail, no_backward).
+
+    Returns:
+        Axis → sorted distinct values: ``head_dim``, ``head_dim_v``, ``n_q``, ``n_k``,
+        ``batch_heads``, ``gqa_ratio``, ``layout``, ``mask`` (:meth:`CaseInputs.axes`), ``dtype``
+        and ``gradients`` (``checked`` where the gradients were judged, ``forward only`` where an
+        output passed without them: ``--no-backward`` or a forward-only case).
+    """
+    ran = [r for r in results if r.verdict in _RAN and r.axes]
+    axes: dict[str, set[int | str]] = {}
+    for r in ran:
+        for axis, value in r.axes.items():
+            axes.setdefault(axis, set()).add(value)
+        axes.setdefault("dtype", set()).add(r.dtype)
+        if r.backward is not None:
+            axes.setdefault("gradients", set()).add("checked")
+        elif r.verdict == "pass":  # the output passed and its gradients were not asked for
+            axes.setdefault("gradients", set()).add("forward only")
+    return {axis: sorted(values, key=lambda x: (isinstance(x, str), x)) for axis, values in axes.items()}
+
+
+def coverage_lines(cover: dict[str, list[int | str]]) -> list[str]:
+    """One line per axis: ``n_k: 1, 45, 203, 8192 (4 values)``."""
+    return [f"{axis}: {_names([str(v) for v in values], 16)}" for axis, values in cover.items()]
 
 
 def summary_counts(results: Sequence[FuzzResult]) -> dict[str, int]:

@@ -88,6 +88,7 @@ def check_inputs(
     is_causal: bool = False,
     *,
     kernel: str = "attention",
+    gqa: bool = False,
 ) -> None:
     """Validate the shapes, dtypes and mask of an attention call.
 
@@ -98,6 +99,8 @@ def check_inputs(
         attn_mask: optional boolean or additive mask broadcastable to ``(B, H, N_q, N_k)``.
         is_causal: whether a causal mask is applied too.
         kernel: the kernel's name, used in error messages.
+        gqa: the kernel accepts grouped-query attention: k and v may have ``H_kv`` heads where
+            ``H_kv`` divides ``H`` (each k/v head serves ``H / H_kv`` query heads).
 
     Raises:
         KernelInputError: naming the problem and how to fix it.
@@ -125,7 +128,8 @@ def check_inputs(
         raise KernelInputError(
             f"{kernel}: batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}"
         )
-    if q.shape[1] != k.shape[1] or k.shape[1] != v.shape[1]:
+    grouped = gqa and k.shape[1] == v.shape[1] and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0
+    if (q.shape[1] != k.shape[1] or k.shape[1] != v.shape[1]) and not grouped:
         raise KernelInputError(
             f"{kernel}: head counts differ: q {q.shape[1]}, k {k.shape[1]}, v {v.shape[1]}; "
             "repeat k/v heads for grouped-query attention (k.repeat_interleave(g, dim=1))"

@@ -26,7 +26,8 @@ benchmarks and the fuzzer alike (:func:`golden_attention` is built on it).
 
 :func:`reference_outputs` yields the output of each block (the probe compares block by block and
 keeps nothing); :func:`reference_attention` assembles the whole output; :func:`reference_gradients`
-yields, per group of heads, the outputs and the input gradients for a given output gradient.
+yields, per group of heads, the outputs and the input gradients for a given output gradient, and
+:func:`reference_input_gradients` assembles them into whole tensors.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ __all__ = [
     "reference_attention",
     "reference_budget",
     "reference_gradients",
+    "reference_input_gradients",
     "reference_numerics",
     "reference_outputs",
 ]
@@ -531,3 +533,57 @@ def reference_gradients(
         if not whole:
             acc = {n: None if t is None else t.to(compute) for n, t in acc.items()}
         yield GroupGradients(group, outs, dqs, acc.get("k"), acc.get("v"))
+
+
+def reference_input_gradients(
+    kernel: AttentionCall,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dtype: torch.dtype | None = None,
+    budget: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole output and input gradients of ``kernel`` (:func:`reference_gradients`, assembled).
+
+    Args:
+        kernel: SDPA-signature attention (differentiable).
+        q: ``(B, H, N_q, D)``; k: ``(B, H_kv, N_k, D)``; v: ``(B, H_kv, N_k, D_v)``.
+        grad_out: ``(B, H, N_q, D_v)`` the output gradient.
+        attn_mask, is_causal, scale: as the call.
+        dtype: compute dtype (default: the inputs').
+        budget: bytes per block (default: :func:`reference_budget`).
+
+    Returns:
+        ``(out, dq, dk, dv)``: ``(B, H, N_q, D_v)``, ``(B, H, N_q, D)``, ``(B, H_kv, N_k, D)`` and
+        ``(B, H_kv, N_k, D_v)``, in the compute dtype.
+    """
+    rep = q.shape[1] // max(k.shape[1], 1)
+    compute = dtype or q.dtype
+    out = q.new_zeros(*q.shape[:3], v.shape[3], dtype=compute)
+    dq = q.new_zeros(q.shape, dtype=compute)
+    dk = k.new_zeros(k.shape, dtype=compute)
+    dv = v.new_zeros(v.shape, dtype=compute)
+    for g in reference_gradients(
+        kernel,
+        q,
+        k,
+        v,
+        grad_out,
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        scale=scale,
+        dtype=compute,
+        budget=budget,
+    ):
+        for blk, part, dq_part in zip(g.blocks, g.outs, g.dq, strict=True):
+            out[blk.batch, blk.q_heads(rep), blk.rows] = part
+            dq[blk.batch, blk.q_heads(rep), blk.rows] = dq_part
+        first = g.blocks[0]
+        dk[first.batch, first.heads] = g.dk
+        dv[first.batch, first.heads] = g.dv
+    return out, dq, dk, dv

@@ -44,7 +44,8 @@ def sdpa_attention(
     """torch SDPA restricted to one backend.
 
     Args:
-        q: ``(B, H, N_q, D)``; k: ``(B, H, N_k, D)``; v: ``(B, H, N_k, D_v)``.
+        q: ``(B, H, N_q, D)``; k: ``(B, H_kv, N_k, D)``; v: ``(B, H_kv, N_k, D_v)``; ``H_kv``
+            dividing ``H`` is grouped-query attention (torch's ``enable_gqa``).
         attn_mask: bool (``True`` = attend) or additive mask broadcastable to
             ``(B, H, N_q, N_k)``.
         is_causal: top-left aligned causal mask.
@@ -58,19 +59,20 @@ def sdpa_attention(
         KernelUnavailableError: the backend cannot serve these inputs on this device, with
             torch's reasons.
     """
-    check_inputs(q, k, v, attn_mask, is_causal, kernel=backend)
+    check_inputs(q, k, v, attn_mask, is_causal, kernel=backend, gqa=True)
     if backend in _CUDA_ONLY and q.device.type != "cuda":
         raise KernelUnavailableError(
             f"{backend}: torch's {BACKENDS[backend].name} backend needs a CUDA device, inputs are "
             f"on {q.device.type}; on CPU use sdpa_flash or sdpa_math"
         )
+    gqa = q.shape[1] != k.shape[1]
     # torch explains why a backend was not used only through warnings: record them for the error.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             with sdpa_kernel(BACKENDS[backend]):
                 out = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale
+                    q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
                 )
         except RuntimeError as err:
             reasons = "; ".join(str(w.message) for w in caught) or str(err)

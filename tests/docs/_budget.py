@@ -43,7 +43,7 @@ _BUDGETS: dict[str, tuple[str, ...]] = {
     "bench verdicts": ("--steps", "2", "--models", "t2i,gpt2"),
     "study": ("--runs", "flash,baseline", *HYDRA_TINY),
     "train": HYDRA_TINY,
-    "fuzz": (),
+    "fuzz": ("--seeds", "1", "--profile", "default"),
     "compare": (),
     "report": (),
     "kernels": (),

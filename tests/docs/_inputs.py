@@ -65,7 +65,9 @@ def executable(argv: Sequence[str]) -> list[str]:
 def run(argv: Sequence[str], cwd: Path) -> CommandResult:
     """Run a documented command in ``cwd`` with :data:`ENV`; never raises on a non-zero exit."""
     env = {**os.environ, **ENV}
-    env.pop("PYTHONPATH", None)  # as a reader's shell: only the installed package and the cwd
+    # as a reader's shell: the package and the cwd, nothing of the test's own path; the package is
+    # this checkout's (a worktree's venv may have another checkout installed)
+    env["PYTHONPATH"] = str(REPO)
     proc = subprocess.run(
         executable(argv),
         cwd=cwd,

@@ -40,6 +40,7 @@ SCRIPT_BUDGETS: dict[str, tuple[str, ...]] = {
     "make_runs.py": ("--max-steps", "4"),
     "examples/probe_any_model.py": ("--steps", "1"),
     "examples/lightning_callbacks.py": (),
+    "scripts/fuzz_rule_calibration.py": ("--calls", "2"),
 }
 
 #: the page whose file block and command make the ``runs/`` directories other snippets read

@@ -25,7 +25,7 @@ def scale_of(inputs: CaseInputs) -> float:
 
 def logits64(inputs: CaseInputs) -> torch.Tensor:
     """Scaled logits ``(B, H, N_q, N_k)`` of the cast inputs in float64, computed apart from the fuzzer."""
-    q, k = inputs.q.double(), inputs.k.double()
+    q, k = inputs.q.double(), inputs.reference_kv()[0].double()
     return torch.einsum("bhqd,bhkd->bhqk", q, k) * scale_of(inputs)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from flashprobe import golden_attention, math_attention
 from flashprobe.fuzz import Verdict, check_case, check_output, references, value_floor
-from flashprobe.fuzz.rule import rounding_floor
+from flashprobe.fuzz.rule import L2_FACTOR, rounding_floor
 
 from ._helpers import case
 
@@ -34,18 +34,29 @@ def test_values_rule_is_two_times_baseline_plus_floor(register, name):
     assert refs.baseline_golden_max_abs == pytest.approx(errors[0])
     assert refs.floor == pytest.approx(floor)
     assert refs.tolerance == pytest.approx(tol)
-    for factor, expected in ((0.8, "pass"), (1.25, "fail")):
+    base_l2 = max((out.double() - golden).norm().item() for out in placements)
+    assert refs.noise_l2 == pytest.approx(base_l2)
+    # one element off by 1.25 × tol breaks the max rule only: the L2 rule keeps it a pass;
+    # every element off by it breaks both
+    for factor, where, expected in ((0.8, "all", "pass"), (1.25, "all", "fail"), (1.25, "one", "pass")):
         offset = factor * tol
 
-        def shifted(q, k, v, *, attn_mask=None, is_causal=False, scale=None, _offset=offset):
+        def shifted(q, k, v, *, attn_mask=None, is_causal=False, scale=None, _offset=offset, _where=where):
             g = golden_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
             out = g.clone()
-            out[0, 0, 0, 0] += _offset  # one element off by a known amount, in float64
+            if _where == "one":
+                out[0, 0, 0, 0] += _offset  # one element off by a known amount, in float64
+            else:
+                out += _offset
             return out
 
-        result = check_case(register("user_shifted", shifted), inputs, refs=refs)
+        result = check_case(register("user_shifted", shifted), inputs, refs=refs, backward=False)
         assert result.verdict == expected, result.reason
         assert result.primary_golden_max_abs == pytest.approx(offset, rel=1e-6)
+        l2 = offset * (golden.numel() if where == "all" else 1) ** 0.5
+        assert (l2 > L2_FACTOR * base_l2 + torch.finfo(torch.float32).eps * golden.norm().item()) is (
+            where == "all"
+        )
 
 
 def test_zero_rows_are_flagged_only_where_golden_is_clearly_non_zero(register):
@@ -82,8 +93,7 @@ def test_check_output_applies_the_same_rule_as_the_fuzzer():
     baseline = golden.clone()
     baseline[0, 0, 1, 3] = 1e-3
     for offset, expected in ((2.45e-3, "pass"), (2.55e-3, "fail")):
-        out = golden.clone()
-        out[0, 0, 0, 0] = offset
+        out = golden + offset  # every element: ‖out − golden‖₂ = offset·√8 > 4 × 1e-3 (the L2 rule)
         verdict = check_output(out, baseline, golden, floor=0.5e-3)
         assert isinstance(verdict, Verdict) and verdict.verdict == expected, verdict.reason
         assert verdict.passed is (expected == "pass")
@@ -104,5 +114,5 @@ def test_check_output_fails_nan_and_refuses_a_nonfinite_baseline():
 
 
 def test_verdict_rejects_an_unknown_verdict():
-    with pytest.raises(ValueError, match="must be one of pass, fail, skip, unsupported"):
+    with pytest.raises(ValueError, match="must be one of pass, fail, skip, unsupported, no_backward"):
         Verdict(verdict="ok", reason="")

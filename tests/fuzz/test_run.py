@@ -41,9 +41,9 @@ def test_sentinel_kernel_fails_the_sentinel_cases_with_the_zeros_reason():
 
 def test_tiled_passes_the_whole_catalogue_at_fp32():
     results = run_catalogue(["tiled"], ["fp32"])
-    assert {r.case for r in results} == set(CATALOGUE)
+    assert {r.case for r in results} == {c.name for c in CATALOGUE.values() if "default" in c.profiles}
     for r in results:
-        expected = "unsupported" if r.case == "gqa_broadcast" else "pass"
+        expected = "unsupported" if r.case in ("gqa_broadcast", "mqa") else "pass"
         assert r.verdict == expected, (r.case, r.reason)
     gqa = next(r for r in results if r.case == "gqa_broadcast")
     assert "KernelInputError" in gqa.reason
@@ -84,7 +84,8 @@ def test_fp16_qk_overflow_is_judged_against_what_fp16_can_represent(register):
 )
 def test_user_kernels_with_known_defects_get_the_right_verdict(register, fn, name, verdict, failure, text):
     kernel = register(f"user_{fn.__name__}", fn)
-    result = check_case(kernel, case(name), case=name)
+    # with gradients torch itself refuses an in-place write to an input that requires grad
+    result = check_case(kernel, case(name), case=name, backward=fn is not h.in_place)
     assert (result.verdict, result.failure) == (verdict, failure), result.reason
     assert text in result.reason
 

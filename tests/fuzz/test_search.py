@@ -44,6 +44,8 @@ from flashprobe import register_kernel
 @register_kernel("planted_nan")
 def planted_nan(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     """Correct attention, except that a row with no valid key comes back as NaN."""
+    g = q.shape[1] // k.shape[1]  # grouped-query attention: each k/v head serves g query heads
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     s = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale)
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
@@ -187,9 +189,11 @@ def test_random_search_finds_the_sentinel_bug_and_no_false_alarm_on_correct_kern
     results = random_search(["tiled", "sdpa_flash", SENTINEL_KERNEL], ["fp32"], budget=16, seed=0)
     by_kernel = {k: [r for r in results if r.kernel == k] for k in ("tiled", "sdpa_flash", SENTINEL_KERNEL)}
     for kernel in ("tiled", "sdpa_flash"):
-        assert {r.verdict for r in by_kernel[kernel]} <= {"pass", "skip"}, [
+        assert {r.verdict for r in by_kernel[kernel]} <= {"pass", "skip", "unsupported"}, [
             r.reason for r in by_kernel[kernel]
         ]
+        unsupported = [r for r in by_kernel[kernel] if r.verdict == "unsupported"]
+        assert all(kernel == "tiled" and "head counts differ" in r.reason for r in unsupported)
     sentinel_fails = [r for r in by_kernel[SENTINEL_KERNEL] if r.verdict == "fail"]
     assert sentinel_fails and all(r.failure == "zeros" for r in sentinel_fails)
     assert all(r.params["level"] < -5e4 for r in sentinel_fails)  # exactly the rows below the sentinel

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashprobe.kernels import KernelInputError, get_kernel, to_dtype
+from flashprobe.kernels import KernelInputError, check_inputs, get_kernel, to_dtype
 
 KERNELS = ["math", "tiled", "sdpa_flash", "sdpa_math", "flash_attn"]
 
@@ -75,3 +75,13 @@ def test_tiled_rejects_bad_options_at_call():
         tiled(q, k, v, sram=16)
     with pytest.raises(ValueError, match=r"mask_value=nan must be -inf or a finite number"):
         tiled(q, k, v, mask_value=float("nan"))
+
+
+def test_check_inputs_accepts_grouped_query_heads_only_when_asked():
+    q, kv = torch.zeros(1, 6, 4, 8), torch.zeros(1, 2, 5, 8)
+    check_inputs(q, kv, kv, gqa=True)  # 3 query heads per k/v head
+    with pytest.raises(KernelInputError, match="head counts differ: q 6, k 2, v 2"):
+        check_inputs(q, kv, kv)
+    odd = torch.zeros(1, 4, 5, 8)
+    with pytest.raises(KernelInputError, match="head counts differ: q 6, k 4, v 4"):
+        check_inputs(q, odd, odd, gqa=True)  # 4 does not divide 6

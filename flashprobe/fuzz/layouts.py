@@ -1,0 +1,101 @@
+"""Memory layouts of a case's inputs: the same values, laid out as models hand them to kernels.
+
+A kernel sees ``(B, H, N, D)`` tensors, but rarely contiguous ones: attention layers project to
+``(B, N, H, D)`` and transpose, slice q, k and v out of one fused projection, expand one k/v head
+with stride 0, or pass views that start inside a larger buffer. A kernel must give the same answer
+for every layout; one that reads its inputs as if they were contiguous does not.
+
+=============  ===================================================================================
+layout         what the kernel gets
+=============  ===================================================================================
+contiguous     contiguous ``(B, H, N, D)`` tensors
+bnhd           transposed views of contiguous ``(B, N, H, D)`` projections
+fused_qkv      slices of one fused projection ``(B, N, 3, H, D)`` (k and v ``(B, N, 2, H_kv, D)``
+               when q's shape differs; v on its own when its head dim differs)
+expanded_kv    k and v of one head (and batch entry) expanded with stride 0 to every head (the
+               values change: every k/v head equals the first; the golden follows them)
+offset         views starting at a non-zero storage offset in a larger buffer
+=============  ===================================================================================
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["LAYOUTS", "apply_layout", "layout_of"]
+
+#: Every layout, in the order the catalogue and the random search use them.
+LAYOUTS = ("contiguous", "bnhd", "fused_qkv", "expanded_kv", "offset")
+_OFFSET = 7  # elements before a view's first one in its buffer
+
+
+def _bnhd(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(B, H, N, D)`` as a transposed view of a contiguous ``(B, N, H, D)`` copy."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _fused(*xs: torch.Tensor) -> list[torch.Tensor]:
+    """Tensors of one ``(B, H, N, D)`` shape as slices of one ``(B, N, len(xs), H, D)`` buffer."""
+    fused = torch.stack([x.transpose(1, 2) for x in xs], dim=2).contiguous()  # (B, N, n, H, D)
+    return [fused[:, :, i].transpose(1, 2) for i in range(len(xs))]
+
+
+def _offset(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a contiguous view starting ``_OFFSET`` elements into a larger buffer."""
+    buffer = torch.zeros(x.numel() + 2 * _OFFSET, dtype=x.dtype, device=x.device)
+    view = buffer[_OFFSET : _OFFSET + x.numel()].view(x.shape)
+    view.copy_(x)
+    return view
+
+
+def _expanded(x: torch.Tensor) -> torch.Tensor:
+    """The first batch entry and head of ``x`` ``(B, H, N, D)`` expanded (stride 0) to ``(B, H, N, D)``."""
+    return x[:1, :1].expand(x.shape)
+
+
+def apply_layout(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q``, ``k``, ``v`` laid out as ``layout`` (see the module docstring).
+
+    Args:
+        q: ``(B, H, N_q, D)``.
+        k: ``(B, H_kv, N_k, D)``.
+        v: ``(B, H_kv, N_k, D_v)``.
+        layout: one of :data:`LAYOUTS`.
+
+    Returns:
+        Tensors of the same shapes and (except ``expanded_kv``, which repeats the first k/v head)
+        the same values in the layout.
+
+    Raises:
+        ValueError: an unknown layout; the message lists them.
+    """
+    if layout == "contiguous":
+        return q.contiguous(), k.contiguous(), v.contiguous()
+    if layout == "bnhd":
+        return _bnhd(q), _bnhd(k), _bnhd(v)
+    if layout == "fused_qkv":
+        if q.shape == k.shape == v.shape:
+            q, k, v = _fused(q, k, v)
+            return q, k, v
+        if k.shape == v.shape:
+            k, v = _fused(k, v)
+            return _bnhd(q), k, v
+        q_, k_ = _fused(q, k) if q.shape == k.shape else (_bnhd(q), _bnhd(k))
+        return q_, k_, _bnhd(v)
+    if layout == "expanded_kv":
+        return q.contiguous(), _expanded(k), _expanded(v)
+    if layout == "offset":
+        return _offset(q), _offset(k), _offset(v)
+    raise ValueError(f"layout={layout!r} must be one of {', '.join(LAYOUTS)}")
+
+
+def layout_of(x: torch.Tensor) -> str:
+    """A short description of a tensor's memory layout: ``contiguous``, ``strided``, ``stride-0``,
+    ``offset`` (for messages)."""
+    if 0 in x.stride() and x.numel() > 1:
+        return "stride-0"
+    if not x.is_contiguous():
+        return "strided"
+    return "offset" if x.storage_offset() else "contiguous"
