@@ -152,7 +152,6 @@ _INPUTS_AT = N_MAX + len(DIRECTIONS) * _SUM_BLOCK
 _ARG_KEYS = [FIELDS.index(key) for key in ARG_FIELDS.values()]
 
 
-
 def count_nonfinite_positions(x: torch.Tensor) -> torch.Tensor:
     """Positions of a ``(B, H, N, D)`` tensor with a NaN/±inf in any head or channel, as a 0-d
     int64 tensor on its device (no host sync): one NaN token counts once, whatever ``H·D`` is.
