@@ -127,6 +127,15 @@ def _parser() -> argparse.ArgumentParser:
         metavar="MODULE",
         help="import MODULE first (it registers your kernels with flashprobe.register_kernel); repeatable",
     )
+    p.add_argument(
+        "--from",
+        dest="from_file",
+        type=Path,
+        metavar="FILE",
+        help="a failing call the probe saved in training (repro/*.safetensors): replay it with each "
+        "--kernel (default: the recorded primary) and shrink it to the smallest call that still fails, "
+        "written to DIR/<name>.shrunk.safetensors",
+    )
     p.add_argument("--list", action="store_true", help="print the catalogue as a Markdown table and exit")
     p.add_argument(
         "-v", "--verbose", action="store_true", help="print every (kernel, case, dtype) with its reason"
@@ -242,6 +251,81 @@ def _plan(args: argparse.Namespace) -> _Plan:
     )
 
 
+def _import_modules(modules: Sequence[str] | None) -> None:
+    if modules and "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))  # modules in the working directory, as `python -m` finds them
+    for module in modules or []:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise UsageError(
+                f"--import {module}: {err}; run from the directory that holds it or add that to PYTHONPATH"
+            ) from None
+
+
+def _from_reproducer(args: argparse.Namespace) -> int:
+    """``--from FILE``: replay a training reproducer with each kernel and shrink the failing ones
+    (:func:`flashprobe.probe.repro.shrink_reproducer`); 1 when a kernel fails, 0 when none does."""
+    from flashprobe.probe.repro import (
+        ReproducerError,
+        load_reproducer,
+        replay,
+        save_reproducer,
+        shrink_reproducer,
+    )
+
+    _import_modules(args.imports)
+    try:
+        call = load_reproducer(args.from_file)
+    except ReproducerError as err:
+        raise UsageError(f"--from: {err}") from None
+    specs = args.kernel or ([call.meta["primary"]] if call.meta.get("primary") else [])
+    if not specs:
+        raise UsageError(
+            "--from: the call was made with torch's own SDPA (no primary recorded); "
+            "name the kernel with --kernel"
+        )
+    kernels = [_label(k, "--kernel") for k in specs]
+    try:
+        out_dir = prepare_output_dir(args.out, flag="--out")
+    except OutputPathError as err:
+        raise UsageError(str(err)) from None
+    baseline = None if args.baseline == "math" else args.baseline
+    failed = 0
+    results = replay(call, kernels, baseline=baseline)
+    stem = args.from_file.name.removesuffix(".safetensors")
+    for spec, result in results.items():
+        if result["verdict"] != "fail":
+            reasons = "; ".join(result["reasons"])
+            print(f"{spec}: {result['verdict'].upper()} on {args.from_file} {reasons}".rstrip())
+            continue
+        failed += 1
+        small, tries = shrink_reproducer(call, spec, baseline=baseline)
+        path = out_dir / f"{stem}.{_safe(spec)}.shrunk.safetensors"
+        save_reproducer(
+            path,
+            q=small.q,
+            k=small.k,
+            v=small.v,
+            attn_mask=small.attn_mask,
+            is_causal=small.is_causal,
+            scale=small.scale,
+            grad_out=small.grad_out,
+            meta={**small.meta, "primary": spec, "shrunk_from": str(args.from_file)},
+        )
+        before = "x".join(str(n) for n in (*call.q.shape[:3], call.k.shape[2]))
+        after = "x".join(str(n) for n in (*small.q.shape[:3], small.k.shape[2]))
+        print(
+            f"{spec}: FAIL ({'; '.join(result['reasons'])}); shrunk B x H x N_q x N_k {before} -> {after} "
+            f"in {tries} replays; wrote {path} (flashprobe replay {path})"
+        )
+    return 1 if failed else 0
+
+
+def _safe(spec: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in spec)
+
+
 def _print_results(plan: _Plan, results: list[FuzzResult], elapsed: float) -> None:
     catalogue = [r for r in results if r.params is None]
     randoms = [r for r in results if r.params is not None]
@@ -324,6 +408,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.list:
         print(catalogue_table())
         return 0
+    if args.from_file is not None:
+        try:
+            return _from_reproducer(args)
+        except UsageError as err:
+            print(f"flashprobe fuzz: {err}", file=sys.stderr)
+            return 2
     try:
         plan = _plan(args)
     except UsageError as err:

@@ -219,3 +219,22 @@ def test_a_reproducer_shrinks_to_a_smaller_failing_call(bug: str, bugs: None, tm
     assert replay(small, ["bug_none"])["bug_none"]["verdict"] == "pass"
     if bug == "batch_kv_mixup":  # needs a second batch entry to fire: the shrinker keeps two
         assert small.q.shape[0] == 2
+
+
+def test_fuzz_from_a_training_reproducer_shrinks_it(bugs: None, tmp_path: Path, capsys) -> None:
+    p = train("bug_keys_truncated", repro_dir=tmp_path / "repro", on_failure="ignore")
+    repro = p.failures[0]["repro"]
+    capsys.readouterr()
+    assert cli_main(["fuzz", "--from", repro, "--out", str(tmp_path / "fuzz")]) == 1  # the recorded primary
+    out = capsys.readouterr().out
+    assert "bug_keys_truncated: FAIL" in out and "shrunk B x H x N_q x N_k" in out
+    (shrunk,) = (tmp_path / "fuzz").glob("*.shrunk.safetensors")
+    small = load_reproducer(shrunk)
+    assert (
+        small.k.shape[2] > 64 and small.q.numel() < load_reproducer(repro).q.numel()
+    )  # the bug needs N_k > 64
+    assert (
+        cli_main(["replay", str(shrunk)]) == 1
+        and cli_main(["replay", str(shrunk), "--kernel", "bug_none"]) == 0
+    )
+    assert cli_main(["fuzz", "--from", repro, "--kernel", "bug_none", "--out", str(tmp_path / "fuzz")]) == 0
