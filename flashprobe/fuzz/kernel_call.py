@@ -7,7 +7,7 @@ has no backward (``KernelCall.no_backward``), which is reported as such, never a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -55,7 +55,9 @@ class KernelCall:
         grads: ``dq`` ``(B, H, N_q, D)``, ``dk`` ``(B, H_kv, N_k, D)``, ``dv`` ``(B, H_kv, N_k, D_v)``
             when an output gradient was given and the backward ran (``None`` for an input the
             output does not depend on); empty otherwise.
-        no_backward: the output has no autograd graph (the kernel has no backward).
+        no_backward: the output has no autograd graph (the kernel has no backward), or the kernel
+            refuses inputs that require grad here (``no_backward_reason`` says why; e.g. FlexAttention
+            on the CPU); the forward ran under ``no_grad`` then.
         backward_problem: the backward raised (``fail``, kind ``backward:raised``); ``None`` otherwise.
         problem: ``unsupported`` (the kernel raised KernelUnavailableError/KernelInputError) or
             ``fail`` (``raised``: it raised anything else or returned no tensor; ``inplace``: it
@@ -67,6 +69,7 @@ class KernelCall:
     grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
     no_backward: bool = False
     backward_problem: Verdict | None = None
+    no_backward_reason: str = ""
 
 
 def _forward_backward(
@@ -105,7 +108,15 @@ def call_kernel(kernel: Kernel, inputs: CaseInputs, grad_out: torch.Tensor | Non
             out = attend(kernel, copies, copies.k, copies.v)
         else:
             out, grads, backward_problem = _forward_backward(kernel, copies, grad_out)
-    except (KernelUnavailableError, KernelInputError) as err:
+    except KernelUnavailableError as err:
+        if grad_out is None:
+            return KernelCall(problem=Verdict(verdict="unsupported", reason=f"{type(err).__name__}: {err}"))
+        # No backward here (e.g. FlexAttention on the CPU): judge the forward, report the gradients.
+        forward_only = call_kernel(kernel, inputs)
+        if forward_only.problem is None:
+            return replace(forward_only, no_backward=True, no_backward_reason=f"{type(err).__name__}: {err}")
+        return forward_only
+    except KernelInputError as err:
         return KernelCall(problem=Verdict(verdict="unsupported", reason=f"{type(err).__name__}: {err}"))
     except Exception as err:  # any other exception is a bug the fuzzer reports
         reason = f"raised {type(err).__name__}: {err}"

@@ -180,7 +180,10 @@ def _backward_verdict(
     if refs.grad_out is None:
         return None, {}, ""
     if call.no_backward:
-        why = "no backward: the kernel's output has no autograd graph, its gradients are not checked"
+        why = "no backward: " + (
+            call.no_backward_reason
+            or "the kernel's output has no autograd graph, its gradients are not checked"
+        )
         return Verdict(verdict="no_backward", reason=why), {}, why
     if call.backward_problem is not None:
         return call.backward_problem, {}, call.backward_problem.reason

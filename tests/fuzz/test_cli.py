@@ -193,3 +193,13 @@ def test_bad_arguments_fail_before_any_case_runs(tmp_path, capsys, no_run, argv,
     text = _bad_input([*argv, "--out", str(out)], capsys)
     assert text.startswith("flashprobe fuzz: ") and message in text
     assert not out.exists()  # nothing created either
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU, where FlexAttention has no backward")
+def test_flex_runs_the_catalogue_forward_and_reports_its_gradients_as_unsupported(tmp_path, capsys):
+    assert main(["--kernel", "flex:compile=false", "--dtype", "fp32", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "fuzz.json").read_text())["rows"]
+    verdicts = {r["verdict"] for r in results}
+    assert verdicts <= {"pass", "no_backward", "skip"} and "no_backward" in verdicts
+    judged = [r for r in results if r["verdict"] == "no_backward"]
+    assert all("no FlexAttention backward on the CPU" in r["reason"] for r in judged)
