@@ -183,6 +183,7 @@ _lock = threading.RLock()
 _bindings: list[AttentionRoute] = []
 _index: dict[int, _Resolution] = {}
 _patches: list[tuple[dict[str, Any], str, Any, Any]] = []  # (namespace, name, original, replacement)
+_DIRECT_ORIGINALS: dict[tuple[str, str], Any] = {}  # the libraries' own functions, as first seen
 
 
 def active_handles(model: nn.Module | None = None) -> list[AttentionRoute]:
@@ -323,6 +324,98 @@ def _flex_dispatch(*args: Any, **kwargs: Any) -> Any:
 
 
 _flex_dispatch.__name__ = _flex_dispatch.__qualname__ = "flex_attention"
+
+#: Direct-call entry points of attention libraries, ``(module, function)``: patched where those
+#: modules are already imported (never imported by flashprobe), and where model code imported them.
+DIRECT_KERNELS: tuple[tuple[str, str], ...] = (
+    ("flash_attn", "flash_attn_func"),
+    ("flash_attn.flash_attn_interface", "flash_attn_func"),
+    ("flash_attn_interface", "flash_attn_func"),  # FlashAttention-3 (hopper)
+)
+
+
+class _DirectPrimary:
+    """The model's own kernel as the probe's primary: ``flash_attn_func`` on the call's (possibly
+    tapped) tensors, in its ``(B, N, H, D)`` layout, its extra arguments kept."""
+
+    def __init__(self, original: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+        self.original, self.kwargs = original, kwargs
+
+    def run(self, call: SdpaCall) -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in (call.query, call.key, call.value))
+        out = self.original(q, k, v, **self.kwargs)
+        return out.transpose(1, 2)  # back to (B, H, N, D) for the shadow
+
+
+def _bottom_right_causal(n_q: int, n_k: int, device: torch.device) -> torch.Tensor:
+    """flash-attn's causal mask when ``N_q != N_k``: query i sees keys j <= i + N_k - N_q."""
+    return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril(diagonal=n_k - n_q)
+
+
+def _plain_argument(name: str, value: Any) -> bool:
+    """Whether a flash-attn keyword argument leaves the call expressible in SDPA."""
+    if name == "window_size":
+        return tuple(value) == (-1, -1)
+    if name in ("alibi_slopes", "return_attn_probs"):
+        return not value
+    if name == "softcap":
+        return not value
+    return name in ("deterministic",)
+
+
+def _direct_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, ...)`` on
+    ``(B, N, H, D)`` tensors, probed like an SDPA call: the model gets the library's output; the
+    shadow compares it with the references on ``(B, H, N, D)`` views (flash-attn's bottom-right
+    causal mask made explicit when ``N_q != N_k``, its grouped key/value heads native). Calls with
+    arguments SDPA cannot express (sliding windows, ALiBi, soft-capping, attention probabilities)
+    run unchanged and are not compared."""
+
+    def flash_attn_func(
+        q: Any,
+        k: Any,
+        v: Any,
+        dropout_p: float = 0.0,
+        softmax_scale: Any = None,
+        causal: bool = False,
+        **kwargs: Any,
+    ):  # type: ignore[no-untyped-def]
+        def run() -> Any:
+            return original(q, k, v, dropout_p, softmax_scale, causal, **kwargs)
+
+        if _state.busy or torch.compiler.is_compiling():
+            return run()
+        res = _find(sys._getframe(1))
+        if res is None or res.probe is None or not isinstance(q, torch.Tensor) or q.dim() != 4:
+            return run()
+        unexpressible = [name for name, value in kwargs.items() if not _plain_argument(name, value)]
+        if unexpressible:
+            res.probe.warn_once(
+                ("direct-unsupported", res.site),
+                f"flashprobe: the {getattr(original, '__module__', '')}.flash_attn_func call at site "
+                f"{res.site!r} uses arguments SDPA cannot express ({', '.join(unexpressible)}); it runs "
+                "unchanged and is not compared",
+            )
+            return run()
+        n_q, n_k = q.shape[1], k.shape[1]
+        mask = None
+        if causal and n_q != n_k:
+            mask = _bottom_right_causal(n_q, n_k, q.device)
+        call = SdpaCall(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, dropout_p,
+            bool(causal) and mask is None, softmax_scale, k.shape[2] != q.shape[2],
+        )  # fmt: skip
+        primary = _DirectPrimary(
+            original, {"dropout_p": dropout_p, "softmax_scale": softmax_scale, "causal": causal, **kwargs}
+        )
+        _state.busy = True
+        try:
+            return res.probe.handle(res.site, call, primary).transpose(1, 2)
+        finally:
+            _state.busy = False
+
+    return flash_attn_func
+
 
 #: transformers' FlexAttention entry point (``attn_implementation="flex_attention"``): it calls a
 #: compiled ``flex_attention``, which no name swap reaches, so its wrapper is swapped instead.
@@ -485,6 +578,13 @@ def _install(roots: list[nn.Module]) -> None:
         if _flex.FLEX_ORIGINAL is not None:
             _patch(vars(_flex._flex_module), "flex_attention", _flex_dispatch)
             hf = sys.modules.get(_HF_FLEX[0])
+        for module_name, function in DIRECT_KERNELS:
+            library = sys.modules.get(module_name)
+            fn = getattr(library, function, None) if library is not None else None
+            if callable(fn) and fn not in _DIRECT_ORIGINALS.values():
+                _DIRECT_ORIGINALS[(module_name, function)] = fn
+            if (module_name, function) in _DIRECT_ORIGINALS and library is not None:
+                _patch(vars(library), function, _direct_wrapper(_DIRECT_ORIGINALS[(module_name, function)]))
             if hf is not None and callable(getattr(hf, _HF_FLEX[1], None)):
                 _patch(vars(hf), _HF_FLEX[1], _hf_flex_wrapper(getattr(hf, _HF_FLEX[1])))
     # Model code that imported the function by name: swap that module global as well.
@@ -504,6 +604,8 @@ def _install(roots: list[nn.Module]) -> None:
                         _patch(namespace, name, _stand_in)
                     elif value is _flex.FLEX_ORIGINAL and value is not None:
                         _patch(namespace, name, _flex_dispatch)
+                    elif callable(value) and any(value is fn for fn in _DIRECT_ORIGINALS.values()):
+                        _patch(namespace, name, _direct_wrapper(value))
 
 
 def _uninstall() -> None:
