@@ -1,9 +1,14 @@
 """Adapter for Dao-AILab's ``flash-attn`` package (CUDA only, optional ``cuda`` extra).
 
 flash-attn takes ``(B, N, H, D)`` tensors in fp16/bf16 and aligns its causal mask to the
-bottom-right when ``N_q != N_k``. This adapter keeps flashprobe's ``(B, H, N, D)`` layout; since
-flash-attn's dense API takes no mask, causal calls with ``N_q != N_k`` (where the two conventions
-differ) are rejected with an explanation. The package is imported lazily, at the first call.
+bottom-right when ``N_q != N_k``. This adapter keeps flashprobe's ``(B, H, N, D)`` layout. Grouped
+key/value heads are passed natively. A **key-padding mask** (bool, ``(B, 1, 1, N_k)`` or
+``(B, N_k)``-shaped: which keys of each batch entry are real) takes flash-attn's varlen path
+(``flash_attn_varlen_func`` on the real keys of each entry, ``cu_seqlens``); any other mask has no
+flash-attn equivalent and is refused. Causal calls with ``N_q != N_k`` (where the two conventions
+differ) are refused with an explanation; so are head dims above 256 or not a multiple of 8
+(flash-attn's limits). The package is imported lazily, at the first call. The CUDA paths run only
+where a GPU is present (the ``gpu``-marked test in tests/kernels/test_flex_and_flashinfer.py).
 """
 
 from __future__ import annotations
@@ -31,6 +36,46 @@ def _import_flash_attn() -> Any:
             f"flash_attn: the flash-attn package is not installed ({err}); {_INSTALL}"
         ) from None
     return flash_attn_func
+
+
+def _key_padding(mask: torch.Tensor, b: int, n_q: int, n_k: int) -> torch.Tensor:
+    """The ``(B, N_k)`` bool real-key mask of a key-padding ``attn_mask``, or a refusal."""
+    if mask.dtype != torch.bool:
+        raise KernelUnavailableError(
+            "flash_attn: an additive float mask has no flash-attn equivalent; pass a bool key-padding "
+            "mask, or use sdpa_flash, sdpa_efficient or tiled"
+        )
+    full = mask.expand(b, -1, n_q, n_k) if mask.dim() == 4 else mask.expand(b, 1, n_q, n_k)
+    keys = full[:, 0, 0, :]
+    if not bool((full == keys[:, None, None, :]).all()):
+        raise KernelUnavailableError(
+            "flash_attn: only key-padding masks (the same keys masked for every head and query) map to "
+            "flash-attn's varlen path; use sdpa_flash, sdpa_efficient or tiled for other masks"
+        )
+    return keys
+
+
+def _varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """``flash_attn_varlen_func`` over each batch entry's real keys (queries all kept)."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError as err:
+        raise KernelUnavailableError(
+            f"flash_attn: the flash-attn package is not installed ({err}); {_INSTALL}"
+        ) from None
+    b, h, n_q, d = q.shape
+    lengths_k = keys.sum(dim=1, dtype=torch.int32)
+    cu_k = torch.nn.functional.pad(lengths_k.cumsum(0, dtype=torch.int32), (1, 0))
+    cu_q = torch.arange(0, (b + 1) * n_q, n_q, dtype=torch.int32, device=q.device)
+    q_packed = q.transpose(1, 2).reshape(b * n_q, h, d)
+    k_packed = k.transpose(1, 2)[keys]  # (total real keys, H_kv, D)
+    v_packed = v.transpose(1, 2)[keys]
+    out = flash_attn_varlen_func(
+        q_packed, k_packed, v_packed, cu_q, cu_k, n_q, int(lengths_k.max()), softmax_scale=scale
+    )
+    return out.view(b, n_q, h, v.shape[-1]).transpose(1, 2)
 
 
 def _check(device: torch.device, dtype: torch.dtype) -> None:
@@ -62,7 +107,7 @@ def flash_attn_attention(
 
     Args:
         q: ``(B, H, N_q, D)``; k: ``(B, H, N_k, D)``; v: ``(B, H, N_k, D)``.
-        attn_mask: not supported by flash-attn's dense API: must be None.
+        attn_mask: None, or a bool key-padding mask (varlen path); other masks are refused.
         is_causal: causal mask; with ``N_q != N_k`` flash-attn aligns it bottom-right, unlike
             torch SDPA, so that case is rejected.
         scale: softmax scale, default ``1/sqrt(D)``.
@@ -71,16 +116,19 @@ def flash_attn_attention(
         ``(B, H, N_q, D)`` in the inputs' dtype.
 
     Raises:
-        KernelUnavailableError: not on CUDA, wrong dtype, package missing, a mask was given,
-            D_v != D, or causal with N_q != N_k.
+        KernelUnavailableError: not on CUDA, wrong dtype, package missing, a mask that is not
+            key padding, a head dim flash-attn lacks, D_v != D, or causal with N_q != N_k.
     """
-    check_inputs(q, k, v, attn_mask, is_causal, kernel="flash_attn")
+    check_inputs(q, k, v, attn_mask, is_causal, kernel="flash_attn", gqa=True)
     _check(q.device, q.dtype)
-    if attn_mask is not None:
+    d = q.shape[-1]
+    if d > 256 or d % 8:
         raise KernelUnavailableError(
-            "flash_attn: flash-attn's dense API takes no attn_mask; use is_causal, or a kernel "
-            "with mask support (sdpa_flash, sdpa_efficient, tiled)"
+            f"flash_attn: flash-attn supports head dims up to 256 that are multiples of 8, not {d}"
         )
+    keys = None
+    if attn_mask is not None:
+        keys = _key_padding(attn_mask, q.shape[0], q.shape[-2], k.shape[-2])
     if v.shape[-1] != q.shape[-1]:
         raise KernelUnavailableError(
             f"flash_attn: flash-attn needs v's head dim ({v.shape[-1]}) to equal q's ({q.shape[-1]}); "
@@ -91,6 +139,8 @@ def flash_attn_attention(
             "flash_attn: causal with N_q != N_k is aligned bottom-right by flash-attn but "
             "top-left by torch SDPA; compare such shapes with sdpa kernels instead"
         )
+    if keys is not None:
+        return _varlen(q, k, v, keys, scale)
     flash_attn_func = _import_flash_attn()
     out = flash_attn_func(
         q.transpose(1, 2),

@@ -89,3 +89,31 @@ def test_flashinfer_matches_sdpa_on_cuda() -> (
     for kwargs in ({}, {"is_causal": True}, {"attn_mask": keep}):
         golden = golden_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), **kwargs)
         assert (kernel(q, k, v, **kwargs).double() - golden).abs().max() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA device")
+def test_flash_attn_takes_key_padding_through_varlen_on_cuda() -> None:  # run by scripts/gpu_check.sh
+    pytest.importorskip("flash_attn")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 8, 64, 64, device="cuda", generator=gen, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 80, 64, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    keep = torch.ones(2, 1, 1, 80, dtype=torch.bool, device="cuda")
+    keep[1, ..., 50:] = False  # the second entry has 50 real keys
+    kx, vx = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
+    out = get_kernel("flash_attn")(q, k, v, attn_mask=keep)
+    assert (out.double() - golden_attention(q, kx, vx, attn_mask=keep)).abs().max() < 2e-2
+
+
+def test_flash_attn_refuses_what_it_cannot_take_before_any_work() -> None:
+    q = torch.randn(1, 2, 8, 16)
+    from flashprobe.kernels.flash_attn import _key_padding
+
+    with pytest.raises(KernelUnavailableError, match="only key-padding masks"):
+        _key_padding(torch.rand(1, 1, 8, 8) > 0.5, 1, 8, 8)
+    with pytest.raises(KernelUnavailableError, match="additive float mask"):
+        _key_padding(torch.zeros(1, 1, 8, 8), 1, 8, 8)
+    keys = _key_padding(torch.tensor([True] * 6 + [False] * 2).view(1, 1, 1, 8), 1, 8, 8)
+    assert keys.tolist() == [[True] * 6 + [False] * 2]
+    with pytest.raises(KernelUnavailableError, match="CUDA"):
+        get_kernel("flash_attn")(q, q, q)
