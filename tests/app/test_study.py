@@ -57,7 +57,7 @@ def test_study_trains_like_for_like_compares_and_reports(study: Path) -> None:
     text = (study / "report.md").read_text()
     assert "Noise floor: 0" in text and "within the bound set by random initialisation" in text
     assert "| identical | nothing: the same configuration trained twice |" in text and "inf" not in text
-    assert "[probe.png](runs/flash/probe.png)" in text and "| flash | 1 |" in text  # logged at step 4
+    assert "[probe.png](runs/flash/probe.png)" in text and "| flash | pass | 1 |" in text  # logged at step 4
     assert (study / "fig8_wasserstein.png").is_file() and (study / "fig7_flash_vs_baseline.png").is_file()
     # `flashprobe report` regenerates the same report from the files alone
     (study / "report.md").unlink()
