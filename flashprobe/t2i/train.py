@@ -23,13 +23,20 @@ import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
 
 from flashprobe.console import quiet_third_party
-from flashprobe.formats.paths import OutputPathError, prepare_output_dir
-from flashprobe.formats.run_record import finish_session, read_run_record, start_session
+from flashprobe.formats.lock import DirectoryLockedError, directory_lock
+from flashprobe.formats.paths import OutputPathError, prepare_output_dir, safe_name
+from flashprobe.formats.run_record import (
+    claim_outputs,
+    finish_session,
+    owned_outputs,
+    read_run_record,
+    start_session,
+)
 from flashprobe.machine import machine_facts
-from flashprobe.overrides import override_key, override_value
+from flashprobe.overrides import override_key, override_path, override_value
 from flashprobe.t2i.precision import trainer_precision
 
 __all__ = [
@@ -199,20 +206,75 @@ def _start(cfg: DictConfig, run_dir: Path) -> tuple[str | None, str | None]:
 
 
 def _remove_outputs(run_dir: Path, names: list[str]) -> None:
+    """Delete the outputs ``names`` of an earlier run — only those its ``run.json`` records as its own.
+
+    Raises:
+        FileExistsError: some of ``names`` were not created by flashprobe (no ``run.json`` lists them);
+            nothing is deleted then.
+    """
+    owned = owned_outputs(run_dir, RUN_OUTPUTS)
+    foreign = [name for name in names if name not in owned]
+    if foreign:
+        raise FileExistsError(
+            f"{run_dir} holds {', '.join(foreign)}, which no flashprobe run recorded as its own (a run's "
+            "run.json lists what it created); flashprobe deletes only its own outputs. Move them out of the "
+            "directory, or train into another directory"
+        )
     for name in names:
         path = run_dir / name
+        if not path.exists() and not path.is_symlink():
+            continue
         log.warning("removing %s of the earlier run in %s", name, run_dir)
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()  # a link is removed, never what it points to
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _check(cfg: DictConfig) -> None:
+    """Refuse a configuration value that would fail (or write somewhere it must not) later, before any work.
+
+    Raises:
+        ValueError: naming the setting, the value and what to give instead.
+        KernelSpecError: an unknown kernel or kernel option.
+    """
     from flashprobe.kernels import get_kernel
 
     max_steps = cfg.trainer.get("max_steps", -1)
-    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int)):
+    if max_steps is not None and not _integer(max_steps):
         raise ValueError(f"trainer.max_steps={max_steps!r} must be an integer (or -1 for max_epochs)")
     if max_steps is not None and max_steps != -1 and max_steps <= 0:
         raise ValueError(f"trainer.max_steps={max_steps} must be positive (or -1 for max_epochs)")
+    if not _integer(cfg.get("seed")) or cfg.seed < 0:
+        raise ValueError(f"seed={cfg.get('seed')!r} must be a non-negative integer, e.g. seed=0")
+    threads = cfg.get("threads")
+    if threads is not None and (not _integer(threads) or threads <= 0):
+        raise ValueError(f"threads={threads!r} must be a positive integer (or null: torch's default)")
+    for key in ("log_every_n_steps", "val_check_interval"):
+        value = cfg.trainer.get(key)
+        if value is not None and (not _number(value) or value <= 0):
+            raise ValueError(
+                f"trainer.{key}={value!r} must be a positive number of steps, e.g. trainer.{key}=25"
+            )
+    lr = ((cfg.get("module") or {}).get("optimizer") or {}).get("lr")
+    if lr is not None and (not _number(lr) or not lr > 0):
+        raise ValueError(
+            f"module.optimizer.lr={lr!r} must be a positive number, e.g. module.optimizer.lr=2e-3"
+        )
+    safe_name(str(cfg.get("run_name")), what="run_name")  # it names the run's directory
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path is not None and not Path(str(ckpt_path)).is_file():
+        raise ValueError(
+            f"ckpt_path={ckpt_path}: no such file; give a Lightning .ckpt file (or resume=RUN_DIR)"
+        )
     if cfg.attention.kernel is not None:
         get_kernel(cfg.attention.kernel)  # unknown kernels and options fail here, before any work
     spec = cfg.attention.probe.get("baseline")
@@ -229,6 +291,33 @@ def _check(cfg: DictConfig) -> None:
             every,
             log_every,
         )
+
+
+def _check_paths(cfg: DictConfig, run_dir: Path) -> None:
+    """Every file a callback writes stays inside the run directory: ``dirpath`` under ``run_dir``,
+    ``filename`` a relative name without ``..``.
+
+    Raises:
+        ValueError: naming the callback setting and the fix.
+    """
+    root = run_dir.resolve()
+    for name, callback in (cfg.get("callbacks") or {}).items():
+        if not isinstance(callback, DictConfig):
+            continue
+        dirpath, filename = callback.get("dirpath"), callback.get("filename")
+        if dirpath is not None and not Path(str(dirpath)).resolve().is_relative_to(root):
+            raise ValueError(
+                f"callbacks.{name}.dirpath={dirpath} lies outside the run directory {run_dir}; a run writes "
+                "only into its own directory: leave dirpath at its default or choose the run directory "
+                "with hydra.run.dir"
+            )
+        if filename is not None:
+            parts = Path(str(filename)).parts
+            if not parts or Path(str(filename)).is_absolute() or ".." in parts or str(filename) in ("", "."):
+                raise ValueError(
+                    f"callbacks.{name}.filename={filename!r} must be a file name inside the run directory, "
+                    "e.g. probe.jsonl (no absolute path, no '..')"
+                )
 
 
 def _trainer_arguments(cfg: DictConfig, callbacks: list[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -266,48 +355,105 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
 
     Raises:
         FileExistsError: see :func:`_start`; nothing is written then.
+        DirectoryLockedError: another process is writing into the run directory.
+        CheckpointError: the checkpoint to continue from is unsafe, truncated or not a checkpoint.
+        ValueError: a configuration value is invalid (see :func:`_check`).
     """
-    _check(cfg)
-    quiet_third_party()
-    run_dir = _run_dir(cfg)
-    checkpoint, skipped = _start(cfg, run_dir)
-    if skipped:
-        log.info("skipping the run: %s", skipped)
-        return {}, {"run_dir": run_dir, "skipped": skipped}
-    run_dir.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("WANDB_MODE", "offline")  # no account, no network unless asked for
-    if not _launched_rank():
-        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    with contextlib.ExitStack() as stack:
+        with _refusals():
+            _check(cfg)
+            quiet_third_party()
+            run_dir = _run_dir(cfg)
+            _check_paths(cfg, run_dir)
+            if not _launched_rank():  # the ranks run inside rank zero's lock
+                stack.enter_context(directory_lock(run_dir, what="run directory"))
+            checkpoint, skipped = _start(cfg, run_dir)
+            if skipped:
+                log.info("skipping the run: %s", skipped)
+                return {}, {"run_dir": run_dir, "skipped": skipped}
+            from_step = _checkpoint_step(cfg, checkpoint)
+        os.environ.setdefault("WANDB_MODE", "offline")  # no account, no network unless asked for
+        callers_threads = torch.get_num_threads()
+        if cfg.get("threads"):
+            torch.set_num_threads(int(cfg.threads))  # CPU reductions (and so the last bits) depend on it
+        try:
+            with _refusals():
+                built = _build(cfg, run_dir)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if not _launched_rank():
+                foreign = set(existing_run(run_dir)) - set(owned_outputs(run_dir, RUN_OUTPUTS))
+                claim_outputs(run_dir, [n for n in RUN_OUTPUTS if n not in foreign])  # before writing any
+                OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+            return _fit(cfg, run_dir, checkpoint, from_step, built)
+        finally:
+            torch.set_num_threads(callers_threads)  # an in-process run leaves the caller's setting as it was
 
-    callers_threads = torch.get_num_threads()
-    if cfg.get("threads"):
-        torch.set_num_threads(int(cfg.threads))  # CPU reductions (and so the last bits) depend on it
-    try:
-        return _fit(cfg, run_dir, checkpoint)
-    finally:
-        torch.set_num_threads(callers_threads)  # an in-process run leaves the caller's setting as it was
+
+def _checkpoint_step(cfg: DictConfig, checkpoint: str | None) -> int:
+    """The step the run continues from: ``checkpoint``'s ``global_step`` (read safely), else 0.
+
+    Raises:
+        CheckpointError: the checkpoint is unsafe to unpickle, truncated or not a checkpoint.
+        ValueError: ``trainer.max_steps`` lies below the checkpoint's step.
+    """
+    from flashprobe.formats.checkpoint_io import load_checkpoint
+
+    if not checkpoint:
+        return 0
+    step = int(load_checkpoint(checkpoint)["global_step"])
+    max_steps = cfg.trainer.get("max_steps", -1)
+    if max_steps not in (None, -1) and step > max_steps:
+        raise ValueError(
+            f"trainer.max_steps={max_steps} lies below the step of the checkpoint it resumes from "
+            f"({checkpoint}: step {step}); give trainer.max_steps={step} or more"
+        )
+    return step
 
 
-def _fit(cfg: DictConfig, run_dir: Path, checkpoint: str | None) -> tuple[dict[str, float], dict[str, Any]]:
-    """Build the run's objects and fit (the body of :func:`train`, threads already set)."""
+def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Seed and build the run's objects (nothing is written yet); a bad setting fails here.
+
+    Raises:
+        ValueError: an object refused its configuration (Hydra's ``InstantiationException``, whose
+            message names the config key and the object's reason).
+    """
+    from hydra.errors import InstantiationException
+
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    datamodule = hydra.utils.instantiate(cfg.data)
-    module = hydra.utils.instantiate(cfg.module)
-    callbacks = [
-        hydra.utils.instantiate(c)
-        for name, c in (cfg.get("callbacks") or {}).items()
-        if c is not None and (name != "attention_probe" or cfg.attention.probe.enabled)
-    ]
-    loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
-    trainer_config, extra = _trainer_arguments(cfg, callbacks)
-    trainer: L.Trainer = hydra.utils.instantiate(
-        trainer_config, default_root_dir=str(run_dir), callbacks=callbacks, logger=loggers or False, **extra
-    )
-    from_step = (
-        int(torch.load(checkpoint, map_location="cpu", weights_only=False)["global_step"])
-        if checkpoint
-        else 0
-    )
+    try:
+        datamodule = hydra.utils.instantiate(cfg.data)
+        module = hydra.utils.instantiate(cfg.module)
+        callbacks = [
+            hydra.utils.instantiate(c)
+            for name, c in (cfg.get("callbacks") or {}).items()
+            if c is not None and (name != "attention_probe" or cfg.attention.probe.enabled)
+        ]
+        loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
+        trainer_config, extra = _trainer_arguments(cfg, callbacks)
+        trainer: L.Trainer = hydra.utils.instantiate(
+            trainer_config,
+            default_root_dir=str(run_dir),
+            callbacks=callbacks,
+            logger=loggers or False,
+            **extra,
+        )
+    except InstantiationException as err:
+        raise ValueError(" ".join(str(err).split())) from err
+    return {
+        "datamodule": datamodule,
+        "module": module,
+        "callbacks": callbacks,
+        "loggers": loggers,
+        "trainer": trainer,
+    }
+
+
+def _fit(
+    cfg: DictConfig, run_dir: Path, checkpoint: str | None, from_step: int, built: dict[str, Any]
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """Fit the built objects (the body of :func:`train`, threads already set)."""
+    datamodule, module, callbacks = built["datamodule"], built["module"], built["callbacks"]
+    loggers, trainer = built["loggers"], built["trainer"]
     if trainer.is_global_zero:
         start_session(
             run_dir,
@@ -368,9 +514,37 @@ def compose(overrides: Sequence[str] = (), run_dir: str | Path | None = None) ->
     return cfg
 
 
+#: flashprobe's own refusals of a run (bad setting, directory in the way or in use, unsafe checkpoint):
+#: the CLI prints their message alone, without a traceback (``-v`` or ``HYDRA_FULL_ERROR=1``: with it).
+REFUSALS = (ValueError, FileExistsError, FileNotFoundError, DirectoryLockedError)
+
+#: ``flashprobe train -v``: show tracebacks of flashprobe's own errors too.
+_VERBOSE = False
+
+
+@contextlib.contextmanager
+def _refusals() -> Iterator[None]:
+    """Mark a :data:`REFUSALS` error raised in the block as flashprobe's own (printed without traceback)."""
+    try:
+        yield
+    except REFUSALS as err:
+        err.flashprobe_refusal = True  # type: ignore[attr-defined]
+        raise
+
+
+def _traceback_wanted() -> bool:
+    return _VERBOSE or os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> float | None:
-    metrics, _ = train(cfg)
+    try:
+        metrics, _ = train(cfg)
+    except REFUSALS as err:
+        if not getattr(err, "flashprobe_refusal", False) or _traceback_wanted():
+            raise
+        print(f"flashprobe train: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     return metrics.get("val/loss")
 
 
@@ -379,14 +553,18 @@ def command_line(args: Sequence[str]) -> list[str]:
 
     ``resume=DIR`` continues the run in ``DIR`` with the overrides it was started with
     (``DIR/.hydra/overrides.yaml``), any overrides given now on top, and ``hydra.run.dir=DIR``.
+    Paths are read as Hydra reads them (quotes removed).
 
     Raises:
         FileNotFoundError: ``resume=DIR`` where ``DIR`` holds no run started by ``flashprobe train``.
         FileExistsError: ``hydra.run.dir=DIR`` where ``DIR`` holds a run, without resume or overwrite.
-        OutputPathError: ``hydra.run.dir`` is a file, lies under one, or is not writable.
+        OutputPathError: ``hydra.run.dir`` is empty, a file, lies under one, or is not writable.
+        ValueError: ``resume`` or ``hydra.run.dir`` is not one path (a sweep, a list).
     """
     args = list(args)
-    resume, run_dir = override_value(args, "resume"), override_value(args, "hydra.run.dir")
+    resume, run_dir = override_path(args, "resume"), override_path(args, "hydra.run.dir")
+    if resume is not None and not resume.strip():
+        raise OutputPathError("resume='' is empty; give the run directory to continue: resume=RUN_DIR")
     if resume not in (None, "null", "auto") and run_dir is None:
         saved = Path(resume) / ".hydra" / "overrides.yaml"
         if not saved.is_file():
@@ -395,9 +573,26 @@ def command_line(args: Sequence[str]) -> list[str]:
             )
         given = {override_key(a) for a in args}
         skip = {"resume", "overwrite", "ckpt_path", "hydra.run.dir"}
-        original = [str(o) for o in OmegaConf.load(saved) if override_key(str(o)) not in given | skip]
-        return [*original, *args, f"hydra.run.dir={resume}"]
+        try:
+            saved_overrides = OmegaConf.load(saved)
+        except Exception as err:  # any YAML or OmegaConf error: not Hydra's file
+            raise FileNotFoundError(
+                f"resume={resume}: {saved} is not Hydra's overrides file ({err})"
+            ) from None
+        if not isinstance(saved_overrides, ListConfig) or not all(
+            isinstance(o, str) for o in saved_overrides
+        ):
+            raise FileNotFoundError(f"resume={resume}: {saved} is not a list of overrides as Hydra writes it")
+        original = [str(o) for o in saved_overrides if override_key(str(o)) not in given | skip]
+        return [*original, *args, f"hydra.run.dir={_quoted(resume)}"]
     overwrite = str(override_value(args, "overwrite")).lower() == "true"
+    if run_dir is not None and not run_dir.strip():
+        raise OutputPathError(
+            "hydra.run.dir is empty (it would write into the working directory); give the run directory, "
+            "e.g. hydra.run.dir=outputs/my_run"
+        )
+    if run_dir is not None and "${" in run_dir:
+        return args  # an interpolation: Hydra resolves it; train() checks the directory it gives
     if run_dir is not None:
         prepare_output_dir(run_dir, flag="hydra.run.dir")  # a file in the way fails now, not in Hydra
     if run_dir is not None and resume in (None, "null") and not overwrite:
@@ -407,23 +602,73 @@ def command_line(args: Sequence[str]) -> list[str]:
     return args
 
 
+def _quoted(path: str) -> str:
+    """``path`` as a Hydra override value: quoted when Hydra would otherwise read it as something else."""
+    if all(c.isalnum() or c in "/._-+~@:" for c in path):
+        return path
+    return "'" + path.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _precheck(args: Sequence[str]) -> Path | None:
+    """Compose the run's config as Hydra will and check every setting (:func:`_check`), before Hydra starts.
+
+    Only for a single run given by overrides (no ``-m`` sweep, no Hydra flags, whose composition
+    Hydra alone knows); returns the run directory when the command line names it (``hydra.run.dir``).
+
+    Raises:
+        ValueError: a setting is invalid, or the overrides do not compose (Hydra's reason).
+    """
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if any(a.startswith("-") for a in args):
+        return None
+    run_dir = override_path(args, "hydra.run.dir")
+    overrides = [a for a in args if not override_key(a).startswith("hydra")]
+    try:
+        cfg = compose(overrides)
+        with open_dict(cfg):
+            cfg.run_dir = str(run_dir) if run_dir and "${" not in run_dir else None
+        _check(cfg)
+        if cfg.run_dir is not None:
+            _check_paths(cfg, Path(cfg.run_dir))
+            resumed = last_checkpoint(Path(cfg.run_dir)) if cfg.get("resume") is not None else None
+            _checkpoint_step(cfg, str(resumed) if resumed else cfg.get("ckpt_path"))  # unsafe files: now
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ValueError(" ".join(str(err).split())) from None
+    return Path(run_dir) if cfg.run_dir is not None else None
+
+
 def cli_main(argv: Sequence[str] | None = None) -> int:
-    """``flashprobe train [overrides]``: run the Hydra app with ``argv`` as its command line.
+    """``flashprobe train [-v] [overrides]``: run the Hydra app with ``argv`` as its command line.
+
+    Every setting is checked and the run directory locked before Hydra starts; flashprobe's own
+    errors print one message and return 2 (``-v`` or ``HYDRA_FULL_ERROR=1``: with the traceback).
 
     Lightning's DDP launcher starts the other ranks by re-running the main script with
     ``sys.argv[1:]``; ``sys.argv`` and ``__main__.__spec__`` are pointed at this module, so the
     ranks re-run this Hydra app (``python -m flashprobe.t2i.train OVERRIDES``), not the CLI.
     """
-    try:
-        args = command_line(sys.argv[1:] if argv is None else argv)
-    except (FileNotFoundError, FileExistsError, OutputPathError) as err:
-        print(f"flashprobe train: error: {err}", file=sys.stderr)
-        return 2
-    sys.argv = [__file__, *args]
-    main_module = sys.modules.get("__main__")
-    if main_module is not None and getattr(main_module, "__spec__", None) is not None:
-        main_module.__spec__ = importlib.util.find_spec(__name__)
-    _hydra_main()
+    global _VERBOSE
+    given = list(sys.argv[1:] if argv is None else argv)
+    _VERBOSE = any(a in ("-v", "--verbose") for a in given)
+    given = [a for a in given if a not in ("-v", "--verbose")]
+    with contextlib.ExitStack() as stack:
+        try:
+            args = command_line(given)
+            run_dir = _precheck(args)
+            if run_dir is not None and not _launched_rank():
+                stack.enter_context(directory_lock(run_dir, what="run directory"))
+        except (*REFUSALS, OutputPathError) as err:
+            if _traceback_wanted():
+                raise
+            print(f"flashprobe train: error: {err}", file=sys.stderr)
+            return 2
+        sys.argv = [__file__, *args]
+        main_module = sys.modules.get("__main__")
+        if main_module is not None and getattr(main_module, "__spec__", None) is not None:
+            main_module.__spec__ = importlib.util.find_spec(__name__)
+        _hydra_main()
     return 0
 
 
