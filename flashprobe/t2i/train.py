@@ -372,6 +372,8 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
                 log.info("skipping the run: %s", skipped)
                 return {}, {"run_dir": run_dir, "skipped": skipped}
             from_step = _checkpoint_step(cfg, checkpoint)
+            if checkpoint and cfg.get("resume") is not None:
+                _check_resumable(run_dir, from_step)
         os.environ.setdefault("WANDB_MODE", "offline")  # no account, no network unless asked for
         callers_threads = torch.get_num_threads()
         if cfg.get("threads"):
@@ -387,6 +389,41 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
             return _fit(cfg, run_dir, checkpoint, from_step, built)
         finally:
             torch.set_num_threads(callers_threads)  # an in-process run leaves the caller's setting as it was
+
+
+def _check_resumable(run_dir: Path, from_step: int) -> None:
+    """A run to continue has a readable record and snapshots: refuse now what would fail or be lost later.
+
+    Raises:
+        ValueError: ``run.json`` is not flashprobe's record (its sessions would be dropped), the
+            snapshot manifest is malformed or names files outside its directory, or a snapshot the
+            resumed run keeps (at or before ``from_step``) cannot be read.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    from flashprobe.weights.store import SNAPSHOT_DIRNAME, read_manifest
+
+    record = run_dir / "run.json"
+    if record.exists() and read_run_record(run_dir) is None:
+        raise ValueError(
+            f"{record} is not a flashprobe run record (not JSON of format flashprobe.run/1), so the run's "
+            "earlier sessions would be lost; restore it, or move it away to continue with a fresh record"
+        )
+    snapshots = run_dir / SNAPSHOT_DIRNAME
+    if not (snapshots / "manifest.json").is_file():
+        return
+    for entry in read_manifest(snapshots).get("snapshots", []):
+        if entry["step"] > from_step or not (snapshots / entry["file"]).is_file():
+            continue  # abandoned by the resume, or already gone: the writer drops them
+        try:
+            with safe_open(snapshots / entry["file"], framework="pt"):
+                pass
+        except SafetensorError as err:
+            raise ValueError(
+                f"snapshot {snapshots / entry['file']} (step {entry['step']}) cannot be read ({err}): it is "
+                "truncated or corrupt, and a resume would keep it; restore it, or start the run again with "
+                "overwrite=true"
+            ) from None
 
 
 def _checkpoint_step(cfg: DictConfig, checkpoint: str | None) -> int:
@@ -633,7 +670,9 @@ def _precheck(args: Sequence[str]) -> Path | None:
         if cfg.run_dir is not None:
             _check_paths(cfg, Path(cfg.run_dir))
             resumed = last_checkpoint(Path(cfg.run_dir)) if cfg.get("resume") is not None else None
-            _checkpoint_step(cfg, str(resumed) if resumed else cfg.get("ckpt_path"))  # unsafe files: now
+            step = _checkpoint_step(cfg, str(resumed) if resumed else cfg.get("ckpt_path"))  # unsafe: now
+            if resumed:
+                _check_resumable(Path(cfg.run_dir), step)
     except (HydraException, OmegaConfBaseException) as err:
         raise ValueError(" ".join(str(err).split())) from None
     return Path(run_dir) if cfg.run_dir is not None else None
