@@ -205,12 +205,11 @@ def _start(cfg: DictConfig, run_dir: Path) -> tuple[str | None, str | None]:
     return cfg.get("ckpt_path"), None
 
 
-def _remove_outputs(run_dir: Path, names: list[str]) -> None:
-    """Delete the outputs ``names`` of an earlier run — only those its ``run.json`` records as its own.
+def _refuse_foreign(run_dir: Path, names: list[str]) -> None:
+    """Refuse to go on when some of ``names`` in ``run_dir`` were not created by flashprobe.
 
     Raises:
-        FileExistsError: some of ``names`` were not created by flashprobe (no ``run.json`` lists them);
-            nothing is deleted then.
+        FileExistsError: naming them; no ``run.json`` of the directory lists them as a run's outputs.
     """
     owned = owned_outputs(run_dir, RUN_OUTPUTS)
     foreign = [name for name in names if name not in owned]
@@ -220,6 +219,16 @@ def _remove_outputs(run_dir: Path, names: list[str]) -> None:
             "run.json lists what it created); flashprobe deletes only its own outputs. Move them out of the "
             "directory, or train into another directory"
         )
+
+
+def _remove_outputs(run_dir: Path, names: list[str]) -> None:
+    """Delete the outputs ``names`` of an earlier run — only those its ``run.json`` records as its own.
+
+    Raises:
+        FileExistsError: some of ``names`` were not created by flashprobe (no ``run.json`` lists them);
+            nothing is deleted then.
+    """
+    _refuse_foreign(run_dir, names)
     for name in names:
         path = run_dir / name
         if not path.exists() and not path.is_symlink():
@@ -670,6 +679,11 @@ def _precheck(args: Sequence[str]) -> Path | None:
         if cfg.run_dir is not None:
             _check_paths(cfg, Path(cfg.run_dir))
             resumed = last_checkpoint(Path(cfg.run_dir)) if cfg.get("resume") is not None else None
+            starts_afresh = (cfg.get("resume") == "auto" and resumed is None) or (
+                cfg.get("resume") is None and cfg.get("overwrite")
+            )
+            if starts_afresh:  # it would delete what is there: only flashprobe's own outputs
+                _refuse_foreign(Path(cfg.run_dir), existing_run(Path(cfg.run_dir)))
             step = _checkpoint_step(cfg, str(resumed) if resumed else cfg.get("ckpt_path"))  # unsafe: now
             if resumed:
                 _check_resumable(Path(cfg.run_dir), step)
