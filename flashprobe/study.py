@@ -265,14 +265,9 @@ def run_study(
         ValueError: a bad precision, kernel, run name, run set, launcher or override (before any
             training).
     """
-    from flashprobe.formats.paths import prepare_output_dir
-    from flashprobe.formats.study_file import write_study
+    from flashprobe.formats.lock import directory_lock
+    from flashprobe.formats.paths import prepare_output_dir, safe_name
     from flashprobe.kernels import KernelSpecError, get_kernel
-    from flashprobe.report.study_report import write_report
-    from flashprobe.report.weights_figures import plot_study_figures
-    from flashprobe.study_progress import StudyProgress
-    from flashprobe.t2i.train import cli_main
-    from flashprobe.weights import compare_runs
 
     overrides = list(overrides)
     if override_value(overrides, "experiment") is None:
@@ -284,7 +279,21 @@ def run_study(
         get_kernel(cfg.study.kernel)
     except KernelSpecError as err:
         raise ValueError(f"study.kernel: {err}") from None
-    out = prepare_output_dir(Path(out).resolve())
+    safe_name(str(cfg.run_name), what="run_name")  # it names each run's directory under OUT/runs
+    out = prepare_output_dir(out).resolve()  # an empty --out fails before it is resolved to the cwd
+    with directory_lock(out, what="study directory (--out)"):
+        return _run_locked_study(out, plan, cfg, overrides, train)
+
+
+def _run_locked_study(out: Path, plan: StudyPlan, cfg: Any, overrides: list[str], train: bool) -> Path:
+    """The body of :func:`run_study`, run while this process holds the lock of ``out``."""
+    from flashprobe.formats.study_file import write_study
+    from flashprobe.report.study_report import write_report
+    from flashprobe.report.weights_figures import plot_study_figures
+    from flashprobe.study_progress import StudyProgress
+    from flashprobe.t2i.train import cli_main
+    from flashprobe.weights import compare_runs
+
     runs_dir = out / "runs"
     if train:
         argv = ["-m", f"study_run={','.join(plan.runs)}", f"hydra.sweep.dir={runs_dir}"]
@@ -394,6 +403,8 @@ Writes OUT/study.json, study.csv, report.md, fig7_<pair>.png, fig8_wasserstein.p
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``flashprobe study [--out DIR] [--runs a,b,...] [--compare-only] [HYDRA_OVERRIDES...]``."""
+    from flashprobe.formats.lock import DirectoryLockedError
+
     parser = argparse.ArgumentParser(
         prog="flashprobe study",
         description="Train flash and baseline attention at a training precision (study.precision, default "
@@ -427,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ["FLASHPROBE_CONFIG_DIR"] = str(Path(args.config_dir).resolve())  # read by the search path
     try:
         report = run_study(args.out, runs, args.overrides, train=not args.compare_only)
-    except ValueError as err:
+    except (ValueError, DirectoryLockedError) as err:
         print(f"flashprobe study: error: {err}", file=sys.stderr)
         return 2
     print(_closing(report))

@@ -18,7 +18,7 @@ import torch
 
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.inputs import InputConfig
-from flashprobe.formats.paths import OutputPathError, prepare_output_dir
+from flashprobe.formats.paths import OutputPathError, output_dir_arg, prepare_output_dir
 from flashprobe.kernels import Kernel, KernelInputError, KernelSpecError, get_kernel, to_dtype
 
 __all__ = [
@@ -155,7 +155,7 @@ def add_output_args(
     files = f"{name}.json, {name}.csv and {name}.png" if figure else f"{name}.json and {name}.csv"
     parser.add_argument(
         "--out",
-        type=Path,
+        type=output_dir_arg,
         default=Path("out") / name,
         metavar="DIR",
         help=f"output directory for {files} (default out/{name})",

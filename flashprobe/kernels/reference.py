@@ -360,8 +360,10 @@ def reference_outputs(
         :meth:`Block.take_q` of the call's output.
     """
     rep = q.shape[1] // max(k.shape[1], 1)
-    plan = blocks if blocks is not None else plan_blocks(
-        q.shape, k.shape, v.shape, is_causal=is_causal, budget=_budget(q.device, budget)
+    plan = (
+        blocks
+        if blocks is not None
+        else plan_blocks(q.shape, k.shape, v.shape, is_causal=is_causal, budget=_budget(q.device, budget))
     )
     for blk in plan:  # (no context is held across a yield: the caller runs in its own modes)
         qb, kb, vb = blk.take_q(q, rep), blk.take_kv(k), blk.take_kv(v)
@@ -484,8 +486,12 @@ def reference_gradients(
     """
     rep = q.shape[1] // max(k.shape[1], 1)
     compute = dtype or q.dtype
-    plan = blocks if blocks is not None else plan_blocks(
-        q.shape, k.shape, v.shape, is_causal=is_causal, backward=True, budget=_budget(q.device, budget)
+    plan = (
+        blocks
+        if blocks is not None
+        else plan_blocks(
+            q.shape, k.shape, v.shape, is_causal=is_causal, backward=True, budget=_budget(q.device, budget)
+        )
     )
     acc_dtype = torch.promote_types(compute, torch.float32)
     for group in _groups(plan):  # (no context is held across a yield)

@@ -96,6 +96,7 @@ _MAX_BLOCK = len(PAIRS) + 2  # per direction: 3 max_abs, max_call_error_ratio, n
 _SUM_BLOCK = len(PAIRS) * len(_SUMS) + 2  # per direction: 15 sums, calls, ratio_calls
 _INPUTS_AT = N_MAX + len(DIRECTIONS) * _SUM_BLOCK
 
+
 def count_nonfinite_positions(x: torch.Tensor) -> torch.Tensor:
     """Positions of a ``(B, H, N, D)`` tensor with a NaN/±inf in any head or channel, as a 0-d
     int64 tensor on its device (no host sync): one NaN token counts once, whatever ``H·D`` is.

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
 
 from flashprobe.console import quiet_third_party
 from flashprobe.formats.lock import DirectoryLockedError, directory_lock
-from flashprobe.formats.paths import OutputPathError, prepare_output_dir, safe_name
+from flashprobe.formats.paths import OutputPathError, check_output_dir, safe_name
 from flashprobe.formats.run_record import (
     claim_outputs,
     finish_session,
@@ -640,7 +640,7 @@ def command_line(args: Sequence[str]) -> list[str]:
     if run_dir is not None and "${" in run_dir:
         return args  # an interpolation: Hydra resolves it; train() checks the directory it gives
     if run_dir is not None:
-        prepare_output_dir(run_dir, flag="hydra.run.dir")  # a file in the way fails now, not in Hydra
+        check_output_dir(run_dir, flag="hydra.run.dir")  # a file in the way fails now, not in Hydra
     if run_dir is not None and resume in (None, "null") and not overwrite:
         found = existing_run(Path(run_dir))
         if found:
@@ -669,27 +669,29 @@ def _precheck(args: Sequence[str]) -> Path | None:
 
     if any(a.startswith("-") for a in args):
         return None
-    run_dir = override_path(args, "hydra.run.dir")
+    given = override_path(args, "hydra.run.dir")
+    run_dir = Path(given) if given and "${" not in given else None
     overrides = [a for a in args if not override_key(a).startswith("hydra")]
     try:
         cfg = compose(overrides)
-        with open_dict(cfg):
-            cfg.run_dir = str(run_dir) if run_dir and "${" not in run_dir else None
+        with open_dict(cfg):  # where the callbacks' ${run_dir} points (Hydra's default: a new directory)
+            cfg.run_dir = str(run_dir or Path(str(cfg.output_root)) / "train" / "new")
         _check(cfg)
-        if cfg.run_dir is not None:
-            _check_paths(cfg, Path(cfg.run_dir))
-            resumed = last_checkpoint(Path(cfg.run_dir)) if cfg.get("resume") is not None else None
+        _check_paths(cfg, Path(cfg.run_dir))
+        resumed = None
+        if run_dir is not None:
+            resumed = last_checkpoint(run_dir) if cfg.get("resume") is not None else None
             starts_afresh = (cfg.get("resume") == "auto" and resumed is None) or (
                 cfg.get("resume") is None and cfg.get("overwrite")
             )
             if starts_afresh:  # it would delete what is there: only flashprobe's own outputs
-                _refuse_foreign(Path(cfg.run_dir), existing_run(Path(cfg.run_dir)))
-            step = _checkpoint_step(cfg, str(resumed) if resumed else cfg.get("ckpt_path"))  # unsafe: now
-            if resumed:
-                _check_resumable(Path(cfg.run_dir), step)
+                _refuse_foreign(run_dir, existing_run(run_dir))
+        step = _checkpoint_step(cfg, str(resumed) if resumed else cfg.get("ckpt_path"))  # unsafe files: now
+        if resumed:
+            _check_resumable(run_dir, step)
     except (HydraException, OmegaConfBaseException) as err:
         raise ValueError(" ".join(str(err).split())) from None
-    return Path(run_dir) if cfg.run_dir is not None else None
+    return run_dir
 
 
 def cli_main(argv: Sequence[str] | None = None) -> int:
