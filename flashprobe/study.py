@@ -264,6 +264,7 @@ def run_study(
     Raises:
         ValueError: a bad precision, kernel, run name, run set, launcher or override (before any
             training).
+        DirectoryLockedError: another process is writing into ``out``.
     """
     from flashprobe.formats.lock import directory_lock
     from flashprobe.formats.paths import prepare_output_dir, safe_name
@@ -436,11 +437,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 2
         os.environ["FLASHPROBE_CONFIG_DIR"] = str(Path(args.config_dir).resolve())  # read by the search path
+    again = "run the same command again to continue (finished runs are skipped, the others resume)"
     try:
         report = run_study(args.out, runs, args.overrides, train=not args.compare_only)
     except (ValueError, DirectoryLockedError) as err:
         print(f"flashprobe study: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a run's training (which ends with SystemExit(130))
+        print(f"flashprobe study: interrupted (Ctrl-C); {again}", file=sys.stderr)
+        return 130
+    except SystemExit as exit_:
+        if exit_.code == 130:
+            print(f"flashprobe study: interrupted; {again}", file=sys.stderr)
+        elif exit_.code not in (0, None):
+            print(f"flashprobe study: a run failed (above); fix it and {again}", file=sys.stderr)
+        raise
     print(_closing(report))
     return 0
 

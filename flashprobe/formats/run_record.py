@@ -3,10 +3,11 @@
 Written by ``flashprobe train`` (:func:`flashprobe.t2i.train.train`) at the start and at the end of
 every session (a first start or a resume)::
 
-    {"format": "flashprobe.run/1", "status": "running" | "finished",
+    {"format": "flashprobe.run/1",
+     "status": "starting" | "running" | "finished" | "stopped" | "failed" | "interrupted",
      "max_steps": 900, "global_step": 900,
      "sessions": [{"started": "...", "from_step": 0, "to_step": 300, "seconds": 80.1,
-                   "resumed_from": null}, ...],
+                   "resumed_from": null, "failed": "why it ended early (if it did)"}, ...],
      "machine": {...flashprobe.machine.machine_facts()...},
      "outputs": ["checkpoints", "config.yaml", ...]}
 
@@ -114,8 +115,24 @@ def start_session(
     write_json(Path(run_dir) / RUN_RECORD, record)
 
 
-def finish_session(run_dir: str | os.PathLike[str], *, global_step: int, seconds: float) -> dict[str, Any]:
-    """Record the end of the current session; the run is ``finished`` once it reached ``max_steps``."""
+def finish_session(
+    run_dir: str | os.PathLike[str],
+    *,
+    global_step: int,
+    seconds: float,
+    failed: str | None = None,
+    note: str | None = None,
+) -> dict[str, Any]:
+    """Record the end of the current session; the run is ``finished`` once it reached ``max_steps``.
+
+    Args:
+        run_dir: the run directory.
+        global_step: the step the session ended at.
+        seconds: how long it trained.
+        failed: why the session ended early (non-finite weights, a full disk, Ctrl-C): the status
+            is then ``failed`` (``interrupted`` for Ctrl-C) and the reason is kept in the session.
+        note: something the run met but trained through (``on_nonfinite=continue``).
+    """
     record = read_run_record(run_dir)
     if record is None or not record["sessions"]:
         raise ValueError(f"{Path(run_dir) / RUN_RECORD}: no session was started")
@@ -123,6 +140,11 @@ def finish_session(run_dir: str | os.PathLike[str], *, global_step: int, seconds
     record["global_step"] = global_step
     done = record.get("max_steps") in (None, -1) or global_step >= record["max_steps"]
     record["status"] = "finished" if done else "stopped"
+    if failed is not None:
+        record["status"] = "interrupted" if failed.startswith("interrupted") else "failed"
+        record["sessions"][-1]["failed"] = failed
+    if note is not None:
+        record["sessions"][-1]["note"] = note
     write_json(Path(run_dir) / RUN_RECORD, record)
     return record
 

@@ -8,10 +8,12 @@ the ``flashprobe train`` command (``-m`` multirun sweeps included).
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import logging
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -23,8 +25,10 @@ import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from lightning.pytorch.trainer.states import TrainerStatus
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
 
+from flashprobe.callbacks.nonfinite_guard import NonFiniteGuard
 from flashprobe.console import quiet_third_party
 from flashprobe.formats.lock import DirectoryLockedError, directory_lock
 from flashprobe.formats.paths import OutputPathError, check_output_dir, safe_name
@@ -41,7 +45,9 @@ from flashprobe.t2i.precision import trainer_precision
 
 __all__ = [
     "CONF_DIR",
+    "REFUSALS",
     "RUN_OUTPUTS",
+    "RunStoppedError",
     "cli_main",
     "command_line",
     "compose",
@@ -278,6 +284,13 @@ def _check(cfg: DictConfig) -> None:
         raise ValueError(
             f"module.optimizer.lr={lr!r} must be a positive number, e.g. module.optimizer.lr=2e-3"
         )
+    for key in ("num_train", "num_val", "batch_size", "image_size"):
+        value = (cfg.get("data") or {}).get(key)
+        if value is not None and (not _integer(value) or value <= 0):
+            raise ValueError(f"data.{key}={value!r} must be a positive integer, e.g. data.{key}=16")
+    _check_memory(cfg)
+    if str(cfg.get("on_nonfinite", "stop")) not in ("stop", "continue"):
+        raise ValueError(f"on_nonfinite={cfg.get('on_nonfinite')!r} must be stop or continue")
     safe_name(str(cfg.get("run_name")), what="run_name")  # it names the run's directory
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path is not None and not Path(str(ckpt_path)).is_file():
@@ -299,6 +312,44 @@ def _check(cfg: DictConfig) -> None:
             "interval's first steps (weights and snapshots still resume exactly); make it a multiple",
             every,
             log_every,
+        )
+
+
+def _machine_memory() -> int:
+    """Physical memory of this machine in bytes (0 when the platform does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _check_memory(cfg: DictConfig) -> None:
+    """Refuse sizes whose data and attention alone cannot fit in this machine's memory, before allocating.
+
+    The estimate is a floor: the rendered images (``(num_train + num_val) × 3 × S²`` float32) plus
+    one batch's attention scores over the ``(S/p)²`` image tokens, kept for the backward pass.
+
+    Raises:
+        ValueError: naming the settings, the estimate and the machine's memory.
+    """
+    data, model = cfg.get("data") or {}, cfg.get("model") or {}
+    size, patch, batch, heads = data.get("image_size"), model.get("patch_size", 2), data.get("batch_size"), 2
+    counts = (data.get("num_train"), data.get("num_val") or 0)
+    if not all(_integer(v) and v > 0 for v in (size, patch, batch, counts[0])) or not _integer(counts[1]):
+        return  # the data module and the model name what is wrong with these
+    images = counts[0] + counts[1]
+    image_bytes = images * 3 * size * size * 4
+    tokens = (size // patch) ** 2
+    attention_bytes = batch * heads * tokens * tokens * 4 * 3  # scores, probabilities, their gradient
+    memory, needed = _machine_memory(), image_bytes + attention_bytes
+    if memory and needed > 0.9 * memory:
+        gib = 2**30
+        raise ValueError(
+            f"data.image_size={size} with data.num_train + data.num_val = {images} images and "
+            f"data.batch_size={batch} needs at least {needed / gib:.3g} GiB ({image_bytes / gib:.3g} GiB of "
+            f"images, {attention_bytes / gib:.3g} GiB of attention scores over {tokens} image tokens), but "
+            f"this machine has {memory / gib:.1f} GiB; lower data.image_size (e.g. 16 or 32), "
+            "data.num_train or data.batch_size"
         )
 
 
@@ -474,6 +525,8 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             for name, c in (cfg.get("callbacks") or {}).items()
             if c is not None and (name != "attention_probe" or cfg.attention.probe.enabled)
         ]
+        if not any(isinstance(c, NonFiniteGuard) for c in callbacks):
+            callbacks.append(NonFiniteGuard(action=str(cfg.get("on_nonfinite") or "stop")))
         loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
         trainer_config, extra = _trainer_arguments(cfg, callbacks)
         trainer: L.Trainer = hydra.utils.instantiate(
@@ -500,6 +553,7 @@ def _fit(
     """Fit the built objects (the body of :func:`train`, threads already set)."""
     datamodule, module, callbacks = built["datamodule"], built["module"], built["callbacks"]
     loggers, trainer = built["loggers"], built["trainer"]
+    guard = next(c for c in callbacks if isinstance(c, NonFiniteGuard))
     if trainer.is_global_zero:
         start_session(
             run_dir,
@@ -509,10 +563,33 @@ def _fit(
             resumed_from=checkpoint,
         )
     started = time.perf_counter()
+    ctrl_c = signal.getsignal(signal.SIGINT)
+    failure: RunStoppedError | None = None
     try:
         with _ranks_rerun_this_job(run_dir):
             trainer.fit(module, datamodule=datamodule, ckpt_path=checkpoint)
+    except SystemExit as exit_:  # Lightning's answer to Ctrl-C: sys.exit(1) after a graceful shutdown
+        if trainer.state.status != TrainerStatus.INTERRUPTED:
+            raise
+        failure = RunStoppedError(
+            f"interrupted (Ctrl-C) at step {trainer.global_step}; saved: {_saved(run_dir)}. Continue with: "
+            f"flashprobe train resume={run_dir}",
+            exit_code=130,
+        )
+        failure.__cause__ = exit_
+    except (OSError, RuntimeError) as err:
+        if not _disk_full(err):
+            raise
+        free = shutil.disk_usage(run_dir).free if run_dir.exists() else 0
+        failure = RunStoppedError(
+            f"the disk holding {run_dir} is full ({free / 2**20:.1f} MiB free): "
+            f"{str(err).splitlines()[0][:160]}. Free some space (or train on another disk) and continue "
+            f"with: flashprobe train resume={run_dir}",
+            exit_code=1,
+        )
+        failure.__cause__ = err
     finally:
+        signal.signal(signal.SIGINT, ctrl_c)  # Lightning ignores Ctrl-C from its first one on
         for lg in loggers:
             finalize = getattr(lg, "finalize", None)
             if finalize is not None:
@@ -525,8 +602,25 @@ def _fit(
                 upload = f" (upload: wandb sync {where})" if offline else ""
                 log.info("W&B run %s: %s%s", "(offline)" if offline else wandb.run.url, where, upload)
                 wandb.finish()
+    if failure is None and guard.reason is not None and guard.action == "stop":
+        failure = RunStoppedError(
+            f"{guard.reason}: training stopped there (run.json says why). Look at the kernel "
+            f"({cfg.attention.kernel}) and probe.jsonl's non-finite counts; on_nonfinite=continue trains on",
+            exit_code=1,
+        )
     if trainer.is_global_zero:
-        finish_session(run_dir, global_step=trainer.global_step, seconds=time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        note = guard.reason if guard.action == "continue" else None
+        with contextlib.suppress(OSError) if failure is not None else contextlib.nullcontext():
+            finish_session(
+                run_dir,
+                global_step=trainer.global_step,
+                seconds=seconds,
+                failed=None if failure is None else str(failure),
+                note=note,
+            )
+    if failure is not None:
+        raise failure
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     objects = {
         "datamodule": datamodule,
@@ -537,6 +631,38 @@ def _fit(
         "run_dir": run_dir,
     }
     return metrics, objects
+
+
+class RunStoppedError(RuntimeError):
+    """A run that ended before its ``max_steps``: Ctrl-C, a full disk, or non-finite loss or weights.
+
+    Its message says why, what was saved and the command that continues the run; ``run.json``
+    records the same. ``flashprobe train`` prints it and exits with :attr:`exit_code`.
+    """
+
+    def __init__(self, message: str, *, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _saved(run_dir: Path) -> str:
+    """What a stopped run has on disk to continue from, in words."""
+    checkpoint = last_checkpoint(run_dir)
+    parts = [f"checkpoint {checkpoint.relative_to(run_dir)}" if checkpoint else "no checkpoint yet"]
+    parts += [name for name in ("snapshots", "probe.jsonl") if (run_dir / name).exists()]
+    return ", ".join(parts)
+
+
+def _disk_full(err: BaseException) -> bool:
+    """Whether ``err`` (or what caused it) is a write that failed for lack of space."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(err)
+        if "No space left on device" in text or "Disk quota exceeded" in text:
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def compose(overrides: Sequence[str] = (), run_dir: str | Path | None = None) -> DictConfig:
@@ -591,6 +717,11 @@ def _hydra_main(cfg: DictConfig) -> float | None:
             raise
         print(f"flashprobe train: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except RunStoppedError as err:
+        if _traceback_wanted():
+            raise
+        print(f"flashprobe train: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(err.exit_code) from None
     return metrics.get("val/loss")
 
 
@@ -664,7 +795,7 @@ def _precheck(args: Sequence[str]) -> Path | None:
     Raises:
         ValueError: a setting is invalid, or the overrides do not compose (Hydra's reason).
     """
-    from hydra.errors import HydraException
+    from hydra.errors import HydraException, InstantiationException
     from omegaconf.errors import OmegaConfBaseException
 
     if any(a.startswith("-") for a in args):
@@ -678,6 +809,11 @@ def _precheck(args: Sequence[str]) -> Path | None:
             cfg.run_dir = str(run_dir or Path(str(cfg.output_root)) / "train" / "new")
         _check(cfg)
         _check_paths(cfg, Path(cfg.run_dir))
+        for key in ("data", "module"):  # their constructors check their arguments (no data is rendered)
+            try:
+                hydra.utils.instantiate(cfg[key])
+            except InstantiationException as err:
+                raise ValueError(" ".join(str(err).split())) from None
         resumed = None
         if run_dir is not None:
             resumed = last_checkpoint(run_dir) if cfg.get("resume") is not None else None
