@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from flashprobe.formats.run_record import read_run_record
-from flashprobe.kernels import register_kernel, unregister_kernel
-from flashprobe.kernels.reference import math_attention
+from flashprobe.kernels import math_attention, register_kernel, unregister_kernel
 from flashprobe.t2i.train import RunStoppedError, compose, train
 from tests.app._study import ROOT, flashprobe_cli
 from tests.safety._hold import wait_for
