@@ -280,6 +280,9 @@ def run_study(
         get_kernel(cfg.study.kernel)
     except KernelSpecError as err:
         raise ValueError(f"study.kernel: {err}") from None
+    from flashprobe.t2i.train import check_config
+
+    check_config(cfg)  # every run's settings (the flash run's config; the others differ in the plan's keys)
     safe_name(str(cfg.run_name), what="run_name")  # it names each run's directory under OUT/runs
     out = prepare_output_dir(out).resolve()  # an empty --out fails before it is resolved to the cwd
     with directory_lock(out, what="study directory (--out)"):

@@ -121,9 +121,9 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     pairs = _pairs(parser, args)
     try:
-        out = prepare_output_dir(args.out, flag="--out")
         for run in dict.fromkeys(r for pair in pairs.values() for r in pair):
-            SnapshotStore(run)  # a missing or malformed run fails here, before any distance
+            SnapshotStore(run)  # a missing or malformed run fails here, before any distance or write
+        out = prepare_output_dir(args.out, flag="--out")
     except (FileNotFoundError, ValueError) as err:
         return _fail(prog, err)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -48,6 +48,7 @@ __all__ = [
     "REFUSALS",
     "RUN_OUTPUTS",
     "RunStoppedError",
+    "check_config",
     "cli_main",
     "command_line",
     "compose",
@@ -351,6 +352,17 @@ def _check_memory(cfg: DictConfig) -> None:
             f"this machine has {memory / gib:.1f} GiB; lower data.image_size (e.g. 16 or 32), "
             "data.num_train or data.batch_size"
         )
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Check every setting of a composed run config before any work (what ``flashprobe train`` and
+    ``flashprobe study`` do first): steps, intervals, seed, threads, learning rate, data sizes against
+    the machine's memory, names that become paths, kernels.
+
+    Raises:
+        ValueError: naming the setting, the value and what to give instead.
+    """
+    _check(cfg)
 
 
 def _check_paths(cfg: DictConfig, run_dir: Path) -> None:
@@ -826,8 +838,27 @@ def _precheck(args: Sequence[str]) -> Path | None:
         if resumed:
             _check_resumable(run_dir, step)
     except (HydraException, OmegaConfBaseException) as err:
-        raise ValueError(" ".join(str(err).split())) from None
+        reason = " ".join(str(err).split())
+        bad = next((o for o in args if not _parses(o)), None)
+        if bad is not None:
+            raise ValueError(
+                f"{bad!r} is not a valid Hydra override ({reason.split(' See ')[0]}); quote a value that "
+                "holds '=' or ',', as in attention.kernel='tiled:block_q=32,block_k=64'"
+            ) from None
+        raise ValueError(reason) from None
     return run_dir
+
+
+def _parses(override: str) -> bool:
+    """Whether Hydra's override grammar accepts ``override``."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        OverridesParser.create().parse_override(override)
+    except HydraException:
+        return False
+    return True
 
 
 def cli_main(argv: Sequence[str] | None = None) -> int:

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashprobe.cli import main
 from flashprobe.weights.store import SnapshotWriter, TensorSpec
 from tests.app._study import flashprobe_cli
 from tests.safety._runs import fingerprint
@@ -19,28 +18,6 @@ def _refused(proc, *needles: str) -> None:
     for needle in needles:
         assert needle in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "Error executing job" not in proc.stderr
-
-
-class _Result:
-    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
-        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
-
-
-@pytest.fixture
-def cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
-    """``flashprobe ARGS`` in this process (the same entry point as the console script), in ``cwd``."""
-
-    def run(*args: str, cwd: Path) -> _Result:
-        monkeypatch.chdir(cwd)
-        capsys.readouterr()
-        try:
-            code = main(list(args))
-        except SystemExit as exit_:
-            code = exit_.code if isinstance(exit_.code, int) else 2
-        out, err = capsys.readouterr()
-        return _Result(code, out, err)
-
-    return run
 
 
 @pytest.mark.parametrize(
