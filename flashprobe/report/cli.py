@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from flashprobe.formats.paths import OutputPathError, prepare_output_dir, safe_name
+from flashprobe.formats.paths import OutputPathError, check_output_dir, prepare_output_dir, safe_name
 from flashprobe.formats.probe_log import PROBE_LOG_NAME
 from flashprobe.formats.study_file import STUDY_NAME, read_study
 
@@ -121,6 +121,7 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     pairs = _pairs(parser, args)
     try:
+        check_output_dir(args.out, flag="--out")  # an empty or blocked --out fails first, creating nothing
         for run in dict.fromkeys(r for pair in pairs.values() for r in pair):
             SnapshotStore(run)  # a missing or malformed run fails here, before any distance or write
         out = prepare_output_dir(args.out, flag="--out")
