@@ -44,6 +44,11 @@ def test_a_run_that_turns_nan_stops_and_says_so(tmp_path: Path, nan_row_kernel: 
     record = read_run_record(tmp_path)
     assert record["status"] == "failed" and record["global_step"] == 1
     assert "at step 1" in record["sessions"][-1]["failed"]
+    summary = json.loads((tmp_path / "probe.jsonl").read_text().splitlines()[0])["summary"]
+    assert summary["step"] == 1 and summary["primary_nonfinite"] > 0  # the headline names the primary
+    assert summary["primary_nonfinite_sites"] and set(summary["primary_nonfinite_sites"]) <= set(
+        summary["nonfinite_sites"]
+    )
 
 
 def test_on_nonfinite_continue_trains_on_and_records_it(tmp_path: Path, nan_row_kernel: str) -> None:
