@@ -284,6 +284,8 @@ def run_study(
 
     check_config(cfg)  # every run's settings (the flash run's config; the others differ in the plan's keys)
     safe_name(str(cfg.run_name), what="run_name")  # it names each run's directory under OUT/runs
+    if not train:  # compare only: the runs must be there already; nothing is created before that
+        _check_trained(Path(out) / "runs", plan)
     out = prepare_output_dir(out).resolve()  # an empty --out fails before it is resolved to the cwd
     with directory_lock(out, what="study directory (--out)"):
         return _run_locked_study(out, plan, cfg, overrides, train)
@@ -318,9 +320,7 @@ def _run_locked_study(out: Path, plan: StudyPlan, cfg: Any, overrides: list[str]
         )
         with _quiet_runs(), StudyProgress(runs_dir, labels):
             cli_main([*argv, "hydra.sweep.subdir=${run_name}", "resume=auto", *overrides])
-    missing = sorted(r for r in plan.runs if not (runs_dir / r / "snapshots").is_dir())
-    if missing:
-        raise ValueError(f"{runs_dir} has no snapshots of the runs {', '.join(missing)}; train them first")
+    _check_trained(runs_dir, plan)
     comparison = compare_runs(
         {n: (runs_dir / c.run_a, runs_dir / c.run_b) for n, c in plan.comparisons.items()}
     )
@@ -333,6 +333,13 @@ def _run_locked_study(out: Path, plan: StudyPlan, cfg: Any, overrides: list[str]
     write_study(out, {**comparison.as_dict(), "study": meta}, comparison.rows())
     plot_study_figures(comparison.as_dict()["pairs"], out)
     return write_report(out)
+
+
+def _check_trained(runs_dir: Path, plan: StudyPlan) -> None:
+    """Raise ``ValueError`` naming the runs of ``plan`` without snapshots in ``runs_dir``."""
+    missing = sorted(r for r in plan.runs if not (runs_dir / r / "snapshots").is_dir())
+    if missing:
+        raise ValueError(f"{runs_dir} has no snapshots of the runs {', '.join(missing)}; train them first")
 
 
 @contextlib.contextmanager

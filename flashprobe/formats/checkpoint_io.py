@@ -57,6 +57,17 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> 
     try:
         checkpoint = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        if not any("GLOBAL" in line or "Unsupported global" in line for line in lines):
+            detail = next(
+                (line for line in lines if line.startswith("Unsupported")), lines[-1] if lines else ""
+            )
+            raise CheckpointError(
+                f"checkpoint {path} is refused: torch.load(weights_only=True) cannot read it "
+                f"({detail[:120]}), so it is corrupt or a pickle that is not a checkpoint of tensors and "
+                "plain values (one that could run code is never loaded); give a .ckpt written by flashprobe "
+                "train or a Lightning Trainer"
+            ) from None
         reason = str(err).strip().splitlines()
         detail = next((line for line in reason if "GLOBAL" in line or "Unsupported" in line), reason[-1:])
         raise CheckpointError(

@@ -285,6 +285,23 @@ def _check(cfg: DictConfig) -> None:
         raise ValueError(
             f"module.optimizer.lr={lr!r} must be a positive number, e.g. module.optimizer.lr=2e-3"
         )
+    for key, value in (
+        ("overwrite", cfg.get("overwrite")),
+        ("attention.probe.enabled", cfg.attention.probe.enabled),
+    ):
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}={value!r} must be true or false")
+    max_epochs = cfg.trainer.get("max_epochs")
+    if max_epochs is not None and not _integer(max_epochs):
+        raise ValueError(f"trainer.max_epochs={max_epochs!r} must be an integer (-1: no limit)")
+    for key in ("seed", "shuffle_seed"):
+        value = (cfg.get("data") or {}).get(key)
+        if value is not None and (not _integer(value) or value < 0):
+            raise ValueError(f"data.{key}={value!r} must be a non-negative integer, e.g. data.{key}=0")
+    for key in ("guidance_scale",):
+        value = (cfg.get("module") or {}).get(key)
+        if value is not None and not _number(value):
+            raise ValueError(f"module.{key}={value!r} must be a number, e.g. module.{key}=3.0")
     for key in ("num_train", "num_val", "batch_size", "image_size"):
         value = (cfg.get("data") or {}).get(key)
         if value is not None and (not _integer(value) or value <= 0):
@@ -807,7 +824,7 @@ def _precheck(args: Sequence[str]) -> Path | None:
     Raises:
         ValueError: a setting is invalid, or the overrides do not compose (Hydra's reason).
     """
-    from hydra.errors import HydraException, InstantiationException
+    from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     if any(a.startswith("-") for a in args):
@@ -821,11 +838,7 @@ def _precheck(args: Sequence[str]) -> Path | None:
             cfg.run_dir = str(run_dir or Path(str(cfg.output_root)) / "train" / "new")
         _check(cfg)
         _check_paths(cfg, Path(cfg.run_dir))
-        for key in ("data", "module"):  # their constructors check their arguments (no data is rendered)
-            try:
-                hydra.utils.instantiate(cfg[key])
-            except InstantiationException as err:
-                raise ValueError(" ".join(str(err).split())) from None
+        _build(cfg, Path(cfg.run_dir))  # every constructor checks its arguments; nothing is written
         resumed = None
         if run_dir is not None:
             resumed = last_checkpoint(run_dir) if cfg.get("resume") is not None else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,14 @@ def cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
     def run(*args: str, cwd: Path) -> _Result:
         monkeypatch.chdir(cwd)
         capsys.readouterr()
+        root = logging.getLogger()
+        handlers, level = root.handlers[:], root.level
         try:
             code = main(list(args))
         except SystemExit as exit_:
             code = exit_.code if isinstance(exit_.code, int) else 2
+        finally:  # a command may point the root logger at this test's captured streams: undo it
+            root.handlers[:], root.level = handlers, level
         out, err = capsys.readouterr()
         return _Result(code, out, err)
 
