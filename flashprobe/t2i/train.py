@@ -838,7 +838,6 @@ def _precheck(args: Sequence[str]) -> Path | None:
             cfg.run_dir = str(run_dir or Path(str(cfg.output_root)) / "train" / "new")
         _check(cfg)
         _check_paths(cfg, Path(cfg.run_dir))
-        _build(cfg, Path(cfg.run_dir))  # every constructor checks its arguments; nothing is written
         resumed = None
         if run_dir is not None:
             resumed = last_checkpoint(run_dir) if cfg.get("resume") is not None else None
@@ -850,6 +849,14 @@ def _precheck(args: Sequence[str]) -> Path | None:
         step = _checkpoint_step(cfg, str(resumed) if resumed else cfg.get("ckpt_path"))  # unsafe files: now
         if resumed:
             _check_resumable(run_dir, step)
+        quiet_third_party()
+        lightning_log = logging.getLogger("lightning.pytorch")
+        level = lightning_log.level
+        lightning_log.setLevel(logging.WARNING)  # the Trainer's "GPU available" lines come with the run
+        try:
+            _build(cfg, Path(cfg.run_dir))  # every constructor checks its arguments; nothing is written
+        finally:
+            lightning_log.setLevel(level)
     except (HydraException, OmegaConfBaseException) as err:
         reason = " ".join(str(err).split())
         bad = next((o for o in args if not _parses(o)), None)
