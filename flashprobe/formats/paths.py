@@ -53,7 +53,10 @@ def check_output_dir(path: str | os.PathLike[str], *, flag: str = "--out") -> Pa
             directory is not writable.
     """
     path = _not_under_a_file(path, flag)
-    existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    if path.is_dir():
+        _write_check(path, flag)  # a probe file, removed at once: the directory is left as it was
+        return path
+    existing = next((p for p in path.parents if p.exists()), Path("."))
     if not os.access(existing, os.W_OK | os.X_OK):
         raise OutputPathError(f"{flag} {path} is not writable ({existing}); give a writable directory")
     return path
@@ -76,6 +79,21 @@ def prepare_output_dir(path: str | os.PathLike[str], *, flag: str = "--out") -> 
     path = _not_under_a_file(path, flag)
     try:
         path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OutputPathError(
+            f"{flag} {path} is not writable ({err.strerror or err}); give a directory you can write to"
+        ) from None
+    _write_check(path, flag)
+    return path
+
+
+def _write_check(path: Path, flag: str) -> None:
+    """Create and remove a probe file in the directory ``path``.
+
+    Raises:
+        OutputPathError: it cannot be written.
+    """
+    try:
         probe = path / f".flashprobe-write-check.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         probe.touch(exist_ok=False)
         probe.unlink()
@@ -83,7 +101,6 @@ def prepare_output_dir(path: str | os.PathLike[str], *, flag: str = "--out") -> 
         raise OutputPathError(
             f"{flag} {path} is not writable ({err.strerror or err}); give a directory you can write to"
         ) from None
-    return path
 
 
 def output_dir_arg(text: str) -> Path:
