@@ -429,7 +429,11 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
 
     A run directory that already holds a run is refused unless ``resume`` (continue it from its
     last checkpoint; ``"auto"``: continue if it can, skip it if it finished, else start it) or
-    ``overwrite=true`` (delete its outputs) is set. Every random choice of a training batch is a
+    ``overwrite=true`` (delete its outputs — only those its ``run.json`` records as flashprobe's)
+    is set. The run holds the lock of its directory throughout (one writer per run), reads
+    checkpoints with ``weights_only=True`` only, and stops at a non-finite loss or weight
+    (``on_nonfinite``), on Ctrl-C or on a full disk with :class:`RunStoppedError`, its session
+    recorded in ``run.json``. Every random choice of a training batch is a
     function of ``(seed, batch index)`` (:mod:`flashprobe.t2i.steps`), so a resumed run gives the
     same weights, snapshots and ``probe.jsonl`` as an uninterrupted one.
 
@@ -447,6 +451,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         DirectoryLockedError: another process is writing into the run directory.
         CheckpointError: the checkpoint to continue from is unsafe, truncated or not a checkpoint.
         ValueError: a configuration value is invalid (see :func:`_check`).
+        RunStoppedError: the run stopped early (non-finite values, Ctrl-C, a full disk).
     """
     with contextlib.ExitStack() as stack:
         with _refusals():

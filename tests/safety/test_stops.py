@@ -96,3 +96,38 @@ def test_ctrl_c_stops_promptly_says_what_was_saved_and_exits_130(tmp_path: Path)
     resumed = flashprobe_cli("train", f"resume={run}", "~callbacks.pause")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert read_run_record(run)["status"] == "finished"
+
+
+def test_ctrl_c_on_a_study_exits_130_and_the_same_command_continues_it(tmp_path: Path) -> None:
+    from tests.app._study import TINY
+
+    out = tmp_path / "study"
+    pause = [  # pauses once: the same command run again passes (the "reached" file exists)
+        "+callbacks.pause._target_=tests.safety._hold.PauseAt",
+        "+callbacks.pause.step=1",
+        f"+callbacks.pause.reached={tmp_path / 'reached'}",
+        f"+callbacks.pause.release={tmp_path / 'never'}",
+        "+callbacks.pause.only_in=baseline",
+    ]
+    command = ["study", "--out", str(out), "--runs", "flash,baseline", *TINY, *pause]
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    with (tmp_path / "log").open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flashprobe.cli", *command],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_for(tmp_path / "reached")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 130
+    finally:
+        proc.kill()
+    output = (tmp_path / "log").read_text()
+    assert "flashprobe study: interrupted; run the same command again to continue" in output
+    assert "Traceback" not in output and not (out / "study.json").exists()
+    again = flashprobe_cli(*command)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (out / "study.json").is_file()
