@@ -68,7 +68,9 @@ def test_a_second_resume_of_a_run_is_refused_and_the_first_ends_as_a_lone_run(tm
         before = fingerprint(run, skip=(LOCK_NAME,))
         second = flashprobe_cli("train", f"resume={run}", "trainer.max_steps=4")
         _refused_while_busy(second, first)
-        assert fingerprint(run, skip=(LOCK_NAME,)) == before  # the second wrote nothing
+        fresh = flashprobe_cli("train", *RUN, f"hydra.run.dir={run}", "overwrite=true")  # a second train
+        _refused_while_busy(fresh, first)
+        assert fingerprint(run, skip=(LOCK_NAME,)) == before  # neither wrote anything
         (tmp_path / "release").touch()
         first.wait(timeout=300)
     finally:
