@@ -264,15 +264,11 @@ def run_study(
     Raises:
         ValueError: a bad precision, kernel, run name, run set, launcher or override (before any
             training).
+        DirectoryLockedError: another process is writing into ``out``.
     """
-    from flashprobe.formats.paths import prepare_output_dir
-    from flashprobe.formats.study_file import write_study
+    from flashprobe.formats.lock import directory_lock
+    from flashprobe.formats.paths import prepare_output_dir, safe_name
     from flashprobe.kernels import KernelSpecError, get_kernel
-    from flashprobe.report.study_report import write_report
-    from flashprobe.report.weights_figures import plot_study_figures
-    from flashprobe.study_progress import StudyProgress
-    from flashprobe.t2i.train import cli_main
-    from flashprobe.weights import compare_runs
 
     overrides = list(overrides)
     if override_value(overrides, "experiment") is None:
@@ -284,7 +280,26 @@ def run_study(
         get_kernel(cfg.study.kernel)
     except KernelSpecError as err:
         raise ValueError(f"study.kernel: {err}") from None
-    out = prepare_output_dir(Path(out).resolve())
+    from flashprobe.t2i.train import check_config
+
+    check_config(cfg)  # every run's settings (the flash run's config; the others differ in the plan's keys)
+    safe_name(str(cfg.run_name), what="run_name")  # it names each run's directory under OUT/runs
+    if not train:  # compare only: the runs must be there already; nothing is created before that
+        _check_trained(Path(out) / "runs", plan)
+    out = prepare_output_dir(out).resolve()  # an empty --out fails before it is resolved to the cwd
+    with directory_lock(out, what="study directory (--out)"):
+        return _run_locked_study(out, plan, cfg, overrides, train)
+
+
+def _run_locked_study(out: Path, plan: StudyPlan, cfg: Any, overrides: list[str], train: bool) -> Path:
+    """The body of :func:`run_study`, run while this process holds the lock of ``out``."""
+    from flashprobe.formats.study_file import write_study
+    from flashprobe.report.study_report import write_report
+    from flashprobe.report.weights_figures import plot_study_figures
+    from flashprobe.study_progress import StudyProgress
+    from flashprobe.t2i.train import cli_main
+    from flashprobe.weights import compare_runs
+
     runs_dir = out / "runs"
     if train:
         argv = ["-m", f"study_run={','.join(plan.runs)}", f"hydra.sweep.dir={runs_dir}"]
@@ -305,9 +320,7 @@ def run_study(
         )
         with _quiet_runs(), StudyProgress(runs_dir, labels):
             cli_main([*argv, "hydra.sweep.subdir=${run_name}", "resume=auto", *overrides])
-    missing = sorted(r for r in plan.runs if not (runs_dir / r / "snapshots").is_dir())
-    if missing:
-        raise ValueError(f"{runs_dir} has no snapshots of the runs {', '.join(missing)}; train them first")
+    _check_trained(runs_dir, plan)
     comparison = compare_runs(
         {n: (runs_dir / c.run_a, runs_dir / c.run_b) for n, c in plan.comparisons.items()}
     )
@@ -320,6 +333,13 @@ def run_study(
     write_study(out, {**comparison.as_dict(), "study": meta}, comparison.rows())
     plot_study_figures(comparison.as_dict()["pairs"], out)
     return write_report(out)
+
+
+def _check_trained(runs_dir: Path, plan: StudyPlan) -> None:
+    """Raise ``ValueError`` naming the runs of ``plan`` without snapshots in ``runs_dir``."""
+    missing = sorted(r for r in plan.runs if not (runs_dir / r / "snapshots").is_dir())
+    if missing:
+        raise ValueError(f"{runs_dir} has no snapshots of the runs {', '.join(missing)}; train them first")
 
 
 @contextlib.contextmanager
@@ -394,6 +414,8 @@ Writes OUT/study.json, study.csv, report.md, fig7_<pair>.png, fig8_wasserstein.p
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``flashprobe study [--out DIR] [--runs a,b,...] [--compare-only] [HYDRA_OVERRIDES...]``."""
+    from flashprobe.formats.lock import DirectoryLockedError
+
     parser = argparse.ArgumentParser(
         prog="flashprobe study",
         description="Train flash and baseline attention at a training precision (study.precision, default "
@@ -425,11 +447,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 2
         os.environ["FLASHPROBE_CONFIG_DIR"] = str(Path(args.config_dir).resolve())  # read by the search path
+    again = "run the same command again to continue (finished runs are skipped, the others resume)"
     try:
         report = run_study(args.out, runs, args.overrides, train=not args.compare_only)
-    except ValueError as err:
+    except (ValueError, DirectoryLockedError) as err:
         print(f"flashprobe study: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a run's training (which ends with SystemExit(130))
+        print(f"flashprobe study: interrupted (Ctrl-C); {again}", file=sys.stderr)
+        return 130
+    except SystemExit as exit_:
+        if exit_.code == 130:
+            print(f"flashprobe study: interrupted; {again}", file=sys.stderr)
+        elif exit_.code not in (0, None):
+            print(f"flashprobe study: a run failed (above); fix it and {again}", file=sys.stderr)
+        raise
     print(_closing(report))
     return 0
 

@@ -18,7 +18,7 @@ import torch
 
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.inputs import InputConfig
-from flashprobe.formats.paths import OutputPathError, prepare_output_dir
+from flashprobe.formats.paths import OutputPathError, check_output_dir, output_dir_arg
 from flashprobe.kernels import Kernel, KernelInputError, KernelSpecError, get_kernel, to_dtype
 
 __all__ = [
@@ -155,7 +155,7 @@ def add_output_args(
     files = f"{name}.json, {name}.csv and {name}.png" if figure else f"{name}.json and {name}.csv"
     parser.add_argument(
         "--out",
-        type=Path,
+        type=output_dir_arg,
         default=Path("out") / name,
         metavar="DIR",
         help=f"output directory for {files} (default out/{name})",
@@ -248,8 +248,9 @@ def run_cli(
 
     ``args.command_line`` is set to the equivalent shell command, for the results' metadata, and
     ``args.out`` (when the parser has it) is created and checked with
-    :func:`~flashprobe.formats.paths.prepare_output_dir` before ``run`` starts, so a file, a path
-    under a file or an unwritable directory fails at once instead of after the measurements.
+    :func:`~flashprobe.formats.paths.check_output_dir` before ``run`` starts (and created by the first
+    write), so a file, a path under a file or an unwritable directory fails at once instead of after
+    the measurements, and a command refused for another reason leaves nothing behind.
 
     Args:
         name: the command name used in messages (``precision``).
@@ -269,8 +270,8 @@ def run_cli(
     if getattr(args, "kernel", "absent") is None:
         args.kernel = list(args.kernel_default)
     try:
-        if getattr(args, "out", None) is not None:
-            args.out = prepare_output_dir(args.out, flag="--out")
+        if getattr(args, "out", None) is not None:  # checked now, created by the first write
+            args.out = check_output_dir(args.out, flag="--out")
         return run(args)
     except _INPUT_ERRORS as err:
         print(f"flashprobe bench {name}: error: {err}", file=sys.stderr)

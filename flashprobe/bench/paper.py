@@ -35,6 +35,7 @@ from flashprobe.bench.paper_runs import PaperSettings, build_claims, run_sweeps
 from flashprobe.bench.results import environment
 from flashprobe.formats.atomic import atomic_write_text
 from flashprobe.formats.jsonio import decode, read_json, write_json
+from flashprobe.formats.paths import output_dir_arg
 
 __all__ = ["FIGURES", "build_parser", "claims_markdown", "draw_figures", "load_paper", "main", "run"]
 
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--out",
-        type=Path,
+        type=output_dir_arg,
         default=Path("out") / "paper",
         metavar="DIR",
         help="output directory for paper.json, paper.md and the paper_*.png figures (default out/paper)",

@@ -332,6 +332,16 @@ class AttentionProbe(Callback):
         if not stats:
             return
         self.last_summary = summary
+        if summary.get("primary_nonfinite_sites") and trainer.is_global_zero:
+            sites = summary["primary_nonfinite_sites"]
+            log.error(
+                "step %s: the primary kernel %s returned %s non-finite values from finite inputs at %s "
+                "(the baseline's are finite there): a kernel bug; its error ratio does not show it",
+                step,
+                self.primary,
+                summary["primary_nonfinite"],
+                ", ".join(sites[:3]) + (f" and {len(sites) - 3} more sites" if len(sites) > 3 else ""),
+            )
         ratio = summary.get("max_error_ratio")
         if ratio is not None and math.isfinite(ratio):
             # The progress bar only (logger=False): the loggers get every metric once, below, under

@@ -1,14 +1,26 @@
-"""Lightning checkpoints written by flashprobe's one atomic writer.
+"""Lightning checkpoints: written atomically, read without running any code.
 
 Lightning's own ``TorchCheckpointIO`` writes the checkpoint file in place, so a process killed
 mid-save leaves a truncated ``last.ckpt`` that no resume can load. :class:`AtomicCheckpointIO`
 writes it through :func:`flashprobe.formats.atomic.atomic_write_file` (temporary file, fsync,
 rename): a checkpoint on disk is always complete. Pass it to any Trainer:
 ``Trainer(plugins=[AtomicCheckpointIO()])``.
+
+A checkpoint is a pickle, and unpickling a file runs whatever code it names. Checkpoints come from
+run directories that may be someone else's (a shared cluster, a downloaded run), so every
+checkpoint flashprobe opens — the resume of ``flashprobe train``, ``ckpt_path=FILE``, the study's
+resumed runs and Lightning's own restore through :class:`AtomicCheckpointIO` — is read by
+:func:`load_checkpoint` with ``torch.load(weights_only=True)``: tensors, numbers, strings and plain
+containers only. A file that needs anything else (a crafted pickle, or a checkpoint holding
+arbitrary Python objects), a truncated file and a file that is not a checkpoint are refused with
+:class:`CheckpointError`, before any of it is used.
 """
 
 from __future__ import annotations
 
+import os
+import pickle
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,11 +29,70 @@ from typing_extensions import override
 
 from flashprobe.formats.atomic import atomic_write_file
 
-__all__ = ["AtomicCheckpointIO"]
+__all__ = ["AtomicCheckpointIO", "CheckpointError", "load_checkpoint"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that flashprobe will not load (unsafe, truncated or not a checkpoint)."""
+
+
+def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> dict[str, Any]:
+    """Load a Lightning checkpoint with ``torch.load(weights_only=True)``; nothing in it is executed.
+
+    Args:
+        path: the ``.ckpt`` file.
+        map_location: where tensors go (``torch.load``'s argument).
+
+    Returns:
+        The checkpoint dictionary (it has a ``global_step``).
+
+    Raises:
+        FileNotFoundError: no such file.
+        CheckpointError: the file needs code to be unpickled (refused: it could run anything), is
+            truncated or corrupt, or is not a Lightning checkpoint.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} not found (or not a file)")
+    try:
+        checkpoint = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        if not any("GLOBAL" in line or "Unsupported global" in line for line in lines):
+            detail = next(
+                (line for line in lines if line.startswith("Unsupported")), lines[-1] if lines else ""
+            )
+            raise CheckpointError(
+                f"checkpoint {path} is refused: torch.load(weights_only=True) cannot read it "
+                f"({detail[:120]}), so it is corrupt or a pickle that is not a checkpoint of tensors and "
+                "plain values (one that could run code is never loaded); give a .ckpt written by flashprobe "
+                "train or a Lightning Trainer"
+            ) from None
+        reason = str(err).strip().splitlines()
+        detail = next((line for line in reason if "GLOBAL" in line or "Unsupported" in line), reason[-1:])
+        raise CheckpointError(
+            f"checkpoint {path} is refused: loading it would run code or build objects other than tensors "
+            f"and plain values ({str(detail).strip()[:200]}); flashprobe loads checkpoints with "
+            "torch.load(weights_only=True) only. Use a checkpoint written by flashprobe train, or one "
+            "from a source you trust converted to plain tensors"
+        ) from None
+    except (RuntimeError, EOFError, KeyError, OSError, ValueError, IndexError) as err:
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read ({type(err).__name__}: {str(err).splitlines()[0][:160]}): "
+            "the file is truncated, corrupt or not a PyTorch checkpoint; resume from another checkpoint "
+            "of the run (checkpoints/*.ckpt) or start the run again with overwrite=true"
+        ) from None
+    step = checkpoint.get("global_step") if isinstance(checkpoint, dict) else None
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(
+            f"checkpoint {path} is not a Lightning checkpoint (no non-negative integer 'global_step'); "
+            "give a .ckpt file written by flashprobe train or a Lightning Trainer"
+        )
+    return checkpoint
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` whose saves are atomic (reads are Lightning's own)."""
+    """``TorchCheckpointIO`` whose saves are atomic and whose loads run no code (:func:`load_checkpoint`)."""
 
     @override
     def save_checkpoint(
@@ -30,3 +101,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None:
             raise TypeError("AtomicCheckpointIO.save_checkpoint takes no storage_options")
         atomic_write_file(path, lambda tmp: torch.save(checkpoint, tmp))
+
+    @override
+    def load_checkpoint(
+        self,
+        path: Any,
+        map_location: Any | None = lambda storage, loc: storage,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load with ``weights_only=True`` whatever the caller asks for (``weights_only`` is ignored)."""
+        return load_checkpoint(path, map_location=map_location)

@@ -14,13 +14,52 @@ import re
 import uuid
 from pathlib import Path
 
-__all__ = ["OutputPathError", "prepare_output_dir", "safe_name"]
+__all__ = ["OutputPathError", "check_output_dir", "output_dir_arg", "prepare_output_dir", "safe_name"]
 
 _SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=-]*")
 
 
 class OutputPathError(ValueError):
     """An output directory or a name used in a file name is unusable."""
+
+
+def _not_under_a_file(path: str | os.PathLike[str], flag: str) -> Path:
+    """``path`` as a Path, if it is not empty, not a file and not under a file."""
+    if not str(os.fspath(path)).strip():
+        raise OutputPathError(
+            f"{flag} is empty: it would write into the working directory; give a directory, e.g. "
+            f"{flag} out/run1 (or {flag} . to mean the working directory)"
+        )
+    path = Path(path)
+    for parent in (path, *path.parents):
+        if parent.exists() and not parent.is_dir():
+            where = "is a file" if parent == path else f"lies under {parent}, which is a file"
+            raise OutputPathError(f"{flag} {path} {where}; give a directory path")
+    return path
+
+
+def check_output_dir(path: str | os.PathLike[str], *, flag: str = "--out") -> Path:
+    """Check, without creating anything, that ``path`` could be created and written as a directory.
+
+    Args:
+        path: the output directory.
+        flag: how the user gave it, for the error message.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        OutputPathError: ``path`` is empty, a file, lies under a file, or its nearest existing
+            directory is not writable.
+    """
+    path = _not_under_a_file(path, flag)
+    if path.is_dir():
+        _write_check(path, flag)  # a probe file, removed at once: the directory is left as it was
+        return path
+    existing = next((p for p in path.parents if p.exists()), Path("."))
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OutputPathError(f"{flag} {path} is not writable ({existing}); give a writable directory")
+    return path
 
 
 def prepare_output_dir(path: str | os.PathLike[str], *, flag: str = "--out") -> Path:
@@ -34,15 +73,27 @@ def prepare_output_dir(path: str | os.PathLike[str], *, flag: str = "--out") -> 
         ``path`` as a :class:`~pathlib.Path`.
 
     Raises:
-        OutputPathError: ``path`` is a file, lies under a file, or is not writable.
+        OutputPathError: ``path`` is empty (it would mean the working directory), a file, lies under
+            a file, or is not writable.
     """
-    path = Path(path)
-    for parent in (path, *path.parents):
-        if parent.exists() and not parent.is_dir():
-            where = "is a file" if parent == path else f"lies under {parent}, which is a file"
-            raise OutputPathError(f"{flag} {path} {where}; give a directory path")
+    path = _not_under_a_file(path, flag)
     try:
         path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OutputPathError(
+            f"{flag} {path} is not writable ({err.strerror or err}); give a directory you can write to"
+        ) from None
+    _write_check(path, flag)
+    return path
+
+
+def _write_check(path: Path, flag: str) -> None:
+    """Create and remove a probe file in the directory ``path``.
+
+    Raises:
+        OutputPathError: it cannot be written.
+    """
+    try:
         probe = path / f".flashprobe-write-check.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         probe.touch(exist_ok=False)
         probe.unlink()
@@ -50,7 +101,18 @@ def prepare_output_dir(path: str | os.PathLike[str], *, flag: str = "--out") -> 
         raise OutputPathError(
             f"{flag} {path} is not writable ({err.strerror or err}); give a directory you can write to"
         ) from None
-    return path
+
+
+def output_dir_arg(text: str) -> Path:
+    """An ``argparse`` type for ``--out DIR``: refuses an empty string (``Path("")`` is the working
+    directory, which ``--out ''`` never means)."""
+    import argparse
+
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "empty: it would write into the working directory; give a directory, e.g. --out out/run1"
+        )
+    return Path(text)
 
 
 def safe_name(name: str, *, what: str = "name") -> str:

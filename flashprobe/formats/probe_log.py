@@ -37,7 +37,9 @@ log = logging.getLogger(__name__)
 PROBE_LOG_NAME = "probe.jsonl"
 
 #: Fields of a record that hold text (site names), never decoded as numbers.
-_TEXT_KEYS = frozenset({"max_error_ratio_site", "max_backward_error_ratio_site", "nonfinite_sites"})
+_TEXT_KEYS = frozenset(
+    {"max_error_ratio_site", "max_backward_error_ratio_site", "nonfinite_sites", "primary_nonfinite_sites"}
+)
 
 
 @dataclass

@@ -3,14 +3,20 @@
 Written by ``flashprobe train`` (:func:`flashprobe.t2i.train.train`) at the start and at the end of
 every session (a first start or a resume)::
 
-    {"format": "flashprobe.run/1", "status": "running" | "finished",
+    {"format": "flashprobe.run/1",
+     "status": "starting" | "running" | "finished" | "stopped" | "failed" | "interrupted",
      "max_steps": 900, "global_step": 900,
      "sessions": [{"started": "...", "from_step": 0, "to_step": 300, "seconds": 80.1,
-                   "resumed_from": null}, ...],
-     "machine": {...flashprobe.machine.machine_facts()...}}
+                   "resumed_from": null, "failed": "why it ended early (if it did)"}, ...],
+     "machine": {...flashprobe.machine.machine_facts()...},
+     "outputs": ["checkpoints", "config.yaml", ...]}
 
 A session killed before its end keeps ``"seconds": null``; ``status`` says whether the run reached
 its ``max_steps``. ``flashprobe study`` reads it to skip finished runs and to report timings.
+
+``outputs`` is the run's own record of the names in its directory that flashprobe created
+(:func:`claim_outputs`, written before any of them): ``overwrite=true`` and ``resume=auto`` delete
+only those (:func:`owned_outputs`), never a file the user put there.
 """
 
 from __future__ import annotations
@@ -22,7 +28,16 @@ from typing import Any
 
 from flashprobe.formats.jsonio import read_json, write_json
 
-__all__ = ["RUN_FORMAT", "RUN_RECORD", "finish_session", "read_run_record", "run_seconds", "start_session"]
+__all__ = [
+    "RUN_FORMAT",
+    "RUN_RECORD",
+    "claim_outputs",
+    "finish_session",
+    "owned_outputs",
+    "read_run_record",
+    "run_seconds",
+    "start_session",
+]
 
 RUN_FORMAT = "flashprobe.run/1"
 RUN_RECORD = "run.json"
@@ -44,6 +59,33 @@ def read_run_record(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     return record if isinstance(record, dict) and record.get("format") == RUN_FORMAT else None
 
 
+def owned_outputs(run_dir: str | os.PathLike[str], candidates: list[str] | tuple[str, ...]) -> list[str]:
+    """The names among ``candidates`` that the run's ``run.json`` records as created by flashprobe.
+
+    A run directory without a ``run.json`` owns nothing. A ``run.json`` of an older flashprobe
+    (no ``outputs`` field) owns every candidate, as those versions assumed; ``run.json`` itself is
+    owned whenever it is flashprobe's (its format is ``flashprobe.run/1``).
+    """
+    record = read_run_record(run_dir)
+    if record is None:
+        return []
+    listed = record.get("outputs")
+    if not isinstance(listed, list):
+        return list(candidates)
+    names = {n for n in listed if isinstance(n, str)} | {RUN_RECORD}
+    return [n for n in candidates if n in names]
+
+
+def claim_outputs(run_dir: str | os.PathLike[str], names: list[str] | tuple[str, ...]) -> None:
+    """Record in ``run.json`` (created if needed) that flashprobe creates ``names`` in ``run_dir``.
+
+    Called before the run writes any of them, so a run killed at any later moment has them recorded.
+    """
+    record = read_run_record(run_dir) or {"format": RUN_FORMAT, "status": "starting", "sessions": []}
+    record["outputs"] = sorted({*record.get("outputs", []), *names, RUN_RECORD})
+    write_json(Path(run_dir) / RUN_RECORD, record)
+
+
 def start_session(
     run_dir: str | os.PathLike[str],
     *,
@@ -53,10 +95,13 @@ def start_session(
     resumed_from: str | None = None,
 ) -> None:
     """Record that a session starts at ``from_step`` (a fresh run when there is no record yet)."""
-    record = (read_run_record(run_dir) if resumed_from is not None else None) or {
+    existing = read_run_record(run_dir) or {}
+    record = (existing if resumed_from is not None and existing else None) or {
         "format": RUN_FORMAT,
         "sessions": [],
     }
+    if "outputs" in existing:
+        record["outputs"] = existing["outputs"]
     record.update(status="running", max_steps=max_steps, global_step=from_step, machine=machine)
     record["sessions"].append(
         {
@@ -70,8 +115,24 @@ def start_session(
     write_json(Path(run_dir) / RUN_RECORD, record)
 
 
-def finish_session(run_dir: str | os.PathLike[str], *, global_step: int, seconds: float) -> dict[str, Any]:
-    """Record the end of the current session; the run is ``finished`` once it reached ``max_steps``."""
+def finish_session(
+    run_dir: str | os.PathLike[str],
+    *,
+    global_step: int,
+    seconds: float,
+    failed: str | None = None,
+    note: str | None = None,
+) -> dict[str, Any]:
+    """Record the end of the current session; the run is ``finished`` once it reached ``max_steps``.
+
+    Args:
+        run_dir: the run directory.
+        global_step: the step the session ended at.
+        seconds: how long it trained.
+        failed: why the session ended early (non-finite weights, a full disk, Ctrl-C): the status
+            is then ``failed`` (``interrupted`` for Ctrl-C) and the reason is kept in the session.
+        note: something the run met but trained through (``on_nonfinite=continue``).
+    """
     record = read_run_record(run_dir)
     if record is None or not record["sessions"]:
         raise ValueError(f"{Path(run_dir) / RUN_RECORD}: no session was started")
@@ -79,6 +140,11 @@ def finish_session(run_dir: str | os.PathLike[str], *, global_step: int, seconds
     record["global_step"] = global_step
     done = record.get("max_steps") in (None, -1) or global_step >= record["max_steps"]
     record["status"] = "finished" if done else "stopped"
+    if failed is not None:
+        record["status"] = "interrupted" if failed.startswith("interrupted") else "failed"
+        record["sessions"][-1]["failed"] = failed
+    if note is not None:
+        record["sessions"][-1]["note"] = note
     write_json(Path(run_dir) / RUN_RECORD, record)
     return record
 

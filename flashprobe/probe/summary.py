@@ -32,18 +32,22 @@ def summarize(stats: Mapping[str, Any]) -> dict[str, Any]:
         ``sites``, ``forward_calls``, ``backward_calls``, ``max_error_ratio`` (forward) and
         ``max_error_ratio_site``, ``max_call_error_ratio``, ``max_backward_error_ratio`` and
         its site (``"site:dq"``), ``max_abs`` per pair (forward), ``nonfinite`` (all pairs,
-        directions and inputs), ``nonfinite_sites``, ``shadow_errors``; ``verdict``: ``fail`` when
-        a site failed, ``pass`` when every site passed, else ``undetermined`` (no site, or a site
-        with nothing judged), with ``verdict_reason``; ``worst_failure``: the failing site and
-        direction with the largest L2 error ratio (``{site, direction, step, kind, value,
-        reason}``), or None; ``failures``: the first failure of each site and direction, in step
-        order, then the worst (``"worst": True``).
+        directions and inputs), ``nonfinite_sites``, ``shadow_errors``,
+        ``primary_nonfinite_sites``: the sites where the **primary** returned non-finite values
+        from finite inputs where the baseline did not (a kernel bug, not the data), with
+        ``primary_nonfinite`` the number of such values; ``verdict``: ``fail`` when a site failed,
+        ``pass`` when every site passed, else ``undetermined`` (no site, or a site with nothing
+        judged), with ``verdict_reason``; ``worst_failure``: the failing site and direction with
+        the largest L2 error ratio (``{site, direction, step, kind, value, reason}``), or None;
+        ``failures``: the first failure of each site and direction, in step order, then the worst
+        (``"worst": True``).
     """
     fwd = {s: e["forward"]["out"] for s, e in stats.items()}
     bwd = {(s, d): e["backward"][d] for s, e in stats.items() for d in GRADIENTS}
     ratio_site = _argworst({s: f["error_ratio"] for s, f in fwd.items()})
     bwd_site = _argworst({k: b["error_ratio"] for k, b in bwd.items()})
     nonfinite = {site: _nonfinite(entry) for site, entry in stats.items()}
+    primary = {site: _primary_nonfinite(entry) for site, entry in stats.items()}
     return {
         "sites": len(stats),
         "forward_calls": sum(e["forward"]["calls"] for e in stats.values()),
@@ -59,6 +63,8 @@ def summarize(stats: Mapping[str, Any]) -> dict[str, Any]:
         "nonfinite": sum(nonfinite.values()),
         "nonfinite_sites": [site for site, n in nonfinite.items() if n],
         "shadow_errors": sum(e["shadow_errors"] for e in stats.values()),
+        "primary_nonfinite": sum(primary.values()),
+        "primary_nonfinite_sites": [site for site, n in primary.items() if n],
         **_verdict(stats),
     }
 
@@ -109,6 +115,22 @@ def _verdict(stats: Mapping[str, Any]) -> dict[str, Any]:
         "worst_failure": worst_failure,
         "failures": failures,
     }
+
+
+def _primary_nonfinite(entry: Mapping[str, Any]) -> int:
+    """Non-finite forward outputs of the primary at one site that its inputs and the baseline explain not.
+
+    ``primary_baseline.nonfinite`` counts positions where either output is non-finite and
+    ``baseline_golden.nonfinite`` those of the baseline (or golden); with finite ``q``, ``k``, ``v``
+    the excess is the primary's own.
+    """
+    inputs = entry.get("nonfinite_inputs", {})
+    if any(inputs.get(i, 0) for i in ("q", "k", "v")):
+        return 0
+    out = entry["forward"]["out"]
+    mine = out["primary_baseline"]["nonfinite"] if out.get("primary_baseline") else 0
+    theirs = out["baseline_golden"]["nonfinite"] if out.get("baseline_golden") else 0
+    return max(0, mine - theirs)
 
 
 def _nonfinite(entry: Mapping[str, Any]) -> int:

@@ -16,12 +16,13 @@ import argparse
 import itertools
 import logging
 import math
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from flashprobe.formats.paths import OutputPathError, prepare_output_dir, safe_name
+from flashprobe.formats.paths import OutputPathError, check_output_dir, prepare_output_dir, safe_name
 from flashprobe.formats.probe_log import PROBE_LOG_NAME
 from flashprobe.formats.study_file import STUDY_NAME, read_study
 
@@ -49,7 +50,13 @@ def _parse_pair(text: str) -> tuple[str, tuple[str, str]]:
 
 
 def _auto_name(a: str, b: str, taken: Mapping[str, Any]) -> str:
-    base = f"{Path(a).name or a}_vs_{Path(b).name or b}"
+    """``A_vs_B`` from the runs' directory names, made a safe file name (other characters become ``_``)."""
+
+    def part(run: str) -> str:
+        name = Path(run).resolve().name or "run"
+        return re.sub(r"[^A-Za-z0-9_.+=-]", "_", name).strip(".-") or "run"
+
+    base = f"{part(a)}_vs_{part(b)}"
     name, i = base, 2
     while name in taken:
         name, i = f"{base}_{i}", i + 1
@@ -114,9 +121,10 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     pairs = _pairs(parser, args)
     try:
-        out = prepare_output_dir(args.out, flag="--out")
+        check_output_dir(args.out, flag="--out")  # an empty or blocked --out fails first, creating nothing
         for run in dict.fromkeys(r for pair in pairs.values() for r in pair):
-            SnapshotStore(run)  # a missing or malformed run fails here, before any distance
+            SnapshotStore(run)  # a missing or malformed run fails here, before any distance or write
+        out = prepare_output_dir(args.out, flag="--out")
     except (FileNotFoundError, ValueError) as err:
         return _fail(prog, err)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -152,11 +160,13 @@ def report_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=prog, description=report_main.__doc__)
     parser.add_argument(
         "dir",
-        type=Path,
         help="a directory written by `flashprobe study`, `flashprobe compare` or `flashprobe train`",
     )
     parser.add_argument("--figures", action="store_true", help="also redraw fig7/fig8 from study.json")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if not args.dir.strip():  # Path("") would be the working directory
+        return _fail(prog, "DIR is empty; give the study, comparison or run directory (. for this one)")
+    args.dir = Path(args.dir)
     if not args.dir.is_dir():
         return _fail(prog, f"{args.dir} is not a directory; give a study, comparison or run directory")
     if not (args.dir / STUDY_NAME).is_file() and (args.dir / PROBE_LOG_NAME).is_file():

@@ -8,10 +8,12 @@ the ``flashprobe train`` command (``-m`` multirun sweeps included).
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import logging
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -23,18 +25,30 @@ import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from lightning.pytorch.trainer.states import TrainerStatus
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
 
+from flashprobe.callbacks.nonfinite_guard import NonFiniteGuard
 from flashprobe.console import quiet_third_party
-from flashprobe.formats.paths import OutputPathError, prepare_output_dir
-from flashprobe.formats.run_record import finish_session, read_run_record, start_session
+from flashprobe.formats.lock import DirectoryLockedError, directory_lock
+from flashprobe.formats.paths import OutputPathError, check_output_dir, safe_name
+from flashprobe.formats.run_record import (
+    claim_outputs,
+    finish_session,
+    owned_outputs,
+    read_run_record,
+    start_session,
+)
 from flashprobe.machine import machine_facts
-from flashprobe.overrides import override_key, override_value
+from flashprobe.overrides import override_key, override_path, override_value
 from flashprobe.t2i.precision import trainer_precision
 
 __all__ = [
     "CONF_DIR",
+    "REFUSALS",
     "RUN_OUTPUTS",
+    "RunStoppedError",
+    "check_config",
     "cli_main",
     "command_line",
     "compose",
@@ -198,21 +212,109 @@ def _start(cfg: DictConfig, run_dir: Path) -> tuple[str | None, str | None]:
     return cfg.get("ckpt_path"), None
 
 
+def _refuse_foreign(run_dir: Path, names: list[str]) -> None:
+    """Refuse to go on when some of ``names`` in ``run_dir`` were not created by flashprobe.
+
+    Raises:
+        FileExistsError: naming them; no ``run.json`` of the directory lists them as a run's outputs.
+    """
+    owned = owned_outputs(run_dir, RUN_OUTPUTS)
+    foreign = [name for name in names if name not in owned]
+    if foreign:
+        raise FileExistsError(
+            f"{run_dir} holds {', '.join(foreign)}, which no flashprobe run recorded as its own (a run's "
+            "run.json lists what it created); flashprobe deletes only its own outputs. Move them out of the "
+            "directory, or train into another directory"
+        )
+
+
 def _remove_outputs(run_dir: Path, names: list[str]) -> None:
+    """Delete the outputs ``names`` of an earlier run — only those its ``run.json`` records as its own.
+
+    Raises:
+        FileExistsError: some of ``names`` were not created by flashprobe (no ``run.json`` lists them);
+            nothing is deleted then.
+    """
+    _refuse_foreign(run_dir, names)
     for name in names:
         path = run_dir / name
+        if not path.exists() and not path.is_symlink():
+            continue
         log.warning("removing %s of the earlier run in %s", name, run_dir)
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()  # a link is removed, never what it points to
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _check(cfg: DictConfig) -> None:
+    """Refuse a configuration value that would fail (or write somewhere it must not) later, before any work.
+
+    Raises:
+        ValueError: naming the setting, the value and what to give instead.
+        KernelSpecError: an unknown kernel or kernel option.
+    """
     from flashprobe.kernels import get_kernel
 
     max_steps = cfg.trainer.get("max_steps", -1)
-    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int)):
+    if max_steps is not None and not _integer(max_steps):
         raise ValueError(f"trainer.max_steps={max_steps!r} must be an integer (or -1 for max_epochs)")
     if max_steps is not None and max_steps != -1 and max_steps <= 0:
         raise ValueError(f"trainer.max_steps={max_steps} must be positive (or -1 for max_epochs)")
+    if not _integer(cfg.get("seed")) or cfg.seed < 0:
+        raise ValueError(f"seed={cfg.get('seed')!r} must be a non-negative integer, e.g. seed=0")
+    threads = cfg.get("threads")
+    if threads is not None and (not _integer(threads) or threads <= 0):
+        raise ValueError(f"threads={threads!r} must be a positive integer (or null: torch's default)")
+    for key in ("log_every_n_steps", "val_check_interval"):
+        value = cfg.trainer.get(key)
+        if value is not None and (not _number(value) or value <= 0):
+            raise ValueError(
+                f"trainer.{key}={value!r} must be a positive number of steps, e.g. trainer.{key}=25"
+            )
+    lr = ((cfg.get("module") or {}).get("optimizer") or {}).get("lr")
+    if lr is not None and (not _number(lr) or not lr > 0):
+        raise ValueError(
+            f"module.optimizer.lr={lr!r} must be a positive number, e.g. module.optimizer.lr=2e-3"
+        )
+    for key, value in (
+        ("overwrite", cfg.get("overwrite")),
+        ("attention.probe.enabled", cfg.attention.probe.enabled),
+    ):
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}={value!r} must be true or false")
+    max_epochs = cfg.trainer.get("max_epochs")
+    if max_epochs is not None and not _integer(max_epochs):
+        raise ValueError(f"trainer.max_epochs={max_epochs!r} must be an integer (-1: no limit)")
+    for key in ("seed", "shuffle_seed"):
+        value = (cfg.get("data") or {}).get(key)
+        if value is not None and (not _integer(value) or value < 0):
+            raise ValueError(f"data.{key}={value!r} must be a non-negative integer, e.g. data.{key}=0")
+    for key in ("guidance_scale",):
+        value = (cfg.get("module") or {}).get(key)
+        if value is not None and not _number(value):
+            raise ValueError(f"module.{key}={value!r} must be a number, e.g. module.{key}=3.0")
+    for key in ("num_train", "num_val", "batch_size", "image_size"):
+        value = (cfg.get("data") or {}).get(key)
+        if value is not None and (not _integer(value) or value <= 0):
+            raise ValueError(f"data.{key}={value!r} must be a positive integer, e.g. data.{key}=16")
+    _check_memory(cfg)
+    if str(cfg.get("on_nonfinite", "stop")) not in ("stop", "continue"):
+        raise ValueError(f"on_nonfinite={cfg.get('on_nonfinite')!r} must be stop or continue")
+    safe_name(str(cfg.get("run_name")), what="run_name")  # it names the run's directory
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path is not None and not Path(str(ckpt_path)).is_file():
+        raise ValueError(
+            f"ckpt_path={ckpt_path}: no such file; give a Lightning .ckpt file (or resume=RUN_DIR)"
+        )
     if cfg.attention.kernel is not None:
         get_kernel(cfg.attention.kernel)  # unknown kernels and options fail here, before any work
     spec = cfg.attention.probe.get("baseline")
@@ -229,6 +331,82 @@ def _check(cfg: DictConfig) -> None:
             every,
             log_every,
         )
+
+
+def _machine_memory() -> int:
+    """Physical memory of this machine in bytes (0 when the platform does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _check_memory(cfg: DictConfig) -> None:
+    """Refuse sizes whose data and attention alone cannot fit in this machine's memory, before allocating.
+
+    The estimate is a floor: the rendered images (``(num_train + num_val) × 3 × S²`` float32) plus
+    one batch's attention scores over the ``(S/p)²`` image tokens, kept for the backward pass.
+
+    Raises:
+        ValueError: naming the settings, the estimate and the machine's memory.
+    """
+    data, model = cfg.get("data") or {}, cfg.get("model") or {}
+    size, patch, batch, heads = data.get("image_size"), model.get("patch_size", 2), data.get("batch_size"), 2
+    counts = (data.get("num_train"), data.get("num_val") or 0)
+    if not all(_integer(v) and v > 0 for v in (size, patch, batch, counts[0])) or not _integer(counts[1]):
+        return  # the data module and the model name what is wrong with these
+    images = counts[0] + counts[1]
+    image_bytes = images * 3 * size * size * 4
+    tokens = (size // patch) ** 2
+    attention_bytes = batch * heads * tokens * tokens * 4 * 3  # scores, probabilities, their gradient
+    memory, needed = _machine_memory(), image_bytes + attention_bytes
+    if memory and needed > 0.9 * memory:
+        gib = 2**30
+        raise ValueError(
+            f"data.image_size={size} with data.num_train + data.num_val = {images} images and "
+            f"data.batch_size={batch} needs at least {needed / gib:.3g} GiB ({image_bytes / gib:.3g} GiB of "
+            f"images, {attention_bytes / gib:.3g} GiB of attention scores over {tokens} image tokens), but "
+            f"this machine has {memory / gib:.1f} GiB; lower data.image_size (e.g. 16 or 32), "
+            "data.num_train or data.batch_size"
+        )
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Check every setting of a composed run config before any work (what ``flashprobe train`` and
+    ``flashprobe study`` do first): steps, intervals, seed, threads, learning rate, data sizes against
+    the machine's memory, names that become paths, kernels.
+
+    Raises:
+        ValueError: naming the setting, the value and what to give instead.
+    """
+    _check(cfg)
+
+
+def _check_paths(cfg: DictConfig, run_dir: Path) -> None:
+    """Every file a callback writes stays inside the run directory: ``dirpath`` under ``run_dir``,
+    ``filename`` a relative name without ``..``.
+
+    Raises:
+        ValueError: naming the callback setting and the fix.
+    """
+    root = run_dir.resolve()
+    for name, callback in (cfg.get("callbacks") or {}).items():
+        if not isinstance(callback, DictConfig):
+            continue
+        dirpath, filename = callback.get("dirpath"), callback.get("filename")
+        if dirpath is not None and not Path(str(dirpath)).resolve().is_relative_to(root):
+            raise ValueError(
+                f"callbacks.{name}.dirpath={dirpath} lies outside the run directory {run_dir}; a run writes "
+                "only into its own directory: leave dirpath at its default or choose the run directory "
+                "with hydra.run.dir"
+            )
+        if filename is not None:
+            parts = Path(str(filename)).parts
+            if not parts or Path(str(filename)).is_absolute() or ".." in parts or str(filename) in ("", "."):
+                raise ValueError(
+                    f"callbacks.{name}.filename={filename!r} must be a file name inside the run directory, "
+                    "e.g. probe.jsonl (no absolute path, no '..')"
+                )
 
 
 def _trainer_arguments(cfg: DictConfig, callbacks: list[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -251,7 +429,11 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
 
     A run directory that already holds a run is refused unless ``resume`` (continue it from its
     last checkpoint; ``"auto"``: continue if it can, skip it if it finished, else start it) or
-    ``overwrite=true`` (delete its outputs) is set. Every random choice of a training batch is a
+    ``overwrite=true`` (delete its outputs — only those its ``run.json`` records as flashprobe's)
+    is set. The run holds the lock of its directory throughout (one writer per run), reads
+    checkpoints with ``weights_only=True`` only, and stops at a non-finite loss or weight
+    (``on_nonfinite``), on Ctrl-C or on a full disk with :class:`RunStoppedError`, its session
+    recorded in ``run.json``. Every random choice of a training batch is a
     function of ``(seed, batch index)`` (:mod:`flashprobe.t2i.steps`), so a resumed run gives the
     same weights, snapshots and ``probe.jsonl`` as an uninterrupted one.
 
@@ -266,48 +448,146 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
 
     Raises:
         FileExistsError: see :func:`_start`; nothing is written then.
+        DirectoryLockedError: another process is writing into the run directory.
+        CheckpointError: the checkpoint to continue from is unsafe, truncated or not a checkpoint.
+        ValueError: a configuration value is invalid (see :func:`_check`).
+        RunStoppedError: the run stopped early (non-finite values, Ctrl-C, a full disk).
     """
-    _check(cfg)
-    quiet_third_party()
-    run_dir = _run_dir(cfg)
-    checkpoint, skipped = _start(cfg, run_dir)
-    if skipped:
-        log.info("skipping the run: %s", skipped)
-        return {}, {"run_dir": run_dir, "skipped": skipped}
-    run_dir.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("WANDB_MODE", "offline")  # no account, no network unless asked for
-    if not _launched_rank():
-        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    with contextlib.ExitStack() as stack:
+        with _refusals():
+            _check(cfg)
+            quiet_third_party()
+            run_dir = _run_dir(cfg)
+            _check_paths(cfg, run_dir)
+            if not _launched_rank():  # the ranks run inside rank zero's lock
+                stack.enter_context(directory_lock(run_dir, what="run directory"))
+            checkpoint, skipped = _start(cfg, run_dir)
+            if skipped:
+                log.info("skipping the run: %s", skipped)
+                return {}, {"run_dir": run_dir, "skipped": skipped}
+            from_step = _checkpoint_step(cfg, checkpoint)
+            if checkpoint and cfg.get("resume") is not None:
+                _check_resumable(run_dir, from_step)
+        os.environ.setdefault("WANDB_MODE", "offline")  # no account, no network unless asked for
+        callers_threads = torch.get_num_threads()
+        if cfg.get("threads"):
+            torch.set_num_threads(int(cfg.threads))  # CPU reductions (and so the last bits) depend on it
+        try:
+            with _refusals():
+                built = _build(cfg, run_dir)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if not _launched_rank():
+                foreign = set(existing_run(run_dir)) - set(owned_outputs(run_dir, RUN_OUTPUTS))
+                claim_outputs(run_dir, [n for n in RUN_OUTPUTS if n not in foreign])  # before writing any
+                OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+            return _fit(cfg, run_dir, checkpoint, from_step, built)
+        finally:
+            torch.set_num_threads(callers_threads)  # an in-process run leaves the caller's setting as it was
 
-    callers_threads = torch.get_num_threads()
-    if cfg.get("threads"):
-        torch.set_num_threads(int(cfg.threads))  # CPU reductions (and so the last bits) depend on it
-    try:
-        return _fit(cfg, run_dir, checkpoint)
-    finally:
-        torch.set_num_threads(callers_threads)  # an in-process run leaves the caller's setting as it was
+
+def _check_resumable(run_dir: Path, from_step: int) -> None:
+    """A run to continue has a readable record and snapshots: refuse now what would fail or be lost later.
+
+    Raises:
+        ValueError: ``run.json`` is not flashprobe's record (its sessions would be dropped), the
+            snapshot manifest is malformed or names files outside its directory, or a snapshot the
+            resumed run keeps (at or before ``from_step``) cannot be read.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    from flashprobe.weights.store import SNAPSHOT_DIRNAME, read_manifest
+
+    record = run_dir / "run.json"
+    if record.exists() and read_run_record(run_dir) is None:
+        raise ValueError(
+            f"{record} is not a flashprobe run record (not JSON of format flashprobe.run/1), so the run's "
+            "earlier sessions would be lost; restore it, or move it away to continue with a fresh record"
+        )
+    snapshots = run_dir / SNAPSHOT_DIRNAME
+    if not (snapshots / "manifest.json").is_file():
+        return
+    for entry in read_manifest(snapshots).get("snapshots", []):
+        if entry["step"] > from_step or not (snapshots / entry["file"]).is_file():
+            continue  # abandoned by the resume, or already gone: the writer drops them
+        try:
+            with safe_open(snapshots / entry["file"], framework="pt"):
+                pass
+        except SafetensorError as err:
+            raise ValueError(
+                f"snapshot {snapshots / entry['file']} (step {entry['step']}) cannot be read ({err}): it is "
+                "truncated or corrupt, and a resume would keep it; restore it, or start the run again with "
+                "overwrite=true"
+            ) from None
 
 
-def _fit(cfg: DictConfig, run_dir: Path, checkpoint: str | None) -> tuple[dict[str, float], dict[str, Any]]:
-    """Build the run's objects and fit (the body of :func:`train`, threads already set)."""
+def _checkpoint_step(cfg: DictConfig, checkpoint: str | None) -> int:
+    """The step the run continues from: ``checkpoint``'s ``global_step`` (read safely), else 0.
+
+    Raises:
+        CheckpointError: the checkpoint is unsafe to unpickle, truncated or not a checkpoint.
+        ValueError: ``trainer.max_steps`` lies below the checkpoint's step.
+    """
+    from flashprobe.formats.checkpoint_io import load_checkpoint
+
+    if not checkpoint:
+        return 0
+    step = int(load_checkpoint(checkpoint)["global_step"])
+    max_steps = cfg.trainer.get("max_steps", -1)
+    if max_steps not in (None, -1) and step > max_steps:
+        raise ValueError(
+            f"trainer.max_steps={max_steps} lies below the step of the checkpoint it resumes from "
+            f"({checkpoint}: step {step}); give trainer.max_steps={step} or more"
+        )
+    return step
+
+
+def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Seed and build the run's objects (nothing is written yet); a bad setting fails here.
+
+    Raises:
+        ValueError: an object refused its configuration (Hydra's ``InstantiationException``, whose
+            message names the config key and the object's reason).
+    """
+    from hydra.errors import InstantiationException
+
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    datamodule = hydra.utils.instantiate(cfg.data)
-    module = hydra.utils.instantiate(cfg.module)
-    callbacks = [
-        hydra.utils.instantiate(c)
-        for name, c in (cfg.get("callbacks") or {}).items()
-        if c is not None and (name != "attention_probe" or cfg.attention.probe.enabled)
-    ]
-    loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
-    trainer_config, extra = _trainer_arguments(cfg, callbacks)
-    trainer: L.Trainer = hydra.utils.instantiate(
-        trainer_config, default_root_dir=str(run_dir), callbacks=callbacks, logger=loggers or False, **extra
-    )
-    from_step = (
-        int(torch.load(checkpoint, map_location="cpu", weights_only=False)["global_step"])
-        if checkpoint
-        else 0
-    )
+    try:
+        datamodule = hydra.utils.instantiate(cfg.data)
+        module = hydra.utils.instantiate(cfg.module)
+        callbacks = [
+            hydra.utils.instantiate(c)
+            for name, c in (cfg.get("callbacks") or {}).items()
+            if c is not None and (name != "attention_probe" or cfg.attention.probe.enabled)
+        ]
+        if not any(isinstance(c, NonFiniteGuard) for c in callbacks):
+            callbacks.append(NonFiniteGuard(action=str(cfg.get("on_nonfinite") or "stop")))
+        loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
+        trainer_config, extra = _trainer_arguments(cfg, callbacks)
+        trainer: L.Trainer = hydra.utils.instantiate(
+            trainer_config,
+            default_root_dir=str(run_dir),
+            callbacks=callbacks,
+            logger=loggers or False,
+            **extra,
+        )
+    except InstantiationException as err:
+        raise ValueError(" ".join(str(err).split())) from err
+    return {
+        "datamodule": datamodule,
+        "module": module,
+        "callbacks": callbacks,
+        "loggers": loggers,
+        "trainer": trainer,
+    }
+
+
+def _fit(
+    cfg: DictConfig, run_dir: Path, checkpoint: str | None, from_step: int, built: dict[str, Any]
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """Fit the built objects (the body of :func:`train`, threads already set)."""
+    datamodule, module, callbacks = built["datamodule"], built["module"], built["callbacks"]
+    loggers, trainer = built["loggers"], built["trainer"]
+    guard = next(c for c in callbacks if isinstance(c, NonFiniteGuard))
     if trainer.is_global_zero:
         start_session(
             run_dir,
@@ -317,10 +597,33 @@ def _fit(cfg: DictConfig, run_dir: Path, checkpoint: str | None) -> tuple[dict[s
             resumed_from=checkpoint,
         )
     started = time.perf_counter()
+    ctrl_c = signal.getsignal(signal.SIGINT)
+    failure: RunStoppedError | None = None
     try:
         with _ranks_rerun_this_job(run_dir):
             trainer.fit(module, datamodule=datamodule, ckpt_path=checkpoint)
+    except SystemExit as exit_:  # Lightning's answer to Ctrl-C: sys.exit(1) after a graceful shutdown
+        if trainer.state.status != TrainerStatus.INTERRUPTED:
+            raise
+        failure = RunStoppedError(
+            f"interrupted (Ctrl-C) at step {trainer.global_step}; saved: {_saved(run_dir)}. Continue with: "
+            f"flashprobe train resume={run_dir}",
+            exit_code=130,
+        )
+        failure.__cause__ = exit_
+    except (OSError, RuntimeError) as err:
+        if not _disk_full(err):
+            raise
+        free = shutil.disk_usage(run_dir).free if run_dir.exists() else 0
+        failure = RunStoppedError(
+            f"the disk holding {run_dir} is full ({free / 2**20:.1f} MiB free): "
+            f"{str(err).splitlines()[0][:160]}. Free some space (or train on another disk) and continue "
+            f"with: flashprobe train resume={run_dir}",
+            exit_code=1,
+        )
+        failure.__cause__ = err
     finally:
+        signal.signal(signal.SIGINT, ctrl_c)  # Lightning ignores Ctrl-C from its first one on
         for lg in loggers:
             finalize = getattr(lg, "finalize", None)
             if finalize is not None:
@@ -333,8 +636,25 @@ def _fit(cfg: DictConfig, run_dir: Path, checkpoint: str | None) -> tuple[dict[s
                 upload = f" (upload: wandb sync {where})" if offline else ""
                 log.info("W&B run %s: %s%s", "(offline)" if offline else wandb.run.url, where, upload)
                 wandb.finish()
+    if failure is None and guard.reason is not None and guard.action == "stop":
+        failure = RunStoppedError(
+            f"{guard.reason}: training stopped there (run.json says why). Look at the kernel "
+            f"({cfg.attention.kernel}) and probe.jsonl's non-finite counts; on_nonfinite=continue trains on",
+            exit_code=1,
+        )
     if trainer.is_global_zero:
-        finish_session(run_dir, global_step=trainer.global_step, seconds=time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        note = guard.reason if guard.action == "continue" else None
+        with contextlib.suppress(OSError) if failure is not None else contextlib.nullcontext():
+            finish_session(
+                run_dir,
+                global_step=trainer.global_step,
+                seconds=seconds,
+                failed=None if failure is None else str(failure),
+                note=note,
+            )
+    if failure is not None:
+        raise failure
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     objects = {
         "datamodule": datamodule,
@@ -345,6 +665,38 @@ def _fit(cfg: DictConfig, run_dir: Path, checkpoint: str | None) -> tuple[dict[s
         "run_dir": run_dir,
     }
     return metrics, objects
+
+
+class RunStoppedError(RuntimeError):
+    """A run that ended before its ``max_steps``: Ctrl-C, a full disk, or non-finite loss or weights.
+
+    Its message says why, what was saved and the command that continues the run; ``run.json``
+    records the same. ``flashprobe train`` prints it and exits with :attr:`exit_code`.
+    """
+
+    def __init__(self, message: str, *, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _saved(run_dir: Path) -> str:
+    """What a stopped run has on disk to continue from, in words."""
+    checkpoint = last_checkpoint(run_dir)
+    parts = [f"checkpoint {checkpoint.relative_to(run_dir)}" if checkpoint else "no checkpoint yet"]
+    parts += [name for name in ("snapshots", "probe.jsonl") if (run_dir / name).exists()]
+    return ", ".join(parts)
+
+
+def _disk_full(err: BaseException) -> bool:
+    """Whether ``err`` (or what caused it) is a write that failed for lack of space."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(err)
+        if "No space left on device" in text or "Disk quota exceeded" in text:
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def compose(overrides: Sequence[str] = (), run_dir: str | Path | None = None) -> DictConfig:
@@ -368,9 +720,42 @@ def compose(overrides: Sequence[str] = (), run_dir: str | Path | None = None) ->
     return cfg
 
 
+#: flashprobe's own refusals of a run (bad setting, directory in the way or in use, unsafe checkpoint):
+#: the CLI prints their message alone, without a traceback (``-v`` or ``HYDRA_FULL_ERROR=1``: with it).
+REFUSALS = (ValueError, FileExistsError, FileNotFoundError, DirectoryLockedError)
+
+#: ``flashprobe train -v``: show tracebacks of flashprobe's own errors too.
+_VERBOSE = False
+
+
+@contextlib.contextmanager
+def _refusals() -> Iterator[None]:
+    """Mark a :data:`REFUSALS` error raised in the block as flashprobe's own (printed without traceback)."""
+    try:
+        yield
+    except REFUSALS as err:
+        err.flashprobe_refusal = True  # type: ignore[attr-defined]
+        raise
+
+
+def _traceback_wanted() -> bool:
+    return _VERBOSE or os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> float | None:
-    metrics, _ = train(cfg)
+    try:
+        metrics, _ = train(cfg)
+    except REFUSALS as err:
+        if not getattr(err, "flashprobe_refusal", False) or _traceback_wanted():
+            raise
+        print(f"flashprobe train: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except RunStoppedError as err:
+        if _traceback_wanted():
+            raise
+        print(f"flashprobe train: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(err.exit_code) from None
     return metrics.get("val/loss")
 
 
@@ -379,14 +764,18 @@ def command_line(args: Sequence[str]) -> list[str]:
 
     ``resume=DIR`` continues the run in ``DIR`` with the overrides it was started with
     (``DIR/.hydra/overrides.yaml``), any overrides given now on top, and ``hydra.run.dir=DIR``.
+    Paths are read as Hydra reads them (quotes removed).
 
     Raises:
         FileNotFoundError: ``resume=DIR`` where ``DIR`` holds no run started by ``flashprobe train``.
         FileExistsError: ``hydra.run.dir=DIR`` where ``DIR`` holds a run, without resume or overwrite.
-        OutputPathError: ``hydra.run.dir`` is a file, lies under one, or is not writable.
+        OutputPathError: ``hydra.run.dir`` is empty, a file, lies under one, or is not writable.
+        ValueError: ``resume`` or ``hydra.run.dir`` is not one path (a sweep, a list).
     """
     args = list(args)
-    resume, run_dir = override_value(args, "resume"), override_value(args, "hydra.run.dir")
+    resume, run_dir = override_path(args, "resume"), override_path(args, "hydra.run.dir")
+    if resume is not None and not resume.strip():
+        raise OutputPathError("resume='' is empty; give the run directory to continue: resume=RUN_DIR")
     if resume not in (None, "null", "auto") and run_dir is None:
         saved = Path(resume) / ".hydra" / "overrides.yaml"
         if not saved.is_file():
@@ -395,11 +784,28 @@ def command_line(args: Sequence[str]) -> list[str]:
             )
         given = {override_key(a) for a in args}
         skip = {"resume", "overwrite", "ckpt_path", "hydra.run.dir"}
-        original = [str(o) for o in OmegaConf.load(saved) if override_key(str(o)) not in given | skip]
-        return [*original, *args, f"hydra.run.dir={resume}"]
+        try:
+            saved_overrides = OmegaConf.load(saved)
+        except Exception as err:  # any YAML or OmegaConf error: not Hydra's file
+            raise FileNotFoundError(
+                f"resume={resume}: {saved} is not Hydra's overrides file ({err})"
+            ) from None
+        if not isinstance(saved_overrides, ListConfig) or not all(
+            isinstance(o, str) for o in saved_overrides
+        ):
+            raise FileNotFoundError(f"resume={resume}: {saved} is not a list of overrides as Hydra writes it")
+        original = [str(o) for o in saved_overrides if override_key(str(o)) not in given | skip]
+        return [*original, *args, f"hydra.run.dir={_quoted(resume)}"]
     overwrite = str(override_value(args, "overwrite")).lower() == "true"
+    if run_dir is not None and not run_dir.strip():
+        raise OutputPathError(
+            "hydra.run.dir is empty (it would write into the working directory); give the run directory, "
+            "e.g. hydra.run.dir=outputs/my_run"
+        )
+    if run_dir is not None and "${" in run_dir:
+        return args  # an interpolation: Hydra resolves it; train() checks the directory it gives
     if run_dir is not None:
-        prepare_output_dir(run_dir, flag="hydra.run.dir")  # a file in the way fails now, not in Hydra
+        check_output_dir(run_dir, flag="hydra.run.dir")  # a file in the way fails now, not in Hydra
     if run_dir is not None and resume in (None, "null") and not overwrite:
         found = existing_run(Path(run_dir))
         if found:
@@ -407,23 +813,109 @@ def command_line(args: Sequence[str]) -> list[str]:
     return args
 
 
+def _quoted(path: str) -> str:
+    """``path`` as a Hydra override value: quoted when Hydra would otherwise read it as something else."""
+    if all(c.isalnum() or c in "/._-+~@:" for c in path):
+        return path
+    return "'" + path.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _precheck(args: Sequence[str]) -> Path | None:
+    """Compose the run's config as Hydra will and check every setting (:func:`_check`), before Hydra starts.
+
+    Only for a single run given by overrides (no ``-m`` sweep, no Hydra flags, whose composition
+    Hydra alone knows); returns the run directory when the command line names it (``hydra.run.dir``).
+
+    Raises:
+        ValueError: a setting is invalid, or the overrides do not compose (Hydra's reason).
+    """
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if any(a.startswith("-") for a in args):
+        return None
+    given = override_path(args, "hydra.run.dir")
+    run_dir = Path(given) if given and "${" not in given else None
+    overrides = [a for a in args if not override_key(a).startswith("hydra")]
+    try:
+        cfg = compose(overrides)
+        with open_dict(cfg):  # where the callbacks' ${run_dir} points (Hydra's default: a new directory)
+            cfg.run_dir = str(run_dir or Path(str(cfg.output_root)) / "train" / "new")
+        _check(cfg)
+        _check_paths(cfg, Path(cfg.run_dir))
+        resumed = None
+        if run_dir is not None:
+            resumed = last_checkpoint(run_dir) if cfg.get("resume") is not None else None
+            starts_afresh = (cfg.get("resume") == "auto" and resumed is None) or (
+                cfg.get("resume") is None and cfg.get("overwrite")
+            )
+            if starts_afresh:  # it would delete what is there: only flashprobe's own outputs
+                _refuse_foreign(run_dir, existing_run(run_dir))
+        step = _checkpoint_step(cfg, str(resumed) if resumed else cfg.get("ckpt_path"))  # unsafe files: now
+        if resumed:
+            _check_resumable(run_dir, step)
+        quiet_third_party()
+        lightning_log = logging.getLogger("lightning.pytorch")
+        level = lightning_log.level
+        lightning_log.setLevel(logging.WARNING)  # the Trainer's "GPU available" lines come with the run
+        try:
+            _build(cfg, Path(cfg.run_dir))  # every constructor checks its arguments; nothing is written
+        finally:
+            lightning_log.setLevel(level)
+    except (HydraException, OmegaConfBaseException) as err:
+        reason = " ".join(str(err).split())
+        bad = next((o for o in args if not _parses(o)), None)
+        if bad is not None:
+            raise ValueError(
+                f"{bad!r} is not a valid Hydra override ({reason.split(' See ')[0]}); quote a value that "
+                "holds '=' or ',', as in attention.kernel='tiled:block_q=32,block_k=64'"
+            ) from None
+        raise ValueError(reason) from None
+    return run_dir
+
+
+def _parses(override: str) -> bool:
+    """Whether Hydra's override grammar accepts ``override``."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        OverridesParser.create().parse_override(override)
+    except HydraException:
+        return False
+    return True
+
+
 def cli_main(argv: Sequence[str] | None = None) -> int:
-    """``flashprobe train [overrides]``: run the Hydra app with ``argv`` as its command line.
+    """``flashprobe train [-v] [overrides]``: run the Hydra app with ``argv`` as its command line.
+
+    Every setting is checked and the run directory locked before Hydra starts; flashprobe's own
+    errors print one message and return 2 (``-v`` or ``HYDRA_FULL_ERROR=1``: with the traceback).
 
     Lightning's DDP launcher starts the other ranks by re-running the main script with
     ``sys.argv[1:]``; ``sys.argv`` and ``__main__.__spec__`` are pointed at this module, so the
     ranks re-run this Hydra app (``python -m flashprobe.t2i.train OVERRIDES``), not the CLI.
     """
-    try:
-        args = command_line(sys.argv[1:] if argv is None else argv)
-    except (FileNotFoundError, FileExistsError, OutputPathError) as err:
-        print(f"flashprobe train: error: {err}", file=sys.stderr)
-        return 2
-    sys.argv = [__file__, *args]
-    main_module = sys.modules.get("__main__")
-    if main_module is not None and getattr(main_module, "__spec__", None) is not None:
-        main_module.__spec__ = importlib.util.find_spec(__name__)
-    _hydra_main()
+    global _VERBOSE
+    given = list(sys.argv[1:] if argv is None else argv)
+    _VERBOSE = any(a in ("-v", "--verbose") for a in given)
+    given = [a for a in given if a not in ("-v", "--verbose")]
+    with contextlib.ExitStack() as stack:
+        try:
+            args = command_line(given)
+            run_dir = _precheck(args)
+            if run_dir is not None and not _launched_rank():
+                stack.enter_context(directory_lock(run_dir, what="run directory"))
+        except (*REFUSALS, OutputPathError) as err:
+            if _traceback_wanted():
+                raise
+            print(f"flashprobe train: error: {err}", file=sys.stderr)
+            return 2
+        sys.argv = [__file__, *args]
+        main_module = sys.modules.get("__main__")
+        if main_module is not None and getattr(main_module, "__spec__", None) is not None:
+            main_module.__spec__ = importlib.util.find_spec(__name__)
+        _hydra_main()
     return 0
 
 

@@ -51,6 +51,7 @@ __all__ = [
     "SnapshotStore",
     "SnapshotWriter",
     "TensorSpec",
+    "read_manifest",
     "snapshot_filename",
 ]
 
@@ -103,6 +104,63 @@ def snapshot_filename(step: int) -> str:
     return f"step_{step:07d}.safetensors"
 
 
+def _entry_file(directory: Path, entry: Any, manifest: Path) -> tuple[int, Path]:
+    """The step and file of one manifest entry; the file must be a plain name inside ``directory``.
+
+    A manifest is read from run directories that may be anyone's, and a resume deletes the files of
+    abandoned entries: an entry naming an absolute path, a ``..`` or a sub-directory is refused, so
+    no manifest can make flashprobe read or delete a file outside its snapshot directory.
+
+    Raises:
+        SnapshotError: the entry is not ``{"step": int >= 0, "file": "NAME"}`` with a plain file name.
+    """
+    if not isinstance(entry, Mapping):
+        raise SnapshotError(f"{manifest}: a snapshot entry is {entry!r}, not {{'step': N, 'file': NAME}}")
+    step, name = entry.get("step"), entry.get("file")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise SnapshotError(f"{manifest}: snapshot entry {dict(entry)!r} has no non-negative integer 'step'")
+    plain = isinstance(name, str) and name not in ("", ".", "..") and not name.startswith(".")
+    if not plain or os.sep in name or (os.altsep and os.altsep in name) or Path(name).name != name:
+        raise SnapshotError(
+            f"{manifest}: snapshot entry of step {step} names the file {name!r}, which is not a plain file "
+            f"name inside {directory} (no '/', no '..'); flashprobe reads and deletes only files inside the "
+            "snapshot directory: fix or remove that entry (snapshot files are named like "
+            f"{snapshot_filename(step)})"
+        )
+    return step, directory / name
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of a snapshot directory, checked: a JSON object whose every entry is valid.
+
+    Args:
+        directory: the snapshot directory (``RUN_DIR/snapshots``).
+
+    Raises:
+        FileNotFoundError: no manifest.
+        SnapshotError: not valid JSON, not an object, no ``snapshots`` list, or an entry that is not
+            ``{"step": N, "file": NAME}`` with a plain file name (see :func:`_entry_file`).
+    """
+    directory = Path(directory)
+    path = directory / MANIFEST_NAME
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no snapshot manifest at {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise SnapshotError(
+            f"malformed snapshot manifest {path} ({err}); it is written by flashprobe's WeightSnapshot "
+            "callback: restore it, or start the run again with overwrite=true"
+        ) from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("snapshots", []), list):
+        raise SnapshotError(f"malformed snapshot manifest {path}: not an object with a 'snapshots' list")
+    if not isinstance(manifest.get("tensors", []), list):
+        raise SnapshotError(f"malformed snapshot manifest {path}: 'tensors' is not a list")
+    for entry in manifest.get("snapshots", []):
+        _entry_file(directory, entry, path)
+    return manifest
+
+
 def _snapshot_dir(run_dir: str | os.PathLike[str]) -> Path:
     """``RUN_DIR/snapshots``, or ``run_dir`` itself when it already holds a manifest."""
     run_dir = Path(run_dir)
@@ -134,12 +192,13 @@ class SnapshotWriter:
             log.warning("removing incomplete snapshot file %s left by an interrupted write", stale)
             stale.unlink(missing_ok=True)
         self.manifest: dict[str, Any] = {"format": SNAPSHOT_FORMAT, **header, "tensors": [], "snapshots": []}
-        path = self.directory / MANIFEST_NAME
-        if path.is_file():
-            old = json.loads(path.read_text(encoding="utf-8"))
+        if (self.directory / MANIFEST_NAME).is_file():
+            old = read_manifest(self.directory)
             self.manifest["tensors"] = old.get("tensors", [])
             self.manifest["snapshots"] = [
-                entry for entry in old.get("snapshots", []) if (self.directory / entry["file"]).is_file()
+                entry
+                for entry in old.get("snapshots", [])
+                if _entry_file(self.directory, entry, self.directory / MANIFEST_NAME)[1].is_file()
             ]
 
     @property
@@ -180,7 +239,7 @@ class SnapshotWriter:
         self.manifest["snapshots"] = [e for e in self.manifest["snapshots"] if e["step"] <= step]
         self._write_manifest()  # unlist first, delete after: a crash in between leaves only orphans
         for entry in dropped:
-            (self.directory / entry["file"]).unlink(missing_ok=True)
+            _entry_file(self.directory, entry, self.directory / MANIFEST_NAME)[1].unlink(missing_ok=True)
         return [e["step"] for e in dropped]
 
     def _write_manifest(self) -> None:
@@ -233,19 +292,24 @@ class SnapshotStore:
                 TensorSpec(t["name"], tuple(t["shape"]), t["dtype"], t.get("kind", "parameter"))
                 for t in self.manifest["tensors"]
             ]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise SnapshotError(f"malformed snapshot manifest {path}: {err!r}") from err
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
+            raise SnapshotError(
+                f"malformed snapshot manifest {path} ({type(err).__name__}: {err}); it is written by "
+                "flashprobe's WeightSnapshot callback: restore it or train the run again"
+            ) from None
         if fmt != SNAPSHOT_FORMAT:
             raise SnapshotError(
                 f"{path} has format {fmt!r}; this version of flashprobe reads {SNAPSHOT_FORMAT!r}"
             )
         self.specs: dict[str, TensorSpec] = {s.name: s for s in specs}
         self._files: dict[int, Path] = {}
+        if not isinstance(entries, list):
+            raise SnapshotError(f"malformed snapshot manifest {path}: 'snapshots' is not a list")
         for entry in entries:
-            file = self.directory / entry["file"]
+            step, file = _entry_file(self.directory, entry, path)
             if not file.is_file():
-                raise SnapshotError(f"{path} lists step {entry['step']} but {file} does not exist")
-            self._files[int(entry["step"])] = file
+                raise SnapshotError(f"{path} lists step {step} but {file} does not exist")
+            self._files[step] = file
 
     def __repr__(self) -> str:
         return f"SnapshotStore({str(self.run_dir)!r}, run_id={self.run_id!r}, steps={self.steps})"
