@@ -301,6 +301,8 @@ class AttentionProbe(Callback):
         if self._probe is not None and trainer.global_step > self.last_logged_step:
             self._flush(trainer, pl_module, trainer.global_step)
             self._react(trainer, self._new_failures())
+        if trainer.is_global_zero and self.last_summary:
+            log.info("%s", verdict_line(self.last_summary, self._path))
         if self.plot and trainer.is_global_zero and self._path is not None and self._path.is_file():
             from flashprobe.report.probe_figures import plot_probe
 
@@ -428,6 +430,24 @@ class AttentionProbe(Callback):
         self.records = state_dict.get("records", 0)
         self._restored_failures = [dict(f) for f in state_dict.get("failures", [])]
         self._resumed_from = self.last_logged_step
+
+
+def verdict_line(summary: Mapping[str, Any], path: Path | None = None) -> str:
+    """The run's verdict in one line (the last the callback logs): verdict, sites, the first failure
+    or the worst forward error ratio, and where the records are."""
+    verdict = str(summary.get("verdict") or "undetermined").upper()
+    firsts = [f for f in summary.get("failures") or [] if not f.get("worst")]
+    if firsts:
+        f = firsts[0]
+        detail = f"first failure at {f['site']} {f['direction']}, step {f['step']}: {f['reason']}" + (
+            f"; reproducer {f['repro']}" if f.get("repro") else ""
+        )
+    else:
+        ratio = summary.get("max_error_ratio")
+        worst = f"{ratio:.3g} at {summary.get('max_error_ratio_site')}" if ratio is not None else "n/a"
+        detail = f"{summary.get('sites', 0)} sites, worst forward error ratio {worst}"
+    where = f" ({path})" if path is not None else ""
+    return f"AttentionProbe: verdict {verdict}: {detail}{where}"
 
 
 def _loss_scale(trainer: pl.Trainer) -> Callable[[], torch.Tensor | float | None] | None:

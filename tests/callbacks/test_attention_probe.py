@@ -297,9 +297,13 @@ def test_raise_fails_the_fit(tmp_path: Path) -> None:
         _trainer(callback, max_steps=6).fit(_Scheduled())
 
 
-def test_a_correct_kernel_passes_and_a_resumed_run_keeps_its_failures(tmp_path: Path) -> None:
+def test_a_correct_kernel_passes_and_a_resumed_run_keeps_its_failures(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     callback = AttentionProbe(backward=True, dirpath=tmp_path, on_failure="raise", log_every_n_steps=1)
-    _trainer(callback, max_steps=6).fit(_Scheduled())
+    with caplog.at_level("INFO", logger="flashprobe.callbacks.attention_probe"):
+        _trainer(callback, max_steps=6).fit(_Scheduled())
+    assert "AttentionProbe: verdict PASS: 2 sites, worst forward error ratio" in caplog.text
     records = _records(tmp_path / "probe.jsonl")
     assert [r["summary"]["verdict"] for r in records] == ["pass"] * 6
     assert not (tmp_path / "repro").exists()
@@ -315,7 +319,10 @@ def test_a_correct_kernel_passes_and_a_resumed_run_keeps_its_failures(tmp_path: 
     }
     resumed = AttentionProbe(backward=True, dirpath=tmp_path / "resumed", on_failure="warn")
     resumed.load_state_dict({"last_logged_step": -1, "records": 0, "failures": [old]})
-    _trainer(resumed, max_steps=2).fit(_Scheduled())
+    caplog.clear()
+    with caplog.at_level("INFO", logger="flashprobe.callbacks.attention_probe"):
+        _trainer(resumed, max_steps=2).fit(_Scheduled())
+    assert "AttentionProbe: verdict FAIL: first failure at model.attn0 dq, step 3" in caplog.text
     summary = _records(tmp_path / "resumed" / "probe.jsonl")[-1]["summary"]
     assert summary["verdict"] == "fail" and summary["failures"] == [old]
     assert resumed.state_dict()["failures"] == [old]
