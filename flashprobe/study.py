@@ -291,8 +291,69 @@ def run_study(
         return _run_locked_study(out, plan, cfg, overrides, train)
 
 
+#: The study's settings, recorded in its directory before any run trains (``OUT/study_settings.json``).
+SETTINGS_FILE = "study_settings.json"
+
+
+def _settings(cfg: Any) -> dict[str, Any]:
+    """What the study's runs are trained with: the composed configuration, without Hydra's own
+    section (launchers, output paths), flattened to ``{"trainer.max_steps": 120, ...}``."""
+    from omegaconf import OmegaConf
+
+    tree = OmegaConf.to_container(cfg, resolve=False)
+    assert isinstance(tree, dict)
+    tree.pop("hydra", None)
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(f"{prefix}{key}.", value)
+        else:
+            flat[prefix[:-1]] = node
+
+    walk("", tree)
+    return flat
+
+
+def check_settings(out: Path, cfg: Any) -> None:
+    """Refuse a study directory whose runs were trained with other settings (before any training).
+
+    Its ``study_settings.json`` (written by the first invocation) must match this invocation's
+    composed configuration; otherwise the skipped "finished" runs would be reported under the new
+    settings. A directory without the file (a study from before it existed) is not checked.
+
+    Raises:
+        ValueError: naming each setting that differs, old and new, and the fix.
+    """
+    path = out / SETTINGS_FILE
+    if not path.is_file():
+        return
+    try:
+        before = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: unreadable ({err}); move it away to start the study afresh") from None
+    now = json.loads(json.dumps(_settings(cfg), default=str))
+    differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+    if differ:
+        shown = "; ".join(f"{k}: {before.get(k)!r} then, {now.get(k)!r} now" for k in differ[:8])
+        more = f" (and {len(differ) - 8} more)" if len(differ) > 8 else ""
+        raise ValueError(
+            f"{out} holds a study trained with other settings — {shown}{more}. Its finished runs would "
+            "be skipped and reported under the new settings: use another --out for these settings, or "
+            "the first invocation's settings to continue it"
+        )
+
+
 def _run_locked_study(out: Path, plan: StudyPlan, cfg: Any, overrides: list[str], train: bool) -> Path:
     """The body of :func:`run_study`, run while this process holds the lock of ``out``."""
+    from flashprobe.formats.atomic import atomic_write_text
+
+    check_settings(out, cfg)
+    if train and not (out / SETTINGS_FILE).is_file():
+        atomic_write_text(
+            out / SETTINGS_FILE, json.dumps(_settings(cfg), default=str, indent=1, sort_keys=True)
+        )
     from flashprobe.formats.study_file import write_study
     from flashprobe.report.study_report import write_report
     from flashprobe.report.weights_figures import plot_study_figures

@@ -184,3 +184,17 @@ def test_report_verdict_against_low_precision(tmp_path: Path, flash: float, find
     assert verdict(read_study(tmp_path))["context"]["fp16_vs_fp32"]["ratio"] == pytest.approx(flash / 2e-5)
     assert report_main([str(tmp_path)]) == 0
     assert finding in (tmp_path / "report.md").read_text()
+
+
+def test_other_settings_into_the_same_out_are_refused_before_any_training(study: Path, capsys) -> None:
+    from flashprobe.study import SETTINGS_FILE, main
+
+    assert (study / SETTINGS_FILE).is_file()
+    before = {p: p.stat().st_mtime_ns for p in study.rglob("*") if p.is_file()}
+    for changed in ("trainer.max_steps=6", "study.precision=16-mixed"):
+        assert main(["--out", str(study), "--runs", ",".join(RUNS), *TINY, changed]) == 2
+        err = capsys.readouterr().err
+        assert "holds a study trained with other settings" in err and changed.split("=")[0] in err
+    assert {p: p.stat().st_mtime_ns for p in study.rglob("*") if p.is_file()} == before  # nothing written
+    # the same settings are accepted (compare-only here: no retraining)
+    assert main(["--out", str(study), "--runs", ",".join(RUNS), "--compare-only", *TINY]) == 0
