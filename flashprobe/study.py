@@ -466,8 +466,9 @@ common overrides (Hydra, applied to every run):
 examples:
   flashprobe study                                    the quick study (out/study)
   flashprobe study --out out/paper_study experiment=paper_study
-  flashprobe study --runs flash,baseline,identical trainer.max_steps=40
-  flashprobe study hydra/launcher=submitit_local      each run a submitit job on this machine
+  flashprobe study --out out/study_40 --runs flash,baseline,identical trainer.max_steps=40
+  flashprobe study --out out/study_submitit hydra/launcher=submitit_local   each run a submitit job
+(one --out per set of settings: a study directory refuses other settings than its first invocation's)
 
 Re-running the same command skips finished runs and resumes interrupted ones.
 Writes OUT/study.json, study.csv, report.md, fig7_<pair>.png, fig8_wasserstein.png, OUT/runs/<run>/."""
