@@ -41,6 +41,7 @@ from flashprobe.deviation import PAIRS
 from flashprobe.formats.probe_log import PROBE_LOG_NAME, ProbeLogWriter
 from flashprobe.probe import Probe, ProbeConfig, ProbeFailureError, ProbeWarning, probe, reduce_across_ranks
 from flashprobe.probe.shadow import failure_message
+from flashprobe.probe.summary import keep_worst, summary_scalars
 
 __all__ = ["AttentionProbe"]
 
@@ -328,7 +329,7 @@ class AttentionProbe(Callback):
         stats = self._probe.stats(tensors)
         summary = self._probe.summary(stats)
         summary["step"] = step
-        self._keep_worst(summary)
+        self._worst = keep_worst(summary, self._worst)
         self._probe.reset()
         self.last_logged_step = step
         if not stats:
@@ -361,32 +362,12 @@ class AttentionProbe(Callback):
             self._log_to_loggers(trainer, stats, summary, step)
             self._append(step, stats, summary)
 
-    def _keep_worst(self, summary: dict[str, Any]) -> None:
-        """The worst failing call since training started (the summary's own is its interval's)."""
-        worst = summary.get("worst_failure")
-        if worst is not None and (self._worst is None or worst["value"] > self._worst["value"]):
-            self._worst = dict(worst)
-        if self._worst is not None:
-            failures = [f for f in summary.get("failures", []) if not f.get("worst")]
-            summary["failures"] = [*failures, {**self._worst, "worst": True}]
-            summary["worst_failure"] = dict(self._worst)
-
     def _log_to_loggers(
         self, trainer: pl.Trainer, stats: dict[str, Any], summary: dict[str, Any], step: int
     ) -> None:
-        metrics: dict[str, float] = {}
-        for key in ("max_error_ratio", "max_call_error_ratio", "max_backward_error_ratio", "nonfinite"):
-            value = summary.get(key)
-            if value is not None:
-                metrics[f"probe/{key}"] = float(value)
-        metrics["probe/failed"] = float(summary.get("verdict") == "fail")
-        metrics["probe/failures"] = float(sum(not f.get("worst") for f in summary.get("failures", [])))
-        for pair, value in (summary.get("max_abs") or {}).items():
-            if value is not None:
-                metrics[f"probe/max_abs/{pair}"] = float(value)
+        metrics = summary_scalars(summary)
         if self.log_sites:
-            metrics.update(_flatten_sites(stats))
-        metrics = {k: v for k, v in metrics.items() if v is not None and math.isfinite(v)}
+            metrics.update({k: v for k, v in _flatten_sites(stats).items() if math.isfinite(v)})
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
             log_table = getattr(logger, "log_table", None)

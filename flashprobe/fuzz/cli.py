@@ -14,7 +14,6 @@ Exits 0 when nothing fails and 1 when a (kernel, case, dtype) fails.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import time
 from collections.abc import Sequence
@@ -40,7 +39,7 @@ from flashprobe.fuzz.tables import (
     summary_counts,
     terminal_table,
 )
-from flashprobe.kernels import KernelSpecError, available_kernels, dtype_name, to_dtype
+from flashprobe.kernels import KernelSpecError, available_kernels, dtype_name, import_kernel_modules, to_dtype
 
 __all__ = ["DEFAULT_DTYPES", "main"]
 
@@ -209,15 +208,7 @@ def _label(spec: str, flag: str) -> str:
 
 def _plan(args: argparse.Namespace) -> _Plan:
     """Check every argument, in the order given on the command line's help, before any work."""
-    if args.imports and "" not in sys.path and str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))  # modules in the working directory, as `python -m` finds them
-    for module in args.imports or []:
-        try:
-            importlib.import_module(module)
-        except ImportError as err:
-            raise UsageError(
-                f"--import {module}: {err}; run from the directory that holds it or add that to PYTHONPATH"
-            ) from None
+    _import_modules(args.imports)
     if not args.kernel:
         raise UsageError("give at least one --kernel SPEC; available: " + ", ".join(available_kernels()))
     kernels = [_label(k, "--kernel") for k in args.kernel]
@@ -252,15 +243,10 @@ def _plan(args: argparse.Namespace) -> _Plan:
 
 
 def _import_modules(modules: Sequence[str] | None) -> None:
-    if modules and "" not in sys.path and str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))  # modules in the working directory, as `python -m` finds them
-    for module in modules or []:
-        try:
-            importlib.import_module(module)
-        except ImportError as err:
-            raise UsageError(
-                f"--import {module}: {err}; run from the directory that holds it or add that to PYTHONPATH"
-            ) from None
+    try:
+        import_kernel_modules(modules or [])
+    except KernelSpecError as err:
+        raise UsageError(str(err)) from None
 
 
 def _from_reproducer(args: argparse.Namespace) -> int:

@@ -31,7 +31,6 @@ This module imports transformers; ``import flashprobe`` does not.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 import warnings
@@ -61,14 +60,13 @@ from flashprobe.probe import (
 from flashprobe.probe.call import autocast_dtype, run_kernel
 from flashprobe.probe.routing import check_kernel_here
 from flashprobe.probe.shadow import failure_message
+from flashprobe.probe.summary import keep_worst, summary_scalars
 
 __all__ = ["CONFIG_KEY", "DEFAULT_NAME", "AttentionProbeCallback", "register_attention"]
 
 log = logging.getLogger(__name__)
 
 #: The summary's scalars put into the Trainer's logs (as ``probe/<key>``).
-_SUMMARY_SCALARS = ("max_error_ratio", "max_call_error_ratio", "max_backward_error_ratio", "nonfinite")
-
 #: The ``attn_implementation`` name :func:`register_attention` registers by default. Not
 #: "flashprobe": transformers takes every name containing "flash" for a flash-attn kernel to load.
 DEFAULT_NAME = "probe_kernel"
@@ -535,13 +533,13 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
         stats = self._probe.stats(tensors)
         summary = self._probe.summary(stats)
         summary["step"] = step
-        self._keep_worst(summary)
+        self._worst = keep_worst(summary, self._worst)
         self._probe.reset()
         self.last_logged_step = step
         if not stats:
             return
         self.last_summary = summary
-        self._pending = _scalars(summary)
+        self._pending = summary_scalars(summary)
         if state.is_world_process_zero:
             assert self._writer is not None
             if not self._writer.opened:
@@ -554,28 +552,3 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
                     )
             self._writer.append({"step": step, "summary": summary, "sites": stats})
             self.records += 1
-
-    def _keep_worst(self, summary: dict[str, Any]) -> None:
-        """The worst failing call since training started (the summary's own is its interval's)."""
-        worst = summary.get("worst_failure")
-        if worst is not None and (self._worst is None or worst["value"] > self._worst["value"]):
-            self._worst = dict(worst)
-        if self._worst is not None:
-            failures = [f for f in summary.get("failures", []) if not f.get("worst")]
-            summary["failures"] = [*failures, {**self._worst, "worst": True}]
-            summary["worst_failure"] = dict(self._worst)
-
-
-def _scalars(summary: dict[str, Any]) -> dict[str, float]:
-    """The summary's finite scalars, named ``probe/...`` (as the Lightning callback logs them)."""
-    metrics: dict[str, float] = {}
-    for key in _SUMMARY_SCALARS:
-        value = summary.get(key)
-        if value is not None:
-            metrics[f"probe/{key}"] = float(value)
-    metrics["probe/failed"] = float(summary.get("verdict") == "fail")
-    metrics["probe/failures"] = float(sum(not f.get("worst") for f in summary.get("failures", [])))
-    for pair, value in (summary.get("max_abs") or {}).items():
-        if value is not None:
-            metrics[f"probe/max_abs/{pair}"] = float(value)
-    return {k: v for k, v in metrics.items() if math.isfinite(v)}

@@ -9,9 +9,12 @@ and Hydra configs.
 
 from __future__ import annotations
 
+import importlib
 import inspect
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -25,6 +28,7 @@ __all__ = [
     "KernelUnavailableError",
     "available_kernels",
     "get_kernel",
+    "import_kernel_modules",
     "kernel_availability",
     "list_kernels",
     "parse_spec",
@@ -222,6 +226,25 @@ def kernel_availability(
         else:
             ran.append(name)
     return KernelAvailability(kernel.spec, str(device), tuple(ran), reasons)
+
+
+def import_kernel_modules(modules: Iterable[str]) -> None:
+    """Import the modules that register a user's kernels (the ``--import MODULE`` of the CLIs),
+    finding modules in the working directory as ``python -m`` does.
+
+    Raises:
+        KernelSpecError: a module cannot be imported, naming it and the fix.
+    """
+    modules = list(modules)
+    if modules and "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise KernelSpecError(
+                f"--import {module}: {err}; run from the directory that holds it or add that to PYTHONPATH"
+            ) from None
 
 
 def unregister_kernel(name: str) -> None:

@@ -13,13 +13,11 @@ exits 1 when any kernel fails (2 on bad arguments), so it works as a regression 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from flashprobe.kernels import KernelSpecError, get_kernel
+from flashprobe.kernels import KernelSpecError, get_kernel, import_kernel_modules
 
 __all__ = ["main"]
 
@@ -54,15 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.imports and str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))  # modules in the working directory, as `python -m` finds them
-    for module in args.imports or []:
-        try:
-            importlib.import_module(module)
-        except ImportError as err:
-            parser.error(
-                f"--import {module}: {err}; run from the directory that holds it or add it to PYTHONPATH"
-            )
+    try:
+        import_kernel_modules(args.imports or [])
+    except KernelSpecError as err:
+        parser.error(str(err))
     try:
         call = load_reproducer(args.file)
     except ReproducerError as err:

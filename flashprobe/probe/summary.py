@@ -10,6 +10,7 @@ It is what :meth:`ShadowAttention.summary <flashprobe.probe.ShadowAttention.summ
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,7 +19,7 @@ from flashprobe.probe.stats import GRADIENTS, PAIRS, worst
 
 _ORDER = ("out", "dq", "dk", "dv")  # failures sort by step, site, then this
 
-__all__ = ["summarize"]
+__all__ = ["keep_worst", "summarize", "summary_scalars"]
 
 
 def summarize(stats: Mapping[str, Any]) -> dict[str, Any]:
@@ -147,3 +148,37 @@ def _argworst(values: Mapping[Any, float | None]) -> Any:
     if best is None:
         return None
     return next(k for k, v in values.items() if v is best or v == best)
+
+
+#: The summary's headline statistics that the training callbacks log as ``probe/<name>``.
+SUMMARY_SCALARS = ("max_error_ratio", "max_call_error_ratio", "max_backward_error_ratio", "nonfinite")
+
+
+def summary_scalars(summary: Mapping[str, Any]) -> dict[str, float]:
+    """The summary's finite scalars as the training callbacks log them: ``probe/<statistic>``,
+    ``probe/failed`` (0/1), ``probe/failures`` (first failures seen) and ``probe/max_abs/<pair>``."""
+    metrics: dict[str, float] = {}
+    for key in SUMMARY_SCALARS:
+        value = summary.get(key)
+        if value is not None:
+            metrics[f"probe/{key}"] = float(value)
+    metrics["probe/failed"] = float(summary.get("verdict") == "fail")
+    metrics["probe/failures"] = float(sum(not f.get("worst") for f in summary.get("failures", [])))
+    for pair, value in (summary.get("max_abs") or {}).items():
+        if value is not None:
+            metrics[f"probe/max_abs/{pair}"] = float(value)
+    return {k: v for k, v in metrics.items() if math.isfinite(v)}
+
+
+def keep_worst(summary: dict[str, Any], worst: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Carry the worst failing call across logging intervals (a summary's own is its interval's):
+    returns the worst so far and puts it into ``summary`` (``worst_failure``, the last of
+    ``failures``)."""
+    new = summary.get("worst_failure")
+    if new is not None and (worst is None or new["value"] > worst["value"]):
+        worst = dict(new)
+    if worst is not None:
+        failures = [f for f in summary.get("failures", []) if not f.get("worst")]
+        summary["failures"] = [*failures, {**worst, "worst": True}]
+        summary["worst_failure"] = dict(worst)
+    return worst
