@@ -14,8 +14,8 @@ __all__ = ["main"]
 
 #: command → ("module:function", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("flashprobe.t2i.train:cli_main", "train the text-to-image model (Hydra overrides)"),
-    "study": ("flashprobe.study:main", "run the weight-deviation study of paper §V (Hydra multirun)"),
+    "train": ("flashprobe.app.train:cli_main", "train the text-to-image model (Hydra overrides)"),
+    "study": ("flashprobe.app.study:main", "run the weight-deviation study of paper §V (Hydra multirun)"),
     "compare": ("flashprobe.report.cli:compare_main", "compare the weight snapshots of run directories"),
     "report": ("flashprobe.report.cli:report_main", "redraw report.md and figures of a run or study dir"),
     "fuzz": ("flashprobe.fuzz.cli:main", "fuzz kernels with adversarial edge cases"),

@@ -83,7 +83,7 @@ def test_fuzz_command_parses(tmp_path: Path) -> None:
 
 
 def test_study_overrides_compose(tmp_path: Path) -> None:
-    from flashprobe.t2i.train import compose
+    from flashprobe.app.train import compose
 
     argv = _argv("study_50_steps", tmp_path)
     overrides = [a for a in argv if "=" in a]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-HEAVY = ("lightning", "hydra", "wandb", "transformers", "diffusers", "flashprobe.t2i", "flashprobe.study")
+HEAVY = ("lightning", "hydra", "wandb", "transformers", "diffusers", "flashprobe.t2i", "flashprobe.app")
 LAYERS = (
     "flashprobe",
     "flashprobe.deviation",

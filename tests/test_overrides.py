@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flashprobe.overrides import override_key, override_value
+from flashprobe.app.overrides import override_key, override_value
 
 
 def test_the_last_value_wins_and_prefixes_name_the_same_key() -> None:

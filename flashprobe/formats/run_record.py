@@ -1,6 +1,6 @@
 """``RUN_DIR/run.json``: what a training run is, where it stands, and how long it took.
 
-Written by ``flashprobe train`` (:func:`flashprobe.t2i.train.train`) at the start and at the end of
+Written by ``flashprobe train`` (:func:`flashprobe.app.train.train`) at the start and at the end of
 every session (a first start or a resume)::
 
     {"format": "flashprobe.run/1",
@@ -8,7 +8,7 @@ every session (a first start or a resume)::
      "max_steps": 900, "global_step": 900,
      "sessions": [{"started": "...", "from_step": 0, "to_step": 300, "seconds": 80.1,
                    "resumed_from": null, "failed": "why it ended early (if it did)"}, ...],
-     "machine": {...flashprobe.machine.machine_facts()...},
+     "machine": {...flashprobe.app.machine.machine_facts()...},
      "outputs": ["checkpoints", "config.yaml", ...]}
 
 A session killed before its end keeps ``"seconds": null``; ``status`` says whether the run reached

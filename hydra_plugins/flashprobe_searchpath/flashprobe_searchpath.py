@@ -34,7 +34,7 @@ def _packaged_conf() -> Path | None:
 def _is_flashprobe(search_path: ConfigSearchPath, packaged: Path) -> bool:
     for element in search_path.get_path():
         path = element.path or ""
-        if path in ("pkg://flashprobe.conf", "pkg://flashprobe/conf"):  # flashprobe.t2i.train's @hydra.main
+        if path in ("pkg://flashprobe.conf", "pkg://flashprobe/conf"):  # flashprobe.app.train's @hydra.main
             return True
         if "://" in path and not path.startswith("file://"):
             continue  # pkg://, structured://

@@ -8,8 +8,8 @@ import hydra
 import pytest
 from omegaconf import OmegaConf
 
+from flashprobe.app.train import CONF_DIR, compose
 from flashprobe.kernels import get_kernel
-from flashprobe.t2i.train import CONF_DIR, compose
 
 #: flashprobe's config groups (conf/hydra holds options of Hydra's own groups: logging, help).
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name[0] != "_" and p.name != "hydra")
@@ -79,7 +79,7 @@ TINY = [
 
 @pytest.mark.parametrize("experiment", [*_options("experiment"), *REPO_EXPERIMENTS])
 def test_every_experiment_runs_at_a_tiny_budget(experiment: str, tmp_path, monkeypatch) -> None:
-    from flashprobe.t2i.train import train
+    from flashprobe.app.train import train
 
     monkeypatch.chdir(REPO_CONF.parent)  # ./conf is the repository's
     cfg = compose([f"experiment={experiment}", *TINY], run_dir=tmp_path)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from flashprobe.app.study_progress import StudyProgress, format_seconds
 from flashprobe.formats.run_record import finish_session, start_session
-from flashprobe.study_progress import StudyProgress, format_seconds
 from tests.app._study import flashprobe_cli
 
 TINY = [

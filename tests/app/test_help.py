@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from flashprobe.t2i.train import compose
+from flashprobe.app.train import compose
 from tests.app._study import flashprobe_cli
 
 #: the overrides a new user reaches for first; each must be explained by --help

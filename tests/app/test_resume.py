@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from flashprobe.app.train import cli_main, command_line, compose, train
 from flashprobe.formats.run_record import read_run_record
-from flashprobe.t2i.train import cli_main, command_line, compose, train
 from tests.app._study import flashprobe_cli
 
 #: 6 steps; a checkpoint, a snapshot and a probe record every 2 steps; one torch thread in the test
@@ -157,7 +157,7 @@ def test_a_run_directory_under_a_file_is_refused_before_hydra_starts(tmp_path: P
 def test_a_checkpoint_interval_that_splits_a_probe_interval_is_warned_about(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from flashprobe.t2i.train import _check
+    from flashprobe.app.train import _check
 
     _check(compose([*RUN, "callbacks.checkpoint.every_n_train_steps=2"], run_dir=tmp_path))
     assert "not a multiple" not in caplog.text  # 2 is a multiple of log_every_n_steps=2

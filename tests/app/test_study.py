@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from flashprobe.app.study import PRECISIONS, run_study, study_plan
 from flashprobe.formats.study_file import read_study
 from flashprobe.report.cli import report_main
 from flashprobe.report.study_report import verdict
-from flashprobe.study import PRECISIONS, run_study, study_plan
 from tests.app._study import TINY
 
 RUNS = ["flash", "baseline", "identical", "seed1", "fp32"]
@@ -187,7 +187,7 @@ def test_report_verdict_against_low_precision(tmp_path: Path, flash: float, find
 
 
 def test_other_settings_into_the_same_out_are_refused_before_any_training(study: Path, capsys) -> None:
-    from flashprobe.study import SETTINGS_FILE, main
+    from flashprobe.app.study import SETTINGS_FILE, main
 
     assert (study / SETTINGS_FILE).is_file()
     before = {p: p.stat().st_mtime_ns for p in study.rglob("*") if p.is_file()}

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-import flashprobe.study as study_module
+import flashprobe.app.study as study_module
+from flashprobe.app.study import check_launcher, run_study
 from flashprobe.formats.run_record import read_run_record
 from flashprobe.formats.study_file import read_study
-from flashprobe.study import check_launcher, run_study
 from tests.app._study import ROOT, TINY, flashprobe_cli
 
 RUNS = ["flash", "baseline", "identical"]

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from flashprobe.app.train import cli_main, compose, train
 from flashprobe.kernels import KernelSpecError
-from flashprobe.t2i.train import cli_main, compose, train
 
 SMOKE = ["experiment=smoke"]
 
@@ -146,7 +146,7 @@ def test_ddp_on_two_cpu_processes_gives_one_probe_jsonl(tmp_path: Path) -> None:
 def test_only_rank_zero_decides_how_a_run_starts(
     monkeypatch: pytest.MonkeyPatch, env: dict, launched: bool
 ) -> None:
-    from flashprobe.t2i.train import _launched_rank
+    from flashprobe.app.train import _launched_rank
 
     for var in ("LOCAL_RANK", "NODE_RANK", "RANK", "SLURM_NTASKS", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)

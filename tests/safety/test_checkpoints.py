@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from flashprobe.app.train import compose, train
 from flashprobe.formats.checkpoint_io import AtomicCheckpointIO, CheckpointError, load_checkpoint
 from flashprobe.formats.run_record import read_run_record
-from flashprobe.t2i.train import compose, train
 from tests.app._study import flashprobe_cli
 from tests.safety._runs import SHORT, fingerprint, write_crafted_checkpoint, write_crafted_pickle
 

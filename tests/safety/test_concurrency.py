@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from flashprobe.app.study import run_study
 from flashprobe.formats.lock import LOCK_NAME, DirectoryLockedError, directory_lock
 from flashprobe.formats.study_file import read_study
-from flashprobe.study import run_study
 from tests.app._study import ROOT, TINY, flashprobe_cli
 from tests.safety._hold import wait_for
 from tests.safety._runs import fingerprint

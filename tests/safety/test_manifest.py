@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashprobe.t2i.train import compose, train
+from flashprobe.app.train import compose, train
 from flashprobe.weights.store import SnapshotError, SnapshotStore, SnapshotWriter, TensorSpec
 from tests.safety._runs import SHORT, fingerprint
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from flashprobe.app.train import RUN_OUTPUTS, compose, train
 from flashprobe.formats.run_record import read_run_record
-from flashprobe.t2i.train import RUN_OUTPUTS, compose, train
 from tests.app._study import flashprobe_cli
 from tests.safety._runs import SHORT, fingerprint
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from flashprobe.app.train import RunStoppedError, compose, train
 from flashprobe.formats.run_record import read_run_record
 from flashprobe.kernels import math_attention, register_kernel, unregister_kernel
-from flashprobe.t2i.train import RunStoppedError, compose, train
 from tests.app._study import ROOT, flashprobe_cli
 from tests.safety._hold import wait_for
 from tests.safety._runs import SHORT

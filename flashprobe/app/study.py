@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from flashprobe.overrides import override_value
+from flashprobe.app.overrides import override_value
 
 __all__ = [
     "DEFAULT_EXPERIMENT",
@@ -235,7 +235,7 @@ def study_config(overrides: Sequence[str]) -> Any:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from flashprobe.t2i.train import compose
+    from flashprobe.app.train import compose
 
     config_overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
     try:
@@ -280,7 +280,7 @@ def run_study(
         get_kernel(cfg.study.kernel)
     except KernelSpecError as err:
         raise ValueError(f"study.kernel: {err}") from None
-    from flashprobe.t2i.train import check_config
+    from flashprobe.app.train import check_config
 
     check_config(cfg)  # every run's settings (the flash run's config; the others differ in the plan's keys)
     safe_name(str(cfg.run_name), what="run_name")  # it names each run's directory under OUT/runs
@@ -354,11 +354,11 @@ def _run_locked_study(out: Path, plan: StudyPlan, cfg: Any, overrides: list[str]
         atomic_write_text(
             out / SETTINGS_FILE, json.dumps(_settings(cfg), default=str, indent=1, sort_keys=True)
         )
+    from flashprobe.app.study_progress import StudyProgress
+    from flashprobe.app.train import cli_main
     from flashprobe.formats.study_file import write_study
     from flashprobe.report.study_report import write_report
     from flashprobe.report.weights_figures import plot_study_figures
-    from flashprobe.study_progress import StudyProgress
-    from flashprobe.t2i.train import cli_main
     from flashprobe.weights import compare_runs
 
     runs_dir = out / "runs"
@@ -437,8 +437,8 @@ def _runs_machine(runs_dir: Path, names: Sequence[str]) -> dict[str, Any]:
         the CPU, ...); otherwise ``{"differ": {run: facts}}``, with a warning: results on CPU depend
         on them, so pairs from different machines differ in more than the one thing they isolate.
     """
+    from flashprobe.app.machine import machine_facts
     from flashprobe.formats.run_record import read_run_record
-    from flashprobe.machine import machine_facts
 
     facts = {}
     for name in names:

@@ -28,8 +28,10 @@ from hydra.types import RunMode
 from lightning.pytorch.trainer.states import TrainerStatus
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
 
+from flashprobe.app.console import quiet_third_party
+from flashprobe.app.machine import machine_facts
+from flashprobe.app.overrides import override_key, override_path, override_value
 from flashprobe.callbacks.nonfinite_guard import NonFiniteGuard
-from flashprobe.console import quiet_third_party
 from flashprobe.formats.lock import DirectoryLockedError, directory_lock
 from flashprobe.formats.paths import OutputPathError, check_output_dir, safe_name
 from flashprobe.formats.run_record import (
@@ -39,8 +41,6 @@ from flashprobe.formats.run_record import (
     read_run_record,
     start_session,
 )
-from flashprobe.machine import machine_facts
-from flashprobe.overrides import override_key, override_path, override_value
 from flashprobe.t2i.precision import trainer_precision
 
 __all__ = [
@@ -122,7 +122,7 @@ def _ranks_rerun_this_job(run_dir: Path) -> Iterator[None]:
     ``hydra.run.dir=<HydraConfig run.dir>``. In a multirun job (the study's basic, joblib or
     submitit launcher) that would re-run the whole sweep — or submitit's worker module — in a
     directory of its own. For the duration of ``fit`` the ranks are made to run exactly this job:
-    ``python -m flashprobe.t2i.train <this job's overrides>`` in this job's directory. Afterwards
+    ``python -m flashprobe.app.train <this job's overrides>`` in this job's directory. Afterwards
     the rendezvous variables Lightning set (``LOCAL_RANK``, ...) are removed and the process group
     destroyed, so the next job of the sweep launches its own ranks. Outside a multirun nothing
     changes.
@@ -894,7 +894,7 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
 
     Lightning's DDP launcher starts the other ranks by re-running the main script with
     ``sys.argv[1:]``; ``sys.argv`` and ``__main__.__spec__`` are pointed at this module, so the
-    ranks re-run this Hydra app (``python -m flashprobe.t2i.train OVERRIDES``), not the CLI.
+    ranks re-run this Hydra app (``python -m flashprobe.app.train OVERRIDES``), not the CLI.
     """
     global _VERBOSE
     given = list(sys.argv[1:] if argv is None else argv)
