@@ -28,9 +28,10 @@ from hydra.types import RunMode
 from lightning.pytorch.trainer.states import TrainerStatus
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
 
-from flashprobe.app.console import quiet_third_party
+from flashprobe.app.console import StepProgressBar, quiet_third_party
 from flashprobe.app.machine import machine_facts
 from flashprobe.app.overrides import override_key, override_path, override_value
+from flashprobe.callbacks.attention_probe import AttentionProbe
 from flashprobe.callbacks.nonfinite_guard import NonFiniteGuard
 from flashprobe.formats.lock import DirectoryLockedError, directory_lock
 from flashprobe.formats.paths import OutputPathError, check_output_dir, safe_name
@@ -411,12 +412,14 @@ def _check_paths(cfg: DictConfig, run_dir: Path) -> None:
 
 def _trainer_arguments(cfg: DictConfig, callbacks: list[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The Trainer's config and extra arguments: exact precision on CPU, atomic checkpoints."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 
     from flashprobe.formats.checkpoint_io import AtomicCheckpointIO
 
     config = OmegaConf.to_container(cfg.trainer, resolve=True)
     config.setdefault("enable_progress_bar", sys.stdout.isatty())  # a bar in a terminal, none in logs
+    if config["enable_progress_bar"] and not any(isinstance(c, ProgressBar) for c in callbacks):
+        callbacks.append(StepProgressBar())  # "train 3/5" instead of Lightning's "Epoch 0/-2"
     extra = trainer_precision(config.pop("precision", "32-true"), config.get("accelerator", "cpu"))
     extra["plugins"] = [*extra.get("plugins", []), AtomicCheckpointIO()]
     if not any(isinstance(c, ModelCheckpoint) for c in callbacks):
@@ -561,6 +564,9 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         ]
         if not any(isinstance(c, NonFiniteGuard) for c in callbacks):
             callbacks.append(NonFiniteGuard(action=str(cfg.get("on_nonfinite") or "stop")))
+        # The probe's callbacks last: their end-of-training summary (verdict, worst site) is what
+        # the run prints last.
+        callbacks.sort(key=lambda c: isinstance(c, AttentionProbe))
         loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
         trainer_config, extra = _trainer_arguments(cfg, callbacks)
         trainer: L.Trainer = hydra.utils.instantiate(
@@ -596,6 +602,7 @@ def _fit(
             machine=machine_facts(),
             resumed_from=checkpoint,
         )
+        _announce_wandb(loggers)
     started = time.perf_counter()
     ctrl_c = signal.getsignal(signal.SIGINT)
     failure: RunStoppedError | None = None
@@ -632,9 +639,6 @@ def _fit(
             import wandb
 
             if wandb.run is not None:
-                offline, where = wandb.run.settings.mode in ("offline", "dryrun"), Path(wandb.run.dir).parent
-                upload = f" (upload: wandb sync {where})" if offline else ""
-                log.info("W&B run %s: %s%s", "(offline)" if offline else wandb.run.url, where, upload)
                 wandb.finish()
     if failure is None and guard.reason is not None and guard.action == "stop":
         failure = RunStoppedError(
@@ -665,6 +669,18 @@ def _fit(
         "run_dir": run_dir,
     }
     return metrics, objects
+
+
+def _announce_wandb(loggers: list[Any]) -> None:
+    """Say where the W&B run lives before training (so the run's last lines are the probe's summary)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    for logger in loggers:
+        if isinstance(logger, WandbLogger):
+            run = logger.experiment
+            offline, where = run.settings.mode in ("offline", "dryrun"), Path(run.dir).parent
+            upload = f" (upload: wandb sync {where})" if offline else ""
+            log.info("W&B run %s: %s%s", "(offline)" if offline else run.url, where, upload)
 
 
 class RunStoppedError(RuntimeError):

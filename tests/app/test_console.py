@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import io
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from flashprobe.app.study_progress import StudyProgress, format_seconds
 from flashprobe.formats.run_record import finish_session, start_session
-from tests.app._study import flashprobe_cli
+from tests.app._study import ROOT, flashprobe_cli
 
 TINY = [
     "model=tiny",
@@ -63,6 +66,54 @@ def test_flashprobe_train_prints_each_line_once_without_noise(tmp_path: Path) ->
     assert len(messages) == len(set(messages)), "a line is printed twice"
     assert any("W&B run (offline)" in line and "wandb sync" in line for line in lines)
     assert not any("Epoch 0" in line for line in lines)  # no progress bar in a log (stdout is not a TTY)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def _in_a_terminal(args: list[str], cwd: Path) -> tuple[int, list[str]]:
+    """Run ``flashprobe ARGS`` with stdout and stderr on a pseudo-terminal (200 columns); the
+    screen's lines, ANSI escapes removed, each ``\\r`` a new line (a bar redraw)."""
+    master, slave = os.openpty()
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.update({"COLUMNS": "200", "LINES": "50", "TERM": "xterm"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flashprobe.cli", *args],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        cwd=cwd,
+        env=env,
+    )
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    rc = proc.wait(timeout=600)
+    screen = _ANSI.sub("", b"".join(chunks).decode("utf-8", "replace"))
+    return rc, [line for line in re.split(r"\r\n|\r|\n", screen) if line.strip()]
+
+
+def test_flashprobe_train_in_a_terminal_bar_records_and_last_lines(tmp_path: Path) -> None:
+    rc, lines = _in_a_terminal(
+        ["train", f"hydra.run.dir={tmp_path / 'run'}", "trainer.max_steps=4", *TINY], tmp_path
+    )
+    assert rc == 0, "\n".join(lines[-40:])
+    bar = [line for line in lines if re.match(r"train +\S* *\d/4 ", line)]
+    assert bar, "\n".join(lines)  # the bar counts steps: "train ... 3/4"
+    assert not any("Epoch 0" in line for line in lines), "Lightning's 'Epoch 0/-2' label"
+    assert not any("GPU available: False" in line or "TPU available: False" in line for line in lines)
+    records = [line for line in lines if "][INFO] - " in line or "][WARNING] - " in line]
+    assert records and all(line.startswith("[20") for line in records), "a record glued onto the bar's line"
+    assert "flashprobe.callbacks.attention_probe" in records[-1]  # the probe's summary is the last record
+    assert any("AttentionProbe: verdict PASS" in line for line in records[-2:])
 
 
 def _record(runs: Path, name: str, seconds: float | None, from_step: int = 0) -> None:
