@@ -151,8 +151,9 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
 
 def report_main(argv: Sequence[str] | None = None) -> int:
     """``flashprobe report DIR``: rebuild ``DIR/report.md`` from ``DIR/study.json`` (``--figures``:
-    redraw the figures too); for a training run directory (``probe.jsonl``, no ``study.json``)
-    redraw ``probe.png`` and print the worst error ratio per logged step."""
+    redraw the figures too) and name the files written; for a training run directory
+    (``probe.jsonl``, no ``study.json``) redraw ``probe.png`` and print the worst error ratio per
+    logged step."""
     from flashprobe.report.study_report import write_report
     from flashprobe.report.weights_figures import plot_study_figures
 
@@ -174,12 +175,12 @@ def report_main(argv: Sequence[str] | None = None) -> int:
     try:
         study = read_study(args.dir)
         prepare_output_dir(args.dir, flag="DIR")
-        if args.figures:
-            plot_study_figures(study["pairs"], args.dir)
+        figures = plot_study_figures(study["pairs"], args.dir) if args.figures else []
         report = write_report(args.dir)
     except (FileNotFoundError, ValueError) as err:
         return _fail(prog, err)
-    print(report.read_text())
+    for path in (report, *figures):  # the files, not their contents: the report is for reading there
+        print(f"wrote {path}")
     return 0
 
 

@@ -1,0 +1,41 @@
+"""``flashprobe report DIR`` of a comparison: it rewrites report.md (and the figures when asked)
+and names the files it wrote, not their contents."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from flashprobe.report.cli import report_main
+
+
+def _comparison_dir(tmp_path: Path) -> Path:
+    pair = {
+        "run_a": "a",
+        "run_b": "b",
+        "steps": [0, 10],
+        "model": {"wasserstein": [0.0, 1e-6], "max_abs": [0.0, 1e-4]},
+    }
+    (tmp_path / "study.json").write_text(
+        json.dumps({"format": "flashprobe.compare/1", "pairs": {"a_vs_b": pair}})
+    )
+    return tmp_path
+
+
+def test_report_names_the_files_it_wrote(tmp_path: Path, capsys) -> None:
+    out = _comparison_dir(tmp_path)
+    assert report_main([str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"wrote {out / 'report.md'}"]
+    assert (out / "report.md").read_text().startswith("# ")  # the report is in the file
+
+
+def test_report_with_figures_names_each_figure(tmp_path: Path, capsys) -> None:
+    out = _comparison_dir(tmp_path)
+    assert report_main([str(out), "--figures"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    written = [Path(line.removeprefix("wrote ")) for line in lines]
+    assert all(line.startswith("wrote ") for line in lines) and written[0] == out / "report.md"
+    figures = written[1:]
+    assert figures and all(f.suffix == ".png" and f.is_file() and f.parent == out for f in figures)
+    assert {f.name for f in figures} == {f.name for f in out.glob("*.png")}
