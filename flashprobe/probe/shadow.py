@@ -296,8 +296,8 @@ class ShadowAttention(nn.Module):
     def check(self, device: torch.device, dtype: torch.dtype) -> None:
         """Raise :class:`KernelUnavailableError` if a kernel cannot run on ``device``/``dtype``."""
         if self.primary is not None:
-            check_kernel_here(self.primary, device, dtype, "primary")
-        check_kernel_here(self.baseline, device, dtype, "baseline")
+            check_kernel_here(self.primary, device, dtype, "primary", backward=self.backward)
+        check_kernel_here(self.baseline, device, dtype, "baseline", backward=self.backward)
         if self.golden and device.type == "mps":
             raise KernelUnavailableError(
                 "golden attention needs float64, which MPS devices do not support; pass golden=False"
