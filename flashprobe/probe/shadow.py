@@ -245,6 +245,8 @@ class ShadowAttention(nn.Module):
         self.reproducers: list[Path] = []
         self._armed: set[str] = set()
         self.config = ProbeConfig.from_settings(config, **settings)
+        if device is not None:  # backward="auto": decided by the kernels' capabilities there
+            self.config = self.config.resolve_backward(device)
         cfg = self.config
         self.primary = None if cfg.primary is None else get_kernel(cfg.primary)
         self.baseline = get_kernel(cfg.baseline)
@@ -270,8 +272,8 @@ class ShadowAttention(nn.Module):
 
     @property
     def backward(self) -> bool:
-        """Whether gradients are compared."""
-        return self.config.backward
+        """Whether gradients are compared (``"auto"`` not decided for a device: no)."""
+        return self.config.backward is True
 
     @property
     def dropout(self) -> str:
