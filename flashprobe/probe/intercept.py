@@ -333,7 +333,6 @@ DIRECT_KERNELS: tuple[tuple[str, str], ...] = (
     ("flash_attn_interface", "flash_attn_func"),  # FlashAttention-3 (hopper)
     ("flash_attn", "flash_attn_varlen_func"),
     ("flash_attn.flash_attn_interface", "flash_attn_varlen_func"),
-    ("flash_attn_interface", "flash_attn_varlen_func"),
     ("flash_attn", "flash_attn_qkvpacked_func"),
     ("flash_attn.flash_attn_interface", "flash_attn_qkvpacked_func"),
     ("flash_attn", "flash_attn_kvpacked_func"),
