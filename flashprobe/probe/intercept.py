@@ -454,30 +454,41 @@ def _direct_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     if name == "flash_attn_kvpacked_func":
         return _kvpacked_wrapper(original, what)
 
-    def flash_attn_func(
-        q: Any,
-        k: Any,
-        v: Any,
-        dropout_p: float = 0.0,
-        softmax_scale: Any = None,
-        causal: bool = False,
-        **kwargs: Any,
-    ):  # type: ignore[no-untyped-def]
-        def run() -> Any:
-            return original(q, k, v, dropout_p, softmax_scale, causal, **kwargs)
+    try:
+        signature: inspect.Signature | None = inspect.signature(original)
+    except (TypeError, ValueError):
+        signature = None
 
-        res = _direct_context(q, 4)
-        if res is None:
+    def flash_attn_func(*args: Any, **kwargs: Any):  # type: ignore[no-untyped-def]
+        def run() -> Any:  # the caller's arguments exactly (FlashAttention-3 has no dropout_p)
+            return original(*args, **kwargs)
+
+        res = _direct_context(args[0] if args else kwargs.get("q"), 4)
+        if res is None or signature is None:
             return run()
+        try:
+            named = dict(signature.bind(*args, **kwargs).arguments)
+        except TypeError:
+            return run()
+        for param in signature.parameters.values():
+            if param.kind is param.VAR_KEYWORD:
+                named.update(named.pop(param.name, {}))
+        if not all(name in named for name in ("q", "k", "v")):
+            return run()
+        q, k, v = named.pop("q"), named.pop("k"), named.pop("v")
+        dropout_p = named.pop("dropout_p", 0.0)
+        softmax_scale, causal = named.pop("softmax_scale", None), named.pop("causal", False)
         mask, sdpa_causal = _bnhd_call(q, k, causal)
-        kw = {"dropout_p": dropout_p, "softmax_scale": softmax_scale, "causal": causal, **kwargs}
+        kw = {"softmax_scale": softmax_scale, "causal": causal, **named}
+        if "dropout_p" in signature.parameters:
+            kw["dropout_p"] = dropout_p
 
         def primary(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
             return original(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), **kw).transpose(1, 2)
 
         views = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, N, D)
         out = _probe_direct(
-            res, what, kwargs, *views, mask, sdpa_causal, dropout_p, softmax_scale, primary, run
+            res, what, named, *views, mask, sdpa_causal, dropout_p, softmax_scale, primary, run
         )
         return run() if out is None else out.transpose(1, 2)
 

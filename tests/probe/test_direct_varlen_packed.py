@@ -146,3 +146,29 @@ def test_a_varlen_library_attending_across_sequences_fails(library) -> None:
     with probe(model) as p, torch.no_grad():
         model(torch.randn(10, 8), torch.randn(12, 8))
     assert p.stats()["<root>"]["verdict"] == "fail"
+
+
+def test_flash_attention_3_signature_gets_its_own_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    sdpa = ORIGINAL_SDPA
+
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None):  # FlashAttention-3: no dropout_p
+        assert qv is None and (softmax_scale is None or softmax_scale > 0)
+        out = sdpa(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal, scale=softmax_scale)
+        return out.transpose(1, 2)
+
+    fa3 = types.ModuleType("flash_attn_interface")
+    fa3.flash_attn_func = flash_attn_func
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", fa3)
+
+    class Block(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, N, H, D)
+            return sys.modules["flash_attn_interface"].flash_attn_func(x, x, x, causal=True)
+
+    x = torch.randn(2, 6, 2, 8)
+    want = flash_attn_func(x, x, x, causal=True)
+    model = Block()
+    with probe(model) as p, torch.no_grad():
+        got = model(x)
+    assert torch.equal(got, want)
+    entry = p.stats()["<root>"]
+    assert entry["forward"]["calls"] == 1 and entry["verdict"] == "pass", entry["verdict_reason"]
