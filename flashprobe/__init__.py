@@ -9,9 +9,11 @@ weight-deviation bounds across runs (:mod:`flashprobe.weights`), and kernel edge
 from flashprobe.deviation import Deviation, deviation, error_ratio
 from flashprobe.kernels import (
     Kernel,
+    KernelCapabilities,
     KernelInputError,
     KernelSpecError,
     KernelUnavailableError,
+    KernelUnsupportedError,
     available_kernels,
     get_kernel,
     golden_attention,
@@ -27,9 +29,11 @@ __version__ = "0.1.0"
 __all__ = [
     "Deviation",
     "Kernel",
+    "KernelCapabilities",
     "KernelInputError",
     "KernelSpecError",
     "KernelUnavailableError",
+    "KernelUnsupportedError",
     "ShadowAttention",
     "SnapshotStore",
     "__version__",

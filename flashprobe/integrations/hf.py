@@ -249,7 +249,8 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
     Args:
         config: the probe's settings (:class:`~flashprobe.probe.ProbeConfig`: ``primary``,
             ``baseline``, ``golden``, ``backward``, ``every_n_steps``, ``every_n_calls``, ``sites``,
-            ``dropout``, ``memory_budget``); default: its defaults.
+            ``dropout``, ``memory_budget``); default: its defaults (``backward="auto"``: gradients
+            compared where the primary and baseline have a backward on the model's device).
         log_every_n_steps: read, log and reset the statistics every n optimizer steps; default:
             the Trainer's ``logging_steps``.
         dirpath: directory of ``probe.jsonl`` and ``repro/``; default: ``args.output_dir``.

@@ -20,17 +20,21 @@ from flashprobe.kernels.flashinfer import flashinfer_attention
 from flashprobe.kernels.flex import flex_attention_kernel
 from flashprobe.kernels.math import golden_attention, math_attention
 from flashprobe.kernels.registry import (
+    ANY_CAPABILITIES,
     AttentionFn,
     Kernel,
     KernelAvailability,
+    KernelCapabilities,
     KernelInfo,
     KernelSpecError,
     KernelUnavailableError,
+    KernelUnsupportedError,
     available_kernels,
     get_kernel,
     import_kernel_modules,
     kernel_availability,
     list_kernels,
+    mask_kind,
     parse_spec,
     register_kernel,
     unregister_kernel,
@@ -50,6 +54,7 @@ from flashprobe.kernels.tiled import (
 )
 
 __all__ = [
+    "ANY_CAPABILITIES",
     "BACKENDS",
     "DEFAULT_PRESET",
     "ORDERS",
@@ -58,10 +63,12 @@ __all__ = [
     "AttentionFn",
     "Kernel",
     "KernelAvailability",
+    "KernelCapabilities",
     "KernelInfo",
     "KernelInputError",
     "KernelSpecError",
     "KernelUnavailableError",
+    "KernelUnsupportedError",
     "TileNumerics",
     "TileSizes",
     "available_kernels",
@@ -77,6 +84,7 @@ __all__ = [
     "import_kernel_modules",
     "kernel_availability",
     "list_kernels",
+    "mask_kind",
     "math_attention",
     "parse_spec",
     "register_kernel",

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from flashprobe.kernels._inputs import check_inputs
-from flashprobe.kernels.registry import KernelUnavailableError, register_kernel
+from flashprobe.kernels.registry import KernelCapabilities, KernelUnavailableError, register_kernel
 
 __all__ = ["flash_attn_attention"]
 
@@ -93,7 +93,25 @@ def _check(device: torch.device, dtype: torch.dtype) -> None:
     _import_flash_attn()
 
 
-@register_kernel("flash_attn", check=_check)
+#: flash-attn 2's limits (its README): Ampere, Ada or Hopper GPUs (sm80+), fp16/bf16, head dims up to
+#: 256 (the adapter keeps multiples of 8, which need no padding), D_v == D, MQA/GQA natively, a
+#: causal mask aligned bottom-right (so SDPA's top-left causal with N_q != N_k is refused), key
+#: padding through the varlen path, no other masks; forward and backward.
+FLASH_ATTN_CAPABILITIES = KernelCapabilities(
+    masks=frozenset({"causal", "key_padding"}),
+    causal_cross=False,
+    gqa="native",
+    max_head_dim=256,
+    head_dim_multiple=8,
+    value_head_dim=False,
+    dtypes=frozenset({torch.float16, torch.bfloat16}),
+    devices=frozenset({"cuda"}),
+    min_cuda_capability=(8, 0),
+    install=_INSTALL,
+)
+
+
+@register_kernel("flash_attn", check=_check, capabilities=FLASH_ATTN_CAPABILITIES)
 def flash_attn_attention(
     q: torch.Tensor,
     k: torch.Tensor,

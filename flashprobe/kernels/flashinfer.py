@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from flashprobe.kernels._inputs import default_scale
-from flashprobe.kernels.registry import KernelUnavailableError, register_kernel
+from flashprobe.kernels.registry import KernelCapabilities, KernelUnavailableError, register_kernel
 
 __all__ = ["flashinfer_attention"]
 
@@ -49,8 +49,27 @@ def _check(device: torch.device, dtype: torch.dtype) -> None:
     _import_flashinfer()
 
 
+#: FlashInfer's prefill: fp16/bf16 on CUDA (sm75+), head dims 64, 128 and 256 (the dims its
+#: prebuilt kernels dispatch; vLLM's FlashInfer backend lists the same), D_v == D, native GQA, causal
+#: (top-left given as a custom mask when N_q != N_k) and bool custom masks, no backward.
+FLASHINFER_CAPABILITIES = KernelCapabilities(
+    masks=frozenset({"causal", "bool", "key_padding"}),
+    gqa="native",
+    head_dims=frozenset({64, 128, 256}),
+    value_head_dim=False,
+    dtypes=frozenset({torch.float16, torch.bfloat16}),
+    devices=frozenset({"cuda"}),
+    backward_devices=frozenset(),
+    min_cuda_capability=(7, 5),
+    install=_INSTALL,
+)
+
+
 @register_kernel(
-    "flashinfer", description="FlashInfer single prefill (CUDA fp16/bf16, forward only)", check=_check
+    "flashinfer",
+    description="FlashInfer single prefill (CUDA fp16/bf16, forward only)",
+    check=_check,
+    capabilities=FLASHINFER_CAPABILITIES,
 )
 def flashinfer_attention(
     q: torch.Tensor,

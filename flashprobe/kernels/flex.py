@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from flashprobe.kernels.registry import KernelUnavailableError, register_kernel
+from flashprobe.kernels.registry import KernelCapabilities, KernelUnavailableError, register_kernel
 
 __all__ = ["FLEX_ORIGINAL", "flex_attention_kernel"]
 
@@ -102,8 +102,16 @@ def _mods(
     return score_mod, (mask_mod if (is_causal or keep is not None) else None)
 
 
+#: FlexAttention: CPU and CUDA, every mask (as mask_mod/score_mod), native GQA, any dtype its check
+#: allows; torch has no FlexAttention backward on the CPU.
+FLEX_CAPABILITIES = KernelCapabilities(
+    devices=frozenset({"cpu", "cuda"}), backward_devices=frozenset({"cuda"})
+)
+
+
 @register_kernel(
     "flex",
+    capabilities=FLEX_CAPABILITIES,
     description="torch FlexAttention (compiled; compile=false: eager); forward only on the CPU",
     check=_check,
     validate=_validate,

@@ -19,18 +19,26 @@ from typing import Any, Protocol
 
 import torch
 
+from flashprobe.kernels._inputs import check_inputs
+
 __all__ = [
+    "ANY_CAPABILITIES",
+    "GQA_MODES",
+    "MASK_KINDS",
     "AttentionFn",
     "Kernel",
     "KernelAvailability",
+    "KernelCapabilities",
     "KernelInfo",
     "KernelSpecError",
     "KernelUnavailableError",
+    "KernelUnsupportedError",
     "available_kernels",
     "get_kernel",
     "import_kernel_modules",
     "kernel_availability",
     "list_kernels",
+    "mask_kind",
     "parse_spec",
     "register_kernel",
     "unregister_kernel",
@@ -60,6 +68,240 @@ class KernelUnavailableError(RuntimeError):
     """A kernel cannot run here (missing package, wrong device, unsupported dtype)."""
 
 
+#: the mask kinds a kernel can declare; a call without a mask is always supported
+MASK_KINDS = ("causal", "bool", "float", "key_padding")
+#: how a kernel handles grouped key/value heads (``H_kv < H``)
+GQA_MODES = ("native", "expanded", "none")
+
+#: kernels that support what another kernel refuses, named in the fixes of refusals
+_FALLBACK = "math, tiled or sdpa_math"
+
+
+class KernelUnsupportedError(KernelUnavailableError):
+    """A kernel does not support a setting or a call (per its :class:`KernelCapabilities`).
+
+    Raised when the kernel is chosen (device, dtype, backward) or at a call before any kernel
+    work (head dim, mask kind, grouped heads); the message names the feature and the fix.
+    """
+
+
+def _device_label(kind: str) -> str:
+    return {"cuda": "CUDA", "cpu": "CPU", "mps": "MPS", "xpu": "XPU"}.get(kind, kind)
+
+
+def _device_labels(kinds: frozenset[str]) -> str:
+    return ", ".join(_device_label(k) for k in sorted(kinds))
+
+
+def _dtype_label(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}.get(name, name)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelCapabilities:
+    """What a kernel supports, checked when it is chosen and at each call before it runs.
+
+    The default supports everything (a user kernel that declares nothing is never refused).
+
+    Attributes:
+        masks: the mask kinds it accepts, of :data:`MASK_KINDS`: ``causal`` (``is_causal``),
+            ``bool`` (any dense bool ``attn_mask``), ``float`` (additive), ``key_padding`` (a bool
+            mask that masks the same keys for every head and query: a ``(B, 1, 1, N_k)`` mask, or a
+            ``(B, 1, N_q, N_k)`` one whose rows the kernel checks itself).
+        causal_cross: causal with ``N_q != N_k`` in SDPA's top-left alignment.
+        gqa: ``native`` (``H_kv < H`` passed as is), ``expanded`` (k, v repeated to ``H`` heads) or
+            ``none`` (refused).
+        head_dims: the exact head dims supported, or None for any (within the two below).
+        max_head_dim: the largest head dim, or None.
+        head_dim_multiple: head dims must be multiples of this.
+        value_head_dim: ``D_v != D`` supported.
+        dtypes: the input dtypes supported, or None for any floating dtype.
+        devices: the device types it runs on (``"cpu"``, ``"cuda"``), or None for any.
+        backward_devices: the device types it has a backward on; None: every device it runs on;
+            empty: no backward.
+        min_cuda_capability: the oldest CUDA architecture, e.g. ``(8, 0)`` for sm80, or None.
+        install: how to install what it needs where it runs (``"pip install flashinfer-python"``),
+            named in device refusals; ``""`` for nothing to install.
+    """
+
+    masks: frozenset[str] = frozenset(MASK_KINDS)
+    causal_cross: bool = True
+    gqa: str = "native"
+    head_dims: frozenset[int] | None = None
+    max_head_dim: int | None = None
+    head_dim_multiple: int = 1
+    value_head_dim: bool = True
+    dtypes: frozenset[torch.dtype] | None = None
+    devices: frozenset[str] | None = None
+    backward_devices: frozenset[str] | None = None
+    min_cuda_capability: tuple[int, int] | None = None
+    install: str = ""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.masks) - set(MASK_KINDS)
+        if unknown:
+            raise ValueError(f"masks: unknown kinds {sorted(unknown)}; allowed: {', '.join(MASK_KINDS)}")
+        if self.gqa not in GQA_MODES:
+            raise ValueError(f"gqa={self.gqa!r} must be one of {', '.join(GQA_MODES)}")
+        if self.head_dim_multiple < 1:
+            raise ValueError(f"head_dim_multiple={self.head_dim_multiple} must be >= 1")
+
+    def has_backward(self, device: torch.device | str) -> bool:
+        """Whether the kernel has a backward on ``device`` (a device or device type)."""
+        kind = torch.device(device).type
+        if self.devices is not None and kind not in self.devices:
+            return False
+        return self.backward_devices is None or kind in self.backward_devices
+
+    def setting_problem(
+        self, device: torch.device | str, dtype: torch.dtype, *, backward: bool = False
+    ) -> str | None:
+        """Why the kernel cannot run on ``device`` at ``dtype`` (with a backward when ``backward``),
+        feature and fix; None when it can. Reads the CUDA architecture once, no tensor work."""
+        device = torch.device(device)
+        if self.devices is not None and device.type not in self.devices:
+            return (
+                f"runs on {_device_labels(self.devices)} devices only, not {_device_label(device.type)}; "
+                f"move the model there or choose a kernel that runs on {_device_label(device.type)} "
+                f"({_FALLBACK})"
+                + (f"; on a {_device_labels(self.devices)} machine: {self.install}" if self.install else "")
+            )
+        if self.dtypes is not None and dtype not in self.dtypes:
+            allowed = ", ".join(sorted(_dtype_label(d) for d in self.dtypes))
+            return (
+                f"supports {allowed} only, not {_dtype_label(dtype)}; run the model in (or under "
+                f"autocast to) {allowed}, or choose a kernel that takes {_dtype_label(dtype)} ({_FALLBACK})"
+            )
+        if backward and not self.has_backward(device):
+            where = (
+                ""
+                if not self.backward_devices
+                else f" on {_device_label(device.type)} (only on {_device_labels(self.backward_devices)})"
+            )
+            return (
+                f"has no backward{where}; compare forward only (backward=False, or the fuzzer's "
+                f"--no-backward), or choose a kernel with a backward ({_FALLBACK})"
+            )
+        if self.min_cuda_capability is not None and device.type == "cuda" and torch.cuda.is_available():
+            have = torch.cuda.get_device_capability(device)
+            if tuple(have) < self.min_cuda_capability:
+                need = "sm{}{}".format(*self.min_cuda_capability)
+                return (
+                    f"needs a CUDA architecture {need} or newer, this GPU is sm{have[0]}{have[1]}; "
+                    "choose sdpa_efficient, sdpa_math or tiled"
+                )
+        return None
+
+    def call_problem(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        is_causal: bool,
+    ) -> str | None:
+        """Why the kernel cannot take this call (feature and fix), or None; from shapes, dtypes and
+        devices only (no host synchronisation).
+
+        Args:
+            q: ``(B, H, N_q, D)``; k: ``(B, H_kv, N_k, D)``; v: ``(B, H_kv, N_k, D_v)``.
+            attn_mask: None or a mask broadcastable to ``(B, H, N_q, N_k)``.
+            is_causal: SDPA's top-left causal mask.
+        """
+        problem = self.setting_problem(q.device, q.dtype)
+        if problem is not None:
+            return problem
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            problem = self.setting_problem(q.device, q.dtype, backward=True)
+            if problem is not None:
+                return f"inputs require grad, but it {problem}"
+        d = q.shape[-1]
+        if (
+            (self.head_dims is not None and d not in self.head_dims)
+            or (self.max_head_dim is not None and d > self.max_head_dim)
+            or d % self.head_dim_multiple
+        ):
+            return (
+                f"does not support head dim {d} ({self.describe_head_dims()}); "
+                f"choose a kernel without that limit ({_FALLBACK})"
+            )
+        if v.shape[-1] != d and not self.value_head_dim:
+            return f"needs v's head dim ({v.shape[-1]}) to equal q's ({d}); choose {_FALLBACK} for D_v != D"
+        if q.dim() >= 3 and k.dim() >= 3 and k.shape[-3] != q.shape[-3] and self.gqa == "none":
+            return (
+                f"does not support grouped key/value heads ({k.shape[-3]} for {q.shape[-3]} query heads); "
+                "repeat k and v to every query head, or choose a kernel with GQA"
+            )
+        if is_causal:
+            if "causal" not in self.masks:
+                return f"does not support causal masks (is_causal=True); choose {_FALLBACK}"
+            if q.shape[-2] != k.shape[-2] and not self.causal_cross:
+                return (
+                    "does not support causal with N_q != N_k in SDPA's top-left alignment (it aligns "
+                    "bottom-right); compare such shapes with sdpa kernels, math or tiled"
+                )
+        if attn_mask is not None:
+            kind = mask_kind(attn_mask)
+            if kind == "float" and "float" not in self.masks:
+                return f"does not support additive float masks; pass a bool mask or choose {_FALLBACK}"
+            if kind != "float" and "bool" not in self.masks:
+                if "key_padding" not in self.masks:
+                    return f"does not support attn_mask (bool masks); choose {_FALLBACK}"
+                if attn_mask.dim() == 4 and attn_mask.shape[1] != 1:
+                    return (
+                        "supports bool masks only as key padding (the same keys masked for every head "
+                        f"and query), not a mask of shape {tuple(attn_mask.shape)}; choose {_FALLBACK}"
+                    )
+        return None
+
+    def describe_head_dims(self) -> str:
+        """The head dims supported, in words."""
+        if self.head_dims is not None:
+            return "head dims " + ", ".join(str(d) for d in sorted(self.head_dims))
+        parts = []
+        if self.max_head_dim is not None:
+            parts.append(f"up to {self.max_head_dim}")
+        if self.head_dim_multiple > 1:
+            parts.append(f"multiples of {self.head_dim_multiple}")
+        return "head dims " + " that are ".join(parts) if parts else "any head dim"
+
+    def describe(self) -> str:
+        """One line: masks, GQA, head dims, dtypes, devices, backward."""
+        masks = ", ".join(m for m in MASK_KINDS if m in self.masks) or "none"
+        dtypes = (
+            "any dtype" if self.dtypes is None else "/".join(sorted(_dtype_label(d) for d in self.dtypes))
+        )
+        devices = "any device" if self.devices is None else _device_labels(self.devices).replace(", ", "/")
+        if self.backward_devices is None:
+            backward = "backward"
+        elif self.backward_devices:
+            backward = "backward on " + _device_labels(self.backward_devices).replace(", ", "/")
+        else:
+            backward = "no backward"
+        arch = "" if self.min_cuda_capability is None else ", sm{}{}+".format(*self.min_cuda_capability)
+        return (
+            f"masks: {masks}; GQA {self.gqa}; {self.describe_head_dims()}; {dtypes}; "
+            f"{devices}{arch}; {backward}"
+        )
+
+
+def mask_kind(attn_mask: torch.Tensor) -> str:
+    """``"float"``, ``"key_padding"`` (a bool mask broadcast over heads and queries: at least 3 dims,
+    every dim but the first and the last of size 1) or ``"bool"``; by shape and dtype only (a
+    ``(B, 1, N_q, N_k)`` bool mask whose rows are equal is ``"bool"`` here: key-padding kernels check
+    its rows themselves)."""
+    if attn_mask.dtype != torch.bool:
+        return "float"
+    if attn_mask.dim() >= 3 and all(s == 1 for s in attn_mask.shape[1:-1]):
+        return "key_padding"
+    return "bool"
+
+
+#: everything supported: the capabilities of a kernel that declares none
+ANY_CAPABILITIES = KernelCapabilities()
+
+
 @dataclass(frozen=True)
 class _Entry:
     fn: Callable[..., torch.Tensor]
@@ -67,6 +309,7 @@ class _Entry:
     check: Callable[..., None] | None
     options: tuple[str, ...]
     validate: Callable[..., None] | None = None
+    capabilities: KernelCapabilities = ANY_CAPABILITIES
 
 
 _REGISTRY: dict[str, _Entry] = {}
@@ -79,6 +322,7 @@ def register_kernel(
     description: str = "",
     check: Callable[..., None] | None = None,
     validate: Callable[..., None] | None = None,
+    capabilities: KernelCapabilities | None = None,
     overwrite: bool = False,
 ) -> Any:
     """Register an attention kernel under ``name`` so specs can select it.
@@ -98,6 +342,9 @@ def register_kernel(
             ``dtype`` positional-only if the kernel has an option of that name).
         validate: optional ``validate(**options)`` that raises ``ValueError`` for bad option
             values; :func:`get_kernel` calls it so a bad spec fails when it is parsed.
+        capabilities: what the kernel supports (:class:`KernelCapabilities`); checked when the kernel
+            is chosen (:meth:`Kernel.check`) and at each call before it runs, so an unsupported
+            setting or call is refused with the feature and the fix. Default: everything.
         overwrite: replace an existing kernel of that name.
 
     Returns:
@@ -116,7 +363,8 @@ def register_kernel(
         base = {"q", "k", "v", "attn_mask", "is_causal", "scale"}
         options = tuple(p for p, prm in params.items() if p not in base and prm.kind == prm.KEYWORD_ONLY)
         doc = description or (inspect.getdoc(f) or "").split("\n")[0]
-        _REGISTRY[name] = _Entry(f, doc, check, options, validate)
+        caps = ANY_CAPABILITIES if capabilities is None else capabilities
+        _REGISTRY[name] = _Entry(f, doc, check, options, validate, caps)
         return f
 
     return decorate(fn) if fn is not None else decorate
@@ -131,18 +379,23 @@ class KernelInfo:
         description: one line.
         options: the spec options it accepts, in signature order.
         builtin: shipped with flashprobe (cannot be unregistered).
+        capabilities: what it supports.
     """
 
     name: str
     description: str
     options: tuple[str, ...]
     builtin: bool
+    capabilities: KernelCapabilities = ANY_CAPABILITIES
 
 
 def list_kernels() -> list[KernelInfo]:
     """Every registered kernel, sorted by name."""
     _ensure_builtin()
-    return [KernelInfo(n, e.description, e.options, _is_builtin(e)) for n, e in sorted(_REGISTRY.items())]
+    return [
+        KernelInfo(n, e.description, e.options, _is_builtin(e), e.capabilities)
+        for n, e in sorted(_REGISTRY.items())
+    ]
 
 
 def _is_builtin(entry: _Entry) -> bool:
@@ -324,6 +577,11 @@ class Kernel:
     def fn(self) -> Callable[..., torch.Tensor]:
         return _REGISTRY[self.name].fn
 
+    @property
+    def capabilities(self) -> KernelCapabilities:
+        """What the kernel declares it supports."""
+        return _REGISTRY[self.name].capabilities
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -334,11 +592,32 @@ class Kernel:
         is_causal: bool = False,
         scale: float | None = None,
     ) -> torch.Tensor:
-        """Run the kernel: q, k, v ``(B, H, N_q|N_k, D|D_v)`` → ``(B, H, N_q, D_v)``."""
+        """Run the kernel: q, k, v ``(B, H, N_q|N_k, D|D_v)`` → ``(B, H, N_q, D_v)``.
+
+        Raises:
+            KernelUnsupportedError: before any kernel work, a call its capabilities exclude (head
+                dim, mask kind, grouped heads, causal alignment, dtype, device, grad).
+        """
+        caps = self.capabilities
+        if caps is not ANY_CAPABILITIES:
+            check_inputs(q, k, v, attn_mask, is_causal, kernel=self.spec, gqa=True)  # shapes first
+            problem = caps.call_problem(q, k, v, attn_mask, is_causal)
+            if problem is not None:
+                raise KernelUnsupportedError(f"{self.spec}: {problem}")
         return self.fn(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, **self.options)
 
-    def check(self, device: torch.device | str, dtype: torch.dtype) -> None:
-        """Raise :class:`KernelUnavailableError` if this kernel cannot run on ``device``/``dtype``."""
+    def check(self, device: torch.device | str, dtype: torch.dtype, *, backward: bool = False) -> None:
+        """Raise :class:`KernelUnavailableError` if this kernel cannot run on ``device``/``dtype``
+        (with gradients when ``backward``).
+
+        Raises:
+            KernelUnsupportedError: its capabilities exclude the device, the dtype, the CUDA
+                architecture or the backward (the message names the feature and the fix).
+            KernelUnavailableError: its own check refuses (e.g. a missing package).
+        """
+        problem = self.capabilities.setting_problem(device, dtype, backward=backward)
+        if problem is not None:
+            raise KernelUnsupportedError(f"{self.spec}: {problem}")
         entry = _REGISTRY[self.name]
         if entry.check is not None:
             entry.check(torch.device(device), dtype, **self.options)

@@ -17,7 +17,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashprobe.kernels._inputs import check_inputs
-from flashprobe.kernels.registry import KernelUnavailableError, register_kernel
+from flashprobe.kernels.registry import (
+    ANY_CAPABILITIES,
+    KernelCapabilities,
+    KernelUnavailableError,
+    register_kernel,
+)
 
 __all__ = ["BACKENDS", "sdpa_attention"]
 
@@ -29,6 +34,21 @@ BACKENDS: dict[str, SDPBackend] = {
     "sdpa_math": SDPBackend.MATH,
 }
 _CUDA_ONLY = {"sdpa_efficient", "sdpa_cudnn"}
+
+#: What each backend declares; what torch decides per device and shape (the flash backend's dtypes
+#: and masks differ between CPU and CUDA) is left to torch, whose refusal names its reasons.
+CAPABILITIES: dict[str, KernelCapabilities] = {
+    "sdpa_flash": KernelCapabilities(devices=frozenset({"cpu", "cuda"})),
+    "sdpa_efficient": KernelCapabilities(
+        devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32})
+    ),
+    "sdpa_cudnn": KernelCapabilities(
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16}),
+        min_cuda_capability=(8, 0),
+    ),
+    "sdpa_math": ANY_CAPABILITIES,
+}
 
 
 def sdpa_attention(
@@ -105,7 +125,7 @@ def _make(name: str) -> None:
 
     kernel.__name__ = name
     kernel.__doc__ = f"torch SDPA with only the {BACKENDS[name].name} backend enabled."
-    register_kernel(name, kernel, check=partial(_check, name))
+    register_kernel(name, kernel, check=partial(_check, name), capabilities=CAPABILITIES[name])
 
 
 for _name in BACKENDS:

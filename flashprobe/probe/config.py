@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import torch
+
 from flashprobe.kernels import Kernel, get_kernel
 
 __all__ = ["DROPOUT_POLICIES", "ProbeConfig", "ProbeConfigError", "register_schema"]
@@ -73,8 +75,11 @@ class ProbeConfig:
     """Kernel spec of the baseline, computed at the primary's dtype on the same inputs."""
     golden: bool = True
     """Also compute the FP64 golden value (the golden pairs and the error ratio)."""
-    backward: bool = False
-    """Also compare ``dq, dk, dv`` for the model's own output gradient."""
+    backward: bool | str = False
+    """Also compare ``dq, dk, dv`` for the model's own output gradient; ``"auto"``: where the primary
+    and the baseline have a backward on the model's device (their
+    :class:`~flashprobe.kernels.KernelCapabilities`), decided when the probe is attached (a config
+    not attached to a device compares none)."""
     every_n_calls: int = 1
     """Compare every n-th call of each site (others run the primary only)."""
     every_n_steps: int = 1
@@ -99,7 +104,8 @@ class ProbeConfig:
                 )
             get_kernel(value)  # unknown kernels and options fail here
         _strict_bool("golden", self.golden)
-        _strict_bool("backward", self.backward)
+        if self.backward != "auto":
+            _strict_bool("backward", self.backward)
         _int_at_least("every_n_calls", self.every_n_calls, 1, "1 = every call")
         _int_at_least("every_n_steps", self.every_n_steps, 1, "1 = every step")
         object.__setattr__(self, "sites", _sites(self.sites))
@@ -107,6 +113,14 @@ class ProbeConfig:
             raise ProbeConfigError(f"dropout={self.dropout!r}: use one of {', '.join(DROPOUT_POLICIES)}")
         if self.memory_budget is not None:
             _int_at_least("memory_budget", self.memory_budget, 1, "bytes, e.g. 1073741824 = 1 GiB")
+
+    def resolve_backward(self, device: torch.device | str) -> ProbeConfig:
+        """This config with ``backward="auto"`` decided for ``device``: True when the primary (None:
+        torch's SDPA, which has one) and the baseline both have a backward there."""
+        if self.backward != "auto":
+            return self
+        kernels = [get_kernel(s) for s in (self.primary, self.baseline) if s is not None]
+        return dataclasses.replace(self, backward=all(k.capabilities.has_backward(device) for k in kernels))
 
     @classmethod
     def from_settings(cls, config: ProbeConfig | None = None, /, **settings: Any) -> ProbeConfig:

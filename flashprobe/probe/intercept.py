@@ -331,20 +331,25 @@ DIRECT_KERNELS: tuple[tuple[str, str], ...] = (
     ("flash_attn", "flash_attn_func"),
     ("flash_attn.flash_attn_interface", "flash_attn_func"),
     ("flash_attn_interface", "flash_attn_func"),  # FlashAttention-3 (hopper)
+    ("flash_attn", "flash_attn_varlen_func"),
+    ("flash_attn.flash_attn_interface", "flash_attn_varlen_func"),
+    ("flash_attn", "flash_attn_qkvpacked_func"),
+    ("flash_attn.flash_attn_interface", "flash_attn_qkvpacked_func"),
+    ("flash_attn", "flash_attn_kvpacked_func"),
+    ("flash_attn.flash_attn_interface", "flash_attn_kvpacked_func"),
 )
 
 
 class _DirectPrimary:
-    """The model's own kernel as the probe's primary: ``flash_attn_func`` on the call's (possibly
-    tapped) tensors, in its ``(B, N, H, D)`` layout, its extra arguments kept."""
+    """The model's own kernel as the probe's primary: ``run(q, k, v)`` on the call's (possibly
+    tapped) ``(B, H, N, D)`` tensors calls the library in its own layout and returns
+    ``(B, H, N_q, D)``."""
 
-    def __init__(self, original: Callable[..., Any], kwargs: dict[str, Any]) -> None:
-        self.original, self.kwargs = original, kwargs
+    def __init__(self, run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        self._run = run
 
     def run(self, call: SdpaCall) -> torch.Tensor:
-        q, k, v = (t.transpose(1, 2) for t in (call.query, call.key, call.value))
-        out = self.original(q, k, v, **self.kwargs)
-        return out.transpose(1, 2)  # back to (B, H, N, D) for the shadow
+        return self._run(call.query, call.key, call.value)
 
 
 def _bottom_right_causal(n_q: int, n_k: int, device: torch.device) -> torch.Tensor:
@@ -352,69 +357,258 @@ def _bottom_right_causal(n_q: int, n_k: int, device: torch.device) -> torch.Tens
     return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril(diagonal=n_k - n_q)
 
 
+def _varlen_mask(
+    cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int, causal: bool
+) -> torch.Tensor:
+    """The ``(total_q, total_k)`` bool mask of a varlen call: each query sees its own sequence's keys
+    (and, causal, those up to its position aligned bottom-right, as flash-attn does), computed on the
+    device from ``cu_seqlens`` (no host sync)."""
+    iq = torch.arange(total_q, device=cu_q.device, dtype=cu_q.dtype)
+    ik = torch.arange(total_k, device=cu_k.device, dtype=cu_k.dtype)
+    sq = torch.searchsorted(cu_q[1:].contiguous(), iq, right=True)  # sequence of each query
+    sk = torch.searchsorted(cu_k[1:].contiguous(), ik, right=True)
+    mask = sq[:, None] == sk[None, :]
+    if causal:
+        shift = (cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1])  # len_k - len_q per sequence
+        pos_q = iq - cu_q[sq] + shift[sq]
+        pos_k = ik - cu_k[sk]
+        mask &= pos_k[None, :] <= pos_q[:, None]
+    return mask
+
+
 def _plain_argument(name: str, value: Any) -> bool:
     """Whether a flash-attn keyword argument leaves the call expressible in SDPA."""
     if name == "window_size":
         return tuple(value) == (-1, -1)
-    if name in ("alibi_slopes", "return_attn_probs"):
-        return not value
+    if name in ("alibi_slopes", "return_attn_probs", "block_table"):
+        return not value if not isinstance(value, torch.Tensor) else False
     if name == "softcap":
         return not value
     return name in ("deterministic",)
 
 
-def _direct_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, ...)`` on
-    ``(B, N, H, D)`` tensors, probed like an SDPA call: the model gets the library's output; the
-    shadow compares it with the references on ``(B, H, N, D)`` views (flash-attn's bottom-right
-    causal mask made explicit when ``N_q != N_k``, its grouped key/value heads native). Calls with
-    arguments SDPA cannot express (sliding windows, ALiBi, soft-capping, attention probabilities)
-    run unchanged and are not compared."""
+def _probe_direct(
+    res: _Resolution,
+    what: str,
+    kwargs: dict[str, Any],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    dropout_p: float,
+    scale: Any,
+    primary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    run: Callable[[], Any],
+) -> torch.Tensor | None:
+    """One direct call as a site: ``q (B, H, N_q, D)``, ``k``/``v (B, H_kv, N_k, D)`` views, the SDPA
+    mask (or None), ``causal`` in SDPA's top-left sense; ``primary(q, k, v)`` runs the library.
+    Returns ``(B, H, N_q, D)``, or None when the call was run unchanged (unexpressible arguments)."""
+    assert res.probe is not None
+    unexpressible = [name for name, value in kwargs.items() if not _plain_argument(name, value)]
+    if unexpressible:
+        res.probe.warn_once(
+            ("direct-unsupported", res.site),
+            f"flashprobe: the {what} call at site {res.site!r} uses arguments SDPA cannot express "
+            f"({', '.join(unexpressible)}); it runs unchanged and is not compared",
+        )
+        return None
+    call = SdpaCall(q, k, v, mask, dropout_p, causal, scale, k.shape[1] != q.shape[1])
+    _state.busy = True
+    try:
+        return res.probe.handle(res.site, call, _DirectPrimary(primary))
+    finally:
+        _state.busy = False
 
-    def flash_attn_func(
+
+def _direct_context(q: Any, dim: int) -> _Resolution | None:
+    """The probe resolution of a direct call two frames up, or None to run it unchanged."""
+    if _state.busy or torch.compiler.is_compiling():
+        return None
+    res = _find(sys._getframe(2))
+    if res is None or res.probe is None or not isinstance(q, torch.Tensor) or q.dim() != dim:
+        return None
+    return res
+
+
+def _bnhd_call(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple[torch.Tensor | None, bool]:
+    """The SDPA mask and causal flag of a ``(B, N, H, D)`` flash-attn call (bottom-right causal)."""
+    n_q, n_k = q.shape[1], k.shape[1]
+    if causal and n_q != n_k:
+        return _bottom_right_causal(n_q, n_k, q.device), False
+    return None, bool(causal)
+
+
+def _direct_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The probed replacement of one flash-attn entry point (by its name): each call made inside an
+    attached model is a site, the model gets the library's output, the shadow compares it on
+    ``(B, H, N, D)`` views with the library's scale, its grouped key/value heads and its
+    bottom-right causal mask made explicit; calls with arguments SDPA cannot express (sliding
+    windows, ALiBi, soft-capping, attention probabilities, paged KV) run unchanged, not compared."""
+    name = getattr(original, "__name__", "flash_attn_func")
+    what = f"{getattr(original, '__module__', '')}.{name}"
+    if name == "flash_attn_varlen_func":
+        return _varlen_wrapper(original, what)
+    if name == "flash_attn_qkvpacked_func":
+        return _qkvpacked_wrapper(original, what)
+    if name == "flash_attn_kvpacked_func":
+        return _kvpacked_wrapper(original, what)
+
+    try:
+        signature: inspect.Signature | None = inspect.signature(original)
+    except (TypeError, ValueError):
+        signature = None
+
+    def flash_attn_func(*args: Any, **kwargs: Any):  # type: ignore[no-untyped-def]
+        def run() -> Any:  # the caller's arguments exactly (FlashAttention-3 has no dropout_p)
+            return original(*args, **kwargs)
+
+        res = _direct_context(args[0] if args else kwargs.get("q"), 4)
+        if res is None or signature is None:
+            return run()
+        try:
+            named = dict(signature.bind(*args, **kwargs).arguments)
+        except TypeError:
+            return run()
+        for param in signature.parameters.values():
+            if param.kind is param.VAR_KEYWORD:
+                named.update(named.pop(param.name, {}))
+        if not all(name in named for name in ("q", "k", "v")):
+            return run()
+        q, k, v = named.pop("q"), named.pop("k"), named.pop("v")
+        dropout_p = named.pop("dropout_p", 0.0)
+        softmax_scale, causal = named.pop("softmax_scale", None), named.pop("causal", False)
+        mask, sdpa_causal = _bnhd_call(q, k, causal)
+        kw = {"softmax_scale": softmax_scale, "causal": causal, **named}
+        if "dropout_p" in signature.parameters:
+            kw["dropout_p"] = dropout_p
+
+        def primary(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
+            return original(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), **kw).transpose(1, 2)
+
+        views = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, N, D)
+        out = _probe_direct(
+            res, what, named, *views, mask, sdpa_causal, dropout_p, softmax_scale, primary, run
+        )
+        return run() if out is None else out.transpose(1, 2)
+
+    return flash_attn_func
+
+
+def _varlen_wrapper(original: Callable[..., Any], what: str) -> Callable[..., Any]:
+    """``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)``
+    on packed ``(total, H, D)`` tensors: compared as one ``(1, H, total, D)`` call whose mask keeps
+    each query to its own sequence (bottom-right causal within it when ``causal``)."""
+
+    def flash_attn_varlen_func(
         q: Any,
         k: Any,
         v: Any,
+        cu_seqlens_q: Any,
+        cu_seqlens_k: Any,
+        max_seqlen_q: Any,
+        max_seqlen_k: Any,
+        dropout_p: float = 0.0,
+        softmax_scale: Any = None,
+        causal: bool = False,
+        **kwargs: Any,
+    ):  # type: ignore[no-untyped-def]
+        args = (
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            dropout_p,
+            softmax_scale,
+            causal,
+        )
+
+        def run() -> Any:
+            return original(*args, **kwargs)
+
+        res = _direct_context(q, 3)
+        if (
+            res is None
+            or not isinstance(cu_seqlens_q, torch.Tensor)
+            or not isinstance(cu_seqlens_k, torch.Tensor)
+        ):
+            return run()
+        mask = _varlen_mask(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], bool(causal))
+        kw = {"dropout_p": dropout_p, "softmax_scale": softmax_scale, "causal": causal, **kwargs}
+
+        def primary(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
+            packed = (t.transpose(1, 2)[0] for t in (qh, kh, vh))  # (total, H, D)
+            out = original(*packed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw)
+            return out.unsqueeze(0).transpose(1, 2)
+
+        views = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))  # (1, H, total, D)
+        out = _probe_direct(res, what, kwargs, *views, mask, False, dropout_p, softmax_scale, primary, run)
+        return run() if out is None else out.transpose(1, 2)[0]
+
+    return flash_attn_varlen_func
+
+
+def _qkvpacked_wrapper(original: Callable[..., Any], what: str) -> Callable[..., Any]:
+    """``flash_attn_qkvpacked_func(qkv, ...)`` with ``qkv (B, N, 3, H, D)``."""
+
+    def flash_attn_qkvpacked_func(
+        qkv: Any, dropout_p: float = 0.0, softmax_scale: Any = None, causal: bool = False, **kwargs: Any
+    ):  # type: ignore[no-untyped-def]
+        def run() -> Any:
+            return original(qkv, dropout_p, softmax_scale, causal, **kwargs)
+
+        res = _direct_context(qkv, 5)
+        if res is None:
+            return run()
+        kw = {"dropout_p": dropout_p, "softmax_scale": softmax_scale, "causal": causal, **kwargs}
+
+        def primary(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
+            packed = torch.stack([t.transpose(1, 2) for t in (qh, kh, vh)], dim=2)  # (B, N, 3, H, D)
+            return original(packed, **kw).transpose(1, 2)
+
+        views = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, N, D)
+        out = _probe_direct(
+            res, what, kwargs, *views, None, bool(causal), dropout_p, softmax_scale, primary, run
+        )
+        return run() if out is None else out.transpose(1, 2)
+
+    return flash_attn_qkvpacked_func
+
+
+def _kvpacked_wrapper(original: Callable[..., Any], what: str) -> Callable[..., Any]:
+    """``flash_attn_kvpacked_func(q, kv, ...)`` with ``q (B, N_q, H, D)``, ``kv (B, N_k, 2, H_kv, D)``."""
+
+    def flash_attn_kvpacked_func(
+        q: Any,
+        kv: Any,
         dropout_p: float = 0.0,
         softmax_scale: Any = None,
         causal: bool = False,
         **kwargs: Any,
     ):  # type: ignore[no-untyped-def]
         def run() -> Any:
-            return original(q, k, v, dropout_p, softmax_scale, causal, **kwargs)
+            return original(q, kv, dropout_p, softmax_scale, causal, **kwargs)
 
-        if _state.busy or torch.compiler.is_compiling():
+        res = _direct_context(q, 4)
+        if res is None or not isinstance(kv, torch.Tensor) or kv.dim() != 5:
             return run()
-        res = _find(sys._getframe(1))
-        if res is None or res.probe is None or not isinstance(q, torch.Tensor) or q.dim() != 4:
-            return run()
-        unexpressible = [name for name, value in kwargs.items() if not _plain_argument(name, value)]
-        if unexpressible:
-            res.probe.warn_once(
-                ("direct-unsupported", res.site),
-                f"flashprobe: the {getattr(original, '__module__', '')}.flash_attn_func call at site "
-                f"{res.site!r} uses arguments SDPA cannot express ({', '.join(unexpressible)}); it runs "
-                "unchanged and is not compared",
-            )
-            return run()
-        n_q, n_k = q.shape[1], k.shape[1]
-        mask = None
-        if causal and n_q != n_k:
-            mask = _bottom_right_causal(n_q, n_k, q.device)
-        call = SdpaCall(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, dropout_p,
-            bool(causal) and mask is None, softmax_scale, k.shape[2] != q.shape[2],
-        )  # fmt: skip
-        primary = _DirectPrimary(
-            original, {"dropout_p": dropout_p, "softmax_scale": softmax_scale, "causal": causal, **kwargs}
+        mask, sdpa_causal = _bnhd_call(q, kv[:, :, 0], causal)
+        kw = {"dropout_p": dropout_p, "softmax_scale": softmax_scale, "causal": causal, **kwargs}
+
+        def primary(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
+            packed = torch.stack([kh.transpose(1, 2), vh.transpose(1, 2)], dim=2)  # (B, N_k, 2, H_kv, D)
+            return original(qh.transpose(1, 2), packed, **kw).transpose(1, 2)
+
+        views = (q.transpose(1, 2), kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2))
+        out = _probe_direct(
+            res, what, kwargs, *views, mask, sdpa_causal, dropout_p, softmax_scale, primary, run
         )
-        _state.busy = True
-        try:
-            return res.probe.handle(res.site, call, primary).transpose(1, 2)
-        finally:
-            _state.busy = False
+        return run() if out is None else out.transpose(1, 2)
 
-    return flash_attn_func
+    return flash_attn_kvpacked_func
 
 
 #: transformers' FlexAttention entry point (``attn_implementation="flex_attention"``): it calls a

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flashprobe.kernels import Kernel, KernelUnavailableError, get_kernel
+from flashprobe.kernels import Kernel, KernelUnavailableError, KernelUnsupportedError, get_kernel
 from flashprobe.probe.call import SdpaCall, run_kernel
 from flashprobe.probe.intercept import AttentionRoute
 
@@ -73,15 +73,31 @@ def model_device_dtype(
     return torch.device(device if device is not None else "cpu"), dtype or torch.get_default_dtype()
 
 
-def check_kernel_here(kernel: Kernel, device: torch.device, dtype: torch.dtype, role: str) -> None:
-    """Run ``kernel.check`` with a hint on how to tell flashprobe the dtype under autocast.
+def check_kernel_here(
+    kernel: Kernel, device: torch.device, dtype: torch.dtype, role: str, *, backward: bool = False
+) -> None:
+    """Run ``kernel.check`` (its capabilities, then its own check) with a hint on how to tell
+    flashprobe the dtype under autocast.
+
+    Args:
+        kernel: the kernel.
+        device: where it will run.
+        dtype: the compute dtype.
+        role: ``"primary"``, ``"baseline"``, ``"routed"``, ... (named in the message).
+        backward: gradients will be compared: the kernel needs a backward on ``device``.
 
     Raises:
-        KernelUnavailableError: the kernel cannot run on ``device`` with ``dtype``; the message
-            names the ``role`` (``"primary"``, ``"baseline"``, ``"routed"``) and the kernel spec.
+        KernelUnavailableError: the kernel cannot run on ``device`` with ``dtype`` (or has no backward
+            there when ``backward``); the message names the ``role``, the kernel spec, the feature and
+            the fix (a :class:`~flashprobe.kernels.KernelUnsupportedError` for what its capabilities
+            exclude).
     """
     try:
-        kernel.check(device, dtype)
+        kernel.check(device, dtype, backward=backward)
+    except KernelUnsupportedError as err:
+        raise KernelUnsupportedError(
+            f"{role} kernel {kernel.spec!r} on {device} with {dtype}: {err}"
+        ) from None
     except KernelUnavailableError as err:
         raise KernelUnavailableError(
             f"{role} kernel {kernel.spec!r} cannot run on {device} with {dtype}: {err} "

@@ -245,6 +245,8 @@ class ShadowAttention(nn.Module):
         self.reproducers: list[Path] = []
         self._armed: set[str] = set()
         self.config = ProbeConfig.from_settings(config, **settings)
+        if device is not None:  # backward="auto": decided by the kernels' capabilities there
+            self.config = self.config.resolve_backward(device)
         cfg = self.config
         self.primary = None if cfg.primary is None else get_kernel(cfg.primary)
         self.baseline = get_kernel(cfg.baseline)
@@ -270,8 +272,8 @@ class ShadowAttention(nn.Module):
 
     @property
     def backward(self) -> bool:
-        """Whether gradients are compared."""
-        return self.config.backward
+        """Whether gradients are compared (``"auto"`` not decided for a device: no)."""
+        return self.config.backward is True
 
     @property
     def dropout(self) -> str:
@@ -296,8 +298,8 @@ class ShadowAttention(nn.Module):
     def check(self, device: torch.device, dtype: torch.dtype) -> None:
         """Raise :class:`KernelUnavailableError` if a kernel cannot run on ``device``/``dtype``."""
         if self.primary is not None:
-            check_kernel_here(self.primary, device, dtype, "primary")
-        check_kernel_here(self.baseline, device, dtype, "baseline")
+            check_kernel_here(self.primary, device, dtype, "primary", backward=self.backward)
+        check_kernel_here(self.baseline, device, dtype, "baseline", backward=self.backward)
         if self.golden and device.type == "mps":
             raise KernelUnavailableError(
                 "golden attention needs float64, which MPS devices do not support; pass golden=False"

@@ -76,7 +76,7 @@ def test_output_lists_skip_and_unsupported_reasons_and_every_file_written(tmp_pa
     assert len(reasons) == len(distinct) == 3, reasons  # one line per distinct reason
     skip = next(line for line in reasons if line.startswith("SKIP "))
     assert skip.startswith("SKIP  ×2") and "sentinel_1e5 | fp16 | tiled, sdpa_efficient: " in skip
-    cuda = next(line for line in reasons if "needs a CUDA device" in line)
+    cuda = next(line for line in reasons if "runs on CUDA devices only" in line)
     assert (
         cuda.startswith("UNSUP ×3") and "sentinel_1e5, gqa_broadcast | fp32, fp16 | sdpa_efficient: " in cuda
     )
@@ -202,4 +202,4 @@ def test_flex_runs_the_catalogue_forward_and_reports_its_gradients_as_unsupporte
     verdicts = {r["verdict"] for r in results}
     assert verdicts <= {"pass", "no_backward", "skip"} and "no_backward" in verdicts
     judged = [r for r in results if r["verdict"] == "no_backward"]
-    assert all("no FlexAttention backward on the CPU" in r["reason"] for r in judged)
+    assert all("has no backward on CPU (only on CUDA)" in r["reason"] for r in judged)

@@ -31,7 +31,7 @@ def test_sdpa_kernel_runs_exactly_its_backend(spec, op, make_qkv):
 @pytest.mark.parametrize(("spec", "backend"), [("sdpa_efficient", "EFFICIENT"), ("sdpa_cudnn", "CUDNN")])
 def test_cuda_only_sdpa_backends_refuse_cpu(spec, backend, make_qkv):
     q, k, v = make_qkv(4, 4, 8)
-    message = rf"{spec}: torch's {backend}_ATTENTION backend needs a CUDA device, inputs are on cpu"
+    message = rf"{spec}: runs on CUDA devices only, not CPU; move the model there"
     with pytest.raises(KernelUnavailableError, match=message):
         get_kernel(spec)(q, k, v)
     with pytest.raises(KernelUnavailableError, match=message):
@@ -51,7 +51,9 @@ def test_flash_attn_on_cpu_names_the_cuda_extra(make_qkv):
         lambda: get_kernel("flash_attn")(q, k, v),
         lambda: get_kernel("flash_attn").check("cpu", q.dtype),
     ):
-        with pytest.raises(KernelUnavailableError, match=r"only on CUDA.*pip install 'flashprobe\[cuda\]'"):
+        with pytest.raises(
+            KernelUnavailableError, match=r"CUDA devices only.*pip install 'flashprobe\[cuda\]'"
+        ):
             call()
 
 

@@ -49,7 +49,7 @@ def test_eager_flex_matches_fp64_math(case: str) -> None:
 
 def test_cpu_backward_is_refused_with_the_reason() -> None:
     q, k, v, _, _ = _inputs()
-    with pytest.raises(KernelUnavailableError, match="no FlexAttention backward on the CPU"):
+    with pytest.raises(KernelUnavailableError, match="inputs require grad, but it has no backward on CPU"):
         EAGER(q.requires_grad_(), k, v)
     with pytest.raises(KernelUnavailableError, match="not fp64"):
         get_kernel("flex").check("cpu", torch.float64)
@@ -70,7 +70,8 @@ def test_flashinfer_says_what_it_needs_here() -> None:
     if torch.cuda.is_available():
         pytest.skip("checks the refusal without CUDA")
     with pytest.raises(
-        KernelUnavailableError, match=r"flashinfer: FlashInfer runs only on CUDA.*pip install flashinfer"
+        KernelUnavailableError,
+        match=r"flashinfer: runs on CUDA devices only, not CPU.*pip install flashinfer",
     ):
         get_kernel("flashinfer").check("cpu", torch.bfloat16)
 
