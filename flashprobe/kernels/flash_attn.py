@@ -18,7 +18,12 @@ from typing import Any
 import torch
 
 from flashprobe.kernels._inputs import check_inputs
-from flashprobe.kernels.registry import KernelCapabilities, KernelUnavailableError, register_kernel
+from flashprobe.kernels.registry import (
+    KernelCapabilities,
+    KernelUnavailableError,
+    KernelUnsupportedError,
+    register_kernel,
+)
 
 __all__ = ["flash_attn_attention"]
 
@@ -78,18 +83,17 @@ def _varlen(
     return out.view(b, n_q, h, v.shape[-1]).transpose(1, 2)
 
 
+def _installed(device: torch.device, dtype: torch.dtype) -> None:
+    """The registered check (:meth:`Kernel.check` checks FLASH_ATTN_CAPABILITIES first): the package."""
+    _import_flash_attn()
+
+
 def _check(device: torch.device, dtype: torch.dtype) -> None:
-    if device.type != "cuda":
-        raise KernelUnavailableError(
-            f"flash_attn: Dao-AILab flash-attn runs only on CUDA devices, not {device.type}; "
-            "on CPU use sdpa_flash (torch's fused flash kernel) or tiled; on a CUDA machine "
-            "install the CUDA extra: pip install 'flashprobe[cuda]'"
-        )
-    if dtype not in (torch.float16, torch.bfloat16):
-        raise KernelUnavailableError(
-            f"flash_attn: flash-attn supports only fp16 and bf16, not {dtype}; "
-            "run the model in autocast or cast q, k, v"
-        )
+    """The raw function's check (it can be called without :class:`Kernel`): the declared device and
+    dtype, then the package."""
+    problem = FLASH_ATTN_CAPABILITIES.setting_problem(device, dtype)
+    if problem is not None:
+        raise KernelUnsupportedError(f"flash_attn: {problem}")
     _import_flash_attn()
 
 
@@ -111,7 +115,7 @@ FLASH_ATTN_CAPABILITIES = KernelCapabilities(
 )
 
 
-@register_kernel("flash_attn", check=_check, capabilities=FLASH_ATTN_CAPABILITIES)
+@register_kernel("flash_attn", check=_installed, capabilities=FLASH_ATTN_CAPABILITIES)
 def flash_attn_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -21,7 +21,12 @@ from typing import Any
 import torch
 
 from flashprobe.kernels._inputs import default_scale
-from flashprobe.kernels.registry import KernelCapabilities, KernelUnavailableError, register_kernel
+from flashprobe.kernels.registry import (
+    KernelCapabilities,
+    KernelUnavailableError,
+    KernelUnsupportedError,
+    register_kernel,
+)
 
 __all__ = ["flashinfer_attention"]
 
@@ -38,14 +43,17 @@ def _import_flashinfer() -> Any:
     return flashinfer
 
 
+def _installed(device: torch.device, dtype: torch.dtype) -> None:
+    """The registered check (:meth:`Kernel.check` checks FLASHINFER_CAPABILITIES first): the package."""
+    _import_flashinfer()
+
+
 def _check(device: torch.device, dtype: torch.dtype) -> None:
-    if device.type != "cuda":
-        raise KernelUnavailableError(
-            f"flashinfer: FlashInfer runs only on CUDA devices, not {device.type}; "
-            f"on a CUDA machine: {_INSTALL}"
-        )
-    if dtype not in (torch.float16, torch.bfloat16):
-        raise KernelUnavailableError(f"flashinfer: FlashInfer's prefill supports fp16 and bf16, not {dtype}")
+    """The raw function's check (it can be called without :class:`Kernel`): the declared device and
+    dtype, then the package."""
+    problem = FLASHINFER_CAPABILITIES.setting_problem(device, dtype)
+    if problem is not None:
+        raise KernelUnsupportedError(f"flashinfer: {problem}")
     _import_flashinfer()
 
 
@@ -68,7 +76,7 @@ FLASHINFER_CAPABILITIES = KernelCapabilities(
 @register_kernel(
     "flashinfer",
     description="FlashInfer single prefill (CUDA fp16/bf16, forward only)",
-    check=_check,
+    check=_installed,
     capabilities=FLASHINFER_CAPABILITIES,
 )
 def flashinfer_attention(
