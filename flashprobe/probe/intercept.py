@@ -380,10 +380,8 @@ def _plain_argument(name: str, value: Any) -> bool:
     """Whether a flash-attn keyword argument leaves the call expressible in SDPA."""
     if name == "window_size":
         return tuple(value) == (-1, -1)
-    if name in ("alibi_slopes", "return_attn_probs", "block_table"):
-        return not value if not isinstance(value, torch.Tensor) else False
-    if name == "softcap":
-        return not value
+    if name in ("alibi_slopes", "return_attn_probs", "block_table", "softcap"):
+        return not isinstance(value, torch.Tensor) and not value  # absent, None, False or 0.0
     return name in ("deterministic",)
 
 
