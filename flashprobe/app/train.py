@@ -25,6 +25,7 @@ import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.trainer.states import TrainerStatus
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
 
@@ -412,14 +413,12 @@ def _check_paths(cfg: DictConfig, run_dir: Path) -> None:
 
 def _trainer_arguments(cfg: DictConfig, callbacks: list[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The Trainer's config and extra arguments: exact precision on CPU, atomic checkpoints."""
-    from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
     from flashprobe.formats.checkpoint_io import AtomicCheckpointIO
 
     config = OmegaConf.to_container(cfg.trainer, resolve=True)
     config.setdefault("enable_progress_bar", sys.stdout.isatty())  # a bar in a terminal, none in logs
-    if config["enable_progress_bar"] and not any(isinstance(c, ProgressBar) for c in callbacks):
-        callbacks.append(StepProgressBar())  # "train 3/5" instead of Lightning's "Epoch 0/-2"
     extra = trainer_precision(config.pop("precision", "32-true"), config.get("accelerator", "cpu"))
     extra["plugins"] = [*extra.get("plugins", []), AtomicCheckpointIO()]
     if not any(isinstance(c, ModelCheckpoint) for c in callbacks):
@@ -569,6 +568,8 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         callbacks.sort(key=lambda c: isinstance(c, AttentionProbe))
         loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
         trainer_config, extra = _trainer_arguments(cfg, callbacks)
+        if trainer_config["enable_progress_bar"] and not any(isinstance(c, ProgressBar) for c in callbacks):
+            callbacks.append(StepProgressBar())  # "train 3/5" instead of Lightning's "Epoch 0/-2"
         trainer: L.Trainer = hydra.utils.instantiate(
             trainer_config,
             default_root_dir=str(run_dir),
