@@ -40,6 +40,7 @@ import torch
 
 __all__ = [
     "FAILURE_KINDS",
+    "FREE_READS",
     "L2_RATIO_LIMIT",
     "L2_RATIO_LIMITS",
     "PAIRS",
@@ -58,6 +59,7 @@ __all__ = [
     "l2_error_ratio",
     "noise_floor",
     "pair_sums",
+    "reads_are_free",
 ]
 
 #: The compared pairs, ``a_b`` meaning deviation of ``a`` from reference ``b``.
@@ -96,11 +98,21 @@ SUM_ROWS: tuple[str, ...] = (
 )
 #: Elements :func:`pair_sums` processes per slice, by device type: cache-sized on the CPU, fewer
 #: launches elsewhere. Its scratch memory is ``3 · P`` float64 rows of a slice (``P`` pairs).
-SLICE_ELEMENTS: dict[str, int] = {"cpu": 1 << 16, "default": 1 << 20}
+SLICE_ELEMENTS: dict[str, int] = {"cpu": 1 << 17, "default": 1 << 20}
 
 
 def _slice_elements(device: torch.device) -> int:
     return SLICE_ELEMENTS.get(device.type, SLICE_ELEMENTS["default"])
+
+
+#: Device types where reading a value back to the host costs nothing: the CPU, with no device to
+#: wait for. Elsewhere a read is a synchronisation, and nothing per attention call reads.
+FREE_READS: frozenset[str] = frozenset({"cpu"})
+
+
+def reads_are_free(device: torch.device) -> bool:
+    """Whether reading a value on ``device`` back to the host costs nothing (:data:`FREE_READS`)."""
+    return device.type in FREE_READS
 
 
 class StatsWorkspace:
@@ -135,10 +147,16 @@ def pair_sums(
     when either side is NaN or ±inf; every other statistic is over the finite positions. Per slice
     of ``m`` elements (:data:`SLICE_ELEMENTS`) the scratch rows are ``z (P, m)`` (non-finite
     markers), ``d (P, m)`` (differences) and ``r (P, m)`` (references), so that each reduction runs
-    once over two adjacent blocks: ``sum`` over ``[z; d]``, ``amax`` and the squared norm over
-    ``[d; r]`` (the squares as one dot product per row: exact sums of squares, no square root). The
-    references are masked with ``ref + 0·d`` (NaN where the pair is not finite)
-    before one ``nan_to_num`` zeroes every masked entry of ``d`` and ``r``.
+    once over adjacent rows: ``sum`` over ``[z; d]``, ``amax`` over ``[d; r]`` and the squared norms
+    as one dot product per row (exact sums of squares, no square root).
+
+    **Masking.** Non-finite pairs are taken out with ``ref + 0·d`` (NaN where the pair is not
+    finite) and one ``nan_to_num`` that zeroes every masked entry of ``d`` and ``r``. Where a host
+    read is free (:func:`reads_are_free`: the CPU), a slice is first reduced unmasked, and its
+    sums of squares are read: when they are finite, no pair of the slice is non-finite, masking
+    would change nothing, and it is skipped (the two golden pairs then share one reference row,
+    ``golden`` itself). Both ways give the same bits on finite data, so the statistics do not
+    depend on whether the read was made; on an accelerator every slice is masked, without a read.
 
     Args:
         primary: any shape, any floating dtype.
@@ -162,50 +180,92 @@ def pair_sums(
             f"pair_sums: shapes differ: primary {tuple(primary.shape)}, baseline {tuple(baseline.shape)}"
             + ("" if golden is None else f", golden {tuple(golden.shape)}")
         )
-    p, b = p.reshape(-1), b.reshape(-1)
-    g = None if g is None else g.reshape(-1)
     workspace = workspace or StatsWorkspace()
     n, pairs, device = p.numel(), (1 if g is None else 3), p.device
     chunk = max(1, min(n, _slice_elements(device)))
-    buf = workspace.get(device, 3 * pairs * chunk)
+    stride = -(-chunk // _ROW_ALIGN) * _ROW_ALIGN  # every row starts equally aligned (same-bit dots)
+    buf = workspace.get(device, 3 * pairs * stride)
+    whole = n <= chunk  # one slice: read the inputs in their own layout (no flattening copy)
+    if not whole:
+        p, b = p.reshape(-1), b.reshape(-1)
+        g = None if g is None else g.reshape(-1)
+    check = reads_are_free(device)
     total: torch.Tensor | None = None
     for start in range(0, max(n, 1), chunk):
         stop = min(n, start + chunk)
         m = stop - start
-        rows = buf[: 3 * pairs * m].view(3 * pairs, m)
+        rows = buf[: 3 * pairs * stride].view(3 * pairs, stride)[:, :m]
         z, d, r = rows[:pairs], rows[pairs : 2 * pairs], rows[2 * pairs :]
-        zd, dr = rows[: 2 * pairs], rows[pairs:]
-        ps = p[start:stop]
-        r[0].copy_(b[start:stop])  # the baseline in float64 (its reference row, masked below)
-        torch.sub(ps, r[0], out=d[0])
+
+        def load(row: torch.Tensor, x: torch.Tensor, start: int = start, stop: int = stop) -> None:
+            (row.view(x.shape) if whole else row).copy_(x if whole else x[start:stop])
+
+        # In float64: the primary into z[0] (scratch until masking), the baseline into r[0] and
+        # the golden into r[1]; then the differences.
+        load(z[0], p)
+        load(r[0], b)
+        torch.sub(z[0], r[0], out=d[0])
         if g is not None:
-            gs = g[start:stop]
-            torch.sub(ps, gs, out=d[1])
-            torch.sub(r[0], gs, out=d[2])
-        torch.mul(d, 0.0, out=z)  # 0 where the pair is finite, NaN where it is not
-        r[0].add_(z[0])
-        if g is not None:
-            torch.add(gs, z[1:], out=r[1:])
-        dr.nan_to_num_(0.0, 0.0, 0.0).abs_()  # differences and references over finite pairs only
-        z.nan_to_num_(1.0)  # 1 where the pair is non-finite
-        sums = zd.sum(dim=1)  # (2P,): non-finite counts, then sum_abs
-        maxima = dr.amax(dim=1) if m else dr.new_zeros(2 * pairs)  # (2P,): max_abs, then max_ref
-        squares = torch.stack([torch.dot(row, row) for row in dr])  # (2P,): sum_sq_diff, then sum_sq_ref
-        part = torch.stack(
-            (
-                maxima[:pairs],
-                sums[pairs:],
-                squares[:pairs],
-                squares[pairs:],
-                sums[:pairs],
-                sums.new_zeros(pairs),  # the count, filled in below
-                maxima[pairs:],
-            )
-        )
+            load(r[1], g)
+            torch.sub(z[0], r[1], out=d[1])
+            torch.sub(r[0], r[1], out=d[2])
+        part = None
+        if check:  # unmasked: d, then r[0] and (with golden) r[1], shared by the golden pairs
+            used = rows[pairs : 2 * pairs + min(pairs, 2)]
+            squares = _squares(used)
+            if math.isfinite(squares.sum().item()):  # no non-finite pair in this slice
+                part = _reduce(used, squares, pairs)
+        if part is None:
+            torch.mul(d, 0.0, out=z)  # 0 where the pair is finite, NaN where it is not
+            if g is not None:
+                torch.add(r[1], z[2], out=r[2])
+                r[1].add_(z[1])
+            r[0].add_(z[0])
+            rows[pairs:].nan_to_num_(0.0, 0.0, 0.0)  # d and r over finite pairs only
+            z.nan_to_num_(1.0)  # 1 where the pair is non-finite
+            part = _reduce(rows[pairs:], _squares(rows[pairs:]), pairs, z)
         total = combine_sums(total, part)
     assert total is not None
     total[5] = n - total[4]
     return total
+
+
+#: Scratch rows start at multiples of this many elements (64 bytes of float64), so that a row's
+#: reductions give the same bits whichever row of the buffer holds it.
+_ROW_ALIGN = 8
+#: Which reference row each pair reads when the golden pairs share one (unmasked slices).
+_SHARED_REFERENCE = torch.tensor([0, 1, 1])
+
+
+def _squares(rows: torch.Tensor) -> torch.Tensor:
+    """The squared norm of each row of ``rows (R, m)``, one dot product per row: ``(R,)``."""
+    return torch.stack([torch.dot(row, row) for row in rows])
+
+
+def _reduce(
+    dr: torch.Tensor, squares: torch.Tensor, pairs: int, z: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One slice's ``(7, P)`` sums from its scratch rows (overwritten with their magnitudes).
+
+    Args:
+        dr: ``[d (P, m); r (R, m)]``: differences, then references (``R`` = ``P``; 2 for three
+            unmasked pairs, whose golden pairs share ``r[1]``).
+        squares: ``(P + R,)`` squared norms of ``dr``'s rows.
+        pairs: ``P``.
+        z: ``(P, m)`` non-finite markers (1 where the pair is non-finite, else 0), or None where
+            no pair is.
+    """
+    dr.abs_()
+    maxima = dr.amax(dim=1) if dr.shape[1] else dr.new_zeros(dr.shape[0])  # max_abs, then max_ref
+    sum_abs = dr[:pairs].sum(dim=1)
+    nonfinite = dr.new_zeros(pairs) if z is None else z.sum(dim=1)
+    ref_sq, ref_max = squares[pairs:], maxima[pairs:]
+    if len(ref_sq) != pairs:
+        index = _SHARED_REFERENCE.to(dr.device)
+        ref_sq, ref_max = ref_sq[index], ref_max[index]
+    return torch.stack(
+        (maxima[:pairs], sum_abs, squares[:pairs], ref_sq, nonfinite, nonfinite.new_zeros(pairs), ref_max)
+    )
 
 
 def combine_sums(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:

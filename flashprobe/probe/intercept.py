@@ -758,15 +758,28 @@ def _freeze_dynamo_rules() -> None:
         return
 
 
+_WRAPPERS: dict[Any, Callable[..., Any]] = {}  # original -> its stand-in, built once (attach is per step)
+
+
+def _wrapped(original: Callable[..., Any], build: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+    """The stand-in of ``original``, built by ``build`` the first time it is asked for."""
+    wrapper = _WRAPPERS.get(original)
+    if wrapper is None:
+        wrapper = _WRAPPERS[original] = build()
+    return wrapper
+
+
 def _install(roots: list[nn.Module]) -> None:
     if not _patches:
         _freeze_dynamo_rules()
         functional, torch_ns = vars(F), vars(torch)
         _patch(functional, "scaled_dot_product_attention", _stand_in)
-        _patch(functional, "multi_head_attention_forward", _mha_wrapper(F.multi_head_attention_forward))
+        mha = F.multi_head_attention_forward
+        _patch(functional, "multi_head_attention_forward", _wrapped(mha, lambda: _mha_wrapper(mha)))
         for name in ("_transformer_encoder_layer_fwd", "_native_multi_head_attention"):
             if name in torch_ns:
-                _patch(torch_ns, name, _fused_wrapper(name, torch_ns[name]))
+                fused = torch_ns[name]
+                _patch(torch_ns, name, _wrapped(fused, lambda n=name, f=fused: _fused_wrapper(n, f)))
         if _flex.FLEX_ORIGINAL is not None:
             _patch(vars(_flex._flex_module), "flex_attention", _flex_dispatch)
             hf = sys.modules.get(_HF_FLEX[0])
@@ -779,7 +792,13 @@ def _install(roots: list[nn.Module]) -> None:
                 _patch(vars(library), function, _direct_wrapper(_DIRECT_ORIGINALS[(module_name, function)]))
             if hf is not None and callable(getattr(hf, _HF_FLEX[1], None)):
                 _patch(vars(hf), _HF_FLEX[1], _hf_flex_wrapper(getattr(hf, _HF_FLEX[1])))
-    # Model code that imported the function by name: swap that module global as well.
+    # Model code that imported the function by name: swap that module global as well (each of its
+    # names looked up once in a table of the functions to swap, keyed by identity).
+    stand_ins: dict[int, Callable[[Any], Any]] = {id(ORIGINAL_SDPA): lambda _: _stand_in}
+    if _flex.FLEX_ORIGINAL is not None:
+        stand_ins[id(_flex.FLEX_ORIGINAL)] = lambda _: _flex_dispatch
+    for fn in _DIRECT_ORIGINALS.values():
+        stand_ins[id(fn)] = lambda value: _wrapped(value, lambda: _direct_wrapper(value))
     seen: set[str] = set()
     for root in roots:
         for module in root.modules():
@@ -792,12 +811,9 @@ def _install(roots: list[nn.Module]) -> None:
                     continue
                 namespace = vars(py_module)
                 for name, value in list(namespace.items()):
-                    if value is ORIGINAL_SDPA:
-                        _patch(namespace, name, _stand_in)
-                    elif value is _flex.FLEX_ORIGINAL and value is not None:
-                        _patch(namespace, name, _flex_dispatch)
-                    elif callable(value) and any(value is fn for fn in _DIRECT_ORIGINALS.values()):
-                        _patch(namespace, name, _direct_wrapper(value))
+                    stand_in = stand_ins.get(id(value))
+                    if stand_in is not None:
+                        _patch(namespace, name, stand_in(value))
 
 
 def _uninstall() -> None:

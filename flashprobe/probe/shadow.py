@@ -57,6 +57,7 @@ from flashprobe.deviation import (
     combine_sums,
     failure_reason,
     pair_sums,
+    reads_are_free,
 )
 from flashprobe.kernels import KernelUnavailableError, get_kernel, math_attention
 from flashprobe.kernels.reference import (
@@ -80,12 +81,6 @@ __all__ = ["ON_FAILURE", "ProbeFailureError", "ShadowAttention"]
 
 #: What the probe does at a call's first failure per site and direction.
 ON_FAILURE: tuple[str, ...] = ("warn", "raise", "ignore")
-
-
-def reads_each_call(device: torch.device) -> bool:
-    """Whether the shadow reads each compared call's verdict on the host at once: where that read is
-    free, on the CPU (no device to synchronise with); elsewhere only armed sites are read."""
-    return device.type == "cpu"
 
 
 class ProbeFailureError(RuntimeError):
@@ -617,7 +612,7 @@ class ShadowAttention(nn.Module):
         if not self.golden or not kinds:
             return
         device = next(iter(kinds.values())).device
-        if not reads_each_call(device) and site not in self._armed:
+        if not reads_are_free(device) and site not in self._armed:
             return
         codes = torch.stack(list(kinds.values())).tolist()  # free on the CPU; armed sites only elsewhere
         failing = [d for d, code in zip(kinds, codes, strict=True) if code]

@@ -294,15 +294,18 @@ def test_one_nan_token_counts_once() -> None:
     assert shadow.stats()["attention"]["nonfinite_inputs"] == {"q": 1, "k": 1, "v": 0, "grad_out": 0}
 
 
+@pytest.mark.parametrize("free", [True, False])
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("nonfinite", [True, False])
 @pytest.mark.parametrize("golden", [True, False])
 @pytest.mark.parametrize("chunk", [1, 16, 37, 1 << 16])
-def test_pair_sums_against_numpy_oracle(golden, chunk, nonfinite, strided, monkeypatch) -> None:
+def test_pair_sums_against_numpy_oracle(golden, chunk, nonfinite, strided, free, monkeypatch) -> None:
     """Every row of :func:`pair_sums`, ``max_ref`` included, from an independent numpy float64
     computation, with non-finite values of every kind on and around slice boundaries, or none;
-    at each slice size; contiguous tensors, or strided views (as autograd hands gradients over)."""
+    at each slice size; contiguous tensors, or strided views (as autograd hands gradients over);
+    with host reads free (the CPU: finite slices skip masking) or not (as on a device)."""
     monkeypatch.setitem(deviation_module.SLICE_ELEMENTS, "cpu", chunk)
+    monkeypatch.setattr(deviation_module, "FREE_READS", frozenset({"cpu"} if free else ()))
     gen = torch.Generator().manual_seed(3)
     g = 3.0 * torch.randn(2, 3, 41, generator=gen, dtype=torch.float64)
     p = (g + 1e-3 * torch.randn(g.shape, generator=gen, dtype=torch.float64)).float()
@@ -331,6 +334,29 @@ def test_pair_sums_against_numpy_oracle(golden, chunk, nonfinite, strided, monke
             assert got[i, j] == pytest.approx(value, rel=1e-12, abs=1e-300), (j, i)
 
 
+@pytest.mark.parametrize("chunk", [7, 1000, 1 << 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_pair_sums_skip_masking_without_changing_a_bit(dtype, chunk, monkeypatch) -> None:
+    """On finite data, the statistics read where reads are free (masking skipped, the golden pairs
+    sharing one reference row) equal, bit for bit, those of the always-masked path a device runs;
+    for strided views and their contiguous copies alike, sizes that are no multiple of anything."""
+    monkeypatch.setitem(deviation_module.SLICE_ELEMENTS, "cpu", chunk)
+    gen = torch.Generator().manual_seed(11)
+    shapes = [(1, 1), (3, 5, 7), (2, 3, 67, 13)] + ([(4, 4, 128, 65)] if chunk > 1000 else [])
+    for shape in shapes:
+        g = torch.randn(shape, generator=gen, dtype=torch.float64)
+        p = (g + 1e-3 * torch.randn(shape, generator=gen, dtype=torch.float64)).to(dtype)
+        b = (g + 1e-3 * torch.randn(shape, generator=gen, dtype=torch.float64)).to(dtype)
+        for args in [(p, b, g), (p, b, None), (p.mT, b.mT, g.mT)]:
+            monkeypatch.setattr(deviation_module, "FREE_READS", frozenset({"cpu"}))
+            read = pair_sums(*args)
+            contiguous = pair_sums(*(None if t is None else t.contiguous() for t in args))
+            monkeypatch.setattr(deviation_module, "FREE_READS", frozenset())
+            masked = pair_sums(*args)
+            assert torch.equal(read, masked), (shape, args[2] is None)
+            assert torch.equal(read, contiguous), (shape, args[2] is None)
+
+
 def test_pair_sums_of_empty_tensors_are_zero() -> None:
     empty = torch.empty(0, 4)
     got = pair_sums(empty, empty, empty.double())
@@ -338,8 +364,11 @@ def test_pair_sums_of_empty_tensors_are_zero() -> None:
     assert (got == 0).all()
 
 
-def test_nonfinite_positions_count_tokens_and_an_overflowing_sum_is_not_a_nan() -> None:
-    """Finite values near the float32 (or float64) maximum whose sums overflow count as finite."""
+@pytest.mark.parametrize("free", [True, False])
+def test_nonfinite_positions_count_tokens_and_an_overflowing_sum_is_not_a_nan(free, monkeypatch) -> None:
+    """Finite values near the float32 (or float64) maximum whose sums overflow count as finite;
+    with host reads free (a finite plain sum answers 0 at once) or not (as on a device)."""
+    monkeypatch.setattr(deviation_module, "FREE_READS", frozenset({"cpu"} if free else ()))
     big = torch.full((2, 3, 5, 4), 3e38)
     assert torch.isinf(big.sum())
     assert stats_module.count_nonfinite_positions(big).item() == 0

@@ -1,15 +1,23 @@
 """No host synchronisation per attention call: the probe adds no host reads to a training step
-on a device (one statistics path for the CPU and a GPU); on the CPU, where a host read is free, the
-only read it adds is each compared call's verdict (``reads_each_call``)."""
+on a device (one statistics path for the CPU and a GPU); on the CPU, where a host read is free
+(``flashprobe.deviation.FREE_READS``), it reads each compared call's verdict and the finiteness
+checks that let the statistics skip masking (one per compared tensor and slice, one per counted
+input)."""
 
 from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from flashprobe.probe import probe, shadow
+from flashprobe.probe import probe
 
 from ._models import TinyTransformer
+
+deviation_module = sys.modules["flashprobe.deviation"]  # (the package's `deviation` is the function)
 
 # Tensor methods that copy a value to the host (a device synchronisation on CUDA).
 _SYNCING = ("item", "tolist", "cpu", "numpy", "nonzero", "__bool__", "__float__", "__int__", "__index__")
@@ -30,10 +38,23 @@ def _count_host_reads(monkeypatch: pytest.MonkeyPatch, fn) -> dict[str, int]:
     return counts
 
 
-@pytest.mark.parametrize("per_call", [False, True])
-def test_probe_adds_no_host_reads(monkeypatch: pytest.MonkeyPatch, per_call: bool) -> None:
+@contextlib.contextmanager
+def _reads(free: bool) -> Iterator[None]:
+    """Host reads free on the CPU (as they are) or not (as on a device)."""
+    original = deviation_module.FREE_READS
+    deviation_module.FREE_READS = frozenset({"cpu"} if free else ())
+    try:
+        yield
+    finally:
+        deviation_module.FREE_READS = original
+
+
+@pytest.mark.parametrize("free", [False, True])
+def test_probe_adds_no_host_reads(monkeypatch: pytest.MonkeyPatch, free: bool) -> None:
     """A probed training step (forward, backward, golden) reads exactly what the plain step reads,
-    as on a device; with the CPU's per-call verdict read, one ``tolist`` per compared call more."""
+    as on a device; where reads are free (the CPU), per compared call one ``tolist`` (its verdict)
+    and one ``item`` per compared tensor (out, dq, dk, dv: one slice each here) and per counted
+    input (q, k, v, grad_out)."""
     torch.manual_seed(0)
     model = TinyTransformer()
     x = torch.randn(2, 6, 4)
@@ -43,18 +64,14 @@ def test_probe_adds_no_host_reads(monkeypatch: pytest.MonkeyPatch, per_call: boo
 
     step()  # warm-up
     plain = _count_host_reads(monkeypatch, step)
-    original = shadow.reads_each_call
-    shadow.reads_each_call = lambda device: per_call  # (_count_host_reads undoes its monkeypatches)
-    try:
-        with probe(model, backward=True, golden=True) as p:
-            step()  # warm-up (plans the reference blocks, reads the free memory once)
-            probed = _count_host_reads(monkeypatch, step)
-            stats = p.stats()  # reading is one host copy, outside the step
-            sites = p.sites
-    finally:
-        shadow.reads_each_call = original
+    with _reads(free), probe(model, backward=True, golden=True) as p:
+        step()  # warm-up (plans the reference blocks, reads the free memory once)
+        probed = _count_host_reads(monkeypatch, step)
+        stats = p.stats()  # reading is one host copy, outside the step
+        sites = p.sites
     compared = 2  # two sites, one call each, forward and backward judged together
-    assert probed == {**plain, "tolist": plain["tolist"] + (compared if per_call else 0)}
+    extra = {"tolist": compared, "item": compared * (4 + 4)} if free else {}
+    assert probed == {k: plain[k] + extra.get(k, 0) for k in plain}
     assert len(sites) == 2  # one call each: out, dq, dk, dv compared
     assert stats["block"]["backward"]["calls"] == 2  # the probe did run, forward and backward
 
@@ -89,14 +106,9 @@ def test_compiled_probe_adds_no_host_reads(monkeypatch: pytest.MonkeyPatch, back
 
     step()  # warm-up: compiles without the probe
     plain = _count_host_reads(monkeypatch, step)
-    original = shadow.reads_each_call
-    shadow.reads_each_call = lambda device: False  # as on a device
-    try:
-        with probe(model, backward=True, golden=True) as p:
-            step()  # warm-up: recompiles with the probe's ops
-            probed = _count_host_reads(monkeypatch, step)
-            stats = p.stats()
-    finally:
-        shadow.reads_each_call = original
+    with _reads(False), probe(model, backward=True, golden=True) as p:  # as on a device
+        step()  # warm-up: recompiles with the probe's ops
+        probed = _count_host_reads(monkeypatch, step)
+        stats = p.stats()
     assert probed == plain
     assert stats["block"]["backward"]["calls"] == 2
