@@ -604,21 +604,25 @@ class ShadowAttention(nn.Module):
         self,
         site: str,
         step: int,
-        kinds: Mapping[str, torch.Tensor],
+        kinds: tuple[tuple[str, ...], torch.Tensor],
         p: Prepared | None,
         grad_out: torch.Tensor | None,
     ) -> None:
-        """Read this call's verdicts where that is free (CPU) or the site is armed; act on new failures."""
-        if not self.golden or not kinds:
+        """Read this call's verdicts (``kinds``: directions and their failure codes, as
+        :meth:`DeviationStats.add_many` returns them) where that is free (CPU) or the site is armed;
+        act on new failures."""
+        directions, codes_tensor = kinds
+        if not self.golden or not directions:
             return
-        device = next(iter(kinds.values())).device
-        if not reads_are_free(device) and site not in self._armed:
+        if not reads_are_free(codes_tensor.device) and site not in self._armed:
             return
-        codes = torch.stack(list(kinds.values())).tolist()  # free on the CPU; armed sites only elsewhere
-        failing = [d for d, code in zip(kinds, codes, strict=True) if code]
+        codes = dict(
+            zip(directions, codes_tensor.tolist(), strict=True)
+        )  # free on the CPU; armed sites only elsewhere
+        failing = [d for d, code in codes.items() if code]
         new = [d for d in failing if (site, d) not in self.failures]
         if new:
-            self._new_failures(site, step, {d: int(codes[list(kinds).index(d)]) for d in new})
+            self._new_failures(site, step, {d: int(codes[d]) for d in new})
         unsaved = [self.failures[(site, d)] for d in failing if not self._has_repro(site, d)]
         if unsaved:
             self._save_repro(unsaved, p, grad_out)

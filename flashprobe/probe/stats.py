@@ -61,6 +61,7 @@ from flashprobe.deviation import (
     FAILURE_KINDS,
     L2_RATIO_LIMITS,
     PAIRS,
+    SUM_ROWS,
     StatsWorkspace,
     combine_sums,
     error_ratio,
@@ -197,12 +198,18 @@ def call_error_ratio(sums: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Ten
         baseline and the floor all 0, which includes "nothing finite was compared") ``ratio`` is 0,
         so it never raises a maximum, and ``defined`` is 0 (else 1).
     """
-    pg, bg = sums[..., 0, 1], sums[..., 0, 2]
+    return _error_ratio(sums[..., 0, 1], sums[..., 0, 2], floor)
+
+
+def _error_ratio(
+    pg: torch.Tensor, bg: torch.Tensor, floor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`call_error_ratio` from the maxima ``max_abs`` of ``primary_golden`` (``pg``) and of
+    ``baseline_golden`` (``bg``)."""
     denominator = torch.maximum(bg, floor)
-    inexact = torch.where(pg > 0, torch.full_like(pg, math.inf), torch.zeros_like(pg))
-    positive = denominator > 0
-    ratio = torch.where(positive, pg / torch.where(positive, denominator, 1.0), inexact)
-    defined = ((denominator > 0) | (pg > 0)).to(torch.float64)
+    # pg / 0 is inf where the primary is inexact, NaN (undefined: 0) where it is exact as well
+    ratio = torch.div(pg, denominator).nan_to_num_(0.0, math.inf)
+    defined = (denominator + pg > 0).to(torch.float64)  # (both are >= 0)
     return ratio, defined
 
 
@@ -222,15 +229,36 @@ def call_judgement(
         :data:`~flashprobe.deviation.FAILURE_KINDS`) and its value (the extra non-finite positions,
         else the ratio).
     """
-    pg, bg, g = sums[:, 2, 1], sums[:, 2, 2], sums[:, 3, 1]
+    c = sums.reshape(-1, len(SUM_ROWS) * len(PAIRS)).unbind(1)
+    return _judgement(c[_AT[2, 1]], c[_AT[2, 2]], c[_AT[3, 1]], c[_AT[4, 1]], c[_AT[4, 2]], dtype, limit)
+
+
+def _judgement(
+    pg: torch.Tensor,
+    bg: torch.Tensor,
+    g: torch.Tensor,
+    nonfinite_p: torch.Tensor,
+    nonfinite_b: torch.Tensor,
+    dtype: torch.dtype,
+    limit: torch.Tensor | float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`call_judgement` from ``sum_sq_diff`` of ``primary_golden`` (``pg``) and of
+    ``baseline_golden`` (``bg``), ``sum_sq_ref`` of ``primary_golden`` (``g``) and the two pairs'
+    non-finite counts."""
     denominator = torch.maximum(bg, ((0.5 * torch.finfo(dtype).eps) ** 2) * g)
-    positive = denominator > 0
-    l2 = torch.where(positive, (pg / torch.where(positive, denominator, 1.0)).sqrt(), 0.0)
-    extra = sums[:, 4, 1] - sums[:, 4, 2]
+    l2 = torch.where(denominator > 0, torch.div(pg, denominator).sqrt_(), 0.0)  # (0/0 is discarded)
+    extra = nonfinite_p - nonfinite_b
     nonfinite = extra > 0
-    codes = torch.tensor([0.0, 2.0, 1.0], dtype=torch.float64, device=sums.device)
-    kind = codes[nonfinite * 2 + (l2 > limit) * (~nonfinite)]  # 1 non-finite, else 2 above the limit, else 0
+    above = (l2 > limit).to(torch.float64)
+    kind = torch.where(nonfinite, 1.0, above + above)  # 1 non-finite, else 2 above the limit, else 0
     return l2, kind, torch.where(nonfinite, extra, l2)
+
+
+#: Column of ``(row, pair)`` in a :func:`pair_sums` result flattened row-major to ``7 · 3`` columns.
+_AT = {(i, j): i * len(PAIRS) + j for i in range(len(SUM_ROWS)) for j in range(len(PAIRS))}
+#: The flattened columns of the accumulator's sums, in :data:`SUM_FIELDS` order (pair-major, rows
+#: ``sum_abs`` ... ``count``).
+_SUM_COLUMNS = [_AT[i, j] for j in range(len(PAIRS)) for i in range(1, 6)]
 
 
 class DeviationStats:
@@ -248,6 +276,13 @@ class DeviationStats:
         self.values = torch.zeros(len(FIELDS), dtype=torch.float64, device=device)
         self.golden = golden
         self._limit_cache: dict[tuple[int, int], torch.Tensor] = {}
+        # Per-direction views of the accumulator: maxima, sums (without the input counts), arg fields.
+        self._maxima = self.values[:N_MAX].view(len(DIRECTIONS), _MAX_BLOCK)
+        self._sums = self.values[N_MAX:_INPUTS_AT].view(len(DIRECTIONS), _SUM_BLOCK)
+        self._args = self.values[N_SUMS:].view(len(DIRECTIONS), _ARG_BLOCK)
+        # The key field of each arg field, in a direction's maxima: first_fail (twice), max_l2_ratio.
+        self._arg_keys = torch.tensor([_MAX_BLOCK - 1, _MAX_BLOCK - 1, _MAX_BLOCK - 2], device=device)
+        self._sum_columns = torch.tensor(_SUM_COLUMNS, device=device)
 
     def add(self, direction: str, sums: torch.Tensor, dtype: torch.dtype, step: int = 0) -> torch.Tensor:
         """Fold one call's ``(7, P)`` :func:`pair_sums` into ``direction`` (``out``/``dq``/``dk``/``dv``).
@@ -261,59 +296,71 @@ class DeviationStats:
         Returns:
             The call's failure code, a 0-d float64 tensor on the device (see :meth:`add_many`).
         """
-        return self.add_many({direction: sums}, dtype, step)[direction]
+        return self.add_many({direction: sums}, dtype, step)[1][0]
 
     def add_many(
         self, sums: Mapping[str, torch.Tensor], dtype: torch.dtype, step: int = 0
-    ) -> dict[str, torch.Tensor]:
+    ) -> tuple[tuple[str, ...], torch.Tensor]:
         """:meth:`add` for several directions of one call (e.g. ``out``, ``dq``, ``dk``, ``dv``), with
         one set of small tensor ops per run of adjacent directions instead of one per direction.
 
         Returns:
-            ``{direction: failure code}``, 0-d float64 tensors on the device (0: the call passed, or
-            no golden), for a caller that reads them where a host read is free (the CPU).
+            ``(directions, codes)``: the directions in :data:`DIRECTIONS` order and their failure
+            codes, a ``(K,)`` float64 tensor on the device (0: the call passed, or no golden), for a
+            caller that reads them where a host read is free (the CPU).
         """
+        order = tuple(sorted(sums, key=DIRECTIONS.index))
         runs: list[list[str]] = []
-        for direction in sorted(sums, key=DIRECTIONS.index):
+        for direction in order:
             i = DIRECTIONS.index(direction)
             if runs and DIRECTIONS.index(runs[-1][-1]) == i - 1:
                 runs[-1].append(direction)
             else:
                 runs.append([direction])
-        kinds: dict[str, torch.Tensor] = {}
-        for run in runs:
-            kind = self._add_run(DIRECTIONS.index(run[0]), torch.stack([sums[d] for d in run]), dtype, step)
-            kinds.update(zip(run, kind, strict=True))
-        return kinds
+        codes = [
+            self._add_run(DIRECTIONS.index(run[0]), torch.stack([sums[d] for d in run]), dtype, step)
+            for run in runs
+        ]
+        return order, codes[0] if len(codes) == 1 else torch.cat(codes)
 
     def _add_run(self, first: int, sums: torch.Tensor, dtype: torch.dtype, step: int) -> torch.Tensor:
         """Fold ``(K, 7, P)`` sums into the ``K`` adjacent directions from ``DIRECTIONS[first]``;
         returns the ``(K,)`` failure codes."""
         sums = sums.to(self.values.device)
         k, _, pairs = sums.shape
-        maxima = self.values[:N_MAX].view(len(DIRECTIONS), _MAX_BLOCK)[first : first + k]
-        args = self.values[N_SUMS:].view(len(DIRECTIONS), _ARG_BLOCK)[first : first + k]
+        maxima = self._maxima[first : first + k]
+        args = self._args[first : first + k]
+        if pairs < len(PAIRS):
+            sums = torch.cat((sums, sums.new_zeros(k, sums.shape[1], len(PAIRS) - pairs)), dim=2)
+        flat = sums.reshape(k, -1)  # (K, 21): columns _AT[row, pair]
         if pairs == len(PAIRS):
-            floor = (0.5 * torch.finfo(dtype).eps) * torch.maximum(sums[:, 6, 1], sums[:, 6, 2])  # (K,)
-            ratio, defined = call_error_ratio(sums, floor)
-            limits = self._limits(first, k)
-            l2, kind, value = call_judgement(sums, dtype, limits)
-            failed = kind > 0
-            key = torch.where(failed, torch.full_like(kind, FIRST_KEY - step), 0.0)  # float64: exact steps
+            c = flat.unbind(1)
+            floor = torch.maximum(c[_AT[6, 1]], c[_AT[6, 2]]).mul_(0.5 * torch.finfo(dtype).eps)  # (K,)
+            ratio, defined = _error_ratio(c[_AT[0, 1]], c[_AT[0, 2]], floor)
+            l2, kind, value = _judgement(
+                c[_AT[2, 1]],
+                c[_AT[2, 2]],
+                c[_AT[3, 1]],
+                c[_AT[4, 1]],
+                c[_AT[4, 2]],
+                dtype,
+                self._limits(first, k),
+            )
+            failed = (kind > 0).to(torch.float64)
+            key = failed * (FIRST_KEY - step)  # float64: exact steps
             # The arg fields change where this call sets a new maximum of their key field.
-            first_now = (key > maxima[:, -1]).unsqueeze(1)
-            worst_now = l2 > maxima[:, -2]
-            args[:, :2] = torch.where(first_now, torch.stack((kind, value), dim=1), args[:, :2])
-            args[:, 2] = torch.where(worst_now, float(step), args[:, 2])
+            new = torch.stack((kind, value, l2.new_full((k,), float(step))), dim=1)  # (K, 3)
+            now = torch.stack((key, key, l2), dim=1) > maxima.index_select(1, self._arg_keys)  # (K, 3)
+            torch.where(now, new, args, out=args)
             extra = torch.stack((ratio, floor, l2, key), dim=1)  # (K, 4)
         else:
-            sums = torch.cat((sums, sums.new_zeros(k, sums.shape[1], len(PAIRS) - pairs)), dim=2)
             extra, defined = sums.new_zeros(k, 4), sums.new_zeros(k)
             kind = failed = sums.new_zeros(k)
-        torch.maximum(maxima, torch.cat((sums[:, 0], extra), dim=1), out=maxima)
-        block = self.values[N_MAX:_INPUTS_AT].view(len(DIRECTIONS), _SUM_BLOCK)[first : first + k]
-        block[:, :-3].add_(sums[:, 1:6].transpose(1, 2).reshape(k, -1))  # pair-major, as SUM_FIELDS
-        block[:, -3:].add_(torch.stack((torch.ones_like(defined), defined, failed.to(defined)), dim=1))
+        torch.maximum(maxima, torch.cat((flat[:, : len(PAIRS)], extra), dim=1), out=maxima)
+        counts = torch.stack((torch.ones_like(defined), defined, failed), dim=1)  # calls, ratio_calls, fails
+        self._sums[first : first + k].add_(
+            torch.cat((flat.index_select(1, self._sum_columns), counts), dim=1)
+        )
         return kind
 
     def _limits(self, first: int, k: int) -> torch.Tensor:
