@@ -42,14 +42,16 @@ class Probe(AttentionRoute):
     Attributes:
         model: the probed model (unmodified).
         shadow: the :class:`ShadowAttention` every sampled call goes through; its ``config``
-            (:class:`~flashprobe.probe.ProbeConfig`) holds the sampling settings too.
+            (:class:`~flashprobe.probe.ProbeConfig`) holds the sampling settings too, with
+            ``backward="auto"`` decided for the model's device (``shadow.backward``).
     """
 
     kind = "probe"
 
-    def __init__(self, model: nn.Module, shadow: ShadowAttention) -> None:
+    def __init__(self, model: nn.Module, shadow: ShadowAttention, config: ProbeConfig | None = None) -> None:
         super().__init__(model)
         self.shadow = shadow
+        self._config = shadow.config if config is None else config
         sites = shadow.config.sites or ()
         self._include = tuple(p for p in sites if not p.startswith("!"))
         self._exclude = tuple(p[1:] for p in sites if p.startswith("!"))
@@ -59,8 +61,9 @@ class Probe(AttentionRoute):
 
     @property
     def config(self) -> ProbeConfig:
-        """The probe's settings."""
-        return self.shadow.config
+        """The probe's settings as given (``backward="auto"`` stays ``"auto"``; whether gradients
+        are compared on this model's device is ``shadow.backward``)."""
+        return self._config
 
     @property
     def every_n_calls(self) -> int:
@@ -287,7 +290,7 @@ def probe(
     shadow = ShadowAttention(
         cfg, device=dev, dtype=dt, on_failure=on_failure, repro_dir=repro_dir, max_reproducers=max_reproducers
     )
-    handle = Probe(model, shadow)
+    handle = Probe(model, shadow, cfg)
     eager = _eager_attention_site(model)
     if eager is not None:
         where = "" if not eager else f" (its submodule {eager!r})"
