@@ -250,3 +250,22 @@ def test_direct_calls_not_sampled_run_unconverted(monkeypatch) -> None:
     assert torch.equal(want[0], got[0])
     assert p.calls == {"<root>": 2}
     assert p.stats()["<root>"]["forward"]["calls"] == 1
+
+
+def test_both_module_paths_of_a_re_exported_function_are_swapped(monkeypatch) -> None:
+    """flash-attn defines its functions in ``flash_attn.flash_attn_interface`` and re-exports them from
+    ``flash_attn``: a call through either module is a site."""
+    library = flash_attn_2()
+    interface = type(library)("flash_attn.flash_attn_interface")
+    interface.flash_attn_func = library.flash_attn_func
+    install(monkeypatch, {"flash_attn": library, "flash_attn.flash_attn_interface": interface})
+
+    class Both(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            first = sys.modules["flash_attn"].flash_attn_func(x, x, x)
+            return sys.modules["flash_attn.flash_attn_interface"].flash_attn_func(first, x, x)
+
+    x = torch.randn(1, 4, 2, 8, generator=torch.Generator().manual_seed(6))
+    with probe(Both()) as p, torch.no_grad():
+        p.model(x)
+    assert p.calls == {"<root>": 2}
