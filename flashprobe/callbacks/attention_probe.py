@@ -288,7 +288,8 @@ class AttentionProbe(Callback):
                 f"AttentionProbe: {type(pl_module).__name__} made no "
                 "torch.nn.functional.scaled_dot_product_attention call in its first training batch, "
                 "so there is nothing to probe. Either the model has no attention, or it calls a fused "
-                "kernel directly (e.g. flash_attn_func) or nn.MultiheadAttention's inference fast path. "
+                "kernel flashprobe does not intercept, flash-attn/FlashInfer with arguments it cannot "
+                "compare (warned), or nn.MultiheadAttention's inference fast path. "
                 "Route its attention through F.scaled_dot_product_attention, or remove the callback "
                 "(flashprobe train: attention.probe.enabled=false)."
             )

@@ -36,7 +36,7 @@ from typing_extensions import override
 
 from flashprobe.weights.store import SnapshotWriter, TensorSpec
 
-__all__ = ["WeightSnapshot"]
+__all__ = ["WeightSnapshot", "trained_attention"]
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +87,13 @@ class WeightSnapshot(Callback):
         trainable_only: save only parameters with ``requires_grad=True`` (skip frozen encoders).
         run_id: recorded in the manifest; default: the name of the run directory.
         seed: recorded in the manifest; default: ``PL_GLOBAL_SEED`` as set by ``pl.seed_everything``.
-        attention: the attention kernel spec, recorded in the manifest; default: the LightningModule's
-            ``hparams["attention"]`` if it has one.
+        attention: the attention kernel spec the run trains with, recorded in the manifest; default
+            (:func:`trained_attention`): the explicit ``primary`` of an
+            :class:`~flashprobe.callbacks.AttentionProbe` in the Trainer (the model receives its
+            output in every training batch), else the kernel of a
+            :func:`~flashprobe.probe.use_kernel` route on the module when training starts, else the
+            LightningModule's ``hparams["attention"]``; None when none says (the model's own
+            attention calls, e.g. torch's SDPA).
         precision: recorded in the manifest; default: ``trainer.precision`` (e.g. ``bf16-mixed``).
         config: any JSON-serialisable mapping (a dict, dataclass or OmegaConf config) recorded in the
             manifest, typically the run's full configuration.
@@ -246,11 +251,7 @@ class WeightSnapshot(Callback):
         seed = self.seed
         if seed is None and os.environ.get("PL_GLOBAL_SEED", "").lstrip("-").isdigit():
             seed = int(os.environ["PL_GLOBAL_SEED"])
-        attention = self.attention
-        if attention is None:
-            hparams = getattr(pl_module, "hparams", {})
-            if isinstance(hparams, Mapping) and hparams.get("attention") is not None:
-                attention = str(hparams["attention"])
+        attention = self.attention if self.attention is not None else trained_attention(trainer, pl_module)
         return {
             "run_id": self._resolved_run_id(),
             "seed": seed,
@@ -307,6 +308,29 @@ class WeightSnapshot(Callback):
             live = {**params, **buffers}
             tensors = {n: live[n].detach().to("cpu", copy=True).contiguous() for n in kinds}
         return tensors, [TensorSpec.of(n, t, kinds[n]) for n, t in tensors.items()]
+
+
+def trained_attention(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str | None:
+    """The attention kernel spec ``pl_module`` trains with, as far as the run says: the explicit
+    ``primary`` of an :class:`~flashprobe.callbacks.AttentionProbe` in ``trainer`` (it replaces the
+    model's kernel in training batches), else the kernel of the newest
+    :func:`~flashprobe.probe.use_kernel` route attached to the module or one of its submodules, else
+    ``hparams["attention"]``; None when nothing says."""
+    from flashprobe.callbacks.attention_probe import AttentionProbe
+    from flashprobe.probe.intercept import active_handles
+
+    for callback in trainer.callbacks:
+        if isinstance(callback, AttentionProbe) and callback.primary is not None:
+            primary = callback.primary
+            return str(getattr(primary, "spec", primary))
+    modules = {id(m) for m in pl_module.modules()}
+    routes = [h for h in active_handles() if h.kind == "route" and id(h.model) in modules]
+    if routes:
+        return str(routes[-1].kernel.spec)
+    hparams = getattr(pl_module, "hparams", {})
+    if isinstance(hparams, Mapping) and hparams.get("attention") is not None:
+        return str(hparams["attention"])
+    return None
 
 
 def _is_sharded(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:

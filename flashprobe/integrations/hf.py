@@ -497,7 +497,8 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
                 "training step, so there is nothing to compare. A transformers model loaded with "
                 "attn_implementation='eager' computes attention with matmuls: load it with "
                 "attn_implementation='sdpa' (or register_attention() and 'probe_kernel'); a model calling "
-                "a fused kernel directly (flash_attn_func) is not seen either. Or remove the callback."
+                "a fused kernel flashprobe does not intercept, or flash-attn/FlashInfer with arguments it "
+                "cannot compare (warned), is not seen either. Or remove the callback."
             )
         if self.config.sites is not None and not any(self._probe.selects(site) for site in calls):
             self._probe = None

@@ -13,10 +13,12 @@
 
 Modules, one idea each: ``call`` (one SDPA call adapted to the kernels' convention),
 ``intercept`` (catching SDPA calls inside attached models, also compiled ones, and naming their
-sites), ``compiled`` (the attach-time check for ``torch.compile(..., fullgraph=True)``), ``routing``
-(``use_kernel``), ``shadow`` (``ShadowAttention``; its references are planned in bounded memory
-by :mod:`flashprobe.kernels.reference`), ``config`` (``ProbeConfig``), ``stats`` (on-device
-statistics and their cross-rank reduction), ``summary`` (the summary over sites), ``probe`` (``probe``).
+sites), ``direct`` (flash-attn, FlashAttention-3 and FlashInfer called directly: their arguments
+bound by signature, their layouts converted), ``compiled`` (the attach-time check for
+``torch.compile(..., fullgraph=True)``), ``routing`` (``use_kernel``), ``shadow``
+(``ShadowAttention``; its references are planned in bounded memory by
+:mod:`flashprobe.kernels.reference`), ``config`` (``ProbeConfig``), ``stats`` (on-device statistics
+and their cross-rank reduction), ``summary`` (the summary over sites), ``probe`` (``probe``).
 """
 
 from flashprobe.probe.call import SdpaCall

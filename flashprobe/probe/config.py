@@ -75,11 +75,12 @@ class ProbeConfig:
     """Kernel spec of the baseline, computed at the primary's dtype on the same inputs."""
     golden: bool = True
     """Also compute the FP64 golden value (the golden pairs and the error ratio)."""
-    backward: bool | str = False
-    """Also compare ``dq, dk, dv`` for the model's own output gradient; ``"auto"``: where the primary
-    and the baseline have a backward on the model's device (their
-    :class:`~flashprobe.kernels.KernelCapabilities`), decided when the probe is attached (a config
-    not attached to a device compares none)."""
+    backward: bool | str = "auto"
+    """Also compare ``dq, dk, dv`` for the model's own output gradient: ``True`` (a primary or
+    baseline without a backward on the device is refused at attach time), ``False`` (forward only), or
+    ``"auto"`` (default): where the primary and the baseline have a backward on the model's device
+    (their :class:`~flashprobe.kernels.KernelCapabilities`), decided when the probe is attached (a
+    config not attached to a device compares none)."""
     every_n_calls: int = 1
     """Compare every n-th call of each site (others run the primary only)."""
     every_n_steps: int = 1

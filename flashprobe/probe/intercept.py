@@ -41,6 +41,11 @@ forward with references that apply its own ``score_mod`` and ``block_mask``
 (:mod:`flashprobe.probe.flex`); calls while Dynamo traces (e.g. a compiled ``flex_attention``) run
 unchanged and are not seen.
 
+**Direct calls of attention libraries.** flash-attn's and FlashAttention-3's entry points and
+FlashInfer's prefill/decode functions and batch wrappers are swapped the same way where those
+libraries are imported (:mod:`flashprobe.probe.direct`: arguments bound by the library's own
+signature, layouts converted for the baseline and golden, the model gets the library's output).
+
 **Fused fast paths.** In eval mode without autograd, ``nn.TransformerEncoderLayer`` and
 ``nn.MultiheadAttention`` call fused C++ ops (``torch._transformer_encoder_layer_fwd``,
 ``torch._native_multi_head_attention``) that never reach SDPA; ``nn.MultiheadAttention`` called with
@@ -183,7 +188,9 @@ _lock = threading.RLock()
 _bindings: list[AttentionRoute] = []
 _index: dict[int, _Resolution] = {}
 _patches: list[tuple[dict[str, Any], str, Any, Any]] = []  # (namespace, name, original, replacement)
-_DIRECT_ORIGINALS: dict[tuple[str, str], Any] = {}  # the libraries' own functions, as first seen
+# (class, attribute, the class's own original or _UNSET when inherited, replacement)
+_attr_patches: list[tuple[type, str, Any, Any]] = []
+_UNSET = object()
 
 
 def active_handles(model: nn.Module | None = None) -> list[AttentionRoute]:
@@ -324,290 +331,6 @@ def _flex_dispatch(*args: Any, **kwargs: Any) -> Any:
 
 
 _flex_dispatch.__name__ = _flex_dispatch.__qualname__ = "flex_attention"
-
-#: Direct-call entry points of attention libraries, ``(module, function)``: patched where those
-#: modules are already imported (never imported by flashprobe), and where model code imported them.
-DIRECT_KERNELS: tuple[tuple[str, str], ...] = (
-    ("flash_attn", "flash_attn_func"),
-    ("flash_attn.flash_attn_interface", "flash_attn_func"),
-    ("flash_attn_interface", "flash_attn_func"),  # FlashAttention-3 (hopper)
-    ("flash_attn", "flash_attn_varlen_func"),
-    ("flash_attn.flash_attn_interface", "flash_attn_varlen_func"),
-    ("flash_attn", "flash_attn_qkvpacked_func"),
-    ("flash_attn.flash_attn_interface", "flash_attn_qkvpacked_func"),
-    ("flash_attn", "flash_attn_kvpacked_func"),
-    ("flash_attn.flash_attn_interface", "flash_attn_kvpacked_func"),
-)
-
-
-class _DirectPrimary:
-    """The model's own kernel as the probe's primary: ``run(q, k, v)`` on the call's (possibly
-    tapped) ``(B, H, N, D)`` tensors calls the library in its own layout and returns
-    ``(B, H, N_q, D)``."""
-
-    def __init__(self, run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-        self._run = run
-
-    def run(self, call: SdpaCall) -> torch.Tensor:
-        return self._run(call.query, call.key, call.value)
-
-
-def _bottom_right_causal(n_q: int, n_k: int, device: torch.device) -> torch.Tensor:
-    """flash-attn's causal mask when ``N_q != N_k``: query i sees keys j <= i + N_k - N_q."""
-    return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril(diagonal=n_k - n_q)
-
-
-def _varlen_mask(
-    cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int, causal: bool
-) -> torch.Tensor:
-    """The ``(total_q, total_k)`` bool mask of a varlen call: each query sees its own sequence's keys
-    (and, causal, those up to its position aligned bottom-right, as flash-attn does), computed on the
-    device from ``cu_seqlens`` (no host sync)."""
-    iq = torch.arange(total_q, device=cu_q.device, dtype=cu_q.dtype)
-    ik = torch.arange(total_k, device=cu_k.device, dtype=cu_k.dtype)
-    sq = torch.searchsorted(cu_q[1:].contiguous(), iq, right=True)  # sequence of each query
-    sk = torch.searchsorted(cu_k[1:].contiguous(), ik, right=True)
-    mask = sq[:, None] == sk[None, :]
-    if causal:
-        shift = (cu_k[1:] - cu_k[:-1]) - (cu_q[1:] - cu_q[:-1])  # len_k - len_q per sequence
-        pos_q = iq - cu_q[sq] + shift[sq]
-        pos_k = ik - cu_k[sk]
-        mask &= pos_k[None, :] <= pos_q[:, None]
-    return mask
-
-
-def _plain_argument(name: str, value: Any) -> bool:
-    """Whether a flash-attn keyword argument leaves the call expressible in SDPA."""
-    if name == "window_size":
-        return tuple(value) == (-1, -1)
-    if name in ("alibi_slopes", "return_attn_probs", "block_table", "softcap"):
-        return not isinstance(value, torch.Tensor) and not value  # absent, None, False or 0.0
-    return name in ("deterministic",)
-
-
-def _probe_direct(
-    res: _Resolution,
-    what: str,
-    kwargs: dict[str, Any],
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    causal: bool,
-    dropout_p: float,
-    scale: Any,
-    primary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-    run: Callable[[], Any],
-) -> torch.Tensor | None:
-    """One direct call as a site: ``q (B, H, N_q, D)``, ``k``/``v (B, H_kv, N_k, D)`` views, the SDPA
-    mask (or None), ``causal`` in SDPA's top-left sense; ``primary(q, k, v)`` runs the library.
-    Returns ``(B, H, N_q, D)``, or None when the call was run unchanged (unexpressible arguments)."""
-    assert res.probe is not None
-    unexpressible = [name for name, value in kwargs.items() if not _plain_argument(name, value)]
-    if unexpressible:
-        res.probe.warn_once(
-            ("direct-unsupported", res.site),
-            f"flashprobe: the {what} call at site {res.site!r} uses arguments SDPA cannot express "
-            f"({', '.join(unexpressible)}); it runs unchanged and is not compared",
-        )
-        return None
-    call = SdpaCall(q, k, v, mask, dropout_p, causal, scale, k.shape[1] != q.shape[1])
-    _state.busy = True
-    try:
-        return res.probe.handle(res.site, call, _DirectPrimary(primary))
-    finally:
-        _state.busy = False
-
-
-def _direct_context(q: Any, dim: int) -> _Resolution | None:
-    """The probe resolution of a direct call two frames up, or None to run it unchanged."""
-    if _state.busy or torch.compiler.is_compiling():
-        return None
-    res = _find(sys._getframe(2))
-    if res is None or res.probe is None or not isinstance(q, torch.Tensor) or q.dim() != dim:
-        return None
-    return res
-
-
-def _bnhd_call(q: torch.Tensor, k: torch.Tensor, causal: bool) -> tuple[torch.Tensor | None, bool]:
-    """The SDPA mask and causal flag of a ``(B, N, H, D)`` flash-attn call (bottom-right causal)."""
-    n_q, n_k = q.shape[1], k.shape[1]
-    if causal and n_q != n_k:
-        return _bottom_right_causal(n_q, n_k, q.device), False
-    return None, bool(causal)
-
-
-def _direct_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
-    """The probed replacement of one flash-attn entry point (by its name): each call made inside an
-    attached model is a site, the model gets the library's output, the shadow compares it on
-    ``(B, H, N, D)`` views with the library's scale, its grouped key/value heads and its
-    bottom-right causal mask made explicit; calls with arguments SDPA cannot express (sliding
-    windows, ALiBi, soft-capping, attention probabilities, paged KV) run unchanged, not compared."""
-    name = getattr(original, "__name__", "flash_attn_func")
-    what = f"{getattr(original, '__module__', '')}.{name}"
-    if name == "flash_attn_varlen_func":
-        return _varlen_wrapper(original, what)
-    if name == "flash_attn_qkvpacked_func":
-        return _qkvpacked_wrapper(original, what)
-    if name == "flash_attn_kvpacked_func":
-        return _kvpacked_wrapper(original, what)
-
-    try:
-        signature: inspect.Signature | None = inspect.signature(original)
-    except (TypeError, ValueError):
-        signature = None
-
-    def flash_attn_func(*args: Any, **kwargs: Any):  # type: ignore[no-untyped-def]
-        def run() -> Any:  # the caller's arguments exactly (FlashAttention-3 has no dropout_p)
-            return original(*args, **kwargs)
-
-        res = _direct_context(args[0] if args else kwargs.get("q"), 4)
-        if res is None or signature is None:
-            return run()
-        try:
-            named = dict(signature.bind(*args, **kwargs).arguments)
-        except TypeError:
-            return run()
-        for param in signature.parameters.values():
-            if param.kind is param.VAR_KEYWORD:
-                named.update(named.pop(param.name, {}))
-        if not all(name in named for name in ("q", "k", "v")):
-            return run()
-        q, k, v = named.pop("q"), named.pop("k"), named.pop("v")
-        dropout_p = named.pop("dropout_p", 0.0)
-        softmax_scale, causal = named.pop("softmax_scale", None), named.pop("causal", False)
-        mask, sdpa_causal = _bnhd_call(q, k, causal)
-        kw = {"softmax_scale": softmax_scale, "causal": causal, **named}
-        if "dropout_p" in signature.parameters:
-            kw["dropout_p"] = dropout_p
-
-        def primary(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
-            return original(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), **kw).transpose(1, 2)
-
-        views = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, N, D)
-        out = _probe_direct(
-            res, what, named, *views, mask, sdpa_causal, dropout_p, softmax_scale, primary, run
-        )
-        return run() if out is None else out.transpose(1, 2)
-
-    return flash_attn_func
-
-
-def _varlen_wrapper(original: Callable[..., Any], what: str) -> Callable[..., Any]:
-    """``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)``
-    on packed ``(total, H, D)`` tensors: compared as one ``(1, H, total, D)`` call whose mask keeps
-    each query to its own sequence (bottom-right causal within it when ``causal``)."""
-
-    def flash_attn_varlen_func(
-        q: Any,
-        k: Any,
-        v: Any,
-        cu_seqlens_q: Any,
-        cu_seqlens_k: Any,
-        max_seqlen_q: Any,
-        max_seqlen_k: Any,
-        dropout_p: float = 0.0,
-        softmax_scale: Any = None,
-        causal: bool = False,
-        **kwargs: Any,
-    ):  # type: ignore[no-untyped-def]
-        args = (
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-            dropout_p,
-            softmax_scale,
-            causal,
-        )
-
-        def run() -> Any:
-            return original(*args, **kwargs)
-
-        res = _direct_context(q, 3)
-        if (
-            res is None
-            or not isinstance(cu_seqlens_q, torch.Tensor)
-            or not isinstance(cu_seqlens_k, torch.Tensor)
-        ):
-            return run()
-        mask = _varlen_mask(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], bool(causal))
-        kw = {"dropout_p": dropout_p, "softmax_scale": softmax_scale, "causal": causal, **kwargs}
-
-        def primary(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
-            packed = (t.transpose(1, 2)[0] for t in (qh, kh, vh))  # (total, H, D)
-            out = original(*packed, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw)
-            return out.unsqueeze(0).transpose(1, 2)
-
-        views = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))  # (1, H, total, D)
-        out = _probe_direct(res, what, kwargs, *views, mask, False, dropout_p, softmax_scale, primary, run)
-        return run() if out is None else out.transpose(1, 2)[0]
-
-    return flash_attn_varlen_func
-
-
-def _qkvpacked_wrapper(original: Callable[..., Any], what: str) -> Callable[..., Any]:
-    """``flash_attn_qkvpacked_func(qkv, ...)`` with ``qkv (B, N, 3, H, D)``."""
-
-    def flash_attn_qkvpacked_func(
-        qkv: Any, dropout_p: float = 0.0, softmax_scale: Any = None, causal: bool = False, **kwargs: Any
-    ):  # type: ignore[no-untyped-def]
-        def run() -> Any:
-            return original(qkv, dropout_p, softmax_scale, causal, **kwargs)
-
-        res = _direct_context(qkv, 5)
-        if res is None:
-            return run()
-        kw = {"dropout_p": dropout_p, "softmax_scale": softmax_scale, "causal": causal, **kwargs}
-
-        def primary(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
-            packed = torch.stack([t.transpose(1, 2) for t in (qh, kh, vh)], dim=2)  # (B, N, 3, H, D)
-            return original(packed, **kw).transpose(1, 2)
-
-        views = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, N, D)
-        out = _probe_direct(
-            res, what, kwargs, *views, None, bool(causal), dropout_p, softmax_scale, primary, run
-        )
-        return run() if out is None else out.transpose(1, 2)
-
-    return flash_attn_qkvpacked_func
-
-
-def _kvpacked_wrapper(original: Callable[..., Any], what: str) -> Callable[..., Any]:
-    """``flash_attn_kvpacked_func(q, kv, ...)`` with ``q (B, N_q, H, D)``, ``kv (B, N_k, 2, H_kv, D)``."""
-
-    def flash_attn_kvpacked_func(
-        q: Any,
-        kv: Any,
-        dropout_p: float = 0.0,
-        softmax_scale: Any = None,
-        causal: bool = False,
-        **kwargs: Any,
-    ):  # type: ignore[no-untyped-def]
-        def run() -> Any:
-            return original(q, kv, dropout_p, softmax_scale, causal, **kwargs)
-
-        res = _direct_context(q, 4)
-        if res is None or not isinstance(kv, torch.Tensor) or kv.dim() != 5:
-            return run()
-        mask, sdpa_causal = _bnhd_call(q, kv[:, :, 0], causal)
-        kw = {"dropout_p": dropout_p, "softmax_scale": softmax_scale, "causal": causal, **kwargs}
-
-        def primary(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
-            packed = torch.stack([kh.transpose(1, 2), vh.transpose(1, 2)], dim=2)  # (B, N_k, 2, H_kv, D)
-            return original(qh.transpose(1, 2), packed, **kw).transpose(1, 2)
-
-        views = (q.transpose(1, 2), kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2))
-        out = _probe_direct(
-            res, what, kwargs, *views, mask, sdpa_causal, dropout_p, softmax_scale, primary, run
-        )
-        return run() if out is None else out.transpose(1, 2)
-
-    return flash_attn_kvpacked_func
-
 
 #: transformers' FlexAttention entry point (``attn_implementation="flex_attention"``): it calls a
 #: compiled ``flex_attention``, which no name swap reaches, so its wrapper is swapped instead.
@@ -783,22 +506,16 @@ def _install(roots: list[nn.Module]) -> None:
         if _flex.FLEX_ORIGINAL is not None:
             _patch(vars(_flex._flex_module), "flex_attention", _flex_dispatch)
             hf = sys.modules.get(_HF_FLEX[0])
-        for module_name, function in DIRECT_KERNELS:
-            library = sys.modules.get(module_name)
-            fn = getattr(library, function, None) if library is not None else None
-            if callable(fn) and fn not in _DIRECT_ORIGINALS.values():
-                _DIRECT_ORIGINALS[(module_name, function)] = fn
-            if (module_name, function) in _DIRECT_ORIGINALS and library is not None:
-                _patch(vars(library), function, _direct_wrapper(_DIRECT_ORIGINALS[(module_name, function)]))
             if hf is not None and callable(getattr(hf, _HF_FLEX[1], None)):
                 _patch(vars(hf), _HF_FLEX[1], _hf_flex_wrapper(getattr(hf, _HF_FLEX[1])))
-    # Model code that imported the function by name: swap that module global as well (each of its
+        _install_direct()
+    # Model code that imported a function by name: swap that module global as well (each of its
     # names looked up once in a table of the functions to swap, keyed by identity).
     stand_ins: dict[int, Callable[[Any], Any]] = {id(ORIGINAL_SDPA): lambda _: _stand_in}
     if _flex.FLEX_ORIGINAL is not None:
         stand_ins[id(_flex.FLEX_ORIGINAL)] = lambda _: _flex_dispatch
-    for fn in _DIRECT_ORIGINALS.values():
-        stand_ins[id(fn)] = lambda value: _wrapped(value, lambda: _direct_wrapper(value))
+    for key in _direct_forms:
+        stand_ins[key] = _direct_replacement
     seen: set[str] = set()
     for root in roots:
         for module in root.modules():
@@ -816,7 +533,60 @@ def _install(roots: list[nn.Module]) -> None:
                         _patch(namespace, name, stand_in(value))
 
 
+#: ``id(library function) -> (function, form, what)`` of the direct entry points found at install.
+_direct_forms: dict[int, tuple[Any, str, str]] = {}
+
+
+def _is_direct_original(value: Any) -> bool:
+    entry = _direct_forms.get(id(value))
+    return entry is not None and entry[0] is value
+
+
+def _direct_replacement(fn: Any) -> Any:
+    original, form, what = _direct_forms[id(fn)]
+    return direct.function_wrapper(original, form, what)
+
+
+def _install_direct() -> None:
+    """Swap the attention libraries' direct entry points (:mod:`flashprobe.probe.direct`) where their
+    modules are imported: the functions in their modules and in modules that keep them in globals of
+    their own (transformers' flash-attention helper), FlashInfer's batch wrappers' methods."""
+    _direct_forms.clear()
+    for module_name, function, form in direct.DIRECT_FUNCTIONS:
+        library = sys.modules.get(module_name)
+        fn = direct.original_of(getattr(library, function, None)) if library is not None else None
+        if callable(fn):
+            if not _is_direct_original(fn):  # named where first found: flash_attn.flash_attn_func
+                _direct_forms[id(fn)] = (fn, form, f"{module_name}.{function}")
+            _patch(vars(library), function, _direct_replacement(fn))
+    for module_name in direct.CALLER_MODULES:
+        caller = sys.modules.get(module_name)
+        for name, value in list(vars(caller).items()) if caller is not None else ():
+            if _is_direct_original(value):
+                _patch(vars(caller), name, _direct_replacement(value))
+    seen: set[int] = set()
+    for module_name, class_name, form in direct.DIRECT_CLASSES:
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        if not isinstance(cls, type) or id(cls) in seen:
+            continue
+        seen.add(id(cls))
+        what = f"{cls.__module__}.{cls.__name__}"
+        for attribute, replacement in direct.patch_class(cls, form, what).items():
+            if not any(c is cls and a == attribute for c, a, _, _ in _attr_patches):
+                _attr_patches.append((cls, attribute, cls.__dict__.get(attribute, _UNSET), replacement))
+                setattr(cls, attribute, replacement)
+
+
 def _uninstall() -> None:
+    while _attr_patches:
+        cls, attribute, original, replacement = _attr_patches.pop()
+        if cls.__dict__.get(attribute) is not replacement:
+            continue  # replaced by someone else meanwhile: theirs stays
+        if original is _UNSET:
+            delattr(cls, attribute)
+        else:
+            setattr(cls, attribute, original)
+    direct.forget_plans()
     while _patches:
         namespace, name, original, replacement = _patches.pop()
         if namespace.get(name) is replacement:
@@ -830,4 +600,4 @@ def _uninstall() -> None:
             )
 
 
-from flashprobe.probe import opaque  # noqa: E402  (it uses this module's names at run time)
+from flashprobe.probe import direct, opaque  # noqa: E402  (they use this module's names at run time)

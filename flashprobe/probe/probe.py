@@ -42,14 +42,16 @@ class Probe(AttentionRoute):
     Attributes:
         model: the probed model (unmodified).
         shadow: the :class:`ShadowAttention` every sampled call goes through; its ``config``
-            (:class:`~flashprobe.probe.ProbeConfig`) holds the sampling settings too.
+            (:class:`~flashprobe.probe.ProbeConfig`) holds the sampling settings too, with
+            ``backward="auto"`` decided for the model's device (``shadow.backward``).
     """
 
     kind = "probe"
 
-    def __init__(self, model: nn.Module, shadow: ShadowAttention) -> None:
+    def __init__(self, model: nn.Module, shadow: ShadowAttention, config: ProbeConfig | None = None) -> None:
         super().__init__(model)
         self.shadow = shadow
+        self._config = shadow.config if config is None else config
         sites = shadow.config.sites or ()
         self._include = tuple(p for p in sites if not p.startswith("!"))
         self._exclude = tuple(p[1:] for p in sites if p.startswith("!"))
@@ -59,8 +61,9 @@ class Probe(AttentionRoute):
 
     @property
     def config(self) -> ProbeConfig:
-        """The probe's settings."""
-        return self.shadow.config
+        """The probe's settings as given (``backward="auto"`` stays ``"auto"``; whether gradients
+        are compared on this model's device is ``shadow.backward``)."""
+        return self._config
 
     @property
     def every_n_calls(self) -> int:
@@ -96,11 +99,21 @@ class Probe(AttentionRoute):
         """Whether the ``sites`` patterns select ``site`` for comparison."""
         return self._wanted(site)
 
+    def will_compare(self, site: str) -> bool:
+        """Whether the next call at ``site`` is compared (``every_n_calls``, ``every_n_steps``, ``sites``);
+        nothing is counted. Direct library calls ask first, to convert only the calls compared."""
+        n = self._calls.get(site, 0)
+        return not (n % self.every_n_calls or self._step % self.every_n_steps) and self._wanted(site)
+
+    def count_call(self, site: str) -> None:
+        """Count a call made at ``site`` that runs without the shadow (not sampled)."""
+        self._calls[site] = self._calls.get(site, 0) + 1
+
     def handle(self, site: str, call: SdpaCall, route: KernelRoute | None = None) -> torch.Tensor:
         """Run one intercepted call made at ``site`` (called by the dispatcher)."""
-        n = self._calls.get(site, 0)
-        self._calls[site] = n + 1
-        if n % self.every_n_calls or self._step % self.every_n_steps or not self._wanted(site):
+        compare = self.will_compare(site)
+        self.count_call(site)
+        if not compare:
             return self.shadow.primary_output(call, route)
         return self.shadow.run(site, call, route)
 
@@ -192,8 +205,9 @@ class Probe(AttentionRoute):
             "there is nothing to compare. Usual causes: a transformers model loaded with "
             "attn_implementation='eager' (load it with attn_implementation='sdpa'); "
             "nn.MultiheadAttention called with need_weights=True; torch's fused inference fast path "
-            "(eval mode under no_grad); a fused kernel called directly (flash_attn_func); or the model "
-            "has not run yet"
+            "(eval mode under no_grad); a fused kernel flashprobe does not intercept, or a direct "
+            "flash-attn/FlashInfer call it could not compare (warned when it ran); or the model has not "
+            "run yet"
         )
 
     def _warn_if_no_calls(self) -> None:
@@ -287,7 +301,7 @@ def probe(
     shadow = ShadowAttention(
         cfg, device=dev, dtype=dt, on_failure=on_failure, repro_dir=repro_dir, max_reproducers=max_reproducers
     )
-    handle = Probe(model, shadow)
+    handle = Probe(model, shadow, cfg)
     eager = _eager_attention_site(model)
     if eager is not None:
         where = "" if not eager else f" (its submodule {eager!r})"

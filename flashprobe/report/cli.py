@@ -115,6 +115,7 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     """``flashprobe compare``: compare the weight snapshots of two or more run directories."""
     from flashprobe.report.weights_figures import plot_study_figures
     from flashprobe.weights import SnapshotStore, compare_runs
+    from flashprobe.weights.compare import describe_differences
 
     prog = "flashprobe compare"
     parser = _compare_parser()
@@ -135,12 +136,15 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     if not args.no_figures:
         result.files += plot_study_figures(result.as_dict()["pairs"], out, fig7=args.fig7_pair)
     width = max(len(n) for n in result.pairs)
-    print(f"{'pair':<{width}}  {'steps':>5}  {'last step':>9}  {'wasserstein':>11}  {'max_abs':>9}")
+    print(
+        f"{'pair':<{width}}  {'steps':>5}  {'last step':>9}  {'wasserstein':>11}  {'max_abs':>9}  differs in"
+    )
     for name, pair in result.pairs.items():
         last = pair.model[-1] if pair.model else None
         w = _fmt_e(last.wasserstein) if last else "-"
         m = _fmt_e(last.max_abs) if last else "-"
-        print(f"{name:<{width}}  {len(pair.steps):>5}  {pair.steps[-1]:>9}  {w:>11}  {m:>9}")
+        differs = describe_differences(pair.differences())
+        print(f"{name:<{width}}  {len(pair.steps):>5}  {pair.steps[-1]:>9}  {w:>11}  {m:>9}  {differs}")
     for path in result.files:
         print(f"wrote {path}")
     return 0

@@ -41,6 +41,7 @@ from flashprobe.weights.distances import sorted_values, wasserstein_sorted
 from flashprobe.weights.store import SnapshotStore
 
 __all__ = [
+    "RUN_FACTS",
     "Comparison",
     "Distances",
     "PairComparison",
@@ -48,8 +49,15 @@ __all__ = [
     "check_compatible",
     "compare_pair",
     "compare_runs",
+    "describe_differences",
     "group_of",
+    "run_differences",
 ]
+
+
+#: The manifest facts a pair of runs is compared on, to say what the pair isolates: like for like,
+#: a pair differs in exactly one of them (or none: identical runs).
+RUN_FACTS = ("attention", "precision", "seed")
 
 
 class SnapshotMismatchError(ValueError):
@@ -128,6 +136,12 @@ class PairComparison:
         if level not in series:
             raise ValueError(f"level must be one of {sorted(series)}, got {level!r}")
         return [getattr(d, metric) for d in series[level]()]
+
+    def differences(self) -> dict[str, tuple[Any, Any]]:
+        """The manifest facts (:data:`RUN_FACTS`: attention kernel, precision, seed) in which the two
+        runs differ, ``{fact: (a, b)}``; a fact either manifest leaves out (None, e.g. ``attention``
+        in a manifest written before it was recorded) is not compared."""
+        return run_differences(self.runs.get("a", {}), self.runs.get("b", {}))
 
     def as_dict(self) -> dict[str, Any]:
         """Columnar form of ``study.json`` (:mod:`flashprobe.formats.study_file`): every curve is a
@@ -286,6 +300,21 @@ def _max_abs(a: _Weights, b: _Weights) -> dict[str, float]:
     }
 
 
+def run_differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``{fact: (a, b)}`` for the :data:`RUN_FACTS` two runs' manifest facts differ in (a fact either
+    run leaves out, None, is not compared)."""
+    return {
+        fact: (a.get(fact), b.get(fact))
+        for fact in RUN_FACTS
+        if a.get(fact) is not None and b.get(fact) is not None and a.get(fact) != b.get(fact)
+    }
+
+
+def describe_differences(facts: Mapping[str, tuple[Any, Any]]) -> str:
+    """``attention sdpa_flash vs math, seed 0 vs 1`` (``nothing`` when empty)."""
+    return ", ".join(f"{k} {a} vs {b}" for k, (a, b) in facts.items()) or "nothing"
+
+
 def _run_info(store: SnapshotStore) -> dict[str, Any]:
     return {
         "run_id": store.run_id,
@@ -332,6 +361,14 @@ class _PairPlan:
             warnings.warn(
                 f"comparing {name} on the {len(steps)} steps both runs saved; steps only in {a.run_dir}: "
                 f"{only_a}, only in {b.run_dir}: {only_b}",
+                UserWarning,
+                stacklevel=4,
+            )
+        facts = run_differences(_run_info(a), _run_info(b))
+        if len(facts) > 1:
+            warnings.warn(
+                f"{name}: the runs differ in {describe_differences(facts)}; its distances mix "
+                f"{len(facts)} causes (a like-for-like pair differs in one thing)",
                 UserWarning,
                 stacklevel=4,
             )

@@ -14,7 +14,15 @@ from torch import nn
 
 from flashprobe.callbacks import AttentionProbe
 from flashprobe.cli import main as cli_main
-from flashprobe.kernels import KernelSpecError, get_kernel, golden_attention, math_attention
+from flashprobe.formats.probe_log import read_probe_log
+from flashprobe.kernels import (
+    KernelCapabilities,
+    KernelSpecError,
+    get_kernel,
+    golden_attention,
+    math_attention,
+    register_kernel,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -189,6 +197,31 @@ class _ScaledLoss(L.LightningModule):
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader(torch.zeros(4, 1), batch_size=1)
+
+
+def test_gradients_are_compared_by_default_where_both_kernels_have_a_backward(tmp_path: Path) -> None:
+    """The default ``backward="auto"``: torch's SDPA and math have a backward on the CPU, so dq, dk,
+    dv are compared at every step; against a baseline declaring no backward there the probe compares
+    outputs only, and training runs all the same."""
+    trainer = _trainer(AttentionProbe(dirpath=tmp_path / "auto", plot=False), log_every_n_steps=3)
+    trainer.fit(_ScaledLoss())
+    (record,) = read_probe_log(tmp_path / "auto" / "probe.jsonl").records
+    assert (record["summary"]["forward_calls"], record["summary"]["backward_calls"]) == (3, 3)
+    assert record["sites"]["attn"]["backward"]["dq"]["verdict"] == "pass"
+
+    def forward_only(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+        return math_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+
+    register_kernel(
+        "declared_forward_only", forward_only, capabilities=KernelCapabilities(backward_devices=frozenset())
+    )
+    callback = AttentionProbe(baseline="declared_forward_only", dirpath=tmp_path / "fwd", plot=False)
+    trainer = _trainer(callback, log_every_n_steps=3)
+    trainer.fit(_ScaledLoss())
+    assert trainer.global_step == 3
+    (record,) = read_probe_log(tmp_path / "fwd" / "probe.jsonl").records
+    assert (record["summary"]["forward_calls"], record["summary"]["backward_calls"]) == (3, 0)
+    assert record["summary"]["verdict"] == "pass"
 
 
 def test_gradient_statistics_are_in_the_models_units_under_16_mixed(tmp_path: Path) -> None:

@@ -111,6 +111,52 @@ def test_config_must_be_json_serialisable() -> None:
     )
 
 
+class _Sdpa(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+class _Attending(pl.LightningModule):
+    """One SDPA call per step, no hparams: only the run's callbacks and routes say its kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 12)
+        self.attn = _Sdpa()
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        q, k, v = self.proj(x).view(1, -1, 3, 4).permute(2, 0, 1, 3)[:, :, None]  # (1, 1, B, 4) each
+        out = self.attn(q, k, v).reshape(-1, 4)
+        return nn.functional.mse_loss(out.sum(1, keepdim=True), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _manifest_attention(tmp_path: Path, name: str, model: pl.LightningModule, callbacks: list) -> str | None:
+    _trainer(tmp_path, 2, [WeightSnapshot(tmp_path / name), *callbacks]).fit(model, _data(2))
+    return json.loads((tmp_path / name / "snapshots" / "manifest.json").read_text())["attention"]
+
+
+def test_the_manifest_records_the_kernel_the_run_trained_with(tmp_path: Path) -> None:
+    """Without ``attention=``: the probe's explicit primary (the model receives it in every training
+    batch), else a ``use_kernel`` route on the module, else ``hparams["attention"]``, else null."""
+    from flashprobe.callbacks import AttentionProbe
+    from flashprobe.probe import use_kernel
+
+    assert _manifest_attention(tmp_path, "plain", _Attending(), []) is None
+    assert _manifest_attention(tmp_path, "hparams", TinyRegressor(attention="tiled"), []) == "tiled"
+    model = _Attending()
+    with use_kernel(model.attn, "sdpa_math"):  # a route on a submodule: the module's attention
+        assert _manifest_attention(tmp_path, "routed", model, []) == "sdpa_math"
+        probe = AttentionProbe(primary="tiled:block_k=8", dirpath=tmp_path / "probed", plot=False)
+        assert _manifest_attention(tmp_path, "probed", model, [probe]) == "tiled:block_k=8"
+    given = [WeightSnapshot(tmp_path / "given", attention="mine")]
+    _trainer(tmp_path, 2, given).fit(TinyRegressor(attention="tiled"), _data(2))
+    assert json.loads((tmp_path / "given" / "snapshots" / "manifest.json").read_text())["attention"] == "mine"
+
+
 def test_saves_configured_steps_with_a_complete_manifest(tmp_path: Path) -> None:
     pl.seed_everything(123)
     model = TinyRegressor(attention="sdpa_flash")

@@ -129,8 +129,8 @@ def test_trainer_callback_stop_and_raise_on_a_buggy_kernel(tmp_path: Path) -> No
 
     register_buggy_kernels()
     callback = hf.AttentionProbeCallback(
-        plot=False, primary="bug_batch_kv_mixup", on_failure="stop", log_every_n_steps=10
-    )
+        plot=False, primary="bug_batch_kv_mixup", on_failure="stop", log_every_n_steps=10, backward=False
+    )  # forward only: the output's failures alone
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = _train(_gpt2(), tmp_path / "stop", [callback])
@@ -150,7 +150,11 @@ def test_trainer_callback_stop_and_raise_on_a_buggy_kernel(tmp_path: Path) -> No
         _train(
             _gpt2(),
             tmp_path / "raise",
-            [hf.AttentionProbeCallback(plot=False, primary="bug_batch_kv_mixup", on_failure="raise")],
+            [
+                hf.AttentionProbeCallback(
+                    plot=False, primary="bug_batch_kv_mixup", on_failure="raise", backward=False
+                )
+            ],
         )
 
 

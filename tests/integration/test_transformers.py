@@ -28,11 +28,11 @@ def _gpt2(attn: str = "sdpa", dropout: float = 0.0) -> torch.nn.Module:
     return transformers.GPT2LMHeadModel(config)
 
 
-def _llama() -> torch.nn.Module:
+def _llama(attn: str = "sdpa") -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         **_SMALL, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa",
+        bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation=attn,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(config)
 
@@ -86,6 +86,35 @@ def test_llama_gqa_with_left_padding() -> None:
     assert stats["backward"]["dk"]["primary_golden"]["numel"] in (2 * (2 * h * TOKENS * 8) for h in (2, 4))
     assert stats["nonfinite_inputs"] == {"q": 0, "k": 0, "v": 0, "grad_out": 0}
     assert p.summary()["max_backward_error_ratio"] is not None
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "probe_kernel"])
+def test_tiny_llama_with_each_attention_implementation(attn: str) -> None:
+    """One tiny Llama (grouped-query heads, left padding), loaded with ``sdpa``, ``eager`` or a flashprobe
+    kernel registered as ``probe_kernel``, trained two steps with and without the probe (its default
+    settings: gradients compared): bit-identical; the attention modules are the sites, except under
+    ``eager``, which makes no call to compare (warned at attach, said in the notes). The
+    ``flex_attention`` load is ``test_llama_with_flex_attention_forward`` (forward: no CPU backward)."""
+    from flashprobe.integrations.hf import register_attention
+
+    if attn == "probe_kernel":
+        register_attention("probe_kernel", "tiled:block_q=4,block_k=4")
+    batch = lambda step: _tokens(step, left_pad=True)  # noqa: E731
+    plain = train_steps(_llama(attn), batch, _logits)
+    model = _llama(attn)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ProbeWarning)
+        with probe(model) as p:
+            probed = train_steps(model, batch, _logits)
+        summary = p.summary()
+    assert_identical(plain, probed)
+    if attn == "eager":
+        assert p.sites == [] and "attn_implementation='sdpa'" in summary["notes"][0]
+        assert any("attn_implementation='eager'" in str(w.message) for w in caught)
+        return
+    assert p.sites == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert summary["forward_calls"] == summary["backward_calls"] == 4
+    assert summary["verdict"] == "pass" and summary["shadow_errors"] == 0
 
 
 def test_bert_attention_dropout_is_explained() -> None:

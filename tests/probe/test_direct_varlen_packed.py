@@ -128,7 +128,7 @@ def test_varlen_and_packed_calls_are_sites_with_unchanged_training(library, caus
 
 
 def test_varlen_mask_matches_a_hand_conversion_to_sdpa() -> None:
-    from flashprobe.probe.intercept import _varlen_mask
+    from flashprobe.probe.direct import varlen_mask
 
     cu_q = torch.tensor([0, 3, 8, 10], dtype=torch.int32)
     cu_k = torch.tensor([0, 4, 9, 12], dtype=torch.int32)
@@ -137,7 +137,7 @@ def test_varlen_mask_matches_a_hand_conversion_to_sdpa() -> None:
         for (a, b), (c, d) in zip([(0, 3), (3, 8), (8, 10)], [(0, 4), (4, 9), (9, 12)], strict=True):
             block = torch.ones(b - a, d - c, dtype=torch.bool)
             want[a:b, c:d] = block.tril((d - c) - (b - a)) if causal else block
-        assert torch.equal(_varlen_mask(cu_q, cu_k, 10, 12, causal), want)
+        assert torch.equal(varlen_mask(cu_q, cu_k, 10, 12, causal), want)
 
 
 def test_a_varlen_library_attending_across_sequences_fails(library) -> None:

@@ -135,6 +135,32 @@ def test_non_finite_weights_are_counted_and_give_nan(tmp_path: Path) -> None:
     assert math.isnan(read_study(tmp_path / "out")["pairs"]["nan"]["model"]["wasserstein"][0])
 
 
+def test_what_a_pair_differs_in_comes_from_the_manifests(tmp_path: Path, capsys) -> None:
+    """attention, precision and seed of both manifests: ``flashprobe compare`` names the differences,
+    warns when a pair differs in more than one, and a manifest without ``attention`` (written before
+    it was recorded) still loads, with that fact left out."""
+    w = {0: _weights(**{"x.weight": (4,)})}
+    base = write_run(tmp_path / "base", w, attention="math", precision="bf16-mixed", seed=0)
+    flash = write_run(tmp_path / "flash", w, attention="sdpa_flash", precision="bf16-mixed", seed=0)
+    both = write_run(tmp_path / "both", w, attention="sdpa_flash", precision="32-true", seed=0)
+    old = write_run(tmp_path / "old", w, precision="bf16-mixed", seed=1)  # no "attention" key at all
+    assert "attention" not in json.loads((old / "snapshots" / "manifest.json").read_text())
+    assert SnapshotStore(old).attention is None
+    assert compare_pair(flash, base).differences() == {"attention": ("sdpa_flash", "math")}
+    assert compare_pair(old, base).differences() == {"seed": (1, 0)}
+    with pytest.warns(UserWarning, match=r"both_vs_base: the runs differ in attention sdpa_flash vs math, "):
+        compare_pair(both, base, name="both_vs_base")
+    pairs = [f"{n}={tmp_path / n},{base}" for n in ("flash", "both", "old")]
+    with pytest.warns(UserWarning, match="differ in attention .* precision"):
+        code = cli_main(["compare", *(a for p in pairs for a in ("--pair", p)), "--out", str(tmp_path / "o")])
+    assert code == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert rows["pair"].endswith("differs in")
+    assert rows["flash"].endswith("attention sdpa_flash vs math")
+    assert rows["both"].endswith("attention sdpa_flash vs math, precision 32-true vs bf16-mixed")
+    assert rows["old"].endswith("seed 1 vs 0")
+
+
 def test_cli_writes_study_json_csv_and_figures(runs: dict[str, Path], tmp_path: Path, capsys) -> None:
     out = tmp_path / "out"
     code = cli_main(
