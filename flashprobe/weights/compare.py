@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from flashprobe.formats.study_file import write_study
+from flashprobe.weights.differences import run_differences
 from flashprobe.weights.distances import sorted_values, wasserstein_sorted
 from flashprobe.weights.store import SnapshotStore
 
@@ -101,6 +102,9 @@ class PairComparison:
         groups: group name → per-step distances.
         tensors: parameter name → per-step distances.
         runs: manifest facts of both runs (``run_id``, ``seed``, ``attention``, ``precision``).
+        differs: what the two runs differ in, from their records: thing → ``[value_a, value_b]``
+            (:func:`flashprobe.weights.differences.run_differences`).
+        unrecorded: manifest facts a run did not record (their difference is unknown).
     """
 
     name: str
@@ -113,6 +117,13 @@ class PairComparison:
     groups: dict[str, list[Distances]] = field(default_factory=dict)
     tensors: dict[str, list[Distances]] = field(default_factory=dict)
     runs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    differs: dict[str, list[Any]] = field(default_factory=dict)
+    unrecorded: list[str] = field(default_factory=list)
+
+    @property
+    def like_for_like(self) -> bool:
+        """Whether the runs differ in at most one thing, every fact recorded."""
+        return len(self.differs) <= 1 and not self.unrecorded
 
     def curve(
         self, metric: str = "wasserstein", level: str = "model", name: str | None = None
@@ -136,6 +147,8 @@ class PairComparison:
             "run_a": self.run_a,
             "run_b": self.run_b,
             "runs": self.runs,
+            "differs": self.differs,
+            "unrecorded": self.unrecorded,
             "steps": self.steps,
             "steps_only_a": self.steps_only_a,
             "steps_only_b": self.steps_only_b,
@@ -348,6 +361,7 @@ class _PairPlan:
             groups={g: [] for g in groups},
             tensors={n: [] for n in names},
             runs={"a": _run_info(a), "b": _run_info(b)},
+            **run_differences(a, b),
         )
         return cls(a, b, names, {g: tuple(m) for g, m in groups.items()}, whole_model, result)
 
