@@ -1,11 +1,15 @@
-"""What two runs differ in, read from their records (manifest facts, config.yaml settings)."""
+"""What two runs differ in, read from their records, and ``flashprobe compare`` saying so: a pair that
+differs in two things is named, and the report claims "like for like" only when none does."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
 import torch
 
+from flashprobe.cli import main as cli_main
 from flashprobe.weights import SnapshotStore
 from flashprobe.weights.differences import describe_differences, run_differences
 
@@ -76,3 +80,66 @@ def test_config_yaml_settings_count_as_one_thing_each_and_places_and_the_probe_a
     assert _differences(_run(tmp_path, "deeper", config=deeper, **FACTS), base)["differs"] == {
         "model.depth": [3, 2]
     }
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> dict[str, Path]:
+    root = tmp_path / "runs"
+    return {
+        "base": _run(root, "base", **FACTS),
+        "flash": _run(root, "flash", value=0.1, **{**FACTS, "attention": "sdpa_flash"}),
+        "seed1": _run(root, "seed1", value=1.0, **{**FACTS, "seed": 1}),
+    }
+
+
+def test_compare_warns_about_a_pair_that_differs_in_two_things_and_the_report_claims_no_like_for_like(
+    runs: dict[str, Path], tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "mixed"
+    pairs = [f"flash_vs_baseline={runs['flash']},{runs['seed1']}", f"seed={runs['seed1']},{runs['base']}"]
+    assert (
+        cli_main(["compare", *(a for p in pairs for a in ("--pair", p)), "--out", str(out), "--no-figures"])
+        == 0
+    )
+    printed = capsys.readouterr().out.splitlines()
+    assert any(
+        line.startswith("flash_vs_baseline")
+        and line.endswith("attention (sdpa_flash vs math), seed (0 vs 1)")
+        for line in printed
+    )
+    assert any(line.startswith("seed ") and line.endswith("seed (1 vs 0)") for line in printed)
+    [warning] = [line for line in printed if line.startswith("warning:")]
+    assert (
+        "not like for like: flash_vs_baseline differs in attention (sdpa_flash vs math), seed (0 vs 1)"
+        in warning
+    )
+    assert "seed differs" not in warning
+    doc = json.loads((out / "study.json").read_text())["pairs"]
+    assert doc["flash_vs_baseline"]["differs"] == {"attention": ["sdpa_flash", "math"], "seed": [0, 1]}
+    assert cli_main(["report", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    title = text.splitlines()[0]
+    assert "like for like" not in title
+    assert "**Not shown to be like for like**: `flash_vs_baseline` differs in attention" in text
+    assert "No like-for-like `flash_vs_baseline` comparison here" in text  # no verdict from a mixed pair
+
+
+def test_compare_of_pairs_that_each_differ_in_one_thing_is_like_for_like_and_gets_the_verdict(
+    runs: dict[str, Path], tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "clean"
+    pairs = [f"flash_vs_baseline={runs['flash']},{runs['base']}", f"seed={runs['seed1']},{runs['base']}"]
+    assert (
+        cli_main(["compare", *(a for p in pairs for a in ("--pair", p)), "--out", str(out), "--no-figures"])
+        == 0
+    )
+    assert not any(line.startswith("warning:") for line in capsys.readouterr().out.splitlines())
+    assert cli_main(["report", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    assert (
+        text.splitlines()[0]
+        == "# flashprobe study: weight deviation of flash attention, like for like (paper §V)"
+    )
+    # the kinds come from what the runs differ in: a seed pair, and no low-precision pair
+    assert "- **UNDETERMINED**: no low-precision pair" in text
+    assert "Seed: flash / seed-to-seed = " in text
