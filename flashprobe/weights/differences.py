@@ -11,8 +11,8 @@ noise floor), so the distance measures that thing. The things are read from each
   the seed) or as a thing of its own (``trainer.max_steps``, ``module.optimizer.lr``, ...); where a run
   writes its files, its name, its logger and the probe's settings (the probe never changes
   training) are not things it differs in;
-* ``run.json``: the machine facts (torch build, CPU, instruction set, threads, CUDA device), which
-  change the last bits of every step on a CPU.
+* ``run.json``: the machine facts (torch build, CPU, instruction set, threads, CUDA device,
+  deterministic algorithms, float32 matmul precision), which change the last bits of every step.
 
 A thing neither run recorded is ``unrecorded``: then the comparison is not shown to be like for like.
 """
@@ -54,8 +54,16 @@ _NOT_A_DIFFERENCE = (
     "callbacks.weight_snapshot.run_id",
 )
 _PLACES = (".dirpath", ".save_dir")
-#: run.json machine facts that change a CPU run's numbers.
-_MACHINE = ("torch", "cpu", "cpu_capability", "torch_threads", "cuda")
+#: run.json machine facts that change a run's numbers (the last bits of every step).
+_MACHINE = (
+    "torch",
+    "cpu",
+    "cpu_capability",
+    "torch_threads",
+    "cuda",
+    "deterministic_algorithms",
+    "float32_matmul_precision",
+)
 
 
 def _matches(key: str, patterns: tuple[str, ...]) -> bool:

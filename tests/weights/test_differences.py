@@ -143,3 +143,17 @@ def test_compare_of_pairs_that_each_differ_in_one_thing_is_like_for_like_and_get
     # the kinds come from what the runs differ in: a seed pair, and no low-precision pair
     assert "- **UNDETERMINED**: no low-precision pair" in text
     assert "Seed: flash / seed-to-seed = " in text
+
+
+def test_machine_facts_of_run_json_that_change_the_numbers_are_a_difference(tmp_path: Path) -> None:
+    from flashprobe.formats.run_record import start_session
+
+    machine = {"torch": "2.13.0+cpu", "cpu": "AMD EPYC", "cpu_capability": "AVX512", "torch_threads": 2}
+    machine |= {"cuda": None, "deterministic_algorithms": True, "float32_matmul_precision": "highest"}
+    runs = []
+    for name, changed in (("a", {}), ("b", {"platform": "another kernel"}), ("c", {"torch_threads": 1})):
+        run = _run(tmp_path, name, **FACTS)
+        start_session(run, from_step=0, max_steps=1, machine={**machine, **changed})
+        runs.append(run)
+    assert _differences(runs[1], runs[0])["differs"] == {}  # the OS build does not change a run's numbers
+    assert _differences(runs[2], runs[0])["differs"] == {"machine": ["torch_threads 1", "torch_threads 2"]}
