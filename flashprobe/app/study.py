@@ -619,7 +619,8 @@ study.replicates may change: replicate r's runs are the same whatever the number
 
 The first line of the verdict is the answer; the exit code says it (docs/study.md "The answer"):
   0  PASS          at every snapshot step after the warm-up, flash / seed is below 1 in every
-                   replicate and no flash / low-precision ratio is above 1 in every replicate
+                   replicate and flash / the low-precision pair at the precision flash trains at
+                   (bf16_vs_fp32 at bf16) is not above 1 in every replicate
   3  LOOK CLOSER   one of these fails at some step (named), or flash's weights turn non-finite
   4  UNDETERMINED  a comparison the rule needs was not trained (e.g. --runs flash,baseline)
   1  a run failed (its message above)   2  bad arguments, nothing trained   130  interrupted

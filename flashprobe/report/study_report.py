@@ -293,10 +293,10 @@ def write_report(study_dir: str | Path) -> Path:
         lines += [
             "",
             "The rule (docs/study.md): **PASS** when, at every snapshot step after the learning-rate "
-            f"warm-up ({_warmup(v)}), flash / seed is below 1 in every replicate and no flash / "
-            "low-precision ratio is above 1 in every replicate; **LOOK CLOSER** when either fails at some "
-            "step or flash's weights turn non-finite; **UNDETERMINED** when a comparison the rule needs was "
-            "not trained.",
+            f"warm-up ({_warmup(v)}), flash / seed is below 1 in every replicate and flash / the "
+            "low-precision pair at the precision flash trains at is not above 1 in every replicate; "
+            "**LOOK CLOSER** when either fails at some step or flash's weights turn non-finite; "
+            "**UNDETERMINED** when a comparison the rule needs was not trained.",
             "",
             "## Ratios, with intervals over replicates",
             "",

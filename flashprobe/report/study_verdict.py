@@ -10,7 +10,10 @@ interval would need more replicates than a CPU study trains: resampling 3–5 va
 own min–max at best.
 
 The answer (:data:`PASS`, :data:`LOOK_CLOSER`, :data:`UNDETERMINED`) follows one rule, stated in
-docs/study.md and in :func:`verdict`; ``flashprobe study`` exits with :data:`EXIT_CODES` of it.
+docs/study.md and in :func:`verdict`; ``flashprobe study`` exits with :data:`EXIT_CODES` of it. The
+rule reads the low-precision pair *at the precision flash trains at* (``bf16_vs_fp32`` in a bf16
+study): the deviation a team training at that precision has already accepted; the other
+low-precision pairs (e.g. the paper's FP16 vs FP32) are reported beside it, not judged.
 Everything is computed from ``study.json``, so ``flashprobe report STUDY_DIR`` gives the same answer.
 """
 
@@ -42,6 +45,9 @@ PASS, LOOK_CLOSER, UNDETERMINED = "PASS", "LOOK CLOSER", "UNDETERMINED"
 EXIT_CODES = {PASS: 0, LOOK_CLOSER: 3, UNDETERMINED: 4}
 #: The paper's finding (§V): flash deviates 2–5× less than FP16-vs-FP32 training, a ratio of 0.2–0.5.
 PAPER_RATIO = (0.2, 0.5)
+#: Short names of the low precisions in comparison names (``bf16_vs_fp32``).
+_LOW_PRECISIONS = {"bf16": "bf16-mixed", "fp16": "16-mixed"}
+FP32 = "32-true"
 
 
 @dataclass(frozen=True)
@@ -173,8 +179,9 @@ def verdict(study: Mapping[str, Any]) -> dict[str, Any]:
     never counts, and the last step always does), the answer is
 
     * **PASS** when at every such step flash / seed lies below 1 in every replicate (its interval
-      is entirely below 1), no flash / low-precision ratio lies above 1 in every replicate (no
-      interval entirely above 1), and flash's weights stay finite;
+      is entirely below 1), flash / the low-precision pair at the precision flash trains at (every
+      low-precision pair when flash trains at fp32) does not lie above 1 in every replicate (its
+      interval is not entirely above 1), and flash's weights stay finite;
     * **LOOK CLOSER** when one of these fails at some step (naming the step and the ratio);
     * **UNDETERMINED** when nothing says look closer but the study lacks a comparison the rule needs
       (a seed pair, a low-precision pair), e.g. ``--runs flash,baseline``.
@@ -188,8 +195,9 @@ def verdict(study: Mapping[str, Any]) -> dict[str, Any]:
         reads), ``warmup_steps``, ``seeds`` (the replicates'), ``flash`` (an :class:`Interval` of
         flash's distance at the last step), ``noise_floor``, ``context`` (per context — ``seed`` and
         each low-precision comparison — its ``pairs``, ``isolates``, ``distance`` and ``ratio`` at the
-        last step, ``by_step`` (step → ratio interval) and ``over_training`` (the lowest and highest
-        replicate's ratio over ``steps``)), and ``extra`` (the ``kernel_fp32`` line, not in the rule).
+        last step, ``by_step`` (step → ratio interval), ``over_training`` (the lowest and highest
+        replicate's ratio over ``steps``) and ``in_rule``), ``precision`` (flash's) and ``extra`` (the
+        ``kernel_fp32`` line, not in the rule).
     """
     pairs = study["pairs"]
     comparisons = {n: c for n, c in study_comparisons(study).items() if n in pairs}
@@ -234,8 +242,10 @@ def verdict(study: Mapping[str, Any]) -> dict[str, Any]:
                 ratios[r] = f / c
         return _interval(ratios, seeds)
 
+    out["precision"] = _flash_precision(study)
     for label, by_replicate in members.items():
         first = comparisons[by_replicate[min(by_replicate)][0]]
+        low = _low_precision(pairs[by_replicate[min(by_replicate)][0]], first["group"])
         by_step = {s: ratio_at(label, s) for s in after}
         known = [i for i in by_step.values() if i is not None]
         out["context"][label] = {
@@ -246,6 +256,7 @@ def verdict(study: Mapping[str, Any]) -> dict[str, Any]:
             "ratio": by_step.get(step),
             "by_step": by_step,
             "over_training": (min(i.low for i in known), max(i.high for i in known)) if known else None,
+            "in_rule": label == "seed" or low == out["precision"] or out["precision"] == FP32,
         }
     for name, c in comparisons.items():
         if c["kind"] == "kernel_fp32" and _finite(curves[name].get(step)):
@@ -253,6 +264,21 @@ def verdict(study: Mapping[str, Any]) -> dict[str, Any]:
             out["extra"][name] = {"distance": curves[name][step], "flash": f, "seed": c["seed"]}
     out["answer"], out["reasons"] = _answer(out, comparisons, curves, flash)
     return out
+
+
+def _flash_precision(study: Mapping[str, Any]) -> str | None:
+    """The precision flash trains at: the study's, or what the flash pair's runs recorded."""
+    runs = (study["pairs"][FLASH].get("runs") or {}).get("a") or {}
+    return (study.get("study") or {}).get("precision") or runs.get("precision")
+
+
+def _low_precision(pair: Mapping[str, Any], group: str) -> str | None:
+    """The low precision a precision pair measures (its run that is not fp32), from the runs' records
+    or else the pair's name (``bf16_vs_fp32``)."""
+    runs = pair.get("runs") or {}
+    recorded = [(runs.get(side) or {}).get("precision") for side in ("a", "b")]
+    low = [p for p in recorded if p is not None and p != FP32]
+    return low[0] if len(low) == 1 else _LOW_PRECISIONS.get(group.split("_vs_")[0])
 
 
 def _steps_text(steps: Sequence[int]) -> str:
@@ -287,9 +313,9 @@ def _answer(
             look.append(f"flash / seed is {where} at {_steps_text(not_below)}")
         if unknown:
             missing.append(f"flash / seed is undefined at {_steps_text(unknown)}")
-    lows = {label: c for label, c in v["context"].items() if c["kind"] == "precision"}
+    lows = {label: c for label, c in v["context"].items() if c["kind"] == "precision" and c["in_rule"]}
     if not lows:
-        missing.append("no low-precision pair (runs fp32 and fp16 or bf16)")
+        missing.append(f"no low-precision pair at {v['precision']}, the precision flash trains at (run fp32)")
     for label, c in lows.items():
         above = [s for s, i in c["by_step"].items() if i is not None and i.position() == "above"]
         if above:
@@ -333,15 +359,16 @@ def answer_line(v: Mapping[str, Any]) -> str:
         reps = (
             f"its one replicate (seed {seeds})" if n == 1 else f"each of the {n} replicates (seeds {seeds})"
         )
+        lows = [n for n, c in v["context"].items() if c["kind"] == "precision" and c["in_rule"]]
         return (
-            "**PASS**: the kernel's weight deviation is within the seed bound and not above low precision — "
-            f"at {where}, in {reps}."
+            "**PASS**: the kernel's weight deviation is within the seed bound and not above low precision "
+            f"({', '.join(lows)}) — at {where}, in {reps}."
         )
     if answer == LOOK_CLOSER:
         return f"**LOOK CLOSER**: {'; '.join(v['reasons'])}."
     return (
-        f"**UNDETERMINED**: {'; '.join(v['reasons'])} — the rule needs flash_vs_baseline, a seed pair and a "
-        "low-precision pair."
+        f"**UNDETERMINED**: {'; '.join(v['reasons'])} — the rule needs flash_vs_baseline, a seed pair and "
+        "the low-precision pair at the precision flash trains at."
     )
 
 
@@ -382,9 +409,10 @@ def verdict_lines(v: Mapping[str, Any], precision: str, kernel: str = "sdpa_flas
             "above": f"above {name} in every replicate",
         }[c["ratio"].position()]
         ratio = c["ratio"].text("×")
+        role = "the rule's low-precision pair" if c["in_rule"] else "reported, not in the rule"
         lines.append(
             f"Low precision: flash / {name} = {ratio} at step {step}{_over(c, steps)}: {finding} "
-            f"({c['isolates']}; {_paper(c['ratio'])})."
+            f"({c['isolates']}; {role}; {_paper(c['ratio'])})."
         )
     for name, e in v["extra"].items():
         at = (

@@ -133,12 +133,42 @@ def test_the_verdict_prints_every_ratio_with_its_interval_computed_by_hand_from_
     seed_ok = all(max(r) < 1 for r in verdicts["seed"][0])
     low_ok = not any(min(r) > 1 for r in verdicts["bf16_vs_fp32"][0])
     answer = "PASS" if seed_ok and low_ok else "LOOK CLOSER"
+    assert answer == "PASS"  # torch's own CPU flash kernel passes (a buggy one does not: test below)
     assert code == EXIT_CODES[answer]
     first = printed.strip().splitlines()[0]
-    assert first.startswith(f"{answer}: "), first
-    if answer == "PASS":
-        assert "within the seed bound and not above low precision" in first
-        assert "in each of the 3 replicates (seeds 0, 2, 4)" in first
+    assert first.startswith(
+        "PASS: the kernel's weight deviation is within the seed bound and not above low "
+    ), first
+    assert (
+        "(bf16_vs_fp32) — at every snapshot step from 2 to 4, in each of the 3 replicates (seeds 0, 2, 4)"
+        in first
+    )
+
+
+@pytest.fixture
+def wrong_scale_kernel():
+    """Math attention with a softmax scale 1.5× too large: a silent kernel bug."""
+    from flashprobe.kernels import math_attention, register_kernel, unregister_kernel
+
+    def wrong_scale(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+        scale = (q.shape[-1] ** -0.5 if scale is None else scale) * 1.5
+        return math_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+
+    register_kernel("study_wrong_scale", wrong_scale, overwrite=True)
+    yield "study_wrong_scale"
+    unregister_kernel("study_wrong_scale")
+
+
+def test_a_buggy_kernel_is_told_to_look_closer_with_exit_code_3(
+    tmp_path: Path, wrong_scale_kernel: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = "flash,baseline,seed1,fp32"
+    code = main(["--out", str(tmp_path), "--runs", runs, *TINY, f"study.kernel={wrong_scale_kernel}"])
+    first = capsys.readouterr().out.split("\n\n")[-2].splitlines()[0]  # the verdict's first line
+    assert code == 3, first
+    assert first.startswith("LOOK CLOSER: flash / bf16_vs_fp32 is above 1 in every replicate at steps 2, 4")
+    ratio = verdict(read_study(tmp_path))["context"]["bf16_vs_fp32"]["ratio"]
+    assert ratio.median > 2  # far above what training at bf16 does (torch's kernel: below 1)
 
 
 def test_a_study_invoked_again_skips_its_finished_runs(study: Path) -> None:
@@ -273,26 +303,21 @@ def _comparison(name: str, kind: str, replicate: int = 0, group: str | None = No
 
 
 @pytest.mark.parametrize(
-    ("flash", "finding", "answer"),
+    ("precision", "flash", "finding", "answer"),
     [
-        (
-            2e-7,
-            "flash / fp16_vs_fp32 = 0.01× (1 replicate: no interval) at step 10: below fp16_vs_fp32",
-            "UNDETERMINED",
-        ),
-        (
-            4e-5,
-            "flash / fp16_vs_fp32 = 2× (1 replicate: no interval) at step 10: above fp16_vs_fp32",
-            "LOOK CLOSER",
-        ),
+        # flash trains at fp16: fp16_vs_fp32 is the rule's low-precision pair
+        ("16-mixed", 2e-7, "0.01× (1 replicate: no interval) at step 10: below fp16_vs_fp32", "UNDETERMINED"),
+        ("16-mixed", 4e-5, "2× (1 replicate: no interval) at step 10: above fp16_vs_fp32", "LOOK CLOSER"),
+        # flash trains at bf16: fp16_vs_fp32 is reported, not judged; bf16_vs_fp32 is missing
+        ("bf16-mixed", 4e-5, "2× (1 replicate: no interval) at step 10: above fp16_vs_fp32", "UNDETERMINED"),
     ],
 )
 def test_report_verdict_against_low_precision(
-    tmp_path: Path, flash: float, finding: str, answer: str
+    tmp_path: Path, precision: str, flash: float, finding: str, answer: str
 ) -> None:
     pairs = {"flash_vs_baseline": _pair([0.0, flash]), "fp16_vs_fp32": _pair([0.0, 2e-5])}
     meta = {
-        "precision": "bf16-mixed",
+        "precision": precision,
         "comparisons": {
             "flash_vs_baseline": _comparison("flash_vs_baseline", "kernel"),
             "fp16_vs_fp32": _comparison("fp16_vs_fp32", "precision"),
@@ -306,12 +331,16 @@ def test_report_verdict_against_low_precision(
     assert v["answer"] == answer  # no seed pair: below low precision alone cannot pass
     assert report_main([str(tmp_path)]) == 0
     text = (tmp_path / "report.md").read_text()
-    assert finding in text and f"- **{answer}**: " in text
+    assert f"flash / fp16_vs_fp32 = {finding}" in text
+    assert f"- **{answer}**: " in text
+    if precision == "bf16-mixed":
+        assert "no low-precision pair at bf16-mixed, the precision flash trains at" in text
+        assert "reported, not in the rule" in text
 
 
 def _replicated(curves: dict[str, list[list[float]]], warmup: int) -> dict:
     """study.json of a study at len(values) replicates: pair group → one curve (steps 0, 20, 40, 60) each."""
-    kinds = {"flash_vs_baseline": "kernel", "seed1_vs_seed0": "seed", "fp16_vs_fp32": "precision"}
+    kinds = {"flash_vs_baseline": "kernel", "seed1_vs_seed0": "seed", "bf16_vs_fp32": "precision"}
     pairs, comparisons = {}, {}
     for group, per_replicate in curves.items():
         for r, values in enumerate(per_replicate):
@@ -332,12 +361,12 @@ def _replicated(curves: dict[str, list[list[float]]], warmup: int) -> dict:
     [
         # below the seed pair and below fp16 in all three replicates, at every step after warm-up
         ([0, 1, 2, 3], (1.0, 0.9, 1.1), "PASS", "from 40 to 60, in each of the 3 replicates (seeds 0, 2, 4)"),
-        # above fp16 in every replicate at step 40 only (after warm-up), below at the last step
+        # above bf16 in every replicate at step 40 only (after warm-up), below at the last step
         (
             [0, 9, 6, 3],
             (1.0, 0.9, 1.1),
             "LOOK CLOSER",
-            "fp16_vs_fp32 is above 1 in every replicate at step 40",
+            "bf16_vs_fp32 is above 1 in every replicate at step 40",
         ),
         # the same bump at step 20, before the 30-step warm-up: not read
         ([0, 6, 2, 3], (1.0, 0.9, 1.1), "PASS", ""),
@@ -353,13 +382,13 @@ def _replicated(curves: dict[str, list[list[float]]], warmup: int) -> dict:
 def test_the_answer_reads_every_step_after_warm_up_and_every_replicate(
     tmp_path: Path, flash: list[float], scale: tuple[float, ...], answer: str, why: str
 ) -> None:
-    """Three replicates: flash's curve scaled per replicate; seed pairs at 10, fp16 vs fp32 at 5 (50 when
+    """Three replicates: flash's curve scaled per replicate; seed pairs at 10, bf16 vs fp32 at 5 (50 when
     the seed bound is the question), steps 0, 20, 40, 60 after a 30-step warm-up."""
     low = 50 if "seed" in why else 5
     curves = {
         "flash_vs_baseline": [[x * k for x in flash] for k in scale],
         "seed1_vs_seed0": [[0, 10, 10, 10]] * 3,
-        "fp16_vs_fp32": [[0, low, low, low]] * 3,
+        "bf16_vs_fp32": [[0, low, low, low]] * 3,
     }
     (tmp_path / "study.json").write_text(json.dumps(_replicated(curves, warmup=30)))
     v = verdict(read_study(tmp_path))
