@@ -198,7 +198,7 @@ def _all_comparisons(precision: str, replicate: int) -> list[Comparison]:
             f"seed{seed + 1}",
             "baseline" + sfx,
             "seed",
-            f"the random seed ({seed + 1} vs {seed}), at {short}",
+            f"the random seed, at {short}",
         ),
         *(
             pair(

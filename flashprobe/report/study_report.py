@@ -138,7 +138,7 @@ def _spread(values: Sequence[float]) -> str:
     """``6.47e-05 (5.9e-05–7.1e-05)``: median (min–max); one value as is; none as ``–``."""
     if not values:
         return "–"
-    if len(values) == 1:
+    if len(set(values)) == 1:  # one replicate, or every replicate the same (0 at step 0)
         return _fmt(values[0])
     return f"{_fmt(statistics.median(values))} ({_fmt(min(values))}–{_fmt(max(values))})"
 
