@@ -177,12 +177,18 @@ def test_a_study_invoked_again_skips_its_finished_runs(study: Path) -> None:
     run_study(study, RUNS, STUDY)
     assert {r: (study / "runs" / r / "run.json").read_text() for r in TRAINED} == before  # nothing retrained
     assert json.loads((study / "study.json").read_text())["pairs"] == numbers
-    # fewer replicates reuse the same runs (replicate r's runs do not depend on how many there are)
-    run_study(study, RUNS, [*TINY, "study.replicates=2"])
+    # another number of replicates is no other setting: replicate r's runs do not depend on how many
+    # there are, so a fourth replicate trains only its own runs (seeds 6 and 7)
+    run_study(study, RUNS, [*TINY, "study.replicates=4"])
     assert {r: (study / "runs" / r / "run.json").read_text() for r in TRAINED} == before
-    fewer = json.loads((study / "study.json").read_text())["pairs"]
-    assert fewer == {n: p for n, p in numbers.items() if not n.endswith("_seed4") and n != "seed5_vs_seed4"}
-    run_study(study, RUNS, STUDY, train=False)
+    more = json.loads((study / "study.json").read_text())["pairs"]
+    assert {n: p for n, p in more.items() if n in numbers} == numbers
+    assert sorted(set(more) - set(numbers)) == [
+        "bf16_vs_fp32_seed6",
+        "flash_vs_baseline_seed6",
+        "seed7_vs_seed6",
+    ]
+    run_study(study, RUNS, STUDY, train=False)  # back to the fixture's three, for the tests after this one
     assert json.loads((study / "study.json").read_text())["pairs"] == numbers
 
 
