@@ -102,6 +102,7 @@ STEPS: tuple[Step, ...] = (
             "--out",
             "{out}",
             "trainer=gpu",
+            "study.replicates=1",  # one seed: the step's time as before replicates (seven runs)
             "trainer.max_steps=50",
             "callbacks.weight_snapshot.every_n_steps=10",
             "trainer.log_every_n_steps=10",
@@ -147,8 +148,12 @@ def figures(step: str, out: Path, log: str) -> dict[str, Any]:
     if step == "gpu_tests":
         tail = [line for line in log.splitlines() if " passed" in line or " failed" in line]
         return {"pytest": tail[-1] if tail else None}
-    if step == "study_50_steps":
-        return {"closing_lines": log.strip().splitlines()[-8:]}
+    if step == "study_50_steps":  # the verdict from its answer line on, and the paths
+        lines = log.strip().splitlines()
+        answer = [
+            i for i, line in enumerate(lines) if line.startswith(("PASS", "LOOK CLOSER", "UNDETERMINED"))
+        ]
+        return {"closing_lines": lines[answer[-1] if answer else -8 :]}
     return {}
 
 

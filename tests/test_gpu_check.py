@@ -89,7 +89,7 @@ def test_study_overrides_compose(tmp_path: Path) -> None:
     overrides = [a for a in argv if "=" in a]
     cfg = compose(["experiment=study", "study_run=flash", *overrides])
     assert cfg.trainer.accelerator == "gpu"
-    assert cfg.trainer.max_steps == 50
+    assert cfg.trainer.max_steps == 50 and cfg.study.replicates == 1
     assert cfg.callbacks.weight_snapshot.every_n_steps == 10
 
 

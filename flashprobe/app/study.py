@@ -8,7 +8,7 @@ comparison                 runs (A vs B)               isolates
 =========================  ==========================  ===========================================
 ``flash_vs_baseline``      flash vs baseline           the attention kernel, at the study precision
 ``identical``              identical vs baseline       nothing (the noise floor: 0 on a CPU)
-``seed1_vs_seed0`` (…2)    seed1 vs baseline           the random seed
+``seed1_vs_seed0``         seed1 vs baseline           the random seed
 ``bf16_vs_fp32``           baseline at bf16 vs fp32    training precision (baseline attention)
 ``fp16_vs_fp32``           baseline at fp16 vs fp32    training precision (baseline attention)
 ``flash_vs_baseline_fp32`` flash vs baseline, fp32     the attention kernel without low precision
@@ -17,9 +17,16 @@ comparison                 runs (A vs B)               isolates
 ``flash``, ``baseline``, ``identical`` and the seed runs train at the **study precision**
 (``study.precision``, default ``bf16-mixed``: flash kernels run in 16-bit, so their deviation is
 measured where it is used); the low-precision pairs compare the baseline across precisions, so
-the verdict (:mod:`flashprobe.report.study_report`) only ever divides distances of pairs that each
-isolate one thing. Runs go through Hydra multirun with ``resume=auto``: a study that is invoked
-again skips the runs that finished and resumes the others from their last checkpoint.
+the verdict (:mod:`flashprobe.report.study_verdict`) only ever divides distances of pairs that each
+isolate one thing.
+
+**Replicates** (``study.replicates``, default 3): replicate ``r`` is the whole plan again at seed
+``2r`` (its seed pair's other run at ``2r + 1``), its runs and comparisons named with ``_seed<2r>``
+(replicate 0 keeps the plain names; ``identical`` and ``flash_fp32`` train at replicate 0 only).
+Every comparison pairs runs of one replicate, so each ratio of the verdict is computed within a
+replicate and reported over the replicates. Runs go through Hydra multirun (replicate 0's runs,
+then the other replicates' as one sweep) with ``resume=auto``: a study that is invoked again skips
+the runs that finished and resumes the others from their last checkpoint.
 """
 
 from __future__ import annotations
@@ -73,9 +80,20 @@ _LAUNCHER_MODULES = {
 }
 
 
+def replicate_seed(replicate: int) -> int:
+    """The seed of replicate ``r``'s runs: ``2r`` (its seed pair's other run trains from ``2r + 1``)."""
+    return 2 * replicate
+
+
+def replicate_suffix(replicate: int) -> str:
+    """What replicate ``r`` adds to its runs' and comparisons' names: nothing for replicate 0 (the runs
+    keep the names of a one-replicate study), ``_seed<2r>`` for the others."""
+    return "" if replicate == 0 else f"_seed{replicate_seed(replicate)}"
+
+
 @dataclass(frozen=True)
 class StudyRun:
-    """One training run of a study (``conf/study_run/<name>.yaml``)."""
+    """One training run of a study (``conf/study_run/<role>.yaml`` at one replicate's seed)."""
 
     name: str
     attention: str
@@ -83,6 +101,9 @@ class StudyRun:
     precision: str
     """The Lightning precision it trains at."""
     seed: int
+    role: str = ""
+    """Its name in replicate 0 (the ``study_run`` option, what ``--runs`` names), e.g. ``seed1``."""
+    replicate: int = 0
 
 
 @dataclass(frozen=True)
@@ -96,63 +117,93 @@ class Comparison:
     """``kernel``, ``noise``, ``seed``, ``precision`` or ``kernel_fp32``."""
     isolates: str
     """What differs between the two runs, in words."""
+    group: str = ""
+    """The comparison's name in replicate 0: the same comparison at every replicate's seed."""
+    replicate: int = 0
+    seed: int = 0
+    """The replicate's seed: both runs' seed (a seed pair: run B's)."""
 
 
 @dataclass(frozen=True)
 class StudyPlan:
-    """The runs a study trains and the comparisons it makes."""
+    """The runs a study trains and the comparisons it makes, at each of its replicates."""
 
     precision: str
     runs: dict[str, StudyRun]
     comparisons: dict[str, Comparison]
+    replicates: int = 1
+
+    @property
+    def roles(self) -> list[str]:
+        """The runs' roles (replicate 0's names), in plan order."""
+        return list(dict.fromkeys(r.role for r in self.runs.values()))
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "precision": self.precision,
+            "replicates": self.replicates,
+            "seeds": [replicate_seed(r) for r in range(self.replicates)],
             "runs": {n: asdict(r) for n, r in self.runs.items()},
             "comparisons": {n: asdict(c) for n, c in self.comparisons.items()},
         }
 
 
-def _all_runs(precision: str) -> dict[str, StudyRun]:
+#: Roles trained once, at replicate 0: the noise floor and the fp32 extra line (not part of the rule).
+ONCE = ("identical", "flash_fp32")
+
+
+def _roles(precision: str) -> list[StudyRun]:
+    """Replicate 0's runs: each role's attention, precision and seed (the seed pair's other run: +1)."""
     runs = [
         StudyRun("flash", "flash", precision, 0),
         StudyRun("baseline", "math", precision, 0),
         StudyRun("identical", "math", precision, 0),
         StudyRun("seed1", "math", precision, 1),
-        StudyRun("seed2", "math", precision, 2),
     ]
     runs += [StudyRun(name, "math", p, 0) for p, name in PRECISIONS.items() if p != precision]
     if precision != "32-true":
         runs.append(StudyRun("flash_fp32", "flash", "32-true", 0))
-    return {r.name: r for r in runs}
+    return [StudyRun(r.name, r.attention, r.precision, r.seed, role=r.name) for r in runs]
 
 
-def _all_comparisons(precision: str) -> list[Comparison]:
+def _at_replicate(run: StudyRun, replicate: int) -> StudyRun:
+    seed = replicate_seed(replicate) + run.seed
+    name = f"seed{seed}" if run.role == "seed1" else run.role + replicate_suffix(replicate)
+    return StudyRun(name, run.attention, run.precision, seed, role=run.role, replicate=replicate)
+
+
+def _all_comparisons(precision: str, replicate: int) -> list[Comparison]:
+    """Replicate ``replicate``'s comparisons, named by its runs (see :func:`_at_replicate`)."""
+    seed, sfx = replicate_seed(replicate), replicate_suffix(replicate)
+
     def baseline_at(p: str) -> str:
-        return "baseline" if p == precision else PRECISIONS[p]
+        return "baseline" + sfx if p == precision else PRECISIONS[p] + sfx
+
+    def pair(group: str, name: str, a: str, b: str, kind: str, isolates: str) -> Comparison:
+        return Comparison(name, a, b, kind, isolates, group=group, replicate=replicate, seed=seed)
 
     short = PRECISIONS[precision]
     comparisons = [
-        Comparison(
+        pair(
             "flash_vs_baseline",
-            "flash",
-            "baseline",
+            "flash_vs_baseline" + sfx,
+            "flash" + sfx,
+            "baseline" + sfx,
             "kernel",
-            f"the attention kernel (sdpa_flash vs math), at {short}",
+            f"the attention kernel (under test vs math), at {short}",
         ),
-        Comparison(
-            "identical", "identical", "baseline", "noise", "nothing: the same configuration trained twice"
+        pair(
+            "seed1_vs_seed0",
+            f"seed{seed + 1}_vs_seed{seed}",
+            f"seed{seed + 1}",
+            "baseline" + sfx,
+            "seed",
+            f"the random seed, at {short}",
         ),
         *(
-            Comparison(
-                f"seed{i}_vs_seed0", f"seed{i}", "baseline", "seed", f"the random seed ({i} vs 0), at {short}"
-            )
-            for i in (1, 2)
-        ),
-        *(
-            Comparison(
+            pair(
                 f"{PRECISIONS[p]}_vs_fp32",
+                f"{PRECISIONS[p]}_vs_fp32{sfx}",
                 baseline_at(p),
                 baseline_at("32-true"),
                 "precision",
@@ -161,50 +212,86 @@ def _all_comparisons(precision: str) -> list[Comparison]:
             for p in ("bf16-mixed", "16-mixed")
         ),
     ]
-    if precision != "32-true":
-        comparisons.append(
-            Comparison(
-                "flash_vs_baseline_fp32",
-                "flash_fp32",
-                "fp32",
-                "kernel_fp32",
-                "the attention kernel (under test vs math), at fp32: its deviation without low precision",
-            )
+    if replicate == 0:
+        comparisons.insert(
+            1,
+            pair(
+                "identical",
+                "identical",
+                "identical",
+                "baseline",
+                "noise",
+                "nothing: the same configuration trained twice",
+            ),
         )
+        if precision != "32-true":
+            comparisons.append(
+                pair(
+                    "flash_vs_baseline_fp32",
+                    "flash_vs_baseline_fp32",
+                    "flash_fp32",
+                    "fp32",
+                    "kernel_fp32",
+                    "the attention kernel (under test vs math), at fp32: its deviation without low precision",
+                )
+            )
     return comparisons
 
 
-def study_plan(precision: str = "bf16-mixed", runs: Sequence[str] | None = None) -> StudyPlan:
-    """The runs and like-for-like comparisons of a study.
+def study_plan(
+    precision: str = "bf16-mixed", runs: Sequence[str] | None = None, replicates: int = 1
+) -> StudyPlan:
+    """The runs and like-for-like comparisons of a study, at each replicate.
+
+    Replicate ``r`` is a full set of runs at seed ``2r`` (:func:`replicate_seed`): the kernel under
+    test, the baseline, the baseline at the other precisions, and the seed pair's other run at seed
+    ``2r + 1``; its comparisons pair only runs of that replicate, so each ratio of the verdict is
+    computed within one replicate. The identical repeat and ``flash_fp32`` train at replicate 0 only.
 
     Args:
         precision: the study precision (a key of :data:`PRECISIONS`).
-        runs: run names to train (default: every run of the plan); comparisons whose two runs are
-            not both in it are left out.
+        runs: roles to train (replicate 0's run names; default: every role); comparisons whose two
+            runs are not both in it are left out.
+        replicates: how many replicates (seeds) of the plan.
 
     Raises:
-        ValueError: an unknown precision or run name, or runs that form no ``flash_vs_baseline``
-            pair (the comparison every verdict rests on) — naming the valid choices.
+        ValueError: an unknown precision or role, fewer than one replicate, or roles that form no
+            ``flash_vs_baseline`` pair (the comparison every verdict rests on) — naming the valid choices.
     """
     if precision not in PRECISIONS:
         raise ValueError(
             f"study.precision={precision!r} is not a study precision; use one of {', '.join(PRECISIONS)}"
         )
-    every = _all_runs(precision)
+    if isinstance(replicates, bool) or not isinstance(replicates, int) or replicates < 1:
+        raise ValueError(f"study.replicates={replicates!r} must be a positive integer (e.g. 3)")
+    every = {r.role: r for r in _roles(precision)}
     chosen = list(every) if runs is None else list(dict.fromkeys(runs))
     unknown = [r for r in chosen if r not in every]
     if unknown:
         raise ValueError(
             f"unknown study run {unknown[0]!r} at study.precision={precision}; "
-            f"choose from: {', '.join(every)}"
+            f"choose from: {', '.join(every)} (each is trained at every replicate's seed: study.replicates)"
         )
-    comparisons = {c.name: c for c in _all_comparisons(precision) if c.run_a in chosen and c.run_b in chosen}
+    chosen = [r for r in every if r in chosen]  # plan order
+    plan_runs = {
+        run.name: run
+        for i in range(replicates)
+        for role in chosen
+        if i == 0 or role not in ONCE
+        for run in [_at_replicate(every[role], i)]
+    }
+    comparisons = {
+        c.name: c
+        for i in range(replicates)
+        for c in _all_comparisons(precision, i)
+        if c.run_a in plan_runs and c.run_b in plan_runs
+    }
     if "flash_vs_baseline" not in comparisons:
         raise ValueError(
             f"runs {', '.join(chosen)} form no like-for-like flash_vs_baseline pair: a study needs the runs "
             "'flash' and 'baseline' (and, for context, 'seed1', 'identical', 'fp32', ...)"
         )
-    return StudyPlan(precision, {r: every[r] for r in chosen}, comparisons)
+    return StudyPlan(precision, plan_runs, comparisons, replicates)
 
 
 def check_launcher(overrides: Sequence[str]) -> None:
@@ -275,7 +362,7 @@ def run_study(
         overrides.insert(0, f"experiment={DEFAULT_EXPERIMENT}")
     check_launcher(overrides)
     cfg = study_config(overrides)
-    plan = study_plan(str(cfg.study.precision), runs)
+    plan = study_plan(str(cfg.study.precision), runs, _replicates(cfg.study.get("replicates", 1)))
     try:
         get_kernel(cfg.study.kernel)
     except KernelSpecError as err:
@@ -284,6 +371,12 @@ def run_study(
 
     check_config(cfg)  # every run's settings (the flash run's config; the others differ in the plan's keys)
     safe_name(str(cfg.run_name), what="run_name")  # it names each run's directory under OUT/runs
+    for key in STUDY_SETS:
+        if override_value(overrides, key) is not None:
+            raise ValueError(
+                f"{key}= is set by the study for each run (replicate r trains from seed 2r, its seed pair's "
+                f"other run from 2r + 1): leave it out; study.replicates=N sets how many seeds"
+            )
     if not train:  # compare only: the runs must be there already; nothing is created before that
         _check_trained(Path(out) / "runs", plan)
     out = prepare_output_dir(out).resolve()  # an empty --out fails before it is resolved to the cwd
@@ -291,8 +384,31 @@ def run_study(
         return _run_locked_study(out, plan, cfg, overrides, train)
 
 
+#: Settings the study gives each run itself; an override of them is refused.
+STUDY_SETS = ("seed", "study.replicate")
+
+
+def _replicates(value: Any) -> int:
+    """``study.replicates`` as an int (an override may give it as text).
+
+    Raises:
+        ValueError: not a positive integer.
+    """
+    try:
+        number = int(str(value))
+    except ValueError:
+        raise ValueError(f"study.replicates={value!r} must be a positive integer (e.g. 3)") from None
+    if number < 1:
+        raise ValueError(f"study.replicates={value!r} must be a positive integer (e.g. 3)")
+    return number
+
+
 #: The study's settings, recorded in its directory before any run trains (``OUT/study_settings.json``).
 SETTINGS_FILE = "study_settings.json"
+
+#: Settings that change no run (replicate r's runs are the same whatever the number of replicates):
+#: not compared with the first invocation's, so a study can be extended with more replicates.
+RUN_INDEPENDENT = ("study.replicates",)
 
 
 def _settings(cfg: Any) -> dict[str, Any]:
@@ -334,7 +450,9 @@ def check_settings(out: Path, cfg: Any) -> None:
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"{path}: unreadable ({err}); move it away to start the study afresh") from None
     now = json.loads(json.dumps(_settings(cfg), default=str))
-    differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+    differ = sorted(
+        k for k in before.keys() | now.keys() if before.get(k) != now.get(k) and k not in RUN_INDEPENDENT
+    )
     if differ:
         shown = "; ".join(f"{k}: {before.get(k)!r} then, {now.get(k)!r} now" for k in differ[:8])
         more = f" (and {len(differ) - 8} more)" if len(differ) > 8 else ""
@@ -350,7 +468,7 @@ def _run_locked_study(out: Path, plan: StudyPlan, cfg: Any, overrides: list[str]
     from flashprobe.formats.atomic import atomic_write_text
 
     check_settings(out, cfg)
-    if train and not (out / SETTINGS_FILE).is_file():
+    if train:  # the first invocation's settings (only a RUN_INDEPENDENT one can have changed)
         atomic_write_text(
             out / SETTINGS_FILE, json.dumps(_settings(cfg), default=str, indent=1, sort_keys=True)
         )
@@ -358,12 +476,13 @@ def _run_locked_study(out: Path, plan: StudyPlan, cfg: Any, overrides: list[str]
     from flashprobe.app.train import cli_main
     from flashprobe.formats.study_file import write_study
     from flashprobe.report.study_report import write_report
+    from flashprobe.report.study_verdict import comparison_groups
     from flashprobe.report.weights_figures import plot_study_figures
     from flashprobe.weights import compare_runs
 
     runs_dir = out / "runs"
     if train:
-        argv = ["-m", f"study_run={','.join(plan.runs)}", f"hydra.sweep.dir={runs_dir}"]
+        argv = [f"hydra.sweep.dir={runs_dir}", "hydra.sweep.subdir=${run_name}", "resume=auto"]
         argv += [
             f"{group}=study"
             for group in ("hydra/job_logging", "hydra/hydra_logging")
@@ -374,13 +493,18 @@ def _run_locked_study(out: Path, plan: StudyPlan, cfg: Any, overrides: list[str]
             n: f"{kernel if r.attention == 'flash' else 'math'}, {r.precision}, seed {r.seed}"
             for n, r in plan.runs.items()
         }
+        seeds = ", ".join(str(replicate_seed(r)) for r in range(plan.replicates))
         print(
-            f"flashprobe study: {len(plan.runs)} runs into {runs_dir} (each run's log: runs/<run>/train.log; "
-            "interrupted? run the same command again to resume)",
+            f"flashprobe study: {len(plan.runs)} runs ({plan.replicates} replicate"
+            f"{'s' * (plan.replicates != 1)}, seeds {seeds}) into {runs_dir} (each run's log: "
+            "runs/<run>/train.log; interrupted? run the same command again to resume)",
             flush=True,
         )
         with _quiet_runs(), StudyProgress(runs_dir, labels):
-            cli_main([*argv, "hydra.sweep.subdir=${run_name}", "resume=auto", *overrides])
+            for sweep in _sweeps(plan):
+                code = cli_main(["-m", *sweep, *argv, *overrides])
+                if code:  # refused before training (its message printed): the study stops with it
+                    raise SystemExit(code)
     _check_trained(runs_dir, plan)
     comparison = compare_runs(
         {n: (runs_dir / c.run_a, runs_dir / c.run_b) for n, c in plan.comparisons.items()}
@@ -388,12 +512,32 @@ def _run_locked_study(out: Path, plan: StudyPlan, cfg: Any, overrides: list[str]
     meta = {
         **plan.as_dict(),
         "kernel": str(cfg.study.kernel),
+        "warmup_steps": int(cfg.module.get("warmup_steps") or 0),
         "overrides": overrides,
         "machine": _runs_machine(runs_dir, plan.runs),
     }
-    write_study(out, {**comparison.as_dict(), "study": meta}, comparison.rows())
-    plot_study_figures(comparison.as_dict()["pairs"], out)
+    doc = {**comparison.as_dict(), "study": meta}
+    write_study(out, doc, comparison.rows())
+    plot_study_figures(doc["pairs"], out, groups=comparison_groups(doc))
     return write_report(out)
+
+
+def _replicate_value(replicate: int) -> str:
+    """``study.replicate`` of replicate ``r``'s runs, as a Hydra override value."""
+    seed = replicate_seed(replicate)
+    return f"{{seed:{seed},seed_pair:{seed + 1},suffix:'{replicate_suffix(replicate)}'}}"
+
+
+def _sweeps(plan: StudyPlan) -> list[list[str]]:
+    """The Hydra multiruns that train ``plan``: replicate 0's runs, then every other replicate's
+    (one sweep of replicates x roles: a launcher runs them in parallel)."""
+    first = [r.role for r in plan.runs.values() if r.replicate == 0]
+    sweeps = [[f"study.replicate={_replicate_value(0)}", f"study_run={','.join(first)}"]]
+    if plan.replicates > 1:
+        values = ",".join(_replicate_value(i) for i in range(1, plan.replicates))
+        roles = [r for r in first if r not in ONCE]
+        sweeps.append([f"study.replicate={values}", f"study_run={','.join(roles)}"])
+    return sweeps
 
 
 def _check_trained(runs_dir: Path, plan: StudyPlan) -> None:
@@ -458,17 +602,28 @@ EPILOG = """\
 common overrides (Hydra, applied to every run):
   study.precision=bf16-mixed|16-mixed|32-true   precision of flash, baseline, identical, seeds
   study.kernel=SPEC          the kernel under test (flashprobe kernels), e.g. tiled:preset=paper
+  study.replicates=N         train the runs at N seeds (replicate r: seed 2r; default 3); each ratio
+                             gets its median and min-max over the replicates
   experiment=NAME            the study's settings (default: study; ./conf/experiment/NAME.yaml)
-  trainer.max_steps=N        optimizer steps per run
+  trainer.max_steps=N        optimizer steps per run (default 100)
   hydra/launcher=joblib|submitit_local|submitit_slurm   run the runs in parallel / on a cluster
   trainer=ddp_cpu            each run as a 2-process DDP run
 
 examples:
-  flashprobe study                                    the quick study (out/study)
-  flashprobe study --out out/paper_study experiment=paper_study
+  flashprobe study                                    the quick study (out/study; 3 replicates, 100 steps)
+  flashprobe study --out out/paper_study experiment=paper_study   5 replicates, 900 steps
   flashprobe study --out out/study_40 --runs flash,baseline,identical trainer.max_steps=40
   flashprobe study --out out/study_submitit hydra/launcher=submitit_local   each run a submitit job
-(one --out per set of settings: a study directory refuses other settings than its first invocation's)
+(one --out per set of settings: a study directory refuses other settings than its first invocation's;
+study.replicates may change: replicate r's runs are the same whatever the number of replicates)
+
+The first line of the verdict is the answer; the exit code says it (docs/study.md "The answer"):
+  0  PASS          at every snapshot step after the warm-up, flash / seed is below 1 in every
+                   replicate and flash / the low-precision pair at the precision flash trains at
+                   (bf16_vs_fp32 at bf16) is not above 1 in every replicate
+  3  LOOK CLOSER   one of these fails at some step (named), or flash's weights turn non-finite
+  4  UNDETERMINED  a comparison the rule needs was not trained (e.g. --runs flash,baseline)
+  1  a run failed (its message above)   2  bad arguments, nothing trained   130  interrupted
 
 Re-running the same command skips finished runs and resumes interrupted ones.
 Writes OUT/study.json, study.csv, report.md, fig7_<pair>.png, fig8_wasserstein.png, OUT/runs/<run>/."""
@@ -481,13 +636,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="flashprobe study",
         description="Train flash and baseline attention at a training precision (study.precision, default "
-        "bf16-mixed), an identical repeat, other seeds and the baseline at other precisions, and bound "
-        "flash attention's weight deviation like for like (paper §V).",
+        "bf16-mixed), an identical repeat, a seed pair and the baseline at other precisions, at several "
+        "seeds (replicates), and answer whether flash attention's weight deviation is within the seed bound "
+        "and not above low precision, like for like (paper §V).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", default="out/study", help="study directory (default: out/study)")
-    parser.add_argument("--runs", default=None, help="comma-separated runs (default: every run of the plan)")
+    parser.add_argument(
+        "--runs",
+        default=None,
+        help="comma-separated runs of the plan (flash,baseline,identical,seed1,fp32,fp16,flash_fp32; "
+        "default: all), each trained at every replicate's seed (identical, flash_fp32: at the first only)",
+    )
     parser.add_argument(
         "--compare-only", action="store_true", help="compare runs already trained in OUT/runs"
     )
@@ -524,20 +685,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif exit_.code not in (0, None):
             print(f"flashprobe study: a run failed (above); fix it and {again}", file=sys.stderr)
         raise
-    print(_closing(report))
-    return 0
+    text, code = _closing(report)
+    print(text)
+    return code
 
 
-def _closing(report: Path) -> str:
-    """The verdict (plain text) and the paths a study wrote: the last lines a user sees."""
+def _closing(report: Path) -> tuple[str, int]:
+    """The verdict (plain text, its answer first) and the paths a study wrote: the last lines a user
+    sees; and the exit code of its answer (:data:`flashprobe.report.study_verdict.EXIT_CODES`)."""
     from flashprobe.formats.study_file import read_study
-    from flashprobe.report.study_report import verdict, verdict_lines
+    from flashprobe.report.study_verdict import EXIT_CODES, UNDETERMINED, verdict, verdict_lines
 
     study = read_study(report.parent)
     meta = study.get("study", {})
-    lines = verdict_lines(verdict(study), str(meta.get("precision")), str(meta.get("kernel", "sdpa_flash")))
+    v = verdict(study)
+    lines = verdict_lines(v, str(meta.get("precision")), str(meta.get("kernel", "sdpa_flash"))) if v else []
     out = report.parent
-    return "\n".join(
+    text = "\n".join(
         [
             "",
             *(line.replace("**", "") for line in lines),
@@ -548,3 +712,4 @@ def _closing(report: Path) -> str:
             f"runs:    {out / 'runs'}/<run> (probe.png, snapshots, samples)",
         ]
     )
+    return text, EXIT_CODES[v["answer"] if v else UNDETERMINED]

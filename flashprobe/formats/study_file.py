@@ -7,11 +7,17 @@ pair's ``steps``::
      "pairs": {"flash_vs_baseline": {
          "run_a": "runs/flash", "run_b": "runs/baseline",
          "runs": {"a": {"run_id", "seed", "attention", "precision", "steps"}, "b": {...}},
+         "differs": {"attention": ["sdpa_flash", "math"]}, "unrecorded": [],
          "steps": [0, 20, ...], "steps_only_a": [], "steps_only_b": [],
          "model": {"numel": 1234, "wasserstein": [...], "max_abs": [...],
                    "nonfinite_a": [...], "nonfinite_b": [...]},
          "groups": {"blocks.0": {...same columns...}}, "tensors": {"head.weight": {...}}}},
      ...further top-level fields a study adds (e.g. "study")}
+
+``differs`` names what the pair's runs were recorded to differ in, each thing with both runs'
+values (:mod:`flashprobe.weights.differences`); ``unrecorded`` the facts a run did not record. A
+study adds ``study``: its plan (runs, comparisons with their replicate and seed, replicates), kernel,
+warm-up, overrides and machine facts.
 
 Numbers follow :mod:`flashprobe.formats.jsonio`: a distance that is undefined because a run has
 non-finite weights is ``"nan"``. ``study.csv`` has one row per pair × step × level × name with the
@@ -47,7 +53,7 @@ CSV_FIELDS = (
     "nonfinite_b",
 )
 _WRITERS = "flashprobe compare RUN_A RUN_B --out DIR` or `flashprobe study --out DIR"
-_TEXT_KEYS = frozenset({"run_a", "run_b", "run_id", "attention", "precision"})
+_TEXT_KEYS = frozenset({"run_a", "run_b", "run_id", "attention", "precision", "differs"})
 
 
 def write_study(

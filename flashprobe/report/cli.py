@@ -115,7 +115,7 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     """``flashprobe compare``: compare the weight snapshots of two or more run directories."""
     from flashprobe.report.weights_figures import plot_study_figures
     from flashprobe.weights import SnapshotStore, compare_runs
-    from flashprobe.weights.compare import describe_differences
+    from flashprobe.weights.differences import describe_differences, not_like_for_like
 
     prog = "flashprobe compare"
     parser = _compare_parser()
@@ -136,15 +136,24 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     if not args.no_figures:
         result.files += plot_study_figures(result.as_dict()["pairs"], out, fig7=args.fig7_pair)
     width = max(len(n) for n in result.pairs)
-    print(
+    header = (
         f"{'pair':<{width}}  {'steps':>5}  {'last step':>9}  {'wasserstein':>11}  {'max_abs':>9}  differs in"
     )
+    print(header)
+    pairs_doc = result.as_dict()["pairs"]
     for name, pair in result.pairs.items():
         last = pair.model[-1] if pair.model else None
         w = _fmt_e(last.wasserstein) if last else "-"
         m = _fmt_e(last.max_abs) if last else "-"
-        differs = describe_differences(pair.differences())
+        differs = describe_differences(pairs_doc[name])
         print(f"{name:<{width}}  {len(pair.steps):>5}  {pair.steps[-1]:>9}  {w:>11}  {m:>9}  {differs}")
+    mixed = not_like_for_like(pairs_doc)
+    if mixed:
+        print(
+            "warning: not like for like: "
+            + "; ".join(f"{n} differs in {what}" for n, what in mixed.items())
+            + " — such a distance mixes the effects of everything its runs differ in"
+        )
     for path in result.files:
         print(f"wrote {path}")
     return 0
@@ -159,6 +168,7 @@ def report_main(argv: Sequence[str] | None = None) -> int:
     (``probe.jsonl``, no ``study.json``) redraw ``probe.png`` and print the worst error ratio per
     logged step."""
     from flashprobe.report.study_report import write_report
+    from flashprobe.report.study_verdict import comparison_groups
     from flashprobe.report.weights_figures import plot_study_figures
 
     prog = "flashprobe report"
@@ -179,7 +189,8 @@ def report_main(argv: Sequence[str] | None = None) -> int:
     try:
         study = read_study(args.dir)
         prepare_output_dir(args.dir, flag="DIR")
-        figures = plot_study_figures(study["pairs"], args.dir) if args.figures else []
+        groups = comparison_groups(study)
+        figures = plot_study_figures(study["pairs"], args.dir, groups=groups) if args.figures else []
         report = write_report(args.dir)
     except (FileNotFoundError, ValueError) as err:
         return _fail(prog, err)

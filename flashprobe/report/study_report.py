@@ -1,19 +1,20 @@
-"""``report.md`` of a study: the verdict of paper §V, computed from ``study.json`` like for like.
+"""``report.md`` of a study: the answer of paper §V's question, computed from ``study.json`` like for like.
 
-The verdict puts the flash-vs-baseline weight deviation in context, as the paper does (Fig 8): as a
-multiple of the deviation between runs that differ only in their seed, and of the deviation that
-low-precision training causes. Each context is a comparison that isolates one thing (``study.json``'s
-``study.comparisons``); flash's pair is divided only by comparisons of the kinds ``seed`` (same
-precision as flash) and ``precision`` (the baseline across precisions). An ``identical`` pair is the
-noise floor: reported as such, never as a ratio. Everything is recomputed from files, so
-``flashprobe report STUDY_DIR`` regenerates the report.
+The verdict (:mod:`flashprobe.report.study_verdict`) puts the flash-vs-baseline weight deviation in
+context, as the paper does (Fig 8): as a multiple of the deviation between runs that differ only in
+their seed, and of the deviation that low-precision training causes — each ratio computed within one
+replicate (pairs sharing its seed) and reported as median and min–max over the replicates, at the
+last step and over training. Each context is a comparison that isolates one thing (``study.json``'s
+``study.comparisons``, checked against what the runs recorded: ``pairs.<name>.differs``); the title
+claims "like for like" only when every pair differs in at most one thing. Everything is recomputed
+from files, so ``flashprobe report STUDY_DIR`` regenerates the report.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +22,16 @@ from flashprobe.formats.atomic import atomic_write_text
 from flashprobe.formats.probe_log import PROBE_LOG_NAME, load_probe_records
 from flashprobe.formats.run_record import read_run_record, run_seconds
 from flashprobe.formats.study_file import read_study
+from flashprobe.report.study_verdict import (
+    FLASH,
+    comparison_groups,
+    study_comparisons,
+    verdict,
+    verdict_lines,
+)
+from flashprobe.weights.differences import describe_differences, not_like_for_like
 
-__all__ = ["VERDICT_KINDS", "probe_summary", "verdict", "write_report"]
-
-FLASH = "flash_vs_baseline"
-#: Comparison kinds flash's deviation is divided by, in the verdict's order.
-VERDICT_KINDS = ("seed", "precision")
+__all__ = ["probe_summary", "verdict", "verdict_lines", "write_report"]
 
 
 def _final(pair: Mapping[str, Any], metric: str = "wasserstein") -> tuple[int, float] | None:
@@ -37,95 +42,10 @@ def _final(pair: Mapping[str, Any], metric: str = "wasserstein") -> tuple[int, f
     return None
 
 
-def verdict(study: Mapping[str, Any]) -> dict[str, Any]:
-    """Flash-vs-baseline deviation as multiples of like-for-like context deviations.
-
-    Args:
-        study: ``study.json`` as read by :func:`flashprobe.formats.study_file.read_study`.
-
-    Returns:
-        ``step`` and ``flash`` (flash's final whole-model Wasserstein distance); ``noise_floor``
-        (the ``identical`` pair's final distance, or None); ``context``: per context — ``seed``
-        (the mean over the seed pairs) and each ``precision`` pair — its ``wasserstein``, the
-        ``pairs`` it covers, what it ``isolates`` and ``ratio`` = flash / context (None when the
-        context distance is 0); ``extra``: the ``kernel_fp32`` pair's distance, if trained.
-        Empty when there is no flash pair or no study metadata (a plain ``flashprobe compare``).
-    """
-    pairs = study["pairs"]
-    comparisons = (study.get("study") or {}).get("comparisons") or {}
-    if FLASH not in pairs or not comparisons or _final(pairs[FLASH]) is None:
-        return {}
-    step, flash = _final(pairs[FLASH])
-    finals = {n: f[1] for n in pairs if n in comparisons and (f := _final(pairs[n])) is not None}
-    out: dict[str, Any] = {"step": step, "flash": flash, "context": {}, "extra": {}}
-    noise = [finals[n] for n, c in comparisons.items() if c["kind"] == "noise" and n in finals]
-    out["noise_floor"] = max(noise) if noise else None
-    seeds = [n for n, c in comparisons.items() if c["kind"] == "seed" and n in finals]
-    groups = {"seed": seeds} if seeds else {}
-    groups |= {n: [n] for n, c in comparisons.items() if c["kind"] == "precision" and n in finals}
-    for label, names in groups.items():
-        value = statistics.fmean(finals[n] for n in names)
-        out["context"][label] = {
-            "wasserstein": value,
-            "ratio": flash / value if value > 0 else None,
-            "pairs": names,
-            "isolates": "the random seed" if label == "seed" else comparisons[label]["isolates"],
-        }
-    out["extra"] = {
-        n: finals[n] for n, c in comparisons.items() if c["kind"] == "kernel_fp32" and n in finals
-    }
-    return out
-
-
 def _fmt(x: float | None) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
     return f"{x:.3g}"
-
-
-def _times(ratio: float) -> str:
-    """``ratio`` as "3.2× below" or "1.4× above"."""
-    return f"{1 / ratio:.3g}× below" if ratio < 1 else f"{ratio:.3g}× above"
-
-
-def verdict_lines(v: Mapping[str, Any], precision: str, kernel: str = "sdpa_flash") -> list[str]:
-    """The verdict in a few sentences, each computed from ``v`` (:func:`verdict`)."""
-    lines = [
-        f"At step {v['step']}, the kernel under test ({kernel}) trained at {precision} is at whole-model "
-        f"Wasserstein distance **{_fmt(v['flash'])}** from the baseline (math attention, same precision and "
-        "seed)."
-    ]
-    floor = v.get("noise_floor")
-    if floor is not None:
-        lines.append(
-            "Noise floor: 0 — identical runs give bit-identical weights, so every distance here is real."
-            if floor == 0
-            else f"Noise floor: identical runs differ by {_fmt(floor)}; distances near it are noise."
-        )
-    seed = v["context"].get("seed")
-    if seed is not None and seed["ratio"] is not None:
-        within = seed["ratio"] <= 1
-        lines.append(
-            f"Seed: flash's deviation is {_fmt(seed['ratio'])}× the seed-to-seed deviation at that precision "
-            + (
-                "— within the bound set by random initialisation, as in the paper."
-                if within
-                else "— above the bound set by random initialisation, unlike the paper: look closer."
-            )
-        )
-    for name, c in v["context"].items():
-        if name == "seed" or c["ratio"] is None:
-            continue
-        lines.append(
-            f"Low precision: flash's deviation is {_times(c['ratio'])} that of {name} "
-            f"({c['isolates']}; paper: 2–5× below FP16 vs FP32)."
-        )
-    for name, value in v["extra"].items():
-        lines.append(
-            f"Without low precision ({name}, both at fp32) flash deviates by {_fmt(value)}: "
-            f"{_fmt(value / v['flash']) if v['flash'] else '–'}× its deviation at {precision}."
-        )
-    return lines
 
 
 def probe_summary(run_dir: Path) -> list[dict[str, Any]]:
@@ -136,50 +56,106 @@ def probe_summary(run_dir: Path) -> list[dict[str, Any]]:
     return [{"step": r["step"], **r.get("summary", {})} for r in load_probe_records(path)]
 
 
-def _comparisons_table(study: Mapping[str, Any], v: Mapping[str, Any]) -> list[str]:
+def _comparisons_table(study: Mapping[str, Any]) -> list[str]:
+    """One row per pair: what it isolates (the plan), what its runs differ in (their records), its
+    distances at its last step."""
     meta = study.get("study") or {}
-    comparisons, runs = meta.get("comparisons") or {}, meta.get("runs") or {}
+    comparisons, runs = study_comparisons(study), meta.get("runs") or {}
 
     def side(name: str) -> str:
         r = runs.get(name)
         return name if r is None else f"{name} ({r['attention']}, {r['precision']}, seed {r['seed']})"
 
     lines = [
-        "| comparison | isolates | run A | run B | last step | Wasserstein | max abs | flash / this |",
-        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |",
+        "| comparison | isolates | run A | run B | differs in (recorded) | last step | Wasserstein | "
+        "max abs |",
+        "| --- | --- | --- | --- | --- | ---: | ---: | ---: |",
     ]
     for name, pair in study["pairs"].items():
         c = comparisons.get(name, {})
-        final = _final(pair)
-        final_max = _final(pair, "max_abs")
-        if name == FLASH:
-            vs = "–"
-        elif c.get("kind") == "noise":
-            vs = "noise floor: 0" if final is not None and final[1] == 0 else "noise floor"
-        elif final is not None and final[1] > 0 and v:
-            vs = f"{_fmt(v['flash'] / final[1])}×"
-        else:
-            vs = "–"
+        final, final_max = _final(pair), _final(pair, "max_abs")
+        run_a = c.get("run_a") or Path(pair["run_a"]).name
+        run_b = c.get("run_b") or Path(pair["run_b"]).name
         lines.append(
-            f"| {name} | {c.get('isolates', '–')} | {side(c.get('run_a', pair['run_a']))} | "
-            f"{side(c.get('run_b', pair['run_b']))} | {final[0] if final else '–'} | "
-            f"{_fmt(final[1] if final else None)} | {_fmt(final_max[1] if final_max else None)} | {vs} |"
+            f"| {name} | {c.get('isolates', '–')} | {side(run_a)} | {side(run_b)} | "
+            f"{describe_differences(pair)} | "
+            f"{final[0] if final else '–'} | {_fmt(final[1] if final else None)} | "
+            f"{_fmt(final_max[1] if final_max else None)} |"
         )
     return lines
 
 
-def _steps_table(pairs: Mapping[str, Mapping[str, Any]], metric: str, max_rows: int = 8) -> list[str]:
-    names = list(pairs)
+def _ratios_table(v: Mapping[str, Any]) -> list[str]:
+    """The verdict's ratios: median and min–max over replicates at the last step, each replicate's value,
+    and the range over training."""
+    steps, seeds = v["steps"], ", ".join(map(str, v["seeds"]))
+    over = f"steps {steps[0]}–{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"
+    lines = [
+        f"| ratio | isolates | step {v['step']}: median | min–max | per replicate (seeds {seeds}) | "
+        f"min–max over {over} | at step {v['step']} |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for label, c in v["context"].items():
+        ratio = c["ratio"]
+        if ratio is None:
+            continue
+        values = ", ".join(_fmt(x) for x in ratio.values)
+        low, high = c["over_training"] or (None, None)
+        where = {"below": "below 1", "above": "above 1", "straddles": "straddles 1"}[ratio.position()]
+        lines.append(
+            f"| flash / {label} | {c['isolates']} | {_fmt(ratio.median)}× | "
+            f"{_fmt(ratio.low)}–{_fmt(ratio.high)} | {values} | {_fmt(low)}–{_fmt(high)} | {where} |"
+        )
+    return lines
+
+
+def _distances_table(study: Mapping[str, Any], v: Mapping[str, Any]) -> list[str]:
+    """Per comparison (all its replicates): whole-model distances at the verdict's step, median (min–max)."""
+    comparisons = study_comparisons(study)
+    step = v.get("step")
+    lines = [
+        f"| comparison | isolates | replicates | Wasserstein at step {step} | max abs at step {step} |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for group, names in comparison_groups(study).items():
+        cells = []
+        for metric in ("wasserstein", "max_abs"):
+            values = [_value_at(study["pairs"][n], metric, step) for n in names]
+            cells.append(_spread([x for x in values if x is not None]))
+        isolates = comparisons.get(names[0], {}).get("isolates", "–")
+        lines.append(f"| {group} | {isolates} | {len(names)} | {cells[0]} | {cells[1]} |")
+    return lines
+
+
+def _value_at(pair: Mapping[str, Any], metric: str, step: int | None) -> float | None:
+    if step not in pair["steps"]:
+        return None
+    value = pair["model"][metric][pair["steps"].index(step)]
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _spread(values: Sequence[float]) -> str:
+    """``6.47e-05 (5.9e-05–7.1e-05)``: median (min–max); one value as is; none as ``–``."""
+    if not values:
+        return "–"
+    if len(set(values)) == 1:  # one replicate, or every replicate the same (0 at step 0)
+        return _fmt(values[0])
+    return f"{_fmt(statistics.median(values))} ({_fmt(min(values))}–{_fmt(max(values))})"
+
+
+def _steps_table(study: Mapping[str, Any], metric: str, max_rows: int = 8) -> list[str]:
+    """Each comparison's whole-model ``metric`` over training: median (min–max) over its replicates."""
+    pairs, groups = study["pairs"], comparison_groups(study)
     steps = sorted({s for p in pairs.values() for s in p["steps"]})
     if len(steps) > max_rows:  # keep the table short: evenly spaced steps, always the last
         idx = sorted({round(i * (len(steps) - 1) / (max_rows - 1)) for i in range(max_rows)})
         steps = [steps[i] for i in idx]
-    lines = ["| step | " + " | ".join(names) + " |", "| ---: |" + " ---: |" * len(names)]
+    lines = ["| step | " + " | ".join(groups) + " |", "| ---: |" + " ---: |" * len(groups)]
     for step in steps:
         cells = []
-        for n in names:
-            p = pairs[n]
-            cells.append(_fmt(p["model"][metric][p["steps"].index(step)]) if step in p["steps"] else "–")
+        for names in groups.values():
+            values = [_value_at(pairs[n], metric, step) for n in names if step in pairs[n]["steps"]]
+            cells.append(_spread([x for x in values if x is not None]) if values else "–")
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
     return lines
 
@@ -296,35 +272,73 @@ def write_report(study_dir: str | Path) -> Path:
     study = read_study(study_dir)
     meta = study.get("study") or {}
     v = verdict(study)
-    precision = meta.get("precision", "?")
-    lines = [
-        "# flashprobe study: weight deviation of flash attention, like for like (paper §V)",
-        "",
-        "## Verdict",
-        "",
-    ]
+    flash_runs = (study["pairs"].get(FLASH) or {}).get("runs") or {}
+    precision = meta.get("precision") or (flash_runs.get("a") or {}).get("precision") or "?"
+    kernel = meta.get("kernel") or (flash_runs.get("a") or {}).get("attention") or "the kernel under test"
+    mixed = not_like_for_like(study["pairs"])
+    title = "weight deviation of flash attention" + ("" if mixed else ", like for like")
+    lines = [f"# flashprobe study: {title} (paper §V)", ""]
+    if mixed:
+        lines += [
+            "**Not shown to be like for like**: "
+            + "; ".join(f"`{n}` differs in {what}" for n, what in mixed.items())
+            + ". A pair that differs in more than one thing mixes their effects (or, unrecorded, may); "
+            "the verdict uses only pairs that differ in one thing.",
+            "",
+        ]
+    lines += ["## Verdict", ""]
     if v:
-        lines += [f"- {line}" for line in verdict_lines(v, precision, meta.get("kernel", "sdpa_flash"))]
+        lines += [f"- {line}" for line in verdict_lines(v, precision, kernel)]
+        n = len(v["seeds"])
+        lines += [
+            "",
+            "The rule (docs/study.md): **PASS** when, at every snapshot step after the learning-rate "
+            f"warm-up ({_warmup(v)}), flash / seed is below 1 in every replicate and flash / the "
+            "low-precision pair at the precision flash trains at is not above 1 in every replicate; "
+            "**LOOK CLOSER** when either fails at some step or flash's weights turn non-finite; "
+            "**UNDETERMINED** when a comparison the rule needs was not trained.",
+            "",
+            "## Ratios, with intervals over replicates",
+            "",
+            *_ratios_table(v),
+            "",
+            f"Each ratio divides distances of one replicate (pairs that share its seed); median and min–max "
+            f"over the {n} replicate{'s' * (n != 1)}. "
+            + (
+                f"With {n} independent replicates, the min–max range covers the median ratio with "
+                f"probability 1 − 2^(1−{n}) = {1 - 2 ** (1 - n):.0%} (order statistics; no assumption on the "
+                "distribution); a bootstrap interval is not meaningful with so few replicates."
+                if n > 1
+                else "One replicate: no interval (study.replicates=N trains N seeds)."
+            ),
+            "",
+            "## Distances, median (min–max) over replicates",
+            "",
+            *_distances_table(study, v),
+        ]
     else:
         lines.append(
             "No like-for-like `flash_vs_baseline` comparison here: the distances below carry no verdict."
         )
-    lines += ["", "## What each comparison isolates", "", *_comparisons_table(study, v), ""]
+    lines += ["", "## What each comparison isolates", "", *_comparisons_table(study), ""]
     if meta.get("runs"):
         lines += ["## Runs", "", *_runs_table(study_dir, meta["runs"]), ""]
     figures = sorted(p.name for p in study_dir.glob("fig*.png"))
     if figures:
         lines += ["## Figures", "", *[f"![{f}]({f})" for f in figures], ""]
+    spread = (
+        " median (min–max) over replicates;"
+        if any(len(g) > 1 for g in comparison_groups(study).values())
+        else ""
+    )
     lines += [
-        "## Wasserstein distance over training (whole model)",
+        f"## Wasserstein distance over training (whole model;{spread} zero: identical weights)",
         "",
-        *_steps_table(study["pairs"], "wasserstein"),
-    ]
-    lines += [
+        *_steps_table(study, "wasserstein"),
         "",
-        "## Max |W_a − W_b| over training (whole model)",
+        f"## Max |W_a − W_b| over training (whole model;{spread} zero: identical weights)",
         "",
-        *_steps_table(study["pairs"], "max_abs"),
+        *_steps_table(study, "max_abs"),
         "",
     ]
     lines += _probe_lines(study_dir, meta.get("runs") or {})
@@ -333,3 +347,11 @@ def write_report(study_dir: str | Path) -> Path:
     out = study_dir / "report.md"
     atomic_write_text(out, "\n".join(lines))
     return out
+
+
+def _warmup(v: Mapping[str, Any]) -> str:
+    steps = v["steps"]
+    which = f"steps {steps[0]}–{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"
+    if v.get("warmup_steps") is None:
+        return f"warm-up not recorded: every step after 0, here {which}"
+    return f"module.warmup_steps = {v['warmup_steps']}; here {which}"

@@ -8,6 +8,8 @@ Both functions draw from the columnar pair records of ``study.json`` (written by
   distance of the whole model over steps, side by side.
 * Fig 8 (:func:`plot_wasserstein_curves`): the whole-model Wasserstein curves of every pair on one
   log-scale plot (flash vs baseline against the identical-run, other-seed and low-precision bounds).
+  A comparison a study made at several replicates (seeds) is one curve, the median over replicates,
+  in a shaded band from the lowest to the highest replicate at each step.
 
 Fig 8 has a log axis; Fig 7 uses one when a curve spans more than two decades. Zero distances
 (bit-identical weights, e.g. at step 0 of runs with one seed) cannot be drawn on a log axis: those
@@ -18,7 +20,9 @@ Files are written atomically with matplotlib's Agg renderer (no pyplot, no displ
 
 from __future__ import annotations
 
+import math
 import os
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -106,25 +110,64 @@ def pair_over_steps_figure(name: str, pair: Mapping[str, Any]) -> Figure:
     return fig
 
 
-def wasserstein_curves_figure(pairs: Mapping[str, Mapping[str, Any]]) -> Figure:
-    """Fig 8: the whole-model Wasserstein distance of every pair over training steps, log scale.
+def _band(
+    pairs: Mapping[str, Mapping[str, Any]], names: Sequence[str]
+) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Steps where every one of ``names`` has a positive finite distance, with the median, min and max."""
+    curves = [dict(zip(pairs[n]["steps"], pairs[n]["model"]["wasserstein"], strict=True)) for n in names]
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    xs, mid, low, high = [], [], [], []
+    for step in steps:
+        values = [c[step] for c in curves]
+        if all(v is not None and math.isfinite(v) and v > 0 for v in values):
+            xs.append(step)
+            mid.append(statistics.median(values))
+            low.append(min(values))
+            high.append(max(values))
+    return xs, mid, low, high
+
+
+def wasserstein_curves_figure(
+    pairs: Mapping[str, Mapping[str, Any]], groups: Mapping[str, Sequence[str]] | None = None
+) -> Figure:
+    """Fig 8: the whole-model Wasserstein distance of every comparison over training steps, log scale.
 
     Args:
         pairs: pair name → its record from ``study.json``.
+        groups: comparison name → its pairs at every replicate (default: each pair alone); a
+            comparison of several pairs is drawn as the median over them, in a band from the lowest
+            to the highest at each step.
 
     Returns:
         A matplotlib figure (not attached to pyplot).
     """
+    groups = groups if groups is not None else {n: [n] for n in pairs}
     fig = Figure(figsize=(7, 4.5), layout="constrained")
     ax = fig.subplots()
-    zero: list[tuple[str, str]] = []  # pairs at 0 at every step: drawn as a floor line below
-    for i, (name, pair) in enumerate(pairs.items()):
-        values = pair["model"]["wasserstein"]
-        if _all_zero(values):
-            zero.append((name, f"C{i % 10}"))
+    zero: list[tuple[str, str]] = []  # comparisons at 0 at every step: drawn as a floor line below
+    banded = 0
+    for i, (name, members) in enumerate(groups.items()):
+        color = f"C{i % 10}"
+        if all(_all_zero(pairs[n]["model"]["wasserstein"]) for n in members):
+            zero.append((name, color))
             continue
         style = {"linewidth": 2.5} if "flash" in name.lower() else {"linewidth": 1.3}
-        _curve(ax, pair["steps"], values, name, log=True, color=f"C{i % 10}", **style)
+        if len(members) == 1:
+            pair = pairs[members[0]]
+            _curve(ax, pair["steps"], pair["model"]["wasserstein"], name, log=True, color=color, **style)
+            continue
+        xs, mid, low, high = _band(pairs, members)
+        ax.fill_between(xs, low, high, color=color, alpha=0.18, linewidth=0)
+        ax.plot(
+            xs,
+            mid,
+            marker="o",
+            markersize=3,
+            color=color,
+            label=f"{name} ({len(members)} replicates)",
+            **style,
+        )
+        banded = max(banded, len(members))
     ax.set_yscale("log")
     if zero:
         if len(ax.get_lines()) == 0:
@@ -138,7 +181,10 @@ def wasserstein_curves_figure(pairs: Mapping[str, Mapping[str, Any]]) -> Figure:
     ax.set_ylabel("Wasserstein-1 distance of all weights")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="best", fontsize=8)
-    ax.set_title("Fig 8: weight deviation of each comparison over training", fontsize=10)
+    title = "Fig 8: weight deviation of each comparison over training"
+    if banded:
+        title += "\n(line: median over replicates; band: lowest to highest replicate)"
+    ax.set_title(title, fontsize=10)
     fig.text(0.5, -0.02, _ZERO_NOTE, ha="center", fontsize=7, color="0.4")
     return fig
 
@@ -148,9 +194,13 @@ def plot_pair_over_steps(name: str, pair: Mapping[str, Any], path: str | os.Path
     return save_figure(pair_over_steps_figure(name, pair), path, dpi=120)
 
 
-def plot_wasserstein_curves(pairs: Mapping[str, Mapping[str, Any]], path: str | os.PathLike[str]) -> Path:
+def plot_wasserstein_curves(
+    pairs: Mapping[str, Mapping[str, Any]],
+    path: str | os.PathLike[str],
+    groups: Mapping[str, Sequence[str]] | None = None,
+) -> Path:
     """Draw Fig 8 (:func:`wasserstein_curves_figure`) and save it atomically to ``path``; returns ``path``."""
-    return save_figure(wasserstein_curves_figure(pairs), path, dpi=120)
+    return save_figure(wasserstein_curves_figure(pairs, groups), path, dpi=120)
 
 
 def fig7_pair(names: Sequence[str], wanted: str | None = None) -> str:
@@ -170,7 +220,11 @@ def fig7_pair(names: Sequence[str], wanted: str | None = None) -> str:
 
 
 def plot_study_figures(
-    pairs: Mapping[str, Mapping[str, Any]], out_dir: str | os.PathLike[str], *, fig7: str | None = None
+    pairs: Mapping[str, Mapping[str, Any]],
+    out_dir: str | os.PathLike[str],
+    *,
+    fig7: str | None = None,
+    groups: Mapping[str, Sequence[str]] | None = None,
 ) -> list[Path]:
     """Draw Fig 7 (of :func:`fig7_pair`) and Fig 8 of a study's pairs into ``out_dir``.
 
@@ -178,6 +232,8 @@ def plot_study_figures(
         pairs: ``study.json``'s ``"pairs"`` (:func:`flashprobe.formats.study_file.read_study`).
         out_dir: where ``fig7_<pair>.png`` and ``fig8_wasserstein.png`` go.
         fig7: the pair of Fig 7 (default: see :func:`fig7_pair`).
+        groups: Fig 8's comparisons, each with its pairs at every replicate
+            (:func:`flashprobe.report.study_verdict.comparison_groups`; default: each pair alone).
 
     Returns:
         The two paths; none when no pair has whole-model distances (``compare --no-model``).
@@ -188,5 +244,5 @@ def plot_study_figures(
     chosen = safe_name(fig7_pair(list(pairs), fig7), what="pair name")
     return [
         plot_pair_over_steps(chosen, pairs[chosen], out / f"fig7_{chosen}.png"),
-        plot_wasserstein_curves(pairs, out / "fig8_wasserstein.png"),
+        plot_wasserstein_curves(pairs, out / "fig8_wasserstein.png", groups),
     ]

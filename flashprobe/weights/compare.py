@@ -37,11 +37,11 @@ from typing import Any
 import torch
 
 from flashprobe.formats.study_file import write_study
+from flashprobe.weights.differences import run_differences
 from flashprobe.weights.distances import sorted_values, wasserstein_sorted
 from flashprobe.weights.store import SnapshotStore
 
 __all__ = [
-    "RUN_FACTS",
     "Comparison",
     "Distances",
     "PairComparison",
@@ -49,15 +49,8 @@ __all__ = [
     "check_compatible",
     "compare_pair",
     "compare_runs",
-    "describe_differences",
     "group_of",
-    "run_differences",
 ]
-
-
-#: The manifest facts a pair of runs is compared on, to say what the pair isolates: like for like,
-#: a pair differs in exactly one of them (or none: identical runs).
-RUN_FACTS = ("attention", "precision", "seed")
 
 
 class SnapshotMismatchError(ValueError):
@@ -109,6 +102,9 @@ class PairComparison:
         groups: group name → per-step distances.
         tensors: parameter name → per-step distances.
         runs: manifest facts of both runs (``run_id``, ``seed``, ``attention``, ``precision``).
+        differs: what the two runs differ in, from their records: thing → ``[value_a, value_b]``
+            (:func:`flashprobe.weights.differences.run_differences`).
+        unrecorded: manifest facts a run did not record (their difference is unknown).
     """
 
     name: str
@@ -121,6 +117,13 @@ class PairComparison:
     groups: dict[str, list[Distances]] = field(default_factory=dict)
     tensors: dict[str, list[Distances]] = field(default_factory=dict)
     runs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    differs: dict[str, list[Any]] = field(default_factory=dict)
+    unrecorded: list[str] = field(default_factory=list)
+
+    @property
+    def like_for_like(self) -> bool:
+        """Whether the runs differ in at most one thing, every fact recorded."""
+        return len(self.differs) <= 1 and not self.unrecorded
 
     def curve(
         self, metric: str = "wasserstein", level: str = "model", name: str | None = None
@@ -137,12 +140,6 @@ class PairComparison:
             raise ValueError(f"level must be one of {sorted(series)}, got {level!r}")
         return [getattr(d, metric) for d in series[level]()]
 
-    def differences(self) -> dict[str, tuple[Any, Any]]:
-        """The manifest facts (:data:`RUN_FACTS`: attention kernel, precision, seed) in which the two
-        runs differ, ``{fact: (a, b)}``; a fact either manifest leaves out (None, e.g. ``attention``
-        in a manifest written before it was recorded) is not compared."""
-        return run_differences(self.runs.get("a", {}), self.runs.get("b", {}))
-
     def as_dict(self) -> dict[str, Any]:
         """Columnar form of ``study.json`` (:mod:`flashprobe.formats.study_file`): every curve is a
         list aligned with ``steps``."""
@@ -150,6 +147,8 @@ class PairComparison:
             "run_a": self.run_a,
             "run_b": self.run_b,
             "runs": self.runs,
+            "differs": self.differs,
+            "unrecorded": self.unrecorded,
             "steps": self.steps,
             "steps_only_a": self.steps_only_a,
             "steps_only_b": self.steps_only_b,
@@ -300,21 +299,6 @@ def _max_abs(a: _Weights, b: _Weights) -> dict[str, float]:
     }
 
 
-def run_differences(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """``{fact: (a, b)}`` for the :data:`RUN_FACTS` two runs' manifest facts differ in (a fact either
-    run leaves out, None, is not compared)."""
-    return {
-        fact: (a.get(fact), b.get(fact))
-        for fact in RUN_FACTS
-        if a.get(fact) is not None and b.get(fact) is not None and a.get(fact) != b.get(fact)
-    }
-
-
-def describe_differences(facts: Mapping[str, tuple[Any, Any]]) -> str:
-    """``attention sdpa_flash vs math, seed 0 vs 1`` (``nothing`` when empty)."""
-    return ", ".join(f"{k} {a} vs {b}" for k, (a, b) in facts.items()) or "nothing"
-
-
 def _run_info(store: SnapshotStore) -> dict[str, Any]:
     return {
         "run_id": store.run_id,
@@ -364,14 +348,6 @@ class _PairPlan:
                 UserWarning,
                 stacklevel=4,
             )
-        facts = run_differences(_run_info(a), _run_info(b))
-        if len(facts) > 1:
-            warnings.warn(
-                f"{name}: the runs differ in {describe_differences(facts)}; its distances mix "
-                f"{len(facts)} causes (a like-for-like pair differs in one thing)",
-                UserWarning,
-                stacklevel=4,
-            )
         groups: dict[str, list[str]] = {}
         for n in names if group_depth else ():
             groups.setdefault(group_of(n, group_depth), []).append(n)
@@ -385,6 +361,7 @@ class _PairPlan:
             groups={g: [] for g in groups},
             tensors={n: [] for n in names},
             runs={"a": _run_info(a), "b": _run_info(b)},
+            **run_differences(a, b),
         )
         return cls(a, b, names, {g: tuple(m) for g, m in groups.items()}, whole_model, result)
 

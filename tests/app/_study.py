@@ -28,9 +28,10 @@ def flashprobe_cli(
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=environment, cwd=cwd)
 
 
-#: Overrides that shrink ``experiment=study`` to seconds: a tiny model, 4 steps, a snapshot and a
-#: checkpoint every 2 steps, a 2-image sample grid.
+#: Overrides that shrink ``experiment=study`` to seconds: one replicate, a tiny model, 4 steps, a
+#: snapshot and a checkpoint every 2 steps, a 2-image sample grid.
 TINY = [
+    "study.replicates=1",
     "model=tiny",
     "logger=csv",
     "data.num_train=64",

@@ -15,9 +15,16 @@ import flashprobe.app.study as study_module
 from flashprobe.app.study import check_launcher, run_study
 from flashprobe.formats.run_record import read_run_record
 from flashprobe.formats.study_file import read_study
+from flashprobe.report.study_verdict import EXIT_CODES, UNDETERMINED
 from tests.app._study import ROOT, TINY, flashprobe_cli
 
-RUNS = ["flash", "baseline", "identical"]
+RUNS = ["flash", "baseline"]
+#: two replicates: replicate 0's runs are one Hydra multirun, replicate 1's (flash_seed2, baseline_seed2)
+#: another, so every launcher here starts both
+STUDY = [*TINY, "study.replicates=2"]
+TRAINED = ["flash", "baseline", "flash_seed2", "baseline_seed2"]
+#: flash and baseline answer no question of the rule's (no seed or low-precision pair)
+UNDETERMINED_EXIT = EXIT_CODES[UNDETERMINED]
 
 
 def _pairs(out: Path) -> dict:
@@ -30,7 +37,7 @@ def _pairs(out: Path) -> dict:
 def basic(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The reference: the study on Hydra's basic launcher (runs one after another in this process)."""
     out = tmp_path_factory.mktemp("basic")
-    run_study(out, RUNS, TINY)
+    run_study(out, RUNS, STUDY)
     return out
 
 
@@ -55,37 +62,38 @@ def test_a_launcher_gives_the_basic_launchers_numbers(
     basic: Path, tmp_path: Path, launcher: list[str]
 ) -> None:
     out = tmp_path / "study"
-    proc = flashprobe_cli("study", "--out", str(out), "--runs", ",".join(RUNS), *TINY, *launcher)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = flashprobe_cli("study", "--out", str(out), "--runs", ",".join(RUNS), *STUDY, *launcher)
+    assert proc.returncode == UNDETERMINED_EXIT, proc.stderr[-3000:]
     assert _pairs(out) == _pairs(basic)  # every distance at every step, exactly
-    for run in RUNS:
+    assert "flash_vs_baseline_seed2" in _pairs(out)
+    for run in TRAINED:
         assert read_run_record(out / "runs" / run)["status"] == "finished"
     if "submitit" in launcher[0]:  # each run was a submitit job of its own
-        assert len(list((out / "runs" / ".submitit").glob("*/*_result.pkl"))) == len(RUNS)
+        assert len(list((out / "runs" / ".submitit").glob("*/*_result.pkl"))) == len(TRAINED)
     assert proc.stdout.rstrip().splitlines()[-4].startswith("report:")
 
 
 def test_a_killed_study_invoked_again_trains_only_what_had_not_finished(basic: Path, tmp_path: Path) -> None:
     out = tmp_path / "study"
-    kill = [  # SIGKILL the whole study during run 2 of 3 (after its step 3), the first time only
+    kill = [  # SIGKILL the whole study during run 2 of 4 (after its step 3), the first time only
         "+callbacks.kill._target_=tests.app._kill.KillAt",
         "+callbacks.kill.step=3",
         "+callbacks.kill.only_in=baseline",
         f"+callbacks.kill.once={tmp_path / 'killed-once'}",
     ]
-    command = ["study", "--out", str(out), "--runs", ",".join(RUNS), *TINY, *kill]
+    command = ["study", "--out", str(out), "--runs", ",".join(RUNS), *STUDY, *kill]
     killed = flashprobe_cli(*command)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert read_run_record(out / "runs" / "flash")["status"] == "finished"
     assert read_run_record(out / "runs" / "baseline")["status"] == "running"
-    assert not (out / "runs" / "identical").exists() and not (out / "study.json").exists()
+    assert not (out / "runs" / "flash_seed2").exists() and not (out / "study.json").exists()
 
     again = flashprobe_cli(*command)  # the same command
-    assert again.returncode == 0, again.stderr[-3000:]
-    flash, baseline, identical = (read_run_record(out / "runs" / r) for r in RUNS)
+    assert again.returncode == UNDETERMINED_EXIT, again.stderr[-3000:]
+    flash, baseline, *replicate1 = (read_run_record(out / "runs" / r) for r in TRAINED)
     assert len(flash["sessions"]) == 1  # finished: skipped, not retrained
     assert [s["from_step"] for s in baseline["sessions"]] == [0, 2]  # resumed from its step-2 checkpoint
-    assert len(identical["sessions"]) == 1 and identical["status"] == "finished"
+    assert all(len(r["sessions"]) == 1 and r["status"] == "finished" for r in replicate1)  # then trained
     assert _pairs(out) == _pairs(basic)  # equal to the uninterrupted study
 
 
@@ -94,7 +102,7 @@ def test_each_study_run_can_be_a_ddp_run(tmp_path: Path) -> None:
     proc = flashprobe_cli(
         "study", "--out", str(out), "--runs", "flash,baseline", *TINY, "trainer=ddp_cpu", cwd=tmp_path
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == UNDETERMINED_EXIT, proc.stderr[-3000:]
     for run in ("flash", "baseline"):
         record = read_run_record(out / "runs" / run)
         assert record["status"] == "finished" and record["global_step"] == 4, run
@@ -210,7 +218,7 @@ def test_a_study_runs_a_users_experiment_from_config_dir(
                 *TINY,
             ]
         )
-        == 0
+        == UNDETERMINED_EXIT
     )
     doc = read_study(out)
     assert doc["study"]["kernel"] == "tiled:block_k=16"

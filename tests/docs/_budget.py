@@ -41,7 +41,7 @@ _BUDGETS: dict[str, tuple[str, ...]] = {
     "bench overhead": ("--steps", "2"),
     "bench wasserstein": ("--sizes", "1000", "--repeats", "1"),
     "bench verdicts": ("--steps", "2", "--models", "t2i,gpt2"),
-    "study": ("--runs", "flash,baseline", *HYDRA_TINY),
+    "study": ("--runs", "flash,baseline", *HYDRA_TINY, "study.replicates=1"),
     "train": HYDRA_TINY,
     "fuzz": ("--seeds", "1", "--profile", "default"),
     "compare": (),

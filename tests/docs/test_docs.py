@@ -132,6 +132,19 @@ def _check_fuzz(result: CommandResult, argv: list[str]) -> None:
     assert result.returncode == (1 if summary["fail"] else 0), result.explain()
 
 
+def _check_study(result: CommandResult, argv: list[str]) -> None:
+    """study exits with the code of its answer (docs/study.md "The answer"): at the tiny budget's
+    ``--runs flash,baseline`` that is UNDETERMINED (4), recomputed here from the study.json it wrote."""
+    from flashprobe.formats.study_file import read_study
+    from flashprobe.report.study_verdict import EXIT_CODES, UNDETERMINED, verdict
+
+    [json_path] = [p for p in outputs(argv) if p.endswith("study.json")] or [
+        "out/study/study.json"
+    ]  # --out's default
+    answer = verdict(read_study(result.cwd / json_path)).get("answer", UNDETERMINED)
+    assert answer == UNDETERMINED and result.returncode == EXIT_CODES[answer], result.explain()
+
+
 @pytest.mark.parametrize("snippet", RUNNABLE, ids=lambda s: s.id)
 def test_documented_snippet_runs(snippet: Snippet, shared: SharedRuns, tmp_path: Path) -> None:
     text = _prepare(snippet, shared, tmp_path)
@@ -153,6 +166,8 @@ def test_documented_snippet_runs(snippet: Snippet, shared: SharedRuns, tmp_path:
     result = run(argv, tmp_path)
     if family(argv) == "fuzz":
         _check_fuzz(result, argv)
+    elif family(argv) == "study":
+        _check_study(result, argv)
     else:
         assert result.returncode == 0, result.explain()
     missing = [p for p in outputs(argv) if not (tmp_path / p).is_file()]

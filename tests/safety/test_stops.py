@@ -129,5 +129,7 @@ def test_ctrl_c_on_a_study_exits_130_and_the_same_command_continues_it(tmp_path:
     assert "flashprobe study: interrupted; run the same command again to continue" in output
     assert "Traceback" not in output and not (out / "study.json").exists()
     again = flashprobe_cli(*command)
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.returncode == 4, again.stderr[
+        -3000:
+    ]  # UNDETERMINED: flash and baseline only (docs/study.md)
     assert (out / "study.json").is_file()

@@ -136,9 +136,9 @@ def test_non_finite_weights_are_counted_and_give_nan(tmp_path: Path) -> None:
 
 
 def test_what_a_pair_differs_in_comes_from_the_manifests(tmp_path: Path, capsys) -> None:
-    """attention, precision and seed of both manifests: ``flashprobe compare`` names the differences,
-    warns when a pair differs in more than one, and a manifest without ``attention`` (written before
-    it was recorded) still loads, with that fact left out."""
+    """attention, precision and seed of both manifests: ``flashprobe compare`` names the differences
+    and warns when a pair differs in more than one; a manifest without ``attention`` (written before it
+    was recorded) still loads, with that fact unknown (so its pair is not shown to be like for like)."""
     w = {0: _weights(**{"x.weight": (4,)})}
     base = write_run(tmp_path / "base", w, attention="math", precision="bf16-mixed", seed=0)
     flash = write_run(tmp_path / "flash", w, attention="sdpa_flash", precision="bf16-mixed", seed=0)
@@ -146,19 +146,25 @@ def test_what_a_pair_differs_in_comes_from_the_manifests(tmp_path: Path, capsys)
     old = write_run(tmp_path / "old", w, precision="bf16-mixed", seed=1)  # no "attention" key at all
     assert "attention" not in json.loads((old / "snapshots" / "manifest.json").read_text())
     assert SnapshotStore(old).attention is None
-    assert compare_pair(flash, base).differences() == {"attention": ("sdpa_flash", "math")}
-    assert compare_pair(old, base).differences() == {"seed": (1, 0)}
-    with pytest.warns(UserWarning, match=r"both_vs_base: the runs differ in attention sdpa_flash vs math, "):
-        compare_pair(both, base, name="both_vs_base")
+    assert compare_pair(flash, base).differs == {"attention": ["sdpa_flash", "math"]}
+    assert compare_pair(both, base).differs == {
+        "attention": ["sdpa_flash", "math"],
+        "precision": ["32-true", "bf16-mixed"],
+    }
+    old_pair = compare_pair(old, base)
+    assert (old_pair.differs, old_pair.unrecorded) == ({"seed": [1, 0]}, ["attention"])
     pairs = [f"{n}={tmp_path / n},{base}" for n in ("flash", "both", "old")]
-    with pytest.warns(UserWarning, match="differ in attention .* precision"):
-        code = cli_main(["compare", *(a for p in pairs for a in ("--pair", p)), "--out", str(tmp_path / "o")])
+    code = cli_main(["compare", *(a for p in pairs for a in ("--pair", p)), "--out", str(tmp_path / "o")])
     assert code == 0
-    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines()}
     assert rows["pair"].endswith("differs in")
-    assert rows["flash"].endswith("attention sdpa_flash vs math")
-    assert rows["both"].endswith("attention sdpa_flash vs math, precision 32-true vs bf16-mixed")
-    assert rows["old"].endswith("seed 1 vs 0")
+    assert rows["flash"].endswith("attention (sdpa_flash vs math)")
+    assert rows["both"].endswith("attention (sdpa_flash vs math), precision (32-true vs bf16-mixed)")
+    assert "seed (1 vs 0)" in rows["old"] and "attention not recorded" in rows["old"]
+    warning = rows["warning:"]
+    assert "both differs in attention" in warning and "old differs in seed" in warning
+    assert "flash differs" not in warning
 
 
 def test_cli_writes_study_json_csv_and_figures(runs: dict[str, Path], tmp_path: Path, capsys) -> None:

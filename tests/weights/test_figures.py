@@ -27,3 +27,24 @@ def test_only_zero_pairs_still_draw() -> None:
     ax = wasserstein_curves_figure({"identical": _pair([0.0, 0.0, 0.0])}).axes[0]
     (zero,) = ax.get_lines()
     assert ax.get_ylim()[0] < zero.get_ydata()[0] < ax.get_ylim()[1]
+
+
+def test_a_comparison_at_several_replicates_is_its_median_in_a_band_from_lowest_to_highest() -> None:
+    replicates = {  # three seeds of one comparison, and a one-replicate comparison beside it
+        "flash_vs_baseline": _pair([0.0, 2e-7, 2e-6]),
+        "flash_vs_baseline_seed2": _pair([0.0, 1e-7, 3e-6]),
+        "flash_vs_baseline_seed4": _pair([0.0, 4e-7, 1e-6]),
+        "seed1_vs_seed0": _pair([1e-4, 2e-4, 3e-4]),
+    }
+    groups = {"flash_vs_baseline": list(replicates)[:3], "seed1_vs_seed0": ["seed1_vs_seed0"]}
+    ax = wasserstein_curves_figure(replicates, groups).axes[0]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert set(lines) == {"flash_vs_baseline (3 replicates)", "seed1_vs_seed0"}
+    median = lines["flash_vs_baseline (3 replicates)"]
+    assert list(median.get_xdata()) == [10, 20] and list(median.get_ydata()) == [2e-7, 2e-6]
+    (band,) = ax.collections  # fill_between: the lowest to the highest replicate at each step
+    ys = {}
+    for x, y in band.get_paths()[0].vertices:
+        ys.setdefault(round(x), set()).add(float(y))
+    assert min(ys[10]) == 1e-7 and max(ys[10]) == 4e-7 and min(ys[20]) == 1e-6 and max(ys[20]) == 3e-6
+    assert "band: lowest to highest replicate" in ax.get_title()

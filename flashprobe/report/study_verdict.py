@@ -1,0 +1,428 @@
+"""The study's answer and the ratios it rests on, each with an interval over replicates and over training.
+
+A study trains its runs at several **replicates** (seeds); each ratio of the verdict divides the
+flash-vs-baseline distance by a context distance *of the same replicate* (pairs that share its
+seed), so every replicate gives one value of every ratio. An :class:`Interval` is the median and
+the min–max range of those values: with ``N`` independent replicates, the range covers the median
+of the ratio's distribution with probability ``1 − 2^(1−N)`` (75 % at ``N = 3``, 94 % at ``N = 5``;
+the sign test's order-statistic interval, free of any assumption on the distribution). A bootstrap
+interval would need more replicates than a CPU study trains: resampling 3–5 values gives back their
+own min–max at best.
+
+The answer (:data:`PASS`, :data:`LOOK_CLOSER`, :data:`UNDETERMINED`) follows one rule, stated in
+docs/study.md and in :func:`verdict`; ``flashprobe study`` exits with :data:`EXIT_CODES` of it. The
+rule reads the low-precision pair *at the precision flash trains at* (``bf16_vs_fp32`` in a bf16
+study): the deviation a team training at that precision has already accepted; the other
+low-precision pairs (e.g. the paper's FP16 vs FP32) are reported beside it, not judged.
+Everything is computed from ``study.json``, so ``flashprobe report STUDY_DIR`` gives the same answer.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "EXIT_CODES",
+    "FLASH",
+    "LOOK_CLOSER",
+    "PASS",
+    "UNDETERMINED",
+    "Interval",
+    "comparison_groups",
+    "study_comparisons",
+    "verdict",
+    "verdict_lines",
+]
+
+FLASH = "flash_vs_baseline"
+PASS, LOOK_CLOSER, UNDETERMINED = "PASS", "LOOK CLOSER", "UNDETERMINED"
+#: ``flashprobe study``'s exit code for each answer (1, 2 and 130 keep their meanings: a run failed,
+#: a usage error, interrupted).
+EXIT_CODES = {PASS: 0, LOOK_CLOSER: 3, UNDETERMINED: 4}
+#: The paper's finding (§V): flash deviates 2–5× less than FP16-vs-FP32 training, a ratio of 0.2–0.5.
+PAPER_RATIO = (0.2, 0.5)
+#: Short names of the low precisions in comparison names (``bf16_vs_fp32``).
+_LOW_PRECISIONS = {"bf16": "bf16-mixed", "fp16": "16-mixed"}
+FP32 = "32-true"
+
+
+@dataclass(frozen=True)
+class Interval:
+    """One value per replicate (a distance or a ratio), summarised as median and min–max range.
+
+    Attributes:
+        values: the replicates' values, in replicate order.
+        seeds: each value's replicate seed.
+    """
+
+    values: tuple[float, ...]
+    seeds: tuple[int, ...]
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    @property
+    def low(self) -> float:
+        return min(self.values)
+
+    @property
+    def high(self) -> float:
+        return max(self.values)
+
+    def position(self, x: float = 1.0) -> str:
+        """``below`` (every value below ``x``), ``above`` (every value above) or ``straddles``."""
+        if self.high < x:
+            return "below"
+        if self.low > x:
+            return "above"
+        return "straddles"
+
+    def text(self, unit: str = "") -> str:
+        """``0.187× (0.16–0.23)``, or ``0.187× (1 replicate: no interval)``."""
+        if self.n == 1:
+            return f"{_fmt(self.median)}{unit} (1 replicate: no interval)"
+        return f"{_fmt(self.median)}{unit} ({_fmt(self.low)}–{_fmt(self.high)})"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "median": self.median,
+            "low": self.low,
+            "high": self.high,
+            "values": list(self.values),
+            "seeds": list(self.seeds),
+        }
+
+
+def _fmt(x: float | None) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return f"{x:.3g}"
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x)
+
+
+def study_comparisons(study: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """What each pair of ``study.json`` compares: ``kind``, ``group``, ``replicate``, ``seed``, ``isolates``.
+
+    A study records its plan (``study.comparisons``). For a plain ``flashprobe compare``, the kinds
+    are read from what each pair's runs were recorded to differ in (``pairs.<name>.differs``): only
+    the attention (``kernel``, for the pair named ``flash_vs_baseline``), only the seed, only the
+    precision, or nothing (``noise``); a pair that differs in more than one thing has no kind and
+    carries no verdict.
+    """
+    planned = (study.get("study") or {}).get("comparisons") or {}
+    out: dict[str, dict[str, Any]] = {}
+    if planned:
+        for name, c in planned.items():
+            out[name] = {
+                "kind": c.get("kind"),
+                "group": c.get("group") or name,
+                "replicate": c.get("replicate", 0),
+                "seed": c.get("seed", 0),
+                "isolates": c.get("isolates", "–"),
+                "run_a": c.get("run_a"),
+                "run_b": c.get("run_b"),
+            }
+        return out
+    for name, pair in study["pairs"].items():
+        differs = pair.get("differs")
+        if not isinstance(differs, Mapping) or pair.get("unrecorded"):
+            continue
+        things = sorted(differs)
+        kind = {(): "noise", ("seed",): "seed", ("precision",): "precision"}.get(tuple(things))
+        if things == ["attention"] and name == FLASH:
+            kind = "kernel"
+        if kind is None:
+            continue
+        isolates = "nothing" if not things else f"{things[0]} ({' vs '.join(map(str, differs[things[0]]))})"
+        seed = (pair.get("runs") or {}).get("b", {}).get("seed")
+        out[name] = {"kind": kind, "group": name, "replicate": 0, "seed": seed or 0, "isolates": isolates}
+    return out
+
+
+def comparison_groups(study: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Comparison (replicate 0's name) → its pairs at every replicate, for the pairs of ``study.json``."""
+    comparisons = study_comparisons(study)
+    groups: dict[str, list[str]] = {}
+    for name in study["pairs"]:
+        groups.setdefault(comparisons.get(name, {}).get("group") or name, []).append(name)
+    return groups
+
+
+def _curve(pair: Mapping[str, Any]) -> dict[int, float | None]:
+    return dict(zip(pair["steps"], pair["model"]["wasserstein"], strict=True))
+
+
+def _interval(values: Mapping[int, float | None], seeds: Mapping[int, int]) -> Interval | None:
+    """The finite values (replicate → value) as an :class:`Interval`, or None when there are none."""
+    kept = [(r, v) for r, v in sorted(values.items()) if _finite(v)]
+    if not kept:
+        return None
+    return Interval(tuple(float(v) for _, v in kept), tuple(seeds[r] for r, _ in kept))
+
+
+def verdict(study: Mapping[str, Any]) -> dict[str, Any]:
+    """The study's answer and the ratios it rests on, per replicate, at the last step and over training.
+
+    The rule: over the snapshot steps after the learning-rate warm-up (``study.warmup_steps``; step 0
+    never counts, and the last step always does), the answer is
+
+    * **PASS** when at every such step flash / seed lies below 1 in every replicate (its interval
+      is entirely below 1), flash / the low-precision pair at the precision flash trains at (every
+      low-precision pair when flash trains at fp32) does not lie above 1 in every replicate (its
+      interval is not entirely above 1), and flash's weights stay finite;
+    * **LOOK CLOSER** when one of these fails at some step (naming the step and the ratio);
+    * **UNDETERMINED** when nothing says look closer but the study lacks a comparison the rule needs
+      (a seed pair, a low-precision pair), e.g. ``--runs flash,baseline``.
+
+    Args:
+        study: ``study.json`` as read by :func:`flashprobe.formats.study_file.read_study`.
+
+    Returns:
+        Empty when there is no like-for-like ``flash_vs_baseline`` pair. Otherwise ``answer``,
+        ``reasons`` (why, in words), ``step`` (the last common step), ``steps`` (those the rule
+        reads), ``warmup_steps``, ``seeds`` (the replicates'), ``flash`` (an :class:`Interval` of
+        flash's distance at the last step), ``noise_floor``, ``context`` (per context — ``seed`` and
+        each low-precision comparison — its ``pairs``, ``isolates``, ``distance`` and ``ratio`` at the
+        last step, ``by_step`` (step → ratio interval), ``over_training`` (the lowest and highest
+        replicate's ratio over ``steps``) and ``in_rule``), ``precision`` (flash's) and ``extra`` (the
+        ``kernel_fp32`` line, not in the rule).
+    """
+    pairs = study["pairs"]
+    comparisons = {n: c for n, c in study_comparisons(study).items() if n in pairs}
+    if comparisons.get(FLASH, {}).get("kind") != "kernel":
+        return {}
+    flash = {c["replicate"]: n for n, c in comparisons.items() if c["kind"] == "kernel"}
+    seeds = {c["replicate"]: c["seed"] for c in comparisons.values()}
+    curves = {n: _curve(pairs[n]) for n in comparisons}
+    grid = sorted(set.intersection(*(set(pairs[n]["steps"]) for n in flash.values())))
+    finite_at = [s for s in grid if any(_finite(curves[n].get(s)) for n in flash.values())]
+    if not finite_at:
+        return {}
+    step = finite_at[-1]
+    warmup = (study.get("study") or {}).get("warmup_steps")
+    after = [s for s in grid if s > 0 and (warmup is None or s >= warmup) and s <= step] or [step]
+    out: dict[str, Any] = {
+        "step": step,
+        "steps": after,
+        "warmup_steps": warmup,
+        "seeds": [seeds[r] for r in sorted(flash)],
+        "flash": _interval({r: curves[n].get(step) for r, n in flash.items()}, seeds),
+        "context": {},
+        "extra": {},
+    }
+    noise = [curves[n].get(step) for n, c in comparisons.items() if c["kind"] == "noise"]
+    out["noise_floor"] = max((v for v in noise if _finite(v)), default=None)
+    members: dict[str, dict[int, list[str]]] = {}  # context label → replicate → its pairs
+    for name, c in comparisons.items():
+        if c["kind"] in ("seed", "precision") and c["replicate"] in flash:
+            label = "seed" if c["kind"] == "seed" else c["group"]
+            members.setdefault(label, {}).setdefault(c["replicate"], []).append(name)
+
+    def context_at(label: str, r: int, s: int) -> float | None:
+        values = [curves[n].get(s) for n in members[label][r]]
+        return statistics.fmean(values) if values and all(_finite(v) for v in values) else None
+
+    def ratio_at(label: str, s: int) -> Interval | None:
+        ratios = {}
+        for r in members[label]:
+            f, c = curves[flash[r]].get(s), context_at(label, r, s)
+            if _finite(f) and c is not None and c > 0:
+                ratios[r] = f / c
+        return _interval(ratios, seeds)
+
+    out["precision"] = _flash_precision(study)
+    for label, by_replicate in members.items():
+        first = comparisons[by_replicate[min(by_replicate)][0]]
+        low = _low_precision(pairs[by_replicate[min(by_replicate)][0]], first["group"])
+        by_step = {s: ratio_at(label, s) for s in after}
+        known = [i for i in by_step.values() if i is not None]
+        out["context"][label] = {
+            "kind": first["kind"],
+            "pairs": [n for r in sorted(by_replicate) for n in by_replicate[r]],
+            "isolates": "the random seed" if label == "seed" else first["isolates"],
+            "distance": _interval({r: context_at(label, r, step) for r in by_replicate}, seeds),
+            "ratio": by_step.get(step),
+            "by_step": by_step,
+            "over_training": (min(i.low for i in known), max(i.high for i in known)) if known else None,
+            "in_rule": label == "seed" or low == out["precision"] or out["precision"] == FP32,
+        }
+    for name, c in comparisons.items():
+        if c["kind"] == "kernel_fp32" and _finite(curves[name].get(step)):
+            f = curves[flash[c["replicate"]]].get(step) if c["replicate"] in flash else None
+            out["extra"][name] = {"distance": curves[name][step], "flash": f, "seed": c["seed"]}
+    out["answer"], out["reasons"] = _answer(out, comparisons, curves, flash)
+    return out
+
+
+def _flash_precision(study: Mapping[str, Any]) -> str | None:
+    """The precision flash trains at: the study's, or what the flash pair's runs recorded."""
+    runs = (study["pairs"][FLASH].get("runs") or {}).get("a") or {}
+    return (study.get("study") or {}).get("precision") or runs.get("precision")
+
+
+def _low_precision(pair: Mapping[str, Any], group: str) -> str | None:
+    """The low precision a precision pair measures (its run that is not fp32), from the runs' records
+    or else the pair's name (``bf16_vs_fp32``)."""
+    runs = pair.get("runs") or {}
+    recorded = [(runs.get(side) or {}).get("precision") for side in ("a", "b")]
+    low = [p for p in recorded if p is not None and p != FP32]
+    return low[0] if len(low) == 1 else _LOW_PRECISIONS.get(group.split("_vs_")[0])
+
+
+def _steps_text(steps: Sequence[int]) -> str:
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {', '.join(map(str, steps))}"
+
+
+def _answer(
+    v: Mapping[str, Any],
+    comparisons: Mapping[str, Mapping[str, Any]],
+    curves: Mapping[str, Mapping[int, float | None]],
+    flash: Mapping[int, str],
+) -> tuple[str, list[str]]:
+    """The rule of :func:`verdict`: the answer and its reasons."""
+    look: list[str] = []
+    missing: list[str] = []
+    nonfinite = {
+        n: min(s for s, x in curves[n].items() if x is not None and not _finite(x))
+        for n in flash.values()
+        if any(x is not None and not _finite(x) for x in curves[n].values())
+    }
+    for name, step in nonfinite.items():
+        look.append(f"{name}'s distance is not finite from step {step} on (non-finite weights)")
+    seed = v["context"].get("seed")
+    if seed is None:
+        missing.append("no seed pair (run seed1): the seed bound is unknown")
+    else:
+        not_below = [s for s, i in seed["by_step"].items() if i is not None and i.position() != "below"]
+        unknown = [s for s, i in seed["by_step"].items() if i is None]
+        if not_below:
+            above = all(seed["by_step"][s].position() == "above" for s in not_below)
+            where = "above 1 in every replicate" if above else "not below 1 in every replicate"
+            look.append(f"flash / seed is {where} at {_steps_text(not_below)}")
+        if unknown:
+            missing.append(f"flash / seed is undefined at {_steps_text(unknown)}")
+    lows = {label: c for label, c in v["context"].items() if c["kind"] == "precision" and c["in_rule"]}
+    if not lows:
+        missing.append(f"no low-precision pair at {v['precision']}, the precision flash trains at (run fp32)")
+    for label, c in lows.items():
+        above = [s for s, i in c["by_step"].items() if i is not None and i.position() == "above"]
+        if above:
+            look.append(f"flash / {label} is above 1 in every replicate at {_steps_text(above)}")
+        if all(i is None for i in c["by_step"].values()):
+            missing.append(f"flash / {label} is undefined")
+    if look:
+        return LOOK_CLOSER, look
+    if missing:
+        return UNDETERMINED, missing
+    return PASS, []
+
+
+def _paper(ratio: Interval) -> str:
+    """Where the paper's 0.2–0.5 (flash 2–5× below FP16 vs FP32) lies against this interval."""
+    low, high = PAPER_RATIO
+    if ratio.low > high:
+        where = "above the paper's range in every replicate"
+    elif ratio.high < low:
+        where = "below the paper's range in every replicate"
+    else:
+        where = "consistent with the paper's range"
+    return f"paper: 2–5× below FP16 vs FP32, a ratio of {low}–{high}; here {where}"
+
+
+def _over(c: Mapping[str, Any], steps: Sequence[int]) -> str:
+    if c["over_training"] is None or len(steps) < 2:
+        return ""
+    low, high = c["over_training"]
+    return f"; {_fmt(low)}–{_fmt(high)} over steps {steps[0]}–{steps[-1]}"
+
+
+def answer_line(v: Mapping[str, Any]) -> str:
+    """The verdict's first line: the answer and, for PASS, what held; otherwise the reasons."""
+    answer = v["answer"]
+    if answer == PASS:
+        steps, n = v["steps"], len(v["seeds"])
+        where = (
+            f"step {steps[0]}" if len(steps) == 1 else f"every snapshot step from {steps[0]} to {steps[-1]}"
+        )
+        seeds = ", ".join(map(str, v["seeds"]))
+        reps = (
+            f"its one replicate (seed {seeds})" if n == 1 else f"each of the {n} replicates (seeds {seeds})"
+        )
+        lows = [n for n, c in v["context"].items() if c["kind"] == "precision" and c["in_rule"]]
+        return (
+            "**PASS**: the kernel's weight deviation is within the seed bound and not above low precision "
+            f"({', '.join(lows)}) — at {where}, in {reps}."
+        )
+    if answer == LOOK_CLOSER:
+        return f"**LOOK CLOSER**: {'; '.join(v['reasons'])}."
+    return (
+        f"**UNDETERMINED**: {'; '.join(v['reasons'])} — the rule needs flash_vs_baseline, a seed pair and "
+        "the low-precision pair at the precision flash trains at."
+    )
+
+
+def verdict_lines(v: Mapping[str, Any], precision: str, kernel: str = "sdpa_flash") -> list[str]:
+    """The verdict in a few sentences, each computed from ``v`` (:func:`verdict`); the first is the answer."""
+    n, step, steps = len(v["seeds"]), v["step"], v["steps"]
+    reps = "1 replicate, seed 0" if n == 1 else f"{n} replicates, seeds {', '.join(map(str, v['seeds']))}"
+    lines = [
+        answer_line(v),
+        f"Flash vs baseline ({kernel} vs math attention, both at {precision}, same seed): whole-model "
+        f"Wasserstein distance **{v['flash'].text()}** at step {step} ({reps}; median (min–max) over "
+        "replicates, each ratio below computed within one replicate).",
+    ]
+    floor = v.get("noise_floor")
+    if floor is not None:
+        lines.append(
+            "Noise floor: 0 — identical runs give bit-identical weights, so every distance here is real."
+            if floor == 0
+            else f"Noise floor: identical runs differ by {_fmt(floor)}; distances near it are noise."
+        )
+    seed = v["context"].get("seed")
+    if seed is not None and seed["ratio"] is not None:
+        finding = {
+            "below": "below 1 in every replicate — within the bound set by random initialisation, as in the "
+            "paper",
+            "straddles": "the interval straddles 1 — not distinguishable from the seed bound: look closer",
+            "above": "above 1 in every replicate — above the bound set by random initialisation, unlike the "
+            "paper: look closer",
+        }[seed["ratio"].position()]
+        ratio = seed["ratio"].text("×")
+        lines.append(f"Seed: flash / seed-to-seed = {ratio} at step {step}{_over(seed, steps)}: {finding}.")
+    for name, c in v["context"].items():
+        if c["kind"] != "precision" or c["ratio"] is None:
+            continue
+        finding = {
+            "below": f"below {name} in every replicate",
+            "straddles": f"not distinguishable from {name} (the interval straddles 1)",
+            "above": f"above {name} in every replicate",
+        }[c["ratio"].position()]
+        ratio = c["ratio"].text("×")
+        role = "the rule's low-precision pair" if c["in_rule"] else "reported, not in the rule"
+        lines.append(
+            f"Low precision: flash / {name} = {ratio} at step {step}{_over(c, steps)}: {finding} "
+            f"({c['isolates']}; {role}; {_paper(c['ratio'])})."
+        )
+    for name, e in v["extra"].items():
+        at = (
+            f", against {_fmt(e['flash'])} at {precision} from the same seed"
+            if e["flash"] is not None
+            else ""
+        )
+        lines.append(
+            f"Without low precision ({name}, both at fp32; seed {e['seed']} only, not part of the answer): "
+            f"{_fmt(e['distance'])}{at}."
+        )
+    return lines

@@ -1,0 +1,159 @@
+"""What two runs differ in, read from their records, and ``flashprobe compare`` saying so: a pair that
+differs in two things is named, and the report claims "like for like" only when none does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashprobe.cli import main as cli_main
+from flashprobe.weights import SnapshotStore
+from flashprobe.weights.differences import describe_differences, run_differences
+
+from ._helpers import write_run
+
+
+def _run(root: Path, name: str, *, value: float = 0.0, config: str | None = None, **facts) -> Path:
+    """A two-step run with the manifest facts given (``attention``, ``precision``, ``seed``)."""
+    run = write_run(root / name, {s: {"w": torch.full((4,), value + s)} for s in (0, 1)}, **facts)
+    if config is not None:
+        (run / "config.yaml").write_text(config.replace("RUN", str(run)))
+    return run
+
+
+FACTS = {"attention": "math", "precision": "bf16-mixed", "seed": 0}
+
+
+def _differences(a: Path, b: Path) -> dict:
+    return run_differences(SnapshotStore(a), SnapshotStore(b))
+
+
+def test_the_manifest_facts_that_differ_are_named_with_both_values(tmp_path: Path) -> None:
+    base = _run(tmp_path, "base", **FACTS)
+    flash = _run(tmp_path, "flash", **{**FACTS, "attention": "sdpa_flash"})
+    flash_seed1 = _run(tmp_path, "flash_seed1", **{**FACTS, "attention": "sdpa_flash", "seed": 1})
+    unknown = _run(tmp_path, "unknown", attention="math", precision="bf16-mixed")  # no seed recorded
+    assert _differences(flash, base) == {"differs": {"attention": ["sdpa_flash", "math"]}, "unrecorded": []}
+    assert _differences(base, _run(tmp_path, "same", **FACTS)) == {"differs": {}, "unrecorded": []}
+    both = _differences(flash_seed1, base)
+    assert both["differs"] == {"attention": ["sdpa_flash", "math"], "seed": [1, 0]}
+    assert describe_differences(both) == "attention (sdpa_flash vs math), seed (1 vs 0)"
+    assert _differences(unknown, base) == {"differs": {}, "unrecorded": ["seed"]}
+
+
+CONFIG = """\
+seed: 0
+run_name: NAME
+run_dir: RUN
+attention:
+  name: math
+  kernel: math
+  probe: {enabled: PROBE}
+trainer: {precision: bf16-mixed, max_steps: STEPS}
+model: {depth: 2}
+module: {attention: math, model: {depth: 2}, noise_seed: 0}
+logger: {csv: {save_dir: RUN}}
+callbacks:
+  weight_snapshot: {dirpath: RUN, run_id: NAME, seed: 0}
+  checkpoint: {dirpath: RUN/checkpoints, every_n_train_steps: EVERY}
+"""
+
+
+def _config(name: str, *, probe: bool = False, steps: int = 4, every: int = 2) -> str:
+    text = CONFIG.replace("NAME", name).replace("PROBE", str(probe).lower())
+    return text.replace("STEPS", str(steps)).replace("EVERY", str(every))
+
+
+def test_config_yaml_settings_count_as_one_thing_each_and_places_and_the_probe_as_none(
+    tmp_path: Path,
+) -> None:
+    base = _run(tmp_path, "base", config=_config("base"), **FACTS)
+    # another name and directory, the probe on, checkpoints at other steps: none changes training
+    same = _run(tmp_path, "same", config=_config("same", probe=True, every=1), **FACTS)
+    assert _differences(same, base)["differs"] == {}
+    longer = _run(tmp_path, "longer", config=_config("longer", steps=8), **FACTS)
+    assert _differences(longer, base)["differs"] == {"trainer.max_steps": [8, 4]}
+    deeper = _config("deeper").replace("depth: 2", "depth: 3")  # model.depth and module.model.depth: one
+    assert _differences(_run(tmp_path, "deeper", config=deeper, **FACTS), base)["differs"] == {
+        "model.depth": [3, 2]
+    }
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> dict[str, Path]:
+    root = tmp_path / "runs"
+    return {
+        "base": _run(root, "base", **FACTS),
+        "flash": _run(root, "flash", value=0.1, **{**FACTS, "attention": "sdpa_flash"}),
+        "seed1": _run(root, "seed1", value=1.0, **{**FACTS, "seed": 1}),
+    }
+
+
+def test_compare_warns_about_a_pair_that_differs_in_two_things_and_the_report_claims_no_like_for_like(
+    runs: dict[str, Path], tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "mixed"
+    pairs = [f"flash_vs_baseline={runs['flash']},{runs['seed1']}", f"seed={runs['seed1']},{runs['base']}"]
+    assert (
+        cli_main(["compare", *(a for p in pairs for a in ("--pair", p)), "--out", str(out), "--no-figures"])
+        == 0
+    )
+    printed = capsys.readouterr().out.splitlines()
+    assert any(
+        line.startswith("flash_vs_baseline")
+        and line.endswith("attention (sdpa_flash vs math), seed (0 vs 1)")
+        for line in printed
+    )
+    assert any(line.startswith("seed ") and line.endswith("seed (1 vs 0)") for line in printed)
+    [warning] = [line for line in printed if line.startswith("warning:")]
+    assert (
+        "not like for like: flash_vs_baseline differs in attention (sdpa_flash vs math), seed (0 vs 1)"
+        in warning
+    )
+    assert "seed differs" not in warning
+    doc = json.loads((out / "study.json").read_text())["pairs"]
+    assert doc["flash_vs_baseline"]["differs"] == {"attention": ["sdpa_flash", "math"], "seed": [0, 1]}
+    assert cli_main(["report", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    title = text.splitlines()[0]
+    assert "like for like" not in title
+    assert "**Not shown to be like for like**: `flash_vs_baseline` differs in attention" in text
+    assert "No like-for-like `flash_vs_baseline` comparison here" in text  # no verdict from a mixed pair
+
+
+def test_compare_of_pairs_that_each_differ_in_one_thing_is_like_for_like_and_gets_the_verdict(
+    runs: dict[str, Path], tmp_path: Path, capsys
+) -> None:
+    out = tmp_path / "clean"
+    pairs = [f"flash_vs_baseline={runs['flash']},{runs['base']}", f"seed={runs['seed1']},{runs['base']}"]
+    assert (
+        cli_main(["compare", *(a for p in pairs for a in ("--pair", p)), "--out", str(out), "--no-figures"])
+        == 0
+    )
+    assert not any(line.startswith("warning:") for line in capsys.readouterr().out.splitlines())
+    assert cli_main(["report", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    assert (
+        text.splitlines()[0]
+        == "# flashprobe study: weight deviation of flash attention, like for like (paper §V)"
+    )
+    # the kinds come from what the runs differ in: a seed pair, and no low-precision pair
+    assert "- **UNDETERMINED**: no low-precision pair" in text
+    assert "Seed: flash / seed-to-seed = " in text
+
+
+def test_machine_facts_of_run_json_that_change_the_numbers_are_a_difference(tmp_path: Path) -> None:
+    from flashprobe.formats.run_record import start_session
+
+    machine = {"torch": "2.13.0+cpu", "cpu": "AMD EPYC", "cpu_capability": "AVX512", "torch_threads": 2}
+    machine |= {"cuda": None, "deterministic_algorithms": True, "float32_matmul_precision": "highest"}
+    runs = []
+    for name, changed in (("a", {}), ("b", {"platform": "another kernel"}), ("c", {"torch_threads": 1})):
+        run = _run(tmp_path, name, **FACTS)
+        start_session(run, from_step=0, max_steps=1, machine={**machine, **changed})
+        runs.append(run)
+    assert _differences(runs[1], runs[0])["differs"] == {}  # the OS build does not change a run's numbers
+    assert _differences(runs[2], runs[0])["differs"] == {"machine": ["torch_threads 1", "torch_threads 2"]}
