@@ -161,6 +161,9 @@ def prepare(call: SdpaCall, dtype: torch.dtype | None = None) -> Prepared:
     """Cast to the compute dtype (``dtype``, default :func:`autocast_dtype`), reshape to 4-D.
 
     Differentiable: gradients flow back to the call's tensors.
+
+    Raises:
+        ValueError: ``enable_gqa`` with query heads that are no multiple of the key/value heads.
     """
     q, k, v, mask = call.query, call.key, call.value, call.attn_mask
     dtype = dtype or autocast_dtype(q)
@@ -174,7 +177,12 @@ def prepare(call: SdpaCall, dtype: torch.dtype | None = None) -> Prepared:
             mask = mask.to(dtype)
     rep = 1
     if call.enable_gqa and k4.shape[1] != q4.shape[1]:
-        rep = q4.shape[1] // max(k4.shape[1], 1)
+        if not k4.shape[1] or q4.shape[1] % k4.shape[1]:  # (else no head would be compared at all)
+            raise ValueError(
+                f"enable_gqa=True with {q4.shape[1]} query heads and {k4.shape[1]} key/value heads: the "
+                "query heads must be a multiple of the key/value heads"
+            )
+        rep = q4.shape[1] // k4.shape[1]
     return Prepared(q4, k4, v4, mask, bool(call.is_causal), call.scale, rep, dtype)
 
 

@@ -60,3 +60,18 @@ def test_failing_shadow_is_counted_not_raised() -> None:
     entry = shadow.stats()["attention"]  # the site is listed, with its failures counted
     assert entry["forward"]["calls"] == 0 and entry["shadow_errors"] == 2
     assert shadow.summary()["shadow_errors"] == 2
+
+
+def test_grouped_heads_that_do_not_divide_are_refused_not_passed() -> None:
+    """``enable_gqa`` with query heads no multiple of the key/value heads: torch's SDPA refuses it, and
+    so does the probe's preparation of a call (it used to compare no head at all and pass)."""
+    from flashprobe.probe.call import SdpaCall, prepare
+
+    q, k, v = torch.randn(1, 3, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    call = SdpaCall(q, k, v, None, 0.0, False, None, True)
+    with pytest.raises(ValueError, match="3 query heads and 2 key/value heads"):
+        prepare(call)
+    with pytest.raises(ValueError, match="multiple of the key/value heads"):
+        ShadowAttention(primary="math")(q, k, v, enable_gqa=True)  # a flashprobe primary: same refusal
+    good = SdpaCall(q, k[:, :1], v[:, :1], None, 0.0, False, None, True)
+    assert prepare(good).rep == 3
