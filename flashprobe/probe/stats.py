@@ -310,6 +310,8 @@ class DeviationStats:
             caller that reads them where a host read is free (the CPU).
         """
         order = tuple(sorted(sums, key=DIRECTIONS.index))
+        if not order:  # e.g. a backward with nothing to compare (an empty batch)
+            return order, torch.zeros(0, dtype=torch.float64, device=self.values.device)
         runs: list[list[str]] = []
         for direction in order:
             i = DIRECTIONS.index(direction)

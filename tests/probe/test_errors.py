@@ -75,3 +75,18 @@ def test_grouped_heads_that_do_not_divide_are_refused_not_passed() -> None:
         ShadowAttention(primary="math")(q, k, v, enable_gqa=True)  # a flashprobe primary: same refusal
     good = SdpaCall(q, k[:, :1], v[:, :1], None, 0.0, False, None, True)
     assert prepare(good).rep == 3
+
+
+def test_an_empty_batch_with_gradients_is_no_shadow_error() -> None:
+    """A batch of 0 sequences gives a backward with nothing to compare: no shadow error, no warning."""
+    import warnings
+
+    model = Direct()
+    q, k, v = (torch.randn(0, 2, 5, 8, requires_grad=True) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ProbeWarning)
+        with probe(model, backward=True, golden=True) as p:
+            model(q, k, v).sum().backward()
+            stats = p.stats()
+    entry = stats["<root>"]  # the site is listed; nothing was compared, and nothing failed
+    assert entry["shadow_errors"] == 0 and entry["forward"]["calls"] == entry["backward"]["calls"] == 0
