@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from flashprobe.app.overrides import override_value
+from flashprobe.app.overrides import override_key, override_value
 
 __all__ = [
     "DEFAULT_EXPERIMENT",
@@ -371,8 +371,9 @@ def run_study(
 
     check_config(cfg)  # every run's settings (the flash run's config; the others differ in the plan's keys)
     safe_name(str(cfg.run_name), what="run_name")  # it names each run's directory under OUT/runs
+    keys = [override_key(o) for o in overrides if "=" in o]
     for key in STUDY_SETS:
-        if override_value(overrides, key) is not None:
+        if any(k == key or k.startswith(f"{key}.") for k in keys):
             raise ValueError(
                 f"{key}= is set by the study for each run (replicate r trains from seed 2r, its seed pair's "
                 f"other run from 2r + 1): leave it out; study.replicates=N sets how many seeds"
@@ -384,7 +385,8 @@ def run_study(
         return _run_locked_study(out, plan, cfg, overrides, train)
 
 
-#: Settings the study gives each run itself; an override of them is refused.
+#: Settings the study gives each run itself; an override of them (or of a key under them, such as
+#: ``study.replicate.seed``) is refused.
 STUDY_SETS = ("seed", "study.replicate")
 
 
@@ -694,12 +696,22 @@ def _closing(report: Path) -> tuple[str, int]:
     """The verdict (plain text, its answer first) and the paths a study wrote: the last lines a user
     sees; and the exit code of its answer (:data:`flashprobe.report.study_verdict.EXIT_CODES`)."""
     from flashprobe.formats.study_file import read_study
-    from flashprobe.report.study_verdict import EXIT_CODES, UNDETERMINED, verdict, verdict_lines
+    from flashprobe.report.study_verdict import (
+        EXIT_CODES,
+        UNDETERMINED,
+        no_verdict_line,
+        verdict,
+        verdict_lines,
+    )
 
     study = read_study(report.parent)
     meta = study.get("study", {})
     v = verdict(study)
-    lines = verdict_lines(v, str(meta.get("precision")), str(meta.get("kernel", "sdpa_flash"))) if v else []
+    lines = (
+        verdict_lines(v, str(meta.get("precision")), str(meta.get("kernel", "sdpa_flash")))
+        if v
+        else [no_verdict_line(study)]
+    )
     out = report.parent
     text = "\n".join(
         [

@@ -25,6 +25,7 @@ from flashprobe.formats.study_file import read_study
 from flashprobe.report.study_verdict import (
     FLASH,
     comparison_groups,
+    no_verdict_line,
     study_comparisons,
     verdict,
     verdict_lines,
@@ -99,7 +100,8 @@ def _ratios_table(v: Mapping[str, Any]) -> list[str]:
         ratio = c["ratio"]
         if ratio is None:
             continue
-        values = ", ".join(_fmt(x) for x in ratio.values)
+        by_seed = dict(zip(ratio.seeds, ratio.values, strict=True))
+        values = ", ".join(_fmt(by_seed.get(seed)) for seed in v["seeds"])  # "–": undefined there
         low, high = c["over_training"] or (None, None)
         where = {"below": "below 1", "above": "above 1", "straddles": "straddles 1"}[ratio.position()]
         lines.append(
@@ -317,9 +319,11 @@ def write_report(study_dir: str | Path) -> Path:
             *_distances_table(study, v),
         ]
     else:
-        lines.append(
-            "No like-for-like `flash_vs_baseline` comparison here: the distances below carry no verdict."
-        )
+        lines += [
+            f"- {no_verdict_line(study)}",
+            "",
+            "No like-for-like `flash_vs_baseline` comparison here: the distances below carry no verdict.",
+        ]
     lines += ["", "## What each comparison isolates", "", *_comparisons_table(study), ""]
     if meta.get("runs"):
         lines += ["## Runs", "", *_runs_table(study_dir, meta["runs"]), ""]

@@ -33,6 +33,7 @@ __all__ = [
     "UNDETERMINED",
     "Interval",
     "comparison_groups",
+    "no_verdict_line",
     "study_comparisons",
     "verdict",
     "verdict_lines",
@@ -125,6 +126,8 @@ def study_comparisons(study: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     if planned:
         for name, c in planned.items():
+            if not _differs_as_planned(study["pairs"].get(name), c.get("kind")):
+                continue  # its runs differ in more (or other) things than the plan says: no kind
             out[name] = {
                 "kind": c.get("kind"),
                 "group": c.get("group") or name,
@@ -149,6 +152,30 @@ def study_comparisons(study: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         seed = (pair.get("runs") or {}).get("b", {}).get("seed")
         out[name] = {"kind": kind, "group": name, "replicate": 0, "seed": seed or 0, "isolates": isolates}
     return out
+
+
+#: What the runs of each kind of planned comparison may differ in: exactly these things.
+_PLANNED_DIFFERENCE = {
+    "kernel": {"attention"},
+    "kernel_fp32": {"attention"},
+    "seed": {"seed"},
+    "precision": {"precision"},
+    "noise": set(),
+}
+
+
+def _differs_as_planned(pair: Mapping[str, Any] | None, kind: str | None) -> bool:
+    """Whether a planned pair's runs were recorded to differ in exactly what its kind names.
+
+    A pair without records (``differs``) keeps its planned kind: a study written before runs recorded
+    what they differ in. A pair whose runs differ in more, or left a fact unrecorded, has no kind.
+    """
+    if pair is None or "differs" not in pair:
+        return True
+    differs = pair.get("differs")
+    if not isinstance(differs, Mapping) or pair.get("unrecorded"):
+        return False
+    return set(differs) == _PLANNED_DIFFERENCE.get(kind or "", set(differs))
 
 
 def comparison_groups(study: Mapping[str, Any]) -> dict[str, list[str]]:
@@ -184,7 +211,9 @@ def verdict(study: Mapping[str, Any]) -> dict[str, Any]:
       interval is not entirely above 1), and flash's weights stay finite;
     * **LOOK CLOSER** when one of these fails at some step (naming the step and the ratio);
     * **UNDETERMINED** when nothing says look closer but the study lacks a comparison the rule needs
-      (a seed pair, a low-precision pair), e.g. ``--runs flash,baseline``.
+      (a seed pair, a low-precision pair), e.g. ``--runs flash,baseline``; when a ratio is undefined
+      in some replicate (its context distance 0 or not finite); or when a planned pair's runs were
+      recorded to differ in more than the one thing it isolates (that pair is left out).
 
     Args:
         study: ``study.json`` as read by :func:`flashprobe.formats.study_file.read_study`.
@@ -196,8 +225,9 @@ def verdict(study: Mapping[str, Any]) -> dict[str, Any]:
         flash's distance at the last step), ``noise_floor``, ``context`` (per context — ``seed`` and
         each low-precision comparison — its ``pairs``, ``isolates``, ``distance`` and ``ratio`` at the
         last step, ``by_step`` (step → ratio interval), ``over_training`` (the lowest and highest
-        replicate's ratio over ``steps``) and ``in_rule``), ``precision`` (flash's) and ``extra`` (the
-        ``kernel_fp32`` line, not in the rule).
+        replicate's ratio over ``steps``), ``replicate_seeds`` and ``in_rule``), ``precision``
+        (flash's), ``extra`` (the ``kernel_fp32`` line, not in the rule) and ``left_out`` (planned
+        pairs whose runs differ in more than planned → their ``study.json`` entry).
     """
     pairs = study["pairs"]
     comparisons = {n: c for n, c in study_comparisons(study).items() if n in pairs}
@@ -242,6 +272,8 @@ def verdict(study: Mapping[str, Any]) -> dict[str, Any]:
                 ratios[r] = f / c
         return _interval(ratios, seeds)
 
+    planned = (study.get("study") or {}).get("comparisons") or {}
+    out["left_out"] = {n: pairs[n] for n in planned if n in pairs and n not in comparisons}
     out["precision"] = _flash_precision(study)
     for label, by_replicate in members.items():
         first = comparisons[by_replicate[min(by_replicate)][0]]
@@ -250,6 +282,7 @@ def verdict(study: Mapping[str, Any]) -> dict[str, Any]:
         known = [i for i in by_step.values() if i is not None]
         out["context"][label] = {
             "kind": first["kind"],
+            "replicate_seeds": out["seeds"],
             "pairs": [n for r in sorted(by_replicate) for n in by_replicate[r]],
             "isolates": "the random seed" if label == "seed" else first["isolates"],
             "distance": _interval({r: context_at(label, r, step) for r in by_replicate}, seeds),
@@ -292,8 +325,13 @@ def _answer(
     flash: Mapping[int, str],
 ) -> tuple[str, list[str]]:
     """The rule of :func:`verdict`: the answer and its reasons."""
+    from flashprobe.weights.differences import describe_differences
+
     look: list[str] = []
-    missing: list[str] = []
+    missing = [
+        f"{name} is left out: its runs differ in {describe_differences(pair)}"
+        for name, pair in v["left_out"].items()
+    ]
     nonfinite = {
         n: min(s for s, x in curves[n].items() if x is not None and not _finite(x))
         for n in flash.values()
@@ -306,27 +344,46 @@ def _answer(
         missing.append("no seed pair (run seed1): the seed bound is unknown")
     else:
         not_below = [s for s, i in seed["by_step"].items() if i is not None and i.position() != "below"]
-        unknown = [s for s, i in seed["by_step"].items() if i is None]
+        unknown = _undefined(seed)
         if not_below:
             above = all(seed["by_step"][s].position() == "above" for s in not_below)
             where = "above 1 in every replicate" if above else "not below 1 in every replicate"
             look.append(f"flash / seed is {where} at {_steps_text(not_below)}")
-        if unknown:
-            missing.append(f"flash / seed is undefined at {_steps_text(unknown)}")
+        elif unknown:
+            missing.append(f"flash / seed is undefined {unknown}")
     lows = {label: c for label, c in v["context"].items() if c["kind"] == "precision" and c["in_rule"]}
     if not lows:
         missing.append(f"no low-precision pair at {v['precision']}, the precision flash trains at (run fp32)")
     for label, c in lows.items():
-        above = [s for s, i in c["by_step"].items() if i is not None and i.position() == "above"]
+        every = len(c["replicate_seeds"])  # "above in every replicate" needs each replicate's ratio
+        above = [
+            s for s, i in c["by_step"].items() if i is not None and i.n == every and i.position() == "above"
+        ]
         if above:
             look.append(f"flash / {label} is above 1 in every replicate at {_steps_text(above)}")
-        if all(i is None for i in c["by_step"].values()):
-            missing.append(f"flash / {label} is undefined")
+        unknown = _undefined(c)
+        if unknown:
+            missing.append(f"flash / {label} is undefined {unknown}")
     if look:
         return LOOK_CLOSER, look
     if missing:
         return UNDETERMINED, missing
     return PASS, []
+
+
+def _undefined(c: Mapping[str, Any]) -> str:
+    """Where a context's ratio is undefined in some replicate (its distance 0 or not finite there):
+    ``"in replicate seed 2 at step 100"``; empty when every replicate has it at every rule step. The
+    rule then cannot say "in every replicate"."""
+    gaps: dict[tuple[int, ...], list[int]] = {}
+    for s, i in c["by_step"].items():
+        lacking = tuple(x for x in c["replicate_seeds"] if i is None or x not in i.seeds)
+        if lacking:
+            gaps.setdefault(lacking, []).append(s)
+    return "; ".join(
+        f"in replicate{'s' * (len(lack) > 1)} seed {', '.join(map(str, lack))} at {_steps_text(steps)}"
+        for lack, steps in gaps.items()
+    )
 
 
 def _paper(ratio: Interval) -> str:
@@ -371,6 +428,19 @@ def answer_line(v: Mapping[str, Any]) -> str:
         f"**UNDETERMINED**: {'; '.join(v['reasons'])} — the rule needs flash_vs_baseline, a seed pair and "
         "the low-precision pair at the precision flash trains at."
     )
+
+
+def no_verdict_line(study: Mapping[str, Any]) -> str:
+    """The answer when :func:`verdict` has none: no like-for-like ``flash_vs_baseline`` pair."""
+    from flashprobe.weights.differences import describe_differences
+
+    pair = study["pairs"].get(FLASH)
+    why = (
+        f"{FLASH} was not trained"
+        if pair is None
+        else f"the runs of {FLASH} differ in {describe_differences(pair)}, not in the attention alone"
+    )
+    return f"**UNDETERMINED**: {why}, so no distance here measures the kernel."
 
 
 def verdict_lines(v: Mapping[str, Any], precision: str, kernel: str = "sdpa_flash") -> list[str]:

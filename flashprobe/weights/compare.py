@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from flashprobe.formats.study_file import write_study
-from flashprobe.weights.differences import run_differences
+from flashprobe.weights.differences import is_like_for_like, run_differences
 from flashprobe.weights.distances import sorted_values, wasserstein_sorted
 from flashprobe.weights.store import SnapshotStore
 
@@ -123,7 +123,7 @@ class PairComparison:
     @property
     def like_for_like(self) -> bool:
         """Whether the runs differ in at most one thing, every fact recorded."""
-        return len(self.differs) <= 1 and not self.unrecorded
+        return is_like_for_like({"differs": self.differs, "unrecorded": self.unrecorded})
 
     def curve(
         self, metric: str = "wasserstein", level: str = "model", name: str | None = None

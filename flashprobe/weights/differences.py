@@ -128,17 +128,12 @@ def run_differences(a: Any, b: Any) -> dict[str, Any]:
     run_a, run_b = _run_dir(a), _run_dir(b)
     settings_a, settings_b = _settings(run_a, a.config), _settings(run_b, b.config)
     if settings_a is not None and settings_b is not None:
-        places = (str(run_a.resolve()), str(run_b.resolve()))
         for key in sorted(settings_a.keys() | settings_b.keys()):
             va, vb = settings_a.get(key), settings_b.get(key)
             if va == vb or _matches(key, _NOT_A_DIFFERENCE) or key.endswith(_PLACES):
                 continue
-            if (
-                isinstance(va, str)
-                and isinstance(vb, str)
-                and (va.startswith(places) or vb.startswith(places))
-            ):
-                continue  # a path inside the run's own directory
+            if _inside(va, run_a) and _inside(vb, run_b):
+                continue  # each a path inside its own run's directory
             fact = next((f for f, keys in _FACT_KEYS.items() if _matches(key, keys)), None)
             if fact is None:
                 differs[key] = [va, vb]
@@ -157,6 +152,14 @@ def run_differences(a: Any, b: Any) -> dict[str, Any]:
                 ", ".join(f"{k} {machine_b[k]}" for k in keys),
             ]
     return {"differs": differs, "unrecorded": unrecorded}
+
+
+def _inside(value: Any, run_dir: Path) -> bool:
+    """Whether ``value`` is an absolute path inside ``run_dir`` (component-wise, not a text prefix:
+    ``runs/flash_seed2`` is not inside ``runs/flash``)."""
+    if not isinstance(value, str) or not Path(value).is_absolute():
+        return False
+    return Path(value).resolve().is_relative_to(run_dir.resolve())
 
 
 def _run_dir(store: Any) -> Path:

@@ -82,6 +82,21 @@ def test_config_yaml_settings_count_as_one_thing_each_and_places_and_the_probe_a
     }
 
 
+def test_a_path_counts_as_a_place_only_inside_its_own_run_directory(tmp_path: Path) -> None:
+    """Each run's data under its own directory is no difference; a run reading data from elsewhere is,
+    even where the other run's directory name is a prefix of that path (``base`` of ``base2/...``)."""
+    own = _config("base") + "data: {root: RUN/data}\n"
+    base = _run(tmp_path, "base", config=own, **FACTS)
+    assert _differences(_run(tmp_path, "other", config=own, **FACTS), base)["differs"] == {}
+    shared = _config("base2") + f"data: {{root: {tmp_path}/shared/data}}\n"
+    base2 = _run(tmp_path, "base2", config=shared, **FACTS)
+    assert _differences(base2, base)["differs"] == {"data.root": [f"{tmp_path}/shared/data", f"{base}/data"]}
+    # a path under the *other* run's directory is not this run's own place either
+    into_base = _config("base3") + f"data: {{root: {base}2/data}}\n"
+    base3 = _run(tmp_path, "base3", config=into_base, **FACTS)
+    assert _differences(base3, base)["differs"] == {"data.root": [f"{base}2/data", f"{base}/data"]}
+
+
 @pytest.fixture
 def runs(tmp_path: Path) -> dict[str, Path]:
     root = tmp_path / "runs"
