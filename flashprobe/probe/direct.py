@@ -35,7 +35,7 @@ import functools
 import inspect
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -393,17 +393,8 @@ def _bnhd(lib: _Library, named: dict, params: dict, run: Callable[[], Any]) -> C
         tensors = {n: t.transpose(1, 2) for n, t in zip("qkv", (qh, kh, vh), strict=True)}  # (B, N, H, D)
         return lib(_with(other, params, dp, **tensors))
 
-    views = [t.transpose(1, 2) for t in (q, k, v)]  # (B, H, N, D)
-    return _unexpressible(named) or Conversion(
-        *views,
-        mask,
-        sdpa_causal,
-        scale,
-        dropout_p,
-        call,
-        lambda o: o.transpose(1, 2),
-        lambda o: o.transpose(1, 2),
-    )
+    views = [_swap_heads(t) for t in (q, k, v)]  # (B, H, N, D)
+    return _unexpressible(named) or _dense(views, mask, sdpa_causal, scale, dropout_p, call)
 
 
 def _qkvpacked(lib: _Library, named: dict, params: dict, run: Callable[[], Any]) -> Conversion | str | None:
@@ -433,10 +424,8 @@ def _qkvpacked(lib: _Library, named: dict, params: dict, run: Callable[[], Any])
     def call(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, dp: float) -> Any:
         return lib(_with(other, params, dp, qkv=pack(*(t.transpose(1, 2) for t in (qh, kh, vh)))))
 
-    views = [t.transpose(1, 2) for t in parts]
-    return _unexpressible(named) or Conversion(
-        *views, None, causal, scale, dropout_p, call, lambda o: o.transpose(1, 2), lambda o: o.transpose(1, 2)
-    )
+    views = [_swap_heads(t) for t in parts]
+    return _unexpressible(named) or _dense(views, None, causal, scale, dropout_p, call)
 
 
 def _kvpacked(lib: _Library, named: dict, params: dict, run: Callable[[], Any]) -> Conversion | str | None:
@@ -452,17 +441,26 @@ def _kvpacked(lib: _Library, named: dict, params: dict, run: Callable[[], Any]) 
         packed = torch.stack([kh.transpose(1, 2), vh.transpose(1, 2)], dim=2)  # (B, N_k, 2, H_kv, D)
         return lib(_with(other, params, dp, q=qh.transpose(1, 2), kv=packed))
 
-    views = (q.transpose(1, 2), kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2))
-    return _unexpressible(named) or Conversion(
-        *views,
-        mask,
-        sdpa_causal,
-        scale,
-        dropout_p,
-        call,
-        lambda o: o.transpose(1, 2),
-        lambda o: o.transpose(1, 2),
-    )
+    views = [_swap_heads(t) for t in (q, kv[:, :, 0], kv[:, :, 1])]
+    return _unexpressible(named) or _dense(views, mask, sdpa_causal, scale, dropout_p, call)
+
+
+def _swap_heads(t: torch.Tensor) -> torch.Tensor:
+    """``(B, N, H, D)`` ↔ ``(B, H, N, D)``, a view."""
+    return t.transpose(1, 2)
+
+
+def _dense(
+    views: Sequence[torch.Tensor],
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float | None,
+    dropout_p: float,
+    call: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], Any],
+) -> Conversion:
+    """The :class:`Conversion` of a dense ``(B, N, H, D)`` call: ``views`` are its ``(B, H, N, D)``
+    q, k, v, and its output is ``(B, N_q, H, D_v)``."""
+    return Conversion(*views, mask, causal, scale, dropout_p, call, _swap_heads, _swap_heads)
 
 
 def _packed_views(*tensors: torch.Tensor) -> list[torch.Tensor]:
