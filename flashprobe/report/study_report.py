@@ -298,7 +298,8 @@ def write_report(study_dir: str | Path) -> Path:
             f"warm-up ({_warmup(v)}), flash / seed is below 1 in every replicate and flash / the "
             "low-precision pair at the precision flash trains at is not above 1 in every replicate; "
             "**LOOK CLOSER** when either fails at some step or flash's weights turn non-finite; "
-            "**UNDETERMINED** when a comparison the rule needs was not trained.",
+            "**UNDETERMINED** when a comparison the rule needs was not trained, is undefined in some "
+            "replicate, or its runs differ in more than the one thing it isolates.",
             "",
             "## Ratios, with intervals over replicates",
             "",
