@@ -616,9 +616,8 @@ class ShadowAttention(nn.Module):
             return
         if not reads_are_free(codes_tensor.device) and site not in self._armed:
             return
-        codes = dict(
-            zip(directions, codes_tensor.tolist(), strict=True)
-        )  # free on the CPU; armed sites only elsewhere
+        # the read: free on the CPU; elsewhere made for armed sites only
+        codes = dict(zip(directions, codes_tensor.tolist(), strict=True))
         failing = [d for d, code in codes.items() if code]
         new = [d for d in failing if (site, d) not in self.failures]
         if new:

@@ -229,22 +229,16 @@ def call_judgement(
         :data:`~flashprobe.deviation.FAILURE_KINDS`) and its value (the extra non-finite positions,
         else the ratio).
     """
-    c = sums.reshape(-1, len(SUM_ROWS) * len(PAIRS)).unbind(1)
-    return _judgement(c[_AT[2, 1]], c[_AT[2, 2]], c[_AT[3, 1]], c[_AT[4, 1]], c[_AT[4, 2]], dtype, limit)
+    return _judgement(sums.reshape(-1, len(SUM_ROWS) * len(PAIRS)).unbind(1), dtype, limit)
 
 
 def _judgement(
-    pg: torch.Tensor,
-    bg: torch.Tensor,
-    g: torch.Tensor,
-    nonfinite_p: torch.Tensor,
-    nonfinite_b: torch.Tensor,
-    dtype: torch.dtype,
-    limit: torch.Tensor | float,
+    c: Sequence[torch.Tensor], dtype: torch.dtype, limit: torch.Tensor | float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`call_judgement` from ``sum_sq_diff`` of ``primary_golden`` (``pg``) and of
-    ``baseline_golden`` (``bg``), ``sum_sq_ref`` of ``primary_golden`` (``g``) and the two pairs'
-    non-finite counts."""
+    """:func:`call_judgement` from the columns ``c`` of ``(K, 7, 3)`` sums flattened to ``(K, 21)``
+    (column :data:`_AT` ``[row, pair]``)."""
+    pg, bg, g = c[_AT[2, 1]], c[_AT[2, 2]], c[_AT[3, 1]]  # sum_sq_diff of p-g and b-g, sum_sq_ref (g)
+    nonfinite_p, nonfinite_b = c[_AT[4, 1]], c[_AT[4, 2]]
     denominator = torch.maximum(bg, ((0.5 * torch.finfo(dtype).eps) ** 2) * g)
     l2 = torch.where(denominator > 0, torch.div(pg, denominator).sqrt_(), 0.0)  # (0/0 is discarded)
     extra = nonfinite_p - nonfinite_b
@@ -339,15 +333,7 @@ class DeviationStats:
             c = flat.unbind(1)
             floor = torch.maximum(c[_AT[6, 1]], c[_AT[6, 2]]).mul_(0.5 * torch.finfo(dtype).eps)  # (K,)
             ratio, defined = _error_ratio(c[_AT[0, 1]], c[_AT[0, 2]], floor)
-            l2, kind, value = _judgement(
-                c[_AT[2, 1]],
-                c[_AT[2, 2]],
-                c[_AT[3, 1]],
-                c[_AT[4, 1]],
-                c[_AT[4, 2]],
-                dtype,
-                self._limits(first, k),
-            )
+            l2, kind, value = _judgement(c, dtype, self._limits(first, k))
             failed = (kind > 0).to(torch.float64)
             key = failed * (FIRST_KEY - step)  # float64: exact steps
             # The arg fields change where this call sets a new maximum of their key field.
