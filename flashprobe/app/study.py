@@ -391,18 +391,16 @@ STUDY_SETS = ("seed", "study.replicate")
 
 
 def _replicates(value: Any) -> int:
-    """``study.replicates`` as an int (an override may give it as text).
+    """``study.replicates`` as an int (an override may give it as text); :func:`study_plan` checks
+    that it is positive.
 
     Raises:
-        ValueError: not a positive integer.
+        ValueError: not an integer.
     """
     try:
-        number = int(str(value))
+        return int(str(value))
     except ValueError:
         raise ValueError(f"study.replicates={value!r} must be a positive integer (e.g. 3)") from None
-    if number < 1:
-        raise ValueError(f"study.replicates={value!r} must be a positive integer (e.g. 3)")
-    return number
 
 
 #: The study's settings, recorded in its directory before any run trains (``OUT/study_settings.json``).
@@ -624,7 +622,8 @@ The first line of the verdict is the answer; the exit code says it (docs/study.m
                    replicate and flash / the low-precision pair at the precision flash trains at
                    (bf16_vs_fp32 at bf16) is not above 1 in every replicate
   3  LOOK CLOSER   one of these fails at some step (named), or flash's weights turn non-finite
-  4  UNDETERMINED  a comparison the rule needs was not trained (e.g. --runs flash,baseline)
+  4  UNDETERMINED  a comparison the rule needs was not trained (e.g. --runs flash,baseline), is
+                   undefined in a replicate, or its runs differ in more than the one thing
   1  a run failed (its message above)   2  bad arguments, nothing trained   130  interrupted
 
 Re-running the same command skips finished runs and resumes interrupted ones.

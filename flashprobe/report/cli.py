@@ -133,14 +133,12 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
         result = compare_runs(pairs, out, group_depth=args.group_depth, whole_model=not args.no_model)
     except (FileNotFoundError, ValueError) as err:
         return _fail(prog, err)
-    if not args.no_figures:
-        result.files += plot_study_figures(result.as_dict()["pairs"], out, fig7=args.fig7_pair)
-    width = max(len(n) for n in result.pairs)
-    header = (
-        f"{'pair':<{width}}  {'steps':>5}  {'last step':>9}  {'wasserstein':>11}  {'max_abs':>9}  differs in"
-    )
-    print(header)
     pairs_doc = result.as_dict()["pairs"]
+    if not args.no_figures:
+        result.files += plot_study_figures(pairs_doc, out, fig7=args.fig7_pair)
+    width = max(len(n) for n in result.pairs)
+    header = f"{'pair':<{width}}  {'steps':>5}  {'last step':>9}  {'wasserstein':>11}  {'max_abs':>9}"
+    print(f"{header}  differs in")
     for name, pair in result.pairs.items():
         last = pair.model[-1] if pair.model else None
         w = _fmt_e(last.wasserstein) if last else "-"

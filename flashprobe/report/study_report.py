@@ -25,6 +25,7 @@ from flashprobe.formats.study_file import read_study
 from flashprobe.report.study_verdict import (
     FLASH,
     comparison_groups,
+    format_value,
     no_verdict_line,
     study_comparisons,
     verdict,
@@ -41,12 +42,6 @@ def _final(pair: Mapping[str, Any], metric: str = "wasserstein") -> tuple[int, f
         if value is not None and math.isfinite(value):
             return step, value
     return None
-
-
-def _fmt(x: float | None) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "–"
-    return f"{x:.3g}"
 
 
 def probe_summary(run_dir: Path) -> list[dict[str, Any]]:
@@ -80,8 +75,8 @@ def _comparisons_table(study: Mapping[str, Any]) -> list[str]:
         lines.append(
             f"| {name} | {c.get('isolates', '–')} | {side(run_a)} | {side(run_b)} | "
             f"{describe_differences(pair)} | "
-            f"{final[0] if final else '–'} | {_fmt(final[1] if final else None)} | "
-            f"{_fmt(final_max[1] if final_max else None)} |"
+            f"{final[0] if final else '–'} | {format_value(final[1] if final else None)} | "
+            f"{format_value(final_max[1] if final_max else None)} |"
         )
     return lines
 
@@ -101,12 +96,13 @@ def _ratios_table(v: Mapping[str, Any]) -> list[str]:
         if ratio is None:
             continue
         by_seed = dict(zip(ratio.seeds, ratio.values, strict=True))
-        values = ", ".join(_fmt(by_seed.get(seed)) for seed in v["seeds"])  # "–": undefined there
+        values = ", ".join(format_value(by_seed.get(seed)) for seed in v["seeds"])  # "–": undefined there
         low, high = c["over_training"] or (None, None)
         where = {"below": "below 1", "above": "above 1", "straddles": "straddles 1"}[ratio.position()]
         lines.append(
-            f"| flash / {label} | {c['isolates']} | {_fmt(ratio.median)}× | "
-            f"{_fmt(ratio.low)}–{_fmt(ratio.high)} | {values} | {_fmt(low)}–{_fmt(high)} | {where} |"
+            f"| flash / {label} | {c['isolates']} | {format_value(ratio.median)}× | "
+            f"{format_value(ratio.low)}–{format_value(ratio.high)} | {values} | "
+            f"{format_value(low)}–{format_value(high)} | {where} |"
         )
     return lines
 
@@ -141,8 +137,9 @@ def _spread(values: Sequence[float]) -> str:
     if not values:
         return "–"
     if len(set(values)) == 1:  # one replicate, or every replicate the same (0 at step 0)
-        return _fmt(values[0])
-    return f"{_fmt(statistics.median(values))} ({_fmt(min(values))}–{_fmt(max(values))})"
+        return format_value(values[0])
+    low, high = format_value(min(values)), format_value(max(values))
+    return f"{format_value(statistics.median(values))} ({low}–{high})"
 
 
 def _steps_table(study: Mapping[str, Any], metric: str, max_rows: int = 8) -> list[str]:
@@ -196,8 +193,8 @@ def _probe_lines(study_dir: Path, runs: Mapping[str, Any]) -> list[str]:
             first, last, worst = (ratios[0], ratios[-1], max(ratios)) if ratios else (None, None, None)
             verdict, failure = _verdict_cell(summary[-1])
             rows.append(
-                f"| {name} | {verdict} | {len(summary)} | {_fmt(first)} | {_fmt(last)} | {_fmt(worst)} | "
-                f"{nonfinite} | {failure} |"
+                f"| {name} | {verdict} | {len(summary)} | {format_value(first)} | {format_value(last)} | "
+                f"{format_value(worst)} | {nonfinite} | {failure} |"
             )
     if not rows:
         return []

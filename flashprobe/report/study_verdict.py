@@ -33,6 +33,7 @@ __all__ = [
     "UNDETERMINED",
     "Interval",
     "comparison_groups",
+    "format_value",
     "no_verdict_line",
     "study_comparisons",
     "verdict",
@@ -90,8 +91,8 @@ class Interval:
     def text(self, unit: str = "") -> str:
         """``0.187× (0.16–0.23)``, or ``0.187× (1 replicate: no interval)``."""
         if self.n == 1:
-            return f"{_fmt(self.median)}{unit} (1 replicate: no interval)"
-        return f"{_fmt(self.median)}{unit} ({_fmt(self.low)}–{_fmt(self.high)})"
+            return f"{format_value(self.median)}{unit} (1 replicate: no interval)"
+        return f"{format_value(self.median)}{unit} ({format_value(self.low)}–{format_value(self.high)})"
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -103,7 +104,8 @@ class Interval:
         }
 
 
-def _fmt(x: float | None) -> str:
+def format_value(x: float | None) -> str:
+    """A distance or ratio in a report: 3 significant digits, ``–`` for none (or NaN)."""
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
     return f"{x:.3g}"
@@ -402,7 +404,7 @@ def _over(c: Mapping[str, Any], steps: Sequence[int]) -> str:
     if c["over_training"] is None or len(steps) < 2:
         return ""
     low, high = c["over_training"]
-    return f"; {_fmt(low)}–{_fmt(high)} over steps {steps[0]}–{steps[-1]}"
+    return f"; {format_value(low)}–{format_value(high)} over steps {steps[0]}–{steps[-1]}"
 
 
 def answer_line(v: Mapping[str, Any]) -> str:
@@ -458,7 +460,7 @@ def verdict_lines(v: Mapping[str, Any], precision: str, kernel: str = "sdpa_flas
         lines.append(
             "Noise floor: 0 — identical runs give bit-identical weights, so every distance here is real."
             if floor == 0
-            else f"Noise floor: identical runs differ by {_fmt(floor)}; distances near it are noise."
+            else f"Noise floor: identical runs differ by {format_value(floor)}; distances near it are noise."
         )
     seed = v["context"].get("seed")
     if seed is not None and seed["ratio"] is not None:
@@ -487,12 +489,12 @@ def verdict_lines(v: Mapping[str, Any], precision: str, kernel: str = "sdpa_flas
         )
     for name, e in v["extra"].items():
         at = (
-            f", against {_fmt(e['flash'])} at {precision} from the same seed"
+            f", against {format_value(e['flash'])} at {precision} from the same seed"
             if e["flash"] is not None
             else ""
         )
         lines.append(
             f"Without low precision ({name}, both at fp32; seed {e['seed']} only, not part of the answer): "
-            f"{_fmt(e['distance'])}{at}."
+            f"{format_value(e['distance'])}{at}."
         )
     return lines
