@@ -3,13 +3,29 @@
 ``flashprobe train`` and ``flashprobe study`` look at a few overrides (``resume``,
 ``hydra.run.dir``, ``hydra/launcher``, ``experiment``, ...) to check them before any work; this
 module is the one reader. It imports nothing heavy, so ``--help`` stays fast.
+
+It also reads the overrides a run recorded (``RUN/.hydra/overrides.yaml``) for ``resume=RUN``
+(:func:`recorded_overrides`). A run directory is data that is handed between colleagues, never
+instructions: a recorded override may set flashprobe's settings and choose options of its config
+groups, but nothing that makes Hydra build or import an object of the file's choosing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+import shlex
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
 
-__all__ = ["override_key", "override_path", "override_value"]
+__all__ = [
+    "RecordedOverrideError",
+    "config_groups",
+    "override_key",
+    "override_path",
+    "override_value",
+    "recorded_overrides",
+]
 
 
 def override_key(override: str) -> str:
@@ -47,3 +63,144 @@ def override_path(overrides: Sequence[str], key: str) -> str | None:
     if isinstance(value, list | dict) or hasattr(value, "list") or hasattr(value, "start"):
         raise ValueError(f"{given[-1]!r}: {key} must be one directory path, not a sweep or a list")
     return given[-1].split("=", 1)[1]  # a number or a boolean: the text as given
+
+
+class RecordedOverrideError(ValueError):
+    """A run directory's recorded overrides ask for more than settings: refused, nothing was run."""
+
+
+#: A plain reference to another config value, ``${a.b}``: data. Anything else in ``${...}`` is a
+#: resolver call (``${oc.env:...}``, ``${oc.decode:...}``, a user-registered resolver): code.
+_NODE_REFERENCE = re.compile(r"\$\{[A-Za-z0-9_.\-\[\]]+\}")
+#: A config group option as flashprobe's groups spell them: names, optionally nested with ``/``.
+_GROUP_OPTION = re.compile(r"[A-Za-z0-9_\-]+(/[A-Za-z0-9_\-]+)*")
+
+
+def config_groups(config_dirs: Iterable[Path]) -> set[str]:
+    """The config group names (``experiment``, ``callbacks``, ...) of the config directories given."""
+    groups: set[str] = set()
+    for root in config_dirs:
+        if root.is_dir():
+            groups.update(str(d.relative_to(root)) for d in root.rglob("*") if d.is_dir())
+    return groups
+
+
+def recorded_overrides(
+    path: Path, groups: set[str], given: Sequence[str] = (), skip: Iterable[str] = ()
+) -> list[str]:
+    """The overrides a resume runs with: those a run recorded in ``path`` (Hydra's
+    ``.hydra/overrides.yaml``), read as data, then ``given``.
+
+    A recorded override that the command given now replaces is left out unread, as the command line
+    decides: one whose key ``given`` sets or ``skip`` names, or that lies under a key ``given``
+    deletes (``~callbacks.pause`` replaces ``+callbacks.pause._target_=...``; a deletion that only
+    undoes recorded additions is then left out too, as there is nothing left to delete). Each other line must
+    be an override Hydra's grammar accepts that sets a value or chooses an option of a config group.
+    Refused, with the file and line named: a key or a mapping key starting with ``_``
+    (``_target_``, ``_args_``, ``_partial_``, ... make Hydra import and call what they name), a
+    ``hydra`` setting (its search path, launcher and callbacks load code), a resolver in a value
+    (``${oc.decode:...}`` builds config, ``${oc.env:...}`` reads the environment), a package
+    override (``group@pkg=...`` moves a config elsewhere), a sweep, and a group option that is a
+    path (``../..``: a config file outside the config directories).
+
+    Args:
+        path: the recorded overrides file.
+        groups: the config group names on the search path (:func:`config_groups`).
+        given: the overrides of the command given now.
+        skip: further keys the command sets itself (``resume``, ``hydra.run.dir``, ...).
+
+    Returns:
+        The recorded overrides the command given now does not replace, in order, then ``given``.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a YAML list of strings as Hydra writes it.
+        RecordedOverrideError: a recorded override asks for more than settings.
+    """
+    import yaml
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        node = yaml.compose(path.read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        reason = " ".join(str(err).split())
+        raise FileNotFoundError(f"{path} is not Hydra's overrides file ({reason})") from None
+    if node is None:
+        return list(given)
+    if not isinstance(node, yaml.SequenceNode) or not all(
+        isinstance(item, yaml.ScalarNode) and item.tag == "tag:yaml.org,2002:str" for item in node.value
+    ):
+        raise FileNotFoundError(f"{path} is not a list of overrides as Hydra writes it")
+    parser = OverridesParser.create()
+    overrides = []
+    replaced = {override_key(o) for o in given} | set(skip)
+    deleted = [override_key(o) for o in given if o.startswith("~")]
+    undone: dict[str, bool] = {}  # a deletion given now -> whether it only undoes recorded additions
+    for item in node.value:
+        text, where = item.value, f"{path}, line {item.start_mark.line + 1}"
+        key = override_key(text).split("@", 1)[0]
+        under = [d for d in deleted if key == d or key.startswith(d + ".")]
+        for d in under:
+            undone[d] = undone.get(d, True) and text.startswith("+")
+        if key in replaced or under:
+            continue
+        try:
+            override = parser.parse_override(text)
+        except HydraException as err:
+            raise RecordedOverrideError(f"{where}: {text!r} is not a Hydra override ({err})") from None
+        reason = _unsafe(override, groups)
+        if reason:
+            parts = key.split(".")
+            entry = ".".join(parts[: next((i for i, p in enumerate(parts) if p.startswith("_")), None)])
+            raise RecordedOverrideError(
+                f"{where}: {text!r} {reason}. A run directory is data, never instructions: resume takes "
+                "from it only flashprobe's settings and config group options, so this run is not resumed "
+                "and nothing of it was run. If the run is yours and you mean it, give the override "
+                "yourself, resuming with only the settings you give now: flashprobe train "
+                f"hydra.run.dir=RUN resume=auto {shlex.quote(text)} ...; or drop it: resume=RUN "
+                f"~{entry or key}"
+            )
+        overrides.append(text)
+    return overrides + [o for o in given if not (o.startswith("~") and undone.get(override_key(o)))]
+
+
+def _unsafe(override: Any, groups: set[str]) -> str | None:
+    """Why a parsed recorded override is more than a setting, or ``None``."""
+    key = override.key_or_group
+    if key.split(".")[0].split("/")[0] == "hydra":
+        return "sets Hydra's own configuration (its search path, launcher and callbacks can load code)"
+    if any(part.startswith("_") for part in re.split(r"[./]", key)):
+        return f"sets {key.rsplit('.', 1)[-1]}, which makes Hydra import and build an object"
+    if override.package is not None:
+        return "moves a config group to another package (group@package)"
+    if override.is_delete():
+        return None
+    if override.is_sweep_override():
+        return "is a sweep, not one run's setting"
+    value = override.value()
+    bad = _unsafe_value(value)
+    if bad:
+        return bad
+    options = value if isinstance(value, list) else [value]
+    names = all(o is None or (isinstance(o, str) and _GROUP_OPTION.fullmatch(o)) for o in options)
+    if key in groups and not names:
+        return f"chooses {key} option {value!r}, which is not an option name (a path?)"
+    return None
+
+
+def _unsafe_value(value: Any) -> str | None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if str(k).startswith("_"):
+                return f"holds the key {k}, which makes Hydra import and build an object"
+            bad = _unsafe_value(v)
+            if bad:
+                return bad
+    elif isinstance(value, list):
+        for v in value:
+            bad = _unsafe_value(v)
+            if bad:
+                return bad
+    elif isinstance(value, str) and "${" in _NODE_REFERENCE.sub("", value):
+        return "calls a resolver (${name:...}), which runs code when the config is read"
+    return None

@@ -27,11 +27,18 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.trainer.states import TrainerStatus
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from flashprobe.app.console import StepProgressBar, quiet_third_party
 from flashprobe.app.machine import machine_facts
-from flashprobe.app.overrides import override_key, override_path, override_value
+from flashprobe.app.overrides import (
+    RecordedOverrideError,
+    config_groups,
+    override_key,
+    override_path,
+    override_value,
+    recorded_overrides,
+)
 from flashprobe.callbacks.attention_probe import AttentionProbe
 from flashprobe.callbacks.nonfinite_guard import NonFiniteGuard
 from flashprobe.formats.lock import DirectoryLockedError, directory_lock
@@ -788,6 +795,9 @@ def command_line(args: Sequence[str]) -> list[str]:
         FileExistsError: ``hydra.run.dir=DIR`` where ``DIR`` holds a run, without resume or overwrite.
         OutputPathError: ``hydra.run.dir`` is empty, a file, lies under one, or is not writable.
         ValueError: ``resume`` or ``hydra.run.dir`` is not one path (a sweep, a list).
+        RecordedOverrideError: the run's recorded overrides ask for more than flashprobe's settings
+            (an object to build, a resolver, Hydra's own settings): a run directory is data, never
+            instructions (:func:`flashprobe.app.overrides.recorded_overrides`).
     """
     args = list(args)
     resume, run_dir = override_path(args, "resume"), override_path(args, "hydra.run.dir")
@@ -799,20 +809,22 @@ def command_line(args: Sequence[str]) -> list[str]:
             raise FileNotFoundError(
                 f"resume={resume}: no run started by `flashprobe train` there ({saved} is missing)"
             )
-        given = {override_key(a) for a in args}
-        skip = {"resume", "overwrite", "ckpt_path", "hydra.run.dir"}
+        skip = ("resume", "overwrite", "ckpt_path", "hydra.run.dir")
+        search_path = user_config_dirs()
+        inside = [d for d in search_path if d.is_relative_to(Path(resume).resolve())]
+        if inside:
+            raise RecordedOverrideError(
+                f"resume={resume}: the config directory {inside[0]} lies inside the run directory, so its "
+                "configs would come from the run; a run directory is data, never instructions: run "
+                "flashprobe from another directory"
+            )
         try:
-            saved_overrides = OmegaConf.load(saved)
-        except Exception as err:  # any YAML or OmegaConf error: not Hydra's file
-            raise FileNotFoundError(
-                f"resume={resume}: {saved} is not Hydra's overrides file ({err})"
-            ) from None
-        if not isinstance(saved_overrides, ListConfig) or not all(
-            isinstance(o, str) for o in saved_overrides
-        ):
-            raise FileNotFoundError(f"resume={resume}: {saved} is not a list of overrides as Hydra writes it")
-        original = [str(o) for o in saved_overrides if override_key(str(o)) not in given | skip]
-        return [*original, *args, f"hydra.run.dir={_quoted(resume)}"]
+            resumed = recorded_overrides(saved, config_groups([CONF_DIR, *search_path]), args, skip)
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"resume={resume}: {err}") from None
+        except RecordedOverrideError as err:
+            raise RecordedOverrideError(f"resume={resume}: {err}") from None
+        return [*resumed, f"hydra.run.dir={_quoted(resume)}"]
     overwrite = str(override_value(args, "overwrite")).lower() == "true"
     if run_dir is not None and not run_dir.strip():
         raise OutputPathError(
@@ -828,6 +840,17 @@ def command_line(args: Sequence[str]) -> list[str]:
         if found:
             raise FileExistsError(_refusal(Path(run_dir), found))
     return args
+
+
+def user_config_dirs() -> list[Path]:
+    """The user's config directories Hydra searches before the packaged configs (resolved, existing).
+
+    ``./conf`` and ``$FLASHPROBE_CONFIG_DIR``, as the search-path plugin in ``hydra_plugins`` puts them.
+    """
+    from hydra_plugins.flashprobe_searchpath.flashprobe_searchpath import CONFIG_DIR_ENV
+
+    candidates = [Path("conf"), Path(os.environ.get(CONFIG_DIR_ENV, "") or "conf")]
+    return [d for d in dict.fromkeys(p.resolve() for p in candidates) if d.is_dir()]
 
 
 def _quoted(path: str) -> str:
