@@ -86,8 +86,9 @@ class BiasStats:
         try:
             return self.directions.index(direction)
         except ValueError:
+            known = ", ".join(self.directions)
             raise ValueError(
-                f"BiasStats: unknown direction {direction!r}; this accumulator has {', '.join(self.directions)}"
+                f"BiasStats: unknown direction {direction!r}; this accumulator has {known}"
             ) from None
 
     def add(
@@ -135,9 +136,7 @@ class BiasStats:
             ValueError: the two accumulate different directions.
         """
         if other.directions != self.directions:
-            raise ValueError(
-                f"BiasStats.merge: directions differ ({self.directions} vs {other.directions})"
-            )
+            raise ValueError(f"BiasStats.merge: directions differ ({self.directions} vs {other.directions})")
         self.state += other.state.to(self.state.device, self.state.dtype)
         return self
 

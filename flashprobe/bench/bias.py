@@ -37,11 +37,18 @@ from typing import Any
 
 import torch
 
-from flashprobe.bench.args import add_kernel_args, add_output_args, parse_device, parse_dtypes, parse_kernels, run_cli
+from flashprobe.bench.args import (
+    add_kernel_args,
+    add_output_args,
+    parse_device,
+    parse_dtypes,
+    parse_kernels,
+    run_cli,
+)
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.inputs import Shape
 from flashprobe.bench.results import format_table, write_results, wrote_line
-from flashprobe.bias import BIAS_Z_LIMIT, BiasStats
+from flashprobe.bias import BIAS_Z_LIMIT, COMPONENTS, BiasStats
 from flashprobe.formats.atomic import atomic_write_text
 from flashprobe.kernels import Kernel, KernelUnavailableError, get_kernel
 from flashprobe.kernels._inputs import dtype_name
@@ -130,7 +137,7 @@ def bias_inputs(shape: Shape, seed: int, *, repeated: bool, ties: int = 16) -> d
 def _key_weight_grad(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, x: torch.Tensor, delta: torch.Tensor
 ) -> torch.Tensor:
-    """``xᵀ dK`` in float64 with ``dK = scale · (P ∘ (dO vᵀ − δ))ᵀ q``: only ``δ`` varies. ``(B, H, D, D)``."""
+    """``xᵀ dK`` ``(B, H, D, D)`` in float64, ``dK = scale · (P ∘ (dO vᵀ − δ))ᵀ q``: only ``δ`` varies."""
     scale = q.shape[-1] ** -0.5
     p = torch.softmax(q @ k.transpose(-2, -1) * scale, dim=-1)  # (B, H, N, N)
     ds = p * (do @ v.transpose(-2, -1) - delta) * scale
@@ -187,7 +194,9 @@ def bias_rows(
                     try:
                         out = kernel(*args)
                     except KernelUnavailableError as err:
-                        skipped.append({"kernel": kernel.spec, "dtype": dtype_name(dtype), "reason": str(err)})
+                        skipped.append(
+                            {"kernel": kernel.spec, "dtype": dtype_name(dtype), "reason": str(err)}
+                        )
                         continue
                     got = _quantities(out, inputs, cast)
                     stats, rel = per_kernel.setdefault(kernel.spec, (BiasStats(QUANTITIES, device), {}))
@@ -196,7 +205,9 @@ def bias_rows(
                         err = got[name] - golden[name]
                         size = golden[name].abs().mean().item()
                         rel.setdefault((name, "offset"), []).append(err.mean().item() / size)
-                        rel.setdefault((name, "magnitude"), []).append((err * golden[name].sign()).mean().item() / size)
+                        rel.setdefault((name, "magnitude"), []).append(
+                            (err * golden[name].sign()).mean().item() / size
+                        )
             for spec, (stats, rel) in per_kernel.items():
                 for name, entry in stats.as_dict().items():
                     component = max(("offset", "magnitude"), key=lambda c, e=entry: abs(e[c]["z"]))
@@ -214,7 +225,7 @@ def bias_rows(
                         "seed_bias_rel": seed_rel,
                         "seed_signs": f"{sum(x > 0 for x in seed_rel)}/{sum(x < 0 for x in seed_rel)}",
                         "verdict": entry["verdict"],
-                        **{f"{c}_{key}": entry[c][key] for c in ("offset", "magnitude") for key in ("mean", "z")},
+                        **{f"{c}_{key}": entry[c][key] for c in COMPONENTS for key in ("mean", "z")},
                         **shape.as_dict(),
                         "ties": ties if kind == "repeated" else 1,
                     })  # fmt: skip
@@ -252,7 +263,8 @@ def markdown(rows: Sequence[Mapping[str, Any]], factors: Sequence[Mapping[str, A
         "",
         f"`{command}`",
         "",
-        "bias: mean signed error in units of the `math` baseline's error RMS, of the component with the larger "
+        "bias: mean signed error in units of the `math` baseline's error RMS, of the component with the "
+        "larger "
         "|z| (offset: + upward; magnitude: + away from zero); "
         f"z over (seed, batch, head) replicates; biased at |z| ≥ {BIAS_Z_LIMIT:g}.",
         "",
@@ -261,7 +273,8 @@ def markdown(rows: Sequence[Mapping[str, Any]], factors: Sequence[Mapping[str, A
     ]
     for r in rows:
         lines.append(
-            f"| {r['inputs']} | {r['dtype']} | `{r['kernel']}` | {r['quantity']} | {r['component']} | {r['bias']:+.3g} | "
+            f"| {r['inputs']} | {r['dtype']} | `{r['kernel']}` | {r['quantity']} | {r['component']} | "
+            f"{r['bias']:+.3g} | "
             f"{r['z']:+.1f} | {r['bias_rel']:+.2e} | {r['seed_signs']} | {r['verdict']} |"
         )
     if factors:
@@ -288,7 +301,11 @@ def plot_bias(rows: Sequence[Mapping[str, Any]], path: Any) -> Any:
     axes = fig.subplots(1, len(names), sharey=True, squeeze=False)[0]
     for ax, name in zip(axes, names, strict=True):
         for offset, kind, color in ((-0.2, "repeated", "tab:red"), (0.2, "control", "tab:blue")):
-            sel = {f"{r['kernel']} {r['dtype']}": r for r in rows if r["quantity"] == name and r["inputs"] == kind}
+            sel = {
+                f"{r['kernel']} {r['dtype']}": r
+                for r in rows
+                if r["quantity"] == name and r["inputs"] == kind
+            }
             ys = [i + offset for i, label in enumerate(labels) if label in sel]
             zs = [sel[label]["z"] for label in labels if label in sel]
             ax.barh(ys, zs, height=0.4, color=color, label=f"{kind} maxima" if kind == "repeated" else kind)
@@ -319,7 +336,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--heads", type=int, default=8, metavar="H", help="heads (default 8)")
     parser.add_argument("--seq-len", type=int, default=128, metavar="N", help="sequence length (default 128)")
     parser.add_argument("--head-dim", type=int, default=64, metavar="D", help="head dimension (default 64)")
-    parser.add_argument("--ties", type=int, default=16, help="keys at the row max, repeated inputs (default 16)")
+    parser.add_argument(
+        "--ties", type=int, default=16, help="keys at the row max, repeated inputs (default 16)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
     parser.add_argument("--repeats", type=int, default=5, metavar="R", help="seeds (default 5)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
@@ -339,7 +358,9 @@ def _run(args: argparse.Namespace) -> int:
     seeds = [args.seed + i for i in range(args.repeats)]
     bias_inputs(shape, seeds[0], repeated=True, ties=args.ties)  # bad shapes fail before any work
     start = time.perf_counter()
-    rows, skipped = bias_rows(shape, kernels=kernels, dtypes=dtypes, seeds=seeds, ties=args.ties, device=device)
+    rows, skipped = bias_rows(
+        shape, kernels=kernels, dtypes=dtypes, seeds=seeds, ties=args.ties, device=device
+    )
     factors = mitigation_factors(rows)
     meta = {"command": args.command_line, "seeds": seeds, "z_limit": BIAS_Z_LIMIT, "mitigation": factors}
     paths = write_results(args.out, "bias", rows, meta=meta, skipped=skipped)

@@ -690,7 +690,8 @@ def _fa1_step(
 ) -> _RowState:
     """FlashAttention-1's update (Algorithm 1): the output stays normalised after every tile.
 
-    ``m̃ = m_tile`` (the tile's row max, :func:`_tile_max`), ``P̃ = exp(s − m̃)``, ``l̃ = rowsum(P̃)``, ``m_new = max(m, m̃)``,
+    ``m̃ = m_tile`` (the tile's row max, :func:`_tile_max`), ``P̃ = exp(s − m̃)``,
+    ``l̃ = rowsum(P̃)``, ``m_new = max(m, m̃)``,
     ``α = exp(m − m_new)``, ``β = exp(m̃ − m_new)``, ``l_new = α·l + β·l̃``,
     ``o ← (l·α·o + β·P̃ v) / l_new``. A row with ``l_new = 0`` (only masked keys so far, or every
     exponential underflowed) keeps ``o = 0``.
