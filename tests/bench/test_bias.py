@@ -135,3 +135,7 @@ def test_bad_input_is_refused_before_any_work(tmp_path, capsys):
     assert cli_main(["bench", "bias", "--head-dim", "2", "--out", str(tmp_path / "y")]) == 2
     assert "--head-dim must be at least 3" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
+    assert cli_main(["bench", "bias", "--kernel", "nosuch", "--out", str(tmp_path / "z")]) == 2
+    assert "unknown kernel 'nosuch'" in capsys.readouterr().err
+    assert cli_main(["bench", "bias", "--dtype", "int8", "--out", str(tmp_path / "z")]) == 2
+    assert "unsupported dtype 'int8'" in capsys.readouterr().err
