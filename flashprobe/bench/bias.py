@@ -152,8 +152,8 @@ def _quantities(
     do = cast["do"]
     wide = torch.float64 if out.dtype == torch.float64 else torch.float32
     delta = (do.to(wide) * out.to(wide)).sum(-1, keepdim=True).double()  # (B, H, N, 1)
-    dweight = _key_weight_grad(cast["q"].double(), cast["k"].double(), cast["v"].double(), do.double(),
-                               inputs["x"], delta)  # fmt: skip
+    q, k, v = (cast[name].double() for name in ("q", "k", "v"))
+    dweight = _key_weight_grad(q, k, v, do.double(), inputs["x"], delta)
     return {"out": out.double(), "delta": delta, "dweight": dweight}
 
 
@@ -174,62 +174,86 @@ def bias_rows(
         signed error in units of the ``math`` baseline's error RMS, the larger-|z| component of
         :class:`~flashprobe.bias.BiasStats`), ``component``, ``z``, ``replicates``,
         ``bias_rel`` (the same mean relative to the mean ``|golden|``), ``seed_bias_rel`` (per
-        seed), ``seed_signs`` and ``verdict``; skipped kernels with the reason.
+        seed), ``seed_signs``, ``verdict`` and both components' ``*_mean``/``*_z``; and the
+        skipped kernels with the reason.
     """
-    baseline = get_kernel("math")
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     for kind in kinds:
         for dtype in dtypes:
-            per_kernel: dict[str, tuple[BiasStats, dict[str, list[float]]]] = {}
-            for seed in seeds:
-                inputs = bias_inputs(shape, seed, repeated=kind == "repeated", ties=ties)
-                cast = {name: t.to(device, dtype) for name, t in inputs.items() if name != "x"}
-                args = (cast["q"], cast["k"], cast["v"])
-                golden = _quantities(golden_attention(*(t.double() for t in args)), inputs, cast)
-                base = _quantities(baseline(*args), inputs, cast)
-                for kernel in kernels:
-                    if kernel.spec in {s["kernel"] for s in skipped if s["dtype"] == dtype_name(dtype)}:
-                        continue
-                    try:
-                        out = kernel(*args)
-                    except KernelUnavailableError as err:
-                        skipped.append(
-                            {"kernel": kernel.spec, "dtype": dtype_name(dtype), "reason": str(err)}
-                        )
-                        continue
-                    got = _quantities(out, inputs, cast)
-                    stats, rel = per_kernel.setdefault(kernel.spec, (BiasStats(QUANTITIES, device), {}))
-                    for name in QUANTITIES:
-                        stats.add(name, got[name], golden[name], base[name])
-                        err = got[name] - golden[name]
-                        size = golden[name].abs().mean().item()
-                        rel.setdefault((name, "offset"), []).append(err.mean().item() / size)
-                        rel.setdefault((name, "magnitude"), []).append(
-                            (err * golden[name].sign()).mean().item() / size
-                        )
-            for spec, (stats, rel) in per_kernel.items():
-                for name, entry in stats.as_dict().items():
-                    component = max(("offset", "magnitude"), key=lambda c, e=entry: abs(e[c]["z"]))
-                    seed_rel = rel[name, component]
-                    rows.append({
-                        "inputs": kind,
-                        "dtype": dtype_name(dtype),
-                        "kernel": spec,
-                        "quantity": name,
-                        "component": component,
-                        "bias": entry[component]["mean"],
-                        "z": entry[component]["z"],
-                        "replicates": entry["replicates"],
-                        "bias_rel": sum(seed_rel) / len(seed_rel),
-                        "seed_bias_rel": seed_rel,
-                        "seed_signs": f"{sum(x > 0 for x in seed_rel)}/{sum(x < 0 for x in seed_rel)}",
-                        "verdict": entry["verdict"],
-                        **{f"{c}_{key}": entry[c][key] for c in COMPONENTS for key in ("mean", "z")},
-                        **shape.as_dict(),
-                        "ties": ties if kind == "repeated" else 1,
-                    })  # fmt: skip
+            measured = _measure(kernels, shape, seeds, kind, dtype, ties, device, skipped)
+            for spec, (stats, seed_rel) in measured.items():
+                common = {"inputs": kind, "dtype": dtype_name(dtype), "kernel": spec}
+                setting = {**shape.as_dict(), "ties": ties if kind == "repeated" else 1}
+                rows += [
+                    {**common, **_row(name, entry, seed_rel), **setting}
+                    for name, entry in stats.as_dict().items()
+                ]
     return rows, skipped
+
+
+_Measured = dict[str, tuple[BiasStats, dict[tuple[str, str], list[float]]]]
+
+
+def _measure(
+    kernels: Sequence[Kernel],
+    shape: Shape,
+    seeds: Sequence[int],
+    kind: str,
+    dtype: torch.dtype,
+    ties: int,
+    device: torch.device | str,
+    skipped: list[dict[str, Any]],
+) -> _Measured:
+    """Per kernel spec: its :class:`BiasStats` over all seeds, and per (quantity, component) the
+    signed mean error relative to the mean ``|golden|`` of each seed. Appends unavailable kernels
+    to ``skipped``."""
+    baseline = get_kernel("math")
+    measured: _Measured = {}
+    unavailable: set[str] = set()
+    for seed in seeds:
+        inputs = bias_inputs(shape, seed, repeated=kind == "repeated", ties=ties)
+        cast = {name: t.to(device, dtype) for name, t in inputs.items() if name != "x"}
+        args = (cast["q"], cast["k"], cast["v"])
+        golden = _quantities(golden_attention(*(t.double() for t in args)), inputs, cast)
+        base = _quantities(baseline(*args), inputs, cast)
+        for kernel in kernels:
+            if kernel.spec in unavailable:
+                continue
+            try:
+                got = _quantities(kernel(*args), inputs, cast)
+            except KernelUnavailableError as err:
+                unavailable.add(kernel.spec)
+                skipped.append({"kernel": kernel.spec, "dtype": dtype_name(dtype), "reason": str(err)})
+                continue
+            stats, seed_rel = measured.setdefault(kernel.spec, (BiasStats(QUANTITIES, device), {}))
+            for name in QUANTITIES:
+                stats.add(name, got[name], golden[name], base[name])
+                err, size = got[name] - golden[name], golden[name].abs().mean().item()
+                seed_rel.setdefault((name, "offset"), []).append(err.mean().item() / size)
+                signed = (err * golden[name].sign()).mean().item()
+                seed_rel.setdefault((name, "magnitude"), []).append(signed / size)
+    return measured
+
+
+def _row(
+    name: str, entry: Mapping[str, Any], seed_rel: Mapping[tuple[str, str], list[float]]
+) -> dict[str, Any]:
+    """The columns of one quantity's row from its ``BiasStats.as_dict()`` entry."""
+    component = max(COMPONENTS, key=lambda c: abs(entry[c]["z"]))
+    per_seed = seed_rel[name, component]
+    return {
+        "quantity": name,
+        "component": component,
+        "bias": entry[component]["mean"],
+        "z": entry[component]["z"],
+        "replicates": entry["replicates"],
+        "bias_rel": sum(per_seed) / len(per_seed),
+        "seed_bias_rel": per_seed,
+        "seed_signs": f"{sum(x > 0 for x in per_seed)}/{sum(x < 0 for x in per_seed)}",
+        "verdict": entry["verdict"],
+        **{f"{c}_{key}": entry[c][key] for c in COMPONENTS for key in ("mean", "z")},
+    }
 
 
 def mitigation_factors(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -244,11 +268,18 @@ def mitigation_factors(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
         after = None if mitigated is None else mitigated[f"{row['component']}_mean"]
         if not after:
             continue
-        factors.append({
-            "inputs": kind, "dtype": dtype, "kernel": spec, "quantity": name, "component": row["component"],
-            "biased": row["verdict"] == "biased", "mitigated_verdict": mitigated["verdict"],
-            "factor": abs(row["bias"]) / abs(after),
-        })  # fmt: skip
+        factors.append(
+            {
+                "inputs": kind,
+                "dtype": dtype,
+                "kernel": spec,
+                "quantity": name,
+                "component": row["component"],
+                "biased": row["verdict"] == "biased",
+                "mitigated_verdict": mitigated["verdict"],
+                "factor": abs(row["bias"]) / abs(after),
+            }
+        )
     return factors
 
 
@@ -263,9 +294,8 @@ def markdown(rows: Sequence[Mapping[str, Any]], factors: Sequence[Mapping[str, A
         "",
         f"`{command}`",
         "",
-        "bias: mean signed error in units of the `math` baseline's error RMS, of the component with the "
-        "larger "
-        "|z| (offset: + upward; magnitude: + away from zero); "
+        "bias: mean signed error in units of the `math` baseline's error RMS, of the component with "
+        "the larger |z| (offset: + upward; magnitude: + away from zero); "
         f"z over (seed, batch, head) replicates; biased at |z| ≥ {BIAS_Z_LIMIT:g}.",
         "",
         "| inputs | dtype | kernel | of | component | bias | z | bias/\\|golden\\| | seeds +/- | verdict |",
@@ -274,19 +304,28 @@ def markdown(rows: Sequence[Mapping[str, Any]], factors: Sequence[Mapping[str, A
     for r in rows:
         lines.append(
             f"| {r['inputs']} | {r['dtype']} | `{r['kernel']}` | {r['quantity']} | {r['component']} | "
-            f"{r['bias']:+.3g} | "
-            f"{r['z']:+.1f} | {r['bias_rel']:+.2e} | {r['seed_signs']} | {r['verdict']} |"
+            f"{_signed(r['bias'], '.3g')} | {r['z']:+.1f} | {_signed(r['bias_rel'], '.2e')} | "
+            f"{r['seed_signs']} | {r['verdict']} |"
         )
     if factors:
-        lines += ["", "## max_shift=repeated", "",
-                  "| inputs | dtype | kernel | of | biased | bias ÷ mitigated bias | mitigated |",
-                  "|---|---|---|---|---|---:|---|"]  # fmt: skip
+        lines += [
+            "",
+            "## max_shift=repeated",
+            "",
+            "| inputs | dtype | kernel | of | biased | bias ÷ mitigated bias | mitigated |",
+            "|---|---|---|---|---|---:|---|",
+        ]
         lines += [
             f"| {f['inputs']} | {f['dtype']} | `{f['kernel']}` | {f['quantity']} | "
             f"{'yes' if f['biased'] else 'no'} | {f['factor']:.3g} | {f['mitigated_verdict']} |"
             for f in factors
         ]
     return "\n".join(lines) + "\n"
+
+
+def _signed(value: float | None, spec: str) -> str:
+    """``value`` with its sign, or ``-`` when nothing was measured (no finite element)."""
+    return "-" if value is None or math.isnan(value) else format(value, "+" + spec)
 
 
 def plot_bias(rows: Sequence[Mapping[str, Any]], path: Any) -> Any:
@@ -330,8 +369,9 @@ def _parser() -> argparse.ArgumentParser:
         "low-rank rows, against a control without (Qiu & Yao, arXiv 2510.04212).",
     )
     add_kernel_args(parser, default=DEFAULT_KERNELS, baseline=False)
-    parser.add_argument("--dtype", nargs="+", default=["bf16", "fp16"], metavar="DTYPE",
-                        help="dtypes (default: bf16 fp16)")  # fmt: skip
+    parser.add_argument(
+        "--dtype", nargs="+", default=["bf16", "fp16"], metavar="DTYPE", help="dtypes (default: bf16 fp16)"
+    )
     parser.add_argument("--batch", type=int, default=4, metavar="B", help="batch size (default 4)")
     parser.add_argument("--heads", type=int, default=8, metavar="H", help="heads (default 8)")
     parser.add_argument("--seq-len", type=int, default=128, metavar="N", help="sequence length (default 128)")
