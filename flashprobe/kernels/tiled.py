@@ -66,7 +66,8 @@ max_shift        ``off`` (default) or ``repeated``: the mitigation of Qiu & Yao 
                  max is shifted to ``2·m`` if ``m > 0`` and to ``0`` if ``m < 0`` before the
                  running max is updated, so no probability ``exp(s − m)`` is exactly 1 (``m = 0``
                  stays). The shift cancels in ``o / l``; it costs range: ``P ≤ exp(−|m|)``
-                 underflows fp16 for ``|m|`` above ~17 (see ``flashprobe bench bias``).
+                 underflows fp16 for ``|m|`` above ~17 and the row then outputs 0; the bias
+                 it removes is measured by ``flashprobe bench bias``.
 ===============  ===========================================================================
 
 The three step dtypes accept a dtype name (``bf16``, ``fp32``, ...), ``opmath`` (at least fp32:

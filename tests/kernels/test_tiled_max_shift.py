@@ -70,3 +70,20 @@ def test_bad_value_is_refused_when_the_spec_is_parsed():
     with pytest.raises(KernelSpecError, match="max_shift='always' must be 'off' or 'repeated'"):
         get_kernel("tiled:max_shift=always")
     assert get_kernel("tiled:max_shift=repeated").options == {"max_shift": "repeated"}
+
+
+def test_the_shift_costs_range_in_fp16():
+    """A repeated max of 20: the shifted probabilities exp(s - 40) <= exp(-20) underflow fp16 (smallest
+    subnormal 6e-8), so the row outputs 0; in bf16 (fp32's exponent range) they do not."""
+    q = torch.zeros(1, 1, 4, 16)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 1, 8, 16)
+    k[0, 0, :3, 0] = torch.tensor([80.0, 80.0, 10.0])  # scores 80/√16 = 20, twice
+    v = torch.randn(1, 1, 8, 16, generator=torch.Generator().manual_seed(0))
+    for dtype, lost in ((torch.float16, True), (torch.bfloat16, False)):
+        args = [t.to(dtype) for t in (q, k, v)]
+        golden = golden_attention(*args)
+        shifted = tiled_attention(*args, max_shift="repeated").double()
+        assert torch.equal(shifted, torch.zeros_like(shifted)) == lost
+        plain_error = (tiled_attention(*args).double() - golden).abs().max()
+        assert plain_error < 4e-3  # without the shift both dtypes are fine
