@@ -32,6 +32,7 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "speed": ("flashprobe.bench.speed:main", "time and peak memory of kernels vs math"),
     "overhead": ("flashprobe.bench.overhead:main", "training-step overhead of the shadow probe"),
     "wasserstein": ("flashprobe.bench.wasserstein:main", "torch Wasserstein distance vs scipy"),
+    "bias": ("flashprobe.bench.bias:main", "signed (biased) error on repeated row maxima (Qiu & Yao)"),
     "verdicts": (
         "flashprobe.bench.verdicts:main",
         "the probe's verdict on torch's kernels in training (calibration)",

@@ -60,6 +60,14 @@ mask_value       value written into masked logits *and* the initial running max.
                  rows whose running max never rises above it, i.e. whose valid logits all lie
                  below it, silently output zeros (FlashInfer: ``d_rcp = m != -inf ? 1/d : 0``).
                  It must be finite in stats_dtype (-1e5 overflows fp16).
+max_shift        ``off`` (default) or ``repeated``: the mitigation of Qiu & Yao (arXiv 2510.04212)
+                 for biased rounding in low-precision ``P v``. When a tile's row maximum
+                 repeats (another score within ``REPEAT_TOLERANCE`` = 1e-3 of it), the tile's
+                 max is shifted to ``2·m`` if ``m > 0`` and to ``0`` if ``m < 0`` before the
+                 running max is updated, so no probability ``exp(s − m)`` is exactly 1 (``m = 0``
+                 stays). The shift cancels in ``o / l``; it costs range: ``P ≤ exp(−|m|)``
+                 underflows fp16 for ``|m|`` above ~17 and the row then outputs 0; the bias
+                 it removes is measured by ``flashprobe bench bias``.
 ===============  ===========================================================================
 
 The three step dtypes accept a dtype name (``bf16``, ``fp32``, ...), ``opmath`` (at least fp32:
@@ -85,8 +93,10 @@ from flashprobe.kernels.registry import KernelUnavailableError, register_kernel
 
 __all__ = [
     "DEFAULT_PRESET",
+    "MAX_SHIFTS",
     "ORDERS",
     "PRESETS",
+    "REPEAT_TOLERANCE",
     "UPDATES",
     "TileNumerics",
     "TileSizes",
@@ -103,6 +113,10 @@ DEFAULT_BLOCK_K = 128
 ORDERS = ("forward", "reverse", "shuffle")
 #: How the output accumulator is updated per tile.
 UPDATES = ("fa2", "fa1")
+#: ``max_shift`` values: no shift, or shift the row max of tiles where it repeats (Qiu & Yao).
+MAX_SHIFTS = ("off", "repeated")
+#: Scores within this distance of a tile's row max count as a repeat of it (``max_shift=repeated``).
+REPEAT_TOLERANCE = 1e-3
 #: The dtype value meaning "at least fp32" (torch's ``at::opmath_type``).
 OPMATH = "opmath"
 
@@ -300,6 +314,7 @@ def _validate(
     stats_dtype: str | torch.dtype | None = None,
     acc_dtype: str | torch.dtype | None = None,
     mask_value: float = float("-inf"),
+    max_shift: str = "off",
 ) -> None:
     """Check option values that do not depend on the inputs (called when a spec is parsed)."""
     _preset_knobs(preset)
@@ -317,6 +332,7 @@ def _validate(
     for name, value in (("score_dtype", score_dtype), ("stats_dtype", stats_dtype), ("acc_dtype", acc_dtype)):
         _step_dtype(name, value)
     _mask_value(mask_value)
+    _choice("max_shift", max_shift, MAX_SHIFTS)
 
 
 def _mask_value(value: Any) -> float:
@@ -427,6 +443,7 @@ def tiled_attention(
     stats_dtype: str | torch.dtype | None = None,
     acc_dtype: str | torch.dtype | None = None,
     mask_value: float = float("-inf"),
+    max_shift: str = "off",
 ) -> torch.Tensor:
     """FlashAttention forward (tiling + online softmax + rescaling); see the module docstring.
 
@@ -445,6 +462,8 @@ def tiled_attention(
         update: ``"fa2"`` (deferred normalisation) or ``"fa1"`` (per-tile renormalisation).
         dtype, score_dtype, stats_dtype, acc_dtype: per-step dtypes (module docstring).
         mask_value: masked-logit value and initial running max.
+        max_shift: ``"off"`` or ``"repeated"``: shift a tile's row max where it repeats (module
+            docstring).
 
     Returns:
         ``(B, H, N_q, D_v)`` in the inputs' dtype.
@@ -456,7 +475,7 @@ def tiled_attention(
     check_inputs(q, k, v, attn_mask, is_causal, kernel="tiled")
     _validate(
         block_q, block_k, sram, swap_blocks, square, loop, preset, order, order_seed, update,
-        dtype, score_dtype, stats_dtype, acc_dtype, mask_value,
+        dtype, score_dtype, stats_dtype, acc_dtype, mask_value, max_shift,
     )  # fmt: skip
     mask_value = _mask_value(mask_value)
     br, bc = tile_sizes(
@@ -504,6 +523,7 @@ def tiled_attention(
             block_k=bc,
             numerics=numerics,
             mask_value=mask_value,
+            shift_repeated=max_shift == "repeated",
         )
         for r0 in row_starts
     ]
@@ -546,6 +566,7 @@ def _attend_rows(
     block_k: int,
     numerics: TileNumerics,
     mask_value: float,
+    shift_repeated: bool = False,
 ) -> torch.Tensor:
     """Online softmax of one slab of query rows over its key tiles, in ``numerics.order``.
 
@@ -558,6 +579,7 @@ def _attend_rows(
         k: ``(B, H, N_k, D)`` keys (score GEMM dtype); v: ``(B, H, N_k, D_v)`` values (output
             GEMM dtype).
         mask: bool or additive mask ``(…, R, N_k)`` for these rows, or None.
+        shift_repeated: ``max_shift=repeated``, see :func:`_tile_max`.
 
     Returns:
         ``(B, H, R, D_v)`` normalised output in the accumulator dtype.
@@ -584,7 +606,8 @@ def _attend_rows(
                 scores.masked_fill_(torch.arange(j0, j1, device=q.device) > row_index, mask_value)
         elif mask is not None:
             _apply_mask(scores, mask[..., j0:j1], mask_value)
-        state = step(state, scores, v[:, :, j0:j1], numerics, exact=mask_value == float("-inf"))
+        m_tile = _tile_max(scores, m_init, shift_repeated)
+        state = step(state, scores, m_tile, v[:, :, j0:j1], numerics, exact=mask_value == float("-inf"))
     # Rows whose running max never rose above the mask value output 0. With -inf these are the
     # fully masked rows (torch SDPA's safe softmax); with a finite sentinel they also include rows
     # whose valid logits all lie below it, as in FlashInfer (`d_rcp = m != -inf ? 1/d : 0`).
@@ -603,6 +626,22 @@ def _apply_mask(scores: torch.Tensor, tile: torch.Tensor, mask_value: float) -> 
         scores.masked_fill_(scores == float("-inf"), mask_value)
 
 
+def _tile_max(scores: torch.Tensor, m_init: float, shift_repeated: bool) -> torch.Tensor:
+    """The row max of a tile of ``scores (B, H, R, Bc)``, ``(B, H, R, 1)``, from detached scores.
+
+    With ``shift_repeated`` (``max_shift=repeated``), a row whose max ``m`` repeats (another score
+    within :data:`REPEAT_TOLERANCE` of it) gets ``2·m`` for ``m > 0`` and ``0`` for ``m < 0``, so
+    that no ``exp(s − m)`` of the row is exactly 1. Rows whose max is the mask value (every key of
+    the tile masked) are left alone.
+    """
+    m = scores.detach().amax(dim=-1, keepdim=True)
+    if not shift_repeated:
+        return m
+    repeats = (scores.detach() >= m - REPEAT_TOLERANCE).sum(dim=-1, keepdim=True) > 1
+    shifted = torch.where(m > 0, 2 * m, torch.zeros_like(m))
+    return torch.where(repeats & (m > m_init), shifted, m)
+
+
 def _no_neg_inf(x: torch.Tensor, exact: bool) -> torch.Tensor:
     """``x`` with ``-inf`` replaced by 0, so that ``exp(s - x)`` is 0 (not NaN) for masked ``s``.
 
@@ -619,14 +658,20 @@ def _pv(p: torch.Tensor, v: torch.Tensor, numerics: TileNumerics) -> torch.Tenso
 
 
 def _fa2_step(
-    state: _RowState, scores: torch.Tensor, v: torch.Tensor, numerics: TileNumerics, *, exact: bool
+    state: _RowState,
+    scores: torch.Tensor,
+    m_tile: torch.Tensor,
+    v: torch.Tensor,
+    numerics: TileNumerics,
+    *,
+    exact: bool,
 ) -> _RowState:
     """FlashAttention-2's update: rescale the unnormalised output, add ``P v``; divide at the end.
 
-    ``m_new = max(m, rowmax(s))``, ``P = exp(s − m_new)``, ``α = exp(m − m_new)``,
-    ``l ← α·l + rowsum(P)``, ``o ← α·o + P v``.
+    ``m_new = max(m, m_tile)`` (``m_tile``: the tile's row max, :func:`_tile_max`),
+    ``P = exp(s − m_new)``, ``α = exp(m − m_new)``, ``l ← α·l + rowsum(P)``, ``o ← α·o + P v``.
     """
-    m_new = torch.maximum(state.m, scores.detach().amax(dim=-1, keepdim=True))
+    m_new = torch.maximum(state.m, m_tile)
     m_ref = _no_neg_inf(m_new, exact)
     p = scores.sub_(m_ref).exp_()  # (B, H, R, Bc)
     alpha = torch.exp(state.m - m_ref)  # rescaling of everything accumulated so far
@@ -636,16 +681,22 @@ def _fa2_step(
 
 
 def _fa1_step(
-    state: _RowState, scores: torch.Tensor, v: torch.Tensor, numerics: TileNumerics, *, exact: bool
+    state: _RowState,
+    scores: torch.Tensor,
+    m_tile: torch.Tensor,
+    v: torch.Tensor,
+    numerics: TileNumerics,
+    *,
+    exact: bool,
 ) -> _RowState:
     """FlashAttention-1's update (Algorithm 1): the output stays normalised after every tile.
 
-    ``m̃ = rowmax(s)``, ``P̃ = exp(s − m̃)``, ``l̃ = rowsum(P̃)``, ``m_new = max(m, m̃)``,
+    ``m̃ = m_tile`` (the tile's row max, :func:`_tile_max`), ``P̃ = exp(s − m̃)``,
+    ``l̃ = rowsum(P̃)``, ``m_new = max(m, m̃)``,
     ``α = exp(m − m_new)``, ``β = exp(m̃ − m_new)``, ``l_new = α·l + β·l̃``,
     ``o ← (l·α·o + β·P̃ v) / l_new``. A row with ``l_new = 0`` (only masked keys so far, or every
     exponential underflowed) keeps ``o = 0``.
     """
-    m_tile = scores.detach().amax(dim=-1, keepdim=True)
     m_new = torch.maximum(state.m, m_tile)
     m_ref = _no_neg_inf(m_new, exact)
     p = scores.sub_(_no_neg_inf(m_tile, exact)).exp_()  # P̃ (B, H, R, Bc)

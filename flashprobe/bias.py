@@ -1,0 +1,185 @@
+"""Signed bias of a kernel's outputs and gradients, accumulated on the device across calls.
+
+Every magnitude statistic (max, L2, ratios) judges one call. A kernel whose error has the size of
+the baseline's but always the same sign passes every call, yet its error adds up over steps
+instead of averaging out: Qiu & Yao (arXiv 2510.04212) trace BF16 flash-attention loss explosions
+to such **biased** rounding. :class:`BiasStats` measures it.
+
+Per call and direction (``out``, ``dq``, ``dk``, ``dv``), each ``(…, N, D)`` slice of the tensors
+(one per batch entry and head: the **replicate**) gives two signed means of the primary's error
+``e = primary − golden`` over its finite elements, in units of the baseline's error RMS on the
+same slice (``baseline − golden``; the primary's when the baseline is exact):
+
+* ``offset``: ``mean(e) / rms``, a shift in one direction;
+* ``magnitude``: ``mean(e · sign(golden)) / rms``, negative toward zero (truncation), positive
+  away from it (a softmax whose numerator is rounded up).
+
+Over calls it keeps, per direction and component, ``n`` (replicates), ``s1 = Σ r`` and
+``s2 = Σ r²`` and reads the self-normalised sum ``z = s1 / √s2``. For replicates whose means are
+symmetric about 0 and independent, ``P(|z| ≥ x) ≤ 2·exp(−x²/2)`` at any ``n`` (Efron 1969), so a
+correct kernel reads ``|z|`` of order 1; a consistent sign makes ``|z|`` grow as ``√n``
+(``|z| ≤ √n`` always, so at least ``limit²`` replicates are needed to call a bias). The state is
+three sums, so intervals and DDP ranks combine by adding (:meth:`BiasStats.merge`, or an
+``all_reduce(SUM)`` of :attr:`BiasStats.state`). :meth:`BiasStats.add` is tensor ops only: no host
+synchronisation per call; :meth:`BiasStats.as_dict` and :meth:`BiasStats.verdict` read the
+device once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["BIAS_Z_LIMIT", "COMPONENTS", "DIRECTIONS", "BiasStats"]
+
+#: The directions of one attention call: its output and the gradients of its inputs.
+DIRECTIONS = ("out", "dq", "dk", "dv")
+#: The two signed statistics kept per direction (module docstring).
+COMPONENTS = ("offset", "magnitude")
+#: ``|z|`` at or above which a direction reads biased: ``2·exp(−12.5) ≈ 7.5e-6`` per test for a
+#: correct kernel (symmetric, independent replicates); its tests hold correct kernels under it
+#: over many seeds.
+BIAS_Z_LIMIT = 5.0
+
+_N, _S1, _S2 = 0, 1, 2
+
+
+def _accumulator_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+class BiasStats:
+    """Signed error of a primary kernel against the golden value, accumulated per direction.
+
+    Args:
+        directions: the names :meth:`add` accepts (default ``out, dq, dk, dv``).
+        device: where the sums live (the device of the tensors given to :meth:`add`).
+        limit: the ``|z|`` at which :meth:`verdict` says ``biased``.
+
+    Raises:
+        ValueError: no or repeated directions, or a limit that is not positive.
+    """
+
+    def __init__(
+        self,
+        directions: Sequence[str] = DIRECTIONS,
+        device: torch.device | str = "cpu",
+        *,
+        limit: float = BIAS_Z_LIMIT,
+    ) -> None:
+        directions = tuple(directions)
+        if not directions or len(set(directions)) != len(directions):
+            raise ValueError(f"BiasStats: directions must be distinct names, got {directions!r}")
+        if not (isinstance(limit, (int, float)) and math.isfinite(limit) and limit > 0):
+            raise ValueError(f"BiasStats: limit={limit!r} must be a positive number such as {BIAS_Z_LIMIT}")
+        self.directions = directions
+        self.device = torch.device(device)
+        self.limit = float(limit)
+        dtype = _accumulator_dtype(self.device)
+        #: ``(directions, components, 3)``: replicates ``n``, ``Σ r`` and ``Σ r²``.
+        self.state = torch.zeros(len(directions), len(COMPONENTS), 3, dtype=dtype, device=self.device)
+
+    def _index(self, direction: str) -> int:
+        try:
+            return self.directions.index(direction)
+        except ValueError:
+            known = ", ".join(self.directions)
+            raise ValueError(
+                f"BiasStats: unknown direction {direction!r}; this accumulator has {known}"
+            ) from None
+
+    def add(
+        self, direction: str, primary: torch.Tensor, golden: torch.Tensor, baseline: torch.Tensor
+    ) -> None:
+        """Add one call's errors (tensor ops only, no host synchronisation).
+
+        Args:
+            direction: one of :attr:`directions`.
+            primary: ``(…, N, D)`` the kernel's output or gradient (any float dtype).
+            golden: the golden value, same shape.
+            baseline: the baseline's value, same shape (sets the error scale).
+
+        Raises:
+            ValueError: an unknown direction or mismatched shapes.
+        """
+        row = self._index(direction)
+        if not (primary.shape == golden.shape == baseline.shape):
+            raise ValueError(
+                f"BiasStats.add({direction!r}): shapes differ: primary {tuple(primary.shape)}, "
+                f"golden {tuple(golden.shape)}, baseline {tuple(baseline.shape)}"
+            )
+        dtype = self.state.dtype
+        g = _replicates(golden.detach().to(self.device, dtype))
+        e_p = _replicates(primary.detach().to(self.device, dtype)) - g
+        e_b = _replicates(baseline.detach().to(self.device, dtype)) - g
+        finite = torch.isfinite(e_p) & torch.isfinite(e_b)
+        e_p = torch.where(finite, e_p, 0.0)
+        e_b = torch.where(finite, e_b, 0.0)
+        count = finite.sum(dim=-1).to(dtype)  # (R,)
+        per = count.clamp(min=1.0)
+        rms_b = (e_b.square().sum(dim=-1) / per).sqrt()
+        rms_p = (e_p.square().sum(dim=-1) / per).sqrt()
+        scale = torch.where(rms_b > 0, rms_b, torch.where(rms_p > 0, rms_p, 1.0))
+        sign = torch.where(finite, torch.sign(g), 0.0)
+        r = torch.stack([e_p.sum(dim=-1), (e_p * sign).sum(dim=-1)]) / (per * scale)  # (2, R)
+        valid = (count > 0).to(dtype)
+        r = r * valid
+        self.state[row] += torch.stack([valid.sum().expand(2), r.sum(dim=-1), r.square().sum(dim=-1)], dim=-1)
+
+    def merge(self, other: BiasStats) -> BiasStats:
+        """Add ``other``'s sums into these (another interval or rank); returns ``self``.
+
+        Raises:
+            ValueError: the two accumulate different directions.
+        """
+        if other.directions != self.directions:
+            raise ValueError(f"BiasStats.merge: directions differ ({self.directions} vs {other.directions})")
+        self.state += other.state.to(self.state.device, self.state.dtype)
+        return self
+
+    def reset(self) -> None:
+        """Zero the sums (start a new interval)."""
+        self.state.zero_()
+
+    def as_dict(self) -> dict[str, dict[str, Any]]:
+        """The statistics, read from the device once.
+
+        Returns:
+            ``{direction: {"replicates": n, "offset": {"mean": s1/n, "z": s1/√s2}, "magnitude":
+            {...}, "z": the larger |z| with its sign, "verdict": ...}}``; ``mean`` is in units of
+            the baseline's error RMS, ``None`` before any replicate.
+        """
+        values = self.state.cpu().tolist()
+        out: dict[str, dict[str, Any]] = {}
+        for direction, per_component in zip(self.directions, values, strict=True):
+            entry: dict[str, Any] = {"replicates": int(per_component[0][_N])}
+            for name, sums in zip(COMPONENTS, per_component, strict=True):
+                n, s1, s2 = sums
+                entry[name] = {
+                    "mean": s1 / n if n else None,
+                    "z": s1 / math.sqrt(s2) if s2 > 0 else 0.0,
+                }
+            entry["z"] = max((entry[c]["z"] for c in COMPONENTS), key=abs)
+            entry["verdict"] = self._judge(entry["replicates"], entry["z"])
+            out[direction] = entry
+        return out
+
+    def _judge(self, n: int, z: float) -> str:
+        if abs(z) >= self.limit:
+            return "biased"
+        return "unbiased" if n >= self.limit**2 else "undetermined"
+
+    def verdict(self) -> dict[str, str]:
+        """Per direction: ``biased`` (``|z| ≥ limit`` in a component), ``unbiased``, or
+        ``undetermined`` while fewer than ``limit²`` replicates could not yet reach the limit."""
+        return {direction: entry["verdict"] for direction, entry in self.as_dict().items()}
+
+
+def _replicates(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``(R, M)``: one row per ``(…, N, D)`` slice (a 0/1-D tensor is one replicate)."""
+    if x.dim() < 2:
+        return x.reshape(1, -1)
+    return x.reshape(-1, x.shape[-2] * x.shape[-1])
