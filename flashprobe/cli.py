@@ -32,6 +32,10 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "speed": ("flashprobe.bench.speed:main", "time and peak memory of kernels vs math"),
     "overhead": ("flashprobe.bench.overhead:main", "training-step overhead of the shadow probe"),
     "wasserstein": ("flashprobe.bench.wasserstein:main", "torch Wasserstein distance vs scipy"),
+    "fp8": (
+        "flashprobe.bench.fp8:main",
+        "FP8 attention error vs FP64 and the P-cast collapse (forward only)",
+    ),
     "verdicts": (
         "flashprobe.bench.verdicts:main",
         "the probe's verdict on torch's kernels in training (calibration)",
