@@ -29,8 +29,8 @@ accumulation, which is what tensor cores compute up to the order of the addition
 applied to the operands in fp32 (``x_fp8 · descale``, a relative rounding of at most ``2^-24``)
 rather than to the fp32 result as kernels do; either is ``2^20`` times below FP8's own rounding.
 
-FP8 is forward only here (FA3 has no FP8 backward): a spec with FP8 declares no backward and is
-refused when its inputs require grad.
+FP8 is forward only here (FA3 has no FP8 backward): a spec with any of these knobs on (the
+rotation included) declares no backward and is refused when its inputs require grad.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "AMAX",
     "FP8_DTYPES",
     "FP8_FORMATS",
     "FP8_PRESETS",
@@ -52,8 +53,13 @@ __all__ = [
     "ROTATIONS",
     "Fp8Numerics",
     "cast_fp8",
+    "cast_p",
+    "dequantize",
     "fp8_max",
+    "fp8_options",
     "hadamard_rotation",
+    "is_power_of_two",
+    "prepare_operands",
     "quantize",
     "resolve_fp8",
 ]
