@@ -184,8 +184,9 @@ def _error_metrics(out: torch.Tensor, golden: torch.Tensor) -> dict[str, float]:
 
 def _run_variants(
     variants: Sequence[Variant], shape: Shape, distribution: str, seeds: Sequence[int]
-) -> list[dict[str, Any]]:
-    """One row per variant at one shape and distribution: median and min/max over the seeds."""
+) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
+    """One row per variant at one shape and distribution (median and min/max over the seeds), and
+    each variant's relative L2 error per seed."""
     per_variant: dict[str, list[dict[str, float]]] = {v.label: [] for v in variants}
     for seed in seeds:
         drawn = fp8_inputs(shape, distribution, seed)
@@ -210,7 +211,7 @@ def _run_variants(
         row |= _labels(variant.spec, variant.dtype)
         row |= {"distribution": distribution, **shape.as_dict(), "repeats": len(seeds)}
         rows.append(row | summarize_seeds(per_variant[variant.label]))
-    return rows
+    return rows, {label: [m["rel_l2"] for m in seeds_] for label, seeds_ in per_variant.items()}
 
 
 def error_rows(
@@ -224,14 +225,15 @@ def error_rows(
     seeds: Sequence[int],
     variants: Sequence[Variant] = VARIANTS,
     progress: Callable[[str], None] | None = None,
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], dict[tuple[str, str, int, int], list[float]]]:
     """The error experiment: gaussian inputs over ``seq_lens`` (at ``base_head_dim``) and over
     ``head_dims`` (at ``base_seq_len``), and every distribution at ``(base_seq_len, base_head_dim)``.
 
     Returns:
-        One row per (variant, distribution, N, D), with ``axis`` = ``seq_len``, ``head_dim`` or
-        ``distribution`` naming the sweep it belongs to (a point on several sweeps is run once and
-        listed under each).
+        ``(rows, rel_l2)``: one row per (variant, distribution, N, D), with ``axis`` = ``seq_len``,
+        ``head_dim`` or ``distribution`` naming the sweep it belongs to (a point on several sweeps
+        is run once and listed under each); and the relative L2 errors per seed, keyed by
+        (variant, distribution, N, D).
     """
     points: dict[tuple[str, int, int], list[str]] = {}
     for n in seq_lens:
@@ -241,13 +243,16 @@ def error_rows(
     for dist in distributions:
         points.setdefault((dist, base_seq_len, base_head_dim), []).append("distribution")
     rows = []
+    rel_l2: dict[tuple[str, str, int, int], list[float]] = {}
     for (dist, n, d), axes in points.items():
         if progress:
             progress(f"errors: {dist}, N={n}, D={d}: {len(variants)} kernels × {len(seeds)} seeds")
         shape = Shape(batch=1, heads=heads, seq_len=n, head_dim=d)
-        for row in _run_variants(variants, shape, dist, seeds):
+        point_rows, per_seed = _run_variants(variants, shape, dist, seeds)
+        for row in point_rows:
             rows += [{**row, "axis": axis} for axis in axes]
-    return rows
+        rel_l2 |= {(label, dist, n, d): values for label, values in per_seed.items()}
+    return rows, rel_l2
 
 
 def p_underflow(
@@ -368,31 +373,37 @@ def _log_interval(ratios: Sequence[float]) -> dict[str, float]:
     }
 
 
-def _rotation_gain(rows: Sequence[Mapping[str, Any]], distribution: str) -> dict[str, Any] | None:
-    """rel L2 of ``fa3 fp8 no rotation`` over ``fa3 fp8`` on ``distribution`` (median and range)."""
+def _rotation_gain(
+    rows: Sequence[Mapping[str, Any]], rel_l2: Mapping[tuple[str, str, int, int], Sequence[float]], dist: str
+) -> dict[str, Any] | None:
+    """rel L2 of ``fa3 fp8 no rotation`` over ``fa3 fp8`` on ``dist`` inputs: the medians, and the
+    ratio seed by seed (same inputs) with its interval (:func:`_log_interval`)."""
     pick = {
         r["variant"]: r
         for r in rows
-        if r["part"] == "error" and r.get("axis") == "distribution" and r["distribution"] == distribution
+        if r["part"] == "error" and r.get("axis") == "distribution" and r["distribution"] == dist
     }
     off, on = pick.get("fa3 fp8 no rotation"), pick.get("fa3 fp8")
     if not off or not on or not on["rel_l2"]:
         return None
-    return {
-        "distribution": distribution,
-        "rel_l2_without": off["rel_l2"],
-        "rel_l2_with": on["rel_l2"],
-        "factor": off["rel_l2"] / on["rel_l2"],
-    }
+    point = (dist, on["seq_len"], on["head_dim"])
+    pairs = zip(
+        rel_l2.get(("fa3 fp8 no rotation", *point), []), rel_l2.get(("fa3 fp8", *point), []), strict=True
+    )
+    ratios = [a / b for a, b in pairs if b > 0]
+    gain = {"distribution": dist, "rel_l2_without": off["rel_l2"], "rel_l2_with": on["rel_l2"]}
+    return gain | ({"factor": _log_interval(ratios)} if ratios else {})
 
 
 def summarize(
     rows: Sequence[Mapping[str, Any]],
     mse: Mapping[tuple[float, str, float], Sequence[float]],
     moderate: float,
+    rel_l2: Mapping[tuple[str, str, int, int], Sequence[float]] | None = None,
 ) -> dict[str, Any]:
-    """The headline numbers: the P-cast MSE ratio at ``moderate`` sink strength, the Hadamard
-    rotation's error factor on outlier channels and on gaussian inputs."""
+    """The headline numbers: the P-cast MSE ratio at ``moderate`` sink strength (from the per-seed
+    ``mse`` of :func:`pcast_rows`), the Hadamard rotation's error factor on outlier channels and on
+    gaussian inputs (from the per-seed ``rel_l2`` of :func:`error_rows`)."""
     summary: dict[str, Any] = {}
     fwd, rev = mse.get((moderate, "forward", 1.0)), mse.get((moderate, "reverse", 256.0))
     if fwd and rev:
@@ -406,7 +417,7 @@ def summarize(
                 "paper": list(PAPER_RATIO),
             }
     for dist in ("outlier_channels", "gaussian"):
-        gain = _rotation_gain(rows, dist)
+        gain = _rotation_gain(rows, rel_l2 or {}, dist)
         if gain:
             summary[f"rotation_{dist}"] = gain
     return summary
@@ -425,10 +436,13 @@ def summary_lines(summary: Mapping[str, Any]) -> list[str]:
         )
     for dist in ("outlier_channels", "gaussian"):
         gain = summary.get(f"rotation_{dist}")
-        if gain:
+        if gain and "factor" in gain:
+            f = gain["factor"]
             lines.append(
-                f"Hadamard rotation on {dist} inputs (fa3 fp8 vs fa3 fp8 no rotation): rel L2 "
-                f"{gain['rel_l2_without']:.3g} -> {gain['rel_l2_with']:.3g}, a factor {gain['factor']:.3g}"
+                f"Hadamard rotation on {dist} inputs (fa3 fp8 no rotation -> fa3 fp8): rel L2 "
+                f"{gain['rel_l2_without']:.3g} -> {gain['rel_l2_with']:.3g} (medians); error divided by "
+                f"{f['geomean']:.3g} (95% interval {f['ci95_lo']:.3g}-{f['ci95_hi']:.3g}, range "
+                f"{f['min']:.3g}-{f['max']:.3g} over {f['seeds']} seeds, same inputs)"
             )
     return lines
 
@@ -603,7 +617,7 @@ def _run(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     seeds = [args.seed + i for i in range(args.repeats)]
-    rows = error_rows(
+    rows, rel_l2 = error_rows(
         seq_lens=sorted(set(args.seq_len)),
         head_dims=sorted(set(args.head_dim)),
         base_seq_len=args.base_seq_len,
@@ -623,7 +637,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     rows += pcast
     seconds = time.perf_counter() - start
-    summary = summarize(rows, mse, args.moderate_sink)
+    summary = summarize(rows, mse, args.moderate_sink, rel_l2)
     print(format_table([r for r in rows if r["part"] == "error" and _first_axis(r, rows)], ERROR_COLUMNS))
     print(format_table(pcast, PCAST_COLUMNS))
     for line in summary_lines(summary):

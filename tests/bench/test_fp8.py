@@ -86,6 +86,7 @@ def test_bench_fp8_tiny_writes_named_rows_and_figures(tmp_path: Path, capsys):
     ratio = doc["summary"]["pcast_ratio"]
     assert ratio["seeds"] == 2 and ratio["ci95_lo"] <= ratio["geomean"] <= ratio["ci95_hi"]
     assert ratio["paper"] == [3.0, 10.0]
+    assert doc["summary"]["rotation_outlier_channels"]["factor"]["seeds"] == 1
     with open(tmp_path / "fp8.csv", newline="") as fh:
         assert len(list(csv.DictReader(fh))) == len(rows)
     for name in ("fp8_errors.png", "fp8_pcast.png"):
@@ -123,3 +124,20 @@ def test_summary_interval_over_seeds():
     assert math.log(ratio["ci95_hi"]) - math.log(ratio["geomean"]) == pytest.approx(
         math.log(ratio["geomean"]) - math.log(ratio["ci95_lo"])
     )
+
+
+def test_rotation_factor_pairs_the_seeds():
+    point = {"part": "error", "axis": "distribution", "distribution": "outlier_channels", "seq_len": 64}
+    rows = [
+        {**point, "head_dim": 16, "variant": "fa3 fp8 no rotation", "rel_l2": 0.3},
+        {**point, "head_dim": 16, "variant": "fa3 fp8", "rel_l2": 0.1},
+    ]
+    rel_l2 = {
+        ("fa3 fp8 no rotation", "outlier_channels", 64, 16): [0.2, 0.3, 0.8],
+        ("fa3 fp8", "outlier_channels", 64, 16): [0.1, 0.1, 0.2],
+    }
+    gain = fp8.summarize(rows, {}, 8.0, rel_l2)["rotation_outlier_channels"]
+    assert (gain["rel_l2_without"], gain["rel_l2_with"]) == (0.3, 0.1)
+    factor = gain["factor"]  # seed by seed: 2, 3, 4
+    assert factor["geomean"] == pytest.approx(24 ** (1 / 3)) and (factor["min"], factor["max"]) == (2.0, 4.0)
+    assert "rotation_gaussian" not in fp8.summarize(rows, {}, 8.0, rel_l2)
