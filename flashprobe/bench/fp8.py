@@ -6,7 +6,10 @@ Two experiments, one command:
    inputs, beside 16-bit flash (``tiled``, the ``fa2`` preset, at bf16 and fp16) and the baseline
    (``math`` at bf16), over the paper's axes (sequence length, head dim; Fig 5's and Figs 3-4's
    views) and over input distributions that matter for FP8 (:data:`DISTRIBUTIONS`). The FP8
-   variants take bf16 inputs, as FA3's FP8 path takes the model's bf16 activations.
+   variants take bf16 inputs, as FA3's FP8 path takes the model's bf16 activations. Each row has
+   ``rel_l2`` (``‖out − golden‖ / ‖golden‖``), ``max_abs``, ``rmse`` and ``error_ratio``: its
+   ``rel_l2`` over that of the baseline at its input dtype (``math`` in bf16, or fp16 for
+   ``flash fp16``).
 2. **P-cast collapse** (``part = "pcast"``), after *P-Cast Precision in FP8 Attention: Sink-Induced
    Collapse and the Optimality of S = 2^8* (arXiv 2606.06521): an attention sink (key 0 with a large
    logit) and P cast to E4M3 after a static scale S; with forward key order the sink's tile comes
