@@ -33,6 +33,10 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "overhead": ("flashprobe.bench.overhead:main", "training-step overhead of the shadow probe"),
     "wasserstein": ("flashprobe.bench.wasserstein:main", "torch Wasserstein distance vs scipy"),
     "bias": ("flashprobe.bench.bias:main", "signed (biased) error on repeated row maxima (Qiu & Yao)"),
+    "fp8": (
+        "flashprobe.bench.fp8:main",
+        "FP8 attention error vs FP64 and the P-cast collapse (forward only)",
+    ),
     "verdicts": (
         "flashprobe.bench.verdicts:main",
         "the probe's verdict on torch's kernels in training (calibration)",

@@ -13,6 +13,8 @@ Commands (one module each):
 * :mod:`~flashprobe.bench.wasserstein` — flashprobe's torch Wasserstein distance vs scipy's;
 * :mod:`~flashprobe.bench.bias` — signed (biased) error on repeated row maxima (Qiu & Yao), and the
   ``tiled:max_shift=repeated`` mitigation.
+* :mod:`~flashprobe.bench.fp8` — FP8 attention variants vs the FP64 golden value, and the P-cast
+  collapse of an attention sink (forward only).
 
 Shared pieces:
 

@@ -309,7 +309,12 @@ class _Entry:
     check: Callable[..., None] | None
     options: tuple[str, ...]
     validate: Callable[..., None] | None = None
-    capabilities: KernelCapabilities = ANY_CAPABILITIES
+    capabilities: KernelCapabilities | Callable[[Mapping[str, Any]], KernelCapabilities] = ANY_CAPABILITIES
+
+    def capabilities_for(self, options: Mapping[str, Any]) -> KernelCapabilities:
+        """The capabilities of the kernel with these spec options."""
+        caps = self.capabilities
+        return caps if isinstance(caps, KernelCapabilities) else caps(options)
 
 
 _REGISTRY: dict[str, _Entry] = {}
@@ -322,7 +327,7 @@ def register_kernel(
     description: str = "",
     check: Callable[..., None] | None = None,
     validate: Callable[..., None] | None = None,
-    capabilities: KernelCapabilities | None = None,
+    capabilities: KernelCapabilities | Callable[[Mapping[str, Any]], KernelCapabilities] | None = None,
     overwrite: bool = False,
 ) -> Any:
     """Register an attention kernel under ``name`` so specs can select it.
@@ -344,7 +349,9 @@ def register_kernel(
             values; :func:`get_kernel` calls it so a bad spec fails when it is parsed.
         capabilities: what the kernel supports (:class:`KernelCapabilities`); checked when the kernel
             is chosen (:meth:`Kernel.check`) and at each call before it runs, so an unsupported
-            setting or call is refused with the feature and the fix. Default: everything.
+            setting or call is refused with the feature and the fix. Default: everything. A
+            callable ``capabilities(options) -> KernelCapabilities`` gives them per spec (``tiled``
+            declares no backward when its FP8 knobs are on).
         overwrite: replace an existing kernel of that name.
 
     Returns:
@@ -393,7 +400,7 @@ def list_kernels() -> list[KernelInfo]:
     """Every registered kernel, sorted by name."""
     _ensure_builtin()
     return [
-        KernelInfo(n, e.description, e.options, _is_builtin(e), e.capabilities)
+        KernelInfo(n, e.description, e.options, _is_builtin(e), e.capabilities_for({}))
         for n, e in sorted(_REGISTRY.items())
     ]
 
@@ -579,8 +586,8 @@ class Kernel:
 
     @property
     def capabilities(self) -> KernelCapabilities:
-        """What the kernel declares it supports."""
-        return _REGISTRY[self.name].capabilities
+        """What the kernel declares it supports (with its options)."""
+        return _REGISTRY[self.name].capabilities_for(self.options)
 
     def __call__(
         self,

@@ -32,7 +32,18 @@ preset           named set of the numerics knobs below, each overridable in the 
                  * ``paper``: every step in ``dtype``, as the paper's re-implementation:
                    ``score_dtype = stats_dtype = acc_dtype = dtype``, ``update=fa1`` (FA1's
                    Algorithm 1, where the paper's ``Bc = ⌈M/4d⌉`` comes from),
-                   ``order=forward``.
+                   ``order=forward``;
+                 * ``fa3_fp8``: FlashAttention-3's FP8 forward as published (Shah et al. 2024,
+                   §3.3, and ``hopper/softmax.h``): the ``fa2`` numerics with
+                   ``qkv_fp8=e4m3, p_fp8=e4m3, p_scale=256, fp8_scaling=block, qkv_scale=amax,
+                   rotation=hadamard``. From the paper: E4M3 Q/K/V, block quantization (one
+                   scale per tile of rows), incoherent processing (random Hadamard rotation),
+                   fp32 accumulation. From the code: P cast to E4M3 after scaling by ``2^8``
+                   (``Max_offset = 8``), key tiles walked last to first. Inferred: amax scales
+                   (the kernel takes descales as given), the rotation's seed, tile sizes (ours:
+                   64×128; FA3 picks per head dim); the released library's default is
+                   ``fp8_scaling=head`` (descale per batch and head) and no rotation inside the
+                   kernel (``tiled:preset=fa3_fp8,fp8_scaling=head,rotation=off``).
 block_q, block_k Br and Bc, the tile's query and key sizes (default 64 and 128)
 sram             the paper's SRAM size M (elements): Bc = ceil(M / 4d), Br = min(Bc, d)
 swap_blocks      swap Br and Bc (paper Fig 6a as the tile shape)
@@ -68,7 +79,21 @@ max_shift        ``off`` (default) or ``repeated``: the mitigation of Qiu & Yao 
                  stays). The shift cancels in ``o / l``; it costs range: ``P ≤ exp(−|m|)``
                  underflows fp16 for ``|m|`` above ~17 and the row then outputs 0; the bias
                  it removes is measured by ``flashprobe bench bias``.
+qkv_fp8          FP8 format of Q, K and V: ``e4m3``, ``e5m2`` or ``off`` (default; in a spec
+                 ``none`` means the preset's value, as for every knob)
+p_fp8            FP8 format of P in the ``P v`` GEMM: ``e4m3``, ``e5m2`` or ``off``
+p_scale          static scale S on P before its FP8 cast (default 1; ``fa3_fp8``: 256); the
+                 running sum stays unscaled fp32, so S cancels
+fp8_scaling      what shares one Q/K/V scale: ``tensor`` (default), ``head`` (each batch and
+                 head) or ``block`` (each tile of ``block_q`` query / ``block_k`` key rows)
+qkv_scale        ``amax`` (default: scale = format max / amax of the group) or a static number
+rotation         ``hadamard``: Q and K times a random orthogonal ``diag(±1)·H/√d`` before
+                 quantization (FA3's incoherent processing; power-of-two head dims), or ``off``
+rotation_seed    seed of the rotation's random signs (default 0)
 ===============  ===========================================================================
+
+The FP8 knobs (:mod:`flashprobe.kernels.fp8`: saturating casts, scales, the rotation) model the
+forward only: a spec that uses them declares no backward and refuses inputs that require grad.
 
 The three step dtypes accept a dtype name (``bf16``, ``fp32``, ...), ``opmath`` (at least fp32:
 fp32 for 16-bit and fp32 compute, fp64 for fp64, as torch's ``at::opmath_type``) or ``none``
@@ -83,13 +108,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from flashprobe.kernels import fp8 as fp8_numerics
 from flashprobe.kernels._inputs import check_inputs, default_scale, dtype_name, to_dtype
-from flashprobe.kernels.registry import KernelUnavailableError, register_kernel
+from flashprobe.kernels.registry import (
+    ANY_CAPABILITIES,
+    KernelCapabilities,
+    KernelUnavailableError,
+    KernelUnsupportedError,
+    register_kernel,
+)
 
 __all__ = [
     "DEFAULT_PRESET",
@@ -101,6 +133,7 @@ __all__ = [
     "TileNumerics",
     "TileSizes",
     "resolve_numerics",
+    "spec_numerics",
     "tile_order",
     "tile_sizes",
     "tiled_attention",
@@ -136,6 +169,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "update": "fa1",
         "order": "forward",
     },
+    # FlashAttention-3's FP8 forward: the fa2 numerics; its FP8 knobs are fp8.FP8_PRESETS["fa3_fp8"].
+    "fa3_fp8": {
+        "score_dtype": OPMATH,
+        "stats_dtype": OPMATH,
+        "acc_dtype": OPMATH,
+        "update": "fa2",
+        "order": "reverse",
+    },
 }
 #: What plain ``tiled`` means: the numerics of the kernels people train with.
 DEFAULT_PRESET = "fa2"
@@ -170,6 +211,7 @@ class TileNumerics:
         update: ``"fa2"`` or ``"fa1"``.
         order: ``"forward"``, ``"reverse"`` or ``"shuffle"``.
         order_seed: seed of the ``shuffle`` permutation.
+        fp8: the FP8 knobs (:class:`~flashprobe.kernels.fp8.Fp8Numerics`; default: FP8 off).
     """
 
     compute: torch.dtype
@@ -179,14 +221,16 @@ class TileNumerics:
     update: str
     order: str
     order_seed: int
+    fp8: fp8_numerics.Fp8Numerics = field(default_factory=fp8_numerics.Fp8Numerics)
 
     def describe(self) -> str:
         """One line such as ``"scores fp32, stats fp32, acc fp32, P bf16, update fa2, order reverse"``."""
         order = f"shuffle (seed {self.order_seed})" if self.order == "shuffle" else self.order
-        return (
+        line = (
             f"scores {dtype_name(self.score)}, stats {dtype_name(self.stats)}, acc {dtype_name(self.acc)}, "
             f"P {dtype_name(self.compute)}, update {self.update}, order {order}"
         )
+        return line + (f"; FP8: {self.fp8.describe()}" if self.fp8.active else "")
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -315,9 +359,12 @@ def _validate(
     acc_dtype: str | torch.dtype | None = None,
     mask_value: float = float("-inf"),
     max_shift: str = "off",
+    **fp8_knobs: Any,
 ) -> None:
-    """Check option values that do not depend on the inputs (called when a spec is parsed)."""
+    """Check option values that do not depend on the inputs (called when a spec is parsed);
+    ``fp8_knobs`` are the FP8 knobs (:func:`~flashprobe.kernels.fp8.resolve_fp8`)."""
     _preset_knobs(preset)
+    fp8_numerics.resolve_fp8(preset, **fp8_knobs)
     tile_sizes(1, block_q=block_q, block_k=block_k, sram=sram, swap_blocks=swap_blocks, square=square)
     _choice("loop", loop, ("kv", "q"))
     if order is not None:
@@ -366,9 +413,11 @@ def resolve_numerics(
     order: str | None = None,
     order_seed: int = 0,
     mask_value: float = float("-inf"),
+    **fp8_knobs: Any,
 ) -> TileNumerics:
     """The numerics of a call on inputs of ``input_dtype``: the preset's knobs, overridden by the
-    ones given, with the mask value checked against the stats dtype.
+    ones given, with the mask value checked against the stats dtype; ``fp8_knobs`` are the FP8
+    knobs of :func:`~flashprobe.kernels.fp8.resolve_fp8` (``qkv_fp8``, ``p_fp8``, ...).
 
     Raises:
         ValueError: a bad knob value, or a finite ``mask_value`` that overflows the stats dtype.
@@ -393,6 +442,7 @@ def resolve_numerics(
         update=_choice("update", chosen["update"], UPDATES),
         order=_choice("order", chosen["order"], ORDERS),
         order_seed=_seed(order_seed),
+        fp8=fp8_numerics.resolve_fp8(preset, **fp8_knobs),
     )
     stats = numerics.stats
     if math.isfinite(mask_value) and math.isinf(torch.tensor(mask_value, dtype=stats).item()):
@@ -406,7 +456,37 @@ def resolve_numerics(
 
 def _numerics_options(options: Mapping[str, Any]) -> dict[str, Any]:
     keys = ("preset", "dtype", "score_dtype", "stats_dtype", "acc_dtype", "update", "order", "order_seed")
-    return {key: options[key] for key in keys if key in options}
+    return {key: options[key] for key in keys if key in options} | fp8_numerics.fp8_options(options)
+
+
+def spec_numerics(options: Mapping[str, Any], input_dtype: torch.dtype) -> TileNumerics:
+    """The numerics a ``tiled`` spec's options resolve to on inputs of ``input_dtype`` (what a
+    result row names: step dtypes, order, FP8 knobs).
+
+    Raises:
+        ValueError: a bad knob value.
+    """
+    return resolve_numerics(input_dtype, **_numerics_options(options))
+
+
+#: What an FP8 spec supports: no backward (FA3's FP8 attention is forward only).
+_FP8_CAPABILITIES = KernelCapabilities(backward_devices=frozenset())
+#: An FP8 spec with the Hadamard rotation: power-of-two head dims as well.
+_HADAMARD_CAPABILITIES = KernelCapabilities(
+    backward_devices=frozenset(), head_dims=frozenset(2**i for i in range(13))
+)
+
+
+def _capabilities(options: Mapping[str, Any]) -> KernelCapabilities:
+    """What a ``tiled`` spec supports: everything, except with FP8 knobs (no backward; the
+    rotation also needs a power-of-two head dim, up to 4096)."""
+    try:
+        fp8 = fp8_numerics.resolve_fp8(options.get("preset"), **fp8_numerics.fp8_options(options))
+    except ValueError:
+        return ANY_CAPABILITIES  # a bad value is reported by the spec's validation
+    if not fp8.active:
+        return ANY_CAPABILITIES
+    return _HADAMARD_CAPABILITIES if fp8.rotation != fp8_numerics.OFF else _FP8_CAPABILITIES
 
 
 def _check(device: torch.device, dtype: torch.dtype, /, **options: Any) -> None:
@@ -419,7 +499,7 @@ def _check(device: torch.device, dtype: torch.dtype, /, **options: Any) -> None:
         raise KernelUnavailableError(f"{err} (inputs {dtype} on {device})") from None
 
 
-@register_kernel("tiled", check=_check, validate=_validate)
+@register_kernel("tiled", check=_check, validate=_validate, capabilities=_capabilities)
 def tiled_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -444,6 +524,13 @@ def tiled_attention(
     acc_dtype: str | torch.dtype | None = None,
     mask_value: float = float("-inf"),
     max_shift: str = "off",
+    qkv_fp8: str | None = None,
+    p_fp8: str | None = None,
+    p_scale: float | None = None,
+    fp8_scaling: str | None = None,
+    qkv_scale: str | float | None = None,
+    rotation: str | None = None,
+    rotation_seed: int = 0,
 ) -> torch.Tensor:
     """FlashAttention forward (tiling + online softmax + rescaling); see the module docstring.
 
@@ -464,18 +551,30 @@ def tiled_attention(
         mask_value: masked-logit value and initial running max.
         max_shift: ``"off"`` or ``"repeated"``: shift a tile's row max where it repeats (module
             docstring).
+        qkv_fp8, p_fp8, p_scale, fp8_scaling, qkv_scale, rotation, rotation_seed: the FP8 knobs
+            (module docstring, :mod:`flashprobe.kernels.fp8`); forward only.
 
     Returns:
         ``(B, H, N_q, D_v)`` in the inputs' dtype.
 
     Raises:
         KernelInputError: malformed inputs.
-        ValueError: a bad option value.
+        KernelUnsupportedError: FP8 knobs on inputs that require grad (no FP8 backward).
+        ValueError: a bad option value (a non-power-of-two head dim with ``rotation=hadamard``).
     """
     check_inputs(q, k, v, attn_mask, is_causal, kernel="tiled")
+    fp8_knobs = {
+        "qkv_fp8": qkv_fp8,
+        "p_fp8": p_fp8,
+        "p_scale": p_scale,
+        "fp8_scaling": fp8_scaling,
+        "qkv_scale": qkv_scale,
+        "rotation": rotation,
+        "rotation_seed": rotation_seed,
+    }
     _validate(
         block_q, block_k, sram, swap_blocks, square, loop, preset, order, order_seed, update,
-        dtype, score_dtype, stats_dtype, acc_dtype, mask_value, max_shift,
+        dtype, score_dtype, stats_dtype, acc_dtype, mask_value, max_shift, **fp8_knobs,
     )  # fmt: skip
     mask_value = _mask_value(mask_value)
     br, bc = tile_sizes(
@@ -497,7 +596,9 @@ def tiled_attention(
         order=order,
         order_seed=order_seed,
         mask_value=mask_value,
+        **fp8_knobs,
     )
+    _check_fp8_call(numerics.fp8, q, k, v)
     s = default_scale(q.shape[-1], scale)
     n_q, n_k = q.shape[-2], k.shape[-2]
     if attn_mask is not None:
@@ -506,9 +607,22 @@ def tiled_attention(
     # GEMM operands, converted once: scores accumulate in at least fp32, P·V in the accumulator's
     # GEMM dtype; a 16-bit destination is rounded once from the fp32 result.
     gemm_s, gemm_o = _gemm_dtype(numerics.score), _gemm_dtype(numerics.acc)
-    q_s = q.to(numerics.compute).to(gemm_s)
-    k_s = k.to(numerics.compute).to(gemm_s)
-    v_o = v.to(numerics.compute).to(gemm_o)
+    if numerics.fp8.active:  # rotated and/or quantized operands (kernels.fp8)
+        q_s, k_s, v_o = fp8_numerics.prepare_operands(
+            q,
+            k,
+            v,
+            numerics.fp8,
+            compute=numerics.compute,
+            gemm_s=gemm_s,
+            gemm_o=gemm_o,
+            block_q=br,
+            block_k=bc,
+        )
+    else:
+        q_s = q.to(numerics.compute).to(gemm_s)
+        k_s = k.to(numerics.compute).to(gemm_s)
+        v_o = v.to(numerics.compute).to(gemm_o)
     row_starts = [0] if loop == "kv" else range(0, n_q, br)
     rows = n_q if loop == "kv" else br
     blocks = [
@@ -529,6 +643,20 @@ def tiled_attention(
     ]
     out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-2)
     return out.to(q.dtype)
+
+
+def _check_fp8_call(fp8: fp8_numerics.Fp8Numerics, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Refuse what the FP8 knobs do not model, before any work: a backward, and the rotation on
+    a head dim that is not a power of two."""
+    if not fp8.active:
+        return
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise KernelUnsupportedError(
+            f"tiled with FP8 ({fp8.describe()}) is forward only (no FP8 backward is modelled); run it "
+            "under torch.no_grad(), or compare forward only (backward=False, the fuzzer's --no-backward)"
+        )
+    if fp8.rotation != fp8_numerics.OFF:
+        fp8_numerics.hadamard_rotation(q.shape[-1], fp8.rotation_seed)  # raises for a bad head dim
 
 
 def _gemm_dtype(destination: torch.dtype) -> torch.dtype:
@@ -652,8 +780,11 @@ def _no_neg_inf(x: torch.Tensor, exact: bool) -> torch.Tensor:
 
 
 def _pv(p: torch.Tensor, v: torch.Tensor, numerics: TileNumerics) -> torch.Tensor:
-    """``P v``: P rounded to the compute dtype, products accumulated in the GEMM dtype of ``v``,
-    the result rounded once to the accumulator dtype. ``(B, H, R, Bc) × (B, H, Bc, D_v)``."""
+    """``P v``: P rounded to the compute dtype (or cast to FP8 with ``p_fp8``), products
+    accumulated in the GEMM dtype of ``v``, the result rounded once to the accumulator dtype.
+    ``(B, H, R, Bc) × (B, H, Bc, D_v)``."""
+    if numerics.fp8.p != fp8_numerics.OFF:
+        return torch.matmul(fp8_numerics.cast_p(p, numerics.fp8).to(v.dtype), v).to(numerics.acc)
     return torch.matmul(p.to(numerics.compute).to(v.dtype), v).to(numerics.acc)
 
 

@@ -124,7 +124,7 @@ def test_unknown_option_lists_the_allowed_ones():
         ("tiled:stats_dtype=int8", "unknown dtype 'int8'"),
         ("math:dtype=half_precision", "unknown dtype 'half_precision'"),
         ("tiled:loop=z", "loop='z' must be 'kv' or 'q'"),
-        ("tiled:preset=fa3", "preset='fa3' must be 'fa2' or 'paper'"),
+        ("tiled:preset=fa3", "preset='fa3' must be 'fa2', 'paper' or 'fa3_fp8'"),
         ("tiled:update=fa3", "update='fa3' must be 'fa2' or 'fa1'"),
         ("tiled:order=backwards", "order='backwards' must be 'forward', 'reverse' or 'shuffle'"),
         ("tiled:order_seed=-1", "order_seed=-1 must be an integer ≥ 0"),

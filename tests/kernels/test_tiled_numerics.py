@@ -52,7 +52,7 @@ def test_presets_resolve_knob_by_knob(dtype, preset, overrides, expected):
 
 
 def test_plain_tiled_is_the_fa2_preset(make_qkv):
-    assert DEFAULT_PRESET == "fa2" and set(PRESETS) == {"fa2", "paper"}
+    assert DEFAULT_PRESET == "fa2" and set(PRESETS) == {"fa2", "paper", "fa3_fp8"}
     q, k, v = make_qkv(70, 90, 32, dtype=BF16, seed=1)
     assert torch.equal(get_kernel("tiled")(q, k, v), get_kernel("tiled:preset=fa2")(q, k, v))
     described = resolve_numerics(BF16).describe()

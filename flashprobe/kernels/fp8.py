@@ -1,0 +1,387 @@
+"""FP8 numerics of the ``tiled`` re-implementation: formats, scales, casts and the Hadamard rotation.
+
+What FP8 attention kernels (FlashAttention-3's FP8 forward, cuDNN's FP8 attention) do, emulated on
+any device with torch's ``float8_e4m3fn`` / ``float8_e5m2`` tensors:
+
+* **Q, K, V** are cast to an FP8 format after multiplying by a **scale** (one per tensor, per
+  head or per tile-sized block of rows, chosen from the amax so that the largest magnitude maps to
+  the format's largest finite value, or a static number); the kernel multiplies the fp32 GEMM
+  result by the inverse scale (the *descale*).
+* **P** (the softmax probabilities ``exp(s − m)``, in ``[0, 1]``) is multiplied by a static scale
+  ``S`` and cast to FP8 before the ``P·V`` GEMM; the running sum ``l`` stays in fp32, so ``S``
+  cancels in ``o / l``. FA3 uses ``S = 2^8``: its ``hopper/softmax.h`` subtracts ``Max_offset = 8``
+  from the running max inside ``exp2`` for FP8 "so that the value after exp2 is in the range of
+  [0, 256]", and divides the row sum by ``2^8`` at the end.
+* **Incoherent processing** (FA3 paper §3.3): Q and K are multiplied by the same random orthogonal
+  matrix ``M = diag(±1) · H / √d`` (H a Sylvester Hadamard matrix) before quantization.
+  ``(QM)(KM)ᵀ = QKᵀ`` exactly in real arithmetic, and an outlier channel is spread over all ``d``
+  channels, so one amax no longer crushes every other entry.
+
+**Saturation.** Every cast clamps to ``±max`` of the format first (:func:`cast_fp8`), as the GPU's
+``cvt.rn.satfinite`` conversions do: out-of-range values and ±inf become ±max, NaN stays NaN. Torch
+2.13's CPU casts differ between the formats: ``float8_e4m3fn`` already saturates (even ``inf`` →
+448), ``float8_e5m2`` overflows to ``±inf`` (it has an infinity); the explicit clamp gives both
+formats the kernels' behaviour. Rounding is round-to-nearest-even, subnormals included (E4M3's
+smallest positive value is ``2^-9``, E5M2's ``2^-16``); anything below half of it becomes 0.
+
+**GEMMs.** An FP8 GEMM is emulated by casting the FP8 operands to fp32 and multiplying with fp32
+accumulation, which is what tensor cores compute up to the order of the additions. The descale is
+applied to the operands in fp32 (``x_fp8 · descale``, a relative rounding of at most ``2^-24``)
+rather than to the fp32 result as kernels do; either is ``2^20`` times below FP8's own rounding.
+
+FP8 is forward only here (FA3 has no FP8 backward): a spec with any of these knobs on (the
+rotation included) declares no backward and is refused when its inputs require grad.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "AMAX",
+    "FP8_DTYPES",
+    "FP8_FORMATS",
+    "FP8_PRESETS",
+    "GRANULARITIES",
+    "OFF",
+    "ROTATIONS",
+    "Fp8Numerics",
+    "cast_fp8",
+    "cast_p",
+    "dequantize",
+    "fp8_max",
+    "fp8_options",
+    "hadamard_rotation",
+    "is_power_of_two",
+    "prepare_operands",
+    "quantize",
+    "resolve_fp8",
+]
+
+#: Knob value that turns an FP8 cast or the rotation off (in a spec, ``none`` means "the preset's").
+OFF = "off"
+#: The FP8 formats and their torch dtypes (``e4m3``: 4 exponent, 3 mantissa bits, no infinity).
+FP8_DTYPES: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FP8_FORMATS = tuple(FP8_DTYPES)
+#: How many values share one scale: the whole tensor, one (batch, head), or one tile of rows
+#: (``block_q`` rows of Q, ``block_k`` rows of K and V, as FA3's "block quantization").
+GRANULARITIES = ("tensor", "head", "block")
+#: Rotations of Q and K before quantization.
+ROTATIONS = (OFF, "hadamard")
+#: The value of ``qkv_scale`` that picks scales from the amax.
+AMAX = "amax"
+
+#: FP8 presets: the FP8 knobs they set (the tile numerics are in ``tiled.PRESETS``).
+FP8_PRESETS: dict[str, dict[str, Any]] = {
+    "fa3_fp8": {
+        "qkv_fp8": "e4m3",
+        "p_fp8": "e4m3",
+        "p_scale": 256.0,
+        "fp8_scaling": "block",
+        "qkv_scale": AMAX,
+        "rotation": "hadamard",
+    },
+}
+#: The FP8 knobs' values when no FP8 preset sets them: FP8 off.
+_FP8_DEFAULTS: dict[str, Any] = {
+    "qkv_fp8": OFF,
+    "p_fp8": OFF,
+    "p_scale": 1.0,
+    "fp8_scaling": "tensor",
+    "qkv_scale": AMAX,
+    "rotation": OFF,
+}
+
+
+@dataclass(frozen=True)
+class Fp8Numerics:
+    """The resolved FP8 knobs of one ``tiled`` call.
+
+    Attributes:
+        qkv: format of Q, K and V (``"e4m3"``, ``"e5m2"`` or ``"off"``).
+        p: format of P in the ``P·V`` GEMM.
+        p_scale: static scale S on P before its cast (the sum ``l`` is unscaled, S cancels).
+        scaling: granularity of the Q/K/V scales, of :data:`GRANULARITIES`.
+        qkv_scale: ``"amax"`` (scale = format max / amax of each group) or a static number.
+        rotation: ``"hadamard"`` (random Hadamard rotation of Q and K) or ``"off"``.
+        rotation_seed: seed of the rotation's random signs.
+    """
+
+    qkv: str = OFF
+    p: str = OFF
+    p_scale: float = 1.0
+    scaling: str = "tensor"
+    qkv_scale: str | float = AMAX
+    rotation: str = OFF
+    rotation_seed: int = 0
+
+    @property
+    def active(self) -> bool:
+        """True when anything is cast to FP8 or rotated."""
+        return self.qkv != OFF or self.p != OFF or self.rotation != OFF
+
+    def labels(self) -> dict[str, Any]:
+        """What a result row names: ``fp8_qkv``, ``fp8_scaling``, ``fp8_p``, ``p_scale``, ``rotation``."""
+        scale = self.qkv_scale if self.qkv_scale == AMAX else f"static {self.qkv_scale:g}"
+        return {
+            "fp8_qkv": self.qkv,
+            "fp8_scaling": f"{self.scaling} {scale}" if self.qkv != OFF else "-",
+            "fp8_p": self.p,
+            "p_scale": self.p_scale if self.p != OFF else None,
+            "rotation": f"hadamard (seed {self.rotation_seed})" if self.rotation != OFF else OFF,
+        }
+
+    def describe(self) -> str:
+        """One line such as ``"QKV e4m3 (block amax), P e4m3 ×256, rotation hadamard (seed 0)"``."""
+        lab = self.labels()
+        qkv = f"QKV {self.qkv}" + (f" ({lab['fp8_scaling']})" if self.qkv != OFF else "")
+        p = f"P {self.p}" + (f" ×{self.p_scale:g}" if self.p != OFF else "")
+        return f"{qkv}, {p}, rotation {lab['rotation']}"
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        quoted = [repr(c) for c in choices]
+        raise ValueError(f"tiled: {name}={value!r} must be {', '.join(quoted[:-1])} or {quoted[-1]}")
+    return str(value)
+
+
+def _positive(name: str, value: Any) -> float:
+    number = value if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"tiled: {name}={value!r} must be a finite positive number")
+    return float(number)
+
+
+def resolve_fp8(
+    preset: str | None = None,
+    *,
+    qkv_fp8: str | None = None,
+    p_fp8: str | None = None,
+    p_scale: float | None = None,
+    fp8_scaling: str | None = None,
+    qkv_scale: str | float | None = None,
+    rotation: str | None = None,
+    rotation_seed: int = 0,
+) -> Fp8Numerics:
+    """The FP8 knobs of a call: the preset's (FP8 off for a preset without FP8), overridden by
+    the ones given (``None``: the preset's value).
+
+    Raises:
+        ValueError: a knob value that is not allowed, naming the allowed ones.
+    """
+    knobs = {**_FP8_DEFAULTS, **FP8_PRESETS.get(preset or "", {})}
+    given = {
+        "qkv_fp8": qkv_fp8,
+        "p_fp8": p_fp8,
+        "p_scale": p_scale,
+        "fp8_scaling": fp8_scaling,
+        "qkv_scale": qkv_scale,
+        "rotation": rotation,
+    }
+    knobs |= {key: value for key, value in given.items() if value is not None}
+    formats = (*FP8_FORMATS, OFF)
+    scale = knobs["qkv_scale"]
+    if scale != AMAX:
+        if isinstance(scale, str):
+            raise ValueError(
+                f"tiled: qkv_scale={scale!r} must be 'amax' or a positive number (a static scale)"
+            )
+        scale = _positive("qkv_scale", scale)
+    if isinstance(rotation_seed, bool) or not isinstance(rotation_seed, int) or rotation_seed < 0:
+        raise ValueError(f"tiled: rotation_seed={rotation_seed!r} must be an integer ≥ 0")
+    return Fp8Numerics(
+        qkv=_choice("qkv_fp8", knobs["qkv_fp8"], formats),
+        p=_choice("p_fp8", knobs["p_fp8"], formats),
+        p_scale=_positive("p_scale", knobs["p_scale"]),
+        scaling=_choice("fp8_scaling", knobs["fp8_scaling"], GRANULARITIES),
+        qkv_scale=scale,
+        rotation=_choice("rotation", knobs["rotation"], ROTATIONS),
+        rotation_seed=rotation_seed,
+    )
+
+
+def fp8_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The FP8 knobs among a ``tiled`` spec's options (for :func:`resolve_fp8`)."""
+    keys = ("qkv_fp8", "p_fp8", "p_scale", "fp8_scaling", "qkv_scale", "rotation", "rotation_seed")
+    return {key: options[key] for key in keys if key in options}
+
+
+def fp8_max(fmt: str) -> float:
+    """The largest finite value of ``fmt``: 448 for E4M3, 57344 for E5M2."""
+    return float(torch.finfo(FP8_DTYPES[fmt]).max)
+
+
+def cast_fp8(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Round ``x`` to the FP8 format ``fmt``, saturating, and return the values in fp32.
+
+    Round-to-nearest-even after clamping to ``±fp8_max(fmt)`` (GPU ``satfinite``: ±inf → ±max,
+    NaN stays NaN). ``x`` should be fp32 or narrower (fp64 is rounded to fp32 first).
+
+    Args:
+        x: any shape.
+        fmt: ``"e4m3"`` or ``"e5m2"``.
+
+    Returns:
+        fp32 tensor of ``x``'s shape holding FP8 values.
+    """
+    top = fp8_max(fmt)
+    return x.float().clamp(-top, top).to(FP8_DTYPES[fmt]).float()
+
+
+def _group_amax(x: torch.Tensor, scaling: str, block: int) -> torch.Tensor:
+    """amax of ``x (B, H, N, D)`` per scaling group, broadcast to ``(B, H, N, 1)`` (or smaller)."""
+    mag = x.detach().abs()
+    if scaling == "tensor":
+        return mag.amax().reshape(1, 1, 1, 1)
+    if scaling == "head":
+        return mag.amax(dim=(-2, -1), keepdim=True)  # (B, H, 1, 1)
+    n = x.shape[-2]
+    per_row = mag.amax(dim=-1, keepdim=True)  # (B, H, N, 1)
+    pad = (-n) % block
+    if pad:
+        per_row = torch.nn.functional.pad(per_row, (0, 0, 0, pad))
+    blocks = per_row.unflatten(-2, (-1, block)).amax(dim=-2, keepdim=True)  # (B, H, N/block, 1, 1)
+    return blocks.expand(*blocks.shape[:-2], block, 1).flatten(-3, -2)[..., :n, :]
+
+
+def quantize(
+    x: torch.Tensor, fmt: str, *, scaling: str = "tensor", scale: str | float = AMAX, block: int = 128
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale ``x`` and cast it to FP8, as a kernel's inputs are quantized.
+
+    With ``scale="amax"`` each group's scale is ``fp8_max / amax`` (1 for an all-zero group), so its
+    largest magnitude maps to the format's largest value; a number is one static scale for all.
+
+    Args:
+        x: ``(B, H, N, D)``, fp32 or narrower.
+        fmt: ``"e4m3"`` or ``"e5m2"``.
+        scaling: ``"tensor"``, ``"head"`` or ``"block"`` (``block`` rows share a scale).
+        scale: ``"amax"`` or a static positive number.
+        block: rows per block for ``scaling="block"``.
+
+    Returns:
+        ``(values, descale)``: the FP8 values of ``x · scale`` in fp32 ``(B, H, N, D)``, and the
+        fp32 descale ``1/scale`` broadcastable to them (``(1, 1, 1, 1)``, ``(B, H, 1, 1)`` or
+        ``(B, H, N, 1)``), so that ``values · descale ≈ x``.
+    """
+    x32 = x.float()
+    if scale == AMAX:
+        amax = _group_amax(x32, scaling, block)
+        scales = torch.where(amax > 0, fp8_max(fmt) / amax, torch.ones_like(amax))
+    else:
+        scales = torch.full((1, 1, 1, 1), float(scale), device=x.device)
+    return cast_fp8(x32 * scales, fmt), 1.0 / scales
+
+
+def dequantize(x: torch.Tensor, fmt: str, *, scaling: str, scale: str | float, block: int) -> torch.Tensor:
+    """``x`` after quantization, as the fp32 operand of an emulated FP8 GEMM: ``values · descale``
+    (see :func:`quantize`; the module docstring says why the descale is applied here)."""
+    values, descale = quantize(x, fmt, scaling=scaling, scale=scale, block=block)
+    return values * descale
+
+
+@functools.lru_cache(maxsize=32)
+def _hadamard_cpu(d: int, seed: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:  # Sylvester: H_2n = [[H, H], [H, -H]]
+        h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
+    gen = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (d,), generator=gen, dtype=torch.int64).to(torch.float64) * 2 - 1
+    return signs.unsqueeze(-1) * h / math.sqrt(d)
+
+
+def hadamard_rotation(d: int, seed: int = 0, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The random orthogonal matrix ``M = diag(s) · H_d / √d`` of incoherent processing.
+
+    ``H_d`` is the Sylvester Hadamard matrix (entries ±1), ``s`` are random signs drawn by
+    ``torch.randint`` on a generator seeded with ``seed``. ``M Mᵀ = I``, so ``(QM)(KM)ᵀ = QKᵀ``.
+
+    Args:
+        d: the head dimension, a power of two.
+        seed: seed of the random signs.
+        dtype: dtype of the result (built in float64).
+
+    Returns:
+        ``(d, d)`` matrix on the CPU.
+
+    Raises:
+        ValueError: ``d`` is not a power of two.
+    """
+    if d < 1 or d & (d - 1):
+        raise ValueError(
+            f"tiled: rotation=hadamard needs a power-of-two head dim, got {d}; use rotation=off "
+            "or pad the head dim"
+        )
+    return _hadamard_cpu(d, seed).to(dtype)
+
+
+def is_power_of_two(d: int) -> bool:
+    """Whether ``d`` is a power of two (a head dim the Hadamard rotation accepts)."""
+    return d >= 1 and not d & (d - 1)
+
+
+def prepare_operands(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    fp8: Fp8Numerics,
+    *,
+    compute: torch.dtype,
+    gemm_s: torch.dtype,
+    gemm_o: torch.dtype,
+    block_q: int,
+    block_k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The GEMM operands of a ``tiled`` call with FP8 knobs: rotated, quantized, dequantized.
+
+    Q and K are rotated in fp32 (in ``compute`` dtype when they are not quantized: a separate
+    rotation kernel writes them back in the model's dtype), then, with ``fp8.qkv``, quantized with
+    ``block_q``-row blocks for Q and ``block_k``-row blocks for K and V.
+
+    Args:
+        q: ``(B, H, N_q, D)``; k: ``(B, H, N_k, D)``; v: ``(B, H, N_k, D_v)``.
+        fp8: the FP8 knobs.
+        compute: the tile numerics' compute dtype.
+        gemm_s, gemm_o: the dtypes of the score and output GEMMs' operands.
+        block_q, block_k: the tile sizes (Br, Bc).
+
+    Returns:
+        ``q, k`` in ``gemm_s`` and ``v`` in ``gemm_o``.
+    """
+    q, k, v = q.to(compute), k.to(compute), v.to(compute)
+    if fp8.rotation != OFF:
+        m = hadamard_rotation(
+            q.shape[-1], fp8.rotation_seed, dtype=torch.promote_types(compute, torch.float32)
+        )
+        m = m.to(q.device)
+        q, k = q.to(m.dtype) @ m, k.to(m.dtype) @ m
+        if fp8.qkv == OFF:
+            q, k = q.to(compute), k.to(compute)
+    if fp8.qkv == OFF:
+        return q.to(gemm_s), k.to(gemm_s), v.to(gemm_o)
+    quant = functools.partial(dequantize, fmt=fp8.qkv, scaling=fp8.scaling, scale=fp8.qkv_scale)
+    return (
+        quant(q, block=block_q).to(gemm_s),
+        quant(k, block=block_k).to(gemm_s),
+        quant(v, block=block_k).to(gemm_o),
+    )
+
+
+def cast_p(p: torch.Tensor, fp8: Fp8Numerics) -> torch.Tensor:
+    """P as the ``P·V`` GEMM sees it, divided back by S: ``cast_fp8(P · S) / S`` in fp32.
+
+    Dividing by S here instead of the row sum at the end is the same up to fp32 rounding (S is a
+    power of two in every preset, so it is exact there).
+
+    Args:
+        p: ``(B, H, R, Bc)`` probabilities ``exp(s − m)`` in the stats dtype.
+        fp8: the FP8 knobs (``fp8.p`` not ``"off"``).
+    """
+    return cast_fp8(p * fp8.p_scale, fp8.p) / fp8.p_scale

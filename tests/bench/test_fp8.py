@@ -1,0 +1,143 @@
+"""``flashprobe bench fp8``: FP8 error vs FP64 and the P-cast collapse (issue 41).
+
+Oracles: the P underflow count worked out by hand on a three-key example; the inputs' documented
+construction (sink logit, outlier channels, per-token magnitudes); the files' own rows.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashprobe.bench import fp8
+from flashprobe.bench.inputs import Shape
+
+LABELS = ("fp8_qkv", "fp8_scaling", "fp8_p", "p_scale", "order", "rotation")
+
+
+def test_p_underflow_by_hand():
+    """Scale 1, q = (1, 0); keys: sink (20, 0), then three at logit 0, tiles of two keys.
+    Forward: the sink's tile comes first, m = 20, every other P = e^-20 (below E4M3's 2^-10 even
+    ×448): 3 of 3 underflow. Reverse: keys 2, 3 come first with m = 0 (P = 1), key 1 after the
+    sink: 1 of 3."""
+    q = torch.tensor([[[[1.0, 0.0]]]])
+    k = torch.tensor([[[[20.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]]])
+    kw = {"p_scales": [1.0, 448.0], "block_k": 2, "scale": 1.0}
+    assert fp8.p_underflow(q, k, order="forward", **kw) == {1.0: 1.0, 448.0: 1.0}
+    assert fp8.p_underflow(q, k, order="reverse", **kw) == {1.0: 1 / 3, 448.0: 1 / 3}
+    # key 0 at logit 0, the others at -7: e^-7 = 9.1e-4 is below half of E4M3's smallest value
+    # (2^-10 = 9.8e-4), so it rounds to 0 at S = 1 but not at S = 16
+    k = torch.tensor([[[[0.0, 0.0], [-7.0, 0.0], [-7.0, 0.0], [-7.0, 0.0]]]])
+    kw = {"p_scales": [1.0, 16.0], "block_k": 2, "scale": 1.0}
+    assert fp8.p_underflow(q, k, order="forward", **kw) == {1.0: 1.0, 16.0: 0.0}
+    assert fp8.p_underflow(q, k, order="reverse", **kw) == {1.0: 1 / 3, 16.0: 0.0}
+
+
+def test_fp8_inputs_follow_their_construction():
+    shape = Shape(batch=1, heads=2, seq_len=64, head_dim=64)
+    q, k, _ = fp8.fp8_inputs(shape, "sink", seed=1, sink_strength=10.0)
+    logits = q @ k.transpose(-2, -1) / 8.0
+    assert (logits[..., 0] - 10.0).abs().max() < 10.0 * 5 / 8  # 10·(1 + z/√D), |z| < 5
+    assert logits[..., 1:].abs().max() < 6
+    q, k, _ = fp8.fp8_inputs(shape, "outlier_channels", seed=1)
+    per_channel = q.abs().mean(dim=(0, 1, 2))
+    assert (per_channel > 5).sum() == 2 and torch.equal(per_channel > 5, k.abs().mean(dim=(0, 1, 2)) > 5)
+    q, _, v = fp8.fp8_inputs(shape, "dynamic_range", seed=1)
+    norms = v.norm(dim=-1)
+    assert norms.max() / norms.min() > 2**8
+    with pytest.raises(fp8.BenchArgumentError, match="unknown distribution 'cauchy'"):
+        fp8.fp8_inputs(shape, "cauchy", seed=0)
+
+
+def test_bench_fp8_tiny_writes_named_rows_and_figures(tmp_path: Path, capsys):
+    assert fp8.main(["--tiny", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "fp8.json").read_text())
+    rows = doc["rows"]
+    for row in rows:
+        assert all(key in row for key in LABELS), row
+    errors = [r for r in rows if r["part"] == "error"]
+    assert {r["variant"] for r in errors} == {v.label for v in fp8.VARIANTS}
+    assert {r["distribution"] for r in errors} == set(fp8.DISTRIBUTIONS)
+    fa3 = next(r for r in errors if r["variant"] == "fa3 fp8")
+    assert (fa3["fp8_qkv"], fa3["fp8_p"], fa3["p_scale"], fa3["order"]) == ("e4m3", "e4m3", 256.0, "reverse")
+    assert fa3["fp8_scaling"] == "block amax" and fa3["rotation"] == "hadamard (seed 0)"
+    base = next(r for r in errors if r["variant"] == "baseline bf16")
+    assert base["error_ratio"] == 1.0 and base["fp8_qkv"] == "off" and base["order"] == "-"
+    # every FP8 variant is coarser than 16-bit flash on the same inputs
+    for row in errors:
+        flash = next(
+            r
+            for r in errors
+            if r["variant"] == "flash bf16"
+            and all(r[k] == row[k] for k in ("distribution", "seq_len", "head_dim"))
+        )
+        if row["fp8_qkv"] != "off":
+            assert row["rel_l2"] > 3 * flash["rel_l2"]
+    pcast = [r for r in rows if r["part"] == "pcast"]
+    assert {(r["order"], r["p_scale"]) for r in pcast} == {
+        (o, s) for o in ("forward", "reverse") for s in fp8.P_SCALES
+    }
+    assert all(0.0 <= r["p_underflow"] <= 1.0 for r in pcast)
+    ratio = doc["summary"]["pcast_ratio"]
+    assert ratio["seeds"] == 2 and ratio["ci95_lo"] <= ratio["geomean"] <= ratio["ci95_hi"]
+    assert ratio["paper"] == [3.0, 10.0]
+    assert doc["summary"]["rotation_outlier_channels"]["factor"]["seeds"] == 1
+    with open(tmp_path / "fp8.csv", newline="") as fh:
+        assert len(list(csv.DictReader(fh))) == len(rows)
+    for name in ("fp8_errors.png", "fp8_pcast.png"):
+        assert (tmp_path / name).read_bytes().startswith(b"\x89PNG")
+    md = (tmp_path / "fp8.md").read_text()
+    assert "MSE(forward, S=1) / MSE(reverse, S=256)" in md and "| fa3 fp8 | e4m3 | block amax |" in md
+    printed = capsys.readouterr().out
+    assert "the paper reports 3-10x" in printed and "Hadamard rotation on outlier_channels" in printed
+    (tmp_path / "fp8_pcast.png").unlink()
+    assert fp8.main(["--replot", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "fp8_pcast.png").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--head-dim", "48"], "head dim 48 is not a power of two"),
+        (["--distribution", "cauchy"], "unknown --distribution 'cauchy'"),
+        (["--repeats", "0"], "--repeats"),
+    ],
+)
+def test_bench_fp8_refuses_bad_input_before_any_work(argv, message, tmp_path: Path, capsys):
+    assert fp8.main([*argv, "--out", str(tmp_path / "o")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o" / "fp8.json").exists()
+
+
+def test_summary_interval_over_seeds():
+    rows: list[dict] = []
+    mse = {(8.0, "forward", 1.0): [4.0, 8.0, 6.0], (8.0, "reverse", 256.0): [1.0, 1.0, 2.0]}
+    ratio = fp8.summarize(rows, mse, 8.0)["pcast_ratio"]
+    assert ratio["geomean"] == pytest.approx((4 * 8 * 3) ** (1 / 3))
+    assert (ratio["min"], ratio["max"]) == (3.0, 8.0)
+    assert ratio["ci95_lo"] < ratio["geomean"] < ratio["ci95_hi"]
+    assert math.log(ratio["ci95_hi"]) - math.log(ratio["geomean"]) == pytest.approx(
+        math.log(ratio["geomean"]) - math.log(ratio["ci95_lo"])
+    )
+
+
+def test_rotation_factor_pairs_the_seeds():
+    point = {"part": "error", "axis": "distribution", "distribution": "outlier_channels", "seq_len": 64}
+    rows = [
+        {**point, "head_dim": 16, "variant": "fa3 fp8 no rotation", "rel_l2": 0.3},
+        {**point, "head_dim": 16, "variant": "fa3 fp8", "rel_l2": 0.1},
+    ]
+    rel_l2 = {
+        ("fa3 fp8 no rotation", "outlier_channels", 64, 16): [0.2, 0.3, 0.8],
+        ("fa3 fp8", "outlier_channels", 64, 16): [0.1, 0.1, 0.2],
+    }
+    gain = fp8.summarize(rows, {}, 8.0, rel_l2)["rotation_outlier_channels"]
+    assert (gain["rel_l2_without"], gain["rel_l2_with"]) == (0.3, 0.1)
+    factor = gain["factor"]  # seed by seed: 2, 3, 4
+    assert factor["geomean"] == pytest.approx(24 ** (1 / 3)) and (factor["min"], factor["max"]) == (2.0, 4.0)
+    assert "rotation_gaussian" not in fp8.summarize(rows, {}, 8.0, rel_l2)
