@@ -26,6 +26,7 @@ from flashprobe.report.study_verdict import (
     FLASH,
     comparison_groups,
     format_value,
+    needs_line,
     no_verdict_line,
     study_comparisons,
     verdict,
@@ -271,7 +272,7 @@ def write_report(study_dir: str | Path) -> Path:
     study = read_study(study_dir)
     meta = study.get("study") or {}
     v = verdict(study)
-    flash_runs = (study["pairs"].get(FLASH) or {}).get("runs") or {}
+    flash_runs = (study["pairs"].get(v.get("kernel_pair") or FLASH) or {}).get("runs") or {}
     precision = meta.get("precision") or (flash_runs.get("a") or {}).get("precision") or "?"
     kernel = meta.get("kernel") or (flash_runs.get("a") or {}).get("attention") or "the kernel under test"
     mixed = not_like_for_like(study["pairs"])
@@ -288,6 +289,7 @@ def write_report(study_dir: str | Path) -> Path:
     lines += ["## Verdict", ""]
     if v:
         lines += [f"- {line}" for line in verdict_lines(v, precision, kernel)]
+        lines += ["", needs_line(study)]
         n = len(v["seeds"])
         lines += [
             "",
@@ -320,7 +322,9 @@ def write_report(study_dir: str | Path) -> Path:
         lines += [
             f"- {no_verdict_line(study)}",
             "",
-            "No like-for-like `flash_vs_baseline` comparison here: the distances below carry no verdict.",
+            "No pair here differs in the attention alone: the distances below carry no verdict.",
+            "",
+            needs_line(study),
         ]
     lines += ["", "## What each comparison isolates", "", *_comparisons_table(study), ""]
     if meta.get("runs"):
