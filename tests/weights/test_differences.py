@@ -214,3 +214,21 @@ def test_a_kernel_pair_named_anything_gets_the_verdict_labelled_from_the_records
     text = report(tmp_path / "none", f"s={seed1},{base}")
     assert "no pair's runs differ in the attention (compared: s)" in text
     assert "a kernel pair (runs that differ in the attention alone)" in text
+
+
+def test_the_report_tables_name_the_snapshot_steps_they_leave_out(tmp_path: Path) -> None:
+    steps = range(0, 100, 10)  # 10 snapshot steps; the tables show 8
+    runs = [
+        write_run(tmp_path / name, {s: {"w": torch.full((4,), v * s)} for s in steps}, **facts)
+        for name, v, facts in (("a", 1e-3, FACTS), ("b", 0.0, {**FACTS, "seed": 1}))
+    ]
+    out = tmp_path / "cmp"
+    assert cli_main(["compare", *map(str, runs), "--out", str(out), "--no-figures"]) == 0
+    assert cli_main(["report", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    table = text[text.index("## Wasserstein distance over training") : text.index("## Max |W_a")]
+    rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")]
+    shown = [int(cell) for cell in rows if cell.isdigit()]
+    assert shown == [0, 10, 30, 40, 50, 60, 80, 90]
+    note = "8 of the 10 snapshot steps, evenly spaced, to keep the table short; left out: steps 20, 70"
+    assert note in table
