@@ -15,6 +15,8 @@ rule reads the low-precision pair *at the precision flash trains at* (``bf16_vs_
 study): the deviation a team training at that precision has already accepted; the other
 low-precision pairs (e.g. the paper's FP16 vs FP32) are reported beside it, not judged.
 Everything is computed from ``study.json``, so ``flashprobe report STUDY_DIR`` gives the same answer.
+The pairs are known by what their runs differ in (:func:`kernel_pair`, :func:`needs_line`), and the
+kernels by what the runs recorded, never by a fixed name.
 """
 
 from __future__ import annotations
@@ -250,7 +252,9 @@ def verdict(study: Mapping[str, Any]) -> dict[str, Any]:
         study: ``study.json`` as read by :func:`flashprobe.formats.study_file.read_study`.
 
     Returns:
-        Empty when there is no like-for-like ``flash_vs_baseline`` pair. Otherwise ``answer``,
+        Empty when there is no kernel pair (:func:`kernel_pair`: runs that differ in the attention
+        alone). Otherwise ``kernel_pair`` (its name), ``attention`` (its runs' recorded attention),
+        ``answer``,
         ``reasons`` (why, in words), ``step`` (the last common step), ``steps`` (those the rule
         reads), ``warmup_steps``, ``seeds`` (the replicates'), ``flash`` (an :class:`Interval` of
         flash's distance at the last step), ``noise_floor``, ``context`` (per context — ``seed`` and
