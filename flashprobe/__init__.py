@@ -4,27 +4,75 @@ Four tools, following *Is Flash Attention Stable?* (Golden et al., 2024, arXiv 2
 a precision microbenchmark with a re-implementation of FlashAttention (:mod:`flashprobe.bench`),
 a shadow probe that compares kernels at every attention call in training (:mod:`flashprobe.probe`),
 weight-deviation bounds across runs (:mod:`flashprobe.weights`), and kernel edge-case fuzzing.
+
+The public names below are imported on first use, so ``import flashprobe.kernels`` (and commands
+such as ``flashprobe kernels``) do not pay for the probe's import of ``torch._dynamo``.
 """
 
-from flashprobe.deviation import Deviation, deviation, error_ratio
-from flashprobe.kernels import (
-    Kernel,
-    KernelCapabilities,
-    KernelInputError,
-    KernelSpecError,
-    KernelUnavailableError,
-    KernelUnsupportedError,
-    available_kernels,
-    get_kernel,
-    golden_attention,
-    math_attention,
-    register_kernel,
-    tiled_attention,
-)
-from flashprobe.probe import ShadowAttention, use_kernel
-from flashprobe.weights import SnapshotStore, compare_runs, max_abs_diff, wasserstein_distance
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flashprobe.deviation import Deviation, deviation, error_ratio
+    from flashprobe.kernels import (
+        Kernel,
+        KernelCapabilities,
+        KernelInputError,
+        KernelSpecError,
+        KernelUnavailableError,
+        KernelUnsupportedError,
+        available_kernels,
+        get_kernel,
+        golden_attention,
+        math_attention,
+        register_kernel,
+        tiled_attention,
+    )
+    from flashprobe.probe import ShadowAttention, use_kernel
+    from flashprobe.weights import SnapshotStore, compare_runs, max_abs_diff, wasserstein_distance
 
 __version__ = "0.1.0"
+
+#: public name → the module that defines it
+_PUBLIC: dict[str, str] = {
+    **dict.fromkeys(("Deviation", "deviation", "error_ratio"), "flashprobe.deviation"),
+    **dict.fromkeys(
+        (
+            "Kernel",
+            "KernelCapabilities",
+            "KernelInputError",
+            "KernelSpecError",
+            "KernelUnavailableError",
+            "KernelUnsupportedError",
+            "available_kernels",
+            "get_kernel",
+            "golden_attention",
+            "math_attention",
+            "register_kernel",
+            "tiled_attention",
+        ),
+        "flashprobe.kernels",
+    ),
+    **dict.fromkeys(("ShadowAttention", "use_kernel"), "flashprobe.probe"),
+    **dict.fromkeys(
+        ("SnapshotStore", "compare_runs", "max_abs_diff", "wasserstein_distance"), "flashprobe.weights"
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'flashprobe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})
+
 
 __all__ = [
     "Deviation",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["main"]
 
@@ -63,22 +64,39 @@ def _dispatch(table: dict[str, tuple[str, str]], argv: list[str], prog: str) -> 
     return int(getattr(importlib.import_module(module), func)(rest) or 0)
 
 
+def _compiles_on_first_call(kernel: Any) -> bool:
+    """True for a kernel with a ``compile`` option that is on (``flex``): its first call compiles."""
+    import inspect
+
+    parameter = inspect.signature(kernel.fn).parameters.get("compile")
+    return parameter is not None and kernel.options.get("compile", parameter.default) is True
+
+
 def list_kernels(argv: Sequence[str]) -> int:
     """``flashprobe kernels``: every registered kernel, its options and whether it runs here.
 
     Each kernel is tried on the CPU (and on CUDA when torch sees a GPU) at bf16, fp16, fp32 and
-    fp64 with its own check and one tiny call; a kernel that cannot run says why.
+    fp64 with its declared check and one tiny call; a kernel whose first call compiles (a
+    ``compile`` option that is on) gets only its check unless ``--try`` is given, so the listing
+    takes seconds. A kernel that cannot run says why.
     """
     import argparse
 
     import torch
 
-    from flashprobe.kernels import kernel_availability, list_kernels
+    from flashprobe.kernels import (
+        KernelSpecError,
+        get_kernel,
+        import_kernel_modules,
+        kernel_availability,
+        list_kernels,
+    )
 
     parser = argparse.ArgumentParser(
         prog="flashprobe kernels",
         description="List the registered kernels, their spec options and whether each runs on this "
-        "machine (tried with one tiny call per dtype), with the reason when it does not.",
+        "machine (its declared check and one tiny call per dtype), with the reason when it does not. "
+        "A kernel compiled on its first call is only checked unless --try is given.",
     )
     parser.add_argument(
         "--import",
@@ -87,19 +105,36 @@ def list_kernels(argv: Sequence[str]) -> int:
         metavar="MODULE",
         help="import MODULE first (it registers your kernels); repeatable",
     )
+    parser.add_argument(
+        "--try",
+        dest="try_all",
+        action="store_true",
+        help="make the tiny call for every kernel, also those compiled on their first call "
+        "(about 30 s per dtype each on a 2-core CPU)",
+    )
     args = parser.parse_args(list(argv))
-    for module in args.imports or []:
-        importlib.import_module(module)
+    try:
+        import_kernel_modules(args.imports or [])
+    except KernelSpecError as err:
+        print(f"flashprobe kernels: {err}", file=sys.stderr)
+        return 2
     devices = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
     runnable: dict[str, list[str]] = {d: [] for d in devices}
+    unchecked: dict[str, list[str]] = {d: [] for d in devices}
     for info in list_kernels():
         print(f"{info.name:<15} {info.description}\n{'':<15} options: {', '.join(info.options) or '-'}")
+        call = args.try_all or not _compiles_on_first_call(get_kernel(info.name))
         for device in devices:
-            found = kernel_availability(info.name, device)
+            found = kernel_availability(info.name, device, call=call)
             if found.available:
                 runnable[device].append(info.name)
-                note = f"runs on {device}: {', '.join(found.dtypes)}"
+                if not found.called:
+                    unchecked[device].append(info.name)
+                verb = "runs" if found.called else "declared to run"
+                note = f"{verb} on {device}: {', '.join(found.dtypes)}"
                 print(f"{'':<15} {note}" + (f" (not {found.reason})" if found.reasons else ""))
+                if not found.called:
+                    print(f"{'':<15} not called: compiled on its first call; --try makes one tiny call")
             else:
                 print(f"{'':<15} NOT on {device}: {found.reason}")
     names = [info.name for info in list_kernels()]
@@ -107,6 +142,7 @@ def list_kernels(argv: Sequence[str]) -> int:
         missing = [n for n in names if n not in runnable[device]]
         print(
             f"\non {device}: {len(runnable[device])} of {len(names)} kernels run"
+            + (f" ({', '.join(unchecked[device])} by the declared check only)" if unchecked[device] else "")
             + (f"; not: {', '.join(missing)}" if missing else "")
         )
     return 0

@@ -36,7 +36,14 @@ from typing_extensions import override
 
 from flashprobe.weights.store import SnapshotWriter, TensorSpec
 
-__all__ = ["WeightSnapshot", "trained_attention"]
+__all__ = [
+    "WeightSnapshot",
+    "manifest_config",
+    "module_tensors",
+    "own_attention",
+    "snapshot_steps",
+    "trained_attention",
+]
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +55,7 @@ def _clean_name(name: str) -> str:
     return _WRAPPER_PREFIX.sub("", name)
 
 
-def _to_json_config(config: Any) -> dict[str, Any]:
+def manifest_config(config: Any) -> dict[str, Any]:
     """A JSON-serialisable plain dict from a dict, a dataclass or an OmegaConf config."""
     if config is None:
         return {}
@@ -73,6 +80,77 @@ def _to_json_config(config: Any) -> dict[str, Any]:
         raise TypeError(f"config must be JSON-serialisable for the snapshot manifest: {err}") from err
 
 
+def snapshot_steps(
+    owner: str, every_n_steps: int | None, steps: Iterable[int] | None, save_initial: bool, save_last: bool
+) -> tuple[int, ...]:
+    """The explicit snapshot steps, sorted, once the schedule is checked (for both trainers' callbacks).
+
+    Raises:
+        ValueError: ``every_n_steps`` is not a positive int or None, a step is not a non-negative
+            int, or nothing would ever be saved; the message starts with ``owner``.
+    """
+    if every_n_steps is not None and (
+        isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1
+    ):
+        raise ValueError(f"{owner}: every_n_steps must be a positive int or None, got {every_n_steps!r}")
+    step_list = sorted(set(steps or ()))
+    bad = [s for s in step_list if isinstance(s, bool) or not isinstance(s, int) or s < 0]
+    if bad:
+        raise ValueError(f"{owner}: steps must be non-negative ints, got {bad}")
+    if every_n_steps is None and not step_list and not save_initial and not save_last:
+        raise ValueError(
+            f"{owner} would save nothing: set every_n_steps, steps, save_initial=True or save_last=True"
+        )
+    return tuple(step_list)
+
+
+def module_tensors(
+    module: torch.nn.Module, *, include_buffers: bool, trainable_only: bool
+) -> tuple[dict[str, torch.Tensor], list[TensorSpec]]:
+    """CPU copies of a (not sharded) module's parameters (and persistent buffers), with their specs.
+
+    Names have the wrappers' prefixes (FSDP1, activation checkpointing, ``torch.compile``) removed.
+    """
+    tensors, kinds = _live_tensors(module, include_buffers=include_buffers, trainable_only=trainable_only)
+    copies = {n: t.detach().to("cpu", copy=True).contiguous() for n, t in tensors.items()}
+    return copies, [TensorSpec.of(n, t, kinds[n]) for n, t in copies.items()]
+
+
+def _live_tensors(
+    module: torch.nn.Module, *, include_buffers: bool, trainable_only: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The module's tensors to save, by clean name, and each one's kind (``parameter``/``buffer``)."""
+    params = {_clean_name(n): p for n, p in module.named_parameters()}
+    if trainable_only:
+        params = {n: p for n, p in params.items() if p.requires_grad}
+    buffers: dict[str, torch.Tensor] = {}
+    if include_buffers:
+        persistent = {_clean_name(k) for k in module.state_dict(keep_vars=True)}
+        buffers = {_clean_name(n): b for n, b in module.named_buffers() if _clean_name(n) in persistent}
+    kinds = {**{n: "parameter" for n in params}, **{n: "buffer" for n in buffers}}
+    return {**params, **buffers}, kinds
+
+
+def own_attention(module: torch.nn.Module) -> str:
+    """What "the model's own attention" is for ``module``, resolved where the run is recorded.
+
+    A Hugging Face model (``module`` or a submodule with a ``config._attn_implementation``) names its
+    attention implementation; any other model is its own attention calls. Both name the device the
+    parameters are on (torch's SDPA picks its backend per device), so two runs of the same model on
+    the same kind of device record the same value: ``"own sdpa on cpu"``, ``"own attention on cuda"``.
+    """
+    implementation = next(
+        (
+            str(impl)
+            for m in module.modules()
+            if isinstance(impl := getattr(getattr(m, "config", None), "_attn_implementation", None), str)
+        ),
+        "attention",
+    )
+    device = next((p.device.type for p in module.parameters()), "cpu")
+    return f"own {implementation} on {device}"
+
+
 class WeightSnapshot(Callback):
     """Save the model's weights at configured steps into ``RUN_DIR/snapshots``.
 
@@ -92,8 +170,9 @@ class WeightSnapshot(Callback):
             :class:`~flashprobe.callbacks.AttentionProbe` in the Trainer (the model receives its
             output in every training batch), else the kernel of a
             :func:`~flashprobe.probe.use_kernel` route on the module when training starts, else the
-            LightningModule's ``hparams["attention"]``; None when none says (the model's own
-            attention calls, e.g. torch's SDPA).
+            LightningModule's ``hparams["attention"]``; when none says, the model's own attention,
+            resolved here (:func:`own_attention`: ``"own sdpa on cpu"`` for a Hugging Face model,
+            ``"own attention on cpu"`` for others), so two default runs record the same value.
         precision: recorded in the manifest; default: ``trainer.precision`` (e.g. ``bf16-mixed``).
         config: any JSON-serialisable mapping (a dict, dataclass or OmegaConf config) recorded in the
             manifest, typically the run's full configuration.
@@ -126,19 +205,7 @@ class WeightSnapshot(Callback):
         precision: str | None = None,
         config: Any = None,
     ) -> None:
-        if every_n_steps is not None and (
-            isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1
-        ):
-            raise ValueError(f"every_n_steps must be a positive int or None, got {every_n_steps!r}")
-        step_list = sorted(set(steps or ()))
-        bad = [s for s in step_list if isinstance(s, bool) or not isinstance(s, int) or s < 0]
-        if bad:
-            raise ValueError(f"steps must be non-negative ints, got {bad}")
-        if every_n_steps is None and not step_list and not save_initial and not save_last:
-            raise ValueError(
-                "WeightSnapshot would save nothing: "
-                "set every_n_steps, steps, save_initial=True or save_last=True"
-            )
+        step_list = snapshot_steps(type(self).__name__, every_n_steps, steps, save_initial, save_last)
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.every_n_steps = every_n_steps
         self.steps = tuple(step_list)
@@ -150,7 +217,7 @@ class WeightSnapshot(Callback):
         self.seed = None if seed is None else int(seed)
         self.attention = None if attention is None else str(attention)
         self.precision = None if precision is None else str(precision)
-        self.config = _to_json_config(config)
+        self.config = manifest_config(config)
         self._saved: set[int] = set()
         self._restored_run_id: str | None = None
         self._run_dir: Path | None = None
@@ -251,7 +318,7 @@ class WeightSnapshot(Callback):
         seed = self.seed
         if seed is None and os.environ.get("PL_GLOBAL_SEED", "").lstrip("-").isdigit():
             seed = int(os.environ["PL_GLOBAL_SEED"])
-        attention = self.attention if self.attention is not None else trained_attention(trainer, pl_module)
+        attention = self.attention or trained_attention(trainer, pl_module) or own_attention(pl_module)
         return {
             "run_id": self._resolved_run_id(),
             "seed": seed,
@@ -275,38 +342,29 @@ class WeightSnapshot(Callback):
 
         Every rank must call this: under FSDP the full state dict is gathered collectively.
         """
-        params = {_clean_name(n): p for n, p in pl_module.named_parameters()}
-        if self.trainable_only:
-            params = {n: p for n, p in params.items() if p.requires_grad}
-        buffers: dict[str, torch.Tensor] = {}
-        if self.include_buffers:
-            persistent = {_clean_name(k) for k in pl_module.state_dict(keep_vars=True)}
-            buffers = {
-                _clean_name(n): b for n, b in pl_module.named_buffers() if _clean_name(n) in persistent
-            }
-        kinds = {**{n: "parameter" for n in params}, **{n: "buffer" for n in buffers}}
-        if _is_sharded(trainer, pl_module):
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            module = trainer.strategy.model if trainer.strategy.model is not None else pl_module
-            full = get_model_state_dict(
-                module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        if not _is_sharded(trainer, pl_module):
+            if not trainer.is_global_zero:
+                return None, []
+            return module_tensors(
+                pl_module, include_buffers=self.include_buffers, trainable_only=self.trainable_only
             )
-            if not trainer.is_global_zero:
-                return None, []
-            full = {_clean_name(k): v for k, v in full.items()}
-            missing = [n for n in kinds if n not in full]
-            if missing:
-                raise RuntimeError(
-                    f"WeightSnapshot: the gathered FSDP state dict has no entry for {missing[0]!r} "
-                    f"(keys: {list(full)[:5]}...); please report this with your strategy settings"
-                )
-            tensors = {n: full[n].detach().to("cpu", copy=True).contiguous() for n in kinds}
-        else:
-            if not trainer.is_global_zero:
-                return None, []
-            live = {**params, **buffers}
-            tensors = {n: live[n].detach().to("cpu", copy=True).contiguous() for n in kinds}
+        _, kinds = _live_tensors(
+            pl_module, include_buffers=self.include_buffers, trainable_only=self.trainable_only
+        )
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        module = trainer.strategy.model if trainer.strategy.model is not None else pl_module
+        full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not trainer.is_global_zero:
+            return None, []
+        full = {_clean_name(k): v for k, v in full.items()}
+        missing = [n for n in kinds if n not in full]
+        if missing:
+            raise RuntimeError(
+                f"WeightSnapshot: the gathered FSDP state dict has no entry for {missing[0]!r} "
+                f"(keys: {list(full)[:5]}...); please report this with your strategy settings"
+            )
+        tensors = {n: full[n].detach().to("cpu", copy=True).contiguous() for n in kinds}
         return tensors, [TensorSpec.of(n, t, kinds[n]) for n, t in tensors.items()]
 
 

@@ -36,7 +36,7 @@ import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -62,7 +62,17 @@ from flashprobe.probe.routing import check_kernel_here
 from flashprobe.probe.shadow import failure_message
 from flashprobe.probe.summary import keep_worst, summary_scalars
 
-__all__ = ["CONFIG_KEY", "DEFAULT_NAME", "AttentionProbeCallback", "register_attention"]
+__all__ = [
+    "CONFIG_KEY",
+    "DEFAULT_NAME",
+    "AttentionProbeCallback",
+    "WeightSnapshotCallback",
+    "register_attention",
+    "trainer_callbacks",
+]
+
+if TYPE_CHECKING:
+    from flashprobe.integrations.hf_snapshots import WeightSnapshotCallback
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +249,26 @@ def register_attention(name: str = DEFAULT_NAME, kernel: str | Kernel = "math") 
 # ------------------------------------------------------------------------------------------------
 
 
+def __getattr__(name: str) -> Any:
+    """``WeightSnapshotCallback``, from :mod:`flashprobe.integrations.hf_snapshots` (which imports this)."""
+    if name == "WeightSnapshotCallback":
+        from flashprobe.integrations.hf_snapshots import WeightSnapshotCallback
+
+        return WeightSnapshotCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def trainer_callbacks() -> list[TrainerCallback] | None:
+    """The callback list of the Trainer's ``CallbackHandler`` that is calling the current hook (found
+    on the call stack); None when no handler is calling."""
+    from transformers.trainer_callback import CallbackHandler
+
+    frame = sys._getframe(1)
+    while frame is not None and not isinstance(frame.f_locals.get("self"), CallbackHandler):
+        frame = frame.f_back
+    return None if frame is None else frame.f_locals["self"].callbacks
+
+
 class AttentionProbeCallback(TrainerCallback, ExportableState):
     """Compare the model's attention kernel with the baseline at every training call of a HF ``Trainer``.
 
@@ -371,12 +401,9 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
         """Move this callback right after ``DefaultFlowCallback`` in the Trainer's callback list, so
         that the scalars it puts into ``logs`` reach the reporting callbacks that follow. The list is
         that of the ``CallbackHandler`` calling this hook (found on the call stack)."""
-        from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
+        from transformers.trainer_callback import DefaultFlowCallback
 
-        frame = sys._getframe(1)
-        while frame is not None and not isinstance(frame.f_locals.get("self"), CallbackHandler):
-            frame = frame.f_back
-        callbacks = None if frame is None else frame.f_locals["self"].callbacks
+        callbacks = trainer_callbacks()
         if callbacks is None or self not in callbacks:
             log.warning(
                 "%s: could not find the Trainer's callback list; the probe's scalars reach only the "

@@ -427,12 +427,14 @@ class KernelAvailability:
         device: the device, e.g. ``"cpu"``.
         dtypes: the dtypes it ran at (``"bf16"``, ...); empty when it cannot run there at all.
         reasons: dtype name → why it cannot run at that dtype (the kernel's own message).
+        called: whether a tiny call ran; False when only the kernel's declared check was asked for.
     """
 
     spec: str
     device: str
     dtypes: tuple[str, ...]
     reasons: Mapping[str, str]
+    called: bool = True
 
     @property
     def available(self) -> bool:
@@ -452,6 +454,8 @@ def kernel_availability(
     spec: str | Kernel,
     device: torch.device | str = "cpu",
     dtypes: tuple[torch.dtype, ...] = _AVAILABILITY_DTYPES,
+    *,
+    call: bool = True,
 ) -> KernelAvailability:
     """Try a kernel on ``device`` at each dtype: its ``check``, then one tiny call ``(1, 1, 8, 16)``.
 
@@ -462,9 +466,11 @@ def kernel_availability(
         spec: the kernel spec.
         device: where to try it.
         dtypes: the dtypes to try.
+        call: make the tiny call; False asks only the kernel's declared check (for a kernel whose
+            first call compiles, which takes tens of seconds).
 
     Returns:
-        the dtypes it ran at and, for the others, the reason it gave.
+        the dtypes it ran at (passed its check at, without ``call``) and, for the others, the reason.
 
     Raises:
         KernelSpecError: the spec is not valid.
@@ -474,18 +480,18 @@ def kernel_availability(
     ran: list[str] = []
     reasons: dict[str, str] = {}
     for dtype in dtypes:
-        name = str(dtype).removeprefix("torch.")
-        name = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}.get(name, name)
+        name = _dtype_label(dtype)
         try:
             kernel.check(device, dtype)
-            x = torch.zeros(1, 1, 8, 16, device=device, dtype=dtype)
-            kernel(x, x, x)
+            if call:
+                x = torch.zeros(1, 1, 8, 16, device=device, dtype=dtype)
+                kernel(x, x, x)
         except Exception as err:  # any failure means "not here"; its message says why
             unavailable = isinstance(err, KernelUnavailableError)
             reasons[name] = str(err) if unavailable else f"{type(err).__name__}: {err}"
         else:
             ran.append(name)
-    return KernelAvailability(kernel.spec, str(device), tuple(ran), reasons)
+    return KernelAvailability(kernel.spec, str(device), tuple(ran), reasons, called=call)
 
 
 def import_kernel_modules(modules: Iterable[str]) -> None:

@@ -113,6 +113,7 @@ def _fmt_e(x: float) -> str:
 
 def compare_main(argv: Sequence[str] | None = None) -> int:
     """``flashprobe compare``: compare the weight snapshots of two or more run directories."""
+    from flashprobe.report.study_verdict import needs_line
     from flashprobe.report.weights_figures import plot_study_figures
     from flashprobe.weights import SnapshotStore, compare_runs
     from flashprobe.weights.differences import describe_differences, not_like_for_like
@@ -152,6 +153,7 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
             + "; ".join(f"{n} differs in {what}" for n, what in mixed.items())
             + " — such a distance mixes the effects of everything its runs differ in"
         )
+    print(needs_line({"pairs": pairs_doc}))
     for path in result.files:
         print(f"wrote {path}")
     return 0

@@ -26,6 +26,7 @@ from flashprobe.report.study_verdict import (
     FLASH,
     comparison_groups,
     format_value,
+    needs_line,
     no_verdict_line,
     study_comparisons,
     verdict,
@@ -145,10 +146,12 @@ def _spread(values: Sequence[float]) -> str:
 def _steps_table(study: Mapping[str, Any], metric: str, max_rows: int = 8) -> list[str]:
     """Each comparison's whole-model ``metric`` over training: median (min–max) over its replicates."""
     pairs, groups = study["pairs"], comparison_groups(study)
-    steps = sorted({s for p in pairs.values() for s in p["steps"]})
-    if len(steps) > max_rows:  # keep the table short: evenly spaced steps, always the last
-        idx = sorted({round(i * (len(steps) - 1) / (max_rows - 1)) for i in range(max_rows)})
-        steps = [steps[i] for i in idx]
+    every = sorted({s for p in pairs.values() for s in p["steps"]})
+    steps = every
+    if len(every) > max_rows:  # keep the table short: evenly spaced steps, always the last
+        idx = sorted({round(i * (len(every) - 1) / (max_rows - 1)) for i in range(max_rows)})
+        steps = [every[i] for i in idx]
+    left_out = [s for s in every if s not in steps]
     lines = ["| step | " + " | ".join(groups) + " |", "| ---: |" + " ---: |" * len(groups)]
     for step in steps:
         cells = []
@@ -156,6 +159,12 @@ def _steps_table(study: Mapping[str, Any], metric: str, max_rows: int = 8) -> li
             values = [_value_at(pairs[n], metric, step) for n in names if step in pairs[n]["steps"]]
             cells.append(_spread([x for x in values if x is not None]) if values else "–")
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    if left_out:
+        lines += [
+            "",
+            f"{len(steps)} of the {len(every)} snapshot steps, evenly spaced, to keep the table short; "
+            f"left out: steps {', '.join(map(str, left_out))} (every step is in study.json and study.csv).",
+        ]
     return lines
 
 
@@ -271,7 +280,7 @@ def write_report(study_dir: str | Path) -> Path:
     study = read_study(study_dir)
     meta = study.get("study") or {}
     v = verdict(study)
-    flash_runs = (study["pairs"].get(FLASH) or {}).get("runs") or {}
+    flash_runs = (study["pairs"].get(v.get("kernel_pair") or FLASH) or {}).get("runs") or {}
     precision = meta.get("precision") or (flash_runs.get("a") or {}).get("precision") or "?"
     kernel = meta.get("kernel") or (flash_runs.get("a") or {}).get("attention") or "the kernel under test"
     mixed = not_like_for_like(study["pairs"])
@@ -288,6 +297,7 @@ def write_report(study_dir: str | Path) -> Path:
     lines += ["## Verdict", ""]
     if v:
         lines += [f"- {line}" for line in verdict_lines(v, precision, kernel)]
+        lines += ["", needs_line(study)]
         n = len(v["seeds"])
         lines += [
             "",
@@ -320,7 +330,9 @@ def write_report(study_dir: str | Path) -> Path:
         lines += [
             f"- {no_verdict_line(study)}",
             "",
-            "No like-for-like `flash_vs_baseline` comparison here: the distances below carry no verdict.",
+            "No pair here differs in the attention alone: the distances below carry no verdict.",
+            "",
+            needs_line(study),
         ]
     lines += ["", "## What each comparison isolates", "", *_comparisons_table(study), ""]
     if meta.get("runs"):

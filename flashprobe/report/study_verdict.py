@@ -15,6 +15,8 @@ rule reads the low-precision pair *at the precision flash trains at* (``bf16_vs_
 study): the deviation a team training at that precision has already accepted; the other
 low-precision pairs (e.g. the paper's FP16 vs FP32) are reported beside it, not judged.
 Everything is computed from ``study.json``, so ``flashprobe report STUDY_DIR`` gives the same answer.
+The pairs are known by what their runs differ in (:func:`kernel_pair`, :func:`needs_line`), and the
+kernels by what the runs recorded, never by a fixed name.
 """
 
 from __future__ import annotations
@@ -29,11 +31,14 @@ __all__ = [
     "EXIT_CODES",
     "FLASH",
     "LOOK_CLOSER",
+    "NEEDS",
     "PASS",
     "UNDETERMINED",
     "Interval",
     "comparison_groups",
     "format_value",
+    "kernel_pair",
+    "needs_line",
     "no_verdict_line",
     "study_comparisons",
     "verdict",
@@ -41,6 +46,12 @@ __all__ = [
 ]
 
 FLASH = "flash_vs_baseline"
+#: What the rule needs, by what each pair's runs must differ in (any names).
+NEEDS = (
+    "a verdict needs three pairs, named anything: a kernel pair (runs that differ in the attention "
+    "alone), a seed pair (in the seed alone, same attention) and a low-precision pair (in the precision "
+    "alone: the precision the kernel trains at vs fp32)."
+)
 PASS, LOOK_CLOSER, UNDETERMINED = "PASS", "LOOK CLOSER", "UNDETERMINED"
 #: ``flashprobe study``'s exit code for each answer (1, 2 and 130 keep their meanings: a run failed,
 #: a usage error, interrupted).
@@ -120,7 +131,8 @@ def study_comparisons(study: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
     A study records its plan (``study.comparisons``). For a plain ``flashprobe compare``, the kinds
     are read from what each pair's runs were recorded to differ in (``pairs.<name>.differs``): only
-    the attention (``kernel``, for the pair named ``flash_vs_baseline``), only the seed, only the
+    the attention (``kernel``: the pair named ``flash_vs_baseline`` if it is one, else the first such
+    pair, whatever its name; further ones have no kind), only the seed, only the
     precision, or nothing (``noise``); a pair that differs in more than one thing has no kind and
     carries no verdict.
     """
@@ -140,13 +152,15 @@ def study_comparisons(study: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
                 "run_b": c.get("run_b"),
             }
         return out
+    kernel_pairs = [n for n, p in study["pairs"].items() if _differs_in(p) == ["attention"]]
+    kernel_pair = FLASH if FLASH in kernel_pairs else next(iter(kernel_pairs), None)
     for name, pair in study["pairs"].items():
-        differs = pair.get("differs")
-        if not isinstance(differs, Mapping) or pair.get("unrecorded"):
+        things = _differs_in(pair)
+        if things is None:
             continue
-        things = sorted(differs)
+        differs = pair["differs"]
         kind = {(): "noise", ("seed",): "seed", ("precision",): "precision"}.get(tuple(things))
-        if things == ["attention"] and name == FLASH:
+        if name == kernel_pair:
             kind = "kernel"
         if kind is None:
             continue
@@ -154,6 +168,23 @@ def study_comparisons(study: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         seed = (pair.get("runs") or {}).get("b", {}).get("seed")
         out[name] = {"kind": kind, "group": name, "replicate": 0, "seed": seed or 0, "isolates": isolates}
     return out
+
+
+def _differs_in(pair: Mapping[str, Any]) -> list[str] | None:
+    """The things a pair's runs were recorded to differ in, sorted; None when not all recorded."""
+    differs = pair.get("differs")
+    if not isinstance(differs, Mapping) or pair.get("unrecorded"):
+        return None
+    return sorted(differs)
+
+
+def kernel_pair(study: Mapping[str, Any]) -> str | None:
+    """The pair the verdict measures the kernel by: replicate 0's pair whose runs differ in the attention
+    alone (a study's planned ``flash_vs_baseline``; in a plain comparison any pair, whatever its name)."""
+    return next(
+        (n for n, c in study_comparisons(study).items() if c["kind"] == "kernel" and not c["replicate"]),
+        None,
+    )
 
 
 #: What the runs of each kind of planned comparison may differ in: exactly these things.
@@ -221,7 +252,9 @@ def verdict(study: Mapping[str, Any]) -> dict[str, Any]:
         study: ``study.json`` as read by :func:`flashprobe.formats.study_file.read_study`.
 
     Returns:
-        Empty when there is no like-for-like ``flash_vs_baseline`` pair. Otherwise ``answer``,
+        Empty when there is no kernel pair (:func:`kernel_pair`: runs that differ in the attention
+        alone). Otherwise ``kernel_pair`` (its name), ``attention`` (its runs' recorded attention),
+        ``answer``,
         ``reasons`` (why, in words), ``step`` (the last common step), ``steps`` (those the rule
         reads), ``warmup_steps``, ``seeds`` (the replicates'), ``flash`` (an :class:`Interval` of
         flash's distance at the last step), ``noise_floor``, ``context`` (per context — ``seed`` and
@@ -233,7 +266,8 @@ def verdict(study: Mapping[str, Any]) -> dict[str, Any]:
     """
     pairs = study["pairs"]
     comparisons = {n: c for n, c in study_comparisons(study).items() if n in pairs}
-    if comparisons.get(FLASH, {}).get("kind") != "kernel":
+    measured = kernel_pair(study)
+    if measured is None or measured not in pairs:
         return {}
     flash = {c["replicate"]: n for n, c in comparisons.items() if c["kind"] == "kernel"}
     seeds = {c["replicate"]: c["seed"] for c in comparisons.values()}
@@ -246,6 +280,8 @@ def verdict(study: Mapping[str, Any]) -> dict[str, Any]:
     warmup = (study.get("study") or {}).get("warmup_steps")
     after = [s for s in grid if s > 0 and (warmup is None or s >= warmup) and s <= step] or [step]
     out: dict[str, Any] = {
+        "kernel_pair": measured,
+        "attention": _attention_labels(pairs[measured]),
         "step": step,
         "steps": after,
         "warmup_steps": warmup,
@@ -276,7 +312,7 @@ def verdict(study: Mapping[str, Any]) -> dict[str, Any]:
 
     planned = (study.get("study") or {}).get("comparisons") or {}
     out["left_out"] = {n: pairs[n] for n in planned if n in pairs and n not in comparisons}
-    out["precision"] = _flash_precision(study)
+    out["precision"] = _flash_precision(study, measured)
     for label, by_replicate in members.items():
         first = comparisons[by_replicate[min(by_replicate)][0]]
         low = _low_precision(pairs[by_replicate[min(by_replicate)][0]], first["group"])
@@ -301,9 +337,17 @@ def verdict(study: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _flash_precision(study: Mapping[str, Any]) -> str | None:
-    """The precision flash trains at: the study's, or what the flash pair's runs recorded."""
-    runs = (study["pairs"][FLASH].get("runs") or {}).get("a") or {}
+def _attention_labels(pair: Mapping[str, Any]) -> list[str]:
+    """The attention of the kernel pair's two runs, as they recorded it (``["tiled", "sdpa_flash"]``)."""
+    runs = pair.get("runs") or {}
+    recorded = [(runs.get(side) or {}).get("attention") for side in ("a", "b")]
+    differs = (pair.get("differs") or {}).get("attention") or [None, None]
+    return [str(r or d or "not recorded") for r, d in zip(recorded, differs, strict=True)]
+
+
+def _flash_precision(study: Mapping[str, Any], pair: str) -> str | None:
+    """The precision the kernel trains at: the study's, or what the kernel pair's runs recorded."""
+    runs = (study["pairs"][pair].get("runs") or {}).get("a") or {}
     return (study.get("study") or {}).get("precision") or runs.get("precision")
 
 
@@ -343,7 +387,9 @@ def _answer(
         look.append(f"{name}'s distance is not finite from step {step} on (non-finite weights)")
     seed = v["context"].get("seed")
     if seed is None:
-        missing.append("no seed pair (run seed1): the seed bound is unknown")
+        missing.append(
+            "no seed pair (runs that differ in the seed alone, e.g. run seed1): the seed bound is unknown"
+        )
     else:
         not_below = [s for s, i in seed["by_step"].items() if i is not None and i.position() != "below"]
         unknown = _undefined(seed)
@@ -355,7 +401,10 @@ def _answer(
             missing.append(f"flash / seed is undefined {unknown}")
     lows = {label: c for label, c in v["context"].items() if c["kind"] == "precision" and c["in_rule"]}
     if not lows:
-        missing.append(f"no low-precision pair at {v['precision']}, the precision flash trains at (run fp32)")
+        missing.append(
+            f"no low-precision pair at {v['precision']}, the precision flash trains at (runs that differ "
+            f"in the precision alone, one at {v['precision']} and one at fp32: run fp32)"
+        )
     for label, c in lows.items():
         every = len(c["replicate_seeds"])  # "above in every replicate" needs each replicate's ratio
         above = [
@@ -426,32 +475,67 @@ def answer_line(v: Mapping[str, Any]) -> str:
         )
     if answer == LOOK_CLOSER:
         return f"**LOOK CLOSER**: {'; '.join(v['reasons'])}."
-    return (
-        f"**UNDETERMINED**: {'; '.join(v['reasons'])} — the rule needs flash_vs_baseline, a seed pair and "
-        "the low-precision pair at the precision flash trains at."
+    return f"**UNDETERMINED**: {'; '.join(v['reasons'])} — {NEEDS}"
+
+
+def needs_line(study: Mapping[str, Any]) -> str:
+    """One paragraph: the pairs a verdict needs, by what their runs differ in, and which of them this
+    comparison has (by name) or misses; the low-precision pair must be at the kernel's precision."""
+    comparisons = study_comparisons(study)
+    measured = kernel_pair(study)
+    seeds = [n for n, c in comparisons.items() if c["kind"] == "seed"]
+    lows = [n for n, c in comparisons.items() if c["kind"] == "precision"]
+    needed = [
+        ("a kernel pair (runs that differ in the attention alone)", [measured] if measured else []),
+        ("a seed pair (in the seed alone)", seeds),
+        ("a low-precision pair (in the precision alone, the kernel's precision vs fp32)", lows),
+    ]
+    have = "; ".join(f"{what}: {', '.join(names) if names else 'MISSING'}" for what, names in needed)
+    missing = [what.split(" (")[0] for what, names in needed if not names]
+    return f"A verdict needs three pairs, named anything — {have}." + (
+        f" To get one, add {' and '.join(missing)}." if missing else ""
     )
 
 
 def no_verdict_line(study: Mapping[str, Any]) -> str:
-    """The answer when :func:`verdict` has none: no like-for-like ``flash_vs_baseline`` pair."""
+    """The answer when :func:`verdict` has none: no pair whose runs differ in the attention alone."""
     from flashprobe.weights.differences import describe_differences
 
-    pair = study["pairs"].get(FLASH)
-    why = (
-        f"{FLASH} was not trained"
-        if pair is None
-        else f"the runs of {FLASH} differ in {describe_differences(pair)}, not in the attention alone"
-    )
-    return f"**UNDETERMINED**: {why}, so no distance here measures the kernel."
+    pairs = study["pairs"]
+    planned = (study.get("study") or {}).get("comparisons") or {}
+    if planned:  # a study: its kernel pair of replicate 0
+        candidates = [
+            n
+            for n, c in planned.items()
+            if n in pairs and c.get("kind") == "kernel" and not c.get("replicate")
+        ]
+    else:
+        candidates = [
+            n
+            for n, p in pairs.items()
+            if "attention" in (p.get("differs") or {}) or "attention" in (p.get("unrecorded") or [])
+        ]
+    if candidates:
+        why = "no pair's runs differ in the attention alone: " + "; ".join(
+            f"those of {n} differ in {describe_differences(pairs[n])}" for n in candidates
+        )
+    else:
+        why = f"no pair's runs differ in the attention (compared: {', '.join(pairs) or 'none'})"
+    return f"**UNDETERMINED**: {why}, so no distance here measures the kernel — {NEEDS}"
 
 
 def verdict_lines(v: Mapping[str, Any], precision: str, kernel: str = "sdpa_flash") -> list[str]:
-    """The verdict in a few sentences, each computed from ``v`` (:func:`verdict`); the first is the answer."""
+    """The verdict in a few sentences, each computed from ``v`` (:func:`verdict`); the first is the answer.
+
+    The kernel pair's attention is named as its runs recorded it; ``kernel`` stands for the first run's
+    only where that run recorded none."""
     n, step, steps = len(v["seeds"]), v["step"], v["steps"]
+    attention = [kernel if v["attention"][0] == "not recorded" else v["attention"][0], v["attention"][1]]
     reps = "1 replicate, seed 0" if n == 1 else f"{n} replicates, seeds {', '.join(map(str, v['seeds']))}"
     lines = [
         answer_line(v),
-        f"Flash vs baseline ({kernel} vs math attention, both at {precision}, same seed): whole-model "
+        f"{v['kernel_pair']} ({' vs '.join(attention)} attention, both at {precision}, same seed): "
+        "whole-model "
         f"Wasserstein distance **{v['flash'].text()}** at step {step} ({reps}; median (min–max) over "
         "replicates, each ratio below computed within one replicate).",
     ]

@@ -145,6 +145,7 @@ def wasserstein_curves_figure(
     fig = Figure(figsize=(7, 4.5), layout="constrained")
     ax = fig.subplots()
     zero: list[tuple[str, str]] = []  # comparisons at 0 at every step: drawn as a floor line below
+    drawn: dict[tuple[Any, ...], str] = {}  # a curve's points → the first comparison drawn with them
     banded = 0
     for i, (name, members) in enumerate(groups.items()):
         color = f"C{i % 10}"
@@ -154,19 +155,20 @@ def wasserstein_curves_figure(
         style = {"linewidth": 2.5} if "flash" in name.lower() else {"linewidth": 1.3}
         if len(members) == 1:
             pair = pairs[members[0]]
-            _curve(ax, pair["steps"], pair["model"]["wasserstein"], name, log=True, color=color, **style)
+            points: tuple[Any, ...] = (tuple(pair["steps"]), tuple(pair["model"]["wasserstein"]))
+        else:
+            points = tuple(map(tuple, _band(pairs, members)))
+        first = drawn.setdefault(points, name)
+        label = name if len(members) == 1 else f"{name} ({len(members)} replicates)"
+        if first != name:  # the same points as a curve already drawn: said, and drawn dashed on top
+            label += f" — the same curve as {first} (they overlap)"
+            style |= {"linestyle": "--"}
+        if len(members) == 1:
+            _curve(ax, pair["steps"], pair["model"]["wasserstein"], label, log=True, color=color, **style)
             continue
         xs, mid, low, high = _band(pairs, members)
         ax.fill_between(xs, low, high, color=color, alpha=0.18, linewidth=0)
-        ax.plot(
-            xs,
-            mid,
-            marker="o",
-            markersize=3,
-            color=color,
-            label=f"{name} ({len(members)} replicates)",
-            **style,
-        )
+        ax.plot(xs, mid, marker="o", markersize=3, color=color, label=label, **style)
         banded = max(banded, len(members))
     ax.set_yscale("log")
     if zero:
@@ -174,7 +176,10 @@ def wasserstein_curves_figure(
             ax.set_ylim(1e-12, 1.0)
         floor = ax.get_ylim()[0] / 2  # below every drawn value
         for name, color in zero:  # 0 has no place on a log axis: a dashed line below the data
-            label = f"{name}: 0 at every step (drawn low)"
+            others = [n for n, _ in zero if n != name]
+            label = f"{name}: 0 at every step (drawn low" + (
+                f"; overlaps {', '.join(others)})" if others else ")"
+            )
             ax.axhline(floor, color=color, linestyle="--", linewidth=2, label=label)
         ax.set_ylim(bottom=floor / 2)
     ax.set_xlabel("training step")

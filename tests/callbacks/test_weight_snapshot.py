@@ -141,11 +141,12 @@ def _manifest_attention(tmp_path: Path, name: str, model: pl.LightningModule, ca
 
 def test_the_manifest_records_the_kernel_the_run_trained_with(tmp_path: Path) -> None:
     """Without ``attention=``: the probe's explicit primary (the model receives it in every training
-    batch), else a ``use_kernel`` route on the module, else ``hparams["attention"]``, else null."""
+    batch), else a ``use_kernel`` route on the module, else ``hparams["attention"]``, else the model's
+    own attention, resolved when the run is recorded (never null: two default runs are like for like)."""
     from flashprobe.callbacks import AttentionProbe
     from flashprobe.probe import use_kernel
 
-    assert _manifest_attention(tmp_path, "plain", _Attending(), []) is None
+    assert _manifest_attention(tmp_path, "plain", _Attending(), []) == "own attention on cpu"
     assert _manifest_attention(tmp_path, "hparams", TinyRegressor(attention="tiled"), []) == "tiled"
     model = _Attending()
     with use_kernel(model.attn, "sdpa_math"):  # a route on a submodule: the module's attention
@@ -155,6 +156,17 @@ def test_the_manifest_records_the_kernel_the_run_trained_with(tmp_path: Path) ->
     given = [WeightSnapshot(tmp_path / "given", attention="mine")]
     _trainer(tmp_path, 2, given).fit(TinyRegressor(attention="tiled"), _data(2))
     assert json.loads((tmp_path / "given" / "snapshots" / "manifest.json").read_text())["attention"] == "mine"
+
+
+def test_a_seed_pair_of_default_runs_is_like_for_like(tmp_path: Path) -> None:
+    """Two runs with no kernel named anywhere, at two seeds, differ in the seed alone."""
+    from flashprobe.weights.differences import is_like_for_like, run_differences
+
+    for seed in (0, 1):
+        pl.seed_everything(seed)
+        _trainer(tmp_path, 2, [WeightSnapshot(tmp_path / f"seed{seed}")]).fit(_Attending(), _data(2))
+    pair = run_differences(SnapshotStore(tmp_path / "seed0"), SnapshotStore(tmp_path / "seed1"))
+    assert pair == {"differs": {"seed": [0, 1]}, "unrecorded": []} and is_like_for_like(pair)
 
 
 def test_saves_configured_steps_with_a_complete_manifest(tmp_path: Path) -> None:

@@ -283,8 +283,50 @@ def test_flashprobe_kernels_marks_what_runs_here(capsys):
         status = lines[start + 2].strip()
         if name in CPU_OK:
             assert status == "runs on cpu: bf16, fp16, fp32, fp64", (name, status)
-        elif name == "flex":  # compiled FlexAttention on the CPU: no fp64 (flex:compile=false has it)
-            assert status.startswith("runs on cpu: bf16, fp16, fp32 (not fp64: flex: compiled"), status
+        elif name == "flex":  # compiled on its first call: only its check, which refuses fp64 on the CPU
+            expected = "declared to run on cpu: bf16, fp16, fp32 (not fp64: flex: compiled"
+            assert status.startswith(expected), status
+            assert lines[start + 3].strip().startswith("not called: compiled on its first call; --try")
         else:
             assert status.startswith(f"NOT on cpu: {name}: ") and "CUDA" in status, (name, status)
-    assert lines[-1] == "on cpu: 5 of 9 kernels run; not: flash_attn, flashinfer, sdpa_cudnn, sdpa_efficient"
+    assert lines[-1] == (
+        "on cpu: 5 of 9 kernels run (flex by the declared check only); "
+        "not: flash_attn, flashinfer, sdpa_cudnn, sdpa_efficient"
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only listing")
+def test_flashprobe_kernels_calls_a_compiled_kernel_only_with_try(user_kernel_name, capsys):
+    calls: list[torch.dtype] = []
+
+    @register_kernel(user_kernel_name)
+    def compiled(q, k, v, *, attn_mask=None, is_causal=False, scale=None, compile=True):
+        calls.append(q.dtype)
+        if compile and q.dtype == torch.float16:
+            raise RuntimeError("no fp16 compiler here")
+        return math_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+
+    def status() -> list[str]:
+        lines = capsys.readouterr().out.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith(f"{user_kernel_name} "))
+        return [line.strip() for line in lines[start + 2 : start + 4]]
+
+    assert cli_main(["kernels"]) == 0
+    assert calls == []  # its first call would compile: the default listing only asks its check
+    assert status() == [
+        "declared to run on cpu: bf16, fp16, fp32, fp64",
+        "not called: compiled on its first call; --try makes one tiny call",
+    ]
+    assert cli_main(["kernels", "--try"]) == 0
+    assert calls == DTYPES
+    assert status()[0] == "runs on cpu: bf16, fp32, fp64 (not fp16: RuntimeError: no fp16 compiler here)"
+
+
+def test_import_of_the_kernels_does_not_import_dynamo():
+    """``flashprobe kernels`` pays for torch only: the probe's torch._dynamo is imported on use."""
+    import subprocess
+    import sys
+
+    code = "import sys, flashprobe.kernels, flashprobe.cli; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from flashprobe.cli import main as cli_main
+from flashprobe.formats.study_file import read_study
+from flashprobe.report.study_verdict import needs_line
 from flashprobe.weights import SnapshotStore
 from flashprobe.weights.differences import describe_differences, run_differences
 
@@ -136,7 +138,7 @@ def test_compare_warns_about_a_pair_that_differs_in_two_things_and_the_report_cl
     title = text.splitlines()[0]
     assert "like for like" not in title
     assert "**Not shown to be like for like**: `flash_vs_baseline` differs in attention" in text
-    assert "No like-for-like `flash_vs_baseline` comparison here" in text  # no verdict from a mixed pair
+    assert "No pair here differs in the attention alone" in text  # no verdict from a mixed pair
 
 
 def test_compare_of_pairs_that_each_differ_in_one_thing_is_like_for_like_and_gets_the_verdict(
@@ -172,3 +174,61 @@ def test_machine_facts_of_run_json_that_change_the_numbers_are_a_difference(tmp_
         runs.append(run)
     assert _differences(runs[1], runs[0])["differs"] == {}  # the OS build does not change a run's numbers
     assert _differences(runs[2], runs[0])["differs"] == {"machine": ["torch_threads 1", "torch_threads 2"]}
+
+
+def test_a_kernel_pair_named_anything_gets_the_verdict_labelled_from_the_records(
+    tmp_path: Path, capsys
+) -> None:
+    """A pair that differs in the attention alone is the kernel pair whatever its name; the report names
+    its kernels as the runs recorded them (no fixed 'math'), and what else a verdict needs, by what the
+    pairs must differ in."""
+    facts = {**FACTS, "attention": "sdpa_flash"}
+    base = _run(tmp_path, "base", **facts)
+    tiled = _run(tmp_path, "tiled", value=0.001, **{**facts, "attention": "tiled"})
+    seed1 = _run(tmp_path, "seed1", value=1.0, **{**facts, "seed": 1})
+    fp32 = _run(tmp_path, "fp32", value=0.01, **{**facts, "precision": "32-true"})
+
+    def report(out: Path, *pairs: str) -> str:
+        argv = ["compare", *(a for p in pairs for a in ("--pair", p)), "--out", str(out), "--no-figures"]
+        assert cli_main(argv) == 0
+        assert needs_line({"pairs": read_study(out)["pairs"]}) in capsys.readouterr().out  # compare says it
+        assert cli_main(["report", str(out)]) == 0
+        return (out / "report.md").read_text()
+
+    text = report(tmp_path / "two", f"mine={tiled},{base}", f"other_seed={seed1},{base}")
+    verdict = text[text.index("## Verdict") : text.index("## Ratios")]
+    assert "- **UNDETERMINED**: no low-precision pair at bf16-mixed" in verdict
+    assert "runs that differ in the precision alone" in verdict  # what is missing, by what it differs in
+    assert "a kernel pair (runs that differ in the attention alone)" in verdict
+    assert "mine (tiled vs sdpa_flash attention, both at bf16-mixed, same seed)" in verdict
+    assert "math" not in verdict and "flash_vs_baseline" not in verdict  # no fixed names
+    assert (
+        "A verdict needs three pairs, named anything — a kernel pair (runs that differ in the attention "
+        "alone): mine; a seed pair (in the seed alone): other_seed; a low-precision pair (in the precision "
+        "alone, the kernel's precision vs fp32): MISSING. To get one, add a low-precision pair."
+    ) in verdict
+
+    text = report(tmp_path / "three", f"mine={tiled},{base}", f"s={seed1},{base}", f"p={base},{fp32}")
+    assert "- **PASS**" in text  # 0.001 against a seed distance of 1 and a precision distance of 0.01
+
+    text = report(tmp_path / "none", f"s={seed1},{base}")
+    assert "no pair's runs differ in the attention (compared: s)" in text
+    assert "a kernel pair (runs that differ in the attention alone)" in text
+
+
+def test_the_report_tables_name_the_snapshot_steps_they_leave_out(tmp_path: Path) -> None:
+    steps = range(0, 100, 10)  # 10 snapshot steps; the tables show 8
+    runs = [
+        write_run(tmp_path / name, {s: {"w": torch.full((4,), v * s)} for s in steps}, **facts)
+        for name, v, facts in (("a", 1e-3, FACTS), ("b", 0.0, {**FACTS, "seed": 1}))
+    ]
+    out = tmp_path / "cmp"
+    assert cli_main(["compare", *map(str, runs), "--out", str(out), "--no-figures"]) == 0
+    assert cli_main(["report", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    table = text[text.index("## Wasserstein distance over training") : text.index("## Max |W_a")]
+    rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")]
+    shown = [int(cell) for cell in rows if cell.isdigit()]
+    assert shown == [0, 10, 30, 40, 50, 60, 80, 90]
+    note = "8 of the 10 snapshot steps, evenly spaced, to keep the table short; left out: steps 20, 70"
+    assert note in table

@@ -48,3 +48,25 @@ def test_a_comparison_at_several_replicates_is_its_median_in_a_band_from_lowest_
         ys.setdefault(round(x), set()).add(float(y))
     assert min(ys[10]) == 1e-7 and max(ys[10]) == 4e-7 and min(ys[20]) == 1e-6 and max(ys[20]) == 3e-6
     assert "band: lowest to highest replicate" in ax.get_title()
+
+
+def test_curves_that_overlap_are_said_to_overlap() -> None:
+    """Two comparisons with the same distances at every step draw one line on the other: the legend
+    says so (and the later one is dashed), as it does for several comparisons at 0."""
+    pairs = {
+        "tiled_vs_sdpa": _pair([0.0, 1e-6, 2e-6]),
+        "seed": _pair([1e-3, 2e-3, 3e-3]),
+        "named_vs_unnamed": _pair([0.0, 1e-6, 2e-6]),
+        "identical": _pair([0.0, 0.0, 0.0]),
+        "repeat": _pair([0.0, 0.0, 0.0]),
+    }
+    lines = {line.get_label(): line for line in wasserstein_curves_figure(pairs).axes[0].get_lines()}
+    assert set(lines) == {
+        "tiled_vs_sdpa",
+        "seed",
+        "named_vs_unnamed — the same curve as tiled_vs_sdpa (they overlap)",
+        "identical: 0 at every step (drawn low; overlaps repeat)",
+        "repeat: 0 at every step (drawn low; overlaps identical)",
+    }
+    assert lines["named_vs_unnamed — the same curve as tiled_vs_sdpa (they overlap)"].get_linestyle() == "--"
+    assert lines["tiled_vs_sdpa"].get_linestyle() == "-"

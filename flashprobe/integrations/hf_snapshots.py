@@ -1,0 +1,216 @@
+"""Hugging Face transformers: weight snapshots of a ``transformers.Trainer`` run, for ``flashprobe compare``.
+
+:class:`WeightSnapshotCallback` is the Lightning :class:`~flashprobe.callbacks.WeightSnapshot` for the
+HF ``Trainer``: the same steps (``every_n_steps``, ``steps``, the initial weights as step 0, the last
+step), the same files (``RUN_DIR/snapshots/step_XXXXXXX.safetensors`` and ``manifest.json``, written
+by :class:`flashprobe.weights.store.SnapshotWriter`, the one writer of that format) and the same
+manifest facts, read from the Trainer: ``seed`` is ``args.seed``, ``precision`` is Lightning's name of
+the Trainer's setting (``bf16-mixed`` for ``bf16=True``, ``16-mixed`` for ``fp16=True``, else the
+weights' dtype: ``32-true``, ``bf16-true``, ...), and ``attention`` the explicit ``primary`` of an
+:class:`~flashprobe.integrations.hf.AttentionProbeCallback` in the same Trainer, else the model's own
+attention (:func:`~flashprobe.callbacks.weight_snapshot.own_attention`, e.g. ``"own sdpa on cpu"``).
+So ``flashprobe compare`` reads an HF run like a Lightning run, and names what two runs differ in.
+
+The step of a snapshot is ``state.global_step`` just after the optimizer step (``on_step_end``):
+the snapshot at step 3 holds the weights after 3 optimizer updates. Only the main process writes;
+sharded training (FSDP, DeepSpeed) is refused at train begin.
+
+This module imports transformers; ``import flashprobe`` does not.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from flashprobe.callbacks.weight_snapshot import (
+    manifest_config,
+    module_tensors,
+    own_attention,
+    snapshot_steps,
+)
+from flashprobe.integrations.hf import AttentionProbeCallback, trainer_callbacks
+from flashprobe.weights.store import SnapshotWriter
+
+__all__ = ["WeightSnapshotCallback"]
+
+log = logging.getLogger(__name__)
+
+#: Lightning's precision names for the weights' dtype when the Trainer trains without autocast
+_TRUE_PRECISION = {torch.float32: "32-true", torch.bfloat16: "bf16-true", torch.float16: "16-true"}
+
+
+class WeightSnapshotCallback(TrainerCallback):
+    """Save the model's weights at configured steps into ``RUN_DIR/snapshots`` during ``Trainer.train``.
+
+    ::
+
+        callback = WeightSnapshotCallback(every_n_steps=100)
+        trainer = Trainer(model, args, train_dataset=data, callbacks=[callback])
+
+    Args:
+        dirpath: the run directory; snapshots go to ``dirpath/snapshots``. Default: ``args.output_dir``.
+        every_n_steps: save every ``n`` optimizer steps (steps ``n, 2n, ...``); ``None`` for none.
+        steps: explicit steps to save, in addition to ``every_n_steps``.
+        save_initial: save the initial weights as step 0 when training starts from scratch.
+        save_last: always save the weights at the end of training (the last step).
+        include_buffers: also save the model's persistent buffers.
+        trainable_only: save only parameters with ``requires_grad=True``.
+        run_id: recorded in the manifest; default: the name of the run directory.
+        seed: recorded in the manifest; default: ``args.seed``.
+        attention: the attention the run trains with, recorded in the manifest; default: the explicit
+            ``primary`` of an ``AttentionProbeCallback`` in the Trainer, else the model's own attention.
+        precision: recorded in the manifest; default: from ``args.bf16``/``args.fp16`` and the weights'
+            dtype, in Lightning's names.
+        config: any JSON-serialisable mapping recorded in the manifest (compared by ``flashprobe
+            compare``: a key that differs between two runs is a thing they differ in).
+
+    Raises:
+        ValueError: an argument is out of range, or nothing would ever be saved; at train begin,
+            sharded training (FSDP, DeepSpeed).
+        TypeError: ``config`` cannot be stored as JSON.
+
+    A resumed run (``trainer.train(resume_from_checkpoint=...)``) keeps the snapshots up to the
+    checkpoint's step, removes those after it (an abandoned timeline, with a warning) and writes
+    them again as training reaches them.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str] | None = None,
+        *,
+        every_n_steps: int | None = None,
+        steps: Iterable[int] | None = None,
+        save_initial: bool = True,
+        save_last: bool = True,
+        include_buffers: bool = False,
+        trainable_only: bool = False,
+        run_id: str | None = None,
+        seed: int | None = None,
+        attention: str | None = None,
+        precision: str | None = None,
+        config: Any = None,
+    ) -> None:
+        self.steps = snapshot_steps(type(self).__name__, every_n_steps, steps, save_initial, save_last)
+        self.every_n_steps = every_n_steps
+        self.dirpath = None if dirpath is None else Path(dirpath)
+        self.save_initial = save_initial
+        self.save_last = save_last
+        self.include_buffers = include_buffers
+        self.trainable_only = trainable_only
+        self.run_id = None if run_id is None else str(run_id)
+        self.seed = None if seed is None else int(seed)
+        self.attention = None if attention is None else str(attention)
+        self.precision = None if precision is None else str(precision)
+        self.config = manifest_config(config)
+        self._saved: set[int] = set()
+        self._writer: SnapshotWriter | None = None
+
+    @property
+    def saved_steps(self) -> list[int]:
+        """Steps saved by this run so far (those kept from before a resume included), ascending."""
+        return sorted(self._saved)
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The run directory, known once training has begun."""
+        return None if self._writer is None else self._writer.directory.parent
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` is one of the configured snapshot steps (ignores initial/last)."""
+        return (self.every_n_steps is not None and step % self.every_n_steps == 0 and step > 0) or (
+            step in self.steps
+        )
+
+    # ------------------------------------------------------------------------------ hooks
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        name = type(self).__name__
+        model = kwargs.get("model")
+        if not isinstance(model, nn.Module):
+            raise RuntimeError(f"{name}: the Trainer passed no model to on_train_begin")
+        if args.fsdp or args.deepspeed:
+            raise ValueError(
+                f"{name}: sharded training (fsdp={args.fsdp!r}, deepspeed={args.deepspeed!r}) is not "
+                "supported: each process holds a shard, not the weights; train without sharding, or "
+                "with Lightning's FSDPStrategy and flashprobe.callbacks.WeightSnapshot"
+            )
+        step = state.global_step
+        self._writer = None
+        if state.is_world_process_zero:
+            run_dir = self.dirpath or Path(args.output_dir or ".")
+            self._writer = SnapshotWriter(run_dir, self._header(args, model, run_dir))
+            dropped = self._writer.prune_after(step)
+            if dropped:
+                log.warning(
+                    "%s: removed snapshots of steps %s from %s: they are later than the step training "
+                    "starts from (%d), so they belong to an abandoned run; they are written again as "
+                    "training reaches them",
+                    name,
+                    dropped,
+                    self._writer.directory,
+                    step,
+                )
+            self._saved = set(self._writer.steps)
+        if self.save_initial and step == 0 and 0 not in self._saved:
+            self._save(model, 0, state)
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        step = state.global_step
+        if step not in self._saved and self.should_save(step):
+            self._save(kwargs["model"], step, state)
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        step = state.global_step
+        if self.save_last and step not in self._saved:
+            self._save(kwargs["model"], step, state)
+
+    # ------------------------------------------------------------------------------ saving
+    def _header(self, args: TrainingArguments, model: nn.Module, run_dir: Path) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id or run_dir.resolve().name,
+            "seed": self.seed if self.seed is not None else int(args.seed),
+            "attention": self.attention or _probe_primary() or own_attention(model),
+            "precision": self.precision or _precision(args, model),
+            "config": self.config,
+        }
+
+    def _save(self, model: nn.Module, step: int, state: TrainerState) -> None:
+        if self._writer is not None:
+            tensors, specs = module_tensors(
+                model, include_buffers=self.include_buffers, trainable_only=self.trainable_only
+            )
+            path = self._writer.write(step, tensors, specs, epoch=state.epoch or 0.0)
+            log.info("%s: saved step %d to %s", type(self).__name__, step, path)
+        self._saved.add(step)
+
+
+def _probe_primary() -> str | None:
+    """The explicit ``primary`` of an ``AttentionProbeCallback`` in the calling Trainer, if any."""
+    for callback in trainer_callbacks() or []:
+        if isinstance(callback, AttentionProbeCallback) and callback.config.primary is not None:
+            primary = callback.config.primary
+            return str(getattr(primary, "spec", primary))
+    return None
+
+
+def _precision(args: TrainingArguments, model: nn.Module) -> str:
+    """Lightning's name of the Trainer's precision: autocast from ``args``, else the weights' dtype."""
+    if args.bf16:
+        return "bf16-mixed"
+    if args.fp16:
+        return "16-mixed"
+    dtype = next((p.dtype for p in model.parameters()), torch.float32)
+    return _TRUE_PRECISION.get(dtype, f"{str(dtype).removeprefix('torch.')}-true")
