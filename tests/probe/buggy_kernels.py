@@ -337,6 +337,7 @@ class _Backward:
     ds_bf16: bool = False
     dv_unmasked: bool = False
     gqa_first_head: bool = False
+    drop_delta: bool = False
 
 
 _CORRECT = _Backward()
@@ -389,7 +390,7 @@ class _FlashAttention(torch.autograd.Function):
         dv = p_v.transpose(-2, -1) @ do
         dp = do @ vc.transpose(-2, -1)
         delta = (do * o).sum(dim=-1, keepdim=True)
-        ds = p * (dp - delta)
+        ds = p * (dp if bug.drop_delta else dp - delta)
         if bug.ds_bf16 and q.dtype == torch.float32:
             ds = ds.to(torch.bfloat16).to(c)
         dq = (ds @ kc) * (1.0 if bug.dq_unscaled else scale)
