@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from flashprobe.deviation import StatsWorkspace, combine_sums, pair_sums, reads_are_free
-from flashprobe.judge import CRITERIA, reason, worst_rows
+from flashprobe.judge import CRITERIA, reason, row_statistics
 from flashprobe.kernels import KernelUnavailableError, get_kernel, math_attention
 from flashprobe.kernels.reference import (
     Block,
@@ -405,7 +405,7 @@ class ShadowAttention(nn.Module):
                 gold = flex_reference(call, torch.float64, budget=budget) if self.golden else None
                 if self.record:
                     sums = pair_sums(primary.detach(), base, gold, self._workspace)
-                    rows = None if gold is None else {"out": worst_rows(primary.detach(), base, gold)}
+                    rows = None if gold is None else {"out": row_statistics(primary.detach(), base, gold)}
                     stats = self._stats[site]
                     kinds = stats.add_many({"out": sums}, primary.dtype, self.step, rows)
                     stats.add_nonfinite_inputs(
@@ -558,7 +558,7 @@ class ShadowAttention(nn.Module):
         mine: Mapping[str, torch.Tensor],
         out: torch.Tensor | None = None,
     ) -> tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor | None]]:
-        """Pair sums and worst rows (:func:`~flashprobe.judge.worst_rows`, with the golden) of the
+        """Pair sums and worst rows (:func:`~flashprobe.judge.row_statistics`, with the golden) of the
         primary's gradients ``mine`` (``q``/``k``/``v``, shaped as in ``p``) against the references'
         for the ``(B, H, N_q, D_v)`` output gradient, over all blocks; with the primary's
         ``(B, H, N_q, D_v)`` output ``out``, also the forward's (key ``"out"``), from the
@@ -823,10 +823,10 @@ class ShadowAttention(nn.Module):
 def _worst(
     total: torch.Tensor | None, primary: torch.Tensor, baseline: torch.Tensor, golden: torch.Tensor | None
 ) -> torch.Tensor | None:
-    """The running maximum of :func:`~flashprobe.judge.worst_rows` over blocks (None without golden)."""
+    """The running maximum of :func:`~flashprobe.judge.row_statistics` over blocks (None without golden)."""
     if golden is None:
         return None
-    part = worst_rows(primary, baseline, golden)
+    part = row_statistics(primary, baseline, golden)
     return part if total is None else torch.maximum(total, part)
 
 

@@ -269,7 +269,7 @@ class DeviationStats:
             sums: the call's :func:`pair_sums` (``P`` = 3 with golden, else 1).
             dtype: the dtype the kernels computed in (sets the limits and the noise floor's ``eps``).
             step: the training step of the call (recorded with its failure).
-            rows: the call's ``(2,)`` :func:`flashprobe.judge.worst_rows` (None: the row criterion is
+            rows: the call's ``(3,)`` :func:`flashprobe.judge.row_statistics` (None: the row criterion is
                 not applied).
 
         Returns:
@@ -304,7 +304,7 @@ class DeviationStats:
                 runs[-1].append(direction)
             else:
                 runs.append([direction])
-        zeros = torch.zeros(2, dtype=torch.float64, device=self.values.device)
+        zeros = torch.zeros(3, dtype=torch.float64, device=self.values.device)
         rows = rows or {}
         codes = [
             self._add_run(
@@ -321,7 +321,7 @@ class DeviationStats:
     def _add_run(
         self, first: int, sums: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype, step: int
     ) -> torch.Tensor:
-        """Fold ``(K, 7, P)`` sums and ``(K, 2)`` worst rows into the ``K`` adjacent directions from
+        """Fold ``(K, 7, P)`` sums and ``(K, 3)`` row statistics into the ``K`` adjacent directions from
         ``DIRECTIONS[first]``; returns the ``(K,)`` criterion codes."""
         sums = sums.to(self.values.device)
         k, _, pairs = sums.shape
