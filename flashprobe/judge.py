@@ -35,7 +35,8 @@ sums, :func:`row_statistics` the rows):
    where the 16-bit baseline is itself a few percent off (a ratio of 20, under the relative
    limit). The guard ratio keeps a correct kernel that rounds every step in the dtype, as the
    baseline does, from failing where the call is hard for both.
-5. ``row`` → ``fail``: the worst row exceeds :func:`row_limit` and twice the baseline's worst row
+5. ``row`` → ``fail``: the worst row exceeds :func:`row_limit` and :data:`ROW_RATIO` times the
+   baseline's worst row
    (where the softmax is sharp some rows are hard for every kernel): a zeroed key tile, wrong tail
    rows, one wrong head or batch entry, which the whole-tensor L2 averages away.
 6. ``relative`` → ``fail``: the error ratio exceeds :data:`RELATIVE_LIMITS` (where the same-dtype
@@ -68,7 +69,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from flashprobe.deviation import SUM_ROWS, StatsWorkspace, pair_sums
+from flashprobe.deviation import StatsWorkspace, pair_sums
 
 __all__ = [
     "ABSOLUTE_EPS",
@@ -76,10 +77,12 @@ __all__ = [
     "CONDITIONING_LIMIT",
     "CRITERIA",
     "DIRECTIONS",
+    "ERROR_COLUMNS",
     "FAILURES",
     "GROSS_RATIO",
     "RELATIVE_LIMITS",
     "ROW_EPS",
+    "ROW_RATIO",
     "SCORE",
     "STATISTICS",
     "UNDETERMINED",
@@ -88,7 +91,9 @@ __all__ = [
     "call_statistics",
     "code_name",
     "decide",
+    "error_columns",
     "judge",
+    "judge_errors",
     "judge_tensors",
     "limits",
     "reason",
@@ -124,6 +129,8 @@ ABSOLUTE_EPS: dict[str, float] = {"out": 4.0, "dq": 8.0, "dk": 8.0, "dv": 8.0}
 ABSOLUTE_RATIO: float = 4.0
 #: The row limit in units of :func:`resolution` (capped at ½: a zeroed row reads 1).
 ROW_EPS: float = 64.0
+#: The row criterion also needs this many times the baseline's worst row.
+ROW_RATIO: float = 4.0
 #: A call is ill-conditioned when the baseline's relative error exceeds this fraction of the golden.
 CONDITIONING_LIMIT: float = 0.25
 #: In an ill-conditioned call, the primary still fails when it is off by more than the golden's
@@ -209,13 +216,34 @@ def call_statistics(
     return pair_sums(primary, baseline, golden, workspace), row_statistics(primary, baseline, golden)
 
 
-#: Column of ``(row, pair)`` in a :func:`pair_sums` result flattened row-major to ``7 · 3`` columns.
-_AT = {(i, j): i * 3 + j for i in range(len(SUM_ROWS)) for j in range(3)}
+#: The columns :func:`decide` reads, per direction: ``‖primary − g‖²``, ``‖baseline − g‖²``, ``‖g‖²``
+#: (over the finite pairs), the primary's non-finite positions beyond the baseline's, and the
+#: :func:`row_statistics`.
+ERROR_COLUMNS: tuple[str, ...] = (
+    "primary_sq",
+    "baseline_sq",
+    "golden_sq",
+    "extra_nonfinite",
+    "row",
+    "baseline_row",
+    "golden_max",
+)
+
+
+def error_columns(sums: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The ``(K, 7)`` :data:`ERROR_COLUMNS` from ``(K, 7, 3)`` pair sums and ``(K, 3)`` row statistics.
+
+    Args:
+        sums: :func:`~flashprobe.deviation.pair_sums` of ``K`` directions (with the golden pairs).
+        rows: :func:`row_statistics` of the same directions.
+    """
+    # rows of pair_sums: 2 sum_sq_diff, 3 sum_sq_ref, 4 nonfinite; pairs: 1 primary-golden, 2 baseline-golden
+    extra = sums[:, 4, 1] - sums[:, 4, 2]
+    return torch.cat((torch.stack((sums[:, 2, 1], sums[:, 2, 2], sums[:, 3, 1], extra), dim=1), rows), dim=1)
 
 
 def decide(
-    columns: Sequence[torch.Tensor],
-    rows: torch.Tensor,
+    errors: torch.Tensor,
     dtype: torch.dtype,
     limit: torch.Tensor,
     logit_max: float = 0.0,
@@ -223,9 +251,7 @@ def decide(
     """The rule on ``K`` directions at once, with tensor ops only (no host read, no branch).
 
     Args:
-        columns: the 21 columns of ``(K, 7, 3)`` pair sums flattened to ``(K, 21)`` (column
-            ``row · 3 + pair``), each ``(K,)`` float64.
-        rows: ``(K, 3)`` :func:`row_statistics` per direction.
+        errors: ``(K, 7)`` float64 :data:`ERROR_COLUMNS` (:func:`error_columns`).
         dtype: the dtype the kernels computed in.
         limit: ``(K, 3)`` :func:`limits` on the same device.
         logit_max: the largest valid |logit| of the call, where known (0: not known).
@@ -237,10 +263,7 @@ def decide(
         largest value for ``unrepresentable``, 0 for ``nonfinite``), and ``(K, 5)``
         :data:`STATISTICS`.
     """
-    c = columns
-    row, base_row, golden_max = rows[:, 0], rows[:, 1], rows[:, 2]
-    pg, bg, g = c[_AT[2, 1]], c[_AT[2, 2]], c[_AT[3, 1]]  # sum_sq_diff of p-g and b-g, sum_sq_ref (g)
-    extra = c[_AT[4, 1]] - c[_AT[4, 2]]
+    pg, bg, g, extra, row, base_row, golden_max = errors.unbind(1)
     eps = float(torch.finfo(dtype).eps)
     rel_floor = max(logit_max * eps, 0.5 * eps)
     safe_g = torch.where(g > 0, g, 1.0)
@@ -252,8 +275,8 @@ def decide(
     relative = torch.where(denominator > 0, (pg / torch.where(denominator > 0, denominator, 1.0)).sqrt(), 0.0)
     # The absolute limit widens by the logits' rounding, as the relative floor does.
     abs_limit = limit[:, 1].clamp(min=4.0 * rel_floor)
-    # A row fails above its limit and twice the baseline's worst row (sharp rows are hard for all).
-    row_lim = torch.maximum(limit[:, 2], 2.0 * base_row)
+    # A row fails above its limit and ROW_RATIO x the baseline's worst row (sharp rows are hard for all).
+    row_lim = torch.maximum(limit[:, 2], ROW_RATIO * base_row)
     ill = baseline > CONDITIONING_LIMIT
     # Plainly wrong even where ill-conditioned: off by more than the golden itself, and GROSS x the
     # baseline's error.
@@ -367,9 +390,17 @@ def judge_tensors(
 ) -> Judgement:
     """:func:`decide` on one call's ``(7, 3)`` pair sums and ``(3,)`` :func:`row_statistics`, read
     into a :class:`Judgement`."""
-    flat = sums.detach().to("cpu", torch.float64).reshape(1, -1)
-    rows = rows.detach().to("cpu", torch.float64).reshape(1, 3)
-    code, value, bound, stats = decide(flat.unbind(1), rows, dtype, limits(dtype, [direction]), logit_max)
+    errors = error_columns(sums.detach().to("cpu", torch.float64).reshape(1, 7, 3), rows.reshape(1, 3).cpu())
+    return judge_errors(errors[0], dtype, direction, logit_max=logit_max)
+
+
+def judge_errors(
+    errors: torch.Tensor | Sequence[float], dtype: torch.dtype, direction: str, *, logit_max: float = 0.0
+) -> Judgement:
+    """:func:`decide` on one call and direction's ``(7,)`` :data:`ERROR_COLUMNS`, read into a
+    :class:`Judgement` (what a caller with its own sums, e.g. the fuzzer, calls)."""
+    row = torch.as_tensor(errors, dtype=torch.float64).reshape(1, len(ERROR_COLUMNS))
+    code, value, bound, stats = decide(row, dtype, limits(dtype, [direction]), logit_max)
     c, v, lim = int(code.item()), float(value.item()), float(bound.item())
     criterion = CRITERIA.get(c)
     verdict = "pass" if c == 0 else ("fail" if c > 0 else "undetermined")

@@ -17,6 +17,7 @@ from flashprobe.judge import (
     CRITERIA,
     absolute_limit,
     decide,
+    error_columns,
     judge,
     judge_tensors,
     limits,
@@ -160,9 +161,8 @@ def test_the_device_decision_and_the_host_judgement_are_one_computation() -> Non
     mine = reference_input_gradients(kv_tile_zeroed, q, k, v, do, **kw)
     sums = torch.stack([pair_sums(mine[i], base[i], gold[i]) for i in range(4)])
     rows = torch.stack([row_statistics(mine[i], base[i], gold[i]) for i in range(4)])
-    code, value, _, stats = decide(
-        sums.reshape(4, -1).unbind(1), rows, torch.bfloat16, limits(torch.bfloat16, DIRECTIONS)
-    )
+    bound = limits(torch.bfloat16, DIRECTIONS)
+    code, value, _, stats = decide(error_columns(sums, rows), torch.bfloat16, bound)
     for i, d in enumerate(DIRECTIONS):
         j = judge_tensors(sums[i], rows[i], torch.bfloat16, d)
         assert CRITERIA.get(int(code[i])) == j.criterion and float(value[i]) == j.value

@@ -70,7 +70,7 @@ from flashprobe.deviation import (
     pair_sums,
     reads_are_free,
 )
-from flashprobe.judge import CRITERIA, decide, limits, reason
+from flashprobe.judge import CRITERIA, decide, error_columns, limits, reason
 
 __all__ = [
     "ARG_FIELDS",
@@ -334,7 +334,8 @@ class DeviationStats:
             c = flat.unbind(1)
             floor = torch.maximum(c[_AT[6, 1]], c[_AT[6, 2]]).mul_(0.5 * torch.finfo(dtype).eps)  # (K,)
             ratio, defined = _error_ratio(c[_AT[0, 1]], c[_AT[0, 2]], floor)
-            code, value, bound, judged = decide(c, rows, dtype, self._limits(first, k, dtype))
+            errors = error_columns(sums, rows.to(sums))
+            code, value, bound, judged = decide(errors, dtype, self._limits(first, k, dtype))
             score, absolute, _, l2, row = judged.unbind(1)
             failed = (code > 0).to(torch.float64)
             key = failed * (FIRST_KEY - step)  # float64: exact steps
