@@ -12,9 +12,9 @@ sums, :func:`row_statistics` the rows):
   where no relative error is defined);
 * ``baseline`` = ‖baseline − g‖₂ / ‖g‖₂, the same-dtype baseline's;
 * ``relative`` = ‖primary − g‖₂ / max(‖baseline − g‖₂, floor · ‖g‖₂), the error ratio to the
-  baseline; ``floor = max(½·eps, eps·logit_max)``: the rounding of the golden value in the dtype,
-  or of the largest logit where the caller knows it (a kernel that rounds a logit ``s`` to the
-  dtype, as every exp2 kernel does with ``s·log2(e)``, is off by about ``|s|·eps``);
+  baseline; ``floor = max(½·eps, eps₃₂·logit_max)``: the rounding of the golden value in the dtype,
+  or of the largest logit where the caller knows it (a kernel that rounds a logit ``s`` in its
+  float32 scores, as every exp2 kernel does with ``s·log2(e)``, is off by about ``|s|·eps₃₂``);
 * ``row`` = the worst row's error, ``max_r ‖primary_r − g_r‖₂ / max(‖g_r‖₂, rms_r ‖g_r‖₂)``: a row is
   the last dimension, so a query row for ``out`` and ``dq``, a key row for ``dk`` and ``dv``.
 
@@ -25,10 +25,13 @@ sums, :func:`row_statistics` the rows):
    range (an fp16 golden gradient of 9.2e5): no value in the dtype could be right.
 2. ``nonfinite`` → ``fail``: NaN/±Inf in the primary at more positions than in the baseline.
 3. ``ill_conditioned`` → ``undetermined``: the baseline is itself more than
-   :data:`CONDITIONING_LIMIT` (a quarter of the golden's size) off: a very sharp or flat softmax,
-   cancelling gradients; no ratio to it means anything — unless the primary is plainly wrong all
-   the same: off by more than the golden's own size and :data:`GROSS_RATIO` times the baseline's
-   error (then ``absolute`` fails it).
+   :data:`CONDITIONING_LIMIT` (a quarter of the golden's size) off — a very sharp or flat softmax,
+   cancelling gradients, logits the 16-bit baseline rounds coarsely — or the rounding of the
+   largest logit is (``eps·logit_max``: logits near the float range, whose differences cannot be
+   resolved), *and* the primary is not within the absolute and row limits (a kernel that close to
+   the golden is right, however poor the baseline; it passes). No ratio means anything there —
+   unless the primary is plainly wrong all the same: off by more than the golden's own size and
+   :data:`GROSS_RATIO` times the baseline's error (then ``absolute`` fails it).
 4. ``absolute`` → ``fail``: the primary's relative error exceeds :func:`absolute_limit` — what no
    correct kernel at this dtype reaches where the call is well-conditioned — and is
    :data:`ABSOLUTE_RATIO` times the baseline's. This catches a gradient tens of percent wrong
@@ -265,7 +268,10 @@ def decide(
     """
     pg, bg, g, extra, row, base_row, golden_max = errors.unbind(1)
     eps = float(torch.finfo(dtype).eps)
-    rel_floor = max(logit_max * eps, 0.5 * eps)
+    # Scores are computed at float32 or wider (every kernel accumulates q·kᵀ so): a logit s is rounded
+    # to about |s|·eps(scores), whatever the inputs' dtype.
+    logit_rounding = logit_max * min(eps, float(torch.finfo(torch.float32).eps))
+    rel_floor = max(logit_rounding, 0.5 * eps)
     safe_g = torch.where(g > 0, g, 1.0)
     # Against an all-zero golden a relative error is undefined: 0 here (the relative criterion, with
     # the baseline's error as yardstick, still applies).
@@ -273,11 +279,18 @@ def decide(
     baseline = torch.where(g > 0, (bg / safe_g).sqrt(), 0.0)
     denominator = torch.maximum(bg, rel_floor**2 * g)
     relative = torch.where(denominator > 0, (pg / torch.where(denominator > 0, denominator, 1.0)).sqrt(), 0.0)
-    # The absolute limit widens by the logits' rounding, as the relative floor does.
-    abs_limit = limit[:, 1].clamp(min=4.0 * rel_floor)
+    # The absolute and row limits widen by the logits' rounding, as the relative floor does.
+    abs_limit = limit[:, 1].clamp(min=4.0 * rel_floor).clamp(max=CONDITIONING_LIMIT)
+    row_fixed = limit[:, 2].clamp(min=4.0 * rel_floor)
     # A row fails above its limit and ROW_RATIO x the baseline's worst row (sharp rows are hard for all).
-    row_lim = torch.maximum(limit[:, 2], ROW_RATIO * base_row)
+    row_lim = torch.maximum(row_fixed, ROW_RATIO * base_row)
     ill = baseline > CONDITIONING_LIMIT
+    if logit_rounding > CONDITIONING_LIMIT:  # logits too large for their differences to be resolved
+        ill = torch.ones_like(ill)
+        baseline = baseline.clamp(min=logit_rounding)
+    # Ill-conditioned is undetermined only where the primary is not within the limits a correct kernel
+    # keeps in a well-conditioned call: a kernel that is that close to the golden is right regardless.
+    ill = ill & ((absolute > abs_limit) | (row > row_fixed))
     # Plainly wrong even where ill-conditioned: off by more than the golden itself, and GROSS x the
     # baseline's error.
     gross = (absolute > 1.0) & (relative > GROSS_RATIO)
@@ -365,8 +378,8 @@ def reason(criterion: str | None, value: float, limit: float, dtype: torch.dtype
         )
     if criterion == "ill_conditioned":
         return (
-            f"the same-dtype baseline is itself {value:.3g} off the golden (relative L2, above "
-            f"{limit:.3g}): too ill-conditioned to judge (undetermined)"
+            f"the same-dtype baseline (or the rounding of the largest logit) is itself {value:.3g} off the "
+            f"golden (relative L2, above {limit:.3g}): too ill-conditioned to judge (undetermined)"
         )
     if criterion == "absolute":
         return (

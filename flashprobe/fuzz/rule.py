@@ -298,11 +298,10 @@ def judge(out: torch.Tensor, refs: References) -> Verdict:
     judged = judge_errors(errors, refs.dtype, "out", logit_max=refs.logit_max)
     note = f" [{refs.note}]" if refs.note else ""
     primary_max = None if bad else err
-    if judged.verdict == "undetermined":  # beyond the dtype's range, or too ill-conditioned
-        return Verdict(
-            verdict="skip", reason=f"undetermined: {judged.reason}{note}", primary_golden_max_abs=primary_max
-        )
     reasons = [*_nonfinite(o, bad, refs), *_zero_rows(o, refs), *_masked_nonzero(o, refs)]
+    if not reasons and judged.verdict == "undetermined":  # beyond the dtype's range, or ill-conditioned
+        why = f"undetermined: {judged.reason}{note}"
+        return Verdict(verdict="skip", reason=why, primary_golden_max_abs=primary_max)
     if judged.verdict == "fail":
         reasons.append(("values", f"wrong values ({judged.criterion}): {judged.reason}"))
     if reasons:
@@ -394,8 +393,6 @@ def _gradient_reasons(
         row=judged.row,
         reason=judged.reason,
     )
-    if judged.verdict == "undetermined":  # beyond the dtype's range or too ill-conditioned: not judged
-        return [], stats
     reasons = []
     if bad:
         n_nan = int(torch.isnan(g).sum().item())
@@ -424,6 +421,8 @@ def _gradient_reasons(
         )
     if judged.verdict == "fail":
         reasons.append((f"{name}:values", f"{name}: wrong values ({judged.criterion}): {judged.reason}"))
+    if judged.verdict == "undetermined" and judged.criterion == "unrepresentable":
+        reasons = []  # no value in the dtype can be right: Inf is no failure either
     return reasons, stats
 
 
