@@ -99,6 +99,7 @@ __all__ = [
     "judge_errors",
     "judge_tensors",
     "limits",
+    "noise_statistics",
     "reason",
     "resolution",
     "row_limit",
@@ -233,16 +234,41 @@ ERROR_COLUMNS: tuple[str, ...] = (
 )
 
 
-def error_columns(sums: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def error_columns(sums: torch.Tensor, rows: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
     """The ``(K, 7)`` :data:`ERROR_COLUMNS` from ``(K, 7, 3)`` pair sums and ``(K, 3)`` row statistics.
 
     Args:
         sums: :func:`~flashprobe.deviation.pair_sums` of ``K`` directions (with the golden pairs).
         rows: :func:`row_statistics` of the same directions.
+        noise: ``(K, 2)`` :func:`noise_statistics` of a second form of the baseline (the flash form
+            of the backward), or None: the baseline's error is the larger of the two.
     """
     # rows of pair_sums: 2 sum_sq_diff, 3 sum_sq_ref, 4 nonfinite; pairs: 1 primary-golden, 2 baseline-golden
     extra = sums[:, 4, 1] - sums[:, 4, 2]
-    return torch.cat((torch.stack((sums[:, 2, 1], sums[:, 2, 2], sums[:, 3, 1], extra), dim=1), rows), dim=1)
+    base_sq, base_row = sums[:, 2, 2], rows[:, 1]
+    if noise is not None:
+        base_sq, base_row = torch.maximum(base_sq, noise[:, 0]), torch.maximum(base_row, noise[:, 1])
+    return torch.stack(
+        (sums[:, 2, 1], base_sq, sums[:, 3, 1], extra, rows[:, 0], base_row, rows[:, 2]), dim=1
+    )
+
+
+def noise_statistics(
+    form: torch.Tensor, golden: torch.Tensor, total: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A second baseline form's error, on the device: ``(2,)`` float64 ``[‖form − g‖² over the finite
+    positions, its worst row]``, folded into ``total`` (sums add, rows take the maximum) when given.
+
+    Args:
+        form: the second form's output or gradient, ``(..., D)``.
+        golden: as many elements, the FP64 golden.
+        total: the running statistics of earlier blocks, or None.
+    """
+    sq = pair_sums(form, golden)[2, 0]
+    part = torch.stack((sq, row_statistics(form, form, golden)[0]))
+    if total is None:
+        return part
+    return torch.stack((total[0] + part[0], torch.maximum(total[1], part[1])))
 
 
 def decide(
@@ -367,10 +393,7 @@ def reason(criterion: str | None, value: float, limit: float, dtype: torch.dtype
     """
     name = "this" if dtype is None else str(dtype).removeprefix("torch.")
     if criterion == "nonfinite":
-        return (
-            f"NaN/Inf at {int(value)} more position(s) than the baseline, where the FP64 golden "
-            "is finite"
-        )
+        return f"NaN/Inf at {int(value)} more position(s) than the baseline, where the FP64 golden is finite"
     if criterion == "unrepresentable":
         return (
             f"the FP64 golden reaches {value:.3g}, beyond the dtype's range (max {limit:.3g}): no "
@@ -460,5 +483,3 @@ def judge(
 def code_name(code: float) -> str | None:
     """The :data:`CRITERIA` name of a stored code (None for 0)."""
     return CRITERIA.get(int(code))
-
-

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from flashprobe.deviation import StatsWorkspace, combine_sums, pair_sums, reads_are_free
-from flashprobe.judge import CRITERIA, reason, row_statistics
+from flashprobe.judge import CRITERIA, noise_statistics, reason, row_statistics
 from flashprobe.kernels import KernelUnavailableError, get_kernel, math_attention
 from flashprobe.kernels.reference import (
     Block,
@@ -524,7 +524,7 @@ class ShadowAttention(nn.Module):
                 mine = {n: primary[n].reshape(getattr(p, n).shape) for n in names}
                 grad_out = grad_out.reshape(p.out_shape)
                 out4 = None if out is None else out.reshape(p.out_shape)
-                sums, rows = self._gradient_sums(p, grad_out, mine, out4)
+                sums, rows, noise = self._gradient_sums(p, grad_out, mine, out4)
                 if self.record:
                     stats = self._site(site, grad_out.device)
                     counts = {"grad_out": count_nonfinite_positions(grad_out)}
@@ -534,7 +534,8 @@ class ShadowAttention(nn.Module):
                         )
                     found = {("out" if n == "out" else f"d{n}"): s for n, s in sums.items() if s is not None}
                     worst = {("out" if n == "out" else f"d{n}"): r for n, r in rows.items() if r is not None}
-                    kinds = stats.add_many(found, p.dtype, record.step, worst)
+                    forms = {f"d{n}": r for n, r in noise.items() if r is not None}
+                    kinds = stats.add_many(found, p.dtype, record.step, worst, forms)
                     stats.add_nonfinite_inputs(counts)
                     self._after_call(site, record.step, kinds, p, grad_out)
         except ProbeFailureError:
@@ -557,15 +558,20 @@ class ShadowAttention(nn.Module):
         grad_out: torch.Tensor,
         mine: Mapping[str, torch.Tensor],
         out: torch.Tensor | None = None,
-    ) -> tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor | None]]:
-        """Pair sums and worst rows (:func:`~flashprobe.judge.row_statistics`, with the golden) of the
-        primary's gradients ``mine`` (``q``/``k``/``v``, shaped as in ``p``) against the references'
-        for the ``(B, H, N_q, D_v)`` output gradient, over all blocks; with the primary's
+    ) -> tuple[dict[str, torch.Tensor | None], ...]:
+        """Pair sums and row statistics (:func:`~flashprobe.judge.row_statistics`, with the golden)
+        of the primary's gradients ``mine`` (``q``/``k``/``v``, shaped as in ``p``) against the
+        references' for the ``(B, H, N_q, D_v)`` output gradient, over all blocks; with the primary's
         ``(B, H, N_q, D_v)`` output ``out``, also the forward's (key ``"out"``), from the
-        references' outputs of the same passes."""
+        references' outputs of the same passes. With the golden, also the gradients' noise in the
+        baseline's flash form (:func:`~flashprobe.judge.noise_statistics`): flash kernels take
+        ``rowsum(dO∘O)`` from the rounded output, which autograd through the baseline does not."""
+        from flashprobe.fuzz.flash_form import flash_form_attention
+
         names = tuple(mine)
         sums: dict[str, torch.Tensor | None] = dict.fromkeys((*names, "out"))
         rows: dict[str, torch.Tensor | None] = dict.fromkeys((*names, "out"))
+        noise: dict[str, torch.Tensor | None] = dict.fromkeys(names)
         plan = self._plan(p, backward=True)
         args = {**self._call_args(p), "need": names, "blocks": plan}
         base = reference_gradients(self.baseline, p.q, p.k, p.v, grad_out, dtype=p.dtype, **args)
@@ -574,8 +580,13 @@ class ShadowAttention(nn.Module):
             if self.golden
             else itertools.repeat(None)
         )
+        flash = (
+            reference_gradients(flash_form_attention, p.q, p.k, p.v, grad_out, dtype=p.dtype, **args)
+            if self.golden and self.record
+            else itertools.repeat(None)
+        )
         ws = self._workspace
-        for bg, gg in zip(base, gold, strict=False):  # gold: repeat(None) without golden
+        for bg, gg, fg in zip(base, gold, flash, strict=False):  # gold, flash: repeat(None) without golden
             if not self.record:
                 continue
             with torch.no_grad():
@@ -589,6 +600,8 @@ class ShadowAttention(nn.Module):
                         part = pair_sums(mine_q, bg.dq[i], g_q, ws)
                         sums["q"] = combine_sums(sums["q"], self._unscale(part))
                         rows["q"] = _worst(rows["q"], mine_q, bg.dq[i], g_q)
+                        if fg is not None and g_q is not None:
+                            noise["q"] = self._noise(noise["q"], fg.dq[i], g_q)
                 first = bg.blocks[0]
                 for n in ("k", "v"):
                     if n in names:
@@ -597,7 +610,19 @@ class ShadowAttention(nn.Module):
                         part = pair_sums(mine_n, b_grad, g_grad, ws)
                         sums[n] = combine_sums(sums[n], self._unscale(part))
                         rows[n] = _worst(rows[n], mine_n, b_grad, g_grad)
-        return sums, rows
+                        if fg is not None and g_grad is not None:
+                            noise[n] = self._noise(noise[n], getattr(fg, f"d{n}"), g_grad)
+        return sums, rows, noise
+
+    def _noise(self, total: torch.Tensor | None, form: torch.Tensor, golden: torch.Tensor) -> torch.Tensor:
+        """Fold one block's flash-form gradient noise into ``total`` (in the model's units, as the
+        pair sums: its squared error divided by the loss scale's square)."""
+        part = noise_statistics(form, golden)
+        scale = None if self._grad_scale is None else self._grad_scale()
+        if scale is not None:
+            s = torch.as_tensor(scale, dtype=torch.float64, device=part.device).reshape(())
+            part = part / torch.stack((s * s, s.new_ones(())))
+        return part if total is None else torch.stack((total[0] + part[0], torch.maximum(total[1], part[1])))
 
     # ---------------------------------------------------------------------------------------
     # Failures: seen, saved, reported

@@ -284,9 +284,13 @@ class DeviationStats:
         dtype: torch.dtype,
         step: int = 0,
         rows: Mapping[str, torch.Tensor] | None = None,
+        noise: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[tuple[str, ...], torch.Tensor]:
         """:meth:`add` for several directions of one call (e.g. ``out``, ``dq``, ``dk``, ``dv``), with
         one set of small tensor ops per run of adjacent directions instead of one per direction.
+        ``rows`` are the directions' :func:`~flashprobe.judge.row_statistics`, ``noise`` the
+        :func:`~flashprobe.judge.noise_statistics` of a second baseline form (the flash form of the
+        backward), where computed.
 
         Returns:
             ``(directions, codes)``: the directions in :data:`DIRECTIONS` order and their
@@ -305,12 +309,13 @@ class DeviationStats:
             else:
                 runs.append([direction])
         zeros = torch.zeros(3, dtype=torch.float64, device=self.values.device)
-        rows = rows or {}
+        rows, noise = rows or {}, noise or {}
         codes = [
             self._add_run(
                 DIRECTIONS.index(run[0]),
                 torch.stack([sums[d] for d in run]),
                 torch.stack([rows.get(d, zeros).to(zeros) for d in run]),
+                torch.stack([noise.get(d, zeros[:2]).to(zeros) for d in run]),
                 dtype,
                 step,
             )
@@ -319,7 +324,13 @@ class DeviationStats:
         return order, codes[0] if len(codes) == 1 else torch.cat(codes)
 
     def _add_run(
-        self, first: int, sums: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype, step: int
+        self,
+        first: int,
+        sums: torch.Tensor,
+        rows: torch.Tensor,
+        noise: torch.Tensor,
+        dtype: torch.dtype,
+        step: int,
     ) -> torch.Tensor:
         """Fold ``(K, 7, P)`` sums and ``(K, 3)`` row statistics into the ``K`` adjacent directions from
         ``DIRECTIONS[first]``; returns the ``(K,)`` criterion codes."""
@@ -334,7 +345,7 @@ class DeviationStats:
             c = flat.unbind(1)
             floor = torch.maximum(c[_AT[6, 1]], c[_AT[6, 2]]).mul_(0.5 * torch.finfo(dtype).eps)  # (K,)
             ratio, defined = _error_ratio(c[_AT[0, 1]], c[_AT[0, 2]], floor)
-            errors = error_columns(sums, rows.to(sums))
+            errors = error_columns(sums, rows.to(sums), noise.to(sums))
             code, value, bound, judged = decide(errors, dtype, self._limits(first, k, dtype))
             score, absolute, _, l2, row = judged.unbind(1)
             failed = (code > 0).to(torch.float64)
