@@ -10,7 +10,10 @@ sums, :func:`row_statistics` the rows):
 
 * ``absolute`` = ‖primary − g‖₂ / ‖g‖₂, the primary's relative L2 error (0 for an all-zero golden,
   where no relative error is defined);
-* ``baseline`` = ‖baseline − g‖₂ / ‖g‖₂, the same-dtype baseline's;
+* ``baseline`` = ‖baseline − g‖₂ / ‖g‖₂, the same-dtype baseline's (the larger over its forms where
+  the caller computes several: the probe and the fuzzer add, for gradients, the flash form of the
+  backward, which takes ``rowsum(dO∘O)`` from the rounded output as flash kernels do —
+  :func:`noise_statistics`);
 * ``relative`` = ‖primary − g‖₂ / max(‖baseline − g‖₂, floor · ‖g‖₂), the error ratio to the
   baseline; ``floor = max(½·eps, eps₃₂·logit_max)``: the rounding of the golden value in the dtype,
   or of the largest logit where the caller knows it (a kernel that rounds a logit ``s`` in its
@@ -39,9 +42,9 @@ sums, :func:`row_statistics` the rows):
    limit). The guard ratio keeps a correct kernel that rounds every step in the dtype, as the
    baseline does, from failing where the call is hard for both.
 5. ``row`` → ``fail``: the worst row exceeds :func:`row_limit` and :data:`ROW_RATIO` times the
-   baseline's worst row
-   (where the softmax is sharp some rows are hard for every kernel): a zeroed key tile, wrong tail
-   rows, one wrong head or batch entry, which the whole-tensor L2 averages away.
+   baseline's worst row (where the softmax is sharp some rows are hard for every kernel): a zeroed
+   key tile, wrong tail rows, one wrong head or batch entry, which the whole-tensor L2 averages
+   away.
 6. ``relative`` → ``fail``: the error ratio exceeds :data:`RELATIVE_LIMITS` (where the same-dtype
    baseline is strong, in float32, the sharpest criterion).
 
@@ -56,7 +59,8 @@ that shows it shows the number the verdict used; the older ratios stay under the
 **Limits.** With ``ε = max(eps(dtype), 2⁻¹⁶)`` (the dtype's resolution, at least 1.5e-5: float32
 errors are set by the logits and reduction lengths, not by its eps): absolute ``4ε`` (``out``) and
 ``8ε`` (gradients), i.e. bf16 3.1 % / 6.3 %, fp16 0.39 % / 0.78 %, float32 6e-5 / 1.2e-4; row
-``min(½, 64ε)``. Measured (``flashprobe bench rules``, docs/probe.md): correct kernels that
+``min(½, 64ε)``. Measured (``tests/test_judge.py``, ``flashprobe bench verdicts``; docs/probe.md
+"Reading the verdict"): correct kernels that
 accumulate in fp32 (torch's flash and math, ``tiled`` ``fa2``) stay at about ``1ε``; those that
 round every step in the dtype (``tiled`` ``paper``, and the baseline itself) reach ``6ε`` at
 most at moderate sharpness, and within 1.6× of the baseline everywhere; a backward that drops
