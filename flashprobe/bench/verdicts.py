@@ -167,6 +167,8 @@ MODELS: dict[str, Callable[[], Built]] = {
     "dit": _dit,
     "t2i": _t2i,
 }
+#: Static loss scale per ``--precision`` (fp16 only: its gradients underflow without one).
+_LOSS_SCALE: dict[str, float] = {"fp16": 2.0**12}
 #: ``--precision`` name → the autocast dtype (None: float32, no autocast).
 _PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -193,7 +195,9 @@ def calibrate(model_name: str, precision: str, steps: int, seed: int = 0) -> dic
             opt.zero_grad(set_to_none=True)
             with torch.autocast("cpu", dtype=low or torch.bfloat16, enabled=low is not None):
                 out = output(model(**batch(step)))
-            out.float().square().mean().backward()
+            # fp16 gradients underflow without loss scaling: a static scale, as fp16 training uses
+            # (the rule's statistics are ratios, so the scale needs no undoing)
+            (out.float().square().mean() * _LOSS_SCALE.get(precision, 1.0)).backward()
             opt.step()
             if step % 50 == 49 or step == steps - 1:  # read and reset: bounded reads, as the callback
                 _fold(p.stats(), worst, worst_max, score, judged, failed, undetermined)
