@@ -183,8 +183,8 @@ def row_statistics(primary: torch.Tensor, baseline: torch.Tensor, golden: torch.
     A row is the last dimension (a query's output or ``dq`` row, a key's ``dk``/``dv`` row); its
     error is ``‖x_r − g_r‖₂ / max(‖g_r‖₂, rms_r ‖g_r‖₂)``: relative to the row's own norm, or to the
     root mean square of the rows' norms where the row is smaller (a row the golden makes tiny does
-    not turn rounding into a large relative error). Non-finite differences count as 0 here (the
-    ``nonfinite`` criterion counts them). Memory: one float64 copy of a tensor at a time and a few
+    not turn rounding into a large relative error). A row with a non-finite difference counts as 0
+    here (the ``nonfinite`` criterion counts it). Memory: one difference tensor at a time and a few
     per-row vectors.
 
     Args:
@@ -199,18 +199,18 @@ def row_statistics(primary: torch.Tensor, baseline: torch.Tensor, golden: torch.
         maximum.
     """
     width = golden.shape[-1] if golden.dim() else 1
-    g = golden.detach().reshape(-1, width).to(torch.float64)
+    g = golden.detach().reshape(-1, width)
     if g.numel() == 0:
         return torch.zeros(3, dtype=torch.float64, device=golden.device)
-    ref = torch.linalg.vector_norm(g, dim=-1)  # (rows,)
+    ref = torch.linalg.vector_norm(g, dim=-1, dtype=torch.float64)  # (rows,)
     scale = torch.maximum(ref, ref.square().mean().sqrt())
+    tiny = torch.finfo(torch.float64).tiny
     found = []
     for x in (primary, baseline):
-        d = x.detach().reshape(g.shape).to(torch.float64) - g
-        err = torch.linalg.vector_norm(d.nan_to_num_(0.0, 0.0, 0.0), dim=-1)
-        tiny = torch.finfo(torch.float64).tiny
+        d = torch.sub(x.detach().reshape(g.shape), g).to(torch.float64)  # one pass, promoted
+        err = torch.linalg.vector_norm(d, dim=-1).nan_to_num_(0.0, 0.0, 0.0)  # a non-finite row: 0 here
         found.append(torch.where(scale > 0, err / scale.clamp(min=tiny), 0.0).amax())
-    found.append(g.abs().amax())
+    found.append(torch.linalg.vector_norm(g, ord=float("inf"), dtype=torch.float64))
     return torch.stack(found)
 
 
