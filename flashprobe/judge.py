@@ -260,16 +260,24 @@ def error_columns(sums: torch.Tensor, rows: torch.Tensor, noise: torch.Tensor | 
 def noise_statistics(
     form: torch.Tensor, golden: torch.Tensor, total: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """A second baseline form's error, on the device: ``(2,)`` float64 ``[‖form − g‖² over the finite
-    positions, its worst row]``, folded into ``total`` (sums add, rows take the maximum) when given.
+    """A second baseline form's error, on the device: ``(2,)`` float64 ``[‖form − g‖² over its finite
+    rows, its worst row]`` (rows as :func:`row_statistics`), folded into ``total`` (sums add, rows
+    take the maximum) when given. One difference tensor, no host read.
 
     Args:
         form: the second form's output or gradient, ``(..., D)``.
         golden: as many elements, the FP64 golden.
         total: the running statistics of earlier blocks, or None.
     """
-    sq = pair_sums(form, golden)[2, 0]
-    part = torch.stack((sq, row_statistics(form, form, golden)[0]))
+    width = golden.shape[-1] if golden.dim() else 1
+    g = golden.detach().reshape(-1, width)
+    d = torch.sub(form.detach().reshape(g.shape), g).to(torch.float64)
+    err = torch.linalg.vector_norm(d, dim=-1).nan_to_num_(0.0, 0.0, 0.0)  # (rows,): a non-finite row is 0
+    ref = torch.linalg.vector_norm(g, dim=-1, dtype=torch.float64)
+    scale = torch.maximum(ref, ref.square().mean().sqrt()) if ref.numel() else ref
+    tiny = torch.finfo(torch.float64).tiny
+    row = torch.where(scale > 0, err / scale.clamp(min=tiny), 0.0)
+    part = torch.stack((err.square().sum(), row.amax() if row.numel() else row.new_zeros(())))
     if total is None:
         return part
     return torch.stack((total[0] + part[0], torch.maximum(total[1], part[1])))
