@@ -80,7 +80,7 @@ if __name__ == "__main__":
         s = record["summary"]
         print(
             f"step {record['step']:>3}: {s['sites']} sites, {s['forward_calls']} calls, "
-            f"error ratio fwd {s['max_error_ratio']:.2f} bwd {s['max_backward_error_ratio']:.2f}, "
+            f"verdict {s['verdict']}, error / limit {s['limit_ratio']:.3f} (> 1 fails), "
             f"non-finite {s['nonfinite']}"
         )
     print(f"snapshots in {args.out / 'snapshots'}; compare two runs with `flashprobe compare RUN_A RUN_B`")

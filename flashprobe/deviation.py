@@ -9,7 +9,8 @@ Vocabulary (DESIGN.md): for outputs ``a`` and reference ``b`` of the same shape,
   allowed to turn the maxima into NaN; when *no* pair is finite the other statistics are
   undefined (NaN);
 * **error ratio** = ``max_abs(primary, golden) / max(max_abs(baseline, golden), noise floor)``;
-  flash-attention's own tests pass a kernel when it is ≤ 2. The **noise floor**
+  flash-attention's own tests pass a kernel when it is ≤ 2. It is reported, not judged by:
+  the verdict's rule is :mod:`flashprobe.judge`. The **noise floor**
   (:func:`noise_floor`) is half a unit in the last place of the largest golden value in the dtype
   the kernels computed in, ``½·eps(dtype)·max|golden|``: the rounding error of merely storing the
   golden output in that dtype, which any baseline error normally exceeds. It only matters when the
@@ -39,10 +40,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 __all__ = [
-    "FAILURE_KINDS",
     "FREE_READS",
-    "L2_RATIO_LIMIT",
-    "L2_RATIO_LIMITS",
     "PAIRS",
     "PAIR_LABELS",
     "SLICE_ELEMENTS",
@@ -53,10 +51,7 @@ __all__ = [
     "deviation",
     "deviation_tensors",
     "error_ratio",
-    "failure_reason",
     "finish_deviation",
-    "judge_sums",
-    "l2_error_ratio",
     "noise_floor",
     "pair_sums",
     "reads_are_free",
@@ -340,83 +335,6 @@ def noise_floor(golden_max_abs: float, dtype: torch.dtype) -> float:
         dtype: the dtype the kernels computed in.
     """
     return 0.5 * float(torch.finfo(dtype).eps) * golden_max_abs
-
-
-#: The verdict's limits on the relative L2 error ratio (:func:`l2_error_ratio`) per direction: a
-#: call fails above its direction's limit. Calibrated with ``flashprobe bench verdicts`` (docs/probe.md
-#: "Reading the verdict"): over 200 training steps of seven models, fp32 and bf16, torch's correct
-#: CPU kernels read at most 1.4 on the output and 10.7 on a gradient (``dq``: FlashAttention's
-#: backward takes ``rowsum(dO∘O)`` from the rounded output, which the plain baseline does not; where
-#: ``dS = P∘(dP − rowsum(dO∘O))`` cancels, that rounding dominates); the buggy kernels of
-#: tests/probe read 2.4e3 and more.
-L2_RATIO_LIMITS: dict[str, float] = {"out": 8.0, "dq": 64.0, "dk": 64.0, "dv": 64.0}
-#: The output's limit (the forward rule of ``flashprobe fuzz`` and :func:`judge_sums`'s default).
-L2_RATIO_LIMIT: float = L2_RATIO_LIMITS["out"]
-#: Why a call fails, by code (the code is what the on-device accumulators store; 0: no failure).
-FAILURE_KINDS: dict[int, str] = {1: "nonfinite", 2: "l2"}
-
-
-def l2_error_ratio(
-    primary_golden_sq: float, baseline_golden_sq: float, golden_sq: float, dtype: torch.dtype
-) -> float | None:
-    """The verdict's statistic: ``‖primary − golden‖₂ / max(‖baseline − golden‖₂, ½·eps(dtype)·‖golden‖₂)``.
-
-    The ratio of the primary's relative L2 error to the baseline's (the same-dtype reference's),
-    each over the finite pairs; the floor is the rounding error of storing the golden value in
-    ``dtype``, so an exact baseline does not make the ratio infinite. Unlike the ratio of two
-    maxima (:func:`error_ratio`), it averages over every element, so on correct kernels it is stable
-    from call to call (calibration in docs/probe.md).
-
-    Args:
-        primary_golden_sq: ``sum_sq_diff`` of ``primary_golden`` (:func:`pair_sums` row 2).
-        baseline_golden_sq: ``sum_sq_diff`` of ``baseline_golden``.
-        golden_sq: ``sum_sq_ref`` of ``primary_golden`` (``‖golden‖²`` over its finite pairs).
-        dtype: the dtype the kernels computed in.
-
-    Returns:
-        The ratio; ``None`` when undefined: the denominator is 0 (golden and baseline exactly 0),
-        or a sum is NaN.
-    """
-    floor_sq = (0.5 * float(torch.finfo(dtype).eps)) ** 2 * golden_sq
-    denominator = max(baseline_golden_sq, floor_sq)
-    if math.isnan(primary_golden_sq) or math.isnan(denominator) or denominator <= 0:
-        return None
-    return math.sqrt(primary_golden_sq / denominator)
-
-
-def judge_sums(
-    sums: torch.Tensor, dtype: torch.dtype, *, limit: float = L2_RATIO_LIMIT
-) -> tuple[str | None, float | None]:
-    """The verdict's rule on one call's ``(7, 3)`` :func:`pair_sums` (with the golden pairs).
-
-    A call fails when the primary is non-finite at more positions than the baseline (both against
-    the golden: NaN/Inf where the golden and the baseline are finite), else when its
-    :func:`l2_error_ratio` exceeds ``limit``. The same rule runs on the device in the probe
-    (:func:`flashprobe.probe.stats.call_judgement`), here on the host (replay, tests).
-
-    Returns:
-        ``(kind, value)``: ``kind`` ``None`` (pass), ``"nonfinite"`` (``value``: the extra non-finite
-        positions) or ``"l2"`` (``value``: the ratio); ``value`` is the L2 ratio on a pass (None when
-        undefined).
-    """
-    t = sums.detach().to("cpu", torch.float64)
-    extra = float(t[4, 1] - t[4, 2])
-    ratio = l2_error_ratio(float(t[2, 1]), float(t[2, 2]), float(t[3, 1]), dtype)
-    if extra > 0:
-        return "nonfinite", extra
-    if ratio is not None and ratio > limit:
-        return "l2", ratio
-    return None, ratio
-
-
-def failure_reason(kind: str, value: float, *, limit: float = L2_RATIO_LIMIT) -> str:
-    """The failure in words, for warnings, summaries and reports."""
-    if kind == "nonfinite":
-        return (
-            f"non-finite values at {int(value)} more position(s) than the baseline, where the FP64 "
-            "golden is finite"
-        )
-    return f"relative L2 error {value:.3g}x the baseline's (limit {limit:g})"
 
 
 def error_ratio(primary_golden: float, baseline_golden: float, *, floor: float = 0.0) -> float | None:

@@ -11,7 +11,7 @@ sums), logs them to every logger of the Trainer and appends one JSON line to
 the failures seen) goes into checkpoints, so a resumed run continues ``probe.jsonl`` without
 duplicate lines and keeps its verdict.
 
-**Verdicts.** Every compared call is judged on the device (:func:`flashprobe.deviation.judge_sums`);
+**Verdicts.** Every compared call is judged on the device (:func:`flashprobe.judge.decide`);
 the summary of each record carries ``verdict`` and ``failures`` (the first failure of each site and
 direction since training started, and the worst call). At the first failure of a site and
 direction the callback warns with one line (``on_failure="warn"``), raises
@@ -348,12 +348,12 @@ class AttentionProbe(Callback):
                 summary["primary_nonfinite"],
                 ", ".join(sites[:3]) + (f" and {len(sites) - 3} more sites" if len(sites) > 3 else ""),
             )
-        ratio = summary.get("max_error_ratio")
+        ratio = summary.get("limit_ratio")  # the verdict's statistic: error / limit, > 1 fails
         if ratio is not None and math.isfinite(ratio):
             # The progress bar only (logger=False): the loggers get every metric once, below, under
             # the same name and step.
             pl_module.log(
-                "probe/max_error_ratio",
+                "probe/limit_ratio",
                 float(ratio),
                 prog_bar=True,
                 logger=False,
@@ -427,9 +427,12 @@ def verdict_line(summary: Mapping[str, Any], path: Path | None = None) -> str:
             f"; reproducer {f['repro']}" if f.get("repro") else ""
         )
     else:
-        ratio = summary.get("max_error_ratio")
-        worst = f"{ratio:.3g} at {summary.get('max_error_ratio_site')}" if ratio is not None else "n/a"
-        detail = f"{summary.get('sites', 0)} sites, worst forward error ratio {worst}"
+        ratio = summary.get("max_limit_ratio")
+        at = f"{ratio:.3g} at {summary.get('max_limit_ratio_site')}" if ratio is not None else "n/a"
+        back = summary.get("max_backward_limit_ratio")
+        if back is not None:
+            at += f", backward {back:.3g} at {summary.get('max_backward_limit_ratio_site')}"
+        detail = f"{summary.get('sites', 0)} sites, worst error / limit {at} (> 1 fails)"
     where = f" ({path})" if path is not None else ""
     return f"AttentionProbe: verdict {verdict}: {detail}{where}"
 

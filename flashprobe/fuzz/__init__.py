@@ -7,8 +7,8 @@ long-context training.
 * :mod:`~flashprobe.fuzz.layouts` — the memory layouts a case's inputs can take (:data:`LAYOUTS`);
 * :mod:`~flashprobe.fuzz.cases` — the catalogue of adversarial cases (:data:`CATALOGUE`, profiles);
 * :mod:`~flashprobe.fuzz.random_cases` — the random family sampled by ``--budget``;
-* :mod:`~flashprobe.fuzz.rule` — the rule: :class:`Verdict`, :func:`judge`, :func:`judge_gradients`,
-  :func:`check_output`;
+* :mod:`~flashprobe.fuzz.rule` — the verdict on a case: :class:`Verdict`, :func:`judge`,
+  :func:`judge_gradients`, :func:`check_output` (the rule itself is :mod:`flashprobe.judge`);
 * :mod:`~flashprobe.fuzz.references` — golden, baseline noise and floor of a case, and of its
   gradients;
 * :mod:`~flashprobe.fuzz.flash_form` — the baseline's flash-form backward (a noise form);
@@ -38,7 +38,6 @@ from flashprobe.fuzz.references import grad_output, gradient_references, referen
 from flashprobe.fuzz.reproducer import save_reproducer
 from flashprobe.fuzz.rule import (
     GRADIENTS,
-    L2_FACTOR,
     RULE,
     VERDICTS,
     ZEROS_REASON,
@@ -65,7 +64,6 @@ from flashprobe.fuzz.tables import (
 __all__ = [
     "CATALOGUE",
     "GRADIENTS",
-    "L2_FACTOR",
     "LAYOUTS",
     "MASK_KINDS",
     "PROFILES",

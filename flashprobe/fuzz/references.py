@@ -27,14 +27,7 @@ import torch
 from flashprobe.fuzz.flash_form import flash_form_attention
 from flashprobe.fuzz.inputs import CaseInputs
 from flashprobe.fuzz.kernel_call import attend, kernel_label
-from flashprobe.fuzz.rule import (
-    GRADIENTS,
-    GradientReference,
-    References,
-    finite_max_abs,
-    l2_error,
-    value_floor,
-)
+from flashprobe.fuzz.rule import GRADIENTS, GradientReference, References, noise, value_floor
 from flashprobe.kernels import Kernel, default_scale, dtype_name, get_kernel, golden_attention, math_attention
 from flashprobe.kernels.reference import reference_input_gradients
 
@@ -60,8 +53,8 @@ def _rounded_logits_baseline(inputs: CaseInputs, logits: torch.Tensor, valid: to
 
 def _prescaled_baseline_max(
     kernel: Kernel, inputs: CaseInputs, k: torch.Tensor, v: torch.Tensor, golden: torch.Tensor
-) -> tuple[float, float]:
-    """``max|baseline − golden|`` and the relative L2 error with the scale's other standard
+) -> tuple[float, float, float]:
+    """``max|baseline − golden|``, the L2 error and the worst row with the scale's other standard
     placement: ``(q√s)·(k√s)ᵀ``.
 
     Where the scale is applied is an implementation detail of plain attention (torch SDPA's math
@@ -72,9 +65,9 @@ def _prescaled_baseline_max(
     try:
         out = attend(kernel, replace(inputs, q=inputs.q * root, scale=1.0), k * root, v)
     except Exception:  # this placement is only a second opinion on the noise
-        return 0.0, 0.0
-    err, bad = finite_max_abs(out.double(), golden)
-    return (0.0, 0.0) if bad else (err, l2_error(out.double(), golden))
+        return 0.0, 0.0, 0.0
+    err, l2, row, bad = noise(out.double(), golden)
+    return (0.0, 0.0, 0.0) if bad else (err, l2, row)
 
 
 def _masked_max(x: torch.Tensor, valid: torch.Tensor) -> float:
@@ -84,20 +77,16 @@ def _masked_max(x: torch.Tensor, valid: torch.Tensor) -> float:
 
 def _baseline_error(
     kernel: Kernel, inputs: CaseInputs, golden: torch.Tensor
-) -> tuple[float, float, int, str]:
-    """``(max|baseline − golden|, its relative L2 error, its NaN/Inf count, the problem or "")``."""
+) -> tuple[float, float, float, int, str]:
+    """``(max|baseline − golden|, its L2 error, its worst row, its NaN/Inf count, the problem or "")``."""
     k, v = inputs.reference_kv()
     try:
         base = attend(kernel, inputs, k, v).double()
     except Exception as err:  # the baseline cannot serve the case: fall back, and say so
-        return math.inf, math.inf, 0, f"raised {type(err).__name__}: {err}"
-    base_max, base_bad = finite_max_abs(base, golden)
-    return (
-        base_max,
-        l2_error(base, golden),
-        base_bad,
-        (f"is non-finite at {base_bad} positions" if base_bad else ""),
-    )
+        return math.inf, math.inf, math.inf, 0, f"raised {type(err).__name__}: {err}"
+    base_max, base_l2, base_row, base_bad = noise(base, golden)
+    problem = f"is non-finite at {base_bad} positions" if base_bad else ""
+    return base_max, base_l2, base_row, base_bad, problem
 
 
 def grad_output(
@@ -178,11 +167,13 @@ def gradient_references(
         if not finite:  # what the dtype can represent of the golden gradient
             fallback.append(name)
             finite = [g.to(inputs.dtype).double()]
+        noises = [noise(p, g) for p in finite]
         refs[name] = GradientReference(
             name=name,
             golden=g,
-            noise_max=max(finite_max_abs(p, g)[0] for p in finite),
-            noise_l2=max(l2_error(p, g) for p in finite),
+            noise_max=max(n[0] for n in noises),
+            noise_l2=max(n[1] for n in noises),
+            noise_row=max(n[2] for n in noises),
             floor=eps * (g.abs().max().item() if g.numel() else 0.0),
             eps=eps,
             zero_rows=zero_rows[name],
@@ -228,9 +219,11 @@ def references(inputs: CaseInputs, baseline: str | Kernel = "math", *, backward:
         "floor": value_floor(v64, inputs.dtype),
         "fully_masked": ~valid.any(-1),
         "eps": float(torch.finfo(inputs.dtype).eps),
+        "dtype": inputs.dtype,
+        "logit_max": (largest := _masked_max(logits, valid)),
     }
     fmax, name = float(torch.finfo(inputs.dtype).max), dtype_name(inputs.dtype)
-    if (largest := _masked_max(logits, valid)) > fmax:
+    if largest > fmax:
         skip = f"valid logits up to {largest:.3g} exceed the {name} range (max {fmax:.6g})"
         refs = References(
             baseline_golden_max_abs=None, baseline_nonfinite=0, noise_max=0.0, noise_from="", **common
@@ -241,26 +234,28 @@ def references(inputs: CaseInputs, baseline: str | Kernel = "math", *, backward:
         grads, grad_note = gradient_references(inputs, baseline, grad_out, valid)
         common.update(grad_out=grad_out if grads else None, gradients=grads, grad_note=grad_note)
     kernel = get_kernel(baseline)
-    base_max, base_l2, base_bad, problem = _baseline_error(kernel, inputs, golden)
+    base_max, base_l2, base_row, base_bad, problem = _baseline_error(kernel, inputs, golden)
     if not problem:
-        pre_max, pre_l2 = _prescaled_baseline_max(kernel, inputs, k, v, golden)
+        pre_max, pre_l2, pre_row = _prescaled_baseline_max(kernel, inputs, k, v, golden)
         return References(
             baseline_golden_max_abs=base_max,
             baseline_nonfinite=0,
             noise_max=max(base_max, pre_max),
             noise_l2=max(base_l2, pre_l2),
+            noise_row=max(base_row, pre_row),
             noise_from="baseline",
             **common,
         )
     raw_max = _masked_max(raw, valid)
     why = f"q·kᵀ (max {raw_max:.3g}) overflows {name} before the scale is applied; " if raw_max > fmax else ""
     fallback = _rounded_logits_baseline(inputs, logits, valid).double()
-    fb_max, fb_bad = finite_max_abs(fallback, golden)
+    fb_max, fb_l2, fb_row, fb_bad = noise(fallback, golden)
     return References(
         baseline_golden_max_abs=None,
         baseline_nonfinite=base_bad,
         noise_max=fb_max,
-        noise_l2=l2_error(fallback, golden),
+        noise_l2=fb_l2,
+        noise_row=fb_row,
         noise_from="rounded-logits baseline",
         note=f"baseline {kernel_label(baseline)} at {name} {problem} ({why}noise floor taken from the "
         f"baseline on {name}-rounded logits)",

@@ -293,8 +293,8 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
         max_reproducers: reproducer files saved in ``DIRPATH/repro/`` at most (0: none).
         **settings: fields of :class:`~flashprobe.probe.ProbeConfig` replacing ``config``'s.
 
-    The scalars logged are ``probe/max_error_ratio``, ``probe/max_call_error_ratio``,
-    ``probe/max_backward_error_ratio``, ``probe/nonfinite``, ``probe/failed``, ``probe/failures`` and
+    The scalars logged are :data:`flashprobe.probe.summary.SUMMARY_SCALARS` (first
+    ``probe/limit_ratio``, the verdict's statistic), ``probe/failed``, ``probe/failures`` and
     ``probe/max_abs/<pair>``. So that every ``report_to`` logger gets them, the callback moves itself
     ahead of the Trainer's reporting callbacks at train begin (right after ``DefaultFlowCallback``).
 

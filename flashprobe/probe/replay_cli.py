@@ -82,11 +82,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{_describe(call)}\n  recorded: {meta.get('reason')}"
         )
         for spec, r in results.items():
-            ratios = ", ".join(f"{d} {v:.3g}" for d, v in r["l2_error_ratio"].items() if v is not None)
+            ratios = ", ".join(f"{d} {v:.3g}" for d, v in r["limit_ratio"].items() if v is not None)
             why = "; ".join(r["reasons"])
             print(
                 f"  {spec}: {r['verdict'].upper()}"
-                + (f" (L2 ratio {ratios})" if ratios else "")
+                + (f" (error / limit {ratios})" if ratios else "")
                 + (f": {why}" if why else "")
             )
     return 1 if any(r["verdict"] != "pass" for r in results.values()) else 0

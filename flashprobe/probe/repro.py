@@ -1,6 +1,6 @@
 """Reproducers: the exact attention call that failed in training, saved to disk and replayed.
 
-When the probe's verdict finds a failing call (:func:`flashprobe.deviation.judge_sums`), it saves
+When the probe's verdict finds a failing call (:func:`flashprobe.judge.decide`), it saves
 what reproduces it as one ``safetensors`` file — no pickle — plus a short Python script next to
 it::
 
@@ -226,8 +226,8 @@ def replay(
     kernel as primary (baseline: the recorded one, default ``math``; golden FP64).
 
     Returns:
-        ``{spec: {"verdict": "pass"|"fail"|"error", "reasons": [...], "directions": {dir: verdict},
-        "l2_error_ratio": {dir: ratio}}}``.
+        ``{spec: {"verdict": "pass"|"fail"|"undetermined"|"error", "reasons": [...], "directions":
+        {dir: verdict}, "limit_ratio": {dir: the verdict's statistic}, "l2_error_ratio": {dir: ratio}}}``.
     """
     from flashprobe.probe.shadow import ShadowAttention
 
@@ -263,6 +263,7 @@ def replay(
                 "verdict": "error",
                 "reasons": [f"{type(err).__name__}: {err}"],
                 "directions": {},
+                "limit_ratio": {},
                 "l2_error_ratio": {},
             }
             continue
@@ -275,10 +276,17 @@ def replay(
         ]
         if entry.get("shadow_errors"):
             reasons.append(f"{entry['shadow_errors']} reference computation(s) failed")
+        if "fail" in verdicts.values():
+            verdict = "fail"
+        elif "pass" in verdicts.values():
+            verdict = "pass"
+        else:
+            verdict = "undetermined" if verdicts else "error"
         results[spec] = {
-            "verdict": "fail" if "fail" in verdicts.values() else ("pass" if verdicts else "error"),
+            "verdict": verdict,
             "reasons": reasons,
             "directions": verdicts,
+            "limit_ratio": {d: e["limit_ratio"] for d, e in directions.items()},
             "l2_error_ratio": {d: e["l2_error_ratio"] for d, e in directions.items()},
         }
     return results

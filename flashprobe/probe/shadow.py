@@ -50,15 +50,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from flashprobe.deviation import (
-    FAILURE_KINDS,
-    L2_RATIO_LIMITS,
-    StatsWorkspace,
-    combine_sums,
-    failure_reason,
-    pair_sums,
-    reads_are_free,
-)
+from flashprobe.deviation import StatsWorkspace, combine_sums, pair_sums, reads_are_free
+from flashprobe.judge import CRITERIA, noise_statistics, reason, row_statistics
 from flashprobe.kernels import KernelUnavailableError, get_kernel, math_attention
 from flashprobe.kernels.reference import (
     Block,
@@ -186,7 +179,7 @@ class ShadowAttention(nn.Module):
         device: if given, check the kernels against this device (and ``dtype``) now.
         dtype: compute dtype for that check (default float32).
         on_failure: at the first failing call of a site and direction (the verdict's rule,
-            :func:`flashprobe.deviation.judge_sums`): ``"warn"`` (default: one
+            :func:`flashprobe.judge.decide`): ``"warn"`` (default: one
             :class:`~flashprobe.probe.ProbeWarning` line with site, direction, step, reason and
             reproducer), ``"raise"`` (:class:`ProbeFailureError`, from the forward or backward of the
             call) or ``"ignore"`` (only recorded). See "When a failure is seen" below.
@@ -412,8 +405,9 @@ class ShadowAttention(nn.Module):
                 gold = flex_reference(call, torch.float64, budget=budget) if self.golden else None
                 if self.record:
                     sums = pair_sums(primary.detach(), base, gold, self._workspace)
+                    rows = None if gold is None else {"out": row_statistics(primary.detach(), base, gold)}
                     stats = self._stats[site]
-                    kinds = stats.add_many({"out": sums}, primary.dtype, self.step)
+                    kinds = stats.add_many({"out": sums}, primary.dtype, self.step, rows)
                     stats.add_nonfinite_inputs(
                         {
                             n: count_nonfinite_positions(t)
@@ -494,14 +488,16 @@ class ShadowAttention(nn.Module):
                     if self.golden
                     else itertools.repeat((None, None))
                 )
-                sums = None
+                sums = rows = None
                 for (blk, b), (_, g) in zip(base, gold, strict=False):  # gold: repeat(None) without golden
                     if self.record:
-                        part = pair_sums(blk.take_q(out4, p.rep), b, g, self._workspace)
-                        sums = combine_sums(sums, part)
+                        mine = blk.take_q(out4, p.rep)
+                        sums = combine_sums(sums, pair_sums(mine, b, g, self._workspace))
+                        rows = _worst(rows, mine, b, g)
                 if self.record and sums is not None:
                     stats = self._site(site, out.device)
-                    kinds = stats.add_many({"out": sums}, p.dtype, step)
+                    worst = None if rows is None else {"out": rows}
+                    kinds = stats.add_many({"out": sums}, p.dtype, step, worst)
                     stats.add_nonfinite_inputs(
                         {n: count_nonfinite_positions(t) for n, t in zip("qkv", p[:3], strict=True)}
                     )
@@ -528,7 +524,7 @@ class ShadowAttention(nn.Module):
                 mine = {n: primary[n].reshape(getattr(p, n).shape) for n in names}
                 grad_out = grad_out.reshape(p.out_shape)
                 out4 = None if out is None else out.reshape(p.out_shape)
-                sums = self._gradient_sums(p, grad_out, mine, out4)
+                sums, rows, noise = self._gradient_sums(p, grad_out, mine, out4)
                 if self.record:
                     stats = self._site(site, grad_out.device)
                     counts = {"grad_out": count_nonfinite_positions(grad_out)}
@@ -537,7 +533,9 @@ class ShadowAttention(nn.Module):
                             (n, count_nonfinite_positions(t)) for n, t in zip("qkv", p[:3], strict=True)
                         )
                     found = {("out" if n == "out" else f"d{n}"): s for n, s in sums.items() if s is not None}
-                    kinds = stats.add_many(found, p.dtype, record.step)
+                    worst = {("out" if n == "out" else f"d{n}"): r for n, r in rows.items() if r is not None}
+                    forms = {f"d{n}": r for n, r in noise.items() if r is not None}
+                    kinds = stats.add_many(found, p.dtype, record.step, worst, forms)
                     stats.add_nonfinite_inputs(counts)
                     self._after_call(site, record.step, kinds, p, grad_out)
         except ProbeFailureError:
@@ -560,13 +558,20 @@ class ShadowAttention(nn.Module):
         grad_out: torch.Tensor,
         mine: Mapping[str, torch.Tensor],
         out: torch.Tensor | None = None,
-    ) -> dict[str, torch.Tensor | None]:
-        """Pair sums of the primary's gradients ``mine`` (``q``/``k``/``v``, shaped as in ``p``)
-        against the references' for the ``(B, H, N_q, D_v)`` output gradient, over all blocks; with
-        the primary's ``(B, H, N_q, D_v)`` output ``out``, also the forward pair sums (key
-        ``"out"``), from the references' outputs of the same passes."""
+    ) -> tuple[dict[str, torch.Tensor | None], ...]:
+        """Pair sums and row statistics (:func:`~flashprobe.judge.row_statistics`, with the golden)
+        of the primary's gradients ``mine`` (``q``/``k``/``v``, shaped as in ``p``) against the
+        references' for the ``(B, H, N_q, D_v)`` output gradient, over all blocks; with the primary's
+        ``(B, H, N_q, D_v)`` output ``out``, also the forward's (key ``"out"``), from the
+        references' outputs of the same passes. With the golden, also the gradients' noise in the
+        baseline's flash form (:func:`~flashprobe.judge.noise_statistics`): flash kernels take
+        ``rowsum(dO∘O)`` from the rounded output, which autograd through the baseline does not."""
+        from flashprobe.fuzz.flash_form import flash_form_attention
+
         names = tuple(mine)
         sums: dict[str, torch.Tensor | None] = dict.fromkeys((*names, "out"))
+        rows: dict[str, torch.Tensor | None] = dict.fromkeys((*names, "out"))
+        noise: dict[str, torch.Tensor | None] = dict.fromkeys(names)
         plan = self._plan(p, backward=True)
         args = {**self._call_args(p), "need": names, "blocks": plan}
         base = reference_gradients(self.baseline, p.q, p.k, p.v, grad_out, dtype=p.dtype, **args)
@@ -575,26 +580,49 @@ class ShadowAttention(nn.Module):
             if self.golden
             else itertools.repeat(None)
         )
+        flash = (  # a reference like the others: the control (record=False) computes it too
+            reference_gradients(flash_form_attention, p.q, p.k, p.v, grad_out, dtype=p.dtype, **args)
+            if self.golden
+            else itertools.repeat(None)
+        )
         ws = self._workspace
-        for bg, gg in zip(base, gold, strict=False):  # gold: repeat(None) without golden
+        for bg, gg, fg in zip(base, gold, flash, strict=False):  # gold, flash: repeat(None) without golden
             if not self.record:
                 continue
             with torch.no_grad():
                 for i, blk in enumerate(bg.blocks):
                     if out is not None:
-                        part = pair_sums(blk.take_q(out, p.rep), bg.outs[i], gg.outs[i] if gg else None, ws)
-                        sums["out"] = combine_sums(sums["out"], part)
+                        mine_o, g_o = blk.take_q(out, p.rep), gg.outs[i] if gg else None
+                        sums["out"] = combine_sums(sums["out"], pair_sums(mine_o, bg.outs[i], g_o, ws))
+                        rows["out"] = _worst(rows["out"], mine_o, bg.outs[i], g_o)
                     if "q" in names:
-                        mine_q = blk.take_q(mine["q"], p.rep)
-                        part = pair_sums(mine_q, bg.dq[i], gg.dq[i] if gg else None, ws)
+                        mine_q, g_q = blk.take_q(mine["q"], p.rep), gg.dq[i] if gg else None
+                        part = pair_sums(mine_q, bg.dq[i], g_q, ws)
                         sums["q"] = combine_sums(sums["q"], self._unscale(part))
+                        rows["q"] = _worst(rows["q"], mine_q, bg.dq[i], g_q)
+                        if fg is not None and g_q is not None:
+                            noise["q"] = self._noise(noise["q"], fg.dq[i], g_q)
                 first = bg.blocks[0]
                 for n in ("k", "v"):
                     if n in names:
                         b_grad, g_grad = getattr(bg, f"d{n}"), getattr(gg, f"d{n}") if gg else None
-                        part = pair_sums(mine[n][first.batch, first.heads], b_grad, g_grad, ws)
+                        mine_n = mine[n][first.batch, first.heads]
+                        part = pair_sums(mine_n, b_grad, g_grad, ws)
                         sums[n] = combine_sums(sums[n], self._unscale(part))
-        return sums
+                        rows[n] = _worst(rows[n], mine_n, b_grad, g_grad)
+                        if fg is not None and g_grad is not None:
+                            noise[n] = self._noise(noise[n], getattr(fg, f"d{n}"), g_grad)
+        return sums, rows, noise
+
+    def _noise(self, total: torch.Tensor | None, form: torch.Tensor, golden: torch.Tensor) -> torch.Tensor:
+        """Fold one block's flash-form gradient noise into ``total`` (in the model's units, as the
+        pair sums: its squared error divided by the loss scale's square)."""
+        part = noise_statistics(form, golden)
+        scale = None if self._grad_scale is None else self._grad_scale()
+        if scale is not None:
+            s = torch.as_tensor(scale, dtype=torch.float64, device=part.device).reshape(())
+            part = part / torch.stack((s * s, s.new_ones(())))
+        return part if total is None else torch.stack((total[0] + part[0], torch.maximum(total[1], part[1])))
 
     # ---------------------------------------------------------------------------------------
     # Failures: seen, saved, reported
@@ -618,7 +646,7 @@ class ShadowAttention(nn.Module):
             return
         # the read: free on the CPU; elsewhere made for armed sites only
         codes = dict(zip(directions, codes_tensor.tolist(), strict=True))
-        failing = [d for d, code in codes.items() if code]
+        failing = [d for d, code in codes.items() if code > 0]  # < 0: undetermined
         new = [d for d in failing if (site, d) not in self.failures]
         if new:
             self._new_failures(site, step, {d: int(codes[d]) for d in new})
@@ -636,15 +664,18 @@ class ShadowAttention(nn.Module):
         for direction, code in codes.items():
             entry = stats["forward"]["out"] if direction == "out" else stats["backward"][direction]
             first = entry.get("first_failure") or {}
-            kind = FAILURE_KINDS.get(code, "l2")
-            value = first.get("value", float("nan")) if first.get("step") == step else float("nan")
+            kind = CRITERIA.get(code, "relative")
+            same = first.get("step") == step
+            value = first.get("value", float("nan")) if same else float("nan")
+            limit = first.get("limit", float("nan")) if same else float("nan")
             self.failures[(site, direction)] = {
                 "site": site,
                 "direction": direction,
                 "step": step,
                 "kind": kind,
                 "value": value,
-                "reason": failure_reason(kind, value, limit=L2_RATIO_LIMITS[direction]),
+                "limit": limit,
+                "reason": reason(kind, value, limit),
                 "repro": None,
             }
 
@@ -814,6 +845,16 @@ class ShadowAttention(nn.Module):
         self._dropout_calls.clear()
 
 
+def _worst(
+    total: torch.Tensor | None, primary: torch.Tensor, baseline: torch.Tensor, golden: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The running maximum of :func:`~flashprobe.judge.row_statistics` over blocks (None without golden)."""
+    if golden is None:
+        return None
+    part = row_statistics(primary, baseline, golden)
+    return part if total is None else torch.maximum(total, part)
+
+
 def site_verdict(entry: Mapping[str, Any], *, golden: bool = True) -> tuple[str, str]:
     """A site's verdict over its directions: ``fail`` when one failed, ``pass`` when at least one
     was judged and none failed, else ``undetermined``; with the reason in words."""
@@ -825,8 +866,16 @@ def site_verdict(entry: Mapping[str, Any], *, golden: bool = True) -> tuple[str,
             for d in failed
             if directions[d].get("first_failure")
         )
+    undetermined = {
+        why: sum((e.get("undetermined_calls") or {}).get(why, 0) for e in directions.values())
+        for why in ("ill_conditioned", "unrepresentable")
+    }
+    left = ", ".join(f"{n} {why.replace('_', '-')}" for why, n in undetermined.items() if n)
     if any(e.get("verdict") == "pass" for e in directions.values()):
-        return "pass", "every compared call within the rule"
+        note = f" ({left} calls undetermined)" if left else ""
+        return "pass", "every compared call within the rule" + note
+    if left:
+        return "undetermined", f"every judged call undetermined ({left})"
     if not golden:
         return "undetermined", "no FP64 golden value (golden=False): the rule needs it"
     if entry.get("dropout_calls"):

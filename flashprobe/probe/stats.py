@@ -32,14 +32,17 @@ Per direction ``dir`` in ``out, dq, dk, dv``:
   where the input has a NaN/±inf in any head or channel — one NaN token counts once, not once per
   element (:func:`count_nonfinite_positions`).
 
-**The verdict's fields** (the rule: :func:`flashprobe.deviation.judge_sums`, applied on the device
-by :func:`call_judgement` at every call, no host read): ``{dir}.max_l2_ratio`` (MAX: the worst
-call's :func:`~flashprobe.deviation.l2_error_ratio`), ``{dir}.first_fail`` (MAX:
-``FIRST_KEY − step`` of the earliest failing call, 0 when none failed), ``{dir}.fail_calls``
-(SUM), and three **arg fields** after the sums, each the value *at* the call that set its key
-field: ``{dir}.first_fail_kind`` and ``{dir}.first_fail_value`` (at ``first_fail``: the
-:data:`~flashprobe.deviation.FAILURE_KINDS` code and the ratio or count), ``{dir}.max_l2_step``
-(at ``max_l2_ratio``). Across ranks an arg field is taken from the rank whose key field won
+**The verdict's fields** (the rule: :func:`flashprobe.judge.decide`, applied on the device at every
+call, no host read): ``{dir}.max_limit_ratio`` (MAX: the worst call's largest statistic / limit,
+the statistic shown first), ``{dir}.max_l2_ratio`` (MAX: the worst call's L2 error ratio to the
+baseline), ``{dir}.max_absolute`` and ``{dir}.max_row`` (MAX: the worst call's relative L2 error
+against the golden, and its worst row), ``{dir}.first_fail`` (MAX: ``FIRST_KEY − step`` of the
+earliest failing call, 0 when none failed), ``{dir}.fail_calls``, ``{dir}.ill_conditioned_calls``
+and ``{dir}.unrepresentable_calls`` (SUM), and five **arg fields** after the sums, each the value
+*at* the call that set its key field: ``{dir}.first_fail_kind``, ``{dir}.first_fail_value`` and
+``{dir}.first_fail_limit`` (at ``first_fail``: the :data:`~flashprobe.judge.CRITERIA` code, its
+statistic and its limit), ``{dir}.max_l2_step`` (at ``max_l2_ratio``) and ``{dir}.max_limit_step``
+(at ``max_limit_ratio``). Across ranks an arg field is taken from the rank whose key field won
 (:func:`reduce_across_ranks`)::
 
     values[N_MAX:N_SUMS]   sums          -> SUM
@@ -58,18 +61,16 @@ from typing import Any
 import torch
 
 from flashprobe.deviation import (
-    FAILURE_KINDS,
-    L2_RATIO_LIMITS,
     PAIRS,
     SUM_ROWS,
     StatsWorkspace,
     combine_sums,
     error_ratio,
-    failure_reason,
     finish_deviation,
     pair_sums,
     reads_are_free,
 )
+from flashprobe.judge import CRITERIA, decide, error_columns, limits, reason
 
 __all__ = [
     "ARG_FIELDS",
@@ -86,7 +87,6 @@ __all__ = [
     "DeviationStats",
     "StatsWorkspace",
     "call_error_ratio",
-    "call_judgement",
     "combine_sums",
     "count_nonfinite_positions",
     "pair_sums",
@@ -111,6 +111,9 @@ MAX_FIELDS: tuple[str, ...] = tuple(
         f"{d}.max_call_error_ratio",
         f"{d}.noise_floor",
         f"{d}.max_l2_ratio",
+        f"{d}.max_absolute",
+        f"{d}.max_row",
+        f"{d}.max_limit_ratio",
         f"{d}.first_fail",
     )
 )
@@ -123,6 +126,8 @@ SUM_FIELDS: tuple[str, ...] = (
             f"{d}.calls",
             f"{d}.ratio_calls",
             f"{d}.fail_calls",
+            f"{d}.ill_conditioned_calls",
+            f"{d}.unrepresentable_calls",
         )
     ),
     *(f"nonfinite_inputs.{i}" for i in INPUTS),
@@ -134,7 +139,9 @@ ARG_FIELDS: dict[str, str] = {
     for name, key in (
         (f"{d}.first_fail_kind", f"{d}.first_fail"),
         (f"{d}.first_fail_value", f"{d}.first_fail"),
+        (f"{d}.first_fail_limit", f"{d}.first_fail"),
         (f"{d}.max_l2_step", f"{d}.max_l2_ratio"),
+        (f"{d}.max_limit_step", f"{d}.max_limit_ratio"),
     )
 }
 #: Every field, in accumulator order: maxima, sums, then arg fields.
@@ -147,9 +154,11 @@ N_SUMS: int = N_MAX + len(SUM_FIELDS)
 #: float64 for any step below 2**52).
 FIRST_KEY: float = float(2**52)
 
-_MAX_BLOCK = len(PAIRS) + 4  # per direction: 3 max_abs, max_call_error_ratio, noise_floor, l2, first
-_SUM_BLOCK = len(PAIRS) * len(_SUMS) + 3  # per direction: 15 sums, calls, ratio_calls, fail_calls
-_ARG_BLOCK = 3  # per direction: first_fail_kind, first_fail_value, max_l2_step
+# per direction: 3 max_abs, max_call_error_ratio, noise_floor, l2, absolute, row, limit_ratio, first
+_MAX_BLOCK = len(PAIRS) + 7
+# per direction: 15 sums, calls, ratio_calls, fail_calls, ill_conditioned_calls, unrepresentable_calls
+_SUM_BLOCK = len(PAIRS) * len(_SUMS) + 5
+_ARG_BLOCK = 5  # per direction: first_fail_kind, _value, _limit, max_l2_step, max_limit_step
 _INPUTS_AT = N_MAX + len(DIRECTIONS) * _SUM_BLOCK
 _ARG_KEYS = [FIELDS.index(key) for key in ARG_FIELDS.values()]
 
@@ -213,41 +222,6 @@ def _error_ratio(
     return ratio, defined
 
 
-def call_judgement(
-    sums: torch.Tensor, dtype: torch.dtype, limit: torch.Tensor | float = L2_RATIO_LIMITS["out"]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The verdict's rule (:func:`flashprobe.deviation.judge_sums`) on the device, no host read.
-
-    Args:
-        sums: ``(K, 7, 3)`` :func:`pair_sums` of ``K`` directions of one call (golden pairs).
-        dtype: the dtype the kernels computed in (the L2 floor's ``eps``).
-        limit: the L2 ratio limit, or ``(K,)`` limits (one per direction).
-
-    Returns:
-        ``(l2, kind, value)``, each ``(K,)`` float64: the :func:`~flashprobe.deviation.l2_error_ratio`
-        (0 where undefined), the failure code (0 pass, 1 non-finite, 2 L2; see
-        :data:`~flashprobe.deviation.FAILURE_KINDS`) and its value (the extra non-finite positions,
-        else the ratio).
-    """
-    return _judgement(sums.reshape(-1, len(SUM_ROWS) * len(PAIRS)).unbind(1), dtype, limit)
-
-
-def _judgement(
-    c: Sequence[torch.Tensor], dtype: torch.dtype, limit: torch.Tensor | float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`call_judgement` from the columns ``c`` of ``(K, 7, 3)`` sums flattened to ``(K, 21)``
-    (column :data:`_AT` ``[row, pair]``)."""
-    pg, bg, g = c[_AT[2, 1]], c[_AT[2, 2]], c[_AT[3, 1]]  # sum_sq_diff of p-g and b-g, sum_sq_ref (g)
-    nonfinite_p, nonfinite_b = c[_AT[4, 1]], c[_AT[4, 2]]
-    denominator = torch.maximum(bg, ((0.5 * torch.finfo(dtype).eps) ** 2) * g)
-    l2 = torch.where(denominator > 0, torch.div(pg, denominator).sqrt_(), 0.0)  # (0/0 is discarded)
-    extra = nonfinite_p - nonfinite_b
-    nonfinite = extra > 0
-    above = (l2 > limit).to(torch.float64)
-    kind = torch.where(nonfinite, 1.0, above + above)  # 1 non-finite, else 2 above the limit, else 0
-    return l2, kind, torch.where(nonfinite, extra, l2)
-
-
 #: Column of ``(row, pair)`` in a :func:`pair_sums` result flattened row-major to ``7 · 3`` columns.
 _AT = {(i, j): i * len(PAIRS) + j for i in range(len(SUM_ROWS)) for j in range(len(PAIRS))}
 #: The flattened columns of the accumulator's sums, in :data:`SUM_FIELDS` order (pair-major, rows
@@ -269,39 +243,60 @@ class DeviationStats:
     def __init__(self, device: torch.device | str, *, golden: bool = True) -> None:
         self.values = torch.zeros(len(FIELDS), dtype=torch.float64, device=device)
         self.golden = golden
-        self._limit_cache: dict[tuple[int, int], torch.Tensor] = {}
+        self._limit_cache: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         # Per-direction views of the accumulator: maxima, sums (without the input counts), arg fields.
         self._maxima = self.values[:N_MAX].view(len(DIRECTIONS), _MAX_BLOCK)
         self._sums = self.values[N_MAX:_INPUTS_AT].view(len(DIRECTIONS), _SUM_BLOCK)
         self._args = self.values[N_SUMS:].view(len(DIRECTIONS), _ARG_BLOCK)
-        # The key field of each arg field, in a direction's maxima: first_fail (twice), max_l2_ratio.
-        self._arg_keys = torch.tensor([_MAX_BLOCK - 1, _MAX_BLOCK - 1, _MAX_BLOCK - 2], device=device)
+        # The key field of each arg field, in a direction's maxima: first_fail (three times),
+        # max_l2_ratio, max_limit_ratio.
+        first, l2, score = _MAX_BLOCK - 1, len(PAIRS) + 2, _MAX_BLOCK - 2
+        self._arg_keys = torch.tensor([first, first, first, l2, score], device=device)
         self._sum_columns = torch.tensor(_SUM_COLUMNS, device=device)
 
-    def add(self, direction: str, sums: torch.Tensor, dtype: torch.dtype, step: int = 0) -> torch.Tensor:
+    def add(
+        self,
+        direction: str,
+        sums: torch.Tensor,
+        dtype: torch.dtype,
+        step: int = 0,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Fold one call's ``(7, P)`` :func:`pair_sums` into ``direction`` (``out``/``dq``/``dk``/``dv``).
 
         Args:
             direction: ``out``, ``dq``, ``dk`` or ``dv``.
             sums: the call's :func:`pair_sums` (``P`` = 3 with golden, else 1).
-            dtype: the dtype the kernels computed in (sets the noise floor's ``eps``).
+            dtype: the dtype the kernels computed in (sets the limits and the noise floor's ``eps``).
             step: the training step of the call (recorded with its failure).
+            rows: the call's ``(3,)`` :func:`flashprobe.judge.row_statistics` (None: the row criterion is
+                not applied).
 
         Returns:
-            The call's failure code, a 0-d float64 tensor on the device (see :meth:`add_many`).
+            The call's criterion code, a 0-d float64 tensor on the device (see :meth:`add_many`).
         """
-        return self.add_many({direction: sums}, dtype, step)[1][0]
+        row = None if rows is None else {direction: rows}
+        return self.add_many({direction: sums}, dtype, step, row)[1][0]
 
     def add_many(
-        self, sums: Mapping[str, torch.Tensor], dtype: torch.dtype, step: int = 0
+        self,
+        sums: Mapping[str, torch.Tensor],
+        dtype: torch.dtype,
+        step: int = 0,
+        rows: Mapping[str, torch.Tensor] | None = None,
+        noise: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[tuple[str, ...], torch.Tensor]:
         """:meth:`add` for several directions of one call (e.g. ``out``, ``dq``, ``dk``, ``dv``), with
         one set of small tensor ops per run of adjacent directions instead of one per direction.
+        ``rows`` are the directions' :func:`~flashprobe.judge.row_statistics`, ``noise`` the
+        :func:`~flashprobe.judge.noise_statistics` of a second baseline form (the flash form of the
+        backward), where computed.
 
         Returns:
-            ``(directions, codes)``: the directions in :data:`DIRECTIONS` order and their failure
-            codes, a ``(K,)`` float64 tensor on the device (0: the call passed, or no golden), for a
-            caller that reads them where a host read is free (the CPU).
+            ``(directions, codes)``: the directions in :data:`DIRECTIONS` order and their
+            :data:`~flashprobe.judge.CRITERIA` codes, a ``(K,)`` float64 tensor on the device (0: the
+            call passed, or no golden; > 0 failed; < 0 undetermined), for a caller that reads them
+            where a host read is free (the CPU).
         """
         order = tuple(sorted(sums, key=DIRECTIONS.index))
         if not order:  # e.g. a backward with nothing to compare (an empty batch)
@@ -313,15 +308,32 @@ class DeviationStats:
                 runs[-1].append(direction)
             else:
                 runs.append([direction])
+        zeros = torch.zeros(3, dtype=torch.float64, device=self.values.device)
+        rows, noise = rows or {}, noise or {}
         codes = [
-            self._add_run(DIRECTIONS.index(run[0]), torch.stack([sums[d] for d in run]), dtype, step)
+            self._add_run(
+                DIRECTIONS.index(run[0]),
+                torch.stack([sums[d] for d in run]),
+                torch.stack([rows.get(d, zeros).to(zeros) for d in run]),
+                torch.stack([noise.get(d, zeros[:2]).to(zeros) for d in run]),
+                dtype,
+                step,
+            )
             for run in runs
         ]
         return order, codes[0] if len(codes) == 1 else torch.cat(codes)
 
-    def _add_run(self, first: int, sums: torch.Tensor, dtype: torch.dtype, step: int) -> torch.Tensor:
-        """Fold ``(K, 7, P)`` sums into the ``K`` adjacent directions from ``DIRECTIONS[first]``;
-        returns the ``(K,)`` failure codes."""
+    def _add_run(
+        self,
+        first: int,
+        sums: torch.Tensor,
+        rows: torch.Tensor,
+        noise: torch.Tensor,
+        dtype: torch.dtype,
+        step: int,
+    ) -> torch.Tensor:
+        """Fold ``(K, 7, P)`` sums and ``(K, 3)`` row statistics into the ``K`` adjacent directions from
+        ``DIRECTIONS[first]``; returns the ``(K,)`` criterion codes."""
         sums = sums.to(self.values.device)
         k, _, pairs = sums.shape
         maxima = self._maxima[first : first + k]
@@ -333,33 +345,36 @@ class DeviationStats:
             c = flat.unbind(1)
             floor = torch.maximum(c[_AT[6, 1]], c[_AT[6, 2]]).mul_(0.5 * torch.finfo(dtype).eps)  # (K,)
             ratio, defined = _error_ratio(c[_AT[0, 1]], c[_AT[0, 2]], floor)
-            l2, kind, value = _judgement(c, dtype, self._limits(first, k))
-            failed = (kind > 0).to(torch.float64)
+            errors = error_columns(sums, rows.to(sums), noise.to(sums))
+            code, value, bound, judged = decide(errors, dtype, self._limits(first, k, dtype))
+            score, absolute, _, l2, row = judged.unbind(1)
+            failed = (code > 0).to(torch.float64)
             key = failed * (FIRST_KEY - step)  # float64: exact steps
+            at = l2.new_full((k,), float(step))
             # The arg fields change where this call sets a new maximum of their key field.
-            new = torch.stack((kind, value, l2.new_full((k,), float(step))), dim=1)  # (K, 3)
-            now = torch.stack((key, key, l2), dim=1) > maxima.index_select(1, self._arg_keys)  # (K, 3)
+            new = torch.stack((code, value, bound, at, at), dim=1)  # (K, 5)
+            now = torch.stack((key, key, key, l2, score), dim=1) > maxima.index_select(1, self._arg_keys)
             torch.where(now, new, args, out=args)
-            extra = torch.stack((ratio, floor, l2, key), dim=1)  # (K, 4)
+            extra = torch.stack((ratio, floor, l2, absolute, row, score, key), dim=1)  # (K, 7)
+            counts = torch.stack(
+                (torch.ones_like(defined), defined, failed, (code == -1).to(failed), (code == -2).to(failed)),
+                dim=1,
+            )
         else:
-            extra, defined = sums.new_zeros(k, 4), sums.new_zeros(k)
-            kind = failed = sums.new_zeros(k)
+            extra, code = sums.new_zeros(k, 7), sums.new_zeros(k)
+            counts = torch.cat((sums.new_ones(k, 1), sums.new_zeros(k, 4)), dim=1)
         torch.maximum(maxima, torch.cat((flat[:, : len(PAIRS)], extra), dim=1), out=maxima)
-        counts = torch.stack((torch.ones_like(defined), defined, failed), dim=1)  # calls, ratio_calls, fails
-        self._sums[first : first + k].add_(
-            torch.cat((flat.index_select(1, self._sum_columns), counts), dim=1)
-        )
-        return kind
+        sums_now = torch.cat((flat.index_select(1, self._sum_columns), counts), dim=1)
+        self._sums[first : first + k].add_(sums_now)
+        return code
 
-    def _limits(self, first: int, k: int) -> torch.Tensor:
-        """The ``(K,)`` L2 limits of the directions from ``DIRECTIONS[first]`` (cached on the device)."""
-        key = (first, k)
+    def _limits(self, first: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+        """The ``(K, 3)`` :func:`~flashprobe.judge.limits` of the directions from ``DIRECTIONS[first]``
+        at ``dtype`` (cached on the device)."""
+        key = (first, k, dtype)
         cached = self._limit_cache.get(key)
         if cached is None:
-            names = DIRECTIONS[first : first + k]
-            cached = torch.tensor(
-                [L2_RATIO_LIMITS[d] for d in names], dtype=torch.float64, device=self.values.device
-            )
+            cached = limits(dtype, DIRECTIONS[first : first + k]).to(self.values.device)
             self._limit_cache[key] = cached
         return cached
 
@@ -441,10 +456,15 @@ def stats_dict(values: Sequence[float], *, golden: bool = True) -> dict[str, Any
         ``primary_golden`` over that of ``baseline_golden`` floored at ``noise_floor``, as
         :func:`flashprobe.deviation.error_ratio`; None when undefined), ``max_call_error_ratio``
         (the worst single call; None when no call's ratio was defined), ``noise_floor``, and the
-        verdict's entries: ``verdict`` (``pass``/``fail``; None when nothing was judged: no call,
-        or no golden), ``l2_error_ratio`` (the worst call's) and ``l2_error_ratio_step``,
-        ``failed_calls``, ``first_failure`` (``{step, kind, value, reason}`` of the earliest failing
-        call, or None).
+        verdict's entries (:mod:`flashprobe.judge`): ``verdict`` (``fail`` when a call failed,
+        ``undetermined`` when every call was, else ``pass``; None when nothing was judged: no call,
+        or no golden), ``limit_ratio`` (the statistic shown first: the worst call's largest
+        statistic / limit, > 1 fails) and ``limit_ratio_step``, ``absolute_error`` (the worst call's
+        relative L2 error against the golden), ``worst_row_error``, ``l2_error_ratio`` (the worst
+        call's L2 error ratio to the baseline) and ``l2_error_ratio_step``, ``failed_calls``,
+        ``undetermined_calls`` (``{ill_conditioned, unrepresentable}`` counts) and ``first_failure``
+        (``{step, kind, value, limit, reason}`` of the earliest failing call, ``kind`` the criterion
+        that fired; or None).
     """
     if len(values) != len(FIELDS):
         raise ValueError(f"expected {len(FIELDS)} accumulator values, got {len(values)}")
@@ -484,27 +504,44 @@ def _judged(fields: Mapping[str, float], d: str, judged: bool) -> dict[str, Any]
     if not judged:
         return {
             "verdict": None,
+            "limit_ratio": None,
+            "limit_ratio_step": None,
+            "absolute_error": None,
+            "worst_row_error": None,
             "l2_error_ratio": None,
             "l2_error_ratio_step": None,
             "failed_calls": 0,
+            "undetermined_calls": {"ill_conditioned": 0, "unrepresentable": 0},
             "first_failure": None,
         }
+    calls = int(fields[f"{d}.calls"])
     failed = int(fields[f"{d}.fail_calls"])
+    undetermined = {
+        "ill_conditioned": int(fields[f"{d}.ill_conditioned_calls"]),
+        "unrepresentable": int(fields[f"{d}.unrepresentable_calls"]),
+    }
     first = None
     if failed and fields[f"{d}.first_fail"] > 0:
-        kind = FAILURE_KINDS.get(int(fields[f"{d}.first_fail_kind"]), "l2")
-        value = fields[f"{d}.first_fail_value"]
+        kind = CRITERIA.get(int(fields[f"{d}.first_fail_kind"]), "relative")
+        value, limit = fields[f"{d}.first_fail_value"], fields[f"{d}.first_fail_limit"]
         first = {
             "step": int(FIRST_KEY - fields[f"{d}.first_fail"]),
             "kind": kind,
             "value": value,
-            "reason": failure_reason(kind, value, limit=L2_RATIO_LIMITS[d]),
+            "limit": limit,
+            "reason": reason(kind, value, limit),
         }
+    verdict = "fail" if failed else ("undetermined" if sum(undetermined.values()) >= calls else "pass")
     return {
-        "verdict": "fail" if failed else "pass",
+        "verdict": verdict,
+        "limit_ratio": fields[f"{d}.max_limit_ratio"],
+        "limit_ratio_step": int(fields[f"{d}.max_limit_step"]),
+        "absolute_error": fields[f"{d}.max_absolute"],
+        "worst_row_error": fields[f"{d}.max_row"],
         "l2_error_ratio": fields[f"{d}.max_l2_ratio"],
         "l2_error_ratio_step": int(fields[f"{d}.max_l2_step"]),
         "failed_calls": failed,
+        "undetermined_calls": undetermined,
         "first_failure": first,
     }
 

@@ -14,7 +14,6 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from flashprobe.deviation import L2_RATIO_LIMITS, failure_reason
 from flashprobe.probe.stats import GRADIENTS, PAIRS, worst
 
 _ORDER = ("out", "dq", "dk", "dv")  # failures sort by step, site, then this
@@ -30,21 +29,29 @@ def summarize(stats: Mapping[str, Any]) -> dict[str, Any]:
             (not flattened).
 
     Returns:
-        ``sites``, ``forward_calls``, ``backward_calls``, ``max_error_ratio`` (forward) and
-        ``max_error_ratio_site``, ``max_call_error_ratio``, ``max_backward_error_ratio`` and
-        its site (``"site:dq"``), ``max_abs`` per pair (forward), ``nonfinite`` (all pairs,
+        ``sites``, ``forward_calls``, ``backward_calls``; ``limit_ratio``, the worse of
+        ``max_limit_ratio`` (forward) and
+        ``max_limit_ratio_site``, ``max_backward_limit_ratio`` and its site (``"site:dq"``): the
+        verdict's statistic (:data:`flashprobe.judge.SCORE`: the worst call's statistic / limit over
+        the criteria, > 1 fails), shown first; ``undetermined_calls`` (ill-conditioned or
+        unrepresentable, all directions); the ratio of maxima against the golden (flash-attention's
+        statistic, not the verdict's): ``max_error_ratio`` (forward) and ``max_error_ratio_site``,
+        ``max_call_error_ratio``, ``max_backward_error_ratio`` and its site; ``max_abs`` per pair
+        (forward), ``nonfinite`` (all pairs,
         directions and inputs), ``nonfinite_sites``, ``shadow_errors``,
         ``primary_nonfinite_sites``: the sites where the **primary** returned non-finite values
         from finite inputs where the baseline did not (a kernel bug, not the data), with
         ``primary_nonfinite`` the number of such values; ``verdict``: ``fail`` when a site failed,
         ``pass`` when every site passed, else ``undetermined`` (no site, or a site with nothing
         judged), with ``verdict_reason``; ``worst_failure``: the failing site and direction with
-        the largest L2 error ratio (``{site, direction, step, kind, value, reason}``), or None;
+        the largest ``limit_ratio`` (``{site, direction, step, kind, value, reason}``), or None;
         ``failures``: the first failure of each site and direction, in step order, then the worst
         (``"worst": True``).
     """
     fwd = {s: e["forward"]["out"] for s, e in stats.items()}
     bwd = {(s, d): e["backward"][d] for s, e in stats.items() for d in GRADIENTS}
+    limit_site = _argworst({s: f.get("limit_ratio") for s, f in fwd.items()})
+    limit_bwd = _argworst({k: b.get("limit_ratio") for k, b in bwd.items()})
     ratio_site = _argworst({s: f["error_ratio"] for s, f in fwd.items()})
     bwd_site = _argworst({k: b["error_ratio"] for k, b in bwd.items()})
     nonfinite = {site: _nonfinite(entry) for site, entry in stats.items()}
@@ -53,6 +60,19 @@ def summarize(stats: Mapping[str, Any]) -> dict[str, Any]:
         "sites": len(stats),
         "forward_calls": sum(e["forward"]["calls"] for e in stats.values()),
         "backward_calls": sum(e["backward"]["calls"] for e in stats.values()),
+        "limit_ratio": worst(
+            [
+                None if limit_site is None else fwd[limit_site]["limit_ratio"],
+                None if limit_bwd is None else bwd[limit_bwd]["limit_ratio"],
+            ]
+        ),
+        "max_limit_ratio": None if limit_site is None else fwd[limit_site]["limit_ratio"],
+        "max_limit_ratio_site": limit_site,
+        "max_backward_limit_ratio": None if limit_bwd is None else bwd[limit_bwd]["limit_ratio"],
+        "max_backward_limit_ratio_site": None if limit_bwd is None else f"{limit_bwd[0]}:{limit_bwd[1]}",
+        "undetermined_calls": sum(
+            sum((e.get("undetermined_calls") or {}).values()) for e in (*fwd.values(), *bwd.values())
+        ),
         "max_error_ratio": None if ratio_site is None else fwd[ratio_site]["error_ratio"],
         "max_error_ratio_site": ratio_site,
         "max_call_error_ratio": worst([f["max_call_error_ratio"] for f in fwd.values()]),
@@ -90,16 +110,19 @@ def _verdict(stats: Mapping[str, Any]) -> dict[str, Any]:
             e = entry["forward"]["out"] if d == "out" else entry["backward"][d]
             if e.get("verdict") != "fail":
                 continue
-            ratio = e.get("l2_error_ratio") or 0.0
+            ratio = e.get("limit_ratio") or 0.0
             if ratio > best:
                 best = ratio
                 worst_failure = {
                     "site": site,
                     "direction": d,
-                    "step": e.get("l2_error_ratio_step"),
-                    "kind": "l2",
+                    "step": e.get("limit_ratio_step"),
+                    "kind": "limit_ratio",
                     "value": ratio,
-                    "reason": f"worst call: {failure_reason('l2', ratio, limit=L2_RATIO_LIMITS[d])}",
+                    "reason": f"worst call: {d}: {ratio:.3g}x its limit (relative L2 error "
+                    f"{e.get('absolute_error') or 0.0:.3g} against the golden, worst row "
+                    f"{e.get('worst_row_error') or 0.0:.3g}, "
+                    f"{e.get('l2_error_ratio') or 0.0:.3g}x the baseline's)",
                 }
     failures = [
         {"site": site, "direction": d, **e["first_failure"]}
@@ -151,7 +174,16 @@ def _argworst(values: Mapping[Any, float | None]) -> Any:
 
 
 #: The summary's headline statistics that the training callbacks log as ``probe/<name>``.
-SUMMARY_SCALARS = ("max_error_ratio", "max_call_error_ratio", "max_backward_error_ratio", "nonfinite")
+SUMMARY_SCALARS = (
+    "limit_ratio",
+    "max_limit_ratio",
+    "max_backward_limit_ratio",
+    "undetermined_calls",
+    "max_error_ratio",
+    "max_call_error_ratio",
+    "max_backward_error_ratio",
+    "nonfinite",
+)
 
 
 def summary_scalars(summary: Mapping[str, Any]) -> dict[str, float]:

@@ -32,18 +32,19 @@ def test_train_writes_the_run_directory(tmp_path: Path) -> None:
     assert [r["step"] for r in records] == [2, 4]
     sites = set(records[-1]["sites"])
     assert any(".cross_attn" in s for s in sites) and any(".attn" in s for s in sites)
-    ratio = records[-1]["summary"]["max_error_ratio"]
-    assert ratio is not None and 0 < ratio < 10  # flash vs math at fp32: within the noise floor
+    assert 0 < records[-1]["summary"]["max_error_ratio"] < 10  # flash vs math at fp32: the noise floor
+    ratio = records[-1]["summary"]["limit_ratio"]  # the verdict's statistic: error / limit
+    assert ratio is not None and 0 < ratio < 1
     # the same statistics reached the CSV logger and the progress bar metric
     with (tmp_path / "csv" / "version_0" / "metrics.csv").open() as f:
         rows = list(csv.DictReader(f))
-    logged = [float(r["probe/max_error_ratio"]) for r in rows if r.get("probe/max_error_ratio")]
+    logged = [float(r["probe/limit_ratio"]) for r in rows if r.get("probe/limit_ratio")]
     assert logged[-1] == pytest.approx(ratio)
-    assert metrics["probe/max_error_ratio"] == pytest.approx(ratio, rel=1e-6)  # the progress bar's
+    assert metrics["probe/limit_ratio"] == pytest.approx(ratio, rel=1e-6)  # the progress bar's
     # one name per metric, and every probe value of a logging step in its row (no per-site columns)
     probe_columns = {c for c in rows[0] if c.startswith("probe/")}
     assert "probe/err_ratio" not in probe_columns and not any(c.count("/") > 2 for c in probe_columns)
-    last = next(r for r in reversed(rows) if r.get("probe/max_error_ratio"))
+    last = next(r for r in reversed(rows) if r.get("probe/limit_ratio"))
     assert last["probe/failed"] == "0.0" and last["probe/nonfinite"] == "0.0"
     # W&B ran offline into the run directory
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))

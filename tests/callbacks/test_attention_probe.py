@@ -336,7 +336,7 @@ def test_a_correct_kernel_passes_and_a_resumed_run_keeps_its_failures(
     callback = AttentionProbe(backward=True, dirpath=tmp_path, on_failure="raise", log_every_n_steps=1)
     with caplog.at_level("INFO", logger="flashprobe.callbacks.attention_probe"):
         _trainer(callback, max_steps=6).fit(_Scheduled())
-    assert "AttentionProbe: verdict PASS: 2 sites, worst forward error ratio" in caplog.text
+    assert "AttentionProbe: verdict PASS: 2 sites, worst error / limit" in caplog.text
     records = _records(tmp_path / "probe.jsonl")
     assert [r["summary"]["verdict"] for r in records] == ["pass"] * 6
     assert not (tmp_path / "repro").exists()

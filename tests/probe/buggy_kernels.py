@@ -26,8 +26,10 @@ with the one bug inserted. :func:`correct_flash` is that code path with no bug.
 :data:`BUGS` maps each bug's name to a :class:`BugSpec`: the kernel, the first direction it
 corrupts (``"out"``, ``"dq"``, ``"dk"``, ``"dv"``, in that order), its trigger in words, one call
 that triggers it (:meth:`BugSpec.trigger_case`) and, where one exists, one that does not
-(:meth:`BugSpec.quiet_case`). :func:`register_buggy_kernels` registers them as ``bug_<name>`` and
-:func:`correct_flash` as ``bug_none``.
+(:meth:`BugSpec.quiet_case`). :func:`register_buggy_kernels` registers them as ``bug_<name>``,
+:func:`correct_flash` as ``bug_none`` and the correct kernels with production numerics
+(:data:`CORRECT`: the flash-style backward, exp2 with the scale folded into log2(e), split-K with a
+log-sum-exp combine) as ``ok_<name>``.
 
 Triggers are chosen so a tiny training loop can hit them by changing its shapes: a sequence length
 (``N % 32``, ``N > 64``), the head dim (``D > 64``), the batch size (``B > 1``), the layout
@@ -45,6 +47,7 @@ import torch
 
 __all__ = [
     "BUGS",
+    "CORRECT",
     "DIRECTIONS",
     "BugSpec",
     "Case",
@@ -337,6 +340,8 @@ class _Backward:
     ds_bf16: bool = False
     dv_unmasked: bool = False
     gqa_first_head: bool = False
+    drop_delta: bool = False
+    kv_tile_zeroed: bool = False
 
 
 _CORRECT = _Backward()
@@ -389,7 +394,7 @@ class _FlashAttention(torch.autograd.Function):
         dv = p_v.transpose(-2, -1) @ do
         dp = do @ vc.transpose(-2, -1)
         delta = (do * o).sum(dim=-1, keepdim=True)
-        ds = p * (dp - delta)
+        ds = p * (dp if bug.drop_delta else dp - delta)
         if bug.ds_bf16 and q.dtype == torch.float32:
             ds = ds.to(torch.bfloat16).to(c)
         dq = (ds @ kc) * (1.0 if bug.dq_unscaled else scale)
@@ -398,6 +403,9 @@ class _FlashAttention(torch.autograd.Function):
             dq = dq + float("nan")
         if bug.dk_tile_32 and n_k % 32:
             dk[..., n_k - n_k % 32 :, :] = 0.0
+        if bug.kv_tile_zeroed and n_k > 2 * KEY_TILE:  # the second key tile skipped in dk and dv
+            dk[..., KEY_TILE : 2 * KEY_TILE, :] = 0.0
+            dv[..., KEY_TILE : 2 * KEY_TILE, :] = 0.0
         if kv_heads != heads:
             rep = heads // kv_heads
             dk = dk.view(b, kv_heads, rep, n_k, -1)
@@ -473,6 +481,158 @@ def gqa_grad_not_summed(q, k, v, *, attn_mask=None, is_causal=False, scale=None)
     are right.
     """
     return _flash(q, k, v, attn_mask, is_causal, scale, _Backward(gqa_first_head=True))
+
+
+def delta_dropped(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: a gradient term dropped: ``dS = P ∘ dP`` without ``− rowsum(dO ∘ O)``.
+
+    Trigger: every call (dq and dk are wrong by tens of percent or more; the forward and dv are
+    right). A weak-baseline class: in 16 bits the plain baseline's own gradient error is percents,
+    so a ratio to it is lenient; the ``absolute`` criterion catches it.
+    """
+    return _flash(q, k, v, attn_mask, is_causal, scale, _Backward(drop_delta=True))
+
+
+#: keys per key tile of the tiled bugs
+KEY_TILE = 16
+
+
+def kv_tile_zeroed(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: a localised backward bug: dk and dv are zero for the second key tile
+    (keys 16–31).
+
+    Trigger: ``N_k > 32``. Quiet for ``N_k <= 32``. The forward and dq are right; 16 of the keys
+    are wrong, which a whole-tensor L2 averages away (the ``row`` criterion catches it).
+    """
+    return _flash(q, k, v, attn_mask, is_causal, scale, _Backward(kv_tile_zeroed=True))
+
+
+# ----------------------------------------------------------------------------------------------
+# localised forward bugs
+# ----------------------------------------------------------------------------------------------
+
+#: query rows per row tile of the tail-row bug
+ROW_TILE = 16
+
+
+def tail_rows_stale(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: wrong tail query rows: the rows of a partial last row tile get the rows one tile
+    above (a stale tile buffer).
+
+    Trigger: ``N_q % 16 != 0`` and ``N_q > 16``. Quiet for ``N_q`` a multiple of 16.
+    """
+    out = _forward_bug(q, k, v, attn_mask, is_causal, scale)
+    n_q = q.shape[-2]
+    tail = n_q % ROW_TILE
+    if not tail or n_q <= ROW_TILE:
+        return out
+    index = torch.arange(n_q, device=q.device)
+    index[n_q - tail :] -= ROW_TILE
+    return out.index_select(-2, index)
+
+
+def one_head_wrong(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: one wrong head: the last query head reads the first head's values.
+
+    Trigger: ``H > 1`` (with equal key/value heads). Quiet for one head. The other heads are right.
+    """
+    k, v = _expand_kv(k, v, q.shape[1])
+    if q.shape[1] > 1:
+        heads = torch.arange(q.shape[1], device=q.device)
+        heads[-1] = 0
+        v = v.index_select(1, heads)
+    return _forward_bug(q, k, v, attn_mask, is_causal, scale)
+
+
+def one_batch_wrong(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: one wrong batch entry: the last entry reads its values in reverse key order.
+
+    Trigger: ``B > 1``. Quiet for ``B == 1``. The other entries are right.
+    """
+    if q.shape[0] > 1:
+        v = torch.cat((v[:-1], v[-1:].flip(-2)))
+    return _forward_bug(q, k, v, attn_mask, is_causal, scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# correct kernels with production numerics
+# ----------------------------------------------------------------------------------------------
+
+LOG2E = 1.4426950408889634
+
+
+def exp2_folded(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Correct: FlashAttention's exponent, ``exp2(s·c − m·c)`` with the scale folded into
+    ``c = scale · log2(e)`` (FA2/FA3 and the Triton tutorial), in fp32 for 16-bit inputs.
+
+    Its error grows with |logit| (the rounding of ``s·c``, about ``|s|·eps``): right, and the
+    judge must pass it, sentinel-range logits (-1e4 … -1e5) included.
+    """
+    _check(q, k, v, attn_mask, is_causal)
+    k, v = _expand_kv(k, v, q.shape[1])
+    keep, bias = _masks(attn_mask, is_causal, q.shape[-2], k.shape[-2], q.device)
+    c = _compute_dtype(q.dtype)
+    qc, kc, vc = q.to(c), k.to(c), v.to(c)
+    if kc.shape[-2] == 0:
+        return q.new_zeros(*q.shape[:-1], v.shape[-1])
+    s2 = (qc @ kc.transpose(-2, -1)) * (_scale(q.shape[-1], scale) * LOG2E)
+    if bias is not None:
+        s2 = s2 + bias.to(c) * LOG2E
+    if keep is not None:
+        s2 = s2.masked_fill(~keep, _NEG_INF)
+    m = s2.detach().amax(dim=-1, keepdim=True)
+    dead = m == _NEG_INF
+    p = torch.exp2(s2 - m.masked_fill(dead, 0.0))
+    denom = p.sum(dim=-1, keepdim=True)
+    out = (p @ vc) / denom.masked_fill(dead, 1.0)
+    return out.masked_fill(dead, 0.0).to(q.dtype)
+
+
+#: keys per split of the split-K kernel
+SPLIT_KEYS = 32
+
+
+def split_k_lse(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Correct: flash-decoding's split-K: each split of 32 keys gives its normalised output ``o_i``
+    and log-sum-exp ``lse_i``; they are combined as ``Σ exp(lse_i − lse) · o_i`` with
+    ``lse = logsumexp_i lse_i`` (in fp32 for 16-bit inputs)."""
+    _check(q, k, v, attn_mask, is_causal)
+    k, v = _expand_kv(k, v, q.shape[1])
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    keep, bias = _masks(attn_mask, is_causal, n_q, n_k, q.device)
+    c = _compute_dtype(q.dtype)
+    qc, kc, vc = q.to(c), k.to(c), v.to(c)
+    if n_k == 0:
+        return q.new_zeros(*q.shape[:-1], v.shape[-1])
+    s = (qc @ kc.transpose(-2, -1)) * _scale(q.shape[-1], scale)
+    if bias is not None:
+        s = s + bias.to(c)
+    if keep is not None:
+        s = s.masked_fill(~keep, _NEG_INF)
+    outs, lses = [], []
+    for start in range(0, n_k, SPLIT_KEYS):
+        part = s[..., start : start + SPLIT_KEYS]
+        m = part.detach().amax(dim=-1, keepdim=True)
+        dead = m == _NEG_INF
+        e = torch.exp(part - m.masked_fill(dead, 0.0))
+        denom = e.sum(dim=-1, keepdim=True)
+        outs.append((e @ vc[..., start : start + SPLIT_KEYS, :]) / denom.masked_fill(dead, 1.0))
+        lses.append((m + torch.log(denom.masked_fill(dead, 1.0))).masked_fill(dead, _NEG_INF))
+    lse = torch.stack(lses)  # (splits, B, H, N_q, 1)
+    top = lse.detach().amax(dim=0)
+    dead = top == _NEG_INF
+    weights = torch.exp(lse - top.masked_fill(dead, 0.0))  # exp(lse_i - max): 0 for empty splits
+    weights = weights / weights.sum(dim=0).masked_fill(dead, 1.0)
+    out = (weights * torch.stack(outs)).sum(dim=0)
+    return out.masked_fill(dead, 0.0).to(q.dtype)
+
+
+#: Correct kernels with production numerics, beside :func:`correct_flash`.
+CORRECT: dict[str, Callable[..., torch.Tensor]] = {
+    "flash_backward": correct_flash,
+    "exp2_folded": exp2_folded,
+    "split_k_lse": split_k_lse,
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -665,6 +825,26 @@ BUGS: dict[str, BugSpec] = {
             "gqa_grad_not_summed", gqa_grad_not_summed, "dk", "H_kv < H, un-expanded k/v",
             Case(h=4, h_kv=1, mask="additive"), Case(h=4, mask="additive"),
         ),
+        BugSpec(
+            "delta_dropped", delta_dropped, "dq", "every call (dS without rowsum(dO·O))",
+            Case(n_q=24, n_k=40, dtype=torch.float16),
+        ),
+        BugSpec(
+            "kv_tile_zeroed", kv_tile_zeroed, "dk", "N_k > 32 (dk, dv zero for keys 16-31)",
+            Case(n_q=24, n_k=77, b=2, dtype=BF16), Case(n_q=24, n_k=32, b=2, dtype=BF16),
+        ),
+        BugSpec(
+            "tail_rows_stale", tail_rows_stale, "out", "N_q % 16 != 0, N_q > 16 (tail rows stale)",
+            Case(n_q=40, n_k=77, dtype=BF16), Case(n_q=48, n_k=77, dtype=BF16),
+        ),
+        BugSpec(
+            "one_head_wrong", one_head_wrong, "out", "H > 1 (last head reads head 0's values)",
+            Case(h=4, n_q=32, is_causal=True, dtype=torch.float16), Case(h=1, n_q=32, is_causal=True),
+        ),
+        BugSpec(
+            "one_batch_wrong", one_batch_wrong, "out", "B > 1 (last entry's values reversed)",
+            Case(b=3, n_q=24, mask="key_padding", dtype=BF16), Case(b=1, n_q=24, mask="key_padding"),
+        ),
     )
 }  # fmt: skip
 
@@ -680,4 +860,7 @@ def register_buggy_kernels() -> list[str]:
         names.append(f"bug_{spec.name}")
     register_kernel("bug_none", correct_flash, overwrite=True)
     names.append("bug_none")
+    for name, fn in CORRECT.items():
+        register_kernel(f"ok_{name}", fn, overwrite=True)
+        names.append(f"ok_{name}")
     return names

@@ -25,7 +25,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from flashprobe.kernels import get_kernel
 from flashprobe.probe import probe
 from flashprobe.probe.call import SdpaCall, run_kernel
-from tests.probe.buggy_kernels import BUGS, DIRECTIONS, BugSpec, Case, correct_flash, register_buggy_kernels
+from tests.probe.buggy_kernels import (
+    BUGS,
+    CORRECT,
+    DIRECTIONS,
+    BugSpec,
+    Case,
+    correct_flash,
+    register_buggy_kernels,
+)
 
 Results = dict[str, torch.Tensor]
 
@@ -33,7 +41,7 @@ Results = dict[str, torch.Tensor]
 TRIGGER_FACTOR = 100.0
 #: how much worse than torch math a quiet call (or the correct kernel) may be, plus a floor
 QUIET_FACTOR = 4.0
-FLOOR = {torch.float32: 1e-6, torch.bfloat16: 2.0**-10}
+FLOOR = {torch.float32: 1e-6, torch.bfloat16: 2.0**-10, torch.float16: 2.0**-13}
 
 CASES = [(name, "trigger", spec.trigger_case()) for name, spec in BUGS.items()] + [
     (name, "quiet", spec.quiet_case()) for name, spec in BUGS.items() if spec.quiet_case() is not None
@@ -174,12 +182,15 @@ def test_mask_sentinel_fires_only_on_fully_masked_rows() -> None:
 
 def test_registered_kernels_are_the_bugs(make_qkv) -> None:
     names = register_buggy_kernels()
-    assert names == [f"bug_{name}" for name in BUGS] + ["bug_none"]
+    assert names == [f"bug_{name}" for name in BUGS] + ["bug_none"] + [f"ok_{name}" for name in CORRECT]
     assert register_buggy_kernels() == names  # overwrite=True: registering twice is fine
     q, k, v = make_qkv(16, 16, 16)
     for name in names:
         kernel = get_kernel(name)
-        fn = correct_flash if name == "bug_none" else BUGS[name.removeprefix("bug_")].fn
+        if name.startswith("ok_"):
+            fn = CORRECT[name.removeprefix("ok_")]
+        else:
+            fn = correct_flash if name == "bug_none" else BUGS[name.removeprefix("bug_")].fn
         assert kernel.fn is fn
         torch.testing.assert_close(
             kernel(q, k, v, is_causal=True), fn(q, k, v, is_causal=True), equal_nan=True

@@ -24,7 +24,7 @@ def test_example_prints_a_table_per_site(
     out = capsys.readouterr().out
     for i in range(3):
         assert f"1.layers.{i}.self_attn" in out
-    assert "passes the 2x rule" in out
+    assert "verdict PASS: worst error / limit" in out
 
 
 def test_overhead_bench_writes_rows_and_figure(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

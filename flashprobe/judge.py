@@ -1,0 +1,497 @@
+"""The verdict's one rule: is this call's output (or gradient) as right as a correct kernel's?
+
+Every place that says ``pass``, ``fail`` or ``undetermined`` — the probe (on the device, at every
+call), ``flashprobe fuzz``, ``flashprobe replay`` and ``flashprobe bench verdicts`` — decides
+here, with :func:`decide` (tensors, no host read) or :func:`judge` (plain numbers, one call).
+
+**Statistics** of one call and one direction (``out``, ``dq``, ``dk``, ``dv``), all against the
+FP64 **golden** ``g``, over the finite pairs (:func:`flashprobe.deviation.pair_sums` gives the
+sums, :func:`row_statistics` the rows):
+
+* ``absolute`` = ‖primary − g‖₂ / ‖g‖₂, the primary's relative L2 error (0 for an all-zero golden,
+  where no relative error is defined);
+* ``baseline`` = ‖baseline − g‖₂ / ‖g‖₂, the same-dtype baseline's (the larger over its forms where
+  the caller computes several: the probe and the fuzzer add, for gradients, the flash form of the
+  backward, which takes ``rowsum(dO∘O)`` from the rounded output as flash kernels do —
+  :func:`noise_statistics`);
+* ``relative`` = ‖primary − g‖₂ / max(‖baseline − g‖₂, floor · ‖g‖₂), the error ratio to the
+  baseline; ``floor = max(½·eps, eps₃₂·logit_max)``: the rounding of the golden value in the dtype,
+  or of the largest logit where the caller knows it (a kernel that rounds a logit ``s`` in its
+  float32 scores, as every exp2 kernel does with ``s·log2(e)``, is off by about ``|s|·eps₃₂``);
+* ``row`` = the worst row's error, ``max_r ‖primary_r − g_r‖₂ / max(‖g_r‖₂, rms_r ‖g_r‖₂)``: a row is
+  the last dimension, so a query row for ``out`` and ``dq``, a key row for ``dk`` and ``dv``.
+
+**Criteria**, in the order they are checked; the first that applies decides and names itself (of
+4–6, the one exceeded most, relative to its limit):
+
+1. ``unrepresentable`` → ``undetermined``: the golden's largest magnitude exceeds the dtype's
+   range (an fp16 golden gradient of 9.2e5): no value in the dtype could be right.
+2. ``nonfinite`` → ``fail``: NaN/±Inf in the primary at more positions than in the baseline.
+3. ``ill_conditioned`` → ``undetermined``: the baseline is itself more than
+   :data:`CONDITIONING_LIMIT` (a quarter of the golden's size) off — a very sharp or flat softmax,
+   cancelling gradients, logits the 16-bit baseline rounds coarsely — or the rounding of the
+   largest logit is (``eps·logit_max``: logits near the float range, whose differences cannot be
+   resolved), *and* the primary is not within the absolute and row limits (a kernel that close to
+   the golden is right, however poor the baseline; it passes). No ratio means anything there —
+   unless the primary is plainly wrong all the same: off by more than the golden's own size and
+   :data:`GROSS_RATIO` times the baseline's error (then ``absolute`` fails it).
+4. ``absolute`` → ``fail``: the primary's relative error exceeds :func:`absolute_limit` — what no
+   correct kernel at this dtype reaches where the call is well-conditioned — and is
+   :data:`ABSOLUTE_RATIO` times the baseline's. This catches a gradient tens of percent wrong
+   where the 16-bit baseline is itself a few percent off (a ratio of 20, under the relative
+   limit). The guard ratio keeps a correct kernel that rounds every step in the dtype, as the
+   baseline does, from failing where the call is hard for both.
+5. ``row`` → ``fail``: the worst row exceeds :func:`row_limit` and :data:`ROW_RATIO` times the
+   baseline's worst row (where the softmax is sharp some rows are hard for every kernel): a zeroed
+   key tile, wrong tail rows, one wrong head or batch entry, which the whole-tensor L2 averages
+   away.
+6. ``relative`` → ``fail``: the error ratio exceeds :data:`RELATIVE_LIMITS` (where the same-dtype
+   baseline is strong, in float32, the sharpest criterion).
+
+Further criteria (a signed-bias criterion accumulated over steps) extend :data:`CRITERIA`: a code,
+a name, a limit and one comparison in :func:`decide`.
+
+**The statistic shown first** is :data:`SCORE`, ``limit_ratio``: the largest ``statistic / limit``
+over the criteria 4–6 (> 1 fails; 0 for an undetermined call). A progress bar, summary or figure
+that shows it shows the number the verdict used; the older ratios stay under their own names
+(``error_ratio``: of maxima, flash-attention's statistic; ``l2_error_ratio``: ``relative``).
+
+**Limits.** With ``ε = max(eps(dtype), 2⁻¹⁶)`` (the dtype's resolution, at least 1.5e-5: float32
+errors are set by the logits and reduction lengths, not by its eps): absolute ``4ε`` (``out``) and
+``8ε`` (gradients), i.e. bf16 3.1 % / 6.3 %, fp16 0.39 % / 0.78 %, float32 6e-5 / 1.2e-4; row
+``min(½, 64ε)``. Measured (``tests/test_judge.py``, ``flashprobe bench verdicts``; docs/probe.md
+"Reading the verdict"): correct kernels that
+accumulate in fp32 (torch's flash and math, ``tiled`` ``fa2``) stay at about ``1ε``; those that
+round every step in the dtype (``tiled`` ``paper``, and the baseline itself) reach ``6ε`` at
+most at moderate sharpness, and within 1.6× of the baseline everywhere; a backward that drops
+``rowsum(dO·O)`` is tens of percent off at 20–1000× the baseline, and a zeroed key tile's rows read
+1. Gradients get twice the output's limits because ``dS = P∘(dP − rowsum(dO·O))`` cancels: their
+errors are a few times the output's for every correct kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from flashprobe.deviation import StatsWorkspace, pair_sums
+
+__all__ = [
+    "ABSOLUTE_EPS",
+    "ABSOLUTE_RATIO",
+    "CONDITIONING_LIMIT",
+    "CRITERIA",
+    "DIRECTIONS",
+    "ERROR_COLUMNS",
+    "FAILURES",
+    "GROSS_RATIO",
+    "RELATIVE_LIMITS",
+    "ROW_EPS",
+    "ROW_RATIO",
+    "SCORE",
+    "STATISTICS",
+    "UNDETERMINED",
+    "Judgement",
+    "absolute_limit",
+    "call_statistics",
+    "code_name",
+    "decide",
+    "error_columns",
+    "judge",
+    "judge_errors",
+    "judge_tensors",
+    "limits",
+    "noise_statistics",
+    "reason",
+    "resolution",
+    "row_limit",
+    "row_statistics",
+]
+
+#: The directions judged: the output, then the input gradients.
+DIRECTIONS: tuple[str, ...] = ("out", "dq", "dk", "dv")
+#: Every criterion by code, as the on-device accumulators store it (0: pass). Positive codes fail,
+#: negative codes leave the call ``undetermined``.
+CRITERIA: dict[int, str] = {
+    1: "nonfinite",
+    2: "relative",
+    3: "absolute",
+    4: "row",
+    -1: "ill_conditioned",
+    -2: "unrepresentable",
+}
+#: The criteria that fail a call.
+FAILURES: tuple[str, ...] = tuple(name for code, name in CRITERIA.items() if code > 0)
+#: The criteria that leave a call undetermined.
+UNDETERMINED: tuple[str, ...] = tuple(name for code, name in CRITERIA.items() if code < 0)
+#: Limits on the ratio of the primary's L2 error to the same-dtype baseline's, per direction: the
+#: output's from ``bench verdicts`` (correct kernels read at most 1.4), the gradients' wider because
+#: FlashAttention's backward takes ``rowsum(dO∘O)`` from the rounded output, which the plain
+#: baseline does not (correct kernels read up to 10.7 where ``dS`` cancels).
+RELATIVE_LIMITS: dict[str, float] = {"out": 8.0, "dq": 64.0, "dk": 64.0, "dv": 64.0}
+#: The absolute limit in units of :func:`resolution`, per direction.
+ABSOLUTE_EPS: dict[str, float] = {"out": 4.0, "dq": 8.0, "dk": 8.0, "dv": 8.0}
+#: The absolute criterion also needs this many times the baseline's relative error.
+ABSOLUTE_RATIO: float = 4.0
+#: The row limit in units of :func:`resolution` (capped at ½: a zeroed row reads 1).
+ROW_EPS: float = 64.0
+#: The row criterion also needs this many times the baseline's worst row.
+ROW_RATIO: float = 4.0
+#: A call is ill-conditioned when the baseline's relative error exceeds this fraction of the golden.
+CONDITIONING_LIMIT: float = 0.25
+#: In an ill-conditioned call, the primary still fails when it is off by more than the golden's
+#: own size and this many times the baseline's error.
+GROSS_RATIO: float = 8.0
+#: The statistics of a judgement, in the order :func:`decide` returns them.
+STATISTICS: tuple[str, ...] = ("limit_ratio", "absolute", "baseline", "relative", "row")
+#: The statistic shown first: the largest ``statistic / limit`` over the criteria that fail.
+SCORE: str = "limit_ratio"
+
+
+def resolution(dtype: torch.dtype) -> float:
+    """``max(eps(dtype), 2⁻¹⁶)``: the unit of the absolute and row limits."""
+    return max(float(torch.finfo(dtype).eps), 2.0**-16)
+
+
+def absolute_limit(dtype: torch.dtype, direction: str) -> float:
+    """The largest relative L2 error a correct kernel reaches at ``dtype`` in ``direction`` where the
+    call is well-conditioned (the ``absolute`` criterion also asks :data:`ABSOLUTE_RATIO` times the
+    baseline's error)."""
+    return ABSOLUTE_EPS[direction] * resolution(dtype)
+
+
+def row_limit(dtype: torch.dtype, direction: str) -> float:
+    """The largest worst-row error (:func:`row_statistics`) a correct kernel reaches at ``dtype``."""
+    del direction  # one limit: rows of every direction are as long as a head
+    return min(0.5, ROW_EPS * resolution(dtype))
+
+
+def limits(dtype: torch.dtype, directions: Sequence[str]) -> torch.Tensor:
+    """``(K, 3)`` float64 limits, per direction: relative, absolute, row."""
+    return torch.tensor(
+        [[RELATIVE_LIMITS[d], absolute_limit(dtype, d), row_limit(dtype, d)] for d in directions],
+        dtype=torch.float64,
+    )
+
+
+def row_statistics(primary: torch.Tensor, baseline: torch.Tensor, golden: torch.Tensor) -> torch.Tensor:
+    """The worst row's error of the primary and of the baseline, and the golden's largest magnitude,
+    on the device (no host read).
+
+    A row is the last dimension (a query's output or ``dq`` row, a key's ``dk``/``dv`` row); its
+    error is ``‖x_r − g_r‖₂ / max(‖g_r‖₂, rms_r ‖g_r‖₂)``: relative to the row's own norm, or to the
+    root mean square of the rows' norms where the row is smaller (a row the golden makes tiny does
+    not turn rounding into a large relative error). A row with a non-finite difference counts as 0
+    here (the ``nonfinite`` criterion counts it). Memory: one difference tensor at a time and a few
+    per-row vectors.
+
+    Args:
+        primary: ``(..., D)`` any floating dtype.
+        baseline: as many elements.
+        golden: as many elements, the reference.
+
+    Returns:
+        ``(3,)`` float64: the primary's and the baseline's worst row (0 for an empty tensor or an
+        all-zero golden, where no relative error is defined), and ``max|golden|`` over every
+        position (the ``unrepresentable`` criterion's statistic). Combine calls or blocks with a
+        maximum.
+    """
+    width = golden.shape[-1] if golden.dim() else 1
+    g = golden.detach().reshape(-1, width)
+    if g.numel() == 0:
+        return torch.zeros(3, dtype=torch.float64, device=golden.device)
+    ref = torch.linalg.vector_norm(g, dim=-1, dtype=torch.float64)  # (rows,)
+    scale = torch.maximum(ref, ref.square().mean().sqrt())
+    tiny = torch.finfo(torch.float64).tiny
+    found = []
+    for x in (primary, baseline):
+        d = torch.sub(x.detach().reshape(g.shape), g).to(torch.float64)  # one pass, promoted
+        err = torch.linalg.vector_norm(d, dim=-1).nan_to_num_(0.0, 0.0, 0.0)  # a non-finite row: 0 here
+        found.append(torch.where(scale > 0, err / scale.clamp(min=tiny), 0.0).amax())
+    found.append(torch.linalg.vector_norm(g, ord=float("inf"), dtype=torch.float64))
+    return torch.stack(found)
+
+
+def call_statistics(
+    primary: torch.Tensor,
+    baseline: torch.Tensor,
+    golden: torch.Tensor,
+    workspace: StatsWorkspace | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One call's ``(7, 3)`` :func:`~flashprobe.deviation.pair_sums` and ``(3,)`` :func:`row_statistics`."""
+    return pair_sums(primary, baseline, golden, workspace), row_statistics(primary, baseline, golden)
+
+
+#: The columns :func:`decide` reads, per direction: ``‖primary − g‖²``, ``‖baseline − g‖²``, ``‖g‖²``
+#: (over the finite pairs), the primary's non-finite positions beyond the baseline's, and the
+#: :func:`row_statistics`.
+ERROR_COLUMNS: tuple[str, ...] = (
+    "primary_sq",
+    "baseline_sq",
+    "golden_sq",
+    "extra_nonfinite",
+    "row",
+    "baseline_row",
+    "golden_max",
+)
+
+
+def error_columns(sums: torch.Tensor, rows: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``(K, 7)`` :data:`ERROR_COLUMNS` from ``(K, 7, 3)`` pair sums and ``(K, 3)`` row statistics.
+
+    Args:
+        sums: :func:`~flashprobe.deviation.pair_sums` of ``K`` directions (with the golden pairs).
+        rows: :func:`row_statistics` of the same directions.
+        noise: ``(K, 2)`` :func:`noise_statistics` of a second form of the baseline (the flash form
+            of the backward), or None: the baseline's error is the larger of the two.
+    """
+    # rows of pair_sums: 2 sum_sq_diff, 3 sum_sq_ref, 4 nonfinite; pairs: 1 primary-golden, 2 baseline-golden
+    extra = sums[:, 4, 1] - sums[:, 4, 2]
+    base_sq, base_row = sums[:, 2, 2], rows[:, 1]
+    if noise is not None:
+        base_sq, base_row = torch.maximum(base_sq, noise[:, 0]), torch.maximum(base_row, noise[:, 1])
+    return torch.stack(
+        (sums[:, 2, 1], base_sq, sums[:, 3, 1], extra, rows[:, 0], base_row, rows[:, 2]), dim=1
+    )
+
+
+def noise_statistics(
+    form: torch.Tensor, golden: torch.Tensor, total: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A second baseline form's error, on the device: ``(2,)`` float64 ``[‖form − g‖² over its finite
+    rows, its worst row]`` (rows as :func:`row_statistics`), folded into ``total`` (sums add, rows
+    take the maximum) when given. One difference tensor, no host read.
+
+    Args:
+        form: the second form's output or gradient, ``(..., D)``.
+        golden: as many elements, the FP64 golden.
+        total: the running statistics of earlier blocks, or None.
+    """
+    width = golden.shape[-1] if golden.dim() else 1
+    g = golden.detach().reshape(-1, width)
+    d = torch.sub(form.detach().reshape(g.shape), g).to(torch.float64)
+    err = torch.linalg.vector_norm(d, dim=-1).nan_to_num_(0.0, 0.0, 0.0)  # (rows,): a non-finite row is 0
+    ref = torch.linalg.vector_norm(g, dim=-1, dtype=torch.float64)
+    scale = torch.maximum(ref, ref.square().mean().sqrt()) if ref.numel() else ref
+    tiny = torch.finfo(torch.float64).tiny
+    row = torch.where(scale > 0, err / scale.clamp(min=tiny), 0.0)
+    part = torch.stack((err.square().sum(), row.amax() if row.numel() else row.new_zeros(())))
+    if total is None:
+        return part
+    return torch.stack((total[0] + part[0], torch.maximum(total[1], part[1])))
+
+
+def decide(
+    errors: torch.Tensor,
+    dtype: torch.dtype,
+    limit: torch.Tensor,
+    logit_max: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rule on ``K`` directions at once, with tensor ops only (no host read, no branch).
+
+    Args:
+        errors: ``(K, 7)`` float64 :data:`ERROR_COLUMNS` (:func:`error_columns`).
+        dtype: the dtype the kernels computed in.
+        limit: ``(K, 3)`` :func:`limits` on the same device.
+        logit_max: the largest valid |logit| of the call, where known (0: not known).
+
+    Returns:
+        ``(code, value, limit, stats)``: ``(K,)`` :data:`CRITERIA` codes (0 pass), ``(K,)`` the
+        deciding statistic (the extra non-finite positions for ``nonfinite``, the golden's largest
+        magnitude for ``unrepresentable``; ``relative`` on a pass), ``(K,)`` its limit (the dtype's
+        largest value for ``unrepresentable``, 0 for ``nonfinite``), and ``(K, 5)``
+        :data:`STATISTICS`.
+    """
+    pg, bg, g, extra, row, base_row, golden_max = errors.unbind(1)
+    eps = float(torch.finfo(dtype).eps)
+    # Scores are computed at float32 or wider (every kernel accumulates q·kᵀ so): a logit s is rounded
+    # to about |s|·eps(scores), whatever the inputs' dtype.
+    logit_rounding = logit_max * min(eps, float(torch.finfo(torch.float32).eps))
+    rel_floor = max(logit_rounding, 0.5 * eps)
+    safe_g = torch.where(g > 0, g, 1.0)
+    # Against an all-zero golden a relative error is undefined: 0 here (the relative criterion, with
+    # the baseline's error as yardstick, still applies).
+    absolute = torch.where(g > 0, (pg / safe_g).sqrt(), 0.0)
+    baseline = torch.where(g > 0, (bg / safe_g).sqrt(), 0.0)
+    denominator = torch.maximum(bg, rel_floor**2 * g)
+    relative = torch.where(denominator > 0, (pg / torch.where(denominator > 0, denominator, 1.0)).sqrt(), 0.0)
+    # The absolute and row limits widen by the logits' rounding, as the relative floor does.
+    abs_limit = limit[:, 1].clamp(min=4.0 * rel_floor).clamp(max=CONDITIONING_LIMIT)
+    row_fixed = limit[:, 2].clamp(min=4.0 * rel_floor)
+    # A row fails above its limit and ROW_RATIO x the baseline's worst row (sharp rows are hard for all).
+    row_lim = torch.maximum(row_fixed, ROW_RATIO * base_row)
+    ill = baseline > CONDITIONING_LIMIT
+    if logit_rounding > CONDITIONING_LIMIT:  # logits too large for their differences to be resolved
+        ill = torch.ones_like(ill)
+        baseline = baseline.clamp(min=logit_rounding)
+    # Ill-conditioned is undetermined only where the primary is not within the limits a correct kernel
+    # keeps in a well-conditioned call: a kernel that is that close to the golden is right regardless.
+    ill = ill & ((absolute > abs_limit) | (row > row_fixed))
+    # Plainly wrong even where ill-conditioned: off by more than the golden itself, and GROSS x the
+    # baseline's error.
+    gross = (absolute > 1.0) & (relative > GROSS_RATIO)
+    # absolute: beyond the dtype's limit and ABSOLUTE_RATIO x the baseline's error (the smaller of
+    # the two margins is the criterion's)
+    beyond = torch.minimum(absolute / abs_limit, relative / ABSOLUTE_RATIO)
+    finite_max = float(torch.finfo(dtype).max)
+    none = torch.zeros_like(pg)
+    # Of the criteria that compare errors with limits, the most exceeded one names the failure.
+    compared = torch.stack((relative / limit[:, 0], beyond, row / row_lim), dim=1)
+    most = compared.argmax(1)
+    named = torch.stack((relative, absolute, row), dim=1).gather(1, most[:, None])[:, 0]
+    bounds = torch.stack((limit[:, 0], abs_limit, row_lim), dim=1).gather(1, most[:, None])[:, 0]
+    exceeded = compared.gather(1, most[:, None])[:, 0] > 1
+    codes = most.to(pg.dtype) + 2.0  # relative 2, absolute 3, row 4
+    checks = (  # (code, condition, value, its limit); the last match decides: listed last to first
+        (codes, exceeded, named, bounds),
+        (-1, ill, baseline, none + CONDITIONING_LIMIT),
+        (3, ill & gross, absolute, abs_limit),
+        (1, extra > 0, extra, none),
+        (-2, golden_max > finite_max, golden_max, none + finite_max),
+    )
+    code, value, bound = torch.zeros_like(pg), relative.clone(), limit[:, 0].clone()
+    for k, hit, v, lim in checks:
+        code = torch.where(hit, k, code)
+        value = torch.where(hit, v, value)
+        bound = torch.where(hit, lim, bound)
+    score = torch.where(code < 0, 0.0, compared.amax(1))  # an undetermined call scores nothing
+    stats = torch.stack((score, absolute, baseline, relative, row), dim=1)
+    return code, value, bound, stats
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """The rule's answer for one call and direction (plain Python values).
+
+    Attributes:
+        verdict: ``pass``, ``fail`` or ``undetermined``.
+        criterion: the :data:`CRITERIA` name that decided (None on a pass).
+        value: the deciding statistic (on a pass, ``relative``).
+        limit: its limit (0 for ``nonfinite``; the dtype's largest value for ``unrepresentable``).
+        reason: the verdict in words.
+        limit_ratio, absolute, baseline, relative, row: :data:`STATISTICS`.
+    """
+
+    verdict: str
+    criterion: str | None
+    value: float
+    limit: float
+    reason: str
+    limit_ratio: float
+    absolute: float
+    baseline: float
+    relative: float
+    row: float
+
+    @property
+    def passed(self) -> bool:
+        """Whether the verdict is ``pass``."""
+        return self.verdict == "pass"
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def reason(criterion: str | None, value: float, limit: float, dtype: torch.dtype | None = None) -> str:
+    """The criterion's verdict in words (the kernel author's words: relative error, ratio, row).
+
+    Args:
+        criterion: a :data:`CRITERIA` name, or None (a pass).
+        value: the deciding statistic.
+        limit: the criterion's limit.
+        dtype: the dtype the kernels computed in, where known.
+    """
+    name = "this" if dtype is None else str(dtype).removeprefix("torch.")
+    if criterion == "nonfinite":
+        return f"NaN/Inf at {int(value)} more position(s) than the baseline, where the FP64 golden is finite"
+    if criterion == "unrepresentable":
+        return (
+            f"the FP64 golden reaches {value:.3g}, beyond the dtype's range (max {limit:.3g}): no "
+            "value in the dtype can be right (undetermined)"
+        )
+    if criterion == "ill_conditioned":
+        return (
+            f"the same-dtype baseline (or the rounding of the largest logit) is itself {value:.3g} off the "
+            f"golden (relative L2, above {limit:.3g}): too ill-conditioned to judge (undetermined)"
+        )
+    if criterion == "absolute":
+        return (
+            f"relative L2 error {value:.3g} against the FP64 golden; no correct kernel at "
+            f"{name} precision exceeds {limit:.3g} where the baseline is {ABSOLUTE_RATIO:g}x closer"
+        )
+    if criterion == "row":
+        return f"worst row {value:.3g} off the golden (relative to the row; limit {limit:.3g})"
+    if criterion == "relative":
+        return f"relative L2 error {value:.3g}x the same-dtype baseline's (limit {limit:g})"
+    return f"relative L2 error {value:.3g}x the baseline's (limit {limit:g}), within every limit"
+
+
+def judge_tensors(
+    sums: torch.Tensor,
+    rows: torch.Tensor,
+    dtype: torch.dtype,
+    direction: str,
+    *,
+    logit_max: float = 0.0,
+) -> Judgement:
+    """:func:`decide` on one call's ``(7, 3)`` pair sums and ``(3,)`` :func:`row_statistics`, read
+    into a :class:`Judgement`."""
+    errors = error_columns(sums.detach().to("cpu", torch.float64).reshape(1, 7, 3), rows.reshape(1, 3).cpu())
+    return judge_errors(errors[0], dtype, direction, logit_max=logit_max)
+
+
+def judge_errors(
+    errors: torch.Tensor | Sequence[float], dtype: torch.dtype, direction: str, *, logit_max: float = 0.0
+) -> Judgement:
+    """:func:`decide` on one call and direction's ``(7,)`` :data:`ERROR_COLUMNS`, read into a
+    :class:`Judgement` (what a caller with its own sums, e.g. the fuzzer, calls)."""
+    row = torch.as_tensor(errors, dtype=torch.float64).reshape(1, len(ERROR_COLUMNS))
+    code, value, bound, stats = decide(row, dtype, limits(dtype, [direction]), logit_max)
+    c, v, lim = int(code.item()), float(value.item()), float(bound.item())
+    criterion = CRITERIA.get(c)
+    verdict = "pass" if c == 0 else ("fail" if c > 0 else "undetermined")
+    named = dict(zip(STATISTICS, stats[0].tolist(), strict=True))
+    return Judgement(
+        verdict=verdict,
+        criterion=criterion,
+        value=v,
+        limit=lim,
+        reason=reason(criterion, v, lim, dtype),
+        **named,
+    )
+
+
+def judge(
+    primary: torch.Tensor,
+    baseline: torch.Tensor,
+    golden: torch.Tensor,
+    direction: str = "out",
+    *,
+    dtype: torch.dtype | None = None,
+    logit_max: float = 0.0,
+) -> Judgement:
+    """The rule on three tensors of one call (one host read).
+
+    Args:
+        primary: the kernel's output or gradient, any shape ``(..., D)``.
+        baseline: the same-dtype baseline's, same number of elements.
+        golden: the FP64 golden, same number of elements.
+        direction: ``out``, ``dq``, ``dk`` or ``dv``.
+        dtype: the dtype the kernels computed in (default: ``primary``'s).
+        logit_max: the largest valid |logit| of the call where known (widens the floors for
+            kernels that round logits, see the module docstring).
+
+    Returns:
+        The :class:`Judgement`.
+    """
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction={direction!r} must be one of {', '.join(DIRECTIONS)}")
+    sums, rows = call_statistics(primary, baseline, golden)
+    return judge_tensors(sums, rows, dtype or primary.dtype, direction, logit_max=logit_max)
+
+
+def code_name(code: float) -> str | None:
+    """The :data:`CRITERIA` name of a stored code (None for 0)."""
+    return CRITERIA.get(int(code))
