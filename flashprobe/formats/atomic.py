@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -36,6 +37,7 @@ __all__ = [
     "atomic_write_text",
     "disk_full",
     "free_space",
+    "stray_temporaries",
     "temporary_path",
 ]
 
@@ -114,6 +116,19 @@ def temporary_path(path: str | os.PathLike[str]) -> Path:
     """A fresh hidden temporary name beside ``path``: ``.NAME.PID.XXXXXXXX.tmp``."""
     path = Path(path)
     return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+
+
+#: The name :func:`temporary_path` gives: ``.NAME.PID.XXXXXXXX.tmp``.
+_TEMPORARY = re.compile(r"^\..+\.\d+\.[0-9a-f]{8}" + re.escape(TMP_SUFFIX) + "$")
+
+
+def stray_temporaries(directory: str | os.PathLike[str]) -> list[Path]:
+    """The writer's temporary files in ``directory`` and below (left by a killed writer, when no writer
+    holds the directory), only those named as :func:`temporary_path` names them."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.rglob(f".*{TMP_SUFFIX}") if _TEMPORARY.match(p.name) and p.is_file())
 
 
 def _replace(tmp: Path, path: Path) -> None:

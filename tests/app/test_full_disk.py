@@ -1,0 +1,52 @@
+"""A full disk (a real tmpfs, mounted where allowed) stops a run with one line, ``run.json`` records the
+failure, and once space is freed ``resume=`` finishes the run with every artefact and the same bits."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from flashprobe.app.train import RunStoppedError, compose, train
+from flashprobe.formats.run_record import read_run_record
+from tests._disk import fill, tiny_disk
+from tests.safety._runs import SHORT
+
+RUN = [*SHORT, "threads=1"]
+
+
+def _size(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+def test_a_full_disk_in_the_last_step_then_resume_gives_the_whole_run(tmp_path: Path) -> None:
+    reference = tmp_path / "reference"
+    train(compose(RUN, run_dir=reference))
+    last = (reference / "checkpoints" / "last.ckpt").stat().st_size
+    with tiny_disk(tmp_path / "disk", 16 * 1024) as disk:
+        run = disk / "run"
+        fill(disk, (_size(reference) - 2 * last) // 1024)  # room for all but the last step's checkpoints
+        with pytest.raises(RunStoppedError) as stopped:
+            train(compose(RUN, run_dir=run))
+        message = str(stopped.value)
+        assert "\n" not in message and stopped.value.exit_code == 1
+        assert message.startswith(f"the disk holding {run} is full (") and " MiB free) writing " in message
+        assert "; kept: checkpoint checkpoints/" in message and message.endswith(f"resume={run}")
+        record = read_run_record(run)
+        assert record["status"] == "failed" and record["sessions"][-1]["failed"] == message
+        assert not list(run.rglob("*.tmp"))  # the failed write's temporary file is gone
+
+        (disk / "filler").unlink()
+        train(compose([*RUN, f"resume={run}"], run_dir=run))
+        record = read_run_record(run)
+        assert record["status"] == "finished" and record["global_step"] == 2
+        for artefact in ("checkpoints/last.ckpt", "probe.png", "snapshots/step_0000002.safetensors"):
+            assert (run / artefact).is_file(), artefact
+        assert list(run.glob("csv/version_*/samples/step_0000002.png"))
+        assert (run / "probe.jsonl").read_text() == (reference / "probe.jsonl").read_text()
+        for snapshot in (reference / "snapshots").glob("*.safetensors"):
+            ours, theirs = load_file(run / "snapshots" / snapshot.name), load_file(snapshot)
+            assert all(ours[k].equal(theirs[k]) for k in theirs), snapshot.name
+        shutil.rmtree(run)
