@@ -677,6 +677,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, DirectoryLockedError) as err:
         print(f"flashprobe study: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a full disk while writing the study's own files
+        from flashprobe.formats.atomic import disk_full
+
+        if not disk_full(err):
+            raise
+        print(f"flashprobe study: error: {err}; {again}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # Ctrl-C outside a run's training (which ends with SystemExit(130))
         print(f"flashprobe study: interrupted (Ctrl-C); {again}", file=sys.stderr)
         return 130

@@ -50,3 +50,21 @@ def test_a_full_disk_in_the_last_step_then_resume_gives_the_whole_run(tmp_path: 
             ours, theirs = load_file(run / "snapshots" / snapshot.name), load_file(snapshot)
             assert all(ours[k].equal(theirs[k]) for k in theirs), snapshot.name
         shutil.rmtree(run)
+
+
+def test_a_study_that_fills_the_disk_ends_in_one_line(tmp_path: Path, monkeypatch, capsys) -> None:
+    """The study's own files (study.json, report.md, figures) on a full disk: one line, exit code 1."""
+    from flashprobe.app import study
+    from flashprobe.formats.atomic import atomic_write_text
+
+    def fill_the_disk(out: str, *args, **kwargs) -> Path:
+        with tiny_disk(Path(out), 64) as disk:
+            fill(disk, 0)
+            atomic_write_text(disk / "study.json", "{}" * 4096)
+        raise AssertionError("the write above must fail")
+
+    monkeypatch.setattr(study, "run_study", fill_the_disk)
+    assert study.main(["--out", str(tmp_path / "study")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"flashprobe study: error: the disk holding {tmp_path}")
+    assert "no study.json written" in err and "run the same command again" in err
