@@ -33,7 +33,7 @@ from flashprobe.app.machine import machine_facts
 from flashprobe.app.overrides import override_key, override_path, override_value
 from flashprobe.callbacks.attention_probe import AttentionProbe
 from flashprobe.callbacks.nonfinite_guard import NonFiniteGuard
-from flashprobe.formats.atomic import DiskFullError, atomic_write_text, disk_full, free_space
+from flashprobe.formats.atomic import FULL_BELOW, DiskFullError, atomic_write_text, disk_full, free_space
 from flashprobe.formats.lock import DirectoryLockedError, directory_lock
 from flashprobe.formats.paths import OutputPathError, check_output_dir, safe_name
 from flashprobe.formats.run_record import (
@@ -981,6 +981,12 @@ def _precheck(args: Sequence[str]) -> Path | None:
             cfg.run_dir = str(run_dir or Path(str(cfg.output_root)) / "train" / "new")
         _check(cfg)
         _check_paths(cfg, Path(cfg.run_dir))
+        free = free_space(cfg.run_dir)
+        if free is not None and free < FULL_BELOW:  # Hydra's own first writes would fail with a traceback
+            raise ValueError(
+                f"the disk holding {cfg.run_dir} is full ({free / 2**20:.1f} MiB free); free some space or "
+                "train on another disk (hydra.run.dir=...)"
+            )
         resumed = None
         if run_dir is not None:
             resumed = last_checkpoint(run_dir) if cfg.get("resume") is not None else None

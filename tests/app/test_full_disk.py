@@ -68,3 +68,14 @@ def test_a_study_that_fills_the_disk_ends_in_one_line(tmp_path: Path, monkeypatc
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"flashprobe study: error: the disk holding {tmp_path}")
     assert "no study.json written" in err and "run the same command again" in err
+
+
+def test_a_run_on_a_disk_already_full_is_refused_before_hydra_writes(tmp_path: Path, capsys) -> None:
+    from flashprobe.app.train import cli_main
+
+    with tiny_disk(tmp_path / "disk", 256) as disk:
+        fill(disk, 0)
+        assert cli_main([*RUN, f"hydra.run.dir={disk / 'run'}"]) == 2
+        err = capsys.readouterr().err
+        assert f"the disk holding {disk / 'run'} is full (0.0 MiB free)" in err and "Traceback" not in err
+        assert sorted(p.name for p in disk.iterdir()) == ["filler"]
