@@ -380,10 +380,15 @@ def run_study(
             )
     if not train:  # compare only: the runs must be there already; nothing is created before that
         _check_trained(Path(out) / "runs", plan)
-    out = prepare_output_dir(out).resolve()  # an empty --out fails before it is resolved to the cwd
+    # resolved once (an empty --out fails before it is resolved to the cwd); a system directory, or one
+    # holding other files than a study's, is refused
+    out = prepare_output_dir(out, owned=STUDY_OWNS).resolve()
     with directory_lock(out, what="study directory (--out)"):
         return _run_locked_study(out, plan, cfg, overrides, train)
 
+
+#: What a study writes into its ``--out``: a non-empty directory holding none of these is not a study's.
+STUDY_OWNS = ("study.json", "runs", "study_settings.json", "report.md", ".flashprobe.lock")
 
 #: Settings the study gives each run itself; an override of them (or of a key under them, such as
 #: ``study.replicate.seed``) is refused.

@@ -35,7 +35,7 @@ from flashprobe.callbacks.attention_probe import AttentionProbe
 from flashprobe.callbacks.nonfinite_guard import NonFiniteGuard
 from flashprobe.formats.atomic import FULL_BELOW, DiskFullError, atomic_write_text, disk_full, free_space
 from flashprobe.formats.lock import DirectoryLockedError, directory_lock
-from flashprobe.formats.paths import OutputPathError, check_output_dir, safe_name
+from flashprobe.formats.paths import OutputPathError, check_output_dir, library_path, safe_name
 from flashprobe.formats.run_record import (
     claim_outputs,
     finish_session,
@@ -615,7 +615,7 @@ def _check_resumable(run_dir: Path, from_step: int) -> None:
         if entry["step"] > from_step or not (snapshots / entry["file"]).is_file():
             continue  # abandoned by the resume, or already gone: the writer drops them
         try:
-            with safe_open(snapshots / entry["file"], framework="pt"):
+            with library_path(snapshots / entry["file"]) as name, safe_open(name, framework="pt"):
                 pass
         except SafetensorError as err:
             raise ValueError(

@@ -152,7 +152,8 @@ def atomic_write(
     Args:
         path: the file to write; parent folders are created.
         write: writes the content to the open file handle.
-        binary: open the handle in binary mode (else UTF-8 text, ``newline=""``).
+        binary: open the handle in binary mode (else UTF-8 text, ``newline=""``; a path's bytes that
+            are not UTF-8, as Python's ``surrogateescape`` carries them, are written back as they were).
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
@@ -164,7 +165,8 @@ def atomic_write(
     tmp = temporary_path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "xb") if binary else open(tmp, "x", encoding="utf-8", newline="") as fh:
+        text = {"encoding": "utf-8", "errors": "surrogateescape", "newline": ""}
+        with open(tmp, "xb") if binary else open(tmp, "x", **text) as fh:
             write(fh)
         _replace(tmp, path)
     except BaseException as err:

@@ -25,15 +25,25 @@ from pathlib import Path
 from typing import Any
 
 from flashprobe.formats.atomic import DiskFullError
-from flashprobe.formats.paths import OutputPathError, check_output_dir, prepare_output_dir, safe_name
+from flashprobe.formats.paths import (
+    OutputPathError,
+    check_output_dir,
+    prepare_output_dir,
+    printable,
+    safe_name,
+)
 from flashprobe.formats.probe_log import PROBE_LOG_NAME
 from flashprobe.formats.study_file import STUDY_NAME, read_study
 
 __all__ = ["compare_main", "report_main"]
 
 
+#: What ``compare --out DIR`` writes; a non-empty DIR that holds none of these is refused.
+COMPARE_OWNS = ("study.json", "study.csv", "report.md", "fig8_wasserstein.png")
+
+
 def _fail(prog: str, err: BaseException | str) -> int:
-    print(f"{prog}: error: {err}", file=sys.stderr)
+    print(printable(f"{prog}: error: {err}"), file=sys.stderr)
     return 1 if isinstance(err, DiskFullError) else 2
 
 
@@ -125,10 +135,10 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     pairs = _pairs(parser, args)
     try:
-        check_output_dir(args.out, flag="--out")  # an empty or blocked --out fails first, creating nothing
+        check_output_dir(args.out, flag="--out", owned=COMPARE_OWNS)  # fails first, creating nothing
         for run in dict.fromkeys(r for pair in pairs.values() for r in pair):
             SnapshotStore(run)  # a missing or malformed run fails here, before any distance or write
-        out = prepare_output_dir(args.out, flag="--out")
+        out = prepare_output_dir(args.out, flag="--out", owned=COMPARE_OWNS)
     except (FileNotFoundError, ValueError) as err:
         return _fail(prog, err)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -156,7 +166,7 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
             + " — such a distance mixes the effects of everything its runs differ in"
         )
     for path in result.files:
-        print(f"wrote {path}")
+        print(printable(f"wrote {path}"))
     return 0
 
 
@@ -196,7 +206,7 @@ def report_main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, DiskFullError) as err:
         return _fail(prog, err)
     for path in (report, *figures):  # the files, not their contents: the report is for reading there
-        print(f"wrote {path}")
+        print(printable(f"wrote {path}"))
     return 0
 
 
@@ -221,8 +231,8 @@ def _run_report(run_dir: Path) -> int:
     for f in (rows[-1].get("failures") or []) if rows else []:
         kind = "worst" if f.get("worst") else "first failure"
         repro = f"; reproducer {f['repro']}" if f.get("repro") else ""
-        print(f"{kind}: {f['site']} {f['direction']}, step {f['step']}: {f['reason']}{repro}")
-    print(f"wrote {figure}")
+        print(printable(f"{kind}: {f['site']} {f['direction']}, step {f['step']}: {f['reason']}{repro}"))
+    print(printable(f"wrote {figure}"))
     return 0
 
 
