@@ -304,13 +304,30 @@ def check_launcher(overrides: Sequence[str]) -> None:
     if name is None or name == "basic":
         return
     package = LAUNCHER_PACKAGES.get(name)
-    if package is None:
-        return  # another launcher: Hydra itself says what it finds
+    if package is None:  # another launcher: one of the config options Hydra finds, or refused now
+        known = _launcher_options()
+        if name not in known:
+            raise ValueError(
+                f"hydra/launcher={name} is not a Hydra launcher installed here (found: {', '.join(known)}); "
+                "choose one of these, or install its plugin (e.g. pip install hydra-joblib-launcher)"
+            )
+        return
     if importlib.util.find_spec(_LAUNCHER_MODULES[package]) is None:
         raise ValueError(
             f"hydra/launcher={name} needs the Hydra plugin {package}, which is not installed: "
             f"pip install {package} (keep your torch: pip install torch==<your version> {package})"
         )
+
+
+def _launcher_options() -> list[str]:
+    """The ``hydra/launcher`` options Hydra finds: ``basic`` and those of the installed plugins."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from flashprobe.app.train import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return list(GlobalHydra.instance().config_loader().get_group_options("hydra/launcher"))
 
 
 def study_config(overrides: Sequence[str]) -> Any:

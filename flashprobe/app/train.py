@@ -415,11 +415,22 @@ def _check(cfg: DictConfig) -> None:
         raise ValueError(
             f"ckpt_path={ckpt_path}: no such file; give a Lightning .ckpt file (or resume=RUN_DIR)"
         )
-    if cfg.attention.kernel is not None:
-        get_kernel(cfg.attention.kernel)  # unknown kernels and options fail here, before any work
-    spec = cfg.attention.probe.get("baseline")
-    if spec is not None:
-        get_kernel(spec)
+    device = _run_device(cfg)
+    for key, spec in (
+        ("attention.kernel", cfg.attention.kernel),
+        ("attention.probe.primary", cfg.attention.probe.get("primary")),
+        ("attention.probe.baseline", cfg.attention.probe.get("baseline")),
+    ):
+        if spec is None:
+            continue
+        kernel = get_kernel(spec)  # unknown kernels and options fail here, before any work
+        devices = kernel.capabilities.devices
+        if devices is not None and device not in devices:  # placement: not inside the first batch
+            problem = kernel.capabilities.setting_problem(device, torch.float32)
+            raise ValueError(
+                f"{key}={spec}: {problem}. This run trains on {device} "
+                f"(trainer.accelerator={cfg.trainer.get('accelerator')}); for a GPU run give trainer=gpu"
+            )
     checkpoint = (cfg.get("callbacks") or {}).get("checkpoint") or {}
     every, log_every = checkpoint.get("every_n_train_steps"), cfg.trainer.get("log_every_n_steps")
     probing = cfg.attention.probe.enabled and (cfg.get("callbacks") or {}).get("attention_probe") is not None
@@ -430,6 +441,40 @@ def _check(cfg: DictConfig) -> None:
             "interval's first steps (weights and snapshots still resume exactly); make it a multiple",
             every,
             log_every,
+        )
+
+
+def _run_device(cfg: DictConfig) -> str:
+    """The device type a run's model trains on, from ``trainer.accelerator`` (``auto``: CUDA if present)."""
+    accelerator = str(cfg.trainer.get("accelerator") or "cpu").lower()
+    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
+        return "cuda"
+    return accelerator if accelerator in ("mps", "xpu") else "cpu"
+
+
+def _check_sites(cfg: DictConfig, module: torch.nn.Module) -> None:
+    """``attention.probe.sites`` must match some module of the model: sites are module paths, so a
+    pattern that names no module can never name a site (checked before training, not at its first batch).
+
+    Raises:
+        ValueError: naming the patterns and the model's attention modules.
+    """
+    import fnmatch
+
+    sites = cfg.attention.probe.get("sites") if cfg.attention.probe.enabled else None
+    if sites is None or (cfg.get("callbacks") or {}).get("attention_probe") is None:
+        return
+    patterns = [sites] if isinstance(sites, str) else [str(p) for p in sites]
+    include = [p for p in patterns if not p.startswith("!")]
+    names = [name for name, _ in module.named_modules() if name]
+    if include and not any(fnmatch.fnmatchcase(name, p) for name in names for p in include):
+        attention = [name for name in names if name.rsplit(".", 1)[-1] in ("attn", "attention", "self_attn")]
+        shown = ", ".join(attention[:6]) + (", ..." if len(attention) > 6 else "")
+        raise ValueError(
+            f"attention.probe.sites={patterns!r} matches no module of the model, so no attention site: its "
+            f"attention modules are {shown or 'unnamed'}; give glob patterns of these names (e.g. "
+            f"'{attention[0].rsplit('.', 2)[0] + '.*.attn' if attention else 'blocks.*.attn'}') or "
+            "attention.probe.sites=null for all"
         )
 
 
@@ -682,6 +727,7 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         )
     except InstantiationException as err:
         raise ValueError(" ".join(str(err).split())) from err
+    _check_sites(cfg, module)
     return {
         "datamodule": datamodule,
         "module": module,
@@ -701,6 +747,7 @@ def _fit(
     started = time.perf_counter()
     ctrl_c = signal.getsignal(signal.SIGINT)
     failure: RunStoppedError | None = None
+    crashed: Exception | None = None
     try:
         if trainer.is_global_zero:
             start_session(
@@ -722,10 +769,11 @@ def _fit(
             exit_code=130,
         )
         failure.__cause__ = exit_
-    except (OSError, RuntimeError) as err:
-        if not disk_full(err):
-            raise
-        failure = _disk_full_stop(run_dir, err)
+    except Exception as err:  # a full disk stops the run; anything else is recorded, then raised
+        if disk_full(err):
+            failure = _disk_full_stop(run_dir, err)
+        else:
+            crashed = err
     finally:
         signal.signal(signal.SIGINT, ctrl_c)  # Lightning ignores Ctrl-C from its first one on
         try:
@@ -751,19 +799,22 @@ def _fit(
     if trainer.is_global_zero:
         seconds = time.perf_counter() - started
         note = guard.reason if guard.action == "continue" else None
+        failed = None if failure is None else str(failure)
+        if crashed is not None:
+            failed = f"{type(crashed).__name__}: {(str(crashed).strip().splitlines() or [''])[0]}"
         try:
             finish_session(
-                run_dir,
-                global_step=trainer.global_step,
-                seconds=seconds,
-                failed=None if failure is None else str(failure),
-                note=note,
+                run_dir, global_step=trainer.global_step, seconds=seconds, failed=failed, note=note
             )
         except (OSError, ValueError) as err:
+            if crashed is not None:
+                raise crashed from None
             if failure is None and not disk_full(err):
                 raise
             failure = failure or _disk_full_stop(run_dir, err)
             failure.args = (f"{failure}; run.json could not record it ({err})",)
+    if crashed is not None:
+        raise crashed
     if failure is not None:
         raise failure
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}

@@ -49,3 +49,17 @@ class KillAtTrainEnd(Callback):
         checkpoints = Path(trainer.default_root_dir) / "checkpoints"
         temporary_path(checkpoints / "last.ckpt").write_bytes(b"half a checkpoint")
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RaiseAt(Callback):
+    """Raise ``RuntimeError`` when the training batch after ``step`` optimizer steps starts (a crash
+    inside training that is not flashprobe's)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int
+    ) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError(f"a crash at step {self.step}\nsecond line")
