@@ -192,7 +192,7 @@ def _start(cfg: DictConfig, run_dir: Path) -> tuple[str | None, str | None]:
             and record.get("global_step") == max_steps
         )
         missing = _missing_artefacts(cfg, run_dir) if finished else []
-        if missing == ["probe.png"] and _redraw_probe_figure(cfg, run_dir):
+        if missing == ["probe.png"] and _redraw_probe_figure(run_dir):
             missing = []
         if finished and not missing:
             return None, f"{run_dir} finished {max_steps} steps already"
@@ -279,14 +279,23 @@ def _missing_artefacts(cfg: DictConfig, run_dir: Path) -> list[str]:
         wanted.append(run_dir / "snapshots" / "manifest.json")
     absent = [p for p in wanted if not p.is_file()]
     missing = [str(p.relative_to(run_dir) if p.is_relative_to(run_dir) else p) for p in absent]
-    if _integer(max_steps) and max_steps > 0 and _integer(every) and max_steps % every == 0:
+    validates_last = (  # validation counts batches across epochs and falls on the last step
+        _integer(max_steps)
+        and max_steps > 0
+        and _integer(every)
+        and max_steps % every == 0
+        and cfg.trainer.get("check_val_every_n_epoch") is None
+        and cfg.trainer.get("limit_val_batches", 1) not in (0, 0.0)
+        and ((cfg.get("data") or {}).get("num_val") or 0) > 0
+    )
+    if validates_last:
         grid = f"step_{max_steps:07d}.png"  # in the logger's directory (csv/version_N/samples/...)
         if not any(run_dir.glob(f"**/samples/{grid}")):
             missing.append(f"samples/{grid}")
     return missing
 
 
-def _redraw_probe_figure(cfg: DictConfig, run_dir: Path) -> bool:
+def _redraw_probe_figure(run_dir: Path) -> bool:
     """Draw a finished run's missing ``probe.png`` from its ``probe.jsonl``; whether it was drawn."""
     from flashprobe.report.probe_figures import plot_probe
 
