@@ -11,6 +11,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from flashprobe.formats.atomic import DiskFullError
+
 __all__ = ["main"]
 
 #: command → ("module:function", one-line help)
@@ -61,7 +63,11 @@ def _dispatch(table: dict[str, tuple[str, str]], argv: list[str], prog: str) -> 
         print(f"{prog}: unknown command {name!r}\n\n{_usage(table, prog)}", file=sys.stderr)
         return 2
     module, _, func = table[name][0].partition(":")
-    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+    try:
+        return int(getattr(importlib.import_module(module), func)(rest) or 0)
+    except DiskFullError as err:  # any command's atomic write on a full disk: one line, nothing torn
+        print(f"{prog} {name}: error: {err}", file=sys.stderr)
+        return 1
 
 
 def _compiles_on_first_call(kernel: Any) -> bool:

@@ -304,13 +304,30 @@ def check_launcher(overrides: Sequence[str]) -> None:
     if name is None or name == "basic":
         return
     package = LAUNCHER_PACKAGES.get(name)
-    if package is None:
-        return  # another launcher: Hydra itself says what it finds
+    if package is None:  # another launcher: one of the config options Hydra finds, or refused now
+        known = _launcher_options()
+        if name not in known:
+            raise ValueError(
+                f"hydra/launcher={name} is not a Hydra launcher installed here (found: {', '.join(known)}); "
+                "choose one of these, or install its plugin (e.g. pip install hydra-joblib-launcher)"
+            )
+        return
     if importlib.util.find_spec(_LAUNCHER_MODULES[package]) is None:
         raise ValueError(
             f"hydra/launcher={name} needs the Hydra plugin {package}, which is not installed: "
             f"pip install {package} (keep your torch: pip install torch==<your version> {package})"
         )
+
+
+def _launcher_options() -> list[str]:
+    """The ``hydra/launcher`` options Hydra finds: ``basic`` and those of the installed plugins."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from flashprobe.app.train import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return list(GlobalHydra.instance().config_loader().get_group_options("hydra/launcher"))
 
 
 def study_config(overrides: Sequence[str]) -> Any:
@@ -380,10 +397,15 @@ def run_study(
             )
     if not train:  # compare only: the runs must be there already; nothing is created before that
         _check_trained(Path(out) / "runs", plan)
-    out = prepare_output_dir(out).resolve()  # an empty --out fails before it is resolved to the cwd
+    # resolved once (an empty --out fails before it is resolved to the cwd); a system directory, or one
+    # holding other files than a study's, is refused
+    out = prepare_output_dir(out, owned=STUDY_OWNS).resolve()
     with directory_lock(out, what="study directory (--out)"):
         return _run_locked_study(out, plan, cfg, overrides, train)
 
+
+#: What a study writes into its ``--out``: a non-empty directory holding none of these is not a study's.
+STUDY_OWNS = ("study.json", "runs", "study_settings.json", "report.md", ".flashprobe.lock")
 
 #: Settings the study gives each run itself; an override of them (or of a key under them, such as
 #: ``study.replicate.seed``) is refused.
@@ -677,6 +699,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, DirectoryLockedError) as err:
         print(f"flashprobe study: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a full disk while writing the study's own files
+        from flashprobe.formats.atomic import disk_full
+
+        if not disk_full(err):
+            raise
+        print(f"flashprobe study: error: {err}; {again}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # Ctrl-C outside a run's training (which ends with SystemExit(130))
         print(f"flashprobe study: interrupted (Ctrl-C); {again}", file=sys.stderr)
         return 130

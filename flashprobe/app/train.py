@@ -8,7 +8,6 @@ the ``flashprobe train`` command (``-m`` multirun sweeps included).
 from __future__ import annotations
 
 import contextlib
-import errno
 import importlib.util
 import logging
 import os
@@ -41,8 +40,9 @@ from flashprobe.app.overrides import (
 )
 from flashprobe.callbacks.attention_probe import AttentionProbe
 from flashprobe.callbacks.nonfinite_guard import NonFiniteGuard
+from flashprobe.formats.atomic import FULL_BELOW, DiskFullError, atomic_write_text, disk_full, free_space
 from flashprobe.formats.lock import DirectoryLockedError, directory_lock
-from flashprobe.formats.paths import OutputPathError, check_output_dir, safe_name
+from flashprobe.formats.paths import OutputPathError, check_output_dir, library_path, safe_name
 from flashprobe.formats.run_record import (
     claim_outputs,
     finish_session,
@@ -182,7 +182,7 @@ def _start(cfg: DictConfig, run_dir: Path) -> tuple[str | None, str | None]:
     """
     resume, found = cfg.get("resume"), existing_run(run_dir)
     if _launched_rank():  # a DDP rank started by rank zero, which has decided already
-        checkpoint = last_checkpoint(run_dir) if resume is not None else None
+        checkpoint = _resume_point(run_dir, cfg.trainer.get("max_steps", -1)) if resume is not None else None
         return (str(checkpoint) if checkpoint else cfg.get("ckpt_path")), None
     if resume not in (None, "auto") and Path(str(resume)).resolve() != run_dir.resolve():
         raise ValueError(
@@ -190,23 +190,38 @@ def _start(cfg: DictConfig, run_dir: Path) -> tuple[str | None, str | None]:
             "(it trains in DIR) or set run_dir to the same directory"
         )
     if resume is not None:
+        _remove_stray_temporaries(run_dir)
         record = read_run_record(run_dir)
         max_steps = cfg.trainer.get("max_steps", -1)
-        if (
+        finished = (
             record is not None
             and record.get("status") == "finished"
             and record.get("global_step") == max_steps
-        ):
-            return None, f"{run_dir} finished {max_steps} steps already"
-        checkpoint = last_checkpoint(run_dir)
-        if checkpoint is not None:
-            return str(checkpoint), None
-        killed_early = (
-            record is not None
-            and record.get("status") == "running"
-            and (cfg.get("callbacks") or {}).get("checkpoint") is not None
         )
-        if killed_early:  # stopped before its first checkpoint: the only continuation is from step 0
+        missing = _missing_artefacts(cfg, run_dir) if finished else []
+        if missing == ["probe.png"] and _redraw_probe_figure(run_dir):
+            missing = []
+        if finished and not missing:
+            return None, f"{run_dir} finished {max_steps} steps already"
+        checkpoint = _resume_point(run_dir, max_steps)
+        if missing:
+            log.warning(
+                "%s finished but lacks %s: training it again from %s to rebuild %s (the same bits)",
+                run_dir,
+                ", ".join(missing),
+                f"{checkpoint.relative_to(run_dir)}" if checkpoint else "step 0",
+                "them" if len(missing) > 1 else "it",
+            )
+        if checkpoint is not None:
+            _remove_later_checkpoints(run_dir, _step_of(checkpoint))
+            return str(checkpoint), None
+        status = None if record is None else record.get("status")
+        checkpointing = (cfg.get("callbacks") or {}).get("checkpoint") is not None
+        # No checkpoint to continue from: a run killed (or stopped) in its start-up (no record yet, or
+        # "starting") or before its first checkpoint, or a finished run to rebuild, trains from step 0.
+        killed_early = status in (None, "starting") or (checkpointing and status != "finished")
+        killed_early = killed_early or bool(missing)
+        if killed_early and not missing and record is not None:  # the only continuation is step 0
             log.warning("%s stopped before its first checkpoint: training it again from step 0", run_dir)
         if resume != "auto" and not killed_early:
             raise FileNotFoundError(
@@ -219,6 +234,98 @@ def _start(cfg: DictConfig, run_dir: Path) -> tuple[str | None, str | None]:
         raise FileExistsError(_refusal(run_dir, found))
     _remove_outputs(run_dir, found)
     return cfg.get("ckpt_path"), None
+
+
+def _resume_point(run_dir: Path, max_steps: int | None) -> Path | None:
+    """The checkpoint a resume continues from: the newest, unless it holds the last step.
+
+    Lightning does nothing when given a checkpoint of the last step, so whatever the run had still to
+    do after saving it (the last probe record, ``probe.png``, the final samples, ``run.json``) would
+    never be done. The newest checkpoint of an earlier step is taken instead (training from it gives
+    the same bits), or none (train from step 0) when there is none.
+    """
+    newest = last_checkpoint(run_dir)
+    if newest is None or max_steps in (None, -1) or _step_of(newest) != max_steps:
+        return newest  # (a checkpoint past max_steps is refused by _checkpoint_step)
+    steps = [(p, _step_of(p)) for p in sorted((run_dir / "checkpoints").glob("*.ckpt"))]
+    earlier = [(p, step) for p, step in steps if step < max_steps]
+    return max(earlier, key=lambda c: (c[1], c[0].stat().st_mtime))[0] if earlier else None
+
+
+def _remove_later_checkpoints(run_dir: Path, step: int) -> None:
+    """Delete this run's checkpoints of steps after ``step``, which a resume from ``step`` writes again
+    (Lightning would otherwise save the new ones beside them as ``NAME-v1.ckpt``)."""
+    for path in sorted((run_dir / "checkpoints").glob("*.ckpt")):
+        if path.name != "last.ckpt" and _step_of(path) > step:
+            log.warning("removing %s: training from step %d writes it again", path, step)
+            path.unlink()
+
+
+def _step_of(checkpoint: Path) -> int:
+    """A checkpoint's ``global_step`` (read safely; see :func:`_checkpoint_step`)."""
+    from flashprobe.formats.checkpoint_io import load_checkpoint
+
+    return int(load_checkpoint(checkpoint)["global_step"])
+
+
+def _missing_artefacts(cfg: DictConfig, run_dir: Path) -> list[str]:
+    """What a finished run must have and ``run_dir`` lacks: ``checkpoints/last.ckpt`` (when the run saves
+    it), ``probe.png`` (when probed and plotted), the sample grid of the last step (when the last step
+    validates), the snapshot manifest (when snapshots are taken); paths relative to ``run_dir``."""
+    callbacks = cfg.get("callbacks") or {}
+    max_steps, every = cfg.trainer.get("max_steps", -1), cfg.trainer.get("val_check_interval")
+    wanted = []
+    checkpoint = callbacks.get("checkpoint")
+    if checkpoint is not None and checkpoint.get("save_last"):
+        wanted.append(Path(str(checkpoint.get("dirpath") or run_dir / "checkpoints")) / "last.ckpt")
+    probe = callbacks.get("attention_probe")
+    if cfg.attention.probe.enabled and probe is not None and probe.get("plot", True):
+        log_file = Path(str(probe.get("dirpath") or run_dir)) / str(probe.get("filename") or "probe.jsonl")
+        wanted.append(log_file.with_suffix(".png"))
+    if callbacks.get("weight_snapshot") is not None:
+        wanted.append(run_dir / "snapshots" / "manifest.json")
+    absent = [p for p in wanted if not p.is_file()]
+    missing = [str(p.relative_to(run_dir) if p.is_relative_to(run_dir) else p) for p in absent]
+    validates_last = (  # validation counts batches across epochs and falls on the last step
+        _integer(max_steps)
+        and max_steps > 0
+        and _integer(every)
+        and max_steps % every == 0
+        and cfg.trainer.get("check_val_every_n_epoch") is None
+        and cfg.trainer.get("limit_val_batches", 1) not in (0, 0.0)
+        and ((cfg.get("data") or {}).get("num_val") or 0) > 0
+    )
+    if validates_last:
+        grid = f"step_{max_steps:07d}.png"  # in the logger's directory (csv/version_N/samples/...)
+        if not any(run_dir.glob(f"**/samples/{grid}")):
+            missing.append(f"samples/{grid}")
+    return missing
+
+
+def _redraw_probe_figure(run_dir: Path) -> bool:
+    """Draw a finished run's missing ``probe.png`` from its ``probe.jsonl``; whether it was drawn."""
+    from flashprobe.report.probe_figures import plot_probe
+
+    probe_log = run_dir / "probe.jsonl"
+    if not probe_log.is_file() or not probe_log.stat().st_size:
+        return False
+    figure = plot_probe(probe_log, run_dir / "probe.png")
+    log.warning("%s finished without probe.png: drew it from probe.jsonl (%s)", run_dir, figure)
+    return True
+
+
+def _remove_stray_temporaries(run_dir: Path) -> None:
+    """Delete the atomic writer's temporary files a killed run left in its own outputs (the run directory
+    is locked: no writer is using them)."""
+    from flashprobe.formats.atomic import stray_temporaries
+
+    strays = [p for p in stray_temporaries(run_dir) if p.parent == run_dir]
+    for name in owned_outputs(run_dir, RUN_OUTPUTS):
+        if (run_dir / name).is_dir() and not (run_dir / name).is_symlink():
+            strays += stray_temporaries(run_dir / name)
+    for stray in strays:
+        log.warning("removing %s, left by an interrupted write", stray)
+        stray.unlink(missing_ok=True)
 
 
 def _refuse_foreign(run_dir: Path, names: list[str]) -> None:
@@ -324,11 +431,22 @@ def _check(cfg: DictConfig) -> None:
         raise ValueError(
             f"ckpt_path={ckpt_path}: no such file; give a Lightning .ckpt file (or resume=RUN_DIR)"
         )
-    if cfg.attention.kernel is not None:
-        get_kernel(cfg.attention.kernel)  # unknown kernels and options fail here, before any work
-    spec = cfg.attention.probe.get("baseline")
-    if spec is not None:
-        get_kernel(spec)
+    device = _run_device(cfg)
+    for key, spec in (
+        ("attention.kernel", cfg.attention.kernel),
+        ("attention.probe.primary", cfg.attention.probe.get("primary")),
+        ("attention.probe.baseline", cfg.attention.probe.get("baseline")),
+    ):
+        if spec is None:
+            continue
+        kernel = get_kernel(spec)  # unknown kernels and options fail here, before any work
+        devices = kernel.capabilities.devices
+        if devices is not None and device not in devices:  # placement: not inside the first batch
+            problem = kernel.capabilities.setting_problem(device, torch.float32)
+            raise ValueError(
+                f"{key}={spec}: {problem}. This run trains on {device} "
+                f"(trainer.accelerator={cfg.trainer.get('accelerator')}); for a GPU run give trainer=gpu"
+            )
     checkpoint = (cfg.get("callbacks") or {}).get("checkpoint") or {}
     every, log_every = checkpoint.get("every_n_train_steps"), cfg.trainer.get("log_every_n_steps")
     probing = cfg.attention.probe.enabled and (cfg.get("callbacks") or {}).get("attention_probe") is not None
@@ -339,6 +457,40 @@ def _check(cfg: DictConfig) -> None:
             "interval's first steps (weights and snapshots still resume exactly); make it a multiple",
             every,
             log_every,
+        )
+
+
+def _run_device(cfg: DictConfig) -> str:
+    """The device type a run's model trains on, from ``trainer.accelerator`` (``auto``: CUDA if present)."""
+    accelerator = str(cfg.trainer.get("accelerator") or "cpu").lower()
+    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
+        return "cuda"
+    return accelerator if accelerator in ("mps", "xpu") else "cpu"
+
+
+def _check_sites(cfg: DictConfig, module: torch.nn.Module) -> None:
+    """``attention.probe.sites`` must match some module of the model: sites are module paths, so a
+    pattern that names no module can never name a site (checked before training, not at its first batch).
+
+    Raises:
+        ValueError: naming the patterns and the model's attention modules.
+    """
+    import fnmatch
+
+    sites = cfg.attention.probe.get("sites") if cfg.attention.probe.enabled else None
+    if sites is None or (cfg.get("callbacks") or {}).get("attention_probe") is None:
+        return
+    patterns = [sites] if isinstance(sites, str) else [str(p) for p in sites]
+    include = [p for p in patterns if not p.startswith("!")]
+    names = [name for name, _ in module.named_modules() if name]
+    if include and not any(fnmatch.fnmatchcase(name, p) for name in names for p in include):
+        attention = [name for name in names if name.rsplit(".", 1)[-1] in ("attn", "attention", "self_attn")]
+        shown = ", ".join(attention[:6]) + (", ..." if len(attention) > 6 else "")
+        raise ValueError(
+            f"attention.probe.sites={patterns!r} matches no module of the model, so no attention site: its "
+            f"attention modules are {shown or 'unnamed'}; give glob patterns of these names (e.g. "
+            f"'{attention[0].rsplit('.', 2)[0] + '.*.attn' if attention else 'blocks.*.attn'}') or "
+            "attention.probe.sites=null for all"
         )
 
 
@@ -484,11 +636,16 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         try:
             with _refusals():
                 built = _build(cfg, run_dir)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            if not _launched_rank():
-                foreign = set(existing_run(run_dir)) - set(owned_outputs(run_dir, RUN_OUTPUTS))
-                claim_outputs(run_dir, [n for n in RUN_OUTPUTS if n not in foreign])  # before writing any
-                OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+            try:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                if not _launched_rank():
+                    foreign = set(existing_run(run_dir)) - set(owned_outputs(run_dir, RUN_OUTPUTS))
+                    claim_outputs(run_dir, [n for n in RUN_OUTPUTS if n not in foreign])  # before writing any
+                    atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+            except OSError as err:  # run.json says "starting" (or is as it was): resume= starts it afresh
+                if not disk_full(err):
+                    raise
+                raise _disk_full_stop(run_dir, err) from err
             return _fit(cfg, run_dir, checkpoint, from_step, built)
         finally:
             torch.set_num_threads(callers_threads)  # an in-process run leaves the caller's setting as it was
@@ -519,7 +676,7 @@ def _check_resumable(run_dir: Path, from_step: int) -> None:
         if entry["step"] > from_step or not (snapshots / entry["file"]).is_file():
             continue  # abandoned by the resume, or already gone: the writer drops them
         try:
-            with safe_open(snapshots / entry["file"], framework="pt"):
+            with library_path(snapshots / entry["file"]) as name, safe_open(name, framework="pt"):
                 pass
         except SafetensorError as err:
             raise ValueError(
@@ -586,6 +743,7 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         )
     except InstantiationException as err:
         raise ValueError(" ".join(str(err).split())) from err
+    _check_sites(cfg, module)
     return {
         "datamodule": datamodule,
         "module": module,
@@ -602,19 +760,20 @@ def _fit(
     datamodule, module, callbacks = built["datamodule"], built["module"], built["callbacks"]
     loggers, trainer = built["loggers"], built["trainer"]
     guard = next(c for c in callbacks if isinstance(c, NonFiniteGuard))
-    if trainer.is_global_zero:
-        start_session(
-            run_dir,
-            from_step=from_step,
-            max_steps=trainer.max_steps,
-            machine=machine_facts(),
-            resumed_from=checkpoint,
-        )
-        _announce_wandb(loggers)
     started = time.perf_counter()
     ctrl_c = signal.getsignal(signal.SIGINT)
     failure: RunStoppedError | None = None
+    crashed: Exception | None = None
     try:
+        if trainer.is_global_zero:
+            start_session(
+                run_dir,
+                from_step=from_step,
+                max_steps=trainer.max_steps,
+                machine=machine_facts(),
+                resumed_from=checkpoint,
+            )
+            _announce_wandb(loggers)
         with _ranks_rerun_this_job(run_dir):
             trainer.fit(module, datamodule=datamodule, ckpt_path=checkpoint)
     except SystemExit as exit_:  # Lightning's answer to Ctrl-C: sys.exit(1) after a graceful shutdown
@@ -626,23 +785,22 @@ def _fit(
             exit_code=130,
         )
         failure.__cause__ = exit_
-    except (OSError, RuntimeError) as err:
-        if not _disk_full(err):
-            raise
-        free = shutil.disk_usage(run_dir).free if run_dir.exists() else 0
-        failure = RunStoppedError(
-            f"the disk holding {run_dir} is full ({free / 2**20:.1f} MiB free): "
-            f"{str(err).splitlines()[0][:160]}. Free some space (or train on another disk) and continue "
-            f"with: flashprobe train resume={run_dir}",
-            exit_code=1,
-        )
-        failure.__cause__ = err
+    except Exception as err:  # a full disk stops the run; anything else is recorded, then raised
+        if disk_full(err):
+            failure = _disk_full_stop(run_dir, err)
+        else:
+            crashed = err
     finally:
         signal.signal(signal.SIGINT, ctrl_c)  # Lightning ignores Ctrl-C from its first one on
-        for lg in loggers:
-            finalize = getattr(lg, "finalize", None)
-            if finalize is not None:
-                finalize("success")
+        try:
+            for lg in loggers:
+                finalize = getattr(lg, "finalize", None)
+                if finalize is not None:
+                    finalize("success")
+        except (OSError, RuntimeError) as err:  # the CSV logger's last rows on a full disk
+            if not disk_full(err):
+                raise
+            failure = failure or _disk_full_stop(run_dir, err)
         if "wandb" in sys.modules:
             import wandb
 
@@ -657,14 +815,22 @@ def _fit(
     if trainer.is_global_zero:
         seconds = time.perf_counter() - started
         note = guard.reason if guard.action == "continue" else None
-        with contextlib.suppress(OSError) if failure is not None else contextlib.nullcontext():
+        failed = None if failure is None else str(failure)
+        if crashed is not None:
+            failed = f"{type(crashed).__name__}: {(str(crashed).strip().splitlines() or [''])[0]}"
+        try:
             finish_session(
-                run_dir,
-                global_step=trainer.global_step,
-                seconds=seconds,
-                failed=None if failure is None else str(failure),
-                note=note,
+                run_dir, global_step=trainer.global_step, seconds=seconds, failed=failed, note=note
             )
+        except (OSError, ValueError) as err:
+            if crashed is not None:
+                raise crashed from None
+            if failure is None and not disk_full(err):
+                raise
+            failure = failure or _disk_full_stop(run_dir, err)
+            failure.args = (f"{failure}; run.json could not record it ({err})",)
+    if crashed is not None:
+        raise crashed
     if failure is not None:
         raise failure
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
@@ -711,16 +877,31 @@ def _saved(run_dir: Path) -> str:
     return ", ".join(parts)
 
 
-def _disk_full(err: BaseException) -> bool:
-    """Whether ``err`` (or what caused it) is a write that failed for lack of space."""
-    while err is not None:
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        text = str(err)
-        if "No space left on device" in text or "Disk quota exceeded" in text:
-            return True
+def _disk_full_stop(run_dir: Path, err: BaseException) -> RunStoppedError:
+    """The one-line stop of a run whose disk is full: the directory, its free space, the file that could
+    not be written, what the run kept, and the command that continues it."""
+    target = next((e.path for e in _chain(err) if isinstance(e, DiskFullError)), None)
+    free = free_space(run_dir)
+    writing = ""
+    if target is not None:
+        writing = f" writing {target.relative_to(run_dir) if target.is_relative_to(run_dir) else target}"
+    stop = RunStoppedError(
+        f"the disk holding {run_dir} is full ({(free or 0) / 2**20:.1f} MiB free){writing}; kept: "
+        f"{_saved(run_dir)}. Free some space (or train on another disk) and continue with: "
+        f"flashprobe train resume={run_dir}",
+        exit_code=1,
+    )
+    stop.__cause__ = err
+    return stop
+
+
+def _chain(err: BaseException | None) -> Iterator[BaseException]:
+    """``err`` and the exceptions that caused it."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
         err = err.__cause__ or err.__context__
-    return False
 
 
 def compose(overrides: Sequence[str] = (), run_dir: str | Path | None = None) -> DictConfig:
@@ -883,6 +1064,12 @@ def _precheck(args: Sequence[str]) -> Path | None:
             cfg.run_dir = str(run_dir or Path(str(cfg.output_root)) / "train" / "new")
         _check(cfg)
         _check_paths(cfg, Path(cfg.run_dir))
+        free = free_space(cfg.run_dir)
+        if free is not None and free < FULL_BELOW:  # Hydra's own first writes would fail with a traceback
+            raise ValueError(
+                f"the disk holding {cfg.run_dir} is full ({free / 2**20:.1f} MiB free); free some space or "
+                "train on another disk (hydra.run.dir=...)"
+            )
         resumed = None
         if run_dir is not None:
             resumed = last_checkpoint(run_dir) if cfg.get("resume") is not None else None

@@ -27,6 +27,7 @@ __all__ = [
     "add_kernel_args",
     "add_output_args",
     "add_shape_args",
+    "check_size",
     "parse_device",
     "parse_dtypes",
     "parse_input_config",
@@ -238,6 +239,47 @@ def parse_input_config(args: argparse.Namespace) -> InputConfig:
     )
 
 
+#: float64 tensors of the shape (B, H, N, D) one measured call keeps at once: q, k, v, the golden
+#: output, the output gradient and the golden dq, dk, dv.
+FP64_TENSORS = 8
+
+
+def check_size(args: argparse.Namespace) -> None:
+    """Refuse a shape whose tensors alone cannot fit in the device's memory, before anything is allocated.
+
+    The estimate is a floor: :data:`FP64_TENSORS` float64 tensors of ``(B, H, N, D)`` at the largest
+    ``--seq-len``, plus one block of the chunked reference attention
+    (:func:`~flashprobe.kernels.reference.reference_budget`); a kernel that materialises its scores
+    needs more.
+
+    Raises:
+        BenchArgumentError: naming the options, the estimate and the memory available.
+    """
+    from flashprobe.kernels.reference import _available_bytes, reference_budget
+
+    sizes = [getattr(args, a, None) for a in ("batch", "heads", "seq_len", "head_dim")]
+    if any(v is None for v in sizes):
+        return
+    batch, heads, seq_len, head_dim = sizes
+    n = max(seq_len) if isinstance(seq_len, list | tuple) and seq_len else seq_len
+    if not all(isinstance(v, int) and v > 0 for v in (batch, heads, n, head_dim)):
+        return  # the command names what is wrong with these
+    try:
+        device = torch.device(getattr(args, "device", "cpu") or "cpu")
+        available, block = _available_bytes(device), reference_budget(device)
+    except (RuntimeError, ValueError, AssertionError):
+        return  # an unknown or absent device: the command says so
+    needed = FP64_TENSORS * batch * heads * n * head_dim * 8 + block
+    if needed > available:
+        gib = 2**30
+        raise BenchArgumentError(
+            f"--seq-len {n} with --batch {batch} --heads {heads} --head-dim {head_dim} needs at least "
+            f"{needed / gib:.3g} GiB ({FP64_TENSORS} float64 tensors of {batch}x{heads}x{n}x{head_dim} and a "
+            f"{block / gib:.3g} GiB reference block), but {device} has {available / gib:.3g} GiB available; "
+            "lower --seq-len (or --batch, --heads)"
+        )
+
+
 def run_cli(
     name: str,
     parser: argparse.ArgumentParser,
@@ -270,6 +312,7 @@ def run_cli(
     if getattr(args, "kernel", "absent") is None:
         args.kernel = list(args.kernel_default)
     try:
+        check_size(args)
         if getattr(args, "out", None) is not None:  # checked now, created by the first write
             args.out = check_output_dir(args.out, flag="--out")
         return run(args)

@@ -38,6 +38,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from flashprobe.deviation import PAIRS
+from flashprobe.formats.atomic import DiskFullError
 from flashprobe.formats.probe_log import PROBE_LOG_NAME, ProbeLogWriter
 from flashprobe.probe import Probe, ProbeConfig, ProbeFailureError, ProbeWarning, probe, reduce_across_ranks
 from flashprobe.probe.shadow import failure_message
@@ -314,6 +315,8 @@ class AttentionProbe(Callback):
                 try:  # a convenience: a plotting error must not fail a finished run
                     figure = plot_probe(self._path, self._path.with_suffix(".png"))
                     log.info("AttentionProbe: per-site deviation plot %s", figure)
+                except DiskFullError:  # but a full disk must: the run is not complete without it
+                    raise
                 except Exception as err:
                     log.warning("AttentionProbe: could not draw %s: %s", self._path.with_suffix(".png"), err)
 

@@ -10,26 +10,125 @@ sets its own mode (safetensors writes ``0600``) are given that mode back before 
 * :func:`atomic_write_text`, :func:`atomic_write_bytes` — a string or bytes;
 * :func:`atomic_write_file` — a library that writes to a path (``torch.save``,
   ``safetensors.torch.save_file``).
+
+A write that fails for lack of space raises :class:`DiskFullError` (an ``OSError`` with ``ENOSPC``)
+whose one-line message names the directory, its free space and what was kept — whatever the
+library said (torch's zip writer reports ``unexpected pos``, safetensors an ``I/O error``). The
+temporary file is removed first, so the disk holds what it held before the write.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
+import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_write", "atomic_write_bytes", "atomic_write_file", "atomic_write_text", "temporary_path"]
+__all__ = [
+    "DiskFullError",
+    "atomic_write",
+    "atomic_write_bytes",
+    "atomic_write_file",
+    "atomic_write_text",
+    "disk_full",
+    "free_space",
+    "stray_temporaries",
+    "temporary_path",
+]
 
 TMP_SUFFIX = ".tmp"
+
+#: Free space below which a failed write is read as a full disk, whatever the library's message: a
+#: writer that ran out of space leaves (with its temporary file still there) less than this.
+FULL_BELOW = 1 << 20
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFullError(OSError):
+    """A write that failed for lack of space; the message is one line: the directory, its free space
+    (after the failed write's temporary file was removed) and what was kept.
+
+    Attributes:
+        path: the file that could not be written.
+        free: free bytes on its disk (``None`` when the disk cannot be asked).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, kept: str | None = None) -> None:
+        self.path = Path(path)
+        self.free = free_space(self.path.parent)
+        if kept is None:
+            name = self.path.name
+            kept = f"the earlier {name} is kept" if self.path.exists() else f"no {name} written"
+        free = "free space unknown" if self.free is None else f"{self.free / 2**20:.1f} MiB free"
+        super().__init__(
+            errno.ENOSPC,
+            f"the disk holding {self.path.parent} is full ({free}) writing {self.path.name}; {kept}. Free "
+            "some space (or use another disk) and run the command again",
+        )
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def free_space(directory: str | os.PathLike[str]) -> int | None:
+    """Free bytes (for this user) on the disk holding ``directory`` or its nearest existing parent."""
+    path = Path(directory).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def disk_full(err: BaseException | None) -> bool:
+    """Whether ``err`` (or an exception that caused it) is a write that failed for lack of space."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in _NO_SPACE:
+            return True
+        text = str(err)
+        if "No space left on device" in text or "Disk quota exceeded" in text:
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _failed_for_space(err: BaseException, directory: Path) -> bool:
+    """Whether a write into ``directory`` that raised ``err`` ran out of space: said so, or it was an
+    I/O-like error while the disk is (nearly) full (torch's zip writer says only ``unexpected pos``)."""
+    if disk_full(err):
+        return True
+    if not isinstance(err, OSError | RuntimeError):
+        return False
+    free = free_space(directory)
+    return free is not None and free < FULL_BELOW
 
 
 def temporary_path(path: str | os.PathLike[str]) -> Path:
     """A fresh hidden temporary name beside ``path``: ``.NAME.PID.XXXXXXXX.tmp``."""
     path = Path(path)
     return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+
+
+#: The name :func:`temporary_path` gives: ``.NAME.PID.XXXXXXXX.tmp``.
+_TEMPORARY = re.compile(r"^\..+\.\d+\.[0-9a-f]{8}" + re.escape(TMP_SUFFIX) + "$")
+
+
+def stray_temporaries(directory: str | os.PathLike[str]) -> list[Path]:
+    """The writer's temporary files in ``directory`` and below (left by a killed writer, when no writer
+    holds the directory), only those named as :func:`temporary_path` names them."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.rglob(f".*{TMP_SUFFIX}") if _TEMPORARY.match(p.name) and p.is_file())
 
 
 def _replace(tmp: Path, path: Path) -> None:
@@ -53,23 +152,41 @@ def atomic_write(
     Args:
         path: the file to write; parent folders are created.
         write: writes the content to the open file handle.
-        binary: open the handle in binary mode (else UTF-8 text, ``newline=""``).
+        binary: open the handle in binary mode (else UTF-8 text, ``newline=""``; a path's bytes that
+            are not UTF-8, as Python's ``surrogateescape`` carries them, are written back as they were).
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        DiskFullError: the disk ran out of space; ``path`` is as it was before.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_path(path)
     try:
-        with open(tmp, "xb") if binary else open(tmp, "x", encoding="utf-8", newline="") as fh:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = {"encoding": "utf-8", "errors": "surrogateescape", "newline": ""}
+        with open(tmp, "xb") if binary else open(tmp, "x", **text) as fh:
             write(fh)
         _replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+    except BaseException as err:
+        _discard(tmp, path, err)
         raise
     return path
+
+
+def _discard(tmp: Path, path: Path, err: BaseException) -> None:
+    """After a failed write: decide whether the disk was full (with ``tmp`` still there), remove ``tmp``,
+    and raise :class:`DiskFullError` if it was.
+
+    Raises:
+        DiskFullError: the write ran out of space.
+    """
+    full = isinstance(err, Exception) and _failed_for_space(err, tmp.parent)
+    with contextlib.suppress(OSError):
+        tmp.unlink()
+    if full and not isinstance(err, DiskFullError):
+        raise DiskFullError(path) from err
 
 
 def atomic_write_file(path: str | os.PathLike[str], write: Callable[[Path], None]) -> Path:
@@ -84,11 +201,14 @@ def atomic_write_file(path: str | os.PathLike[str], write: Callable[[Path], None
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        DiskFullError: the disk ran out of space; ``path`` is as it was before.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_path(path)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "xb"):
             pass
         mode = tmp.stat().st_mode & 0o7777
@@ -96,9 +216,8 @@ def atomic_write_file(path: str | os.PathLike[str], write: Callable[[Path], None
         if tmp.stat().st_mode & 0o7777 != mode:
             os.chmod(tmp, mode)
         _replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+    except BaseException as err:
+        _discard(tmp, path, err)
         raise
     return path
 

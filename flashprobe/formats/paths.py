@@ -3,18 +3,32 @@
 * :func:`prepare_output_dir` — ``--out DIR`` must be a directory flashprobe can create and write
   to; a path that is a file, lies under a file, or is not writable fails at once, naming the path
   and the fix, instead of after minutes of work;
+* every output directory is resolved once (symlinks followed) and refused when it is a system
+  directory (``/``, ``/usr``, ``/etc``, ..., the home directory itself or one above it), so a
+  symlink to ``/`` cannot make a command write there; with ``owned=`` (the names a command writes)
+  a directory that holds other files and none of these is refused too;
 * :func:`safe_name` — a name that becomes part of a file name (a comparison pair's name, a case
   name) must stay inside its directory: no path separators, no ``..``, nothing hidden.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["OutputPathError", "check_output_dir", "output_dir_arg", "prepare_output_dir", "safe_name"]
+__all__ = [
+    "OutputPathError",
+    "check_output_dir",
+    "library_path",
+    "output_dir_arg",
+    "prepare_output_dir",
+    "printable",
+    "safe_name",
+]
 
 _SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=-]*")
 
@@ -23,8 +37,29 @@ class OutputPathError(ValueError):
     """An output directory or a name used in a file name is unusable."""
 
 
-def _not_under_a_file(path: str | os.PathLike[str], flag: str) -> Path:
-    """``path`` as a Path, if it is not empty, not a file and not under a file."""
+#: Directories no command writes into: the root, the system's own trees (and everything under them).
+SYSTEM_ROOTS = ("/", "/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/sbin")
+SYSTEM_ROOTS += ("/sys", "/usr")
+#: Directories shared by everything on the machine: refused themselves (a directory inside is fine).
+SHARED_DIRS = ("/home", "/mnt", "/media", "/opt", "/root", "/run", "/srv", "/tmp", "/var", "/Users")
+
+
+def _system_dir(resolved: Path) -> str | None:
+    """Why the resolved directory ``resolved`` is not one to write into, or ``None``."""
+    home = Path.home().resolve()
+    if resolved == home or (resolved != Path("/") and home.is_relative_to(resolved)):
+        return "your home directory" if resolved == home else f"above your home directory ({home})"
+    for root in SYSTEM_ROOTS:
+        if resolved == Path(root) or (root != "/" and resolved.is_relative_to(root)):
+            return f"a system directory ({root})" if resolved == Path(root) else f"inside the system's {root}"
+    if str(resolved) in SHARED_DIRS:
+        return "a directory shared by the whole machine"
+    return None
+
+
+def _not_under_a_file(path: str | os.PathLike[str], flag: str, owned: tuple[str, ...] | None = None) -> Path:
+    """``path`` as a Path, if it is not empty, not a file, not under a file, not a system directory once
+    resolved, and (with ``owned``) empty, new or holding one of the ``owned`` names."""
     if not str(os.fspath(path)).strip():
         raise OutputPathError(
             f"{flag} is empty: it would write into the working directory; give a directory, e.g. "
@@ -35,24 +70,44 @@ def _not_under_a_file(path: str | os.PathLike[str], flag: str) -> Path:
         if parent.exists() and not parent.is_dir():
             where = "is a file" if parent == path else f"lies under {parent}, which is a file"
             raise OutputPathError(f"{flag} {path} {where}; give a directory path")
+    resolved = path.resolve()
+    why = _system_dir(resolved)
+    if why is not None:
+        shown = f"{path}" if resolved == path.absolute() else f"{path} (which is {resolved})"
+        raise OutputPathError(
+            f"{flag} {shown} is {why}; flashprobe writes only into directories of its own: give a new "
+            f"directory, e.g. {flag} out/run1"
+        )
+    if owned is not None and resolved.is_dir():
+        present = sorted(os.fsdecode(n) for n in os.listdir(resolved))
+        if present and not set(present) & set(owned):
+            listed = ", ".join(present[:5]) + (", ..." if len(present) > 5 else "")
+            raise OutputPathError(
+                f"{flag} {path} holds files flashprobe did not write there ({listed}); give a new or "
+                f"empty directory (or one this command wrote before: it holds {' or '.join(owned[:2])})"
+            )
     return path
 
 
-def check_output_dir(path: str | os.PathLike[str], *, flag: str = "--out") -> Path:
+def check_output_dir(
+    path: str | os.PathLike[str], *, flag: str = "--out", owned: tuple[str, ...] | None = None
+) -> Path:
     """Check, without creating anything, that ``path`` could be created and written as a directory.
 
     Args:
         path: the output directory.
         flag: how the user gave it, for the error message.
+        owned: the names the command writes there; a directory holding other files and none of these
+            is refused (``None``: any directory).
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
 
     Raises:
-        OutputPathError: ``path`` is empty, a file, lies under a file, or its nearest existing
-            directory is not writable.
+        OutputPathError: ``path`` is empty, a file, lies under a file, a system directory (resolved),
+            not the command's own (``owned``), or its nearest existing directory is not writable.
     """
-    path = _not_under_a_file(path, flag)
+    path = _not_under_a_file(path, flag, owned)
     if path.is_dir():
         _write_check(path, flag)  # a probe file, removed at once: the directory is left as it was
         return path
@@ -62,21 +117,25 @@ def check_output_dir(path: str | os.PathLike[str], *, flag: str = "--out") -> Pa
     return path
 
 
-def prepare_output_dir(path: str | os.PathLike[str], *, flag: str = "--out") -> Path:
+def prepare_output_dir(
+    path: str | os.PathLike[str], *, flag: str = "--out", owned: tuple[str, ...] | None = None
+) -> Path:
     """Create ``path`` (and its parents) if needed and check that files can be written there.
 
     Args:
         path: the output directory.
         flag: how the user gave it, for the error message (``--out``, ``hydra.run.dir``).
+        owned: as for :func:`check_output_dir`.
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
 
     Raises:
         OutputPathError: ``path`` is empty (it would mean the working directory), a file, lies under
-            a file, or is not writable.
+            a file, a system directory (resolved), not the command's own (``owned``), or is not
+            writable.
     """
-    path = _not_under_a_file(path, flag)
+    path = _not_under_a_file(path, flag, owned)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -101,6 +160,44 @@ def _write_check(path: Path, flag: str) -> None:
         raise OutputPathError(
             f"{flag} {path} is not writable ({err.strerror or err}); give a directory you can write to"
         ) from None
+
+
+@contextlib.contextmanager
+def library_path(path: str | os.PathLike[str], *, create: bool = False) -> Iterator[str]:
+    """``path`` as a string a library that wants UTF-8 (safetensors) can open, whatever bytes it holds.
+
+    A path whose bytes are not UTF-8 (``os.fsencode`` gives them back exactly) is opened here and
+    handed over as ``/proc/self/fd/N``, the same file, so such a path is never taken for a missing
+    or corrupt file.
+
+    Args:
+        path: the file.
+        create: create it (empty) if it does not exist (the library will write it).
+
+    Raises:
+        OSError: a non-UTF-8 path on a system without ``/proc/self/fd``, or the file cannot be opened.
+    """
+    raw = os.fsencode(path)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        pass
+    else:
+        yield os.fsdecode(raw)
+        return
+    if not os.path.isdir("/proc/self/fd"):
+        raise OSError(f"{os.fsdecode(raw)!r}: this system cannot hand a non-UTF-8 path to the library")
+    fd = os.open(raw, os.O_RDONLY | (os.O_CREAT if create else 0), 0o666)
+    try:
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
+def printable(text: object) -> str:
+    """``text`` for a terminal or log: bytes of a path that are not UTF-8 (carried by Python as
+    ``surrogateescape``) shown as ``\\xNN`` instead of failing to print."""
+    return str(text).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def output_dir_arg(text: str) -> Path:

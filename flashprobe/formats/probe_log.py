@@ -18,6 +18,7 @@ steps after ``S`` (they belong to the abandoned timeline and are written again).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flashprobe.formats.atomic import atomic_write_text
+from flashprobe.formats.atomic import DiskFullError, atomic_write_text, disk_full
 from flashprobe.formats.jsonio import decode, dumps
 
 __all__ = ["PROBE_LOG_NAME", "ProbeLog", "ProbeLogWriter", "load_probe_records", "read_probe_log"]
@@ -153,7 +154,17 @@ class ProbeLogWriter:
             self.open(None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         line = (dumps(record) + "\n").encode("utf-8")
-        with self.path.open("ab") as fh:
-            fh.write(line)
-            fh.flush()
-            os.fsync(fh.fileno())
+        with self.path.open("ab", buffering=0) as fh:
+            size = fh.seek(0, os.SEEK_END)
+            try:
+                written = 0
+                while written < len(line):
+                    written += fh.write(line[written:])
+                os.fsync(fh.fileno())
+            except OSError as err:  # no torn line left behind: cut back to the last whole record
+                with contextlib.suppress(OSError):
+                    fh.truncate(size)
+                if disk_full(err):
+                    kept = f"{self.path.name} is kept up to its last whole record"
+                    raise DiskFullError(self.path, kept=kept) from err
+                raise

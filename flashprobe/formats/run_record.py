@@ -11,6 +11,9 @@ every session (a first start or a resume)::
      "machine": {...flashprobe.app.machine.machine_facts()...},
      "outputs": ["checkpoints", "config.yaml", ...]}
 
+A session holds ``.run.json.reserve`` (64 KiB) beside the record while it runs and deletes it just
+before recording its end, so the end — a full disk included — can always be written.
+
 A session killed before its end keeps ``"seconds": null``; ``status`` says whether the run reached
 its ``max_steps``. ``flashprobe study`` reads it to skip finished runs and to report timings.
 
@@ -26,6 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from flashprobe.formats.atomic import atomic_write_bytes
 from flashprobe.formats.jsonio import read_json, write_json
 
 __all__ = [
@@ -41,6 +45,10 @@ __all__ = [
 
 RUN_FORMAT = "flashprobe.run/1"
 RUN_RECORD = "run.json"
+
+#: Space held while a session runs, given back to write its end (a full disk cannot leave it "running").
+RESERVE = ".run.json.reserve"
+RESERVE_BYTES = 64 * 1024
 
 
 def _now() -> str:
@@ -113,6 +121,7 @@ def start_session(
         }
     )
     write_json(Path(run_dir) / RUN_RECORD, record)
+    atomic_write_bytes(Path(run_dir) / RESERVE, bytes(RESERVE_BYTES))
 
 
 def finish_session(
@@ -145,6 +154,7 @@ def finish_session(
         record["sessions"][-1]["failed"] = failed
     if note is not None:
         record["sessions"][-1]["note"] = note
+    (Path(run_dir) / RESERVE).unlink(missing_ok=True)  # the space this write may need
     write_json(Path(run_dir) / RUN_RECORD, record)
     return record
 

@@ -7,7 +7,9 @@
   or comparison from its ``study.json``, or redraws ``probe.png`` of a training run (a directory
   holding ``probe.jsonl``).
 
-Arguments and output paths are checked before any work; errors print one line and exit with 2.
+Arguments and output paths are checked before any work; errors print one line and exit with 2. A
+full disk ends in one line too (the directory, its free space, what was kept) and exit code 1: every
+file is written atomically, so none is left half-written.
 """
 
 from __future__ import annotations
@@ -22,16 +24,27 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from flashprobe.formats.paths import OutputPathError, check_output_dir, prepare_output_dir, safe_name
+from flashprobe.formats.atomic import DiskFullError
+from flashprobe.formats.paths import (
+    OutputPathError,
+    check_output_dir,
+    prepare_output_dir,
+    printable,
+    safe_name,
+)
 from flashprobe.formats.probe_log import PROBE_LOG_NAME
 from flashprobe.formats.study_file import STUDY_NAME, read_study
 
 __all__ = ["compare_main", "report_main"]
 
 
+#: What ``compare --out DIR`` writes; a non-empty DIR that holds none of these is refused.
+COMPARE_OWNS = ("study.json", "study.csv", "report.md", "fig8_wasserstein.png")
+
+
 def _fail(prog: str, err: BaseException | str) -> int:
-    print(f"{prog}: error: {err}", file=sys.stderr)
-    return 2
+    print(printable(f"{prog}: error: {err}"), file=sys.stderr)
+    return 1 if isinstance(err, DiskFullError) else 2
 
 
 # ------------------------------------------------------------------------------------------ compare
@@ -123,20 +136,20 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     pairs = _pairs(parser, args)
     try:
-        check_output_dir(args.out, flag="--out")  # an empty or blocked --out fails first, creating nothing
+        check_output_dir(args.out, flag="--out", owned=COMPARE_OWNS)  # fails first, creating nothing
         for run in dict.fromkeys(r for pair in pairs.values() for r in pair):
             SnapshotStore(run)  # a missing or malformed run fails here, before any distance or write
-        out = prepare_output_dir(args.out, flag="--out")
+        out = prepare_output_dir(args.out, flag="--out", owned=COMPARE_OWNS)
     except (FileNotFoundError, ValueError) as err:
         return _fail(prog, err)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         result = compare_runs(pairs, out, group_depth=args.group_depth, whole_model=not args.no_model)
-    except (FileNotFoundError, ValueError) as err:
+        pairs_doc = result.as_dict()["pairs"]
+        if not args.no_figures:
+            result.files += plot_study_figures(pairs_doc, out, fig7=args.fig7_pair)
+    except (FileNotFoundError, ValueError, DiskFullError) as err:
         return _fail(prog, err)
-    pairs_doc = result.as_dict()["pairs"]
-    if not args.no_figures:
-        result.files += plot_study_figures(pairs_doc, out, fig7=args.fig7_pair)
     width = max(len(n) for n in result.pairs)
     header = f"{'pair':<{width}}  {'steps':>5}  {'last step':>9}  {'wasserstein':>11}  {'max_abs':>9}"
     print(f"{header}  differs in")
@@ -155,7 +168,7 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
         )
     print(needs_line({"pairs": pairs_doc}))
     for path in result.files:
-        print(f"wrote {path}")
+        print(printable(f"wrote {path}"))
     return 0
 
 
@@ -192,10 +205,10 @@ def report_main(argv: Sequence[str] | None = None) -> int:
         groups = comparison_groups(study)
         figures = plot_study_figures(study["pairs"], args.dir, groups=groups) if args.figures else []
         report = write_report(args.dir)
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, DiskFullError) as err:
         return _fail(prog, err)
     for path in (report, *figures):  # the files, not their contents: the report is for reading there
-        print(f"wrote {path}")
+        print(printable(f"wrote {path}"))
     return 0
 
 
@@ -206,7 +219,7 @@ def _run_report(run_dir: Path) -> int:
 
     try:
         figure = plot_probe(run_dir / PROBE_LOG_NAME, run_dir / "probe.png")
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, DiskFullError) as err:
         return _fail("flashprobe report", err)
     print("| step | verdict | max error ratio | worst site | max abs primary-baseline | non-finite |")
     print("| ---: | --- | ---: | --- | ---: | ---: |")
@@ -220,8 +233,8 @@ def _run_report(run_dir: Path) -> int:
     for f in (rows[-1].get("failures") or []) if rows else []:
         kind = "worst" if f.get("worst") else "first failure"
         repro = f"; reproducer {f['repro']}" if f.get("repro") else ""
-        print(f"{kind}: {f['site']} {f['direction']}, step {f['step']}: {f['reason']}{repro}")
-    print(f"wrote {figure}")
+        print(printable(f"{kind}: {f['site']} {f['direction']}, step {f['step']}: {f['reason']}{repro}"))
+    print(printable(f"wrote {figure}"))
     return 0
 
 

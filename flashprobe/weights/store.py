@@ -37,11 +37,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from flashprobe.formats.atomic import TMP_SUFFIX, atomic_write_file, atomic_write_text
+from flashprobe.formats.paths import library_path
 
 __all__ = [
     "MANIFEST_NAME",
@@ -127,7 +129,23 @@ def _entry_file(directory: Path, entry: Any, manifest: Path) -> tuple[int, Path]
             "snapshot directory: fix or remove that entry (snapshot files are named like "
             f"{snapshot_filename(step)})"
         )
-    return step, directory / name
+    return step, _inside(directory / name, directory, f"{manifest}: the snapshot of step {step}")
+
+
+def _inside(path: Path, root: Path, what: str) -> Path:
+    """``path``, if it resolves (links followed) inside ``root``: a snapshot directory handed around must
+    not make flashprobe read another run's files (a distance of 0) or anything outside the run.
+
+    Raises:
+        SnapshotError: naming ``what``, the path and where it leads.
+    """
+    resolved = path.resolve()
+    if not resolved.is_relative_to(root.resolve()):
+        raise SnapshotError(
+            f"{what} ({path}) is a link to {resolved}, outside {root}; flashprobe reads a run's snapshots "
+            "only from inside the run: copy the files in (cp -L) instead of linking them"
+        )
+    return path
 
 
 def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
@@ -162,11 +180,16 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _snapshot_dir(run_dir: str | os.PathLike[str]) -> Path:
-    """``RUN_DIR/snapshots``, or ``run_dir`` itself when it already holds a manifest."""
+    """``RUN_DIR/snapshots``, or ``run_dir`` itself when it already holds a manifest; it and its manifest
+    must resolve inside ``run_dir`` (:func:`_inside`)."""
     run_dir = Path(run_dir)
     if (run_dir / MANIFEST_NAME).is_file() and not (run_dir / SNAPSHOT_DIRNAME).is_dir():
-        return run_dir
-    return run_dir / SNAPSHOT_DIRNAME
+        directory = run_dir
+    else:
+        directory = _inside(run_dir / SNAPSHOT_DIRNAME, run_dir, f"{run_dir}'s {SNAPSHOT_DIRNAME} directory")
+    if (directory / MANIFEST_NAME).exists():
+        _inside(directory / MANIFEST_NAME, directory, f"the snapshot manifest of {directory}")
+    return directory
 
 
 def _now() -> str:
@@ -222,8 +245,16 @@ class SnapshotWriter:
         """
         name = snapshot_filename(step)
         final = self.directory / name
-        metadata = {"format": SNAPSHOT_FORMAT, "step": str(step), "run_id": str(self.manifest.get("run_id"))}
-        atomic_write_file(final, lambda tmp: save_file(dict(tensors), tmp, metadata=metadata))
+        run_id = os.fsencode(str(self.manifest.get("run_id"))).decode("utf-8", "backslashreplace")
+        metadata = {"format": SNAPSHOT_FORMAT, "step": str(step), "run_id": run_id}
+
+        def save(tmp: Path) -> None:
+            try:
+                save_file(dict(tensors), str(tmp), metadata=metadata)
+            except UnicodeEncodeError:  # a path that is not UTF-8, which safetensors cannot open: bytes
+                tmp.write_bytes(safetensors.torch.save(dict(tensors), metadata=metadata))
+
+        atomic_write_file(final, save)
         entry = {"step": step, "file": name, "bytes": final.stat().st_size, **extra, "saved_at": _now()}
         snapshots = [e for e in self.manifest["snapshots"] if e["step"] != step] + [entry]
         self.manifest["snapshots"] = sorted(snapshots, key=lambda e: e["step"])
@@ -363,7 +394,7 @@ class SnapshotStore:
         """``safe_open`` of one snapshot; a truncated or corrupt file raises :class:`SnapshotError`."""
         path = self.path(step)
         try:
-            with safe_open(path, framework="pt") as f:
+            with library_path(path) as name, safe_open(name, framework="pt") as f:
                 yield f
         except SafetensorError as err:
             raise SnapshotError(

@@ -36,3 +36,30 @@ class KillAt(Callback):
                 return
             Path(self.once).touch()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillAtTrainEnd(Callback):
+    """SIGKILL this process when training ends: after the last checkpoint, before the end-of-run work of
+    the callbacks after it (the probe's ``probe.png``, ``run.json``'s finished session). A hidden
+    temporary file is left beside the checkpoints, as a writer killed mid-write leaves one."""
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from flashprobe.formats.atomic import temporary_path
+
+        checkpoints = Path(trainer.default_root_dir) / "checkpoints"
+        temporary_path(checkpoints / "last.ckpt").write_bytes(b"half a checkpoint")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RaiseAt(Callback):
+    """Raise ``RuntimeError`` when the training batch after ``step`` optimizer steps starts (a crash
+    inside training that is not flashprobe's)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int
+    ) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError(f"a crash at step {self.step}\nsecond line")

@@ -39,3 +39,35 @@ def test_report_with_figures_names_each_figure(tmp_path: Path, capsys) -> None:
     figures = written[1:]
     assert figures and all(f.suffix == ".png" and f.is_file() and f.parent == out for f in figures)
     assert {f.name for f in figures} == {f.name for f in out.glob("*.png")}
+
+
+def test_report_and_compare_on_a_full_disk_end_in_one_line_and_keep_what_was_there(
+    tmp_path: Path, capsys
+) -> None:
+    import torch
+
+    from flashprobe.report.cli import compare_main
+    from tests._disk import fill, tiny_disk
+    from tests.weights._helpers import write_run
+
+    with tiny_disk(tmp_path / "disk", 1024) as disk:
+        (disk / "study").mkdir()
+        out = _comparison_dir(disk / "study")
+        assert report_main([str(out)]) == 0
+        before = {p.name: p.read_bytes() for p in out.iterdir()}
+        fill(disk, 0)
+        capsys.readouterr()
+        assert report_main([str(out), "--figures"]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1
+        assert err.startswith(f"flashprobe report: error: the disk holding {out} is full (")
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no figure, no temporary file
+        (disk / "filler").unlink()
+
+        weights = {0: {"w": torch.zeros(4)}, 2: {"w": torch.ones(4)}}
+        runs = [write_run(tmp_path / name, weights, seed=seed) for name, seed in (("a", 0), ("b", 1))]
+        fill(disk, 0)
+        assert compare_main([*map(str, runs), "--out", str(disk / "compare")]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("flashprobe compare: error: the disk holding ")
+        assert not [p for p in disk.rglob("*") if p.name.endswith(".tmp")]

@@ -90,6 +90,66 @@ def test_kill_at_every_step_then_resume_is_bit_identical(
     test_kill_9_then_resume_is_bit_identical(uninterrupted, tmp_path, kill_at)
 
 
+def test_a_kill_at_the_end_of_training_then_resume_has_every_artefact(
+    uninterrupted: Path, tmp_path: Path
+) -> None:
+    """Killed after the last checkpoint, before probe.png and run.json's finish: resume trains the last
+    interval again (from step 4) and the run is the uninterrupted one, probe.png and all, no stray files."""
+    run = tmp_path / "run"
+    killed = _flashprobe_train(
+        *RUN, "logger=csv", f"hydra.run.dir={run}", "+callbacks.kill._target_=tests.app._kill.KillAtTrainEnd"
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert not (run / "probe.png").exists() and list((run / "checkpoints").glob(".last.ckpt.*.tmp"))
+    resumed = _flashprobe_train(f"resume={run}", "~callbacks.kill")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _assert_same_run(uninterrupted, run)
+    assert (run / "probe.png").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
+    assert list(run.glob("csv/version_*/samples/step_0000006.png"))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == sorted(
+        p.name for p in (uninterrupted / "checkpoints").iterdir()
+    )  # no step0000006-v1.ckpt beside the one written again
+    assert not [p for p in run.rglob(".*.tmp")]
+    record = read_run_record(run)
+    assert record["status"] == "finished" and [s["from_step"] for s in record["sessions"]] == [0, 4]
+
+
+def test_a_finished_run_that_lost_artefacts_is_rebuilt_by_resume(uninterrupted: Path, tmp_path: Path) -> None:
+    """probe.png alone is redrawn from probe.jsonl; a lost last.ckpt is trained again from step 4."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted, run)
+    figure = (run / "probe.png").read_bytes()
+    (run / "probe.png").unlink()
+    _, objects = train(compose([*RUN, "logger=csv", f"resume={run}"], run_dir=run))
+    assert "finished 6 steps already" in objects["skipped"] and (run / "probe.png").read_bytes() == figure
+    (run / "checkpoints" / "last.ckpt").unlink()
+    train(compose([*RUN, "logger=csv", f"resume={run}"], run_dir=run))
+    _assert_same_run(uninterrupted, run)
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    assert [s["from_step"] for s in read_run_record(run)["sessions"]] == [0, 4]
+
+
+def test_a_run_killed_in_its_start_up_is_resumable_and_the_messages_agree(tmp_path: Path, capsys) -> None:
+    """Killed after run.json claimed its outputs and before training started ("starting", no session):
+    the original command points to resume=, and resume= trains it from step 0."""
+    from omegaconf import OmegaConf
+
+    from flashprobe.app.train import RUN_OUTPUTS
+    from flashprobe.formats.run_record import claim_outputs
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    OmegaConf.save(OmegaConf.create([*RUN, "trainer.max_steps=2"]), run / ".hydra" / "overrides.yaml")
+    claim_outputs(run, list(RUN_OUTPUTS))
+    assert cli_main([*RUN, "trainer.max_steps=2", f"hydra.run.dir={run}"]) == 2
+    assert f"resume={run}" in capsys.readouterr().err
+    assert cli_main([f"resume={run}"]) == 0
+    record = read_run_record(run)
+    assert record["status"] == "finished" and [s["from_step"] for s in record["sessions"]] == [0]
+
+
 def test_resume_in_process_from_an_older_checkpoint(uninterrupted: Path, tmp_path: Path) -> None:
     """A run whose last checkpoint is step 2 (killed later) continues from there, exactly."""
     run = tmp_path / "run"

@@ -79,3 +79,22 @@ def test_every_command_checks_out_first(
     message = f"flashprobe bench {command}: error: --out {out} is a file; give a directory path\n"
     assert captured.err == message
     assert captured.out == ""
+
+
+@pytest.mark.parametrize("command", ["precision", "seqlen"])
+def test_a_shape_too_large_for_memory_is_refused_with_the_estimate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """10^7 tokens: 8 float64 tensors of 1x4x10^7x64 are 152.6 GiB before the reference block (8 GiB
+    available here, whatever the machine)."""
+    from flashprobe.kernels import reference
+
+    monkeypatch.setattr(reference, "_available_bytes", lambda device: 8 << 30)
+    module = importlib.import_module(f"flashprobe.bench.{command}")
+    shape = ["--batch", "1", "--heads", "4", "--seq-len", "10000000", "--head-dim", "64"]
+    assert module.main([*shape, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    refused = f"flashprobe bench {command}: error: --seq-len 10000000 with --batch 1 --heads 4 --head-dim 64 "
+    assert refused in err
+    assert "needs at least 155 GiB (8 float64 tensors of 1x4x10000000x64 and a 2 GiB reference block)" in err
+    assert "but cpu has 8 GiB available" in err and not (tmp_path / "out").exists()

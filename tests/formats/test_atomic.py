@@ -79,3 +79,69 @@ def test_library_writer_failure_removes_its_temporary(tmp_path):
     with pytest.raises(OSError, match="disk full"):
         atomic_write_file(tmp_path / "x.pt", fails)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_write_that_runs_out_of_space_says_so_in_one_line(tmp_path, monkeypatch):
+    """torch's zip writer says only "unexpected pos" when the disk is full: read with the free space."""
+    import errno
+
+    from flashprobe.formats import atomic
+    from flashprobe.formats.atomic import DiskFullError
+
+    target = tmp_path / "out.bin"
+
+    def zip_writer(tmp: Path) -> None:
+        Path(tmp).write_bytes(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 312000 vs 311892")
+
+    monkeypatch.setattr(atomic, "free_space", lambda directory: 4096)
+    with pytest.raises(DiskFullError) as raised:
+        atomic_write_file(target, zip_writer)
+    message = str(raised.value)
+    assert raised.value.errno == errno.ENOSPC and "\n" not in message
+    assert f"the disk holding {tmp_path} is full (0.0 MiB free) writing out.bin; no out.bin written" in (
+        message
+    )
+    assert _leftovers(tmp_path) == [] and not target.exists()
+
+    def no_space(fh) -> None:
+        fh.write("x")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    atomic_write_bytes(target, b"good")
+    monkeypatch.undo()  # the errno alone says it, whatever the free space
+    with pytest.raises(DiskFullError, match=r"the earlier out\.bin is kept"):
+        atomic_write(target, no_space)
+    assert target.read_bytes() == b"good" and _leftovers(tmp_path) == []
+
+
+def test_an_error_with_space_left_is_not_called_a_full_disk(tmp_path):
+    def broken(tmp: Path) -> None:
+        raise RuntimeError("unexpected pos")
+
+    with pytest.raises(RuntimeError, match=r"^unexpected pos$"):
+        atomic_write_file(tmp_path / "out.bin", broken)
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_real_full_disk_keeps_the_earlier_file(tmp_path):
+    from flashprobe.formats.atomic import DiskFullError
+    from tests._disk import fill, tiny_disk
+
+    with tiny_disk(tmp_path / "disk", 512) as disk:
+        target = disk / "weights.pt"
+        atomic_write_file(target, lambda tmp: torch.save({"w": torch.zeros(4)}, tmp))
+        before = target.read_bytes()
+        fill(disk, 64)
+        expected = (
+            r"the disk holding .*disk is full \(0\.\d MiB free\) writing weights\.pt; "
+            r"the earlier weights\.pt is kept"
+        )
+        with pytest.raises(DiskFullError, match=expected):
+            atomic_write_file(target, lambda tmp: torch.save({"w": torch.zeros(100_000)}, tmp))
+        assert target.read_bytes() == before
+        assert sorted(p.name for p in disk.iterdir()) == ["filler", "weights.pt"]
+        big = {"w": torch.zeros(100_000)}
+        with pytest.raises(DiskFullError, match=r"no big\.safetensors written"):
+            atomic_write_file(disk / "big.safetensors", lambda tmp: save_file(big, tmp))
+        assert sorted(p.name for p in disk.iterdir()) == ["filler", "weights.pt"]

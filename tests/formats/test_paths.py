@@ -7,6 +7,7 @@ import os
 import pytest
 
 from flashprobe.formats import OutputPathError, prepare_output_dir, safe_name
+from flashprobe.formats.paths import check_output_dir
 
 
 def test_prepare_output_dir_creates_nested_directories(tmp_path):
@@ -49,3 +50,42 @@ def test_unsafe_names_are_refused(name):
 def test_safe_names_pass_through():
     assert safe_name("flash_vs_baseline") == "flash_vs_baseline"
     assert safe_name("seed1_vs_seed0.v2") == "seed1_vs_seed0.v2"
+
+
+@pytest.mark.parametrize("target", ["/", "/usr", "/etc", "/usr/share/flashprobe-out", "/tmp"])
+def test_an_output_directory_that_resolves_to_a_system_directory_is_refused(tmp_path, target):
+    link = tmp_path / "out"
+    link.symlink_to(target)
+    for check in (check_output_dir, prepare_output_dir):
+        expected = rf"--out {link} \(which is {target}\) is .*give a new directory"
+        with pytest.raises(OutputPathError, match=expected):
+            check(link)
+        with pytest.raises(OutputPathError, match=r"system|shared by the whole machine"):
+            check(target)
+
+
+def test_the_home_directory_and_above_it_are_refused(tmp_path, monkeypatch):
+    home = tmp_path / "home" / "me"
+    home.mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    with pytest.raises(OutputPathError, match="is your home directory"):
+        check_output_dir(home)
+    with pytest.raises(OutputPathError, match="is above your home directory"):
+        prepare_output_dir(tmp_path / "home")
+    assert check_output_dir(home / "out") == home / "out"
+
+
+def test_a_directory_of_other_files_is_refused_where_the_command_names_its_own(tmp_path):
+    owned = ("study.json", "runs")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "thesis.tex").write_text("mine")
+    with pytest.raises(OutputPathError, match=r"holds files flashprobe did not write there \(thesis\.tex\)"):
+        prepare_output_dir(theirs, owned=owned)
+    assert (theirs / "thesis.tex").read_text() == "mine" and len(list(theirs.iterdir())) == 1
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "ours" / "study.json").write_text("{}")
+    for fine in ("empty", "ours", "new"):
+        assert prepare_output_dir(tmp_path / fine, owned=owned) == tmp_path / fine
+    assert check_output_dir(theirs) == theirs  # a command that does not name its files: any directory

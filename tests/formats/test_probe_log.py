@@ -88,3 +88,22 @@ def test_resume_drops_the_abandoned_records_and_a_fresh_start_empties_the_log(tm
 def test_a_missing_log_names_the_callback(tmp_path):
     with pytest.raises(FileNotFoundError, match="AttentionProbe"):
         read_probe_log(tmp_path / "probe.jsonl")
+
+
+def test_an_append_on_a_full_disk_leaves_no_torn_line(tmp_path, monkeypatch):
+    import errno
+
+    from flashprobe.formats import probe_log
+    from flashprobe.formats.atomic import DiskFullError
+
+    writer = ProbeLogWriter(tmp_path / "probe.jsonl")
+    writer.append({"step": 2, "verdict": "pass"})
+    before = (tmp_path / "probe.jsonl").read_bytes()
+
+    def no_space(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(probe_log.os, "fsync", no_space)
+    with pytest.raises(DiskFullError, match=r"probe\.jsonl is kept up to its last whole record"):
+        writer.append({"step": 4, "verdict": "pass"})
+    assert (tmp_path / "probe.jsonl").read_bytes() == before
