@@ -251,7 +251,8 @@ def _import_modules(modules: Sequence[str] | None) -> None:
 
 def _from_reproducer(args: argparse.Namespace) -> int:
     """``--from FILE``: replay a training reproducer with each kernel and shrink the failing ones
-    (:func:`flashprobe.probe.repro.shrink_reproducer`); 1 when a kernel fails, 0 when none does."""
+    (:func:`flashprobe.probe.repro.shrink_reproducer`); 1 when a kernel fails or errs (raises, returns
+    the wrong shape or dtype: ``replay``'s ``error``, not shrunk), 0 when none does."""
     from flashprobe.probe.repro import (
         ReproducerError,
         load_reproducer,
@@ -279,9 +280,14 @@ def _from_reproducer(args: argparse.Namespace) -> int:
     baseline = None if args.baseline == "math" else args.baseline
     failed = 0
     results = replay(call, kernels, baseline=baseline)
+    for spec in kernels:
+        if results[spec]["verdict"] != "error" and (problem := _output_problem(spec, call)):
+            results[spec] = {**results[spec], "verdict": "error", "reasons": [problem]}
     stem = args.from_file.name.removesuffix(".safetensors")
     for spec, result in results.items():
         if result["verdict"] != "fail":
+            # "error": the kernel raised or returned the wrong shape or dtype: a failure of the gate
+            failed += result["verdict"] == "error"
             reasons = "; ".join(result["reasons"])
             print(f"{spec}: {result['verdict'].upper()} on {args.from_file} {reasons}".rstrip())
             continue
@@ -306,6 +312,25 @@ def _from_reproducer(args: argparse.Namespace) -> int:
             f"in {tries} replays; wrote {path} (flashprobe replay {path})"
         )
     return 1 if failed else 0
+
+
+def _output_problem(spec: str, call: Any) -> str:
+    """Why ``spec``'s output on the saved call is not a ``(B, H, N_q, D_v)`` tensor of the inputs'
+    dtype (``""`` when it is); the probe's judge compares values, not the output's form."""
+    from flashprobe.kernels import get_kernel
+
+    with torch.no_grad():
+        out = get_kernel(spec)(
+            call.q, call.k, call.v, attn_mask=call.attn_mask, is_causal=call.is_causal, scale=call.scale
+        )
+    expected = (*call.q.shape[:3], call.v.shape[-1])
+    if not isinstance(out, torch.Tensor):
+        return f"{spec} returned {type(out).__name__}, not a tensor"
+    if tuple(out.shape) != expected:
+        return f"{spec} returned shape {tuple(out.shape)}, expected (B, H, N_q, D_v) = {expected}"
+    if out.dtype != call.q.dtype:
+        return f"{spec} returned {dtype_name(out.dtype)} for {dtype_name(call.q.dtype)} inputs"
+    return ""
 
 
 def _safe(spec: str) -> str:

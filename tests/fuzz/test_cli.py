@@ -203,3 +203,35 @@ def test_flex_runs_the_catalogue_forward_and_reports_its_gradients_as_unsupporte
     assert verdicts <= {"pass", "no_backward", "skip"} and "no_backward" in verdicts
     judged = [r for r in results if r["verdict"] == "no_backward"]
     assert all("has no backward on CPU (only on CUDA)" in r["reason"] for r in judged)
+
+
+def _raising(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    raise RuntimeError("illegal memory access")
+
+
+def _wrong_shape(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    return torch.zeros(q.shape[0], q.shape[2], q.shape[1], v.shape[-1], dtype=q.dtype)  # (B, N, H, D)
+
+
+def _wrong_dtype(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    return torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float()).double()
+
+
+@pytest.mark.parametrize("bug", [_raising, _wrong_shape, _wrong_dtype])
+def test_fuzz_from_exits_1_when_the_kernel_raises_or_returns_the_wrong_shape_or_dtype(
+    bug, register, tmp_path, capsys
+):
+    """A CI gate on ``fuzz --from`` must not pass a kernel that crashes (as ``replay`` does not)."""
+    from flashprobe.probe.repro import save_reproducer
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=gen) for _ in range(3))
+    path = save_reproducer(
+        tmp_path / "call.safetensors", q=q, k=k, v=v, attn_mask=None, is_causal=False, scale=None
+    )
+    name = register("bug_" + bug.__name__.strip("_"), bug)
+    argv = ["--from", str(path), "--kernel", name, "--out", str(tmp_path / "fuzz")]
+    assert main(argv) == 1
+    printed = capsys.readouterr().out
+    assert f"{name}: ERROR" in printed
+    assert main(["--from", str(path), "--kernel", "math", "--out", str(tmp_path / "fuzz")]) == 0
