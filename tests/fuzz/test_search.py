@@ -117,9 +117,12 @@ def test_budget_search_finds_shrinks_and_saves_a_planted_bug(planted_module, tmp
     assert failed and all(r["failure"] == "nonfinite" for r in failed)
     first = next(r for r in failed if r["repro"])
     last = capsys.readouterr().out.rstrip().splitlines()[-1]  # names every file written
-    assert last.endswith(
-        f"wrote {out / 'fuzz.json'}, {first['repro']}, {Path(first['repro']).with_suffix('.py')}"
-    )
+    repros = list(dict.fromkeys(r["repro"] for r in failed if r["repro"]))
+    files = ", ".join(f"{path}, {Path(path).with_suffix('.py')}" for path in repros)
+    assert last.endswith(f"wrote {out / 'fuzz.json'}, {files}")
+    # one reproducer per property of a failing sample (its mask kind, a logit level), not per row
+    properties = {(r["params"]["mask"], bool(r["params"]["level"])) for r in failed}
+    assert len(repros) == len(properties)
     saved = torch.load(first["repro"], weights_only=True)
     assert saved["kernel"] == "planted_nan" and saved["kernel_module"] == "planted_kernels"
 
