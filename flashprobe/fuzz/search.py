@@ -14,7 +14,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -114,6 +114,7 @@ class _Search:
     reproducers: ReproducerStore | None
     unavailable: dict[tuple[str, torch.dtype], str | None]
     backward: bool = True
+    shrunk: set[tuple[str, str | None]] = field(default_factory=set)
 
     def sample(self, name: str, spec: RandomCaseSpec, dtype: torch.dtype) -> list[FuzzResult]:
         """Every kernel on one random sample, posed within its limits; a failure of a new (kernel,
@@ -127,21 +128,42 @@ class _Search:
             result = replace(result, params=spec.as_dict(), seconds=round(time.perf_counter() - start, 3))
             prop = _sample_property(spec)
             if self.reproducers is not None and self.reproducers.wants(result, prop):
-                small, small_inputs, small_result = shrink(
-                    kernel,
-                    spec,
-                    dtype,
-                    result.failure or "",
-                    device=self.device,
-                    baseline=self.baseline,
-                    backward=self.backward,
-                )
-                saved = self.reproducers.save(
-                    replace(small_result, case=name), small_inputs, prop, params=small.as_dict()
-                )
-                result = replace(result, repro=saved.repro)
+                result = self._keep(name, kernel, spec, dtype, base, result, prop)
             results.append(result)
         return results
+
+    def _keep(
+        self,
+        name: str,
+        kernel: str,
+        spec: RandomCaseSpec,
+        dtype: torch.dtype,
+        base: CaseInputs,
+        result: FuzzResult,
+        prop: str,
+    ) -> FuzzResult:
+        """Save a failure's reproducer: shrunk the first time its (kernel, failure kind) fails, as
+        sampled (posed within the kernel's limits) after that, so every property keeps its
+        evidence at the cost of one shrink per kind."""
+        assert self.reproducers is not None
+        key = (kernel, result.failure)
+        if key in self.shrunk:
+            inputs = fit_inputs(base, get_kernel(kernel).capabilities).inputs
+            return self.reproducers.save(result, inputs, prop, params=spec.as_dict())
+        self.shrunk.add(key)
+        small, small_inputs, small_result = shrink(
+            kernel,
+            spec,
+            dtype,
+            result.failure or "",
+            device=self.device,
+            baseline=self.baseline,
+            backward=self.backward,
+        )
+        saved = self.reproducers.save(
+            replace(small_result, case=name), small_inputs, prop, params=small.as_dict()
+        )
+        return replace(result, repro=saved.repro)
 
     def _check(
         self, name: str, kernel: str, base: CaseInputs, dtype: torch.dtype, refs: dict[str, References]
@@ -194,9 +216,10 @@ def random_search(
 
     A failure of a (kernel, property, direction) not seen before (the property of a sample is its
     mask kind, and whether its logits sit below a sentinel; the directions are ``out``, ``dq``,
-    ``dk``, ``dv``) is shrunk with :func:`shrink` and saved by ``reproducers`` (or, given only
-    ``out_dir``, a :class:`~flashprobe.fuzz.reproducer.ReproducerStore` there); its row carries the
-    path in ``repro``.
+    ``dk``, ``dv``) is saved by ``reproducers`` (or, given only ``out_dir``, a
+    :class:`~flashprobe.fuzz.reproducer.ReproducerStore` there), shrunk with :func:`shrink` the
+    first time its (kernel, failure kind) fails and as sampled after that; its row carries the path
+    in ``repro``.
 
     Args:
         progress: called with one line per sample: its verdict per kernel and its seconds.
