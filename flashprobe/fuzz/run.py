@@ -39,7 +39,7 @@ from flashprobe.fuzz.cases import FuzzCase, case_generator, select_cases
 from flashprobe.fuzz.fit import FittedInputs, NotApplicableError, fit_inputs
 from flashprobe.fuzz.inputs import CaseInputs, UnrepresentableCaseError
 from flashprobe.fuzz.kernel_call import KernelCall, call_kernel, kernel_label
-from flashprobe.fuzz.references import gradient_references, references
+from flashprobe.fuzz.references import grad_output, gradient_references, references
 from flashprobe.fuzz.rule import References, Verdict, judge, judge_gradients
 from flashprobe.kernels import (
     Kernel,
@@ -247,12 +247,17 @@ def case_references(
     """
     nan_rows = inputs.nan_rows()
     clean = inputs if nan_rows is None else inputs.without_nan()
-    refs = references(clean, baseline, backward=backward and nan_rows is None)
-    if not grad or refs.grad_out is None:
+    backward = backward and nan_rows is None
+    # other values of dO than the standard one: their gradient references only (computed below)
+    refs = references(clean, baseline, backward=backward and grad in ("", "transposed"))
+    if not grad or not backward or refs.skip:
         return refs
-    standard = refs.grad_out  # (B, H, N_q, D_v)
     if grad == "transposed":  # the same values, laid out as (B, N_q, H, D_v)
+        standard = refs.grad_out
+        if standard is None:
+            return refs
         return replace(refs, grad_out=standard.transpose(1, 2).contiguous().transpose(1, 2))
+    standard = grad_output(refs.golden.shape, clean.dtype, refs.golden.device)  # (B, H, N_q, D_v)
     factor = {"tiny": 2.0**-20, "huge": 2.0**12}.get(grad)
     given = (
         standard[:, :1].expand_as(standard)
