@@ -50,5 +50,5 @@ def test_the_triton_example_passes_its_cases_at_fp16_and_fp32(tmp_path):
         tmp_path, "odd_shapes,sentinel_*,padding_mask,odd_shapes_causal,poisoned_*", "fp16,fp32"
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert {r["verdict"] for r in payload["rows"]} <= {"no_backward", "skip"}
+    assert {r["verdict"] for r in payload["rows"]} <= {"pass", "no_backward", "skip"}  # pass: forward only
     assert payload["properties"]["triton_attention"]["partial tile"]["status"] == "tested"
