@@ -33,6 +33,9 @@ NEW_CASES = [
     "grad_out_huge",
 ]
 CORRECT = ["math", "tiled", "tiled:preset=paper", "sdpa_flash", "sdpa_math"]
+#: failures of correct kernels that are their dtype's limit, not a bug: at fp16, ``math`` and the
+#: ``paper`` preset (every step in fp16) form dP = dO·vᵀ in fp16, which overflows 65504 for dO × 2^12
+KNOWN = {("math", "grad_out_huge", "fp16"), ("tiled:preset=paper", "grad_out_huge", "fp16")}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -153,7 +156,8 @@ def test_correct_kernels_pass_the_new_axes():
 def test_correct_kernels_pass_the_new_axes_over_twenty_seeds(seed):
     cases = select_cases([*NEW_CASES, "offsets_2e24"])
     results = run_catalogue(CORRECT, ["bf16", "fp16", "fp32"], cases=cases, seed=seed)
-    assert [(r.kernel, r.case, r.dtype, r.reason) for r in results if r.verdict == "fail"] == []
+    failed = [(r.kernel, r.case, r.dtype, r.reason) for r in results if r.verdict == "fail"]
+    assert [f for f in failed if f[:3] not in KNOWN] == []
 
 
 def test_nan_inputs_stay_nan_in_exactly_the_rows_that_depend_on_them():
