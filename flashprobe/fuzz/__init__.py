@@ -5,7 +5,9 @@ long-context training.
 
 * :mod:`~flashprobe.fuzz.inputs` — :class:`CaseInputs`, one attention call in the dtype under test;
 * :mod:`~flashprobe.fuzz.layouts` — the memory layouts a case's inputs can take (:data:`LAYOUTS`);
-* :mod:`~flashprobe.fuzz.cases` — the catalogue of adversarial cases (:data:`CATALOGUE`, profiles);
+* :mod:`~flashprobe.fuzz.cases` — the catalogue of adversarial cases (:data:`CATALOGUE`, profiles,
+  the :data:`PROPERTIES` they test);
+* :mod:`~flashprobe.fuzz.fit` — :func:`fit_inputs`: a case posed within a kernel's declared limits;
 * :mod:`~flashprobe.fuzz.random_cases` — the random family sampled by ``--budget``;
 * :mod:`~flashprobe.fuzz.rule` — the verdict on a case: :class:`Verdict`, :func:`judge`,
   :func:`judge_gradients`, :func:`check_output` (the rule itself is :mod:`flashprobe.judge`);
@@ -23,19 +25,21 @@ long-context training.
 from flashprobe.fuzz.cases import (
     CATALOGUE,
     PROFILES,
+    PROPERTIES,
     SENTINELS,
     FuzzCase,
     case_generator,
     exact_logit_qk,
     select_cases,
 )
+from flashprobe.fuzz.fit import FittedInputs, NotApplicableError, fit_inputs
 from flashprobe.fuzz.flash_form import flash_form_attention
 from flashprobe.fuzz.inputs import CaseInputs, UnrepresentableCaseError
 from flashprobe.fuzz.kernel_call import KernelCall, call_kernel, kernel_label
 from flashprobe.fuzz.layouts import LAYOUTS, apply_layout
 from flashprobe.fuzz.random_cases import MASK_KINDS, RandomCaseSpec, make_random_case, sample_random_spec
 from flashprobe.fuzz.references import grad_output, gradient_references, references
-from flashprobe.fuzz.reproducer import save_reproducer
+from flashprobe.fuzz.reproducer import ReproducerStore, save_reproducer
 from flashprobe.fuzz.rule import (
     GRADIENTS,
     RULE,
@@ -50,12 +54,13 @@ from flashprobe.fuzz.rule import (
     rounding_floor,
     value_floor,
 )
-from flashprobe.fuzz.run import FuzzResult, check_case, run_catalogue
+from flashprobe.fuzz.run import FuzzResult, case_references, check_case, run_catalogue
 from flashprobe.fuzz.search import random_search, shrink
 from flashprobe.fuzz.tables import (
     catalogue_table,
     coverage,
     markdown_table,
+    property_coverage,
     reason_lines,
     summary_counts,
     terminal_table,
@@ -67,27 +72,33 @@ __all__ = [
     "LAYOUTS",
     "MASK_KINDS",
     "PROFILES",
+    "PROPERTIES",
     "RULE",
     "SENTINELS",
     "VERDICTS",
     "ZEROS_REASON",
     "CaseInputs",
+    "FittedInputs",
     "FuzzCase",
     "FuzzResult",
     "GradientReference",
     "KernelCall",
+    "NotApplicableError",
     "RandomCaseSpec",
     "References",
+    "ReproducerStore",
     "UnrepresentableCaseError",
     "Verdict",
     "apply_layout",
     "call_kernel",
     "case_generator",
+    "case_references",
     "catalogue_table",
     "check_case",
     "check_output",
     "coverage",
     "exact_logit_qk",
+    "fit_inputs",
     "flash_form_attention",
     "grad_output",
     "gradient_references",
@@ -96,6 +107,7 @@ __all__ = [
     "kernel_label",
     "make_random_case",
     "markdown_table",
+    "property_coverage",
     "random_search",
     "reason_lines",
     "references",

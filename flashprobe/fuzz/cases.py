@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import os
 import zlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -64,6 +66,45 @@ __all__ = [
 PROFILES = ("default", "full")
 
 
+#: Every property the catalogue tests, with what it is; each case names one (``FuzzCase.property``).
+PROPERTIES: dict[str, str] = {
+    "sentinel": "valid logits below a finite mask value (−1e4, −5e4, −1e5, −max/2) in scaled logits",
+    "raw sentinel": "scores q·kᵀ below −5e4 before the scale (a sentinel compared in the raw domain)",
+    "large logits": "logits up to ±finfo.max/4",
+    "qk overflow": "q·kᵀ beyond fp16's range while the scaled logits fit",
+    "extreme scale": "scales 2^-14 and 2^12",
+    "scale zero": "scale=0.0 (falsy)",
+    "fully masked row": "rows that see no key: 0, never NaN",
+    "one valid key": "rows with exactly one valid key",
+    "key padding": "a key-padding mask (B, 1, 1, N_k), right-aligned",
+    "left padding": "keys masked at the start of a sequence: the first key tile fully masked",
+    "additive mask": "additive masks with -inf and a finite bias",
+    "causal": "is_causal with N_q = N_k at odd lengths: the diagonal tiles",
+    "causal N_q ≠ N_k": "is_causal with N_q ≠ N_k in SDPA's top-left alignment",
+    "partial tile": "lengths and head dims that are no multiple of a tile (or a masked tail block)",
+    "decode": "one query against many keys",
+    "single key": "N_k = 1",
+    "rescaling": "a running max that rises, falls and jumps from tile to tile",
+    "outliers": "outlier channels and an attention-sink key",
+    "GQA": "fewer k/v heads than query heads (GQA, MQA)",
+    "strided inputs": "q, k, v as transposed, fused, expanded and offset views",
+    "head dim > 128": "head dims 160–256",
+    "D_v ≠ D": "v's head dim different from q's",
+    "long context": "8192 keys and more",
+    "large grid": "B·H past a launch-grid limit of 1024",
+    "poisoned memory": "NaN, Inf or huge values in memory next to the inputs that a kernel must not read",
+    "NaN inputs": "a NaN in q stays NaN in exactly the rows that depend on it",
+    "output-gradient layout": "a non-contiguous output gradient (transposed, expanded)",
+    "output-gradient magnitude": "output gradients of 2^-20 and 2^12 (tiny losses, loss scaling)",
+    "large offsets": "tensors past 2^24 (and, in the full profile, 2^31) elements",
+}
+
+#: the output gradients a case can ask for: ``""`` the standard one (:func:`grad_output`),
+#: ``transposed`` (laid out as (B, N, H, D)), ``expanded`` (stride 0 over heads), ``tiny`` (× 2^-20),
+#: ``huge`` (× 2^12)
+GRAD_FORMS = ("", "transposed", "expanded", "tiny", "huge")
+
+
 def case_generator(seed: int, name: str) -> torch.Generator:
     """The generator of a case's inputs: they depend only on ``seed`` and the case's name."""
     return torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
@@ -84,7 +125,20 @@ class FuzzCase:
             terms near ``finfo.max``: no baseline form judges it).
         profiles: the profiles that run it (:data:`PROFILES`): ``default`` (the CI gate) and
             ``full``, which runs every case.
+        property: the property it tests (a key of :data:`PROPERTIES`), e.g. ``partial tile``.
+        also: properties it tests as well (a padding mask with a length-0 sequence has fully
+            masked rows).
+        fixed: what a kernel's limits must not change when the case is fitted to them
+            (:data:`~flashprobe.fuzz.fit.FIXED`): the case is not applicable to a kernel that
+            needs it changed (:func:`~flashprobe.fuzz.fit.fit_inputs`).
+        grad: the form of the output gradient, of :data:`GRAD_FORMS` (``""``: the standard one).
     """
+
+    # (defined before the field ``property``, which hides the builtin in the class body)
+    @property
+    def properties(self) -> tuple[str, ...]:
+        """Every property the case tests: its own, then those it tests as well."""
+        return (self.property, *self.also) if self.property else self.also
 
     name: str
     probes: str
@@ -92,6 +146,19 @@ class FuzzCase:
     make: Callable[[torch.dtype, torch.Generator], CaseInputs]
     backward: bool = True
     profiles: tuple[str, ...] = ("default", "full")
+    property: str = ""
+    also: tuple[str, ...] = ()
+    fixed: tuple[str, ...] = ()
+    grad: str = ""
+
+    def __post_init__(self) -> None:
+        for name in (self.property, *self.also):
+            if name and name not in PROPERTIES:
+                raise ValueError(
+                    f"case {self.name}: unknown property {name!r}; known: {', '.join(PROPERTIES)}"
+                )
+        if self.grad not in GRAD_FORMS:
+            raise ValueError(f"case {self.name}: grad={self.grad!r} must be one of {', '.join(GRAD_FORMS)}")
 
     def build(self, dtype: torch.dtype, *, seed: int = 0) -> CaseInputs:
         """The case's inputs in ``dtype`` for ``seed`` (:func:`case_generator`), on the CPU.
@@ -329,6 +396,76 @@ def _outliers(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
     return CaseInputs(q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), is_causal=True)
 
 
+def _left_padding(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+    b, h, n_q, n_k, d = 3, 2, 64, 300, 64
+    q, k, v = dense(gen, dtype, b, h, n_q, n_k, d)
+    starts = torch.tensor([150, 1, 0]).view(b, 1, 1, 1)  # batch 0: the first 128-key tile fully masked
+    keep = torch.arange(n_k) >= starts  # (B, 1, 1, N_k)
+    return CaseInputs(q=q, k=k, v=v, attn_mask=keep)
+
+
+def _raw_sentinel(d: int) -> Callable[[torch.dtype, torch.Generator], CaseInputs]:
+    def make(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+        b, h, n_q, n_k = 2, 2, 16, 203
+        scale = default_scale(d, None)  # 1/8 at D=64, 1/16 at D=256: c · scale is a power of two
+        hi = min(3.0, 0.9 * finfo_max(dtype) / 5e4)  # q·kᵀ itself must fit the dtype
+        raw = -5e4 * uniform(gen, 1.05, hi, b, h, n_q, 1) - uniform(gen, 0.0, 64.0, b, h, n_q, n_k)
+        q, k = exact_logit_qk(raw * scale, dtype, head_dim=d, c=2 / scale, scale=scale)
+        mask = padding_mask([n_k, 150], n_k)
+        return CaseInputs(q=q, k=k, v=randn(gen, b, h, n_k, d).to(dtype), attn_mask=mask)
+
+    return make
+
+
+def _poisoned(value: str) -> Callable[[torch.dtype, torch.Generator], CaseInputs]:
+    def make(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+        b, h, n_q, n_k, d = 2, 2, 77, 203, 40
+        q, k, v = dense(gen, dtype, b, h, n_q, n_k, d)
+        inputs = CaseInputs(q=q, k=k, v=v, attn_mask=padding_mask([n_k, 130], n_k))
+        return inputs.with_poison(value)
+
+    return make
+
+
+def _nan_inputs(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+    b, h, n_q, n_k, d = 2, 2, 150, 150, 64
+    q, k, v = dense(gen, dtype, b, h, n_q, n_k, d)
+    q[0, 0, 3, 5] = float("nan")  # one query: only its row depends on it
+    q[1, 1, 140] = float("nan")
+    k[1, 0, 20, 0] = float("nan")  # a key every query of (batch 1, head 0) sees: the whole head
+    return CaseInputs(q=q, k=k, v=v, attn_mask=padding_mask([n_k, 100], n_k))
+
+
+def _int32_offsets(elements: int) -> Callable[[torch.dtype, torch.Generator], CaseInputs]:
+    def make(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+        n, d = 128, 128
+        b = -(-elements // (n * d)) + 1  # just past ``elements`` per tensor
+        need = b * n * d * (4 * dtype.itemsize + 4 * 8)  # q, k, v, out in the dtype; float64 golden
+        have = _available_memory()
+        if need > 0.8 * have:
+            raise UnrepresentableCaseError(
+                f"{b * n * d:.3g} elements per tensor need about {need / 2**30:.0f} GiB here, "
+                f"{have / 2**30:.0f} GiB are available"
+            )
+        q = torch.randn(b, 1, n, d, generator=gen, dtype=dtype)
+        k = torch.randn(b, 1, n, d, generator=gen, dtype=dtype)
+        v = torch.randn(b, 1, n, d, generator=gen, dtype=dtype)
+        return CaseInputs(q=q, k=k, v=v, is_causal=True)
+
+    return make
+
+
+def _available_memory() -> int:
+    """Bytes of memory available to this process (``MemAvailable``; the physical total elsewhere)."""
+    try:
+        for line in Path("/proc/meminfo").read_text(encoding="ascii").splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def _gqa_broadcast(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
     b, h, h_kv, n, d = 2, 8, 2, 97, 64
     q, k, v = randn(gen, b, h, n, d), randn(gen, b, h_kv, n, d), randn(gen, b, h_kv, n, d)
@@ -401,6 +538,12 @@ def _shape_cases() -> list[FuzzCase]:
             _dense_case(2, 2, 45, 131, 192, d_v=128, lengths=[131, 70]),
         ),
         FuzzCase(
+            "head_dim_qk128_v64",
+            "q, k head dim 128, v head dim 64 (D_v ≠ D at head dims most kernels take); causal",
+            f"{_SOFTMAX} (unsupported where the kernel needs D_v = D)",
+            _dense_case(1, 2, 130, 130, 128, d_v=64, causal=True),
+        ),
+        FuzzCase(
             "keys_mod128_64",
             "N_k=320 (N_k % 128 == 64: a half tile at the end), N_q=61",
             _SOFTMAX,
@@ -408,9 +551,9 @@ def _shape_cases() -> list[FuzzCase]:
         ),
         FuzzCase(
             "long_context_8k",
-            "N_k=8192 keys (past 4096), N_q=32, D=16, padded lengths 8192, 5000",
+            "N_k=8192 keys (past 4096), N_q=32, D=16, padded lengths 5000, 8192",
             f"{_SOFTMAX}; the golden in bounded memory",
-            _dense_case(2, 1, 32, 8192, 16, lengths=[8192, 5000]),
+            _dense_case(2, 1, 32, 8192, 16, lengths=[5000, 8192]),
         ),
         FuzzCase(
             "large_grid",
@@ -453,6 +596,13 @@ def _shape_cases() -> list[FuzzCase]:
     return cases
 
 
+_GRAD_TEXT = {
+    "transposed": "laid out as (B, N, H, D) (a transposed view, as a model's projection hands it back)",
+    "expanded": "one head's, expanded to every head with stride 0",
+    "tiny": "× 2^-20 (a tiny loss: dS underflows in 16 bits)",
+    "huge": "× 2^12 (loss scaling)",
+}
+
 _LAYOUT_TEXT = {
     "bnhd": "transposed views of (B, N, H, D) projections",
     "fused_qkv": "slices of one fused (B, N, 3, H, D) qkv projection",
@@ -461,9 +611,60 @@ _LAYOUT_TEXT = {
 }
 
 
+#: case name (a glob) → (property, properties it tests as well, what fitting must not change)
+_CASE_PROPERTIES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
+    "sentinel_*": ("sentinel", (), ()),
+    "raw_sentinel_*": ("raw sentinel", (), ()),
+    "large_logits": ("large logits", (), ()),
+    "qk_overflow": ("qk overflow", (), ()),
+    "scale_tiny": ("extreme scale", (), ()),
+    "scale_huge": ("extreme scale", (), ()),
+    "scale_zero*": ("scale zero", (), ()),
+    "fully_masked_rows": ("fully masked row", (), ()),
+    "fully_masked_additive": ("fully masked row", ("additive mask",), ()),
+    "one_valid_key": ("one valid key", (), ()),
+    "causal_nq_*": ("causal N_q ≠ N_k", (), ("lengths",)),
+    "padding_mask": ("key padding", ("fully masked row", "one valid key"), ()),
+    "padding_mask_additive": ("additive mask", ("key padding",), ()),
+    "left_padding": ("left padding", ("key padding",), ()),
+    "odd_shapes": ("partial tile", (), ("tail",)),
+    "odd_shapes_causal": ("causal", (), ()),
+    "keys_mod128_64": ("partial tile", (), ("tail",)),
+    "single_query": ("decode", (), ("lengths",)),
+    "decode_32k": ("decode", ("long context",), ("lengths",)),
+    "single_key": ("single key", (), ()),
+    "rising_max": ("rescaling", (), ()),
+    "outliers": ("outliers", (), ()),
+    "gqa_broadcast": ("GQA", (), ("gqa",)),
+    "mqa": ("GQA", (), ("gqa",)),
+    "layout_*": ("strided inputs", (), ()),
+    "head_dim_qk192_v128": ("D_v ≠ D", (), ("head_dim",)),
+    "head_dim_qk128_v64": ("D_v ≠ D", (), ()),
+    "head_dim_*": ("head dim > 128", (), ("head_dim",)),
+    "long_context_*": ("long context", (), ()),
+    "large_grid": ("large grid", (), ()),
+    "shape_d*": ("partial tile", (), ()),
+    "poisoned_*": ("poisoned memory", (), ()),
+    "nan_*": ("NaN inputs", (), ()),
+    "grad_out_transposed": ("output-gradient layout", (), ()),
+    "grad_out_expanded": ("output-gradient layout", (), ()),
+    "grad_out_tiny": ("output-gradient magnitude", (), ()),
+    "grad_out_huge": ("output-gradient magnitude", (), ()),
+    "offsets_*": ("large offsets", (), ()),
+}
+
+
+def _with_property(case: FuzzCase) -> FuzzCase:
+    """``case`` with the property of the first matching entry of :data:`_CASE_PROPERTIES`."""
+    for pattern, (prop, also, fixed) in _CASE_PROPERTIES.items():
+        if fnmatch.fnmatchcase(case.name, pattern):
+            return replace(case, property=prop, also=also, fixed=fixed)
+    raise ValueError(f"case {case.name} names no property: add it to _CASE_PROPERTIES")
+
+
 #: Every case, by name, in the order ``flashprobe fuzz`` runs them.
 CATALOGUE: dict[str, FuzzCase] = {
-    c.name: c
+    c.name: _with_property(c)
     for c in [
         *(_sentinel_case(key) for key in SENTINELS),
         FuzzCase(
@@ -576,6 +777,68 @@ CATALOGUE: dict[str, FuzzCase] = {
             "outlier channels (q, k ×20; v ×1000) and an attention-sink key, causal",
             _SOFTMAX,
             _outliers,
+        ),
+        FuzzCase(
+            "left_padding",
+            "left-padded keys (B, 1, 1, N_k): batch 0 masks keys 0–149 (its first 128-key tile), batch 1 "
+            "key 0, batch 2 none",
+            "softmax over each sequence's keys from its start on; no NaN from a fully masked first tile",
+            _left_padding,
+        ),
+        *(
+            FuzzCase(
+                f"raw_sentinel_5e4{'' if d == 64 else f'_d{d}'}",
+                f"scores q·kᵀ 1.05–3× below −5e4 before the scale 1/√{d} (scaled logits about "
+                f"{-5e4 / math.sqrt(d):.0f} and below), padded",
+                "the exact softmax: a sentinel compared with the unscaled scores must not zero the rows",
+                _raw_sentinel(d),
+            )
+            for d in (64, 256)
+        ),
+        *(
+            FuzzCase(
+                f"poisoned_{value}",
+                f"{value} in the memory around q, k, v (a key tail of 128 rows past N_k, 64 channels past "
+                "D): the views are correct, the storage beside them is not; key padding, D=40",
+                "the exact softmax: a kernel never reads memory past its tensors' views",
+                _poisoned(value),
+            )
+            for value in ("nan", "huge")
+        ),
+        FuzzCase(
+            "nan_inputs",
+            "NaN in two query rows and in one key every query of a head sees; key padding",
+            "NaN in exactly the rows that depend on a NaN (the two rows, the whole head), exact elsewhere",
+            _nan_inputs,
+            backward=False,
+        ),
+        *(
+            FuzzCase(
+                f"grad_out_{form}",
+                f"causal, B=2 H=3 N=150 D=64, output gradient {_GRAD_TEXT[form]}",
+                "the exact gradients dq, dk, dv for that output gradient",
+                _dense_case(2, 3, 150, 150, 64, causal=True),
+                grad=form,
+            )
+            for form in GRAD_FORMS
+            if form
+        ),
+        FuzzCase(
+            "offsets_2e24",
+            "q, k, v of just over 2^24 elements each (B=1025, N=128, D=128, causal): element offsets "
+            "past fp32's exact integers",
+            _SOFTMAX,
+            _int32_offsets(2**24),
+            backward=False,
+        ),
+        FuzzCase(
+            "offsets_2e31",
+            "q, k, v of just over 2^31 elements each: int32 element offsets overflow (full profile; "
+            "skipped with the memory it needs where the machine lacks it)",
+            _SOFTMAX,
+            _int32_offsets(2**31),
+            backward=False,
+            profiles=_FULL,
         ),
         FuzzCase(
             "gqa_broadcast",

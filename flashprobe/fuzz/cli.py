@@ -5,18 +5,22 @@ Every case of the chosen profile (``--profile default``, the CI gate, or ``full`
 every kernel at every dtype, judged by the 2x rule (:mod:`flashprobe.fuzz.rule`) on the output
 and, unless ``--no-backward``, on ``dq``, ``dk``, ``dv``. The run reports its coverage: which
 values of each axis it exercised. Every argument is checked before any case runs: bad usage exits 2
-with one message naming the argument and the fix. Prints the verdict grid, every failure, the
-skip/unsupported reasons one line per distinct reason, and, last, the files it wrote:
-``fuzz.json`` (:func:`flashprobe.formats.write_json`), ``fuzz.md`` and the reproducers.
+with one message naming the argument and the fix. Prints a progress line per case and
+dtype on a terminal (stderr; not under ``--quiet`` or CI), then the verdict grid, every failure, the
+skip/unsupported reasons one line per distinct reason, per kernel the properties tested (or why
+not), and, last, the files it wrote: ``fuzz.json`` (:func:`flashprobe.formats.write_json`, with
+per-row seconds), ``fuzz.md`` (with the properties and the slowest cases) and the reproducers, one
+per failing (kernel, property, direction).
 Exits 0 when nothing fails and 1 when a (kernel, case, dtype) fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,14 +31,19 @@ from flashprobe.formats import OutputPathError, atomic_write_text, prepare_outpu
 from flashprobe.fuzz.cases import PROFILES, FuzzCase, select_cases
 from flashprobe.fuzz.kernel_call import kernel_label
 from flashprobe.fuzz.layouts import LAYOUTS
+from flashprobe.fuzz.reproducer import ReproducerStore
 from flashprobe.fuzz.rule import RULE
 from flashprobe.fuzz.run import FuzzResult, run_catalogue
 from flashprobe.fuzz.search import random_search
 from flashprobe.fuzz.tables import (
+    case_seconds,
     catalogue_table,
     coverage,
     coverage_lines,
     markdown_table,
+    property_coverage,
+    property_lines,
+    property_markdown,
     reason_lines,
     summary_counts,
     terminal_table,
@@ -68,6 +77,7 @@ class _Plan:
     profile: str
     seeds: int
     layouts: list[str]
+    quiet: bool = False
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -138,6 +148,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="print the catalogue as a Markdown table and exit")
     p.add_argument(
         "-v", "--verbose", action="store_true", help="print every (kernel, case, dtype) with its reason"
+    )
+    p.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress lines (they go to stderr, one per case and dtype, when it is a terminal "
+        "outside CI)",
     )
     return p
 
@@ -239,6 +256,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
         args.profile,
         args.seeds,
         _layouts(args.layout),
+        args.quiet,
     )
 
 
@@ -251,7 +269,8 @@ def _import_modules(modules: Sequence[str] | None) -> None:
 
 def _from_reproducer(args: argparse.Namespace) -> int:
     """``--from FILE``: replay a training reproducer with each kernel and shrink the failing ones
-    (:func:`flashprobe.probe.repro.shrink_reproducer`); 1 when a kernel fails, 0 when none does."""
+    (:func:`flashprobe.probe.repro.shrink_reproducer`); 1 when a kernel fails or errs (raises, returns
+    the wrong shape or dtype: ``replay``'s ``error``, not shrunk), 0 when none does."""
     from flashprobe.probe.repro import (
         ReproducerError,
         load_reproducer,
@@ -279,9 +298,14 @@ def _from_reproducer(args: argparse.Namespace) -> int:
     baseline = None if args.baseline == "math" else args.baseline
     failed = 0
     results = replay(call, kernels, baseline=baseline)
+    for spec in kernels:
+        if results[spec]["verdict"] != "error" and (problem := _output_problem(spec, call)):
+            results[spec] = {**results[spec], "verdict": "error", "reasons": [problem]}
     stem = args.from_file.name.removesuffix(".safetensors")
     for spec, result in results.items():
         if result["verdict"] != "fail":
+            # "error": the kernel raised or returned the wrong shape or dtype: a failure of the gate
+            failed += result["verdict"] == "error"
             reasons = "; ".join(result["reasons"])
             print(f"{spec}: {result['verdict'].upper()} on {args.from_file} {reasons}".rstrip())
             continue
@@ -306,6 +330,25 @@ def _from_reproducer(args: argparse.Namespace) -> int:
             f"in {tries} replays; wrote {path} (flashprobe replay {path})"
         )
     return 1 if failed else 0
+
+
+def _output_problem(spec: str, call: Any) -> str:
+    """Why ``spec``'s output on the saved call is not a ``(B, H, N_q, D_v)`` tensor of the inputs'
+    dtype (``""`` when it is); the probe's judge compares values, not the output's form."""
+    from flashprobe.kernels import get_kernel
+
+    with torch.no_grad():
+        out = get_kernel(spec)(
+            call.q, call.k, call.v, attn_mask=call.attn_mask, is_causal=call.is_causal, scale=call.scale
+        )
+    expected = (*call.q.shape[:3], call.v.shape[-1])
+    if not isinstance(out, torch.Tensor):
+        return f"{spec} returned {type(out).__name__}, not a tensor"
+    if tuple(out.shape) != expected:
+        return f"{spec} returned shape {tuple(out.shape)}, expected (B, H, N_q, D_v) = {expected}"
+    if out.dtype != call.q.dtype:
+        return f"{spec} returned {dtype_name(out.dtype)} for {dtype_name(call.q.dtype)} inputs"
+    return ""
 
 
 def _safe(spec: str) -> str:
@@ -342,6 +385,9 @@ def _print_results(plan: _Plan, results: list[FuzzResult], elapsed: float) -> No
     if cover := coverage(results):
         print("\ncoverage (values exercised per axis):")
         print("\n".join("  " + line for line in coverage_lines(cover)))
+    if properties := property_coverage(catalogue):
+        print("\nproperties (per kernel: tested, or why not):")
+        print("\n".join("  " + line for line in property_lines(properties)))
 
 
 def _payload(
@@ -365,6 +411,8 @@ def _payload(
         **{k: round(v, 3) for k, v in timing.items()},
         "summary": summary_counts(results),
         "coverage": coverage(results),
+        "properties": property_coverage(results),
+        "case_seconds": case_seconds(results),
         "rows": [r.as_dict() for r in results],
     }
 
@@ -373,15 +421,34 @@ def _write(plan: _Plan, payload: dict[str, Any], results: list[FuzzResult]) -> l
     """Write ``fuzz.json`` (and ``fuzz.md`` when the catalogue ran); every file written, reproducers too."""
     written = [write_json(plan.out_dir / "fuzz.json", payload)]
     if plan.cases:
-        written.append(
-            atomic_write_text(
-                plan.out_dir / "fuzz.md", markdown_table([r for r in results if r.params is None])
-            )
-        )
-    for r in results:
-        if r.repro:
-            written += [Path(r.repro), Path(r.repro).with_suffix(".py")]
+        written.append(atomic_write_text(plan.out_dir / "fuzz.md", _markdown(results)))
+    for repro in dict.fromkeys(r.repro for r in results if r.repro):
+        written += [Path(repro), Path(repro).with_suffix(".py")]
     return written
+
+
+#: how many of the slowest cases ``fuzz.md`` lists
+_SLOWEST = 8
+
+
+def _markdown(results: list[FuzzResult]) -> str:
+    """``fuzz.md``: the verdict table, the properties per kernel and the slowest cases."""
+    catalogue = [r for r in results if r.params is None]
+    slowest = list(case_seconds(results).items())[:_SLOWEST]
+    return (
+        markdown_table(catalogue)
+        + "\n## Properties\n\n"
+        + property_markdown(property_coverage(catalogue))
+        + "\n## Slowest cases\n\n| case | seconds (every kernel, dtype and seed) |\n| --- | --- |\n"
+        + "".join(f"| `{case}` | {seconds:.1f} |\n" for case, seconds in slowest)
+    )
+
+
+def _progress(quiet: bool) -> Callable[[str], None] | None:
+    """The progress printer: lines to stderr when it is a terminal, not under ``--quiet`` or CI."""
+    if quiet or not sys.stderr.isatty() or os.environ.get("CI"):
+        return None
+    return lambda line: print(line, file=sys.stderr, flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -406,17 +473,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"flashprobe fuzz: {err}", file=sys.stderr)
         return 2
     common = {"seed": plan.seed, "device": plan.device, "baseline": plan.baseline, "backward": plan.backward}
+    store = ReproducerStore(plan.out_dir, baseline=plan.baseline, backward=plan.backward)
+    progress = _progress(plan.quiet)
     start = time.perf_counter()
     results = [
         r
         for seed in range(plan.seed, plan.seed + plan.seeds)
         for r in run_catalogue(
-            plan.kernels, plan.dtypes, cases=plan.cases, layouts=plan.layouts, **{**common, "seed": seed}
+            plan.kernels,
+            plan.dtypes,
+            cases=plan.cases,
+            layouts=plan.layouts,
+            progress=progress,
+            reproducers=store,
+            **{**common, "seed": seed},
         )
     ]
     catalogue_s = time.perf_counter() - start
     results += random_search(
-        plan.kernels, plan.dtypes, budget=plan.budget, out_dir=plan.out_dir, profile=plan.profile, **common
+        plan.kernels,
+        plan.dtypes,
+        budget=plan.budget,
+        profile=plan.profile,
+        progress=progress,
+        reproducers=store,
+        **common,
     )
     elapsed = time.perf_counter() - start
     _print_results(plan, results, elapsed)

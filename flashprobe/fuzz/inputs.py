@@ -8,7 +8,22 @@ import torch
 
 from flashprobe.fuzz.layouts import LAYOUTS, apply_layout
 
-__all__ = ["CaseInputs", "UnrepresentableCaseError"]
+__all__ = ["POISONS", "CaseInputs", "UnrepresentableCaseError"]
+
+#: what poisoned memory holds: NaN, +Inf, or half the dtype's largest value
+POISONS = ("nan", "inf", "huge")
+#: rows and channels of poisoned memory past each tensor's view
+_POISON_ROWS, _POISON_CHANNELS = 128, 64
+
+
+def _in_poisoned_memory(x: torch.Tensor, poison: str) -> torch.Tensor:
+    """``x`` ``(B, H, N, D)`` as a view into a ``(B, H, N + 128, D + 64)`` buffer filled with ``poison``."""
+    value = {"nan": float("nan"), "inf": float("inf"), "huge": float(torch.finfo(x.dtype).max) / 2}[poison]
+    b, h, n, d = x.shape
+    buffer = x.new_full((b, h, n + _POISON_ROWS, d + _POISON_CHANNELS), value)
+    view = buffer[:, :, :n, :d]
+    view.copy_(x)
+    return view
 
 
 class UnrepresentableCaseError(ValueError):
@@ -28,6 +43,9 @@ class CaseInputs:
         scale: softmax scale; ``None`` means ``1/sqrt(D)``.
         layout: the memory layout of ``q``, ``k``, ``v`` (:data:`~flashprobe.fuzz.layouts.LAYOUTS`);
             set it with :meth:`with_layout`, which lays the tensors out so.
+        poison: what fills the memory around ``q``, ``k``, ``v`` (of :data:`POISONS`; ``""``: none):
+            each is a view into a larger buffer (128 more rows, 64 more channels) filled with it,
+            which a correct kernel never reads; set it with :meth:`with_poison`.
     """
 
     q: torch.Tensor
@@ -37,16 +55,46 @@ class CaseInputs:
     is_causal: bool = False
     scale: float | None = None
     layout: str = "contiguous"
+    poison: str = ""
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r} must be one of {', '.join(LAYOUTS)}")
+        if self.poison and self.poison not in POISONS:
+            raise ValueError(f"poison={self.poison!r} must be one of {', '.join(POISONS)}")
 
     def with_layout(self, layout: str) -> CaseInputs:
         """The same call with ``q``, ``k``, ``v`` laid out as ``layout``
-        (:func:`~flashprobe.fuzz.layouts.apply_layout`; ``expanded_kv`` repeats the first k/v head)."""
+        (:func:`~flashprobe.fuzz.layouts.apply_layout`; ``expanded_kv`` repeats the first k/v head),
+        in poisoned memory when :attr:`poison` is set."""
         q, k, v = apply_layout(self.q, self.k, self.v, layout)
+        if self.poison:
+            q, k, v = (_in_poisoned_memory(t, self.poison) for t in (q, k, v))
         return replace(self, q=q, k=k, v=v, layout=layout)
+
+    def with_poison(self, poison: str) -> CaseInputs:
+        """The same call with ``q``, ``k``, ``v`` as views into buffers filled with ``poison``
+        (of :data:`POISONS`) around them; same values, same layout."""
+        return replace(self, poison=poison).with_layout(self.layout)
+
+    def nan_rows(self) -> torch.Tensor | None:
+        """Boolean ``(B, H, N_q)``: the rows that depend on a NaN input (a NaN in the row's query, or
+        in the key or value of a key the row may attend to); None when no input is NaN."""
+        if not any(bool(torch.isnan(t).any()) for t in (self.q, self.k, self.v)):
+            return None
+        k, v = self.reference_kv()
+        bad_keys = torch.isnan(k).any(-1) | torch.isnan(v).any(-1)  # (B, H, N_k)
+        seen = (self.valid_keys() & bad_keys.unsqueeze(2)).any(-1)  # (B, H, N_q)
+        return seen | torch.isnan(self.q).any(-1)
+
+    def without_nan(self) -> CaseInputs:
+        """The same call with every NaN input replaced by 0: the answer of the rows that do not
+        depend on a NaN (:meth:`nan_rows`)."""
+        q, k, v = (
+            torch.nan_to_num(t, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+            for t in (self.q, self.k, self.v)
+        )
+        return replace(self, q=q, k=k, v=v).with_layout(self.layout)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -120,4 +168,6 @@ class CaseInputs:
             parts.insert(2, f"Dv={self.v.shape[-1]}")
         if self.layout != "contiguous":
             parts.append(f"layout={self.layout}")
+        if self.poison:
+            parts.append(f"poison={self.poison}")
         return " ".join(parts)

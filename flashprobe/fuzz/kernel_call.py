@@ -91,6 +91,17 @@ def _forward_backward(
     return out.detach(), dict(zip(("dq", "dk", "dv"), grads, strict=True)), None
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` hold the same values, NaN where the other has NaN (inputs may hold NaN)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return (
+        bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+        if a.is_floating_point()
+        else torch.equal(a, b)
+    )
+
+
 def call_kernel(kernel: Kernel, inputs: CaseInputs, grad_out: torch.Tensor | None = None) -> KernelCall:
     """Call ``kernel`` on copies of ``inputs`` and check that it left them untouched.
 
@@ -128,7 +139,7 @@ def call_kernel(kernel: Kernel, inputs: CaseInputs, grad_out: torch.Tensor | Non
         name
         for name in ("q", "k", "v", "attn_mask")
         if getattr(inputs, name) is not None
-        and not torch.equal(getattr(inputs, name), getattr(copies, name).detach())
+        and not _same(getattr(inputs, name), getattr(copies, name).detach())
     ]
     if changed:
         reason = f"modified its inputs in place: {', '.join(changed)}"

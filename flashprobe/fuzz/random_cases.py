@@ -18,7 +18,7 @@ from flashprobe.fuzz._tensors import F64, additive_mask, finfo_max, padding_mask
 from flashprobe.fuzz.cases import HEAD_DIMS, SENTINELS
 from flashprobe.fuzz.inputs import CaseInputs
 from flashprobe.fuzz.layouts import LAYOUTS
-from flashprobe.kernels import default_scale
+from flashprobe.kernels import KernelCapabilities, default_scale
 
 __all__ = ["MASK_KINDS", "MAX_KEYS", "MAX_SCORES", "RandomCaseSpec", "make_random_case", "sample_random_spec"]
 
@@ -150,7 +150,24 @@ def _shape(rng: random.Random, profile: str) -> dict[str, int]:
     return {"batch": batch, "heads": heads, "n_q": n_q, "n_k": n_k, "kv_heads": kv_heads}
 
 
-def sample_random_spec(rng: random.Random, dtype: torch.dtype, profile: str = "default") -> RandomCaseSpec:
+#: the kernel mask kinds (:data:`~flashprobe.kernels.registry.MASK_KINDS`) each sampled mask needs
+_NEEDS = {
+    "none": (),
+    "causal": ("causal",),
+    "padding": ("key_padding", "bool"),
+    "random": ("bool",),
+    "fully_masked_rows": ("bool",),
+    "one_valid_key": ("bool",),
+    "additive": ("float",),
+}
+
+
+def sample_random_spec(
+    rng: random.Random,
+    dtype: torch.dtype,
+    profile: str = "default",
+    limits: KernelCapabilities | None = None,
+) -> RandomCaseSpec:
     """Draw one random case: shapes, GQA, layout, mask kind, logit spread and level, scale, outliers.
 
     Head dims are one of flash-attention's (32 … 256) half the time, else uniform in 2–256;
@@ -163,8 +180,14 @@ def sample_random_spec(rng: random.Random, dtype: torch.dtype, profile: str = "d
     ``q·kᵀ`` fit ``dtype``: the level is a construct of the search, so it must not overflow by
     itself (the catalogue's ``qk_overflow`` and ``scale_tiny`` test that); such samples get the
     nearest power of four as their scale, so their logits are exact (:func:`make_random_case`).
+
+    ``limits`` keeps the sample inside what kernels take: only mask kinds they accept, head dims
+    they list, no GQA for kernels without it (lengths are fitted to each kernel when it runs:
+    :func:`~flashprobe.fuzz.fit.fit_inputs`).
     """
     head_dim = rng.choice(HEAD_DIMS) if rng.random() < 0.5 else rng.randint(2, 256)
+    if limits is not None and limits.head_dims:
+        head_dim = sorted(limits.head_dims)[head_dim % len(limits.head_dims)]
     u = rng.random()
     scale = None if u < 0.6 else 0.0 if u < 0.65 else default_scale(head_dim, None) * 10 ** rng.uniform(-2, 2)
     level = 0.0
@@ -175,11 +198,15 @@ def sample_random_spec(rng: random.Random, dtype: torch.dtype, profile: str = "d
         if fitting:
             sentinel = rng.choice(fitting)
             level = sentinel * rng.uniform(1.05, min(3.0, limit / abs(sentinel)))
+    masks = [m for m in MASK_KINDS if limits is None or not _NEEDS[m] or limits.masks & set(_NEEDS[m])]
+    shape = _shape(rng, profile)
+    if limits is not None and limits.gqa == "none":
+        shape["kv_heads"] = 0
     return RandomCaseSpec(
-        **_shape(rng, profile),
+        **shape,
         layout=rng.choice(LAYOUTS),
         head_dim=head_dim,
-        mask=rng.choices(list(MASK_KINDS), weights=list(MASK_KINDS.values()))[0],
+        mask=rng.choices(masks, weights=[MASK_KINDS[m] for m in masks])[0],
         logit_std=10 ** rng.uniform(-1, 1.5),
         level=level,
         scale=scale,

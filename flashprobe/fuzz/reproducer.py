@@ -2,7 +2,8 @@
 
 The ``.py`` reloads the ``.pt`` beside it (in the inputs' memory layout), runs the kernel, prints
 the non-finite and all-zero row counts and the verdict (gradients included when the failure was
-found with them), and exits 1 while the failure reproduces and 0 once it passes. Everything
+found with them), and exits 1 while the failure reproduces, 0 once it passes and 2 when the kernel
+cannot be loaded (its module fails to import: that says nothing about the bug). Everything
 in it that comes from the failure (kernel spec, case, reason) is a Python literal (``repr``), so
 the snippet is valid Python whatever that text contains.
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +26,12 @@ from flashprobe.fuzz.kernel_call import kernel_label
 from flashprobe.fuzz.run import FuzzResult
 from flashprobe.kernels import Kernel, get_kernel
 
-__all__ = ["reproducer_snippet", "save_reproducer"]
+__all__ = ["ReproducerStore", "failure_directions", "reproducer_snippet", "save_reproducer"]
 
 _SNIPPET = '''"""Reproducer saved by `flashprobe fuzz`: KERNEL fails CASE at DTYPE (the constants below).
 
-Run `python {stem}.py`: it exits 1 while the kernel still fails and 0 once it passes.
+Run `python {stem}.py`: it exits 1 while the kernel still fails, 0 once it passes, and 2 when the
+kernel cannot be loaded (its module does not import).
 """
 
 import importlib
@@ -46,8 +50,13 @@ DTYPE = {dtype!r}
 INPUTS = {shape!r}
 REASON = {reason!r}  # the failure when the reproducer was saved
 
-if KERNEL_MODULE:
-    importlib.import_module(KERNEL_MODULE)
+try:  # exit 2, not 1: a kernel that cannot be loaded says nothing about the bug
+    if KERNEL_MODULE:
+        importlib.import_module(KERNEL_MODULE)
+    get_kernel(KERNEL)
+except Exception as err:
+    print(f"cannot load the kernel {{KERNEL}}: {{type(err).__name__}}: {{err}}", file=sys.stderr)
+    sys.exit(2)
 saved = torch.load(Path(__file__).with_suffix(".pt"), weights_only=True)
 inputs = CaseInputs(
     q=saved["q"],  # (B, H, N_q, D)
@@ -56,6 +65,7 @@ inputs = CaseInputs(
     attn_mask=saved["attn_mask"],
     is_causal=saved["is_causal"],
     scale=saved["scale"],
+    poison=saved.get("poison", ""),
 ).with_layout(saved.get("layout", "contiguous"))
 k, v = inputs.reference_kv()
 out = get_kernel(KERNEL)(inputs.q, inputs.k, inputs.v, attn_mask=inputs.attn_mask,
@@ -98,6 +108,7 @@ def _tensors(inputs: CaseInputs) -> dict[str, Any]:
         "is_causal": cpu.is_causal,
         "scale": cpu.scale,
         "layout": cpu.layout,
+        "poison": cpu.poison,
     }
 
 
@@ -160,3 +171,60 @@ def save_reproducer(
     )
     atomic_write_text(path.with_suffix(".py"), snippet)
     return path
+
+
+def failure_directions(result: FuzzResult) -> list[str]:
+    """The directions a failing result fails in: ``out`` and/or ``dq``, ``dk``, ``dv``."""
+    kinds = [k for k in (result.failure, result.backward_failure) if k]
+    return list(dict.fromkeys(k.partition(":")[0] if ":" in k else "out" for k in kinds))
+
+
+@dataclass
+class ReproducerStore:
+    """Where a fuzz run saves its failures: one reproducer per (kernel, property, direction), at
+    most ``limit`` in all, so every distinct failure keeps its evidence and none floods the
+    directory.
+
+    Attributes:
+        out_dir: the directory the reproducers go to.
+        baseline: the same-dtype baseline spec the snippets re-check with.
+        backward: the failures were found with gradients checked.
+        limit: the most reproducers saved.
+        saved: (kernel, property, direction) → the reproducer saved for it.
+    """
+
+    out_dir: Path
+    baseline: str | Kernel = "math"
+    backward: bool = True
+    limit: int = 64
+    saved: dict[tuple[str, str, str], Path] = field(default_factory=dict)
+
+    def wants(self, result: FuzzResult, prop: str) -> bool:
+        """Whether a failure of ``result`` for property ``prop`` would be saved (a new key, room left)."""
+        if result.verdict != "fail" or len(set(self.saved.values())) >= self.limit:
+            return False
+        return any((result.kernel, prop, d) not in self.saved for d in failure_directions(result))
+
+    def save(
+        self, result: FuzzResult, inputs: CaseInputs, prop: str, *, params: dict[str, Any] | None = None
+    ) -> FuzzResult:
+        """Save ``inputs`` as the reproducer of ``result`` for each of its new directions; returns
+        ``result`` with ``repro`` set."""
+        path = save_reproducer(
+            self.out_dir,
+            result.case,
+            result.kernel,
+            inputs,
+            result,
+            baseline=self.baseline,
+            params=params,
+            backward=self.backward,
+        )
+        for direction in failure_directions(result):
+            self.saved.setdefault((result.kernel, prop, direction), path)
+        return replace(result, repro=str(path))
+
+    def offer(self, result: FuzzResult, inputs: Callable[[], CaseInputs]) -> FuzzResult:
+        """Save a catalogue failure when :meth:`wants` it (``inputs`` builds its call on demand)."""
+        prop = result.property or result.case
+        return self.save(result, inputs(), prop) if self.wants(result, prop) else result

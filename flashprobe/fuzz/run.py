@@ -28,16 +28,18 @@ with a ``failure`` kind such as ``dq:nonfinite``, ``dk:zeros``, ``dv:masked`` or
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from flashprobe.fuzz.cases import FuzzCase, case_generator, select_cases
+from flashprobe.fuzz.fit import FittedInputs, NotApplicableError, fit_inputs
 from flashprobe.fuzz.inputs import CaseInputs, UnrepresentableCaseError
 from flashprobe.fuzz.kernel_call import KernelCall, call_kernel, kernel_label
-from flashprobe.fuzz.references import references
+from flashprobe.fuzz.references import grad_output, gradient_references, references
 from flashprobe.fuzz.rule import References, Verdict, judge, judge_gradients
 from flashprobe.kernels import (
     Kernel,
@@ -48,7 +50,10 @@ from flashprobe.kernels import (
     to_dtype,
 )
 
-__all__ = ["FuzzResult", "check_case", "kernel_availability", "run_catalogue"]
+if TYPE_CHECKING:
+    from flashprobe.fuzz.reproducer import ReproducerStore
+
+__all__ = ["FuzzResult", "case_references", "check_case", "kernel_availability", "run_catalogue"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +88,14 @@ class FuzzResult:
         layout: the inputs' memory layout (:data:`~flashprobe.fuzz.layouts.LAYOUTS`).
         axes: where the inputs lie on each covered axis (:meth:`CaseInputs.axes`).
         seed: the seed of a catalogue case's inputs (``None`` for random samples and custom cases).
+        property: the property the case tests (:data:`~flashprobe.fuzz.cases.PROPERTIES`; ``""``
+            for random samples and custom cases).
+        fitted: how the case's call was moved inside the kernel's limits
+            (:func:`~flashprobe.fuzz.fit.fit_inputs`; ``""``: posed as built).
+        seconds: wall time of this row: the kernel's call and its judgement, and the references
+            (golden, baseline noise) when this row computed them.
+        backward_failure: kind of the first failed gradient check (``dq:values``, ...) when the
+            gradients fail, also when the output failed first (its kind is ``failure``).
     """
 
     kernel: str
@@ -105,6 +118,10 @@ class FuzzResult:
     layout: str = "contiguous"
     axes: dict[str, int | str] = field(default_factory=dict)
     seed: int | None = None
+    property: str = ""
+    fitted: str = ""
+    seconds: float = 0.0
+    backward_failure: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The row as a dict (written with :func:`flashprobe.formats.write_json`)."""
@@ -122,20 +139,25 @@ def check_case(
 ) -> FuzzResult:
     """Run one kernel on one case and judge its output and (``backward``) its gradients.
 
+    The gradients are judged whenever the kernel gave an output, also when the output fails: a
+    backward bug is reported beside a forward one (``backward_failure``), not hidden behind it.
+    Inputs with NaN (:meth:`CaseInputs.nan_rows`) are judged against the call without them: the
+    rows that depend on a NaN must be NaN (``nan_hidden`` otherwise), the others exact.
+
     Args:
         kernel: spec or :class:`~flashprobe.Kernel`.
         inputs: the case in the dtype under test: q ``(B, H, N_q, D)``, k, v ``(B, H_kv, N_k, ·)``.
         case: the case's name, for the result.
         baseline: same-dtype baseline spec (ignored when ``refs`` is given).
-        refs: precomputed :func:`~flashprobe.fuzz.references.references` (reused across kernels);
-            gradients are checked only when they hold gradient references.
+        refs: precomputed references (:func:`case_references`, reused across kernels); gradients
+            are checked only when they hold gradient references.
         backward: check ``dq``, ``dk``, ``dv`` too (when ``refs`` is not given).
 
     Returns:
         The :class:`FuzzResult`.
     """
     label = kernel_label(kernel)
-    refs = references(inputs, baseline, backward=backward) if refs is None else refs
+    refs = case_references(inputs, baseline, backward=backward) if refs is None else refs
     common = {
         "kernel": label,
         "case": case,
@@ -149,9 +171,9 @@ def check_case(
     if refs.skip:
         return FuzzResult(verdict="skip", reason=refs.skip, **common)
     call = call_kernel(get_kernel(kernel), inputs, refs.grad_out)
-    verdict = call.problem if call.output is None else judge(call.output, refs)
-    backward, stats, reason = (
-        _backward_verdict(call, refs, verdict.reason) if verdict.passed else (None, {}, "")
+    verdict = call.problem if call.output is None else _judge_output(call.output, refs, inputs.nan_rows())
+    grads, stats, grad_reason = (
+        _backward_verdict(call, refs, verdict.reason) if call.output is not None else (None, {}, "")
     )
     result = FuzzResult(
         verdict=verdict.verdict,
@@ -164,13 +186,86 @@ def check_case(
         gradients=stats,
         **common,
     )
-    if backward is None:
+    if grads is None:
         return result
-    if backward.verdict == "fail":
-        return replace(result, verdict="fail", failure=backward.failure, reason=reason, backward="fail")
-    if backward.verdict == "no_backward":
-        return replace(result, verdict="no_backward", reason=reason, backward="no_backward")
-    return replace(result, reason=reason, backward="pass")
+    if not verdict.passed:  # the output failed: the gradients are reported beside it
+        both = f"{verdict.reason}; {grads.reason}" if grads.verdict != "no_backward" else result.reason
+        return replace(
+            result,
+            reason=both,
+            backward=grads.verdict,
+            backward_failure=grads.failure if grads.verdict == "fail" else None,
+        )
+    if grads.verdict == "fail":
+        return replace(
+            result,
+            verdict="fail",
+            failure=grads.failure,
+            reason=grad_reason,
+            backward="fail",
+            backward_failure=grads.failure,
+        )
+    if grads.verdict == "no_backward":
+        return replace(result, verdict="no_backward", reason=grad_reason, backward="no_backward")
+    return replace(result, reason=grad_reason, backward="pass")
+
+
+def _judge_output(out: torch.Tensor, refs: References, nan_rows: torch.Tensor | None) -> Verdict:
+    """:func:`~flashprobe.fuzz.rule.judge`; with NaN inputs, the rows in ``nan_rows`` ``(B, H, N_q)``
+    must hold a NaN and the others are judged against the golden of the call without NaN."""
+    if nan_rows is None or tuple(out.shape) != tuple(refs.golden.shape):
+        return judge(out, refs)
+    o = out.detach().double()
+    hidden = nan_rows & ~torch.isnan(o).any(-1)
+    if hidden.any():
+        return Verdict(
+            verdict="fail",
+            failure="nan_hidden",
+            reason=f"{int(hidden.sum())} of the {int(nan_rows.sum())} rows that depend on a NaN input came "
+            "out without NaN: the kernel turned a NaN into a number",
+        )
+    verdict = judge(torch.where(nan_rows.unsqueeze(-1), refs.golden, o), refs)
+    return replace(
+        verdict,
+        reason=f"{verdict.reason}; NaN in exactly the {int(nan_rows.sum())} rows that depend on a NaN input",
+    )
+
+
+def case_references(
+    inputs: CaseInputs, baseline: str | Kernel = "math", *, backward: bool = True, grad: str = ""
+) -> References:
+    """The references of one case's call: :func:`~flashprobe.fuzz.references.references` of the
+    call (without its NaN inputs: the gradients are not checked then), for the output gradient
+    form ``grad`` (:data:`~flashprobe.fuzz.cases.GRAD_FORMS`).
+
+    Args:
+        inputs: the call, in the dtype under test.
+        baseline: same-dtype baseline spec.
+        backward: with gradient references.
+        grad: ``""`` (the standard output gradient), ``transposed`` (laid out as ``(B, N, H, D)``),
+            ``expanded`` (the first head's, stride 0 over heads), ``tiny`` (× 2^-20), ``huge`` (× 2^12).
+    """
+    nan_rows = inputs.nan_rows()
+    clean = inputs if nan_rows is None else inputs.without_nan()
+    backward = backward and nan_rows is None
+    # other values of dO than the standard one: their gradient references only (computed below)
+    refs = references(clean, baseline, backward=backward and grad in ("", "transposed"))
+    if not grad or not backward or refs.skip:
+        return refs
+    if grad == "transposed":  # the same values, laid out as (B, N_q, H, D_v)
+        standard = refs.grad_out
+        if standard is None:
+            return refs
+        return replace(refs, grad_out=standard.transpose(1, 2).contiguous().transpose(1, 2))
+    standard = grad_output(refs.golden.shape, clean.dtype, refs.golden.device)  # (B, H, N_q, D_v)
+    factor = {"tiny": 2.0**-20, "huge": 2.0**12}.get(grad)
+    given = (
+        standard[:, :1].expand_as(standard)
+        if grad == "expanded"
+        else (standard.double() * factor).to(standard.dtype)
+    )
+    grads, note = gradient_references(clean, baseline, given.contiguous(), clean.valid_keys())
+    return replace(refs, grad_out=given if grads else None, gradients=grads, grad_note=note)
 
 
 def _backward_verdict(
@@ -220,59 +315,82 @@ def _run_case(
     baseline: str | Kernel,
     backward: bool,
     layouts: Sequence[str] = ("contiguous",),
+    reproducers: ReproducerStore | None = None,
 ) -> list[FuzzResult]:
-    """Every kernel on one case at one dtype (in each of ``layouts``), sharing golden and baseline.
+    """Every kernel on one case at one dtype (in each of ``layouts``), each at the call it accepts.
 
-    A case built in its own layout (``layout_*``) runs in that one only; ``expanded_kv`` changes
-    the values (every k/v head is the first), so it gets references of its own.
+    The call is fitted to each kernel's limits (:func:`~flashprobe.fuzz.fit.fit_inputs`); kernels
+    given the same call share its golden and baseline. A case built in its own layout
+    (``layout_*``) runs in that one only; ``expanded_kv`` changes the values (every k/v head is the
+    first), so it gets references of its own.
     """
-    common = {"case": case.name, "dtype": dtype_name(dtype)}
+    common = {"case": case.name, "dtype": dtype_name(dtype), "seed": seed, "property": case.property}
+    start = time.perf_counter()
     try:
         base = case.make(dtype, case_generator(seed, case.name)).to(device)
-        refs = references(base, baseline, backward=backward and case.backward)
     except UnrepresentableCaseError as err:
-        return [FuzzResult(kernel=k, verdict="skip", reason=str(err), seed=seed, **common) for k in labels]
+        seconds = round(time.perf_counter() - start, 3)
+        return [
+            FuzzResult(kernel=k, verdict="skip", reason=str(err), seconds=seconds, **common) for k in labels
+        ]
     results = []
+    refs: dict[tuple[str, str], References | None] = {}
     for layout in layouts if base.layout == "contiguous" else (base.layout,):
         inputs = base if layout == base.layout else base.with_layout(layout)
-        layout_refs = refs
-        if layout == "expanded_kv" and inputs is not base:
-            try:
-                layout_refs = references(inputs, baseline, backward=backward and case.backward)
-            except ValueError:  # a golden the expanded values do not allow: this layout is not posable
+        for kernel in labels:
+            t0 = time.perf_counter()
+            result = _run_kernel(case, inputs, kernel, unavailable[kernel, dtype], refs, baseline, backward)
+            if result is None:  # a golden the expanded values do not allow: this layout is not posable
                 continue
-        results += _run_kernels(case, inputs, layout_refs, labels, unavailable, dtype, seed)
+            result = replace(result, seconds=round(time.perf_counter() - t0, 3), **common)
+            if reproducers is not None:
+                build = lambda r=result, x=inputs: _fitted(case, x, r.kernel).inputs  # noqa: E731
+                result = reproducers.offer(result, build)
+            log.debug("%s %s %s: %s", kernel, case.name, common["dtype"], result.verdict)
+            results.append(result)
     return results
 
 
-def _run_kernels(
+def _fitted(case: FuzzCase, inputs: CaseInputs, kernel: str) -> FittedInputs:
+    """The case's call as posed to ``kernel`` (:func:`~flashprobe.fuzz.fit.fit_inputs`)."""
+    return fit_inputs(inputs, get_kernel(kernel).capabilities, fixed=case.fixed)
+
+
+def _run_kernel(
     case: FuzzCase,
     inputs: CaseInputs,
-    refs: References,
-    labels: Sequence[str],
-    unavailable: dict[tuple[str, torch.dtype], str | None],
-    dtype: torch.dtype,
-    seed: int,
-) -> list[FuzzResult]:
-    """Every kernel on one case's inputs."""
-    common = {"case": case.name, "dtype": dtype_name(dtype)}
-    results = []
-    for kernel in labels:
-        if (why := unavailable[kernel, dtype]) is not None:
-            result = FuzzResult(
-                kernel=kernel,
-                verdict="unsupported",
-                reason=why,
-                shape=inputs.describe(),
-                layout=inputs.layout,
-                axes=inputs.axes(),
-                **common,
+    kernel: str,
+    why: str | None,
+    refs: dict[tuple[str, str], References | None],
+    baseline: str | Kernel,
+    backward: bool,
+) -> FuzzResult | None:
+    """One kernel on one case's call: fitted to its limits, judged against the shared references
+    (computed here for the first kernel given that call; cached in ``refs``)."""
+    unsupported = {"verdict": "unsupported", "shape": inputs.describe(), "layout": inputs.layout}
+    if why is not None:
+        return FuzzResult(
+            kernel=kernel, reason=why, axes=inputs.axes(), case=case.name, dtype="", **unsupported
+        )
+    try:
+        fitted = _fitted(case, inputs, kernel)
+    except NotApplicableError as err:
+        reason = f"not applicable to this kernel: {err}"
+        return FuzzResult(kernel=kernel, reason=reason, case=case.name, dtype="", **unsupported)
+    key = (inputs.layout, fitted.changes)
+    if key not in refs:
+        try:
+            refs[key] = case_references(
+                fitted.inputs, baseline, backward=backward and case.backward, grad=case.grad
             )
-        else:
-            result = check_case(kernel, inputs, case=case.name, refs=refs)
-        log.debug("%s %s %s: %s", kernel, case.name, common["dtype"], result.verdict)
-        results.append(replace(result, seed=seed))
-    return results
+        except ValueError:
+            if inputs.layout != "expanded_kv":
+                raise
+            refs[key] = None
+    if refs[key] is None:
+        return None
+    result = check_case(kernel, fitted.inputs, case=case.name, refs=refs[key])
+    return replace(result, fitted=fitted.changes)
 
 
 def run_catalogue(
@@ -285,12 +403,22 @@ def run_catalogue(
     baseline: str | Kernel = "math",
     backward: bool = True,
     layouts: Sequence[str] = ("contiguous",),
+    progress: Callable[[str], None] | None = None,
+    reproducers: ReproducerStore | None = None,
 ) -> list[FuzzResult]:
     """Run every case against every kernel at every dtype, in every layout of ``layouts``.
 
-    Golden and baseline are computed once per (case, dtype) and shared by the kernels. The inputs
-    of a case depend only on ``seed`` and the case's name. ``backward`` checks the gradients too;
-    ``layouts`` (:data:`~flashprobe.fuzz.layouts.LAYOUTS`) lays each case's inputs out so.
+    Each case is posed to each kernel at the nearest call its limits accept that still tests the
+    case's property (:func:`~flashprobe.fuzz.fit.fit_inputs`), or reported ``unsupported`` with
+    "not applicable to this kernel: <why>". Golden and baseline are computed once per (case, dtype,
+    fitted call) and shared by the kernels. The inputs of a case depend only on ``seed`` and the
+    case's name. ``backward`` checks the gradients too; ``layouts``
+    (:data:`~flashprobe.fuzz.layouts.LAYOUTS`) lays each case's inputs out so.
+
+    Args:
+        progress: called with one line per (case, dtype) as it finishes: its verdict per kernel and
+            its seconds.
+        reproducers: where failures are saved, one per (kernel, property, direction), bounded.
 
     Returns:
         One :class:`FuzzResult` per (case, dtype, kernel), in that order.
@@ -299,11 +427,10 @@ def run_catalogue(
     device = torch.device(device)
     resolved = [to_dtype(d) for d in dtypes]
     unavailable = kernel_availability(labels, device, resolved)
-    return [
-        result
-        for case in (cases if cases is not None else select_cases())
-        for dtype in resolved
-        for result in _run_case(
+    todo = [(case, dtype) for case in (cases if cases is not None else select_cases()) for dtype in resolved]
+    results: list[FuzzResult] = []
+    for i, (case, dtype) in enumerate(todo, 1):
+        rows = _run_case(
             case,
             dtype,
             labels,
@@ -313,5 +440,13 @@ def run_catalogue(
             baseline=baseline,
             backward=backward,
             layouts=layouts,
+            reproducers=reproducers,
         )
-    ]
+        if progress is not None:
+            verdicts = ", ".join(f"{r.kernel} {r.verdict}" for r in rows)
+            seconds = sum(r.seconds for r in rows)
+            progress(
+                f"[{i}/{len(todo)}] {case.name} {dtype_name(dtype)} seed {seed}: {verdicts} ({seconds:.1f} s)"
+            )
+        results += rows
+    return results

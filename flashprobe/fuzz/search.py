@@ -1,8 +1,10 @@
 """The random search of ``flashprobe fuzz --budget N``, and the shrinking of what it finds.
 
-Random failures are shrunk (halving N_q, N_k, D, B, H and making the layout contiguous and GQA
-plain while the same failure persists) and, with an output directory, saved as reproducers
-(:func:`~flashprobe.fuzz.reproducer.save_reproducer`).
+Samples are drawn inside the kernels' limits and posed to each within its own
+(:func:`~flashprobe.fuzz.fit.fit_inputs`). Random failures are shrunk (halving N_q, N_k, D, B, H
+and making the layout contiguous and GQA plain while the same failure persists) and saved as
+reproducers, one per (kernel, property, direction)
+(:class:`~flashprobe.fuzz.reproducer.ReproducerStore`).
 """
 
 from __future__ import annotations
@@ -10,19 +12,22 @@ from __future__ import annotations
 import logging
 import os
 import random
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from flashprobe.fuzz.fit import NotApplicableError, fit_inputs
 from flashprobe.fuzz.inputs import CaseInputs
 from flashprobe.fuzz.kernel_call import kernel_label
 from flashprobe.fuzz.random_cases import RandomCaseSpec, make_random_case, sample_random_spec
-from flashprobe.fuzz.references import references
-from flashprobe.fuzz.reproducer import save_reproducer
-from flashprobe.fuzz.run import FuzzResult, check_case, kernel_availability
-from flashprobe.kernels import Kernel, dtype_name, to_dtype
+from flashprobe.fuzz.reproducer import ReproducerStore
+from flashprobe.fuzz.rule import References
+from flashprobe.fuzz.run import FuzzResult, case_references, check_case, kernel_availability
+from flashprobe.kernels import Kernel, KernelCapabilities, dtype_name, get_kernel, to_dtype
+from flashprobe.kernels.registry import MASK_KINDS
 
 __all__ = ["random_search", "shrink"]
 
@@ -43,6 +48,9 @@ def shrink(
     """Halve N_q, N_k, D, B, H (in turn, repeatedly), then try the contiguous layout and plain
     heads, while the kernel fails the same way (``failure``, e.g. ``nonfinite`` or ``dq:values``).
 
+    Every candidate is posed within the kernel's limits (:func:`~flashprobe.fuzz.fit.fit_inputs`);
+    one it cannot take is not tried.
+
     Args:
         kernel: the failing kernel.
         spec: the failing random sample.
@@ -54,17 +62,25 @@ def shrink(
         backward: check gradients (as the search that found the failure).
 
     Returns:
-        The smallest failing spec found, its inputs and its result.
+        The smallest failing spec found, its inputs (as posed to the kernel) and its result.
     """
     kernel = kernel_label(kernel)
-    inputs = make_random_case(spec, dtype).to(device)
+    caps = get_kernel(kernel).capabilities
+
+    def posed(candidate: RandomCaseSpec) -> CaseInputs:
+        return fit_inputs(make_random_case(candidate, dtype).to(device), caps).inputs
+
+    inputs = posed(spec)
     result = check_case(kernel, inputs, case="shrink", baseline=baseline, backward=backward)
     tries, changed = 0, True
 
     def attempt(smaller: RandomCaseSpec) -> bool:
         nonlocal spec, inputs, result, tries
         tries += 1
-        candidate = make_random_case(smaller, dtype).to(device)
+        try:
+            candidate = posed(smaller)
+        except NotApplicableError:
+            return False
         outcome = check_case(kernel, candidate, case="shrink", baseline=baseline, backward=backward)
         if outcome.verdict != "fail" or outcome.failure != failure:
             return False
@@ -83,42 +99,58 @@ def shrink(
     return spec, inputs, result
 
 
+def _sample_property(spec: RandomCaseSpec) -> str:
+    """What a random sample stands for when its failures are kept: its mask, with a logit level."""
+    return f"random {spec.mask}" + (" below a sentinel" if spec.level else "")
+
+
 @dataclass
 class _Search:
-    """The settings of one random search and the failures it has shrunk so far."""
+    """The settings of one random search and where its failures are kept."""
 
     labels: list[str]
     device: torch.device
     baseline: str | Kernel
-    out_dir: Path | None
+    reproducers: ReproducerStore | None
     unavailable: dict[tuple[str, torch.dtype], str | None]
     backward: bool = True
-    shrunk: set[tuple[str, torch.dtype, str | None]] = field(default_factory=set)
+    shrunk: set[tuple[str, str | None]] = field(default_factory=set)
 
     def sample(self, name: str, spec: RandomCaseSpec, dtype: torch.dtype) -> list[FuzzResult]:
-        """Every kernel on one random sample; the first failure of each kind is shrunk and saved."""
-        inputs = make_random_case(spec, dtype).to(self.device)
-        refs = references(inputs, self.baseline, backward=self.backward)
+        """Every kernel on one random sample, posed within its limits; a failure of a new (kernel,
+        property, direction) is shrunk and saved."""
+        base = make_random_case(spec, dtype).to(self.device)
+        refs: dict[str, References] = {}
         results = []
         for kernel in self.labels:
-            if (why := self.unavailable[kernel, dtype]) is not None:
-                result = FuzzResult(
-                    kernel=kernel, case=name, dtype=dtype_name(dtype), verdict="unsupported", reason=why
-                )
-            else:
-                result = check_case(kernel, inputs, case=name, refs=refs)
-            result = replace(result, params=spec.as_dict())
-            key = (kernel, dtype, result.failure)
-            if result.verdict == "fail" and key not in self.shrunk:
-                self.shrunk.add(key)
-                result = self._shrink(name, kernel, spec, dtype, result)
+            start = time.perf_counter()
+            result = self._check(name, kernel, base, dtype, refs)
+            result = replace(result, params=spec.as_dict(), seconds=round(time.perf_counter() - start, 3))
+            prop = _sample_property(spec)
+            if self.reproducers is not None and self.reproducers.wants(result, prop):
+                result = self._keep(name, kernel, spec, dtype, base, result, prop)
             results.append(result)
         return results
 
-    def _shrink(
-        self, name: str, kernel: str, spec: RandomCaseSpec, dtype: torch.dtype, result: FuzzResult
+    def _keep(
+        self,
+        name: str,
+        kernel: str,
+        spec: RandomCaseSpec,
+        dtype: torch.dtype,
+        base: CaseInputs,
+        result: FuzzResult,
+        prop: str,
     ) -> FuzzResult:
-        """Shrink a failure and, with an output directory, save it: ``result`` with ``repro`` set."""
+        """Save a failure's reproducer: shrunk the first time its (kernel, failure kind) fails, as
+        sampled (posed within the kernel's limits) after that, so every property keeps its
+        evidence at the cost of one shrink per kind."""
+        assert self.reproducers is not None
+        key = (kernel, result.failure)
+        if key in self.shrunk:
+            inputs = fit_inputs(base, get_kernel(kernel).capabilities).inputs
+            return self.reproducers.save(result, inputs, prop, params=spec.as_dict())
+        self.shrunk.add(key)
         small, small_inputs, small_result = shrink(
             kernel,
             spec,
@@ -128,19 +160,36 @@ class _Search:
             baseline=self.baseline,
             backward=self.backward,
         )
-        if self.out_dir is None:
-            return result
-        path = save_reproducer(
-            self.out_dir,
-            name,
-            kernel,
-            small_inputs,
-            small_result,
-            baseline=self.baseline,
-            params=small.as_dict(),
-            backward=self.backward,
+        saved = self.reproducers.save(
+            replace(small_result, case=name), small_inputs, prop, params=small.as_dict()
         )
-        return replace(result, repro=str(path))
+        return replace(result, repro=saved.repro)
+
+    def _check(
+        self, name: str, kernel: str, base: CaseInputs, dtype: torch.dtype, refs: dict[str, References]
+    ) -> FuzzResult:
+        unsupported = {"kernel": kernel, "case": name, "dtype": dtype_name(dtype), "verdict": "unsupported"}
+        if (why := self.unavailable[kernel, dtype]) is not None:
+            return FuzzResult(reason=why, **unsupported)
+        try:
+            fitted = fit_inputs(base, get_kernel(kernel).capabilities)
+        except NotApplicableError as err:
+            return FuzzResult(reason=f"not applicable to this kernel: {err}", **unsupported)
+        if fitted.changes not in refs:
+            refs[fitted.changes] = case_references(fitted.inputs, self.baseline, backward=self.backward)
+        result = check_case(kernel, fitted.inputs, case=name, refs=refs[fitted.changes])
+        return replace(result, fitted=fitted.changes)
+
+
+def _shared_limits(kernels: Sequence[str]) -> KernelCapabilities:
+    """What every kernel takes: the mask kinds all accept, the head dims all list (when any lists
+    some), GQA only when all do; lengths are fitted per kernel."""
+    caps = [get_kernel(k).capabilities for k in kernels]
+    masks = frozenset.intersection(*(c.masks for c in caps)) if caps else frozenset(MASK_KINDS)
+    listed = [c.head_dims for c in caps if c.head_dims is not None]
+    head_dims = frozenset.intersection(*listed) if listed else None
+    gqa = "none" if any(c.gqa == "none" for c in caps) else "native"
+    return KernelCapabilities(masks=masks, head_dims=head_dims or None, gqa=gqa)
 
 
 def random_search(
@@ -154,15 +203,26 @@ def random_search(
     out_dir: str | os.PathLike[str] | None = None,
     backward: bool = True,
     profile: str = "default",
+    progress: Callable[[str], None] | None = None,
+    reproducers: ReproducerStore | None = None,
 ) -> list[FuzzResult]:
     """Sample ``budget`` random cases (dtypes in turn) and run every kernel on each.
 
+    Samples are drawn inside what every kernel takes (mask kinds, head dims, GQA:
+    :func:`~flashprobe.fuzz.random_cases.sample_random_spec` with their shared limits) and posed
+    to each kernel within its own limits (lengths: :func:`~flashprobe.fuzz.fit.fit_inputs`).
     ``backward`` checks the gradients too; ``profile`` sets the longest lengths sampled
     (:data:`~flashprobe.fuzz.random_cases.MAX_KEYS`).
 
-    The first failure of each (kernel, dtype, failure kind) is shrunk with :func:`shrink` and, when
-    ``out_dir`` is given, saved with :func:`~flashprobe.fuzz.reproducer.save_reproducer`; its row
-    carries the path in ``repro``.
+    A failure of a (kernel, property, direction) not seen before (the property of a sample is its
+    mask kind, and whether its logits sit below a sentinel; the directions are ``out``, ``dq``,
+    ``dk``, ``dv``) is saved by ``reproducers`` (or, given only ``out_dir``, a
+    :class:`~flashprobe.fuzz.reproducer.ReproducerStore` there), shrunk with :func:`shrink` the
+    first time its (kernel, failure kind) fails and as sampled after that; its row carries the path
+    in ``repro``.
+
+    Args:
+        progress: called with one line per sample: its verdict per kernel and its seconds.
 
     Returns:
         One :class:`FuzzResult` per (sample, kernel); cases are named ``random_<i>``.
@@ -175,17 +235,24 @@ def random_search(
     labels = [kernel_label(k) for k in kernels]
     device = torch.device(device)
     resolved = [to_dtype(d) for d in dtypes]
+    if reproducers is None and out_dir is not None:
+        reproducers = ReproducerStore(Path(out_dir), baseline=baseline, backward=backward)
     search = _Search(
         labels=labels,
         device=device,
         baseline=baseline,
-        out_dir=None if out_dir is None else Path(out_dir),
+        reproducers=reproducers,
         unavailable=kernel_availability(labels, device, resolved),
         backward=backward,
     )
+    limits = _shared_limits(labels)
     rng = random.Random(seed)
     results: list[FuzzResult] = []
     for i in range(budget):
         dtype = resolved[i % len(resolved)]
-        results += search.sample(f"random_{i:03d}", sample_random_spec(rng, dtype, profile), dtype)
+        rows = search.sample(f"random_{i:03d}", sample_random_spec(rng, dtype, profile, limits), dtype)
+        if progress is not None:
+            verdicts = ", ".join(f"{r.kernel} {r.verdict}" for r in rows)
+            progress(f"[{i + 1}/{budget}] random_{i:03d} {dtype_name(dtype)}: {verdicts}")
+        results += rows
     return results

@@ -6,23 +6,31 @@
 * :func:`reason_lines` — skip/unsupported reasons, one line per distinct reason with its count and
   the cases, dtypes and kernels it applies to;
 * :func:`coverage` — which values of each axis (head dims, lengths, B·H, GQA ratios, layouts,
-  masks, dtypes, gradients) the run exercised.
+  masks, dtypes, gradients) the run exercised;
+* :func:`property_coverage` — per kernel, each property of the catalogue ``tested`` or ``not
+  applicable`` to it with the reason (never silently fewer cases);
+* :func:`case_seconds` — the seconds each case took, slowest first.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
+from typing import Any
 
-from flashprobe.fuzz.cases import select_cases
+from flashprobe.fuzz.cases import CATALOGUE, PROPERTIES, select_cases
 from flashprobe.fuzz.rule import VERDICTS
 from flashprobe.fuzz.run import FuzzResult
 
 __all__ = [
+    "case_seconds",
     "catalogue_table",
     "coverage",
     "coverage_lines",
     "markdown_table",
+    "property_coverage",
+    "property_lines",
+    "property_markdown",
     "reason_lines",
     "summary_counts",
     "terminal_table",
@@ -108,12 +116,12 @@ def catalogue_table() -> str:
     """The catalogue as a Markdown table: case, what it probes, what the golden expects, whether its
     gradients are checked and its profiles."""
     lines = [
-        "| case | what it probes | expected (FP64 golden) | gradients | profile |",
-        "| --- | --- | --- | --- | --- |",
+        "| case | property | what it probes | expected (FP64 golden) | gradients | profile |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     lines += [
-        f"| `{c.name}` | {c.probes} | {c.expected} | {'yes' if c.backward else 'no'} | "
-        f"{'default' if 'default' in c.profiles else 'full'} |"
+        f"| `{c.name}` | {', '.join(c.properties)} | {c.probes} | {c.expected} | "
+        f"{'yes' if c.backward else 'no'} | {'default' if 'default' in c.profiles else 'full'} |"
         for c in select_cases(profile="full")
     ]
     return "\n".join(lines)
@@ -185,3 +193,98 @@ def _generic_reason(result: FuzzResult) -> str:
     """The reason with the kernel's own name (``tiled: ...``, as kernels' errors begin) as ``<kernel>``."""
     name = re.escape(result.kernel.partition(":")[0])
     return re.sub(rf"(?<![\w:=]){name}(?=: )", "<kernel>", result.reason)
+
+
+def _case_properties(case: str) -> tuple[str, ...]:
+    """The properties a catalogue case tests (none for random samples and custom cases)."""
+    found = CATALOGUE.get(case)
+    return found.properties if found is not None else ()
+
+
+_NOT_APPLICABLE = "not applicable to this kernel: "
+
+
+def property_coverage(results: Sequence[FuzzResult]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per kernel, each property the run's catalogue cases test: tested, or why not.
+
+    A property is ``tested`` when a kernel ran one of its cases (pass, fail or no_backward) at
+    some dtype; else ``not applicable`` (its cases cannot be posed within the kernel's limits:
+    the first reason), ``unsupported`` (the kernel cannot run here) or ``skipped`` (no dtype of
+    the run can pose it).
+
+    Returns:
+        ``{kernel: {property: {"status", "cases" (those that ran), "reason" ("" when tested)}}}``,
+        properties in the order of :data:`~flashprobe.fuzz.cases.PROPERTIES`.
+    """
+    table: dict[str, dict[str, dict[str, Any]]] = {}
+    for kernel in _unique(r.kernel for r in results):
+        rows = [r for r in results if r.kernel == kernel and r.params is None]
+        by_property: dict[str, list[FuzzResult]] = {}
+        for r in rows:
+            for prop in _case_properties(r.case):
+                by_property.setdefault(prop, []).append(r)
+        entry: dict[str, dict[str, Any]] = {}
+        for prop in (p for p in PROPERTIES if p in by_property):
+            group = by_property[prop]
+            ran = _unique(r.case for r in group if r.verdict in _RAN)
+            if ran:
+                entry[prop] = {"status": "tested", "cases": ran, "reason": ""}
+                continue
+            na = [r for r in group if r.verdict == "unsupported" and r.reason.startswith(_NOT_APPLICABLE)]
+            first = na[0] if na else next((r for r in group if r.verdict == "unsupported"), group[0])
+            status = (
+                "not applicable" if na else "unsupported" if first.verdict == "unsupported" else "skipped"
+            )
+            reason = first.reason.removeprefix(_NOT_APPLICABLE)
+            entry[prop] = {"status": status, "cases": [], "reason": f"{first.case}: {reason}"}
+        table[kernel] = entry
+    return table
+
+
+def property_lines(cover: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """Per kernel: ``tiled: 27 of 29 properties tested``, then a line per property not tested."""
+    lines = []
+    for kernel, entry in cover.items():
+        tested = sum(e["status"] == "tested" for e in entry.values())
+        lines.append(f"{kernel}: {tested} of {len(entry)} properties tested")
+        lines += [
+            f"  {e['status']}: {prop}, because {e['reason']}"
+            for prop, e in entry.items()
+            if e["status"] != "tested"
+        ]
+    return lines
+
+
+def property_markdown(cover: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """The property coverage as a Markdown table: a row per property, a column per kernel."""
+    kernels = list(cover)
+    props = _unique(p for entry in cover.values() for p in entry)
+    lines = [
+        "| property | " + " | ".join(f"`{k}`" for k in kernels) + " |",
+        "| --- |" + " --- |" * len(kernels),
+    ]
+    for prop in props:
+        cells = []
+        for kernel in kernels:
+            e = cover[kernel].get(prop)
+            if e is None:
+                cells.append("-")
+            elif e["status"] == "tested":
+                cells.append("tested (" + ", ".join(f"`{c}`" for c in e["cases"]) + ")")
+            else:
+                cells.append(f"{e['status']}, because {e['reason']}".replace("|", "\\|"))
+        lines.append(f"| {prop} | " + " | ".join(cells) + " |")
+    totals = [
+        f"{sum(e['status'] == 'tested' for e in cover[k].values())} of {len(cover[k])} tested"
+        for k in kernels
+    ]
+    lines.append("| **total** | " + " | ".join(totals) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def case_seconds(results: Sequence[FuzzResult]) -> dict[str, float]:
+    """Seconds per case (every kernel, dtype, layout and seed together), slowest first."""
+    total: dict[str, float] = {}
+    for r in results:
+        total[r.case] = total.get(r.case, 0.0) + r.seconds
+    return {case: round(s, 3) for case, s in sorted(total.items(), key=lambda item: -item[1])}

@@ -21,6 +21,7 @@ from flashprobe.kernels.flex import flex_attention_kernel
 from flashprobe.kernels.math import golden_attention, math_attention
 from flashprobe.kernels.registry import (
     ANY_CAPABILITIES,
+    BACKWARD_MASK_KINDS,
     AttentionFn,
     Kernel,
     KernelAvailability,
@@ -56,6 +57,7 @@ from flashprobe.kernels.tiled import (
 __all__ = [
     "ANY_CAPABILITIES",
     "BACKENDS",
+    "BACKWARD_MASK_KINDS",
     "DEFAULT_PRESET",
     "ORDERS",
     "PRESETS",

@@ -23,6 +23,7 @@ from flashprobe.kernels._inputs import check_inputs
 
 __all__ = [
     "ANY_CAPABILITIES",
+    "BACKWARD_MASK_KINDS",
     "GQA_MODES",
     "MASK_KINDS",
     "AttentionFn",
@@ -70,11 +71,21 @@ class KernelUnavailableError(RuntimeError):
 
 #: the mask kinds a kernel can declare; a call without a mask is always supported
 MASK_KINDS = ("causal", "bool", "float", "key_padding")
+#: the kinds of call a kernel can declare a backward for (``backward_masks``): no mask, or a mask kind
+BACKWARD_MASK_KINDS = ("none", *MASK_KINDS)
 #: how a kernel handles grouped key/value heads (``H_kv < H``)
 GQA_MODES = ("native", "expanded", "none")
 
 #: kernels that support what another kernel refuses, named in the fixes of refusals
 _FALLBACK = "math, tiled or sdpa_math"
+#: each kind of call of :data:`BACKWARD_MASK_KINDS`, in words
+_CALL_TEXT = {
+    "none": "calls without a mask",
+    "causal": "causal calls",
+    "bool": "bool masks",
+    "float": "additive masks",
+    "key_padding": "key-padding masks",
+}
 
 
 class KernelUnsupportedError(KernelUnavailableError):
@@ -110,6 +121,13 @@ class KernelCapabilities:
             mask that masks the same keys for every head and query: a ``(B, 1, 1, N_k)`` mask, or a
             ``(B, 1, N_q, N_k)`` one whose rows the kernel checks itself).
         causal_cross: causal with ``N_q != N_k`` in SDPA's top-left alignment.
+        seq_multiple: ``N_q`` and ``N_k`` must be multiples of this (a kernel without boundary
+            checks on its tiles: 64 or 128); pad longer sequences and mask the tail.
+        same_length: ``N_q = N_k`` only (self-attention kernels without a cross-attention path).
+        backward_masks: the kinds of call that have a backward, of :data:`BACKWARD_MASK_KINDS`
+            (``none`` is a call without a mask, ``causal`` is ``is_causal``), e.g.
+            ``frozenset({"causal"})`` for a kernel whose backward is causal only; None: every call
+            it takes (on the devices of ``backward_devices``).
         gqa: ``native`` (``H_kv < H`` passed as is), ``expanded`` (k, v repeated to ``H`` heads) or
             ``none`` (refused).
         head_dims: the exact head dims supported, or None for any (within the two below).
@@ -127,6 +145,9 @@ class KernelCapabilities:
 
     masks: frozenset[str] = frozenset(MASK_KINDS)
     causal_cross: bool = True
+    seq_multiple: int = 1
+    same_length: bool = False
+    backward_masks: frozenset[str] | None = None
     gqa: str = "native"
     head_dims: frozenset[int] | None = None
     max_head_dim: int | None = None
@@ -146,6 +167,36 @@ class KernelCapabilities:
             raise ValueError(f"gqa={self.gqa!r} must be one of {', '.join(GQA_MODES)}")
         if self.head_dim_multiple < 1:
             raise ValueError(f"head_dim_multiple={self.head_dim_multiple} must be >= 1")
+        if self.seq_multiple < 1:
+            raise ValueError(f"seq_multiple={self.seq_multiple} must be >= 1")
+        unknown = set(self.backward_masks or ()) - set(BACKWARD_MASK_KINDS)
+        if unknown:
+            raise ValueError(
+                f"backward_masks: unknown kinds {sorted(unknown)}; allowed: {', '.join(BACKWARD_MASK_KINDS)}"
+            )
+
+    def has_backward_for(self, kind: str) -> bool:
+        """Whether a call of ``kind`` (of :data:`BACKWARD_MASK_KINDS`) has a backward; a
+        ``key_padding`` call has one where ``bool`` masks do."""
+        if self.backward_masks is None:
+            return True
+        return kind in self.backward_masks or (kind == "key_padding" and "bool" in self.backward_masks)
+
+    def length_problem(self, n_q: int, n_k: int) -> str | None:
+        """Why the kernel cannot take ``N_q`` queries and ``N_k`` keys (``seq_multiple``,
+        ``same_length``), feature and fix; None when it can."""
+        if self.same_length and n_q != n_k:
+            return (
+                f"takes N_q = N_k only, not N_q={n_q}, N_k={n_k}; compare cross-attention shapes with "
+                f"a kernel that takes them ({_FALLBACK})"
+            )
+        m = self.seq_multiple
+        if n_q % m or n_k % m:
+            return (
+                f"needs sequence lengths that are multiples of {m}, not N_q={n_q}, N_k={n_k}; pad the "
+                f"sequences to a multiple of {m} and mask the padded keys, or choose {_FALLBACK}"
+            )
+        return None
 
     def has_backward(self, device: torch.device | str) -> bool:
         """Whether the kernel has a backward on ``device`` (a device or device type)."""
@@ -216,6 +267,16 @@ class KernelCapabilities:
             problem = self.setting_problem(q.device, q.dtype, backward=True)
             if problem is not None:
                 return f"inputs require grad, but it {problem}"
+            kind = "causal" if is_causal else "none" if attn_mask is None else mask_kind(attn_mask)
+            if not self.has_backward_for(kind):
+                return (
+                    f"inputs require grad, but it has a backward only for {self.describe_backward_masks()}, "
+                    f"not for {_CALL_TEXT[kind]}; compare forward only (the fuzzer's --no-backward) or "
+                    f"choose a kernel with that backward ({_FALLBACK})"
+                )
+        problem = self.length_problem(q.shape[-2], k.shape[-2])
+        if problem is not None:
+            return problem
         d = q.shape[-1]
         if (
             (self.head_dims is not None and d not in self.head_dims)
@@ -238,8 +299,8 @@ class KernelCapabilities:
                 return f"does not support causal masks (is_causal=True); choose {_FALLBACK}"
             if q.shape[-2] != k.shape[-2] and not self.causal_cross:
                 return (
-                    "does not support causal with N_q != N_k in SDPA's top-left alignment (it aligns "
-                    "bottom-right); compare such shapes with sdpa kernels, math or tiled"
+                    f"does not support is_causal with N_q != N_k (N_q={q.shape[-2]}, N_k={k.shape[-2]}: "
+                    "SDPA aligns that mask top-left); compare such shapes with sdpa kernels, math or tiled"
                 )
         if attn_mask is not None:
             kind = mask_kind(attn_mask)
@@ -266,8 +327,22 @@ class KernelCapabilities:
             parts.append(f"multiples of {self.head_dim_multiple}")
         return "head dims " + " that are ".join(parts) if parts else "any head dim"
 
+    def describe_lengths(self) -> str:
+        """The sequence lengths supported, in words (``""`` for any)."""
+        parts = []
+        if self.same_length:
+            parts.append("N_q = N_k only")
+        if self.seq_multiple > 1:
+            parts.append(f"lengths multiples of {self.seq_multiple}")
+        return ", ".join(parts)
+
+    def describe_backward_masks(self) -> str:
+        """The calls with a backward, in words: ``causal calls``, ``calls without a mask, causal``."""
+        kinds = [k for k in BACKWARD_MASK_KINDS if k in (self.backward_masks or BACKWARD_MASK_KINDS)]
+        return ", ".join(_CALL_TEXT[k] for k in kinds) or "no call"
+
     def describe(self) -> str:
-        """One line: masks, GQA, head dims, dtypes, devices, backward."""
+        """One line: masks, lengths, GQA, head dims, dtypes, devices, backward."""
         masks = ", ".join(m for m in MASK_KINDS if m in self.masks) or "none"
         dtypes = (
             "any dtype" if self.dtypes is None else "/".join(sorted(_dtype_label(d) for d in self.dtypes))
@@ -279,9 +354,12 @@ class KernelCapabilities:
             backward = "backward on " + _device_labels(self.backward_devices).replace(", ", "/")
         else:
             backward = "no backward"
+        if self.backward_masks is not None and backward != "no backward":
+            backward += f" for {self.describe_backward_masks()} only"
         arch = "" if self.min_cuda_capability is None else ", sm{}{}+".format(*self.min_cuda_capability)
+        lengths = f"; {text}" if (text := self.describe_lengths()) else ""
         return (
-            f"masks: {masks}; GQA {self.gqa}; {self.describe_head_dims()}; {dtypes}; "
+            f"masks: {masks}{lengths}; GQA {self.gqa}; {self.describe_head_dims()}; {dtypes}; "
             f"{devices}{arch}; {backward}"
         )
 

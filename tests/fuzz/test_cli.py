@@ -203,3 +203,85 @@ def test_flex_runs_the_catalogue_forward_and_reports_its_gradients_as_unsupporte
     assert verdicts <= {"pass", "no_backward", "skip"} and "no_backward" in verdicts
     judged = [r for r in results if r["verdict"] == "no_backward"]
     assert all("has no backward on CPU (only on CUDA)" in r["reason"] for r in judged)
+
+
+def _raising(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    raise RuntimeError("illegal memory access")
+
+
+def _wrong_shape(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    return torch.zeros(q.shape[0], q.shape[2], q.shape[1], v.shape[-1], dtype=q.dtype)  # (B, N, H, D)
+
+
+def _wrong_dtype(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    return torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float()).double()
+
+
+@pytest.mark.parametrize("bug", [_raising, _wrong_shape, _wrong_dtype])
+def test_fuzz_from_exits_1_when_the_kernel_raises_or_returns_the_wrong_shape_or_dtype(
+    bug, register, tmp_path, capsys
+):
+    """A CI gate on ``fuzz --from`` must not pass a kernel that crashes (as ``replay`` does not)."""
+    from flashprobe.probe.repro import save_reproducer
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=gen) for _ in range(3))
+    path = save_reproducer(
+        tmp_path / "call.safetensors", q=q, k=k, v=v, attn_mask=None, is_causal=False, scale=None
+    )
+    name = register("bug_" + bug.__name__.strip("_"), bug)
+    argv = ["--from", str(path), "--kernel", name, "--out", str(tmp_path / "fuzz")]
+    assert main(argv) == 1
+    printed = capsys.readouterr().out
+    assert f"{name}: ERROR" in printed
+    assert main(["--from", str(path), "--kernel", "math", "--out", str(tmp_path / "fuzz")]) == 0
+
+
+def test_progress_lines_only_on_a_terminal_outside_ci(monkeypatch, capsys):
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert cli._progress(quiet=True) is None
+    show = cli._progress(quiet=False)
+    assert show is not None
+    show("[1/2] odd_shapes fp32 seed 0: tiled pass (0.1 s)")
+    assert capsys.readouterr().err == "[1/2] odd_shapes fp32 seed 0: tiled pass (0.1 s)\n"
+    monkeypatch.setenv("CI", "true")
+    assert cli._progress(quiet=False) is None
+    monkeypatch.delenv("CI")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert cli._progress(quiet=False) is None
+
+
+def test_report_has_seconds_properties_and_the_slowest_cases(tmp_path):
+    out = tmp_path / "run"
+    argv = ["--kernel", "tiled", "--dtype", "fp32", "--case", "odd_shapes,gqa_broadcast,left_padding"]
+    assert main([*argv, "--quiet", "--out", str(out)]) == 0
+    payload = json.loads((out / "fuzz.json").read_text())
+    assert all(r["seconds"] > 0 and r["property"] for r in payload["rows"])
+    assert list(payload["case_seconds"]) and set(payload["case_seconds"]) == {
+        "odd_shapes",
+        "gqa_broadcast",
+        "left_padding",
+    }
+    tiled = payload["properties"]["tiled"]
+    assert tiled["partial tile"]["status"] == "tested" and tiled["left padding"]["status"] == "tested"
+    assert tiled["GQA"]["status"] == "unsupported" and "head counts differ" in tiled["GQA"]["reason"]
+    table = (out / "fuzz.md").read_text()
+    assert "## Properties" in table and "| GQA | unsupported, because gqa_broadcast:" in table
+    assert "## Slowest cases" in table and "| `odd_shapes` |" in table.split("## Slowest cases")[1]
+
+
+def test_gradients_are_judged_when_the_output_fails(register):
+    """A forward bug does not hide a backward bug: both are reported."""
+    from flashprobe.fuzz import check_case
+
+    from ._helpers import case
+
+    def both_wrong(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k * 2, v, attn_mask=attn_mask, scale=scale)
+        return out + 0.0 * q.sum()
+
+    result = check_case(register("user_both_wrong", both_wrong), case("odd_shapes"))
+    assert result.verdict == "fail" and result.failure == "values"
+    assert result.backward == "fail" and (result.backward_failure or "").startswith("d")
+    assert "dq" in result.reason or "dk" in result.reason

@@ -27,7 +27,9 @@ from flashprobe.fuzz import (
     check_case,
     make_random_case,
     random_search,
+    run_catalogue,
     save_reproducer,
+    select_cases,
 )
 from flashprobe.fuzz.cli import main
 from flashprobe.kernels import available_kernels, unregister_kernel
@@ -117,9 +119,12 @@ def test_budget_search_finds_shrinks_and_saves_a_planted_bug(planted_module, tmp
     assert failed and all(r["failure"] == "nonfinite" for r in failed)
     first = next(r for r in failed if r["repro"])
     last = capsys.readouterr().out.rstrip().splitlines()[-1]  # names every file written
-    assert last.endswith(
-        f"wrote {out / 'fuzz.json'}, {first['repro']}, {Path(first['repro']).with_suffix('.py')}"
-    )
+    repros = list(dict.fromkeys(r["repro"] for r in failed if r["repro"]))
+    files = ", ".join(f"{path}, {Path(path).with_suffix('.py')}" for path in repros)
+    assert last.endswith(f"wrote {out / 'fuzz.json'}, {files}")
+    # one reproducer per property of a failing sample (its mask kind, a logit level), not per row
+    properties = {(r["params"]["mask"], bool(r["params"]["level"])) for r in failed}
+    assert len(repros) == len(properties)
     saved = torch.load(first["repro"], weights_only=True)
     assert saved["kernel"] == "planted_nan" and saved["kernel_module"] == "planted_kernels"
 
@@ -197,3 +202,32 @@ def test_random_search_finds_the_sentinel_bug_and_no_false_alarm_on_correct_kern
     sentinel_fails = [r for r in by_kernel[SENTINEL_KERNEL] if r.verdict == "fail"]
     assert sentinel_fails and all(r.failure == "zeros" for r in sentinel_fails)
     assert all(r.params["level"] < -5e4 for r in sentinel_fails)  # exactly the rows below the sentinel
+
+
+def test_reproducer_snippet_exits_two_when_the_kernels_module_cannot_be_loaded(planted_module, tmp_path):
+    """Exit 1 means "the bug still reproduces": a module that fails to import must not read so."""
+    import planted_kernels  # noqa: F401  (registers planted_nan)
+
+    inputs = case("fully_masked_rows")
+    result = check_case("planted_nan", inputs, case="planted", backward=False)
+    assert result.verdict == "fail"
+    path = save_reproducer(tmp_path / "r", "planted", "planted_nan", inputs, result, backward=False)
+    assert torch.load(path, weights_only=True)["kernel_module"] == "planted_kernels"
+    (found,) = _run_snippets(path.with_suffix(".py"), path=planted_module)
+    (missing,) = _run_snippets(path.with_suffix(".py"))  # the module is not on the path
+    assert found[0] == 1 and missing[0] == 2, (found, missing)
+
+
+def test_a_catalogue_run_keeps_one_reproducer_per_property_and_direction(tmp_path):
+    from flashprobe.fuzz.reproducer import ReproducerStore
+
+    store = ReproducerStore(tmp_path, limit=2)
+    cases = select_cases(["sentinel_1e4", "sentinel_5e4", "scale_zero"])
+    results = run_catalogue([SENTINEL_KERNEL], ["fp32", "bf16"], cases=cases, reproducers=store)
+    failed = [r for r in results if r.verdict == "fail"]
+    assert {r.case for r in failed} >= {"sentinel_5e4"}
+    saved = [r for r in failed if r.repro]
+    assert len(saved) == 1 and saved[0].case == "sentinel_5e4"  # one per (kernel, property, direction)
+    directions = {d for kernel, prop, d in store.saved if (kernel, prop) == (SENTINEL_KERNEL, "sentinel")}
+    assert "out" in directions and len(store.saved) == len(directions)  # its output (and gradients)
+    assert len(list(tmp_path.glob("repro_*.pt"))) == 1

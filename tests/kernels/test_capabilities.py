@@ -179,3 +179,58 @@ def test_backward_auto_follows_the_kernels_capabilities(limited):
     assert (p.summary()["forward_calls"], p.summary()["backward_calls"]) == (1, 0)
     with probe(model, primary="flex:compile=false", backward="auto") as p:
         assert p.shadow.backward is False  # no FlexAttention backward on the CPU
+
+
+#: the limits of a typical hand-written Triton attention kernel (the fuzz floor of issue 38)
+_TRITON_LIKE = KernelCapabilities(
+    masks=frozenset({"causal", "key_padding"}),
+    seq_multiple=128,
+    same_length=True,
+    backward_masks=frozenset({"causal"}),
+    head_dims=frozenset({32, 64, 128}),
+)
+
+
+@pytest.mark.parametrize(
+    ("n_q", "n_k", "grad", "causal", "feature"),
+    [
+        (128, 256, False, False, "takes N_q = N_k only, not N_q=128, N_k=256"),
+        (200, 200, False, False, "multiples of 128, not N_q=200, N_k=200"),
+        (128, 128, True, False, "a backward only for causal calls, not for calls without a mask"),
+    ],
+)
+def test_lengths_and_backward_masks_refuse_before_the_kernel_runs(limited, n_q, n_k, grad, causal, feature):
+    name, calls = limited(_TRITON_LIKE)
+    q, k, v = (t.requires_grad_(grad) for t in _qkv(b=1, h=1, h_kv=1, n_q=n_q, n_k=n_k, d=32))
+    with pytest.raises(KernelUnsupportedError, match=r"choose|compare") as info:
+        get_kernel(name)(q, k, v, is_causal=causal)
+    assert feature in str(info.value) and not calls
+    assert "aligns bottom-right" not in str(info.value)
+
+
+def test_lengths_and_backward_masks_accept_what_the_kernel_takes(limited):
+    name, calls = limited(_TRITON_LIKE)
+    q, k, v = (t.requires_grad_(True) for t in _qkv(b=1, h=2, h_kv=2, n_q=256, n_k=256, d=64))
+    out = get_kernel(name)(q, k, v, is_causal=True)
+    out.sum().backward()  # causal: a backward
+    mask = torch.ones(1, 1, 1, 256, dtype=torch.bool)
+    with torch.no_grad():
+        get_kernel(name)(q, k, v, attn_mask=mask)  # key padding, forward only
+    assert len(calls) == 2
+    text = _TRITON_LIKE.describe()
+    assert "N_q = N_k only, lengths multiples of 128" in text and "backward for causal calls only" in text
+
+
+def test_causal_cross_refusal_does_not_claim_an_alignment(limited):
+    name, _ = limited(KernelCapabilities(causal_cross=False))
+    q, k, v = _qkv(n_q=4, n_k=8)
+    with pytest.raises(KernelUnsupportedError) as info:
+        get_kernel(name)(q, k, v, is_causal=True)
+    assert "N_q=4, N_k=8" in str(info.value) and "aligns bottom-right" not in str(info.value)
+
+
+def test_bad_length_and_backward_declarations_are_refused():
+    with pytest.raises(ValueError, match="seq_multiple=0"):
+        KernelCapabilities(seq_multiple=0)
+    with pytest.raises(ValueError, match="backward_masks: unknown kinds"):
+        KernelCapabilities(backward_masks=frozenset({"sliding"}))
