@@ -20,9 +20,10 @@ def test_fuzz_runs_the_fa3_fp8_preset(tmp_path):
     assert all(r["verdict"] in VERDICTS for r in rows.values())
     assert code == (1 if payload["summary"]["fail"] else 0)
     assert rows["head_dim_192"]["verdict"] == "unsupported"
-    assert "does not support head dim 192" in rows["head_dim_192"]["reason"]
-    for case in ("single_key", "padding_mask"):  # judged on values, never a crash
-        assert rows[case]["verdict"] in ("pass", "fail") and rows[case].get("failure") in (None, "values")
+    assert "the kernel takes head dims 1, 2, 4, 8, 16, 32, 64, 128" in rows["head_dim_192"]["reason"]
+    for case in ("single_key", "padding_mask"):  # judged on values, never a crash; no backward to check
+        assert rows[case]["verdict"] in ("pass", "fail", "no_backward")
+        assert rows[case].get("failure") in (None, "values")
         assert rows[case]["primary_golden_max_abs"] is not None
     # a case that checks gradients: its forward is judged, its backward reported as absent
     assert rows["scale_zero"]["verdict"] in ("no_backward", "fail")
