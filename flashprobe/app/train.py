@@ -792,6 +792,7 @@ def _fit(
             crashed = err
     finally:
         signal.signal(signal.SIGINT, ctrl_c)  # Lightning ignores Ctrl-C from its first one on
+        getattr(module, "unroute_attention", lambda: None)()  # Lightning skips teardown when fit raises
         try:
             for lg in loggers:
                 finalize = getattr(lg, "finalize", None)

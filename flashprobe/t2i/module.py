@@ -151,7 +151,9 @@ class TextToImageModule(L.LightningModule):
 
         self._kernel_handle = use_kernel(self.model, self.attention, dtype=self._compute_dtype())
 
-    def _unroute_attention(self) -> None:
+    def unroute_attention(self) -> None:
+        """Give torch's SDPA back to the model's attention (``teardown`` does; so does ``flashprobe
+        train`` when a fit raises, as Lightning then skips ``teardown``). Idempotent."""
         if self._kernel_handle is not None:
             self._kernel_handle.detach()
             self._kernel_handle = None
@@ -173,7 +175,7 @@ class TextToImageModule(L.LightningModule):
         try:
             yield
         finally:
-            self._unroute_attention()
+            self.unroute_attention()
 
     def on_fit_start(self) -> None:
         self._route_attention()  # here, not in setup: the model is on its device now
@@ -188,7 +190,7 @@ class TextToImageModule(L.LightningModule):
         self._route_attention()
 
     def teardown(self, stage: str) -> None:
-        self._unroute_attention()
+        self.unroute_attention()
 
     # ----------------------------------------------------------------- training
     def forward(self, x: torch.Tensor, t: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
