@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BIAS_Z_LIMIT", "COMPONENTS", "DIRECTIONS", "BiasStats"]
+__all__ = ["BIAS_FIELDS", "BIAS_Z_LIMIT", "COMPONENTS", "DIRECTIONS", "BiasStats", "bias_dict"]
 
 #: The directions of one attention call: its output and the gradients of its inputs.
 DIRECTIONS = ("out", "dq", "dk", "dv")
@@ -45,6 +45,8 @@ COMPONENTS = ("offset", "magnitude")
 BIAS_Z_LIMIT = 5.0
 
 _N, _S1, _S2 = 0, 1, 2
+#: The names of one direction's sums, in :attr:`BiasStats.state` order (``state[d].flatten()``).
+BIAS_FIELDS: tuple[str, ...] = tuple(f"bias.{c}.{s}" for c in COMPONENTS for s in ("n", "s1", "s2"))
 
 
 def _accumulator_dtype(device: torch.device) -> torch.dtype:
@@ -58,9 +60,13 @@ class BiasStats:
         directions: the names :meth:`add` accepts (default ``out, dq, dk, dv``).
         device: where the sums live (the device of the tensors given to :meth:`add`).
         limit: the ``|z|`` at which :meth:`verdict` says ``biased``.
+        state: a ``(directions, 2, 3)`` tensor to accumulate into instead of a new one (e.g. a view
+            into a larger accumulator that is reduced across ranks with it); its dtype and device
+            are used.
 
     Raises:
-        ValueError: no or repeated directions, or a limit that is not positive.
+        ValueError: no or repeated directions, a limit that is not positive, or a ``state`` of
+            another shape.
     """
 
     def __init__(
@@ -69,18 +75,22 @@ class BiasStats:
         device: torch.device | str = "cpu",
         *,
         limit: float = BIAS_Z_LIMIT,
+        state: torch.Tensor | None = None,
     ) -> None:
         directions = tuple(directions)
         if not directions or len(set(directions)) != len(directions):
             raise ValueError(f"BiasStats: directions must be distinct names, got {directions!r}")
         if not (isinstance(limit, (int, float)) and math.isfinite(limit) and limit > 0):
             raise ValueError(f"BiasStats: limit={limit!r} must be a positive number such as {BIAS_Z_LIMIT}")
+        shape = (len(directions), len(COMPONENTS), 3)
+        if state is not None and tuple(state.shape) != shape:
+            raise ValueError(f"BiasStats: state has shape {tuple(state.shape)}, expected {shape}")
         self.directions = directions
-        self.device = torch.device(device)
+        self.device = torch.device(device) if state is None else state.device
         self.limit = float(limit)
         dtype = _accumulator_dtype(self.device)
         #: ``(directions, components, 3)``: replicates ``n``, ``Σ r`` and ``Σ r²``.
-        self.state = torch.zeros(len(directions), len(COMPONENTS), 3, dtype=dtype, device=self.device)
+        self.state = torch.zeros(shape, dtype=dtype, device=self.device) if state is None else state
 
     def _index(self, direction: str) -> int:
         try:
@@ -145,37 +155,45 @@ class BiasStats:
         self.state.zero_()
 
     def as_dict(self) -> dict[str, dict[str, Any]]:
-        """The statistics, read from the device once.
-
-        Returns:
-            ``{direction: {"replicates": n, "offset": {"mean": s1/n, "z": s1/√s2}, "magnitude":
-            {...}, "z": the larger |z| with its sign, "verdict": ...}}``; ``mean`` is in units of
-            the baseline's error RMS, ``None`` before any replicate.
-        """
+        """The statistics, read from the device once; see :func:`bias_dict`."""
         values = self.state.cpu().tolist()
-        out: dict[str, dict[str, Any]] = {}
-        for direction, per_component in zip(self.directions, values, strict=True):
-            entry: dict[str, Any] = {"replicates": int(per_component[0][_N])}
-            for name, sums in zip(COMPONENTS, per_component, strict=True):
-                n, s1, s2 = sums
-                entry[name] = {
-                    "mean": s1 / n if n else None,
-                    "z": s1 / math.sqrt(s2) if s2 > 0 else 0.0,
-                }
-            entry["z"] = max((entry[c]["z"] for c in COMPONENTS), key=abs)
-            entry["verdict"] = self._judge(entry["replicates"], entry["z"])
-            out[direction] = entry
-        return out
-
-    def _judge(self, n: int, z: float) -> str:
-        if abs(z) >= self.limit:
-            return "biased"
-        return "unbiased" if n >= self.limit**2 else "undetermined"
+        return {
+            d: bias_dict([x for c in per for x in c], self.limit)
+            for d, per in zip(self.directions, values, strict=True)
+        }
 
     def verdict(self) -> dict[str, str]:
         """Per direction: ``biased`` (``|z| ≥ limit`` in a component), ``unbiased``, or
         ``undetermined`` while fewer than ``limit²`` replicates could not yet reach the limit."""
         return {direction: entry["verdict"] for direction, entry in self.as_dict().items()}
+
+
+def bias_dict(sums: Sequence[float], limit: float = BIAS_Z_LIMIT) -> dict[str, Any]:
+    """One direction's statistics from its six sums (:data:`BIAS_FIELDS` order), as plain data.
+
+    Returns:
+        ``{"replicates": n, "offset": {"mean": s1/n, "z": s1/√s2}, "magnitude": {...}, "z": the
+        larger |z| with its sign, "component": its name, "limit": limit, "verdict": "biased" |
+        "unbiased" | "undetermined"}``; ``mean`` is in units of the baseline's error RMS, ``None``
+        before any replicate; ``undetermined`` while fewer than ``limit²`` replicates could not
+        reach the limit.
+    """
+    if len(sums) != len(BIAS_FIELDS):
+        raise ValueError(
+            f"bias_dict: expected {len(BIAS_FIELDS)} sums ({', '.join(BIAS_FIELDS)}), got {len(sums)}"
+        )
+    entry: dict[str, Any] = {"replicates": int(sums[_N])}
+    for i, name in enumerate(COMPONENTS):
+        n, s1, s2 = sums[3 * i : 3 * i + 3]
+        entry[name] = {"mean": s1 / n if n else None, "z": s1 / math.sqrt(s2) if s2 > 0 else 0.0}
+    entry["component"] = max(COMPONENTS, key=lambda c: abs(entry[c]["z"]))
+    entry["z"] = entry[entry["component"]]["z"]
+    entry["limit"] = float(limit)
+    if abs(entry["z"]) >= limit:
+        entry["verdict"] = "biased"
+    else:
+        entry["verdict"] = "unbiased" if entry["replicates"] >= limit**2 else "undetermined"
+    return entry
 
 
 def _replicates(x: torch.Tensor) -> torch.Tensor:

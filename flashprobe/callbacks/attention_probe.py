@@ -421,7 +421,8 @@ class AttentionProbe(Callback):
 
 def verdict_line(summary: Mapping[str, Any], path: Path | None = None) -> str:
     """The run's verdict in one line (the last the callback logs): verdict, sites, the first failure
-    or the worst forward error ratio, and where the records are."""
+    or the worst forward error ratio, the most biased direction where one is, and where the records
+    are."""
     verdict = str(summary.get("verdict") or "undetermined").upper()
     firsts = [f for f in summary.get("failures") or [] if not f.get("worst")]
     if firsts:
@@ -436,6 +437,10 @@ def verdict_line(summary: Mapping[str, Any], path: Path | None = None) -> str:
         if back is not None:
             at += f", backward {back:.3g} at {summary.get('max_backward_limit_ratio_site')}"
         detail = f"{summary.get('sites', 0)} sites, worst error / limit {at} (> 1 fails)"
+    biased = summary.get("biased") or []
+    if biased:
+        b = max(biased, key=lambda b: abs(b["z"]))
+        detail += f"; biased: {b['direction']} of {b['site']} z={b['z']:.3g} (limit {b['limit']:g})"
     where = f" ({path})" if path is not None else ""
     return f"AttentionProbe: verdict {verdict}: {detail}{where}"
 

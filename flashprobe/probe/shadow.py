@@ -407,6 +407,8 @@ class ShadowAttention(nn.Module):
                     sums = pair_sums(primary.detach(), base, gold, self._workspace)
                     rows = None if gold is None else {"out": row_statistics(primary.detach(), base, gold)}
                     stats = self._stats[site]
+                    if gold is not None:
+                        stats.bias.add("out", primary.detach(), gold, base)
                     kinds = stats.add_many({"out": sums}, primary.dtype, self.step, rows)
                     stats.add_nonfinite_inputs(
                         {
@@ -494,6 +496,8 @@ class ShadowAttention(nn.Module):
                         mine = blk.take_q(out4, p.rep)
                         sums = combine_sums(sums, pair_sums(mine, b, g, self._workspace))
                         rows = _worst(rows, mine, b, g)
+                        if g is not None:
+                            self._site(site, out.device).bias.add("out", mine, g, b)
                 if self.record and sums is not None:
                     stats = self._site(site, out.device)
                     worst = None if rows is None else {"out": rows}
@@ -524,9 +528,9 @@ class ShadowAttention(nn.Module):
                 mine = {n: primary[n].reshape(getattr(p, n).shape) for n in names}
                 grad_out = grad_out.reshape(p.out_shape)
                 out4 = None if out is None else out.reshape(p.out_shape)
-                sums, rows, noise = self._gradient_sums(p, grad_out, mine, out4)
-                if self.record:
-                    stats = self._site(site, grad_out.device)
+                stats = self._site(site, grad_out.device) if self.record else None
+                sums, rows, noise = self._gradient_sums(p, grad_out, mine, out4, stats)
+                if stats is not None:
                     counts = {"grad_out": count_nonfinite_positions(grad_out)}
                     if out4 is not None and sums["out"] is not None:
                         counts.update(
@@ -558,6 +562,7 @@ class ShadowAttention(nn.Module):
         grad_out: torch.Tensor,
         mine: Mapping[str, torch.Tensor],
         out: torch.Tensor | None = None,
+        stats: DeviationStats | None = None,
     ) -> tuple[dict[str, torch.Tensor | None], ...]:
         """Pair sums and row statistics (:func:`~flashprobe.judge.row_statistics`, with the golden)
         of the primary's gradients ``mine`` (``q``/``k``/``v``, shaped as in ``p``) against the
@@ -565,7 +570,8 @@ class ShadowAttention(nn.Module):
         ``(B, H, N_q, D_v)`` output ``out``, also the forward's (key ``"out"``), from the
         references' outputs of the same passes. With the golden, also the gradients' noise in the
         baseline's flash form (:func:`~flashprobe.judge.noise_statistics`): flash kernels take
-        ``rowsum(dO∘O)`` from the rounded output, which autograd through the baseline does not."""
+        ``rowsum(dO∘O)`` from the rounded output, which autograd through the baseline does not.
+        With the golden and ``stats``, also adds each direction's signed bias to ``stats.bias``."""
         from flashprobe.fuzz.flash_form import flash_form_attention
 
         names = tuple(mine)
@@ -586,6 +592,7 @@ class ShadowAttention(nn.Module):
             else itertools.repeat(None)
         )
         ws = self._workspace
+        bias = None if stats is None else stats.bias
         for bg, gg, fg in zip(base, gold, flash, strict=False):  # gold, flash: repeat(None) without golden
             if not self.record:
                 continue
@@ -595,11 +602,15 @@ class ShadowAttention(nn.Module):
                         mine_o, g_o = blk.take_q(out, p.rep), gg.outs[i] if gg else None
                         sums["out"] = combine_sums(sums["out"], pair_sums(mine_o, bg.outs[i], g_o, ws))
                         rows["out"] = _worst(rows["out"], mine_o, bg.outs[i], g_o)
+                        if bias is not None and g_o is not None:
+                            bias.add("out", mine_o, g_o, bg.outs[i])
                     if "q" in names:
                         mine_q, g_q = blk.take_q(mine["q"], p.rep), gg.dq[i] if gg else None
                         part = pair_sums(mine_q, bg.dq[i], g_q, ws)
                         sums["q"] = combine_sums(sums["q"], self._unscale(part))
                         rows["q"] = _worst(rows["q"], mine_q, bg.dq[i], g_q)
+                        if bias is not None and g_q is not None:
+                            bias.add("dq", mine_q, g_q, bg.dq[i])
                         if fg is not None and g_q is not None:
                             noise["q"] = self._noise(noise["q"], fg.dq[i], g_q)
                 first = bg.blocks[0]
@@ -610,6 +621,8 @@ class ShadowAttention(nn.Module):
                         part = pair_sums(mine_n, b_grad, g_grad, ws)
                         sums[n] = combine_sums(sums[n], self._unscale(part))
                         rows[n] = _worst(rows[n], mine_n, b_grad, g_grad)
+                        if bias is not None and g_grad is not None:
+                            bias.add(f"d{n}", mine_n, g_grad, b_grad)
                         if fg is not None and g_grad is not None:
                             noise[n] = self._noise(noise[n], getattr(fg, f"d{n}"), g_grad)
         return sums, rows, noise
@@ -856,16 +869,25 @@ def _worst(
 
 
 def site_verdict(entry: Mapping[str, Any], *, golden: bool = True) -> tuple[str, str]:
-    """A site's verdict over its directions: ``fail`` when one failed, ``pass`` when at least one
-    was judged and none failed, else ``undetermined``; with the reason in words."""
+    """A site's verdict over its directions: ``fail`` when one failed or is biased (its signed bias
+    reached the limit: :mod:`flashprobe.bias`; no call failed, yet the errors add up), ``pass`` when
+    at least one was judged and none failed, else ``undetermined``; with the reason in words
+    (``"biased: out z=-12.3 (limit 5)"`` for a biased site)."""
     directions = {"out": entry["forward"]["out"], **{d: entry["backward"][d] for d in ("dq", "dk", "dv")}}
     failed = [d for d, e in directions.items() if e.get("verdict") == "fail"]
+    biased = [d for d, e in directions.items() if (e.get("bias") or {}).get("verdict") == "biased"]
+    words = [
+        f"{d} z={directions[d]['bias']['z']:.3g} (limit {directions[d]['bias']['limit']:g})" for d in biased
+    ]
     if failed:
-        return "fail", "; ".join(
+        reasons = [
             f"{d}: {directions[d]['first_failure']['reason']}"
             for d in failed
             if directions[d].get("first_failure")
-        )
+        ]
+        return "fail", "; ".join(reasons + ([f"biased: {', '.join(words)}"] if words else []))
+    if biased:
+        return "fail", f"biased: {', '.join(words)}"
     undetermined = {
         why: sum((e.get("undetermined_calls") or {}).get(why, 0) for e in directions.values())
         for why in ("ill_conditioned", "unrepresentable")
