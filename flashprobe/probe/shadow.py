@@ -43,13 +43,14 @@ import itertools
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from flashprobe.bias import BIAS_FIELDS
 from flashprobe.deviation import StatsWorkspace, combine_sums, pair_sums, reads_are_free
 from flashprobe.judge import CRITERIA, noise_statistics, reason, row_statistics
 from flashprobe.kernels import KernelUnavailableError, get_kernel, math_attention
@@ -65,7 +66,7 @@ from flashprobe.probe.call import Prepared, SdpaCall, autocast_off, prepare, run
 from flashprobe.probe.config import ProbeConfig
 from flashprobe.probe.intercept import GRAPH_BREAK_REASON, ProbeWarning, passthrough
 from flashprobe.probe.routing import KernelRoute, check_kernel_here
-from flashprobe.probe.stats import DeviationStats, count_nonfinite_positions, stats_dict
+from flashprobe.probe.stats import DIRECTIONS, DeviationStats, count_nonfinite_positions, stats_dict
 from flashprobe.probe.summary import summarize
 
 _ORDER = ("out", "dq", "dk", "dv")  # failures sort by step, site, then this
@@ -243,6 +244,8 @@ class ShadowAttention(nn.Module):
         if device is not None:
             self.check(torch.device(device), dtype or torch.float32)
         self._stats: dict[str, DeviationStats] = {}
+        #: ``{site: bias sums}`` restored from a checkpoint, added when the site is first recorded.
+        self._restored_bias: dict[str, list[float]] = {}
         self._errors: dict[str, int] = {}
         self._dropout_calls: dict[str, int] = {}
         self._warned: set[Any] = set()
@@ -775,7 +778,40 @@ class ShadowAttention(nn.Module):
         stats = self._stats.get(site)
         if stats is None:
             stats = self._stats[site] = DeviationStats(device, golden=self.golden)
+            restored = self._restored_bias.pop(site, None)
+            if restored is not None:
+                bias = stats.bias.state
+                bias += torch.tensor(restored, dtype=bias.dtype, device=bias.device).view_as(bias)
         return stats
+
+    def bias_state(self) -> dict[str, list[float]]:
+        """This process's signed-bias sums per site (:class:`flashprobe.bias.BiasStats`, the run's so
+        far, one host read), for a checkpoint; :meth:`restore_bias` puts them back."""
+        self._drain()
+        sites = {s: v.bias.state.flatten().tolist() for s, v in self._stats.items()}
+        return {**self._restored_bias, **sites}
+
+    def restore_bias(self, state: Mapping[str, Sequence[float]]) -> None:
+        """Continue a run's signed bias from :meth:`bias_state` (a resumed run reads the numbers an
+        uninterrupted one would): replaces the sums of recorded sites, and those of sites not yet
+        recorded when they are.
+
+        Raises:
+            ValueError: a site's sums are not ``4 · 2 · 3`` numbers.
+        """
+        size = len(DIRECTIONS) * len(BIAS_FIELDS)
+        for site, sums in state.items():
+            if len(sums) != size:
+                raise ValueError(
+                    f"restore_bias: site {site!r} has {len(sums)} bias sums, expected {size} "
+                    "(from ShadowAttention.bias_state())"
+                )
+        for site, sums in state.items():
+            if site in self._stats:
+                bias = self._stats[site].bias.state
+                bias.copy_(torch.tensor(list(sums), dtype=bias.dtype, device=bias.device).view_as(bias))
+            else:
+                self._restored_bias[site] = [float(x) for x in sums]
 
     def _failed(self, site: str, err: BaseException) -> None:
         self._errors[site] = self._errors.get(site, 0) + 1

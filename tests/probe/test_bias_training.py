@@ -52,13 +52,16 @@ class _Block(nn.Module):
         return x + self.proj(h.transpose(1, 2).reshape(b, n, WIDTH))
 
 
-def train(primary: str, seed: int, steps: int, **probe_args):  # type: ignore[no-untyped-def]
-    """A two-block causal model in bf16, trained ``steps`` AdamW steps on random data under the probe."""
+def train(primary: str, seed: int, steps: int, bias=None, **probe_args):  # type: ignore[no-untyped-def]
+    """A two-block causal model in bf16, trained ``steps`` AdamW steps on random data under the probe
+    (restored from the ``bias`` sums of :meth:`ShadowAttention.bias_state` where given)."""
     torch.manual_seed(seed)
     model = nn.Sequential(_Block(), _Block()).to(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(seed + 1)
     p = probe(model, primary=primary, on_failure="ignore", **probe_args)
+    if bias is not None:
+        p.shadow.restore_bias(bias)
     try:
         for step in range(steps):
             p.set_step(step)
@@ -159,3 +162,15 @@ def test_summarize_reads_the_bias_of_stats_it_is_given() -> None:
         assert a[c] == pytest.approx(b[c], rel=1e-12)
     assert a["replicates"] == b["replicates"] == 16 and a["verdict"] == b["verdict"]
     assert summarize({"s": {**whole.as_dict(), "shadow_errors": 0}})["max_bias_z"] == pytest.approx(a["z"])
+
+
+def test_bias_state_restores_into_a_new_probe(truncating: str) -> None:
+    """A probe restored from another's :meth:`bias_state`, then fed the same calls again, holds
+    twice the sums: one probe over both runs."""
+    state = train(truncating, seed=5, steps=2).shadow.bias_state()
+    assert len(state) == 2 and all(sums[0] > 0 for sums in state.values())
+    again = train(truncating, seed=5, steps=2, bias=state)
+    for site, sums in again.shadow.bias_state().items():
+        assert sums == pytest.approx([2 * x for x in state[site]], rel=1e-12)
+    with pytest.raises(ValueError, match="bias sums, expected 24"):
+        again.shadow.restore_bias({"x": [0.0]})
