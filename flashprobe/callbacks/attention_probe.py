@@ -42,7 +42,7 @@ from flashprobe.formats.atomic import DiskFullError
 from flashprobe.formats.probe_log import PROBE_LOG_NAME, ProbeLogWriter
 from flashprobe.probe import Probe, ProbeConfig, ProbeFailureError, ProbeWarning, probe, reduce_across_ranks
 from flashprobe.probe.shadow import failure_message
-from flashprobe.probe.summary import keep_worst, summary_scalars
+from flashprobe.probe.summary import bias_words, keep_worst, summary_scalars
 
 __all__ = ["AttentionProbe"]
 
@@ -450,10 +450,8 @@ def verdict_line(summary: Mapping[str, Any], path: Path | None = None) -> str:
         if back is not None:
             at += f", backward {back:.3g} at {summary.get('max_backward_limit_ratio_site')}"
         detail = f"{summary.get('sites', 0)} sites, worst error / limit {at} (> 1 fails)"
-    biased = summary.get("biased") or []
-    if biased:
-        b = max(biased, key=lambda b: abs(b["z"]))
-        detail += f"; biased: {b['direction']} of {b['site']} z={b['z']:.3g} (limit {b['limit']:g})"
+    bias = bias_words(summary)
+    detail += f"; {bias}" if bias else ""
     where = f" ({path})" if path is not None else ""
     return f"AttentionProbe: verdict {verdict}: {detail}{where}"
 

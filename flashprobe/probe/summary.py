@@ -14,11 +14,12 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from flashprobe.bias import BIAS_Z_LIMIT
 from flashprobe.probe.stats import GRADIENTS, PAIRS, worst
 
 _ORDER = ("out", "dq", "dk", "dv")  # failures sort by step, site, then this
 
-__all__ = ["keep_worst", "summarize", "summary_scalars"]
+__all__ = ["bias_words", "keep_worst", "summarize", "summary_scalars"]
 
 
 def summarize(stats: Mapping[str, Any]) -> dict[str, Any]:
@@ -113,6 +114,19 @@ def _bias(fwd: Mapping[str, Any], bwd: Mapping[tuple[str, str], Any]) -> dict[st
             if e["verdict"] == "biased"
         ],
     }
+
+
+def bias_words(summary: Mapping[str, Any]) -> str:
+    """The run's signed bias in words, for a verdict line or a figure title: the most biased
+    direction (``"biased: out of blocks.1.attn z=-12 (limit 5)"``), else the largest ``|z|``
+    (``"bias |z| ≤ 1.3 (limit 5)"``); ``""`` before any replicate."""
+    biased = summary.get("biased") or []
+    if biased:
+        b = max(biased, key=lambda b: abs(b["z"]))
+        more = f" and {len(biased) - 1} more" if len(biased) > 1 else ""
+        return f"biased: {b['direction']} of {b['site']} z={b['z']:.3g} (limit {b['limit']:g}){more}"
+    z = summary.get("max_bias_z")
+    return "" if z is None else f"bias |z| ≤ {abs(z):.2g} (limit {BIAS_Z_LIMIT:g})"
 
 
 def _verdict(stats: Mapping[str, Any]) -> dict[str, Any]:

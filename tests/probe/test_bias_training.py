@@ -13,10 +13,11 @@ from torch import nn
 
 from flashprobe import register_kernel
 from flashprobe.bias import BIAS_Z_LIMIT, BiasStats
+from flashprobe.callbacks.attention_probe import verdict_line
 from flashprobe.kernels import get_kernel
 from flashprobe.kernels.math import golden_attention
 from flashprobe.probe import probe
-from flashprobe.probe.summary import summarize
+from flashprobe.probe.summary import bias_words, summarize, summary_scalars
 
 WIDTH, HEADS, TOKENS = 32, 2, 16
 
@@ -95,6 +96,13 @@ def test_a_truncating_kernel_is_reported_biased_without_failing_a_call(truncatin
     assert summary["max_bias_z"] < -BIAS_Z_LIMIT
     assert {(b["site"], b["direction"]) for b in summary["biased"]} >= {(s, "out") for s in stats}
     assert summary["failures"] == []  # a bias is not a per-call failure
+    # in words (the callback's last line, probe.png's title) and as a logged scalar
+    z = summary["max_bias_z"]
+    assert bias_words(summary).startswith(
+        f"biased: out of {summary['max_bias_site'].split(':')[0]} z={z:.3g}"
+    )
+    assert "biased: out of" in verdict_line(summary)
+    assert summary_scalars(summary)["probe/max_bias_z"] == z
 
 
 @pytest.mark.parametrize("kernel", ["sdpa_flash", "sdpa_math", "tiled:preset=fa2", "math"])
@@ -105,6 +113,7 @@ def test_correct_kernels_are_not_biased_over_seeds(kernel: str) -> None:
         assert summary["biased"] == [], (kernel, seed, summary["biased"])
         assert abs(summary["max_bias_z"]) < BIAS_Z_LIMIT
         assert summary["verdict"] == "pass", (kernel, seed, summary["verdict_reason"])
+        assert bias_words(summary).startswith("bias |z| ≤ ")
 
 
 def test_the_on_device_sums_equal_bias_stats_fed_directly_and_survive_reset(truncating: str) -> None:
