@@ -63,7 +63,7 @@ from typing import Any
 
 import torch
 
-from flashprobe.bias import BIAS_FIELDS, COMPONENTS, BiasStats, bias_dict
+from flashprobe.bias import BIAS_FIELDS, BIAS_SAMPLE, COMPONENTS, BiasStats, bias_dict
 from flashprobe.deviation import (
     PAIRS,
     SUM_ROWS,
@@ -263,6 +263,7 @@ class DeviationStats:
         #: reduced across ranks with them) and kept across :meth:`reset`: it is a statistic of the run.
         self.bias = BiasStats(
             DIRECTIONS,
+            sample=BIAS_SAMPLE,
             state=self.values[_BIAS_AT : _BIAS_AT + len(DIRECTIONS) * len(BIAS_FIELDS)].view(
                 len(DIRECTIONS), len(COMPONENTS), 3
             ),
