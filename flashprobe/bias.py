@@ -22,7 +22,12 @@ correct kernel reads ``|z|`` of order 1; a consistent sign makes ``|z|`` grow as
 three sums, so intervals and DDP ranks combine by adding (:meth:`BiasStats.merge`, or an
 ``all_reduce(SUM)`` of :attr:`BiasStats.state`). :meth:`BiasStats.add` is tensor ops only: no host
 synchronisation per call; :meth:`BiasStats.as_dict` and :meth:`BiasStats.verdict` read the
-device once.
+device once. The element differences are taken in float32 unless the primary is float64 (the
+golden's float32 rounding is symmetric noise far below a 16-bit kernel's error), and ``sample``
+caps the elements read per replicate (the probe reads :data:`BIAS_SAMPLE`, every k-th row).
+
+The probe keeps one per site inside its accumulator (:class:`flashprobe.probe.stats.DeviationStats`
+``.bias``): reported in ``stats()``, ``summary()``, ``probe.jsonl``, and the verdict (``biased``).
 """
 
 from __future__ import annotations
