@@ -22,7 +22,12 @@ correct kernel reads ``|z|`` of order 1; a consistent sign makes ``|z|`` grow as
 three sums, so intervals and DDP ranks combine by adding (:meth:`BiasStats.merge`, or an
 ``all_reduce(SUM)`` of :attr:`BiasStats.state`). :meth:`BiasStats.add` is tensor ops only: no host
 synchronisation per call; :meth:`BiasStats.as_dict` and :meth:`BiasStats.verdict` read the
-device once.
+device once. The element differences are taken in float32 unless the primary is float64 (the
+golden's float32 rounding is symmetric noise far below a 16-bit kernel's error), and ``sample``
+caps the elements read per replicate (the probe reads :data:`BIAS_SAMPLE`, every k-th row).
+
+The probe keeps one per site inside its accumulator (:class:`flashprobe.probe.stats.DeviationStats`
+``.bias``): reported in ``stats()``, ``summary()``, ``probe.jsonl``, and the verdict (``biased``).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BIAS_Z_LIMIT", "COMPONENTS", "DIRECTIONS", "BiasStats"]
+__all__ = ["BIAS_FIELDS", "BIAS_SAMPLE", "BIAS_Z_LIMIT", "COMPONENTS", "DIRECTIONS", "BiasStats", "bias_dict"]
 
 #: The directions of one attention call: its output and the gradients of its inputs.
 DIRECTIONS = ("out", "dq", "dk", "dv")
@@ -44,7 +49,15 @@ COMPONENTS = ("offset", "magnitude")
 #: over many seeds.
 BIAS_Z_LIMIT = 5.0
 
+#: The probe's cap on the elements read per replicate (:class:`BiasStats` ``sample``): every k-th
+#: row of a larger slice, so the statistic costs a fraction of the deviation statistics. A slice
+#: of 4096 elements already resolves a per-element bias of 1/64 of the baseline's error RMS at
+#: one sigma per replicate, and ``z`` grows with the replicates.
+BIAS_SAMPLE = 4096
+
 _N, _S1, _S2 = 0, 1, 2
+#: The names of one direction's sums, in :attr:`BiasStats.state` order (``state[d].flatten()``).
+BIAS_FIELDS: tuple[str, ...] = tuple(f"bias.{c}.{s}" for c in COMPONENTS for s in ("n", "s1", "s2"))
 
 
 def _accumulator_dtype(device: torch.device) -> torch.dtype:
@@ -58,9 +71,16 @@ class BiasStats:
         directions: the names :meth:`add` accepts (default ``out, dq, dk, dv``).
         device: where the sums live (the device of the tensors given to :meth:`add`).
         limit: the ``|z|`` at which :meth:`verdict` says ``biased``.
+        sample: read at most about this many elements of each ``(N, D)`` slice: every k-th row,
+            ``k = ⌈N·D / sample⌉`` (None: every element). The rows read are fixed by the shape, not
+            by the values, so the sample's mean error is an unbiased estimate of the slice's.
+        state: a ``(directions, 2, 3)`` tensor to accumulate into instead of a new one (e.g. a view
+            into a larger accumulator that is reduced across ranks with it); its dtype and device
+            are used.
 
     Raises:
-        ValueError: no or repeated directions, or a limit that is not positive.
+        ValueError: no or repeated directions, a limit that is not positive, or a ``state`` of
+            another shape.
     """
 
     def __init__(
@@ -69,18 +89,26 @@ class BiasStats:
         device: torch.device | str = "cpu",
         *,
         limit: float = BIAS_Z_LIMIT,
+        sample: int | None = None,
+        state: torch.Tensor | None = None,
     ) -> None:
         directions = tuple(directions)
         if not directions or len(set(directions)) != len(directions):
             raise ValueError(f"BiasStats: directions must be distinct names, got {directions!r}")
         if not (isinstance(limit, (int, float)) and math.isfinite(limit) and limit > 0):
             raise ValueError(f"BiasStats: limit={limit!r} must be a positive number such as {BIAS_Z_LIMIT}")
+        if sample is not None and (isinstance(sample, bool) or not isinstance(sample, int) or sample < 1):
+            raise ValueError(f"BiasStats: sample={sample!r} must be a positive number of elements or None")
+        self.sample = sample
+        shape = (len(directions), len(COMPONENTS), 3)
+        if state is not None and tuple(state.shape) != shape:
+            raise ValueError(f"BiasStats: state has shape {tuple(state.shape)}, expected {shape}")
         self.directions = directions
-        self.device = torch.device(device)
+        self.device = torch.device(device) if state is None else state.device
         self.limit = float(limit)
         dtype = _accumulator_dtype(self.device)
         #: ``(directions, components, 3)``: replicates ``n``, ``Σ r`` and ``Σ r²``.
-        self.state = torch.zeros(len(directions), len(COMPONENTS), 3, dtype=dtype, device=self.device)
+        self.state = torch.zeros(shape, dtype=dtype, device=self.device) if state is None else state
 
     def _index(self, direction: str) -> int:
         try:
@@ -111,20 +139,31 @@ class BiasStats:
                 f"BiasStats.add({direction!r}): shapes differ: primary {tuple(primary.shape)}, "
                 f"golden {tuple(golden.shape)}, baseline {tuple(baseline.shape)}"
             )
+        if self.sample is not None and primary.dim() >= 2:
+            n, d = primary.shape[-2:]
+            k = -(-n * d // self.sample)  # ⌈N·D / sample⌉ rows apart
+            if k > 1:
+                primary, golden, baseline = (x[..., ::k, :] for x in (primary, golden, baseline))
         dtype = self.state.dtype
-        g = _replicates(golden.detach().to(self.device, dtype))
-        e_p = _replicates(primary.detach().to(self.device, dtype)) - g
-        e_b = _replicates(baseline.detach().to(self.device, dtype)) - g
-        finite = torch.isfinite(e_p) & torch.isfinite(e_b)
+        # Element differences in float32 unless the primary is float64: the golden's float32
+        # rounding (round to nearest, symmetric) is 2⁻¹⁶ of a bf16 ulp and half an fp32 ulp, noise
+        # that leaves z's band as it is; it halves the memory traffic of these reads.
+        work = dtype if primary.dtype == torch.float64 else torch.float32
+        g = _replicates(golden.detach().to(self.device, work))
+        e_p = _replicates(primary.detach().to(self.device, work)) - g
+        e_b = _replicates(baseline.detach().to(self.device, work)) - g
+        finite = torch.isfinite(e_p + e_b)
         e_p = torch.where(finite, e_p, 0.0)
         e_b = torch.where(finite, e_b, 0.0)
         count = finite.sum(dim=-1).to(dtype)  # (R,)
         per = count.clamp(min=1.0)
-        rms_b = (e_b.square().sum(dim=-1) / per).sqrt()
-        rms_p = (e_p.square().sum(dim=-1) / per).sqrt()
+        root = per.sqrt()
+        rms_b = torch.linalg.vector_norm(e_b, dim=-1, dtype=dtype) / root
+        rms_p = torch.linalg.vector_norm(e_p, dim=-1, dtype=dtype) / root
         scale = torch.where(rms_b > 0, rms_b, torch.where(rms_p > 0, rms_p, 1.0))
         sign = torch.where(finite, torch.sign(g), 0.0)
-        r = torch.stack([e_p.sum(dim=-1), (e_p * sign).sum(dim=-1)]) / (per * scale)  # (2, R)
+        sums = torch.stack([e_p.sum(dim=-1, dtype=dtype), torch.linalg.vecdot(e_p, sign).to(dtype)])
+        r = sums / (per * scale)  # (2, R)
         valid = (count > 0).to(dtype)
         r = r * valid
         self.state[row] += torch.stack([valid.sum().expand(2), r.sum(dim=-1), r.square().sum(dim=-1)], dim=-1)
@@ -145,37 +184,45 @@ class BiasStats:
         self.state.zero_()
 
     def as_dict(self) -> dict[str, dict[str, Any]]:
-        """The statistics, read from the device once.
-
-        Returns:
-            ``{direction: {"replicates": n, "offset": {"mean": s1/n, "z": s1/√s2}, "magnitude":
-            {...}, "z": the larger |z| with its sign, "verdict": ...}}``; ``mean`` is in units of
-            the baseline's error RMS, ``None`` before any replicate.
-        """
+        """The statistics, read from the device once; see :func:`bias_dict`."""
         values = self.state.cpu().tolist()
-        out: dict[str, dict[str, Any]] = {}
-        for direction, per_component in zip(self.directions, values, strict=True):
-            entry: dict[str, Any] = {"replicates": int(per_component[0][_N])}
-            for name, sums in zip(COMPONENTS, per_component, strict=True):
-                n, s1, s2 = sums
-                entry[name] = {
-                    "mean": s1 / n if n else None,
-                    "z": s1 / math.sqrt(s2) if s2 > 0 else 0.0,
-                }
-            entry["z"] = max((entry[c]["z"] for c in COMPONENTS), key=abs)
-            entry["verdict"] = self._judge(entry["replicates"], entry["z"])
-            out[direction] = entry
-        return out
-
-    def _judge(self, n: int, z: float) -> str:
-        if abs(z) >= self.limit:
-            return "biased"
-        return "unbiased" if n >= self.limit**2 else "undetermined"
+        return {
+            d: bias_dict([x for c in per for x in c], self.limit)
+            for d, per in zip(self.directions, values, strict=True)
+        }
 
     def verdict(self) -> dict[str, str]:
         """Per direction: ``biased`` (``|z| ≥ limit`` in a component), ``unbiased``, or
         ``undetermined`` while fewer than ``limit²`` replicates could not yet reach the limit."""
         return {direction: entry["verdict"] for direction, entry in self.as_dict().items()}
+
+
+def bias_dict(sums: Sequence[float], limit: float = BIAS_Z_LIMIT) -> dict[str, Any]:
+    """One direction's statistics from its six sums (:data:`BIAS_FIELDS` order), as plain data.
+
+    Returns:
+        ``{"replicates": n, "offset": {"mean": s1/n, "z": s1/√s2}, "magnitude": {...}, "z": the
+        larger |z| with its sign, "component": its name, "limit": limit, "verdict": "biased" |
+        "unbiased" | "undetermined"}``; ``mean`` is in units of the baseline's error RMS, ``None``
+        before any replicate; ``undetermined`` while fewer than ``limit²`` replicates could not
+        reach the limit.
+    """
+    if len(sums) != len(BIAS_FIELDS):
+        raise ValueError(
+            f"bias_dict: expected {len(BIAS_FIELDS)} sums ({', '.join(BIAS_FIELDS)}), got {len(sums)}"
+        )
+    entry: dict[str, Any] = {"replicates": int(sums[_N])}
+    for i, name in enumerate(COMPONENTS):
+        n, s1, s2 = sums[3 * i : 3 * i + 3]
+        entry[name] = {"mean": s1 / n if n else None, "z": s1 / math.sqrt(s2) if s2 > 0 else 0.0}
+    entry["component"] = max(COMPONENTS, key=lambda c: abs(entry[c]["z"]))
+    entry["z"] = entry[entry["component"]]["z"]
+    entry["limit"] = float(limit)
+    if abs(entry["z"]) >= limit:
+        entry["verdict"] = "biased"
+    else:
+        entry["verdict"] = "unbiased" if entry["replicates"] >= limit**2 else "undetermined"
+    return entry
 
 
 def _replicates(x: torch.Tensor) -> torch.Tensor:

@@ -48,8 +48,11 @@ sums, :func:`row_statistics` the rows):
 6. ``relative`` → ``fail``: the error ratio exceeds :data:`RELATIVE_LIMITS` (where the same-dtype
    baseline is strong, in float32, the sharpest criterion).
 
-Further criteria (a signed-bias criterion accumulated over steps) extend :data:`CRITERIA`: a code,
-a name, a limit and one comparison in :func:`decide`.
+Further per-call criteria extend :data:`CRITERIA`: a code, a name, a limit and one comparison in
+:func:`decide`. The signed bias is not one: it is judged over the run, not per call
+(:mod:`flashprobe.bias`; a site reads ``fail`` with the reason ``biased: ...`` where it crosses
+:data:`flashprobe.bias.BIAS_Z_LIMIT`, :func:`flashprobe.probe.shadow.site_verdict`), and no call fails
+for it.
 
 **The statistic shown first** is :data:`SCORE`, ``limit_ratio``: the largest ``statistic / limit``
 over the criteria 4–6 (> 1 fails; 0 for an undetermined call). A progress bar, summary or figure

@@ -132,3 +132,21 @@ def test_bad_arguments_are_refused():
         BiasStats().add("out", torch.zeros(2, 2), torch.zeros(2, 2), torch.zeros(2, 3))
     with pytest.raises(ValueError, match="directions differ"):
         BiasStats(("out",)).merge(BiasStats(("dq",)))
+
+
+def test_sample_reads_every_kth_row_as_fed_directly():
+    gen = torch.Generator().manual_seed(7)
+    g = torch.randn(2, 3, 40, 8, generator=gen, dtype=torch.float64)
+    p, b = (g + 0.01 * torch.randn(g.shape, generator=gen, dtype=torch.float64) for _ in range(2))
+    sampled = BiasStats(("out",), sample=64)  # 320 elements per slice: every 5th row (8 rows)
+    sampled.add("out", p, g, b)
+    direct = BiasStats(("out",))
+    direct.add("out", p[..., ::5, :], g[..., ::5, :], b[..., ::5, :])
+    assert torch.equal(sampled.state, direct.state)
+    whole = BiasStats(("out",), sample=320)  # within the cap: every element
+    whole.add("out", p, g, b)
+    full = BiasStats(("out",))
+    full.add("out", p, g, b)
+    assert torch.equal(whole.state, full.state)
+    with pytest.raises(ValueError, match="sample=0 must be a positive number"):
+        BiasStats(sample=0)

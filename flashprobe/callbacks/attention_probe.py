@@ -42,7 +42,7 @@ from flashprobe.formats.atomic import DiskFullError
 from flashprobe.formats.probe_log import PROBE_LOG_NAME, ProbeLogWriter
 from flashprobe.probe import Probe, ProbeConfig, ProbeFailureError, ProbeWarning, probe, reduce_across_ranks
 from flashprobe.probe.shadow import failure_message
-from flashprobe.probe.summary import keep_worst, summary_scalars
+from flashprobe.probe.summary import bias_words, keep_worst, summary_scalars
 
 __all__ = ["AttentionProbe"]
 
@@ -140,6 +140,8 @@ class AttentionProbe(Callback):
         self._calls_checked = False
         self._reported: set[tuple[str, str]] = set()
         self._restored_failures: list[dict[str, Any]] = []
+        self._restored_bias: dict[str, list[float]] = {}
+        self._global_zero = True
         self._worst: dict[str, Any] | None = None
 
     @classmethod
@@ -194,13 +196,15 @@ class AttentionProbe(Callback):
         )
         self._probe.detach()  # only training batches are probed: attached at each batch start
         self._probe.shadow.set_grad_scale(_loss_scale(trainer))
+        self._global_zero = trainer.is_global_zero
         self._apply_restored()
         self._path = root / self.filename
         self._writer = ProbeLogWriter(self._path)
         self._calls_checked = False
 
     def _apply_restored(self) -> None:
-        """A resumed run keeps the failures it had seen (restored before or after fit start)."""
+        """A resumed run keeps the failures it had seen and its signed bias (restored before or after
+        fit start)."""
         if self._probe is None:
             return
         for failure in self._restored_failures:
@@ -208,6 +212,9 @@ class AttentionProbe(Callback):
             self._probe.shadow.failures.setdefault(key, dict(failure))
             self._reported.add(key)
         self._restored_failures = []
+        if self._restored_bias and self._global_zero:  # the other ranks' sums add from zero
+            self._probe.shadow.restore_bias(self._restored_bias)
+            self._restored_bias = {}
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -223,6 +230,7 @@ class AttentionProbe(Callback):
         if self._probe is not None:
             self._probe.detach()
             self._restored_failures = self._probe.failures  # kept for state_dict and a next fit
+            self._restored_bias = self._probe.shadow.bias_state()
             self._probe = None
 
     @override
@@ -402,7 +410,11 @@ class AttentionProbe(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         failures = self._restored_failures if self._probe is None else self._probe.failures
+        # This process's bias sums: exact for one process; under DDP the checkpoint holds the
+        # saving rank's, restored there (the other ranks' earlier calls are not in it).
+        bias = self._restored_bias if self._probe is None else self._probe.shadow.bias_state()
         return {
+            "bias": bias,
             "last_logged_step": self.last_logged_step,
             "records": self.records,
             "failures": [
@@ -416,12 +428,14 @@ class AttentionProbe(Callback):
         self.last_logged_step = state_dict.get("last_logged_step", -1)
         self.records = state_dict.get("records", 0)
         self._restored_failures = [dict(f) for f in state_dict.get("failures", [])]
+        self._restored_bias = {s: list(v) for s, v in state_dict.get("bias", {}).items()}
         self._resumed_from = self.last_logged_step
 
 
 def verdict_line(summary: Mapping[str, Any], path: Path | None = None) -> str:
     """The run's verdict in one line (the last the callback logs): verdict, sites, the first failure
-    or the worst forward error ratio, and where the records are."""
+    or the worst forward error ratio, the most biased direction where one is, and where the records
+    are."""
     verdict = str(summary.get("verdict") or "undetermined").upper()
     firsts = [f for f in summary.get("failures") or [] if not f.get("worst")]
     if firsts:
@@ -436,6 +450,8 @@ def verdict_line(summary: Mapping[str, Any], path: Path | None = None) -> str:
         if back is not None:
             at += f", backward {back:.3g} at {summary.get('max_backward_limit_ratio_site')}"
         detail = f"{summary.get('sites', 0)} sites, worst error / limit {at} (> 1 fails)"
+    bias = bias_words(summary)
+    detail += f"; {bias}" if bias else ""
     where = f" ({path})" if path is not None else ""
     return f"AttentionProbe: verdict {verdict}: {detail}{where}"
 

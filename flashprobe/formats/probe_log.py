@@ -7,6 +7,8 @@ One JSON line per logging step, appended in step order::
 ``summary`` is :meth:`flashprobe.probe.Probe.summary` and ``sites`` is
 :meth:`flashprobe.probe.Probe.stats` of the logging interval; numbers follow
 :mod:`flashprobe.formats.jsonio` (non-finite ones as ``"inf"``/``"nan"``, ``null`` = not recorded).
+Every statistic is its interval's except the signed bias (``sites[s][...][dir]["bias"]``, the summary's
+``max_bias_z``, ``max_bias_site`` and ``biased``: :mod:`flashprobe.bias`), which is the run's so far.
 
 **Write-ahead-log semantics.** A record is one ``write`` of a whole line followed by ``fsync``, so
 after a crash the file is a sequence of complete records possibly followed by one *torn* line (a
@@ -39,7 +41,13 @@ PROBE_LOG_NAME = "probe.jsonl"
 
 #: Fields of a record that hold text (site names), never decoded as numbers.
 _TEXT_KEYS = frozenset(
-    {"max_error_ratio_site", "max_backward_error_ratio_site", "nonfinite_sites", "primary_nonfinite_sites"}
+    {
+        "max_error_ratio_site",
+        "max_backward_error_ratio_site",
+        "nonfinite_sites",
+        "primary_nonfinite_sites",
+        "max_bias_site",
+    }
 )
 
 

@@ -43,13 +43,14 @@ import itertools
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from flashprobe.bias import BIAS_FIELDS
 from flashprobe.deviation import StatsWorkspace, combine_sums, pair_sums, reads_are_free
 from flashprobe.judge import CRITERIA, noise_statistics, reason, row_statistics
 from flashprobe.kernels import KernelUnavailableError, get_kernel, math_attention
@@ -65,7 +66,7 @@ from flashprobe.probe.call import Prepared, SdpaCall, autocast_off, prepare, run
 from flashprobe.probe.config import ProbeConfig
 from flashprobe.probe.intercept import GRAPH_BREAK_REASON, ProbeWarning, passthrough
 from flashprobe.probe.routing import KernelRoute, check_kernel_here
-from flashprobe.probe.stats import DeviationStats, count_nonfinite_positions, stats_dict
+from flashprobe.probe.stats import DIRECTIONS, DeviationStats, count_nonfinite_positions, stats_dict
 from flashprobe.probe.summary import summarize
 
 _ORDER = ("out", "dq", "dk", "dv")  # failures sort by step, site, then this
@@ -243,6 +244,8 @@ class ShadowAttention(nn.Module):
         if device is not None:
             self.check(torch.device(device), dtype or torch.float32)
         self._stats: dict[str, DeviationStats] = {}
+        #: ``{site: bias sums}`` restored from a checkpoint, added when the site is first recorded.
+        self._restored_bias: dict[str, list[float]] = {}
         self._errors: dict[str, int] = {}
         self._dropout_calls: dict[str, int] = {}
         self._warned: set[Any] = set()
@@ -407,6 +410,8 @@ class ShadowAttention(nn.Module):
                     sums = pair_sums(primary.detach(), base, gold, self._workspace)
                     rows = None if gold is None else {"out": row_statistics(primary.detach(), base, gold)}
                     stats = self._stats[site]
+                    if gold is not None:
+                        stats.bias.add("out", primary.detach(), gold, base)
                     kinds = stats.add_many({"out": sums}, primary.dtype, self.step, rows)
                     stats.add_nonfinite_inputs(
                         {
@@ -494,6 +499,8 @@ class ShadowAttention(nn.Module):
                         mine = blk.take_q(out4, p.rep)
                         sums = combine_sums(sums, pair_sums(mine, b, g, self._workspace))
                         rows = _worst(rows, mine, b, g)
+                        if g is not None:
+                            self._site(site, out.device).bias.add("out", mine, g, b)
                 if self.record and sums is not None:
                     stats = self._site(site, out.device)
                     worst = None if rows is None else {"out": rows}
@@ -524,9 +531,9 @@ class ShadowAttention(nn.Module):
                 mine = {n: primary[n].reshape(getattr(p, n).shape) for n in names}
                 grad_out = grad_out.reshape(p.out_shape)
                 out4 = None if out is None else out.reshape(p.out_shape)
-                sums, rows, noise = self._gradient_sums(p, grad_out, mine, out4)
-                if self.record:
-                    stats = self._site(site, grad_out.device)
+                stats = self._site(site, grad_out.device) if self.record else None
+                sums, rows, noise = self._gradient_sums(p, grad_out, mine, out4, stats)
+                if stats is not None:
                     counts = {"grad_out": count_nonfinite_positions(grad_out)}
                     if out4 is not None and sums["out"] is not None:
                         counts.update(
@@ -558,6 +565,7 @@ class ShadowAttention(nn.Module):
         grad_out: torch.Tensor,
         mine: Mapping[str, torch.Tensor],
         out: torch.Tensor | None = None,
+        stats: DeviationStats | None = None,
     ) -> tuple[dict[str, torch.Tensor | None], ...]:
         """Pair sums and row statistics (:func:`~flashprobe.judge.row_statistics`, with the golden)
         of the primary's gradients ``mine`` (``q``/``k``/``v``, shaped as in ``p``) against the
@@ -565,7 +573,8 @@ class ShadowAttention(nn.Module):
         ``(B, H, N_q, D_v)`` output ``out``, also the forward's (key ``"out"``), from the
         references' outputs of the same passes. With the golden, also the gradients' noise in the
         baseline's flash form (:func:`~flashprobe.judge.noise_statistics`): flash kernels take
-        ``rowsum(dO∘O)`` from the rounded output, which autograd through the baseline does not."""
+        ``rowsum(dO∘O)`` from the rounded output, which autograd through the baseline does not.
+        With the golden and ``stats``, also adds each direction's signed bias to ``stats.bias``."""
         from flashprobe.fuzz.flash_form import flash_form_attention
 
         names = tuple(mine)
@@ -586,6 +595,7 @@ class ShadowAttention(nn.Module):
             else itertools.repeat(None)
         )
         ws = self._workspace
+        bias = None if stats is None else stats.bias
         for bg, gg, fg in zip(base, gold, flash, strict=False):  # gold, flash: repeat(None) without golden
             if not self.record:
                 continue
@@ -595,11 +605,15 @@ class ShadowAttention(nn.Module):
                         mine_o, g_o = blk.take_q(out, p.rep), gg.outs[i] if gg else None
                         sums["out"] = combine_sums(sums["out"], pair_sums(mine_o, bg.outs[i], g_o, ws))
                         rows["out"] = _worst(rows["out"], mine_o, bg.outs[i], g_o)
+                        if bias is not None and g_o is not None:
+                            bias.add("out", mine_o, g_o, bg.outs[i])
                     if "q" in names:
                         mine_q, g_q = blk.take_q(mine["q"], p.rep), gg.dq[i] if gg else None
                         part = pair_sums(mine_q, bg.dq[i], g_q, ws)
                         sums["q"] = combine_sums(sums["q"], self._unscale(part))
                         rows["q"] = _worst(rows["q"], mine_q, bg.dq[i], g_q)
+                        if bias is not None and g_q is not None:
+                            bias.add("dq", mine_q, g_q, bg.dq[i])
                         if fg is not None and g_q is not None:
                             noise["q"] = self._noise(noise["q"], fg.dq[i], g_q)
                 first = bg.blocks[0]
@@ -610,6 +624,8 @@ class ShadowAttention(nn.Module):
                         part = pair_sums(mine_n, b_grad, g_grad, ws)
                         sums[n] = combine_sums(sums[n], self._unscale(part))
                         rows[n] = _worst(rows[n], mine_n, b_grad, g_grad)
+                        if bias is not None and g_grad is not None:
+                            bias.add(f"d{n}", mine_n, g_grad, b_grad)
                         if fg is not None and g_grad is not None:
                             noise[n] = self._noise(noise[n], getattr(fg, f"d{n}"), g_grad)
         return sums, rows, noise
@@ -762,7 +778,40 @@ class ShadowAttention(nn.Module):
         stats = self._stats.get(site)
         if stats is None:
             stats = self._stats[site] = DeviationStats(device, golden=self.golden)
+            restored = self._restored_bias.pop(site, None)
+            if restored is not None:
+                bias = stats.bias.state
+                bias += torch.tensor(restored, dtype=bias.dtype, device=bias.device).view_as(bias)
         return stats
+
+    def bias_state(self) -> dict[str, list[float]]:
+        """This process's signed-bias sums per site (:class:`flashprobe.bias.BiasStats`, the run's so
+        far, one host read), for a checkpoint; :meth:`restore_bias` puts them back."""
+        self._drain()
+        sites = {s: v.bias.state.flatten().tolist() for s, v in self._stats.items()}
+        return {**self._restored_bias, **sites}
+
+    def restore_bias(self, state: Mapping[str, Sequence[float]]) -> None:
+        """Continue a run's signed bias from :meth:`bias_state` (a resumed run reads the numbers an
+        uninterrupted one would): replaces the sums of recorded sites, and those of sites not yet
+        recorded when they are.
+
+        Raises:
+            ValueError: a site's sums are not ``4 · 2 · 3`` numbers.
+        """
+        size = len(DIRECTIONS) * len(BIAS_FIELDS)
+        for site, sums in state.items():
+            if len(sums) != size:
+                raise ValueError(
+                    f"restore_bias: site {site!r} has {len(sums)} bias sums, expected {size} "
+                    "(from ShadowAttention.bias_state())"
+                )
+        for site, sums in state.items():
+            if site in self._stats:
+                bias = self._stats[site].bias.state
+                bias.copy_(torch.tensor(list(sums), dtype=bias.dtype, device=bias.device).view_as(bias))
+            else:
+                self._restored_bias[site] = [float(x) for x in sums]
 
     def _failed(self, site: str, err: BaseException) -> None:
         self._errors[site] = self._errors.get(site, 0) + 1
@@ -856,16 +905,25 @@ def _worst(
 
 
 def site_verdict(entry: Mapping[str, Any], *, golden: bool = True) -> tuple[str, str]:
-    """A site's verdict over its directions: ``fail`` when one failed, ``pass`` when at least one
-    was judged and none failed, else ``undetermined``; with the reason in words."""
+    """A site's verdict over its directions: ``fail`` when one failed or is biased (its signed bias
+    reached the limit: :mod:`flashprobe.bias`; no call failed, yet the errors add up), ``pass`` when
+    at least one was judged and none failed, else ``undetermined``; with the reason in words
+    (``"biased: out z=-12.3 (limit 5)"`` for a biased site)."""
     directions = {"out": entry["forward"]["out"], **{d: entry["backward"][d] for d in ("dq", "dk", "dv")}}
     failed = [d for d, e in directions.items() if e.get("verdict") == "fail"]
+    biased = [d for d, e in directions.items() if (e.get("bias") or {}).get("verdict") == "biased"]
+    words = [
+        f"{d} z={directions[d]['bias']['z']:.3g} (limit {directions[d]['bias']['limit']:g})" for d in biased
+    ]
     if failed:
-        return "fail", "; ".join(
+        reasons = [
             f"{d}: {directions[d]['first_failure']['reason']}"
             for d in failed
             if directions[d].get("first_failure")
-        )
+        ]
+        return "fail", "; ".join(reasons + ([f"biased: {', '.join(words)}"] if words else []))
+    if biased:
+        return "fail", f"biased: {', '.join(words)}"
     undetermined = {
         why: sum((e.get("undetermined_calls") or {}).get(why, 0) for e in directions.values())
         for why in ("ill_conditioned", "unrepresentable")

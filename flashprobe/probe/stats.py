@@ -31,6 +31,9 @@ Per direction ``dir`` in ``out, dq, dk, dv``:
 * then, per site, ``nonfinite_inputs.{q,k,v,grad_out}``: **positions** (batch entry × token)
   where the input has a NaN/±inf in any head or channel — one NaN token counts once, not once per
   element (:func:`count_nonfinite_positions`).
+* then ``{dir}.bias.{offset,magnitude}.{n,s1,s2}``: the signed bias of :class:`flashprobe.bias.BiasStats`
+  (:attr:`DeviationStats.bias` accumulates into them), which :meth:`DeviationStats.reset` keeps: the
+  bias of a kernel adds up over the whole run, so its ``z`` is the run's, not the interval's.
 
 **The verdict's fields** (the rule: :func:`flashprobe.judge.decide`, applied on the device at every
 call, no host read): ``{dir}.max_limit_ratio`` (MAX: the worst call's largest statistic / limit,
@@ -60,6 +63,7 @@ from typing import Any
 
 import torch
 
+from flashprobe.bias import BIAS_FIELDS, BIAS_SAMPLE, COMPONENTS, BiasStats, bias_dict
 from flashprobe.deviation import (
     PAIRS,
     SUM_ROWS,
@@ -131,6 +135,7 @@ SUM_FIELDS: tuple[str, ...] = (
         )
     ),
     *(f"nonfinite_inputs.{i}" for i in INPUTS),
+    *(f"{d}.{b}" for d in DIRECTIONS for b in BIAS_FIELDS),
 )
 #: Fields taken at the call that set another field's maximum: ``{field: its key field}``.
 ARG_FIELDS: dict[str, str] = {
@@ -160,6 +165,7 @@ _MAX_BLOCK = len(PAIRS) + 7
 _SUM_BLOCK = len(PAIRS) * len(_SUMS) + 5
 _ARG_BLOCK = 5  # per direction: first_fail_kind, _value, _limit, max_l2_step, max_limit_step
 _INPUTS_AT = N_MAX + len(DIRECTIONS) * _SUM_BLOCK
+_BIAS_AT = _INPUTS_AT + len(INPUTS)  # the signed-bias sums (flashprobe.bias), kept across resets
 _ARG_KEYS = [FIELDS.index(key) for key in ARG_FIELDS.values()]
 
 
@@ -253,6 +259,15 @@ class DeviationStats:
         first, l2, score = _MAX_BLOCK - 1, len(PAIRS) + 2, _MAX_BLOCK - 2
         self._arg_keys = torch.tensor([first, first, first, l2, score], device=device)
         self._sum_columns = torch.tensor(_SUM_COLUMNS, device=device)
+        #: The signed bias of each direction, accumulated into this accumulator's own sums (so it is
+        #: reduced across ranks with them) and kept across :meth:`reset`: it is a statistic of the run.
+        self.bias = BiasStats(
+            DIRECTIONS,
+            sample=BIAS_SAMPLE,
+            state=self.values[_BIAS_AT : _BIAS_AT + len(DIRECTIONS) * len(BIAS_FIELDS)].view(
+                len(DIRECTIONS), len(COMPONENTS), 3
+            ),
+        )
 
     def add(
         self,
@@ -389,8 +404,14 @@ class DeviationStats:
             self.values[j : j + 1].add_(counts[name].to(self.values))
 
     def reset(self) -> None:
-        """Zero the accumulator in place."""
-        self.values.zero_()
+        """Zero the accumulator in place, except the bias sums (:attr:`bias`, a statistic of the run;
+        :meth:`reset_bias` zeroes them)."""
+        self.values[:_BIAS_AT].zero_()
+        self.values[_BIAS_AT + self.bias.state.numel() :].zero_()
+
+    def reset_bias(self) -> None:
+        """Zero the bias sums (e.g. before restoring a resumed run's)."""
+        self.bias.reset()
 
     def as_dict(self) -> dict[str, Any]:
         """Read the accumulator (one host copy) as plain Python data; see :func:`stats_dict`."""
@@ -461,7 +482,8 @@ def stats_dict(values: Sequence[float], *, golden: bool = True) -> dict[str, Any
         or no golden), ``limit_ratio`` (the statistic shown first: the worst call's largest
         statistic / limit, > 1 fails) and ``limit_ratio_step``, ``absolute_error`` (the worst call's
         relative L2 error against the golden), ``worst_row_error``, ``l2_error_ratio`` (the worst
-        call's L2 error ratio to the baseline) and ``l2_error_ratio_step``, ``failed_calls``,
+        call's L2 error ratio to the baseline) and ``l2_error_ratio_step``, ``bias`` (the run's signed
+        bias so far, :func:`flashprobe.bias.bias_dict`; None without golden), ``failed_calls``,
         ``undetermined_calls`` (``{ill_conditioned, unrepresentable}`` counts) and ``first_failure``
         (``{step, kind, value, limit, reason}`` of the earliest failing call, ``kind`` the criterion
         that fired; or None).
@@ -487,6 +509,7 @@ def stats_dict(values: Sequence[float], *, golden: bool = True) -> dict[str, Any
         else:
             entry["error_ratio"] = entry["max_call_error_ratio"] = entry["noise_floor"] = None
         entry.update(_judged(fields, d, recorded and golden))
+        entry["bias"] = bias_dict([fields[f"{d}.{b}"] for b in BIAS_FIELDS]) if golden else None
         return entry
 
     return {

@@ -14,11 +14,12 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from flashprobe.bias import BIAS_Z_LIMIT
 from flashprobe.probe.stats import GRADIENTS, PAIRS, worst
 
 _ORDER = ("out", "dq", "dk", "dv")  # failures sort by step, site, then this
 
-__all__ = ["keep_worst", "summarize", "summary_scalars"]
+__all__ = ["bias_words", "keep_worst", "summarize", "summary_scalars"]
 
 
 def summarize(stats: Mapping[str, Any]) -> dict[str, Any]:
@@ -41,10 +42,14 @@ def summarize(stats: Mapping[str, Any]) -> dict[str, Any]:
         directions and inputs), ``nonfinite_sites``, ``shadow_errors``,
         ``primary_nonfinite_sites``: the sites where the **primary** returned non-finite values
         from finite inputs where the baseline did not (a kernel bug, not the data), with
-        ``primary_nonfinite`` the number of such values; ``verdict``: ``fail`` when a site failed,
-        ``pass`` when every site passed, else ``undetermined`` (no site, or a site with nothing
-        judged), with ``verdict_reason``; ``worst_failure``: the failing site and direction with
-        the largest ``limit_ratio`` (``{site, direction, step, kind, value, reason}``), or None;
+        ``primary_nonfinite`` the number of such values; the run's signed bias
+        (:mod:`flashprobe.bias`): ``max_bias_z`` (the largest ``|z|``, with its sign) and
+        ``max_bias_site`` (``"site:dir"``), ``biased`` (``{site, direction, z, component, limit}``
+        of every direction whose ``|z|`` reached its limit); ``verdict``: ``fail`` when a site
+        failed (a call failed, or it is biased), ``pass`` when every site passed, else
+        ``undetermined`` (no site, or a site with nothing judged), with ``verdict_reason``;
+        ``worst_failure``: the failing site and direction with the largest ``limit_ratio``
+        (``{site, direction, step, kind, value, reason}``), or None;
         ``failures``: the first failure of each site and direction, in step order, then the worst
         (``"worst": True``).
     """
@@ -86,16 +91,54 @@ def summarize(stats: Mapping[str, Any]) -> dict[str, Any]:
         "shadow_errors": sum(e["shadow_errors"] for e in stats.values()),
         "primary_nonfinite": sum(primary.values()),
         "primary_nonfinite_sites": [site for site, n in primary.items() if n],
+        **_bias(fwd, bwd),
         **_verdict(stats),
     }
+
+
+def _bias(fwd: Mapping[str, Any], bwd: Mapping[tuple[str, str], Any]) -> dict[str, Any]:
+    """The run's signed bias over sites: the largest ``|z|`` (with its sign) and where, and every
+    biased site and direction (:mod:`flashprobe.bias`)."""
+    entries = {(s, "out"): f.get("bias") for s, f in fwd.items()}
+    entries.update((k, b.get("bias")) for k, b in bwd.items())
+    entries = {k: e for k, e in entries.items() if e and e["replicates"]}
+    if not entries:
+        return {"max_bias_z": None, "max_bias_site": None, "biased": []}
+    key = max(entries, key=lambda k: abs(entries[k]["z"]))
+    return {
+        "max_bias_z": entries[key]["z"],
+        "max_bias_site": f"{key[0]}:{key[1]}",
+        "biased": [
+            {"site": s, "direction": d, "z": e["z"], "component": e["component"], "limit": e["limit"]}
+            for (s, d), e in entries.items()
+            if e["verdict"] == "biased"
+        ],
+    }
+
+
+def bias_words(summary: Mapping[str, Any]) -> str:
+    """The run's signed bias in words, for a verdict line or a figure title: the most biased
+    direction (``"biased: out of blocks.1.attn z=-12 (limit 5)"``), else the largest ``|z|``
+    (``"bias |z| ≤ 1.3 (limit 5)"``); ``""`` before any replicate."""
+    biased = summary.get("biased") or []
+    if biased:
+        b = max(biased, key=lambda b: abs(b["z"]))
+        more = f" and {len(biased) - 1} more" if len(biased) > 1 else ""
+        return f"biased: {b['direction']} of {b['site']} z={b['z']:.3g} (limit {b['limit']:g}){more}"
+    z = summary.get("max_bias_z")
+    return "" if z is None else f"bias |z| ≤ {abs(z):.2g} (limit {BIAS_Z_LIMIT:g})"
 
 
 def _verdict(stats: Mapping[str, Any]) -> dict[str, Any]:
     verdicts = {site: e.get("verdict", "undetermined") for site, e in stats.items()}
     failed = [s for s, v in verdicts.items() if v == "fail"]
     open_ = [s for s, v in verdicts.items() if v == "undetermined"]
+    biased = [s for s in failed if stats[s].get("verdict_reason", "").startswith("biased")]
     if failed:
-        verdict, reason = "fail", f"failed at {', '.join(failed)}"
+        calls = [s for s in failed if s not in biased]
+        parts = [f"failed at {', '.join(calls)}"] if calls else []
+        parts += [stats[s]["verdict_reason"].replace("biased: ", f"biased at {s}: ", 1) for s in biased]
+        verdict, reason = "fail", "; ".join(parts)
     elif not verdicts:
         verdict, reason = "undetermined", "no site recorded"
     elif open_:
@@ -183,6 +226,7 @@ SUMMARY_SCALARS = (
     "max_call_error_ratio",
     "max_backward_error_ratio",
     "nonfinite",
+    "max_bias_z",
 )
 
 

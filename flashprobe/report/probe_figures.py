@@ -17,7 +17,8 @@ colour:
 Site names are the probe's, exactly as in ``probe.jsonl`` (``model.blocks.0.attn``; long names keep
 their end); the figure grows with the number of sites so the labels never overlap.
 
-Non-finite outputs (counted by the probe) are written into the title. The figure is rendered with
+Non-finite outputs (counted by the probe) and the run's signed bias (:mod:`flashprobe.bias`; the
+most biased direction, or the largest ``|z|``) are written into the title. The figure is rendered with
 matplotlib's Agg canvas (no pyplot, no display) and written atomically.
 """
 
@@ -35,6 +36,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import LogLocator, NullFormatter
 
 from flashprobe.formats.probe_log import load_probe_records
+from flashprobe.probe.summary import bias_words
 from flashprobe.report.bench_figures import save_figure
 
 __all__ = ["MAX_LINES", "plot_probe", "site_series"]
@@ -234,6 +236,9 @@ def plot_probe(
         verdict_text += (
             f" (first: {f['site']} {f['direction']} at step {f['step']}; red lines: first failures)"
         )
+    bias = bias_words(last)
+    if bias:
+        verdict_text += f"; {bias}"
     fig.suptitle(
         f"{head}: {len(series)} sites, {len(records)} logged intervals, steps {steps[0]}–{steps[-1]}, "
         f"{nonfinite} non-finite values"
