@@ -193,11 +193,15 @@ def load_reproducer(path: str | Path, device: torch.device | str | None = None) 
         raise ReproducerError(f"{path}: not a safetensors file ({err})") from None
     try:
         info = json.loads(meta["flashprobe"])
+        assert isinstance(info, dict), f"its metadata is a JSON {type(info).__name__}, not an object"
         assert info["format"] == REPRO_FORMAT
         missing = [n for n in ("q", "k", "v") if n not in tensors]
         assert not missing, f"missing tensors {missing}"
-    except (KeyError, AssertionError, json.JSONDecodeError) as err:
+    except (KeyError, AssertionError, json.JSONDecodeError, TypeError) as err:
         raise ReproducerError(f"{path}: not a flashprobe reproducer ({err or 'no metadata'})") from None
+    problem = _metadata_problem(info, tensors)
+    if problem:
+        raise ReproducerError(f"{path}: not a valid flashprobe reproducer: {problem}")
     if device is None:
         recorded = torch.device(info.get("device", "cpu"))
         usable = recorded.type == "cpu" or (recorded.type == "cuda" and torch.cuda.is_available())
@@ -214,6 +218,35 @@ def load_reproducer(path: str | Path, device: torch.device | str | None = None) 
         scale=info.get("scale"),
         meta=info,
     )
+
+
+def _metadata_problem(info: Any, tensors: dict[str, torch.Tensor]) -> str | None:
+    """What is wrong with a reproducer's metadata and tensors, in words, or ``None``: read as data,
+    every field is checked for its type before it is used (``"is_causal": "no"`` is not True)."""
+    if not isinstance(info.get("is_causal", False), bool):
+        return f"is_causal is {info['is_causal']!r}, not true or false"
+    scale = info.get("scale")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, int | float)):
+        return f"scale is {scale!r}, not a number or null"
+    for key in ("device", "baseline"):
+        if key in info and info[key] is not None and not isinstance(info[key], str):
+            return f"{key} is {info[key]!r}, not a string"
+    try:
+        torch.device(info.get("device") or "cpu")
+    except (RuntimeError, ValueError):
+        return f"device {info['device']!r} is not a torch device"
+    layout = info.get("layout", {})
+    if not isinstance(layout, dict):
+        return f"layout is {layout!r}, not an object of permutations"
+    for name, t in tensors.items():
+        order = layout.get(name, list(range(t.dim())))
+        if not (isinstance(order, list) and sorted(order) == list(range(t.dim()))):
+            return f"layout of {name} is {order!r}, not a permutation of its {t.dim()} dimensions"
+    dtypes = {n: t.dtype for n, t in tensors.items() if n != "attn_mask" and t.is_floating_point()}
+    if len(set(dtypes.values())) > 1:
+        found = ", ".join(f"{n} {str(d).removeprefix('torch.')}" for n, d in dtypes.items())
+        return f"its tensors mix dtypes ({found}); a saved call has one compute dtype"
+    return None
 
 
 def replay(
