@@ -992,6 +992,8 @@ def command_line(args: Sequence[str]) -> list[str]:
                 f"resume={resume}: no run started by `flashprobe train` there ({saved} is missing)"
             )
         skip = ("resume", "overwrite", "ckpt_path", "hydra.run.dir")
+        from hydra_plugins.flashprobe_searchpath.flashprobe_searchpath import user_config_dirs
+
         search_path = user_config_dirs()
         inside = [d for d in search_path if d.is_relative_to(Path(resume).resolve())]
         if inside:
@@ -1022,17 +1024,6 @@ def command_line(args: Sequence[str]) -> list[str]:
         if found:
             raise FileExistsError(_refusal(Path(run_dir), found))
     return args
-
-
-def user_config_dirs() -> list[Path]:
-    """The user's config directories Hydra searches before the packaged configs (resolved, existing).
-
-    ``./conf`` and ``$FLASHPROBE_CONFIG_DIR``, as the search-path plugin in ``hydra_plugins`` puts them.
-    """
-    from hydra_plugins.flashprobe_searchpath.flashprobe_searchpath import CONFIG_DIR_ENV
-
-    candidates = [Path("conf"), Path(os.environ.get(CONFIG_DIR_ENV, "") or "conf")]
-    return [d for d in dict.fromkeys(p.resolve() for p in candidates) if d.is_dir()]
 
 
 def _quoted(path: str) -> str:

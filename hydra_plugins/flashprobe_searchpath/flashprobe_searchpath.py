@@ -24,6 +24,12 @@ from hydra.plugins.search_path_plugin import SearchPathPlugin
 CONFIG_DIR_ENV = "FLASHPROBE_CONFIG_DIR"
 
 
+def user_config_dirs() -> list[Path]:
+    """The user's config directories that exist, resolved: ``./conf``, then ``$FLASHPROBE_CONFIG_DIR``."""
+    candidates = [Path("conf"), Path(os.environ.get(CONFIG_DIR_ENV, "") or "conf")]
+    return [d for d in dict.fromkeys(p.resolve() for p in candidates) if d.is_dir()]
+
+
 def _packaged_conf() -> Path | None:
     spec = importlib.util.find_spec("flashprobe")
     if spec is None or not spec.submodule_search_locations:
@@ -55,7 +61,6 @@ class FlashprobeSearchPathPlugin(SearchPathPlugin):
         from flashprobe.probe.config import register_schema
 
         register_schema()
-        candidates = [Path("conf"), Path(os.environ.get(CONFIG_DIR_ENV, "") or "conf")]
-        for directory in dict.fromkeys(p.resolve() for p in candidates):  # the env dir ends up first
-            if directory.is_dir() and directory != packaged:
+        for directory in user_config_dirs():  # prepended in turn: the env dir ends up first
+            if directory != packaged:
                 search_path.prepend(provider="flashprobe-user", path=f"file://{directory}")
