@@ -70,6 +70,21 @@ most at moderate sharpness, and within 1.6× of the baseline everywhere; a backw
 ``rowsum(dO·O)`` is tens of percent off at 20–1000× the baseline, and a zeroed key tile's rows read
 1. Gradients get twice the output's limits because ``dS = P∘(dP − rowsum(dO·O))`` cancels: their
 errors are a few times the output's for every correct kernel.
+
+**FP8.** A kernel that rounds its operands to an FP8 format (Q, K, V or P; it says so in
+``KernelCapabilities.fp8``) is as correct as a correct FP8 kernel when it is within these criteria
+against the **FP8 baseline** ``math:fp8=<format>`` — Q, K and V rounded to the format with one amax
+scale per tensor, everything after in float32 — with the limits of the format's dtype
+(``precision`` of :func:`judge_errors`): E4M3's ``ε = 2⁻³`` makes the absolute limit the ¼ cap
+(and 4× the FP8 baseline's error), the row limit ½ (and 4× its worst row), and the relative
+limit stays 8× the FP8 baseline's error. The baseline differs from the kernel in the algorithm
+only (tiling, the FP8 cast of P, finer scales, the rotation), as ``math`` does from a 16-bit kernel.
+Measured on the fuzzer's default catalogue, bf16 and fp16, seeds 0–1 (``tests/fuzz/test_fp8.py``
+repeats a subset): ``fa3_fp8`` without the rotation, with per-tensor scales and with E5M2 stay
+within 1.4× the FP8 baseline's error; with the Hadamard rotation, calls whose logits reach 1e4
+(sentinels in q·kᵀ) and a rising row maximum fail: the rotation spreads a large logit's channel
+over every channel, each rounded to 2⁻⁴ relative, so the logit is off by hundreds — the output
+there is off by up to 3.3× its own size, a real limit of rotated FP8, not the judge's.
 """
 
 from __future__ import annotations
@@ -89,6 +104,7 @@ __all__ = [
     "DIRECTIONS",
     "ERROR_COLUMNS",
     "FAILURES",
+    "FP8_PRECISIONS",
     "GROSS_RATIO",
     "RELATIVE_LIMITS",
     "ROW_EPS",
@@ -151,6 +167,9 @@ GROSS_RATIO: float = 8.0
 STATISTICS: tuple[str, ...] = ("limit_ratio", "absolute", "baseline", "relative", "row")
 #: The statistic shown first: the largest ``statistic / limit`` over the criteria that fail.
 SCORE: str = "limit_ratio"
+#: The FP8 formats by name (:data:`flashprobe.kernels.KernelCapabilities.fp8`) and the dtype whose
+#: limits judge a kernel that rounds to them (``precision`` of :func:`judge_errors`).
+FP8_PRECISIONS: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
 def resolution(dtype: torch.dtype) -> float:
@@ -406,7 +425,9 @@ def reason(criterion: str | None, value: float, limit: float, dtype: torch.dtype
         limit: the criterion's limit.
         dtype: the dtype the kernels computed in, where known.
     """
-    name = "this" if dtype is None else str(dtype).removeprefix("torch.")
+    fp8 = {dt: f"FP8 {fmt.upper()}" for fmt, dt in FP8_PRECISIONS.items()}
+    name = "this" if dtype is None else fp8.get(dtype, str(dtype).removeprefix("torch."))
+    baseline = "the FP8 baseline" if dtype in fp8 else "the same-dtype baseline"
     if criterion == "nonfinite":
         return f"NaN/Inf at {int(value)} more position(s) than the baseline, where the FP64 golden is finite"
     if criterion == "unrepresentable":
@@ -416,7 +437,7 @@ def reason(criterion: str | None, value: float, limit: float, dtype: torch.dtype
         )
     if criterion == "ill_conditioned":
         return (
-            f"the same-dtype baseline (or the rounding of the largest logit) is itself {value:.3g} off the "
+            f"{baseline} (or the rounding of the largest logit) is itself {value:.3g} off the "
             f"golden (relative L2, above {limit:.3g}): too ill-conditioned to judge (undetermined)"
         )
     if criterion == "absolute":
@@ -427,7 +448,7 @@ def reason(criterion: str | None, value: float, limit: float, dtype: torch.dtype
     if criterion == "row":
         return f"worst row {value:.3g} off the golden (relative to the row; limit {limit:.3g})"
     if criterion == "relative":
-        return f"relative L2 error {value:.3g}x the same-dtype baseline's (limit {limit:g})"
+        return f"relative L2 error {value:.3g}x {baseline}'s (limit {limit:g})"
     return f"relative L2 error {value:.3g}x the baseline's (limit {limit:g}), within every limit"
 
 
@@ -438,20 +459,36 @@ def judge_tensors(
     direction: str,
     *,
     logit_max: float = 0.0,
+    precision: torch.dtype | None = None,
 ) -> Judgement:
     """:func:`decide` on one call's ``(7, 3)`` pair sums and ``(3,)`` :func:`row_statistics`, read
-    into a :class:`Judgement`."""
+    into a :class:`Judgement` (``precision``: as :func:`judge_errors`)."""
     errors = error_columns(sums.detach().to("cpu", torch.float64).reshape(1, 7, 3), rows.reshape(1, 3).cpu())
-    return judge_errors(errors[0], dtype, direction, logit_max=logit_max)
+    return judge_errors(errors[0], dtype, direction, logit_max=logit_max, precision=precision)
 
 
 def judge_errors(
-    errors: torch.Tensor | Sequence[float], dtype: torch.dtype, direction: str, *, logit_max: float = 0.0
+    errors: torch.Tensor | Sequence[float],
+    dtype: torch.dtype,
+    direction: str,
+    *,
+    logit_max: float = 0.0,
+    precision: torch.dtype | None = None,
 ) -> Judgement:
     """:func:`decide` on one call and direction's ``(7,)`` :data:`ERROR_COLUMNS`, read into a
-    :class:`Judgement` (what a caller with its own sums, e.g. the fuzzer, calls)."""
+    :class:`Judgement` (what a caller with its own sums, e.g. the fuzzer, calls).
+
+    Args:
+        errors: the :data:`ERROR_COLUMNS`.
+        dtype: the dtype of the call's inputs and outputs (its range and rounding).
+        direction: ``out``, ``dq``, ``dk`` or ``dv``.
+        logit_max: the largest valid |logit| of the call where known.
+        precision: the FP8 dtype (``torch.float8_e4m3fn``, ``torch.float8_e5m2``) an FP8 kernel
+            rounds its operands to, whose limits then apply (:data:`FP8_PRECISIONS`); the baseline
+            must then be FP8 too (``math:fp8=<format>``). None: ``dtype``'s limits.
+    """
     row = torch.as_tensor(errors, dtype=torch.float64).reshape(1, len(ERROR_COLUMNS))
-    code, value, bound, stats = decide(row, dtype, limits(dtype, [direction]), logit_max)
+    code, value, bound, stats = decide(row, dtype, limits(precision or dtype, [direction]), logit_max)
     c, v, lim = int(code.item()), float(value.item()), float(bound.item())
     criterion = CRITERIA.get(c)
     verdict = "pass" if c == 0 else ("fail" if c > 0 else "undetermined")
@@ -461,7 +498,7 @@ def judge_errors(
         criterion=criterion,
         value=v,
         limit=lim,
-        reason=reason(criterion, v, lim, dtype),
+        reason=reason(criterion, v, lim, precision or dtype),
         **named,
     )
 

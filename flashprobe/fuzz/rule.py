@@ -117,6 +117,8 @@ class References:
         noise_row: the baseline's worst row (:func:`flashprobe.judge.row_statistics`), the larger
             over the same forms.
         dtype: the dtype under test (the rule's limits).
+        precision: the FP8 dtype the kernel under test rounds to, whose limits apply instead
+            (:func:`flashprobe.judge.judge_errors`), with an FP8 baseline; None for other kernels.
         logit_max: the largest valid |logit| of the case (widens the rule's floors).
         grad_out: ``(B, H, N_q, D_v)`` the fixed random output gradient (in the dtype), or None
             when gradients are not checked.
@@ -137,6 +139,7 @@ class References:
     eps: float = 0.0
     noise_row: float = 0.0
     dtype: torch.dtype = torch.float32
+    precision: torch.dtype | None = None
     logit_max: float = 0.0
     grad_out: torch.Tensor | None = None
     gradients: dict[str, GradientReference] = field(default_factory=dict)
@@ -295,7 +298,7 @@ def judge(out: torch.Tensor, refs: References) -> Verdict:
         return Verdict(verdict="fail", failure="shape", reason=reason)
     o = out.detach().double()
     errors, err, bad = output_errors(o, golden, refs.noise_l2, refs.noise_row)
-    judged = judge_errors(errors, refs.dtype, "out", logit_max=refs.logit_max)
+    judged = judge_errors(errors, refs.dtype, "out", logit_max=refs.logit_max, precision=refs.precision)
     note = f" [{refs.note}]" if refs.note else ""
     primary_max = None if bad else err
     reasons = [*_nonfinite(o, bad, refs), *_zero_rows(o, refs), *_masked_nonzero(o, refs)]
@@ -383,7 +386,7 @@ def _gradient_reasons(
         return [(f"{name}:shape", f"{name}: {got}, expected {tuple(golden.shape)}")], stats
     g = grad.detach().double()
     errors, err, bad = output_errors(g, golden, ref.noise_l2, ref.noise_row)
-    judged = judge_errors(errors, refs.dtype, name, logit_max=refs.logit_max)
+    judged = judge_errors(errors, refs.dtype, name, logit_max=refs.logit_max, precision=refs.precision)
     stats.update(
         max_abs=None if bad else err,
         verdict=judged.verdict,

@@ -2,24 +2,50 @@
 
 Computed in float64 from the same inputs it is the **golden** value every deviation is measured
 against. It materialises the ``(B, H, N_q, N_k)`` score matrix, as unfused attention does.
+
+``math:fp8=e4m3`` (or ``e5m2``) is the baseline of FP8 kernels: Q, K and V rounded to the FP8
+format with one amax scale per tensor (:func:`flashprobe.kernels.fp8.dequantize`), then every
+step in float32, as an FP8 GEMM accumulates. It carries the error every FP8 kernel with
+per-tensor scaled inputs has and nothing else (no FP8 P, no tiling), so an FP8 kernel compared
+with it differs in its algorithm only, as a 16-bit kernel compared with ``math`` in its dtype.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
+from flashprobe.kernels import fp8 as fp8_numerics
 from flashprobe.kernels._inputs import check_inputs, default_scale, to_dtype
 from flashprobe.kernels.reference import reference_attention
-from flashprobe.kernels.registry import register_kernel
+from flashprobe.kernels.registry import ANY_CAPABILITIES, KernelCapabilities, register_kernel
 
 __all__ = ["golden_attention", "math_attention"]
 
 
-def _validate(dtype: str | torch.dtype | None = None) -> None:
+#: What ``math:fp8=<format>`` supports: forward only (the FP8 rounding has no gradient).
+_FP8_CAPABILITIES = {
+    fmt: KernelCapabilities(backward_devices=frozenset(), fp8=fmt) for fmt in fp8_numerics.FP8_FORMATS
+}
+
+
+def _validate(dtype: str | torch.dtype | None = None, fp8: str = fp8_numerics.OFF) -> None:
     to_dtype(dtype)
+    if fp8 not in (*fp8_numerics.FP8_FORMATS, fp8_numerics.OFF):
+        allowed = ", ".join(repr(f) for f in (*fp8_numerics.FP8_FORMATS, fp8_numerics.OFF))
+        raise ValueError(f"math: fp8={fp8!r} must be one of {allowed}")
+    if fp8 != fp8_numerics.OFF and dtype is not None:
+        raise ValueError("math: fp8 computes in float32 after the FP8 rounding; leave dtype out")
 
 
-@register_kernel("math", validate=_validate)
+def _capabilities(options: Mapping[str, Any]) -> KernelCapabilities:
+    """Everything, except with ``fp8`` on: forward only, declaring its FP8 format."""
+    return _FP8_CAPABILITIES.get(options.get("fp8", fp8_numerics.OFF), ANY_CAPABILITIES)
+
+
+@register_kernel("math", validate=_validate, capabilities=_capabilities)
 def math_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -29,6 +55,7 @@ def math_attention(
     is_causal: bool = False,
     scale: float | None = None,
     dtype: str | torch.dtype | None = None,
+    fp8: str = fp8_numerics.OFF,
 ) -> torch.Tensor:
     """Baseline attention ``softmax(q kᵀ · scale + mask) v`` (fully masked rows give 0).
 
@@ -42,6 +69,8 @@ def math_attention(
         scale: softmax scale, default ``1/sqrt(D)``.
         dtype: compute every step in this dtype instead of the inputs' dtype; the result is cast
             back to the inputs' dtype.
+        fp8: ``"e4m3"`` or ``"e5m2"``: round q, k and v to that FP8 format first (one amax scale per
+            tensor) and compute in float32, the FP8 kernels' baseline; ``"off"`` (default): no.
 
     Returns:
         ``(B, H, N_q, D_v)`` in the inputs' dtype.
@@ -49,6 +78,10 @@ def math_attention(
     check_inputs(q, k, v, attn_mask, is_causal, kernel="math")
     out_dtype = q.dtype
     compute = to_dtype(dtype) or q.dtype
+    if fp8 != fp8_numerics.OFF:
+        compute = torch.float32
+        per_tensor = {"scaling": "tensor", "scale": fp8_numerics.AMAX, "block": 1}
+        q, k, v = (fp8_numerics.dequantize(x, fp8, **per_tensor) for x in (q, k, v))
     q, k, v = q.to(compute), k.to(compute), v.to(compute)  # (no copies when already there)
     s = default_scale(q.shape[-1], scale)
     # In place on fresh intermediates: the matmul and the scaling save their inputs, not outputs.

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from flashprobe.kernels._inputs import check_inputs
+from flashprobe.kernels.fp8 import FP8_FORMATS
 
 __all__ = [
     "ANY_CAPABILITIES",
@@ -141,6 +142,10 @@ class KernelCapabilities:
         min_cuda_capability: the oldest CUDA architecture, e.g. ``(8, 0)`` for sm80, or None.
         install: how to install what it needs where it runs (``"pip install flashinfer-python"``),
             named in device refusals; ``""`` for nothing to install.
+        fp8: the FP8 format (``"e4m3"``, ``"e5m2"``) the kernel rounds its operands (Q, K, V or
+            the probabilities P) to, the coarsest where it uses two; None for a kernel that
+            computes in its inputs' dtype or wider. ``flashprobe fuzz`` judges such a kernel
+            against ``math:fp8=<format>`` with that format's limits (:mod:`flashprobe.judge`).
     """
 
     masks: frozenset[str] = frozenset(MASK_KINDS)
@@ -158,8 +163,11 @@ class KernelCapabilities:
     backward_devices: frozenset[str] | None = None
     min_cuda_capability: tuple[int, int] | None = None
     install: str = ""
+    fp8: str | None = None
 
     def __post_init__(self) -> None:
+        if self.fp8 is not None and self.fp8 not in FP8_FORMATS:
+            raise ValueError(f"fp8={self.fp8!r} must be one of {', '.join(FP8_FORMATS)} or None")
         unknown = set(self.masks) - set(MASK_KINDS)
         if unknown:
             raise ValueError(f"masks: unknown kinds {sorted(unknown)}; allowed: {', '.join(MASK_KINDS)}")

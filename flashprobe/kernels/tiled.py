@@ -469,24 +469,26 @@ def spec_numerics(options: Mapping[str, Any], input_dtype: torch.dtype) -> TileN
     return resolve_numerics(input_dtype, **_numerics_options(options))
 
 
-#: What an FP8 spec supports: no backward (FA3's FP8 attention is forward only).
-_FP8_CAPABILITIES = KernelCapabilities(backward_devices=frozenset())
-#: An FP8 spec with the Hadamard rotation: power-of-two head dims as well.
-_HADAMARD_CAPABILITIES = KernelCapabilities(
-    backward_devices=frozenset(), head_dims=frozenset(2**i for i in range(13))
-)
+#: The head dims the Hadamard rotation takes: powers of two up to 4096.
+_HADAMARD_HEAD_DIMS = frozenset(2**i for i in range(13))
 
 
 def _capabilities(options: Mapping[str, Any]) -> KernelCapabilities:
-    """What a ``tiled`` spec supports: everything, except with FP8 knobs (no backward; the
-    rotation also needs a power-of-two head dim, up to 4096)."""
+    """What a ``tiled`` spec supports: everything, except with FP8 knobs: no backward (FA3's FP8
+    attention is forward only), the coarsest FP8 format it rounds to declared (``fp8``), and with
+    the rotation a power-of-two head dim up to 4096."""
     try:
         fp8 = fp8_numerics.resolve_fp8(options.get("preset"), **fp8_numerics.fp8_options(options))
     except ValueError:
         return ANY_CAPABILITIES  # a bad value is reported by the spec's validation
     if not fp8.active:
         return ANY_CAPABILITIES
-    return _HADAMARD_CAPABILITIES if fp8.rotation != fp8_numerics.OFF else _FP8_CAPABILITIES
+    formats = {fp8.qkv, fp8.p} - {fp8_numerics.OFF}
+    coarsest = "e5m2" if "e5m2" in formats else ("e4m3" if formats else None)  # None: rotation only
+    rotated = fp8.rotation != fp8_numerics.OFF
+    return KernelCapabilities(
+        backward_devices=frozenset(), head_dims=_HADAMARD_HEAD_DIMS if rotated else None, fp8=coarsest
+    )
 
 
 def _check(device: torch.device, dtype: torch.dtype, /, **options: Any) -> None:

@@ -1,0 +1,182 @@
+"""FP8 kernels are judged as FP8 kernels: against the FP8 baseline ``math:fp8=<format>`` with the
+format's limits (:mod:`flashprobe.judge`, "FP8"), both ways: correct FP8 kernels pass, FP8 bugs fail.
+
+The oracle of the baseline is a hand-built E4M3 grid (every finite value from its bits) and FP64
+attention; the fuzzer's verdicts are checked on kernels of real FP8 bug classes.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from flashprobe.fuzz import run_catalogue, select_cases
+from flashprobe.fuzz.run import fp8_baseline
+from flashprobe.judge import FP8_PRECISIONS, judge_errors
+from flashprobe.kernels import (
+    KernelCapabilities,
+    get_kernel,
+    golden_attention,
+    register_kernel,
+    unregister_kernel,
+)
+from flashprobe.kernels.fp8 import dequantize, hadamard_rotation
+
+#: Cases a forward-only FP8 kernel meets in training: masks, odd shapes, padding, outliers, long rows.
+CASES = ("padding_mask", "odd_shapes", "odd_shapes_causal", "outliers", "one_valid_key", "causal_nq_lt_nk")
+
+
+def _e4m3_grid() -> torch.Tensor:
+    """Every finite non-negative E4M3 (fn) value from its bits: 4 exponent bits (bias 7), 3 mantissa
+    bits, subnormals at exponent 0, no infinity, S.1111.111 is NaN."""
+    values = []
+    for e, m in itertools.product(range(16), range(8)):
+        if e == 15 and m == 7:
+            continue  # NaN
+        values.append(m / 8 * 2.0**-6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+    return torch.tensor(sorted(values), dtype=torch.float64)
+
+
+def _round_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest E4M3 value (ties away from the grid's odd mantissas are rare in random
+    data; the test's inputs avoid exact ties), saturating at ±448."""
+    grid = _e4m3_grid()
+    a = x.abs().clamp(max=448.0).reshape(-1, 1)
+    nearest = grid[(a - grid).abs().argmin(dim=1)]
+    return (nearest.reshape(x.shape) * x.sign()).to(torch.float64)
+
+
+def test_the_fp8_baseline_is_attention_on_per_tensor_e4m3_inputs():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(1, 2, 24, 16, generator=gen, dtype=torch.float64).to(torch.bfloat16) for _ in range(3)
+    )
+    by_hand = []
+    for x in (q, k, v):
+        amax = x.double().abs().max()
+        by_hand.append(_round_e4m3(x.double() * (448.0 / amax)) * (amax / 448.0))
+    expected = golden_attention(*by_hand, is_causal=True)
+    got = get_kernel("math:fp8=e4m3")(q, k, v, is_causal=True)
+    assert got.dtype == torch.bfloat16
+    # float32 arithmetic after the rounding, then the bf16 output: within bf16's rounding of the result
+    torch.testing.assert_close(got.double(), expected, rtol=2**-8, atol=2**-8 * expected.abs().max().item())
+    # and it carries E4M3's error: far above bf16's own, below E4M3's half-ulp bound
+    err = (
+        (got.double() - golden_attention(q.double(), k.double(), v.double(), is_causal=True)).norm()
+        / expected.norm()
+    ).item()
+    assert 2**-8 < err < 2**-4
+
+
+def test_fp8_kernels_declare_their_format_and_get_the_fp8_baseline():
+    assert get_kernel("tiled:preset=fa3_fp8").capabilities.fp8 == "e4m3"
+    assert get_kernel("tiled:preset=fa3_fp8,qkv_fp8=e5m2").capabilities.fp8 == "e5m2"  # the coarsest
+    assert get_kernel("tiled:preset=fa3_fp8,qkv_fp8=off,p_fp8=off").capabilities.fp8 is None  # rotation only
+    assert get_kernel("tiled").capabilities.fp8 is None
+    assert get_kernel("math:fp8=e5m2").capabilities.fp8 == "e5m2"
+    assert fp8_baseline("tiled:preset=fa3_fp8", "math") == ("math:fp8=e4m3", torch.float8_e4m3fn)
+    assert fp8_baseline("tiled", "math") == ("math", None)
+    assert fp8_baseline("tiled:preset=fa3_fp8", "sdpa_math") == ("sdpa_math", torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="fp8='e3m4' must be one of 'e4m3', 'e5m2', 'off'"):
+        get_kernel("math:fp8=e3m4")
+    with pytest.raises(ValueError, match="must be one of e4m3, e5m2"):
+        KernelCapabilities(fp8="int8")
+
+
+def test_fp8_limits_are_the_formats():
+    # an FP8 kernel 3 % off where the FP8 baseline is 2 % off: fails bf16's limits, passes E4M3's
+    g_sq, p_sq, b_sq = 1.0, 0.03**2, 0.02**2
+    errors = [p_sq, b_sq, g_sq, 0.0, 0.06, 0.05, 1.0]  # ERROR_COLUMNS
+    assert judge_errors(errors, torch.bfloat16, "out").verdict == "pass"  # 1.5x the baseline: passes either
+    wrong = [0.2**2, b_sq, g_sq, 0.0, 0.3, 0.05, 1.0]  # 20 % off, 10x the FP8 baseline
+    judged = judge_errors(wrong, torch.bfloat16, "out", precision=FP8_PRECISIONS["e4m3"])
+    assert judged.verdict == "fail" and judged.criterion == "relative"
+    assert "FP8 baseline" in judged.reason
+
+
+def _fp8_kernel(name, body):
+    """Register ``body(q, k, v, mask, causal, scale)`` as a forward-only E4M3 kernel (power-of-two
+    head dims, as the rotation needs)."""
+
+    def kernel(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+        with torch.no_grad():
+            return body(q, k, v, attn_mask, is_causal, scale).to(q.dtype)
+
+    register_kernel(
+        name,
+        kernel,
+        capabilities=KernelCapabilities(fp8="e4m3", backward_devices=frozenset()),
+        overwrite=True,
+    )
+    return name
+
+
+def _math(q, k, v, mask, causal, scale):
+    return get_kernel("math:dtype=float32")(
+        q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal, scale=scale
+    )
+
+
+def _q(x):
+    return dequantize(x, "e4m3", scaling="tensor", scale="amax", block=1)
+
+
+#: FP8 bug classes: a descale left out (V's values used at their FP8 scale), Q rotated but not K,
+#: K quantized with a scale from its first rows only (later outlier rows saturate at 448).
+def _no_v_descale(q, k, v, mask, causal, scale):
+    amax = v.float().abs().amax()
+    return _math(_q(q), _q(k), _q(v) * (448.0 / amax), mask, causal, scale)
+
+
+def _rotate_q_only(q, k, v, mask, causal, scale):
+    m = hadamard_rotation(q.shape[-1], 0, dtype=torch.float32)
+    return _math(_q(q.float() @ m), _q(k), _q(v), mask, causal, scale)
+
+
+def _first_rows_scale(q, k, v, mask, causal, scale):
+    kf = k.float()
+    s = 448.0 / kf[..., :4, :].abs().amax().clamp(min=1e-6)
+    k8 = (kf * s).clamp(-448, 448).to(torch.float8_e4m3fn).float() / s
+    return _math(_q(q), k8, _q(v), mask, causal, scale)
+
+
+@pytest.fixture
+def fp8_mutants():
+    names = [
+        _fp8_kernel(f"fp8_bug_{f.__name__.strip('_')}", f)
+        for f in (_no_v_descale, _rotate_q_only, _first_rows_scale)
+    ]
+    yield names
+    for name in names:
+        unregister_kernel(name)
+
+
+def test_correct_fp8_kernels_pass_and_fp8_bugs_fail(fp8_mutants):
+    correct = ["tiled:preset=fa3_fp8,rotation=off", "tiled:preset=fa3_fp8,fp8_scaling=tensor,rotation=off"]
+    rows = []
+    for seed in (0, 1):
+        rows += run_catalogue(
+            [*correct, *fp8_mutants], ["bf16", "fp16"], cases=select_cases(CASES), seed=seed, backward=False
+        )
+    by_kernel = {k: [r for r in rows if r.kernel == k] for k in (*correct, *fp8_mutants)}
+    for kernel in correct:
+        verdicts = {r.verdict for r in by_kernel[kernel]}
+        assert verdicts <= {"pass", "unsupported"}, [
+            r.reason for r in by_kernel[kernel] if r.verdict != "pass"
+        ]
+    for kernel in fp8_mutants:
+        failed = [r for r in by_kernel[kernel] if r.verdict == "fail"]
+        assert failed, f"{kernel} passed every case"
+    # the descale left out and the one-sided rotation fail every case they run but two: a single valid
+    # key (its softmax weight is 1 whatever the scores) for the rotation, and the outliers call of seed 1
+    # for the descale (89 % off where the FP8 baseline itself is 23 % off: under 4x the baseline's error)
+    allowed = {
+        "fp8_bug_no_v_descale": {("outliers", 1)},
+        "fp8_bug_rotate_q_only": {("one_valid_key", 0), ("one_valid_key", 1)},
+    }
+    for kernel, excused in allowed.items():
+        judged = [r for r in by_kernel[kernel] if r.verdict in ("pass", "fail")]
+        passed = {(r.case, r.seed) for r in judged if r.verdict == "pass"}
+        assert len(judged) >= 16 and passed <= excused, (kernel, passed)
