@@ -79,7 +79,7 @@ scale per tensor, everything after in float32 — with the limits of the format'
 (and 4× the FP8 baseline's error), the row limit ½ (and 4× its worst row), and the relative
 limit stays 8× the FP8 baseline's error. The baseline differs from the kernel in the algorithm
 only (tiling, the FP8 cast of P, finer scales, the rotation), as ``math`` does from a 16-bit kernel.
-Measured on the fuzzer's default catalogue, bf16 and fp16, seeds 0–1 (``tests/fuzz/test_fp8.py``
+Measured on the fuzzer's default catalogue, bf16 and fp16, seeds 0–1 (``tests/fuzz/test_fp8_rule.py``
 repeats a subset): ``fa3_fp8`` without the rotation, with per-tensor scales and with E5M2 stay
 within 1.4× the FP8 baseline's error; with the Hadamard rotation, calls whose logits reach 1e4
 (sentinels in q·kᵀ) and a rising row maximum fail: the rotation spreads a large logit's channel
