@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from flashprobe.deviation import Deviation, deviation, error_ratio
+    from flashprobe.fuzz.check import KernelCheck, check_kernel
     from flashprobe.kernels import (
         Kernel,
         KernelCapabilities,
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
         register_kernel,
         tiled_attention,
     )
-    from flashprobe.probe import ShadowAttention, use_kernel
+    from flashprobe.probe import ProbeConfig, ShadowAttention, use_kernel
     from flashprobe.weights import SnapshotStore, compare_runs, max_abs_diff, wasserstein_distance
 
 __version__ = "0.1.0"
@@ -55,7 +56,8 @@ _PUBLIC: dict[str, str] = {
         ),
         "flashprobe.kernels",
     ),
-    **dict.fromkeys(("ShadowAttention", "use_kernel"), "flashprobe.probe"),
+    **dict.fromkeys(("KernelCheck", "check_kernel"), "flashprobe.fuzz.check"),
+    **dict.fromkeys(("ProbeConfig", "ShadowAttention", "use_kernel"), "flashprobe.probe"),
     **dict.fromkeys(
         ("SnapshotStore", "compare_runs", "max_abs_diff", "wasserstein_distance"), "flashprobe.weights"
     ),
@@ -78,14 +80,17 @@ __all__ = [
     "Deviation",
     "Kernel",
     "KernelCapabilities",
+    "KernelCheck",
     "KernelInputError",
     "KernelSpecError",
     "KernelUnavailableError",
     "KernelUnsupportedError",
+    "ProbeConfig",
     "ShadowAttention",
     "SnapshotStore",
     "__version__",
     "available_kernels",
+    "check_kernel",
     "compare_runs",
     "deviation",
     "error_ratio",

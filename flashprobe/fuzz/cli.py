@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +28,11 @@ import torch
 
 from flashprobe.formats import OutputPathError, atomic_write_text, prepare_output_dir, write_json
 from flashprobe.fuzz.cases import PROFILES, FuzzCase, select_cases
+from flashprobe.fuzz.check import check_kernel
 from flashprobe.fuzz.kernel_call import kernel_label
 from flashprobe.fuzz.layouts import LAYOUTS
-from flashprobe.fuzz.reproducer import ReproducerStore
 from flashprobe.fuzz.rule import RULE
-from flashprobe.fuzz.run import FuzzResult, run_catalogue
-from flashprobe.fuzz.search import random_search
+from flashprobe.fuzz.run import FuzzResult
 from flashprobe.fuzz.tables import (
     case_seconds,
     catalogue_table,
@@ -472,34 +470,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as err:
         print(f"flashprobe fuzz: {err}", file=sys.stderr)
         return 2
-    common = {"seed": plan.seed, "device": plan.device, "baseline": plan.baseline, "backward": plan.backward}
-    store = ReproducerStore(plan.out_dir, baseline=plan.baseline, backward=plan.backward)
-    progress = _progress(plan.quiet)
-    start = time.perf_counter()
-    results = [
-        r
-        for seed in range(plan.seed, plan.seed + plan.seeds)
-        for r in run_catalogue(
-            plan.kernels,
-            plan.dtypes,
-            cases=plan.cases,
-            layouts=plan.layouts,
-            progress=progress,
-            reproducers=store,
-            **{**common, "seed": seed},
-        )
-    ]
-    catalogue_s = time.perf_counter() - start
-    results += random_search(
+    check = check_kernel(
         plan.kernels,
-        plan.dtypes,
-        budget=plan.budget,
+        dtypes=plan.dtypes,
+        cases=plan.cases,
         profile=plan.profile,
-        progress=progress,
-        reproducers=store,
-        **common,
+        seed=plan.seed,
+        seeds=plan.seeds,
+        budget=plan.budget,
+        backward=plan.backward,
+        layouts=plan.layouts,
+        baseline=plan.baseline,
+        device=plan.device,
+        out_dir=plan.out_dir,
+        progress=_progress(plan.quiet),
     )
-    elapsed = time.perf_counter() - start
+    results, elapsed, catalogue_s = check.results, check.elapsed_s, check.catalogue_s
     _print_results(plan, results, elapsed)
     timing = {"elapsed_s": elapsed, "catalogue_s": catalogue_s}
     written = _write(plan, _payload(plan, "flashprobe fuzz " + " ".join(argv), results, timing), results)

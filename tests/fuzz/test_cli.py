@@ -126,8 +126,7 @@ def no_run(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a case ran despite bad input")
 
-    monkeypatch.setattr(cli, "run_catalogue", refuse)
-    monkeypatch.setattr(cli, "random_search", refuse)
+    monkeypatch.setattr(cli, "check_kernel", refuse)
 
 
 def _bad_input(argv: list[str], capsys) -> str:

@@ -1,0 +1,138 @@
+"""The fuzzer as one library call: :func:`check_kernel` runs the catalogue (and random search) on
+kernels and returns a :class:`KernelCheck` — the rows, the failures, the reproducers' paths.
+
+``flashprobe fuzz`` is this call plus argument checks, printing and ``fuzz.json``::
+
+    from flashprobe import check_kernel
+
+    result = check_kernel("tiled:preset=paper", dtypes=["bf16"], cases=["sentinel_*"], backward=False)
+    assert result.passed, result.failures[0].reason
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from flashprobe.fuzz.cases import FuzzCase, select_cases
+from flashprobe.fuzz.kernel_call import kernel_label
+from flashprobe.fuzz.reproducer import ReproducerStore
+from flashprobe.fuzz.run import FuzzResult, run_catalogue
+from flashprobe.fuzz.search import random_search
+from flashprobe.fuzz.tables import summary_counts
+from flashprobe.kernels import Kernel
+
+__all__ = ["KernelCheck", "check_kernel"]
+
+
+@dataclass
+class KernelCheck:
+    """What :func:`check_kernel` found.
+
+    Attributes:
+        results: one row per (seed, case, dtype, kernel), then one per random sample and kernel.
+        catalogue_s: seconds spent on the catalogue.
+        elapsed_s: seconds in all.
+        reproducers: the files saved for the failures (empty without ``out_dir``).
+    """
+
+    results: list[FuzzResult]
+    catalogue_s: float = 0.0
+    elapsed_s: float = 0.0
+    reproducers: list[Path] = field(default_factory=list)
+
+    @property
+    def failures(self) -> list[FuzzResult]:
+        """The rows whose verdict is ``fail``."""
+        return [r for r in self.results if r.verdict == "fail"]
+
+    @property
+    def passed(self) -> bool:
+        """No row failed (rows ``skip``, ``unsupported`` or ``no_backward`` do not fail)."""
+        return not self.failures
+
+    @property
+    def summary(self) -> dict[str, int]:
+        """How many rows got each verdict."""
+        return summary_counts(self.results)
+
+
+def check_kernel(
+    kernels: str | Kernel | Sequence[str | Kernel],
+    *,
+    dtypes: Sequence[str | torch.dtype] = ("bf16", "fp16", "fp32"),
+    cases: Iterable[str] | Sequence[FuzzCase] | None = None,
+    profile: str = "default",
+    seed: int = 0,
+    seeds: int = 1,
+    budget: int = 0,
+    backward: bool = True,
+    layouts: Sequence[str] = ("contiguous",),
+    baseline: str | Kernel = "math",
+    device: str | torch.device = "cpu",
+    out_dir: str | os.PathLike[str] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> KernelCheck:
+    """Run the fuzzer's catalogue for ``seeds`` seeds, then ``budget`` random samples, on
+    ``kernels``, each judged by the one rule (:mod:`flashprobe.judge`) against the FP64 golden.
+
+    Args:
+        kernels: a kernel (spec or :class:`~flashprobe.kernels.Kernel`) or several.
+        dtypes: the dtypes to run (``bf16``, ``fp16``, ``fp32`` or torch dtypes).
+        cases: case names or globs (``"sentinel_*"``), or :class:`FuzzCase` objects; None: the
+            ``profile``'s catalogue.
+        profile: ``default`` (the CI gate) or ``full``.
+        seed: the first seed; ``seeds``: how many.
+        budget: random samples after the catalogue (0: none).
+        backward: also judge the gradients ``dq``, ``dk``, ``dv``.
+        layouts: memory layouts every case runs in (:data:`~flashprobe.fuzz.layouts.LAYOUTS`).
+        baseline: the same-dtype baseline (FP8 kernels get ``math:fp8=<format>`` in place of ``math``).
+        device: where to run.
+        out_dir: where failures' reproducers are saved (one per kernel, property and direction);
+            None saves none.
+        progress: called with one line per (case, dtype) and random sample.
+
+    Returns:
+        The :class:`KernelCheck`.
+
+    Raises:
+        ValueError: ``seeds`` < 1, ``budget`` < 0, or a case pattern that matches no case.
+    """
+    if seeds < 1:
+        raise ValueError(f"seeds={seeds}: must be >= 1 (the catalogue runs for seeds seed ... seed+seeds-1)")
+    if budget < 0:
+        raise ValueError(f"budget={budget}: must be >= 0 (random samples; 0 runs only the catalogue)")
+    labels = [kernel_label(k) for k in ([kernels] if isinstance(kernels, str | Kernel) else kernels)]
+    if cases is None:
+        chosen = select_cases(profile=profile)
+    else:
+        given = list(cases)
+        named = [c for c in given if isinstance(c, str)]
+        chosen = [c for c in given if isinstance(c, FuzzCase)] + (
+            select_cases(named, profile=profile) if named else []
+        )
+    store = None
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        store = ReproducerStore(Path(out_dir), baseline=baseline, backward=backward)
+    common = {"device": device, "baseline": baseline, "backward": backward, "reproducers": store}
+    start = time.perf_counter()
+    results = [
+        r
+        for s in range(seed, seed + seeds)
+        for r in run_catalogue(
+            labels, dtypes, cases=chosen, seed=s, layouts=layouts, progress=progress, **common
+        )
+    ]
+    catalogue_s = time.perf_counter() - start
+    if budget:
+        results += random_search(
+            labels, dtypes, budget=budget, seed=seed, profile=profile, progress=progress, **common
+        )
+    saved = sorted(set(store.saved.values())) if store is not None else []
+    return KernelCheck(results, catalogue_s, time.perf_counter() - start, saved)
