@@ -1,4 +1,16 @@
-"""Deliberately buggy attention kernels: one bug each, of a class real kernels have shipped.
+"""The mutation suite: attention kernels that each carry one bug of a class real kernels have shipped.
+
+One registry, :data:`MUTANTS`, serves every detector of the project: the probe's tests train with
+the mutants as the primary kernel, ``flashprobe fuzz``'s tests run them on the catalogue cases
+built for their class, and ``flashprobe bench rules`` counts how many of them each pass/fail rule
+catches. Each :class:`Mutant` has a name, its bug class in words kernel authors use, the
+directions it breaks (``out``, ``dq``, ``dk``, ``dv``), what it needs to fire, a small call that
+fires it and one that does not (:class:`Case`), and the fuzz cases that catch it (:class:`Catch`).
+:func:`register_mutants` registers them as ``bug_<name>``; :func:`correct_flash` (the same code
+path with no bug) as ``bug_none``; :data:`CORRECT`, correct kernels with production numerics (the
+flash-style backward, exp2 with the scale folded into log2(e), split-K with a log-sum-exp
+combine), as ``ok_<name>``. :func:`blockwise_attention` is a correct kernel written as Triton
+kernels are, with their declared limits (:data:`TRITON_LIKE`).
 
 Every kernel has the SDPA signature ``fn(q, k, v, *, attn_mask=None, is_causal=False, scale=None)``
 on ``(B, H, N, D)`` tensors and is correct except for its one bug:
@@ -21,19 +33,13 @@ log-sum-exp, as FlashAttention does) and a hand-written flash-style backward tha
     dV = Pᵀ dO,  dP = dO Vᵀ,  Δ = rowsum(dO ∘ O),  dS = P ∘ (dP − Δ),
     dQ = scale · dS K,  dK = scale · dSᵀ Q   (summed over the query heads of a GQA group)
 
-with the one bug inserted. :func:`correct_flash` is that code path with no bug.
+with the one bug inserted.
 
-:data:`BUGS` maps each bug's name to a :class:`BugSpec`: the kernel, the first direction it
-corrupts (``"out"``, ``"dq"``, ``"dk"``, ``"dv"``, in that order), its trigger in words, one call
-that triggers it (:meth:`BugSpec.trigger_case`) and, where one exists, one that does not
-(:meth:`BugSpec.quiet_case`). :func:`register_buggy_kernels` registers them as ``bug_<name>``,
-:func:`correct_flash` as ``bug_none`` and the correct kernels with production numerics
-(:data:`CORRECT`: the flash-style backward, exp2 with the scale folded into log2(e), split-K with a
-log-sum-exp combine) as ``ok_<name>``.
-
-Triggers are chosen so a tiny training loop can hit them by changing its shapes: a sequence length
-(``N % 32``, ``N > 64``), the head dim (``D > 64``), the batch size (``B > 1``), the layout
-(``q`` a transposed ``(B, N, H, D)`` view), a causal or padding mask, GQA heads or the dtype.
+The small calls' triggers are chosen so a tiny training loop can hit them by changing its shapes:
+a sequence length (``N % 32``, ``N > 64``), the head dim (``D > 64``), the batch size (``B > 1``),
+the layout (``q`` a transposed ``(B, N, H, D)`` view), a causal or padding mask, GQA heads or the
+dtype; the fuzz-sized bugs (tiles of 128, grids past 1024, 2²⁴ elements) fire on the catalogue's
+cases.
 """
 
 from __future__ import annotations
@@ -45,18 +51,25 @@ from typing import Any, Literal
 
 import torch
 
+from flashprobe.kernels import KernelCapabilities, math_attention
+
 __all__ = [
-    "BUGS",
     "CORRECT",
     "DIRECTIONS",
-    "BugSpec",
+    "MUTANTS",
+    "TRITON_LIKE",
     "Case",
+    "Catch",
+    "Mutant",
+    "blockwise_attention",
     "correct_flash",
-    "register_buggy_kernels",
+    "delta_dropped",
+    "kv_tile_zeroed",
+    "register_mutants",
 ]
 
 Direction = Literal["out", "dq", "dk", "dv"]
-#: the directions a call can be wrong in, in the order :attr:`BugSpec.direction` counts "first"
+#: the directions a call can be wrong in, in the order :attr:`Mutant.directions` lists them
 DIRECTIONS: tuple[Direction, ...] = ("out", "dq", "dk", "dv")
 
 _NEG_INF = float("-inf")
@@ -134,11 +147,13 @@ def _math(
     scale: float,
     mask_value: float = _NEG_INF,
     scores: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    softmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Plain autograd attention on equal-head tensors in the compute dtype, output in ``q``'s dtype.
 
     ``scores(qc, kc)`` replaces the unscaled ``qc @ kcᵀ``; ``mask_value`` is what masked-out
-    scores are set to. Rows whose every score is ``-inf`` give zeros (safe softmax).
+    scores are set to. Rows whose every score is ``-inf`` give zeros (safe softmax), unless
+    ``softmax(s)`` replaces the row softmax (it then gets the scores as they are).
     """
     c = _compute_dtype(q.dtype)
     qc, kc, vc = q.to(c), k.to(c), v.to(c)
@@ -149,6 +164,8 @@ def _math(
         s = s + bias.to(c)
     if keep is not None:
         s = s.masked_fill(~keep, mask_value)
+    if softmax is not None:
+        return (softmax(s) @ vc).to(q.dtype)
     dead = s.detach().amax(dim=-1, keepdim=True) == _NEG_INF
     p = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
     return (p @ vc).to(q.dtype)
@@ -267,29 +284,51 @@ def batch_kv_mixup(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     return _forward_bug(q, k, v, attn_mask, is_causal, scale)
 
 
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
 def _as_if_contiguous(x: torch.Tensor) -> torch.Tensor:
     """``x``'s storage read with contiguous ``(B, H, N, D)`` strides from its data pointer, as a
-    kernel that takes ``data_ptr()`` without checking strides does (differentiably)."""
+    kernel that takes ``data_ptr()`` without checking strides does (differentiably).
+
+    Raises:
+        RuntimeError: the read goes past the end of the storage (an expanded tensor), where a GPU
+            kernel reads out of bounds.
+    """
     if x.is_contiguous():
         return x
-    strides, acc = [], 1
-    for n in reversed(x.shape):
-        strides.append(acc)
-        acc *= n
     needed = (x.storage_offset() + x.numel()) * x.element_size()
-    if x.untyped_storage().nbytes() < needed:  # an expanded tensor: a real kernel reads past it
-        return x.contiguous()
-    return torch.as_strided(x, x.shape, tuple(reversed(strides)), x.storage_offset())
+    if x.untyped_storage().nbytes() < needed:
+        raise RuntimeError("out-of-bounds read: a stride-0 (expanded) view read as contiguous memory")
+    return torch.as_strided(x, x.shape, _contiguous_strides(x.shape), x.storage_offset())
 
 
-def q_assumed_contiguous(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
-    """Bug class: strides ignored: ``q`` read as if it were contiguous ``(B, H, N, D)``.
+def strides_ignored(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: strides ignored: ``q``, ``k``, ``v`` read as if they were contiguous ``(B, H, N, D)``.
 
-    Trigger: ``q`` a non-contiguous view, e.g. ``x.view(B, N, H, D).transpose(1, 2)`` as models
-    make it (with ``H > 1`` and ``N > 1``; the data is then read in ``(B, N, H, D)`` order).
-    Quiet for a contiguous ``q``. (``k``/``v`` are read correctly.)
+    Trigger: a non-contiguous view, e.g. ``x.view(B, N, H, D).transpose(1, 2)`` as models make it
+    (with ``H > 1`` and ``N > 1``; the data is then read in ``(B, N, H, D)`` order), slices of a
+    fused projection, or an expanded k/v (read out of bounds: an error). Quiet for contiguous
+    tensors and for a contiguous tensor at a storage offset.
     """
-    return _forward_bug(_as_if_contiguous(q), k, v, attn_mask, is_causal, scale)
+    q, k, v = (_as_if_contiguous(t) for t in (q, k, v))
+    return _forward_bug(q, k, v, attn_mask, is_causal, scale)
+
+
+def storage_offset_ignored(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: a view's storage offset ignored: ``q``, ``k``, ``v`` read from the start of
+    their storage.
+
+    Trigger: a view that does not start its storage (a slice of a larger buffer, of a fused
+    projection). Quiet for tensors that own their storage.
+    """
+    q, k, v = (t.as_strided(t.shape, t.stride(), 0) for t in (q, k, v))
+    return _forward_bug(q, k, v, attn_mask, is_causal, scale)
 
 
 def fp32_bf16_scores(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -325,6 +364,258 @@ def mask_sentinel(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     return _forward_bug(q, k, v, attn_mask, is_causal, scale, mask_value=MASK_SENTINEL)
 
 
+def falsy_scale(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: ``scale or 1/sqrt(D)``: an explicit ``scale=0.0`` is taken for "not given".
+
+    Trigger: ``scale=0.0`` (uniform attention). Quiet for any other scale.
+    """
+    return _forward_bug(q, k, v, attn_mask, is_causal, scale or None)
+
+
+def _unsafe_softmax(s: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(s, dim=-1)  # NaN for a row of -inf
+
+
+def fully_masked_nan(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: NaN for fully masked rows (a softmax without torch's safe convention).
+
+    Trigger: a query row whose every key is masked. Quiet where every row sees a key.
+    """
+    return _forward_bug(q, k, v, attn_mask, is_causal, scale, softmax=_unsafe_softmax)
+
+
+def causal_bottom_right(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: the causal mask aligned bottom-right (flash-attn's convention) where torch's is
+    top-left: query ``i`` sees keys ``j <= i + N_k − N_q``.
+
+    Trigger: ``is_causal=True`` with ``N_q != N_k``. Quiet for ``N_q == N_k``.
+    """
+    offset = k.shape[-2] - q.shape[-2]
+    return _forward_bug(q, k, v, attn_mask, is_causal, scale, causal_offset=offset)
+
+
+def _softmax_without_max(s: torch.Tensor) -> torch.Tensor:
+    e = torch.exp(s)
+    return e / e.sum(dim=-1, keepdim=True)
+
+
+def no_max_subtraction(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: ``exp(s)`` without subtracting the row maximum.
+
+    Trigger: logits above ``log(float max)`` (about 88 in fp32): ``exp`` overflows to Inf, the row
+    to NaN. Quiet for small logits.
+    """
+    return _forward_bug(q, k, v, attn_mask, is_causal, scale, softmax=_softmax_without_max)
+
+
+#: keys per key tile of the fuzz-sized tiled bugs
+TILE = 128
+
+
+def _softmax_without_rescale(s: torch.Tensor) -> torch.Tensor:
+    """Each key tile exponentiated with its own maximum, never rescaled to the row's."""
+    tiles = []
+    for j in range(0, s.shape[-1], TILE):
+        part = s[..., j : j + TILE]
+        m = part.detach().amax(dim=-1, keepdim=True)
+        tiles.append(torch.exp(part - m.masked_fill(m == _NEG_INF, 0.0)))
+    e = torch.cat(tiles, dim=-1)
+    total = e.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, e / total.masked_fill(total == 0, 1.0), 0.0)
+
+
+def no_rescale(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: online softmax without rescaling: each key tile of 128 keeps its own maximum.
+
+    Trigger: ``N_k > 128`` with the row maximum changing between tiles (rising logits). Quiet for
+    ``N_k <= 128``.
+    """
+    return _forward_bug(q, k, v, attn_mask, is_causal, scale, softmax=_softmax_without_rescale)
+
+
+def qk_in_fp16(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: ``q·kᵀ`` formed in the 16-bit inputs' dtype before the scale is applied.
+
+    Trigger: fp16 inputs whose unscaled ``q·kᵀ`` exceeds 65504 (Inf, then NaN). Quiet for float32
+    (it is then the plain baseline).
+    """
+    k, v = _expand_kv(k, v, q.shape[1])
+    return math_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+
+
+def additive_mask_ignored(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: an additive (float) ``attn_mask`` dropped, its ``-inf`` entries included.
+
+    Trigger: a float mask. Quiet for bool masks and no mask.
+    """
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        attn_mask = None
+    return _forward_bug(q, k, v, attn_mask, is_causal, scale)
+
+
+def mask_batch_broadcast(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: batch entry 0's mask used for every entry.
+
+    Trigger: a per-entry mask ``(B, ..., N_q, N_k)`` with ``B > 1`` whose entries differ (a
+    padded batch). Quiet for ``B == 1`` or a mask broadcast over the batch.
+    """
+    if attn_mask is not None and attn_mask.dim() == 4 and attn_mask.shape[0] > 1:
+        attn_mask = attn_mask[:1]
+    return _forward_bug(q, k, v, attn_mask, is_causal, scale)
+
+
+#: (batch, head) programs the large-grid kernel launches correctly
+GRID_LIMIT = 1024
+
+
+def large_grid_head_mixup(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: launch-grid overflow: (batch, head) slices past 1024 get an earlier slice's output.
+
+    Trigger: ``B · H > 1024``. Quiet below.
+    """
+    out = _forward_bug(q, k, v, attn_mask, is_causal, scale)
+    b, h = out.shape[:2]
+    if b * h <= GRID_LIMIT:
+        return out
+    index = torch.arange(b * h, device=out.device)
+    index = torch.where(index >= GRID_LIMIT, index - GRID_LIMIT, index)
+    return out.reshape(b * h, *out.shape[2:])[index].reshape(out.shape)
+
+
+def _allowed(q: torch.Tensor, k: torch.Tensor, attn_mask: Any, is_causal: bool) -> torch.Tensor:
+    """Bool, broadcastable to ``(B, H, N_q, N_k)``: where a query may attend to a key."""
+    keep, bias = _masks(attn_mask, is_causal, q.shape[-2], k.shape[-2], q.device)
+    allowed = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device)
+    if keep is not None:
+        allowed = allowed & keep
+    if bias is not None:
+        allowed = allowed & (bias > _NEG_INF)
+    return allowed
+
+
+def raw_sentinel(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: the −5e4 sentinel applied to the *unscaled* ``q·kᵀ``, and the running maximum
+    started there.
+
+    Trigger: valid unscaled logits below −5e4 (a large head dim with a small scale reaches them
+    first). Quiet for logits above.
+    """
+    k, v = _expand_kv(k, v, q.shape[1])
+    scale = _scale(q.shape[-1], scale)
+    raw = q.float() @ k.float().transpose(-2, -1)
+    raw = raw.masked_fill(~_allowed(q, k, attn_mask, is_causal), MASK_SENTINEL)
+    m = raw.amax(dim=-1, keepdim=True).clamp_min(MASK_SENTINEL)
+    p = torch.where(raw <= MASK_SENTINEL, 0.0, torch.exp((raw - m) * scale))
+    out = (p @ v.float()) / p.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+    return out.to(q.dtype)
+
+
+def tail_reader(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: unmasked loads of a partial last key tile: the tile is read whole past ``N_k``
+    and its extra probabilities zeroed, so ``0 × NaN`` from the memory past the end poisons rows.
+
+    Trigger: ``N_k % 128 != 0`` with non-finite values stored after k, v. Quiet for whole tiles.
+    """
+    n_k = k.shape[2]
+    full = -(-n_k // TILE) * TILE
+    k_tile = k.as_strided((*k.shape[:2], full, k.shape[3]), k.stride(), k.storage_offset())
+    v_tile = v.as_strided((*v.shape[:2], full, v.shape[3]), v.stride(), v.storage_offset())
+    s = (q.float() @ k_tile.float().transpose(-2, -1)) * _scale(q.shape[-1], scale)
+    valid = torch.zeros(*s.shape[:2], 1, full, dtype=torch.bool)
+    valid[..., :n_k] = True
+    if attn_mask is not None:
+        pad = attn_mask.new_zeros(*attn_mask.shape[:-1], full - n_k)
+        valid = valid & torch.cat([attn_mask, pad], dim=-1)
+    p = torch.softmax(s.masked_fill(~valid, _NEG_INF), dim=-1).nan_to_num(0.0)
+    return (p @ v_tile.float()).to(q.dtype)  # p = 0 past N_k; v there is the poison
+
+
+def nan_swallowed(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: a fully-masked-row guard that catches NaN rows too: a NaN row returned as 0.
+
+    Trigger: NaN in the inputs (the golden is NaN there). Quiet for finite inputs.
+    """
+    k, v = _expand_kv(k, v, q.shape[1])
+    out = math_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+    return torch.nan_to_num(out, nan=0.0)
+
+
+def float_offsets(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: element offsets computed in float32: wrong past 2²⁴ elements.
+
+    Trigger: ``k`` of more than 2²⁴ elements. Quiet below.
+    """
+    index = torch.arange(k.numel(), dtype=torch.float32).long().clamp_max(k.numel() - 1)
+    k = k.contiguous().reshape(-1)[index].view(k.shape)
+    return _forward_bug(q, k, v, attn_mask, is_causal, scale)
+
+
+#: the limits of a typical hand-written Triton attention kernel (:func:`blockwise_attention`)
+TRITON_LIKE = KernelCapabilities(
+    masks=frozenset({"causal", "key_padding"}),
+    seq_multiple=TILE,
+    same_length=True,
+    backward_masks=frozenset({"causal"}),
+    head_dims=frozenset({32, 64, 128}),
+)
+
+
+def blockwise_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    first_block_nan: bool = False,
+) -> torch.Tensor:
+    """Online-softmax attention over key blocks of 128 in fp32 (differentiable by autograd), written
+    the way Triton kernels are; registered with :data:`TRITON_LIKE` limits.
+
+    Args:
+        q: ``(B, H, N_q, D)``; k: ``(B, H_kv, N_k, D)``; v: ``(B, H_kv, N_k, D_v)``.
+        attn_mask: a bool key-padding mask ``(B, 1, 1, N_k)``, or None.
+        is_causal: top-left causal mask.
+        scale: the softmax scale (``1/sqrt(D)`` when None).
+        first_block_nan: the bug of :func:`first_block_nan`.
+
+    Returns:
+        ``(B, H, N_q, D_v)`` in q's dtype; 0 for rows that see no key.
+    """
+    scale = _scale(q.shape[-1], scale)
+    k, v = _expand_kv(k, v, q.shape[1])
+    valid = _allowed(q, k, attn_mask, is_causal)
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    shape = (*q.shape[:3], 1)
+    m = q32.new_full(shape, _NEG_INF)
+    total = q32.new_zeros(shape)
+    acc = q32.new_zeros(*q.shape[:3], v.shape[-1])
+    for j in range(0, k.shape[2], TILE):
+        s = (q32 @ k32[:, :, j : j + TILE].transpose(-2, -1)) * scale
+        s = s.masked_fill(~valid[..., j : j + TILE], _NEG_INF)
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        if not first_block_nan:  # a block whose keys are all masked so far: subtract 0, not -inf
+            m_new = torch.where(torch.isneginf(m_new), 0.0, m_new)
+        p = torch.exp(s - m_new)
+        alpha = torch.exp(m - m_new)
+        total = total * alpha + p.sum(-1, keepdim=True)
+        acc = acc * alpha + p @ v32[:, :, j : j + TILE]
+        m = m_new
+    return (acc / torch.where(total == 0, 1.0, total)).to(q.dtype)
+
+
+def first_block_nan(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: no guard for a key block in which every key is masked so far: a row whose first
+    block is fully masked gets ``exp(-inf − (-inf)) = NaN`` (found in a real Triton kernel).
+
+    Trigger: left padding of a whole key block of 128. Quiet without it.
+    """
+    return blockwise_attention(
+        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, first_block_nan=True
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # the flash-style autograd kernel and its backward bugs
 # ----------------------------------------------------------------------------------------------
@@ -336,12 +627,17 @@ class _Backward:
 
     dq_unscaled: bool = False
     dk_tile_32: bool = False
-    dq_nan_64: bool = False
+    dq_nan_128: bool = False
     ds_bf16: bool = False
     dv_unmasked: bool = False
     gqa_first_head: bool = False
     drop_delta: bool = False
     kv_tile_zeroed: bool = False
+    mask_ignored: bool = False
+    lse_unguarded: bool = False
+    dv_unnormalised: bool = False
+    do_contiguous: bool = False
+    fp16_scratch: bool = False
 
 
 _CORRECT = _Backward()
@@ -387,19 +683,29 @@ class _FlashAttention(torch.autograd.Function):
         kv_heads, n_k = k.shape[1], k.shape[2]
         qc = q.to(c)
         kc, vc = (t.to(c) for t in _expand_kv(k, v, heads))
+        if bug.do_contiguous:  # dO's memory read as if it were contiguous (B, H, N, D)
+            grad_out = grad_out.as_strided(grad_out.shape, _contiguous_strides(grad_out.shape))
         do = grad_out.to(c)
         s, s_unmasked = _flash_scores(qc, kc, keep, bias, scale)
+        if bug.lse_unguarded:  # a fully masked row's log-sum-exp left at -inf: exp(-inf + inf) = NaN
+            lse = lse.masked_fill(lse == float("inf"), _NEG_INF)
         p = torch.exp(s - lse)  # recomputed from the log-sum-exp, as FlashAttention does
+        if bug.mask_ignored:  # P recomputed from the scores without any mask
+            p = torch.softmax((qc @ kc.transpose(-2, -1)) * scale, dim=-1)
         p_v = torch.exp(s_unmasked - lse) if bug.dv_unmasked else p
-        dv = p_v.transpose(-2, -1) @ do
+        dv = (p_v * (p.shape[-1] if bug.dv_unnormalised else 1)).transpose(-2, -1) @ do
         dp = do @ vc.transpose(-2, -1)
         delta = (do * o).sum(dim=-1, keepdim=True)
         ds = p * (dp if bug.drop_delta else dp - delta)
         if bug.ds_bf16 and q.dtype == torch.float32:
             ds = ds.to(torch.bfloat16).to(c)
+        if bug.fp16_scratch:  # dP and dS kept in fp16's range: overflow to Inf, flush to 0
+            fp16 = torch.finfo(torch.float16)
+            ds = torch.where(ds.abs() < fp16.tiny * 2.0**-10, 0.0, ds)
+            ds = torch.where(dp.abs() > fp16.max, float("inf"), ds)
         dq = (ds @ kc) * (1.0 if bug.dq_unscaled else scale)
         dk = (ds.transpose(-2, -1) @ qc) * scale
-        if bug.dq_nan_64 and n_k % 64 == 32:  # the last key tile's missing half read as garbage
+        if bug.dq_nan_128 and n_k % TILE == TILE // 2:  # the last tile's missing half read as garbage
             dq = dq + float("nan")
         if bug.dk_tile_32 and n_k % 32:
             dk[..., n_k - n_k % 32 :, :] = 0.0
@@ -449,10 +755,10 @@ def dk_partial_tile(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
 def dq_nan(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     """Bug class: length-dependent non-finite gradient: dq is NaN.
 
-    Trigger: ``N_k % 64 == 32`` (a half-filled last key tile of 64). Quiet for any other
-    ``N_k % 64``. The forward, dk and dv are right.
+    Trigger: ``N_k % 128 == 64`` (a half-filled last key tile of 128). Quiet for any other
+    ``N_k % 128``. The forward, dk and dv are right.
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, _Backward(dq_nan_64=True))
+    return _flash(q, k, v, attn_mask, is_causal, scale, _Backward(dq_nan_128=True))
 
 
 def ds_bf16(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -491,6 +797,51 @@ def delta_dropped(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     so a ratio to it is lenient; the ``absolute`` criterion catches it.
     """
     return _flash(q, k, v, attn_mask, is_causal, scale, _Backward(drop_delta=True))
+
+
+def backward_mask_ignored(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: backward without the mask: ``P`` recomputed from the unmasked scores.
+
+    Trigger: any mask (causal, bool or additive) that masks something. Quiet without one. The
+    forward is right; every gradient is wrong.
+    """
+    return _flash(q, k, v, attn_mask, is_causal, scale, _Backward(mask_ignored=True))
+
+
+def fully_masked_backward_nan(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: NaN gradients from fully masked rows: ``P = exp(s − lse)`` recomputed with
+    ``lse = -inf`` there (the forward's safe zeros are not carried into the backward).
+
+    Trigger: a query row whose every key is masked. Quiet where every row sees a key.
+    """
+    return _flash(q, k, v, attn_mask, is_causal, scale, _Backward(lse_unguarded=True))
+
+
+def dv_unnormalised(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: dv from unnormalised probabilities (``P · N_k``).
+
+    Trigger: every call with ``N_k > 1``. The forward, dq and dk are right.
+    """
+    return _flash(q, k, v, attn_mask, is_causal, scale, _Backward(dv_unnormalised=True))
+
+
+def grad_out_contiguous(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: the output gradient ``dO`` read as contiguous ``(B, H, N, D)`` memory.
+
+    Trigger: a non-contiguous ``dO`` (the gradient of a transposed output view). Quiet for a
+    contiguous one.
+    """
+    return _flash(q, k, v, attn_mask, is_causal, scale, _Backward(do_contiguous=True))
+
+
+def fp16_scratch(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: backward scratch (``dP``, ``dS``) kept in fp16's range in a float32 call: large
+    values overflow to Inf, tiny ones flush to 0.
+
+    Trigger: an output gradient so large that ``dP`` exceeds 65504, or so small that ``dS`` falls
+    below fp16's subnormals. Quiet for ordinary gradients.
+    """
+    return _flash(q, k, v, attn_mask, is_causal, scale, _Backward(fp16_scratch=True))
 
 
 #: keys per key tile of the tiled bugs
@@ -729,135 +1080,255 @@ class Case:
 
 
 @dataclass(frozen=True)
-class BugSpec:
-    """One buggy kernel: what it corrupts first, when, and calls that do and do not trigger it.
+class Catch:
+    """A catalogue case of ``flashprobe fuzz``'s default profile that catches a mutant.
+
+    Attributes:
+        case: the :data:`flashprobe.fuzz.CATALOGUE` case's name.
+        dtype: the dtype it is checked at (``fp32``, ``bf16``, ``fp16``).
+        failure: the failure kind expected there (``values``, ``dq:nonfinite``, ...), or its prefix.
+    """
+
+    case: str
+    dtype: str = "fp32"
+    failure: str = "values"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One planted bug: a kernel that is correct except for one bug of a class real kernels shipped.
 
     Attributes:
         name: the bug's name (registered as ``bug_<name>``).
-        fn: the kernel.
-        direction: the first of ``out``, ``dq``, ``dk``, ``dv`` the bug corrupts (forward bugs:
-            ``out``; the directions before it are right even when it fires).
-        trigger: when it fires, in words.
+        fn: the kernel, with the SDPA signature.
+        bug: the bug class, in the words kernel authors use.
+        directions: what it breaks, of ``out``, ``dq``, ``dk``, ``dv``, the first one first (a
+            forward bug: ``out``, its gradients then being those of the wrong output; the
+            directions before the first are right even when it fires).
+        needs: when it fires: the shapes, masks, dtypes or values it needs.
+        trigger: a small call that fires it (None where only a catalogue case is built for it).
+        quiet: a call that does not (None where there is none).
+        catches: the fuzz catalogue cases that catch it.
+        capabilities: the limits it is registered with (None: any call).
     """
 
     name: str
     fn: Callable[..., torch.Tensor]
-    direction: Direction
-    trigger: str
-    trigger_call: Case = field(repr=False)
-    quiet_call: Case | None = field(default=None, repr=False)
+    bug: str
+    directions: tuple[Direction, ...]
+    needs: str
+    trigger: Case | None = field(default=None, repr=False)
+    quiet: Case | None = field(default=None, repr=False)
+    catches: tuple[Catch, ...] = ()
+    capabilities: KernelCapabilities | None = field(default=None, repr=False)
 
-    def trigger_case(self) -> Case:
-        """A call that triggers the bug."""
-        return self.trigger_call
-
-    def quiet_case(self) -> Case | None:
-        """A call that does not trigger it (None where there is none)."""
-        return self.quiet_call
+    @property
+    def direction(self) -> Direction:
+        """The first direction it corrupts."""
+        return self.directions[0]
 
 
-BF16 = torch.bfloat16
+BF16, FP16 = torch.bfloat16, torch.float16
+OUT: tuple[Direction, ...] = ("out",)
 
-BUGS: dict[str, BugSpec] = {
-    spec.name: spec
-    for spec in (
-        BugSpec(
-            "scale_ignored", scale_ignored, "out", "scale given and != 1/sqrt(D)",
-            Case(scale=0.5, mask="additive"), Case(mask="additive"),
+#: The mutation suite, by name: every planted bug of the project, one real bug class each.
+MUTANTS: dict[str, Mutant] = {
+    m.name: m
+    for m in (
+        # ---- forward bugs: the output is wrong
+        Mutant(
+            "scale_ignored", scale_ignored, "explicit softmax scale ignored", OUT,
+            "scale given and != 1/sqrt(D)", Case(scale=0.5, mask="additive"), Case(mask="additive"),
         ),
-        BugSpec(
-            "head_dim_truncated", head_dim_truncated, "out", "head dim D > 64",
-            Case(d=96, n_q=8), Case(d=64, n_q=8),
+        Mutant(
+            "falsy_scale", falsy_scale, "`scale or 1/sqrt(d)`: scale=0.0 ignored", OUT, "scale=0.0",
+            catches=(Catch("scale_zero"),),
         ),
-        BugSpec(
-            "causal_off_by_one", causal_off_by_one, "out", "is_causal=True (next token visible)",
-            Case(is_causal=True), Case(),
+        Mutant(
+            "head_dim_truncated", head_dim_truncated, "head dim over the kernel's limit truncated", OUT,
+            "head dim D > 64", Case(d=96, n_q=8), Case(d=64, n_q=8), (Catch("head_dim_160"),),
         ),
-        BugSpec(
-            "keys_truncated", keys_truncated, "out", "N_k > 64 (keys beyond 64 ignored)",
-            Case(n_q=8, n_k=80), Case(n_q=8, n_k=64),
+        Mutant(
+            "causal_off_by_one", causal_off_by_one, "causal mask off by one (next token visible)", OUT,
+            "is_causal=True", Case(is_causal=True), Case(),
         ),
-        BugSpec(
-            "nan_rows", nan_rows, "out", "N_q % 32 == 16 (last 16 rows NaN)",
+        Mutant(
+            "causal_bottom_right", causal_bottom_right, "causal mask aligned bottom-right", OUT,
+            "is_causal=True with N_q != N_k", catches=(Catch("causal_nq_lt_nk"),),
+        ),
+        Mutant(
+            "keys_truncated", keys_truncated, "long context: keys past the kernel's limit ignored", OUT,
+            "N_k > 64", Case(n_q=8, n_k=80), Case(n_q=8, n_k=64), (Catch("long_context_8k"),),
+        ),
+        Mutant(
+            "nan_rows", nan_rows, "length-dependent NaN output rows", OUT, "N_q % 32 == 16 (last 16 rows)",
             Case(n_q=48, dtype=BF16), Case(n_q=40, dtype=BF16),
         ),
-        BugSpec(
-            "gqa_head_mapping", gqa_head_mapping, "out", "1 < H_kv < H, un-expanded k/v",
-            Case(h=4, h_kv=2, is_causal=True), Case(h=4, is_causal=True),
+        Mutant(
+            "gqa_head_mapping", gqa_head_mapping, "GQA: query head h reads k/v head h % H_kv", OUT,
+            "1 < H_kv < H, k/v not expanded", Case(h=4, h_kv=2, is_causal=True), Case(h=4, is_causal=True),
+            (Catch("gqa_broadcast"),),
         ),
-        BugSpec(
-            "batch_kv_mixup", batch_kv_mixup, "out", "B > 1 (entries use batch 0's k/v)",
+        Mutant(
+            "batch_kv_mixup", batch_kv_mixup, "large-grid index mix-up: every entry reads batch 0's k/v",
+            OUT, "B > 1",
             Case(b=2, dtype=BF16, mask="key_padding"), Case(b=1, dtype=BF16, mask="key_padding"),
         ),
-        BugSpec(
-            "q_assumed_contiguous", q_assumed_contiguous, "out", "q non-contiguous (transposed (B,N,H,D))",
-            Case(layout="bnhd", is_causal=True), Case(layout="bhnd", is_causal=True),
+        Mutant(
+            "large_grid_head_mixup", large_grid_head_mixup, "launch grid overflow: heads past 1024 mixed",
+            OUT, "B * H > 1024", catches=(Catch("large_grid"),),
         ),
-        BugSpec(
-            "fp32_bf16_scores", fp32_bf16_scores, "out", "float32 inputs (q·kᵀ in bf16)",
-            Case(n_q=32), Case(n_q=32, dtype=BF16),
+        Mutant(
+            "strides_ignored", strides_ignored, "strides ignored: inputs read as contiguous (B, H, N, D)",
+            OUT, "a non-contiguous q, k or v (transposed (B, N, H, D) views)",
+            Case(layout="bnhd", is_causal=True), Case(layout="bhnd", is_causal=True), (Catch("layout_bnhd"),),
         ),
-        BugSpec(
-            "mask_sentinel", mask_sentinel, "out", "fully masked rows: padded queries in a bool mask",
+        Mutant(
+            "storage_offset_ignored", storage_offset_ignored, "a view's storage offset ignored", OUT,
+            "a view that does not start its storage", catches=(Catch("layout_offset"),),
+        ),
+        Mutant(
+            "fp32_bf16_scores", fp32_bf16_scores, "precision silently lowered: fp32 q·kᵀ in bf16", OUT,
+            "float32 inputs", Case(n_q=32), Case(n_q=32, dtype=BF16),
+        ),
+        Mutant(
+            "qk_in_fp16", qk_in_fp16, "q·kᵀ formed in fp16 before the scale", OUT,
+            "fp16, unscaled q·kᵀ > 65504", catches=(Catch("qk_overflow", "fp16", "nonfinite"),),
+        ),
+        Mutant(
+            "no_max_subtraction", no_max_subtraction, "exp() without the row maximum", OUT,
+            "logits > 88 (fp32 exp overflow)", catches=(Catch("large_logits", failure="nonfinite"),),
+        ),
+        Mutant(
+            "no_rescale", no_rescale, "online softmax without rescaling", OUT,
+            "N_k > 128, the row maximum rising across key tiles", catches=(Catch("rising_max"),),
+        ),
+        Mutant(
+            "mask_sentinel", mask_sentinel, "the −50,000 mask sentinel (FlashInfer PR 4401)", OUT,
+            "fully masked rows (bool mask), or valid logits below −5e4",
             Case(b=2, mask="padded_rows"), Case(b=2, mask="key_padding"),
+            (Catch("sentinel_5e4"), Catch("fully_masked_rows", failure="masked_nonzero")),
         ),
-        BugSpec(
-            "dq_unscaled", dq_unscaled, "dq", "scale != 1 (any default-scale call)",
+        Mutant(
+            "raw_sentinel", raw_sentinel, "the −5e4 sentinel on the unscaled q·kᵀ", OUT,
+            "valid unscaled logits below −5e4", catches=(Catch("raw_sentinel_5e4", failure="zeros"),),
+        ),
+        Mutant(
+            "fully_masked_nan", fully_masked_nan, "NaN for fully masked rows", OUT, "a fully masked row",
+            catches=(Catch("fully_masked_rows", failure="nonfinite"),),
+        ),
+        Mutant(
+            "additive_mask_ignored", additive_mask_ignored, "additive mask dropped", OUT, "a float mask",
+            catches=(Catch("fully_masked_additive", failure="masked_nonzero"),),
+        ),
+        Mutant(
+            "mask_batch_broadcast", mask_batch_broadcast, "batch 0's mask used for every entry", OUT,
+            "a per-entry mask with B > 1", catches=(Catch("padding_mask", failure="zeros"),),
+        ),
+        Mutant(
+            "first_block_nan", first_block_nan, "NaN when a row's first key block is fully masked", OUT,
+            "left padding of a whole key block", catches=(Catch("left_padding", failure="nonfinite"),),
+            capabilities=TRITON_LIKE,
+        ),
+        Mutant(
+            "tail_reader", tail_reader, "unmasked loads of a tail tile: 0 × NaN", OUT,
+            "N_k % 128 != 0, NaN stored past k/v", catches=(Catch("poisoned_nan", failure="nonfinite"),),
+        ),
+        Mutant(
+            "nan_swallowed", nan_swallowed, "a NaN row returned as 0", OUT, "NaN in the inputs",
+            catches=(Catch("nan_inputs", failure="nan_hidden"),),
+        ),
+        Mutant(
+            "float_offsets", float_offsets, "element offsets computed in fp32", OUT,
+            "k of more than 2^24 elements", catches=(Catch("offsets_2e24"),),
+        ),
+        # ---- localised forward bugs: a few rows, one head, one batch entry
+        Mutant(
+            "tail_rows_stale", tail_rows_stale, "wrong tail query rows (a stale row tile)", OUT,
+            "N_q % 16 != 0, N_q > 16", Case(n_q=40, n_k=77, dtype=BF16), Case(n_q=48, n_k=77, dtype=BF16),
+        ),
+        Mutant(
+            "one_head_wrong", one_head_wrong, "one wrong head (the last reads head 0's values)", OUT, "H > 1",
+            Case(h=4, n_q=32, is_causal=True, dtype=FP16), Case(h=1, n_q=32, is_causal=True),
+        ),
+        Mutant(
+            "one_batch_wrong", one_batch_wrong, "one wrong batch entry (the last's values reversed)", OUT,
+            "B > 1", Case(b=3, n_q=24, mask="key_padding", dtype=BF16), Case(b=1, n_q=24, mask="key_padding"),
+        ),
+        # ---- backward bugs: the forward is right
+        Mutant(
+            "dq_unscaled", dq_unscaled, "dq without the softmax scale", ("dq",), "scale != 1",
             Case(is_causal=True), Case(is_causal=True, scale=1.0),
+            (Catch("odd_shapes", failure="dq:values"),),
         ),
-        BugSpec(
-            "dk_partial_tile", dk_partial_tile, "dk", "N_k % 32 != 0 (dk zero in the last tile)",
-            Case(n_q=24, n_k=40), Case(n_q=24, n_k=32),
+        Mutant(
+            "dk_partial_tile", dk_partial_tile, "dk zero for a partial last key tile", ("dk",),
+            "N_k % 32 != 0", Case(n_q=24, n_k=40), Case(n_q=24, n_k=32),
+            (Catch("odd_shapes", failure="dk:"),),
         ),
-        BugSpec(
-            "dq_nan", dq_nan, "dq", "N_k % 64 == 32 (dq NaN)",
-            Case(n_q=16, n_k=32, dtype=BF16), Case(n_q=16, n_k=48, dtype=BF16),
+        Mutant(
+            "dq_nan", dq_nan, "length-dependent NaN dq", ("dq",), "N_k % 128 == 64",
+            Case(n_q=16, n_k=64, dtype=BF16), Case(n_q=16, n_k=48, dtype=BF16),
+            (Catch("keys_mod128_64", failure="dq:nonfinite"),),
         ),
-        BugSpec(
-            "ds_bf16", ds_bf16, "dq", "float32 inputs (dS rounded to bf16)",
-            Case(n_q=32, mask="key_padding", b=2), Case(n_q=32, mask="key_padding", b=2, dtype=BF16),
+        Mutant(
+            "ds_bf16", ds_bf16, "precision silently lowered: dS rounded to bf16", ("dq", "dk"),
+            "float32 inputs", Case(n_q=32, mask="key_padding", b=2),
+            Case(n_q=32, mask="key_padding", b=2, dtype=BF16), (Catch("odd_shapes", failure="dq:values"),),
         ),
-        BugSpec(
-            "dv_unmasked", dv_unmasked, "dv", "is_causal=True or a bool mask (dv from unmasked P)",
+        Mutant(
+            "dv_unmasked", dv_unmasked, "dv ignores the mask", ("dv",), "is_causal=True or a bool mask",
             Case(is_causal=True, layout="bnhd"), Case(layout="bnhd"),
         ),
-        BugSpec(
-            "gqa_grad_not_summed", gqa_grad_not_summed, "dk", "H_kv < H, un-expanded k/v",
-            Case(h=4, h_kv=1, mask="additive"), Case(h=4, mask="additive"),
+        Mutant(
+            "backward_mask_ignored", backward_mask_ignored, "backward without the mask",
+            ("dq", "dk", "dv"), "any mask", catches=(Catch("padding_mask", failure="dq:masked"),),
         ),
-        BugSpec(
-            "delta_dropped", delta_dropped, "dq", "every call (dS without rowsum(dO·O))",
-            Case(n_q=24, n_k=40, dtype=torch.float16),
+        Mutant(
+            "fully_masked_backward_nan", fully_masked_backward_nan, "NaN gradients of fully masked rows",
+            ("dq", "dk", "dv"), "a fully masked row",
+            catches=(Catch("fully_masked_rows", failure="dq:nonfinite"),),
         ),
-        BugSpec(
-            "kv_tile_zeroed", kv_tile_zeroed, "dk", "N_k > 32 (dk, dv zero for keys 16-31)",
-            Case(n_q=24, n_k=77, b=2, dtype=BF16), Case(n_q=24, n_k=32, b=2, dtype=BF16),
+        Mutant(
+            "gqa_grad_not_summed", gqa_grad_not_summed, "GQA dk/dv not summed over the group",
+            ("dk", "dv"), "H_kv < H, k/v not expanded", Case(h=4, h_kv=1, mask="additive"),
+            Case(h=4, mask="additive"), (Catch("gqa_broadcast", failure="dk:values"),),
         ),
-        BugSpec(
-            "tail_rows_stale", tail_rows_stale, "out", "N_q % 16 != 0, N_q > 16 (tail rows stale)",
-            Case(n_q=40, n_k=77, dtype=BF16), Case(n_q=48, n_k=77, dtype=BF16),
+        Mutant(
+            "dv_unnormalised", dv_unnormalised, "dv from unnormalised probabilities", ("dv",), "N_k > 1",
+            catches=(Catch("odd_shapes", failure="dv:values"),),
         ),
-        BugSpec(
-            "one_head_wrong", one_head_wrong, "out", "H > 1 (last head reads head 0's values)",
-            Case(h=4, n_q=32, is_causal=True, dtype=torch.float16), Case(h=1, n_q=32, is_causal=True),
+        Mutant(
+            "grad_out_contiguous", grad_out_contiguous, "dO read as contiguous memory", ("dq", "dk", "dv"),
+            "a non-contiguous dO", catches=(Catch("grad_out_transposed", failure="d"),),
         ),
-        BugSpec(
-            "one_batch_wrong", one_batch_wrong, "out", "B > 1 (last entry's values reversed)",
-            Case(b=3, n_q=24, mask="key_padding", dtype=BF16), Case(b=1, n_q=24, mask="key_padding"),
+        Mutant(
+            "fp16_scratch", fp16_scratch, "backward scratch in fp16's range (overflow, flush to 0)",
+            ("dq", "dk"), "dO so large dP > 65504, or so small dS < fp16 subnormals",
+            catches=(Catch("grad_out_tiny", failure="d"), Catch("grad_out_huge", failure="d")),
+        ),
+        # ---- weak-baseline and localised backward bugs
+        Mutant(
+            "delta_dropped", delta_dropped, "a gradient term dropped: dS without rowsum(dO·O)", ("dq", "dk"),
+            "every call", Case(n_q=24, n_k=40, dtype=FP16),
+        ),
+        Mutant(
+            "kv_tile_zeroed", kv_tile_zeroed, "a zeroed key tile in dk and dv (keys 16-31)", ("dk", "dv"),
+            "N_k > 32", Case(n_q=24, n_k=77, b=2, dtype=BF16), Case(n_q=24, n_k=32, b=2, dtype=BF16),
         ),
     )
 }  # fmt: skip
 
 
-def register_buggy_kernels() -> list[str]:
-    """Register every buggy kernel as ``bug_<name>`` and :func:`correct_flash` as ``bug_none``
-    (replacing earlier registrations); returns the names registered."""
+def register_mutants() -> list[str]:
+    """Register every mutant as ``bug_<name>``, :func:`correct_flash` as ``bug_none`` and the
+    :data:`CORRECT` kernels as ``ok_<name>`` (replacing earlier registrations); returns the names."""
     from flashprobe import register_kernel
 
     names = []
-    for spec in BUGS.values():
-        register_kernel(f"bug_{spec.name}", spec.fn, overwrite=True)
-        names.append(f"bug_{spec.name}")
+    for m in MUTANTS.values():
+        register_kernel(f"bug_{m.name}", m.fn, capabilities=m.capabilities, overwrite=True)
+        names.append(f"bug_{m.name}")
     register_kernel("bug_none", correct_flash, overwrite=True)
     names.append("bug_none")
     for name, fn in CORRECT.items():
