@@ -301,9 +301,9 @@ def run_rules(
         progress: called with one line per dtype.
 
     Returns:
-        ``(rows, details)``: one row per rule and dtype (correct calls, false alarms, bug calls,
-        caught, missed mutants), and one entry per (kernel, call, seed, dtype) with each rule's
-        outcome.
+        ``(rows, details)``: one row per rule and dtype (correct calls, false alarms and the correct
+        kernels they hit, bug calls, caught, the mutants missed on some call), and one entry per
+        (kernel, call, seed, dtype) with each rule's outcome.
     """
     from flashprobe.fuzz import check_case
     from flashprobe.fuzz.run import case_references
@@ -322,6 +322,7 @@ def run_rules(
             dtype = _DTYPES[dtype_name]
             tally = {rule: _Tally() for rule in RULES}
             missed: dict[str, set[str]] = {rule: set() for rule in RULES}
+            alarmed: dict[str, set[str]] = {rule: set() for rule in RULES}
             for call_shape in calls:
                 for seed in seeds:
                     inputs = call_shape.inputs(dtype, seed)
@@ -368,6 +369,8 @@ def run_rules(
                             else:
                                 t.correct_calls += 1
                                 t.false_alarms += outcome.get(rule, False)
+                                if outcome.get(rule, False):
+                                    alarmed[rule].add(label)
                                 t.undetermined += rule == "flashprobe" and verdict == "undetermined"
             for rule in RULES:
                 t = tally[rule]
@@ -377,6 +380,7 @@ def run_rules(
                         "dtype": dtype_name,
                         "correct_calls": t.correct_calls,
                         "false_alarms": t.false_alarms,
+                        "failed_kernels": ",".join(sorted(alarmed[rule])),
                         "undetermined": t.undetermined if rule == "flashprobe" else None,
                         "bug_calls": t.bug_calls,
                         "caught": t.caught,
@@ -400,6 +404,7 @@ TABLE_COLUMNS = [
     ("dtype", "dtype"),
     ("false_alarms", "correct calls failed"),
     ("correct_calls", "of"),
+    ("failed_kernels", "correct kernels failed (any call)"),
     ("undetermined", "undet."),
     ("caught", "bug calls caught"),
     ("bug_calls", "of"),
@@ -410,15 +415,17 @@ TABLE_COLUMNS = [
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as a Markdown table: one line per rule and dtype."""
     lines = [
-        "| rule | dtype | correct kernels: calls failed | bugs: calls caught | bugs missed on some call |",
-        "|---|---|---|---|---|",
+        "| rule | dtype | correct kernels: calls failed | correct kernels failed on some call "
+        "| bugs: calls caught | bugs missed on some call |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
         undetermined = f" ({r['undetermined']} undetermined)" if r.get("undetermined") else ""
+        alarmed = ", ".join(f"`{k}`" for k in r["failed_kernels"].split(",") if k) or "none"
         missed = ", ".join(f"`{m}`" for m in r["missed_bugs"].split(",") if m) or "none"
         lines.append(
             f"| {r['rule']} | {r['dtype']} | {r['false_alarms']} / {r['correct_calls']}{undetermined} "
-            f"| {r['caught']} / {r['bug_calls']} | {missed} |"
+            f"| {alarmed} | {r['caught']} / {r['bug_calls']} | {missed} |"
         )
     return "\n".join(lines)
 

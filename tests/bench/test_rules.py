@@ -73,7 +73,7 @@ def test_a_tiny_table_fails_the_bugs_and_passes_a_correct_fp32_kernel() -> None:
     assert {(r, d) for r, d in by} == {(r, d) for r in RULES for d in ("fp32", "bf16")}
     for dtype in ("fp32", "bf16"):
         ours = by["flashprobe", dtype]
-        assert ours["correct_calls"] == 4 and ours["false_alarms"] == 0
+        assert ours["correct_calls"] == 4 and ours["false_alarms"] == 0 and ours["failed_kernels"] == ""
         # each mutant fires on both calls (77 keys > 32, two heads, every call drops the term)
         assert ours["bug_calls"] == 6 and ours["caught"] == 6 and ours["missed_bugs"] == ""
         assert by["assert_close", dtype]["caught"] == 6
