@@ -482,6 +482,11 @@ def large_grid_head_mixup(q, k, v, *, attn_mask=None, is_causal=False, scale=Non
     return out.reshape(b * h, *out.shape[2:])[index].reshape(out.shape)
 
 
+# ----------------------------------------------------------------------------------------------
+# forward bugs of the fuzzer's axes: memory past the tensors, NaN inputs, huge tensors
+# ----------------------------------------------------------------------------------------------
+
+
 def _allowed(q: torch.Tensor, k: torch.Tensor, attn_mask: Any, is_causal: bool) -> torch.Tensor:
     """Bool, broadcastable to ``(B, H, N_q, N_k)``: where a query may attend to a key."""
     keep, bias = _masks(attn_mask, is_causal, q.shape[-2], k.shape[-2], q.device)
@@ -549,6 +554,10 @@ def float_offsets(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     k = k.contiguous().reshape(-1)[index].view(k.shape)
     return _forward_bug(q, k, v, attn_mask, is_causal, scale)
 
+
+# ----------------------------------------------------------------------------------------------
+# a shape-limited blockwise kernel, written as Triton kernels are, and its bug
+# ----------------------------------------------------------------------------------------------
 
 #: the limits of a typical hand-written Triton attention kernel (:func:`blockwise_attention`)
 TRITON_LIKE = KernelCapabilities(
