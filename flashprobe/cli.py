@@ -44,6 +44,10 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
         "flashprobe.bench.verdicts:main",
         "the probe's verdict on torch's kernels in training (calibration)",
     ),
+    "rules": (
+        "flashprobe.bench.rules:main",
+        "pass/fail rules compared: correct kernels failed, planted bugs caught",
+    ),
 }
 
 

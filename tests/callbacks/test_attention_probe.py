@@ -284,9 +284,9 @@ def _records(path: Path) -> list[dict]:
 def test_stop_writes_the_failing_record_saves_the_call_and_stops(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tests.probe.buggy_kernels import register_buggy_kernels
+    from flashprobe.mutants import register_mutants
 
-    register_buggy_kernels()
+    register_mutants()
     callback = AttentionProbe(
         primary="bug_batch_kv_mixup", backward=True, dirpath=tmp_path, on_failure="stop", log_every_n_steps=10
     )
@@ -319,10 +319,10 @@ def test_stop_writes_the_failing_record_saves_the_call_and_stops(
 
 
 def test_raise_fails_the_fit(tmp_path: Path) -> None:
+    from flashprobe.mutants import register_mutants
     from flashprobe.probe import ProbeFailureError
-    from tests.probe.buggy_kernels import register_buggy_kernels
 
-    register_buggy_kernels()
+    register_mutants()
     callback = AttentionProbe(
         primary="bug_dk_partial_tile", backward=True, dirpath=tmp_path, on_failure="raise"
     )

@@ -1,9 +1,9 @@
 """The fuzz axes of issue 38: cases fitted to a kernel's limits, properties, and the new axes.
 
 Oracles: the golden of a fitted call recomputed in float64 from the original call (the fitted rows
-must give the same answer); kernels whose one bug is known by construction
-(:mod:`tests.fuzz._axis_mutants`), each failing the case built for its axis; torch's own kernels
-and a correct shape-limited kernel passing them.
+must give the same answer); kernels whose one bug is known by construction (the mutants of
+:mod:`flashprobe.mutants` catalogued for the new axes fail their cases in
+``tests/fuzz/test_mutants.py``); torch's own kernels and a correct shape-limited kernel passing them.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from flashprobe.fuzz import CATALOGUE, run_catalogue, select_cases
 from flashprobe.fuzz.fit import NotApplicableError, fit_inputs
 from flashprobe.fuzz.tables import property_coverage
 from flashprobe.kernels import unregister_kernel
+from flashprobe.mutants import TRITON_LIKE, blockwise_attention, first_block_nan
 
-from ._axis_mutants import AXIS_MUTANTS, TRITON_LIKE, axis_mutant, blockwise_attention
 from ._helpers import case
 
 NEW_CASES = [
@@ -42,20 +42,10 @@ KNOWN = {(k, "grad_out_huge", "fp16") for k in ("math", "tiled:preset=paper", "t
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
-    """The blockwise kernel with Triton-like limits (correct and with the first-block NaN), and every
-    axis mutant (no declared limits)."""
+    """The blockwise kernel with Triton-like limits, correct and with the first-block NaN."""
     register_kernel("blockwise", blockwise_attention, capabilities=TRITON_LIKE, overwrite=True)
-    names = ["blockwise"]
-    for m in {m.name for m in AXIS_MUTANTS}:
-        register_kernel(f"axis_{m}", axis_mutant(m), overwrite=True)
-        names.append(f"axis_{m}")
-    register_kernel(
-        "blockwise_nan",
-        axis_mutant("first_block_nan"),
-        capabilities=TRITON_LIKE,
-        overwrite=True,
-    )
-    names.append("blockwise_nan")
+    register_kernel("blockwise_nan", first_block_nan, capabilities=TRITON_LIKE, overwrite=True)
+    names = ["blockwise", "blockwise_nan"]
     yield
     for name in names:
         unregister_kernel(name)
@@ -131,17 +121,6 @@ def test_the_first_block_nan_bug_fails_left_padding():
 def test_a_shape_limited_kernel_fails_nothing_over_twenty_seeds(seed):
     results = run_catalogue(["blockwise"], ["bf16", "fp16", "fp32"], seed=seed)
     assert [(r.case, r.dtype, r.reason) for r in results if r.verdict == "fail"] == []
-
-
-@pytest.mark.parametrize(
-    "mutant",
-    [pytest.param(m, marks=[pytest.mark.slow] if m.case.startswith("offsets") else []) for m in AXIS_MUTANTS],
-    ids=lambda m: f"{m.name}-{m.case}",
-)
-def test_every_axis_mutant_fails_the_case_of_its_axis(mutant):
-    (row,) = run_catalogue([f"axis_{mutant.name}"], [mutant.dtype], cases=select_cases([mutant.case]))
-    assert row.verdict == "fail", row.reason
-    assert ((row.failure or "") + (row.backward_failure or "")).startswith(mutant.failure), row.reason
 
 
 def test_correct_kernels_pass_the_new_axes():

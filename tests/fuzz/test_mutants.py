@@ -1,7 +1,7 @@
 """The mutation suite: every planted bug is caught by the default profile, the correct kernels are not.
 
-Oracle: kernels whose one bug is known by construction (:mod:`tests.fuzz._mutants`), each run on
-the default-profile case built to expose its class; the same kernel without a bug (``explicit``)
+Oracle: kernels whose one bug is known by construction (:mod:`flashprobe.mutants`), each run on
+the default-profile cases built to expose its class; the same kernel without a bug (``bug_none``)
 and torch's own kernels are the controls that must pass.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashprobe import register_kernel
 from flashprobe.fuzz import (
     CATALOGUE,
     CaseInputs,
@@ -23,19 +22,19 @@ from flashprobe.fuzz import (
 )
 from flashprobe.fuzz.layouts import LAYOUTS
 from flashprobe.kernels import unregister_kernel
+from flashprobe.mutants import MUTANTS, Catch, Mutant, correct_flash, register_mutants
 
 from ._helpers import case
-from ._mutants import MUTANTS, Mutant, explicit_attention
 
 #: The bug classes issue 23 lists by name, each a mutant here.
 ISSUE_CLASSES = {
-    "dq_no_scale",
-    "dk_partial_tile_zero",
-    "dq_nan_nk_mod_128_64",
+    "dq_unscaled",
+    "dk_partial_tile",
+    "dq_nan",
     "ds_bf16",
-    "strided_read",
+    "strides_ignored",
     "head_dim_truncated",
-    "keys_beyond_4096_ignored",
+    "keys_truncated",
     "large_grid_head_mixup",
 }
 #: (kernel, case, dtype) failures of the correct kernels that are known, with their evidence in
@@ -48,50 +47,53 @@ KNOWN = {
     ("math", "qk_overflow", "fp16"),
     ("math", "scale_tiny", "fp16"),
     *(("tiled:preset=paper", "long_context_8k", d) for d in ("bf16", "fp16")),
-    # the control's softmax guard, where(isfinite(row max), ..., 0), turns a NaN row into 0: the
-    # bug class nan_inputs catches (tests/fuzz/test_axes.py has its own mutant for it)
-    *(("explicit", "nan_inputs", d) for d in ("bf16", "fp16", "fp32")),
     # dO × 2^12 at fp16: math and the paper preset form dP = dO·vᵀ in fp16, past 65504; tiled's
     # backward returns ±Inf rows in some seeds (an open finding, tests/fuzz/test_axes.py KNOWN)
     *((k, "grad_out_huge", "fp16") for k in ("math", "tiled:preset=paper", "tiled")),
 }
-CORRECT = ["math", "tiled", "tiled:preset=paper", "sdpa_flash", "sdpa_math", "explicit"]
+CORRECT = ["math", "tiled", "tiled:preset=paper", "sdpa_flash", "sdpa_math", "bug_none"]
+#: every (mutant, catalogue case that must catch it)
+CATCHES = [(m, c) for m in MUTANTS.values() for c in m.catches]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def explicit():
-    """``explicit``: the mutants' kernel, with ``bug=...`` as a spec option."""
-    register_kernel("explicit", explicit_attention, overwrite=True)
-    yield "explicit"
-    unregister_kernel("explicit")
-
-
-def _spec(m: Mutant) -> str:
-    return m.bug if ":" in m.bug else f"explicit:bug={m.bug}"
+def mutants():
+    """The suite registered as ``bug_<name>``, the control as ``bug_none``."""
+    names = register_mutants()
+    yield
+    for name in names:
+        unregister_kernel(name)
 
 
 def test_the_suite_has_twenty_distinct_classes_including_every_one_the_issue_names():
-    assert len(MUTANTS) >= 20 and len({m.bug for m in MUTANTS}) == len(MUTANTS)
-    assert {m.bug for m in MUTANTS} >= ISSUE_CLASSES
-    assert any(m.failure.startswith("d") for m in MUTANTS)  # backward bugs
-    assert sum(not m.failure.startswith(("dq", "dk", "dv")) for m in MUTANTS) >= 10  # forward bugs
+    fuzzed = {m.name: m for m, _ in CATCHES}
+    assert len(fuzzed) >= 20 and len({m.bug for m in fuzzed.values()}) == len(fuzzed)
+    assert set(fuzzed) >= ISSUE_CLASSES
+    assert any(c.failure.startswith("d") for _, c in CATCHES)  # backward bugs
+    assert sum(m.direction == "out" for m in fuzzed.values()) >= 10  # forward bugs
     default = {c.name for c in select_cases()}
-    assert all(m.case in default for m in MUTANTS)  # each is caught by the default profile
+    assert all(c.case in default for _, c in CATCHES)  # each is caught by the default profile
 
 
-@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.bug)
-def test_every_mutant_fails_the_case_built_for_its_class(mutant):
-    (result,) = run_catalogue([_spec(mutant)], [mutant.dtype], cases=select_cases([mutant.case]))
+@pytest.mark.parametrize(
+    ("mutant", "catch"),
+    [pytest.param(m, c, marks=[pytest.mark.slow] if c.case == "offsets_2e24" else []) for m, c in CATCHES],
+    ids=[f"{m.name}-{c.case}" for m, c in CATCHES],
+)
+def test_every_mutant_fails_the_case_built_for_its_class(mutant: Mutant, catch: Catch):
+    (result,) = run_catalogue([f"bug_{mutant.name}"], [catch.dtype], cases=select_cases([catch.case]))
     assert result.verdict == "fail", result.reason
-    assert (result.failure or "").startswith(mutant.failure), result.reason
+    assert (result.failure or "").startswith(catch.failure), result.reason
+    if catch.failure.startswith(("dq", "dk", "dv")):  # a backward bug's first broken direction
+        assert catch.failure.split(":")[0] in mutant.directions
 
 
 def test_backward_bugs_pass_with_no_backward_and_fail_with_it():
     """--no-backward really skips the gradients: a dq-only bug is then invisible."""
     inputs = case("odd_shapes")
-    forward_only = check_case("explicit:bug=dq_no_scale", inputs, backward=False)
+    forward_only = check_case("bug_dq_unscaled", inputs, backward=False)
     assert forward_only.verdict == "pass" and forward_only.backward is None and not forward_only.gradients
-    full = check_case("explicit:bug=dq_no_scale", inputs)
+    full = check_case("bug_dq_unscaled", inputs)
     assert full.verdict == "fail" and full.backward == "fail" and full.failure == "dq:values"
     assert full.gradients["dq"]["max_abs"] > full.gradients["dq"]["tolerance"]
     assert full.gradients["dk"]["max_abs"] <= full.gradients["dk"]["tolerance"]  # only dq is wrong
@@ -102,7 +104,7 @@ def test_the_control_and_torchs_kernels_pass_the_default_profile():
     results = run_catalogue(CORRECT, ["bf16", "fp32"], seed=1)
     failed = [(r.kernel, r.case, r.dtype, r.reason) for r in results if r.verdict == "fail"]
     assert [f for f in failed if f[:3] not in KNOWN] == []
-    checked = [r for r in results if r.kernel == "explicit" and r.verdict == "pass"]
+    checked = [r for r in results if r.kernel == "bug_none" and r.verdict == "pass"]
     assert checked and all(r.backward == "pass" for r in checked if CATALOGUE[r.case].backward)
 
 
@@ -117,7 +119,7 @@ def test_correct_kernels_never_fail_over_twenty_seeds(seed):
 def test_a_kernel_without_backward_is_reported_as_such_not_as_a_pass(register):
     def forward_only(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
         with torch.no_grad():
-            return explicit_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+            return correct_flash(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
 
     kernel = register("user_forward_only", forward_only)
     result = check_case(kernel, case("odd_shapes"))
@@ -130,16 +132,14 @@ def test_a_kernel_without_backward_is_reported_as_such_not_as_a_pass(register):
 
 def test_every_case_can_run_in_every_layout_and_a_strided_read_fails_each_strided_one():
     cases = select_cases(["odd_shapes", "gqa_broadcast"])
-    results = run_catalogue(
-        ["explicit:bug=strided_read", "sdpa_math"], ["fp32"], cases=cases, layouts=LAYOUTS
-    )
+    results = run_catalogue(["bug_strides_ignored", "sdpa_math"], ["fp32"], cases=cases, layouts=LAYOUTS)
     verdict = {(r.kernel, r.case, r.layout): r.verdict for r in results}
     assert {layout for _, _, layout in verdict} == set(LAYOUTS)
     for name in ("odd_shapes", "gqa_broadcast"):
         for layout in LAYOUTS:
             assert verdict["sdpa_math", name, layout] == "pass"
             strided = layout in ("bnhd", "fused_qkv", "expanded_kv")  # contiguous and offset views read right
-            assert verdict["explicit:bug=strided_read", name, layout] == ("fail" if strided else "pass")
+            assert verdict["bug_strides_ignored", name, layout] == ("fail" if strided else "pass")
 
 
 def test_a_gradient_failure_is_shrunk_and_saved_with_its_kind(tmp_path):
@@ -147,18 +147,16 @@ def test_a_gradient_failure_is_shrunk_and_saved_with_its_kind(tmp_path):
         batch=2, heads=4, n_q=40, n_k=70, head_dim=24, mask="padding", logit_std=2.0, level=0.0,
         scale=None, outliers=False, seed=3, kv_heads=2, layout="bnhd",
     )  # fmt: skip
-    small, inputs, result = shrink("explicit:bug=dq_no_scale", spec, torch.float32, "dq:values")
+    small, inputs, result = shrink("bug_dq_unscaled", spec, torch.float32, "dq:values")
     assert result.verdict == "fail" and result.failure == "dq:values"
     assert small.n_q * small.n_k * small.head_dim * small.batch * small.heads < 40 * 70 * 24 * 2 * 4
     assert small.layout == "contiguous" and small.kv_heads == 0  # simplified along every axis
-    path = save_reproducer(
-        tmp_path, "grad", "explicit:bug=dq_no_scale", inputs, result, params=small.as_dict()
-    )
+    path = save_reproducer(tmp_path, "grad", "bug_dq_unscaled", inputs, result, params=small.as_dict())
     saved = torch.load(path, weights_only=True)
     assert saved["backward"] is True and saved["layout"] == "contiguous"
     again = CaseInputs(
         q=saved["q"], k=saved["k"], v=saved["v"], attn_mask=saved["attn_mask"],
         is_causal=saved["is_causal"], scale=saved["scale"],
     ).with_layout(saved["layout"])  # fmt: skip
-    assert check_case("explicit:bug=dq_no_scale", again).failure == "dq:values"
-    assert check_case("explicit", again).verdict == "pass"
+    assert check_case("bug_dq_unscaled", again).failure == "dq:values"
+    assert check_case("bug_none", again).verdict == "pass"

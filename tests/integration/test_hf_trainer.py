@@ -124,10 +124,10 @@ def test_trainer_callback_writes_records_and_training_is_bit_identical(tmp_path:
 @needs_accelerate
 def test_trainer_callback_stop_and_raise_on_a_buggy_kernel(tmp_path: Path) -> None:
     from flashprobe.cli import main as cli_main
+    from flashprobe.mutants import register_mutants
     from flashprobe.probe import ProbeFailureError
-    from tests.probe.buggy_kernels import register_buggy_kernels
 
-    register_buggy_kernels()
+    register_mutants()
     callback = hf.AttentionProbeCallback(
         plot=False, primary="bug_batch_kv_mixup", on_failure="stop", log_every_n_steps=10, backward=False
     )  # forward only: the output's failures alone
@@ -188,9 +188,9 @@ def test_trainer_callback_checks_its_arguments() -> None:
 
 
 def test_llama_with_probe_kernel_attention_is_probed() -> None:
-    from tests.probe.buggy_kernels import register_buggy_kernels
+    from flashprobe.mutants import register_mutants
 
-    register_buggy_kernels()
+    register_mutants()
     hf.register_attention("probe_kernel", "tiled:block_q=4,block_k=4")
     model = _llama("probe_kernel")
     assert model.config._attn_implementation == "probe_kernel"

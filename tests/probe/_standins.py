@@ -1,7 +1,10 @@
 """Stand-ins for flash-attn 2, FlashAttention-3 and FlashInfer on the CPU: the libraries' signatures (as
 of flash-attn 2.8, FlashAttention-3's ``hopper/flash_attn_interface.py`` and FlashInfer 0.6) and their
 semantics (layouts, bottom-right causal, grouped key/value heads, packed sequences, page tables),
-written with plain torch ops one sequence at a time, plus the bugs the tests plant in them."""
+written with plain torch ops one sequence at a time, plus the bugs the tests plant in them: two classes
+of the mutation suite (:mod:`flashprobe.mutants`: the −5e4 sentinel, an ignored scale) in these
+libraries' call forms, and two that only packed and paged forms have (attention across packed
+sequences, a last page read whole)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashprobe.mutants import MASK_SENTINEL
+
 __all__ = ["Bugs", "attend", "flash_attention_3", "flash_attn_2", "flashinfer_modules", "install"]
 
 
@@ -21,7 +26,7 @@ class Bugs:
     """Bugs a stand-in can have (all off: a correct library)."""
 
     cross_sequence: bool = False  # packed/batched calls: every query attends to every key of the batch
-    sentinel: bool = False  # masked logits set to -5e4 (FlashInfer PR 4401) instead of -inf
+    sentinel: bool = False  # masked logits set to MASK_SENTINEL (-5e4, FlashInfer PR 4401) instead of -inf
     ignore_scale: bool = False  # an explicit softmax scale ignored
     whole_last_page: bool = False  # paged: the last page attended whole, past the sequence's length
 
@@ -45,7 +50,7 @@ def attend(q, k, v, scale=None, causal=False, mask=None, *, fill=float("-inf"), 
 
 
 def _fill(bugs: Bugs) -> float:
-    return -5e4 if bugs.sentinel else float("-inf")
+    return MASK_SENTINEL if bugs.sentinel else float("-inf")
 
 
 def _per_sequence(q, k, v, cu_q, cu_k, bugs: Bugs, **kw):

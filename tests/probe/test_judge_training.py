@@ -19,10 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashprobe.judge import FAILURES
+from flashprobe.mutants import register_mutants
 from flashprobe.probe import probe
 from flashprobe.probe.repro import load_reproducer, replay
-
-from .buggy_kernels import register_buggy_kernels
 
 #: ``(batch, query tokens)`` per step.
 SCHEDULE: tuple[tuple[int, int], ...] = (
@@ -104,7 +103,7 @@ def _site(name: str) -> str:
 
 @pytest.fixture
 def bugs() -> None:
-    register_buggy_kernels()  # unregistered after the test by the autouse fixture of tests/conftest.py
+    register_mutants()  # unregistered after the test by the autouse fixture of tests/conftest.py
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -6,8 +6,8 @@ The loop trains a two-site model whose shapes change at known steps (:data:`SCHE
 self-attention ``attn0`` and a non-causal one with an explicit scale and, at the last step, a
 padding mask that fully masks the padded queries (``attn1``). The head dim is 80 (> 64), q/k/v are
 transposed views of ``(B, N, H, D)`` projections, training is fp32. The expected first failures
-follow from each bug's trigger (tests/probe/buggy_kernels.py), which are checked there against an
-FP64 oracle.
+follow from each bug's trigger (flashprobe/mutants.py), which are checked in
+tests/probe/test_buggy_kernels.py against an FP64 oracle.
 """
 
 from __future__ import annotations
@@ -21,18 +21,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashprobe.cli import main as cli_main
+from flashprobe.mutants import register_mutants
 from flashprobe.probe import ProbeFailureError, ProbeWarning, probe
 from flashprobe.probe.repro import load_reproducer, replay
 
-from .buggy_kernels import register_buggy_kernels
-
 #: ``(batch, tokens, padded)`` per step: the shape each step's calls have.
 SCHEDULE: tuple[tuple[int, int, bool], ...] = (
-    (1, 64, False),  # 0: multiples of 64: quiet for every length-dependent bug
+    (1, 64, False),  # 0: multiples of 64: quiet for every length-dependent bug but N_k % 128 == 64
     (2, 64, False),  # 1: a second batch entry (batch mix-ups)
     (2, 40, False),  # 2: a partial last key tile of 32 (40 % 32 = 8)
     (2, 48, False),  # 3: N % 32 == 16 (NaN rows)
-    (2, 96, False),  # 4: keys beyond 64; N_k % 64 == 32
+    (2, 96, False),  # 4: keys beyond 64
     (2, 64, True),  # 5: padding: attn1's padded queries are fully masked
 )
 D_HEAD, HEADS = 80, 2
@@ -47,12 +46,12 @@ EXPECTED: dict[str, dict[str, tuple[str, int]]] = {
     "keys_truncated": {s: ("out", 4) for s in BOTH},
     "nan_rows": {"attn0": ("out", 3)},  # attn1 gets attn0's NaN as input: its golden is NaN too
     "batch_kv_mixup": {s: ("out", 1) for s in BOTH},
-    "q_assumed_contiguous": {s: ("out", 0) for s in BOTH},
+    "strides_ignored": {s: ("out", 0) for s in BOTH},
     "fp32_bf16_scores": {s: ("out", 0) for s in BOTH},
     "mask_sentinel": {"attn1": ("out", 5)},
     "dq_unscaled": {s: ("dq", 0) for s in BOTH},
     "dk_partial_tile": {s: ("dk", 2) for s in BOTH},
-    "dq_nan": {"attn1": ("dq", 4)},  # the backward reaches attn1 first; attn0 then gets a NaN gradient
+    "dq_nan": {"attn1": ("dq", 0)},  # the backward reaches attn1 first; attn0 then gets a NaN gradient
     "ds_bf16": {s: ("dq", 0) for s in BOTH},
     "dv_unmasked": {"attn0": ("dv", 0), "attn1": ("dv", 5)},
 }
@@ -121,7 +120,7 @@ def train(primary: str | None, *, seed: int = 0, autocast: bool = False, **probe
 
 @pytest.fixture
 def bugs() -> None:
-    register_buggy_kernels()  # unregistered after the test by the autouse fixture of tests/conftest.py
+    register_mutants()  # unregistered after the test by the autouse fixture of tests/conftest.py
 
 
 @pytest.mark.parametrize("bug", sorted(EXPECTED))
