@@ -3,8 +3,10 @@
 Each form of call is read by its own function, by the argument names of the library's signature (as of
 flash-attn 2.8's ``flash_attn/flash_attn_interface.py`` and FlashAttention-3's
 ``hopper/flash_attn_interface.py``): the dense ``flash_attn_func`` and its packed forms, the packed
-sequences of ``flash_attn_varlen_func`` and its packed forms (with flash-attn 2's paged ``block_table``).
-The dense and varlen forms run flash-attn on the shadow's tensors, so their backward is compared too.
+sequences of ``flash_attn_varlen_func`` and its packed forms (with flash-attn 2's paged ``block_table``),
+and flash-attn 2's inference entry point ``flash_attn_with_kvcache`` (a dense or paged cache, the new
+keys and values appended in place at ``cache_seqlens``, compared forward). The dense and varlen forms
+run flash-attn on the shadow's tensors, so their backward is compared too.
 
 The tests check these forms against CPU stand-ins with the libraries' signatures and semantics
 (``tests/probe/_standins.py``), not against the CUDA libraries themselves.
@@ -235,6 +237,69 @@ def block_table_slots(block_table: torch.Tensor, cu_k: torch.Tensor, page_size: 
     return PagedSlots(block_table.reshape(-1).to(torch.int64), slot // per_seq, slot % per_seq, lengths)
 
 
+def _with_kvcache(lib: Library, named: dict, params: dict, run: Callable[[], Any]) -> Conversion | str | None:
+    """``flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, ..., cache_seqlens, cache_batch_idx,
+    cache_leftpad, block_table, softmax_scale, causal, ...)`` (flash-attn 2): ``q (B, N_q, H, D)``
+    against a cache ``(B_cache, S, H_kv, D)`` (rows ``cache_batch_idx``, default ``0..B-1``) or, with
+    ``block_table (B, max_blocks)``, a paged cache ``(num_blocks, page_size, H_kv, D)``; sequence ``b``
+    holds ``cache_seqlens[b]`` keys (default: all ``S``), then the new ``k``/``v (B, N_new, H_kv, D)``,
+    which the library writes into the cache in place; causal aligned bottom-right to that length.
+
+    The keys are gathered as the call sees them (cache rows, then the new keys; the slots past a
+    sequence's length masked out and zeroed), before the library runs with the caller's own arguments
+    (its in-place append happens once, as in the model); compared forward.
+    """
+    q, k_cache, v_cache = (named.pop(n, None) for n in ("q", "k_cache", "v_cache"))
+    k_new, v_new = named.pop("k", None), named.pop("v", None)
+    seqlens, batch_idx = named.pop("cache_seqlens", None), named.pop("cache_batch_idx", None)
+    table = named.pop("block_table", None)
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k_cache, v_cache)):
+        return None
+    if (k_new is None) != (v_new is None) or (k_new is not None and seqlens is None):
+        return None  # the library refuses these: let it say so
+    _, scale, causal = _flash_common(named)
+    reason = _ARGUMENTS.reason(named)
+    if reason:
+        return reason
+    if table is not None and batch_idx is not None:
+        return None
+    b, n_q, device = q.shape[0], q.shape[1], q.device
+    if table is not None:
+        blocks = table.to(device=device, dtype=torch.int64).clamp(0, k_cache.shape[0] - 1)  # (B, max_blocks)
+        keys, values = (c.detach()[blocks].flatten(1, 2) for c in (k_cache, v_cache))  # (B, S, H_kv, D)
+    else:
+        rows = torch.arange(b, device=device) if batch_idx is None else batch_idx.to(device, torch.int64)
+        keys, values = k_cache.detach()[rows], v_cache.detach()[rows]  # (B, S, H_kv, D)
+    slots = keys.shape[1]
+    pos = torch.arange(slots, device=device)  # (S,)
+    if seqlens is None:
+        cached = torch.full((b,), slots, device=device, dtype=torch.int64)
+    elif isinstance(seqlens, torch.Tensor):
+        cached = seqlens.to(device=device, dtype=torch.int64).expand(b)
+    else:
+        cached = torch.full((b,), int(seqlens), device=device, dtype=torch.int64)
+    total = cached
+    if k_new is not None:
+        n_new = k_new.shape[1]
+        total = cached + n_new
+        rel = pos[None, :] - cached[:, None]  # (B, S): position among the new keys
+        new = ((rel >= 0) & (rel < n_new))[:, :, None, None]
+        index = rel.clamp(0, max(n_new - 1, 0))[:, :, None, None]
+        keys, values = (
+            torch.where(new, t.detach().gather(1, index.expand(-1, -1, *t.shape[2:])), rows_)
+            for t, rows_ in ((k_new, keys), (v_new, values))
+        )
+    valid = pos[None, :] < total[:, None]  # (B, S)
+    keys, values = (t.masked_fill(~valid[:, :, None, None], 0) for t in (keys, values))
+    mask = valid[:, None, None, :].expand(b, 1, n_q, slots)  # (B, 1, N_q, S)
+    if causal:
+        q_pos = total[:, None] - n_q + torch.arange(n_q, device=device)  # (B, N_q), bottom-right
+        mask = mask & (pos[None, None, :] <= q_pos[:, :, None])[:, None]  # (B, 1, N_q, S)
+    return Conversion(
+        swap_heads(q.detach()), swap_heads(keys), swap_heads(values), mask, False, scale, 0.0,
+        own_arguments(run), swap_heads, swap_heads,
+    )  # fmt: skip
+
 
 _FA2 = ("flash_attn", "flash_attn.flash_attn_interface")
 _FA3 = ("flash_attn_interface",)  # FlashAttention-3 (hopper/)
@@ -248,6 +313,7 @@ FUNCTIONS = DirectFunctions(
         *((m, "flash_attn_varlen_func", _varlen) for m in _FA2 + _FA3),
         *((m, "flash_attn_varlen_qkvpacked_func", _varlen_qkvpacked) for m in _FA2),
         *((m, "flash_attn_varlen_kvpacked_func", _varlen_kvpacked) for m in _FA2),
+        *((m, "flash_attn_with_kvcache", _with_kvcache) for m in _FA2),
     ),
     callers=("transformers.modeling_flash_attention_utils",),
 )
