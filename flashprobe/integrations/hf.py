@@ -53,9 +53,9 @@ from flashprobe.probe import (
     ProbeFailureError,
     ProbeWarning,
     SdpaCall,
-    intercept,
     probe,
     reduce_across_ranks,
+    sites,
 )
 from flashprobe.probe.call import autocast_dtype, run_kernel
 from flashprobe.probe.routing import check_kernel_here
@@ -131,17 +131,14 @@ class _AttentionKernel:
 def _dispatch(runner: _AttentionKernel, call: SdpaCall) -> torch.Tensor:
     """Run ``call`` with the registered kernel, through the probe attached to the calling module if any."""
     runner.check(call)
-    res = None if intercept._state.busy else intercept._find(sys._getframe(1))
-    with intercept.passthrough():
-        if res is None:
+    res = sites.find_caller(sys._getframe(1))
+    if res is None:
+        with sites.passthrough():
             return runner.run(call)
-        route = res.route or runner
-        if res.probe is not None:
-            return res.probe.handle(res.site, call, route)
-        return route.run(call)
+    return sites.handle_sdpa(res, call, res.route or runner)
 
 
-_COMPILED_DISPATCH = torch.compiler.disable(_dispatch, reason=intercept.GRAPH_BREAK_REASON)
+_COMPILED_DISPATCH = torch.compiler.disable(_dispatch, reason=sites.GRAPH_BREAK_REASON)
 
 
 def _attention_function(default: _AttentionKernel) -> Callable[..., tuple[torch.Tensor, None]]:

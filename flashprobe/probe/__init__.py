@@ -11,23 +11,25 @@
 * :class:`DeviationStats` holds one site's on-device statistics; :func:`reduce_across_ranks`
   all-reduces them in distributed training; :func:`summarize` gives the worst values over sites.
 
-Modules, one idea each: ``call`` (one SDPA call adapted to the kernels' convention),
-``intercept`` (catching SDPA calls inside attached models, also compiled ones, and naming their
-sites), ``direct`` (flash-attn, FlashAttention-3 and FlashInfer called directly: their arguments
-bound by signature, their layouts converted), ``compiled`` (the attach-time check for
-``torch.compile(..., fullgraph=True)``), ``routing`` (``use_kernel``), ``shadow``
-(``ShadowAttention``; its references are planned in bounded memory by
-:mod:`flashprobe.kernels.reference`), ``config`` (``ProbeConfig``), ``stats`` (on-device statistics
-and their cross-rank reduction), ``summary`` (the summary over sites), ``probe`` (``probe``).
+Modules, one idea each: ``call`` (one SDPA call adapted to the kernels' convention), ``sites``
+(the attached models and the site finder: which attached module made a call), ``patching`` (swapping
+the attention sources' names in and out), the sources ``sdpa`` (with ``opaque`` for compiled
+graphs), ``fastpath``, ``flex``, ``hf_flex``, ``flashattn`` and ``flashinfer`` (the last two through
+``direct``: arguments bound by signature, layouts converted), ``intercept`` (the table of sources and
+the handles' attach/detach), ``compiled`` (the attach-time check for ``torch.compile(...,
+fullgraph=True)``), ``routing`` (``use_kernel``), ``shadow`` (``ShadowAttention``; its references are
+planned in bounded memory by :mod:`flashprobe.kernels.reference`), ``config`` (``ProbeConfig``),
+``stats`` (on-device statistics and their cross-rank reduction), ``summary`` (the summary over sites),
+``repro`` (reproducer files, replayed), ``probe`` (``probe``).
 """
 
 from flashprobe.probe.call import SdpaCall
 from flashprobe.probe.compiled import ProbeCompileError
 from flashprobe.probe.config import DROPOUT_POLICIES, ProbeConfig, ProbeConfigError
-from flashprobe.probe.intercept import ROOT_SITE, ProbeWarning
 from flashprobe.probe.probe import Probe, probe
 from flashprobe.probe.routing import KernelRoute, use_kernel
 from flashprobe.probe.shadow import ON_FAILURE, ProbeFailureError, ShadowAttention
+from flashprobe.probe.sites import ROOT_SITE, ProbeWarning
 from flashprobe.probe.stats import (
     ARG_FIELDS,
     DIRECTIONS,

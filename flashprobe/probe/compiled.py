@@ -9,7 +9,7 @@ raises :class:`ProbeCompileError` naming them and the fix, before any forward ru
 
 What it cannot see: a *function* compiled with ``fullgraph=True`` that calls the model (e.g. a
 compiled training step); Dynamo then raises at the first call, with flashprobe's reason and fix in
-its message (:data:`flashprobe.probe.intercept.GRAPH_BREAK_REASON`).
+its message (:data:`flashprobe.probe.sites.GRAPH_BREAK_REASON`).
 """
 
 from __future__ import annotations

@@ -125,7 +125,8 @@ class ProbeConfig:
 
     @classmethod
     def from_settings(cls, config: ProbeConfig | None = None, /, **settings: Any) -> ProbeConfig:
-        """``config`` (default: the defaults) with ``settings`` replacing its fields.
+        """``config`` (default: the defaults) with ``settings`` replacing its fields; ``config`` itself
+        when there are none (a config is frozen and validated once, when it is built).
 
         Raises:
             ProbeConfigError: a name that is not a setting (the message lists them), or a bad value.
@@ -136,7 +137,9 @@ class ProbeConfig:
         if unknown:
             names = ", ".join(setting_names())
             raise ProbeConfigError(f"unknown probe setting(s) {', '.join(unknown)}; the settings are {names}")
-        return dataclasses.replace(config or cls(), **settings)
+        if config is None:
+            return cls(**settings)
+        return dataclasses.replace(config, **settings) if settings else config
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, ignore: Sequence[str] = ()) -> ProbeConfig:

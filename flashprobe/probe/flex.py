@@ -1,7 +1,9 @@
 """FlexAttention calls under the probe: ``flex_attention(q, k, v, score_mod, block_mask, ...)``.
 
 While a probe is attached, ``torch.nn.attention.flex_attention.flex_attention`` (and the names model
-code imported it under) is swapped for a stand-in like SDPA's (:mod:`flashprobe.probe.intercept`).
+code imported it under) is swapped for a stand-in like SDPA's (:data:`SOURCE`,
+:mod:`flashprobe.probe.patching`); calls while Dynamo traces (e.g. a compiled ``flex_attention``) run
+unchanged and are not seen.
 A call made inside an attached model is a site like an SDPA call; the model gets the call's own
 output, unchanged (the original function with the original arguments), and the probe compares it
 with a **baseline** (the same dtype) and the FP64 **golden** value that apply the call's own
@@ -26,15 +28,18 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["FLEX_ORIGINAL", "FlexCall", "flex_reference"]
-
 from flashprobe.kernels.flex import FLEX_ORIGINAL
+from flashprobe.probe import patching
+from flashprobe.probe.sites import find_caller, passthrough
+
+__all__ = ["FLEX_ORIGINAL", "SOURCE", "FlexCall", "flex_reference", "probed_call"]
 
 try:
     from torch.nn.attention import flex_attention as _flex_module
@@ -148,3 +153,50 @@ def flex_reference(call: FlexCall, dtype: torch.dtype, *, budget: int) -> torch.
         denom = p.sum(dim=-1, keepdim=True)
         out[:, :, rows] = torch.matmul(p, v) / torch.where(denom > 0, denom, 1.0)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# The source: flex_attention swapped while a handle is attached
+# --------------------------------------------------------------------------------------------
+
+
+def probed_call(frame: Any, call: Callable[[], FlexCall], run: Callable[[], Any]) -> Any:
+    """One FlexAttention call made from ``frame``: handed to the probe of the attached module that made
+    it (``call()`` binds its arguments), or ``run()`` unchanged (outside probed models, while Dynamo
+    traces, arguments that do not bind)."""
+    if torch.compiler.is_compiling():
+        return run()
+    res = find_caller(frame)
+    if res is None or res.probe is None:
+        return run()
+    try:
+        bound = call()
+    except TypeError:  # arguments from a newer torch: leave the call alone
+        return run()
+    with passthrough():
+        return res.probe.handle_flex(res.site, bound)
+
+
+def _stand_in(*args: Any, **kwargs: Any) -> Any:
+    """``flex_attention`` while a handle is attached: a call made inside a probed model goes to its
+    probe (:meth:`Probe.handle_flex <flashprobe.probe.Probe.handle_flex>`)."""
+    assert FLEX_ORIGINAL is not None
+    return probed_call(
+        sys._getframe(1), lambda: FlexCall.bind(*args, **kwargs), lambda: FLEX_ORIGINAL(*args, **kwargs)
+    )
+
+
+_stand_in.__name__ = _stand_in.__qualname__ = "flex_attention"
+
+
+def _install() -> None:
+    if FLEX_ORIGINAL is not None and _flex_module is not None:
+        patching.patch(vars(_flex_module), "flex_attention", _stand_in)
+
+
+def _stand_ins() -> Mapping[int, tuple[Any, Any]]:
+    return {} if FLEX_ORIGINAL is None else {id(FLEX_ORIGINAL): (FLEX_ORIGINAL, _stand_in)}
+
+
+#: ``torch.nn.attention.flex_attention.flex_attention``, and the names model code imported it under.
+SOURCE = patching.Source("flex_attention", _install, _stand_ins)

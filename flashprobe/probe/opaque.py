@@ -1,7 +1,8 @@
 """Attention calls inside compiled graphs: one opaque op per call instead of a graph break.
 
-While a handle is attached, the stand-in for ``F.scaled_dot_product_attention`` is traced by Dynamo
-(``torch.compile``) like any Python function. :func:`traced_call` is what it runs then:
+While a handle is attached, the stand-in for ``F.scaled_dot_product_attention``
+(:mod:`flashprobe.probe.sdpa`) is traced by Dynamo (``torch.compile``) like any Python function.
+:func:`traced_call` is what it runs then:
 
 1. **The site, at trace time.** :func:`_trace_site` (run once per traced call, its result a
    constant of the graph) finds the innermost attached module the call is made in, from the module
@@ -10,8 +11,8 @@ While a handle is attached, the stand-in for ``F.scaled_dot_product_attention`` 
    its own and called again from a sibling module recompiles, up to Dynamo's cache limit; past it
    Dynamo runs the frame eagerly, where the eager dispatcher names the site). This reads Dynamo
    internals; where they are not as expected, or the module has no source to guard on, the call
-   falls back to the graph break of the eager dispatcher (``torch.compiler.disable``), which
-   needs no internals.
+   falls back to the graph break the caller passes (the eager dispatcher under
+   ``torch.compiler.disable``), which needs no internals.
 2. **The call, as one op.** ``torch.ops.flashprobe.attention`` runs the attached handle on real
    tensors when the graph runs (the primary kernel, the references, the statistics — exactly the
    eager code), and returns the primary's output. A fake implementation gives Dynamo and AOT
@@ -39,13 +40,13 @@ import contextlib
 import sys
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from flashprobe.probe import intercept
 from flashprobe.probe.call import SdpaCall
+from flashprobe.probe.sites import Resolution, handle_sdpa, in_passthrough, passthrough, resolution_of
 
 __all__ = ["traced_call"]
 
@@ -79,8 +80,7 @@ def _translator_module(tx: Any) -> tuple[torch.nn.Module, Any] | None:
     module = getattr(var, "value", None)
     if module is None and hasattr(var, "module_key"):
         module = tx.output.get_submodule(var.module_key)
-    res = intercept._index.get(id(module))
-    if res is None or res.module is not module:
+    if resolution_of(module) is None:
         return None
     return module, getattr(var, "source", None)
 
@@ -136,6 +136,7 @@ def _autocast_cast(tensors: tuple[torch.Tensor | None, ...], device_type: str) -
 
 
 def traced_call(
+    graph_break: Callable[..., torch.Tensor],
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -147,13 +148,13 @@ def traced_call(
     **unknown: Any,
 ) -> torch.Tensor:
     """The stand-in's body while Dynamo traces it: one ``flashprobe::attention`` op (see the module
-    docstring), or the graph break when the call cannot be one."""
+    docstring), or ``graph_break(*sdpa_arguments)`` when the call cannot be one."""
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if unknown or (attn_mask is not None and attn_mask.requires_grad):
-        return intercept._COMPILED_DISPATCH(*args, **unknown)
+        return graph_break(*args, **unknown)
     site = _trace_site()
     if site < 0:
-        return intercept._COMPILED_DISPATCH(*args)
+        return graph_break(*args)
     q, k, v, mask = _autocast_cast((query, key, value, attn_mask), query.device.type)
     grads = 0
     if torch.is_grad_enabled():
@@ -175,17 +176,10 @@ def _eager_below_op(device_type: str) -> Iterator[None]:
 
 def _run_handle(site: int, call: SdpaCall) -> torch.Tensor:
     module = _sites[site]() if 0 <= site < len(_sites) else None
-    res = intercept._index.get(id(module)) if module is not None else None
-    if res is None or res.module is not module or intercept._state.busy:
+    res: Resolution | None = resolution_of(module) if module is not None else None
+    if res is None or in_passthrough():
         return call.original()
-    intercept._state.busy = True
-    try:
-        if res.probe is not None:
-            return res.probe.handle(res.site, call, res.route)
-        assert res.route is not None
-        return res.route.run(call)
-    finally:
-        intercept._state.busy = False
+    return handle_sdpa(res, call)
 
 
 @torch.library.custom_op("flashprobe::attention", mutates_args=())
@@ -250,7 +244,7 @@ def _attention_backward(
                 t.detach().requires_grad_() if grads >> i & 1 else t.detach()
                 for i, t in enumerate((query, key, value))
             )
-            with torch.enable_grad(), intercept.passthrough():
+            with torch.enable_grad(), passthrough():
                 out = SdpaCall(*leaves, attn_mask, 0.0, is_causal, scale, enable_gqa).original()
         else:
             out, leaves = kept

@@ -64,8 +64,10 @@ from flashprobe.kernels.reference import (
 )
 from flashprobe.probe.call import Prepared, SdpaCall, autocast_off, prepare, run_kernel
 from flashprobe.probe.config import ProbeConfig
-from flashprobe.probe.intercept import GRAPH_BREAK_REASON, ProbeWarning, passthrough
+from flashprobe.probe.flex import flex_reference
+from flashprobe.probe.repro_file import reproducer_stem, save_reproducer
 from flashprobe.probe.routing import KernelRoute, check_kernel_here
+from flashprobe.probe.sites import GRAPH_BREAK_REASON, ProbeWarning, passthrough
 from flashprobe.probe.stats import DIRECTIONS, DeviationStats, count_nonfinite_positions, stats_dict
 from flashprobe.probe.summary import summarize
 
@@ -391,8 +393,6 @@ class ShadowAttention(nn.Module):
         """Run one ``flex_attention`` call (:class:`~flashprobe.probe.flex.FlexCall`) at ``site``:
         return its own output, compare it forward with references applying its ``score_mod`` and
         ``block_mask`` (:func:`~flashprobe.probe.flex.flex_reference`)."""
-        from flashprobe.probe.flex import flex_reference
-
         self._drain()
         out = call.original()
         primary = out[0] if isinstance(out, tuple) else out
@@ -706,8 +706,6 @@ class ShadowAttention(nn.Module):
         reproducer for the directions ``failures`` name."""
         if p is None or self.repro_dir is None or len(self.reproducers) >= self.max_reproducers:
             return  # (p is None: a FlexAttention call, whose score_mod is code, not data)
-        from flashprobe.probe.repro import reproducer_stem, save_reproducer
-
         first = failures[0]
         path = self.repro_dir / (reproducer_stem(first["site"], first["step"]) + ".safetensors")
         try:

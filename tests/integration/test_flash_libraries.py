@@ -32,10 +32,12 @@ def test_transformers_flash_attention_helper_globals_are_swapped(monkeypatch: py
             return fn(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=5, max_seqlen_k=5, causal=True)
 
     q = torch.randn(8, 2, 8, generator=torch.Generator().manual_seed(0))
+    original = library.flash_attn_varlen_func
     with probe(Attention()) as p, torch.no_grad():
-        assert helper._flash_varlen_fn is not library.flash_attn_varlen_func  # swapped while attached
+        assert helper._flash_varlen_fn is not original  # swapped while attached
+        assert helper._flash_varlen_fn is library.flash_attn_varlen_func  # one stand-in per function
         out = p.model(q)
-    assert helper._flash_varlen_fn is library.flash_attn_varlen_func  # restored
+    assert helper._flash_varlen_fn is original and library.flash_attn_varlen_func is original  # restored
     assert torch.equal(out, Attention()(q))
     entry = p.stats()["<root>"]
     assert entry["forward"]["calls"] == 1 and entry["verdict"] == "pass", entry["verdict_reason"]

@@ -29,6 +29,7 @@ class Bugs:
     sentinel: bool = False  # masked logits set to MASK_SENTINEL (-5e4, FlashInfer PR 4401) instead of -inf
     ignore_scale: bool = False  # an explicit softmax scale ignored
     whole_last_page: bool = False  # paged: the last page attended whole, past the sequence's length
+    stale_cache: bool = False  # KV cache: attends before appending the new keys (reads stale rows)
 
 
 def attend(q, k, v, scale=None, causal=False, mask=None, *, fill=float("-inf"), dropout_p=0.0):
@@ -66,7 +67,7 @@ def _per_sequence(q, k, v, cu_q, cu_k, bugs: Bugs, **kw):
 
 
 def flash_attn_2(bugs: Bugs = Bugs()) -> types.ModuleType:
-    """A ``flash_attn`` module with flash-attn 2's seven entry points (signatures of 2.8)."""
+    """A ``flash_attn`` module with flash-attn 2's entry points (signatures of 2.8)."""
 
     def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                         softcap=0.0, alibi_slopes=None, deterministic=False,
@@ -120,9 +121,53 @@ def flash_attn_2(bugs: Bugs = Bugs()) -> types.ModuleType:
         return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       dropout_p, softmax_scale, causal)  # fmt: skip
 
+    def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                                cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
+                                block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                                return_softmax_lse=False):  # fmt: skip
+        """``q (B, N_q, H, D)``; the cache ``(B_cache, S, H_kv, D)`` (rows ``cache_batch_idx``) or, with
+        ``block_table (B, max_blocks)``, ``(num_blocks, page_size, H_kv, D)``; ``k``/``v (B, N_new, H_kv,
+        D)`` written into the cache in place at ``cache_seqlens``, then attended with it."""
+        scale = None if bugs.ignore_scale else softmax_scale
+        b, slots = q.shape[0], k_cache.shape[1]
+        rows = list(range(b)) if cache_batch_idx is None else cache_batch_idx.tolist()
+        if block_table is not None:
+            slots *= block_table.shape[1]
+        if cache_seqlens is None:
+            lengths = [slots] * b
+        elif isinstance(cache_seqlens, int):
+            lengths = [cache_seqlens] * b
+        else:
+            lengths = cache_seqlens.tolist()
+
+        def where(i, p):  # the cache entry of position p of sequence i
+            if block_table is None:
+                return rows[i], p
+            page = k_cache.shape[1]
+            return int(block_table[i, p // page]), p % page
+
+        def attend_cached(i, n):
+            keys = torch.stack([k_cache[where(i, p)] for p in range(n)])  # (n, H_kv, D)
+            values = torch.stack([v_cache[where(i, p)] for p in range(n)])
+            return attend(q[i], keys, values, scale, causal)
+
+        n_new = 0 if k is None else k.shape[1]
+        if bugs.stale_cache:
+            outs = [attend_cached(i, lengths[i] + n_new) for i in range(b)]
+        for i in range(b):
+            for j in range(n_new):
+                k_cache[where(i, lengths[i] + j)] = k[i, j]
+                v_cache[where(i, lengths[i] + j)] = v[i, j]
+        if not bugs.stale_cache:
+            outs = [attend_cached(i, lengths[i] + n_new) for i in range(b)]
+        out = torch.stack(outs)
+        return (out, torch.zeros(b, q.shape[2], q.shape[1])) if return_softmax_lse else out
+
     library = types.ModuleType("flash_attn")
     for fn in (flash_attn_func, flash_attn_qkvpacked_func, flash_attn_kvpacked_func, flash_attn_varlen_func,
-               flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func):  # fmt: skip
+               flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func,
+               flash_attn_with_kvcache):  # fmt: skip
         fn.__module__ = "flash_attn.flash_attn_interface"
         setattr(library, fn.__name__, fn)
     return library

@@ -129,3 +129,32 @@ def test_a_config_and_keywords_combine() -> None:
     assert ShadowAttention(cfg, every_n_steps=5).config == ProbeConfig(backward=True, every_n_steps=5)
     with pytest.raises(ProbeConfigError, match="expected a ProbeConfig"):
         ShadowAttention({"backward": True})  # type: ignore[arg-type]
+
+
+def test_a_config_is_built_and_checked_once_per_attach(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Attaching with a config (as the callbacks do at every training batch) reuses it: the only new
+    config is the one with ``backward="auto"`` decided for the model's device; a config whose
+    ``backward`` is already decided is used as it is."""
+    built: list[ProbeConfig] = []
+    check = ProbeConfig.__post_init__
+
+    def counting(self: ProbeConfig) -> None:
+        built.append(self)
+        check(self)
+
+    monkeypatch.setattr(ProbeConfig, "__post_init__", counting)
+    auto, decided = ProbeConfig(), ProbeConfig(backward=False)
+    built.clear()
+    with probe(Direct(), auto) as handle:
+        assert handle.config is auto
+        assert handle.shadow.config.backward is True  # math and SDPA have a backward on the CPU
+    assert len(built) == 1
+    built.clear()
+    with probe(Direct(), decided) as handle:
+        assert handle.config is decided and handle.shadow.config is decided
+    assert built == []
+    expected = ProbeConfig(backward=False, every_n_calls=2)
+    built.clear()
+    with probe(Direct(), decided, every_n_calls=2) as handle:
+        assert handle.shadow.config is handle.config
+    assert built == [expected]

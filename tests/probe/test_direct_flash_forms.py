@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from flashprobe.probe import probe
-from flashprobe.probe.direct import _block_table_slots, gather_pages, segment_mask
+from flashprobe.probe.direct import gather_pages, segment_mask
+from flashprobe.probe.flashattn import block_table_slots
 
 from ._standins import Bugs, flash_attention_3, flash_attn_2, install
 
@@ -184,7 +185,7 @@ def test_a_paged_kv_cache_is_gathered_and_compared_forward(monkeypatch, causal: 
 def test_block_table_gather_matches_a_hand_conversion(causal: bool) -> None:
     k, _ = _cache()
     table = torch.tensor([[5, 0], [2, 6], [3, 1]], dtype=torch.int32)
-    slots = _block_table_slots(table, CU_K, page_size=4)
+    slots = block_table_slots(table, CU_K, page_size=4)
     got = gather_pages(k, slots, "NHD")  # (1, H_kv, 3 sequences x 2 blocks x 4 rows, D)
     lengths = (4, 5, 3)
     want = torch.zeros(24, 2, 8)

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from flashprobe.probe import ProbeWarning, probe
-from flashprobe.probe.direct import _flashinfer_slots, _segments, gather_pages, segment_mask
+from flashprobe.probe.direct import gather_pages, segment_mask, segments
+from flashprobe.probe.flashinfer import flashinfer_slots
 
 from ._standins import Bugs, flashinfer_modules, install
 
@@ -180,7 +181,7 @@ def test_flashinfer_bugs_fail_the_verdict(monkeypatch, bug: Bugs, entry: str) ->
 def test_page_table_conversion_matches_a_hand_conversion() -> None:
     k, _ = _paged_cache()
     indptr, indices, last = PAGES
-    slots = _flashinfer_slots(indptr, indices, last, 4, torch.device("cpu"))
+    slots = flashinfer_slots(indptr, indices, last, 4, torch.device("cpu"))
     got = gather_pages(k, slots, "NHD")[0].transpose(0, 1)  # (slots, H_kv, D)
     lengths = (4, 6, 2)
     hand_keys, hand_mask = torch.zeros(16, 2, 16), torch.zeros(10, 16, dtype=torch.bool)
@@ -194,7 +195,7 @@ def test_page_table_conversion_matches_a_hand_conversion() -> None:
         )
         slot += 4 * len(pages)
     assert torch.equal(got, hand_keys)
-    q_seq, q_pos, q_len = _segments(QO, 10, torch.device("cpu"))
+    q_seq, q_pos, q_len = segments(QO, 10, torch.device("cpu"))
     mask = segment_mask(q_seq, q_pos, q_len, slots.seq, slots.pos, slots.lengths, causal=True)
     assert torch.equal(mask, hand_mask)
 
@@ -204,8 +205,8 @@ def test_a_ragged_custom_mask_matches_a_hand_conversion() -> None:
     the other; it replaces ``causal``."""
     blocks = [torch.rand(n_q, n_k) > 0.5 for n_q, n_k in ((3, 4), (5, 5), (2, 3))]
     flat = torch.cat([b.reshape(-1) for b in blocks])
-    q_seq, q_pos, q_len = _segments(QO, 10, torch.device("cpu"))
-    k_seq, k_pos, k_len = _segments(KV, 12, torch.device("cpu"))
+    q_seq, q_pos, q_len = segments(QO, 10, torch.device("cpu"))
+    k_seq, k_pos, k_len = segments(KV, 12, torch.device("cpu"))
     got = segment_mask(q_seq, q_pos, q_len, k_seq, k_pos, k_len, causal=True, custom=flat)
     want = torch.block_diag(*blocks)
     assert torch.equal(got, want)
