@@ -179,7 +179,7 @@ def pair_and_row_sums(
     golden: torch.Tensor,
     workspace: StatsWorkspace | None = None,
     form: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """:func:`pair_sums` and the deviation of every row, from one pass over the tensors (each
     difference is taken once and serves both; no host synchronisation).
 
@@ -194,15 +194,19 @@ def pair_and_row_sums(
             row norms only), or None.
 
     Returns:
-        ``(sums, norms, golden_max)``: the ``(7, 3)`` :func:`pair_sums`; ``(K, R)`` float64 L2 norms
-        of the ``R`` rows of ``primary − golden``, ``baseline − golden``, ``golden`` and (with
-        ``form``, ``K`` = 4) ``form − golden``, non-finite where the row holds a non-finite value;
-        and ``max|golden|`` over every position (non-finite where ``golden`` is), 0-d float64.
+        ``(sums, norms, golden_max, finite)``: the ``(7, 3)`` :func:`pair_sums`; ``(K, R)`` float64
+        L2 norms of the ``R`` rows of ``primary − golden``, ``baseline − golden``, ``golden`` and
+        (with ``form``, ``K`` = 4) ``form − golden``, non-finite where the row holds a non-finite
+        value; ``max|golden|`` over every position (non-finite where ``golden`` is), 0-d float64;
+        and whether ``primary``, ``baseline`` and ``golden`` were read to be finite everywhere
+        (``False`` where that was not read: where host reads are not free, :func:`reads_are_free`).
 
     Raises:
         ValueError: the tensors have different numbers of elements.
     """
-    return _pair_pass(primary, baseline, golden, workspace, rows=True, form=form)
+    sums, norms, golden_max, finite = _pair_pass(primary, baseline, golden, workspace, rows=True, form=form)
+    assert norms is not None and golden_max is not None
+    return sums, norms, golden_max, finite
 
 
 def _pair_pass(
@@ -213,7 +217,7 @@ def _pair_pass(
     *,
     rows: bool = False,
     form: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, bool]:
     """The pass behind :func:`pair_sums` and (``rows=True``, with golden) :func:`pair_and_row_sums`."""
     p, b = primary.detach(), baseline.detach()
     g = None if golden is None else golden.detach()
@@ -246,7 +250,7 @@ def _pair_pass(
         f = None if f is None else f.reshape(-1)
     # The golden is read where it lies when it is a float64 row already (no copy), else loaded.
     in_place = g is not None and g.dtype == torch.float64 and g.is_contiguous()
-    check = reads_are_free(device)
+    check = finite = reads_are_free(device)
     total: torch.Tensor | None = None
     norms: list[torch.Tensor] = []
     golden_max: torch.Tensor | None = None
@@ -286,6 +290,7 @@ def _pair_pass(
                 if rows:
                     golden_max = _max(golden_max, part[6, 1])
         if part is None:
+            finite = False
             if ref is not None and not loaded:
                 load(r[1], g)
             if rows:  # every position, non-finite ones included
@@ -304,12 +309,12 @@ def _pair_pass(
     assert total is not None
     total[5] = n - total[4]
     if not rows:
-        return total, None, None
+        return total, None, None, finite
     if n == 0:
         k = 3 if f is None else 4
-        return total, total.new_zeros(k, 0), total.new_zeros(())
+        return total, total.new_zeros(k, 0), total.new_zeros(()), finite
     assert golden_max is not None
-    return total, norms[0] if len(norms) == 1 else torch.cat(norms, dim=1), golden_max
+    return total, norms[0] if len(norms) == 1 else torch.cat(norms, dim=1), golden_max, finite
 
 
 #: Scratch rows start at multiples of this many elements (64 bytes of float64), so that a row's

@@ -76,6 +76,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -96,6 +97,7 @@ __all__ = [
     "SCORE",
     "STATISTICS",
     "UNDETERMINED",
+    "CallStatistics",
     "Judgement",
     "absolute_limit",
     "call_statistics",
@@ -204,6 +206,20 @@ def row_statistics(primary: torch.Tensor, baseline: torch.Tensor, golden: torch.
     return call_statistics(primary, baseline, golden)[1]
 
 
+class CallStatistics(NamedTuple):
+    """One call's statistics (:func:`call_statistics`), on the device."""
+
+    sums: torch.Tensor
+    """``(7, 3)`` :func:`~flashprobe.deviation.pair_sums`."""
+    rows: torch.Tensor
+    """``(3,)`` :func:`row_statistics`."""
+    noise: torch.Tensor | None
+    """``(2,)`` :func:`noise_statistics` of the baseline's second form, where one was given."""
+    finite: bool
+    """Whether the primary, the baseline and the golden were read to be finite everywhere (where a
+    host read is free; else ``False``): what lets :meth:`flashprobe.bias.BiasStats.add` skip masking."""
+
+
 def call_statistics(
     primary: torch.Tensor,
     baseline: torch.Tensor,
@@ -211,7 +227,7 @@ def call_statistics(
     workspace: StatsWorkspace | None = None,
     *,
     form: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+) -> CallStatistics:
     """One call's statistics from one pass over its tensors, on the device (no host read):
     :func:`~flashprobe.deviation.pair_and_row_sums` takes each difference once and reduces it
     for the pairs and for the rows.
@@ -225,16 +241,16 @@ def call_statistics(
             None.
 
     Returns:
-        ``(sums, rows, noise)``: the ``(7, 3)`` :func:`~flashprobe.deviation.pair_sums`, the ``(3,)``
-        :func:`row_statistics` and, with ``form``, its ``(2,)`` :func:`noise_statistics` (else None).
+        The :class:`CallStatistics`.
     """
-    sums, norms, golden_max = pair_and_row_sums(primary, baseline, golden, workspace, form)
+    sums, norms, golden_max, finite = pair_and_row_sums(primary, baseline, golden, workspace, form)
     errors = _row_errors(torch.cat((norms[:2], norms[3:])), norms[2])  # (2, or 3 with the form; rows)
     worst = errors.amax(dim=1) if errors.shape[1] else errors.new_zeros(errors.shape[0])
     rows = torch.cat((worst[:2], golden_max.reshape(1)))
-    if form is None:
-        return sums, rows, None
-    return sums, rows, torch.stack((norms[3].nan_to_num(0.0, 0.0, 0.0).square().sum(), worst[2]))
+    noise = None
+    if form is not None:
+        noise = torch.stack((norms[3].nan_to_num(0.0, 0.0, 0.0).square().sum(), worst[2]))
+    return CallStatistics(sums, rows, noise, finite)
 
 
 def _row_errors(norms: torch.Tensor, golden: torch.Tensor) -> torch.Tensor:
@@ -510,7 +526,7 @@ def judge(
     """
     if direction not in DIRECTIONS:
         raise ValueError(f"direction={direction!r} must be one of {', '.join(DIRECTIONS)}")
-    sums, rows, _ = call_statistics(primary, baseline, golden)
+    sums, rows, *_ = call_statistics(primary, baseline, golden)
     return judge_tensors(sums, rows, dtype or primary.dtype, direction, logit_max=logit_max)
 
 

@@ -497,10 +497,10 @@ class ShadowAttention(nn.Module):
                 for (blk, b), (_, g) in zip(base, gold, strict=False):  # gold: repeat(None) without golden
                     if self.record:
                         mine = blk.take_q(out4, p.rep)
-                        part, row, _ = self._statistics(mine, b, g)
+                        part, row, _, finite = self._statistics(mine, b, g)
                         sums, rows = combine_sums(sums, part), _worst(rows, row)
                         if g is not None:
-                            self._site(site, out.device).bias.add("out", mine, g, b)
+                            self._site(site, out.device).bias.add("out", mine, g, b, finite=finite)
                 if self.record and sums is not None:
                     stats = self._site(site, out.device)
                     worst = None if rows is None else {"out": rows}
@@ -602,28 +602,30 @@ class ShadowAttention(nn.Module):
                 for i, blk in enumerate(bg.blocks):
                     if out is not None:
                         mine_o, b_o, g_o = blk.take_q(out, p.rep), bg.outs[i], gg.outs[i] if gg else None
-                        part, row, _ = self._statistics(mine_o, b_o, g_o)
+                        part, row, _, finite = self._statistics(mine_o, b_o, g_o)
                         sums["out"], rows["out"] = combine_sums(sums["out"], part), _worst(rows["out"], row)
                         if bias is not None and g_o is not None:
-                            bias.add("out", mine_o, g_o, b_o)
+                            bias.add("out", mine_o, g_o, b_o, finite=finite)
                     if "q" in names:
                         mine_q, g_q = blk.take_q(mine["q"], p.rep), gg.dq[i] if gg else None
-                        part, row, form = self._statistics(mine_q, bg.dq[i], g_q, fg.dq[i] if fg else None)
+                        part, row, form, finite = self._statistics(
+                            mine_q, bg.dq[i], g_q, fg.dq[i] if fg else None
+                        )
                         sums["q"] = combine_sums(sums["q"], self._unscale(part))
                         rows["q"], noise["q"] = _worst(rows["q"], row), self._noise(noise["q"], form)
                         if bias is not None and g_q is not None:
-                            bias.add("dq", mine_q, g_q, bg.dq[i])
+                            bias.add("dq", mine_q, g_q, bg.dq[i], finite=finite)
                 first = bg.blocks[0]
                 for n in ("k", "v"):
                     if n in names:
                         b_grad, g_grad = getattr(bg, f"d{n}"), getattr(gg, f"d{n}") if gg else None
                         mine_n = mine[n][first.batch, first.heads]
                         f_grad = getattr(fg, f"d{n}") if fg else None
-                        part, row, form = self._statistics(mine_n, b_grad, g_grad, f_grad)
+                        part, row, form, finite = self._statistics(mine_n, b_grad, g_grad, f_grad)
                         sums[n] = combine_sums(sums[n], self._unscale(part))
                         rows[n], noise[n] = _worst(rows[n], row), self._noise(noise[n], form)
                         if bias is not None and g_grad is not None:
-                            bias.add(f"d{n}", mine_n, g_grad, b_grad)
+                            bias.add(f"d{n}", mine_n, g_grad, b_grad, finite=finite)
         return sums, rows, noise
 
     def _statistics(
@@ -632,11 +634,12 @@ class ShadowAttention(nn.Module):
         baseline: torch.Tensor,
         golden: torch.Tensor | None,
         form: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """One block's pair sums, with the golden also its row statistics and (given the baseline's
-        flash ``form``) the form's noise, from one pass (:func:`~flashprobe.judge.call_statistics`)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, bool]:
+        """One block's pair sums; with the golden also its row statistics, (given the baseline's flash
+        ``form``) the form's noise and whether every value was read finite, from one pass
+        (:func:`~flashprobe.judge.call_statistics`)."""
         if golden is None:
-            return pair_sums(primary, baseline, None, self._workspace), None, None
+            return pair_sums(primary, baseline, None, self._workspace), None, None, False
         return call_statistics(primary, baseline, golden, self._workspace, form=form)
 
     def _noise(self, total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
