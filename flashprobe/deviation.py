@@ -26,10 +26,12 @@ underscore (``primary_golden_max_abs``), a nested record nests them (``{"primary
 **One implementation.** :func:`pair_sums` computes the sufficient statistics of up to three pairs
 at once with plain tensor ops on the tensors' device, with no host synchronisation and no branch on
 the values (one path for the CPU and every accelerator); the probe, the benchmarks and the fuzzer
-all use it, through :func:`deviation_tensors` / :func:`deviation` or directly. Differences are taken
-in float64 (the float32/bf16/fp16 sides are promoted exactly), so on a given device the bits do not
-depend on the inputs' layout; across devices the order of the reductions (and so the last bits of
-the sums) may differ.
+all use it, through :func:`deviation_tensors` / :func:`deviation` or directly.
+:func:`pair_and_row_sums` is the same pass with the L2 norm of every row as well (the verdict's
+row statistics, :func:`flashprobe.judge.call_statistics`): each difference is taken once.
+Differences are taken in float64 (the float32/bf16/fp16 sides are promoted exactly), so on a
+given device the bits do not depend on the inputs' layout; across devices the order of the
+reductions (and so the last bits of the sums) may differ.
 """
 
 from __future__ import annotations
