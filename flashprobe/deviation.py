@@ -322,8 +322,6 @@ def _pair_pass(
 #: Scratch rows start at multiples of this many elements (64 bytes of float64), so that a row's
 #: reductions give the same bits whichever row of the buffer holds it.
 _ROW_ALIGN = 8
-#: Which reference row each pair reads when the golden pairs share one (unmasked slices).
-_SHARED_REFERENCE = torch.tensor([0, 1, 1])
 
 
 def _max(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
@@ -366,9 +364,9 @@ def _reduce_finite(
         maxima = torch.cat((maxima, top.reshape(1)))
     sum_abs = dr[:pairs].sum(dim=1)
     ref_sq, ref_max = squares[pairs:], maxima[pairs:]
-    if len(ref_sq) != pairs:
-        index = _SHARED_REFERENCE.to(dr.device)
-        ref_sq, ref_max = ref_sq[index], ref_max[index]
+    if len(ref_sq) != pairs:  # r[0], then the golden twice
+        ref_sq = torch.cat((ref_sq[:1], ref_sq[1:].expand(2)))
+        ref_max = torch.cat((ref_max[:1], ref_max[1:].expand(2)))
     zeros = sum_abs.new_zeros(pairs)
     return torch.stack((maxima[:pairs], sum_abs, squares[:pairs], ref_sq, zeros, zeros, ref_max))
 
