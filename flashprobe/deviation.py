@@ -26,10 +26,12 @@ underscore (``primary_golden_max_abs``), a nested record nests them (``{"primary
 **One implementation.** :func:`pair_sums` computes the sufficient statistics of up to three pairs
 at once with plain tensor ops on the tensors' device, with no host synchronisation and no branch on
 the values (one path for the CPU and every accelerator); the probe, the benchmarks and the fuzzer
-all use it, through :func:`deviation_tensors` / :func:`deviation` or directly. Differences are taken
-in float64 (the float32/bf16/fp16 sides are promoted exactly), so on a given device the bits do not
-depend on the inputs' layout; across devices the order of the reductions (and so the last bits of
-the sums) may differ.
+all use it, through :func:`deviation_tensors` / :func:`deviation` or directly.
+:func:`pair_and_row_sums` is the same pass with the L2 norm of every row as well (the verdict's
+row statistics, :func:`flashprobe.judge.call_statistics`): each difference is taken once.
+Differences are taken in float64 (the float32/bf16/fp16 sides are promoted exactly), so on a
+given device the bits do not depend on the inputs' layout; across devices the order of the
+reductions (and so the last bits of the sums) may differ.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ __all__ = [
     "error_ratio",
     "finish_deviation",
     "noise_floor",
+    "pair_and_row_sums",
     "pair_sums",
     "reads_are_free",
 ]
@@ -150,8 +153,9 @@ def pair_sums(
     read is free (:func:`reads_are_free`: the CPU), a slice is first reduced unmasked, and its
     sums of squares are read: when they are finite, no pair of the slice is non-finite, masking
     would change nothing, and it is skipped (the two golden pairs then share one reference row,
-    ``golden`` itself). Both ways give the same bits on finite data, so the statistics do not
-    depend on whether the read was made; on an accelerator every slice is masked, without a read.
+    ``golden`` itself, read where it lies when it is float64 and contiguous). Both ways give the
+    same bits on finite data, so the statistics do not depend on whether the read was made; on an
+    accelerator every slice is masked, without a read.
 
     Args:
         primary: any shape, any floating dtype.
@@ -168,68 +172,173 @@ def pair_sums(
     Raises:
         ValueError: the tensors have different numbers of elements.
     """
+    return _pair_pass(primary, baseline, golden, workspace)[0]
+
+
+def pair_and_row_sums(
+    primary: torch.Tensor,
+    baseline: torch.Tensor,
+    golden: torch.Tensor,
+    workspace: StatsWorkspace | None = None,
+    form: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """:func:`pair_sums` and the deviation of every row, from one pass over the tensors (each
+    difference is taken once and serves both; no host synchronisation).
+
+    A **row** is the last dimension of ``golden`` (a query's output row, a key's gradient row).
+
+    Args:
+        primary: ``(..., D)`` any floating dtype.
+        baseline: as many elements.
+        golden: ``(..., D)``, the reference.
+        workspace: scratch buffers to reuse across calls.
+        form: as many elements, a second form of the baseline compared with the golden only (its
+            row norms only), or None.
+
+    Returns:
+        ``(sums, norms, golden_max, finite)``: the ``(7, 3)`` :func:`pair_sums`; ``(K, R)`` float64
+        L2 norms of the ``R`` rows of ``primary − golden``, ``baseline − golden``, ``golden`` and
+        (with ``form``, ``K`` = 4) ``form − golden``, non-finite where the row holds a non-finite
+        value; ``max|golden|`` over every position (non-finite where ``golden`` is), 0-d float64;
+        and whether ``primary``, ``baseline`` and ``golden`` were read to be finite everywhere
+        (``False`` where that was not read: where host reads are not free, :func:`reads_are_free`).
+
+    Raises:
+        ValueError: the tensors have different numbers of elements.
+    """
+    sums, norms, golden_max, finite = _pair_pass(primary, baseline, golden, workspace, rows=True, form=form)
+    assert norms is not None and golden_max is not None
+    return sums, norms, golden_max, finite
+
+
+def _pair_pass(
+    primary: torch.Tensor,
+    baseline: torch.Tensor,
+    golden: torch.Tensor | None,
+    workspace: StatsWorkspace | None,
+    *,
+    rows: bool = False,
+    form: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, bool]:
+    """The pass behind :func:`pair_sums` and (``rows=True``, with golden) :func:`pair_and_row_sums`."""
     p, b = primary.detach(), baseline.detach()
     g = None if golden is None else golden.detach()
-    if p.numel() != b.numel() or (g is not None and g.numel() != p.numel()):
+    f = None if form is None else form.detach()
+    if (
+        p.numel() != b.numel()
+        or (g is not None and g.numel() != p.numel())
+        or (f is not None and f.numel() != p.numel())
+    ):
         raise ValueError(
             f"pair_sums: shapes differ: primary {tuple(primary.shape)}, baseline {tuple(baseline.shape)}"
             + ("" if golden is None else f", golden {tuple(golden.shape)}")
+            + ("" if form is None else f", form {tuple(form.shape)}")
         )
+    rows = rows and g is not None
     workspace = workspace or StatsWorkspace()
     n, pairs, device = p.numel(), (1 if g is None else 3), p.device
     chunk = max(1, min(n, _slice_elements(device)))
+    width = 1
+    if rows:
+        assert g is not None
+        width = g.shape[-1] if g.dim() else 1
+        chunk = max(width, chunk - chunk % width) if width else chunk  # whole rows per slice
     stride = -(-chunk // _ROW_ALIGN) * _ROW_ALIGN  # every row starts equally aligned (same-bit dots)
     buf = workspace.get(device, 3 * pairs * stride)
     whole = n <= chunk  # one slice: read the inputs in their own layout (no flattening copy)
     if not whole:
         p, b = p.reshape(-1), b.reshape(-1)
         g = None if g is None else g.reshape(-1)
-    check = reads_are_free(device)
+        f = None if f is None else f.reshape(-1)
+    # The golden is read where it lies when it is a float64 row already (no copy), else loaded.
+    in_place = g is not None and g.dtype == torch.float64 and g.is_contiguous()
+    check = finite = reads_are_free(device)
     total: torch.Tensor | None = None
+    norms: list[torch.Tensor] = []
+    golden_max: torch.Tensor | None = None
     for start in range(0, max(n, 1), chunk):
         stop = min(n, start + chunk)
         m = stop - start
-        rows = buf[: 3 * pairs * stride].view(3 * pairs, stride)[:, :m]
-        z, d, r = rows[:pairs], rows[pairs : 2 * pairs], rows[2 * pairs :]
+        scratch = buf[: 3 * pairs * stride].view(3 * pairs, stride)[:, :m]
+        z, d, r = scratch[:pairs], scratch[pairs : 2 * pairs], scratch[2 * pairs :]
 
         def load(row: torch.Tensor, x: torch.Tensor, start: int = start, stop: int = stop) -> None:
             (row.view(x.shape) if whole else row).copy_(x if whole else x[start:stop])
 
         # In float64: the primary into z[0] (scratch until masking), the baseline into r[0] and
-        # the golden into r[1]; then the differences.
+        # the golden into r[1] (or read where it lies); then the differences.
         load(z[0], p)
         load(r[0], b)
         torch.sub(z[0], r[0], out=d[0])
+        ref, loaded = None, False
         if g is not None:
-            load(r[1], g)
-            torch.sub(z[0], r[1], out=d[1])
-            torch.sub(r[0], r[1], out=d[2])
+            ref = g.reshape(-1)[start:stop] if in_place else None
+            if ref is None or ref.data_ptr() % (8 * _ROW_ALIGN):  # misaligned, dots would change bits
+                ref, loaded = r[1], True
+                load(r[1], g)
+            torch.sub(z[0], ref, out=d[1])
+            torch.sub(r[0], ref, out=d[2])
+            if rows and m:  # before any masking: a row with a non-finite difference reads non-finite
+                if f is not None:  # the form's difference in z[1] (scratch until masking)
+                    load(z[1], f)
+                    z[1].sub_(ref)
+                norms.append(_row_norms(d[1:3], ref, z[1] if f is not None else None, width))
         part = None
-        if check:  # unmasked: d, then r[0] and (with golden) r[1], shared by the golden pairs
-            used = rows[pairs : 2 * pairs + min(pairs, 2)]
-            squares = _squares(used)
+        if check:  # unmasked: d, then r[0] and (with golden) the golden, shared by the golden pairs
+            used = [*d, r[0]] + ([] if ref is None else [ref])
+            squares = torch.stack([torch.dot(row, row) for row in used])
             if math.isfinite(squares.sum().item()):  # no non-finite pair in this slice
-                part = _reduce(used, squares, pairs)
+                part = _reduce_finite(scratch[pairs : 2 * pairs + 1], ref, squares, pairs)
+                if rows:
+                    golden_max = _max(golden_max, part[6, 1])
         if part is None:
+            finite = False
+            if ref is not None and not loaded:
+                load(r[1], g)
+            if rows:  # every position, non-finite ones included
+                assert ref is not None
+                top = torch.linalg.vector_norm(ref, float("inf"), dtype=torch.float64)
+                golden_max = _max(golden_max, top)
             torch.mul(d, 0.0, out=z)  # 0 where the pair is finite, NaN where it is not
             if g is not None:
                 torch.add(r[1], z[2], out=r[2])
                 r[1].add_(z[1])
             r[0].add_(z[0])
-            rows[pairs:].nan_to_num_(0.0, 0.0, 0.0)  # d and r over finite pairs only
+            scratch[pairs:].nan_to_num_(0.0, 0.0, 0.0)  # d and r over finite pairs only
             z.nan_to_num_(1.0)  # 1 where the pair is non-finite
-            part = _reduce(rows[pairs:], _squares(rows[pairs:]), pairs, z)
+            part = _reduce(scratch[pairs:], _squares(scratch[pairs:]), pairs, z)
         total = combine_sums(total, part)
     assert total is not None
     total[5] = n - total[4]
-    return total
+    if not rows:
+        return total, None, None, finite
+    if n == 0:
+        k = 3 if f is None else 4
+        return total, total.new_zeros(k, 0), total.new_zeros(()), finite
+    assert golden_max is not None
+    return total, norms[0] if len(norms) == 1 else torch.cat(norms, dim=1), golden_max, finite
 
 
 #: Scratch rows start at multiples of this many elements (64 bytes of float64), so that a row's
 #: reductions give the same bits whichever row of the buffer holds it.
 _ROW_ALIGN = 8
-#: Which reference row each pair reads when the golden pairs share one (unmasked slices).
-_SHARED_REFERENCE = torch.tensor([0, 1, 1])
+
+
+def _max(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
+    return part if total is None else torch.maximum(total, part)
+
+
+def _row_norms(
+    diffs: torch.Tensor, golden: torch.Tensor, form: torch.Tensor | None, width: int
+) -> torch.Tensor:
+    """``(K, rows)`` L2 norms of the rows of ``diffs (2, m)``, ``golden (m,)`` and ``form (m,)``."""
+    found = [
+        torch.linalg.vector_norm(diffs.view(2, -1, width), dim=-1),
+        torch.linalg.vector_norm(golden.view(1, -1, width), dim=-1),
+    ]
+    if form is not None:
+        found.append(torch.linalg.vector_norm(form.view(1, -1, width), dim=-1))
+    return torch.cat(found)
 
 
 def _squares(rows: torch.Tensor) -> torch.Tensor:
@@ -237,29 +346,47 @@ def _squares(rows: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.dot(row, row) for row in rows])
 
 
-def _reduce(
-    dr: torch.Tensor, squares: torch.Tensor, pairs: int, z: torch.Tensor | None = None
+def _reduce_finite(
+    dr: torch.Tensor, golden: torch.Tensor | None, squares: torch.Tensor, pairs: int
 ) -> torch.Tensor:
-    """One slice's ``(7, P)`` sums from its scratch rows (overwritten with their magnitudes).
+    """One finite slice's ``(7, P)`` sums (:func:`_reduce` where no pair is non-finite).
 
     Args:
-        dr: ``[d (P, m); r (R, m)]``: differences, then references (``R`` = ``P``; 2 for three
-            unmasked pairs, whose golden pairs share ``r[1]``).
-        squares: ``(P + R,)`` squared norms of ``dr``'s rows.
+        dr: ``[d (P, m); r[0] (1, m)]``, overwritten with their magnitudes.
+        golden: ``(m,)`` the golden row shared by the golden pairs (read only), or None (``P`` = 1).
+        squares: the squared norms of ``dr``'s rows, then of ``golden``.
         pairs: ``P``.
-        z: ``(P, m)`` non-finite markers (1 where the pair is non-finite, else 0), or None where
-            no pair is.
+    """
+    dr.abs_()
+    maxima = dr.amax(dim=1) if dr.shape[1] else dr.new_zeros(dr.shape[0])  # max_abs, then max|r[0]|
+    if golden is not None:  # max|golden| = max(max g, −min g): exact, and the golden stays as it is
+        top = torch.maximum(golden.amax(), golden.amin().neg()) if golden.numel() else maxima[:1]
+        maxima = torch.cat((maxima, top.reshape(1)))
+    sum_abs = dr[:pairs].sum(dim=1)
+    ref_sq, ref_max = squares[pairs:], maxima[pairs:]
+    if len(ref_sq) != pairs:  # r[0], then the golden twice
+        ref_sq = torch.cat((ref_sq[:1], ref_sq[1:].expand(2)))
+        ref_max = torch.cat((ref_max[:1], ref_max[1:].expand(2)))
+    zeros = sum_abs.new_zeros(pairs)
+    return torch.stack((maxima[:pairs], sum_abs, squares[:pairs], ref_sq, zeros, zeros, ref_max))
+
+
+def _reduce(dr: torch.Tensor, squares: torch.Tensor, pairs: int, z: torch.Tensor) -> torch.Tensor:
+    """One masked slice's ``(7, P)`` sums from its scratch rows (overwritten with their magnitudes).
+
+    Args:
+        dr: ``[d (P, m); r (P, m)]``: differences, then references, zero where the pair is not finite.
+        squares: ``(2P,)`` squared norms of ``dr``'s rows.
+        pairs: ``P``.
+        z: ``(P, m)`` non-finite markers (1 where the pair is non-finite, else 0).
     """
     dr.abs_()
     maxima = dr.amax(dim=1) if dr.shape[1] else dr.new_zeros(dr.shape[0])  # max_abs, then max_ref
     sum_abs = dr[:pairs].sum(dim=1)
-    nonfinite = dr.new_zeros(pairs) if z is None else z.sum(dim=1)
-    ref_sq, ref_max = squares[pairs:], maxima[pairs:]
-    if len(ref_sq) != pairs:
-        index = _SHARED_REFERENCE.to(dr.device)
-        ref_sq, ref_max = ref_sq[index], ref_max[index]
+    nonfinite = z.sum(dim=1)
+    count = nonfinite.new_zeros(pairs)  # set from the total
     return torch.stack(
-        (maxima[:pairs], sum_abs, squares[:pairs], ref_sq, nonfinite, nonfinite.new_zeros(pairs), ref_max)
+        (maxima[:pairs], sum_abs, squares[:pairs], squares[pairs:], nonfinite, count, maxima[pairs:])
     )
 
 

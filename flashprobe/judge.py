@@ -91,10 +91,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 
-from flashprobe.deviation import StatsWorkspace, pair_sums
+from flashprobe.deviation import StatsWorkspace, pair_and_row_sums
 
 __all__ = [
     "ABSOLUTE_EPS",
@@ -112,6 +113,7 @@ __all__ = [
     "SCORE",
     "STATISTICS",
     "UNDETERMINED",
+    "CallStatistics",
     "Judgement",
     "absolute_limit",
     "call_statistics",
@@ -206,8 +208,8 @@ def row_statistics(primary: torch.Tensor, baseline: torch.Tensor, golden: torch.
     error is ``‖x_r − g_r‖₂ / max(‖g_r‖₂, rms_r ‖g_r‖₂)``: relative to the row's own norm, or to the
     root mean square of the rows' norms where the row is smaller (a row the golden makes tiny does
     not turn rounding into a large relative error). A row with a non-finite difference counts as 0
-    here (the ``nonfinite`` criterion counts it). Memory: one difference tensor at a time and a few
-    per-row vectors.
+    here (the ``nonfinite`` criterion counts it). Computed by :func:`call_statistics`, from the
+    differences the pair sums take (memory: their bounded scratch and a few per-row vectors).
 
     Args:
         primary: ``(..., D)`` any floating dtype.
@@ -220,20 +222,21 @@ def row_statistics(primary: torch.Tensor, baseline: torch.Tensor, golden: torch.
         position (the ``unrepresentable`` criterion's statistic). Combine calls or blocks with a
         maximum.
     """
-    width = golden.shape[-1] if golden.dim() else 1
-    g = golden.detach().reshape(-1, width)
-    if g.numel() == 0:
-        return torch.zeros(3, dtype=torch.float64, device=golden.device)
-    ref = torch.linalg.vector_norm(g, dim=-1, dtype=torch.float64)  # (rows,)
-    scale = torch.maximum(ref, ref.square().mean().sqrt())
-    tiny = torch.finfo(torch.float64).tiny
-    found = []
-    for x in (primary, baseline):
-        d = torch.sub(x.detach().reshape(g.shape), g).to(torch.float64)  # one pass, promoted
-        err = torch.linalg.vector_norm(d, dim=-1).nan_to_num_(0.0, 0.0, 0.0)  # a non-finite row: 0 here
-        found.append(torch.where(scale > 0, err / scale.clamp(min=tiny), 0.0).amax())
-    found.append(torch.linalg.vector_norm(g, ord=float("inf"), dtype=torch.float64))
-    return torch.stack(found)
+    return call_statistics(primary, baseline, golden)[1]
+
+
+class CallStatistics(NamedTuple):
+    """One call's statistics (:func:`call_statistics`), on the device."""
+
+    sums: torch.Tensor
+    """``(7, 3)`` :func:`~flashprobe.deviation.pair_sums`."""
+    rows: torch.Tensor
+    """``(3,)`` :func:`row_statistics`."""
+    noise: torch.Tensor | None
+    """``(2,)`` :func:`noise_statistics` of the baseline's second form, where one was given."""
+    finite: bool
+    """Whether the primary, the baseline and the golden were read to be finite everywhere (where a
+    host read is free; else ``False``): what lets :meth:`flashprobe.bias.BiasStats.add` skip masking."""
 
 
 def call_statistics(
@@ -241,9 +244,41 @@ def call_statistics(
     baseline: torch.Tensor,
     golden: torch.Tensor,
     workspace: StatsWorkspace | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One call's ``(7, 3)`` :func:`~flashprobe.deviation.pair_sums` and ``(3,)`` :func:`row_statistics`."""
-    return pair_sums(primary, baseline, golden, workspace), row_statistics(primary, baseline, golden)
+    *,
+    form: torch.Tensor | None = None,
+) -> CallStatistics:
+    """One call's statistics from one pass over its tensors, on the device (no host read):
+    :func:`~flashprobe.deviation.pair_and_row_sums` takes each difference once and reduces it
+    for the pairs and for the rows.
+
+    Args:
+        primary: ``(..., D)`` the kernel's output or gradient.
+        baseline: as many elements, the same-dtype baseline's.
+        golden: ``(..., D)``, the FP64 golden.
+        workspace: scratch buffers to reuse across calls.
+        form: as many elements, a second form of the baseline (the flash form of the backward), or
+            None.
+
+    Returns:
+        The :class:`CallStatistics`.
+    """
+    sums, norms, golden_max, finite = pair_and_row_sums(primary, baseline, golden, workspace, form)
+    errors = _row_errors(torch.cat((norms[:2], norms[3:])), norms[2])  # (2, or 3 with the form; rows)
+    worst = errors.amax(dim=1) if errors.shape[1] else errors.new_zeros(errors.shape[0])
+    rows = torch.cat((worst[:2], golden_max.reshape(1)))
+    noise = None
+    if form is not None:
+        noise = torch.stack((norms[3].nan_to_num(0.0, 0.0, 0.0).square().sum(), worst[2]))
+    return CallStatistics(sums, rows, noise, finite)
+
+
+def _row_errors(norms: torch.Tensor, golden: torch.Tensor) -> torch.Tensor:
+    """Row errors (:func:`row_statistics`) from L2 norms of rows: ``norms (J, R)`` of the differences
+    from the golden (a non-finite one counts as 0) and ``golden (R,)`` of the golden's: ``(J, R)``."""
+    scale = torch.maximum(golden, golden.square().mean().sqrt()) if golden.numel() else golden
+    tiny = torch.finfo(torch.float64).tiny
+    err = norms.nan_to_num(0.0, 0.0, 0.0)
+    return torch.where(scale > 0, err / scale.clamp(min=tiny), 0.0)
 
 
 #: The columns :func:`decide` reads, per direction: ``‖primary − g‖²``, ``‖baseline − g‖²``, ``‖g‖²``
@@ -284,7 +319,8 @@ def noise_statistics(
 ) -> torch.Tensor:
     """A second baseline form's error, on the device: ``(2,)`` float64 ``[‖form − g‖² over its finite
     rows, its worst row]`` (rows as :func:`row_statistics`), folded into ``total`` (sums add, rows
-    take the maximum) when given. One difference tensor, no host read.
+    take the maximum) when given. One difference tensor, no host read (:func:`call_statistics`
+    computes it with a call's other statistics, in their pass).
 
     Args:
         form: the second form's output or gradient, ``(..., D)``.
@@ -293,13 +329,12 @@ def noise_statistics(
     """
     width = golden.shape[-1] if golden.dim() else 1
     g = golden.detach().reshape(-1, width)
-    d = torch.sub(form.detach().reshape(g.shape), g).to(torch.float64)
-    err = torch.linalg.vector_norm(d, dim=-1).nan_to_num_(0.0, 0.0, 0.0)  # (rows,): a non-finite row is 0
-    ref = torch.linalg.vector_norm(g, dim=-1, dtype=torch.float64)
-    scale = torch.maximum(ref, ref.square().mean().sqrt()) if ref.numel() else ref
-    tiny = torch.finfo(torch.float64).tiny
-    row = torch.where(scale > 0, err / scale.clamp(min=tiny), 0.0)
-    part = torch.stack((err.square().sum(), row.amax() if row.numel() else row.new_zeros(())))
+    d = form.detach().reshape(g.shape).to(torch.float64, copy=True).sub_(g)  # form − g, promoted exactly
+    err = torch.linalg.vector_norm(d, dim=-1)  # (rows,)
+    row = _row_errors(err, torch.linalg.vector_norm(g, dim=-1, dtype=torch.float64))
+    part = torch.stack(
+        (err.nan_to_num(0.0, 0.0, 0.0).square().sum(), row.amax() if row.numel() else row.new_zeros(()))
+    )
     if total is None:
         return part
     return torch.stack((total[0] + part[0], torch.maximum(total[1], part[1])))
@@ -528,7 +563,7 @@ def judge(
     """
     if direction not in DIRECTIONS:
         raise ValueError(f"direction={direction!r} must be one of {', '.join(DIRECTIONS)}")
-    sums, rows = call_statistics(primary, baseline, golden)
+    sums, rows, *_ = call_statistics(primary, baseline, golden)
     return judge_tensors(sums, rows, dtype or primary.dtype, direction, logit_max=logit_max)
 
 

@@ -52,7 +52,7 @@ from torch import nn
 
 from flashprobe.bias import BIAS_FIELDS
 from flashprobe.deviation import StatsWorkspace, combine_sums, pair_sums, reads_are_free
-from flashprobe.judge import CRITERIA, noise_statistics, reason, row_statistics
+from flashprobe.judge import CRITERIA, call_statistics, reason, row_statistics
 from flashprobe.kernels import KernelUnavailableError, get_kernel, math_attention
 from flashprobe.kernels.reference import (
     Block,
@@ -497,10 +497,10 @@ class ShadowAttention(nn.Module):
                 for (blk, b), (_, g) in zip(base, gold, strict=False):  # gold: repeat(None) without golden
                     if self.record:
                         mine = blk.take_q(out4, p.rep)
-                        sums = combine_sums(sums, pair_sums(mine, b, g, self._workspace))
-                        rows = _worst(rows, mine, b, g)
+                        part, row, _, finite = self._statistics(mine, b, g)
+                        sums, rows = combine_sums(sums, part), _worst(rows, row)
                         if g is not None:
-                            self._site(site, out.device).bias.add("out", mine, g, b)
+                            self._site(site, out.device).bias.add("out", mine, g, b, finite=finite)
                 if self.record and sums is not None:
                     stats = self._site(site, out.device)
                     worst = None if rows is None else {"out": rows}
@@ -594,7 +594,6 @@ class ShadowAttention(nn.Module):
             if self.golden
             else itertools.repeat(None)
         )
-        ws = self._workspace
         bias = None if stats is None else stats.bias
         for bg, gg, fg in zip(base, gold, flash, strict=False):  # gold, flash: repeat(None) without golden
             if not self.record:
@@ -602,38 +601,53 @@ class ShadowAttention(nn.Module):
             with torch.no_grad():
                 for i, blk in enumerate(bg.blocks):
                     if out is not None:
-                        mine_o, g_o = blk.take_q(out, p.rep), gg.outs[i] if gg else None
-                        sums["out"] = combine_sums(sums["out"], pair_sums(mine_o, bg.outs[i], g_o, ws))
-                        rows["out"] = _worst(rows["out"], mine_o, bg.outs[i], g_o)
+                        mine_o, b_o, g_o = blk.take_q(out, p.rep), bg.outs[i], gg.outs[i] if gg else None
+                        part, row, _, finite = self._statistics(mine_o, b_o, g_o)
+                        sums["out"], rows["out"] = combine_sums(sums["out"], part), _worst(rows["out"], row)
                         if bias is not None and g_o is not None:
-                            bias.add("out", mine_o, g_o, bg.outs[i])
+                            bias.add("out", mine_o, g_o, b_o, finite=finite)
                     if "q" in names:
                         mine_q, g_q = blk.take_q(mine["q"], p.rep), gg.dq[i] if gg else None
-                        part = pair_sums(mine_q, bg.dq[i], g_q, ws)
+                        part, row, form, finite = self._statistics(
+                            mine_q, bg.dq[i], g_q, fg.dq[i] if fg else None
+                        )
                         sums["q"] = combine_sums(sums["q"], self._unscale(part))
-                        rows["q"] = _worst(rows["q"], mine_q, bg.dq[i], g_q)
+                        rows["q"], noise["q"] = _worst(rows["q"], row), self._noise(noise["q"], form)
                         if bias is not None and g_q is not None:
-                            bias.add("dq", mine_q, g_q, bg.dq[i])
-                        if fg is not None and g_q is not None:
-                            noise["q"] = self._noise(noise["q"], fg.dq[i], g_q)
+                            bias.add("dq", mine_q, g_q, bg.dq[i], finite=finite)
                 first = bg.blocks[0]
                 for n in ("k", "v"):
                     if n in names:
                         b_grad, g_grad = getattr(bg, f"d{n}"), getattr(gg, f"d{n}") if gg else None
                         mine_n = mine[n][first.batch, first.heads]
-                        part = pair_sums(mine_n, b_grad, g_grad, ws)
+                        f_grad = getattr(fg, f"d{n}") if fg else None
+                        part, row, form, finite = self._statistics(mine_n, b_grad, g_grad, f_grad)
                         sums[n] = combine_sums(sums[n], self._unscale(part))
-                        rows[n] = _worst(rows[n], mine_n, b_grad, g_grad)
+                        rows[n], noise[n] = _worst(rows[n], row), self._noise(noise[n], form)
                         if bias is not None and g_grad is not None:
-                            bias.add(f"d{n}", mine_n, g_grad, b_grad)
-                        if fg is not None and g_grad is not None:
-                            noise[n] = self._noise(noise[n], getattr(fg, f"d{n}"), g_grad)
+                            bias.add(f"d{n}", mine_n, g_grad, b_grad, finite=finite)
         return sums, rows, noise
 
-    def _noise(self, total: torch.Tensor | None, form: torch.Tensor, golden: torch.Tensor) -> torch.Tensor:
-        """Fold one block's flash-form gradient noise into ``total`` (in the model's units, as the
-        pair sums: its squared error divided by the loss scale's square)."""
-        part = noise_statistics(form, golden)
+    def _statistics(
+        self,
+        primary: torch.Tensor,
+        baseline: torch.Tensor,
+        golden: torch.Tensor | None,
+        form: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, bool]:
+        """One block's pair sums; with the golden also its row statistics, (given the baseline's flash
+        ``form``) the form's noise and whether every value was read finite, from one pass
+        (:func:`~flashprobe.judge.call_statistics`)."""
+        if golden is None:
+            return pair_sums(primary, baseline, None, self._workspace), None, None, False
+        return call_statistics(primary, baseline, golden, self._workspace, form=form)
+
+    def _noise(self, total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
+        """Fold one block's flash-form gradient noise (:func:`~flashprobe.judge.noise_statistics`) into
+        ``total`` (in the model's units, as the pair sums: its squared error divided by the loss
+        scale's square)."""
+        if part is None:
+            return total
         scale = None if self._grad_scale is None else self._grad_scale()
         if scale is not None:
             s = torch.as_tensor(scale, dtype=torch.float64, device=part.device).reshape(())
@@ -892,13 +906,10 @@ class ShadowAttention(nn.Module):
         self._dropout_calls.clear()
 
 
-def _worst(
-    total: torch.Tensor | None, primary: torch.Tensor, baseline: torch.Tensor, golden: torch.Tensor | None
-) -> torch.Tensor | None:
+def _worst(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
     """The running maximum of :func:`~flashprobe.judge.row_statistics` over blocks (None without golden)."""
-    if golden is None:
-        return None
-    part = row_statistics(primary, baseline, golden)
+    if part is None:
+        return total
     return part if total is None else torch.maximum(total, part)
 
 
