@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from flashprobe.judge import FP8_PRECISIONS
 from flashprobe.kernels import Kernel, get_kernel
 
 __all__ = ["DROPOUT_POLICIES", "ProbeConfig", "ProbeConfigError", "register_schema"]
@@ -72,7 +73,9 @@ class ProbeConfig:
     the kernel the model already uses (a ``use_kernel`` route, else torch's SDPA with the call's own
     arguments, so the model's outputs are exactly unchanged)."""
     baseline: Any = "math"
-    """Kernel spec of the baseline, computed at the primary's dtype on the same inputs."""
+    """Kernel spec of the baseline, computed at the primary's dtype on the same inputs. A primary that
+    rounds to FP8 (``KernelCapabilities.fp8``) gets ``math:fp8=<format>`` in place of ``math`` and is
+    judged with that format's limits (:mod:`flashprobe.judge`, "FP8")."""
     golden: bool = True
     """Also compute the FP64 golden value (the golden pairs and the error ratio)."""
     backward: bool | str = "auto"
@@ -104,6 +107,9 @@ class ProbeConfig:
                     "(`flashprobe kernels` lists them)" + (" or None" if name == "primary" else "")
                 )
             get_kernel(value)  # unknown kernels and options fail here
+        fmt = self._fp8_format()
+        if fmt is not None and isinstance(self.baseline, str) and self.baseline == "math":
+            object.__setattr__(self, "baseline", f"math:fp8={fmt}")  # the FP8 kernels' baseline
         _strict_bool("golden", self.golden)
         if self.backward != "auto":
             _strict_bool("backward", self.backward)
@@ -114,6 +120,15 @@ class ProbeConfig:
             raise ProbeConfigError(f"dropout={self.dropout!r}: use one of {', '.join(DROPOUT_POLICIES)}")
         if self.memory_budget is not None:
             _int_at_least("memory_budget", self.memory_budget, 1, "bytes, e.g. 1073741824 = 1 GiB")
+
+    def _fp8_format(self) -> str | None:
+        return None if self.primary is None else get_kernel(self.primary).capabilities.fp8
+
+    @property
+    def precision(self) -> torch.dtype | None:
+        """The FP8 dtype whose limits judge the primary (an FP8 kernel), or None: the call's dtype."""
+        fmt = self._fp8_format()
+        return None if fmt is None else FP8_PRECISIONS[fmt]
 
     def resolve_backward(self, device: torch.device | str) -> ProbeConfig:
         """This config with ``backward="auto"`` decided for ``device``: True when the primary (None:

@@ -705,7 +705,7 @@ class ShadowAttention(nn.Module):
                 "kind": kind,
                 "value": value,
                 "limit": limit,
-                "reason": reason(kind, value, limit),
+                "reason": reason(kind, value, limit, self.config.precision),
                 "repro": None,
             }
 
@@ -789,7 +789,9 @@ class ShadowAttention(nn.Module):
     def _site(self, site: str, device: torch.device) -> DeviationStats:
         stats = self._stats.get(site)
         if stats is None:
-            stats = self._stats[site] = DeviationStats(device, golden=self.golden)
+            stats = self._stats[site] = DeviationStats(
+                device, golden=self.golden, precision=self.config.precision
+            )
             restored = self._restored_bias.pop(site, None)
             if restored is not None:
                 bias = stats.bias.state
@@ -876,7 +878,7 @@ class ShadowAttention(nn.Module):
         result: dict[str, Any] = {}
         nested: dict[str, Any] = {}
         for site, values in zip(source, rows, strict=True):
-            entry = stats_dict(values, golden=self.golden)
+            entry = stats_dict(values, golden=self.golden, precision=self.config.precision)
             entry["shadow_errors"] = self._errors.get(site, 0)
             entry["dropout_calls"] = self._dropout_calls.get(site, 0)
             entry["verdict"], entry["verdict_reason"] = site_verdict(entry, golden=self.golden)

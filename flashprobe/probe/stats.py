@@ -246,9 +246,14 @@ class DeviationStats:
         golden: whether golden pairs are recorded (else they read as None).
     """
 
-    def __init__(self, device: torch.device | str, *, golden: bool = True) -> None:
+    def __init__(
+        self, device: torch.device | str, *, golden: bool = True, precision: torch.dtype | None = None
+    ) -> None:
         self.values = torch.zeros(len(FIELDS), dtype=torch.float64, device=device)
         self.golden = golden
+        #: the FP8 dtype whose limits judge an FP8 primary (:func:`flashprobe.judge.judge_errors`);
+        #: None: the call's dtype
+        self.precision = precision
         self._limit_cache: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         # Per-direction views of the accumulator: maxima, sums (without the input counts), arg fields.
         self._maxima = self.values[:N_MAX].view(len(DIRECTIONS), _MAX_BLOCK)
@@ -389,7 +394,7 @@ class DeviationStats:
         key = (first, k, dtype)
         cached = self._limit_cache.get(key)
         if cached is None:
-            cached = limits(dtype, DIRECTIONS[first : first + k]).to(self.values.device)
+            cached = limits(self.precision or dtype, DIRECTIONS[first : first + k]).to(self.values.device)
             self._limit_cache[key] = cached
         return cached
 
@@ -415,7 +420,7 @@ class DeviationStats:
 
     def as_dict(self) -> dict[str, Any]:
         """Read the accumulator (one host copy) as plain Python data; see :func:`stats_dict`."""
-        return stats_dict(self.values.tolist(), golden=self.golden)
+        return stats_dict(self.values.tolist(), golden=self.golden, precision=self.precision)
 
 
 def reduce_across_ranks(
@@ -466,7 +471,9 @@ def _pair(fields: Mapping[str, float], prefix: str) -> dict[str, float | int]:
     return finish_deviation(sums).as_dict()
 
 
-def stats_dict(values: Sequence[float], *, golden: bool = True) -> dict[str, Any]:
+def stats_dict(
+    values: Sequence[float], *, golden: bool = True, precision: torch.dtype | None = None
+) -> dict[str, Any]:
     """Turn one site's accumulator values (layout :data:`FIELDS`) into plain Python data.
 
     Returns:
@@ -508,7 +515,7 @@ def stats_dict(values: Sequence[float], *, golden: bool = True) -> dict[str, Any
             entry["noise_floor"] = floor
         else:
             entry["error_ratio"] = entry["max_call_error_ratio"] = entry["noise_floor"] = None
-        entry.update(_judged(fields, d, recorded and golden))
+        entry.update(_judged(fields, d, recorded and golden, precision))
         entry["bias"] = bias_dict([fields[f"{d}.{b}"] for b in BIAS_FIELDS]) if golden else None
         return entry
 
@@ -522,8 +529,11 @@ def stats_dict(values: Sequence[float], *, golden: bool = True) -> dict[str, Any
     }
 
 
-def _judged(fields: Mapping[str, float], d: str, judged: bool) -> dict[str, Any]:
-    """The verdict's entries of direction ``d`` (see :func:`stats_dict`)."""
+def _judged(
+    fields: Mapping[str, float], d: str, judged: bool, precision: torch.dtype | None = None
+) -> dict[str, Any]:
+    """The verdict's entries of direction ``d`` (see :func:`stats_dict`; ``precision`` names an FP8
+    primary's limits in the reason)."""
     if not judged:
         return {
             "verdict": None,
@@ -552,7 +562,7 @@ def _judged(fields: Mapping[str, float], d: str, judged: bool) -> dict[str, Any]
             "kind": kind,
             "value": value,
             "limit": limit,
-            "reason": reason(kind, value, limit),
+            "reason": reason(kind, value, limit, precision),
         }
     verdict = "fail" if failed else ("undetermined" if sum(undetermined.values()) >= calls else "pass")
     return {

@@ -19,10 +19,9 @@ from flashprobe.kernels import (
     KernelCapabilities,
     get_kernel,
     golden_attention,
-    register_kernel,
-    unregister_kernel,
 )
-from flashprobe.kernels.fp8 import dequantize, hadamard_rotation
+
+from ._fp8_mutants import register_fp8_bugs, unregister_fp8_bugs
 
 #: Cases a forward-only FP8 kernel meets in training: masks, odd shapes, padding, outliers, long rows.
 CASES = ("padding_mask", "odd_shapes", "odd_shapes_causal", "outliers", "one_valid_key", "causal_nq_lt_nk")
@@ -96,61 +95,10 @@ def test_fp8_limits_are_the_formats():
     assert "FP8 baseline" in judged.reason
 
 
-def _fp8_kernel(name, body):
-    """Register ``body(q, k, v, mask, causal, scale)`` as a forward-only E4M3 kernel (power-of-two
-    head dims, as the rotation needs)."""
-
-    def kernel(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
-        with torch.no_grad():
-            return body(q, k, v, attn_mask, is_causal, scale).to(q.dtype)
-
-    register_kernel(
-        name,
-        kernel,
-        capabilities=KernelCapabilities(fp8="e4m3", backward_devices=frozenset()),
-        overwrite=True,
-    )
-    return name
-
-
-def _math(q, k, v, mask, causal, scale):
-    return get_kernel("math:dtype=float32")(
-        q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal, scale=scale
-    )
-
-
-def _q(x):
-    return dequantize(x, "e4m3", scaling="tensor", scale="amax", block=1)
-
-
-#: FP8 bug classes: a descale left out (V's values used at their FP8 scale), Q rotated but not K,
-#: K quantized with a scale from its first rows only (later outlier rows saturate at 448).
-def _no_v_descale(q, k, v, mask, causal, scale):
-    amax = v.float().abs().amax()
-    return _math(_q(q), _q(k), _q(v) * (448.0 / amax), mask, causal, scale)
-
-
-def _rotate_q_only(q, k, v, mask, causal, scale):
-    m = hadamard_rotation(q.shape[-1], 0, dtype=torch.float32)
-    return _math(_q(q.float() @ m), _q(k), _q(v), mask, causal, scale)
-
-
-def _first_rows_scale(q, k, v, mask, causal, scale):
-    kf = k.float()
-    s = 448.0 / kf[..., :4, :].abs().amax().clamp(min=1e-6)
-    k8 = (kf * s).clamp(-448, 448).to(torch.float8_e4m3fn).float() / s
-    return _math(_q(q), k8, _q(v), mask, causal, scale)
-
-
 @pytest.fixture
 def fp8_mutants():
-    names = [
-        _fp8_kernel(f"fp8_bug_{f.__name__.strip('_')}", f)
-        for f in (_no_v_descale, _rotate_q_only, _first_rows_scale)
-    ]
-    yield names
-    for name in names:
-        unregister_kernel(name)
+    yield register_fp8_bugs()
+    unregister_fp8_bugs()
 
 
 def test_correct_fp8_kernels_pass_and_fp8_bugs_fail(fp8_mutants):

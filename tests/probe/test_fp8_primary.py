@@ -6,6 +6,8 @@ with the baseline and the golden value, and a backward is refused when the probe
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,8 @@ from torch import nn
 
 from flashprobe.kernels import KernelUnsupportedError, get_kernel
 from flashprobe.probe import probe
+
+from ..fuzz._fp8_mutants import register_fp8_bugs, unregister_fp8_bugs
 
 FA3 = "tiled:preset=fa3_fp8"
 
@@ -44,8 +48,39 @@ def test_fp8_primary_under_the_probe_forward():
     (site,) = p.stats().values()
     forward = site["forward"]["out"]
     assert forward["primary_golden"]["nonfinite"] == 0
-    # E4M3 operands: several times the bf16 baseline's error, as bench fp8 measures
-    assert forward["error_ratio"] > 2
+    # judged as an FP8 kernel: against the FP8 baseline (per-tensor E4M3 inputs), with E4M3's limits
+    assert p.config.baseline == "math:fp8=e4m3" and p.config.precision == torch.float8_e4m3fn
+    assert forward["verdict"] == "pass" and p.summary()["verdict"] == "pass"
+
+
+@pytest.fixture
+def fp8_bugs():
+    yield register_fp8_bugs()
+    unregister_fp8_bugs()
+
+
+def test_an_fp8_primary_with_a_bug_fails_and_a_correct_one_passes(fp8_bugs):
+    torch.manual_seed(0)
+    x = torch.randn(2, 40, 32, dtype=torch.bfloat16)
+    verdicts = {}
+    for spec in ("tiled:preset=fa3_fp8,rotation=off", "fp8_bug_no_v_descale", "fp8_bug_rotate_q_only"):
+        model = _Attention().to(torch.bfloat16)
+        with (
+            torch.no_grad(),
+            pytest.warns(Warning) if spec.startswith("fp8_bug") else nullcontext(),
+            probe(model, primary=spec, golden=True) as p,
+        ):
+            for _ in range(3):
+                model(x)
+        summary = p.summary()
+        verdicts[spec] = summary["verdict"]
+        for failure in p.shadow.failures.values():  # the reason names the FP8 baseline
+            assert "the FP8 baseline" in failure["reason"] or "FP8 E4M3" in failure["reason"], failure
+    assert verdicts == {
+        "tiled:preset=fa3_fp8,rotation=off": "pass",
+        "fp8_bug_no_v_descale": "fail",
+        "fp8_bug_rotate_q_only": "fail",
+    }
 
 
 def test_fp8_primary_refuses_a_backward_when_attached():
