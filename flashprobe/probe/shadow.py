@@ -956,12 +956,15 @@ def failure_message(failure: Mapping[str, Any]) -> str:
 def failure_summary(
     failures: Mapping[tuple[str, str], Mapping[str, Any]], summary: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """``verdict`` and ``failures`` of a summary from a shadow's failure log (the first failure of each
-    site and direction seen so far, kept across resets, with reproducer paths) and the summary's
-    own worst call; the summary's verdict when nothing failed yet."""
+    """``verdict``, ``verdict_reason`` and ``failures`` of a summary from a shadow's failure log (the
+    first failure of each site and direction seen so far, kept across resets, with reproducer paths)
+    and the summary's own worst call; the summary's verdict when nothing failed yet. A run that failed
+    before the summary's interval reads ``fail`` with a reason that says when, and what the interval
+    showed since."""
     if not failures:
         return {
             "verdict": summary.get("verdict", "undetermined"),
+            "verdict_reason": summary.get("verdict_reason", ""),
             "failures": list(summary.get("failures", [])),
         }
     listed = [
@@ -971,7 +974,14 @@ def failure_summary(
     worst = summary.get("worst_failure")
     if worst is not None:
         listed.append({**worst, "worst": True})
-    return {"verdict": "fail", "failures": listed}
+    reason = summary.get("verdict_reason", "")
+    if summary.get("verdict") != "fail":  # the failure came earlier: the reason says so
+        first = listed[0]
+        reason = (
+            f"failed at step {first['step']} ({first['site']} {first['direction']}: {first['reason']}); "
+            f"since the last record: {reason or summary.get('verdict', 'undetermined')}"
+        )
+    return {"verdict": "fail", "verdict_reason": reason, "failures": listed}
 
 
 def _flatten(entry: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
