@@ -813,6 +813,13 @@ def _fit(
             f"({cfg.attention.kernel}) and probe.jsonl's non-finite counts; on_nonfinite=continue trains on",
             exit_code=1,
         )
+    stopped = next((c.stopped for c in callbacks if isinstance(c, AttentionProbe) and c.stopped), None)
+    if failure is None and stopped is not None:  # the probe saw the primary's non-finite output first
+        failure = RunStoppedError(
+            f"AttentionProbe: {stopped}: training stopped there (run.json says why; the reproducer is in "
+            "repro/, see probe.jsonl)",
+            exit_code=1,
+        )
     if trainer.is_global_zero:
         seconds = time.perf_counter() - started
         note = guard.reason if guard.action == "continue" else None

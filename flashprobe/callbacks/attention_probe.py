@@ -40,8 +40,15 @@ from typing_extensions import override
 from flashprobe.deviation import PAIRS
 from flashprobe.formats.atomic import DiskFullError
 from flashprobe.formats.probe_log import PROBE_LOG_NAME, ProbeLogWriter
+from flashprobe.kernels import KernelUnavailableError
 from flashprobe.probe import Probe, ProbeConfig, ProbeFailureError, ProbeWarning, probe, reduce_across_ranks
-from flashprobe.probe.session import NONFINITE_ACTIONS, RunTally, nonfinite_weights, verdict_block
+from flashprobe.probe.session import (
+    NONFINITE_ACTIONS,
+    RunTally,
+    check_trainable,
+    nonfinite_weights,
+    verdict_block,
+)
 from flashprobe.probe.shadow import failure_message
 from flashprobe.probe.summary import bias_words, summary_scalars
 
@@ -161,6 +168,8 @@ class AttentionProbe(Callback):
         self._restored_bias: dict[str, list[float]] = {}
         self._global_zero = True
         self._tally = RunTally()
+        self._fallbacks: list[dict[str, Any]] = []
+        self._sites_seen: list[str] = []
         self._printed_failure = False
         self.stopped: str | None = None
         """Why the callback stopped training on non-finite values (None: it did not)."""
@@ -201,6 +210,17 @@ class AttentionProbe(Callback):
         """The attached probe handle (``None`` outside fit)."""
         return self._probe
 
+    @property
+    def fallbacks(self) -> list[dict[str, Any]]:
+        """Where torch's SDPA computed the attention instead of the primary (``fallback=True``):
+        :attr:`flashprobe.probe.Probe.fallbacks`, kept after fit."""
+        return self._fallbacks if self._probe is None else self._probe.fallbacks
+
+    @property
+    def sites_seen(self) -> list[str]:
+        """Every attention site the probe saw (kept after fit)."""
+        return self._sites_seen if self._probe is None else sorted(self._probe.calls)
+
     # ------------------------------------------------------------------------------ lifecycle
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -215,6 +235,14 @@ class AttentionProbe(Callback):
             repro_dir=root / "repro" if trainer.is_global_zero and self.max_reproducers else None,
             max_reproducers=self.max_reproducers,
         )
+        try:  # a primary without a backward on this device is refused before the first step
+            check_trainable(
+                self._probe.shadow.primary, pl_module, "AttentionProbe", fallback=self.config.fallback
+            )
+        except KernelUnavailableError:
+            self._probe.detach()
+            self._probe = None
+            raise
         self._probe.detach()  # only training batches are probed: attached at each batch start
         self._probe.shadow.set_grad_scale(_loss_scale(trainer))
         self._global_zero = trainer.is_global_zero
@@ -252,6 +280,7 @@ class AttentionProbe(Callback):
             self._probe.detach()
             self._restored_failures = self._probe.failures  # kept for state_dict and a next fit
             self._restored_bias = self._probe.shadow.bias_state()
+            self._fallbacks, self._sites_seen = self._probe.fallbacks, sorted(self._probe.calls)
             self._probe = None
 
     @override
@@ -321,8 +350,8 @@ class AttentionProbe(Callback):
             found = nonfinite_weights(pl_module)
             bad = trainer.strategy.reduce_boolean_decision(found is not None, all=False)
             if bad:
-                found = found or "a weight on another rank is non-finite"
-                why = f"{found} after step {trainer.global_step - 1}"
+                found = f"{found} are" if found else "a weight on another rank is"
+                why = f"{found} non-finite after step {trainer.global_step - 1}"
         if why is None:
             return False
         self.stopped = f"{why} (on_nonfinite='stop'; pass on_nonfinite='continue' to train on)"

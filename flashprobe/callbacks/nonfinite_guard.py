@@ -74,7 +74,7 @@ class NonFiniteGuard(Callback):
             return f"the training loss became {float(loss.detach())} at step {step}"
         weights = nonfinite_weights(pl_module)
         if weights is not None:
-            return f"{weights} (became non-finite at step {step})"
+            return f"{weights} became non-finite at step {step}"
         return f"a non-finite loss or weight on another rank at step {step}"
 
     @override

@@ -46,7 +46,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.trainer_callback import ExportableState
 
 from flashprobe.formats.probe_log import PROBE_LOG_NAME, ProbeLogWriter
-from flashprobe.kernels import Kernel, get_kernel
+from flashprobe.kernels import Kernel, KernelUnavailableError, get_kernel
 from flashprobe.probe import (
     Probe,
     ProbeConfig,
@@ -59,7 +59,13 @@ from flashprobe.probe import (
 )
 from flashprobe.probe.call import autocast_dtype, run_kernel
 from flashprobe.probe.routing import check_kernel_here
-from flashprobe.probe.session import NONFINITE_ACTIONS, RunTally, nonfinite_weights, verdict_block
+from flashprobe.probe.session import (
+    NONFINITE_ACTIONS,
+    RunTally,
+    check_trainable,
+    nonfinite_weights,
+    verdict_block,
+)
 from flashprobe.probe.shadow import failure_message
 from flashprobe.probe.summary import summary_scalars
 
@@ -371,6 +377,8 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
         self._pending: dict[str, float] = {}
         self._reported: set[tuple[str, str]] = set()
         self._tally = RunTally()
+        self._fallbacks: list[dict[str, Any]] = []
+        self._sites_seen: list[str] = []
         self._printed_failure = False
         self.stopped: str | None = None
         """Why the callback stopped training on non-finite values (None: it did not)."""
@@ -383,6 +391,17 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
     def probe(self) -> Probe | None:
         """The probe handle (``None`` outside training)."""
         return self._probe
+
+    @property
+    def fallbacks(self) -> list[dict[str, Any]]:
+        """Where torch's SDPA computed the attention instead of the primary (``fallback=True``):
+        :attr:`flashprobe.probe.Probe.fallbacks`, kept after training."""
+        return self._fallbacks if self._probe is None else self._probe.fallbacks
+
+    @property
+    def sites_seen(self) -> list[str]:
+        """Every attention site the probe saw (kept after training)."""
+        return self._sites_seen if self._probe is None else sorted(self._probe.calls)
 
     @property
     def path(self) -> Path | None:
@@ -407,6 +426,14 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
             repro_dir=root / "repro" if state.is_world_process_zero and self.max_reproducers else None,
             max_reproducers=self.max_reproducers,
         )
+        try:  # a primary without a backward on this device is refused before the first step
+            check_trainable(
+                self._probe.shadow.primary, model, type(self).__name__, fallback=self.config.fallback
+            )
+        except KernelUnavailableError:
+            self._probe.detach()
+            self._probe = None
+            raise
         self._probe.detach()  # attached during training steps only
         self._tally.load_state_dict(self._tally_state)
         for failure in self._restored_failures:  # a resumed run keeps the failures it had seen
@@ -488,7 +515,7 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
         elif isinstance(model, nn.Module):
             found = nonfinite_weights(model)
             if found is not None:
-                why = f"{found} after step {state.global_step - 1}"
+                why = f"{found} are non-finite after step {state.global_step - 1}"
         if why is None:
             return False
         self.stopped = f"{why} (on_nonfinite='stop'; pass on_nonfinite='continue' to train on)"
@@ -532,6 +559,7 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
         finally:
             self._probe.detach()
             self._restored_failures = self._probe.failures
+            self._fallbacks, self._sites_seen = self._probe.fallbacks, sorted(self._probe.calls)
             self._probe = None
         if state.is_world_process_zero:
             self._print_block()

@@ -29,9 +29,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from flashprobe.kernels import KernelUnsupportedError
+from flashprobe.probe.routing import model_device_dtype
 from flashprobe.probe.summary import bias_words
 
-__all__ = ["NONFINITE_ACTIONS", "RunTally", "nonfinite_weights", "verdict_block"]
+__all__ = [
+    "NONFINITE_ACTIONS",
+    "RunTally",
+    "attention_dropout",
+    "attention_record",
+    "check_trainable",
+    "nonfinite_weights",
+    "verdict_block",
+]
 
 #: What a training callback does when the weights or the primary's output become non-finite.
 NONFINITE_ACTIONS = ("stop", "continue")
@@ -276,8 +286,8 @@ def verdict_block(
 
 def nonfinite_weights(module: nn.Module) -> str | None:
     """Whether any parameter of ``module`` holds NaN or infinity (one host synchronisation), and if
-    so which, in words: ``"12 of 96 values of the weight proj.weight are non-finite"``; None when
-    every value is finite."""
+    so which, in words: ``"12 of 96 values of the weight proj.weight"`` (the first such weight); None
+    when every value is finite."""
     params = [(n, p.detach()) for n, p in module.named_parameters()]
     if not params:
         return None
@@ -286,5 +296,106 @@ def nonfinite_weights(module: nn.Module) -> str | None:
     for name, p in params:
         count = int((~torch.isfinite(p)).sum())
         if count:
-            return f"{count} of {p.numel()} values of the weight {name} are non-finite"
+            return f"{count} of {p.numel()} values of the weight {name}"
     return None  # pragma: no cover (the stack said otherwise)
+
+
+def attention_record(
+    requested: str | None, fallbacks: Sequence[Mapping[str, Any]], sites: Iterable[str], own: str
+) -> dict[str, Any]:
+    """What computed a run's attention, for its records (the snapshot manifest, ``run.json``).
+
+    Args:
+        requested: the primary kernel spec the run asked for (None: the model's own attention).
+        fallbacks: the probe's :attr:`~flashprobe.probe.Probe.fallbacks` (sites where torch's SDPA
+            ran instead, ``fallback=True``).
+        sites: every attention site the probe saw.
+        own: the model's own attention in words (``"own sdpa on cpu"``).
+
+    Returns:
+        ``{"attention": ...}``: ``requested`` when it ran every call, ``own`` when every site fell
+        back (the requested kernel never computed the model's attention), else both named; with
+        ``"attention_fallback": {requested, kernel, sites, from_step, reason}`` when anything fell back.
+    """
+    if requested is None:
+        return {"attention": own}
+    if not fallbacks:
+        return {"attention": requested}
+    fell = [str(f["site"]) for f in fallbacks]
+    every = set(fell) >= set(sites)
+    attention = own if every else f"{requested}, and {own} at {', '.join(fell)} (fallback)"
+    return {
+        "attention": attention,
+        "attention_fallback": {
+            "requested": requested,
+            "kernel": str(fallbacks[0].get("kernel", "torch sdpa")),
+            "sites": fell,
+            "every_site": every,
+            "from_step": min(int(f["from_step"]) for f in fallbacks),
+            "reason": str(fallbacks[0]["reason"]),
+        },
+    }
+
+
+#: transformers config fields that hold the attention dropout probability.
+_DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+
+
+def attention_dropout(model: nn.Module) -> dict[str, float]:
+    """The attention dropout ``model`` is configured with, before it runs: ``{where: p}`` for every
+    ``nn.MultiheadAttention`` (by module path, the probe's site name) and every transformers config
+    (``"<path> config.attn_pdrop"``) with ``p > 0``. Calls the model makes are checked too (a call with
+    ``dropout_p > 0`` is refused or falls back); this finds the common cases before the first step."""
+    found: dict[str, float] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.MultiheadAttention) and module.dropout > 0:
+            found[name or type(model).__name__] = float(module.dropout)
+        config = getattr(module, "config", None)
+        for key in _DROPOUT_FIELDS:
+            value = getattr(config, key, None)
+            if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+                found[f"{name or type(model).__name__} config.{key}"] = float(value)
+    return found
+
+
+def check_trainable(primary: Any, model: nn.Module, who: str, *, fallback: bool = False) -> None:
+    """Refuse, when training begins, a primary the model cannot train through: one without a backward
+    on the model's device (e.g. FlexAttention on the CPU, torch 2.13), which would otherwise crash
+    inside the first training step.
+
+    Args:
+        primary: the probe's primary :class:`~flashprobe.kernels.Kernel` (None: the model's own).
+        model: the model being trained (its device decides; a model with no trainable parameter
+            needs no backward).
+        who: the callback's name, for the message.
+
+    Also refuses a primary for a model configured with attention dropout (:func:`attention_dropout`),
+    which no kernel implements, unless ``fallback`` (then those calls run torch's SDPA and are
+    recorded).
+
+    Raises:
+        KernelUnsupportedError: naming the kernel, the device or the dropout, and the fixes.
+    """
+    if primary is None:
+        return
+    dropout = {} if fallback else attention_dropout(model)
+    if dropout:
+        from flashprobe.probe.shadow import dropout_refusal
+
+        where, p = next(iter(dropout.items()))
+        more = f" (and {len(dropout) - 1} more: {', '.join(list(dropout)[1:4])})" if len(dropout) > 1 else ""
+        raise KernelUnsupportedError(
+            f"{who}: " + dropout_refusal(where + more, p, primary.spec).removeprefix("flashprobe: ")
+        )
+    if not any(p.requires_grad for p in model.parameters()):
+        return
+    device, _ = model_device_dtype(model)
+    if primary.capabilities.has_backward(device):
+        return
+    raise KernelUnsupportedError(
+        f"{who}: the model trains through the primary {primary.spec!r}, which has no backward on "
+        f"{device.type}: training would fail in its first backward pass. Train on a device where it has "
+        "one (e.g. a GPU), choose a primary with a backward there (`flashprobe kernels` lists them), or "
+        "judge its forward alone: flashprobe.probe.probe(model, primary=..., backward=False) under "
+        "torch.no_grad(), or `flashprobe fuzz`"
+    )
