@@ -753,6 +753,17 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     }
 
 
+def _attention_ran(trainer: L.Trainer, module: L.LightningModule) -> dict[str, Any] | None:
+    """What computed the model's attention in this session, for ``run.json``: the probe's primary (or
+    the routed kernel), and where it fell back, from which step and why; None if it cannot be said."""
+    from flashprobe.callbacks.weight_snapshot import trained_attention_record
+
+    try:
+        return trained_attention_record(trainer, module)
+    except Exception:  # a record of what ran must not fail the run's bookkeeping
+        return None
+
+
 def _fit(
     cfg: DictConfig, run_dir: Path, checkpoint: str | None, from_step: int, built: dict[str, Any]
 ) -> tuple[dict[str, float], dict[str, Any]]:
@@ -828,7 +839,12 @@ def _fit(
             failed = f"{type(crashed).__name__}: {(str(crashed).strip().splitlines() or [''])[0]}"
         try:
             finish_session(
-                run_dir, global_step=trainer.global_step, seconds=seconds, failed=failed, note=note
+                run_dir,
+                global_step=trainer.global_step,
+                seconds=seconds,
+                failed=failed,
+                note=note,
+                attention=_attention_ran(trainer, module),
             )
         except (OSError, ValueError) as err:
             if crashed is not None:

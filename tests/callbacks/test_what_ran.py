@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashprobe.callbacks import AttentionProbe, WeightSnapshot
+from flashprobe.cli import main as cli_main
 from flashprobe.formats.probe_log import read_probe_log
 from flashprobe.kernels import KernelUnsupportedError
 from flashprobe.weights import SnapshotStore
@@ -112,7 +113,9 @@ def test_a_dropout_call_the_model_makes_is_refused_at_its_first_call(tmp_path: P
     assert trainer.global_step == 0  # refused in the first step, before any optimizer step
 
 
-def test_with_fallback_the_records_name_what_ran_and_compare_says_so(tmp_path: Path) -> None:
+def test_with_fallback_the_records_name_what_ran_and_compare_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     fell = tmp_path / "tiled_fallback"
     probe = AttentionProbe(primary="tiled", fallback=True, dirpath=fell, plot=False, console=False)
     with pytest.warns(UserWarning, match="torch's SDPA computed the attention"):
@@ -132,6 +135,11 @@ def test_with_fallback_the_records_name_what_ran_and_compare_says_so(tmp_path: P
     differs = run_differences(SnapshotStore(fell), SnapshotStore(own))["differs"]
     assert list(differs) == ["attention fallback"]
     assert differs["attention fallback"] == ["torch sdpa instead of tiled at every site from step 0", "none"]
+    capsys.readouterr()
+    assert cli_main(["compare", str(fell), str(own), "--out", str(tmp_path / "cmp"), "--no-figures"]) == 0
+    out = capsys.readouterr().out
+    assert "attention fallback (torch sdpa instead of tiled at every site from step 0 vs none)" in out
+    assert "kernel pair (runs that differ in the attention alone): MISSING" in out
 
 
 def test_flex_attention_without_a_cpu_backward_is_refused_when_training_begins(tmp_path: Path) -> None:

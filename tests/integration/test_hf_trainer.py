@@ -365,3 +365,18 @@ def test_a_plain_script_prints_the_verdict_block(tmp_path: Path) -> None:
         for d in ("out", "dq", "dk", "dv")
     )
     assert f"records: {tmp_path / 'run' / 'probe.jsonl'}" in done.stdout
+
+
+@needs_accelerate
+def test_trainer_callback_refuses_a_primary_the_model_cannot_train_through(tmp_path: Path) -> None:
+    """GPT-2's attention dropout (attn_pdrop): no kernel implements dropout, so a named primary would
+    not compute the attention; refused at train begin, before any step, record or snapshot."""
+    from flashprobe.kernels import KernelUnsupportedError
+
+    model = _gpt2()
+    model.config.attn_pdrop = 0.1
+    snapshots = hf.WeightSnapshotCallback(dirpath=tmp_path)
+    callback = hf.AttentionProbeCallback(plot=False, primary="tiled")
+    with pytest.raises(KernelUnsupportedError, match=r"config\.attn_pdrop\) uses attention dropout \(0\.1\)"):
+        _train(model, tmp_path, [callback, snapshots])
+    assert not (tmp_path / "probe.jsonl").exists() and not (tmp_path / "snapshots").exists()
