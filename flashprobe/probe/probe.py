@@ -193,7 +193,8 @@ class Probe(AttentionRoute):
 
         ``notes`` lists, in words, why values are missing: no attention call seen, or backward
         comparisons skipped at sites with attention dropout (with the fix). ``dropout_calls``
-        counts the calls with attention dropout.
+        counts the calls with attention dropout; ``fallbacks`` is :attr:`fallbacks` (where torch's
+        SDPA computed the attention instead of the primary, ``fallback=True``).
 
         Args:
             stats: per-site statistics to summarise (default: :meth:`stats`).

@@ -92,7 +92,9 @@ def _finite(module: nn.Module) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in module.parameters())
 
 
-def test_after_one_nan_every_later_record_agrees_with_the_run(tmp_path: Path) -> None:
+def test_after_one_nan_every_later_record_agrees_with_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     kernel = _nan_at_step("nan_at_step_continue", NAN_STEP)
     callback = AttentionProbe(
         primary=kernel, backward=True, dirpath=tmp_path, log_every_n_steps=1, on_nonfinite="continue"
@@ -100,6 +102,10 @@ def test_after_one_nan_every_later_record_agrees_with_the_run(tmp_path: Path) ->
     module = _Tiny()
     trainer = _fit(callback, module)
     assert trainer.global_step == 6 and not _finite(module)  # it trained on, on NaN weights
+    # the verdict block on stdout: at the first failure, then at the end (with the run's reason)
+    blocks = capsys.readouterr().out.split("AttentionProbe: verdict ")[1:]
+    assert len(blocks) == 2 and blocks[0].startswith("FAIL: failed at attn\n")
+    assert blocks[1].startswith(f"FAIL: failed at step {NAN_STEP} (attn out: NaN/Inf")
     records = _records(tmp_path / "probe.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     failing = records[NAN_STEP]  # the record written after the step-3 batch
