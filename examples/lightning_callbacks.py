@@ -26,6 +26,8 @@ class SequenceRegressor(L.LightningModule):
 
     def __init__(self, dim: int = 32, heads: int = 4, layers: int = 2) -> None:
         super().__init__()
+        # dropout=0.0: no kernel implements attention dropout, so with dropout a named primary
+        # (AttentionProbe(primary="tiled")) is refused rather than silently replaced by torch's SDPA
         layer = nn.TransformerEncoderLayer(dim, heads, dim_feedforward=2 * dim, dropout=0.0, batch_first=True)
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(dim, 1)

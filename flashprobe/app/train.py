@@ -753,6 +753,17 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     }
 
 
+def _attention_ran(trainer: L.Trainer, module: L.LightningModule) -> dict[str, Any] | None:
+    """What computed the model's attention in this session, for ``run.json``: the probe's primary (or
+    the routed kernel), and where it fell back, from which step and why; None if it cannot be said."""
+    from flashprobe.callbacks.weight_snapshot import trained_attention_record
+
+    try:
+        return trained_attention_record(trainer, module)
+    except Exception:  # a record of what ran must not fail the run's bookkeeping
+        return None
+
+
 def _fit(
     cfg: DictConfig, run_dir: Path, checkpoint: str | None, from_step: int, built: dict[str, Any]
 ) -> tuple[dict[str, float], dict[str, Any]]:
@@ -813,6 +824,13 @@ def _fit(
             f"({cfg.attention.kernel}) and probe.jsonl's non-finite counts; on_nonfinite=continue trains on",
             exit_code=1,
         )
+    stopped = next((c.stopped for c in callbacks if isinstance(c, AttentionProbe) and c.stopped), None)
+    if failure is None and stopped is not None:  # the probe saw the primary's non-finite output first
+        failure = RunStoppedError(
+            f"AttentionProbe: {stopped}: training stopped there (run.json says why; the reproducer is in "
+            "repro/, see probe.jsonl)",
+            exit_code=1,
+        )
     if trainer.is_global_zero:
         seconds = time.perf_counter() - started
         note = guard.reason if guard.action == "continue" else None
@@ -821,7 +839,12 @@ def _fit(
             failed = f"{type(crashed).__name__}: {(str(crashed).strip().splitlines() or [''])[0]}"
         try:
             finish_session(
-                run_dir, global_step=trainer.global_step, seconds=seconds, failed=failed, note=note
+                run_dir,
+                global_step=trainer.global_step,
+                seconds=seconds,
+                failed=failed,
+                note=note,
+                attention=_attention_ran(trainer, module),
             )
         except (OSError, ValueError) as err:
             if crashed is not None:

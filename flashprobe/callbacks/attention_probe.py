@@ -40,9 +40,17 @@ from typing_extensions import override
 from flashprobe.deviation import PAIRS
 from flashprobe.formats.atomic import DiskFullError
 from flashprobe.formats.probe_log import PROBE_LOG_NAME, ProbeLogWriter
+from flashprobe.kernels import KernelUnavailableError
 from flashprobe.probe import Probe, ProbeConfig, ProbeFailureError, ProbeWarning, probe, reduce_across_ranks
+from flashprobe.probe.session import (
+    NONFINITE_ACTIONS,
+    RunTally,
+    check_trainable,
+    nonfinite_weights,
+    verdict_block,
+)
 from flashprobe.probe.shadow import failure_message
-from flashprobe.probe.summary import bias_words, keep_worst, summary_scalars
+from flashprobe.probe.summary import bias_words, summary_scalars
 
 __all__ = ["AttentionProbe"]
 
@@ -80,6 +88,15 @@ class AttentionProbe(Callback):
             line), ``"raise"`` (:class:`~flashprobe.probe.ProbeFailureError`) or ``"stop"`` (write
             the record, then stop training through ``trainer.should_stop``).
         max_reproducers: reproducer files saved in ``DIRPATH/repro/`` at most (0: none).
+        on_nonfinite: when the weights become non-finite after a step, or the primary returns
+            non-finite values from finite inputs: ``"stop"`` (default: write the record, save the
+            reproducer, print the verdict and stop training through ``trainer.should_stop``, so a
+            run never trains on NaN weights to a quiet end) or ``"continue"`` (only record it). With
+            a :class:`~flashprobe.callbacks.NonFiniteGuard` in the Trainer the guard checks the
+            weights (and decides) instead.
+        console: print the verdict block (:func:`flashprobe.probe.session.verdict_block`: the
+            verdict, a per-site table, the reproducers) to stdout at the first failure and at the
+            end of training, with no logging set-up needed.
         **settings: fields of :class:`~flashprobe.probe.ProbeConfig` replacing ``config``'s.
 
     With ``16-mixed`` precision the gradient statistics are divided by the ``GradScaler``'s current
@@ -105,11 +122,19 @@ class AttentionProbe(Callback):
         plot: bool = True,
         on_failure: str = "warn",
         max_reproducers: int = 8,
+        on_nonfinite: str = "stop",
+        console: bool = True,
         **settings: Any,
     ) -> None:
         self.config = ProbeConfig.from_settings(config, **settings)
         if on_failure not in ("warn", "raise", "stop"):
             raise ValueError(f"AttentionProbe: on_failure={on_failure!r} must be 'warn', 'raise' or 'stop'")
+        if on_nonfinite not in NONFINITE_ACTIONS:
+            raise ValueError(
+                f"AttentionProbe: on_nonfinite={on_nonfinite!r} must be one of {', '.join(NONFINITE_ACTIONS)}"
+            )
+        self.on_nonfinite = on_nonfinite
+        self.console = bool(console)
         if isinstance(max_reproducers, bool) or not isinstance(max_reproducers, int) or max_reproducers < 0:
             raise ValueError(f"AttentionProbe: max_reproducers={max_reproducers!r} must be an int >= 0")
         self.on_failure = on_failure
@@ -142,7 +167,12 @@ class AttentionProbe(Callback):
         self._restored_failures: list[dict[str, Any]] = []
         self._restored_bias: dict[str, list[float]] = {}
         self._global_zero = True
-        self._worst: dict[str, Any] | None = None
+        self._tally = RunTally()
+        self._fallbacks: list[dict[str, Any]] = []
+        self._sites_seen: list[str] = []
+        self._printed_failure = False
+        self.stopped: str | None = None
+        """Why the callback stopped training on non-finite values (None: it did not)."""
 
     @classmethod
     def from_mapping(cls, settings: Mapping[str, Any], /, **kwargs: Any) -> AttentionProbe:
@@ -180,6 +210,17 @@ class AttentionProbe(Callback):
         """The attached probe handle (``None`` outside fit)."""
         return self._probe
 
+    @property
+    def fallbacks(self) -> list[dict[str, Any]]:
+        """Where torch's SDPA computed the attention instead of the primary (``fallback=True``):
+        :attr:`flashprobe.probe.Probe.fallbacks`, kept after fit."""
+        return self._fallbacks if self._probe is None else self._probe.fallbacks
+
+    @property
+    def sites_seen(self) -> list[str]:
+        """Every attention site the probe saw (kept after fit)."""
+        return self._sites_seen if self._probe is None else sorted(self._probe.calls)
+
     # ------------------------------------------------------------------------------ lifecycle
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -194,6 +235,14 @@ class AttentionProbe(Callback):
             repro_dir=root / "repro" if trainer.is_global_zero and self.max_reproducers else None,
             max_reproducers=self.max_reproducers,
         )
+        try:  # a primary without a backward on this device is refused before the first step
+            check_trainable(
+                self._probe.shadow.primary, pl_module, "AttentionProbe", fallback=self.config.fallback
+            )
+        except KernelUnavailableError:
+            self._probe.detach()
+            self._probe = None
+            raise
         self._probe.detach()  # only training batches are probed: attached at each batch start
         self._probe.shadow.set_grad_scale(_loss_scale(trainer))
         self._global_zero = trainer.is_global_zero
@@ -231,6 +280,7 @@ class AttentionProbe(Callback):
             self._probe.detach()
             self._restored_failures = self._probe.failures  # kept for state_dict and a next fit
             self._restored_bias = self._probe.shadow.bias_state()
+            self._fallbacks, self._sites_seen = self._probe.fallbacks, sorted(self._probe.calls)
             self._probe = None
 
     @override
@@ -260,12 +310,54 @@ class AttentionProbe(Callback):
         every = self.log_every_n_steps or trainer.log_every_n_steps or 1
         last_batch = trainer.max_steps != -1 and step >= trainer.max_steps
         new = self._new_failures()
-        if new and self.on_failure == "stop" and step > self.last_logged_step:
+        halt = self._nonfinite_stop(trainer, pl_module, new)
+        if ((new and self.on_failure == "stop") or halt) and step > self.last_logged_step:
             self._flush(trainer, pl_module, step)  # the record of the failing step is written first
         elif step > self.last_logged_step and (not step % every or last_batch):
             self._flush(trainer, pl_module, step)
             new += self._new_failures()  # failures a read on a device found
+            halt = halt or self._nonfinite_stop(trainer, pl_module, new, weights=False)
         self._react(trainer, new)
+        if halt:
+            trainer.should_stop = True
+        elif new and trainer.is_global_zero and not self._printed_failure and not trainer.should_stop:
+            self._printed_failure = True
+            self._print_block()
+
+    def _nonfinite_stop(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        new: list[dict[str, Any]],
+        *,
+        weights: bool = True,
+    ) -> bool:
+        """Whether to stop for non-finite values (``on_nonfinite="stop"``): a new non-finite failure of
+        the primary, or (one host read per step; left to a ``NonFiniteGuard`` in the Trainer) non-finite
+        weights. Records why in :attr:`stopped`."""
+        if self.on_nonfinite != "stop" or self.stopped is not None:
+            return False
+        from flashprobe.callbacks.nonfinite_guard import NonFiniteGuard
+
+        nonfinite = next((f for f in new if f.get("kind") == "nonfinite"), None)
+        why = None
+        if nonfinite is not None:
+            why = (
+                f"the primary returned non-finite values at {nonfinite['site']} {nonfinite['direction']}, "
+                f"step {nonfinite['step']}"
+            )
+        elif weights and not any(isinstance(c, NonFiniteGuard) for c in trainer.callbacks):
+            found = nonfinite_weights(pl_module)
+            bad = trainer.strategy.reduce_boolean_decision(found is not None, all=False)
+            if bad:
+                found = f"{found} are" if found else "a weight on another rank is"
+                why = f"{found} non-finite after step {trainer.global_step - 1}"
+        if why is None:
+            return False
+        self.stopped = f"{why} (on_nonfinite='stop'; pass on_nonfinite='continue' to train on)"
+        if trainer.is_global_zero:
+            log.error("AttentionProbe: stopping training: %s", self.stopped)
+        return True
 
     def _new_failures(self) -> list[dict[str, Any]]:
         """Failures not reported yet (the shadow's log: at once on the CPU, at reads elsewhere)."""
@@ -316,6 +408,7 @@ class AttentionProbe(Callback):
             self._react(trainer, self._new_failures())
         if trainer.is_global_zero and self.last_summary:
             log.info("%s", verdict_line(self.last_summary, self._path))
+            self._print_block()
         if self.plot and trainer.is_global_zero and self._path is not None and self._path.is_file():
             from flashprobe.report.probe_figures import plot_probe
 
@@ -327,6 +420,15 @@ class AttentionProbe(Callback):
                     raise
                 except Exception as err:
                     log.warning("AttentionProbe: could not draw %s: %s", self._path.with_suffix(".png"), err)
+
+    def _print_block(self) -> None:
+        """Print the verdict block to stdout (``console=True``)."""
+        if self.console and self.last_summary:
+            rows = self._tally.rows(self.last_summary.get("failures") or [])
+            block = verdict_block(
+                self.last_summary, rows, who="AttentionProbe", path=self._path, stopped=self.stopped
+            )
+            print(block, flush=True)
 
     # ------------------------------------------------------------------------------- reading
     def _reduced_tensors(self, trainer: pl.Trainer) -> dict[str, torch.Tensor]:
@@ -343,7 +445,9 @@ class AttentionProbe(Callback):
         stats = self._probe.stats(tensors)
         summary = self._probe.summary(stats)
         summary["step"] = step
-        self._worst = keep_worst(summary, self._worst)
+        if self.stopped is not None:
+            summary["stopped"] = self.stopped
+        self._tally.add(summary, stats)
         self._probe.reset()
         self.last_logged_step = step
         if not stats:
@@ -415,6 +519,7 @@ class AttentionProbe(Callback):
         bias = self._restored_bias if self._probe is None else self._probe.shadow.bias_state()
         return {
             "bias": bias,
+            "tally": self._tally.state_dict(),
             "last_logged_step": self.last_logged_step,
             "records": self.records,
             "failures": [
@@ -429,6 +534,7 @@ class AttentionProbe(Callback):
         self.records = state_dict.get("records", 0)
         self._restored_failures = [dict(f) for f in state_dict.get("failures", [])]
         self._restored_bias = {s: list(v) for s, v in state_dict.get("bias", {}).items()}
+        self._tally.load_state_dict(state_dict.get("tally", {}))
         self._resumed_from = self.last_logged_step
 
 

@@ -18,12 +18,14 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from flashprobe.probe.session import NONFINITE_ACTIONS, nonfinite_weights
+
 __all__ = ["NonFiniteGuard"]
 
 log = logging.getLogger(__name__)
 
 #: What the guard can do when it finds a non-finite value.
-ACTIONS = ("stop", "continue")
+ACTIONS = NONFINITE_ACTIONS
 
 
 class NonFiniteGuard(Callback):
@@ -70,10 +72,9 @@ class NonFiniteGuard(Callback):
         step = pl_module.trainer.global_step
         if not finite_here and isinstance(loss, torch.Tensor) and not math.isfinite(float(loss.detach())):
             return f"the training loss became {float(loss.detach())} at step {step}"
-        for name, p in pl_module.named_parameters():
-            count = int((~torch.isfinite(p.detach())).sum())
-            if count:
-                return f"{count} of {p.numel()} values of the weight {name} became non-finite at step {step}"
+        weights = nonfinite_weights(pl_module)
+        if weights is not None:
+            return f"{weights} became non-finite at step {step}"
         return f"a non-finite loss or weight on another rank at step {step}"
 
     @override

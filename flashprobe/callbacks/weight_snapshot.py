@@ -34,6 +34,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from flashprobe.probe.session import attention_record
 from flashprobe.weights.store import SnapshotWriter, TensorSpec
 
 __all__ = [
@@ -318,11 +319,13 @@ class WeightSnapshot(Callback):
         seed = self.seed
         if seed is None and os.environ.get("PL_GLOBAL_SEED", "").lstrip("-").isdigit():
             seed = int(os.environ["PL_GLOBAL_SEED"])
-        attention = self.attention or trained_attention(trainer, pl_module) or own_attention(pl_module)
+        attention = (
+            {"attention": self.attention} if self.attention else trained_attention_record(trainer, pl_module)
+        )
         return {
             "run_id": self._resolved_run_id(),
             "seed": seed,
-            "attention": attention,
+            **attention,
             "precision": self.precision if self.precision is not None else str(trainer.precision),
             "config": self.config,
         }
@@ -331,6 +334,8 @@ class WeightSnapshot(Callback):
         tensors, specs = self._collect(trainer, pl_module)
         if trainer.is_global_zero:
             assert self._writer is not None and tensors is not None
+            if self.attention is None:  # what computed the attention so far (a probe's fallbacks)
+                self._writer.manifest.update(trained_attention_record(trainer, pl_module))
             path = self._writer.write(step, tensors, specs, epoch=trainer.current_epoch)
             log.info("WeightSnapshot: saved step %d to %s", step, path)
         self._saved.add(step)
@@ -389,6 +394,23 @@ def trained_attention(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str
     if isinstance(hparams, Mapping) and hparams.get("attention") is not None:
         return str(hparams["attention"])
     return None
+
+
+def trained_attention_record(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+    """``{"attention": ..., "attention_fallback": ...}`` for the manifest: :func:`trained_attention`
+    (else the model's own), corrected by an :class:`~flashprobe.callbacks.AttentionProbe`'s fallbacks
+    (:func:`flashprobe.probe.session.attention_record`), so no manifest names a kernel that did not
+    compute the attention."""
+    from flashprobe.callbacks.attention_probe import AttentionProbe
+
+    own = own_attention(pl_module)
+    probe = next(
+        (c for c in trainer.callbacks if isinstance(c, AttentionProbe) and c.primary is not None), None
+    )
+    if probe is None:
+        return {"attention": trained_attention(trainer, pl_module) or own}
+    spec = str(getattr(probe.primary, "spec", probe.primary))
+    return attention_record(spec, probe.fallbacks, probe.sites_seen, own)
 
 
 def _is_sharded(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:

@@ -46,6 +46,7 @@ _TEXT_KEYS = frozenset(
         "max_backward_error_ratio_site",
         "nonfinite_sites",
         "primary_nonfinite_sites",
+        "first_primary_nonfinite_sites",
         "max_bias_site",
     }
 )

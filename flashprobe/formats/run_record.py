@@ -131,6 +131,7 @@ def finish_session(
     seconds: float,
     failed: str | None = None,
     note: str | None = None,
+    attention: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Record the end of the current session; the run is ``finished`` once it reached ``max_steps``.
 
@@ -141,6 +142,9 @@ def finish_session(
         failed: why the session ended early (non-finite weights, a full disk, Ctrl-C): the status
             is then ``failed`` (``interrupted`` for Ctrl-C) and the reason is kept in the session.
         note: something the run met but trained through (``on_nonfinite=continue``).
+        attention: what computed the model's attention in this session, ``{"attention": ...}`` and,
+            where a requested kernel fell back, ``"attention_fallback"``
+            (:func:`flashprobe.probe.session.attention_record`); kept in the session.
     """
     record = read_run_record(run_dir)
     if record is None or not record["sessions"]:
@@ -154,6 +158,8 @@ def finish_session(
         record["sessions"][-1]["failed"] = failed
     if note is not None:
         record["sessions"][-1]["note"] = note
+    if attention is not None:
+        record["sessions"][-1].update(attention)
     (Path(run_dir) / RESERVE).unlink(missing_ok=True)  # the space this write may need
     write_json(Path(run_dir) / RUN_RECORD, record)
     return record

@@ -46,7 +46,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.trainer_callback import ExportableState
 
 from flashprobe.formats.probe_log import PROBE_LOG_NAME, ProbeLogWriter
-from flashprobe.kernels import Kernel, get_kernel
+from flashprobe.kernels import Kernel, KernelUnavailableError, get_kernel
 from flashprobe.probe import (
     Probe,
     ProbeConfig,
@@ -59,8 +59,15 @@ from flashprobe.probe import (
 )
 from flashprobe.probe.call import autocast_dtype, run_kernel
 from flashprobe.probe.routing import check_kernel_here
+from flashprobe.probe.session import (
+    NONFINITE_ACTIONS,
+    RunTally,
+    check_trainable,
+    nonfinite_weights,
+    verdict_block,
+)
 from flashprobe.probe.shadow import failure_message
-from flashprobe.probe.summary import keep_worst, summary_scalars
+from flashprobe.probe.summary import summary_scalars
 
 __all__ = [
     "CONFIG_KEY",
@@ -288,6 +295,12 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
             ``"raise"`` (:class:`~flashprobe.probe.ProbeFailureError`) or ``"stop"`` (write the
             record, then stop training through ``control.should_training_stop``).
         max_reproducers: reproducer files saved in ``DIRPATH/repro/`` at most (0: none).
+        on_nonfinite: when the weights become non-finite after a step, or the primary returns
+            non-finite values from finite inputs: ``"stop"`` (default: write the record, save the
+            reproducer, print the verdict and stop through ``control.should_training_stop``) or
+            ``"continue"`` (only record it).
+        console: print the verdict block (:func:`flashprobe.probe.session.verdict_block`) to stdout
+            at the first failure and at the end of training.
         **settings: fields of :class:`~flashprobe.probe.ProbeConfig` replacing ``config``'s.
 
     The scalars logged are :data:`flashprobe.probe.summary.SUMMARY_SCALARS` (first
@@ -318,12 +331,20 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
         plot: bool = True,
         on_failure: str = "warn",
         max_reproducers: int = 8,
+        on_nonfinite: str = "stop",
+        console: bool = True,
         **settings: Any,
     ) -> None:
         self.config = ProbeConfig.from_settings(config, **settings)
         name = type(self).__name__
         if on_failure not in ("warn", "raise", "stop"):
             raise ValueError(f"{name}: on_failure={on_failure!r} must be 'warn', 'raise' or 'stop'")
+        if on_nonfinite not in NONFINITE_ACTIONS:
+            raise ValueError(
+                f"{name}: on_nonfinite={on_nonfinite!r} must be one of {', '.join(NONFINITE_ACTIONS)}"
+            )
+        self.on_nonfinite = on_nonfinite
+        self.console = bool(console)
         if isinstance(max_reproducers, bool) or not isinstance(max_reproducers, int) or max_reproducers < 0:
             raise ValueError(f"{name}: max_reproducers={max_reproducers!r} must be an int >= 0")
         if log_every_n_steps is not None and (
@@ -352,15 +373,32 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
         self._writer: ProbeLogWriter | None = None
         self._pending: dict[str, float] = {}
         self._reported: set[tuple[str, str]] = set()
-        self._worst: dict[str, Any] | None = None
+        self._tally = RunTally()
+        self._fallbacks: list[dict[str, Any]] = []
+        self._sites_seen: list[str] = []
+        self._printed_failure = False
+        self.stopped: str | None = None
+        """Why the callback stopped training on non-finite values (None: it did not)."""
         self._checked = False
         self._keep_until: int | None = None
         self._restored_failures: list[dict[str, Any]] = []
+        self._tally_state: dict[str, Any] = {}  # a checkpoint's RunTally, restored at train begin
 
     @property
     def probe(self) -> Probe | None:
         """The probe handle (``None`` outside training)."""
         return self._probe
+
+    @property
+    def fallbacks(self) -> list[dict[str, Any]]:
+        """Where torch's SDPA computed the attention instead of the primary (``fallback=True``):
+        :attr:`flashprobe.probe.Probe.fallbacks`, kept after training."""
+        return self._fallbacks if self._probe is None else self._probe.fallbacks
+
+    @property
+    def sites_seen(self) -> list[str]:
+        """Every attention site the probe saw (kept after training)."""
+        return self._sites_seen if self._probe is None else sorted(self._probe.calls)
 
     @property
     def path(self) -> Path | None:
@@ -385,7 +423,16 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
             repro_dir=root / "repro" if state.is_world_process_zero and self.max_reproducers else None,
             max_reproducers=self.max_reproducers,
         )
+        try:  # a primary without a backward on this device is refused before the first step
+            check_trainable(
+                self._probe.shadow.primary, model, type(self).__name__, fallback=self.config.fallback
+            )
+        except KernelUnavailableError:
+            self._probe.detach()
+            self._probe = None
+            raise
         self._probe.detach()  # attached during training steps only
+        self._tally.load_state_dict(self._tally_state)
         for failure in self._restored_failures:  # a resumed run keeps the failures it had seen
             key = (failure["site"], failure["direction"])
             self._probe.shadow.failures.setdefault(key, dict(failure))
@@ -431,12 +478,56 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
         every = self.log_every_n_steps or state.logging_steps or 1
         last = state.max_steps > 0 and step >= state.max_steps
         new = self._new_failures()
-        if step > self.last_logged_step and ((new and self.on_failure == "stop") or not step % every or last):
+        halt = self._nonfinite_stop(args, state, kwargs.get("model"), new)
+        if step > self.last_logged_step and (
+            (new and self.on_failure == "stop") or halt or not step % every or last
+        ):
             self._flush(args, state, step)
             control.should_log = True  # the Trainer logs at this step, with the probe's scalars
             new += self._new_failures()  # failures a read on a device found
+            halt = halt or self._nonfinite_stop(args, state, None, new)
         self._react(state, control, new)
+        if halt:
+            control.should_training_stop = True
+        elif new and state.is_world_process_zero and not self._printed_failure:
+            self._printed_failure = True
+            self._print_block()
         return control
+
+    def _nonfinite_stop(
+        self, args: TrainingArguments, state: TrainerState, model: Any, new: list[dict[str, Any]]
+    ) -> bool:
+        """Whether to stop for non-finite values (``on_nonfinite="stop"``): a new non-finite failure of
+        the primary, or non-finite weights (one host read per step; ``model`` None: not checked).
+        Records why in :attr:`stopped`."""
+        if self.on_nonfinite != "stop" or self.stopped is not None:
+            return False
+        nonfinite = next((f for f in new if f.get("kind") == "nonfinite"), None)
+        why = None
+        if nonfinite is not None:
+            why = (
+                f"the primary returned non-finite values at {nonfinite['site']} {nonfinite['direction']}, "
+                f"step {nonfinite['step']}"
+            )
+        elif isinstance(model, nn.Module):
+            found = nonfinite_weights(model)
+            if found is not None:
+                why = f"{found} are non-finite after step {state.global_step - 1}"
+        if why is None:
+            return False
+        self.stopped = f"{why} (on_nonfinite='stop'; pass on_nonfinite='continue' to train on)"
+        if state.is_world_process_zero:
+            log.error("%s: stopping training: %s", type(self).__name__, self.stopped)
+        return True
+
+    def _print_block(self) -> None:
+        """Print the verdict block to stdout (``console=True``)."""
+        if self.console and self.last_summary:
+            rows = self._tally.rows(self.last_summary.get("failures") or [])
+            block = verdict_block(
+                self.last_summary, rows, who=type(self).__name__, path=self.path, stopped=self.stopped
+            )
+            print(block, flush=True)
 
     def on_log(
         self,
@@ -465,7 +556,10 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
         finally:
             self._probe.detach()
             self._restored_failures = self._probe.failures
+            self._fallbacks, self._sites_seen = self._probe.fallbacks, sorted(self._probe.calls)
             self._probe = None
+        if state.is_world_process_zero:
+            self._print_block()
         path = self.path
         if (
             self.plot
@@ -498,10 +592,13 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
                 "plot": self.plot,
                 "on_failure": self.on_failure,
                 "max_reproducers": self.max_reproducers,
+                "on_nonfinite": self.on_nonfinite,
+                "console": self.console,
             },
             "attributes": {
                 "last_logged_step": self.last_logged_step,
                 "records": self.records,
+                "_tally_state": self._tally.state_dict(),
                 "_restored_failures": [
                     {k: v for k, v in f.items() if isinstance(v, str | int | float | type(None))}
                     for f in failures
@@ -559,7 +656,9 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
         stats = self._probe.stats(tensors)
         summary = self._probe.summary(stats)
         summary["step"] = step
-        self._worst = keep_worst(summary, self._worst)
+        if self.stopped is not None:
+            summary["stopped"] = self.stopped
+        self._tally.add(summary, stats)
         self._probe.reset()
         self.last_logged_step = step
         if not stats:

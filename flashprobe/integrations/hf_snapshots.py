@@ -37,6 +37,7 @@ from flashprobe.callbacks.weight_snapshot import (
     snapshot_steps,
 )
 from flashprobe.integrations.hf import AttentionProbeCallback, trainer_callbacks
+from flashprobe.probe.session import attention_record
 from flashprobe.weights.store import SnapshotWriter
 
 __all__ = ["WeightSnapshotCallback"]
@@ -182,13 +183,15 @@ class WeightSnapshotCallback(TrainerCallback):
         return {
             "run_id": self.run_id or run_dir.resolve().name,
             "seed": self.seed if self.seed is not None else int(args.seed),
-            "attention": self.attention or _probe_primary() or own_attention(model),
+            **({"attention": self.attention} if self.attention else _trained_attention(model)),
             "precision": self.precision or _precision(args, model),
             "config": self.config,
         }
 
     def _save(self, model: nn.Module, step: int, state: TrainerState) -> None:
         if self._writer is not None:
+            if self.attention is None:  # what computed the attention so far (a probe's fallbacks)
+                self._writer.manifest.update(_trained_attention(model))
             tensors, specs = module_tensors(
                 model, include_buffers=self.include_buffers, trainable_only=self.trainable_only
             )
@@ -197,13 +200,17 @@ class WeightSnapshotCallback(TrainerCallback):
         self._saved.add(step)
 
 
-def _probe_primary() -> str | None:
-    """The explicit ``primary`` of an ``AttentionProbeCallback`` in the calling Trainer, if any."""
+def _trained_attention(model: nn.Module) -> dict[str, Any]:
+    """``{"attention": ..., "attention_fallback": ...}`` for the manifest: the explicit ``primary`` of
+    an ``AttentionProbeCallback`` in the calling Trainer corrected by its fallbacks
+    (:func:`flashprobe.probe.session.attention_record`), else the model's own attention."""
+    own = own_attention(model)
     for callback in trainer_callbacks() or []:
         if isinstance(callback, AttentionProbeCallback) and callback.config.primary is not None:
             primary = callback.config.primary
-            return str(getattr(primary, "spec", primary))
-    return None
+            spec = str(getattr(primary, "spec", primary))
+            return attention_record(spec, callback.fallbacks, callback.sites_seen, own)
+    return {"attention": own}
 
 
 def _precision(args: TrainingArguments, model: nn.Module) -> str:

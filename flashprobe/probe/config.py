@@ -92,6 +92,11 @@ class ProbeConfig:
     """Glob patterns of site names to compare (``"!pattern"`` excludes); None: every site."""
     dropout: str = "compare"
     """Calls with attention dropout: ``compare`` their dropout-free primary, or ``skip`` them."""
+    fallback: bool = False
+    """A call the primary cannot run (attention dropout: kernels implement none): ``False`` (default)
+    refuses it at the first such call, with the reason and the fix, so no run trains on a kernel other
+    than the one it names; ``True`` runs torch's SDPA for it and records the fallback (site, step,
+    why) in the summary's ``fallbacks``, the snapshot manifest and ``run.json``."""
     memory_budget: int | None = None
     """Bytes one reference block may use (:mod:`flashprobe.kernels.reference`); None: a quarter of
     the device's free memory when a call shape is first seen, within the module's bounds."""
@@ -111,6 +116,7 @@ class ProbeConfig:
         if fmt is not None and isinstance(self.baseline, str) and self.baseline == "math":
             object.__setattr__(self, "baseline", f"math:fp8={fmt}")  # the FP8 kernels' baseline
         _strict_bool("golden", self.golden)
+        _strict_bool("fallback", self.fallback)
         if self.backward != "auto":
             _strict_bool("backward", self.backward)
         _int_at_least("every_n_calls", self.every_n_calls, 1, "1 = every call")

@@ -114,7 +114,7 @@ class Probe(AttentionRoute):
         compare = self.will_compare(site)
         self.count_call(site)
         if not compare:
-            return self.shadow.primary_output(call, route)
+            return self.shadow.primary_output(call, route, site=site)
         return self.shadow.run(site, call, route)
 
     def handle_flex(self, site: str, call: Any) -> Any:
@@ -153,6 +153,13 @@ class Probe(AttentionRoute):
             self.shadow.failures.values(), key=lambda f: (f["step"], f["site"], order.index(f["direction"]))
         )
 
+    @property
+    def fallbacks(self) -> list[dict[str, Any]]:
+        """The sites where torch's SDPA computed the attention instead of the primary
+        (``fallback=True``: calls with attention dropout), ``{site, requested, kernel, from_step,
+        reason}`` each, in step order; empty when the primary ran every call."""
+        return sorted(self.shadow.fallbacks.values(), key=lambda f: (f["from_step"], f["site"]))
+
     # Reading ----------------------------------------------------------------------------------
 
     @property
@@ -186,7 +193,8 @@ class Probe(AttentionRoute):
 
         ``notes`` lists, in words, why values are missing: no attention call seen, or backward
         comparisons skipped at sites with attention dropout (with the fix). ``dropout_calls``
-        counts the calls with attention dropout.
+        counts the calls with attention dropout; ``fallbacks`` is :attr:`fallbacks` (where torch's
+        SDPA computed the attention instead of the primary, ``fallback=True``).
 
         Args:
             stats: per-site statistics to summarise (default: :meth:`stats`).
@@ -195,6 +203,7 @@ class Probe(AttentionRoute):
         summary = self.shadow.summary(stats)
         summary["step"] = self._step
         summary["dropout_calls"] = sum(e.get("dropout_calls", 0) for e in stats.values())
+        summary["fallbacks"] = self.fallbacks
         summary["notes"] = self._notes(stats)
         return summary
 

@@ -53,7 +53,7 @@ from torch import nn
 from flashprobe.bias import BIAS_FIELDS
 from flashprobe.deviation import StatsWorkspace, combine_sums, pair_sums, reads_are_free
 from flashprobe.judge import CRITERIA, call_statistics, reason, row_statistics
-from flashprobe.kernels import KernelUnavailableError, get_kernel, math_attention
+from flashprobe.kernels import KernelUnavailableError, KernelUnsupportedError, get_kernel, math_attention
 from flashprobe.kernels.reference import (
     Block,
     numerics_flags,
@@ -234,6 +234,9 @@ class ShadowAttention(nn.Module):
         #: ``{(site, direction): failure}``: the first failure of each, kept on the host across resets.
         self.failures: dict[tuple[str, str], dict[str, Any]] = {}
         self.reproducers: list[Path] = []
+        #: ``{site: fallback}``: the sites where torch's SDPA ran instead of the primary
+        #: (``fallback=True``), from which step and why; kept on the host across resets.
+        self.fallbacks: dict[str, dict[str, Any]] = {}
         self._armed: set[str] = set()
         self.config = ProbeConfig.from_settings(config, **settings)
         if device is not None:  # backward="auto": decided by the kernels' capabilities there
@@ -346,18 +349,41 @@ class ShadowAttention(nn.Module):
         with passthrough():
             return self.run(self.name, call)
 
-    def primary_output(self, call: SdpaCall, route: KernelRoute | None = None) -> torch.Tensor:
-        """The output the model receives: the primary kernel, else ``route``'s, else torch's SDPA."""
+    def primary_output(
+        self, call: SdpaCall, route: KernelRoute | None = None, *, site: str | None = None
+    ) -> torch.Tensor:
+        """The output the model receives: the primary kernel, else ``route``'s, else torch's SDPA.
+
+        A call with attention dropout, which no kernel implements, is refused (``fallback=False``)
+        or runs torch's SDPA and is recorded in :attr:`fallbacks` (``fallback=True``).
+
+        Raises:
+            KernelUnsupportedError: a call with ``dropout_p > 0`` and ``fallback=False``, naming the
+                site, the reason and the fix.
+        """
         if self.primary is None:
             return call.original() if route is None else route.run(call)
         if call.dropout_p > 0:
-            self._warn_once(
-                ("dropout-primary",),
-                f"flashprobe: primary {self.primary.spec!r} has no attention dropout, so calls with "
-                "dropout_p > 0 give the model torch's scaled_dot_product_attention output",
-            )
+            self._fall_back(site or self.name, call)
             return call.original()
         return run_kernel(self.primary, call)
+
+    def _fall_back(self, site: str, call: SdpaCall) -> None:
+        """Refuse a dropout call for the primary, or record that torch's SDPA runs it (host-side only)."""
+        assert self.primary is not None
+        spec = self.primary.spec
+        if not self.config.fallback:
+            raise KernelUnsupportedError(dropout_refusal(f"site {site!r}", call.dropout_p, spec))
+        if site not in self.fallbacks:
+            self.fallbacks[site] = {
+                "site": site,
+                "requested": spec,
+                "kernel": "torch sdpa",
+                "from_step": self.step,
+                "reason": f"attention dropout (dropout_p={call.dropout_p}): {spec!r} implements none, so "
+                f"torch's SDPA computed the attention at {site} from step {self.step} (fallback=True)",
+            }
+            self._warn_once(("dropout-primary", site), f"flashprobe: {self.fallbacks[site]['reason']}")
 
     def run(self, site: str, call: SdpaCall, route: KernelRoute | None = None) -> torch.Tensor:
         """Run one call at ``site``: return the primary's output, record the comparison.
@@ -378,14 +404,14 @@ class ShadowAttention(nn.Module):
             except Exception as err:
                 self._failed(site, err)
         if record is not None:
-            out = self.primary_output(record.tap(call), route)
+            out = self.primary_output(record.tap(call), route, site=site)
             if out.requires_grad:
                 out.register_hook(record.on_grad_out)
                 record.keep_output(out)
                 return out
             self._compare_forward(site, call, out, record.prepared)
             return out
-        out = self.primary_output(call, route)
+        out = self.primary_output(call, route, site=site)
         self._compare_forward(site, call, out)
         return out
 
@@ -433,7 +459,7 @@ class ShadowAttention(nn.Module):
             self._compare_forward(site, None, out, prepared, step=step)
 
     def _run_dropout(self, site: str, call: SdpaCall, route: KernelRoute | None) -> torch.Tensor:
-        out = self.primary_output(call, route)
+        out = self.primary_output(call, route, site=site)
         self._dropout_calls[site] = self._dropout_calls.get(site, 0) + 1
         if self.dropout == "skip":
             if self.record:
@@ -453,7 +479,7 @@ class ShadowAttention(nn.Module):
         plain = call.replace(dropout_p=0.0)
         try:
             with torch.no_grad():
-                reference = self.primary_output(plain.detached(), route)
+                reference = self.primary_output(plain.detached(), route, site=site)
         except Exception as err:
             self._failed(site, err)
             return out
@@ -954,6 +980,19 @@ def site_verdict(entry: Mapping[str, Any], *, golden: bool = True) -> tuple[str,
     return "undetermined", "no call compared"
 
 
+def dropout_refusal(where: str, dropout_p: float, spec: str) -> str:
+    """Why a primary kernel is refused for attention with dropout, and the fixes (one paragraph)."""
+    return (
+        f"flashprobe: {where} uses attention dropout ({dropout_p}), and the primary {spec!r} (like every "
+        f"kernel) implements no dropout: the model would train with torch's scaled_dot_product_attention "
+        f"there, not with {spec!r}. Set the attention dropout to 0 (nn.TransformerEncoderLayer(..., "
+        "dropout=0.0), nn.MultiheadAttention(dropout=0.0), transformers configs attention_dropout / "
+        "attn_pdrop / attention_probs_dropout_prob = 0.0) to train with it, or pass fallback=True to "
+        "train those calls with torch's SDPA, recorded as a fallback (then `flashprobe compare` does not "
+        "call the run a kernel comparison)"
+    )
+
+
 def failure_message(failure: Mapping[str, Any]) -> str:
     """One line for a failure: site, direction, step, reason and the reproducer."""
     repro = failure.get("repro")
@@ -967,12 +1006,15 @@ def failure_message(failure: Mapping[str, Any]) -> str:
 def failure_summary(
     failures: Mapping[tuple[str, str], Mapping[str, Any]], summary: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """``verdict`` and ``failures`` of a summary from a shadow's failure log (the first failure of each
-    site and direction seen so far, kept across resets, with reproducer paths) and the summary's
-    own worst call; the summary's verdict when nothing failed yet."""
+    """``verdict``, ``verdict_reason`` and ``failures`` of a summary from a shadow's failure log (the
+    first failure of each site and direction seen so far, kept across resets, with reproducer paths)
+    and the summary's own worst call; the summary's verdict when nothing failed yet. A run that failed
+    before the summary's interval reads ``fail`` with a reason that says when, and what the interval
+    showed since."""
     if not failures:
         return {
             "verdict": summary.get("verdict", "undetermined"),
+            "verdict_reason": summary.get("verdict_reason", ""),
             "failures": list(summary.get("failures", [])),
         }
     listed = [
@@ -982,7 +1024,14 @@ def failure_summary(
     worst = summary.get("worst_failure")
     if worst is not None:
         listed.append({**worst, "worst": True})
-    return {"verdict": "fail", "failures": listed}
+    reason = summary.get("verdict_reason", "")
+    if summary.get("verdict") != "fail":  # the failure came earlier: the reason says so
+        first = listed[0]
+        reason = (
+            f"failed at step {first['step']} ({first['site']} {first['direction']}: {first['reason']}); "
+            f"since the last record: {reason or summary.get('verdict', 'undetermined')}"
+        )
+    return {"verdict": "fail", "verdict_reason": reason, "failures": listed}
 
 
 def _flatten(entry: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -19,7 +19,7 @@ from flashprobe.probe.stats import GRADIENTS, PAIRS, worst
 
 _ORDER = ("out", "dq", "dk", "dv")  # failures sort by step, site, then this
 
-__all__ = ["bias_words", "keep_worst", "summarize", "summary_scalars"]
+__all__ = ["bias_words", "summarize", "summary_scalars"]
 
 
 def summarize(stats: Mapping[str, Any]) -> dict[str, Any]:
@@ -48,8 +48,10 @@ def summarize(stats: Mapping[str, Any]) -> dict[str, Any]:
         of every direction whose ``|z|`` reached its limit); ``verdict``: ``fail`` when a site
         failed (a call failed, or it is biased), ``pass`` when every site passed, else
         ``undetermined`` (no site, or a site with nothing judged), with ``verdict_reason``;
-        ``worst_failure``: the failing site and direction with the largest ``limit_ratio``
-        (``{site, direction, step, kind, value, reason}``), or None;
+        ``worst_failure``: the worst failing call, ``{site, direction, step, kind, value, limit,
+        limit_ratio, reason}``: the largest ``limit_ratio`` over failing directions, where a direction
+        that failed without a ratio above its limit (a non-finite output) gives its failing call,
+        ranked infinite; None when nothing failed;
         ``failures``: the first failure of each site and direction, in step order, then the worst
         (``"worst": True``).
     """
@@ -146,27 +148,13 @@ def _verdict(stats: Mapping[str, Any]) -> dict[str, Any]:
         verdict, reason = "undetermined", f"not judged at {reasons}"
     else:
         verdict, reason = "pass", f"every site passed ({len(verdicts)})"
-    worst_failure = None
-    best = -1.0
-    for site, entry in stats.items():
-        for d in ("out", *GRADIENTS):
-            e = entry["forward"]["out"] if d == "out" else entry["backward"][d]
-            if e.get("verdict") != "fail":
-                continue
-            ratio = e.get("limit_ratio") or 0.0
-            if ratio > best:
-                best = ratio
-                worst_failure = {
-                    "site": site,
-                    "direction": d,
-                    "step": e.get("limit_ratio_step"),
-                    "kind": "limit_ratio",
-                    "value": ratio,
-                    "reason": f"worst call: {d}: {ratio:.3g}x its limit (relative L2 error "
-                    f"{e.get('absolute_error') or 0.0:.3g} against the golden, worst row "
-                    f"{e.get('worst_row_error') or 0.0:.3g}, "
-                    f"{e.get('l2_error_ratio') or 0.0:.3g}x the baseline's)",
-                }
+    candidates = [
+        _failing_call(site, d, entry["forward"]["out"] if d == "out" else entry["backward"][d])
+        for site, entry in stats.items()
+        for d in ("out", *GRADIENTS)
+    ]
+    candidates = [c for c in candidates if c is not None]
+    worst_failure = max(candidates, key=lambda c: c["limit_ratio"], default=None)
     failures = [
         {"site": site, "direction": d, **e["first_failure"]}
         for site, entry in stats.items()
@@ -181,6 +169,41 @@ def _verdict(stats: Mapping[str, Any]) -> dict[str, Any]:
         "verdict_reason": reason,
         "worst_failure": worst_failure,
         "failures": failures,
+    }
+
+
+def _failing_call(site: str, direction: str, e: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The worst failing call of one site and direction in the interval, or None if none failed: the
+    call with the largest ``limit_ratio`` when that is a failure (> 1), else the first failure itself
+    (a non-finite output, whose ratio is not a number, ranks as infinite)."""
+    if e.get("verdict") != "fail":
+        return None
+    ratio = e.get("limit_ratio")
+    first = e.get("first_failure") or {}
+    if first.get("kind") != "nonfinite" and isinstance(ratio, int | float) and ratio > 1:
+        return {
+            "site": site,
+            "direction": direction,
+            "step": e.get("limit_ratio_step"),
+            "kind": "limit_ratio",
+            "value": ratio,
+            "limit": 1.0,
+            "limit_ratio": ratio,
+            "reason": f"worst call: {direction}: {ratio:.3g}x its limit (relative L2 error "
+            f"{e.get('absolute_error') or 0.0:.3g} against the golden, worst row "
+            f"{e.get('worst_row_error') or 0.0:.3g}, "
+            f"{e.get('l2_error_ratio') or 0.0:.3g}x the baseline's)",
+        }
+    nonfinite = first.get("kind") == "nonfinite" or not isinstance(ratio, int | float)
+    return {
+        "site": site,
+        "direction": direction,
+        "step": first.get("step"),
+        "kind": first.get("kind"),
+        "value": first.get("value"),
+        "limit": first.get("limit"),
+        "limit_ratio": math.inf if nonfinite or not math.isfinite(ratio) else ratio,
+        "reason": f"worst call: {direction}: {first.get('reason', 'failed')}",
     }
 
 
@@ -244,17 +267,3 @@ def summary_scalars(summary: Mapping[str, Any]) -> dict[str, float]:
         if value is not None:
             metrics[f"probe/max_abs/{pair}"] = float(value)
     return {k: v for k, v in metrics.items() if math.isfinite(v)}
-
-
-def keep_worst(summary: dict[str, Any], worst: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Carry the worst failing call across logging intervals (a summary's own is its interval's):
-    returns the worst so far and puts it into ``summary`` (``worst_failure``, the last of
-    ``failures``)."""
-    new = summary.get("worst_failure")
-    if new is not None and (worst is None or new["value"] > worst["value"]):
-        worst = dict(new)
-    if worst is not None:
-        failures = [f for f in summary.get("failures", []) if not f.get("worst")]
-        summary["failures"] = [*failures, {**worst, "worst": True}]
-        summary["worst_failure"] = dict(worst)
-    return worst

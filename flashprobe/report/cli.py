@@ -213,27 +213,38 @@ def report_main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_report(run_dir: Path) -> int:
-    """Redraw ``run_dir/probe.png`` and print the per-step summary of ``probe.jsonl``."""
+    """Redraw ``run_dir/probe.png``, print the per-step summary of ``probe.jsonl`` and the run's
+    verdict block (:func:`flashprobe.probe.session.verdict_block`, the per-site table the training
+    callbacks print)."""
+    from flashprobe.formats.probe_log import load_probe_records
+    from flashprobe.probe.session import RunTally, verdict_block
     from flashprobe.report.probe_figures import plot_probe
-    from flashprobe.report.study_report import probe_summary
 
+    path = run_dir / PROBE_LOG_NAME
     try:
-        figure = plot_probe(run_dir / PROBE_LOG_NAME, run_dir / "probe.png")
+        figure = plot_probe(path, run_dir / "probe.png")
     except (FileNotFoundError, ValueError, DiskFullError) as err:
         return _fail("flashprobe report", err)
-    print("| step | verdict | max error ratio | worst site | max abs primary-baseline | non-finite |")
-    print("| ---: | --- | ---: | --- | ---: | ---: |")
-    rows = probe_summary(run_dir)
-    for row in rows:
-        ratio = _g(row.get("max_error_ratio"))
-        diff = _g((row.get("max_abs") or {}).get("primary_baseline"))
-        site = row.get("max_error_ratio_site") or "-"
-        verdict = row.get("verdict") or "-"
-        print(f"| {row['step']} | {verdict} | {ratio} | {site} | {diff} | {row.get('nonfinite', 0)} |")
-    for f in (rows[-1].get("failures") or []) if rows else []:
-        kind = "worst" if f.get("worst") else "first failure"
-        repro = f"; reproducer {f['repro']}" if f.get("repro") else ""
-        print(printable(f"{kind}: {f['site']} {f['direction']}, step {f['step']}: {f['reason']}{repro}"))
+    # the verdict's statistic first; the ratio of maxima (flash-attention's) under its own name
+    print(
+        "| step | verdict | error / limit | worst site | max error ratio | max abs primary-baseline "
+        "| non-finite |"
+    )
+    print("| ---: | --- | ---: | --- | ---: | ---: | ---: |")
+    tally, summary = RunTally(), {}
+    for record in load_probe_records(path):
+        summary = tally.add(
+            {"step": record["step"], **(record.get("summary") or {})}, record.get("sites") or {}
+        )
+        ratio, old = _g(summary.get("limit_ratio")), _g(summary.get("max_error_ratio"))
+        diff = _g((summary.get("max_abs") or {}).get("primary_baseline"))
+        site = summary.get("max_limit_ratio_site") or "-"
+        verdict = summary.get("verdict") or "-"
+        nonfinite = summary.get("nonfinite", 0)
+        print(f"| {record['step']} | {verdict} | {ratio} | {site} | {old} | {diff} | {nonfinite} |")
+    if summary:
+        rows = tally.rows(summary.get("failures") or [])
+        print(printable(verdict_block(summary, rows, who="flashprobe report", path=path, max_rows=10**6)))
     print(printable(f"wrote {figure}"))
     return 0
 

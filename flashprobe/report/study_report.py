@@ -26,6 +26,7 @@ from flashprobe.report.study_verdict import (
     FLASH,
     comparison_groups,
     format_value,
+    kernel_label,
     needs_line,
     no_verdict_line,
     study_comparisons,
@@ -101,7 +102,7 @@ def _ratios_table(v: Mapping[str, Any]) -> list[str]:
         low, high = c["over_training"] or (None, None)
         where = {"below": "below 1", "above": "above 1", "straddles": "straddles 1"}[ratio.position()]
         lines.append(
-            f"| flash / {label} | {c['isolates']} | {format_value(ratio.median)}× | "
+            f"| {kernel_label(v)} / {label} | {c['isolates']} | {format_value(ratio.median)}× | "
             f"{format_value(ratio.low)}–{format_value(ratio.high)} | {values} | "
             f"{format_value(low)}–{format_value(high)} | {where} |"
         )
@@ -284,7 +285,8 @@ def write_report(study_dir: str | Path) -> Path:
     precision = meta.get("precision") or (flash_runs.get("a") or {}).get("precision") or "?"
     kernel = meta.get("kernel") or (flash_runs.get("a") or {}).get("attention") or "the kernel under test"
     mixed = not_like_for_like(study["pairs"])
-    title = "weight deviation of flash attention" + ("" if mixed else ", like for like")
+    subject = kernel_label(v) if v else kernel  # as the runs recorded it, never a fixed kernel word
+    title = f"weight deviation of {subject} attention" + ("" if mixed else ", like for like")
     lines = [f"# flashprobe study: {title} (paper §V)", ""]
     if mixed:
         lines += [
@@ -296,15 +298,17 @@ def write_report(study_dir: str | Path) -> Path:
         ]
     lines += ["## Verdict", ""]
     if v:
+        k = kernel_label(v)
         lines += [f"- {line}" for line in verdict_lines(v, precision, kernel)]
         lines += ["", needs_line(study)]
         n = len(v["seeds"])
         lines += [
             "",
             "The rule (docs/study.md): **PASS** when, at every snapshot step after the learning-rate "
-            f"warm-up ({_warmup(v)}), flash / seed is below 1 in every replicate and flash / the "
-            "low-precision pair at the precision flash trains at is not above 1 in every replicate; "
-            "**LOOK CLOSER** when either fails at some step or flash's weights turn non-finite; "
+            f"warm-up ({_warmup(v)}), {k} / seed is below 1 in every replicate and {k} / the "
+            f"low-precision pair at the precision {k} trains at is not above 1 in every replicate "
+            f"({k}: the distance of the kernel pair {v['kernel_pair']}); "
+            f"**LOOK CLOSER** when either fails at some step or {k}'s weights turn non-finite; "
             "**UNDETERMINED** when a comparison the rule needs was not trained, is undefined in some "
             "replicate, or its runs differ in more than the one thing it isolates.",
             "",

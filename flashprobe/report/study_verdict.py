@@ -345,6 +345,13 @@ def _attention_labels(pair: Mapping[str, Any]) -> list[str]:
     return [str(r or d or "not recorded") for r, d in zip(recorded, differs, strict=True)]
 
 
+def kernel_label(v: Mapping[str, Any]) -> str:
+    """The label of the kernel pair's distance in report text: the attention its first run recorded
+    (``"tiled"``), else the pair's name; never a fixed kernel word."""
+    recorded = (v.get("attention") or ["not recorded"])[0]
+    return str(v.get("kernel_pair")) if recorded == "not recorded" else str(recorded)
+
+
 def _flash_precision(study: Mapping[str, Any], pair: str) -> str | None:
     """The precision the kernel trains at: the study's, or what the kernel pair's runs recorded."""
     runs = (study["pairs"][pair].get("runs") or {}).get("a") or {}
@@ -373,6 +380,7 @@ def _answer(
     """The rule of :func:`verdict`: the answer and its reasons."""
     from flashprobe.weights.differences import describe_differences
 
+    kernel = kernel_label(v)
     look: list[str] = []
     missing = [
         f"{name} is left out: its runs differ in {describe_differences(pair)}"
@@ -396,13 +404,13 @@ def _answer(
         if not_below:
             above = all(seed["by_step"][s].position() == "above" for s in not_below)
             where = "above 1 in every replicate" if above else "not below 1 in every replicate"
-            look.append(f"flash / seed is {where} at {_steps_text(not_below)}")
+            look.append(f"{kernel} / seed is {where} at {_steps_text(not_below)}")
         elif unknown:
-            missing.append(f"flash / seed is undefined {unknown}")
+            missing.append(f"{kernel} / seed is undefined {unknown}")
     lows = {label: c for label, c in v["context"].items() if c["kind"] == "precision" and c["in_rule"]}
     if not lows:
         missing.append(
-            f"no low-precision pair at {v['precision']}, the precision flash trains at (runs that differ "
+            f"no low-precision pair at {v['precision']}, the precision {kernel} trains at (runs that differ "
             f"in the precision alone, one at {v['precision']} and one at fp32: run fp32)"
         )
     for label, c in lows.items():
@@ -411,10 +419,10 @@ def _answer(
             s for s, i in c["by_step"].items() if i is not None and i.n == every and i.position() == "above"
         ]
         if above:
-            look.append(f"flash / {label} is above 1 in every replicate at {_steps_text(above)}")
+            look.append(f"{kernel} / {label} is above 1 in every replicate at {_steps_text(above)}")
         unknown = _undefined(c)
         if unknown:
-            missing.append(f"flash / {label} is undefined {unknown}")
+            missing.append(f"{kernel} / {label} is undefined {unknown}")
     if look:
         return LOOK_CLOSER, look
     if missing:
@@ -513,7 +521,8 @@ def no_verdict_line(study: Mapping[str, Any]) -> str:
         candidates = [
             n
             for n, p in pairs.items()
-            if "attention" in (p.get("differs") or {}) or "attention" in (p.get("unrecorded") or [])
+            if {"attention", "attention fallback"} & set(p.get("differs") or {})
+            or "attention" in (p.get("unrecorded") or [])
         ]
     if candidates:
         why = "no pair's runs differ in the attention alone: " + "; ".join(
@@ -529,7 +538,7 @@ def verdict_lines(v: Mapping[str, Any], precision: str, kernel: str = "sdpa_flas
 
     The kernel pair's attention is named as its runs recorded it; ``kernel`` stands for the first run's
     only where that run recorded none."""
-    n, step, steps = len(v["seeds"]), v["step"], v["steps"]
+    n, step, steps, kernel = len(v["seeds"]), v["step"], v["steps"], kernel_label(v)
     attention = [kernel if v["attention"][0] == "not recorded" else v["attention"][0], v["attention"][1]]
     reps = "1 replicate, seed 0" if n == 1 else f"{n} replicates, seeds {', '.join(map(str, v['seeds']))}"
     lines = [
@@ -556,7 +565,9 @@ def verdict_lines(v: Mapping[str, Any], precision: str, kernel: str = "sdpa_flas
             "paper: look closer",
         }[seed["ratio"].position()]
         ratio = seed["ratio"].text("×")
-        lines.append(f"Seed: flash / seed-to-seed = {ratio} at step {step}{_over(seed, steps)}: {finding}.")
+        lines.append(
+            f"Seed: {kernel} / seed-to-seed = {ratio} at step {step}{_over(seed, steps)}: {finding}."
+        )
     for name, c in v["context"].items():
         if c["kind"] != "precision" or c["ratio"] is None:
             continue
@@ -568,7 +579,7 @@ def verdict_lines(v: Mapping[str, Any], precision: str, kernel: str = "sdpa_flas
         ratio = c["ratio"].text("×")
         role = "the rule's low-precision pair" if c["in_rule"] else "reported, not in the rule"
         lines.append(
-            f"Low precision: flash / {name} = {ratio} at step {step}{_over(c, steps)}: {finding} "
+            f"Low precision: {kernel} / {name} = {ratio} at step {step}{_over(c, steps)}: {finding} "
             f"({c['isolates']}; {role}; {_paper(c['ratio'])})."
         )
     for name, e in v["extra"].items():

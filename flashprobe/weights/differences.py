@@ -116,7 +116,9 @@ def run_differences(a: Any, b: Any) -> dict[str, Any]:
 
     Returns:
         ``{"differs": {thing: [value_a, value_b]}, "unrecorded": [fact, ...]}``: the things that
-        differ (``attention``, ``precision``, ``seed``, a setting's key, ``machine``), each with
+        differ (``attention``, ``precision``, ``seed``, ``attention fallback`` — a run recorded that
+        torch's SDPA computed attention its requested kernel could not, so the pair is no kernel
+        comparison —, a setting's key, ``machine``), each with
         both runs' values, in that order; and the manifest facts (:data:`FACTS`) that a run did not
         record (their difference is unknown).
     """
@@ -125,6 +127,9 @@ def run_differences(a: Any, b: Any) -> dict[str, Any]:
     for fact in FACTS:
         if fact not in unrecorded and getattr(a, fact) != getattr(b, fact):
             differs[fact] = [getattr(a, fact), getattr(b, fact)]
+    fallback_a, fallback_b = _fallback(a), _fallback(b)
+    if fallback_a != fallback_b:  # a requested kernel that did not compute all the attention
+        differs["attention fallback"] = [fallback_a or "none", fallback_b or "none"]
     run_a, run_b = _run_dir(a), _run_dir(b)
     settings_a, settings_b = _settings(run_a, a.config), _settings(run_b, b.config)
     if settings_a is not None and settings_b is not None:
@@ -152,6 +157,20 @@ def run_differences(a: Any, b: Any) -> dict[str, Any]:
                 ", ".join(f"{k} {machine_b[k]}" for k in keys),
             ]
     return {"differs": differs, "unrecorded": unrecorded}
+
+
+def _fallback(store: Any) -> str | None:
+    """A run's recorded attention fallback in words (the manifest's ``attention_fallback``: the
+    requested kernel did not compute the attention at some sites), or None."""
+    fallback = store.manifest.get("attention_fallback")
+    if not isinstance(fallback, Mapping):
+        return None
+    sites = fallback.get("sites") or []
+    where = "every site" if fallback.get("every_site") else ", ".join(map(str, sites))
+    return (
+        f"{fallback.get('kernel', 'torch sdpa')} instead of {fallback.get('requested')} at {where} "
+        f"from step {fallback.get('from_step')}"
+    )
 
 
 def _inside(value: Any, run_dir: Path) -> bool:

@@ -98,7 +98,8 @@ def test_report_command_on_a_run_directory(tmp_path: Path, capsys: pytest.Captur
     _write(tmp_path / "probe.jsonl", _records())
     assert report_main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "| 5 | - | 2 |" in out and "| 10 | - | 1.5 |" in out  # (no verdict in these records)
+    # (no verdict and no error / limit in these records: the ratio of maxima under its own name)
+    assert "| 5 | - | - | - | 2 |" in out and "| 10 | - | - | - | 1.5 |" in out
     assert (tmp_path / "probe.png").read_bytes().startswith(b"\x89PNG")
 
 
@@ -125,5 +126,5 @@ def test_non_finite_values_as_stored_in_probe_jsonl(
     assert series["model.a.attn"]["error_ratio"] == [math.inf, 1.5]
     assert report_main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "| 1 | - | inf | - | 1e-06 | 0 |" in out and "| 2 | - | 1.5 | - | nan | 2 |" in out
+    assert "| 1 | - | - | - | inf | 1e-06 | 0 |" in out and "| 2 | - | - | - | 1.5 | nan | 2 |" in out
     assert (tmp_path / "probe.png").read_bytes().startswith(b"\x89PNG")

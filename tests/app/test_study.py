@@ -74,7 +74,7 @@ def test_study_trains_like_for_like_compares_and_reports(study: Path) -> None:
     assert meta["machine"]["torch_threads"] == 2 and meta["machine"]["torch"] == torch.__version__
     text = (study / "report.md").read_text()
     assert text.startswith(
-        "# flashprobe study: weight deviation of flash attention, like for like (paper §V)"
+        "# flashprobe study: weight deviation of sdpa_flash attention, like for like (paper §V)"
     )
     assert (
         "Noise floor: 0" in text and "| identical | nothing: the same configuration trained twice |" in text
@@ -113,13 +113,15 @@ def test_the_verdict_prints_every_ratio_with_its_interval_computed_by_hand_from_
     printed = capsys.readouterr().out
     report = (study / "report.md").read_text()
     verdicts = {}
+    kernel = verdict(read_study(study))["attention"][0]  # the label: the kernel run's recorded attention
+    assert kernel == "sdpa_flash"
     for label, context in (("seed-to-seed", "seed"), ("bf16_vs_fp32", "bf16_vs_fp32")):
         last = _by_hand(pairs, "flash_vs_baseline", context, 4)
         ordered = sorted(last)
         median, low, high = ordered[1], ordered[0], ordered[2]  # three replicates: the middle one
         over = _by_hand(pairs, "flash_vs_baseline", context, 2) + last  # steps after the (0-step) warm-up
-        line = next(x for x in printed.splitlines() if f"flash / {label} = " in x)
-        assert f"flash / {label} = {_g(median)}× ({_g(low)}–{_g(high)}) at step 4; " in line, line
+        line = next(x for x in printed.splitlines() if f"{kernel} / {label} = " in x)
+        assert f"{kernel} / {label} = {_g(median)}× ({_g(low)}–{_g(high)}) at step 4; " in line, line
         assert f"; {_g(min(over))}–{_g(max(over))} over steps 2–4: " in line, line
         assert f"{_g(median)}× | {_g(low)}–{_g(high)} | {', '.join(map(_g, last))} |" in report
         v = verdict(read_study(study))["context"]["seed" if context == "seed" else context]
@@ -163,7 +165,9 @@ def test_a_buggy_kernel_is_told_to_look_closer_with_exit_code_3(
     code = main(["--out", str(tmp_path), "--runs", runs, *TINY, f"study.kernel={wrong_scale_kernel}"])
     first = capsys.readouterr().out.split("\n\n")[-2].splitlines()[0]  # the verdict's first line
     assert code == 3, first
-    assert first.startswith("LOOK CLOSER: flash / bf16_vs_fp32 is above 1 in every replicate at steps 2, 4")
+    assert first.startswith(
+        "LOOK CLOSER: study_wrong_scale / bf16_vs_fp32 is above 1 in every replicate at steps 2, 4"
+    )
     ratio = verdict(read_study(tmp_path))["context"]["bf16_vs_fp32"]["ratio"]
     assert ratio.median > 2  # far above what training at bf16 does (torch's kernel: below 1)
 
@@ -336,10 +340,10 @@ def test_report_verdict_against_low_precision(
     assert v["answer"] == answer  # no seed pair: below low precision alone cannot pass
     assert report_main([str(tmp_path)]) == 0
     text = (tmp_path / "report.md").read_text()
-    assert f"flash / fp16_vs_fp32 = {finding}" in text
+    assert f"flash_vs_baseline / fp16_vs_fp32 = {finding}" in text  # no run recorded: the pair's name
     assert f"- **{answer}**: " in text
     if precision == "bf16-mixed":
-        assert "no low-precision pair at bf16-mixed, the precision flash trains at" in text
+        assert "no low-precision pair at bf16-mixed, the precision flash_vs_baseline trains at" in text
         assert "reported, not in the rule" in text
 
 
@@ -380,7 +384,7 @@ def _replicated(curves: dict[str, list[list[float]]], warmup: int) -> dict:
             [0, 1, 2, 10],
             (1.0, 0.5, 1.5),
             "LOOK CLOSER",
-            "flash / seed is not below 1 in every replicate at step 60",
+            "flash_vs_baseline / seed is not below 1 in every replicate at step 60",
         ),
     ],
 )
@@ -434,11 +438,13 @@ def test_a_replicate_whose_ratio_is_undefined_leaves_the_answer_undetermined(tmp
     (tmp_path / "study.json").write_text(json.dumps(_replicated(curves, warmup=30)))
     v = verdict(read_study(tmp_path))
     assert v["answer"] == "UNDETERMINED", v["reasons"]
-    assert "flash / seed is undefined in replicate seed 2 at steps 40, 60" in v["reasons"]
-    assert report_line(tmp_path).startswith("**UNDETERMINED**: flash / seed is undefined in replicate seed 2")
+    assert "flash_vs_baseline / seed is undefined in replicate seed 2 at steps 40, 60" in v["reasons"]
+    assert report_line(tmp_path).startswith(
+        "**UNDETERMINED**: flash_vs_baseline / seed is undefined in replicate seed 2"
+    )
     # the table keeps each value under its own replicate's seed: "–" where it is undefined
     rows = (tmp_path / "report.md").read_text().splitlines()
-    row = next(x for x in rows if x.startswith("| flash / seed |"))
+    row = next(x for x in rows if x.startswith("| flash_vs_baseline / seed |"))
     assert "| 0.1, –, 0.1 |" in row, row
 
 

@@ -52,6 +52,9 @@ def test_train_writes_the_run_directory(tmp_path: Path) -> None:
     manifest = json.loads((tmp_path / "snapshots" / "manifest.json").read_text())
     assert [s["step"] for s in manifest["snapshots"]] == [0, 2, 4]
     assert manifest["attention"] == "sdpa_flash"  # the kernel the model trained with (routed)
+    from flashprobe.formats.run_record import read_run_record
+
+    assert read_run_record(tmp_path)["sessions"][-1]["attention"] == "sdpa_flash"  # run.json says it too
     assert records[-1]["summary"]["backward_calls"] > 0  # gradients compared by default
     assert list(tmp_path.glob("csv/version_0/samples/step_*.png"))
     # the per-site deviation plot, drawn from probe.jsonl at the end of training

@@ -307,7 +307,11 @@ def test_stop_writes_the_failing_record_saves_the_call_and_stops(
     capsys.readouterr()
     assert cli_main(["report", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "| fail |" in out and "first failure: model.attn0 out, step 1: relative L2 error" in out
+    assert "| fail |" in out and "flashprobe report: verdict FAIL: failed at model.attn0" in out
+    # the per-site table: both sites' failing out rows, with the criterion, its value and limit
+    rows = {tuple(line.split()[:4]) for line in out.splitlines() if line.startswith("  model.attn")}
+    assert {("model.attn0", "out", "fail", "relative"), ("model.attn1", "out", "fail", "relative")} <= rows
+    assert f"reproducer: {repro} (flashprobe replay {repro})" in out
     assert (tmp_path / "probe.png").is_file()
     from flashprobe.report.study_report import _probe_lines
 

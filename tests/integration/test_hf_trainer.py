@@ -292,3 +292,91 @@ def test_flashprobe_imports_without_transformers() -> None:
         "else:\n    raise SystemExit('flashprobe.integrations.hf imported without transformers')\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+@needs_accelerate
+def test_trainer_callback_stops_on_a_nonfinite_primary_and_prints_the_verdict(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A kernel that returns one NaN at its 3rd call (step 1, layer 0): by default the callback saves
+    the call, prints the verdict block and stops, instead of training on NaN weights to the end."""
+    from flashprobe.kernels import math_attention, register_kernel
+
+    calls = {"n": 0}
+
+    def nan_once(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+        out = math_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+        calls["n"] += 1
+        if calls["n"] == 3:
+            poison = torch.zeros_like(out)
+            poison[0, 0, 0, 0] = float("nan")
+            out = out + poison  # the NaN reaches the loss, the gradients and the weights
+        return out
+
+    register_kernel("hf_nan_once", nan_once, overwrite=True)
+    callback = hf.AttentionProbeCallback(
+        plot=False, primary="hf_nan_once", backward=True, log_every_n_steps=10
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = _train(_gpt2(), tmp_path, [callback])
+    assert trainer.state.global_step == 2  # step 1 finished, then training stopped
+    assert callback.stopped is not None and "transformer.h.0.attn out, step 1" in callback.stopped
+    (record,) = read_probe_log(tmp_path / "probe.jsonl").records
+    summary = record["summary"]
+    assert summary["verdict"] == "fail" and summary["run_primary_nonfinite"] == 1
+    assert (summary["worst_failure"]["kind"], summary["worst_failure"]["step"]) == ("nonfinite", 1)
+    out = capsys.readouterr().out
+    assert "AttentionProbeCallback: verdict FAIL" in out and "training stopped: the primary returned" in out
+    assert "transformer.h.0.attn  out  fail     nonfinite" in out
+
+
+@needs_accelerate
+def test_a_plain_script_prints_the_verdict_block(tmp_path: Path) -> None:
+    """A script with the HF Trainer and the callback, logging left unconfigured: stdout has the block."""
+    import os
+    import textwrap
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys
+            sys.path.insert(0, sys.argv[2])
+            from tests.integration.test_hf_trainer import _gpt2, _train
+            from flashprobe.integrations.hf import AttentionProbeCallback
+
+            _train(_gpt2(), sys.argv[1], [AttentionProbeCallback(plot=False, backward=True)], max_steps=2)
+            """
+        )
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run"), str(root)],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "AttentionProbeCallback: verdict PASS: every site passed (2)" in done.stdout
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("  transformer.h.")]
+    assert sorted((r[0], r[1], r[2], r[3], r[5]) for r in rows) == sorted(
+        (f"transformer.h.{i}.attn", d, "pass", "error/limit", "1")
+        for i in (0, 1)
+        for d in ("out", "dq", "dk", "dv")
+    )
+    assert f"records: {tmp_path / 'run' / 'probe.jsonl'}" in done.stdout
+
+
+@needs_accelerate
+def test_trainer_callback_refuses_a_primary_the_model_cannot_train_through(tmp_path: Path) -> None:
+    """GPT-2's attention dropout (attn_pdrop): no kernel implements dropout, so a named primary would
+    not compute the attention; refused at train begin, before any step, record or snapshot."""
+    from flashprobe.kernels import KernelUnsupportedError
+
+    model = _gpt2()
+    model.config.attn_pdrop = 0.1
+    snapshots = hf.WeightSnapshotCallback(dirpath=tmp_path)
+    callback = hf.AttentionProbeCallback(plot=False, primary="tiled")
+    with pytest.raises(KernelUnsupportedError, match=r"config\.attn_pdrop\) uses attention dropout \(0\.1\)"):
+        _train(model, tmp_path, [callback, snapshots])
+    assert not (tmp_path / "probe.jsonl").exists() and not (tmp_path / "snapshots").exists()

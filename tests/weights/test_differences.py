@@ -155,11 +155,11 @@ def test_compare_of_pairs_that_each_differ_in_one_thing_is_like_for_like_and_get
     text = (out / "report.md").read_text()
     assert (
         text.splitlines()[0]
-        == "# flashprobe study: weight deviation of flash attention, like for like (paper §V)"
+        == "# flashprobe study: weight deviation of sdpa_flash attention, like for like (paper §V)"
     )
     # the kinds come from what the runs differ in: a seed pair, and no low-precision pair
     assert "- **UNDETERMINED**: no low-precision pair" in text
-    assert "Seed: flash / seed-to-seed = " in text
+    assert "Seed: sdpa_flash / seed-to-seed = " in text  # labelled with what the kernel run recorded
 
 
 def test_machine_facts_of_run_json_that_change_the_numbers_are_a_difference(tmp_path: Path) -> None:

@@ -1,0 +1,88 @@
+"""The verdict on the console: a plain Python script training with ``AttentionProbe``, logging left
+unconfigured, prints the verdict block to stdout (the answer, a per-site table, where the records are);
+``flashprobe report RUN_DIR`` prints the same table for the finished run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from flashprobe.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+
+    import lightning as L
+    import torch
+    from torch import nn
+
+    from flashprobe.callbacks import AttentionProbe
+
+
+    class Encoder(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+        def training_step(self, batch, batch_idx):
+            return self.encoder(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 6, 16))
+    trainer = L.Trainer(
+        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[AttentionProbe(dirpath=sys.argv[1], plot=False)],
+    )
+    trainer.fit(Encoder(), torch.utils.data.DataLoader(data, batch_size=4))
+    """
+)
+
+SITES = ("encoder.layers.0.self_attn", "encoder.layers.1.self_attn")
+
+
+def _table(text: str) -> dict[tuple[str, str], list[str]]:
+    """The block's rows: ``(site, direction) -> [verdict, statistic, value, limit, step]``."""
+    rows = {}
+    for line in text.splitlines():
+        cells = line.split()
+        if line.startswith("  ") and len(cells) == 7 and cells[0] in SITES:
+            rows[(cells[0], cells[1])] = cells[2:]
+    return rows
+
+
+def test_a_plain_script_prints_the_verdict_block(tmp_path, capsys) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert "AttentionProbe: verdict PASS: every site passed (2)" in out
+    rows = _table(out)
+    # every site and direction, judged by the verdict's statistic against its limit
+    assert set(rows) == {(s, d) for s in SITES for d in ("out", "dq", "dk", "dv")}
+    for verdict, statistic, value, limit, step in rows.values():
+        assert (verdict, statistic, limit, step) == ("pass", "error/limit", "1", "-")
+        assert 0 <= float(value) <= 1
+    assert f"records: {tmp_path / 'run' / 'probe.jsonl'}" in out
+    # flashprobe report RUN_DIR prints the same table for the finished run
+    assert cli_main(["report", str(tmp_path / "run")]) == 0
+    assert _table(capsys.readouterr().out) == rows
