@@ -11,6 +11,7 @@ import torch
 from flashprobe.bias import BIAS_Z_LIMIT, BiasStats
 from flashprobe.kernels import get_kernel
 from flashprobe.kernels.math import golden_attention
+from flashprobe.mutants import output_truncated
 
 
 def _oracle(primary: np.ndarray, golden: np.ndarray, baseline: np.ndarray) -> np.ndarray:
@@ -81,17 +82,6 @@ def test_a_consistent_sign_grows_with_calls_as_sqrt_n():
     assert stats.verdict() == {"out": "biased"}
 
 
-def _truncate_bf16(x: torch.Tensor) -> torch.Tensor:
-    """``x`` rounded to bfloat16 toward zero (dropping the low 16 bits of its fp32 pattern)."""
-    bits = x.float().contiguous().view(torch.int32) & -65536  # 0xFFFF0000
-    return bits.view(torch.float32).to(torch.bfloat16)
-
-
-def _truncating_math(q, k, v, **kwargs):
-    """A real conversion bug: attention in fp32 whose result is truncated to bf16, not rounded."""
-    return _truncate_bf16(get_kernel("math")(q.float(), k.float(), v.float(), **kwargs))
-
-
 def _run(kernel, seed: int, calls: int, shape=(2, 4, 32, 16)) -> BiasStats:
     stats = BiasStats(("out",))
     baseline = get_kernel("math")
@@ -104,7 +94,7 @@ def _run(kernel, seed: int, calls: int, shape=(2, 4, 32, 16)) -> BiasStats:
 
 def test_a_truncating_kernel_reads_biased_within_a_few_calls():
     for seed in range(3):
-        stats = _run(_truncating_math, seed, calls=6).as_dict()["out"]
+        stats = _run(output_truncated, seed, calls=6).as_dict()["out"]
         assert stats["verdict"] == "biased"
         assert stats["magnitude"]["z"] < -BIAS_Z_LIMIT  # toward zero
         # about half an ulp toward zero per element, in units of the bf16 baseline's error RMS
