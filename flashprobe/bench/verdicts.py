@@ -42,7 +42,7 @@ from torch import nn
 from flashprobe.bench.args import add_output_args, run_cli
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.results import format_table, write_results, wrote_line
-from flashprobe.bias import BIAS_Z_LIMIT
+from flashprobe.bias import BIAS_TOLERANCE, BIAS_Z_LIMIT, COMPONENTS
 from flashprobe.judge import ABSOLUTE_EPS, RELATIVE_LIMITS, ROW_EPS
 
 __all__ = ["MODELS", "MODEL_KERNEL", "calibrate", "main"]
@@ -260,8 +260,9 @@ def _entry(site: dict[str, Any], d: str) -> dict[str, Any]:
 
 
 def _bias(stats: dict[str, Any]) -> dict[str, Any]:
-    """Per direction the signed ``z`` of the largest ``|z|`` over the sites (None before any
-    replicate), the (site, direction) pairs that read biased, and the largest replicate count."""
+    """Per direction the verdict's signed ``z`` of the largest ``|z|`` over the sites and the largest
+    mean (either component, in units of the baseline's error RMS; None before any replicate), the
+    (site, direction) pairs that read biased, and the largest replicate count."""
     row: dict[str, Any] = {}
     biased: list[str] = []
     replicates = 0
@@ -269,6 +270,9 @@ def _bias(stats: dict[str, Any]) -> dict[str, Any]:
         entries = [(s, _entry(e, d).get("bias")) for s, e in stats.items()]
         entries = [(s, b) for s, b in entries if b and b["replicates"]]
         row[f"{d}_bias_z"] = max((b["z"] for _, b in entries), key=abs, default=None)
+        row[f"{d}_bias_mean"] = max(
+            (b[c]["mean"] for _, b in entries for c in COMPONENTS), key=abs, default=None
+        )
         biased += [f"{s}:{d}" for s, b in entries if b["verdict"] == "biased"]
         replicates = max([replicates, *(b["replicates"] for _, b in entries)])
     row["bias_replicates"] = replicates
@@ -315,6 +319,7 @@ TABLE_COLUMNS = [
     ("undetermined_calls", "undet."),
     ("undetermined_share", "undet. share"),
     ("undetermined_reasons", "undet. reasons"),
+    *((f"{d}_bias_mean", f"{d} bias mean") for d in _DIRECTIONS),
     *((f"{d}_bias_z", f"{d} bias z") for d in _DIRECTIONS),
     ("biased", "biased"),
     ("seconds", "s"),
@@ -403,6 +408,7 @@ def _run(args: argparse.Namespace) -> int:
         "command": args.command_line,
         "kernels": args.kernel,
         "bias_z_limit": BIAS_Z_LIMIT,
+        "bias_tolerance": BIAS_TOLERANCE,
         "limits": {"relative": RELATIVE_LIMITS, "absolute_eps": ABSOLUTE_EPS, "row_eps": ROW_EPS},
         "torch": torch.__version__,
         "seconds": round(seconds, 1),
