@@ -20,14 +20,16 @@ symmetric about 0 and independent, ``P(|z| ≥ x) ≤ 2·exp(−x²/2)`` at any 
 correct kernel reads ``|z|`` of order 1; a consistent sign makes ``|z|`` grow as ``√n``
 (``|z| ≤ √n`` always, so at least ``limit²`` replicates are needed to call a bias).
 
-Real kernels that are correct carry tiny systematic errors too (torch's CPU flash backward in fp32:
-a mean of −0.05 to −0.08 of the baseline's error RMS on its gradients, toward zero), which any
-``z`` against 0 calls biased after enough calls. So the verdict tests the mean against a
-**tolerance** :data:`BIAS_TOLERANCE` (in the same units) instead: the direction's ``z`` is the
-z-score of the mean's excess over it, ``sign(s1)·max(|s1| − τ·n, 0) / √s2``, and a direction reads
-biased when that reaches the limit: a bias of at least τ of the baseline's rounding error,
-established at ``limit`` sigmas. Each component keeps its ``z`` against 0 for diagnosis. The state is
-three sums, so intervals and DDP ranks combine by adding (:meth:`BiasStats.merge`, or an
+Real kernels that are correct carry small systematic errors too (torch's CPU flash backward in
+fp32: means of −0.08 (GPT-2's dq, dk) to +0.17 (ViT's dv) of the baseline's error RMS, at fp32's
+rounding, harmless), which any ``z`` against 0 calls biased after enough calls. So the verdict
+tests the mean against a **tolerance** :data:`BIAS_TOLERANCE` (in the same units) instead: the
+direction's ``z`` is the z-score of the mean's excess over it,
+``sign(s1)·max(|s1| − τ·n, 0) / √s2``, and a direction reads biased when that reaches the limit:
+a bias of at least τ of the baseline's rounding error, established at ``limit`` sigmas. Each
+component keeps its ``z`` against 0 for diagnosis.
+
+The state is three sums, so intervals and DDP ranks combine by adding (:meth:`BiasStats.merge`, or an
 ``all_reduce(SUM)`` of :attr:`BiasStats.state`). :meth:`BiasStats.add` is tensor ops only: no host
 synchronisation per call; :meth:`BiasStats.as_dict` and :meth:`BiasStats.verdict` read the
 device once. The element differences are taken in float32 unless the primary is float64 (the
@@ -67,10 +69,10 @@ COMPONENTS = ("offset", "magnitude")
 BIAS_Z_LIMIT = 5.0
 #: The mean signed error, in units of the baseline's error RMS, that a direction must exceed to read
 #: biased (module docstring): above the largest mean of torch's correct kernels measured in training
-#: (``flashprobe bench verdicts``), below the biases the project's detectors must see (a bf16
-#: output truncated toward zero: −0.6; FlashAttention-2's bf16 ``P̄`` on repeated maxima,
-#: ``flashprobe bench bias``: −0.27 on the output).
-BIAS_TOLERANCE = 0.1
+#: (``flashprobe bench verdicts``: +0.17, ViT's dv in fp32), below the biases that matter (a bf16
+#: output truncated toward zero: −0.6 to −1.1; FlashAttention-2's bf16 ``P̄`` on repeated maxima,
+#: ``flashprobe bench bias``: −0.5 on ``δ``, +6 on the key weight gradient; −0.3 on the output, at it).
+BIAS_TOLERANCE = 0.25
 
 #: The probe's cap on the elements read per replicate (:class:`BiasStats` ``sample``): every k-th
 #: row of a larger slice, so the statistic costs a fraction of the deviation statistics. A slice

@@ -40,10 +40,10 @@ def test_the_command_writes_its_rows_and_checks(tmp_path: Path) -> None:
 
 
 def test_a_truncating_kernel_reads_biased_and_fails_no_call(tmp_path: Path) -> None:
-    """GPT-2 in bf16, 6 steps (48 replicates per site): the output's bias is toward zero at every
+    """GPT-2 in bf16, 12 steps (96 replicates per site): the output's bias is toward zero at every
     site; torch's own kernel on the same run is not biased."""
     pytest.importorskip("transformers")
-    argv = ["bench", "verdicts", "--steps", "6", "--models", "gpt2", "--precision", "bf16"]
+    argv = ["bench", "verdicts", "--steps", "12", "--models", "gpt2", "--precision", "bf16"]
     argv += ["--kernel", "model", "--kernel", "bug_output_truncated", "--out", str(tmp_path)]
     assert cli_main([*argv, "--check"]) == 1  # a biased site fails the check
     correct, truncating = json.loads((tmp_path / "verdicts.json").read_text())["rows"]
@@ -51,7 +51,7 @@ def test_a_truncating_kernel_reads_biased_and_fails_no_call(tmp_path: Path) -> N
     assert truncating["kernel"] == "bug_output_truncated" and truncating["failed_calls"] == 0
     assert truncating["biased"] == truncating["sites"] == 2
     assert truncating["biased_sites"] == "transformer.h.0.attn:out transformer.h.1.attn:out"
-    assert truncating["out_bias_z"] <= -5 and truncating["bias_replicates"] == 6 * 2 * 4
+    assert truncating["out_bias_z"] <= -5 and truncating["bias_replicates"] == 12 * 2 * 4
 
 
 def test_bad_kernel_is_refused_before_any_work(tmp_path: Path) -> None:
