@@ -57,3 +57,55 @@ def test_a_truncating_kernel_reads_biased_and_fails_no_call(tmp_path: Path) -> N
 def test_bad_kernel_is_refused_before_any_work(tmp_path: Path) -> None:
     assert cli_main(["bench", "verdicts", "--kernel", "bug_nope", "--out", str(tmp_path)]) == 2
     assert not (tmp_path / "verdicts.json").exists()
+
+
+def _judged(undetermined: dict[str, int], bias: dict | None = None) -> dict:
+    return {
+        "verdict": "pass",
+        "failed_calls": 0,
+        "undetermined_calls": undetermined,
+        "limit_ratio": 0.1,
+        "l2_error_ratio": 0.5,
+        "max_call_error_ratio": 1.0,
+        "bias": bias,
+    }
+
+
+def _bias_entry(z: float, mean: float, verdict: str) -> dict:
+    return {
+        "replicates": 40,
+        "z": z,
+        "verdict": verdict,
+        "offset": {"mean": mean},
+        "magnitude": {"mean": 0.01},
+    }
+
+
+def test_rows_sum_undetermined_reasons_and_read_the_bias_of_every_site() -> None:
+    """Two sites by hand: the undetermined calls per reason add up over sites and directions, and
+    the bias columns take the largest |z| and |mean| with their signs and list the biased pairs."""
+    from flashprobe.bench.verdicts import _bias, _fold
+
+    none = {"verdict": None, "bias": None}
+    stats = {
+        "a": {
+            "forward": {"calls": 4, "out": _judged({"ill_conditioned": 1, "unrepresentable": 0},
+                                                   _bias_entry(-7.0, -0.6, "biased"))},
+            "backward": {"calls": 4, "dq": _judged({"ill_conditioned": 0, "unrepresentable": 2}),
+                         "dk": none, "dv": none},
+        },
+        "b": {
+            "forward": {"calls": 4, "out": _judged({"ill_conditioned": 3, "unrepresentable": 0},
+                                                   _bias_entry(0.0, 0.2, "unbiased"))},
+            "backward": {"calls": 0, "dq": none, "dk": none, "dv": none},
+        },
+    }  # fmt: skip
+    zero = dict.fromkeys(("out", "dq", "dk", "dv"), 0)
+    worst, worst_max, score, judged, failed = (dict(zero) for _ in range(5))
+    undetermined: dict[str, int] = {}
+    _fold(stats, worst, worst_max, score, judged, failed, undetermined)
+    assert undetermined == {"ill_conditioned": 4, "unrepresentable": 2}
+    assert judged == {"out": 8, "dq": 4, "dk": 0, "dv": 0}
+    row = _bias(stats)
+    assert row["out_bias_z"] == -7.0 and row["out_bias_mean"] == -0.6 and row["dq_bias_z"] is None
+    assert row["biased"] == 1 and row["biased_sites"] == "a:out" and row["bias_replicates"] == 40
