@@ -15,14 +15,21 @@ Next to the counts, each row reports the judgements that were ``undetermined`` (
 directions), their share of all judgements and their reasons (``ill_conditioned``: the baseline's
 own error too large a share of the golden's size; ``unrepresentable``: the golden outside the
 dtype's range), and the run's signed **bias** (:mod:`flashprobe.bias`): per direction the largest
-``|z|`` over the sites (with its sign), and how many (site, direction) pairs read ``biased``
-(``|z| ≥ 5``); a biased pair fails the row as a failed call does.
+mean over the sites (in units of the baseline's error RMS) and the verdict's largest ``|z|`` (the
+mean's excess over the tolerance, with its sign), and how many (site, direction) pairs read
+``biased`` (``|z| ≥ 5``); a biased pair fails the row as a failed call does.
 
 ``--kernel SPEC`` (repeatable; default ``model``: the models' own SDPA) makes a kernel spec the
 primary (the probe's ``primary``): any registered kernel, or a mutant of the suite
 (:mod:`flashprobe.mutants`) by its registered name ``bug_<name>`` (e.g. ``bug_output_truncated``,
 the output rounded toward zero, which no per-call rule can see but the bias does) or a correct one
 ``ok_<name>``. Each kernel gets its rows.
+
+Models (``--models``): ``gpt2``, ``llama`` (grouped-query attention, left padding), ``bert``
+(padding, attention dropout 0 so gradients are judged), ``vit``, ``unet`` (diffusers
+``UNet2DConditionModel``, self- and cross-attention), ``dit`` (diffusers ``DiTTransformer2DModel``)
+need the ``integration`` extra (transformers, diffusers); ``t2i`` (the embedded
+:class:`~flashprobe.t2i.model.TextToImageDiT`) needs nothing.
 
 Writes ``DIR/verdicts.json`` and ``DIR/verdicts.csv``; ``--check`` exits 1 when a call failed or a
 site read biased.
