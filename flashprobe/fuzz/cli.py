@@ -46,7 +46,14 @@ from flashprobe.fuzz.tables import (
     summary_counts,
     terminal_table,
 )
-from flashprobe.kernels import KernelSpecError, available_kernels, dtype_name, import_kernel_modules, to_dtype
+from flashprobe.kernels import (
+    KernelSpecError,
+    available_kernels,
+    dtype_name,
+    import_kernel_modules,
+    output_problem,
+    to_dtype,
+)
 
 __all__ = ["DEFAULT_DTYPES", "main"]
 
@@ -339,14 +346,7 @@ def _output_problem(spec: str, call: Any) -> str:
         out = get_kernel(spec)(
             call.q, call.k, call.v, attn_mask=call.attn_mask, is_causal=call.is_causal, scale=call.scale
         )
-    expected = (*call.q.shape[:3], call.v.shape[-1])
-    if not isinstance(out, torch.Tensor):
-        return f"{spec} returned {type(out).__name__}, not a tensor"
-    if tuple(out.shape) != expected:
-        return f"{spec} returned shape {tuple(out.shape)}, expected (B, H, N_q, D_v) = {expected}"
-    if out.dtype != call.q.dtype:
-        return f"{spec} returned {dtype_name(out.dtype)} for {dtype_name(call.q.dtype)} inputs"
-    return ""
+    return output_problem(out, call.q, call.v, spec) or ""
 
 
 def _safe(spec: str) -> str:

@@ -9,10 +9,12 @@ one backend), ``flex`` (torch FlexAttention, forward only on the CPU), ``flash_a
 
 from flashprobe.kernels._inputs import (
     KernelInputError,
+    KernelOutputError,
     causal_mask,
     check_inputs,
     default_scale,
     dtype_name,
+    output_problem,
     to_dtype,
 )
 from flashprobe.kernels.flash_attn import flash_attn_attention
@@ -68,6 +70,7 @@ __all__ = [
     "KernelCapabilities",
     "KernelInfo",
     "KernelInputError",
+    "KernelOutputError",
     "KernelSpecError",
     "KernelUnavailableError",
     "KernelUnsupportedError",
@@ -88,6 +91,7 @@ __all__ = [
     "list_kernels",
     "mask_kind",
     "math_attention",
+    "output_problem",
     "parse_spec",
     "register_kernel",
     "resolve_numerics",

@@ -21,10 +21,12 @@ import torch
 __all__ = [
     "DTYPE_NAMES",
     "KernelInputError",
+    "KernelOutputError",
     "causal_mask",
     "check_inputs",
     "default_scale",
     "dtype_name",
+    "output_problem",
     "to_dtype",
 ]
 
@@ -46,6 +48,34 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
 
 class KernelInputError(ValueError):
     """Raised when the inputs of an attention kernel are malformed."""
+
+
+class KernelOutputError(RuntimeError):
+    """Raised when an attention kernel returns something other than a ``(B, H, N_q, D_v)`` tensor in
+    its inputs' dtype and device."""
+
+
+def output_problem(out: object, q: torch.Tensor, v: torch.Tensor, kernel: str) -> str | None:
+    """Why ``out``, what ``kernel`` returned for queries ``q`` ``(B, H, N_q, D)`` and values ``v``
+    ``(B, H_kv, N_k, D_v)``, is not the ``(B, H, N_q, D_v)`` tensor of ``q``'s dtype and device
+    every caller reshapes and compares (None when it is). Reads metadata only: no host sync.
+    """
+    expected = (*q.shape[:-1], v.shape[-1])
+    if not isinstance(out, torch.Tensor):
+        return f"kernel {kernel!r} returned {type(out).__name__}, not a tensor; return the attention output"
+    if tuple(out.shape) != expected:
+        return (
+            f"kernel {kernel!r} returned shape {tuple(out.shape)}, expected (B, H, N_q, D_v) = {expected} "
+            "(the queries' shape with the values' head dim); check its output layout"
+        )
+    if out.dtype != q.dtype:
+        return (
+            f"kernel {kernel!r} returned {dtype_name(out.dtype)} for {dtype_name(q.dtype)} inputs; "
+            "cast its output back to the inputs' dtype"
+        )
+    if out.device != q.device:
+        return f"kernel {kernel!r} returned a tensor on {out.device} for inputs on {q.device}"
+    return None
 
 
 def to_dtype(value: str | torch.dtype | None) -> torch.dtype | None:

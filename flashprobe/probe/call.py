@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from flashprobe.kernels import Kernel
+from flashprobe.kernels import Kernel, KernelOutputError, output_problem
 from flashprobe.kernels.reference import expand_kv
 
 __all__ = [
@@ -198,4 +198,7 @@ def run_kernel(kernel: Kernel, call: SdpaCall) -> torch.Tensor:
     k, v = expand_kv(p.k, p.v, p.rep)
     with autocast_off(p.q.device.type):
         out = kernel(p.q, k, v, attn_mask=p.attn_mask, is_causal=p.is_causal, scale=p.scale)
+    problem = output_problem(out, p.q, v, kernel.spec)
+    if problem is not None:
+        raise KernelOutputError(f"flashprobe: {problem}")
     return out.reshape(*call.query.shape[:-1], call.value.shape[-1])

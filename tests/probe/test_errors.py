@@ -6,7 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashprobe.kernels import KernelSpecError, KernelUnavailableError, register_kernel
+from flashprobe.kernels import (
+    KernelOutputError,
+    KernelSpecError,
+    KernelUnavailableError,
+    register_kernel,
+    unregister_kernel,
+)
 from flashprobe.probe import ProbeWarning, ShadowAttention, probe, use_kernel
 
 from ._models import TinyTransformer
@@ -90,3 +96,52 @@ def test_an_empty_batch_with_gradients_is_no_shadow_error() -> None:
             stats = p.stats()
     entry = stats["<root>"]  # the site is listed; nothing was compared, and nothing failed
     assert entry["shadow_errors"] == 0 and entry["forward"]["calls"] == entry["backward"]["calls"] == 0
+
+
+def _transposed_output(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """A layout bug: returns ``(B, N_q, H, D)`` where SDPA returns ``(B, H, N_q, D)``."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal).transpose(1, 2)
+
+
+def _upcast_output(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """A dtype bug: computes in fp32 and forgets to cast back."""
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=is_causal)
+
+
+@pytest.mark.parametrize(
+    ("bug", "words"),
+    [
+        (
+            _transposed_output,
+            r"returned shape \(2, 16, 2, 16\), expected \(B, H, N_q, D_v\) = \(2, 2, 16, 16\)",
+        ),
+        (_upcast_output, "returned fp32 for bf16 inputs; cast its output back"),
+    ],
+)
+def test_a_kernel_output_of_the_wrong_shape_or_dtype_is_refused_with_its_name(bug, words) -> None:
+    """The kernel's output is checked right after it returns (metadata only), before the model or
+    the comparison uses it: a transposed output of a square head would otherwise reshape silently."""
+    register_kernel("bad_output", bug, overwrite=True)
+    model = _TwoHeads().to(torch.bfloat16)
+    x = torch.randn(2, 16, 32, dtype=torch.bfloat16)
+    try:
+        with (
+            probe(model, primary="bad_output"),
+            pytest.raises(KernelOutputError, match=f"'bad_output' {words}"),
+        ):
+            model(x)
+    finally:
+        unregister_kernel("bad_output")
+
+
+class _TwoHeads(torch.nn.Module):
+    """x ``(B, N, 32)`` → q, k, v ``(B, 2, N, 16)`` → SDPA → ``(B, N, 32)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, 32)
