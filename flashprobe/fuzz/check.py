@@ -130,6 +130,13 @@ def check_kernel(
         )
     ]
     catalogue_s = time.perf_counter() - start
+    if budget and progress is not None and results:
+        # up front: the catalogue's pace per (case, dtype) call of every kernel, for the samples
+        calls = len({(r.seed, r.case, r.dtype, r.layout) for r in results})
+        progress(
+            f"random search: {budget} samples of {len(labels)} kernel(s), about "
+            f"{catalogue_s / max(calls, 1) * budget:.0f} s at the catalogue's pace"
+        )
     if budget:
         results += random_search(
             labels, dtypes, budget=budget, seed=seed, profile=profile, progress=progress, **common

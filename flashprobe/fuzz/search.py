@@ -222,7 +222,8 @@ def random_search(
     in ``repro``.
 
     Args:
-        progress: called with one line per sample: its verdict per kernel and its seconds.
+        progress: called with one line per sample: its verdict per kernel, the seconds so far and
+            the seconds left at that pace.
 
     Returns:
         One :class:`FuzzResult` per (sample, kernel); cases are named ``random_<i>``.
@@ -248,11 +249,17 @@ def random_search(
     limits = _shared_limits(labels)
     rng = random.Random(seed)
     results: list[FuzzResult] = []
+    start = time.perf_counter()
     for i in range(budget):
         dtype = resolved[i % len(resolved)]
         rows = search.sample(f"random_{i:03d}", sample_random_spec(rng, dtype, profile, limits), dtype)
         if progress is not None:
             verdicts = ", ".join(f"{r.kernel} {r.verdict}" for r in rows)
-            progress(f"[{i + 1}/{budget}] random_{i:03d} {dtype_name(dtype)}: {verdicts}")
+            elapsed = time.perf_counter() - start
+            left = elapsed / (i + 1) * (budget - i - 1)  # at the pace so far
+            progress(
+                f"[{i + 1}/{budget}] random_{i:03d} {dtype_name(dtype)}: {verdicts} "
+                f"({elapsed:.0f} s; about {left:.0f} s left)"
+            )
         results += rows
     return results

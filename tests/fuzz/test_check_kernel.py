@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -58,3 +60,21 @@ def test_bad_arguments_are_refused_before_any_work():
         check_kernel("sdpa_math", seeds=0)
     with pytest.raises(ValueError, match="matches no case"):
         check_kernel("sdpa_math", cases=["no_such_case"])
+
+
+def test_a_budget_is_estimated_up_front_and_counted_down():
+    lines: list[str] = []
+    check_kernel(
+        "sdpa_math", dtypes=["fp32"], cases=["odd_shapes"], budget=2, backward=False, progress=lines.append
+    )
+    assert lines[0].startswith("[1/1] odd_shapes fp32 seed 0: sdpa_math pass")
+    assert re.fullmatch(
+        r"random search: 2 samples of 1 kernel\(s\), about \d+ s at the catalogue's pace", lines[1]
+    )
+    assert [
+        re.search(r"\[(\d)/2\] random_00\d .*\(\d+ s; about (\d+) s left\)$", x).group(1) for x in lines[2:]
+    ] == [
+        "1",
+        "2",
+    ]
+    assert lines[-1].endswith("about 0 s left)")
