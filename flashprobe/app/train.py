@@ -447,9 +447,11 @@ def _check(cfg: DictConfig) -> None:
                 f"{key}={spec}: {problem}. This run trains on {device} "
                 f"(trainer.accelerator={cfg.trainer.get('accelerator')}); for a GPU run give trainer=gpu"
             )
-        if key == "attention.kernel" and not kernel.capabilities.has_backward(device):  # the model learns
-            raise ValueError(  # through it: its first training step would fail
-                f"attention.kernel={spec} has no backward on {device}, and the model trains through it; "
+        probed = key == "attention.probe.primary" and cfg.attention.probe.enabled  # the model gets its output
+        trains_through = key == "attention.kernel" or probed
+        if trains_through and not kernel.capabilities.has_backward(device):  # its first step would fail
+            raise ValueError(
+                f"{key}={spec} has no backward on {device}, and the model trains through it; "
                 "choose a kernel with a backward there (math, tiled or sdpa_math)"
                 + (", or train on a GPU (trainer=gpu)" if kernel.capabilities.has_backward("cuda") else "")
             )
@@ -721,6 +723,16 @@ def _checkpoint_step(cfg: DictConfig, checkpoint: str | None) -> int:
     return step
 
 
+def _instantiation_reason(err: Exception) -> str:
+    """Hydra's ``InstantiationException`` as ``KEY: the object's reason`` (one line), or its own message
+    where it names no key or no cause (e.g. a ``_target_`` that cannot be imported)."""
+    lines = str(err).splitlines()
+    key = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("full_key:")), None)
+    if key is None or err.__cause__ is None:
+        return " ".join(str(err).split())
+    return f"{key}: {_refusal_paragraph(err.__cause__)}"
+
+
 def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Seed and build the run's objects (nothing is written yet); a bad setting fails here.
 
@@ -765,16 +777,6 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         "loggers": loggers,
         "trainer": trainer,
     }
-
-
-def _instantiation_reason(err: Exception) -> str:
-    """Hydra's ``InstantiationException`` as ``KEY: the object's reason`` (one line), or its own message
-    where it names no key or no cause (e.g. a ``_target_`` that cannot be imported)."""
-    lines = str(err).splitlines()
-    key = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("full_key:")), None)
-    if key is None or err.__cause__ is None:
-        return " ".join(str(err).split())
-    return f"{key}: {_refusal_paragraph(err.__cause__)}"
 
 
 def _fit(
