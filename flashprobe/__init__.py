@@ -32,7 +32,13 @@ if TYPE_CHECKING:
         tiled_attention,
     )
     from flashprobe.probe import ProbeConfig, ShadowAttention, use_kernel
-    from flashprobe.weights import SnapshotStore, compare_runs, max_abs_diff, wasserstein_distance
+    from flashprobe.weights import (
+        SnapshotStore,
+        compare_runs,
+        max_abs_diff,
+        save_snapshot,
+        wasserstein_distance,
+    )
 
 __version__ = "0.1.0"
 
@@ -59,7 +65,8 @@ _PUBLIC: dict[str, str] = {
     **dict.fromkeys(("KernelCheck", "check_kernel"), "flashprobe.fuzz.check"),
     **dict.fromkeys(("ProbeConfig", "ShadowAttention", "use_kernel"), "flashprobe.probe"),
     **dict.fromkeys(
-        ("SnapshotStore", "compare_runs", "max_abs_diff", "wasserstein_distance"), "flashprobe.weights"
+        ("SnapshotStore", "compare_runs", "max_abs_diff", "save_snapshot", "wasserstein_distance"),
+        "flashprobe.weights",
     ),
 }
 
@@ -99,6 +106,7 @@ __all__ = [
     "math_attention",
     "max_abs_diff",
     "register_kernel",
+    "save_snapshot",
     "tiled_attention",
     "use_kernel",
     "wasserstein_distance",

@@ -447,9 +447,25 @@ def _check(cfg: DictConfig) -> None:
                 f"{key}={spec}: {problem}. This run trains on {device} "
                 f"(trainer.accelerator={cfg.trainer.get('accelerator')}); for a GPU run give trainer=gpu"
             )
+        probed = key == "attention.probe.primary" and cfg.attention.probe.enabled  # the model gets its output
+        trains_through = key == "attention.kernel" or probed
+        if trains_through and not kernel.capabilities.has_backward(device):  # its first step would fail
+            raise ValueError(
+                f"{key}={spec} has no backward on {device}, and the model trains through it; "
+                "choose a kernel with a backward there (math, tiled or sdpa_math)"
+                + (", or train on a GPU (trainer=gpu)" if kernel.capabilities.has_backward("cuda") else "")
+            )
+    probing = cfg.attention.probe.enabled and (cfg.get("callbacks") or {}).get("attention_probe") is not None
+    if probing:  # the probe's settings, as its callback will check them
+        from flashprobe.probe import ProbeConfig
+
+        try:
+            settings = OmegaConf.to_container(cfg.attention.probe, resolve=True)
+            ProbeConfig.from_mapping(settings, ignore=("enabled",))
+        except ValueError as err:
+            raise ValueError(f"attention.probe: {err}") from None
     checkpoint = (cfg.get("callbacks") or {}).get("checkpoint") or {}
     every, log_every = checkpoint.get("every_n_train_steps"), cfg.trainer.get("log_every_n_steps")
-    probing = cfg.attention.probe.enabled and (cfg.get("callbacks") or {}).get("attention_probe") is not None
     if probing and every and log_every and every % log_every and (max_steps or 0) >= log_every:
         log.warning(
             "callbacks.checkpoint.every_n_train_steps=%s is not a multiple of trainer.log_every_n_steps=%s: "
@@ -707,6 +723,16 @@ def _checkpoint_step(cfg: DictConfig, checkpoint: str | None) -> int:
     return step
 
 
+def _instantiation_reason(err: Exception) -> str:
+    """Hydra's ``InstantiationException`` as ``KEY: the object's reason`` (one line), or its own message
+    where it names no key or no cause (e.g. a ``_target_`` that cannot be imported)."""
+    lines = str(err).splitlines()
+    key = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("full_key:")), None)
+    if key is None or err.__cause__ is None:
+        return " ".join(str(err).split())
+    return f"{key}: {_refusal_paragraph(err.__cause__)}"
+
+
 def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """Seed and build the run's objects (nothing is written yet); a bad setting fails here.
 
@@ -742,7 +768,7 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             **extra,
         )
     except InstantiationException as err:
-        raise ValueError(" ".join(str(err).split())) from err
+        raise ValueError(_instantiation_reason(err)) from err
     _check_sites(cfg, module)
     return {
         "datamodule": datamodule,
@@ -971,20 +997,35 @@ def _traceback_wanted() -> bool:
     return _VERBOSE or os.environ.get("HYDRA_FULL_ERROR") == "1"
 
 
+def _refused(err: BaseException) -> bool:
+    """Whether ``err`` is flashprobe's own refusal, printed as one paragraph without a traceback: a
+    :data:`REFUSALS` error raised where flashprobe checks the run, or an error of a class flashprobe
+    defines (a kernel refusing a call, the probe's failure with ``on_failure=raise``, an unsafe
+    checkpoint, ...), wherever raised. Anything else is a bug and keeps its traceback."""
+    if getattr(err, "flashprobe_refusal", False):
+        return True
+    return isinstance(err, Exception) and type(err).__module__.split(".")[0] == "flashprobe"
+
+
+def _refusal_paragraph(err: BaseException) -> str:
+    """``err``'s message as one paragraph (its lines joined)."""
+    return " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> float | None:
     try:
         metrics, _ = train(cfg)
-    except REFUSALS as err:
-        if not getattr(err, "flashprobe_refusal", False) or _traceback_wanted():
-            raise
-        print(f"flashprobe train: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
     except RunStoppedError as err:
         if _traceback_wanted():
             raise
         print(f"flashprobe train: {err}", file=sys.stderr, flush=True)
         raise SystemExit(err.exit_code) from None
+    except Exception as err:
+        if not _refused(err) or _traceback_wanted():
+            raise
+        print(f"flashprobe train: error: {_refusal_paragraph(err)}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     return metrics.get("val/loss")
 
 
@@ -1148,10 +1189,10 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
             run_dir = _precheck(args)
             if run_dir is not None and not _launched_rank():
                 stack.enter_context(directory_lock(run_dir, what="run directory"))
-        except (*REFUSALS, OutputPathError) as err:
-            if _traceback_wanted():
+        except Exception as err:
+            if not (isinstance(err, REFUSALS) or _refused(err)) or _traceback_wanted():
                 raise
-            print(f"flashprobe train: error: {err}", file=sys.stderr)
+            print(f"flashprobe train: error: {_refusal_paragraph(err)}", file=sys.stderr)
             return 2
         sys.argv = [__file__, *args]
         main_module = sys.modules.get("__main__")

@@ -20,10 +20,8 @@ files. The gathered copy costs one model's worth of CPU memory on rank zero duri
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,13 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from flashprobe.probe.session import attention_record
+from flashprobe.weights.snapshot import (
+    clean_name,
+    live_tensors,
+    manifest_config,
+    module_tensors,
+    own_attention,
+)
 from flashprobe.weights.store import SnapshotWriter, TensorSpec
 
 __all__ = [
@@ -47,38 +52,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-# Prefixes that wrappers (FSDP1, activation checkpointing, torch.compile) insert into module paths.
-_WRAPPER_PREFIX = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.")
-
-
-def _clean_name(name: str) -> str:
-    return _WRAPPER_PREFIX.sub("", name)
-
-
-def manifest_config(config: Any) -> dict[str, Any]:
-    """A JSON-serialisable plain dict from a dict, a dataclass or an OmegaConf config."""
-    if config is None:
-        return {}
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(config, DictConfig):
-            config = OmegaConf.to_container(config, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        pass
-    if hasattr(config, "__dataclass_fields__"):
-        from dataclasses import asdict
-
-        config = asdict(config)
-    if not isinstance(config, Mapping):
-        raise TypeError(
-            f"config must be a mapping (dict, dataclass or OmegaConf DictConfig), got {type(config)}"
-        )
-    try:
-        return json.loads(json.dumps(dict(config)))
-    except (TypeError, ValueError) as err:
-        raise TypeError(f"config must be JSON-serialisable for the snapshot manifest: {err}") from err
 
 
 def snapshot_steps(
@@ -103,53 +76,6 @@ def snapshot_steps(
             f"{owner} would save nothing: set every_n_steps, steps, save_initial=True or save_last=True"
         )
     return tuple(step_list)
-
-
-def module_tensors(
-    module: torch.nn.Module, *, include_buffers: bool, trainable_only: bool
-) -> tuple[dict[str, torch.Tensor], list[TensorSpec]]:
-    """CPU copies of a (not sharded) module's parameters (and persistent buffers), with their specs.
-
-    Names have the wrappers' prefixes (FSDP1, activation checkpointing, ``torch.compile``) removed.
-    """
-    tensors, kinds = _live_tensors(module, include_buffers=include_buffers, trainable_only=trainable_only)
-    copies = {n: t.detach().to("cpu", copy=True).contiguous() for n, t in tensors.items()}
-    return copies, [TensorSpec.of(n, t, kinds[n]) for n, t in copies.items()]
-
-
-def _live_tensors(
-    module: torch.nn.Module, *, include_buffers: bool, trainable_only: bool
-) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The module's tensors to save, by clean name, and each one's kind (``parameter``/``buffer``)."""
-    params = {_clean_name(n): p for n, p in module.named_parameters()}
-    if trainable_only:
-        params = {n: p for n, p in params.items() if p.requires_grad}
-    buffers: dict[str, torch.Tensor] = {}
-    if include_buffers:
-        persistent = {_clean_name(k) for k in module.state_dict(keep_vars=True)}
-        buffers = {_clean_name(n): b for n, b in module.named_buffers() if _clean_name(n) in persistent}
-    kinds = {**{n: "parameter" for n in params}, **{n: "buffer" for n in buffers}}
-    return {**params, **buffers}, kinds
-
-
-def own_attention(module: torch.nn.Module) -> str:
-    """What "the model's own attention" is for ``module``, resolved where the run is recorded.
-
-    A Hugging Face model (``module`` or a submodule with a ``config._attn_implementation``) names its
-    attention implementation; any other model is its own attention calls. Both name the device the
-    parameters are on (torch's SDPA picks its backend per device), so two runs of the same model on
-    the same kind of device record the same value: ``"own sdpa on cpu"``, ``"own attention on cuda"``.
-    """
-    implementation = next(
-        (
-            str(impl)
-            for m in module.modules()
-            if isinstance(impl := getattr(getattr(m, "config", None), "_attn_implementation", None), str)
-        ),
-        "attention",
-    )
-    device = next((p.device.type for p in module.parameters()), "cpu")
-    return f"own {implementation} on {device}"
 
 
 class WeightSnapshot(Callback):
@@ -353,7 +279,7 @@ class WeightSnapshot(Callback):
             return module_tensors(
                 pl_module, include_buffers=self.include_buffers, trainable_only=self.trainable_only
             )
-        _, kinds = _live_tensors(
+        _, kinds = live_tensors(
             pl_module, include_buffers=self.include_buffers, trainable_only=self.trainable_only
         )
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -362,7 +288,7 @@ class WeightSnapshot(Callback):
         full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not trainer.is_global_zero:
             return None, []
-        full = {_clean_name(k): v for k, v in full.items()}
+        full = {clean_name(k): v for k, v in full.items()}
         missing = [n for n in kinds if n not in full]
         if missing:
             raise RuntimeError(

@@ -7,7 +7,11 @@
 * :mod:`~flashprobe.weights.compare`: :func:`compare_runs` (behind ``flashprobe compare``), distances per
   tensor, module group and whole model at every common step of two or more runs.
 
-Snapshots are written during training by :class:`flashprobe.callbacks.WeightSnapshot`.
+* :mod:`~flashprobe.weights.snapshot`: :func:`save_snapshot`, a snapshot saved by hand (no trainer).
+
+Snapshots are written during training by :class:`flashprobe.callbacks.WeightSnapshot` (Lightning),
+:class:`flashprobe.integrations.hf_snapshots.WeightSnapshotCallback` (Hugging Face) or
+:func:`save_snapshot` (your own loop), all in one format.
 """
 
 from flashprobe.weights.compare import (
@@ -20,6 +24,7 @@ from flashprobe.weights.compare import (
     group_of,
 )
 from flashprobe.weights.distances import max_abs_diff, wasserstein_distance
+from flashprobe.weights.snapshot import save_snapshot
 from flashprobe.weights.store import SnapshotError, SnapshotStore, TensorSpec
 
 __all__ = [
@@ -34,5 +39,6 @@ __all__ = [
     "compare_runs",
     "group_of",
     "max_abs_diff",
+    "save_snapshot",
     "wasserstein_distance",
 ]

@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -422,30 +422,61 @@ def compare_pair(
     return result
 
 
+@overload
 def compare_runs(
     pairs: Mapping[str, tuple[str | os.PathLike[str], str | os.PathLike[str]]],
     out_dir: str | os.PathLike[str] | None = None,
     *,
     group_depth: int = 2,
     whole_model: bool = True,
-) -> Comparison:
-    """Compare named pairs of runs and (with ``out_dir``) write ``study.json`` and ``study.csv``.
+) -> Comparison: ...
+
+
+@overload
+def compare_runs(
+    pairs: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    group_depth: int = 2,
+    whole_model: bool = True,
+) -> PairComparison: ...
+
+
+def compare_runs(
+    pairs: Mapping[str, tuple[str | os.PathLike[str], str | os.PathLike[str]]] | str | os.PathLike[str],
+    out_dir: str | os.PathLike[str] | None = None,
+    *,
+    group_depth: int = 2,
+    whole_model: bool = True,
+) -> Comparison | PairComparison:
+    """Compare named pairs of runs and (with ``out_dir``) write ``study.json`` and ``study.csv``;
+    or, called as ``compare_runs(run_a, run_b)`` with two run directories, return that one pair's
+    distances (:func:`compare_pair`).
 
     Args:
         pairs: comparison name → ``(run_a, run_b)`` directories, e.g.
             ``{"flash_vs_baseline": ("runs/flash", "runs/baseline"), "seed": ("runs/baseline",
-            "runs/baseline_seed1")}``.
-        out_dir: where to write the outputs; ``None`` only computes.
+            "runs/baseline_seed1")}``; or run A's directory.
+        out_dir: where to write the outputs; ``None`` only computes. Run B's directory when
+            ``pairs`` is run A's.
         group_depth: module path depth of the groups (0 disables groups).
         whole_model: also compare all parameters as one distribution.
 
     Returns:
-        The comparison; ``files`` lists what was written.
+        The comparison (``files`` lists what was written); for two run directories, their
+        :class:`PairComparison` (named ``a_vs_b``).
 
     Raises:
-        ValueError: ``pairs`` is empty.
+        ValueError: ``pairs`` is empty, or run A is given without run B.
         SnapshotMismatchError: see :func:`compare_pair`.
     """
+    if isinstance(pairs, str | os.PathLike):  # compare_runs(run_a, run_b): the one pair's distances
+        if out_dir is None:
+            raise ValueError(
+                f"compare_runs({str(pairs)!r}) needs a second run directory: compare_runs(run_a, run_b), "
+                "or named pairs: compare_runs({name: (run_a, run_b)})"
+            )
+        return compare_pair(pairs, out_dir, group_depth=group_depth, whole_model=whole_model)
     if not pairs:
         raise ValueError("compare_runs needs at least one pair: {name: (run_a, run_b)}")
     if group_depth < 0:

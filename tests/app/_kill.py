@@ -53,13 +53,22 @@ class KillAtTrainEnd(Callback):
 
 class RaiseAt(Callback):
     """Raise ``RuntimeError`` when the training batch after ``step`` optimizer steps starts (a crash
-    inside training that is not flashprobe's)."""
+    inside training that is not flashprobe's); ``kernel_refusal=True``: raise what a kernel raises
+    when it refuses a call (:class:`~flashprobe.kernels.KernelUnsupportedError`), flashprobe's own."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, kernel_refusal: bool = False) -> None:
         self.step = step
+        self.kernel_refusal = kernel_refusal
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int
     ) -> None:
-        if trainer.global_step == self.step:
-            raise RuntimeError(f"a crash at step {self.step}\nsecond line")
+        if trainer.global_step != self.step:
+            return
+        if self.kernel_refusal:
+            from flashprobe.kernels import KernelUnsupportedError
+
+            raise KernelUnsupportedError(
+                f"tiled: head dim 59 at step {self.step}\nis not supported; choose math"
+            )
+        raise RuntimeError(f"a crash at step {self.step}\nsecond line")

@@ -1,0 +1,75 @@
+"""flashprobe's own errors reach the user of ``flashprobe train`` as one paragraph on stderr with exit
+code 2, before training where they can be known then; a bug (an exception flashprobe did not raise on
+purpose) keeps its traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.app._study import flashprobe_cli
+from tests.safety._runs import SHORT
+
+
+def _one_paragraph(stderr: str) -> str:
+    """The error paragraph ``flashprobe train`` printed, checked to be the whole of stderr's error."""
+    assert "Traceback" not in stderr and "Error executing job" not in stderr, stderr[-3000:]
+    assert "HYDRA_FULL_ERROR" not in stderr and "Error in call to target" not in stderr, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if "flashprobe train: error:" in line]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="flex has a backward on CUDA")
+@pytest.mark.parametrize(
+    ("setting", "problem", "fix"),
+    [
+        (  # the kernel runs on the CPU but has no backward there: the first step would fail
+            "attention.kernel=flex",
+            "attention.kernel=flex has no backward on cpu, and the model trains through it",
+            "choose a kernel with a backward there (math, tiled or sdpa_math), or train on a GPU",
+        ),
+        (  # ProbeConfig refuses it; known before the callback is built
+            "attention.probe.every_n_calls=0",
+            "attention.probe: every_n_calls=0 must be an int >= 1",
+            "(1 = every call)",
+        ),
+        (  # a callback's constructor refuses it: named by its key, without Hydra's wrapping
+            "callbacks.weight_snapshot.every_n_steps=0",
+            "callbacks.weight_snapshot: WeightSnapshot: every_n_steps must be a positive int",
+            "or None, got 0",
+        ),
+    ],
+)
+def test_a_refused_setting_is_one_paragraph_with_exit_code_2_before_training(
+    tmp_path: Path, setting: str, problem: str, fix: str
+) -> None:
+    run = tmp_path / "run"
+    proc = flashprobe_cli("train", *SHORT, setting, f"hydra.run.dir={run}")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = _one_paragraph(proc.stderr)
+    assert problem in line and fix in line, line
+    assert not run.exists()  # refused before Hydra wrote anything
+
+
+@pytest.mark.slow
+def test_a_kernel_refusing_a_call_inside_training_is_one_paragraph_with_exit_code_2(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    refuse = ["+callbacks.crash._target_=tests.app._kill.RaiseAt", "+callbacks.crash.step=1"]
+    proc = flashprobe_cli(
+        "train", *SHORT, *refuse, "+callbacks.crash.kernel_refusal=true", f"hydra.run.dir={run}"
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = _one_paragraph(proc.stderr)
+    assert line.endswith("error: tiled: head dim 59 at step 1 is not supported; choose math"), line
+    assert (run / "run.json").is_file()  # the run recorded why it ended
+
+
+@pytest.mark.slow
+def test_a_bug_inside_training_keeps_its_traceback(tmp_path: Path) -> None:
+    crash = ["+callbacks.crash._target_=tests.app._kill.RaiseAt", "+callbacks.crash.step=1"]
+    proc = flashprobe_cli("train", *SHORT, *crash, f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "RuntimeError: a crash at step 1" in proc.stderr and "flashprobe train: error:" not in proc.stderr
