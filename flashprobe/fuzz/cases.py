@@ -876,7 +876,7 @@ CATALOGUE: dict[str, FuzzCase] = {
             f"B={_BIAS_SHAPE.batch} H={_BIAS_SHAPE.heads} N={_BIAS_SHAPE.seq_len} D={_BIAS_SHAPE.head_dim} "
             "standard normal: 256 heads whose signed mean errors must not share a sign (a rounding "
             "toward zero passes every per-call limit)",
-            f"{_SOFTMAX}; errors of either sign, |z| < 5 (bf16, fp16)",
+            f"{_SOFTMAX}; errors of either sign: z within ±5 (bf16, fp16)",
             _bias_dense,
             bias=True,
         ),
@@ -884,7 +884,7 @@ CATALOGUE: dict[str, FuzzCase] = {
             "bias_repeated_max",
             "repeated row maxima: 16 keys within 1e-3 of each row's max, similar low-rank rows "
             "(Qiu & Yao; the inputs of `bench bias`), 256 heads",
-            f"{_SOFTMAX}; errors of either sign, |z| < 5 (bf16, fp16)",
+            f"{_SOFTMAX}; errors of either sign: z within ±5 (bf16, fp16)",
             _bias_repeated_max,
             bias=True,
         ),

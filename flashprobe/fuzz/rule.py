@@ -60,7 +60,8 @@ GRADIENTS = ("dq", "dk", "dv")
 #: The dtypes at which a ``signed bias`` case judges the sign of the error. Bias adds up where the
 #: rounding is coarse (Qiu & Yao: bf16); in float32 a kernel's deterministic last-bit differences
 #: from the baseline (√scale on q and k, another summation order) keep one sign over a whole call
-#: at a size no training run notices, and read biased (torch's sdpa_math dq at fp32: z ≈ −7.7).
+#: at a size no training run notices, and read biased (torch's sdpa_math dq, dk, dv at fp32: z of −7.5
+#: to −7.8 over 64 standard-normal heads, where one sign throughout gives −8).
 BIAS_DTYPES = (torch.bfloat16, torch.float16)
 ZEROS_REASON = "row returned zeros where golden is non-zero: sentinel/underflow bug"
 #: The rule in words, as recorded in ``fuzz.json``.
@@ -73,7 +74,9 @@ RULE = (
     "= fp64 from the cast inputs; baseline error = max over scale placements (q k^T) s and "
     "(q sqrt(s)) (k sqrt(s))^T (and, for gradients, the flash form of the backward); a non-finite "
     "baseline is replaced by the baseline on dtype-rounded logits; dq, dk, dv for a fixed random "
-    "output gradient by the same rule; plus zero rows and output or gradient in fully masked positions"
+    "output gradient by the same rule; plus zero rows and output or gradient in fully masked positions; "
+    "in the signed-bias cases at bf16/fp16, biased when |z| >= 5 for the (batch, head) slices' signed "
+    "mean errors (flashprobe.bias.BiasStats)"
 )
 
 

@@ -8,7 +8,7 @@ Every (kernel, case, dtype) gets a verdict:
     with the reason: the kernel raised; NaN/Inf where the golden is finite; a row of zeros where
     the golden is clearly non-zero (the sentinel/underflow signature of FlashInfer PR 4401);
     non-zero output for a fully masked row (expected 0, torch SDPA's convention); or wrong values
-    beyond the rule;
+    beyond the rule; or, in a ``signed bias`` case, errors of one sign (``biased``);
 ``skip``
     the case cannot be posed in this dtype (its logits do not fit the dtype's range);
 ``unsupported``
@@ -69,7 +69,8 @@ class FuzzResult:
         verdict: one of :data:`~flashprobe.fuzz.rule.VERDICTS`.
         reason: why, in words (also on pass: the error and the tolerance).
         failure: kind of the first failed check: ``raised``, ``inplace``, ``shape``, ``nonfinite``,
-            ``zeros``, ``masked_nonzero`` or ``values``; ``None`` unless the verdict is ``fail``.
+            ``zeros``, ``masked_nonzero``, ``values`` or ``biased`` (a ``signed bias`` case);
+            ``None`` unless the verdict is ``fail``.
         primary_golden_max_abs: ``max|primary − golden|``; ``None`` when the primary has NaN/Inf
             where the golden is finite, or produced no output.
         baseline_golden_max_abs: ``max|baseline − golden|``; ``None`` when the baseline is
