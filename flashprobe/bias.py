@@ -20,9 +20,9 @@ symmetric about 0 and independent, ``P(|z| ≥ x) ≤ 2·exp(−x²/2)`` at any 
 correct kernel reads ``|z|`` of order 1; a consistent sign makes ``|z|`` grow as ``√n``
 (``|z| ≤ √n`` always, so at least ``limit²`` replicates are needed to call a bias).
 
-Real kernels that are correct carry small systematic errors too (torch's CPU flash backward in
-fp32: means of −0.08 (GPT-2's dq, dk) to +0.17 (ViT's dv) of the baseline's error RMS, at fp32's
-rounding, harmless), which any ``z`` against 0 calls biased after enough calls. So the verdict
+Real kernels that are correct carry small systematic errors too (torch's CPU flash kernel in
+fp16: +0.003 of the baseline's error RMS on dense inputs; its backward in fp32: −0.08 to +0.17, at
+fp32's rounding, harmless), which any ``z`` against 0 calls biased after enough calls. So the verdict
 tests the mean against a **tolerance** :data:`BIAS_TOLERANCE` (in the same units) instead: the
 direction's ``z`` is the z-score of the mean's excess over it,
 ``sign(s1)·max(|s1| − τ·n, 0) / √s2``, and a direction reads biased when that reaches the limit:
@@ -55,6 +55,7 @@ __all__ = [
     "BIAS_Z_LIMIT",
     "COMPONENTS",
     "DIRECTIONS",
+    "LOW_PRECISION",
     "BiasStats",
     "bias_dict",
 ]
@@ -68,11 +69,18 @@ COMPONENTS = ("offset", "magnitude")
 #: over many seeds.
 BIAS_Z_LIMIT = 5.0
 #: The mean signed error, in units of the baseline's error RMS, that a direction must exceed to read
-#: biased (module docstring): above the largest mean of torch's correct kernels measured in training
-#: (``flashprobe bench verdicts``: +0.17, ViT's dv in fp32), below the biases that matter (a bf16
-#: output truncated toward zero: −0.6 to −1.1; FlashAttention-2's bf16 ``P̄`` on repeated maxima,
-#: ``flashprobe bench bias``: −0.5 on ``δ``, +6 on the key weight gradient; −0.3 on the output, at it).
-BIAS_TOLERANCE = 0.25
+#: biased (module docstring): above the largest mean of torch's correct kernels measured in 16-bit
+#: training (``flashprobe bench verdicts``: within ±0.06 in bf16 and fp16) and the fuzzer's tiniest
+#: one-signed effect (``sdpa_flash`` fp16 on dense inputs: +0.003 to +0.005), below the biases that
+#: matter (a 16-bit output truncated toward zero: −0.55 to −1.6; FlashAttention-2's bf16 ``P̄`` on
+#: repeated maxima, Qiu & Yao's mechanism: −0.27 on the output, ``flashprobe fuzz``'s
+#: ``bias_repeated_max``).
+BIAS_TOLERANCE = 0.1
+#: The dtypes whose errors the probe's bias accumulates (:class:`BiasStats` ``dtypes``): the bias the
+#: sequel paper blames is low-precision rounding's; at fp32 a kernel's summation order leaves
+#: one-signed errors of fp32's own size (torch's CPU flash backward: −0.08 to +0.17 of the fp32
+#: baseline's error RMS), harmless and not what the tolerance is for.
+LOW_PRECISION: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 
 #: The probe's cap on the elements read per replicate (:class:`BiasStats` ``sample``): every k-th
 #: row of a larger slice, so the statistic costs a fraction of the deviation statistics. A slice
@@ -102,6 +110,8 @@ class BiasStats:
         state: a ``(directions, 2, 3)`` tensor to accumulate into instead of a new one (e.g. a view
             into a larger accumulator that is reduced across ranks with it); its dtype and device
             are used.
+        dtypes: accumulate only primaries of these dtypes (the probe: :data:`LOW_PRECISION`); None:
+            every dtype.
 
     Raises:
         ValueError: no or repeated directions, a limit that is not positive, or a ``state`` of
@@ -116,6 +126,7 @@ class BiasStats:
         limit: float = BIAS_Z_LIMIT,
         sample: int | None = None,
         state: torch.Tensor | None = None,
+        dtypes: Sequence[torch.dtype] | None = None,
     ) -> None:
         directions = tuple(directions)
         if not directions or len(set(directions)) != len(directions):
@@ -125,6 +136,8 @@ class BiasStats:
         if sample is not None and (isinstance(sample, bool) or not isinstance(sample, int) or sample < 1):
             raise ValueError(f"BiasStats: sample={sample!r} must be a positive number of elements or None")
         self.sample = sample
+        #: only values of these dtypes are accumulated (None: every dtype); the probe's: LOW_PRECISION
+        self.dtypes = None if dtypes is None else tuple(dtypes)
         shape = (len(directions), len(COMPONENTS), 3)
         if state is not None and tuple(state.shape) != shape:
             raise ValueError(f"BiasStats: state has shape {tuple(state.shape)}, expected {shape}")
@@ -168,6 +181,8 @@ class BiasStats:
             ValueError: an unknown direction or mismatched shapes.
         """
         row = self._index(direction)
+        if self.dtypes is not None and primary.dtype not in self.dtypes:
+            return  # not a dtype whose bias is judged (metadata only: no host read)
         if not (primary.shape == golden.shape == baseline.shape):
             raise ValueError(
                 f"BiasStats.add({direction!r}): shapes differ: primary {tuple(primary.shape)}, "

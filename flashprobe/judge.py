@@ -49,10 +49,12 @@ sums, :func:`row_statistics` the rows):
    baseline is strong, in float32, the sharpest criterion).
 
 Further per-call criteria extend :data:`CRITERIA`: a code, a name, a limit and one comparison in
-:func:`decide`. The signed bias is not one: it is judged over the run, not per call
-(:mod:`flashprobe.bias`; a site reads ``fail`` with the reason ``biased: ...`` where it crosses
-:data:`flashprobe.bias.BIAS_Z_LIMIT`, :func:`flashprobe.probe.shadow.site_verdict`), and no call fails
-for it.
+:func:`decide`. The signed bias is judged over many replicates, not by :func:`decide`: criterion 5,
+``biased`` → ``fail``, where the self-normalised sum ``z`` of the replicates' signed mean errors
+(:mod:`flashprobe.bias`) reaches :data:`flashprobe.bias.BIAS_Z_LIMIT` (:func:`judge_bias`). The probe
+applies it to a site over its calls and steps (``biased: ...``,
+:func:`flashprobe.probe.shadow.site_verdict`), the fuzzer to the (batch, head) replicates of one call
+of its ``signed bias`` cases; no other call fails for it.
 
 **The statistic shown first** is :data:`SCORE`, ``limit_ratio``: the largest ``statistic / limit``
 over the criteria 4–6 (> 1 fails; 0 for an undetermined call). A progress bar, summary or figure
@@ -89,9 +91,9 @@ there is off by up to 3.3× its own size, a real limit of rotated FP8, not the j
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -121,6 +123,7 @@ __all__ = [
     "decide",
     "error_columns",
     "judge",
+    "judge_bias",
     "judge_errors",
     "judge_tensors",
     "limits",
@@ -140,6 +143,7 @@ CRITERIA: dict[int, str] = {
     2: "relative",
     3: "absolute",
     4: "row",
+    5: "biased",
     -1: "ill_conditioned",
     -2: "unrepresentable",
 }
@@ -482,9 +486,53 @@ def reason(criterion: str | None, value: float, limit: float, dtype: torch.dtype
         )
     if criterion == "row":
         return f"worst row {value:.3g} off the golden (relative to the row; limit {limit:.3g})"
+    if criterion == "biased":
+        return f"the error has one sign: signed bias z = {value:+.3g} (|z| limit {limit:g})"
     if criterion == "relative":
         return f"relative L2 error {value:.3g}x {baseline}'s (limit {limit:g})"
     return f"relative L2 error {value:.3g}x the baseline's (limit {limit:g}), within every limit"
+
+
+def judge_bias(entry: Mapping[str, Any], direction: str = "out") -> Judgement:
+    """The ``biased`` criterion on one direction's signed bias, read into a :class:`Judgement`.
+
+    Args:
+        entry: a :func:`flashprobe.bias.bias_dict` entry (``BiasStats.as_dict()[direction]``).
+        direction: its name, for the reason.
+
+    Returns:
+        ``fail`` (criterion ``biased``, value ``z``, limit the ``|z|`` limit) where ``|z|`` reaches
+        the limit; ``undetermined`` while too few replicates could reach it; else ``pass``.
+        ``limit_ratio`` is ``|z| / limit``; the magnitude statistics are not this criterion's (0).
+    """
+    z, limit = float(entry["z"]), float(entry["limit"])
+    verdict = {"biased": "fail", "undetermined": "undetermined"}.get(entry["verdict"], "pass")
+    component = entry["component"]
+    mean = entry[component]["mean"]
+    detail = (
+        f"{direction}: {component} {mean:+.3g} of the baseline's error RMS over {entry['replicates']} "
+        "replicates"
+        if mean is not None
+        else f"{direction}: no replicate"
+    )
+    if verdict == "fail":
+        text = f"{reason('biased', z, limit)}; {detail}"
+    elif verdict == "undetermined":
+        text = f"{detail}: fewer than {limit**2:g} replicates cannot reach |z| {limit:g} (undetermined)"
+    else:
+        text = f"signed bias z = {z:+.3g} (|z| limit {limit:g}); {detail}"
+    return Judgement(
+        verdict=verdict,
+        criterion="biased" if verdict == "fail" else None,
+        value=z,
+        limit=limit,
+        reason=text,
+        limit_ratio=abs(z) / limit,
+        absolute=0.0,
+        baseline=0.0,
+        relative=0.0,
+        row=0.0,
+    )
 
 
 def judge_tensors(

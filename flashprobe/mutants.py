@@ -67,6 +67,7 @@ __all__ = [
     "kv_tile_zeroed",
     "output_truncated",
     "register_mutants",
+    "round_toward_zero",
 ]
 
 Direction = Literal["out", "dq", "dk", "dv"]
@@ -347,6 +348,14 @@ def fp32_bf16_scores(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     return _forward_bug(q, k, v, attn_mask, is_causal, scale, **bug)
 
 
+def round_toward_zero(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (any shape) rounded to ``dtype`` toward zero (truncated), not to nearest: the nearest
+    value, stepped one ulp toward zero where rounding to nearest went away from zero."""
+    nearest = x.to(dtype)
+    away = nearest.to(x.dtype).abs() > x.abs()
+    return torch.where(away, torch.nextafter(nearest, torch.zeros_like(nearest)), nearest)
+
+
 class _RoundTowardZero(torch.autograd.Function):
     """``x`` rounded to ``dtype`` toward zero (truncation), not to nearest; the gradient passes
     through unchanged, as a kernel's separate backward would compute it."""
@@ -354,9 +363,7 @@ class _RoundTowardZero(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[override]
         ctx.source = x.dtype
-        nearest = x.to(dtype)
-        away = nearest.to(x.dtype).abs() > x.abs()  # round-to-nearest went away from zero: step back
-        return torch.where(away, torch.nextafter(nearest, torch.zeros_like(nearest)), nearest)
+        return round_toward_zero(x, dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]

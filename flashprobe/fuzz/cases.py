@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from flashprobe.bench.bias import bias_inputs
+from flashprobe.bench.inputs import Shape
 from flashprobe.fuzz._tensors import (
     F64,
     additive_mask,
@@ -54,6 +56,7 @@ __all__ = [
     "CATALOGUE",
     "PROFILES",
     "SENTINELS",
+    "SIGNED_BIAS",
     "FuzzCase",
     "case_generator",
     "exact_logit_qk",
@@ -65,6 +68,9 @@ __all__ = [
 #: against 32k keys), every head dim flash-attention tests and the (N_q, N_k) pairs up to 2048.
 PROFILES = ("default", "full")
 
+
+#: The property of the cases whose errors are judged for one sign (:attr:`FuzzCase.bias`).
+SIGNED_BIAS = "signed bias"
 
 #: Every property the catalogue tests, with what it is; each case names one (``FuzzCase.property``).
 PROPERTIES: dict[str, str] = {
@@ -97,6 +103,8 @@ PROPERTIES: dict[str, str] = {
     "output-gradient layout": "a non-contiguous output gradient (transposed, expanded)",
     "output-gradient magnitude": "output gradients of 2^-20 and 2^12 (tiny losses, loss scaling)",
     "large offsets": "tensors past 2^24 (and, in the full profile, 2^31) elements",
+    "signed bias": "errors of one sign over many heads (truncating rounding; repeated row maxima, "
+    "Qiu & Yao), at 16 bits",
 }
 
 #: the output gradients a case can ask for: ``""`` the standard one (:func:`grad_output`),
@@ -132,6 +140,8 @@ class FuzzCase:
             (:data:`~flashprobe.fuzz.fit.FIXED`): the case is not applicable to a kernel that
             needs it changed (:func:`~flashprobe.fuzz.fit.fit_inputs`).
         grad: the form of the output gradient, of :data:`GRAD_FORMS` (``""``: the standard one).
+        bias: the sign of the errors is judged too, over the call's (batch, head) replicates, at
+            16 bits (:func:`~flashprobe.fuzz.rule.signed_bias`): the ``signed bias`` cases.
     """
 
     # (defined before the field ``property``, which hides the builtin in the class body)
@@ -150,6 +160,7 @@ class FuzzCase:
     also: tuple[str, ...] = ()
     fixed: tuple[str, ...] = ()
     grad: str = ""
+    bias: bool = False
 
     def __post_init__(self) -> None:
         for name in (self.property, *self.also):
@@ -466,6 +477,25 @@ def _available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+#: The shape of the signed-bias cases: 256 (batch, head) replicates of 8192 elements. A rounding
+#: toward zero reads ``|z|`` near ``√256 = 16``, far past the limit of 5; a correct kernel's
+#: replicates give ``|z|`` of order 1.
+_BIAS_SHAPE = Shape(batch=8, heads=32, seq_len=128, head_dim=64)
+
+
+def _bias_dense(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+    """Standard normal q, k, v of :data:`_BIAS_SHAPE`, no mask."""
+    b, h, n, d = _BIAS_SHAPE.dims
+    return _dense_case(b, h, n, n, d)(dtype, gen)
+
+
+def _bias_repeated_max(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+    """:func:`flashprobe.bench.bias.bias_inputs` with repeated maxima at :data:`_BIAS_SHAPE`."""
+    seed = int(torch.randint(2**31 - 1, (1,), generator=gen))
+    x = bias_inputs(_BIAS_SHAPE, seed, repeated=True)
+    return CaseInputs(q=x["q"].to(dtype), k=x["k"].to(dtype), v=x["v"].to(dtype))
+
+
 def _gqa_broadcast(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
     b, h, h_kv, n, d = 2, 8, 2, 97, 64
     q, k, v = randn(gen, b, h, n, d), randn(gen, b, h_kv, n, d), randn(gen, b, h_kv, n, d)
@@ -651,6 +681,7 @@ _CASE_PROPERTIES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "grad_out_tiny": ("output-gradient magnitude", (), ()),
     "grad_out_huge": ("output-gradient magnitude", (), ()),
     "offsets_*": ("large offsets", (), ()),
+    "bias_*": ("signed bias", (), ()),
 }
 
 
@@ -839,6 +870,23 @@ CATALOGUE: dict[str, FuzzCase] = {
             _int32_offsets(2**31),
             backward=False,
             profiles=_FULL,
+        ),
+        FuzzCase(
+            "bias_dense",
+            f"B={_BIAS_SHAPE.batch} H={_BIAS_SHAPE.heads} N={_BIAS_SHAPE.seq_len} D={_BIAS_SHAPE.head_dim} "
+            "standard normal: 256 heads whose signed mean errors must not share a sign (a rounding "
+            "toward zero passes every per-call limit)",
+            f"{_SOFTMAX}; errors of either sign: z within ±5 (bf16, fp16)",
+            _bias_dense,
+            bias=True,
+        ),
+        FuzzCase(
+            "bias_repeated_max",
+            "repeated row maxima: 16 keys within 1e-3 of each row's max, similar low-rank rows "
+            "(Qiu & Yao; the inputs of `bench bias`), 256 heads",
+            f"{_SOFTMAX}; errors of either sign: z within ±5 (bf16, fp16)",
+            _bias_repeated_max,
+            bias=True,
         ),
         FuzzCase(
             "gqa_broadcast",

@@ -15,6 +15,9 @@ baseline's gradient noise over both scale placements and the flash form of the b
 (:mod:`~flashprobe.fuzz.flash_form`), computed in bounded memory
 (:func:`~flashprobe.kernels.reference.reference_input_gradients`). When neither placement of the
 baseline gives finite gradients, the noise is the rounding of the golden gradient to the dtype.
+
+With ``bias=True`` (the ``signed bias`` cases) the references also keep the plain baseline's output
+and gradients, which set the error scale of the signed bias (:func:`~flashprobe.fuzz.rule.signed_bias`).
 """
 
 from __future__ import annotations
@@ -77,16 +80,17 @@ def _masked_max(x: torch.Tensor, valid: torch.Tensor) -> float:
 
 def _baseline_error(
     kernel: Kernel, inputs: CaseInputs, golden: torch.Tensor
-) -> tuple[float, float, float, int, str]:
-    """``(max|baseline − golden|, its L2 error, its worst row, its NaN/Inf count, the problem or "")``."""
+) -> tuple[float, float, float, int, str, torch.Tensor | None]:
+    """``(max|baseline − golden|, its L2 error, its worst row, its NaN/Inf count, the problem or "",
+    the baseline's output as float64 or None when it raised)``."""
     k, v = inputs.reference_kv()
     try:
         base = attend(kernel, inputs, k, v).double()
     except Exception as err:  # the baseline cannot serve the case: fall back, and say so
-        return math.inf, math.inf, math.inf, 0, f"raised {type(err).__name__}: {err}"
+        return math.inf, math.inf, math.inf, 0, f"raised {type(err).__name__}: {err}", None
     base_max, base_l2, base_row, base_bad = noise(base, golden)
     problem = f"is non-finite at {base_bad} positions" if base_bad else ""
-    return base_max, base_l2, base_row, base_bad, problem
+    return base_max, base_l2, base_row, base_bad, problem, base
 
 
 def grad_output(
@@ -113,7 +117,12 @@ def _prescaled(kernel: Kernel, root: float):
 
 
 def gradient_references(
-    inputs: CaseInputs, baseline: str | Kernel, grad_out: torch.Tensor, valid: torch.Tensor
+    inputs: CaseInputs,
+    baseline: str | Kernel,
+    grad_out: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    bias: bool = False,
 ) -> tuple[dict[str, GradientReference], str]:
     """Golden ``dq``, ``dk``, ``dv`` and the baseline's gradient noise for ``grad_out``.
 
@@ -122,6 +131,7 @@ def gradient_references(
         baseline: spec of the same-dtype baseline kernel.
         grad_out: ``(B, H, N_q, D_v)`` the output gradient, in the dtype.
         valid: ``(B, H, N_q, N_k)`` bool, where a query may attend to a key.
+        bias: keep the plain baseline's gradients (``GradientReference.baseline``) where finite.
 
     Returns:
         ``dq``/``dk``/``dv`` → :class:`~flashprobe.fuzz.rule.GradientReference`, and a note (why
@@ -148,13 +158,15 @@ def gradient_references(
         )
     kernel = get_kernel(baseline)
     root = math.sqrt(default_scale(q.shape[-1], inputs.scale))
-    placements = []
+    placements, plain = [], None
     for fn in (kernel, _prescaled(kernel, root), flash_form_attention):
         try:
             _, *grads = reference_input_gradients(fn, q, k, v, grad_out, **call, dtype=inputs.dtype)
         except Exception:  # a placement that cannot run gives no opinion on the noise
             continue
         placements.append([g.double() for g in grads])
+        if fn is kernel:
+            plain = placements[-1]
     eps = float(torch.finfo(inputs.dtype).eps)
     b, h, _, n_k = valid.shape
     h_kv = k.shape[1]
@@ -177,6 +189,7 @@ def gradient_references(
             floor=eps * (g.abs().max().item() if g.numel() else 0.0),
             eps=eps,
             zero_rows=zero_rows[name],
+            baseline=plain[i] if bias and plain is not None and bool(plain[i].isfinite().all()) else None,
         )
     note = (
         f"the baseline's {', '.join(fallback)} is non-finite in {dtype_name(inputs.dtype)}: its noise is the "
@@ -187,7 +200,9 @@ def gradient_references(
     return refs, note
 
 
-def references(inputs: CaseInputs, baseline: str | Kernel = "math", *, backward: bool = False) -> References:
+def references(
+    inputs: CaseInputs, baseline: str | Kernel = "math", *, backward: bool = False, bias: bool = False
+) -> References:
     """Golden, baseline error and noise floor for one case (see the module docstring).
 
     Args:
@@ -195,6 +210,7 @@ def references(inputs: CaseInputs, baseline: str | Kernel = "math", *, backward:
         baseline: spec of the same-dtype baseline kernel.
         backward: also the gradient references (:func:`gradient_references`) for the output
             gradient :func:`grad_output`.
+        bias: keep the baseline's output and gradients for the signed bias (``signed bias`` cases).
 
     Returns:
         The :class:`~flashprobe.fuzz.rule.References`; ``skip`` is set when the valid logits do not
@@ -231,10 +247,10 @@ def references(inputs: CaseInputs, baseline: str | Kernel = "math", *, backward:
         return replace(refs, skip=skip)
     if backward:
         grad_out = grad_output(golden.shape, inputs.dtype, golden.device)
-        grads, grad_note = gradient_references(inputs, baseline, grad_out, valid)
+        grads, grad_note = gradient_references(inputs, baseline, grad_out, valid, bias=bias)
         common.update(grad_out=grad_out if grads else None, gradients=grads, grad_note=grad_note)
     kernel = get_kernel(baseline)
-    base_max, base_l2, base_row, base_bad, problem = _baseline_error(kernel, inputs, golden)
+    base_max, base_l2, base_row, base_bad, problem, base = _baseline_error(kernel, inputs, golden)
     if not problem:
         pre_max, pre_l2, pre_row = _prescaled_baseline_max(kernel, inputs, k, v, golden)
         return References(
@@ -244,6 +260,7 @@ def references(inputs: CaseInputs, baseline: str | Kernel = "math", *, backward:
             noise_l2=max(base_l2, pre_l2),
             noise_row=max(base_row, pre_row),
             noise_from="baseline",
+            baseline_out=base if bias else None,
             **common,
         )
     raw_max = _masked_max(raw, valid)

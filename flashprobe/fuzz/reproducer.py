@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from flashprobe.formats import atomic_write_file, atomic_write_text, safe_name
+from flashprobe.fuzz.cases import SIGNED_BIAS
 from flashprobe.fuzz.inputs import CaseInputs
 from flashprobe.fuzz.kernel_call import kernel_label
 from flashprobe.fuzz.run import FuzzResult
@@ -76,7 +77,8 @@ print(f"{{KERNEL}} on {{inputs.describe()}}")
 print(f"non-finite outputs: {{(~torch.isfinite(out)).sum().item()}}, all-zero rows: "
       f"{{(out == 0).all(-1).sum().item()}}, golden all-zero rows: {{(golden == 0).all(-1).sum().item()}}")
 backward = saved.get("backward", True)  # gradients too, as when the failure was found
-result = check_case(KERNEL, inputs, case=CASE, baseline=saved["baseline"], backward=backward)
+result = check_case(KERNEL, inputs, case=CASE, baseline=saved["baseline"], backward=backward,
+                    bias=saved.get("bias", False))
 print(f"{{result.verdict}}: {{result.reason}}")
 sys.exit(1 if result.verdict == "fail" else 0)
 '''
@@ -122,6 +124,7 @@ def save_reproducer(
     baseline: str | Kernel = "math",
     params: dict[str, Any] | None = None,
     backward: bool = True,
+    bias: bool = False,
 ) -> Path:
     """Save ``repro_<case>_<hash>.pt`` (inputs on CPU, kernel, dtype) and a ``.py`` that re-checks it.
 
@@ -137,6 +140,7 @@ def save_reproducer(
         baseline: the same-dtype baseline spec the snippet re-checks with.
         params: the random sample's parameters, saved with the inputs.
         backward: the failure was found with gradients checked; the snippet checks them too.
+        bias: the case judged the sign of the errors (``signed bias``); the snippet does too.
 
     Returns:
         Path of the ``.pt`` file (the ``.py`` is beside it).
@@ -157,6 +161,7 @@ def save_reproducer(
         "reason": result.reason,
         "params": params or {},
         "backward": backward,
+        "bias": bias,
     }
     path = Path(out_dir) / f"{stem}.pt"
     atomic_write_file(path, lambda tmp: torch.save(payload, tmp))
@@ -219,6 +224,7 @@ class ReproducerStore:
             baseline=self.baseline,
             params=params,
             backward=self.backward,
+            bias=prop == SIGNED_BIAS,
         )
         for direction in failure_directions(result):
             self.saved.setdefault((result.kernel, prop, direction), path)

@@ -12,9 +12,14 @@ the checks only a case can make: NaN/Inf where the golden is finite, rows of zer
 is not (a sentinel or underflow bug), non-zero output or gradient in fully masked positions.
 
 An undetermined output is a ``skip`` with the reason (never a failure); an undetermined gradient is
-noted in the reason and not failed. ``tolerance`` (``2 · max|baseline − golden| + eps(dtype) ·
-max|v|``, flash-attention's 2x rule with the fuzzer's floor) is reported beside the verdict for
-comparison, and sets the size above which a row of zeros or a masked row counts.
+noted in the reason and not failed. Cases of the ``signed bias`` property keep the baseline's
+output and gradients (``References.baseline_out``, ``GradientReference.baseline``); at 16-bit dtypes
+(:data:`BIAS_DTYPES`) each direction is also judged for a consistent sign of its error over the
+call's (batch, head) replicates (:class:`~flashprobe.bias.BiasStats`,
+:func:`flashprobe.judge.judge_bias`): failure kind ``biased`` (``dq:biased``, ...).
+``tolerance`` (``2 · max|baseline − golden| + eps(dtype) · max|v|``, flash-attention's 2x rule
+with the fuzzer's floor) is reported beside the verdict for comparison, and sets the size above
+which a row of zeros or a masked row counts.
 :func:`check_output` applies the rule to three tensors, for tests.
 """
 
@@ -24,10 +29,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashprobe.bias import BiasStats
 from flashprobe.deviation import error_ratio, pair_sums
-from flashprobe.judge import Judgement, judge_errors, row_statistics
+from flashprobe.judge import Judgement, judge_bias, judge_errors, row_statistics
 
 __all__ = [
+    "BIAS_DTYPES",
     "GRADIENTS",
     "RULE",
     "VERDICTS",
@@ -41,6 +48,7 @@ __all__ = [
     "noise",
     "output_errors",
     "rounding_floor",
+    "signed_bias",
     "value_floor",
 ]
 
@@ -49,6 +57,12 @@ __all__ = [
 VERDICTS = ("pass", "fail", "skip", "unsupported", "no_backward")
 #: The input gradients checked, in order.
 GRADIENTS = ("dq", "dk", "dv")
+#: The dtypes at which a ``signed bias`` case judges the sign of the error. Bias adds up where the
+#: rounding is coarse (Qiu & Yao: bf16); in float32 a kernel's deterministic last-bit differences
+#: from the baseline (√scale on q and k, another summation order) keep one sign over a whole call
+#: at a size no training run notices, and read biased (torch's sdpa_math dq, dk, dv at fp32: z of −7.5
+#: to −7.8 over 64 standard-normal heads, where one sign throughout gives −8).
+BIAS_DTYPES = (torch.bfloat16, torch.float16)
 ZEROS_REASON = "row returned zeros where golden is non-zero: sentinel/underflow bug"
 #: The rule in words, as recorded in ``fuzz.json``.
 RULE = (
@@ -60,7 +74,9 @@ RULE = (
     "= fp64 from the cast inputs; baseline error = max over scale placements (q k^T) s and "
     "(q sqrt(s)) (k sqrt(s))^T (and, for gradients, the flash form of the backward); a non-finite "
     "baseline is replaced by the baseline on dtype-rounded logits; dq, dk, dv for a fixed random "
-    "output gradient by the same rule; plus zero rows and output or gradient in fully masked positions"
+    "output gradient by the same rule; plus zero rows and output or gradient in fully masked positions; "
+    "in the signed-bias cases at bf16/fp16, biased when |z| >= 5 for the (batch, head) slices' signed "
+    "mean errors (flashprobe.bias.BiasStats)"
 )
 
 
@@ -72,7 +88,8 @@ class Verdict:
         verdict: one of :data:`VERDICTS`.
         reason: why, in words (also on pass: the error and the tolerance).
         failure: kind of the first failed check: ``raised``, ``inplace``, ``shape``, ``nonfinite``,
-            ``zeros``, ``masked_nonzero`` or ``values``; ``None`` unless the verdict is ``fail``.
+            ``zeros``, ``masked_nonzero``, ``values`` or ``biased``; ``None`` unless the verdict is
+            ``fail``.
         primary_golden_max_abs: ``max|primary − golden|``; ``None`` when the output has NaN/Inf
             where the golden is finite, or there is no output.
         primary_nonfinite: NaN/Inf count of the output where the golden is finite.
@@ -120,6 +137,8 @@ class References:
         precision: the FP8 dtype the kernel under test rounds to, whose limits apply instead
             (:func:`flashprobe.judge.judge_errors`), with an FP8 baseline; None for other kernels.
         logit_max: the largest valid |logit| of the case (widens the rule's floors).
+        baseline_out: ``(B, H, N_q, D_v)`` the same-dtype baseline's output, kept for the signed
+            bias (``signed bias`` cases only; None otherwise).
         grad_out: ``(B, H, N_q, D_v)`` the fixed random output gradient (in the dtype), or None
             when gradients are not checked.
         gradients: ``dq``/``dk``/``dv`` → :class:`GradientReference` (empty when not checked).
@@ -141,6 +160,7 @@ class References:
     dtype: torch.dtype = torch.float32
     precision: torch.dtype | None = None
     logit_max: float = 0.0
+    baseline_out: torch.Tensor | None = None
     grad_out: torch.Tensor | None = None
     gradients: dict[str, GradientReference] = field(default_factory=dict)
     grad_note: str = ""
@@ -165,6 +185,8 @@ class GradientReference:
         noise_row: the baseline gradient's worst row (the larger over the forms).
         zero_rows: bool, shape of ``golden`` without its last dim: rows that must be 0 (queries that
             see no key for dq, keys no query sees for dk and dv): gradient into masked positions.
+        baseline: the same-dtype baseline's gradient, kept for the signed bias (``signed bias``
+            cases only; None otherwise).
     """
 
     name: str
@@ -175,6 +197,7 @@ class GradientReference:
     eps: float
     zero_rows: torch.Tensor
     noise_row: float = 0.0
+    baseline: torch.Tensor | None = None
 
     @property
     def tolerance(self) -> float:
@@ -238,6 +261,30 @@ def noise(out: torch.Tensor, golden: torch.Tensor) -> tuple[float, float, float,
     sums = pair_sums(out, golden)[:, 0].tolist()
     row = float(row_statistics(out, golden, golden)[0])
     return sums[0], sums[2] ** 0.5, row, int(sums[4])
+
+
+def signed_bias(
+    name: str, x: torch.Tensor, golden: torch.Tensor, baseline: torch.Tensor | None, dtype: torch.dtype
+) -> Judgement | None:
+    """The ``biased`` criterion on one direction of one call: its ``(…, N, D)`` slices are the
+    replicates (:class:`~flashprobe.bias.BiasStats`), judged by :func:`flashprobe.judge.judge_bias`.
+
+    Args:
+        name: ``out``, ``dq``, ``dk`` or ``dv``.
+        x: the kernel's output or gradient ``(B, H, N, D)``.
+        golden: the FP64 golden, same shape.
+        baseline: the same-dtype baseline's, same shape; None: not a ``signed bias`` case.
+        dtype: the dtype under test.
+
+    Returns:
+        The judgement, or None where the sign is not judged (no baseline kept, or a dtype outside
+        :data:`BIAS_DTYPES`).
+    """
+    if baseline is None or dtype not in BIAS_DTYPES:
+        return None
+    stats = BiasStats((name,), golden.device)
+    stats.add(name, x.detach(), golden, baseline)
+    return judge_bias(stats.as_dict()[name], name)
 
 
 def _nonfinite(o: torch.Tensor, bad: int, refs: References) -> list[tuple[str, str]]:
@@ -307,6 +354,12 @@ def judge(out: torch.Tensor, refs: References) -> Verdict:
         return Verdict(verdict="skip", reason=why, primary_golden_max_abs=primary_max)
     if judged.verdict == "fail":
         reasons.append(("values", f"wrong values ({judged.criterion}): {judged.reason}"))
+    bias = signed_bias("out", o, golden, refs.baseline_out, refs.dtype)
+    if bias is not None:
+        if bias.verdict == "fail":
+            reasons.append(("biased", f"biased: {bias.reason}"))
+        else:
+            note = f"; {bias.reason}{note}"
     if reasons:
         return Verdict(
             verdict="fail",
@@ -426,6 +479,11 @@ def _gradient_reasons(
         reasons.append((f"{name}:values", f"{name}: wrong values ({judged.criterion}): {judged.reason}"))
     if judged.verdict == "undetermined" and judged.criterion == "unrepresentable":
         reasons = []  # no value in the dtype can be right: Inf is no failure either
+    bias = signed_bias(name, g, golden, ref.baseline, refs.dtype)
+    if bias is not None:
+        stats.update(bias_z=bias.value, bias_verdict=bias.verdict)
+        if bias.verdict == "fail":
+            reasons.append((f"{name}:biased", f"{name} biased: {bias.reason}"))
     return reasons, stats
 
 

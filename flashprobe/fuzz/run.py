@@ -8,7 +8,7 @@ Every (kernel, case, dtype) gets a verdict:
     with the reason: the kernel raised; NaN/Inf where the golden is finite; a row of zeros where
     the golden is clearly non-zero (the sentinel/underflow signature of FlashInfer PR 4401);
     non-zero output for a fully masked row (expected 0, torch SDPA's convention); or wrong values
-    beyond the rule;
+    beyond the rule; or, in a ``signed bias`` case, errors of one sign (``biased``);
 ``skip``
     the case cannot be posed in this dtype (its logits do not fit the dtype's range);
 ``unsupported``
@@ -70,7 +70,8 @@ class FuzzResult:
         verdict: one of :data:`~flashprobe.fuzz.rule.VERDICTS`.
         reason: why, in words (also on pass: the error and the tolerance).
         failure: kind of the first failed check: ``raised``, ``inplace``, ``shape``, ``nonfinite``,
-            ``zeros``, ``masked_nonzero`` or ``values``; ``None`` unless the verdict is ``fail``.
+            ``zeros``, ``masked_nonzero``, ``values`` or ``biased`` (a ``signed bias`` case);
+            ``None`` unless the verdict is ``fail``.
         primary_golden_max_abs: ``max|primary − golden|``; ``None`` when the primary has NaN/Inf
             where the golden is finite, or produced no output.
         baseline_golden_max_abs: ``max|baseline − golden|``; ``None`` when the baseline is
@@ -137,6 +138,7 @@ def check_case(
     baseline: str | Kernel = "math",
     refs: References | None = None,
     backward: bool = True,
+    bias: bool = False,
 ) -> FuzzResult:
     """Run one kernel on one case and judge its output and (``backward``) its gradients.
 
@@ -153,12 +155,14 @@ def check_case(
         refs: precomputed references (:func:`case_references`, reused across kernels); gradients
             are checked only when they hold gradient references.
         backward: check ``dq``, ``dk``, ``dv`` too (when ``refs`` is not given).
+        bias: judge the sign of the errors too, as the ``signed bias`` cases (when ``refs`` is not
+            given; :func:`~flashprobe.fuzz.rule.signed_bias`).
 
     Returns:
         The :class:`FuzzResult`.
     """
     label = kernel_label(kernel)
-    refs = case_references(inputs, baseline, backward=backward) if refs is None else refs
+    refs = case_references(inputs, baseline, backward=backward, bias=bias) if refs is None else refs
     common = {
         "kernel": label,
         "case": case,
@@ -233,7 +237,12 @@ def _judge_output(out: torch.Tensor, refs: References, nan_rows: torch.Tensor | 
 
 
 def case_references(
-    inputs: CaseInputs, baseline: str | Kernel = "math", *, backward: bool = True, grad: str = ""
+    inputs: CaseInputs,
+    baseline: str | Kernel = "math",
+    *,
+    backward: bool = True,
+    grad: str = "",
+    bias: bool = False,
 ) -> References:
     """The references of one case's call: :func:`~flashprobe.fuzz.references.references` of the
     call (without its NaN inputs: the gradients are not checked then), for the output gradient
@@ -245,12 +254,13 @@ def case_references(
         backward: with gradient references.
         grad: ``""`` (the standard output gradient), ``transposed`` (laid out as ``(B, N, H, D)``),
             ``expanded`` (the first head's, stride 0 over heads), ``tiny`` (× 2^-20), ``huge`` (× 2^12).
+        bias: keep the baseline's output and gradients for the signed bias (``signed bias`` cases).
     """
     nan_rows = inputs.nan_rows()
     clean = inputs if nan_rows is None else inputs.without_nan()
     backward = backward and nan_rows is None
     # other values of dO than the standard one: their gradient references only (computed below)
-    refs = references(clean, baseline, backward=backward and grad in ("", "transposed"))
+    refs = references(clean, baseline, backward=backward and grad in ("", "transposed"), bias=bias)
     if not grad or not backward or refs.skip:
         return refs
     if grad == "transposed":  # the same values, laid out as (B, N_q, H, D_v)
@@ -383,7 +393,7 @@ def _run_kernel(
     if key not in refs:
         try:
             refs[key] = case_references(
-                fitted.inputs, baseline, backward=backward and case.backward, grad=case.grad
+                fitted.inputs, baseline, backward=backward and case.backward, grad=case.grad, bias=case.bias
             )
         except ValueError:
             if inputs.layout != "expanded_kv":

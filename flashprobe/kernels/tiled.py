@@ -101,7 +101,9 @@ fp32 for 16-bit and fp32 compute, fp64 for fp64, as torch's ``at::opmath_type``)
 a precision loss on request; the presets never narrow.
 
 Peak memory is ``O(N_q · block_k)`` per (batch, head): one ``(B, H, rows, block_k)`` tile of
-scores at a time. It is differentiable through autograd (the backward then stores every tile).
+scores at a time. It is differentiable through autograd (the backward then stores every tile);
+the gradient of P's rounding for the ``P v`` GEMM stays in P's dtype, as dP does in FlashAttention-2's
+fp32 backward (with ``fa2``; with ``paper`` P and so dP are in the dtype).
 """
 
 from __future__ import annotations
@@ -781,13 +783,35 @@ def _no_neg_inf(x: torch.Tensor, exact: bool) -> torch.Tensor:
     return x.masked_fill(x == float("-inf"), 0.0) if exact else x
 
 
+class _RoundedP(torch.autograd.Function):
+    """P rounded to the compute dtype for the ``P v`` GEMM, with the gradient dP passed through in
+    P's own dtype (the statistics dtype).
+
+    FlashAttention-2's backward recomputes P, rounds it for its GEMMs and accumulates
+    ``dP = dO vᵀ`` in fp32 (``acc_dp`` in ``flash_bwd_kernel.h``), forming ``dS = P∘(dP − D)`` in
+    fp32 too. Autograd through a plain cast would round dP to the compute dtype instead: with a
+    loss-scaled dO in fp16, ``|dP|`` passes 65504 and dq, dk get ±Inf rows where every gradient
+    fits fp16. Where P itself is held in the compute dtype (``paper``: every step in the dtype), dP
+    is rounded there, as before.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, p: torch.Tensor, compute: torch.dtype, gemm: torch.dtype) -> torch.Tensor:  # type: ignore[override]
+        ctx.dtype = p.dtype
+        return p.to(compute).to(gemm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        return grad.to(ctx.dtype), None, None
+
+
 def _pv(p: torch.Tensor, v: torch.Tensor, numerics: TileNumerics) -> torch.Tensor:
     """``P v``: P rounded to the compute dtype (or cast to FP8 with ``p_fp8``), products
     accumulated in the GEMM dtype of ``v``, the result rounded once to the accumulator dtype.
-    ``(B, H, R, Bc) × (B, H, Bc, D_v)``."""
+    ``(B, H, R, Bc) × (B, H, Bc, D_v)``. In the backward, dP stays in P's dtype (:class:`_RoundedP`)."""
     if numerics.fp8.p != fp8_numerics.OFF:
         return torch.matmul(fp8_numerics.cast_p(p, numerics.fp8).to(v.dtype), v).to(numerics.acc)
-    return torch.matmul(p.to(numerics.compute).to(v.dtype), v).to(numerics.acc)
+    return torch.matmul(_RoundedP.apply(p, numerics.compute, v.dtype), v).to(numerics.acc)
 
 
 def _fa2_step(

@@ -63,7 +63,7 @@ from typing import Any
 
 import torch
 
-from flashprobe.bias import BIAS_FIELDS, BIAS_SAMPLE, COMPONENTS, BiasStats, bias_dict
+from flashprobe.bias import BIAS_FIELDS, BIAS_SAMPLE, COMPONENTS, LOW_PRECISION, BiasStats, bias_dict
 from flashprobe.deviation import (
     PAIRS,
     SUM_ROWS,
@@ -269,6 +269,7 @@ class DeviationStats:
         self.bias = BiasStats(
             DIRECTIONS,
             sample=BIAS_SAMPLE,
+            dtypes=LOW_PRECISION,
             state=self.values[_BIAS_AT : _BIAS_AT + len(DIRECTIONS) * len(BIAS_FIELDS)].view(
                 len(DIRECTIONS), len(COMPONENTS), 3
             ),

@@ -22,7 +22,11 @@ def test_torch_kernels_never_fail(model: str, precision: str) -> None:
     row = calibrate(model, precision, steps=3)
     assert row["failed_calls"] == 0 and row["first_failure"] is None, row
     assert row["biased"] == 0 and row["biased_sites"] is None, row
-    assert row["kernel"] == "model" and row["bias_replicates"] > 0 and row["out_bias_z"] is not None
+    assert row["kernel"] == "model"
+    if precision == "fp32":  # the bias is judged at 16 bits only (flashprobe.bias.LOW_PRECISION)
+        assert row["bias_replicates"] == 0
+    else:
+        assert row["bias_replicates"] > 0 and row["out_bias_z"] is not None
     assert 0 <= row["undetermined_share"] <= 1
     assert row["out_calls"] > 0 and row["out_max_l2_ratio"] > 0  # something was judged
     if model != "t2i":  # (the DiT's gates start at zero: its attention gradients are zero at first)

@@ -368,13 +368,14 @@ def test_a_correct_kernel_passes_and_a_resumed_run_keeps_its_failures(
 def test_a_resumed_run_continues_its_signed_bias(tmp_path: Path) -> None:
     """The bias is the run's: a run resumed from a checkpoint of two steps, then fed the same two
     steps again, holds twice the sums (replicates double, z grows by √2, the mean stays)."""
+    # bf16-mixed: the bias is judged at 16 bits only (flashprobe.bias.LOW_PRECISION)
     first = AttentionProbe(backward=True, dirpath=tmp_path / "a", log_every_n_steps=1)
-    _trainer(first, max_steps=2).fit(_Scheduled())
+    _trainer(first, max_steps=2, precision="bf16-mixed").fit(_Scheduled())
     state = json.loads(json.dumps(first.state_dict()))  # a checkpoint holds plain data
     state.update(last_logged_step=-1, records=0)  # the second fit logs its steps 0 and 1 again
     resumed = AttentionProbe(backward=True, dirpath=tmp_path / "b", log_every_n_steps=1)
     resumed.load_state_dict(state)
-    _trainer(resumed, max_steps=2).fit(_Scheduled())
+    _trainer(resumed, max_steps=2, precision="bf16-mixed").fit(_Scheduled())
     assert set(state["bias"]) == {"model.attn0", "model.attn1"}
     for site, sums in resumed.state_dict()["bias"].items():
         assert sums == pytest.approx([2 * x for x in state["bias"][site]], rel=1e-12)
