@@ -212,6 +212,9 @@ class WeightSnapshot(Callback):
         step = trainer.global_step
         if step not in self._saved and self.should_save(step):
             self._save(trainer, pl_module, step)
+        elif self.attention is None and self._writer is not None and trainer.is_global_zero:
+            # a fallback found during this step is in the manifest now, not at the next snapshot
+            self._writer.update_header(trained_attention_record(trainer, pl_module))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -170,6 +170,9 @@ class WeightSnapshotCallback(TrainerCallback):
         step = state.global_step
         if step not in self._saved and self.should_save(step):
             self._save(kwargs["model"], step, state)
+        elif self.attention is None and self._writer is not None:
+            # a fallback found during this step is in the manifest now, not at the next snapshot
+            self._writer.update_header(_trained_attention(kwargs["model"]))
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

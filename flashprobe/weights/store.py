@@ -262,6 +262,18 @@ class SnapshotWriter:
         self._write_manifest()
         return final
 
+    def update_header(self, fields: Mapping[str, Any]) -> bool:
+        """Set manifest header fields (e.g. what computed the attention) and rewrite the manifest
+        when any changed; returns whether it did (host-side dict work only otherwise)."""
+        if {"tensors", "snapshots"} & set(fields):
+            raise ValueError("update_header: 'tensors' and 'snapshots' are written by write()")
+        changed = {k: v for k, v in fields.items() if self.manifest.get(k) != v}
+        if not changed:
+            return False
+        self.manifest.update(changed)
+        self._write_manifest()
+        return True
+
     def prune_after(self, step: int) -> list[int]:
         """Delete the snapshots of steps after ``step`` (a timeline abandoned by a resume); returns them."""
         dropped = [e for e in self.manifest["snapshots"] if e["step"] > step]

@@ -151,3 +151,28 @@ def test_flex_attention_without_a_cpu_backward_is_refused_when_training_begins(t
     with pytest.raises(KernelUnsupportedError, match=r"'flex:compile=False', which has no backward on cpu"):
         trainer.fit(_Encoder(dropout=0.0))
     assert trainer.global_step == 0 and probe.probe is None
+
+
+class _Kill(L.Callback):
+    """Ends the run after the first optimizer step (a kill between snapshots)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        raise RuntimeError("killed")
+
+
+def test_a_fallback_found_while_training_is_in_the_manifest_after_that_step(tmp_path: Path) -> None:
+    """A dropout call seen only when the model runs falls back in step 0; the step-0 snapshot was
+    written before it with the requested name. Killed after that step, before the next snapshot, the
+    manifest must already say what computed the attention (it said ``tiled`` before)."""
+    probe = AttentionProbe(primary="tiled", fallback=True, dirpath=tmp_path, plot=False, console=False)
+    snapshots = WeightSnapshot(dirpath=tmp_path, every_n_steps=100, seed=0)
+    trainer = L.Trainer(
+        max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[probe, snapshots, _Kill()],
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="torch's SDPA computed the attention"), pytest.raises(RuntimeError):
+        trainer.fit(_DirectDropout())
+    manifest = _manifest(tmp_path)
+    assert [s["step"] for s in manifest["snapshots"]] == [0]
+    assert manifest["attention"] != "tiled"
+    assert manifest["attention_fallback"]["requested"] == "tiled"
