@@ -24,7 +24,7 @@ import logging
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -41,6 +41,9 @@ from flashprobe.weights.snapshot import (
     own_attention,
 )
 from flashprobe.weights.store import SnapshotWriter, TensorSpec
+
+if TYPE_CHECKING:
+    from flashprobe.callbacks.attention_probe import AttentionProbe
 
 __all__ = [
     "WeightSnapshot",
@@ -149,6 +152,8 @@ class WeightSnapshot(Callback):
         self._restored_run_id: str | None = None
         self._run_dir: Path | None = None
         self._writer: SnapshotWriter | None = None
+        #: (fallbacks, sites seen) of the probe when the manifest's attention was last written
+        self._attention_seen: tuple[int, int] | None = None
 
     @property
     @override
@@ -213,8 +218,13 @@ class WeightSnapshot(Callback):
         if step not in self._saved and self.should_save(step):
             self._save(trainer, pl_module, step)
         elif self.attention is None and self._writer is not None and trainer.is_global_zero:
-            # a fallback found during this step is in the manifest now, not at the next snapshot
-            self._writer.update_header(trained_attention_record(trainer, pl_module))
+            # a fallback found (or a site first seen) during this step is in the manifest now, not at
+            # the next snapshot; other steps read two lengths
+            probe = _primary_probe(trainer)
+            seen = None if probe is None else (len(probe.fallbacks), len(probe.sites_seen))
+            if seen != self._attention_seen:
+                self._attention_seen = seen
+                self._writer.update_header(trained_attention_record(trainer, pl_module))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -308,13 +318,11 @@ def trained_attention(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str
     model's kernel in training batches), else the kernel of the newest
     :func:`~flashprobe.probe.use_kernel` route attached to the module or one of its submodules, else
     ``hparams["attention"]``; None when nothing says."""
-    from flashprobe.callbacks.attention_probe import AttentionProbe
     from flashprobe.probe.intercept import active_handles
 
-    for callback in trainer.callbacks:
-        if isinstance(callback, AttentionProbe) and callback.primary is not None:
-            primary = callback.primary
-            return str(getattr(primary, "spec", primary))
+    probe = _primary_probe(trainer)
+    if probe is not None:
+        return str(getattr(probe.primary, "spec", probe.primary))
     modules = {id(m) for m in pl_module.modules()}
     routes = [h for h in active_handles() if h.kind == "route" and id(h.model) in modules]
     if routes:
@@ -330,16 +338,22 @@ def trained_attention_record(trainer: pl.Trainer, pl_module: pl.LightningModule)
     (else the model's own), corrected by an :class:`~flashprobe.callbacks.AttentionProbe`'s fallbacks
     (:func:`flashprobe.probe.session.attention_record`), so no manifest names a kernel that did not
     compute the attention."""
-    from flashprobe.callbacks.attention_probe import AttentionProbe
-
     own = own_attention(pl_module)
-    probe = next(
-        (c for c in trainer.callbacks if isinstance(c, AttentionProbe) and c.primary is not None), None
-    )
+    probe = _primary_probe(trainer)
     if probe is None:
         return {"attention": trained_attention(trainer, pl_module) or own}
     spec = str(getattr(probe.primary, "spec", probe.primary))
     return attention_record(spec, probe.fallbacks, probe.sites_seen, own)
+
+
+def _primary_probe(trainer: pl.Trainer) -> AttentionProbe | None:
+    """The trainer's :class:`~flashprobe.callbacks.AttentionProbe` with an explicit ``primary``
+    (it replaces the model's kernel in training batches), or None."""
+    from flashprobe.callbacks.attention_probe import AttentionProbe
+
+    return next(
+        (c for c in trainer.callbacks if isinstance(c, AttentionProbe) and c.primary is not None), None
+    )
 
 
 def _is_sharded(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:

@@ -113,6 +113,8 @@ class WeightSnapshotCallback(TrainerCallback):
         self.config = manifest_config(config)
         self._saved: set[int] = set()
         self._writer: SnapshotWriter | None = None
+        #: (fallbacks, sites seen) of the probe when the manifest's attention was last written
+        self._attention_seen: tuple[int, int] | None = None
 
     @property
     def saved_steps(self) -> list[int]:
@@ -171,8 +173,13 @@ class WeightSnapshotCallback(TrainerCallback):
         if step not in self._saved and self.should_save(step):
             self._save(kwargs["model"], step, state)
         elif self.attention is None and self._writer is not None:
-            # a fallback found during this step is in the manifest now, not at the next snapshot
-            self._writer.update_header(_trained_attention(kwargs["model"]))
+            # a fallback found (or a site first seen) during this step is in the manifest now, not at
+            # the next snapshot; other steps read two lengths
+            probe = _primary_callback()
+            seen = None if probe is None else (len(probe.fallbacks), len(probe.sites_seen))
+            if seen != self._attention_seen:
+                self._attention_seen = seen
+                self._writer.update_header(_trained_attention(kwargs["model"]))
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -208,12 +215,24 @@ def _trained_attention(model: nn.Module) -> dict[str, Any]:
     an ``AttentionProbeCallback`` in the calling Trainer corrected by its fallbacks
     (:func:`flashprobe.probe.session.attention_record`), else the model's own attention."""
     own = own_attention(model)
-    for callback in trainer_callbacks() or []:
-        if isinstance(callback, AttentionProbeCallback) and callback.config.primary is not None:
-            primary = callback.config.primary
-            spec = str(getattr(primary, "spec", primary))
-            return attention_record(spec, callback.fallbacks, callback.sites_seen, own)
-    return {"attention": own}
+    callback = _primary_callback()
+    if callback is None:
+        return {"attention": own}
+    primary = callback.config.primary
+    spec = str(getattr(primary, "spec", primary))
+    return attention_record(spec, callback.fallbacks, callback.sites_seen, own)
+
+
+def _primary_callback() -> AttentionProbeCallback | None:
+    """The calling Trainer's ``AttentionProbeCallback`` with an explicit ``primary``, or None."""
+    return next(
+        (
+            c
+            for c in trainer_callbacks() or []
+            if isinstance(c, AttentionProbeCallback) and c.config.primary is not None
+        ),
+        None,
+    )
 
 
 def _precision(args: TrainingArguments, model: nn.Module) -> str:
