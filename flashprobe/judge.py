@@ -98,6 +98,8 @@ from typing import Any, NamedTuple
 import torch
 
 from flashprobe.deviation import StatsWorkspace, pair_and_row_sums
+from flashprobe.kernels import Kernel, get_kernel
+from flashprobe.kernels.fp8 import FP8_DTYPES
 
 __all__ = [
     "ABSOLUTE_EPS",
@@ -107,7 +109,6 @@ __all__ = [
     "DIRECTIONS",
     "ERROR_COLUMNS",
     "FAILURES",
-    "FP8_PRECISIONS",
     "GROSS_RATIO",
     "RELATIVE_LIMITS",
     "ROW_EPS",
@@ -122,6 +123,7 @@ __all__ = [
     "code_name",
     "decide",
     "error_columns",
+    "fp8_baseline",
     "judge",
     "judge_bias",
     "judge_errors",
@@ -173,9 +175,6 @@ GROSS_RATIO: float = 8.0
 STATISTICS: tuple[str, ...] = ("limit_ratio", "absolute", "baseline", "relative", "row")
 #: The statistic shown first: the largest ``statistic / limit`` over the criteria that fail.
 SCORE: str = "limit_ratio"
-#: The FP8 formats by name (:data:`flashprobe.kernels.KernelCapabilities.fp8`) and the dtype whose
-#: limits judge a kernel that rounds to them (``precision`` of :func:`judge_errors`).
-FP8_PRECISIONS: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
 def resolution(dtype: torch.dtype) -> float:
@@ -464,7 +463,7 @@ def reason(criterion: str | None, value: float, limit: float, dtype: torch.dtype
         limit: the criterion's limit.
         dtype: the dtype the kernels computed in, where known.
     """
-    fp8 = {dt: f"FP8 {fmt.upper()}" for fmt, dt in FP8_PRECISIONS.items()}
+    fp8 = {dt: f"FP8 {fmt.upper()}" for fmt, dt in FP8_DTYPES.items()}
     name = "this" if dtype is None else fp8.get(dtype, str(dtype).removeprefix("torch."))
     baseline = "the FP8 baseline" if dtype in fp8 else "the same-dtype baseline"
     if criterion == "nonfinite":
@@ -567,8 +566,8 @@ def judge_errors(
         direction: ``out``, ``dq``, ``dk`` or ``dv``.
         logit_max: the largest valid |logit| of the call where known.
         precision: the FP8 dtype (``torch.float8_e4m3fn``, ``torch.float8_e5m2``) an FP8 kernel
-            rounds its operands to, whose limits then apply (:data:`FP8_PRECISIONS`); the baseline
-            must then be FP8 too (``math:fp8=<format>``). None: ``dtype``'s limits.
+            rounds its operands to, whose limits then apply (:func:`fp8_baseline`); the baseline must
+            then be FP8 too (``math:fp8=<format>``). None: ``dtype``'s limits.
     """
     row = torch.as_tensor(errors, dtype=torch.float64).reshape(1, len(ERROR_COLUMNS))
     code, value, bound, stats = decide(row, dtype, limits(precision or dtype, [direction]), logit_max)
@@ -613,6 +612,20 @@ def judge(
         raise ValueError(f"direction={direction!r} must be one of {', '.join(DIRECTIONS)}")
     sums, rows, *_ = call_statistics(primary, baseline, golden)
     return judge_tensors(sums, rows, dtype or primary.dtype, direction, logit_max=logit_max)
+
+
+def fp8_baseline(kernel: str | Kernel, baseline: str | Kernel) -> tuple[str | Kernel, torch.dtype | None]:
+    """The baseline and the limits' precision that judge ``kernel`` (the fuzzer's and the probe's):
+    for a kernel that declares an FP8 format (``KernelCapabilities.fp8``), the FP8 baseline
+    ``math:fp8=<format>`` in place of ``math`` and that format's dtype (``precision`` of
+    :func:`judge_errors`; "FP8" above); otherwise ``baseline`` and None (the call's dtype).
+    """
+    fmt = get_kernel(kernel).capabilities.fp8
+    if fmt is None:
+        return baseline, None
+    if get_kernel(baseline).spec == "math":
+        baseline = f"math:fp8={fmt}"
+    return baseline, FP8_DTYPES[fmt]
 
 
 def code_name(code: float) -> str | None:

@@ -41,7 +41,7 @@ from flashprobe.fuzz.inputs import CaseInputs, UnrepresentableCaseError
 from flashprobe.fuzz.kernel_call import KernelCall, call_kernel, kernel_label
 from flashprobe.fuzz.references import grad_output, gradient_references, references
 from flashprobe.fuzz.rule import References, Verdict, judge, judge_gradients
-from flashprobe.judge import FP8_PRECISIONS
+from flashprobe.judge import fp8_baseline
 from flashprobe.kernels import (
     Kernel,
     KernelInputError,
@@ -403,20 +403,6 @@ def _run_kernel(
         return None
     result = check_case(kernel, fitted.inputs, case=case.name, refs=replace(refs[key], precision=precision))
     return replace(result, fitted=fitted.changes)
-
-
-def fp8_baseline(kernel: str | Kernel, baseline: str | Kernel) -> tuple[str | Kernel, torch.dtype | None]:
-    """The baseline and the limits' precision that judge ``kernel``: for a kernel that declares an
-    FP8 format (``KernelCapabilities.fp8``), the FP8 baseline ``math:fp8=<format>`` in place of the
-    default ``math`` and that format's limits (:mod:`flashprobe.judge`, "FP8"); otherwise
-    ``baseline`` and the dtype's limits.
-    """
-    fmt = get_kernel(kernel).capabilities.fp8
-    if fmt is None:
-        return baseline, None
-    if kernel_label(baseline) == "math":
-        baseline = f"math:fp8={fmt}"
-    return baseline, FP8_PRECISIONS[fmt]
 
 
 def run_catalogue(

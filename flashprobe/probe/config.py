@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from flashprobe.judge import FP8_PRECISIONS
+from flashprobe.judge import fp8_baseline
 from flashprobe.kernels import Kernel, get_kernel
 
 __all__ = ["DROPOUT_POLICIES", "ProbeConfig", "ProbeConfigError", "register_schema"]
@@ -112,9 +112,8 @@ class ProbeConfig:
                     "(`flashprobe kernels` lists them)" + (" or None" if name == "primary" else "")
                 )
             get_kernel(value)  # unknown kernels and options fail here
-        fmt = self._fp8_format()
-        if fmt is not None and isinstance(self.baseline, str) and self.baseline == "math":
-            object.__setattr__(self, "baseline", f"math:fp8={fmt}")  # the FP8 kernels' baseline
+        if self.primary is not None:  # an FP8 primary's baseline is the FP8 one
+            object.__setattr__(self, "baseline", fp8_baseline(self.primary, self.baseline)[0])
         _strict_bool("golden", self.golden)
         _strict_bool("fallback", self.fallback)
         if self.backward != "auto":
@@ -127,14 +126,10 @@ class ProbeConfig:
         if self.memory_budget is not None:
             _int_at_least("memory_budget", self.memory_budget, 1, "bytes, e.g. 1073741824 = 1 GiB")
 
-    def _fp8_format(self) -> str | None:
-        return None if self.primary is None else get_kernel(self.primary).capabilities.fp8
-
     @property
     def precision(self) -> torch.dtype | None:
         """The FP8 dtype whose limits judge the primary (an FP8 kernel), or None: the call's dtype."""
-        fmt = self._fp8_format()
-        return None if fmt is None else FP8_PRECISIONS[fmt]
+        return None if self.primary is None else fp8_baseline(self.primary, self.baseline)[1]
 
     def resolve_backward(self, device: torch.device | str) -> ProbeConfig:
         """This config with ``backward="auto"`` decided for ``device``: True when the primary (None:

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from flashprobe.fuzz import run_catalogue, select_cases
-from flashprobe.fuzz.run import fp8_baseline
-from flashprobe.judge import FP8_PRECISIONS, judge_errors
+from flashprobe.judge import fp8_baseline, judge_errors
 from flashprobe.kernels import (
     KernelCapabilities,
     get_kernel,
     golden_attention,
 )
+from flashprobe.kernels.fp8 import FP8_DTYPES
 
 from ._fp8_mutants import register_fp8_bugs, unregister_fp8_bugs
 
@@ -90,7 +90,7 @@ def test_fp8_limits_are_the_formats():
     errors = [p_sq, b_sq, g_sq, 0.0, 0.06, 0.05, 1.0]  # ERROR_COLUMNS
     assert judge_errors(errors, torch.bfloat16, "out").verdict == "pass"  # 1.5x the baseline: passes either
     wrong = [0.2**2, b_sq, g_sq, 0.0, 0.3, 0.05, 1.0]  # 20 % off, 10x the FP8 baseline
-    judged = judge_errors(wrong, torch.bfloat16, "out", precision=FP8_PRECISIONS["e4m3"])
+    judged = judge_errors(wrong, torch.bfloat16, "out", precision=FP8_DTYPES["e4m3"])
     assert judged.verdict == "fail" and judged.criterion == "relative"
     assert "FP8 baseline" in judged.reason
 
