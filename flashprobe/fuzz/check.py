@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from flashprobe.formats import prepare_output_dir
 from flashprobe.fuzz.cases import FuzzCase, select_cases
 from flashprobe.fuzz.kernel_call import kernel_label
 from flashprobe.fuzz.reproducer import ReproducerStore
@@ -102,6 +103,7 @@ def check_kernel(
 
     Raises:
         ValueError: ``seeds`` < 1, ``budget`` < 0, or a case pattern that matches no case.
+        OutputPathError: ``out_dir`` is a file, a system directory or not writable.
     """
     if seeds < 1:
         raise ValueError(f"seeds={seeds}: must be >= 1 (the catalogue runs for seeds seed ... seed+seeds-1)")
@@ -117,9 +119,10 @@ def check_kernel(
             select_cases(named, profile=profile) if named else []
         )
     store = None
-    if out_dir is not None:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        store = ReproducerStore(Path(out_dir), baseline=baseline, backward=backward)
+    if out_dir is not None:  # checked as the command checks --out (no system directory, writable)
+        store = ReproducerStore(
+            prepare_output_dir(out_dir, flag="out_dir"), baseline=baseline, backward=backward
+        )
     common = {"device": device, "baseline": baseline, "backward": backward, "reproducers": store}
     start = time.perf_counter()
     results = [

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flashprobe import KernelCheck, check_kernel
+from flashprobe.formats import OutputPathError
 from flashprobe.fuzz import CaseInputs, check_case
 from flashprobe.kernels import golden_attention, register_kernel, unregister_kernel
 
@@ -60,6 +61,8 @@ def test_bad_arguments_are_refused_before_any_work():
         check_kernel("sdpa_math", seeds=0)
     with pytest.raises(ValueError, match="matches no case"):
         check_kernel("sdpa_math", cases=["no_such_case"])
+    with pytest.raises(OutputPathError, match="out_dir /etc"):  # checked as the command's --out
+        check_kernel("sdpa_math", cases=["odd_shapes"], out_dir="/etc")
 
 
 def test_a_budget_is_estimated_up_front_and_counted_down():
