@@ -22,37 +22,30 @@ from flashprobe.mutants import output_truncated, round_toward_zero
 __all__ = ["BIAS_MUTANTS", "BiasMutant", "bias_mutant", "round_toward_zero"]
 
 
-class _TruncatedAttention(torch.autograd.Function):
-    """Float32 attention whose output (``where="out"``) or input gradients (``where="grads"``) are
-    truncated to the inputs' dtype; the other direction is rounded to nearest."""
+class _TruncatedGradients(torch.autograd.Function):
+    """Float32 attention, its output rounded to the inputs' dtype to nearest, its input gradients
+    rounded toward zero (the backward twin of the suite's ``output_truncated``)."""
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, causal, scale, where):  # type: ignore[override]
-        dtype = q.dtype
+    def forward(ctx: Any, q, k, v, causal, scale):  # type: ignore[override]
         q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
         with torch.enable_grad():
             out32 = math_attention(q32, k32, v32, is_causal=causal, scale=scale)
-        ctx.save_for_backward(q32, k32, v32, out32)
         ctx.graph = (q32, k32, v32, out32)
-        ctx.where = where
-        return round_toward_zero(out32.detach(), dtype) if where == "out" else out32.detach().to(dtype)
+        return out32.detach().to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, d_out: torch.Tensor):  # type: ignore[override]
         q32, k32, v32, out32 = ctx.graph
         grads = torch.autograd.grad(out32, (q32, k32, v32), d_out.float())
-        dtype = d_out.dtype
-        cast = (lambda g: round_toward_zero(g, dtype)) if ctx.where == "grads" else (lambda g: g.to(dtype))
-        return (*(cast(g) for g in grads), None, None, None)
+        return (*(round_toward_zero(g, d_out.dtype) for g in grads), None, None)
 
 
-def _truncating(where: str):
-    def kernel(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
-        if attn_mask is not None:
-            raise NotImplementedError("the truncating mutants take no attn_mask")
-        return _TruncatedAttention.apply(q, k, v, is_causal, scale, where)
-
-    return kernel
+def gradients_truncated(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """dq, dk and dv rounded toward zero; no attn_mask."""
+    if attn_mask is not None:
+        raise NotImplementedError("the truncating mutants take no attn_mask")
+    return _TruncatedGradients.apply(q, k, v, is_causal, scale)
 
 
 @dataclass(frozen=True)
@@ -79,7 +72,7 @@ def bias_mutant(name: str) -> Any:
     return _KERNELS[name]
 
 
-_KERNELS = {"truncated_out": output_truncated, "truncated_grads": _truncating("grads")}
+_KERNELS = {"truncated_out": output_truncated, "truncated_grads": gradients_truncated}
 
 #: Each mutant with the case and dtype that must catch it.
 BIAS_MUTANTS: tuple[BiasMutant, ...] = (
