@@ -95,8 +95,8 @@ SUM_ROWS: tuple[str, ...] = (
     "max_ref",
 )
 #: Elements :func:`pair_sums` processes per slice, by device type: cache-sized on the CPU, fewer
-#: launches elsewhere. Its scratch memory is ``3 · P`` float64 rows of a slice (``P`` pairs).
-SLICE_ELEMENTS: dict[str, int] = {"cpu": 1 << 17, "default": 1 << 20}
+#: launches elsewhere. Its scratch memory is ``3 · P + 2`` float64 rows of a slice (``P`` pairs).
+SLICE_ELEMENTS: dict[str, int] = {"cpu": 1 << 14, "default": 1 << 20}
 
 
 def _slice_elements(device: torch.device) -> int:
@@ -115,7 +115,7 @@ def reads_are_free(device: torch.device) -> bool:
 
 class StatsWorkspace:
     """Reusable float64 scratch for :func:`pair_sums` (no allocation per call); holds at most
-    ``9 · SLICE_ELEMENTS[device]`` values per device."""
+    ``11 · SLICE_ELEMENTS[device]`` values per device."""
 
     def __init__(self) -> None:
         self._buffers: dict[torch.device, torch.Tensor] = {}
@@ -142,20 +142,20 @@ def pair_sums(
     ``(baseline, golden)`` at once, on the tensors' device (no host synchronisation).
 
     A position counts as non-finite for a pair when the float64 difference is non-finite, i.e.
-    when either side is NaN or ±inf; every other statistic is over the finite positions. Per slice
-    of ``m`` elements (:data:`SLICE_ELEMENTS`) the scratch rows are ``z (P, m)`` (non-finite
-    markers), ``d (P, m)`` (differences) and ``r (P, m)`` (references), so that each reduction runs
-    once over adjacent rows: ``sum`` over ``[z; d]``, ``amax`` over ``[d; r]`` and the squared norms
-    as one dot product per row (exact sums of squares, no square root).
+    when either side is NaN or ±inf; every other statistic is over the finite positions. Per
+    cache-sized slice of ``m`` elements (:data:`SLICE_ELEMENTS`) the scratch rows are ``z (P, m)``
+    (non-finite markers), ``d (P, m)`` (differences) and ``r (P, m)`` (references), so that each
+    reduction runs once over adjacent rows: ``sum`` over ``d`` and ``z``, ``amax`` over ``[d; r]``
+    and one L2 norm per row (the sums of squares are its squares, to the last bit or two).
 
     **Masking.** Non-finite pairs are taken out with ``ref + 0·d`` (NaN where the pair is not
     finite) and one ``nan_to_num`` that zeroes every masked entry of ``d`` and ``r``. Where a host
-    read is free (:func:`reads_are_free`: the CPU), a slice is first reduced unmasked, and its
-    sums of squares are read: when they are finite, no pair of the slice is non-finite, masking
-    would change nothing, and it is skipped (the two golden pairs then share one reference row,
-    ``golden`` itself, read where it lies when it is float64 and contiguous). Both ways give the
-    same bits on finite data, so the statistics do not depend on whether the read was made; on an
-    accelerator every slice is masked, without a read.
+    read is free (:func:`reads_are_free`: the CPU), the call is first reduced unmasked, and its
+    norms are read once: when they are finite, no pair is non-finite, masking would change nothing,
+    and it is skipped (the two golden pairs then share one reference row, ``golden`` itself, read
+    where it lies when it is float64 and contiguous). Both ways give the same bits on finite data,
+    so the statistics do not depend on whether the read was made; on an accelerator every slice is
+    masked, without a read.
 
     Args:
         primary: any shape, any floating dtype.
@@ -164,7 +164,7 @@ def pair_sums(
         workspace: scratch buffers to reuse across calls.
 
     Returns:
-        ``(7, P)`` float64 tensor, ``P`` = 3 pairs (1 without golden), rows :data:`SUM_ROWS`:
+        ``(7, q)`` float64 tensor, ``q`` = 3 pairs (1 without golden), rows :data:`SUM_ROWS`:
         ``max_abs``, ``sum_abs``, ``sum_sq_diff``, ``sum_sq_ref``, ``nonfinite``, ``count`` and
         ``max_ref`` (the largest |reference| over the finite positions: max|golden| for the golden
         pairs, what the noise floor needs).
@@ -235,88 +235,21 @@ def _pair_pass(
             + ("" if form is None else f", form {tuple(form.shape)}")
         )
     rows = rows and g is not None
-    workspace = workspace or StatsWorkspace()
-    n, pairs, device = p.numel(), (1 if g is None else 3), p.device
-    chunk = max(1, min(n, _slice_elements(device)))
-    width = 1
-    if rows:
-        assert g is not None
-        width = g.shape[-1] if g.dim() else 1
-        chunk = max(width, chunk - chunk % width) if width else chunk  # whole rows per slice
-    stride = -(-chunk // _ROW_ALIGN) * _ROW_ALIGN  # every row starts equally aligned (same-bit dots)
-    buf = workspace.get(device, 3 * pairs * stride)
-    whole = n <= chunk  # one slice: read the inputs in their own layout (no flattening copy)
-    if not whole:
-        p, b = p.reshape(-1), b.reshape(-1)
-        g = None if g is None else g.reshape(-1)
-        f = None if f is None else f.reshape(-1)
-    # The golden is read where it lies when it is a float64 row already (no copy), else loaded.
-    in_place = g is not None and g.dtype == torch.float64 and g.is_contiguous()
-    check = finite = reads_are_free(device)
-    total: torch.Tensor | None = None
-    norms: list[torch.Tensor] = []
-    golden_max: torch.Tensor | None = None
-    for start in range(0, max(n, 1), chunk):
-        stop = min(n, start + chunk)
-        m = stop - start
-        scratch = buf[: 3 * pairs * stride].view(3 * pairs, stride)[:, :m]
-        z, d, r = scratch[:pairs], scratch[pairs : 2 * pairs], scratch[2 * pairs :]
-
-        def load(row: torch.Tensor, x: torch.Tensor, start: int = start, stop: int = stop) -> None:
-            (row.view(x.shape) if whole else row).copy_(x if whole else x[start:stop])
-
-        # In float64: the primary into z[0] (scratch until masking), the baseline into r[0] and
-        # the golden into r[1] (or read where it lies); then the differences.
-        load(z[0], p)
-        load(r[0], b)
-        torch.sub(z[0], r[0], out=d[0])
-        ref, loaded = None, False
-        if g is not None:
-            ref = g.reshape(-1)[start:stop] if in_place else None
-            if ref is None or ref.data_ptr() % (8 * _ROW_ALIGN):  # misaligned, dots would change bits
-                ref, loaded = r[1], True
-                load(r[1], g)
-            torch.sub(z[0], ref, out=d[1])
-            torch.sub(r[0], ref, out=d[2])
-            if rows and m:  # before any masking: a row with a non-finite difference reads non-finite
-                if f is not None:  # the form's difference in z[1] (scratch until masking)
-                    load(z[1], f)
-                    z[1].sub_(ref)
-                norms.append(_row_norms(d[1:3], ref, z[1] if f is not None else None, width))
-        part = None
-        if check:  # unmasked: d, then r[0] and (with golden) the golden, shared by the golden pairs
-            used = [*d, r[0]] + ([] if ref is None else [ref])
-            squares = torch.stack([torch.dot(row, row) for row in used])
-            if math.isfinite(squares.sum().item()):  # no non-finite pair in this slice
-                part = _reduce_finite(scratch[pairs : 2 * pairs + 1], ref, squares, pairs)
-                if rows:
-                    golden_max = _max(golden_max, part[6, 1])
-        if part is None:
-            finite = False
-            if ref is not None and not loaded:
-                load(r[1], g)
-            if rows:  # every position, non-finite ones included
-                assert ref is not None
-                top = torch.linalg.vector_norm(ref, float("inf"), dtype=torch.float64)
-                golden_max = _max(golden_max, top)
-            torch.mul(d, 0.0, out=z)  # 0 where the pair is finite, NaN where it is not
-            if g is not None:
-                torch.add(r[1], z[2], out=r[2])
-                r[1].add_(z[1])
-            r[0].add_(z[0])
-            scratch[pairs:].nan_to_num_(0.0, 0.0, 0.0)  # d and r over finite pairs only
-            z.nan_to_num_(1.0)  # 1 where the pair is non-finite
-            part = _reduce(scratch[pairs:], _squares(scratch[pairs:]), pairs, z)
-        total = combine_sums(total, part)
-    assert total is not None
-    total[5] = n - total[4]
-    if not rows:
-        return total, None, None, finite
+    pairs = 1 if g is None else 3
+    n, device = p.numel(), p.device
+    width = (g.shape[-1] if g.dim() else 1) if rows and g is not None else 0
     if n == 0:
-        k = 3 if f is None else 4
-        return total, total.new_zeros(k, 0), total.new_zeros(()), finite
-    assert golden_max is not None
-    return total, norms[0] if len(norms) == 1 else torch.cat(norms, dim=1), golden_max, finite
+        sums = torch.zeros(len(SUM_ROWS), pairs, dtype=torch.float64, device=device)
+        if not rows:
+            return sums, None, None, reads_are_free(device)
+        return sums, sums.new_zeros(3 if f is None else 4, 0), sums.new_zeros(()), reads_are_free(device)
+    sweep = _Sweep(p, b, g, f if rows else None, width, workspace or StatsWorkspace())
+    if reads_are_free(device):
+        acc = sweep.run(masked=False)
+        # one read for the whole call: are the squares finite (no non-finite pair, no overflow)?
+        if math.isfinite(acc[:, : 2 * pairs].sum().item()):  # (L2 norms)
+            return (*sweep.finish(acc), True)
+    return (*sweep.finish(sweep.run(masked=True)), False)
 
 
 #: Scratch rows start at multiples of this many elements (64 bytes of float64), so that a row's
@@ -324,74 +257,194 @@ def _pair_pass(
 _ROW_ALIGN = 8
 
 
-def _max(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
-    return part if total is None else torch.maximum(total, part)
+class _Sweep:
+    """One pass over ``(primary, baseline[, golden[, form]])`` in slices of whole rows.
 
-
-def _row_norms(
-    diffs: torch.Tensor, golden: torch.Tensor, form: torch.Tensor | None, width: int
-) -> torch.Tensor:
-    """``(K, rows)`` L2 norms of the rows of ``diffs (2, m)``, ``golden (m,)`` and ``form (m,)``."""
-    found = [
-        torch.linalg.vector_norm(diffs.view(2, -1, width), dim=-1),
-        torch.linalg.vector_norm(golden.view(1, -1, width), dim=-1),
-    ]
-    if form is not None:
-        found.append(torch.linalg.vector_norm(form.view(1, -1, width), dim=-1))
-    return torch.cat(found)
-
-
-def _squares(rows: torch.Tensor) -> torch.Tensor:
-    """The squared norm of each row of ``rows (R, m)``, one dot product per row: ``(R,)``."""
-    return torch.stack([torch.dot(row, row) for row in rows])
-
-
-def _reduce_finite(
-    dr: torch.Tensor, golden: torch.Tensor | None, squares: torch.Tensor, pairs: int
-) -> torch.Tensor:
-    """One finite slice's ``(7, P)`` sums (:func:`_reduce` where no pair is non-finite).
-
-    Args:
-        dr: ``[d (P, m); r[0] (1, m)]``, overwritten with their magnitudes.
-        golden: ``(m,)`` the golden row shared by the golden pairs (read only), or None (``P`` = 1).
-        squares: the squared norms of ``dr``'s rows, then of ``golden``.
-        pairs: ``P``.
+    Per slice ``s`` it writes one row of ``acc (S, 6P + 2)``: the L2 norms of the differences and
+    of the references, the largest magnitudes of both, the sums of magnitudes of the differences,
+    the non-finite positions per pair, and ``max golden``, ``min golden`` (over every position);
+    with rows, the L2 norm of each row into :attr:`norms` ``(K, R)``. The unmasked sweep (every
+    value finite) and the masked one (non-finite pairs zeroed and counted) run the same reductions
+    on equally aligned rows, so on finite data they give the same bits; :meth:`finish` folds the
+    slices, the same way for both. Slices are cache-sized (:data:`SLICE_ELEMENTS`) and their
+    scratch views are made once per slice length: a slice costs about a dozen tensor operations.
     """
-    dr.abs_()
-    maxima = dr.amax(dim=1) if dr.shape[1] else dr.new_zeros(dr.shape[0])  # max_abs, then max|r[0]|
-    if golden is not None:  # max|golden| = max(max g, −min g): exact, and the golden stays as it is
-        top = torch.maximum(golden.amax(), golden.amin().neg()) if golden.numel() else maxima[:1]
-        maxima = torch.cat((maxima, top.reshape(1)))
-    sum_abs = dr[:pairs].sum(dim=1)
-    ref_sq, ref_max = squares[pairs:], maxima[pairs:]
-    if len(ref_sq) != pairs:  # r[0], then the golden twice
-        ref_sq = torch.cat((ref_sq[:1], ref_sq[1:].expand(2)))
-        ref_max = torch.cat((ref_max[:1], ref_max[1:].expand(2)))
-    zeros = sum_abs.new_zeros(pairs)
-    return torch.stack((maxima[:pairs], sum_abs, squares[:pairs], ref_sq, zeros, zeros, ref_max))
 
+    def __init__(
+        self,
+        p: torch.Tensor,
+        b: torch.Tensor,
+        g: torch.Tensor | None,
+        f: torch.Tensor | None,
+        width: int,
+        workspace: StatsWorkspace,
+    ) -> None:
+        self.n, self.device, self.width = p.numel(), p.device, width
+        self.pairs = 1 if g is None else 3
+        chunk = max(1, min(self.n, _slice_elements(self.device)))
+        if width:
+            chunk = max(width, chunk - chunk % width)  # whole rows per slice
+        self.whole = self.n <= chunk  # one slice: read the inputs in their own layout (no flattening)
+        if self.whole:
+            self.p, self.b, self.g, self.f = p, b, g, f
+        else:
+            self.p, self.b = p.reshape(-1), b.reshape(-1)
+            self.g = None if g is None else g.reshape(-1)
+            self.f = None if f is None else f.reshape(-1)
+        # The golden is read where it lies when it is a float64 row already (no copy), else loaded.
+        self.g_flat = (
+            g.reshape(-1) if g is not None and g.dtype == torch.float64 and g.is_contiguous() else None
+        )
+        self.stride = -(-chunk // _ROW_ALIGN) * _ROW_ALIGN  # every row starts equally aligned
+        rows = 3 * self.pairs + 2
+        self.scratch = workspace.get(self.device, rows * self.stride)[: rows * self.stride].view(
+            rows, self.stride
+        )
+        self.slices = [(a, min(self.n, a + chunk)) for a in range(0, self.n, chunk)]
+        self.norms = torch.empty(
+            (3 if f is None else 4) if width else 0,
+            self.n // max(width, 1),
+            dtype=torch.float64,
+            device=self.device,
+        )
 
-def _reduce(dr: torch.Tensor, squares: torch.Tensor, pairs: int, z: torch.Tensor) -> torch.Tensor:
-    """One masked slice's ``(7, P)`` sums from its scratch rows (overwritten with their magnitudes).
+    def _load(self, row: torch.Tensor, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Copy ``x``'s slice into the flat float64 ``row`` (in ``x``'s own layout when whole); ``row``."""
+        if self.whole:
+            row.view(x.shape).copy_(x)
+        else:
+            row.copy_(x[start:stop])
+        return row
 
-    Args:
-        dr: ``[d (P, m); r (P, m)]``: differences, then references, zero where the pair is not finite.
-        squares: ``(2P,)`` squared norms of ``dr``'s rows.
-        pairs: ``P``.
-        z: ``(P, m)`` non-finite markers (1 where the pair is non-finite, else 0).
-    """
-    dr.abs_()
-    maxima = dr.amax(dim=1) if dr.shape[1] else dr.new_zeros(dr.shape[0])  # max_abs, then max_ref
-    sum_abs = dr[:pairs].sum(dim=1)
-    nonfinite = z.sum(dim=1)
-    count = nonfinite.new_zeros(pairs)  # set from the total
-    return torch.stack(
-        (maxima[:pairs], sum_abs, squares[:pairs], squares[pairs:], nonfinite, count, maxima[pairs:])
-    )
+    def _golden(self, spare: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """The golden's slice as a float64 row: where it lies when aligned, else loaded into ``spare``."""
+        if self.g_flat is not None:
+            ref = self.g_flat[start:stop]
+            if not ref.data_ptr() % (8 * _ROW_ALIGN):  # misaligned, reductions would change bits
+                return ref
+        assert self.g is not None
+        return self._load(spare, self.g, start, stop)
+
+    def run(self, masked: bool) -> torch.Tensor:
+        """``acc (S, 6P + 2)`` (see the class docstring); fills :attr:`norms` with rows."""
+        pairs = self.pairs
+        acc = torch.empty(len(self.slices), 6 * pairs + 2, dtype=torch.float64, device=self.device)
+        views: dict[int, tuple[torch.Tensor, ...]] = {}
+        for (start, stop), row in zip(self.slices, acc.unbind(0), strict=True):
+            m = stop - start
+            if m not in views:
+                views[m] = self.scratch[:, :m].unbind(0)
+            if masked:
+                self._masked_slice(views[m], row, start, stop)
+            else:
+                self._finite_slice(views[m], row, start, stop)
+        if pairs == 1:
+            acc[:, 6:].zero_()  # no golden
+        if not masked:  # what the masked sweep reads from its own rows: nothing non-finite, g as its refs
+            acc[:, 5 * pairs : 6 * pairs].zero_()
+            if pairs == 3:
+                acc[:, 5].copy_(acc[:, 4])
+                top = torch.maximum(acc[:, 6 * pairs], acc[:, 6 * pairs + 1].neg())
+                acc[:, 10:12].copy_(top.unsqueeze(1).expand(-1, 2))
+        return acc
+
+    def _rows(self, d1: torch.Tensor, ref: torch.Tensor, spare: torch.Tensor, start: int, stop: int) -> None:
+        """The L2 norm of each row of ``[p − g; b − g]`` (the two scratch rows from ``d1`` on), of the
+        golden ``ref (m,)`` and (with a form) of form − g, into :attr:`norms`."""
+        w, m = self.width, stop - start
+        at = slice(start // w, stop // w)
+        pair = d1.as_strided((2, m // w, w), (self.stride, w, 1))
+        torch.linalg.vector_norm(pair, dim=-1, out=self.norms[:2, at])
+        torch.linalg.vector_norm(ref.view(-1, w), dim=-1, out=self.norms[2, at])
+        if self.f is not None:
+            self._load(spare, self.f, start, stop).sub_(ref)
+            torch.linalg.vector_norm(spare.view(-1, w), dim=-1, out=self.norms[3, at])
+
+    def _block(self, first: torch.Tensor, count: int) -> torch.Tensor:
+        """``(count, m)``: ``count`` consecutive scratch rows from ``first`` on."""
+        return first.as_strided((count, first.numel()), (self.stride, 1))
+
+    def _finite_slice(self, x: tuple[torch.Tensor, ...], acc: torch.Tensor, start: int, stop: int) -> None:
+        """Rows of ``x``: ``[d (P); r0; spare (2)]``, ``d`` = p − b (, p − g, b − g), ``r0`` = b."""
+        pairs = self.pairs
+        r0 = x[pairs]
+        self._load(x[0] if pairs == 1 else x[1], self.p, start, stop)  # p, until it becomes p − b or p − g
+        self._load(r0, self.b, start, stop)
+        if pairs == 1:
+            x[0].sub_(r0)
+        else:
+            torch.sub(x[1], r0, out=x[0])
+            ref = self._golden(x[4], start, stop)
+            x[1].sub_(ref)
+            torch.sub(r0, ref, out=x[2])
+            if self.width:
+                self._rows(x[1], ref, x[5], start, stop)
+            torch.linalg.vector_norm(ref, out=acc[4])
+            torch.amax(ref, out=acc[6 * pairs])
+            torch.amin(ref, out=acc[6 * pairs + 1])
+        dr = self._block(x[0], pairs + 1)  # d, then b
+        torch.linalg.vector_norm(dr, dim=1, out=acc[: pairs + 1])
+        dr.abs_()
+        torch.amax(dr, dim=1, out=acc[2 * pairs : 3 * pairs + 1])  # max|d|, then max|b|
+        torch.sum(dr[:pairs], dim=1, out=acc[4 * pairs : 5 * pairs])
+
+    def _masked_slice(self, x: tuple[torch.Tensor, ...], acc: torch.Tensor, start: int, stop: int) -> None:
+        """Rows of ``x``: ``[z (P); d (P); r (P); spare (2)]``; ``z`` marks non-finite pairs."""
+        pairs = self.pairs
+        z, d, r = self._block(x[0], pairs), x[pairs : 2 * pairs], x[2 * pairs : 3 * pairs]
+        self._load(x[0], self.p, start, stop)  # scratch until masking
+        self._load(r[0], self.b, start, stop)
+        torch.sub(x[0], r[0], out=d[0])
+        if pairs == 3:
+            ref = self._golden(r[1], start, stop)
+            torch.sub(x[0], ref, out=d[1])
+            torch.sub(r[0], ref, out=d[2])
+            if self.width:  # before masking: a row with a non-finite difference reads non-finite
+                self._rows(d[1], ref, x[3 * pairs], start, stop)
+            torch.amax(ref, out=acc[6 * pairs])  # over every position: non-finite where the golden is
+            torch.amin(ref, out=acc[6 * pairs + 1])
+            if ref.data_ptr() != r[1].data_ptr():
+                r[1].copy_(ref)
+        dd, dr = self._block(d[0], pairs), self._block(d[0], 2 * pairs)
+        torch.mul(dd, 0.0, out=z)  # 0 where the pair is finite, NaN where it is not
+        if pairs == 3:
+            torch.add(r[1], z[2], out=r[2])
+            r[1].add_(z[1])
+        r[0].add_(z[0])
+        dr.nan_to_num_(0.0, 0.0, 0.0)  # d and r over finite pairs only
+        z.nan_to_num_(1.0)  # 1 where the pair is non-finite
+        torch.linalg.vector_norm(dr, dim=1, out=acc[: 2 * pairs])
+        dr.abs_()
+        torch.amax(dr, dim=1, out=acc[2 * pairs : 4 * pairs])  # max|d|, then max|r|
+        torch.sum(dd, dim=1, out=acc[4 * pairs : 5 * pairs])
+        torch.sum(z, dim=1, out=acc[5 * pairs : 6 * pairs])
+
+    def finish(self, acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(sums (7, P), norms (K, R) or None, max|golden| or None)``: the slices of ``acc`` folded
+        (maxima, and sums of the magnitudes, squared norms and counts, over slices)."""
+        pairs = self.pairs
+        top, total = acc.amax(dim=0), acc.sum(dim=0)
+        squares = acc[:, : 2 * pairs].square().sum(dim=0)
+        nonfinite = total[5 * pairs : 6 * pairs]
+        sums = torch.stack(
+            (
+                top[2 * pairs : 3 * pairs],
+                total[4 * pairs : 5 * pairs],
+                squares[:pairs],
+                squares[pairs:],
+                nonfinite,
+                self.n - nonfinite,
+                top[3 * pairs : 4 * pairs],
+            )
+        )
+        if not self.width:
+            return sums, None, None
+        golden_max = torch.maximum(top[6 * pairs], acc[:, 6 * pairs + 1].amin().neg())
+        return sums, self.norms, golden_max
 
 
 def combine_sums(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
-    """Fold one part's ``(7, P)`` :func:`pair_sums` into the running total: maxima of ``max_abs``
+    """Fold one part's ``(7, q)`` :func:`pair_sums` into the running total: maxima of ``max_abs``
     and ``max_ref``, sums of the rest; ``part`` itself when ``total`` is None. Used over slices,
     reference blocks and calls."""
     if total is None:

@@ -20,12 +20,14 @@ from flashprobe.deviation import (
 
 def test_hand_values():
     dev = deviation(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 1.0, 1.0]))
-    # |a - b| = [0, 1, 2]; ‖a - b‖ = √5, ‖b‖ = √3
-    assert dev == Deviation(max_abs=2.0, mean_abs=1.0, rel_l2=math.sqrt(5 / 3), nonfinite=0, numel=3)
+    # |a - b| = [0, 1, 2]; ‖a - b‖ = √5, ‖b‖ = √3 (squared from the norms: to the last bit or two)
+    assert dev == Deviation(
+        max_abs=2.0, mean_abs=1.0, rel_l2=pytest.approx(math.sqrt(5 / 3), rel=1e-15), nonfinite=0, numel=3
+    )
     assert dev.as_dict() == {
         "max_abs": 2.0,
         "mean_abs": 1.0,
-        "rel_l2": math.sqrt(5 / 3),
+        "rel_l2": pytest.approx(math.sqrt(5 / 3), rel=1e-15),
         "nonfinite": 0,
         "numel": 3,
     }
