@@ -146,9 +146,9 @@ def _parser() -> argparse.ArgumentParser:
         dest="from_file",
         type=Path,
         metavar="FILE",
-        help="a failing call the probe saved in training (repro/*.safetensors): replay it with each "
-        "--kernel (default: the recorded primary) and shrink it to the smallest call that still fails, "
-        "written to DIR/<name>.shrunk.safetensors",
+        help="a reproducer (*.safetensors) the probe saved in training or a fuzz run saved: replay it "
+        "with each --kernel (default: the recorded one) and shrink it to the smallest call that still "
+        "fails the same way, written to DIR/<name>.<kernel>.shrunk.safetensors",
     )
     p.add_argument("--list", action="store_true", help="print the catalogue as a Markdown table and exit")
     p.add_argument(
@@ -273,9 +273,10 @@ def _import_modules(modules: Sequence[str] | None) -> None:
 
 
 def _from_reproducer(args: argparse.Namespace) -> int:
-    """``--from FILE``: replay a training reproducer with each kernel and shrink the failing ones
-    (:func:`flashprobe.probe.repro.shrink_reproducer`); 1 when a kernel fails or errs (raises, returns
-    the wrong shape or dtype: ``replay``'s ``error``, not shrunk), 0 when none does."""
+    """``--from FILE``: replay a reproducer (the probe's or the fuzzer's) with each kernel and shrink
+    the failing ones (:func:`flashprobe.probe.repro.shrink_reproducer`); 1 when a kernel fails or
+    errs (raises, returns the wrong shape or dtype: ``replay``'s ``error``, not shrunk), 0 when none
+    does."""
     from flashprobe.probe.repro import (
         ReproducerError,
         load_reproducer,
@@ -295,7 +296,13 @@ def _from_reproducer(args: argparse.Namespace) -> int:
             "--from: the call was made with torch's own SDPA (no primary recorded); "
             "name the kernel with --kernel"
         )
-    kernels = [_label(k, "--kernel") for k in specs]
+    try:
+        kernels = [_label(k, "--kernel") for k in specs]
+    except UsageError as err:
+        module = call.meta.get("kernel_module")
+        raise UsageError(
+            f"{err} (recorded: registered by --import {module})" if module else str(err)
+        ) from None
     try:
         out_dir = prepare_output_dir(args.out, flag="--out")
     except OutputPathError as err:
