@@ -12,13 +12,9 @@ A tensor that was a permuted view is stored in its memory order and given back a
 (``layout``: the permutation per tensor). The metadata (:attr:`Reproducer.meta`) holds
 ``is_causal``, ``scale``, dtype, device, the versions, ``primary`` (the kernel that failed),
 ``kernel_module`` (the user module that registered it), ``baseline``, ``reason`` and, for a fuzz
-case, ``fuzz``: the case, the layout and poison to lay the inputs out in, whether gradients and
-the signed bias were judged, the failure kind and the random sample's parameters. The script runs
-``flashprobe replay`` (:mod:`flashprobe.probe.replay_cli`), which judges a probe call as the probe
-does and a fuzz case as the fuzzer does (:func:`flashprobe.probe.repro.replay`).
-
-Reproducers written as ``.pt`` (a torch pickle) by older versions of ``flashprobe fuzz`` are refused
-with that reason: nothing a user hands in is unpickled.
+case, ``fuzz`` (:mod:`flashprobe.fuzz.reproducer`). The script runs ``flashprobe replay``
+(:func:`flashprobe.probe.repro.replay`). Reproducers written as ``.pt`` (a torch pickle) by older
+versions of ``flashprobe fuzz`` are refused with that reason: nothing a user hands in is unpickled.
 """
 
 from __future__ import annotations
@@ -79,6 +75,17 @@ class Reproducer:
     @property
     def dtype(self) -> torch.dtype:
         return self.q.dtype
+
+    def save(self, path: str | Path) -> Path:
+        """Write this call to ``path`` (``.safetensors``) and its script (:func:`save_reproducer`)."""
+        tensors = {
+            "q": self.q,
+            "k": self.k,
+            "v": self.v,
+            "attn_mask": self.attn_mask,
+            "grad_out": self.grad_out,
+        }
+        return save_reproducer(path, is_causal=self.is_causal, scale=self.scale, meta=self.meta, **tensors)
 
 
 def reproducer_stem(site: str, step: int) -> str:

@@ -20,7 +20,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -277,13 +277,7 @@ def _from_reproducer(args: argparse.Namespace) -> int:
     the failing ones (:func:`flashprobe.probe.repro.shrink_reproducer`); 1 when a kernel fails or
     errs (raises, returns the wrong shape or dtype: ``replay``'s ``error``, not shrunk), 0 when none
     does."""
-    from flashprobe.probe.repro import (
-        ReproducerError,
-        load_reproducer,
-        replay,
-        save_reproducer,
-        shrink_reproducer,
-    )
+    from flashprobe.probe.repro import ReproducerError, load_reproducer, replay, shrink_reproducer
 
     _import_modules(args.imports)
     try:
@@ -324,17 +318,7 @@ def _from_reproducer(args: argparse.Namespace) -> int:
         failed += 1
         small, tries = shrink_reproducer(call, spec, baseline=baseline)
         path = out_dir / f"{stem}.{_safe(spec)}.shrunk.safetensors"
-        save_reproducer(
-            path,
-            q=small.q,
-            k=small.k,
-            v=small.v,
-            attn_mask=small.attn_mask,
-            is_causal=small.is_causal,
-            scale=small.scale,
-            grad_out=small.grad_out,
-            meta={**small.meta, "primary": spec, "shrunk_from": str(args.from_file)},
-        )
+        replace(small, meta={**small.meta, "primary": spec, "shrunk_from": str(args.from_file)}).save(path)
         before = "x".join(str(n) for n in (*call.q.shape[:3], call.k.shape[2]))
         after = "x".join(str(n) for n in (*small.q.shape[:3], small.k.shape[2]))
         print(

@@ -21,7 +21,6 @@ from typing import Any
 
 from flashprobe.formats import safe_name
 from flashprobe.formats.reproducer import Reproducer, kernel_module
-from flashprobe.formats.reproducer import save_reproducer as write_reproducer
 from flashprobe.fuzz.cases import SIGNED_BIAS
 from flashprobe.fuzz.inputs import CaseInputs
 from flashprobe.fuzz.kernel_call import kernel_label
@@ -36,11 +35,10 @@ __all__ = [
     "failure_directions",
     "replay_case",
     "save_reproducer",
-    "write_case_reproducer",
 ]
 
 #: a fuzz verdict as :func:`flashprobe.probe.repro.replay` says it
-_REPLAY_VERDICT = {
+_REPLAY = {
     "pass": "pass",
     "no_backward": "pass",
     "fail": "fail",
@@ -60,7 +58,7 @@ def case_reproducer(
     backward: bool = True,
     bias: bool = False,
 ) -> Reproducer:
-    """A failing case as a reproducer (in memory; :func:`write_case_reproducer` saves it).
+    """A failing case as a reproducer, in memory (:meth:`~ReproducerStore.keep` saves it).
 
     Args:
         case: the case's name.
@@ -74,54 +72,30 @@ def case_reproducer(
         bias: the case judged the sign of the errors (``signed bias``); the replay does too.
     """
     cpu = inputs.to("cpu")
-    q, k, v = (t.contiguous() for t in (cpu.q, cpu.k, cpu.v))
+    fuzz = {"case": case, "layout": cpu.layout, "poison": cpu.poison, "backward": backward, "bias": bias}
     meta = {
         "primary": kernel_label(kernel),
         "kernel_module": kernel_module(get_kernel(kernel)),
         "baseline": kernel_label(baseline),
         "reason": result.reason,
         "directions": failure_directions(result),
-        "fuzz": {
-            "case": case,
-            "layout": cpu.layout,
-            "poison": cpu.poison,
-            "backward": backward,
-            "bias": bias,
-            "failure": result.failure,
-            "params": params or {},
-        },
+        "fuzz": {**fuzz, "failure": result.failure, "params": params or {}},
     }
-    return Reproducer(
-        q=q, k=k, v=v, attn_mask=cpu.attn_mask, grad_out=None, is_causal=cpu.is_causal, scale=cpu.scale,
-        meta=meta,
-    )  # fmt: skip
+    q, k, v = (t.contiguous() for t in (cpu.q, cpu.k, cpu.v))
+    return Reproducer(q, k, v, cpu.attn_mask, None, cpu.is_causal, cpu.scale, meta)
 
 
-def write_case_reproducer(out_dir: str | os.PathLike[str], call: Reproducer) -> Path:
-    """Save a case's reproducer as ``out_dir/repro_<case>_<hash>.safetensors`` and its ``.py``; the
-    hash is of the kernel, dtype, parameters and shapes. Returns the ``.safetensors`` path.
+def _file_name(call: Reproducer) -> str:
+    """``repro_<case>_<hash>.safetensors``, the hash of the kernel, dtype, parameters and shapes.
 
     Raises:
         OutputPathError: the case's name cannot be used in a file name.
     """
     fuzz = call.meta["fuzz"]
     shapes = [list(t.shape) for t in (call.q, call.k, call.v)]
-    key = json.dumps(
-        [call.meta["primary"], str(call.dtype), fuzz["params"], shapes, fuzz["layout"]],
-        sort_keys=True,
-        default=str,
-    )
-    stem = f"repro_{safe_name(fuzz['case'], what='case name')}_{hashlib.sha1(key.encode()).hexdigest()[:8]}"
-    return write_reproducer(
-        Path(out_dir) / f"{stem}.safetensors",
-        q=call.q,
-        k=call.k,
-        v=call.v,
-        attn_mask=call.attn_mask,
-        is_causal=call.is_causal,
-        scale=call.scale,
-        meta=call.meta,
-    )
+    key = [call.meta["primary"], str(call.dtype), fuzz["params"], shapes, fuzz["layout"]]
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return f"repro_{safe_name(fuzz['case'], what='case name')}_{digest}.safetensors"
 
 
 def save_reproducer(
@@ -136,20 +110,17 @@ def save_reproducer(
     backward: bool = True,
     bias: bool = False,
 ) -> Path:
-    """Save a failing case as ``repro_<case>_<hash>.safetensors`` and the script ``.py`` beside it
-    (:func:`case_reproducer`, :func:`write_case_reproducer`), which imports the module that
-    registered a user kernel and exits 1 while the failure reproduces.
-
-    Returns:
-        Path of the ``.safetensors`` file.
+    """Save a failing case (:func:`case_reproducer`, whose arguments these are) as
+    ``out_dir/repro_<case>_<hash>.safetensors`` and the script ``.py`` beside it, which imports the
+    module that registered a user kernel and exits 1 while the failure reproduces. Returns the
+    ``.safetensors`` path.
 
     Raises:
         OutputPathError: ``case`` cannot be used in a file name.
     """
-    call = case_reproducer(
-        case, kernel, inputs, result, baseline=baseline, params=params, backward=backward, bias=bias
-    )
-    return write_case_reproducer(out_dir, call)
+    settings = {"baseline": baseline, "params": params, "backward": backward, "bias": bias}
+    call = case_reproducer(case, kernel, inputs, result, **settings)
+    return call.save(Path(out_dir) / _file_name(call))
 
 
 def case_inputs(call: Reproducer) -> CaseInputs:
@@ -159,15 +130,11 @@ def case_inputs(call: Reproducer) -> CaseInputs:
         ValueError: the recorded layout or poison is not one the fuzzer knows.
     """
     fuzz = call.meta["fuzz"]
+    q, k, v = (t.contiguous() for t in (call.q, call.k, call.v))
     plain = CaseInputs(
-        q=call.q.contiguous(),
-        k=call.k.contiguous(),
-        v=call.v.contiguous(),
-        attn_mask=call.attn_mask,
-        is_causal=call.is_causal,
-        scale=call.scale,
+        q=q, k=k, v=v, attn_mask=call.attn_mask, is_causal=call.is_causal, scale=call.scale,
         poison=fuzz.get("poison", ""),
-    )
+    )  # fmt: skip
     return plain.with_layout(fuzz.get("layout", "contiguous"))
 
 
@@ -188,12 +155,14 @@ def replay_case(call: Reproducer, kernel: str, baseline: str = "math") -> dict[s
         result = FuzzResult(
             kernel=kernel, case="", dtype="", verdict="unsupported", reason=f"{type(err).__name__}: {err}"
         )
-    failing = failure_directions(result) if result.verdict == "fail" else []
+    failed = result.verdict == "fail"
     return {
-        "verdict": _REPLAY_VERDICT[result.verdict],
+        "verdict": _REPLAY[result.verdict],
         "reasons": [result.reason],
-        "failure": result.failure if result.verdict == "fail" else None,
-        "directions": {d: "fail" for d in failing} or {"out": _REPLAY_VERDICT[result.verdict]},
+        "failure": result.failure if failed else None,
+        "directions": dict.fromkeys(failure_directions(result), "fail")
+        if failed
+        else {"out": _REPLAY[result.verdict]},
         "limit_ratio": {},
         "l2_error_ratio": {},
     }
@@ -257,7 +226,7 @@ class ReproducerStore:
     def keep(self, result: FuzzResult, call: Reproducer, prop: str) -> FuzzResult:
         """Save ``call`` (a :func:`case_reproducer`, shrunk or not) as the reproducer of ``result``
         for each of its new directions; returns ``result`` with ``repro`` set."""
-        path = write_case_reproducer(self.out_dir, call)
+        path = call.save(self.out_dir / _file_name(call))
         for direction in failure_directions(result):
             self.saved.setdefault((result.kernel, prop, direction), path)
         return replace(result, repro=str(path))

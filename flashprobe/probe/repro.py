@@ -1,20 +1,14 @@
-"""Reproducers, replayed and shrunk: the one path for the probe, ``flashprobe fuzz``, ``fuzz --from``
+"""Reproducers replayed and shrunk: the one path of the probe, ``flashprobe fuzz``, ``fuzz --from``
 and ``flashprobe replay``.
 
-Every reproducer is one file format (:mod:`flashprobe.formats.reproducer`): the call as
-``safetensors`` — no pickle — with its metadata, plus a script. The probe saves the first failing
-call of a site in training (``REPRO_DIR/<site>.step<step>.safetensors``: the call as the kernels
-saw it, compute dtype, 4-D, ``k``/``v`` with their own head count under grouped-query attention,
-a permuted view kept a permuted view, the output gradient whenever the call had a backward, every
-direction that failed at it); the fuzzer saves a failing case (``repro_<case>_<hash>.safetensors``,
-:mod:`flashprobe.fuzz.reproducer`: the inputs, their layout and poison, whether gradients and the
-signed bias were judged).
-
-:func:`replay` judges the call again for any kernel spec with the judge that found it: a call
-saved in training through a :class:`~flashprobe.probe.ShadowAttention`, as in training, forward
-and, with an output gradient, backward; a fuzz case with the fuzzer's
-:func:`~flashprobe.fuzz.run.check_case`, in its layout. :func:`shrink_reproducer` cuts either to the
-smallest call on which a kernel still fails the same way.
+Every reproducer is one file (:mod:`flashprobe.formats.reproducer`: safetensors, no pickle, with
+its metadata, plus a script): a call the probe saved in training (``<site>.step<step>``) or a case
+the fuzzer saved (``repro_<case>_<hash>``, :mod:`flashprobe.fuzz.reproducer`). :func:`replay`
+judges it again for any kernel spec with the judge that found it: a call through a
+:class:`~flashprobe.probe.ShadowAttention`, as in training, forward and, with an output gradient,
+backward; a case with the fuzzer's :func:`~flashprobe.fuzz.run.check_case`, in its layout.
+:func:`shrink_reproducer` cuts either to the smallest call on which a kernel still fails the same
+way.
 """
 
 from __future__ import annotations
@@ -67,69 +61,57 @@ def replay(
     """
     base = baseline or call.meta.get("baseline") or "math"
     if call.meta.get("fuzz") is not None:  # a fuzz case: judged as the fuzzer judged it
-        from flashprobe.fuzz.reproducer import replay_case
+        from flashprobe.fuzz.reproducer import replay_case as judge
+    else:
+        judge = _replay_call
+    return {spec: judge(call, spec, base) for spec in kernels}
 
-        return {spec: replay_case(call, spec, base) for spec in kernels}
-    backward = call.grad_out is not None
-    results: dict[str, dict[str, Any]] = {}
-    for spec in kernels:
-        site = call.meta.get("site") or "attention"
-        try:
-            shadow = ShadowAttention(
-                primary=spec, baseline=base, backward=backward, name=site, on_failure="ignore"
-            )
-            leaves = [t.detach().clone().requires_grad_(backward) for t in (call.q, call.k, call.v)]
-            # The saved layout (a permuted view) is kept: clone() preserves strides.
-            q, k, v = leaves
-            rep = q.shape[1] // max(k.shape[1], 1)
-            with torch.enable_grad():
-                out = shadow(
-                    q,
-                    k,
-                    v,
-                    attn_mask=call.attn_mask,
-                    is_causal=call.is_causal,
-                    scale=call.scale,
-                    enable_gqa=rep > 1,
-                )
-                if backward:
-                    assert call.grad_out is not None
-                    out.backward(call.grad_out.to(out.dtype))
-            entry = shadow.stats()[site]
-        except Exception as err:  # a kernel that raises on the call is a result, not a crash
-            results[spec] = {
-                "verdict": "error",
-                "reasons": [f"{type(err).__name__}: {err}"],
-                "failure": None,
-                "directions": {},
-                "limit_ratio": {},
-                "l2_error_ratio": {},
-            }
-            continue
-        directions = {"out": entry["forward"]["out"]}
-        if backward:
-            directions.update((d, entry["backward"][d]) for d in ("dq", "dk", "dv"))
-        verdicts = {d: e["verdict"] for d, e in directions.items() if e["verdict"] is not None}
-        reasons = [
-            f"{d}: {e['first_failure']['reason']}" for d, e in directions.items() if e.get("first_failure")
-        ]
-        if entry.get("shadow_errors"):
-            reasons.append(f"{entry['shadow_errors']} reference computation(s) failed")
-        if "fail" in verdicts.values():
-            verdict = "fail"
-        elif "pass" in verdicts.values():
-            verdict = "pass"
-        else:
-            verdict = "undetermined" if verdicts else "error"
-        results[spec] = {
-            "verdict": verdict,
+
+def _replay_call(call: Reproducer, spec: str, baseline: str) -> dict[str, Any]:
+    """A call saved in training, judged with ``spec`` as the probe judges it (:func:`replay`)."""
+    backward, site = call.grad_out is not None, call.meta.get("site") or "attention"
+    try:
+        shadow = ShadowAttention(
+            primary=spec, baseline=baseline, backward=backward, name=site, on_failure="ignore"
+        )
+        # clone() keeps the saved layout: a permuted view keeps its strides
+        q, k, v = (t.detach().clone().requires_grad_(backward) for t in (call.q, call.k, call.v))
+        with torch.enable_grad():
+            arguments = {"attn_mask": call.attn_mask, "is_causal": call.is_causal, "scale": call.scale}
+            out = shadow(q, k, v, **arguments, enable_gqa=q.shape[1] > k.shape[1])
+            if call.grad_out is not None:
+                out.backward(call.grad_out.to(out.dtype))
+        entry = shadow.stats()[site]
+    except Exception as err:  # a kernel that raises on the call is a result, not a crash
+        reasons = [f"{type(err).__name__}: {err}"]
+        return {
+            "verdict": "error",
             "reasons": reasons,
-            "failure": next((d for d, v in verdicts.items() if v == "fail"), None),
-            "directions": verdicts,
-            "limit_ratio": {d: e["limit_ratio"] for d, e in directions.items()},
-            "l2_error_ratio": {d: e["l2_error_ratio"] for d, e in directions.items()},
+            "failure": None,
+            "directions": {},
+            "limit_ratio": {},
+            "l2_error_ratio": {},
         }
-    return results
+    directions = {"out": entry["forward"]["out"]}
+    if backward:
+        directions.update((d, entry["backward"][d]) for d in ("dq", "dk", "dv"))
+    verdicts = {d: e["verdict"] for d, e in directions.items() if e["verdict"] is not None}
+    reasons = [
+        f"{d}: {e['first_failure']['reason']}" for d, e in directions.items() if e.get("first_failure")
+    ]
+    if entry.get("shadow_errors"):
+        reasons.append(f"{entry['shadow_errors']} reference computation(s) failed")
+    verdict = next(
+        (v for v in ("fail", "pass") if v in verdicts.values()), "undetermined" if verdicts else "error"
+    )
+    return {
+        "verdict": verdict,
+        "reasons": reasons,
+        "failure": next((d for d, v in verdicts.items() if v == "fail"), None),
+        "directions": verdicts,
+        "limit_ratio": {d: e["limit_ratio"] for d, e in directions.items()},
+        "l2_error_ratio": {d: e["l2_error_ratio"] for d, e in directions.items()},
+    }
 
 
 def _as_4d(mask: torch.Tensor) -> torch.Tensor:
@@ -137,37 +119,31 @@ def _as_4d(mask: torch.Tensor) -> torch.Tensor:
     return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
 
 
+#: per axis of :func:`_cut`, the dimension it cuts in q, k, v, grad_out and the 4-D mask (None: not cut)
+_CUT_DIMS = {
+    "batch": (0, 0, 0, 0, 0),
+    "heads": (1, 1, 1, 1, 1),
+    "n_q": (2, None, None, 2, 2),
+    "n_k": (None, 2, 2, None, 3),
+    "head_dim": (3, 3, None, None, None),
+    "head_dim_v": (None, None, 3, 3, None),
+}
+
+
 def _cut(call: Reproducer, axis: str, start: int, stop: int) -> Reproducer:
-    """The call cut to ``[start, stop)`` along ``axis``: ``batch``, ``heads`` (query heads, a whole
-    number of GQA groups, with their key/value heads), ``n_q``, ``n_k``, ``n`` (both, for a causal
-    square call), ``head_dim`` (q, k) or ``head_dim_v`` (v and the output gradient); the mask is
-    cut where it is not broadcast."""
+    """The call cut to ``[start, stop)`` along ``axis`` (of :data:`_CUT_DIMS`, or ``n``: query rows
+    and keys together, for a causal square call); ``heads`` are query heads, a whole number of GQA
+    groups, cut with their key/value heads; the mask is cut where it is not broadcast."""
     rep = call.q.shape[1] // max(call.k.shape[1], 1)
-    window = slice(start, stop)
-    kv = slice(start // rep, stop // rep) if axis == "heads" else window
-    # (tensor dims cut) per axis: q, k, v, grad_out, mask
-    dims = {
-        "batch": (0, 0, 0, 0, 0),
-        "heads": (1, 1, 1, 1, 1),
-        "n_q": (2, None, None, 2, 2),
-        "n_k": (None, 2, 2, None, 3),
-        "head_dim": (3, 3, None, None, None),
-        "head_dim_v": (None, None, 3, 3, None),
-    }
-    names = ("n_q", "n_k") if axis == "n" else (axis,)
     tensors = [call.q, call.k, call.v, call.grad_out, call.attn_mask]
-    for name in names:
-        for i, dim in enumerate(dims[name]):
-            t = tensors[i]
-            if dim is None or t is None:
+    if call.attn_mask is not None:  # broadcastable to (B, H, N_q, N_k): as a 4-D view
+        tensors[4] = call.attn_mask.reshape((1,) * (4 - call.attn_mask.dim()) + tuple(call.attn_mask.shape))
+    for name in ("n_q", "n_k") if axis == "n" else (axis,):
+        for i, (t, dim) in enumerate(zip(tensors, _CUT_DIMS[name], strict=True)):
+            if dim is None or t is None or (i == 4 and t.shape[dim] == 1):  # a broadcast mask dim
                 continue
-            if i == 4:  # the mask: 4-D, cut only where it is not broadcast
-                t = _as_4d(t)
-                if t.shape[dim] == 1:
-                    tensors[i] = t
-                    continue
-            index = [slice(None)] * 4
-            index[dim] = kv if i in (1, 2) else window
+            kv = name == "heads" and i in (1, 2)  # key/value heads: one per group of query heads
+            index = [slice(None)] * dim + [slice(start // rep, stop // rep) if kv else slice(start, stop)]
             tensors[i] = t[tuple(index)]
     q, k, v, grad_out, mask = tensors
     return replace(call, q=q, k=k, v=v, grad_out=grad_out, attn_mask=mask)
