@@ -40,7 +40,8 @@ __all__ = [
 #: ``format`` in the metadata of every reproducer file.
 REPRO_FORMAT = "flashprobe-repro-1"
 
-#: The first bytes of a file ``torch.save`` wrote (a zip archive, or a legacy pickle).
+#: The first bytes of a file ``torch.save`` wrote (a zip archive, or a legacy pickle), told apart
+#: from safetensors only once a file fails to read as safetensors.
 _PICKLE_MAGIC = (b"PK\x03\x04", b"\x80")
 
 
@@ -211,19 +212,19 @@ def load_reproducer(path: str | Path, device: torch.device | str | None = None) 
     path = Path(path)
     if not path.is_file():
         raise ReproducerError(f"{path}: no such file (a reproducer is a .safetensors file)")
-    with path.open("rb") as f:
-        head = f.read(4)
-    if path.suffix == ".pt" or head.startswith(_PICKLE_MAGIC):
-        raise ReproducerError(
-            f"{path}: a reproducer in the old .pt format (a torch pickle, written by an older "
-            "flashprobe fuzz); flashprobe does not unpickle files it is handed. Run the same "
-            "`flashprobe fuzz` again (same --kernel, --case, --seed) to save it as .safetensors"
-        )
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open API)
     except (SafetensorError, OSError, ValueError) as err:
+        with path.open("rb") as file:
+            pickled = file.read(4).startswith(_PICKLE_MAGIC)
+        if pickled or path.suffix == ".pt":
+            raise ReproducerError(
+                f"{path}: a reproducer in the old .pt format (a torch pickle, written by an older "
+                "flashprobe fuzz); flashprobe does not unpickle files it is handed. Run the same "
+                "`flashprobe fuzz` again (same --kernel, --case, --seed) to save it as .safetensors"
+            ) from None
         raise ReproducerError(f"{path}: not a safetensors file ({err})") from None
     try:
         info = json.loads(meta["flashprobe"])
