@@ -79,14 +79,8 @@ class Reproducer:
 
     def save(self, path: str | Path) -> Path:
         """Write this call to ``path`` (``.safetensors``) and its script (:func:`save_reproducer`)."""
-        tensors = {
-            "q": self.q,
-            "k": self.k,
-            "v": self.v,
-            "attn_mask": self.attn_mask,
-            "grad_out": self.grad_out,
-        }
-        return save_reproducer(path, is_causal=self.is_causal, scale=self.scale, meta=self.meta, **tensors)
+        fields = ("q", "k", "v", "attn_mask", "grad_out", "is_causal", "scale", "meta")
+        return save_reproducer(path, **{name: getattr(self, name) for name in fields})
 
 
 def reproducer_stem(site: str, step: int) -> str:
@@ -143,7 +137,7 @@ def save_reproducer(
         if t is None:
             continue
         stored, perm = _memory_order(t.detach())
-        tensors[name] = stored.cpu()
+        tensors[name] = stored.to("cpu", copy=True)  # its own memory: q, k, v may be one tensor
         layout[name] = perm
     info = {
         **(meta or {}),

@@ -322,3 +322,28 @@ def test_a_probe_reproducers_script_exits_1_while_it_fails_0_once_fixed_2_when_u
     assert bug == 1 and f"{SENTINEL_KERNEL}: FAIL" in out_bug, out_bug
     assert fixed == 0 and "tiled: PASS" in out_fixed, out_fixed
     assert unloadable == 2
+
+
+def test_a_reproducer_whose_header_starts_like_a_pickle_still_loads(tmp_path):
+    """Only a file that fails to read as safetensors is taken for an old pickle: a safetensors
+    header length whose low byte is 0x80 (a pickle's first byte) is a valid reproducer (a probe
+    reproducer in tests/integration/test_hf_trainer.py had one)."""
+    from flashprobe.formats.reproducer import save_reproducer as save_call
+
+    q = torch.zeros(1, 1, 2, 4)
+    for n in range(256):
+        path = save_call(
+            tmp_path / "call.safetensors", q=q, k=q, v=q, attn_mask=None, is_causal=False, scale=None,
+            meta={"reason": "x" * n},
+        )  # fmt: skip
+        if path.read_bytes()[0] == 0x80:
+            break
+    else:
+        pytest.fail("no reason length gave a header length with low byte 0x80")
+    assert load_reproducer(path).meta["reason"] == "x" * n
+    # self-attention on one tensor (q is k is v) is saved too, each its own copy
+    same = save_call(
+        tmp_path / "same.safetensors", q=q, k=q, v=q, attn_mask=None, is_causal=False, scale=None
+    )
+    call = load_reproducer(same)
+    assert torch.equal(call.q, q) and torch.equal(call.k, q) and torch.equal(call.v, q)
