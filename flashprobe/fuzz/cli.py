@@ -367,7 +367,7 @@ def _print_results(plan: _Plan, results: list[FuzzResult], elapsed: float) -> No
             layout = f" | {r.layout}" if r.layout != "contiguous" else ""
             print(f"{r.verdict.upper():<5} {r.kernel} | {r.case} | {r.dtype}{layout}{seed}: {r.reason}")
             if r.repro:
-                print(f"      shrunk reproducer: {r.repro} (run: python {Path(r.repro).with_suffix('.py')})")
+                print(f"      reproducer: {r.repro} (run: python {Path(r.repro).with_suffix('.py')})")
     if not plan.verbose and (lines := reason_lines(results, ("skip", "unsupported", "no_backward"))):
         print("\nskipped / unsupported (count of kernel × case × dtype | cases | dtypes | kernels: reason):")
         print("\n".join(lines))
