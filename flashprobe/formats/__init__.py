@@ -16,7 +16,8 @@ file                                   owner
 ``STUDY_DIR/study.json``, ``.csv``     :mod:`flashprobe.formats.study_file`
 ``RUN_DIR/snapshots/`` (+ manifest)    :mod:`flashprobe.weights.store`
 ``DIR/<bench>.json``, ``.csv``         :mod:`flashprobe.bench.results`
-``DIR/fuzz.json``, reproducers         :mod:`flashprobe.fuzz`
+``DIR/fuzz.json``                      :mod:`flashprobe.fuzz`
+``*.safetensors`` reproducers (+ .py)  :mod:`flashprobe.formats.reproducer`
 =====================================  ===============================================
 """
 

@@ -16,8 +16,10 @@ long-context training.
 * :mod:`~flashprobe.fuzz.flash_form` — the baseline's flash-form backward (a noise form);
 * :mod:`~flashprobe.fuzz.kernel_call` — calling a kernel on copies of a case's inputs;
 * :mod:`~flashprobe.fuzz.run` — :class:`FuzzResult`, :func:`check_case`, :func:`run_catalogue`;
-* :mod:`~flashprobe.fuzz.search` — :func:`random_search` and :func:`shrink`;
-* :mod:`~flashprobe.fuzz.reproducer` — :func:`save_reproducer`;
+* :mod:`~flashprobe.fuzz.search` — :func:`random_search` (its failures shrunk by
+  :func:`flashprobe.probe.repro.shrink_reproducer`, the one shrinker of every reproducer);
+* :mod:`~flashprobe.fuzz.reproducer` — :func:`save_reproducer`: a failing case in the one
+  reproducer format (:mod:`flashprobe.formats.reproducer`);
 * :mod:`~flashprobe.fuzz.tables` — terminal, Markdown and catalogue tables;
 * :mod:`~flashprobe.fuzz.cli` — the ``flashprobe fuzz`` command.
 """
@@ -55,7 +57,7 @@ from flashprobe.fuzz.rule import (
     value_floor,
 )
 from flashprobe.fuzz.run import FuzzResult, case_references, check_case, run_catalogue
-from flashprobe.fuzz.search import random_search, shrink
+from flashprobe.fuzz.search import random_search
 from flashprobe.fuzz.tables import (
     catalogue_table,
     coverage,
@@ -116,7 +118,6 @@ __all__ = [
     "sample_random_spec",
     "save_reproducer",
     "select_cases",
-    "shrink",
     "summary_counts",
     "terminal_table",
     "value_floor",

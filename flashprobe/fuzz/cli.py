@@ -20,7 +20,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -146,9 +146,9 @@ def _parser() -> argparse.ArgumentParser:
         dest="from_file",
         type=Path,
         metavar="FILE",
-        help="a failing call the probe saved in training (repro/*.safetensors): replay it with each "
-        "--kernel (default: the recorded primary) and shrink it to the smallest call that still fails, "
-        "written to DIR/<name>.shrunk.safetensors",
+        help="a reproducer (*.safetensors) the probe saved in training or a fuzz run saved: replay it "
+        "with each --kernel (default: the recorded one) and shrink it to the smallest call that still "
+        "fails the same way, written to DIR/<name>.<kernel>.shrunk.safetensors",
     )
     p.add_argument("--list", action="store_true", help="print the catalogue as a Markdown table and exit")
     p.add_argument(
@@ -273,16 +273,11 @@ def _import_modules(modules: Sequence[str] | None) -> None:
 
 
 def _from_reproducer(args: argparse.Namespace) -> int:
-    """``--from FILE``: replay a training reproducer with each kernel and shrink the failing ones
-    (:func:`flashprobe.probe.repro.shrink_reproducer`); 1 when a kernel fails or errs (raises, returns
-    the wrong shape or dtype: ``replay``'s ``error``, not shrunk), 0 when none does."""
-    from flashprobe.probe.repro import (
-        ReproducerError,
-        load_reproducer,
-        replay,
-        save_reproducer,
-        shrink_reproducer,
-    )
+    """``--from FILE``: replay a reproducer (the probe's or the fuzzer's) with each kernel and shrink
+    the failing ones (:func:`flashprobe.probe.repro.shrink_reproducer`); 1 when a kernel fails or
+    errs (raises, returns the wrong shape or dtype: ``replay``'s ``error``, not shrunk), 0 when none
+    does."""
+    from flashprobe.probe.repro import ReproducerError, load_reproducer, replay, shrink_reproducer
 
     _import_modules(args.imports)
     try:
@@ -295,7 +290,13 @@ def _from_reproducer(args: argparse.Namespace) -> int:
             "--from: the call was made with torch's own SDPA (no primary recorded); "
             "name the kernel with --kernel"
         )
-    kernels = [_label(k, "--kernel") for k in specs]
+    try:
+        kernels = [_label(k, "--kernel") for k in specs]
+    except UsageError as err:
+        module = call.meta.get("kernel_module")
+        raise UsageError(
+            f"{err} (recorded: registered by --import {module})" if module else str(err)
+        ) from None
     try:
         out_dir = prepare_output_dir(args.out, flag="--out")
     except OutputPathError as err:
@@ -317,17 +318,7 @@ def _from_reproducer(args: argparse.Namespace) -> int:
         failed += 1
         small, tries = shrink_reproducer(call, spec, baseline=baseline)
         path = out_dir / f"{stem}.{_safe(spec)}.shrunk.safetensors"
-        save_reproducer(
-            path,
-            q=small.q,
-            k=small.k,
-            v=small.v,
-            attn_mask=small.attn_mask,
-            is_causal=small.is_causal,
-            scale=small.scale,
-            grad_out=small.grad_out,
-            meta={**small.meta, "primary": spec, "shrunk_from": str(args.from_file)},
-        )
+        replace(small, meta={**small.meta, "primary": spec, "shrunk_from": str(args.from_file)}).save(path)
         before = "x".join(str(n) for n in (*call.q.shape[:3], call.k.shape[2]))
         after = "x".join(str(n) for n in (*small.q.shape[:3], small.k.shape[2]))
         print(
@@ -376,7 +367,7 @@ def _print_results(plan: _Plan, results: list[FuzzResult], elapsed: float) -> No
             layout = f" | {r.layout}" if r.layout != "contiguous" else ""
             print(f"{r.verdict.upper():<5} {r.kernel} | {r.case} | {r.dtype}{layout}{seed}: {r.reason}")
             if r.repro:
-                print(f"      shrunk reproducer: {r.repro} (run: python {Path(r.repro).with_suffix('.py')})")
+                print(f"      reproducer: {r.repro} (run: python {Path(r.repro).with_suffix('.py')})")
     if not plan.verbose and (lines := reason_lines(results, ("skip", "unsupported", "no_backward"))):
         print("\nskipped / unsupported (count of kernel × case × dtype | cases | dtypes | kernels: reason):")
         print("\n".join(lines))

@@ -1,16 +1,14 @@
 """The random family of ``flashprobe fuzz --budget``: sampled shapes, masks, logit levels and scales.
 
 :class:`RandomCaseSpec` describes one sample of the randomised search: shapes, mask kind, logit
-spread, a per-row logit level (e.g. below a sentinel), scale and outliers; it can be halved along
-each size, which is how failures are shrunk to small reproducers
-(:func:`~flashprobe.fuzz.search.shrink`).
+spread, a per-row logit level (e.g. below a sentinel), scale and outliers.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -84,33 +82,6 @@ class RandomCaseSpec:
                 raise ValueError(f"{name}={getattr(self, name)} must be ≥ 1")
         if self.level and self.head_dim < 2:
             raise ValueError("a logit level needs head_dim ≥ 2 (it uses the last channel)")
-
-    #: the sizes that shrinking halves, in the order it tries them
-    SIZES = ("n_q", "n_k", "head_dim", "batch", "heads")
-    #: the other axes shrinking simplifies: the layout to contiguous, GQA to plain heads
-    SIMPLER = ("layout", "kv_heads")
-
-    def halved(self, size: str) -> RandomCaseSpec | None:
-        """This spec with ``size`` halved, or ``None`` when it cannot shrink further.
-
-        Halving ``heads`` halves ``kv_heads`` too, keeping the GQA ratio.
-        """
-        value = getattr(self, size)
-        smallest = 2 if (size == "head_dim" and self.level) else 1
-        if value // 2 < smallest:
-            return None
-        if size == "heads" and self.kv_heads:
-            ratio = self.heads // self.kv_heads
-            if (value // 2) % ratio:
-                return None
-            return replace(self, heads=value // 2, kv_heads=value // 2 // ratio)
-        return replace(self, **{size: value // 2})
-
-    def simplified(self, axis: str) -> RandomCaseSpec | None:
-        """This spec with ``axis`` (one of :attr:`SIMPLER`) at its plain value, or ``None`` when it
-        already is."""
-        plain = {"layout": "contiguous", "kv_heads": 0}[axis]
-        return None if getattr(self, axis) == plain else replace(self, **{axis: plain})
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)

@@ -1,11 +1,12 @@
-"""Reproducers of fuzz failures: ``repro_<case>_<hash>.pt`` (the inputs) and a ``.py`` that re-checks them.
+"""Reproducers of fuzz failures, in the one reproducer format (:mod:`flashprobe.formats.reproducer`).
 
-The ``.py`` reloads the ``.pt`` beside it (in the inputs' memory layout), runs the kernel, prints
-the non-finite and all-zero row counts and the verdict (gradients included when the failure was
-found with them), and exits 1 while the failure reproduces, 0 once it passes and 2 when the kernel
-cannot be loaded (its module fails to import: that says nothing about the bug). Everything
-in it that comes from the failure (kernel spec, case, reason) is a Python literal (``repr``), so
-the snippet is valid Python whatever that text contains.
+A failing case is saved as ``repro_<case>_<hash>.safetensors`` — its inputs (no pickle), with
+``fuzz`` in the metadata: the case, the inputs' layout and poisoned memory, whether gradients and
+the signed bias were judged, the failure kind and the random sample's parameters — plus the script
+``repro_<case>_<hash>.py``, which exits 1 while the failure reproduces, 0 once it passes and 2
+when the kernel cannot be loaded. ``flashprobe replay`` and ``flashprobe fuzz --from`` read it as
+they read the probe's (:func:`flashprobe.probe.repro.replay` judges it with :func:`replay_case`:
+the fuzzer's judge, as when it was found).
 """
 
 from __future__ import annotations
@@ -18,100 +19,83 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from flashprobe.formats import atomic_write_file, atomic_write_text, safe_name
+from flashprobe.formats import safe_name
+from flashprobe.formats.reproducer import Reproducer, kernel_module
 from flashprobe.fuzz.cases import SIGNED_BIAS
 from flashprobe.fuzz.inputs import CaseInputs
 from flashprobe.fuzz.kernel_call import kernel_label
-from flashprobe.fuzz.run import FuzzResult
+from flashprobe.fuzz.run import FuzzResult, case_references, check_case
+from flashprobe.judge import fp8_baseline
 from flashprobe.kernels import Kernel, get_kernel
 
-__all__ = ["ReproducerStore", "failure_directions", "reproducer_snippet", "save_reproducer"]
+__all__ = [
+    "ReproducerStore",
+    "case_inputs",
+    "case_reproducer",
+    "failure_directions",
+    "replay_case",
+    "save_reproducer",
+]
 
-_SNIPPET = '''"""Reproducer saved by `flashprobe fuzz`: KERNEL fails CASE at DTYPE (the constants below).
-
-Run `python {stem}.py`: it exits 1 while the kernel still fails, 0 once it passes, and 2 when the
-kernel cannot be loaded (its module does not import).
-"""
-
-import importlib
-import sys
-from pathlib import Path
-
-import torch
-
-from flashprobe import get_kernel, golden_attention
-from flashprobe.fuzz import CaseInputs, check_case
-
-KERNEL = {kernel!r}
-KERNEL_MODULE = {module!r}  # imported first: it registers the kernel (None: built in)
-CASE = {case!r}
-DTYPE = {dtype!r}
-INPUTS = {shape!r}
-REASON = {reason!r}  # the failure when the reproducer was saved
-
-try:  # exit 2, not 1: a kernel that cannot be loaded says nothing about the bug
-    if KERNEL_MODULE:
-        importlib.import_module(KERNEL_MODULE)
-    get_kernel(KERNEL)
-except Exception as err:
-    print(f"cannot load the kernel {{KERNEL}}: {{type(err).__name__}}: {{err}}", file=sys.stderr)
-    sys.exit(2)
-saved = torch.load(Path(__file__).with_suffix(".pt"), weights_only=True)
-inputs = CaseInputs(
-    q=saved["q"],  # (B, H, N_q, D)
-    k=saved["k"],  # (B, H_kv, N_k, D)
-    v=saved["v"],  # (B, H_kv, N_k, D_v)
-    attn_mask=saved["attn_mask"],
-    is_causal=saved["is_causal"],
-    scale=saved["scale"],
-    poison=saved.get("poison", ""),
-).with_layout(saved.get("layout", "contiguous"))
-k, v = inputs.reference_kv()
-out = get_kernel(KERNEL)(inputs.q, inputs.k, inputs.v, attn_mask=inputs.attn_mask,
-                         is_causal=inputs.is_causal, scale=inputs.scale)
-golden = golden_attention(inputs.q, k, v, attn_mask=inputs.attn_mask, is_causal=inputs.is_causal,
-                          scale=inputs.scale)
-print(f"{{KERNEL}} on {{inputs.describe()}}")
-print(f"non-finite outputs: {{(~torch.isfinite(out)).sum().item()}}, all-zero rows: "
-      f"{{(out == 0).all(-1).sum().item()}}, golden all-zero rows: {{(golden == 0).all(-1).sum().item()}}")
-backward = saved.get("backward", True)  # gradients too, as when the failure was found
-result = check_case(KERNEL, inputs, case=CASE, baseline=saved["baseline"], backward=backward,
-                    bias=saved.get("bias", False))
-print(f"{{result.verdict}}: {{result.reason}}")
-sys.exit(1 if result.verdict == "fail" else 0)
-'''
+#: a fuzz verdict as :func:`flashprobe.probe.repro.replay` says it
+_REPLAY = {
+    "pass": "pass",
+    "no_backward": "pass",
+    "fail": "fail",
+    "skip": "undetermined",
+    "unsupported": "error",
+}
 
 
-def reproducer_snippet(
-    *, stem: str, kernel: str, module: str | None, case: str, dtype: str, shape: str, reason: str
-) -> str:
-    """The source of the ``.py`` that re-checks ``<stem>.pt``; every text is embedded as a literal."""
-    return _SNIPPET.format(
-        stem=stem, kernel=kernel, module=module, case=case, dtype=dtype, shape=shape, reason=reason
-    )
+def case_reproducer(
+    case: str,
+    kernel: str | Kernel,
+    inputs: CaseInputs,
+    result: FuzzResult,
+    *,
+    baseline: str | Kernel = "math",
+    params: dict[str, Any] | None = None,
+    backward: bool = True,
+    bias: bool = False,
+) -> Reproducer:
+    """A failing case as a reproducer, in memory (:meth:`~ReproducerStore.keep` saves it).
 
-
-def _user_module(kernel: Kernel) -> str | None:
-    """The module that registered a user kernel (``None`` for a built-in or ``__main__``)."""
-    module = kernel.fn.__module__
-    return None if module.startswith("flashprobe.kernels") or module == "__main__" else module
-
-
-def _tensors(inputs: CaseInputs) -> dict[str, Any]:
-    """The call's inputs on the CPU, as saved in the ``.pt``."""
+    Args:
+        case: the case's name.
+        kernel: the failing kernel.
+        inputs: the inputs: q ``(B, H, N_q, D)``, k, v ``(B, H_kv, N_k, ·)``, stored contiguous on
+            the CPU with their layout and poison by name.
+        result: the kernel's result on ``inputs``.
+        baseline: the same-dtype baseline spec the replay judges with.
+        params: the random sample's parameters.
+        backward: the failure was found with gradients checked; the replay checks them too.
+        bias: the case judged the sign of the errors (``signed bias``); the replay does too.
+    """
     cpu = inputs.to("cpu")
-    return {
-        "q": cpu.q.contiguous(),
-        "k": cpu.k.contiguous(),
-        "v": cpu.v.contiguous(),
-        "attn_mask": cpu.attn_mask,
-        "is_causal": cpu.is_causal,
-        "scale": cpu.scale,
-        "layout": cpu.layout,
-        "poison": cpu.poison,
+    fuzz = {"case": case, "layout": cpu.layout, "poison": cpu.poison, "backward": backward, "bias": bias}
+    meta = {
+        "primary": kernel_label(kernel),
+        "kernel_module": kernel_module(get_kernel(kernel)),
+        "baseline": kernel_label(baseline),
+        "reason": result.reason,
+        "directions": failure_directions(result),
+        "fuzz": {**fuzz, "failure": result.failure, "params": params or {}},
     }
+    q, k, v = (t.contiguous() for t in (cpu.q, cpu.k, cpu.v))
+    return Reproducer(q, k, v, cpu.attn_mask, None, cpu.is_causal, cpu.scale, meta)
+
+
+def _file_name(call: Reproducer) -> str:
+    """``repro_<case>_<hash>.safetensors``, the hash of the kernel, dtype, parameters and shapes.
+
+    Raises:
+        OutputPathError: the case's name cannot be used in a file name.
+    """
+    fuzz = call.meta["fuzz"]
+    shapes = [list(t.shape) for t in (call.q, call.k, call.v)]
+    key = [call.meta["primary"], str(call.dtype), fuzz["params"], shapes, fuzz["layout"]]
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return f"repro_{safe_name(fuzz['case'], what='case name')}_{digest}.safetensors"
 
 
 def save_reproducer(
@@ -126,56 +110,62 @@ def save_reproducer(
     backward: bool = True,
     bias: bool = False,
 ) -> Path:
-    """Save ``repro_<case>_<hash>.pt`` (inputs on CPU, kernel, dtype) and a ``.py`` that re-checks it.
-
-    The snippet imports the module that registered a user kernel (``kernel.fn.__module__``) and
-    exits 1 while the failure reproduces.
-
-    Args:
-        out_dir: the directory (created if needed).
-        case: the case's name, part of the file name.
-        kernel: the failing kernel.
-        inputs: the (shrunk) inputs: q ``(B, H, N_q, D)``, k, v ``(B, H_kv, N_k, ·)``.
-        result: the kernel's result on ``inputs``.
-        baseline: the same-dtype baseline spec the snippet re-checks with.
-        params: the random sample's parameters, saved with the inputs.
-        backward: the failure was found with gradients checked; the snippet checks them too.
-        bias: the case judged the sign of the errors (``signed bias``); the snippet does too.
-
-    Returns:
-        Path of the ``.pt`` file (the ``.py`` is beside it).
+    """Save a failing case (:func:`case_reproducer`, whose arguments these are) as
+    ``out_dir/repro_<case>_<hash>.safetensors`` and the script ``.py`` beside it, which imports the
+    module that registered a user kernel and exits 1 while the failure reproduces. Returns the
+    ``.safetensors`` path.
 
     Raises:
         OutputPathError: ``case`` cannot be used in a file name.
     """
-    label, module = kernel_label(kernel), _user_module(get_kernel(kernel))
-    key = json.dumps([label, result.dtype, params, inputs.describe()], sort_keys=True, default=str)
-    stem = f"repro_{safe_name(case, what='case name')}_{hashlib.sha1(key.encode()).hexdigest()[:8]}"
-    payload = {
-        **_tensors(inputs),
-        "kernel": label,
-        "kernel_module": module,
-        "dtype": result.dtype,
-        "baseline": kernel_label(baseline),
-        "case": case,
-        "reason": result.reason,
-        "params": params or {},
-        "backward": backward,
-        "bias": bias,
+    settings = {"baseline": baseline, "params": params, "backward": backward, "bias": bias}
+    call = case_reproducer(case, kernel, inputs, result, **settings)
+    return call.save(Path(out_dir) / _file_name(call))
+
+
+def case_inputs(call: Reproducer) -> CaseInputs:
+    """A fuzz reproducer's inputs, laid out in its recorded layout and poisoned memory.
+
+    Raises:
+        ValueError: the recorded layout or poison is not one the fuzzer knows.
+    """
+    fuzz = call.meta["fuzz"]
+    q, k, v = (t.contiguous() for t in (call.q, call.k, call.v))
+    plain = CaseInputs(
+        q=q, k=k, v=v, attn_mask=call.attn_mask, is_causal=call.is_causal, scale=call.scale,
+        poison=fuzz.get("poison", ""),
+    )  # fmt: skip
+    return plain.with_layout(fuzz.get("layout", "contiguous"))
+
+
+def replay_case(call: Reproducer, kernel: str, baseline: str = "math") -> dict[str, Any]:
+    """Judge a fuzz reproducer's case with ``kernel`` as the fuzzer does (:func:`check_case`, the
+    FP8 baseline for an FP8 kernel), in the form of :func:`flashprobe.probe.repro.replay`."""
+    fuzz = call.meta["fuzz"]
+    try:
+        inputs = case_inputs(call)
+        base, precision = fp8_baseline(kernel, baseline)
+        refs = case_references(
+            inputs, base, backward=fuzz.get("backward", True), bias=fuzz.get("bias", False)
+        )
+        result = check_case(
+            kernel, inputs, case=fuzz.get("case", "custom"), refs=replace(refs, precision=precision)
+        )
+    except Exception as err:  # a kernel or a file that cannot be judged is a result, not a crash
+        result = FuzzResult(
+            kernel=kernel, case="", dtype="", verdict="unsupported", reason=f"{type(err).__name__}: {err}"
+        )
+    failed = result.verdict == "fail"
+    return {
+        "verdict": _REPLAY[result.verdict],
+        "reasons": [result.reason],
+        "failure": result.failure if failed else None,
+        "directions": dict.fromkeys(failure_directions(result), "fail")
+        if failed
+        else {"out": _REPLAY[result.verdict]},
+        "limit_ratio": {},
+        "l2_error_ratio": {},
     }
-    path = Path(out_dir) / f"{stem}.pt"
-    atomic_write_file(path, lambda tmp: torch.save(payload, tmp))
-    snippet = reproducer_snippet(
-        stem=stem,
-        kernel=label,
-        module=module,
-        case=case,
-        dtype=result.dtype,
-        shape=inputs.describe(),
-        reason=result.reason,
-    )
-    atomic_write_text(path.with_suffix(".py"), snippet)
-    return path
 
 
 def failure_directions(result: FuzzResult) -> list[str]:
@@ -192,7 +182,7 @@ class ReproducerStore:
 
     Attributes:
         out_dir: the directory the reproducers go to.
-        baseline: the same-dtype baseline spec the snippets re-check with.
+        baseline: the same-dtype baseline spec the reproducers are judged with.
         backward: the failures were found with gradients checked.
         limit: the most reproducers saved.
         saved: (kernel, property, direction) → the reproducer saved for it.
@@ -210,13 +200,12 @@ class ReproducerStore:
             return False
         return any((result.kernel, prop, d) not in self.saved for d in failure_directions(result))
 
-    def save(
+    def reproducer(
         self, result: FuzzResult, inputs: CaseInputs, prop: str, *, params: dict[str, Any] | None = None
-    ) -> FuzzResult:
-        """Save ``inputs`` as the reproducer of ``result`` for each of its new directions; returns
-        ``result`` with ``repro`` set."""
-        path = save_reproducer(
-            self.out_dir,
+    ) -> Reproducer:
+        """The reproducer of ``result`` on ``inputs`` for property ``prop`` (:func:`case_reproducer`
+        with this store's baseline and gradient setting)."""
+        return case_reproducer(
             result.case,
             result.kernel,
             inputs,
@@ -226,6 +215,18 @@ class ReproducerStore:
             backward=self.backward,
             bias=prop == SIGNED_BIAS,
         )
+
+    def save(
+        self, result: FuzzResult, inputs: CaseInputs, prop: str, *, params: dict[str, Any] | None = None
+    ) -> FuzzResult:
+        """Save ``inputs`` as the reproducer of ``result`` for each of its new directions; returns
+        ``result`` with ``repro`` set."""
+        return self.keep(result, self.reproducer(result, inputs, prop, params=params), prop)
+
+    def keep(self, result: FuzzResult, call: Reproducer, prop: str) -> FuzzResult:
+        """Save ``call`` (a :func:`case_reproducer`, shrunk or not) as the reproducer of ``result``
+        for each of its new directions; returns ``result`` with ``repro`` set."""
+        path = call.save(self.out_dir / _file_name(call))
         for direction in failure_directions(result):
             self.saved.setdefault((result.kernel, prop, direction), path)
         return replace(result, repro=str(path))

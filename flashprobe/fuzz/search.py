@@ -1,10 +1,10 @@
-"""The random search of ``flashprobe fuzz --budget N``, and the shrinking of what it finds.
+"""The random search of ``flashprobe fuzz --budget N``.
 
 Samples are drawn inside the kernels' limits and posed to each within its own
-(:func:`~flashprobe.fuzz.fit.fit_inputs`). Random failures are shrunk (halving N_q, N_k, D, B, H
-and making the layout contiguous and GQA plain while the same failure persists) and saved as
-reproducers, one per (kernel, property, direction)
-(:class:`~flashprobe.fuzz.reproducer.ReproducerStore`).
+(:func:`~flashprobe.fuzz.fit.fit_inputs`). Random failures are shrunk by the one shrinker of every
+reproducer (:func:`flashprobe.probe.repro.shrink_reproducer`: cutting N_q, N_k, B, H, D and making
+the layout contiguous and GQA plain while the same failure persists) and saved as reproducers, one
+per (kernel, property, direction) (:class:`~flashprobe.fuzz.reproducer.ReproducerStore`).
 """
 
 from __future__ import annotations
@@ -29,74 +29,9 @@ from flashprobe.fuzz.run import FuzzResult, case_references, check_case, kernel_
 from flashprobe.kernels import Kernel, KernelCapabilities, dtype_name, get_kernel, to_dtype
 from flashprobe.kernels.registry import MASK_KINDS
 
-__all__ = ["random_search", "shrink"]
+__all__ = ["random_search"]
 
 log = logging.getLogger(__name__)
-
-
-def shrink(
-    kernel: str | Kernel,
-    spec: RandomCaseSpec,
-    dtype: torch.dtype,
-    failure: str,
-    *,
-    device: str | torch.device = "cpu",
-    baseline: str | Kernel = "math",
-    max_tries: int = 60,
-    backward: bool = True,
-) -> tuple[RandomCaseSpec, CaseInputs, FuzzResult]:
-    """Halve N_q, N_k, D, B, H (in turn, repeatedly), then try the contiguous layout and plain
-    heads, while the kernel fails the same way (``failure``, e.g. ``nonfinite`` or ``dq:values``).
-
-    Every candidate is posed within the kernel's limits (:func:`~flashprobe.fuzz.fit.fit_inputs`);
-    one it cannot take is not tried.
-
-    Args:
-        kernel: the failing kernel.
-        spec: the failing random sample.
-        dtype: its dtype.
-        failure: the failure kind to preserve (:attr:`FuzzResult.failure`).
-        device: where to run.
-        baseline: same-dtype baseline spec.
-        max_tries: most candidate cases to evaluate.
-        backward: check gradients (as the search that found the failure).
-
-    Returns:
-        The smallest failing spec found, its inputs (as posed to the kernel) and its result.
-    """
-    kernel = kernel_label(kernel)
-    caps = get_kernel(kernel).capabilities
-
-    def posed(candidate: RandomCaseSpec) -> CaseInputs:
-        return fit_inputs(make_random_case(candidate, dtype).to(device), caps).inputs
-
-    inputs = posed(spec)
-    result = check_case(kernel, inputs, case="shrink", baseline=baseline, backward=backward)
-    tries, changed = 0, True
-
-    def attempt(smaller: RandomCaseSpec) -> bool:
-        nonlocal spec, inputs, result, tries
-        tries += 1
-        try:
-            candidate = posed(smaller)
-        except NotApplicableError:
-            return False
-        outcome = check_case(kernel, candidate, case="shrink", baseline=baseline, backward=backward)
-        if outcome.verdict != "fail" or outcome.failure != failure:
-            return False
-        spec, inputs, result = smaller, candidate, outcome
-        return True
-
-    while changed and tries < max_tries:
-        changed = False
-        for size in RandomCaseSpec.SIZES:
-            while tries < max_tries and (smaller := spec.halved(size)) is not None and attempt(smaller):
-                changed = True
-        for axis in RandomCaseSpec.SIMPLER:
-            if tries < max_tries and (plain := spec.simplified(axis)) is not None and attempt(plain):
-                changed = True
-    log.info("shrunk %s failure of %s to %s after %d tries", failure, kernel, spec.describe(), tries)
-    return spec, inputs, result
 
 
 def _sample_property(spec: RandomCaseSpec) -> str:
@@ -142,28 +77,22 @@ class _Search:
         result: FuzzResult,
         prop: str,
     ) -> FuzzResult:
-        """Save a failure's reproducer: shrunk the first time its (kernel, failure kind) fails, as
-        sampled (posed within the kernel's limits) after that, so every property keeps its
-        evidence at the cost of one shrink per kind."""
+        """Save a failure's reproducer: shrunk the first time its (kernel, failure kind) fails
+        (:func:`~flashprobe.probe.repro.shrink_reproducer`), as sampled (posed within the kernel's
+        limits) after that, so every property keeps its evidence at the cost of one shrink per kind."""
+        from flashprobe.probe.repro import shrink_reproducer  # the one shrinker (it imports the probe)
+
         assert self.reproducers is not None
-        key = (kernel, result.failure)
-        if key in self.shrunk:
-            inputs = fit_inputs(base, get_kernel(kernel).capabilities).inputs
-            return self.reproducers.save(result, inputs, prop, params=spec.as_dict())
-        self.shrunk.add(key)
-        small, small_inputs, small_result = shrink(
-            kernel,
-            spec,
-            dtype,
-            result.failure or "",
-            device=self.device,
-            baseline=self.baseline,
-            backward=self.backward,
-        )
-        saved = self.reproducers.save(
-            replace(small_result, case=name), small_inputs, prop, params=small.as_dict()
-        )
-        return replace(result, repro=saved.repro)
+        inputs = fit_inputs(base, get_kernel(kernel).capabilities).inputs
+        call = self.reproducers.reproducer(replace(result, case=name), inputs, prop, params=spec.as_dict())
+        if (kernel, result.failure) not in self.shrunk:
+            self.shrunk.add((kernel, result.failure))
+            try:
+                call, tries = shrink_reproducer(call, kernel, baseline=kernel_label(self.baseline))
+                log.info("shrunk %s failure of %s after %d tries", result.failure, kernel, tries)
+            except ValueError:  # judged again, it did not fail the same way: kept as sampled
+                log.info("%s failure of %s did not fail again; saved unshrunk", result.failure, kernel)
+        return self.reproducers.keep(result, call, prop)
 
     def _check(
         self, name: str, kernel: str, base: CaseInputs, dtype: torch.dtype, refs: dict[str, References]
@@ -217,7 +146,8 @@ def random_search(
     A failure of a (kernel, property, direction) not seen before (the property of a sample is its
     mask kind, and whether its logits sit below a sentinel; the directions are ``out``, ``dq``,
     ``dk``, ``dv``) is saved by ``reproducers`` (or, given only ``out_dir``, a
-    :class:`~flashprobe.fuzz.reproducer.ReproducerStore` there), shrunk with :func:`shrink` the
+    :class:`~flashprobe.fuzz.reproducer.ReproducerStore` there), shrunk (one shrink per (kernel,
+    failure kind), :func:`~flashprobe.probe.repro.shrink_reproducer`) the
     first time its (kernel, failure kind) fails and as sampled after that; its row carries the path
     in ``repro``.
 

@@ -20,7 +20,8 @@ the handles' attach/detach), ``compiled`` (the attach-time check for ``torch.com
 fullgraph=True)``), ``routing`` (``use_kernel``), ``shadow`` (``ShadowAttention``; its references are
 planned in bounded memory by :mod:`flashprobe.kernels.reference`), ``config`` (``ProbeConfig``),
 ``stats`` (on-device statistics and their cross-rank reduction), ``summary`` (the summary over sites),
-``repro`` (reproducer files, replayed), ``probe`` (``probe``).
+``repro`` (reproducers replayed and shrunk, the probe's and the fuzzer's; their file is
+:mod:`flashprobe.formats.reproducer`), ``probe`` (``probe``).
 """
 
 from flashprobe.probe.call import SdpaCall

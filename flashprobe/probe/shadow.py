@@ -52,6 +52,7 @@ from torch import nn
 
 from flashprobe.bias import BIAS_FIELDS
 from flashprobe.deviation import StatsWorkspace, combine_sums, pair_sums, reads_are_free
+from flashprobe.formats.reproducer import kernel_module, reproducer_stem, save_reproducer
 from flashprobe.judge import CRITERIA, call_statistics, reason, row_statistics
 from flashprobe.kernels import KernelUnavailableError, KernelUnsupportedError, get_kernel, math_attention
 from flashprobe.kernels.reference import (
@@ -65,7 +66,6 @@ from flashprobe.kernels.reference import (
 from flashprobe.probe.call import Prepared, SdpaCall, autocast_off, prepare, run_kernel
 from flashprobe.probe.config import ProbeConfig
 from flashprobe.probe.flex import flex_reference
-from flashprobe.probe.repro_file import reproducer_stem, save_reproducer
 from flashprobe.probe.routing import KernelRoute, check_kernel_here
 from flashprobe.probe.sites import GRAPH_BREAK_REASON, ProbeWarning, passthrough
 from flashprobe.probe.stats import DIRECTIONS, DeviationStats, count_nonfinite_positions, stats_dict
@@ -763,6 +763,7 @@ class ShadowAttention(nn.Module):
                     "directions": [f["direction"] for f in failures],
                     "reasons": {f["direction"]: f["reason"] for f in failures},
                     "primary": None if self.primary is None else self.primary.spec,
+                    "kernel_module": kernel_module(self.primary),
                     "baseline": self.baseline.spec,
                     "gqa_rep": p.rep,
                 },

@@ -5,12 +5,13 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 
 from flashprobe import KernelCheck, check_kernel
 from flashprobe.formats import OutputPathError
-from flashprobe.fuzz import CaseInputs, check_case
+from flashprobe.fuzz import check_case
+from flashprobe.fuzz.reproducer import case_inputs
 from flashprobe.kernels import golden_attention, register_kernel, unregister_kernel
+from flashprobe.probe.repro import load_reproducer
 
 
 @pytest.fixture
@@ -48,10 +49,10 @@ def test_a_kernel_that_drops_the_mask_fails_with_reproducers(mask_dropping_kerne
     assert not result.passed
     assert [r.case for r in result.failures] == ["padding_mask"]  # odd_shapes has no mask: it passes
     assert result.reproducers and all(p.is_file() and p.parent == tmp_path for p in result.reproducers)
-    # the reproducer is data (weights_only) holding the failing call: judged again, it fails again
-    saved = torch.load(result.reproducers[0], weights_only=True)
-    assert saved["kernel"] == mask_dropping_kernel and saved["case"] == "padding_mask"
-    inputs = CaseInputs(q=saved["q"], k=saved["k"], v=saved["v"], attn_mask=saved["attn_mask"])
+    # the reproducer is data (safetensors) holding the failing call: judged again, it fails again
+    call = load_reproducer(result.reproducers[0])
+    assert call.meta["primary"] == mask_dropping_kernel and call.meta["fuzz"]["case"] == "padding_mask"
+    inputs = case_inputs(call)
     assert check_case(mask_dropping_kernel, inputs, backward=False).verdict == "fail"
     assert check_case("sdpa_math", inputs, backward=False).verdict == "pass"
 

@@ -12,17 +12,18 @@ import torch
 
 from flashprobe.fuzz import (
     CATALOGUE,
-    CaseInputs,
     RandomCaseSpec,
     check_case,
+    make_random_case,
     run_catalogue,
     save_reproducer,
     select_cases,
-    shrink,
 )
 from flashprobe.fuzz.layouts import LAYOUTS
+from flashprobe.fuzz.reproducer import case_inputs, case_reproducer
 from flashprobe.kernels import unregister_kernel
 from flashprobe.mutants import MUTANTS, Catch, Mutant, correct_flash, register_mutants
+from flashprobe.probe.repro import load_reproducer, shrink_reproducer
 
 from ._helpers import case
 
@@ -153,16 +154,18 @@ def test_a_gradient_failure_is_shrunk_and_saved_with_its_kind(tmp_path):
         batch=2, heads=4, n_q=40, n_k=70, head_dim=24, mask="padding", logit_std=2.0, level=0.0,
         scale=None, outliers=False, seed=3, kv_heads=2, layout="bnhd",
     )  # fmt: skip
-    small, inputs, result = shrink("bug_dq_unscaled", spec, torch.float32, "dq:values")
-    assert result.verdict == "fail" and result.failure == "dq:values"
-    assert small.n_q * small.n_k * small.head_dim * small.batch * small.heads < 40 * 70 * 24 * 2 * 4
-    assert small.layout == "contiguous" and small.kv_heads == 0  # simplified along every axis
-    path = save_reproducer(tmp_path, "grad", "bug_dq_unscaled", inputs, result, params=small.as_dict())
-    saved = torch.load(path, weights_only=True)
-    assert saved["backward"] is True and saved["layout"] == "contiguous"
-    again = CaseInputs(
-        q=saved["q"], k=saved["k"], v=saved["v"], attn_mask=saved["attn_mask"],
-        is_causal=saved["is_causal"], scale=saved["scale"],
-    ).with_layout(saved["layout"])  # fmt: skip
+    inputs = make_random_case(spec, torch.float32)
+    result = check_case("bug_dq_unscaled", inputs)
+    assert result.failure == "dq:values"
+    call = case_reproducer("grad", "bug_dq_unscaled", inputs, result, params=spec.as_dict())
+    small, _ = shrink_reproducer(call, "bug_dq_unscaled")
+    assert small.q.numel() * small.k.shape[2] < inputs.q.numel() * inputs.k.shape[2]
+    fuzz = small.meta["fuzz"]  # simplified along every axis: contiguous, plain heads
+    assert fuzz["layout"] == "contiguous" and small.k.shape[1] == small.q.shape[1]
+    path = save_reproducer(
+        tmp_path, "grad", "bug_dq_unscaled", case_inputs(small), result, params=spec.as_dict()
+    )
+    again = case_inputs(load_reproducer(path))
+    assert load_reproducer(path).meta["fuzz"]["backward"] is True and again.layout == "contiguous"
     assert check_case("bug_dq_unscaled", again).failure == "dq:values"
     assert check_case("bug_none", again).verdict == "pass"

@@ -1,7 +1,8 @@
-"""Random search, shrinking and reproducers.
+"""Random search, shrinking and reproducers (the one format: safetensors + JSON metadata + a script).
 
 Oracles: a kernel with a planted bug (NaN for rows with no valid key) registered by a user module;
-the FlashInfer sentinel bug, which must be found exactly in samples whose logits lie below −5e4.
+the FlashInfer sentinel bug, which must be found exactly in samples whose logits lie below −5e4;
+``tiled`` (correct) as the control that must pass the same reproducer.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 import flashprobe
+from flashprobe.cli import main as flashprobe_main
 from flashprobe.fuzz import (
     ZEROS_REASON,
     CaseInputs,
@@ -32,7 +34,9 @@ from flashprobe.fuzz import (
     select_cases,
 )
 from flashprobe.fuzz.cli import main
+from flashprobe.fuzz.reproducer import case_inputs
 from flashprobe.kernels import available_kernels, unregister_kernel
+from flashprobe.probe.repro import load_reproducer, replay, shrink_reproducer
 
 from ._helpers import SENTINEL_KERNEL, case, logits64
 
@@ -70,11 +74,13 @@ def planted_module(tmp_path, monkeypatch):
     sys.modules.pop("planted_kernels", None)
 
 
-#: Runs reproducer snippets one after another in one fresh interpreter, as `python snippet.py`
-#: would (run_name="__main__"), printing each exit status: one torch import instead of several.
+#: Runs reproducer scripts one after another in one fresh interpreter, as `python script.py`
+#: would (run_name="__main__", no arguments), printing each exit status: one torch import instead
+#: of several.
 _DRIVER = """
 import runpy, sys
 for path in sys.argv[1:]:
+    sys.argv = [path]
     try:
         runpy.run_path(path, run_name="__main__")
     except SystemExit as stop:
@@ -125,17 +131,11 @@ def test_budget_search_finds_shrinks_and_saves_a_planted_bug(planted_module, tmp
     # one reproducer per property of a failing sample (its mask kind, a logit level), not per row
     properties = {(r["params"]["mask"], bool(r["params"]["level"])) for r in failed}
     assert len(repros) == len(properties)
-    saved = torch.load(first["repro"], weights_only=True)
-    assert saved["kernel"] == "planted_nan" and saved["kernel_module"] == "planted_kernels"
-
-    inputs = CaseInputs(
-        q=saved["q"],
-        k=saved["k"],
-        v=saved["v"],
-        attn_mask=saved["attn_mask"],
-        is_causal=saved["is_causal"],
-        scale=saved["scale"],
-    )
+    assert first["repro"].endswith(".safetensors")
+    call = load_reproducer(first["repro"])
+    assert call.meta["primary"] == "planted_nan" and call.meta["kernel_module"] == "planted_kernels"
+    assert call.meta["fuzz"]["failure"] == "nonfinite" and call.meta["fuzz"]["backward"] is True
+    inputs = case_inputs(call)
     assert (~inputs.valid_keys().any(-1)).any()  # the bug's trigger survived shrinking
     params = first["params"]
     before = params["batch"] * params["heads"] * params["n_q"] * params["n_k"] * params["head_dim"]
@@ -144,7 +144,7 @@ def test_budget_search_finds_shrinks_and_saves_a_planted_bug(planted_module, tmp
     assert max(inputs.q.shape[2], inputs.k.shape[2]) <= 2  # halving went all the way down
 
     ((code, out),) = _run_snippets(Path(first["repro"]).with_suffix(".py"), path=planted_module)
-    assert code == 1 and "fail: " in out and "NaN" in out, out
+    assert code == 1 and "planted_nan: FAIL: " in out and "NaN" in out, out
 
 
 def test_reproducer_snippet_exits_zero_once_the_kernel_passes(tmp_path):
@@ -163,7 +163,7 @@ def test_reproducer_snippet_exits_zero_once_the_kernel_passes(tmp_path):
         saved[SENTINEL_KERNEL].with_suffix(".py"), saved["tiled"].with_suffix(".py")
     )
     assert code_bug == 1 and ZEROS_REASON in out_bug, out_bug
-    assert code_ok == 0 and out_ok.rstrip().splitlines()[-1].startswith("pass: "), out_ok
+    assert code_ok == 0 and out_ok.rstrip().splitlines()[-1].startswith("  tiled: PASS: "), out_ok
 
 
 def test_reproducer_snippet_is_valid_python_whatever_the_reason_says(tmp_path):
@@ -185,7 +185,7 @@ def test_reproducer_snippet_is_valid_python_whatever_the_reason_says(tmp_path):
         and node.targets[0].id.isupper()
     }
     assert constants["REASON"] == reason and constants["KERNEL"] == "tiled" and constants["CASE"] == "odd"
-    assert torch.load(path, weights_only=True)["reason"] == reason
+    assert load_reproducer(path).meta["reason"] == reason
     with pytest.raises(ValueError, match=r"case name '\.\./up' cannot be used in a file name"):
         save_reproducer(tmp_path, "../up", "tiled", inputs, result)
 
@@ -212,7 +212,7 @@ def test_reproducer_snippet_exits_two_when_the_kernels_module_cannot_be_loaded(p
     result = check_case("planted_nan", inputs, case="planted", backward=False)
     assert result.verdict == "fail"
     path = save_reproducer(tmp_path / "r", "planted", "planted_nan", inputs, result, backward=False)
-    assert torch.load(path, weights_only=True)["kernel_module"] == "planted_kernels"
+    assert load_reproducer(path).meta["kernel_module"] == "planted_kernels"
     (found,) = _run_snippets(path.with_suffix(".py"), path=planted_module)
     (missing,) = _run_snippets(path.with_suffix(".py"))  # the module is not on the path
     assert found[0] == 1 and missing[0] == 2, (found, missing)
@@ -230,4 +230,120 @@ def test_a_catalogue_run_keeps_one_reproducer_per_property_and_direction(tmp_pat
     assert len(saved) == 1 and saved[0].case == "sentinel_5e4"  # one per (kernel, property, direction)
     directions = {d for kernel, prop, d in store.saved if (kernel, prop) == (SENTINEL_KERNEL, "sentinel")}
     assert "out" in directions and len(store.saved) == len(directions)  # its output (and gradients)
-    assert len(list(tmp_path.glob("repro_*.pt"))) == 1
+    assert len(list(tmp_path.glob("repro_*.safetensors"))) == 1
+
+
+def _below_sentinel(layout: str = "contiguous") -> CaseInputs:
+    """2 x 2 x 9 x 33 inputs whose every logit lies below the FlashInfer sentinel (−5e4)."""
+    spec = RandomCaseSpec(
+        batch=2, heads=2, n_q=9, n_k=33, head_dim=8, mask="none", logit_std=3.0,
+        level=-8e4, scale=None, outliers=False, seed=5,
+    )  # fmt: skip
+    inputs = make_random_case(spec, torch.float32)
+    assert logits64(inputs).max() < -5e4
+    return inputs.with_layout(layout)
+
+
+def test_a_fuzz_reproducer_replays_and_shrinks_with_replay_and_fuzz_from(tmp_path, capsys):
+    inputs = _below_sentinel("bnhd")
+    result = check_case(SENTINEL_KERNEL, inputs, case="sentinel")
+    assert result.failure == "zeros"
+    path = save_reproducer(tmp_path, "sentinel", SENTINEL_KERNEL, inputs, result)
+    assert (
+        path.suffix == ".safetensors"
+        and path.with_suffix(".py").is_file()
+        and not list(tmp_path.glob("*.pt"))
+    )
+    call = load_reproducer(path)
+    again = case_inputs(call)  # laid out as the failing call was: (B, N, H, D) memory, viewed (B, H, N, D)
+    assert again.layout == "bnhd" and again.q.stride() == inputs.q.stride() and torch.equal(again.q, inputs.q)
+    assert flashprobe_main(["replay", str(path)]) == 1  # the recorded kernel fails again
+    assert flashprobe_main(["replay", str(path), "--kernel", "tiled"]) == 0  # a correct one passes
+    assert "fuzz case 'sentinel'" in capsys.readouterr().out
+    out = tmp_path / "fuzz"
+    assert main(["--from", str(path), "--out", str(out)]) == 1
+    assert "shrunk B x H x N_q x N_k 2x2x9x33 -> " in capsys.readouterr().out
+    (shrunk,) = out.glob("*.shrunk.safetensors")
+    small = load_reproducer(shrunk)
+    assert small.q.numel() < call.q.numel() and small.meta["fuzz"]["layout"] == "contiguous"
+    results = replay(small, [SENTINEL_KERNEL, "tiled"])
+    assert results[SENTINEL_KERNEL]["failure"] == "zeros" and results["tiled"]["verdict"] == "pass"
+    assert main(["--from", str(path), "--kernel", "tiled", "--out", str(out)]) == 0
+
+
+def test_the_shrinker_keeps_the_failure_kind_and_the_kernels_limits():
+    """A fuzz case shrinks to the smallest cut that fails the same way (``zeros``: every row below
+    the sentinel, so one query and one key do); cuts the kernel refuses are not tried."""
+    from flashprobe.fuzz.reproducer import case_reproducer
+
+    inputs = _below_sentinel()
+    result = check_case(SENTINEL_KERNEL, inputs, case="sentinel")
+    call = case_reproducer("sentinel", SENTINEL_KERNEL, inputs, result)
+    small, tries = shrink_reproducer(call, SENTINEL_KERNEL)
+    assert small.q.shape[:3] == (1, 1, 1) and small.k.shape[2] == 1 and tries < 60
+    assert replay(small, [SENTINEL_KERNEL])[SENTINEL_KERNEL]["failure"] == "zeros"
+    with pytest.raises(ValueError, match="does not fail with 'tiled'"):
+        shrink_reproducer(call, "tiled")
+
+
+def test_old_pt_reproducers_are_refused_with_the_reason(tmp_path, capsys):
+    """Nothing a user hands in is unpickled: a ``.pt`` reproducer of older versions is refused,
+    saying what it is and what to do, by ``replay`` and ``fuzz --from`` alike (exit 2)."""
+    old = tmp_path / "repro_sentinel_0123abcd.pt"
+    torch.save({"q": torch.zeros(1, 1, 1, 1), "kernel": "tiled"}, old)
+    renamed = tmp_path / "renamed.safetensors"  # a pickle under a safetensors name
+    renamed.write_bytes(old.read_bytes())
+    for path in (old, renamed):
+        with pytest.raises(SystemExit) as info:
+            flashprobe_main(["replay", str(path), "--kernel", "tiled"])
+        assert info.value.code == 2
+        assert "old .pt format (a torch pickle" in capsys.readouterr().err
+        assert main(["--from", str(path), "--out", str(tmp_path / "fuzz")]) == 2
+        assert "does not unpickle" in capsys.readouterr().err
+
+
+def test_a_probe_reproducers_script_exits_1_while_it_fails_0_once_fixed_2_when_unloadable(tmp_path):
+    """The script of a call saved in training, run as ``python script.py`` in a new interpreter."""
+    from flashprobe.formats.reproducer import save_reproducer as save_call
+
+    inputs = _below_sentinel()
+    scripts = []
+    for name, kernel, module in (
+        ("bug", SENTINEL_KERNEL, None),
+        ("fixed", "tiled", None),
+        ("unloadable", SENTINEL_KERNEL, "no_such_module_i39"),
+    ):
+        path = save_call(
+            tmp_path / f"{name}.safetensors", q=inputs.q, k=inputs.k, v=inputs.v, attn_mask=None,
+            is_causal=False, scale=None, meta={"site": "attn", "primary": kernel, "kernel_module": module},
+        )  # fmt: skip
+        scripts.append(path.with_suffix(".py"))
+    (bug, out_bug), (fixed, out_fixed), (unloadable, _) = _run_snippets(*scripts)
+    assert bug == 1 and f"{SENTINEL_KERNEL}: FAIL" in out_bug, out_bug
+    assert fixed == 0 and "tiled: PASS" in out_fixed, out_fixed
+    assert unloadable == 2
+
+
+def test_a_reproducer_whose_header_starts_like_a_pickle_still_loads(tmp_path):
+    """Only a file that fails to read as safetensors is taken for an old pickle: a safetensors
+    header length whose low byte is 0x80 (a pickle's first byte) is a valid reproducer (a probe
+    reproducer in tests/integration/test_hf_trainer.py had one)."""
+    from flashprobe.formats.reproducer import save_reproducer as save_call
+
+    q = torch.zeros(1, 1, 2, 4)
+    for n in range(256):
+        path = save_call(
+            tmp_path / "call.safetensors", q=q, k=q, v=q, attn_mask=None, is_causal=False, scale=None,
+            meta={"reason": "x" * n},
+        )  # fmt: skip
+        if path.read_bytes()[0] == 0x80:
+            break
+    else:
+        pytest.fail("no reason length gave a header length with low byte 0x80")
+    assert load_reproducer(path).meta["reason"] == "x" * n
+    # self-attention on one tensor (q is k is v) is saved too, each its own copy
+    same = save_call(
+        tmp_path / "same.safetensors", q=q, k=q, v=q, attn_mask=None, is_causal=False, scale=None
+    )
+    call = load_reproducer(same)
+    assert torch.equal(call.q, q) and torch.equal(call.k, q) and torch.equal(call.v, q)

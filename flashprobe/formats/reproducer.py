@@ -1,8 +1,20 @@
-"""The reproducer file: one attention call saved as ``safetensors`` (no pickle) plus a Python script.
+"""The reproducer file: one failing attention call as ``safetensors`` (no pickle) plus a script.
 
-The format is described in :mod:`flashprobe.probe.repro`, which also replays and shrinks the calls;
-this module only writes and reads the files (the probe saves them from
-:class:`~flashprobe.probe.ShadowAttention`).
+One format for every reproducer flashprobe writes — the probe's (a call that failed in training,
+``repro/<site>.step<step>.safetensors``) and the fuzzer's (a case that failed,
+``repro_<case>_<hash>.safetensors``)::
+
+    NAME.safetensors   q, k, v, [attn_mask], [grad_out]; the metadata as JSON in its header
+    NAME.py            python NAME.py [KERNEL_SPEC ...]: exits 1 while the failure reproduces,
+                       0 once it passes, 2 when the kernel cannot be loaded
+
+A tensor that was a permuted view is stored in its memory order and given back as the same view
+(``layout``: the permutation per tensor). The metadata (:attr:`Reproducer.meta`) holds
+``is_causal``, ``scale``, dtype, device, the versions, ``primary`` (the kernel that failed),
+``kernel_module`` (the user module that registered it), ``baseline``, ``reason`` and, for a fuzz
+case, ``fuzz`` (:mod:`flashprobe.fuzz.reproducer`). The script runs ``flashprobe replay``
+(:func:`flashprobe.probe.repro.replay`). Reproducers written as ``.pt`` (a torch pickle) by older
+versions of ``flashprobe fuzz`` are refused with that reason: nothing a user hands in is unpickled.
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ __all__ = [
     "REPRO_FORMAT",
     "Reproducer",
     "ReproducerError",
+    "kernel_module",
     "load_reproducer",
     "reproducer_stem",
     "save_reproducer",
@@ -27,9 +40,9 @@ __all__ = [
 #: ``format`` in the metadata of every reproducer file.
 REPRO_FORMAT = "flashprobe-repro-1"
 
-_DTYPES = {
-    str(d).removeprefix("torch."): d for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-}
+#: The first bytes of a file ``torch.save`` wrote (a zip archive, or a legacy pickle), told apart
+#: from safetensors only once a file fails to read as safetensors.
+_PICKLE_MAGIC = (b"PK\x03\x04", b"\x80")
 
 
 class ReproducerError(ValueError):
@@ -44,10 +57,11 @@ class Reproducer:
         q: ``(B, H, N_q, D)``; k: ``(B, H_kv, N_k, D)``; v: ``(B, H_kv, N_k, D_v)``, in the call's
             layout (permuted views where the call had them).
         attn_mask: bool or additive mask broadcastable to ``(B, H, N_q, N_k)``, or None.
-        grad_out: ``(B, H, N_q, D_v)`` output gradient (backward failures), or None.
+        grad_out: ``(B, H, N_q, D_v)`` output gradient (probe calls with a backward), or None.
         is_causal, scale: the call's arguments.
-        meta: the rest of the metadata (``site``, ``direction``, ``step``, ``reason``, ``primary``,
-            ``baseline``, ``dtype``, ``device``, versions).
+        meta: the rest of the metadata (``primary``, ``kernel_module``, ``baseline``, ``reason``,
+            ``dtype``, ``device``, versions; the probe's ``site``, ``direction``, ``step``; the
+            fuzzer's ``fuzz``).
     """
 
     q: torch.Tensor
@@ -63,12 +77,26 @@ class Reproducer:
     def dtype(self) -> torch.dtype:
         return self.q.dtype
 
+    def save(self, path: str | Path) -> Path:
+        """Write this call to ``path`` (``.safetensors``) and its script (:func:`save_reproducer`)."""
+        fields = ("q", "k", "v", "attn_mask", "grad_out", "is_causal", "scale", "meta")
+        return save_reproducer(path, **{name: getattr(self, name) for name in fields})
+
 
 def reproducer_stem(site: str, step: int) -> str:
-    """The file name (without suffix) of a reproducer: ``<site>.step<step>``, the site with every
-    character but letters, digits, ``.``, ``_`` and ``-`` replaced by ``_``."""
+    """The file name (without suffix) of a probe reproducer: ``<site>.step<step>``, the site with
+    every character but letters, digits, ``.``, ``_`` and ``-`` replaced by ``_``."""
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", site).strip(".") or "attention"
     return f"{safe}.step{step:07d}"
+
+
+def kernel_module(kernel: Any) -> str | None:
+    """The module that registered a user's kernel (a :class:`~flashprobe.Kernel`: its function's
+    module), which a reproducer's script imports first; ``None`` for a built-in or ``__main__``."""
+    module = getattr(getattr(kernel, "fn", None), "__module__", None)
+    if not module or module.startswith("flashprobe.") or module == "__main__":
+        return None
+    return module
 
 
 def _memory_order(t: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -109,7 +137,7 @@ def save_reproducer(
         if t is None:
             continue
         stored, perm = _memory_order(t.detach())
-        tensors[name] = stored.cpu()
+        tensors[name] = stored.to("cpu", copy=True)  # its own memory: q, k, v may be one tensor
         layout[name] = perm
     info = {
         **(meta or {}),
@@ -129,22 +157,37 @@ def save_reproducer(
 
 
 def _script(name: str, info: dict[str, Any]) -> str:
-    kernel = info.get("primary") or "sdpa_flash"
-    return (
-        f'"""Reproducer of a failing attention call: site {info.get("site")!r}, {info.get("direction")}, '
-        f"step {info.get('step')}.\n\n{info.get('reason', '')}\n\n"
-        f"Run: python {Path(name).with_suffix('.py').name} [KERNEL_SPEC ...]\n"
-        f"(or: flashprobe replay {name} --kernel KERNEL_SPEC)\n"
-        '"""\n\n'
-        "import sys\nfrom pathlib import Path\n\n"
-        "from flashprobe.probe.repro import load_reproducer, replay\n\n"
-        f"call = load_reproducer(Path(__file__).with_name({name!r}))\n"
-        f"kernels = sys.argv[1:] or [{kernel!r}]\n"
-        "results = replay(call, kernels)\n"
-        "for spec, result in results.items():\n"
-        "    print(spec, result['verdict'], '; '.join(result['reasons']))\n"
-        "sys.exit(1 if any(r['verdict'] == 'fail' for r in results.values()) else 0)\n"
-    )
+    """The script beside ``name``: ``flashprobe replay`` of it. Every text from the failure is a
+    Python literal (``repr``), so the script is valid Python whatever that text contains."""
+    return f'''"""Reproducer saved by flashprobe: a failing attention call (the constants below).
+
+Run it with `python` (`flashprobe replay` of the .safetensors file beside it), optionally with kernel
+specs: it judges the call with each kernel (default: KERNEL) and exits 1 while one still fails, 0
+once every one passes, and 2 when a kernel cannot be loaded (its module does not import): that says
+nothing about the bug.
+"""
+
+import importlib
+import sys
+from pathlib import Path
+
+from flashprobe.probe.replay_cli import main
+
+KERNEL = {info.get("primary") or "sdpa_flash"!r}
+KERNEL_MODULE = {info.get("kernel_module")!r}  # imported first: it registers KERNEL (None: built in)
+CASE = {(info.get("fuzz") or {}).get("case")!r}  # the fuzz case (None: a call saved in training)
+SITE = {info.get("site")!r}
+REASON = {info.get("reason")!r}  # the failure when the reproducer was saved
+
+try:
+    if KERNEL_MODULE:
+        importlib.import_module(KERNEL_MODULE)
+except Exception as err:  # exit 2, not 1: a kernel that cannot be loaded says nothing about the bug
+    print(f"cannot load the kernel {{KERNEL}}: {{type(err).__name__}}: {{err}}", file=sys.stderr)
+    sys.exit(2)
+kernels = [arg for spec in sys.argv[1:] or [KERNEL] for arg in ("--kernel", spec)]
+sys.exit(main([str(Path(__file__).with_name({name!r})), *kernels]))
+'''
 
 
 def load_reproducer(path: str | Path, device: torch.device | str | None = None) -> Reproducer:
@@ -155,18 +198,27 @@ def load_reproducer(path: str | Path, device: torch.device | str | None = None) 
         device: where to put the tensors (default: the recorded device if it exists here, else CPU).
 
     Raises:
-        ReproducerError: the file is missing, not safetensors, or not a flashprobe reproducer.
+        ReproducerError: the file is missing, not safetensors (an old ``.pt`` reproducer: refused,
+            saying so), or not a flashprobe reproducer.
     """
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
     if not path.is_file():
-        raise ReproducerError(f"{path}: no such file (a reproducer is a .safetensors file in repro/)")
+        raise ReproducerError(f"{path}: no such file (a reproducer is a .safetensors file)")
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open API)
     except (SafetensorError, OSError, ValueError) as err:
+        with path.open("rb") as file:
+            pickled = file.read(4).startswith(_PICKLE_MAGIC)
+        if pickled or path.suffix == ".pt":
+            raise ReproducerError(
+                f"{path}: a reproducer in the old .pt format (a torch pickle, written by an older "
+                "flashprobe fuzz); flashprobe does not unpickle files it is handed. Run the same "
+                "`flashprobe fuzz` again (same --kernel, --case, --seed) to save it as .safetensors"
+            ) from None
         raise ReproducerError(f"{path}: not a safetensors file ({err})") from None
     try:
         info = json.loads(meta["flashprobe"])
@@ -205,9 +257,15 @@ def _metadata_problem(info: Any, tensors: dict[str, torch.Tensor]) -> str | None
     scale = info.get("scale")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, int | float)):
         return f"scale is {scale!r}, not a number or null"
-    for key in ("device", "baseline"):
+    for key in ("device", "baseline", "primary", "kernel_module", "reason"):
         if key in info and info[key] is not None and not isinstance(info[key], str):
             return f"{key} is {info[key]!r}, not a string"
+    fuzz = info.get("fuzz", {})
+    if not isinstance(fuzz, dict):
+        return f"fuzz is {fuzz!r}, not an object"
+    for key, kind in (("case", str), ("layout", str), ("poison", str), ("backward", bool), ("bias", bool)):
+        if key in fuzz and not isinstance(fuzz[key], kind):
+            return f"fuzz.{key} is {fuzz[key]!r}, not a {'string' if kind is str else 'true or false'}"
     try:
         torch.device(info.get("device") or "cpu")
     except (RuntimeError, ValueError):
