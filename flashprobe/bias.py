@@ -199,24 +199,25 @@ class BiasStats:
         # that leaves z's band as it is; it halves the memory traffic of these reads.
         work = dtype if primary.dtype == torch.float64 else torch.float32
         g = golden.detach().to(self.device, work)
-        e_p = _replicates(torch.sub(primary.detach().to(self.device, work), g))
-        e_b = _replicates(torch.sub(baseline.detach().to(self.device, work), g))
+        e = torch.empty((2, *g.shape), dtype=work, device=self.device)  # primary, baseline − golden
+        e[0].copy_(primary.detach())
+        e[1].copy_(baseline.detach())
+        e = _replicates(e.sub_(g), keep=1)  # (2, R, M)
         g = _replicates(g)
         if finite:  # masking would change nothing: the same bits without it
-            count = e_p.new_full(e_p.shape[:1], e_p.shape[1], dtype=dtype)
+            count = e.new_full(e.shape[1:2], e.shape[2], dtype=dtype)
             sign = torch.sign(g)
         else:
-            mask = torch.isfinite(e_p + e_b)
-            e_p = torch.where(mask, e_p, 0.0)
-            e_b = torch.where(mask, e_b, 0.0)
+            mask = torch.isfinite(e.sum(dim=0))
+            e = torch.where(mask, e, 0.0)
             count = mask.sum(dim=-1).to(dtype)  # (R,)
             sign = torch.where(mask, torch.sign(g), 0.0)
         per = count.clamp(min=1.0)
-        root = per.sqrt()
-        rms_b = torch.linalg.vector_norm(e_b, dim=-1, dtype=dtype) / root
-        rms_p = torch.linalg.vector_norm(e_p, dim=-1, dtype=dtype) / root
+        # Reductions in the work dtype, then widened: R numbers per statistic, each a sum of at most
+        # BIAS_SAMPLE terms (float32's rounding there is far below the tolerance's resolution).
+        rms_p, rms_b = torch.linalg.vector_norm(e, dim=-1).to(dtype) / per.sqrt()
         scale = torch.where(rms_b > 0, rms_b, torch.where(rms_p > 0, rms_p, 1.0))
-        sums = torch.stack([e_p.sum(dim=-1, dtype=dtype), torch.linalg.vecdot(e_p, sign).to(dtype)])
+        sums = torch.stack([e[0].sum(dim=-1), torch.linalg.vecdot(e[0], sign)]).to(dtype)
         r = sums / (per * scale)  # (2, R)
         valid = (count > 0).to(dtype)
         r = r * valid
@@ -289,8 +290,10 @@ def bias_dict(
     return entry
 
 
-def _replicates(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as ``(R, M)``: one row per ``(…, N, D)`` slice (a 0/1-D tensor is one replicate)."""
-    if x.dim() < 2:
-        return x.reshape(1, -1)
-    return x.reshape(-1, x.shape[-2] * x.shape[-1])
+def _replicates(x: torch.Tensor, keep: int = 0) -> torch.Tensor:
+    """``x`` as ``(*lead, R, M)``: one row per ``(…, N, D)`` slice (a 0/1-D tensor is one replicate),
+    after its first ``keep`` dimensions ``lead``."""
+    lead, rest = x.shape[:keep], x.shape[keep:]
+    if len(rest) < 2:
+        return x.reshape(*lead, 1, -1)
+    return x.reshape(*lead, -1, rest[-2] * rest[-1])
