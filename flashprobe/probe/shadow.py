@@ -314,16 +314,24 @@ class ShadowAttention(nn.Module):
         key = (tuple(p.q.shape), tuple(p.k.shape), tuple(p.v.shape), mask_key, p.is_causal, backward)
         plan = self._plans.get(key)
         if plan is None:
-            device = p.q.device
-            budget = self.config.memory_budget
-            if budget is None:
-                budget = self._budgets.get(device)
-                if budget is None:
-                    budget = self._budgets[device] = reference_budget(device)
             plan = self._plans[key] = plan_blocks(
-                p.q.shape, p.k.shape, p.v.shape, is_causal=p.is_causal, backward=backward, budget=budget
+                p.q.shape,
+                p.k.shape,
+                p.v.shape,
+                is_causal=p.is_causal,
+                backward=backward,
+                budget=self._budget(p.q.device),
             )
         return plan
+
+    def _budget(self, device: torch.device) -> int:
+        """Bytes a reference block may use on ``device`` (``memory_budget``, else read once)."""
+        budget = self.config.memory_budget
+        if budget is None:
+            budget = self._budgets.get(device)
+            if budget is None:
+                budget = self._budgets[device] = reference_budget(device)
+        return budget
 
     # ---------------------------------------------------------------------------------------
     # Calls
@@ -519,14 +527,21 @@ class ShadowAttention(nn.Module):
                     if self.golden
                     else itertools.repeat((None, None))
                 )
-                sums = rows = None
+                # Several blocks whose outputs fit the budget twice over are gathered into call-sized
+                # tensors and compared once (one statistics pass per call, rows scaled over the call).
+                gather = self.record and len(plan) > 1 and 24 * out4.numel() <= self._budget(out4.device)
+                sums = rows = whole = None
                 for (blk, b), (_, g) in zip(base, gold, strict=False):  # gold: repeat(None) without golden
-                    if self.record:
-                        mine = blk.take_q(out4, p.rep)
-                        part, row, _, finite = self._statistics(mine, b, g)
-                        sums, rows = combine_sums(sums, part), _worst(rows, row)
-                        if g is not None:
-                            self._site(site, out.device).bias.add("out", mine, g, b, finite=finite)
+                    if gather:
+                        if whole is None:
+                            whole = (b.new_empty(out4.shape), None if g is None else g.new_empty(out4.shape))
+                        blk.take_q(whole[0], p.rep).copy_(b)
+                        if g is not None and whole[1] is not None:
+                            blk.take_q(whole[1], p.rep).copy_(g)
+                    elif self.record:
+                        sums, rows = self._compare_part(site, blk.take_q(out4, p.rep), b, g, sums, rows)
+                if whole is not None:
+                    sums, rows = self._compare_part(site, out4, *whole, sums, rows)
                 if self.record and sums is not None:
                     stats = self._site(site, out.device)
                     worst = None if rows is None else {"out": rows}
@@ -539,6 +554,22 @@ class ShadowAttention(nn.Module):
             raise
         except Exception as err:
             self._failed(site, err)
+
+    def _compare_part(
+        self,
+        site: str,
+        mine: torch.Tensor,
+        base: torch.Tensor,
+        gold: torch.Tensor | None,
+        sums: torch.Tensor | None,
+        rows: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Fold one block's (or the whole call's) forward statistics into ``sums``, ``rows``, and its
+        signed bias into the site's; returns the new ``(sums, rows)``."""
+        part, row, _, finite = self._statistics(mine, base, gold)
+        if gold is not None:
+            self._site(site, mine.device).bias.add("out", mine, gold, base, finite=finite)
+        return combine_sums(sums, part), _worst(rows, row)
 
     def _compare_backward(
         self,
