@@ -39,6 +39,7 @@ calls. Backward comparison is skipped for dropout calls.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import os
 import warnings
@@ -57,6 +58,7 @@ from flashprobe.judge import CRITERIA, call_statistics, reason, row_statistics
 from flashprobe.kernels import KernelUnavailableError, KernelUnsupportedError, get_kernel, math_attention
 from flashprobe.kernels.reference import (
     Block,
+    GroupGradients,
     numerics_flags,
     plan_blocks,
     reference_budget,
@@ -652,9 +654,14 @@ class ShadowAttention(nn.Module):
             else itertools.repeat(None)
         )
         bias = None if stats is None else stats.bias
+        budget = self._budget(grad_out.device)
         for bg, gg, fg in zip(base, gold, flash, strict=False):  # gold, flash: repeat(None) without golden
             if not self.record:
                 continue
+            # A group's row blocks whose outputs fit the budget are compared as one (as the forward).
+            if len(bg.blocks) > 1 and 48 * sum(o.numel() for o in bg.outs) <= budget:
+                bg, gg, fg = (None if x is None else _rows_as_one(x) for x in (bg, gg, fg))
+                assert bg is not None
             with torch.no_grad():
                 for i, blk in enumerate(bg.blocks):
                     if out is not None:
@@ -964,6 +971,15 @@ class ShadowAttention(nn.Module):
             s.reset()
         self._errors.clear()
         self._dropout_calls.clear()
+
+
+def _rows_as_one(group: GroupGradients) -> GroupGradients:
+    """A group's row blocks as one block: its outputs and ``dq`` concatenated along the rows."""
+    first, last = group.blocks[0], group.blocks[-1]
+    whole = dataclasses.replace(first, rows=slice(first.rows.start, last.rows.stop))
+    outs = [torch.cat(group.outs, dim=2)] if group.outs else []
+    dq = [torch.cat(group.dq, dim=2)] if group.dq else []
+    return dataclasses.replace(group, blocks=[whole], outs=outs, dq=dq)
 
 
 def _worst(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
