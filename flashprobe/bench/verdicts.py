@@ -29,7 +29,8 @@ Models (``--models``): ``gpt2``, ``llama`` (grouped-query attention, left paddin
 (padding, attention dropout 0 so gradients are judged), ``vit``, ``unet`` (diffusers
 ``UNet2DConditionModel``, self- and cross-attention), ``dit`` (diffusers ``DiTTransformer2DModel``)
 need the ``integration`` extra (transformers, diffusers); ``t2i`` (the embedded
-:class:`~flashprobe.t2i.model.TextToImageDiT`) needs nothing.
+:class:`~flashprobe.t2i.model.TextToImageDiT`) needs nothing. They are built, tiny and random-init,
+by :mod:`flashprobe.bench.tiny_models`, which the integration tests share.
 
 Writes ``DIR/verdicts.json`` and ``DIR/verdicts.csv``; ``--check`` exits 1 when a call failed or a
 site read biased.
@@ -40,149 +41,22 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 from flashprobe.bench.args import add_output_args, run_cli
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.results import format_table, write_results, wrote_line
+from flashprobe.bench.tiny_models import MODELS
 from flashprobe.bias import BIAS_TOLERANCE, BIAS_Z_LIMIT, COMPONENTS
 from flashprobe.judge import ABSOLUTE_EPS, RELATIVE_LIMITS, ROW_EPS
 
 __all__ = ["MODELS", "MODEL_KERNEL", "calibrate", "main"]
 
 _DIRECTIONS = ("out", "dq", "dk", "dv")
-_SMALL = {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4}
-VOCAB, TOKENS = 64, 8
 
-Built = tuple[nn.Module, Callable[[int], dict[str, Any]], Callable[[Any], torch.Tensor]]
-
-
-def _tokens(step: int, *, left_pad: bool = False) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(step)
-    batch = {"input_ids": torch.randint(1, VOCAB, (2, TOKENS), generator=gen)}
-    if left_pad:  # the first sequence is left-padded by 3 tokens
-        mask = torch.ones(2, TOKENS, dtype=torch.long)
-        mask[0, :3] = 0
-        batch["attention_mask"] = mask
-    return batch
-
-
-def _gpt2() -> Built:
-    import transformers
-
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16, attn_pdrop=0.0,
-        bos_token_id=0, eos_token_id=0, attn_implementation="sdpa",
-    )  # fmt: skip
-    return transformers.GPT2LMHeadModel(config), _tokens, lambda out: out.logits
-
-
-def _llama() -> Built:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        **_SMALL, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa",
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config), lambda s: _tokens(s, left_pad=True), lambda out: out.logits
-
-
-def _bert() -> Built:
-    import transformers
-
-    config = transformers.BertConfig(
-        **_SMALL, vocab_size=VOCAB, max_position_embeddings=32, attention_probs_dropout_prob=0.0,
-        attn_implementation="sdpa",
-    )  # fmt: skip
-    model = transformers.BertModel(config)
-    return model, lambda s: _tokens(s, left_pad=True), lambda out: out.last_hidden_state
-
-
-def _vit() -> Built:
-    import transformers
-
-    config = transformers.ViTConfig(**_SMALL, image_size=16, patch_size=4, attn_implementation="sdpa")
-
-    def batch(step: int) -> dict[str, Any]:
-        return {"pixel_values": torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(step))}
-
-    return transformers.ViTModel(config), batch, lambda out: out.last_hidden_state
-
-
-def _unet() -> Built:
-    import diffusers
-
-    model = diffusers.UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(16, 32),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=16,
-        attention_head_dim=8, norm_num_groups=8,
-    )  # fmt: skip
-
-    def batch(step: int) -> dict[str, Any]:
-        gen = torch.Generator().manual_seed(step)
-        return {
-            "sample": torch.randn(2, 4, 8, 8, generator=gen),
-            "timestep": torch.tensor([10, 500]),
-            "encoder_hidden_states": torch.randn(2, 5, 16, generator=gen),
-        }
-
-    return model, batch, lambda out: out.sample
-
-
-def _dit() -> Built:
-    import diffusers
-
-    model = diffusers.DiTTransformer2DModel(
-        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, num_layers=2,
-        sample_size=8, patch_size=2, num_embeds_ada_norm=10, norm_num_groups=8,
-    )  # fmt: skip
-
-    def batch(step: int) -> dict[str, Any]:
-        gen = torch.Generator().manual_seed(step)
-        return {
-            "hidden_states": torch.randn(2, 4, 8, 8, generator=gen),
-            "timestep": torch.tensor([1, 2]),
-            "class_labels": torch.tensor([0, 1]),
-        }
-
-    return model, batch, lambda out: out.sample
-
-
-def _t2i() -> Built:
-    from flashprobe.t2i.model import TextToImageDiT
-
-    model = TextToImageDiT()
-    cfg = model.config
-
-    def batch(step: int) -> dict[str, Any]:
-        gen = torch.Generator().manual_seed(step)
-        tokens = torch.randint(1, cfg.vocab_size, (4, cfg.max_caption_length), generator=gen)
-        tokens[:, 6:] = 0  # padded captions, as the tokenizer makes them
-        return {
-            "x": torch.randn(4, cfg.in_channels, cfg.image_size, cfg.image_size, generator=gen),
-            "t": torch.randint(0, 1000, (4,), generator=gen),
-            "tokens": tokens,
-        }
-
-    # The DiT starts as the zero function (adaLN-Zero): regress it towards 0.5, so gradients flow.
-    return model, batch, lambda out: out - 0.5
-
-
-#: ``--models`` name → builder of ``(model, batch(step), output(out))``.
-MODELS: dict[str, Callable[[], Built]] = {
-    "gpt2": _gpt2,
-    "llama": _llama,
-    "bert": _bert,
-    "vit": _vit,
-    "unet": _unet,
-    "dit": _dit,
-    "t2i": _t2i,
-}
 #: ``--kernel`` name of the models' own attention (torch SDPA, the probe with no ``primary``)
 MODEL_KERNEL = "model"
 #: Static loss scale per ``--precision`` (fp16 only: its gradients underflow without one).
@@ -206,8 +80,7 @@ def calibrate(
     """
     from flashprobe.probe import probe
 
-    torch.manual_seed(seed)
-    model, batch, output = MODELS[model_name]()
+    model, batch, output = MODELS[model_name](seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     worst = dict.fromkeys(_DIRECTIONS, 0.0)
     worst_max = dict.fromkeys(_DIRECTIONS, 0.0)

@@ -29,9 +29,11 @@ def flashprobe_cli(
 
 
 #: Overrides that shrink ``experiment=study`` to seconds: one replicate, a tiny model, 4 steps, a
-#: snapshot and a checkpoint every 2 steps, a 2-image sample grid.
+#: snapshot and a checkpoint every 2 steps, a 2-image sample grid, one torch thread (the experiment's
+#: two threads, on a CPU whose cores the other test workers use, made each run several times slower).
 TINY = [
     "study.replicates=1",
+    "threads=1",
     "model=tiny",
     "logger=csv",
     "data.num_train=64",

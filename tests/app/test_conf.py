@@ -60,9 +60,12 @@ def test_experiments_start_with_their_command() -> None:
         assert f"flashprobe train experiment={path.stem}" in text, f"{path.name} does not name its command"
 
 
-#: Overrides that shrink any experiment to seconds (applied after the experiment's own values).
+#: Overrides that shrink any experiment to seconds (applied after the experiment's own values): one
+#: torch thread too (the study experiments' two threads, beside the other test workers, made each run
+#: several times slower).
 TINY = [
     "model=tiny",
+    "threads=1",
     "logger=csv",
     "data.num_train=16",
     "data.num_val=8",

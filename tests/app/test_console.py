@@ -18,6 +18,7 @@ from tests.app._study import ROOT, flashprobe_cli
 
 TINY = [
     "model=tiny",
+    "threads=1",  # (experiment=study's two threads beside the other test workers: runs several times slower)
     "data.num_train=64",
     "data.num_val=16",
     "data.batch_size=16",

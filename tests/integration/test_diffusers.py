@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flashprobe.bench import tiny_models as tiny
 from flashprobe.deviation import error_ratio
 from flashprobe.probe import probe
 
@@ -15,40 +16,11 @@ from ._training import assert_identical, train_steps
 diffusers = pytest.importorskip("diffusers")
 
 
-def _unet() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return diffusers.UNet2DConditionModel(
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        layers_per_block=1,
-        block_out_channels=(16, 32),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=16,
-        attention_head_dim=8,
-        norm_num_groups=8,
-    )
-
-
-def _unet_batch(step: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(step)
-    return {
-        "sample": torch.randn(2, 4, 8, 8, generator=gen),
-        "timestep": torch.tensor([10, 500]),
-        "encoder_hidden_states": torch.randn(2, 5, 16, generator=gen),
-    }
-
-
-def _sample(out) -> torch.Tensor:
-    return out.sample
-
-
 def test_unet_self_and_cross_attention_sites_and_bit_identical_training() -> None:
-    plain = train_steps(_unet(), _unet_batch, _sample)
-    model = _unet()
+    plain = train_steps(tiny.unet(), tiny.unet_batch, tiny.sample)
+    model = tiny.unet()
     with probe(model, backward=True) as p:
-        probed = train_steps(model, _unet_batch, _sample)
+        probed = train_steps(model, tiny.unet_batch, tiny.sample)
     assert_identical(plain, probed)
     sites = p.sites
     assert "down_blocks.0.attentions.0.transformer_blocks.0.attn1" in sites  # self-attention
@@ -60,9 +32,9 @@ def test_unet_self_and_cross_attention_sites_and_bit_identical_training() -> Non
 
 def test_unet_gradient_ratios_use_the_noise_floor() -> None:
     """Random-init UNet gradients are tiny (|dq| ~ 1e-11): each ratio is floored at ½·eps·max|golden|."""
-    model = _unet()
+    model = tiny.unet()
     with probe(model, backward=True) as p:
-        train_steps(model, _unet_batch, _sample, steps=1)
+        train_steps(model, tiny.unet_batch, tiny.sample, steps=1)
     for site, entry in p.stats().items():
         for grad in ("dq", "dk", "dv"):
             d = entry["backward"][grad]
@@ -75,18 +47,10 @@ def test_unet_gradient_ratios_use_the_noise_floor() -> None:
 
 
 def test_dit_and_pixart_sites() -> None:
-    torch.manual_seed(0)
-    dit = diffusers.DiTTransformer2DModel(
-        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, num_layers=2,
-        sample_size=8, patch_size=2, num_embeds_ada_norm=10, norm_num_groups=8,
-    )  # fmt: skip
-    pixart = diffusers.PixArtTransformer2DModel(
-        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=2,
-        sample_size=8, patch_size=2, cross_attention_dim=16, caption_channels=12, norm_num_groups=8,
-    )  # fmt: skip
+    dit, pixart = tiny.dit(), tiny.pixart()
     latents, t = torch.randn(2, 4, 8, 8), torch.tensor([1, 2])
     with probe(dit, backward=True) as p:
-        dit(hidden_states=latents, timestep=t, class_labels=torch.tensor([0, 1])).sample.sum().backward()
+        dit(**tiny.dit_batch(0)).sample.sum().backward()
     assert p.sites == ["transformer_blocks.0.attn1", "transformer_blocks.1.attn1"]
     assert p.summary()["backward_calls"] == 2
     with probe(pixart) as p:
@@ -102,12 +66,12 @@ def test_dit_and_pixart_sites() -> None:
 @pytest.mark.slow  # ~25 s of Dynamo tracing on 2 cores
 def test_compiled_unet_matches_compiled_without_probe() -> None:
     torch._dynamo.reset()
-    model = _unet()
-    plain = train_steps(model, _unet_batch, _sample, call=torch.compile(model, backend="eager"))
+    model = tiny.unet()
+    plain = train_steps(model, tiny.unet_batch, tiny.sample, call=torch.compile(model, backend="eager"))
     torch._dynamo.reset()
-    model = _unet()
+    model = tiny.unet()
     compiled = torch.compile(model, backend="eager")
     with probe(compiled, backward=True) as p:
-        probed = train_steps(model, _unet_batch, _sample, call=compiled)
+        probed = train_steps(model, tiny.unet_batch, tiny.sample, call=compiled)
     assert_identical(plain, probed)
     assert len(p.sites) == 8 and p.summary()["backward_calls"] == 16

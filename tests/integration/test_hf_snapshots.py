@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flashprobe.bench import tiny_models as tiny
 from flashprobe.cli import main as cli_main
 from flashprobe.weights import SnapshotStore
 
@@ -19,27 +20,11 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("accelerate") is None, reason="transformers.Trainer needs accelerate"
 )
 
-VOCAB, TOKENS, STEPS = 64, 8, 3
-
-
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self) -> None:
-        self.ids = torch.randint(1, VOCAB, (2 * STEPS, TOKENS), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+STEPS = 3
 
 
 def _train(out: Path, seed: int) -> hf.WeightSnapshotCallback:
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32, bos_token_id=0,
-        eos_token_id=0, pad_token_id=0, attn_implementation="sdpa",
-    )  # fmt: skip
+    model = tiny.llama(seed=seed)
     args = transformers.TrainingArguments(
         output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=2, learning_rate=1e-3,
         report_to=[], use_cpu=True, dataloader_num_workers=0, seed=seed, disable_tqdm=True,
@@ -47,7 +32,7 @@ def _train(out: Path, seed: int) -> hf.WeightSnapshotCallback:
     )  # fmt: skip
     callback = hf.WeightSnapshotCallback(every_n_steps=2)
     trainer = transformers.Trainer(
-        model=transformers.LlamaForCausalLM(config), args=args, train_dataset=_Tokens(), callbacks=[callback]
+        model=model, args=args, train_dataset=tiny.TokenDataset(2 * STEPS), callbacks=[callback]
     )
     trainer.train()
     final = SnapshotStore(out).load(STEPS)

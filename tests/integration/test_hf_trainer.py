@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from flashprobe.bench import tiny_models as tiny
+from flashprobe.bench.tiny_models import TOKENS
 from flashprobe.formats.probe_log import read_probe_log
 from flashprobe.probe import ProbeWarning, probe
 
@@ -23,39 +25,12 @@ needs_accelerate = pytest.mark.skipif(
     importlib.util.find_spec("accelerate") is None, reason="transformers.Trainer needs accelerate"
 )
 
-VOCAB, TOKENS, STEPS = 64, 8, 5
-
-
-class _Tokens(torch.utils.data.Dataset):
-    """A few random token sequences; labels are the inputs (causal LM loss)."""
-
-    def __init__(self, n: int = 2 * STEPS) -> None:
-        self.ids = torch.randint(1, VOCAB, (n, TOKENS), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+STEPS = 5
 
 
 def _gpt2(attn: str = "sdpa") -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16, attn_pdrop=0.0,
-        resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation=attn,
-    )  # fmt: skip
-    return transformers.GPT2LMHeadModel(config)
-
-
-def _llama(attn: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32, bos_token_id=0,
-        eos_token_id=0, pad_token_id=0, attn_implementation=attn,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
+    """The shared tiny GPT-2 with no dropout at all."""
+    return tiny.gpt2(attn, resid_pdrop=0.0, embd_pdrop=0.0)
 
 
 class _Recorder(transformers.TrainerCallback):
@@ -86,8 +61,8 @@ def _train(
         restore_callback_states_from_checkpoint=True,
     )  # fmt: skip
     trainer = transformers.Trainer(
-        model=model, args=args, train_dataset=_Tokens(), eval_dataset=_Tokens(2) if evaluate else None,
-        callbacks=callbacks,
+        model=model, args=args, train_dataset=tiny.TokenDataset(2 * STEPS),
+        eval_dataset=tiny.TokenDataset(2) if evaluate else None, callbacks=callbacks,
     )  # fmt: skip
     trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
     return trainer
@@ -192,9 +167,9 @@ def test_llama_with_probe_kernel_attention_is_probed() -> None:
 
     register_mutants()
     hf.register_attention("probe_kernel", "tiled:block_q=4,block_k=4")
-    model = _llama("probe_kernel")
+    model = tiny.llama("probe_kernel")
     assert model.config._attn_implementation == "probe_kernel"
-    ids = _Tokens()[0]["input_ids"][None]
+    ids = tiny.TokenDataset(2 * STEPS)[0]["input_ids"][None]
     with probe(model, backward=True) as p:
         out = model(input_ids=ids).logits
         out.square().mean().backward()
@@ -220,17 +195,17 @@ def test_llama_with_probe_kernel_attention_is_probed() -> None:
     # Without a probe the kernel runs too, and gives what sdpa gives up to rounding (GQA, left padding).
     mask = torch.ones(2, TOKENS, dtype=torch.long)
     mask[0, :3] = 0
-    reference = _llama("sdpa")(input_ids=batch, attention_mask=mask).logits
-    torch.testing.assert_close(_llama("probe_kernel")(input_ids=batch, attention_mask=mask).logits, reference)
+    reference = tiny.llama("sdpa")(input_ids=batch, attention_mask=mask).logits
+    probed = tiny.llama("probe_kernel")(input_ids=batch, attention_mask=mask).logits
+    torch.testing.assert_close(probed, reference)
 
 
 @needs_accelerate
 def test_llama_with_probe_kernel_attention_trains_in_the_trainer(tmp_path: Path) -> None:
     hf.register_attention("probe_kernel", "tiled:block_q=4,block_k=4")
-    plain = _train(_llama("probe_kernel"), tmp_path / "plain")
-    probed = _train(
-        _llama("probe_kernel"), tmp_path / "probed", [hf.AttentionProbeCallback(plot=False, backward=True)]
-    )
+    plain = _train(tiny.llama("probe_kernel"), tmp_path / "plain")
+    callback = hf.AttentionProbeCallback(plot=False, backward=True)
+    probed = _train(tiny.llama("probe_kernel"), tmp_path / "probed", [callback])
     for a, b in zip(plain.model.parameters(), probed.model.parameters(), strict=True):
         assert torch.equal(a, b)
     records = read_probe_log(tmp_path / "probed" / "probe.jsonl").records
@@ -270,8 +245,8 @@ def test_flashprobe_attention_under_torch_compile_is_probed() -> None:
     """Each call of the registered attention is a graph break under torch.compile: same sites and
     outputs as in eager mode."""
     hf.register_attention("probe_kernel", "tiled:block_q=4,block_k=4")
-    model = _llama("probe_kernel")
-    ids = _Tokens()[0]["input_ids"][None]
+    model = tiny.llama("probe_kernel")
+    ids = tiny.TokenDataset(2 * STEPS)[0]["input_ids"][None]
     eager = model(input_ids=ids).logits
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="eager")

@@ -9,61 +9,20 @@ import warnings
 import pytest
 import torch
 
+from flashprobe.bench import tiny_models as tiny
+from flashprobe.bench.tiny_models import TOKENS
 from flashprobe.probe import ProbeWarning, probe
 
 from ._training import assert_identical, train_steps
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB, TOKENS = 64, 8
-_SMALL = {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4}
-
-
-def _gpt2(attn: str = "sdpa", dropout: float = 0.0) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16, attn_pdrop=dropout,
-        bos_token_id=0, eos_token_id=0, attn_implementation=attn,
-    )  # fmt: skip
-    return transformers.GPT2LMHeadModel(config)
-
-
-def _llama(attn: str = "sdpa") -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        **_SMALL, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation=attn,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
-
-
-def _bert() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        **_SMALL, vocab_size=VOCAB, max_position_embeddings=32, attn_implementation="sdpa"
-    )  # default attention dropout 0.1
-    return transformers.BertModel(config)
-
-
-def _tokens(step: int, *, left_pad: bool = False) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(step)
-    batch = {"input_ids": torch.randint(1, VOCAB, (2, TOKENS), generator=gen)}
-    if left_pad:  # the first sequence is left-padded by 3 tokens
-        mask = torch.ones(2, TOKENS, dtype=torch.long)
-        mask[0, :3] = 0
-        batch["attention_mask"] = mask
-    return batch
-
-
-def _logits(out) -> torch.Tensor:
-    return out.logits
-
 
 def test_gpt2_sites_and_bit_identical_training() -> None:
-    plain = train_steps(_gpt2(), _tokens, _logits)
-    model = _gpt2()
+    plain = train_steps(tiny.gpt2(), tiny.tokens, tiny.logits)
+    model = tiny.gpt2()
     with probe(model, backward=True) as p:
-        probed = train_steps(model, _tokens, _logits)
+        probed = train_steps(model, tiny.tokens, tiny.logits)
     assert_identical(plain, probed)
     assert p.sites == ["transformer.h.0.attn", "transformer.h.1.attn"]
     summary = p.summary()
@@ -72,11 +31,11 @@ def test_gpt2_sites_and_bit_identical_training() -> None:
 
 
 def test_llama_gqa_with_left_padding() -> None:
-    batch = lambda step: _tokens(step, left_pad=True)  # noqa: E731
-    plain = train_steps(_llama(), batch, _logits)
-    model = _llama()
+    batch = tiny.left_padded_tokens
+    plain = train_steps(tiny.llama(), batch, tiny.logits)
+    model = tiny.llama()
     with probe(model, backward=True) as p:
-        probed = train_steps(model, batch, _logits)
+        probed = train_steps(model, batch, tiny.logits)
     assert_identical(plain, probed)
     assert p.sites == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     stats = p.stats()["model.layers.0.self_attn"]
@@ -99,13 +58,13 @@ def test_tiny_llama_with_each_attention_implementation(attn: str) -> None:
 
     if attn == "probe_kernel":
         register_attention("probe_kernel", "tiled:block_q=4,block_k=4")
-    batch = lambda step: _tokens(step, left_pad=True)  # noqa: E731
-    plain = train_steps(_llama(attn), batch, _logits)
-    model = _llama(attn)
+    batch = tiny.left_padded_tokens
+    plain = train_steps(tiny.llama(attn), batch, tiny.logits)
+    model = tiny.llama(attn)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ProbeWarning)
         with probe(model) as p:
-            probed = train_steps(model, batch, _logits)
+            probed = train_steps(model, batch, tiny.logits)
         summary = p.summary()
     assert_identical(plain, probed)
     if attn == "eager":
@@ -118,10 +77,9 @@ def test_tiny_llama_with_each_attention_implementation(attn: str) -> None:
 
 
 def test_bert_attention_dropout_is_explained() -> None:
-    batch = lambda step: _tokens(step, left_pad=True)  # noqa: E731
-    output = lambda out: out.last_hidden_state  # noqa: E731
-    plain = train_steps(_bert(), batch, output)
-    model = _bert()
+    batch, output = tiny.left_padded_tokens, tiny.last_hidden_state
+    plain = train_steps(tiny.bert(attention_probs_dropout_prob=0.1), batch, output)
+    model = tiny.bert(attention_probs_dropout_prob=0.1)
     with pytest.warns(ProbeWarning, match="attention dropout"), probe(model, backward=True) as p:
         probed = train_steps(model, batch, output)
     assert_identical(plain, probed)  # BERT's dropout masks are unchanged: no random number drawn
@@ -134,22 +92,19 @@ def test_bert_attention_dropout_is_explained() -> None:
 
 
 def test_vit_sites() -> None:
-    torch.manual_seed(0)
-    model = transformers.ViTModel(
-        transformers.ViTConfig(**_SMALL, image_size=16, patch_size=8, attn_implementation="sdpa")
-    )
+    model = tiny.vit()
     with probe(model) as p:
-        model(pixel_values=torch.randn(2, 3, 16, 16))
+        model(**tiny.vit_batch(0))
     assert len(p.sites) == 2 and all(site.endswith("attention") for site in p.sites), p.sites
     assert p.summary()["forward_calls"] == 2
 
 
 def test_eager_attention_implementation_warns_with_the_fix() -> None:
-    model = _gpt2(attn="eager")
+    model = tiny.gpt2("eager")
     with pytest.warns(ProbeWarning, match="attn_implementation='eager'"):  # at attach time
         p = probe(model)
     with p:
-        model(**_tokens(0))
+        model(**tiny.tokens(0))
     with pytest.warns(ProbeWarning, match="attn_implementation='sdpa'"):
         summary = p.summary()
     assert summary["sites"] == 0 and "attn_implementation='sdpa'" in summary["notes"][0]
@@ -158,26 +113,26 @@ def test_eager_attention_implementation_warns_with_the_fix() -> None:
 @pytest.mark.parametrize("backend", ["eager", pytest.param("aot_eager", marks=pytest.mark.slow)])
 def test_compiled_gpt2_matches_compiled_without_probe(backend: str) -> None:
     torch._dynamo.reset()
-    model = _gpt2()
-    plain = train_steps(model, _tokens, _logits, call=torch.compile(model, backend=backend))
+    model = tiny.gpt2()
+    plain = train_steps(model, tiny.tokens, tiny.logits, call=torch.compile(model, backend=backend))
     torch._dynamo.reset()
-    model = _gpt2()
+    model = tiny.gpt2()
     compiled = torch.compile(model, backend=backend)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ProbeWarning)
         with probe(compiled, backward=True) as p:
-            probed = train_steps(model, _tokens, _logits, call=compiled)
+            probed = train_steps(model, tiny.tokens, tiny.logits, call=compiled)
     assert_identical(plain, probed)
     assert p.sites == ["transformer.h.0.attn", "transformer.h.1.attn"]  # as in eager mode
     assert p.summary()["backward_calls"] == 4 and p.summary()["shadow_errors"] == 0
 
 
 def _explain(model: torch.nn.Module):
-    ids = _tokens(0)["input_ids"]
+    ids = tiny.tokens(0)["input_ids"]
     return torch._dynamo.explain(lambda x: model(input_ids=x).logits)(ids)
 
 
-@pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("make", [tiny.gpt2, tiny.llama], ids=["gpt2", "llama"])
 def test_compiled_no_graph_break_one_op_per_attention_call(make) -> None:
     """docs/probe.md "Graph breaks": torch._dynamo.explain counts no graph break with the probe
     attached, as without it; each attention call is one flashprobe::attention op in the graph."""
@@ -198,15 +153,15 @@ def test_compiled_no_graph_break_one_op_per_attention_call(make) -> None:
 def test_compiled_llama_under_aot_eager_matches_compiled_without_probe() -> None:
     """Under aot_eager the probe's compiled training of a tiny Llama (GQA, causal) is bit-identical
     to the compiled training without it."""
-    batch = _tokens
+    batch = tiny.tokens
     torch._dynamo.reset()
-    model = _llama()
-    plain = train_steps(model, batch, _logits, call=torch.compile(model, backend="aot_eager"))
+    model = tiny.llama()
+    plain = train_steps(model, batch, tiny.logits, call=torch.compile(model, backend="aot_eager"))
     torch._dynamo.reset()
-    model = _llama()
+    model = tiny.llama()
     compiled = torch.compile(model, backend="aot_eager")
     with probe(model, backward=True) as p:
-        probed = train_steps(model, batch, _logits, call=compiled)
+        probed = train_steps(model, batch, tiny.logits, call=compiled)
     torch._dynamo.reset()
     assert_identical(plain, probed)
     assert p.summary()["backward_calls"] > 0 and p.summary()["shadow_errors"] == 0
@@ -217,13 +172,8 @@ def test_llama_with_flex_attention_forward() -> None:
     own wrapper, which the probe swaps: every call is a site, outputs are bit-identical, and the
     references apply transformers' score_mod and block mask (causal, left padding)."""
     pytest.importorskip("torch.nn.attention.flex_attention")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        **_SMALL, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="flex_attention",
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).eval()
-    batch = _tokens(0, left_pad=True)
+    model = tiny.llama("flex_attention").eval()
+    batch = tiny.left_padded_tokens(0)
     with torch.no_grad(), warnings.catch_warnings():  # (no FlexAttention backward on the CPU)
         warnings.simplefilter("ignore")
         plain = model(**batch).logits  # compiles FlexAttention (seconds; cached on disk after)
