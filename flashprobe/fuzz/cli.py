@@ -132,7 +132,11 @@ def _parser() -> argparse.ArgumentParser:
         help="run every case with its inputs in these layouts, repeatable or comma list, or 'all': "
         f"{', '.join(LAYOUTS)} (default contiguous; the layout_* cases run in their own)",
     )
-    p.add_argument("--baseline", default="math", metavar="SPEC", help="same-dtype baseline (default math)")
+    p.add_argument(
+        "--baseline",
+        metavar="SPEC",
+        help="same-dtype baseline (default math; with --from, the one the call recorded)",
+    )
     p.add_argument("--device", default="cpu", help="device to run on (default cpu)")
     p.add_argument(
         "--import",
@@ -234,7 +238,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
     if not args.kernel:
         raise UsageError("give at least one --kernel SPEC; available: " + ", ".join(available_kernels()))
     kernels = [_label(k, "--kernel") for k in args.kernel]
-    baseline = _label(args.baseline, "--baseline")
+    baseline = _label(args.baseline or "math", "--baseline")
     dtypes, cases = _dtypes(args.dtype), _cases(args)
     if args.seeds < 1:
         raise UsageError(
@@ -296,11 +300,19 @@ def _from_reproducer(args: argparse.Namespace) -> int:
             "name the kernel with --kernel"
         )
     kernels = [_label(k, "--kernel") for k in specs]
+    baseline = args.baseline and _label(args.baseline, "--baseline")
+    if not baseline and isinstance(recorded := call.meta.get("baseline"), str):
+        try:
+            kernel_label(recorded)
+        except KernelSpecError as err:
+            raise UsageError(
+                f"--from: the call's recorded baseline {recorded!r} cannot be used here ({err}); "
+                "name the baseline to judge against with --baseline SPEC, e.g. --baseline math"
+            ) from None
     try:
         out_dir = prepare_output_dir(args.out, flag="--out")
     except OutputPathError as err:
         raise UsageError(str(err)) from None
-    baseline = None if args.baseline == "math" else args.baseline
     failed = 0
     results = replay(call, kernels, baseline=baseline)
     for spec in kernels:

@@ -236,6 +236,34 @@ def test_fuzz_from_exits_1_when_the_kernel_raises_or_returns_the_wrong_shape_or_
     assert main(["--from", str(path), "--kernel", "math", "--out", str(tmp_path / "fuzz")]) == 0
 
 
+def test_fuzz_from_refuses_a_recorded_baseline_it_cannot_build_before_any_work(tmp_path, capsys):
+    """A reproducer naming a baseline not registered here was reported as an ERROR of the kernel asked
+    for (issue 42, item 7); it is a usage error naming the recorded baseline and the fix, and
+    ``--baseline math`` (the default spelled out) overrides the recorded one."""
+    from flashprobe.probe.repro import save_reproducer
+
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    path = save_reproducer(
+        tmp_path / "call.safetensors",
+        q=q,
+        k=k,
+        v=v,
+        attn_mask=None,
+        is_causal=False,
+        scale=None,
+        meta={"primary": "math", "baseline": "nosuch_baseline"},
+    )
+    out = tmp_path / "fuzz"
+    assert main(["--from", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--from: the call's recorded baseline 'nosuch_baseline' cannot be used here" in err
+    assert "--baseline SPEC, e.g. --baseline math" in err and not out.exists()
+    assert main(["--from", str(path), "--baseline", "nosuch", "--out", str(out)]) == 2
+    assert "--baseline 'nosuch': unknown kernel 'nosuch'" in capsys.readouterr().err and not out.exists()
+    assert main(["--from", str(path), "--baseline", "math", "--out", str(out)]) == 0
+    assert "math: PASS" in capsys.readouterr().out
+
+
 def test_progress_lines_only_on_a_terminal_outside_ci(monkeypatch, capsys):
     monkeypatch.delenv("CI", raising=False)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
