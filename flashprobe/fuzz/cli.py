@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,11 +205,23 @@ def _cases(args: argparse.Namespace) -> list[FuzzCase]:
     if args.profile not in PROFILES:
         raise UsageError(f"--profile {args.profile}: unknown profile; use one of {', '.join(PROFILES)}")
     if args.no_catalogue:
+        if args.budget == 0:
+            raise UsageError("--no-catalogue with --budget 0 runs nothing; give --budget N (random samples)")
         return []
     try:
-        return select_cases(patterns, profile=args.profile)
+        cases = select_cases(patterns, profile=args.profile)
     except ValueError as err:
         raise UsageError(f"--case/--exclude: {err}") from None
+    if not cases and not args.budget:
+        given = " ".join(
+            f"{flag} {v!r}"
+            for flag, vs in (("--case", args.case), ("--exclude", args.exclude))
+            for v in vs or []
+        )
+        raise UsageError(
+            f"{given} leaves no case of the {args.profile} profile to run; see flashprobe fuzz --list"
+        )
+    return cases
 
 
 def _device(text: str) -> torch.device:
@@ -216,6 +229,8 @@ def _device(text: str) -> torch.device:
         device = torch.device(text)
     except (RuntimeError, ValueError) as err:
         raise UsageError(f"--device {text!r}: {err}; use --device cpu or --device cuda[:N]") from None
+    if device.type not in ("cpu", "cuda"):  # meta has no values to judge; others are not supported
+        raise UsageError(f"--device {text}: flashprobe fuzz runs on cpu or cuda[:N]; use --device cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {text}: CUDA is not available on this machine; use --device cpu")
     try:
@@ -239,7 +254,9 @@ def _plan(args: argparse.Namespace) -> _Plan:
         raise UsageError("give at least one --kernel SPEC; available: " + ", ".join(available_kernels()))
     kernels = [_label(k, "--kernel") for k in args.kernel]
     baseline = _label(args.baseline or "math", "--baseline")
-    dtypes, cases = _dtypes(args.dtype), _cases(args)
+    dtypes, cases, layouts = _dtypes(args.dtype), _cases(args), _layouts(args.layout)
+    if args.seed < 0:
+        raise UsageError(f"--seed {args.seed}: must be ≥ 0 (the seed of the inputs)")
     if args.seeds < 1:
         raise UsageError(
             f"--seeds {args.seeds}: must be ≥ 1 (the catalogue runs for seeds --seed … --seed+N-1)"
@@ -264,7 +281,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
         not args.no_backward,
         args.profile,
         args.seeds,
-        _layouts(args.layout),
+        layouts,
         args.quiet,
     )
 
@@ -454,11 +471,31 @@ def _markdown(results: list[FuzzResult]) -> str:
     )
 
 
-def _progress(quiet: bool) -> Callable[[str], None] | None:
-    """The progress printer: lines to stderr when it is a terminal, not under ``--quiet`` or CI."""
-    if quiet or not sys.stderr.isatty() or os.environ.get("CI"):
+def _progress(quiet: bool, budget: int = 0) -> Callable[[str], None] | None:
+    """The progress printer: every line to stderr when it is a terminal, not under ``--quiet`` or CI.
+
+    Elsewhere (a log file, CI) a random search (``budget`` samples) is never silent: its estimate up
+    front and one progress line a minute (the first at once, saying the time left at its pace).
+    """
+    if quiet:
         return None
-    return lambda line: print(line, file=sys.stderr, flush=True)
+    if sys.stderr.isatty() and not os.environ.get("CI"):
+        return lambda line: print(line, file=sys.stderr, flush=True)
+    if not budget:
+        return None
+    last = [-float("inf")]
+
+    def sparse(line: str) -> None:
+        now = time.monotonic()
+        if line.startswith("random search:") or now - last[0] >= _SPARSE_PROGRESS_S:
+            last[0] = now
+            print(line, file=sys.stderr, flush=True)
+
+    return sparse
+
+
+#: seconds between progress lines of a random search outside a terminal
+_SPARSE_PROGRESS_S = 60.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -495,7 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         baseline=plan.baseline,
         device=plan.device,
         out_dir=plan.out_dir,
-        progress=_progress(plan.quiet),
+        progress=_progress(plan.quiet, plan.budget),
     )
     results, elapsed, catalogue_s = check.results, check.elapsed_s, check.catalogue_s
     _print_results(plan, results, elapsed)

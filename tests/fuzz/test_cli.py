@@ -184,8 +184,26 @@ def test_device_cuda_without_cuda_fails_before_any_case_runs(tmp_path, capsys, n
         (["--budget", "-1"], "--budget -1: must be ≥ 0 (random samples; 0 runs only the catalogue)"),
         (["--device", "nonsense"], "--device 'nonsense': "),
         (["--baseline", "nope"], "--baseline 'nope': unknown kernel 'nope'"),
+        # issue 42's table: each ran (a traceback, a silent exit 0, or a refusal after --out was made)
+        (["--seed", "-1"], "--seed -1: must be ≥ 0"),
+        (["--device", "meta"], "--device meta: flashprobe fuzz runs on cpu or cuda[:N]; use --device cpu"),
+        (["--exclude", "*"], "--exclude '*' leaves no case of the default profile to run"),
+        (["--no-catalogue"], "--no-catalogue with --budget 0 runs nothing; give --budget N"),
+        (["--layout", "nosuch"], "--layout nosuch: unknown layout"),
     ],
-    ids=["empty-dtype", "unknown-dtype", "empty-case", "negative-budget", "bad-device", "bad-baseline"],
+    ids=[
+        "empty-dtype",
+        "unknown-dtype",
+        "empty-case",
+        "negative-budget",
+        "bad-device",
+        "bad-baseline",
+        "negative-seed",
+        "meta-device",
+        "no-case-left",
+        "nothing-to-run",
+        "unknown-layout",
+    ],
 )
 def test_bad_arguments_fail_before_any_case_runs(tmp_path, capsys, no_run, argv, message):
     out = tmp_path / "out"
@@ -277,6 +295,26 @@ def test_progress_lines_only_on_a_terminal_outside_ci(monkeypatch, capsys):
     monkeypatch.delenv("CI")
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
     assert cli._progress(quiet=False) is None
+
+
+def test_a_random_search_outside_a_terminal_says_its_estimate_and_a_line_a_minute(monkeypatch, capsys):
+    """``fuzz --budget 1000000000`` in a log file or CI ran silently (issue 42, item 7)."""
+    monkeypatch.setenv("CI", "true")
+    assert cli._progress(quiet=False) is None  # no random search: the catalogue's lines stay quiet
+    assert cli._progress(quiet=True, budget=10) is None
+    show = cli._progress(quiet=False, budget=10)
+    show("[1/10] random_000 fp32: math pass (1 s; about 9 s left)")
+    show("[2/10] random_001 fp32: math pass (2 s; about 8 s left)")  # within the minute: not shown
+    show("random search: 10 samples of 1 kernel(s), about 9 s at the catalogue's pace")
+    assert capsys.readouterr().err.splitlines() == [
+        "[1/10] random_000 fp32: math pass (1 s; about 9 s left)",
+        "random search: 10 samples of 1 kernel(s), about 9 s at the catalogue's pace",
+    ]
+    monkeypatch.setattr(cli, "_SPARSE_PROGRESS_S", 0.0)
+    show = cli._progress(quiet=False, budget=10)
+    show("a")
+    show("b")
+    assert capsys.readouterr().err == "a\nb\n"
 
 
 def test_report_has_seconds_properties_and_the_slowest_cases(tmp_path):
