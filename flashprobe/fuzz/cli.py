@@ -49,8 +49,11 @@ from flashprobe.fuzz.tables import (
 )
 from flashprobe.kernels import (
     KernelSpecError,
+    KernelUnavailableError,
+    KernelUnsupportedError,
     available_kernels,
     dtype_name,
+    get_kernel,
     import_kernel_modules,
     output_problem,
     to_dtype,
@@ -264,6 +267,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
     if args.budget < 0:
         raise UsageError(f"--budget {args.budget}: must be ≥ 0 (random samples; 0 runs only the catalogue)")
     device = _device(args.device)
+    _some_kernel_runs(kernels, device, dtypes)
     try:
         out_dir = prepare_output_dir(args.out, flag="--out")
     except OutputPathError as err:
@@ -283,6 +287,24 @@ def _plan(args: argparse.Namespace) -> _Plan:
         args.seeds,
         layouts,
         args.quiet,
+    )
+
+
+def _some_kernel_runs(kernels: Sequence[str], device: torch.device, dtypes: Sequence[torch.dtype]) -> None:
+    """Refuse a plan in which no kernel runs on ``device`` at any of ``dtypes``: every row would be
+    ``unsupported`` and the exit code 0, a gate passed with nothing judged."""
+    reasons = []
+    for spec in kernels:
+        for dtype in dtypes:
+            try:
+                get_kernel(spec).check(device, dtype)
+                return
+            except (KernelUnsupportedError, KernelUnavailableError) as err:
+                reasons.append(str(err).replace("<kernel>", spec))
+    raise UsageError(
+        f"no kernel given runs on {device} at {', '.join(dtype_name(d) for d in dtypes)}, so nothing would "
+        f"be judged ({'; '.join(dict.fromkeys(reasons))}); run it where it runs (e.g. --device cuda on a "
+        "GPU machine), or choose a kernel that runs here (flashprobe kernels lists them)"
     )
 
 

@@ -190,6 +190,7 @@ def test_device_cuda_without_cuda_fails_before_any_case_runs(tmp_path, capsys, n
         (["--exclude", "*"], "--exclude '*' leaves no case of the default profile to run"),
         (["--no-catalogue"], "--no-catalogue with --budget 0 runs nothing; give --budget N"),
         (["--layout", "nosuch"], "--layout nosuch: unknown layout"),
+        (["--import", "../evil"], "--import '../evil' is not a module name: give a dotted Python name"),
     ],
     ids=[
         "empty-dtype",
@@ -203,6 +204,7 @@ def test_device_cuda_without_cuda_fails_before_any_case_runs(tmp_path, capsys, n
         "no-case-left",
         "nothing-to-run",
         "unknown-layout",
+        "import-a-path",
     ],
 )
 def test_bad_arguments_fail_before_any_case_runs(tmp_path, capsys, no_run, argv, message):
@@ -295,6 +297,17 @@ def test_progress_lines_only_on_a_terminal_outside_ci(monkeypatch, capsys):
     monkeypatch.delenv("CI")
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
     assert cli._progress(quiet=False) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="sdpa_cudnn may run here")
+def test_kernels_none_of_which_run_here_are_refused_not_passed_unjudged(tmp_path, capsys):
+    """``fuzz --kernel sdpa_cudnn`` on a CPU exited 0 with every row unsupported (issue 42's table)."""
+    out = tmp_path / "out"
+    assert main(["--kernel", "sdpa_cudnn", "--kernel", "sdpa_efficient", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "no kernel given runs on cpu at bf16, fp16, fp32, so nothing would be judged" in err
+    assert "sdpa_cudnn: runs on CUDA devices only" in err and "sdpa_efficient: runs on CUDA" in err
+    assert not out.exists()
 
 
 def test_a_random_search_outside_a_terminal_says_its_estimate_and_a_line_a_minute(monkeypatch, capsys):
