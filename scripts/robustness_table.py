@@ -52,6 +52,10 @@ if str(ROOT) not in sys.path:  # the tests' tables are imported from the reposit
 
 CLASSES = ("clean", "traceback", "silent", "late", "mismatch")
 
+#: the expected "exit code" of a command that keeps working until its time limit stops it (a long
+#: search): clean when, by then, its output holds the expected phrase
+RUNS_ON = -1
+
 #: output that shows training started (a refusal after it is late)
 TRAINING_STARTED = ("WeightSnapshot: saved", "`Trainer.fit` stopped", "| Name ")
 
@@ -429,7 +433,7 @@ def _repro_cases() -> list[Case]:
             "--kernel",
             "bug_raising",
             "--case",
-            "partial_tile*",
+            "sentinel_1e4",
             "--dtype",
             "fp32",
             "--no-backward",
@@ -447,7 +451,7 @@ def _repro_cases() -> list[Case]:
             "--kernel",
             "bug_wrong_shape",
             "--case",
-            "partial_tile*",
+            "sentinel_1e4",
             "--dtype",
             "fp32",
             "--no-backward",
@@ -465,32 +469,28 @@ def _repro_cases() -> list[Case]:
 def _fuzz_cases() -> list[Case]:
     fz = ("fuzz", "--kernel", "math")
     return [
-        _c(
+        _c(  # not a refusal: the search runs, saying up front how long it would take
             *fz,
             "--budget",
             "1000000000",
             "--no-catalogue",
             "--out",
             "out",
-            expect="1000000000",
+            expect="/1000000000] random_000",
+            code=RUNS_ON,
             setup="empty",
+            writes=True,
             timeout=60,
         ),
         _c(*fz, "--seeds", "0", "--out", "out", expect="--seeds", setup="empty"),
-        _c(*fz, "--seed", "-1", "--out", "out", expect="--seed", setup="empty"),
-        _c(*fz, "--layout", "nosuch", "--out", "out", expect="nosuch", setup="empty"),
         _c(*fz, "--profile", "nosuch", "--out", "out", expect="nosuch", setup="empty"),
         _c(*fz, "--case", "no_case_matches_*", "--out", "out", expect="no_case_matches_*", setup="empty"),
-        _c(*fz, "--exclude", "*", "--out", "out", expect="", setup="empty"),
         _c(*fz, "--device", "cuda", "--out", "out", expect="cuda", setup="empty"),
-        _c(*fz, "--device", "meta", "--out", "out", expect="meta", setup="empty"),
-        _c(*fz, "--no-catalogue", "--out", "out", expect="", setup="empty"),
         _c("fuzz", "--kernel", "tiled:block_q=0", "--out", "out", expect="block_q", setup="empty"),
         _c("fuzz", "--kernel", "tiled:nosuch=1", "--out", "out", expect="nosuch", setup="empty"),
         _c("fuzz", "--kernel", "tiled:dtype=int8", "--out", "out", expect="int8", setup="empty"),
         _c("fuzz", "--kernel", "", "--out", "out", expect="", setup="empty"),
         _c("fuzz", "--kernel", "sdpa_cudnn", "--out", "out", expect="CUDA", setup="empty", code=2),
-        _c(*fz, "--import", "../evil", "--out", "out", expect="../evil", setup="empty"),
         _c(*fz, "--out", "/etc", expect="system directory", setup="empty"),
         _c(*fz, "--out", "{home}", expect="home directory", setup="empty"),
         _c(*fz, "--out", "link_to_root", expect="system directory", setup="link-to-root"),
@@ -687,18 +687,6 @@ def _compare_report_cases() -> list[Case]:
 def _other_cases() -> list[Case]:
     return [
         _c("kernels", "--import", "no_such_module_xyz", expect="no_such_module_xyz", setup="empty"),
-        _c("kernels", "--import", "bugs_import_error", expect="bugs_import_error", setup="import-error"),
-        _c(
-            "fuzz",
-            "--kernel",
-            "math",
-            "--import",
-            "bugs_import_error",
-            "--out",
-            "out",
-            expect="bugs_import_error",
-            setup="import-error",
-        ),
         _c("--version", expect="flashprobe", code=0, setup="empty"),
         _c(expect="commands:", setup="empty"),
     ]
@@ -877,9 +865,9 @@ def _write_repro(d: Path, kind: str) -> Path:
 
     path = d / "call.safetensors"
     x = torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(0))
-    info: dict[str, Any] = {"format": REPRO_FORMAT, "is_causal": False}
+    info: dict[str, Any] = {"format": REPRO_FORMAT, "is_causal": False, "primary": "math", "baseline": "math"}
     if kind in ("ok", "ok-and-file"):
-        _write(path, {**info, "primary": "math", "baseline": "math"})
+        _write(path, info)
         if kind == "ok-and-file":
             (d / "a_file").write_text("x")
     elif kind == "pickle":
@@ -889,13 +877,13 @@ def _write_repro(d: Path, kind: str) -> Path:
     elif kind == "empty":
         path.write_bytes(b"")
     elif kind == "no-metadata":
-        save_file({"q": x, "k": x, "v": x}, str(path))
+        save_file({"q": x, "k": x.clone(), "v": x.clone()}, str(path))
     elif kind == "metadata-not-json":
-        save_file({"q": x, "k": x, "v": x}, str(path), metadata={"flashprobe": "{not json"})
+        save_file({"q": x, "k": x.clone(), "v": x.clone()}, str(path), metadata={"flashprobe": "{not json"})
     elif kind == "other-format":
         _write(path, {"format": "flashprobe-repro-99"})
     elif kind == "no-k":
-        save_file({"q": x, "v": x}, str(path), metadata={"flashprobe": json.dumps(info)})
+        save_file({"q": x, "v": x.clone()}, str(path), metadata={"flashprobe": json.dumps(info)})
     elif kind == "q-3d":
         _write(path, info, q=torch.randn(2, 8, 16))
     elif kind == "head-dims":
@@ -904,9 +892,9 @@ def _write_repro(d: Path, kind: str) -> Path:
         ints = torch.ones(1, 2, 8, 16, dtype=torch.int32)
         _write(path, info, q=ints, k=ints.clone(), v=ints.clone())
     elif kind == "baseline-nosuch":
-        _write(path, {**info, "primary": "math", "baseline": "nosuch_baseline"})
+        _write(path, {**info, "baseline": "nosuch_baseline"})
     elif kind == "primary-nosuch":
-        _write(path, {**info, "primary": "nosuch_primary", "baseline": "math"})
+        _write(path, {**info, "primary": "nosuch_primary"})
     elif kind == "mask-shape":
         _write(path, info, attn_mask=torch.ones(3, 5, dtype=torch.bool))
     elif kind == "scale-nan":
@@ -1000,7 +988,6 @@ SETUP_KINDS: dict[str, frozenset[str]] = {
     "repro-meta": frozenset({"repro"}),
     "repro": frozenset({"repro"}),
     "bugs": frozenset({"repro"}),
-    "import-error": frozenset(),
     "bench-json": frozenset(),
     "pair": frozenset({"a", "b", "disk"}),
     "study": frozenset({"study"}),
@@ -1104,8 +1091,6 @@ def setup(name: str, d: Path, prepared: Prepared) -> Iterator[dict[str, str]]:
         elif kind == "bugs":
             (d / "bugs.py").write_text(_BUGS)
             values["repro"] = str(_write_repro(d, "ok"))
-        elif kind == "import-error":
-            (d / "bugs_import_error.py").write_text("raise ZeroDivisionError('a bug in the user module')\n")
         elif kind == "bench-json":
             sub, damage = arg.split(":")
             (d / "out").mkdir()
@@ -1180,7 +1165,8 @@ def _flashprobe(
 
 
 def fingerprint(directory: Path) -> dict[str, tuple]:
-    """Every path under ``directory`` (links not followed, mounts included) → (kind, size, mtime, target)."""
+    """Every path under ``directory`` (links not followed, mounts included) → (mode, size, mtime, link
+    target); a directory by its mode alone (a file made and removed again leaves no trace)."""
     found: dict[str, tuple] = {}
     if not directory.exists():
         return found
@@ -1189,8 +1175,10 @@ def fingerprint(directory: Path) -> dict[str, tuple]:
             path = os.path.join(root, name)
             st = os.lstat(path)
             target = os.readlink(path) if os.path.islink(path) else ""
-            size = 0 if os.path.isdir(path) and not target else st.st_size
-            found[os.path.relpath(path, directory)] = (st.st_mode, size, st.st_mtime_ns, target)
+            if os.path.isdir(path) and not target:  # a directory changes with what it holds (listed)
+                found[os.path.relpath(path, directory)] = (st.st_mode, 0, 0, "")
+                continue
+            found[os.path.relpath(path, directory)] = (st.st_mode, st.st_size, st.st_mtime_ns, target)
     return found
 
 
@@ -1227,7 +1215,6 @@ class Outcome:
     outside: list[str] = field(default_factory=list)
     kind: str = ""
     reason: str = ""
-    skipped: str = ""
 
     def to_json(self, index: int) -> dict[str, Any]:
         return {
@@ -1256,6 +1243,8 @@ def _shell(arg: str) -> str:
 def classify(case: Case, returncode: int | None, output: str, inside: Sequence[str]) -> tuple[str, str]:
     """The class of one outcome and why (before the timing check of :func:`late_by_time`)."""
     if returncode is None:
+        if case.code == RUNS_ON and case.expect and case.expect in output:
+            return "clean", ""
         return "late", f"still running after {case.timeout:.0f} s (stopped)"
     if "Traceback (most recent call last)" in output or "Error executing job" in output:
         return "traceback", "a traceback"
@@ -1342,9 +1331,10 @@ class Table:
                 after = self._watched()
                 outcome.outside = [f"{n}:{c}" for n in outside for c in _changes(outside[n], after[n])]
         except SkipCaseError as skip:
-            return Outcome(
-                case, list(case.args), None, 0.0, "", kind="skipped", reason=str(skip), skipped=str(skip)
-            )
+            return Outcome(case, list(case.args), None, 0.0, "", kind="skipped", reason=str(skip))
+        except Exception as err:  # a defect of the table's own setup: shown, not fatal to the run
+            reason = f"the setup failed: {type(err).__name__}: {err}"
+            return Outcome(case, list(case.args), None, 0.0, "", kind="skipped", reason=reason)
         outcome.kind, outcome.reason = classify(case, outcome.returncode, outcome.output, outcome.inside)
         return outcome
 
@@ -1449,34 +1439,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         table = Table(work.resolve())
         start = time.monotonic()
-        outcomes = []
+        outcomes: list[tuple[int, Outcome]] = []
         for n, (i, case) in enumerate(chosen, 1):
             outcome = table.run(case, i)
-            outcomes.append(outcome)
+            outcomes.append((i, outcome))
             print(
                 f"[{n}/{len(chosen)}] {outcome.kind:<9} {outcome.seconds:5.1f}s  #{i} "
                 f"flashprobe {' '.join(_shell(a) for a in outcome.command)[:150]}",
                 file=sys.stderr,
                 flush=True,
             )
-        late_by_time(outcomes, args.late_after)
-        seconds = time.monotonic() - start
-    report = markdown(outcomes, len(cases), seconds)
-    print(report)
-    (args.out / "robustness.md").write_text(report)
-    rows = [o.to_json(i) for o, (i, _) in zip(outcomes, chosen, strict=True)]
-    counts = {k: sum(o.kind == k for o in outcomes) for k in [*CLASSES, "skipped"]}
+            _write(args.out, outcomes, len(cases), time.monotonic() - start)  # a stopped run keeps its rows
+        late_by_time([o for _, o in outcomes], args.late_after)
+        print(_write(args.out, outcomes, len(cases), time.monotonic() - start))
+    return 0
+
+
+def _write(out: Path, outcomes: Sequence[tuple[int, Outcome]], total: int, seconds: float) -> str:
+    """Write ``robustness.json`` and ``robustness.md`` into ``out``; returns the Markdown."""
+    report = markdown([o for _, o in outcomes], total, seconds)
+    (out / "robustness.md").write_text(report)
+    counts = {k: sum(o.kind == k for _, o in outcomes) for k in [*CLASSES, "skipped"]}
     summary = {
         "cases": len(outcomes),
-        "table": len(cases),
+        "table": total,
         "seconds": round(seconds, 1),
         "counts": counts,
-        "wrote_outside": sum(bool(o.outside) for o in outcomes),
+        "wrote_outside": sum(bool(o.outside) for _, o in outcomes),
     }
-    (args.out / "robustness.json").write_text(
-        json.dumps({"summary": summary, "cases": rows}, indent=1) + "\n"
-    )
-    return 0
+    rows = [o.to_json(i) for i, o in outcomes]
+    (out / "robustness.json").write_text(json.dumps({"summary": summary, "cases": rows}, indent=1) + "\n")
+    return report
 
 
 if __name__ == "__main__":

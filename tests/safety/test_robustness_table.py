@@ -55,7 +55,7 @@ def test_every_case_names_a_known_setup_and_only_placeholders_it_fills() -> None
         for text in (*case.args, *(v for _, v in case.env), case.cwd):
             for name in re.findall(r"\{(\w+)\}", text):
                 assert name in table.SETUP_KINDS[kind] or name == "home", (case, name)
-        assert case.code in (0, 1, 2) and all(isinstance(a, str) for a in case.args)
+        assert case.code in (0, 1, 2, table.RUNS_ON) and all(isinstance(a, str) for a in case.args)
 
 
 def _case(**kw) -> object:
@@ -78,6 +78,14 @@ def _case(**kw) -> object:
         (_case(expect="unknown kernel"), 2, "flashprobe fuzz: something else", [], "mismatch"),
         (_case(code=1, writes=True, expect="ERROR"), 1, "bug: ERROR", ["+out"], "clean"),
         (_case(code=0, writes=True), 0, "wrote out/fuzz.json", ["+out"], "clean"),
+        (
+            _case(code=table.RUNS_ON, writes=True, expect="s left"),
+            None,
+            "[1/9] (about 9 s left)",
+            [],
+            "clean",
+        ),
+        (_case(code=table.RUNS_ON, writes=True, expect="s left"), None, "", [], "late"),
     ],
 )
 def test_each_outcome_is_classified_where_it_belongs(case, code, output, inside, kind) -> None:
