@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import math
 import os
 import shutil
 import signal
@@ -397,9 +398,9 @@ def _check(cfg: DictConfig) -> None:
                 f"trainer.{key}={value!r} must be a positive number of steps, e.g. trainer.{key}=25"
             )
     lr = ((cfg.get("module") or {}).get("optimizer") or {}).get("lr")
-    if lr is not None and (not _number(lr) or not lr > 0):
+    if lr is not None and (not _number(lr) or not 0 < lr < math.inf):
         raise ValueError(
-            f"module.optimizer.lr={lr!r} must be a positive number, e.g. module.optimizer.lr=2e-3"
+            f"module.optimizer.lr={lr!r} must be a positive number (finite), e.g. module.optimizer.lr=2e-3"
         )
     for key, value in (
         ("overwrite", cfg.get("overwrite")),
@@ -1109,6 +1110,9 @@ def _precheck(args: Sequence[str]) -> Path | None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from flashprobe.app.study import check_launcher
+
+    check_launcher(args)  # a sweep's launcher too: Hydra would fail after making the run directory
     if any(a.startswith("-") for a in args):
         return None
     given = override_path(args, "hydra.run.dir")
