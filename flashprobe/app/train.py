@@ -96,6 +96,11 @@ def _run_dir(cfg: DictConfig) -> Path:
     raise ValueError("train: no run directory; set run_dir=... when calling train() outside Hydra")
 
 
+#: what a run directory holds: flashprobe's outputs, Hydra's record, the lock and the log of a run
+#: (one killed in its start-up has only some of these); a directory holding none of them is not one
+RUN_DIR_NAMES = (*RUN_OUTPUTS, ".hydra", ".flashprobe.lock", "train.log")
+
+
 def existing_run(run_dir: Path) -> list[str]:
     """The outputs of an earlier run found in ``run_dir`` (empty when there is none)."""
     return [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
@@ -1082,8 +1087,8 @@ def command_line(args: Sequence[str]) -> list[str]:
         )
     if run_dir is not None and "${" in run_dir:
         return args  # an interpolation: Hydra resolves it; train() checks the directory it gives
-    if run_dir is not None:
-        check_output_dir(run_dir, flag="hydra.run.dir")  # a file in the way fails now, not in Hydra
+    if run_dir is not None:  # a file in the way fails now, not in Hydra; so does a directory of yours
+        check_output_dir(run_dir, flag="hydra.run.dir", owned=RUN_DIR_NAMES)
     if run_dir is not None and resume in (None, "null") and not overwrite:
         found = existing_run(Path(run_dir))
         if found:
