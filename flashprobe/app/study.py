@@ -386,7 +386,9 @@ def run_study(
         raise ValueError(f"study.kernel: {err}") from None
     from flashprobe.app.train import check_config
 
-    check_config(cfg)  # every run's settings (the flash run's config; the others differ in the plan's keys)
+    # every run's settings, its objects built as in the run (the flash run's config; the others differ
+    # in the plan's keys): a setting that would stop the first run is refused before OUT is made
+    check_config(cfg, Path(out) / "runs" / "flash")
     safe_name(str(cfg.run_name), what="run_name")  # it names each run's directory under OUT/runs
     keys = [override_key(o) for o in overrides if "=" in o]
     for key in STUDY_SETS:

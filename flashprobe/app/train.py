@@ -554,15 +554,28 @@ def _check_memory(cfg: DictConfig) -> None:
         )
 
 
-def check_config(cfg: DictConfig) -> None:
+def check_config(cfg: DictConfig, run_dir: str | Path | None = None) -> None:
     """Check every setting of a composed run config before any work (what ``flashprobe train`` and
     ``flashprobe study`` do first): steps, intervals, seed, threads, learning rate, data sizes against
-    the machine's memory, names that become paths, kernels.
+    the machine's memory, names that become paths, kernels; given ``run_dir``, also build the run's
+    objects as a run there would (the kernel's placement, the probe's sites, every constructor's
+    arguments), writing nothing.
 
     Raises:
         ValueError: naming the setting, the value and what to give instead.
     """
     _check(cfg)
+    if run_dir is not None:
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            cfg.run_dir = str(run_dir)
+        lightning_log = logging.getLogger("lightning.pytorch")
+        level = lightning_log.level
+        lightning_log.setLevel(logging.WARNING)  # the Trainer's "GPU available" lines come with the run
+        try:
+            _build(cfg, Path(run_dir))
+        finally:
+            lightning_log.setLevel(level)
 
 
 def _check_paths(cfg: DictConfig, run_dir: Path) -> None:
