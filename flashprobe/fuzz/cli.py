@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from flashprobe.formats import OutputPathError, atomic_write_text, prepare_output_dir, write_json
+from flashprobe.formats.paths import check_output_dir
 from flashprobe.fuzz.cases import PROFILES, FuzzCase, select_cases
 from flashprobe.fuzz.check import check_kernel
 from flashprobe.fuzz.kernel_call import kernel_label
@@ -348,8 +349,8 @@ def _from_reproducer(args: argparse.Namespace) -> int:
                 f"--from: the call's recorded baseline {recorded!r} cannot be used here ({err}); "
                 "name the baseline to judge against with --baseline SPEC, e.g. --baseline math"
             ) from None
-    try:
-        out_dir = prepare_output_dir(args.out, flag="--out")
+    try:  # checked now, made only for a shrunk reproducer: a replay that ends in errors writes nothing
+        out_dir = check_output_dir(args.out, flag="--out")
     except OutputPathError as err:
         raise UsageError(str(err)) from None
     failed = 0
@@ -367,7 +368,7 @@ def _from_reproducer(args: argparse.Namespace) -> int:
             continue
         failed += 1
         small, tries = shrink_reproducer(call, spec, baseline=baseline)
-        path = out_dir / f"{stem}.{_safe(spec)}.shrunk.safetensors"
+        path = prepare_output_dir(out_dir, flag="--out") / f"{stem}.{_safe(spec)}.shrunk.safetensors"
         save_reproducer(
             path,
             q=small.q,

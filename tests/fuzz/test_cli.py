@@ -253,6 +253,7 @@ def test_fuzz_from_exits_1_when_the_kernel_raises_or_returns_the_wrong_shape_or_
     assert main(argv) == 1
     printed = capsys.readouterr().out
     assert f"{name}: ERROR" in printed
+    assert not (tmp_path / "fuzz").exists()  # nothing shrunk, nothing written
     assert main(["--from", str(path), "--kernel", "math", "--out", str(tmp_path / "fuzz")]) == 0
 
 
