@@ -690,7 +690,8 @@ def _check_resumable(run_dir: Path, from_step: int) -> None:
     """A run to continue has a readable record and snapshots: refuse now what would fail or be lost later.
 
     Raises:
-        ValueError: ``run.json`` is not flashprobe's record (its sessions would be dropped), the
+        ValueError: the record, a checkpoint, the snapshot directory or its manifest is a link out of
+            the run, ``run.json`` is not flashprobe's record (its sessions would be dropped), the
             snapshot manifest is malformed or names files outside its directory, or a snapshot the
             resumed run keeps (at or before ``from_step``) cannot be read.
     """
@@ -698,13 +699,20 @@ def _check_resumable(run_dir: Path, from_step: int) -> None:
 
     from flashprobe.weights.store import SNAPSHOT_DIRNAME, read_manifest
 
+    root, checkpoints, snapshots = run_dir.resolve(), run_dir / "checkpoints", run_dir / SNAPSHOT_DIRNAME
+    found = [*checkpoints.glob("*.ckpt")] if checkpoints.is_dir() else []
+    for path in (run_dir / "run.json", checkpoints, *found, snapshots, snapshots / "manifest.json"):
+        if path.is_symlink() and not path.resolve().is_relative_to(root):
+            raise ValueError(
+                f"{path} is a link to {path.resolve()}, outside the run {run_dir}; a resume reads and writes "
+                "only inside its run: copy the file in (cp -L) instead of linking it"
+            )
     record = run_dir / "run.json"
     if record.exists() and read_run_record(run_dir) is None:
         raise ValueError(
             f"{record} is not a flashprobe run record (not JSON of format flashprobe.run/1), so the run's "
             "earlier sessions would be lost; restore it, or move it away to continue with a fresh record"
         )
-    snapshots = run_dir / SNAPSHOT_DIRNAME
     if not (snapshots / "manifest.json").is_file():
         return
     for entry in read_manifest(snapshots).get("snapshots", []):
