@@ -370,6 +370,7 @@ def run_study(
             training).
         DirectoryLockedError: another process is writing into ``out``.
     """
+    from flashprobe.formats.atomic import FULL_BELOW, free_space
     from flashprobe.formats.lock import directory_lock
     from flashprobe.formats.paths import prepare_output_dir, safe_name
     from flashprobe.kernels import KernelSpecError, get_kernel
@@ -399,6 +400,12 @@ def run_study(
             )
     if not train:  # compare only: the runs must be there already; nothing is created before that
         _check_trained(Path(out) / "runs", plan)
+    free = free_space(out)
+    if free is not None and free < FULL_BELOW:  # the lock and the first run's files would fail
+        raise ValueError(
+            f"the disk holding {out} is full ({free / 2**20:.1f} MiB free); free some space or give another "
+            "--out, then run the same command again"
+        )
     # resolved once (an empty --out fails before it is resolved to the cwd); a system directory, or one
     # holding other files than a study's, is refused
     out = prepare_output_dir(out, owned=STUDY_OWNS).resolve()
