@@ -370,6 +370,7 @@ def run_study(
             training).
         DirectoryLockedError: another process is writing into ``out``.
     """
+    from flashprobe.formats.atomic import FULL_BELOW, free_space
     from flashprobe.formats.lock import directory_lock
     from flashprobe.formats.paths import prepare_output_dir, safe_name
     from flashprobe.kernels import KernelSpecError, get_kernel
@@ -386,7 +387,9 @@ def run_study(
         raise ValueError(f"study.kernel: {err}") from None
     from flashprobe.app.train import check_config
 
-    check_config(cfg)  # every run's settings (the flash run's config; the others differ in the plan's keys)
+    # every run's settings, its objects built as in the run (the flash run's config; the others differ
+    # in the plan's keys): a setting that would stop the first run is refused before OUT is made
+    check_config(cfg, Path(out) / "runs" / "flash")
     safe_name(str(cfg.run_name), what="run_name")  # it names each run's directory under OUT/runs
     keys = [override_key(o) for o in overrides if "=" in o]
     for key in STUDY_SETS:
@@ -397,6 +400,12 @@ def run_study(
             )
     if not train:  # compare only: the runs must be there already; nothing is created before that
         _check_trained(Path(out) / "runs", plan)
+    free = free_space(out)
+    if free is not None and free < FULL_BELOW:  # the lock and the first run's files would fail
+        raise ValueError(
+            f"the disk holding {out} is full ({free / 2**20:.1f} MiB free); free some space or give another "
+            "--out, then run the same command again"
+        )
     # resolved once (an empty --out fails before it is resolved to the cwd); a system directory, or one
     # holding other files than a study's, is refused
     out = prepare_output_dir(out, owned=STUDY_OWNS).resolve()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import math
 import os
 import shutil
 import signal
@@ -93,6 +94,11 @@ def _run_dir(cfg: DictConfig) -> Path:
     if HydraConfig.initialized():
         return Path(HydraConfig.get().runtime.output_dir)
     raise ValueError("train: no run directory; set run_dir=... when calling train() outside Hydra")
+
+
+#: what a run directory holds: flashprobe's outputs, Hydra's record, the lock and the log of a run
+#: (one killed in its start-up has only some of these); a directory holding none of them is not one
+RUN_DIR_NAMES = (*RUN_OUTPUTS, ".hydra", ".flashprobe.lock", "train.log")
 
 
 def existing_run(run_dir: Path) -> list[str]:
@@ -397,9 +403,9 @@ def _check(cfg: DictConfig) -> None:
                 f"trainer.{key}={value!r} must be a positive number of steps, e.g. trainer.{key}=25"
             )
     lr = ((cfg.get("module") or {}).get("optimizer") or {}).get("lr")
-    if lr is not None and (not _number(lr) or not lr > 0):
+    if lr is not None and (not _number(lr) or not 0 < lr < math.inf):
         raise ValueError(
-            f"module.optimizer.lr={lr!r} must be a positive number, e.g. module.optimizer.lr=2e-3"
+            f"module.optimizer.lr={lr!r} must be a positive number (finite), e.g. module.optimizer.lr=2e-3"
         )
     for key, value in (
         ("overwrite", cfg.get("overwrite")),
@@ -548,15 +554,28 @@ def _check_memory(cfg: DictConfig) -> None:
         )
 
 
-def check_config(cfg: DictConfig) -> None:
+def check_config(cfg: DictConfig, run_dir: str | Path | None = None) -> None:
     """Check every setting of a composed run config before any work (what ``flashprobe train`` and
     ``flashprobe study`` do first): steps, intervals, seed, threads, learning rate, data sizes against
-    the machine's memory, names that become paths, kernels.
+    the machine's memory, names that become paths, kernels; given ``run_dir``, also build the run's
+    objects as a run there would (the kernel's placement, the probe's sites, every constructor's
+    arguments), writing nothing.
 
     Raises:
         ValueError: naming the setting, the value and what to give instead.
     """
     _check(cfg)
+    if run_dir is not None:
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            cfg.run_dir = str(run_dir)
+        lightning_log = logging.getLogger("lightning.pytorch")
+        level = lightning_log.level
+        lightning_log.setLevel(logging.WARNING)  # the Trainer's "GPU available" lines come with the run
+        try:
+            _build(cfg, Path(run_dir))
+        finally:
+            lightning_log.setLevel(level)
 
 
 def _check_paths(cfg: DictConfig, run_dir: Path) -> None:
@@ -671,7 +690,8 @@ def _check_resumable(run_dir: Path, from_step: int) -> None:
     """A run to continue has a readable record and snapshots: refuse now what would fail or be lost later.
 
     Raises:
-        ValueError: ``run.json`` is not flashprobe's record (its sessions would be dropped), the
+        ValueError: the record, a checkpoint, the snapshot directory or its manifest is a link out of
+            the run, ``run.json`` is not flashprobe's record (its sessions would be dropped), the
             snapshot manifest is malformed or names files outside its directory, or a snapshot the
             resumed run keeps (at or before ``from_step``) cannot be read.
     """
@@ -679,13 +699,20 @@ def _check_resumable(run_dir: Path, from_step: int) -> None:
 
     from flashprobe.weights.store import SNAPSHOT_DIRNAME, read_manifest
 
+    root, checkpoints, snapshots = run_dir.resolve(), run_dir / "checkpoints", run_dir / SNAPSHOT_DIRNAME
+    found = [*checkpoints.glob("*.ckpt")] if checkpoints.is_dir() else []
+    for path in (run_dir / "run.json", checkpoints, *found, snapshots, snapshots / "manifest.json"):
+        if path.is_symlink() and not path.resolve().is_relative_to(root):
+            raise ValueError(
+                f"{path} is a link to {path.resolve()}, outside the run {run_dir}; a resume reads and writes "
+                "only inside its run: copy the file in (cp -L) instead of linking it"
+            )
     record = run_dir / "run.json"
     if record.exists() and read_run_record(run_dir) is None:
         raise ValueError(
             f"{record} is not a flashprobe run record (not JSON of format flashprobe.run/1), so the run's "
             "earlier sessions would be lost; restore it, or move it away to continue with a fresh record"
         )
-    snapshots = run_dir / SNAPSHOT_DIRNAME
     if not (snapshots / "manifest.json").is_file():
         return
     for entry in read_manifest(snapshots).get("snapshots", []):
@@ -1081,8 +1108,8 @@ def command_line(args: Sequence[str]) -> list[str]:
         )
     if run_dir is not None and "${" in run_dir:
         return args  # an interpolation: Hydra resolves it; train() checks the directory it gives
-    if run_dir is not None:
-        check_output_dir(run_dir, flag="hydra.run.dir")  # a file in the way fails now, not in Hydra
+    if run_dir is not None:  # a file in the way fails now, not in Hydra; so does a directory of yours
+        check_output_dir(run_dir, flag="hydra.run.dir", owned=RUN_DIR_NAMES)
     if run_dir is not None and resume in (None, "null") and not overwrite:
         found = existing_run(Path(run_dir))
         if found:
@@ -1109,6 +1136,9 @@ def _precheck(args: Sequence[str]) -> Path | None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from flashprobe.app.study import check_launcher
+
+    check_launcher(args)  # a sweep's launcher too: Hydra would fail after making the run directory
     if any(a.startswith("-") for a in args):
         return None
     given = override_path(args, "hydra.run.dir")

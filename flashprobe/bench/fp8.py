@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from flashprobe.bench.args import add_output_args, run_cli
+from flashprobe.bench.args import add_output_args, check_size, run_cli
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.inputs import Shape
 from flashprobe.bench.results import format_table, load_results, peak_memory, write_results, wrote_line
@@ -594,6 +594,10 @@ def _check_args(args: argparse.Namespace) -> None:
             raise BenchArgumentError(f"unknown --distribution {dist!r}; use: {', '.join(DISTRIBUTIONS)}")
     if args.moderate_sink not in args.sink_strength:
         args.sink_strength = sorted({*args.sink_strength, args.moderate_sink})
+    # the largest calls, before any is made: every --seq-len at --base-head-dim, every --head-dim at
+    # --base-seq-len (a batch of 1)
+    for n, d in ((max(args.seq_len), args.base_head_dim), (args.base_seq_len, max(args.head_dim))):
+        check_size(argparse.Namespace(batch=1, heads=args.heads, seq_len=n, head_dim=d))
 
 
 def _draw(rows: Sequence[Mapping[str, Any]], out: Path) -> dict[str, Path]:

@@ -157,6 +157,27 @@ class OverheadConfig:
             raise BenchArgumentError(
                 f"--steps {self.steps} must cover at least one block of --every {self.every}"
             )
+        self._check_memory(device)
+
+    def _check_memory(self, device: torch.device) -> None:
+        """Refuse a model whose attention cannot fit in memory, before anything is allocated: a floor
+        of the causal mask (``N x N`` fp32) and :data:`~flashprobe.bench.args.FP64_TENSORS` float64
+        tensors of ``(B, H, N, D)`` with one reference block, as ``check_size`` estimates."""
+        from flashprobe.bench.args import FP64_TENSORS
+        from flashprobe.kernels.reference import _available_bytes, reference_budget
+
+        head_dim = self.d_model // self.heads
+        mask = 4 * self.seq_len**2
+        tensors = FP64_TENSORS * self.batch * self.heads * self.seq_len * head_dim * 8
+        needed, available = mask + tensors + reference_budget(device), _available_bytes(device)
+        if needed > available:
+            gib = 2**30
+            raise BenchArgumentError(
+                f"--seq-len {self.seq_len} with --batch {self.batch} --d-model {self.d_model} --heads "
+                f"{self.heads} needs at least {needed / gib:.3g} GiB (a {mask / gib:.3g} GiB causal mask and "
+                f"{tensors / gib:.3g} GiB of float64 attention tensors), but {device} has "
+                f"{available / gib:.3g} GiB available; lower --seq-len (or --batch)"
+            )
 
     @property
     def modes(self) -> tuple[str, ...]:

@@ -165,6 +165,25 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: float64 arrays of the sample size one case holds at once, a floor: the two samples and their
+#: weights, and the sorts, cumulative sums and merged values scipy and torch make of them
+ARRAYS_PER_CASE = 12
+
+
+def _check_memory(n: int) -> None:
+    """Refuse a sample size whose arrays cannot fit in the host's memory, before any is drawn."""
+    from flashprobe.kernels.reference import _available_bytes
+
+    needed, available = ARRAYS_PER_CASE * 8 * n, _available_bytes(torch.device("cpu"))
+    if needed > available:
+        gib = 2**30
+        raise BenchArgumentError(
+            f"--sizes {n} needs at least {needed / gib:.3g} GiB ({ARRAYS_PER_CASE} float64 arrays of {n} "
+            f"values: the samples, their weights and their sorts), but the host has {available / gib:.3g} "
+            "GiB available; lower --sizes"
+        )
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise BenchArgumentError(f"--repeats must be >= 1, got {args.repeats}")
@@ -180,6 +199,7 @@ def _run(args: argparse.Namespace) -> int:
         raise BenchArgumentError(f"bad --device {args.device!r}: {err}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BenchArgumentError("--device cuda given but CUDA is not available; use --device cpu")
+    _check_memory(max(args.sizes))
     if args.threads is not None:
         if args.threads < 1:
             raise BenchArgumentError(f"--threads must be >= 1, got {args.threads}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from flashprobe.formats import OutputPathError, atomic_write_text, prepare_output_dir, write_json
+from flashprobe.formats.paths import check_output_dir
 from flashprobe.fuzz.cases import PROFILES, FuzzCase, select_cases
 from flashprobe.fuzz.check import check_kernel
 from flashprobe.fuzz.kernel_call import kernel_label
@@ -48,8 +50,11 @@ from flashprobe.fuzz.tables import (
 )
 from flashprobe.kernels import (
     KernelSpecError,
+    KernelUnavailableError,
+    KernelUnsupportedError,
     available_kernels,
     dtype_name,
+    get_kernel,
     import_kernel_modules,
     output_problem,
     to_dtype,
@@ -132,7 +137,11 @@ def _parser() -> argparse.ArgumentParser:
         help="run every case with its inputs in these layouts, repeatable or comma list, or 'all': "
         f"{', '.join(LAYOUTS)} (default contiguous; the layout_* cases run in their own)",
     )
-    p.add_argument("--baseline", default="math", metavar="SPEC", help="same-dtype baseline (default math)")
+    p.add_argument(
+        "--baseline",
+        metavar="SPEC",
+        help="same-dtype baseline (default math; with --from, the one the call recorded)",
+    )
     p.add_argument("--device", default="cpu", help="device to run on (default cpu)")
     p.add_argument(
         "--import",
@@ -200,11 +209,23 @@ def _cases(args: argparse.Namespace) -> list[FuzzCase]:
     if args.profile not in PROFILES:
         raise UsageError(f"--profile {args.profile}: unknown profile; use one of {', '.join(PROFILES)}")
     if args.no_catalogue:
+        if args.budget == 0:
+            raise UsageError("--no-catalogue with --budget 0 runs nothing; give --budget N (random samples)")
         return []
     try:
-        return select_cases(patterns, profile=args.profile)
+        cases = select_cases(patterns, profile=args.profile)
     except ValueError as err:
         raise UsageError(f"--case/--exclude: {err}") from None
+    if not cases and not args.budget:
+        given = " ".join(
+            f"{flag} {v!r}"
+            for flag, vs in (("--case", args.case), ("--exclude", args.exclude))
+            for v in vs or []
+        )
+        raise UsageError(
+            f"{given} leaves no case of the {args.profile} profile to run; see flashprobe fuzz --list"
+        )
+    return cases
 
 
 def _device(text: str) -> torch.device:
@@ -212,6 +233,8 @@ def _device(text: str) -> torch.device:
         device = torch.device(text)
     except (RuntimeError, ValueError) as err:
         raise UsageError(f"--device {text!r}: {err}; use --device cpu or --device cuda[:N]") from None
+    if device.type not in ("cpu", "cuda"):  # meta has no values to judge; others are not supported
+        raise UsageError(f"--device {text}: flashprobe fuzz runs on cpu or cuda[:N]; use --device cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {text}: CUDA is not available on this machine; use --device cpu")
     try:
@@ -234,8 +257,10 @@ def _plan(args: argparse.Namespace) -> _Plan:
     if not args.kernel:
         raise UsageError("give at least one --kernel SPEC; available: " + ", ".join(available_kernels()))
     kernels = [_label(k, "--kernel") for k in args.kernel]
-    baseline = _label(args.baseline, "--baseline")
-    dtypes, cases = _dtypes(args.dtype), _cases(args)
+    baseline = _label(args.baseline or "math", "--baseline")
+    dtypes, cases, layouts = _dtypes(args.dtype), _cases(args), _layouts(args.layout)
+    if args.seed < 0:
+        raise UsageError(f"--seed {args.seed}: must be ≥ 0 (the seed of the inputs)")
     if args.seeds < 1:
         raise UsageError(
             f"--seeds {args.seeds}: must be ≥ 1 (the catalogue runs for seeds --seed … --seed+N-1)"
@@ -243,6 +268,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
     if args.budget < 0:
         raise UsageError(f"--budget {args.budget}: must be ≥ 0 (random samples; 0 runs only the catalogue)")
     device = _device(args.device)
+    _some_kernel_runs(kernels, device, dtypes)
     try:
         out_dir = prepare_output_dir(args.out, flag="--out")
     except OutputPathError as err:
@@ -260,8 +286,26 @@ def _plan(args: argparse.Namespace) -> _Plan:
         not args.no_backward,
         args.profile,
         args.seeds,
-        _layouts(args.layout),
+        layouts,
         args.quiet,
+    )
+
+
+def _some_kernel_runs(kernels: Sequence[str], device: torch.device, dtypes: Sequence[torch.dtype]) -> None:
+    """Refuse a plan in which no kernel runs on ``device`` at any of ``dtypes``: every row would be
+    ``unsupported`` and the exit code 0, a gate passed with nothing judged."""
+    reasons = []
+    for spec in kernels:
+        for dtype in dtypes:
+            try:
+                get_kernel(spec).check(device, dtype)
+                return
+            except (KernelUnsupportedError, KernelUnavailableError) as err:
+                reasons.append(str(err).replace("<kernel>", spec))
+    raise UsageError(
+        f"no kernel given runs on {device} at {', '.join(dtype_name(d) for d in dtypes)}, so nothing would "
+        f"be judged ({'; '.join(dict.fromkeys(reasons))}); run it where it runs (e.g. --device cuda on a "
+        "GPU machine), or choose a kernel that runs here (flashprobe kernels lists them)"
     )
 
 
@@ -297,11 +341,19 @@ def _from_reproducer(args: argparse.Namespace) -> int:
         raise UsageError(
             f"{err} (recorded: registered by --import {module})" if module else str(err)
         ) from None
-    try:
-        out_dir = prepare_output_dir(args.out, flag="--out")
+    baseline = args.baseline and _label(args.baseline, "--baseline")
+    if not baseline and isinstance(recorded := call.meta.get("baseline"), str):
+        try:
+            kernel_label(recorded)
+        except KernelSpecError as err:
+            raise UsageError(
+                f"--from: the call's recorded baseline {recorded!r} cannot be used here ({err}); "
+                "name the baseline to judge against with --baseline SPEC, e.g. --baseline math"
+            ) from None
+    try:  # checked now, made only for a shrunk reproducer: a replay that ends in errors writes nothing
+        out_dir = check_output_dir(args.out, flag="--out")
     except OutputPathError as err:
         raise UsageError(str(err)) from None
-    baseline = None if args.baseline == "math" else args.baseline
     failed = 0
     results = replay(call, kernels, baseline=baseline)
     for spec in kernels:
@@ -317,7 +369,7 @@ def _from_reproducer(args: argparse.Namespace) -> int:
             continue
         failed += 1
         small, tries = shrink_reproducer(call, spec, baseline=baseline)
-        path = out_dir / f"{stem}.{_safe(spec)}.shrunk.safetensors"
+        path = prepare_output_dir(out_dir, flag="--out") / f"{stem}.{_safe(spec)}.shrunk.safetensors"
         replace(small, meta={**small.meta, "primary": spec, "shrunk_from": str(args.from_file)}).save(path)
         before = "x".join(str(n) for n in (*call.q.shape[:3], call.k.shape[2]))
         after = "x".join(str(n) for n in (*small.q.shape[:3], small.k.shape[2]))
@@ -433,11 +485,31 @@ def _markdown(results: list[FuzzResult]) -> str:
     )
 
 
-def _progress(quiet: bool) -> Callable[[str], None] | None:
-    """The progress printer: lines to stderr when it is a terminal, not under ``--quiet`` or CI."""
-    if quiet or not sys.stderr.isatty() or os.environ.get("CI"):
+def _progress(quiet: bool, budget: int = 0) -> Callable[[str], None] | None:
+    """The progress printer: every line to stderr when it is a terminal, not under ``--quiet`` or CI.
+
+    Elsewhere (a log file, CI) a random search (``budget`` samples) is never silent: its estimate up
+    front and one progress line a minute (the first at once, saying the time left at its pace).
+    """
+    if quiet:
         return None
-    return lambda line: print(line, file=sys.stderr, flush=True)
+    if sys.stderr.isatty() and not os.environ.get("CI"):
+        return lambda line: print(line, file=sys.stderr, flush=True)
+    if not budget:
+        return None
+    last = [-float("inf")]
+
+    def sparse(line: str) -> None:
+        now = time.monotonic()
+        if line.startswith("random search:") or now - last[0] >= _SPARSE_PROGRESS_S:
+            last[0] = now
+            print(line, file=sys.stderr, flush=True)
+
+    return sparse
+
+
+#: seconds between progress lines of a random search outside a terminal
+_SPARSE_PROGRESS_S = 60.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -474,7 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         baseline=plan.baseline,
         device=plan.device,
         out_dir=plan.out_dir,
-        progress=_progress(plan.quiet),
+        progress=_progress(plan.quiet, plan.budget),
     )
     results, elapsed, catalogue_s = check.results, check.elapsed_s, check.catalogue_s
     _print_results(plan, results, elapsed)

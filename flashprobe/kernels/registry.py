@@ -585,12 +585,18 @@ def import_kernel_modules(modules: Iterable[str]) -> None:
     finding modules in the working directory as ``python -m`` does.
 
     Raises:
-        KernelSpecError: a module cannot be imported, naming it and the fix.
+        KernelSpecError: a name that is not a dotted module name (a path, ``""``), or a module that
+            cannot be imported, naming it and the fix.
     """
     modules = list(modules)
     if modules and "" not in sys.path and str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
     for module in modules:
+        if not all(part.isidentifier() for part in module.split(".")):
+            raise KernelSpecError(
+                f"--import {module!r} is not a module name: give a dotted Python name (e.g. mypkg.kernels), "
+                "not a path, and run from the directory that holds it"
+            )
         try:
             importlib.import_module(module)
         except ImportError as err:

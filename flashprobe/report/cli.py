@@ -18,6 +18,7 @@ import argparse
 import itertools
 import logging
 import math
+import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -139,6 +140,13 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
         check_output_dir(args.out, flag="--out", owned=COMPARE_OWNS)  # fails first, creating nothing
         for run in dict.fromkeys(r for pair in pairs.values() for r in pair):
             SnapshotStore(run)  # a missing or malformed run fails here, before any distance or write
+        for name, (a, b) in pairs.items():
+            if os.path.realpath(a) == os.path.realpath(b):
+                raise ValueError(
+                    f"{name}: {a} and {b} are the same run directory, and a run against itself is at "
+                    "distance 0; give two different runs"
+                )
+        created = not os.path.lexists(args.out)
         out = prepare_output_dir(args.out, flag="--out", owned=COMPARE_OWNS)
     except (FileNotFoundError, ValueError) as err:
         return _fail(prog, err)
@@ -149,6 +157,8 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
         if not args.no_figures:
             result.files += plot_study_figures(pairs_doc, out, fig7=args.fig7_pair)
     except (FileNotFoundError, ValueError, DiskFullError) as err:
+        if created and not any(out.iterdir()):  # refused before writing: leave no empty --out behind
+            out.rmdir()
         return _fail(prog, err)
     width = max(len(n) for n in result.pairs)
     header = f"{'pair':<{width}}  {'steps':>5}  {'last step':>9}  {'wasserstein':>11}  {'max_abs':>9}"

@@ -49,3 +49,17 @@ def test_an_unknown_hydra_launcher_is_refused_before_a_study_starts(tmp_path: Pa
     err = capsys.readouterr().err
     assert "hydra/launcher=nosuch is not a Hydra launcher installed here (found: basic" in err
     assert not out.exists()
+
+
+def test_a_study_refuses_probe_sites_that_name_no_module_before_its_first_run(tmp_path: Path, capsys) -> None:
+    """The study built its first run before checking the sites: refused inside it, after OUT/runs/flash
+    was made (issue 42's table); now refused with the same paragraph before OUT exists."""
+    from flashprobe.app.study import main
+    from tests.app._study import TINY
+
+    out = tmp_path / "study"
+    assert (
+        main(["--out", str(out), "--runs", "flash,baseline", *TINY, "attention.probe.sites=[nosuch.*]"]) == 2
+    )
+    assert "sites=['nosuch.*'] matches no module of the model" in capsys.readouterr().err
+    assert not out.exists()

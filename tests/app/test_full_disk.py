@@ -79,3 +79,16 @@ def test_a_run_on_a_disk_already_full_is_refused_before_hydra_writes(tmp_path: P
         err = capsys.readouterr().err
         assert f"the disk holding {disk / 'run'} is full (0.0 MiB free)" in err and "Traceback" not in err
         assert sorted(p.name for p in disk.iterdir()) == ["filler"]
+
+
+def test_a_study_on_a_disk_already_full_is_refused_before_it_writes(tmp_path: Path, capsys) -> None:
+    """It made OUT and its lock, then ended in a bare ``[Errno 28]`` (issue 42's table)."""
+    from flashprobe.app.study import main
+    from tests.app._study import TINY
+
+    with tiny_disk(tmp_path / "disk", 256) as disk:
+        fill(disk, 0)
+        assert main(["--out", str(disk / "study"), "--runs", "flash,baseline", *TINY]) == 2
+        err = capsys.readouterr().err
+        assert f"the disk holding {disk / 'study'} is full (0.0 MiB free)" in err and "Traceback" not in err
+        assert sorted(p.name for p in disk.iterdir()) == ["filler"]

@@ -70,3 +70,15 @@ def test_compare_and_report_handle_any_bytes_in_a_path(tmp_path: Path, capsys) -
     assert "2.000e+00  2.000e+00" in printed  # |3 - 1| at step 2, both distances: read, not called corrupt
     assert report_main([str(out)]) == 0, capsys.readouterr().err
     assert b"run\xff" in (out / "report.md").read_bytes()  # the path's bytes, as they are
+
+
+def test_compare_refuses_a_run_against_itself_and_leaves_no_empty_out(tmp_path: Path, capsys) -> None:
+    """``compare a a`` reported distance 0 as a result; a pair refused while measuring (no step in
+    common) left an empty --out behind (issue 42's table). Both leave nothing."""
+    a = write_run(tmp_path / "a", WEIGHTS, seed=0)
+    assert compare_main([str(a), str(tmp_path / "." / "a"), "--out", str(tmp_path / "out")]) == 2
+    assert "are the same run directory, and a run against itself is at distance 0" in capsys.readouterr().err
+    b = write_run(tmp_path / "b", {1: {"w": torch.zeros(4)}, 3: {"w": torch.ones(4)}}, seed=1)
+    assert compare_main([str(a), str(b), "--out", str(tmp_path / "out")]) == 2
+    assert "have no snapshot step in common" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -141,3 +141,21 @@ def test_rotation_factor_pairs_the_seeds():
     factor = gain["factor"]  # seed by seed: 2, 3, 4
     assert factor["geomean"] == pytest.approx(24 ** (1 / 3)) and (factor["min"], factor["max"]) == (2.0, 4.0)
     assert "rotation_gaussian" not in fp8.summarize(rows, {}, 8.0, rel_l2)
+
+
+def test_a_sequence_too_long_for_memory_is_refused_with_the_estimate_before_any_call(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``bench fp8 --seq-len 10000000`` started measuring towards an out-of-memory kill (issue 42's
+    table): 8 float64 tensors of 1x1x10^7x64 are 38.1 GiB before the 2 GiB reference block."""
+    from flashprobe.kernels import reference
+
+    monkeypatch.setattr(reference, "_available_bytes", lambda device: 8 << 30)
+    monkeypatch.setattr(fp8, "error_rows", lambda **kw: pytest.fail("measured despite the size"))
+    assert fp8.main(["--seq-len", "10000000", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "flashprobe bench fp8: error: --seq-len 10000000 with --batch 1 --heads 1 --head-dim 64 " in err
+    assert "needs at least 40.1 GiB" in err and "but cpu has 8 GiB available" in err
+    assert fp8.main(["--head-dim", "1048576", "--base-seq-len", "4096", "--out", str(tmp_path / "out")]) == 2
+    assert "--seq-len 4096 with --batch 1 --heads 1 --head-dim 1048576 needs" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

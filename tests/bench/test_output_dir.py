@@ -98,3 +98,19 @@ def test_a_shape_too_large_for_memory_is_refused_with_the_estimate(
     assert refused in err
     assert "needs at least 155 GiB (8 float64 tensors of 1x4x10000000x64 and a 2 GiB reference block)" in err
     assert "but cpu has 8 GiB available" in err and not (tmp_path / "out").exists()
+
+
+def test_overhead_refuses_a_sequence_whose_mask_alone_cannot_fit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``bench overhead --seq-len 100000`` would allocate a 37.3 GiB causal mask (10^10 fp32) when the
+    model is built (issue 42's table); refused first with the estimate (8 GiB available here)."""
+    from flashprobe.bench import overhead
+    from flashprobe.kernels import reference
+
+    monkeypatch.setattr(reference, "_available_bytes", lambda device: 8 << 30)
+    assert overhead.main(["--seq-len", "100000", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "error: --seq-len 100000 with --batch 2 --d-model 256 --heads 4 needs at least 42.3 GiB" in err
+    assert "(a 37.3 GiB causal mask and 3.05 GiB of float64 attention tensors)" in err
+    assert "but cpu has 8 GiB available" in err and not (tmp_path / "out").exists()

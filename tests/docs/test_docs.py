@@ -41,6 +41,7 @@ SCRIPT_BUDGETS: dict[str, tuple[str, ...]] = {
     "examples/probe_any_model.py": ("--steps", "1"),
     "examples/lightning_callbacks.py": (),
     "scripts/fuzz_rule_calibration.py": ("--calls", "2"),
+    "scripts/robustness_table.py": ("--only", "fuzz --kernel nosuch"),
 }
 
 #: the page whose file block and command make the ``runs/`` directories other snippets read

@@ -184,8 +184,28 @@ def test_device_cuda_without_cuda_fails_before_any_case_runs(tmp_path, capsys, n
         (["--budget", "-1"], "--budget -1: must be ≥ 0 (random samples; 0 runs only the catalogue)"),
         (["--device", "nonsense"], "--device 'nonsense': "),
         (["--baseline", "nope"], "--baseline 'nope': unknown kernel 'nope'"),
+        # issue 42's table: each ran (a traceback, a silent exit 0, or a refusal after --out was made)
+        (["--seed", "-1"], "--seed -1: must be ≥ 0"),
+        (["--device", "meta"], "--device meta: flashprobe fuzz runs on cpu or cuda[:N]; use --device cpu"),
+        (["--exclude", "*"], "--exclude '*' leaves no case of the default profile to run"),
+        (["--no-catalogue"], "--no-catalogue with --budget 0 runs nothing; give --budget N"),
+        (["--layout", "nosuch"], "--layout nosuch: unknown layout"),
+        (["--import", "../evil"], "--import '../evil' is not a module name: give a dotted Python name"),
     ],
-    ids=["empty-dtype", "unknown-dtype", "empty-case", "negative-budget", "bad-device", "bad-baseline"],
+    ids=[
+        "empty-dtype",
+        "unknown-dtype",
+        "empty-case",
+        "negative-budget",
+        "bad-device",
+        "bad-baseline",
+        "negative-seed",
+        "meta-device",
+        "no-case-left",
+        "nothing-to-run",
+        "unknown-layout",
+        "import-a-path",
+    ],
 )
 def test_bad_arguments_fail_before_any_case_runs(tmp_path, capsys, no_run, argv, message):
     out = tmp_path / "out"
@@ -233,7 +253,36 @@ def test_fuzz_from_exits_1_when_the_kernel_raises_or_returns_the_wrong_shape_or_
     assert main(argv) == 1
     printed = capsys.readouterr().out
     assert f"{name}: ERROR" in printed
+    assert not (tmp_path / "fuzz").exists()  # nothing shrunk, nothing written
     assert main(["--from", str(path), "--kernel", "math", "--out", str(tmp_path / "fuzz")]) == 0
+
+
+def test_fuzz_from_refuses_a_recorded_baseline_it_cannot_build_before_any_work(tmp_path, capsys):
+    """A reproducer naming a baseline not registered here was reported as an ERROR of the kernel asked
+    for (issue 42, item 7); it is a usage error naming the recorded baseline and the fix, and
+    ``--baseline math`` (the default spelled out) overrides the recorded one."""
+    from flashprobe.probe.repro import save_reproducer
+
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    path = save_reproducer(
+        tmp_path / "call.safetensors",
+        q=q,
+        k=k,
+        v=v,
+        attn_mask=None,
+        is_causal=False,
+        scale=None,
+        meta={"primary": "math", "baseline": "nosuch_baseline"},
+    )
+    out = tmp_path / "fuzz"
+    assert main(["--from", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--from: the call's recorded baseline 'nosuch_baseline' cannot be used here" in err
+    assert "--baseline SPEC, e.g. --baseline math" in err and not out.exists()
+    assert main(["--from", str(path), "--baseline", "nosuch", "--out", str(out)]) == 2
+    assert "--baseline 'nosuch': unknown kernel 'nosuch'" in capsys.readouterr().err and not out.exists()
+    assert main(["--from", str(path), "--baseline", "math", "--out", str(out)]) == 0
+    assert "math: PASS" in capsys.readouterr().out
 
 
 def test_progress_lines_only_on_a_terminal_outside_ci(monkeypatch, capsys):
@@ -249,6 +298,37 @@ def test_progress_lines_only_on_a_terminal_outside_ci(monkeypatch, capsys):
     monkeypatch.delenv("CI")
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
     assert cli._progress(quiet=False) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="sdpa_cudnn may run here")
+def test_kernels_none_of_which_run_here_are_refused_not_passed_unjudged(tmp_path, capsys):
+    """``fuzz --kernel sdpa_cudnn`` on a CPU exited 0 with every row unsupported (issue 42's table)."""
+    out = tmp_path / "out"
+    assert main(["--kernel", "sdpa_cudnn", "--kernel", "sdpa_efficient", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "no kernel given runs on cpu at bf16, fp16, fp32, so nothing would be judged" in err
+    assert "sdpa_cudnn: runs on CUDA devices only" in err and "sdpa_efficient: runs on CUDA" in err
+    assert not out.exists()
+
+
+def test_a_random_search_outside_a_terminal_says_its_estimate_and_a_line_a_minute(monkeypatch, capsys):
+    """``fuzz --budget 1000000000`` in a log file or CI ran silently (issue 42, item 7)."""
+    monkeypatch.setenv("CI", "true")
+    assert cli._progress(quiet=False) is None  # no random search: the catalogue's lines stay quiet
+    assert cli._progress(quiet=True, budget=10) is None
+    show = cli._progress(quiet=False, budget=10)
+    show("[1/10] random_000 fp32: math pass (1 s; about 9 s left)")
+    show("[2/10] random_001 fp32: math pass (2 s; about 8 s left)")  # within the minute: not shown
+    show("random search: 10 samples of 1 kernel(s), about 9 s at the catalogue's pace")
+    assert capsys.readouterr().err.splitlines() == [
+        "[1/10] random_000 fp32: math pass (1 s; about 9 s left)",
+        "random search: 10 samples of 1 kernel(s), about 9 s at the catalogue's pace",
+    ]
+    monkeypatch.setattr(cli, "_SPARSE_PROGRESS_S", 0.0)
+    show = cli._progress(quiet=False, budget=10)
+    show("a")
+    show("b")
+    assert capsys.readouterr().err == "a\nb\n"
 
 
 def test_report_has_seconds_properties_and_the_slowest_cases(tmp_path):

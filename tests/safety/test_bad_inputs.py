@@ -93,6 +93,15 @@ CASES = [
     ([*T, "+callbacks.attention_probe.filename=."], "must be a file name inside the run directory"),
     ([*T, "callbacks.weight_snapshot.dirpath=/tmp"], "lies outside the run directory"),
     ([*T, "attention.probe.baseline=tiled:block_q=abc"], "not a valid Hydra override"),
+    # issue 42's table: an infinite learning rate trained to NaN weights; an unknown launcher failed
+    # inside Hydra (exit 1) after it had made the run directory
+    ([*T, "module.optimizer.lr=1e400"], "module.optimizer.lr=inf must be a positive number (finite)"),
+    ([*T, "hydra/launcher=nosuch"], "hydra/launcher=nosuch is not a Hydra launcher installed here"),
+    (["train", "-m", "experiment=smoke", "hydra/launcher=nosuch"], "is not a Hydra launcher installed"),
+    (
+        [*T, "hydra.run.dir=users"],
+        "hydra.run.dir users holds files flashprobe did not write there (notes.txt)",
+    ),
     (["study", "--out", "s", "--runs", "nosuch"], "unknown study run 'nosuch'"),
     (["study", "--out", "s", "--runs", "flash,seed1"], "form no like-for-like flash_vs_baseline pair"),
     (["study", "--out", "s", "study.precision=99"], "is not a study precision"),
@@ -167,6 +176,8 @@ def _inputs(where: Path) -> None:
         (where / name / "snapshots").mkdir(parents=True)
         (where / name / "snapshots" / "manifest.json").write_text(manifest)
     (where / "a_file").write_text("x")
+    (where / "users").mkdir()  # a directory of the user's own: no run of flashprobe's
+    (where / "users" / "notes.txt").write_text("keep")
 
 
 @pytest.mark.parametrize(("args", "phrase"), CASES, ids=[" ".join(a[:1] + a[-1:]) for a, _ in CASES])

@@ -108,3 +108,19 @@ def test_a_damaged_run_is_refused_before_the_resume_writes(
     with pytest.raises(ValueError, match=message):
         _resume(run)
     assert fingerprint(run) == before
+
+
+@pytest.mark.parametrize("linked", ["checkpoints/last.ckpt", "snapshots/manifest.json", "snapshots"])
+def test_a_resume_refuses_a_checkpoint_or_manifest_linked_out_of_the_run(
+    stopped: Path, tmp_path: Path, linked: str
+) -> None:
+    """Linked out of the run, the resume read (and would write through) someone else's files; it trained
+    on (issue 42's table). Refused before any write, the link named."""
+    run = Path(shutil.copytree(stopped, tmp_path / "run", symlinks=True))
+    path, outside = run / linked, tmp_path / "elsewhere"
+    path.rename(outside)
+    path.symlink_to(outside)
+    before = fingerprint(run)
+    with pytest.raises(ValueError, match=rf"{linked} is a link to {outside}, outside the run .*cp -L"):
+        _resume(run)
+    assert fingerprint(run) == before

@@ -64,3 +64,17 @@ def test_bench_rejects_bad_arguments(tmp_path: Path, capsys) -> None:
     assert "unknown case(s) ['sideways']" in capsys.readouterr().err
     assert cli_main(["bench", "wasserstein", "--sizes", "0", "--out", str(tmp_path)]) == 2
     assert cli_main(["bench", "wasserstein", "--repeats", "0", "--out", str(tmp_path)]) == 2
+
+
+def test_bench_refuses_sizes_that_cannot_fit_before_drawing_any(tmp_path: Path, capsys, monkeypatch) -> None:
+    """``--sizes 100000000000`` ended in numpy's ``_ArrayMemoryError`` traceback (issue 42's table):
+    12 float64 arrays of 10^11 values are 8941 GiB, refused with the estimate (8 GiB available here)."""
+    from flashprobe.kernels import reference
+
+    monkeypatch.setattr(reference, "_available_bytes", lambda device: 8 << 30)
+    out = tmp_path / "out"
+    assert cli_main(["bench", "wasserstein", "--sizes", "1000", "100000000000", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--sizes 100000000000 needs at least 8.94e+03 GiB (12 float64 arrays of 100000000000" in err
+    assert "but the host has 8 GiB available; lower --sizes" in err and "Traceback" not in err
+    assert not out.exists()
