@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashprobe.probe import probe
+from flashprobe.probing import probe
 
 
 def _cell(value: float | int | None) -> str:

@@ -2,7 +2,7 @@
 
 Four tools, following *Is Flash Attention Stable?* (Golden et al., 2024, arXiv 2405.02803):
 a precision microbenchmark with a re-implementation of FlashAttention (:mod:`flashprobe.bench`),
-a shadow probe that compares kernels at every attention call in training (:mod:`flashprobe.probe`),
+a shadow probe that compares kernels at every attention call in training (:mod:`flashprobe.probing`),
 weight-deviation bounds across runs (:mod:`flashprobe.weights`), and kernel edge-case fuzzing.
 
 The public names below are imported on first use, so ``import flashprobe.kernels`` (and commands
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
         register_kernel,
         tiled_attention,
     )
-    from flashprobe.probe import ProbeConfig, ShadowAttention, use_kernel
+    from flashprobe.probing import ProbeConfig, ShadowAttention, use_kernel
     from flashprobe.weights import (
         SnapshotStore,
         compare_runs,
@@ -63,7 +63,7 @@ _PUBLIC: dict[str, str] = {
         "flashprobe.kernels",
     ),
     **dict.fromkeys(("KernelCheck", "check_kernel"), "flashprobe.fuzz.check"),
-    **dict.fromkeys(("ProbeConfig", "ShadowAttention", "use_kernel"), "flashprobe.probe"),
+    **dict.fromkeys(("ProbeConfig", "ShadowAttention", "use_kernel"), "flashprobe.probing"),
     **dict.fromkeys(
         ("SnapshotStore", "compare_runs", "max_abs_diff", "save_snapshot", "wasserstein_distance"),
         "flashprobe.weights",

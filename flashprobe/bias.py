@@ -36,7 +36,7 @@ device once. The element differences are taken in float32 unless the primary is 
 golden's float32 rounding is symmetric noise far below a 16-bit kernel's error), and ``sample``
 caps the elements read per replicate (the probe reads :data:`BIAS_SAMPLE`, every k-th row).
 
-The probe keeps one per site inside its accumulator (:class:`flashprobe.probe.stats.DeviationStats`
+The probe keeps one per site inside its accumulator (:class:`flashprobe.probing.stats.DeviationStats`
 ``.bias``): reported in ``stats()``, ``summary()``, ``probe.jsonl``, and the verdict (``biased``).
 """
 

@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("flashprobe.report.cli:compare_main", "compare the weight snapshots of run directories"),
     "report": ("flashprobe.report.cli:report_main", "redraw report.md and figures of a run or study dir"),
     "fuzz": ("flashprobe.fuzz.cli:main", "fuzz kernels with adversarial edge cases"),
-    "replay": ("flashprobe.probe.replay_cli:main", "rerun a failing attention call the probe saved"),
+    "replay": ("flashprobe.probing.replay_cli:main", "rerun a failing attention call the probe saved"),
     "kernels": ("flashprobe.cli:list_kernels", "list the kernels, their options and whether they run here"),
 }
 

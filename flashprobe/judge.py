@@ -53,7 +53,7 @@ Further per-call criteria extend :data:`CRITERIA`: a code, a name, a limit and o
 ``biased`` → ``fail``, where the self-normalised sum ``z`` of the replicates' signed mean errors
 (:mod:`flashprobe.bias`) reaches :data:`flashprobe.bias.BIAS_Z_LIMIT` (:func:`judge_bias`). The probe
 applies it to a site over its calls and steps (``biased: ...``,
-:func:`flashprobe.probe.shadow.site_verdict`), the fuzzer to the (batch, head) replicates of one call
+:func:`flashprobe.probing.shadow.site_verdict`), the fuzzer to the (batch, head) replicates of one call
 of its ``signed bias`` cases; no other call fails for it.
 
 **The statistic shown first** is :data:`SCORE`, ``limit_ratio``: the largest ``statistic / limit``

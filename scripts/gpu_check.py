@@ -224,7 +224,7 @@ def reference_cost(out: Path, *, seq_len: int = 8192, repeats: int = 5) -> dict[
     """The probe's cost per call at B = 2, H = 16, N = ``seq_len``, D = 128 on CUDA, bf16.
 
     Times (CUDA events, median of ``repeats``) the bare flash call and the same call through a
-    :class:`~flashprobe.probe.ShadowAttention` (baseline and FP64 golden), forward and with
+    :class:`~flashprobe.probing.ShadowAttention` (baseline and FP64 golden), forward and with
     gradients, causal and not; records the reference blocks per call from
     :func:`flashprobe.kernels.reference.plan_blocks` and the peak memory. Writes
     ``out/reference_cost.json``.
@@ -235,7 +235,7 @@ def reference_cost(out: Path, *, seq_len: int = 8192, repeats: int = 5) -> dict[
     import torch.nn.functional as F
 
     from flashprobe.kernels.reference import plan_blocks, reference_budget
-    from flashprobe.probe import ShadowAttention
+    from flashprobe.probing import ShadowAttention
 
     device = torch.device("cuda")
     shape = (2, 16, seq_len, 128)

@@ -278,14 +278,14 @@ def _tiny_study() -> tuple[str, ...]:
 def _repro_cases() -> list[Case]:
     """Crafted reproducers for ``replay`` and ``fuzz --from`` (the metadata table of the probe's tests
     and more)."""
-    from tests.probe import test_repro_metadata
+    from tests.probing import test_repro_metadata
 
     cases = []
     for i, (_, _, message) in enumerate(
         _parametrized(test_repro_metadata.test_bad_metadata_is_refused_naming_the_field)
     ):
         phrase = message.split(".*")[0].replace("\\", "")
-        src = "tests/probe/test_repro_metadata.py"
+        src = "tests/probing/test_repro_metadata.py"
         cases.append(_c("replay", "{repro}", expect=phrase, setup=f"repro-meta:{i}", source=src))
         cases.append(
             _c(
@@ -856,8 +856,8 @@ def _write_repro(d: Path, kind: str) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from flashprobe.probe.repro import REPRO_FORMAT
-    from tests.probe.test_repro_metadata import _write
+    from flashprobe.probing.repro import REPRO_FORMAT
+    from tests.probing.test_repro_metadata import _write
     from tests.safety._runs import CreatesFile
 
     path = d / "call.safetensors"
@@ -1076,8 +1076,8 @@ def setup(name: str, d: Path, prepared: Prepared) -> Iterator[dict[str, str]]:
             _damage_manifest(run := _copy_run(prepared, d), arg)
             values["run"] = str(run)
         elif kind == "repro-meta":
-            from flashprobe.probe.repro import REPRO_FORMAT
-            from tests.probe import test_repro_metadata as t
+            from flashprobe.probing.repro import REPRO_FORMAT
+            from tests.probing import test_repro_metadata as t
 
             info, tensors, _ = _parametrized(t.test_bad_metadata_is_refused_naming_the_field)[int(arg)]
             if isinstance(info, dict):

@@ -12,7 +12,7 @@ LAYERS = (
     "flashprobe",
     "flashprobe.deviation",
     "flashprobe.kernels",
-    "flashprobe.probe",
+    "flashprobe.probing",
     "flashprobe.weights",
 )
 

@@ -4,6 +4,6 @@
 :mod:`flashprobe.t2i` (run directories, resume, rank re-runs, ``run.json``); ``study`` trains the
 paper's §V weight-deviation study through Hydra multirun; ``study_progress``, ``console``,
 ``overrides`` and ``machine`` are their helpers. The library layers (:mod:`flashprobe.kernels`,
-:mod:`flashprobe.probe`, :mod:`flashprobe.weights`, :mod:`flashprobe.deviation`) never import
+:mod:`flashprobe.probing`, :mod:`flashprobe.weights`, :mod:`flashprobe.deviation`) never import
 this package, so they load without Lightning or Hydra (``tests/test_layers.py``).
 """

@@ -463,7 +463,7 @@ def _check(cfg: DictConfig) -> None:
             )
     probing = cfg.attention.probe.enabled and (cfg.get("callbacks") or {}).get("attention_probe") is not None
     if probing:  # the probe's settings, as its callback will check them
-        from flashprobe.probe import ProbeConfig
+        from flashprobe.probing import ProbeConfig
 
         try:
             settings = OmegaConf.to_container(cfg.attention.probe, resolve=True)

@@ -8,7 +8,7 @@ initial weights, optimizer and batches:
 * ``control`` — every attention call also computes the same reference attention(s) as the probe
   (baseline, golden; their gradients with ``--backward``) and throws them away: the floor any
   shadow has to pay;
-* ``probe`` — :func:`flashprobe.probe.probe` on every call;
+* ``probe`` — :func:`flashprobe.probing.probe` on every call;
 * ``probe_every_N`` — the probe attached throughout, comparing only at steps that are multiples of
   ``--every`` (the step counter advanced once per step, as the callback does).
 
@@ -52,7 +52,7 @@ from torch import nn
 from flashprobe.bench.args import add_output_args, run_cli
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.results import format_table, write_results, wrote_line
-from flashprobe.probe import Probe, ShadowAttention
+from flashprobe.probing import Probe, ShadowAttention
 
 __all__ = ["LIMITS", "OverheadConfig", "TinyLM", "limit_checks", "main", "measure_overhead"]
 

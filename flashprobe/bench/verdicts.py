@@ -2,7 +2,7 @@
 
 The calibration of the probe's verdict (the rule of :mod:`flashprobe.judge`): third-party model
 classes and the project's own text-to-image DiT, built from tiny random-init configs, are trained
-with AdamW for ``--steps`` steps under :func:`flashprobe.probe.probe` (``backward=True``) with
+with AdamW for ``--steps`` steps under :func:`flashprobe.probing.probe` (``backward=True``) with
 **torch's own SDPA** as the kernel (what the models call; on this CPU the fused flash kernel where
 it applies), in float32 and under bf16 or fp16 autocast. Each row reports, per direction (``out``,
 ``dq``, ``dk``, ``dv``), the verdict's statistic (``limit_ratio``: the worst call's largest
@@ -78,7 +78,7 @@ def calibrate(
         kernel: the primary's kernel spec (None: the model's own torch SDPA); mutants of the suite
             must be registered first (:func:`flashprobe.mutants.register_mutants`).
     """
-    from flashprobe.probe import probe
+    from flashprobe.probing import probe
 
     model, batch, output = MODELS[model_name](seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

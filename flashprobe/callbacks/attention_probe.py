@@ -1,6 +1,6 @@
 """``AttentionProbe``: the shadow attention probe inside any Lightning ``Trainer``.
 
-At fit start it builds :func:`flashprobe.probe.probe` for the ``LightningModule`` (checking that
+At fit start it builds :func:`flashprobe.probing.probe` for the ``LightningModule`` (checking that
 every kernel can run there); during training batches every ``scaled_dot_product_attention`` call
 made inside the module is compared with the baseline and the FP64 golden value (validation and
 sampling run the primary alone). It advances the probe's step with ``trainer.global_step``, and every
@@ -15,7 +15,7 @@ duplicate lines and keeps its verdict.
 the summary of each record carries ``verdict`` and ``failures`` (the first failure of each site and
 direction since training started, and the worst call). At the first failure of a site and
 direction the callback warns with one line (``on_failure="warn"``), raises
-:class:`~flashprobe.probe.ProbeFailureError` (``"raise"``) or writes its record and asks the
+:class:`~flashprobe.probing.ProbeFailureError` (``"raise"``) or writes its record and asks the
 Trainer to stop (``"stop"``: ``trainer.should_stop``); the failing call is saved as a reproducer in
 ``DIRPATH/repro/`` (at most ``max_reproducers``; ``flashprobe replay FILE``). On the CPU a failure
 is seen at the batch it happens in; on a GPU at the next logging step (no host read per call),
@@ -41,16 +41,16 @@ from flashprobe.deviation import PAIRS
 from flashprobe.formats.atomic import DiskFullError
 from flashprobe.formats.probe_log import PROBE_LOG_NAME, ProbeLogWriter
 from flashprobe.kernels import KernelUnavailableError
-from flashprobe.probe import Probe, ProbeConfig, ProbeFailureError, ProbeWarning, probe, reduce_across_ranks
-from flashprobe.probe.session import (
+from flashprobe.probing import Probe, ProbeConfig, ProbeFailureError, ProbeWarning, probe, reduce_across_ranks
+from flashprobe.probing.session import (
     NONFINITE_ACTIONS,
     RunTally,
     check_trainable,
     nonfinite_weights,
     verdict_block,
 )
-from flashprobe.probe.shadow import failure_message
-from flashprobe.probe.summary import bias_words, summary_scalars
+from flashprobe.probing.shadow import failure_message
+from flashprobe.probing.summary import bias_words, summary_scalars
 
 __all__ = ["AttentionProbe"]
 
@@ -69,7 +69,7 @@ class AttentionProbe(Callback):
     """Compare the model's attention kernel with the baseline at every call during training.
 
     Args:
-        config: the probe's settings (:class:`~flashprobe.probe.ProbeConfig`: ``primary``,
+        config: the probe's settings (:class:`~flashprobe.probing.ProbeConfig`: ``primary``,
             ``baseline``, ``golden``, ``backward``, ``every_n_steps``, ``every_n_calls``, ``sites``,
             ``dropout``, ``memory_budget``); default: its defaults (``backward="auto"``: gradients
             compared where the primary and baseline have a backward on the model's device).
@@ -85,7 +85,7 @@ class AttentionProbe(Callback):
         plot: at the end of training, draw the per-site deviation plot of the file next to it
             (``probe.png``, :func:`flashprobe.report.probe_figures.plot_probe`).
         on_failure: at the first failure of each site and direction: ``"warn"`` (default, one
-            line), ``"raise"`` (:class:`~flashprobe.probe.ProbeFailureError`) or ``"stop"`` (write
+            line), ``"raise"`` (:class:`~flashprobe.probing.ProbeFailureError`) or ``"stop"`` (write
             the record, then stop training through ``trainer.should_stop``).
         max_reproducers: reproducer files saved in ``DIRPATH/repro/`` at most (0: none).
         on_nonfinite: when the weights become non-finite after a step, or the primary returns
@@ -94,10 +94,10 @@ class AttentionProbe(Callback):
             run never trains on NaN weights to a quiet end) or ``"continue"`` (only record it). With
             a :class:`~flashprobe.callbacks.NonFiniteGuard` in the Trainer the guard checks the
             weights (and decides) instead.
-        console: print the verdict block (:func:`flashprobe.probe.session.verdict_block`: the
+        console: print the verdict block (:func:`flashprobe.probing.session.verdict_block`: the
             verdict, a per-site table, the reproducers) to stdout at the first failure and at the
             end of training, with no logging set-up needed.
-        **settings: fields of :class:`~flashprobe.probe.ProbeConfig` replacing ``config``'s.
+        **settings: fields of :class:`~flashprobe.probing.ProbeConfig` replacing ``config``'s.
 
     With ``16-mixed`` precision the gradient statistics are divided by the ``GradScaler``'s current
     scale (read on the device, no sync), so they are in the model's units.
@@ -180,7 +180,7 @@ class AttentionProbe(Callback):
         ``enabled`` key, which decides whether the callback exists at all, is left out).
 
         Args:
-            settings: fields of :class:`~flashprobe.probe.ProbeConfig` (plus ``enabled``).
+            settings: fields of :class:`~flashprobe.probing.ProbeConfig` (plus ``enabled``).
             **kwargs: the callback's own arguments (``dirpath``, ``log_every_n_steps``, ...).
         """
         return cls(ProbeConfig.from_mapping(settings, ignore=("enabled",)), **kwargs)
@@ -213,7 +213,7 @@ class AttentionProbe(Callback):
     @property
     def fallbacks(self) -> list[dict[str, Any]]:
         """Where torch's SDPA computed the attention instead of the primary (``fallback=True``):
-        :attr:`flashprobe.probe.Probe.fallbacks`, kept after fit."""
+        :attr:`flashprobe.probing.Probe.fallbacks`, kept after fit."""
         return self._fallbacks if self._probe is None else self._probe.fallbacks
 
     @property

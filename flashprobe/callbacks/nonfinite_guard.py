@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from flashprobe.probe.session import NONFINITE_ACTIONS, nonfinite_weights
+from flashprobe.probing.session import NONFINITE_ACTIONS, nonfinite_weights
 
 __all__ = ["NonFiniteGuard"]
 

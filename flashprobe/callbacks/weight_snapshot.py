@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from flashprobe.probe.session import attention_record
+from flashprobe.probing.session import attention_record
 from flashprobe.weights.snapshot import (
     clean_name,
     live_tensors,
@@ -99,7 +99,7 @@ class WeightSnapshot(Callback):
             (:func:`trained_attention`): the explicit ``primary`` of an
             :class:`~flashprobe.callbacks.AttentionProbe` in the Trainer (the model receives its
             output in every training batch), else the kernel of a
-            :func:`~flashprobe.probe.use_kernel` route on the module when training starts, else the
+            :func:`~flashprobe.probing.use_kernel` route on the module when training starts, else the
             LightningModule's ``hparams["attention"]``; when none says, the model's own attention,
             resolved here (:func:`own_attention`: ``"own sdpa on cpu"`` for a Hugging Face model,
             ``"own attention on cpu"`` for others), so two default runs record the same value.
@@ -316,9 +316,9 @@ def trained_attention(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str
     """The attention kernel spec ``pl_module`` trains with, as far as the run says: the explicit
     ``primary`` of an :class:`~flashprobe.callbacks.AttentionProbe` in ``trainer`` (it replaces the
     model's kernel in training batches), else the kernel of the newest
-    :func:`~flashprobe.probe.use_kernel` route attached to the module or one of its submodules, else
+    :func:`~flashprobe.probing.use_kernel` route attached to the module or one of its submodules, else
     ``hparams["attention"]``; None when nothing says."""
-    from flashprobe.probe.intercept import active_handles
+    from flashprobe.probing.intercept import active_handles
 
     probe = _primary_probe(trainer)
     if probe is not None:
@@ -336,7 +336,7 @@ def trained_attention(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str
 def trained_attention_record(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
     """``{"attention": ..., "attention_fallback": ...}`` for the manifest: :func:`trained_attention`
     (else the model's own), corrected by an :class:`~flashprobe.callbacks.AttentionProbe`'s fallbacks
-    (:func:`flashprobe.probe.session.attention_record`), so no manifest names a kernel that did not
+    (:func:`flashprobe.probing.session.attention_record`), so no manifest names a kernel that did not
     compute the attention."""
     own = own_attention(pl_module)
     probe = _primary_probe(trainer)

@@ -4,8 +4,8 @@ One JSON line per logging step, appended in step order::
 
     {"step": 25, "summary": {...}, "sites": {"model.blocks.0.attn": {...}, ...}}
 
-``summary`` is :meth:`flashprobe.probe.Probe.summary` and ``sites`` is
-:meth:`flashprobe.probe.Probe.stats` of the logging interval; numbers follow
+``summary`` is :meth:`flashprobe.probing.Probe.summary` and ``sites`` is
+:meth:`flashprobe.probing.Probe.stats` of the logging interval; numbers follow
 :mod:`flashprobe.formats.jsonio` (non-finite ones as ``"inf"``/``"nan"``, ``null`` = not recorded).
 Every statistic is its interval's except the signed bias (``sites[s][...][dir]["bias"]``, the summary's
 ``max_bias_z``, ``max_bias_site`` and ``biased``: :mod:`flashprobe.bias`), which is the run's so far.

@@ -13,7 +13,7 @@ A tensor that was a permuted view is stored in its memory order and given back a
 ``is_causal``, ``scale``, dtype, device, the versions, ``primary`` (the kernel that failed),
 ``kernel_module`` (the user module that registered it), ``baseline``, ``reason`` and, for a fuzz
 case, ``fuzz`` (:mod:`flashprobe.fuzz.reproducer`). The script runs ``flashprobe replay``
-(:func:`flashprobe.probe.repro.replay`). Reproducers written as ``.pt`` (a torch pickle) by older
+(:func:`flashprobe.probing.repro.replay`). Reproducers written as ``.pt`` (a torch pickle) by older
 versions of ``flashprobe fuzz`` are refused with that reason: nothing a user hands in is unpickled.
 """
 
@@ -171,7 +171,7 @@ import importlib
 import sys
 from pathlib import Path
 
-from flashprobe.probe.replay_cli import main
+from flashprobe.probing.replay_cli import main
 
 KERNEL = {info.get("primary") or "sdpa_flash"!r}
 KERNEL_MODULE = {info.get("kernel_module")!r}  # imported first: it registers KERNEL (None: built in)

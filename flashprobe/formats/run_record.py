@@ -144,7 +144,7 @@ def finish_session(
         note: something the run met but trained through (``on_nonfinite=continue``).
         attention: what computed the model's attention in this session, ``{"attention": ...}`` and,
             where a requested kernel fell back, ``"attention_fallback"``
-            (:func:`flashprobe.probe.session.attention_record`); kept in the session.
+            (:func:`flashprobe.probing.session.attention_record`); kept in the session.
     """
     record = read_run_record(run_dir)
     if record is None or not record["sessions"]:

@@ -17,7 +17,7 @@ long-context training.
 * :mod:`~flashprobe.fuzz.kernel_call` — calling a kernel on copies of a case's inputs;
 * :mod:`~flashprobe.fuzz.run` — :class:`FuzzResult`, :func:`check_case`, :func:`run_catalogue`;
 * :mod:`~flashprobe.fuzz.search` — :func:`random_search` (its failures shrunk by
-  :func:`flashprobe.probe.repro.shrink_reproducer`, the one shrinker of every reproducer);
+  :func:`flashprobe.probing.repro.shrink_reproducer`, the one shrinker of every reproducer);
 * :mod:`~flashprobe.fuzz.reproducer` — :func:`save_reproducer`: a failing case in the one
   reproducer format (:mod:`flashprobe.formats.reproducer`);
 * :mod:`~flashprobe.fuzz.tables` — terminal, Markdown and catalogue tables;

@@ -318,10 +318,10 @@ def _import_modules(modules: Sequence[str] | None) -> None:
 
 def _from_reproducer(args: argparse.Namespace) -> int:
     """``--from FILE``: replay a reproducer (the probe's or the fuzzer's) with each kernel and shrink
-    the failing ones (:func:`flashprobe.probe.repro.shrink_reproducer`); 1 when a kernel fails or
+    the failing ones (:func:`flashprobe.probing.repro.shrink_reproducer`); 1 when a kernel fails or
     errs (raises, returns the wrong shape or dtype: ``replay``'s ``error``, not shrunk), 0 when none
     does."""
-    from flashprobe.probe.repro import ReproducerError, load_reproducer, replay, shrink_reproducer
+    from flashprobe.probing.repro import ReproducerError, load_reproducer, replay, shrink_reproducer
 
     _import_modules(args.imports)
     try:

@@ -5,7 +5,7 @@ A failing case is saved as ``repro_<case>_<hash>.safetensors`` — its inputs (n
 the signed bias were judged, the failure kind and the random sample's parameters — plus the script
 ``repro_<case>_<hash>.py``, which exits 1 while the failure reproduces, 0 once it passes and 2
 when the kernel cannot be loaded. ``flashprobe replay`` and ``flashprobe fuzz --from`` read it as
-they read the probe's (:func:`flashprobe.probe.repro.replay` judges it with :func:`replay_case`:
+they read the probe's (:func:`flashprobe.probing.repro.replay` judges it with :func:`replay_case`:
 the fuzzer's judge, as when it was found).
 """
 
@@ -37,7 +37,7 @@ __all__ = [
     "save_reproducer",
 ]
 
-#: a fuzz verdict as :func:`flashprobe.probe.repro.replay` says it
+#: a fuzz verdict as :func:`flashprobe.probing.repro.replay` says it
 _REPLAY = {
     "pass": "pass",
     "no_backward": "pass",
@@ -140,7 +140,7 @@ def case_inputs(call: Reproducer) -> CaseInputs:
 
 def replay_case(call: Reproducer, kernel: str, baseline: str = "math") -> dict[str, Any]:
     """Judge a fuzz reproducer's case with ``kernel`` as the fuzzer does (:func:`check_case`, the
-    FP8 baseline for an FP8 kernel), in the form of :func:`flashprobe.probe.repro.replay`."""
+    FP8 baseline for an FP8 kernel), in the form of :func:`flashprobe.probing.repro.replay`."""
     fuzz = call.meta["fuzz"]
     try:
         inputs = case_inputs(call)

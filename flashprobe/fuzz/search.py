@@ -2,7 +2,7 @@
 
 Samples are drawn inside the kernels' limits and posed to each within its own
 (:func:`~flashprobe.fuzz.fit.fit_inputs`). Random failures are shrunk by the one shrinker of every
-reproducer (:func:`flashprobe.probe.repro.shrink_reproducer`: cutting N_q, N_k, B, H, D and making
+reproducer (:func:`flashprobe.probing.repro.shrink_reproducer`: cutting N_q, N_k, B, H, D and making
 the layout contiguous and GQA plain while the same failure persists) and saved as reproducers, one
 per (kernel, property, direction) (:class:`~flashprobe.fuzz.reproducer.ReproducerStore`).
 """
@@ -78,9 +78,9 @@ class _Search:
         prop: str,
     ) -> FuzzResult:
         """Save a failure's reproducer: shrunk the first time its (kernel, failure kind) fails
-        (:func:`~flashprobe.probe.repro.shrink_reproducer`), as sampled (posed within the kernel's
+        (:func:`~flashprobe.probing.repro.shrink_reproducer`), as sampled (posed within the kernel's
         limits) after that, so every property keeps its evidence at the cost of one shrink per kind."""
-        from flashprobe.probe.repro import shrink_reproducer  # the one shrinker (it imports the probe)
+        from flashprobe.probing.repro import shrink_reproducer  # the one shrinker (it imports the probe)
 
         assert self.reproducers is not None
         inputs = fit_inputs(base, get_kernel(kernel).capabilities).inputs
@@ -147,7 +147,7 @@ def random_search(
     mask kind, and whether its logits sit below a sentinel; the directions are ``out``, ``dq``,
     ``dk``, ``dv``) is saved by ``reproducers`` (or, given only ``out_dir``, a
     :class:`~flashprobe.fuzz.reproducer.ReproducerStore` there), shrunk (one shrink per (kernel,
-    failure kind), :func:`~flashprobe.probe.repro.shrink_reproducer`) the
+    failure kind), :func:`~flashprobe.probing.repro.shrink_reproducer`) the
     first time its (kernel, failure kind) fails and as sampled after that; its row carries the path
     in ``repro``.
 

@@ -2,7 +2,7 @@
 as an ``attn_implementation``.
 
 * :class:`AttentionProbeCallback` is the Lightning :class:`~flashprobe.callbacks.AttentionProbe` for
-  the HF ``Trainer``: at train begin it builds :func:`flashprobe.probe.probe` on the Trainer's model;
+  the HF ``Trainer``: at train begin it builds :func:`flashprobe.probing.probe` on the Trainer's model;
   it is attached from ``on_step_begin`` to ``on_step_end`` only (every micro-batch of a training step
   is compared; evaluation and prediction run the model alone); the probe's step is
   ``state.global_step``; every ``logging_steps`` it reads the statistics once (all-reduced across
@@ -18,11 +18,11 @@ as an ``attn_implementation``.
 attention_mask, dropout=, scaling=, is_causal=, ...)`` and ``(B, H, N, D)`` tensors and takes back
 ``(B, N, H, D)``; it prepares the call exactly as transformers' own ``sdpa`` function does (causal
 flag, grouped key/value heads, position bias) and runs the kernel with SDPA's semantics
-(:func:`flashprobe.probe.call.run_kernel`). It makes no SDPA call: inside a probed model it hands the
+(:func:`flashprobe.probing.call.run_kernel`). It makes no SDPA call: inside a probed model it hands the
 call to the probe directly, at the site the probe would give an SDPA call made there, with the
-kernel as the route the primary runs (:meth:`flashprobe.probe.ShadowAttention.primary_output`), so
+kernel as the route the primary runs (:meth:`flashprobe.probing.ShadowAttention.primary_output`), so
 ``probe(model)`` compares the flashprobe kernel against the baseline and golden; ``probe(model,
-primary=...)`` and a :func:`~flashprobe.probe.use_kernel` route on the model still take precedence.
+primary=...)`` and a :func:`~flashprobe.probing.use_kernel` route on the model still take precedence.
 Under ``torch.compile`` each call is one graph break (run eagerly, like the probe's own fallback).
 
 This module imports transformers; ``import flashprobe`` does not.
@@ -47,7 +47,7 @@ from transformers.trainer_callback import ExportableState
 
 from flashprobe.formats.probe_log import PROBE_LOG_NAME, ProbeLogWriter
 from flashprobe.kernels import Kernel, KernelUnavailableError, get_kernel
-from flashprobe.probe import (
+from flashprobe.probing import (
     Probe,
     ProbeConfig,
     ProbeFailureError,
@@ -57,17 +57,17 @@ from flashprobe.probe import (
     reduce_across_ranks,
     sites,
 )
-from flashprobe.probe.call import autocast_dtype, run_kernel
-from flashprobe.probe.routing import check_kernel_here
-from flashprobe.probe.session import (
+from flashprobe.probing.call import autocast_dtype, run_kernel
+from flashprobe.probing.routing import check_kernel_here
+from flashprobe.probing.session import (
     NONFINITE_ACTIONS,
     RunTally,
     check_trainable,
     nonfinite_weights,
     verdict_block,
 )
-from flashprobe.probe.shadow import failure_message
-from flashprobe.probe.summary import summary_scalars
+from flashprobe.probing.shadow import failure_message
+from flashprobe.probing.summary import summary_scalars
 
 __all__ = [
     "CONFIG_KEY",
@@ -105,7 +105,7 @@ _RESERVED = frozenset(
 
 class _AttentionKernel:
     """One registered kernel: checked once per device and dtype, run with SDPA's semantics. It is the
-    ``route`` a probe's primary runs (duck-typed :class:`~flashprobe.probe.KernelRoute`: ``run``)."""
+    ``route`` a probe's primary runs (duck-typed :class:`~flashprobe.probing.KernelRoute`: ``run``)."""
 
     def __init__(self, name: str, kernel: Kernel) -> None:
         self.name = name
@@ -281,7 +281,7 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
         trainer = Trainer(model, args, train_dataset=data, callbacks=[AttentionProbeCallback(golden=True)])
 
     Args:
-        config: the probe's settings (:class:`~flashprobe.probe.ProbeConfig`: ``primary``,
+        config: the probe's settings (:class:`~flashprobe.probing.ProbeConfig`: ``primary``,
             ``baseline``, ``golden``, ``backward``, ``every_n_steps``, ``every_n_calls``, ``sites``,
             ``dropout``, ``memory_budget``); default: its defaults (``backward="auto"``: gradients
             compared where the primary and baseline have a backward on the model's device).
@@ -292,18 +292,18 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
         plot: at the end of training, draw the per-site deviation plot of the file next to it
             (``probe.png``, :func:`flashprobe.report.probe_figures.plot_probe`).
         on_failure: at the first failure of each site and direction: ``"warn"`` (one line),
-            ``"raise"`` (:class:`~flashprobe.probe.ProbeFailureError`) or ``"stop"`` (write the
+            ``"raise"`` (:class:`~flashprobe.probing.ProbeFailureError`) or ``"stop"`` (write the
             record, then stop training through ``control.should_training_stop``).
         max_reproducers: reproducer files saved in ``DIRPATH/repro/`` at most (0: none).
         on_nonfinite: when the weights become non-finite after a step, or the primary returns
             non-finite values from finite inputs: ``"stop"`` (default: write the record, save the
             reproducer, print the verdict and stop through ``control.should_training_stop``) or
             ``"continue"`` (only record it).
-        console: print the verdict block (:func:`flashprobe.probe.session.verdict_block`) to stdout
+        console: print the verdict block (:func:`flashprobe.probing.session.verdict_block`) to stdout
             at the first failure and at the end of training.
-        **settings: fields of :class:`~flashprobe.probe.ProbeConfig` replacing ``config``'s.
+        **settings: fields of :class:`~flashprobe.probing.ProbeConfig` replacing ``config``'s.
 
-    The scalars logged are :data:`flashprobe.probe.summary.SUMMARY_SCALARS` (first
+    The scalars logged are :data:`flashprobe.probing.summary.SUMMARY_SCALARS` (first
     ``probe/limit_ratio``, the verdict's statistic), ``probe/failed``, ``probe/failures`` and
     ``probe/max_abs/<pair>``. So that every ``report_to`` logger gets them, the callback moves itself
     ahead of the Trainer's reporting callbacks at train begin (right after ``DefaultFlowCallback``).
@@ -392,7 +392,7 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
     @property
     def fallbacks(self) -> list[dict[str, Any]]:
         """Where torch's SDPA computed the attention instead of the primary (``fallback=True``):
-        :attr:`flashprobe.probe.Probe.fallbacks`, kept after training."""
+        :attr:`flashprobe.probing.Probe.fallbacks`, kept after training."""
         return self._fallbacks if self._probe is None else self._probe.fallbacks
 
     @property

@@ -37,7 +37,7 @@ from flashprobe.callbacks.weight_snapshot import (
     snapshot_steps,
 )
 from flashprobe.integrations.hf import AttentionProbeCallback, trainer_callbacks
-from flashprobe.probe.session import attention_record
+from flashprobe.probing.session import attention_record
 from flashprobe.weights.store import SnapshotWriter
 
 __all__ = ["WeightSnapshotCallback"]
@@ -213,7 +213,7 @@ class WeightSnapshotCallback(TrainerCallback):
 def _trained_attention(model: nn.Module) -> dict[str, Any]:
     """``{"attention": ..., "attention_fallback": ...}`` for the manifest: the explicit ``primary`` of
     an ``AttentionProbeCallback`` in the calling Trainer corrected by its fallbacks
-    (:func:`flashprobe.probe.session.attention_record`), else the model's own attention."""
+    (:func:`flashprobe.probing.session.attention_record`), else the model's own attention."""
     own = own_attention(model)
     callback = _primary_callback()
     if callback is None:

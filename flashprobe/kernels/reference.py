@@ -2,7 +2,7 @@
 
 A reference computation materialises scores: ``(B, H, N_q, N_k)`` of them, 32 GiB in float64 for
 one 16k-token call of 16 heads. This module is the one place that splits such a call into
-**blocks** that fit a memory budget, and it serves the probe (:mod:`flashprobe.probe.shadow`), the
+**blocks** that fit a memory budget, and it serves the probe (:mod:`flashprobe.probing.shadow`), the
 benchmarks and the fuzzer alike (:func:`golden_attention` is built on it).
 
 * **Blocks** (:func:`plan_blocks`) cover every score once: whole batch entries when they fit, else

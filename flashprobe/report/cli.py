@@ -224,10 +224,10 @@ def report_main(argv: Sequence[str] | None = None) -> int:
 
 def _run_report(run_dir: Path) -> int:
     """Redraw ``run_dir/probe.png``, print the per-step summary of ``probe.jsonl`` and the run's
-    verdict block (:func:`flashprobe.probe.session.verdict_block`, the per-site table the training
+    verdict block (:func:`flashprobe.probing.session.verdict_block`, the per-site table the training
     callbacks print)."""
     from flashprobe.formats.probe_log import load_probe_records
-    from flashprobe.probe.session import RunTally, verdict_block
+    from flashprobe.probing.session import RunTally, verdict_block
     from flashprobe.report.probe_figures import plot_probe
 
     path = run_dir / PROBE_LOG_NAME

@@ -36,7 +36,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import LogLocator, NullFormatter
 
 from flashprobe.formats.probe_log import load_probe_records
-from flashprobe.probe.summary import bias_words
+from flashprobe.probing.summary import bias_words
 from flashprobe.report.bench_figures import save_figure
 
 __all__ = ["MAX_LINES", "plot_probe", "site_series"]

@@ -13,7 +13,7 @@ Layout (after DiT, Peebles & Xie 2023, with PixArt-style cross-attention):
   ε, or the velocity v; see :mod:`flashprobe.t2i.diffusion`).
 
 Every attention call is one :func:`torch.nn.functional.scaled_dot_product_attention` call in
-:class:`Attention`, looked up at call time, so a probe or a kernel swap (``flashprobe.probe``)
+:class:`Attention`, looked up at call time, so a probe or a kernel swap (``flashprobe.probing``)
 applies to the model unchanged. Sizes are chosen by the factory functions in :data:`DIT_MODELS`.
 """
 

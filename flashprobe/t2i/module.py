@@ -9,7 +9,7 @@ steps), then a grid of images generated from fixed captions and fixed starting n
 
 The attention kernel is chosen by ``attention`` (a kernel spec such as ``"sdpa_flash"``,
 ``"math"`` or ``"tiled:block_k=64"``; ``None`` keeps torch's own SDPA dispatch) and applied to the
-model with :func:`flashprobe.probe.use_kernel` from ``on_fit_start`` (or the start of
+model with :func:`flashprobe.probing.use_kernel` from ``on_fit_start`` (or the start of
 validate/test/predict) until ``teardown``, and around :meth:`sample` when called outside a Trainer.
 """
 
@@ -147,7 +147,7 @@ class TextToImageModule(L.LightningModule):
         """
         if self.attention is None or self._kernel_handle is not None:
             return
-        from flashprobe.probe import use_kernel
+        from flashprobe.probing import use_kernel
 
         self._kernel_handle = use_kernel(self.model, self.attention, dtype=self._compute_dtype())
 

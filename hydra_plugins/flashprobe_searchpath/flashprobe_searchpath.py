@@ -56,9 +56,9 @@ class FlashprobeSearchPathPlugin(SearchPathPlugin):
         packaged = _packaged_conf()
         if packaged is None or not _is_flashprobe(search_path, packaged):
             return
-        # The schema of attention.probe (flashprobe.probe.ProbeConfig's settings), which the packaged
+        # The schema of attention.probe (flashprobe.probing.ProbeConfig's settings), which the packaged
         # attention configs extend; flashprobe's own app imports torch anyway.
-        from flashprobe.probe.config import register_schema
+        from flashprobe.probing.config import register_schema
 
         register_schema()
         for directory in user_config_dirs():  # prepended in turn: the env dir ends up first

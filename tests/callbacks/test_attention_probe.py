@@ -254,17 +254,17 @@ def test_gradient_statistics_are_in_the_models_units_under_16_mixed(tmp_path: Pa
 
 # ---------------------------------------------------------------------------------- verdicts
 class _Scheduled(L.LightningModule):
-    """tests/probe/test_verdicts.py's two-site model and shape schedule, one batch per step."""
+    """tests/probing/test_verdicts.py's two-site model and shape schedule, one batch per step."""
 
     def __init__(self) -> None:
         super().__init__()
-        from tests.probe.test_verdicts import TwoSites
+        from tests.probing.test_verdicts import TwoSites
 
         torch.manual_seed(0)
         self.model = TwoSites()
 
     def training_step(self, batch, batch_idx):
-        from tests.probe.test_verdicts import SCHEDULE, _padding_mask
+        from tests.probing.test_verdicts import SCHEDULE, _padding_mask
 
         b, n, padded = SCHEDULE[batch_idx % len(SCHEDULE)]
         x = torch.randn(b, n, 4, generator=torch.Generator().manual_seed(batch_idx))
@@ -324,7 +324,7 @@ def test_stop_writes_the_failing_record_saves_the_call_and_stops(
 
 def test_raise_fails_the_fit(tmp_path: Path) -> None:
     from flashprobe.mutants import register_mutants
-    from flashprobe.probe import ProbeFailureError
+    from flashprobe.probing import ProbeFailureError
 
     register_mutants()
     callback = AttentionProbe(

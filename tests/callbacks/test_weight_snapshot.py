@@ -144,7 +144,7 @@ def test_the_manifest_records_the_kernel_the_run_trained_with(tmp_path: Path) ->
     batch), else a ``use_kernel`` route on the module, else ``hparams["attention"]``, else the model's
     own attention, resolved when the run is recorded (never null: two default runs are like for like)."""
     from flashprobe.callbacks import AttentionProbe
-    from flashprobe.probe import use_kernel
+    from flashprobe.probing import use_kernel
 
     assert _manifest_attention(tmp_path, "plain", _Attending(), []) == "own attention on cpu"
     assert _manifest_attention(tmp_path, "hparams", TinyRegressor(attention="tiled"), []) == "tiled"

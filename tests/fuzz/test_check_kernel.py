@@ -11,7 +11,7 @@ from flashprobe.formats import OutputPathError
 from flashprobe.fuzz import check_case
 from flashprobe.fuzz.reproducer import case_inputs
 from flashprobe.kernels import golden_attention, register_kernel, unregister_kernel
-from flashprobe.probe.repro import load_reproducer
+from flashprobe.probing.repro import load_reproducer
 
 
 @pytest.fixture

@@ -241,7 +241,7 @@ def test_fuzz_from_exits_1_when_the_kernel_raises_or_returns_the_wrong_shape_or_
     bug, register, tmp_path, capsys
 ):
     """A CI gate on ``fuzz --from`` must not pass a kernel that crashes (as ``replay`` does not)."""
-    from flashprobe.probe.repro import save_reproducer
+    from flashprobe.probing.repro import save_reproducer
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 8, 16, generator=gen) for _ in range(3))
@@ -261,7 +261,7 @@ def test_fuzz_from_refuses_a_recorded_baseline_it_cannot_build_before_any_work(t
     """A reproducer naming a baseline not registered here was reported as an ERROR of the kernel asked
     for (issue 42, item 7); it is a usage error naming the recorded baseline and the fix, and
     ``--baseline math`` (the default spelled out) overrides the recorded one."""
-    from flashprobe.probe.repro import save_reproducer
+    from flashprobe.probing.repro import save_reproducer
 
     q, k, v = (torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
     path = save_reproducer(

@@ -23,7 +23,7 @@ from flashprobe.fuzz.layouts import LAYOUTS
 from flashprobe.fuzz.reproducer import case_inputs, case_reproducer
 from flashprobe.kernels import unregister_kernel
 from flashprobe.mutants import MUTANTS, Catch, Mutant, correct_flash, register_mutants
-from flashprobe.probe.repro import load_reproducer, shrink_reproducer
+from flashprobe.probing.repro import load_reproducer, shrink_reproducer
 
 from ._helpers import case
 

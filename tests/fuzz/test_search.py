@@ -36,7 +36,7 @@ from flashprobe.fuzz import (
 from flashprobe.fuzz.cli import main
 from flashprobe.fuzz.reproducer import case_inputs
 from flashprobe.kernels import available_kernels, unregister_kernel
-from flashprobe.probe.repro import load_reproducer, replay, shrink_reproducer
+from flashprobe.probing.repro import load_reproducer, replay, shrink_reproducer
 
 from ._helpers import SENTINEL_KERNEL, case, logits64
 

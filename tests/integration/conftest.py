@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashprobe.probe.intercept import active_handles
+from flashprobe.probing.intercept import active_handles
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -9,7 +9,7 @@ import torch
 
 from flashprobe.bench import tiny_models as tiny
 from flashprobe.deviation import error_ratio
-from flashprobe.probe import probe
+from flashprobe.probing import probe
 
 from ._training import assert_identical, train_steps
 

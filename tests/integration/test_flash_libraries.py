@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from flashprobe.probe import probe
-from tests.probe._standins import flash_attn_2, install
+from flashprobe.probing import probe
+from tests.probing._standins import flash_attn_2, install
 
 
 def test_transformers_flash_attention_helper_globals_are_swapped(monkeypatch: pytest.MonkeyPatch) -> None:

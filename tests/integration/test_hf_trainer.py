@@ -17,7 +17,7 @@ import torch
 from flashprobe.bench import tiny_models as tiny
 from flashprobe.bench.tiny_models import TOKENS
 from flashprobe.formats.probe_log import read_probe_log
-from flashprobe.probe import ProbeWarning, probe
+from flashprobe.probing import ProbeWarning, probe
 
 transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("flashprobe.integrations.hf")
@@ -100,7 +100,7 @@ def test_trainer_callback_writes_records_and_training_is_bit_identical(tmp_path:
 def test_trainer_callback_stop_and_raise_on_a_buggy_kernel(tmp_path: Path) -> None:
     from flashprobe.cli import main as cli_main
     from flashprobe.mutants import register_mutants
-    from flashprobe.probe import ProbeFailureError
+    from flashprobe.probing import ProbeFailureError
 
     register_mutants()
     callback = hf.AttentionProbeCallback(
@@ -262,7 +262,7 @@ def test_flashprobe_attention_under_torch_compile_is_probed() -> None:
 def test_flashprobe_imports_without_transformers() -> None:
     code = (
         "import sys; sys.modules['transformers'] = None\n"
-        "import flashprobe, flashprobe.probe, flashprobe.integrations\n"
+        "import flashprobe, flashprobe.probing, flashprobe.integrations\n"
         "try:\n    import flashprobe.integrations.hf\nexcept ImportError:\n    pass\n"
         "else:\n    raise SystemExit('flashprobe.integrations.hf imported without transformers')\n"
     )

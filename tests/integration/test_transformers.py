@@ -11,7 +11,7 @@ import torch
 
 from flashprobe.bench import tiny_models as tiny
 from flashprobe.bench.tiny_models import TOKENS
-from flashprobe.probe import ProbeWarning, probe
+from flashprobe.probing import ProbeWarning, probe
 
 from ._training import assert_identical, train_steps
 

@@ -20,7 +20,7 @@ from flashprobe.kernels import (
 )
 from flashprobe.kernels.flash_attn import FLASH_ATTN_CAPABILITIES
 from flashprobe.kernels.flashinfer import FLASHINFER_CAPABILITIES
-from flashprobe.probe import probe
+from flashprobe.probing import probe
 
 #: flash-attn's capabilities without its device and dtype limits, so its call rules run on the CPU
 _FA_HERE = replace(FLASH_ATTN_CAPABILITIES, devices=None, dtypes=None, min_cuda_capability=None)

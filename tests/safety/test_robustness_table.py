@@ -40,7 +40,7 @@ def test_the_table_holds_the_tests_cases_and_issue_42s_each_distinct() -> None:
     assert {
         "issue 42",
         "tests/safety/test_resume_is_data.py",
-        "tests/probe/test_repro_metadata.py",
+        "tests/probing/test_repro_metadata.py",
     } <= sources
     commands = {c.command for c in CASES}
     for command in ("train", "study", "compare", "report", "fuzz", "replay", "bench tiles", "bench fp8"):

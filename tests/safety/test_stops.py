@@ -138,7 +138,7 @@ def test_ctrl_c_on_a_study_exits_130_and_the_same_command_continues_it(tmp_path:
 def test_a_fit_that_raises_gives_the_models_attention_back(tmp_path: Path) -> None:
     """Lightning skips the module's teardown when fit raises: the run still detaches its kernel route,
     so the process's SDPA is torch's again (a route left behind sent later models to the kernel)."""
-    from flashprobe.probe.intercept import active_handles
+    from flashprobe.probing.intercept import active_handles
 
     fail = ["+callbacks.fail._target_=tests.safety._hold.FailWriteAt", "+callbacks.fail.step=1"]
     with pytest.raises(RunStoppedError, match="is full"):

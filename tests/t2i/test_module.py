@@ -188,7 +188,7 @@ def counting_kernel() -> list[tuple[int, ...]]:
 def test_attention_kernel_is_routed_during_fit_and_sampling(
     tmp_path: Path, counting_kernel: list[tuple[int, ...]]
 ) -> None:
-    from flashprobe.probe.intercept import active_handles
+    from flashprobe.probing.intercept import active_handles
 
     module, _ = fit(tmp_path, steps=2, module=make_module(attention="t2i_counting", guidance_scale=1.0))
     calls_per_forward = 1 + 2 * 2  # dit_tiny: one text block, two DiT blocks (self + cross)

@@ -1,0 +1,121 @@
+"""``flashprobe replay FILE [--kernel SPEC ...] [--import MODULE]``: rerun a saved failing call.
+
+A reproducer (:mod:`flashprobe.probing.repro`) is the exact attention call the probe's verdict failed
+in training, or a case ``flashprobe fuzz`` failed. ``replay`` runs it through each kernel (default:
+the kernel that failed, as recorded) with the judge that found it — a
+:class:`~flashprobe.probing.ShadowAttention`, forward and, when the file holds an output gradient,
+backward, or the fuzzer's — prints one line per kernel and exits 1 when any kernel does not pass
+(2 on bad arguments: a kernel that is not registered, a module that does not import), so it works
+as a regression test for a fix::
+
+    flashprobe replay out/run/repro/blocks.0.attn.dq.step0000003.safetensors --import mykernels
+    flashprobe replay FILE --kernel mykernel --kernel sdpa_math
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from flashprobe.kernels import KernelSpecError, get_kernel, import_kernel_modules
+
+if TYPE_CHECKING:
+    from flashprobe.formats.reproducer import Reproducer
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="flashprobe replay",
+        description="Rerun a failing attention call saved by the probe or flashprobe fuzz (*.safetensors) "
+        "and judge it.",
+    )
+    p.add_argument("file", type=Path, help="the reproducer (.safetensors) the probe or flashprobe fuzz saved")
+    p.add_argument(
+        "--kernel",
+        action="append",
+        metavar="SPEC",
+        help="kernel spec to replay with (repeatable; default: the recorded primary)",
+    )
+    p.add_argument("--baseline", metavar="SPEC", help="baseline kernel (default: the recorded one)")
+    p.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        metavar="MODULE",
+        help="import MODULE first (it registers your kernels with flashprobe.register_kernel); repeatable",
+    )
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns 0 when every kernel passes, 1 when one fails or errors, 2 on bad input."""
+    from flashprobe.probing.repro import ReproducerError, load_reproducer, replay
+
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        import_kernel_modules(args.imports or [])
+    except KernelSpecError as err:
+        parser.error(str(err))
+    try:
+        call = load_reproducer(args.file)
+    except ReproducerError as err:
+        parser.error(str(err))
+    kernels = args.kernel or ([call.meta["primary"]] if call.meta.get("primary") else [])
+    if not kernels:
+        parser.error(
+            "the call was made with torch's own scaled_dot_product_attention (no primary recorded); "
+            "name the kernels to replay with --kernel, e.g. --kernel sdpa_flash --kernel sdpa_math"
+        )
+    meta = call.meta
+    module = meta.get("kernel_module") or "MODULE"
+    for spec in [*kernels, *([args.baseline] if args.baseline else [])]:
+        try:
+            get_kernel(spec)
+        except KernelSpecError as err:
+            parser.error(f"{spec!r}: {err} (pass --import {module} for a kernel registered in your code)")
+    results = replay(call, kernels, baseline=args.baseline)
+    if args.json:
+        print(json.dumps({"file": str(args.file), "call": _describe(call), "results": results}, indent=2))
+    else:
+        fuzz = meta.get("fuzz")
+        where = (
+            f"fuzz case {fuzz.get('case')!r}"
+            if fuzz is not None
+            else f"site {meta.get('site')!r}, {meta.get('direction')}, step {meta.get('step')}"
+        )
+        print(f"{args.file}: {where} — {_describe(call)}\n  recorded: {meta.get('reason')}")
+        for spec, r in results.items():
+            ratios = ", ".join(f"{d} {v:.3g}" for d, v in r["limit_ratio"].items() if v is not None)
+            why = "; ".join(r["reasons"])
+            print(
+                f"  {spec}: {r['verdict'].upper()}"
+                + (f" (error / limit {ratios})" if ratios else "")
+                + (f": {why}" if why else "")
+            )
+    return 1 if any(r["verdict"] != "pass" for r in results.values()) else 0
+
+
+def _describe(call: Reproducer) -> str:
+    """The call in one line: shapes, dtype, device, arguments, mask, whether gradients are judged."""
+    fuzz = call.meta.get("fuzz")
+    backward = fuzz.get("backward", True) if fuzz is not None else call.grad_out is not None
+    layout = (
+        f", layout {fuzz.get('layout')}" if fuzz and fuzz.get("layout", "contiguous") != "contiguous" else ""
+    )
+    mask = (
+        "none"
+        if call.attn_mask is None
+        else f"{str(call.attn_mask.dtype).removeprefix('torch.')} {tuple(call.attn_mask.shape)}"
+    )
+    return (
+        f"q {tuple(call.q.shape)} k {tuple(call.k.shape)} v {tuple(call.v.shape)} "
+        f"{str(call.dtype).removeprefix('torch.')} on {call.q.device}, causal={call.is_causal}, "
+        f"scale={call.scale}, mask {mask}{layout}, backward={'yes' if backward else 'no'}"
+    )

@@ -1,0 +1,243 @@
+"""Reproducers replayed and shrunk: the one path of the probe, ``flashprobe fuzz``, ``fuzz --from``
+and ``flashprobe replay``.
+
+Every reproducer is one file (:mod:`flashprobe.formats.reproducer`: safetensors, no pickle, with
+its metadata, plus a script): a call the probe saved in training (``<site>.step<step>``) or a case
+the fuzzer saved (``repro_<case>_<hash>``, :mod:`flashprobe.fuzz.reproducer`). :func:`replay`
+judges it again for any kernel spec with the judge that found it: a call through a
+:class:`~flashprobe.probing.ShadowAttention`, as in training, forward and, with an output gradient,
+backward; a case with the fuzzer's :func:`~flashprobe.fuzz.run.check_case`, in its layout.
+:func:`shrink_reproducer` cuts either to the smallest call on which a kernel still fails the same
+way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from flashprobe.formats.reproducer import (
+    REPRO_FORMAT,
+    Reproducer,
+    ReproducerError,
+    load_reproducer,
+    reproducer_stem,
+    save_reproducer,
+)
+from flashprobe.kernels import get_kernel
+from flashprobe.probing.shadow import ShadowAttention
+
+__all__ = [
+    "REPRO_FORMAT",
+    "Reproducer",
+    "ReproducerError",
+    "load_reproducer",
+    "replay",
+    "reproducer_stem",
+    "save_reproducer",
+    "shrink_reproducer",
+]
+
+
+def replay(
+    call: Reproducer, kernels: Sequence[str], *, baseline: str | None = None
+) -> dict[str, dict[str, Any]]:
+    """Run the saved call through each kernel spec and judge it as the probe does in training.
+
+    A call saved in training: forward always; backward with the saved output gradient when the
+    file has one (the kernel must support autograd then). The judge is a
+    :class:`~flashprobe.probing.ShadowAttention` with the kernel as primary (baseline: the recorded
+    one, default ``math``; golden FP64). A fuzz case (``fuzz`` in the metadata): the fuzzer's
+    :func:`~flashprobe.fuzz.run.check_case` (:func:`flashprobe.fuzz.reproducer.replay_case`).
+
+    Returns:
+        ``{spec: {"verdict": "pass"|"fail"|"undetermined"|"error", "reasons": [...], "failure": the
+        kind of failure (the first failing direction of a probe call, the fuzzer's kind of a case:
+        ``zeros``, ``dq:values``, ...) or None, "directions": {dir: verdict}, "limit_ratio": {dir:
+        the verdict's statistic}, "l2_error_ratio": {dir: ratio}}}``.
+    """
+    base = baseline or call.meta.get("baseline") or "math"
+    if call.meta.get("fuzz") is not None:  # a fuzz case: judged as the fuzzer judged it
+        from flashprobe.fuzz.reproducer import replay_case as judge
+    else:
+        judge = _replay_call
+    return {spec: judge(call, spec, base) for spec in kernels}
+
+
+def _replay_call(call: Reproducer, spec: str, baseline: str) -> dict[str, Any]:
+    """A call saved in training, judged with ``spec`` as the probe judges it (:func:`replay`)."""
+    backward, site = call.grad_out is not None, call.meta.get("site") or "attention"
+    try:
+        shadow = ShadowAttention(
+            primary=spec, baseline=baseline, backward=backward, name=site, on_failure="ignore"
+        )
+        # clone() keeps the saved layout: a permuted view keeps its strides
+        q, k, v = (t.detach().clone().requires_grad_(backward) for t in (call.q, call.k, call.v))
+        with torch.enable_grad():
+            arguments = {"attn_mask": call.attn_mask, "is_causal": call.is_causal, "scale": call.scale}
+            out = shadow(q, k, v, **arguments, enable_gqa=q.shape[1] > k.shape[1])
+            if call.grad_out is not None:
+                out.backward(call.grad_out.to(out.dtype))
+        entry = shadow.stats()[site]
+    except Exception as err:  # a kernel that raises on the call is a result, not a crash
+        reasons = [f"{type(err).__name__}: {err}"]
+        return {
+            "verdict": "error",
+            "reasons": reasons,
+            "failure": None,
+            "directions": {},
+            "limit_ratio": {},
+            "l2_error_ratio": {},
+        }
+    directions = {"out": entry["forward"]["out"]}
+    if backward:
+        directions.update((d, entry["backward"][d]) for d in ("dq", "dk", "dv"))
+    verdicts = {d: e["verdict"] for d, e in directions.items() if e["verdict"] is not None}
+    reasons = [
+        f"{d}: {e['first_failure']['reason']}" for d, e in directions.items() if e.get("first_failure")
+    ]
+    if entry.get("shadow_errors"):
+        reasons.append(f"{entry['shadow_errors']} reference computation(s) failed")
+    verdict = next(
+        (v for v in ("fail", "pass") if v in verdicts.values()), "undetermined" if verdicts else "error"
+    )
+    return {
+        "verdict": verdict,
+        "reasons": reasons,
+        "failure": next((d for d, v in verdicts.items() if v == "fail"), None),
+        "directions": verdicts,
+        "limit_ratio": {d: e["limit_ratio"] for d, e in directions.items()},
+        "l2_error_ratio": {d: e["l2_error_ratio"] for d, e in directions.items()},
+    }
+
+
+def _as_4d(mask: torch.Tensor) -> torch.Tensor:
+    """A mask broadcastable to ``(B, H, N_q, N_k)`` as a 4-D view."""
+    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+
+
+#: per axis of :func:`_cut`, the dimension it cuts in q, k, v, grad_out and the 4-D mask (None: not cut)
+_CUT_DIMS = {
+    "batch": (0, 0, 0, 0, 0),
+    "heads": (1, 1, 1, 1, 1),
+    "n_q": (2, None, None, 2, 2),
+    "n_k": (None, 2, 2, None, 3),
+    "head_dim": (3, 3, None, None, None),
+    "head_dim_v": (None, None, 3, 3, None),
+}
+
+
+def _cut(call: Reproducer, axis: str, start: int, stop: int) -> Reproducer:
+    """The call cut to ``[start, stop)`` along ``axis`` (of :data:`_CUT_DIMS`, or ``n``: query rows
+    and keys together, for a causal square call); ``heads`` are query heads, a whole number of GQA
+    groups, cut with their key/value heads; the mask is cut where it is not broadcast."""
+    rep = call.q.shape[1] // max(call.k.shape[1], 1)
+    tensors = [call.q, call.k, call.v, call.grad_out, call.attn_mask]
+    if call.attn_mask is not None:  # broadcastable to (B, H, N_q, N_k): as a 4-D view
+        tensors[4] = call.attn_mask.reshape((1,) * (4 - call.attn_mask.dim()) + tuple(call.attn_mask.shape))
+    for name in ("n_q", "n_k") if axis == "n" else (axis,):
+        for i, (t, dim) in enumerate(zip(tensors, _CUT_DIMS[name], strict=True)):
+            if dim is None or t is None or (i == 4 and t.shape[dim] == 1):  # a broadcast mask dim
+                continue
+            kv = name == "heads" and i in (1, 2)  # key/value heads: one per group of query heads
+            index = [slice(None)] * dim + [slice(start // rep, stop // rep) if kv else slice(start, stop)]
+            tensors[i] = t[tuple(index)]
+    q, k, v, grad_out, mask = tensors
+    return replace(call, q=q, k=k, v=v, grad_out=grad_out, attn_mask=mask)
+
+
+def _simplified(call: Reproducer) -> Iterator[Reproducer]:
+    """The call made plainer, one way at a time: q, k, v contiguous (and a fuzz case's layout and
+    poisoned memory dropped), grouped-query heads repeated to plain heads."""
+    fuzz = call.meta.get("fuzz") or {}
+    strided = not all(t.is_contiguous() for t in (call.q, call.k, call.v))
+    if strided or fuzz.get("layout", "contiguous") != "contiguous" or fuzz.get("poison"):
+        meta = {**call.meta, "fuzz": {**fuzz, "layout": "contiguous", "poison": ""}} if fuzz else call.meta
+        q, k, v = (t.contiguous() for t in (call.q, call.k, call.v))
+        yield replace(call, q=q, k=k, v=v, meta=meta)
+    rep = call.q.shape[1] // max(call.k.shape[1], 1)
+    if rep > 1:
+        k, v = (t.repeat_interleave(rep, dim=1) for t in (call.k, call.v))
+        yield replace(call, k=k, v=v, meta={**call.meta, "gqa_rep": 1})
+
+
+def _smaller(call: Reproducer, axis: str) -> Iterator[Reproducer]:
+    """Cuts of the call along ``axis``: its first half, its second half, all but its last step,
+    all but its first (a step is one GQA group of heads)."""
+    rep = call.q.shape[1] // max(call.k.shape[1], 1)
+    sizes = {
+        "batch": call.q.shape[0],
+        "heads": call.q.shape[1],
+        "n_q": call.q.shape[2],
+        "n_k": call.k.shape[2],
+        "n": call.q.shape[2],
+        "head_dim": call.q.shape[3],
+        "head_dim_v": call.v.shape[3],
+    }
+    n, step = sizes[axis], rep if axis == "heads" else 1
+    half = (n // 2) // step * step
+    windows = [(0, half), (n - half, n), (0, n - step), (step, n)]
+    for start, stop in dict.fromkeys(windows):
+        if 0 < stop - start < n:
+            yield _cut(call, axis, start, stop)
+
+
+def shrink_reproducer(
+    call: Reproducer, kernel: str, *, baseline: str | None = None, max_tries: int = 120
+) -> tuple[Reproducer, int]:
+    """The smallest cut of the call on which ``kernel`` still fails :func:`replay` the same way (the
+    same ``failure``: the first failing direction of a probe call, the fuzzer's kind of a case).
+
+    Greedy: along each axis in turn — query rows, keys (together for a causal call with
+    ``N_q == N_k``, which SDPA's top-left causal mask needs to stay square), batch entries, heads
+    (whole GQA groups), head dims of q/k and of v — the first or second half, else all but the
+    last or first step, as long as one still fails; then the plain layout (contiguous, no poisoned
+    memory) and plain heads; repeated while anything shrank. Cuts the kernel's declared limits
+    refuse (:meth:`~flashprobe.KernelCapabilities.call_problem`) are not tried. The shrunk call's
+    ``reason`` is the failure on it.
+
+    Returns:
+        The shrunk call and the number of replays tried (at most ``max_tries``).
+
+    Raises:
+        ValueError: the call does not fail with ``kernel`` to begin with.
+    """
+    first = replay(call, [kernel], baseline=baseline)[kernel]
+    if first["verdict"] != "fail":
+        raise ValueError(f"the saved call does not fail with {kernel!r}: nothing to shrink")
+    caps = get_kernel(kernel).capabilities
+    square = call.is_causal and call.q.shape[2] == call.k.shape[2]
+    axes = (
+        "n" if square else "n_q",
+        *(() if square else ("n_k",)),
+        "batch",
+        "heads",
+        "head_dim",
+        "head_dim_v",
+    )
+    best, tries = call, 1
+
+    def fails(candidate: Reproducer) -> bool:
+        nonlocal best, tries
+        if tries >= max_tries or caps.call_problem(
+            candidate.q, candidate.k, candidate.v, candidate.attn_mask, candidate.is_causal
+        ):
+            return False
+        tries += 1
+        result = replay(candidate, [kernel], baseline=baseline)[kernel]
+        if result["verdict"] != "fail" or result["failure"] != first["failure"]:
+            return False
+        best = replace(candidate, meta={**candidate.meta, "reason": "; ".join(result["reasons"])})
+        return True
+
+    changed = True
+    while changed and tries < max_tries:
+        changed = False
+        for axis in axes:
+            while any(fails(c) for c in _smaller(best, axis)):
+                changed = True
+        changed |= any(fails(c) for c in _simplified(best))
+    return best, tries

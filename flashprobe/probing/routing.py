@@ -1,0 +1,141 @@
+"""``use_kernel(model, spec)``: run a model's attention calls with another kernel, no statistics.
+
+A :class:`KernelRoute` is an :class:`~flashprobe.probing.intercept.AttentionRoute`: every
+``scaled_dot_product_attention`` call made inside the routed model (see
+:mod:`flashprobe.probing.intercept` for how calls are caught) runs the kernel with SDPA's semantics
+(:func:`~flashprobe.probing.call.run_kernel`), with no host synchronisation. The kernel is checked
+against the model's device and dtype (:func:`model_device_dtype`, :func:`check_kernel_here`) before
+anything is attached, so an unusable kernel fails at once rather than at the first forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flashprobe.kernels import Kernel, KernelUnavailableError, KernelUnsupportedError, get_kernel
+from flashprobe.probing.call import SdpaCall, run_kernel
+from flashprobe.probing.intercept import AttentionRoute
+
+__all__ = ["KernelRoute", "check_kernel_here", "model_device_dtype", "use_kernel"]
+
+
+class KernelRoute(AttentionRoute):
+    """Handle returned by :func:`use_kernel`: SDPA calls inside ``model`` run ``kernel``.
+
+    Attributes:
+        model: the routed model.
+        kernel: the kernel every call is routed to.
+    """
+
+    kind = "route"
+
+    def __init__(self, model: nn.Module, kernel: Kernel) -> None:
+        super().__init__(model)
+        self.kernel = kernel
+
+    def run(self, call: SdpaCall) -> torch.Tensor:
+        """Run one call: the kernel, or torch's SDPA for calls with attention dropout."""
+        if call.dropout_p > 0:
+            self.warn_once(
+                "dropout",
+                f"use_kernel({self.kernel.spec!r}): attention calls with dropout_p="
+                f"{call.dropout_p} run torch's scaled_dot_product_attention (kernels implement "
+                "no attention dropout); set the attention dropout to 0 to route them",
+            )
+            return call.original()
+        return run_kernel(self.kernel, call)
+
+    def __repr__(self) -> str:
+        return f"KernelRoute({type(self.model).__name__}, {self.kernel.spec!r}, attached={self.attached})"
+
+
+def model_device_dtype(
+    model: nn.Module, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> tuple[torch.device, torch.dtype]:
+    """The device and floating dtype a model computes in: given values, else its first floating
+    parameter or buffer, else CPU and the default dtype.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"expected an nn.Module, got {type(model).__name__}; to shadow a bare attention "
+            "function use flashprobe.probing.ShadowAttention"
+        )
+    if device is None or dtype is None:
+        for t in (*model.parameters(), *model.buffers()):
+            if t.is_floating_point():
+                device = t.device if device is None else device
+                dtype = t.dtype if dtype is None else dtype
+                break
+    return torch.device(device if device is not None else "cpu"), dtype or torch.get_default_dtype()
+
+
+def check_kernel_here(
+    kernel: Kernel, device: torch.device, dtype: torch.dtype, role: str, *, backward: bool = False
+) -> None:
+    """Run ``kernel.check`` (its capabilities, then its own check) with a hint on how to tell
+    flashprobe the dtype under autocast.
+
+    Args:
+        kernel: the kernel.
+        device: where it will run.
+        dtype: the compute dtype.
+        role: ``"primary"``, ``"baseline"``, ``"routed"``, ... (named in the message).
+        backward: gradients will be compared: the kernel needs a backward on ``device``.
+
+    Raises:
+        KernelUnavailableError: the kernel cannot run on ``device`` with ``dtype`` (or has no backward
+            there when ``backward``); the message names the ``role``, the kernel spec, the feature and
+            the fix (a :class:`~flashprobe.kernels.KernelUnsupportedError` for what its capabilities
+            exclude).
+    """
+    try:
+        kernel.check(device, dtype, backward=backward)
+    except KernelUnsupportedError as err:
+        raise KernelUnsupportedError(
+            f"{role} kernel {kernel.spec!r} on {device} with {dtype}: {err}"
+        ) from None
+    except KernelUnavailableError as err:
+        raise KernelUnavailableError(
+            f"{role} kernel {kernel.spec!r} cannot run on {device} with {dtype}: {err} "
+            "(if the model runs under autocast, pass dtype=<the autocast dtype>)"
+        ) from None
+
+
+def use_kernel(
+    model: nn.Module,
+    spec: str | Kernel,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> KernelRoute:
+    """Route every ``scaled_dot_product_attention`` call made inside ``model`` to ``spec``.
+
+    No statistics, no host synchronisation: each call runs the kernel with SDPA's semantics
+    (mask, ``is_causal``, ``scale``, ``enable_gqa``, autocast, any leading dims). Calls with
+    attention dropout run torch's SDPA (kernels have no dropout; warned once). Re-routing the same
+    model stacks: the newest route applies, and detaching it restores the previous one.
+
+    Args:
+        model: any ``nn.Module``; it is not modified.
+        spec: a kernel spec (``"tiled:mask_value=-5e4"``) or :class:`~flashprobe.kernels.Kernel`.
+        device: device to check the kernel against (default: the model's).
+        dtype: compute dtype to check against (default: the model's; pass the autocast dtype
+            when the model runs under autocast).
+
+    Returns:
+        The attached :class:`KernelRoute`; ``.detach()`` it or use it as a context manager.
+
+    Raises:
+        KernelSpecError: unknown kernel or option.
+        KernelUnavailableError: the kernel cannot run on the model's device/dtype.
+    """
+    kernel = get_kernel(spec)
+    dev, dt = model_device_dtype(model, device, dtype)
+    check_kernel_here(kernel, dev, dt, "routed")
+    route = KernelRoute(model, kernel)
+    route.attach()
+    return route

@@ -1,0 +1,401 @@
+"""What a training run's probe has seen so far, and the verdict block it prints: one place for the
+training callbacks (Lightning's :class:`~flashprobe.callbacks.AttentionProbe`, the HF
+:class:`~flashprobe.integrations.hf.AttentionProbeCallback`) and ``flashprobe report RUN_DIR``.
+
+A probe's statistics are read and reset at every logging step, so a record's numbers are its
+interval's. :class:`RunTally` carries across intervals what the run's answer needs: the worst failing
+call, the non-finite values counted (and where the primary's first appeared), and per site and
+direction the run's verdict and worst ``limit_ratio`` (the verdict's statistic). It writes these
+into each summary (``worst_failure``, ``run_nonfinite``, ``run_primary_nonfinite``,
+``first_primary_nonfinite_step``/``_sites``), so every ``probe.jsonl`` record agrees with the run's
+verdict. ``flashprobe report`` replays a finished run's records through the same tally.
+
+:func:`verdict_block` formats the answer (verdict, per-site table, reproducers, where the records
+are); the callbacks print it to stdout at the end of training and at the first failure, so a plain
+script sees it without any logging set-up. :func:`nonfinite_weights` is the check the callbacks
+(and :class:`~flashprobe.callbacks.NonFiniteGuard`) run after a step: a run never ends "finished"
+on NaN weights without saying so.
+
+This module imports no training framework.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from flashprobe.kernels import KernelUnsupportedError
+from flashprobe.probing.routing import model_device_dtype
+from flashprobe.probing.summary import bias_words
+
+__all__ = [
+    "NONFINITE_ACTIONS",
+    "RunTally",
+    "attention_dropout",
+    "attention_record",
+    "check_trainable",
+    "nonfinite_weights",
+    "verdict_block",
+]
+
+#: What a training callback does when the weights or the primary's output become non-finite.
+NONFINITE_ACTIONS = ("stop", "continue")
+
+_DIRECTIONS = ("out", "dq", "dk", "dv")
+_RANK = {"fail": 2, "pass": 1, "undetermined": 0}
+
+
+def failure_rank(failure: Mapping[str, Any]) -> float:
+    """How bad a failing call is, to keep the worst: its ``limit_ratio`` (infinite for a non-finite
+    output); older records without one rank by ``value``."""
+    value = failure.get("limit_ratio", failure.get("value"))
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return math.inf
+    return math.inf if math.isnan(value) else value
+
+
+class RunTally:
+    """The run's answer so far, carried across the probe's logging intervals.
+
+    Attributes:
+        worst: the worst failing call of the run (``{site, direction, step, kind, value, limit,
+            limit_ratio, reason}``) or None.
+        nonfinite: non-finite values counted over the run (inputs, every pair and direction).
+        primary_nonfinite: non-finite values the primary returned from finite inputs over the run.
+        first_primary_nonfinite: ``{"step", "sites"}`` of the record where the primary's first
+            appeared, or None.
+        sites: ``{site: {direction: {"verdict", "limit_ratio", "calls"}}}``: the run's verdict and
+            worst ``limit_ratio`` per site and direction.
+    """
+
+    def __init__(self) -> None:
+        self.worst: dict[str, Any] | None = None
+        self.nonfinite = 0
+        self.primary_nonfinite = 0
+        self.first_primary_nonfinite: dict[str, Any] | None = None
+        self.sites: dict[str, dict[str, dict[str, Any]]] = {}
+
+    def add(self, summary: dict[str, Any], stats: Mapping[str, Any]) -> dict[str, Any]:
+        """Add one interval (its summary and per-site statistics) and write the run's values into
+        ``summary``: ``worst_failure`` (and the last of ``failures``), ``run_nonfinite``,
+        ``run_primary_nonfinite``, ``first_primary_nonfinite_step`` and ``_sites``. Returns
+        ``summary``."""
+        new = summary.get("worst_failure")
+        if new is not None and (self.worst is None or failure_rank(new) > failure_rank(self.worst)):
+            self.worst = dict(new)
+        if self.worst is not None:
+            failures = [f for f in summary.get("failures") or [] if not f.get("worst")]
+            summary["failures"] = [*failures, {**self.worst, "worst": True}]
+            summary["worst_failure"] = dict(self.worst)
+        self.nonfinite += int(summary.get("nonfinite") or 0)
+        primary = int(summary.get("primary_nonfinite") or 0)
+        if primary and self.first_primary_nonfinite is None:
+            sites = list(summary.get("primary_nonfinite_sites") or [])
+            # the step of the call (a failure's), else the record's (the step after it)
+            steps = [
+                f["step"]
+                for f in summary.get("failures") or []
+                if f.get("kind") == "nonfinite" and f.get("site") in sites and not f.get("worst")
+            ]
+            self.first_primary_nonfinite = {"step": min(steps, default=summary.get("step")), "sites": sites}
+        self.primary_nonfinite += primary
+        summary["run_nonfinite"] = self.nonfinite
+        summary["run_primary_nonfinite"] = self.primary_nonfinite
+        first = self.first_primary_nonfinite or {}
+        summary["first_primary_nonfinite_step"] = first.get("step")
+        summary["first_primary_nonfinite_sites"] = list(first.get("sites") or [])
+        for site, entry in stats.items():
+            directions = {"out": (entry["forward"]["out"], entry["forward"]["calls"])}
+            directions.update(
+                (d, (entry["backward"][d], entry["backward"]["calls"])) for d in _DIRECTIONS[1:]
+            )
+            for d, (e, calls) in directions.items():
+                if not calls:
+                    continue
+                row = self.sites.setdefault(site, {}).setdefault(
+                    d, {"verdict": "undetermined", "limit_ratio": None, "calls": 0}
+                )
+                row["calls"] += int(calls)
+                verdict = e.get("verdict") or "undetermined"
+                if _RANK[verdict] > _RANK[row["verdict"]]:
+                    row["verdict"] = verdict
+                ratio = e.get("limit_ratio")
+                if isinstance(ratio, int | float) and math.isfinite(ratio):
+                    row["limit_ratio"] = (
+                        ratio if row["limit_ratio"] is None else max(row["limit_ratio"], ratio)
+                    )
+        return summary
+
+    def rows(self, failures: Iterable[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
+        """One row per site and direction, failing ones first: ``site``, ``direction``, ``verdict``,
+        ``statistic`` (the failing criterion, else ``"error/limit"``), ``value``, ``limit``, ``step``
+        (of the first failure) and ``repro``.
+
+        Args:
+            failures: the run's first failures (a summary's ``failures``; the worst is skipped): a
+                site and direction there fails even where the interval's statistics passed.
+        """
+        firsts = {(f["site"], f["direction"]): f for f in failures if not f.get("worst")}
+        rows = []
+        keys = [(s, d) for s, ds in self.sites.items() for d in ds]
+        keys += [k for k in firsts if k not in set(keys)]
+        for site, d in keys:
+            row = self.sites.get(site, {}).get(d, {"verdict": "undetermined", "limit_ratio": None})
+            first = firsts.get((site, d))
+            if first is not None:
+                rows.append(
+                    {
+                        "site": site,
+                        "direction": d,
+                        "verdict": "fail",
+                        "statistic": first.get("kind") or "-",
+                        "value": first.get("value"),
+                        "limit": first.get("limit"),
+                        "step": first.get("step"),
+                        "repro": first.get("repro"),
+                    }
+                )
+            else:
+                rows.append(
+                    {
+                        "site": site,
+                        "direction": d,
+                        "verdict": row["verdict"],
+                        "statistic": "error/limit",
+                        "value": row["limit_ratio"],
+                        "limit": 1.0,
+                        "step": None,
+                        "repro": None,
+                    }
+                )
+        rows.sort(key=lambda r: r["verdict"] != "fail")  # failing rows first, otherwise in site order
+        return rows
+
+    def state_dict(self) -> dict[str, Any]:
+        """The tally as plain data (for a checkpoint)."""
+        return {
+            "worst": self.worst,
+            "nonfinite": self.nonfinite,
+            "primary_nonfinite": self.primary_nonfinite,
+            "first_primary_nonfinite": self.first_primary_nonfinite,
+            "sites": self.sites,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (missing keys: a fresh tally's values)."""
+        self.worst = state.get("worst")
+        self.nonfinite = int(state.get("nonfinite", 0))
+        self.primary_nonfinite = int(state.get("primary_nonfinite", 0))
+        self.first_primary_nonfinite = state.get("first_primary_nonfinite")
+        self.sites = {s: {d: dict(r) for d, r in ds.items()} for s, ds in (state.get("sites") or {}).items()}
+
+    @classmethod
+    def from_records(cls, records: Sequence[Mapping[str, Any]]) -> RunTally:
+        """The tally of a finished run, from its ``probe.jsonl`` records (in step order)."""
+        tally = cls()
+        for record in records:
+            tally.add(dict(record.get("summary") or {}), record.get("sites") or {})
+        return tally
+
+
+def _g(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def verdict_block(
+    summary: Mapping[str, Any],
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    who: str = "flashprobe",
+    path: str | Path | None = None,
+    max_rows: int = 12,
+    stopped: str | None = None,
+) -> str:
+    """The run's answer as a short block of text: the verdict line, a per-site table (site,
+    direction, verdict, the verdict's statistic, its value and limit, the step of the first
+    failure), the reproducers and where the records are.
+
+    Args:
+        summary: the last summary of the run (a :class:`RunTally` has been through it).
+        rows: :meth:`RunTally.rows`.
+        who: the name the block starts with (the callback's).
+        path: the run's ``probe.jsonl``.
+        max_rows: rows shown at most (failing rows first; the rest are counted).
+        stopped: why training was stopped, if it was.
+
+    Returns:
+        The block, lines joined by newlines (no trailing newline).
+    """
+    verdict = str(summary.get("verdict") or "undetermined").upper()
+    lines = [f"{who}: verdict {verdict}: {summary.get('verdict_reason') or ''}".rstrip(": ")]
+    primary_nf = summary.get("run_primary_nonfinite") or 0
+    if primary_nf:
+        sites = ", ".join(summary.get("first_primary_nonfinite_sites") or [])
+        lines.append(
+            f"  the primary returned {primary_nf} non-finite values from finite inputs, first at step "
+            f"{summary.get('first_primary_nonfinite_step')} ({sites})"
+        )
+    bias = bias_words(summary)
+    if bias:
+        lines.append(f"  {bias}")
+    if stopped:
+        lines.append(f"  training stopped: {stopped}")
+    if rows:
+        shown = list(rows[:max_rows])
+        table = [("site", "dir", "verdict", "statistic", "value", "limit", "step")]
+        table += [
+            (
+                str(r["site"]),
+                str(r["direction"]),
+                str(r["verdict"]),
+                str(r["statistic"]),
+                _g(r["value"]),
+                _g(r["limit"]),
+                _g(r["step"]),
+            )
+            for r in shown
+        ]
+        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+        for row in table:
+            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        if len(rows) > len(shown):
+            lines.append(f"  ... {len(rows) - len(shown)} more rows (every row: flashprobe report RUN_DIR)")
+        lines.append(
+            "  error/limit: the verdict's statistic, the worst call's error over its limit (> 1 fails)"
+        )
+    repros = list(dict.fromkeys(str(r["repro"]) for r in rows if r.get("repro")))
+    for repro in repros:
+        lines.append(f"  reproducer: {repro} (flashprobe replay {repro})")
+    for note in summary.get("fallbacks") or []:
+        lines.append(f"  fallback: {note['reason']}")
+    if path is not None:
+        lines.append(f"  records: {path}")
+    return "\n".join(lines)
+
+
+def nonfinite_weights(module: nn.Module) -> str | None:
+    """Whether any parameter of ``module`` holds NaN or infinity (one host synchronisation), and if
+    so which, in words: ``"12 of 96 values of the weight proj.weight"`` (the first such weight); None
+    when every value is finite."""
+    params = [(n, p.detach()) for n, p in module.named_parameters()]
+    if not params:
+        return None
+    if bool(torch.stack([torch.isfinite(p).all() for _, p in params]).all()):
+        return None
+    for name, p in params:
+        count = int((~torch.isfinite(p)).sum())
+        if count:
+            return f"{count} of {p.numel()} values of the weight {name}"
+    return None  # pragma: no cover (the stack said otherwise)
+
+
+def attention_record(
+    requested: str | None, fallbacks: Sequence[Mapping[str, Any]], sites: Iterable[str], own: str
+) -> dict[str, Any]:
+    """What computed a run's attention, for its records (the snapshot manifest, ``run.json``).
+
+    Args:
+        requested: the primary kernel spec the run asked for (None: the model's own attention).
+        fallbacks: the probe's :attr:`~flashprobe.probing.Probe.fallbacks` (sites where torch's SDPA
+            ran instead, ``fallback=True``).
+        sites: every attention site the probe saw.
+        own: the model's own attention in words (``"own sdpa on cpu"``).
+
+    Returns:
+        ``{"attention": ...}``: ``requested`` when it ran every call, ``own`` when every site fell
+        back (the requested kernel never computed the model's attention), else both named; with
+        ``"attention_fallback": {requested, kernel, sites, from_step, reason}`` when anything fell back.
+    """
+    if requested is None:
+        return {"attention": own}
+    if not fallbacks:
+        return {"attention": requested}
+    fell = [str(f["site"]) for f in fallbacks]
+    every = set(fell) >= set(sites)
+    attention = own if every else f"{requested}, and {own} at {', '.join(fell)} (fallback)"
+    return {
+        "attention": attention,
+        "attention_fallback": {
+            "requested": requested,
+            "kernel": str(fallbacks[0].get("kernel", "torch sdpa")),
+            "sites": fell,
+            "every_site": every,
+            "from_step": min(int(f["from_step"]) for f in fallbacks),
+            "reason": str(fallbacks[0]["reason"]),
+        },
+    }
+
+
+#: transformers config fields that hold the attention dropout probability.
+_DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+
+
+def attention_dropout(model: nn.Module) -> dict[str, float]:
+    """The attention dropout ``model`` is configured with, before it runs: ``{where: p}`` for every
+    ``nn.MultiheadAttention`` (by module path, the probe's site name) and every transformers config
+    (``"<path> config.attn_pdrop"``) with ``p > 0``. Calls the model makes are checked too (a call with
+    ``dropout_p > 0`` is refused or falls back); this finds the common cases before the first step."""
+    found: dict[str, float] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.MultiheadAttention) and module.dropout > 0:
+            found[name or type(model).__name__] = float(module.dropout)
+        config = getattr(module, "config", None)
+        for key in _DROPOUT_FIELDS:
+            value = getattr(config, key, None)
+            if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+                found[f"{name or type(model).__name__} config.{key}"] = float(value)
+    return found
+
+
+def check_trainable(primary: Any, model: nn.Module, who: str, *, fallback: bool = False) -> None:
+    """Refuse, when training begins, a primary the model cannot train through: one without a backward
+    on the model's device (e.g. FlexAttention on the CPU, torch 2.13), which would otherwise crash
+    inside the first training step.
+
+    Args:
+        primary: the probe's primary :class:`~flashprobe.kernels.Kernel` (None: the model's own).
+        model: the model being trained (its device decides; a model with no trainable parameter
+            needs no backward).
+        who: the callback's name, for the message.
+
+    Also refuses a primary for a model configured with attention dropout (:func:`attention_dropout`),
+    which no kernel implements, unless ``fallback`` (then those calls run torch's SDPA and are
+    recorded).
+
+    Raises:
+        KernelUnsupportedError: naming the kernel, the device or the dropout, and the fixes.
+    """
+    if primary is None:
+        return
+    dropout = {} if fallback else attention_dropout(model)
+    if dropout:
+        from flashprobe.probing.shadow import dropout_refusal
+
+        where, p = next(iter(dropout.items()))
+        more = f" (and {len(dropout) - 1} more: {', '.join(list(dropout)[1:4])})" if len(dropout) > 1 else ""
+        raise KernelUnsupportedError(
+            f"{who}: " + dropout_refusal(where + more, p, primary.spec).removeprefix("flashprobe: ")
+        )
+    if not any(p.requires_grad for p in model.parameters()):
+        return
+    device, _ = model_device_dtype(model)
+    if primary.capabilities.has_backward(device):
+        return
+    raise KernelUnsupportedError(
+        f"{who}: the model trains through the primary {primary.spec!r}, which has no backward on "
+        f"{device.type}: training would fail in its first backward pass. Train on a device where it has "
+        "one (e.g. a GPU), choose a primary with a backward there (`flashprobe kernels` lists them), or "
+        "judge its forward alone: flashprobe.probing.probe(model, primary=..., backward=False) under "
+        "torch.no_grad(), or `flashprobe fuzz`"
+    )

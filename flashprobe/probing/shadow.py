@@ -1,0 +1,1093 @@
+"""``ShadowAttention``: the primary kernel's output, with the baseline and golden alongside.
+
+For each call the **primary** kernel produces the output the model receives, untouched. Then, on
+detached copies of the same inputs (cast to the dtype the primary computed in, e.g. the autocast
+dtype), the **baseline** kernel runs at that dtype and, with ``golden=True``, the FP64 **golden**
+value is computed; their deviations are folded into per-site :class:`DeviationStats` on the
+device, without host synchronisation.
+
+**Backward** (``backward=True``). The primary's inputs pass through an identity autograd
+function (:class:`_GradTap`) and a hook on the primary's output records the gradient the model
+sends into it. When the model's backward reaches the inputs, the tap sees the primary's own
+``dq, dk, dv``; the baseline's and golden's are computed with ``torch.autograd.grad`` from the
+same output gradient on detached copies, compared, and the primary's gradients are passed on
+unchanged — so the model's gradients are bit-identical.
+
+**Memory** is bounded: the references are computed in blocks planned by
+:mod:`flashprobe.kernels.reference` (the same path the benchmarks and the fuzzer use): whole batch
+entries when they fit the memory budget, else groups of heads, else query rows; causal calls in
+row blocks against only the keys they see. The budget is a quarter of the device's free memory
+(``memory_budget`` to set it), read when a call shape is first seen; the plan is kept per shape.
+Statistics use fixed scratch buffers. Only statistics are kept; :mod:`flashprobe.probing.summary`
+summarises them over sites.
+
+**Numerics of the references**: float32 matmuls inside them are IEEE whatever TF32 setting the
+training uses (restored after each call; :func:`~flashprobe.kernels.reference.reference_numerics`);
+:meth:`ShadowAttention.numerics` records the training's own flags. **Loss scaling**: with a
+``GradScaler`` (``16-mixed``), the output gradient carries the loss scale; :meth:`set_grad_scale`
+gives the probe the scale (a device tensor, read without a sync), and the gradient statistics are
+divided by it, so they are in the model's units whatever the scale does over training.
+
+**Never breaking training.** The probe consumes no random numbers, changes no autocast state or
+dtype, and any failure of a reference computation is counted (``shadow_errors``) and warned about
+once per site instead of raised. Attention dropout cannot be compared exactly: with
+``dropout="compare"`` (default) the probe compares the dropout-free primary (one extra primary call
+under ``no_grad``) and the model still gets its dropout output; ``dropout="skip"`` skips those
+calls. Backward comparison is skipped for dropout calls.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import os
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from flashprobe.bias import BIAS_FIELDS
+from flashprobe.deviation import StatsWorkspace, combine_sums, pair_sums, reads_are_free
+from flashprobe.formats.reproducer import kernel_module, reproducer_stem, save_reproducer
+from flashprobe.judge import CRITERIA, call_statistics, reason, row_statistics
+from flashprobe.kernels import KernelUnavailableError, KernelUnsupportedError, get_kernel, math_attention
+from flashprobe.kernels.reference import (
+    Block,
+    GroupGradients,
+    numerics_flags,
+    plan_blocks,
+    reference_budget,
+    reference_gradients,
+    reference_outputs,
+)
+from flashprobe.probing.call import Prepared, SdpaCall, autocast_off, prepare, run_kernel
+from flashprobe.probing.config import ProbeConfig
+from flashprobe.probing.flex import flex_reference
+from flashprobe.probing.routing import KernelRoute, check_kernel_here
+from flashprobe.probing.sites import GRAPH_BREAK_REASON, ProbeWarning, passthrough
+from flashprobe.probing.stats import DIRECTIONS, DeviationStats, count_nonfinite_positions, stats_dict
+from flashprobe.probing.summary import summarize
+
+_ORDER = ("out", "dq", "dk", "dv")  # failures sort by step, site, then this
+
+__all__ = ["ON_FAILURE", "ProbeFailureError", "ShadowAttention"]
+
+#: What the probe does at a call's first failure per site and direction.
+ON_FAILURE: tuple[str, ...] = ("warn", "raise", "ignore")
+
+
+class ProbeFailureError(RuntimeError):
+    """Raised with ``on_failure="raise"`` at the first failing call (message: site, direction, step,
+    reason, reproducer)."""
+
+    def __init__(self, message: str, failure: Mapping[str, Any]) -> None:
+        super().__init__(message)
+        self.failure = dict(failure)
+
+
+#: Per row of :func:`~flashprobe.deviation.pair_sums`, the power of the loss scale it carries:
+#: maxima and sums of |d| and |ref| (1), sums of squares (2), counts (0).
+_SCALE_POWERS = (1, 1, 2, 2, 0, 0, 1)
+
+
+class _GradTap(torch.autograd.Function):
+    """Identity on the primary's inputs; its backward hands their gradients to a record."""
+
+    @staticmethod
+    def forward(ctx: Any, record: _BackwardRecord, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.record = record
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        ctx.record.on_input_grads(grads)
+        return (None, *grads)
+
+
+class _BackwardRecord:
+    """What the comparison of one call needs until its backward runs.
+
+    With ``backward=True`` a call's forward comparison waits for its backward: the references'
+    forward outputs come out of the same forward pass their gradients need, so each reference runs
+    forward once, not twice. If the backward never reaches the call (no loss through it, a graph
+    freed without ``backward()``), the record's finalizer queues the forward comparison on the
+    shadow, which runs it at its next call or read (:meth:`ShadowAttention._drain`).
+    """
+
+    def __init__(self, shadow: ShadowAttention, site: str, prepared: Prepared) -> None:
+        self.shadow = shadow
+        self.site = site
+        self.step = shadow.step  # the step of the forward, recorded with a failure in the backward
+        self.prepared = prepared  # detached, compute dtype, 4-D
+        self.names: tuple[str, ...] = ()
+        self.grad_out: torch.Tensor | None = None
+        self.out: torch.Tensor | None = None  # the primary's output, kept for the forward comparison
+        self._finalizer: weakref.finalize | None = None
+
+    def keep_output(self, out: torch.Tensor) -> None:
+        """Keep a copy of the primary's output (the model may change its own in place) and queue its
+        forward comparison on the shadow should this record die before its backward."""
+        self.out = out.detach().clone()
+        self._finalizer = weakref.finalize(
+            self, self.shadow._orphans.append, (self.site, self.prepared, self.out, self.step)
+        )
+
+    def take_output(self) -> torch.Tensor | None:
+        """The kept output, once (the backward compares it; the finalizer then has nothing to do)."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        out, self.out = self.out, None
+        return out
+
+    def tap(self, call: SdpaCall) -> SdpaCall:
+        tensors = {"q": call.query, "k": call.key, "v": call.value}
+        self.names = tuple(n for n, t in tensors.items() if t.requires_grad)
+        tapped = _GradTap.apply(self, *(tensors[n] for n in self.names))
+        tensors.update(zip(self.names, tapped, strict=True))
+        return call.replace(query=tensors["q"], key=tensors["k"], value=tensors["v"])
+
+    def on_grad_out(self, grad: torch.Tensor) -> None:
+        self.grad_out = grad.detach()
+
+    def on_input_grads(self, grads: Iterable[torch.Tensor | None]) -> None:
+        grad_out, self.grad_out = self.grad_out, None
+        out = self.take_output()
+        if grad_out is None:  # no gradient reached the output: forward comparison only
+            if out is not None:
+                self.shadow._compare_forward(self.site, None, out, self.prepared, step=self.step)
+            return
+        primary = {n: g.detach() for n, g in zip(self.names, grads, strict=True) if g is not None}
+        self.shadow._compare_backward(self, grad_out, primary, out)
+
+
+class ShadowAttention(nn.Module):
+    """Drop-in for ``F.scaled_dot_product_attention`` that shadows the primary kernel.
+
+    ``forward`` takes SDPA's arguments and returns the primary kernel's output unchanged; on
+    identical detached inputs it computes the baseline at the same dtype and, optionally, the FP64
+    golden value, and records their deviations per site (see the module docstring). Use it inside
+    your own attention module (``self.attend = ShadowAttention(...)``), or let
+    :func:`flashprobe.probing.probe` route a whole model through one. It has no parameters or
+    buffers: ``state_dict`` is unchanged.
+
+    Args:
+        config: the probe's settings (:class:`~flashprobe.probing.ProbeConfig`; default: its defaults).
+        record: keep statistics; ``False`` computes the references and throws them away (the
+            overhead control of ``flashprobe bench overhead``).
+        name: site name used when called directly.
+        device: if given, check the kernels against this device (and ``dtype``) now.
+        dtype: compute dtype for that check (default float32).
+        on_failure: at the first failing call of a site and direction (the verdict's rule,
+            :func:`flashprobe.judge.decide`): ``"warn"`` (default: one
+            :class:`~flashprobe.probing.ProbeWarning` line with site, direction, step, reason and
+            reproducer), ``"raise"`` (:class:`ProbeFailureError`, from the forward or backward of the
+            call) or ``"ignore"`` (only recorded). See "When a failure is seen" below.
+        repro_dir: directory for reproducers of failing calls (:mod:`flashprobe.probing.repro`);
+            None: none are saved.
+        max_reproducers: at most this many reproducer files per shadow (bounded disk).
+        **settings: fields of :class:`~flashprobe.probing.ProbeConfig` (``primary``, ``baseline``,
+            ``golden``, ``backward``, ``dropout``, ``memory_budget``, ...) replacing ``config``'s.
+
+    **When a failure is seen.** The rule runs on the device at every compared call, and its
+    verdicts accumulate there (``stats()[site][...]["verdict"]``, ``first_failure``). Where a host
+    read costs nothing (tensors on the CPU) each compared call's verdict is read at once: the
+    warning or exception comes at the failing call, with that call's reproducer. On an accelerator
+    nothing is read per call: a failure is seen when the statistics are read (:meth:`stats`, the
+    callback's logging steps), and the site is then *armed*: its next failing call is read at once
+    (one synchronisation per armed call) and saved as the reproducer.
+
+    Raises:
+        ProbeConfigError: an unknown setting or a bad value.
+        KernelSpecError: unknown kernel or option.
+        KernelUnavailableError: ``device`` given and a kernel cannot run there.
+    """
+
+    def __init__(
+        self,
+        config: ProbeConfig | None = None,
+        /,
+        *,
+        record: bool = True,
+        name: str = "attention",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        on_failure: str = "warn",
+        repro_dir: str | os.PathLike[str] | None = None,
+        max_reproducers: int = 8,
+        **settings: Any,
+    ) -> None:
+        super().__init__()
+        if on_failure not in ON_FAILURE:
+            raise ValueError(f"on_failure={on_failure!r} must be one of {', '.join(map(repr, ON_FAILURE))}")
+        if isinstance(max_reproducers, bool) or not isinstance(max_reproducers, int) or max_reproducers < 0:
+            raise ValueError(f"max_reproducers={max_reproducers!r} must be an int >= 0 (0: save none)")
+        if repro_dir is not None and (not str(repro_dir) or Path(repro_dir).is_file()):
+            raise ValueError(f"repro_dir={str(repro_dir)!r} must be a directory path (not empty, not a file)")
+        self.on_failure = on_failure
+        self.repro_dir = None if repro_dir is None else Path(repro_dir)
+        self.max_reproducers = max_reproducers
+        self.step = 0
+        #: ``{(site, direction): failure}``: the first failure of each, kept on the host across resets.
+        self.failures: dict[tuple[str, str], dict[str, Any]] = {}
+        self.reproducers: list[Path] = []
+        #: ``{site: fallback}``: the sites where torch's SDPA ran instead of the primary
+        #: (``fallback=True``), from which step and why; kept on the host across resets.
+        self.fallbacks: dict[str, dict[str, Any]] = {}
+        self._armed: set[str] = set()
+        self.config = ProbeConfig.from_settings(config, **settings)
+        if device is not None:  # backward="auto": decided by the kernels' capabilities there
+            self.config = self.config.resolve_backward(device)
+        cfg = self.config
+        self.primary = None if cfg.primary is None else get_kernel(cfg.primary)
+        self.baseline = get_kernel(cfg.baseline)
+        self.record = bool(record)
+        self.name = name
+        if device is not None:
+            self.check(torch.device(device), dtype or torch.float32)
+        self._stats: dict[str, DeviationStats] = {}
+        #: ``{site: bias sums}`` restored from a checkpoint, added when the site is first recorded.
+        self._restored_bias: dict[str, list[float]] = {}
+        self._errors: dict[str, int] = {}
+        self._dropout_calls: dict[str, int] = {}
+        self._warned: set[Any] = set()
+        self._workspace = StatsWorkspace()
+        self._plans: dict[tuple[Any, ...], list[Block]] = {}
+        self._budgets: dict[torch.device, int] = {}
+        self._grad_scale: Callable[[], torch.Tensor | float | None] | None = None
+        # Forward comparisons of calls whose backward never came (appended by finalizers).
+        self._orphans: collections.deque[tuple[str, Prepared, torch.Tensor, int]] = collections.deque()
+
+    @property
+    def golden(self) -> bool:
+        """Whether the FP64 golden value is computed."""
+        return self.config.golden
+
+    @property
+    def backward(self) -> bool:
+        """Whether gradients are compared (``"auto"`` not decided for a device: no)."""
+        return self.config.backward is True
+
+    @property
+    def dropout(self) -> str:
+        """The policy for calls with attention dropout."""
+        return self.config.dropout
+
+    def set_grad_scale(self, scale: Callable[[], torch.Tensor | float | None] | None) -> None:
+        """Give the probe the loss scale of the backward passes it compares (``GradScaler``).
+
+        Args:
+            scale: called at each compared backward; returns the scale the output gradient carries
+                (a 0-d tensor, e.g. a ``GradScaler``'s current scale tensor, read on its device without
+                a host sync, or a float), or None for no scaling. ``None``: no loss scaling.
+        """
+        self._grad_scale = scale
+
+    def numerics(self) -> dict[str, Any]:
+        """The training's matmul precision flags (:func:`~flashprobe.kernels.reference.numerics_flags`)
+        and that the references ran with IEEE float32 matmuls regardless."""
+        return {**numerics_flags(), "references_fp32_matmul": "ieee"}
+
+    def check(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Raise :class:`KernelUnavailableError` if a kernel cannot run on ``device``/``dtype``."""
+        if self.primary is not None:
+            check_kernel_here(self.primary, device, dtype, "primary", backward=self.backward)
+        check_kernel_here(self.baseline, device, dtype, "baseline", backward=self.backward)
+        if self.golden and device.type == "mps":
+            raise KernelUnavailableError(
+                "golden attention needs float64, which MPS devices do not support; pass golden=False"
+            )
+
+    def extra_repr(self) -> str:
+        primary = "torch SDPA" if self.primary is None else self.primary.spec
+        return (
+            f"primary={primary!r}, baseline={self.baseline.spec!r}, golden={self.golden}, "
+            f"backward={self.backward}"
+        )
+
+    def _plan(self, p: Prepared, backward: bool) -> list[Block]:
+        """The reference blocks of a call of ``p``'s shape (planned once per shape)."""
+        mask_key = None if p.attn_mask is None else tuple(p.attn_mask.shape)
+        key = (tuple(p.q.shape), tuple(p.k.shape), tuple(p.v.shape), mask_key, p.is_causal, backward)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = plan_blocks(
+                p.q.shape,
+                p.k.shape,
+                p.v.shape,
+                is_causal=p.is_causal,
+                backward=backward,
+                budget=self._budget(p.q.device),
+            )
+        return plan
+
+    def _budget(self, device: torch.device) -> int:
+        """Bytes a reference block may use on ``device`` (``memory_budget``, else read once)."""
+        budget = self.config.memory_budget
+        if budget is None:
+            budget = self._budgets.get(device)
+            if budget is None:
+                budget = self._budgets[device] = reference_budget(device)
+        return budget
+
+    # ---------------------------------------------------------------------------------------
+    # Calls
+    # ---------------------------------------------------------------------------------------
+
+    @torch.compiler.disable(reason=GRAPH_BREAK_REASON)
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        """SDPA's signature; returns the primary's ``(..., N_q, D_v)`` output unchanged.
+
+        Under ``torch.compile`` this call is a graph break: it runs eagerly, on real tensors.
+        """
+        call = SdpaCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        with passthrough():
+            return self.run(self.name, call)
+
+    def primary_output(
+        self, call: SdpaCall, route: KernelRoute | None = None, *, site: str | None = None
+    ) -> torch.Tensor:
+        """The output the model receives: the primary kernel, else ``route``'s, else torch's SDPA.
+
+        A call with attention dropout, which no kernel implements, is refused (``fallback=False``)
+        or runs torch's SDPA and is recorded in :attr:`fallbacks` (``fallback=True``).
+
+        Raises:
+            KernelUnsupportedError: a call with ``dropout_p > 0`` and ``fallback=False``, naming the
+                site, the reason and the fix.
+        """
+        if self.primary is None:
+            return call.original() if route is None else route.run(call)
+        if call.dropout_p > 0:
+            self._fall_back(site or self.name, call)
+            return call.original()
+        return run_kernel(self.primary, call)
+
+    def _fall_back(self, site: str, call: SdpaCall) -> None:
+        """Refuse a dropout call for the primary, or record that torch's SDPA runs it (host-side only)."""
+        assert self.primary is not None
+        spec = self.primary.spec
+        if not self.config.fallback:
+            raise KernelUnsupportedError(dropout_refusal(f"site {site!r}", call.dropout_p, spec))
+        if site not in self.fallbacks:
+            self.fallbacks[site] = {
+                "site": site,
+                "requested": spec,
+                "kernel": "torch sdpa",
+                "from_step": self.step,
+                "reason": f"attention dropout (dropout_p={call.dropout_p}): {spec!r} implements none, so "
+                f"torch's SDPA computed the attention at {site} from step {self.step} (fallback=True)",
+            }
+            self._warn_once(("dropout-primary", site), f"flashprobe: {self.fallbacks[site]['reason']}")
+
+    def run(self, site: str, call: SdpaCall, route: KernelRoute | None = None) -> torch.Tensor:
+        """Run one call at ``site``: return the primary's output, record the comparison.
+
+        With ``backward=True`` and a call that will get a backward, the forward comparison is made
+        together with the backward one (see :class:`_BackwardRecord`).
+        """
+        self._drain()
+        if self.record:  # sites are listed in the order of their first call
+            self._site(site, call.query.device)
+        if call.dropout_p > 0:
+            return self._run_dropout(site, call, route)
+        tensors = (call.query, call.key, call.value)
+        record = None
+        if self.backward and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            try:
+                record = _BackwardRecord(self, site, prepare(call.detached()))
+            except Exception as err:
+                self._failed(site, err)
+        if record is not None:
+            out = self.primary_output(record.tap(call), route, site=site)
+            if out.requires_grad:
+                out.register_hook(record.on_grad_out)
+                record.keep_output(out)
+                return out
+            self._compare_forward(site, call, out, record.prepared)
+            return out
+        out = self.primary_output(call, route, site=site)
+        self._compare_forward(site, call, out)
+        return out
+
+    def run_flex(self, site: str, call: Any) -> Any:
+        """Run one ``flex_attention`` call (:class:`~flashprobe.probing.flex.FlexCall`) at ``site``:
+        return its own output, compare it forward with references applying its ``score_mod`` and
+        ``block_mask`` (:func:`~flashprobe.probing.flex.flex_reference`)."""
+        self._drain()
+        out = call.original()
+        primary = out[0] if isinstance(out, tuple) else out
+        device = primary.device
+        if self.record:
+            self._site(site, device)
+        try:
+            with passthrough(), torch.no_grad():
+                budget = self.config.memory_budget or self._budgets.get(device)
+                if budget is None:
+                    budget = self._budgets[device] = reference_budget(device)
+                base = flex_reference(call, primary.dtype, budget=budget)
+                gold = flex_reference(call, torch.float64, budget=budget) if self.golden else None
+                if self.record:
+                    sums = pair_sums(primary.detach(), base, gold, self._workspace)
+                    rows = None if gold is None else {"out": row_statistics(primary.detach(), base, gold)}
+                    stats = self._stats[site]
+                    if gold is not None:
+                        stats.bias.add("out", primary.detach(), gold, base)
+                    kinds = stats.add_many({"out": sums}, primary.dtype, self.step, rows)
+                    stats.add_nonfinite_inputs(
+                        {
+                            n: count_nonfinite_positions(t)
+                            for n, t in zip("qkv", (call.query, call.key, call.value), strict=True)
+                        }
+                    )
+                    self._after_call(site, self.step, kinds, None, None)
+        except ProbeFailureError:
+            raise
+        except Exception as err:
+            self._failed(site, err)
+        return out
+
+    def _drain(self) -> None:
+        """Run the forward comparisons of calls whose backward never came."""
+        while self._orphans:
+            site, prepared, out, step = self._orphans.popleft()
+            self._compare_forward(site, None, out, prepared, step=step)
+
+    def _run_dropout(self, site: str, call: SdpaCall, route: KernelRoute | None) -> torch.Tensor:
+        out = self.primary_output(call, route, site=site)
+        self._dropout_calls[site] = self._dropout_calls.get(site, 0) + 1
+        if self.dropout == "skip":
+            if self.record:
+                self._site(site, out.device)  # the site shows in stats() with its dropout_calls
+            self._warn_once(
+                ("dropout", site),
+                f"flashprobe: site {site!r} uses attention dropout (dropout_p={call.dropout_p}), which "
+                "cannot be compared exactly; skipping these calls (dropout='skip')",
+            )
+            return out
+        self._warn_once(
+            ("dropout", site),
+            f"flashprobe: site {site!r} uses attention dropout (dropout_p={call.dropout_p}), which "
+            "cannot be compared exactly; comparing the dropout-free primary instead (one extra "
+            "primary call, no random numbers drawn, forward only); pass dropout='skip' to skip",
+        )
+        plain = call.replace(dropout_p=0.0)
+        try:
+            with torch.no_grad():
+                reference = self.primary_output(plain.detached(), route, site=site)
+        except Exception as err:
+            self._failed(site, err)
+            return out
+        self._compare_forward(site, plain, reference)
+        return out
+
+    # ---------------------------------------------------------------------------------------
+    # Comparisons
+    # ---------------------------------------------------------------------------------------
+
+    def _call_args(self, p: Prepared) -> dict[str, Any]:
+        return {"attn_mask": p.attn_mask, "is_causal": p.is_causal, "scale": p.scale}
+
+    def _compare_forward(
+        self,
+        site: str,
+        call: SdpaCall | None,
+        out: torch.Tensor,
+        prepared: Prepared | None = None,
+        step: int | None = None,
+    ) -> None:
+        """Compare the primary's output ``out`` with the references (``prepared``, else ``call``'s)."""
+        step = self.step if step is None else step
+        try:
+            # Prepared before autocast is switched off: the compute dtype is the autocast dtype.
+            if prepared is None:
+                assert call is not None
+                prepared = prepare(call.detached())
+            p = prepared
+            with passthrough(), torch.no_grad(), autocast_off(out.device.type):
+                out4 = out.detach().reshape(p.out_shape)
+                plan = self._plan(p, backward=False)
+                args = self._call_args(p)
+                base = reference_outputs(self.baseline, p.q, p.k, p.v, blocks=plan, **args)
+                gold = (
+                    reference_outputs(math_attention, p.q, p.k, p.v, blocks=plan, dtype=torch.float64, **args)
+                    if self.golden
+                    else itertools.repeat((None, None))
+                )
+                # Several blocks whose outputs fit the budget twice over are gathered into call-sized
+                # tensors and compared once (one statistics pass per call, rows scaled over the call).
+                gather = self.record and len(plan) > 1 and 24 * out4.numel() <= self._budget(out4.device)
+                sums = rows = whole = None
+                for (blk, b), (_, g) in zip(base, gold, strict=False):  # gold: repeat(None) without golden
+                    if gather:
+                        if whole is None:
+                            whole = (b.new_empty(out4.shape), None if g is None else g.new_empty(out4.shape))
+                        blk.take_q(whole[0], p.rep).copy_(b)
+                        if g is not None and whole[1] is not None:
+                            blk.take_q(whole[1], p.rep).copy_(g)
+                    elif self.record:
+                        sums, rows = self._compare_part(site, blk.take_q(out4, p.rep), b, g, sums, rows)
+                if whole is not None:
+                    sums, rows = self._compare_part(site, out4, *whole, sums, rows)
+                if self.record and sums is not None:
+                    stats = self._site(site, out.device)
+                    worst = None if rows is None else {"out": rows}
+                    kinds = stats.add_many({"out": sums}, p.dtype, step, worst)
+                    stats.add_nonfinite_inputs(
+                        {n: count_nonfinite_positions(t) for n, t in zip("qkv", p[:3], strict=True)}
+                    )
+                    self._after_call(site, step, kinds, p, None)
+        except ProbeFailureError:
+            raise
+        except Exception as err:
+            self._failed(site, err)
+
+    def _compare_part(
+        self,
+        site: str,
+        mine: torch.Tensor,
+        base: torch.Tensor,
+        gold: torch.Tensor | None,
+        sums: torch.Tensor | None,
+        rows: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Fold one block's (or the whole call's) forward statistics into ``sums``, ``rows``, and its
+        signed bias into the site's; returns the new ``(sums, rows)``."""
+        part, row, _, finite = self._statistics(mine, base, gold)
+        if gold is not None:
+            self._site(site, mine.device).bias.add("out", mine, gold, base, finite=finite)
+        return combine_sums(sums, part), _worst(rows, row)
+
+    def _compare_backward(
+        self,
+        record: _BackwardRecord,
+        grad_out: torch.Tensor,
+        primary: Mapping[str, torch.Tensor],
+        out: torch.Tensor | None = None,
+    ) -> None:
+        """Compare the primary's gradients (and, when ``out`` is given, its forward output) with the
+        references', all from one forward and backward pass of each reference."""
+        site = record.site
+        try:
+            p = record.prepared
+            with passthrough(), autocast_off(grad_out.device.type):
+                names = tuple(n for n in ("q", "k", "v") if n in primary)
+                mine = {n: primary[n].reshape(getattr(p, n).shape) for n in names}
+                grad_out = grad_out.reshape(p.out_shape)
+                out4 = None if out is None else out.reshape(p.out_shape)
+                stats = self._site(site, grad_out.device) if self.record else None
+                sums, rows, noise = self._gradient_sums(p, grad_out, mine, out4, stats)
+                if stats is not None:
+                    counts = {"grad_out": count_nonfinite_positions(grad_out)}
+                    if out4 is not None and sums["out"] is not None:
+                        counts.update(
+                            (n, count_nonfinite_positions(t)) for n, t in zip("qkv", p[:3], strict=True)
+                        )
+                    found = {("out" if n == "out" else f"d{n}"): s for n, s in sums.items() if s is not None}
+                    worst = {("out" if n == "out" else f"d{n}"): r for n, r in rows.items() if r is not None}
+                    forms = {f"d{n}": r for n, r in noise.items() if r is not None}
+                    kinds = stats.add_many(found, p.dtype, record.step, worst, forms)
+                    stats.add_nonfinite_inputs(counts)
+                    self._after_call(site, record.step, kinds, p, grad_out)
+        except ProbeFailureError:
+            raise
+        except Exception as err:
+            self._failed(site, err)
+
+    def _unscale(self, sums: torch.Tensor) -> torch.Tensor:
+        """Gradient pair sums in the model's units: divided by the loss scale's power per row."""
+        scale = None if self._grad_scale is None else self._grad_scale()
+        if scale is None:
+            return sums
+        s = torch.as_tensor(scale, dtype=torch.float64, device=sums.device).reshape(())
+        powers = torch.tensor(_SCALE_POWERS, dtype=torch.float64, device=sums.device).unsqueeze(1)
+        return sums / s.pow(powers)
+
+    def _gradient_sums(
+        self,
+        p: Prepared,
+        grad_out: torch.Tensor,
+        mine: Mapping[str, torch.Tensor],
+        out: torch.Tensor | None = None,
+        stats: DeviationStats | None = None,
+    ) -> tuple[dict[str, torch.Tensor | None], ...]:
+        """Pair sums and row statistics (:func:`~flashprobe.judge.row_statistics`, with the golden)
+        of the primary's gradients ``mine`` (``q``/``k``/``v``, shaped as in ``p``) against the
+        references' for the ``(B, H, N_q, D_v)`` output gradient, over all blocks; with the primary's
+        ``(B, H, N_q, D_v)`` output ``out``, also the forward's (key ``"out"``), from the
+        references' outputs of the same passes. With the golden, also the gradients' noise in the
+        baseline's flash form (:func:`~flashprobe.judge.noise_statistics`): flash kernels take
+        ``rowsum(dO∘O)`` from the rounded output, which autograd through the baseline does not.
+        With the golden and ``stats``, also adds each direction's signed bias to ``stats.bias``."""
+        from flashprobe.fuzz.flash_form import flash_form_attention
+
+        names = tuple(mine)
+        sums: dict[str, torch.Tensor | None] = dict.fromkeys((*names, "out"))
+        rows: dict[str, torch.Tensor | None] = dict.fromkeys((*names, "out"))
+        noise: dict[str, torch.Tensor | None] = dict.fromkeys(names)
+        plan = self._plan(p, backward=True)
+        args = {**self._call_args(p), "need": names, "blocks": plan}
+        base = reference_gradients(self.baseline, p.q, p.k, p.v, grad_out, dtype=p.dtype, **args)
+        gold = (
+            reference_gradients(math_attention, p.q, p.k, p.v, grad_out, dtype=torch.float64, **args)
+            if self.golden
+            else itertools.repeat(None)
+        )
+        flash = (  # a reference like the others: the control (record=False) computes it too
+            reference_gradients(flash_form_attention, p.q, p.k, p.v, grad_out, dtype=p.dtype, **args)
+            if self.golden
+            else itertools.repeat(None)
+        )
+        bias = None if stats is None else stats.bias
+        budget = self._budget(grad_out.device)
+        for bg, gg, fg in zip(base, gold, flash, strict=False):  # gold, flash: repeat(None) without golden
+            if not self.record:
+                continue
+            # A group's row blocks whose outputs fit the budget are compared as one (as the forward).
+            if len(bg.blocks) > 1 and 48 * sum(o.numel() for o in bg.outs) <= budget:
+                bg, gg, fg = (None if x is None else _rows_as_one(x) for x in (bg, gg, fg))
+                assert bg is not None
+            with torch.no_grad():
+                for i, blk in enumerate(bg.blocks):
+                    if out is not None:
+                        mine_o, b_o, g_o = blk.take_q(out, p.rep), bg.outs[i], gg.outs[i] if gg else None
+                        part, row, _, finite = self._statistics(mine_o, b_o, g_o)
+                        sums["out"], rows["out"] = combine_sums(sums["out"], part), _worst(rows["out"], row)
+                        if bias is not None and g_o is not None:
+                            bias.add("out", mine_o, g_o, b_o, finite=finite)
+                    if "q" in names:
+                        mine_q, g_q = blk.take_q(mine["q"], p.rep), gg.dq[i] if gg else None
+                        part, row, form, finite = self._statistics(
+                            mine_q, bg.dq[i], g_q, fg.dq[i] if fg else None
+                        )
+                        sums["q"] = combine_sums(sums["q"], self._unscale(part))
+                        rows["q"], noise["q"] = _worst(rows["q"], row), self._noise(noise["q"], form)
+                        if bias is not None and g_q is not None:
+                            bias.add("dq", mine_q, g_q, bg.dq[i], finite=finite)
+                first = bg.blocks[0]
+                for n in ("k", "v"):
+                    if n in names:
+                        b_grad, g_grad = getattr(bg, f"d{n}"), getattr(gg, f"d{n}") if gg else None
+                        mine_n = mine[n][first.batch, first.heads]
+                        f_grad = getattr(fg, f"d{n}") if fg else None
+                        part, row, form, finite = self._statistics(mine_n, b_grad, g_grad, f_grad)
+                        sums[n] = combine_sums(sums[n], self._unscale(part))
+                        rows[n], noise[n] = _worst(rows[n], row), self._noise(noise[n], form)
+                        if bias is not None and g_grad is not None:
+                            bias.add(f"d{n}", mine_n, g_grad, b_grad, finite=finite)
+        return sums, rows, noise
+
+    def _statistics(
+        self,
+        primary: torch.Tensor,
+        baseline: torch.Tensor,
+        golden: torch.Tensor | None,
+        form: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, bool]:
+        """One block's pair sums; with the golden also its row statistics, (given the baseline's flash
+        ``form``) the form's noise and whether every value was read finite, from one pass
+        (:func:`~flashprobe.judge.call_statistics`)."""
+        if golden is None:
+            return pair_sums(primary, baseline, None, self._workspace), None, None, False
+        return call_statistics(primary, baseline, golden, self._workspace, form=form)
+
+    def _noise(self, total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
+        """Fold one block's flash-form gradient noise (:func:`~flashprobe.judge.noise_statistics`) into
+        ``total`` (in the model's units, as the pair sums: its squared error divided by the loss
+        scale's square)."""
+        if part is None:
+            return total
+        scale = None if self._grad_scale is None else self._grad_scale()
+        if scale is not None:
+            s = torch.as_tensor(scale, dtype=torch.float64, device=part.device).reshape(())
+            part = part / torch.stack((s * s, s.new_ones(())))
+        return part if total is None else torch.stack((total[0] + part[0], torch.maximum(total[1], part[1])))
+
+    # ---------------------------------------------------------------------------------------
+    # Failures: seen, saved, reported
+    # ---------------------------------------------------------------------------------------
+
+    def _after_call(
+        self,
+        site: str,
+        step: int,
+        kinds: tuple[tuple[str, ...], torch.Tensor],
+        p: Prepared | None,
+        grad_out: torch.Tensor | None,
+    ) -> None:
+        """Read this call's verdicts (``kinds``: directions and their failure codes, as
+        :meth:`DeviationStats.add_many` returns them) where that is free (CPU) or the site is armed;
+        act on new failures."""
+        directions, codes_tensor = kinds
+        if not self.golden or not directions:
+            return
+        if not reads_are_free(codes_tensor.device) and site not in self._armed:
+            return
+        # the read: free on the CPU; elsewhere made for armed sites only
+        codes = dict(zip(directions, codes_tensor.tolist(), strict=True))
+        failing = [d for d, code in codes.items() if code > 0]  # < 0: undetermined
+        new = [d for d in failing if (site, d) not in self.failures]
+        if new:
+            self._new_failures(site, step, {d: int(codes[d]) for d in new})
+        unsaved = [self.failures[(site, d)] for d in failing if not self._has_repro(site, d)]
+        if unsaved:
+            self._save_repro(unsaved, p, grad_out)
+        for d in new:
+            self._react(self.failures[(site, d)])
+        if site in self._armed and all(self._has_repro(s, d) for s, d in self.failures if s == site):
+            self._armed.discard(site)
+
+    def _new_failures(self, site: str, step: int, codes: Mapping[str, int]) -> None:
+        """Record the first failures of ``site``'s directions at this call (their values: one read)."""
+        stats = self._stats[site].as_dict()
+        for direction, code in codes.items():
+            entry = stats["forward"]["out"] if direction == "out" else stats["backward"][direction]
+            first = entry.get("first_failure") or {}
+            kind = CRITERIA.get(code, "relative")
+            same = first.get("step") == step
+            value = first.get("value", float("nan")) if same else float("nan")
+            limit = first.get("limit", float("nan")) if same else float("nan")
+            self.failures[(site, direction)] = {
+                "site": site,
+                "direction": direction,
+                "step": step,
+                "kind": kind,
+                "value": value,
+                "limit": limit,
+                "reason": reason(kind, value, limit, self.config.precision),
+                "repro": None,
+            }
+
+    def _has_repro(self, site: str, direction: str) -> bool:
+        failure = self.failures.get((site, direction))
+        return failure is not None and (failure.get("repro") is not None or self.repro_dir is None)
+
+    def _save_repro(
+        self, failures: list[dict[str, Any]], p: Prepared | None, grad_out: torch.Tensor | None
+    ) -> None:
+        """Save the failing call ``p`` (with the output gradient when it had a backward) as one
+        reproducer for the directions ``failures`` name."""
+        if p is None or self.repro_dir is None or len(self.reproducers) >= self.max_reproducers:
+            return  # (p is None: a FlexAttention call, whose score_mod is code, not data)
+        first = failures[0]
+        path = self.repro_dir / (reproducer_stem(first["site"], first["step"]) + ".safetensors")
+        try:
+            save_reproducer(
+                path,
+                q=p.q,
+                k=p.k,
+                v=p.v,
+                attn_mask=p.attn_mask,
+                is_causal=p.is_causal,
+                scale=p.scale,
+                grad_out=grad_out,
+                meta={
+                    **{k: first[k] for k in ("site", "direction", "step", "kind", "reason")},
+                    "directions": [f["direction"] for f in failures],
+                    "reasons": {f["direction"]: f["reason"] for f in failures},
+                    "primary": None if self.primary is None else self.primary.spec,
+                    "kernel_module": kernel_module(self.primary),
+                    "baseline": self.baseline.spec,
+                    "gqa_rep": p.rep,
+                },
+            )
+        except OSError as err:
+            self._warn_once(
+                ("repro", str(self.repro_dir)),
+                f"flashprobe: could not save a reproducer in {self.repro_dir}: {err}",
+            )
+            return
+        for failure in failures:
+            failure["repro"] = str(path)
+        self.reproducers.append(path)
+
+    def _react(self, failure: Mapping[str, Any]) -> None:
+        message = failure_message(failure)
+        if self.on_failure == "raise":
+            raise ProbeFailureError(message, failure)
+        if self.on_failure == "warn":
+            warnings.warn(message, ProbeWarning, stacklevel=2)
+
+    def _note_read(self, stats: Mapping[str, Any]) -> None:
+        """Record the failures a read of the accumulators shows (e.g. on an accelerator, where calls
+        are not read one by one); arm their sites so the next failing call is saved."""
+        for site, entry in stats.items():
+            directions = {
+                "out": entry["forward"]["out"],
+                **{d: entry["backward"][d] for d in ("dq", "dk", "dv")},
+            }
+            for direction, e in directions.items():
+                first = e.get("first_failure")
+                if not first:
+                    continue
+                known = self.failures.get((site, direction))
+                if known is not None and known["step"] <= first["step"]:
+                    continue
+                failure = {"site": site, "direction": direction, **first, "repro": None}
+                if known is not None:
+                    failure["repro"] = known.get("repro")
+                self.failures[(site, direction)] = failure
+                if known is None:
+                    self._react(failure)
+                if not self._has_repro(site, direction):
+                    self._armed.add(site)
+
+    # ---------------------------------------------------------------------------------------
+    # Bookkeeping and reading
+    # ---------------------------------------------------------------------------------------
+
+    def _site(self, site: str, device: torch.device) -> DeviationStats:
+        stats = self._stats.get(site)
+        if stats is None:
+            stats = self._stats[site] = DeviationStats(
+                device, golden=self.golden, precision=self.config.precision
+            )
+            restored = self._restored_bias.pop(site, None)
+            if restored is not None:
+                bias = stats.bias.state
+                bias += torch.tensor(restored, dtype=bias.dtype, device=bias.device).view_as(bias)
+        return stats
+
+    def bias_state(self) -> dict[str, list[float]]:
+        """This process's signed-bias sums per site (:class:`flashprobe.bias.BiasStats`, the run's so
+        far, one host read), for a checkpoint; :meth:`restore_bias` puts them back."""
+        self._drain()
+        sites = {s: v.bias.state.flatten().tolist() for s, v in self._stats.items()}
+        return {**self._restored_bias, **sites}
+
+    def restore_bias(self, state: Mapping[str, Sequence[float]]) -> None:
+        """Continue a run's signed bias from :meth:`bias_state` (a resumed run reads the numbers an
+        uninterrupted one would): replaces the sums of recorded sites, and those of sites not yet
+        recorded when they are.
+
+        Raises:
+            ValueError: a site's sums are not ``4 · 2 · 3`` numbers.
+        """
+        size = len(DIRECTIONS) * len(BIAS_FIELDS)
+        for site, sums in state.items():
+            if len(sums) != size:
+                raise ValueError(
+                    f"restore_bias: site {site!r} has {len(sums)} bias sums, expected {size} "
+                    "(from ShadowAttention.bias_state())"
+                )
+        for site, sums in state.items():
+            if site in self._stats:
+                bias = self._stats[site].bias.state
+                bias.copy_(torch.tensor(list(sums), dtype=bias.dtype, device=bias.device).view_as(bias))
+            else:
+                self._restored_bias[site] = [float(x) for x in sums]
+
+    def _failed(self, site: str, err: BaseException) -> None:
+        self._errors[site] = self._errors.get(site, 0) + 1
+        self._warn_once(
+            ("error", site),
+            f"flashprobe: the shadow computation at site {site!r} failed and was skipped "
+            f"({type(err).__name__}: {err}); the model's output is unaffected. Further failures at "
+            "this site are counted in stats()[site]['shadow_errors']",
+        )
+
+    def _warn_once(self, key: Any, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, ProbeWarning, stacklevel=4)
+
+    @property
+    def sites(self) -> list[str]:
+        """Sites with recorded statistics, in the order they were first recorded."""
+        return list(self._stats)
+
+    def stat_tensors(self) -> dict[str, torch.Tensor]:
+        """Copies of the raw per-site accumulators (layout in :mod:`flashprobe.probing.stats`).
+
+        For distributed training: all-reduce ``t[:N_MAX]`` with MAX and ``t[N_MAX:]`` with SUM,
+        then pass the result to :meth:`stats` (``stats(tensors=...)``).
+        """
+        self._drain()
+        return {site: s.values.clone() for site, s in self._stats.items()}
+
+    def stats(
+        self, tensors: Mapping[str, torch.Tensor] | None = None, *, flat: bool = False
+    ) -> dict[str, Any]:
+        """Per-site statistics as plain Python data (one host copy for all sites).
+
+        Args:
+            tensors: accumulators to read instead of this shadow's own (e.g. all-reduced copies
+                of :meth:`stat_tensors`).
+            flat: flatten each site's nested dict to ``"out.primary_golden.max_abs"``-style keys.
+
+        Returns:
+            ``{site: {"forward": ..., "backward": ..., "nonfinite_inputs": ...,
+            "shadow_errors": n, "dropout_calls": n}}``; see :func:`flashprobe.probing.stats.stats_dict`.
+        """
+        self._drain()
+        source = {s: v.values for s, v in self._stats.items()} if tensors is None else dict(tensors)
+        if not source:
+            return {}
+        device = next(iter(source.values())).device
+        rows = torch.stack([t.detach().to(device, torch.float64) for t in source.values()]).tolist()
+        result: dict[str, Any] = {}
+        nested: dict[str, Any] = {}
+        for site, values in zip(source, rows, strict=True):
+            entry = stats_dict(values, golden=self.golden, precision=self.config.precision)
+            entry["shadow_errors"] = self._errors.get(site, 0)
+            entry["dropout_calls"] = self._dropout_calls.get(site, 0)
+            entry["verdict"], entry["verdict_reason"] = site_verdict(entry, golden=self.golden)
+            nested[site] = entry
+        if self.record:
+            self._note_read(nested)
+        for site, entry in nested.items():
+            result[site] = _flatten(entry) if flat else entry
+        return result
+
+    def summary(self, stats: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Worst values over all sites, as plain Python data; see :func:`~flashprobe.probing.summarize`.
+
+        Args:
+            stats: per-site statistics to summarise (default: :meth:`stats`).
+        """
+        summary = summarize(self.stats() if stats is None else stats)
+        summary.update(failure_summary(self.failures, summary))
+        return summary
+
+    def reset(self) -> None:
+        """Zero every site's statistics (on device, no sync); sites stay known."""
+        self._orphans.clear()
+        for s in self._stats.values():
+            s.reset()
+        self._errors.clear()
+        self._dropout_calls.clear()
+
+
+def _rows_as_one(group: GroupGradients) -> GroupGradients:
+    """A group's row blocks as one block: its outputs and ``dq`` concatenated along the rows."""
+    first, last = group.blocks[0], group.blocks[-1]
+    whole = dataclasses.replace(first, rows=slice(first.rows.start, last.rows.stop))
+    outs = [torch.cat(group.outs, dim=2)] if group.outs else []
+    dq = [torch.cat(group.dq, dim=2)] if group.dq else []
+    return dataclasses.replace(group, blocks=[whole], outs=outs, dq=dq)
+
+
+def _worst(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
+    """The running maximum of :func:`~flashprobe.judge.row_statistics` over blocks (None without golden)."""
+    if part is None:
+        return total
+    return part if total is None else torch.maximum(total, part)
+
+
+def site_verdict(entry: Mapping[str, Any], *, golden: bool = True) -> tuple[str, str]:
+    """A site's verdict over its directions: ``fail`` when one failed or is biased (its signed bias
+    reached the limit: :mod:`flashprobe.bias`; no call failed, yet the errors add up), ``pass`` when
+    at least one was judged and none failed, else ``undetermined``; with the reason in words
+    (``"biased: out z=-12.3 (limit 5)"`` for a biased site)."""
+    directions = {"out": entry["forward"]["out"], **{d: entry["backward"][d] for d in ("dq", "dk", "dv")}}
+    failed = [d for d, e in directions.items() if e.get("verdict") == "fail"]
+    biased = [d for d, e in directions.items() if (e.get("bias") or {}).get("verdict") == "biased"]
+    words = [
+        f"{d} z={directions[d]['bias']['z']:.3g} (limit {directions[d]['bias']['limit']:g})" for d in biased
+    ]
+    if failed:
+        reasons = [
+            f"{d}: {directions[d]['first_failure']['reason']}"
+            for d in failed
+            if directions[d].get("first_failure")
+        ]
+        return "fail", "; ".join(reasons + ([f"biased: {', '.join(words)}"] if words else []))
+    if biased:
+        return "fail", f"biased: {', '.join(words)}"
+    undetermined = {
+        why: sum((e.get("undetermined_calls") or {}).get(why, 0) for e in directions.values())
+        for why in ("ill_conditioned", "unrepresentable")
+    }
+    left = ", ".join(f"{n} {why.replace('_', '-')}" for why, n in undetermined.items() if n)
+    if any(e.get("verdict") == "pass" for e in directions.values()):
+        note = f" ({left} calls undetermined)" if left else ""
+        return "pass", "every compared call within the rule" + note
+    if left:
+        return "undetermined", f"every judged call undetermined ({left})"
+    if not golden:
+        return "undetermined", "no FP64 golden value (golden=False): the rule needs it"
+    if entry.get("dropout_calls"):
+        return "undetermined", "only calls with attention dropout, which are not judged"
+    if entry.get("shadow_errors"):
+        return "undetermined", "every reference computation failed"
+    return "undetermined", "no call compared"
+
+
+def dropout_refusal(where: str, dropout_p: float, spec: str) -> str:
+    """Why a primary kernel is refused for attention with dropout, and the fixes (one paragraph)."""
+    return (
+        f"flashprobe: {where} uses attention dropout ({dropout_p}), and the primary {spec!r} (like every "
+        f"kernel) implements no dropout: the model would train with torch's scaled_dot_product_attention "
+        f"there, not with {spec!r}. Set the attention dropout to 0 (nn.TransformerEncoderLayer(..., "
+        "dropout=0.0), nn.MultiheadAttention(dropout=0.0), transformers configs attention_dropout / "
+        "attn_pdrop / attention_probs_dropout_prob = 0.0) to train with it, or pass fallback=True to "
+        "train those calls with torch's SDPA, recorded as a fallback (then `flashprobe compare` does not "
+        "call the run a kernel comparison)"
+    )
+
+
+def failure_message(failure: Mapping[str, Any]) -> str:
+    """One line for a failure: site, direction, step, reason and the reproducer."""
+    repro = failure.get("repro")
+    where = f"; reproducer: {repro} (flashprobe replay {repro})" if repro else ""
+    return (
+        f"flashprobe: FAIL at site {failure['site']!r}, {failure['direction']}, step {failure['step']}: "
+        f"{failure['reason']}{where}"
+    )
+
+
+def failure_summary(
+    failures: Mapping[tuple[str, str], Mapping[str, Any]], summary: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``verdict``, ``verdict_reason`` and ``failures`` of a summary from a shadow's failure log (the
+    first failure of each site and direction seen so far, kept across resets, with reproducer paths)
+    and the summary's own worst call; the summary's verdict when nothing failed yet. A run that failed
+    before the summary's interval reads ``fail`` with a reason that says when, and what the interval
+    showed since."""
+    if not failures:
+        return {
+            "verdict": summary.get("verdict", "undetermined"),
+            "verdict_reason": summary.get("verdict_reason", ""),
+            "failures": list(summary.get("failures", [])),
+        }
+    listed = [
+        dict(f)
+        for f in sorted(failures.values(), key=lambda f: (f["step"], f["site"], _ORDER.index(f["direction"])))
+    ]
+    worst = summary.get("worst_failure")
+    if worst is not None:
+        listed.append({**worst, "worst": True})
+    reason = summary.get("verdict_reason", "")
+    if summary.get("verdict") != "fail":  # the failure came earlier: the reason says so
+        first = listed[0]
+        reason = (
+            f"failed at step {first['step']} ({first['site']} {first['direction']}: {first['reason']}); "
+            f"since the last record: {reason or summary.get('verdict', 'undetermined')}"
+        )
+    return {"verdict": "fail", "verdict_reason": reason, "failures": listed}
+
+
+def _flatten(entry: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in entry.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
