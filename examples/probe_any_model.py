@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashprobe.probing import probe
+from flashprobe import probe
 
 
 def _cell(value: float | int | None) -> str:
