@@ -237,7 +237,7 @@ def _pair_pass(
     rows = rows and g is not None
     pairs = 1 if g is None else 3
     n, device = p.numel(), p.device
-    width = (g.shape[-1] if g.dim() else 1) if rows and g is not None else 0
+    width = (g.shape[-1] if g.dim() else 1) if rows and g is not None else 0  # 0: no rows
     if n == 0:
         sums = torch.zeros(len(SUM_ROWS), pairs, dtype=torch.float64, device=device)
         if not rows:
@@ -246,8 +246,8 @@ def _pair_pass(
     sweep = _Sweep(p, b, g, f if rows else None, width, workspace or StatsWorkspace())
     if reads_are_free(device):
         acc = sweep.run(masked=False)
-        # one read for the whole call: are the squares finite (no non-finite pair, no overflow)?
-        if math.isfinite(acc[:, : 2 * pairs].sum().item()):  # (L2 norms)
+        # one read for the whole call: are the norms finite (no non-finite pair, no overflow)?
+        if math.isfinite(acc[:, : 2 * pairs].sum().item()):
             return (*sweep.finish(acc), True)
     return (*sweep.finish(sweep.run(masked=True)), False)
 

@@ -326,6 +326,11 @@ class ShadowAttention(nn.Module):
             )
         return plan
 
+    def _joins(self, elements: int, bytes_per_element: int, device: torch.device) -> bool:
+        """Whether reference blocks holding ``elements`` output elements may be joined into one
+        comparison: ``bytes_per_element`` of them fit the block budget."""
+        return elements * bytes_per_element <= self._budget(device)
+
     def _budget(self, device: torch.device) -> int:
         """Bytes a reference block may use on ``device`` (``memory_budget``, else read once)."""
         budget = self.config.memory_budget
@@ -531,7 +536,7 @@ class ShadowAttention(nn.Module):
                 )
                 # Several blocks whose outputs fit the budget twice over are gathered into call-sized
                 # tensors and compared once (one statistics pass per call, rows scaled over the call).
-                gather = self.record and len(plan) > 1 and 24 * out4.numel() <= self._budget(out4.device)
+                gather = self.record and len(plan) > 1 and self._joins(out4.numel(), 24, out4.device)
                 sums = rows = whole = None
                 for (blk, b), (_, g) in zip(base, gold, strict=False):  # gold: repeat(None) without golden
                     if gather:
@@ -654,12 +659,11 @@ class ShadowAttention(nn.Module):
             else itertools.repeat(None)
         )
         bias = None if stats is None else stats.bias
-        budget = self._budget(grad_out.device)
         for bg, gg, fg in zip(base, gold, flash, strict=False):  # gold, flash: repeat(None) without golden
             if not self.record:
                 continue
             # A group's row blocks whose outputs fit the budget are compared as one (as the forward).
-            if len(bg.blocks) > 1 and 48 * sum(o.numel() for o in bg.outs) <= budget:
+            if len(bg.blocks) > 1 and self._joins(sum(o.numel() for o in bg.outs), 48, grad_out.device):
                 bg, gg, fg = (None if x is None else _rows_as_one(x) for x in (bg, gg, fg))
                 assert bg is not None
             with torch.no_grad():
