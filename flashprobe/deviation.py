@@ -114,11 +114,16 @@ def reads_are_free(device: torch.device) -> bool:
 
 
 class StatsWorkspace:
-    """Reusable float64 scratch for :func:`pair_sums` (no allocation per call); holds at most
-    ``11 · SLICE_ELEMENTS[device]`` values per device."""
+    """Reusable float64 scratch for :func:`pair_sums` (no allocation per call): per device one
+    buffer of at most ``11 · SLICE_ELEMENTS[device]`` values (more only for rows longer than a slice),
+    and the views of the last call shapes' sweeps (:class:`_Layout`, a few small tables each)."""
+
+    #: Call shapes whose views are kept; beyond them the oldest are dropped.
+    KEPT_LAYOUTS = 64
 
     def __init__(self) -> None:
         self._buffers: dict[torch.device, torch.Tensor] = {}
+        self._layouts: dict[tuple[object, ...], _Layout] = {}
 
     def get(self, device: torch.device, numel: int) -> torch.Tensor:
         """A flat float64 buffer of at least ``numel`` elements on ``device``."""
@@ -126,10 +131,27 @@ class StatsWorkspace:
         if buf is None or buf.numel() < numel:
             buf = torch.empty(numel, dtype=torch.float64, device=device)
             self._buffers[device] = buf
+            self._layouts = {k: v for k, v in self._layouts.items() if k[0] != device}  # views of the old
         return buf
+
+    def layout(
+        self, device: torch.device, n: int, chunk: int, width: int, golden: bool, form: bool
+    ) -> _Layout:
+        """The :class:`_Layout` of a sweep over ``n`` elements in slices of ``chunk``."""
+        key = (device, n, chunk, width, golden, form)
+        found = self._layouts.get(key)
+        if found is None:
+            stride = -(-chunk // _ROW_ALIGN) * _ROW_ALIGN  # every row starts equally aligned
+            count = 11 if golden else 3
+            scratch = self.get(device, count * stride)[: count * stride].view(count, stride)
+            if len(self._layouts) >= self.KEPT_LAYOUTS:
+                self._layouts.pop(next(iter(self._layouts)))
+            found = self._layouts[key] = _Layout(scratch, stride, n, chunk, width, golden, form)
+        return found
 
     def clear(self) -> None:
         self._buffers.clear()
+        self._layouts.clear()
 
 
 def pair_sums(
@@ -143,16 +165,17 @@ def pair_sums(
 
     A position counts as non-finite for a pair when the float64 difference is non-finite, i.e.
     when either side is NaN or ±inf; every other statistic is over the finite positions. Per
-    cache-sized slice of ``m`` elements (:data:`SLICE_ELEMENTS`) the scratch rows are ``z (P, m)``
-    (non-finite markers), ``d (P, m)`` (differences) and ``r (P, m)`` (references), so that each
-    reduction runs once over adjacent rows: ``sum`` over ``d`` and ``z``, ``amax`` over ``[d; r]``
-    and one L2 norm per row (the sums of squares are its squares, to the last bit or two).
+    cache-sized slice of ``m`` elements (:data:`SLICE_ELEMENTS`) the scratch rows are the
+    references and the differences side by side (:class:`_Layout`), so that each reduction runs once
+    over adjacent rows: ``amax`` of the magnitudes, ``sum`` of the differences' and an L2 norm per
+    row. The golden pairs' sums of squares are folded from the L2 norms of rows (the golden's last
+    dimension, or whole slices): squares of norms, so to the last bit or two.
 
     **Masking.** Non-finite pairs are taken out with ``ref + 0·d`` (NaN where the pair is not
     finite) and one ``nan_to_num`` that zeroes every masked entry of ``d`` and ``r``. Where a host
     read is free (:func:`reads_are_free`: the CPU), the call is first reduced unmasked, and its
-    norms are read once: when they are finite, no pair is non-finite, masking would change nothing,
-    and it is skipped (the two golden pairs then share one reference row, ``golden`` itself, read
+    statistics are read once: when they are finite, no pair is non-finite, masking would change
+    nothing, and it is skipped (the two golden pairs then share one reference row, ``golden`` itself, read
     where it lies when it is float64 and contiguous). Both ways give the same bits on finite data,
     so the statistics do not depend on whether the read was made; on an accelerator every slice is
     masked, without a read.
@@ -237,19 +260,21 @@ def _pair_pass(
     rows = rows and g is not None
     pairs = 1 if g is None else 3
     n, device = p.numel(), p.device
-    width = (g.shape[-1] if g.dim() else 1) if rows and g is not None else 0  # 0: no rows
     if n == 0:
         sums = torch.zeros(len(SUM_ROWS), pairs, dtype=torch.float64, device=device)
         if not rows:
             return sums, None, None, reads_are_free(device)
         return sums, sums.new_zeros(3 if f is None else 4, 0), sums.new_zeros(()), reads_are_free(device)
+    # Rows are the golden's last dimension where they are asked for; else each slice is one row.
+    width = (g.shape[-1] if g.dim() else 1) if rows and g is not None else 0
     sweep = _Sweep(p, b, g, f if rows else None, width, workspace or StatsWorkspace())
     if reads_are_free(device):
-        acc = sweep.run(masked=False)
-        # one read for the whole call: are the norms finite (no non-finite pair, no overflow)?
-        if math.isfinite(acc[:, : 2 * pairs].sum().item()):
-            return (*sweep.finish(acc), True)
-    return (*sweep.finish(sweep.run(masked=True)), False)
+        sums, norms, golden_max = sweep.run(masked=False)
+        # one read for the whole call: is every statistic finite (no non-finite pair, no overflow)?
+        if math.isfinite(sums.sum().add(golden_max).item()):
+            return sums, norms, golden_max if width else None, True
+    sums, norms, golden_max = sweep.run(masked=True)
+    return sums, norms, golden_max if width else None, False
 
 
 #: Scratch rows start at multiples of this many elements (64 bytes of float64), so that a row's
@@ -257,17 +282,119 @@ def _pair_pass(
 _ROW_ALIGN = 8
 
 
+class _Views:
+    """One slice's scratch rows, their blocks and its outputs (see :class:`_Layout`)."""
+
+    __slots__ = ("acc", "blocks", "norms", "squares", "x")
+
+    def __init__(
+        self,
+        x: tuple[torch.Tensor, ...],
+        blocks: dict[str, torch.Tensor],
+        acc: dict[str, torch.Tensor],
+        norms: tuple[torch.Tensor, ...],
+        squares: torch.Tensor | None,
+    ) -> None:
+        self.x, self.blocks, self.acc, self.norms, self.squares = x, blocks, acc, norms, squares
+
+
+class _Layout:
+    """Everything a call shape's sweep writes through, made once and kept by a
+    :class:`StatsWorkspace`: the slices, each slice's scratch rows and the blocks its reductions run
+    over, and its outputs — a row of the slices' table ``acc (S, C)`` and its columns of the row
+    norms — for the unmasked and the masked sweep. A slice then costs its arithmetic alone.
+
+    Scratch rows of a slice: ``[z (P);] b; p − b[; p − g; b − g[; g; g]]`` (``z`` marks
+    non-finite pairs; the golden pairs get references of their own only when masked), then spares.
+    Columns of ``acc``: ``‖b‖, ‖p − b‖``, the largest magnitudes of ``b`` and of each difference
+    (then, masked, of the two goldens), at 8 the sums of the differences' magnitudes, at 11 the
+    non-finite positions per pair, at 14 and 15 ``max g`` and ``min g``; without golden ``‖b‖,
+    ‖p − b‖, max|b|, max|p − b|, Σ|p − b|`` and the non-finite positions.
+    """
+
+    def __init__(
+        self, scratch: torch.Tensor, stride: int, n: int, chunk: int, width: int, golden: bool, form: bool
+    ) -> None:
+        self.scratch, self.stride, self.width, self.golden, self.form = scratch, stride, width, golden, form
+        self.sizes = [min(chunk, n - a) for a in range(0, n, chunk)]
+        self.rows = [m // width for m in self.sizes] if width else [1] * len(self.sizes)
+        self.tables: dict[bool, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
+        self._views: dict[bool, list[_Views]] = {}
+
+    def views(self, masked: bool) -> list[_Views]:
+        """Each slice's :class:`_Views` for the masked or the unmasked sweep (made on first use)."""
+        found = self._views.get(masked)
+        if found is None:
+            found = self._views[masked] = self._make(masked)
+        return found
+
+    def _block(self, first: torch.Tensor, count: int, width: int = 0) -> torch.Tensor:
+        """``count`` consecutive scratch rows from ``first`` on: ``(count, m)``, or with ``width``
+        ``(count, m // width, width)``."""
+        m = first.numel()
+        if not width:
+            return first.as_strided((count, m), (self.stride, 1))
+        return first.as_strided((count, m // width, width), (self.stride, width, 1))
+
+    def _make(self, masked: bool) -> list[_Views]:
+        device, f64 = self.scratch.device, torch.float64
+        total = sum(self.rows)
+        acc = torch.zeros(len(self.sizes), 16 if self.golden else 6, dtype=f64, device=device)
+        norms = squares = None
+        if self.golden:
+            norms = torch.empty(4 if self.form else 3, total, dtype=f64, device=device)
+            squares = torch.empty(4, total, dtype=f64, device=device) if masked else None
+        self.tables[masked] = (acc, norms, squares)
+        made, start = [], 0
+        for i, m in enumerate(self.sizes):
+            x = self.scratch[:, :m].unbind(0)
+            w = self.width or m
+            at = slice(start, start + self.rows[i])
+            start += self.rows[i]
+            a = acc[i]
+            if not self.golden:
+                first = 1 if masked else 0  # b
+                blocks = {"b": self._block(x[first], 2)}
+                outs = {"norm": a[0:2], "max": a[2:4], "sum": a[4], "nonfinite": a[5]}
+                made.append(_Views(x, blocks, outs, (), None))
+                continue
+            first = 3 if masked else 0  # b
+            count = 6 if masked else 4  # magnitudes: b, the differences (and the masked goldens)
+            blocks = {
+                "b": self._block(x[first], 2),
+                "magnitudes": self._block(x[first], count),
+                "differences": self._block(x[first + 1], 3),
+                "rows": self._block(x[first + 2], 2, w),
+                "form": x[first + 6 if masked else 5].view(-1, w),
+            }
+            if masked:
+                blocks["z"] = self._block(x[0], 3)
+                blocks["masked"] = self._block(x[first], 6)
+                blocks["squares"] = self._block(x[first + 2], 4, w)
+            outs = {
+                "norm": a[0:2],
+                "max": a[2 : 2 + count],
+                "sum": a[8:11],
+                "nonfinite": a[11:14],
+                "gmax": a[14],
+                "gmin": a[15],
+            }
+            assert norms is not None
+            row_norms = (norms[0:2, at], norms[2, at], norms[3, at] if self.form else norms[2, at])
+            made.append(_Views(x, blocks, outs, row_norms, None if squares is None else squares[:, at]))
+        return made
+
+
 class _Sweep:
     """One pass over ``(primary, baseline[, golden[, form]])`` in slices of whole rows.
 
-    Per slice ``s`` it writes one row of ``acc (S, 6P + 2)``: the L2 norms of the differences and
-    of the references, the largest magnitudes of both, the sums of magnitudes of the differences,
-    the non-finite positions per pair, and ``max golden``, ``min golden`` (over every position);
-    with rows, the L2 norm of each row into :attr:`norms` ``(K, R)``. The unmasked sweep (every
-    value finite) and the masked one (non-finite pairs zeroed and counted) run the same reductions
-    on equally aligned rows, so on finite data they give the same bits; :meth:`finish` folds the
-    slices, the same way for both. Slices are cache-sized (:data:`SLICE_ELEMENTS`) and their
-    scratch views are made once per slice length: a slice costs about a dozen tensor operations.
+    Per slice it writes one row of the slices' table and, with the golden, the L2 norm of every row
+    of ``p − g``, ``b − g``, ``g`` (and ``f − g``) (:class:`_Layout`). The golden pairs' sums of
+    squares are folded from row norms (of the golden's last dimension, or of whole slices where rows
+    are not asked for). Every reduction runs once over adjacent scratch rows, and the unmasked sweep
+    (every value finite) and the masked one (non-finite pairs zeroed and counted) reduce the same
+    values in the same row shapes: on finite data they give the same bits. Slices are cache-sized
+    (:data:`SLICE_ELEMENTS`).
     """
 
     def __init__(
@@ -279,168 +406,169 @@ class _Sweep:
         width: int,
         workspace: StatsWorkspace,
     ) -> None:
-        self.n, self.device, self.width = p.numel(), p.device, width
-        self.pairs = 1 if g is None else 3
-        chunk = max(1, min(self.n, _slice_elements(self.device)))
+        self.n, self.width = p.numel(), width
+        self.golden = g is not None
+        chunk = max(1, min(self.n, _slice_elements(p.device)))
         if width:
             chunk = max(width, chunk - chunk % width)  # whole rows per slice
-        self.whole = self.n <= chunk  # one slice: read the inputs in their own layout (no flattening)
-        if self.whole:
-            self.p, self.b, self.g, self.f = p, b, g, f
+        self.layout = workspace.layout(p.device, self.n, chunk, width, self.golden, f is not None)
+        self.inputs: list[tuple[torch.Tensor | None, ...]]
+        if self.n <= chunk:  # one slice: read the inputs in their own layout (no flattening)
+            self.inputs = [(p, b, g, f)]
         else:
-            self.p, self.b = p.reshape(-1), b.reshape(-1)
-            self.g = None if g is None else g.reshape(-1)
-            self.f = None if f is None else f.reshape(-1)
-        # The golden is read where it lies when it is a float64 row already (no copy), else loaded.
-        self.g_flat = (
-            g.reshape(-1) if g is not None and g.dtype == torch.float64 and g.is_contiguous() else None
-        )
-        self.stride = -(-chunk // _ROW_ALIGN) * _ROW_ALIGN  # every row starts equally aligned
-        rows = 3 * self.pairs + 2
-        self.scratch = workspace.get(self.device, rows * self.stride)[: rows * self.stride].view(
-            rows, self.stride
-        )
-        self.slices = [(a, min(self.n, a + chunk)) for a in range(0, self.n, chunk)]
-        self.norms = torch.empty(
-            (3 if f is None else 4) if width else 0,
-            self.n // max(width, 1),
-            dtype=torch.float64,
-            device=self.device,
-        )
+            parts = [None if x is None else x.reshape(-1).split(chunk) for x in (p, b, g, f)]
+            self.inputs = [
+                tuple(None if x is None else x[i] for x in parts) for i in range(len(self.layout.sizes))
+            ]
+        # The golden is read where it lies when it is float64 and contiguous already (no copy).
+        self.golden_in_place = g is not None and g.dtype == torch.float64 and g.is_contiguous()
 
-    def _load(self, row: torch.Tensor, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """Copy ``x``'s slice into the flat float64 ``row`` (in ``x``'s own layout when whole); ``row``."""
-        if self.whole:
-            row.view(x.shape).copy_(x)
-        else:
-            row.copy_(x[start:stop])
+    @staticmethod
+    def _load(row: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Copy ``x`` into the flat float64 scratch ``row``, in ``x``'s row-major order; ``row``."""
+        if x.dim() == 1:
+            return row.copy_(x)
+        row.view(x.shape).copy_(x)
         return row
 
-    def _golden(self, spare: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """The golden's slice as a float64 row: where it lies when aligned, else loaded into ``spare``."""
-        if self.g_flat is not None:
-            ref = self.g_flat[start:stop]
+    def _golden(self, spare: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """The golden's slice as a flat float64 row: where it lies when aligned, else loaded."""
+        if self.golden_in_place:
+            ref = g if g.dim() == 1 else g.reshape(-1)
             if not ref.data_ptr() % (8 * _ROW_ALIGN):  # misaligned, reductions would change bits
                 return ref
-        assert self.g is not None
-        return self._load(spare, self.g, start, stop)
+        return self._load(spare, g)
 
-    def run(self, masked: bool) -> torch.Tensor:
-        """``acc (S, 6P + 2)`` (see the class docstring); fills :attr:`norms` with rows."""
-        pairs = self.pairs
-        acc = torch.empty(len(self.slices), 6 * pairs + 2, dtype=torch.float64, device=self.device)
-        views: dict[int, tuple[torch.Tensor, ...]] = {}
-        for (start, stop), row in zip(self.slices, acc.unbind(0), strict=True):
-            m = stop - start
-            if m not in views:
-                views[m] = self.scratch[:, :m].unbind(0)
-            if masked:
-                self._masked_slice(views[m], row, start, stop)
+    def run(self, masked: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """``(sums (7, P), norms (K, R) or None, max|golden|)``: the sweep, folded (:meth:`_fold`)."""
+        views = self.layout.views(masked)
+        for v, (p, b, g, f) in zip(views, self.inputs, strict=True):
+            assert p is not None and b is not None
+            if g is None:
+                self._pair_slice(v, p, b, masked)
+            elif masked:
+                self._masked_slice(v, p, b, g, f)
             else:
-                self._finite_slice(views[m], row, start, stop)
-        if pairs == 1:
-            acc[:, 6:].zero_()  # no golden
-        if not masked:  # what the masked sweep reads from its own rows: nothing non-finite, g as its refs
-            acc[:, 5 * pairs : 6 * pairs].zero_()
-            if pairs == 3:
-                acc[:, 5].copy_(acc[:, 4])
-                top = torch.maximum(acc[:, 6 * pairs], acc[:, 6 * pairs + 1].neg())
-                acc[:, 10:12].copy_(top.unsqueeze(1).expand(-1, 2))
-        return acc
+                self._finite_slice(v, p, b, g, f)
+        return self._fold(*self.layout.tables[masked])
 
-    def _rows(self, d1: torch.Tensor, ref: torch.Tensor, spare: torch.Tensor, start: int, stop: int) -> None:
-        """The L2 norm of each row of ``[p − g; b − g]`` (the two scratch rows from ``d1`` on), of the
-        golden ``ref (m,)`` and (with a form) of form − g, into :attr:`norms`."""
-        w, m = self.width, stop - start
-        at = slice(start // w, stop // w)
-        pair = d1.as_strided((2, m // w, w), (self.stride, w, 1))
-        torch.linalg.vector_norm(pair, dim=-1, out=self.norms[:2, at])
-        torch.linalg.vector_norm(ref.view(-1, w), dim=-1, out=self.norms[2, at])
-        if self.f is not None:
-            self._load(spare, self.f, start, stop).sub_(ref)
-            torch.linalg.vector_norm(spare.view(-1, w), dim=-1, out=self.norms[3, at])
+    def _pair_slice(self, v: _Views, p: torch.Tensor, b: torch.Tensor, masked: bool) -> None:
+        """Without golden. Scratch rows: ``[z;] b; p − b``."""
+        x, block, out = v.x, v.blocks["b"], v.acc
+        z, r, d = (x[0], x[1], x[2]) if masked else (None, x[0], x[1])
+        self._load(d, p)
+        self._load(r, b)
+        d.sub_(r)
+        if z is not None:
+            torch.mul(d, 0.0, out=z)  # 0 where the pair is finite, NaN where it is not
+            r.add_(z)
+            block.nan_to_num_(0.0, 0.0, 0.0)  # b and d over finite pairs only
+            z.nan_to_num_(1.0)  # 1 where the pair is non-finite
+            torch.sum(z, dim=0, out=out["nonfinite"])
+        torch.linalg.vector_norm(block, dim=1, out=out["norm"])
+        block.abs_()
+        torch.amax(block, dim=1, out=out["max"])
+        torch.sum(d, dim=0, out=out["sum"])
 
-    def _block(self, first: torch.Tensor, count: int) -> torch.Tensor:
-        """``(count, m)``: ``count`` consecutive scratch rows from ``first`` on."""
-        return first.as_strided((count, first.numel()), (self.stride, 1))
+    def _finite_slice(
+        self, v: _Views, p: torch.Tensor, b: torch.Tensor, g: torch.Tensor, f: torch.Tensor | None
+    ) -> None:
+        """Scratch rows: ``b; p − b; p − g; b − g; spare (2)``."""
+        x, blocks, out, norms = v.x, v.blocks, v.acc, v.norms
+        self._load(x[2], p)  # p, until it becomes p − g
+        self._load(x[0], b)
+        torch.sub(x[2], x[0], out=x[1])
+        ref = self._golden(x[4], g)
+        x[2].sub_(ref)
+        torch.sub(x[0], ref, out=x[3])
+        w = self.width or ref.numel()
+        torch.linalg.vector_norm(blocks["rows"], dim=-1, out=norms[0])
+        torch.linalg.vector_norm(ref.view(-1, w), dim=-1, out=norms[1])
+        if f is not None:
+            self._load(x[5], f).sub_(ref)
+            torch.linalg.vector_norm(blocks["form"], dim=-1, out=norms[2])
+        torch.amax(ref, dim=0, out=out["gmax"])
+        torch.amin(ref, dim=0, out=out["gmin"])
+        self._magnitudes(v)
 
-    def _finite_slice(self, x: tuple[torch.Tensor, ...], acc: torch.Tensor, start: int, stop: int) -> None:
-        """Rows of ``x``: ``[d (P); r0; spare (2)]``, ``d`` = p − b (, p − g, b − g), ``r0`` = b."""
-        pairs = self.pairs
-        r0 = x[pairs]
-        self._load(x[0] if pairs == 1 else x[1], self.p, start, stop)  # p, until it becomes p − b or p − g
-        self._load(r0, self.b, start, stop)
-        if pairs == 1:
-            x[0].sub_(r0)
-        else:
-            torch.sub(x[1], r0, out=x[0])
-            ref = self._golden(x[4], start, stop)
-            x[1].sub_(ref)
-            torch.sub(r0, ref, out=x[2])
-            if self.width:
-                self._rows(x[1], ref, x[5], start, stop)
-            torch.linalg.vector_norm(ref, out=acc[4])
-            torch.amax(ref, out=acc[6 * pairs])
-            torch.amin(ref, out=acc[6 * pairs + 1])
-        dr = self._block(x[0], pairs + 1)  # d, then b
-        torch.linalg.vector_norm(dr, dim=1, out=acc[: pairs + 1])
-        dr.abs_()
-        torch.amax(dr, dim=1, out=acc[2 * pairs : 3 * pairs + 1])  # max|d|, then max|b|
-        torch.sum(dr[:pairs], dim=1, out=acc[4 * pairs : 5 * pairs])
-
-    def _masked_slice(self, x: tuple[torch.Tensor, ...], acc: torch.Tensor, start: int, stop: int) -> None:
-        """Rows of ``x``: ``[z (P); d (P); r (P); spare (2)]``; ``z`` marks non-finite pairs."""
-        pairs = self.pairs
-        z, d, r = self._block(x[0], pairs), x[pairs : 2 * pairs], x[2 * pairs : 3 * pairs]
-        self._load(x[0], self.p, start, stop)  # scratch until masking
-        self._load(r[0], self.b, start, stop)
-        torch.sub(x[0], r[0], out=d[0])
-        if pairs == 3:
-            ref = self._golden(r[1], start, stop)
-            torch.sub(x[0], ref, out=d[1])
-            torch.sub(r[0], ref, out=d[2])
-            if self.width:  # before masking: a row with a non-finite difference reads non-finite
-                self._rows(d[1], ref, x[3 * pairs], start, stop)
-            torch.amax(ref, out=acc[6 * pairs])  # over every position: non-finite where the golden is
-            torch.amin(ref, out=acc[6 * pairs + 1])
-            if ref.data_ptr() != r[1].data_ptr():
-                r[1].copy_(ref)
-        dd, dr = self._block(d[0], pairs), self._block(d[0], 2 * pairs)
-        torch.mul(dd, 0.0, out=z)  # 0 where the pair is finite, NaN where it is not
-        if pairs == 3:
-            torch.add(r[1], z[2], out=r[2])
-            r[1].add_(z[1])
-        r[0].add_(z[0])
-        dr.nan_to_num_(0.0, 0.0, 0.0)  # d and r over finite pairs only
+    def _masked_slice(
+        self, v: _Views, p: torch.Tensor, b: torch.Tensor, g: torch.Tensor, f: torch.Tensor | None
+    ) -> None:
+        """Scratch rows: ``z (3); b; p − b; p − g; b − g; g (of p − g); g (of b − g); spare (2)``."""
+        x, blocks, out, norms = v.x, v.blocks, v.acc, v.norms
+        self._load(x[5], p)
+        self._load(x[3], b)
+        torch.sub(x[5], x[3], out=x[4])
+        ref = self._golden(x[7], g)
+        x[5].sub_(ref)
+        torch.sub(x[3], ref, out=x[6])
+        w = self.width or ref.numel()
+        # before masking: a row with a non-finite value reads non-finite
+        torch.linalg.vector_norm(blocks["rows"], dim=-1, out=norms[0])
+        torch.linalg.vector_norm(ref.view(-1, w), dim=-1, out=norms[1])
+        if f is not None:
+            self._load(x[9], f).sub_(ref)
+            torch.linalg.vector_norm(blocks["form"], dim=-1, out=norms[2])
+        torch.amax(ref, dim=0, out=out["gmax"])  # over every position: non-finite where the golden is
+        torch.amin(ref, dim=0, out=out["gmin"])
+        if ref.data_ptr() != x[7].data_ptr():
+            x[7].copy_(ref)
+        z = blocks["z"]
+        torch.mul(blocks["differences"], 0.0, out=z)  # 0 where the pair is finite, NaN where it is not
+        torch.add(x[7], x[2], out=x[8])  # the golden of b − g
+        x[7].add_(x[1])  # of p − g
+        x[3].add_(x[0])  # b, of p − b
+        blocks["masked"].nan_to_num_(0.0, 0.0, 0.0)  # over finite pairs only
         z.nan_to_num_(1.0)  # 1 where the pair is non-finite
-        torch.linalg.vector_norm(dr, dim=1, out=acc[: 2 * pairs])
-        dr.abs_()
-        torch.amax(dr, dim=1, out=acc[2 * pairs : 4 * pairs])  # max|d|, then max|r|
-        torch.sum(dd, dim=1, out=acc[4 * pairs : 5 * pairs])
-        torch.sum(z, dim=1, out=acc[5 * pairs : 6 * pairs])
+        torch.sum(z, dim=1, out=out["nonfinite"])
+        # the golden pairs' differences and references over their finite positions, by rows
+        torch.linalg.vector_norm(blocks["squares"], dim=-1, out=v.squares)
+        self._magnitudes(v)
 
-    def finish(self, acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """``(sums (7, P), norms (K, R) or None, max|golden| or None)``: the slices of ``acc`` folded
-        (maxima, and sums of the magnitudes, squared norms and counts, over slices)."""
-        pairs = self.pairs
+    @staticmethod
+    def _magnitudes(v: _Views) -> None:
+        """``‖b‖, ‖p − b‖``, the largest magnitudes and the differences' sums of magnitudes."""
+        blocks, out = v.blocks, v.acc
+        torch.linalg.vector_norm(blocks["b"], dim=1, out=out["norm"])
+        blocks["magnitudes"].abs_()
+        torch.amax(blocks["magnitudes"], dim=1, out=out["max"])
+        torch.sum(blocks["differences"], dim=1, out=out["sum"])
+
+    def _fold(
+        self, acc: torch.Tensor, norms: torch.Tensor | None, squares: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """``(sums (7, P), norms, max|golden|)`` from the slices' table ``acc`` (maxima, and sums of
+        the magnitudes, squares and counts, over slices) and the row norms (a copy: the layout's
+        table is written again by the next call)."""
         top, total = acc.amax(dim=0), acc.sum(dim=0)
-        squares = acc[:, : 2 * pairs].square().sum(dim=0)
-        nonfinite = total[5 * pairs : 6 * pairs]
+        own = acc[:, 0:2].square().sum(dim=0)  # ‖b‖², ‖p − b‖²
+        if not self.golden:
+            nonfinite = total[5:6]
+            sums = torch.stack(
+                (top[3:4], total[4:5], own[1:2], own[0:1], nonfinite, self.n - nonfinite, top[2:3])
+            )
+            return sums, None, top.new_zeros(())
+        assert norms is not None
+        golden_max = torch.maximum(top[14], acc[:, 15].amin().neg())
+        if squares is None:  # unmasked: the golden pairs share the golden's rows
+            squares = torch.cat((norms[0:3], norms[2:3]))
+            refs = golden_max.expand(2)
+        else:
+            refs = top[6:8]
+        folded = squares.square().sum(dim=1)  # ‖p − g‖², ‖b − g‖², ‖g‖² twice (each pair's finite)
+        nonfinite = total[11:14]
         sums = torch.stack(
             (
-                top[2 * pairs : 3 * pairs],
-                total[4 * pairs : 5 * pairs],
-                squares[:pairs],
-                squares[pairs:],
+                top[3:6],
+                total[8:11],
+                torch.cat((own[1:2], folded[0:2])),
+                torch.cat((own[0:1], folded[2:4])),
                 nonfinite,
                 self.n - nonfinite,
-                top[3 * pairs : 4 * pairs],
+                torch.cat((top[2:3], refs)),
             )
         )
-        if not self.width:
-            return sums, None, None
-        golden_max = torch.maximum(top[6 * pairs], acc[:, 6 * pairs + 1].amin().neg())
-        return sums, self.norms, golden_max
+        return sums, norms.clone() if self.width else None, golden_max
 
 
 def combine_sums(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
