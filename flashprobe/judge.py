@@ -93,6 +93,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from functools import cache
 from typing import Any, NamedTuple
 
 import torch
@@ -370,16 +371,17 @@ def decide(
     # to about |s|·eps(scores), whatever the inputs' dtype.
     logit_rounding = logit_max * min(eps, float(torch.finfo(torch.float32).eps))
     rel_floor = max(logit_rounding, 0.5 * eps)
-    safe_g = torch.where(g > 0, g, 1.0)
-    # Against an all-zero golden a relative error is undefined: 0 here (the relative criterion, with
-    # the baseline's error as yardstick, still applies).
-    absolute = torch.where(g > 0, (pg / safe_g).sqrt(), 0.0)
-    baseline = torch.where(g > 0, (bg / safe_g).sqrt(), 0.0)
-    denominator = torch.maximum(bg, rel_floor**2 * g)
-    relative = torch.where(denominator > 0, (pg / torch.where(denominator > 0, denominator, 1.0)).sqrt(), 0.0)
+    # absolute ‖p − g‖/‖g‖, baseline ‖b − g‖/‖g‖ and relative ‖p − g‖/max(‖b − g‖, floor·‖g‖), each 0
+    # where its denominator is: against an all-zero golden a relative error is undefined (the relative
+    # criterion, with the baseline's error as yardstick, still applies).
+    numerator = torch.stack((pg, bg, pg), dim=1)
+    denominator = torch.stack((g, g, torch.maximum(bg, rel_floor**2 * g)), dim=1)
+    defined = denominator > 0
+    errs = torch.where(defined, numerator / torch.where(defined, denominator, 1.0), 0.0).sqrt_()
+    absolute, baseline, relative = errs.unbind(1)
     # The absolute and row limits widen by the logits' rounding, as the relative floor does.
-    abs_limit = limit[:, 1].clamp(min=4.0 * rel_floor).clamp(max=CONDITIONING_LIMIT)
-    row_fixed = limit[:, 2].clamp(min=4.0 * rel_floor)
+    widened = limit[:, 1:].clamp(min=4.0 * rel_floor)
+    abs_limit, row_fixed = widened[:, 0].clamp(max=CONDITIONING_LIMIT), widened[:, 1]
     # A row fails above its limit and ROW_RATIO x the baseline's worst row (sharp rows are hard for all).
     row_lim = torch.maximum(row_fixed, ROW_RATIO * base_row)
     ill = baseline > CONDITIONING_LIMIT
@@ -392,33 +394,67 @@ def decide(
     # Plainly wrong even where ill-conditioned: off by more than the golden itself, and GROSS x the
     # baseline's error.
     gross = (absolute > 1.0) & (relative > GROSS_RATIO)
-    # absolute: beyond the dtype's limit and ABSOLUTE_RATIO x the baseline's error (the smaller of
-    # the two margins is the criterion's)
-    beyond = torch.minimum(absolute / abs_limit, relative / ABSOLUTE_RATIO)
-    finite_max = float(torch.finfo(dtype).max)
-    none = torch.zeros_like(pg)
-    # Of the criteria that compare errors with limits, the most exceeded one names the failure.
-    compared = torch.stack((relative / limit[:, 0], beyond, row / row_lim), dim=1)
-    most = compared.argmax(1)
-    named = torch.stack((relative, absolute, row), dim=1).gather(1, most[:, None])[:, 0]
-    bounds = torch.stack((limit[:, 0], abs_limit, row_lim), dim=1).gather(1, most[:, None])[:, 0]
-    exceeded = compared.gather(1, most[:, None])[:, 0] > 1
-    codes = most.to(pg.dtype) + 2.0  # relative 2, absolute 3, row 4
-    checks = (  # (code, condition, value, its limit); the last match decides: listed last to first
-        (codes, exceeded, named, bounds),
-        (-1, ill, baseline, none + CONDITIONING_LIMIT),
-        (3, ill & gross, absolute, abs_limit),
-        (1, extra > 0, extra, none),
-        (-2, golden_max > finite_max, golden_max, none + finite_max),
+    # Of the criteria that compare errors with limits (relative, absolute, row), the most exceeded one
+    # names the failure; absolute is beyond the dtype's limit and ABSOLUTE_RATIO x the baseline's
+    # error (the smaller of the two margins is the criterion's).
+    values = torch.stack((relative, absolute, row), dim=1)
+    bounds = torch.stack((limit[:, 0], abs_limit, row_lim), dim=1)
+    compared = values / bounds
+    compared[:, 1] = torch.minimum(compared[:, 1], relative / ABSOLUTE_RATIO)
+    most = compared.argmax(1, keepdim=True)
+    top = compared.amax(1)
+    # The checks, lowest priority first; the last that holds decides (0: none, the call passes):
+    # a criterion exceeded, ill-conditioned, ill-conditioned but gross, extra non-finite positions,
+    # a golden beyond the dtype's range.
+    hits = torch.stack(
+        (top > 1, ill, ill & gross, extra > 0, golden_max > float(torch.finfo(dtype).max)), dim=1
     )
-    code, value, bound = torch.zeros_like(pg), relative.clone(), limit[:, 0].clone()
-    for k, hit, v, lim in checks:
-        code = torch.where(hit, k, code)
-        value = torch.where(hit, v, value)
-        bound = torch.where(hit, lim, bound)
-    score = torch.where(code < 0, 0.0, compared.amax(1))  # an undetermined call scores nothing
+    const = _decision_constants(errors.device, dtype)
+    pick = (hits * const.priority).amax(1)
+    code = torch.where(pick == 1, most[:, 0].to(pg.dtype) + 2.0, const.codes[pick])  # relative 2, ...
+    k = errors.shape[0]
+    value = torch.stack(
+        (relative, values.gather(1, most)[:, 0], baseline, absolute, extra, golden_max), dim=1
+    )
+    bound = torch.stack(
+        (
+            limit[:, 0],
+            bounds.gather(1, most)[:, 0],
+            const.cond.expand(k),
+            abs_limit,
+            const.zero.expand(k),
+            const.finite_max.expand(k),
+        ),
+        dim=1,
+    )
+    at = pick[:, None]
+    score = torch.where(code < 0, 0.0, top)  # an undetermined call scores nothing
     stats = torch.stack((score, absolute, baseline, relative, row), dim=1)
-    return code, value, bound, stats
+    return code, value.gather(1, at)[:, 0], bound.gather(1, at)[:, 0], stats
+
+
+class _DecisionConstants(NamedTuple):
+    """:func:`decide`'s constant tensors on one device, for one dtype (made once)."""
+
+    priority: torch.Tensor
+    """``(5,)`` int64: 1 … 5, the checks' priorities."""
+    codes: torch.Tensor
+    """``(6,)`` float64: the code of each check (index 0: none, 1: the exceeded criterion's, set apart)."""
+    cond: torch.Tensor
+    zero: torch.Tensor
+    finite_max: torch.Tensor
+
+
+@cache
+def _decision_constants(device: torch.device, dtype: torch.dtype) -> _DecisionConstants:
+    f64 = torch.float64
+    return _DecisionConstants(
+        torch.arange(1, 6, device=device),
+        torch.tensor([0.0, 0.0, -1.0, 3.0, 1.0, -2.0], dtype=f64, device=device),
+        torch.tensor(CONDITIONING_LIMIT, dtype=f64, device=device),
+        torch.tensor(0.0, dtype=f64, device=device),
+        torch.tensor(float(torch.finfo(dtype).max), dtype=f64, device=device),
+    )
 
 
 @dataclass(frozen=True)
