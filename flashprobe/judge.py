@@ -267,12 +267,13 @@ def call_statistics(
         The :class:`CallStatistics`.
     """
     sums, norms, golden_max, finite = pair_and_row_sums(primary, baseline, golden, workspace, form)
-    errors = _row_errors(torch.cat((norms[:2], norms[3:])), norms[2])  # (2, or 3 with the form; rows)
+    errors = _row_errors(norms, norms[2])  # (3, or 4 with the form; rows): the golden's own row unused
     worst = errors.amax(dim=1) if errors.shape[1] else errors.new_zeros(errors.shape[0])
-    rows = torch.cat((worst[:2], golden_max.reshape(1)))
+    worst[2] = golden_max  # in the golden's slot: max|golden|, the rows' third statistic
     noise = None
     if form is not None:
-        noise = torch.stack((norms[3].nan_to_num(0.0, 0.0, 0.0).square().sum(), worst[2]))
+        noise = torch.stack((norms[3].nan_to_num(0.0, 0.0, 0.0).square().sum(), worst[3]))
+    rows = worst[:3]
     return CallStatistics(sums, rows, noise, finite)
 
 
