@@ -9,7 +9,9 @@ sums), logs them to every logger of the Trainer and appends one JSON line to
 ``DIRPATH/probe.jsonl``; at the end of training it draws the per-site deviation plot
 ``DIRPATH/probe.png`` from that file. It detaches at the end of fit. Its state (last logged step,
 the failures seen) goes into checkpoints, so a resumed run continues ``probe.jsonl`` without
-duplicate lines and keeps its verdict.
+duplicate lines and keeps its verdict. The hooks translate Lightning's events for a
+:class:`~flashprobe.probing.run_session.ProbeSession` (``self.session``), which does the work, as for
+the HF callback.
 
 **Verdicts.** Every compared call is judged on the device (:func:`flashprobe.judge.decide`);
 the summary of each record carries ``verdict`` and ``failures`` (the first failure of each site and

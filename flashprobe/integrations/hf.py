@@ -292,9 +292,12 @@ class AttentionProbeCallback(SessionCallback, TrainerCallback, ExportableState):
     ``probe/max_abs/<pair>``. So that every ``report_to`` logger gets them, the callback moves itself
     ahead of the Trainer's reporting callbacks at train begin (right after ``DefaultFlowCallback``).
 
-    Its state (settings, last logged step, the failures seen) goes into the Trainer's checkpoints
-    (``ExportableState``); resumed with ``restore_callback_states_from_checkpoint=True``, a run keeps
-    its verdict, and ``probe.jsonl`` drops the records after the checkpoint's step either way.
+    Its state (settings, last logged step, the failures seen, the run's tally and bias sums) goes into
+    the Trainer's checkpoints (``ExportableState``); resumed with
+    ``restore_callback_states_from_checkpoint=True``, a run keeps its verdict and bias, and
+    ``probe.jsonl`` drops the records after the checkpoint's step either way. The work is its
+    :class:`~flashprobe.probing.run_session.ProbeSession`'s (``self.session``), as the Lightning
+    callback's.
 
     Raises:
         ProbeConfigError: an unknown setting or a bad value, naming it.

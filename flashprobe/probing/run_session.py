@@ -605,6 +605,12 @@ class SessionCallback:
     records = SessionField("Records written to ``probe.jsonl`` by this process.")
     last_summary = SessionField("The summary of the last record (``{}`` before the first).")
     stopped = SessionField("Why the callback stopped training on non-finite values (None: it did not).")
+    probe = SessionField("The attached probe handle (None outside training).")
+    fallbacks = SessionField(
+        "Where torch's SDPA computed the attention instead of the primary (kept after training)."
+    )
+    sites_seen = SessionField("Every attention site the probe saw (kept after training).")
+    path = SessionField("The ``probe.jsonl`` being written (None before training).")
 
     @property
     def primary(self) -> Any:
@@ -620,24 +626,3 @@ class SessionCallback:
     def sites(self) -> tuple[str, ...] | None:
         """The site patterns (None: every site)."""
         return self.session.config.sites
-
-    @property
-    def probe(self) -> Probe | None:
-        """The attached probe handle (None outside training)."""
-        return self.session.probe
-
-    @property
-    def fallbacks(self) -> list[dict[str, Any]]:
-        """Where torch's SDPA computed the attention instead of the primary (``fallback=True``):
-        :attr:`flashprobe.probing.Probe.fallbacks`, kept after training."""
-        return self.session.fallbacks
-
-    @property
-    def sites_seen(self) -> list[str]:
-        """Every attention site the probe saw (kept after training)."""
-        return self.session.sites_seen
-
-    @property
-    def path(self) -> Path | None:
-        """The ``probe.jsonl`` being written (None before training)."""
-        return self.session.path

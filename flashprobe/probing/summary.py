@@ -178,21 +178,15 @@ class ProbeSummary:
             ValueError: a key that is not a field, or a field every summary has that is missing,
                 naming them.
         """
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(summary) - names)
-        missing = sorted(f.name for f in fields(cls) if f.default is MISSING and f.name not in summary)
-        if unknown or missing:
-            raise ValueError(
-                "not a probe summary: "
-                + "; ".join(
-                    part
-                    for part in (
-                        f"unknown keys {', '.join(unknown)}" if unknown else "",
-                        f"missing keys {', '.join(missing)}" if missing else "",
-                    )
-                    if part
-                )
-            )
+        unknown = sorted(set(summary) - {f.name for f in fields(cls)})
+        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in summary]
+        problems = [
+            f"{what} keys {', '.join(keys)}"
+            for what, keys in (("unknown", unknown), ("missing", missing))
+            if keys
+        ]
+        if problems:
+            raise ValueError(f"not a probe summary: {'; '.join(problems)}")
         return cls(**summary)
 
     def to_dict(self) -> dict[str, Any]:

@@ -159,9 +159,7 @@ def test_bad_arguments_are_named_before_any_work(argument: str, value: object, m
         ProbeSession(who="Who", **{argument: value})
 
 
-def test_an_attach_resolves_each_kernel_spec_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_an_attach_resolves_each_kernel_spec_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The session's config is validated once, when the session is built; attaching (once per fit)
     resolves each kernel spec once, whichever module asks."""
     resolved: list[str] = []
