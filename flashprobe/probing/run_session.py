@@ -320,8 +320,9 @@ class ProbeSession:
             step: the trainer's global step, after the optimizer step.
             every: the trainer's logging interval (``log_every_n_steps`` takes precedence; default 1).
             last: this is the last training step.
-            weights: says which weights are non-finite (:func:`~flashprobe.probing.session.nonfinite_weights`,
-                reduced across ranks), or None when every value is finite; None: not checked here.
+            weights: checks the weights after the step: which are non-finite, in words (e.g.
+                :func:`~flashprobe.probing.session.nonfinite_weights`, decided across ranks), or None
+                when every value is finite. Not given: the weights are not checked.
             stopping: the trainer is stopping already (the verdict block waits for :meth:`finish`).
 
         Returns:
