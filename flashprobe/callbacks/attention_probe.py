@@ -9,7 +9,9 @@ sums), logs them to every logger of the Trainer and appends one JSON line to
 ``DIRPATH/probe.jsonl``; at the end of training it draws the per-site deviation plot
 ``DIRPATH/probe.png`` from that file. It detaches at the end of fit. Its state (last logged step,
 the failures seen) goes into checkpoints, so a resumed run continues ``probe.jsonl`` without
-duplicate lines and keeps its verdict.
+duplicate lines and keeps its verdict. The hooks translate Lightning's events for a
+:class:`~flashprobe.probing.run_session.ProbeSession` (``self.session``), which does the work, as for
+the HF callback.
 
 **Verdicts.** Every compared call is judged on the device (:func:`flashprobe.judge.decide`);
 the summary of each record carries ``verdict`` and ``failures`` (the first failure of each site and
@@ -27,9 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-import warnings
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -38,19 +38,12 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from flashprobe.deviation import PAIRS
-from flashprobe.formats.atomic import DiskFullError
-from flashprobe.formats.probe_log import PROBE_LOG_NAME, ProbeLogWriter
-from flashprobe.kernels import KernelUnavailableError
-from flashprobe.probing import Probe, ProbeConfig, ProbeFailureError, ProbeWarning, probe, reduce_across_ranks
-from flashprobe.probing.session import (
-    NONFINITE_ACTIONS,
-    RunTally,
-    check_trainable,
-    nonfinite_weights,
-    verdict_block,
-)
-from flashprobe.probing.shadow import failure_message
-from flashprobe.probing.summary import bias_words, summary_scalars
+from flashprobe.formats.probe_log import PROBE_LOG_NAME
+from flashprobe.probing import ProbeConfig
+from flashprobe.probing.run_session import ProbeSession, SessionCallback
+from flashprobe.probing.session import nonfinite_weights
+from flashprobe.probing.session import verdict_line as verdict_line
+from flashprobe.probing.summary import summary_scalars
 
 __all__ = ["AttentionProbe"]
 
@@ -65,7 +58,7 @@ _PRECISION_DTYPES = {
 }
 
 
-class AttentionProbe(Callback):
+class AttentionProbe(SessionCallback, Callback):
     """Compare the model's attention kernel with the baseline at every call during training.
 
     Args:
@@ -126,53 +119,21 @@ class AttentionProbe(Callback):
         console: bool = True,
         **settings: Any,
     ) -> None:
-        self.config = ProbeConfig.from_settings(config, **settings)
-        if on_failure not in ("warn", "raise", "stop"):
-            raise ValueError(f"AttentionProbe: on_failure={on_failure!r} must be 'warn', 'raise' or 'stop'")
-        if on_nonfinite not in NONFINITE_ACTIONS:
-            raise ValueError(
-                f"AttentionProbe: on_nonfinite={on_nonfinite!r} must be one of {', '.join(NONFINITE_ACTIONS)}"
-            )
-        self.on_nonfinite = on_nonfinite
-        self.console = bool(console)
-        if isinstance(max_reproducers, bool) or not isinstance(max_reproducers, int) or max_reproducers < 0:
-            raise ValueError(f"AttentionProbe: max_reproducers={max_reproducers!r} must be an int >= 0")
-        self.on_failure = on_failure
-        self.max_reproducers = max_reproducers
-        value = 1 if log_every_n_steps is None else log_every_n_steps
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(
-                f"AttentionProbe: log_every_n_steps={log_every_n_steps!r} must be a positive int"
-            )
-        plain = isinstance(filename, str) and filename not in {"", ".", ".."}
-        plain = plain and Path(filename).name == filename
-        if not plain:
-            raise ValueError(
-                f"AttentionProbe: filename={filename!r} must be a plain file name inside dirpath, e.g. "
-                "'probe.jsonl' (no directories: set dirpath for the directory)"
-            )
-        self.log_every_n_steps = log_every_n_steps
-        self.dirpath = None if dirpath is None else Path(dirpath)
-        self.filename = filename
+        self.session = ProbeSession(
+            config,
+            who=type(self).__name__,
+            log_every_n_steps=log_every_n_steps,
+            dirpath=dirpath,
+            filename=filename,
+            plot=plot,
+            on_failure=on_failure,
+            max_reproducers=max_reproducers,
+            on_nonfinite=on_nonfinite,
+            console=console,
+            log=log,
+            **settings,
+        )
         self.log_sites = log_sites
-        self.plot = plot
-        self.last_logged_step = -1
-        self.records = 0
-        self.last_summary: dict[str, Any] = {}
-        self._probe: Probe | None = None
-        self._path: Path | None = None
-        self._writer: ProbeLogWriter | None = None
-        self._calls_checked = False
-        self._reported: set[tuple[str, str]] = set()
-        self._restored_failures: list[dict[str, Any]] = []
-        self._restored_bias: dict[str, list[float]] = {}
-        self._global_zero = True
-        self._tally = RunTally()
-        self._fallbacks: list[dict[str, Any]] = []
-        self._sites_seen: list[str] = []
-        self._printed_failure = False
-        self.stopped: str | None = None
-        """Why the callback stopped training on non-finite values (None: it did not)."""
 
     @classmethod
     def from_mapping(cls, settings: Mapping[str, Any], /, **kwargs: Any) -> AttentionProbe:
@@ -186,287 +147,66 @@ class AttentionProbe(Callback):
         return cls(ProbeConfig.from_mapping(settings, ignore=("enabled",)), **kwargs)
 
     @property
-    def primary(self) -> Any:
-        """The primary kernel spec (None: the model's own)."""
-        return self.config.primary
-
-    @property
-    def baseline(self) -> Any:
-        """The baseline kernel spec."""
-        return self.config.baseline
-
-    @property
-    def sites(self) -> tuple[str, ...] | None:
-        """The site patterns (None: every site)."""
-        return self.config.sites
-
-    @property
     @override
     def state_key(self) -> str:
         return self._generate_state_key(primary=self.primary, baseline=self.baseline, filename=self.filename)
 
-    @property
-    def probe(self) -> Probe | None:
-        """The attached probe handle (``None`` outside fit)."""
-        return self._probe
-
-    @property
-    def fallbacks(self) -> list[dict[str, Any]]:
-        """Where torch's SDPA computed the attention instead of the primary (``fallback=True``):
-        :attr:`flashprobe.probing.Probe.fallbacks`, kept after fit."""
-        return self._fallbacks if self._probe is None else self._probe.fallbacks
-
-    @property
-    def sites_seen(self) -> list[str]:
-        """Every attention site the probe saw (kept after fit)."""
-        return self._sites_seen if self._probe is None else sorted(self._probe.calls)
-
     # ------------------------------------------------------------------------------ lifecycle
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        dtype = _PRECISION_DTYPES.get(str(trainer.precision))
-        root = self.dirpath or Path(trainer.log_dir or trainer.default_root_dir)
-        # Attaching checks every kernel on the model's device and dtype now, before any step.
-        self._probe = probe(
-            pl_module,
-            self.config,
-            dtype=dtype,
-            on_failure="ignore",  # the callback reports, once per site and direction
-            repro_dir=root / "repro" if trainer.is_global_zero and self.max_reproducers else None,
-            max_reproducers=self.max_reproducers,
-        )
-        try:  # a primary without a backward on this device is refused before the first step
-            check_trainable(
-                self._probe.shadow.primary, pl_module, "AttentionProbe", fallback=self.config.fallback
-            )
-        except KernelUnavailableError:
-            self._probe.detach()
-            self._probe = None
-            raise
-        self._probe.detach()  # only training batches are probed: attached at each batch start
-        self._probe.shadow.set_grad_scale(_loss_scale(trainer))
-        self._global_zero = trainer.is_global_zero
-        self._apply_restored()
-        self._path = root / self.filename
-        self._writer = ProbeLogWriter(self._path)
-        self._calls_checked = False
+        def publish(step: int, stats: dict[str, Any], summary: dict[str, Any]) -> None:
+            if trainer.is_global_zero:
+                self._log_to_loggers(trainer, stats, summary, step)
 
-    def _apply_restored(self) -> None:
-        """A resumed run keeps the failures it had seen and its signed bias (restored before or after
-        fit start)."""
-        if self._probe is None:
-            return
-        for failure in self._restored_failures:
-            key = (failure["site"], failure["direction"])
-            self._probe.shadow.failures.setdefault(key, dict(failure))
-            self._reported.add(key)
-        self._restored_failures = []
-        if self._restored_bias and self._global_zero:  # the other ranks' sums add from zero
-            self._probe.shadow.restore_bias(self._restored_bias)
-            self._restored_bias = {}
+        self.session.attach(
+            pl_module,
+            root=trainer.log_dir or trainer.default_root_dir,
+            dtype=_PRECISION_DTYPES.get(str(trainer.precision)),
+            is_zero=trainer.is_global_zero,
+            reduce_device=trainer.strategy.root_device if trainer.world_size > 1 else None,
+            grad_scale=_loss_scale(trainer),
+            publish=publish,
+        )
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._detach()
+        self.session.detach()
 
     @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._detach()
-
-    def _detach(self) -> None:
-        if self._probe is not None:
-            self._probe.detach()
-            self._restored_failures = self._probe.failures  # kept for state_dict and a next fit
-            self._restored_bias = self._probe.shadow.bias_state()
-            self._fallbacks, self._sites_seen = self._probe.fallbacks, sorted(self._probe.calls)
-            self._probe = None
+        self.session.detach()
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._probe is not None:
-            self._apply_restored()
-            self._probe.attach()
-            self._probe.set_step(trainer.global_step)
+        self.session.begin_step(trainer.global_step)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Validation and sampling calls run the primary only; the probe re-attaches at the next batch.
-        if self._probe is not None:
-            self._probe.detach()
+        self.session.pause()
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._probe is None:
-            return
-        if not self._calls_checked:
-            self._check_calls(pl_module)
         step = trainer.global_step
-        every = self.log_every_n_steps or trainer.log_every_n_steps or 1
-        last_batch = trainer.max_steps != -1 and step >= trainer.max_steps
-        new = self._new_failures()
-        halt = self._nonfinite_stop(trainer, pl_module, new)
-        if ((new and self.on_failure == "stop") or halt) and step > self.last_logged_step:
-            self._flush(trainer, pl_module, step)  # the record of the failing step is written first
-        elif step > self.last_logged_step and (not step % every or last_batch):
-            self._flush(trainer, pl_module, step)
-            new += self._new_failures()  # failures a read on a device found
-            halt = halt or self._nonfinite_stop(trainer, pl_module, new, weights=False)
-        self._react(trainer, new)
-        if halt:
+        result = self.session.end_step(
+            step,
+            every=trainer.log_every_n_steps,
+            last=trainer.max_steps != -1 and step >= trainer.max_steps,
+            weights=_weights_check(trainer, pl_module),
+            stopping=trainer.should_stop,
+        )
+        if result.stop:
             trainer.should_stop = True
-        elif new and trainer.is_global_zero and not self._printed_failure and not trainer.should_stop:
-            self._printed_failure = True
-            self._print_block()
-
-    def _nonfinite_stop(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        new: list[dict[str, Any]],
-        *,
-        weights: bool = True,
-    ) -> bool:
-        """Whether to stop for non-finite values (``on_nonfinite="stop"``): a new non-finite failure of
-        the primary, or (one host read per step; left to a ``NonFiniteGuard`` in the Trainer) non-finite
-        weights. Records why in :attr:`stopped`."""
-        if self.on_nonfinite != "stop" or self.stopped is not None:
-            return False
-        from flashprobe.callbacks.nonfinite_guard import NonFiniteGuard
-
-        nonfinite = next((f for f in new if f.get("kind") == "nonfinite"), None)
-        why = None
-        if nonfinite is not None:
-            why = (
-                f"the primary returned non-finite values at {nonfinite['site']} {nonfinite['direction']}, "
-                f"step {nonfinite['step']}"
-            )
-        elif weights and not any(isinstance(c, NonFiniteGuard) for c in trainer.callbacks):
-            found = nonfinite_weights(pl_module)
-            bad = trainer.strategy.reduce_boolean_decision(found is not None, all=False)
-            if bad:
-                found = f"{found} are" if found else "a weight on another rank is"
-                why = f"{found} non-finite after step {trainer.global_step - 1}"
-        if why is None:
-            return False
-        self.stopped = f"{why} (on_nonfinite='stop'; pass on_nonfinite='continue' to train on)"
-        if trainer.is_global_zero:
-            log.error("AttentionProbe: stopping training: %s", self.stopped)
-        return True
-
-    def _new_failures(self) -> list[dict[str, Any]]:
-        """Failures not reported yet (the shadow's log: at once on the CPU, at reads elsewhere)."""
-        assert self._probe is not None
-        new = [f for f in self._probe.failures if (f["site"], f["direction"]) not in self._reported]
-        self._reported.update((f["site"], f["direction"]) for f in new)
-        return new
-
-    def _react(self, trainer: pl.Trainer, failures: list[dict[str, Any]]) -> None:
-        if not failures:
-            return
-        if self.on_failure == "raise":
-            raise ProbeFailureError(failure_message(failures[0]), failures[0])
-        if trainer.is_global_zero:
-            for failure in failures:
-                warnings.warn(failure_message(failure), ProbeWarning, stacklevel=2)
-        if self.on_failure == "stop":
-            trainer.should_stop = True
-            if trainer.is_global_zero:
-                log.warning("AttentionProbe: stopping training (on_failure='stop')")
-
-    def _check_calls(self, pl_module: pl.LightningModule) -> None:
-        """After the first training batch: fail early when there is nothing to probe (host-side counts)."""
-        assert self._probe is not None
-        self._calls_checked = True
-        calls = self._probe.calls
-        if not calls:
-            raise RuntimeError(
-                f"AttentionProbe: {type(pl_module).__name__} made no "
-                "torch.nn.functional.scaled_dot_product_attention call in its first training batch, "
-                "so there is nothing to probe. Either the model has no attention, or it calls a fused "
-                "kernel flashprobe does not intercept, flash-attn/FlashInfer with arguments it cannot "
-                "compare (warned), or nn.MultiheadAttention's inference fast path. "
-                "Route its attention through F.scaled_dot_product_attention, or remove the callback "
-                "(flashprobe train: attention.probe.enabled=false)."
-            )
-        if self.sites is not None and not any(self._probe.selects(site) for site in calls):
-            raise ValueError(
-                f"AttentionProbe: sites={list(self.sites)!r} matches none of the model's attention sites "
-                f"({', '.join(sorted(calls))}); fix the patterns or use sites=None for all"
-            )
-
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Steps probed since the last logging step (e.g. max_epochs runs) are not lost.
-        if self._probe is not None and trainer.global_step > self.last_logged_step:
-            self._flush(trainer, pl_module, trainer.global_step)
-            self._react(trainer, self._new_failures())
-        if trainer.is_global_zero and self.last_summary:
-            log.info("%s", verdict_line(self.last_summary, self._path))
-            self._print_block()
-        if self.plot and trainer.is_global_zero and self._path is not None and self._path.is_file():
-            from flashprobe.report.probe_figures import plot_probe
-
-            if self._path.stat().st_size:
-                try:  # a convenience: a plotting error must not fail a finished run
-                    figure = plot_probe(self._path, self._path.with_suffix(".png"))
-                    log.info("AttentionProbe: per-site deviation plot %s", figure)
-                except DiskFullError:  # but a full disk must: the run is not complete without it
-                    raise
-                except Exception as err:
-                    log.warning("AttentionProbe: could not draw %s: %s", self._path.with_suffix(".png"), err)
-
-    def _print_block(self) -> None:
-        """Print the verdict block to stdout (``console=True``)."""
-        if self.console and self.last_summary:
-            rows = self._tally.rows(self.last_summary.get("failures") or [])
-            block = verdict_block(
-                self.last_summary, rows, who="AttentionProbe", path=self._path, stopped=self.stopped
-            )
-            print(block, flush=True)
-
-    # ------------------------------------------------------------------------------- reading
-    def _reduced_tensors(self, trainer: pl.Trainer) -> dict[str, torch.Tensor]:
-        """The per-site accumulators, all-reduced across ranks (MAX for maxima, SUM for sums)."""
-        assert self._probe is not None
-        local = self._probe.stat_tensors()
-        if trainer.world_size <= 1:
-            return local
-        return reduce_across_ranks(local, trainer.strategy.root_device)
-
-    def _flush(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
-        assert self._probe is not None
-        tensors = self._reduced_tensors(trainer)
-        stats = self._probe.stats(tensors)
-        summary = self._probe.summary(stats)
-        summary["step"] = step
-        if self.stopped is not None:
-            summary["stopped"] = self.stopped
-        self._tally.add(summary, stats)
-        self._probe.reset()
-        self.last_logged_step = step
-        if not stats:
-            return
-        self.last_summary = summary
-        if summary.get("primary_nonfinite_sites") and trainer.is_global_zero:
-            sites = summary["primary_nonfinite_sites"]
-            log.error(
-                "step %s: the primary kernel %s returned %s non-finite values from finite inputs at %s "
-                "(the baseline's are finite there): a kernel bug; its error ratio does not show it",
-                step,
-                self.primary,
-                summary["primary_nonfinite"],
-                ", ".join(sites[:3]) + (f" and {len(sites) - 3} more sites" if len(sites) > 3 else ""),
-            )
-        ratio = summary.get("limit_ratio")  # the verdict's statistic: error / limit, > 1 fails
-        if ratio is not None and math.isfinite(ratio):
-            # The progress bar only (logger=False): the loggers get every metric once, below, under
-            # the same name and step.
+        ratio = None if result.summary is None else result.summary.get("limit_ratio")
+        if ratio is not None and math.isfinite(ratio):  # the verdict's statistic: error / limit, > 1 fails
+            # The progress bar only (logger=False): the loggers get every metric once, under the
+            # same name and step.
             pl_module.log(
                 "probe/limit_ratio",
                 float(ratio),
@@ -476,9 +216,11 @@ class AttentionProbe(Callback):
                 on_epoch=False,
                 rank_zero_only=True,
             )
-        if trainer.is_global_zero:
-            self._log_to_loggers(trainer, stats, summary, step)
-            self._append(step, stats, summary)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Steps probed since the last logging step (e.g. max_epochs runs) are not lost.
+        self.session.finish(trainer.global_step)
 
     def _log_to_loggers(
         self, trainer: pl.Trainer, stats: dict[str, Any], summary: dict[str, Any], step: int
@@ -493,73 +235,31 @@ class AttentionProbe(Callback):
                 columns, rows = _site_table(stats)
                 log_table(key="probe/sites", columns=columns, data=rows, step=step)
 
-    def _append(self, step: int, stats: dict[str, Any], summary: dict[str, Any]) -> None:
-        assert self._writer is not None
-        if not self._writer.opened:
-            # A fresh run starts a new log; a resumed run drops the records after its checkpoint.
-            dropped = self._writer.open(self._resumed_from)
-            if dropped:
-                log.warning(
-                    "AttentionProbe: dropped records of steps %s from %s: they are later than the "
-                    "checkpoint training resumed from",
-                    dropped,
-                    self._writer.path,
-                )
-        self._writer.append({"step": step, "summary": summary, "sites": stats})
-        self.records += 1
-
     # ---------------------------------------------------------------------------- checkpoints
-    _resumed_from: int | None = None
-
     @override
     def state_dict(self) -> dict[str, Any]:
-        failures = self._restored_failures if self._probe is None else self._probe.failures
-        # This process's bias sums: exact for one process; under DDP the checkpoint holds the
-        # saving rank's, restored there (the other ranks' earlier calls are not in it).
-        bias = self._restored_bias if self._probe is None else self._probe.shadow.bias_state()
-        return {
-            "bias": bias,
-            "tally": self._tally.state_dict(),
-            "last_logged_step": self.last_logged_step,
-            "records": self.records,
-            "failures": [
-                {k: v for k, v in f.items() if isinstance(v, str | int | float | type(None))}
-                for f in failures
-            ],
-        }
+        return self.session.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.last_logged_step = state_dict.get("last_logged_step", -1)
-        self.records = state_dict.get("records", 0)
-        self._restored_failures = [dict(f) for f in state_dict.get("failures", [])]
-        self._restored_bias = {s: list(v) for s, v in state_dict.get("bias", {}).items()}
-        self._tally.load_state_dict(state_dict.get("tally", {}))
-        self._resumed_from = self.last_logged_step
+        self.session.load_state_dict(state_dict)
 
 
-def verdict_line(summary: Mapping[str, Any], path: Path | None = None) -> str:
-    """The run's verdict in one line (the last the callback logs): verdict, sites, the first failure
-    or the worst forward error ratio, the most biased direction where one is, and where the records
-    are."""
-    verdict = str(summary.get("verdict") or "undetermined").upper()
-    firsts = [f for f in summary.get("failures") or [] if not f.get("worst")]
-    if firsts:
-        f = firsts[0]
-        detail = f"first failure at {f['site']} {f['direction']}, step {f['step']}: {f['reason']}" + (
-            f"; reproducer {f['repro']}" if f.get("repro") else ""
-        )
-    else:
-        ratio = summary.get("max_limit_ratio")
-        at = f"{ratio:.3g} at {summary.get('max_limit_ratio_site')}" if ratio is not None else "n/a"
-        back = summary.get("max_backward_limit_ratio")
-        if back is not None:
-            at += f", backward {back:.3g} at {summary.get('max_backward_limit_ratio_site')}"
-        detail = f"{summary.get('sites', 0)} sites, worst error / limit {at} (> 1 fails)"
-    bias = bias_words(summary)
-    detail += f"; {bias}" if bias else ""
-    where = f" ({path})" if path is not None else ""
-    return f"AttentionProbe: verdict {verdict}: {detail}{where}"
+def _weights_check(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Callable[[], str | None] | None:
+    """The check of the weights after a step (one host read; ``trainer.strategy`` decides across
+    ranks), or None when a :class:`~flashprobe.callbacks.NonFiniteGuard` in the Trainer checks them."""
+    from flashprobe.callbacks.nonfinite_guard import NonFiniteGuard
+
+    if any(isinstance(c, NonFiniteGuard) for c in trainer.callbacks):
+        return None
+
+    def check() -> str | None:
+        found = nonfinite_weights(pl_module)
+        if not trainer.strategy.reduce_boolean_decision(found is not None, all=False):
+            return None
+        return found or "values of a weight on another rank"
+
+    return check
 
 
 def _loss_scale(trainer: pl.Trainer) -> Callable[[], torch.Tensor | float | None] | None:

@@ -35,7 +35,6 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,28 +44,13 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.trainer_callback import ExportableState
 
-from flashprobe.formats.probe_log import PROBE_LOG_NAME, ProbeLogWriter
-from flashprobe.kernels import Kernel, KernelUnavailableError, get_kernel
-from flashprobe.probing import (
-    Probe,
-    ProbeConfig,
-    ProbeFailureError,
-    ProbeWarning,
-    SdpaCall,
-    probe,
-    reduce_across_ranks,
-    sites,
-)
+from flashprobe.formats.probe_log import PROBE_LOG_NAME
+from flashprobe.kernels import Kernel, get_kernel
+from flashprobe.probing import ProbeConfig, ProbeWarning, SdpaCall, sites
 from flashprobe.probing.call import autocast_dtype, run_kernel
 from flashprobe.probing.routing import check_kernel_here
-from flashprobe.probing.session import (
-    NONFINITE_ACTIONS,
-    RunTally,
-    check_trainable,
-    nonfinite_weights,
-    verdict_block,
-)
-from flashprobe.probing.shadow import failure_message
+from flashprobe.probing.run_session import ProbeSession, SessionCallback
+from flashprobe.probing.session import nonfinite_weights
 from flashprobe.probing.summary import summary_scalars
 
 __all__ = [
@@ -273,7 +257,7 @@ def trainer_callbacks() -> list[TrainerCallback] | None:
     return None if frame is None else frame.f_locals["self"].callbacks
 
 
-class AttentionProbeCallback(TrainerCallback, ExportableState):
+class AttentionProbeCallback(SessionCallback, TrainerCallback, ExportableState):
     """Compare the model's attention kernel with the baseline at every training call of a HF ``Trainer``.
 
     ::
@@ -308,9 +292,12 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
     ``probe/max_abs/<pair>``. So that every ``report_to`` logger gets them, the callback moves itself
     ahead of the Trainer's reporting callbacks at train begin (right after ``DefaultFlowCallback``).
 
-    Its state (settings, last logged step, the failures seen) goes into the Trainer's checkpoints
-    (``ExportableState``); resumed with ``restore_callback_states_from_checkpoint=True``, a run keeps
-    its verdict, and ``probe.jsonl`` drops the records after the checkpoint's step either way.
+    Its state (settings, last logged step, the failures seen, the run's tally and bias sums) goes into
+    the Trainer's checkpoints (``ExportableState``); resumed with
+    ``restore_callback_states_from_checkpoint=True``, a run keeps its verdict and bias, and
+    ``probe.jsonl`` drops the records after the checkpoint's step either way. The work is its
+    :class:`~flashprobe.probing.run_session.ProbeSession`'s (``self.session``), as the Lightning
+    callback's.
 
     Raises:
         ProbeConfigError: an unknown setting or a bad value, naming it.
@@ -335,75 +322,46 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
         console: bool = True,
         **settings: Any,
     ) -> None:
-        self.config = ProbeConfig.from_settings(config, **settings)
-        name = type(self).__name__
-        if on_failure not in ("warn", "raise", "stop"):
-            raise ValueError(f"{name}: on_failure={on_failure!r} must be 'warn', 'raise' or 'stop'")
-        if on_nonfinite not in NONFINITE_ACTIONS:
-            raise ValueError(
-                f"{name}: on_nonfinite={on_nonfinite!r} must be one of {', '.join(NONFINITE_ACTIONS)}"
-            )
-        self.on_nonfinite = on_nonfinite
-        self.console = bool(console)
-        if isinstance(max_reproducers, bool) or not isinstance(max_reproducers, int) or max_reproducers < 0:
-            raise ValueError(f"{name}: max_reproducers={max_reproducers!r} must be an int >= 0")
-        if log_every_n_steps is not None and (
-            isinstance(log_every_n_steps, bool)
-            or not isinstance(log_every_n_steps, int)
-            or log_every_n_steps < 1
-        ):
-            raise ValueError(
-                f"{name}: log_every_n_steps={log_every_n_steps!r} must be a positive int or None"
-            )
-        if not isinstance(filename, str) or filename in {"", ".", ".."} or Path(filename).name != filename:
-            raise ValueError(
-                f"{name}: filename={filename!r} must be a plain file name, e.g. 'probe.jsonl' (set "
-                "dirpath for the directory)"
-            )
-        self.on_failure = on_failure
-        self.max_reproducers = max_reproducers
-        self.log_every_n_steps = log_every_n_steps
-        self.dirpath = None if dirpath is None else Path(dirpath)
-        self.filename = filename
-        self.plot = plot
-        self.last_logged_step = -1
-        self.records = 0
-        self.last_summary: dict[str, Any] = {}
-        self._probe: Probe | None = None
-        self._writer: ProbeLogWriter | None = None
+        self.session = ProbeSession(
+            config,
+            who=type(self).__name__,
+            log_every_n_steps=log_every_n_steps,
+            dirpath=dirpath,
+            filename=filename,
+            plot=plot,
+            on_failure=on_failure,
+            max_reproducers=max_reproducers,
+            on_nonfinite=on_nonfinite,
+            console=console,
+            log=log,
+            **settings,
+        )
         self._pending: dict[str, float] = {}
-        self._reported: set[tuple[str, str]] = set()
-        self._tally = RunTally()
-        self._fallbacks: list[dict[str, Any]] = []
-        self._sites_seen: list[str] = []
-        self._printed_failure = False
-        self.stopped: str | None = None
-        """Why the callback stopped training on non-finite values (None: it did not)."""
-        self._checked = False
-        self._keep_until: int | None = None
-        self._restored_failures: list[dict[str, Any]] = []
-        self._tally_state: dict[str, Any] = {}  # a checkpoint's RunTally, restored at train begin
+
+    # The Trainer restores a checkpoint's state by setting these (see :meth:`state`).
+    @property
+    def _restored_failures(self) -> list[dict[str, Any]]:
+        return self.session.restored_failures
+
+    @_restored_failures.setter
+    def _restored_failures(self, failures: list[dict[str, Any]]) -> None:
+        self.session.restored_failures = [dict(f) for f in failures]
 
     @property
-    def probe(self) -> Probe | None:
-        """The probe handle (``None`` outside training)."""
-        return self._probe
+    def _restored_bias(self) -> dict[str, list[float]]:
+        return self.session.restored_bias
+
+    @_restored_bias.setter
+    def _restored_bias(self, bias: dict[str, list[float]]) -> None:
+        self.session.restored_bias = {s: list(v) for s, v in bias.items()}
 
     @property
-    def fallbacks(self) -> list[dict[str, Any]]:
-        """Where torch's SDPA computed the attention instead of the primary (``fallback=True``):
-        :attr:`flashprobe.probing.Probe.fallbacks`, kept after training."""
-        return self._fallbacks if self._probe is None else self._probe.fallbacks
+    def _tally_state(self) -> dict[str, Any]:
+        return self.session.tally.state_dict()
 
-    @property
-    def sites_seen(self) -> list[str]:
-        """Every attention site the probe saw (kept after training)."""
-        return self._sites_seen if self._probe is None else sorted(self._probe.calls)
-
-    @property
-    def path(self) -> Path | None:
-        """The ``probe.jsonl`` being written (``None`` before training)."""
-        return None if self._writer is None else self._writer.path
+    @_tally_state.setter
+    def _tally_state(self, state: dict[str, Any]) -> None:
+        self.session.tally.load_state_dict(state)
 
     # ------------------------------------------------------------------------------ lifecycle
     def on_train_begin(
@@ -413,33 +371,20 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
         if not isinstance(model, nn.Module):
             raise RuntimeError(f"{type(self).__name__}: the Trainer passed no model to on_train_begin")
         self._lead_the_loggers()
-        root = self.dirpath or Path(args.output_dir or ".")
-        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-        self._probe = probe(
+
+        def publish(step: int, stats: dict[str, Any], summary: dict[str, Any]) -> None:
+            self._pending = summary_scalars(summary)  # into the Trainer's logs at its next on_log
+
+        distributed = args.world_size > 1 and torch.distributed.is_available()
+        self.session.attach(
             model,
-            self.config,
-            dtype=dtype,
-            on_failure="ignore",  # the callback reports, once per site and direction
-            repro_dir=root / "repro" if state.is_world_process_zero and self.max_reproducers else None,
-            max_reproducers=self.max_reproducers,
+            root=args.output_dir or ".",
+            dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
+            is_zero=state.is_world_process_zero,
+            reduce_device=args.device if distributed and torch.distributed.is_initialized() else None,
+            resumed_at=state.global_step if state.global_step > 0 else None,
+            publish=publish,
         )
-        try:  # a primary without a backward on this device is refused before the first step
-            check_trainable(
-                self._probe.shadow.primary, model, type(self).__name__, fallback=self.config.fallback
-            )
-        except KernelUnavailableError:
-            self._probe.detach()
-            self._probe = None
-            raise
-        self._probe.detach()  # attached during training steps only
-        self._tally.load_state_dict(self._tally_state)
-        for failure in self._restored_failures:  # a resumed run keeps the failures it had seen
-            key = (failure["site"], failure["direction"])
-            self._probe.shadow.failures.setdefault(key, dict(failure))
-            self._reported.add(key)
-        self._writer = ProbeLogWriter(root / self.filename)
-        self._keep_until = state.global_step if state.global_step > 0 else None  # resumed run
-        self._checked = False
 
     def _lead_the_loggers(self) -> None:
         """Move this callback right after ``DefaultFlowCallback`` in the Trainer's callback list, so
@@ -462,72 +407,25 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self._probe is not None:
-            self._probe.attach()
-            self._probe.set_step(state.global_step)
+        self.session.begin_step(state.global_step)
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
-        if self._probe is None:
-            return control
-        self._probe.detach()  # evaluation, saving and logging run the model alone
-        if not self._checked:
-            self._check_calls()
-        step = state.global_step
-        every = self.log_every_n_steps or state.logging_steps or 1
-        last = state.max_steps > 0 and step >= state.max_steps
-        new = self._new_failures()
-        halt = self._nonfinite_stop(args, state, kwargs.get("model"), new)
-        if step > self.last_logged_step and (
-            (new and self.on_failure == "stop") or halt or not step % every or last
-        ):
-            self._flush(args, state, step)
+        self.session.pause()  # evaluation, saving and logging run the model alone
+        model = kwargs.get("model")
+        result = self.session.end_step(
+            state.global_step,
+            every=state.logging_steps,
+            last=state.max_steps > 0 and state.global_step >= state.max_steps,
+            weights=(lambda: nonfinite_weights(model)) if isinstance(model, nn.Module) else None,
+            stopping=control.should_training_stop,
+        )
+        if result.flushed:
             control.should_log = True  # the Trainer logs at this step, with the probe's scalars
-            new += self._new_failures()  # failures a read on a device found
-            halt = halt or self._nonfinite_stop(args, state, None, new)
-        self._react(state, control, new)
-        if halt:
+        if result.stop:
             control.should_training_stop = True
-        elif new and state.is_world_process_zero and not self._printed_failure:
-            self._printed_failure = True
-            self._print_block()
         return control
-
-    def _nonfinite_stop(
-        self, args: TrainingArguments, state: TrainerState, model: Any, new: list[dict[str, Any]]
-    ) -> bool:
-        """Whether to stop for non-finite values (``on_nonfinite="stop"``): a new non-finite failure of
-        the primary, or non-finite weights (one host read per step; ``model`` None: not checked).
-        Records why in :attr:`stopped`."""
-        if self.on_nonfinite != "stop" or self.stopped is not None:
-            return False
-        nonfinite = next((f for f in new if f.get("kind") == "nonfinite"), None)
-        why = None
-        if nonfinite is not None:
-            why = (
-                f"the primary returned non-finite values at {nonfinite['site']} {nonfinite['direction']}, "
-                f"step {nonfinite['step']}"
-            )
-        elif isinstance(model, nn.Module):
-            found = nonfinite_weights(model)
-            if found is not None:
-                why = f"{found} are non-finite after step {state.global_step - 1}"
-        if why is None:
-            return False
-        self.stopped = f"{why} (on_nonfinite='stop'; pass on_nonfinite='continue' to train on)"
-        if state.is_world_process_zero:
-            log.error("%s: stopping training: %s", type(self).__name__, self.stopped)
-        return True
-
-    def _print_block(self) -> None:
-        """Print the verdict block to stdout (``console=True``)."""
-        if self.console and self.last_summary:
-            rows = self._tally.rows(self.last_summary.get("failures") or [])
-            block = verdict_block(
-                self.last_summary, rows, who=type(self).__name__, path=self.path, stopped=self.stopped
-            )
-            print(block, flush=True)
 
     def on_log(
         self,
@@ -547,42 +445,13 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self._probe is None:
-            return
-        try:
-            if state.global_step > self.last_logged_step and self._probe.calls:
-                self._flush(args, state, state.global_step)
-                self._react(state, control, self._new_failures())
-        finally:
-            self._probe.detach()
-            self._restored_failures = self._probe.failures
-            self._fallbacks, self._sites_seen = self._probe.fallbacks, sorted(self._probe.calls)
-            self._probe = None
-        if state.is_world_process_zero:
-            self._print_block()
-        path = self.path
-        if (
-            self.plot
-            and state.is_world_process_zero
-            and path is not None
-            and path.is_file()
-            and path.stat().st_size
-        ):
-            from flashprobe.report.probe_figures import plot_probe
-
-            try:  # a convenience: a plotting error must not fail a finished run
-                log.info(
-                    "%s: per-site deviation plot %s",
-                    type(self).__name__,
-                    plot_probe(path, path.with_suffix(".png")),
-                )
-            except Exception as err:
-                log.warning("%s: could not draw %s: %s", type(self).__name__, path.with_suffix(".png"), err)
+        if self.session.probe is not None:
+            self.session.finish(state.global_step)
 
     # ---------------------------------------------------------------------------- checkpoints
     def state(self) -> dict[str, Any]:
         """The callback's arguments and progress, as plain data for the Trainer's checkpoints."""
-        failures = self._restored_failures if self._probe is None else self._probe.failures
+        session = self.session.state_dict()
         return {
             "args": {
                 **self.config.as_dict(),
@@ -598,82 +467,8 @@ class AttentionProbeCallback(TrainerCallback, ExportableState):
             "attributes": {
                 "last_logged_step": self.last_logged_step,
                 "records": self.records,
-                "_tally_state": self._tally.state_dict(),
-                "_restored_failures": [
-                    {k: v for k, v in f.items() if isinstance(v, str | int | float | type(None))}
-                    for f in failures
-                ],
+                "_tally_state": session["tally"],
+                "_restored_failures": session["failures"],
+                "_restored_bias": session["bias"],
             },
         }
-
-    # ------------------------------------------------------------------------------- verdicts
-    def _check_calls(self) -> None:
-        assert self._probe is not None
-        self._checked = True
-        calls = self._probe.calls
-        if not calls:
-            self._probe = None
-            raise RuntimeError(
-                f"{type(self).__name__}: the model made no attention call the probe can see in its first "
-                "training step, so there is nothing to compare. A transformers model loaded with "
-                "attn_implementation='eager' computes attention with matmuls: load it with "
-                "attn_implementation='sdpa' (or register_attention() and 'probe_kernel'); a model calling "
-                "a fused kernel flashprobe does not intercept, or flash-attn/FlashInfer with arguments it "
-                "cannot compare (warned), is not seen either. Or remove the callback."
-            )
-        if self.config.sites is not None and not any(self._probe.selects(site) for site in calls):
-            self._probe = None
-            raise ValueError(
-                f"{type(self).__name__}: sites={list(self.config.sites)!r} matches none of the model's "
-                f"attention sites ({', '.join(sorted(calls))}); fix the patterns or use sites=None"
-            )
-
-    def _new_failures(self) -> list[dict[str, Any]]:
-        assert self._probe is not None
-        new = [f for f in self._probe.failures if (f["site"], f["direction"]) not in self._reported]
-        self._reported.update((f["site"], f["direction"]) for f in new)
-        return new
-
-    def _react(self, state: TrainerState, control: TrainerControl, failures: list[dict[str, Any]]) -> None:
-        if not failures:
-            return
-        if self.on_failure == "raise":
-            raise ProbeFailureError(failure_message(failures[0]), failures[0])
-        if state.is_world_process_zero:
-            for failure in failures:
-                warnings.warn(failure_message(failure), ProbeWarning, stacklevel=2)
-        if self.on_failure == "stop":
-            control.should_training_stop = True
-            if state.is_world_process_zero:
-                log.warning("%s: stopping training (on_failure='stop')", type(self).__name__)
-
-    # ------------------------------------------------------------------------------- reading
-    def _flush(self, args: TrainingArguments, state: TrainerState, step: int) -> None:
-        assert self._probe is not None
-        tensors = self._probe.stat_tensors()
-        if args.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            tensors = reduce_across_ranks(tensors, args.device)  # max of maxima, sum of sums
-        stats = self._probe.stats(tensors)
-        summary = self._probe.summary(stats)
-        summary["step"] = step
-        if self.stopped is not None:
-            summary["stopped"] = self.stopped
-        self._tally.add(summary, stats)
-        self._probe.reset()
-        self.last_logged_step = step
-        if not stats:
-            return
-        self.last_summary = summary
-        self._pending = summary_scalars(summary)
-        if state.is_world_process_zero:
-            assert self._writer is not None
-            if not self._writer.opened:
-                dropped = self._writer.open(self._keep_until)
-                if dropped:
-                    log.warning(
-                        "%s: dropped records of steps %s (after the resumed checkpoint)",
-                        self._writer.path,
-                        dropped,
-                    )
-            self._writer.append({"step": step, "summary": summary, "sites": stats})
-            self.records += 1

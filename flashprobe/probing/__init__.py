@@ -19,7 +19,9 @@ graphs), ``fastpath``, ``flex``, ``hf_flex``, ``flashattn`` and ``flashinfer`` (
 the handles' attach/detach), ``compiled`` (the attach-time check for ``torch.compile(...,
 fullgraph=True)``), ``routing`` (``use_kernel``), ``shadow`` (``ShadowAttention``; its references are
 planned in bounded memory by :mod:`flashprobe.kernels.reference`), ``config`` (``ProbeConfig``),
-``stats`` (on-device statistics and their cross-rank reduction), ``summary`` (the summary over sites),
+``stats`` (on-device statistics and their cross-rank reduction), ``summary`` (the summary over sites,
+typed: ``ProbeSummary``), ``session`` (a training run's tally and verdict block), ``run_session`` (the
+training callbacks' ``ProbeSession``),
 ``repro`` (reproducers replayed and shrunk, the probe's and the fuzzer's; their file is
 :mod:`flashprobe.formats.reproducer`), ``probe`` (``probe``).
 """
@@ -46,7 +48,7 @@ from flashprobe.probing.stats import (
     reduce_across_ranks,
     stats_dict,
 )
-from flashprobe.probing.summary import summarize
+from flashprobe.probing.summary import ProbeSummary, summarize
 
 __all__ = [
     "ARG_FIELDS",
@@ -69,6 +71,7 @@ __all__ = [
     "ProbeConfig",
     "ProbeConfigError",
     "ProbeFailureError",
+    "ProbeSummary",
     "ProbeWarning",
     "SdpaCall",
     "ShadowAttention",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -29,6 +30,10 @@ __all__ = ["DROPOUT_POLICIES", "ProbeConfig", "ProbeConfigError", "register_sche
 
 #: What to do with calls that use attention dropout.
 DROPOUT_POLICIES = ("compare", "skip")
+
+
+#: The config :meth:`ProbeConfig.resolve_backward` is copying (its kernels are not resolved again).
+_COPYING: ContextVar[ProbeConfig | None] = ContextVar("flashprobe_probe_config_copying", default=None)
 
 
 class ProbeConfigError(ValueError):
@@ -102,18 +107,12 @@ class ProbeConfig:
     the device's free memory when a call shape is first seen, within the module's bounds."""
 
     def __post_init__(self) -> None:
-        for name in ("primary", "baseline"):
-            value = getattr(self, name)
-            if value is None and name == "primary":
-                continue
-            if not isinstance(value, str | Kernel):
-                raise ProbeConfigError(
-                    f"{name}={value!r} must be a kernel spec such as 'math' or 'sdpa_flash' "
-                    "(`flashprobe kernels` lists them)" + (" or None" if name == "primary" else "")
-                )
-            get_kernel(value)  # unknown kernels and options fail here
-        if self.primary is not None:  # an FP8 primary's baseline is the FP8 one
-            object.__setattr__(self, "baseline", fp8_baseline(self.primary, self.baseline)[0])
+        source = _COPYING.get()
+        if source is None:
+            self._resolve_kernels()
+        else:  # resolve_backward's copy: the same kernels
+            object.__setattr__(self, "_kernels", source._kernels)
+            object.__setattr__(self, "_precision", source._precision)
         _strict_bool("golden", self.golden)
         _strict_bool("fallback", self.fallback)
         if self.backward != "auto":
@@ -126,18 +125,57 @@ class ProbeConfig:
         if self.memory_budget is not None:
             _int_at_least("memory_budget", self.memory_budget, 1, "bytes, e.g. 1073741824 = 1 GiB")
 
+    def _resolve_kernels(self) -> None:
+        """Resolve ``primary`` and ``baseline`` (once: attaching, deciding ``backward="auto"`` and
+        judging read them here), and an FP8 primary's baseline and precision."""
+        kernels: dict[str, Kernel] = {}
+        for name in ("primary", "baseline"):
+            value = getattr(self, name)
+            if value is None and name == "primary":
+                continue
+            if not isinstance(value, str | Kernel):
+                raise ProbeConfigError(
+                    f"{name}={value!r} must be a kernel spec such as 'math' or 'sdpa_flash' "
+                    "(`flashprobe kernels` lists them)" + (" or None" if name == "primary" else "")
+                )
+            kernels[name] = get_kernel(value)  # unknown kernels and options fail here
+        precision = None
+        if self.primary is not None:  # an FP8 primary's baseline is the FP8 one
+            baseline, precision = fp8_baseline(kernels["primary"], kernels["baseline"])
+            if baseline is not kernels["baseline"]:
+                object.__setattr__(self, "baseline", baseline)
+                kernels["baseline"] = get_kernel(baseline)
+        object.__setattr__(self, "_kernels", kernels)
+        object.__setattr__(self, "_precision", precision)
+
+    @property
+    def primary_kernel(self) -> Kernel | None:
+        """The primary resolved (:func:`~flashprobe.kernels.get_kernel`, once, when the config was
+        built); None: the model's own attention."""
+        return self._kernels.get("primary")
+
+    @property
+    def baseline_kernel(self) -> Kernel:
+        """The baseline resolved (once, when the config was built)."""
+        return self._kernels["baseline"]
+
     @property
     def precision(self) -> torch.dtype | None:
         """The FP8 dtype whose limits judge the primary (an FP8 kernel), or None: the call's dtype."""
-        return None if self.primary is None else fp8_baseline(self.primary, self.baseline)[1]
+        return self._precision
 
     def resolve_backward(self, device: torch.device | str) -> ProbeConfig:
         """This config with ``backward="auto"`` decided for ``device``: True when the primary (None:
-        torch's SDPA, which has one) and the baseline both have a backward there."""
+        torch's SDPA, which has one) and the baseline both have a backward there. The new config
+        takes this one's kernels (they are not resolved again)."""
         if self.backward != "auto":
             return self
-        kernels = [get_kernel(s) for s in (self.primary, self.baseline) if s is not None]
-        return dataclasses.replace(self, backward=all(k.capabilities.has_backward(device) for k in kernels))
+        backward = all(k.capabilities.has_backward(device) for k in self._kernels.values())
+        token = _COPYING.set(self)
+        try:
+            return dataclasses.replace(self, backward=backward)
+        finally:
+            _COPYING.reset(token)
 
     @classmethod
     def from_settings(cls, config: ProbeConfig | None = None, /, **settings: Any) -> ProbeConfig:

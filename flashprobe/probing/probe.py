@@ -32,6 +32,7 @@ from flashprobe.probing.config import ProbeConfig
 from flashprobe.probing.intercept import AttentionRoute, active_handles
 from flashprobe.probing.routing import KernelRoute, model_device_dtype
 from flashprobe.probing.shadow import ShadowAttention
+from flashprobe.probing.summary import ProbeSummary
 
 __all__ = ["Probe", "probe"]
 
@@ -188,8 +189,18 @@ class Probe(AttentionRoute):
         return self.shadow.stats(tensors, flat=flat)
 
     def summary(self, stats: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Worst values over all sites, the step counter and ``notes``; see
-        :func:`~flashprobe.probing.summarize`.
+        """Worst values over all sites, the step counter and ``notes``: :meth:`typed_summary` as a
+        plain dict (:meth:`~flashprobe.probing.summary.ProbeSummary.to_dict`), what ``probe.jsonl``
+        holds.
+
+        Args:
+            stats: per-site statistics to summarise (default: :meth:`stats`).
+        """
+        return self.typed_summary(stats).to_dict()
+
+    def typed_summary(self, stats: Mapping[str, Any] | None = None) -> ProbeSummary:
+        """Worst values over all sites (:class:`~flashprobe.probing.summary.ProbeSummary`, every field
+        documented there), with ``step`` (the step counter) and ``notes``.
 
         ``notes`` lists, in words, why values are missing: no attention call seen, or backward
         comparisons skipped at sites with attention dropout (with the fix). ``dropout_calls``
@@ -200,11 +211,11 @@ class Probe(AttentionRoute):
             stats: per-site statistics to summarise (default: :meth:`stats`).
         """
         stats = self.stats() if stats is None else stats
-        summary = self.shadow.summary(stats)
-        summary["step"] = self._step
-        summary["dropout_calls"] = sum(e.get("dropout_calls", 0) for e in stats.values())
-        summary["fallbacks"] = self.fallbacks
-        summary["notes"] = self._notes(stats)
+        summary = ProbeSummary.from_dict(self.shadow.summary(stats))
+        summary.step = self._step
+        summary.dropout_calls = sum(e.get("dropout_calls", 0) for e in stats.values())
+        summary.fallbacks = self.fallbacks
+        summary.notes = self._notes(stats)
         return summary
 
     def _no_calls_message(self) -> str:

@@ -11,10 +11,12 @@ into each summary (``worst_failure``, ``run_nonfinite``, ``run_primary_nonfinite
 verdict. ``flashprobe report`` replays a finished run's records through the same tally.
 
 :func:`verdict_block` formats the answer (verdict, per-site table, reproducers, where the records
-are); the callbacks print it to stdout at the end of training and at the first failure, so a plain
-script sees it without any logging set-up. :func:`nonfinite_weights` is the check the callbacks
-(and :class:`~flashprobe.callbacks.NonFiniteGuard`) run after a step: a run never ends "finished"
-on NaN weights without saying so.
+are) and :func:`verdict_line` the same in one line; the callbacks print the block to stdout at the end
+of training and at the first failure, so a plain script sees it without any logging set-up.
+:func:`nonfinite_weights` is the check the callbacks (and :class:`~flashprobe.callbacks.NonFiniteGuard`)
+run after a step: a run never ends "finished" on NaN weights without saying so. The training
+callbacks' run itself (attach, read, react, checkpoints) is
+:class:`~flashprobe.probing.run_session.ProbeSession`.
 
 This module imports no training framework.
 """
@@ -41,6 +43,7 @@ __all__ = [
     "check_trainable",
     "nonfinite_weights",
     "verdict_block",
+    "verdict_line",
 ]
 
 #: What a training callback does when the weights or the primary's output become non-finite.
@@ -282,6 +285,30 @@ def verdict_block(
     if path is not None:
         lines.append(f"  records: {path}")
     return "\n".join(lines)
+
+
+def verdict_line(summary: Mapping[str, Any], path: Path | None = None, *, who: str = "AttentionProbe") -> str:
+    """The run's verdict in one line (the last the callbacks log): verdict, sites, the first failure
+    or the worst forward error ratio, the most biased direction where one is, and where the records
+    are."""
+    verdict = str(summary.get("verdict") or "undetermined").upper()
+    firsts = [f for f in summary.get("failures") or [] if not f.get("worst")]
+    if firsts:
+        f = firsts[0]
+        detail = f"first failure at {f['site']} {f['direction']}, step {f['step']}: {f['reason']}" + (
+            f"; reproducer {f['repro']}" if f.get("repro") else ""
+        )
+    else:
+        ratio = summary.get("max_limit_ratio")
+        at = f"{ratio:.3g} at {summary.get('max_limit_ratio_site')}" if ratio is not None else "n/a"
+        back = summary.get("max_backward_limit_ratio")
+        if back is not None:
+            at += f", backward {back:.3g} at {summary.get('max_backward_limit_ratio_site')}"
+        detail = f"{summary.get('sites', 0)} sites, worst error / limit {at} (> 1 fails)"
+    bias = bias_words(summary)
+    detail += f"; {bias}" if bias else ""
+    where = f" ({path})" if path is not None else ""
+    return f"{who}: verdict {verdict}: {detail}{where}"
 
 
 def nonfinite_weights(module: nn.Module) -> str | None:

@@ -1,4 +1,5 @@
-"""The summary over sites: the worst values of a probe's per-site statistics, in one dict.
+"""The summary over sites: the worst values of a probe's per-site statistics, typed
+(:class:`ProbeSummary`, each field documented) and as the plain dict every caller reads.
 
 :func:`summarize` reads what :meth:`ShadowAttention.stats <flashprobe.probing.ShadowAttention.stats>`
 returns (plain Python data, already on the host) and reports the worst error ratios and the sites
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from flashprobe.bias import BIAS_Z_LIMIT
@@ -19,83 +21,218 @@ from flashprobe.probing.stats import GRADIENTS, PAIRS, worst
 
 _ORDER = ("out", "dq", "dk", "dv")  # failures sort by step, site, then this
 
-__all__ = ["bias_words", "summarize", "summary_scalars"]
+__all__ = ["ProbeSummary", "bias_words", "summarize", "summary_scalars"]
+
+
+@dataclass(kw_only=True)
+class ProbeSummary:
+    """The summary over sites, typed: what :func:`summarize`, :meth:`Probe.summary
+    <flashprobe.probing.Probe.summary>` and the training callbacks' records give (as
+    :meth:`to_dict`, the JSON of ``probe.jsonl``); :meth:`Probe.typed_summary
+    <flashprobe.probing.Probe.typed_summary>` gives it as this class.
+
+    Ratios are ``error / limit`` (the verdict's statistic, :data:`flashprobe.judge.SCORE`: > 1
+    fails) or ratios of maxima against the golden (flash-attention's statistic, not the verdict's);
+    a site with a direction is written ``"site:dq"``. A failure is ``{site, direction, step, kind,
+    value, limit, limit_ratio, reason}`` (with ``repro``, the reproducer's path, where one was saved).
+
+    Attributes:
+        sites: sites with statistics in the interval.
+        forward_calls: compared forward calls, over sites.
+        backward_calls: compared backward calls, over sites.
+        limit_ratio: the worse of ``max_limit_ratio`` and ``max_backward_limit_ratio``: the verdict's
+            statistic, shown first (None: nothing judged).
+        max_limit_ratio: the worst forward call's error / limit over sites.
+        max_limit_ratio_site: its site.
+        max_backward_limit_ratio: the worst gradient's error / limit over sites and dq, dk, dv.
+        max_backward_limit_ratio_site: its ``"site:dir"``.
+        undetermined_calls: calls too ill-conditioned or unrepresentable to judge, all directions.
+        max_error_ratio: the worst forward ratio of maxima against the golden (primary's / baseline's).
+        max_error_ratio_site: its site.
+        max_call_error_ratio: the worst single call's forward ratio of maxima.
+        max_backward_error_ratio: the worst gradient's ratio of maxima.
+        max_backward_error_ratio_site: its ``"site:dir"``.
+        max_abs: ``{pair: max |a - b|}`` of the forward output over sites, per pair
+            (``primary_baseline``, ``primary_golden``, ``baseline_golden``; None: not computed).
+        nonfinite: non-finite values counted: inputs and every pair of every direction.
+        nonfinite_sites: the sites where any was counted.
+        shadow_errors: comparisons the shadow could not run (the primary's output was kept).
+        primary_nonfinite: non-finite values the **primary** returned from finite inputs where the
+            baseline's are finite (a kernel bug, not the data).
+        primary_nonfinite_sites: the sites where it did.
+        max_bias_z: the run's largest signed-bias ``|z|``, with its sign (:mod:`flashprobe.bias`;
+            None before any replicate).
+        max_bias_site: its ``"site:dir"``.
+        biased: ``{site, direction, z, component, limit}`` of every direction whose ``|z|`` reached
+            its limit.
+        verdict: ``fail`` (a call failed or a site is biased, in this interval or before),
+            ``pass`` (every site passed) or ``undetermined`` (no site, or a site with nothing judged).
+        verdict_reason: the verdict in words.
+        worst_failure: the worst failing call (the largest ``limit_ratio``; a non-finite output
+            ranks infinite), None when nothing failed; in a training callback's record, the run's.
+        failures: the first failure of each site and direction, in step order, then the worst
+            (``"worst": True``).
+        step: the probe's step counter (:meth:`Probe.summary <flashprobe.probing.Probe.summary>`; a
+            callback's record: the logging step); None (and not in :meth:`to_dict`) from a bare
+            :func:`summarize`.
+        dropout_calls: calls with attention dropout (from :meth:`Probe.summary
+            <flashprobe.probing.Probe.summary>`, as ``step``).
+        fallbacks: ``{site, requested, kernel, from_step, reason}`` where torch's SDPA computed the
+            attention instead of the primary (``fallback=True``; as ``step``).
+        notes: why values are missing, in words (as ``step``).
+        stopped: why a training callback stopped training on non-finite values; only in the records
+            after it did.
+        run_nonfinite: non-finite values counted over the run (a training callback's record, from
+            :class:`~flashprobe.probing.session.RunTally`; the four ``run``/``first`` fields appear
+            together).
+        run_primary_nonfinite: ``primary_nonfinite`` over the run.
+        first_primary_nonfinite_step: the step where the primary's first non-finite value appeared.
+        first_primary_nonfinite_sites: the sites where it appeared.
+    """
+
+    sites: int
+    forward_calls: int
+    backward_calls: int
+    limit_ratio: float | None
+    max_limit_ratio: float | None
+    max_limit_ratio_site: str | None
+    max_backward_limit_ratio: float | None
+    max_backward_limit_ratio_site: str | None
+    undetermined_calls: int
+    max_error_ratio: float | None
+    max_error_ratio_site: str | None
+    max_call_error_ratio: float | None
+    max_backward_error_ratio: float | None
+    max_backward_error_ratio_site: str | None
+    max_abs: dict[str, float | None]
+    nonfinite: int
+    nonfinite_sites: list[str]
+    shadow_errors: int
+    primary_nonfinite: int
+    primary_nonfinite_sites: list[str]
+    max_bias_z: float | None
+    max_bias_site: str | None
+    biased: list[dict[str, Any]]
+    verdict: str
+    verdict_reason: str
+    worst_failure: dict[str, Any] | None
+    failures: list[dict[str, Any]]
+    step: int | None = None
+    dropout_calls: int | None = None
+    fallbacks: list[dict[str, Any]] | None = None
+    notes: list[str] | None = None
+    stopped: str | None = None
+    run_nonfinite: int | None = None
+    run_primary_nonfinite: int | None = None
+    first_primary_nonfinite_step: int | None = None
+    first_primary_nonfinite_sites: list[str] | None = None
+
+    @classmethod
+    def of(cls, stats: Mapping[str, Any]) -> ProbeSummary:
+        """The worst values over sites of per-site statistics (``{site: entry}`` as returned by
+        ``ShadowAttention.stats()``, not flattened)."""
+        fwd = {s: e["forward"]["out"] for s, e in stats.items()}
+        bwd = {(s, d): e["backward"][d] for s, e in stats.items() for d in GRADIENTS}
+        limit_site = _argworst({s: f.get("limit_ratio") for s, f in fwd.items()})
+        limit_bwd = _argworst({k: b.get("limit_ratio") for k, b in bwd.items()})
+        ratio_site = _argworst({s: f["error_ratio"] for s, f in fwd.items()})
+        bwd_site = _argworst({k: b["error_ratio"] for k, b in bwd.items()})
+        nonfinite = {site: _nonfinite(entry) for site, entry in stats.items()}
+        primary = {site: _primary_nonfinite(entry) for site, entry in stats.items()}
+        forward_limit = None if limit_site is None else fwd[limit_site]["limit_ratio"]
+        backward_limit = None if limit_bwd is None else bwd[limit_bwd]["limit_ratio"]
+        return cls(
+            sites=len(stats),
+            forward_calls=sum(e["forward"]["calls"] for e in stats.values()),
+            backward_calls=sum(e["backward"]["calls"] for e in stats.values()),
+            limit_ratio=worst([forward_limit, backward_limit]),
+            max_limit_ratio=forward_limit,
+            max_limit_ratio_site=limit_site,
+            max_backward_limit_ratio=backward_limit,
+            max_backward_limit_ratio_site=None if limit_bwd is None else f"{limit_bwd[0]}:{limit_bwd[1]}",
+            undetermined_calls=sum(
+                sum((e.get("undetermined_calls") or {}).values()) for e in (*fwd.values(), *bwd.values())
+            ),
+            max_error_ratio=None if ratio_site is None else fwd[ratio_site]["error_ratio"],
+            max_error_ratio_site=ratio_site,
+            max_call_error_ratio=worst([f["max_call_error_ratio"] for f in fwd.values()]),
+            max_backward_error_ratio=None if bwd_site is None else bwd[bwd_site]["error_ratio"],
+            max_backward_error_ratio_site=None if bwd_site is None else f"{bwd_site[0]}:{bwd_site[1]}",
+            max_abs={
+                pair: worst([f[pair]["max_abs"] if f[pair] else None for f in fwd.values()]) for pair in PAIRS
+            },
+            nonfinite=sum(nonfinite.values()),
+            nonfinite_sites=[site for site, n in nonfinite.items() if n],
+            shadow_errors=sum(e["shadow_errors"] for e in stats.values()),
+            primary_nonfinite=sum(primary.values()),
+            primary_nonfinite_sites=[site for site, n in primary.items() if n],
+            **_bias(fwd, bwd),
+            **_verdict(stats),
+        )
+
+    @classmethod
+    def from_dict(cls, summary: Mapping[str, Any]) -> ProbeSummary:
+        """A summary from its :meth:`to_dict` (e.g. a ``probe.jsonl`` record's ``summary``).
+
+        Raises:
+            ValueError: a key that is not a field, or a field every summary has that is missing,
+                naming them.
+        """
+        unknown = sorted(set(summary) - {f.name for f in fields(cls)})
+        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in summary]
+        problems = [
+            f"{what} keys {', '.join(keys)}"
+            for what, keys in (("unknown", unknown), ("missing", missing))
+            if keys
+        ]
+        if problems:
+            raise ValueError(f"not a probe summary: {'; '.join(problems)}")
+        return cls(**summary)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The summary as plain data, the JSON of ``probe.jsonl``: every field in declaration order,
+        less the optional ones that are None (``step``, ``dropout_calls``, ``fallbacks``, ``notes``,
+        ``stopped``) and the run's four (``run_nonfinite``, ...) outside a training callback. Its
+        lists and dicts are this summary's own (not copies)."""
+        out = {}
+        run = self.run_nonfinite is not None
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in _RUN_FIELDS and not run:
+                continue
+            if f.name in _OPTIONAL_FIELDS and value is None:
+                continue
+            out[f.name] = value
+        return out
+
+
+#: Fields a summary has only where someone set them (None: left out of ``to_dict``).
+_OPTIONAL_FIELDS = frozenset({"step", "dropout_calls", "fallbacks", "notes", "stopped"})
+#: The run's fields (:class:`~flashprobe.probing.session.RunTally`): all or none.
+_RUN_FIELDS = frozenset(
+    {
+        "run_nonfinite",
+        "run_primary_nonfinite",
+        "first_primary_nonfinite_step",
+        "first_primary_nonfinite_sites",
+    }
+)
 
 
 def summarize(stats: Mapping[str, Any]) -> dict[str, Any]:
-    """Worst values over all sites, as plain Python data.
+    """Worst values over all sites, as plain Python data: :meth:`ProbeSummary.of` as
+    :meth:`ProbeSummary.to_dict` (its fields are documented there).
 
     Args:
         stats: per-site statistics, ``{site: entry}`` as returned by ``ShadowAttention.stats()``
             (not flattened).
 
     Returns:
-        ``sites``, ``forward_calls``, ``backward_calls``; ``limit_ratio``, the worse of
-        ``max_limit_ratio`` (forward) and
-        ``max_limit_ratio_site``, ``max_backward_limit_ratio`` and its site (``"site:dq"``): the
-        verdict's statistic (:data:`flashprobe.judge.SCORE`: the worst call's statistic / limit over
-        the criteria, > 1 fails), shown first; ``undetermined_calls`` (ill-conditioned or
-        unrepresentable, all directions); the ratio of maxima against the golden (flash-attention's
-        statistic, not the verdict's): ``max_error_ratio`` (forward) and ``max_error_ratio_site``,
-        ``max_call_error_ratio``, ``max_backward_error_ratio`` and its site; ``max_abs`` per pair
-        (forward), ``nonfinite`` (all pairs,
-        directions and inputs), ``nonfinite_sites``, ``shadow_errors``,
-        ``primary_nonfinite_sites``: the sites where the **primary** returned non-finite values
-        from finite inputs where the baseline did not (a kernel bug, not the data), with
-        ``primary_nonfinite`` the number of such values; the run's signed bias
-        (:mod:`flashprobe.bias`): ``max_bias_z`` (the largest ``|z|``, with its sign) and
-        ``max_bias_site`` (``"site:dir"``), ``biased`` (``{site, direction, z, component, limit}``
-        of every direction whose ``|z|`` reached its limit); ``verdict``: ``fail`` when a site
-        failed (a call failed, or it is biased), ``pass`` when every site passed, else
-        ``undetermined`` (no site, or a site with nothing judged), with ``verdict_reason``;
-        ``worst_failure``: the worst failing call, ``{site, direction, step, kind, value, limit,
-        limit_ratio, reason}``: the largest ``limit_ratio`` over failing directions, where a direction
-        that failed without a ratio above its limit (a non-finite output) gives its failing call,
-        ranked infinite; None when nothing failed;
-        ``failures``: the first failure of each site and direction, in step order, then the worst
-        (``"worst": True``).
+        ``sites``, ``forward_calls``, ``backward_calls``, ``limit_ratio`` (the verdict's statistic) and
+        the worst ratios with their sites, ``max_abs`` per pair, the non-finite counts, the signed
+        bias, ``verdict``, ``verdict_reason``, ``worst_failure`` and ``failures``.
     """
-    fwd = {s: e["forward"]["out"] for s, e in stats.items()}
-    bwd = {(s, d): e["backward"][d] for s, e in stats.items() for d in GRADIENTS}
-    limit_site = _argworst({s: f.get("limit_ratio") for s, f in fwd.items()})
-    limit_bwd = _argworst({k: b.get("limit_ratio") for k, b in bwd.items()})
-    ratio_site = _argworst({s: f["error_ratio"] for s, f in fwd.items()})
-    bwd_site = _argworst({k: b["error_ratio"] for k, b in bwd.items()})
-    nonfinite = {site: _nonfinite(entry) for site, entry in stats.items()}
-    primary = {site: _primary_nonfinite(entry) for site, entry in stats.items()}
-    return {
-        "sites": len(stats),
-        "forward_calls": sum(e["forward"]["calls"] for e in stats.values()),
-        "backward_calls": sum(e["backward"]["calls"] for e in stats.values()),
-        "limit_ratio": worst(
-            [
-                None if limit_site is None else fwd[limit_site]["limit_ratio"],
-                None if limit_bwd is None else bwd[limit_bwd]["limit_ratio"],
-            ]
-        ),
-        "max_limit_ratio": None if limit_site is None else fwd[limit_site]["limit_ratio"],
-        "max_limit_ratio_site": limit_site,
-        "max_backward_limit_ratio": None if limit_bwd is None else bwd[limit_bwd]["limit_ratio"],
-        "max_backward_limit_ratio_site": None if limit_bwd is None else f"{limit_bwd[0]}:{limit_bwd[1]}",
-        "undetermined_calls": sum(
-            sum((e.get("undetermined_calls") or {}).values()) for e in (*fwd.values(), *bwd.values())
-        ),
-        "max_error_ratio": None if ratio_site is None else fwd[ratio_site]["error_ratio"],
-        "max_error_ratio_site": ratio_site,
-        "max_call_error_ratio": worst([f["max_call_error_ratio"] for f in fwd.values()]),
-        "max_backward_error_ratio": None if bwd_site is None else bwd[bwd_site]["error_ratio"],
-        "max_backward_error_ratio_site": None if bwd_site is None else f"{bwd_site[0]}:{bwd_site[1]}",
-        "max_abs": {
-            pair: worst([f[pair]["max_abs"] if f[pair] else None for f in fwd.values()]) for pair in PAIRS
-        },
-        "nonfinite": sum(nonfinite.values()),
-        "nonfinite_sites": [site for site, n in nonfinite.items() if n],
-        "shadow_errors": sum(e["shadow_errors"] for e in stats.values()),
-        "primary_nonfinite": sum(primary.values()),
-        "primary_nonfinite_sites": [site for site, n in primary.items() if n],
-        **_bias(fwd, bwd),
-        **_verdict(stats),
-    }
+    return ProbeSummary.of(stats).to_dict()
 
 
 def _bias(fwd: Mapping[str, Any], bwd: Mapping[tuple[str, str], Any]) -> dict[str, Any]:
