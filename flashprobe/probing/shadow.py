@@ -55,7 +55,7 @@ from flashprobe.bias import BIAS_FIELDS
 from flashprobe.deviation import StatsWorkspace, combine_sums, pair_sums, reads_are_free
 from flashprobe.formats.reproducer import kernel_module, reproducer_stem, save_reproducer
 from flashprobe.judge import CRITERIA, call_statistics, reason, row_statistics
-from flashprobe.kernels import KernelUnavailableError, KernelUnsupportedError, get_kernel, math_attention
+from flashprobe.kernels import KernelUnavailableError, KernelUnsupportedError, math_attention
 from flashprobe.kernels.reference import (
     Block,
     GroupGradients,
@@ -244,8 +244,8 @@ class ShadowAttention(nn.Module):
         if device is not None:  # backward="auto": decided by the kernels' capabilities there
             self.config = self.config.resolve_backward(device)
         cfg = self.config
-        self.primary = None if cfg.primary is None else get_kernel(cfg.primary)
-        self.baseline = get_kernel(cfg.baseline)
+        self.primary = cfg.primary_kernel  # resolved once, when the config was built
+        self.baseline = cfg.baseline_kernel
         self.record = bool(record)
         self.name = name
         if device is not None:
