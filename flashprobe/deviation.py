@@ -365,7 +365,8 @@ class _Layout:
                 "magnitudes": self._block(x[first], count),
                 "differences": self._block(x[first + 1], 3),
                 "rows": self._block(x[first + 2], 2, w),
-                "form": x[first + 6 if masked else 5].view(-1, w),
+                "form_row": x[9 if masked else 5],
+                "form": x[9 if masked else 5].view(-1, w),
             }
             if masked:
                 blocks["z"] = self._block(x[0], 3)
@@ -470,47 +471,42 @@ class _Sweep:
         torch.amax(block, dim=1, out=out["max"])
         torch.sum(d, dim=0, out=out["sum"])
 
+    def _differences(
+        self, v: _Views, at: int, p: torch.Tensor, b: torch.Tensor, g: torch.Tensor, f: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Scratch rows from ``at`` on: ``b; p − b; p − g; b − g``, then a spare for the golden; the
+        row norms of ``p − g`` and ``b − g``, of the golden and of the form's ``f − g`` (before any
+        masking: a row with a non-finite value reads non-finite), ``max g`` and ``min g`` over every
+        position (non-finite where the golden is). Returns the golden's slice as a flat row."""
+        x, out, norms = v.x, v.acc, v.norms
+        self._load(x[at + 2], p)  # p, until it becomes p − g
+        self._load(x[at], b)
+        torch.sub(x[at + 2], x[at], out=x[at + 1])
+        ref = self._golden(x[at + 4], g)
+        x[at + 2].sub_(ref)
+        torch.sub(x[at], ref, out=x[at + 3])
+        torch.linalg.vector_norm(v.blocks["rows"], dim=-1, out=norms[0])
+        torch.linalg.vector_norm(ref.view(-1, self.width or ref.numel()), dim=-1, out=norms[1])
+        if f is not None:
+            self._load(v.blocks["form_row"], f).sub_(ref)
+            torch.linalg.vector_norm(v.blocks["form"], dim=-1, out=norms[2])
+        torch.amax(ref, dim=0, out=out["gmax"])
+        torch.amin(ref, dim=0, out=out["gmin"])
+        return ref
+
     def _finite_slice(
         self, v: _Views, p: torch.Tensor, b: torch.Tensor, g: torch.Tensor, f: torch.Tensor | None
     ) -> None:
         """Scratch rows: ``b; p − b; p − g; b − g; spare (2)``."""
-        x, blocks, out, norms = v.x, v.blocks, v.acc, v.norms
-        self._load(x[2], p)  # p, until it becomes p − g
-        self._load(x[0], b)
-        torch.sub(x[2], x[0], out=x[1])
-        ref = self._golden(x[4], g)
-        x[2].sub_(ref)
-        torch.sub(x[0], ref, out=x[3])
-        w = self.width or ref.numel()
-        torch.linalg.vector_norm(blocks["rows"], dim=-1, out=norms[0])
-        torch.linalg.vector_norm(ref.view(-1, w), dim=-1, out=norms[1])
-        if f is not None:
-            self._load(x[5], f).sub_(ref)
-            torch.linalg.vector_norm(blocks["form"], dim=-1, out=norms[2])
-        torch.amax(ref, dim=0, out=out["gmax"])
-        torch.amin(ref, dim=0, out=out["gmin"])
+        self._differences(v, 0, p, b, g, f)
         self._magnitudes(v)
 
     def _masked_slice(
         self, v: _Views, p: torch.Tensor, b: torch.Tensor, g: torch.Tensor, f: torch.Tensor | None
     ) -> None:
         """Scratch rows: ``z (3); b; p − b; p − g; b − g; g (of p − g); g (of b − g); spare (2)``."""
-        x, blocks, out, norms = v.x, v.blocks, v.acc, v.norms
-        self._load(x[5], p)
-        self._load(x[3], b)
-        torch.sub(x[5], x[3], out=x[4])
-        ref = self._golden(x[7], g)
-        x[5].sub_(ref)
-        torch.sub(x[3], ref, out=x[6])
-        w = self.width or ref.numel()
-        # before masking: a row with a non-finite value reads non-finite
-        torch.linalg.vector_norm(blocks["rows"], dim=-1, out=norms[0])
-        torch.linalg.vector_norm(ref.view(-1, w), dim=-1, out=norms[1])
-        if f is not None:
-            self._load(x[9], f).sub_(ref)
-            torch.linalg.vector_norm(blocks["form"], dim=-1, out=norms[2])
-        torch.amax(ref, dim=0, out=out["gmax"])  # over every position: non-finite where the golden is
-        torch.amin(ref, dim=0, out=out["gmin"])
+        x, blocks, out = v.x, v.blocks, v.acc
+        ref = self._differences(v, 3, p, b, g, f)
         if ref.data_ptr() != x[7].data_ptr():
             x[7].copy_(ref)
         z = blocks["z"]
