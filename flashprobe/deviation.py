@@ -118,8 +118,9 @@ class StatsWorkspace:
     buffer of at most ``11 · SLICE_ELEMENTS[device]`` values (more only for rows longer than a slice),
     and the views of the last call shapes' sweeps (:class:`_Layout`, a few small tables each)."""
 
-    #: Call shapes whose views are kept; beyond them the oldest are dropped.
-    KEPT_LAYOUTS = 64
+    #: Bytes of per-call-shape tables (:class:`_Layout`) kept; beyond them the oldest shapes are
+    #: dropped (a new shape costs its views once more, about a hundred view operations).
+    KEPT_BYTES = 32 << 20
 
     def __init__(self) -> None:
         self._buffers: dict[torch.device, torch.Tensor] = {}
@@ -144,9 +145,15 @@ class StatsWorkspace:
             stride = -(-chunk // _ROW_ALIGN) * _ROW_ALIGN  # every row starts equally aligned
             count = 11 if golden else 3
             scratch = self.get(device, count * stride)[: count * stride].view(count, stride)
-            if len(self._layouts) >= self.KEPT_LAYOUTS:
-                self._layouts.pop(next(iter(self._layouts)))
-            found = self._layouts[key] = _Layout(scratch, stride, n, chunk, width, golden, form)
+            found = _Layout(scratch, stride, n, chunk, width, golden, form)
+            if found.nbytes > self.KEPT_BYTES:  # a call this large costs far more than its views
+                return found
+            while (
+                self._layouts
+                and sum(x.nbytes for x in self._layouts.values()) + found.nbytes > self.KEPT_BYTES
+            ):
+                self._layouts.pop(next(iter(self._layouts)))  # the oldest shape
+            self._layouts[key] = found
         return found
 
     def clear(self) -> None:
@@ -319,6 +326,11 @@ class _Layout:
         self.sizes = [min(chunk, n - a) for a in range(0, n, chunk)]
         self.rows = [m // width for m in self.sizes] if width else [1] * len(self.sizes)
         self.tables: dict[bool, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
+        rows = sum(self.rows)
+        #: the most its tables take (both sweeps): the slices' table, the row norms, the masked squares
+        self.nbytes = 8 * (
+            2 * len(self.sizes) * 16 + (2 * 4 + 4) * rows if golden else 2 * len(self.sizes) * 6
+        )
         self._views: dict[bool, list[_Views]] = {}
 
     def views(self, masked: bool) -> list[_Views]:

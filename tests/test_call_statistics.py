@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from flashprobe.bias import BIAS_SAMPLE, BiasStats
-from flashprobe.deviation import pair_sums
+from flashprobe.deviation import StatsWorkspace, pair_and_row_sums, pair_sums
 from flashprobe.judge import call_statistics, noise_statistics, row_statistics
 
 deviation_module = sys.modules["flashprobe.deviation"]  # (the package's `deviation` is the function)
@@ -122,3 +122,29 @@ def test_empty_tensors() -> None:
     assert got.sums.shape == (7, 3) and (got.sums == 0).all()
     assert got.rows.tolist() == [0.0, 0.0, 0.0]
     assert got.noise is not None and got.noise.tolist() == [0.0, 0.0]
+
+
+def test_a_workspace_keeps_call_shapes_within_its_bytes_and_results_apart(monkeypatch) -> None:
+    """A workspace reused over many call shapes (as a run with varying sequence lengths) keeps the
+    tables of the latest within :attr:`StatsWorkspace.KEPT_BYTES` and gives the same statistics as a
+    fresh one; a result's row norms are its own (the next call of the same shape does not change
+    them)."""
+    monkeypatch.setattr(StatsWorkspace, "KEPT_BYTES", 40 << 10)  # the shapes of n = 64 and up evict
+    workspace = StatsWorkspace()
+    first = None
+    for n in [5, 17, 64, 300, 1000, 17, 5]:
+        p, b, g, f = _tensors((2, 3, n, 8), torch.float32, seed=n)
+        kept = call_statistics(p, b, g, workspace, form=f)
+        fresh = call_statistics(p, b, g, StatsWorkspace(), form=f)
+        for a, z in zip(kept[:3], fresh[:3], strict=True):
+            assert torch.equal(a, z), n
+        assert sum(x.nbytes for x in workspace._layouts.values()) <= StatsWorkspace.KEPT_BYTES
+        if n == 64:  # the oldest shapes made room
+            assert all(key[1] != 2 * 3 * 5 * 8 for key in workspace._layouts)
+        if first is None:
+            first = (p, b, g, pair_and_row_sums(p, b, g, workspace)[1].clone())
+    p, b, g, norms = first
+    again = pair_and_row_sums(p, b, g, workspace)[1]
+    assert torch.equal(again, norms)
+    pair_and_row_sums(p + 1, b, g, workspace)  # same shape, other values
+    assert torch.equal(again, norms)
