@@ -10,7 +10,8 @@ classified:
 - **traceback**: a ``Traceback`` (or Hydra's "Error executing job") in the output;
 - **silent**: exit 0 where the command should refuse, or a refusal with no message at all;
 - **late**: refused only after work started: files written into the case's directory, training
-  begun (a snapshot saved, ``Trainer.fit`` run), the time limit reached, or a refusal slower than
+  begun (a snapshot saved, ``Trainer.fit`` run), the time limit reached (it counts only time the
+  command could run: not while another job has it or the table stopped), or a refusal slower than
   the same command's median clean refusal by more than ``--late-after`` seconds;
 - **mismatch**: none of these, but another exit code or message than the table expects.
 
@@ -1141,24 +1142,87 @@ def setup(name: str, d: Path, prepared: Prepared) -> Iterator[dict[str, str]]:
 # running and classifying
 
 
-def _flashprobe(
-    args: Sequence[str], cwd: Path, env: dict[str, str], timeout: float
-) -> subprocess.CompletedProcess:
-    """``python -m flashprobe.cli ARGS`` in ``cwd``; on timeout the whole process group is killed and
-    the result has returncode ``None``."""
-    cmd = [sys.executable, "-m", "flashprobe.cli", *args]
+@dataclass
+class Ran:
+    """One command's result.
+
+    Attributes:
+        returncode: its exit code, or None when its time limit stopped it.
+        stdout, stderr: its output.
+        held: seconds its clock was held: the command (a process of its group) was stopped, or the
+            table itself was not running (another job paused or starved the machine).
+        cpu: on a time limit, the CPU seconds the command had used (a busy command near its wall
+            time, a waiting one near 0).
+    """
+
+    returncode: int | None
+    stdout: str
+    stderr: str
+    held: float = 0.0
+    cpu: float | None = None
+
+
+#: seconds between two looks at a running command
+_POLL_S = 0.5
+
+#: a gap between two looks longer than this: the table itself was not running (its clock is held)
+_PAUSE_GAP_S = 3.0
+
+
+def _group_stat(pgid: int) -> list[list[str]]:
+    """The ``/proc/PID/stat`` fields after the command name of every process of group ``pgid``
+    (state first; empty where /proc cannot be read)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                fields = (entry / "stat").read_text().rpartition(")")[2].split()
+                if int(fields[2]) == pgid:  # state, ppid, pgrp, ...
+                    found.append(fields)
+    return found
+
+
+def _flashprobe(args: Sequence[str], cwd: Path, env: dict[str, str], timeout: float) -> Ran:
+    """``python -m flashprobe.cli ARGS`` in ``cwd``, under :func:`run_held`."""
+    return run_held([sys.executable, "-m", "flashprobe.cli", *args], cwd, env, timeout)
+
+
+def run_held(cmd: Sequence[str], cwd: Path, env: dict[str, str], timeout: float) -> Ran:
+    """Run ``cmd`` in ``cwd`` in a process group of its own; after ``timeout`` seconds in which it
+    could run, the whole group is killed and the result has returncode ``None``.
+
+    The limit counts only time the command could run: while a process of its group is stopped
+    (SIGSTOP: state ``T``) or the table itself was not running, the clock is held (``held``), so a
+    job that pauses the machine for a minute does not make a quick refusal look late.
+    """
+    ran = held = 0.0
+    cpu: float | None = None
     with subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
     ) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-            code: int | None = proc.returncode
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            out, err = proc.communicate()
-            code = None
+        last = time.monotonic()
+        while True:
+            try:  # a retried communicate() loses no output
+                out, err = proc.communicate(timeout=_POLL_S)
+                code: int | None = proc.returncode
+                break
+            except subprocess.TimeoutExpired:
+                now = time.monotonic()
+                gap, last = now - last, now
+                stat = _group_stat(proc.pid)
+                if gap > _PAUSE_GAP_S or any(f[0] in "Tt" for f in stat):
+                    held += gap
+                else:
+                    ran += gap
+                if ran > timeout:
+                    ticks = os.sysconf("SC_CLK_TCK")
+                    cpu = sum(int(f[11]) + int(f[12]) for f in stat) / ticks  # utime + stime
+                    os.killpg(proc.pid, 9)
+                    out, err = proc.communicate()
+                    code = None
+                    break
     decode = lambda b: b.decode("utf-8", "backslashreplace")  # noqa: E731
-    return subprocess.CompletedProcess(cmd, code, decode(out), decode(err))  # type: ignore[arg-type]
+    return Ran(code, decode(out), decode(err), held, cpu)
 
 
 def fingerprint(directory: Path) -> dict[str, tuple]:
@@ -1212,6 +1276,8 @@ class Outcome:
     outside: list[str] = field(default_factory=list)
     kind: str = ""
     reason: str = ""
+    held: float = 0.0
+    cpu: float | None = None
 
     def to_json(self, index: int) -> dict[str, Any]:
         return {
@@ -1224,6 +1290,8 @@ class Outcome:
             "expected_phrase": self.case.expect,
             "returncode": self.returncode,
             "seconds": round(self.seconds, 2),
+            "held_seconds": round(self.held, 2),
+            "cpu_seconds_at_limit": self.cpu,
             "class": self.kind,
             "reason": self.reason,
             "message": _message(self.output, self.case.expect)[:500],
@@ -1323,8 +1391,9 @@ class Table:
                 inside, outside = fingerprint(d), self._watched()
                 start = time.monotonic()
                 proc = _flashprobe(args, cwd, env, case.timeout)
-                seconds = time.monotonic() - start
+                seconds = time.monotonic() - start - proc.held
                 outcome = Outcome(case, args, proc.returncode, seconds, proc.stderr + "\n" + proc.stdout)
+                outcome.held, outcome.cpu = proc.held, proc.cpu
                 outcome.inside = _changes(inside, fingerprint(d))
                 after = self._watched()
                 outcome.outside = [f"{n}:{c}" for n in outside for c in _changes(outside[n], after[n])]
@@ -1334,6 +1403,8 @@ class Table:
             reason = f"the setup failed: {type(err).__name__}: {err}"
             return Outcome(case, list(case.args), None, 0.0, "", kind="skipped", reason=reason)
         outcome.kind, outcome.reason = classify(case, outcome.returncode, outcome.output, outcome.inside)
+        if outcome.cpu is not None:
+            outcome.reason += f"; it had used {outcome.cpu:.1f} s of CPU"
         return outcome
 
 
