@@ -300,26 +300,34 @@ def _repro_cases() -> list[Case]:
                 source=src,
             )
         )
+    for i, (_, _, message) in enumerate(
+        _parametrized(
+            test_repro_metadata.test_tensors_that_are_not_one_attention_call_are_refused_before_any_kernel_runs
+        )
+    ):
+        phrase = message.split(".*")[0].replace("\\", "")
+        src = "tests/probing/test_repro_metadata.py"
+        for args in (("replay", "{repro}"), ("fuzz", "--from", "{repro}", "--out", "out")):
+            cases.append(_c(*args, expect=phrase, setup=f"repro-call:{i}", source=src))
     crafted = {  # setup → phrase
         "repro:pickle": "not a safetensors file",
         "repro:text": "not a safetensors file",
         "repro:empty": "not a safetensors file",
         "repro:no-metadata": "not a flashprobe reproducer",
         "repro:metadata-not-json": "not a flashprobe reproducer",
-        "repro:other-format": "flashprobe-repro",
-        "repro:no-k": "k",
-        "repro:q-3d": "q",
-        "repro:head-dims": "",
-        "repro:int-tensors": "",
-        "repro:baseline-nosuch": "nosuch_baseline",
+        "repro:other-format": "of format 'flashprobe-repro-99'",
+        "repro:no-k": "missing tensors ['k']",
+        "repro:q-3d": "q must have shape (B, H, N, D)",
+        "repro:head-dims": "head dims of q (16) and k (12) differ",
+        "repro:int-tensors": "q must be floating point",
+        "repro:baseline-nosuch": "recorded baseline 'nosuch_baseline'",
         "repro:primary-nosuch": "nosuch_primary",
-        "repro:mask-shape": "attn_mask",
-        "repro:scale-nan": "scale",
+        "repro:mask-shape": "attn_mask of shape (3, 5) does not broadcast",
+        "repro:scale-nan": "scale is nan",
     }
     for setup, phrase in crafted.items():
         cases.append(_c("replay", "{repro}", expect=phrase, setup=setup))
-        if setup in ("repro:pickle", "repro:baseline-nosuch", "repro:primary-nosuch", "repro:mask-shape"):
-            cases.append(_c("fuzz", "--from", "{repro}", "--out", "out", expect=phrase, setup=setup))
+        cases.append(_c("fuzz", "--from", "{repro}", "--out", "out", expect=phrase, setup=setup))
     cases += [
         _c("replay", "nowhere.safetensors", expect="no such file", setup="empty"),
         _c("replay", "a_file", expect="not a safetensors file"),
@@ -984,6 +992,7 @@ SETUP_KINDS: dict[str, frozenset[str]] = {
     "entry": frozenset({"run"}),
     "damage": frozenset({"run"}),
     "repro-meta": frozenset({"repro"}),
+    "repro-call": frozenset({"repro"}),
     "repro": frozenset({"repro"}),
     "bugs": frozenset({"repro"}),
     "bench-json": frozenset(),
@@ -1083,6 +1092,13 @@ def setup(name: str, d: Path, prepared: Prepared) -> Iterator[dict[str, str]]:
             info, tensors, _ = _parametrized(t.test_bad_metadata_is_refused_naming_the_field)[int(arg)]
             if isinstance(info, dict):
                 info = {"format": REPRO_FORMAT, **info}
+            values["repro"] = str(t._write(d / "bad.safetensors", info, **tensors))
+        elif kind == "repro-call":
+            from tests.probing import test_repro_metadata as t
+
+            test = t.test_tensors_that_are_not_one_attention_call_are_refused_before_any_kernel_runs
+            tensors, info, _ = _parametrized(test)[int(arg)]
+            info = {**t._CALL, "primary": "math", **info}
             values["repro"] = str(t._write(d / "bad.safetensors", info, **tensors))
         elif kind == "repro":
             values["repro"] = str(_write_repro(d, arg))
