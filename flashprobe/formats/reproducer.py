@@ -200,7 +200,9 @@ def load_reproducer(path: str | Path, device: torch.device | str | None = None) 
 
     Raises:
         ReproducerError: the file is missing, not safetensors (an old ``.pt`` reproducer: refused,
-            saying so), or not a flashprobe reproducer.
+            saying so), not a flashprobe reproducer, of another format version (naming both), or its
+            metadata or tensors are not one valid attention call (a field of the wrong type, a 3-D
+            ``q``, a mask that does not broadcast, ...: the field named), all before any kernel runs.
     """
     from safetensors import SafetensorError, safe_open
 
@@ -237,8 +239,8 @@ def load_reproducer(path: str | Path, device: torch.device | str | None = None) 
         problem = _call_problem(views, is_causal=info.get("is_causal", False))
     if problem:
         raise ReproducerError(
-            f"{path}: not a valid flashprobe reproducer: {problem}. flashprobe writes neither, so the file "
-            "was changed or written by something else; save the call again (the probe saves it in "
+            f"{path}: not a valid flashprobe reproducer: {problem}. flashprobe never writes such a file, "
+            "so it was changed or written by something else; save the call again (the probe saves it in "
             "training, `flashprobe fuzz` a failing case)"
         )
     if device is None:
