@@ -1524,8 +1524,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--index", default="", metavar="SPEC", help="also run the cases of these indices (3,7-9)"
     )
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="run nothing: join the robustness.json of runs of parts of the table (one row per case, "
+        "the last file's where several have one) and write the table of them into --out",
+    )
     args = parser.parse_args(argv)
     cases = all_cases()
+    if args.merge:
+        try:
+            outcomes, seconds = merged(args.merge, cases)
+        except (OSError, ValueError, KeyError) as err:
+            print(f"robustness_table: --merge: {err}", file=sys.stderr)
+            return 2
+        args.out.mkdir(parents=True, exist_ok=True)  # (each row keeps the class its run gave it)
+        print(_write(args.out, outcomes, len(cases), seconds))
+        return 0
     chosen = select(cases, args.only, args.sample, args.index)
     if args.list:
         for i, case in chosen:
@@ -1555,6 +1572,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         late_by_time([o for _, o in outcomes], args.late_after)
         print(_write(args.out, outcomes, len(cases), time.monotonic() - start))
     return 0
+
+
+def merged(paths: Sequence[Path], cases: Sequence[Case]) -> tuple[list[tuple[int, Outcome]], float]:
+    """The outcomes in several ``robustness.json`` files (runs of parts of the table), one per case
+    in the table's order (the last file's row where several have one), and the seconds of all runs.
+
+    Raises:
+        ValueError: a row's command template is not the case at its index in this table (the table
+            changed since that run).
+    """
+    import shlex
+
+    rows: dict[int, dict[str, Any]] = {}
+    seconds = 0.0
+    for path in paths:
+        data = json.loads(path.read_text())
+        seconds += data["summary"]["seconds"]
+        for row in data["cases"]:
+            rows[row["index"]] = row
+    outcomes = []
+    for index, row in sorted(rows.items()):
+        case = cases[index] if 0 <= index < len(cases) else None
+        template = None if case is None else " ".join(_shell(a) for a in ["flashprobe", *case.args])
+        if row.get("template") != template:
+            raise ValueError(f"case {index} of {row.get('template')!r} is {template!r} in this table")
+        command = shlex.split(row["command"])[1:]
+        outcome = Outcome(case, command, row["returncode"], row["seconds"], row["message"])
+        outcome.kind, outcome.reason = row["class"], row["reason"]
+        outcome.inside, outcome.outside = row["written_inside"], row["written_outside"]
+        outcome.held, outcome.cpu = row.get("held_seconds", 0.0), row.get("cpu_seconds_at_limit")
+        outcomes.append((index, outcome))
+    return outcomes, seconds
 
 
 def _write(out: Path, outcomes: Sequence[tuple[int, Outcome]], total: int, seconds: float) -> str:

@@ -111,6 +111,17 @@ def test_a_sample_of_the_table_runs_end_to_end(tmp_path: Path, capsys) -> None:
     assert row["class"] == "clean" and "unknown kernel 'nosuch'" in row["message"], row
     assert "| **all** | **2** | **2** | **0** |" in (out / "robustness.md").read_text()
     assert "| **all** |" in capsys.readouterr().out
+    # runs of parts of the table are joined into one table, one row per case
+    part = tmp_path / "part.json"
+    part.write_text(json.dumps({**data, "cases": data["cases"][:1]}))
+    both = [str(part), str(out / "robustness.json")]
+    assert table.main(["--merge", *both, "--out", str(tmp_path / "all")]) == 0
+    joined = json.loads((tmp_path / "all" / "robustness.json").read_text())
+    assert joined["cases"] == data["cases"] and joined["summary"]["counts"] == data["summary"]["counts"]
+    wrong = {**data, "cases": [{**data["cases"][0], "index": 0}]}
+    part.write_text(json.dumps(wrong))
+    assert table.main(["--merge", str(part), "--out", str(tmp_path / "all")]) == 2
+    assert "is 'flashprobe train" in capsys.readouterr().err
 
 
 def test_time_a_command_spends_stopped_does_not_count_toward_its_limit(tmp_path: Path) -> None:
