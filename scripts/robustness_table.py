@@ -310,7 +310,7 @@ def _repro_cases() -> list[Case]:
         for args in (("replay", "{repro}"), ("fuzz", "--from", "{repro}", "--out", "out")):
             cases.append(_c(*args, expect=phrase, setup=f"repro-call:{i}", source=src))
     crafted = {  # setup → phrase
-        "repro:pickle": "not a safetensors file",
+        "repro:pickle": "flashprobe does not unpickle files it is handed",
         "repro:text": "not a safetensors file",
         "repro:empty": "not a safetensors file",
         "repro:no-metadata": "not a flashprobe reproducer",
