@@ -10,7 +10,8 @@ classified:
 - **traceback**: a ``Traceback`` (or Hydra's "Error executing job") in the output;
 - **silent**: exit 0 where the command should refuse, or a refusal with no message at all;
 - **late**: refused only after work started: files written into the case's directory, training
-  begun (a snapshot saved, ``Trainer.fit`` run), the time limit reached, or a refusal slower than
+  begun (a snapshot saved, ``Trainer.fit`` run), the time limit reached (it counts only time the
+  command could run: not while another job has it or the table stopped), or a refusal slower than
   the same command's median clean refusal by more than ``--late-after`` seconds;
 - **mismatch**: none of these, but another exit code or message than the table expects.
 
@@ -299,26 +300,34 @@ def _repro_cases() -> list[Case]:
                 source=src,
             )
         )
+    for i, (_, _, message) in enumerate(
+        _parametrized(
+            test_repro_metadata.test_tensors_that_are_not_one_attention_call_are_refused_before_any_kernel_runs
+        )
+    ):
+        phrase = message.split(".*")[0].replace("\\", "")
+        src = "tests/probing/test_repro_metadata.py"
+        for args in (("replay", "{repro}"), ("fuzz", "--from", "{repro}", "--out", "out")):
+            cases.append(_c(*args, expect=phrase, setup=f"repro-call:{i}", source=src))
     crafted = {  # setup → phrase
-        "repro:pickle": "not a safetensors file",
+        "repro:pickle": "flashprobe does not unpickle files it is handed",
         "repro:text": "not a safetensors file",
         "repro:empty": "not a safetensors file",
         "repro:no-metadata": "not a flashprobe reproducer",
         "repro:metadata-not-json": "not a flashprobe reproducer",
-        "repro:other-format": "flashprobe-repro",
-        "repro:no-k": "k",
-        "repro:q-3d": "q",
-        "repro:head-dims": "",
-        "repro:int-tensors": "",
-        "repro:baseline-nosuch": "nosuch_baseline",
+        "repro:other-format": "of format 'flashprobe-repro-99'",
+        "repro:no-k": "missing tensors ['k']",
+        "repro:q-3d": "q must have shape (B, H, N, D)",
+        "repro:head-dims": "head dims of q (16) and k (12) differ",
+        "repro:int-tensors": "q must be floating point",
+        "repro:baseline-nosuch": "recorded baseline 'nosuch_baseline'",
         "repro:primary-nosuch": "nosuch_primary",
-        "repro:mask-shape": "attn_mask",
-        "repro:scale-nan": "scale",
+        "repro:mask-shape": "attn_mask of shape (3, 5) does not broadcast",
+        "repro:scale-nan": "scale is nan",
     }
     for setup, phrase in crafted.items():
         cases.append(_c("replay", "{repro}", expect=phrase, setup=setup))
-        if setup in ("repro:pickle", "repro:baseline-nosuch", "repro:primary-nosuch", "repro:mask-shape"):
-            cases.append(_c("fuzz", "--from", "{repro}", "--out", "out", expect=phrase, setup=setup))
+        cases.append(_c("fuzz", "--from", "{repro}", "--out", "out", expect=phrase, setup=setup))
     cases += [
         _c("replay", "nowhere.safetensors", expect="no such file", setup="empty"),
         _c("replay", "a_file", expect="not a safetensors file"),
@@ -983,6 +992,7 @@ SETUP_KINDS: dict[str, frozenset[str]] = {
     "entry": frozenset({"run"}),
     "damage": frozenset({"run"}),
     "repro-meta": frozenset({"repro"}),
+    "repro-call": frozenset({"repro"}),
     "repro": frozenset({"repro"}),
     "bugs": frozenset({"repro"}),
     "bench-json": frozenset(),
@@ -1083,6 +1093,13 @@ def setup(name: str, d: Path, prepared: Prepared) -> Iterator[dict[str, str]]:
             if isinstance(info, dict):
                 info = {"format": REPRO_FORMAT, **info}
             values["repro"] = str(t._write(d / "bad.safetensors", info, **tensors))
+        elif kind == "repro-call":
+            from tests.probing import test_repro_metadata as t
+
+            test = t.test_tensors_that_are_not_one_attention_call_are_refused_before_any_kernel_runs
+            tensors, info, _ = _parametrized(test)[int(arg)]
+            info = {**t._CALL, "primary": "math", **info}
+            values["repro"] = str(t._write(d / "bad.safetensors", info, **tensors))
         elif kind == "repro":
             values["repro"] = str(_write_repro(d, arg))
         elif kind == "bugs":
@@ -1141,24 +1158,87 @@ def setup(name: str, d: Path, prepared: Prepared) -> Iterator[dict[str, str]]:
 # running and classifying
 
 
-def _flashprobe(
-    args: Sequence[str], cwd: Path, env: dict[str, str], timeout: float
-) -> subprocess.CompletedProcess:
-    """``python -m flashprobe.cli ARGS`` in ``cwd``; on timeout the whole process group is killed and
-    the result has returncode ``None``."""
-    cmd = [sys.executable, "-m", "flashprobe.cli", *args]
+@dataclass
+class Ran:
+    """One command's result.
+
+    Attributes:
+        returncode: its exit code, or None when its time limit stopped it.
+        stdout, stderr: its output.
+        held: seconds its clock was held: the command (a process of its group) was stopped, or the
+            table itself was not running (another job paused or starved the machine).
+        cpu: on a time limit, the CPU seconds the command had used (a busy command near its wall
+            time, a waiting one near 0).
+    """
+
+    returncode: int | None
+    stdout: str
+    stderr: str
+    held: float = 0.0
+    cpu: float | None = None
+
+
+#: seconds between two looks at a running command
+_POLL_S = 0.5
+
+#: a gap between two looks longer than this: the table itself was not running (its clock is held)
+_PAUSE_GAP_S = 3.0
+
+
+def _group_stat(pgid: int) -> list[list[str]]:
+    """The ``/proc/PID/stat`` fields after the command name of every process of group ``pgid``
+    (state first; empty where /proc cannot be read)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                fields = (entry / "stat").read_text().rpartition(")")[2].split()
+                if int(fields[2]) == pgid:  # state, ppid, pgrp, ...
+                    found.append(fields)
+    return found
+
+
+def _flashprobe(args: Sequence[str], cwd: Path, env: dict[str, str], timeout: float) -> Ran:
+    """``python -m flashprobe.cli ARGS`` in ``cwd``, under :func:`run_held`."""
+    return run_held([sys.executable, "-m", "flashprobe.cli", *args], cwd, env, timeout)
+
+
+def run_held(cmd: Sequence[str], cwd: Path, env: dict[str, str], timeout: float) -> Ran:
+    """Run ``cmd`` in ``cwd`` in a process group of its own; after ``timeout`` seconds in which it
+    could run, the whole group is killed and the result has returncode ``None``.
+
+    The limit counts only time the command could run: while a process of its group is stopped
+    (SIGSTOP: state ``T``) or the table itself was not running, the clock is held (``held``), so a
+    job that pauses the machine for a minute does not make a quick refusal look late.
+    """
+    ran = held = 0.0
+    cpu: float | None = None
     with subprocess.Popen(
         cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
     ) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-            code: int | None = proc.returncode
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            out, err = proc.communicate()
-            code = None
+        last = time.monotonic()
+        while True:
+            try:  # a retried communicate() loses no output
+                out, err = proc.communicate(timeout=_POLL_S)
+                code: int | None = proc.returncode
+                break
+            except subprocess.TimeoutExpired:
+                now = time.monotonic()
+                gap, last = now - last, now
+                stat = _group_stat(proc.pid)
+                if gap > _PAUSE_GAP_S or any(f[0] in "Tt" for f in stat):
+                    held += gap
+                else:
+                    ran += gap
+                if ran > timeout:
+                    ticks = os.sysconf("SC_CLK_TCK")
+                    cpu = sum(int(f[11]) + int(f[12]) for f in stat) / ticks  # utime + stime
+                    os.killpg(proc.pid, 9)
+                    out, err = proc.communicate()
+                    code = None
+                    break
     decode = lambda b: b.decode("utf-8", "backslashreplace")  # noqa: E731
-    return subprocess.CompletedProcess(cmd, code, decode(out), decode(err))  # type: ignore[arg-type]
+    return Ran(code, decode(out), decode(err), held, cpu)
 
 
 def fingerprint(directory: Path) -> dict[str, tuple]:
@@ -1212,6 +1292,8 @@ class Outcome:
     outside: list[str] = field(default_factory=list)
     kind: str = ""
     reason: str = ""
+    held: float = 0.0
+    cpu: float | None = None
 
     def to_json(self, index: int) -> dict[str, Any]:
         return {
@@ -1224,6 +1306,8 @@ class Outcome:
             "expected_phrase": self.case.expect,
             "returncode": self.returncode,
             "seconds": round(self.seconds, 2),
+            "held_seconds": round(self.held, 2),
+            "cpu_seconds_at_limit": self.cpu,
             "class": self.kind,
             "reason": self.reason,
             "message": _message(self.output, self.case.expect)[:500],
@@ -1323,8 +1407,9 @@ class Table:
                 inside, outside = fingerprint(d), self._watched()
                 start = time.monotonic()
                 proc = _flashprobe(args, cwd, env, case.timeout)
-                seconds = time.monotonic() - start
+                seconds = time.monotonic() - start - proc.held
                 outcome = Outcome(case, args, proc.returncode, seconds, proc.stderr + "\n" + proc.stdout)
+                outcome.held, outcome.cpu = proc.held, proc.cpu
                 outcome.inside = _changes(inside, fingerprint(d))
                 after = self._watched()
                 outcome.outside = [f"{n}:{c}" for n in outside for c in _changes(outside[n], after[n])]
@@ -1334,6 +1419,8 @@ class Table:
             reason = f"the setup failed: {type(err).__name__}: {err}"
             return Outcome(case, list(case.args), None, 0.0, "", kind="skipped", reason=reason)
         outcome.kind, outcome.reason = classify(case, outcome.returncode, outcome.output, outcome.inside)
+        if outcome.cpu is not None:
+            outcome.reason += f"; it had used {outcome.cpu:.1f} s of CPU"
         return outcome
 
 
@@ -1437,8 +1524,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--index", default="", metavar="SPEC", help="also run the cases of these indices (3,7-9)"
     )
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="run nothing: join the robustness.json of runs of parts of the table (one row per case, "
+        "the last file's where several have one) and write the table of them into --out",
+    )
     args = parser.parse_args(argv)
     cases = all_cases()
+    if args.merge:
+        try:
+            outcomes, seconds = merged(args.merge, cases)
+        except (OSError, ValueError, KeyError) as err:
+            print(f"robustness_table: --merge: {err}", file=sys.stderr)
+            return 2
+        args.out.mkdir(parents=True, exist_ok=True)  # (each row keeps the class its run gave it)
+        print(_write(args.out, outcomes, len(cases), seconds))
+        return 0
     chosen = select(cases, args.only, args.sample, args.index)
     if args.list:
         for i, case in chosen:
@@ -1468,6 +1572,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         late_by_time([o for _, o in outcomes], args.late_after)
         print(_write(args.out, outcomes, len(cases), time.monotonic() - start))
     return 0
+
+
+def merged(paths: Sequence[Path], cases: Sequence[Case]) -> tuple[list[tuple[int, Outcome]], float]:
+    """The outcomes in several ``robustness.json`` files (runs of parts of the table), one per case
+    in the table's order (the last file's row where several have one), and the seconds of all runs.
+
+    Raises:
+        ValueError: a row's command template is not the case at its index in this table (the table
+            changed since that run).
+    """
+    import shlex
+
+    rows: dict[int, dict[str, Any]] = {}
+    seconds = 0.0
+    for path in paths:
+        data = json.loads(path.read_text())
+        seconds += data["summary"]["seconds"]
+        for row in data["cases"]:
+            rows[row["index"]] = row
+    outcomes = []
+    for index, row in sorted(rows.items()):
+        case = cases[index] if 0 <= index < len(cases) else None
+        template = None if case is None else " ".join(_shell(a) for a in ["flashprobe", *case.args])
+        if row.get("template") != template:
+            raise ValueError(f"case {index} of {row.get('template')!r} is {template!r} in this table")
+        command = shlex.split(row["command"])[1:]
+        outcome = Outcome(case, command, row["returncode"], row["seconds"], row["message"])
+        outcome.kind, outcome.reason = row["class"], row["reason"]
+        outcome.inside, outcome.outside = row["written_inside"], row["written_outside"]
+        outcome.held, outcome.cpu = row.get("held_seconds", 0.0), row.get("cpu_seconds_at_limit")
+        outcomes.append((index, outcome))
+    return outcomes, seconds
 
 
 def _write(out: Path, outcomes: Sequence[tuple[int, Outcome]], total: int, seconds: float) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -199,7 +200,9 @@ def load_reproducer(path: str | Path, device: torch.device | str | None = None) 
 
     Raises:
         ReproducerError: the file is missing, not safetensors (an old ``.pt`` reproducer: refused,
-            saying so), or not a flashprobe reproducer.
+            saying so), not a flashprobe reproducer, of another format version (naming both), or its
+            metadata or tensors are not one valid attention call (a field of the wrong type, a 3-D
+            ``q``, a mask that does not broadcast, ...: the field named), all before any kernel runs.
     """
     from safetensors import SafetensorError, safe_open
 
@@ -223,20 +226,28 @@ def load_reproducer(path: str | Path, device: torch.device | str | None = None) 
     try:
         info = json.loads(meta["flashprobe"])
         assert isinstance(info, dict), f"its metadata is a JSON {type(info).__name__}, not an object"
-        assert info["format"] == REPRO_FORMAT
         missing = [n for n in ("q", "k", "v") if n not in tensors]
         assert not missing, f"missing tensors {missing}"
     except (KeyError, AssertionError, json.JSONDecodeError, TypeError) as err:
         raise ReproducerError(f"{path}: not a flashprobe reproducer ({err or 'no metadata'})") from None
+    if info.get("format") != REPRO_FORMAT:
+        raise ReproducerError(f"{path}: {_format_problem(info)}")
     problem = _metadata_problem(info, tensors)
+    if not problem:
+        layout = info.get("layout", {})
+        views = {n: t.permute(layout.get(n, list(range(t.dim())))) for n, t in tensors.items()}
+        problem = _call_problem(views, is_causal=info.get("is_causal", False))
     if problem:
-        raise ReproducerError(f"{path}: not a valid flashprobe reproducer: {problem}")
+        raise ReproducerError(
+            f"{path}: not a valid flashprobe reproducer: {problem}. flashprobe never writes such a file, "
+            "so it was changed or written by something else; save the call again (the probe saves it in "
+            "training, `flashprobe fuzz` a failing case)"
+        )
     if device is None:
         recorded = torch.device(info.get("device", "cpu"))
         usable = recorded.type == "cpu" or (recorded.type == "cuda" and torch.cuda.is_available())
         device = recorded if usable else torch.device("cpu")
-    layout = info.get("layout", {})
-    views = {n: t.to(device).permute(layout.get(n, list(range(t.dim())))) for n, t in tensors.items()}
+    views = {n: t.to(device) for n, t in views.items()}
     return Reproducer(
         q=views["q"],
         k=views["k"],
@@ -249,6 +260,45 @@ def load_reproducer(path: str | Path, device: torch.device | str | None = None) 
     )
 
 
+def _format_problem(info: dict[str, Any]) -> str:
+    """Why a file whose metadata is not of :data:`REPRO_FORMAT` is refused: the format found (and
+    the flashprobe that wrote it) against the one this version reads."""
+    found = info.get("format")
+    if not isinstance(found, str) or not found.startswith("flashprobe-repro-"):
+        return (
+            f"not a flashprobe reproducer (its metadata's format is {found!r}, not {REPRO_FORMAT!r}); "
+            "give a .safetensors file the probe or `flashprobe fuzz` saved"
+        )
+    from flashprobe import __version__
+
+    writer = info.get("flashprobe")
+    by = f", written by flashprobe {writer}" if isinstance(writer, str) else ""
+    return (
+        f"a reproducer of format {found!r}{by}; this flashprobe ({__version__}) reads format "
+        f"{REPRO_FORMAT!r} only. Replay it with the flashprobe that wrote it, or save the call again "
+        "with this one"
+    )
+
+
+def _call_problem(views: dict[str, torch.Tensor], *, is_causal: bool) -> str | None:
+    """What makes the saved tensors (in their recorded layout) not one attention call a kernel could
+    have been given, or ``None``: the kernels' own check (:func:`~flashprobe.kernels.check_inputs`,
+    grouped-query heads allowed) and an output gradient of the output's shape ``(B, H, N_q, D_v)``."""
+    from flashprobe.kernels import KernelInputError, check_inputs
+
+    q, k, v, mask = views["q"], views["k"], views["v"], views.get("attn_mask")
+    try:
+        check_inputs(q, k, v, mask, is_causal, kernel="the saved call", gqa=True)
+    except KernelInputError as err:
+        problem = str(err).removeprefix("the saved call: ").split("; ")[0]  # (not a caller's fix)
+        return f"its tensors are not one attention call ({problem})"
+    grad_out = views.get("grad_out")
+    expected = (*q.shape[:3], v.shape[3])
+    if grad_out is not None and tuple(grad_out.shape) != expected:
+        return f"grad_out has shape {tuple(grad_out.shape)}, not the output's (B, H, N_q, D_v) {expected}"
+    return None
+
+
 def _metadata_problem(info: Any, tensors: dict[str, torch.Tensor]) -> str | None:
     """What is wrong with a reproducer's metadata and tensors, in words, or ``None``: read as data,
     every field is checked for its type before it is used (``"is_causal": "no"`` is not True)."""
@@ -257,6 +307,8 @@ def _metadata_problem(info: Any, tensors: dict[str, torch.Tensor]) -> str | None
     scale = info.get("scale")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, int | float)):
         return f"scale is {scale!r}, not a number or null"
+    if scale is not None and not abs(scale) <= sys.float_info.max:  # (NaN compares false)
+        return f"scale is {scale!r}, not a finite number or null"
     for key in ("device", "baseline", "primary", "kernel_module", "reason"):
         if key in info and info[key] is not None and not isinstance(info[key], str):
             return f"{key} is {info[key]!r}, not a string"

@@ -321,7 +321,13 @@ def _from_reproducer(args: argparse.Namespace) -> int:
     the failing ones (:func:`flashprobe.probing.repro.shrink_reproducer`); 1 when a kernel fails or
     errs (raises, returns the wrong shape or dtype: ``replay``'s ``error``, not shrunk), 0 when none
     does."""
-    from flashprobe.probing.repro import ReproducerError, load_reproducer, replay, shrink_reproducer
+    from flashprobe.probing.repro import (
+        ReproducerError,
+        load_reproducer,
+        replay,
+        replay_baseline,
+        shrink_reproducer,
+    )
 
     _import_modules(args.imports)
     try:
@@ -341,15 +347,10 @@ def _from_reproducer(args: argparse.Namespace) -> int:
         raise UsageError(
             f"{err} (recorded: registered by --import {module})" if module else str(err)
         ) from None
-    baseline = args.baseline and _label(args.baseline, "--baseline")
-    if not baseline and isinstance(recorded := call.meta.get("baseline"), str):
-        try:
-            kernel_label(recorded)
-        except KernelSpecError as err:
-            raise UsageError(
-                f"--from: the call's recorded baseline {recorded!r} cannot be used here ({err}); "
-                "name the baseline to judge against with --baseline SPEC, e.g. --baseline math"
-            ) from None
+    try:
+        baseline = replay_baseline(call, args.baseline and _label(args.baseline, "--baseline"))
+    except ReproducerError as err:
+        raise UsageError(f"--from: {err}") from None
     try:  # checked now, made only for a shrunk reproducer: a replay that ends in errors writes nothing
         out_dir = check_output_dir(args.out, flag="--out")
     except OutputPathError as err:

@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns 0 when every kernel passes, 1 when one fails or errors, 2 on bad input."""
-    from flashprobe.probing.repro import ReproducerError, load_reproducer, replay
+    from flashprobe.probing.repro import ReproducerError, load_reproducer, replay, replay_baseline
 
     parser = _parser()
     args = parser.parse_args(argv)
@@ -80,7 +80,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             get_kernel(spec)
         except KernelSpecError as err:
             parser.error(f"{spec!r}: {err} (pass --import {module} for a kernel registered in your code)")
-    results = replay(call, kernels, baseline=args.baseline)
+    try:
+        baseline = replay_baseline(call, args.baseline)
+    except ReproducerError as err:
+        parser.error(f"{args.file}: {err}")
+    results = replay(call, kernels, baseline=baseline)
     if args.json:
         print(json.dumps({"file": str(args.file), "call": _describe(call), "results": results}, indent=2))
     else:

@@ -27,7 +27,7 @@ from flashprobe.formats.reproducer import (
     reproducer_stem,
     save_reproducer,
 )
-from flashprobe.kernels import get_kernel
+from flashprobe.kernels import KernelSpecError, get_kernel
 from flashprobe.probing.shadow import ShadowAttention
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "ReproducerError",
     "load_reproducer",
     "replay",
+    "replay_baseline",
     "reproducer_stem",
     "save_reproducer",
     "shrink_reproducer",
@@ -59,12 +60,35 @@ def replay(
         ``zeros``, ``dq:values``, ...) or None, "directions": {dir: verdict}, "limit_ratio": {dir:
         the verdict's statistic}, "l2_error_ratio": {dir: ratio}}}``.
     """
-    base = baseline or call.meta.get("baseline") or "math"
+    base = replay_baseline(call, baseline)
     if call.meta.get("fuzz") is not None:  # a fuzz case: judged as the fuzzer judged it
         from flashprobe.fuzz.reproducer import replay_case as judge
     else:
         judge = _replay_call
     return {spec: judge(call, spec, base) for spec in kernels}
+
+
+def replay_baseline(call: Reproducer, baseline: str | None = None) -> str:
+    """The baseline spec a replay of ``call`` judges with: ``baseline`` when given, else the one the
+    call recorded, else ``math``.
+
+    Raises:
+        ReproducerError: ``baseline`` is not given and the recorded one is not a kernel here (the
+            message names it and the fix), checked before any kernel runs.
+    """
+    if baseline:
+        return baseline
+    recorded = call.meta.get("baseline") or "math"
+    try:
+        get_kernel(recorded)
+    except KernelSpecError as err:
+        module = call.meta.get("kernel_module")
+        also = f", or --import {module} if it registers {recorded!r}" if module else ""
+        raise ReproducerError(
+            f"the call's recorded baseline {recorded!r} cannot be used here ({err}); name the baseline to "
+            f"judge against with --baseline SPEC, e.g. --baseline math{also}"
+        ) from None
+    return recorded
 
 
 def _replay_call(call: Reproducer, spec: str, baseline: str) -> dict[str, Any]:

@@ -111,3 +111,32 @@ def test_a_sample_of_the_table_runs_end_to_end(tmp_path: Path, capsys) -> None:
     assert row["class"] == "clean" and "unknown kernel 'nosuch'" in row["message"], row
     assert "| **all** | **2** | **2** | **0** |" in (out / "robustness.md").read_text()
     assert "| **all** |" in capsys.readouterr().out
+    # runs of parts of the table are joined into one table, one row per case
+    part = tmp_path / "part.json"
+    part.write_text(json.dumps({**data, "cases": data["cases"][:1]}))
+    both = [str(part), str(out / "robustness.json")]
+    assert table.main(["--merge", *both, "--out", str(tmp_path / "all")]) == 0
+    joined = json.loads((tmp_path / "all" / "robustness.json").read_text())
+    assert joined["cases"] == data["cases"] and joined["summary"]["counts"] == data["summary"]["counts"]
+    wrong = {**data, "cases": [{**data["cases"][0], "index": 0}]}
+    part.write_text(json.dumps(wrong))
+    assert table.main(["--merge", str(part), "--out", str(tmp_path / "all")]) == 2
+    assert "is 'flashprobe train" in capsys.readouterr().err
+
+
+def test_time_a_command_spends_stopped_does_not_count_toward_its_limit(tmp_path: Path) -> None:
+    """A quick refusal stopped for minutes by another job (SIGSTOP) hit the 120 s limit and was called
+    late with no output (``train module.prediction=foo``); the limit now counts only running time."""
+    stops_itself = (
+        "import os, signal, subprocess, sys\n"
+        "subprocess.Popen([sys.executable, '-c', "
+        "f'import os, signal, time; time.sleep(3); os.kill({os.getpid()}, signal.SIGCONT)'])\n"
+        "os.kill(os.getpid(), signal.SIGSTOP)\n"
+        "print('refused', file=sys.stderr)\n"
+        "sys.exit(2)\n"
+    )
+    ran = table.run_held([sys.executable, "-c", stops_itself], tmp_path, {}, timeout=2.0)
+    assert (ran.returncode, ran.stderr.strip()) == (2, "refused"), ran
+    assert 2.0 <= ran.held <= 4.5, ran
+    hangs = table.run_held([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path, {}, timeout=1.0)
+    assert hangs.returncode is None and hangs.cpu is not None and hangs.cpu < 1.0, hangs
