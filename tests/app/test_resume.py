@@ -217,9 +217,9 @@ def test_a_run_directory_under_a_file_is_refused_before_hydra_starts(tmp_path: P
 def test_a_checkpoint_interval_that_splits_a_probe_interval_is_warned_about(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from flashprobe.app.train import _check
+    from flashprobe.app.train import check_config
 
-    _check(compose([*RUN, "callbacks.checkpoint.every_n_train_steps=2"], run_dir=tmp_path))
+    check_config(compose([*RUN, "callbacks.checkpoint.every_n_train_steps=2"], run_dir=tmp_path))
     assert "not a multiple" not in caplog.text  # 2 is a multiple of log_every_n_steps=2
-    _check(compose([*RUN, "callbacks.checkpoint.every_n_train_steps=3"], run_dir=tmp_path))
+    check_config(compose([*RUN, "callbacks.checkpoint.every_n_train_steps=3"], run_dir=tmp_path))
     assert "every_n_train_steps=3 is not a multiple of trainer.log_every_n_steps=2" in caplog.text
