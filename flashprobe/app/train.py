@@ -41,7 +41,14 @@ from flashprobe.app.overrides import (
 from flashprobe.app.schema import RunSchema, check_sites
 from flashprobe.callbacks.attention_probe import AttentionProbe
 from flashprobe.callbacks.nonfinite_guard import NonFiniteGuard
-from flashprobe.formats.atomic import FULL_BELOW, DiskFullError, atomic_write_text, disk_full, free_space
+from flashprobe.formats.atomic import (
+    FULL_BELOW,
+    DiskFullError,
+    atomic_write_bytes,
+    atomic_write_text,
+    disk_full,
+    free_space,
+)
 from flashprobe.formats.lock import DirectoryLockedError, directory_lock
 from flashprobe.formats.paths import OutputPathError, check_output_dir
 from flashprobe.formats.run_dir import (
@@ -832,36 +839,50 @@ def _precheck(args: Sequence[str]) -> tuple[Path | None, Path | None]:
 
 
 class _HydraRecord:
-    """What Hydra writes for a single run before flashprobe's checks inside it (the run directory with
-    ``.hydra/`` and ``train.log``), removed again when the run is refused before it starts and this
-    command created the directory: a refused setting leaves nothing behind."""
+    """What Hydra writes for a single run before flashprobe's checks inside it (``.hydra/`` and
+    ``train.log`` in the run directory, which it creates if need be), undone when the run is refused
+    there before it starts: a refused setting leaves nothing behind, and a run directory's recorded
+    overrides (what ``resume=`` replays) stay those of the run."""
 
     def __init__(self, where: Path | None, named: bool) -> None:
         """``where``: the run directory (``named``) or the directory Hydra creates it in; None: unknown."""
         self.where, self.named = where, named
         self.absent = _absent(where) if where is not None else []
-        self.before = set(os.listdir(where)) if where is not None and not named and where.is_dir() else set()
+        self.before = set(os.listdir(where)) if where is not None and where.is_dir() else set()
+        record = where / ".hydra" if where is not None and named else None
+        self.saved = (
+            {p.name: p.read_bytes() for p in record.iterdir() if p.is_file()}
+            if record and record.is_dir()
+            else {}
+        )
 
-    def created(self, run_dir: Path) -> bool:
-        """Whether this command created ``run_dir`` (it did not exist before Hydra started)."""
-        run_dir = run_dir.absolute()
-        if self.where is None:
-            return False
-        if self.named:
-            return run_dir in self.absent
-        return run_dir.parent == self.where.absolute() and run_dir.name not in self.before
-
-    def remove(self, run_dir: Path | None) -> None:
-        """Remove ``run_dir`` when this command created it and it holds only Hydra's record, then the
-        empty directories Hydra created above it."""
-        if run_dir is None or not self.created(run_dir) or not run_dir.is_dir():
+    def undo(self, run_dir: Path | None) -> None:
+        """Undo Hydra's writes into ``run_dir``: the directory itself and the empty ones above it when this
+        command created it (it then holds only Hydra's record), else ``.hydra/`` as it was before."""
+        if run_dir is None or self.where is None or not run_dir.is_dir():
             return
-        if not {p.name for p in run_dir.iterdir()} <= {".hydra", "train.log"}:
-            return
-        shutil.rmtree(run_dir)
-        for parent in self.absent:  # deepest first
-            if parent.is_dir() and not any(parent.iterdir()):
-                parent.rmdir()
+        run_dir, where = run_dir.absolute(), self.where.absolute()
+        created = (
+            run_dir in self.absent
+            if self.named
+            else (run_dir.parent == where and run_dir.name not in self.before)
+        )
+        if created and {p.name for p in run_dir.iterdir()} <= {".hydra", "train.log"}:
+            shutil.rmtree(run_dir)
+            for parent in self.absent:  # deepest first
+                if parent.is_dir() and not any(parent.iterdir()):
+                    parent.rmdir()
+        elif self.named and run_dir == where:
+            record = run_dir / ".hydra"
+            if ".hydra" not in self.before:
+                shutil.rmtree(record, ignore_errors=True)
+            for path in record.iterdir() if record.is_dir() else ():
+                if path.name in self.saved:
+                    atomic_write_bytes(path, self.saved[path.name])
+                elif path.is_file():
+                    path.unlink()
+            if "train.log" not in self.before:
+                (run_dir / "train.log").unlink(missing_ok=True)
 
 
 def _absent(path: Path) -> list[Path]:
@@ -920,7 +941,7 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
             _hydra_main()
     except SystemExit as exit_:
         if exit_.code == 2 and not _launched_rank():  # refused inside the job, its lock released
-            record.remove(_REFUSED_RUN_DIR)
+            record.undo(_REFUSED_RUN_DIR)
         raise
     return 0
 

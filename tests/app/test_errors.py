@@ -36,6 +36,16 @@ def _one_paragraph(stderr: str) -> str:
             "attention.probe: every_n_calls=0 must be an int >= 1",
             "(1 = every call)",
         ),
+        (  # a CUDA-only kernel on the CPU: refused by the schema, not at the first batch
+            "attention.kernel=sdpa_cudnn",
+            "attention.kernel=sdpa_cudnn: runs on CUDA devices only, not CPU",
+            "This run trains on cpu (trainer.accelerator=cpu); for a GPU run give trainer=gpu",
+        ),
+        (  # sites are module paths: a pattern naming no module of the model names no site
+            "attention.probe.sites=[nosuch.*]",
+            "attention.probe.sites=['nosuch.*'] matches no module of the model, so no attention site",
+            "its attention modules are model.text_encoder.blocks.0.attn, model.blocks.0.attn",
+        ),
         (  # a callback's constructor refuses it: named by its key, without Hydra's wrapping
             "callbacks.weight_snapshot.every_n_steps=0",
             "callbacks.weight_snapshot: WeightSnapshot: every_n_steps must be a positive int",
@@ -73,3 +83,18 @@ def test_a_bug_inside_training_keeps_its_traceback(tmp_path: Path) -> None:
     proc = flashprobe_cli("train", *SHORT, *crash, f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "RuntimeError: a crash at step 1" in proc.stderr and "flashprobe train: error:" not in proc.stderr
+
+
+def test_a_setting_refused_inside_the_job_leaves_a_run_directorys_record_as_it_was(tmp_path: Path) -> None:
+    """Hydra rewrites ``RUN/.hydra`` before the run's objects are built; a refusal there restores it, so
+    the next ``resume=RUN`` replays the run's own overrides, not the refused one."""
+    from tests.safety._runs import fingerprint
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in SHORT))
+    before = fingerprint(run)
+    proc = flashprobe_cli("train", f"resume={run}", "callbacks.weight_snapshot.every_n_steps=0")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "every_n_steps must be a positive int" in _one_paragraph(proc.stderr)
+    assert fingerprint(run) == before
