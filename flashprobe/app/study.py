@@ -761,4 +761,4 @@ def _closing(report: Path) -> tuple[str, int]:
             f"runs:    {out / 'runs'}/<run> (probe.png, snapshots, samples)",
         ]
     )
-    return text, EXIT_CODES[v["answer"] if v else UNDETERMINED]
+    return text, EXIT_CODES[v.answer if v else UNDETERMINED]
