@@ -387,8 +387,9 @@ def run_study(
         raise ValueError(f"study.kernel: {err}") from None
     from flashprobe.app.train import check_config
 
-    # every run's settings, its objects built as in the run (the flash run's config; the others differ
-    # in the plan's keys): a setting that would stop the first run is refused before OUT is made
+    # every run's settings against the schemas, and the probe's sites against the model (the flash run's
+    # config; the others differ in the plan's keys), before OUT is made; an argument only a constructor
+    # checks (a callback's, the Trainer's) is refused when the first run builds its objects
     check_config(cfg, Path(out) / "runs" / "flash")
     safe_name(str(cfg.run_name), what="run_name")  # it names each run's directory under OUT/runs
     keys = [override_key(o) for o in overrides if "=" in o]
@@ -761,4 +762,4 @@ def _closing(report: Path) -> tuple[str, int]:
             f"runs:    {out / 'runs'}/<run> (probe.png, snapshots, samples)",
         ]
     )
-    return text, EXIT_CODES[v["answer"] if v else UNDETERMINED]
+    return text, EXIT_CODES[v.answer if v else UNDETERMINED]

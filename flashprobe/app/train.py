@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
-import math
 import os
 import shutil
 import signal
@@ -39,11 +38,33 @@ from flashprobe.app.overrides import (
     override_value,
     recorded_overrides,
 )
+from flashprobe.app.schema import RunSchema, check_sites
 from flashprobe.callbacks.attention_probe import AttentionProbe
 from flashprobe.callbacks.nonfinite_guard import NonFiniteGuard
-from flashprobe.formats.atomic import FULL_BELOW, DiskFullError, atomic_write_text, disk_full, free_space
+from flashprobe.formats.atomic import (
+    FULL_BELOW,
+    DiskFullError,
+    atomic_write_bytes,
+    atomic_write_text,
+    disk_full,
+    free_space,
+)
 from flashprobe.formats.lock import DirectoryLockedError, directory_lock
-from flashprobe.formats.paths import OutputPathError, check_output_dir, library_path, safe_name
+from flashprobe.formats.paths import OutputPathError, check_output_dir
+from flashprobe.formats.run_dir import (
+    RUN_DIR_NAMES,
+    RUN_OUTPUTS,
+    check_resumable,
+    checkpoint_step,
+    existing_run,
+    last_checkpoint,
+    occupied,
+    refuse_foreign,
+    remove_later_checkpoints,
+    remove_outputs,
+    remove_stray_temporaries,
+    resume_point,
+)
 from flashprobe.formats.run_record import (
     claim_outputs,
     finish_session,
@@ -73,20 +94,6 @@ log = logging.getLogger(__name__)
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
-#: What a run writes into its directory; a directory holding any of these holds a run.
-RUN_OUTPUTS = (
-    "run.json",
-    "config.yaml",
-    "snapshots",
-    "probe.jsonl",
-    "probe.png",
-    "checkpoints",
-    "samples",
-    "csv",
-    "wandb",
-)
-
-
 def _run_dir(cfg: DictConfig) -> Path:
     """The run directory: Hydra's output dir inside a Hydra app, else ``cfg.run_dir``."""
     if cfg.get("run_dir"):
@@ -94,25 +101,6 @@ def _run_dir(cfg: DictConfig) -> Path:
     if HydraConfig.initialized():
         return Path(HydraConfig.get().runtime.output_dir)
     raise ValueError("train: no run directory; set run_dir=... when calling train() outside Hydra")
-
-
-#: what a run directory holds: flashprobe's outputs, Hydra's record, the lock and the log of a run
-#: (one killed in its start-up has only some of these); a directory holding none of them is not one
-RUN_DIR_NAMES = (*RUN_OUTPUTS, ".hydra", ".flashprobe.lock", "train.log")
-
-
-def existing_run(run_dir: Path) -> list[str]:
-    """The outputs of an earlier run found in ``run_dir`` (empty when there is none)."""
-    return [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
-
-
-def last_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint a resume continues from: ``checkpoints/last.ckpt``, else the newest ``*.ckpt``."""
-    directory = run_dir / "checkpoints"
-    if (directory / "last.ckpt").is_file():
-        return directory / "last.ckpt"
-    found = sorted(directory.glob("*.ckpt"), key=lambda p: p.stat().st_mtime) if directory.is_dir() else []
-    return found[-1] if found else None
 
 
 def _launched_rank() -> bool:
@@ -170,14 +158,6 @@ def _ranks_rerun_this_job(run_dir: Path) -> Iterator[None]:
                 torch.distributed.destroy_process_group()
 
 
-def _refusal(run_dir: Path, found: list[str]) -> str:
-    return (
-        f"{run_dir} already holds a run ({', '.join(found)}); flashprobe never deletes a run it did not "
-        f"create. Continue it with `flashprobe train resume={run_dir}`, start afresh there with "
-        "overwrite=true (deletes those outputs), or choose another directory"
-    )
-
-
 def _start(cfg: DictConfig, run_dir: Path) -> tuple[str | None, str | None]:
     """Decide how the run starts: ``(checkpoint to resume from or None, why it is skipped or None)``.
 
@@ -188,7 +168,7 @@ def _start(cfg: DictConfig, run_dir: Path) -> tuple[str | None, str | None]:
     """
     resume, found = cfg.get("resume"), existing_run(run_dir)
     if _launched_rank():  # a DDP rank started by rank zero, which has decided already
-        checkpoint = _resume_point(run_dir, cfg.trainer.get("max_steps", -1)) if resume is not None else None
+        checkpoint = resume_point(run_dir, cfg.trainer.get("max_steps", -1)) if resume is not None else None
         return (str(checkpoint) if checkpoint else cfg.get("ckpt_path")), None
     if resume not in (None, "auto") and Path(str(resume)).resolve() != run_dir.resolve():
         raise ValueError(
@@ -196,7 +176,7 @@ def _start(cfg: DictConfig, run_dir: Path) -> tuple[str | None, str | None]:
             "(it trains in DIR) or set run_dir to the same directory"
         )
     if resume is not None:
-        _remove_stray_temporaries(run_dir)
+        remove_stray_temporaries(run_dir)
         record = read_run_record(run_dir)
         max_steps = cfg.trainer.get("max_steps", -1)
         finished = (
@@ -209,7 +189,7 @@ def _start(cfg: DictConfig, run_dir: Path) -> tuple[str | None, str | None]:
             missing = []
         if finished and not missing:
             return None, f"{run_dir} finished {max_steps} steps already"
-        checkpoint = _resume_point(run_dir, max_steps)
+        checkpoint = resume_point(run_dir, max_steps)
         if missing:
             log.warning(
                 "%s finished but lacks %s: training it again from %s to rebuild %s (the same bits)",
@@ -219,7 +199,7 @@ def _start(cfg: DictConfig, run_dir: Path) -> tuple[str | None, str | None]:
                 "them" if len(missing) > 1 else "it",
             )
         if checkpoint is not None:
-            _remove_later_checkpoints(run_dir, _step_of(checkpoint))
+            remove_later_checkpoints(run_dir, checkpoint_step(checkpoint))
             return str(checkpoint), None
         status = None if record is None else record.get("status")
         checkpointing = (cfg.get("callbacks") or {}).get("checkpoint") is not None
@@ -234,44 +214,12 @@ def _start(cfg: DictConfig, run_dir: Path) -> tuple[str | None, str | None]:
                 f"resume={resume}: {run_dir / 'checkpoints'} holds no checkpoint to continue from (the run "
                 "saves them with callbacks.checkpoint); start it again with overwrite=true"
             )
-        _remove_outputs(run_dir, found)  # this run's own outputs, written before its first checkpoint
+        remove_outputs(run_dir, found)  # this run's own outputs, written before its first checkpoint
         return None, None
     if found and not cfg.get("overwrite"):
-        raise FileExistsError(_refusal(run_dir, found))
-    _remove_outputs(run_dir, found)
+        raise FileExistsError(occupied(run_dir, found))
+    remove_outputs(run_dir, found)
     return cfg.get("ckpt_path"), None
-
-
-def _resume_point(run_dir: Path, max_steps: int | None) -> Path | None:
-    """The checkpoint a resume continues from: the newest, unless it holds the last step.
-
-    Lightning does nothing when given a checkpoint of the last step, so whatever the run had still to
-    do after saving it (the last probe record, ``probe.png``, the final samples, ``run.json``) would
-    never be done. The newest checkpoint of an earlier step is taken instead (training from it gives
-    the same bits), or none (train from step 0) when there is none.
-    """
-    newest = last_checkpoint(run_dir)
-    if newest is None or max_steps in (None, -1) or _step_of(newest) != max_steps:
-        return newest  # (a checkpoint past max_steps is refused by _checkpoint_step)
-    steps = [(p, _step_of(p)) for p in sorted((run_dir / "checkpoints").glob("*.ckpt"))]
-    earlier = [(p, step) for p, step in steps if step < max_steps]
-    return max(earlier, key=lambda c: (c[1], c[0].stat().st_mtime))[0] if earlier else None
-
-
-def _remove_later_checkpoints(run_dir: Path, step: int) -> None:
-    """Delete this run's checkpoints of steps after ``step``, which a resume from ``step`` writes again
-    (Lightning would otherwise save the new ones beside them as ``NAME-v1.ckpt``)."""
-    for path in sorted((run_dir / "checkpoints").glob("*.ckpt")):
-        if path.name != "last.ckpt" and _step_of(path) > step:
-            log.warning("removing %s: training from step %d writes it again", path, step)
-            path.unlink()
-
-
-def _step_of(checkpoint: Path) -> int:
-    """A checkpoint's ``global_step`` (read safely; see :func:`_checkpoint_step`)."""
-    from flashprobe.formats.checkpoint_io import load_checkpoint
-
-    return int(load_checkpoint(checkpoint)["global_step"])
 
 
 def _missing_artefacts(cfg: DictConfig, run_dir: Path) -> list[str]:
@@ -293,9 +241,9 @@ def _missing_artefacts(cfg: DictConfig, run_dir: Path) -> list[str]:
     absent = [p for p in wanted if not p.is_file()]
     missing = [str(p.relative_to(run_dir) if p.is_relative_to(run_dir) else p) for p in absent]
     validates_last = (  # validation counts batches across epochs and falls on the last step
-        _integer(max_steps)
+        isinstance(max_steps, int)  # checked by the schema: an int, and every a positive number
         and max_steps > 0
-        and _integer(every)
+        and isinstance(every, int)
         and max_steps % every == 0
         and cfg.trainer.get("check_val_every_n_epoch") is None
         and cfg.trainer.get("limit_val_batches", 1) not in (0, 0.0)
@@ -320,289 +268,34 @@ def _redraw_probe_figure(run_dir: Path) -> bool:
     return True
 
 
-def _remove_stray_temporaries(run_dir: Path) -> None:
-    """Delete the atomic writer's temporary files a killed run left in its own outputs (the run directory
-    is locked: no writer is using them)."""
-    from flashprobe.formats.atomic import stray_temporaries
-
-    strays = [p for p in stray_temporaries(run_dir) if p.parent == run_dir]
-    for name in owned_outputs(run_dir, RUN_OUTPUTS):
-        if (run_dir / name).is_dir() and not (run_dir / name).is_symlink():
-            strays += stray_temporaries(run_dir / name)
-    for stray in strays:
-        log.warning("removing %s, left by an interrupted write", stray)
-        stray.unlink(missing_ok=True)
-
-
-def _refuse_foreign(run_dir: Path, names: list[str]) -> None:
-    """Refuse to go on when some of ``names`` in ``run_dir`` were not created by flashprobe.
-
-    Raises:
-        FileExistsError: naming them; no ``run.json`` of the directory lists them as a run's outputs.
-    """
-    owned = owned_outputs(run_dir, RUN_OUTPUTS)
-    foreign = [name for name in names if name not in owned]
-    if foreign:
-        raise FileExistsError(
-            f"{run_dir} holds {', '.join(foreign)}, which no flashprobe run recorded as its own (a run's "
-            "run.json lists what it created); flashprobe deletes only its own outputs. Move them out of the "
-            "directory, or train into another directory"
-        )
-
-
-def _remove_outputs(run_dir: Path, names: list[str]) -> None:
-    """Delete the outputs ``names`` of an earlier run — only those its ``run.json`` records as its own.
-
-    Raises:
-        FileExistsError: some of ``names`` were not created by flashprobe (no ``run.json`` lists them);
-            nothing is deleted then.
-    """
-    _refuse_foreign(run_dir, names)
-    for name in names:
-        path = run_dir / name
-        if not path.exists() and not path.is_symlink():
-            continue
-        log.warning("removing %s of the earlier run in %s", name, run_dir)
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()  # a link is removed, never what it points to
-
-
-def _integer(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _check(cfg: DictConfig) -> None:
-    """Refuse a configuration value that would fail (or write somewhere it must not) later, before any work.
-
-    Raises:
-        ValueError: naming the setting, the value and what to give instead.
-        KernelSpecError: an unknown kernel or kernel option.
-    """
-    from flashprobe.kernels import get_kernel
-
-    max_steps = cfg.trainer.get("max_steps", -1)
-    if max_steps is not None and not _integer(max_steps):
-        raise ValueError(f"trainer.max_steps={max_steps!r} must be an integer (or -1 for max_epochs)")
-    if max_steps is not None and max_steps != -1 and max_steps <= 0:
-        raise ValueError(f"trainer.max_steps={max_steps} must be positive (or -1 for max_epochs)")
-    if not _integer(cfg.get("seed")) or cfg.seed < 0:
-        raise ValueError(f"seed={cfg.get('seed')!r} must be a non-negative integer, e.g. seed=0")
-    threads = cfg.get("threads")
-    if threads is not None and (not _integer(threads) or threads <= 0):
-        raise ValueError(f"threads={threads!r} must be a positive integer (or null: torch's default)")
-    for key in ("log_every_n_steps", "val_check_interval"):
-        value = cfg.trainer.get(key)
-        if value is not None and (not _number(value) or value <= 0):
-            raise ValueError(
-                f"trainer.{key}={value!r} must be a positive number of steps, e.g. trainer.{key}=25"
-            )
-    lr = ((cfg.get("module") or {}).get("optimizer") or {}).get("lr")
-    if lr is not None and (not _number(lr) or not 0 < lr < math.inf):
-        raise ValueError(
-            f"module.optimizer.lr={lr!r} must be a positive number (finite), e.g. module.optimizer.lr=2e-3"
-        )
-    for key, value in (
-        ("overwrite", cfg.get("overwrite")),
-        ("attention.probe.enabled", cfg.attention.probe.enabled),
-    ):
-        if not isinstance(value, bool):
-            raise ValueError(f"{key}={value!r} must be true or false")
-    max_epochs = cfg.trainer.get("max_epochs")
-    if max_epochs is not None and not _integer(max_epochs):
-        raise ValueError(f"trainer.max_epochs={max_epochs!r} must be an integer (-1: no limit)")
-    for key in ("seed", "shuffle_seed"):
-        value = (cfg.get("data") or {}).get(key)
-        if value is not None and (not _integer(value) or value < 0):
-            raise ValueError(f"data.{key}={value!r} must be a non-negative integer, e.g. data.{key}=0")
-    for key in ("guidance_scale",):
-        value = (cfg.get("module") or {}).get(key)
-        if value is not None and not _number(value):
-            raise ValueError(f"module.{key}={value!r} must be a number, e.g. module.{key}=3.0")
-    for key in ("num_train", "num_val", "batch_size", "image_size"):
-        value = (cfg.get("data") or {}).get(key)
-        if value is not None and (not _integer(value) or value <= 0):
-            raise ValueError(f"data.{key}={value!r} must be a positive integer, e.g. data.{key}=16")
-    _check_memory(cfg)
-    if str(cfg.get("on_nonfinite", "stop")) not in ("stop", "continue"):
-        raise ValueError(f"on_nonfinite={cfg.get('on_nonfinite')!r} must be stop or continue")
-    safe_name(str(cfg.get("run_name")), what="run_name")  # it names the run's directory
-    ckpt_path = cfg.get("ckpt_path")
-    if ckpt_path is not None and not Path(str(ckpt_path)).is_file():
-        raise ValueError(
-            f"ckpt_path={ckpt_path}: no such file; give a Lightning .ckpt file (or resume=RUN_DIR)"
-        )
-    device = _run_device(cfg)
-    for key, spec in (
-        ("attention.kernel", cfg.attention.kernel),
-        ("attention.probe.primary", cfg.attention.probe.get("primary")),
-        ("attention.probe.baseline", cfg.attention.probe.get("baseline")),
-    ):
-        if spec is None:
-            continue
-        kernel = get_kernel(spec)  # unknown kernels and options fail here, before any work
-        devices = kernel.capabilities.devices
-        if devices is not None and device not in devices:  # placement: not inside the first batch
-            problem = kernel.capabilities.setting_problem(device, torch.float32)
-            raise ValueError(
-                f"{key}={spec}: {problem}. This run trains on {device} "
-                f"(trainer.accelerator={cfg.trainer.get('accelerator')}); for a GPU run give trainer=gpu"
-            )
-        probed = key == "attention.probe.primary" and cfg.attention.probe.enabled  # the model gets its output
-        trains_through = key == "attention.kernel" or probed
-        if trains_through and not kernel.capabilities.has_backward(device):  # its first step would fail
-            raise ValueError(
-                f"{key}={spec} has no backward on {device}, and the model trains through it; "
-                "choose a kernel with a backward there (math, tiled or sdpa_math)"
-                + (", or train on a GPU (trainer=gpu)" if kernel.capabilities.has_backward("cuda") else "")
-            )
-    probing = cfg.attention.probe.enabled and (cfg.get("callbacks") or {}).get("attention_probe") is not None
-    if probing:  # the probe's settings, as its callback will check them
-        from flashprobe.probing import ProbeConfig
-
-        try:
-            settings = OmegaConf.to_container(cfg.attention.probe, resolve=True)
-            ProbeConfig.from_mapping(settings, ignore=("enabled",))
-        except ValueError as err:
-            raise ValueError(f"attention.probe: {err}") from None
-    checkpoint = (cfg.get("callbacks") or {}).get("checkpoint") or {}
-    every, log_every = checkpoint.get("every_n_train_steps"), cfg.trainer.get("log_every_n_steps")
-    if probing and every and log_every and every % log_every and (max_steps or 0) >= log_every:
-        log.warning(
-            "callbacks.checkpoint.every_n_train_steps=%s is not a multiple of trainer.log_every_n_steps=%s: "
-            "a run resumed from a checkpoint inside a logging interval loses the probe statistics of that "
-            "interval's first steps (weights and snapshots still resume exactly); make it a multiple",
-            every,
-            log_every,
-        )
-
-
-def _run_device(cfg: DictConfig) -> str:
-    """The device type a run's model trains on, from ``trainer.accelerator`` (``auto``: CUDA if present)."""
-    accelerator = str(cfg.trainer.get("accelerator") or "cpu").lower()
-    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
-        return "cuda"
-    return accelerator if accelerator in ("mps", "xpu") else "cpu"
-
-
-def _check_sites(cfg: DictConfig, module: torch.nn.Module) -> None:
-    """``attention.probe.sites`` must match some module of the model: sites are module paths, so a
-    pattern that names no module can never name a site (checked before training, not at its first batch).
-
-    Raises:
-        ValueError: naming the patterns and the model's attention modules.
-    """
-    import fnmatch
-
-    sites = cfg.attention.probe.get("sites") if cfg.attention.probe.enabled else None
-    if sites is None or (cfg.get("callbacks") or {}).get("attention_probe") is None:
-        return
-    patterns = [sites] if isinstance(sites, str) else [str(p) for p in sites]
-    include = [p for p in patterns if not p.startswith("!")]
-    names = [name for name, _ in module.named_modules() if name]
-    if include and not any(fnmatch.fnmatchcase(name, p) for name in names for p in include):
-        attention = [name for name in names if name.rsplit(".", 1)[-1] in ("attn", "attention", "self_attn")]
-        shown = ", ".join(attention[:6]) + (", ..." if len(attention) > 6 else "")
-        raise ValueError(
-            f"attention.probe.sites={patterns!r} matches no module of the model, so no attention site: its "
-            f"attention modules are {shown or 'unnamed'}; give glob patterns of these names (e.g. "
-            f"'{attention[0].rsplit('.', 2)[0] + '.*.attn' if attention else 'blocks.*.attn'}') or "
-            "attention.probe.sites=null for all"
-        )
-
-
-def _machine_memory() -> int:
-    """Physical memory of this machine in bytes (0 when the platform does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def _check_memory(cfg: DictConfig) -> None:
-    """Refuse sizes whose data and attention alone cannot fit in this machine's memory, before allocating.
-
-    The estimate is a floor: the rendered images (``(num_train + num_val) × 3 × S²`` float32) plus
-    one batch's attention scores over the ``(S/p)²`` image tokens, kept for the backward pass.
-
-    Raises:
-        ValueError: naming the settings, the estimate and the machine's memory.
-    """
-    data, model = cfg.get("data") or {}, cfg.get("model") or {}
-    size, patch, batch, heads = data.get("image_size"), model.get("patch_size", 2), data.get("batch_size"), 2
-    counts = (data.get("num_train"), data.get("num_val") or 0)
-    if not all(_integer(v) and v > 0 for v in (size, patch, batch, counts[0])) or not _integer(counts[1]):
-        return  # the data module and the model name what is wrong with these
-    images = counts[0] + counts[1]
-    image_bytes = images * 3 * size * size * 4
-    tokens = (size // patch) ** 2
-    attention_bytes = batch * heads * tokens * tokens * 4 * 3  # scores, probabilities, their gradient
-    memory, needed = _machine_memory(), image_bytes + attention_bytes
-    if memory and needed > 0.9 * memory:
-        gib = 2**30
-        raise ValueError(
-            f"data.image_size={size} with data.num_train + data.num_val = {images} images and "
-            f"data.batch_size={batch} needs at least {needed / gib:.3g} GiB ({image_bytes / gib:.3g} GiB of "
-            f"images, {attention_bytes / gib:.3g} GiB of attention scores over {tokens} image tokens), but "
-            f"this machine has {memory / gib:.1f} GiB; lower data.image_size (e.g. 16 or 32), "
-            "data.num_train or data.batch_size"
-        )
-
-
-def check_config(cfg: DictConfig, run_dir: str | Path | None = None) -> None:
+def check_config(cfg: DictConfig, run_dir: str | Path | None = None) -> RunSchema:
     """Check every setting of a composed run config before any work (what ``flashprobe train`` and
-    ``flashprobe study`` do first): steps, intervals, seed, threads, learning rate, data sizes against
-    the machine's memory, names that become paths, kernels; given ``run_dir``, also build the run's
-    objects as a run there would (the kernel's placement, the probe's sites, every constructor's
-    arguments), writing nothing.
+    ``flashprobe study`` do first): the schemas (:class:`~flashprobe.app.schema.RunSchema`: steps,
+    intervals, seeds, threads, learning rate, data sizes against the machine's memory, names that become
+    paths, kernels and their placement, the probe's settings; given ``run_dir``, that every callback
+    writes inside it), and ``attention.probe.sites`` against the model's module paths (the LightningModule
+    is built for it, on its own, which also checks its arguments; nothing is written).
+
+    Returns:
+        The validated schema.
 
     Raises:
         ValueError: naming the setting, the value and what to give instead.
     """
-    _check(cfg)
-    if run_dir is not None:
+    from hydra.errors import InstantiationException
+
+    if run_dir is not None:  # where ${run_dir} points
         cfg = cfg.copy()
         with open_dict(cfg):
             cfg.run_dir = str(run_dir)
-        lightning_log = logging.getLogger("lightning.pytorch")
-        level = lightning_log.level
-        lightning_log.setLevel(logging.WARNING)  # the Trainer's "GPU available" lines come with the run
+    schema = RunSchema.from_config(cfg, run_dir)
+    if schema.attention.probing and cfg.attention.probe.get("sites") is not None:
         try:
-            _build(cfg, Path(run_dir))
-        finally:
-            lightning_log.setLevel(level)
-
-
-def _check_paths(cfg: DictConfig, run_dir: Path) -> None:
-    """Every file a callback writes stays inside the run directory: ``dirpath`` under ``run_dir``,
-    ``filename`` a relative name without ``..``.
-
-    Raises:
-        ValueError: naming the callback setting and the fix.
-    """
-    root = run_dir.resolve()
-    for name, callback in (cfg.get("callbacks") or {}).items():
-        if not isinstance(callback, DictConfig):
-            continue
-        dirpath, filename = callback.get("dirpath"), callback.get("filename")
-        if dirpath is not None and not Path(str(dirpath)).resolve().is_relative_to(root):
-            raise ValueError(
-                f"callbacks.{name}.dirpath={dirpath} lies outside the run directory {run_dir}; a run writes "
-                "only into its own directory: leave dirpath at its default or choose the run directory "
-                "with hydra.run.dir"
-            )
-        if filename is not None:
-            parts = Path(str(filename)).parts
-            if not parts or Path(str(filename)).is_absolute() or ".." in parts or str(filename) in ("", "."):
-                raise ValueError(
-                    f"callbacks.{name}.filename={filename!r} must be a file name inside the run directory, "
-                    "e.g. probe.jsonl (no absolute path, no '..')"
-                )
+            module = hydra.utils.instantiate(cfg.module)
+        except InstantiationException as err:
+            raise ValueError(_instantiation_reason(err)) from err
+        check_sites(cfg.attention.probe.sites, module)
+    return schema
 
 
 def _trainer_arguments(cfg: DictConfig, callbacks: list[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -646,15 +339,14 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         FileExistsError: see :func:`_start`; nothing is written then.
         DirectoryLockedError: another process is writing into the run directory.
         CheckpointError: the checkpoint to continue from is unsafe, truncated or not a checkpoint.
-        ValueError: a configuration value is invalid (see :func:`_check`).
+        ValueError: a configuration value is invalid (see :func:`check_config`).
         RunStoppedError: the run stopped early (non-finite values, Ctrl-C, a full disk).
     """
     with contextlib.ExitStack() as stack:
         with _refusals():
-            _check(cfg)
-            quiet_third_party()
             run_dir = _run_dir(cfg)
-            _check_paths(cfg, run_dir)
+            schema = RunSchema.from_config(cfg, run_dir)
+            quiet_third_party()
             if not _launched_rank():  # the ranks run inside rank zero's lock
                 stack.enter_context(directory_lock(run_dir, what="run directory"))
             checkpoint, skipped = _start(cfg, run_dir)
@@ -663,11 +355,11 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
                 return {}, {"run_dir": run_dir, "skipped": skipped}
             from_step = _checkpoint_step(cfg, checkpoint)
             if checkpoint and cfg.get("resume") is not None:
-                _check_resumable(run_dir, from_step)
+                check_resumable(run_dir, from_step)
         os.environ.setdefault("WANDB_MODE", "offline")  # no account, no network unless asked for
         callers_threads = torch.get_num_threads()
-        if cfg.get("threads"):
-            torch.set_num_threads(int(cfg.threads))  # CPU reductions (and so the last bits) depend on it
+        if schema.threads:
+            torch.set_num_threads(schema.threads)  # CPU reductions (and so the last bits) depend on it
         try:
             with _refusals():
                 built = _build(cfg, run_dir)
@@ -686,49 +378,6 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
             torch.set_num_threads(callers_threads)  # an in-process run leaves the caller's setting as it was
 
 
-def _check_resumable(run_dir: Path, from_step: int) -> None:
-    """A run to continue has a readable record and snapshots: refuse now what would fail or be lost later.
-
-    Raises:
-        ValueError: the record, a checkpoint, the snapshot directory or its manifest is a link out of
-            the run, ``run.json`` is not flashprobe's record (its sessions would be dropped), the
-            snapshot manifest is malformed or names files outside its directory, or a snapshot the
-            resumed run keeps (at or before ``from_step``) cannot be read.
-    """
-    from safetensors import SafetensorError, safe_open
-
-    from flashprobe.weights.store import SNAPSHOT_DIRNAME, read_manifest
-
-    root, checkpoints, snapshots = run_dir.resolve(), run_dir / "checkpoints", run_dir / SNAPSHOT_DIRNAME
-    found = [*checkpoints.glob("*.ckpt")] if checkpoints.is_dir() else []
-    for path in (run_dir / "run.json", checkpoints, *found, snapshots, snapshots / "manifest.json"):
-        if path.is_symlink() and not path.resolve().is_relative_to(root):
-            raise ValueError(
-                f"{path} is a link to {path.resolve()}, outside the run {run_dir}; a resume reads and writes "
-                "only inside its run: copy the file in (cp -L) instead of linking it"
-            )
-    record = run_dir / "run.json"
-    if record.exists() and read_run_record(run_dir) is None:
-        raise ValueError(
-            f"{record} is not a flashprobe run record (not JSON of format flashprobe.run/1), so the run's "
-            "earlier sessions would be lost; restore it, or move it away to continue with a fresh record"
-        )
-    if not (snapshots / "manifest.json").is_file():
-        return
-    for entry in read_manifest(snapshots).get("snapshots", []):
-        if entry["step"] > from_step or not (snapshots / entry["file"]).is_file():
-            continue  # abandoned by the resume, or already gone: the writer drops them
-        try:
-            with library_path(snapshots / entry["file"]) as name, safe_open(name, framework="pt"):
-                pass
-        except SafetensorError as err:
-            raise ValueError(
-                f"snapshot {snapshots / entry['file']} (step {entry['step']}) cannot be read ({err}): it is "
-                "truncated or corrupt, and a resume would keep it; restore it, or start the run again with "
-                "overwrite=true"
-            ) from None
-
-
 def _checkpoint_step(cfg: DictConfig, checkpoint: str | None) -> int:
     """The step the run continues from: ``checkpoint``'s ``global_step`` (read safely), else 0.
 
@@ -736,11 +385,9 @@ def _checkpoint_step(cfg: DictConfig, checkpoint: str | None) -> int:
         CheckpointError: the checkpoint is unsafe to unpickle, truncated or not a checkpoint.
         ValueError: ``trainer.max_steps`` lies below the checkpoint's step.
     """
-    from flashprobe.formats.checkpoint_io import load_checkpoint
-
     if not checkpoint:
         return 0
-    step = int(load_checkpoint(checkpoint)["global_step"])
+    step = checkpoint_step(checkpoint)
     max_steps = cfg.trainer.get("max_steps", -1)
     if max_steps not in (None, -1) and step > max_steps:
         raise ValueError(
@@ -796,7 +443,8 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         )
     except InstantiationException as err:
         raise ValueError(_instantiation_reason(err)) from err
-    _check_sites(cfg, module)
+    probing = cfg.attention.probe.enabled and (cfg.get("callbacks") or {}).get("attention_probe") is not None
+    check_sites(cfg.attention.probe.get("sites") if probing else None, module)
     return {
         "datamodule": datamodule,
         "module": module,
@@ -1009,6 +657,9 @@ REFUSALS = (ValueError, FileExistsError, FileNotFoundError, DirectoryLockedError
 #: ``flashprobe train -v``: show tracebacks of flashprobe's own errors too.
 _VERBOSE = False
 
+#: The run directory of the Hydra job whose run flashprobe refused (see :class:`_HydraRecord`).
+_REFUSED_RUN_DIR: Path | None = None
+
 
 @contextlib.contextmanager
 def _refusals() -> Iterator[None]:
@@ -1051,6 +702,8 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     except Exception as err:
         if not _refused(err) or _traceback_wanted():
             raise
+        global _REFUSED_RUN_DIR
+        _REFUSED_RUN_DIR = _run_dir(cfg)
         print(f"flashprobe train: error: {_refusal_paragraph(err)}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     return metrics.get("val/loss")
@@ -1113,7 +766,7 @@ def command_line(args: Sequence[str]) -> list[str]:
     if run_dir is not None and resume in (None, "null") and not overwrite:
         found = existing_run(Path(run_dir))
         if found:
-            raise FileExistsError(_refusal(Path(run_dir), found))
+            raise FileExistsError(occupied(Path(run_dir), found))
     return args
 
 
@@ -1124,11 +777,17 @@ def _quoted(path: str) -> str:
     return "'" + path.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def _precheck(args: Sequence[str]) -> Path | None:
-    """Compose the run's config as Hydra will and check every setting (:func:`_check`), before Hydra starts.
+def _precheck(args: Sequence[str]) -> tuple[Path | None, Path | None]:
+    """Compose the run's config as Hydra will and check every setting (:func:`check_config`), before
+    Hydra starts (nothing is built but, for ``attention.probe.sites``, the LightningModule).
 
     Only for a single run given by overrides (no ``-m`` sweep, no Hydra flags, whose composition
-    Hydra alone knows); returns the run directory when the command line names it (``hydra.run.dir``).
+    Hydra alone knows).
+
+    Returns:
+        ``(run directory, where Hydra creates it)``: the run directory when the command line names it
+        (``hydra.run.dir``), and the directory that is, or will hold, the run directory (None when
+        Hydra alone knows it).
 
     Raises:
         ValueError: a setting is invalid, or the overrides do not compose (Hydra's reason).
@@ -1140,16 +799,16 @@ def _precheck(args: Sequence[str]) -> Path | None:
 
     check_launcher(args)  # a sweep's launcher too: Hydra would fail after making the run directory
     if any(a.startswith("-") for a in args):
-        return None
+        return None, None
     given = override_path(args, "hydra.run.dir")
     run_dir = Path(given) if given and "${" not in given else None
     overrides = [a for a in args if not override_key(a).startswith("hydra")]
     try:
         cfg = compose(overrides)
-        with open_dict(cfg):  # where the callbacks' ${run_dir} points (Hydra's default: a new directory)
-            cfg.run_dir = str(run_dir or Path(str(cfg.output_root)) / "train" / "new")
-        _check(cfg)
-        _check_paths(cfg, Path(cfg.run_dir))
+        new_runs = Path(str(cfg.output_root)) / "train"  # Hydra's default: a new directory in it
+        with open_dict(cfg):  # where the callbacks' ${run_dir} points
+            cfg.run_dir = str(run_dir or new_runs / "new")
+        check_config(cfg, cfg.run_dir)
         free = free_space(cfg.run_dir)
         if free is not None and free < FULL_BELOW:  # Hydra's own first writes would fail with a traceback
             raise ValueError(
@@ -1163,18 +822,10 @@ def _precheck(args: Sequence[str]) -> Path | None:
                 cfg.get("resume") is None and cfg.get("overwrite")
             )
             if starts_afresh:  # it would delete what is there: only flashprobe's own outputs
-                _refuse_foreign(run_dir, existing_run(run_dir))
+                refuse_foreign(run_dir, existing_run(run_dir))
         step = _checkpoint_step(cfg, str(resumed) if resumed else cfg.get("ckpt_path"))  # unsafe files: now
         if resumed:
-            _check_resumable(run_dir, step)
-        quiet_third_party()
-        lightning_log = logging.getLogger("lightning.pytorch")
-        level = lightning_log.level
-        lightning_log.setLevel(logging.WARNING)  # the Trainer's "GPU available" lines come with the run
-        try:
-            _build(cfg, Path(cfg.run_dir))  # every constructor checks its arguments; nothing is written
-        finally:
-            lightning_log.setLevel(level)
+            check_resumable(run_dir, step)
     except (HydraException, OmegaConfBaseException) as err:
         reason = " ".join(str(err).split())
         bad = next((o for o in args if not _parses(o)), None)
@@ -1184,7 +835,63 @@ def _precheck(args: Sequence[str]) -> Path | None:
                 "holds '=' or ',', as in attention.kernel='tiled:block_q=32,block_k=64'"
             ) from None
         raise ValueError(reason) from None
-    return run_dir
+    return run_dir, (run_dir if run_dir is not None else None if given else new_runs)
+
+
+class _HydraRecord:
+    """What Hydra writes for a single run before flashprobe's checks inside it (``.hydra/`` and
+    ``train.log`` in the run directory, which it creates if need be), undone when the run is refused
+    there before it starts: a refused setting leaves nothing behind, and a run directory's recorded
+    overrides (what ``resume=`` replays) stay those of the run."""
+
+    def __init__(self, where: Path | None, named: bool) -> None:
+        """``where``: the run directory (``named``) or the directory Hydra creates it in; None: unknown."""
+        self.where, self.named = where, named
+        self.absent = _absent(where) if where is not None else []
+        self.before = set(os.listdir(where)) if where is not None and where.is_dir() else set()
+        record = where / ".hydra" if where is not None and named else None
+        self.saved = (
+            {p.name: p.read_bytes() for p in record.iterdir() if p.is_file()}
+            if record and record.is_dir()
+            else {}
+        )
+
+    def undo(self, run_dir: Path | None) -> None:
+        """Undo Hydra's writes into ``run_dir``: the directory itself and the empty ones above it when this
+        command created it (it then holds only Hydra's record), else ``.hydra/`` as it was before."""
+        if run_dir is None or self.where is None or not run_dir.is_dir():
+            return
+        run_dir, where = run_dir.absolute(), self.where.absolute()
+        created = (
+            run_dir in self.absent
+            if self.named
+            else (run_dir.parent == where and run_dir.name not in self.before)
+        )
+        if created and {p.name for p in run_dir.iterdir()} <= {".hydra", "train.log"}:
+            shutil.rmtree(run_dir)
+            for parent in self.absent:  # deepest first
+                if parent.is_dir() and not any(parent.iterdir()):
+                    parent.rmdir()
+        elif self.named and run_dir == where:
+            record = run_dir / ".hydra"
+            if ".hydra" not in self.before:
+                shutil.rmtree(record, ignore_errors=True)
+            for path in record.iterdir() if record.is_dir() else ():
+                if path.name in self.saved:
+                    atomic_write_bytes(path, self.saved[path.name])
+                elif path.is_file():
+                    path.unlink()
+            if "train.log" not in self.before:
+                (run_dir / "train.log").unlink(missing_ok=True)
+
+
+def _absent(path: Path) -> list[Path]:
+    """``path`` and its ancestors that do not exist, deepest first (absolute)."""
+    missing, path = [], path.absolute()
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
 
 
 def _parses(override: str) -> bool:
@@ -1209,26 +916,33 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     ``sys.argv[1:]``; ``sys.argv`` and ``__main__.__spec__`` are pointed at this module, so the
     ranks re-run this Hydra app (``python -m flashprobe.app.train OVERRIDES``), not the CLI.
     """
-    global _VERBOSE
+    global _VERBOSE, _REFUSED_RUN_DIR
     given = list(sys.argv[1:] if argv is None else argv)
     _VERBOSE = any(a in ("-v", "--verbose") for a in given)
     given = [a for a in given if a not in ("-v", "--verbose")]
-    with contextlib.ExitStack() as stack:
-        try:
-            args = command_line(given)
-            run_dir = _precheck(args)
-            if run_dir is not None and not _launched_rank():
-                stack.enter_context(directory_lock(run_dir, what="run directory"))
-        except Exception as err:
-            if not (isinstance(err, REFUSALS) or _refused(err)) or _traceback_wanted():
-                raise
-            print(f"flashprobe train: error: {_refusal_paragraph(err)}", file=sys.stderr)
-            return 2
-        sys.argv = [__file__, *args]
-        main_module = sys.modules.get("__main__")
-        if main_module is not None and getattr(main_module, "__spec__", None) is not None:
-            main_module.__spec__ = importlib.util.find_spec(__name__)
-        _hydra_main()
+    _REFUSED_RUN_DIR, record = None, _HydraRecord(None, named=False)
+    try:
+        with contextlib.ExitStack() as stack:
+            try:
+                args = command_line(given)
+                run_dir, where = _precheck(args)
+                record = _HydraRecord(where, named=run_dir is not None)  # before the lock makes run_dir
+                if run_dir is not None and not _launched_rank():
+                    stack.enter_context(directory_lock(run_dir, what="run directory"))
+            except Exception as err:
+                if not (isinstance(err, REFUSALS) or _refused(err)) or _traceback_wanted():
+                    raise
+                print(f"flashprobe train: error: {_refusal_paragraph(err)}", file=sys.stderr)
+                return 2
+            sys.argv = [__file__, *args]
+            main_module = sys.modules.get("__main__")
+            if main_module is not None and getattr(main_module, "__spec__", None) is not None:
+                main_module.__spec__ = importlib.util.find_spec(__name__)
+            _hydra_main()
+    except SystemExit as exit_:
+        if exit_.code == 2 and not _launched_rank():  # refused inside the job, its lock released
+            record.undo(_REFUSED_RUN_DIR)
+        raise
     return 0
 
 

@@ -6,6 +6,8 @@
   ``null`` means not recorded;
 * :mod:`~flashprobe.formats.paths` — output directories and names used in file names are checked
   before any work;
+* :mod:`~flashprobe.formats.run_dir` — what a run directory holds, which of it flashprobe owns (and
+  alone deletes), and the checkpoint a resume continues from;
 
 and the formats, each read and written by one module only:
 

@@ -24,6 +24,7 @@ from flashprobe.formats.run_record import read_run_record, run_seconds
 from flashprobe.formats.study_file import read_study
 from flashprobe.report.study_verdict import (
     FLASH,
+    Verdict,
     comparison_groups,
     format_value,
     kernel_label,
@@ -83,36 +84,36 @@ def _comparisons_table(study: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _ratios_table(v: Mapping[str, Any]) -> list[str]:
+def _ratios_table(v: Verdict) -> list[str]:
     """The verdict's ratios: median and min–max over replicates at the last step, each replicate's value,
     and the range over training."""
-    steps, seeds = v["steps"], ", ".join(map(str, v["seeds"]))
+    steps, seeds = v.steps, ", ".join(map(str, v.seeds))
     over = f"steps {steps[0]}–{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"
     lines = [
-        f"| ratio | isolates | step {v['step']}: median | min–max | per replicate (seeds {seeds}) | "
-        f"min–max over {over} | at step {v['step']} |",
+        f"| ratio | isolates | step {v.step}: median | min–max | per replicate (seeds {seeds}) | "
+        f"min–max over {over} | at step {v.step} |",
         "| --- | --- | ---: | ---: | ---: | ---: | --- |",
     ]
-    for label, c in v["context"].items():
-        ratio = c["ratio"]
+    for label, c in v.context.items():
+        ratio = c.ratio
         if ratio is None:
             continue
         by_seed = dict(zip(ratio.seeds, ratio.values, strict=True))
-        values = ", ".join(format_value(by_seed.get(seed)) for seed in v["seeds"])  # "–": undefined there
-        low, high = c["over_training"] or (None, None)
+        values = ", ".join(format_value(by_seed.get(seed)) for seed in v.seeds)  # "–": undefined there
+        low, high = c.over_training or (None, None)
         where = {"below": "below 1", "above": "above 1", "straddles": "straddles 1"}[ratio.position()]
         lines.append(
-            f"| {kernel_label(v)} / {label} | {c['isolates']} | {format_value(ratio.median)}× | "
+            f"| {kernel_label(v)} / {label} | {c.isolates} | {format_value(ratio.median)}× | "
             f"{format_value(ratio.low)}–{format_value(ratio.high)} | {values} | "
             f"{format_value(low)}–{format_value(high)} | {where} |"
         )
     return lines
 
 
-def _distances_table(study: Mapping[str, Any], v: Mapping[str, Any]) -> list[str]:
+def _distances_table(study: Mapping[str, Any], v: Verdict) -> list[str]:
     """Per comparison (all its replicates): whole-model distances at the verdict's step, median (min–max)."""
     comparisons = study_comparisons(study)
-    step = v.get("step")
+    step = v.step
     lines = [
         f"| comparison | isolates | replicates | Wasserstein at step {step} | max abs at step {step} |",
         "| --- | --- | ---: | ---: | ---: |",
@@ -281,7 +282,7 @@ def write_report(study_dir: str | Path) -> Path:
     study = read_study(study_dir)
     meta = study.get("study") or {}
     v = verdict(study)
-    flash_runs = (study["pairs"].get(v.get("kernel_pair") or FLASH) or {}).get("runs") or {}
+    flash_runs = (study["pairs"].get(v.kernel_pair if v else FLASH) or {}).get("runs") or {}
     precision = meta.get("precision") or (flash_runs.get("a") or {}).get("precision") or "?"
     kernel = meta.get("kernel") or (flash_runs.get("a") or {}).get("attention") or "the kernel under test"
     mixed = not_like_for_like(study["pairs"])
@@ -301,13 +302,13 @@ def write_report(study_dir: str | Path) -> Path:
         k = kernel_label(v)
         lines += [f"- {line}" for line in verdict_lines(v, precision, kernel)]
         lines += ["", needs_line(study)]
-        n = len(v["seeds"])
+        n = len(v.seeds)
         lines += [
             "",
             "The rule (docs/study.md): **PASS** when, at every snapshot step after the learning-rate "
             f"warm-up ({_warmup(v)}), {k} / seed is below 1 in every replicate and {k} / the "
             f"low-precision pair at the precision {k} trains at is not above 1 in every replicate "
-            f"({k}: the distance of the kernel pair {v['kernel_pair']}); "
+            f"({k}: the distance of the kernel pair {v.kernel_pair}); "
             f"**LOOK CLOSER** when either fails at some step or {k}'s weights turn non-finite; "
             "**UNDETERMINED** when a comparison the rule needs was not trained, is undefined in some "
             "replicate, or its runs differ in more than the one thing it isolates.",
@@ -367,9 +368,9 @@ def write_report(study_dir: str | Path) -> Path:
     return out
 
 
-def _warmup(v: Mapping[str, Any]) -> str:
-    steps = v["steps"]
+def _warmup(v: Verdict) -> str:
+    steps = v.steps
     which = f"steps {steps[0]}–{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"
-    if v.get("warmup_steps") is None:
+    if v.warmup_steps is None:
         return f"warm-up not recorded: every step after 0, here {which}"
-    return f"module.warmup_steps = {v['warmup_steps']}; here {which}"
+    return f"module.warmup_steps = {v.warmup_steps}; here {which}"

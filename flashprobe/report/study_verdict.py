@@ -34,7 +34,10 @@ __all__ = [
     "NEEDS",
     "PASS",
     "UNDETERMINED",
+    "ContextRatio",
+    "ExtraLine",
     "Interval",
+    "Verdict",
     "comparison_groups",
     "format_value",
     "kernel_pair",
@@ -113,6 +116,117 @@ class Interval:
             "values": list(self.values),
             "seeds": list(self.seeds),
         }
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContextRatio:
+    """One context of the verdict: the seed pair, or one low-precision comparison, and the ratio of the
+    kernel pair's distance to its distance, replicate by replicate."""
+
+    kind: str
+    """``seed`` or ``precision``."""
+    replicate_seeds: list[int]
+    """The seeds of the replicates the ratio should have a value for."""
+    pairs: list[str]
+    """The context's pairs, at every replicate."""
+    isolates: str
+    """What its runs differ in, in words."""
+    distance: Interval | None
+    """Its distance at the verdict's step, over replicates."""
+    ratio: Interval | None
+    """The kernel pair's distance / its distance at the verdict's step."""
+    by_step: dict[int, Interval | None]
+    """The ratio at every step the rule reads."""
+    over_training: tuple[float, float] | None
+    """The lowest and highest replicate's ratio over those steps."""
+    in_rule: bool
+    """Whether the rule judges it (the seed pair, and the low precision the kernel trains at)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (intervals as :meth:`Interval.as_dict`)."""
+        return {
+            "kind": self.kind,
+            "replicate_seeds": list(self.replicate_seeds),
+            "pairs": list(self.pairs),
+            "isolates": self.isolates,
+            "distance": _plain(self.distance),
+            "ratio": _plain(self.ratio),
+            "by_step": {s: _plain(i) for s, i in self.by_step.items()},
+            "over_training": None if self.over_training is None else list(self.over_training),
+            "in_rule": self.in_rule,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExtraLine:
+    """A line reported beside the verdict, not part of it: the kernel pair at fp32 (``kernel_fp32``)."""
+
+    distance: float
+    """Its distance at the verdict's step."""
+    flash: float | None
+    """The kernel pair's distance of the same replicate at that step (None: not measured)."""
+    seed: int
+    """The replicate's seed."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"distance": self.distance, "flash": self.flash, "seed": self.seed}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verdict:
+    """The study's answer and the ratios it rests on (:func:`verdict`)."""
+
+    kernel_pair: str
+    """The pair whose runs differ in the attention alone (:func:`kernel_pair`)."""
+    attention: list[str]
+    """The attention its two runs recorded."""
+    step: int
+    """The last step every replicate's kernel pair has a finite distance at."""
+    steps: list[int]
+    """The steps the rule reads (after the warm-up, up to ``step``)."""
+    warmup_steps: int | None
+    """The learning-rate warm-up the study recorded (None: not recorded)."""
+    seeds: list[int]
+    """The replicates' seeds."""
+    flash: Interval | None
+    """The kernel pair's distance at ``step``, over replicates."""
+    context: dict[str, ContextRatio]
+    """Per context (``seed`` and each low-precision comparison) its ratio."""
+    extra: dict[str, ExtraLine]
+    """Lines reported beside the verdict (``kernel_fp32``)."""
+    noise_floor: float | None
+    """The largest distance of the identical runs at ``step`` (None: none trained)."""
+    left_out: dict[str, dict[str, Any]]
+    """Planned pairs whose runs differ in more than planned → their ``study.json`` entry."""
+    precision: str | None
+    """The precision the kernel trains at."""
+    answer: str
+    """:data:`PASS`, :data:`LOOK_CLOSER` or :data:`UNDETERMINED`."""
+    reasons: list[str]
+    """Why, in words (empty for PASS)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, in the order of the fields above (intervals as :meth:`Interval.as_dict`)."""
+        return {
+            "kernel_pair": self.kernel_pair,
+            "attention": list(self.attention),
+            "step": self.step,
+            "steps": list(self.steps),
+            "warmup_steps": self.warmup_steps,
+            "seeds": list(self.seeds),
+            "flash": _plain(self.flash),
+            "context": {label: c.to_dict() for label, c in self.context.items()},
+            "extra": {name: e.to_dict() for name, e in self.extra.items()},
+            "noise_floor": self.noise_floor,
+            "left_out": dict(self.left_out),
+            "precision": self.precision,
+            "answer": self.answer,
+            "reasons": list(self.reasons),
+        }
+
+
+def _plain(interval: Interval | None) -> dict[str, Any] | None:
+    return None if interval is None else interval.as_dict()
 
 
 def format_value(x: float | None) -> str:
@@ -232,7 +346,7 @@ def _interval(values: Mapping[int, float | None], seeds: Mapping[int, int]) -> I
     return Interval(tuple(float(v) for _, v in kept), tuple(seeds[r] for r, _ in kept))
 
 
-def verdict(study: Mapping[str, Any]) -> dict[str, Any]:
+def verdict(study: Mapping[str, Any]) -> Verdict | None:
     """The study's answer and the ratios it rests on, per replicate, at the last step and over training.
 
     The rule: over the snapshot steps after the learning-rate warm-up (``study.warmup_steps``; step 0
@@ -252,46 +366,26 @@ def verdict(study: Mapping[str, Any]) -> dict[str, Any]:
         study: ``study.json`` as read by :func:`flashprobe.formats.study_file.read_study`.
 
     Returns:
-        Empty when there is no kernel pair (:func:`kernel_pair`: runs that differ in the attention
-        alone). Otherwise ``kernel_pair`` (its name), ``attention`` (its runs' recorded attention),
-        ``answer``,
-        ``reasons`` (why, in words), ``step`` (the last common step), ``steps`` (those the rule
-        reads), ``warmup_steps``, ``seeds`` (the replicates'), ``flash`` (an :class:`Interval` of
-        flash's distance at the last step), ``noise_floor``, ``context`` (per context — ``seed`` and
-        each low-precision comparison — its ``pairs``, ``isolates``, ``distance`` and ``ratio`` at the
-        last step, ``by_step`` (step → ratio interval), ``over_training`` (the lowest and highest
-        replicate's ratio over ``steps``), ``replicate_seeds`` and ``in_rule``), ``precision``
-        (flash's), ``extra`` (the ``kernel_fp32`` line, not in the rule) and ``left_out`` (planned
-        pairs whose runs differ in more than planned → their ``study.json`` entry).
+        None when there is no kernel pair (:func:`kernel_pair`: runs that differ in the attention
+        alone); otherwise the :class:`Verdict`.
     """
     pairs = study["pairs"]
     comparisons = {n: c for n, c in study_comparisons(study).items() if n in pairs}
     measured = kernel_pair(study)
     if measured is None or measured not in pairs:
-        return {}
+        return None
     flash = {c["replicate"]: n for n, c in comparisons.items() if c["kind"] == "kernel"}
     seeds = {c["replicate"]: c["seed"] for c in comparisons.values()}
     curves = {n: _curve(pairs[n]) for n in comparisons}
     grid = sorted(set.intersection(*(set(pairs[n]["steps"]) for n in flash.values())))
     finite_at = [s for s in grid if any(_finite(curves[n].get(s)) for n in flash.values())]
     if not finite_at:
-        return {}
+        return None
     step = finite_at[-1]
     warmup = (study.get("study") or {}).get("warmup_steps")
     after = [s for s in grid if s > 0 and (warmup is None or s >= warmup) and s <= step] or [step]
-    out: dict[str, Any] = {
-        "kernel_pair": measured,
-        "attention": _attention_labels(pairs[measured]),
-        "step": step,
-        "steps": after,
-        "warmup_steps": warmup,
-        "seeds": [seeds[r] for r in sorted(flash)],
-        "flash": _interval({r: curves[n].get(step) for r, n in flash.items()}, seeds),
-        "context": {},
-        "extra": {},
-    }
+    replicate_seeds = [seeds[r] for r in sorted(flash)]
     noise = [curves[n].get(step) for n, c in comparisons.items() if c["kind"] == "noise"]
-    out["noise_floor"] = max((v for v in noise if _finite(v)), default=None)
     members: dict[str, dict[int, list[str]]] = {}  # context label → replicate → its pairs
     for name, c in comparisons.items():
         if c["kind"] in ("seed", "precision") and c["replicate"] in flash:
@@ -311,30 +405,53 @@ def verdict(study: Mapping[str, Any]) -> dict[str, Any]:
         return _interval(ratios, seeds)
 
     planned = (study.get("study") or {}).get("comparisons") or {}
-    out["left_out"] = {n: pairs[n] for n in planned if n in pairs and n not in comparisons}
-    out["precision"] = _flash_precision(study, measured)
+    precision = _flash_precision(study, measured)
+    context: dict[str, ContextRatio] = {}
     for label, by_replicate in members.items():
         first = comparisons[by_replicate[min(by_replicate)][0]]
         low = _low_precision(pairs[by_replicate[min(by_replicate)][0]], first["group"])
         by_step = {s: ratio_at(label, s) for s in after}
         known = [i for i in by_step.values() if i is not None]
-        out["context"][label] = {
-            "kind": first["kind"],
-            "replicate_seeds": out["seeds"],
-            "pairs": [n for r in sorted(by_replicate) for n in by_replicate[r]],
-            "isolates": "the random seed" if label == "seed" else first["isolates"],
-            "distance": _interval({r: context_at(label, r, step) for r in by_replicate}, seeds),
-            "ratio": by_step.get(step),
-            "by_step": by_step,
-            "over_training": (min(i.low for i in known), max(i.high for i in known)) if known else None,
-            "in_rule": label == "seed" or low == out["precision"] or out["precision"] == FP32,
-        }
+        context[label] = ContextRatio(
+            kind=first["kind"],
+            replicate_seeds=replicate_seeds,
+            pairs=[n for r in sorted(by_replicate) for n in by_replicate[r]],
+            isolates="the random seed" if label == "seed" else first["isolates"],
+            distance=_interval({r: context_at(label, r, step) for r in by_replicate}, seeds),
+            ratio=by_step.get(step),
+            by_step=by_step,
+            over_training=(min(i.low for i in known), max(i.high for i in known)) if known else None,
+            in_rule=label == "seed" or low == precision or precision == FP32,
+        )
+    extra = {}
     for name, c in comparisons.items():
         if c["kind"] == "kernel_fp32" and _finite(curves[name].get(step)):
             f = curves[flash[c["replicate"]]].get(step) if c["replicate"] in flash else None
-            out["extra"][name] = {"distance": curves[name][step], "flash": f, "seed": c["seed"]}
-    out["answer"], out["reasons"] = _answer(out, comparisons, curves, flash)
-    return out
+            extra[name] = ExtraLine(distance=curves[name][step], flash=f, seed=c["seed"])
+    attention = _attention_labels(pairs[measured])
+    left_out = {n: pairs[n] for n in planned if n in pairs and n not in comparisons}
+    nonfinite = {
+        n: min(s for s, x in curves[n].items() if x is not None and not _finite(x))
+        for n in flash.values()
+        if any(x is not None and not _finite(x) for x in curves[n].values())
+    }
+    answer, reasons = _answer(_label(measured, attention), context, left_out, precision, nonfinite)
+    return Verdict(
+        kernel_pair=measured,
+        attention=attention,
+        step=step,
+        steps=after,
+        warmup_steps=warmup,
+        seeds=replicate_seeds,
+        flash=_interval({r: curves[n].get(step) for r, n in flash.items()}, seeds),
+        context=context,
+        extra=extra,
+        noise_floor=max((v for v in noise if _finite(v)), default=None),
+        left_out=left_out,
+        precision=precision,
+        answer=answer,
+        reasons=reasons,
+    )
 
 
 def _attention_labels(pair: Mapping[str, Any]) -> list[str]:
@@ -345,11 +462,15 @@ def _attention_labels(pair: Mapping[str, Any]) -> list[str]:
     return [str(r or d or "not recorded") for r, d in zip(recorded, differs, strict=True)]
 
 
-def kernel_label(v: Mapping[str, Any]) -> str:
+def kernel_label(v: Verdict) -> str:
     """The label of the kernel pair's distance in report text: the attention its first run recorded
     (``"tiled"``), else the pair's name; never a fixed kernel word."""
-    recorded = (v.get("attention") or ["not recorded"])[0]
-    return str(v.get("kernel_pair")) if recorded == "not recorded" else str(recorded)
+    return _label(v.kernel_pair, v.attention)
+
+
+def _label(kernel_pair: str, attention: Sequence[str]) -> str:
+    recorded = (attention or ["not recorded"])[0]
+    return str(kernel_pair) if recorded == "not recorded" else str(recorded)
 
 
 def _flash_precision(study: Mapping[str, Any], pair: str) -> str | None:
@@ -372,51 +493,48 @@ def _steps_text(steps: Sequence[int]) -> str:
 
 
 def _answer(
-    v: Mapping[str, Any],
-    comparisons: Mapping[str, Mapping[str, Any]],
-    curves: Mapping[str, Mapping[int, float | None]],
-    flash: Mapping[int, str],
+    kernel: str,
+    context: Mapping[str, ContextRatio],
+    left_out: Mapping[str, Mapping[str, Any]],
+    precision: str | None,
+    nonfinite: Mapping[str, int],
 ) -> tuple[str, list[str]]:
-    """The rule of :func:`verdict`: the answer and its reasons."""
+    """The rule of :func:`verdict`: the answer and its reasons, from the kernel pair's label, the
+    contexts' ratios, the pairs left out, the kernel's precision and where (pair → first step) the
+    kernel pair's distance turned non-finite."""
     from flashprobe.weights.differences import describe_differences
 
-    kernel = kernel_label(v)
     look: list[str] = []
     missing = [
         f"{name} is left out: its runs differ in {describe_differences(pair)}"
-        for name, pair in v["left_out"].items()
+        for name, pair in left_out.items()
     ]
-    nonfinite = {
-        n: min(s for s, x in curves[n].items() if x is not None and not _finite(x))
-        for n in flash.values()
-        if any(x is not None and not _finite(x) for x in curves[n].values())
-    }
     for name, step in nonfinite.items():
         look.append(f"{name}'s distance is not finite from step {step} on (non-finite weights)")
-    seed = v["context"].get("seed")
+    seed = context.get("seed")
     if seed is None:
         missing.append(
             "no seed pair (runs that differ in the seed alone, e.g. run seed1): the seed bound is unknown"
         )
     else:
-        not_below = [s for s, i in seed["by_step"].items() if i is not None and i.position() != "below"]
+        not_below = [s for s, i in seed.by_step.items() if i is not None and i.position() != "below"]
         unknown = _undefined(seed)
         if not_below:
-            above = all(seed["by_step"][s].position() == "above" for s in not_below)
+            above = all(seed.by_step[s].position() == "above" for s in not_below)
             where = "above 1 in every replicate" if above else "not below 1 in every replicate"
             look.append(f"{kernel} / seed is {where} at {_steps_text(not_below)}")
         elif unknown:
             missing.append(f"{kernel} / seed is undefined {unknown}")
-    lows = {label: c for label, c in v["context"].items() if c["kind"] == "precision" and c["in_rule"]}
+    lows = {label: c for label, c in context.items() if c.kind == "precision" and c.in_rule}
     if not lows:
         missing.append(
-            f"no low-precision pair at {v['precision']}, the precision {kernel} trains at (runs that differ "
-            f"in the precision alone, one at {v['precision']} and one at fp32: run fp32)"
+            f"no low-precision pair at {precision}, the precision {kernel} trains at (runs that differ "
+            f"in the precision alone, one at {precision} and one at fp32: run fp32)"
         )
     for label, c in lows.items():
-        every = len(c["replicate_seeds"])  # "above in every replicate" needs each replicate's ratio
+        every = len(c.replicate_seeds)  # "above in every replicate" needs each replicate's ratio
         above = [
-            s for s, i in c["by_step"].items() if i is not None and i.n == every and i.position() == "above"
+            s for s, i in c.by_step.items() if i is not None and i.n == every and i.position() == "above"
         ]
         if above:
             look.append(f"{kernel} / {label} is above 1 in every replicate at {_steps_text(above)}")
@@ -430,13 +548,13 @@ def _answer(
     return PASS, []
 
 
-def _undefined(c: Mapping[str, Any]) -> str:
+def _undefined(c: ContextRatio) -> str:
     """Where a context's ratio is undefined in some replicate (its distance 0 or not finite there):
     ``"in replicate seed 2 at step 100"``; empty when every replicate has it at every rule step. The
     rule then cannot say "in every replicate"."""
     gaps: dict[tuple[int, ...], list[int]] = {}
-    for s, i in c["by_step"].items():
-        lacking = tuple(x for x in c["replicate_seeds"] if i is None or x not in i.seeds)
+    for s, i in c.by_step.items():
+        lacking = tuple(x for x in c.replicate_seeds if i is None or x not in i.seeds)
         if lacking:
             gaps.setdefault(lacking, []).append(s)
     return "; ".join(
@@ -457,33 +575,33 @@ def _paper(ratio: Interval) -> str:
     return f"paper: 2–5× below FP16 vs FP32, a ratio of {low}–{high}; here {where}"
 
 
-def _over(c: Mapping[str, Any], steps: Sequence[int]) -> str:
-    if c["over_training"] is None or len(steps) < 2:
+def _over(c: ContextRatio, steps: Sequence[int]) -> str:
+    if c.over_training is None or len(steps) < 2:
         return ""
-    low, high = c["over_training"]
+    low, high = c.over_training
     return f"; {format_value(low)}–{format_value(high)} over steps {steps[0]}–{steps[-1]}"
 
 
-def answer_line(v: Mapping[str, Any]) -> str:
+def answer_line(v: Verdict) -> str:
     """The verdict's first line: the answer and, for PASS, what held; otherwise the reasons."""
-    answer = v["answer"]
+    answer = v.answer
     if answer == PASS:
-        steps, n = v["steps"], len(v["seeds"])
+        steps, n = v.steps, len(v.seeds)
         where = (
             f"step {steps[0]}" if len(steps) == 1 else f"every snapshot step from {steps[0]} to {steps[-1]}"
         )
-        seeds = ", ".join(map(str, v["seeds"]))
+        seeds = ", ".join(map(str, v.seeds))
         reps = (
             f"its one replicate (seed {seeds})" if n == 1 else f"each of the {n} replicates (seeds {seeds})"
         )
-        lows = [n for n, c in v["context"].items() if c["kind"] == "precision" and c["in_rule"]]
+        lows = [n for n, c in v.context.items() if c.kind == "precision" and c.in_rule]
         return (
             "**PASS**: the kernel's weight deviation is within the seed bound and not above low precision "
             f"({', '.join(lows)}) — at {where}, in {reps}."
         )
     if answer == LOOK_CLOSER:
-        return f"**LOOK CLOSER**: {'; '.join(v['reasons'])}."
-    return f"**UNDETERMINED**: {'; '.join(v['reasons'])} — {NEEDS}"
+        return f"**LOOK CLOSER**: {'; '.join(v.reasons)}."
+    return f"**UNDETERMINED**: {'; '.join(v.reasons)} — {NEEDS}"
 
 
 def needs_line(study: Mapping[str, Any]) -> str:
@@ -533,63 +651,63 @@ def no_verdict_line(study: Mapping[str, Any]) -> str:
     return f"**UNDETERMINED**: {why}, so no distance here measures the kernel — {NEEDS}"
 
 
-def verdict_lines(v: Mapping[str, Any], precision: str, kernel: str = "sdpa_flash") -> list[str]:
+def verdict_lines(v: Verdict, precision: str, kernel: str = "sdpa_flash") -> list[str]:
     """The verdict in a few sentences, each computed from ``v`` (:func:`verdict`); the first is the answer.
 
     The kernel pair's attention is named as its runs recorded it; ``kernel`` stands for the first run's
     only where that run recorded none."""
-    n, step, steps, kernel = len(v["seeds"]), v["step"], v["steps"], kernel_label(v)
-    attention = [kernel if v["attention"][0] == "not recorded" else v["attention"][0], v["attention"][1]]
-    reps = "1 replicate, seed 0" if n == 1 else f"{n} replicates, seeds {', '.join(map(str, v['seeds']))}"
+    n, step, steps, kernel = len(v.seeds), v.step, v.steps, kernel_label(v)
+    attention = [kernel if v.attention[0] == "not recorded" else v.attention[0], v.attention[1]]
+    reps = "1 replicate, seed 0" if n == 1 else f"{n} replicates, seeds {', '.join(map(str, v.seeds))}"
     lines = [
         answer_line(v),
-        f"{v['kernel_pair']} ({' vs '.join(attention)} attention, both at {precision}, same seed): "
+        f"{v.kernel_pair} ({' vs '.join(attention)} attention, both at {precision}, same seed): "
         "whole-model "
-        f"Wasserstein distance **{v['flash'].text()}** at step {step} ({reps}; median (min–max) over "
+        f"Wasserstein distance **{v.flash.text()}** at step {step} ({reps}; median (min–max) over "
         "replicates, each ratio below computed within one replicate).",
     ]
-    floor = v.get("noise_floor")
+    floor = v.noise_floor
     if floor is not None:
         lines.append(
             "Noise floor: 0 — identical runs give bit-identical weights, so every distance here is real."
             if floor == 0
             else f"Noise floor: identical runs differ by {format_value(floor)}; distances near it are noise."
         )
-    seed = v["context"].get("seed")
-    if seed is not None and seed["ratio"] is not None:
+    seed = v.context.get("seed")
+    if seed is not None and seed.ratio is not None:
         finding = {
             "below": "below 1 in every replicate — within the bound set by random initialisation, as in the "
             "paper",
             "straddles": "the interval straddles 1 — not distinguishable from the seed bound: look closer",
             "above": "above 1 in every replicate — above the bound set by random initialisation, unlike the "
             "paper: look closer",
-        }[seed["ratio"].position()]
-        ratio = seed["ratio"].text("×")
+        }[seed.ratio.position()]
+        ratio = seed.ratio.text("×")
         lines.append(
             f"Seed: {kernel} / seed-to-seed = {ratio} at step {step}{_over(seed, steps)}: {finding}."
         )
-    for name, c in v["context"].items():
-        if c["kind"] != "precision" or c["ratio"] is None:
+    for name, c in v.context.items():
+        if c.kind != "precision" or c.ratio is None:
             continue
         finding = {
             "below": f"below {name} in every replicate",
             "straddles": f"not distinguishable from {name} (the interval straddles 1)",
             "above": f"above {name} in every replicate",
-        }[c["ratio"].position()]
-        ratio = c["ratio"].text("×")
-        role = "the rule's low-precision pair" if c["in_rule"] else "reported, not in the rule"
+        }[c.ratio.position()]
+        ratio = c.ratio.text("×")
+        role = "the rule's low-precision pair" if c.in_rule else "reported, not in the rule"
         lines.append(
             f"Low precision: {kernel} / {name} = {ratio} at step {step}{_over(c, steps)}: {finding} "
-            f"({c['isolates']}; {role}; {_paper(c['ratio'])})."
+            f"({c.isolates}; {role}; {_paper(c.ratio)})."
         )
-    for name, e in v["extra"].items():
+    for name, e in v.extra.items():
         at = (
-            f", against {format_value(e['flash'])} at {precision} from the same seed"
-            if e["flash"] is not None
+            f", against {format_value(e.flash)} at {precision} from the same seed"
+            if e.flash is not None
             else ""
         )
         lines.append(
-            f"Without low precision ({name}, both at fp32; seed {e['seed']} only, not part of the answer): "
-            f"{format_value(e['distance'])}{at}."
+            f"Without low precision ({name}, both at fp32; seed {e.seed} only, not part of the answer): "
+            f"{format_value(e.distance)}{at}."
         )
     return lines

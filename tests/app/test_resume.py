@@ -71,8 +71,7 @@ def test_kill_9_then_resume_is_bit_identical(uninterrupted: Path, tmp_path: Path
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     record = read_run_record(run)
     assert record["status"] == "running" and record["sessions"][-1]["seconds"] is None
-    resumed = _flashprobe_train(f"resume={run}", "~callbacks.kill")  # the resume must not be killed
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert cli_main([f"resume={run}", "~callbacks.kill"]) == 0  # in this process; it must not be killed
     _assert_same_run(uninterrupted, run)
     record = read_run_record(run)
     assert record["status"] == "finished"
@@ -101,8 +100,7 @@ def test_a_kill_at_the_end_of_training_then_resume_has_every_artefact(
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert not (run / "probe.png").exists() and list((run / "checkpoints").glob(".last.ckpt.*.tmp"))
-    resumed = _flashprobe_train(f"resume={run}", "~callbacks.kill")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert cli_main([f"resume={run}", "~callbacks.kill"]) == 0
     _assert_same_run(uninterrupted, run)
     assert (run / "probe.png").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
     assert list(run.glob("csv/version_*/samples/step_0000006.png"))
@@ -217,9 +215,9 @@ def test_a_run_directory_under_a_file_is_refused_before_hydra_starts(tmp_path: P
 def test_a_checkpoint_interval_that_splits_a_probe_interval_is_warned_about(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from flashprobe.app.train import _check
+    from flashprobe.app.train import check_config
 
-    _check(compose([*RUN, "callbacks.checkpoint.every_n_train_steps=2"], run_dir=tmp_path))
+    check_config(compose([*RUN, "callbacks.checkpoint.every_n_train_steps=2"], run_dir=tmp_path))
     assert "not a multiple" not in caplog.text  # 2 is a multiple of log_every_n_steps=2
-    _check(compose([*RUN, "callbacks.checkpoint.every_n_train_steps=3"], run_dir=tmp_path))
+    check_config(compose([*RUN, "callbacks.checkpoint.every_n_train_steps=3"], run_dir=tmp_path))
     assert "every_n_train_steps=3 is not a multiple of trainer.log_every_n_steps=2" in caplog.text

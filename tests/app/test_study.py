@@ -113,7 +113,7 @@ def test_the_verdict_prints_every_ratio_with_its_interval_computed_by_hand_from_
     printed = capsys.readouterr().out
     report = (study / "report.md").read_text()
     verdicts = {}
-    kernel = verdict(read_study(study))["attention"][0]  # the label: the kernel run's recorded attention
+    kernel = verdict(read_study(study)).attention[0]  # the label: the kernel run's recorded attention
     assert kernel == "sdpa_flash"
     for label, context in (("seed-to-seed", "seed"), ("bf16_vs_fp32", "bf16_vs_fp32")):
         last = _by_hand(pairs, "flash_vs_baseline", context, 4)
@@ -124,8 +124,8 @@ def test_the_verdict_prints_every_ratio_with_its_interval_computed_by_hand_from_
         assert f"{kernel} / {label} = {_g(median)}× ({_g(low)}–{_g(high)}) at step 4; " in line, line
         assert f"; {_g(min(over))}–{_g(max(over))} over steps 2–4: " in line, line
         assert f"{_g(median)}× | {_g(low)}–{_g(high)} | {', '.join(map(_g, last))} |" in report
-        v = verdict(read_study(study))["context"]["seed" if context == "seed" else context]
-        assert v["ratio"].values == pytest.approx(last) and v["ratio"].median == pytest.approx(median)
+        v = verdict(read_study(study)).context["seed" if context == "seed" else context]
+        assert v.ratio.values == pytest.approx(last) and v.ratio.median == pytest.approx(median)
         verdicts[context] = [_by_hand(pairs, "flash_vs_baseline", context, s) for s in (2, 4)]
     # the rule, by hand: PASS iff flash / seed is below 1 in every replicate at steps 2 and 4, and
     # flash / bf16_vs_fp32 is not above 1 in every replicate at either step
@@ -168,7 +168,7 @@ def test_a_buggy_kernel_is_told_to_look_closer_with_exit_code_3(
     assert first.startswith(
         "LOOK CLOSER: study_wrong_scale / bf16_vs_fp32 is above 1 in every replicate at steps 2, 4"
     )
-    ratio = verdict(read_study(tmp_path))["context"]["bf16_vs_fp32"]["ratio"]
+    ratio = verdict(read_study(tmp_path)).context["bf16_vs_fp32"].ratio
     assert ratio.median > 2  # far above what training at bf16 does (torch's kernel: below 1)
 
 
@@ -336,8 +336,8 @@ def test_report_verdict_against_low_precision(
         json.dumps({"format": "flashprobe.compare/1", "pairs": pairs, "study": meta})
     )
     v = verdict(read_study(tmp_path))
-    assert v["context"]["fp16_vs_fp32"]["ratio"].median == pytest.approx(flash / 2e-5)
-    assert v["answer"] == answer  # no seed pair: below low precision alone cannot pass
+    assert v.context["fp16_vs_fp32"].ratio.median == pytest.approx(flash / 2e-5)
+    assert v.answer == answer  # no seed pair: below low precision alone cannot pass
     assert report_main([str(tmp_path)]) == 0
     text = (tmp_path / "report.md").read_text()
     assert f"flash_vs_baseline / fp16_vs_fp32 = {finding}" in text  # no run recorded: the pair's name
@@ -401,10 +401,77 @@ def test_the_answer_reads_every_step_after_warm_up_and_every_replicate(
     }
     (tmp_path / "study.json").write_text(json.dumps(_replicated(curves, warmup=30)))
     v = verdict(read_study(tmp_path))
-    assert v["steps"] == [40, 60] and v["seeds"] == [0, 2, 4]
-    assert v["answer"] == answer and why in " ".join(v["reasons"]) + report_line(tmp_path)
-    ratio = v["context"]["seed"]["ratio"]
+    assert v.steps == [40, 60] and v.seeds == [0, 2, 4]
+    assert v.answer == answer and why in " ".join(v.reasons) + report_line(tmp_path)
+    ratio = v.context["seed"].ratio
     assert (ratio.low, ratio.median, ratio.high) == pytest.approx(sorted(flash[-1] * k / 10 for k in scale))
+
+
+def test_the_verdict_as_plain_data_holds_every_ratio_computed_by_hand(tmp_path: Path) -> None:
+    """Two replicates (seeds 0, 2), steps 0, 20, 40, 60, a 30-step warm-up: flash 1, 2 / 2, 4 at steps 40 /
+    60, the seed pair 10 throughout, bf16 vs fp32 5 throughout: every ratio below is flash / context."""
+    curves = {
+        "flash_vs_baseline": [[0, 9, 1, 2], [0, 9, 2, 4]],
+        "seed1_vs_seed0": [[0, 10, 10, 10]] * 2,
+        "bf16_vs_fp32": [[0, 5, 5, 5]] * 2,
+    }
+    (tmp_path / "study.json").write_text(json.dumps(_replicated(curves, warmup=30)))
+
+    def interval(values: list[float], seeds: list[int]) -> dict:
+        return {
+            "median": sum(values) / 2,
+            "low": min(values),
+            "high": max(values),
+            "values": values,
+            "seeds": seeds,
+        }
+
+    def context(kind: str, pairs: list[str], isolates: str, distance: float, ratios: dict[int, list[float]]):
+        return {
+            "kind": kind,
+            "replicate_seeds": [0, 2],
+            "pairs": pairs,
+            "isolates": isolates,
+            "distance": interval([distance, distance], [0, 2]),
+            "ratio": interval(ratios[60], [0, 2]),
+            "by_step": {s: interval(r, [0, 2]) for s, r in ratios.items()},
+            "over_training": [min(min(r) for r in ratios.values()), max(max(r) for r in ratios.values())],
+            "in_rule": True,
+        }
+
+    got = verdict(read_study(tmp_path)).to_dict()
+    assert got == {
+        "kernel_pair": "flash_vs_baseline",
+        "attention": ["not recorded", "not recorded"],
+        "step": 60,
+        "steps": [40, 60],
+        "warmup_steps": 30,
+        "seeds": [0, 2],
+        "flash": interval([2.0, 4.0], [0, 2]),
+        "context": {
+            "seed": context(
+                "seed",
+                ["seed1_vs_seed0", "seed1_vs_seed0_seed2"],
+                "the random seed",
+                10.0,
+                {40: [0.1, 0.2], 60: [0.2, 0.4]},
+            ),
+            "bf16_vs_fp32": context(
+                "precision",
+                ["bf16_vs_fp32", "bf16_vs_fp32_seed2"],
+                "what bf16_vs_fp32 isolates",
+                5.0,
+                {40: [0.2, 0.4], 60: [0.4, 0.8]},
+            ),
+        },
+        "extra": {},
+        "noise_floor": None,
+        "left_out": {},
+        "precision": "bf16-mixed",
+        "answer": "PASS",
+        "reasons": [],
+    }
+    assert json.loads(json.dumps(got)) == json.loads(json.dumps(got, sort_keys=True))  # plain JSON data
 
 
 def report_line(study_dir: Path) -> str:
@@ -437,8 +504,8 @@ def test_a_replicate_whose_ratio_is_undefined_leaves_the_answer_undetermined(tmp
     }
     (tmp_path / "study.json").write_text(json.dumps(_replicated(curves, warmup=30)))
     v = verdict(read_study(tmp_path))
-    assert v["answer"] == "UNDETERMINED", v["reasons"]
-    assert "flash_vs_baseline / seed is undefined in replicate seed 2 at steps 40, 60" in v["reasons"]
+    assert v.answer == "UNDETERMINED", v.reasons
+    assert "flash_vs_baseline / seed is undefined in replicate seed 2 at steps 40, 60" in v.reasons
     assert report_line(tmp_path).startswith(
         "**UNDETERMINED**: flash_vs_baseline / seed is undefined in replicate seed 2"
     )
@@ -461,21 +528,21 @@ def test_a_planned_pair_whose_runs_differ_in_more_carries_no_verdict(tmp_path: P
         thing = {"flash": "attention", "seed1": "seed", "bf16_": "precision"}[name[:5]]
         pair["differs"], pair["unrecorded"] = {thing: ["x", "y"]}, []
     (tmp_path / "study.json").write_text(json.dumps(doc))
-    assert verdict(read_study(tmp_path))["answer"] == "PASS"  # as planned: one difference each
+    assert verdict(read_study(tmp_path)).answer == "PASS"  # as planned: one difference each
     doc["pairs"]["flash_vs_baseline_seed2"]["differs"]["machine"] = ["torch_threads 2", "torch_threads 4"]
     (tmp_path / "study.json").write_text(json.dumps(doc))
     v = verdict(read_study(tmp_path))
-    assert v["answer"] == "UNDETERMINED" and v["reasons"][0] == (
+    assert v.answer == "UNDETERMINED" and v.reasons[0] == (
         "flash_vs_baseline_seed2 is left out: its runs differ in attention (x vs y), "
         "machine (torch_threads 2 vs torch_threads 4)"
     )
-    assert v["seeds"] == [0, 4]  # the pair that differs in two things is left out, not averaged in
+    assert v.seeds == [0, 4]  # the pair that differs in two things is left out, not averaged in
     text = (tmp_path / "report.md").read_text() if report_main([str(tmp_path)]) == 0 else ""
     assert "`flash_vs_baseline_seed2` differs in attention (x vs y), machine" in text
     # replicate 0's own pair differing in two things leaves no flash_vs_baseline at all
     doc["pairs"]["flash_vs_baseline"]["differs"]["seed"] = [0, 1]
     (tmp_path / "study.json").write_text(json.dumps(doc))
-    assert verdict(read_study(tmp_path)) == {}
+    assert verdict(read_study(tmp_path)) is None
     assert report_line(tmp_path) == (
         "**UNDETERMINED**: no pair's runs differ in the attention alone: those of flash_vs_baseline differ "
         "in attention (x vs y), seed (0 vs 1), so no distance here measures the kernel — " + NEEDS

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -158,45 +157,46 @@ def _user_conf(root: Path) -> Path:
     return conf
 
 
-def _job_config(proc: subprocess.CompletedProcess) -> dict:
+def _job_config(args: list[str], cwd: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> dict:
+    """``flashprobe train ARGS --cfg job`` run in ``cwd`` (in this process: the search path plugin reads
+    ``./conf`` and ``$FLASHPROBE_CONFIG_DIR`` at composition, as in a new one): the job's config."""
     import yaml
 
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return yaml.safe_load(proc.stdout)
+    from flashprobe.app.train import cli_main
+
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()
+    assert cli_main([*args, "--cfg", "job"]) == 0
+    return yaml.safe_load(capsys.readouterr().out)
 
 
 def test_a_conf_dir_in_the_working_directory_overrides_and_extends_the_packaged_configs(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
     _user_conf(tmp_path)
-    cfg = _job_config(flashprobe_cli("train", "experiment=mine", "model=tiny", "--cfg", "job", cwd=tmp_path))
+    cfg = _job_config(["experiment=mine", "model=tiny"], tmp_path, monkeypatch, capsys)
     assert cfg["model"]["depth"] == 3 and cfg["module"]["guidance_scale"] == 2.5
     assert cfg["study"]["kernel"] == "tiled:block_k=16"
     assert cfg["threads"] == 2  # from the packaged experiment=study the user's file builds on
-    packaged = _job_config(flashprobe_cli("train", "model=tiny", "--cfg", "job", cwd=ROOT))
+    packaged = _job_config(["model=tiny"], ROOT, monkeypatch, capsys)
     assert "depth" not in packaged["model"]  # the repository's own conf/ replaces nothing
 
 
-def test_config_dir_and_the_environment_variable_point_at_a_conf_dir_elsewhere(tmp_path: Path) -> None:
+def test_config_dir_and_the_environment_variable_point_at_a_conf_dir_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
     conf = _user_conf(tmp_path / "mine")
     elsewhere = tmp_path / "work"
     elsewhere.mkdir()
-    by_flag = flashprobe_cli(
-        "train", "--config-dir", str(conf), "experiment=mine", "--cfg", "job", cwd=elsewhere
-    )
-    assert _job_config(by_flag)["module"]["guidance_scale"] == 2.5
-    by_env = flashprobe_cli(
-        "train", "experiment=mine", "--cfg", "job", cwd=elsewhere, env={"FLASHPROBE_CONFIG_DIR": str(conf)}
-    )
-    assert _job_config(by_env)["module"]["guidance_scale"] == 2.5
-    missing = flashprobe_cli(
-        "study", "--config-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "s"), cwd=elsewhere
-    )
-    assert (
-        missing.returncode == 2
-        and "--config-dir" in missing.stderr
-        and "is not a directory" in missing.stderr
-    )
+    by_flag = _job_config(["--config-dir", str(conf), "experiment=mine"], elsewhere, monkeypatch, capsys)
+    assert by_flag["module"]["guidance_scale"] == 2.5
+    monkeypatch.setenv("FLASHPROBE_CONFIG_DIR", str(conf))
+    by_env = _job_config(["experiment=mine"], elsewhere, monkeypatch, capsys)
+    assert by_env["module"]["guidance_scale"] == 2.5
+    monkeypatch.delenv("FLASHPROBE_CONFIG_DIR")
+    missing = ["--config-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "s")]
+    assert study_module.main(missing) == 2
+    assert "--config-dir" in capsys.readouterr().err and not (tmp_path / "s").exists()
 
 
 def test_a_study_runs_a_users_experiment_from_config_dir(

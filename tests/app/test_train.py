@@ -62,27 +62,37 @@ def test_train_writes_the_run_directory(tmp_path: Path) -> None:
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
-def test_same_seed_gives_identical_weights(tmp_path: Path) -> None:
-    for name in ("a", "b"):
-        train(compose([*SMOKE, "callbacks.attention_probe=null"], run_dir=tmp_path / name))
-    a = load_file(tmp_path / "a" / "snapshots" / "step_0000004.safetensors")
-    b = load_file(tmp_path / "b" / "snapshots" / "step_0000004.safetensors")
-    assert a.keys() == b.keys()
-    assert all(torch.equal(a[k], b[k]) for k in a)
+#: flash attention at fp32, no probe: the reference the probed run and a second run must equal bit for bit
+PLAIN = [*SMOKE, "attention=flash", "logger=csv", "attention.probe.enabled=false"]
 
 
-def test_the_probe_leaves_training_bit_identical(tmp_path: Path) -> None:
-    """flashprobe train with the probe on (forward and backward, golden) vs off: the same weights."""
-    flash = [*SMOKE, "attention=flash", "logger=csv"]
-    train(compose([*flash, "attention.probe.backward=true"], run_dir=tmp_path / "probed"))
-    train(compose([*flash, "attention.probe.enabled=false"], run_dir=tmp_path / "plain"))
-    assert (tmp_path / "probed" / "probe.jsonl").is_file()
-    assert not (tmp_path / "plain" / "probe.jsonl").exists()
-    for step in (0, 2, 4):
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("plain") / "run"
+    train(compose(PLAIN, run_dir=run))
+    return run
+
+
+def _same_weights(a: Path, b: Path, steps: tuple[int, ...] = (0, 2, 4)) -> None:
+    for step in steps:
         name = f"snapshots/step_{step:07d}.safetensors"
-        a, b = load_file(tmp_path / "probed" / name), load_file(tmp_path / "plain" / name)
-        assert a.keys() == b.keys()
-        assert all(torch.equal(a[k], b[k]) for k in a), f"step {step}"
+        wa, wb = load_file(a / name), load_file(b / name)
+        assert wa.keys() == wb.keys()
+        assert all(torch.equal(wa[k], wb[k]) for k in wa), f"step {step}"
+
+
+def test_same_seed_gives_identical_weights(plain: Path, tmp_path: Path) -> None:
+    train(compose(PLAIN, run_dir=tmp_path / "again"))
+    _same_weights(plain, tmp_path / "again")
+
+
+def test_the_probe_leaves_training_bit_identical(plain: Path, tmp_path: Path) -> None:
+    """flashprobe train with the probe on (forward and backward, golden) vs off: the same weights."""
+    probed = [*SMOKE, "attention=flash", "logger=csv", "attention.probe.backward=true"]
+    train(compose(probed, run_dir=tmp_path / "probed"))
+    assert (tmp_path / "probed" / "probe.jsonl").is_file()
+    assert not (plain / "probe.jsonl").exists()
+    _same_weights(tmp_path / "probed", plain)
 
 
 def test_bad_config_fails_before_training(tmp_path: Path) -> None:

@@ -142,7 +142,8 @@ def _check_study(result: CommandResult, argv: list[str]) -> None:
     [json_path] = [p for p in outputs(argv) if p.endswith("study.json")] or [
         "out/study/study.json"
     ]  # --out's default
-    answer = verdict(read_study(result.cwd / json_path)).get("answer", UNDETERMINED)
+    found = verdict(read_study(result.cwd / json_path))
+    answer = found.answer if found else UNDETERMINED
     assert answer == UNDETERMINED and result.returncode == EXIT_CODES[answer], result.explain()
 
 

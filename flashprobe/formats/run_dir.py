@@ -1,0 +1,199 @@
+"""A run directory: what it holds, what flashprobe owns in it, and where a resume continues from.
+
+``flashprobe train`` (:mod:`flashprobe.app.train`) decides how a run starts from these helpers; they
+read the directory as data only (checkpoints with ``weights_only=True``, ``run.json`` as JSON) and
+delete only what the run's ``run.json`` records as flashprobe's own (:func:`remove_outputs`).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from flashprobe.formats.atomic import stray_temporaries
+from flashprobe.formats.paths import library_path
+from flashprobe.formats.run_record import owned_outputs, read_run_record
+
+__all__ = [
+    "RUN_DIR_NAMES",
+    "RUN_OUTPUTS",
+    "check_resumable",
+    "checkpoint_step",
+    "existing_run",
+    "last_checkpoint",
+    "occupied",
+    "refuse_foreign",
+    "remove_later_checkpoints",
+    "remove_outputs",
+    "remove_stray_temporaries",
+    "resume_point",
+]
+
+log = logging.getLogger(__name__)
+
+#: What a run writes into its directory; a directory holding any of these holds a run.
+RUN_OUTPUTS = (
+    "run.json",
+    "config.yaml",
+    "snapshots",
+    "probe.jsonl",
+    "probe.png",
+    "checkpoints",
+    "samples",
+    "csv",
+    "wandb",
+)
+
+#: what a run directory holds: flashprobe's outputs, Hydra's record, the lock and the log of a run
+#: (one killed in its start-up has only some of these); a directory holding none of them is not one
+RUN_DIR_NAMES = (*RUN_OUTPUTS, ".hydra", ".flashprobe.lock", "train.log")
+
+
+def existing_run(run_dir: Path) -> list[str]:
+    """The outputs of an earlier run found in ``run_dir`` (empty when there is none)."""
+    return [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+
+
+def occupied(run_dir: Path, found: list[str]) -> str:
+    """The refusal of a fresh start in ``run_dir``, which holds the outputs ``found`` of a run."""
+    return (
+        f"{run_dir} already holds a run ({', '.join(found)}); flashprobe never deletes a run it did not "
+        f"create. Continue it with `flashprobe train resume={run_dir}`, start afresh there with "
+        "overwrite=true (deletes those outputs), or choose another directory"
+    )
+
+
+def last_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint a resume continues from: ``checkpoints/last.ckpt``, else the newest ``*.ckpt``."""
+    directory = run_dir / "checkpoints"
+    if (directory / "last.ckpt").is_file():
+        return directory / "last.ckpt"
+    found = sorted(directory.glob("*.ckpt"), key=lambda p: p.stat().st_mtime) if directory.is_dir() else []
+    return found[-1] if found else None
+
+
+def checkpoint_step(checkpoint: str | Path) -> int:
+    """A checkpoint's ``global_step``, read with ``weights_only=True``.
+
+    Raises:
+        CheckpointError: the checkpoint is unsafe to unpickle, truncated or not a checkpoint.
+    """
+    from flashprobe.formats.checkpoint_io import load_checkpoint
+
+    return int(load_checkpoint(checkpoint)["global_step"])
+
+
+def resume_point(run_dir: Path, max_steps: int | None) -> Path | None:
+    """The checkpoint a resume continues from: the newest, unless it holds the last step.
+
+    Lightning does nothing when given a checkpoint of the last step, so whatever the run had still to
+    do after saving it (the last probe record, ``probe.png``, the final samples, ``run.json``) would
+    never be done. The newest checkpoint of an earlier step is taken instead (training from it gives
+    the same bits), or none (train from step 0) when there is none.
+    """
+    newest = last_checkpoint(run_dir)
+    if newest is None or max_steps in (None, -1) or checkpoint_step(newest) != max_steps:
+        return newest  # (a checkpoint past max_steps is refused by the app)
+    steps = [(p, checkpoint_step(p)) for p in sorted((run_dir / "checkpoints").glob("*.ckpt"))]
+    earlier = [(p, step) for p, step in steps if step < max_steps]
+    return max(earlier, key=lambda c: (c[1], c[0].stat().st_mtime))[0] if earlier else None
+
+
+def remove_later_checkpoints(run_dir: Path, step: int) -> None:
+    """Delete this run's checkpoints of steps after ``step``, which a resume from ``step`` writes again
+    (Lightning would otherwise save the new ones beside them as ``NAME-v1.ckpt``)."""
+    for path in sorted((run_dir / "checkpoints").glob("*.ckpt")):
+        if path.name != "last.ckpt" and checkpoint_step(path) > step:
+            log.warning("removing %s: training from step %d writes it again", path, step)
+            path.unlink()
+
+
+def remove_stray_temporaries(run_dir: Path) -> None:
+    """Delete the atomic writer's temporary files a killed run left in its own outputs (the run directory
+    is locked: no writer is using them)."""
+    strays = [p for p in stray_temporaries(run_dir) if p.parent == run_dir]
+    for name in owned_outputs(run_dir, RUN_OUTPUTS):
+        if (run_dir / name).is_dir() and not (run_dir / name).is_symlink():
+            strays += stray_temporaries(run_dir / name)
+    for stray in strays:
+        log.warning("removing %s, left by an interrupted write", stray)
+        stray.unlink(missing_ok=True)
+
+
+def refuse_foreign(run_dir: Path, names: list[str]) -> None:
+    """Refuse to go on when some of ``names`` in ``run_dir`` were not created by flashprobe.
+
+    Raises:
+        FileExistsError: naming them; no ``run.json`` of the directory lists them as a run's outputs.
+    """
+    owned = owned_outputs(run_dir, RUN_OUTPUTS)
+    foreign = [name for name in names if name not in owned]
+    if foreign:
+        raise FileExistsError(
+            f"{run_dir} holds {', '.join(foreign)}, which no flashprobe run recorded as its own (a run's "
+            "run.json lists what it created); flashprobe deletes only its own outputs. Move them out of the "
+            "directory, or train into another directory"
+        )
+
+
+def remove_outputs(run_dir: Path, names: list[str]) -> None:
+    """Delete the outputs ``names`` of an earlier run — only those its ``run.json`` records as its own.
+
+    Raises:
+        FileExistsError: some of ``names`` were not created by flashprobe (no ``run.json`` lists them);
+            nothing is deleted then.
+    """
+    refuse_foreign(run_dir, names)
+    for name in names:
+        path = run_dir / name
+        if not path.exists() and not path.is_symlink():
+            continue
+        log.warning("removing %s of the earlier run in %s", name, run_dir)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()  # a link is removed, never what it points to
+
+
+def check_resumable(run_dir: Path, from_step: int) -> None:
+    """A run to continue has a readable record and snapshots: refuse now what would fail or be lost later.
+
+    Raises:
+        ValueError: the record, a checkpoint, the snapshot directory or its manifest is a link out of
+            the run, ``run.json`` is not flashprobe's record (its sessions would be dropped), the
+            snapshot manifest is malformed or names files outside its directory, or a snapshot the
+            resumed run keeps (at or before ``from_step``) cannot be read.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    from flashprobe.weights.store import SNAPSHOT_DIRNAME, read_manifest  # the snapshots' format owner
+
+    root, checkpoints, snapshots = run_dir.resolve(), run_dir / "checkpoints", run_dir / SNAPSHOT_DIRNAME
+    found = [*checkpoints.glob("*.ckpt")] if checkpoints.is_dir() else []
+    for path in (run_dir / "run.json", checkpoints, *found, snapshots, snapshots / "manifest.json"):
+        if path.is_symlink() and not path.resolve().is_relative_to(root):
+            raise ValueError(
+                f"{path} is a link to {path.resolve()}, outside the run {run_dir}; a resume reads and writes "
+                "only inside its run: copy the file in (cp -L) instead of linking it"
+            )
+    record = run_dir / "run.json"
+    if record.exists() and read_run_record(run_dir) is None:
+        raise ValueError(
+            f"{record} is not a flashprobe run record (not JSON of format flashprobe.run/1), so the run's "
+            "earlier sessions would be lost; restore it, or move it away to continue with a fresh record"
+        )
+    if not (snapshots / "manifest.json").is_file():
+        return
+    for entry in read_manifest(snapshots).get("snapshots", []):
+        if entry["step"] > from_step or not (snapshots / entry["file"]).is_file():
+            continue  # abandoned by the resume, or already gone: the writer drops them
+        try:
+            with library_path(snapshots / entry["file"]) as name, safe_open(name, framework="pt"):
+                pass
+        except SafetensorError as err:
+            raise ValueError(
+                f"snapshot {snapshots / entry['file']} (step {entry['step']}) cannot be read ({err}): it is "
+                "truncated or corrupt, and a resume would keep it; restore it, or start the run again with "
+                "overwrite=true"
+            ) from None
