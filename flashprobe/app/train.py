@@ -11,6 +11,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -32,6 +33,7 @@ from flashprobe.app.console import StepProgressBar, quiet_third_party
 from flashprobe.app.machine import machine_facts
 from flashprobe.app.overrides import (
     RecordedOverrideError,
+    builds_object,
     config_groups,
     override_key,
     override_path,
@@ -657,7 +659,8 @@ REFUSALS = (ValueError, FileExistsError, FileNotFoundError, DirectoryLockedError
 #: ``flashprobe train -v``: show tracebacks of flashprobe's own errors too.
 _VERBOSE = False
 
-#: The run directory of the Hydra job whose run flashprobe refused (see :class:`_HydraRecord`).
+#: The run directory of the Hydra job whose run flashprobe refused or skipped as finished: Hydra's
+#: writes into it are undone (see :class:`_HydraRecord`).
 _REFUSED_RUN_DIR: Path | None = None
 
 
@@ -692,8 +695,9 @@ def _refusal_paragraph(err: BaseException) -> str:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> float | None:
+    global _REFUSED_RUN_DIR
     try:
-        metrics, _ = train(cfg)
+        metrics, objects = train(cfg)
     except RunStoppedError as err:
         if _traceback_wanted():
             raise
@@ -702,10 +706,11 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     except Exception as err:
         if not _refused(err) or _traceback_wanted():
             raise
-        global _REFUSED_RUN_DIR
         _REFUSED_RUN_DIR = _run_dir(cfg)
         print(f"flashprobe train: error: {_refusal_paragraph(err)}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    if objects.get("skipped"):  # nothing ran: the run's record stays the run's, not this command's
+        _REFUSED_RUN_DIR = objects["run_dir"]
     return metrics.get("val/loss")
 
 
@@ -746,6 +751,7 @@ def command_line(args: Sequence[str]) -> list[str]:
                 "configs would come from the run; a run directory is data, never instructions: run "
                 "flashprobe from another directory"
             )
+        _refuse_building(resume, args)
         try:
             resumed = recorded_overrides(saved, config_groups([CONF_DIR, *search_path]), args, skip)
         except FileNotFoundError as err:
@@ -768,6 +774,28 @@ def command_line(args: Sequence[str]) -> list[str]:
         if found:
             raise FileExistsError(occupied(Path(run_dir), found))
     return args
+
+
+def _refuse_building(resume: str, args: Sequence[str]) -> None:
+    """Refuse an override given with ``resume=RUN`` that builds an object (``+callbacks.x._target_=...``):
+    the overrides a resume is given are recorded in the run, and the next resume, which reads the run
+    as data, would refuse the run for it (:func:`~flashprobe.app.overrides.recorded_overrides`)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    for text in args:
+        try:
+            reason = builds_object(parser.parse_override(text))
+        except HydraException:
+            continue  # Hydra refuses it with its own reason
+        if reason:
+            raise RecordedOverrideError(
+                f"resume={resume} {text}: it {reason}. resume= records the overrides it is given in the "
+                "run, and a run directory is data, never instructions: the run's next resume would refuse "
+                "it. To train on with an object of yours, give the run's settings yourself: flashprobe "
+                f"train hydra.run.dir={resume} resume=auto {shlex.quote(text)} ...; nothing was run"
+            )
 
 
 def _quoted(path: str) -> str:
@@ -940,9 +968,11 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
                 main_module.__spec__ = importlib.util.find_spec(__name__)
             _hydra_main()
     except SystemExit as exit_:
-        if exit_.code == 2 and not _launched_rank():  # refused inside the job, its lock released
+        if exit_.code in (0, 2, None) and not _launched_rank():  # refused or skipped inside the job
             record.undo(_REFUSED_RUN_DIR)
         raise
+    if not _launched_rank():  # a finished run skipped: Hydra's writes undone
+        record.undo(_REFUSED_RUN_DIR)
     return 0
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from flashprobe.app.overrides import RecordedOverrideError, recorded_overrides
-from flashprobe.app.train import command_line, compose, train
+from flashprobe.app.train import cli_main, command_line, compose, train
 from tests.safety._runs import SHORT, CreatesFile
 
 
@@ -199,3 +199,30 @@ def test_a_recorded_override_the_command_replaces_is_not_read(tmp_path: Path) ->
     path.write_text("- callbacks.weight_snapshot.every_n_steps=1\n- seed=2\n")  # not added by the run
     kept = recorded_overrides(path, set(), ["~callbacks.weight_snapshot"])
     assert kept == ["seed=2", "~callbacks.weight_snapshot"]
+
+
+def test_an_override_given_with_resume_that_builds_an_object_is_refused(
+    finished: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``resume=RUN +callbacks.x._target_=...`` would be recorded in the run and make its next resume
+    refuse it: refused before Hydra starts, exit 2, the run's record unchanged, nothing built."""
+    run = _evil_run(finished, tmp_path, [])
+    before = {p.name: p.read_bytes() for p in (run / ".hydra").iterdir()}
+    marker = tmp_path / "built"
+    code = cli_main(
+        [f"resume={run}", "+callbacks.evil._target_=builtins.open", f"+callbacks.evil.file={marker}"]
+    )
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "callbacks.evil._target_" in err and "hydra.run.dir=" in err and "resume=auto" in err
+    assert {p.name: p.read_bytes() for p in (run / ".hydra").iterdir()} == before
+    assert not marker.exists()
+
+
+def test_a_resume_of_a_finished_run_leaves_its_record_as_it_was(finished: Path, tmp_path: Path) -> None:
+    """A finished run resumed with a setting is skipped; Hydra's rewrite of the run's ``.hydra/`` (what
+    the next ``resume=`` replays) is undone."""
+    run = _evil_run(finished, tmp_path, [])
+    before = {p.name: p.read_bytes() for p in (run / ".hydra").iterdir()}
+    assert cli_main([f"resume={run}", "trainer.log_every_n_steps=2"]) == 0
+    assert {p.name: p.read_bytes() for p in (run / ".hydra").iterdir()} == before
