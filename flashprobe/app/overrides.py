@@ -164,26 +164,13 @@ def recorded_overrides(
     return overrides + [o for o in given if not (o.startswith("~") and undone.get(override_key(o)))]
 
 
-def builds_object(override: Any) -> str | None:
-    """Why a parsed override makes Hydra import and build an object (a key, or a key in its value,
-    starting with ``_``: ``_target_``, ``_args_``, ``_partial_``, ...), or ``None``."""
-    key = override.key_or_group
-    if any(part.startswith("_") for part in re.split(r"[./]", key)):
-        return f"sets {key.rsplit('.', 1)[-1]}, which makes Hydra import and build an object"
-    if override.is_delete() or override.is_sweep_override():
-        return None
-    value = override.value()
-    return _unsafe_value(value) if isinstance(value, dict | list) else None
-
-
 def _unsafe(override: Any, groups: set[str]) -> str | None:
     """Why a parsed recorded override is more than a setting, or ``None``."""
     key = override.key_or_group
     if key.split(".")[0].split("/")[0] == "hydra":
         return "sets Hydra's own configuration (its search path, launcher and callbacks can load code)"
-    builds = builds_object(override)
-    if builds:
-        return builds
+    if any(part.startswith("_") for part in re.split(r"[./]", key)):
+        return f"sets {key.rsplit('.', 1)[-1]}, which makes Hydra import and build an object"
     if override.package is not None:
         return "moves a config group to another package (group@package)"
     if override.is_delete():

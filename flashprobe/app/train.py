@@ -11,7 +11,6 @@ import contextlib
 import importlib.util
 import logging
 import os
-import shlex
 import shutil
 import signal
 import sys
@@ -33,7 +32,6 @@ from flashprobe.app.console import StepProgressBar, quiet_third_party
 from flashprobe.app.machine import machine_facts
 from flashprobe.app.overrides import (
     RecordedOverrideError,
-    builds_object,
     config_groups,
     override_key,
     override_path,
@@ -751,7 +749,6 @@ def command_line(args: Sequence[str]) -> list[str]:
                 "configs would come from the run; a run directory is data, never instructions: run "
                 "flashprobe from another directory"
             )
-        _refuse_building(resume, args)
         try:
             resumed = recorded_overrides(saved, config_groups([CONF_DIR, *search_path]), args, skip)
         except FileNotFoundError as err:
@@ -774,28 +771,6 @@ def command_line(args: Sequence[str]) -> list[str]:
         if found:
             raise FileExistsError(occupied(Path(run_dir), found))
     return args
-
-
-def _refuse_building(resume: str, args: Sequence[str]) -> None:
-    """Refuse an override given with ``resume=RUN`` that builds an object (``+callbacks.x._target_=...``):
-    the overrides a resume is given are recorded in the run, and the next resume, which reads the run
-    as data, would refuse the run for it (:func:`~flashprobe.app.overrides.recorded_overrides`)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    parser = OverridesParser.create()
-    for text in args:
-        try:
-            reason = builds_object(parser.parse_override(text))
-        except HydraException:
-            continue  # Hydra refuses it with its own reason
-        if reason:
-            raise RecordedOverrideError(
-                f"resume={resume} {text}: it {reason}. resume= records the overrides it is given in the "
-                "run, and a run directory is data, never instructions: the run's next resume would refuse "
-                "it. To train on with an object of yours, give the run's settings yourself: flashprobe "
-                f"train hydra.run.dir={resume} resume=auto {shlex.quote(text)} ...; nothing was run"
-            )
 
 
 def _quoted(path: str) -> str:
