@@ -138,11 +138,6 @@ def _replay_call(call: Reproducer, spec: str, baseline: str) -> dict[str, Any]:
     }
 
 
-def _as_4d(mask: torch.Tensor) -> torch.Tensor:
-    """A mask broadcastable to ``(B, H, N_q, N_k)`` as a 4-D view."""
-    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-
-
 #: per axis of :func:`_cut`, the dimension it cuts in q, k, v, grad_out and the 4-D mask (None: not cut)
 _CUT_DIMS = {
     "batch": (0, 0, 0, 0, 0),

@@ -199,14 +199,6 @@ class RunTally:
         self.first_primary_nonfinite = state.get("first_primary_nonfinite")
         self.sites = {s: {d: dict(r) for d, r in ds.items()} for s, ds in (state.get("sites") or {}).items()}
 
-    @classmethod
-    def from_records(cls, records: Sequence[Mapping[str, Any]]) -> RunTally:
-        """The tally of a finished run, from its ``probe.jsonl`` records (in step order)."""
-        tally = cls()
-        for record in records:
-            tally.add(dict(record.get("summary") or {}), record.get("sites") or {})
-        return tally
-
 
 def _g(value: Any) -> str:
     if value is None:
