@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +34,7 @@ from typing_extensions import override
 
 from flashprobe.probing.session import attention_record
 from flashprobe.weights.snapshot import (
+    SnapshotSchedule,
     clean_name,
     live_tensors,
     manifest_config,
@@ -50,38 +51,13 @@ __all__ = [
     "manifest_config",
     "module_tensors",
     "own_attention",
-    "snapshot_steps",
     "trained_attention",
 ]
 
 log = logging.getLogger(__name__)
 
 
-def snapshot_steps(
-    owner: str, every_n_steps: int | None, steps: Iterable[int] | None, save_initial: bool, save_last: bool
-) -> tuple[int, ...]:
-    """The explicit snapshot steps, sorted, once the schedule is checked (for both trainers' callbacks).
-
-    Raises:
-        ValueError: ``every_n_steps`` is not a positive int or None, a step is not a non-negative
-            int, or nothing would ever be saved; the message starts with ``owner``.
-    """
-    if every_n_steps is not None and (
-        isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1
-    ):
-        raise ValueError(f"{owner}: every_n_steps must be a positive int or None, got {every_n_steps!r}")
-    step_list = sorted(set(steps or ()))
-    bad = [s for s in step_list if isinstance(s, bool) or not isinstance(s, int) or s < 0]
-    if bad:
-        raise ValueError(f"{owner}: steps must be non-negative ints, got {bad}")
-    if every_n_steps is None and not step_list and not save_initial and not save_last:
-        raise ValueError(
-            f"{owner} would save nothing: set every_n_steps, steps, save_initial=True or save_last=True"
-        )
-    return tuple(step_list)
-
-
-class WeightSnapshot(Callback):
+class WeightSnapshot(SnapshotSchedule, Callback):
     """Save the model's weights at configured steps into ``RUN_DIR/snapshots``.
 
     Args:
@@ -119,41 +95,9 @@ class WeightSnapshot(Callback):
     (with a warning) before training continues, then written again as training reaches them.
     """
 
-    def __init__(
-        self,
-        dirpath: str | os.PathLike[str] | None = None,
-        *,
-        every_n_steps: int | None = None,
-        steps: Iterable[int] | None = None,
-        save_initial: bool = True,
-        save_last: bool = True,
-        include_buffers: bool = False,
-        trainable_only: bool = False,
-        run_id: str | None = None,
-        seed: int | None = None,
-        attention: str | None = None,
-        precision: str | None = None,
-        config: Any = None,
-    ) -> None:
-        step_list = snapshot_steps(type(self).__name__, every_n_steps, steps, save_initial, save_last)
-        self.dirpath = Path(dirpath) if dirpath is not None else None
-        self.every_n_steps = every_n_steps
-        self.steps = tuple(step_list)
-        self.save_initial = save_initial
-        self.save_last = save_last
-        self.include_buffers = include_buffers
-        self.trainable_only = trainable_only
-        self.run_id = None if run_id is None else str(run_id)
-        self.seed = None if seed is None else int(seed)
-        self.attention = None if attention is None else str(attention)
-        self.precision = None if precision is None else str(precision)
-        self.config = manifest_config(config)
-        self._saved: set[int] = set()
-        self._restored_run_id: str | None = None
-        self._run_dir: Path | None = None
-        self._writer: SnapshotWriter | None = None
-        #: (fallbacks, sites seen) of the probe when the manifest's attention was last written
-        self._attention_seen: tuple[int, int] | None = None
+    #: the run id in the checkpoint resumed from; the run directory, once ``fit`` has started
+    _restored_run_id: str | None = None
+    _run_dir: Path | None = None
 
     @property
     @override
@@ -161,20 +105,9 @@ class WeightSnapshot(Callback):
         return self._generate_state_key(every_n_steps=self.every_n_steps, steps=self.steps)
 
     @property
-    def saved_steps(self) -> list[int]:
-        """Steps saved by this run so far (including those restored from a checkpoint), ascending."""
-        return sorted(self._saved)
-
-    @property
     def run_dir(self) -> Path | None:
         """The run directory, known once ``fit`` has started."""
         return self._run_dir
-
-    def should_save(self, step: int) -> bool:
-        """Whether ``step`` is one of the configured snapshot steps (ignores initial/last)."""
-        return (self.every_n_steps is not None and step % self.every_n_steps == 0 and step > 0) or (
-            step in self.steps
-        )
 
     # ---------------------------------------------------------------- hooks
 
@@ -218,13 +151,8 @@ class WeightSnapshot(Callback):
         if step not in self._saved and self.should_save(step):
             self._save(trainer, pl_module, step)
         elif self.attention is None and self._writer is not None and trainer.is_global_zero:
-            # a fallback found (or a site first seen) during this step is in the manifest now, not at
-            # the next snapshot; other steps read two lengths
-            probe = _primary_probe(trainer)
-            seen = None if probe is None else (len(probe.fallbacks), len(probe.sites_seen))
-            if seen != self._attention_seen:
-                self._attention_seen = seen
-                self._writer.update_header(trained_attention_record(trainer, pl_module))
+            record = lambda: trained_attention_record(trainer, pl_module)  # noqa: E731
+            self._refresh_attention(_primary_probe(trainer), record)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -21,8 +21,6 @@ This module imports transformers; ``import flashprobe`` does not.
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +28,9 @@ import torch
 from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from flashprobe.callbacks.weight_snapshot import (
-    manifest_config,
-    module_tensors,
-    own_attention,
-    snapshot_steps,
-)
 from flashprobe.integrations.hf import AttentionProbeCallback, trainer_callbacks
 from flashprobe.probing.session import attention_record
+from flashprobe.weights.snapshot import SnapshotSchedule, module_tensors, own_attention
 from flashprobe.weights.store import SnapshotWriter
 
 __all__ = ["WeightSnapshotCallback"]
@@ -48,7 +41,7 @@ log = logging.getLogger(__name__)
 _TRUE_PRECISION = {torch.float32: "32-true", torch.bfloat16: "bf16-true", torch.float16: "16-true"}
 
 
-class WeightSnapshotCallback(TrainerCallback):
+class WeightSnapshotCallback(SnapshotSchedule, TrainerCallback):
     """Save the model's weights at configured steps into ``RUN_DIR/snapshots`` during ``Trainer.train``.
 
     ::
@@ -83,54 +76,10 @@ class WeightSnapshotCallback(TrainerCallback):
     them again as training reaches them.
     """
 
-    def __init__(
-        self,
-        dirpath: str | os.PathLike[str] | None = None,
-        *,
-        every_n_steps: int | None = None,
-        steps: Iterable[int] | None = None,
-        save_initial: bool = True,
-        save_last: bool = True,
-        include_buffers: bool = False,
-        trainable_only: bool = False,
-        run_id: str | None = None,
-        seed: int | None = None,
-        attention: str | None = None,
-        precision: str | None = None,
-        config: Any = None,
-    ) -> None:
-        self.steps = snapshot_steps(type(self).__name__, every_n_steps, steps, save_initial, save_last)
-        self.every_n_steps = every_n_steps
-        self.dirpath = None if dirpath is None else Path(dirpath)
-        self.save_initial = save_initial
-        self.save_last = save_last
-        self.include_buffers = include_buffers
-        self.trainable_only = trainable_only
-        self.run_id = None if run_id is None else str(run_id)
-        self.seed = None if seed is None else int(seed)
-        self.attention = None if attention is None else str(attention)
-        self.precision = None if precision is None else str(precision)
-        self.config = manifest_config(config)
-        self._saved: set[int] = set()
-        self._writer: SnapshotWriter | None = None
-        #: (fallbacks, sites seen) of the probe when the manifest's attention was last written
-        self._attention_seen: tuple[int, int] | None = None
-
-    @property
-    def saved_steps(self) -> list[int]:
-        """Steps saved by this run so far (those kept from before a resume included), ascending."""
-        return sorted(self._saved)
-
     @property
     def run_dir(self) -> Path | None:
         """The run directory, known once training has begun."""
         return None if self._writer is None else self._writer.directory.parent
-
-    def should_save(self, step: int) -> bool:
-        """Whether ``step`` is one of the configured snapshot steps (ignores initial/last)."""
-        return (self.every_n_steps is not None and step % self.every_n_steps == 0 and step > 0) or (
-            step in self.steps
-        )
 
     # ------------------------------------------------------------------------------ hooks
     def on_train_begin(
@@ -173,13 +122,7 @@ class WeightSnapshotCallback(TrainerCallback):
         if step not in self._saved and self.should_save(step):
             self._save(kwargs["model"], step, state)
         elif self.attention is None and self._writer is not None:
-            # a fallback found (or a site first seen) during this step is in the manifest now, not at
-            # the next snapshot; other steps read two lengths
-            probe = _primary_callback()
-            seen = None if probe is None else (len(probe.fallbacks), len(probe.sites_seen))
-            if seen != self._attention_seen:
-                self._attention_seen = seen
-                self._writer.update_header(_trained_attention(kwargs["model"]))
+            self._refresh_attention(_primary_callback(), lambda: _trained_attention(kwargs["model"]))
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

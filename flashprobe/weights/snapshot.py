@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import torch
 from flashprobe.weights.store import SnapshotWriter, TensorSpec
 
 __all__ = [
+    "SnapshotSchedule",
     "clean_name",
     "live_tensors",
     "manifest_config",
@@ -62,6 +63,86 @@ def manifest_config(config: Any) -> dict[str, Any]:
         return json.loads(json.dumps(dict(config)))
     except (TypeError, ValueError) as err:
         raise TypeError(f"config must be JSON-serialisable for the snapshot manifest: {err}") from err
+
+
+class SnapshotSchedule:
+    """The settings and step schedule that both trainers' snapshot callbacks share
+    (:class:`flashprobe.callbacks.WeightSnapshot`,
+    :class:`flashprobe.integrations.hf_snapshots.WeightSnapshotCallback`; their docstrings say what
+    each argument means there).
+
+    Raises:
+        ValueError: ``every_n_steps`` is not a positive int or None, a step is not a non-negative int,
+            or nothing would ever be saved; the message starts with the callback's class name.
+        TypeError: ``config`` cannot be stored as JSON.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str] | None = None,
+        *,
+        every_n_steps: int | None = None,
+        steps: Iterable[int] | None = None,
+        save_initial: bool = True,
+        save_last: bool = True,
+        include_buffers: bool = False,
+        trainable_only: bool = False,
+        run_id: str | None = None,
+        seed: int | None = None,
+        attention: str | None = None,
+        precision: str | None = None,
+        config: Any = None,
+    ) -> None:
+        owner = type(self).__name__
+        if every_n_steps is not None and (
+            isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1
+        ):
+            raise ValueError(f"{owner}: every_n_steps must be a positive int or None, got {every_n_steps!r}")
+        step_list = sorted(set(steps or ()))
+        bad = [s for s in step_list if isinstance(s, bool) or not isinstance(s, int) or s < 0]
+        if bad:
+            raise ValueError(f"{owner}: steps must be non-negative ints, got {bad}")
+        if every_n_steps is None and not step_list and not save_initial and not save_last:
+            raise ValueError(
+                f"{owner} would save nothing: set every_n_steps, steps, save_initial=True or save_last=True"
+            )
+        self.dirpath = None if dirpath is None else Path(dirpath)
+        self.every_n_steps = every_n_steps
+        self.steps = tuple(step_list)
+        self.save_initial = save_initial
+        self.save_last = save_last
+        self.include_buffers = include_buffers
+        self.trainable_only = trainable_only
+        self.run_id = None if run_id is None else str(run_id)
+        self.seed = None if seed is None else int(seed)
+        self.attention = None if attention is None else str(attention)
+        self.precision = None if precision is None else str(precision)
+        self.config = manifest_config(config)
+        self._saved: set[int] = set()
+        self._writer: SnapshotWriter | None = None
+        #: (fallbacks, sites seen) of the probe when the manifest's attention was last written
+        self._attention_seen: tuple[int, int] | None = None
+
+    @property
+    def saved_steps(self) -> list[int]:
+        """Steps saved by this run so far (those kept from before a resume included), ascending."""
+        return sorted(self._saved)
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` is one of the configured snapshot steps (ignores initial/last)."""
+        return (self.every_n_steps is not None and step % self.every_n_steps == 0 and step > 0) or (
+            step in self.steps
+        )
+
+    def _refresh_attention(self, probe: Any, record: Callable[[], dict[str, Any]]) -> None:
+        """After a step that saved nothing: rewrite the manifest's attention (``record()``) when the
+        probe (a callback with ``fallbacks`` and ``sites_seen``, or None) found a fallback or a new site
+        since it was last written, so the manifest says it now, not at the next snapshot; other steps
+        read two lengths."""
+        seen = None if probe is None else (len(probe.fallbacks), len(probe.sites_seen))
+        if seen != self._attention_seen and self._writer is not None:
+            self._attention_seen = seen
+            self._writer.update_header(record())
 
 
 def module_tensors(
