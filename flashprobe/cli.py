@@ -96,6 +96,7 @@ def list_kernels(argv: Sequence[str]) -> int:
 
     from flashprobe.kernels import (
         KernelSpecError,
+        add_import_option,
         get_kernel,
         import_kernel_modules,
         kernel_availability,
@@ -108,13 +109,7 @@ def list_kernels(argv: Sequence[str]) -> int:
         "machine (its declared check and one tiny call per dtype), with the reason when it does not. "
         "A kernel compiled on its first call is only checked unless --try is given.",
     )
-    parser.add_argument(
-        "--import",
-        dest="imports",
-        action="append",
-        metavar="MODULE",
-        help="import MODULE first (it registers your kernels); repeatable",
-    )
+    add_import_option(parser)
     parser.add_argument(
         "--try",
         dest="try_all",

@@ -52,6 +52,7 @@ from flashprobe.kernels import (
     KernelSpecError,
     KernelUnavailableError,
     KernelUnsupportedError,
+    add_import_option,
     available_kernels,
     dtype_name,
     get_kernel,
@@ -143,13 +144,7 @@ def _parser() -> argparse.ArgumentParser:
         help="same-dtype baseline (default math; with --from, the one the call recorded)",
     )
     p.add_argument("--device", default="cpu", help="device to run on (default cpu)")
-    p.add_argument(
-        "--import",
-        dest="imports",
-        action="append",
-        metavar="MODULE",
-        help="import MODULE first (it registers your kernels with flashprobe.register_kernel); repeatable",
-    )
+    add_import_option(p)
     p.add_argument(
         "--from",
         dest="from_file",
@@ -325,30 +320,14 @@ def _from_reproducer(args: argparse.Namespace) -> int:
         ReproducerError,
         load_reproducer,
         replay,
-        replay_baseline,
+        replay_kernels,
         shrink_reproducer,
     )
 
     _import_modules(args.imports)
     try:
         call = load_reproducer(args.from_file)
-    except ReproducerError as err:
-        raise UsageError(f"--from: {err}") from None
-    specs = args.kernel or ([call.meta["primary"]] if call.meta.get("primary") else [])
-    if not specs:
-        raise UsageError(
-            "--from: the call was made with torch's own SDPA (no primary recorded); "
-            "name the kernel with --kernel"
-        )
-    try:
-        kernels = [_label(k, "--kernel") for k in specs]
-    except UsageError as err:
-        module = call.meta.get("kernel_module")
-        raise UsageError(
-            f"{err} (recorded: registered by --import {module})" if module else str(err)
-        ) from None
-    try:
-        baseline = replay_baseline(call, args.baseline and _label(args.baseline, "--baseline"))
+        kernels, baseline = replay_kernels(call, args.kernel, args.baseline)
     except ReproducerError as err:
         raise UsageError(f"--from: {err}") from None
     try:  # checked now, made only for a shrunk reproducer: a replay that ends in errors writes nothing

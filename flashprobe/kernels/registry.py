@@ -9,6 +9,7 @@ and Hydra configs.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import inspect
 import sys
@@ -578,6 +579,18 @@ def kernel_availability(
         else:
             ran.append(name)
     return KernelAvailability(kernel.spec, str(device), tuple(ran), reasons, called=call)
+
+
+def add_import_option(parser: argparse.ArgumentParser) -> None:
+    """Add the CLIs' repeatable ``--import MODULE`` option (into ``args.imports``); the command passes
+    ``args.imports or []`` to :func:`import_kernel_modules` before it reads a kernel spec."""
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        metavar="MODULE",
+        help="import MODULE first (it registers your kernels with flashprobe.register_kernel); repeatable",
+    )
 
 
 def import_kernel_modules(modules: Iterable[str]) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from flashprobe.kernels import KernelSpecError, get_kernel, import_kernel_modules
+from flashprobe.kernels import KernelSpecError, add_import_option, import_kernel_modules
 
 if TYPE_CHECKING:
     from flashprobe.formats.reproducer import Reproducer
@@ -42,20 +42,14 @@ def _parser() -> argparse.ArgumentParser:
         help="kernel spec to replay with (repeatable; default: the recorded primary)",
     )
     p.add_argument("--baseline", metavar="SPEC", help="baseline kernel (default: the recorded one)")
-    p.add_argument(
-        "--import",
-        dest="imports",
-        action="append",
-        metavar="MODULE",
-        help="import MODULE first (it registers your kernels with flashprobe.register_kernel); repeatable",
-    )
+    add_import_option(p)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns 0 when every kernel passes, 1 when one fails or errors, 2 on bad input."""
-    from flashprobe.probing.repro import ReproducerError, load_reproducer, replay, replay_baseline
+    from flashprobe.probing.repro import ReproducerError, load_reproducer, replay, replay_kernels
 
     parser = _parser()
     args = parser.parse_args(argv)
@@ -65,25 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(err))
     try:
         call = load_reproducer(args.file)
+        kernels, baseline = replay_kernels(call, args.kernel, args.baseline)
     except ReproducerError as err:
         parser.error(str(err))
-    kernels = args.kernel or ([call.meta["primary"]] if call.meta.get("primary") else [])
-    if not kernels:
-        parser.error(
-            "the call was made with torch's own scaled_dot_product_attention (no primary recorded); "
-            "name the kernels to replay with --kernel, e.g. --kernel sdpa_flash --kernel sdpa_math"
-        )
     meta = call.meta
-    module = meta.get("kernel_module") or "MODULE"
-    for spec in [*kernels, *([args.baseline] if args.baseline else [])]:
-        try:
-            get_kernel(spec)
-        except KernelSpecError as err:
-            parser.error(f"{spec!r}: {err} (pass --import {module} for a kernel registered in your code)")
-    try:
-        baseline = replay_baseline(call, args.baseline)
-    except ReproducerError as err:
-        parser.error(f"{args.file}: {err}")
     results = replay(call, kernels, baseline=baseline)
     if args.json:
         print(json.dumps({"file": str(args.file), "call": _describe(call), "results": results}, indent=2))

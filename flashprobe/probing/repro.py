@@ -37,6 +37,7 @@ __all__ = [
     "load_reproducer",
     "replay",
     "replay_baseline",
+    "replay_kernels",
     "reproducer_stem",
     "save_reproducer",
     "shrink_reproducer",
@@ -89,6 +90,37 @@ def replay_baseline(call: Reproducer, baseline: str | None = None) -> str:
             f"judge against with --baseline SPEC, e.g. --baseline math{also}"
         ) from None
     return recorded
+
+
+def replay_kernels(
+    call: Reproducer, kernels: Sequence[str] | None, baseline: str | None = None
+) -> tuple[list[str], str]:
+    """The kernel specs and the baseline a replay of ``call`` runs with (``flashprobe replay``,
+    ``flashprobe fuzz --from``), checked before any kernel runs: ``kernels`` when given, else the
+    primary the call recorded; the baseline as :func:`replay_baseline`.
+
+    Raises:
+        ReproducerError: no kernel given and none recorded (the call was torch's own SDPA), a given
+            spec that is not a kernel here, or a recorded baseline that is not (the message names
+            the spec and the fix: ``--kernel``, ``--import`` of the module the call recorded).
+    """
+    specs = list(kernels or ([call.meta["primary"]] if call.meta.get("primary") else []))
+    if not specs:
+        raise ReproducerError(
+            "the call was made with torch's own scaled_dot_product_attention (no primary recorded); "
+            "name the kernels to replay with --kernel, e.g. --kernel sdpa_flash --kernel sdpa_math"
+        )
+    module = call.meta.get("kernel_module")
+    hint = f"the call recorded --import {module}" if module else "pass --import MODULE"
+    given = [("--kernel", k) for k in specs] + ([("--baseline", baseline)] if baseline else [])
+    for flag, spec in given:
+        try:
+            get_kernel(spec)
+        except KernelSpecError as err:
+            raise ReproducerError(
+                f"{flag} {spec!r}: {err} ({hint} for a kernel registered in your code)"
+            ) from None
+    return [k.strip() for k in specs], replay_baseline(call, baseline and baseline.strip())
 
 
 def _replay_call(call: Reproducer, spec: str, baseline: str) -> dict[str, Any]:
