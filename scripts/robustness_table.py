@@ -281,34 +281,18 @@ def _repro_cases() -> list[Case]:
     and more)."""
     from tests.probing import test_repro_metadata
 
+    src = "tests/probing/test_repro_metadata.py"
+    commands = (("replay", "{repro}"), ("fuzz", "--from", "{repro}", "--out", "out"))
+    t = test_repro_metadata
+    tables = {
+        "repro-meta": t.test_bad_metadata_is_refused_naming_the_field,
+        "repro-call": t.test_tensors_that_are_not_one_attention_call_are_refused_before_any_kernel_runs,
+    }
     cases = []
-    for i, (_, _, message) in enumerate(
-        _parametrized(test_repro_metadata.test_bad_metadata_is_refused_naming_the_field)
-    ):
-        phrase = message.split(".*")[0].replace("\\", "")
-        src = "tests/probing/test_repro_metadata.py"
-        cases.append(_c("replay", "{repro}", expect=phrase, setup=f"repro-meta:{i}", source=src))
-        cases.append(
-            _c(
-                "fuzz",
-                "--from",
-                "{repro}",
-                "--out",
-                "out",
-                expect=phrase,
-                setup=f"repro-meta:{i}",
-                source=src,
-            )
-        )
-    for i, (_, _, message) in enumerate(
-        _parametrized(
-            test_repro_metadata.test_tensors_that_are_not_one_attention_call_are_refused_before_any_kernel_runs
-        )
-    ):
-        phrase = message.split(".*")[0].replace("\\", "")
-        src = "tests/probing/test_repro_metadata.py"
-        for args in (("replay", "{repro}"), ("fuzz", "--from", "{repro}", "--out", "out")):
-            cases.append(_c(*args, expect=phrase, setup=f"repro-call:{i}", source=src))
+    for kind, test in tables.items():
+        for i, (_, _, message) in enumerate(_parametrized(test)):
+            phrase = message.split(".*")[0].replace("\\", "")
+            cases += [_c(*args, expect=phrase, setup=f"{kind}:{i}", source=src) for args in commands]
     crafted = {  # setup → phrase
         "repro:pickle": "flashprobe does not unpickle files it is handed",
         "repro:text": "not a safetensors file",
@@ -356,122 +340,20 @@ def _repro_cases() -> list[Case]:
             setup="repro:ok",
         ),
         _c("fuzz", "--from", "{repro}", "--out", "a_file", expect="is a file", setup="repro:ok-and-file"),
-        # kernels that crash or return the wrong shape or dtype: the gate must not pass them (item 3)
-        _c(
-            "fuzz",
-            "--from",
-            "{repro}",
-            "--import",
-            "bugs",
-            "--kernel",
-            "bug_raising",
-            "--out",
-            "out",
-            expect="bug_raising: ERROR",
-            code=1,
-            setup="bugs",
-            writes=True,
-        ),
-        _c(
-            "fuzz",
-            "--from",
-            "{repro}",
-            "--import",
-            "bugs",
-            "--kernel",
-            "bug_wrong_shape",
-            "--out",
-            "out",
-            expect="bug_wrong_shape: ERROR",
-            code=1,
-            setup="bugs",
-            writes=True,
-        ),
-        _c(
-            "fuzz",
-            "--from",
-            "{repro}",
-            "--import",
-            "bugs",
-            "--kernel",
-            "bug_wrong_dtype",
-            "--out",
-            "out",
-            expect="bug_wrong_dtype: ERROR",
-            code=1,
-            setup="bugs",
-            writes=True,
-        ),
-        _c(
-            "replay",
-            "{repro}",
-            "--import",
-            "bugs",
-            "--kernel",
-            "bug_raising",
-            expect="bug_raising",
-            code=1,
-            setup="bugs",
-        ),
-        _c(
-            "replay",
-            "{repro}",
-            "--import",
-            "bugs",
-            "--kernel",
-            "bug_wrong_shape",
-            expect="bug_wrong_shape",
-            code=1,
-            setup="bugs",
-        ),
-        _c(
-            "replay",
-            "{repro}",
-            "--import",
-            "bugs",
-            "--kernel",
-            "bug_wrong_dtype",
-            expect="bug_wrong_dtype",
-            code=1,
-            setup="bugs",
-        ),
-        _c(
-            "fuzz",
-            "--import",
-            "bugs",
-            "--kernel",
-            "bug_raising",
-            "--case",
-            "sentinel_1e4",
-            "--dtype",
-            "fp32",
-            "--no-backward",
-            "--out",
-            "out",
-            expect="bug_raising",
-            code=1,
-            setup="bugs",
-            writes=True,
-        ),
-        _c(
-            "fuzz",
-            "--import",
-            "bugs",
-            "--kernel",
-            "bug_wrong_shape",
-            "--case",
-            "sentinel_1e4",
-            "--dtype",
-            "fp32",
-            "--no-backward",
-            "--out",
-            "out",
-            expect="bug_wrong_shape",
-            code=1,
-            setup="bugs",
-            writes=True,
-        ),
     ]
+    # kernels that crash or return the wrong shape or dtype: the gate must not pass them (item 3)
+    bugs = ("bug_raising", "bug_wrong_shape", "bug_wrong_dtype")
+    for bug in bugs:
+        from_file = ("fuzz", "--from", "{repro}", "--import", "bugs", "--kernel", bug, "--out", "out")
+        cases.append(_c(*from_file, expect=f"{bug}: ERROR", code=1, setup="bugs", writes=True))
+    for bug in bugs:
+        cases.append(
+            _c("replay", "{repro}", "--import", "bugs", "--kernel", bug, expect=bug, code=1, setup="bugs")
+        )
+    one_case = ("--case", "sentinel_1e4", "--dtype", "fp32", "--no-backward", "--out", "out")
+    for bug in bugs[:2]:
+        fuzz = ("fuzz", "--import", "bugs", "--kernel", bug, *one_case)
+        cases.append(_c(*fuzz, expect=bug, code=1, setup="bugs", writes=True))
     return cases
 
 
@@ -841,24 +723,6 @@ def _damage_run(run: Path, d: Path, damage: str) -> None:
         raise KeyError(damage)
 
 
-def _damage_manifest(run: Path, damage: str) -> None:
-    """tests/safety/test_manifest.py's damages of a run."""
-    from tests.safety.test_manifest import _add_entry
-
-    manifest = run / "snapshots" / "manifest.json"
-    if damage == "manifest":
-        manifest.write_text('{"format": "flashprobe.snap')
-    elif damage == "manifest_list":
-        manifest.write_text("[1, 2]")
-    elif damage == "entry":
-        _add_entry(run, {"step": "two", "file": "step_0000002.safetensors"})
-    elif damage == "run.json":
-        (run / "run.json").write_text("garbage")
-    else:
-        snapshot = run / "snapshots" / "step_0000001.safetensors"
-        snapshot.write_bytes(snapshot.read_bytes()[:100])
-
-
 def _write_repro(d: Path, kind: str) -> Path:
     """A reproducer, valid (``ok``) or crafted as ``kind`` says."""
     import pickle
@@ -1084,7 +948,9 @@ def setup(name: str, d: Path, prepared: Prepared) -> Iterator[dict[str, str]]:
             _add_entry(run, {"step": 999, "file": str(victim) if arg == "absolute" else arg})
             values["run"] = str(run)
         elif kind == "damage":
-            _damage_manifest(run := _copy_run(prepared, d), arg)
+            from tests.safety.test_manifest import damage_run
+
+            damage_run(run := _copy_run(prepared, d), arg)
             values["run"] = str(run)
         elif kind == "repro-meta":
             from flashprobe.probing.repro import REPRO_FORMAT

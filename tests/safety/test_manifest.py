@@ -78,6 +78,24 @@ def test_pruning_still_deletes_the_runs_own_abandoned_snapshots(tmp_path: Path) 
     ]
 
 
+def damage_run(run: Path, damage: str) -> None:
+    """Damage a stopped run's records as ``damage`` says (also the robustness table's setups): the
+    manifest (``manifest``: torn, ``manifest_list``: a list, ``entry``: a bad entry), ``run.json``, or
+    else the step-1 snapshot, truncated."""
+    manifest = run / "snapshots" / "manifest.json"
+    if damage == "manifest":
+        manifest.write_text('{"format": "flashprobe.snap')
+    elif damage == "manifest_list":
+        manifest.write_text("[1, 2]")
+    elif damage == "entry":
+        _add_entry(run, {"step": "two", "file": "step_0000002.safetensors"})
+    elif damage == "run.json":
+        (run / "run.json").write_text("garbage")
+    else:
+        snapshot = run / "snapshots" / "step_0000001.safetensors"
+        snapshot.write_bytes(snapshot.read_bytes()[:100])
+
+
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
@@ -92,18 +110,7 @@ def test_a_damaged_run_is_refused_before_the_resume_writes(
     stopped: Path, tmp_path: Path, damage: str, message: str
 ) -> None:
     run = Path(shutil.copytree(stopped, tmp_path / "run"))
-    manifest = run / "snapshots" / "manifest.json"
-    if damage == "manifest":
-        manifest.write_text('{"format": "flashprobe.snap')
-    elif damage == "manifest_list":
-        manifest.write_text("[1, 2]")
-    elif damage == "entry":
-        _add_entry(run, {"step": "two", "file": "step_0000002.safetensors"})
-    elif damage == "run.json":
-        (run / "run.json").write_text("garbage")
-    else:
-        snapshot = run / "snapshots" / "step_0000001.safetensors"
-        snapshot.write_bytes(snapshot.read_bytes()[:100])
+    damage_run(run, damage)
     before = fingerprint(run)
     with pytest.raises(ValueError, match=message):
         _resume(run)
