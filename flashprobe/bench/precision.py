@@ -20,17 +20,14 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import Any
-
-import torch
 
 from flashprobe.bench.args import add_input_args, add_kernel_args, add_output_args, add_shape_args
-from flashprobe.bench.inputs import InputConfig, Shape
-from flashprobe.bench.sweep import Primary, SweepPoint, deviation_sweep
+from flashprobe.bench.inputs import Shape
+from flashprobe.bench.sweep import Primary, SweepPoint
 from flashprobe.bench.sweep_command import SweepCommand, SweepPlan, SweepSetup, run_sweep_cli
 from flashprobe.kernels import Kernel
 
-__all__ = ["COMMAND", "DEFAULT_KERNELS", "TABLE_COLUMNS", "build_parser", "main", "precision_rows"]
+__all__ = ["COMMAND", "DEFAULT_KERNELS", "TABLE_COLUMNS", "build_parser", "main"]
 
 #: The primaries by default: the paper's re-implementation and the real kernels' numerics.
 DEFAULT_KERNELS = ("tiled:preset=paper", "tiled")
@@ -51,46 +48,6 @@ TABLE_COLUMNS = [
 
 def _point(shape: Shape, kernels: Sequence[Kernel]) -> SweepPoint:
     return SweepPoint(shape, [Primary(k, {"kernel": k.spec}) for k in kernels])
-
-
-def precision_rows(
-    shape: Shape,
-    *,
-    kernels: Sequence[Kernel],
-    baseline: Kernel,
-    dtypes: Sequence[torch.dtype],
-    seeds: Sequence[int],
-    inputs: InputConfig | None = None,
-    device: torch.device | str = "cpu",
-    is_causal: bool = False,
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Deviation of each kernel from the baseline and the golden value at each dtype.
-
-    Args:
-        shape: the ``(B, H, N, D)`` input shape.
-        kernels: the primary kernels; each spec is applied to inputs of every dtype.
-        baseline: the baseline kernel.
-        dtypes: the precisions to compare.
-        seeds: one repeat per seed.
-        inputs: the input distribution (default standard normal).
-        device: where the kernels run.
-        is_causal: apply the causal mask.
-
-    Returns:
-        ``(rows, skipped)``, see :func:`~flashprobe.bench.sweep.deviation_sweep`; every row has
-        ``kernel``, ``dtype``, ``{pair}_{stat}`` for the pairs ``primary_baseline``,
-        ``primary_golden``, ``baseline_golden`` and the stats ``max_abs``, ``mean_abs``,
-        ``std_abs``, ``rel_l2``, ``error_ratio``, and the ``_lo``/``_hi`` spread over seeds.
-    """
-    return deviation_sweep(
-        [_point(shape, kernels)],
-        baseline=baseline,
-        dtypes=dtypes,
-        seeds=seeds,
-        inputs=inputs or InputConfig(),
-        device=device,
-        is_causal=is_causal,
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,19 +13,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
-
-import torch
 
 from flashprobe.bench.args import add_input_args, add_kernel_args, add_output_args, add_shape_args
-from flashprobe.bench.inputs import InputConfig, Shape
-from flashprobe.bench.sweep import Primary, SweepPoint, deviation_sweep
+from flashprobe.bench.inputs import Shape
+from flashprobe.bench.sweep import Primary, SweepPoint
 from flashprobe.bench.sweep_command import SweepCommand, SweepPlan, SweepSetup, run_sweep_cli
 from flashprobe.kernels import Kernel
 
-__all__ = ["COMMAND", "TABLE_COLUMNS", "build_parser", "main", "seqlen_rows"]
+__all__ = ["COMMAND", "TABLE_COLUMNS", "build_parser", "main"]
 
 #: Columns of the printed table: (row key, header).
 TABLE_COLUMNS = [
@@ -44,43 +41,6 @@ def _points(shape: Shape, seq_lens: Sequence[int], kernels: Sequence[Kernel]) ->
     """One point per distinct N, shortest first."""
     primaries = [Primary(k, {"kernel": k.spec}) for k in kernels]
     return [SweepPoint(replace(shape, seq_len=n), primaries) for n in sorted(dict.fromkeys(seq_lens))]
-
-
-def seqlen_rows(
-    shape: Shape,
-    seq_lens: Sequence[int],
-    *,
-    kernels: Sequence[Kernel],
-    baseline: Kernel,
-    dtypes: Sequence[torch.dtype],
-    seeds: Sequence[int],
-    inputs: InputConfig | None = None,
-    device: torch.device | str = "cpu",
-    is_causal: bool = False,
-    progress: Callable[[str], None] | None = None,
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Deviation of each kernel at each sequence length and dtype.
-
-    Args:
-        shape: ``(B, H, ·, D)``; its ``seq_len`` is replaced by each of ``seq_lens``.
-        seq_lens: the sequence lengths N to sweep.
-        kernels, baseline, dtypes, seeds, inputs, device, is_causal: as in
-            :func:`~flashprobe.bench.precision.precision_rows`.
-        progress: optional callable taking a short message before each (N, dtype).
-
-    Returns:
-        ``(rows, skipped)`` with one row per (N, kernel, dtype).
-    """
-    return deviation_sweep(
-        _points(shape, seq_lens, kernels),
-        baseline=baseline,
-        dtypes=dtypes,
-        seeds=seeds,
-        inputs=inputs or InputConfig(),
-        device=device,
-        is_causal=is_causal,
-        progress=progress,
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,15 +25,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
-
-import torch
 
 from flashprobe.bench.args import add_input_args, add_kernel_args, add_output_args, add_shape_args
 from flashprobe.bench.errors import BenchArgumentError
-from flashprobe.bench.inputs import InputConfig, Shape
-from flashprobe.bench.sweep import Primary, SweepPoint, deviation_sweep
+from flashprobe.bench.sweep import Primary, SweepPoint
 from flashprobe.bench.sweep_command import SweepCommand, SweepPlan, SweepSetup, run_sweep_cli
 from flashprobe.kernels import Kernel, KernelSpecError, dtype_name, get_kernel, tile_sizes
 
@@ -45,7 +42,6 @@ __all__ = [
     "build_parser",
     "main",
     "tile_kernels",
-    "tiles_rows",
 ]
 
 #: Variant name → options added to the base spec (besides ``sram``).
@@ -130,47 +126,6 @@ def tile_kernels(base: Kernel, head_dim: int, srams: Sequence[int], variants: Se
             "drop it from the spec (use --sram to choose the tile sizes)"
         )
     return [_tile_kernel(base, head_dim, variant, m) for variant in variants for m in srams]
-
-
-def tiles_rows(
-    shape: Shape,
-    *,
-    base: Kernel,
-    srams: Sequence[int],
-    variants: Sequence[str],
-    baseline: Kernel,
-    dtypes: Sequence[torch.dtype],
-    seeds: Sequence[int],
-    inputs: InputConfig | None = None,
-    device: torch.device | str = "cpu",
-    is_causal: bool = False,
-    progress: Callable[[str], None] | None = None,
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Deviation of ``base`` over tile sizes and variants at each dtype (see :func:`tile_kernels`).
-
-    Args:
-        shape: the ``(B, H, N, D)`` input shape.
-        base: the kernel to vary (``tiled``).
-        srams: the SRAM sizes M.
-        variants: names from :data:`VARIANTS`.
-        baseline, dtypes, seeds, inputs, device, is_causal: as in
-            :func:`~flashprobe.bench.precision.precision_rows`.
-        progress: optional callable taking a short message before each (N, dtype).
-
-    Returns:
-        ``(rows, skipped)`` with one row per (variant, M, dtype).
-    """
-    point = SweepPoint(shape, tile_kernels(base, shape.head_dim, srams, variants))
-    return deviation_sweep(
-        [point],
-        baseline=baseline,
-        dtypes=dtypes,
-        seeds=seeds,
-        inputs=inputs or InputConfig(),
-        device=device,
-        is_causal=is_causal,
-        progress=progress,
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
