@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["LAYOUTS", "apply_layout", "layout_of"]
+__all__ = ["LAYOUTS", "apply_layout"]
 
 #: Every layout, in the order the catalogue and the random search use them.
 LAYOUTS = ("contiguous", "bnhd", "fused_qkv", "expanded_kv", "offset")
@@ -89,13 +89,3 @@ def apply_layout(
     if layout == "offset":
         return _offset(q), _offset(k), _offset(v)
     raise ValueError(f"layout={layout!r} must be one of {', '.join(LAYOUTS)}")
-
-
-def layout_of(x: torch.Tensor) -> str:
-    """A short description of a tensor's memory layout: ``contiguous``, ``strided``, ``stride-0``,
-    ``offset`` (for messages)."""
-    if 0 in x.stride() and x.numel() > 1:
-        return "stride-0"
-    if not x.is_contiguous():
-        return "strided"
-    return "offset" if x.storage_offset() else "contiguous"
