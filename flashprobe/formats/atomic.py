@@ -161,18 +161,13 @@ def atomic_write(
     Raises:
         DiskFullError: the disk ran out of space; ``path`` is as it was before.
     """
-    path = Path(path)
-    tmp = temporary_path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        text = {"encoding": "utf-8", "errors": "surrogateescape", "newline": ""}
-        with open(tmp, "xb") if binary else open(tmp, "x", **text) as fh:
+    text = {"encoding": "utf-8", "errors": "surrogateescape", "newline": ""}
+
+    def write_to(tmp: Path) -> None:
+        with open(tmp, "wb") if binary else open(tmp, "w", **text) as fh:
             write(fh)
-        _replace(tmp, path)
-    except BaseException as err:
-        _discard(tmp, path, err)
-        raise
-    return path
+
+    return atomic_write_file(path, write_to)
 
 
 def _discard(tmp: Path, path: Path, err: BaseException) -> None:
