@@ -19,9 +19,9 @@ import torch
 
 from flashprobe.kernels._inputs import check_inputs
 from flashprobe.kernels.registry import (
+    Kernel,
     KernelCapabilities,
     KernelUnavailableError,
-    KernelUnsupportedError,
     register_kernel,
 )
 
@@ -88,15 +88,6 @@ def _installed(device: torch.device, dtype: torch.dtype) -> None:
     _import_flash_attn()
 
 
-def _check(device: torch.device, dtype: torch.dtype) -> None:
-    """The raw function's check (it can be called without :class:`Kernel`): the declared device and
-    dtype, then the package."""
-    problem = FLASH_ATTN_CAPABILITIES.setting_problem(device, dtype)
-    if problem is not None:
-        raise KernelUnsupportedError(f"flash_attn: {problem}")
-    _import_flash_attn()
-
-
 #: flash-attn 2's limits (its README): Ampere, Ada or Hopper GPUs (sm80+), fp16/bf16, head dims up to
 #: 256 (the adapter keeps multiples of 8, which need no padding), D_v == D, MQA/GQA natively, a
 #: causal mask aligned bottom-right (so SDPA's top-left causal with N_q != N_k is refused), key
@@ -142,7 +133,7 @@ def flash_attn_attention(
             key padding, a head dim flash-attn lacks, D_v != D, or causal with N_q != N_k.
     """
     check_inputs(q, k, v, attn_mask, is_causal, kernel="flash_attn", gqa=True)
-    _check(q.device, q.dtype)
+    Kernel("flash_attn").check(q.device, q.dtype)  # the raw function may be called without a Kernel
     d = q.shape[-1]
     if d > 256 or d % 8:
         raise KernelUnavailableError(

@@ -22,9 +22,9 @@ import torch
 
 from flashprobe.kernels._inputs import default_scale
 from flashprobe.kernels.registry import (
+    Kernel,
     KernelCapabilities,
     KernelUnavailableError,
-    KernelUnsupportedError,
     register_kernel,
 )
 
@@ -45,15 +45,6 @@ def _import_flashinfer() -> Any:
 
 def _installed(device: torch.device, dtype: torch.dtype) -> None:
     """The registered check (:meth:`Kernel.check` checks FLASHINFER_CAPABILITIES first): the package."""
-    _import_flashinfer()
-
-
-def _check(device: torch.device, dtype: torch.dtype) -> None:
-    """The raw function's check (it can be called without :class:`Kernel`): the declared device and
-    dtype, then the package."""
-    problem = FLASHINFER_CAPABILITIES.setting_problem(device, dtype)
-    if problem is not None:
-        raise KernelUnsupportedError(f"flashinfer: {problem}")
     _import_flashinfer()
 
 
@@ -94,7 +85,7 @@ def flashinfer_attention(
         KernelUnavailableError: not CUDA, not fp16/bf16, inputs that require grad, or a mask FlashInfer
             cannot take (additive, or different per head).
     """
-    _check(q.device, q.dtype)
+    Kernel("flashinfer").check(q.device, q.dtype)  # the raw function may be called without a Kernel
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise KernelUnavailableError("flashinfer: FlashInfer has no backward; compare it forward only")
     flashinfer = _import_flashinfer()
