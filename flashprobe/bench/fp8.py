@@ -44,7 +44,14 @@ import torch
 from flashprobe.bench.args import add_output_args, check_size, run_cli
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.inputs import Shape
-from flashprobe.bench.results import format_table, load_results, peak_memory, write_results, wrote_line
+from flashprobe.bench.results import (
+    format_cell,
+    format_table,
+    load_results,
+    peak_memory,
+    write_results,
+    wrote_line,
+)
 from flashprobe.bench.sweep import deviation_stats, summarize_seeds
 from flashprobe.formats.atomic import atomic_write_text
 from flashprobe.kernels import fp8 as fp8_numerics
@@ -474,7 +481,7 @@ def _markdown(doc: Mapping[str, Any]) -> str:
         part_rows = [r for r in rows if r["part"] == part and (part != "error" or _first_axis(r, rows))]
         out += ["", f"## {title}", "", "| " + " | ".join(names + keys) + " |"]
         out.append("|" + "---|" * len(names + keys))
-        out += ["| " + " | ".join(_md_cell(r.get(key)) for key in names + keys) + " |" for r in part_rows]
+        out += ["| " + " | ".join(format_cell(r.get(key)) for key in names + keys) + " |" for r in part_rows]
     return "\n".join(out) + "\n"
 
 
@@ -483,14 +490,6 @@ def _first_axis(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> bo
     key = ("variant", "distribution", "seq_len", "head_dim")
     first = next(r for r in rows if r["part"] == "error" and all(r[k] == row[k] for k in key))
     return first is row
-
-
-def _md_cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3g}"
-    return str(value)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,7 +26,7 @@ from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.formats.atomic import atomic_write_text
 from flashprobe.formats.jsonio import NONFINITE, number, read_json, write_json
 
-__all__ = ["environment", "format_table", "load_results", "write_results", "wrote_line"]
+__all__ = ["environment", "format_cell", "format_table", "load_results", "write_results", "wrote_line"]
 
 
 def environment() -> dict[str, Any]:
@@ -142,7 +142,8 @@ def load_results(out_dir: Path, name: str) -> dict[str, Any]:
     return doc
 
 
-def _cell(value: Any) -> str:
+def format_cell(value: Any) -> str:
+    """A table cell: ``-`` for None, ``yes``/``no``, ``inf`` for an infinite float, 3 significant digits."""
     if value is None:
         return "-"
     if isinstance(value, bool):
@@ -165,7 +166,7 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str,
         The table, header first, without a trailing newline.
     """
     cells = [[header for _, header in columns]]
-    cells += [[_cell(row.get(key)) for key, _ in columns] for row in rows]
+    cells += [[format_cell(row.get(key)) for key, _ in columns] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
