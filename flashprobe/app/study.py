@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from flashprobe.app.overrides import override_key, override_value
+from flashprobe.formats.run_record import RUN_RECORD
 
 __all__ = [
     "DEFAULT_EXPERIMENT",
@@ -469,7 +470,9 @@ def check_settings(out: Path, cfg: Any) -> None:
 
     Its ``study_settings.json`` (written by the first invocation) must match this invocation's
     composed configuration; otherwise the skipped "finished" runs would be reported under the new
-    settings. A directory without the file (a study from before it existed) is not checked.
+    settings. A directory without the file (a study from before it existed) is not checked, nor one
+    where no run has started training (no ``runs/*/run.json``: e.g. the first run refused a setting
+    when it built its objects), whose settings protect nothing: the new ones replace them.
 
     Raises:
         ValueError: naming each setting that differs, old and new, and the fix.
@@ -485,7 +488,7 @@ def check_settings(out: Path, cfg: Any) -> None:
     differ = sorted(
         k for k in before.keys() | now.keys() if before.get(k) != now.get(k) and k not in RUN_INDEPENDENT
     )
-    if differ:
+    if differ and any((out / "runs").glob(f"*/{RUN_RECORD}")):
         shown = "; ".join(f"{k}: {before.get(k)!r} then, {now.get(k)!r} now" for k in differ[:8])
         more = f" (and {len(differ) - 8} more)" if len(differ) > 8 else ""
         raise ValueError(

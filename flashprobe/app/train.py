@@ -17,15 +17,12 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
-import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from lightning.pytorch.callbacks import ProgressBar
-from lightning.pytorch.trainer.states import TrainerStatus
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from flashprobe.app.console import StepProgressBar, quiet_third_party
@@ -39,8 +36,6 @@ from flashprobe.app.overrides import (
     recorded_overrides,
 )
 from flashprobe.app.schema import RunSchema, check_sites
-from flashprobe.callbacks.attention_probe import AttentionProbe
-from flashprobe.callbacks.nonfinite_guard import NonFiniteGuard
 from flashprobe.formats.atomic import (
     FULL_BELOW,
     DiskFullError,
@@ -73,6 +68,9 @@ from flashprobe.formats.run_record import (
     start_session,
 )
 from flashprobe.t2i.precision import trainer_precision
+
+if TYPE_CHECKING:  # Lightning is imported where a run is built: a refused setting never waits for it
+    import lightning as L
 
 __all__ = [
     "CONF_DIR",
@@ -414,7 +412,12 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         ValueError: an object refused its configuration (Hydra's ``InstantiationException``, whose
             message names the config key and the object's reason).
     """
+    import lightning as L
     from hydra.errors import InstantiationException
+    from lightning.pytorch.callbacks import ProgressBar
+
+    from flashprobe.callbacks.attention_probe import AttentionProbe
+    from flashprobe.callbacks.nonfinite_guard import NonFiniteGuard
 
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     try:
@@ -469,6 +472,11 @@ def _fit(
     cfg: DictConfig, run_dir: Path, checkpoint: str | None, from_step: int, built: dict[str, Any]
 ) -> tuple[dict[str, float], dict[str, Any]]:
     """Fit the built objects (the body of :func:`train`, threads already set)."""
+    from lightning.pytorch.trainer.states import TrainerStatus
+
+    from flashprobe.callbacks.attention_probe import AttentionProbe
+    from flashprobe.callbacks.nonfinite_guard import NonFiniteGuard
+
     datamodule, module, callbacks = built["datamodule"], built["module"], built["callbacks"]
     loggers, trainer = built["loggers"], built["trainer"]
     guard = next(c for c in callbacks if isinstance(c, NonFiniteGuard))
@@ -659,7 +667,7 @@ _VERBOSE = False
 
 #: The run directory of the Hydra job whose run flashprobe refused or skipped as finished: Hydra's
 #: writes into it are undone (see :class:`_HydraRecord`).
-_REFUSED_RUN_DIR: Path | None = None
+_UNDO_RUN_DIR: Path | None = None
 
 
 @contextlib.contextmanager
@@ -693,7 +701,7 @@ def _refusal_paragraph(err: BaseException) -> str:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> float | None:
-    global _REFUSED_RUN_DIR
+    global _UNDO_RUN_DIR
     try:
         metrics, objects = train(cfg)
     except RunStoppedError as err:
@@ -704,11 +712,11 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     except Exception as err:
         if not _refused(err) or _traceback_wanted():
             raise
-        _REFUSED_RUN_DIR = _run_dir(cfg)
+        _UNDO_RUN_DIR = _run_dir(cfg)
         print(f"flashprobe train: error: {_refusal_paragraph(err)}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     if objects.get("skipped"):  # nothing ran: the run's record stays the run's, not this command's
-        _REFUSED_RUN_DIR = objects["run_dir"]
+        _UNDO_RUN_DIR = objects["run_dir"]
     return metrics.get("val/loss")
 
 
@@ -919,11 +927,11 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     ``sys.argv[1:]``; ``sys.argv`` and ``__main__.__spec__`` are pointed at this module, so the
     ranks re-run this Hydra app (``python -m flashprobe.app.train OVERRIDES``), not the CLI.
     """
-    global _VERBOSE, _REFUSED_RUN_DIR
+    global _VERBOSE, _UNDO_RUN_DIR
     given = list(sys.argv[1:] if argv is None else argv)
     _VERBOSE = any(a in ("-v", "--verbose") for a in given)
     given = [a for a in given if a not in ("-v", "--verbose")]
-    _REFUSED_RUN_DIR, record = None, _HydraRecord(None, named=False)
+    _UNDO_RUN_DIR, record = None, _HydraRecord(None, named=False)
     try:
         with contextlib.ExitStack() as stack:
             try:
@@ -942,13 +950,18 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
             if main_module is not None and getattr(main_module, "__spec__", None) is not None:
                 main_module.__spec__ = importlib.util.find_spec(__name__)
             _hydra_main()
-    except SystemExit as exit_:
-        if exit_.code in (0, 2, None) and not _launched_rank():  # refused or skipped inside the job
-            record.undo(_REFUSED_RUN_DIR)
+    except SystemExit as exit_:  # 2: refused inside the job (any other code: the run's own outcome)
+        if exit_.code == 2:
+            _undo(record)
         raise
-    if not _launched_rank():  # a finished run skipped: Hydra's writes undone
-        record.undo(_REFUSED_RUN_DIR)
+    _undo(record)  # a finished run that resume= skipped (else nothing is marked)
     return 0
+
+
+def _undo(record: _HydraRecord) -> None:
+    """Undo Hydra's writes into the run directory :func:`_hydra_main` marked (:data:`_UNDO_RUN_DIR`)."""
+    if not _launched_rank():
+        record.undo(_UNDO_RUN_DIR)
 
 
 if __name__ == "__main__":

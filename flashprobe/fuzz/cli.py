@@ -2,7 +2,8 @@
 
 Every case of the chosen profile (``--profile default``, the CI gate, or ``full``) of
 :data:`~flashprobe.fuzz.cases.CATALOGUE` (and, with ``--budget N``, N random samples) runs against
-every kernel at every dtype, judged by the 2x rule (:mod:`flashprobe.fuzz.rule`) on the output
+every kernel at every dtype, judged by the probe's rule (:mod:`flashprobe.judge`, through
+:mod:`flashprobe.fuzz.rule`) on the output
 and, unless ``--no-backward``, on ``dq``, ``dk``, ``dv``. The run reports its coverage: which
 values of each axis it exercised. Every argument is checked before any case runs: bad usage exits 2
 with one message naming the argument and the fix. Prints a progress line per case and
@@ -95,7 +96,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="flashprobe fuzz",
         description="Run adversarial edge cases (sentinel logits, fully masked rows, overflow, odd shapes, "
-        "...) against attention kernels; judge each against the FP64 golden with the 2x rule. "
+        "...) against attention kernels; judge each against the FP64 golden and the same-dtype baseline "
+        "with the probe's rule (absolute, row and relative criteria; flashprobe.judge). "
         "Exits 1 when any (kernel, case) fails, 2 on bad usage.",
     )
     p.add_argument(

@@ -5,28 +5,68 @@
 image patches and cross-attention to the caption, every attention call through torch SDPA;
 ``TextToImageModule`` trains it with Lightning, routes attention to a chosen kernel, and writes a
 grid of generated samples with a caption-agreement score after each validation.
+
+Names are imported from their modules on first use (PEP 562), so that :mod:`flashprobe.t2i.precision`
+alone (what ``flashprobe train`` checks a setting with) does not import Lightning.
 """
 
-from flashprobe.t2i.data import (
-    COLOURS,
-    POSITIONS,
-    SHAPES,
-    SIZES,
-    VOCAB,
-    CaptionTokenizer,
-    ShapeAttributes,
-    ShapesDataModule,
-    ShapesDataset,
-    describe,
-    parse_caption,
-    render,
-    sample_attributes,
-)
-from flashprobe.t2i.diffusion import GaussianDiffusion
-from flashprobe.t2i.metrics import CaptionAgreement, ImageReading, caption_agreement, read_images
-from flashprobe.t2i.model import DIT_MODELS, DiTConfig, TextToImageDiT, dit_small, dit_tiny
-from flashprobe.t2i.module import TextToImageModule, default_sample_captions
-from flashprobe.t2i.precision import PRECISIONS, trainer_precision
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flashprobe.t2i.data import (
+        COLOURS,
+        POSITIONS,
+        SHAPES,
+        SIZES,
+        VOCAB,
+        CaptionTokenizer,
+        ShapeAttributes,
+        ShapesDataModule,
+        ShapesDataset,
+        describe,
+        parse_caption,
+        render,
+        sample_attributes,
+    )
+    from flashprobe.t2i.diffusion import GaussianDiffusion
+    from flashprobe.t2i.metrics import CaptionAgreement, ImageReading, caption_agreement, read_images
+    from flashprobe.t2i.model import DIT_MODELS, DiTConfig, TextToImageDiT, dit_small, dit_tiny
+    from flashprobe.t2i.module import TextToImageModule, default_sample_captions
+    from flashprobe.t2i.precision import PRECISIONS, trainer_precision
+
+#: Each public name and the module of :mod:`flashprobe.t2i` that defines it.
+_MODULES: dict[str, str] = {
+    "COLOURS": "data",
+    "CaptionAgreement": "metrics",
+    "CaptionTokenizer": "data",
+    "DIT_MODELS": "model",
+    "DiTConfig": "model",
+    "GaussianDiffusion": "diffusion",
+    "ImageReading": "metrics",
+    "POSITIONS": "data",
+    "PRECISIONS": "precision",
+    "SHAPES": "data",
+    "SIZES": "data",
+    "ShapeAttributes": "data",
+    "ShapesDataModule": "data",
+    "ShapesDataset": "data",
+    "TextToImageDiT": "model",
+    "TextToImageModule": "module",
+    "VOCAB": "data",
+    "caption_agreement": "metrics",
+    "default_sample_captions": "module",
+    "describe": "data",
+    "dit_small": "model",
+    "dit_tiny": "model",
+    "parse_caption": "data",
+    "read_images": "metrics",
+    "render": "data",
+    "sample_attributes": "data",
+    "trainer_precision": "precision",
+}
 
 __all__ = [
     "COLOURS",
@@ -57,3 +97,16 @@ __all__ = [
     "sample_attributes",
     "trainer_precision",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.plugins.precision import MixedPrecision
-
 __all__ = ["PRECISIONS", "trainer_precision"]
 
 #: Precisions the text-to-image workload is tested with.
@@ -39,5 +37,7 @@ def trainer_precision(precision: str | int, accelerator: str = "cpu") -> dict[st
     if name not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of: {', '.join(PRECISIONS)}")
     if name == "16-mixed" and accelerator == "cpu":
+        from lightning.pytorch.plugins.precision import MixedPrecision  # Lightning only where it is built
+
         return {"plugins": [MixedPrecision("16-mixed", "cpu")]}
     return {"precision": name}

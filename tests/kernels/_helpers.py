@@ -1,8 +1,9 @@
 """Helpers shared by the kernel tests: masks.
 
-Accuracy is judged by the one 2x rule, :func:`flashprobe.fuzz.rule.check_output`, with
-flash-attention's tests' floor :func:`flashprobe.fuzz.rule.rounding_floor` (the rounding error of
-the golden output in the dtype), tighter than the fuzzer's ``eps(dtype) · max|v|``.
+Accuracy is judged by the one rule (:mod:`flashprobe.judge`) through
+:func:`flashprobe.fuzz.rule.check_output`, its reported 2x tolerance floored as flash-attention's tests
+floor theirs, by :func:`flashprobe.fuzz.rule.rounding_floor` (the rounding error of the golden output
+in the dtype), tighter than the fuzzer's ``eps(dtype) · max|v|``.
 """
 
 from __future__ import annotations

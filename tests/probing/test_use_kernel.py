@@ -61,6 +61,6 @@ def test_probe_with_explicit_primary_catches_the_bug() -> None:
     assert fwd["primary_golden"]["max_abs"] > 0.1
     assert fwd["baseline_golden"]["max_abs"] < 0.01  # fp32 rounding of -1e5 + logits
     assert fwd["error_ratio"] > 100
-    with probe(model, primary="tiled") as p:  # the fixed kernel (true -inf) passes the 2x rule
+    with probe(model, primary="tiled") as p:  # the fixed kernel (true -inf): max error ratio <= 2
         model(q, k, v)
     assert p.summary()["max_error_ratio"] <= 2
