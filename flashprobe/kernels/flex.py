@@ -54,9 +54,38 @@ def _original() -> Any:
     return FLEX_ORIGINAL if FLEX_ORIGINAL is not None else _flex_module().flex_attention
 
 
+#: Compiled variants the one ``flex_attention`` frame may hold (torch's ``recompile_limit`` is 8).
+#: A variant is a dtype, a mask kind, a head dim, a scale given or not, and the sizes torch
+#: specialises; a fuzz run of the default catalogue needs over a hundred. Past torch's limit the
+#: frame would run the unfused eager implementation in silence; past this one it is an error.
+RECOMPILE_LIMIT = 512
+
+
 @cache
-def _compiled() -> Any:
-    return torch.compile(_original(), dynamic=False)
+def _compiled(dynamic: bool) -> Any:
+    # fullgraph=True: a graph break, or RECOMPILE_LIMIT reached, is an error, never eager code.
+    return torch.compile(_original(), dynamic=dynamic, fullgraph=True)
+
+
+def _run_compiled(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any], *, reads_mask: bool
+) -> torch.Tensor:
+    """The compiled FlexAttention call: dynamic lengths, batch and head counts (one compile serves
+    them all) unless a ``mask_mod``/``score_mod`` reads a mask tensor, which torch 2.13's CPU
+    template cannot compile with dynamic shapes (a C++ error, ``cur_kvSplitSize…`` undeclared):
+    such calls compile per shape."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    try:
+        limits = {"recompile_limit": RECOMPILE_LIMIT, "accumulated_recompile_limit": RECOMPILE_LIMIT}
+        with torch._dynamo.config.patch(**limits):
+            return _compiled(not reads_mask)(q, k, v, **kwargs)
+    except FailOnRecompileLimitHit as error:
+        raise RuntimeError(
+            f"flex: torch.compile(flex_attention) reached {RECOMPILE_LIMIT} compiled variants in this "
+            "process; past them torch would run eager code. Run fewer shapes, dtypes or masks per process, "
+            "or flex:compile=false"
+        ) from error
 
 
 def _check(device: torch.device, dtype: torch.dtype, /, compile: bool = True) -> None:
@@ -144,12 +173,11 @@ def flex_attention_kernel(
     block_mask = None
     if mask_mod is not None:
         block_mask = module.create_block_mask(mask_mod, b, h, n_q, n_k, device=q.device)
-    fn = _compiled() if compile else _original()
     kwargs = {"score_mod": score_mod, "block_mask": block_mask, "scale": scale, "enable_gqa": k.shape[1] != h}
     if compile:
-        return fn(q, k, v, **kwargs)
+        return _run_compiled(q, k, v, kwargs, reads_mask=attn_mask is not None)
     import warnings
 
     with warnings.catch_warnings():  # the eager implementation is asked for: its warning is noise here
         warnings.filterwarnings("ignore", message=r".*flex_attention called without torch.compile")
-        return fn(q, k, v, **kwargs)
+        return _original()(q, k, v, **kwargs)
