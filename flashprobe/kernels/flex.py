@@ -1,13 +1,20 @@
 """``flex``: torch's FlexAttention behind the SDPA signature.
 
 ``flex`` runs :func:`torch.nn.attention.flex_attention.flex_attention` — compiled with
-``torch.compile`` by default (the fused kernel; the first call of a shape compiles, about 30 s on
-this project's 2-core CPU, a few seconds per new shape after), ``flex:compile=false`` for torch's
-eager, unfused implementation (exact math, for tests and quick checks). SDPA's arguments become
-FlexAttention's: ``is_causal`` a causal ``mask_mod`` (top-left aligned, as SDPA), a bool
-``attn_mask`` a ``mask_mod`` reading it, an additive float mask a ``score_mod`` adding it (its
-``-inf`` entries also masked in the block mask, so a fully masked row gives 0, as the ``math``
-baseline), grouped key/value heads ``enable_gqa``.
+``torch.compile`` by default (the fused kernel), ``flex:compile=false`` for torch's eager, unfused
+implementation (exact math, for tests and quick checks).
+
+**Compiles.** Lengths, batch and head counts are dynamic: one compile (20–50 s on this project's
+2-core CPU) serves every length of a dtype, head dim and mask kind; torch still specialises sizes
+of 1 and a single key block. A bool or additive mask compiles per shape: torch 2.13's CPU template
+fails to compile a ``mask_mod`` or ``score_mod`` that reads a tensor with dynamic shapes (a C++
+error). One process holds up to :data:`RECOMPILE_LIMIT` variants, then the call is an error: under
+torch's own limit (8) the ninth variant would run the unfused eager code in silence.
+
+SDPA's arguments become FlexAttention's: ``is_causal`` a causal ``mask_mod`` (top-left aligned, as
+SDPA), a bool ``attn_mask`` a ``mask_mod`` reading it, an additive float mask a ``score_mod`` adding
+it (its ``-inf`` entries also masked in the block mask, so a fully masked row gives 0, as the
+``math`` baseline), grouped key/value heads ``enable_gqa``.
 
 **Directions.** torch (2.13) has no FlexAttention backward on the CPU: called on CPU tensors that
 require grad, ``flex`` raises :class:`~flashprobe.kernels.KernelUnavailableError` saying so (the
