@@ -21,7 +21,7 @@ from typing import Any
 
 from flashprobe.formats import safe_name
 from flashprobe.formats.reproducer import Reproducer, kernel_module
-from flashprobe.fuzz.cases import SIGNED_BIAS
+from flashprobe.fuzz.cases import CATALOGUE, SIGNED_BIAS
 from flashprobe.fuzz.inputs import CaseInputs
 from flashprobe.fuzz.kernel_call import kernel_label
 from flashprobe.fuzz.run import FuzzResult, case_references, check_case
@@ -145,9 +145,11 @@ def replay_case(call: Reproducer, kernel: str, baseline: str = "math") -> dict[s
     try:
         inputs = case_inputs(call)
         base, precision = fp8_baseline(kernel, baseline)
+        case = CATALOGUE.get(fuzz.get("case", ""))  # its output gradient: × 2^-20, transposed, ...
         refs = case_references(
-            inputs, base, backward=fuzz.get("backward", True), bias=fuzz.get("bias", False)
-        )
+            inputs, base, backward=fuzz.get("backward", True), grad=case.grad if case else "",
+            bias=fuzz.get("bias", False),
+        )  # fmt: skip
         result = check_case(
             kernel, inputs, case=fuzz.get("case", "custom"), refs=replace(refs, precision=precision)
         )

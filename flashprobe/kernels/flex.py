@@ -1,13 +1,20 @@
 """``flex``: torch's FlexAttention behind the SDPA signature.
 
 ``flex`` runs :func:`torch.nn.attention.flex_attention.flex_attention` — compiled with
-``torch.compile`` by default (the fused kernel; the first call of a shape compiles, about 30 s on
-this project's 2-core CPU, a few seconds per new shape after), ``flex:compile=false`` for torch's
-eager, unfused implementation (exact math, for tests and quick checks). SDPA's arguments become
-FlexAttention's: ``is_causal`` a causal ``mask_mod`` (top-left aligned, as SDPA), a bool
-``attn_mask`` a ``mask_mod`` reading it, an additive float mask a ``score_mod`` adding it (its
-``-inf`` entries also masked in the block mask, so a fully masked row gives 0, as the ``math``
-baseline), grouped key/value heads ``enable_gqa``.
+``torch.compile`` by default (the fused kernel), ``flex:compile=false`` for torch's eager, unfused
+implementation (exact math, for tests and quick checks).
+
+**Compiles.** Lengths, batch and head counts are dynamic: one compile (20–50 s on this project's
+2-core CPU) serves every length of a dtype, head dim and mask kind; torch still specialises sizes
+of 1 and a single key block. A bool or additive mask compiles per shape: torch 2.13's CPU template
+fails to compile a ``mask_mod`` or ``score_mod`` that reads a tensor with dynamic shapes (a C++
+error). One process holds up to :data:`RECOMPILE_LIMIT` variants, then the call is an error: under
+torch's own limit (8) the ninth variant would run the unfused eager code in silence.
+
+SDPA's arguments become FlexAttention's: ``is_causal`` a causal ``mask_mod`` (top-left aligned, as
+SDPA), a bool ``attn_mask`` a ``mask_mod`` reading it, an additive float mask a ``score_mod`` adding
+it (its ``-inf`` entries also masked in the block mask, so a fully masked row gives 0, as the
+``math`` baseline), grouped key/value heads ``enable_gqa``.
 
 **Directions.** torch (2.13) has no FlexAttention backward on the CPU: called on CPU tensors that
 require grad, ``flex`` raises :class:`~flashprobe.kernels.KernelUnavailableError` saying so (the
@@ -54,9 +61,38 @@ def _original() -> Any:
     return FLEX_ORIGINAL if FLEX_ORIGINAL is not None else _flex_module().flex_attention
 
 
+#: Compiled variants the one ``flex_attention`` frame may hold (torch's ``recompile_limit`` is 8).
+#: A variant is a dtype, a mask kind, a head dim, a scale given or not, and the sizes torch
+#: specialises; a fuzz run of the default catalogue needs over a hundred. Past torch's limit the
+#: frame would run the unfused eager implementation in silence; past this one it is an error.
+RECOMPILE_LIMIT = 512
+
+
 @cache
-def _compiled() -> Any:
-    return torch.compile(_original(), dynamic=False)
+def _compiled(dynamic: bool) -> Any:
+    # fullgraph=True: a graph break, or RECOMPILE_LIMIT reached, is an error, never eager code.
+    return torch.compile(_original(), dynamic=dynamic, fullgraph=True)
+
+
+def _run_compiled(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any], *, reads_mask: bool
+) -> torch.Tensor:
+    """The compiled FlexAttention call: dynamic lengths, batch and head counts (one compile serves
+    them all) unless a ``mask_mod``/``score_mod`` reads a mask tensor, which torch 2.13's CPU
+    template cannot compile with dynamic shapes (a C++ error, ``cur_kvSplitSize…`` undeclared):
+    such calls compile per shape."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    try:
+        limits = {"recompile_limit": RECOMPILE_LIMIT, "accumulated_recompile_limit": RECOMPILE_LIMIT}
+        with torch._dynamo.config.patch(**limits):
+            return _compiled(not reads_mask)(q, k, v, **kwargs)
+    except FailOnRecompileLimitHit as error:
+        raise RuntimeError(
+            f"flex: torch.compile(flex_attention) reached {RECOMPILE_LIMIT} compiled variants in this "
+            "process; past them torch would run eager code. Run fewer shapes, dtypes or masks per process, "
+            "or flex:compile=false"
+        ) from error
 
 
 def _check(device: torch.device, dtype: torch.dtype, /, compile: bool = True) -> None:
@@ -144,12 +180,11 @@ def flex_attention_kernel(
     block_mask = None
     if mask_mod is not None:
         block_mask = module.create_block_mask(mask_mod, b, h, n_q, n_k, device=q.device)
-    fn = _compiled() if compile else _original()
     kwargs = {"score_mod": score_mod, "block_mask": block_mask, "scale": scale, "enable_gqa": k.shape[1] != h}
     if compile:
-        return fn(q, k, v, **kwargs)
+        return _run_compiled(q, k, v, kwargs, reads_mask=attn_mask is not None)
     import warnings
 
     with warnings.catch_warnings():  # the eager implementation is asked for: its warning is noise here
         warnings.filterwarnings("ignore", message=r".*flex_attention called without torch.compile")
-        return fn(q, k, v, **kwargs)
+        return _original()(q, k, v, **kwargs)

@@ -347,3 +347,17 @@ def test_a_reproducer_whose_header_starts_like_a_pickle_still_loads(tmp_path):
     )
     call = load_reproducer(same)
     assert torch.equal(call.q, q) and torch.equal(call.k, q) and torch.equal(call.v, q)
+
+
+def test_a_reproducer_of_an_output_gradient_case_replays_with_that_gradient(tmp_path):
+    """`math` in fp16 forms dO·vᵀ in fp16: the case's output gradient × 2^12 overflows it (±Inf in dq,
+    dk). Its reproducer fails again on replay, judged with that gradient, not the standard one."""
+    from flashprobe.fuzz.reproducer import ReproducerStore
+
+    store = ReproducerStore(tmp_path)
+    (result,) = run_catalogue(["math"], ["fp16"], cases=select_cases(["grad_out_huge"]), reproducers=store)
+    assert result.verdict == "fail" and "±Inf" in result.reason and result.repro
+    path = Path(result.repro)
+    assert replay(load_reproducer(path), ["math"])["math"]["verdict"] == "fail"
+    assert flashprobe_main(["replay", str(path)]) == 1  # the recorded kernel fails again
+    assert flashprobe_main(["replay", str(path), "--kernel", "tiled"]) == 0  # fp32 intermediates pass

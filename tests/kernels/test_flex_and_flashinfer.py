@@ -65,6 +65,32 @@ def test_compiled_flex_is_the_fused_kernel_and_close() -> None:
     assert (out.double() - golden_attention(q, k, v, attn_mask=keep)).abs().max() < 1e-5
 
 
+@pytest.mark.slow
+def test_compiled_flex_compiles_once_for_every_length_and_never_runs_eager(monkeypatch) -> None:
+    """Lengths are dynamic: a second length reuses the compile (torch's ``recompile_limit`` of 8 was
+    reached by a fuzz run of 8 shapes, past which torch ran the unfused eager code in silence); a
+    variant past the kernel's own limit is an error, not eager code."""
+    import flashprobe.kernels.flex as flex_module
+
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters["stats"]
+    flex = get_kernel("flex")
+    gen = torch.Generator().manual_seed(1)
+    graphs = []
+    for n_q, n_k in ((40, 56), (24, 100)):  # one key block each: a second block count is a variant
+        q = torch.randn(2, 2, n_q, 16, generator=gen)
+        k, v = (torch.randn(2, 2, n_k, 16, generator=gen) for _ in range(2))
+        with torch.no_grad():
+            out = flex(q, k, v, is_causal=True)
+        graphs.append(counters["unique_graphs"])
+        assert (out.double() - golden_attention(q, k, v, is_causal=True)).abs().max() < 1e-5
+    assert graphs[0] >= 1 and graphs[1] == graphs[0]  # the second length compiled nothing
+    monkeypatch.setattr(flex_module, "RECOMPILE_LIMIT", 1)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="reached 1 compiled variants"):
+        flex(q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True)  # a new dtype is a new variant
+    torch._dynamo.reset()
+
+
 def test_flashinfer_says_what_it_needs_here() -> None:
     """On a machine without CUDA the spec is refused at the check, naming the device and the install."""
     if torch.cuda.is_available():
