@@ -32,6 +32,10 @@ def _pairs(out: Path) -> dict:
     return {n: {k: v for k, v in p.items() if k not in ("run_a", "run_b")} for n, p in pairs.items()}
 
 
+#: one xdist worker runs the whole module (.ci/run: --dist loadgroup), so its module fixture runs once
+pytestmark = pytest.mark.xdist_group("app/test_study_launch")
+
+
 @pytest.fixture(scope="module")
 def basic(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The reference: the study on Hydra's basic launcher (runs one after another in this process)."""
