@@ -51,6 +51,10 @@ def _assert_same_run(a: Path, b: Path) -> None:
     ]
 
 
+#: one xdist worker runs the whole module (.ci/run: --dist loadgroup), so its module fixture runs once
+pytestmark = pytest.mark.xdist_group("app/test_resume")
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("uninterrupted") / "run"

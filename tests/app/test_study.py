@@ -25,6 +25,10 @@ TRAINED = [*RUNS] + [
 ]
 
 
+#: one xdist worker runs the whole module (.ci/run: --dist loadgroup), so its module fixture runs once
+pytestmark = pytest.mark.xdist_group("app/test_study")
+
+
 @pytest.fixture(scope="module")
 def study(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("study")

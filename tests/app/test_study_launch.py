@@ -32,6 +32,10 @@ def _pairs(out: Path) -> dict:
     return {n: {k: v for k, v in p.items() if k not in ("run_a", "run_b")} for n, p in pairs.items()}
 
 
+#: one xdist worker runs the whole module (.ci/run: --dist loadgroup), so its module fixture runs once
+pytestmark = pytest.mark.xdist_group("app/test_study_launch")
+
+
 @pytest.fixture(scope="module")
 def basic(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The reference: the study on Hydra's basic launcher (runs one after another in this process)."""
@@ -58,18 +62,21 @@ def _plugin(module: str) -> pytest.MarkDecorator:
     ],
 )
 def test_a_launcher_gives_the_basic_launchers_numbers(
-    basic: Path, tmp_path: Path, launcher: list[str]
+    basic: Path, tmp_path: Path, launcher: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """``flashprobe study`` in this process (the launcher starts the runs' processes; the killed study
+    below is the command run as a user's shell runs it)."""
     out = tmp_path / "study"
-    proc = flashprobe_cli("study", "--out", str(out), "--runs", ",".join(RUNS), *STUDY, *launcher)
-    assert proc.returncode == UNDETERMINED_EXIT, proc.stderr[-3000:]
+    code = study_module.main(["--out", str(out), "--runs", ",".join(RUNS), *STUDY, *launcher])
+    printed = capsys.readouterr()
+    assert code == UNDETERMINED_EXIT, printed.err[-3000:]
     assert _pairs(out) == _pairs(basic)  # every distance at every step, exactly
     assert "flash_vs_baseline_seed2" in _pairs(out)
     for run in TRAINED:
         assert read_run_record(out / "runs" / run)["status"] == "finished"
     if "submitit" in launcher[0]:  # each run was a submitit job of its own
         assert len(list((out / "runs" / ".submitit").glob("*/*_result.pkl"))) == len(TRAINED)
-    assert proc.stdout.rstrip().splitlines()[-4].startswith("report:")
+    assert printed.out.rstrip().splitlines()[-4].startswith("report:")
 
 
 def test_a_killed_study_invoked_again_trains_only_what_had_not_finished(basic: Path, tmp_path: Path) -> None:
@@ -87,8 +94,8 @@ def test_a_killed_study_invoked_again_trains_only_what_had_not_finished(basic: P
     assert read_run_record(out / "runs" / "baseline")["status"] == "running"
     assert not (out / "runs" / "flash_seed2").exists() and not (out / "study.json").exists()
 
-    again = flashprobe_cli(*command)  # the same command
-    assert again.returncode == UNDETERMINED_EXIT, again.stderr[-3000:]
+    # the same command, in this process (the kill callback's marker exists: it kills no more)
+    assert study_module.main(command[1:]) == UNDETERMINED_EXIT
     flash, baseline, *replicate1 = (read_run_record(out / "runs" / r) for r in TRAINED)
     assert len(flash["sessions"]) == 1  # finished: skipped, not retrained
     assert [s["from_step"] for s in baseline["sessions"]] == [0, 2]  # resumed from its step-2 checkpoint

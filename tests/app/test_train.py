@@ -66,6 +66,10 @@ def test_train_writes_the_run_directory(tmp_path: Path) -> None:
 PLAIN = [*SMOKE, "attention=flash", "logger=csv", "attention.probe.enabled=false"]
 
 
+#: one xdist worker runs the whole module (.ci/run: --dist loadgroup), so its module fixture runs once
+pytestmark = pytest.mark.xdist_group("app/test_train")
+
+
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("plain") / "run"

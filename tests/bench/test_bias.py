@@ -24,6 +24,10 @@ KERNELS = ["--kernel", "math", "--kernel", "tiled", "--kernel", "tiled:max_shift
 SHAPE = Shape(batch=4, heads=4, seq_len=32, head_dim=16)
 
 
+#: one xdist worker runs the whole module (.ci/run: --dist loadgroup), so its module fixture runs once
+pytestmark = pytest.mark.xdist_group("bench/test_bias")
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("bias")

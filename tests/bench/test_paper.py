@@ -24,6 +24,10 @@ from flashprobe.kernels import get_kernel
 FIGURES = ("paper_length.png", "paper_precision.png", "paper_tiles.png")
 
 
+#: one xdist worker runs the whole module (.ci/run: --dist loadgroup), so its module fixture runs once
+pytestmark = pytest.mark.xdist_group("bench/test_paper")
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("paper")

@@ -60,6 +60,10 @@ def _run(tmp_path: Path, *args: str) -> tuple[dict, list[dict]]:
     return doc, csv_rows
 
 
+#: one xdist worker runs the whole module (.ci/run: --dist loadgroup), so its module fixture runs once
+pytestmark = pytest.mark.xdist_group("bench/test_precision")
+
+
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict]]:
     """One run at every dtype with 3 seeds, shared by the tests below."""

@@ -8,9 +8,10 @@ that exist in every run configuration; bench commands get small shapes and one s
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Sequence
 
-__all__ = ["HYDRA_TINY", "budget", "family", "outputs"]
+__all__ = ["HEAVY_FUZZ_CASES", "HYDRA_TINY", "budget", "family", "outputs"]
 
 #: Hydra overrides that shrink one training run to seconds (a subset of experiment=smoke that
 #: leaves the documented experiment, attention and precision in place)
@@ -29,6 +30,11 @@ HYDRA_TINY = (
     "module.num_sample_steps=2",
     "module.warmup_steps=0",
 )
+
+#: the catalogue cases that take most of a ``fuzz`` run's time on a CPU (2^24-element inputs, 256 heads,
+#: 1280 heads, 8k keys): left out of documented fuzz commands (tests/fuzz runs them), so a command of
+#: five kernels runs in seconds; a command that asks for one by ``--case`` keeps it
+HEAVY_FUZZ_CASES = ("offsets_2e24", "bias_dense", "bias_repeated_max", "large_grid", "long_context_8k")
 
 #: argparse flags per command family; appended after the documented ones, so they win
 _BENCH_SHAPE = ("--batch", "1", "--heads", "1", "--head-dim", "16", "--repeats", "1")
@@ -92,7 +98,18 @@ def budget(argv: Sequence[str]) -> list[str]:
         return []
     if name not in _BUDGETS:
         raise KeyError(f"no tiny budget for 'flashprobe {name}'; add one to tests/docs/_budget.py")
-    return list(_BUDGETS[name])  # in a Hydra sweep (-m) every job gets it
+    extra = list(_BUDGETS[name])  # in a Hydra sweep (-m) every job gets it
+    if name == "fuzz":
+        extra += [arg for case in _heavy_cases_left_out(argv) for arg in ("--exclude", case)]
+    return extra
+
+
+def _heavy_cases_left_out(argv: Sequence[str]) -> list[str]:
+    """The :data:`HEAVY_FUZZ_CASES` a documented ``fuzz`` command runs without: all but the first of
+    those its own ``--case`` patterns ask for (so it still runs what it asks for), and every other."""
+    asked = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--case"]
+    wanted = [c for c in HEAVY_FUZZ_CASES if any(fnmatch.fnmatchcase(c, p) for p in asked)]
+    return [c for c in HEAVY_FUZZ_CASES if c not in wanted[:1]]
 
 
 def outputs(argv: Sequence[str]) -> list[str]:

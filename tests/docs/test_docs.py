@@ -56,6 +56,12 @@ def _files(doc: str) -> dict[str, str]:
     return {s.path: s.text for s in extract(REPO, doc) if s.kind == "file"}
 
 
+def _inputs(doc: str) -> dict[str, str]:
+    """What a command of the page finds in its directory: the repository's ``conf/`` and the page's files."""
+    conf = sorted(p for p in (REPO / "conf").rglob("*") if p.is_file())
+    return {**{str(p.relative_to(REPO)): p.read_text() for p in conf}, **_files(doc)}
+
+
 def _argv(snippet: Snippet) -> list[str]:
     """The command as written plus its tiny budget."""
     argv = snippet.argv
@@ -165,14 +171,17 @@ def test_documented_snippet_runs(snippet: Snippet, shared: SharedRuns, tmp_path:
         made = sorted(p.parent.parent.name for p in result.cwd.glob("runs/*/snapshots/manifest.json"))
         assert made == ["baseline", "bf16", "flash", "identical", "seed"], result.explain()
         return
-    result = run(argv, tmp_path)
+    if "runs/" in text or "RUN_DIR" in text:
+        result = run(argv, tmp_path)
+    else:  # one run of a command on the same files (README's study is docs/study.md's), checked on each page
+        result = shared.run(argv, _inputs(snippet.doc))
     if family(argv) == "fuzz":
         _check_fuzz(result, argv)
     elif family(argv) == "study":
         _check_study(result, argv)
     else:
         assert result.returncode == 0, result.explain()
-    missing = [p for p in outputs(argv) if not (tmp_path / p).is_file()]
+    missing = [p for p in outputs(argv) if not (result.cwd / p).is_file()]
     assert not missing, f"{snippet.id} did not write {missing}\n{result.explain()}"
 
 

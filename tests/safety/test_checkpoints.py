@@ -15,6 +15,9 @@ from flashprobe.formats.run_record import read_run_record
 from tests.app._study import flashprobe_cli
 from tests.safety._runs import SHORT, fingerprint, write_crafted_checkpoint, write_crafted_pickle
 
+#: one xdist worker runs the whole module (.ci/run: --dist loadgroup), so its module fixture runs once
+pytestmark = pytest.mark.xdist_group("safety/test_checkpoints")
+
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:

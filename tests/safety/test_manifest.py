@@ -14,6 +14,9 @@ from flashprobe.app.train import compose, train
 from flashprobe.weights.store import SnapshotError, SnapshotStore, SnapshotWriter, TensorSpec
 from tests.safety._runs import SHORT, fingerprint
 
+#: one xdist worker runs the whole module (.ci/run: --dist loadgroup), so its module fixture runs once
+pytestmark = pytest.mark.xdist_group("safety/test_manifest")
+
 
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -22,12 +22,14 @@ def _users_files(proj: Path) -> None:
 
 
 @pytest.mark.parametrize("mode", ["resume=auto", "overwrite=true"])
-def test_the_users_files_are_never_deleted_from_the_cli(tmp_path: Path, mode: str) -> None:
-    """The issue's case: a user's proj/csv and proj/config.yaml, then train there with resume=auto."""
+def test_the_users_files_are_never_deleted_from_the_cli(tmp_path: Path, cli, mode: str) -> None:
+    """The issue's case: a user's proj/csv and proj/config.yaml, then train there with resume=auto (a real
+    ``flashprobe`` process) or overwrite=true (the same entry point in this process)."""
     proj = tmp_path / "proj"
     _users_files(proj)
     before = fingerprint(proj)
-    proc = flashprobe_cli("train", "experiment=smoke", f"hydra.run.dir={proj}", mode)
+    args = ("train", "experiment=smoke", f"hydra.run.dir={proj}", mode)
+    proc = flashprobe_cli(*args) if mode == "resume=auto" else cli(*args, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "holds config.yaml, samples, csv, which no flashprobe run recorded as its own" in proc.stderr
     assert "Traceback" not in proc.stderr

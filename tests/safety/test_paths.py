@@ -75,9 +75,9 @@ def test_a_quoted_run_dir_is_read_as_hydra_reads_it(tmp_path: Path, cli) -> None
     ],
 )
 def test_an_empty_out_is_refused_not_taken_as_the_working_directory(
-    tmp_path: Path, command: list[str]
+    tmp_path: Path, cli, command: list[str]
 ) -> None:
-    proc = flashprobe_cli(*command, cwd=tmp_path)
+    proc = cli(*command, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "empty" in proc.stderr and "Traceback" not in proc.stderr
     assert list(tmp_path.iterdir()) == []

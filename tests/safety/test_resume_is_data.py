@@ -18,6 +18,9 @@ from flashprobe.app.overrides import RecordedOverrideError, recorded_overrides
 from flashprobe.app.train import cli_main, command_line, compose, train
 from tests.safety._runs import SHORT, CreatesFile
 
+#: one xdist worker runs the whole module (.ci/run: --dist loadgroup), so its module fixture runs once
+pytestmark = pytest.mark.xdist_group("safety/test_resume_is_data")
+
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -19,10 +19,14 @@ from flashprobe.weights import SnapshotMismatchError, SnapshotStore, compare_pai
 
 from ._helpers import train_run, write_run
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:.*(does not have many workers|is smaller than the logging interval).*",
-    "ignore:.*isinstance.treespec, LeafSpec.*",
-)
+pytestmark = [
+    pytest.mark.filterwarnings(
+        "ignore:.*(does not have many workers|is smaller than the logging interval).*",
+        "ignore:.*isinstance.treespec, LeafSpec.*",
+    ),
+    # one xdist worker runs the whole module (.ci/run: --dist loadgroup), so its module fixture runs once
+    pytest.mark.xdist_group("weights/test_compare"),
+]
 
 
 @pytest.fixture(scope="module")
