@@ -344,7 +344,6 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
         with _refusals():
             run_dir = _run_dir(cfg)
             schema = RunSchema.from_config(cfg, run_dir)
-            quiet_third_party()
             if not _launched_rank():  # the ranks run inside rank zero's lock
                 stack.enter_context(directory_lock(run_dir, what="run directory"))
             checkpoint, skipped = _start(cfg, run_dir)
@@ -419,6 +418,7 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     from flashprobe.callbacks.attention_probe import AttentionProbe
     from flashprobe.callbacks.nonfinite_guard import NonFiniteGuard
 
+    quiet_third_party()  # after Lightning's import, which adds its own console handler
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     try:
         datamodule = hydra.utils.instantiate(cfg.data)
