@@ -8,6 +8,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from tests import _zygote as zygote
+
 #: The repository root (on PYTHONPATH of the subprocess, so callbacks in tests/ can be named).
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -15,17 +17,19 @@ ROOT = Path(__file__).resolve().parents[2]
 def flashprobe_cli(
     *args: str, cwd: Path = ROOT, env: Mapping[str, str] | None = None, unset: Sequence[str] = ()
 ) -> subprocess.CompletedProcess:
-    """Run ``flashprobe ARGS`` as a user would (W&B offline, one OMP thread), output captured.
+    """Run ``flashprobe ARGS`` as a user would (W&B offline, one OMP thread), output captured; a new
+    process, forked from one that has imported torch and Lightning (:mod:`tests._zygote`).
 
     Args:
         env: extra environment variables; ``unset``: variables removed (e.g. ``WANDB_SILENT``).
     """
     environment = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    environment["MKL_NUM_THREADS"] = "1"
     environment.update(env or {})
     for var in unset:
         environment.pop(var, None)
     cmd = [sys.executable, "-m", "flashprobe.cli", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=environment, cwd=cwd)
+    return zygote.run(cmd, cwd=cwd, env=environment, timeout=600)
 
 
 #: Overrides that shrink ``experiment=study`` to seconds: one replicate, a tiny model, 4 steps, a

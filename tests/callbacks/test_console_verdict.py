@@ -5,12 +5,12 @@ unconfigured, prints the verdict block to stdout (the answer, a per-site table, 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 from flashprobe.cli import main as cli_main
+from tests import _zygote as zygote
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,15 +64,9 @@ def _table(text: str) -> dict[tuple[str, str], list[str]]:
 def test_a_plain_script_prints_the_verdict_block(tmp_path, capsys) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "run")],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
-    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    command = [sys.executable, str(script), str(tmp_path / "run")]
+    done = zygote.run(command, cwd=tmp_path, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
     assert "AttentionProbe: verdict PASS: every site passed (2)" in out

@@ -12,13 +12,14 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from filelock import FileLock
+
+from tests import _zygote as zygote
 
 __all__ = ["ENV", "CommandResult", "SharedRuns", "run"]
 
@@ -63,21 +64,13 @@ def executable(argv: Sequence[str]) -> list[str]:
 
 
 def run(argv: Sequence[str], cwd: Path) -> CommandResult:
-    """Run a documented command in ``cwd`` with :data:`ENV`; never raises on a non-zero exit."""
+    """Run a documented command in ``cwd`` with :data:`ENV`, as a new process (forked from a zygote that
+    has imported torch and Lightning: :mod:`tests._zygote`); never raises on a non-zero exit."""
     env = {**os.environ, **ENV}
     # as a reader's shell: the package and the cwd, nothing of the test's own path; the package is
     # this checkout's (a worktree's venv may have another checkout installed)
     env["PYTHONPATH"] = str(REPO)
-    proc = subprocess.run(
-        executable(argv),
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=TIMEOUT_S,
-        check=False,
-    )
+    proc = zygote.run(executable(argv), cwd=cwd, env=env, timeout=TIMEOUT_S, merge_stderr=True)
     return CommandResult(list(argv), proc.returncode, proc.stdout, cwd)
 
 

@@ -18,6 +18,7 @@ from flashprobe.bench import tiny_models as tiny
 from flashprobe.bench.tiny_models import TOKENS
 from flashprobe.formats.probe_log import read_probe_log
 from flashprobe.probing import ProbeWarning, probe
+from tests import _zygote as zygote
 
 transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("flashprobe.integrations.hf")
@@ -326,11 +327,10 @@ def test_a_plain_script_prints_the_verdict_block(tmp_path: Path) -> None:
         )
     )
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "run"), str(root)],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
-    )  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env["HF_HUB_OFFLINE"] = "1"
+    command = [sys.executable, str(script), str(tmp_path / "run"), str(root)]
+    done = zygote.run(command, cwd=tmp_path, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "AttentionProbeCallback: verdict PASS: every site passed (2)" in done.stdout
     rows = [line.split() for line in done.stdout.splitlines() if line.startswith("  transformer.h.")]
