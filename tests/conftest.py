@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -19,6 +20,20 @@ def _kernels_registered_by_a_test_stay_in_it() -> Iterator[None]:
     yield
     for name in set(available_kernels()) - before:
         unregister_kernel(name)
+
+
+@pytest.fixture(autouse=True)
+def _no_root_log_handler_outlives_its_test() -> Iterator[None]:
+    """Remove the root logger's handlers a test's in-process command added (Hydra's job logging, a study's
+    console): they write to the test's captured streams, which are closed once it ends, so a later test
+    in the worker printed ``--- Logging error ---`` on its first warning. pytest's own handlers stay."""
+    root = logging.getLogger()
+    before, level = set(root.handlers), root.level
+    yield
+    for handler in root.handlers[:]:
+        if handler not in before and not type(handler).__module__.startswith("_pytest"):
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture
