@@ -399,8 +399,10 @@ class DeviationStats:
             self._limit_cache[key] = cached
         return cached
 
-    def add_nonfinite_inputs(self, counts: Mapping[str, torch.Tensor]) -> None:
-        """Add non-finite counts (0-d tensors) of inputs named in :data:`INPUTS`."""
+    def add_nonfinite_inputs(self, inputs: Mapping[str, torch.Tensor]) -> None:
+        """Add the non-finite positions (:func:`count_nonfinite_positions`) of the inputs named in
+        :data:`INPUTS` (``q``, ``k``, ``v``, ``grad_out``)."""
+        counts = {n: count_nonfinite_positions(t) for n, t in inputs.items()}
         names = sorted(counts, key=INPUTS.index)
         at = [_INPUTS_AT + INPUTS.index(n) for n in names]
         if at and at == list(range(at[0], at[0] + len(at))):  # adjacent fields: one add
