@@ -412,14 +412,9 @@ class DeviationStats:
             self.values[j : j + 1].add_(counts[name].to(self.values))
 
     def reset(self) -> None:
-        """Zero the accumulator in place, except the bias sums (:attr:`bias`, a statistic of the run;
-        :meth:`reset_bias` zeroes them)."""
+        """Zero the accumulator in place, except the bias sums (:attr:`bias`, a statistic of the run)."""
         self.values[:_BIAS_AT].zero_()
         self.values[_BIAS_AT + self.bias.state.numel() :].zero_()
-
-    def reset_bias(self) -> None:
-        """Zero the bias sums (e.g. before restoring a resumed run's)."""
-        self.bias.reset()
 
     def as_dict(self) -> dict[str, Any]:
         """Read the accumulator (one host copy) as plain Python data; see :func:`stats_dict`."""
