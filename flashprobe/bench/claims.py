@@ -26,6 +26,7 @@ __all__ = [
     "Claim",
     "Judgement",
     "Spread",
+    "fmt",
     "judge_f3",
     "judge_f4",
     "judge_f5",
@@ -33,6 +34,7 @@ __all__ = [
     "judge_f6b",
     "judge_f6c",
     "rank_correlation",
+    "safe_ratio",
 ]
 
 #: The possible verdicts, best first.
@@ -207,12 +209,15 @@ def _defined(*values: float | None) -> bool:
     return all(v is not None and not math.isnan(v) for v in values)
 
 
-def _fmt(x: float | None) -> str:
-    return "–" if x is None else f"{x:.3g}"
+def fmt(x: float | None, spec: str = ".3g") -> str:
+    """``x`` in a claim's text (``–``: not measured)."""
+    return "–" if x is None else format(x, spec)
 
 
-def _ratio(a: float, b: float) -> float:
-    """``a / b`` with ``x / 0 = inf`` (``0 / 0 = 1``: no change)."""
+def safe_ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b`` with ``x / 0 = inf`` (``0 / 0 = 1``: no change); None when either is None or NaN."""
+    if a is None or b is None or math.isnan(a) or math.isnan(b):
+        return None
     if b == 0:
         return 1.0 if a == 0 else math.inf
     return a / b
@@ -228,7 +233,7 @@ def judge_f3(deviation: Mapping[str, float]) -> Judgement:
     names, values = list(deviation), list(deviation.values())
     if len(values) < 2 or not _defined(*values):
         return Judgement(NOT_REPRODUCED, "fewer than two precisions were measured")
-    steps = [_ratio(a, b) for a, b in itertools.pairwise(values)]
+    steps = [safe_ratio(a, b) for a, b in itertools.pairwise(values)]
     pairs = zip(itertools.pairwise(names), steps, strict=True)
     text = ", ".join(f"{a} → {b}: {s:.3g}× less" for (a, b), s in pairs)
     if all(s > 1 for s in steps):
@@ -265,7 +270,7 @@ def _trend(
     xs: Sequence[float], deviation: Sequence[float], *, falling: bool
 ) -> tuple[float, float | None, str]:
     """End-to-end change (first/last if falling, last/first if rising), rank correlation, text."""
-    change = _ratio(deviation[0], deviation[-1]) if falling else _ratio(deviation[-1], deviation[0])
+    change = safe_ratio(deviation[0], deviation[-1]) if falling else safe_ratio(deviation[-1], deviation[0])
     rho = rank_correlation(xs, deviation)
     rho_text = "undefined" if rho is None else f"{rho:+.2f}"
     word = "falls" if falling else "grows"
@@ -309,7 +314,7 @@ def _effect(variant: Spread | None, reference: Spread | None) -> float | None:
     if variant is None or reference is None or not _defined(*variant, *reference):
         return None
     larger = variant.median > (1 + EFFECT) * reference.median and variant.lo > reference.hi
-    return _ratio(variant.median, reference.median) if larger else 0.0
+    return safe_ratio(variant.median, reference.median) if larger else 0.0
 
 
 def judge_f6a(
@@ -332,10 +337,10 @@ def judge_f6a(
     """
 
     def text(name: str, variant: Spread, reference: Spread | None) -> str:
-        ratio = None if reference is None else _ratio(variant.median, reference.median)
+        ratio = None if reference is None else safe_ratio(variant.median, reference.median)
         apart = _effect(variant, reference)
         noise = "" if apart is None or apart else " (within the seeds' noise)"
-        return f"{name} {_fmt(ratio)}×{noise}"
+        return f"{name} {fmt(ratio)}×{noise}"
 
     order_parts = [text(name, spread, forward) for name, spread in reordered.items()]
     order_effect = bool(reordered) and all(_effect(s, forward) for s in reordered.values())

@@ -33,12 +33,14 @@ from flashprobe.bench.claims import (
     Claim,
     Judgement,
     Spread,
+    fmt,
     judge_f3,
     judge_f4,
     judge_f5,
     judge_f6a,
     judge_f6b,
     judge_f6c,
+    safe_ratio,
 )
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.inputs import InputConfig, Shape
@@ -258,18 +260,6 @@ def _value(row: Row | None, key: str = DEVIATION) -> float | None:
     return None if row is None else row.get(key)
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or math.isnan(a) or math.isnan(b):
-        return None
-    if b == 0:
-        return 1.0 if a == 0 else math.inf
-    return a / b
-
-
-def _fmt(x: float | None, spec: str = ".3g") -> str:
-    return "–" if x is None else format(x, spec)
-
-
 def _others(rows: Sequence[Row], *, roles: Sequence[str] = ("fa2", "real")) -> list[str]:
     """The kernels of the real kernels' roles in ``rows``, in first-seen order."""
     return list(dict.fromkeys(r["kernel"] for r in rows if r.get("role") in roles))
@@ -294,9 +284,9 @@ def _f3(sweep: Sequence[Row], settings: PaperSettings) -> Claim:
     def measure(kernel: str) -> tuple[Any, str, Judgement]:
         devs = {d: _value(_one(sweep, kernel=kernel, dtype=d)) for d in DTYPES}
         devs = {d: v for d, v in devs.items() if v is not None}
-        steps = [_ratio(a, b) for a, b in itertools.pairwise(devs.values())]
+        steps = [safe_ratio(a, b) for a, b in itertools.pairwise(devs.values())]
         weakest = min((s for s in steps if s is not None), default=None)
-        display = " → ".join(f"{d} {_fmt(v, '.2g')}" for d, v in devs.items())
+        display = " → ".join(f"{d} {fmt(v, '.2g')}" for d, v in devs.items())
         return {"deviation": devs, "weakest_step": weakest}, display, judge_f3(devs)
 
     kernel = _spec("paper", block_k=settings.block_k)
@@ -320,7 +310,7 @@ def _f4(sweep: Sequence[Row], settings: PaperSettings) -> Claim:
     def measure(kernel: str) -> tuple[Any, str, Judgement]:
         row = _one(sweep, kernel=kernel, seq_len=n)
         median, lo, hi = (_value(row, k) for k in ("error_ratio", "error_ratio_lo", "error_ratio_hi"))
-        display = f"{_fmt(median)}× ({_fmt(lo)}–{_fmt(hi)})"
+        display = f"{fmt(median)}× ({fmt(lo)}–{fmt(hi)})"
         return median, display, judge_f4(median, lo, hi)
 
     kernel = _spec("paper", block_k=settings.block_k)
@@ -344,8 +334,8 @@ def _f5(sweep: Sequence[Row], settings: PaperSettings) -> Claim:
         rows = sorted(_select(sweep, kernel=kernel), key=lambda r: r["seq_len"])
         lengths, devs = [r["seq_len"] for r in rows], [r[DEVIATION] for r in rows]
         judgement = judge_f5(lengths, devs, [r["primary_golden_rel_l2"] for r in rows])
-        growth = _ratio(devs[-1], devs[0]) if devs else None
-        display = f"{_fmt(growth)}× (N {lengths[0]} → {lengths[-1]})" if devs else "–"
+        growth = safe_ratio(devs[-1], devs[0]) if devs else None
+        display = f"{fmt(growth)}× (N {lengths[0]} → {lengths[-1]})" if devs else "–"
         return growth, display, judgement
 
     kernel = _spec("paper", block_k=settings.block_k)
@@ -383,10 +373,10 @@ def _f6a(sweep: Sequence[Row], settings: PaperSettings) -> Claim:
         orders = {o: s for o, s in orders.items() if s is not None}
         default = _spread(_one(sweep, role=preset, variant="default", sram=largest))
         swapped = _spread(_one(sweep, role=preset, variant="swapped", sram=largest))
-        measured = {o: _ratio(s.median, forward and forward.median) for o, s in orders.items()}
+        measured = {o: safe_ratio(s.median, forward and forward.median) for o, s in orders.items()}
         if swapped is not None:
-            measured["swapped"] = _ratio(swapped.median, default and default.median)
-        display = ", ".join(f"{o} {_fmt(r)}×" for o, r in measured.items())
+            measured["swapped"] = safe_ratio(swapped.median, default and default.median)
+        display = ", ".join(f"{o} {fmt(r)}×" for o, r in measured.items())
         return measured, display, judge_f6a(forward, orders, default, swapped)
 
     measured, display, judgement = measure("paper")
@@ -410,8 +400,8 @@ def _f6b(sweep: Sequence[Row], settings: PaperSettings) -> Claim:
     def measure(preset: str) -> tuple[Any, str, Judgement]:
         square = _value(_one(sweep, role=preset, variant="square"))
         narrow = _value(_one(sweep, role=preset, variant="narrow"))
-        ratio = _ratio(square, narrow)
-        return ratio, f"{_fmt(ratio)}×", judge_f6b(ratio)
+        ratio = safe_ratio(square, narrow)
+        return ratio, f"{fmt(ratio)}×", judge_f6b(ratio)
 
     measured, display, judgement = measure("paper")
     square = _one(sweep, role="paper", variant="square") or {}
@@ -434,8 +424,8 @@ def _f6c(sweep: Sequence[Row], settings: PaperSettings) -> Claim:
     def measure(preset: str) -> tuple[Any, str, Judgement]:
         rows = sorted(_select(sweep, role=preset, variant="default"), key=lambda r: r["block_k"])
         block_ks, devs = [r["block_k"] for r in rows], [r[DEVIATION] for r in rows]
-        gain = _ratio(devs[0], devs[-1]) if devs else None
-        display = f"{_fmt(gain)}× less (Bc {block_ks[0]} → {block_ks[-1]})" if devs else "–"
+        gain = safe_ratio(devs[0], devs[-1]) if devs else None
+        display = f"{fmt(gain)}× less (Bc {block_ks[0]} → {block_ks[-1]})" if devs else "–"
         return gain, display, judge_f6c(block_ks, devs)
 
     measured, display, judgement = measure("paper")

@@ -41,7 +41,7 @@ from flashprobe.weights.snapshot import (
     module_tensors,
     own_attention,
 )
-from flashprobe.weights.store import SnapshotWriter, TensorSpec
+from flashprobe.weights.store import TensorSpec
 
 if TYPE_CHECKING:
     from flashprobe.callbacks.attention_probe import AttentionProbe
@@ -125,19 +125,12 @@ class WeightSnapshot(SnapshotSchedule, Callback):
         step = trainer.global_step
         self._saved = {s for s in self._saved if s <= step}
         if trainer.is_global_zero:
-            self._writer = SnapshotWriter(self._run_dir, self._header(trainer, pl_module))
-            dropped = self._writer.prune_after(step)
-            if dropped:
-                rank_zero_warn(
-                    f"WeightSnapshot: removed snapshots of steps {dropped} from {self._writer.directory}: "
-                    f"they are later than the step training starts from ({step}), so they belong to an "
-                    "abandoned run; they are written again as training reaches them"
-                )
-            lost = sorted(self._saved - set(self._writer.steps))
+            writer = self._open(self._run_dir, self._header(trainer, pl_module), step, rank_zero_warn)
+            lost = sorted(self._saved - set(writer.steps))
             if lost:
                 rank_zero_warn(
                     f"WeightSnapshot: the checkpoint says steps {lost} were saved, but "
-                    f"{self._writer.directory} does not list them (was the run directory changed or "
+                    f"{writer.directory} does not list them (was the run directory changed or "
                     "cleaned?); they cannot be recreated"
                 )
         if self.save_initial and step == 0 and 0 not in self._saved:

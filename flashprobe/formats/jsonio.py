@@ -14,12 +14,13 @@ import json
 import math
 import os
 from collections.abc import Mapping
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from flashprobe.formats.atomic import atomic_write_text
 
-__all__ = ["NONFINITE", "decode", "dumps", "encode", "number", "read_json", "write_json"]
+__all__ = ["NONFINITE", "decode", "dumps", "encode", "number", "read_json", "utc_now", "write_json"]
 
 #: How each non-finite float is written.
 NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -59,6 +60,11 @@ def decode(value: Any, *, text_keys: frozenset[str] = frozenset()) -> Any:
     if isinstance(value, list):
         return [decode(v, text_keys=text_keys) for v in value]
     return value
+
+
+def utc_now() -> str:
+    """The current time in UTC as flashprobe's files record it, e.g. ``2026-12-06T16:06:06Z``."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def number(value: Any) -> float | None:

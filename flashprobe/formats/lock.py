@@ -22,9 +22,10 @@ import fcntl
 import os
 import socket
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from flashprobe.formats.jsonio import utc_now
 
 __all__ = ["LOCK_NAME", "DirectoryLockedError", "directory_lock", "lock_holder"]
 
@@ -75,9 +76,8 @@ def directory_lock(directory: str | os.PathLike[str], *, what: str = "directory"
     lock_file = path / LOCK_NAME
     fd = _acquire(lock_file, what, path)
     command = " ".join(["flashprobe", *sys.argv[1:]])[:300]
-    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {started}: {command}\n".encode())
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {utc_now()}: {command}\n".encode())
     _HELD[path] = [fd, 1]
     try:
         yield lock_file

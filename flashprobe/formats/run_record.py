@@ -25,12 +25,11 @@ only those (:func:`owned_outputs`), never a file the user put there.
 from __future__ import annotations
 
 import os
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from flashprobe.formats.atomic import atomic_write_bytes
-from flashprobe.formats.jsonio import read_json, write_json
+from flashprobe.formats.jsonio import read_json, utc_now, write_json
 
 __all__ = [
     "RUN_FORMAT",
@@ -49,10 +48,6 @@ RUN_RECORD = "run.json"
 #: Space held while a session runs, given back to write its end (a full disk cannot leave it "running").
 RESERVE = ".run.json.reserve"
 RESERVE_BYTES = 64 * 1024
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def read_run_record(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -113,7 +108,7 @@ def start_session(
     record.update(status="running", max_steps=max_steps, global_step=from_step, machine=machine)
     record["sessions"].append(
         {
-            "started": _now(),
+            "started": utc_now(),
             "from_step": from_step,
             "to_step": None,
             "seconds": None,

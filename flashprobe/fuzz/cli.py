@@ -504,13 +504,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.list:
         print(catalogue_table())
         return 0
-    if args.from_file is not None:
-        try:
-            return _from_reproducer(args)
-        except UsageError as err:
-            print(f"flashprobe fuzz: {err}", file=sys.stderr)
-            return 2
     try:
+        if args.from_file is not None:
+            return _from_reproducer(args)
         plan = _plan(args)
     except UsageError as err:
         print(f"flashprobe fuzz: {err}", file=sys.stderr)

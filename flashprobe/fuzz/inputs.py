@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from flashprobe.fuzz.layouts import LAYOUTS, apply_layout
+from flashprobe.kernels.reference import expand_kv
 
 __all__ = ["POISONS", "CaseInputs", "UnrepresentableCaseError"]
 
@@ -116,10 +117,7 @@ class CaseInputs:
 
     def reference_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``k`` and ``v`` with their heads repeated to ``H`` (GQA semantics), ``(B, H, N_k, ·)``."""
-        groups = self.q.shape[1] // self.k.shape[1]
-        if groups == 1:
-            return self.k, self.v
-        return self.k.repeat_interleave(groups, dim=1), self.v.repeat_interleave(groups, dim=1)
+        return expand_kv(self.k, self.v, self.q.shape[1] // self.k.shape[1])
 
     def valid_keys(self) -> torch.Tensor:
         """Boolean ``(B, H, N_q, N_k)``: ``True`` where a query may attend to a key."""

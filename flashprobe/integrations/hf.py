@@ -49,7 +49,7 @@ from flashprobe.kernels import Kernel, get_kernel
 from flashprobe.probing import ProbeConfig, ProbeWarning, SdpaCall, sites
 from flashprobe.probing.call import autocast_dtype, run_kernel
 from flashprobe.probing.routing import check_kernel_here
-from flashprobe.probing.run_session import ProbeSession, SessionCallback
+from flashprobe.probing.run_session import ProbeSession, SessionCallback, SessionField
 from flashprobe.probing.session import nonfinite_weights
 from flashprobe.probing.summary import summary_scalars
 
@@ -339,21 +339,8 @@ class AttentionProbeCallback(SessionCallback, TrainerCallback, ExportableState):
         self._pending: dict[str, float] = {}
 
     # The Trainer restores a checkpoint's state by setting these (see :meth:`state`).
-    @property
-    def _restored_failures(self) -> list[dict[str, Any]]:
-        return self.session.restored_failures
-
-    @_restored_failures.setter
-    def _restored_failures(self, failures: list[dict[str, Any]]) -> None:
-        self.session.restored_failures = [dict(f) for f in failures]
-
-    @property
-    def _restored_bias(self) -> dict[str, list[float]]:
-        return self.session.restored_bias
-
-    @_restored_bias.setter
-    def _restored_bias(self, bias: dict[str, list[float]]) -> None:
-        self.session.restored_bias = {s: list(v) for s, v in bias.items()}
+    _restored_failures = SessionField("The first failures to apply at the next attach.", "restored_failures")
+    _restored_bias = SessionField("The signed-bias sums to continue from.", "restored_bias")
 
     @property
     def _tally_state(self) -> dict[str, Any]:

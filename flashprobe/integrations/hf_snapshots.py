@@ -31,7 +31,6 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from flashprobe.integrations.hf import AttentionProbeCallback, trainer_callbacks
 from flashprobe.probing.session import attention_record
 from flashprobe.weights.snapshot import SnapshotSchedule, module_tensors, own_attention
-from flashprobe.weights.store import SnapshotWriter
 
 __all__ = ["WeightSnapshotCallback"]
 
@@ -99,19 +98,9 @@ class WeightSnapshotCallback(SnapshotSchedule, TrainerCallback):
         self._writer = None
         if state.is_world_process_zero:
             run_dir = self.dirpath or Path(args.output_dir or ".")
-            self._writer = SnapshotWriter(run_dir, self._header(args, model, run_dir))
-            dropped = self._writer.prune_after(step)
-            if dropped:
-                log.warning(
-                    "%s: removed snapshots of steps %s from %s: they are later than the step training "
-                    "starts from (%d), so they belong to an abandoned run; they are written again as "
-                    "training reaches them",
-                    name,
-                    dropped,
-                    self._writer.directory,
-                    step,
-                )
-            self._saved = set(self._writer.steps)
+            self._saved = set(
+                self._open(run_dir, self._header(args, model, run_dir), step, log.warning).steps
+            )
         if self.save_initial and step == 0 and 0 not in self._saved:
             self._save(model, 0, state)
 

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from flashprobe.kernels.flex import FLEX_ORIGINAL
+from flashprobe.kernels.reference import expand_kv
 from flashprobe.probing import patching
 from flashprobe.probing.sites import find_caller, passthrough
 
@@ -128,9 +129,7 @@ def flex_reference(call: FlexCall, dtype: torch.dtype, *, budget: int) -> torch.
     """
     q, k, v = (t.detach().to(dtype) for t in (call.query, call.key, call.value))
     b, h, n_q, d = q.shape
-    if k.shape[1] != h:  # grouped-query attention
-        rep = h // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    k, v = expand_kv(k, v, h // k.shape[1])  # grouped-query attention
     n_k = k.shape[2]
     scale = call.scale if call.scale is not None else 1.0 / math.sqrt(d)
     per_row = max(1, b * h * n_k * torch.finfo(dtype).bits // 8 * 3)

@@ -203,10 +203,7 @@ def _attention(
             with torch.no_grad():
                 call = SdpaCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
                 return _run_handle(site, call).contiguous(), token
-        leaves = tuple(
-            t.detach().requires_grad_() if grads >> i & 1 else t.detach()
-            for i, t in enumerate((query, key, value))
-        )
+        leaves = _leaves(grads, query, key, value)
         with torch.enable_grad():
             call = SdpaCall(*leaves, attn_mask, dropout_p, is_causal, scale, enable_gqa)
             out = _run_handle(site, call)
@@ -240,10 +237,7 @@ def _attention_backward(
     kept = _kept.pop(token.data_ptr(), None)
     with _eager_below_op(grad_out.device.type):
         if kept is None:
-            leaves = tuple(
-                t.detach().requires_grad_() if grads >> i & 1 else t.detach()
-                for i, t in enumerate((query, key, value))
-            )
+            leaves = _leaves(grads, query, key, value)
             with torch.enable_grad(), passthrough():
                 out = SdpaCall(*leaves, attn_mask, 0.0, is_causal, scale, enable_gqa).original()
         else:
@@ -252,6 +246,11 @@ def _attention_backward(
         found = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
         grads = [next(found) if t.requires_grad else None for t in leaves]
     return tuple(_like(g, t) for g, t in zip(grads, (query, key, value), strict=True))
+
+
+def _leaves(grads: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors detached as autograd leaves; tensor ``i`` requires grad where bit ``i`` of ``grads`` is."""
+    return tuple(t.detach().requires_grad_() if grads >> i & 1 else t.detach() for i, t in enumerate(tensors))
 
 
 def _like(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

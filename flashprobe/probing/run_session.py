@@ -56,7 +56,7 @@ from flashprobe.probing.shadow import ProbeFailureError, failure_message
 from flashprobe.probing.sites import ProbeWarning
 from flashprobe.probing.stats import reduce_across_ranks
 
-__all__ = ["ON_FAILURE_ACTIONS", "ProbeSession", "SessionCallback", "StepResult"]
+__all__ = ["ON_FAILURE_ACTIONS", "ProbeSession", "SessionCallback", "SessionField", "StepResult"]
 
 #: What a training callback does at the first failure of a site and direction.
 ON_FAILURE_ACTIONS = ("warn", "raise", "stop")
@@ -571,14 +571,15 @@ def plain_failures(failures: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class SessionField:
-    """A callback attribute that reads and writes the same attribute of the callback's ``session``."""
+    """A callback attribute that reads and writes an attribute of the callback's ``session``: the one
+    of the same name, or ``attribute``."""
 
-    def __init__(self, doc: str) -> None:
+    def __init__(self, doc: str, attribute: str = "") -> None:
         self.__doc__ = doc
-        self.name = ""
+        self.name = attribute
 
     def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
+        self.name = self.name or name
 
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
         return self if obj is None else getattr(obj.session, self.name)

@@ -153,31 +153,12 @@ class RunTally:
             row = self.sites.get(site, {}).get(d, {"verdict": "undetermined", "limit_ratio": None})
             first = firsts.get((site, d))
             if first is not None:
-                rows.append(
-                    {
-                        "site": site,
-                        "direction": d,
-                        "verdict": "fail",
-                        "statistic": first.get("kind") or "-",
-                        "value": first.get("value"),
-                        "limit": first.get("limit"),
-                        "step": first.get("step"),
-                        "repro": first.get("repro"),
-                    }
-                )
+                found = {"verdict": "fail", "statistic": first.get("kind") or "-"}
+                found |= {k: first.get(k) for k in ("value", "limit", "step", "repro")}
             else:
-                rows.append(
-                    {
-                        "site": site,
-                        "direction": d,
-                        "verdict": row["verdict"],
-                        "statistic": "error/limit",
-                        "value": row["limit_ratio"],
-                        "limit": 1.0,
-                        "step": None,
-                        "repro": None,
-                    }
-                )
+                found = {"verdict": row["verdict"], "statistic": "error/limit", "value": row["limit_ratio"]}
+                found |= {"limit": 1.0, "step": None, "repro": None}
+            rows.append({"site": site, "direction": d, **found})
         rows.sort(key=lambda r: r["verdict"] != "fail")  # failing rows first, otherwise in site order
         return rows
 

@@ -70,7 +70,7 @@ from flashprobe.probing.config import ProbeConfig
 from flashprobe.probing.flex import flex_reference
 from flashprobe.probing.routing import KernelRoute, check_kernel_here
 from flashprobe.probing.sites import GRAPH_BREAK_REASON, ProbeWarning, passthrough
-from flashprobe.probing.stats import DIRECTIONS, DeviationStats, count_nonfinite_positions, stats_dict
+from flashprobe.probing.stats import DIRECTIONS, DeviationStats, stats_dict
 from flashprobe.probing.summary import summarize
 
 _ORDER = ("out", "dq", "dk", "dv")  # failures sort by step, site, then this
@@ -442,9 +442,7 @@ class ShadowAttention(nn.Module):
             self._site(site, device)
         try:
             with passthrough(), torch.no_grad():
-                budget = self.config.memory_budget or self._budgets.get(device)
-                if budget is None:
-                    budget = self._budgets[device] = reference_budget(device)
+                budget = self._budget(device)
                 base = flex_reference(call, primary.dtype, budget=budget)
                 gold = flex_reference(call, torch.float64, budget=budget) if self.golden else None
                 if self.record:
@@ -455,10 +453,7 @@ class ShadowAttention(nn.Module):
                         stats.bias.add("out", primary.detach(), gold, base)
                     kinds = stats.add_many({"out": sums}, primary.dtype, self.step, rows)
                     stats.add_nonfinite_inputs(
-                        {
-                            n: count_nonfinite_positions(t)
-                            for n, t in zip("qkv", (call.query, call.key, call.value), strict=True)
-                        }
+                        dict(zip("qkv", (call.query, call.key, call.value), strict=True))
                     )
                     self._after_call(site, self.step, kinds, None, None)
         except ProbeFailureError:
@@ -553,9 +548,7 @@ class ShadowAttention(nn.Module):
                     stats = self._site(site, out.device)
                     worst = None if rows is None else {"out": rows}
                     kinds = stats.add_many({"out": sums}, p.dtype, step, worst)
-                    stats.add_nonfinite_inputs(
-                        {n: count_nonfinite_positions(t) for n, t in zip("qkv", p[:3], strict=True)}
-                    )
+                    stats.add_nonfinite_inputs(dict(zip("qkv", p[:3], strict=True)))
                     self._after_call(site, step, kinds, p, None)
         except ProbeFailureError:
             raise
@@ -598,16 +591,14 @@ class ShadowAttention(nn.Module):
                 stats = self._site(site, grad_out.device) if self.record else None
                 sums, rows, noise = self._gradient_sums(p, grad_out, mine, out4, stats)
                 if stats is not None:
-                    counts = {"grad_out": count_nonfinite_positions(grad_out)}
+                    inputs = {"grad_out": grad_out}
                     if out4 is not None and sums["out"] is not None:
-                        counts.update(
-                            (n, count_nonfinite_positions(t)) for n, t in zip("qkv", p[:3], strict=True)
-                        )
+                        inputs.update(zip("qkv", p[:3], strict=True))
                     found = {("out" if n == "out" else f"d{n}"): s for n, s in sums.items() if s is not None}
                     worst = {("out" if n == "out" else f"d{n}"): r for n, r in rows.items() if r is not None}
                     forms = {f"d{n}": r for n, r in noise.items() if r is not None}
                     kinds = stats.add_many(found, p.dtype, record.step, worst, forms)
-                    stats.add_nonfinite_inputs(counts)
+                    stats.add_nonfinite_inputs(inputs)
                     self._after_call(site, record.step, kinds, p, grad_out)
         except ProbeFailureError:
             raise

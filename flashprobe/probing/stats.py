@@ -399,8 +399,10 @@ class DeviationStats:
             self._limit_cache[key] = cached
         return cached
 
-    def add_nonfinite_inputs(self, counts: Mapping[str, torch.Tensor]) -> None:
-        """Add non-finite counts (0-d tensors) of inputs named in :data:`INPUTS`."""
+    def add_nonfinite_inputs(self, inputs: Mapping[str, torch.Tensor]) -> None:
+        """Add the non-finite positions (:func:`count_nonfinite_positions`) of the inputs named in
+        :data:`INPUTS` (``q``, ``k``, ``v``, ``grad_out``)."""
+        counts = {n: count_nonfinite_positions(t) for n, t in inputs.items()}
         names = sorted(counts, key=INPUTS.index)
         at = [_INPUTS_AT + INPUTS.index(n) for n in names]
         if at and at == list(range(at[0], at[0] + len(at))):  # adjacent fields: one add
@@ -410,14 +412,9 @@ class DeviationStats:
             self.values[j : j + 1].add_(counts[name].to(self.values))
 
     def reset(self) -> None:
-        """Zero the accumulator in place, except the bias sums (:attr:`bias`, a statistic of the run;
-        :meth:`reset_bias` zeroes them)."""
+        """Zero the accumulator in place, except the bias sums (:attr:`bias`, a statistic of the run)."""
         self.values[:_BIAS_AT].zero_()
         self.values[_BIAS_AT + self.bias.state.numel() :].zero_()
-
-    def reset_bias(self) -> None:
-        """Zero the bias sums (e.g. before restoring a resumed run's)."""
-        self.bias.reset()
 
     def as_dict(self) -> dict[str, Any]:
         """Read the accumulator (one host copy) as plain Python data; see :func:`stats_dict`."""

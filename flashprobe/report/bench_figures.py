@@ -258,11 +258,7 @@ def _seqlen_axes(axes: Any, rows: Sequence[Row]) -> None:
     """Scales, ticks, labels and legends of the four panels of :func:`plot_seqlen`."""
     (ax_pb, ax_rel), (ax_g, ax_r) = axes
     for ax in (ax_pb, ax_rel, ax_g, ax_r):
-        _n_axis(ax, [_n(r) for r in rows])
-        ax.set_xlabel("sequence length N")
-        ax.grid(True, which="major", alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+        _n_panel(ax, rows, legend_size=7)
     if not ax_rel.lines:
         ax_rel.text(0.5, 0.5, "no rel_l2 in these rows", transform=ax_rel.transAxes, ha="center")
     ax_rel.axhline(1.0, color="0.5", linewidth=0.8)
@@ -297,12 +293,17 @@ def _n(row: Row) -> int:
     return int(row["seq_len"])
 
 
-def _n_axis(ax: Axes, values: Sequence[int]) -> None:
-    """Log-2 x axis with the swept values as plain-number ticks."""
+def _n_panel(ax: Axes, rows: Sequence[Row], *, legend_size: int) -> None:
+    """A panel against the sequence length: log-2 x axis with the swept values as plain-number
+    ticks, its label, the grid, and the legend when the panel has labelled lines."""
     ax.set_xscale("log", base=2)
-    ticks = sorted(set(values))
+    ticks = sorted({_n(r) for r in rows})
     ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.minorticks_off()
+    ax.set_xlabel("sequence length N")
+    ax.grid(True, which="major", alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=legend_size)
 
 
 def plot_tiles(rows: Sequence[Row], path: Path | str) -> Path:
@@ -471,12 +472,8 @@ def plot_speed(rows: Sequence[Row], path: Path | str, skipped: Sequence[Row] = (
         if mem:
             ax_m.plot([_n(r) for r in mem], [r["peak_mb"] for r in mem], **style)
     for ax in (ax_t, ax_m):
-        _n_axis(ax, [_n(r) for r in rows])
         ax.set_yscale("log")
-        ax.set_xlabel("sequence length N")
-        ax.grid(True, which="major", alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
+        _n_panel(ax, rows, legend_size=8)
     if not ax_m.lines:
         ax_m.text(0.5, 0.5, "peak memory not measured", transform=ax_m.transAxes, ha="center")
     ax_t.set_ylabel("forward time per call (ms, median; bars: min–max)")

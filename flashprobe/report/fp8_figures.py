@@ -6,22 +6,14 @@ atomically by :func:`flashprobe.report.bench_figures.save_figure`, like every be
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from matplotlib.figure import Figure
 
-from flashprobe.report.bench_figures import _plot_series, save_figure
+from flashprobe.report.bench_figures import _MARKERS, Row, _plot_series, _unique, save_figure
 
 __all__ = ["plot_fp8_errors", "plot_fp8_pcast"]
-
-Row = Mapping[str, Any]
-_MARKERS = "osD^v<>ph*"
-
-
-def _unique(values: Sequence[Any]) -> list[Any]:
-    return list(dict.fromkeys(values))
 
 
 def plot_fp8_errors(rows: Sequence[Row], path: Path | str) -> Path:

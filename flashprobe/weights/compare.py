@@ -194,24 +194,19 @@ class Comparison:
             yield from pair.rows()
 
 
+#: The fields of :class:`Distances` that change from step to step, in the order files list them.
+_PER_STEP = ("wasserstein", "max_abs", "nonfinite_a", "nonfinite_b")
+
+
 def _columns(series: Sequence[Distances]) -> dict[str, Any]:
     return {
         "numel": series[0].numel if series else 0,
-        "wasserstein": [d.wasserstein for d in series],
-        "max_abs": [d.max_abs for d in series],
-        "nonfinite_a": [d.nonfinite_a for d in series],
-        "nonfinite_b": [d.nonfinite_b for d in series],
+        **{f: [getattr(d, f) for d in series] for f in _PER_STEP},
     }
 
 
 def _row(d: Distances) -> dict[str, Any]:
-    return {
-        "numel": d.numel,
-        "wasserstein": d.wasserstein,
-        "max_abs": d.max_abs,
-        "nonfinite_a": d.nonfinite_a,
-        "nonfinite_b": d.nonfinite_b,
-    }
+    return {"numel": d.numel, **{f: getattr(d, f) for f in _PER_STEP}}
 
 
 def check_compatible(a: SnapshotStore, b: SnapshotStore) -> list[str]:
@@ -222,19 +217,13 @@ def check_compatible(a: SnapshotStore, b: SnapshotStore) -> list[str]:
             shapes differ.
     """
     names_a, names_b = a.names("parameter"), b.names("parameter")
-    set_a, set_b = set(names_a), set(names_b)
-    for name in names_a:
-        if name not in set_b:
-            raise SnapshotMismatchError(
-                f"parameter {name!r} of {a.run_dir} is missing from {b.run_dir}; runs compared must have the "
-                "same parameter names (the same model architecture)"
-            )
-    for name in names_b:
-        if name not in set_a:
-            raise SnapshotMismatchError(
-                f"parameter {name!r} of {b.run_dir} is missing from {a.run_dir}; runs compared must have the "
-                "same parameter names (the same model architecture)"
-            )
+    for names, others, run, other in ((names_a, set(names_b), a, b), (names_b, set(names_a), b, a)):
+        for name in names:
+            if name not in others:
+                raise SnapshotMismatchError(
+                    f"parameter {name!r} of {run.run_dir} is missing from {other.run_dir}; runs compared "
+                    "must have the same parameter names (the same model architecture)"
+                )
     for name in names_a:
         shape_a, shape_b = a.specs[name].shape, b.specs[name].shape
         if shape_a != shape_b:

@@ -134,6 +134,21 @@ class SnapshotSchedule:
             step in self.steps
         )
 
+    def _open(
+        self, run_dir: Path, header: dict[str, Any], step: int, warn: Callable[[str], Any]
+    ) -> SnapshotWriter:
+        """Open the run's snapshot writer (rank zero) for training that starts at ``step``: snapshots
+        after ``step`` belong to an abandoned run and are removed, with a ``warn`` line."""
+        self._writer = SnapshotWriter(run_dir, header)
+        dropped = self._writer.prune_after(step)
+        if dropped:
+            warn(
+                f"{type(self).__name__}: removed snapshots of steps {dropped} from {self._writer.directory}: "
+                f"they are later than the step training starts from ({step}), so they belong to an abandoned "
+                "run; they are written again as training reaches them"
+            )
+        return self._writer
+
     def _refresh_attention(self, probe: Any, record: Callable[[], dict[str, Any]]) -> None:
         """After a step that saved nothing: rewrite the manifest's attention (``record()``) when the
         probe (a callback with ``fallbacks`` and ``sites_seen``, or None) found a fallback or a new site

@@ -33,7 +33,6 @@ import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from flashprobe.formats.atomic import TMP_SUFFIX, atomic_write_file, atomic_write_text
+from flashprobe.formats.jsonio import utc_now
 from flashprobe.formats.paths import library_path
 
 __all__ = [
@@ -192,10 +192,6 @@ def _snapshot_dir(run_dir: str | os.PathLike[str]) -> Path:
     return directory
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 class SnapshotWriter:
     """Writes snapshots and the manifest of one run directory (use from rank zero only).
 
@@ -255,7 +251,7 @@ class SnapshotWriter:
                 tmp.write_bytes(safetensors.torch.save(dict(tensors), metadata=metadata))
 
         atomic_write_file(final, save)
-        entry = {"step": step, "file": name, "bytes": final.stat().st_size, **extra, "saved_at": _now()}
+        entry = {"step": step, "file": name, "bytes": final.stat().st_size, **extra, "saved_at": utc_now()}
         snapshots = [e for e in self.manifest["snapshots"] if e["step"] != step] + [entry]
         self.manifest["snapshots"] = sorted(snapshots, key=lambda e: e["step"])
         self.manifest["tensors"] = [spec.as_dict() for spec in specs]
