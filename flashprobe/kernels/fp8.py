@@ -25,9 +25,14 @@ formats the kernels' behaviour. Rounding is round-to-nearest-even, subnormals in
 smallest positive value is ``2^-9``, E5M2's ``2^-16``); anything below half of it becomes 0.
 
 **GEMMs.** An FP8 GEMM is emulated by casting the FP8 operands to fp32 and multiplying with fp32
-accumulation, which is what tensor cores compute up to the order of the additions. The descale is
-applied to the operands in fp32 (``x_fp8 · descale``, a relative rounding of at most ``2^-24``)
-rather than to the fp32 result as kernels do; either is ``2^20`` times below FP8's own rounding.
+accumulation, which is what tensor cores compute up to the order of the additions. As in the
+kernels, the GEMM multiplies the FP8 *values* (at most ``fp8_max`` each, so its fp32 partial sums
+cannot overflow: ``448² · d`` for E4M3) and the descales multiply the fp32 result
+(:func:`prepare_operands`, :class:`Fp8Operands`): ``S = (Q_fp8 K_fp8ᵀ) · descale_q · descale_k``,
+``O += (P V_fp8) · descale_v`` per key tile. Applying the descales to the operands first
+(``x_fp8 · descale``, as :func:`dequantize` gives the FP8 baseline) rounds the same to within
+``2^-24`` relative, but its partial sums overflow fp32 where the kernel's do not: logits near
+``-3e38`` (the fuzzer's ``sentinel_halfmax`` in fp32, rotated) became ``-inf`` and zeroed their row.
 
 FP8 is forward only here (FA3 has no FP8 backward): a spec with any of these knobs on (the
 rotation included) declares no backward and is refused when its inputs require grad.
@@ -39,7 +44,7 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -52,6 +57,7 @@ __all__ = [
     "OFF",
     "ROTATIONS",
     "Fp8Numerics",
+    "Fp8Operands",
     "cast_fp8",
     "cast_p",
     "dequantize",
@@ -327,6 +333,40 @@ def is_power_of_two(d: int) -> bool:
     return d >= 1 and not d & (d - 1)
 
 
+class Fp8Operands(NamedTuple):
+    """The GEMM operands of a ``tiled`` call with FP8 knobs (:func:`prepare_operands`).
+
+    Attributes:
+        q: ``(B, H, N_q, D)``; k: ``(B, H, N_k, D)``; v: ``(B, H, N_k, D_v)``: the FP8 values
+            (in the GEMM dtypes) where Q/K/V are quantized, else the (rotated) operands.
+        q_descale: ``1/scale`` of Q's rows, broadcastable to ``(B, H, N_q, 1)``; None without
+            ``qkv_fp8``.
+        k_descale, v_descale: the same for K's and V's rows, ``(…, N_k, 1)``: with
+            ``fp8_scaling=block`` one value per ``block_k`` rows, i.e. per key tile.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_descale: torch.Tensor | None = None
+    k_descale: torch.Tensor | None = None
+    v_descale: torch.Tensor | None = None
+
+    @staticmethod
+    def tile(descale: torch.Tensor | None, j0: int) -> torch.Tensor | None:
+        """The descale of the key tile starting at row ``j0`` (``(…, 1, 1)``): one value, since
+        K's and V's scale blocks are the key tiles (None stays None)."""
+        if descale is None or descale.shape[-2] == 1:
+            return descale
+        return descale[..., j0 : j0 + 1, :]
+
+    def rows(self, r0: int, r1: int) -> torch.Tensor | None:
+        """Q's descales of the query rows ``r0 … r1-1`` (``(…, R, 1)`` or broadcastable)."""
+        if self.q_descale is None or self.q_descale.shape[-2] == 1:
+            return self.q_descale
+        return self.q_descale[..., r0:r1, :]
+
+
 def prepare_operands(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -338,12 +378,14 @@ def prepare_operands(
     gemm_o: torch.dtype,
     block_q: int,
     block_k: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The GEMM operands of a ``tiled`` call with FP8 knobs: rotated, quantized, dequantized.
+) -> Fp8Operands:
+    """The GEMM operands of a ``tiled`` call with FP8 knobs: rotated, quantized, with descales.
 
     Q and K are rotated in fp32 (in ``compute`` dtype when they are not quantized: a separate
     rotation kernel writes them back in the model's dtype), then, with ``fp8.qkv``, quantized with
-    ``block_q``-row blocks for Q and ``block_k``-row blocks for K and V.
+    ``block_q``-row blocks for Q and ``block_k``-row blocks for K and V. The GEMMs multiply the FP8
+    values (exact in any GEMM dtype of 16 bits or more) and apply the descales to their fp32
+    results, as the kernels do (module docstring, "GEMMs").
 
     Args:
         q: ``(B, H, N_q, D)``; k: ``(B, H, N_k, D)``; v: ``(B, H, N_k, D_v)``.
@@ -353,7 +395,7 @@ def prepare_operands(
         block_q, block_k: the tile sizes (Br, Bc).
 
     Returns:
-        ``q, k`` in ``gemm_s`` and ``v`` in ``gemm_o``.
+        :class:`Fp8Operands`: ``q, k`` in ``gemm_s``, ``v`` in ``gemm_o``, and the descales.
     """
     q, k, v = q.to(compute), k.to(compute), v.to(compute)
     if fp8.rotation != OFF:
@@ -365,13 +407,11 @@ def prepare_operands(
         if fp8.qkv == OFF:
             q, k = q.to(compute), k.to(compute)
     if fp8.qkv == OFF:
-        return q.to(gemm_s), k.to(gemm_s), v.to(gemm_o)
-    quant = functools.partial(dequantize, fmt=fp8.qkv, scaling=fp8.scaling, scale=fp8.qkv_scale)
-    return (
-        quant(q, block=block_q).to(gemm_s),
-        quant(k, block=block_k).to(gemm_s),
-        quant(v, block=block_k).to(gemm_o),
-    )
+        return Fp8Operands(q.to(gemm_s), k.to(gemm_s), v.to(gemm_o))
+    quant = functools.partial(quantize, fmt=fp8.qkv, scaling=fp8.scaling, scale=fp8.qkv_scale)
+    (q8, q_descale), (k8, k_descale) = quant(q, block=block_q), quant(k, block=block_k)
+    v8, v_descale = quant(v, block=block_k)
+    return Fp8Operands(q8.to(gemm_s), k8.to(gemm_s), v8.to(gemm_o), q_descale, k_descale, v_descale)
 
 
 def cast_p(p: torch.Tensor, fp8: Fp8Numerics) -> torch.Tensor:

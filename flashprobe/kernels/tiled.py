@@ -611,8 +611,8 @@ def tiled_attention(
     # GEMM operands, converted once: scores accumulate in at least fp32, P·V in the accumulator's
     # GEMM dtype; a 16-bit destination is rounded once from the fp32 result.
     gemm_s, gemm_o = _gemm_dtype(numerics.score), _gemm_dtype(numerics.acc)
-    if numerics.fp8.active:  # rotated and/or quantized operands (kernels.fp8)
-        q_s, k_s, v_o = fp8_numerics.prepare_operands(
+    if numerics.fp8.active:  # rotated and/or quantized operands, with descales (kernels.fp8)
+        operands = fp8_numerics.prepare_operands(
             q,
             k,
             v,
@@ -624,16 +624,19 @@ def tiled_attention(
             block_k=bc,
         )
     else:
-        q_s = q.to(numerics.compute).to(gemm_s)
-        k_s = k.to(numerics.compute).to(gemm_s)
-        v_o = v.to(numerics.compute).to(gemm_o)
+        operands = fp8_numerics.Fp8Operands(
+            q.to(numerics.compute).to(gemm_s),
+            k.to(numerics.compute).to(gemm_s),
+            v.to(numerics.compute).to(gemm_o),
+        )
     row_starts = [0] if loop == "kv" else range(0, n_q, br)
     rows = n_q if loop == "kv" else br
     blocks = [
         _attend_rows(
-            q_s[:, :, r0 : r0 + rows],
-            k_s,
-            v_o,
+            operands.q[:, :, r0 : r0 + rows],
+            operands.k,
+            operands.v,
+            descales=(operands.rows(r0, r0 + rows), operands.k_descale, operands.v_descale),
             mask=None if attn_mask is None else attn_mask[..., r0 : r0 + rows, :],
             causal=is_causal,
             row_offset=r0,
@@ -691,6 +694,7 @@ def _attend_rows(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
+    descales: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] = (None, None, None),
     mask: torch.Tensor | None,
     causal: bool,
     row_offset: int,
@@ -710,6 +714,10 @@ def _attend_rows(
         q: ``(B, H, R, D)`` query rows ``row_offset … row_offset+R-1``, in the score GEMM dtype.
         k: ``(B, H, N_k, D)`` keys (score GEMM dtype); v: ``(B, H, N_k, D_v)`` values (output
             GEMM dtype).
+        descales: with ``qkv_fp8``, q, k and v hold FP8 values and these are their descales
+            (:class:`~flashprobe.kernels.fp8.Fp8Operands`: q's ``(…, R, 1)``, k's and v's
+            ``(…, N_k, 1)``, or broadcastable), applied to each tile's fp32 GEMM results as FP8
+            kernels do; None: the operands are the values.
         mask: bool or additive mask ``(…, R, N_k)`` for these rows, or None.
         shift_repeated: ``max_shift=repeated``, see :func:`_tile_max`.
 
@@ -728,18 +736,31 @@ def _attend_rows(
     row_index = torch.arange(row_offset, row_offset + r, device=q.device).unsqueeze(-1)  # (R, 1)
     tiles = _visited_tiles(n_k, block_k, causal, row_offset, r)
     step = _fa2_step if numerics.update == "fa2" else _fa1_step
+    q_descale, k_descale, v_descale = descales
     for t in tile_order(len(tiles), numerics.order, numerics.order_seed):
         j0 = tiles[t]
         j1 = min(j0 + block_k, n_k)
         scores = torch.matmul(q, k[:, :, j0:j1].transpose(-2, -1))  # (B, H, R, Bc), fp32 or wider
-        scores = scores.mul_(scale).to(numerics.score).to(stats)
+        if q_descale is not None:  # FP8 values: descale the fp32 result, one factor per row
+            scores = scores.mul_(q_descale * fp8_numerics.Fp8Operands.tile(k_descale, j0) * scale)
+        else:
+            scores = scores.mul_(scale)
+        scores = scores.to(numerics.score).to(stats)
         if causal:
             if j1 - 1 > row_offset:  # the tile crosses the diagonal
                 scores.masked_fill_(torch.arange(j0, j1, device=q.device) > row_index, mask_value)
         elif mask is not None:
             _apply_mask(scores, mask[..., j0:j1], mask_value)
         m_tile = _tile_max(scores, m_init, shift_repeated)
-        state = step(state, scores, m_tile, v[:, :, j0:j1], numerics, exact=mask_value == float("-inf"))
+        state = step(
+            state,
+            scores,
+            m_tile,
+            v[:, :, j0:j1],
+            numerics,
+            exact=mask_value == float("-inf"),
+            v_descale=fp8_numerics.Fp8Operands.tile(v_descale, j0),
+        )
     # Rows whose running max never rose above the mask value output 0. With -inf these are the
     # fully masked rows (torch SDPA's safe softmax); with a finite sentinel they also include rows
     # whose valid logits all lie below it, as in FlashInfer (`d_rcp = m != -inf ? 1/d : 0`).
@@ -805,13 +826,18 @@ class _RoundedP(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None
 
 
-def _pv(p: torch.Tensor, v: torch.Tensor, numerics: TileNumerics) -> torch.Tensor:
+def _pv(
+    p: torch.Tensor, v: torch.Tensor, numerics: TileNumerics, v_descale: torch.Tensor | None = None
+) -> torch.Tensor:
     """``P v``: P rounded to the compute dtype (or cast to FP8 with ``p_fp8``), products
     accumulated in the GEMM dtype of ``v``, the result rounded once to the accumulator dtype.
-    ``(B, H, R, Bc) × (B, H, Bc, D_v)``. In the backward, dP stays in P's dtype (:class:`_RoundedP`)."""
+    ``(B, H, R, Bc) × (B, H, Bc, D_v)``; with ``v_descale`` (``(…, 1, 1)``), v holds FP8 values
+    and the fp32 result is descaled. In the backward, dP stays in P's dtype (:class:`_RoundedP`)."""
     if numerics.fp8.p != fp8_numerics.OFF:
-        return torch.matmul(fp8_numerics.cast_p(p, numerics.fp8).to(v.dtype), v).to(numerics.acc)
-    return torch.matmul(_RoundedP.apply(p, numerics.compute, v.dtype), v).to(numerics.acc)
+        pv = torch.matmul(fp8_numerics.cast_p(p, numerics.fp8).to(v.dtype), v)
+    else:
+        pv = torch.matmul(_RoundedP.apply(p, numerics.compute, v.dtype), v)
+    return (pv if v_descale is None else pv * v_descale).to(numerics.acc)
 
 
 def _fa2_step(
@@ -822,6 +848,7 @@ def _fa2_step(
     numerics: TileNumerics,
     *,
     exact: bool,
+    v_descale: torch.Tensor | None = None,
 ) -> _RowState:
     """FlashAttention-2's update: rescale the unnormalised output, add ``P v``; divide at the end.
 
@@ -833,7 +860,7 @@ def _fa2_step(
     p = scores.sub_(m_ref).exp_()  # (B, H, R, Bc)
     alpha = torch.exp(state.m - m_ref)  # rescaling of everything accumulated so far
     l = alpha * state.l + p.sum(dim=-1, keepdim=True)  # noqa: E741
-    o = state.o.mul_(alpha.to(numerics.acc)).add_(_pv(p, v, numerics))
+    o = state.o.mul_(alpha.to(numerics.acc)).add_(_pv(p, v, numerics, v_descale))
     return _RowState(m=m_new, l=l, o=o)
 
 
@@ -845,6 +872,7 @@ def _fa1_step(
     numerics: TileNumerics,
     *,
     exact: bool,
+    v_descale: torch.Tensor | None = None,
 ) -> _RowState:
     """FlashAttention-1's update (Algorithm 1): the output stays normalised after every tile.
 
@@ -862,5 +890,5 @@ def _fa1_step(
     l_new = alpha * state.l + beta * p.sum(dim=-1, keepdim=True)
     acc = numerics.acc
     kept = state.o * (state.l * alpha).to(acc)
-    o = (kept + _pv(p, v, numerics) * beta.to(acc)) / l_new.masked_fill(l_new == 0, 1.0).to(acc)
+    o = (kept + _pv(p, v, numerics, v_descale) * beta.to(acc)) / l_new.masked_fill(l_new == 0, 1.0).to(acc)
     return _RowState(m=m_new, l=l_new, o=o)

@@ -225,6 +225,28 @@ def test_fp8_kernel_within_the_derived_bound_of_the_golden(seed, scaling, make_q
     assert error.max().item() > 1e-3  # the FP8 path ran (bf16 flash is ~1e-3 of that)
 
 
+def test_fp8_gemm_multiplies_fp8_values_and_descales_the_result():
+    """Logits near the float32 range: the kernel's GEMM multiplies E4M3 values (products at most
+    448², no overflow) and descales the result, as FP8 kernels do. Descaling the operands first
+    made a partial sum overflow to ±inf (a NaN or zeroed row, the fuzzer's ``sentinel_halfmax``
+    in fp32). Oracle: every entry below is E4M3-exact after its amax scale, so the FP8 kernel's
+    logits are the FP64 ones: key 1 is 2^127 above key 0 and the output is v[1] exactly."""
+    d, big = 16, 2.0**127
+    q = torch.zeros(1, 1, 1, d)
+    q[..., :2] = 2.0  # q·k0 = 2·2^127 − 2·2^127 = 0 (both partial products overflow float32)
+    k = torch.zeros(1, 1, 2, d)
+    k[0, 0, 0, :2] = torch.tensor([big, -big])
+    k[0, 0, 1, :2] = torch.tensor([big, -big / 2])  # q·k1 = 2^127
+    v = torch.tensor([[-1.0, 2.0], [0.5, -0.25]]).view(1, 1, 2, 2).repeat(1, 1, 1, d // 2)
+    golden = golden_attention(q.double(), k.double(), v.double(), scale=1.0)
+    assert torch.equal(golden, v[:, :, 1:].double())  # (the FP64 softmax: all weight on key 1)
+    spec = "tiled:preset=fa3_fp8,rotation=off,fp8_scaling=tensor"
+    with torch.no_grad():
+        out = get_kernel(spec)(q, k, v, scale=1.0)
+    assert torch.isfinite(out).all()
+    assert (out.double() - golden).abs().max().item() <= 2.0**-3  # v[1] rounded to E4M3: exact
+
+
 def test_reverse_order_avoids_the_sink_collapse():
     """A sink at key 0 with logit 12: forward order makes every later P ≤ e^-12·e^{O(1)} before the
     E4M3 cast (most underflow); reverse order visits the sink last. The reverse output is closer."""
