@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from flashprobe.bias import BIAS_Z_LIMIT
+from flashprobe.bias import BIAS_TOLERANCE, BIAS_Z_LIMIT
 from flashprobe.probing.stats import GRADIENTS, PAIRS, worst
 
 _ORDER = ("out", "dq", "dk", "dv")  # failures sort by step, site, then this
@@ -258,14 +258,20 @@ def _bias(fwd: Mapping[str, Any], bwd: Mapping[tuple[str, str], Any]) -> dict[st
 def bias_words(summary: Mapping[str, Any]) -> str:
     """The run's signed bias in words, for a verdict line or a figure title: the most biased
     direction (``"biased: out of blocks.1.attn z=-12 (limit 5)"``), else the largest ``|z|``
-    (``"bias |z| ≤ 1.3 (limit 5)"``); ``""`` before any replicate."""
+    (``"bias |z| ≤ 1.3 (limit 5)"``), or, where that ``z`` (the excess over the tolerance) is 0,
+    ``"bias within tolerance: every mean ≤ 0.1 of the baseline's error RMS"``; ``""`` before any
+    replicate."""
     biased = summary.get("biased") or []
     if biased:
         b = max(biased, key=lambda b: abs(b["z"]))
         more = f" and {len(biased) - 1} more" if len(biased) > 1 else ""
         return f"biased: {b['direction']} of {b['site']} z={b['z']:.3g} (limit {b['limit']:g}){more}"
     z = summary.get("max_bias_z")
-    return "" if z is None else f"bias |z| ≤ {abs(z):.2g} (limit {BIAS_Z_LIMIT:g})"
+    if z is None:
+        return ""
+    if z == 0:  # no mean exceeds the tolerance ("bias |z| ≤ 0" read as if nothing were measured)
+        return f"bias within tolerance: every mean ≤ {BIAS_TOLERANCE:g} of the baseline's error RMS"
+    return f"bias |z| ≤ {abs(z):.2g} (limit {BIAS_Z_LIMIT:g})"
 
 
 def _verdict(stats: Mapping[str, Any]) -> dict[str, Any]:

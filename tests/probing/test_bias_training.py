@@ -96,7 +96,16 @@ def test_correct_kernels_are_not_biased_over_seeds(kernel: str) -> None:
         assert summary["biased"] == [], (kernel, seed, summary["biased"])
         assert abs(summary["max_bias_z"]) < BIAS_Z_LIMIT
         assert summary["verdict"] == "pass", (kernel, seed, summary["verdict_reason"])
-        assert bias_words(summary).startswith("bias |z| ≤ ")
+        within = summary["max_bias_z"] == 0  # no mean above the tolerance
+        assert bias_words(summary).startswith("bias within tolerance" if within else "bias |z| ≤ ")
+
+
+def test_bias_in_words_says_within_tolerance_where_no_mean_exceeds_it() -> None:
+    assert bias_words({"biased": [], "max_bias_z": None}) == ""
+    assert bias_words({"biased": [], "max_bias_z": -1.93}) == "bias |z| ≤ 1.9 (limit 5)"
+    assert bias_words({"biased": [], "max_bias_z": 0.0}) == (
+        "bias within tolerance: every mean ≤ 0.1 of the baseline's error RMS"
+    )
 
 
 def test_the_on_device_sums_equal_bias_stats_fed_directly_and_survive_reset(truncating: str) -> None:
