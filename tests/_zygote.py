@@ -29,6 +29,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -72,25 +73,32 @@ class _Zygote:
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             env=dict(env),
-            text=True,
-            bufsize=1,
+            bufsize=0,
         )
+        self._received = b""  # what the zygote wrote after the last complete reply
         if self._reply(timeout=300).get("ready") is not True:
             raise RuntimeError("the test zygote did not start")
 
     def _reply(self, timeout: float) -> dict:
+        """The zygote's next reply line. Read from the pipe's descriptor, unbuffered: a buffered reader
+        can hold the pid and the exit code together, and ``select`` would then wait for a line it holds."""
         assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line:
-            raise TimeoutError("the test zygote did not answer")
+        fd, deadline = self.proc.stdout.fileno(), time.monotonic() + timeout
+        while b"\n" not in self._received:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError("the test zygote did not answer")
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise RuntimeError(f"the test zygote exited (code {self.proc.wait()})")
+            self._received += chunk
+        line, _, self._received = self._received.partition(b"\n")
         return json.loads(line)
 
     def run(self, request: dict, timeout: float) -> int:
         """Fork a child for ``request``; its exit code, or ``TimeoutExpired`` once it ran past ``timeout``."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
         pid = self._reply(timeout=60)["pid"]
         try:
             return int(self._reply(timeout=timeout)["returncode"])
@@ -153,23 +161,19 @@ def run(
     key = tuple(env.get(name) for name in IMPORT_VARS)
     if key not in _ZYGOTES:
         _ZYGOTES[key] = _Zygote({name: value for name, value in env.items() if not name.startswith("WANDB")})
-    out_dir = Path(os.environ.get("TMPDIR", "/tmp"))
-    stamp = f"{os.getpid()}-{time.monotonic_ns()}"
-    stdout, stderr = out_dir / f"zygote-{stamp}.out", out_dir / f"zygote-{stamp}.err"
-    request = {
-        "argv": list(cmd[1:]),
-        "cwd": str(cwd),
-        "env": dict(env),
-        "stdout": str(stdout),
-        "stderr": str(stdout if merge_stderr else stderr),
-    }
-    try:
+    with tempfile.TemporaryDirectory(prefix="zygote-") as captured:
+        stdout, stderr = Path(captured, "stdout"), Path(captured, "stderr")
+        stdout.touch()  # read back even when the child dies before it opens them
+        stderr.touch()
+        request = {
+            "argv": list(cmd[1:]),
+            "cwd": str(cwd),
+            "env": dict(env),
+            "stdout": str(stdout),
+            "stderr": str(stdout if merge_stderr else stderr),
+        }
         code = _ZYGOTES[key].run(request, timeout)
-        out = stdout.read_text(errors="replace")
-        err = "" if merge_stderr else stderr.read_text(errors="replace")
-    finally:
-        stdout.unlink(missing_ok=True)
-        stderr.unlink(missing_ok=True)
+        out, err = stdout.read_text(errors="replace"), stderr.read_text(errors="replace")
     return subprocess.CompletedProcess(list(cmd), code, out, err)
 
 
@@ -190,10 +194,7 @@ def _child(request: dict) -> None:
     """In the forked child: become ``python ARGV`` in the request's directory and exit; never returns."""
     code = 1
     try:
-        out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        err = out if request["stderr"] == request["stdout"] else os.open(
-            request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
-        )
+        out, err = (os.open(request[name], os.O_WRONLY | os.O_APPEND) for name in ("stdout", "stderr"))
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.dup2(out, 1)
         os.dup2(err, 2)
