@@ -222,7 +222,7 @@ def parse_device(name: str) -> torch.device:
     """
     try:
         device = torch.device(name)
-    except RuntimeError as err:
+    except (RuntimeError, TypeError) as err:
         raise BenchArgumentError(f"bad --device {name!r}: {err}; use cpu or cuda") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BenchArgumentError(f"--device {name} given but CUDA is not available here; use --device cpu")
