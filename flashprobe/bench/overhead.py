@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashprobe.bench.args import add_output_args, parse_device, run_cli
+from flashprobe.bench.args import add_output_args, parse_device, run_cli, torch_threads
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.results import format_table, write_results, wrote_line
 from flashprobe.probing import Probe, ShadowAttention
@@ -202,12 +202,8 @@ def measure_overhead(
     config: OverheadConfig, progress: Callable[[str], None] | None = None
 ) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
     """Train the four modes side by side and return the rows and each mode's block means (ms)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(config.threads)
-    try:
+    with torch_threads(config.threads):
         return _measure(config, progress or (lambda _: None))
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _measure(
