@@ -613,18 +613,19 @@ def deviation_tensors(a: torch.Tensor, b: torch.Tensor) -> dict[str, torch.Tenso
     return {name: column[i] for i, name in enumerate(SUM_ROWS[:6])}
 
 
-def _finish(t: dict[str, float]) -> Deviation:
-    count, nonfinite = t["count"], int(t["nonfinite"])
+def finish_deviation(sums: dict[str, float]) -> Deviation:
+    """Turn accumulated sufficient statistics (see :func:`deviation_tensors`) into a :class:`Deviation`."""
+    count, nonfinite = sums["count"], int(sums["nonfinite"])
     if not count and nonfinite:  # no finite pair compared: every statistic is undefined
         return Deviation(math.nan, math.nan, math.nan, nonfinite, nonfinite)
     rel = (
-        math.sqrt(t["sum_sq_diff"] / t["sum_sq_ref"])
-        if t["sum_sq_ref"] > 0
-        else (0.0 if t["sum_sq_diff"] == 0 else math.inf)
+        math.sqrt(sums["sum_sq_diff"] / sums["sum_sq_ref"])
+        if sums["sum_sq_ref"] > 0
+        else (0.0 if sums["sum_sq_diff"] == 0 else math.inf)
     )
     return Deviation(
-        max_abs=t["max_abs"],
-        mean_abs=t["sum_abs"] / count if count else 0.0,
+        max_abs=sums["max_abs"],
+        mean_abs=sums["sum_abs"] / count if count else 0.0,
         rel_l2=rel,
         nonfinite=nonfinite,
         numel=int(count + nonfinite),
@@ -635,12 +636,7 @@ def deviation(a: torch.Tensor, b: torch.Tensor) -> Deviation:
     """Deviation of ``a`` from reference ``b`` as Python floats (one host sync)."""
     t = deviation_tensors(a, b)
     values = torch.stack(list(t.values())).tolist()
-    return _finish(dict(zip(t.keys(), values, strict=True)))
-
-
-def finish_deviation(sums: dict[str, float]) -> Deviation:
-    """Turn accumulated sufficient statistics (see :func:`deviation_tensors`) into a :class:`Deviation`."""
-    return _finish(sums)
+    return finish_deviation(dict(zip(t.keys(), values, strict=True)))
 
 
 def noise_floor(golden_max_abs: float, dtype: torch.dtype) -> float:

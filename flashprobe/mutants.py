@@ -44,14 +44,13 @@ cases.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
-from flashprobe.kernels import KernelCapabilities, math_attention
+from flashprobe.kernels import KernelCapabilities, default_scale, math_attention
 
 __all__ = [
     "CORRECT",
@@ -98,10 +97,6 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any, is
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _scale(head_dim: int, scale: float | None) -> float:
-    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
 def _kv_index(heads: int, kv_heads: int, device: torch.device, *, modulo: bool = False) -> torch.Tensor:
@@ -188,7 +183,7 @@ def _forward_bug(
     _check(q, k, v, attn_mask, is_causal)
     k, v = _expand_kv(k, v, q.shape[1], modulo=kv_modulo)
     keep, bias = _masks(attn_mask, is_causal, q.shape[-2], k.shape[-2], q.device, causal_offset)
-    return _math(q, k, v, keep=keep, bias=bias, scale=_scale(q.shape[-1], scale), **math_options)
+    return _math(q, k, v, keep=keep, bias=bias, scale=default_scale(q.shape[-1], scale), **math_options)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,7 +243,7 @@ def keys_truncated(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     cut = slice(0, KEY_LIMIT)
     keep = keep if keep is None or keep.shape[-1] == 1 else keep[..., cut]
     bias = bias if bias is None or bias.shape[-1] == 1 else bias[..., cut]
-    s = _scale(q.shape[-1], scale)
+    s = default_scale(q.shape[-1], scale)
     return _math(q, k[..., cut, :], v[..., cut, :], keep=keep, bias=bias, scale=s)
 
 
@@ -545,7 +540,7 @@ def raw_sentinel(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     first). Quiet for logits above.
     """
     k, v = _expand_kv(k, v, q.shape[1])
-    scale = _scale(q.shape[-1], scale)
+    scale = default_scale(q.shape[-1], scale)
     raw = q.float() @ k.float().transpose(-2, -1)
     raw = raw.masked_fill(~_allowed(q, k, attn_mask, is_causal), MASK_SENTINEL)
     m = raw.amax(dim=-1, keepdim=True).clamp_min(MASK_SENTINEL)
@@ -564,7 +559,7 @@ def tail_reader(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     full = -(-n_k // TILE) * TILE
     k_tile = k.as_strided((*k.shape[:2], full, k.shape[3]), k.stride(), k.storage_offset())
     v_tile = v.as_strided((*v.shape[:2], full, v.shape[3]), v.stride(), v.storage_offset())
-    s = (q.float() @ k_tile.float().transpose(-2, -1)) * _scale(q.shape[-1], scale)
+    s = (q.float() @ k_tile.float().transpose(-2, -1)) * default_scale(q.shape[-1], scale)
     valid = torch.zeros(*s.shape[:2], 1, full, dtype=torch.bool)
     valid[..., :n_k] = True
     if attn_mask is not None:
@@ -631,7 +626,7 @@ def blockwise_attention(
     Returns:
         ``(B, H, N_q, D_v)`` in q's dtype; 0 for rows that see no key.
     """
-    scale = _scale(q.shape[-1], scale)
+    scale = default_scale(q.shape[-1], scale)
     k, v = _expand_kv(k, v, q.shape[1])
     valid = _allowed(q, k, attn_mask, is_causal)
     q32, k32, v32 = q.float(), k.float(), v.float()
@@ -773,7 +768,7 @@ def _flash(q, k, v, attn_mask, is_causal, scale, bug: _Backward) -> torch.Tensor
     keep, bias = _masks(attn_mask, is_causal, q.shape[-2], k.shape[-2], q.device)
     if k.shape[-2] == 0:
         return q.new_zeros(*q.shape[:-1], v.shape[-1]) + 0 * (q.sum() + k.sum() + v.sum())
-    return _FlashAttention.apply(q, k, v, keep, bias, _scale(q.shape[-1], scale), bug)
+    return _FlashAttention.apply(q, k, v, keep, bias, default_scale(q.shape[-1], scale), bug)
 
 
 def correct_flash(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -974,7 +969,7 @@ def exp2_folded(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     qc, kc, vc = q.to(c), k.to(c), v.to(c)
     if kc.shape[-2] == 0:
         return q.new_zeros(*q.shape[:-1], v.shape[-1])
-    s2 = (qc @ kc.transpose(-2, -1)) * (_scale(q.shape[-1], scale) * LOG2E)
+    s2 = (qc @ kc.transpose(-2, -1)) * (default_scale(q.shape[-1], scale) * LOG2E)
     if bias is not None:
         s2 = s2 + bias.to(c) * LOG2E
     if keep is not None:
@@ -1003,7 +998,7 @@ def split_k_lse(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     qc, kc, vc = q.to(c), k.to(c), v.to(c)
     if n_k == 0:
         return q.new_zeros(*q.shape[:-1], v.shape[-1])
-    s = (qc @ kc.transpose(-2, -1)) * _scale(q.shape[-1], scale)
+    s = (qc @ kc.transpose(-2, -1)) * default_scale(q.shape[-1], scale)
     if bias is not None:
         s = s + bias.to(c)
     if keep is not None:

@@ -189,18 +189,13 @@ def _unsafe(override: Any, groups: set[str]) -> str | None:
 
 
 def _unsafe_value(value: Any) -> str | None:
-    if isinstance(value, dict):
-        for k, v in value.items():
-            if str(k).startswith("_"):
-                return f"holds the key {k}, which makes Hydra import and build an object"
-            bad = _unsafe_value(v)
-            if bad:
-                return bad
-    elif isinstance(value, list):
-        for v in value:
-            bad = _unsafe_value(v)
-            if bad:
-                return bad
-    elif isinstance(value, str) and "${" in _NODE_REFERENCE.sub("", value):
+    if isinstance(value, str) and "${" in _NODE_REFERENCE.sub("", value):
         return "calls a resolver (${name:...}), which runs code when the config is read"
+    mapping = isinstance(value, dict)
+    for k, v in value.items() if mapping else enumerate(value) if isinstance(value, list) else ():
+        if mapping and str(k).startswith("_"):
+            return f"holds the key {k}, which makes Hydra import and build an object"
+        bad = _unsafe_value(v)
+        if bad:
+            return bad
     return None

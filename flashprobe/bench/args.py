@@ -2,16 +2,18 @@
 
 ``add_*_args`` put the common options on an :class:`argparse.ArgumentParser` (kernel specs,
 dtypes, shapes, input distribution, seeds, output directory), ``parse_*`` turn them into
-validated objects, and :func:`run_cli` runs a command so that bad input — including an unusable
-``--out`` — gives exit code 2 and one line naming the problem and the fix, before any work.
+validated objects, :func:`torch_threads` sets ``--threads`` for a measurement, and :func:`run_cli`
+runs a command so that bad input — including an unusable ``--out`` — gives exit code 2 and one
+line naming the problem and the fix, before any work.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -34,6 +36,7 @@ __all__ = [
     "parse_kernels",
     "parse_seeds",
     "run_cli",
+    "torch_threads",
 ]
 
 #: Dtypes the microbenchmark sweeps by default, fewest mantissa bits first.
@@ -222,11 +225,22 @@ def parse_device(name: str) -> torch.device:
     """
     try:
         device = torch.device(name)
-    except RuntimeError as err:
+    except (RuntimeError, TypeError) as err:
         raise BenchArgumentError(f"bad --device {name!r}: {err}; use cpu or cuda") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BenchArgumentError(f"--device {name} given but CUDA is not available here; use --device cpu")
     return device
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op CPU threads set to ``threads`` inside the block; the caller's setting after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def parse_input_config(args: argparse.Namespace) -> InputConfig:

@@ -43,6 +43,7 @@ from flashprobe.bench.args import (
     parse_device,
     parse_dtypes,
     parse_kernels,
+    parse_seeds,
     run_cli,
 )
 from flashprobe.bench.errors import BenchArgumentError
@@ -391,15 +392,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.repeats < 1:
-        raise BenchArgumentError(f"--repeats must be at least 1, got {args.repeats}")
+    seeds = parse_seeds(args.seed, args.repeats)
     if args.ties < 2:
         raise BenchArgumentError(f"--ties must be at least 2 (repeated maxima), got {args.ties}")
     shape = Shape(batch=args.batch, heads=args.heads, seq_len=args.seq_len, head_dim=args.head_dim)
     kernels = parse_kernels(args.kernel)
     dtypes = parse_dtypes(args.dtype)
     device = parse_device(args.device)
-    seeds = [args.seed + i for i in range(args.repeats)]
     bias_inputs(shape, seeds[0], repeated=True, ties=args.ties)  # bad shapes fail before any work
     start = time.perf_counter()
     rows, skipped = bias_rows(

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from flashprobe.bench.args import add_output_args, check_size, run_cli
+from flashprobe.bench.args import add_output_args, check_size, parse_seeds, run_cli
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.inputs import Shape
 from flashprobe.bench.results import (
@@ -622,7 +622,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"flashprobe bench fp8: {msg}", file=sys.stderr, flush=True)
 
     start = time.perf_counter()
-    seeds = [args.seed + i for i in range(args.repeats)]
+    seeds = parse_seeds(args.seed, args.repeats)
     rows, rel_l2 = error_rows(
         seq_lens=sorted(set(args.seq_len)),
         head_dims=sorted(set(args.head_dim)),

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashprobe.bench.args import add_output_args, run_cli
+from flashprobe.bench.args import add_output_args, parse_device, run_cli, torch_threads
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.results import format_table, write_results, wrote_line
 from flashprobe.probing import Probe, ShadowAttention
@@ -137,16 +137,7 @@ class OverheadConfig:
         if self.compile and self.compile not in torch._dynamo.list_backends(exclude_tags=()):
             known = ", ".join(torch._dynamo.list_backends(exclude_tags=()))
             raise BenchArgumentError(f"--compile {self.compile!r}: not a torch.compile backend ({known})")
-        try:
-            device = torch.device(self.device)
-        except (RuntimeError, TypeError) as err:
-            raise BenchArgumentError(
-                f"--device {self.device!r}: not a device ({err}); use cpu or cuda"
-            ) from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise BenchArgumentError(
-                f"--device {self.device}: torch has no CUDA device here; use --device cpu"
-            )
+        device = parse_device(self.device)
         if device.type not in ("cpu", "cuda"):
             raise BenchArgumentError(f"--device {self.device}: only cpu and cuda are supported")
         if self.autocast not in AUTOCAST:
@@ -211,12 +202,8 @@ def measure_overhead(
     config: OverheadConfig, progress: Callable[[str], None] | None = None
 ) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
     """Train the four modes side by side and return the rows and each mode's block means (ms)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(config.threads)
-    try:
+    with torch_threads(config.threads):
         return _measure(config, progress or (lambda _: None))
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _measure(

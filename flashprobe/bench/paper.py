@@ -27,9 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from flashprobe.bench.args import parse_device, run_cli
+from flashprobe.bench.args import parse_device, run_cli, torch_threads
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.paper_runs import PaperSettings, build_claims, run_sweeps
 from flashprobe.bench.results import environment
@@ -201,12 +199,8 @@ def run(args: argparse.Namespace) -> int:
         elapsed = time.perf_counter() - start
         print(f"flashprobe bench paper: [{elapsed:5.1f} s] {msg}", file=sys.stderr, flush=True)
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(args.threads):
         sweeps, skipped = run_sweeps(settings, device=device, progress=progress)
-    finally:
-        torch.set_num_threads(threads)
     claims = build_claims(sweeps, settings)
     seconds = time.perf_counter() - start
     doc = {

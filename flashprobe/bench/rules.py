@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from flashprobe.bench.args import add_output_args, run_cli
+from flashprobe.bench.args import add_output_args, run_cli, torch_threads
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.results import format_table, write_results, wrote_line
 from flashprobe.formats.atomic import atomic_write_text
@@ -478,10 +478,8 @@ def _run(args: argparse.Namespace) -> int:
     correct = [k for k in args.kernels.split(",") if k]
     if not correct:
         raise BenchArgumentError("--kernels is empty: give at least one correct kernel's spec")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    try:
+    with torch_threads(args.threads):
         rows, details = run_rules(
             precisions,
             range(args.seeds),
@@ -489,8 +487,6 @@ def _run(args: argparse.Namespace) -> int:
             correct=correct,
             progress=lambda line: print(line, file=sys.stderr),
         )
-    finally:
-        torch.set_num_threads(threads)
     seconds = time.perf_counter() - start
     print(format_table(rows, TABLE_COLUMNS))
     meta = {

@@ -56,6 +56,7 @@ from flashprobe.bench.inputs import InputConfig, Shape, cast_inputs, make_inputs
 from flashprobe.bench.results import format_table, load_results, write_results, wrote_line
 from flashprobe.bench.sweep import check_kernel
 from flashprobe.kernels import Kernel, dtype_name, get_kernel
+from flashprobe.kernels.reference import meminfo_available_bytes as available_memory_bytes
 
 __all__ = [
     "MATERIALISING",
@@ -93,18 +94,6 @@ def materialised_bytes(shape: Shape, dtype: torch.dtype) -> int:
     """Estimated peak bytes of a kernel that materialises the scores: ``3·B·H·N²·itemsize``."""
     n = shape.seq_len
     return _MATRICES_AT_PEAK * shape.batch * shape.heads * n * n * dtype.itemsize
-
-
-def available_memory_bytes() -> int | None:
-    """``MemAvailable`` from ``/proc/meminfo`` in bytes, or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def _sync(device: torch.device) -> None:

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from flashprobe.bench.args import add_output_args, run_cli
+from flashprobe.bench.args import add_output_args, run_cli, torch_threads
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.results import format_table, write_results, wrote_line
 from flashprobe.bench.tiny_models import MODELS
@@ -260,10 +260,8 @@ def _run(args: argparse.Namespace) -> int:
             ) from None
     for spec in args.kernel:
         _resolve(spec)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    try:
+    with torch_threads(args.threads):
         rows = []
         for spec in args.kernel:
             for m in models:
@@ -276,8 +274,6 @@ def _run(args: argparse.Namespace) -> int:
                         f"biased {rows[-1]['biased']}",
                         file=sys.stderr,
                     )
-    finally:
-        torch.set_num_threads(threads)
     seconds = time.perf_counter() - start
     print(format_table(rows, TABLE_COLUMNS))
     failed = sum(r["failed_calls"] for r in rows)

@@ -33,7 +33,7 @@ import numpy as np
 import scipy.stats
 import torch
 
-from flashprobe.bench.args import add_output_args, run_cli
+from flashprobe.bench.args import add_output_args, parse_device, run_cli
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.results import format_table, write_results
 from flashprobe.weights.distances import wasserstein_distance
@@ -193,12 +193,7 @@ def _run(args: argparse.Namespace) -> int:
     unknown = [c for c in args.cases if c not in CASES]
     if unknown:
         raise BenchArgumentError(f"unknown case(s) {unknown}; use: {', '.join(CASES)}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as err:
-        raise BenchArgumentError(f"bad --device {args.device!r}: {err}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise BenchArgumentError("--device cuda given but CUDA is not available; use --device cpu")
+    device = parse_device(args.device)
     _check_memory(max(args.sizes))
     if args.threads is not None:
         if args.threads < 1:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -38,9 +37,8 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from flashprobe.deviation import PAIRS
-from flashprobe.formats.probe_log import PROBE_LOG_NAME
 from flashprobe.probing import ProbeConfig
-from flashprobe.probing.run_session import ProbeSession, SessionCallback
+from flashprobe.probing.run_session import SessionCallback
 from flashprobe.probing.session import nonfinite_weights
 from flashprobe.probing.session import verdict_line as verdict_line
 from flashprobe.probing.summary import summary_scalars
@@ -104,35 +102,9 @@ class AttentionProbe(SessionCallback, Callback):
     """
 
     def __init__(
-        self,
-        config: ProbeConfig | None = None,
-        /,
-        *,
-        log_every_n_steps: int | None = None,
-        dirpath: str | os.PathLike[str] | None = None,
-        filename: str = PROBE_LOG_NAME,
-        log_sites: bool = False,
-        plot: bool = True,
-        on_failure: str = "warn",
-        max_reproducers: int = 8,
-        on_nonfinite: str = "stop",
-        console: bool = True,
-        **settings: Any,
+        self, config: ProbeConfig | None = None, /, *, log_sites: bool = False, **kwargs: Any
     ) -> None:
-        self.session = ProbeSession(
-            config,
-            who=type(self).__name__,
-            log_every_n_steps=log_every_n_steps,
-            dirpath=dirpath,
-            filename=filename,
-            plot=plot,
-            on_failure=on_failure,
-            max_reproducers=max_reproducers,
-            on_nonfinite=on_nonfinite,
-            console=console,
-            log=log,
-            **settings,
-        )
+        super().__init__(config, **kwargs)
         self.log_sites = log_sites
 
     @classmethod

@@ -33,7 +33,6 @@ import os
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
@@ -51,6 +50,7 @@ from flashprobe.fuzz._tensors import (
 )
 from flashprobe.fuzz.inputs import CaseInputs, UnrepresentableCaseError
 from flashprobe.kernels import default_scale, dtype_name
+from flashprobe.kernels.reference import meminfo_available_bytes
 
 __all__ = [
     "CATALOGUE",
@@ -468,13 +468,8 @@ def _int32_offsets(elements: int) -> Callable[[torch.dtype, torch.Generator], Ca
 
 def _available_memory() -> int:
     """Bytes of memory available to this process (``MemAvailable``; the physical total elsewhere)."""
-    try:
-        for line in Path("/proc/meminfo").read_text(encoding="ascii").splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    available = meminfo_available_bytes()
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if available is None else available
 
 
 #: The shape of the signed-bias cases: 256 (batch, head) replicates of 8192 elements. A rounding

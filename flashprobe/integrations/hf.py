@@ -31,7 +31,6 @@ This module imports transformers; ``import flashprobe`` does not.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -44,12 +43,11 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.trainer_callback import ExportableState
 
-from flashprobe.formats.probe_log import PROBE_LOG_NAME
 from flashprobe.kernels import Kernel, get_kernel
 from flashprobe.probing import ProbeConfig, ProbeWarning, SdpaCall, sites
 from flashprobe.probing.call import autocast_dtype, run_kernel
 from flashprobe.probing.routing import check_kernel_here
-from flashprobe.probing.run_session import ProbeSession, SessionCallback, SessionField
+from flashprobe.probing.run_session import SessionCallback, SessionField
 from flashprobe.probing.session import nonfinite_weights
 from flashprobe.probing.summary import summary_scalars
 
@@ -307,35 +305,8 @@ class AttentionProbeCallback(SessionCallback, TrainerCallback, ExportableState):
         RuntimeError: after the first training step, when the model made no attention call.
     """
 
-    def __init__(
-        self,
-        config: ProbeConfig | None = None,
-        /,
-        *,
-        log_every_n_steps: int | None = None,
-        dirpath: str | os.PathLike[str] | None = None,
-        filename: str = PROBE_LOG_NAME,
-        plot: bool = True,
-        on_failure: str = "warn",
-        max_reproducers: int = 8,
-        on_nonfinite: str = "stop",
-        console: bool = True,
-        **settings: Any,
-    ) -> None:
-        self.session = ProbeSession(
-            config,
-            who=type(self).__name__,
-            log_every_n_steps=log_every_n_steps,
-            dirpath=dirpath,
-            filename=filename,
-            plot=plot,
-            on_failure=on_failure,
-            max_reproducers=max_reproducers,
-            on_nonfinite=on_nonfinite,
-            console=console,
-            log=log,
-            **settings,
-        )
+    def __init__(self, config: ProbeConfig | None = None, /, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
         self._pending: dict[str, float] = {}
 
     # The Trainer restores a checkpoint's state by setting these (see :meth:`state`).

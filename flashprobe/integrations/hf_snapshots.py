@@ -30,14 +30,11 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from flashprobe.integrations.hf import AttentionProbeCallback, trainer_callbacks
 from flashprobe.probing.session import attention_record
-from flashprobe.weights.snapshot import SnapshotSchedule, module_tensors, own_attention
+from flashprobe.weights.snapshot import TRUE_PRECISION, SnapshotSchedule, module_tensors, own_attention
 
 __all__ = ["WeightSnapshotCallback"]
 
 log = logging.getLogger(__name__)
-
-#: Lightning's precision names for the weights' dtype when the Trainer trains without autocast
-_TRUE_PRECISION = {torch.float32: "32-true", torch.bfloat16: "bf16-true", torch.float16: "16-true"}
 
 
 class WeightSnapshotCallback(SnapshotSchedule, TrainerCallback):
@@ -174,4 +171,4 @@ def _precision(args: TrainingArguments, model: nn.Module) -> str:
     if args.fp16:
         return "16-mixed"
     dtype = next((p.dtype for p in model.parameters()), torch.float32)
-    return _TRUE_PRECISION.get(dtype, f"{str(dtype).removeprefix('torch.')}-true")
+    return TRUE_PRECISION.get(dtype, f"{str(dtype).removeprefix('torch.')}-true")

@@ -51,6 +51,7 @@ __all__ = [
     "Block",
     "GroupGradients",
     "expand_kv",
+    "meminfo_available_bytes",
     "numerics_flags",
     "plan_blocks",
     "reference_attention",
@@ -144,19 +145,27 @@ class Block:
         return m, False
 
 
+def meminfo_available_bytes() -> int | None:
+    """``MemAvailable`` from ``/proc/meminfo`` in bytes, or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def _available_bytes(device: torch.device) -> int:
     """Memory free for tensors on ``device`` (bytes)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         unused_reserve = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return int(free + max(unused_reserve, 0))
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    available = meminfo_available_bytes()
+    if available is not None:
+        return available
     try:
         return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):

@@ -261,6 +261,15 @@ class Conversion:
             result = result[0]
         return self.to_shadow(result)
 
+    @classmethod
+    def packed(
+        cls, views: Sequence[torch.Tensor], mask: torch.Tensor, scale: float | None, dropout: float, call: Any
+    ) -> Conversion:
+        """The conversion of a call on packed ``(total_q, H, D)`` queries, its sequences in ``mask`` (no
+        causal flag): ``views`` are q's ``(1, H, total_q, D)`` view (:func:`packed_views`), k and v;
+        the library's output is ``(total_q, H, D_v)``."""
+        return cls(*views, mask, False, scale, dropout, call, lambda o: packed_views(o)[0], unpacked)
+
     def back(self, out: torch.Tensor) -> Any:
         """The shadow's returned ``(B, H, N_q, D_v)`` output as the library would have returned it."""
         out = self.to_library(out)

@@ -159,26 +159,14 @@ def _varlen(lib: Library, named: dict, params: dict, run: Callable[[], Any]) -> 
         slots = block_table_slots(table, cu_k, k.shape[1])
         q_seq, q_pos, q_len = segments(cu_q, q.shape[0], q.device)
         mask = segment_mask(q_seq, q_pos, q_len, slots.seq, slots.pos, slots.lengths, causal)
-        keys, values = gather_pages(k, slots, "NHD"), gather_pages(v, slots, "NHD")
-        return Conversion(
-            *packed_views(q.detach()), keys, values, mask, False, scale, 0.0, own_arguments(run),
-            lambda o: o.unsqueeze(0).transpose(1, 2), unpacked,
-        )  # fmt: skip
+        views = [*packed_views(q.detach()), gather_pages(k, slots, "NHD"), gather_pages(v, slots, "NHD")]
+        return Conversion.packed(views, mask, scale, 0.0, own_arguments(run))
     mask = varlen_mask(cu_q, cu_k, q.shape[0], k.shape[0], causal)
 
     def call(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, dp: float) -> Any:
         return lib(with_arguments(other, params, dp, q=unpacked(qh), k=unpacked(kh), v=unpacked(vh)))
 
-    return _ARGUMENTS.reason(named) or Conversion(
-        *packed_views(q, k, v),
-        mask,
-        False,
-        scale,
-        dropout_p,
-        call,
-        lambda o: o.unsqueeze(0).transpose(1, 2),
-        unpacked,
-    )
+    return _ARGUMENTS.reason(named) or Conversion.packed(packed_views(q, k, v), mask, scale, dropout_p, call)
 
 
 def _varlen_qkvpacked(
@@ -196,10 +184,8 @@ def _varlen_qkvpacked(
         packed = torch.stack([unpacked(t) for t in (qh, kh, vh)], dim=1)  # (total, 3, H, D)
         return lib(with_arguments(other, params, dp, qkv=packed))
 
-    return _ARGUMENTS.reason(named) or Conversion(
-        *packed_views(*qkv.unbind(1)), mask, False, scale, dropout_p, call,
-        lambda o: o.unsqueeze(0).transpose(1, 2), unpacked,
-    )  # fmt: skip
+    views = packed_views(*qkv.unbind(1))
+    return _ARGUMENTS.reason(named) or Conversion.packed(views, mask, scale, dropout_p, call)
 
 
 def _varlen_kvpacked(
@@ -219,10 +205,8 @@ def _varlen_kvpacked(
         packed = torch.stack([unpacked(kh), unpacked(vh)], dim=1)  # (total_k, 2, H_kv, D)
         return lib(with_arguments(other, params, dp, q=unpacked(qh), kv=packed))
 
-    return _ARGUMENTS.reason(named) or Conversion(
-        *packed_views(q, *kv.unbind(1)), mask, False, scale, dropout_p, call,
-        lambda o: o.unsqueeze(0).transpose(1, 2), unpacked,
-    )  # fmt: skip
+    views = packed_views(q, *kv.unbind(1))
+    return _ARGUMENTS.reason(named) or Conversion.packed(views, mask, scale, dropout_p, call)
 
 
 def block_table_slots(block_table: torch.Tensor, cu_k: torch.Tensor, page_size: int) -> PagedSlots:

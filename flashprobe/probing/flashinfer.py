@@ -50,7 +50,6 @@ from flashprobe.probing.direct import (
     segment_mask,
     segments,
     signature_of,
-    unpacked,
 )
 
 __all__ = ["CLASSES", "FUNCTIONS", "SOURCE", "flashinfer_slots", "forget_plans", "patch_class"]
@@ -257,10 +256,7 @@ def _batch(named: dict, run: Callable[[], Any], form: str) -> Conversion | str |
         return segment_mask(q_seq, q_pos, q_len, k_seq, k_pos, k_len, causal, custom)
 
     mask = plan.cached(("mask", device, q.shape[0], keys.shape[2], causal), make_mask)
-    return Conversion(
-        *packed_views(q.detach()), keys, values, mask, False, scale, 0.0, own_arguments(run),
-        lambda o: o.unsqueeze(0).transpose(1, 2), unpacked,
-    )  # fmt: skip
+    return Conversion.packed([*packed_views(q.detach()), keys, values], mask, scale, 0.0, own_arguments(run))
 
 
 def _ragged(lib: Library, named: dict, params: dict, run: Callable[[], Any]) -> Conversion | str | None:

@@ -27,7 +27,6 @@ reproducer is saved for a FlexAttention call (its ``score_mod`` is Python code, 
 from __future__ import annotations
 
 import inspect
-import math
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from typing import Any
 
 import torch
 
+from flashprobe.kernels import default_scale
 from flashprobe.kernels.flex import FLEX_ORIGINAL
 from flashprobe.kernels.reference import expand_kv
 from flashprobe.probing import patching
@@ -131,7 +131,7 @@ def flex_reference(call: FlexCall, dtype: torch.dtype, *, budget: int) -> torch.
     b, h, n_q, d = q.shape
     k, v = expand_kv(k, v, h // k.shape[1])  # grouped-query attention
     n_k = k.shape[2]
-    scale = call.scale if call.scale is not None else 1.0 / math.sqrt(d)
+    scale = default_scale(d, call.scale)
     per_row = max(1, b * h * n_k * torch.finfo(dtype).bits // 8 * 3)
     step = max(1, min(n_q, budget // per_row))
     out = q.new_empty(b, h, n_q, v.shape[3])

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from flashprobe.probing.call import SdpaCall
+from flashprobe.probing.call import SdpaCall, autocast_dtype
 from flashprobe.probing.sites import Resolution, handle_sdpa, in_passthrough, passthrough, resolution_of
 
 __all__ = ["traced_call"]
@@ -124,17 +124,6 @@ def _trace_site() -> int:
         return -1
 
 
-def _autocast_cast(tensors: tuple[torch.Tensor | None, ...], device_type: str) -> tuple[Any, ...]:
-    """Cast floating tensors to the autocast dtype, as autocast casts SDPA's inputs."""
-    if not torch.is_autocast_enabled(device_type):
-        return tensors
-    dtype = torch.get_autocast_dtype(device_type)
-    return tuple(
-        t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
-        for t in tensors
-    )
-
-
 def traced_call(
     graph_break: Callable[..., torch.Tensor],
     query: torch.Tensor,
@@ -155,7 +144,8 @@ def traced_call(
     site = _trace_site()
     if site < 0:
         return graph_break(*args)
-    q, k, v, mask = _autocast_cast((query, key, value, attn_mask), query.device.type)
+    # cast as autocast casts SDPA's inputs
+    q, k, v, mask = (None if t is None else t.to(autocast_dtype(t)) for t in (query, key, value, attn_mask))
     grads = 0
     if torch.is_grad_enabled():
         grads = sum(1 << i for i, t in enumerate((q, k, v)) if t.requires_grad)

@@ -88,7 +88,8 @@ class Probe(AttentionRoute):
             )
         return super().attach()
 
-    def _wanted(self, site: str) -> bool:
+    def selects(self, site: str) -> bool:
+        """Whether the ``sites`` patterns select ``site`` for comparison (decided once per site)."""
         wanted = self._selected.get(site)
         if wanted is None:
             include = not self._include or any(fnmatch.fnmatchcase(site, p) for p in self._include)
@@ -96,15 +97,11 @@ class Probe(AttentionRoute):
             self._selected[site] = wanted
         return wanted
 
-    def selects(self, site: str) -> bool:
-        """Whether the ``sites`` patterns select ``site`` for comparison."""
-        return self._wanted(site)
-
     def will_compare(self, site: str) -> bool:
         """Whether the next call at ``site`` is compared (``every_n_calls``, ``every_n_steps``, ``sites``);
         nothing is counted. Direct library calls ask first, to convert only the calls compared."""
         n = self._calls.get(site, 0)
-        return not (n % self.every_n_calls or self._step % self.every_n_steps) and self._wanted(site)
+        return not (n % self.every_n_calls or self._step % self.every_n_steps) and self.selects(site)
 
     def count_call(self, site: str) -> None:
         """Count a call made at ``site`` that runs without the shadow (not sampled)."""
@@ -122,7 +119,7 @@ class Probe(AttentionRoute):
         """Run one intercepted ``flex_attention`` call made at ``site`` (sampled like SDPA calls)."""
         n = self._calls.get(site, 0)
         self._calls[site] = n + 1
-        if n % self.every_n_calls or self._step % self.every_n_steps or not self._wanted(site):
+        if n % self.every_n_calls or self._step % self.every_n_steps or not self.selects(site):
             return call.original()
         return self.shadow.run_flex(site, call)
 

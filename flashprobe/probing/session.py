@@ -229,19 +229,9 @@ def verdict_block(
         lines.append(f"  training stopped: {stopped}")
     if rows:
         shown = list(rows[:max_rows])
-        table = [("site", "dir", "verdict", "statistic", "value", "limit", "step")]
-        table += [
-            (
-                str(r["site"]),
-                str(r["direction"]),
-                str(r["verdict"]),
-                str(r["statistic"]),
-                _g(r["value"]),
-                _g(r["limit"]),
-                _g(r["step"]),
-            )
-            for r in shown
-        ]
+        columns = ("site", "direction", "verdict", "statistic", "value", "limit", "step")
+        table = [("site", "dir", *columns[2:])]
+        table += [tuple(_g(r[c]) for c in columns) for r in shown]
         widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
         for row in table:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())

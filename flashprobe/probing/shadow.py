@@ -935,7 +935,6 @@ class ShadowAttention(nn.Module):
             return {}
         device = next(iter(source.values())).device
         rows = torch.stack([t.detach().to(device, torch.float64) for t in source.values()]).tolist()
-        result: dict[str, Any] = {}
         nested: dict[str, Any] = {}
         for site, values in zip(source, rows, strict=True):
             entry = stats_dict(values, golden=self.golden, precision=self.config.precision)
@@ -945,9 +944,7 @@ class ShadowAttention(nn.Module):
             nested[site] = entry
         if self.record:
             self._note_read(nested)
-        for site, entry in nested.items():
-            result[site] = _flatten(entry) if flat else entry
-        return result
+        return {site: _flatten(entry) for site, entry in nested.items()} if flat else nested
 
     def summary(self, stats: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Worst values over all sites, as plain Python data; see :func:`~flashprobe.probing.summarize`.

@@ -112,7 +112,4 @@ def save_sample_grid(
         The path written.
     """
     fig = sample_grid_figure(images, captions, ncols=ncols, title=title, value_range=value_range)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda fh: fig.savefig(fh, format="png"), binary=True)
-    return path
+    return atomic_write(path, lambda fh: fig.savefig(fh, format="png"), binary=True)

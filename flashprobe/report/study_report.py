@@ -119,10 +119,10 @@ def _distances_table(study: Mapping[str, Any], v: Verdict) -> list[str]:
         "| --- | --- | ---: | ---: | ---: |",
     ]
     for group, names in comparison_groups(study).items():
-        cells = []
-        for metric in ("wasserstein", "max_abs"):
-            values = [_value_at(study["pairs"][n], metric, step) for n in names]
-            cells.append(_spread([x for x in values if x is not None]))
+        cells = [
+            _spread([_value_at(study["pairs"][n], m, step) for n in names])
+            for m in ("wasserstein", "max_abs")
+        ]
         isolates = comparisons.get(names[0], {}).get("isolates", "–")
         lines.append(f"| {group} | {isolates} | {len(names)} | {cells[0]} | {cells[1]} |")
     return lines
@@ -135,14 +135,16 @@ def _value_at(pair: Mapping[str, Any], metric: str, step: int | None) -> float |
     return value if value is not None and math.isfinite(value) else None
 
 
-def _spread(values: Sequence[float]) -> str:
-    """``6.47e-05 (5.9e-05–7.1e-05)``: median (min–max); one value as is; none as ``–``."""
-    if not values:
+def _spread(values: Sequence[float | None]) -> str:
+    """``6.47e-05 (5.9e-05–7.1e-05)``: median (min–max) of the values that are not None; one value as
+    is; none as ``–``."""
+    defined = [v for v in values if v is not None]
+    if not defined:
         return "–"
-    if len(set(values)) == 1:  # one replicate, or every replicate the same (0 at step 0)
-        return format_value(values[0])
-    low, high = format_value(min(values)), format_value(max(values))
-    return f"{format_value(statistics.median(values))} ({low}–{high})"
+    if len(set(defined)) == 1:  # one replicate, or every replicate the same (0 at step 0)
+        return format_value(defined[0])
+    low, high = format_value(min(defined)), format_value(max(defined))
+    return f"{format_value(statistics.median(defined))} ({low}–{high})"
 
 
 def _steps_table(study: Mapping[str, Any], metric: str, max_rows: int = 8) -> list[str]:
@@ -156,10 +158,7 @@ def _steps_table(study: Mapping[str, Any], metric: str, max_rows: int = 8) -> li
     left_out = [s for s in every if s not in steps]
     lines = ["| step | " + " | ".join(groups) + " |", "| ---: |" + " ---: |" * len(groups)]
     for step in steps:
-        cells = []
-        for names in groups.values():
-            values = [_value_at(pairs[n], metric, step) for n in names if step in pairs[n]["steps"]]
-            cells.append(_spread([x for x in values if x is not None]) if values else "–")
+        cells = [_spread([_value_at(pairs[n], metric, step) for n in names]) for names in groups.values()]
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
     if left_out:
         lines += [

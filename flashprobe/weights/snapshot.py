@@ -22,6 +22,7 @@ import torch
 from flashprobe.weights.store import SnapshotWriter, TensorSpec
 
 __all__ = [
+    "TRUE_PRECISION",
     "SnapshotSchedule",
     "clean_name",
     "live_tensors",
@@ -208,7 +209,7 @@ def own_attention(module: torch.nn.Module) -> str:
 
 
 #: Lightning's name of a run trained in a parameter dtype throughout (what ``trainer.precision`` records).
-_TRUE_PRECISION = {
+TRUE_PRECISION = {
     torch.float32: "32-true",
     torch.float64: "64-true",
     torch.bfloat16: "bf16-true",
@@ -272,7 +273,7 @@ def save_snapshot(
         )
     if precision is None:
         dtype = next(iter(tensors.values())).dtype
-        precision = _TRUE_PRECISION.get(dtype, str(dtype).removeprefix("torch."))
+        precision = TRUE_PRECISION.get(dtype, str(dtype).removeprefix("torch."))
     header = {
         "run_id": str(run_id) if run_id is not None else Path(run_dir).name,
         "seed": None if seed is None else int(seed),

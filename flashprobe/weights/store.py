@@ -323,15 +323,15 @@ class SnapshotStore:
                 f"no snapshot manifest at {path}: is {self.run_dir} a run directory written with the "
                 "WeightSnapshot callback (flashprobe.callbacks.WeightSnapshot)?"
             )
+        self.manifest: dict[str, Any] = read_manifest(self.directory)  # JSON, lists, plain file names
         try:
-            self.manifest: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
             fmt = self.manifest.get("format")
             entries = self.manifest["snapshots"]
             specs = [
                 TensorSpec(t["name"], tuple(t["shape"]), t["dtype"], t.get("kind", "parameter"))
                 for t in self.manifest["tensors"]
             ]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
+        except (KeyError, TypeError, AttributeError) as err:
             raise SnapshotError(
                 f"malformed snapshot manifest {path} ({type(err).__name__}: {err}); it is written by "
                 "flashprobe's WeightSnapshot callback: restore it or train the run again"
@@ -342,8 +342,6 @@ class SnapshotStore:
             )
         self.specs: dict[str, TensorSpec] = {s.name: s for s in specs}
         self._files: dict[int, Path] = {}
-        if not isinstance(entries, list):
-            raise SnapshotError(f"malformed snapshot manifest {path}: 'snapshots' is not a list")
         for entry in entries:
             step, file = _entry_file(self.directory, entry, path)
             if not file.is_file():
