@@ -107,8 +107,17 @@ def test_backward_bugs_pass_with_no_backward_and_fail_with_it():
 
 
 def test_the_control_and_torchs_kernels_pass_the_default_profile():
-    """One seed here; the 20-seed calibration is the slow test below and docs/fuzz.md."""
-    results = run_catalogue(CORRECT, ["bf16", "fp32"], seed=1)
+    """One seed here; the 20-seed calibration is the slow test below and docs/fuzz.md. The 2^24-element
+    case (a third of this test's time per dtype) runs in bf16 only: it tests offsets, not rounding."""
+    results = run_catalogue(CORRECT, ["bf16", "fp32"], seed=1, cases=select_cases(["*", "-offsets_2e24"]))
+    results += run_catalogue(CORRECT, ["bf16"], seed=1, cases=select_cases(["offsets_2e24"]))
+    assert {r.case for r in results} == {c.name for c in select_cases()}
+    # tiled at fp32 does not merely not fail: it passes every case, but those with grouped heads
+    tiled = [r for r in results if (r.kernel, r.dtype) == ("tiled", "fp32")]
+    for r in tiled:
+        expected = "unsupported" if r.case in ("gqa_broadcast", "mqa") else "pass"
+        assert r.verdict == expected, (r.case, r.reason)
+    assert all("KernelInputError" in r.reason for r in tiled if r.verdict == "unsupported")
     failed = [(r.kernel, r.case, r.dtype, r.reason) for r in results if r.verdict == "fail"]
     assert [f for f in failed if f[:3] not in KNOWN] == []
     checked = [r for r in results if r.kernel == "bug_none" and r.verdict == "pass"]
