@@ -101,6 +101,8 @@ def budget(argv: Sequence[str]) -> list[str]:
     extra = list(_BUDGETS[name])  # in a Hydra sweep (-m) every job gets it
     if name == "fuzz":
         extra += [arg for case in _heavy_cases_left_out(argv) for arg in ("--exclude", case)]
+        if "--budget" in argv:  # a random search: 4 samples (each may draw thousands of keys)
+            extra += ["--budget", "4"]
     return extra
 
 
