@@ -125,6 +125,7 @@ __all__ = [
     "DIRECTIONS",
     "ERROR_COLUMNS",
     "FAILURES",
+    "FP8_DRAWS",
     "GROSS_RATIO",
     "RELATIVE_LIMITS",
     "ROW_EPS",
@@ -140,6 +141,7 @@ __all__ = [
     "decide",
     "error_columns",
     "fp8_baseline",
+    "fp8_realisations",
     "judge",
     "judge_bias",
     "judge_errors",
@@ -187,6 +189,9 @@ CONDITIONING_LIMIT: float = 0.25
 #: In an ill-conditioned call, the primary still fails when it is off by more than the golden's
 #: own size and this many times the baseline's error.
 GROSS_RATIO: float = 8.0
+#: How many realisations of the FP8 baseline's rounding its error is the largest of
+#: (:func:`fp8_realisations`): the amax scales and ``FP8_DRAWS − 1`` shifts of them.
+FP8_DRAWS: int = 5
 #: The statistics of a judgement, in the order :func:`decide` returns them.
 STATISTICS: tuple[str, ...] = ("limit_ratio", "absolute", "baseline", "relative", "row")
 #: The statistic shown first: the largest ``statistic / limit`` over the criteria that fail.
@@ -678,6 +683,19 @@ def fp8_baseline(kernel: str | Kernel, baseline: str | Kernel) -> tuple[str | Ke
     if get_kernel(baseline).spec == "math":
         baseline = f"math:fp8={fmt}"
     return baseline, FP8_DTYPES[fmt]
+
+
+def fp8_realisations(baseline: str | Kernel) -> list[str]:
+    """The FP8 baseline's other realisations of its rounding, whose errors its own error is the
+    largest of ("FP8" above): ``math:fp8=<format>,fp8_draw=<r>`` for ``r = 1 … FP8_DRAWS − 1``, Q's,
+    K's and V's amax scales shifted by factors in ``(½, 1]``
+    (:func:`flashprobe.kernels.fp8.realisation_shifts`). Empty for any other baseline (``math``, a
+    draw already chosen, a user's)."""
+    kernel = get_kernel(baseline)
+    fmt = kernel.options.get("fp8")
+    if kernel.name != "math" or fmt not in FP8_DTYPES or set(kernel.options) != {"fp8"}:
+        return []
+    return [f"math:fp8={fmt},fp8_draw={r}" for r in range(1, FP8_DRAWS)]
 
 
 def code_name(code: float) -> str | None:
