@@ -3,11 +3,14 @@
 With ``golden`` computed in float64 from the *cast* inputs and ``baseline`` the ``math`` kernel at
 the same dtype (``--baseline``), the baseline's error is the larger of its two standard scale
 placements, ``(q·kᵀ)·s`` and ``(q√s)·(k√s)ᵀ`` (torch SDPA's math backend), which round
-differently. When the baseline itself is non-finite where the golden is finite (``q·kᵀ``
-overflows fp16 before the scale, ...), it cannot provide a noise floor; the baseline is then
-recomputed from the logits rounded to the dtype (``softmax(round(q·kᵀ·scale)) · v``, every step in
-the dtype): what the dtype can represent. A kernel is judged against that, and its row reports
-both (``baseline_golden_max_abs`` is null, ``noise_from`` says which baseline set the floor).
+differently; for the FP8 baseline of an FP8 kernel (``math:fp8=<format>``) it is the largest over
+those and :data:`~flashprobe.judge.FP8_DRAWS` realisations of its FP8 rounding
+(:func:`~flashprobe.judge.fp8_realisations`; :mod:`flashprobe.judge`, "FP8"). When the baseline
+itself is non-finite where the golden is finite (``q·kᵀ`` overflows fp16 before the scale, ...), it
+cannot provide a noise floor; the baseline is then recomputed from the logits rounded to the dtype
+(``softmax(round(q·kᵀ·scale)) · v``, every step in the dtype): what the dtype can represent. A
+kernel is judged against that, and its row reports both (``baseline_golden_max_abs`` is null,
+``noise_from`` says which baseline set the floor).
 
 With ``backward=True`` the references also hold the input gradients for a fixed random output
 gradient (:func:`grad_output`): the golden ``dq``, ``dk``, ``dv`` in float64 and the same-dtype
