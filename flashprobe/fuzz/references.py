@@ -3,11 +3,14 @@
 With ``golden`` computed in float64 from the *cast* inputs and ``baseline`` the ``math`` kernel at
 the same dtype (``--baseline``), the baseline's error is the larger of its two standard scale
 placements, ``(q·kᵀ)·s`` and ``(q√s)·(k√s)ᵀ`` (torch SDPA's math backend), which round
-differently. When the baseline itself is non-finite where the golden is finite (``q·kᵀ``
-overflows fp16 before the scale, ...), it cannot provide a noise floor; the baseline is then
-recomputed from the logits rounded to the dtype (``softmax(round(q·kᵀ·scale)) · v``, every step in
-the dtype): what the dtype can represent. A kernel is judged against that, and its row reports
-both (``baseline_golden_max_abs`` is null, ``noise_from`` says which baseline set the floor).
+differently; for the FP8 baseline of an FP8 kernel (``math:fp8=<format>``) it is the largest over
+those and :data:`~flashprobe.judge.FP8_DRAWS` realisations of its FP8 rounding
+(:func:`~flashprobe.judge.fp8_realisations`; :mod:`flashprobe.judge`, "FP8"). When the baseline
+itself is non-finite where the golden is finite (``q·kᵀ`` overflows fp16 before the scale, ...), it
+cannot provide a noise floor; the baseline is then recomputed from the logits rounded to the dtype
+(``softmax(round(q·kᵀ·scale)) · v``, every step in the dtype): what the dtype can represent. A
+kernel is judged against that, and its row reports both (``baseline_golden_max_abs`` is null,
+``noise_from`` says which baseline set the floor).
 
 With ``backward=True`` the references also hold the input gradients for a fixed random output
 gradient (:func:`grad_output`): the golden ``dq``, ``dk``, ``dv`` in float64 and the same-dtype
@@ -31,6 +34,7 @@ from flashprobe.fuzz.flash_form import flash_form_attention
 from flashprobe.fuzz.inputs import CaseInputs
 from flashprobe.fuzz.kernel_call import attend, kernel_label
 from flashprobe.fuzz.rule import GRADIENTS, GradientReference, References, noise, value_floor
+from flashprobe.judge import fp8_realisations
 from flashprobe.kernels import Kernel, default_scale, dtype_name, get_kernel, golden_attention, math_attention
 from flashprobe.kernels.reference import reference_input_gradients
 
@@ -54,23 +58,32 @@ def _rounded_logits_baseline(inputs: CaseInputs, logits: torch.Tensor, valid: to
     return p @ v
 
 
-def _prescaled_baseline_max(
+def _other_forms_max(
     kernel: Kernel, inputs: CaseInputs, k: torch.Tensor, v: torch.Tensor, golden: torch.Tensor
 ) -> tuple[float, float, float]:
-    """``max|baseline − golden|``, the L2 error and the worst row with the scale's other standard
-    placement: ``(q√s)·(k√s)ᵀ``.
+    """``max|baseline − golden|``, the L2 error and the worst row, each the largest over the
+    baseline's other forms: the scale's other standard placement, ``(q√s)·(k√s)ᵀ``, and, for an
+    FP8 baseline, its other realisations of the FP8 rounding
+    (:func:`flashprobe.judge.fp8_realisations`).
 
     Where the scale is applied is an implementation detail of plain attention (torch SDPA's math
-    backend scales q and k by √scale); both placements round differently, so both belong to the
-    noise floor. Returns 0s when this placement is non-finite or raises (the plain one decides).
+    backend scales q and k by √scale), and which of the valid scales an FP8 rounding takes is one of
+    the kernel's: each rounds differently, so all belong to the noise floor. A form that is
+    non-finite or raises gives 0s (the plain one decides).
     """
     root = math.sqrt(default_scale(inputs.q.shape[-1], inputs.scale))
-    try:
-        out = attend(kernel, replace(inputs, q=inputs.q * root, scale=1.0), k * root, v)
-    except Exception:  # this placement is only a second opinion on the noise
-        return 0.0, 0.0, 0.0
-    err, l2, row, bad = noise(out.double(), golden)
-    return (0.0, 0.0, 0.0) if bad else (err, l2, row)
+    forms = [(kernel, replace(inputs, q=inputs.q * root, scale=1.0), k * root)]
+    forms += [(get_kernel(spec), inputs, k) for spec in fp8_realisations(kernel)]
+    largest = (0.0, 0.0, 0.0)
+    for form, posed, keys in forms:
+        try:
+            out = attend(form, posed, keys, v)
+        except Exception:  # another form is only a second opinion on the noise
+            continue
+        err, l2, row, bad = noise(out.double(), golden)
+        if not bad:
+            largest = (max(largest[0], err), max(largest[1], l2), max(largest[2], row))
+    return largest
 
 
 def _masked_max(x: torch.Tensor, valid: torch.Tensor) -> float:
@@ -252,7 +265,7 @@ def references(
     kernel = get_kernel(baseline)
     base_max, base_l2, base_row, base_bad, problem, base = _baseline_error(kernel, inputs, golden)
     if not problem:
-        pre_max, pre_l2, pre_row = _prescaled_baseline_max(kernel, inputs, k, v, golden)
+        pre_max, pre_l2, pre_row = _other_forms_max(kernel, inputs, k, v, golden)
         return References(
             baseline_golden_max_abs=base_max,
             baseline_nonfinite=0,

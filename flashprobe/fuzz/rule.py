@@ -3,7 +3,8 @@ structure a case knows.
 
 ``golden`` is computed in float64 from the *cast* inputs and ``baseline`` is plain attention at the
 same dtype, its error the larger over the scale placements ``(q kᵀ) s`` and ``(q √s)(k √s)ᵀ`` (and,
-for gradients, the flash form of the backward). Values are judged by
+for gradients, the flash form of the backward; for an FP8 kernel's FP8 baseline, also over the
+realisations of its FP8 rounding, :func:`flashprobe.judge.fp8_realisations`). Values are judged by
 :func:`flashprobe.judge.judge_errors` — the same criteria, limits and words as the probe in training
 (``absolute``, ``row``, ``relative``; ``undetermined`` where the golden is beyond the dtype's range
 or the call too ill-conditioned) — with the case's largest valid logit as ``logit_max`` (a kernel
@@ -31,7 +32,7 @@ import torch
 
 from flashprobe.bias import BiasStats
 from flashprobe.deviation import error_ratio, pair_sums
-from flashprobe.judge import Judgement, judge_bias, judge_errors, row_statistics
+from flashprobe.judge import FP8_DRAWS, Judgement, judge_bias, judge_errors, row_statistics
 
 __all__ = [
     "BIAS_DTYPES",
@@ -72,7 +73,9 @@ RULE = (
     "8x (out) / 64x (gradients) the baseline's (relative), floors widened by eps * max|logit|; "
     "undetermined when the golden is beyond the dtype's range or the baseline is over 25% off; golden "
     "= fp64 from the cast inputs; baseline error = max over scale placements (q k^T) s and "
-    "(q sqrt(s)) (k sqrt(s))^T (and, for gradients, the flash form of the backward); a non-finite "
+    "(q sqrt(s)) (k sqrt(s))^T (and, for gradients, the flash form of the backward; for an FP8 "
+    f"kernel's FP8 baseline, also over {FP8_DRAWS} realisations of its FP8 rounding: amax scales shifted by "
+    "factors in (1/2, 1]); a non-finite "
     "baseline is replaced by the baseline on dtype-rounded logits; dq, dk, dv for a fixed random "
     "output gradient by the same rule; plus zero rows and output or gradient in fully masked positions; "
     "in the signed-bias cases at bf16/fp16, biased when |z| >= 5 for the (batch, head) slices' signed "
@@ -121,7 +124,8 @@ class References:
             non-finite where the golden is finite (or raised).
         baseline_nonfinite: positions where the same-dtype baseline is NaN/Inf.
         noise_max: the baseline error that sets the noise floor: the larger of the baseline's
-            errors with the scale applied to the scores and to q and k (``√scale`` each); or,
+            errors with the scale applied to the scores and to q and k (``√scale`` each), and of an
+            FP8 baseline's other realisations (:func:`flashprobe.judge.fp8_realisations`); or,
             when the baseline is non-finite, the error of the baseline on rounded logits.
         noise_from: ``"baseline"`` or ``"rounded-logits baseline"``.
         floor: ``eps(dtype) · max|v|`` (:func:`value_floor`).

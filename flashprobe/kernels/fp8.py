@@ -67,6 +67,7 @@ __all__ = [
     "is_power_of_two",
     "prepare_operands",
     "quantize",
+    "realisation_shifts",
     "resolve_fp8",
 ]
 
@@ -258,12 +259,19 @@ def _group_amax(x: torch.Tensor, scaling: str, block: int) -> torch.Tensor:
 
 
 def quantize(
-    x: torch.Tensor, fmt: str, *, scaling: str = "tensor", scale: str | float = AMAX, block: int = 128
+    x: torch.Tensor,
+    fmt: str,
+    *,
+    scaling: str = "tensor",
+    scale: str | float = AMAX,
+    block: int = 128,
+    shift: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale ``x`` and cast it to FP8, as a kernel's inputs are quantized.
 
-    With ``scale="amax"`` each group's scale is ``fp8_max / amax`` (1 for an all-zero group), so its
-    largest magnitude maps to the format's largest value; a number is one static scale for all.
+    With ``scale="amax"`` each group's scale is ``shift · fp8_max / amax`` (1 for an all-zero group),
+    so its largest magnitude maps to the format's largest value (times ``shift``); a number is one
+    static scale for all.
 
     Args:
         x: ``(B, H, N, D)``, fp32 or narrower.
@@ -271,6 +279,8 @@ def quantize(
         scaling: ``"tensor"``, ``"head"`` or ``"block"`` (``block`` rows share a scale).
         scale: ``"amax"`` or a static positive number.
         block: rows per block for ``scaling="block"``.
+        shift: a factor on the amax scales, in ``(0, 1]`` (:func:`realisation_shifts`): another,
+            equally valid rounding of ``x``.
 
     Returns:
         ``(values, descale)``: the FP8 values of ``x · scale`` in fp32 ``(B, H, N, D)``, and the
@@ -280,17 +290,46 @@ def quantize(
     x32 = x.float()
     if scale == AMAX:
         amax = _group_amax(x32, scaling, block)
-        scales = torch.where(amax > 0, fp8_max(fmt) / amax, torch.ones_like(amax))
+        scales = torch.where(amax > 0, shift * fp8_max(fmt) / amax, torch.ones_like(amax))
     else:
         scales = torch.full((1, 1, 1, 1), float(scale), device=x.device)
     return cast_fp8(x32 * scales, fmt), 1.0 / scales
 
 
-def dequantize(x: torch.Tensor, fmt: str, *, scaling: str, scale: str | float, block: int) -> torch.Tensor:
+def dequantize(
+    x: torch.Tensor, fmt: str, *, scaling: str, scale: str | float, block: int, shift: float = 1.0
+) -> torch.Tensor:
     """``x`` after quantization, as the fp32 operand of an emulated FP8 GEMM: ``values · descale``
     (see :func:`quantize`; the module docstring says why the descale is applied here)."""
-    values, descale = quantize(x, fmt, scaling=scaling, scale=scale, block=block)
+    values, descale = quantize(x, fmt, scaling=scaling, scale=scale, block=block, shift=shift)
     return values * descale
+
+
+#: The steps of :func:`realisation_shifts`, one per tensor (Q, K, V): ``1/φ₃, 1/φ₃², 1/φ₃³`` with
+#: ``φ₃ ≈ 1.2207`` the real root of ``x⁴ = x + 1`` (Roberts' R₃ low-discrepancy sequence), so that any
+#: few realisations spread each tensor's factor evenly over an octave, and independently of the others'.
+_SHIFT_STEPS: tuple[float, float, float] = (0.8191725133961644, 0.671043606703789, 0.5497004779019701)
+
+
+def realisation_shifts(draw: int) -> tuple[float, float, float]:
+    """The factors on Q's, K's and V's amax scales in the ``draw``-th realisation of an FP8 rounding.
+
+    An amax scale is one valid choice among many: any scale that keeps the largest magnitude in
+    range quantizes as well, and each rounds every value differently. A factor that is a power of
+    two changes no rounding (but of subnormals), so the factors ``2^-frac(draw · a)`` (one step ``a``
+    per tensor, :data:`_SHIFT_STEPS`) cover the distinct roundings within one octave, in ``(½, 1]``
+    (the largest magnitude stays within the format's range). Draw 0 is ``(1, 1, 1)``: the amax
+    scales themselves. The FP8 baseline's realisations (``math:fp8=e4m3,fp8_draw=<draw>``) judge an
+    FP8 kernel against the spread of FP8's own rounding (:mod:`flashprobe.judge`, "FP8").
+
+    Args:
+        draw: the realisation, an integer ≥ 0.
+
+    Returns:
+        ``(q, k, v)`` factors in ``(½, 1]``.
+    """
+    q, k, v = (2.0 ** -((draw * step) % 1.0) for step in _SHIFT_STEPS)
+    return q, k, v
 
 
 @functools.lru_cache(maxsize=32)

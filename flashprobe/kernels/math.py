@@ -8,6 +8,9 @@ format with one amax scale per tensor (:func:`flashprobe.kernels.fp8.dequantize`
 step in float32, as an FP8 GEMM accumulates. It carries the error every FP8 kernel with
 per-tensor scaled inputs has and nothing else (no FP8 P, no tiling), so an FP8 kernel compared
 with it differs in its algorithm only, as a 16-bit kernel compared with ``math`` in its dtype.
+``fp8_draw=<r>`` is another, equally valid realisation of that rounding: each amax scale shifted by
+a factor in ``(½, 1]`` (:func:`flashprobe.kernels.fp8.realisation_shifts`; draw 0, the default, is
+the amax scales).
 """
 
 from __future__ import annotations
@@ -31,13 +34,19 @@ _FP8_CAPABILITIES = {
 }
 
 
-def _validate(dtype: str | torch.dtype | None = None, fp8: str = fp8_numerics.OFF) -> None:
+def _validate(dtype: str | torch.dtype | None = None, fp8: str = fp8_numerics.OFF, fp8_draw: int = 0) -> None:
     to_dtype(dtype)
     if fp8 not in (*fp8_numerics.FP8_FORMATS, fp8_numerics.OFF):
         allowed = ", ".join(repr(f) for f in (*fp8_numerics.FP8_FORMATS, fp8_numerics.OFF))
         raise ValueError(f"math: fp8={fp8!r} must be one of {allowed}")
     if fp8 != fp8_numerics.OFF and dtype is not None:
         raise ValueError("math: fp8 computes in float32 after the FP8 rounding; leave dtype out")
+    if isinstance(fp8_draw, bool) or not isinstance(fp8_draw, int) or fp8_draw < 0:
+        raise ValueError(f"math: fp8_draw={fp8_draw!r} must be an integer ≥ 0 (0: the amax scales)")
+    if fp8_draw and fp8 == fp8_numerics.OFF:
+        raise ValueError(
+            "math: fp8_draw picks a realisation of the FP8 rounding; give fp8=e4m3 or fp8=e5m2 too"
+        )
 
 
 def _capabilities(options: Mapping[str, Any]) -> KernelCapabilities:
@@ -56,6 +65,7 @@ def math_attention(
     scale: float | None = None,
     dtype: str | torch.dtype | None = None,
     fp8: str = fp8_numerics.OFF,
+    fp8_draw: int = 0,
 ) -> torch.Tensor:
     """Baseline attention ``softmax(q kᵀ · scale + mask) v`` (fully masked rows give 0).
 
@@ -71,6 +81,8 @@ def math_attention(
             back to the inputs' dtype.
         fp8: ``"e4m3"`` or ``"e5m2"``: round q, k and v to that FP8 format first (one amax scale per
             tensor) and compute in float32, the FP8 kernels' baseline; ``"off"`` (default): no.
+        fp8_draw: with ``fp8``, the realisation of its rounding: the amax scales of q, k and v
+            times :func:`flashprobe.kernels.fp8.realisation_shifts` of it (0: the amax scales).
 
     Returns:
         ``(B, H, N_q, D_v)`` in the inputs' dtype.
@@ -81,7 +93,11 @@ def math_attention(
     if fp8 != fp8_numerics.OFF:
         compute = torch.float32
         per_tensor = {"scaling": "tensor", "scale": fp8_numerics.AMAX, "block": 1}
-        q, k, v = (fp8_numerics.dequantize(x, fp8, **per_tensor) for x in (q, k, v))
+        shifts = fp8_numerics.realisation_shifts(fp8_draw)  # (q, k, v)
+        q, k, v = (
+            fp8_numerics.dequantize(x, fp8, **per_tensor, shift=c)
+            for x, c in zip((q, k, v), shifts, strict=True)
+        )
     q, k, v = q.to(compute), k.to(compute), v.to(compute)  # (no copies when already there)
     s = default_scale(q.shape[-1], scale)
     # In place on fresh intermediates: the matmul and the scaling save their inputs, not outputs.

@@ -3,7 +3,8 @@
 Each is correct FP8 attention (Q, K, V rounded to E4M3 with one amax scale per tensor, attention in
 float32) except for one bug a real FP8 kernel can ship: a descale left out (V's values used at their
 FP8 scale), Q rotated but not K, K's scale taken from its first rows only (later outlier rows
-saturate at 448).
+saturate at 448), the descale of V's last key block left out (FA3's block scales, one per 128 keys:
+a tail tile's code path that forgets the descale).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from flashprobe.kernels import KernelCapabilities, get_kernel, register_kernel, unregister_kernel
-from flashprobe.kernels.fp8 import dequantize, hadamard_rotation
+from flashprobe.kernels.fp8 import dequantize, hadamard_rotation, quantize
 
 __all__ = ["FP8_BUGS", "register_fp8_bugs", "unregister_fp8_bugs"]
 
@@ -44,7 +45,8 @@ def _q(x):
 
 
 #: FP8 bug classes: a descale left out (V's values used at their FP8 scale), Q rotated but not K,
-#: K quantized with a scale from its first rows only (later outlier rows saturate at 448).
+#: K quantized with a scale from its first rows only (later outlier rows saturate at 448), V's last
+#: block of 128 keys not descaled.
 def _no_v_descale(q, k, v, mask, causal, scale):
     amax = v.float().abs().amax()
     return _math(_q(q), _q(k), _q(v) * (448.0 / amax), mask, causal, scale)
@@ -62,11 +64,20 @@ def _first_rows_scale(q, k, v, mask, causal, scale):
     return _math(_q(q), k8, _q(v), mask, causal, scale)
 
 
+def _tail_v_no_descale(q, k, v, mask, causal, scale):
+    values, descale = quantize(v, "e4m3", scaling="block", block=128)  # (B, H, N_k, D_v), (B, H, N_k, 1)
+    last = (v.shape[-2] - 1) // 128 * 128  # the first key of the last block
+    descale = descale.clone()
+    descale[..., last:, :] = 1.0  # the tail tile's values at their FP8 scale
+    return _math(_q(q), _q(k), values * descale, mask, causal, scale)
+
+
 #: name → kernel body ``(q, k, v, mask, causal, scale) -> out``
 FP8_BUGS = {
     "fp8_bug_no_v_descale": _no_v_descale,
     "fp8_bug_rotate_q_only": _rotate_q_only,
     "fp8_bug_first_rows_scale": _first_rows_scale,
+    "fp8_bug_tail_v_no_descale": _tail_v_no_descale,
 }
 
 

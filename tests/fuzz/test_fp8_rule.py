@@ -8,18 +8,20 @@ attention; the fuzzer's verdicts are checked on kernels of real FP8 bug classes.
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
 
+from flashprobe import judge
 from flashprobe.fuzz import run_catalogue, select_cases
-from flashprobe.judge import fp8_baseline, judge_errors
+from flashprobe.judge import ABSOLUTE_RATIO, FP8_DRAWS, fp8_baseline, fp8_realisations, judge_errors
 from flashprobe.kernels import (
     KernelCapabilities,
     get_kernel,
     golden_attention,
 )
-from flashprobe.kernels.fp8 import FP8_DTYPES
+from flashprobe.kernels.fp8 import FP8_DTYPES, realisation_shifts
 
 from ._fp8_mutants import register_fp8_bugs, unregister_fp8_bugs
 
@@ -67,6 +69,78 @@ def test_the_fp8_baseline_is_attention_on_per_tensor_e4m3_inputs():
         / expected.norm()
     ).item()
     assert 2**-8 < err < 2**-4
+
+
+def _per_tensor_e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` rounded to E4M3 with one scale (the hand grid), in FP64."""
+    return _round_e4m3(x.double() * scale) / scale
+
+
+def test_each_realisation_of_the_fp8_baseline_is_per_tensor_e4m3_with_shifted_amax_scales():
+    assert realisation_shifts(0) == (1.0, 1.0, 1.0)  # draw 0: the amax scales, the FP8 baseline itself
+    shifts = [realisation_shifts(r) for r in range(FP8_DRAWS)]
+    for tensor in range(3):  # q, k, v: each draw rounds each tensor its own way
+        factors = [s[tensor] for s in shifts]
+        assert all(0.5 < c <= 1.0 for c in factors)  # the amax stays within E4M3's range
+        # no two factors a power of two apart (those would round every value alike)
+        assert len({round(math.log2(c) % 1.0, 9) for c in factors}) == FP8_DRAWS
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (
+        torch.randn(1, 2, 24, 16, generator=gen, dtype=torch.float64).to(torch.bfloat16) for _ in range(3)
+    )
+    outs = []
+    for draw, factors in enumerate(shifts):
+        by_hand = [
+            _per_tensor_e4m3(x, c * 448.0 / x.double().abs().max().item())
+            for x, c in zip((q, k, v), factors, strict=True)
+        ]
+        expected = golden_attention(*by_hand, is_causal=True)
+        got = get_kernel(f"math:fp8=e4m3,fp8_draw={draw}")(q, k, v, is_causal=True)
+        tol = 2**-8 * expected.abs().max().item()
+        torch.testing.assert_close(got.double(), expected, rtol=2**-8, atol=tol)
+        outs.append(got)
+    assert not any(torch.equal(outs[0], other) for other in outs[1:])
+
+
+def test_fp8_realisations_are_the_fp8_baselines_other_draws():
+    draws = [f"math:fp8=e4m3,fp8_draw={r}" for r in range(1, FP8_DRAWS)]
+    assert fp8_realisations("math:fp8=e4m3") == draws
+    assert fp8_realisations(get_kernel("math:fp8=e5m2"))[0] == "math:fp8=e5m2,fp8_draw=1"
+    for other in ("math", "sdpa_math", "math:fp8=e4m3,fp8_draw=2", "math:fp8=off"):
+        assert fp8_realisations(other) == []  # a 16-bit baseline, a chosen draw: no spread to add
+    with pytest.raises(ValueError, match="fp8_draw=-1 must be an integer ≥ 0"):
+        get_kernel("math:fp8=e4m3,fp8_draw=-1")
+    with pytest.raises(ValueError, match="give fp8=e4m3 or fp8=e5m2 too"):
+        get_kernel("math:fp8_draw=1")
+
+
+def test_an_fp8_kernel_is_judged_against_the_spread_of_fp8s_rounding(monkeypatch):
+    """The ``outliers`` call of seed 8 (bf16; a channel of q and k 20x the others, one of v 1000x):
+    per-tensor E4M3 with equally valid static scales is 4-38 % off the golden (computed here, on the
+    hand grid, in FP64), the kernel with its block scales 37.8 %, the amax-scaled FP8 baseline 9.4 %.
+    Judged against that one draw the kernel failed (4x it); against the largest of the FP8 baseline's
+    realisations it passes (judge.py, "FP8")."""
+    case = select_cases(["outliers"])[0]
+    x = case.build(torch.bfloat16, seed=8)
+    golden = golden_attention(x.q.double(), x.k.double(), x.v.double(), is_causal=True)
+
+    def off(out: torch.Tensor) -> float:
+        return ((out.double() - golden).norm() / golden.norm()).item()
+
+    spread = [
+        off(golden_attention(*(_per_tensor_e4m3(t, s) for t in (x.q, x.k, x.v)), is_causal=True))
+        for s in (0.14, 0.12, 0.11, 0.10, 0.08)  # v's amax is 3200: 0.14 x 3200 = 448
+    ]
+    kernel = "tiled:preset=fa3_fp8,rotation=off"
+    with torch.no_grad():
+        err = off(get_kernel(kernel)(x.q, x.k, x.v, is_causal=True))
+        plain = off(get_kernel("math:fp8=e4m3")(x.q, x.k, x.v, is_causal=True))
+    assert min(spread) < plain < ABSOLUTE_RATIO * plain < err <= max(spread)
+    [row] = run_catalogue([kernel], ["bf16"], cases=[case], seed=8, backward=False)
+    assert row.verdict == "pass", row.reason
+    monkeypatch.setattr(judge, "FP8_DRAWS", 1)  # the amax draw alone: the earlier yardstick
+    [row] = run_catalogue([kernel], ["bf16"], cases=[case], seed=8, backward=False)
+    assert row.verdict == "fail" and "(absolute)" in row.reason, row.reason
 
 
 def test_fp8_kernels_declare_their_format_and_get_the_fp8_baseline():
@@ -119,10 +193,14 @@ def test_correct_fp8_kernels_pass_and_fp8_bugs_fail(fp8_mutants):
         assert failed, f"{kernel} passed every case"
     # the descale left out and the one-sided rotation fail every case they run but two: a single valid
     # key (its softmax weight is 1 whatever the scores) for the rotation, and the outliers call of seed 1
-    # for the descale (89 % off where the FP8 baseline itself is 23 % off: under 4x the baseline's error)
+    # for the descale (89 % off where the FP8 baseline itself is 23 % off: under 4x the baseline's error);
+    # the last V block's descale left out fails every call whose queries see keys past the first 128
+    # (causal_nq_lt_nk's 45 causal queries see keys 0-44 only) but outliers, whose 22 rows that see
+    # those keys are as far off as the FP8 baseline's worst rows there
     allowed = {
         "fp8_bug_no_v_descale": {("outliers", 1)},
         "fp8_bug_rotate_q_only": {("one_valid_key", 0), ("one_valid_key", 1)},
+        "fp8_bug_tail_v_no_descale": {(c, s) for c in ("causal_nq_lt_nk", "outliers") for s in (0, 1)},
     }
     for kernel, excused in allowed.items():
         judged = [r for r in by_kernel[kernel] if r.verdict in ("pass", "fail")]
@@ -160,7 +238,8 @@ def _fa3_fp8_by_hand(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 def test_the_rotation_fails_rising_max_as_fa3s_own_algorithm_does():
     """The rotated preset's ``rising_max`` failure is FA3's algorithm, not the emulation's nor the
     judge's (judge.py, "FP8"): the kernel is within 1 % of the hand-written FA3 forward, both are
-    about 30 % off the golden, and without the rotation the same kernel passes."""
+    about 30 % off the golden; the fuzzer fails it on its worst row in fp16 and fp32, seeds 0-2, judged
+    against the spread of the FP8 baseline's rounding; without the rotation the same kernel passes."""
     case = select_cases(["rising_max"])[0]
     x = case.build(torch.float16, seed=0)
     scale = 1 / x.q.shape[-1] ** 0.5
@@ -171,6 +250,10 @@ def test_the_rotation_fails_rising_max_as_fa3s_own_algorithm_does():
     assert ((out - by_hand).norm() / golden.norm()).item() < 0.01
     assert ((out - golden).norm() / golden.norm()).item() > 0.2
     specs = ["tiled:preset=fa3_fp8", "tiled:preset=fa3_fp8,rotation=off"]
-    rows = {r.kernel: r for r in run_catalogue(specs, ["fp16"], cases=[case], seed=0, backward=False)}
-    assert rows[specs[0]].verdict == "fail" and "worst row" in rows[specs[0]].reason
-    assert rows[specs[1]].verdict == "pass", rows[specs[1]].reason
+    for seed in (0, 1, 2):
+        rows = run_catalogue(specs, ["fp16", "fp32"], cases=[case], seed=seed, backward=False)
+        for r in rows:
+            if r.kernel == specs[0]:
+                assert r.verdict == "fail" and "worst row" in r.reason, (seed, r.dtype, r.reason)
+            else:
+                assert r.verdict == "pass", (seed, r.dtype, r.reason)
