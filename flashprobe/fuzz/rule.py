@@ -32,7 +32,17 @@ import torch
 
 from flashprobe.bias import BiasStats
 from flashprobe.deviation import error_ratio, pair_sums
-from flashprobe.judge import FP8_DRAWS, Judgement, judge_bias, judge_errors, row_statistics
+from flashprobe.judge import (
+    ABSOLUTE_RATIO,
+    CONDITIONING_LIMIT,
+    FP8_DRAWS,
+    RELATIVE_LIMITS,
+    ROW_RATIO,
+    Judgement,
+    judge_bias,
+    judge_errors,
+    row_statistics,
+)
 
 __all__ = [
     "BIAS_DTYPES",
@@ -68,10 +78,11 @@ ZEROS_REASON = "row returned zeros where golden is non-zero: sentinel/underflow 
 #: The rule in words, as recorded in ``fuzz.json``.
 RULE = (
     "flashprobe.judge (the probe's rule): fail on NaN/Inf where the golden is finite, or when the "
-    "relative L2 error against the golden exceeds the dtype's absolute limit and 4x the baseline's "
-    "(absolute), the worst row exceeds its limit and 2x the baseline's (row), or the L2 error exceeds "
-    "8x (out) / 64x (gradients) the baseline's (relative), floors widened by eps * max|logit|; "
-    "undetermined when the golden is beyond the dtype's range or the baseline is over 25% off; golden "
+    f"relative L2 error against the golden exceeds the dtype's absolute limit and {ABSOLUTE_RATIO:g}x the "
+    f"baseline's (absolute), the worst row exceeds its limit and {ROW_RATIO:g}x the baseline's (row), or the "
+    f"L2 error exceeds {RELATIVE_LIMITS['out']:g}x (out) / {RELATIVE_LIMITS['dq']:g}x (gradients) the "
+    "baseline's (relative), floors widened by eps * max|logit|; undetermined when the golden is beyond "
+    f"the dtype's range or the baseline is over {CONDITIONING_LIMIT:.0%} off; golden "
     "= fp64 from the cast inputs; baseline error = max over scale placements (q k^T) s and "
     "(q sqrt(s)) (k sqrt(s))^T (and, for gradients, the flash form of the backward; for an FP8 "
     f"kernel's FP8 baseline, also over {FP8_DRAWS} realisations of its FP8 rounding: amax scales shifted by "
