@@ -26,6 +26,7 @@ from flashprobe.fuzz.random_cases import RandomCaseSpec, make_random_case, sampl
 from flashprobe.fuzz.reproducer import ReproducerStore
 from flashprobe.fuzz.rule import References
 from flashprobe.fuzz.run import FuzzResult, case_references, check_case, kernel_availability
+from flashprobe.judge import fp8_baseline
 from flashprobe.kernels import Kernel, KernelCapabilities, dtype_name, get_kernel, to_dtype
 from flashprobe.kernels.registry import MASK_KINDS
 
@@ -55,7 +56,7 @@ class _Search:
         """Every kernel on one random sample, posed within its limits; a failure of a new (kernel,
         property, direction) is shrunk and saved."""
         base = make_random_case(spec, dtype).to(self.device)
-        refs: dict[str, References] = {}
+        refs: dict[tuple[str, str], References] = {}
         results = []
         for kernel in self.labels:
             start = time.perf_counter()
@@ -95,7 +96,12 @@ class _Search:
         return self.reproducers.keep(result, call, prop)
 
     def _check(
-        self, name: str, kernel: str, base: CaseInputs, dtype: torch.dtype, refs: dict[str, References]
+        self,
+        name: str,
+        kernel: str,
+        base: CaseInputs,
+        dtype: torch.dtype,
+        refs: dict[tuple[str, str], References],
     ) -> FuzzResult:
         unsupported = {"kernel": kernel, "case": name, "dtype": dtype_name(dtype), "verdict": "unsupported"}
         if (why := self.unavailable[kernel, dtype]) is not None:
@@ -104,9 +110,11 @@ class _Search:
             fitted = fit_inputs(base, get_kernel(kernel).capabilities)
         except NotApplicableError as err:
             return FuzzResult(reason=f"not applicable to this kernel: {err}", **unsupported)
-        if fitted.changes not in refs:
-            refs[fitted.changes] = case_references(fitted.inputs, self.baseline, backward=self.backward)
-        result = check_case(kernel, fitted.inputs, case=name, refs=refs[fitted.changes])
+        baseline, precision = fp8_baseline(kernel, self.baseline)  # an FP8 kernel's is FP8 (judge.py)
+        key = (fitted.changes, kernel_label(baseline))
+        if key not in refs:
+            refs[key] = case_references(fitted.inputs, baseline, backward=self.backward)
+        result = check_case(kernel, fitted.inputs, case=name, refs=replace(refs[key], precision=precision))
         return replace(result, fitted=fitted.changes)
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flashprobe import judge
-from flashprobe.fuzz import run_catalogue, select_cases
+from flashprobe.fuzz import random_search, run_catalogue, select_cases
 from flashprobe.judge import ABSOLUTE_RATIO, FP8_DRAWS, fp8_baseline, fp8_realisations, judge_errors
 from flashprobe.kernels import (
     KernelCapabilities,
@@ -233,6 +233,17 @@ def _fa3_fp8_by_hand(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     s = q8 @ k8.transpose(-2, -1) * scale
     p = torch.exp(s - s.amax(dim=-1, keepdim=True))
     return _round_e4m3(p * 256.0) / 256.0 @ v8 / p.sum(dim=-1, keepdim=True)
+
+
+def test_random_search_judges_an_fp8_kernel_against_the_fp8_baseline(fp8_mutants):
+    """As the catalogue does: against plain ``math`` with 16-bit limits, the correct FP8 kernel failed
+    the second of these samples (values; FP8 rounding is not a bug)."""
+    kernels = ["tiled:preset=fa3_fp8,rotation=off", "fp8_bug_no_v_descale"]
+    rows = random_search(kernels, ["bf16"], budget=6, seed=0, backward=False)
+    correct, bug = ([r for r in rows if r.kernel == k] for k in kernels)
+    assert {r.verdict for r in correct} <= {"pass", "unsupported"}, [r.reason for r in correct]
+    assert sum(r.verdict == "pass" for r in correct) >= 3
+    assert any(r.verdict == "fail" for r in bug)
 
 
 def test_the_rotation_fails_rising_max_as_fa3s_own_algorithm_does():
