@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -95,7 +95,7 @@ FP8_PRESETS: dict[str, dict[str, Any]] = {
         "rotation": "hadamard",
     },
 }
-#: The FP8 knobs' values when no FP8 preset sets them: FP8 off.
+#: The FP8 knobs' values when no FP8 preset sets them: FP8 off (in :func:`resolve_fp8`'s argument order).
 _FP8_DEFAULTS: dict[str, Any] = {
     "qkv_fp8": OFF,
     "p_fp8": OFF,
@@ -152,11 +152,19 @@ class Fp8Numerics:
         return f"{qkv}, {p}, rotation {lab['rotation']}"
 
 
-def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+def _choice(name: str, value: Any, choices: Sequence[str]) -> str:
+    """``value`` if it is one of ``choices``, else a ValueError naming them all."""
     if value not in choices:
         quoted = [repr(c) for c in choices]
         raise ValueError(f"tiled: {name}={value!r} must be {', '.join(quoted[:-1])} or {quoted[-1]}")
     return str(value)
+
+
+def _seed(name: str, value: Any) -> int:
+    """``value`` if it is an integer ≥ 0 (a seed), else a ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"tiled: {name}={value!r} must be an integer ≥ 0")
+    return value
 
 
 def _positive(name: str, value: Any) -> float:
@@ -184,14 +192,7 @@ def resolve_fp8(
         ValueError: a knob value that is not allowed, naming the allowed ones.
     """
     knobs = {**_FP8_DEFAULTS, **FP8_PRESETS.get(preset or "", {})}
-    given = {
-        "qkv_fp8": qkv_fp8,
-        "p_fp8": p_fp8,
-        "p_scale": p_scale,
-        "fp8_scaling": fp8_scaling,
-        "qkv_scale": qkv_scale,
-        "rotation": rotation,
-    }
+    given = dict(zip(_FP8_DEFAULTS, (qkv_fp8, p_fp8, p_scale, fp8_scaling, qkv_scale, rotation), strict=True))
     knobs |= {key: value for key, value in given.items() if value is not None}
     formats = (*FP8_FORMATS, OFF)
     scale = knobs["qkv_scale"]
@@ -201,8 +202,7 @@ def resolve_fp8(
                 f"tiled: qkv_scale={scale!r} must be 'amax' or a positive number (a static scale)"
             )
         scale = _positive("qkv_scale", scale)
-    if isinstance(rotation_seed, bool) or not isinstance(rotation_seed, int) or rotation_seed < 0:
-        raise ValueError(f"tiled: rotation_seed={rotation_seed!r} must be an integer ≥ 0")
+    seed = _seed("rotation_seed", rotation_seed)
     return Fp8Numerics(
         qkv=_choice("qkv_fp8", knobs["qkv_fp8"], formats),
         p=_choice("p_fp8", knobs["p_fp8"], formats),
@@ -210,14 +210,13 @@ def resolve_fp8(
         scaling=_choice("fp8_scaling", knobs["fp8_scaling"], GRANULARITIES),
         qkv_scale=scale,
         rotation=_choice("rotation", knobs["rotation"], ROTATIONS),
-        rotation_seed=rotation_seed,
+        rotation_seed=seed,
     )
 
 
 def fp8_options(options: Mapping[str, Any]) -> dict[str, Any]:
     """The FP8 knobs among a ``tiled`` spec's options (for :func:`resolve_fp8`)."""
-    keys = ("qkv_fp8", "p_fp8", "p_scale", "fp8_scaling", "qkv_scale", "rotation", "rotation_seed")
-    return {key: options[key] for key in keys if key in options}
+    return {key: options[key] for key in (*_FP8_DEFAULTS, "rotation_seed") if key in options}
 
 
 def fp8_max(fmt: str) -> float:
@@ -359,7 +358,7 @@ def hadamard_rotation(d: int, seed: int = 0, *, dtype: torch.dtype = torch.float
     Raises:
         ValueError: ``d`` is not a power of two.
     """
-    if d < 1 or d & (d - 1):
+    if not is_power_of_two(d):
         raise ValueError(
             f"tiled: rotation=hadamard needs a power-of-two head dim, got {d}; use rotation=off "
             "or pad the head dim"
@@ -392,18 +391,17 @@ class Fp8Operands(NamedTuple):
     v_descale: torch.Tensor | None = None
 
     @staticmethod
-    def tile(descale: torch.Tensor | None, j0: int) -> torch.Tensor | None:
+    def tile(descale: torch.Tensor | None, j0: int, j1: int | None = None) -> torch.Tensor | None:
         """The descale of the key tile starting at row ``j0`` (``(…, 1, 1)``): one value, since
-        K's and V's scale blocks are the key tiles (None stays None)."""
+        K's and V's scale blocks are the key tiles; with ``j1``, of the rows ``j0 … j1-1``
+        (``(…, R, 1)``). None, or one value for all rows, stays as it is."""
         if descale is None or descale.shape[-2] == 1:
             return descale
-        return descale[..., j0 : j0 + 1, :]
+        return descale[..., j0 : j0 + 1 if j1 is None else j1, :]
 
     def rows(self, r0: int, r1: int) -> torch.Tensor | None:
         """Q's descales of the query rows ``r0 … r1-1`` (``(…, R, 1)`` or broadcastable)."""
-        if self.q_descale is None or self.q_descale.shape[-2] == 1:
-            return self.q_descale
-        return self.q_descale[..., r0:r1, :]
+        return self.tile(self.q_descale, r0, r1)
 
 
 def prepare_operands(
@@ -438,10 +436,8 @@ def prepare_operands(
     """
     q, k, v = q.to(compute), k.to(compute), v.to(compute)
     if fp8.rotation != OFF:
-        m = hadamard_rotation(
-            q.shape[-1], fp8.rotation_seed, dtype=torch.promote_types(compute, torch.float32)
-        )
-        m = m.to(q.device)
+        rotation_dtype = torch.promote_types(compute, torch.float32)
+        m = hadamard_rotation(q.shape[-1], fp8.rotation_seed, dtype=rotation_dtype).to(q.device)
         q, k = q.to(m.dtype) @ m, k.to(m.dtype) @ m
         if fp8.qkv == OFF:
             q, k = q.to(compute), k.to(compute)

@@ -109,14 +109,15 @@ fp32 backward (with ``fa2``; with ``paper`` P and so dP are in the dtype).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from flashprobe.kernels import fp8 as fp8_numerics
 from flashprobe.kernels._inputs import check_inputs, default_scale, dtype_name, to_dtype
+from flashprobe.kernels.fp8 import _choice, _seed
 from flashprobe.kernels.registry import (
     ANY_CAPABILITIES,
     KernelCapabilities,
@@ -155,15 +156,16 @@ REPEAT_TOLERANCE = 1e-3
 #: The dtype value meaning "at least fp32" (torch's ``at::opmath_type``).
 OPMATH = "opmath"
 
+_FA2_KNOBS: dict[str, Any] = {
+    "score_dtype": OPMATH,
+    "stats_dtype": OPMATH,
+    "acc_dtype": OPMATH,
+    "update": "fa2",
+    "order": "reverse",
+}
 #: Preset name → the numerics knobs it sets (``None``: the compute dtype ``dtype``).
 PRESETS: dict[str, dict[str, Any]] = {
-    "fa2": {
-        "score_dtype": OPMATH,
-        "stats_dtype": OPMATH,
-        "acc_dtype": OPMATH,
-        "update": "fa2",
-        "order": "reverse",
-    },
+    "fa2": dict(_FA2_KNOBS),
     "paper": {
         "score_dtype": None,
         "stats_dtype": None,
@@ -172,33 +174,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         "order": "forward",
     },
     # FlashAttention-3's FP8 forward: the fa2 numerics; its FP8 knobs are fp8.FP8_PRESETS["fa3_fp8"].
-    "fa3_fp8": {
-        "score_dtype": OPMATH,
-        "stats_dtype": OPMATH,
-        "acc_dtype": OPMATH,
-        "update": "fa2",
-        "order": "reverse",
-    },
+    "fa3_fp8": dict(_FA2_KNOBS),
 }
 #: What plain ``tiled`` means: the numerics of the kernels people train with.
 DEFAULT_PRESET = "fa2"
 
 
-class TileSizes(tuple):
+class TileSizes(NamedTuple):
     """``(block_q, block_k)`` = (Br, Bc)."""
 
-    __slots__ = ()
+    block_q: int
+    block_k: int
 
-    def __new__(cls, block_q: int, block_k: int) -> TileSizes:
-        return super().__new__(cls, (block_q, block_k))
-
-    @property
-    def block_q(self) -> int:
-        return self[0]
-
-    @property
-    def block_k(self) -> int:
-        return self[1]
+    __repr__ = tuple.__repr__  # "(64, 128)"
 
 
 @dataclass(frozen=True)
@@ -248,20 +236,6 @@ def _flag(name: str, value: Any) -> bool:
     if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
         return bool(value)
     raise ValueError(f"tiled: {name}={value!r} must be true or false")
-
-
-def _choice(name: str, value: Any, choices: Sequence[str]) -> str:
-    """``value`` if it is one of ``choices``, else a ValueError naming them all."""
-    if value not in choices:
-        quoted = [repr(c) for c in choices]
-        raise ValueError(f"tiled: {name}={value!r} must be {', '.join(quoted[:-1])} or {quoted[-1]}")
-    return str(value)
-
-
-def _seed(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"tiled: order_seed={value!r} must be an integer ≥ 0")
-    return value
 
 
 def _step_dtype(name: str, value: Any) -> None:
@@ -337,7 +311,8 @@ def tile_order(n_tiles: int, order: str = "forward", seed: int = 0) -> list[int]
         return list(range(n_tiles))
     if order == "reverse":
         return list(range(n_tiles - 1, -1, -1))
-    return torch.randperm(n_tiles, generator=torch.Generator().manual_seed(_seed(seed))).tolist()
+    generator = torch.Generator().manual_seed(_seed("order_seed", seed))
+    return torch.randperm(n_tiles, generator=generator).tolist()
 
 
 def _preset_knobs(preset: str | None) -> Mapping[str, Any]:
@@ -371,7 +346,7 @@ def _validate(
     _choice("loop", loop, ("kv", "q"))
     if order is not None:
         _choice("order", order, ORDERS)
-    _seed(order_seed)
+    _seed("order_seed", order_seed)
     if update is not None:
         _choice("update", update, UPDATES)
     try:
@@ -426,13 +401,9 @@ def resolve_numerics(
     """
     knobs = _preset_knobs(preset)
     compute = to_dtype(dtype) or input_dtype
-    pick = {
-        "score_dtype": score_dtype,
-        "stats_dtype": stats_dtype,
-        "acc_dtype": acc_dtype,
-        "update": update,
-        "order": order,
-    }
+    pick = dict(
+        score_dtype=score_dtype, stats_dtype=stats_dtype, acc_dtype=acc_dtype, update=update, order=order
+    )
     chosen = {key: knobs[key] if value is None else value for key, value in pick.items()}
     for name in ("score_dtype", "stats_dtype", "acc_dtype"):
         _step_dtype(name, chosen[name])
@@ -443,7 +414,7 @@ def resolve_numerics(
         acc=_step(chosen["acc_dtype"], compute),
         update=_choice("update", chosen["update"], UPDATES),
         order=_choice("order", chosen["order"], ORDERS),
-        order_seed=_seed(order_seed),
+        order_seed=_seed("order_seed", order_seed),
         fp8=fp8_numerics.resolve_fp8(preset, **fp8_knobs),
     )
     stats = numerics.stats
@@ -567,41 +538,19 @@ def tiled_attention(
         ValueError: a bad option value (a non-power-of-two head dim with ``rotation=hadamard``).
     """
     check_inputs(q, k, v, attn_mask, is_causal, kernel="tiled")
-    fp8_knobs = {
-        "qkv_fp8": qkv_fp8,
-        "p_fp8": p_fp8,
-        "p_scale": p_scale,
-        "fp8_scaling": fp8_scaling,
-        "qkv_scale": qkv_scale,
-        "rotation": rotation,
-        "rotation_seed": rotation_seed,
-    }
-    _validate(
-        block_q, block_k, sram, swap_blocks, square, loop, preset, order, order_seed, update,
-        dtype, score_dtype, stats_dtype, acc_dtype, mask_value, max_shift, **fp8_knobs,
-    )  # fmt: skip
+    options = dict(
+        block_q=block_q, block_k=block_k, sram=sram, swap_blocks=swap_blocks, square=square, loop=loop,
+        preset=preset, order=order, order_seed=order_seed, update=update, dtype=dtype,
+        score_dtype=score_dtype, stats_dtype=stats_dtype, acc_dtype=acc_dtype, mask_value=mask_value,
+        max_shift=max_shift, qkv_fp8=qkv_fp8, p_fp8=p_fp8, p_scale=p_scale, fp8_scaling=fp8_scaling,
+        qkv_scale=qkv_scale, rotation=rotation, rotation_seed=rotation_seed,
+    )
+    _validate(**options)
     mask_value = _mask_value(mask_value)
     br, bc = tile_sizes(
-        q.shape[-1],
-        block_q=block_q,
-        block_k=block_k,
-        sram=sram,
-        swap_blocks=swap_blocks,
-        square=square,
+        q.shape[-1], block_q=block_q, block_k=block_k, sram=sram, swap_blocks=swap_blocks, square=square
     )
-    numerics = resolve_numerics(
-        q.dtype,
-        preset=preset,
-        dtype=dtype,
-        score_dtype=score_dtype,
-        stats_dtype=stats_dtype,
-        acc_dtype=acc_dtype,
-        update=update,
-        order=order,
-        order_seed=order_seed,
-        mask_value=mask_value,
-        **fp8_knobs,
-    )
+    numerics = resolve_numerics(q.dtype, mask_value=mask_value, **_numerics_options(options))
     _check_fp8_call(numerics.fp8, q, k, v)
     s = default_scale(q.shape[-1], scale)
     n_q, n_k = q.shape[-2], k.shape[-2]
@@ -611,39 +560,18 @@ def tiled_attention(
     # GEMM operands, converted once: scores accumulate in at least fp32, P·V in the accumulator's
     # GEMM dtype; a 16-bit destination is rounded once from the fp32 result.
     gemm_s, gemm_o = _gemm_dtype(numerics.score), _gemm_dtype(numerics.acc)
-    if numerics.fp8.active:  # rotated and/or quantized operands, with descales (kernels.fp8)
-        operands = fp8_numerics.prepare_operands(
-            q,
-            k,
-            v,
-            numerics.fp8,
-            compute=numerics.compute,
-            gemm_s=gemm_s,
-            gemm_o=gemm_o,
-            block_q=br,
-            block_k=bc,
-        )
-    else:
-        operands = fp8_numerics.Fp8Operands(
-            q.to(numerics.compute).to(gemm_s),
-            k.to(numerics.compute).to(gemm_s),
-            v.to(numerics.compute).to(gemm_o),
-        )
+    # With FP8 knobs the operands are rotated and/or quantized, with descales (kernels.fp8).
+    operands = fp8_numerics.prepare_operands(
+        q, k, v, numerics.fp8, compute=numerics.compute, gemm_s=gemm_s, gemm_o=gemm_o, block_q=br, block_k=bc
+    )
     row_starts = [0] if loop == "kv" else range(0, n_q, br)
     rows = n_q if loop == "kv" else br
     blocks = [
         _attend_rows(
-            operands.q[:, :, r0 : r0 + rows],
-            operands.k,
-            operands.v,
+            operands.q[:, :, r0 : r0 + rows], operands.k, operands.v,
             descales=(operands.rows(r0, r0 + rows), operands.k_descale, operands.v_descale),
             mask=None if attn_mask is None else attn_mask[..., r0 : r0 + rows, :],
-            causal=is_causal,
-            row_offset=r0,
-            scale=s,
-            block_k=bc,
-            numerics=numerics,
-            mask_value=mask_value,
+            causal=is_causal, row_offset=r0, scale=s, block_k=bc, numerics=numerics, mask_value=mask_value,
             shift_repeated=max_shift == "repeated",
         )
         for r0 in row_starts
