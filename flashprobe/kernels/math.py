@@ -149,13 +149,6 @@ def golden_attention(
     if attn_mask is not None and attn_mask.is_floating_point():
         attn_mask = attn_mask.double()
     return reference_attention(
-        math_attention,
-        q,
-        k,
-        v,
-        attn_mask=attn_mask,
-        is_causal=is_causal,
-        scale=scale,
-        dtype=torch.float64,
+        math_attention, q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dtype=torch.float64,
         budget=budget,
     )

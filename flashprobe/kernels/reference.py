@@ -331,8 +331,16 @@ def numerics_flags() -> dict[str, Any]:
     return flags
 
 
-def _budget(device: torch.device, budget: int | None) -> int:
-    return reference_budget(device) if budget is None else budget
+def _plan(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, budget: int | None,
+    blocks: Sequence[Block] | None, backward: bool = False,
+) -> Sequence[Block]:
+    """``blocks`` if given, else :func:`plan_blocks` of the call within ``budget`` (default:
+    :func:`reference_budget` of ``q``'s device)."""
+    if blocks is not None:
+        return blocks
+    budget = reference_budget(q.device) if budget is None else budget
+    return plan_blocks(q.shape, k.shape, v.shape, is_causal=is_causal, backward=backward, budget=budget)
 
 
 def reference_outputs(
@@ -371,12 +379,8 @@ def reference_outputs(
         :meth:`Block.take_q` of the call's output.
     """
     rep = q.shape[1] // max(k.shape[1], 1)
-    plan = (
-        blocks
-        if blocks is not None
-        else plan_blocks(q.shape, k.shape, v.shape, is_causal=is_causal, budget=_budget(q.device, budget))
-    )
-    for blk in plan:  # (no context is held across a yield: the caller runs in its own modes)
+    # (no context is held across a yield: the caller runs in its own modes)
+    for blk in _plan(q, k, v, is_causal, budget, blocks):
         qb, kb, vb = blk.take_q(q, rep), blk.take_kv(k), blk.take_kv(v)
         mask, causal = blk.mask(attn_mask, rep, is_causal, q.device)
         if dtype is not None:
@@ -412,18 +416,11 @@ def reference_attention(
     rep = q.shape[1] // max(k.shape[1], 1)
     out: torch.Tensor | None = None
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    for blk, part in reference_outputs(
-        kernel,
-        q,
-        k,
-        v,
-        attn_mask=attn_mask,
-        is_causal=is_causal,
-        scale=scale,
-        dtype=dtype,
-        budget=budget,
+    parts = reference_outputs(
+        kernel, q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dtype=dtype, budget=budget,
         grad=grad,
-    ):
+    )
+    for blk, part in parts:
         if out is None:
             out = part.new_empty(*q.shape[:3], v.shape[3])
         out[blk.batch, blk.q_heads(rep), blk.rows] = part
@@ -497,14 +494,8 @@ def reference_gradients(
     """
     rep = q.shape[1] // max(k.shape[1], 1)
     compute = dtype or q.dtype
-    plan = (
-        blocks
-        if blocks is not None
-        else plan_blocks(
-            q.shape, k.shape, v.shape, is_causal=is_causal, backward=True, budget=_budget(q.device, budget)
-        )
-    )
     acc_dtype = torch.promote_types(compute, torch.float32)
+    plan = _plan(q, k, v, is_causal, budget, blocks, backward=True)
     for group in _groups(plan):  # (no context is held across a yield)
         first = group[0]
         k_all, v_all = k[first.batch, first.heads], v[first.batch, first.heads]
@@ -577,18 +568,11 @@ def reference_input_gradients(
     dq = q.new_zeros(q.shape, dtype=compute)
     dk = k.new_zeros(k.shape, dtype=compute)
     dv = v.new_zeros(v.shape, dtype=compute)
-    for g in reference_gradients(
-        kernel,
-        q,
-        k,
-        v,
-        grad_out,
-        attn_mask=attn_mask,
-        is_causal=is_causal,
-        scale=scale,
-        dtype=compute,
+    groups = reference_gradients(
+        kernel, q, k, v, grad_out, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dtype=compute,
         budget=budget,
-    ):
+    )
+    for g in groups:
         for blk, part, dq_part in zip(g.blocks, g.outs, g.dq, strict=True):
             out[blk.batch, blk.q_heads(rep), blk.rows] = part
             dq[blk.batch, blk.q_heads(rep), blk.rows] = dq_part
