@@ -18,12 +18,7 @@ from typing import Any
 import torch
 
 from flashprobe.kernels._inputs import check_inputs
-from flashprobe.kernels.registry import (
-    Kernel,
-    KernelCapabilities,
-    KernelUnavailableError,
-    register_kernel,
-)
+from flashprobe.kernels.registry import Kernel, KernelCapabilities, KernelUnavailableError, register_kernel
 
 __all__ = ["flash_attn_attention"]
 
@@ -33,14 +28,18 @@ _INSTALL = (
 )
 
 
-def _import_flash_attn() -> Any:
+def _import_flash_attn(varlen: bool = False) -> Any:
+    """flash-attn's ``flash_attn_func`` (``flash_attn_varlen_func`` with ``varlen``), or a refusal."""
     try:
-        from flash_attn import flash_attn_func
+        if varlen:
+            from flash_attn import flash_attn_varlen_func as fn
+        else:
+            from flash_attn import flash_attn_func as fn
     except ImportError as err:
         raise KernelUnavailableError(
             f"flash_attn: the flash-attn package is not installed ({err}); {_INSTALL}"
         ) from None
-    return flash_attn_func
+    return fn
 
 
 def _key_padding(mask: torch.Tensor, b: int, n_q: int, n_k: int) -> torch.Tensor:
@@ -64,12 +63,7 @@ def _varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, scale: float | None
 ) -> torch.Tensor:
     """``flash_attn_varlen_func`` over each batch entry's real keys (queries all kept)."""
-    try:
-        from flash_attn import flash_attn_varlen_func
-    except ImportError as err:
-        raise KernelUnavailableError(
-            f"flash_attn: the flash-attn package is not installed ({err}); {_INSTALL}"
-        ) from None
+    flash_attn_varlen_func = _import_flash_attn(varlen=True)
     b, h, n_q, d = q.shape
     lengths_k = keys.sum(dim=1, dtype=torch.int32)
     cu_k = torch.nn.functional.pad(lengths_k.cumsum(0, dtype=torch.int32), (1, 0))
@@ -155,11 +149,5 @@ def flash_attn_attention(
     if keys is not None:
         return _varlen(q, k, v, keys, scale)
     flash_attn_func = _import_flash_attn()
-    out = flash_attn_func(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),  # (B, N, H, D)
-        softmax_scale=scale,
-        causal=is_causal,
-    )
-    return out.transpose(1, 2)  # (B, H, N_q, D)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, N, H, D)
+    return flash_attn_func(q, k, v, softmax_scale=scale, causal=is_causal).transpose(1, 2)  # (B, H, N_q, D)

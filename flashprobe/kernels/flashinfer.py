@@ -21,12 +21,7 @@ from typing import Any
 import torch
 
 from flashprobe.kernels._inputs import default_scale
-from flashprobe.kernels.registry import (
-    Kernel,
-    KernelCapabilities,
-    KernelUnavailableError,
-    register_kernel,
-)
+from flashprobe.kernels.registry import Kernel, KernelCapabilities, KernelUnavailableError, register_kernel
 
 __all__ = ["flashinfer_attention"]
 
@@ -107,17 +102,12 @@ def flashinfer_attention(
     if is_causal and n_q != n_k:  # FlashInfer aligns causal bottom-right: give SDPA's top-left mask
         mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril().expand(b, n_q, n_k)
         causal = False
-    outs = []
-    for i in range(b):
-        outs.append(
-            flashinfer.single_prefill_with_kv_cache(
-                q[i].transpose(0, 1),
-                k[i].transpose(0, 1),
-                v[i].transpose(0, 1),
-                custom_mask=None if mask is None else mask[i],
-                causal=causal,
-                kv_layout="NHD",
-                sm_scale=default_scale(d, scale),
-            ).transpose(0, 1)
-        )
+    outs = [
+        flashinfer.single_prefill_with_kv_cache(
+            q[i].transpose(0, 1), k[i].transpose(0, 1), v[i].transpose(0, 1),
+            custom_mask=None if mask is None else mask[i], causal=causal, kv_layout="NHD",
+            sm_scale=default_scale(d, scale),
+        ).transpose(0, 1)
+        for i in range(b)
+    ]
     return torch.stack(outs)

@@ -146,11 +146,8 @@ FLEX_CAPABILITIES = KernelCapabilities(
 
 
 @register_kernel(
-    "flex",
-    capabilities=FLEX_CAPABILITIES,
+    "flex", capabilities=FLEX_CAPABILITIES, check=_check, validate=_validate,
     description="torch FlexAttention (compiled; compile=false: eager); forward only on the CPU",
-    check=_check,
-    validate=_validate,
 )
 def flex_attention_kernel(
     q: torch.Tensor,

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from flashprobe.kernels._inputs import check_inputs
+from flashprobe.kernels._inputs import check_inputs, dtype_name
 from flashprobe.kernels.fp8 import FP8_FORMATS
 
 __all__ = [
@@ -104,11 +104,6 @@ def _device_label(kind: str) -> str:
 
 def _device_labels(kinds: frozenset[str]) -> str:
     return ", ".join(_device_label(k) for k in sorted(kinds))
-
-
-def _dtype_label(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}.get(name, name)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,10 +223,10 @@ class KernelCapabilities:
                 + (f"; on a {_device_labels(self.devices)} machine: {self.install}" if self.install else "")
             )
         if self.dtypes is not None and dtype not in self.dtypes:
-            allowed = ", ".join(sorted(_dtype_label(d) for d in self.dtypes))
+            allowed = ", ".join(sorted(dtype_name(d) for d in self.dtypes))
             return (
-                f"supports {allowed} only, not {_dtype_label(dtype)}; run the model in (or under "
-                f"autocast to) {allowed}, or choose a kernel that takes {_dtype_label(dtype)} ({_FALLBACK})"
+                f"supports {allowed} only, not {dtype_name(dtype)}; run the model in (or under "
+                f"autocast to) {allowed}, or choose a kernel that takes {dtype_name(dtype)} ({_FALLBACK})"
             )
         if backward and not self.has_backward(device):
             where = (
@@ -354,7 +349,7 @@ class KernelCapabilities:
         """One line: masks, lengths, GQA, head dims, dtypes, devices, backward."""
         masks = ", ".join(m for m in MASK_KINDS if m in self.masks) or "none"
         dtypes = (
-            "any dtype" if self.dtypes is None else "/".join(sorted(_dtype_label(d) for d in self.dtypes))
+            "any dtype" if self.dtypes is None else "/".join(sorted(dtype_name(d) for d in self.dtypes))
         )
         devices = "any device" if self.devices is None else _device_labels(self.devices).replace(", ", "/")
         if self.backward_devices is None:
@@ -567,7 +562,7 @@ def kernel_availability(
     ran: list[str] = []
     reasons: dict[str, str] = {}
     for dtype in dtypes:
-        name = _dtype_label(dtype)
+        name = dtype_name(dtype)
         try:
             kernel.check(device, dtype)
             if call:
