@@ -93,10 +93,6 @@ _N, _S1, _S2 = 0, 1, 2
 BIAS_FIELDS: tuple[str, ...] = tuple(f"bias.{c}.{s}" for c in COMPONENTS for s in ("n", "s1", "s2"))
 
 
-def _accumulator_dtype(device: torch.device) -> torch.dtype:
-    return torch.float32 if device.type == "mps" else torch.float64
-
-
 class BiasStats:
     """Signed error of a primary kernel against the golden value, accumulated per direction.
 
@@ -144,7 +140,7 @@ class BiasStats:
         self.directions = directions
         self.device = torch.device(device) if state is None else state.device
         self.limit = float(limit)
-        dtype = _accumulator_dtype(self.device)
+        dtype = torch.float32 if self.device.type == "mps" else torch.float64  # MPS has no float64
         #: ``(directions, components, 3)``: replicates ``n``, ``Σ r`` and ``Σ r²``.
         self.state = torch.zeros(shape, dtype=dtype, device=self.device) if state is None else state
 
@@ -283,10 +279,8 @@ def bias_dict(
     entry["mean"] = entry[entry["component"]]["mean"]
     entry["limit"] = float(limit)
     entry["tolerance"] = float(tolerance)
-    if abs(entry["z"]) >= limit:
-        entry["verdict"] = "biased"
-    else:
-        entry["verdict"] = "unbiased" if entry["replicates"] >= limit**2 else "undetermined"
+    enough = entry["replicates"] >= limit**2
+    entry["verdict"] = "biased" if abs(entry["z"]) >= limit else ("unbiased" if enough else "undetermined")
     return entry
 
 

@@ -153,19 +153,15 @@ def list_kernels(argv: Sequence[str]) -> int:
     return 0
 
 
-def _torch_version() -> str:
-    from importlib.metadata import version
-
-    return version("torch")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``flashprobe`` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["--version"]:
+        from importlib.metadata import version
+
         from flashprobe import __version__
 
-        print(f"flashprobe {__version__} (torch {_torch_version()})")
+        print(f"flashprobe {__version__} (torch {version('torch')})")
         return 0
     if args and args[0] == "bench":
         return _dispatch(BENCH_COMMANDS, args[1:], "flashprobe bench")

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -86,21 +87,11 @@ class Deviation:
 
 #: The rows of :func:`pair_sums`, per pair.
 SUM_ROWS: tuple[str, ...] = (
-    "max_abs",
-    "sum_abs",
-    "sum_sq_diff",
-    "sum_sq_ref",
-    "nonfinite",
-    "count",
-    "max_ref",
+    "max_abs", "sum_abs", "sum_sq_diff", "sum_sq_ref", "nonfinite", "count", "max_ref"
 )
 #: Elements :func:`pair_sums` processes per slice, by device type: cache-sized on the CPU, fewer
 #: launches elsewhere. Its scratch memory is ``3 · P + 2`` float64 rows of a slice (``P`` pairs).
 SLICE_ELEMENTS: dict[str, int] = {"cpu": 1 << 14, "default": 1 << 20}
-
-
-def _slice_elements(device: torch.device) -> int:
-    return SLICE_ELEMENTS.get(device.type, SLICE_ELEMENTS["default"])
 
 
 #: Device types where reading a value back to the host costs nothing: the CPU, with no device to
@@ -289,20 +280,14 @@ def _pair_pass(
 _ROW_ALIGN = 8
 
 
-class _Views:
+class _Views(NamedTuple):
     """One slice's scratch rows, their blocks and its outputs (see :class:`_Layout`)."""
 
-    __slots__ = ("acc", "blocks", "norms", "squares", "x")
-
-    def __init__(
-        self,
-        x: tuple[torch.Tensor, ...],
-        blocks: dict[str, torch.Tensor],
-        acc: dict[str, torch.Tensor],
-        norms: tuple[torch.Tensor, ...],
-        squares: torch.Tensor | None,
-    ) -> None:
-        self.x, self.blocks, self.acc, self.norms, self.squares = x, blocks, acc, norms, squares
+    x: tuple[torch.Tensor, ...]
+    blocks: dict[str, torch.Tensor]
+    acc: dict[str, torch.Tensor]
+    norms: tuple[torch.Tensor, ...]
+    squares: torch.Tensor | None
 
 
 class _Layout:
@@ -411,17 +396,12 @@ class _Sweep:
     """
 
     def __init__(
-        self,
-        p: torch.Tensor,
-        b: torch.Tensor,
-        g: torch.Tensor | None,
-        f: torch.Tensor | None,
-        width: int,
+        self, p: torch.Tensor, b: torch.Tensor, g: torch.Tensor | None, f: torch.Tensor | None, width: int,
         workspace: StatsWorkspace,
     ) -> None:
         self.n, self.width = p.numel(), width
         self.golden = g is not None
-        chunk = max(1, min(self.n, _slice_elements(p.device)))
+        chunk = max(1, min(self.n, SLICE_ELEMENTS.get(p.device.type, SLICE_ELEMENTS["default"])))
         if width:
             chunk = max(width, chunk - chunk % width)  # whole rows per slice
         self.layout = workspace.layout(p.device, self.n, chunk, width, self.golden, f is not None)
@@ -585,13 +565,8 @@ def combine_sums(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor
     reference blocks and calls."""
     if total is None:
         return part
-    return torch.cat(
-        (
-            torch.maximum(total[:1], part[:1]),
-            total[1:6] + part[1:6],
-            torch.maximum(total[6:], part[6:]),
-        )
-    )
+    maxima = torch.maximum(total[:1], part[:1]), torch.maximum(total[6:], part[6:])
+    return torch.cat((maxima[0], total[1:6] + part[1:6], maxima[1]))
 
 
 def deviation_tensors(a: torch.Tensor, b: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -623,13 +598,8 @@ def finish_deviation(sums: dict[str, float]) -> Deviation:
         if sums["sum_sq_ref"] > 0
         else (0.0 if sums["sum_sq_diff"] == 0 else math.inf)
     )
-    return Deviation(
-        max_abs=sums["max_abs"],
-        mean_abs=sums["sum_abs"] / count if count else 0.0,
-        rel_l2=rel,
-        nonfinite=nonfinite,
-        numel=int(count + nonfinite),
-    )
+    mean_abs = sums["sum_abs"] / count if count else 0.0
+    return Deviation(sums["max_abs"], mean_abs, rel, nonfinite, int(count + nonfinite))
 
 
 def deviation(a: torch.Tensor, b: torch.Tensor) -> Deviation:

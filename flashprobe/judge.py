@@ -325,13 +325,7 @@ def _row_errors(norms: torch.Tensor, golden: torch.Tensor) -> torch.Tensor:
 #: (over the finite pairs), the primary's non-finite positions beyond the baseline's, and the
 #: :func:`row_statistics`.
 ERROR_COLUMNS: tuple[str, ...] = (
-    "primary_sq",
-    "baseline_sq",
-    "golden_sq",
-    "extra_nonfinite",
-    "row",
-    "baseline_row",
-    "golden_max",
+    "primary_sq", "baseline_sq", "golden_sq", "extra_nonfinite", "row", "baseline_row", "golden_max"
 )
 
 
@@ -453,14 +447,8 @@ def decide(
         (relative, values.gather(1, most)[:, 0], baseline, absolute, extra, golden_max), dim=1
     )
     bound = torch.stack(
-        (
-            limit[:, 0],
-            bounds.gather(1, most)[:, 0],
-            const.cond.expand(k),
-            abs_limit,
-            const.zero.expand(k),
-            const.finite_max.expand(k),
-        ),
+        (limit[:, 0], bounds.gather(1, most)[:, 0], const.cond.expand(k), abs_limit, const.zero.expand(k),
+         const.finite_max.expand(k)),
         dim=1,
     )
     at = pick[:, None]
@@ -592,17 +580,10 @@ def judge_bias(entry: Mapping[str, Any], direction: str = "out") -> Judgement:
         text = f"{detail}: fewer than {limit**2:g} replicates cannot reach |z| {limit:g} (undetermined)"
     else:
         text = f"signed bias z = {z:+.3g} (|z| limit {limit:g}); {detail}"
+    criterion = "biased" if verdict == "fail" else None
     return Judgement(
-        verdict=verdict,
-        criterion="biased" if verdict == "fail" else None,
-        value=z,
-        limit=limit,
-        reason=text,
-        limit_ratio=abs(z) / limit,
-        absolute=0.0,
-        baseline=0.0,
-        relative=0.0,
-        row=0.0,
+        verdict=verdict, criterion=criterion, value=z, limit=limit, reason=text, limit_ratio=abs(z) / limit,
+        **dict.fromkeys(STATISTICS[1:], 0.0),  # absolute, baseline, relative, row
     )
 
 
@@ -647,14 +628,8 @@ def judge_errors(
     criterion = CRITERIA.get(c)
     verdict = "pass" if c == 0 else ("fail" if c > 0 else "undetermined")
     named = dict(zip(STATISTICS, stats[0].tolist(), strict=True))
-    return Judgement(
-        verdict=verdict,
-        criterion=criterion,
-        value=v,
-        limit=lim,
-        reason=reason(criterion, v, lim, precision or dtype),
-        **named,
-    )
+    text = reason(criterion, v, lim, precision or dtype)
+    return Judgement(verdict=verdict, criterion=criterion, value=v, limit=lim, reason=text, **named)
 
 
 def judge(
