@@ -319,44 +319,32 @@ def _preset_knobs(preset: str | None) -> Mapping[str, Any]:
     return PRESETS[_choice("preset", DEFAULT_PRESET if preset is None else preset, tuple(PRESETS))]
 
 
-def _validate(
-    block_q: int | None = None,
-    block_k: int | None = None,
-    sram: int | None = None,
-    swap_blocks: bool = False,
-    square: bool = False,
-    loop: str = "kv",
-    preset: str | None = None,
-    order: str | None = None,
-    order_seed: int = 0,
-    update: str | None = None,
-    dtype: str | torch.dtype | None = None,
-    score_dtype: str | torch.dtype | None = None,
-    stats_dtype: str | torch.dtype | None = None,
-    acc_dtype: str | torch.dtype | None = None,
-    mask_value: float = float("-inf"),
-    max_shift: str = "off",
-    **fp8_knobs: Any,
-) -> None:
-    """Check option values that do not depend on the inputs (called when a spec is parsed);
-    ``fp8_knobs`` are the FP8 knobs (:func:`~flashprobe.kernels.fp8.resolve_fp8`)."""
-    _preset_knobs(preset)
-    fp8_numerics.resolve_fp8(preset, **fp8_knobs)
-    tile_sizes(1, block_q=block_q, block_k=block_k, sram=sram, swap_blocks=swap_blocks, square=square)
-    _choice("loop", loop, ("kv", "q"))
-    if order is not None:
-        _choice("order", order, ORDERS)
-    _seed("order_seed", order_seed)
-    if update is not None:
-        _choice("update", update, UPDATES)
+#: The ``tiled`` options that set the tile sizes (:func:`tile_sizes`).
+_TILE_OPTIONS = ("block_q", "block_k", "sram", "swap_blocks", "square")
+
+
+def _validate(**options: Any) -> None:
+    """Check option values that do not depend on the inputs (called when a spec is parsed, and by
+    :func:`tiled_attention`): ``options`` are :func:`tiled_attention`'s, each missing one at its
+    default; the FP8 knobs among them go to :func:`~flashprobe.kernels.fp8.resolve_fp8`."""
+    get = options.get
+    _preset_knobs(get("preset"))
+    fp8_numerics.resolve_fp8(get("preset"), **fp8_numerics.fp8_options(options))
+    tile_sizes(1, **{key: options[key] for key in _TILE_OPTIONS if key in options})
+    _choice("loop", get("loop", "kv"), ("kv", "q"))
+    if get("order") is not None:
+        _choice("order", get("order"), ORDERS)
+    _seed("order_seed", get("order_seed", 0))
+    if get("update") is not None:
+        _choice("update", get("update"), UPDATES)
     try:
-        to_dtype(dtype)
+        to_dtype(get("dtype"))
     except ValueError as err:
-        raise ValueError(f"tiled: dtype={dtype!r}: {err}") from None
-    for name, value in (("score_dtype", score_dtype), ("stats_dtype", stats_dtype), ("acc_dtype", acc_dtype)):
-        _step_dtype(name, value)
-    _mask_value(mask_value)
-    _choice("max_shift", max_shift, MAX_SHIFTS)
+        raise ValueError(f"tiled: dtype={get('dtype')!r}: {err}") from None
+    for name in ("score_dtype", "stats_dtype", "acc_dtype"):
+        _step_dtype(name, get(name))
+    _mask_value(get("mask_value", float("-inf")))
+    _choice("max_shift", get("max_shift", "off"), MAX_SHIFTS)
 
 
 def _mask_value(value: Any) -> float:
@@ -547,9 +535,7 @@ def tiled_attention(
     )
     _validate(**options)
     mask_value = _mask_value(mask_value)
-    br, bc = tile_sizes(
-        q.shape[-1], block_q=block_q, block_k=block_k, sram=sram, swap_blocks=swap_blocks, square=square
-    )
+    br, bc = tile_sizes(q.shape[-1], **{key: options[key] for key in _TILE_OPTIONS})
     numerics = resolve_numerics(q.dtype, mask_value=mask_value, **_numerics_options(options))
     _check_fp8_call(numerics.fp8, q, k, v)
     s = default_scale(q.shape[-1], scale)
