@@ -565,8 +565,8 @@ def combine_sums(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor
     reference blocks and calls."""
     if total is None:
         return part
-    maxima = torch.maximum(total[:1], part[:1]), torch.maximum(total[6:], part[6:])
-    return torch.cat((maxima[0], total[1:6] + part[1:6], maxima[1]))
+    top = torch.maximum(total, part)
+    return torch.cat((top[:1], total[1:6] + part[1:6], top[6:]))
 
 
 def deviation_tensors(a: torch.Tensor, b: torch.Tensor) -> dict[str, torch.Tensor]:

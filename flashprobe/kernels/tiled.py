@@ -156,6 +156,7 @@ REPEAT_TOLERANCE = 1e-3
 #: The dtype value meaning "at least fp32" (torch's ``at::opmath_type``).
 OPMATH = "opmath"
 
+#: The real FlashAttention-2 kernels' numerics knobs (presets ``fa2`` and ``fa3_fp8``).
 _FA2_KNOBS: dict[str, Any] = {
     "score_dtype": OPMATH,
     "stats_dtype": OPMATH,
