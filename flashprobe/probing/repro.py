@@ -29,6 +29,7 @@ from flashprobe.formats.reproducer import (
 )
 from flashprobe.kernels import KernelSpecError, get_kernel
 from flashprobe.probing.shadow import ShadowAttention
+from flashprobe.probing.stats import site_directions
 
 __all__ = [
     "REPRO_FORMAT",
@@ -148,9 +149,7 @@ def _replay_call(call: Reproducer, spec: str, baseline: str) -> dict[str, Any]:
             "limit_ratio": {},
             "l2_error_ratio": {},
         }
-    directions = {"out": entry["forward"]["out"]}
-    if backward:
-        directions.update((d, entry["backward"][d]) for d in ("dq", "dk", "dv"))
+    directions = site_directions(entry) if backward else {"out": entry["forward"]["out"]}
     verdicts = {d: e["verdict"] for d, e in directions.items() if e["verdict"] is not None}
     reasons = [
         f"{d}: {e['first_failure']['reason']}" for d, e in directions.items() if e.get("first_failure")

@@ -70,10 +70,8 @@ from flashprobe.probing.config import ProbeConfig
 from flashprobe.probing.flex import flex_reference
 from flashprobe.probing.routing import KernelRoute, check_kernel_here
 from flashprobe.probing.sites import GRAPH_BREAK_REASON, ProbeWarning, passthrough
-from flashprobe.probing.stats import DIRECTIONS, DeviationStats, stats_dict
+from flashprobe.probing.stats import DIRECTIONS, DeviationStats, failure_order, site_directions, stats_dict
 from flashprobe.probing.summary import summarize
-
-_ORDER = ("out", "dq", "dk", "dv")  # failures sort by step, site, then this
 
 __all__ = ["ON_FAILURE", "ProbeFailureError", "ShadowAttention"]
 
@@ -471,21 +469,22 @@ class ShadowAttention(nn.Module):
     def _run_dropout(self, site: str, call: SdpaCall, route: KernelRoute | None) -> torch.Tensor:
         out = self.primary_output(call, route, site=site)
         self._dropout_calls[site] = self._dropout_calls.get(site, 0) + 1
-        if self.dropout == "skip":
-            if self.record:
-                self._site(site, out.device)  # the site shows in stats() with its dropout_calls
-            self._warn_once(
-                ("dropout", site),
-                f"flashprobe: site {site!r} uses attention dropout (dropout_p={call.dropout_p}), which "
-                "cannot be compared exactly; skipping these calls (dropout='skip')",
-            )
-            return out
+        skip = self.dropout == "skip"
+        if skip and self.record:
+            self._site(site, out.device)  # the site shows in stats() with its dropout_calls
         self._warn_once(
             ("dropout", site),
             f"flashprobe: site {site!r} uses attention dropout (dropout_p={call.dropout_p}), which "
-            "cannot be compared exactly; comparing the dropout-free primary instead (one extra "
-            "primary call, no random numbers drawn, forward only); pass dropout='skip' to skip",
+            "cannot be compared exactly; "
+            + (
+                "skipping these calls (dropout='skip')"
+                if skip
+                else "comparing the dropout-free primary instead (one extra primary call, no random "
+                "numbers drawn, forward only); pass dropout='skip' to skip"
+            ),
         )
+        if skip:
+            return out
         plain = call.replace(dropout_p=0.0)
         try:
             with torch.no_grad():
@@ -605,12 +604,18 @@ class ShadowAttention(nn.Module):
         except Exception as err:
             self._failed(site, err)
 
-    def _unscale(self, sums: torch.Tensor) -> torch.Tensor:
-        """Gradient pair sums in the model's units: divided by the loss scale's power per row."""
+    def _loss_scale(self, device: torch.device) -> torch.Tensor | None:
+        """The loss scale of the backward being compared, a 0-d float64 tensor on ``device`` (None: none)."""
         scale = None if self._grad_scale is None else self._grad_scale()
         if scale is None:
+            return None
+        return torch.as_tensor(scale, dtype=torch.float64, device=device).reshape(())
+
+    def _unscale(self, sums: torch.Tensor) -> torch.Tensor:
+        """Gradient pair sums in the model's units: divided by the loss scale's power per row."""
+        s = self._loss_scale(sums.device)
+        if s is None:
             return sums
-        s = torch.as_tensor(scale, dtype=torch.float64, device=sums.device).reshape(())
         powers = torch.tensor(_SCALE_POWERS, dtype=torch.float64, device=sums.device).unsqueeze(1)
         return sums / s.pow(powers)
 
@@ -650,6 +655,18 @@ class ShadowAttention(nn.Module):
             else itertools.repeat(None)
         )
         bias = None if stats is None else stats.bias
+
+        def fold(n: str, part_of_mine: torch.Tensor, b: torch.Tensor, g: Any, f: Any = None) -> None:
+            """Fold one block of ``n`` (``"out"`` or an input) into ``sums``, ``rows``, ``noise`` and
+            its signed bias (the gradients' sums in the model's units)."""
+            part, row, form, finite = self._statistics(part_of_mine, b, g, f)
+            sums[n] = combine_sums(sums[n], part if n == "out" else self._unscale(part))
+            rows[n] = _worst(rows[n], row)
+            if form is not None:
+                noise[n] = self._noise(noise[n], form)
+            if bias is not None and g is not None:
+                bias.add("out" if n == "out" else f"d{n}", part_of_mine, g, b, finite=finite)
+
         for bg, gg, fg in zip(base, gold, flash, strict=False):  # gold, flash: repeat(None) without golden
             if not self.record:
                 continue
@@ -660,31 +677,15 @@ class ShadowAttention(nn.Module):
             with torch.no_grad():
                 for i, blk in enumerate(bg.blocks):
                     if out is not None:
-                        mine_o, b_o, g_o = blk.take_q(out, p.rep), bg.outs[i], gg.outs[i] if gg else None
-                        part, row, _, finite = self._statistics(mine_o, b_o, g_o)
-                        sums["out"], rows["out"] = combine_sums(sums["out"], part), _worst(rows["out"], row)
-                        if bias is not None and g_o is not None:
-                            bias.add("out", mine_o, g_o, b_o, finite=finite)
+                        fold("out", blk.take_q(out, p.rep), bg.outs[i], gg.outs[i] if gg else None)
                     if "q" in names:
-                        mine_q, g_q = blk.take_q(mine["q"], p.rep), gg.dq[i] if gg else None
-                        part, row, form, finite = self._statistics(
-                            mine_q, bg.dq[i], g_q, fg.dq[i] if fg else None
-                        )
-                        sums["q"] = combine_sums(sums["q"], self._unscale(part))
-                        rows["q"], noise["q"] = _worst(rows["q"], row), self._noise(noise["q"], form)
-                        if bias is not None and g_q is not None:
-                            bias.add("dq", mine_q, g_q, bg.dq[i], finite=finite)
+                        q_refs = (bg.dq[i], gg.dq[i] if gg else None, fg.dq[i] if fg else None)
+                        fold("q", blk.take_q(mine["q"], p.rep), *q_refs)
                 first = bg.blocks[0]
                 for n in ("k", "v"):
                     if n in names:
-                        b_grad, g_grad = getattr(bg, f"d{n}"), getattr(gg, f"d{n}") if gg else None
-                        mine_n = mine[n][first.batch, first.heads]
-                        f_grad = getattr(fg, f"d{n}") if fg else None
-                        part, row, form, finite = self._statistics(mine_n, b_grad, g_grad, f_grad)
-                        sums[n] = combine_sums(sums[n], self._unscale(part))
-                        rows[n], noise[n] = _worst(rows[n], row), self._noise(noise[n], form)
-                        if bias is not None and g_grad is not None:
-                            bias.add(f"d{n}", mine_n, g_grad, b_grad, finite=finite)
+                        refs = (getattr(x, f"d{n}") if x else None for x in (bg, gg, fg))
+                        fold(n, mine[n][first.batch, first.heads], *refs)
         return sums, rows, noise
 
     def _statistics(
@@ -707,9 +708,8 @@ class ShadowAttention(nn.Module):
         scale's square)."""
         if part is None:
             return total
-        scale = None if self._grad_scale is None else self._grad_scale()
-        if scale is not None:
-            s = torch.as_tensor(scale, dtype=torch.float64, device=part.device).reshape(())
+        s = self._loss_scale(part.device)
+        if s is not None:
             part = part / torch.stack((s * s, s.new_ones(())))
         return part if total is None else torch.stack((total[0] + part[0], torch.maximum(total[1], part[1])))
 
@@ -749,10 +749,9 @@ class ShadowAttention(nn.Module):
 
     def _new_failures(self, site: str, step: int, codes: Mapping[str, int]) -> None:
         """Record the first failures of ``site``'s directions at this call (their values: one read)."""
-        stats = self._stats[site].as_dict()
+        entries = site_directions(self._stats[site].as_dict())
         for direction, code in codes.items():
-            entry = stats["forward"]["out"] if direction == "out" else stats["backward"][direction]
-            first = entry.get("first_failure") or {}
+            first = entries[direction].get("first_failure") or {}
             kind = CRITERIA.get(code, "relative")
             same = first.get("step") == step
             value = first.get("value", float("nan")) if same else float("nan")
@@ -822,11 +821,7 @@ class ShadowAttention(nn.Module):
         """Record the failures a read of the accumulators shows (e.g. on an accelerator, where calls
         are not read one by one); arm their sites so the next failing call is saved."""
         for site, entry in stats.items():
-            directions = {
-                "out": entry["forward"]["out"],
-                **{d: entry["backward"][d] for d in ("dq", "dk", "dv")},
-            }
-            for direction, e in directions.items():
+            for direction, e in site_directions(entry).items():
                 first = e.get("first_failure")
                 if not first:
                     continue
@@ -986,7 +981,7 @@ def site_verdict(entry: Mapping[str, Any], *, golden: bool = True) -> tuple[str,
     reached the limit: :mod:`flashprobe.bias`; no call failed, yet the errors add up), ``pass`` when
     at least one was judged and none failed, else ``undetermined``; with the reason in words
     (``"biased: out z=-12.3 (limit 5)"`` for a biased site)."""
-    directions = {"out": entry["forward"]["out"], **{d: entry["backward"][d] for d in ("dq", "dk", "dv")}}
+    directions = site_directions(entry)
     failed = [d for d, e in directions.items() if e.get("verdict") == "fail"]
     biased = [d for d, e in directions.items() if (e.get("bias") or {}).get("verdict") == "biased"]
     words = [
@@ -1057,10 +1052,7 @@ def failure_summary(
             "verdict_reason": summary.get("verdict_reason", ""),
             "failures": list(summary.get("failures", [])),
         }
-    listed = [
-        dict(f)
-        for f in sorted(failures.values(), key=lambda f: (f["step"], f["site"], _ORDER.index(f["direction"])))
-    ]
+    listed = [dict(f) for f in sorted(failures.values(), key=failure_order)]
     worst = summary.get("worst_failure")
     if worst is not None:
         listed.append({**worst, "worst": True})

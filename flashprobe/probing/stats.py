@@ -93,8 +93,10 @@ __all__ = [
     "call_error_ratio",
     "combine_sums",
     "count_nonfinite_positions",
+    "failure_order",
     "pair_sums",
     "reduce_across_ranks",
+    "site_directions",
     "stats_dict",
     "worst",
 ]
@@ -525,6 +527,16 @@ def stats_dict(
         },
         "nonfinite_inputs": {i: int(fields[f"nonfinite_inputs.{i}"]) for i in INPUTS},
     }
+
+
+def site_directions(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """A site's :func:`stats_dict` entry per direction: ``{"out": ..., "dq": ..., "dk": ..., "dv": ...}``."""
+    return {"out": entry["forward"]["out"], **{d: entry["backward"][d] for d in GRADIENTS}}
+
+
+def failure_order(failure: Mapping[str, Any]) -> tuple[Any, Any, int]:
+    """The sort key of a failure (``{site, direction, step, ...}``): by step, site, then direction."""
+    return failure["step"], failure["site"], DIRECTIONS.index(failure["direction"])
 
 
 def _judged(

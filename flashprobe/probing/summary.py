@@ -17,9 +17,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from flashprobe.bias import BIAS_TOLERANCE, BIAS_Z_LIMIT
-from flashprobe.probing.stats import GRADIENTS, PAIRS, worst
-
-_ORDER = ("out", "dq", "dk", "dv")  # failures sort by step, site, then this
+from flashprobe.probing.stats import GRADIENTS, PAIRS, failure_order, site_directions, worst
 
 __all__ = ["ProbeSummary", "bias_words", "summarize", "summary_scalars"]
 
@@ -291,20 +289,16 @@ def _verdict(stats: Mapping[str, Any]) -> dict[str, Any]:
         verdict, reason = "undetermined", f"not judged at {reasons}"
     else:
         verdict, reason = "pass", f"every site passed ({len(verdicts)})"
-    candidates = [
-        _failing_call(site, d, entry["forward"]["out"] if d == "out" else entry["backward"][d])
-        for site, entry in stats.items()
-        for d in ("out", *GRADIENTS)
-    ]
-    candidates = [c for c in candidates if c is not None]
-    worst_failure = max(candidates, key=lambda c: c["limit_ratio"], default=None)
+    directions = {site: site_directions(entry) for site, entry in stats.items()}
+    calls = [_failing_call(s, d, e) for s, entries in directions.items() for d, e in entries.items()]
+    worst_failure = max((c for c in calls if c is not None), key=lambda c: c["limit_ratio"], default=None)
     failures = [
-        {"site": site, "direction": d, **e["first_failure"]}
-        for site, entry in stats.items()
-        for d, e in (("out", entry["forward"]["out"]), *((g, entry["backward"][g]) for g in GRADIENTS))
+        {"site": s, "direction": d, **e["first_failure"]}
+        for s, entries in directions.items()
+        for d, e in entries.items()
         if e.get("first_failure")
     ]
-    failures.sort(key=lambda f: (f["step"], f["site"], _ORDER.index(f["direction"])))
+    failures.sort(key=failure_order)
     if worst_failure is not None:
         failures.append({**worst_failure, "worst": True})
     return {
@@ -368,10 +362,8 @@ def _primary_nonfinite(entry: Mapping[str, Any]) -> int:
 
 def _nonfinite(entry: Mapping[str, Any]) -> int:
     """Non-finite values counted at one site: its inputs and every pair of every direction."""
-    n = sum(entry["nonfinite_inputs"].values())
-    for d in (entry["forward"]["out"], *(entry["backward"][g] for g in GRADIENTS)):
-        n += sum(d[p]["nonfinite"] for p in PAIRS if d[p])
-    return n
+    pairs = (d[p]["nonfinite"] for d in site_directions(entry).values() for p in PAIRS if d[p])
+    return sum(entry["nonfinite_inputs"].values()) + sum(pairs)
 
 
 def _argworst(values: Mapping[Any, float | None]) -> Any:
