@@ -63,6 +63,20 @@ def _flash_common(named: dict[str, Any]) -> tuple[float, float | None, bool, dic
     return dropout_p, scale, causal, {**named, "softmax_scale": scale, "causal": causal}
 
 
+def _recall(
+    lib: Library, other: dict, params: dict, back: Callable, pack: Callable | None = None
+) -> Callable:
+    """The library called on the shadow's ``q, k, v`` (each brought back to the library's layout by
+    ``back``, then ``pack``-ed into its tensor arguments; default: ``q``, ``k``, ``v``) with ``other`` and
+    the shadow's dropout: a :attr:`~flashprobe.probing.direct.Conversion.call_library`."""
+    pack = pack or (lambda q, k, v: {"q": q, "k": k, "v": v})
+
+    def call(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, dp: float) -> Any:
+        return lib(with_arguments(other, params, dp, **pack(*(back(t) for t in (qh, kh, vh)))))
+
+    return call
+
+
 def _bnhd(lib: Library, named: dict, params: dict, run: Callable[[], Any]) -> Conversion | str | None:
     """``flash_attn_func(q, k, v, ...)``: ``(B, N, H, D)`` tensors."""
     q, k, v = (named.pop(n, None) for n in "qkv")
@@ -70,11 +84,7 @@ def _bnhd(lib: Library, named: dict, params: dict, run: Callable[[], Any]) -> Co
         return None
     dropout_p, scale, causal, other = _flash_common(named)
     mask, sdpa_causal = bottom_right(q.shape[1], k.shape[1], causal, q.device)
-
-    def call(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, dp: float) -> Any:
-        tensors = {n: t.transpose(1, 2) for n, t in zip("qkv", (qh, kh, vh), strict=True)}  # (B, N, H, D)
-        return lib(with_arguments(other, params, dp, **tensors))
-
+    call = _recall(lib, other, params, swap_heads)
     views = [swap_heads(t) for t in (q, k, v)]  # (B, H, N, D)
     return _ARGUMENTS.reason(named) or _dense(views, mask, sdpa_causal, scale, dropout_p, call)
 
@@ -101,10 +111,7 @@ def _qkvpacked(lib: Library, named: dict, params: dict, run: Callable[[], Any]) 
             return torch.cat(ts, dim=2)
     else:
         return None
-
-    def call(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, dp: float) -> Any:
-        return lib(with_arguments(other, params, dp, qkv=pack(*(t.transpose(1, 2) for t in (qh, kh, vh)))))
-
+    call = _recall(lib, other, params, swap_heads, lambda *ts: {"qkv": pack(*ts)})
     views = [swap_heads(t) for t in parts]
     return _ARGUMENTS.reason(named) or _dense(views, None, causal, scale, dropout_p, call)
 
@@ -116,11 +123,8 @@ def _kvpacked(lib: Library, named: dict, params: dict, run: Callable[[], Any]) -
         return None
     dropout_p, scale, causal, other = _flash_common(named)
     mask, sdpa_causal = bottom_right(q.shape[1], kv.shape[1], causal, q.device)
-
-    def call(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, dp: float) -> Any:
-        packed = torch.stack([kh.transpose(1, 2), vh.transpose(1, 2)], dim=2)  # (B, N_k, 2, H_kv, D)
-        return lib(with_arguments(other, params, dp, q=qh.transpose(1, 2), kv=packed))
-
+    # kv: (B, N_k, 2, H_kv, D)
+    call = _recall(lib, other, params, swap_heads, lambda q, k, v: {"q": q, "kv": torch.stack([k, v], dim=2)})
     views = [swap_heads(t) for t in (q, kv[:, :, 0], kv[:, :, 1])]
     return _ARGUMENTS.reason(named) or _dense(views, mask, sdpa_causal, scale, dropout_p, call)
 
@@ -161,10 +165,7 @@ def _varlen(lib: Library, named: dict, params: dict, run: Callable[[], Any]) -> 
         views = [*packed_views(q.detach()), gather_pages(k, slots, "NHD"), gather_pages(v, slots, "NHD")]
         return Conversion.packed(views, mask, scale, 0.0, own_arguments(run))
     mask = varlen_mask(cu_q, cu_k, q.shape[0], k.shape[0], causal)
-
-    def call(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, dp: float) -> Any:
-        return lib(with_arguments(other, params, dp, q=unpacked(qh), k=unpacked(kh), v=unpacked(vh)))
-
+    call = _recall(lib, other, params, unpacked)
     return _ARGUMENTS.reason(named) or Conversion.packed(packed_views(q, k, v), mask, scale, dropout_p, call)
 
 
@@ -178,11 +179,8 @@ def _varlen_qkvpacked(
     dropout_p, scale, causal, other = _flash_common(named)
     other["cu_seqlens"] = cu
     mask = varlen_mask(cu, cu, qkv.shape[0], qkv.shape[0], causal)
-
-    def call(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, dp: float) -> Any:
-        packed = torch.stack([unpacked(t) for t in (qh, kh, vh)], dim=1)  # (total, 3, H, D)
-        return lib(with_arguments(other, params, dp, qkv=packed))
-
+    # qkv: (total, 3, H, D)
+    call = _recall(lib, other, params, unpacked, lambda *ts: {"qkv": torch.stack(ts, dim=1)})
     views = packed_views(*qkv.unbind(1))
     return _ARGUMENTS.reason(named) or Conversion.packed(views, mask, scale, dropout_p, call)
 
@@ -199,11 +197,8 @@ def _varlen_kvpacked(
     dropout_p, scale, causal, other = _flash_common(named)
     other.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     mask = varlen_mask(cu_q, cu_k, q.shape[0], kv.shape[0], causal)
-
-    def call(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, dp: float) -> Any:
-        packed = torch.stack([unpacked(kh), unpacked(vh)], dim=1)  # (total_k, 2, H_kv, D)
-        return lib(with_arguments(other, params, dp, q=unpacked(qh), kv=packed))
-
+    # kv: (total_k, 2, H_kv, D)
+    call = _recall(lib, other, params, unpacked, lambda q, k, v: {"q": q, "kv": torch.stack([k, v], dim=1)})
     views = packed_views(q, *kv.unbind(1))
     return _ARGUMENTS.reason(named) or Conversion.packed(views, mask, scale, dropout_p, call)
 
