@@ -55,18 +55,10 @@ class SdpaCall:
     enable_gqa: bool = False
 
     @staticmethod
-    def bind(
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        dropout_p: float = 0.0,
-        is_causal: bool = False,
-        scale: float | None = None,
-        enable_gqa: bool = False,
-    ) -> SdpaCall:
-        """Bind SDPA's positional/keyword arguments (raises ``TypeError`` for unknown ones)."""
-        return SdpaCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    def bind(*args: Any, **kwargs: Any) -> SdpaCall:
+        """Bind SDPA's positional/keyword arguments, in SDPA's order (the fields'; raises ``TypeError``
+        for unknown ones)."""
+        return SdpaCall(*args, **kwargs)
 
     def replace(self, **changes: Any) -> SdpaCall:
         return dataclasses.replace(self, **changes)

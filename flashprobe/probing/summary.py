@@ -192,16 +192,9 @@ class ProbeSummary:
         less the optional ones that are None (``step``, ``dropout_calls``, ``fallbacks``, ``notes``,
         ``stopped``) and the run's four (``run_nonfinite``, ...) outside a training callback. Its
         lists and dicts are this summary's own (not copies)."""
-        out = {}
         run = self.run_nonfinite is not None
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name in _RUN_FIELDS and not run:
-                continue
-            if f.name in _OPTIONAL_FIELDS and value is None:
-                continue
-            out[f.name] = value
-        return out
+        values = {f.name: getattr(self, f.name) for f in fields(self) if run or f.name not in _RUN_FIELDS}
+        return {k: v for k, v in values.items() if v is not None or k not in _OPTIONAL_FIELDS}
 
 
 #: Fields a summary has only where someone set them (None: left out of ``to_dict``).
@@ -317,10 +310,10 @@ def _failing_call(site: str, direction: str, e: Mapping[str, Any]) -> dict[str, 
         return None
     ratio = e.get("limit_ratio")
     first = e.get("first_failure") or {}
+    where = {"site": site, "direction": direction}
     if first.get("kind") != "nonfinite" and isinstance(ratio, int | float) and ratio > 1:
         return {
-            "site": site,
-            "direction": direction,
+            **where,
             "step": e.get("limit_ratio_step"),
             "kind": "limit_ratio",
             "value": ratio,
@@ -333,12 +326,8 @@ def _failing_call(site: str, direction: str, e: Mapping[str, Any]) -> dict[str, 
         }
     nonfinite = first.get("kind") == "nonfinite" or not isinstance(ratio, int | float)
     return {
-        "site": site,
-        "direction": direction,
-        "step": first.get("step"),
-        "kind": first.get("kind"),
-        "value": first.get("value"),
-        "limit": first.get("limit"),
+        **where,
+        **{k: first.get(k) for k in ("step", "kind", "value", "limit")},
         "limit_ratio": math.inf if nonfinite or not math.isfinite(ratio) else ratio,
         "reason": f"worst call: {direction}: {first.get('reason', 'failed')}",
     }
