@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from flashprobe.bias import BIAS_FIELDS
+from flashprobe.bias import BIAS_FIELDS, BiasStats
 from flashprobe.deviation import StatsWorkspace, combine_sums, pair_sums, reads_are_free
 from flashprobe.formats.reproducer import kernel_module, reproducer_stem, save_reproducer
 from flashprobe.judge import CRITERIA, call_statistics, reason, row_statistics
@@ -416,16 +416,12 @@ class ShadowAttention(nn.Module):
                 record = _BackwardRecord(self, site, prepare(call.detached()))
             except Exception as err:
                 self._failed(site, err)
-        if record is not None:
-            out = self.primary_output(record.tap(call), route, site=site)
-            if out.requires_grad:
-                out.register_hook(record.on_grad_out)
-                record.keep_output(out)
-                return out
-            self._compare_forward(site, call, out, record.prepared)
-            return out
-        out = self.primary_output(call, route, site=site)
-        self._compare_forward(site, call, out)
+        out = self.primary_output(call if record is None else record.tap(call), route, site=site)
+        if record is not None and out.requires_grad:
+            out.register_hook(record.on_grad_out)
+            record.keep_output(out)
+        else:
+            self._compare_forward(site, call, out, None if record is None else record.prepared)
         return out
 
     def run_flex(self, site: str, call: Any) -> Any:
@@ -531,7 +527,9 @@ class ShadowAttention(nn.Module):
                 # Several blocks whose outputs fit the budget twice over are gathered into call-sized
                 # tensors and compared once (one statistics pass per call, rows scaled over the call).
                 gather = self.record and len(plan) > 1 and self._joins(out4.numel(), 24, out4.device)
-                sums = rows = whole = None
+                found: tuple[dict[str, Any], ...] = ({}, {}, {})  # sums, rows, noise
+                bias = self._site(site, out.device).bias if self.record else None
+                whole = None
                 for (blk, b), (_, g) in zip(base, gold, strict=False):  # gold: repeat(None) without golden
                     if gather:
                         if whole is None:
@@ -540,9 +538,10 @@ class ShadowAttention(nn.Module):
                         if g is not None and whole[1] is not None:
                             blk.take_q(whole[1], p.rep).copy_(g)
                     elif self.record:
-                        sums, rows = self._compare_part(site, blk.take_q(out4, p.rep), b, g, sums, rows)
+                        self._fold(found, "out", blk.take_q(out4, p.rep), b, g, bias=bias)
                 if whole is not None:
-                    sums, rows = self._compare_part(site, out4, *whole, sums, rows)
+                    self._fold(found, "out", out4, *whole, bias=bias)
+                sums, rows = found[0].get("out"), found[1].get("out")
                 if self.record and sums is not None:
                     stats = self._site(site, out.device)
                     worst = None if rows is None else {"out": rows}
@@ -554,21 +553,28 @@ class ShadowAttention(nn.Module):
         except Exception as err:
             self._failed(site, err)
 
-    def _compare_part(
+    def _fold(
         self,
-        site: str,
+        found: tuple[dict[str, Any], ...],
+        n: str,
         mine: torch.Tensor,
         base: torch.Tensor,
         gold: torch.Tensor | None,
-        sums: torch.Tensor | None,
-        rows: torch.Tensor | None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Fold one block's (or the whole call's) forward statistics into ``sums``, ``rows``, and its
-        signed bias into the site's; returns the new ``(sums, rows)``."""
-        part, row, _, finite = self._statistics(mine, base, gold)
-        if gold is not None:
-            self._site(site, mine.device).bias.add("out", mine, gold, base, finite=finite)
-        return combine_sums(sums, part), _worst(rows, row)
+        form: torch.Tensor | None = None,
+        *,
+        bias: BiasStats | None = None,
+    ) -> None:
+        """Fold one block's (or a whole call's) statistics of ``n`` (``"out"``, or ``q``/``k``/``v``:
+        the gradient, in the model's units) into ``found``'s pair sums, row statistics and flash-form
+        noise (:meth:`_statistics`) under ``n``, and its signed bias into ``bias``."""
+        sums, rows, noise = found
+        part, row, form_noise, finite = self._statistics(mine, base, gold, form)
+        sums[n] = combine_sums(sums.get(n), part if n == "out" else self._unscale(part))
+        rows[n] = _worst(rows.get(n), row)
+        if form_noise is not None:
+            noise[n] = self._noise(noise.get(n), form_noise)
+        if bias is not None and gold is not None:
+            bias.add("out" if n == "out" else f"d{n}", mine, gold, base, finite=finite)
 
     def _compare_backward(
         self,
@@ -641,6 +647,7 @@ class ShadowAttention(nn.Module):
         sums: dict[str, torch.Tensor | None] = dict.fromkeys((*names, "out"))
         rows: dict[str, torch.Tensor | None] = dict.fromkeys((*names, "out"))
         noise: dict[str, torch.Tensor | None] = dict.fromkeys(names)
+        found = (sums, rows, noise)
         plan = self._plan(p, backward=True)
         args = {**self._call_args(p), "need": names, "blocks": plan}
         base = reference_gradients(self.baseline, p.q, p.k, p.v, grad_out, dtype=p.dtype, **args)
@@ -655,18 +662,6 @@ class ShadowAttention(nn.Module):
             else itertools.repeat(None)
         )
         bias = None if stats is None else stats.bias
-
-        def fold(n: str, part_of_mine: torch.Tensor, b: torch.Tensor, g: Any, f: Any = None) -> None:
-            """Fold one block of ``n`` (``"out"`` or an input) into ``sums``, ``rows``, ``noise`` and
-            its signed bias (the gradients' sums in the model's units)."""
-            part, row, form, finite = self._statistics(part_of_mine, b, g, f)
-            sums[n] = combine_sums(sums[n], part if n == "out" else self._unscale(part))
-            rows[n] = _worst(rows[n], row)
-            if form is not None:
-                noise[n] = self._noise(noise[n], form)
-            if bias is not None and g is not None:
-                bias.add("out" if n == "out" else f"d{n}", part_of_mine, g, b, finite=finite)
-
         for bg, gg, fg in zip(base, gold, flash, strict=False):  # gold, flash: repeat(None) without golden
             if not self.record:
                 continue
@@ -677,15 +672,16 @@ class ShadowAttention(nn.Module):
             with torch.no_grad():
                 for i, blk in enumerate(bg.blocks):
                     if out is not None:
-                        fold("out", blk.take_q(out, p.rep), bg.outs[i], gg.outs[i] if gg else None)
+                        g_out = gg.outs[i] if gg else None
+                        self._fold(found, "out", blk.take_q(out, p.rep), bg.outs[i], g_out, bias=bias)
                     if "q" in names:
                         q_refs = (bg.dq[i], gg.dq[i] if gg else None, fg.dq[i] if fg else None)
-                        fold("q", blk.take_q(mine["q"], p.rep), *q_refs)
+                        self._fold(found, "q", blk.take_q(mine["q"], p.rep), *q_refs, bias=bias)
                 first = bg.blocks[0]
                 for n in ("k", "v"):
                     if n in names:
                         refs = (getattr(x, f"d{n}") if x else None for x in (bg, gg, fg))
-                        fold(n, mine[n][first.batch, first.heads], *refs)
+                        self._fold(found, n, mine[n][first.batch, first.heads], *refs, bias=bias)
         return sums, rows, noise
 
     def _statistics(
