@@ -178,14 +178,6 @@ def forget_plans() -> None:
     _PLANS.clear()
 
 
-def _wrapper_plan(named: dict[str, Any]) -> tuple[Any, _Plan | None]:
-    wrapper = named.pop("self", None)
-    try:
-        return wrapper, _PLANS.get(wrapper)
-    except TypeError:  # not weak-referenceable
-        return wrapper, None
-
-
 def _paged_cache(cache: Any, layout: str) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """``(k_cache, v_cache, page_size)`` of a paged KV cache: a ``(k, v)`` pair of 4-D tensors or one
     5-D tensor with k and v at index 1."""
@@ -214,7 +206,11 @@ def _batch(
     * ``"paged_decode"``: ``BatchDecodeWithPagedKVCacheWrapper.run(q, paged_kv_cache, ...)``:
       ``q (B, H, D)``, one query per request, pages from ``plan(indptr, indices, last_page_len, ...)``.
     """
-    wrapper, plan = _wrapper_plan(named)
+    wrapper = named.pop("self", None)
+    try:
+        plan = _PLANS.get(wrapper)
+    except TypeError:  # not weak-referenceable
+        plan = None
     if plan is None:
         return _NO_PLAN
     layout = getattr(wrapper, "_kv_layout", "NHD")

@@ -556,7 +556,7 @@ class ShadowAttention(nn.Module):
     def _fold(
         self,
         found: tuple[dict[str, Any], ...],
-        n: str,
+        d: str,
         mine: torch.Tensor,
         base: torch.Tensor,
         gold: torch.Tensor | None,
@@ -564,17 +564,22 @@ class ShadowAttention(nn.Module):
         *,
         bias: BiasStats | None = None,
     ) -> None:
-        """Fold one block's (or a whole call's) statistics of ``n`` (``"out"``, or ``q``/``k``/``v``:
-        the gradient, in the model's units) into ``found``'s pair sums, row statistics and flash-form
-        noise (:meth:`_statistics`) under ``n``, and its signed bias into ``bias``."""
+        """Fold one block's (or a whole call's) statistics of direction ``d`` (a gradient's in the model's
+        units) into ``found``'s pair sums, row statistics and flash-form noise under ``d``,
+        and its signed bias into ``bias``: the pair sums alone without the golden, else, from one pass
+        (:func:`~flashprobe.judge.call_statistics`), also the row statistics, (given the baseline's
+        flash ``form``) the form's noise and whether every value was read finite."""
         sums, rows, noise = found
-        part, row, form_noise, finite = self._statistics(mine, base, gold, form)
-        sums[n] = combine_sums(sums.get(n), part if n == "out" else self._unscale(part))
-        rows[n] = _worst(rows.get(n), row)
+        if gold is None:
+            part, row, form_noise, finite = pair_sums(mine, base, None, self._workspace), None, None, False
+        else:
+            part, row, form_noise, finite = call_statistics(mine, base, gold, self._workspace, form=form)
+        sums[d] = combine_sums(sums.get(d), part if d == "out" else self._unscale(part))
+        rows[d] = _worst(rows.get(d), row)
         if form_noise is not None:
-            noise[n] = self._noise(noise.get(n), form_noise)
+            noise[d] = self._noise(noise.get(d), form_noise)
         if bias is not None and gold is not None:
-            bias.add("out" if n == "out" else f"d{n}", mine, gold, base, finite=finite)
+            bias.add(d, mine, gold, base, finite=finite)
 
     def _compare_backward(
         self,
@@ -599,9 +604,9 @@ class ShadowAttention(nn.Module):
                     inputs = {"grad_out": grad_out}
                     if out4 is not None and sums["out"] is not None:
                         inputs.update(zip("qkv", p[:3], strict=True))
-                    found = {("out" if n == "out" else f"d{n}"): s for n, s in sums.items() if s is not None}
-                    worst = {("out" if n == "out" else f"d{n}"): r for n, r in rows.items() if r is not None}
-                    forms = {f"d{n}": r for n, r in noise.items() if r is not None}
+                    found = {d: s for d, s in sums.items() if s is not None}
+                    worst = {d: r for d, r in rows.items() if r is not None}
+                    forms = {d: r for d, r in noise.items() if r is not None}
                     kinds = stats.add_many(found, p.dtype, record.step, worst, forms)
                     stats.add_nonfinite_inputs(inputs)
                     self._after_call(site, record.step, kinds, p, grad_out)
@@ -636,17 +641,19 @@ class ShadowAttention(nn.Module):
         """Pair sums and row statistics (:func:`~flashprobe.judge.row_statistics`, with the golden)
         of the primary's gradients ``mine`` (``q``/``k``/``v``, shaped as in ``p``) against the
         references' for the ``(B, H, N_q, D_v)`` output gradient, over all blocks; with the primary's
-        ``(B, H, N_q, D_v)`` output ``out``, also the forward's (key ``"out"``), from the
+        ``(B, H, N_q, D_v)`` output ``out``, also the forward's, from the
         references' outputs of the same passes. With the golden, also the gradients' noise in the
         baseline's flash form (:func:`~flashprobe.judge.noise_statistics`): flash kernels take
         ``rowsum(dO∘O)`` from the rounded output, which autograd through the baseline does not.
-        With the golden and ``stats``, also adds each direction's signed bias to ``stats.bias``."""
+        With the golden and ``stats``, also adds each direction's signed bias to ``stats.bias``. Each
+        keyed by direction (``dq``/``dk``/``dv``; ``out``: the forward's)."""
         from flashprobe.fuzz.flash_form import flash_form_attention
 
         names = tuple(mine)
-        sums: dict[str, torch.Tensor | None] = dict.fromkeys((*names, "out"))
-        rows: dict[str, torch.Tensor | None] = dict.fromkeys((*names, "out"))
-        noise: dict[str, torch.Tensor | None] = dict.fromkeys(names)
+        directions = tuple(f"d{n}" for n in names)
+        sums: dict[str, torch.Tensor | None] = dict.fromkeys((*directions, "out"))
+        rows: dict[str, torch.Tensor | None] = dict.fromkeys((*directions, "out"))
+        noise: dict[str, torch.Tensor | None] = dict.fromkeys(directions)
         found = (sums, rows, noise)
         plan = self._plan(p, backward=True)
         args = {**self._call_args(p), "need": names, "blocks": plan}
@@ -676,27 +683,13 @@ class ShadowAttention(nn.Module):
                         self._fold(found, "out", blk.take_q(out, p.rep), bg.outs[i], g_out, bias=bias)
                     if "q" in names:
                         q_refs = (bg.dq[i], gg.dq[i] if gg else None, fg.dq[i] if fg else None)
-                        self._fold(found, "q", blk.take_q(mine["q"], p.rep), *q_refs, bias=bias)
+                        self._fold(found, "dq", blk.take_q(mine["q"], p.rep), *q_refs, bias=bias)
                 first = bg.blocks[0]
                 for n in ("k", "v"):
                     if n in names:
                         refs = (getattr(x, f"d{n}") if x else None for x in (bg, gg, fg))
-                        self._fold(found, n, mine[n][first.batch, first.heads], *refs, bias=bias)
+                        self._fold(found, f"d{n}", mine[n][first.batch, first.heads], *refs, bias=bias)
         return sums, rows, noise
-
-    def _statistics(
-        self,
-        primary: torch.Tensor,
-        baseline: torch.Tensor,
-        golden: torch.Tensor | None,
-        form: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, bool]:
-        """One block's pair sums; with the golden also its row statistics, (given the baseline's flash
-        ``form``) the form's noise and whether every value was read finite, from one pass
-        (:func:`~flashprobe.judge.call_statistics`)."""
-        if golden is None:
-            return pair_sums(primary, baseline, None, self._workspace), None, None, False
-        return call_statistics(primary, baseline, golden, self._workspace, form=form)
 
     def _noise(self, total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
         """Fold one block's flash-form gradient noise (:func:`~flashprobe.judge.noise_statistics`) into
