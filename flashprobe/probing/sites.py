@@ -140,11 +140,7 @@ def unbind(handle: Any) -> None:
 
 def roots() -> list[nn.Module]:
     """The attached models, each once, oldest first."""
-    out: list[nn.Module] = []
-    for b in _bindings:
-        if all(r is not b.model for r in out):
-            out.append(b.model)
-    return out
+    return list({id(b.model): b.model for b in _bindings}.values())
 
 
 def _site_name(path: str) -> str:
