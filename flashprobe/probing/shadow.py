@@ -564,11 +564,11 @@ class ShadowAttention(nn.Module):
         *,
         bias: BiasStats | None = None,
     ) -> None:
-        """Fold one block's (or a whole call's) statistics of direction ``d`` (a gradient's in the model's
-        units) into ``found``'s pair sums, row statistics and flash-form noise under ``d``,
-        and its signed bias into ``bias``: the pair sums alone without the golden, else, from one pass
-        (:func:`~flashprobe.judge.call_statistics`), also the row statistics, (given the baseline's
-        flash ``form``) the form's noise and whether every value was read finite."""
+        """Fold one block's (or a whole call's) statistics of direction ``d`` (``out``, or a gradient's,
+        its sums in the model's units) into ``found``'s pair sums, row statistics and flash-form noise
+        under ``d``, and its signed bias into ``bias``: the pair sums alone without the golden, else,
+        from one pass (:func:`~flashprobe.judge.call_statistics`), also the row statistics, (given the
+        baseline's flash ``form``) the form's noise and whether every value was read finite."""
         sums, rows, noise = found
         if gold is None:
             part, row, form_noise, finite = pair_sums(mine, base, None, self._workspace), None, None, False
