@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -55,18 +55,10 @@ class SdpaCall:
     enable_gqa: bool = False
 
     @staticmethod
-    def bind(
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        dropout_p: float = 0.0,
-        is_causal: bool = False,
-        scale: float | None = None,
-        enable_gqa: bool = False,
-    ) -> SdpaCall:
-        """Bind SDPA's positional/keyword arguments (raises ``TypeError`` for unknown ones)."""
-        return SdpaCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    def bind(*args: Any, **kwargs: Any) -> SdpaCall:
+        """Bind SDPA's positional/keyword arguments, in SDPA's order (the fields'; raises ``TypeError``
+        for unknown ones)."""
+        return SdpaCall(*args, **kwargs)
 
     def replace(self, **changes: Any) -> SdpaCall:
         return dataclasses.replace(self, **changes)
@@ -95,28 +87,22 @@ class SdpaCall:
 def autocast_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype SDPA computes in for input ``t``: the autocast dtype if autocast is on for its
     device and ``t`` is a floating tensor other than float64 (torch's autocast rule), else ``t.dtype``."""
-    device_type = t.device.type
-    try:
-        enabled = torch.is_autocast_enabled(device_type)
-    except RuntimeError:  # a device type without autocast support
-        return t.dtype
-    if enabled and t.is_floating_point() and t.dtype != torch.float64:
-        return torch.get_autocast_dtype(device_type)
+    if _autocast_on(t.device.type) and t.is_floating_point() and t.dtype != torch.float64:
+        return torch.get_autocast_dtype(t.device.type)
     return t.dtype
 
 
-@contextlib.contextmanager
-def autocast_off(device_type: str) -> Iterator[None]:
-    """Disable autocast for ``device_type`` inside the block (no-op when it is off)."""
+def _autocast_on(device_type: str) -> bool:
     try:
-        enabled = torch.is_autocast_enabled(device_type)
-    except RuntimeError:
-        enabled = False
-    if not enabled:
-        yield
-        return
-    with torch.autocast(device_type, enabled=False):
-        yield
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type without autocast support
+        return False
+
+
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """Disable autocast for ``device_type`` inside the block (no-op when it is off)."""
+    on = _autocast_on(device_type)
+    return torch.autocast(device_type, enabled=False) if on else contextlib.nullcontext()
 
 
 def _to_4d(x: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from flashprobe.probing import patching
 from flashprobe.probing.call import SdpaCall
-from flashprobe.probing.sites import Resolution, find_caller, passthrough
+from flashprobe.probing.sites import Resolution, passthrough, probing_caller
 
 __all__ = [
     "Conversion",
@@ -364,14 +364,6 @@ def bind_arguments(
     return named, extras
 
 
-def _context(frame: Any) -> Resolution | None:
-    """The probe resolution of a direct call made from ``frame``, or None to run it unchanged."""
-    if torch.compiler.is_compiling():
-        return None
-    res = find_caller(frame)
-    return None if res is None or res.probe is None else res
-
-
 def _probe_call(
     res: Resolution,
     what: str,
@@ -458,7 +450,7 @@ def function_wrapper(original: Callable[..., Any], convert: Convert, what: str) 
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        res = _context(sys._getframe(1))
+        res = probing_caller(sys._getframe(1))
         if res is None or signature is None:
             return original(*args, **kwargs)
         return _probe_call(res, what, original, signature, convert, args, kwargs)

@@ -55,10 +55,26 @@ _ARGUMENTS = Expressible(
 )
 
 
-def _flash_common(named: dict[str, Any]) -> tuple[float, float | None, bool]:
-    """Pop flash-attn's dropout, scale and causal flag."""
-    dropout_p = named.pop("dropout_p", 0.0) or 0.0
-    return float(dropout_p), named.pop("softmax_scale", None), bool(named.pop("causal", False))
+def _flash_common(named: dict[str, Any]) -> tuple[float, float | None, bool, dict[str, Any]]:
+    """Pop flash-attn's dropout, scale and causal flag; also the arguments the library is called with
+    again (those left, with the scale and causal flag)."""
+    dropout_p = float(named.pop("dropout_p", 0.0) or 0.0)
+    scale, causal = named.pop("softmax_scale", None), bool(named.pop("causal", False))
+    return dropout_p, scale, causal, {**named, "softmax_scale": scale, "causal": causal}
+
+
+def _recall(
+    lib: Library, other: dict, params: dict, back: Callable, pack: Callable | None = None
+) -> Callable:
+    """The library called on the shadow's ``q, k, v`` (each brought back to the library's layout by
+    ``back``, then ``pack``-ed into its tensor arguments; default: ``q``, ``k``, ``v``) with ``other`` and
+    the shadow's dropout: a :attr:`~flashprobe.probing.direct.Conversion.call_library`."""
+    pack = pack or (lambda q, k, v: {"q": q, "k": k, "v": v})
+
+    def call(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, dp: float) -> Any:
+        return lib(with_arguments(other, params, dp, **pack(*(back(t) for t in (qh, kh, vh)))))
+
+    return call
 
 
 def _bnhd(lib: Library, named: dict, params: dict, run: Callable[[], Any]) -> Conversion | str | None:
@@ -66,14 +82,9 @@ def _bnhd(lib: Library, named: dict, params: dict, run: Callable[[], Any]) -> Co
     q, k, v = (named.pop(n, None) for n in "qkv")
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         return None
-    dropout_p, scale, causal = _flash_common(named)
+    dropout_p, scale, causal, other = _flash_common(named)
     mask, sdpa_causal = bottom_right(q.shape[1], k.shape[1], causal, q.device)
-    other = {**named, "softmax_scale": scale, "causal": causal}
-
-    def call(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, dp: float) -> Any:
-        tensors = {n: t.transpose(1, 2) for n, t in zip("qkv", (qh, kh, vh), strict=True)}  # (B, N, H, D)
-        return lib(with_arguments(other, params, dp, **tensors))
-
+    call = _recall(lib, other, params, swap_heads)
     views = [swap_heads(t) for t in (q, k, v)]  # (B, H, N, D)
     return _ARGUMENTS.reason(named) or _dense(views, mask, sdpa_causal, scale, dropout_p, call)
 
@@ -84,8 +95,7 @@ def _qkvpacked(lib: Library, named: dict, params: dict, run: Callable[[], Any]) 
     qkv, heads_q = named.pop("qkv", None), named.pop("num_heads_q", None)
     if not isinstance(qkv, torch.Tensor):
         return None
-    dropout_p, scale, causal = _flash_common(named)
-    other = {**named, "softmax_scale": scale, "causal": causal}
+    dropout_p, scale, causal, other = _flash_common(named)
     if heads_q is not None:
         other["num_heads_q"] = heads_q
     if qkv.dim() == 5:
@@ -101,10 +111,7 @@ def _qkvpacked(lib: Library, named: dict, params: dict, run: Callable[[], Any]) 
             return torch.cat(ts, dim=2)
     else:
         return None
-
-    def call(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, dp: float) -> Any:
-        return lib(with_arguments(other, params, dp, qkv=pack(*(t.transpose(1, 2) for t in (qh, kh, vh)))))
-
+    call = _recall(lib, other, params, swap_heads, lambda *ts: {"qkv": pack(*ts)})
     views = [swap_heads(t) for t in parts]
     return _ARGUMENTS.reason(named) or _dense(views, None, causal, scale, dropout_p, call)
 
@@ -114,14 +121,10 @@ def _kvpacked(lib: Library, named: dict, params: dict, run: Callable[[], Any]) -
     q, kv = named.pop("q", None), named.pop("kv", None)
     if not (isinstance(q, torch.Tensor) and isinstance(kv, torch.Tensor) and q.dim() == 4 and kv.dim() == 5):
         return None
-    dropout_p, scale, causal = _flash_common(named)
+    dropout_p, scale, causal, other = _flash_common(named)
     mask, sdpa_causal = bottom_right(q.shape[1], kv.shape[1], causal, q.device)
-    other = {**named, "softmax_scale": scale, "causal": causal}
-
-    def call(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, dp: float) -> Any:
-        packed = torch.stack([kh.transpose(1, 2), vh.transpose(1, 2)], dim=2)  # (B, N_k, 2, H_kv, D)
-        return lib(with_arguments(other, params, dp, q=qh.transpose(1, 2), kv=packed))
-
+    # kv: (B, N_k, 2, H_kv, D)
+    call = _recall(lib, other, params, swap_heads, lambda q, k, v: {"q": q, "kv": torch.stack([k, v], dim=2)})
     views = [swap_heads(t) for t in (q, kv[:, :, 0], kv[:, :, 1])]
     return _ARGUMENTS.reason(named) or _dense(views, mask, sdpa_causal, scale, dropout_p, call)
 
@@ -150,8 +153,8 @@ def _varlen(lib: Library, named: dict, params: dict, run: Callable[[], Any]) -> 
     tensors = (q, k, v, cu_q, cu_k)
     if not all(isinstance(t, torch.Tensor) for t in tensors) or q.dim() != 3:
         return None
-    dropout_p, scale, causal = _flash_common(named)
-    other = {**named, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "softmax_scale": scale, "causal": causal}
+    dropout_p, scale, causal, other = _flash_common(named)
+    other.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     if table is not None:  # paged: compared forward, the library gets its own arguments
         reason = _ARGUMENTS.reason(named)
         if reason or dropout_p:
@@ -162,10 +165,7 @@ def _varlen(lib: Library, named: dict, params: dict, run: Callable[[], Any]) -> 
         views = [*packed_views(q.detach()), gather_pages(k, slots, "NHD"), gather_pages(v, slots, "NHD")]
         return Conversion.packed(views, mask, scale, 0.0, own_arguments(run))
     mask = varlen_mask(cu_q, cu_k, q.shape[0], k.shape[0], causal)
-
-    def call(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, dp: float) -> Any:
-        return lib(with_arguments(other, params, dp, q=unpacked(qh), k=unpacked(kh), v=unpacked(vh)))
-
+    call = _recall(lib, other, params, unpacked)
     return _ARGUMENTS.reason(named) or Conversion.packed(packed_views(q, k, v), mask, scale, dropout_p, call)
 
 
@@ -176,14 +176,11 @@ def _varlen_qkvpacked(
     qkv, cu = named.pop("qkv", None), named.pop("cu_seqlens", None)
     if not (isinstance(qkv, torch.Tensor) and isinstance(cu, torch.Tensor) and qkv.dim() == 4):
         return None
-    dropout_p, scale, causal = _flash_common(named)
-    other = {**named, "cu_seqlens": cu, "softmax_scale": scale, "causal": causal}
+    dropout_p, scale, causal, other = _flash_common(named)
+    other["cu_seqlens"] = cu
     mask = varlen_mask(cu, cu, qkv.shape[0], qkv.shape[0], causal)
-
-    def call(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, dp: float) -> Any:
-        packed = torch.stack([unpacked(t) for t in (qh, kh, vh)], dim=1)  # (total, 3, H, D)
-        return lib(with_arguments(other, params, dp, qkv=packed))
-
+    # qkv: (total, 3, H, D)
+    call = _recall(lib, other, params, unpacked, lambda *ts: {"qkv": torch.stack(ts, dim=1)})
     views = packed_views(*qkv.unbind(1))
     return _ARGUMENTS.reason(named) or Conversion.packed(views, mask, scale, dropout_p, call)
 
@@ -197,14 +194,11 @@ def _varlen_kvpacked(
     cu_q, cu_k = named.pop("cu_seqlens_q", None), named.pop("cu_seqlens_k", None)
     if not all(isinstance(t, torch.Tensor) for t in (q, kv, cu_q, cu_k)) or kv.dim() != 4:
         return None
-    dropout_p, scale, causal = _flash_common(named)
-    other = {**named, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "softmax_scale": scale, "causal": causal}
+    dropout_p, scale, causal, other = _flash_common(named)
+    other.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     mask = varlen_mask(cu_q, cu_k, q.shape[0], kv.shape[0], causal)
-
-    def call(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, dp: float) -> Any:
-        packed = torch.stack([unpacked(kh), unpacked(vh)], dim=1)  # (total_k, 2, H_kv, D)
-        return lib(with_arguments(other, params, dp, q=unpacked(qh), kv=packed))
-
+    # kv: (total_k, 2, H_kv, D)
+    call = _recall(lib, other, params, unpacked, lambda q, k, v: {"q": q, "kv": torch.stack([k, v], dim=1)})
     views = packed_views(q, *kv.unbind(1))
     return _ARGUMENTS.reason(named) or Conversion.packed(views, mask, scale, dropout_p, call)
 
@@ -241,7 +235,7 @@ def _with_kvcache(lib: Library, named: dict, params: dict, run: Callable[[], Any
         return None
     if (k_new is None) != (v_new is None) or (k_new is not None and seqlens is None):
         return None  # the library refuses these: let it say so
-    _, scale, causal = _flash_common(named)
+    _, scale, causal, _ = _flash_common(named)
     reason = _ARGUMENTS.reason(named)
     if reason:
         return reason

@@ -178,14 +178,6 @@ def forget_plans() -> None:
     _PLANS.clear()
 
 
-def _wrapper_plan(named: dict[str, Any]) -> tuple[Any, _Plan | None]:
-    wrapper = named.pop("self", None)
-    try:
-        return wrapper, _PLANS.get(wrapper)
-    except TypeError:  # not weak-referenceable
-        return wrapper, None
-
-
 def _paged_cache(cache: Any, layout: str) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """``(k_cache, v_cache, page_size)`` of a paged KV cache: a ``(k, v)`` pair of 4-D tensors or one
     5-D tensor with k and v at index 1."""
@@ -200,10 +192,25 @@ def _paged_cache(cache: Any, layout: str) -> tuple[torch.Tensor, torch.Tensor, i
     return k, v, k.shape[1] if layout == "NHD" else k.shape[2]
 
 
-def _batch(named: dict, run: Callable[[], Any], form: str) -> Conversion | str | None:
-    """A FlashInfer batch wrapper's ``run``: ragged ``(q, k, v)`` or paged ``(q, paged_kv_cache)``, with
-    the sequences, mask and scale of its recorded plan."""
-    wrapper, plan = _wrapper_plan(named)
+def _batch(
+    form: str, lib: Library, named: dict, params: dict, run: Callable[[], Any]
+) -> Conversion | str | None:
+    """A FlashInfer batch wrapper's ``run``, with the sequences, mask and scale of its recorded plan;
+    ``form`` names the wrapper:
+
+    * ``"ragged"``: ``BatchPrefillWithRaggedKVCacheWrapper.run(q, k, v, ...)``: ``q (total_q, H, D)``,
+      ``k``/``v`` ``(total_k, H_kv, D)`` (NHD; HND ``(H_kv, total_k, D)``), sequences from
+      ``plan(qo_indptr, kv_indptr)``;
+    * ``"paged_prefill"``: ``BatchPrefillWithPagedKVCacheWrapper.run(q, paged_kv_cache, ...)``: pages
+      from ``plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, ...)``;
+    * ``"paged_decode"``: ``BatchDecodeWithPagedKVCacheWrapper.run(q, paged_kv_cache, ...)``:
+      ``q (B, H, D)``, one query per request, pages from ``plan(indptr, indices, last_page_len, ...)``.
+    """
+    wrapper = named.pop("self", None)
+    try:
+        plan = _PLANS.get(wrapper)
+    except TypeError:  # not weak-referenceable
+        plan = None
     if plan is None:
         return _NO_PLAN
     layout = getattr(wrapper, "_kv_layout", "NHD")
@@ -257,27 +264,6 @@ def _batch(named: dict, run: Callable[[], Any], form: str) -> Conversion | str |
 
     mask = plan.cached(("mask", device, q.shape[0], keys.shape[2], causal), make_mask)
     return Conversion.packed([*packed_views(q.detach()), keys, values], mask, scale, 0.0, own_arguments(run))
-
-
-def _ragged(lib: Library, named: dict, params: dict, run: Callable[[], Any]) -> Conversion | str | None:
-    """``BatchPrefillWithRaggedKVCacheWrapper.run(q, k, v, ...)``: ``q (total_q, H, D)``, ``k``/``v``
-    ``(total_k, H_kv, D)`` (NHD; HND ``(H_kv, total_k, D)``), sequences from
-    ``plan(qo_indptr, kv_indptr)``."""
-    return _batch(named, run, "ragged")
-
-
-def _paged_prefill(
-    lib: Library, named: dict, params: dict, run: Callable[[], Any]
-) -> Conversion | str | None:
-    """``BatchPrefillWithPagedKVCacheWrapper.run(q, paged_kv_cache, ...)``: pages from
-    ``plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, ...)``."""
-    return _batch(named, run, "paged_prefill")
-
-
-def _paged_decode(lib: Library, named: dict, params: dict, run: Callable[[], Any]) -> Conversion | str | None:
-    """``BatchDecodeWithPagedKVCacheWrapper.run(q, paged_kv_cache, ...)``: ``q (B, H, D)``, one query per
-    request, pages from ``plan(indptr, indices, last_page_len, ...)``."""
-    return _batch(named, run, "paged_decode")
 
 
 def flashinfer_slots(
@@ -381,10 +367,14 @@ FUNCTIONS = DirectFunctions(
 
 #: The batch wrappers ``(module, class, convert)``: ``plan`` recorded, ``run`` (and the deprecated
 #: ``forward``, which sets ``run``'s settings) a site.
-CLASSES: tuple[tuple[str, str, Convert], ...] = (
-    *((m, "BatchPrefillWithRaggedKVCacheWrapper", _ragged) for m in _PREFILL),
-    *((m, "BatchPrefillWithPagedKVCacheWrapper", _paged_prefill) for m in _PREFILL),
-    *((m, "BatchDecodeWithPagedKVCacheWrapper", _paged_decode) for m in _DECODE),
+CLASSES: tuple[tuple[str, str, Convert], ...] = tuple(
+    (m, name, functools.partial(_batch, form))
+    for name, form, modules in (
+        ("BatchPrefillWithRaggedKVCacheWrapper", "ragged", _PREFILL),
+        ("BatchPrefillWithPagedKVCacheWrapper", "paged_prefill", _PREFILL),
+        ("BatchDecodeWithPagedKVCacheWrapper", "paged_decode", _DECODE),
+    )
+    for m in modules
 )
 
 

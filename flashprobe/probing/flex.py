@@ -38,7 +38,7 @@ from flashprobe.kernels import default_scale
 from flashprobe.kernels.flex import FLEX_ORIGINAL
 from flashprobe.kernels.reference import expand_kv
 from flashprobe.probing import patching
-from flashprobe.probing.sites import find_caller, passthrough
+from flashprobe.probing.sites import passthrough, probing_caller
 
 __all__ = ["FLEX_ORIGINAL", "SOURCE", "FlexCall", "flex_reference", "probed_call"]
 
@@ -163,10 +163,8 @@ def probed_call(frame: Any, call: Callable[[], FlexCall], run: Callable[[], Any]
     """One FlexAttention call made from ``frame``: handed to the probe of the attached module that made
     it (``call()`` binds its arguments), or ``run()`` unchanged (outside probed models, while Dynamo
     traces, arguments that do not bind)."""
-    if torch.compiler.is_compiling():
-        return run()
-    res = find_caller(frame)
-    if res is None or res.probe is None:
+    res = probing_caller(frame)
+    if res is None:
         return run()
     try:
         bound = call()

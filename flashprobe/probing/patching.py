@@ -34,10 +34,6 @@ from flashprobe.probing.sites import ProbeWarning
 __all__ = ["Source", "install", "installed", "patch", "patch_attribute", "stand_in_of", "uninstall"]
 
 
-def _nothing() -> Mapping[int, tuple[Any, Any]]:
-    return {}
-
-
 @dataclass(frozen=True)
 class Source:
     """One source of attention calls and how its names are swapped.
@@ -53,7 +49,7 @@ class Source:
 
     name: str
     install: Callable[[], None]
-    stand_ins: Callable[[], Mapping[int, tuple[Any, Any]]] = _nothing
+    stand_ins: Callable[[], Mapping[int, tuple[Any, Any]]] = dict
     forget: Callable[[], None] | None = None
 
 

@@ -32,6 +32,7 @@ from flashprobe.probing.config import ProbeConfig
 from flashprobe.probing.intercept import AttentionRoute, active_handles
 from flashprobe.probing.routing import KernelRoute, model_device_dtype
 from flashprobe.probing.shadow import ShadowAttention
+from flashprobe.probing.stats import failure_order
 from flashprobe.probing.summary import ProbeSummary
 
 __all__ = ["Probe", "probe"]
@@ -117,9 +118,9 @@ class Probe(AttentionRoute):
 
     def handle_flex(self, site: str, call: Any) -> Any:
         """Run one intercepted ``flex_attention`` call made at ``site`` (sampled like SDPA calls)."""
-        n = self._calls.get(site, 0)
-        self._calls[site] = n + 1
-        if n % self.every_n_calls or self._step % self.every_n_steps or not self.selects(site):
+        compare = self.will_compare(site)
+        self.count_call(site)
+        if not compare:
             return call.original()
         return self.shadow.run_flex(site, call)
 
@@ -146,10 +147,7 @@ class Probe(AttentionRoute):
     def failures(self) -> list[dict[str, Any]]:
         """The first failure of each site and direction seen so far (kept across :meth:`reset`):
         ``{site, direction, step, kind, value, reason, repro}`` each, in step order."""
-        order = ("out", "dq", "dk", "dv")
-        return sorted(
-            self.shadow.failures.values(), key=lambda f: (f["step"], f["site"], order.index(f["direction"]))
-        )
+        return sorted(self.shadow.failures.values(), key=failure_order)
 
     @property
     def fallbacks(self) -> list[dict[str, Any]]:

@@ -29,6 +29,7 @@ from flashprobe.formats.reproducer import (
 )
 from flashprobe.kernels import KernelSpecError, get_kernel
 from flashprobe.probing.shadow import ShadowAttention
+from flashprobe.probing.stats import site_directions
 
 __all__ = [
     "REPRO_FORMAT",
@@ -148,9 +149,7 @@ def _replay_call(call: Reproducer, spec: str, baseline: str) -> dict[str, Any]:
             "limit_ratio": {},
             "l2_error_ratio": {},
         }
-    directions = {"out": entry["forward"]["out"]}
-    if backward:
-        directions.update((d, entry["backward"][d]) for d in ("dq", "dk", "dv"))
+    directions = site_directions(entry) if backward else {"out": entry["forward"]["out"]}
     verdicts = {d: e["verdict"] for d, e in directions.items() if e["verdict"] is not None}
     reasons = [
         f"{d}: {e['first_failure']['reason']}" for d, e in directions.items() if e.get("first_failure")
@@ -219,16 +218,9 @@ def _smaller(call: Reproducer, axis: str) -> Iterator[Reproducer]:
     """Cuts of the call along ``axis``: its first half, its second half, all but its last step,
     all but its first (a step is one GQA group of heads)."""
     rep = call.q.shape[1] // max(call.k.shape[1], 1)
-    sizes = {
-        "batch": call.q.shape[0],
-        "heads": call.q.shape[1],
-        "n_q": call.q.shape[2],
-        "n_k": call.k.shape[2],
-        "n": call.q.shape[2],
-        "head_dim": call.q.shape[3],
-        "head_dim_v": call.v.shape[3],
-    }
-    n, step = sizes[axis], rep if axis == "heads" else 1
+    dims = zip((call.q, call.k, call.v), _CUT_DIMS["n_q" if axis == "n" else axis], strict=False)
+    n = next(t.shape[dim] for t, dim in dims if dim is not None)  # the axis's size, in q, else k or v
+    step = rep if axis == "heads" else 1
     half = (n // 2) // step * step
     windows = [(0, half), (n - half, n), (0, n - step), (step, n)]
     for start, stop in dict.fromkeys(windows):
@@ -261,14 +253,7 @@ def shrink_reproducer(
         raise ValueError(f"the saved call does not fail with {kernel!r}: nothing to shrink")
     caps = get_kernel(kernel).capabilities
     square = call.is_causal and call.q.shape[2] == call.k.shape[2]
-    axes = (
-        "n" if square else "n_q",
-        *(() if square else ("n_k",)),
-        "batch",
-        "heads",
-        "head_dim",
-        "head_dim_v",
-    )
+    axes = (*(("n",) if square else ("n_q", "n_k")), "batch", "heads", "head_dim", "head_dim_v")
     best, tries = call, 1
 
     def fails(candidate: Reproducer) -> bool:

@@ -28,8 +28,6 @@ class KernelRoute(AttentionRoute):
         kernel: the kernel every call is routed to.
     """
 
-    kind = "route"
-
     def __init__(self, model: nn.Module, kernel: Kernel) -> None:
         super().__init__(model)
         self.kernel = kernel

@@ -590,40 +590,15 @@ class SessionField:
 
 class SessionCallback:
     """What the training callbacks share: their :class:`ProbeSession`'s settings and progress, as
-    attributes of the callback (a mixin; its constructor builds ``self.session``, with the
-    callback's name and the logger of the callback's module)."""
+    attributes of the callback (a mixin; its constructor builds ``self.session`` from
+    :class:`ProbeSession`'s arguments, with the callback's name and the logger of the callback's
+    module)."""
 
     session: ProbeSession
 
-    def __init__(
-        self,
-        config: ProbeConfig | None = None,
-        /,
-        *,
-        log_every_n_steps: int | None = None,
-        dirpath: str | os.PathLike[str] | None = None,
-        filename: str = PROBE_LOG_NAME,
-        plot: bool = True,
-        on_failure: str = "warn",
-        max_reproducers: int = 8,
-        on_nonfinite: str = "stop",
-        console: bool = True,
-        **settings: Any,
-    ) -> None:
-        self.session = ProbeSession(
-            config,
-            who=type(self).__name__,
-            log_every_n_steps=log_every_n_steps,
-            dirpath=dirpath,
-            filename=filename,
-            plot=plot,
-            on_failure=on_failure,
-            max_reproducers=max_reproducers,
-            on_nonfinite=on_nonfinite,
-            console=console,
-            log=logging.getLogger(type(self).__module__),
-            **settings,
-        )
+    def __init__(self, config: ProbeConfig | None = None, /, **options: Any) -> None:
+        who, log = type(self).__name__, logging.getLogger(type(self).__module__)
+        self.session = ProbeSession(config, who=who, log=log, **options)
 
     config = SessionField("The probe's settings (:class:`~flashprobe.probing.ProbeConfig`).")
     log_every_n_steps = SessionField("Read and record the statistics every n steps (None: the trainer's).")

@@ -33,6 +33,7 @@ from torch import nn
 
 from flashprobe.kernels import KernelUnsupportedError
 from flashprobe.probing.routing import model_device_dtype
+from flashprobe.probing.stats import site_directions
 from flashprobe.probing.summary import bias_words
 
 __all__ = [
@@ -49,7 +50,6 @@ __all__ = [
 #: What a training callback does when the weights or the primary's output become non-finite.
 NONFINITE_ACTIONS = ("stop", "continue")
 
-_DIRECTIONS = ("out", "dq", "dk", "dv")
 _RANK = {"fail": 2, "pass": 1, "undetermined": 0}
 
 
@@ -115,11 +115,8 @@ class RunTally:
         summary["first_primary_nonfinite_step"] = first.get("step")
         summary["first_primary_nonfinite_sites"] = list(first.get("sites") or [])
         for site, entry in stats.items():
-            directions = {"out": (entry["forward"]["out"], entry["forward"]["calls"])}
-            directions.update(
-                (d, (entry["backward"][d], entry["backward"]["calls"])) for d in _DIRECTIONS[1:]
-            )
-            for d, (e, calls) in directions.items():
+            for d, e in site_directions(entry).items():
+                calls = entry["forward" if d == "out" else "backward"]["calls"]
                 if not calls:
                     continue
                 row = self.sites.setdefault(site, {}).setdefault(

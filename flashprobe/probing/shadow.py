@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from flashprobe.bias import BIAS_FIELDS
+from flashprobe.bias import BIAS_FIELDS, BiasStats
 from flashprobe.deviation import StatsWorkspace, combine_sums, pair_sums, reads_are_free
 from flashprobe.formats.reproducer import kernel_module, reproducer_stem, save_reproducer
 from flashprobe.judge import CRITERIA, call_statistics, reason, row_statistics
@@ -70,10 +70,8 @@ from flashprobe.probing.config import ProbeConfig
 from flashprobe.probing.flex import flex_reference
 from flashprobe.probing.routing import KernelRoute, check_kernel_here
 from flashprobe.probing.sites import GRAPH_BREAK_REASON, ProbeWarning, passthrough
-from flashprobe.probing.stats import DIRECTIONS, DeviationStats, stats_dict
+from flashprobe.probing.stats import DIRECTIONS, DeviationStats, failure_order, site_directions, stats_dict
 from flashprobe.probing.summary import summarize
-
-_ORDER = ("out", "dq", "dk", "dv")  # failures sort by step, site, then this
 
 __all__ = ["ON_FAILURE", "ProbeFailureError", "ShadowAttention"]
 
@@ -418,16 +416,12 @@ class ShadowAttention(nn.Module):
                 record = _BackwardRecord(self, site, prepare(call.detached()))
             except Exception as err:
                 self._failed(site, err)
-        if record is not None:
-            out = self.primary_output(record.tap(call), route, site=site)
-            if out.requires_grad:
-                out.register_hook(record.on_grad_out)
-                record.keep_output(out)
-                return out
-            self._compare_forward(site, call, out, record.prepared)
-            return out
-        out = self.primary_output(call, route, site=site)
-        self._compare_forward(site, call, out)
+        out = self.primary_output(call if record is None else record.tap(call), route, site=site)
+        if record is not None and out.requires_grad:
+            out.register_hook(record.on_grad_out)
+            record.keep_output(out)
+        else:
+            self._compare_forward(site, call, out, None if record is None else record.prepared)
         return out
 
     def run_flex(self, site: str, call: Any) -> Any:
@@ -471,21 +465,22 @@ class ShadowAttention(nn.Module):
     def _run_dropout(self, site: str, call: SdpaCall, route: KernelRoute | None) -> torch.Tensor:
         out = self.primary_output(call, route, site=site)
         self._dropout_calls[site] = self._dropout_calls.get(site, 0) + 1
-        if self.dropout == "skip":
-            if self.record:
-                self._site(site, out.device)  # the site shows in stats() with its dropout_calls
-            self._warn_once(
-                ("dropout", site),
-                f"flashprobe: site {site!r} uses attention dropout (dropout_p={call.dropout_p}), which "
-                "cannot be compared exactly; skipping these calls (dropout='skip')",
-            )
-            return out
+        skip = self.dropout == "skip"
+        if skip and self.record:
+            self._site(site, out.device)  # the site shows in stats() with its dropout_calls
         self._warn_once(
             ("dropout", site),
             f"flashprobe: site {site!r} uses attention dropout (dropout_p={call.dropout_p}), which "
-            "cannot be compared exactly; comparing the dropout-free primary instead (one extra "
-            "primary call, no random numbers drawn, forward only); pass dropout='skip' to skip",
+            "cannot be compared exactly; "
+            + (
+                "skipping these calls (dropout='skip')"
+                if skip
+                else "comparing the dropout-free primary instead (one extra primary call, no random "
+                "numbers drawn, forward only); pass dropout='skip' to skip"
+            ),
         )
+        if skip:
+            return out
         plain = call.replace(dropout_p=0.0)
         try:
             with torch.no_grad():
@@ -532,7 +527,9 @@ class ShadowAttention(nn.Module):
                 # Several blocks whose outputs fit the budget twice over are gathered into call-sized
                 # tensors and compared once (one statistics pass per call, rows scaled over the call).
                 gather = self.record and len(plan) > 1 and self._joins(out4.numel(), 24, out4.device)
-                sums = rows = whole = None
+                found: tuple[dict[str, Any], ...] = ({}, {}, {})  # sums, rows, noise
+                bias = self._site(site, out.device).bias if self.record else None
+                whole = None
                 for (blk, b), (_, g) in zip(base, gold, strict=False):  # gold: repeat(None) without golden
                     if gather:
                         if whole is None:
@@ -541,9 +538,10 @@ class ShadowAttention(nn.Module):
                         if g is not None and whole[1] is not None:
                             blk.take_q(whole[1], p.rep).copy_(g)
                     elif self.record:
-                        sums, rows = self._compare_part(site, blk.take_q(out4, p.rep), b, g, sums, rows)
+                        self._fold(found, "out", blk.take_q(out4, p.rep), b, g, bias=bias)
                 if whole is not None:
-                    sums, rows = self._compare_part(site, out4, *whole, sums, rows)
+                    self._fold(found, "out", out4, *whole, bias=bias)
+                sums, rows = found[0].get("out"), found[1].get("out")
                 if self.record and sums is not None:
                     stats = self._site(site, out.device)
                     worst = None if rows is None else {"out": rows}
@@ -555,21 +553,33 @@ class ShadowAttention(nn.Module):
         except Exception as err:
             self._failed(site, err)
 
-    def _compare_part(
+    def _fold(
         self,
-        site: str,
+        found: tuple[dict[str, Any], ...],
+        d: str,
         mine: torch.Tensor,
         base: torch.Tensor,
         gold: torch.Tensor | None,
-        sums: torch.Tensor | None,
-        rows: torch.Tensor | None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Fold one block's (or the whole call's) forward statistics into ``sums``, ``rows``, and its
-        signed bias into the site's; returns the new ``(sums, rows)``."""
-        part, row, _, finite = self._statistics(mine, base, gold)
-        if gold is not None:
-            self._site(site, mine.device).bias.add("out", mine, gold, base, finite=finite)
-        return combine_sums(sums, part), _worst(rows, row)
+        form: torch.Tensor | None = None,
+        *,
+        bias: BiasStats | None = None,
+    ) -> None:
+        """Fold one block's (or a whole call's) statistics of direction ``d`` (``out``, or a gradient's,
+        its sums in the model's units) into ``found``'s pair sums, row statistics and flash-form noise
+        under ``d``, and its signed bias into ``bias``: the pair sums alone without the golden, else,
+        from one pass (:func:`~flashprobe.judge.call_statistics`), also the row statistics, (given the
+        baseline's flash ``form``) the form's noise and whether every value was read finite."""
+        sums, rows, noise = found
+        if gold is None:
+            part, row, form_noise, finite = pair_sums(mine, base, None, self._workspace), None, None, False
+        else:
+            part, row, form_noise, finite = call_statistics(mine, base, gold, self._workspace, form=form)
+        sums[d] = combine_sums(sums.get(d), part if d == "out" else self._unscale(part))
+        rows[d] = _worst(rows.get(d), row)
+        if form_noise is not None:
+            noise[d] = self._noise(noise.get(d), form_noise)
+        if bias is not None and gold is not None:
+            bias.add(d, mine, gold, base, finite=finite)
 
     def _compare_backward(
         self,
@@ -594,9 +604,9 @@ class ShadowAttention(nn.Module):
                     inputs = {"grad_out": grad_out}
                     if out4 is not None and sums["out"] is not None:
                         inputs.update(zip("qkv", p[:3], strict=True))
-                    found = {("out" if n == "out" else f"d{n}"): s for n, s in sums.items() if s is not None}
-                    worst = {("out" if n == "out" else f"d{n}"): r for n, r in rows.items() if r is not None}
-                    forms = {f"d{n}": r for n, r in noise.items() if r is not None}
+                    found = {d: s for d, s in sums.items() if s is not None}
+                    worst = {d: r for d, r in rows.items() if r is not None}
+                    forms = {d: r for d, r in noise.items() if r is not None}
                     kinds = stats.add_many(found, p.dtype, record.step, worst, forms)
                     stats.add_nonfinite_inputs(inputs)
                     self._after_call(site, record.step, kinds, p, grad_out)
@@ -605,12 +615,18 @@ class ShadowAttention(nn.Module):
         except Exception as err:
             self._failed(site, err)
 
-    def _unscale(self, sums: torch.Tensor) -> torch.Tensor:
-        """Gradient pair sums in the model's units: divided by the loss scale's power per row."""
+    def _loss_scale(self, device: torch.device) -> torch.Tensor | None:
+        """The loss scale of the backward being compared, a 0-d float64 tensor on ``device`` (None: none)."""
         scale = None if self._grad_scale is None else self._grad_scale()
         if scale is None:
+            return None
+        return torch.as_tensor(scale, dtype=torch.float64, device=device).reshape(())
+
+    def _unscale(self, sums: torch.Tensor) -> torch.Tensor:
+        """Gradient pair sums in the model's units: divided by the loss scale's power per row."""
+        s = self._loss_scale(sums.device)
+        if s is None:
             return sums
-        s = torch.as_tensor(scale, dtype=torch.float64, device=sums.device).reshape(())
         powers = torch.tensor(_SCALE_POWERS, dtype=torch.float64, device=sums.device).unsqueeze(1)
         return sums / s.pow(powers)
 
@@ -625,17 +641,20 @@ class ShadowAttention(nn.Module):
         """Pair sums and row statistics (:func:`~flashprobe.judge.row_statistics`, with the golden)
         of the primary's gradients ``mine`` (``q``/``k``/``v``, shaped as in ``p``) against the
         references' for the ``(B, H, N_q, D_v)`` output gradient, over all blocks; with the primary's
-        ``(B, H, N_q, D_v)`` output ``out``, also the forward's (key ``"out"``), from the
+        ``(B, H, N_q, D_v)`` output ``out``, also the forward's, from the
         references' outputs of the same passes. With the golden, also the gradients' noise in the
         baseline's flash form (:func:`~flashprobe.judge.noise_statistics`): flash kernels take
         ``rowsum(dO∘O)`` from the rounded output, which autograd through the baseline does not.
-        With the golden and ``stats``, also adds each direction's signed bias to ``stats.bias``."""
+        With the golden and ``stats``, also adds each direction's signed bias to ``stats.bias``. Each
+        keyed by direction (``dq``/``dk``/``dv``; ``out``: the forward's)."""
         from flashprobe.fuzz.flash_form import flash_form_attention
 
         names = tuple(mine)
-        sums: dict[str, torch.Tensor | None] = dict.fromkeys((*names, "out"))
-        rows: dict[str, torch.Tensor | None] = dict.fromkeys((*names, "out"))
-        noise: dict[str, torch.Tensor | None] = dict.fromkeys(names)
+        directions = tuple(f"d{n}" for n in names)
+        sums: dict[str, torch.Tensor | None] = dict.fromkeys((*directions, "out"))
+        rows: dict[str, torch.Tensor | None] = dict.fromkeys((*directions, "out"))
+        noise: dict[str, torch.Tensor | None] = dict.fromkeys(directions)
+        found = (sums, rows, noise)
         plan = self._plan(p, backward=True)
         args = {**self._call_args(p), "need": names, "blocks": plan}
         base = reference_gradients(self.baseline, p.q, p.k, p.v, grad_out, dtype=p.dtype, **args)
@@ -660,46 +679,17 @@ class ShadowAttention(nn.Module):
             with torch.no_grad():
                 for i, blk in enumerate(bg.blocks):
                     if out is not None:
-                        mine_o, b_o, g_o = blk.take_q(out, p.rep), bg.outs[i], gg.outs[i] if gg else None
-                        part, row, _, finite = self._statistics(mine_o, b_o, g_o)
-                        sums["out"], rows["out"] = combine_sums(sums["out"], part), _worst(rows["out"], row)
-                        if bias is not None and g_o is not None:
-                            bias.add("out", mine_o, g_o, b_o, finite=finite)
+                        g_out = gg.outs[i] if gg else None
+                        self._fold(found, "out", blk.take_q(out, p.rep), bg.outs[i], g_out, bias=bias)
                     if "q" in names:
-                        mine_q, g_q = blk.take_q(mine["q"], p.rep), gg.dq[i] if gg else None
-                        part, row, form, finite = self._statistics(
-                            mine_q, bg.dq[i], g_q, fg.dq[i] if fg else None
-                        )
-                        sums["q"] = combine_sums(sums["q"], self._unscale(part))
-                        rows["q"], noise["q"] = _worst(rows["q"], row), self._noise(noise["q"], form)
-                        if bias is not None and g_q is not None:
-                            bias.add("dq", mine_q, g_q, bg.dq[i], finite=finite)
+                        q_refs = (bg.dq[i], gg.dq[i] if gg else None, fg.dq[i] if fg else None)
+                        self._fold(found, "dq", blk.take_q(mine["q"], p.rep), *q_refs, bias=bias)
                 first = bg.blocks[0]
                 for n in ("k", "v"):
                     if n in names:
-                        b_grad, g_grad = getattr(bg, f"d{n}"), getattr(gg, f"d{n}") if gg else None
-                        mine_n = mine[n][first.batch, first.heads]
-                        f_grad = getattr(fg, f"d{n}") if fg else None
-                        part, row, form, finite = self._statistics(mine_n, b_grad, g_grad, f_grad)
-                        sums[n] = combine_sums(sums[n], self._unscale(part))
-                        rows[n], noise[n] = _worst(rows[n], row), self._noise(noise[n], form)
-                        if bias is not None and g_grad is not None:
-                            bias.add(f"d{n}", mine_n, g_grad, b_grad, finite=finite)
+                        refs = (getattr(x, f"d{n}") if x else None for x in (bg, gg, fg))
+                        self._fold(found, f"d{n}", mine[n][first.batch, first.heads], *refs, bias=bias)
         return sums, rows, noise
-
-    def _statistics(
-        self,
-        primary: torch.Tensor,
-        baseline: torch.Tensor,
-        golden: torch.Tensor | None,
-        form: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, bool]:
-        """One block's pair sums; with the golden also its row statistics, (given the baseline's flash
-        ``form``) the form's noise and whether every value was read finite, from one pass
-        (:func:`~flashprobe.judge.call_statistics`)."""
-        if golden is None:
-            return pair_sums(primary, baseline, None, self._workspace), None, None, False
-        return call_statistics(primary, baseline, golden, self._workspace, form=form)
 
     def _noise(self, total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
         """Fold one block's flash-form gradient noise (:func:`~flashprobe.judge.noise_statistics`) into
@@ -707,9 +697,8 @@ class ShadowAttention(nn.Module):
         scale's square)."""
         if part is None:
             return total
-        scale = None if self._grad_scale is None else self._grad_scale()
-        if scale is not None:
-            s = torch.as_tensor(scale, dtype=torch.float64, device=part.device).reshape(())
+        s = self._loss_scale(part.device)
+        if s is not None:
             part = part / torch.stack((s * s, s.new_ones(())))
         return part if total is None else torch.stack((total[0] + part[0], torch.maximum(total[1], part[1])))
 
@@ -749,10 +738,9 @@ class ShadowAttention(nn.Module):
 
     def _new_failures(self, site: str, step: int, codes: Mapping[str, int]) -> None:
         """Record the first failures of ``site``'s directions at this call (their values: one read)."""
-        stats = self._stats[site].as_dict()
+        entries = site_directions(self._stats[site].as_dict())
         for direction, code in codes.items():
-            entry = stats["forward"]["out"] if direction == "out" else stats["backward"][direction]
-            first = entry.get("first_failure") or {}
+            first = entries[direction].get("first_failure") or {}
             kind = CRITERIA.get(code, "relative")
             same = first.get("step") == step
             value = first.get("value", float("nan")) if same else float("nan")
@@ -822,11 +810,7 @@ class ShadowAttention(nn.Module):
         """Record the failures a read of the accumulators shows (e.g. on an accelerator, where calls
         are not read one by one); arm their sites so the next failing call is saved."""
         for site, entry in stats.items():
-            directions = {
-                "out": entry["forward"]["out"],
-                **{d: entry["backward"][d] for d in ("dq", "dk", "dv")},
-            }
-            for direction, e in directions.items():
+            for direction, e in site_directions(entry).items():
                 first = e.get("first_failure")
                 if not first:
                     continue
@@ -986,7 +970,7 @@ def site_verdict(entry: Mapping[str, Any], *, golden: bool = True) -> tuple[str,
     reached the limit: :mod:`flashprobe.bias`; no call failed, yet the errors add up), ``pass`` when
     at least one was judged and none failed, else ``undetermined``; with the reason in words
     (``"biased: out z=-12.3 (limit 5)"`` for a biased site)."""
-    directions = {"out": entry["forward"]["out"], **{d: entry["backward"][d] for d in ("dq", "dk", "dv")}}
+    directions = site_directions(entry)
     failed = [d for d, e in directions.items() if e.get("verdict") == "fail"]
     biased = [d for d, e in directions.items() if (e.get("bias") or {}).get("verdict") == "biased"]
     words = [
@@ -1057,10 +1041,7 @@ def failure_summary(
             "verdict_reason": summary.get("verdict_reason", ""),
             "failures": list(summary.get("failures", [])),
         }
-    listed = [
-        dict(f)
-        for f in sorted(failures.values(), key=lambda f: (f["step"], f["site"], _ORDER.index(f["direction"])))
-    ]
+    listed = [dict(f) for f in sorted(failures.values(), key=failure_order)]
     worst = summary.get("worst_failure")
     if worst is not None:
         listed.append({**worst, "worst": True})

@@ -22,6 +22,7 @@ import types
 from types import FrameType
 from typing import Any, NamedTuple
 
+import torch
 from torch import nn
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "in_passthrough",
     "lock",
     "passthrough",
+    "probing_caller",
     "resolution_of",
     "roots",
     "unbind",
@@ -138,11 +140,7 @@ def unbind(handle: Any) -> None:
 
 def roots() -> list[nn.Module]:
     """The attached models, each once, oldest first."""
-    out: list[nn.Module] = []
-    for b in _bindings:
-        if all(r is not b.model for r in out):
-            out.append(b.model)
-    return out
+    return list({id(b.model): b.model for b in _bindings}.values())
 
 
 def _site_name(path: str) -> str:
@@ -212,6 +210,15 @@ def find_caller(frame: FrameType | None) -> Resolution | None:
                 return res
         frame = frame.f_back
     return None
+
+
+def probing_caller(frame: FrameType | None) -> Resolution | None:
+    """:func:`find_caller` for a call to compare: None also while Dynamo traces (no module frames to
+    walk) and where no probe (only a route) handles the module."""
+    if torch.compiler.is_compiling():
+        return None
+    res = find_caller(frame)
+    return None if res is None or res.probe is None else res
 
 
 def handle_sdpa(res: Resolution, call: Any, route: Any = None) -> Any:

@@ -66,7 +66,6 @@ import torch
 from flashprobe.bias import BIAS_FIELDS, BIAS_SAMPLE, COMPONENTS, LOW_PRECISION, BiasStats, bias_dict
 from flashprobe.deviation import (
     PAIRS,
-    SUM_ROWS,
     StatsWorkspace,
     combine_sums,
     error_ratio,
@@ -93,8 +92,10 @@ __all__ = [
     "call_error_ratio",
     "combine_sums",
     "count_nonfinite_positions",
+    "failure_order",
     "pair_sums",
     "reduce_across_ranks",
+    "site_directions",
     "stats_dict",
     "worst",
 ]
@@ -213,14 +214,7 @@ def call_error_ratio(sums: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Ten
         baseline and the floor all 0, which includes "nothing finite was compared") ``ratio`` is 0,
         so it never raises a maximum, and ``defined`` is 0 (else 1).
     """
-    return _error_ratio(sums[..., 0, 1], sums[..., 0, 2], floor)
-
-
-def _error_ratio(
-    pg: torch.Tensor, bg: torch.Tensor, floor: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`call_error_ratio` from the maxima ``max_abs`` of ``primary_golden`` (``pg``) and of
-    ``baseline_golden`` (``bg``)."""
+    pg, bg = sums[..., 0, 1], sums[..., 0, 2]  # max_abs of primary_golden, baseline_golden
     denominator = torch.maximum(bg, floor)
     # pg / 0 is inf where the primary is inexact, NaN (undefined: 0) where it is exact as well
     ratio = torch.div(pg, denominator).nan_to_num_(0.0, math.inf)
@@ -228,11 +222,9 @@ def _error_ratio(
     return ratio, defined
 
 
-#: Column of ``(row, pair)`` in a :func:`pair_sums` result flattened row-major to ``7 · 3`` columns.
-_AT = {(i, j): i * len(PAIRS) + j for i in range(len(SUM_ROWS)) for j in range(len(PAIRS))}
-#: The flattened columns of the accumulator's sums, in :data:`SUM_FIELDS` order (pair-major, rows
-#: ``sum_abs`` ... ``count``).
-_SUM_COLUMNS = [_AT[i, j] for j in range(len(PAIRS)) for i in range(1, 6)]
+#: The columns of the accumulator's sums in a :func:`pair_sums` result flattened row-major to ``7 · 3``
+#: columns (``row · 3 + pair``), in :data:`SUM_FIELDS` order (pair-major, rows ``sum_abs`` ... ``count``).
+_SUM_COLUMNS = [i * len(PAIRS) + j for j in range(len(PAIRS)) for i in range(1, 6)]
 
 
 class DeviationStats:
@@ -361,11 +353,10 @@ class DeviationStats:
         args = self._args[first : first + k]
         if pairs < len(PAIRS):
             sums = torch.cat((sums, sums.new_zeros(k, sums.shape[1], len(PAIRS) - pairs)), dim=2)
-        flat = sums.reshape(k, -1)  # (K, 21): columns _AT[row, pair]
+        flat = sums.reshape(k, -1)  # (K, 21): columns row · 3 + pair
         if pairs == len(PAIRS):
-            c = flat.unbind(1)
-            floor = torch.maximum(c[_AT[6, 1]], c[_AT[6, 2]]).mul_(0.5 * torch.finfo(dtype).eps)  # (K,)
-            ratio, defined = _error_ratio(c[_AT[0, 1]], c[_AT[0, 2]], floor)
+            floor = torch.maximum(sums[:, 6, 1], sums[:, 6, 2]).mul_(0.5 * torch.finfo(dtype).eps)  # (K,)
+            ratio, defined = call_error_ratio(sums, floor)
             errors = error_columns(sums, rows.to(sums), noise.to(sums))
             code, value, bound, judged = decide(errors, dtype, self._limits(first, k, dtype))
             score, absolute, _, l2, row = judged.unbind(1)
@@ -525,6 +516,16 @@ def stats_dict(
         },
         "nonfinite_inputs": {i: int(fields[f"nonfinite_inputs.{i}"]) for i in INPUTS},
     }
+
+
+def site_directions(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """A site's :func:`stats_dict` entry per direction: ``{"out": ..., "dq": ..., "dk": ..., "dv": ...}``."""
+    return {"out": entry["forward"]["out"], **{d: entry["backward"][d] for d in GRADIENTS}}
+
+
+def failure_order(failure: Mapping[str, Any]) -> tuple[Any, Any, int]:
+    """The sort key of a failure (``{site, direction, step, ...}``): by step, site, then direction."""
+    return failure["step"], failure["site"], DIRECTIONS.index(failure["direction"])
 
 
 def _judged(

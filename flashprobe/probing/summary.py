@@ -17,9 +17,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from flashprobe.bias import BIAS_TOLERANCE, BIAS_Z_LIMIT
-from flashprobe.probing.stats import GRADIENTS, PAIRS, worst
-
-_ORDER = ("out", "dq", "dk", "dv")  # failures sort by step, site, then this
+from flashprobe.probing.stats import GRADIENTS, PAIRS, failure_order, site_directions, worst
 
 __all__ = ["ProbeSummary", "bias_words", "summarize", "summary_scalars"]
 
@@ -194,16 +192,9 @@ class ProbeSummary:
         less the optional ones that are None (``step``, ``dropout_calls``, ``fallbacks``, ``notes``,
         ``stopped``) and the run's four (``run_nonfinite``, ...) outside a training callback. Its
         lists and dicts are this summary's own (not copies)."""
-        out = {}
         run = self.run_nonfinite is not None
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name in _RUN_FIELDS and not run:
-                continue
-            if f.name in _OPTIONAL_FIELDS and value is None:
-                continue
-            out[f.name] = value
-        return out
+        values = {f.name: getattr(self, f.name) for f in fields(self) if run or f.name not in _RUN_FIELDS}
+        return {k: v for k, v in values.items() if v is not None or k not in _OPTIONAL_FIELDS}
 
 
 #: Fields a summary has only where someone set them (None: left out of ``to_dict``).
@@ -291,20 +282,16 @@ def _verdict(stats: Mapping[str, Any]) -> dict[str, Any]:
         verdict, reason = "undetermined", f"not judged at {reasons}"
     else:
         verdict, reason = "pass", f"every site passed ({len(verdicts)})"
-    candidates = [
-        _failing_call(site, d, entry["forward"]["out"] if d == "out" else entry["backward"][d])
-        for site, entry in stats.items()
-        for d in ("out", *GRADIENTS)
-    ]
-    candidates = [c for c in candidates if c is not None]
-    worst_failure = max(candidates, key=lambda c: c["limit_ratio"], default=None)
+    directions = {site: site_directions(entry) for site, entry in stats.items()}
+    calls = [_failing_call(s, d, e) for s, entries in directions.items() for d, e in entries.items()]
+    worst_failure = max((c for c in calls if c is not None), key=lambda c: c["limit_ratio"], default=None)
     failures = [
-        {"site": site, "direction": d, **e["first_failure"]}
-        for site, entry in stats.items()
-        for d, e in (("out", entry["forward"]["out"]), *((g, entry["backward"][g]) for g in GRADIENTS))
+        {"site": s, "direction": d, **e["first_failure"]}
+        for s, entries in directions.items()
+        for d, e in entries.items()
         if e.get("first_failure")
     ]
-    failures.sort(key=lambda f: (f["step"], f["site"], _ORDER.index(f["direction"])))
+    failures.sort(key=failure_order)
     if worst_failure is not None:
         failures.append({**worst_failure, "worst": True})
     return {
@@ -323,10 +310,10 @@ def _failing_call(site: str, direction: str, e: Mapping[str, Any]) -> dict[str, 
         return None
     ratio = e.get("limit_ratio")
     first = e.get("first_failure") or {}
+    where = {"site": site, "direction": direction}
     if first.get("kind") != "nonfinite" and isinstance(ratio, int | float) and ratio > 1:
         return {
-            "site": site,
-            "direction": direction,
+            **where,
             "step": e.get("limit_ratio_step"),
             "kind": "limit_ratio",
             "value": ratio,
@@ -339,12 +326,8 @@ def _failing_call(site: str, direction: str, e: Mapping[str, Any]) -> dict[str, 
         }
     nonfinite = first.get("kind") == "nonfinite" or not isinstance(ratio, int | float)
     return {
-        "site": site,
-        "direction": direction,
-        "step": first.get("step"),
-        "kind": first.get("kind"),
-        "value": first.get("value"),
-        "limit": first.get("limit"),
+        **where,
+        **{k: first.get(k) for k in ("step", "kind", "value", "limit")},
         "limit_ratio": math.inf if nonfinite or not math.isfinite(ratio) else ratio,
         "reason": f"worst call: {direction}: {first.get('reason', 'failed')}",
     }
@@ -368,10 +351,8 @@ def _primary_nonfinite(entry: Mapping[str, Any]) -> int:
 
 def _nonfinite(entry: Mapping[str, Any]) -> int:
     """Non-finite values counted at one site: its inputs and every pair of every direction."""
-    n = sum(entry["nonfinite_inputs"].values())
-    for d in (entry["forward"]["out"], *(entry["backward"][g] for g in GRADIENTS)):
-        n += sum(d[p]["nonfinite"] for p in PAIRS if d[p])
-    return n
+    pairs = (d[p]["nonfinite"] for d in site_directions(entry).values() for p in PAIRS if d[p])
+    return sum(entry["nonfinite_inputs"].values()) + sum(pairs)
 
 
 def _argworst(values: Mapping[Any, float | None]) -> Any:
