@@ -30,9 +30,9 @@ from typing import Any
 from flashprobe.bench.args import parse_device, run_cli, torch_threads
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.paper_runs import PaperSettings, build_claims, run_sweeps
-from flashprobe.bench.results import environment
+from flashprobe.bench.results import environment, read_results_json
 from flashprobe.formats.atomic import atomic_write_text
-from flashprobe.formats.jsonio import decode, read_json, write_json
+from flashprobe.formats.jsonio import decode, write_json
 from flashprobe.formats.paths import output_dir_arg
 
 __all__ = ["FIGURES", "build_parser", "claims_markdown", "draw_figures", "load_paper", "main", "run"]
@@ -152,15 +152,7 @@ def load_paper(out_dir: Path) -> dict[str, Any]:
     Raises:
         BenchArgumentError: the file is missing, is not JSON or has no claims.
     """
-    path = Path(out_dir) / "paper.json"
-    try:
-        doc = read_json(path, written_by="flashprobe bench paper")
-    except FileNotFoundError:
-        raise BenchArgumentError(
-            f"no {path} to replot; run `flashprobe bench paper --out {out_dir}` without --replot first"
-        ) from None
-    except ValueError as err:
-        raise BenchArgumentError(str(err)) from None
+    path, doc = read_results_json(out_dir, "paper")
     if not isinstance(doc, dict) or not isinstance(doc.get("claims"), list):
         raise BenchArgumentError(f"{path} has no 'claims'; was it written by flashprobe bench paper?")
     return decode(doc, text_keys=frozenset({"paper", "display", "unit", "criterion", "why", "command"}))

@@ -117,6 +117,26 @@ def _decode(value: Any) -> Any:
     return value
 
 
+def read_results_json(out_dir: Path, name: str) -> tuple[Path, Any]:
+    """Read ``out_dir/<name>.json`` for ``--replot``, as :func:`~flashprobe.formats.jsonio.read_json` does.
+
+    Returns:
+        ``(path, the decoded JSON value)``.
+
+    Raises:
+        BenchArgumentError: the file is missing or is not JSON.
+    """
+    path = Path(out_dir) / f"{name}.json"
+    try:
+        return path, read_json(path, written_by=f"flashprobe bench {name}")
+    except FileNotFoundError:
+        raise BenchArgumentError(
+            f"no {path} to replot; run `flashprobe bench {name} --out {out_dir}` without --replot first"
+        ) from None
+    except ValueError as err:
+        raise BenchArgumentError(str(err)) from None
+
+
 def load_results(out_dir: Path, name: str) -> dict[str, Any]:
     """Read ``out_dir/<name>.json`` as written by :func:`write_results`.
 
@@ -126,15 +146,7 @@ def load_results(out_dir: Path, name: str) -> dict[str, Any]:
     Raises:
         BenchArgumentError: the file is missing, is not JSON, or has no ``"rows"`` (or none).
     """
-    path = Path(out_dir) / f"{name}.json"
-    try:
-        doc = read_json(path, written_by=f"flashprobe bench {name}")
-    except FileNotFoundError:
-        raise BenchArgumentError(
-            f"no {path} to replot; run `flashprobe bench {name} --out {out_dir}` without --replot first"
-        ) from None
-    except ValueError as err:
-        raise BenchArgumentError(str(err)) from None
+    path, doc = read_results_json(out_dir, name)
     if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list) or not doc["rows"]:
         raise BenchArgumentError(f"{path} has no rows under 'rows' to plot; was it written by flashprobe?")
     doc["rows"] = _decode(doc["rows"])
