@@ -12,6 +12,7 @@ error ratio is ``max|flash − golden| / max|baseline − golden|`` (:mod:`flash
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -169,17 +170,8 @@ class Claim:
 
 def _ranks(values: Sequence[float]) -> list[float]:
     """1-based ranks, ties sharing their mean rank."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    ranks = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for t in range(i, j + 1):
-            ranks[order[t]] = (i + j) / 2 + 1
-        i = j + 1
-    return ranks
+    ordered = sorted(values)
+    return [(bisect.bisect_left(ordered, v) + bisect.bisect_right(ordered, v) + 1) / 2 for v in values]
 
 
 def rank_correlation(x: Sequence[float], y: Sequence[float]) -> float | None:
