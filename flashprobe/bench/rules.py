@@ -251,12 +251,6 @@ class _Tally:
     caught: int = 0
 
 
-def _run_call(kernel: Any, inputs: Any, grad_out: torch.Tensor) -> Any:
-    from flashprobe.fuzz.kernel_call import call_kernel
-
-    return call_kernel(kernel, inputs, grad_out)
-
-
 def _baseline(inputs: Any, grad_out: torch.Tensor) -> dict[str, torch.Tensor]:
     """The same-dtype baseline's output and gradients (``math``; grouped k/v heads repeated, so their
     gradients are summed over each group)."""
@@ -306,6 +300,7 @@ def run_rules(
         (kernel, call, seed, dtype) with each rule's outcome.
     """
     from flashprobe.fuzz import check_case
+    from flashprobe.fuzz.kernel_call import call_kernel
     from flashprobe.fuzz.run import case_references
     from flashprobe.kernels import get_kernel, unregister_kernel
     from flashprobe.mutants import MUTANTS, register_mutants
@@ -329,10 +324,10 @@ def run_rules(
                     refs = case_references(inputs, "math", backward=True)
                     golden = {"out": refs.golden, **{d: g.golden for d, g in refs.gradients.items()}}
                     base = _baseline(inputs, refs.grad_out)
-                    bug_free = _tensors(_run_call(clean, inputs, refs.grad_out))
+                    bug_free = _tensors(call_kernel(clean, inputs, refs.grad_out))
                     for label, kernel in kernels.items():
                         is_bug = label in names
-                        ran = _run_call(kernel, inputs, refs.grad_out)
+                        ran = call_kernel(kernel, inputs, refs.grad_out)
                         if ran.problem is not None and ran.problem.verdict == "unsupported":
                             continue  # the kernel does not take this call (e.g. GQA, a mask kind)
                         got = _tensors(ran)
@@ -360,18 +355,16 @@ def run_rules(
                         }
                         details.append(entry)
                         for rule in RULES:
-                            t = tally[rule]
+                            t, hit = tally[rule], outcome.get(rule, False)
                             if is_bug:
                                 t.bug_calls += 1
-                                t.caught += outcome.get(rule, False)
-                                if not outcome.get(rule, False):
-                                    missed[rule].add(label)
+                                t.caught += hit
                             else:
                                 t.correct_calls += 1
-                                t.false_alarms += outcome.get(rule, False)
-                                if outcome.get(rule, False):
-                                    alarmed[rule].add(label)
+                                t.false_alarms += hit
                                 t.undetermined += rule == "flashprobe" and verdict == "undetermined"
+                            if hit != is_bug:  # a false alarm or a missed bug
+                                (missed if is_bug else alarmed)[rule].add(label)
             for rule in RULES:
                 t = tally[rule]
                 rows.append(
