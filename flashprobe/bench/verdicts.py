@@ -126,11 +126,8 @@ def calibrate(
     row["undetermined_share"] = row["undetermined_calls"] / judgements if judgements else None
     row["undetermined_reasons"] = ", ".join(f"{k} {n}" for k, n in sorted(undetermined.items()) if n) or None
     row.update(bias)
-    row["first_failure"] = (
-        None
-        if not failures
-        else f"{failures[0]['site']} {failures[0]['direction']} step {failures[0]['step']}"
-    )
+    first = failures[0] if failures else None
+    row["first_failure"] = first and f"{first['site']} {first['direction']} step {first['step']}"
     row["seconds"] = round(time.perf_counter() - start, 1)
     return row
 
@@ -267,13 +264,10 @@ def _run(args: argparse.Namespace) -> int:
             for m in models:
                 for prec in precisions:
                     kernel = None if spec == MODEL_KERNEL else spec
-                    rows.append(calibrate(m, prec, args.steps, kernel=kernel))
-                    print(
-                        f"{spec} {m} {prec}: {rows[-1]['seconds']} s, "
-                        f"failed calls {rows[-1]['failed_calls']}, "
-                        f"biased {rows[-1]['biased']}",
-                        file=sys.stderr,
-                    )
+                    row = calibrate(m, prec, args.steps, kernel=kernel)
+                    rows.append(row)
+                    done = f"{row['seconds']} s, failed calls {row['failed_calls']}, biased {row['biased']}"
+                    print(f"{spec} {m} {prec}: {done}", file=sys.stderr)
     seconds = time.perf_counter() - start
     print(format_table(rows, TABLE_COLUMNS))
     failed = sum(r["failed_calls"] for r in rows)
