@@ -45,6 +45,7 @@ misses a bug.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -318,53 +319,46 @@ def run_rules(
             tally = {rule: _Tally() for rule in RULES}
             missed: dict[str, set[str]] = {rule: set() for rule in RULES}
             alarmed: dict[str, set[str]] = {rule: set() for rule in RULES}
-            for call_shape in calls:
-                for seed in seeds:
-                    inputs = call_shape.inputs(dtype, seed)
-                    refs = case_references(inputs, "math", backward=True)
-                    golden = {"out": refs.golden, **{d: g.golden for d, g in refs.gradients.items()}}
-                    base = _baseline(inputs, refs.grad_out)
-                    bug_free = _tensors(call_kernel(clean, inputs, refs.grad_out))
-                    for label, kernel in kernels.items():
-                        is_bug = label in names
-                        ran = call_kernel(kernel, inputs, refs.grad_out)
-                        if ran.problem is not None and ran.problem.verdict == "unsupported":
-                            continue  # the kernel does not take this call (e.g. GQA, a mask kind)
-                        got = _tensors(ran)
-                        judged = [d for d in _DIRECTIONS if d in got and d in base and d in golden]
-                        fired = ran.problem is not None or any(
-                            _fires(got[d], bug_free.get(d), golden[d]) for d in judged
-                        )
-                        if is_bug and not fired:
-                            continue  # the bug does not fire on this call
-                        verdict = check_case(kernel, inputs, refs=refs).verdict
-                        outcome = {"flashprobe": verdict == "fail"}
-                        if ran.problem is not None:  # it raised or changed its inputs: every rule fails it
-                            outcome |= dict.fromkeys(RULES, True)
-                        for d in judged:
-                            for rule, failed in peer_failures(got[d], base[d], golden[d], d).items():
-                                outcome[rule] = outcome.get(rule, False) or failed
-                        entry = {
-                            "kernel": label if not is_bug else f"bug_{label}",
-                            "call": call_shape.name,
-                            "seed": seed,
-                            "dtype": dtype_name,
-                            "bug": is_bug,
-                            "flashprobe_verdict": verdict,
-                            **{rule: outcome.get(rule, False) for rule in RULES},
-                        }
-                        details.append(entry)
-                        for rule in RULES:
-                            t, hit = tally[rule], outcome.get(rule, False)
-                            if is_bug:
-                                t.bug_calls += 1
-                                t.caught += hit
-                            else:
-                                t.correct_calls += 1
-                                t.false_alarms += hit
-                                t.undetermined += rule == "flashprobe" and verdict == "undetermined"
-                            if hit != is_bug:  # a false alarm or a missed bug
-                                (missed if is_bug else alarmed)[rule].add(label)
+            for call_shape, seed in itertools.product(calls, seeds):
+                inputs = call_shape.inputs(dtype, seed)
+                refs = case_references(inputs, "math", backward=True)
+                golden = {"out": refs.golden, **{d: g.golden for d, g in refs.gradients.items()}}
+                base = _baseline(inputs, refs.grad_out)
+                bug_free = _tensors(call_kernel(clean, inputs, refs.grad_out))
+                for label, kernel in kernels.items():
+                    is_bug = label in names
+                    ran = call_kernel(kernel, inputs, refs.grad_out)
+                    if ran.problem is not None and ran.problem.verdict == "unsupported":
+                        continue  # the kernel does not take this call (e.g. GQA, a mask kind)
+                    got = _tensors(ran)
+                    judged = [d for d in _DIRECTIONS if d in got and d in base and d in golden]
+                    fired = ran.problem is not None or any(
+                        _fires(got[d], bug_free.get(d), golden[d]) for d in judged
+                    )
+                    if is_bug and not fired:
+                        continue  # the bug does not fire on this call
+                    verdict = check_case(kernel, inputs, refs=refs).verdict
+                    outcome = {"flashprobe": verdict == "fail"}
+                    if ran.problem is not None:  # it raised or changed its inputs: every rule fails it
+                        outcome |= dict.fromkeys(RULES, True)
+                    for d in judged:
+                        for rule, failed in peer_failures(got[d], base[d], golden[d], d).items():
+                            outcome[rule] = outcome.get(rule, False) or failed
+                    outcome = {rule: outcome.get(rule, False) for rule in RULES}
+                    entry = {"kernel": label if not is_bug else f"bug_{label}", "call": call_shape.name}
+                    entry |= {"seed": seed, "dtype": dtype_name, "bug": is_bug, "flashprobe_verdict": verdict}
+                    details.append(entry | outcome)
+                    for rule, hit in outcome.items():
+                        t = tally[rule]
+                        if is_bug:
+                            t.bug_calls += 1
+                            t.caught += hit
+                        else:
+                            t.correct_calls += 1
+                            t.false_alarms += hit
+                            t.undetermined += rule == "flashprobe" and verdict == "undetermined"
+                        if hit != is_bug:  # a false alarm or a missed bug
+                            (missed if is_bug else alarmed)[rule].add(label)
             for rule in RULES:
                 t = tally[rule]
                 rows.append(
