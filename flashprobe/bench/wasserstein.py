@@ -110,7 +110,6 @@ def bench_case(case: str, n: int, *, repeats: int, seed: int, device: torch.devi
     sort_torch, _ = _timed(lambda: torch.sort(tu), device)
     med = {k: statistics.median(v) if v else None for k, v in times.items()}
     floor = med["weighted_floor"] if case == "weighted" else med["floor"]
-    scipy_ms, torch_ms = times["scipy"], times["torch"]
     scipy_med, torch_med = med["scipy"], med["torch"]
     return {
         "case": case,
@@ -124,8 +123,8 @@ def bench_case(case: str, n: int, *, repeats: int, seed: int, device: torch.devi
         "rel_diff": abs(got - expected) / abs(expected) if expected else abs(got - expected),
         "scipy_value": expected,
         "torch_value": got,
-        "scipy_ms_all": scipy_ms,
-        "torch_ms_all": torch_ms,
+        "scipy_ms_all": times["scipy"],
+        "torch_ms_all": times["torch"],
         "floor_ms": floor,
         "vs_floor": torch_med / floor,
         "sort_floor_ms": med["floor"],
@@ -204,17 +203,13 @@ def _run(args: argparse.Namespace) -> int:
         for n in args.sizes
         for case in args.cases
     ]
-    paths = write_results(
-        args.out,
-        "wasserstein",
-        rows,
-        meta={
-            "repeats": args.repeats,
-            "seed": args.seed,
-            "dtype": "float64",
-            "torch_threads": torch.get_num_threads(),
-        },
-    )
+    meta = {
+        "repeats": args.repeats,
+        "seed": args.seed,
+        "dtype": "float64",
+        "torch_threads": torch.get_num_threads(),
+    }
+    paths = write_results(args.out, "wasserstein", rows, meta=meta)
     print(format_table(rows, _COLUMNS))
     print(f"wrote {paths['json']} and {paths['csv']}")
     return 0
