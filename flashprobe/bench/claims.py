@@ -201,6 +201,11 @@ def _defined(*values: float | None) -> bool:
     return all(v is not None and not math.isnan(v) for v in values)
 
 
+def _verdict(full: bool, partial: bool) -> str:
+    """``reproduced`` when ``full``, else ``partly`` when ``partial``, else ``not reproduced``."""
+    return REPRODUCED if full else PARTLY if partial else NOT_REPRODUCED
+
+
 def fmt(x: float | None, spec: str = ".3g") -> str:
     """``x`` in a claim's text (``–``: not measured)."""
     return "–" if x is None else format(x, spec)
@@ -290,13 +295,7 @@ def judge_f5(
         rel_growth, rel_rho, rel_text = _trend(seq_lens, relative, falling=False)
         relative_grows = rel_growth >= TREND_FACTOR and rel_rho is not None and rel_rho >= TREND_CORRELATION
         why += f"; relative error vs golden: {rel_text}"
-    if grows and correlates:
-        verdict = REPRODUCED
-    elif grows or correlates or relative_grows:
-        verdict = PARTLY
-    else:
-        verdict = NOT_REPRODUCED
-    return Judgement(verdict, why)
+    return Judgement(_verdict(grows and correlates, grows or correlates or relative_grows), why)
 
 
 def _effect(variant: Spread | None, reference: Spread | None) -> float | None:
@@ -375,10 +374,6 @@ def judge_f6c(block_ks: Sequence[int], deviation: Sequence[float]) -> Judgement:
         return Judgement(NOT_REPRODUCED, "fewer than two tile sizes were measured")
     gain, rho, text = _trend(block_ks, deviation, falling=True)
     correlates = rho is not None and rho <= -TREND_CORRELATION
-    if gain >= TILE_GAIN and correlates:
-        verdict = REPRODUCED
-    elif gain >= TREND_FACTOR or correlates:
-        verdict = PARTLY
-    else:
-        verdict = NOT_REPRODUCED
-    return Judgement(verdict, f"with Bc, {text}")
+    return Judgement(
+        _verdict(gain >= TILE_GAIN and correlates, gain >= TREND_FACTOR or correlates), f"with Bc, {text}"
+    )
