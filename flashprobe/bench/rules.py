@@ -58,11 +58,10 @@ from flashprobe.bench.args import add_output_args, run_cli, torch_threads
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.results import format_table, write_results, wrote_line
 from flashprobe.formats.atomic import atomic_write_text
-from flashprobe.judge import ABSOLUTE_EPS, RELATIVE_LIMITS, ROW_EPS
+from flashprobe.judge import ABSOLUTE_EPS, DIRECTIONS, RELATIVE_LIMITS, ROW_EPS
 
 __all__ = ["CALLS", "CORRECT_KERNELS", "RULES", "CalibrationCall", "main", "peer_failures", "run_rules"]
 
-_DIRECTIONS = ("out", "dq", "dk", "dv")
 _DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: The rules compared, in the table's order.
 RULES: tuple[str, ...] = ("flashprobe", "flash-attention", "pytorch-sdpa", "assert_close", "kernelbench")
@@ -265,7 +264,7 @@ def _baseline(inputs: Any, grad_out: torch.Tensor) -> dict[str, torch.Tensor]:
             attn_mask=inputs.attn_mask, is_causal=inputs.is_causal, scale=inputs.scale,
         )  # fmt: skip
         grads = torch.autograd.grad(out, (q, k, v), grad_out)
-    return dict(zip(_DIRECTIONS, (out.detach(), *grads), strict=True))
+    return dict(zip(DIRECTIONS, (out.detach(), *grads), strict=True))
 
 
 def _tensors(call: Any) -> dict[str, torch.Tensor]:
@@ -331,7 +330,7 @@ def run_rules(
                     if ran.problem is not None and ran.problem.verdict == "unsupported":
                         continue  # the kernel does not take this call (e.g. GQA, a mask kind)
                     got = _tensors(ran)
-                    judged = [d for d in _DIRECTIONS if d in got and d in base and d in golden]
+                    judged = [d for d in DIRECTIONS if d in got and d in base and d in golden]
                     fired = ran.problem is not None or any(
                         _fires(got[d], bug_free.get(d), golden[d]) for d in judged
                     )

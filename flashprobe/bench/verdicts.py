@@ -51,11 +51,10 @@ from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.results import format_table, write_results, wrote_line
 from flashprobe.bench.tiny_models import MODELS
 from flashprobe.bias import BIAS_TOLERANCE, BIAS_Z_LIMIT, COMPONENTS
-from flashprobe.judge import ABSOLUTE_EPS, RELATIVE_LIMITS, ROW_EPS
+from flashprobe.judge import ABSOLUTE_EPS, DIRECTIONS, RELATIVE_LIMITS, ROW_EPS
 
 __all__ = ["MODELS", "MODEL_KERNEL", "calibrate", "main"]
 
-_DIRECTIONS = ("out", "dq", "dk", "dv")
 
 #: ``--kernel`` name of the models' own attention (torch SDPA, the probe with no ``primary``)
 MODEL_KERNEL = "model"
@@ -82,11 +81,11 @@ def calibrate(
 
     model, batch, output = MODELS[model_name](seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    worst = dict.fromkeys(_DIRECTIONS, 0.0)
-    worst_max = dict.fromkeys(_DIRECTIONS, 0.0)
-    score = dict.fromkeys(_DIRECTIONS, 0.0)
-    judged = dict.fromkeys(_DIRECTIONS, 0)
-    failed = dict.fromkeys(_DIRECTIONS, 0)
+    worst = dict.fromkeys(DIRECTIONS, 0.0)
+    worst_max = dict.fromkeys(DIRECTIONS, 0.0)
+    score = dict.fromkeys(DIRECTIONS, 0.0)
+    judged = dict.fromkeys(DIRECTIONS, 0)
+    failed = dict.fromkeys(DIRECTIONS, 0)
     undetermined: dict[str, int] = {}
     low = _PRECISIONS[precision]
     start = time.perf_counter()
@@ -115,7 +114,7 @@ def calibrate(
         "steps": steps,
         "sites": len(p.sites),
     }
-    for d in _DIRECTIONS:
+    for d in DIRECTIONS:
         row[f"{d}_limit_ratio"] = score[d] if judged[d] else None
         row[f"{d}_max_l2_ratio"] = worst[d] if judged[d] else None
         row[f"{d}_max_call_error_ratio"] = worst_max[d] if judged[d] else None
@@ -143,7 +142,7 @@ def _bias(stats: dict[str, Any]) -> dict[str, Any]:
     row: dict[str, Any] = {}
     biased: list[str] = []
     replicates = 0
-    for d in _DIRECTIONS:
+    for d in DIRECTIONS:
         entries = [(s, _entry(e, d).get("bias")) for s, e in stats.items()]
         entries = [(s, b) for s, b in entries if b and b["replicates"]]
         row[f"{d}_bias_z"] = max((b["z"] for _, b in entries), key=abs, default=None)
@@ -168,7 +167,7 @@ def _fold(
     undetermined: dict[str, int],
 ) -> None:
     for entry in stats.values():
-        for d in _DIRECTIONS:
+        for d in DIRECTIONS:
             e = _entry(entry, d)
             if e.get("verdict") is None:
                 continue
@@ -188,16 +187,16 @@ TABLE_COLUMNS = [
     ("precision", "precision"),
     ("steps", "steps"),
     ("sites", "sites"),
-    *((f"{d}_limit_ratio", f"{d} err/limit") for d in _DIRECTIONS),
-    *((f"{d}_max_l2_ratio", f"{d} L2") for d in _DIRECTIONS),
-    *((f"{d}_max_call_error_ratio", f"{d} max/max") for d in _DIRECTIONS),
+    *((f"{d}_limit_ratio", f"{d} err/limit") for d in DIRECTIONS),
+    *((f"{d}_max_l2_ratio", f"{d} L2") for d in DIRECTIONS),
+    *((f"{d}_max_call_error_ratio", f"{d} max/max") for d in DIRECTIONS),
     ("out_calls", "calls"),
     ("failed_calls", "failed"),
     ("undetermined_calls", "undet."),
     ("undetermined_share", "undet. share"),
     ("undetermined_reasons", "undet. reasons"),
-    *((f"{d}_bias_mean", f"{d} bias mean") for d in _DIRECTIONS),
-    *((f"{d}_bias_z", f"{d} bias z") for d in _DIRECTIONS),
+    *((f"{d}_bias_mean", f"{d} bias mean") for d in DIRECTIONS),
+    *((f"{d}_bias_z", f"{d} bias z") for d in DIRECTIONS),
     ("biased", "biased"),
     ("seconds", "s"),
 ]
