@@ -171,13 +171,6 @@ def _primary(spec: str, role: str, variant: str, head_dim: int) -> Primary:
     return Primary(kernel, labels)
 
 
-def _fixed_tiles(settings: PaperSettings, device: torch.device | str) -> list[tuple[str, str]]:
-    """``(spec, role)`` of the length and precision sweeps: both presets at Bc, and real kernels."""
-    bc = settings.block_k
-    tiled = [(_spec("paper", block_k=bc), "paper"), (_spec("fa2", block_k=bc), "fa2")]
-    return tiled + [(name, "real") for name in real_kernels(device)]
-
-
 def _tile_primaries(settings: PaperSettings) -> list[Primary]:
     """The tiles sweep: Bc sweep (F6c), Br↔Bc swapped and key-tile orders (F6a), square (F6b)."""
     d = settings.head_dim
@@ -215,8 +208,10 @@ def run_sweeps(
         ``sweep``, ``role``, ``variant`` and, for ``tiled``, the tile sizes, ``order`` and
         ``key_tiles`` = ⌈N/Bc⌉), and the skipped runs.
     """
-    d = settings.head_dim
-    fixed = [_primary(spec, role, "default", d) for spec, role in _fixed_tiles(settings, device)]
+    d, bc = settings.head_dim, settings.block_k
+    # the length and precision sweeps: both presets at Bc, and the real kernels
+    fixed = [_primary(_spec(preset, block_k=bc), preset, "default", d) for preset in ("paper", "fa2")]
+    fixed += [_primary(name, "real", "default", d) for name in real_kernels(device)]
     plan = {
         "length": (
             [SweepPoint(settings.shape(n), fixed) for n in settings.seq_lens],
