@@ -289,7 +289,11 @@ def speed_rows(
                 row |= {"ms": statistics.median(ms), "ms_lo": min(ms), "ms_hi": max(ms)}
                 row |= {"peak_mb": peak, "memory_method": method, **at_n.as_dict()}
                 block.append(row | {"device": str(device), "repeats": repeats})
-            _add_ratios(block, block[0] if ok[0] is math_kernel else None)
+            ref = block[0] if ok[0] is math_kernel else None  # math's row, the ratios' reference
+            for row in block:
+                row["ratio_vs_math"] = row["ms"] / ref["ms"] if ref else None
+                both = ref and row["peak_mb"] is not None and ref["peak_mb"]
+                row["mem_ratio_vs_math"] = row["peak_mb"] / ref["peak_mb"] if both else None
             rows += block
             if checkpoint:
                 checkpoint(rows, skipped)
@@ -310,14 +314,6 @@ def _skip_reason(
             f"{max_memory_bytes / 2**30:.1f} GiB (--max-memory-gb)"
         )
     return reason
-
-
-def _add_ratios(block: Sequence[dict[str, Any]], ref: dict[str, Any] | None) -> None:
-    """Set ``ratio_vs_math`` and ``mem_ratio_vs_math`` of each row against ``math``'s row ``ref``."""
-    for row in block:
-        row["ratio_vs_math"] = row["ms"] / ref["ms"] if ref else None
-        both = ref and row["peak_mb"] is not None and ref["peak_mb"]
-        row["mem_ratio_vs_math"] = row["peak_mb"] / ref["peak_mb"] if both else None
 
 
 def build_parser() -> argparse.ArgumentParser:
