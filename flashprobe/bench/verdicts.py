@@ -81,11 +81,8 @@ def calibrate(
 
     model, batch, output = MODELS[model_name](seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    worst = dict.fromkeys(DIRECTIONS, 0.0)
-    worst_max = dict.fromkeys(DIRECTIONS, 0.0)
-    score = dict.fromkeys(DIRECTIONS, 0.0)
-    judged = dict.fromkeys(DIRECTIONS, 0)
-    failed = dict.fromkeys(DIRECTIONS, 0)
+    worst, worst_max, score = (dict.fromkeys(DIRECTIONS, 0.0) for _ in range(3))
+    judged, failed = (dict.fromkeys(DIRECTIONS, 0) for _ in range(2))
     undetermined: dict[str, int] = {}
     low = _PRECISIONS[precision]
     start = time.perf_counter()
