@@ -15,6 +15,7 @@ import shlex
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -87,18 +88,11 @@ def add_shape_args(
     parser.add_argument("--batch", type=int, default=batch, metavar="B", help=f"batch size (default {batch})")
     parser.add_argument("--heads", type=int, default=heads, metavar="H", help=f"heads (default {heads})")
     if isinstance(seq_len, int):
-        parser.add_argument(
-            "--seq-len", type=int, default=seq_len, metavar="N", help=f"sequence length (default {seq_len})"
-        )
+        lengths: dict[str, Any] = {"default": seq_len, "help": f"sequence length (default {seq_len})"}
     else:
-        parser.add_argument(
-            "--seq-len",
-            type=int,
-            nargs="+",
-            default=list(seq_len),
-            metavar="N",
-            help=f"sequence lengths to sweep (default: {' '.join(map(str, seq_len))})",
-        )
+        sweep = f"sequence lengths to sweep (default: {' '.join(map(str, seq_len))})"
+        lengths = {"nargs": "+", "default": list(seq_len), "help": sweep}
+    parser.add_argument("--seq-len", type=int, metavar="N", **lengths)
     parser.add_argument(
         "--head-dim", type=int, default=head_dim, metavar="D", help=f"head dimension (default {head_dim})"
     )
@@ -149,14 +143,20 @@ def add_input_args(parser: argparse.ArgumentParser, *, repeats: int, seed: int =
 
 
 def add_output_args(
-    parser: argparse.ArgumentParser, name: str, *, replot: bool = False, figure: bool = True
+    parser: argparse.ArgumentParser,
+    name: str,
+    *,
+    replot: bool = False,
+    figure: bool = True,
+    files: str | None = None,
 ) -> None:
     """Add ``--out DIR`` (default ``out/<name>``) and, with ``replot``, ``--replot``.
 
     :func:`run_cli` checks ``--out`` before the command starts. ``figure`` says whether the
-    command draws ``DIR/<name>.png`` (for the help text).
+    command draws ``DIR/<name>.png``, and ``files`` (default: those and ``<name>.json`` and
+    ``<name>.csv``) what it writes, for the help text.
     """
-    files = f"{name}.json, {name}.csv and {name}.png" if figure else f"{name}.json and {name}.csv"
+    files = files or (f"{name}.json, {name}.csv and {name}.png" if figure else f"{name}.json and {name}.csv")
     parser.add_argument(
         "--out",
         type=output_dir_arg,
