@@ -36,6 +36,7 @@ __all__ = [
     "parse_input_config",
     "parse_kernels",
     "parse_seeds",
+    "progress_printer",
     "run_cli",
     "torch_threads",
 ]
@@ -230,6 +231,11 @@ def parse_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BenchArgumentError(f"--device {name} given but CUDA is not available here; use --device cpu")
     return device
+
+
+def progress_printer(name: str) -> Callable[[str], None]:
+    """A ``progress`` callable that prints ``flashprobe bench <name>: MESSAGE`` on stderr."""
+    return lambda msg: print(f"flashprobe bench {name}: {msg}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from flashprobe.bench.args import add_output_args, check_size, parse_seeds, run_cli
+from flashprobe.bench.args import add_output_args, check_size, parse_seeds, progress_printer, run_cli
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.inputs import Shape
 from flashprobe.bench.results import (
@@ -604,10 +604,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"redrew {path}")
         return 0
     _check_args(args)
-
-    def progress(msg: str) -> None:
-        print(f"flashprobe bench fp8: {msg}", file=sys.stderr, flush=True)
-
+    progress = progress_printer("fp8")
     start = time.perf_counter()
     seeds = parse_seeds(args.seed, args.repeats)
     seq_lens, head_dims = sorted(set(args.seq_len)), sorted(set(args.head_dim))
