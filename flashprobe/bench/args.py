@@ -15,6 +15,7 @@ import shlex
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,6 +36,7 @@ __all__ = [
     "parse_input_config",
     "parse_kernels",
     "parse_seeds",
+    "progress_printer",
     "run_cli",
     "torch_threads",
 ]
@@ -87,18 +89,11 @@ def add_shape_args(
     parser.add_argument("--batch", type=int, default=batch, metavar="B", help=f"batch size (default {batch})")
     parser.add_argument("--heads", type=int, default=heads, metavar="H", help=f"heads (default {heads})")
     if isinstance(seq_len, int):
-        parser.add_argument(
-            "--seq-len", type=int, default=seq_len, metavar="N", help=f"sequence length (default {seq_len})"
-        )
+        lengths: dict[str, Any] = {"default": seq_len, "help": f"sequence length (default {seq_len})"}
     else:
-        parser.add_argument(
-            "--seq-len",
-            type=int,
-            nargs="+",
-            default=list(seq_len),
-            metavar="N",
-            help=f"sequence lengths to sweep (default: {' '.join(map(str, seq_len))})",
-        )
+        sweep = f"sequence lengths to sweep (default: {' '.join(map(str, seq_len))})"
+        lengths = {"nargs": "+", "default": list(seq_len), "help": sweep}
+    parser.add_argument("--seq-len", type=int, metavar="N", **lengths)
     parser.add_argument(
         "--head-dim", type=int, default=head_dim, metavar="D", help=f"head dimension (default {head_dim})"
     )
@@ -149,14 +144,20 @@ def add_input_args(parser: argparse.ArgumentParser, *, repeats: int, seed: int =
 
 
 def add_output_args(
-    parser: argparse.ArgumentParser, name: str, *, replot: bool = False, figure: bool = True
+    parser: argparse.ArgumentParser,
+    name: str,
+    *,
+    replot: bool = False,
+    figure: bool = True,
+    files: str | None = None,
 ) -> None:
     """Add ``--out DIR`` (default ``out/<name>``) and, with ``replot``, ``--replot``.
 
     :func:`run_cli` checks ``--out`` before the command starts. ``figure`` says whether the
-    command draws ``DIR/<name>.png`` (for the help text).
+    command draws ``DIR/<name>.png``, and ``files`` (default: those and ``<name>.json`` and
+    ``<name>.csv``) what it writes, for the help text.
     """
-    files = f"{name}.json, {name}.csv and {name}.png" if figure else f"{name}.json and {name}.csv"
+    files = files or (f"{name}.json, {name}.csv and {name}.png" if figure else f"{name}.json and {name}.csv")
     parser.add_argument(
         "--out",
         type=output_dir_arg,
@@ -230,6 +231,11 @@ def parse_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BenchArgumentError(f"--device {name} given but CUDA is not available here; use --device cpu")
     return device
+
+
+def progress_printer(name: str) -> Callable[[str], None]:
+    """A ``progress`` callable that prints ``flashprobe bench <name>: MESSAGE`` on stderr."""
+    return lambda msg: print(f"flashprobe bench {name}: {msg}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

@@ -266,27 +266,17 @@ def mitigation_factors(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
     for (kind, dtype, spec, name), row in index.items():
         if "max_shift" in spec:
             continue
-        mitigated = index.get((kind, dtype, _with_shift(spec), name))
+        shifted = spec + (",max_shift=repeated" if ":" in spec else ":max_shift=repeated")
+        mitigated = index.get((kind, dtype, shifted, name))
         after = None if mitigated is None else mitigated[f"{row['component']}_mean"]
         if not after:
             continue
+        factor = {"inputs": kind, "dtype": dtype, "kernel": spec, "quantity": name}
+        factor |= {"component": row["component"], "biased": row["verdict"] == "biased"}
         factors.append(
-            {
-                "inputs": kind,
-                "dtype": dtype,
-                "kernel": spec,
-                "quantity": name,
-                "component": row["component"],
-                "biased": row["verdict"] == "biased",
-                "mitigated_verdict": mitigated["verdict"],
-                "factor": abs(row["bias"]) / abs(after),
-            }
+            factor | {"mitigated_verdict": mitigated["verdict"], "factor": abs(row["bias"]) / abs(after)}
         )
     return factors
-
-
-def _with_shift(spec: str) -> str:
-    return spec + (",max_shift=repeated" if ":" in spec else ":max_shift=repeated")
 
 
 def markdown(rows: Sequence[Mapping[str, Any]], factors: Sequence[Mapping[str, Any]], command: str) -> str:

@@ -12,6 +12,7 @@ error ratio is ``max|flash − golden| / max|baseline − golden|`` (:mod:`flash
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -169,17 +170,8 @@ class Claim:
 
 def _ranks(values: Sequence[float]) -> list[float]:
     """1-based ranks, ties sharing their mean rank."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    ranks = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for t in range(i, j + 1):
-            ranks[order[t]] = (i + j) / 2 + 1
-        i = j + 1
-    return ranks
+    ordered = sorted(values)
+    return [(bisect.bisect_left(ordered, v) + bisect.bisect_right(ordered, v) + 1) / 2 for v in values]
 
 
 def rank_correlation(x: Sequence[float], y: Sequence[float]) -> float | None:
@@ -207,6 +199,11 @@ def rank_correlation(x: Sequence[float], y: Sequence[float]) -> float | None:
 
 def _defined(*values: float | None) -> bool:
     return all(v is not None and not math.isnan(v) for v in values)
+
+
+def _verdict(full: bool, partial: bool) -> str:
+    """``reproduced`` when ``full``, else ``partly`` when ``partial``, else ``not reproduced``."""
+    return REPRODUCED if full else PARTLY if partial else NOT_REPRODUCED
 
 
 def fmt(x: float | None, spec: str = ".3g") -> str:
@@ -298,13 +295,7 @@ def judge_f5(
         rel_growth, rel_rho, rel_text = _trend(seq_lens, relative, falling=False)
         relative_grows = rel_growth >= TREND_FACTOR and rel_rho is not None and rel_rho >= TREND_CORRELATION
         why += f"; relative error vs golden: {rel_text}"
-    if grows and correlates:
-        verdict = REPRODUCED
-    elif grows or correlates or relative_grows:
-        verdict = PARTLY
-    else:
-        verdict = NOT_REPRODUCED
-    return Judgement(verdict, why)
+    return Judgement(_verdict(grows and correlates, grows or correlates or relative_grows), why)
 
 
 def _effect(variant: Spread | None, reference: Spread | None) -> float | None:
@@ -383,10 +374,6 @@ def judge_f6c(block_ks: Sequence[int], deviation: Sequence[float]) -> Judgement:
         return Judgement(NOT_REPRODUCED, "fewer than two tile sizes were measured")
     gain, rho, text = _trend(block_ks, deviation, falling=True)
     correlates = rho is not None and rho <= -TREND_CORRELATION
-    if gain >= TILE_GAIN and correlates:
-        verdict = REPRODUCED
-    elif gain >= TREND_FACTOR or correlates:
-        verdict = PARTLY
-    else:
-        verdict = NOT_REPRODUCED
-    return Judgement(verdict, f"with Bc, {text}")
+    return Judgement(
+        _verdict(gain >= TILE_GAIN and correlates, gain >= TREND_FACTOR or correlates), f"with Bc, {text}"
+    )

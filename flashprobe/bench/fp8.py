@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from flashprobe.bench.args import add_output_args, check_size, parse_seeds, run_cli
+from flashprobe.bench.args import add_output_args, check_size, parse_seeds, progress_printer, run_cli
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.inputs import Shape
 from flashprobe.bench.results import (
@@ -499,36 +499,23 @@ def build_parser() -> argparse.ArgumentParser:
         description="Error of FP8 attention variants vs the FP64 golden value (beside bf16/fp16 flash and "
         "the baseline) over N, D and input distributions, and the P-cast collapse of arXiv 2606.06521.",
     )
-    parser.add_argument(
-        "--seq-len",
-        type=int,
-        nargs="+",
-        default=[256, 512, 1024],
-        metavar="N",
-        help="sequence lengths of the N sweep (default 256 512 1024)",
-    )
-    parser.add_argument(
-        "--head-dim",
-        type=int,
-        nargs="+",
-        default=[32, 64, 128],
-        metavar="D",
-        help="head dims of the D sweep (powers of two; default 32 64 128)",
-    )
-    parser.add_argument(
-        "--base-seq-len",
-        type=int,
-        default=1024,
-        metavar="N",
-        help="N of the D and distribution sweeps and of the P-cast experiment (default 1024)",
-    )
-    parser.add_argument(
-        "--base-head-dim",
-        type=int,
-        default=64,
-        metavar="D",
-        help="D of the N and distribution sweeps and of the P-cast experiment (default 64)",
-    )
+    for flag, default, metavar, text in (
+        ("--seq-len", [256, 512, 1024], "N", "sequence lengths of the N sweep (default 256 512 1024)"),
+        ("--head-dim", [32, 64, 128], "D", "head dims of the D sweep (powers of two; default 32 64 128)"),
+    ):
+        parser.add_argument(flag, type=int, nargs="+", default=default, metavar=metavar, help=text)
+    for flag, default, metavar, other in (
+        ("--base-seq-len", 1024, "N", "D"),
+        ("--base-head-dim", 64, "D", "N"),
+    ):
+        parser.add_argument(
+            flag,
+            type=int,
+            default=default,
+            metavar=metavar,
+            help=f"{metavar} of the {other} and distribution sweeps and of the P-cast experiment "
+            f"(default {default})",
+        )
     parser.add_argument("--heads", type=int, default=1, metavar="H", help="heads (default 1; batch is 1)")
     parser.add_argument(
         "--distribution",
@@ -617,15 +604,13 @@ def _run(args: argparse.Namespace) -> int:
             print(f"redrew {path}")
         return 0
     _check_args(args)
-
-    def progress(msg: str) -> None:
-        print(f"flashprobe bench fp8: {msg}", file=sys.stderr, flush=True)
-
+    progress = progress_printer("fp8")
     start = time.perf_counter()
     seeds = parse_seeds(args.seed, args.repeats)
+    seq_lens, head_dims = sorted(set(args.seq_len)), sorted(set(args.head_dim))
     rows, rel_l2 = error_rows(
-        seq_lens=sorted(set(args.seq_len)),
-        head_dims=sorted(set(args.head_dim)),
+        seq_lens=seq_lens,
+        head_dims=head_dims,
         base_seq_len=args.base_seq_len,
         base_head_dim=args.base_head_dim,
         heads=args.heads,
@@ -648,26 +633,13 @@ def _run(args: argparse.Namespace) -> int:
     print(format_table(pcast, PCAST_COLUMNS))
     for line in summary_lines(summary):
         print(line)
-    config = {
-        "seq_len": sorted(set(args.seq_len)),
-        "head_dim": sorted(set(args.head_dim)),
-        "base_seq_len": args.base_seq_len,
-        "base_head_dim": args.base_head_dim,
-        "heads": args.heads,
-        "distributions": list(args.distribution),
-        "sink_strengths": list(args.sink_strength),
-        "moderate_sink": args.moderate_sink,
-        "seeds": seeds,
-        "pcast_seeds": args.pcast_repeats,
-        "variants": {v.label: v.spec for v in VARIANTS},
-    }
-    meta = {
-        "command": args.command_line,
-        "config": config,
-        "summary": summary,
-        "seconds": round(seconds, 2),
-        "peak_memory": peak_memory(),
-    }
+    config = {"seq_len": seq_lens, "head_dim": head_dims, "base_seq_len": args.base_seq_len}
+    config |= {"base_head_dim": args.base_head_dim, "heads": args.heads}
+    config |= {"distributions": list(args.distribution), "sink_strengths": list(args.sink_strength)}
+    config |= {"moderate_sink": args.moderate_sink, "seeds": seeds, "pcast_seeds": args.pcast_repeats}
+    config["variants"] = {v.label: v.spec for v in VARIANTS}
+    meta = {"command": args.command_line, "config": config, "summary": summary, "seconds": round(seconds, 2)}
+    meta["peak_memory"] = peak_memory()
     paths = write_results(args.out, "fp8", rows, meta=meta)
     paths["md"] = args.out / "fp8.md"
     atomic_write_text(

@@ -116,9 +116,7 @@ def make_inputs(
     """
     config = config or InputConfig()
     gen = torch.Generator().manual_seed(seed)
-    q = _draw(shape.dims, config, gen)
-    k = _draw(shape.dims, config, gen)
-    v = _draw(shape.dims, config, gen)
+    q, k, v = (_draw(shape.dims, config, gen) for _ in range(3))  # drawn in this order
     return q, k, v
 
 

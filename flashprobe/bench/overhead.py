@@ -41,7 +41,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,9 @@ LIMITS: dict[bool, tuple[tuple[str, str, float], ...]] = {
 
 #: ``--autocast`` values and their dtypes (``""``: no autocast).
 AUTOCAST: dict[str, torch.dtype | None] = {"": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+#: The integer fields of :class:`OverheadConfig` that must be positive (``warmup``: at least 0).
+_COUNTS = ("steps", "warmup", "every", "batch", "seq_len", "d_model", "heads", "layers", "vocab", "threads")
 
 TABLE_COLUMNS = [
     ("mode", "mode"),
@@ -115,18 +118,7 @@ class OverheadConfig:
     """Train under ``torch.autocast`` in ``bf16`` or ``fp16`` (``""``: fp32 throughout)."""
 
     def __post_init__(self) -> None:
-        for name in (
-            "steps",
-            "warmup",
-            "every",
-            "batch",
-            "seq_len",
-            "d_model",
-            "heads",
-            "layers",
-            "vocab",
-            "threads",
-        ):
+        for name in _COUNTS:
             value = getattr(self, name)
             low = 0 if name == "warmup" else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -211,13 +203,8 @@ def _measure(
 ) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
     torch.manual_seed(config.seed)
     device = torch.device(config.device)
-    base = TinyLM(
-        vocab=config.vocab,
-        seq_len=config.seq_len,
-        d_model=config.d_model,
-        heads=config.heads,
-        layers=config.layers,
-    ).to(device)
+    sizes = {k: getattr(config, k) for k in ("vocab", "seq_len", "d_model", "heads", "layers")}
+    base = TinyLM(**sizes).to(device)
     gen = torch.Generator().manual_seed(config.seed + 1)
     rounds = config.warmup + config.steps
     tokens = torch.randint(config.vocab, (rounds, config.batch, config.seq_len + 1), generator=gen).to(device)
@@ -309,17 +296,11 @@ def _summarize(
     }
     rows = []
     for mode in modes:
-        vs_none = [a / b for a, b in zip(blocks[mode], blocks["no_probe"], strict=True)]
-        vs_control = [a / b for a, b in zip(blocks[mode], blocks["control"], strict=True)]
-        rows.append(
-            {
-                "mode": mode,
-                "step_ms": 1e3 * statistics.median(blocks[mode]) / config.every,
-                "ratio_vs_no_probe": statistics.median(vs_none),
-                "ratio_vs_control": statistics.median(vs_control),
-                "steps": len(times[mode]),
-            }
-        )
+        row = {"mode": mode, "step_ms": 1e3 * statistics.median(blocks[mode]) / config.every}
+        for reference in ("no_probe", "control"):
+            ratios = [a / b for a, b in zip(blocks[mode], blocks[reference], strict=True)]
+            row[f"ratio_vs_{reference}"] = statistics.median(ratios)
+        rows.append(row | {"steps": len(times[mode])})
     block_ms = {m: [1e3 * b / config.every for b in blocks[m]] for m in modes}
     return rows, block_ms
 
@@ -344,22 +325,20 @@ def _parser() -> argparse.ArgumentParser:
         prog="flashprobe bench overhead",
         description="Training-step overhead of the shadow probe: no probe, control, probe, sampled probe.",
     )
-    parser.add_argument("--steps", type=int, default=d.steps, help=f"timed rounds (default {d.steps})")
-    parser.add_argument(
-        "--warmup", type=int, default=d.warmup, help=f"untimed rounds first (default {d.warmup})"
-    )
-    parser.add_argument(
-        "--every", type=int, default=d.every, help=f"sampling period in steps (default {d.every})"
-    )
-    parser.add_argument("--batch", type=int, default=d.batch, help=f"sequences per step (default {d.batch})")
-    parser.add_argument(
-        "--seq-len", type=int, default=d.seq_len, help=f"tokens per sequence (default {d.seq_len})"
-    )
-    parser.add_argument("--d-model", type=int, default=d.d_model, help=f"model width (default {d.d_model})")
-    parser.add_argument("--heads", type=int, default=d.heads, help=f"attention heads (default {d.heads})")
-    parser.add_argument(
-        "--layers", type=int, default=d.layers, help=f"transformer layers (default {d.layers})"
-    )
+    for name, text in (
+        ("steps", "timed rounds"),
+        ("warmup", "untimed rounds first"),
+        ("every", "sampling period in steps"),
+        ("batch", "sequences per step"),
+        ("seq_len", "tokens per sequence"),
+        ("d_model", "model width"),
+        ("heads", "attention heads"),
+        ("layers", "transformer layers"),
+    ):
+        default = getattr(d, name)
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=int, default=default, help=f"{text} (default {default})"
+        )
     parser.add_argument("--backward", action="store_true", help="compare gradients too (probe and control)")
     parser.add_argument("--no-golden", action="store_true", help="skip the FP64 golden value")
     parser.add_argument("--threads", type=int, default=d.threads, help=f"torch threads (default {d.threads})")
@@ -385,23 +364,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> OverheadConfig:
-    return OverheadConfig(
-        steps=args.steps,
-        warmup=args.warmup,
-        every=args.every,
-        batch=args.batch,
-        seq_len=args.seq_len,
-        d_model=args.d_model,
-        heads=args.heads,
-        layers=args.layers,
-        backward=args.backward,
-        golden=not args.no_golden,
-        threads=args.threads,
-        seed=args.seed,
-        compile=args.compile,
-        device=args.device,
-        autocast=args.autocast or "",
-    )
+    names = [f.name for f in fields(OverheadConfig) if f.name not in ("vocab", "golden")]
+    return OverheadConfig(golden=not args.no_golden, **{name: getattr(args, name) for name in names})
 
 
 def _run(args: argparse.Namespace) -> int:

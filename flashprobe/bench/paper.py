@@ -27,13 +27,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from flashprobe.bench.args import parse_device, run_cli, torch_threads
+from flashprobe.bench.args import add_output_args, parse_device, run_cli, torch_threads
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.paper_runs import PaperSettings, build_claims, run_sweeps
-from flashprobe.bench.results import environment
+from flashprobe.bench.results import environment, read_results_json
 from flashprobe.formats.atomic import atomic_write_text
-from flashprobe.formats.jsonio import decode, read_json, write_json
-from flashprobe.formats.paths import output_dir_arg
+from flashprobe.formats.jsonio import decode, write_json
 
 __all__ = ["FIGURES", "build_parser", "claims_markdown", "draw_figures", "load_paper", "main", "run"]
 
@@ -67,13 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="small shapes and 2–3 seeds: runs in seconds, to check the command (verdicts mean little)",
     )
-    parser.add_argument(
-        "--out",
-        type=output_dir_arg,
-        default=Path("out") / "paper",
-        metavar="DIR",
-        help="output directory for paper.json, paper.md and the paper_*.png figures (default out/paper)",
-    )
+    add_output_args(parser, "paper", files="paper.json, paper.md and the paper_*.png figures")
     parser.add_argument(
         "--replot",
         action="store_true",
@@ -152,15 +145,7 @@ def load_paper(out_dir: Path) -> dict[str, Any]:
     Raises:
         BenchArgumentError: the file is missing, is not JSON or has no claims.
     """
-    path = Path(out_dir) / "paper.json"
-    try:
-        doc = read_json(path, written_by="flashprobe bench paper")
-    except FileNotFoundError:
-        raise BenchArgumentError(
-            f"no {path} to replot; run `flashprobe bench paper --out {out_dir}` without --replot first"
-        ) from None
-    except ValueError as err:
-        raise BenchArgumentError(str(err)) from None
+    path, doc = read_results_json(out_dir, "paper")
     if not isinstance(doc, dict) or not isinstance(doc.get("claims"), list):
         raise BenchArgumentError(f"{path} has no 'claims'; was it written by flashprobe bench paper?")
     return decode(doc, text_keys=frozenset({"paper", "display", "unit", "criterion", "why", "command"}))
@@ -203,18 +188,9 @@ def run(args: argparse.Namespace) -> int:
         sweeps, skipped = run_sweeps(settings, device=device, progress=progress)
     claims = build_claims(sweeps, settings)
     seconds = time.perf_counter() - start
-    doc = {
-        "name": "paper",
-        "environment": environment(),
-        "command": args.command_line,
-        "device": str(device),
-        "seconds": round(seconds, 1),
-        "threads": args.threads,
-        "settings": settings.as_dict(),
-        "claims": [c.as_dict() for c in claims],
-        "sweeps": sweeps,
-        "skipped": skipped,
-    }
+    doc = {"name": "paper", "environment": environment(), "command": args.command_line, "device": str(device)}
+    doc |= {"seconds": round(seconds, 1), "threads": args.threads, "settings": settings.as_dict()}
+    doc |= {"claims": [c.as_dict() for c in claims], "sweeps": sweeps, "skipped": skipped}
     json_path = write_json(args.out / "paper.json", doc)
     paths = [json_path, *_write(doc, args.out)]
     print(_summary(doc))

@@ -68,6 +68,8 @@ DTYPES = ("bf16", "fp16", "fp32", "fp64")
 SWEEPS = ("length", "precision", "tiles")
 
 Row = Mapping[str, Any]
+#: A claim's reading of one kernel (or preset): ``(measured, display, judgement)``.
+Measure = Callable[[str], tuple[Any, str, Judgement]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,13 +171,6 @@ def _primary(spec: str, role: str, variant: str, head_dim: int) -> Primary:
     return Primary(kernel, labels)
 
 
-def _fixed_tiles(settings: PaperSettings, device: torch.device | str) -> list[tuple[str, str]]:
-    """``(spec, role)`` of the length and precision sweeps: both presets at Bc, and real kernels."""
-    bc = settings.block_k
-    tiled = [(_spec("paper", block_k=bc), "paper"), (_spec("fa2", block_k=bc), "fa2")]
-    return tiled + [(name, "real") for name in real_kernels(device)]
-
-
 def _tile_primaries(settings: PaperSettings) -> list[Primary]:
     """The tiles sweep: Bc sweep (F6c), Br↔Bc swapped and key-tile orders (F6a), square (F6b)."""
     d = settings.head_dim
@@ -213,8 +208,10 @@ def run_sweeps(
         ``sweep``, ``role``, ``variant`` and, for ``tiled``, the tile sizes, ``order`` and
         ``key_tiles`` = ⌈N/Bc⌉), and the skipped runs.
     """
-    d = settings.head_dim
-    fixed = [_primary(spec, role, "default", d) for spec, role in _fixed_tiles(settings, device)]
+    d, bc = settings.head_dim, settings.block_k
+    # the length and precision sweeps: both presets at Bc, and the real kernels
+    fixed = [_primary(_spec(preset, block_k=bc), preset, "default", d) for preset in ("paper", "fa2")]
+    fixed += [_primary(name, "real", "default", d) for name in real_kernels(device)]
     plan = {
         "length": (
             [SweepPoint(settings.shape(n), fixed) for n in settings.seq_lens],
@@ -260,17 +257,22 @@ def _value(row: Row | None, key: str = DEVIATION) -> float | None:
     return None if row is None else row.get(key)
 
 
-def _others(rows: Sequence[Row], *, roles: Sequence[str] = ("fa2", "real")) -> list[str]:
-    """The kernels of the real kernels' roles in ``rows``, in first-seen order."""
-    return list(dict.fromkeys(r["kernel"] for r in rows if r.get("role") in roles))
+def _others(rows: Sequence[Row], *, roles: Sequence[str] = ("fa2", "real")) -> dict[str, str]:
+    """The kernels of the real kernels' roles in ``rows``, in first-seen order, each read as itself."""
+    return {r["kernel"]: r["kernel"] for r in rows if r.get("role") in roles}
 
 
-def _real(measure: Callable[[str], tuple[Any, str, Judgement]], kernels: Sequence[str]) -> dict[str, Any]:
-    out = {}
-    for kernel in kernels:
-        measured, display, judgement = measure(kernel)
-        out[kernel] = {"measured": measured, "display": display, "verdict": judgement.verdict}
-    return out
+def _claim(claim_id: str, measure: Measure, paper: str, real: Mapping[str, str], **fields: Any) -> Claim:
+    """Claim ``claim_id`` judged on ``measure(paper)``, with ``measure(real[kernel])`` for each real
+    kernel at the same setting; ``fields`` are the claim's ``unit``, ``setting`` and the like."""
+    measured, display, judgement = measure(paper)
+    readings = {}
+    for kernel, arg in real.items():
+        value, text, verdict = measure(arg)
+        readings[kernel] = {"measured": value, "display": text, "verdict": verdict.verdict}
+    return Claim(
+        id=claim_id, measured=measured, display=display, judgement=judgement, real=readings, **fields
+    )
 
 
 def _setting(rows: Sequence[Row], kernel: str, settings: PaperSettings, **extra: Any) -> dict[str, Any]:
@@ -290,17 +292,15 @@ def _f3(sweep: Sequence[Row], settings: PaperSettings) -> Claim:
         return {"deviation": devs, "weakest_step": weakest}, display, judge_f3(devs)
 
     kernel = _spec("paper", block_k=settings.block_k)
-    measured, display, judgement = measure(kernel)
     n = settings.seq_len
-    return Claim(
-        id="F3",
-        measured=measured,
+    return _claim(
+        "F3",
+        measure,
+        kernel,
+        _others(sweep),
         unit="max |flash − baseline| per dtype (median over seeds); weakest_step: the smallest drop factor",
-        display=display,
         setting=_setting(sweep, kernel, settings, seq_len=n, dtype=list(DTYPES), block_k=settings.block_k)
         | {"key_tiles": math.ceil(n / settings.block_k), "seeds": settings.seed_list(settings.seeds)},
-        judgement=judgement,
-        real=_real(measure, _others(sweep)),
     )
 
 
@@ -314,18 +314,16 @@ def _f4(sweep: Sequence[Row], settings: PaperSettings) -> Claim:
         return median, display, judge_f4(median, lo, hi)
 
     kernel = _spec("paper", block_k=settings.block_k)
-    measured, display, judgement = measure(kernel)
     row = _one(sweep, kernel=kernel, seq_len=n) or {}
-    return Claim(
-        id="F4",
-        measured=measured,
+    return _claim(
+        "F4",
+        measure,
+        kernel,
+        _others(sweep),
         unit="error ratio max|flash − golden| / max|baseline − golden| at bf16, median over seeds",
-        display=display,
         spread=(row.get("error_ratio_lo"), row.get("error_ratio_hi")),
         setting=_setting(sweep, kernel, settings, seq_len=n, dtype="bf16", block_k=settings.block_k)
         | {"key_tiles": math.ceil(n / settings.block_k), "seeds": settings.seed_list(settings.length_seeds)},
-        judgement=judgement,
-        real=_real(measure, _others(sweep)),
     )
 
 
@@ -339,20 +337,18 @@ def _f5(sweep: Sequence[Row], settings: PaperSettings) -> Claim:
         return growth, display, judgement
 
     kernel = _spec("paper", block_k=settings.block_k)
-    measured, display, judgement = measure(kernel)
     rows = sorted(_select(sweep, kernel=kernel), key=lambda r: r["seq_len"])
     series = {r["seq_len"]: r[DEVIATION] for r in rows}
     relative = {r["seq_len"]: r["primary_golden_rel_l2"] for r in rows}
-    return Claim(
-        id="F5",
-        measured=measured,
+    return _claim(
+        "F5",
+        measure,
+        kernel,
+        _others(sweep),
         unit="growth of max |flash − baseline| from the shortest to the longest N (median over seeds)",
-        display=display,
         details={"deviation_by_seq_len": series, "relative_error_by_seq_len": relative},
         setting=_setting(sweep, kernel, settings, seq_len=list(settings.seq_lens), dtype="bf16")
         | {"block_k": settings.block_k, "seeds": settings.seed_list(settings.length_seeds)},
-        judgement=judgement,
-        real=_real(measure, _others(sweep)),
     )
 
 
@@ -379,20 +375,18 @@ def _f6a(sweep: Sequence[Row], settings: PaperSettings) -> Claim:
         display = ", ".join(f"{o} {fmt(r)}×" for o, r in measured.items())
         return measured, display, judge_f6a(forward, orders, default, swapped)
 
-    measured, display, judgement = measure("paper")
     kernel = _spec("paper", sram=m)
     fa2 = _one(sweep, role="fa2", sram=m, variant="default")
-    return Claim(
-        id="F6a",
-        measured=measured,
+    return _claim(
+        "F6a",
+        measure,
+        "paper",
+        {fa2["kernel"]: "fa2"} if fa2 else {},
         unit="max |flash − baseline| relative to the forward order (reverse, shuffle) and to the default "
         f"tile at M = {largest} (swapped: Br ↔ Bc), ratio of medians over seeds",
-        display=display,
         setting=_setting(sweep, kernel, settings, seq_len=settings.seq_len, dtype="bf16", sram=m)
         | {"block_k": settings.block_k, "swapped_at_sram": largest}
         | {"seeds": settings.seed_list(settings.seeds)},
-        judgement=judgement,
-        real=_real(lambda _: measure("fa2"), [fa2["kernel"]] if fa2 else []),
     )
 
 
@@ -403,20 +397,18 @@ def _f6b(sweep: Sequence[Row], settings: PaperSettings) -> Claim:
         ratio = safe_ratio(square, narrow)
         return ratio, f"{fmt(ratio)}×", judge_f6b(ratio)
 
-    measured, display, judgement = measure("paper")
     square = _one(sweep, role="paper", variant="square") or {}
     narrow = _one(sweep, role="paper", variant="narrow") or {}
     fa2 = _one(sweep, role="fa2", variant="square")
     d = settings.head_dim
-    return Claim(
-        id="F6b",
-        measured=measured,
+    return _claim(
+        "F6b",
+        measure,
+        "paper",
+        {fa2["kernel"]: "fa2"} if fa2 else {},
         unit=f"max |flash − baseline| of the square {d}×{d} tile over the {settings.narrow_block_q}×{d} tile",
-        display=display,
         setting=_setting(sweep, square.get("kernel", ""), settings, seq_len=settings.seq_len, dtype="bf16")
         | {"compared_with": narrow.get("kernel"), "seeds": settings.seed_list(settings.seeds)},
-        judgement=judgement,
-        real=_real(lambda _: measure("fa2"), [fa2["kernel"]] if fa2 else []),
     )
 
 
@@ -428,19 +420,17 @@ def _f6c(sweep: Sequence[Row], settings: PaperSettings) -> Claim:
         display = f"{fmt(gain)}× less (Bc {block_ks[0]} → {block_ks[-1]})" if devs else "–"
         return gain, display, judge_f6c(block_ks, devs)
 
-    measured, display, judgement = measure("paper")
     rows = sorted(_select(sweep, role="paper", variant="default"), key=lambda r: r["block_k"])
     fa2 = _one(sweep, role="fa2", variant="default")
-    return Claim(
-        id="F6c",
-        measured=measured,
+    return _claim(
+        "F6c",
+        measure,
+        "paper",
+        {"tiled:preset=fa2,sram=4·d·Bc": "fa2"} if fa2 else {},
         unit="max |flash − baseline| at the smallest Bc over that at the largest (median over seeds)",
-        display=display,
         details={"deviation_by_block_k": {r["block_k"]: r[DEVIATION] for r in rows}},
         setting=_setting(sweep, "tiled:preset=paper,sram=4·d·Bc", settings, seq_len=settings.seq_len)
         | {"dtype": "bf16", "block_k": list(settings.block_ks), "seeds": settings.seed_list(settings.seeds)},
-        judgement=judgement,
-        real=_real(lambda _: measure("fa2"), ["tiled:preset=fa2,sram=4·d·Bc"] if fa2 else []),
     )
 
 

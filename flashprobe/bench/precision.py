@@ -22,10 +22,8 @@ import sys
 from collections.abc import Sequence
 
 from flashprobe.bench.args import add_input_args, add_kernel_args, add_output_args, add_shape_args
-from flashprobe.bench.inputs import Shape
 from flashprobe.bench.sweep import Primary, SweepPoint
 from flashprobe.bench.sweep_command import SweepCommand, SweepPlan, SweepSetup, run_sweep_cli
-from flashprobe.kernels import Kernel
 
 __all__ = ["COMMAND", "DEFAULT_KERNELS", "TABLE_COLUMNS", "build_parser", "main"]
 
@@ -46,10 +44,6 @@ TABLE_COLUMNS = [
 ]
 
 
-def _point(shape: Shape, kernels: Sequence[Kernel]) -> SweepPoint:
-    return SweepPoint(shape, [Primary(k, {"kernel": k.spec}) for k in kernels])
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``flashprobe bench precision``."""
     parser = argparse.ArgumentParser(
@@ -66,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _plan(args: argparse.Namespace, setup: SweepSetup) -> SweepPlan:
     config = {"kernels": [k.spec for k in setup.kernels], "baseline": setup.baseline.spec}
-    return SweepPlan(points=[_point(setup.shape, setup.kernels)], config={**config, **setup.shape.as_dict()})
+    point = SweepPoint(setup.shape, [Primary(k, {"kernel": k.spec}) for k in setup.kernels])
+    return SweepPlan(points=[point], config={**config, **setup.shape.as_dict()})
 
 
 #: The command's part of the shared deviation-sweep pipeline.

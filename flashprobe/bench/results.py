@@ -24,7 +24,7 @@ import torch
 
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.formats.atomic import atomic_write_text
-from flashprobe.formats.jsonio import NONFINITE, number, read_json, write_json
+from flashprobe.formats.jsonio import decode, read_json, write_json
 
 __all__ = ["environment", "format_cell", "format_table", "load_results", "write_results", "wrote_line"]
 
@@ -105,16 +105,24 @@ def write_results(
     return paths
 
 
-def _decode(value: Any) -> Any:
-    """``"nan"``/``"inf"``/``"-inf"`` back to floats (:func:`~flashprobe.formats.jsonio.number`),
-    through lists and dicts; everything else unchanged (integers stay integers)."""
-    if isinstance(value, str) and value in NONFINITE:
-        return number(value)
-    if isinstance(value, list):
-        return [_decode(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _decode(v) for k, v in value.items()}
-    return value
+def read_results_json(out_dir: Path, name: str) -> tuple[Path, Any]:
+    """Read ``out_dir/<name>.json`` for ``--replot``, as :func:`~flashprobe.formats.jsonio.read_json` does.
+
+    Returns:
+        ``(path, the decoded JSON value)``.
+
+    Raises:
+        BenchArgumentError: the file is missing or is not JSON.
+    """
+    path = Path(out_dir) / f"{name}.json"
+    try:
+        return path, read_json(path, written_by=f"flashprobe bench {name}")
+    except FileNotFoundError:
+        raise BenchArgumentError(
+            f"no {path} to replot; run `flashprobe bench {name} --out {out_dir}` without --replot first"
+        ) from None
+    except ValueError as err:
+        raise BenchArgumentError(str(err)) from None
 
 
 def load_results(out_dir: Path, name: str) -> dict[str, Any]:
@@ -126,19 +134,11 @@ def load_results(out_dir: Path, name: str) -> dict[str, Any]:
     Raises:
         BenchArgumentError: the file is missing, is not JSON, or has no ``"rows"`` (or none).
     """
-    path = Path(out_dir) / f"{name}.json"
-    try:
-        doc = read_json(path, written_by=f"flashprobe bench {name}")
-    except FileNotFoundError:
-        raise BenchArgumentError(
-            f"no {path} to replot; run `flashprobe bench {name} --out {out_dir}` without --replot first"
-        ) from None
-    except ValueError as err:
-        raise BenchArgumentError(str(err)) from None
+    path, doc = read_results_json(out_dir, name)
     if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list) or not doc["rows"]:
         raise BenchArgumentError(f"{path} has no rows under 'rows' to plot; was it written by flashprobe?")
-    doc["rows"] = _decode(doc["rows"])
-    doc["skipped"] = _decode(doc.get("skipped", []))
+    doc["rows"] = decode(doc["rows"])
+    doc["skipped"] = decode(doc.get("skipped", []))
     return doc
 
 

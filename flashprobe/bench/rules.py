@@ -45,6 +45,7 @@ misses a bug.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -57,11 +58,10 @@ from flashprobe.bench.args import add_output_args, run_cli, torch_threads
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.results import format_table, write_results, wrote_line
 from flashprobe.formats.atomic import atomic_write_text
-from flashprobe.judge import ABSOLUTE_EPS, RELATIVE_LIMITS, ROW_EPS
+from flashprobe.judge import ABSOLUTE_EPS, DIRECTIONS, RELATIVE_LIMITS, ROW_EPS
 
 __all__ = ["CALLS", "CORRECT_KERNELS", "RULES", "CalibrationCall", "main", "peer_failures", "run_rules"]
 
-_DIRECTIONS = ("out", "dq", "dk", "dv")
 _DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: The rules compared, in the table's order.
 RULES: tuple[str, ...] = ("flashprobe", "flash-attention", "pytorch-sdpa", "assert_close", "kernelbench")
@@ -77,6 +77,8 @@ CORRECT_KERNELS: tuple[str, ...] = (
     "ok_split_k_lse",
     "flex:compile=false",
 )
+#: The verdict's limits (:mod:`flashprobe.judge`), as ``rules.json`` and ``verdicts.json`` record them.
+LIMITS = {"relative": RELATIVE_LIMITS, "absolute_eps": ABSOLUTE_EPS, "row_eps": ROW_EPS}
 #: PyTorch's SDPA tests: fudge factors per tensor and the default tolerances per dtype.
 _SDPA_FUDGE = {"out": 4.0, "dq": 180.0, "dk": 16.0, "dv": 4.0}
 _SDPA_ATOL = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-3}
@@ -251,12 +253,6 @@ class _Tally:
     caught: int = 0
 
 
-def _run_call(kernel: Any, inputs: Any, grad_out: torch.Tensor) -> Any:
-    from flashprobe.fuzz.kernel_call import call_kernel
-
-    return call_kernel(kernel, inputs, grad_out)
-
-
 def _baseline(inputs: Any, grad_out: torch.Tensor) -> dict[str, torch.Tensor]:
     """The same-dtype baseline's output and gradients (``math``; grouped k/v heads repeated, so their
     gradients are summed over each group)."""
@@ -270,7 +266,7 @@ def _baseline(inputs: Any, grad_out: torch.Tensor) -> dict[str, torch.Tensor]:
             attn_mask=inputs.attn_mask, is_causal=inputs.is_causal, scale=inputs.scale,
         )  # fmt: skip
         grads = torch.autograd.grad(out, (q, k, v), grad_out)
-    return dict(zip(_DIRECTIONS, (out.detach(), *grads), strict=True))
+    return dict(zip(DIRECTIONS, (out.detach(), *grads), strict=True))
 
 
 def _tensors(call: Any) -> dict[str, torch.Tensor]:
@@ -306,6 +302,7 @@ def run_rules(
         (kernel, call, seed, dtype) with each rule's outcome.
     """
     from flashprobe.fuzz import check_case
+    from flashprobe.fuzz.kernel_call import call_kernel
     from flashprobe.fuzz.run import case_references
     from flashprobe.kernels import get_kernel, unregister_kernel
     from flashprobe.mutants import MUTANTS, register_mutants
@@ -323,70 +320,52 @@ def run_rules(
             tally = {rule: _Tally() for rule in RULES}
             missed: dict[str, set[str]] = {rule: set() for rule in RULES}
             alarmed: dict[str, set[str]] = {rule: set() for rule in RULES}
-            for call_shape in calls:
-                for seed in seeds:
-                    inputs = call_shape.inputs(dtype, seed)
-                    refs = case_references(inputs, "math", backward=True)
-                    golden = {"out": refs.golden, **{d: g.golden for d, g in refs.gradients.items()}}
-                    base = _baseline(inputs, refs.grad_out)
-                    bug_free = _tensors(_run_call(clean, inputs, refs.grad_out))
-                    for label, kernel in kernels.items():
-                        is_bug = label in names
-                        ran = _run_call(kernel, inputs, refs.grad_out)
-                        if ran.problem is not None and ran.problem.verdict == "unsupported":
-                            continue  # the kernel does not take this call (e.g. GQA, a mask kind)
-                        got = _tensors(ran)
-                        judged = [d for d in _DIRECTIONS if d in got and d in base and d in golden]
-                        fired = ran.problem is not None or any(
-                            _fires(got[d], bug_free.get(d), golden[d]) for d in judged
-                        )
-                        if is_bug and not fired:
-                            continue  # the bug does not fire on this call
-                        verdict = check_case(kernel, inputs, refs=refs).verdict
-                        outcome = {"flashprobe": verdict == "fail"}
-                        if ran.problem is not None:  # it raised or changed its inputs: every rule fails it
-                            outcome |= dict.fromkeys(RULES, True)
-                        for d in judged:
-                            for rule, failed in peer_failures(got[d], base[d], golden[d], d).items():
-                                outcome[rule] = outcome.get(rule, False) or failed
-                        entry = {
-                            "kernel": label if not is_bug else f"bug_{label}",
-                            "call": call_shape.name,
-                            "seed": seed,
-                            "dtype": dtype_name,
-                            "bug": is_bug,
-                            "flashprobe_verdict": verdict,
-                            **{rule: outcome.get(rule, False) for rule in RULES},
-                        }
-                        details.append(entry)
-                        for rule in RULES:
-                            t = tally[rule]
-                            if is_bug:
-                                t.bug_calls += 1
-                                t.caught += outcome.get(rule, False)
-                                if not outcome.get(rule, False):
-                                    missed[rule].add(label)
-                            else:
-                                t.correct_calls += 1
-                                t.false_alarms += outcome.get(rule, False)
-                                if outcome.get(rule, False):
-                                    alarmed[rule].add(label)
-                                t.undetermined += rule == "flashprobe" and verdict == "undetermined"
-            for rule in RULES:
-                t = tally[rule]
-                rows.append(
-                    {
-                        "rule": rule,
-                        "dtype": dtype_name,
-                        "correct_calls": t.correct_calls,
-                        "false_alarms": t.false_alarms,
-                        "failed_kernels": ",".join(sorted(alarmed[rule])),
-                        "undetermined": t.undetermined if rule == "flashprobe" else None,
-                        "bug_calls": t.bug_calls,
-                        "caught": t.caught,
-                        "missed_bugs": ",".join(sorted(missed[rule])),
-                    }
-                )
+            for call_shape, seed in itertools.product(calls, seeds):
+                inputs = call_shape.inputs(dtype, seed)
+                refs = case_references(inputs, "math", backward=True)
+                golden = {"out": refs.golden, **{d: g.golden for d, g in refs.gradients.items()}}
+                base = _baseline(inputs, refs.grad_out)
+                bug_free = _tensors(call_kernel(clean, inputs, refs.grad_out))
+                for label, kernel in kernels.items():
+                    is_bug = label in names
+                    ran = call_kernel(kernel, inputs, refs.grad_out)
+                    if ran.problem is not None and ran.problem.verdict == "unsupported":
+                        continue  # the kernel does not take this call (e.g. GQA, a mask kind)
+                    got = _tensors(ran)
+                    judged = [d for d in DIRECTIONS if d in got and d in base and d in golden]
+                    fired = ran.problem is not None or any(
+                        _fires(got[d], bug_free.get(d), golden[d]) for d in judged
+                    )
+                    if is_bug and not fired:
+                        continue  # the bug does not fire on this call
+                    verdict = check_case(kernel, inputs, refs=refs).verdict
+                    outcome = {"flashprobe": verdict == "fail"}
+                    if ran.problem is not None:  # it raised or changed its inputs: every rule fails it
+                        outcome |= dict.fromkeys(RULES, True)
+                    for d in judged:
+                        for rule, failed in peer_failures(got[d], base[d], golden[d], d).items():
+                            outcome[rule] = outcome.get(rule, False) or failed
+                    outcome = {rule: outcome.get(rule, False) for rule in RULES}
+                    entry = {"kernel": label if not is_bug else f"bug_{label}", "call": call_shape.name}
+                    entry |= {"seed": seed, "dtype": dtype_name, "bug": is_bug, "flashprobe_verdict": verdict}
+                    details.append(entry | outcome)
+                    for rule, hit in outcome.items():
+                        t = tally[rule]
+                        if is_bug:
+                            t.bug_calls += 1
+                            t.caught += hit
+                        else:
+                            t.correct_calls += 1
+                            t.false_alarms += hit
+                            t.undetermined += rule == "flashprobe" and verdict == "undetermined"
+                        if hit != is_bug:  # a false alarm or a missed bug
+                            (missed if is_bug else alarmed)[rule].add(label)
+            for rule, t in tally.items():
+                undetermined = t.undetermined if rule == "flashprobe" else None
+                row = {"rule": rule, "dtype": dtype_name, "correct_calls": t.correct_calls}
+                row |= {"false_alarms": t.false_alarms, "failed_kernels": ",".join(sorted(alarmed[rule]))}
+                row |= {"undetermined": undetermined, "bug_calls": t.bug_calls, "caught": t.caught}
+                rows.append(row | {"missed_bugs": ",".join(sorted(missed[rule]))})
             if progress is not None:
                 fp = next(r for r in rows if r["rule"] == "flashprobe" and r["dtype"] == dtype_name)
                 progress(
@@ -489,15 +468,9 @@ def _run(args: argparse.Namespace) -> int:
         )
     seconds = time.perf_counter() - start
     print(format_table(rows, TABLE_COLUMNS))
-    meta = {
-        "command": args.command_line,
-        "limits": {"relative": RELATIVE_LIMITS, "absolute_eps": ABSOLUTE_EPS, "row_eps": ROW_EPS},
-        "calls": [c.name for c in CALLS],
-        "seeds": args.seeds,
-        "details": details,
-        "torch": torch.__version__,
-        "seconds": round(seconds, 1),
-    }
+    meta = {"command": args.command_line, "limits": LIMITS, "calls": [c.name for c in CALLS]}
+    meta |= {"seeds": args.seeds, "details": details, "torch": torch.__version__}
+    meta["seconds"] = round(seconds, 1)
     paths = write_results(args.out, "rules", rows, meta=meta)
     paths["md"] = atomic_write_text(
         args.out / "rules.md", f"Produced by `{args.command_line}`\n\n{markdown_table(rows)}\n"

@@ -17,10 +17,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from flashprobe.bench.args import add_input_args, add_kernel_args, add_output_args, add_shape_args
-from flashprobe.bench.inputs import Shape
 from flashprobe.bench.sweep import Primary, SweepPoint
 from flashprobe.bench.sweep_command import SweepCommand, SweepPlan, SweepSetup, run_sweep_cli
-from flashprobe.kernels import Kernel
 
 __all__ = ["COMMAND", "TABLE_COLUMNS", "build_parser", "main"]
 
@@ -35,12 +33,6 @@ TABLE_COLUMNS = [
     ("baseline_golden_max_abs", "max|b-g|"),
     ("error_ratio", "ratio"),
 ]
-
-
-def _points(shape: Shape, seq_lens: Sequence[int], kernels: Sequence[Kernel]) -> list[SweepPoint]:
-    """One point per distinct N, shortest first."""
-    primaries = [Primary(k, {"kernel": k.spec}) for k in kernels]
-    return [SweepPoint(replace(shape, seq_len=n), primaries) for n in sorted(dict.fromkeys(seq_lens))]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _plan(args: argparse.Namespace, setup: SweepSetup) -> SweepPlan:
     config = {"kernels": [k.spec for k in setup.kernels], "baseline": setup.baseline.spec}
     config |= {**setup.shape.as_dict(), "seq_len": sorted(set(args.seq_len))}
-    return SweepPlan(
-        points=_points(setup.shape, args.seq_len, setup.kernels),
+    primaries = [Primary(k, {"kernel": k.spec}) for k in setup.kernels]
+    return SweepPlan(  # one point per distinct N, shortest first
+        points=[SweepPoint(replace(setup.shape, seq_len=n), primaries) for n in config["seq_len"]],
         config=config,
         sort_key=lambda r: (r["kernel"], r["dtype"], r["seq_len"]),
     )

@@ -49,6 +49,7 @@ from flashprobe.bench.args import (
     parse_dtypes,
     parse_input_config,
     parse_kernels,
+    parse_seeds,
     run_cli,
 )
 from flashprobe.bench.errors import BenchArgumentError
@@ -284,8 +285,15 @@ def speed_rows(
                 if memory and device.type == "cpu":
                     say(f"N={n} {dtype_name(dtype)}: peak memory of {kernel.spec}")
                     peak, method = peak_memory_mb(kernel, at_n, dtype, is_causal=is_causal)
-                block.append(_row(kernel, at_n, dtype, ms, peak, method, device=device, repeats=repeats))
-            _add_ratios(block, block[0] if ok[0] is math_kernel else None)
+                row = {"kernel": kernel.spec, "seq_len": n, "dtype": dtype_name(dtype)}
+                row |= {"ms": statistics.median(ms), "ms_lo": min(ms), "ms_hi": max(ms)}
+                row |= {"peak_mb": peak, "memory_method": method, **at_n.as_dict()}
+                block.append(row | {"device": str(device), "repeats": repeats})
+            ref = block[0] if ok[0] is math_kernel else None  # math's row, the ratios' reference
+            for row in block:
+                row["ratio_vs_math"] = row["ms"] / ref["ms"] if ref else None
+                both = ref and row["peak_mb"] is not None and ref["peak_mb"]
+                row["mem_ratio_vs_math"] = row["peak_mb"] / ref["peak_mb"] if both else None
             rows += block
             if checkpoint:
                 checkpoint(rows, skipped)
@@ -306,41 +314,6 @@ def _skip_reason(
             f"{max_memory_bytes / 2**30:.1f} GiB (--max-memory-gb)"
         )
     return reason
-
-
-def _row(
-    kernel: Kernel,
-    shape: Shape,
-    dtype: torch.dtype,
-    ms: Sequence[float],
-    peak: float | None,
-    method: str | None,
-    *,
-    device: torch.device,
-    repeats: int,
-) -> dict[str, Any]:
-    """One result row (without the ratios to ``math``)."""
-    return {
-        "kernel": kernel.spec,
-        "seq_len": shape.seq_len,
-        "dtype": dtype_name(dtype),
-        "ms": statistics.median(ms),
-        "ms_lo": min(ms),
-        "ms_hi": max(ms),
-        "peak_mb": peak,
-        "memory_method": method,
-        **shape.as_dict(),
-        "device": str(device),
-        "repeats": repeats,
-    }
-
-
-def _add_ratios(block: Sequence[dict[str, Any]], ref: dict[str, Any] | None) -> None:
-    """Set ``ratio_vs_math`` and ``mem_ratio_vs_math`` of each row against ``math``'s row ``ref``."""
-    for row in block:
-        row["ratio_vs_math"] = row["ms"] / ref["ms"] if ref else None
-        both = ref and row["peak_mb"] is not None and ref["peak_mb"]
-        row["mem_ratio_vs_math"] = row["peak_mb"] / ref["peak_mb"] if both else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -376,24 +349,15 @@ def _run(args: argparse.Namespace) -> int:
     shape = Shape(batch=args.batch, heads=args.heads, seq_len=min(args.seq_len), head_dim=args.head_dim)
     kernels = parse_kernels(args.kernel)
     dtypes = parse_dtypes(args.dtype)
-    if args.repeats < 1:
-        raise BenchArgumentError(f"--repeats must be at least 1, got {args.repeats}")
+    parse_seeds(args.seed, args.repeats)  # refuses --repeats < 1
     if args.max_memory_gb is not None and not args.max_memory_gb > 0:
         raise BenchArgumentError(f"--max-memory-gb must be positive, got {args.max_memory_gb}")
     limit = None if args.max_memory_gb is None else int(args.max_memory_gb * 2**30)
     inputs = parse_input_config(args)
-    meta: dict[str, Any] = {
-        "command": args.command_line,
-        "config": {
-            "kernels": ["math", *[k.spec for k in kernels if k.spec != "math"]],
-            **shape.as_dict(),
-            "seq_len": sorted(set(args.seq_len)),
-            **inputs.as_dict(),
-            "seed": args.seed,
-            "repeats": args.repeats,
-        },
-        "complete": False,
-    }
+    config = {"kernels": ["math", *[k.spec for k in kernels if k.spec != "math"]], **shape.as_dict()}
+    config |= {"seq_len": sorted(set(args.seq_len)), **inputs.as_dict()}
+    config |= {"seed": args.seed, "repeats": args.repeats}
+    meta: dict[str, Any] = {"command": args.command_line, "config": config, "complete": False}
     start = time.perf_counter()
     rows, skipped = speed_rows(
         shape,

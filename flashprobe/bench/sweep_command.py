@@ -11,7 +11,6 @@ the table, the skipped runs, ``DIR/<name>.json`` and ``.csv`` and ``DIR/<name>.p
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from flashprobe.bench.args import (
     parse_input_config,
     parse_kernels,
     parse_seeds,
+    progress_printer,
     run_cli,
 )
 from flashprobe.bench.inputs import InputConfig, Shape
@@ -127,13 +127,6 @@ def _draw(command: SweepCommand, rows: Sequence[Row], path: Path) -> Path:
     return getattr(bench_figures, command.figure)(rows, path)
 
 
-def _progress(command: SweepCommand) -> Callable[[str], None] | None:
-    if not command.progress:
-        return None
-    prog = f"flashprobe bench {command.name}"
-    return lambda msg: print(f"{prog}: {msg}", file=sys.stderr, flush=True)
-
-
 def run_sweep_command(command: SweepCommand, args: argparse.Namespace) -> int:
     """Run a deviation-sweep command on its parsed arguments; returns the exit code.
 
@@ -159,7 +152,7 @@ def run_sweep_command(command: SweepCommand, args: argparse.Namespace) -> int:
         inputs=setup.inputs,
         device=setup.device,
         is_causal=setup.is_causal,
-        progress=_progress(command),
+        progress=progress_printer(command.name) if command.progress else None,
     )
     seconds = time.perf_counter() - start
     if plan.sort_key is not None:

@@ -86,13 +86,9 @@ def _tile_kernel(base: Kernel, head_dim: int, variant: str, sram: int) -> Primar
             f"the tiles sweep needs a kernel with tiled's tile options (sram, swap_blocks, "
             f"square, loop, order): {err}"
         ) from None
+    shape = {key: options.get(key, False) for key in ("swap_blocks", "square")}
     try:
-        br, bc = tile_sizes(
-            head_dim,
-            sram=sram,
-            swap_blocks=options.get("swap_blocks", False),
-            square=options.get("square", False),
-        )
+        br, bc = tile_sizes(head_dim, sram=sram, **shape)
     except ValueError as err:
         raise BenchArgumentError(f"--sram {sram}: {err}") from None
     labels = {"variant": variant, "sram": sram, "block_q": br, "block_k": bc, "block_area": br * bc}

@@ -49,13 +49,13 @@ import torch
 from flashprobe.bench.args import add_output_args, run_cli, torch_threads
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.results import format_table, write_results, wrote_line
+from flashprobe.bench.rules import LIMITS
 from flashprobe.bench.tiny_models import MODELS
 from flashprobe.bias import BIAS_TOLERANCE, BIAS_Z_LIMIT, COMPONENTS
-from flashprobe.judge import ABSOLUTE_EPS, RELATIVE_LIMITS, ROW_EPS
+from flashprobe.judge import DIRECTIONS
 
 __all__ = ["MODELS", "MODEL_KERNEL", "calibrate", "main"]
 
-_DIRECTIONS = ("out", "dq", "dk", "dv")
 
 #: ``--kernel`` name of the models' own attention (torch SDPA, the probe with no ``primary``)
 MODEL_KERNEL = "model"
@@ -82,11 +82,8 @@ def calibrate(
 
     model, batch, output = MODELS[model_name](seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    worst = dict.fromkeys(_DIRECTIONS, 0.0)
-    worst_max = dict.fromkeys(_DIRECTIONS, 0.0)
-    score = dict.fromkeys(_DIRECTIONS, 0.0)
-    judged = dict.fromkeys(_DIRECTIONS, 0)
-    failed = dict.fromkeys(_DIRECTIONS, 0)
+    worst, worst_max, score = (dict.fromkeys(DIRECTIONS, 0.0) for _ in range(3))
+    judged, failed = (dict.fromkeys(DIRECTIONS, 0) for _ in range(2))
     undetermined: dict[str, int] = {}
     low = _PRECISIONS[precision]
     start = time.perf_counter()
@@ -108,14 +105,9 @@ def calibrate(
         bias = _bias(p.stats())  # the run's: reset() keeps the bias sums
     finally:
         p.detach()
-    row: dict[str, Any] = {
-        "model": model_name,
-        "precision": precision,
-        "kernel": kernel or MODEL_KERNEL,
-        "steps": steps,
-        "sites": len(p.sites),
-    }
-    for d in _DIRECTIONS:
+    row: dict[str, Any] = {"model": model_name, "precision": precision, "kernel": kernel or MODEL_KERNEL}
+    row |= {"steps": steps, "sites": len(p.sites)}
+    for d in DIRECTIONS:
         row[f"{d}_limit_ratio"] = score[d] if judged[d] else None
         row[f"{d}_max_l2_ratio"] = worst[d] if judged[d] else None
         row[f"{d}_max_call_error_ratio"] = worst_max[d] if judged[d] else None
@@ -126,11 +118,8 @@ def calibrate(
     row["undetermined_share"] = row["undetermined_calls"] / judgements if judgements else None
     row["undetermined_reasons"] = ", ".join(f"{k} {n}" for k, n in sorted(undetermined.items()) if n) or None
     row.update(bias)
-    row["first_failure"] = (
-        None
-        if not failures
-        else f"{failures[0]['site']} {failures[0]['direction']} step {failures[0]['step']}"
-    )
+    first = failures[0] if failures else None
+    row["first_failure"] = first and f"{first['site']} {first['direction']} step {first['step']}"
     row["seconds"] = round(time.perf_counter() - start, 1)
     return row
 
@@ -146,7 +135,7 @@ def _bias(stats: dict[str, Any]) -> dict[str, Any]:
     row: dict[str, Any] = {}
     biased: list[str] = []
     replicates = 0
-    for d in _DIRECTIONS:
+    for d in DIRECTIONS:
         entries = [(s, _entry(e, d).get("bias")) for s, e in stats.items()]
         entries = [(s, b) for s, b in entries if b and b["replicates"]]
         row[f"{d}_bias_z"] = max((b["z"] for _, b in entries), key=abs, default=None)
@@ -171,7 +160,7 @@ def _fold(
     undetermined: dict[str, int],
 ) -> None:
     for entry in stats.values():
-        for d in _DIRECTIONS:
+        for d in DIRECTIONS:
             e = _entry(entry, d)
             if e.get("verdict") is None:
                 continue
@@ -191,16 +180,16 @@ TABLE_COLUMNS = [
     ("precision", "precision"),
     ("steps", "steps"),
     ("sites", "sites"),
-    *((f"{d}_limit_ratio", f"{d} err/limit") for d in _DIRECTIONS),
-    *((f"{d}_max_l2_ratio", f"{d} L2") for d in _DIRECTIONS),
-    *((f"{d}_max_call_error_ratio", f"{d} max/max") for d in _DIRECTIONS),
+    *((f"{d}_limit_ratio", f"{d} err/limit") for d in DIRECTIONS),
+    *((f"{d}_max_l2_ratio", f"{d} L2") for d in DIRECTIONS),
+    *((f"{d}_max_call_error_ratio", f"{d} max/max") for d in DIRECTIONS),
     ("out_calls", "calls"),
     ("failed_calls", "failed"),
     ("undetermined_calls", "undet."),
     ("undetermined_share", "undet. share"),
     ("undetermined_reasons", "undet. reasons"),
-    *((f"{d}_bias_mean", f"{d} bias mean") for d in _DIRECTIONS),
-    *((f"{d}_bias_z", f"{d} bias z") for d in _DIRECTIONS),
+    *((f"{d}_bias_mean", f"{d} bias mean") for d in DIRECTIONS),
+    *((f"{d}_bias_z", f"{d} bias z") for d in DIRECTIONS),
     ("biased", "biased"),
     ("seconds", "s"),
 ]
@@ -267,28 +256,19 @@ def _run(args: argparse.Namespace) -> int:
             for m in models:
                 for prec in precisions:
                     kernel = None if spec == MODEL_KERNEL else spec
-                    rows.append(calibrate(m, prec, args.steps, kernel=kernel))
-                    print(
-                        f"{spec} {m} {prec}: {rows[-1]['seconds']} s, "
-                        f"failed calls {rows[-1]['failed_calls']}, "
-                        f"biased {rows[-1]['biased']}",
-                        file=sys.stderr,
-                    )
+                    row = calibrate(m, prec, args.steps, kernel=kernel)
+                    rows.append(row)
+                    done = f"{row['seconds']} s, failed calls {row['failed_calls']}, biased {row['biased']}"
+                    print(f"{spec} {m} {prec}: {done}", file=sys.stderr)
     seconds = time.perf_counter() - start
     print(format_table(rows, TABLE_COLUMNS))
     failed = sum(r["failed_calls"] for r in rows)
     undetermined = sum(r["undetermined_calls"] for r in rows)
     biased = sum(r["biased"] for r in rows)
     print(f"failed calls: {failed}; undetermined calls: {undetermined}; biased (site, direction): {biased}")
-    meta = {
-        "command": args.command_line,
-        "kernels": args.kernel,
-        "bias_z_limit": BIAS_Z_LIMIT,
-        "bias_tolerance": BIAS_TOLERANCE,
-        "limits": {"relative": RELATIVE_LIMITS, "absolute_eps": ABSOLUTE_EPS, "row_eps": ROW_EPS},
-        "torch": torch.__version__,
-        "seconds": round(seconds, 1),
-    }
+    meta = {"command": args.command_line, "kernels": args.kernel, "bias_z_limit": BIAS_Z_LIMIT}
+    meta |= {"bias_tolerance": BIAS_TOLERANCE, "limits": LIMITS}
+    meta |= {"torch": torch.__version__, "seconds": round(seconds, 1)}
     paths = write_results(args.out, "verdicts", rows, meta=meta)
     print(wrote_line(rows, seconds, paths))
     return 1 if args.check and (failed or biased) else 0

@@ -59,11 +59,6 @@ _COLUMNS = (
 )
 
 
-def _sort_floor(u: np.ndarray, v: np.ndarray) -> None:
-    np.sort(u)
-    np.sort(v)
-
-
 def _weighted_sort_floor(u: np.ndarray, v: np.ndarray, uw: np.ndarray, vw: np.ndarray) -> None:
     for x, w in ((u, uw), (v, vw)):
         order = np.argsort(x)
@@ -104,35 +99,20 @@ def bench_case(case: str, n: int, *, repeats: int, seed: int, device: torch.devi
         times["scipy"].append(t)
         t, got = _timed(lambda: wasserstein_distance(tu, tv, tuw, tvw), device)
         times["torch"].append(t)
-        times["floor"].append(_timed(lambda: _sort_floor(u, v), cpu)[0])
+        times["floor"].append(_timed(lambda: (np.sort(u), np.sort(v)), cpu)[0])
         if uw is not None and vw is not None:
             times["weighted_floor"].append(_timed(lambda: _weighted_sort_floor(u, v, uw, vw), cpu)[0])
     sort_torch, _ = _timed(lambda: torch.sort(tu), device)
     med = {k: statistics.median(v) if v else None for k, v in times.items()}
     floor = med["weighted_floor"] if case == "weighted" else med["floor"]
-    scipy_ms, torch_ms = times["scipy"], times["torch"]
     scipy_med, torch_med = med["scipy"], med["torch"]
-    return {
-        "case": case,
-        "n": n,
-        "m": m,
-        "weighted": case == "weighted",
-        "device": str(device),
-        "scipy_ms": scipy_med,
-        "torch_ms": torch_med,
-        "speedup": scipy_med / torch_med,
-        "rel_diff": abs(got - expected) / abs(expected) if expected else abs(got - expected),
-        "scipy_value": expected,
-        "torch_value": got,
-        "scipy_ms_all": scipy_ms,
-        "torch_ms_all": torch_ms,
-        "floor_ms": floor,
-        "vs_floor": torch_med / floor,
-        "sort_floor_ms": med["floor"],
-        "vs_sort": torch_med / med["floor"],
-        "weighted_sort_floor_ms": med["weighted_floor"],
-        "sort_torch_ms": sort_torch,
-    }
+    row = {"case": case, "n": n, "m": m, "weighted": case == "weighted", "device": str(device)}
+    row |= {"scipy_ms": scipy_med, "torch_ms": torch_med, "speedup": scipy_med / torch_med}
+    row["rel_diff"] = abs(got - expected) / abs(expected) if expected else abs(got - expected)
+    row |= {"scipy_value": expected, "torch_value": got}
+    row |= {"scipy_ms_all": times["scipy"], "torch_ms_all": times["torch"], "floor_ms": floor}
+    row |= {"vs_floor": torch_med / floor, "sort_floor_ms": med["floor"], "vs_sort": torch_med / med["floor"]}
+    return row | {"weighted_sort_floor_ms": med["weighted_floor"], "sort_torch_ms": sort_torch}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -204,17 +184,13 @@ def _run(args: argparse.Namespace) -> int:
         for n in args.sizes
         for case in args.cases
     ]
-    paths = write_results(
-        args.out,
-        "wasserstein",
-        rows,
-        meta={
-            "repeats": args.repeats,
-            "seed": args.seed,
-            "dtype": "float64",
-            "torch_threads": torch.get_num_threads(),
-        },
-    )
+    meta = {
+        "repeats": args.repeats,
+        "seed": args.seed,
+        "dtype": "float64",
+        "torch_threads": torch.get_num_threads(),
+    }
+    paths = write_results(args.out, "wasserstein", rows, meta=meta)
     print(format_table(rows, _COLUMNS))
     print(f"wrote {paths['json']} and {paths['csv']}")
     return 0
