@@ -41,7 +41,6 @@ from flashprobe.bench.inputs import Shape
 from flashprobe.fuzz._tensors import (
     F64,
     additive_mask,
-    dense,
     finfo_max,
     padding_mask,
     rand,
@@ -307,23 +306,23 @@ def _scale_huge(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
 def _fully_masked(additive: bool) -> Callable[[torch.dtype, torch.Generator], CaseInputs]:
     def make(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
         b, h, n_q, n_k, d = 2, 2, 37, 150, 40
-        q, k, v = dense(gen, dtype, b, h, n_q, n_k, d)
+        inputs = _dense_case(b, h, n_q, n_k, d)(dtype, gen)
         keep = rand(gen, b, h, n_q, n_k) < 0.5
         keep[:, :, ::4] = False  # every 4th row sees no key
         keep[-1, -1] = False  # one whole (batch, head) fully masked
         bias = uniform(gen, -3.0, 0.0, b, h, n_q, n_k) if additive else None  # ALiBi-like, on valid keys
-        return CaseInputs(q=q, k=k, v=v, attn_mask=keep if bias is None else additive_mask(keep, bias, dtype))
+        return replace(inputs, attn_mask=keep if bias is None else additive_mask(keep, bias, dtype))
 
     return make
 
 
 def _one_valid_key(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
     b, h, n_q, n_k, d = 1, 2, 29, 257, 64
-    q, k, v = dense(gen, dtype, b, h, n_q, n_k, d)
+    inputs = _dense_case(b, h, n_q, n_k, d)(dtype, gen)
     index = torch.randint(0, n_k, (b, h, n_q), generator=gen)
     index[..., :3] = torch.tensor([n_k - 1, 0, 128])  # the only key in the last tile, first, mid
     keep = torch.nn.functional.one_hot(index, n_k).bool()  # (B, H, N_q, N_k)
-    return CaseInputs(q=q, k=k, v=v, attn_mask=keep)
+    return replace(inputs, attn_mask=keep)
 
 
 def _rising_max(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
@@ -350,10 +349,9 @@ def _outliers(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
 
 def _left_padding(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
     b, h, n_q, n_k, d = 3, 2, 64, 300, 64
-    q, k, v = dense(gen, dtype, b, h, n_q, n_k, d)
+    inputs = _dense_case(b, h, n_q, n_k, d)(dtype, gen)
     starts = torch.tensor([150, 1, 0]).view(b, 1, 1, 1)  # batch 0: the first 128-key tile fully masked
-    keep = torch.arange(n_k) >= starts  # (B, 1, 1, N_k)
-    return CaseInputs(q=q, k=k, v=v, attn_mask=keep)
+    return replace(inputs, attn_mask=torch.arange(n_k) >= starts)  # (B, 1, 1, N_k)
 
 
 def _raw_sentinel(d: int) -> Callable[[torch.dtype, torch.Generator], CaseInputs]:
@@ -371,11 +369,11 @@ def _raw_sentinel(d: int) -> Callable[[torch.dtype, torch.Generator], CaseInputs
 
 def _nan_inputs(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
     b, h, n_q, n_k, d = 2, 2, 150, 150, 64
-    q, k, v = dense(gen, dtype, b, h, n_q, n_k, d)
-    q[0, 0, 3, 5] = float("nan")  # one query: only its row depends on it
-    q[1, 1, 140] = float("nan")
-    k[1, 0, 20, 0] = float("nan")  # a key every query of (batch 1, head 0) sees: the whole head
-    return CaseInputs(q=q, k=k, v=v, attn_mask=padding_mask([n_k, 100], n_k))
+    inputs = _dense_case(b, h, n_q, n_k, d, lengths=[n_k, 100])(dtype, gen)
+    inputs.q[0, 0, 3, 5] = float("nan")  # one query: only its row depends on it
+    inputs.q[1, 1, 140] = float("nan")
+    inputs.k[1, 0, 20, 0] = float("nan")  # a key every query of (batch 1, head 0) sees: the whole head
+    return inputs
 
 
 def _int32_offsets(elements: int) -> Callable[[torch.dtype, torch.Generator], CaseInputs]:
