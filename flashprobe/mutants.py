@@ -210,8 +210,7 @@ def head_dim_truncated(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     """
 
     def scores(qc: torch.Tensor, kc: torch.Tensor) -> torch.Tensor:
-        n = HEAD_DIM_LIMIT
-        return qc[..., :n] @ kc[..., :n].transpose(-2, -1)
+        return qc[..., :HEAD_DIM_LIMIT] @ kc[..., :HEAD_DIM_LIMIT].transpose(-2, -1)
 
     return _forward_bug(q, k, v, attn_mask, is_causal, scale, scores=scores)
 
@@ -334,8 +333,7 @@ def fp32_bf16_scores(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     """
 
     def scores(qc: torch.Tensor, kc: torch.Tensor) -> torch.Tensor:
-        bf = torch.bfloat16
-        return (qc.to(bf) @ kc.to(bf).transpose(-2, -1)).to(qc.dtype)
+        return (qc.to(BF16) @ kc.to(BF16).transpose(-2, -1)).to(qc.dtype)
 
     bug = {"scores": scores} if q.dtype == torch.float32 else {}
     return _forward_bug(q, k, v, attn_mask, is_causal, scale, **bug)
@@ -1077,9 +1075,8 @@ class Case:
 
     def grad_out(self) -> torch.Tensor:
         """A fixed random output gradient ``(B, H, N_q, D_v)`` in :attr:`dtype`."""
-        b, h, n_q, _ = self.shapes["q"]
-        d_v = self.shapes["v"][3]
-        return torch.randn(b, h, n_q, d_v, generator=self._gen(9), dtype=torch.float64).to(self.dtype)
+        shape = (*self.shapes["q"][:3], self.shapes["v"][3])
+        return torch.randn(shape, generator=self._gen(9), dtype=torch.float64).to(self.dtype)
 
 
 @dataclass(frozen=True)
