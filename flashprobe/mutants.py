@@ -99,34 +99,26 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _kv_index(heads: int, kv_heads: int, device: torch.device, *, modulo: bool = False) -> torch.Tensor:
-    """The key/value head each query head reads: ``h // (H / H_kv)`` (or the buggy ``h % H_kv``)."""
-    h = torch.arange(heads, device=device)
-    return h % kv_heads if modulo else h // (heads // kv_heads)
-
-
 def _expand_kv(
     k: torch.Tensor, v: torch.Tensor, heads: int, *, modulo: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if k.shape[1] == heads:
+    """k, v with query head ``h`` reading key/value head ``h // (H / H_kv)`` (or the buggy ``h % H_kv``)."""
+    kv_heads = k.shape[1]
+    if kv_heads == heads:
         return k, v
-    idx = _kv_index(heads, k.shape[1], k.device, modulo=modulo)
+    h = torch.arange(heads, device=k.device)
+    idx = h % kv_heads if modulo else h // (heads // kv_heads)
     return k.index_select(1, idx), v.index_select(1, idx)
-
-
-def _causal_keep(n_q: int, n_k: int, device: torch.device, offset: int = 0) -> torch.Tensor:
-    """``(N_q, N_k)`` bool, True where key ``j <= i + offset`` (top-left aligned; offset 0 correct)."""
-    i = torch.arange(n_q, device=device).unsqueeze(-1)
-    j = torch.arange(n_k, device=device).unsqueeze(0)
-    return j <= i + offset
 
 
 def _masks(
     attn_mask: torch.Tensor | None, is_causal: bool, n_q: int, n_k: int, device: torch.device, offset: int = 0
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(keep, bias)``: a bool keep-mask (causal or bool ``attn_mask``) and an additive float mask."""
+    """``(keep, bias)``: a bool keep-mask (causal: ``(N_q, N_k)``, True where key ``j <= i + offset``,
+    top-left aligned, offset 0 correct; or a bool ``attn_mask``) and an additive float mask."""
     if is_causal:
-        return _causal_keep(n_q, n_k, device, offset), None
+        i = torch.arange(n_q, device=device).unsqueeze(-1)
+        return torch.arange(n_k, device=device).unsqueeze(0) <= i + offset, None
     if attn_mask is None:
         return None, None
     if attn_mask.dtype == torch.bool:
@@ -145,24 +137,30 @@ def _math(
     mask_value: float = _NEG_INF,
     scores: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     softmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    factor: float = 1.0,
+    combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Plain autograd attention on equal-head tensors in the compute dtype, output in ``q``'s dtype.
 
     ``scores(qc, kc)`` replaces the unscaled ``qc @ kcᵀ``; ``mask_value`` is what masked-out
-    scores are set to. Rows whose every score is ``-inf`` give zeros (safe softmax), unless
-    ``softmax(s)`` replaces the row softmax (it then gets the scores as they are).
+    scores are set to; ``factor`` multiplies the scale and the additive mask (``log2(e)`` for an
+    exp2 kernel). Rows whose every score is ``-inf`` give zeros (safe softmax), unless
+    ``softmax(s)`` replaces the row softmax (it then gets the scores as they are) or
+    ``combine(s, vc)`` the whole ``softmax(s) @ vc``.
     """
     c = _compute_dtype(q.dtype)
     qc, kc, vc = q.to(c), k.to(c), v.to(c)
     if kc.shape[-2] == 0:
         return q.new_zeros(*q.shape[:-1], v.shape[-1])
-    s = (qc @ kc.transpose(-2, -1) if scores is None else scores(qc, kc)) * scale
+    s = (qc @ kc.transpose(-2, -1) if scores is None else scores(qc, kc)) * (scale * factor)
     if bias is not None:
-        s = s + bias.to(c)
+        s = s + bias.to(c) * factor
     if keep is not None:
         s = s.masked_fill(~keep, mask_value)
     if softmax is not None:
         return (softmax(s) @ vc).to(q.dtype)
+    if combine is not None:
+        return combine(s, vc).to(q.dtype)
     dead = s.detach().amax(dim=-1, keepdim=True) == _NEG_INF
     p = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
     return (p @ vc).to(q.dtype)
@@ -212,8 +210,7 @@ def head_dim_truncated(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     """
 
     def scores(qc: torch.Tensor, kc: torch.Tensor) -> torch.Tensor:
-        n = HEAD_DIM_LIMIT
-        return qc[..., :n] @ kc[..., :n].transpose(-2, -1)
+        return qc[..., :HEAD_DIM_LIMIT] @ kc[..., :HEAD_DIM_LIMIT].transpose(-2, -1)
 
     return _forward_bug(q, k, v, attn_mask, is_causal, scale, scores=scores)
 
@@ -336,8 +333,7 @@ def fp32_bf16_scores(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     """
 
     def scores(qc: torch.Tensor, kc: torch.Tensor) -> torch.Tensor:
-        bf = torch.bfloat16
-        return (qc.to(bf) @ kc.to(bf).transpose(-2, -1)).to(qc.dtype)
+        return (qc.to(BF16) @ kc.to(BF16).transpose(-2, -1)).to(qc.dtype)
 
     bug = {"scores": scores} if q.dtype == torch.float32 else {}
     return _forward_bug(q, k, v, attn_mask, is_causal, scale, **bug)
@@ -664,28 +660,6 @@ def first_block_nan(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Backward:
-    """The bug inserted into :class:`_FlashAttention`'s backward (all off: correct)."""
-
-    dq_unscaled: bool = False
-    dk_tile_32: bool = False
-    dq_nan_128: bool = False
-    ds_bf16: bool = False
-    dv_unmasked: bool = False
-    gqa_first_head: bool = False
-    drop_delta: bool = False
-    kv_tile_zeroed: bool = False
-    mask_ignored: bool = False
-    lse_unguarded: bool = False
-    dv_unnormalised: bool = False
-    do_contiguous: bool = False
-    fp16_scratch: bool = False
-
-
-_CORRECT = _Backward()
-
-
 def _flash_scores(
     qc: torch.Tensor, kc: torch.Tensor, keep: torch.Tensor | None, bias: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -697,7 +671,8 @@ def _flash_scores(
 
 
 class _FlashAttention(torch.autograd.Function):
-    """Attention with a hand-written flash-style backward; ``bug`` selects one backward bug."""
+    """Attention with a hand-written flash-style backward; ``bug`` names the one backward bug it has
+    (the flag tested in :meth:`backward`; ``""``: correct)."""
 
     @staticmethod
     def forward(ctx, q, k, v, keep, bias, scale, bug):  # type: ignore[override]
@@ -726,44 +701,44 @@ class _FlashAttention(torch.autograd.Function):
         kv_heads, n_k = k.shape[1], k.shape[2]
         qc = q.to(c)
         kc, vc = (t.to(c) for t in _expand_kv(k, v, heads))
-        if bug.do_contiguous:  # dO's memory read as if it were contiguous (B, H, N, D)
+        if bug == "do_contiguous":  # dO's memory read as if it were contiguous (B, H, N, D)
             grad_out = grad_out.as_strided(grad_out.shape, _contiguous_strides(grad_out.shape))
         do = grad_out.to(c)
         s, s_unmasked = _flash_scores(qc, kc, keep, bias, scale)
-        if bug.lse_unguarded:  # a fully masked row's log-sum-exp left at -inf: exp(-inf + inf) = NaN
+        if bug == "lse_unguarded":  # a fully masked row's log-sum-exp left at -inf: exp(-inf + inf) = NaN
             lse = lse.masked_fill(lse == float("inf"), _NEG_INF)
         p = torch.exp(s - lse)  # recomputed from the log-sum-exp, as FlashAttention does
-        if bug.mask_ignored:  # P recomputed from the scores without any mask
+        if bug == "mask_ignored":  # P recomputed from the scores without any mask
             p = torch.softmax((qc @ kc.transpose(-2, -1)) * scale, dim=-1)
-        p_v = torch.exp(s_unmasked - lse) if bug.dv_unmasked else p
-        dv = (p_v * (p.shape[-1] if bug.dv_unnormalised else 1)).transpose(-2, -1) @ do
+        p_v = torch.exp(s_unmasked - lse) if bug == "dv_unmasked" else p
+        dv = (p_v * (p.shape[-1] if bug == "dv_unnormalised" else 1)).transpose(-2, -1) @ do
         dp = do @ vc.transpose(-2, -1)
         delta = (do * o).sum(dim=-1, keepdim=True)
-        ds = p * (dp if bug.drop_delta else dp - delta)
-        if bug.ds_bf16 and q.dtype == torch.float32:
+        ds = p * (dp if bug == "drop_delta" else dp - delta)
+        if bug == "ds_bf16" and q.dtype == torch.float32:
             ds = ds.to(torch.bfloat16).to(c)
-        if bug.fp16_scratch:  # dP and dS kept in fp16's range: overflow to Inf, flush to 0
+        if bug == "fp16_scratch":  # dP and dS kept in fp16's range: overflow to Inf, flush to 0
             fp16 = torch.finfo(torch.float16)
             ds = torch.where(ds.abs() < fp16.tiny * 2.0**-10, 0.0, ds)
             ds = torch.where(dp.abs() > fp16.max, float("inf"), ds)
-        dq = (ds @ kc) * (1.0 if bug.dq_unscaled else scale)
+        dq = (ds @ kc) * (1.0 if bug == "dq_unscaled" else scale)
         dk = (ds.transpose(-2, -1) @ qc) * scale
-        if bug.dq_nan_128 and n_k % TILE == TILE // 2:  # the last tile's missing half read as garbage
+        if bug == "dq_nan_128" and n_k % TILE == TILE // 2:  # the last tile's missing half read as garbage
             dq = dq + float("nan")
-        if bug.dk_tile_32 and n_k % 32:
+        if bug == "dk_tile_32" and n_k % 32:
             dk[..., n_k - n_k % 32 :, :] = 0.0
-        if bug.kv_tile_zeroed and n_k > 2 * KEY_TILE:  # the second key tile skipped in dk and dv
+        if bug == "kv_tile_zeroed" and n_k > 2 * KEY_TILE:  # the second key tile skipped in dk and dv
             dk[..., KEY_TILE : 2 * KEY_TILE, :] = 0.0
             dv[..., KEY_TILE : 2 * KEY_TILE, :] = 0.0
         if kv_heads != heads:
             rep = heads // kv_heads
             dk = dk.view(b, kv_heads, rep, n_k, -1)
             dv = dv.view(b, kv_heads, rep, n_k, -1)
-            dk, dv = (dk[:, :, 0], dv[:, :, 0]) if bug.gqa_first_head else (dk.sum(2), dv.sum(2))
+            dk, dv = (dk[:, :, 0], dv[:, :, 0]) if bug == "gqa_first_head" else (dk.sum(2), dv.sum(2))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def _flash(q, k, v, attn_mask, is_causal, scale, bug: _Backward) -> torch.Tensor:
+def _flash(q, k, v, attn_mask, is_causal, scale, bug: str) -> torch.Tensor:
     _check(q, k, v, attn_mask, is_causal)
     keep, bias = _masks(attn_mask, is_causal, q.shape[-2], k.shape[-2], q.device)
     if k.shape[-2] == 0:
@@ -773,7 +748,7 @@ def _flash(q, k, v, attn_mask, is_causal, scale, bug: _Backward) -> torch.Tensor
 
 def correct_flash(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     """Correct attention with a hand-written flash-style backward (the backward bugs' code path)."""
-    return _flash(q, k, v, attn_mask, is_causal, scale, _CORRECT)
+    return _flash(q, k, v, attn_mask, is_causal, scale, "")
 
 
 def dq_unscaled(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -782,7 +757,7 @@ def dq_unscaled(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     Trigger: any call whose scale is not 1 (every default-scale call with ``D > 1``). Quiet with
     ``scale=1.0``. The forward, dk and dv are right.
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, _Backward(dq_unscaled=True))
+    return _flash(q, k, v, attn_mask, is_causal, scale, "dq_unscaled")
 
 
 def dk_partial_tile(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -792,7 +767,7 @@ def dk_partial_tile(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     Trigger: ``N_k % 32 != 0``. Quiet for ``N_k`` a multiple of 32. The forward, dq and dv are
     right.
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, _Backward(dk_tile_32=True))
+    return _flash(q, k, v, attn_mask, is_causal, scale, "dk_tile_32")
 
 
 def dq_nan(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -801,7 +776,7 @@ def dq_nan(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     Trigger: ``N_k % 128 == 64`` (a half-filled last key tile of 128). Quiet for any other
     ``N_k % 128``. The forward, dk and dv are right.
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, _Backward(dq_nan_128=True))
+    return _flash(q, k, v, attn_mask, is_causal, scale, "dq_nan_128")
 
 
 def ds_bf16(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -810,7 +785,7 @@ def ds_bf16(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     Trigger: float32 inputs (dq and dk carry bf16 rounding). Quiet for bf16 inputs (whose
     backward is computed in fp32 as the correct kernel's). The forward and dv are right.
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, _Backward(ds_bf16=True))
+    return _flash(q, k, v, attn_mask, is_causal, scale, "ds_bf16")
 
 
 def dv_unmasked(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -819,7 +794,7 @@ def dv_unmasked(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     Trigger: ``is_causal=True`` or a bool ``attn_mask`` that masks something. Quiet without
     them (an additive float mask is applied correctly). The forward, dq and dk are right.
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, _Backward(dv_unmasked=True))
+    return _flash(q, k, v, attn_mask, is_causal, scale, "dv_unmasked")
 
 
 def gqa_grad_not_summed(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -829,7 +804,7 @@ def gqa_grad_not_summed(q, k, v, *, attn_mask=None, is_causal=False, scale=None)
     Trigger: ``H_kv < H`` **passed un-expanded**. Quiet for ``H_kv == H``. The forward and dq
     are right.
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, _Backward(gqa_first_head=True))
+    return _flash(q, k, v, attn_mask, is_causal, scale, "gqa_first_head")
 
 
 def delta_dropped(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -839,7 +814,7 @@ def delta_dropped(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     right). A weak-baseline class: in 16 bits the plain baseline's own gradient error is percents,
     so a ratio to it is lenient; the ``absolute`` criterion catches it.
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, _Backward(drop_delta=True))
+    return _flash(q, k, v, attn_mask, is_causal, scale, "drop_delta")
 
 
 def backward_mask_ignored(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -848,7 +823,7 @@ def backward_mask_ignored(q, k, v, *, attn_mask=None, is_causal=False, scale=Non
     Trigger: any mask (causal, bool or additive) that masks something. Quiet without one. The
     forward is right; every gradient is wrong.
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, _Backward(mask_ignored=True))
+    return _flash(q, k, v, attn_mask, is_causal, scale, "mask_ignored")
 
 
 def fully_masked_backward_nan(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -857,7 +832,7 @@ def fully_masked_backward_nan(q, k, v, *, attn_mask=None, is_causal=False, scale
 
     Trigger: a query row whose every key is masked. Quiet where every row sees a key.
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, _Backward(lse_unguarded=True))
+    return _flash(q, k, v, attn_mask, is_causal, scale, "lse_unguarded")
 
 
 def dv_unnormalised(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -865,7 +840,7 @@ def dv_unnormalised(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
 
     Trigger: every call with ``N_k > 1``. The forward, dq and dk are right.
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, _Backward(dv_unnormalised=True))
+    return _flash(q, k, v, attn_mask, is_causal, scale, "dv_unnormalised")
 
 
 def grad_out_contiguous(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -874,7 +849,7 @@ def grad_out_contiguous(q, k, v, *, attn_mask=None, is_causal=False, scale=None)
     Trigger: a non-contiguous ``dO`` (the gradient of a transposed output view). Quiet for a
     contiguous one.
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, _Backward(do_contiguous=True))
+    return _flash(q, k, v, attn_mask, is_causal, scale, "do_contiguous")
 
 
 def fp16_scratch(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -884,7 +859,7 @@ def fp16_scratch(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     Trigger: an output gradient so large that ``dP`` exceeds 65504, or so small that ``dS`` falls
     below fp16's subnormals. Quiet for ordinary gradients.
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, _Backward(fp16_scratch=True))
+    return _flash(q, k, v, attn_mask, is_causal, scale, "fp16_scratch")
 
 
 #: keys per key tile of the tiled bugs
@@ -898,7 +873,7 @@ def kv_tile_zeroed(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     Trigger: ``N_k > 32``. Quiet for ``N_k <= 32``. The forward and dq are right; 16 of the keys
     are wrong, which a whole-tensor L2 averages away (the ``row`` criterion catches it).
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, _Backward(kv_tile_zeroed=True))
+    return _flash(q, k, v, attn_mask, is_causal, scale, "kv_tile_zeroed")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -955,6 +930,15 @@ def one_batch_wrong(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
 LOG2E = 1.4426950408889634
 
 
+def _exp2_softmax_v(s2: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+    """``exp2(s2 − max) @ v`` normalised after the product, 0 for rows that see no key."""
+    m = s2.detach().amax(dim=-1, keepdim=True)
+    dead = m == _NEG_INF
+    p = torch.exp2(s2 - m.masked_fill(dead, 0.0))
+    denom = p.sum(dim=-1, keepdim=True)
+    return ((p @ vc) / denom.masked_fill(dead, 1.0)).masked_fill(dead, 0.0)
+
+
 def exp2_folded(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     """Correct: FlashAttention's exponent, ``exp2(s·c − m·c)`` with the scale folded into
     ``c = scale · log2(e)`` (FA2/FA3 and the Triton tutorial), in fp32 for 16-bit inputs.
@@ -962,49 +946,17 @@ def exp2_folded(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     Its error grows with |logit| (the rounding of ``s·c``, about ``|s|·eps``): right, and the
     judge must pass it, sentinel-range logits (-1e4 … -1e5) included.
     """
-    _check(q, k, v, attn_mask, is_causal)
-    k, v = _expand_kv(k, v, q.shape[1])
-    keep, bias = _masks(attn_mask, is_causal, q.shape[-2], k.shape[-2], q.device)
-    c = _compute_dtype(q.dtype)
-    qc, kc, vc = q.to(c), k.to(c), v.to(c)
-    if kc.shape[-2] == 0:
-        return q.new_zeros(*q.shape[:-1], v.shape[-1])
-    s2 = (qc @ kc.transpose(-2, -1)) * (default_scale(q.shape[-1], scale) * LOG2E)
-    if bias is not None:
-        s2 = s2 + bias.to(c) * LOG2E
-    if keep is not None:
-        s2 = s2.masked_fill(~keep, _NEG_INF)
-    m = s2.detach().amax(dim=-1, keepdim=True)
-    dead = m == _NEG_INF
-    p = torch.exp2(s2 - m.masked_fill(dead, 0.0))
-    denom = p.sum(dim=-1, keepdim=True)
-    out = (p @ vc) / denom.masked_fill(dead, 1.0)
-    return out.masked_fill(dead, 0.0).to(q.dtype)
+    return _forward_bug(q, k, v, attn_mask, is_causal, scale, factor=LOG2E, combine=_exp2_softmax_v)
 
 
 #: keys per split of the split-K kernel
 SPLIT_KEYS = 32
 
 
-def split_k_lse(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
-    """Correct: flash-decoding's split-K: each split of 32 keys gives its normalised output ``o_i``
-    and log-sum-exp ``lse_i``; they are combined as ``Σ exp(lse_i − lse) · o_i`` with
-    ``lse = logsumexp_i lse_i`` (in fp32 for 16-bit inputs)."""
-    _check(q, k, v, attn_mask, is_causal)
-    k, v = _expand_kv(k, v, q.shape[1])
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    keep, bias = _masks(attn_mask, is_causal, n_q, n_k, q.device)
-    c = _compute_dtype(q.dtype)
-    qc, kc, vc = q.to(c), k.to(c), v.to(c)
-    if n_k == 0:
-        return q.new_zeros(*q.shape[:-1], v.shape[-1])
-    s = (qc @ kc.transpose(-2, -1)) * default_scale(q.shape[-1], scale)
-    if bias is not None:
-        s = s + bias.to(c)
-    if keep is not None:
-        s = s.masked_fill(~keep, _NEG_INF)
+def _split_k_combine(s: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+    """Each split's normalised output and log-sum-exp, combined by the log-sum-exp weights."""
     outs, lses = [], []
-    for start in range(0, n_k, SPLIT_KEYS):
+    for start in range(0, s.shape[-1], SPLIT_KEYS):
         part = s[..., start : start + SPLIT_KEYS]
         m = part.detach().amax(dim=-1, keepdim=True)
         dead = m == _NEG_INF
@@ -1017,8 +969,14 @@ def split_k_lse(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     dead = top == _NEG_INF
     weights = torch.exp(lse - top.masked_fill(dead, 0.0))  # exp(lse_i - max): 0 for empty splits
     weights = weights / weights.sum(dim=0).masked_fill(dead, 1.0)
-    out = (weights * torch.stack(outs)).sum(dim=0)
-    return out.masked_fill(dead, 0.0).to(q.dtype)
+    return (weights * torch.stack(outs)).sum(dim=0).masked_fill(dead, 0.0)
+
+
+def split_k_lse(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Correct: flash-decoding's split-K: each split of 32 keys gives its normalised output ``o_i``
+    and log-sum-exp ``lse_i``; they are combined as ``Σ exp(lse_i − lse) · o_i`` with
+    ``lse = logsumexp_i lse_i`` (in fp32 for 16-bit inputs)."""
+    return _forward_bug(q, k, v, attn_mask, is_causal, scale, combine=_split_k_combine)
 
 
 #: Correct kernels with production numerics, beside :func:`correct_flash`.
@@ -1117,9 +1075,8 @@ class Case:
 
     def grad_out(self) -> torch.Tensor:
         """A fixed random output gradient ``(B, H, N_q, D_v)`` in :attr:`dtype`."""
-        b, h, n_q, _ = self.shapes["q"]
-        d_v = self.shapes["v"][3]
-        return torch.randn(b, h, n_q, d_v, generator=self._gen(9), dtype=torch.float64).to(self.dtype)
+        shape = (*self.shapes["q"][:3], self.shapes["v"][3])
+        return torch.randn(shape, generator=self._gen(9), dtype=torch.float64).to(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -1372,13 +1329,8 @@ def register_mutants() -> list[str]:
     :data:`CORRECT` kernels as ``ok_<name>`` (replacing earlier registrations); returns the names."""
     from flashprobe import register_kernel
 
-    names = []
-    for m in MUTANTS.values():
-        register_kernel(f"bug_{m.name}", m.fn, capabilities=m.capabilities, overwrite=True)
-        names.append(f"bug_{m.name}")
-    register_kernel("bug_none", correct_flash, overwrite=True)
-    names.append("bug_none")
-    for name, fn in CORRECT.items():
-        register_kernel(f"ok_{name}", fn, overwrite=True)
-        names.append(f"ok_{name}")
-    return names
+    kernels = [(f"bug_{m.name}", m.fn, m.capabilities) for m in MUTANTS.values()]
+    kernels += [("bug_none", correct_flash, None), *((f"ok_{n}", fn, None) for n, fn in CORRECT.items())]
+    for name, fn, capabilities in kernels:
+        register_kernel(name, fn, capabilities=capabilities, overwrite=True)
+    return [name for name, _, _ in kernels]

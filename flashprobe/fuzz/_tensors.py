@@ -41,11 +41,3 @@ def padding_mask(lengths: Iterable[int], n_k: int) -> torch.Tensor:
 def additive_mask(keep: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Float mask: ``bias`` where ``keep``, ``-inf`` elsewhere, in ``dtype`` (shape of ``keep``)."""
     return torch.where(keep, bias, float("-inf")).to(dtype)
-
-
-def dense(
-    gen: torch.Generator, dtype: torch.dtype, b: int, h: int, n_q: int, n_k: int, d: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Standard normal q ``(b, h, n_q, d)``, k and v ``(b, h, n_k, d)`` cast to ``dtype``."""
-    q, k, v = randn(gen, b, h, n_q, d), randn(gen, b, h, n_k, d), randn(gen, b, h, n_k, d)
-    return q.to(dtype), k.to(dtype), v.to(dtype)

@@ -41,7 +41,6 @@ from flashprobe.bench.inputs import Shape
 from flashprobe.fuzz._tensors import (
     F64,
     additive_mask,
-    dense,
     finfo_max,
     padding_mask,
     rand,
@@ -304,85 +303,26 @@ def _scale_huge(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
     return CaseInputs(q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), scale=2.0**12)
 
 
-def _scale_zero(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
-    b, h, n_q, n_k, d = 2, 2, 33, 203, 64
-    q, k, v = dense(gen, dtype, b, h, n_q, n_k, d)
-    return CaseInputs(q=q, k=k, v=v, attn_mask=padding_mask([n_k, 77], n_k), scale=0.0)
+def _fully_masked(additive: bool) -> Callable[[torch.dtype, torch.Generator], CaseInputs]:
+    def make(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
+        b, h, n_q, n_k, d = 2, 2, 37, 150, 40
+        inputs = _dense_case(b, h, n_q, n_k, d)(dtype, gen)
+        keep = rand(gen, b, h, n_q, n_k) < 0.5
+        keep[:, :, ::4] = False  # every 4th row sees no key
+        keep[-1, -1] = False  # one whole (batch, head) fully masked
+        bias = uniform(gen, -3.0, 0.0, b, h, n_q, n_k) if additive else None  # ALiBi-like, on valid keys
+        return replace(inputs, attn_mask=keep if bias is None else additive_mask(keep, bias, dtype))
 
-
-def _scale_zero_causal(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
-    q, k, v = dense(gen, dtype, 1, 2, 67, 67, 64)
-    return CaseInputs(q=q, k=k, v=v, is_causal=True, scale=0.0)
-
-
-def _fully_masked_keep(gen: torch.Generator, b: int, h: int, n_q: int, n_k: int) -> torch.Tensor:
-    keep = rand(gen, b, h, n_q, n_k) < 0.5
-    keep[:, :, ::4] = False  # every 4th row sees no key
-    keep[-1, -1] = False  # one whole (batch, head) fully masked
-    return keep
-
-
-def _fully_masked_rows(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
-    b, h, n_q, n_k, d = 2, 2, 37, 150, 40
-    q, k, v = dense(gen, dtype, b, h, n_q, n_k, d)
-    return CaseInputs(q=q, k=k, v=v, attn_mask=_fully_masked_keep(gen, b, h, n_q, n_k))
-
-
-def _fully_masked_additive(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
-    b, h, n_q, n_k, d = 2, 2, 37, 150, 40
-    q, k, v = dense(gen, dtype, b, h, n_q, n_k, d)
-    keep = _fully_masked_keep(gen, b, h, n_q, n_k)
-    bias = uniform(gen, -3.0, 0.0, b, h, n_q, n_k)  # an ALiBi-like bias on the valid keys
-    return CaseInputs(q=q, k=k, v=v, attn_mask=additive_mask(keep, bias, dtype))
+    return make
 
 
 def _one_valid_key(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
     b, h, n_q, n_k, d = 1, 2, 29, 257, 64
-    q, k, v = dense(gen, dtype, b, h, n_q, n_k, d)
+    inputs = _dense_case(b, h, n_q, n_k, d)(dtype, gen)
     index = torch.randint(0, n_k, (b, h, n_q), generator=gen)
     index[..., :3] = torch.tensor([n_k - 1, 0, 128])  # the only key in the last tile, first, mid
     keep = torch.nn.functional.one_hot(index, n_k).bool()  # (B, H, N_q, N_k)
-    return CaseInputs(q=q, k=k, v=v, attn_mask=keep)
-
-
-def _causal(n_q: int, n_k: int) -> Callable[[torch.dtype, torch.Generator], CaseInputs]:
-    def make(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
-        q, k, v = dense(gen, dtype, 1, 2, n_q, n_k, 64)
-        return CaseInputs(q=q, k=k, v=v, is_causal=True)
-
-    return make
-
-
-def _padding(lengths: list[int], additive: bool) -> Callable[[torch.dtype, torch.Generator], CaseInputs]:
-    def make(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
-        n_k = 203
-        q, k, v = dense(gen, dtype, len(lengths), 2, 64, n_k, 64)
-        keep = padding_mask(lengths, n_k)
-        mask = additive_mask(keep, torch.zeros(keep.shape, dtype=F64), dtype) if additive else keep
-        return CaseInputs(q=q, k=k, v=v, attn_mask=mask)
-
-    return make
-
-
-def _odd_shapes(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
-    q, k, v = dense(gen, dtype, 2, 3, 113, 203, 59)
-    return CaseInputs(q=q, k=k, v=v)
-
-
-def _odd_shapes_causal(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
-    q, k, v = dense(gen, dtype, 1, 2, 131, 131, 111)
-    return CaseInputs(q=q, k=k, v=v, is_causal=True)
-
-
-def _single_query(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
-    n_k = 259
-    q, k, v = dense(gen, dtype, 3, 2, 1, n_k, 80)
-    return CaseInputs(q=q, k=k, v=v, attn_mask=padding_mask([n_k, 130, 1], n_k))
-
-
-def _single_key(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
-    q, k, v = dense(gen, dtype, 2, 2, 33, 1, 64)
-    return CaseInputs(q=q, k=k, v=v)
+    return replace(inputs, attn_mask=keep)
 
 
 def _rising_max(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
@@ -409,10 +349,9 @@ def _outliers(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
 
 def _left_padding(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
     b, h, n_q, n_k, d = 3, 2, 64, 300, 64
-    q, k, v = dense(gen, dtype, b, h, n_q, n_k, d)
+    inputs = _dense_case(b, h, n_q, n_k, d)(dtype, gen)
     starts = torch.tensor([150, 1, 0]).view(b, 1, 1, 1)  # batch 0: the first 128-key tile fully masked
-    keep = torch.arange(n_k) >= starts  # (B, 1, 1, N_k)
-    return CaseInputs(q=q, k=k, v=v, attn_mask=keep)
+    return replace(inputs, attn_mask=torch.arange(n_k) >= starts)  # (B, 1, 1, N_k)
 
 
 def _raw_sentinel(d: int) -> Callable[[torch.dtype, torch.Generator], CaseInputs]:
@@ -428,23 +367,13 @@ def _raw_sentinel(d: int) -> Callable[[torch.dtype, torch.Generator], CaseInputs
     return make
 
 
-def _poisoned(value: str) -> Callable[[torch.dtype, torch.Generator], CaseInputs]:
-    def make(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
-        b, h, n_q, n_k, d = 2, 2, 77, 203, 40
-        q, k, v = dense(gen, dtype, b, h, n_q, n_k, d)
-        inputs = CaseInputs(q=q, k=k, v=v, attn_mask=padding_mask([n_k, 130], n_k))
-        return inputs.with_poison(value)
-
-    return make
-
-
 def _nan_inputs(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
     b, h, n_q, n_k, d = 2, 2, 150, 150, 64
-    q, k, v = dense(gen, dtype, b, h, n_q, n_k, d)
-    q[0, 0, 3, 5] = float("nan")  # one query: only its row depends on it
-    q[1, 1, 140] = float("nan")
-    k[1, 0, 20, 0] = float("nan")  # a key every query of (batch 1, head 0) sees: the whole head
-    return CaseInputs(q=q, k=k, v=v, attn_mask=padding_mask([n_k, 100], n_k))
+    inputs = _dense_case(b, h, n_q, n_k, d, lengths=[n_k, 100])(dtype, gen)
+    inputs.q[0, 0, 3, 5] = float("nan")  # one query: only its row depends on it
+    inputs.q[1, 1, 140] = float("nan")
+    inputs.k[1, 0, 20, 0] = float("nan")  # a key every query of (batch 1, head 0) sees: the whole head
+    return inputs
 
 
 def _int32_offsets(elements: int) -> Callable[[torch.dtype, torch.Generator], CaseInputs]:
@@ -478,23 +407,11 @@ def _available_memory() -> int:
 _BIAS_SHAPE = Shape(batch=8, heads=32, seq_len=128, head_dim=64)
 
 
-def _bias_dense(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
-    """Standard normal q, k, v of :data:`_BIAS_SHAPE`, no mask."""
-    b, h, n, d = _BIAS_SHAPE.dims
-    return _dense_case(b, h, n, n, d)(dtype, gen)
-
-
 def _bias_repeated_max(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
     """:func:`flashprobe.bench.bias.bias_inputs` with repeated maxima at :data:`_BIAS_SHAPE`."""
     seed = int(torch.randint(2**31 - 1, (1,), generator=gen))
     x = bias_inputs(_BIAS_SHAPE, seed, repeated=True)
     return CaseInputs(q=x["q"].to(dtype), k=x["k"].to(dtype), v=x["v"].to(dtype))
-
-
-def _gqa_broadcast(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
-    b, h, h_kv, n, d = 2, 8, 2, 97, 64
-    q, k, v = randn(gen, b, h, n, d), randn(gen, b, h_kv, n, d), randn(gen, b, h_kv, n, d)
-    return CaseInputs(q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), is_causal=True)
 
 
 _SOFTMAX = "the exact softmax"
@@ -511,9 +428,13 @@ def _dense_case(
     h_kv: int | None = None,
     causal: bool = False,
     lengths: list[int] | None = None,
+    additive: bool = False,
     layout: str = "contiguous",
+    scale: float | None = None,
+    poison: str = "",
 ) -> Callable[[torch.dtype, torch.Generator], CaseInputs]:
-    """A generator of standard normal inputs of one shape (``lengths``: a key-padding mask)."""
+    """A generator of standard normal inputs of one shape (``lengths``: a key-padding mask, bool or
+    ``additive`` 0/-inf; ``poison``: the memory around q, k, v, :meth:`CaseInputs.with_poison`)."""
 
     def make(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
         kv = h if h_kv is None else h_kv
@@ -521,7 +442,9 @@ def _dense_case(
         k = randn(gen, b, kv, n_k, d).to(dtype)
         v = randn(gen, b, kv, n_k, d if d_v is None else d_v).to(dtype)
         mask = None if lengths is None else padding_mask(lengths, n_k)
-        inputs = CaseInputs(q=q, k=k, v=v, attn_mask=mask, is_causal=causal)
+        if additive and mask is not None:
+            mask = additive_mask(mask, torch.zeros(mask.shape, dtype=F64), dtype)
+        inputs = CaseInputs(q=q, k=k, v=v, attn_mask=mask, is_causal=causal, scale=scale, poison=poison)
         return inputs.with_layout(layout)
 
     return make
@@ -723,25 +646,25 @@ CATALOGUE: dict[str, FuzzCase] = {
             "scale_zero",
             "scale=0.0 (falsy: `scale or 1/sqrt(d)` silently uses the default)",
             "the plain average of the valid values",
-            _scale_zero,
+            _dense_case(2, 2, 33, 203, 64, lengths=[203, 77], scale=0.0),
         ),
         FuzzCase(
             "scale_zero_causal",
             "scale=0.0 with is_causal (0 · -inf is NaN if the mask is applied before the scale)",
             "query i averages the values of keys 0..i",
-            _scale_zero_causal,
+            _dense_case(1, 2, 67, 67, 64, causal=True, scale=0.0),
         ),
         FuzzCase(
             "fully_masked_rows",
             "bool mask with rows (and one whole head) where every key is masked",
             "0 for fully masked rows (torch SDPA's convention), never NaN",
-            _fully_masked_rows,
+            _fully_masked(additive=False),
         ),
         FuzzCase(
             "fully_masked_additive",
             "additive mask: -inf rows plus a finite bias on the valid keys",
             "0 for fully masked rows, never NaN; the bias is added to the valid logits",
-            _fully_masked_additive,
+            _fully_masked(additive=True),
         ),
         FuzzCase(
             "one_valid_key",
@@ -753,45 +676,45 @@ CATALOGUE: dict[str, FuzzCase] = {
             "causal_nq_lt_nk",
             "is_causal with N_q=45 < N_k=203",
             "top-left aligned causal mask (query i sees keys j ≤ i), as torch SDPA",
-            _causal(45, 203),
+            _dense_case(1, 2, 45, 203, 64, causal=True),
         ),
         FuzzCase(
             "causal_nq_gt_nk",
             "is_causal with N_q=203 > N_k=45",
             "top-left aligned: queries i ≥ 45 see every key",
-            _causal(203, 45),
+            _dense_case(1, 2, 203, 45, 64, causal=True),
         ),
         FuzzCase(
             "padding_mask",
             "key-padding mask (B, 1, 1, N_k) with lengths 0, 1, 129, 203",
             "softmax over each sequence's first `length` keys; a length-0 sequence gives 0",
-            _padding([0, 1, 129, 203], additive=False),
+            _dense_case(4, 2, 64, 203, 64, lengths=[0, 1, 129, 203]),
         ),
         FuzzCase(
             "padding_mask_additive",
             "additive 0/-inf key-padding mask (B, 1, 1, N_k) with lengths 203, 77, 1, 128",
             "softmax over each sequence's first `length` keys",
-            _padding([203, 77, 1, 128], additive=True),
+            _dense_case(4, 2, 64, 203, 64, lengths=[203, 77, 1, 128], additive=True),
         ),
         FuzzCase(
             "odd_shapes",
             "D=59, N_q=113, N_k=203: no size is a multiple of a tile",
             _SOFTMAX,
-            _odd_shapes,
+            _dense_case(2, 3, 113, 203, 59),
         ),
         FuzzCase(
             "odd_shapes_causal",
             "causal, D=111, N_q=N_k=131",
             _SOFTMAX,
-            _odd_shapes_causal,
+            _dense_case(1, 2, 131, 131, 111, causal=True),
         ),
         FuzzCase(
             "single_query",
             "decode: N_q=1, N_k=259, D=80, padded lengths 259, 130, 1",
             _SOFTMAX,
-            _single_query,
+            _dense_case(3, 2, 1, 259, 80, lengths=[259, 130, 1]),
         ),
-        FuzzCase("single_key", "N_k=1", "v of the only key, for every query", _single_key),
+        FuzzCase("single_key", "N_k=1", "v of the only key, for every query", _dense_case(2, 2, 33, 1, 64)),
         FuzzCase(
             "rising_max",
             "logits that set a new running max in every tile, fall, step at tile edges, jump by 40",
@@ -827,7 +750,7 @@ CATALOGUE: dict[str, FuzzCase] = {
                 f"{value} in the memory around q, k, v (a key tail of 128 rows past N_k, 64 channels past "
                 "D): the views are correct, the storage beside them is not; key padding, D=40",
                 "the exact softmax: a kernel never reads memory past its tensors' views",
-                _poisoned(value),
+                _dense_case(2, 2, 77, 203, 40, lengths=[203, 130], poison=value),
             )
             for value in ("nan", "huge")
         ),
@@ -872,7 +795,7 @@ CATALOGUE: dict[str, FuzzCase] = {
             "standard normal: 256 heads whose signed mean errors must not share a sign (a rounding "
             "toward zero passes every per-call limit)",
             f"{_SOFTMAX}; errors of either sign: z within ±5 (bf16, fp16)",
-            _bias_dense,
+            _dense_case(*_BIAS_SHAPE.dims[:3], *_BIAS_SHAPE.dims[2:]),  # N_q = N_k, no mask
             bias=True,
         ),
         FuzzCase(
@@ -887,7 +810,7 @@ CATALOGUE: dict[str, FuzzCase] = {
             "gqa_broadcast",
             "grouped-query attention: 8 query heads share 2 k/v heads (causal)",
             "attention with each k/v head repeated for its 4 query heads (unsupported if rejected)",
-            _gqa_broadcast,
+            _dense_case(2, 8, 97, 97, 64, h_kv=2, causal=True),
         ),
         *_shape_cases(),
     ]

@@ -110,28 +110,21 @@ def check_kernel(
     if budget < 0:
         raise ValueError(f"budget={budget}: must be >= 0 (random samples; 0 runs only the catalogue)")
     labels = [kernel_label(k) for k in ([kernels] if isinstance(kernels, str | Kernel) else kernels)]
-    if cases is None:
-        chosen = select_cases(profile=profile)
-    else:
-        given = list(cases)
-        named = [c for c in given if isinstance(c, str)]
-        chosen = [c for c in given if isinstance(c, FuzzCase)] + (
-            select_cases(named, profile=profile) if named else []
-        )
+    given = [] if cases is None else list(cases)
+    named = [c for c in given if isinstance(c, str)]
+    chosen = [c for c in given if isinstance(c, FuzzCase)]
+    if named or cases is None:  # no cases given: the profile's catalogue
+        chosen += select_cases(named, profile=profile)
     store = None
     if out_dir is not None:  # checked as the command checks --out (no system directory, writable)
-        store = ReproducerStore(
-            prepare_output_dir(out_dir, flag="out_dir"), baseline=baseline, backward=backward
-        )
+        store = ReproducerStore(prepare_output_dir(out_dir, flag="out_dir"), baseline, backward)
     common = {"device": device, "baseline": baseline, "backward": backward, "reproducers": store}
     start = time.perf_counter()
-    results = [
-        r
-        for s in range(seed, seed + seeds)
-        for r in run_catalogue(
+    results: list[FuzzResult] = []
+    for s in range(seed, seed + seeds):
+        results += run_catalogue(
             labels, dtypes, cases=chosen, seed=s, layouts=layouts, progress=progress, **common
         )
-    ]
     catalogue_s = time.perf_counter() - start
     if budget and progress is not None and results:
         # up front: the catalogue's pace per (case, dtype) call of every kernel, for the samples

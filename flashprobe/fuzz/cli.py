@@ -365,8 +365,6 @@ def _from_reproducer(args: argparse.Namespace) -> int:
 def _output_problem(spec: str, call: Any) -> str:
     """Why ``spec``'s output on the saved call is not a ``(B, H, N_q, D_v)`` tensor of the inputs'
     dtype (``""`` when it is); the probe's judge compares values, not the output's form."""
-    from flashprobe.kernels import get_kernel
-
     with torch.no_grad():
         out = get_kernel(spec)(
             call.q, call.k, call.v, attn_mask=call.attn_mask, is_causal=call.is_causal, scale=call.scale

@@ -133,9 +133,7 @@ def _key_mask(inputs: CaseInputs, caps: KernelCapabilities, n_k: int) -> torch.T
         if caps.masks & {"key_padding", "bool"}:
             return keep.clone()
         if "float" in caps.masks:
-            return torch.zeros(keep.shape, dtype=inputs.dtype, device=keep.device).masked_fill(
-                ~keep, float("-inf")
-            )
+            return torch.where(keep, 0.0, float("-inf")).to(inputs.dtype)
         raise NotApplicableError(
             f"N_k={old} must grow to {n_k} ({caps.describe_lengths()}), and the kernel takes no mask "
             "to hide the added keys"
@@ -199,9 +197,7 @@ def _fit_mask(inputs: CaseInputs, caps: KernelCapabilities, fixed: frozenset[str
         return inputs, ""
     if mask_kind(mask) == "key_padding" and "key_padding" in caps.masks:
         return inputs, ""
-    additive = torch.zeros(mask.shape, dtype=inputs.dtype, device=mask.device).masked_fill(
-        ~mask, float("-inf")
-    )
+    additive = torch.where(mask, 0.0, float("-inf")).to(inputs.dtype)
     return replace(inputs, attn_mask=additive), "bool mask as an additive 0/−inf mask"
 
 

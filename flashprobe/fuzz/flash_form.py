@@ -21,10 +21,6 @@ from flashprobe.kernels import check_inputs, default_scale
 __all__ = ["flash_form_attention"]
 
 
-def _opmath(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
 def _scores(
     q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +56,8 @@ class _FlashForm(torch.autograd.Function):
         scale: float,
     ) -> torch.Tensor:
         s, _ = _scores(q, k, mask, is_causal, scale)
-        lse = torch.logsumexp(s.to(_opmath(q.dtype)), dim=-1, keepdim=True)  # (B, H, N_q, 1)
+        opmath = torch.promote_types(q.dtype, torch.float32)
+        lse = torch.logsumexp(s.to(opmath), dim=-1, keepdim=True)  # (B, H, N_q, 1)
         p = _probs(s, lse).to(q.dtype)
         out = torch.matmul(p, v)
         ctx.save_for_backward(q, k, v, out, lse, mask)

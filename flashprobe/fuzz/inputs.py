@@ -159,8 +159,7 @@ class CaseInputs:
         if self.is_causal:
             parts.append("causal")
         if self.attn_mask is not None:
-            kind = "bool" if self.attn_mask.dtype == torch.bool else "additive"
-            parts.append(f"mask={kind}{tuple(self.attn_mask.shape)}".replace(" ", ""))
+            parts.append(f"mask={self.axes()['mask']}{tuple(self.attn_mask.shape)}".replace(" ", ""))
         parts.append(f"scale={'1/sqrt(D)' if self.scale is None else f'{self.scale:g}'}")
         if self.v.shape[-1] != d:
             parts.insert(2, f"Dv={self.v.shape[-1]}")

@@ -95,11 +95,9 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``a`` and ``b`` hold the same values, NaN where the other has NaN (inputs may hold NaN)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    return (
-        bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
-        if a.is_floating_point()
-        else torch.equal(a, b)
-    )
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
 
 
 def call_kernel(kernel: Kernel, inputs: CaseInputs, grad_out: torch.Tensor | None = None) -> KernelCall:
@@ -119,16 +117,15 @@ def call_kernel(kernel: Kernel, inputs: CaseInputs, grad_out: torch.Tensor | Non
             out = attend(kernel, copies, copies.k, copies.v)
         else:
             out, grads, backward_problem = _forward_backward(kernel, copies, grad_out)
-    except KernelUnavailableError as err:
-        if grad_out is None:
-            return KernelCall(problem=Verdict(verdict="unsupported", reason=f"{type(err).__name__}: {err}"))
+    except (KernelUnavailableError, KernelInputError) as err:
+        reason = f"{type(err).__name__}: {err}"
+        if grad_out is None or not isinstance(err, KernelUnavailableError):
+            return KernelCall(problem=Verdict(verdict="unsupported", reason=reason))
         # No backward here (e.g. FlexAttention on the CPU): judge the forward, report the gradients.
         forward_only = call_kernel(kernel, inputs)
         if forward_only.problem is None:
-            return replace(forward_only, no_backward=True, no_backward_reason=f"{type(err).__name__}: {err}")
+            return replace(forward_only, no_backward=True, no_backward_reason=reason)
         return forward_only
-    except KernelInputError as err:
-        return KernelCall(problem=Verdict(verdict="unsupported", reason=f"{type(err).__name__}: {err}"))
     except Exception as err:  # any other exception is a bug the fuzzer reports
         reason = f"raised {type(err).__name__}: {err}"
         return KernelCall(problem=Verdict(verdict="fail", failure="raised", reason=reason))

@@ -48,11 +48,6 @@ def _offset(x: torch.Tensor) -> torch.Tensor:
     return view
 
 
-def _expanded(x: torch.Tensor) -> torch.Tensor:
-    """The first batch entry and head of ``x`` ``(B, H, N, D)`` expanded (stride 0) to ``(B, H, N, D)``."""
-    return x[:1, :1].expand(x.shape)
-
-
 def apply_layout(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -85,7 +80,7 @@ def apply_layout(
         q_, k_ = _fused(q, k) if q.shape == k.shape else (_bnhd(q), _bnhd(k))
         return q_, k_, _bnhd(v)
     if layout == "expanded_kv":
-        return q.contiguous(), _expanded(k), _expanded(v)
+        return q.contiguous(), k[:1, :1].expand(k.shape), v[:1, :1].expand(v.shape)  # batch 0's head 0
     if layout == "offset":
         return _offset(q), _offset(k), _offset(v)
     raise ValueError(f"layout={layout!r} must be one of {', '.join(LAYOUTS)}")

@@ -155,20 +155,13 @@ def gradient_references(
     call = {"attn_mask": mask, "is_causal": inputs.is_causal, "scale": inputs.scale}
     q, k, v = inputs.q.contiguous(), inputs.k.contiguous(), inputs.v.contiguous()
     gold_mask = mask.double() if mask is not None and mask.is_floating_point() else mask
+    in64 = (t.double() for t in (q, k, v, grad_out))
     _, *golden = reference_input_gradients(
-        math_attention,
-        q.double(),
-        k.double(),
-        v.double(),
-        grad_out.double(),
-        **{**call, "attn_mask": gold_mask},
-        dtype=torch.float64,
+        math_attention, *in64, **{**call, "attn_mask": gold_mask}, dtype=torch.float64
     )
     if not all(torch.isfinite(g).all() for g in golden):
-        return (
-            {},
-            "the golden gradient is not finite (logits beyond float64's exp range): gradients not checked",
-        )
+        why = "the golden gradient is not finite (logits beyond float64's exp range): gradients not checked"
+        return {}, why
     kernel = get_kernel(baseline)
     root = math.sqrt(default_scale(q.shape[-1], inputs.scale))
     placements, plain = [], None
@@ -253,11 +246,10 @@ def references(
     }
     fmax, name = float(torch.finfo(inputs.dtype).max), dtype_name(inputs.dtype)
     if largest > fmax:
-        skip = f"valid logits up to {largest:.3g} exceed the {name} range (max {fmax:.6g})"
-        refs = References(
+        common["skip"] = f"valid logits up to {largest:.3g} exceed the {name} range (max {fmax:.6g})"
+        return References(
             baseline_golden_max_abs=None, baseline_nonfinite=0, noise_max=0.0, noise_from="", **common
         )
-        return replace(refs, skip=skip)
     if backward:
         grad_out = grad_output(golden.shape, inputs.dtype, golden.device)
         grads, grad_note = gradient_references(inputs, baseline, grad_out, valid, bias=bias)

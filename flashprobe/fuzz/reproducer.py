@@ -207,16 +207,9 @@ class ReproducerStore:
     ) -> Reproducer:
         """The reproducer of ``result`` on ``inputs`` for property ``prop`` (:func:`case_reproducer`
         with this store's baseline and gradient setting)."""
-        return case_reproducer(
-            result.case,
-            result.kernel,
-            inputs,
-            result,
-            baseline=self.baseline,
-            params=params,
-            backward=self.backward,
-            bias=prop == SIGNED_BIAS,
-        )
+        bias = prop == SIGNED_BIAS
+        settings = {"baseline": self.baseline, "params": params, "backward": self.backward, "bias": bias}
+        return case_reproducer(result.case, result.kernel, inputs, result, **settings)
 
     def save(
         self, result: FuzzResult, inputs: CaseInputs, prop: str, *, params: dict[str, Any] | None = None

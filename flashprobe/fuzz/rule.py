@@ -273,9 +273,8 @@ def noise(out: torch.Tensor, golden: torch.Tensor) -> tuple[float, float, float,
         out: a baseline's output or gradient, any shape ``(..., D)``.
         golden: the same shape, float64.
     """
-    sums = pair_sums(out, golden)[:, 0].tolist()
-    row = float(row_statistics(out, golden, golden)[0])
-    return sums[0], sums[2] ** 0.5, row, int(sums[4])
+    errors, max_abs, bad = output_errors(out, golden, 0.0, 0.0)
+    return max_abs, errors[0] ** 0.5, errors[4], bad
 
 
 def signed_bias(
@@ -302,32 +301,39 @@ def signed_bias(
     return judge_bias(stats.as_dict()[name], name)
 
 
+def _nan_inf(x: torch.Tensor, bad: int) -> str:
+    """``bad`` non-finite values of ``x`` (any shape) in words."""
+    n_nan = int(torch.isnan(x).sum().item())
+    return f"{n_nan} NaN and {bad - n_nan} ±Inf where golden is finite"
+
+
 def _nonfinite(o: torch.Tensor, bad: int, refs: References) -> list[tuple[str, str]]:
     """The ``nonfinite`` check on ``o`` ``(B, H, N_q, D_v)`` float64 with ``bad`` NaN/Inf."""
     if not bad:
         return []
-    n_nan = int(torch.isnan(o).sum().item())
-    where = ""
+    text = _nan_inf(o, bad)
     bad_rows = (~torch.isfinite(o)).any(-1)
     if bool(refs.fully_masked.any()) and bool((bad_rows <= refs.fully_masked).all()):
-        where = " (all in fully masked rows: expected 0, torch SDPA's convention)"
-    text = f"{n_nan} NaN and {bad - n_nan} ±Inf where golden is finite{where}"
+        text += " (all in fully masked rows: expected 0, torch SDPA's convention)"
     if refs.baseline_nonfinite:
         text += "; the same-dtype baseline is non-finite here too"
     return [("nonfinite", text)]
 
 
-def _zero_rows(o: torch.Tensor, refs: References) -> list[tuple[str, str]]:
-    """The ``zeros`` check: rows of exact zeros where the golden row clearly is not zero."""
-    golden_rows = refs.golden.abs().amax(-1)  # (B, H, N_q)
-    zero_rows = (o == 0).all(-1) & (golden_rows > 2 * refs.tolerance)
+def _zero_rows(
+    o: torch.Tensor, golden: torch.Tensor, tolerance: float, kind: str, what: str
+) -> list[tuple[str, str]]:
+    """The ``zeros`` check (failure ``kind``, text ``what`` and the count): rows of exact zeros in
+    ``o`` ``(..., D)`` where the golden row clearly is not zero."""
+    golden_rows = golden.abs().amax(-1)  # (B, H, N_q) for the output
+    zero_rows = (o == 0).all(-1) & (golden_rows > 2 * tolerance)
     if not zero_rows.any():
         return []
     text = (
-        f"{ZEROS_REASON} ({int(zero_rows.sum())} of {zero_rows.numel()} rows; golden row max "
+        f"{what} ({int(zero_rows.sum())} of {zero_rows.numel()} rows; golden row max "
         f"up to {golden_rows[zero_rows].max().item():.3g})"
     )
-    return [("zeros", text)]
+    return [(kind, text)]
 
 
 def _masked_nonzero(o: torch.Tensor, refs: References) -> list[tuple[str, str]]:
@@ -363,7 +369,8 @@ def judge(out: torch.Tensor, refs: References) -> Verdict:
     judged = judge_errors(errors, refs.dtype, "out", logit_max=refs.logit_max, precision=refs.precision)
     note = f" [{refs.note}]" if refs.note else ""
     primary_max = None if bad else err
-    reasons = [*_nonfinite(o, bad, refs), *_zero_rows(o, refs), *_masked_nonzero(o, refs)]
+    zeros = _zero_rows(o, golden, refs.tolerance, "zeros", ZEROS_REASON)
+    reasons = [*_nonfinite(o, bad, refs), *zeros, *_masked_nonzero(o, refs)]
     if not reasons and judged.verdict == "undetermined":  # beyond the dtype's range, or ill-conditioned
         why = f"undetermined: {judged.reason}{note}"
         return Verdict(verdict="skip", reason=why, primary_golden_max_abs=primary_max)
@@ -455,41 +462,17 @@ def _gradient_reasons(
     g = grad.detach().double()
     errors, err, bad = output_errors(g, golden, ref.noise_l2, ref.noise_row)
     judged = judge_errors(errors, refs.dtype, name, logit_max=refs.logit_max, precision=refs.precision)
-    stats.update(
-        max_abs=None if bad else err,
-        verdict=judged.verdict,
-        limit_ratio=judged.limit_ratio,
-        absolute=judged.absolute,
-        relative=judged.relative,
-        row=judged.row,
-        reason=judged.reason,
+    judged_stats = ("verdict", "limit_ratio", "absolute", "relative", "row", "reason")
+    stats.update(max_abs=None if bad else err, **{key: getattr(judged, key) for key in judged_stats})
+    reasons = [(f"{name}:nonfinite", f"{name}: {_nan_inf(g, bad)}")] if bad else []
+    reasons += _zero_rows(
+        g, golden, ref.tolerance, f"{name}:zeros", f"{name}: rows of zeros where golden is non-zero"
     )
-    reasons = []
-    if bad:
-        n_nan = int(torch.isnan(g).sum().item())
-        reasons.append(
-            (f"{name}:nonfinite", f"{name}: {n_nan} NaN and {bad - n_nan} ±Inf where golden is finite")
-        )
-    golden_rows = golden.abs().amax(-1)
-    zero_rows = (g == 0).all(-1) & (golden_rows > 2 * ref.tolerance)
-    if zero_rows.any():
-        reasons.append(
-            (
-                f"{name}:zeros",
-                f"{name}: rows of zeros where golden is non-zero ({int(zero_rows.sum())} of "
-                f"{zero_rows.numel()} rows; golden row max up to {golden_rows[zero_rows].max().item():.3g})",
-            )
-        )
     leak = ref.zero_rows & (torch.where(torch.isfinite(g), g, 0.0).abs().amax(-1) > ref.tolerance)
     if leak.any():
         what = "queries that see no key" if name == "dq" else "keys no query sees"
-        reasons.append(
-            (
-                f"{name}:masked",
-                f"{name}: gradient into fully masked positions ({int(leak.sum())} rows of {what}; "
-                "expected 0)",
-            )
-        )
+        text = f"{name}: gradient into fully masked positions ({int(leak.sum())} rows of {what}; expected 0)"
+        reasons.append((f"{name}:masked", text))
     if judged.verdict == "fail":
         reasons.append((f"{name}:values", f"{name}: wrong values ({judged.criterion}): {judged.reason}"))
     if judged.verdict == "undetermined" and judged.criterion == "unrepresentable":

@@ -67,18 +67,13 @@ class FuzzResult:
         kernel: the kernel's spec string.
         case: catalogue name or ``random_<i>``.
         dtype: ``bf16``/``fp16``/``fp32``/``fp64``.
-        verdict: one of :data:`~flashprobe.fuzz.rule.VERDICTS`.
-        reason: why, in words (also on pass: the error and the tolerance).
-        failure: kind of the first failed check: ``raised``, ``inplace``, ``shape``, ``nonfinite``,
-            ``zeros``, ``masked_nonzero``, ``values`` or ``biased`` (a ``signed bias`` case);
-            ``None`` unless the verdict is ``fail``.
-        primary_golden_max_abs: ``max|primary − golden|``; ``None`` when the primary has NaN/Inf
-            where the golden is finite, or produced no output.
+        verdict, reason, failure, primary_golden_max_abs, primary_nonfinite: as
+            :class:`~flashprobe.fuzz.rule.Verdict` (``failure`` the first failed check's kind, of
+            the output or, when it passed, of the gradients: ``dq:values``, ...).
         baseline_golden_max_abs: ``max|baseline − golden|``; ``None`` when the baseline is
             non-finite.
         tolerance: ``2 · noise + floor`` the error was held to.
         noise_from: which baseline set the noise floor.
-        primary_nonfinite: NaN/Inf count of the output where the golden is finite.
         baseline_nonfinite: NaN/Inf count of the same-dtype baseline.
         shape: the inputs, e.g. ``B=2 H=2 Nq=16 Nk=203 D=64 mask=bool(2,1,1,203) scale=1``.
         params: the random sample's parameters (random cases only).
@@ -180,39 +175,16 @@ def check_case(
     grads, stats, grad_reason = (
         _backward_verdict(call, refs, verdict.reason) if call.output is not None else (None, {}, "")
     )
-    result = FuzzResult(
-        verdict=verdict.verdict,
-        reason=verdict.reason,
-        failure=verdict.failure,
-        primary_golden_max_abs=verdict.primary_golden_max_abs,
-        primary_nonfinite=verdict.primary_nonfinite,
-        tolerance=refs.tolerance,
-        noise_from=refs.noise_from,
-        gradients=stats,
-        **common,
-    )
+    judged = {"tolerance": refs.tolerance, "noise_from": refs.noise_from, "gradients": stats}
+    result = FuzzResult(**asdict(verdict), **judged, **common)  # the Verdict's fields, a row's too
     if grads is None:
         return result
+    kind = grads.failure if grads.verdict == "fail" else None
     if not verdict.passed:  # the output failed: the gradients are reported beside it
         both = f"{verdict.reason}; {grads.reason}" if grads.verdict != "no_backward" else result.reason
-        return replace(
-            result,
-            reason=both,
-            backward=grads.verdict,
-            backward_failure=grads.failure if grads.verdict == "fail" else None,
-        )
-    if grads.verdict == "fail":
-        return replace(
-            result,
-            verdict="fail",
-            failure=grads.failure,
-            reason=grad_reason,
-            backward="fail",
-            backward_failure=grads.failure,
-        )
-    if grads.verdict == "no_backward":
-        return replace(result, verdict="no_backward", reason=grad_reason, backward="no_backward")
-    return replace(result, reason=grad_reason, backward="pass")
+        return replace(result, reason=both, backward=grads.verdict, backward_failure=kind)
+    row = grads.verdict  # the output passed: the gradients' verdict (pass, fail or no_backward) is the row's
+    return replace(result, verdict=row, failure=kind, reason=grad_reason, backward=row, backward_failure=kind)
 
 
 def _judge_output(out: torch.Tensor, refs: References, nan_rows: torch.Tensor | None) -> Verdict:
@@ -440,20 +412,16 @@ def run_catalogue(
     resolved = [to_dtype(d) for d in dtypes]
     unavailable = kernel_availability(labels, device, resolved)
     todo = [(case, dtype) for case in (cases if cases is not None else select_cases()) for dtype in resolved]
+    settings = {
+        "seed": seed,
+        "device": device,
+        "baseline": baseline,
+        "backward": backward,
+        "layouts": layouts,
+    }
     results: list[FuzzResult] = []
     for i, (case, dtype) in enumerate(todo, 1):
-        rows = _run_case(
-            case,
-            dtype,
-            labels,
-            unavailable,
-            seed=seed,
-            device=device,
-            baseline=baseline,
-            backward=backward,
-            layouts=layouts,
-            reproducers=reproducers,
-        )
+        rows = _run_case(case, dtype, labels, unavailable, reproducers=reproducers, **settings)
         if progress is not None:
             verdicts = ", ".join(f"{r.kernel} {r.verdict}" for r in rows)
             seconds = sum(r.seconds for r in rows)

@@ -64,19 +64,12 @@ class _Search:
             result = replace(result, params=spec.as_dict(), seconds=round(time.perf_counter() - start, 3))
             prop = _sample_property(spec)
             if self.reproducers is not None and self.reproducers.wants(result, prop):
-                result = self._keep(name, kernel, spec, dtype, base, result, prop)
+                result = self._keep(name, kernel, spec, base, result, prop)
             results.append(result)
         return results
 
     def _keep(
-        self,
-        name: str,
-        kernel: str,
-        spec: RandomCaseSpec,
-        dtype: torch.dtype,
-        base: CaseInputs,
-        result: FuzzResult,
-        prop: str,
+        self, name: str, kernel: str, spec: RandomCaseSpec, base: CaseInputs, result: FuzzResult, prop: str
     ) -> FuzzResult:
         """Save a failure's reproducer: shrunk the first time its (kernel, failure kind) fails
         (:func:`~flashprobe.probing.repro.shrink_reproducer`), as sampled (posed within the kernel's
@@ -177,12 +170,7 @@ def random_search(
     if reproducers is None and out_dir is not None:
         reproducers = ReproducerStore(Path(out_dir), baseline=baseline, backward=backward)
     search = _Search(
-        labels=labels,
-        device=device,
-        baseline=baseline,
-        reproducers=reproducers,
-        unavailable=kernel_availability(labels, device, resolved),
-        backward=backward,
+        labels, device, baseline, reproducers, kernel_availability(labels, device, resolved), backward
     )
     limits = _shared_limits(labels)
     rng = random.Random(seed)

@@ -87,13 +87,7 @@ def markdown_table(results: Sequence[FuzzResult]) -> str:
     for r in results:
         _worst(verdict, (r.case, r.kernel, r.dtype), r.verdict)
         runs.setdefault((r.case, r.kernel, r.dtype), []).append(r.verdict)
-    mark = {
-        "pass": "pass",
-        "fail": "**FAIL**",
-        "skip": "skip",
-        "unsupported": "unsup",
-        "no_backward": "nobwd",
-    }
+    mark = {**_CELL, "fail": "**FAIL**"}
 
     def cell(key: tuple[str, str, str]) -> str:
         text = mark.get(verdict.get(key, ""), "-")
@@ -195,12 +189,6 @@ def _generic_reason(result: FuzzResult) -> str:
     return re.sub(rf"(?<![\w:=]){name}(?=: )", "<kernel>", result.reason)
 
 
-def _case_properties(case: str) -> tuple[str, ...]:
-    """The properties a catalogue case tests (none for random samples and custom cases)."""
-    found = CATALOGUE.get(case)
-    return found.properties if found is not None else ()
-
-
 _NOT_APPLICABLE = "not applicable to this kernel: "
 
 
@@ -221,7 +209,7 @@ def property_coverage(results: Sequence[FuzzResult]) -> dict[str, dict[str, dict
         rows = [r for r in results if r.kernel == kernel and r.params is None]
         by_property: dict[str, list[FuzzResult]] = {}
         for r in rows:
-            for prop in _case_properties(r.case):
+            for prop in CATALOGUE[r.case].properties if r.case in CATALOGUE else ():  # none: custom cases
                 by_property.setdefault(prop, []).append(r)
         entry: dict[str, dict[str, Any]] = {}
         for prop in (p for p in PROPERTIES if p in by_property):
