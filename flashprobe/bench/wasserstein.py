@@ -106,13 +106,27 @@ def bench_case(case: str, n: int, *, repeats: int, seed: int, device: torch.devi
     med = {k: statistics.median(v) if v else None for k, v in times.items()}
     floor = med["weighted_floor"] if case == "weighted" else med["floor"]
     scipy_med, torch_med = med["scipy"], med["torch"]
-    row = {"case": case, "n": n, "m": m, "weighted": case == "weighted", "device": str(device)}
-    row |= {"scipy_ms": scipy_med, "torch_ms": torch_med, "speedup": scipy_med / torch_med}
-    row["rel_diff"] = abs(got - expected) / abs(expected) if expected else abs(got - expected)
-    row |= {"scipy_value": expected, "torch_value": got}
-    row |= {"scipy_ms_all": times["scipy"], "torch_ms_all": times["torch"], "floor_ms": floor}
-    row |= {"vs_floor": torch_med / floor, "sort_floor_ms": med["floor"], "vs_sort": torch_med / med["floor"]}
-    return row | {"weighted_sort_floor_ms": med["weighted_floor"], "sort_torch_ms": sort_torch}
+    return {
+        "case": case,
+        "n": n,
+        "m": m,
+        "weighted": case == "weighted",
+        "device": str(device),
+        "scipy_ms": scipy_med,
+        "torch_ms": torch_med,
+        "speedup": scipy_med / torch_med,
+        "rel_diff": abs(got - expected) / abs(expected) if expected else abs(got - expected),
+        "scipy_value": expected,
+        "torch_value": got,
+        "scipy_ms_all": times["scipy"],
+        "torch_ms_all": times["torch"],
+        "floor_ms": floor,
+        "vs_floor": torch_med / floor,
+        "sort_floor_ms": med["floor"],
+        "vs_sort": torch_med / med["floor"],
+        "weighted_sort_floor_ms": med["weighted_floor"],
+        "sort_torch_ms": sort_torch,
+    }
 
 
 def _parser() -> argparse.ArgumentParser:
