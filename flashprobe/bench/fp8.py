@@ -607,10 +607,9 @@ def _run(args: argparse.Namespace) -> int:
     progress = progress_printer("fp8")
     start = time.perf_counter()
     seeds = parse_seeds(args.seed, args.repeats)
-    seq_lens, head_dims = sorted(set(args.seq_len)), sorted(set(args.head_dim))
     rows, rel_l2 = error_rows(
-        seq_lens=seq_lens,
-        head_dims=head_dims,
+        seq_lens=sorted(set(args.seq_len)),
+        head_dims=sorted(set(args.head_dim)),
         base_seq_len=args.base_seq_len,
         base_head_dim=args.base_head_dim,
         heads=args.heads,
@@ -633,13 +632,26 @@ def _run(args: argparse.Namespace) -> int:
     print(format_table(pcast, PCAST_COLUMNS))
     for line in summary_lines(summary):
         print(line)
-    config = {"seq_len": seq_lens, "head_dim": head_dims, "base_seq_len": args.base_seq_len}
-    config |= {"base_head_dim": args.base_head_dim, "heads": args.heads}
-    config |= {"distributions": list(args.distribution), "sink_strengths": list(args.sink_strength)}
-    config |= {"moderate_sink": args.moderate_sink, "seeds": seeds, "pcast_seeds": args.pcast_repeats}
-    config["variants"] = {v.label: v.spec for v in VARIANTS}
-    meta = {"command": args.command_line, "config": config, "summary": summary, "seconds": round(seconds, 2)}
-    meta["peak_memory"] = peak_memory()
+    config = {
+        "seq_len": sorted(set(args.seq_len)),
+        "head_dim": sorted(set(args.head_dim)),
+        "base_seq_len": args.base_seq_len,
+        "base_head_dim": args.base_head_dim,
+        "heads": args.heads,
+        "distributions": list(args.distribution),
+        "sink_strengths": list(args.sink_strength),
+        "moderate_sink": args.moderate_sink,
+        "seeds": seeds,
+        "pcast_seeds": args.pcast_repeats,
+        "variants": {v.label: v.spec for v in VARIANTS},
+    }
+    meta = {
+        "command": args.command_line,
+        "config": config,
+        "summary": summary,
+        "seconds": round(seconds, 2),
+        "peak_memory": peak_memory(),
+    }
     paths = write_results(args.out, "fp8", rows, meta=meta)
     paths["md"] = args.out / "fp8.md"
     atomic_write_text(

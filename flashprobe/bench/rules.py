@@ -77,8 +77,6 @@ CORRECT_KERNELS: tuple[str, ...] = (
     "ok_split_k_lse",
     "flex:compile=false",
 )
-#: The verdict's limits (:mod:`flashprobe.judge`), as ``rules.json`` and ``verdicts.json`` record them.
-LIMITS = {"relative": RELATIVE_LIMITS, "absolute_eps": ABSOLUTE_EPS, "row_eps": ROW_EPS}
 #: PyTorch's SDPA tests: fudge factors per tensor and the default tolerances per dtype.
 _SDPA_FUDGE = {"out": 4.0, "dq": 180.0, "dk": 16.0, "dv": 4.0}
 _SDPA_ATOL = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-3}
@@ -468,9 +466,15 @@ def _run(args: argparse.Namespace) -> int:
         )
     seconds = time.perf_counter() - start
     print(format_table(rows, TABLE_COLUMNS))
-    meta = {"command": args.command_line, "limits": LIMITS, "calls": [c.name for c in CALLS]}
-    meta |= {"seeds": args.seeds, "details": details, "torch": torch.__version__}
-    meta["seconds"] = round(seconds, 1)
+    meta = {
+        "command": args.command_line,
+        "limits": {"relative": RELATIVE_LIMITS, "absolute_eps": ABSOLUTE_EPS, "row_eps": ROW_EPS},
+        "calls": [c.name for c in CALLS],
+        "seeds": args.seeds,
+        "details": details,
+        "torch": torch.__version__,
+        "seconds": round(seconds, 1),
+    }
     paths = write_results(args.out, "rules", rows, meta=meta)
     paths["md"] = atomic_write_text(
         args.out / "rules.md", f"Produced by `{args.command_line}`\n\n{markdown_table(rows)}\n"

@@ -354,10 +354,18 @@ def _run(args: argparse.Namespace) -> int:
         raise BenchArgumentError(f"--max-memory-gb must be positive, got {args.max_memory_gb}")
     limit = None if args.max_memory_gb is None else int(args.max_memory_gb * 2**30)
     inputs = parse_input_config(args)
-    config = {"kernels": ["math", *[k.spec for k in kernels if k.spec != "math"]], **shape.as_dict()}
-    config |= {"seq_len": sorted(set(args.seq_len)), **inputs.as_dict()}
-    config |= {"seed": args.seed, "repeats": args.repeats}
-    meta: dict[str, Any] = {"command": args.command_line, "config": config, "complete": False}
+    meta: dict[str, Any] = {
+        "command": args.command_line,
+        "config": {
+            "kernels": ["math", *[k.spec for k in kernels if k.spec != "math"]],
+            **shape.as_dict(),
+            "seq_len": sorted(set(args.seq_len)),
+            **inputs.as_dict(),
+            "seed": args.seed,
+            "repeats": args.repeats,
+        },
+        "complete": False,
+    }
     start = time.perf_counter()
     rows, skipped = speed_rows(
         shape,

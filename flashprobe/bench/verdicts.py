@@ -49,10 +49,9 @@ import torch
 from flashprobe.bench.args import add_output_args, run_cli, torch_threads
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.results import format_table, write_results, wrote_line
-from flashprobe.bench.rules import LIMITS
 from flashprobe.bench.tiny_models import MODELS
 from flashprobe.bias import BIAS_TOLERANCE, BIAS_Z_LIMIT, COMPONENTS
-from flashprobe.judge import DIRECTIONS
+from flashprobe.judge import ABSOLUTE_EPS, DIRECTIONS, RELATIVE_LIMITS, ROW_EPS
 
 __all__ = ["MODELS", "MODEL_KERNEL", "calibrate", "main"]
 
@@ -266,9 +265,15 @@ def _run(args: argparse.Namespace) -> int:
     undetermined = sum(r["undetermined_calls"] for r in rows)
     biased = sum(r["biased"] for r in rows)
     print(f"failed calls: {failed}; undetermined calls: {undetermined}; biased (site, direction): {biased}")
-    meta = {"command": args.command_line, "kernels": args.kernel, "bias_z_limit": BIAS_Z_LIMIT}
-    meta |= {"bias_tolerance": BIAS_TOLERANCE, "limits": LIMITS}
-    meta |= {"torch": torch.__version__, "seconds": round(seconds, 1)}
+    meta = {
+        "command": args.command_line,
+        "kernels": args.kernel,
+        "bias_z_limit": BIAS_Z_LIMIT,
+        "bias_tolerance": BIAS_TOLERANCE,
+        "limits": {"relative": RELATIVE_LIMITS, "absolute_eps": ABSOLUTE_EPS, "row_eps": ROW_EPS},
+        "torch": torch.__version__,
+        "seconds": round(seconds, 1),
+    }
     paths = write_results(args.out, "verdicts", rows, meta=meta)
     print(wrote_line(rows, seconds, paths))
     return 1 if args.check and (failed or biased) else 0
