@@ -203,8 +203,13 @@ def _measure(
 ) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
     torch.manual_seed(config.seed)
     device = torch.device(config.device)
-    sizes = {k: getattr(config, k) for k in ("vocab", "seq_len", "d_model", "heads", "layers")}
-    base = TinyLM(**sizes).to(device)
+    base = TinyLM(
+        vocab=config.vocab,
+        seq_len=config.seq_len,
+        d_model=config.d_model,
+        heads=config.heads,
+        layers=config.layers,
+    ).to(device)
     gen = torch.Generator().manual_seed(config.seed + 1)
     rounds = config.warmup + config.steps
     tokens = torch.randint(config.vocab, (rounds, config.batch, config.seq_len + 1), generator=gen).to(device)

@@ -358,12 +358,21 @@ def run_rules(
                             t.undetermined += rule == "flashprobe" and verdict == "undetermined"
                         if hit != is_bug:  # a false alarm or a missed bug
                             (missed if is_bug else alarmed)[rule].add(label)
-            for rule, t in tally.items():
-                undetermined = t.undetermined if rule == "flashprobe" else None
-                row = {"rule": rule, "dtype": dtype_name, "correct_calls": t.correct_calls}
-                row |= {"false_alarms": t.false_alarms, "failed_kernels": ",".join(sorted(alarmed[rule]))}
-                row |= {"undetermined": undetermined, "bug_calls": t.bug_calls, "caught": t.caught}
-                rows.append(row | {"missed_bugs": ",".join(sorted(missed[rule]))})
+            for rule in RULES:
+                t = tally[rule]
+                rows.append(
+                    {
+                        "rule": rule,
+                        "dtype": dtype_name,
+                        "correct_calls": t.correct_calls,
+                        "false_alarms": t.false_alarms,
+                        "failed_kernels": ",".join(sorted(alarmed[rule])),
+                        "undetermined": t.undetermined if rule == "flashprobe" else None,
+                        "bug_calls": t.bug_calls,
+                        "caught": t.caught,
+                        "missed_bugs": ",".join(sorted(missed[rule])),
+                    }
+                )
             if progress is not None:
                 fp = next(r for r in rows if r["rule"] == "flashprobe" and r["dtype"] == dtype_name)
                 progress(

@@ -81,8 +81,11 @@ def calibrate(
 
     model, batch, output = MODELS[model_name](seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    worst, worst_max, score = (dict.fromkeys(DIRECTIONS, 0.0) for _ in range(3))
-    judged, failed = (dict.fromkeys(DIRECTIONS, 0) for _ in range(2))
+    worst = dict.fromkeys(DIRECTIONS, 0.0)
+    worst_max = dict.fromkeys(DIRECTIONS, 0.0)
+    score = dict.fromkeys(DIRECTIONS, 0.0)
+    judged = dict.fromkeys(DIRECTIONS, 0)
+    failed = dict.fromkeys(DIRECTIONS, 0)
     undetermined: dict[str, int] = {}
     low = _PRECISIONS[precision]
     start = time.perf_counter()
