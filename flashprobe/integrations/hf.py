@@ -65,7 +65,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: The summary's scalars put into the Trainer's logs (as ``probe/<key>``).
 #: The ``attn_implementation`` name :func:`register_attention` registers by default. Not
 #: "flashprobe": transformers takes every name containing "flash" for a flash-attn kernel to load.
 DEFAULT_NAME = "probe_kernel"
