@@ -317,10 +317,6 @@ def comparison_groups(study: Mapping[str, Any]) -> dict[str, list[str]]:
     return groups
 
 
-def _curve(pair: Mapping[str, Any]) -> dict[int, float | None]:
-    return dict(zip(pair["steps"], pair["model"]["wasserstein"], strict=True))
-
-
 def _interval(values: Mapping[int, float | None], seeds: Mapping[int, int]) -> Interval | None:
     """The finite values (replicate → value) as an :class:`Interval`, or None when there are none."""
     kept = [(r, v) for r, v in sorted(values.items()) if _finite(v)]
@@ -359,7 +355,9 @@ def verdict(study: Mapping[str, Any]) -> Verdict | None:
         return None
     flash = {c["replicate"]: n for n, c in comparisons.items() if c["kind"] == "kernel"}
     seeds = {c["replicate"]: c["seed"] for c in comparisons.values()}
-    curves = {n: _curve(pairs[n]) for n in comparisons}
+    curves = {
+        n: dict(zip(pairs[n]["steps"], pairs[n]["model"]["wasserstein"], strict=True)) for n in comparisons
+    }
     grid = sorted(set.intersection(*(set(pairs[n]["steps"]) for n in flash.values())))
     finite_at = [s for s in grid if any(_finite(curves[n].get(s)) for n in flash.values())]
     if not finite_at:
