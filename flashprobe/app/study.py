@@ -425,20 +425,12 @@ def _settings(cfg: Any) -> dict[str, Any]:
     section (launchers, output paths), flattened to ``{"trainer.max_steps": 120, ...}``."""
     from omegaconf import OmegaConf
 
+    from flashprobe.weights.differences import _flatten
+
     tree = OmegaConf.to_container(cfg, resolve=False)
     assert isinstance(tree, dict)
     tree.pop("hydra", None)
-    flat: dict[str, Any] = {}
-
-    def walk(prefix: str, node: Any) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                walk(f"{prefix}{key}.", value)
-        else:
-            flat[prefix[:-1]] = node
-
-    walk("", tree)
-    return flat
+    return _flatten(tree)
 
 
 def check_settings(out: Path, cfg: Any) -> None:
