@@ -441,9 +441,9 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     return {
         "datamodule": datamodule,
         "module": module,
+        "trainer": trainer,
         "callbacks": callbacks,
         "loggers": loggers,
-        "trainer": trainer,
     }
 
 
@@ -551,15 +551,7 @@ def _fit(
     if failure is not None:
         raise failure
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-    objects = {
-        "datamodule": datamodule,
-        "module": module,
-        "trainer": trainer,
-        "callbacks": callbacks,
-        "loggers": loggers,
-        "run_dir": run_dir,
-    }
-    return metrics, objects
+    return metrics, {**built, "run_dir": run_dir}
 
 
 def _announce_wandb(loggers: list[Any]) -> None:
