@@ -735,10 +735,8 @@ def command_line(args: Sequence[str]) -> list[str]:
             )
         try:
             resumed = recorded_overrides(saved, config_groups([CONF_DIR, *search_path]), args, skip)
-        except FileNotFoundError as err:
-            raise FileNotFoundError(f"resume={resume}: {err}") from None
-        except RecordedOverrideError as err:
-            raise RecordedOverrideError(f"resume={resume}: {err}") from None
+        except (FileNotFoundError, RecordedOverrideError) as err:
+            raise type(err)(f"resume={resume}: {err}") from None
         return [*resumed, f"hydra.run.dir={_quoted(resume)}"]
     overwrite = str(override_value(args, "overwrite")).lower() == "true"
     if run_dir is not None and not run_dir.strip():
