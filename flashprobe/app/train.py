@@ -39,6 +39,7 @@ from flashprobe.app.schema import RunSchema, check_sites
 from flashprobe.formats.atomic import (
     FULL_BELOW,
     DiskFullError,
+    _chain,
     atomic_write_bytes,
     atomic_write_text,
     disk_full,
@@ -602,15 +603,6 @@ def _disk_full_stop(run_dir: Path, err: BaseException) -> RunStoppedError:
     )
     stop.__cause__ = err
     return stop
-
-
-def _chain(err: BaseException | None) -> Iterator[BaseException]:
-    """``err`` and the exceptions that caused it."""
-    seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        yield err
-        err = err.__cause__ or err.__context__
 
 
 def compose(overrides: Sequence[str] = (), run_dir: str | Path | None = None) -> DictConfig:
