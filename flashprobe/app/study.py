@@ -175,36 +175,29 @@ def _at_replicate(run: StudyRun, replicate: int) -> StudyRun:
 
 def _all_comparisons(precision: str, replicate: int) -> list[Comparison]:
     """Replicate ``replicate``'s comparisons, named by its runs (see :func:`_at_replicate`)."""
-    seed, sfx = replicate_seed(replicate), replicate_suffix(replicate)
+    seed, sfx, short = replicate_seed(replicate), replicate_suffix(replicate), PRECISIONS[precision]
 
     def baseline_at(p: str) -> str:
         return "baseline" + sfx if p == precision else PRECISIONS[p] + sfx
 
-    def pair(group: str, name: str, a: str, b: str, kind: str, isolates: str) -> Comparison:
+    def pair(group: str, a: str, b: str, kind: str, isolates: str, name: str = "") -> Comparison:
+        name = name or group + sfx
         return Comparison(name, a, b, kind, isolates, group=group, replicate=replicate, seed=seed)
 
-    short = PRECISIONS[precision]
+    kernel = "the attention kernel (under test vs math), at"
     comparisons = [
-        pair(
-            "flash_vs_baseline",
-            "flash_vs_baseline" + sfx,
-            "flash" + sfx,
-            "baseline" + sfx,
-            "kernel",
-            f"the attention kernel (under test vs math), at {short}",
-        ),
+        pair("flash_vs_baseline", "flash" + sfx, "baseline" + sfx, "kernel", f"{kernel} {short}"),
         pair(
             "seed1_vs_seed0",
-            f"seed{seed + 1}_vs_seed{seed}",
             f"seed{seed + 1}",
             "baseline" + sfx,
             "seed",
             f"the random seed, at {short}",
+            name=f"seed{seed + 1}_vs_seed{seed}",
         ),
         *(
             pair(
                 f"{PRECISIONS[p]}_vs_fp32",
-                f"{PRECISIONS[p]}_vs_fp32{sfx}",
                 baseline_at(p),
                 baseline_at("32-true"),
                 "precision",
@@ -214,28 +207,11 @@ def _all_comparisons(precision: str, replicate: int) -> list[Comparison]:
         ),
     ]
     if replicate == 0:
-        comparisons.insert(
-            1,
-            pair(
-                "identical",
-                "identical",
-                "identical",
-                "baseline",
-                "noise",
-                "nothing: the same configuration trained twice",
-            ),
-        )
+        identical = "nothing: the same configuration trained twice"
+        comparisons.insert(1, pair("identical", "identical", "baseline", "noise", identical))
         if precision != "32-true":
-            comparisons.append(
-                pair(
-                    "flash_vs_baseline_fp32",
-                    "flash_vs_baseline_fp32",
-                    "flash_fp32",
-                    "fp32",
-                    "kernel_fp32",
-                    "the attention kernel (under test vs math), at fp32: its deviation without low precision",
-                )
-            )
+            fp32 = f"{kernel} fp32: its deviation without low precision"
+            comparisons.append(pair("flash_vs_baseline_fp32", "flash_fp32", "fp32", "kernel_fp32", fp32))
     return comparisons
 
 
@@ -449,20 +425,12 @@ def _settings(cfg: Any) -> dict[str, Any]:
     section (launchers, output paths), flattened to ``{"trainer.max_steps": 120, ...}``."""
     from omegaconf import OmegaConf
 
+    from flashprobe.weights.differences import _flatten
+
     tree = OmegaConf.to_container(cfg, resolve=False)
     assert isinstance(tree, dict)
     tree.pop("hydra", None)
-    flat: dict[str, Any] = {}
-
-    def walk(prefix: str, node: Any) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                walk(f"{prefix}{key}.", value)
-        else:
-            flat[prefix[:-1]] = node
-
-    walk("", tree)
-    return flat
+    return _flatten(tree)
 
 
 def check_settings(out: Path, cfg: Any) -> None:

@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import hydra
 import torch
@@ -39,6 +39,7 @@ from flashprobe.app.schema import RunSchema, check_sites
 from flashprobe.formats.atomic import (
     FULL_BELOW,
     DiskFullError,
+    _chain,
     atomic_write_bytes,
     atomic_write_text,
     disk_full,
@@ -68,9 +69,6 @@ from flashprobe.formats.run_record import (
     start_session,
 )
 from flashprobe.t2i.precision import trainer_precision
-
-if TYPE_CHECKING:  # Lightning is imported where a run is built: a refused setting never waits for it
-    import lightning as L
 
 __all__ = [
     "CONF_DIR",
@@ -296,21 +294,6 @@ def check_config(cfg: DictConfig, run_dir: str | Path | None = None) -> RunSchem
     return schema
 
 
-def _trainer_arguments(cfg: DictConfig, callbacks: list[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The Trainer's config and extra arguments: exact precision on CPU, atomic checkpoints."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    from flashprobe.formats.checkpoint_io import AtomicCheckpointIO
-
-    config = OmegaConf.to_container(cfg.trainer, resolve=True)
-    config.setdefault("enable_progress_bar", sys.stdout.isatty())  # a bar in a terminal, none in logs
-    extra = trainer_precision(config.pop("precision", "32-true"), config.get("accelerator", "cpu"))
-    extra["plugins"] = [*extra.get("plugins", []), AtomicCheckpointIO()]
-    if not any(isinstance(c, ModelCheckpoint) for c in callbacks):
-        config["enable_checkpointing"] = False  # callbacks.checkpoint=null means no checkpoints
-    return config, extra
-
-
 def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     """Train the text-to-image model described by ``cfg``.
 
@@ -413,10 +396,11 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """
     import lightning as L
     from hydra.errors import InstantiationException
-    from lightning.pytorch.callbacks import ProgressBar
+    from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 
     from flashprobe.callbacks.attention_probe import AttentionProbe
     from flashprobe.callbacks.nonfinite_guard import NonFiniteGuard
+    from flashprobe.formats.checkpoint_io import AtomicCheckpointIO
 
     quiet_third_party()  # after Lightning's import, which adds its own console handler
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -434,7 +418,14 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         # the run prints last.
         callbacks.sort(key=lambda c: isinstance(c, AttentionProbe))
         loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
-        trainer_config, extra = _trainer_arguments(cfg, callbacks)
+        # The Trainer's config and extra arguments: exact precision on CPU, atomic checkpoints.
+        trainer_config = OmegaConf.to_container(cfg.trainer, resolve=True)
+        trainer_config.setdefault("enable_progress_bar", sys.stdout.isatty())  # a bar in a terminal only
+        precision = trainer_config.pop("precision", "32-true")
+        extra = trainer_precision(precision, trainer_config.get("accelerator", "cpu"))
+        extra["plugins"] = [*extra.get("plugins", []), AtomicCheckpointIO()]
+        if not any(isinstance(c, ModelCheckpoint) for c in callbacks):
+            trainer_config["enable_checkpointing"] = False  # callbacks.checkpoint=null: no checkpoints
         if trainer_config["enable_progress_bar"] and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(StepProgressBar())  # "train 3/5" instead of Lightning's "Epoch 0/-2"
         trainer: L.Trainer = hydra.utils.instantiate(
@@ -451,21 +442,10 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     return {
         "datamodule": datamodule,
         "module": module,
+        "trainer": trainer,
         "callbacks": callbacks,
         "loggers": loggers,
-        "trainer": trainer,
     }
-
-
-def _attention_ran(trainer: L.Trainer, module: L.LightningModule) -> dict[str, Any] | None:
-    """What computed the model's attention in this session, for ``run.json``: the probe's primary (or
-    the routed kernel), and where it fell back, from which step and why; None if it cannot be said."""
-    from flashprobe.callbacks.weight_snapshot import trained_attention_record
-
-    try:
-        return trained_attention_record(trainer, module)
-    except Exception:  # a record of what ran must not fail the run's bookkeeping
-        return None
 
 
 def _fit(
@@ -476,6 +456,7 @@ def _fit(
 
     from flashprobe.callbacks.attention_probe import AttentionProbe
     from flashprobe.callbacks.nonfinite_guard import NonFiniteGuard
+    from flashprobe.callbacks.weight_snapshot import trained_attention_record
 
     datamodule, module, callbacks = built["datamodule"], built["module"], built["callbacks"]
     loggers, trainer = built["loggers"], built["trainer"]
@@ -546,6 +527,10 @@ def _fit(
         failed = None if failure is None else str(failure)
         if crashed is not None:
             failed = f"{type(crashed).__name__}: {(str(crashed).strip().splitlines() or [''])[0]}"
+        try:  # what computed the attention (the probe's primary or the routed kernel, its fallbacks)
+            attention = trained_attention_record(trainer, module)
+        except Exception:  # a record of what ran must not fail the run's bookkeeping
+            attention = None
         try:
             finish_session(
                 run_dir,
@@ -553,7 +538,7 @@ def _fit(
                 seconds=seconds,
                 failed=failed,
                 note=note,
-                attention=_attention_ran(trainer, module),
+                attention=attention,
             )
         except (OSError, ValueError) as err:
             if crashed is not None:
@@ -567,15 +552,7 @@ def _fit(
     if failure is not None:
         raise failure
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-    objects = {
-        "datamodule": datamodule,
-        "module": module,
-        "trainer": trainer,
-        "callbacks": callbacks,
-        "loggers": loggers,
-        "run_dir": run_dir,
-    }
-    return metrics, objects
+    return metrics, {**built, "run_dir": run_dir}
 
 
 def _announce_wandb(loggers: list[Any]) -> None:
@@ -626,15 +603,6 @@ def _disk_full_stop(run_dir: Path, err: BaseException) -> RunStoppedError:
     )
     stop.__cause__ = err
     return stop
-
-
-def _chain(err: BaseException | None) -> Iterator[BaseException]:
-    """``err`` and the exceptions that caused it."""
-    seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        yield err
-        err = err.__cause__ or err.__context__
 
 
 def compose(overrides: Sequence[str] = (), run_dir: str | Path | None = None) -> DictConfig:
@@ -759,10 +727,8 @@ def command_line(args: Sequence[str]) -> list[str]:
             )
         try:
             resumed = recorded_overrides(saved, config_groups([CONF_DIR, *search_path]), args, skip)
-        except FileNotFoundError as err:
-            raise FileNotFoundError(f"resume={resume}: {err}") from None
-        except RecordedOverrideError as err:
-            raise RecordedOverrideError(f"resume={resume}: {err}") from None
+        except (FileNotFoundError, RecordedOverrideError) as err:
+            raise type(err)(f"resume={resume}: {err}") from None
         return [*resumed, f"hydra.run.dir={_quoted(resume)}"]
     overwrite = str(override_value(args, "overwrite")).lower() == "true"
     if run_dir is not None and not run_dir.strip():

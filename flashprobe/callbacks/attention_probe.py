@@ -64,8 +64,7 @@ class AttentionProbe(SessionCallback, Callback):
             ``baseline``, ``golden``, ``backward``, ``every_n_steps``, ``every_n_calls``, ``sites``,
             ``dropout``, ``memory_budget``); default: its defaults (``backward="auto"``: gradients
             compared where the primary and baseline have a backward on the model's device).
-            ``primary=None`` keeps the kernel the
-            model already uses.
+            ``primary=None`` keeps the kernel the model already uses.
         log_every_n_steps: read, log and reset the statistics every n steps; default: the
             Trainer's ``log_every_n_steps``.
         dirpath: directory of ``probe.jsonl``; default: ``trainer.log_dir`` or

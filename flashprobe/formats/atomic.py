@@ -25,7 +25,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -87,17 +87,22 @@ def free_space(directory: str | os.PathLike[str]) -> int | None:
         return None
 
 
-def disk_full(err: BaseException | None) -> bool:
-    """Whether ``err`` (or an exception that caused it) is a write that failed for lack of space."""
+def _chain(err: BaseException | None) -> Iterator[BaseException]:
+    """``err`` and the exceptions that caused it."""
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        if isinstance(err, OSError) and err.errno in _NO_SPACE:
-            return True
-        text = str(err)
-        if "No space left on device" in text or "Disk quota exceeded" in text:
-            return True
+        yield err
         err = err.__cause__ or err.__context__
+
+
+def disk_full(err: BaseException | None) -> bool:
+    """Whether ``err`` (or an exception that caused it) is a write that failed for lack of space."""
+    for e in _chain(err):
+        if isinstance(e, OSError) and e.errno in _NO_SPACE:
+            return True
+        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+            return True
     return False
 
 

@@ -131,9 +131,7 @@ def prepare_output_dir(
         ``path`` as a :class:`~pathlib.Path`.
 
     Raises:
-        OutputPathError: ``path`` is empty (it would mean the working directory), a file, lies under
-            a file, a system directory (resolved), not the command's own (``owned``), or is not
-            writable.
+        OutputPathError: as for :func:`check_output_dir`, or ``path`` cannot be created.
     """
     path = _not_under_a_file(path, flag, owned)
     try:

@@ -65,7 +65,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: The summary's scalars put into the Trainer's logs (as ``probe/<key>``).
 #: The ``attn_implementation`` name :func:`register_attention` registers by default. Not
 #: "flashprobe": transformers takes every name containing "flash" for a flash-attn kernel to load.
 DEFAULT_NAME = "probe_kernel"
@@ -263,16 +262,12 @@ class AttentionProbeCallback(SessionCallback, TrainerCallback, ExportableState):
         trainer = Trainer(model, args, train_dataset=data, callbacks=[AttentionProbeCallback(golden=True)])
 
     Args:
-        config: the probe's settings (:class:`~flashprobe.probing.ProbeConfig`: ``primary``,
-            ``baseline``, ``golden``, ``backward``, ``every_n_steps``, ``every_n_calls``, ``sites``,
-            ``dropout``, ``memory_budget``); default: its defaults (``backward="auto"``: gradients
-            compared where the primary and baseline have a backward on the model's device).
+        config: the probe's settings, as for the Lightning :class:`~flashprobe.callbacks.AttentionProbe`.
         log_every_n_steps: read, log and reset the statistics every n optimizer steps; default:
             the Trainer's ``logging_steps``.
         dirpath: directory of ``probe.jsonl`` and ``repro/``; default: ``args.output_dir``.
         filename: name of the JSON-lines file.
-        plot: at the end of training, draw the per-site deviation plot of the file next to it
-            (``probe.png``, :func:`flashprobe.report.probe_figures.plot_probe`).
+        plot: draw ``probe.png`` at the end of training, as :class:`~flashprobe.callbacks.AttentionProbe`.
         on_failure: at the first failure of each site and direction: ``"warn"`` (one line),
             ``"raise"`` (:class:`~flashprobe.probing.ProbeFailureError`) or ``"stop"`` (write the
             record, then stop training through ``control.should_training_stop``).

@@ -132,8 +132,7 @@ def plot_precision(rows: Sequence[Row], path: Path | str) -> Path:
     for ax in (ax3, ax4):
         ax.set_yscale("log")
         ax.set_xticks(xs, labels)
-    ax3.set_xlabel("input dtype (explicit mantissa bits)")
-    ax3.set_ylabel(f"|primary − baseline| ({_UNITS})")
+    ax3.set(xlabel="input dtype (explicit mantissa bits)", ylabel=f"|primary − baseline| ({_UNITS})")
     ax3.set_title("Fig 3: primary vs baseline at the same precision\n(solid: max, dashed: mean)")
     ax3.grid(True, which="major", alpha=0.3)
     ax3.legend(fontsize=8)
@@ -264,20 +263,17 @@ def _seqlen_axes(axes: Any, rows: Sequence[Row]) -> None:
     ax_rel.axhline(1.0, color="0.5", linewidth=0.8)
     if max((y for line in ax_rel.lines for y in line.get_ydata()), default=1.0) > 10:
         ax_rel.set_yscale("log")
-    ax_pb.set_yscale("log")
-    ax_pb.set_ylabel(f"max |primary − baseline| ({_UNITS})")
+    ax_pb.set(yscale="log", ylabel=f"max |primary − baseline| ({_UNITS})")
     ax_pb.set_title("Fig 5: primary vs baseline, max")
     ax_rel.set_ylabel("‖out − golden‖₂ / ‖golden‖₂, ÷ its value at the smallest N")
     ax_rel.set_title("growth of the relative error: primary (solid), baseline (dashed)")
-    ax_g.set_yscale("log")
-    ax_g.set_ylabel(f"max |output − FP64 golden| ({_UNITS})")
+    ax_g.set(yscale="log", ylabel=f"max |output − FP64 golden| ({_UNITS})")
     ax_g.set_title("vs golden: primary (solid), baseline (dashed)")
     ax_r.axhline(1.0, color="0.5", linewidth=0.8)
     ratios = [y for line in ax_r.lines for y in line.get_ydata() if _finite_pos(y)]
     if ratios and max(ratios) / min(ratios) > 10:
         ax_r.set_yscale("log")
-    ax_r.set_ylabel("error ratio  max|p−g| / max|b−g|")
-    ax_r.set_title("error ratio (FP64 omitted: baseline = golden)")
+    ax_r.set(ylabel="error ratio  max|p−g| / max|b−g|", title="error ratio (FP64 omitted: baseline = golden)")
 
 
 def _plot_growth(ax: Axes, xs: Sequence[int], rows: Sequence[Row], key: str, **style: Any) -> None:
@@ -339,10 +335,8 @@ def plot_tiles(rows: Sequence[Row], path: Path | str) -> Path:
                 label=variant,
             )
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("block area Br·Bc (score elements per tile)")
-        ax.set_ylabel(f"max |primary − baseline| ({_UNITS})")
-        ax.set_title(f"Fig 6 at {dtype}")
+        ax.set(yscale="log", xlabel="block area Br·Bc (score elements per tile)")
+        ax.set(ylabel=f"max |primary − baseline| ({_UNITS})", title=f"Fig 6 at {dtype}")
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=8)
     for ax in axes[len(dtypes) :]:
@@ -395,8 +389,7 @@ def plot_paper_tiles(rows: Sequence[Row], path: Path | str) -> Path:
     }
     ax_m.set_xticks(srams, [f"{m}\nBc={bcs.get(m, '?')}" for m in srams], fontsize=7)
     ax_m.minorticks_off()
-    ax_m.set_yscale("log")
-    ax_m.set_xlabel("SRAM size M (elements); Bc = ⌈M/4d⌉, Br = min(Bc, d)")
+    ax_m.set(yscale="log", xlabel="SRAM size M (elements); Bc = ⌈M/4d⌉, Br = min(Bc, d)")
     ax_m.set_ylabel(f"max |primary − baseline| ({_UNITS})")
     ax_m.set_title("F6c: larger tiles, smaller deviation?\nF6a (tile shape): Br and Bc swapped")
     ax_m.grid(True, which="major", alpha=0.3)
@@ -417,8 +410,7 @@ def plot_paper_tiles(rows: Sequence[Row], path: Path | str) -> Path:
     _bars(ax_square, labelled, key)
     ax_square.set_title("F6b: square vs non-square tile\nof the same Bc (Br×Bc, loop over query tiles)")
     for ax in (ax_order, ax_square):
-        ax.set_yscale("log")
-        ax.set_ylabel(f"max |primary − baseline| ({_UNITS})")
+        ax.set(yscale="log", ylabel=f"max |primary − baseline| ({_UNITS})")
         ax.grid(True, axis="y", which="major", alpha=0.3)
     _caption(fig, rows, "bf16")
     return save_figure(fig, path)
@@ -476,8 +468,7 @@ def plot_speed(rows: Sequence[Row], path: Path | str, skipped: Sequence[Row] = (
         _n_panel(ax, rows, legend_size=8)
     if not ax_m.lines:
         ax_m.text(0.5, 0.5, "peak memory not measured", transform=ax_m.transAxes, ha="center")
-    ax_t.set_ylabel("forward time per call (ms, median; bars: min–max)")
-    ax_t.set_title("time")
+    ax_t.set(ylabel="forward time per call (ms, median; bars: min–max)", title="time")
     ax_m.set_ylabel("peak extra memory of one call (MB)")
     ax_m.set_title("peak memory (resident set growth, fresh process)")
     notes = [f"{s['kernel']} {s['dtype']} N={s['seq_len']} skipped: {s['reason']}" for s in skipped]

@@ -51,11 +51,9 @@ def plot_fp8_errors(rows: Sequence[Row], path: Path | str) -> Path:
                     label=variant,
                 )
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel(label)
+        ax.set(yscale="log", xlabel=label)
         ax.grid(True, which="major", alpha=0.3)
-    ax_n.set_ylabel("‖out − golden‖ / ‖golden‖ (gaussian inputs)")
-    ax_n.set_title("error vs N (cf. paper Fig 5)")
+    ax_n.set(ylabel="‖out − golden‖ / ‖golden‖ (gaussian inputs)", title="error vs N (cf. paper Fig 5)")
     ax_d.set_title("error vs head dim")
     ax_n.legend(fontsize=7)
     dist_rows = [r for r in errors if r.get("axis") == "distribution"]
@@ -77,8 +75,7 @@ def plot_fp8_errors(rows: Sequence[Row], path: Path | str) -> Path:
                 label=variant if j == 0 else None,
             )
     ax_dist.set_xticks(range(len(dists)), [d.replace("_", "\n") for d in dists])
-    ax_dist.set_yscale("log")
-    ax_dist.set_title("error per input distribution (cf. paper Figs 3-4)")
+    ax_dist.set(yscale="log", title="error per input distribution (cf. paper Figs 3-4)")
     ax_dist.grid(True, axis="y", which="major", alpha=0.3)
     shape = next(iter(dist_rows or errors))
     fig.suptitle(
@@ -115,8 +112,7 @@ def plot_fp8_pcast(rows: Sequence[Row], path: Path | str) -> Path:
             ax_u.plot(xs, [r["p_underflow"] for r in series], **kw)
             _plot_series(ax_m, xs, series, "mse", **kw)
     ax_u.set_ylabel("fraction of non-sink P that underflows to 0 in E4M3")
-    ax_m.set_ylabel("MSE of the output vs FP64 golden")
-    ax_m.set_yscale("log")
+    ax_m.set(ylabel="MSE of the output vs FP64 golden", yscale="log")
     for ax in (ax_u, ax_m):
         ax.set_xlabel("sink strength (key 0's logit)")
         ax.grid(True, which="major", alpha=0.3)

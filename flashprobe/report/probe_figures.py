@@ -112,8 +112,7 @@ def _ratio_lines(ax: Axes, steps: list[int], series: Series, cap: float) -> None
             top = [step for step, v in zip(steps, values, strict=True) if v == math.inf]
             ax.plot(top, [cap] * len(top), "^", color=colour, markersize=7)
     ax.axhline(1.0, color="0.4", linewidth=0.8)
-    ax.set_xlabel("training step")
-    ax.set_ylabel("error ratio  |primary − golden| / |baseline − golden|")
+    ax.set(xlabel="training step", ylabel="error ratio  |primary − golden| / |baseline − golden|")
     has_backward = any(not all(math.isnan(v) for v in s["backward_error_ratio"]) for s in series.values())
     ax.set_title("forward error ratio per site" + (" (dashed: backward)" if has_backward else ""))
     ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False)
@@ -135,8 +134,7 @@ def _ratio_heatmap(fig: Figure, ax: Axes, steps: list[int], series: Series, cap:
     image = ax.pcolormesh(edges, np.arange(len(names) + 1) - 0.5, np.ma.masked_invalid(grid), cmap="viridis")
     ax.set_yticks(range(len(names)), [_short(n) for n in names], fontsize=_label_size(len(names)))
     ax.invert_yaxis()
-    ax.set_xlabel("training step")
-    ax.set_title("forward error ratio per site")
+    ax.set(xlabel="training step", title="forward error ratio per site")
     fig.colorbar(image, ax=ax, label="error ratio")
 
 
@@ -145,9 +143,7 @@ def _primary_baseline_panel(ax: Axes, steps: list[int], series: Series) -> None:
     for i, s in enumerate(series.values()):
         values = [v if v > 0 else math.nan for v in s["primary_baseline"]]
         ax.plot(steps, values, color=f"C{i % 10}", linewidth=1.0)
-    ax.set_yscale("log")
-    ax.set_xlabel("training step")
-    ax.set_ylabel("max |primary − baseline|")
+    ax.set(yscale="log", xlabel="training step", ylabel="max |primary − baseline|")
     ax.set_title("primary vs baseline, per site")
 
 
@@ -179,8 +175,7 @@ def _per_site_panel(ax: Axes, series: Series) -> None:
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.tick_params(axis="x", labelsize=7)
     ax.grid(axis="x", which="major", color="0.9", linewidth=0.6)
-    ax.set_xlabel("largest max |· − golden| over the run")
-    ax.set_title("per site, whole run")
+    ax.set(xlabel="largest max |· − golden| over the run", title="per site, whole run")
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
 
 

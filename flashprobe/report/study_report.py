@@ -240,28 +240,24 @@ def _machine_lines(meta: Mapping[str, Any]) -> list[str]:
         return []
     keys = ("torch", "cpu", "cpu_capability", "torch_threads", "cuda")
     if "differ" in machine:
-        per_run = [
-            f"{run}: " + ", ".join(f"{k} {f.get(k)}" for k in keys) for run, f in machine["differ"].items()
-        ]
-        return [
-            "## What these numbers depend on",
-            "",
+        body = [
             "**The runs trained on different machines or settings**, so each pair's deviation includes "
             "that difference as well as the one thing it isolates:",
             "",
-            *(f"- {line}" for line in per_run),
-            "",
+            *(
+                f"- {run}: " + ", ".join(f"{k} {f.get(k)}" for k in keys)
+                for run, f in machine["differ"].items()
+            ),
         ]
-    facts = ", ".join(f"{k} {machine.get(k)}" for k in keys)
-    return [
-        "## What these numbers depend on",
-        "",
-        f"{facts} (as the runs recorded them in run.json); deterministic algorithms. "
-        "On a CPU the runs are bit-identical from one seed "
-        "for a given torch build, CPU instruction set and thread count; another of these changes the last "
-        "bits of every step, so the distances change a little (their ratios much less).",
-        "",
-    ]
+    else:
+        facts = ", ".join(f"{k} {machine.get(k)}" for k in keys)
+        body = [
+            f"{facts} (as the runs recorded them in run.json); deterministic algorithms. "
+            "On a CPU the runs are bit-identical from one seed "
+            "for a given torch build, CPU instruction set and thread count; another of these changes the "
+            "last bits of every step, so the distances change a little (their ratios much less).",
+        ]
+    return ["## What these numbers depend on", "", *body, ""]
 
 
 def write_report(study_dir: str | Path) -> Path:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
 __all__ = [
@@ -144,17 +144,7 @@ class ContextRatio:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (intervals as :meth:`Interval.as_dict`)."""
-        return {
-            "kind": self.kind,
-            "replicate_seeds": list(self.replicate_seeds),
-            "pairs": list(self.pairs),
-            "isolates": self.isolates,
-            "distance": _plain(self.distance),
-            "ratio": _plain(self.ratio),
-            "by_step": {s: _plain(i) for s, i in self.by_step.items()},
-            "over_training": None if self.over_training is None else list(self.over_training),
-            "in_rule": self.in_rule,
-        }
+        return _plain(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,7 +159,7 @@ class ExtraLine:
     """The replicate's seed."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"distance": self.distance, "flash": self.flash, "seed": self.seed}
+        return _plain(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,26 +197,19 @@ class Verdict:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data, in the order of the fields above (intervals as :meth:`Interval.as_dict`)."""
-        return {
-            "kernel_pair": self.kernel_pair,
-            "attention": list(self.attention),
-            "step": self.step,
-            "steps": list(self.steps),
-            "warmup_steps": self.warmup_steps,
-            "seeds": list(self.seeds),
-            "flash": _plain(self.flash),
-            "context": {label: c.to_dict() for label, c in self.context.items()},
-            "extra": {name: e.to_dict() for name, e in self.extra.items()},
-            "noise_floor": self.noise_floor,
-            "left_out": dict(self.left_out),
-            "precision": self.precision,
-            "answer": self.answer,
-            "reasons": list(self.reasons),
-        }
+        return _plain(self)
 
 
-def _plain(interval: Interval | None) -> dict[str, Any] | None:
-    return None if interval is None else interval.as_dict()
+def _plain(x: Any) -> Any:
+    """A verdict's value as plain data: intervals as :meth:`Interval.as_dict`, the other dataclasses as
+    dicts of their fields in order, tuples as lists; dicts and lists copied."""
+    if isinstance(x, Interval):
+        return x.as_dict()
+    if is_dataclass(x):
+        return {f.name: _plain(getattr(x, f.name)) for f in fields(x)}
+    if isinstance(x, Mapping):
+        return {k: _plain(v) for k, v in x.items()}
+    return [_plain(v) for v in x] if isinstance(x, list | tuple) else x
 
 
 def format_value(x: float | None) -> str:
@@ -334,10 +317,6 @@ def comparison_groups(study: Mapping[str, Any]) -> dict[str, list[str]]:
     return groups
 
 
-def _curve(pair: Mapping[str, Any]) -> dict[int, float | None]:
-    return dict(zip(pair["steps"], pair["model"]["wasserstein"], strict=True))
-
-
 def _interval(values: Mapping[int, float | None], seeds: Mapping[int, int]) -> Interval | None:
     """The finite values (replicate → value) as an :class:`Interval`, or None when there are none."""
     kept = [(r, v) for r, v in sorted(values.items()) if _finite(v)]
@@ -376,7 +355,9 @@ def verdict(study: Mapping[str, Any]) -> Verdict | None:
         return None
     flash = {c["replicate"]: n for n, c in comparisons.items() if c["kind"] == "kernel"}
     seeds = {c["replicate"]: c["seed"] for c in comparisons.values()}
-    curves = {n: _curve(pairs[n]) for n in comparisons}
+    curves = {
+        n: dict(zip(pairs[n]["steps"], pairs[n]["model"]["wasserstein"], strict=True)) for n in comparisons
+    }
     grid = sorted(set.intersection(*(set(pairs[n]["steps"]) for n in flash.values())))
     finite_at = [s for s in grid if any(_finite(curves[n].get(s)) for n in flash.values())]
     if not finite_at:

@@ -102,8 +102,7 @@ def pair_over_steps_figure(name: str, pair: Mapping[str, Any]) -> Figure:
             ax.text(0.5, -0.2, _ZERO_NOTE, transform=ax.transAxes, ha="center", fontsize=7, color="0.4")
         else:
             ax.set_ylim(bottom=0)
-        ax.set_xlabel("training step")
-        ax.set_ylabel(label)
+        ax.set(xlabel="training step", ylabel=label)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(loc="best", fontsize=8)
     fig.suptitle(f"Fig 7: weight deviation over training, {name} ({_describe(pair)})", fontsize=10)
@@ -182,8 +181,7 @@ def wasserstein_curves_figure(
             )
             ax.axhline(floor, color=color, linestyle="--", linewidth=2, label=label)
         ax.set_ylim(bottom=floor / 2)
-    ax.set_xlabel("training step")
-    ax.set_ylabel("Wasserstein-1 distance of all weights")
+    ax.set(xlabel="training step", ylabel="Wasserstein-1 distance of all weights")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="best", fontsize=8)
     title = "Fig 8: weight deviation of each comparison over training"

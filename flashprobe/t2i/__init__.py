@@ -37,36 +37,18 @@ if TYPE_CHECKING:
     from flashprobe.t2i.module import TextToImageModule, default_sample_captions
     from flashprobe.t2i.precision import PRECISIONS, trainer_precision
 
-#: Each public name and the module of :mod:`flashprobe.t2i` that defines it.
-_MODULES: dict[str, str] = {
-    "COLOURS": "data",
-    "CaptionAgreement": "metrics",
-    "CaptionTokenizer": "data",
-    "DIT_MODELS": "model",
-    "DiTConfig": "model",
-    "GaussianDiffusion": "diffusion",
-    "ImageReading": "metrics",
-    "POSITIONS": "data",
-    "PRECISIONS": "precision",
-    "SHAPES": "data",
-    "SIZES": "data",
-    "ShapeAttributes": "data",
-    "ShapesDataModule": "data",
-    "ShapesDataset": "data",
-    "TextToImageDiT": "model",
-    "TextToImageModule": "module",
-    "VOCAB": "data",
-    "caption_agreement": "metrics",
-    "default_sample_captions": "module",
-    "describe": "data",
-    "dit_small": "model",
-    "dit_tiny": "model",
-    "parse_caption": "data",
-    "read_images": "metrics",
-    "render": "data",
-    "sample_attributes": "data",
-    "trainer_precision": "precision",
+#: Each module of :mod:`flashprobe.t2i` and the public names it defines (as imported above).
+_DEFINED_IN: dict[str, str] = {
+    "data": "COLOURS POSITIONS SHAPES SIZES VOCAB CaptionTokenizer ShapeAttributes ShapesDataModule "
+    "ShapesDataset describe parse_caption render sample_attributes",
+    "diffusion": "GaussianDiffusion",
+    "metrics": "CaptionAgreement ImageReading caption_agreement read_images",
+    "model": "DIT_MODELS DiTConfig TextToImageDiT dit_small dit_tiny",
+    "module": "TextToImageModule default_sample_captions",
+    "precision": "PRECISIONS trainer_precision",
 }
+#: Each public name and the module of :mod:`flashprobe.t2i` that defines it.
+_MODULES: dict[str, str] = {name: module for module, names in _DEFINED_IN.items() for name in names.split()}
 
 __all__ = [
     "COLOURS",

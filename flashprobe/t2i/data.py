@@ -131,16 +131,10 @@ def sample_attributes(n: int, generator: np.random.Generator) -> list[ShapeAttri
     background = (colour + 1 + generator.integers(len(colours) - 1, size=n)) % len(colours)
     size = generator.integers(len(sizes), size=n)
     position = generator.integers(len(positions), size=n)
+    draws = np.stack([shape, colour, background, size, position], axis=1).tolist()  # (n, 5) ints
     return [
         ShapeAttributes(SHAPES[sh], colours[c], colours[b], sizes[si], positions[p])
-        for sh, c, b, si, p in zip(
-            shape.tolist(),
-            colour.tolist(),
-            background.tolist(),
-            size.tolist(),
-            position.tolist(),
-            strict=True,
-        )
+        for sh, c, b, si, p in draws
     ]
 
 

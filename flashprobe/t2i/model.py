@@ -289,11 +289,8 @@ class TextToImageDiT(nn.Module):
 
     def _unpatchify(self, h: torch.Tensor) -> torch.Tensor:
         """``(B, N, p·p·C)`` → ``(B, C, S, S)``."""
-        p, c, g = (
-            self.config.patch_size,
-            self.config.in_channels,
-            self.config.image_size // self.config.patch_size,
-        )
+        p, c = self.config.patch_size, self.config.in_channels
+        g = self.config.image_size // p
         h = h.reshape(h.shape[0], g, g, p, p, c)  # (B, gy, gx, py, px, C)
         return h.permute(0, 5, 1, 3, 2, 4).reshape(h.shape[0], c, g * p, g * p)
 

@@ -181,13 +181,9 @@ class TextToImageModule(L.LightningModule):
         self._route_attention()  # here, not in setup: the model is on its device now
 
     def on_validation_start(self) -> None:
-        self._route_attention()  # for Trainer.validate (a no-op during fit)
+        self._route_attention()  # for Trainer.validate, test and predict (a no-op during fit)
 
-    def on_test_start(self) -> None:
-        self._route_attention()
-
-    def on_predict_start(self) -> None:
-        self._route_attention()
+    on_test_start = on_predict_start = on_validation_start
 
     def teardown(self, stage: str) -> None:
         self.unroute_attention()
@@ -291,13 +287,9 @@ class TextToImageModule(L.LightningModule):
             self.model.train(was_training)
         return images
 
-    def _run_dir(self) -> Path:
-        trainer = self.trainer
-        return Path(trainer.log_dir or trainer.default_root_dir)
-
     def _write_samples(self) -> CaptionAgreement | None:
         """Sample the grid captions, save the PNG, log it; returns the agreement (rank zero only)."""
-        run_dir = self._run_dir()  # collective: every rank asks
+        run_dir = Path(self.trainer.log_dir or self.trainer.default_root_dir)  # collective: every rank asks
         if not self.trainer.is_global_zero:
             return None
         from flashprobe.report.grid import save_sample_grid
