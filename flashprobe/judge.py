@@ -128,7 +128,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from flashprobe.deviation import StatsWorkspace, pair_and_row_sums
+from flashprobe.deviation import DIRECTIONS, StatsWorkspace, pair_and_row_sums
 from flashprobe.kernels import Kernel, get_kernel
 from flashprobe.kernels.fp8 import FP8_DTYPES
 
@@ -169,8 +169,6 @@ __all__ = [
     "row_statistics",
 ]
 
-#: The directions judged: the output, then the input gradients.
-DIRECTIONS: tuple[str, ...] = ("out", "dq", "dk", "dv")
 #: Every criterion by code, as the on-device accumulators store it (0: pass). Positive codes fail,
 #: negative codes leave the call ``undetermined``.
 CRITERIA: dict[int, str] = {
