@@ -51,7 +51,7 @@ from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.results import format_table, write_results, wrote_line
 from flashprobe.bench.tiny_models import MODELS
 from flashprobe.bias import BIAS_TOLERANCE, BIAS_Z_LIMIT, COMPONENTS
-from flashprobe.judge import ABSOLUTE_EPS, DIRECTIONS, RELATIVE_LIMITS, ROW_EPS
+from flashprobe.judge import DIRECTIONS, LIMITS
 from flashprobe.probing.stats import site_directions
 
 __all__ = ["MODELS", "MODEL_KERNEL", "calibrate", "main"]
@@ -269,7 +269,7 @@ def _run(args: argparse.Namespace) -> int:
         "kernels": args.kernel,
         "bias_z_limit": BIAS_Z_LIMIT,
         "bias_tolerance": BIAS_TOLERANCE,
-        "limits": {"relative": RELATIVE_LIMITS, "absolute_eps": ABSOLUTE_EPS, "row_eps": ROW_EPS},
+        "limits": LIMITS,
         "torch": torch.__version__,
         "seconds": round(seconds, 1),
     }
