@@ -48,6 +48,8 @@ from typing import Any
 
 import torch
 
+from flashprobe.deviation import DIRECTIONS
+
 __all__ = [
     "BIAS_FIELDS",
     "BIAS_SAMPLE",
@@ -60,8 +62,6 @@ __all__ = [
     "bias_dict",
 ]
 
-#: The directions of one attention call: its output and the gradients of its inputs.
-DIRECTIONS = ("out", "dq", "dk", "dv")
 #: The two signed statistics kept per direction (module docstring).
 COMPONENTS = ("offset", "magnitude")
 #: ``|z|`` at or above which a direction reads biased: ``2·exp(−12.5) ≈ 7.5e-6`` per test for a

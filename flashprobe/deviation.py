@@ -43,7 +43,9 @@ from typing import NamedTuple
 import torch
 
 __all__ = [
+    "DIRECTIONS",
     "FREE_READS",
+    "GRADIENTS",
     "PAIRS",
     "PAIR_LABELS",
     "SLICE_ELEMENTS",
@@ -69,6 +71,10 @@ PAIR_LABELS: dict[str, str] = {
     "primary_golden": "primary vs golden",
     "baseline_golden": "baseline vs golden",
 }
+#: The gradients of the inputs ``q``, ``k``, ``v``, in order.
+GRADIENTS: tuple[str, ...] = ("dq", "dk", "dv")
+#: The directions of one attention call: its output ``out``, then the input gradients.
+DIRECTIONS: tuple[str, ...] = ("out", *GRADIENTS)
 
 
 @dataclass(frozen=True)

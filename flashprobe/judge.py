@@ -128,7 +128,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from flashprobe.deviation import StatsWorkspace, pair_and_row_sums
+from flashprobe.deviation import DIRECTIONS, StatsWorkspace, pair_and_row_sums
 from flashprobe.kernels import Kernel, get_kernel
 from flashprobe.kernels.fp8 import FP8_DTYPES
 
@@ -142,6 +142,7 @@ __all__ = [
     "FAILURES",
     "FP8_DRAWS",
     "GROSS_RATIO",
+    "LIMITS",
     "RELATIVE_LIMITS",
     "ROW_EPS",
     "ROW_RATIO",
@@ -169,8 +170,6 @@ __all__ = [
     "row_statistics",
 ]
 
-#: The directions judged: the output, then the input gradients.
-DIRECTIONS: tuple[str, ...] = ("out", "dq", "dk", "dv")
 #: Every criterion by code, as the on-device accumulators store it (0: pass). Positive codes fail,
 #: negative codes leave the call ``undetermined``.
 CRITERIA: dict[int, str] = {
@@ -199,6 +198,8 @@ ABSOLUTE_RATIO: float = 4.0
 ROW_EPS: float = 64.0
 #: The row criterion also needs this many times the baseline's worst row.
 ROW_RATIO: float = 4.0
+#: The three limit tables as one record, as ``bench rules`` and ``bench verdicts`` write them.
+LIMITS: dict[str, Any] = {"relative": RELATIVE_LIMITS, "absolute_eps": ABSOLUTE_EPS, "row_eps": ROW_EPS}
 #: A call is ill-conditioned when the baseline's relative error exceeds this fraction of the golden.
 CONDITIONING_LIMIT: float = 0.25
 #: In an ill-conditioned call, the primary still fails when it is off by more than the golden's

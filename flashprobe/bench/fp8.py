@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -665,7 +664,3 @@ def _run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``flashprobe bench fp8``; returns the exit code."""
     return run_cli("fp8", build_parser(), _run, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

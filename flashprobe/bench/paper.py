@@ -203,7 +203,3 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``flashprobe bench paper``; returns the exit code."""
     return run_cli("paper", build_parser(), run, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

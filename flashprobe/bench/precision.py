@@ -18,7 +18,6 @@ Writes ``DIR/precision.json`` (rows under ``"rows"``), ``DIR/precision.csv`` and
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
 from flashprobe.bench.args import add_input_args, add_kernel_args, add_output_args, add_shape_args
@@ -71,7 +70,3 @@ COMMAND = SweepCommand(name="precision", columns=TABLE_COLUMNS, plan=_plan, figu
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``flashprobe bench precision``; returns the exit code."""
     return run_sweep_cli(COMMAND, build_parser(), argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

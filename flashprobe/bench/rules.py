@@ -58,7 +58,7 @@ from flashprobe.bench.args import add_output_args, run_cli, torch_threads
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.results import format_table, write_results, wrote_line
 from flashprobe.formats.atomic import atomic_write_text
-from flashprobe.judge import ABSOLUTE_EPS, DIRECTIONS, RELATIVE_LIMITS, ROW_EPS
+from flashprobe.judge import DIRECTIONS, LIMITS
 
 __all__ = ["CALLS", "CORRECT_KERNELS", "RULES", "CalibrationCall", "main", "peer_failures", "run_rules"]
 
@@ -477,7 +477,7 @@ def _run(args: argparse.Namespace) -> int:
     print(format_table(rows, TABLE_COLUMNS))
     meta = {
         "command": args.command_line,
-        "limits": {"relative": RELATIVE_LIMITS, "absolute_eps": ABSOLUTE_EPS, "row_eps": ROW_EPS},
+        "limits": LIMITS,
         "calls": [c.name for c in CALLS],
         "seeds": args.seeds,
         "details": details,

@@ -12,7 +12,6 @@ Writes ``DIR/seqlen.json`` (rows under ``"rows"``), ``DIR/seqlen.csv`` and ``DIR
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -73,7 +72,3 @@ COMMAND = SweepCommand(
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``flashprobe bench seqlen``; returns the exit code."""
     return run_sweep_cli(COMMAND, build_parser(), argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -397,7 +397,3 @@ def _run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``flashprobe bench speed``; returns the exit code."""
     return run_cli("speed", build_parser(), _run, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

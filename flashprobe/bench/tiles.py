@@ -24,7 +24,6 @@ deviation keys of ``flashprobe bench precision``. Writes ``DIR/tiles.json`` (row
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -179,7 +178,3 @@ COMMAND = SweepCommand(name="tiles", columns=TABLE_COLUMNS, plan=_plan, figure="
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``flashprobe bench tiles``; returns the exit code."""
     return run_sweep_cli(COMMAND, build_parser(), argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

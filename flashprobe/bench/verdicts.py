@@ -51,7 +51,8 @@ from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.results import format_table, write_results, wrote_line
 from flashprobe.bench.tiny_models import MODELS
 from flashprobe.bias import BIAS_TOLERANCE, BIAS_Z_LIMIT, COMPONENTS
-from flashprobe.judge import ABSOLUTE_EPS, DIRECTIONS, RELATIVE_LIMITS, ROW_EPS
+from flashprobe.judge import DIRECTIONS, LIMITS
+from flashprobe.probing.stats import site_directions
 
 __all__ = ["MODELS", "MODEL_KERNEL", "calibrate", "main"]
 
@@ -126,10 +127,6 @@ def calibrate(
     return row
 
 
-def _entry(site: dict[str, Any], d: str) -> dict[str, Any]:
-    return site["forward"]["out"] if d == "out" else site["backward"][d]
-
-
 def _bias(stats: dict[str, Any]) -> dict[str, Any]:
     """Per direction the verdict's signed ``z`` of the largest ``|z|`` over the sites and the largest
     mean (either component, in units of the baseline's error RMS; None before any replicate), the
@@ -138,7 +135,7 @@ def _bias(stats: dict[str, Any]) -> dict[str, Any]:
     biased: list[str] = []
     replicates = 0
     for d in DIRECTIONS:
-        entries = [(s, _entry(e, d).get("bias")) for s, e in stats.items()]
+        entries = [(s, site_directions(e)[d].get("bias")) for s, e in stats.items()]
         entries = [(s, b) for s, b in entries if b and b["replicates"]]
         row[f"{d}_bias_z"] = max((b["z"] for _, b in entries), key=abs, default=None)
         row[f"{d}_bias_mean"] = max(
@@ -162,8 +159,7 @@ def _fold(
     undetermined: dict[str, int],
 ) -> None:
     for entry in stats.values():
-        for d in DIRECTIONS:
-            e = _entry(entry, d)
+        for d, e in site_directions(entry).items():
             if e.get("verdict") is None:
                 continue
             calls = entry["forward"]["calls"] if d == "out" else entry["backward"]["calls"]
@@ -273,7 +269,7 @@ def _run(args: argparse.Namespace) -> int:
         "kernels": args.kernel,
         "bias_z_limit": BIAS_Z_LIMIT,
         "bias_tolerance": BIAS_TOLERANCE,
-        "limits": {"relative": RELATIVE_LIMITS, "absolute_eps": ABSOLUTE_EPS, "row_eps": ROW_EPS},
+        "limits": LIMITS,
         "torch": torch.__version__,
         "seconds": round(seconds, 1),
     }

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashprobe.bias import BiasStats
-from flashprobe.deviation import error_ratio, pair_sums
+from flashprobe.deviation import GRADIENTS, error_ratio, pair_sums
 from flashprobe.judge import (
     ABSOLUTE_RATIO,
     CONDITIONING_LIMIT,
@@ -66,8 +66,6 @@ __all__ = [
 #: The verdicts a (kernel, case, dtype) can get; ``no_backward``: the forward passes, but the
 #: kernel's output has no autograd graph, so its gradients could not be checked.
 VERDICTS = ("pass", "fail", "skip", "unsupported", "no_backward")
-#: The input gradients checked, in order.
-GRADIENTS = ("dq", "dk", "dv")
 #: The dtypes at which a ``signed bias`` case judges the sign of the error. Bias adds up where the
 #: rounding is coarse (Qiu & Yao: bf16); in float32 a kernel's deterministic last-bit differences
 #: from the baseline (√scale on q and k, another summation order) keep one sign over a whole call

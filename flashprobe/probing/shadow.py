@@ -450,8 +450,6 @@ class ShadowAttention(nn.Module):
                         dict(zip("qkv", (call.query, call.key, call.value), strict=True))
                     )
                     self._after_call(site, self.step, kinds, None, None)
-        except ProbeFailureError:
-            raise
         except Exception as err:
             self._failed(site, err)
         return out
@@ -548,8 +546,6 @@ class ShadowAttention(nn.Module):
                     kinds = stats.add_many({"out": sums}, p.dtype, step, worst)
                     stats.add_nonfinite_inputs(dict(zip("qkv", p[:3], strict=True)))
                     self._after_call(site, step, kinds, p, None)
-        except ProbeFailureError:
-            raise
         except Exception as err:
             self._failed(site, err)
 
@@ -610,8 +606,6 @@ class ShadowAttention(nn.Module):
                     kinds = stats.add_many(found, p.dtype, record.step, worst, forms)
                     stats.add_nonfinite_inputs(inputs)
                     self._after_call(site, record.step, kinds, p, grad_out)
-        except ProbeFailureError:
-            raise
         except Exception as err:
             self._failed(site, err)
 
@@ -872,6 +866,10 @@ class ShadowAttention(nn.Module):
                 self._restored_bias[site] = [float(x) for x in sums]
 
     def _failed(self, site: str, err: BaseException) -> None:
+        """Count and warn once about a shadow computation at ``site`` that raised ``err``; re-raise
+        ``err`` when it is the probe's own verdict (:class:`ProbeFailureError`, ``on_failure="raise"``)."""
+        if isinstance(err, ProbeFailureError):
+            raise err
         self._errors[site] = self._errors.get(site, 0) + 1
         self._warn_once(
             ("error", site),

@@ -65,6 +65,8 @@ import torch
 
 from flashprobe.bias import BIAS_FIELDS, BIAS_SAMPLE, COMPONENTS, LOW_PRECISION, BiasStats, bias_dict
 from flashprobe.deviation import (
+    DIRECTIONS,
+    GRADIENTS,
     PAIRS,
     StatsWorkspace,
     combine_sums,
@@ -100,10 +102,6 @@ __all__ = [
     "worst",
 ]
 
-#: The gradients of the inputs ``q``, ``k``, ``v`` compared with ``backward=True``.
-GRADIENTS: tuple[str, ...] = ("dq", "dk", "dv")
-#: ``out`` is the forward output; then the input gradients (:data:`GRADIENTS`).
-DIRECTIONS: tuple[str, ...] = ("out", *GRADIENTS)
 #: Inputs whose non-finite entries are counted per site.
 INPUTS: tuple[str, ...] = ("q", "k", "v", "grad_out")
 _SUMS: tuple[str, ...] = ("sum_abs", "sum_sq_diff", "sum_sq_ref", "nonfinite", "count")
