@@ -76,9 +76,7 @@ DIRECTIONS: tuple[Direction, ...] = ("out", "dq", "dk", "dv")
 _NEG_INF = float("-inf")
 
 
-# ----------------------------------------------------------------------------------------------
-# shared pieces (correct)
-# ----------------------------------------------------------------------------------------------
+# --- shared pieces (correct) ---
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any, is_causal: bool) -> None:
@@ -184,9 +182,7 @@ def _forward_bug(
     return _math(q, k, v, keep=keep, bias=bias, scale=default_scale(q.shape[-1], scale), **math_options)
 
 
-# ----------------------------------------------------------------------------------------------
-# forward bugs
-# ----------------------------------------------------------------------------------------------
+# --- forward bugs ---
 
 
 def scale_ignored(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -512,9 +508,7 @@ def large_grid_head_mixup(q, k, v, *, attn_mask=None, is_causal=False, scale=Non
     return out.reshape(b * h, *out.shape[2:])[index].reshape(out.shape)
 
 
-# ----------------------------------------------------------------------------------------------
-# forward bugs of the fuzzer's axes: memory past the tensors, NaN inputs, huge tensors
-# ----------------------------------------------------------------------------------------------
+# --- forward bugs of the fuzzer's axes: memory past the tensors, NaN inputs, huge tensors ---
 
 
 def _allowed(q: torch.Tensor, k: torch.Tensor, attn_mask: Any, is_causal: bool) -> torch.Tensor:
@@ -585,9 +579,7 @@ def float_offsets(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     return _forward_bug(q, k, v, attn_mask, is_causal, scale)
 
 
-# ----------------------------------------------------------------------------------------------
-# a shape-limited blockwise kernel, written as Triton kernels are, and its bug
-# ----------------------------------------------------------------------------------------------
+# --- a shape-limited blockwise kernel, written as Triton kernels are, and its bug ---
 
 #: the limits of a typical hand-written Triton attention kernel (:func:`blockwise_attention`)
 TRITON_LIKE = KernelCapabilities(
@@ -655,9 +647,7 @@ def first_block_nan(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     )
 
 
-# ----------------------------------------------------------------------------------------------
-# the flash-style autograd kernel and its backward bugs
-# ----------------------------------------------------------------------------------------------
+# --- the flash-style autograd kernel and its backward bugs ---
 
 
 def _flash_scores(
@@ -876,9 +866,7 @@ def kv_tile_zeroed(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     return _flash(q, k, v, attn_mask, is_causal, scale, "kv_tile_zeroed")
 
 
-# ----------------------------------------------------------------------------------------------
-# localised forward bugs
-# ----------------------------------------------------------------------------------------------
+# --- localised forward bugs ---
 
 #: query rows per row tile of the tail-row bug
 ROW_TILE = 16
@@ -923,9 +911,7 @@ def one_batch_wrong(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     return _forward_bug(q, k, v, attn_mask, is_causal, scale)
 
 
-# ----------------------------------------------------------------------------------------------
-# correct kernels with production numerics
-# ----------------------------------------------------------------------------------------------
+# --- correct kernels with production numerics ---
 
 LOG2E = 1.4426950408889634
 
@@ -987,9 +973,7 @@ CORRECT: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 
-# ----------------------------------------------------------------------------------------------
-# calls that trigger a bug (or do not)
-# ----------------------------------------------------------------------------------------------
+# --- calls that trigger a bug (or do not) ---
 
 
 @dataclass(frozen=True)

@@ -425,12 +425,12 @@ def _settings(cfg: Any) -> dict[str, Any]:
     section (launchers, output paths), flattened to ``{"trainer.max_steps": 120, ...}``."""
     from omegaconf import OmegaConf
 
-    from flashprobe.weights.differences import _flatten
+    from flashprobe.formats.jsonio import flatten
 
     tree = OmegaConf.to_container(cfg, resolve=False)
     assert isinstance(tree, dict)
     tree.pop("hydra", None)
-    return _flatten(tree)
+    return flatten(tree)
 
 
 def check_settings(out: Path, cfg: Any) -> None:

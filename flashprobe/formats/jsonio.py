@@ -20,7 +20,9 @@ from typing import Any
 
 from flashprobe.formats.atomic import atomic_write_text
 
-__all__ = ["NONFINITE", "decode", "dumps", "encode", "number", "read_json", "utc_now", "write_json"]
+__all__ = [
+    "NONFINITE", "decode", "dumps", "encode", "flatten", "number", "read_json", "utc_now", "write_json"
+]
 
 #: How each non-finite float is written.
 NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -60,6 +62,17 @@ def decode(value: Any, *, text_keys: frozenset[str] = frozenset()) -> Any:
     if isinstance(value, list):
         return [decode(v, text_keys=text_keys) for v in value]
     return value
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested mapping's leaves under dotted keys: ``{"a": {"b": 1}}`` → ``{"a.b": 1}``."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def utc_now() -> str:

@@ -222,8 +222,7 @@ def exact_logit_qk(
     return q.to(dtype), k_cast
 
 
-# --------------------------------------------------------------------------------------------
-# the catalogue
+# --- the catalogue ---
 
 #: Sentinel name → its value for a dtype. Kernels that use a finite "minus infinity" as the masked
 #: logit and as the initial running max return zeros for rows whose valid logits lie below it.

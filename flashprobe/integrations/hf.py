@@ -79,9 +79,7 @@ _RESERVED = frozenset(
 )
 
 
-# ------------------------------------------------------------------------------------------------
-# attn_implementation="probe_kernel"
-# ------------------------------------------------------------------------------------------------
+# --- attn_implementation="probe_kernel" ---
 
 
 class _AttentionKernel:
@@ -229,9 +227,7 @@ def register_attention(name: str = DEFAULT_NAME, kernel: str | Kernel = "math") 
     return name
 
 
-# ------------------------------------------------------------------------------------------------
-# The Trainer callback
-# ------------------------------------------------------------------------------------------------
+# --- The Trainer callback ---
 
 
 def __getattr__(name: str) -> Any:

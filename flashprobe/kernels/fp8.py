@@ -152,7 +152,7 @@ class Fp8Numerics:
         return f"{qkv}, {p}, rotation {lab['rotation']}"
 
 
-def _choice(name: str, value: Any, choices: Sequence[str]) -> str:
+def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
     """``value`` if it is one of ``choices``, else a ValueError naming them all."""
     if value not in choices:
         quoted = [repr(c) for c in choices]
@@ -160,7 +160,7 @@ def _choice(name: str, value: Any, choices: Sequence[str]) -> str:
     return str(value)
 
 
-def _seed(name: str, value: Any) -> int:
+def check_seed(name: str, value: Any) -> int:
     """``value`` if it is an integer ≥ 0 (a seed), else a ValueError."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"tiled: {name}={value!r} must be an integer ≥ 0")
@@ -202,14 +202,14 @@ def resolve_fp8(
                 f"tiled: qkv_scale={scale!r} must be 'amax' or a positive number (a static scale)"
             )
         scale = _positive("qkv_scale", scale)
-    seed = _seed("rotation_seed", rotation_seed)
+    seed = check_seed("rotation_seed", rotation_seed)
     return Fp8Numerics(
-        qkv=_choice("qkv_fp8", knobs["qkv_fp8"], formats),
-        p=_choice("p_fp8", knobs["p_fp8"], formats),
+        qkv=check_choice("qkv_fp8", knobs["qkv_fp8"], formats),
+        p=check_choice("p_fp8", knobs["p_fp8"], formats),
         p_scale=_positive("p_scale", knobs["p_scale"]),
-        scaling=_choice("fp8_scaling", knobs["fp8_scaling"], GRANULARITIES),
+        scaling=check_choice("fp8_scaling", knobs["fp8_scaling"], GRANULARITIES),
         qkv_scale=scale,
-        rotation=_choice("rotation", knobs["rotation"], ROTATIONS),
+        rotation=check_choice("rotation", knobs["rotation"], ROTATIONS),
         rotation_seed=seed,
     )
 

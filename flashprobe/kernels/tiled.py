@@ -117,7 +117,7 @@ import torch
 
 from flashprobe.kernels import fp8 as fp8_numerics
 from flashprobe.kernels._inputs import check_inputs, default_scale, dtype_name, to_dtype
-from flashprobe.kernels.fp8 import _choice, _seed
+from flashprobe.kernels.fp8 import check_choice, check_seed
 from flashprobe.kernels.registry import (
     ANY_CAPABILITIES,
     KernelCapabilities,
@@ -307,17 +307,17 @@ def tile_order(n_tiles: int, order: str = "forward", seed: int = 0) -> list[int]
     Raises:
         ValueError: an unknown order.
     """
-    _choice("order", order, ORDERS)
+    check_choice("order", order, ORDERS)
     if order == "forward":
         return list(range(n_tiles))
     if order == "reverse":
         return list(range(n_tiles - 1, -1, -1))
-    generator = torch.Generator().manual_seed(_seed("order_seed", seed))
+    generator = torch.Generator().manual_seed(check_seed("order_seed", seed))
     return torch.randperm(n_tiles, generator=generator).tolist()
 
 
 def _preset_knobs(preset: str | None) -> Mapping[str, Any]:
-    return PRESETS[_choice("preset", DEFAULT_PRESET if preset is None else preset, tuple(PRESETS))]
+    return PRESETS[check_choice("preset", DEFAULT_PRESET if preset is None else preset, tuple(PRESETS))]
 
 
 #: The ``tiled`` options that set the tile sizes (:func:`tile_sizes`).
@@ -332,12 +332,12 @@ def _validate(**options: Any) -> None:
     _preset_knobs(get("preset"))
     fp8_numerics.resolve_fp8(get("preset"), **fp8_numerics.fp8_options(options))
     tile_sizes(1, **{key: options[key] for key in _TILE_OPTIONS if key in options})
-    _choice("loop", get("loop", "kv"), ("kv", "q"))
+    check_choice("loop", get("loop", "kv"), ("kv", "q"))
     if get("order") is not None:
-        _choice("order", get("order"), ORDERS)
-    _seed("order_seed", get("order_seed", 0))
+        check_choice("order", get("order"), ORDERS)
+    check_seed("order_seed", get("order_seed", 0))
     if get("update") is not None:
-        _choice("update", get("update"), UPDATES)
+        check_choice("update", get("update"), UPDATES)
     try:
         to_dtype(get("dtype"))
     except ValueError as err:
@@ -345,7 +345,7 @@ def _validate(**options: Any) -> None:
     for name in ("score_dtype", "stats_dtype", "acc_dtype"):
         _step_dtype(name, get(name))
     _mask_value(get("mask_value", float("-inf")))
-    _choice("max_shift", get("max_shift", "off"), MAX_SHIFTS)
+    check_choice("max_shift", get("max_shift", "off"), MAX_SHIFTS)
 
 
 def _mask_value(value: Any) -> float:
@@ -401,9 +401,9 @@ def resolve_numerics(
         score=_step(chosen["score_dtype"], compute),
         stats=_step(chosen["stats_dtype"], compute),
         acc=_step(chosen["acc_dtype"], compute),
-        update=_choice("update", chosen["update"], UPDATES),
-        order=_choice("order", chosen["order"], ORDERS),
-        order_seed=_seed("order_seed", order_seed),
+        update=check_choice("update", chosen["update"], UPDATES),
+        order=check_choice("order", chosen["order"], ORDERS),
+        order_seed=check_seed("order_seed", order_seed),
         fp8=fp8_numerics.resolve_fp8(preset, **fp8_knobs),
     )
     stats = numerics.stats

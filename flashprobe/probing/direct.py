@@ -70,9 +70,7 @@ __all__ = [
     "with_arguments",
 ]
 
-# ---------------------------------------------------------------------------------------------
-# Which arguments SDPA can express
-# ---------------------------------------------------------------------------------------------
+# --- Which arguments SDPA can express ---
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,9 +109,7 @@ class Expressible:
         return None
 
 
-# ---------------------------------------------------------------------------------------------
-# Layout conversions
-# ---------------------------------------------------------------------------------------------
+# --- Layout conversions ---
 
 
 def segments(indptr: torch.Tensor, total: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -216,9 +212,7 @@ def bottom_right(n_q: int, n_k: int, causal: bool, device: torch.device) -> tupl
     return None, bool(causal)
 
 
-# ---------------------------------------------------------------------------------------------
-# One call, converted
-# ---------------------------------------------------------------------------------------------
+# --- One call, converted ---
 
 #: The library called with arguments by name.
 Library = Callable[[dict[str, Any]], Any]
@@ -329,9 +323,7 @@ def unpacked(o: torch.Tensor) -> torch.Tensor:
     return o.transpose(1, 2)[0]  # (1, H, total, D) → (total, H, D)
 
 
-# ---------------------------------------------------------------------------------------------
-# The replacements
-# ---------------------------------------------------------------------------------------------
+# --- The replacements ---
 
 _EXTRA_OUTPUTS = ("return_lse", "return_attn_probs", "return_softmax_lse")
 

@@ -154,9 +154,7 @@ def flex_reference(call: FlexCall, dtype: torch.dtype, *, budget: int) -> torch.
     return out
 
 
-# --------------------------------------------------------------------------------------------
-# The source: flex_attention swapped while a handle is attached
-# --------------------------------------------------------------------------------------------
+# --- The source: flex_attention swapped while a handle is attached ---
 
 
 def probed_call(frame: Any, call: Callable[[], FlexCall], run: Callable[[], Any]) -> Any:

@@ -53,6 +53,7 @@ from torch import nn
 
 from flashprobe.bias import BIAS_FIELDS, BiasStats
 from flashprobe.deviation import StatsWorkspace, combine_sums, pair_sums, reads_are_free
+from flashprobe.formats.jsonio import flatten
 from flashprobe.formats.reproducer import kernel_module, reproducer_stem, save_reproducer
 from flashprobe.judge import CRITERIA, call_statistics, reason, row_statistics
 from flashprobe.kernels import KernelUnavailableError, KernelUnsupportedError, math_attention
@@ -338,9 +339,7 @@ class ShadowAttention(nn.Module):
                 budget = self._budgets[device] = reference_budget(device)
         return budget
 
-    # ---------------------------------------------------------------------------------------
-    # Calls
-    # ---------------------------------------------------------------------------------------
+    # --- Calls ---
 
     @torch.compiler.disable(reason=GRAPH_BREAK_REASON)
     def forward(
@@ -489,9 +488,7 @@ class ShadowAttention(nn.Module):
         self._compare_forward(site, plain, reference)
         return out
 
-    # ---------------------------------------------------------------------------------------
-    # Comparisons
-    # ---------------------------------------------------------------------------------------
+    # --- Comparisons ---
 
     def _call_args(self, p: Prepared) -> dict[str, Any]:
         return {"attn_mask": p.attn_mask, "is_causal": p.is_causal, "scale": p.scale}
@@ -696,9 +693,7 @@ class ShadowAttention(nn.Module):
             part = part / torch.stack((s * s, s.new_ones(())))
         return part if total is None else torch.stack((total[0] + part[0], torch.maximum(total[1], part[1])))
 
-    # ---------------------------------------------------------------------------------------
-    # Failures: seen, saved, reported
-    # ---------------------------------------------------------------------------------------
+    # --- Failures: seen, saved, reported ---
 
     def _after_call(
         self,
@@ -820,9 +815,7 @@ class ShadowAttention(nn.Module):
                 if not self._has_repro(site, direction):
                     self._armed.add(site)
 
-    # ---------------------------------------------------------------------------------------
-    # Bookkeeping and reading
-    # ---------------------------------------------------------------------------------------
+    # --- Bookkeeping and reading ---
 
     def _site(self, site: str, device: torch.device) -> DeviationStats:
         stats = self._stats.get(site)
@@ -926,7 +919,7 @@ class ShadowAttention(nn.Module):
             nested[site] = entry
         if self.record:
             self._note_read(nested)
-        return {site: _flatten(entry) for site, entry in nested.items()} if flat else nested
+        return {site: flatten(entry) for site, entry in nested.items()} if flat else nested
 
     def summary(self, stats: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Worst values over all sites, as plain Python data; see :func:`~flashprobe.probing.summarize`.
@@ -1051,14 +1044,3 @@ def failure_summary(
             f"since the last record: {reason or summary.get('verdict', 'undetermined')}"
         )
     return {"verdict": "fail", "verdict_reason": reason, "failures": listed}
-
-
-def _flatten(entry: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in entry.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            flat.update(_flatten(value, name + "."))
-        else:
-            flat[name] = value
-    return flat

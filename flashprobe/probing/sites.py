@@ -80,9 +80,7 @@ class Resolution(NamedTuple):
     route_site: str
 
 
-# --------------------------------------------------------------------------------------------
-# Passthrough: a probe's own attention calls
-# --------------------------------------------------------------------------------------------
+# --- Passthrough: a probe's own attention calls ---
 
 
 class _Busy(threading.local):
@@ -110,9 +108,7 @@ def in_passthrough() -> bool:
     return _busy.busy
 
 
-# --------------------------------------------------------------------------------------------
-# The registry of attached models
-# --------------------------------------------------------------------------------------------
+# --- The registry of attached models ---
 
 #: Held while handles are bound or unbound (and the sources' names swapped to match).
 lock = threading.RLock()
@@ -175,9 +171,7 @@ def _rebuild() -> None:
     _index = index
 
 
-# --------------------------------------------------------------------------------------------
-# The site finder
-# --------------------------------------------------------------------------------------------
+# --- The site finder ---
 
 _CALL_IMPL_CODE = nn.Module._call_impl.__code__
 

@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from flashprobe.formats.jsonio import flatten
+
 __all__ = ["FACTS", "describe_differences", "is_like_for_like", "not_like_for_like", "run_differences"]
 
 #: The facts every snapshot manifest records (``WeightSnapshot``'s arguments or their defaults).
@@ -70,15 +72,6 @@ def _matches(key: str, patterns: tuple[str, ...]) -> bool:
     return any(key.startswith(p) if p.endswith(".") else key == p for p in patterns)
 
 
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, Mapping):
-        flat: dict[str, Any] = {}
-        for key, value in node.items():
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        return flat
-    return {prefix[:-1]: node}
-
-
 def _settings(run_dir: Path, manifest_config: Mapping[str, Any]) -> dict[str, Any] | None:
     """The run's flattened settings: its ``config.yaml``, else the manifest's ``config``; None if neither."""
     path = run_dir / "config.yaml"
@@ -90,13 +83,13 @@ def _settings(run_dir: Path, manifest_config: Mapping[str, Any]) -> dict[str, An
         except (OSError, UnicodeDecodeError, yaml.YAMLError):
             tree = None
         if isinstance(tree, Mapping):
-            flat = _flatten(tree)
+            flat = flatten(tree)
             # the model's settings appear twice (model.* and module.model.*): count them once
             return {
                 ("model." + k[len("module.model.") :] if k.startswith("module.model.") else k): v
                 for k, v in flat.items()
             }
-    return _flatten(manifest_config) if manifest_config else None
+    return flatten(manifest_config) if manifest_config else None
 
 
 def _machine(run_dir: Path) -> dict[str, Any] | None:
