@@ -22,6 +22,13 @@ from tests.safety._hold import wait_for
 from tests.safety._runs import SHORT
 
 
+def _as_in_a_terminal() -> None:
+    """Popen's preexec_fn: Ctrl-C reaches the command as it does in a terminal. A suite started in the
+    background (``cmd &`` in a shell without job control, as CI runners and ``nohup`` do) passes
+    SIGINT on as ignored, and a Python started with it ignored keeps ignoring it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture
 def nan_row_kernel():
     """A kernel whose output's first query row is NaN (a broken kernel, as in the issue)."""
@@ -81,7 +88,9 @@ def test_ctrl_c_stops_promptly_says_what_was_saved_and_exits_130(tmp_path: Path)
     env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "flashprobe.cli", "train", *SHORT, f"hydra.run.dir={run}", *pause]
     with (tmp_path / "log").open("w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_as_in_a_terminal
+        )
     try:
         wait_for(tmp_path / "reached")
         proc.send_signal(signal.SIGINT)
@@ -118,6 +127,7 @@ def test_ctrl_c_on_a_study_exits_130_and_the_same_command_continues_it(tmp_path:
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
+            preexec_fn=_as_in_a_terminal,
         )
     try:
         wait_for(tmp_path / "reached")
