@@ -604,8 +604,13 @@ def finish_deviation(sums: dict[str, float]) -> Deviation:
         if sums["sum_sq_ref"] > 0
         else (0.0 if sums["sum_sq_diff"] == 0 else math.inf)
     )
-    mean_abs = sums["sum_abs"] / count if count else 0.0
-    return Deviation(sums["max_abs"], mean_abs, rel, nonfinite, int(count + nonfinite))
+    return Deviation(
+        max_abs=sums["max_abs"],
+        mean_abs=sums["sum_abs"] / count if count else 0.0,
+        rel_l2=rel,
+        nonfinite=nonfinite,
+        numel=int(count + nonfinite),
+    )
 
 
 def deviation(a: torch.Tensor, b: torch.Tensor) -> Deviation:

@@ -95,7 +95,7 @@ FP8_PRESETS: dict[str, dict[str, Any]] = {
         "rotation": "hadamard",
     },
 }
-#: The FP8 knobs' values when no FP8 preset sets them: FP8 off (in :func:`resolve_fp8`'s argument order).
+#: The FP8 knobs' values when no FP8 preset sets them: FP8 off.
 _FP8_DEFAULTS: dict[str, Any] = {
     "qkv_fp8": OFF,
     "p_fp8": OFF,
@@ -192,7 +192,14 @@ def resolve_fp8(
         ValueError: a knob value that is not allowed, naming the allowed ones.
     """
     knobs = {**_FP8_DEFAULTS, **FP8_PRESETS.get(preset or "", {})}
-    given = dict(zip(_FP8_DEFAULTS, (qkv_fp8, p_fp8, p_scale, fp8_scaling, qkv_scale, rotation), strict=True))
+    given = {
+        "qkv_fp8": qkv_fp8,
+        "p_fp8": p_fp8,
+        "p_scale": p_scale,
+        "fp8_scaling": fp8_scaling,
+        "qkv_scale": qkv_scale,
+        "rotation": rotation,
+    }
     knobs |= {key: value for key, value in given.items() if value is not None}
     formats = (*FP8_FORMATS, OFF)
     scale = knobs["qkv_scale"]
