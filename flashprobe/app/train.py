@@ -39,10 +39,10 @@ from flashprobe.app.schema import RunSchema, check_sites
 from flashprobe.formats.atomic import (
     FULL_BELOW,
     DiskFullError,
-    _chain,
     atomic_write_bytes,
     atomic_write_text,
     disk_full,
+    exception_chain,
     free_space,
 )
 from flashprobe.formats.lock import DirectoryLockedError, directory_lock
@@ -294,6 +294,21 @@ def check_config(cfg: DictConfig, run_dir: str | Path | None = None) -> RunSchem
     return schema
 
 
+def _trainer_arguments(cfg: DictConfig, callbacks: list[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The Trainer's config and extra arguments: exact precision on CPU, atomic checkpoints."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from flashprobe.formats.checkpoint_io import AtomicCheckpointIO
+
+    config = OmegaConf.to_container(cfg.trainer, resolve=True)
+    config.setdefault("enable_progress_bar", sys.stdout.isatty())  # a bar in a terminal, none in logs
+    extra = trainer_precision(config.pop("precision", "32-true"), config.get("accelerator", "cpu"))
+    extra["plugins"] = [*extra.get("plugins", []), AtomicCheckpointIO()]
+    if not any(isinstance(c, ModelCheckpoint) for c in callbacks):
+        config["enable_checkpointing"] = False  # callbacks.checkpoint=null means no checkpoints
+    return config, extra
+
+
 def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     """Train the text-to-image model described by ``cfg``.
 
@@ -396,11 +411,10 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """
     import lightning as L
     from hydra.errors import InstantiationException
-    from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+    from lightning.pytorch.callbacks import ProgressBar
 
     from flashprobe.callbacks.attention_probe import AttentionProbe
     from flashprobe.callbacks.nonfinite_guard import NonFiniteGuard
-    from flashprobe.formats.checkpoint_io import AtomicCheckpointIO
 
     quiet_third_party()  # after Lightning's import, which adds its own console handler
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -418,14 +432,7 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         # the run prints last.
         callbacks.sort(key=lambda c: isinstance(c, AttentionProbe))
         loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
-        # The Trainer's config and extra arguments: exact precision on CPU, atomic checkpoints.
-        trainer_config = OmegaConf.to_container(cfg.trainer, resolve=True)
-        trainer_config.setdefault("enable_progress_bar", sys.stdout.isatty())  # a bar in a terminal only
-        precision = trainer_config.pop("precision", "32-true")
-        extra = trainer_precision(precision, trainer_config.get("accelerator", "cpu"))
-        extra["plugins"] = [*extra.get("plugins", []), AtomicCheckpointIO()]
-        if not any(isinstance(c, ModelCheckpoint) for c in callbacks):
-            trainer_config["enable_checkpointing"] = False  # callbacks.checkpoint=null: no checkpoints
+        trainer_config, extra = _trainer_arguments(cfg, callbacks)
         if trainer_config["enable_progress_bar"] and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(StepProgressBar())  # "train 3/5" instead of Lightning's "Epoch 0/-2"
         trainer: L.Trainer = hydra.utils.instantiate(
@@ -590,7 +597,7 @@ def _saved(run_dir: Path) -> str:
 def _disk_full_stop(run_dir: Path, err: BaseException) -> RunStoppedError:
     """The one-line stop of a run whose disk is full: the directory, its free space, the file that could
     not be written, what the run kept, and the command that continues it."""
-    target = next((e.path for e in _chain(err) if isinstance(e, DiskFullError)), None)
+    target = next((e.path for e in exception_chain(err) if isinstance(e, DiskFullError)), None)
     free = free_space(run_dir)
     writing = ""
     if target is not None:

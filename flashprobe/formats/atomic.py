@@ -36,6 +36,7 @@ __all__ = [
     "atomic_write_file",
     "atomic_write_text",
     "disk_full",
+    "exception_chain",
     "free_space",
     "stray_temporaries",
     "temporary_path",
@@ -87,7 +88,7 @@ def free_space(directory: str | os.PathLike[str]) -> int | None:
         return None
 
 
-def _chain(err: BaseException | None) -> Iterator[BaseException]:
+def exception_chain(err: BaseException | None) -> Iterator[BaseException]:
     """``err`` and the exceptions that caused it."""
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
@@ -98,7 +99,7 @@ def _chain(err: BaseException | None) -> Iterator[BaseException]:
 
 def disk_full(err: BaseException | None) -> bool:
     """Whether ``err`` (or an exception that caused it) is a write that failed for lack of space."""
-    for e in _chain(err):
+    for e in exception_chain(err):
         if isinstance(e, OSError) and e.errno in _NO_SPACE:
             return True
         if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
