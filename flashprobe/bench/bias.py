@@ -271,11 +271,11 @@ def mitigation_factors(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
         after = None if mitigated is None else mitigated[f"{row['component']}_mean"]
         if not after:
             continue
-        factor = {"inputs": kind, "dtype": dtype, "kernel": spec, "quantity": name}
-        factor |= {"component": row["component"], "biased": row["verdict"] == "biased"}
-        factors.append(
-            factor | {"mitigated_verdict": mitigated["verdict"], "factor": abs(row["bias"]) / abs(after)}
-        )
+        factors.append({
+            "inputs": kind, "dtype": dtype, "kernel": spec, "quantity": name,
+            "component": row["component"], "biased": row["verdict"] == "biased",
+            "mitigated_verdict": mitigated["verdict"], "factor": abs(row["bias"]) / abs(after),
+        })  # fmt: skip
     return factors
 
 

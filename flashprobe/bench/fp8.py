@@ -498,23 +498,22 @@ def build_parser() -> argparse.ArgumentParser:
         description="Error of FP8 attention variants vs the FP64 golden value (beside bf16/fp16 flash and "
         "the baseline) over N, D and input distributions, and the P-cast collapse of arXiv 2606.06521.",
     )
-    for flag, default, metavar, text in (
-        ("--seq-len", [256, 512, 1024], "N", "sequence lengths of the N sweep (default 256 512 1024)"),
-        ("--head-dim", [32, 64, 128], "D", "head dims of the D sweep (powers of two; default 32 64 128)"),
-    ):
-        parser.add_argument(flag, type=int, nargs="+", default=default, metavar=metavar, help=text)
-    for flag, default, metavar, other in (
-        ("--base-seq-len", 1024, "N", "D"),
-        ("--base-head-dim", 64, "D", "N"),
-    ):
-        parser.add_argument(
-            flag,
-            type=int,
-            default=default,
-            metavar=metavar,
-            help=f"{metavar} of the {other} and distribution sweeps and of the P-cast experiment "
-            f"(default {default})",
-        )
+    parser.add_argument(
+        "--seq-len", type=int, nargs="+", default=[256, 512, 1024], metavar="N",
+        help="sequence lengths of the N sweep (default 256 512 1024)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--head-dim", type=int, nargs="+", default=[32, 64, 128], metavar="D",
+        help="head dims of the D sweep (powers of two; default 32 64 128)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--base-seq-len", type=int, default=1024, metavar="N",
+        help="N of the D and distribution sweeps and of the P-cast experiment (default 1024)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--base-head-dim", type=int, default=64, metavar="D",
+        help="D of the N and distribution sweeps and of the P-cast experiment (default 64)",
+    )  # fmt: skip
     parser.add_argument("--heads", type=int, default=1, metavar="H", help="heads (default 1; batch is 1)")
     parser.add_argument(
         "--distribution",

@@ -188,9 +188,11 @@ def run(args: argparse.Namespace) -> int:
         sweeps, skipped = run_sweeps(settings, device=device, progress=progress)
     claims = build_claims(sweeps, settings)
     seconds = time.perf_counter() - start
-    doc = {"name": "paper", "environment": environment(), "command": args.command_line, "device": str(device)}
-    doc |= {"seconds": round(seconds, 1), "threads": args.threads, "settings": settings.as_dict()}
-    doc |= {"claims": [c.as_dict() for c in claims], "sweeps": sweeps, "skipped": skipped}
+    doc = {
+        "name": "paper", "environment": environment(), "command": args.command_line, "device": str(device),
+        "seconds": round(seconds, 1), "threads": args.threads, "settings": settings.as_dict(),
+        "claims": [c.as_dict() for c in claims], "sweeps": sweeps, "skipped": skipped,
+    }  # fmt: skip
     json_path = write_json(args.out / "paper.json", doc)
     paths = [json_path, *_write(doc, args.out)]
     print(_summary(doc))

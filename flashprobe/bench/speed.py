@@ -285,10 +285,12 @@ def speed_rows(
                 if memory and device.type == "cpu":
                     say(f"N={n} {dtype_name(dtype)}: peak memory of {kernel.spec}")
                     peak, method = peak_memory_mb(kernel, at_n, dtype, is_causal=is_causal)
-                row = {"kernel": kernel.spec, "seq_len": n, "dtype": dtype_name(dtype)}
-                row |= {"ms": statistics.median(ms), "ms_lo": min(ms), "ms_hi": max(ms)}
-                row |= {"peak_mb": peak, "memory_method": method, **at_n.as_dict()}
-                block.append(row | {"device": str(device), "repeats": repeats})
+                block.append({
+                    "kernel": kernel.spec, "seq_len": n, "dtype": dtype_name(dtype),
+                    "ms": statistics.median(ms), "ms_lo": min(ms), "ms_hi": max(ms),
+                    "peak_mb": peak, "memory_method": method, **at_n.as_dict(),
+                    "device": str(device), "repeats": repeats,
+                })  # fmt: skip
             ref = block[0] if ok[0] is math_kernel else None  # math's row, the ratios' reference
             for row in block:
                 row["ratio_vs_math"] = row["ms"] / ref["ms"] if ref else None

@@ -108,8 +108,10 @@ def calibrate(
         bias = _bias(p.stats())  # the run's: reset() keeps the bias sums
     finally:
         p.detach()
-    row: dict[str, Any] = {"model": model_name, "precision": precision, "kernel": kernel or MODEL_KERNEL}
-    row |= {"steps": steps, "sites": len(p.sites)}
+    row: dict[str, Any] = {
+        "model": model_name, "precision": precision, "kernel": kernel or MODEL_KERNEL,
+        "steps": steps, "sites": len(p.sites),
+    }  # fmt: skip
     for d in DIRECTIONS:
         row[f"{d}_limit_ratio"] = score[d] if judged[d] else None
         row[f"{d}_max_l2_ratio"] = worst[d] if judged[d] else None
