@@ -255,14 +255,14 @@ def _baseline(inputs: Any, grad_out: torch.Tensor) -> dict[str, torch.Tensor]:
     """The same-dtype baseline's output and gradients (``math``; grouped k/v heads repeated, so their
     gradients are summed over each group)."""
     from flashprobe.kernels import math_attention
+    from flashprobe.kernels.reference import expand_kv
 
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v))
-    group = q.shape[1] // k.shape[1]
     with torch.enable_grad():
+        k_all, v_all = expand_kv(k, v, q.shape[1] // k.shape[1])  # (B, H, N_k, D)
         out = math_attention(
-            q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
-            attn_mask=inputs.attn_mask, is_causal=inputs.is_causal, scale=inputs.scale,
-        )  # fmt: skip
+            q, k_all, v_all, attn_mask=inputs.attn_mask, is_causal=inputs.is_causal, scale=inputs.scale
+        )
         grads = torch.autograd.grad(out, (q, k, v), grad_out)
     return dict(zip(DIRECTIONS, (out.detach(), *grads), strict=True))
 
@@ -344,9 +344,11 @@ def run_rules(
                         for rule, failed in peer_failures(got[d], base[d], golden[d], d).items():
                             outcome[rule] = outcome.get(rule, False) or failed
                     outcome = {rule: outcome.get(rule, False) for rule in RULES}
-                    entry = {"kernel": label if not is_bug else f"bug_{label}", "call": call_shape.name}
-                    entry |= {"seed": seed, "dtype": dtype_name, "bug": is_bug, "flashprobe_verdict": verdict}
-                    details.append(entry | outcome)
+                    details.append({
+                        "kernel": label if not is_bug else f"bug_{label}", "call": call_shape.name,
+                        "seed": seed, "dtype": dtype_name, "bug": is_bug, "flashprobe_verdict": verdict,
+                        **outcome,
+                    })  # fmt: skip
                     for rule, hit in outcome.items():
                         t = tally[rule]
                         if is_bug:
