@@ -75,7 +75,7 @@ from flashprobe.deviation import (
     pair_sums,
     reads_are_free,
 )
-from flashprobe.judge import CRITERIA, decide, error_columns, limits, reason
+from flashprobe.judge import CRITERIA, UNDETERMINED, decide, error_columns, limits, reason
 
 __all__ = [
     "ARG_FIELDS",
@@ -129,8 +129,7 @@ SUM_FIELDS: tuple[str, ...] = (
             f"{d}.calls",
             f"{d}.ratio_calls",
             f"{d}.fail_calls",
-            f"{d}.ill_conditioned_calls",
-            f"{d}.unrepresentable_calls",
+            *(f"{d}.{kind}_calls" for kind in UNDETERMINED),  # ill_conditioned, unrepresentable
         )
     ),
     *(f"nonfinite_inputs.{i}" for i in INPUTS),
@@ -541,15 +540,12 @@ def _judged(
             "l2_error_ratio": None,
             "l2_error_ratio_step": None,
             "failed_calls": 0,
-            "undetermined_calls": {"ill_conditioned": 0, "unrepresentable": 0},
+            "undetermined_calls": dict.fromkeys(UNDETERMINED, 0),
             "first_failure": None,
         }
     calls = int(fields[f"{d}.calls"])
     failed = int(fields[f"{d}.fail_calls"])
-    undetermined = {
-        "ill_conditioned": int(fields[f"{d}.ill_conditioned_calls"]),
-        "unrepresentable": int(fields[f"{d}.unrepresentable_calls"]),
-    }
+    undetermined = {kind: int(fields[f"{d}.{kind}_calls"]) for kind in UNDETERMINED}
     first = None
     if failed and fields[f"{d}.first_fail"] > 0:
         kind = CRITERIA.get(int(fields[f"{d}.first_fail_kind"]), "relative")
