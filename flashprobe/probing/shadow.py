@@ -462,21 +462,21 @@ class ShadowAttention(nn.Module):
     def _run_dropout(self, site: str, call: SdpaCall, route: KernelRoute | None) -> torch.Tensor:
         out = self.primary_output(call, route, site=site)
         self._dropout_calls[site] = self._dropout_calls.get(site, 0) + 1
-        skip = self.dropout == "skip"
-        if skip and self.record:
-            self._site(site, out.device)  # the site shows in stats() with its dropout_calls
+        if self.dropout == "skip":
+            what = "skipping these calls (dropout='skip')"
+        else:
+            what = (
+                "comparing the dropout-free primary instead (one extra primary call, no random numbers "
+                "drawn, forward only); pass dropout='skip' to skip"
+            )
         self._warn_once(
             ("dropout", site),
             f"flashprobe: site {site!r} uses attention dropout (dropout_p={call.dropout_p}), which "
-            "cannot be compared exactly; "
-            + (
-                "skipping these calls (dropout='skip')"
-                if skip
-                else "comparing the dropout-free primary instead (one extra primary call, no random "
-                "numbers drawn, forward only); pass dropout='skip' to skip"
-            ),
+            f"cannot be compared exactly; {what}",
         )
-        if skip:
+        if self.dropout == "skip":
+            if self.record:
+                self._site(site, out.device)  # the site shows in stats() with its dropout_calls
             return out
         plain = call.replace(dropout_p=0.0)
         try:
