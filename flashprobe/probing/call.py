@@ -39,7 +39,9 @@ ORIGINAL_SDPA: Callable[..., torch.Tensor] = F.scaled_dot_product_attention
 
 @dataclasses.dataclass(frozen=True)
 class SdpaCall:
-    """The arguments of one ``scaled_dot_product_attention`` call, bound to their names.
+    """The arguments of one ``scaled_dot_product_attention`` call, bound to their names: its fields are
+    SDPA's parameters in SDPA's order, so ``SdpaCall(*args, **kwargs)`` binds a call's arguments (and
+    raises ``TypeError`` for unknown ones).
 
     Tensors are SDPA's: ``query (..., N_q, D)``, ``key (..., N_k, D)``, ``value (..., N_k, D_v)``
     (usually ``(B, H, N, D)``; with ``enable_gqa`` key/value may have fewer heads).
@@ -53,12 +55,6 @@ class SdpaCall:
     is_causal: bool = False
     scale: float | None = None
     enable_gqa: bool = False
-
-    @staticmethod
-    def bind(*args: Any, **kwargs: Any) -> SdpaCall:
-        """Bind SDPA's positional/keyword arguments, in SDPA's order (the fields'; raises ``TypeError``
-        for unknown ones)."""
-        return SdpaCall(*args, **kwargs)
 
     def replace(self, **changes: Any) -> SdpaCall:
         return dataclasses.replace(self, **changes)

@@ -43,7 +43,7 @@ def dispatch(*args: Any, **kwargs: Any) -> torch.Tensor:
     if res is None:
         return ORIGINAL_SDPA(*args, **kwargs)
     try:
-        call = SdpaCall.bind(*args, **kwargs)
+        call = SdpaCall(*args, **kwargs)
     except TypeError:  # arguments from a newer torch: leave the call alone
         return ORIGINAL_SDPA(*args, **kwargs)
     return handle_sdpa(res, call)
