@@ -11,6 +11,9 @@ import functools
 import inspect
 import itertools
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -252,6 +255,16 @@ def test_signature_is_the_real_librarys(name: str) -> None:
     assert [(p.name, p.default) for p in params] == expected_signature(name)
     out_kw = [p for p in params if p.name == "out"]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in out_kw)
+
+
+def test_heldout_kernels_import_nothing_from_flashprobe() -> None:
+    """The held-out kernels are written without flashprobe: importing them loads no flashprobe module."""
+    code = "import sys, lab.heldout; print(sorted(m for m in sys.modules if m.split('.')[0] == 'flashprobe'))"
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root
+    )
+    assert result.stdout.strip() == "[]"
 
 
 def test_table_rows_are_consistent() -> None:
