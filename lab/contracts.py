@@ -81,32 +81,35 @@ def _attend(
     slopes: torch.Tensor | None,
     sink: torch.Tensor | None,
     base2: bool = False,
+    wide: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence by online softmax over key tiles, in float32: ``q (n_q, H, D)``, ``k (n_k, H_kv, D)``,
-    ``v (n_k, H_kv, D_v)`` → ``out (n_q, H, D_v)`` float32 and the natural LSE ``(H, n_q)`` (``−inf``
-    for a row without keys)."""
+    """One sequence by online softmax over key tiles, in float32 (``wide``: float64): ``q (n_q, H, D)``,
+    ``k (n_k, H_kv, D)``, ``v (n_k, H_kv, D_v)`` → ``out (n_q, H, D_v)`` and the natural LSE ``(H, n_q)``
+    (``−inf`` for a row without keys)."""
     n_q, h, _ = q.shape
     n_k, h_kv, d_v = v.shape
     heads = torch.arange(h, device=q.device) // (h // h_kv)  # the key/value head of each query head
-    qf = q.float().transpose(0, 1)  # (H, n_q, D)
-    kf, vf = k.float().transpose(0, 1)[heads], v.float().transpose(0, 1)[heads]  # (H, n_k, ·)
+    acc_dtype = torch.float64 if wide else torch.float32
+    qf = q.to(acc_dtype).transpose(0, 1)  # (H, n_q, D)
+    kf, vf = (t.to(acc_dtype).transpose(0, 1)[heads] for t in (k, v))  # (H, n_k, ·)
     keep, dist = _scores_mask(n_q, n_k, causal, window, q.device)
     unit = _LOG2E if base2 else 1.0
     exp = torch.exp2 if base2 else torch.exp
     # the running state: max m, sum l, accumulator; a sink starts it at (sink, 1, 0)
-    m = torch.full((h, n_q, 1), float("-inf"), device=q.device)
-    l_sum = torch.zeros(h, n_q, 1, device=q.device)
+    like = {"device": q.device, "dtype": acc_dtype}
+    m = torch.full((h, n_q, 1), float("-inf"), **like)
+    l_sum = torch.zeros(h, n_q, 1, **like)
     if sink is not None:
-        m = (sink.float() * unit).view(h, 1, 1).expand(h, n_q, 1)
-        l_sum = torch.ones(h, n_q, 1, device=q.device)
-    acc = torch.zeros(h, n_q, d_v, device=q.device)
+        m = (sink.to(acc_dtype) * unit).view(h, 1, 1).expand(h, n_q, 1)
+        l_sum = torch.ones(h, n_q, 1, **like)
+    acc = torch.zeros(h, n_q, d_v, **like)
     for a in range(0, n_k, TILE):
         z = min(n_k, a + TILE)
         s = qf @ kf[:, a:z].transpose(1, 2) * scale  # (H, n_q, tile)
         if softcap:
             s = softcap * torch.tanh(s / softcap)
         if slopes is not None:
-            s = s - slopes.float().view(h, 1, 1) * dist[:, a:z].abs()
+            s = s - slopes.to(acc_dtype).view(h, 1, 1) * dist[:, a:z].abs()
         s = s.masked_fill(~keep[:, a:z], float("-inf")) * unit
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)

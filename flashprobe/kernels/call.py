@@ -670,6 +670,16 @@ class AttentionCall:
         _, valid = _positions(cu[1:] - cu[:-1], self.n_q)
         return _gather_tokens(x, cu[:-1], valid)
 
+    def kv_to_logical(self, x: torch.Tensor) -> torch.Tensor:
+        """A tensor in dense or packed ``k``'s form (``dk``, ``dv``) as ``(B, H_kv, n_k, ·)``, padding 0."""
+        if self.storage == "dense":
+            return self._to_bhnd(x)
+        if self.storage != "packed":
+            raise _problem(f"kv_to_logical takes dense or packed keys, not {self.storage} ones")
+        cu = self.cu_seqlens_k.long()
+        _, valid = _positions(cu[1:] - cu[:-1], self.n_k)
+        return _gather_tokens(x, cu[:-1], valid)
+
     def q_from_logical(self, x: torch.Tensor) -> torch.Tensor:
         """A logical ``(B, H, n_q, ·)`` tensor in ``q``'s form (the inverse of :meth:`q_to_logical`)."""
         if self.q.dim() == 4:

@@ -23,11 +23,12 @@ import torch
 from flashprobe.kernels import fp8 as fp8_numerics
 from flashprobe.kernels._inputs import check_inputs, default_scale, to_dtype
 from flashprobe.kernels.call import AttentionCall, CallOutput, convert_lse
-from flashprobe.kernels.reference import reference_attention
+from flashprobe.kernels.reference import reference_attention, reference_input_gradients
 from flashprobe.kernels.registry import ANY_CAPABILITIES, KernelCapabilities, register_kernel
 
 __all__ = [
     "baseline_call",
+    "call_gradients",
     "call_reference",
     "golden_attention",
     "golden_call",
@@ -129,7 +130,7 @@ def _softmax_attention(
     # In place on fresh intermediates: the matmul and the scaling save their inputs, not outputs.
     scores = torch.matmul(q, k.transpose(-2, -1)).mul_(s)  # (B, H, N_q, N_k)
     if softcap:
-        scores = torch.tanh(scores / softcap).mul_(softcap)  # (tanh saves its output; the product is fresh)
+        scores = torch.tanh(scores / softcap) * softcap  # (not in place: tanh saved its output)
     if is_causal:
         n_q, n_k = q.shape[-2], k.shape[-2]
         above = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).triu_(1)  # (N_q, N_k)
@@ -238,6 +239,24 @@ def golden_attention(
     )
 
 
+def _reference_arguments(call: AttentionCall, compute: torch.dtype) -> tuple[Any, ...]:
+    """``(logical, q, k, v, attn_mask, is_causal, terms)``: the references' arguments for ``call`` in
+    ``compute``; a causal mask SDPA expresses stays SDPA's (its row blocks), the other terms are
+    given per block (``terms``: None for an SDPA-shaped call)."""
+    logical = call.logical()
+    q, k, v = logical.dequantized(compute)
+    mask = logical.attn_mask
+    if mask is not None and mask.is_floating_point():
+        mask = mask.to(compute)
+    lengths = logical.q_lens is not None or logical.k_lens is not None
+    sdpa_causal = logical.causal and mask is None and (
+        logical.align == "top_left" or (not lengths and logical.n_q == logical.n_k)
+    )
+    terms = logical.replace(causal=False) if sdpa_causal else logical
+    extra = terms.positional or terms.causal or terms.softcap or terms.sinks is not None
+    return logical, q, k, v, mask, sdpa_causal, terms if extra else None
+
+
 def call_reference(
     call: AttentionCall, *, dtype: torch.dtype | None = None, budget: int | None = None
 ) -> CallOutput:
@@ -257,22 +276,11 @@ def call_reference(
         ``dtype`` is None) and, with ``call.return_lse``, the LSE ``(B, H, n_q)`` in ``call.lse_base``
         (in at least float32; ``−inf`` for a row that sees no key and no sink).
     """
-    logical = call.logical()
     compute = dtype or (torch.float32 if call.fp8 else call.q.dtype)
-    q, k, v = logical.dequantized(compute)
-    mask = logical.attn_mask
-    if mask is not None and mask.is_floating_point():
-        mask = mask.to(compute)
-    lengths = logical.q_lens is not None or logical.k_lens is not None
-    sdpa_causal = logical.causal and mask is None and (
-        logical.align == "top_left" or (not lengths and logical.n_q == logical.n_k)
-    )
-    # the terms beyond SDPA's, per block; a causal mask SDPA expresses stays SDPA's (its row blocks)
-    terms = logical.replace(causal=False) if sdpa_causal else logical
-    extra = terms.positional or terms.causal or terms.softcap or terms.sinks is not None
+    logical, q, k, v, mask, causal, terms = _reference_arguments(call, compute)
     found = reference_attention(
-        plain_attention, q, k, v, attn_mask=mask, is_causal=sdpa_causal, scale=call.scale, dtype=compute,
-        budget=budget, terms=terms if extra else None, lse=call.return_lse,
+        plain_attention, q, k, v, attn_mask=mask, is_causal=causal, scale=call.scale, dtype=compute,
+        budget=budget, terms=terms, lse=call.return_lse,
     )  # fmt: skip
     out, lse = found if call.return_lse else (found, None)
     if logical.q_lens is not None and lse is not None:  # padding rows are no rows (a sink sees them)
@@ -283,6 +291,31 @@ def call_reference(
     if lse is not None:
         lse = convert_lse(lse, "e", call.lse_base)
     return CallOutput(out, lse, call.lse_base)
+
+
+def call_gradients(
+    call: AttentionCall,
+    grad_out: torch.Tensor,
+    *,
+    dtype: torch.dtype | None = None,
+    budget: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The input gradients of plain attention of ``call`` for the logical output gradient
+    ``grad_out`` ``(B, H, n_q, D_v)``, in bounded memory
+    (:func:`~flashprobe.kernels.reference.reference_input_gradients`): the golden's in float64.
+
+    Returns:
+        Logical ``dq`` ``(B, H, n_q, D)``, ``dk`` ``(B, H_kv, n_k, D)``, ``dv`` ``(B, H_kv, n_k, D_v)``
+        in ``dtype`` (default: the inputs'); a kernel's packed ``dq``, ``dk``, ``dv`` come to this form
+        with :meth:`~flashprobe.kernels.call.AttentionCall.q_to_logical` and ``kv_to_logical``.
+    """
+    compute = dtype or call.q.dtype
+    _, q, k, v, mask, causal, terms = _reference_arguments(call, compute)
+    _, dq, dk, dv = reference_input_gradients(
+        plain_attention, q, k, v, grad_out, attn_mask=mask, is_causal=causal, scale=call.scale, dtype=compute,
+        budget=budget, terms=terms,
+    )  # fmt: skip
+    return dq, dk, dv
 
 
 def golden_call(call: AttentionCall, *, budget: int | None = None) -> CallOutput:

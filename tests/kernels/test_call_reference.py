@@ -11,7 +11,7 @@ import torch
 
 from flashprobe.kernels import golden_attention, math_attention
 from flashprobe.kernels.call import AttentionCall
-from flashprobe.kernels.math import baseline_call, call_reference, golden_call
+from flashprobe.kernels.math import baseline_call, call_gradients, call_reference, golden_call
 from tests.kernels._oracle import oracle, random_sequences
 from tests.kernels.test_call import dense_call
 
@@ -213,3 +213,29 @@ def test_the_baseline_rounds_where_the_golden_does_not(dtype):
     assert 0 < err < 0.05
     wide = call_reference(call, dtype=torch.float32)
     assert (wide.out.double() - golden.out).abs().max().item() < err / 10
+
+
+@pytest.mark.parametrize("name", ["causal_br", "window", "softcap", "alibi_batch_causal", "sinks"])
+def test_golden_gradients_of_a_call_match_autograd_through_a_tiled_implementation(name):
+    """The golden's dq, dk, dv of a packed call (the row-blocked references, each block on its own
+    leaves) against autograd through the online-softmax stand-in in float64 on the same sequences."""
+    from lab.contracts import _attend
+
+    seqs = random_sequences([3, 5], [6, 4], h=4, h_kv=2, d=8, d_v=8, seed=7, dtype=torch.float64)
+    f = _features(name, 2, 4, seed=2)
+    call = dense_call(seqs, **f)
+    grad_out = torch.randn(2, 4, 5, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    dq, dk, dv = call_gradients(call, grad_out, dtype=torch.float64, budget=4096)
+    for b, (q, k, v) in enumerate(seqs):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        slopes = f.get("alibi_slopes")
+        out, _ = _attend(
+            *leaves, scale=8**-0.5, causal=f.get("causal", False), window=f.get("window", (-1, -1)),
+            softcap=f.get("softcap", 0.0), slopes=None if slopes is None else slopes[b], sink=f.get("sinks"),
+            wide=True,
+        )  # fmt: skip
+        n_q, n_k = q.shape[0], k.shape[0]
+        grads = torch.autograd.grad(out, leaves, grad_out[b, :, :n_q].transpose(0, 1))
+        torch.testing.assert_close(dq[b, :, :n_q].transpose(0, 1), grads[0], rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(dk[b, :, :n_k].transpose(0, 1), grads[1], rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(dv[b, :, :n_k].transpose(0, 1), grads[2], rtol=1e-9, atol=1e-10)
