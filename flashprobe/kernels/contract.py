@@ -285,13 +285,6 @@ def _flash_keywords(api: str, call: AttentionCall) -> dict[str, Any]:
     return kw
 
 
-def _bnhd(call: AttentionCall) -> AttentionCall:
-    """A dense or cache call with its dense tensors in flash-attn's ``bnhd`` layout (views)."""
-    if call.layout == "bnhd":
-        return call
-    return call.with_layout("bnhd")
-
-
 def _key_padding_lengths(call: AttentionCall) -> AttentionCall:
     """A dense call whose bool key-padding mask becomes key lengths: each sequence's kept keys moved
     to its front (a host sync)."""
@@ -308,7 +301,7 @@ def _key_padding_lengths(call: AttentionCall) -> AttentionCall:
 def _kernel_call(api: str, call: AttentionCall) -> AttentionCall:
     """``call`` in the storage the api takes: as it is when it already is, else through its logical form."""
     if call.storage in _STORAGES[api]:
-        return _bnhd(call) if api != "flash_attn_varlen_func" else call
+        return call if api == "flash_attn_varlen_func" else call.with_layout("bnhd")
     logical = call.logical()
     if api == "flash_attn_func":
         return logical.with_layout("bnhd")
@@ -319,12 +312,8 @@ def _kernel_call(api: str, call: AttentionCall) -> AttentionCall:
         if logical.k_lens is not None
         else torch.full((logical.batch,), logical.n_k, dtype=torch.int32, device=logical.q.device)
     )
-    cache = AttentionCall(**{**_fields(logical), "k_lens": None, "cache_seqlens": seqlens.to(torch.int32)})
+    cache = AttentionCall(**logical._fields("k_lens", cache_seqlens=seqlens.to(torch.int32)))
     return cache.with_layout("bnhd")
-
-
-def _fields(call: AttentionCall) -> dict[str, Any]:
-    return {name: getattr(call, name) for name in call.__dataclass_fields__}
 
 
 def run_contract(
