@@ -45,6 +45,8 @@ __all__ = [
     "call_from_arguments",
     "contract_problem",
     "kernel_align",
+    "kernel_arguments",
+    "logical_outputs",
     "realign",
     "run_contract",
     "sdpa_arguments",
@@ -316,6 +318,48 @@ def _kernel_call(api: str, call: AttentionCall) -> AttentionCall:
     return cache.with_layout("bnhd")
 
 
+def kernel_arguments(
+    api: str, call: AttentionCall, caps: KernelCapabilities
+) -> tuple[AttentionCall, tuple[Any, ...], dict[str, Any]]:
+    """The exact arguments a flash-attn-api kernel gets for ``call`` (checked by
+    :func:`contract_problem` first): the call in the api's storage and anchor, the positional
+    arguments and the keywords.
+
+    Returns:
+        ``(kernel_call, args, kwargs)``; bring the kernel's return back with :func:`logical_outputs`
+        of ``kernel_call``.
+    """
+    aligned = realign(call, kernel_align(api, caps))
+    assert not isinstance(aligned, str)  # (contract_problem refused it)
+    kcall = _kernel_call(api, aligned)
+    kw = _flash_keywords(api, kcall)
+    args: tuple[Any, ...] = (kcall.q, kcall.k, kcall.v)
+    if api == "flash_attn_varlen_func":
+        args += (kcall.cu_seqlens_q, kcall.cu_seqlens_k)
+        kw["max_seqlen_q"] = kcall.n_q if kcall.max_seqlen_q is None else kcall.max_seqlen_q
+        kw["max_seqlen_k"] = kcall.n_k if kcall.max_seqlen_k is None else kcall.max_seqlen_k
+        if kcall.block_table is not None:
+            kw["block_table"] = kcall.block_table
+    elif api == "flash_attn_with_kvcache":
+        for name in ("cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table"):
+            if getattr(kcall, name) is not None:
+                kw[name] = getattr(kcall, name)
+        if kcall.k_new is not None:
+            kw.update(k=kcall.k_new, v=kcall.v_new)
+    return kcall, args, kw
+
+
+def logical_outputs(api: str, call: AttentionCall, returned: Any, caps: KernelCapabilities) -> CallOutput:
+    """What a flash-attn-api kernel returned for ``call`` (in its storage: the ``kernel_call`` of
+    :func:`kernel_arguments`, or the call a probe read with :func:`call_from_arguments`), in the
+    logical form: ``out`` ``(B, H, n_q, D_v)``; with ``call.return_lse`` the LSE ``(B, H, n_q)`` in
+    ``call.lse_base``, from the kernel's layout, base and empty-row value (``caps``)."""
+    out, lse = (returned[0], returned[1]) if call.return_lse else (returned, None)
+    if lse is not None:
+        lse = _logical_lse(call.lse_to_logical(lse, _LSE_FORM[api]), caps, call.lse_base)
+    return CallOutput(call.q_to_logical(out), lse, call.lse_base)
+
+
 def run_contract(
     api: str,
     fn: Callable[..., Any],
@@ -331,32 +375,8 @@ def run_contract(
     """
     if api == "merge_state":
         return _merge(fn, call, caps, options)
-    aligned = realign(call, kernel_align(api, caps))
-    assert not isinstance(aligned, str)  # (contract_problem refused it)
-    kcall = _kernel_call(api, aligned)
-    kw = _flash_keywords(api, kcall)
-    if api == "flash_attn_func":
-        returned = fn(kcall.q, kcall.k, kcall.v, **kw, **options)
-    elif api == "flash_attn_varlen_func":
-        max_q, max_k = kcall.max_seqlen_q, kcall.max_seqlen_k
-        kw.update(
-            max_seqlen_q=kcall.n_q if max_q is None else max_q,
-            max_seqlen_k=kcall.n_k if max_k is None else max_k,
-        )
-        if kcall.block_table is not None:
-            kw["block_table"] = kcall.block_table
-        returned = fn(kcall.q, kcall.k, kcall.v, kcall.cu_seqlens_q, kcall.cu_seqlens_k, **kw, **options)
-    else:
-        for name in ("cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table"):
-            if getattr(kcall, name) is not None:
-                kw[name] = getattr(kcall, name)
-        if kcall.k_new is not None:
-            kw.update(k=kcall.k_new, v=kcall.v_new)
-        returned = fn(kcall.q, kcall.k, kcall.v, **kw, **options)
-    out, lse = (returned[0], returned[1]) if call.return_lse else (returned, None)
-    if lse is not None:
-        lse = _logical_lse(kcall.lse_to_logical(lse, _LSE_FORM[api]), caps, call.lse_base)
-    return CallOutput(kcall.q_to_logical(out), lse, call.lse_base)
+    kcall, args, kw = kernel_arguments(api, call, caps)
+    return logical_outputs(api, kcall, fn(*args, **kw, **options), caps)
 
 
 def _logical_lse(lse: torch.Tensor, caps: KernelCapabilities, base: str | int) -> torch.Tensor:

@@ -34,6 +34,7 @@ __all__ = [
     "golden_call",
     "math_attention",
     "plain_attention",
+    "reference_arguments",
 ]
 
 
@@ -239,10 +240,11 @@ def golden_attention(
     )
 
 
-def _reference_arguments(call: AttentionCall, compute: torch.dtype) -> tuple[Any, ...]:
-    """``(logical, q, k, v, attn_mask, is_causal, terms)``: the references' arguments for ``call`` in
-    ``compute``; a causal mask SDPA expresses stays SDPA's (its row blocks), the other terms are
-    given per block (``terms``: None for an SDPA-shaped call)."""
+def reference_arguments(call: AttentionCall, compute: torch.dtype) -> tuple[Any, ...]:
+    """``(logical, q, k, v, attn_mask, is_causal, terms)``: the arguments of the blocked references
+    (:mod:`flashprobe.kernels.reference`, with :func:`plain_attention` as their kernel) for ``call``
+    in ``compute``: a causal mask SDPA expresses stays SDPA's (its row blocks), the other terms are
+    given per block (``terms``: None for an SDPA-shaped call). A probe streams blocks with them."""
     logical = call.logical()
     q, k, v = logical.dequantized(compute)
     mask = logical.attn_mask
@@ -277,7 +279,7 @@ def call_reference(
         (in at least float32; ``−inf`` for a row that sees no key and no sink).
     """
     compute = dtype or (torch.float32 if call.fp8 else call.q.dtype)
-    logical, q, k, v, mask, causal, terms = _reference_arguments(call, compute)
+    logical, q, k, v, mask, causal, terms = reference_arguments(call, compute)
     found = reference_attention(
         plain_attention, q, k, v, attn_mask=mask, is_causal=causal, scale=call.scale, dtype=compute,
         budget=budget, terms=terms, lse=call.return_lse,
@@ -310,7 +312,7 @@ def call_gradients(
         with :meth:`~flashprobe.kernels.call.AttentionCall.q_to_logical` and ``kv_to_logical``.
     """
     compute = dtype or call.q.dtype
-    _, q, k, v, mask, causal, terms = _reference_arguments(call, compute)
+    _, q, k, v, mask, causal, terms = reference_arguments(call, compute)
     _, dq, dk, dv = reference_input_gradients(
         plain_attention, q, k, v, grad_out, attn_mask=mask, is_causal=causal, scale=call.scale, dtype=compute,
         budget=budget, terms=terms,

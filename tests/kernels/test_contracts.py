@@ -27,7 +27,7 @@ from flashprobe.kernels import (
     unregister_kernel,
 )
 from flashprobe.kernels.call import AttentionCall
-from flashprobe.kernels.contract import call_from_arguments
+from flashprobe.kernels.contract import call_from_arguments, logical_outputs
 from flashprobe.kernels.math import baseline_call, golden_call
 from lab import contracts
 from tests.kernels._oracle import random_sequences
@@ -265,6 +265,25 @@ def test_a_call_read_from_a_real_functions_arguments():
     assert read.storage == "cache" and read.causal
     with pytest.raises(TypeError, match="rotary"):
         call_from_arguments("flash_attn_with_kvcache", cache.q, cache.k, cache.v, rotary_cos=torch.ones(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_what_a_probe_reads_from_a_real_call_and_its_return(dtype):
+    """A probe sees a library function's arguments and return: the call read from them and the return
+    in the logical form (LSE layout, +inf for rows without keys) pass against the call's golden."""
+    seqs = random_sequences([4, 0, 6], [7, 2, 3], 4, 1, 16, 16, seed=9, dtype=dtype)
+    packed = dense_call(seqs).packed()
+    args = (packed.q, packed.k, packed.v, packed.cu_seqlens_q, packed.cu_seqlens_k, 6, 7)
+    kwargs = {"causal": True, "softcap": 2.0, "window_size": (2, 0), "return_attn_probs": True}
+    returned = contracts.flash_attn_varlen_func(*args, **kwargs)
+    call = call_from_arguments("flash_attn_varlen_func", *args, **kwargs)
+    caps = KernelCapabilities(empty_lse=math.inf)
+    found = logical_outputs("flash_attn_varlen_func", call, returned, caps)
+    _check(found, golden_call(call), baseline_call(call), dtype, "varlen read by a probe")
+    # 6 queries, 3 keys, bottom-right causal: rows 0..2 of the third sequence see no key (+inf from the
+    # kernel, −inf in the logical form), rows 3..5 see keys
+    assert (found.lse[2, :, :3] == float("-inf")).all() and torch.isfinite(found.lse[2, :, 3:]).all()
+    assert (returned[1][:, 4:7] == float("inf")).all()  # (its tokens 4..6 of the packed queries)
 
 
 # ---- planted bugs: the conversions matter ---------------------------------------------------------
