@@ -395,11 +395,17 @@ def reference_outputs(
             qb, kb, vb = qb.to(dtype), kb.to(dtype), vb.to(dtype)
             if mask is not None and mask.is_floating_point():
                 mask = mask.to(dtype)
-        extra = _block_terms(terms, blk, rep, dtype or q.dtype, lse)
+        extra = _NO_TERMS
+        if terms is not None or lse:
+            extra = _block_terms(terms, blk, rep, dtype or q.dtype, lse)
         with torch.set_grad_enabled(grad), reference_numerics():
             kb, vb = expand_kv(kb, vb, rep)
             out = kernel(qb, kb, vb, attn_mask=mask, is_causal=causal, scale=scale, **extra)
         yield blk, out
+
+
+#: the keywords an SDPA call's blocks add (none; never written to)
+_NO_TERMS: Mapping[str, Any] = {}
 
 
 def _block_terms(terms: Any, blk: Block, rep: int, dtype: torch.dtype, lse: bool = False) -> dict[str, Any]:
@@ -544,7 +550,7 @@ def reference_gradients(
             if mask is not None and mask.is_floating_point():
                 mask = mask.to(compute)
             wanted = {n: t for n, t in (("q", qb), ("k", kb), ("v", vb)) if n in need}
-            extra = _block_terms(terms, blk, rep, compute)
+            extra = _NO_TERMS if terms is None else _block_terms(terms, blk, rep, compute)
             with torch.enable_grad(), reference_numerics():
                 ke, ve = expand_kv(kb, vb, rep)
                 out = kernel(qb, ke, ve, attn_mask=mask, is_causal=causal, scale=scale, **extra)
