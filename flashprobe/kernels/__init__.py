@@ -1,7 +1,12 @@
-"""Attention kernels behind one SDPA signature, chosen by spec strings.
+"""Attention kernels with the contract they really have, chosen by spec strings.
 
-``kernel(q, k, v, *, attn_mask=None, is_causal=False, scale=None) -> out`` with ``(B, H, N, D)``
-tensors. Built-in names: ``math`` (the baseline), ``tiled`` (FlashAttention re-implemented at any
+SDPA's ``kernel(q, k, v, *, attn_mask=None, is_causal=False, scale=None) -> out`` with ``(B, H, N, D)``
+tensors is the default contract; a kernel registered with another ``api`` (flash-attn's dense,
+varlen and KV-cache functions, FlashInfer's ``merge_state``: :mod:`flashprobe.kernels.contract`) runs
+an :class:`AttentionCall` (:mod:`flashprobe.kernels.call`) through its adapter,
+:meth:`Kernel.run`; :func:`golden_call` and :func:`baseline_call` judge any call.
+
+Built-in names: ``math`` (the baseline), ``tiled`` (FlashAttention re-implemented at any
 precision), ``sdpa_flash``, ``sdpa_efficient``, ``sdpa_cudnn``, ``sdpa_math`` (torch SDPA pinned to
 one backend), ``flex`` (torch FlexAttention, forward only on the CPU), ``flash_attn``
 (Dao-AILab flash-attn, CUDA only) and ``flashinfer`` (FlashInfer prefill, CUDA only).
@@ -17,10 +22,12 @@ from flashprobe.kernels._inputs import (
     output_problem,
     to_dtype,
 )
+from flashprobe.kernels.call import AttentionCall, CallOutput
+from flashprobe.kernels.contract import APIS
 from flashprobe.kernels.flash_attn import flash_attn_attention
 from flashprobe.kernels.flashinfer import flashinfer_attention
 from flashprobe.kernels.flex import flex_attention_kernel
-from flashprobe.kernels.math import golden_attention, math_attention
+from flashprobe.kernels.math import baseline_call, golden_attention, golden_call, math_attention
 from flashprobe.kernels.registry import (
     ANY_CAPABILITIES,
     BACKWARD_MASK_KINDS,
@@ -59,13 +66,16 @@ from flashprobe.kernels.tiled import (
 
 __all__ = [
     "ANY_CAPABILITIES",
+    "APIS",
     "BACKENDS",
     "BACKWARD_MASK_KINDS",
     "DEFAULT_PRESET",
     "ORDERS",
     "PRESETS",
     "UPDATES",
+    "AttentionCall",
     "AttentionFn",
+    "CallOutput",
     "Kernel",
     "KernelAvailability",
     "KernelCapabilities",
@@ -79,6 +89,7 @@ __all__ = [
     "TileSizes",
     "add_import_option",
     "available_kernels",
+    "baseline_call",
     "causal_mask",
     "check_inputs",
     "default_scale",
@@ -88,6 +99,7 @@ __all__ = [
     "flex_attention_kernel",
     "get_kernel",
     "golden_attention",
+    "golden_call",
     "import_kernel_modules",
     "kernel_availability",
     "list_kernels",

@@ -22,10 +22,20 @@ import torch
 
 from flashprobe.kernels import fp8 as fp8_numerics
 from flashprobe.kernels._inputs import check_inputs, default_scale, to_dtype
-from flashprobe.kernels.reference import reference_attention
+from flashprobe.kernels.call import AttentionCall, CallOutput, convert_lse
+from flashprobe.kernels.reference import reference_attention, reference_input_gradients
 from flashprobe.kernels.registry import ANY_CAPABILITIES, KernelCapabilities, register_kernel
 
-__all__ = ["golden_attention", "math_attention"]
+__all__ = [
+    "baseline_call",
+    "call_gradients",
+    "call_reference",
+    "golden_attention",
+    "golden_call",
+    "math_attention",
+    "plain_attention",
+    "reference_arguments",
+]
 
 
 #: What ``math:fp8=<format>`` supports: forward only (the FP8 rounding has no gradient).
@@ -99,9 +109,29 @@ def math_attention(
             for x, c in zip((q, k, v), shifts, strict=True)
         )
     q, k, v = q.to(compute), k.to(compute), v.to(compute)  # (no copies when already there)
-    s = default_scale(q.shape[-1], scale)
+    out = _softmax_attention(q, k, v, default_scale(q.shape[-1], scale), attn_mask, is_causal)
+    return out.to(out_dtype)  # (B, H, N_q, D_v)
+
+
+def _softmax_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    s: float,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    *,
+    valid: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    lse: bool = False,
+) -> Any:
+    """``softmax(q kᵀ · s)·v`` in q's dtype, with every term of a call (:func:`plain_attention`)."""
     # In place on fresh intermediates: the matmul and the scaling save their inputs, not outputs.
     scores = torch.matmul(q, k.transpose(-2, -1)).mul_(s)  # (B, H, N_q, N_k)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap  # (not in place: tanh saved its output)
     if is_causal:
         n_q, n_k = q.shape[-2], k.shape[-2]
         above = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).triu_(1)  # (N_q, N_k)
@@ -110,21 +140,77 @@ def math_attention(
         if attn_mask.dtype == torch.bool:
             scores = scores.masked_fill_(~attn_mask, float("-inf"))
         else:
-            scores = scores + attn_mask.to(compute)
+            scores = scores + attn_mask.to(q.dtype)
+    if valid is not None:
+        scores = scores.masked_fill_(~valid, float("-inf"))
+    if bias is not None:
+        scores = scores + bias
+    if sinks is not None:  # one more logit per row, in the denominator only
+        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # (B, H, N_q, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    row_lse = None
+    if lse:  # in at least float32, as kernels store it (before any fill below)
+        row_lse = torch.logsumexp(scores.detach().to(torch.promote_types(q.dtype, torch.float32)), dim=-1)
     # Safe softmax, as torch SDPA: a row with every key masked (all -inf) gives 0, not NaN, in the
     # output and in the gradients. Only a mask can mask a whole row (a top-left causal row i keeps
-    # key 0 whenever there are keys; with no keys at all the empty product below gives zeros), so
-    # unmasked and causal calls skip this. Such a row is found with one row-max reduction (no
-    # (N_q, N_k) bool temporary) and given finite scores before the softmax, so autograd never
-    # sees inf - inf.
+    # key 0 whenever there are keys; with no keys at all the empty product below gives zeros; a sink
+    # keeps every row finite), so calls without one skip this. Such a row is found with one row-max
+    # reduction (no (N_q, N_k) bool temporary) and given finite scores before the softmax, so autograd
+    # never sees inf - inf.
     fully_masked = None
-    if attn_mask is not None and not is_causal and scores.shape[-1]:
+    masks = (attn_mask is not None and not is_causal) or valid is not None
+    if masks and sinks is None and scores.shape[-1]:
         fully_masked = scores.detach().amax(dim=-1, keepdim=True) == float("-inf")  # (B, H, N_q, 1)
         scores = scores.masked_fill_(fully_masked, 0.0)
     probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        probs = probs[..., :-1]
     if fully_masked is not None:
         probs = probs.masked_fill(fully_masked, 0.0)  # (not in place: the softmax saved its output)
-    return torch.matmul(probs, v).to(out_dtype)  # (B, H, N_q, D_v)
+    out = torch.matmul(probs, v)
+    return out if row_lse is None else (out, row_lse)
+
+
+def plain_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    valid: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    lse: bool = False,
+) -> Any:
+    """The baseline with every term of a call, in the inputs' dtype: the one implementation behind
+    :func:`math_attention`, the golden and the references of calls (:func:`call_reference`).
+
+    ``s = q kᵀ · scale``; ``s = softcap · tanh(s / softcap)`` when ``softcap``; SDPA's ``is_causal`` /
+    ``attn_mask``; ``−inf`` where ``valid`` is False; ``+ bias``; one ``sinks`` logit per head joins each
+    row's softmax denominator; a row that sees nothing gives 0.
+
+    Args:
+        q: ``(B, H, N_q, D)``; k: ``(B, H, N_k, D)``; v: ``(B, H, N_k, D_v)`` (heads expanded).
+        attn_mask: SDPA's bool or additive mask broadcastable to ``(B, H, N_q, N_k)``.
+        is_causal: SDPA's top-left causal mask.
+        scale: softmax scale (default ``1/sqrt(D)``).
+        valid: bool broadcastable to ``(B, H, N_q, N_k)``: the scores the call keeps.
+        bias: added to the scores after the masks (ALiBi), broadcastable likewise.
+        softcap: ``> 0`` caps the scaled scores.
+        sinks: ``(H,)`` one logit per head.
+        lse: also return the natural-log LSE ``(B, H, N_q)`` in at least float32 (``−inf`` for a row
+            that sees no key and no sink).
+
+    Returns:
+        ``(B, H, N_q, D_v)`` in the inputs' dtype, or ``(out, lse)`` with ``lse``.
+    """
+    s = default_scale(q.shape[-1], scale)
+    return _softmax_attention(
+        q, k, v, s, attn_mask, is_causal, valid=valid, bias=bias, softcap=softcap, sinks=sinks, lse=lse
+    )
 
 
 def golden_attention(
@@ -152,3 +238,94 @@ def golden_attention(
         math_attention, q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dtype=torch.float64,
         budget=budget,
     )
+
+
+def reference_arguments(call: AttentionCall, compute: torch.dtype) -> tuple[Any, ...]:
+    """``(logical, q, k, v, attn_mask, is_causal, terms)``: the arguments of the blocked references
+    (:mod:`flashprobe.kernels.reference`, with :func:`plain_attention` as their kernel) for ``call``
+    in ``compute``: a causal mask SDPA expresses stays SDPA's (its row blocks), the other terms are
+    given per block (``terms``: None for an SDPA-shaped call). A probe streams blocks with them."""
+    logical = call.logical()
+    q, k, v = logical.dequantized(compute)
+    mask = logical.attn_mask
+    if mask is not None and mask.is_floating_point():
+        mask = mask.to(compute)
+    lengths = logical.q_lens is not None or logical.k_lens is not None
+    sdpa_causal = logical.causal and mask is None and (
+        logical.align == "top_left" or (not lengths and logical.n_q == logical.n_k)
+    )
+    terms = logical.replace(causal=False) if sdpa_causal else logical
+    extra = terms.positional or terms.causal or terms.softcap or terms.sinks is not None
+    return logical, q, k, v, mask, sdpa_causal, terms if extra else None
+
+
+def call_reference(
+    call: AttentionCall, *, dtype: torch.dtype | None = None, budget: int | None = None
+) -> CallOutput:
+    """Plain attention of any call (:class:`~flashprobe.kernels.call.AttentionCall`), in blocks of at
+    most ``budget`` bytes, through its logical form: the golden in float64, the baseline in the
+    call's dtype. One implementation with SDPA's (:func:`plain_attention`): an SDPA-shaped call gives
+    the bits :func:`golden_attention` and :func:`math_attention` give.
+
+    Args:
+        call: the call, in any storage.
+        dtype: compute every step in this dtype (default: the inputs', float32 for FP8 inputs, which
+            are multiplied by their descales first).
+        budget: bytes per block (:func:`~flashprobe.kernels.reference.reference_attention`).
+
+    Returns:
+        The logical ``out`` ``(B, H, n_q, D_v)`` in ``dtype`` (or the call's output dtype when
+        ``dtype`` is None) and, with ``call.return_lse``, the LSE ``(B, H, n_q)`` in ``call.lse_base``
+        (in at least float32; ``−inf`` for a row that sees no key and no sink).
+    """
+    compute = dtype or (torch.float32 if call.fp8 else call.q.dtype)
+    logical, q, k, v, mask, causal, terms = reference_arguments(call, compute)
+    found = reference_attention(
+        plain_attention, q, k, v, attn_mask=mask, is_causal=causal, scale=call.scale, dtype=compute,
+        budget=budget, terms=terms, lse=call.return_lse,
+    )  # fmt: skip
+    out, lse = found if call.return_lse else (found, None)
+    if logical.q_lens is not None and lse is not None:  # padding rows are no rows (a sink sees them)
+        rows = torch.arange(logical.n_q, device=lse.device)[None, None, :]
+        lse = lse.masked_fill(rows >= logical.q_lens.long()[:, None, None], float("-inf"))
+    if dtype is None:
+        out = out.to(call.out_dtype)
+    if lse is not None:
+        lse = convert_lse(lse, "e", call.lse_base)
+    return CallOutput(out, lse, call.lse_base)
+
+
+def call_gradients(
+    call: AttentionCall,
+    grad_out: torch.Tensor,
+    *,
+    dtype: torch.dtype | None = None,
+    budget: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The input gradients of plain attention of ``call`` for the logical output gradient
+    ``grad_out`` ``(B, H, n_q, D_v)``, in bounded memory
+    (:func:`~flashprobe.kernels.reference.reference_input_gradients`): the golden's in float64.
+
+    Returns:
+        Logical ``dq`` ``(B, H, n_q, D)``, ``dk`` ``(B, H_kv, n_k, D)``, ``dv`` ``(B, H_kv, n_k, D_v)``
+        in ``dtype`` (default: the inputs'); a kernel's packed ``dq``, ``dk``, ``dv`` come to this form
+        with :meth:`~flashprobe.kernels.call.AttentionCall.q_to_logical` and ``kv_to_logical``.
+    """
+    compute = dtype or call.q.dtype
+    _, q, k, v, mask, causal, terms = reference_arguments(call, compute)
+    _, dq, dk, dv = reference_input_gradients(
+        plain_attention, q, k, v, grad_out, attn_mask=mask, is_causal=causal, scale=call.scale, dtype=compute,
+        budget=budget, terms=terms,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+def golden_call(call: AttentionCall, *, budget: int | None = None) -> CallOutput:
+    """The golden value of any call: :func:`call_reference` in float64."""
+    return call_reference(call, dtype=torch.float64, budget=budget)
+
+
+def baseline_call(call: AttentionCall, *, budget: int | None = None) -> CallOutput:
+    """The same-dtype baseline of any call: :func:`call_reference` in the inputs' dtype (float32 after
+    the descales for FP8 inputs), its output in the call's output dtype."""
+    return call_reference(call, budget=budget)

@@ -76,7 +76,8 @@ BUDGET_FRACTION = 0.25
 MIN_BUDGET = 64 << 20
 MAX_BUDGET: Mapping[str, int] = {"cpu": 2 << 30, "default": 16 << 30}
 
-AttentionCall = Callable[..., torch.Tensor]
+#: an SDPA-signature attention function (the references pass a call's terms as more keywords)
+AttentionKernel = Callable[..., Any]
 
 
 @dataclass(frozen=True)
@@ -344,7 +345,7 @@ def _plan(
 
 
 def reference_outputs(
-    kernel: AttentionCall,
+    kernel: AttentionKernel,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -356,7 +357,9 @@ def reference_outputs(
     budget: int | None = None,
     blocks: Sequence[Block] | None = None,
     grad: bool = False,
-) -> Iterator[tuple[Block, torch.Tensor]]:
+    terms: Any = None,
+    lse: bool = False,
+) -> Iterator[tuple[Block, Any]]:
     """Run ``kernel`` block by block and yield each block with its output.
 
     Args:
@@ -373,10 +376,15 @@ def reference_outputs(
         blocks: a plan to use instead of planning one.
         grad: record autograd history (the outputs are differentiable; autograd then keeps every
             block's saved tensors until the backward); default: no autograd.
+        terms: a logical :class:`~flashprobe.kernels.call.AttentionCall` whose terms beyond SDPA's
+            (lengths, alignment, window, softcap, ALiBi, sinks: its ``score_terms``) each block gets
+            as more keyword arguments of ``kernel`` (:func:`~flashprobe.kernels.math.plain_attention`).
+        lse: ask ``kernel`` for the LSE too (``lse=True``).
 
     Yields:
         ``(block, out)``, ``out`` of shape ``(B_b, H_b, rows, D_v)`` for
-        :meth:`Block.take_q` of the call's output.
+        :meth:`Block.take_q` of the call's output; with ``lse``, ``(out, lse)`` with ``lse``
+        ``(B_b, H_b, rows)``.
     """
     rep = q.shape[1] // max(k.shape[1], 1)
     # (no context is held across a yield: the caller runs in its own modes)
@@ -387,14 +395,29 @@ def reference_outputs(
             qb, kb, vb = qb.to(dtype), kb.to(dtype), vb.to(dtype)
             if mask is not None and mask.is_floating_point():
                 mask = mask.to(dtype)
+        extra = _NO_TERMS
+        if terms is not None or lse:
+            extra = _block_terms(terms, blk, rep, dtype or q.dtype, lse)
         with torch.set_grad_enabled(grad), reference_numerics():
             kb, vb = expand_kv(kb, vb, rep)
-            out = kernel(qb, kb, vb, attn_mask=mask, is_causal=causal, scale=scale)
+            out = kernel(qb, kb, vb, attn_mask=mask, is_causal=causal, scale=scale, **extra)
         yield blk, out
 
 
+#: the keywords an SDPA call's blocks add (none; never written to)
+_NO_TERMS: Mapping[str, Any] = {}
+
+
+def _block_terms(terms: Any, blk: Block, rep: int, dtype: torch.dtype, lse: bool = False) -> dict[str, Any]:
+    """The keyword arguments a block adds for a call's terms (none for SDPA's calls)."""
+    extra = {} if terms is None else terms.score_terms(blk.batch, blk.q_heads(rep), blk.rows, blk.keys, dtype)
+    if lse:
+        extra["lse"] = True
+    return extra
+
+
 def reference_attention(
-    kernel: AttentionCall,
+    kernel: AttentionKernel,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -404,29 +427,43 @@ def reference_attention(
     scale: float | None = None,
     dtype: torch.dtype | None = None,
     budget: int | None = None,
-) -> torch.Tensor:
-    """The whole output of ``kernel`` computed in blocks (:func:`reference_outputs`).
+    terms: Any = None,
+    lse: bool = False,
+) -> Any:
+    """The whole output of ``kernel`` computed in blocks (:func:`reference_outputs`; ``terms`` and
+    ``lse`` as there).
 
     Differentiable when autograd is on and an input requires grad (the blocks' saved tensors are
     then kept for the backward: for gradients in bounded memory use :func:`reference_gradients`).
 
     Returns:
-        ``(B, H, N_q, D_v)`` in the kernel's output dtype (``dtype`` if given, else the inputs').
+        ``(B, H, N_q, D_v)`` in the kernel's output dtype (``dtype`` if given, else the inputs'); with
+        ``lse``, ``(out, lse)`` with ``lse`` ``(B, H, N_q)`` as the kernel gives it.
     """
     rep = q.shape[1] // max(k.shape[1], 1)
     out: torch.Tensor | None = None
+    row_lse: torch.Tensor | None = None
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     parts = reference_outputs(
         kernel, q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dtype=dtype, budget=budget,
-        grad=grad,
+        grad=grad, terms=terms, lse=lse,
     )
     for blk, part in parts:
+        if lse:
+            part, part_lse = part
+            if row_lse is None:
+                row_lse = part_lse.new_empty(q.shape[:3])
+            row_lse[blk.batch, blk.q_heads(rep), blk.rows] = part_lse
         if out is None:
             out = part.new_empty(*q.shape[:3], v.shape[3])
         out[blk.batch, blk.q_heads(rep), blk.rows] = part
     if out is None:  # no blocks: an empty call
         out = q.new_empty(*q.shape[:3], v.shape[3], dtype=dtype or q.dtype)
-    return out
+    if not lse:
+        return out
+    if row_lse is None:
+        row_lse = q.new_empty(q.shape[:3], dtype=torch.promote_types(dtype or q.dtype, torch.float32))
+    return out, row_lse
 
 
 def _groups(blocks: Sequence[Block]) -> list[list[Block]]:
@@ -459,7 +496,7 @@ class GroupGradients:
 
 
 def reference_gradients(
-    kernel: AttentionCall,
+    kernel: AttentionKernel,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -472,6 +509,7 @@ def reference_gradients(
     need: Sequence[str] = ("q", "k", "v"),
     budget: int | None = None,
     blocks: Sequence[Block] | None = None,
+    terms: Any = None,
 ) -> Iterator[GroupGradients]:
     """Outputs and input gradients of ``kernel`` for the output gradient ``grad_out``, per group.
 
@@ -488,6 +526,7 @@ def reference_gradients(
         need: which of ``q``, ``k``, ``v`` get gradients.
         budget: bytes per block (default: :func:`reference_budget`).
         blocks: a plan (``backward=True``) to use instead of planning one.
+        terms: a logical call whose terms beyond SDPA's each block gets (:func:`reference_outputs`).
 
     Yields:
         :class:`GroupGradients`, one per group, in plan order.
@@ -511,9 +550,10 @@ def reference_gradients(
             if mask is not None and mask.is_floating_point():
                 mask = mask.to(compute)
             wanted = {n: t for n, t in (("q", qb), ("k", kb), ("v", vb)) if n in need}
+            extra = _NO_TERMS if terms is None else _block_terms(terms, blk, rep, compute)
             with torch.enable_grad(), reference_numerics():
                 ke, ve = expand_kv(kb, vb, rep)
-                out = kernel(qb, ke, ve, attn_mask=mask, is_causal=causal, scale=scale)
+                out = kernel(qb, ke, ve, attn_mask=mask, is_causal=causal, scale=scale, **extra)
                 g = blk.take_q(grad_out, rep).to(out.dtype)
                 parts = torch.autograd.grad(out, list(wanted.values()), g, allow_unused=True)
             outs.append(out.detach())
@@ -536,7 +576,7 @@ def reference_gradients(
 
 
 def reference_input_gradients(
-    kernel: AttentionCall,
+    kernel: AttentionKernel,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -547,8 +587,10 @@ def reference_input_gradients(
     scale: float | None = None,
     dtype: torch.dtype | None = None,
     budget: int | None = None,
+    terms: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The whole output and input gradients of ``kernel`` (:func:`reference_gradients`, assembled).
+    """The whole output and input gradients of ``kernel`` (:func:`reference_gradients`, assembled;
+    ``terms`` as there).
 
     Args:
         kernel: SDPA-signature attention (differentiable).
@@ -570,7 +612,7 @@ def reference_input_gradients(
     dv = v.new_zeros(v.shape, dtype=compute)
     groups = reference_gradients(
         kernel, q, k, v, grad_out, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dtype=compute,
-        budget=budget,
+        budget=budget, terms=terms,
     )
     for g in groups:
         for blk, part, dq_part in zip(g.blocks, g.outs, g.dq, strict=True):

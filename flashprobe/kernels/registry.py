@@ -21,6 +21,15 @@ from typing import Any, Protocol
 import torch
 
 from flashprobe.kernels._inputs import check_inputs, dtype_name
+from flashprobe.kernels.call import ALIGNS, LSE_BASES, AttentionCall, CallOutput
+from flashprobe.kernels.contract import (
+    API_PARAMETERS,
+    APIS,
+    FA3_PARAMETERS,
+    contract_problem,
+    run_contract,
+    sdpa_arguments,
+)
 from flashprobe.kernels.fp8 import FP8_FORMATS
 
 __all__ = [
@@ -142,6 +151,21 @@ class KernelCapabilities:
             the probabilities P) to, the coarsest where it uses two; None for a kernel that
             computes in its inputs' dtype or wider. ``flashprobe fuzz`` judges such a kernel
             against ``math:fp8=<format>`` with that format's limits (:mod:`flashprobe.judge`).
+            (A kernel that takes FP8 *inputs* with FlashAttention-3's descales lists
+            ``torch.float8_e4m3fn`` among its ``dtypes``.)
+        window: ``(left, right)`` windows (for the flash apis).
+        softcap: softcapped scores.
+        alibi: ALiBi slopes.
+        sinks: attention sinks (one logit per query head).
+        lse: it returns the LSE when asked.
+        lse_base: the base of the LSE it returns or takes: ``"e"`` (flash-attn) or 2 (FlashInfer).
+        empty_lse: the LSE it returns for a row that sees no key: ``-inf`` (FlashAttention-3,
+            FlashInfer) or ``inf`` (flash-attn 2).
+        causal_align: where it anchors causal masks, windows and ALiBi when N_q != N_k
+            (``top_left``, ``bottom_right``); None: as its api (SDPA top-left, flash-attn bottom-right).
+        page_sizes: the page sizes of a paged KV cache it takes, or None for any (within the next).
+        page_multiple: page sizes must be multiples of this (flash-attn 2: 256).
+        preallocated_out: it writes into a preallocated ``out=``.
     """
 
     masks: frozenset[str] = frozenset(MASK_KINDS)
@@ -160,8 +184,28 @@ class KernelCapabilities:
     min_cuda_capability: tuple[int, int] | None = None
     install: str = ""
     fp8: str | None = None
+    window: bool = True
+    softcap: bool = True
+    alibi: bool = True
+    sinks: bool = True
+    lse: bool = True
+    lse_base: str | int = "e"
+    empty_lse: float = float("-inf")
+    causal_align: str | None = None
+    page_sizes: frozenset[int] | None = None
+    page_multiple: int = 1
+    preallocated_out: bool = False
 
     def __post_init__(self) -> None:
+        if self.lse_base not in LSE_BASES:
+            allowed = ", ".join(repr(b) for b in LSE_BASES)
+            raise ValueError(f"lse_base={self.lse_base!r} must be one of {allowed}")
+        if self.empty_lse not in (float("-inf"), float("inf")):
+            raise ValueError(f"empty_lse={self.empty_lse!r} must be -inf or inf")
+        if self.causal_align not in (None, *ALIGNS):
+            raise ValueError(f"causal_align={self.causal_align!r} must be None or one of {', '.join(ALIGNS)}")
+        if self.page_multiple < 1:
+            raise ValueError(f"page_multiple={self.page_multiple} must be >= 1")
         if self.fp8 is not None and self.fp8 not in FP8_FORMATS:
             raise ValueError(f"fp8={self.fp8!r} must be one of {', '.join(FP8_FORMATS)} or None")
         unknown = set(self.masks) - set(MASK_KINDS)
@@ -281,23 +325,9 @@ class KernelCapabilities:
         problem = self.length_problem(q.shape[-2], k.shape[-2])
         if problem is not None:
             return problem
-        d = q.shape[-1]
-        if (
-            (self.head_dims is not None and d not in self.head_dims)
-            or (self.max_head_dim is not None and d > self.max_head_dim)
-            or d % self.head_dim_multiple
-        ):
-            return (
-                f"does not support head dim {d} ({self.describe_head_dims()}); "
-                f"choose a kernel without that limit ({_FALLBACK})"
-            )
-        if v.shape[-1] != d and not self.value_head_dim:
-            return f"needs v's head dim ({v.shape[-1]}) to equal q's ({d}); choose {_FALLBACK} for D_v != D"
-        if q.dim() >= 3 and k.dim() >= 3 and k.shape[-3] != q.shape[-3] and self.gqa == "none":
-            return (
-                f"does not support grouped key/value heads ({k.shape[-3]} for {q.shape[-3]} query heads); "
-                "repeat k and v to every query head, or choose a kernel with GQA"
-            )
+        problem = self.head_problem(q.shape[-1], v.shape[-1], q.shape[-3], k.shape[-3])
+        if problem is not None:
+            return problem
         if is_causal:
             if "causal" not in self.masks:
                 return f"does not support causal masks (is_causal=True); choose {_FALLBACK}"
@@ -319,6 +349,41 @@ class KernelCapabilities:
                         f"and query), not a mask of shape {tuple(attn_mask.shape)}; choose {_FALLBACK}"
                     )
         return None
+
+    def head_problem(self, d: int, d_v: int, h: int, h_kv: int) -> str | None:
+        """Why the kernel cannot take head dims ``d``/``d_v`` with ``h`` query and ``h_kv`` key/value
+        heads (feature and fix), or None."""
+        if (
+            (self.head_dims is not None and d not in self.head_dims)
+            or (self.max_head_dim is not None and d > self.max_head_dim)
+            or d % self.head_dim_multiple
+        ):
+            return (
+                f"does not support head dim {d} ({self.describe_head_dims()}); "
+                f"choose a kernel without that limit ({_FALLBACK})"
+            )
+        if d_v != d and not self.value_head_dim:
+            return f"needs v's head dim ({d_v}) to equal q's ({d}); choose {_FALLBACK} for D_v != D"
+        if h_kv != h and self.gqa == "none":
+            return (
+                f"does not support grouped key/value heads ({h_kv} for {h} query heads); "
+                "repeat k and v to every query head, or choose a kernel with GQA"
+            )
+        return None
+
+    def page_problem(self, page_size: int) -> str | None:
+        """Why the kernel cannot take pages of ``page_size`` keys (feature and fix), or None."""
+        listed = self.page_sizes is None or page_size in self.page_sizes
+        if not listed or page_size % self.page_multiple:
+            return f"does not take pages of {page_size} keys ({self.describe_pages()}); page the cache so"
+        return None
+
+    def describe_pages(self) -> str:
+        """The page sizes supported, in words."""
+        parts = [] if self.page_sizes is None else [", ".join(str(p) for p in sorted(self.page_sizes))]
+        if self.page_multiple > 1:
+            parts.append(f"multiples of {self.page_multiple}")
+        return "page sizes " + (" that are ".join(parts) or "any")
 
     def describe_head_dims(self) -> str:
         """The head dims supported, in words."""
@@ -364,8 +429,22 @@ class KernelCapabilities:
         lengths = f"; {text}" if (text := self.describe_lengths()) else ""
         return (
             f"masks: {masks}{lengths}; GQA {self.gqa}; {self.describe_head_dims()}; {dtypes}; "
-            f"{devices}{arch}; {backward}"
+            f"{devices}{arch}; {backward}{self.describe_features()}"
         )
+
+    def describe_features(self) -> str:
+        """The features beyond SDPA's it lacks and its conventions, in words (``""`` for the defaults)."""
+        lacks = [n for n in ("window", "softcap", "alibi", "sinks", "lse") if not getattr(self, n)]
+        parts = [f"no {', '.join(lacks)}"] if lacks else []
+        if self.lse_base != "e" or self.empty_lse != float("-inf"):
+            parts.append(f"LSE base {self.lse_base}, {self.empty_lse} for a row without keys")
+        if self.causal_align is not None:
+            parts.append(f"causal {self.causal_align.replace('_', '-')}")
+        if self.page_sizes is not None or self.page_multiple > 1:
+            parts.append(self.describe_pages())
+        if self.preallocated_out:
+            parts.append("out=")
+        return "".join(f"; {p}" for p in parts)
 
 
 def mask_kind(attn_mask: torch.Tensor) -> str:
@@ -392,6 +471,7 @@ class _Entry:
     options: tuple[str, ...]
     validate: Callable[..., None] | None = None
     capabilities: KernelCapabilities | Callable[[Mapping[str, Any]], KernelCapabilities] = ANY_CAPABILITIES
+    api: str = "sdpa"
 
     def capabilities_for(self, options: Mapping[str, Any]) -> KernelCapabilities:
         """The capabilities of the kernel with these spec options."""
@@ -411,14 +491,24 @@ def register_kernel(
     validate: Callable[..., None] | None = None,
     capabilities: KernelCapabilities | Callable[[Mapping[str, Any]], KernelCapabilities] | None = None,
     overwrite: bool = False,
+    api: str = "sdpa",
 ) -> Any:
     """Register an attention kernel under ``name`` so specs can select it.
 
-    ``fn`` has the SDPA signature ``fn(q, k, v, *, attn_mask=None, is_causal=False, scale=None,
-    **options)``; its extra keyword arguments become the spec's options. Usable as a decorator::
+    With ``api="sdpa"`` (the default) ``fn`` has the SDPA signature ``fn(q, k, v, *, attn_mask=None,
+    is_causal=False, scale=None, **options)``; otherwise the signature and conventions of the real
+    function ``api`` names (:mod:`flashprobe.kernels.contract`): ``flash_attn_func``,
+    ``flash_attn_varlen_func``, ``flash_attn_with_kvcache`` (flash-attn 2.8; FlashAttention-3's FP8
+    descales when its ``capabilities`` list ``torch.float8_e4m3fn`` among the dtypes) or
+    ``merge_state`` (FlashInfer's, its LSE base declared with ``KernelCapabilities(lse_base=2)``).
+    Keyword-only parameters of ``fn`` that are not the api's become the spec's options. Usable as
+    a decorator::
 
         @register_kernel("mine")
         def my_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, block=64): ...
+
+    Every kernel runs a call of any form with :meth:`Kernel.run`; one of another api is also
+    callable like SDPA (through the same adapter).
 
     Args:
         name: the spec name, letters, digits and ``_`` only.
@@ -435,13 +525,16 @@ def register_kernel(
             callable ``capabilities(options) -> KernelCapabilities`` gives them per spec (``tiled``
             declares no backward when its FP8 knobs are on).
         overwrite: replace an existing kernel of that name.
+        api: the contract ``fn`` has, of :data:`~flashprobe.kernels.contract.APIS`.
 
     Returns:
         ``fn`` (or the decorator).
 
     Raises:
-        KernelSpecError: the name is invalid or already taken.
+        KernelSpecError: the name is invalid or already taken, or the api unknown.
     """
+    if api not in APIS:
+        raise KernelSpecError(f"api={api!r} must be one of {', '.join(APIS)}")
 
     def decorate(f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         if not name or not name.replace("_", "").isalnum():
@@ -449,11 +542,11 @@ def register_kernel(
         if name in _REGISTRY and not overwrite:
             raise KernelSpecError(f"kernel {name!r} is already registered; pass overwrite=True")
         params = inspect.signature(f).parameters
-        base = {"q", "k", "v", "attn_mask", "is_causal", "scale"}
+        base = {*API_PARAMETERS[api], *(FA3_PARAMETERS if api.startswith("flash_attn") else ())}
         options = tuple(p for p, prm in params.items() if p not in base and prm.kind == prm.KEYWORD_ONLY)
         doc = description or (inspect.getdoc(f) or "").split("\n")[0]
         caps = ANY_CAPABILITIES if capabilities is None else capabilities
-        _REGISTRY[name] = _Entry(f, doc, check, options, validate, caps)
+        _REGISTRY[name] = _Entry(f, doc, check, options, validate, caps, api)
         return f
 
     return decorate(fn) if fn is not None else decorate
@@ -469,6 +562,7 @@ class KernelInfo:
         options: the spec options it accepts, in signature order.
         builtin: shipped with flashprobe (cannot be unregistered).
         capabilities: what it supports.
+        api: the contract it is called with (:data:`~flashprobe.kernels.contract.APIS`).
     """
 
     name: str
@@ -476,13 +570,14 @@ class KernelInfo:
     options: tuple[str, ...]
     builtin: bool
     capabilities: KernelCapabilities = ANY_CAPABILITIES
+    api: str = "sdpa"
 
 
 def list_kernels() -> list[KernelInfo]:
     """Every registered kernel, sorted by name."""
     _ensure_builtin()
     return [
-        KernelInfo(n, e.description, e.options, _is_builtin(e), e.capabilities_for({}))
+        KernelInfo(n, e.description, e.options, _is_builtin(e), e.capabilities_for({}), e.api)
         for n, e in sorted(_REGISTRY.items())
     ]
 
@@ -695,6 +790,33 @@ class Kernel:
         """What the kernel declares it supports (with its options)."""
         return _REGISTRY[self.name].capabilities_for(self.options)
 
+    @property
+    def api(self) -> str:
+        """The contract it is called with (:data:`~flashprobe.kernels.contract.APIS`)."""
+        return _REGISTRY[self.name].api
+
+    def run(self, call: AttentionCall) -> CallOutput:
+        """Run the kernel on a call of any form, through its contract's adapter
+        (:mod:`flashprobe.kernels.contract`).
+
+        Returns:
+            Its output and, when ``call.return_lse``, its LSE, in the logical form (``(B, H, n_q,
+            D_v)`` and ``(B, H, n_q)`` in ``call.lse_base``).
+
+        Raises:
+            KernelUnsupportedError: before any kernel work, a call its api or capabilities exclude
+                (the feature and the fix).
+        """
+        entry = _REGISTRY[self.name]
+        caps = entry.capabilities_for(self.options)
+        problem = contract_problem(entry.api, call, caps)
+        if problem is not None:
+            raise KernelUnsupportedError(f"{self.spec}: {problem}")
+        if entry.api == "sdpa":
+            args = sdpa_arguments(call, caps)
+            return CallOutput(self(args.pop("q"), args.pop("k"), args.pop("v"), **args), None, call.lse_base)
+        return run_contract(entry.api, entry.fn, call, caps, self.options)
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -711,13 +833,18 @@ class Kernel:
             KernelUnsupportedError: before any kernel work, a call its capabilities exclude (head
                 dim, mask kind, grouped heads, causal alignment, dtype, device, grad).
         """
-        caps = self.capabilities
+        entry = _REGISTRY[self.name]
+        if entry.api != "sdpa":  # another contract: the same call through its adapter
+            check_inputs(q, k, v, attn_mask, is_causal, kernel=self.spec, gqa=True)
+            call = AttentionCall(q=q, k=k, v=v, attn_mask=attn_mask, causal=is_causal, scale=scale)
+            return self.run(call).out.to(q.dtype)
+        caps = entry.capabilities_for(self.options)
         if caps is not ANY_CAPABILITIES:
             check_inputs(q, k, v, attn_mask, is_causal, kernel=self.spec, gqa=True)  # shapes first
             problem = caps.call_problem(q, k, v, attn_mask, is_causal)
             if problem is not None:
                 raise KernelUnsupportedError(f"{self.spec}: {problem}")
-        return self.fn(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, **self.options)
+        return entry.fn(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, **self.options)
 
     def check(self, device: torch.device | str, dtype: torch.dtype, *, backward: bool = False) -> None:
         """Raise :class:`KernelUnavailableError` if this kernel cannot run on ``device``/``dtype``

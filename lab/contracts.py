@@ -1,0 +1,401 @@
+"""Correct stand-ins of real kernels, with their exact signatures and conventions, in plain PyTorch.
+
+They are the controls that checks of the new contracts must pass (``flashprobe.kernels.contract``):
+one per api, each computed differently from the golden (one softmax over the whole score matrix in
+float64, :func:`flashprobe.kernels.math.golden_call`):
+
+* :func:`flash_attn_func` (flash-attn 2.8): online softmax over key tiles, fp32 statistics and
+  accumulator, the output rescaled as each tile raises the row's maximum (FlashAttention-2).
+* :func:`flash_attn_varlen_func` (flash-attn 2.8, with ``block_table``): the same with ``exp2`` on scores
+  in ``log2`` units (the base-2 softmax kernels run), the LSE converted to base e on return.
+* :func:`flash_attn_with_kvcache` (flash-attn 2.8): the new keys written into the cache in place, then
+  split-KV: the keys cut into ``num_splits`` chunks, each a partial output and LSE, merged through
+  their LSEs.
+* :func:`merge_state` (FlashInfer): the base-2 merge of ``state.cuh``.
+* :func:`fa3_flash_attn_func` (FlashAttention-3's ``flash_attn_func``): FP8 inputs with ``(B, H_kv)``
+  descales, bfloat16 output.
+
+Conventions are the libraries' (``flashprobe/kernels/call.py`` lists the sources): ``(B, N, H, D)``
+and packed ``(total, H, D)`` tensors, causal, windows and ALiBi anchored bottom-right, the LSE
+``(B, H, N_q)`` dense and ``(H, total_q)`` packed, ``+inf`` for a row that sees no key (flash-attn 2;
+``−inf`` for FlashAttention-3), FlashInfer's LSE in base 2. Malformed index arguments are refused
+with ``RuntimeError``, as the libraries' checks do. :data:`CONTROLS` registers them
+(:func:`register_controls`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from flashprobe.kernels import KernelCapabilities, register_kernel
+
+__all__ = [
+    "CONTROLS",
+    "fa3_flash_attn_func",
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
+    "merge_state",
+    "register_controls",
+]
+
+_LOG2E = math.log2(math.e)
+#: keys per tile of the online softmax
+TILE = 16
+
+
+def _refuse(ok: bool, text: str) -> None:
+    if not ok:
+        raise RuntimeError(text)
+
+
+def _scores_mask(
+    n_q: int, n_k: int, causal: bool, window: tuple[int, int], device: torch.device
+) -> torch.Tensor:
+    """``(n_q, n_k)`` keys each row keeps, anchored bottom-right; and ``key − diagonal``."""
+    left, right = window
+    right = 0 if causal else right
+    d = torch.arange(n_k, device=device)[None, :] - torch.arange(n_q, device=device)[:, None] - (n_k - n_q)
+    keep = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        keep &= d >= -left
+    if right >= 0:
+        keep &= d <= right
+    return keep, d
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    window: tuple[int, int],
+    softcap: float,
+    slopes: torch.Tensor | None,
+    sink: torch.Tensor | None,
+    base2: bool = False,
+    wide: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence by online softmax over key tiles, in float32 (``wide``: float64): ``q (n_q, H, D)``,
+    ``k (n_k, H_kv, D)``, ``v (n_k, H_kv, D_v)`` → ``out (n_q, H, D_v)`` and the natural LSE ``(H, n_q)``
+    (``−inf`` for a row without keys)."""
+    n_q, h, _ = q.shape
+    n_k, h_kv, d_v = v.shape
+    heads = torch.arange(h, device=q.device) // (h // h_kv)  # the key/value head of each query head
+    acc_dtype = torch.float64 if wide else torch.float32
+    qf = q.to(acc_dtype).transpose(0, 1)  # (H, n_q, D)
+    kf, vf = (t.to(acc_dtype).transpose(0, 1)[heads] for t in (k, v))  # (H, n_k, ·)
+    keep, dist = _scores_mask(n_q, n_k, causal, window, q.device)
+    unit = _LOG2E if base2 else 1.0
+    exp = torch.exp2 if base2 else torch.exp
+    # the running state: max m, sum l, accumulator; a sink starts it at (sink, 1, 0)
+    like = {"device": q.device, "dtype": acc_dtype}
+    m = torch.full((h, n_q, 1), float("-inf"), **like)
+    l_sum = torch.zeros(h, n_q, 1, **like)
+    if sink is not None:
+        m = (sink.to(acc_dtype) * unit).view(h, 1, 1).expand(h, n_q, 1)
+        l_sum = torch.ones(h, n_q, 1, **like)
+    acc = torch.zeros(h, n_q, d_v, **like)
+    for a in range(0, n_k, TILE):
+        z = min(n_k, a + TILE)
+        s = qf @ kf[:, a:z].transpose(1, 2) * scale  # (H, n_q, tile)
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        if slopes is not None:
+            s = s - slopes.to(acc_dtype).view(h, 1, 1) * dist[:, a:z].abs()
+        s = s.masked_fill(~keep[:, a:z], float("-inf")) * unit
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)
+        p = exp(s - m_safe)
+        rescale = exp(m - m_safe)
+        l_sum = l_sum * rescale + p.sum(-1, keepdim=True)
+        acc = acc * rescale + p @ vf[:, a:z]
+        m = m_new
+    out = acc / torch.where(l_sum > 0, l_sum, 1.0)
+    log = torch.log2 if base2 else torch.log
+    lse = torch.where(l_sum > 0, m + log(torch.where(l_sum > 0, l_sum, 1.0)), float("-inf")) / unit
+    return out.transpose(0, 1), lse[..., 0]
+
+
+def _slopes(alibi_slopes: torch.Tensor | None, b: int) -> torch.Tensor | None:
+    if alibi_slopes is None:
+        return None
+    return alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b]
+
+
+def _common(q: torch.Tensor, k: torch.Tensor, window_size: Any, dropout_p: float) -> tuple[int, int]:
+    _refuse(dropout_p == 0.0, "this stand-in has no dropout")
+    _refuse(q.shape[-1] == k.shape[-1], "q and k must share the head dim")
+    _refuse(
+        k.shape[-2] > 0 and q.shape[-2] % k.shape[-2] == 0,
+        "Number of heads in key/value must divide number of heads in query",
+    )
+    left, right = window_size
+    return int(left), int(right)
+
+
+def flash_attn_func(
+    q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+    alibi_slopes=None, deterministic=False, return_attn_probs=False,
+):  # fmt: skip
+    """flash-attn 2.8's ``flash_attn_func``: ``q (B, N_q, H, D)``, ``k, v (B, N_k, H_kv, D)`` →
+    ``out (B, N_q, H, D)``; with ``return_attn_probs`` ``(out, softmax_lse (B, H, N_q), None)``."""
+    window = _common(q, k, window_size, dropout_p)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        out, lse = _attend(q[b], k[b], v[b], scale=scale, causal=causal, window=window, softcap=softcap,
+                           slopes=_slopes(alibi_slopes, b), sink=None)  # fmt: skip
+        outs.append(out)
+        lses.append(lse)
+    out = torch.stack(outs).to(q.dtype)
+    lse = torch.stack(lses).masked_fill(
+        torch.stack(lses) == float("-inf"), float("inf")
+    )  # flash-attn 2: +inf
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _sequences(cu: torch.Tensor, total: int, name: str) -> list[tuple[int, int]]:
+    _refuse(cu.dtype == torch.int32 and cu.dim() == 1, f"{name} must be int32 (batch_size + 1,)")
+    offsets = cu.tolist()
+    _refuse(
+        offsets[0] == 0 and all(a <= b for a, b in itertools.pairwise(offsets)),
+        f"{name} must be non-decreasing from 0",
+    )
+    _refuse(total < 0 or offsets[-1] <= total, f"{name} runs past the packed tensor")
+    return list(itertools.pairwise(offsets))
+
+
+def _page_keys(pages: torch.Tensor, row: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` keys of one sequence whose block-table row is ``row``: ``(n, H_kv, D)``."""
+    page = pages.shape[1]
+    used = row[: -(-n // page)].tolist() if n else []
+    _refuse(all(0 <= p < pages.shape[0] for p in used), "block_table names a page that does not exist")
+    _refuse(len(used) * page >= n, "block_table has too few pages for the sequence")
+    return pages[used].flatten(0, 1)[:n] if used else pages.new_zeros(0, *pages.shape[2:])
+
+
+def flash_attn_varlen_func(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+    causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+    return_attn_probs=False, block_table=None,
+):  # fmt: skip
+    """flash-attn 2.8's ``flash_attn_varlen_func``: packed ``q (total_q, H, D)``, ``k, v (total_k, H_kv,
+    D)`` or pages ``(num_blocks, page_block_size, H_kv, D)`` with ``block_table (B, max_blocks)``; ``out
+    (total_q, H, D)``, with ``return_attn_probs`` ``(out, softmax_lse (H, total_q), None)``."""
+    window = _common(q, k, window_size, dropout_p)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    seq_q = _sequences(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
+    seq_k = _sequences(cu_seqlens_k, -1 if block_table is not None else k.shape[0], "cu_seqlens_k")
+    _refuse(len(seq_q) == len(seq_k), "cu_seqlens_q and cu_seqlens_k must have the same length")
+    _refuse(
+        max((z - a for a, z in seq_q), default=0) <= max_seqlen_q, "max_seqlen_q is shorter than a sequence"
+    )
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("inf"), device=q.device)
+    for b, ((qa, qz), (ka, kz)) in enumerate(zip(seq_q, seq_k, strict=True)):
+        if block_table is not None:
+            keys, values = (_page_keys(t, block_table[b], kz - ka) for t in (k, v))
+        else:
+            keys, values = k[ka:kz], v[ka:kz]
+        o, s = _attend(q[qa:qz], keys, values, scale=scale, causal=causal, window=window, softcap=softcap,
+                       slopes=_slopes(alibi_slopes, b), sink=None, base2=True)  # fmt: skip
+        out[qa:qz] = o
+        lse[:, qa:qz] = s.masked_fill(s == float("-inf"), float("inf"))
+    out = out.to(q.dtype)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge partial ``(out (n_q, H, D_v), lse (H, n_q))`` states through their natural LSEs."""
+    lses = torch.stack([s for _, s in parts])  # (S, H, n_q)
+    top = lses.amax(0)
+    top_safe = torch.where(torch.isinf(top), 0.0, top)
+    weights = torch.exp(lses - top_safe)  # (S, H, n_q), 0 for an empty partial
+    total = weights.sum(0)
+    out = sum(w.transpose(0, 1)[..., None] * o for w, (o, _) in zip(weights, parts, strict=True))
+    out = out / torch.where(total > 0, total, 1.0).transpose(0, 1)[..., None]
+    lse = torch.where(total > 0, top_safe + torch.log(torch.where(total > 0, total, 1.0)), float("-inf"))
+    return out, lse
+
+
+def flash_attn_with_kvcache(
+    q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+    cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+    window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+    return_softmax_lse=False,
+):  # fmt: skip
+    """flash-attn 2.8's ``flash_attn_with_kvcache`` (without rotary embeddings): ``q (B, N_q, H, D)``
+    against ``k_cache, v_cache (B_cache, S, H_kv, D)`` or pages with ``block_table``; ``k, v (B, N_new,
+    H_kv, D)`` written into the cache at ``cache_seqlens`` in place; ``out (B, N_q, H, D)``, with
+    ``return_softmax_lse`` ``(out, softmax_lse (B, H, N_q))``."""
+    _refuse(rotary_cos is None and rotary_sin is None, "this stand-in has no rotary embedding")
+    _refuse(block_table is None or cache_batch_idx is None, "Paged KVcache does not support cache_batch_idx")
+    window = _common(q, k_cache, window_size, 0.0)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    b_size, n_q = q.shape[0], q.shape[1]
+    if block_table is not None:
+        page = k_cache.shape[1]
+        slots = block_table.shape[1] * page
+    else:
+        slots = k_cache.shape[1]
+    seqlens = (
+        [slots] * b_size
+        if cache_seqlens is None
+        else ([int(cache_seqlens)] * b_size if isinstance(cache_seqlens, int) else cache_seqlens.tolist())
+    )
+    n_new = 0 if k is None else k.shape[1]
+    leftpad = [0] * b_size if cache_leftpad is None else cache_leftpad.tolist()
+    rows = list(range(b_size)) if cache_batch_idx is None else cache_batch_idx.tolist()
+    splits = 3 if num_splits == 0 else num_splits
+    outs, lses = [], []
+    for b in range(b_size):
+        end = seqlens[b] + n_new
+        _refuse(0 <= leftpad[b] <= seqlens[b] and end <= slots, "cache_seqlens + seqlen_new exceed the cache")
+        if block_table is not None:
+            table = block_table[b].tolist()
+            _refuse(
+                all(0 <= p < k_cache.shape[0] for p in table[: -(-end // page)]),
+                "block_table names a page that does not exist",
+            )
+            where = [(table[s // page], s % page) for s in range(end)]
+        else:
+            _refuse(0 <= rows[b] < k_cache.shape[0], "cache_batch_idx names a cache row that does not exist")
+            where = [(rows[b], s) for s in range(end)]
+        for j in range(n_new):  # the append, in place, as the library does it
+            row, slot = where[seqlens[b] + j]
+            k_cache[row, slot] = k[b, j]
+            v_cache[row, slot] = v[b, j]
+        idx = where[leftpad[b] :]
+        keys = (
+            torch.stack([k_cache[r, s] for r, s in idx]) if idx else k_cache.new_zeros(0, *k_cache.shape[2:])
+        )
+        values = (
+            torch.stack([v_cache[r, s] for r, s in idx]) if idx else v_cache.new_zeros(0, *v_cache.shape[2:])
+        )
+        n_k = len(idx)
+        # split-KV: each chunk a partial state of the same rows (its keys keep their positions)
+        keep_all, _ = _scores_mask(n_q, n_k, causal, window, q.device)
+        bounds = [(c * n_k // splits, (c + 1) * n_k // splits) for c in range(splits)]
+        slopes = _slopes(alibi_slopes, b)
+        parts = [_chunk(q[b], keys, values, a, z, keep_all, scale, softcap, slopes) for a, z in bounds]
+        out, lse = _merge_partials(parts)
+        outs.append(out)
+        lses.append(lse)
+    out = torch.stack(outs).to(q.dtype)
+    lse = torch.stack(lses)
+    lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # flash-attn 2: +inf
+    return (out, lse) if return_softmax_lse else out
+
+
+def _chunk(q, keys, values, a, z, keep_all, scale, softcap, slopes):
+    """The partial state of keys ``[a, z)``: one softmax over them in float32 (``−inf`` LSE, zero
+    output for a row that keeps none)."""
+    n_q, h, _ = q.shape
+    h_kv = keys.shape[1]
+    heads = torch.arange(h, device=q.device) // (h // h_kv)
+    s = q.float().transpose(0, 1) @ keys[a:z].float().transpose(0, 1)[heads].transpose(1, 2) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if slopes is not None:
+        n_k = keys.shape[0]
+        dist = (
+            torch.arange(a, z, device=q.device)[None, :]
+            - torch.arange(n_q, device=q.device)[:, None]
+            - (n_k - n_q)
+        )
+        s = s - slopes.float().view(h, 1, 1) * dist.abs()
+    s = s.masked_fill(~keep_all[:, a:z], float("-inf"))
+    lse = torch.logsumexp(s, -1)  # (H, n_q)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    out = p @ values[a:z].float().transpose(0, 1)[heads]
+    return out.transpose(0, 1), lse
+
+
+def merge_state(
+    v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer's ``merge_state``: ``v_x (seq_len, num_heads, head_dim)``, ``s_x (seq_len, num_heads)``
+    float32 base-2 LSEs → the merged ``(v, s)``; two empty states merge to 0 and ``−inf``."""
+    _refuse(v_a.shape == v_b.shape and s_a.shape == s_b.shape == v_a.shape[:2], "merge_state: shapes differ")
+    s_a, s_b = s_a.float(), s_b.float()
+    s_max = torch.maximum(s_a, s_b)
+    s_safe = torch.where(torch.isinf(s_max), 0.0, s_max)
+    w_a, w_b = torch.exp2(s_a - s_safe), torch.exp2(s_b - s_safe)
+    total = w_a + w_b
+    inv = torch.where(total > 0, 1.0 / torch.where(total > 0, total, 1.0), 0.0)
+    v = (w_a * inv)[..., None] * v_a.float() + (w_b * inv)[..., None] * v_b.float()
+    s = torch.where(total > 0, torch.log2(torch.where(total > 0, total, 1.0)) + s_safe, float("-inf"))
+    return v.to(v_a.dtype), s
+
+
+def fa3_flash_attn_func(
+    q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None, v_descale=None,
+    window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False,
+    sm_margin=0, return_attn_probs=False,
+):  # fmt: skip
+    """FlashAttention-3's ``flash_attn_func`` (``hopper/flash_attn_interface.py``): fp16/bf16, or
+    ``float8_e4m3fn`` q, k, v with descales ``(B, H_kv)`` (bfloat16 output); ``out (B, N_q, H, D)``,
+    with ``return_attn_probs`` ``(out, softmax_lse (B, H, N_q))`` (``−inf`` for a row without keys)."""
+    _refuse(qv is None and attention_chunk == 0, "this stand-in has no qv or attention_chunk")
+    window = _common(q, k, window_size, 0.0)
+    fp8 = q.dtype == torch.float8_e4m3fn
+    _refuse(fp8 or q_descale is None, "descales are for float8_e4m3fn inputs")
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    if fp8:
+        rep = q.shape[2] // k.shape[2]
+        ones = torch.ones(q.shape[0], k.shape[2], device=q.device)
+        dq, dk, dv = (ones if d is None else d.float() for d in (q_descale, k_descale, v_descale))
+        q = q.float() * dq.repeat_interleave(rep, dim=1)[:, None, :, None]
+        k, v = k.float() * dk[:, None, :, None], v.float() * dv[:, None, :, None]
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        out, lse = _attend(q[b], k[b], v[b], scale=scale, causal=causal, window=window, softcap=softcap,
+                           slopes=None, sink=None)  # fmt: skip
+        outs.append(out)
+        lses.append(lse)
+    out = torch.stack(outs).to(torch.bfloat16 if fp8 else q.dtype)
+    return (out, torch.stack(lses)) if return_attn_probs else out
+
+
+#: the registered controls: name → (function, api, capabilities)
+CONTROLS: dict[str, tuple[Callable[..., Any], str, KernelCapabilities]] = {
+    "control_flash_attn_func": (
+        flash_attn_func, "flash_attn_func",
+        KernelCapabilities(masks=frozenset({"causal"}), sinks=False, empty_lse=float("inf")),
+    ),
+    "control_flash_attn_varlen_func": (
+        flash_attn_varlen_func, "flash_attn_varlen_func",
+        KernelCapabilities(masks=frozenset({"causal", "key_padding"}), sinks=False, empty_lse=float("inf")),
+    ),
+    "control_flash_attn_with_kvcache": (
+        flash_attn_with_kvcache, "flash_attn_with_kvcache",
+        KernelCapabilities(
+            masks=frozenset({"causal"}), sinks=False, empty_lse=float("inf"), backward_devices=frozenset()
+        ),
+    ),
+    "control_merge_state": (
+        merge_state, "merge_state", KernelCapabilities(lse_base=2, backward_devices=frozenset()),
+    ),
+    "control_fa3_flash_attn_func": (
+        fa3_flash_attn_func, "flash_attn_func",
+        KernelCapabilities(
+            masks=frozenset({"causal"}), alibi=False, sinks=False, backward_devices=frozenset(),
+            dtypes=frozenset({torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32}),
+        ),
+    ),
+}  # fmt: skip
+
+
+def register_controls(*, overwrite: bool = True) -> list[str]:
+    """Register every control (:data:`CONTROLS`) with its api and capabilities; returns their names."""
+    for name, (fn, api, caps) in CONTROLS.items():
+        register_kernel(name, fn, api=api, capabilities=caps, overwrite=overwrite)
+    return list(CONTROLS)

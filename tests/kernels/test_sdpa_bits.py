@@ -1,0 +1,32 @@
+"""One golden: SDPA-shaped calls give the same bits through the references as before they took
+calls beyond SDPA (windows, softcap, ALiBi, sinks, LSE, varlen, paged and cached keys).
+
+The digests in ``data/sdpa_bits.json`` were recorded from the references before that change
+(``tests/kernels/_sdpa_bits.py``); matmul bits depend on the CPU's instruction set and on torch's
+version, so the comparison runs where both are those of the recording.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.kernels._sdpa_bits import digest, sdpa_outputs
+
+_RECORD = json.loads((Path(__file__).parent / "data" / "sdpa_bits.json").read_text())
+
+
+def _same_machine() -> bool:
+    here = {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    return _RECORD["meta"] == here
+
+
+@pytest.mark.skipif(not _same_machine(), reason=f"bits recorded with {_RECORD['meta']}")
+def test_sdpa_shaped_calls_keep_their_bits():
+    outputs = sdpa_outputs()
+    assert sorted(outputs) == sorted(_RECORD["digests"])
+    changed = [name for name, t in outputs.items() if digest(t) != _RECORD["digests"][name]]
+    assert not changed, f"{len(changed)} of {len(outputs)} outputs changed bits, e.g. {changed[:5]}"
