@@ -44,10 +44,12 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
         "flashprobe.bench.verdicts:main",
         "the probe's verdict on torch's kernels in training (calibration)",
     ),
-    "rules": (
-        "flashprobe.bench.rules:main",
-        "pass/fail rules compared: correct kernels failed, planted bugs caught",
-    ),
+}
+
+#: ``flashprobe bench NAME`` no longer here → what replaced it (printed as a one-line error, exit 2)
+BENCH_REPLACED: dict[str, str] = {
+    "rules": "the rules comparison is the project's evidence, not part of the installed tool: run "
+    "`python -m lab.rules` (the same options and outputs) from the root of a clone of the repository",
 }
 
 
@@ -58,11 +60,16 @@ def _usage(table: dict[str, tuple[str, str]], prog: str) -> str:
     return "\n".join(lines)
 
 
-def _dispatch(table: dict[str, tuple[str, str]], argv: list[str], prog: str) -> int:
+def _dispatch(
+    table: dict[str, tuple[str, str]], argv: list[str], prog: str, replaced: dict[str, str] | None = None
+) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage(table, prog))
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
+    if replaced and name in replaced:
+        print(f"{prog} {name}: error: {replaced[name]}", file=sys.stderr)
+        return 2
     if name not in table:
         print(f"{prog}: unknown command {name!r}\n\n{_usage(table, prog)}", file=sys.stderr)
         return 2
@@ -164,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"flashprobe {__version__} (torch {version('torch')})")
         return 0
     if args and args[0] == "bench":
-        return _dispatch(BENCH_COMMANDS, args[1:], "flashprobe bench")
+        return _dispatch(BENCH_COMMANDS, args[1:], "flashprobe bench", BENCH_REPLACED)
     table = {**COMMANDS, "bench": ("", "microbenchmarks: " + ", ".join(BENCH_COMMANDS))}
     return _dispatch(table, args, "flashprobe")
 

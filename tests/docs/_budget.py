@@ -49,10 +49,6 @@ _BUDGETS: dict[str, tuple[str, ...]] = {
     "bench bias": (*_BENCH_SHAPE, "--seq-len", "32", "--dtype", "bf16"),
     "bench fp8": ("--tiny",),
     "bench verdicts": ("--steps", "2", "--models", "t2i,gpt2"),
-    "bench rules": (
-        *("--seeds", "1", "--precision", "fp32"),
-        *("--mutants", "one_batch_wrong", "--kernels", "sdpa_math"),
-    ),
     "study": ("--runs", "flash,baseline", *HYDRA_TINY, "study.replicates=1"),
     "train": HYDRA_TINY,
     "fuzz": ("--seeds", "1", "--profile", "default"),
@@ -73,7 +69,6 @@ _OUTPUTS: dict[str, tuple[str, ...]] = {
     "bench bias": ("bias.json", "bias.csv", "bias.md", "bias.png"),
     "bench fp8": ("fp8.json", "fp8.csv", "fp8.md", "fp8_errors.png", "fp8_pcast.png"),
     "bench verdicts": ("verdicts.json", "verdicts.csv"),
-    "bench rules": ("rules.json", "rules.csv", "rules.md"),
     "study": ("study.json", "study.csv", "report.md", "fig8_wasserstein.png"),
     "compare": ("study.json", "study.csv", "fig8_wasserstein.png"),
     "fuzz": ("fuzz.json",),

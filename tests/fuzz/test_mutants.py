@@ -1,6 +1,6 @@
 """The mutation suite: every planted bug is caught by the default profile, the correct kernels are not.
 
-Oracle: kernels whose one bug is known by construction (:mod:`flashprobe.mutants`), each run on
+Oracle: kernels whose one bug is known by construction (:mod:`lab.mutants`), each run on
 the default-profile cases built to expose its class; the same kernel without a bug (``bug_none``)
 and torch's own kernels are the controls that must pass.
 """
@@ -22,8 +22,8 @@ from flashprobe.fuzz import (
 from flashprobe.fuzz.layouts import LAYOUTS
 from flashprobe.fuzz.reproducer import case_inputs, case_reproducer
 from flashprobe.kernels import unregister_kernel
-from flashprobe.mutants import MUTANTS, Catch, Mutant, correct_flash, register_mutants
 from flashprobe.probing.repro import load_reproducer, shrink_reproducer
+from lab.mutants import MUTANTS, Catch, Mutant, correct_flash, register_mutants
 
 from ._helpers import case
 

@@ -100,8 +100,8 @@ def test_trainer_callback_writes_records_and_training_is_bit_identical(tmp_path:
 @needs_accelerate
 def test_trainer_callback_stop_and_raise_on_a_buggy_kernel(tmp_path: Path) -> None:
     from flashprobe.cli import main as cli_main
-    from flashprobe.mutants import register_mutants
     from flashprobe.probing import ProbeFailureError
+    from lab.mutants import register_mutants
 
     register_mutants()
     callback = hf.AttentionProbeCallback(
@@ -164,7 +164,7 @@ def test_trainer_callback_checks_its_arguments() -> None:
 
 
 def test_llama_with_probe_kernel_attention_is_probed() -> None:
-    from flashprobe.mutants import register_mutants
+    from lab.mutants import register_mutants
 
     register_mutants()
     hf.register_attention("probe_kernel", "tiled:block_q=4,block_k=4")

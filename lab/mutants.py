@@ -2,11 +2,12 @@
 
 One registry, :data:`MUTANTS`, serves every detector of the project: the probe's tests train with
 the mutants as the primary kernel, ``flashprobe fuzz``'s tests run them on the catalogue cases
-built for their class, and ``flashprobe bench rules`` counts how many of them each pass/fail rule
+built for their class, and :mod:`lab.rules` counts how many of them each pass/fail rule
 catches. Each :class:`Mutant` has a name, its bug class in words kernel authors use, the
 directions it breaks (``out``, ``dq``, ``dk``, ``dv``), what it needs to fire, a small call that
 fires it and one that does not (:class:`Case`), and the fuzz cases that catch it (:class:`Catch`).
-:func:`register_mutants` registers them as ``bug_<name>``; :func:`correct_flash` (the same code
+:func:`register_mutants` registers them as ``bug_<name>`` (importing this module does, so the
+commands take ``--import lab.mutants`` from the repository's root); :func:`correct_flash` (the same code
 path with no bug) as ``bug_none``; :data:`CORRECT`, correct kernels with production numerics (the
 flash-style backward, exp2 with the scale folded into log2(e), split-K with a log-sum-exp
 combine), as ``ok_<name>``. :func:`blockwise_attention` is a correct kernel written as Triton
@@ -50,7 +51,7 @@ from typing import Any, Literal
 
 import torch
 
-from flashprobe.kernels import KernelCapabilities, default_scale, math_attention
+from flashprobe.kernels import KernelCapabilities, default_scale, math_attention, register_kernel
 
 __all__ = [
     "CORRECT",
@@ -1311,10 +1312,11 @@ MUTANTS: dict[str, Mutant] = {
 def register_mutants() -> list[str]:
     """Register every mutant as ``bug_<name>``, :func:`correct_flash` as ``bug_none`` and the
     :data:`CORRECT` kernels as ``ok_<name>`` (replacing earlier registrations); returns the names."""
-    from flashprobe import register_kernel
-
     kernels = [(f"bug_{m.name}", m.fn, m.capabilities) for m in MUTANTS.values()]
     kernels += [("bug_none", correct_flash, None), *((f"ok_{n}", fn, None) for n, fn in CORRECT.items())]
     for name, fn, capabilities in kernels:
         register_kernel(name, fn, capabilities=capabilities, overwrite=True)
     return [name for name, _, _ in kernels]
+
+
+register_mutants()  # ``--import lab.mutants``: the suite's kernels by name
