@@ -18,6 +18,7 @@ from flashprobe.kernels._inputs import (
     to_dtype,
 )
 from flashprobe.kernels.flash_attn import flash_attn_attention
+from flashprobe.kernels.flash_form import FlashForm, FlashFormCall, flash_form_attention
 from flashprobe.kernels.flashinfer import flashinfer_attention
 from flashprobe.kernels.flex import flex_attention_kernel
 from flashprobe.kernels.math import golden_attention, math_attention
@@ -66,6 +67,8 @@ __all__ = [
     "PRESETS",
     "UPDATES",
     "AttentionFn",
+    "FlashForm",
+    "FlashFormCall",
     "Kernel",
     "KernelAvailability",
     "KernelCapabilities",
@@ -84,6 +87,7 @@ __all__ = [
     "default_scale",
     "dtype_name",
     "flash_attn_attention",
+    "flash_form_attention",
     "flashinfer_attention",
     "flex_attention_kernel",
     "get_kernel",
