@@ -10,7 +10,6 @@ Commands (one module each):
 * :mod:`~flashprobe.bench.tiles` — deviation vs tile size, block order and tile shape (Fig 6);
 * :mod:`~flashprobe.bench.speed` — time and peak memory of kernels vs ``math``;
 * :mod:`~flashprobe.bench.overhead` — training-step overhead of the shadow probe, against upper limits;
-* :mod:`~flashprobe.bench.wasserstein` — flashprobe's torch Wasserstein distance vs scipy's;
 * :mod:`~flashprobe.bench.bias` — signed (biased) error on repeated row maxima (Qiu & Yao), and the
   ``tiled:max_shift=repeated`` mitigation.
 * :mod:`~flashprobe.bench.fp8` — FP8 attention variants vs the FP64 golden value, and the P-cast
