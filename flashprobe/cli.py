@@ -55,18 +55,38 @@ BENCH_REPLACED: dict[str, str] = {
 }
 
 
-def _usage(table: dict[str, tuple[str, str]], prog: str) -> str:
+#: what ``flashprobe --help`` says first: what the tool is, and its Python entry point
+ABOUT = """\
+flashprobe: is this attention kernel numerically safe to train with? It compares a kernel with plain
+attention in the same dtype and with its float64 value, and gives a verdict (pass/fail per layer and
+direction, forward and backward).
+
+In your own training, in Python:
+    from flashprobe import probe
+    with probe(model) as p:          # your model, unchanged: every attention call is compared
+        ...                          # train as usual
+    print(p.summary()["verdict"])
+(docs/probe.md). The commands: the embedded model trained with the probe and the paper's study of the
+weights (train, study, compare, report), adversarial cases for any kernel (fuzz), a saved failing call
+(replay), the kernels that run here (kernels) and the microbenchmarks (bench)."""
+
+
+def _usage(table: dict[str, tuple[str, str]], prog: str, about: str = "") -> str:
     width = max(len(n) for n in table)
-    lines = [f"usage: {prog} COMMAND [ARGS...]", "", "commands:"]
+    lines = [f"usage: {prog} COMMAND [ARGS...]", "", *([about, ""] if about else []), "commands:"]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in table.items()]
     return "\n".join(lines)
 
 
 def _dispatch(
-    table: dict[str, tuple[str, str]], argv: list[str], prog: str, replaced: dict[str, str] | None = None
+    table: dict[str, tuple[str, str]],
+    argv: list[str],
+    prog: str,
+    replaced: dict[str, str] | None = None,
+    about: str = "",
 ) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print(_usage(table, prog))
+        print(_usage(table, prog, about))
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if replaced and name in replaced:
@@ -175,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args and args[0] == "bench":
         return _dispatch(BENCH_COMMANDS, args[1:], "flashprobe bench", BENCH_REPLACED)
     table = {**COMMANDS, "bench": ("", "microbenchmarks: " + ", ".join(BENCH_COMMANDS))}
-    return _dispatch(table, args, "flashprobe")
+    return _dispatch(table, args, "flashprobe", about=ABOUT)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashprobe.cli import main as cli_main
 from lab.mutants import MUTANTS, correct_flash
 from lab.rules import CALLS, RULES, peer_failures, run_rules
 from lab.rules import main as rules_main
@@ -123,15 +122,6 @@ def test_the_command_writes_json_csv_and_the_markdown_table(tmp_path: Path) -> N
 @pytest.mark.parametrize("seeds", ["0", "-1"])
 def test_bad_seeds_are_refused(seeds: str, tmp_path: Path) -> None:
     assert rules_main(["--seeds", seeds, "--out", str(tmp_path)]) == 2
-
-
-def test_flashprobe_bench_rules_names_its_replacement(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert cli_main(["bench", "rules", "--seeds", "1", "--out", str(tmp_path)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "python -m lab.rules" in err[0], err
-    assert not any(tmp_path.iterdir())
 
 
 def test_python_m_lab_rules_runs_from_the_repository_root(tmp_path: Path) -> None:

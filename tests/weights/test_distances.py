@@ -156,11 +156,3 @@ def test_equal_sizes_are_the_mean_gap_of_the_sorted_samples() -> None:
     assert got == pytest.approx(scipy.stats.wasserstein_distance(u, v), rel=1e-12)
     with pytest.raises(ValueError, match="one size, got 3 and 2"):
         wasserstein_sorted(torch.zeros(3, dtype=torch.float64), torch.zeros(2, dtype=torch.float64))
-
-
-def test_bench_wasserstein_names_what_replaced_it(capsys: pytest.CaptureFixture[str]) -> None:
-    from flashprobe.cli import main
-
-    assert main(["bench", "wasserstein", "--sizes", "1000"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "scipy.stats.wasserstein_distance" in err[0], err
