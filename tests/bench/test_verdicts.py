@@ -47,6 +47,9 @@ def test_a_truncating_kernel_reads_biased_and_fails_no_call(tmp_path: Path) -> N
     """GPT-2 in bf16, 12 steps (96 replicates per site): the output's bias is toward zero at every
     site; torch's own kernel on the same run is not biased."""
     pytest.importorskip("transformers")
+    from lab.mutants import register_mutants
+
+    register_mutants()  # in this process lab.mutants may be imported already (--import registers once)
     argv = ["bench", "verdicts", "--steps", "12", "--models", "gpt2", "--precision", "bf16"]
     argv += ["--import", "lab.mutants", "--kernel", "model", "--kernel", "bug_output_truncated"]
     argv += ["--out", str(tmp_path)]
