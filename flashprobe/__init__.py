@@ -1,28 +1,30 @@
 """flashprobe: is this attention kernel numerically safe to train with?
 
-Four tools, following *Is Flash Attention Stable?* (Golden et al., 2024, arXiv 2405.02803):
-a precision microbenchmark with a re-implementation of FlashAttention (:mod:`flashprobe.bench`),
-a shadow probe that compares kernels at every attention call in training (:mod:`flashprobe.probing`),
-weight-deviation bounds across runs (:mod:`flashprobe.weights`), and kernel edge-case fuzzing.
+Following *Is Flash Attention Stable?* (Golden et al., 2024, arXiv 2405.02803), flashprobe compares
+an attention kernel with plain attention in the same dtype and with its float64 value, and gives a
+verdict. ``__all__`` lists the names of its tasks:
 
-The library's five entry points are ``from flashprobe import probe, ProbeConfig, check_kernel,
-save_snapshot, compare_runs``. Every name here is a function or a class, never a module:
-``flashprobe.probe`` is the :func:`~flashprobe.probing.probe` context manager (the probe's package is
-:mod:`flashprobe.probing`; its old path ``flashprobe.probe.*`` still imports for one release, with a
-``DeprecationWarning``), and ``flashprobe.deviation`` is the module of the deviation statistics (its
-function is ``flashprobe.deviation.deviation``).
+* probe a model in training: ``with probe(model) as p: ...; p.summary()`` (:func:`probe`,
+  :class:`ProbeConfig`; :class:`ShadowAttention` in place of SDPA; :func:`use_kernel` to route a
+  model's attention to a kernel without statistics);
+* check a kernel on adversarial cases: :func:`check_kernel` (:class:`KernelCheck`), as ``flashprobe
+  fuzz`` does;
+* bring a kernel: :func:`register_kernel` with its :class:`KernelCapabilities`, :func:`get_kernel`,
+  :func:`available_kernels`, the references :func:`math_attention` and :func:`golden_attention`, and
+  the errors a kernel raises or is refused with;
+* compare the weights of runs: :func:`save_snapshot`, :class:`SnapshotStore`, :func:`compare_runs`.
 
-The public names below are imported on first use, so ``import flashprobe.kernels`` (and commands
-such as ``flashprobe kernels``) do not pay for the probe's import of ``torch._dynamo``.
+The names are imported on first use, so ``import flashprobe.kernels`` (and ``flashprobe --help``)
+do not pay for the probe's import of ``torch._dynamo`` and the fuzzer's. Packages:
+:mod:`flashprobe.kernels`, :mod:`flashprobe.probing`, :mod:`flashprobe.fuzz`,
+:mod:`flashprobe.weights`, :mod:`flashprobe.bench` (the microbenchmarks), :mod:`flashprobe.deviation`
+(the deviation statistics) and :mod:`flashprobe.judge` (the verdict's rule).
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
 from typing import TYPE_CHECKING, Any
-
-from flashprobe import _renamed
 
 if TYPE_CHECKING:
     from flashprobe.deviation import Deviation, error_ratio
@@ -52,9 +54,10 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-#: public name → the module that defines it
+#: public name → the module that defines it (imported on first use)
 _PUBLIC: dict[str, str] = {
-    **dict.fromkeys(("Deviation", "error_ratio"), "flashprobe.deviation"),
+    **dict.fromkeys(("ProbeConfig", "ShadowAttention", "probe", "use_kernel"), "flashprobe.probing"),
+    **dict.fromkeys(("KernelCheck", "check_kernel"), "flashprobe.fuzz.check"),
     **dict.fromkeys(
         (
             "Kernel",
@@ -72,22 +75,15 @@ _PUBLIC: dict[str, str] = {
         ),
         "flashprobe.kernels",
     ),
-    **dict.fromkeys(("KernelCheck", "check_kernel"), "flashprobe.fuzz.check"),
-    **dict.fromkeys(("ProbeConfig", "ShadowAttention", "probe", "use_kernel"), "flashprobe.probing"),
     **dict.fromkeys(
         ("SnapshotStore", "compare_runs", "max_abs_diff", "save_snapshot", "wasserstein_distance"),
         "flashprobe.weights",
     ),
+    **dict.fromkeys(("Deviation", "error_ratio"), "flashprobe.deviation"),
 }
 
 
-#: submodules that ``flashprobe.<name>`` imports on first use, as a public name is
-_MODULES = ("deviation",)
-
-
 def __getattr__(name: str) -> Any:
-    if name in _MODULES:
-        return importlib.import_module(f"{__name__}.{name}")
     if name not in _PUBLIC:
         raise AttributeError(f"module 'flashprobe' has no attribute {name!r}")
     value = getattr(importlib.import_module(_PUBLIC[name]), name)
@@ -96,37 +92,39 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_PUBLIC, *_MODULES})
+    return sorted({*globals(), *_PUBLIC})
 
 
-_renamed.install(sys.modules[__name__])
-
-
-__all__ = [
-    "Deviation",
+__all__ = [  # noqa: RUF022  (grouped by task, not sorted)
+    # probe a model in training
+    "ProbeConfig",
+    "ShadowAttention",
+    "probe",
+    "use_kernel",
+    # check a kernel on adversarial cases
+    "KernelCheck",
+    "check_kernel",
+    # bring a kernel
     "Kernel",
     "KernelCapabilities",
-    "KernelCheck",
     "KernelInputError",
     "KernelSpecError",
     "KernelUnavailableError",
     "KernelUnsupportedError",
-    "ProbeConfig",
-    "ShadowAttention",
-    "SnapshotStore",
-    "__version__",
     "available_kernels",
-    "check_kernel",
-    "compare_runs",
-    "error_ratio",
     "get_kernel",
     "golden_attention",
     "math_attention",
-    "max_abs_diff",
-    "probe",
     "register_kernel",
-    "save_snapshot",
     "tiled_attention",
-    "use_kernel",
+    # compare the weights of runs
+    "SnapshotStore",
+    "compare_runs",
+    "max_abs_diff",
+    "save_snapshot",
     "wasserstein_distance",
+    # the deviation statistics
+    "Deviation",
+    "error_ratio",
+    "__version__",
 ]

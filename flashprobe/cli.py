@@ -34,7 +34,6 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "paper": ("flashprobe.bench.paper:main", "measure and judge every microbenchmark claim (Figs 3–6)"),
     "speed": ("flashprobe.bench.speed:main", "time and peak memory of kernels vs math"),
     "overhead": ("flashprobe.bench.overhead:main", "training-step overhead of the shadow probe"),
-    "wasserstein": ("flashprobe.bench.wasserstein:main", "torch Wasserstein distance vs scipy"),
     "bias": ("flashprobe.bench.bias:main", "signed (biased) error on repeated row maxima (Qiu & Yao)"),
     "fp8": (
         "flashprobe.bench.fp8:main",
@@ -44,25 +43,55 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
         "flashprobe.bench.verdicts:main",
         "the probe's verdict on torch's kernels in training (calibration)",
     ),
-    "rules": (
-        "flashprobe.bench.rules:main",
-        "pass/fail rules compared: correct kernels failed, planted bugs caught",
-    ),
+}
+
+#: ``flashprobe bench NAME`` no longer here → what replaced it (printed as a one-line error, exit 2)
+BENCH_REPLACED: dict[str, str] = {
+    "rules": "the rules comparison is the project's evidence, not part of the installed tool: run "
+    "`python -m lab.rules` (the same options and outputs) from the root of a clone of the repository",
+    "wasserstein": "removed: flashprobe's Wasserstein distance is scipy.stats.wasserstein_distance (computed "
+    "by scipy, except mean |sort(u) - sort(v)| for two unweighted samples of one size), checked against "
+    "scipy in the test suite (tests/weights/test_distances.py); time scipy's directly",
 }
 
 
-def _usage(table: dict[str, tuple[str, str]], prog: str) -> str:
+#: what ``flashprobe --help`` says first: what the tool is, and its Python entry point
+ABOUT = """\
+flashprobe: is this attention kernel numerically safe to train with? It compares a kernel with plain
+attention in the same dtype and with its float64 value, and gives a verdict (pass/fail per layer and
+direction, forward and backward).
+
+In your own training, in Python:
+    from flashprobe import probe
+    with probe(model) as p:          # your model, unchanged: every attention call is compared
+        ...                          # train as usual
+    print(p.summary()["verdict"])
+(docs/probe.md). The commands: the embedded model trained with the probe and the paper's study of the
+weights (train, study, compare, report), adversarial cases for any kernel (fuzz), a saved failing call
+(replay), the kernels that run here (kernels) and the microbenchmarks (bench)."""
+
+
+def _usage(table: dict[str, tuple[str, str]], prog: str, about: str = "") -> str:
     width = max(len(n) for n in table)
-    lines = [f"usage: {prog} COMMAND [ARGS...]", "", "commands:"]
+    lines = [f"usage: {prog} COMMAND [ARGS...]", "", *([about, ""] if about else []), "commands:"]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in table.items()]
     return "\n".join(lines)
 
 
-def _dispatch(table: dict[str, tuple[str, str]], argv: list[str], prog: str) -> int:
+def _dispatch(
+    table: dict[str, tuple[str, str]],
+    argv: list[str],
+    prog: str,
+    replaced: dict[str, str] | None = None,
+    about: str = "",
+) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print(_usage(table, prog))
+        print(_usage(table, prog, about))
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
+    if replaced and name in replaced:
+        print(f"{prog} {name}: error: {replaced[name]}", file=sys.stderr)
+        return 2
     if name not in table:
         print(f"{prog}: unknown command {name!r}\n\n{_usage(table, prog)}", file=sys.stderr)
         return 2
@@ -164,9 +193,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"flashprobe {__version__} (torch {version('torch')})")
         return 0
     if args and args[0] == "bench":
-        return _dispatch(BENCH_COMMANDS, args[1:], "flashprobe bench")
+        return _dispatch(BENCH_COMMANDS, args[1:], "flashprobe bench", BENCH_REPLACED)
     table = {**COMMANDS, "bench": ("", "microbenchmarks: " + ", ".join(BENCH_COMMANDS))}
-    return _dispatch(table, args, "flashprobe")
+    return _dispatch(table, args, "flashprobe", about=ABOUT)
 
 
 if __name__ == "__main__":

@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
-from flashprobe.kernels import available_kernels, unregister_kernel
+from flashprobe.kernels import KernelSpecError, available_kernels, unregister_kernel
 
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_kernel_registered_by_an_imported_module() -> None:
+    """Every test starts from the built-in registry, as a fresh process does: the kernels a module
+    registered when the test modules were imported (``lab.mutants`` registers the mutation suite, for
+    ``--import lab.mutants``) are removed before the first test; tests register what they use."""
+    for name in available_kernels():
+        with contextlib.suppress(KernelSpecError):  # a built-in kernel stays
+            unregister_kernel(name)
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import torch
 from flashprobe.bias import BIAS_TOLERANCE, BIAS_Z_LIMIT, BiasStats
 from flashprobe.kernels import get_kernel
 from flashprobe.kernels.math import golden_attention
-from flashprobe.mutants import output_truncated
+from lab.mutants import output_truncated
 
 
 def _oracle(primary: np.ndarray, golden: np.ndarray, baseline: np.ndarray) -> np.ndarray:

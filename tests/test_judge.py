@@ -26,7 +26,7 @@ from flashprobe.judge import (
 )
 from flashprobe.kernels import get_kernel, math_attention
 from flashprobe.kernels.reference import reference_input_gradients
-from flashprobe.mutants import CORRECT, MUTANTS, delta_dropped, kv_tile_zeroed
+from lab.mutants import CORRECT, MUTANTS, delta_dropped, kv_tile_zeroed
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DIRECTIONS = ("out", "dq", "dk", "dv")

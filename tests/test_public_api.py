@@ -1,8 +1,7 @@
-"""The library API's top-level names are functions and classes, not modules, and are listed in
+"""The library API's top-level names are functions and classes, not modules, listed by task in
 ``flashprobe.__all__``: ``from flashprobe import probe, ProbeConfig, check_kernel, save_snapshot,
-compare_runs``. The probe's package moved from ``flashprobe.probe`` to ``flashprobe.probing``; the old
-paths import the same objects with a ``DeprecationWarning`` (checked in a fresh interpreter, where
-nothing is imported yet)."""
+compare_runs``. ``import flashprobe`` imports none of them (nor torch) until one is used, checked in a
+fresh interpreter, where nothing is imported yet."""
 
 from __future__ import annotations
 
@@ -44,34 +43,24 @@ def _fresh(code: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_old_probe_paths_import_the_same_objects_with_a_deprecation_warning() -> None:
+def test_import_flashprobe_imports_no_task_until_one_is_used() -> None:
     done = _fresh(
         """
-        import inspect, sys, warnings
+        import sys
         import flashprobe
-        from flashprobe import probe
-        import flashprobe.probing.config as config, flashprobe.probing.stats as stats
-
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            from flashprobe.probe import ProbeConfig, probe as old_probe
-            from flashprobe.probe.config import ProbeConfig as deep
-            from flashprobe.probe.stats import DeviationStats
-            import flashprobe.probe.shadow
-        assert ProbeConfig is deep is config.ProbeConfig and DeviationStats is stats.DeviationStats
-        assert old_probe is probe
-        assert sys.modules["flashprobe.probe.shadow"] is sys.modules["flashprobe.probing.shadow"]
-        assert sys.modules["flashprobe.probe.config"].__spec__.name == "flashprobe.probing.config"
-        old = [str(w.message) for w in caught if w.category is DeprecationWarning]
-        assert len(old) == 4 and all("flashprobe.probing" in m for m in old), old
-        assert all(w.filename == "<string>" for w in caught)  # the warning names the importing line
-        # importing the old package did not hide the function behind it
-        assert flashprobe.probe is probe and inspect.isfunction(flashprobe.probe)
-        from flashprobe import probe as again
-        assert again is probe
+        assert "torch" not in sys.modules and "flashprobe.probing" not in sys.modules, sorted(sys.modules)
+        probe = flashprobe.probe
+        assert "flashprobe.probing" in sys.modules and "flashprobe.fuzz" not in sys.modules
+        assert flashprobe.probe is probe and "probe" in dir(flashprobe)
         """
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_old_probe_package_path_is_gone() -> None:
+    """``flashprobe.probe`` is the function; the probe's package is ``flashprobe.probing``."""
+    done = _fresh("import flashprobe.probe.config")
+    assert done.returncode == 1 and "No module named 'flashprobe.probe'" in done.stderr, done.stderr
 
 
 def test_new_paths_import_without_a_warning() -> None:

@@ -305,6 +305,8 @@ def run_cli(
     parser: argparse.ArgumentParser,
     run: Callable[[argparse.Namespace], int],
     argv: Sequence[str] | None,
+    *,
+    command: str | None = None,
 ) -> int:
     """Parse ``argv``, check ``--out``, and call ``run(args)``; bad input prints one error and returns 2.
 
@@ -319,6 +321,8 @@ def run_cli(
         parser: the command's parser.
         run: the command body.
         argv: arguments (default ``sys.argv[1:]``).
+        command: how the command is typed, for ``args.command_line`` and the error line (default
+            ``flashprobe bench NAME``).
 
     Returns:
         The exit code: ``run``'s, 0 for ``--help``, 2 for bad input.
@@ -328,7 +332,8 @@ def run_cli(
         args = parser.parse_args(argv)
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 2
-    args.command_line = shlex.join(["flashprobe", "bench", name, *argv])
+    command = command or f"flashprobe bench {name}"
+    args.command_line = shlex.join([*command.split(), *argv])
     if getattr(args, "kernel", "absent") is None:
         args.kernel = list(args.kernel_default)
     try:
@@ -337,5 +342,5 @@ def run_cli(
             args.out = check_output_dir(args.out, flag="--out")
         return run(args)
     except _INPUT_ERRORS as err:
-        print(f"flashprobe bench {name}: error: {err}", file=sys.stderr)
+        print(f"{command}: error: {err}", file=sys.stderr)
         return 2

@@ -7,7 +7,8 @@ low-rank rows the error reaches ``δ = rowsum(dO ∘ O)`` and from there every w
 same way, step after step. Their mitigation, where the maximum repeats, shifts the row max
 (``tiled:max_shift=repeated``).
 
-The inputs (:func:`bias_inputs`, float64, cast to each dtype) have, per batch entry and head:
+The inputs (:func:`flashprobe.fuzz.inputs.bias_inputs`, float64, cast to each dtype; the fuzzer's
+``bias_repeated_max`` case draws them too) have, per batch entry and head:
 
 * **repeated** maxima: ``ties`` keys share one key vector except for a few ulps in two
   coordinates the queries weight equally, so their scores lie within 1e-3 below the row max
@@ -51,11 +52,12 @@ from flashprobe.bench.inputs import Shape
 from flashprobe.bench.results import format_table, write_results, wrote_line
 from flashprobe.bias import BIAS_TOLERANCE, BIAS_Z_LIMIT, COMPONENTS, BiasStats
 from flashprobe.formats.atomic import atomic_write_text
+from flashprobe.fuzz.inputs import bias_inputs
 from flashprobe.kernels import Kernel, KernelUnavailableError, get_kernel
 from flashprobe.kernels._inputs import dtype_name
 from flashprobe.kernels.math import golden_attention
 
-__all__ = ["DEFAULT_KERNELS", "INPUT_KINDS", "QUANTITIES", "bias_inputs", "bias_rows", "main"]
+__all__ = ["DEFAULT_KERNELS", "INPUT_KINDS", "QUANTITIES", "bias_rows", "main"]
 
 #: The baseline, the re-implementation at both presets, torch's CPU kernels, and the mitigation.
 DEFAULT_KERNELS = (
@@ -71,9 +73,6 @@ DEFAULT_KERNELS = (
 INPUT_KINDS = ("repeated", "control")
 #: What is compared with the golden value.
 QUANTITIES = ("out", "delta", "dweight")
-#: Scores of the tied keys lie this far below the row max at most (the paper's 1e-3).
-TIE_WIDTH = 1e-3
-_NOISE = 0.1  # spread of the similar low-rank rows around their shared vector
 
 _COLUMNS = (
     ("inputs", "inputs"),
@@ -87,52 +86,6 @@ _COLUMNS = (
     ("seed_signs", "seeds +/-"),
     ("verdict", "verdict"),
 )
-
-
-def bias_inputs(shape: Shape, seed: int, *, repeated: bool, ties: int = 16) -> dict[str, torch.Tensor]:
-    """Float64 ``q, k, v, do, x`` (each ``(B, H, N, D)``) with or without repeated row maxima.
-
-    Per (batch entry, head), with ``c`` the power of two for which one bf16 ulp of a unit
-    coordinate moves a score by at most ``TIE_WIDTH / 2``: queries are ``[c, c, q̄ + noise]``
-    (``q̄ = |N(0, I)|``, so the low-rank direction a weight gradient's error takes is positive); a
-    key ``k*`` = ``[1, 1, …]`` scores ``T ~ U(2, 6)``; ``ties`` keys (1 for the control) equal
-    ``k*`` except that its first two coordinates are lowered by 0–2 ulps in total (the first
-    of them by none: the max itself); other keys are ``N(0, 0.5²)``. ``v``, ``do`` and ``x``
-    are a shared vector (``v``'s negative, as in the paper; ``do``'s and ``x``'s positive) plus
-    10 % noise. All values that set a tie are exact in bf16 and fp16.
-    """
-    b, h, n, d = shape.dims
-    if d < 3:
-        raise BenchArgumentError(f"--head-dim must be at least 3 for bias inputs, got {d}")
-    ties = ties if repeated else 1
-    if not 1 <= ties <= n:
-        raise BenchArgumentError(f"--ties must be between 2 and --seq-len ({n}), got {ties}")
-    gen = torch.Generator().manual_seed(seed)
-    f64 = torch.float64
-
-    def draw(*size: int) -> torch.Tensor:
-        return torch.randn(*size, generator=gen, dtype=f64)
-
-    scale = d**-0.5
-    c = 2.0 ** math.floor(math.log2(TIE_WIDTH / 2 * 2**8 / scale))
-    q_bar = draw(b, h, 1, d - 2).abs()
-    q = torch.cat([torch.full((b, h, n, 2), c, dtype=f64), q_bar + _NOISE * 3 * draw(b, h, n, d - 2)], -1)
-    top = 2 + 4 * torch.rand(b, h, 1, 1, generator=gen, dtype=f64)
-    rest = q_bar * (top / scale - 2 * c) / q_bar.square().sum(-1, keepdim=True)
-    k_star = torch.cat([torch.ones(b, h, 1, 2, dtype=f64), rest], -1)  # (B, H, 1, D)
-    k = 0.5 * draw(b, h, n, d)
-    ulps = torch.randint(0, 3, (b, h, ties, 2), generator=gen).to(f64)
-    ulps[..., 1] = torch.minimum(ulps[..., 1], 2 - ulps[..., 0])
-    ulps[:, :, 0] = 0
-    tied = k_star.expand(b, h, ties, d).clone()
-    tied[..., :2] -= ulps * 2.0**-8
-    k[:, :, :ties] = tied
-
-    def similar(sign: float) -> torch.Tensor:
-        shared = sign * (0.5 + torch.rand(b, h, 1, d, generator=gen, dtype=f64))
-        return shared + _NOISE * draw(b, h, n, d)
-
-    return {"q": q, "k": k, "v": similar(-1.0), "do": similar(1.0), "x": similar(1.0)}
 
 
 def _key_weight_grad(
@@ -213,7 +166,7 @@ def _measure(
     measured: _Measured = {}
     unavailable: set[str] = set()
     for seed in seeds:
-        inputs = bias_inputs(shape, seed, repeated=kind == "repeated", ties=ties)
+        inputs = bias_inputs(shape.dims, seed, repeated=kind == "repeated", ties=ties)
         cast = {name: t.to(device, dtype) for name, t in inputs.items() if name != "x"}
         args = (cast["q"], cast["k"], cast["v"])
         golden = _quantities(golden_attention(*(t.double() for t in args)), inputs, cast)
@@ -386,10 +339,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.ties < 2:
         raise BenchArgumentError(f"--ties must be at least 2 (repeated maxima), got {args.ties}")
     shape = Shape(batch=args.batch, heads=args.heads, seq_len=args.seq_len, head_dim=args.head_dim)
+    if shape.head_dim < 3:
+        raise BenchArgumentError(f"--head-dim must be at least 3 for bias inputs, got {shape.head_dim}")
+    if args.ties > shape.seq_len:
+        raise BenchArgumentError(f"--ties must be between 2 and --seq-len ({shape.seq_len}), got {args.ties}")
     kernels = parse_kernels(args.kernel)
     dtypes = parse_dtypes(args.dtype)
     device = parse_device(args.device)
-    bias_inputs(shape, seeds[0], repeated=True, ties=args.ties)  # bad shapes fail before any work
     start = time.perf_counter()
     rows, skipped = bias_rows(
         shape, kernels=kernels, dtypes=dtypes, seeds=seeds, ties=args.ties, device=device

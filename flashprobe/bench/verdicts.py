@@ -20,10 +20,11 @@ mean's excess over the tolerance, with its sign), and how many (site, direction)
 ``biased`` (``|z| ≥ 5``); a biased pair fails the row as a failed call does.
 
 ``--kernel SPEC`` (repeatable; default ``model``: the models' own SDPA) makes a kernel spec the
-primary (the probe's ``primary``): any registered kernel, or a mutant of the suite
-(:mod:`flashprobe.mutants`) by its registered name ``bug_<name>`` (e.g. ``bug_output_truncated``,
-the output rounded toward zero, which no per-call rule can see but the bias does) or a correct one
-``ok_<name>``. Each kernel gets its rows.
+primary (the probe's ``primary``): any registered kernel (``--import MODULE`` registers a user's),
+e.g. with ``--import lab.mutants`` from the repository's root, a mutant of the project's suite by
+its registered name ``bug_<name>`` (e.g. ``bug_output_truncated``, the output rounded toward zero,
+which no per-call rule can see but the bias does) or a correct one ``ok_<name>``. Each kernel gets
+its rows.
 
 Models (``--models``): ``gpt2``, ``llama`` (grouped-query attention, left padding), ``bert``
 (padding, attention dropout 0 so gradients are judged), ``vit``, ``unet`` (diffusers
@@ -52,6 +53,7 @@ from flashprobe.bench.results import format_table, write_results, wrote_line
 from flashprobe.bench.tiny_models import MODELS
 from flashprobe.bias import BIAS_TOLERANCE, BIAS_Z_LIMIT, COMPONENTS
 from flashprobe.judge import DIRECTIONS, LIMITS
+from flashprobe.kernels import add_import_option, get_kernel, import_kernel_modules
 from flashprobe.probing.stats import site_directions
 
 __all__ = ["MODELS", "MODEL_KERNEL", "calibrate", "main"]
@@ -76,7 +78,7 @@ def calibrate(
         steps: AdamW steps.
         seed: the model's initialisation seed.
         kernel: the primary's kernel spec (None: the model's own torch SDPA); mutants of the suite
-            must be registered first (:func:`flashprobe.mutants.register_mutants`).
+            must be registered first (``import lab.mutants``).
     """
     from flashprobe.probing import probe
 
@@ -214,9 +216,10 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         metavar="SPEC",
         help=f"primary kernel spec, repeatable (default: {MODEL_KERNEL}, the models' own SDPA); e.g. "
-        "tiled:preset=fa2, or a mutant of the suite: bug_output_truncated",
+        "tiled:preset=fa2, or a kernel --import registers (with --import lab.mutants: bug_output_truncated)",
     )
     p.set_defaults(kernel_default=[MODEL_KERNEL])
+    add_import_option(p)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument(
         "--check", action="store_true", help="exit with 1 when any call failed or a site read biased"
@@ -247,6 +250,7 @@ def _run(args: argparse.Namespace) -> int:
                 f"--models {','.join(third_party)} needs {package}: pip install 'flashprobe[integration]' "
                 "(or --models t2i)"
             ) from None
+    import_kernel_modules(args.imports or [])
     for spec in args.kernel:
         _resolve(spec)
     start = time.perf_counter()
@@ -281,22 +285,17 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _resolve(spec: str) -> None:
-    """Refuse an unknown ``--kernel`` before any work; the suite's ``bug_``/``ok_`` names are
-    registered first."""
-    from flashprobe.kernels import get_kernel
-
+    """Refuse an unknown ``--kernel`` before any work."""
     if spec == MODEL_KERNEL:
         return
-    if spec.startswith(("bug_", "ok_")):
-        from flashprobe.mutants import register_mutants
-
-        register_mutants()
     try:
         get_kernel(spec)
     except (KeyError, ValueError) as e:
+        suite = spec.startswith(("bug_", "ok_"))
+        also = " (the project's mutants: --import lab.mutants from the repository's root)" if suite else ""
         raise BenchArgumentError(
-            f"--kernel {spec!r}: {e}; or {MODEL_KERNEL} (the models' own SDPA), or a mutant of the "
-            "suite as bug_<name> (flashprobe.mutants)"
+            f"--kernel {spec!r}: {e}; or {MODEL_KERNEL} (the models' own SDPA), or a kernel --import "
+            f"MODULE registers{also}"
         ) from None
 
 

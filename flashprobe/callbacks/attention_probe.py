@@ -191,7 +191,9 @@ class AttentionProbe(SessionCallback, Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Steps probed since the last logging step (e.g. max_epochs runs) are not lost.
-        self.session.finish(trainer.global_step)
+        from flashprobe.report.probe_figures import plot_probe  # matplotlib: imported at the end only
+
+        self.session.finish(trainer.global_step, draw=plot_probe)
 
     def _log_to_loggers(
         self, trainer: pl.Trainer, stats: dict[str, Any], summary: dict[str, Any], step: int

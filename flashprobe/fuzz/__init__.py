@@ -13,7 +13,6 @@ long-context training.
   :func:`judge_gradients`, :func:`check_output` (the rule itself is :mod:`flashprobe.judge`);
 * :mod:`~flashprobe.fuzz.references` — golden, baseline noise and floor of a case, and of its
   gradients;
-* :mod:`~flashprobe.fuzz.flash_form` — the baseline's flash-form backward (a noise form);
 * :mod:`~flashprobe.fuzz.kernel_call` — calling a kernel on copies of a case's inputs;
 * :mod:`~flashprobe.fuzz.run` — :class:`FuzzResult`, :func:`check_case`, :func:`run_catalogue`;
 * :mod:`~flashprobe.fuzz.search` — :func:`random_search` (its failures shrunk by
@@ -35,7 +34,6 @@ from flashprobe.fuzz.cases import (
     select_cases,
 )
 from flashprobe.fuzz.fit import FittedInputs, NotApplicableError, fit_inputs
-from flashprobe.fuzz.flash_form import flash_form_attention
 from flashprobe.fuzz.inputs import CaseInputs, UnrepresentableCaseError
 from flashprobe.fuzz.kernel_call import KernelCall, call_kernel, kernel_label
 from flashprobe.fuzz.layouts import LAYOUTS, apply_layout
@@ -101,7 +99,6 @@ __all__ = [
     "coverage",
     "exact_logit_qk",
     "fit_inputs",
-    "flash_form_attention",
     "grad_output",
     "gradient_references",
     "judge",

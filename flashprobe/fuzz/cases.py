@@ -36,8 +36,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from flashprobe.bench.bias import bias_inputs
-from flashprobe.bench.inputs import Shape
 from flashprobe.fuzz._tensors import (
     F64,
     additive_mask,
@@ -47,7 +45,7 @@ from flashprobe.fuzz._tensors import (
     randn,
     uniform,
 )
-from flashprobe.fuzz.inputs import CaseInputs, UnrepresentableCaseError
+from flashprobe.fuzz.inputs import CaseInputs, UnrepresentableCaseError, bias_inputs
 from flashprobe.kernels import default_scale, dtype_name
 from flashprobe.kernels.reference import meminfo_available_bytes
 
@@ -403,11 +401,11 @@ def _available_memory() -> int:
 #: The shape of the signed-bias cases: 256 (batch, head) replicates of 8192 elements. A rounding
 #: toward zero reads ``|z|`` near ``√256 = 16``, far past the limit of 5; a correct kernel's
 #: replicates give ``|z|`` of order 1.
-_BIAS_SHAPE = Shape(batch=8, heads=32, seq_len=128, head_dim=64)
+_BIAS_SHAPE = (8, 32, 128, 64)  # (B, H, N, D)
 
 
 def _bias_repeated_max(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
-    """:func:`flashprobe.bench.bias.bias_inputs` with repeated maxima at :data:`_BIAS_SHAPE`."""
+    """:func:`~flashprobe.fuzz.inputs.bias_inputs` with repeated maxima at :data:`_BIAS_SHAPE`."""
     seed = int(torch.randint(2**31 - 1, (1,), generator=gen))
     x = bias_inputs(_BIAS_SHAPE, seed, repeated=True)
     return CaseInputs(q=x["q"].to(dtype), k=x["k"].to(dtype), v=x["v"].to(dtype))
@@ -790,11 +788,10 @@ CATALOGUE: dict[str, FuzzCase] = {
         ),
         FuzzCase(
             "bias_dense",
-            f"B={_BIAS_SHAPE.batch} H={_BIAS_SHAPE.heads} N={_BIAS_SHAPE.seq_len} D={_BIAS_SHAPE.head_dim} "
-            "standard normal: 256 heads whose signed mean errors must not share a sign (a rounding "
-            "toward zero passes every per-call limit)",
+            "B={} H={} N={} D={} standard normal: 256 heads whose signed mean errors must not share a sign "
+            "(a rounding toward zero passes every per-call limit)".format(*_BIAS_SHAPE),
             f"{_SOFTMAX}; errors of either sign: z within ±5 (bf16, fp16)",
-            _dense_case(*_BIAS_SHAPE.dims[:3], *_BIAS_SHAPE.dims[2:]),  # N_q = N_k, no mask
+            _dense_case(*_BIAS_SHAPE[:3], *_BIAS_SHAPE[2:]),  # N_q = N_k, no mask
             bias=True,
         ),
         FuzzCase(

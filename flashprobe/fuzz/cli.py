@@ -318,6 +318,7 @@ def _from_reproducer(args: argparse.Namespace) -> int:
     the failing ones (:func:`flashprobe.probing.repro.shrink_reproducer`); 1 when a kernel fails or
     errs (raises, returns the wrong shape or dtype: ``replay``'s ``error``, not shrunk), 0 when none
     does."""
+    from flashprobe.fuzz.reproducer import reproducer_judge
     from flashprobe.probing.repro import (
         ReproducerError,
         load_reproducer,
@@ -337,7 +338,8 @@ def _from_reproducer(args: argparse.Namespace) -> int:
     except OutputPathError as err:
         raise UsageError(str(err)) from None
     failed = 0
-    results = replay(call, kernels, baseline=baseline)
+    judge = reproducer_judge(call)
+    results = replay(call, kernels, baseline=baseline, judge=judge)
     for spec in kernels:
         if results[spec]["verdict"] != "error" and (problem := _output_problem(spec, call)):
             results[spec] = {**results[spec], "verdict": "error", "reasons": [problem]}
@@ -350,7 +352,7 @@ def _from_reproducer(args: argparse.Namespace) -> int:
             print(f"{spec}: {result['verdict'].upper()} on {args.from_file} {reasons}".rstrip())
             continue
         failed += 1
-        small, tries = shrink_reproducer(call, spec, baseline=baseline)
+        small, tries = shrink_reproducer(call, spec, baseline=baseline, judge=judge)
         path = prepare_output_dir(out_dir, flag="--out") / f"{stem}.{_safe(spec)}.shrunk.safetensors"
         replace(small, meta={**small.meta, "primary": spec, "shrunk_from": str(args.from_file)}).save(path)
         before = "x".join(str(n) for n in (*call.q.shape[:3], call.k.shape[2]))

@@ -1,7 +1,9 @@
-"""The inputs of one fuzz case: one attention call in the dtype under test."""
+"""The inputs of one fuzz case: one attention call in the dtype under test; and the inputs with
+repeated row maxima of the signed-bias cases (:func:`bias_inputs`, shared with ``flashprobe bench bias``)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -9,7 +11,7 @@ import torch
 from flashprobe.fuzz.layouts import LAYOUTS, apply_layout
 from flashprobe.kernels.reference import expand_kv
 
-__all__ = ["POISONS", "CaseInputs", "UnrepresentableCaseError"]
+__all__ = ["POISONS", "TIE_WIDTH", "CaseInputs", "UnrepresentableCaseError", "bias_inputs"]
 
 #: what poisoned memory holds: NaN, +Inf, or half the dtype's largest value
 POISONS = ("nan", "inf", "huge")
@@ -168,3 +170,60 @@ class CaseInputs:
         if self.poison:
             parts.append(f"poison={self.poison}")
         return " ".join(parts)
+
+
+#: Scores of the tied keys lie this far below the row max at most (Qiu & Yao's 1e-3).
+TIE_WIDTH = 1e-3
+_NOISE = 0.1  # spread of the similar low-rank rows around their shared vector
+
+
+def bias_inputs(
+    shape: tuple[int, int, int, int], seed: int, *, repeated: bool, ties: int = 16
+) -> dict[str, torch.Tensor]:
+    """Float64 ``q, k, v, do, x`` (each ``(B, H, N, D)``) with or without repeated row maxima.
+
+    Per (batch entry, head), with ``c`` the power of two for which one bf16 ulp of a unit
+    coordinate moves a score by at most ``TIE_WIDTH / 2``: queries are ``[c, c, q̄ + noise]``
+    (``q̄ = |N(0, I)|``, so the low-rank direction a weight gradient's error takes is positive); a
+    key ``k*`` = ``[1, 1, …]`` scores ``T ~ U(2, 6)``; ``ties`` keys (1 for the control) equal
+    ``k*`` except that its first two coordinates are lowered by 0–2 ulps in total (the first
+    of them by none: the max itself); other keys are ``N(0, 0.5²)``. ``v``, ``do`` and ``x``
+    are a shared vector (``v``'s negative, as in the paper; ``do``'s and ``x``'s positive) plus
+    10 % noise. All values that set a tie are exact in bf16 and fp16. ``shape`` is ``(B, H, N, D)``
+    (``N`` queries and keys).
+
+    Raises:
+        ValueError: ``D < 3``, or ``ties`` is not between 1 and ``N``.
+    """
+    b, h, n, d = shape
+    if d < 3:
+        raise ValueError(f"bias inputs need a head dim of at least 3, got {d}")
+    ties = ties if repeated else 1
+    if not 1 <= ties <= n:
+        raise ValueError(f"ties must be between 1 and the sequence length ({n}), got {ties}")
+    gen = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+
+    def draw(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=gen, dtype=f64)
+
+    scale = d**-0.5
+    c = 2.0 ** math.floor(math.log2(TIE_WIDTH / 2 * 2**8 / scale))
+    q_bar = draw(b, h, 1, d - 2).abs()
+    q = torch.cat([torch.full((b, h, n, 2), c, dtype=f64), q_bar + _NOISE * 3 * draw(b, h, n, d - 2)], -1)
+    top = 2 + 4 * torch.rand(b, h, 1, 1, generator=gen, dtype=f64)
+    rest = q_bar * (top / scale - 2 * c) / q_bar.square().sum(-1, keepdim=True)
+    k_star = torch.cat([torch.ones(b, h, 1, 2, dtype=f64), rest], -1)  # (B, H, 1, D)
+    k = 0.5 * draw(b, h, n, d)
+    ulps = torch.randint(0, 3, (b, h, ties, 2), generator=gen).to(f64)
+    ulps[..., 1] = torch.minimum(ulps[..., 1], 2 - ulps[..., 0])
+    ulps[:, :, 0] = 0
+    tied = k_star.expand(b, h, ties, d).clone()
+    tied[..., :2] -= ulps * 2.0**-8
+    k[:, :, :ties] = tied
+
+    def similar(sign: float) -> torch.Tensor:
+        shared = sign * (0.5 + torch.rand(b, h, 1, d, generator=gen, dtype=f64))
+        return shared + _NOISE * draw(b, h, n, d)
+
+    return {"q": q, "k": k, "v": similar(-1.0), "do": similar(1.0), "x": similar(1.0)}

@@ -15,7 +15,7 @@ kernel is judged against that, and its row reports both (``baseline_golden_max_a
 With ``backward=True`` the references also hold the input gradients for a fixed random output
 gradient (:func:`grad_output`): the golden ``dq``, ``dk``, ``dv`` in float64 and the same-dtype
 baseline's gradient noise over both scale placements and the flash form of the backward
-(:mod:`~flashprobe.fuzz.flash_form`), computed in bounded memory
+(:mod:`~flashprobe.kernels.flash_form`), computed in bounded memory
 (:func:`~flashprobe.kernels.reference.reference_input_gradients`). When neither placement of the
 baseline gives finite gradients, the noise is the rounding of the golden gradient to the dtype.
 
@@ -30,12 +30,12 @@ from dataclasses import replace
 
 import torch
 
-from flashprobe.fuzz.flash_form import flash_form_attention
 from flashprobe.fuzz.inputs import CaseInputs
 from flashprobe.fuzz.kernel_call import attend, kernel_label
 from flashprobe.fuzz.rule import GRADIENTS, GradientReference, References, noise, value_floor
 from flashprobe.judge import fp8_realisations
 from flashprobe.kernels import Kernel, default_scale, dtype_name, get_kernel, golden_attention, math_attention
+from flashprobe.kernels.flash_form import flash_form_attention
 from flashprobe.kernels.reference import reference_input_gradients
 
 __all__ = ["grad_output", "gradient_references", "references"]

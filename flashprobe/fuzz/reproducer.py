@@ -5,8 +5,8 @@ A failing case is saved as ``repro_<case>_<hash>.safetensors`` — its inputs (n
 the signed bias were judged, the failure kind and the random sample's parameters — plus the script
 ``repro_<case>_<hash>.py``, which exits 1 while the failure reproduces, 0 once it passes and 2
 when the kernel cannot be loaded. ``flashprobe replay`` and ``flashprobe fuzz --from`` read it as
-they read the probe's (:func:`flashprobe.probing.repro.replay` judges it with :func:`replay_case`:
-the fuzzer's judge, as when it was found).
+they read the probe's (:func:`flashprobe.probing.repro.replay` judges it with :func:`replay_case`,
+the fuzzer's judge, as when it was found: :func:`reproducer_judge` picks it for a file).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ __all__ = [
     "case_reproducer",
     "failure_directions",
     "replay_case",
+    "reproducer_judge",
     "save_reproducer",
 ]
 
@@ -168,6 +169,13 @@ def replay_case(call: Reproducer, kernel: str, baseline: str = "math") -> dict[s
         "limit_ratio": {},
         "l2_error_ratio": {},
     }
+
+
+def reproducer_judge(call: Reproducer) -> Callable[[Reproducer, str, str], dict[str, Any]] | None:
+    """The judge a reproducer is replayed with (``judge`` of :func:`flashprobe.probing.repro.replay`):
+    :func:`replay_case` for a case the fuzzer saved, ``None`` (the probe's own) for a call the probe
+    saved in training."""
+    return replay_case if call.meta.get("fuzz") is not None else None
 
 
 def failure_directions(result: FuzzResult) -> list[str]:

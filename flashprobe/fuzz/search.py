@@ -74,6 +74,7 @@ class _Search:
         """Save a failure's reproducer: shrunk the first time its (kernel, failure kind) fails
         (:func:`~flashprobe.probing.repro.shrink_reproducer`), as sampled (posed within the kernel's
         limits) after that, so every property keeps its evidence at the cost of one shrink per kind."""
+        from flashprobe.fuzz.reproducer import replay_case
         from flashprobe.probing.repro import shrink_reproducer  # the one shrinker (it imports the probe)
 
         assert self.reproducers is not None
@@ -82,7 +83,8 @@ class _Search:
         if (kernel, result.failure) not in self.shrunk:
             self.shrunk.add((kernel, result.failure))
             try:
-                call, tries = shrink_reproducer(call, kernel, baseline=kernel_label(self.baseline))
+                baseline = kernel_label(self.baseline)
+                call, tries = shrink_reproducer(call, kernel, baseline=baseline, judge=replay_case)
                 log.info("shrunk %s failure of %s after %d tries", result.failure, kernel, tries)
             except ValueError:  # judged again, it did not fail the same way: kept as sampled
                 log.info("%s failure of %s did not fail again; saved unshrunk", result.failure, kernel)

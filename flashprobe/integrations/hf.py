@@ -34,7 +34,7 @@ import logging
 import sys
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,6 +43,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.trainer_callback import ExportableState
 
+from flashprobe.integrations.hf_snapshots import WeightSnapshotCallback
 from flashprobe.kernels import Kernel, get_kernel
 from flashprobe.probing import ProbeConfig, ProbeWarning, SdpaCall, sites
 from flashprobe.probing.call import autocast_dtype, run_kernel
@@ -59,9 +60,6 @@ __all__ = [
     "register_attention",
     "trainer_callbacks",
 ]
-
-if TYPE_CHECKING:
-    from flashprobe.integrations.hf_snapshots import WeightSnapshotCallback
 
 log = logging.getLogger(__name__)
 
@@ -230,15 +228,6 @@ def register_attention(name: str = DEFAULT_NAME, kernel: str | Kernel = "math") 
 # --- The Trainer callback ---
 
 
-def __getattr__(name: str) -> Any:
-    """``WeightSnapshotCallback``, from :mod:`flashprobe.integrations.hf_snapshots` (which imports this)."""
-    if name == "WeightSnapshotCallback":
-        from flashprobe.integrations.hf_snapshots import WeightSnapshotCallback
-
-        return WeightSnapshotCallback
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def trainer_callbacks() -> list[TrainerCallback] | None:
     """The callback list of the Trainer's ``CallbackHandler`` that is calling the current hook (found
     on the call stack); None when no handler is calling."""
@@ -395,7 +384,9 @@ class AttentionProbeCallback(SessionCallback, TrainerCallback, ExportableState):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         if self.session.probe is not None:
-            self.session.finish(state.global_step)
+            from flashprobe.report.probe_figures import plot_probe  # matplotlib: imported at the end only
+
+            self.session.finish(state.global_step, draw=plot_probe)
 
     # ---------------------------------------------------------------------------- checkpoints
     def state(self) -> dict[str, Any]:

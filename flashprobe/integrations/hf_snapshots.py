@@ -21,16 +21,20 @@ This module imports transformers; ``import flashprobe`` does not.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from flashprobe.integrations.hf import AttentionProbeCallback, trainer_callbacks
+from flashprobe.probing.run_session import SessionCallback
 from flashprobe.probing.session import attention_record
 from flashprobe.weights.snapshot import TRUE_PRECISION, SnapshotSchedule, module_tensors, own_attention
+
+if TYPE_CHECKING:
+    from flashprobe.integrations.hf import AttentionProbeCallback
 
 __all__ = ["WeightSnapshotCallback"]
 
@@ -45,8 +49,13 @@ class WeightSnapshotCallback(SnapshotSchedule, TrainerCallback):
         callback = WeightSnapshotCallback(every_n_steps=100)
         trainer = Trainer(model, args, train_dataset=data, callbacks=[callback])
 
+        probe = AttentionProbeCallback(primary="tiled")  # with a probe: hand it over
+        callbacks = [probe, WeightSnapshotCallback(every_n_steps=100, probe=probe)]
+
     Args:
         dirpath: the run directory; snapshots go to ``dirpath/snapshots``. Default: ``args.output_dir``.
+        probe: the ``AttentionProbeCallback`` of the same Trainer, whose explicit ``primary`` (and its
+            fallbacks) the manifest records as the attention; None: the model's own attention.
         every_n_steps: save every ``n`` optimizer steps (steps ``n, 2n, ...``); ``None`` for none.
         steps: explicit steps to save, in addition to ``every_n_steps``.
         save_initial: save the initial weights as step 0 when training starts from scratch.
@@ -56,7 +65,7 @@ class WeightSnapshotCallback(SnapshotSchedule, TrainerCallback):
         run_id: recorded in the manifest; default: the name of the run directory.
         seed: recorded in the manifest; default: ``args.seed``.
         attention: the attention the run trains with, recorded in the manifest; default: the explicit
-            ``primary`` of an ``AttentionProbeCallback`` in the Trainer, else the model's own attention.
+            ``primary`` of ``probe``, else the model's own attention.
         precision: recorded in the manifest; default: from ``args.bf16``/``args.fp16`` and the weights'
             dtype, in Lightning's names.
         config: any JSON-serialisable mapping recorded in the manifest (compared by ``flashprobe
@@ -71,6 +80,21 @@ class WeightSnapshotCallback(SnapshotSchedule, TrainerCallback):
     checkpoint's step, removes those after it (an abandoned timeline, with a warning) and writes
     them again as training reaches them.
     """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str] | None = None,
+        *,
+        probe: AttentionProbeCallback | None = None,
+        **schedule: Any,
+    ) -> None:
+        super().__init__(dirpath, **schedule)
+        if probe is not None and not isinstance(probe, SessionCallback):
+            raise TypeError(
+                f"{type(self).__name__}: probe must be the AttentionProbeCallback of the same Trainer, "
+                f"got {type(probe).__name__}"
+            )
+        self.probe = probe
 
     @property
     def run_dir(self) -> Path | None:
@@ -108,7 +132,8 @@ class WeightSnapshotCallback(SnapshotSchedule, TrainerCallback):
         if step not in self._saved and self.should_save(step):
             self._save(kwargs["model"], step, state)
         elif self.attention is None and self._writer is not None:
-            self._refresh_attention(_primary_callback(), lambda: _trained_attention(kwargs["model"]))
+            callback = self._primary_callback()
+            self._refresh_attention(callback, lambda: _trained_attention(kwargs["model"], callback))
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -122,7 +147,11 @@ class WeightSnapshotCallback(SnapshotSchedule, TrainerCallback):
         return {
             "run_id": self.run_id or run_dir.resolve().name,
             "seed": self.seed if self.seed is not None else int(args.seed),
-            **({"attention": self.attention} if self.attention else _trained_attention(model)),
+            **(
+                {"attention": self.attention}
+                if self.attention
+                else _trained_attention(model, self._primary_callback())
+            ),
             "precision": self.precision or _precision(args, model),
             "config": self.config,
         }
@@ -130,7 +159,7 @@ class WeightSnapshotCallback(SnapshotSchedule, TrainerCallback):
     def _save(self, model: nn.Module, step: int, state: TrainerState) -> None:
         if self._writer is not None:
             if self.attention is None:  # what computed the attention so far (a probe's fallbacks)
-                self._writer.manifest.update(_trained_attention(model))
+                self._writer.manifest.update(_trained_attention(model, self._primary_callback()))
             tensors, specs = module_tensors(
                 model, include_buffers=self.include_buffers, trainable_only=self.trainable_only
             )
@@ -138,30 +167,21 @@ class WeightSnapshotCallback(SnapshotSchedule, TrainerCallback):
             log.info("%s: saved step %d to %s", type(self).__name__, step, path)
         self._saved.add(step)
 
+    def _primary_callback(self) -> AttentionProbeCallback | None:
+        """:attr:`probe` when it has an explicit ``primary``, else None."""
+        return self.probe if self.probe is not None and self.probe.config.primary is not None else None
 
-def _trained_attention(model: nn.Module) -> dict[str, Any]:
+
+def _trained_attention(model: nn.Module, callback: AttentionProbeCallback | None) -> dict[str, Any]:
     """``{"attention": ..., "attention_fallback": ...}`` for the manifest: the explicit ``primary`` of
-    an ``AttentionProbeCallback`` in the calling Trainer corrected by its fallbacks
-    (:func:`flashprobe.probing.session.attention_record`), else the model's own attention."""
+    ``callback`` corrected by its fallbacks (:func:`flashprobe.probing.session.attention_record`), else
+    the model's own attention."""
     own = own_attention(model)
-    callback = _primary_callback()
     if callback is None:
         return {"attention": own}
     primary = callback.config.primary
     spec = str(getattr(primary, "spec", primary))
     return attention_record(spec, callback.fallbacks, callback.sites_seen, own)
-
-
-def _primary_callback() -> AttentionProbeCallback | None:
-    """The calling Trainer's ``AttentionProbeCallback`` with an explicit ``primary``, or None."""
-    return next(
-        (
-            c
-            for c in trainer_callbacks() or []
-            if isinstance(c, AttentionProbeCallback) and c.config.primary is not None
-        ),
-        None,
-    )
 
 
 def _precision(args: TrainingArguments, model: nn.Module) -> str:

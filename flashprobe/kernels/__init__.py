@@ -25,6 +25,7 @@ from flashprobe.kernels._inputs import (
 from flashprobe.kernels.call import AttentionCall, CallOutput
 from flashprobe.kernels.contract import APIS
 from flashprobe.kernels.flash_attn import flash_attn_attention
+from flashprobe.kernels.flash_form import FlashForm, FlashFormCall, flash_form_attention
 from flashprobe.kernels.flashinfer import flashinfer_attention
 from flashprobe.kernels.flex import flex_attention_kernel
 from flashprobe.kernels.math import baseline_call, golden_attention, golden_call, math_attention
@@ -76,6 +77,8 @@ __all__ = [
     "AttentionCall",
     "AttentionFn",
     "CallOutput",
+    "FlashForm",
+    "FlashFormCall",
     "Kernel",
     "KernelAvailability",
     "KernelCapabilities",
@@ -95,6 +98,7 @@ __all__ = [
     "default_scale",
     "dtype_name",
     "flash_attn_attention",
+    "flash_form_attention",
     "flashinfer_attention",
     "flex_attention_kernel",
     "get_kernel",

@@ -49,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns 0 when every kernel passes, 1 when one fails or errors, 2 on bad input."""
+    from flashprobe.fuzz.reproducer import reproducer_judge  # a command: the fuzzer's cases too
     from flashprobe.probing.repro import ReproducerError, load_reproducer, replay, replay_kernels
 
     parser = _parser()
@@ -63,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ReproducerError as err:
         parser.error(str(err))
     meta = call.meta
-    results = replay(call, kernels, baseline=baseline)
+    results = replay(call, kernels, baseline=baseline, judge=reproducer_judge(call))
     if args.json:
         print(json.dumps({"file": str(args.file), "call": _describe(call), "results": results}, indent=2))
     else:

@@ -6,14 +6,15 @@ its metadata, plus a script): a call the probe saved in training (``<site>.step<
 the fuzzer saved (``repro_<case>_<hash>``, :mod:`flashprobe.fuzz.reproducer`). :func:`replay`
 judges it again for any kernel spec with the judge that found it: a call through a
 :class:`~flashprobe.probing.ShadowAttention`, as in training, forward and, with an output gradient,
-backward; a case with the fuzzer's :func:`~flashprobe.fuzz.run.check_case`, in its layout.
-:func:`shrink_reproducer` cuts either to the smallest call on which a kernel still fails the same
-way.
+backward (:func:`replay_call`, the default); a case with the judge its caller passes, the fuzzer's
+(:func:`flashprobe.fuzz.reproducer.replay_case`, which ``flashprobe replay`` and ``fuzz --from``
+pass), so this module needs nothing of the fuzzer. :func:`shrink_reproducer` cuts either to the
+smallest call on which a kernel still fails the same way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -33,40 +34,53 @@ from flashprobe.probing.stats import site_directions
 
 __all__ = [
     "REPRO_FORMAT",
+    "Judge",
     "Reproducer",
     "ReproducerError",
     "load_reproducer",
     "replay",
     "replay_baseline",
+    "replay_call",
     "replay_kernels",
     "reproducer_stem",
     "save_reproducer",
     "shrink_reproducer",
 ]
 
+#: ``judge(call, spec, baseline) -> result``: one kernel spec's verdict on a saved call, in the form
+#: :func:`replay` returns per spec
+Judge = Callable[[Reproducer, str, str], dict[str, Any]]
+
 
 def replay(
-    call: Reproducer, kernels: Sequence[str], *, baseline: str | None = None
+    call: Reproducer, kernels: Sequence[str], *, baseline: str | None = None, judge: Judge | None = None
 ) -> dict[str, dict[str, Any]]:
-    """Run the saved call through each kernel spec and judge it as the probe does in training.
+    """Run the saved call through each kernel spec and judge it with the judge that found it.
 
-    A call saved in training: forward always; backward with the saved output gradient when the
-    file has one (the kernel must support autograd then). The judge is a
-    :class:`~flashprobe.probing.ShadowAttention` with the kernel as primary (baseline: the recorded
-    one, default ``math``; golden FP64). A fuzz case (``fuzz`` in the metadata): the fuzzer's
-    :func:`~flashprobe.fuzz.run.check_case` (:func:`flashprobe.fuzz.reproducer.replay_case`).
+    A call saved in training (the default judge, :func:`replay_call`): forward always; backward with
+    the saved output gradient when the file has one (the kernel must support autograd then), through
+    a :class:`~flashprobe.probing.ShadowAttention` with the kernel as primary (baseline: the recorded
+    one, default ``math``; golden FP64). A fuzz case (``fuzz`` in the metadata) is judged by
+    ``judge``, the fuzzer's :func:`flashprobe.fuzz.reproducer.replay_case`.
 
     Returns:
         ``{spec: {"verdict": "pass"|"fail"|"undetermined"|"error", "reasons": [...], "failure": the
         kind of failure (the first failing direction of a probe call, the fuzzer's kind of a case:
         ``zeros``, ``dq:values``, ...) or None, "directions": {dir: verdict}, "limit_ratio": {dir:
         the verdict's statistic}, "l2_error_ratio": {dir: ratio}}}``.
+
+    Raises:
+        ReproducerError: a fuzz case without ``judge``, or a recorded baseline that is not a kernel
+            here (:func:`replay_baseline`).
     """
+    if judge is None:
+        if call.meta.get("fuzz") is not None:
+            raise ReproducerError(
+                "the file is a case flashprobe fuzz saved: judge it as the fuzzer does, "
+                "replay(..., judge=flashprobe.fuzz.reproducer.replay_case)"
+            )
+        judge = replay_call
     base = replay_baseline(call, baseline)
-    if call.meta.get("fuzz") is not None:  # a fuzz case: judged as the fuzzer judged it
-        from flashprobe.fuzz.reproducer import replay_case as judge
-    else:
-        judge = _replay_call
     return {spec: judge(call, spec, base) for spec in kernels}
 
 
@@ -124,8 +138,9 @@ def replay_kernels(
     return [k.strip() for k in specs], replay_baseline(call, baseline and baseline.strip())
 
 
-def _replay_call(call: Reproducer, spec: str, baseline: str) -> dict[str, Any]:
-    """A call saved in training, judged with ``spec`` as the probe judges it (:func:`replay`)."""
+def replay_call(call: Reproducer, spec: str, baseline: str) -> dict[str, Any]:
+    """A call saved in training, judged with ``spec`` as the probe judges it (:func:`replay`'s default
+    :data:`Judge`)."""
     backward, site = call.grad_out is not None, call.meta.get("site") or "attention"
     try:
         shadow = ShadowAttention(
@@ -229,7 +244,12 @@ def _smaller(call: Reproducer, axis: str) -> Iterator[Reproducer]:
 
 
 def shrink_reproducer(
-    call: Reproducer, kernel: str, *, baseline: str | None = None, max_tries: int = 120
+    call: Reproducer,
+    kernel: str,
+    *,
+    baseline: str | None = None,
+    max_tries: int = 120,
+    judge: Judge | None = None,
 ) -> tuple[Reproducer, int]:
     """The smallest cut of the call on which ``kernel`` still fails :func:`replay` the same way (the
     same ``failure``: the first failing direction of a probe call, the fuzzer's kind of a case).
@@ -240,15 +260,17 @@ def shrink_reproducer(
     last or first step, as long as one still fails; then the plain layout (contiguous, no poisoned
     memory) and plain heads; repeated while anything shrank. Cuts the kernel's declared limits
     refuse (:meth:`~flashprobe.KernelCapabilities.call_problem`) are not tried. The shrunk call's
-    ``reason`` is the failure on it.
+    ``reason`` is the failure on it. ``baseline`` and ``judge`` are :func:`replay`'s (a fuzz case
+    needs the fuzzer's judge).
 
     Returns:
         The shrunk call and the number of replays tried (at most ``max_tries``).
 
     Raises:
         ValueError: the call does not fail with ``kernel`` to begin with.
+        ReproducerError: as :func:`replay`.
     """
-    first = replay(call, [kernel], baseline=baseline)[kernel]
+    first = replay(call, [kernel], baseline=baseline, judge=judge)[kernel]
     if first["verdict"] != "fail":
         raise ValueError(f"the saved call does not fail with {kernel!r}: nothing to shrink")
     caps = get_kernel(kernel).capabilities
@@ -263,7 +285,7 @@ def shrink_reproducer(
         ):
             return False
         tries += 1
-        result = replay(candidate, [kernel], baseline=baseline)[kernel]
+        result = replay(candidate, [kernel], baseline=baseline, judge=judge)[kernel]
         if result["verdict"] != "fail" or result["failure"] != first["failure"]:
             return False
         best = replace(candidate, meta={**candidate.meta, "reason": "; ".join(result["reasons"])})

@@ -10,7 +10,7 @@ hooks translate the trainer's events into these calls, and everything else happe
         ...                                      # forward, backward, optimizer step
         result = session.end_step(step + 1, every=log_every, last=...)
         if result.stop: ...                      # ask the trainer to stop
-    session.finish(final_step)                   # the last record, the verdict block, probe.png
+    session.finish(final_step, draw=plot_probe)  # the last record, the verdict block, probe.png
 
 A session owns: the validated settings (one :class:`~flashprobe.probing.ProbeConfig`, built once, which
 the probe takes as it is at every attach), the attached :class:`~flashprobe.probing.Probe`, the run's
@@ -19,8 +19,9 @@ atomically by :class:`~flashprobe.formats.probe_log.ProbeLogWriter` on rank zero
 ``publish`` function for the trainer's loggers), the reaction to failures (``on_failure``) and to
 non-finite values (``on_nonfinite``: the primary's output or the weights; the reproducer is saved and
 training asked to stop), its state for checkpoints (:meth:`ProbeSession.state_dict`,
-:meth:`ProbeSession.load_state_dict`) and the end of the run (the verdict line and block,
-``probe.png``).
+:meth:`ProbeSession.load_state_dict`) and the end of the run (the verdict line and block, and
+``probe.png`` drawn by the function the wrapper hands to :meth:`ProbeSession.finish`,
+:func:`flashprobe.report.probe_figures.plot_probe`: this module draws nothing itself).
 
 :class:`SessionCallback` gives a wrapper its session's settings and progress as attributes.
 
@@ -91,7 +92,7 @@ class ProbeSession:
         dirpath: directory of ``probe.jsonl`` and ``repro/`` (None: the ``root`` given to
             :meth:`attach`).
         filename: name of the JSON-lines file.
-        plot: at :meth:`finish`, draw ``probe.png`` next to the file.
+        plot: at :meth:`finish`, draw ``probe.png`` next to the file (with the ``draw`` it is given).
         on_failure: at the first failure of each site and direction: ``"warn"`` (one line),
             ``"raise"`` (:class:`~flashprobe.probing.ProbeFailureError`) or ``"stop"`` (write the
             record, then ask the trainer to stop).
@@ -353,9 +354,10 @@ class ProbeSession:
             self.print_block()
         return StepResult(flushed=flushed, stop=stop, summary=summary)
 
-    def finish(self, step: int) -> None:
+    def finish(self, step: int, *, draw: Callable[[Path, Path], Path] | None = None) -> None:
         """Training ended at ``step``: read what is left, detach, then (rank zero) log the verdict
-        line, print the verdict block and draw ``probe.png``.
+        line, print the verdict block and, with :attr:`plot`, draw ``probe.png`` from the file with
+        ``draw(jsonl, png)`` (the wrappers pass :func:`flashprobe.report.probe_figures.plot_probe`).
 
         Raises:
             ProbeFailureError: a new failure with ``on_failure="raise"`` (the probe is detached).
@@ -372,7 +374,8 @@ class ProbeSession:
         if self.last_summary:
             self.log.info("%s", verdict_line(self.last_summary, self.path, who=self.who))
             self.print_block()
-        self._plot()
+        if draw is not None:
+            self._plot(draw)
 
     # ------------------------------------------------------------------------------ verdicts
     def check_calls(self) -> None:
@@ -520,18 +523,14 @@ class ProbeSession:
             block = verdict_block(self.last_summary, rows, who=self.who, path=self.path, stopped=self.stopped)
             print(block, flush=True)
 
-    def _plot(self) -> None:
-        """Draw ``probe.png`` from ``probe.jsonl`` (``plot=True``); a plotting error is logged, not
-        raised (the run is finished), except a full disk."""
+    def _plot(self, draw: Callable[[Path, Path], Path]) -> None:
+        """Draw ``probe.png`` from ``probe.jsonl`` with ``draw`` (``plot=True``); a plotting error is
+        logged, not raised (the run is finished), except a full disk."""
         path = self.path
         if not self.plot or path is None or not path.is_file() or not path.stat().st_size:
             return
-        from flashprobe.report.probe_figures import plot_probe
-
         try:
-            self.log.info(
-                "%s: per-site deviation plot %s", self.who, plot_probe(path, path.with_suffix(".png"))
-            )
+            self.log.info("%s: per-site deviation plot %s", self.who, draw(path, path.with_suffix(".png")))
         except DiskFullError:  # the run is not complete without it
             raise
         except Exception as err:

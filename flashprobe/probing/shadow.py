@@ -57,6 +57,7 @@ from flashprobe.formats.jsonio import flatten
 from flashprobe.formats.reproducer import kernel_module, reproducer_stem, save_reproducer
 from flashprobe.judge import CRITERIA, call_statistics, reason, row_statistics
 from flashprobe.kernels import KernelUnavailableError, KernelUnsupportedError, math_attention
+from flashprobe.kernels.flash_form import flash_form_attention
 from flashprobe.kernels.reference import (
     Block,
     GroupGradients,
@@ -638,8 +639,6 @@ class ShadowAttention(nn.Module):
         ``rowsum(dO∘O)`` from the rounded output, which autograd through the baseline does not.
         With the golden and ``stats``, also adds each direction's signed bias to ``stats.bias``. Each
         keyed by direction (``dq``/``dk``/``dv``; ``out``: the forward's)."""
-        from flashprobe.fuzz.flash_form import flash_form_attention
-
         names = tuple(mine)
         directions = tuple(f"d{n}" for n in names)
         sums: dict[str, torch.Tensor | None] = dict.fromkeys((*directions, "out"))

@@ -2,8 +2,8 @@
 
 * :mod:`~flashprobe.weights.store`: the on-disk snapshot layout (``RUN_DIR/snapshots/``, safetensors
   files plus a JSON manifest, atomic writes) and :class:`SnapshotStore`, a lazy reader.
-* :mod:`~flashprobe.weights.distances`: :func:`wasserstein_distance` (exactly scipy's 1-D
-  Wasserstein-1, in torch) and :func:`max_abs_diff`.
+* :mod:`~flashprobe.weights.distances`: :func:`wasserstein_distance` (scipy's 1-D Wasserstein-1; two
+  samples of one size in float64 here) and :func:`max_abs_diff`.
 * :mod:`~flashprobe.weights.compare`: :func:`compare_runs` (behind ``flashprobe compare``), distances per
   tensor, module group and whole model at every common step of two or more runs.
 

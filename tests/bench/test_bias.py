@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from flashprobe.bench.bias import TIE_WIDTH, bias_inputs
 from flashprobe.bench.inputs import Shape
 from flashprobe.cli import main as cli_main
+from flashprobe.fuzz.inputs import TIE_WIDTH, bias_inputs
 from flashprobe.kernels import get_kernel
 
 #: seeds: enough replicates (4 × 4 × 12) for fa2's bias on δ (-0.6 of the baseline's error RMS) to
@@ -56,7 +56,7 @@ def _scores(inputs: dict[str, torch.Tensor], dtype: torch.dtype) -> np.ndarray:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_inputs_have_the_repeated_maxima_they_claim(dtype):
     for repeated, ties in ((True, 6), (False, 1)):
-        s = _scores(bias_inputs(SHAPE, 3, repeated=repeated, ties=6), dtype)
+        s = _scores(bias_inputs(SHAPE.dims, 3, repeated=repeated, ties=6), dtype)
         gap = s.max(axis=-1, keepdims=True) - s
         near = (gap <= TIE_WIDTH).sum(axis=-1)
         assert (near == ties).all()  # every row: exactly `ties` scores within 1e-3 of its max
@@ -77,7 +77,7 @@ def _oracle(kernel: str, quantity: str, repeated: bool) -> tuple[float, float]:
     means of the signed error over the math baseline's error RMS."""
     r = []
     for seed in range(REPEATS):
-        x = bias_inputs(SHAPE, seed, repeated=repeated)
+        x = bias_inputs(SHAPE.dims, seed, repeated=repeated)
         q, k, v, do = (x[n].to(torch.bfloat16) for n in ("q", "k", "v", "do"))
         qd, kd, vd, dod = (t.double().numpy() for t in (q, k, v, do))
         s = qd @ np.swapaxes(kd, -1, -2) / 4.0  # D = 16
@@ -143,6 +143,8 @@ def test_bad_input_is_refused_before_any_work(tmp_path, capsys):
     assert "--ties must be at least 2" in capsys.readouterr().err
     assert cli_main(["bench", "bias", "--head-dim", "2", "--out", str(tmp_path / "y")]) == 2
     assert "--head-dim must be at least 3" in capsys.readouterr().err
+    assert cli_main(["bench", "bias", "--seq-len", "8", "--ties", "9", "--out", str(tmp_path / "y")]) == 2
+    assert "--ties must be between 2 and --seq-len (8), got 9" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())
     assert cli_main(["bench", "bias", "--kernel", "nosuch", "--out", str(tmp_path / "z")]) == 2
     assert "unknown kernel 'nosuch'" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """``flashprobe bench verdicts`` at a tiny budget: torch's correct kernels on every model of the
 calibration never fail the verdict's rule nor read biased, and the suite's truncating kernel
-(``--kernel bug_output_truncated``) reads biased with no call failing (the full 200-step
+(``--import lab.mutants --kernel bug_output_truncated``) reads biased with no call failing (the full 200-step
 measurements are in docs/probe.md)."""
 
 from __future__ import annotations
@@ -47,8 +47,12 @@ def test_a_truncating_kernel_reads_biased_and_fails_no_call(tmp_path: Path) -> N
     """GPT-2 in bf16, 12 steps (96 replicates per site): the output's bias is toward zero at every
     site; torch's own kernel on the same run is not biased."""
     pytest.importorskip("transformers")
+    from lab.mutants import register_mutants
+
+    register_mutants()  # in this process lab.mutants may be imported already (--import registers once)
     argv = ["bench", "verdicts", "--steps", "12", "--models", "gpt2", "--precision", "bf16"]
-    argv += ["--kernel", "model", "--kernel", "bug_output_truncated", "--out", str(tmp_path)]
+    argv += ["--import", "lab.mutants", "--kernel", "model", "--kernel", "bug_output_truncated"]
+    argv += ["--out", str(tmp_path)]
     assert cli_main([*argv, "--check"]) == 1  # a biased site fails the check
     correct, truncating = json.loads((tmp_path / "verdicts.json").read_text())["rows"]
     assert correct["kernel"] == "model" and correct["biased"] == 0
@@ -58,8 +62,12 @@ def test_a_truncating_kernel_reads_biased_and_fails_no_call(tmp_path: Path) -> N
     assert truncating["out_bias_z"] <= -5 and truncating["bias_replicates"] == 12 * 2 * 4
 
 
-def test_bad_kernel_is_refused_before_any_work(tmp_path: Path) -> None:
+def test_bad_kernel_is_refused_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["bench", "verdicts", "--kernel", "bug_nope", "--out", str(tmp_path)]) == 2
+    assert not (tmp_path / "verdicts.json").exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--import lab.mutants" in err[0], err  # where the suite's bug_ kernels are
+    assert cli_main(["bench", "verdicts", "--import", "no_such_module", "--out", str(tmp_path)]) == 2
     assert not (tmp_path / "verdicts.json").exists()
 
 

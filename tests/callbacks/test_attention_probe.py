@@ -284,7 +284,7 @@ def _records(path: Path) -> list[dict]:
 def test_stop_writes_the_failing_record_saves_the_call_and_stops(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from flashprobe.mutants import register_mutants
+    from lab.mutants import register_mutants
 
     register_mutants()
     callback = AttentionProbe(
@@ -323,8 +323,8 @@ def test_stop_writes_the_failing_record_saves_the_call_and_stops(
 
 
 def test_raise_fails_the_fit(tmp_path: Path) -> None:
-    from flashprobe.mutants import register_mutants
     from flashprobe.probing import ProbeFailureError
+    from lab.mutants import register_mutants
 
     register_mutants()
     callback = AttentionProbe(

@@ -35,8 +35,12 @@ DOCS = (
     "conf/README.md",
 )
 
-#: budgets for documented scripts (``python SCRIPT ...``): their own flags, appended
+#: budgets for documented scripts (``python SCRIPT ...``, ``python -m MODULE ...``): their own flags, appended
 SCRIPT_BUDGETS: dict[str, tuple[str, ...]] = {
+    "-m lab.rules": (
+        *("--seeds", "1", "--precision", "fp32"),
+        *("--mutants", "one_batch_wrong", "--kernels", "sdpa_math"),
+    ),
     "make_runs.py": ("--max-steps", "4"),
     "examples/probe_any_model.py": ("--steps", "1"),
     "examples/lightning_callbacks.py": (),
@@ -66,7 +70,7 @@ def _argv(snippet: Snippet) -> list[str]:
     """The command as written plus its tiny budget."""
     argv = snippet.argv
     if argv[0] in ("python", "python3"):
-        script = argv[1] if len(argv) > 1 else ""
+        script = " ".join(argv[1:3]) if argv[1:2] == ["-m"] else argv[1] if len(argv) > 1 else ""
         if script not in SCRIPT_BUDGETS:
             raise KeyError(f"{snippet.id}: no budget for 'python {script}'; add it to SCRIPT_BUDGETS")
         return [*argv, *SCRIPT_BUDGETS[script]]

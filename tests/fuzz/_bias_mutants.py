@@ -1,5 +1,5 @@
 """Kernels whose error has one sign, for the fuzzer's ``signed bias`` cases (issue 37): the suite's
-``output_truncated`` (:mod:`flashprobe.mutants`) and, here, its backward twin.
+``output_truncated`` (:mod:`lab.mutants`) and, here, its backward twin.
 
 Each computes plain attention in float32 (:func:`flashprobe.math_attention`), more accurately than the
 16-bit baseline, and then rounds one result to the 16-bit dtype **toward zero** instead of to the
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from flashprobe import math_attention
-from flashprobe.mutants import output_truncated, round_toward_zero
+from lab.mutants import output_truncated, round_toward_zero
 
 __all__ = ["BIAS_MUTANTS", "BiasMutant", "bias_mutant", "round_toward_zero"]
 

@@ -2,7 +2,7 @@
 
 Oracles: the golden of a fitted call recomputed in float64 from the original call (the fitted rows
 must give the same answer); kernels whose one bug is known by construction (the mutants of
-:mod:`flashprobe.mutants` catalogued for the new axes fail their cases in
+:mod:`lab.mutants` catalogued for the new axes fail their cases in
 ``tests/fuzz/test_mutants.py``); torch's own kernels and a correct shape-limited kernel passing them.
 """
 
@@ -16,7 +16,7 @@ from flashprobe.fuzz import CATALOGUE, run_catalogue, select_cases
 from flashprobe.fuzz.fit import NotApplicableError, fit_inputs
 from flashprobe.fuzz.tables import property_coverage
 from flashprobe.kernels import unregister_kernel
-from flashprobe.mutants import TRITON_LIKE, blockwise_attention, first_block_nan
+from lab.mutants import TRITON_LIKE, blockwise_attention, first_block_nan
 
 from ._helpers import case
 

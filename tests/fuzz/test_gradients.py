@@ -16,10 +16,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashprobe.fuzz import CATALOGUE, CaseInputs, check_case, references
 from flashprobe.fuzz.cli import main
-from flashprobe.fuzz.flash_form import flash_form_attention
 from flashprobe.fuzz.layouts import LAYOUTS, apply_layout
 from flashprobe.fuzz.references import grad_output
 from flashprobe.kernels import get_kernel
+from flashprobe.kernels.flash_form import flash_form_attention
 
 from ._helpers import case
 

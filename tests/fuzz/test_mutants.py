@@ -1,6 +1,6 @@
 """The mutation suite: every planted bug is caught by the default profile, the correct kernels are not.
 
-Oracle: kernels whose one bug is known by construction (:mod:`flashprobe.mutants`), each run on
+Oracle: kernels whose one bug is known by construction (:mod:`lab.mutants`), each run on
 the default-profile cases built to expose its class; the same kernel without a bug (``bug_none``)
 and torch's own kernels are the controls that must pass.
 """
@@ -20,10 +20,10 @@ from flashprobe.fuzz import (
     select_cases,
 )
 from flashprobe.fuzz.layouts import LAYOUTS
-from flashprobe.fuzz.reproducer import case_inputs, case_reproducer
+from flashprobe.fuzz.reproducer import case_inputs, case_reproducer, replay_case
 from flashprobe.kernels import unregister_kernel
-from flashprobe.mutants import MUTANTS, Catch, Mutant, correct_flash, register_mutants
 from flashprobe.probing.repro import load_reproducer, shrink_reproducer
+from lab.mutants import MUTANTS, Catch, Mutant, correct_flash, register_mutants
 
 from ._helpers import case
 
@@ -167,7 +167,7 @@ def test_a_gradient_failure_is_shrunk_and_saved_with_its_kind(tmp_path):
     result = check_case("bug_dq_unscaled", inputs)
     assert result.failure == "dq:values"
     call = case_reproducer("grad", "bug_dq_unscaled", inputs, result, params=spec.as_dict())
-    small, _ = shrink_reproducer(call, "bug_dq_unscaled")
+    small, _ = shrink_reproducer(call, "bug_dq_unscaled", judge=replay_case)
     assert small.q.numel() * small.k.shape[2] < inputs.q.numel() * inputs.k.shape[2]
     fuzz = small.meta["fuzz"]  # simplified along every axis: contiguous, plain heads
     assert fuzz["layout"] == "contiguous" and small.k.shape[1] == small.q.shape[1]

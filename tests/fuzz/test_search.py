@@ -35,9 +35,9 @@ from flashprobe.fuzz import (
 )
 from flashprobe.fuzz.cli import main
 from flashprobe.fuzz.random_cases import MAX_KEYS
-from flashprobe.fuzz.reproducer import case_inputs
+from flashprobe.fuzz.reproducer import case_inputs, replay_case
 from flashprobe.kernels import available_kernels, unregister_kernel
-from flashprobe.probing.repro import load_reproducer, replay, shrink_reproducer
+from flashprobe.probing.repro import ReproducerError, load_reproducer, replay, shrink_reproducer
 
 from ._helpers import SENTINEL_KERNEL, case, logits64
 
@@ -269,7 +269,7 @@ def test_a_fuzz_reproducer_replays_and_shrinks_with_replay_and_fuzz_from(tmp_pat
     (shrunk,) = out.glob("*.shrunk.safetensors")
     small = load_reproducer(shrunk)
     assert small.q.numel() < call.q.numel() and small.meta["fuzz"]["layout"] == "contiguous"
-    results = replay(small, [SENTINEL_KERNEL, "tiled"])
+    results = replay(small, [SENTINEL_KERNEL, "tiled"], judge=replay_case)
     assert results[SENTINEL_KERNEL]["failure"] == "zeros" and results["tiled"]["verdict"] == "pass"
     assert main(["--from", str(path), "--kernel", "tiled", "--out", str(out)]) == 0
 
@@ -282,11 +282,14 @@ def test_the_shrinker_keeps_the_failure_kind_and_the_kernels_limits():
     inputs = _below_sentinel()
     result = check_case(SENTINEL_KERNEL, inputs, case="sentinel")
     call = case_reproducer("sentinel", SENTINEL_KERNEL, inputs, result)
-    small, tries = shrink_reproducer(call, SENTINEL_KERNEL)
+    small, tries = shrink_reproducer(call, SENTINEL_KERNEL, judge=replay_case)
     assert small.q.shape[:3] == (1, 1, 1) and small.k.shape[2] == 1 and tries < 60
-    assert replay(small, [SENTINEL_KERNEL])[SENTINEL_KERNEL]["failure"] == "zeros"
+    assert replay(small, [SENTINEL_KERNEL], judge=replay_case)[SENTINEL_KERNEL]["failure"] == "zeros"
     with pytest.raises(ValueError, match="does not fail with 'tiled'"):
-        shrink_reproducer(call, "tiled")
+        shrink_reproducer(call, "tiled", judge=replay_case)
+    # the probe's replay takes the fuzzer's judge from its caller; without it, one line names it
+    with pytest.raises(ReproducerError, match=r"judge=flashprobe\.fuzz\.reproducer\.replay_case"):
+        replay(small, [SENTINEL_KERNEL])
 
 
 def test_old_pt_reproducers_are_refused_with_the_reason(tmp_path, capsys):
@@ -361,6 +364,6 @@ def test_a_reproducer_of_an_output_gradient_case_replays_with_that_gradient(tmp_
     (result,) = run_catalogue(["math"], ["fp16"], cases=select_cases(["grad_out_huge"]), reproducers=store)
     assert result.verdict == "fail" and "±Inf" in result.reason and result.repro
     path = Path(result.repro)
-    assert replay(load_reproducer(path), ["math"])["math"]["verdict"] == "fail"
+    assert replay(load_reproducer(path), ["math"], judge=replay_case)["math"]["verdict"] == "fail"
     assert flashprobe_main(["replay", str(path)]) == 1  # the recorded kernel fails again
     assert flashprobe_main(["replay", str(path), "--kernel", "tiled"]) == 0  # fp32 intermediates pass

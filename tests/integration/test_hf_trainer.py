@@ -100,8 +100,8 @@ def test_trainer_callback_writes_records_and_training_is_bit_identical(tmp_path:
 @needs_accelerate
 def test_trainer_callback_stop_and_raise_on_a_buggy_kernel(tmp_path: Path) -> None:
     from flashprobe.cli import main as cli_main
-    from flashprobe.mutants import register_mutants
     from flashprobe.probing import ProbeFailureError
+    from lab.mutants import register_mutants
 
     register_mutants()
     callback = hf.AttentionProbeCallback(
@@ -164,7 +164,7 @@ def test_trainer_callback_checks_its_arguments() -> None:
 
 
 def test_llama_with_probe_kernel_attention_is_probed() -> None:
-    from flashprobe.mutants import register_mutants
+    from lab.mutants import register_mutants
 
     register_mutants()
     hf.register_attention("probe_kernel", "tiled:block_q=4,block_k=4")
@@ -355,3 +355,23 @@ def test_trainer_callback_refuses_a_primary_the_model_cannot_train_through(tmp_p
     with pytest.raises(KernelUnsupportedError, match=r"config\.attn_pdrop\) uses attention dropout \(0\.1\)"):
         _train(model, tmp_path, [callback, snapshots])
     assert not (tmp_path / "probe.jsonl").exists() and not (tmp_path / "snapshots").exists()
+
+
+@needs_accelerate
+def test_the_snapshot_manifest_records_the_primary_of_the_probe_it_is_handed(tmp_path: Path) -> None:
+    """``WeightSnapshotCallback(probe=...)``: the manifest's attention is that callback's primary;
+    without it, the model's own attention (nothing is looked up on the call stack)."""
+    import json
+
+    probe_callback = hf.AttentionProbeCallback(plot=False, console=False, primary="tiled")
+    handed = hf.WeightSnapshotCallback(dirpath=tmp_path / "handed", every_n_steps=2, probe=probe_callback)
+    _train(_gpt2(), tmp_path / "a", [probe_callback, handed], max_steps=2)
+    manifest = json.loads((tmp_path / "handed" / "snapshots" / "manifest.json").read_text())
+    assert manifest["attention"] == "tiled"
+    alone = hf.WeightSnapshotCallback(dirpath=tmp_path / "alone", every_n_steps=2)
+    other_probe = hf.AttentionProbeCallback(plot=False, console=False, primary="tiled")
+    _train(_gpt2(), tmp_path / "b", [other_probe, alone], max_steps=2)
+    manifest = json.loads((tmp_path / "alone" / "snapshots" / "manifest.json").read_text())
+    assert manifest["attention"].startswith("own")
+    with pytest.raises(TypeError, match="probe must be the AttentionProbeCallback"):
+        hf.WeightSnapshotCallback(probe="tiled")

@@ -2,7 +2,7 @@
 of flash-attn 2.8, FlashAttention-3's ``hopper/flash_attn_interface.py`` and FlashInfer 0.6) and their
 semantics (layouts, bottom-right causal, grouped key/value heads, packed sequences, page tables),
 written with plain torch ops one sequence at a time, plus the bugs the tests plant in them: two classes
-of the mutation suite (:mod:`flashprobe.mutants`: the −5e4 sentinel, an ignored scale) in these
+of the mutation suite (:mod:`lab.mutants`: the −5e4 sentinel, an ignored scale) in these
 libraries' call forms, and two that only packed and paged forms have (attention across packed
 sequences, a last page read whole)."""
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashprobe.mutants import MASK_SENTINEL
+from lab.mutants import MASK_SENTINEL
 
 __all__ = ["Bugs", "attend", "flash_attention_3", "flash_attn_2", "flashinfer_modules", "install"]
 

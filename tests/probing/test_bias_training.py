@@ -16,9 +16,9 @@ from flashprobe.bias import BIAS_Z_LIMIT, BiasStats
 from flashprobe.callbacks.attention_probe import verdict_line
 from flashprobe.kernels import get_kernel
 from flashprobe.kernels.math import golden_attention
-from flashprobe.mutants import output_truncated, register_mutants
 from flashprobe.probing import probe
 from flashprobe.probing.summary import bias_words, summarize, summary_scalars
+from lab.mutants import output_truncated, register_mutants
 
 WIDTH, HEADS, TOKENS = 32, 2, 16
 

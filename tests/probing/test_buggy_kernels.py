@@ -1,4 +1,4 @@
-"""The mutants of :mod:`flashprobe.mutants` that have a small trigger call, against an independent
+"""The mutants of :mod:`lab.mutants` that have a small trigger call, against an independent
 FP64 oracle.
 
 The oracle is torch's own math SDPA on float64 copies of the inputs, with autograd for the
@@ -24,7 +24,9 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashprobe.kernels import get_kernel
-from flashprobe.mutants import (
+from flashprobe.probing import probe
+from flashprobe.probing.call import SdpaCall, run_kernel
+from lab.mutants import (
     CORRECT,
     DIRECTIONS,
     MUTANTS,
@@ -33,8 +35,6 @@ from flashprobe.mutants import (
     correct_flash,
     register_mutants,
 )
-from flashprobe.probing import probe
-from flashprobe.probing.call import SdpaCall, run_kernel
 
 #: the mutants with a small call that fires them (the others fire on fuzz cases: tests/fuzz/test_mutants.py)
 BUGS: dict[str, Mutant] = {name: m for name, m in MUTANTS.items() if m.trigger is not None}

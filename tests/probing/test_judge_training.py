@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashprobe.judge import FAILURES
-from flashprobe.mutants import register_mutants
 from flashprobe.probing import probe
 from flashprobe.probing.repro import load_reproducer, replay
+from lab.mutants import register_mutants
 
 #: ``(batch, query tokens)`` per step.
 SCHEDULE: tuple[tuple[int, int], ...] = (

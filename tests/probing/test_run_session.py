@@ -85,7 +85,7 @@ def test_records_at_logging_steps_hold_the_typed_summary_and_a_resumed_run_conti
 
 
 def test_a_failing_primary_stops_with_its_record_and_raise_raises(tmp_path: Path) -> None:
-    from flashprobe.mutants import register_mutants
+    from lab.mutants import register_mutants
 
     register_mutants()
     stop = ProbeSession(primary="bug_batch_kv_mixup", on_failure="stop", log_every_n_steps=10, plot=False)

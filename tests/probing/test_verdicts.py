@@ -6,7 +6,7 @@ The loop trains a two-site model whose shapes change at known steps (:data:`SCHE
 self-attention ``attn0`` and a non-causal one with an explicit scale and, at the last step, a
 padding mask that fully masks the padded queries (``attn1``). The head dim is 80 (> 64), q/k/v are
 transposed views of ``(B, N, H, D)`` projections, training is fp32. The expected first failures
-follow from each bug's trigger (flashprobe/mutants.py), which are checked in
+follow from each bug's trigger (lab/mutants.py), which are checked in
 tests/probing/test_buggy_kernels.py against an FP64 oracle.
 """
 
@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashprobe.cli import main as cli_main
-from flashprobe.mutants import register_mutants
 from flashprobe.probing import ProbeFailureError, ProbeWarning, probe
 from flashprobe.probing.repro import load_reproducer, replay
+from lab.mutants import register_mutants
 
 #: ``(batch, tokens, padded)`` per step: the shape each step's calls have.
 SCHEDULE: tuple[tuple[int, int, bool], ...] = (

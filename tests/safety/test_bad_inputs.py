@@ -148,9 +148,9 @@ CASES = [
     (["fuzz", "--kernel", "math", "--out", "a_file"], "--out a_file is a file"),
     (["fuzz", "--kernel", "math", "--baseline", "nosuch"], "unknown kernel 'nosuch'"),
     (["fuzz", "--kernel", "math", "--import", "no_such_module_xyz"], "--import no_such_module_xyz"),
-    (["bench", "wasserstein", "--out", "a_file"], "a_file is a file"),
+    (["bench", "bias", "--out", "a_file"], "a_file is a file"),
     (["bench", "precision", "--kernel", "nosuch"], "unknown kernel 'nosuch'"),
-    (["bench", "wasserstein", "--out", ""], "empty"),
+    (["bench", "bias", "--out", ""], "empty"),
     (["bench", "nosuch"], "unknown command 'nosuch'"),
     (["nosuch"], "unknown command 'nosuch'"),
 ]

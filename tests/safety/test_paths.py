@@ -71,7 +71,7 @@ def test_a_quoted_run_dir_is_read_as_hydra_reads_it(tmp_path: Path, cli) -> None
         ["compare", "a", "b", "--out", ""],
         ["fuzz", "--kernel", "math", "--out", ""],
         ["report", ""],
-        ["bench", "wasserstein", "--out", ""],
+        ["bench", "bias", "--out", ""],
     ],
 )
 def test_an_empty_out_is_refused_not_taken_as_the_working_directory(

@@ -1,4 +1,4 @@
-"""``flashprobe bench rules``: the peer rules against hand-computed tolerances, and the table at a tiny
+"""``python -m lab.rules``: the peer rules against hand-computed tolerances, and the table at a tiny
 budget against independent checks (a known-wrong mutant is caught by flashprobe's rule and by
 ``torch.testing.assert_close``; a correct float32 kernel passes flashprobe's rule and PyTorch's).
 The full table is in docs/probe.md."""
@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from flashprobe.bench.rules import CALLS, RULES, peer_failures, run_rules
-from flashprobe.cli import main as cli_main
-from flashprobe.mutants import MUTANTS, correct_flash
+from lab.mutants import MUTANTS, correct_flash
+from lab.rules import CALLS, RULES, peer_failures, run_rules
+from lab.rules import main as rules_main
 
 
 def test_flash_attentions_rule_is_twice_the_baseline_max_plus_its_slack() -> None:
@@ -103,20 +105,32 @@ def test_the_correct_kernel_is_exact_where_the_table_says_it_passes() -> None:
 
 
 def test_the_command_writes_json_csv_and_the_markdown_table(tmp_path: Path) -> None:
-    argv = ["bench", "rules", "--seeds", "1", "--precision", "fp32", "--mutants", "one_batch_wrong"]
+    argv = ["--seeds", "1", "--precision", "fp32", "--mutants", "one_batch_wrong"]
     argv += ["--kernels", "sdpa_math,tiled"]
-    assert cli_main([*argv, "--check", "--out", str(tmp_path)]) == 0
+    assert rules_main([*argv, "--check", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "rules.json").read_text())
     assert [r["rule"] for r in doc["rows"]] == list(RULES)
     assert (tmp_path / "rules.csv").read_text().startswith("rule,dtype,")
     table = (tmp_path / "rules.md").read_text()
-    assert table.startswith("Produced by `flashprobe bench rules --seeds 1")
+    assert table.startswith("Produced by `python -m lab.rules --seeds 1")
     assert "| flashprobe | fp32 |" in table
-    assert cli_main(["bench", "rules", "--precision", "fp8", "--out", str(tmp_path)]) == 2
-    assert cli_main(["bench", "rules", "--mutants", "nope", "--out", str(tmp_path)]) == 2
-    assert cli_main(["bench", "rules", "--kernels", "no_such_kernel", "--out", str(tmp_path)]) == 2
+    assert rules_main(["--precision", "fp8", "--out", str(tmp_path)]) == 2
+    assert rules_main(["--mutants", "nope", "--out", str(tmp_path)]) == 2
+    assert rules_main(["--kernels", "no_such_kernel", "--out", str(tmp_path)]) == 2
 
 
 @pytest.mark.parametrize("seeds", ["0", "-1"])
 def test_bad_seeds_are_refused(seeds: str, tmp_path: Path) -> None:
-    assert cli_main(["bench", "rules", "--seeds", seeds, "--out", str(tmp_path)]) == 2
+    assert rules_main(["--seeds", seeds, "--out", str(tmp_path)]) == 2
+
+
+def test_python_m_lab_rules_runs_from_the_repository_root(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[2]
+    argv = ["--seeds", "1", "--precision", "fp32", "--mutants", "one_batch_wrong", "--kernels", "sdpa_math"]
+    done = subprocess.run(
+        [sys.executable, "-m", "lab.rules", *argv, "--out", str(tmp_path)],
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    doc = json.loads((tmp_path / "rules.json").read_text())
+    assert doc["command"].startswith("python -m lab.rules --seeds 1")

@@ -1,4 +1,4 @@
-"""``flashprobe bench rules``: how many correct kernels each pass/fail rule fails, how many bugs it catches.
+"""``python -m lab.rules``: how many correct kernels each pass/fail rule fails, how many bugs it catches.
 
 The calibration table of the verdict's rule (:mod:`flashprobe.judge`) beside the rules kernel
 projects test with. Every kernel runs on the same calibration calls (:data:`CALLS`: cross-attention
@@ -29,17 +29,17 @@ reads the kernel's output and input gradients against the same references:
 
 A **correct kernel** is one of torch's CPU SDPA backends, the ``tiled`` presets, FlexAttention where
 it runs (forward only on the CPU) and the correct kernels of the mutation suite
-(:data:`flashprobe.mutants.CORRECT`); a call of one that a rule fails is a false alarm. A **bug** is a
-call of a mutant (:data:`flashprobe.mutants.MUTANTS` with a small trigger call) on which its bug
+(:data:`lab.mutants.CORRECT`); a call of one that a rule fails is a false alarm. A **bug** is a
+call of a mutant (:data:`lab.mutants.MUTANTS` with a small trigger call) on which its bug
 fires: one of its tensors is non-finite where the same call of the bug-free
-:func:`~flashprobe.mutants.correct_flash` is finite, or differs from that one's by more than
+:func:`~lab.mutants.correct_flash` is finite, or differs from that one's by more than
 ``4 · eps(dtype)`` and 4 times that one's own error against the golden (relative L2) — a definition
 that depends on none of the rules compared. A mutant call where the bug does
 not fire is not counted.
 
 Writes ``DIR/rules.json``, ``DIR/rules.csv`` (one row per rule and dtype) and ``DIR/rules.md`` (the
 table, with the command); ``--check`` exits 1 when flashprobe's rule fails a correct kernel or
-misses a bug.
+misses a bug. Run it from the repository's root (``lab`` is not installed with flashprobe).
 """
 
 from __future__ import annotations
@@ -58,7 +58,13 @@ from flashprobe.bench.args import add_output_args, run_cli, torch_threads
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.results import format_table, write_results, wrote_line
 from flashprobe.formats.atomic import atomic_write_text
+from flashprobe.fuzz import CaseInputs, check_case
+from flashprobe.fuzz.kernel_call import call_kernel
+from flashprobe.fuzz.run import case_references
 from flashprobe.judge import DIRECTIONS, LIMITS
+from flashprobe.kernels import available_kernels, get_kernel, math_attention, unregister_kernel
+from flashprobe.kernels.reference import expand_kv
+from lab.mutants import MUTANTS, register_mutants
 
 __all__ = ["CALLS", "CORRECT_KERNELS", "RULES", "CalibrationCall", "main", "peer_failures", "run_rules"]
 
@@ -118,10 +124,8 @@ class CalibrationCall:
     scale: float | None = None
     layout: str = "contiguous"
 
-    def inputs(self, dtype: torch.dtype, seed: int) -> Any:
+    def inputs(self, dtype: torch.dtype, seed: int) -> CaseInputs:
         """The call's :class:`~flashprobe.fuzz.CaseInputs` in ``dtype``, from a seeded float64 draw."""
-        from flashprobe.fuzz import CaseInputs
-
         gen = torch.Generator().manual_seed(seed)
         n_k = self.n_q if self.causal else self.n_k
 
@@ -251,12 +255,9 @@ class _Tally:
     caught: int = 0
 
 
-def _baseline(inputs: Any, grad_out: torch.Tensor) -> dict[str, torch.Tensor]:
+def _baseline(inputs: CaseInputs, grad_out: torch.Tensor) -> dict[str, torch.Tensor]:
     """The same-dtype baseline's output and gradients (``math``; grouped k/v heads repeated, so their
     gradients are summed over each group)."""
-    from flashprobe.kernels import math_attention
-    from flashprobe.kernels.reference import expand_kv
-
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v))
     with torch.enable_grad():
         k_all, v_all = expand_kv(k, v, q.shape[1] // k.shape[1])  # (B, H, N_k, D)
@@ -299,14 +300,9 @@ def run_rules(
         kernels they hit, bug calls, caught, the mutants missed on some call), and one entry per
         (kernel, call, seed, dtype) with each rule's outcome.
     """
-    from flashprobe.fuzz import check_case
-    from flashprobe.fuzz.kernel_call import call_kernel
-    from flashprobe.fuzz.run import case_references
-    from flashprobe.kernels import get_kernel, unregister_kernel
-    from flashprobe.mutants import MUTANTS, register_mutants
-
     names = list(mutants) if mutants is not None else [n for n, m in MUTANTS.items() if m.trigger is not None]
-    registered = register_mutants()
+    before = set(available_kernels())
+    registered = [name for name in register_mutants() if name not in before]
     rows: list[dict[str, Any]] = []
     details: list[dict[str, Any]] = []
     try:
@@ -420,7 +416,7 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="flashprobe bench rules",
+        prog="python -m lab.rules",
         description="Pass/fail rules compared: correct kernels failed and planted bugs caught, per dtype.",
     )
     p.add_argument("--seeds", type=int, default=3, help="draws of each calibration call (default 3)")
@@ -447,8 +443,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from flashprobe.mutants import MUTANTS
-
     precisions = [p for p in args.precision.split(",") if p]
     if not precisions or any(p not in _DTYPES for p in precisions):
         raise BenchArgumentError(
@@ -497,5 +491,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``flashprobe bench rules``; returns the exit code."""
-    return run_cli("rules", _parser(), _run, argv)
+    """Entry point of ``python -m lab.rules``; returns the exit code."""
+    return run_cli("rules", _parser(), _run, argv, command="python -m lab.rules")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

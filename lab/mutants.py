@@ -2,11 +2,12 @@
 
 One registry, :data:`MUTANTS`, serves every detector of the project: the probe's tests train with
 the mutants as the primary kernel, ``flashprobe fuzz``'s tests run them on the catalogue cases
-built for their class, and ``flashprobe bench rules`` counts how many of them each pass/fail rule
+built for their class, and :mod:`lab.rules` counts how many of them each pass/fail rule
 catches. Each :class:`Mutant` has a name, its bug class in words kernel authors use, the
 directions it breaks (``out``, ``dq``, ``dk``, ``dv``), what it needs to fire, a small call that
 fires it and one that does not (:class:`Case`), and the fuzz cases that catch it (:class:`Catch`).
-:func:`register_mutants` registers them as ``bug_<name>``; :func:`correct_flash` (the same code
+:func:`register_mutants` registers them as ``bug_<name>`` (importing this module does, so the
+commands take ``--import lab.mutants`` from the repository's root); :func:`correct_flash` (the same code
 path with no bug) as ``bug_none``; :data:`CORRECT`, correct kernels with production numerics (the
 flash-style backward, exp2 with the scale folded into log2(e), split-K with a log-sum-exp
 combine), as ``ok_<name>``. :func:`blockwise_attention` is a correct kernel written as Triton
@@ -25,15 +26,14 @@ on ``(B, H, N, D)`` tensors and is correct except for its one bug:
 * every kernel is differentiable.
 
 **Forward bugs** run plain autograd through a correct math implementation with the bug inserted,
-so their gradients are the exact gradients of the buggy forward. **Backward bugs** share
-:class:`_FlashAttention`, a ``torch.autograd.Function`` with a correct forward (saving the row
-log-sum-exp, as FlashAttention does) and a hand-written flash-style backward that recomputes
-``P`` from the log-sum-exp::
+so their gradients are the exact gradients of the buggy forward. **Backward bugs** are the flash
+form of :mod:`flashprobe.kernels.flash_form` (a correct forward saving the row log-sum-exp, as
+FlashAttention does, its output normalised as flash kernels do, and the flash-style backward that
+recomputes ``P`` from the log-sum-exp), computed in fp32, with the one step of
+:class:`~flashprobe.kernels.flash_form.FlashForm` that carries the bug overridden::
 
     dV = Pᵀ dO,  dP = dO Vᵀ,  Δ = rowsum(dO ∘ O),  dS = P ∘ (dP − Δ),
     dQ = scale · dS K,  dK = scale · dSᵀ Q   (summed over the query heads of a GQA group)
-
-with the one bug inserted.
 
 The small calls' triggers are chosen so a tiny training loop can hit them by changing its shapes:
 a sequence length (``N % 32``, ``N > 64``), the head dim (``D > 64``), the batch size (``B > 1``),
@@ -50,7 +50,8 @@ from typing import Any, Literal
 
 import torch
 
-from flashprobe.kernels import KernelCapabilities, default_scale, math_attention
+from flashprobe.kernels import KernelCapabilities, default_scale, math_attention, register_kernel
+from flashprobe.kernels.flash_form import FlashForm, FlashFormCall, flash_form_attention
 
 __all__ = [
     "CORRECT",
@@ -647,98 +648,43 @@ def first_block_nan(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     )
 
 
-# --- the flash-style autograd kernel and its backward bugs ---
+# --- the backward bugs: the flash form (flashprobe.kernels.flash_form) with one step changed ---
 
 
-def _flash_scores(
-    qc: torch.Tensor, kc: torch.Tensor, keep: torch.Tensor | None, bias: torch.Tensor | None, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(masked, unmasked)`` scaled scores; ``unmasked`` has the additive mask but not ``keep``."""
-    s = (qc @ kc.transpose(-2, -1)) * scale
-    if bias is not None:
-        s = s + bias.to(s.dtype)
-    return (s if keep is None else s.masked_fill(~keep, _NEG_INF)), s
-
-
-class _FlashAttention(torch.autograd.Function):
-    """Attention with a hand-written flash-style backward; ``bug`` names the one backward bug it has
-    (the flag tested in :meth:`backward`; ``""``: correct)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, keep, bias, scale, bug):  # type: ignore[override]
-        c = _compute_dtype(q.dtype)
-        heads = q.shape[1]
-        qc = q.to(c)
-        kc, vc = (t.to(c) for t in _expand_kv(k, v, heads))
-        s, _ = _flash_scores(qc, kc, keep, bias, scale)
-        m = s.amax(dim=-1, keepdim=True)
-        dead = m == _NEG_INF  # every key masked: P = 0, output 0 (safe softmax)
-        m = m.masked_fill(dead, 0.0)
-        e = torch.exp(s - m)
-        denom = e.sum(dim=-1, keepdim=True)
-        lse = (m + torch.log(denom)).masked_fill(dead, float("inf"))  # exp(s - inf) = 0
-        o = (e / denom.masked_fill(dead, 1.0)) @ vc
-        ctx.save_for_backward(q, k, v, keep, bias, o, lse)
-        ctx.scale, ctx.bug = scale, bug
-        return o.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        q, k, v, keep, bias, o, lse = ctx.saved_tensors
-        scale, bug = ctx.scale, ctx.bug
-        c = o.dtype
-        b, heads = q.shape[0], q.shape[1]
-        kv_heads, n_k = k.shape[1], k.shape[2]
-        qc = q.to(c)
-        kc, vc = (t.to(c) for t in _expand_kv(k, v, heads))
-        if bug == "do_contiguous":  # dO's memory read as if it were contiguous (B, H, N, D)
-            grad_out = grad_out.as_strided(grad_out.shape, _contiguous_strides(grad_out.shape))
-        do = grad_out.to(c)
-        s, s_unmasked = _flash_scores(qc, kc, keep, bias, scale)
-        if bug == "lse_unguarded":  # a fully masked row's log-sum-exp left at -inf: exp(-inf + inf) = NaN
-            lse = lse.masked_fill(lse == float("inf"), _NEG_INF)
-        p = torch.exp(s - lse)  # recomputed from the log-sum-exp, as FlashAttention does
-        if bug == "mask_ignored":  # P recomputed from the scores without any mask
-            p = torch.softmax((qc @ kc.transpose(-2, -1)) * scale, dim=-1)
-        p_v = torch.exp(s_unmasked - lse) if bug == "dv_unmasked" else p
-        dv = (p_v * (p.shape[-1] if bug == "dv_unnormalised" else 1)).transpose(-2, -1) @ do
-        dp = do @ vc.transpose(-2, -1)
-        delta = (do * o).sum(dim=-1, keepdim=True)
-        ds = p * (dp if bug == "drop_delta" else dp - delta)
-        if bug == "ds_bf16" and q.dtype == torch.float32:
-            ds = ds.to(torch.bfloat16).to(c)
-        if bug == "fp16_scratch":  # dP and dS kept in fp16's range: overflow to Inf, flush to 0
-            fp16 = torch.finfo(torch.float16)
-            ds = torch.where(ds.abs() < fp16.tiny * 2.0**-10, 0.0, ds)
-            ds = torch.where(dp.abs() > fp16.max, float("inf"), ds)
-        dq = (ds @ kc) * (1.0 if bug == "dq_unscaled" else scale)
-        dk = (ds.transpose(-2, -1) @ qc) * scale
-        if bug == "dq_nan_128" and n_k % TILE == TILE // 2:  # the last tile's missing half read as garbage
-            dq = dq + float("nan")
-        if bug == "dk_tile_32" and n_k % 32:
-            dk[..., n_k - n_k % 32 :, :] = 0.0
-        if bug == "kv_tile_zeroed" and n_k > 2 * KEY_TILE:  # the second key tile skipped in dk and dv
-            dk[..., KEY_TILE : 2 * KEY_TILE, :] = 0.0
-            dv[..., KEY_TILE : 2 * KEY_TILE, :] = 0.0
-        if kv_heads != heads:
-            rep = heads // kv_heads
-            dk = dk.view(b, kv_heads, rep, n_k, -1)
-            dv = dv.view(b, kv_heads, rep, n_k, -1)
-            dk, dv = (dk[:, :, 0], dv[:, :, 0]) if bug == "gqa_first_head" else (dk.sum(2), dv.sum(2))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
-
-
-def _flash(q, k, v, attn_mask, is_causal, scale, bug: str) -> torch.Tensor:
+def _flash(q, k, v, attn_mask, is_causal, scale, form: FlashForm) -> torch.Tensor:
     _check(q, k, v, attn_mask, is_causal)
-    keep, bias = _masks(attn_mask, is_causal, q.shape[-2], k.shape[-2], q.device)
     if k.shape[-2] == 0:
         return q.new_zeros(*q.shape[:-1], v.shape[-1]) + 0 * (q.sum() + k.sum() + v.sum())
-    return _FlashAttention.apply(q, k, v, keep, bias, default_scale(q.shape[-1], scale), bug)
+    options = {"attn_mask": attn_mask, "is_causal": is_causal, "scale": scale}
+    return flash_form_attention(q, k, v, **options, upcast=True, form=form)
+
+
+class _KernelForm(FlashForm):
+    """The flash form with the forward's output as flash kernels normalise it: ``exp(S − m)`` against
+    the row max ``m``, divided by its row sum, then times ``V`` (the recomputed ``P`` of the backward
+    comes from the log-sum-exp, as theirs does)."""
+
+    def output(self, call: FlashFormCall) -> torch.Tensor:
+        s = call.masked
+        m = s.amax(dim=-1, keepdim=True)
+        dead = m == _NEG_INF  # every key masked: P = 0, output 0 (safe softmax)
+        e = torch.exp(s - m.masked_fill(dead, 0.0))
+        denom = e.sum(dim=-1, keepdim=True)
+        return (e / denom.masked_fill(dead, 1.0)) @ call.v
+
+
+_CORRECT_FORM = _KernelForm()
 
 
 def correct_flash(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
-    """Correct attention with a hand-written flash-style backward (the backward bugs' code path)."""
-    return _flash(q, k, v, attn_mask, is_causal, scale, "")
+    """Correct attention with the flash-form backward (the backward bugs' code path), in fp32 for
+    16-bit inputs."""
+    return _flash(q, k, v, attn_mask, is_causal, scale, _CORRECT_FORM)
+
+
+class _DqUnscaled(_KernelForm):
+    def dq(self, call: FlashFormCall, ds: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(ds, call.k)  # the softmax scale lost
 
 
 def dq_unscaled(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -747,7 +693,16 @@ def dq_unscaled(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     Trigger: any call whose scale is not 1 (every default-scale call with ``D > 1``). Quiet with
     ``scale=1.0``. The forward, dk and dv are right.
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, "dq_unscaled")
+    return _flash(q, k, v, attn_mask, is_causal, scale, _DqUnscaled())
+
+
+class _DkPartialTile(_KernelForm):
+    def dk(self, call: FlashFormCall, ds: torch.Tensor) -> torch.Tensor:
+        dk = super().dk(call, ds)
+        n_k = call.k.shape[2]
+        if n_k % 32:  # the partial last tile of 32 keys skipped
+            dk[..., n_k - n_k % 32 :, :] = 0.0
+        return dk
 
 
 def dk_partial_tile(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -757,7 +712,15 @@ def dk_partial_tile(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     Trigger: ``N_k % 32 != 0``. Quiet for ``N_k`` a multiple of 32. The forward, dq and dv are
     right.
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, "dk_tile_32")
+    return _flash(q, k, v, attn_mask, is_causal, scale, _DkPartialTile())
+
+
+class _DqNan(_KernelForm):
+    def dq(self, call: FlashFormCall, ds: torch.Tensor) -> torch.Tensor:
+        dq = super().dq(call, ds)
+        if call.k.shape[2] % TILE == TILE // 2:  # the last tile's missing half read as garbage
+            dq = dq + float("nan")
+        return dq
 
 
 def dq_nan(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -766,7 +729,15 @@ def dq_nan(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     Trigger: ``N_k % 128 == 64`` (a half-filled last key tile of 128). Quiet for any other
     ``N_k % 128``. The forward, dk and dv are right.
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, "dq_nan_128")
+    return _flash(q, k, v, attn_mask, is_causal, scale, _DqNan())
+
+
+class _DsBf16(_KernelForm):
+    def ds(self, call: FlashFormCall, p: torch.Tensor, dp: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        ds = super().ds(call, p, dp, delta)
+        if call.dtype == torch.float32:  # rounded to bf16 in an fp32 call
+            ds = ds.to(torch.bfloat16).to(ds.dtype)
+        return ds
 
 
 def ds_bf16(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -775,7 +746,13 @@ def ds_bf16(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     Trigger: float32 inputs (dq and dk carry bf16 rounding). Quiet for bf16 inputs (whose
     backward is computed in fp32 as the correct kernel's). The forward and dv are right.
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, "ds_bf16")
+    return _flash(q, k, v, attn_mask, is_causal, scale, _DsBf16())
+
+
+class _DvUnmasked(_KernelForm):
+    def dv(self, call: FlashFormCall, p: torch.Tensor, d_out: torch.Tensor) -> torch.Tensor:
+        unmasked = self.probs(call, call.scores)  # P from the scores before the bool/causal mask
+        return torch.matmul(unmasked.transpose(-2, -1), d_out)
 
 
 def dv_unmasked(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -784,7 +761,18 @@ def dv_unmasked(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     Trigger: ``is_causal=True`` or a bool ``attn_mask`` that masks something. Quiet without
     them (an additive float mask is applied correctly). The forward, dq and dk are right.
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, "dv_unmasked")
+    return _flash(q, k, v, attn_mask, is_causal, scale, _DvUnmasked())
+
+
+class _GqaFirstHead(_KernelForm):
+    def kv_grads(
+        self, call: FlashFormCall, dk: torch.Tensor, dv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if call.kv_heads == call.q.shape[1]:
+            return dk, dv
+        b, heads, n_k = call.q.shape[0], call.q.shape[1], call.k.shape[2]
+        group = (b, call.kv_heads, heads // call.kv_heads, n_k, -1)
+        return dk.view(group)[:, :, 0], dv.view(group)[:, :, 0]  # the group's first head, not its sum
 
 
 def gqa_grad_not_summed(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -794,7 +782,12 @@ def gqa_grad_not_summed(q, k, v, *, attn_mask=None, is_causal=False, scale=None)
     Trigger: ``H_kv < H`` **passed un-expanded**. Quiet for ``H_kv == H``. The forward and dq
     are right.
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, "gqa_first_head")
+    return _flash(q, k, v, attn_mask, is_causal, scale, _GqaFirstHead())
+
+
+class _DeltaDropped(_KernelForm):
+    def ds(self, call: FlashFormCall, p: torch.Tensor, dp: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return (p.to(delta.dtype) * dp.to(delta.dtype)).to(call.q.dtype)  # without − Δ
 
 
 def delta_dropped(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -804,7 +797,12 @@ def delta_dropped(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     right). A weak-baseline class: in 16 bits the plain baseline's own gradient error is percents,
     so a ratio to it is lenient; the ``absolute`` criterion catches it.
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, "drop_delta")
+    return _flash(q, k, v, attn_mask, is_causal, scale, _DeltaDropped())
+
+
+class _MaskIgnored(_KernelForm):
+    def recomputed_probs(self, call: FlashFormCall) -> torch.Tensor:
+        return torch.softmax(torch.matmul(call.q, call.k.transpose(-2, -1)) * call.scale, dim=-1)
 
 
 def backward_mask_ignored(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -813,7 +811,13 @@ def backward_mask_ignored(q, k, v, *, attn_mask=None, is_causal=False, scale=Non
     Trigger: any mask (causal, bool or additive) that masks something. Quiet without one. The
     forward is right; every gradient is wrong.
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, "mask_ignored")
+    return _flash(q, k, v, attn_mask, is_causal, scale, _MaskIgnored())
+
+
+class _LseUnguarded(_KernelForm):
+    def recomputed_probs(self, call: FlashFormCall) -> torch.Tensor:
+        assert call.lse is not None
+        return torch.exp(call.masked.to(call.lse.dtype) - call.lse).to(call.q.dtype)  # −inf − (−inf): NaN
 
 
 def fully_masked_backward_nan(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -822,7 +826,12 @@ def fully_masked_backward_nan(q, k, v, *, attn_mask=None, is_causal=False, scale
 
     Trigger: a query row whose every key is masked. Quiet where every row sees a key.
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, "lse_unguarded")
+    return _flash(q, k, v, attn_mask, is_causal, scale, _LseUnguarded())
+
+
+class _DvUnnormalised(_KernelForm):
+    def dv(self, call: FlashFormCall, p: torch.Tensor, d_out: torch.Tensor) -> torch.Tensor:
+        return torch.matmul((p * p.shape[-1]).transpose(-2, -1), d_out)
 
 
 def dv_unnormalised(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -830,7 +839,13 @@ def dv_unnormalised(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
 
     Trigger: every call with ``N_k > 1``. The forward, dq and dk are right.
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, "dv_unnormalised")
+    return _flash(q, k, v, attn_mask, is_causal, scale, _DvUnnormalised())
+
+
+class _GradOutContiguous(_KernelForm):
+    def grad_out(self, call: FlashFormCall, d_out: torch.Tensor) -> torch.Tensor:
+        read = d_out.as_strided(d_out.shape, _contiguous_strides(d_out.shape))  # strides ignored
+        return super().grad_out(call, read)
 
 
 def grad_out_contiguous(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -839,7 +854,15 @@ def grad_out_contiguous(q, k, v, *, attn_mask=None, is_causal=False, scale=None)
     Trigger: a non-contiguous ``dO`` (the gradient of a transposed output view). Quiet for a
     contiguous one.
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, "do_contiguous")
+    return _flash(q, k, v, attn_mask, is_causal, scale, _GradOutContiguous())
+
+
+class _Fp16Scratch(_KernelForm):
+    def ds(self, call: FlashFormCall, p: torch.Tensor, dp: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        ds = super().ds(call, p, dp, delta)
+        fp16 = torch.finfo(torch.float16)  # dP and dS kept in fp16's range: overflow to Inf, flush to 0
+        ds = torch.where(ds.abs() < fp16.tiny * 2.0**-10, 0.0, ds)
+        return torch.where(dp.abs() > fp16.max, float("inf"), ds)
 
 
 def fp16_scratch(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -849,11 +872,21 @@ def fp16_scratch(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     Trigger: an output gradient so large that ``dP`` exceeds 65504, or so small that ``dS`` falls
     below fp16's subnormals. Quiet for ordinary gradients.
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, "fp16_scratch")
+    return _flash(q, k, v, attn_mask, is_causal, scale, _Fp16Scratch())
 
 
 #: keys per key tile of the tiled bugs
 KEY_TILE = 16
+
+
+class _KvTileZeroed(_KernelForm):
+    def kv_grads(
+        self, call: FlashFormCall, dk: torch.Tensor, dv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if call.k.shape[2] > 2 * KEY_TILE:  # the second key tile skipped in dk and dv
+            dk[..., KEY_TILE : 2 * KEY_TILE, :] = 0.0
+            dv[..., KEY_TILE : 2 * KEY_TILE, :] = 0.0
+        return super().kv_grads(call, dk, dv)
 
 
 def kv_tile_zeroed(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
@@ -863,7 +896,7 @@ def kv_tile_zeroed(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     Trigger: ``N_k > 32``. Quiet for ``N_k <= 32``. The forward and dq are right; 16 of the keys
     are wrong, which a whole-tensor L2 averages away (the ``row`` criterion catches it).
     """
-    return _flash(q, k, v, attn_mask, is_causal, scale, "kv_tile_zeroed")
+    return _flash(q, k, v, attn_mask, is_causal, scale, _KvTileZeroed())
 
 
 # --- localised forward bugs ---
@@ -1311,10 +1344,11 @@ MUTANTS: dict[str, Mutant] = {
 def register_mutants() -> list[str]:
     """Register every mutant as ``bug_<name>``, :func:`correct_flash` as ``bug_none`` and the
     :data:`CORRECT` kernels as ``ok_<name>`` (replacing earlier registrations); returns the names."""
-    from flashprobe import register_kernel
-
     kernels = [(f"bug_{m.name}", m.fn, m.capabilities) for m in MUTANTS.values()]
     kernels += [("bug_none", correct_flash, None), *((f"ok_{n}", fn, None) for n, fn in CORRECT.items())]
     for name, fn, capabilities in kernels:
         register_kernel(name, fn, capabilities=capabilities, overwrite=True)
     return [name for name, _, _ in kernels]
+
+
+register_mutants()  # ``--import lab.mutants``: the suite's kernels by name
