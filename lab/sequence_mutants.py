@@ -32,6 +32,7 @@ forward never returned). ``batch_loop`` and ``ordered`` are the controls of the 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +41,7 @@ import torch
 from flashprobe.kernels import KernelCapabilities, default_scale, math_attention, register_kernel
 from lab import contracts
 
-__all__ = ["KERNELS", "register", "reset"]
+__all__ = ["KERNELS", "register", "register_heldout", "reset"]
 
 _STATE: dict[str, dict[Any, Any]] = {}
 
@@ -288,3 +289,61 @@ def register() -> list[str]:
 
 
 register()  # ``--import lab.sequence_mutants``: the kernels by name
+
+
+def _heldout_capabilities(name: str) -> KernelCapabilities:
+    """A held-out kernel's capabilities as its user would declare them from its contract
+    (:data:`lab.heldout.CONTRACTS`): LSE base and empty-row LSE, dtypes (``e4m3``: FP8 inputs with
+    descales), backward, ``out=``."""
+    from lab.heldout import CONTRACTS
+
+    c = CONTRACTS[name]
+    names = {
+        "e4m3": torch.float8_e4m3fn,
+        "bf16": torch.bfloat16,
+        "fp16": torch.float16,
+        "fp32": torch.float32,
+    }
+    return KernelCapabilities(
+        lse_base=2 if c.lse_base == 2 else "e",
+        empty_lse=c.empty_row_lse,
+        dtypes=frozenset(names[d] for d in c.dtypes),
+        backward_devices=None if c.backward else frozenset(),
+        preallocated_out=c.out_kwarg,
+        sinks=False,
+        alibi=c.signature != "FlashAttention-3",
+    )
+
+
+def _here(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as a function of this module (its signature kept), so a reproducer's script imports the
+    module that registers it."""
+
+    @functools.wraps(fn)
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    kernel.__module__ = __name__
+    return kernel
+
+
+def register_heldout() -> list[str]:
+    """Register every held-out kernel of :data:`lab.heldout.HELDOUT` as ``heldout_<name>`` with the
+    capabilities its contract gives (nothing of its implementation read), state forgotten; returns
+    the names."""
+    from lab.heldout import HELDOUT
+    from lab.heldout.stateful import reset_state
+
+    reset_state()
+    for name, row in HELDOUT.items():
+        register_kernel(
+            f"heldout_{name}",
+            _here(row.fn),
+            api=row.api,
+            capabilities=_heldout_capabilities(name),
+            overwrite=True,
+        )
+    return [f"heldout_{n}" for n in HELDOUT]
+
+
+register_heldout()  # ``--import lab.sequence_mutants``: the held-out kernels by name too

@@ -85,6 +85,8 @@ class Step:
         page_seed: the seed of the page order.
         grads: ``(name, slot)`` of each output gradient: one backward each, in order, on this call's
             one forward (same slot: the same memory, written in place).
+        k_lens: valid keys per batch entry (``seqused_k``, a KV cache's ``cache_seqlens``; an SDPA
+            kernel gets a key-padding mask), or ``()`` for all.
     """
 
     q: str
@@ -99,10 +101,11 @@ class Step:
     pages: int = 0
     page_seed: int = 0
     grads: tuple[tuple[str, str], ...] = ()
+    k_lens: tuple[int, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """The step as JSON data (the reproducer's metadata)."""
-        return {**asdict(self), "grads": [list(g) for g in self.grads]}
+        return {**asdict(self), "grads": [list(g) for g in self.grads], "k_lens": list(self.k_lens)}
 
     @classmethod
     def from_dict(cls, data: Any, tensors: dict[str, torch.Tensor]) -> Step:
@@ -113,7 +116,7 @@ class Step:
         """
         kinds = {"q": str, "k": str, "v": str, "note": str, "mask": (str, type(None)), "causal": bool,
                  "scale": (int, float, type(None)), "layout": str, "slot": str, "pages": int,
-                 "page_seed": int, "grads": list}  # fmt: skip
+                 "page_seed": int, "grads": list, "k_lens": list}  # fmt: skip
         if not isinstance(data, dict) or set(data) - set(kinds):
             raise ReproducerError(f"a step of the sequence is not an object of {', '.join(kinds)}: {data!r}")
         for key, value in data.items():
@@ -122,7 +125,10 @@ class Step:
         grads = data.get("grads", [])
         if not all(isinstance(g, list) and len(g) == 2 and all(isinstance(x, str) for x in g) for g in grads):
             raise ReproducerError(f"a step's grads is {grads!r}, not a list of [name, slot] pairs")
-        step = cls(**{**data, "grads": tuple(tuple(g) for g in grads)})
+        lens = data.get("k_lens", [])
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lens):
+            raise ReproducerError(f"a step's k_lens is {lens!r}, not a list of key counts")
+        step = cls(**{**data, "grads": tuple(tuple(g) for g in grads), "k_lens": tuple(lens)})
         missing = [
             n
             for n in (step.q, step.k, step.v, step.mask, *(g for g, _ in step.grads))
@@ -155,6 +161,9 @@ def _logical(step: Step, tensors: dict[str, torch.Tensor], device: torch.device)
     """The step's call as SDPA values (what its references are computed from)."""
     q, k, v = (tensors[n].to(device) for n in (step.q, step.k, step.v))
     mask = tensors[step.mask].to(device) if step.mask else None
+    if step.k_lens:  # key padding: keys [0, k_lens[b]) of entry b
+        lens = torch.tensor(step.k_lens, device=device)
+        mask = (torch.arange(k.shape[2], device=device) < lens[:, None])[:, None, None, :]
     return CaseInputs(q=q, k=k, v=v, attn_mask=mask, is_causal=step.causal, scale=step.scale)
 
 
@@ -162,8 +171,16 @@ def _call(
     kernel: Kernel, step: Step, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any
 ) -> AttentionCall:
     """The step's :class:`AttentionCall` on these tensors (in its layout; paged as the api takes pages)."""
+    lens = torch.tensor(step.k_lens, dtype=torch.int32, device=q.device) if step.k_lens else None
     call = AttentionCall(
-        q=q, k=k, v=v, layout=step.layout, attn_mask=mask, causal=step.causal, scale=step.scale
+        q=q,
+        k=k,
+        v=v,
+        layout=step.layout,
+        attn_mask=None if step.k_lens else mask,
+        causal=step.causal,
+        scale=step.scale,
+        k_lens=lens,
     )
     if not step.pages:
         return call
@@ -422,8 +439,11 @@ def _interleave(b: Builder) -> list[Step]:
 
 def _grow(b: Builder) -> list[Step]:
     short, long = b.qkv("0", 2, 16, 32), b.qkv("1", 2, 16, 300)
+    n_k = b.tensors[long[1]].shape[2]
     return [Step(*short, "short: N_k=32"), Step(*long, "long: N_k=300, the same B, H, N_q, D"),
-            Step(*short, "short again")]  # fmt: skip
+            Step(*short, "short again"),
+            Step(*long, f"long, ragged: {n_k} and 5 valid keys", k_lens=(n_k, 5)),
+            Step(*long, "long, every key again")]  # fmt: skip
 
 
 def _pages(b: Builder) -> list[Step]:
@@ -507,7 +527,7 @@ def _sequence(
             except (KernelUnavailableError, ValueError) as err:
                 problem = str(err)
             (left_out if problem else kept).append((step, problem))
-        settings = {(s.mask, s.causal, s.scale, s.layout, s.pages, s.page_seed, tensors[s.q].dtype,
+        settings = {(s.mask, s.causal, s.scale, s.layout, s.pages, s.page_seed, s.k_lens, tensors[s.q].dtype,
                      tensors[s.q].shape, tensors[s.k].shape) for s, _ in kept}  # fmt: skip
         if len(kept) < 2 or (len(settings) < 2 and not storage):
             why = left_out[0][1] if left_out else "nothing varies"
