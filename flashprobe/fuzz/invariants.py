@@ -347,7 +347,7 @@ INVARIANTS: dict[str, Check] = {
         Check("inv_positions", _INV + "V = one-hot positions", "out = the attention matrix folded into D "
               "columns (a tile stored permuted or transposed)", _invariant(_positions, "inv_positions")),
         Check("inv_key_permutation", _INV + "key permutation", "permuted keys and values leave out unchanged "
-              "up to rounding", _invariant(_key_permutation, "inv_key_permutation")),
+              "up to rounding", _invariant(_key_permutation, "inv_key_permutation"), profiles=("full",)),
         Check("inv_value_scaling", _INV + "V × 2^k", "V·2³ gives out·2³ bit for bit",
               _invariant(_value_scaling, "inv_value_scaling")),
         Check("inv_batch", _INV + "batch invariance", "a row's bits do not depend on the rest of the batch "
@@ -356,7 +356,7 @@ INVARIANTS: dict[str, Check] = {
               "(declared deterministic=True)", _invariant(_determinism, "inv_determinism")),
         Check("inv_forward_backward", _INV + "forward-backward agreement", "the backward is the derivative "
               "of the kernel's own forward (finite differences)",
-              _invariant(_forward_backward, "inv_forward_backward")),
+              _invariant(_forward_backward, "inv_forward_backward"), profiles=("full",)),
         Check("inv_declared_precision", _INV + "declared precision", "an FP8 kernel is not more accurate "
               "than any FP8 rounding can be", _invariant(_declared_precision, "inv_declared_precision")),
     )

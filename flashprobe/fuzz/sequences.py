@@ -564,19 +564,20 @@ SEQUENCES: dict[str, Check] = {
         Check("seq_scale", _SEQ + "scale", "the same tensors with another softmax scale (a plan keyed "
               "without it)", _sequence("seq_scale", _scale)),
         Check("seq_dtype", _SEQ + "dtype", "the same values in another dtype, then the first again",
-              _sequence("seq_dtype", _dtype)),
+              _sequence("seq_dtype", _dtype), profiles=("full",)),
         Check("seq_layout", _SEQ + "layout", "the same values as NHD views after BHND (a plan keyed "
               "without strides)", _sequence("seq_layout", _layout)),
         Check("seq_mask", _SEQ + "mask", "another causal flag and mask on the same tensors",
-              _sequence("seq_mask", _mask)),
+              _sequence("seq_mask", _mask), profiles=("full",)),
         Check("seq_in_place", _SEQ + "in-place inputs", "new values written into the same q, k, v memory "
               "(a result kept by pointer, a graph replayed)",
               _sequence("seq_in_place", _in_place, storage=True)),
         Check("seq_dout", _SEQ + "output gradients", "one forward, backwards with other dO (a stale dO)",
               _sequence("seq_dout", _dout, storage=True)),
         Check("seq_interleave", _SEQ + "interleaved shapes", "calls alternating between two shapes",
-              _sequence("seq_interleave", _interleave)),
-        Check("seq_grow", _SEQ + "scratch reuse", "a long call after a short one, then the short again",
+              _sequence("seq_interleave", _interleave), profiles=("full",)),
+        Check("seq_grow", _SEQ + "scratch reuse", "a long call after a short one, the short "
+              "again, a ragged one after full ones",
               _sequence("seq_grow", _grow)),
         Check("seq_pages", _SEQ + "page tables", "the same keys on other pages (a gather keyed without the "
               "block table)", _sequence("seq_pages", _pages)),
