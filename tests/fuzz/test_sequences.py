@@ -225,7 +225,11 @@ def test_select_checks_by_case_patterns() -> None:
     checks, rest = select_checks(None)
     assert {c.name for c in checks} >= {"seq_scale", "inv_unit_values"} and rest == []
     checks, rest = select_checks(["seq_*"])
-    assert {c.name for c in checks} == set(SEQUENCES) and rest is None  # no catalogue case wanted
+    assert {c.name for c in checks} == {n for n, c in SEQUENCES.items() if "default" in c.profiles}
+    assert rest is None  # no catalogue case wanted
+    assert {c.name for c in select_checks(["seq_*"], profile="full")[0]} == set(SEQUENCES)
+    assert [c.name for c in select_checks(["seq_mask"])[0]] == ["seq_mask"]  # named: whatever its profile
+    assert {"seq_scale", "seq_layout", "seq_dout", "seq_grow"} <= {c.name for c in select_checks(None)[0]}
     checks, rest = select_checks(["sentinel_*"])
     assert checks == [] and rest == ["sentinel_*"]
     checks, rest = select_checks(["!seq_*", "!inv_*"])
