@@ -296,6 +296,12 @@ def _declared_precision(b: Builder) -> Outcome:
     fmt, wire = b.kernel.capabilities.fp8, _fp8_inputs(b)
     if fmt is None:  # (FP8 inputs alone declare nothing: a kernel may dequantize them and compute wide)
         raise NotApplicableError("it declares no FP8 format (KernelCapabilities.fp8)")
+    dtypes = b.kernel.capabilities.dtypes
+    if not wire and dtypes is not None and torch.float8_e4m3fn in dtypes:
+        raise NotApplicableError(
+            f"its {fmt} path takes FP8 inputs (checked in the bf16 run); {dtype_name(b.dtype)} inputs take "
+            "its wide path"
+        )
     x = _inputs(b, 128, 128, 64, batch=2, causal=True)
     if wire:  # FP8 inputs: only P (and the output) can be rounded; the golden is of the FP8 values
         x = replace(x, q=x.q.to(wire), k=x.k.to(wire), v=x.v.to(wire))
