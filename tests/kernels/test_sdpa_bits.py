@@ -3,12 +3,15 @@ calls beyond SDPA (windows, softcap, ALiBi, sinks, LSE, varlen, paged and cached
 
 The digests in ``data/sdpa_bits.json`` were recorded from the references before that change
 (``tests/kernels/_sdpa_bits.py``); matmul bits depend on the CPU's instruction set and on torch's
-version, so the comparison runs where both are those of the recording.
+version, and on the BLAS path torch takes on the CPU model and thread count at hand, so the comparison runs
+where all of these are those of the recording (elsewhere ``test_call_reference`` checks that SDPA-shaped
+calls give the bits of SDPA's golden and baseline).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -19,8 +22,22 @@ from tests.kernels._sdpa_bits import digest, sdpa_outputs
 _RECORD = json.loads((Path(__file__).parent / "data" / "sdpa_bits.json").read_text())
 
 
+def _cpu_model() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    found = re.search(r"^model name\s*:\s*(.*)$", text, re.MULTILINE)
+    return found.group(1).strip() if found else ""
+
+
 def _same_machine() -> bool:
-    here = {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    here = {
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu": _cpu_model(),
+        "threads": torch.get_num_threads(),
+    }
     return _RECORD["meta"] == here
 
 
