@@ -11,7 +11,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from flashprobe.formats.atomic import stray_temporaries
+from flashprobe.formats.atomic import remove_temporary, stray_temporaries
 from flashprobe.formats.paths import library_path
 from flashprobe.formats.run_record import owned_outputs, read_run_record
 
@@ -118,7 +118,7 @@ def remove_stray_temporaries(run_dir: Path) -> None:
             strays += stray_temporaries(run_dir / name)
     for stray in strays:
         log.warning("removing %s, left by an interrupted write", stray)
-        stray.unlink(missing_ok=True)
+        remove_temporary(stray)
 
 
 def refuse_foreign(run_dir: Path, names: list[str]) -> None:

@@ -42,7 +42,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from flashprobe.formats.atomic import TMP_SUFFIX, atomic_write_file, atomic_write_text
+from flashprobe.formats.atomic import (
+    atomic_write_file,
+    atomic_write_text,
+    remove_temporary,
+    stray_temporaries,
+)
 from flashprobe.formats.jsonio import utc_now
 from flashprobe.formats.paths import library_path
 
@@ -50,6 +55,7 @@ __all__ = [
     "MANIFEST_NAME",
     "SNAPSHOT_DIRNAME",
     "SNAPSHOT_FORMAT",
+    "NonFiniteSnapshotError",
     "SnapshotError",
     "SnapshotStore",
     "SnapshotWriter",
@@ -67,6 +73,10 @@ MANIFEST_NAME = "manifest.json"
 
 class SnapshotError(ValueError):
     """A snapshot directory or manifest is missing, malformed or inconsistent."""
+
+
+class NonFiniteSnapshotError(SnapshotError):
+    """Weights holding a NaN or an infinity, refused as a snapshot (a snapshot holds finite weights)."""
 
 
 @dataclass(frozen=True)
@@ -205,9 +215,9 @@ class SnapshotWriter:
     def __init__(self, run_dir: str | os.PathLike[str], header: Mapping[str, Any]) -> None:
         self.directory = Path(run_dir) / SNAPSHOT_DIRNAME
         self.directory.mkdir(parents=True, exist_ok=True)
-        for stale in self.directory.glob(f".*{TMP_SUFFIX}"):
+        for stale in stray_temporaries(self.directory):
             log.warning("removing incomplete snapshot file %s left by an interrupted write", stale)
-            stale.unlink(missing_ok=True)
+            remove_temporary(stale)
         self.manifest: dict[str, Any] = {"format": SNAPSHOT_FORMAT, **header, "tensors": [], "snapshots": []}
         if (self.directory / MANIFEST_NAME).is_file():
             old = read_manifest(self.directory)
@@ -236,7 +246,21 @@ class SnapshotWriter:
 
         Returns:
             The path of the snapshot file.
+
+        Raises:
+            NonFiniteSnapshotError: a tensor holds a NaN or an infinity; nothing is written, and the
+                manifest records the first such step (``nonfinite_step``).
         """
+        bad = {n: int((~torch.isfinite(t)).sum()) for n, t in tensors.items() if t.is_floating_point()}
+        if any(bad.values()):
+            first = next(n for n, c in bad.items() if c)
+            if self.manifest.get("nonfinite_step") is None:
+                self.update_header({"nonfinite_step": step})
+            raise NonFiniteSnapshotError(
+                f"the weights of step {step} hold {sum(bad.values())} NaN or infinite values (first in "
+                f"{first}): no snapshot of them is written to {self.directory}; the earlier snapshots hold "
+                "finite weights"
+            )
         name = snapshot_filename(step)
         final = self.directory / name
         run_id = os.fsencode(str(self.manifest.get("run_id"))).decode("utf-8", "backslashreplace")
