@@ -349,9 +349,24 @@ def run_study(
     """
     from flashprobe.formats.atomic import FULL_BELOW, free_space
     from flashprobe.formats.lock import directory_lock
-    from flashprobe.formats.paths import prepare_output_dir, safe_name
+    from flashprobe.formats.paths import (
+        OutputPathError,
+        check_output_dir,
+        prepare_output_dir,
+        printable,
+        safe_name,
+    )
+    from flashprobe.formats.run_dir import check_links
     from flashprobe.kernels import KernelSpecError, get_kernel
 
+    check_output_dir(out, owned=STUDY_OWNS)  # a system directory is refused as such, before its free space
+    try:
+        str(out).encode("utf-8")
+    except UnicodeEncodeError:  # Hydra writes the sweep's paths into YAML, which holds text only
+        raise OutputPathError(
+            f"--out {printable(out)}: its name holds bytes that are not UTF-8, which Hydra cannot take as "
+            "the runs' directory; give a directory whose name is UTF-8 text"
+        ) from None
     overrides = list(overrides)
     if override_value(overrides, "experiment") is None:
         overrides.insert(0, f"experiment={DEFAULT_EXPERIMENT}")
@@ -388,6 +403,7 @@ def run_study(
     # holding other files than a study's, is refused
     out = prepare_output_dir(out, owned=STUDY_OWNS).resolve()
     with directory_lock(out, what="study directory (--out)"):
+        check_links(out)
         return _run_locked_study(out, plan, cfg, overrides, train)
 
 
@@ -635,7 +651,10 @@ Writes OUT/study.json, study.csv, report.md, fig7_<pair>.png, fig8_wasserstein.p
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``flashprobe study [--out DIR] [--runs a,b,...] [--compare-only] [HYDRA_OVERRIDES...]``."""
+    from flashprobe.app.imports import command_options
     from flashprobe.formats.lock import DirectoryLockedError
+    from flashprobe.formats.paths import printable
+    from flashprobe.kernels.registry import add_import_option
 
     parser = argparse.ArgumentParser(
         prog="flashprobe study",
@@ -662,23 +681,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="DIR",
         help="a conf/ directory of your own, searched before ./conf and the packaged configs",
     )
+    add_import_option(parser)
     parser.add_argument(
         "overrides", nargs="*", help="Hydra overrides for every run, e.g. study.precision=16-mixed"
     )
     args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))  # options anywhere
     runs = None if args.runs is None else [r for r in args.runs.split(",") if r]
-    if args.config_dir is not None:
-        if not Path(args.config_dir).is_dir():
-            print(
-                f"flashprobe study: error: --config-dir {args.config_dir} is not a directory", file=sys.stderr
-            )
-            return 2
-        os.environ["FLASHPROBE_CONFIG_DIR"] = str(Path(args.config_dir).resolve())  # read by the search path
     again = "run the same command again to continue (finished runs are skipped, the others resume)"
     try:
-        report = run_study(args.out, runs, args.overrides, train=not args.compare_only)
+        options = [f for d in [args.config_dir] if d is not None for f in ("--config-dir", d)]
+        with command_options([*options, *(f for m in args.imports or [] for f in ("--import", m))]):
+            report = run_study(args.out, runs, args.overrides, train=not args.compare_only)
     except (ValueError, DirectoryLockedError) as err:
-        print(f"flashprobe study: error: {err}", file=sys.stderr)
+        print(f"flashprobe study: error: {printable(err)}", file=sys.stderr)
         return 2
     except OSError as err:  # a full disk while writing the study's own files
         from flashprobe.formats.atomic import disk_full

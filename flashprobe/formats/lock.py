@@ -98,7 +98,8 @@ def directory_lock(directory: str | os.PathLike[str], *, what: str = "directory"
         raise
     command = " ".join(["flashprobe", *sys.argv[1:]])[:300]
     os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {utc_now()}: {command}\n".encode())
+    line = f"pid {os.getpid()} on {socket.gethostname()} since {utc_now()}: {command}\n"
+    os.write(fd, line.encode("utf-8", "surrogateescape"))
     _HELD[path] = [fd, 1]
     try:
         with writing_into(path):

@@ -40,11 +40,15 @@ class LinkError(OutputPathError):
         self, path: str | os.PathLike[str], root: str | os.PathLike[str] | None, kind: str = ""
     ) -> None:
         path = Path(path)
+        target = Path(os.path.realpath(path))
+        outside = root is not None and not target.is_relative_to(os.path.realpath(root))
         if not kind:
             kind = "in the way (not a directory)"
-            with contextlib.suppress(OSError):
-                kind = f"a link to {os.readlink(path)}"
+            if path.is_symlink():
+                kind = f"a link to {target}"
         where = f" inside {root}, which flashprobe writes into" if root is not None else ""
+        if outside and path.is_symlink():
+            where = f", outside the run or study directory {root}"
         super().__init__(
             f"{path} is {kind}{where}; flashprobe never writes through a link (it could send its files "
             "anywhere): remove it, or replace it by a copy of what it points to (cp -L)"
