@@ -171,7 +171,7 @@ APPENDED = (".flashprobe.lock", "train.log", "probe.jsonl")
 
 def check_links(directory: Path) -> None:
     """Refuse a run or study directory holding a link where flashprobe writes, before any work: a link to
-    a directory, a link at a file it appends to, or a link leading out of the directory. (A link to a
+    a directory, a symbolic or hard link at a file it appends to, or a link leading out of the directory. (A link to a
     file inside it, such as Lightning's ``save_last="link"`` checkpoint, is read and, when the file is
     written again, replaced. ``wandb/`` is W&B's, with links of its own, some into W&B's cache: only
     ``wandb`` itself must not be a link.) The writes themselves never follow a link
@@ -190,6 +190,8 @@ def check_links(directory: Path) -> None:
             dirs.remove("wandb")
         for name in dirs + files:
             path = Path(where) / name
+            if name in APPENDED and path.is_file() and not path.is_symlink() and path.stat().st_nlink > 1:
+                raise LinkError(path, directory, "a hard link to another file")
             if not path.is_symlink():
                 continue
             if path.is_dir() or name in APPENDED or not path.resolve().is_relative_to(root):

@@ -102,7 +102,8 @@ def _kill_and_resume_a_copy(uninterrupted: Path, tmp_path: Path, kill_at: int) -
 
     original, run = tmp_path / "original", tmp_path / "copy"
     kill = ["+callbacks.kill._target_=tests.app._kill.KillAt"]
-    killed = _flashprobe_train(*RUN, "logger=csv", f"hydra.run.dir={original}", *kill, "+callbacks.kill.step=3")
+    at_3 = [*kill, "+callbacks.kill.step=3"]
+    killed = _flashprobe_train(*RUN, "logger=csv", f"hydra.run.dir={original}", *at_3)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     shutil.copytree(original, run)
     killed = _flashprobe_train(f"resume={run}", *kill, f"+callbacks.kill.step={kill_at}")
