@@ -41,7 +41,7 @@ SCRIPT_BUDGETS: dict[str, tuple[str, ...]] = {
     "examples/probe_any_model.py": ("--steps", "1"),
     "examples/lightning_callbacks.py": (),
     "scripts/fuzz_rule_calibration.py": ("--calls", "2"),
-    "scripts/robustness_table.py": ("--only", "fuzz --kernel nosuch"),
+    "-m pytest": ("-p", "no:cacheprovider", "-k", "version or kernels"),  # lab/robustness: 6 quick cases
 }
 
 #: the page whose file block and command make the ``runs/`` directories other snippets read
@@ -66,7 +66,7 @@ def _argv(snippet: Snippet) -> list[str]:
     """The command as written plus its tiny budget."""
     argv = snippet.argv
     if argv[0] in ("python", "python3"):
-        script = argv[1] if len(argv) > 1 else ""
+        script = " ".join(argv[1:3]) if argv[1:2] == ["-m"] else argv[1] if len(argv) > 1 else ""
         if script not in SCRIPT_BUDGETS:
             raise KeyError(f"{snippet.id}: no budget for 'python {script}'; add it to SCRIPT_BUDGETS")
         return [*argv, *SCRIPT_BUDGETS[script]]
