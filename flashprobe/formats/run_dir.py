@@ -171,10 +171,10 @@ APPENDED = (".flashprobe.lock", "train.log", "probe.jsonl")
 
 def check_links(directory: Path) -> None:
     """Refuse a run or study directory holding a link where flashprobe writes, before any work: a link to
-    a directory, a symbolic or hard link at a file it appends to, or a link leading out of the directory. (A link to a
-    file inside it, such as Lightning's ``save_last="link"`` checkpoint, is read and, when the file is
-    written again, replaced. ``wandb/`` is W&B's, with links of its own, some into W&B's cache: only
-    ``wandb`` itself must not be a link.) The writes themselves never follow a link
+    a directory, a symbolic or hard link at a file it appends to, or a link leading out of the directory.
+    (A link to a file inside it, such as Lightning's ``save_last="link"`` checkpoint, is read and, when
+    the file is written again, replaced. ``wandb/`` is W&B's, with links of its own, some into W&B's
+    cache: only ``wandb`` itself must not be a link.) The writes themselves never follow a link
     (:mod:`flashprobe.formats.nofollow`); this names the link before anything starts.
 
     Raises:
