@@ -318,11 +318,15 @@ def study_config(overrides: Sequence[str]) -> Any:
 
     from flashprobe.app.train import compose
 
-    config_overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
     try:
-        return compose(["study_run=flash", *config_overrides])
+        return compose(_flash_run(overrides))
     except (HydraException, OmegaConfBaseException) as err:
         raise ValueError(f"the study's overrides do not compose: {err}") from None
+
+
+def _flash_run(overrides: Sequence[str]) -> list[str]:
+    """The overrides composing the study's ``flash`` run (Hydra's own settings left to the launch)."""
+    return ["study_run=flash", *(o for o in overrides if not o.lstrip("+~").startswith("hydra"))]
 
 
 def run_study(
@@ -377,12 +381,13 @@ def run_study(
         get_kernel(cfg.study.kernel)
     except KernelSpecError as err:
         raise ValueError(f"study.kernel: {err}") from None
+    from flashprobe.app.compose import lazy_sources
     from flashprobe.app.train import check_config
 
     # every run's settings against the schemas, and the probe's sites against the model (the flash run's
     # config; the others differ in the plan's keys), before OUT is made; an argument only a constructor
     # checks (a callback's, the Trainer's) is refused when the first run builds its objects
-    check_config(cfg, Path(out) / "runs" / "flash")
+    check_config(cfg, Path(out) / "runs" / "flash", lazy_sources(_flash_run(overrides)))
     safe_name(str(cfg.run_name), what="run_name")  # it names each run's directory under OUT/runs
     keys = [override_key(o) for o in overrides if "=" in o]
     for key in STUDY_SETS:

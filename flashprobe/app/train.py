@@ -15,7 +15,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -261,7 +261,9 @@ def _redraw_probe_figure(run_dir: Path) -> bool:
     return True
 
 
-def check_config(cfg: DictConfig, run_dir: str | Path | None = None) -> RunSchema:
+def check_config(
+    cfg: DictConfig, run_dir: str | Path | None = None, source: Callable[[str], str] | None = None
+) -> RunSchema:
     """Check every setting of a composed run config before any work (what ``flashprobe train`` and
     ``flashprobe study`` do first): the schemas (:class:`~flashprobe.app.schema.RunSchema`: steps,
     intervals, seeds, threads, learning rate, data sizes against the machine's memory, names that become
@@ -281,7 +283,7 @@ def check_config(cfg: DictConfig, run_dir: str | Path | None = None) -> RunSchem
         cfg = cfg.copy()
         with open_dict(cfg):
             cfg.run_dir = str(run_dir)
-    schema = RunSchema.from_config(cfg, run_dir)
+    schema = RunSchema.from_config(cfg, run_dir, source)
     if schema.attention.probing and cfg.attention.probe.get("sites") is not None:
         try:
             module = hydra.utils.instantiate(cfg.module)
@@ -835,7 +837,7 @@ def _precheck(args: Sequence[str], given: Sequence[str] = ()) -> tuple[Path | No
         with open_dict(cfg):  # where the callbacks' ${run_dir} points
             del cfg["hydra"]
             cfg.run_dir = str(run_dir or new_runs / "new")
-        check_config(cfg, cfg.run_dir)
+        check_config(cfg, cfg.run_dir, sources)
         if run_dir is not None and run_dir.is_dir():
             if resume not in (None, "null", "auto"):  # (hydra.run.dir: checked by command_line)
                 check_output_dir(run_dir, flag="resume")

@@ -170,11 +170,11 @@ APPENDED = (".flashprobe.lock", "train.log", "probe.jsonl")
 
 
 def check_links(directory: Path) -> None:
-    """Refuse a run or study directory holding a link where flashprobe writes, before any work: a link to
-    a directory, a symbolic or hard link at a file it appends to, or a link leading out of the directory.
-    (A link to a file inside it, such as Lightning's ``save_last="link"`` checkpoint, is read and, when
-    the file is written again, replaced. ``wandb/`` is W&B's, with links of its own, some into W&B's
-    cache: only ``wandb`` itself must not be a link.) The writes themselves never follow a link
+    """Refuse a run or study directory holding a link, before any work: flashprobe's own writes never follow
+    one, but Hydra (``multirun.yaml``), Lightning and the user's next look at the run would. Allowed: a
+    checkpoint linked to another checkpoint of the run (Lightning's ``save_last="link"``), and what is in
+    ``wandb/`` (W&B's own, with links into W&B's cache; ``wandb`` itself must not be a link). A hard link
+    at a file flashprobe appends to is refused too. The writes themselves never follow a link
     (:mod:`flashprobe.formats.nofollow`); this names the link before anything starts.
 
     Raises:
@@ -194,7 +194,9 @@ def check_links(directory: Path) -> None:
                 raise LinkError(path, directory, "a hard link to another file")
             if not path.is_symlink():
                 continue
-            if path.is_dir() or name in APPENDED or not path.resolve().is_relative_to(root):
+            inside = path.resolve().is_relative_to(root)
+            lightnings = path.parent.name == "checkpoints" and path.suffix == ".ckpt" and path.is_file()
+            if not (inside and lightnings):
                 raise LinkError(path, directory)
 
 

@@ -5,6 +5,7 @@ The run, the links and their targets all lie in the test's own directory."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -19,7 +20,12 @@ from tests.safety._runs import SHORT, fingerprint
 def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished 2-step run of ``flashprobe train`` (so it records its overrides as the CLI does)."""
     run = tmp_path_factory.mktemp("finished") / "run"
-    assert cli_main([*SHORT, f"hydra.run.dir={run}"]) == 0
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        assert cli_main([*SHORT, f"hydra.run.dir={run}"]) == 0
+    finally:  # Hydra points the root logger at the run's log and the console: the other tests' own
+        root.handlers[:], root.level = handlers, level
     return run
 
 
