@@ -100,14 +100,12 @@ def lazy_sources(overrides: Sequence[str]) -> Callable[[str], str]:
 
 
 def _sets(config: Any, key: str) -> bool:
+    """Whether the config file's own ``config`` (a DictConfig) sets ``key``."""
     from omegaconf import DictConfig, OmegaConf
 
-    if not isinstance(config, DictConfig):
-        return False
-    node, *_ = key.rsplit(".", 1)
-    last = key.rsplit(".", 1)[-1]
-    parent = config if "." not in key else OmegaConf.select(config, node, default=None)
-    return isinstance(parent, DictConfig) and last in parent
+    parent, _, last = key.rpartition(".")
+    node = OmegaConf.select(config, parent, default=None) if parent else config
+    return isinstance(config, DictConfig) and isinstance(node, DictConfig) and last in node
 
 
 def compose(

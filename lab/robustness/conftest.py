@@ -125,8 +125,11 @@ def _fill_in(text: str, values: dict[str, str]) -> str:
 
 @pytest.fixture(scope="session")
 def table(tmp_path_factory: pytest.TempPathFactory) -> Table:
-    """The table's root (one per test worker: each prepares its own runs)."""
-    return Table(tmp_path_factory.mktemp("robustness").resolve())
+    """The table's root (one per test worker: each prepares its own runs). A first command starts the
+    process the cases fork from (what importing torch leaves in TMPDIR is not a case's doing)."""
+    table = Table(tmp_path_factory.mktemp("robustness").resolve())
+    flashprobe(["--version"], table.root, table.env, 600)
+    return table
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
