@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -687,7 +687,7 @@ def _issue53_cases() -> list[Case]:
             setup="conf",
         ),
     ]
-    return cases
+    return [replace(c, source=src) for c in cases]
 
 
 def all_cases() -> list[Case]:
