@@ -307,13 +307,6 @@ def _pair_pass(
 #: reductions give the same bits whichever row of the buffer holds it.
 _ROW_ALIGN = 8
 
-#: A slice's float64 scratch rows, in order: ``z_pb``, ``z_pg``, ``z_bg`` mark each pair's non-finite
-#: positions (masked sweep); ``b`` is the baseline, the reference of ``primary_baseline``; ``pb``,
-#: ``pg``, ``bg`` are the differences ``p − b``, ``p − g``, ``b − g``; ``g`` is the golden where it
-#: is loaded (masked: the reference of ``primary_golden``) and ``g_bg`` its copy masked as the
-#: reference of ``baseline_golden``; ``form`` is the form's ``f − g``. Each reduction runs once over a
-#: run of adjacent rows (:class:`_Slice`), which sets the order.
-_ROWS = _positions("ROWS", ("z_pb", "z_pg", "z_bg", "b", "pb", "pg", "bg", "g", "g_bg", "form"))
 #: The columns of the slices' table (one row per slice): the L2 norms of the rows ``b`` and ``pb``,
 #: the largest magnitude of each scratch row from ``b`` to ``g_bg`` (as :attr:`_Slice.magnitudes`),
 #: the sums of the differences' magnitudes, the non-finite positions of each pair, and the golden's
@@ -326,12 +319,23 @@ _PB_COLUMNS = _positions("PB_COLUMNS", ("norm_b", "norm_pb", "max_b", "max_pb", 
 
 
 class _Slice(NamedTuple):
-    """One slice's views for one sweep, made once per call shape (:class:`_Layout`): the runs of
-    adjacent :data:`_ROWS` its reductions read (``m`` elements, ``r`` rows of ``w``) and where they
-    write, its row of the slices' table (:attr:`_Layout.columns`) and its rows' columns of the
-    :data:`NORM` tables. The golden's views are None without it."""
+    """One slice's views for one sweep, made once per call shape (:class:`_Layout`): its float64
+    scratch rows (``m`` elements each), the runs of adjacent rows its reductions read (``r`` rows of
+    ``w``) and where they write, its row of the slices' table (:attr:`_Layout.columns`) and its rows'
+    columns of the :data:`NORM` tables. The golden's views are None without it."""
 
-    rows: tuple[torch.Tensor, ...]  # (m,) each, by _ROWS
+    # The scratch rows in their order in the buffer (:data:`_ROWS`; without the golden, up to pb):
+    # each reduction runs once over a run of adjacent rows, which sets the order.
+    z_pb: torch.Tensor  # masked sweep: 1 where primary_baseline is non-finite, else 0
+    z_pg: torch.Tensor  # the same for primary_golden
+    z_bg: torch.Tensor  # and for baseline_golden
+    b: torch.Tensor  # the baseline, the reference of primary_baseline
+    pb: torch.Tensor  # p − b
+    pg: torch.Tensor | None  # p − g
+    bg: torch.Tensor | None  # b − g
+    g: torch.Tensor | None  # the golden where it is loaded; masked, the reference of primary_golden
+    g_bg: torch.Tensor | None  # masked: the golden as the reference of baseline_golden
+    form: torch.Tensor | None  # f − g
     own: torch.Tensor  # (2, m) b, pb
     magnitudes: torch.Tensor  # (k, m) b … bg; masked b … g_bg; without the golden b, pb
     differences: torch.Tensor  # (3, m) pb, pg, bg; without the golden pb (m,)
@@ -351,13 +355,15 @@ class _Slice(NamedTuple):
     squares: torch.Tensor | None  # (4, r) masked: the norms of masked_rows
 
 
+#: The positions of the scratch rows in a slice's buffer: the first fields of :class:`_Slice`.
+_ROWS = _positions("ROWS", _Slice._fields[: _Slice._fields.index("own")])
+
+
 class _Layout:
-    """Everything a call shape's sweeps write through, made once and kept by a
-    :class:`StatsWorkspace`: the slices, and per sweep (unmasked, masked) each slice's
-    :class:`_Slice` and the tables they write: the slices' table ``(S, len(columns))``, zero where a
-    sweep writes nothing, and with the golden the :data:`NORM` rows ``(K, R)`` of the ``R`` rows
-    and, masked, the :attr:`_Slice.squares` ``(4, R)``. A slice then costs its arithmetic alone.
-    """
+    """Everything a call shape's sweeps write through, made once and kept by a :class:`StatsWorkspace`:
+    per sweep (unmasked, masked) each slice's :class:`_Slice` and the tables they write, the slices'
+    table ``(S, len(columns))`` (zero where a sweep writes nothing) and with the golden the
+    :data:`NORM` rows ``(K, R)`` and, masked, the squares ``(4, R)``. A slice costs its arithmetic alone."""
 
     def __init__(
         self, scratch: torch.Tensor, stride: int, n: int, chunk: int, width: int, golden: bool, form: bool
@@ -406,7 +412,7 @@ class _Layout:
             t = table[i]
             made.append(
                 _Slice(
-                    rows=x,
+                    **{name: x[j] if j < len(x) else None for j, name in enumerate(_ROWS._fields)},
                     own=self._block(x[row.b], 2),
                     magnitudes=self._block(x[row.b], k),
                     differences=self._block(x[row.pb], len(PAIRS)) if golden else x[row.pb],
@@ -486,33 +492,32 @@ class _Sweep:
         (with the golden, before any masking, so that a row with a non-finite value reads non-finite)
         the rows' norms and the golden's extremes, then (masked) the non-finite pairs taken out, then
         the norms, largest magnitudes and sums of magnitudes."""
-        x, row = v.rows, _ROWS
         if g is None:
-            self._load(x[row.pb], p)
-            self._load(x[row.b], b)
-            x[row.pb].sub_(x[row.b])
+            self._load(v.pb, p)
+            self._load(v.b, b)
+            v.pb.sub_(v.b)
         else:
-            self._load(x[row.pg], p)  # p, until it becomes p − g
-            self._load(x[row.b], b)
-            torch.sub(x[row.pg], x[row.b], out=x[row.pb])
-            g = self._golden(x[row.g], g)
-            x[row.pg].sub_(g)
-            torch.sub(x[row.b], g, out=x[row.bg])
+            self._load(v.pg, p)  # p, until it becomes p − g
+            self._load(v.b, b)
+            torch.sub(v.pg, v.b, out=v.pb)
+            g = self._golden(v.g, g)
+            v.pg.sub_(g)
+            torch.sub(v.b, g, out=v.bg)
             torch.linalg.vector_norm(v.golden_rows, dim=-1, out=v.pair_norms)
             torch.linalg.vector_norm(g.view(-1, self.width or g.numel()), dim=-1, out=v.golden_norms)
             if f is not None:
-                self._load(x[row.form], f).sub_(g)
+                self._load(v.form, f).sub_(g)
                 torch.linalg.vector_norm(v.form_rows, dim=-1, out=v.form_norms)
             torch.amax(g, dim=0, out=v.golden_max)
             torch.amin(g, dim=0, out=v.golden_min)
         if masked:
             torch.mul(v.differences, 0.0, out=v.marks)  # 0 where the pair is finite, NaN where it is not
             if g is not None:
-                if g.data_ptr() != x[row.g].data_ptr():
-                    x[row.g].copy_(g)
-                torch.add(x[row.g], x[row.z_bg], out=x[row.g_bg])  # the reference of b − g
-                x[row.g].add_(x[row.z_pg])  # of p − g
-            x[row.b].add_(x[row.z_pb])  # of p − b
+                if g.data_ptr() != v.g.data_ptr():
+                    v.g.copy_(g)
+                torch.add(v.g, v.z_bg, out=v.g_bg)  # the reference of b − g
+                v.g.add_(v.z_pg)  # of p − g
+            v.b.add_(v.z_pb)  # of p − b
             v.magnitudes.nan_to_num_(0.0, 0.0, 0.0)  # references and differences over finite pairs only
             v.marks.nan_to_num_(1.0)  # 1 where the pair is non-finite
             torch.sum(v.marks, dim=-1, out=v.nonfinite)
