@@ -98,8 +98,7 @@ class Deviation:
 
 
 def _positions(name: str, names: Sequence[str]) -> Any:
-    """A table of the positions of ``names``, made once: a named tuple whose fields hold their own
-    indices (``_positions("T", ("a", "b")).b == 1``), so that ``x[T.b]`` says which row it reads."""
+    """A named tuple of the positions of ``names`` (``_positions("T", ("a", "b")).b == 1``)."""
     return namedtuple(name, names)(*range(len(names)))
 
 
@@ -324,8 +323,7 @@ class _Slice(NamedTuple):
     ``w``) and where they write, its row of the slices' table (:attr:`_Layout.columns`) and its rows'
     columns of the :data:`NORM` tables. The golden's views are None without it."""
 
-    # The scratch rows in their order in the buffer (:data:`_ROWS`; without the golden, up to pb):
-    # each reduction runs once over a run of adjacent rows, which sets the order.
+    # The scratch rows in buffer order (_ROWS; without the golden up to pb); reductions read runs of them.
     z_pb: torch.Tensor  # masked sweep: 1 where primary_baseline is non-finite, else 0
     z_pg: torch.Tensor  # the same for primary_golden
     z_bg: torch.Tensor  # and for baseline_golden
@@ -380,14 +378,12 @@ class _Layout:
 
     def views(self, masked: bool) -> list[_Slice]:
         """Each slice's :class:`_Slice` for the masked or the unmasked sweep (made on first use)."""
-        found = self._views.get(masked)
-        if found is None:
-            found = self._views[masked] = self._make(masked)
-        return found
+        if masked not in self._views:
+            self._views[masked] = self._make(masked)
+        return self._views[masked]
 
     def _block(self, first: torch.Tensor, count: int, width: int = 0) -> torch.Tensor:
-        """``count`` consecutive scratch rows from ``first`` on: ``(count, m)``, or with ``width``
-        ``(count, m // width, width)``."""
+        """``count`` scratch rows from ``first`` on: ``(count, m)``, or ``(count, m // width, width)``."""
         m = first.numel()
         if not width:
             return first.as_strided((count, m), (self.stride, 1))
