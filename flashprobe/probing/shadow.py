@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from flashprobe.bias import BIAS_FIELDS, BiasStats
-from flashprobe.deviation import StatsWorkspace, combine_sums, pair_sums, reads_are_free
+from flashprobe.deviation import SUM_ROWS, StatsWorkspace, combine_sums, pair_sums, reads_are_free
 from flashprobe.formats.jsonio import flatten
 from flashprobe.formats.reproducer import kernel_module, reproducer_stem, save_reproducer
 from flashprobe.judge import CRITERIA, call_statistics, reason, row_statistics
@@ -92,7 +92,8 @@ class ProbeFailureError(RuntimeError):
 
 #: Per row of :func:`~flashprobe.deviation.pair_sums`, the power of the loss scale it carries:
 #: maxima and sums of |d| and |ref| (1), sums of squares (2), counts (0).
-_SCALE_POWERS = (1, 1, 2, 2, 0, 0, 1)
+_POWERS = dict(max_abs=1, sum_abs=1, sum_sq_diff=2, sum_sq_ref=2, nonfinite=0, count=0, max_ref=1)
+_SCALE_POWERS = tuple(_POWERS[row] for row in SUM_ROWS)
 
 
 class _GradTap(torch.autograd.Function):

@@ -67,7 +67,9 @@ from flashprobe.bias import BIAS_FIELDS, BIAS_SAMPLE, COMPONENTS, LOW_PRECISION,
 from flashprobe.deviation import (
     DIRECTIONS,
     GRADIENTS,
+    PAIR,
     PAIRS,
+    SUM,
     StatsWorkspace,
     combine_sums,
     error_ratio,
@@ -211,7 +213,7 @@ def call_error_ratio(sums: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Ten
         baseline and the floor all 0, which includes "nothing finite was compared") ``ratio`` is 0,
         so it never raises a maximum, and ``defined`` is 0 (else 1).
     """
-    pg, bg = sums[..., 0, 1], sums[..., 0, 2]  # max_abs of primary_golden, baseline_golden
+    pg, bg = sums[..., SUM.max_abs, PAIR.primary_golden], sums[..., SUM.max_abs, PAIR.baseline_golden]
     denominator = torch.maximum(bg, floor)
     # pg / 0 is inf where the primary is inexact, NaN (undefined: 0) where it is exact as well
     ratio = torch.div(pg, denominator).nan_to_num_(0.0, math.inf)
@@ -221,7 +223,7 @@ def call_error_ratio(sums: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Ten
 
 #: The columns of the accumulator's sums in a :func:`pair_sums` result flattened row-major to ``7 · 3``
 #: columns (``row · 3 + pair``), in :data:`SUM_FIELDS` order (pair-major, rows ``sum_abs`` ... ``count``).
-_SUM_COLUMNS = [i * len(PAIRS) + j for j in range(len(PAIRS)) for i in range(1, 6)]
+_SUM_COLUMNS = [getattr(SUM, s) * len(PAIRS) + j for j in range(len(PAIRS)) for s in _SUMS]
 
 
 class DeviationStats:
@@ -352,7 +354,9 @@ class DeviationStats:
             sums = torch.cat((sums, sums.new_zeros(k, sums.shape[1], len(PAIRS) - pairs)), dim=2)
         flat = sums.reshape(k, -1)  # (K, 21): columns row · 3 + pair
         if pairs == len(PAIRS):
-            floor = torch.maximum(sums[:, 6, 1], sums[:, 6, 2]).mul_(0.5 * torch.finfo(dtype).eps)  # (K,)
+            max_ref = sums[:, SUM.max_ref]  # (K, 3)
+            floor = torch.maximum(max_ref[:, PAIR.primary_golden], max_ref[:, PAIR.baseline_golden])
+            floor.mul_(0.5 * torch.finfo(dtype).eps)  # (K,)
             ratio, defined = call_error_ratio(sums, floor)
             errors = error_columns(sums, rows.to(sums), noise.to(sums))
             code, value, bound, judged = decide(errors, dtype, self._limits(first, k, dtype))
@@ -372,7 +376,7 @@ class DeviationStats:
         else:
             extra, code = sums.new_zeros(k, 7), sums.new_zeros(k)
             counts = torch.cat((sums.new_ones(k, 1), sums.new_zeros(k, 4)), dim=1)
-        torch.maximum(maxima, torch.cat((flat[:, : len(PAIRS)], extra), dim=1), out=maxima)
+        torch.maximum(maxima, torch.cat((sums[:, SUM.max_abs], extra), dim=1), out=maxima)
         sums_now = torch.cat((flat.index_select(1, self._sum_columns), counts), dim=1)
         self._sums[first : first + k].add_(sums_now)
         return code
