@@ -150,6 +150,7 @@ __all__ = [
     "UPDATES",
     "TileNumerics",
     "TileSizes",
+    "lazy_tile_max",
     "resolve_numerics",
     "spec_numerics",
     "tile_order",
@@ -725,7 +726,7 @@ def _attend_rows(
             _apply_mask(scores, mask[..., j0:j1], mask_value)
         m_tile = _tile_max(scores, m_init, shift_repeated)
         if numerics.rescale_threshold:
-            m_tile = _lazy_tile_max(state.m, m_tile, numerics.rescale_threshold, m_init)
+            m_tile = lazy_tile_max(state.m, m_tile, numerics.rescale_threshold, m_init)
         state = step(
             state,
             scores,
@@ -769,13 +770,25 @@ def _tile_max(scores: torch.Tensor, m_init: float, shift_repeated: bool) -> torc
     return torch.where(repeats & (m > m_init), shifted, m)
 
 
-def _lazy_tile_max(m: torch.Tensor, m_tile: torch.Tensor, threshold: float, m_init: float) -> torch.Tensor:
-    """FlashAttention-4's lazy rescaling: ``m_tile`` ``(B, H, R, 1)``, replaced by the running max
-    ``m`` in rows where it rises above ``m`` by at most ``threshold`` powers of two, so that the
-    update keeps the stale max (``α = 1``); rows whose running max is still the initial value (no
-    key seen yet) always take the tile's max. ``SoftmaxSm100.update_row_max`` in Dao-AILab
-    ``flash_attn/cute/softmax.py``: the old max is kept where ``(m_old − m_new)·scale_log2 ≥
-    −rescale_threshold``; scores here already carry the softmax scale, so ``scale_log2`` is log2(e).
+def lazy_tile_max(
+    m: torch.Tensor, m_tile: torch.Tensor, threshold: float, m_init: float = float("-inf")
+) -> torch.Tensor:
+    """FlashAttention-4's lazy rescaling of one tile (``rescale_threshold``).
+
+    ``SoftmaxSm100.update_row_max`` in Dao-AILab ``flash_attn/cute/softmax.py`` keeps the old max
+    where ``(m_old − m_new)·scale_log2 ≥ −rescale_threshold``; scores here already carry the softmax
+    scale, so ``scale_log2`` is log2(e).
+
+    Args:
+        m: ``(…, R, 1)`` the running max of R rows before the tile.
+        m_tile: ``(…, R, 1)`` the tile's row max.
+        threshold: in log2 units (powers of two).
+        m_init: the running max's initial value (the mask value): rows still at it have seen no
+            key, and always take the tile's max (FA4's first tile).
+
+    Returns:
+        ``m_tile``, replaced by ``m`` in rows where it exceeds ``m`` by at most ``threshold`` powers
+        of two, so that ``max(m, ·)`` keeps the stale max (``α = 1``).
     """
     stale = ((m_tile - m) * _LOG2E <= threshold) & (m != m_init)
     return torch.where(stale, m, m_tile)
@@ -839,7 +852,7 @@ def _fa2_step(
     """FlashAttention-2's update: rescale the unnormalised output, add ``P v``; divide at the end.
 
     ``m_new = max(m, m_tile)`` (``m_tile``: the tile's row max, :func:`_tile_max`, or the stale
-    running max itself with lazy rescaling, :func:`_lazy_tile_max`),
+    running max itself with lazy rescaling, :func:`lazy_tile_max`),
     ``P = exp(s − m_new)``, ``α = exp(m − m_new)``, ``l ← α·l + rowsum(P)``, ``o ← α·o + P v``.
     """
     m_new = torch.maximum(state.m, m_tile)
