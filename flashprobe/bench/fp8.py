@@ -715,7 +715,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flashprobe bench fp8",
         description="Error of FP8 attention variants vs the FP64 golden value (beside bf16/fp16 flash and "
-        "the baseline) over N, D and input distributions, and the P-cast collapse of arXiv 2606.06521.",
+        "the baseline) over N, D and input distributions, the P-cast collapse of arXiv 2606.06521, and P "
+        "saturation under FlashAttention-4's lazy rescale (flash-attention issue 2716).",
     )
     parser.add_argument(
         "--seq-len", type=int, nargs="+", default=[256, 512, 1024], metavar="N",

@@ -146,7 +146,6 @@ __all__ = [
     "ORDERS",
     "PRESETS",
     "REPEAT_TOLERANCE",
-    "RESCALE_THRESHOLDS",
     "UPDATES",
     "TileNumerics",
     "TileSizes",
@@ -170,9 +169,6 @@ MAX_SHIFTS = ("off", "repeated")
 #: Scores within this distance of a tile's row max count as a repeat of it (``max_shift=repeated``).
 REPEAT_TOLERANCE = 1e-3
 _LOG2E = 1.0 / math.log(2.0)
-#: FlashAttention-4's lazy-rescale thresholds (log2 units, ``flash_attn/cute/flash_fwd_sm100.py``
-#: of PR 2109): 16-bit inputs, and FP8 with ``max_offset = 8`` until PR 2731 (issue 2716) made it 0.
-RESCALE_THRESHOLDS: dict[str, float] = {"16bit": 8.0, "fp8": 4.0}
 #: The dtype value meaning "at least fp32" (torch's ``at::opmath_type``).
 OPMATH = "opmath"
 
