@@ -117,11 +117,14 @@ def _forward_only(what: str, call: AttentionCall, own: Callable[[], Any], **extr
     return LibraryCall(what, call, lambda tensors, dropout: own(), _outputs(call), **extra)
 
 
-def _single_prefill(named: dict[str, Any], library: Callable[..., Any], own: Callable[[], Any]) -> Any:
-    """``single_prefill_with_kv_cache(q, k, v, ...)``: ``q (N_q, H, D)``, ``k``/``v`` NHD ``(N_k,
-    H_kv, D)`` or HND ``(H_kv, N_k, D)``; a bool ``custom_mask (N_q, N_k)`` replaces ``causal``."""
+def _single(decode: bool, named: dict[str, Any], library: Callable[..., Any], own: Callable[[], Any]) -> Any:
+    """``single_prefill_with_kv_cache(q, k, v, ...)`` (``q (N_q, H, D)``; a bool ``custom_mask (N_q,
+    N_k)`` replaces ``causal``) or, ``decode``, ``single_decode_with_kv_cache(q, k, v, ...)`` (one query
+    ``q (H, D)`` at the last position): ``k``/``v`` NHD ``(N_k, H_kv, D)`` or HND ``(H_kv, N_k, D)``."""
     q, k, v = (named.pop(n, None) for n in "qkv")
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v)):
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (k, v)) or not (
+        isinstance(q, torch.Tensor) and q.dim() == 3 - decode
+    ):
         return None
     layout = named.pop("kv_layout", "NHD")
     if layout not in _LAYOUTS:
@@ -131,37 +134,15 @@ def _single_prefill(named: dict[str, Any], library: Callable[..., Any], own: Cal
     reason = unexpressed(named, (), _HARMLESS, _OFF)
     if reason is not None:
         return reason
+    q = q[None, None] if decode else q[None]  # (1, N_q, H, D)
     keys, values = (
         t[None] if layout == "NHD" else t.transpose(0, 1)[None] for t in (k, v)
     )  # (1, N_k, H_kv, D)
-    mask = None if custom is None else custom.to(torch.bool).reshape(1, 1, q.shape[0], keys.shape[1])
+    mask = None if custom is None else custom.to(torch.bool).reshape(1, 1, q.shape[1], keys.shape[1])
     call = AttentionCall(
-        q=q[None], k=keys, v=values, layout="bnhd", attn_mask=mask, return_lse=lse, lse_base=2, **fields
+        q=q, k=keys, v=values, layout="bnhd", attn_mask=mask, return_lse=lse, lse_base=2, **fields
     )
-    return _forward_only("single_prefill_with_kv_cache", call, own)
-
-
-def _single_decode(named: dict[str, Any], library: Callable[..., Any], own: Callable[[], Any]) -> Any:
-    """``single_decode_with_kv_cache(q, k, v, ...)``: one query ``q (H, D)`` at the last position,
-    against all of ``k``/``v``."""
-    q, k, v = (named.pop(n, None) for n in "qkv")
-    if not (
-        isinstance(q, torch.Tensor) and q.dim() == 2 and all(isinstance(t, torch.Tensor) for t in (k, v))
-    ):
-        return None
-    layout = named.pop("kv_layout", "NHD")
-    if layout not in _LAYOUTS:
-        return f"uses kv_layout={layout!r}"
-    lse = bool(named.pop("return_lse", False))
-    fields, _ = _features(named)
-    reason = unexpressed(named, (), _HARMLESS, _OFF)
-    if reason is not None:
-        return reason
-    keys, values = (t[None] if layout == "NHD" else t.transpose(0, 1)[None] for t in (k, v))
-    call = AttentionCall(
-        q=q[None, None], k=keys, v=values, layout="bnhd", return_lse=lse, lse_base=2, **fields
-    )
-    return _forward_only("single_decode_with_kv_cache", call, own)
+    return _forward_only("single", call, own)
 
 
 # --- The batch wrappers: plan, then run ---
@@ -346,7 +327,7 @@ def _merge_call(v: torch.Tensor, s: torch.Tensor) -> LibraryCall | None:
     """States ``v (T, S, H, D)`` with base-2 LSEs ``s (T, S, H)`` as one attention call: per token and
     head, one query over ``S`` keys whose logits are the LSEs (``1 · s · ln 2``) and whose values are the
     states' outputs; an empty state (``s = −inf``) is masked out."""
-    if not (isinstance(v, torch.Tensor) and isinstance(s, torch.Tensor) and v.dim() == 4 and s.dim() == 3):
+    if v.dim() != 4 or s.dim() != 3:
         return None
     wide = torch.promote_types(v.dtype, torch.float32)
     lse = s.detach().to(wide).permute(0, 2, 1)  # (T, H, S)
@@ -356,45 +337,39 @@ def _merge_call(v: torch.Tensor, s: torch.Tensor) -> LibraryCall | None:
         v=v.detach().to(wide).permute(0, 2, 1, 3), attn_mask=~empty[:, :, None, :], scale=math.log(2.0),
         return_lse=True, lse_base=2,
     )  # fmt: skip
-    return LibraryCall("merge", call, lambda *_: None, _merged(call), dtype=v.dtype)
+    return LibraryCall("merge", call, lambda *_: None, _merged, dtype=v.dtype)
 
 
-def _merged(call: AttentionCall) -> Callable[[Any], CallOutput]:
+def _merged(returned: Any) -> CallOutput:
     """A merge's return ``(v (T, H, D), s (T, H))`` in the logical form of its call."""
-    return lambda returned: CallOutput(returned[0][:, :, None, :], returned[1][:, :, None].float(), 2)
+    return CallOutput(returned[0][:, :, None, :], returned[1][:, :, None].float(), 2)
 
 
-def _merge_state(named: dict[str, Any], library: Callable[..., Any], own: Callable[[], Any]) -> Any:
-    """``merge_state(v_a, s_a, v_b, s_b) -> (v, s)``: two states ``v_x (T, H, D)``, ``s_x (T, H)``."""
-    parts = [named.pop(n, None) for n in ("v_a", "s_a", "v_b", "s_b")]
-    if not all(isinstance(t, torch.Tensor) for t in parts) or named:
+def _merge(form: str, named: dict[str, Any], library: Callable[..., Any], own: Callable[[], Any]) -> Any:
+    """``merge_state(v_a, s_a, v_b, s_b) -> (v, s)`` (two states ``v_x (T, H, D)``, ``s_x (T, H)``),
+    ``merge_states(v (T, S, H, D), s (T, S, H)) -> (v, s)``, or ``merge_state_in_place(v, s, v_other,
+    s_other, mask=None)`` (``(v, s)`` updated in place: read before it runs, its result read after)."""
+    names = {
+        "state": ("v_a", "s_a", "v_b", "s_b"),
+        "states": ("v", "s"),
+        "in_place": ("v", "s", "v_other", "s_other"),
+    }
+    parts = [named.pop(n, None) for n in names[form]]
+    if not all(isinstance(t, torch.Tensor) for t in parts):
         return None
-    found = _merge_call(torch.stack(parts[0::2], 1), torch.stack(parts[1::2], 1))
+    reason = unexpressed(named, ())  # merge_state_in_place's mask, an unknown argument
+    if reason is not None:
+        return reason
+    v, s = (
+        (parts[0], parts[1])
+        if form == "states"
+        else (torch.stack(parts[0::2], 1), torch.stack(parts[1::2], 1))
+    )
+    found = _merge_call(v, s)
     if found is not None:
         found.run = lambda tensors, dropout: own()
-    return found
-
-
-def _merge_states(named: dict[str, Any], library: Callable[..., Any], own: Callable[[], Any]) -> Any:
-    """``merge_states(v (T, S, H, D), s (T, S, H)) -> (v, s)``."""
-    found = _merge_call(named.pop("v", None), named.pop("s", None))
-    if found is not None:
-        found.run = lambda tensors, dropout: own()
-    return found
-
-
-def _merge_state_in_place(named: dict[str, Any], library: Callable[..., Any], own: Callable[[], Any]) -> Any:
-    """``merge_state_in_place(v, s, v_other, s_other, mask=None)``: ``(v, s)`` updated in place (read
-    before it runs; its result is ``v`` and ``s`` after)."""
-    v, s, v_other, s_other = (named.pop(n, None) for n in ("v", "s", "v_other", "s_other"))
-    if named.get("mask") is not None:
-        return "uses mask, which flashprobe does not compare"
-    if not all(isinstance(t, torch.Tensor) for t in (v, s, v_other, s_other)):
-        return None
-    found = _merge_call(torch.stack((v, v_other), 1), torch.stack((s, s_other), 1))
-    if found is not None:
-        found.run = lambda tensors, dropout: own()
-        found.outputs = lambda returned: _merged(found.call)((v, s))  # (v, s) after the merge
+        if form == "in_place":
+            found.outputs = lambda returned: _merged((parts[0], parts[1]))
     return found
 
 
@@ -473,12 +448,18 @@ _CASCADE = ("flashinfer", "flashinfer.cascade")
 #: The functions, swapped where their modules are imported.
 FUNCTIONS = DirectFunctions(
     (
-        *((m, "single_prefill_with_kv_cache", _single_prefill) for m in _PREFILL),
-        *((m, "single_prefill_with_kv_cache_return_lse", _single_prefill) for m in _PREFILL),
-        *((m, "single_decode_with_kv_cache", _single_decode) for m in _DECODE),
-        *((m, "merge_state", _merge_state) for m in _CASCADE),
-        *((m, "merge_states", _merge_states) for m in _CASCADE),
-        *((m, "merge_state_in_place", _merge_state_in_place) for m in _CASCADE),
+        *((m, "single_prefill_with_kv_cache", functools.partial(_single, False)) for m in _PREFILL),
+        *(
+            (m, "single_prefill_with_kv_cache_return_lse", functools.partial(_single, False))
+            for m in _PREFILL
+        ),
+        *((m, "single_decode_with_kv_cache", functools.partial(_single, True)) for m in _DECODE),
+        *(
+            (m, f"merge_{form}", functools.partial(_merge, form))
+            for m in _CASCADE
+            for form in ("state", "states")
+        ),
+        *((m, "merge_state_in_place", functools.partial(_merge, "in_place")) for m in _CASCADE),
     )
 )
 

@@ -242,6 +242,46 @@ def test_merge_of_two_empty_states_is_zero_with_an_empty_lse(monkeypatch) -> Non
     assert p.stats()["<root>"]["verdict"] == "pass", p.stats()["<root>"]["verdict_reason"]
 
 
+class OtherMerges(nn.Module):
+    """FlashInfer's other merge forms: ``merge_states`` over three states, then ``merge_state_in_place``
+    of the result with a fourth (``mask`` passed to the in-place merge when given)."""
+
+    def __init__(self, mask: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.mask = mask
+
+    def forward(self, v: torch.Tensor, s: torch.Tensor) -> tuple:  # v (T, 4, H, D), s (T, 4, H)
+        fi = sys.modules["flashinfer"]
+        merged_v, merged_s = fi.merge_states(v[:, :3], s[:, :3])
+        fi.merge_state_in_place(merged_v, merged_s, v[:, 3], s[:, 3], mask=self.mask)
+        return merged_v, merged_s
+
+
+def test_merge_states_and_the_in_place_merge_are_compared(monkeypatch) -> None:
+    """Both calls compared (the in-place merge read before it runs, its result after), the model's
+    results unchanged; a natural-log merge inside both fails; a ``mask`` on the in-place merge is not
+    compared: that call runs unchanged, with the warning naming it."""
+    gen = torch.Generator().manual_seed(6)
+    v, s = torch.randn(5, 4, 2, 8, generator=gen), 3 * torch.randn(5, 4, 2, generator=gen)
+    install(monkeypatch, flashinfer_modules())
+    want = OtherMerges()(v, s)
+    with probe(OtherMerges()) as p:
+        got = p.model(v, s)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    entry = p.stats()["<root>"]
+    assert entry["shadow_errors"] == 0 and entry["forward"]["calls"] == 2
+    assert entry["verdict"] == "pass", entry["verdict_reason"]
+    mask = torch.ones(5, dtype=torch.bool)
+    warned = pytest.warns(ProbeWarning, match="uses mask, which flashprobe does not compare")
+    with warned, probe(OtherMerges(mask)) as p:
+        p.model(v, s)
+    assert p.stats()["<root>"]["forward"]["calls"] == 1
+    install(monkeypatch, flashinfer_modules(Bugs(natural_merge=True)))
+    with probe(OtherMerges(), on_failure="ignore") as p:
+        p.model(v, s)
+    assert p.stats()["<root>"]["verdict"] == "fail"
+
+
 # --- Attention sinks: flash-attention 4's learnable_sink ---
 
 
