@@ -19,6 +19,8 @@ long-context training.
   :func:`flashprobe.probing.repro.shrink_reproducer`, the one shrinker of every reproducer);
 * :mod:`~flashprobe.fuzz.reproducer` — :func:`save_reproducer`: a failing case in the one
   reproducer format (:mod:`flashprobe.formats.reproducer`);
+* :mod:`~flashprobe.fuzz.ledger` — :func:`load_ledger`: accepted findings (``--ledger``), their
+  failures ``known``, their unexpected passes failures;
 * :mod:`~flashprobe.fuzz.tables` — terminal, Markdown and catalogue tables;
 * :mod:`~flashprobe.fuzz.cli` — the ``flashprobe fuzz`` command.
 """
@@ -37,6 +39,7 @@ from flashprobe.fuzz.fit import FittedInputs, NotApplicableError, fit_inputs
 from flashprobe.fuzz.inputs import CaseInputs, UnrepresentableCaseError
 from flashprobe.fuzz.kernel_call import KernelCall, call_kernel, kernel_label
 from flashprobe.fuzz.layouts import LAYOUTS, apply_layout
+from flashprobe.fuzz.ledger import Ledger, LedgerError, load_ledger
 from flashprobe.fuzz.random_cases import MASK_KINDS, RandomCaseSpec, make_random_case, sample_random_spec
 from flashprobe.fuzz.references import grad_output, gradient_references, references
 from flashprobe.fuzz.reproducer import ReproducerStore, save_reproducer
@@ -83,6 +86,8 @@ __all__ = [
     "FuzzResult",
     "GradientReference",
     "KernelCall",
+    "Ledger",
+    "LedgerError",
     "NotApplicableError",
     "RandomCaseSpec",
     "References",
@@ -104,6 +109,7 @@ __all__ = [
     "judge",
     "judge_gradients",
     "kernel_label",
+    "load_ledger",
     "make_random_case",
     "markdown_table",
     "property_coverage",
