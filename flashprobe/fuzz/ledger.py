@@ -1,8 +1,8 @@
 """The findings ledger of ``flashprobe fuzz --ledger FILE``: accepted findings, each with its reason.
 
-A ledger is a YAML file of entries. Each names the kernel(s), the case(s) or property(ies) and the
-dtype(s) of a finding a team has accepted, why (``reason``) and where it is tracked (``link``: an
-issue URL or a doc section)::
+A ledger is a YAML file of entries (or a TOML file, ``*.toml``: one ``[[entries]]`` table each).
+Each names the kernel(s), the case(s) or property(ies) and the dtype(s) of a finding a team has
+accepted, why (``reason``) and where it is tracked (``link``: an issue URL or a doc section)::
 
     entries:
       - kernel: sdpa_flash
@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import tomllib
 import torch
 import yaml
 
@@ -253,8 +254,10 @@ def _resolve(source: str | Path) -> Path:
     return path
 
 
-def _entry_lines(text: str) -> list[int]:
-    """The line (1-based) each item of ``entries`` starts on."""
+def _entry_lines(text: str, toml: bool = False) -> list[int]:
+    """The line (1-based) each item of ``entries`` starts on (TOML: each ``[[entries]]`` header)."""
+    if toml:
+        return [i + 1 for i, line in enumerate(text.splitlines()) if line.strip() == "[[entries]]"]
     root = yaml.compose(text, Loader=yaml.SafeLoader)
     for key, value in getattr(root, "value", []):
         if getattr(key, "value", None) == "entries" and isinstance(value, yaml.SequenceNode):
@@ -334,7 +337,8 @@ def _entry(raw: Any, where: str) -> LedgerEntry:
 
 
 def load_ledger(source: str | Path) -> Ledger:
-    """Read and check a ledger: a shipped one by name (:data:`SHIPPED`) or a YAML file.
+    """Read and check a ledger: a shipped one by name (:data:`SHIPPED`), a YAML file, or a TOML
+    file (``*.toml``: one ``[[entries]]`` table per entry, the same keys).
 
     Kernels are checked against the registry: import the modules that register yours first.
 
@@ -344,9 +348,12 @@ def load_ledger(source: str | Path) -> Ledger:
     """
     path = _resolve(source)
     text = path.read_text(encoding="utf-8")
+    toml = path.suffix == ".toml"
     try:
-        data = yaml.safe_load(text)
-        lines = _entry_lines(text)
+        data = tomllib.loads(text) if toml else yaml.safe_load(text)
+        lines = _entry_lines(text, toml)
+    except tomllib.TOMLDecodeError as err:
+        raise LedgerError(f"{path}: not valid TOML ({err}); fix the syntax") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f":{mark.line + 1}" if mark is not None else ""
@@ -355,14 +362,17 @@ def load_ledger(source: str | Path) -> Ledger:
         ) from None
     if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
         raise LedgerError(
-            f"{path}: a ledger is a mapping with a list of entries ('entries:'), see docs/fuzz.md"
+            f"{path}: a ledger is a mapping with a list of entries ('entries:', in TOML '[[entries]]'), "
+            "see docs/fuzz.md"
         )
     extra = [k for k in data if k != "entries"]
     if extra:
         raise LedgerError(f"{path}: unknown top-level key {extra[0]!r}; a ledger has only 'entries:'")
     name = next((n for n, p in SHIPPED.items() if p == path), str(path))
+    if len(lines) != len(data["entries"]):  # entries written inline (TOML ``entries = [{...}]``)
+        lines = [0] * len(data["entries"])
     entries = tuple(
-        _entry(raw, f"{name}:{line} (entry {i + 1})")
+        _entry(raw, f"{name}{f':{line}' if line else ''} (entry {i + 1})")
         for i, (raw, line) in enumerate(zip(data["entries"], lines, strict=True))
     )
     return Ledger(path, entries)

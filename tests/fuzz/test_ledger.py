@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,31 @@ def test_a_failure_the_ledger_accepts_is_known_and_does_not_fail_the_run(kernels
     printed = capsys.readouterr().out
     assert "known ×1 user_falsy | scale_zero | fp32" in printed and "https://example.org/issues/1" in printed
     assert "FAIL  user_falsy" not in printed  # not listed as a failure
+
+
+def test_a_toml_ledger_reads_as_the_same_entries(kernels, tmp_path):
+    toml = _ledger(
+        tmp_path,
+        """\
+        # the same finding as FALSY, in TOML
+        [[entries]]
+        kernel = "user_falsy"
+        case = "scale_zero"
+        dtype = "fp32"
+        failure = "values"
+        reason = 'scale=0.0 is taken for "not given" (fixed upstream in 2.1)'
+        link = "https://example.org/issues/1"
+        """,
+        "ledger.toml",
+    )
+    (entry,) = load_ledger(toml).entries
+    (same,) = load_ledger(_ledger(tmp_path, FALSY)).entries
+    assert entry.where == f"{toml}:2 (entry 1)" and replace(entry, where="") == replace(same, where="")
+    code, payload = _run(tmp_path, "--kernel", "user_falsy", "--ledger", str(toml))
+    assert code == 0 and payload["summary"]["known"] == 1
+    bad = _ledger(tmp_path, "[[entries]]\nkernel = \n", "bad.toml")
+    with pytest.raises(LedgerError, match=r"bad.toml: not valid TOML"):
+        load_ledger(bad)
 
 
 def test_an_entry_that_passes_fails_the_run_with_fixed_remove_the_entry(kernels, tmp_path, capsys):
@@ -244,3 +270,20 @@ def test_torchs_documented_findings_are_known_under_the_shipped_ledger_and_one_e
     assert [r["case"] for r in payload["rows"] if r["verdict"] == "fail" and not r["known"]] == [
         "scale_zero_causal"
     ]
+
+
+def test_the_biased_failure_names_its_mechanism_and_mitigation_and_is_known_under_builtin():
+    """``tiled`` (FlashAttention-2's numerics) at bf16 on repeated row maxima: errors of one sign
+    (tests/fuzz/test_bias_cases.py); its reason names arXiv 2510.04212's rounding and ``max_shift``;
+    ``tiled:max_shift=repeated`` passes the same case."""
+    from flashprobe.fuzz import run_catalogue, select_cases
+
+    cases = select_cases(["bias_repeated_max"])
+    rows = run_catalogue(["tiled", "tiled:max_shift=repeated"], ["bf16"], cases=cases, backward=False)
+    verdict = {r.kernel: r for r in rows}
+    biased = verdict["tiled"]
+    assert biased.verdict == "fail" and biased.failure == "biased", biased.reason
+    assert "2510.04212" in biased.reason and "max_shift" in biased.reason
+    assert verdict["tiled:max_shift=repeated"].verdict == "pass", verdict["tiled:max_shift=repeated"].reason
+    report = load_ledger("builtin").apply(rows)
+    assert report.failures == [] and report.known[0].known.startswith("builtin:")
