@@ -24,7 +24,7 @@ from flashprobe.fuzz.fit import NotApplicableError, fit_inputs
 from flashprobe.fuzz.random_cases import make_random_case, sample_random_spec, shared_limits
 from flashprobe.fuzz.tables import property_coverage
 from flashprobe.kernels import KernelCapabilities, get_kernel, unregister_kernel
-from lab.mutants import TRITON_LIKE, TRITON_LIKE_64, blockwise_64, tail_tile_mask
+from lab.mutants import TRITON_LIKE, TRITON_LIKE_64, blockwise_64, blockwise_attention, tail_tile_mask
 
 #: the limits the fitted calls are inspected under: key tiles of 64 and 128, and kernels without a
 #: mask input (FlagAttention's: causal calls N_q = N_k only; one with lengths multiples of 64)
@@ -209,24 +209,31 @@ def blockwise64():
     unregister_kernel("tail_tile_mask")
 
 
-@pytest.mark.slow
-def test_a_kernel_with_seq_multiple_64_tests_each_property_with_a_call_that_has_it(blockwise64):
-    """Issue 54's floor: every property reported tested for a correct kernel with ``seq_multiple=64``
-    has a fitted call that exhibits it (the calls are inspected), and it passes them."""
-    results = run_catalogue(["blockwise64"], ["fp32"], cases=CASES, backward=False)
+@pytest.mark.parametrize("limits", ["seq_multiple 64", "seq_multiple 128", "no mask input"])
+def test_a_correct_kernel_tests_each_property_with_a_call_that_has_it(limits):
+    """Issue 54's floor: every property reported tested for a correct blockwise kernel with these
+    limits has a fitted call that exhibits it (the calls are inspected with this file's oracles), and
+    the kernel passes them; every property not tested says why."""
+    caps = LIMITS[limits]
+    fn = blockwise_64 if caps.seq_multiple == 64 else blockwise_attention
+    register_kernel("fitted_correct", fn, capabilities=caps, overwrite=True)
+    try:
+        results = run_catalogue(["fitted_correct"], ["fp32"], cases=CASES, backward=False)
+    finally:
+        unregister_kernel("fitted_correct")
     assert [(r.case, r.reason) for r in results if r.verdict == "fail"] == []
-    cover = property_coverage(results)["blockwise64"]
+    cover = property_coverage(results)["fitted_correct"]
     tested = [p for p, e in cover.items() if e["status"] == "tested"]
-    assert {"partial tile", "sentinel", "key padding", "left padding", "long context"} <= set(tested)
+    assert {"partial tile", "sentinel", "long context", "NaN inputs", "poisoned memory"} <= set(tested)
+    if "key_padding" in caps.masks:
+        assert {"key padding", "left padding"} <= set(tested)
     for prop in tested:
         exhibits = []
         for name in cover[prop]["cases"]:
             case = CATALOGUE[name]
-            fitted = fit_inputs(
-                case.build(torch.float32), TRITON_LIKE_64, fixed=case.fixed, properties=case.properties
-            )
-            exhibits.append(prop in GRADIENT_PROPERTIES or ORACLES[prop](fitted.inputs, TRITON_LIKE_64))
-        assert any(exhibits), prop
+            fitted = fit_inputs(case.build(torch.float32), caps, fixed=case.fixed, properties=case.properties)
+            exhibits.append(prop in GRADIENT_PROPERTIES or ORACLES[prop](fitted.inputs, caps))
+        assert any(exhibits), (limits, prop)
     assert all(e["reason"] for e in cover.values() if e["status"] != "tested")
 
 
