@@ -46,7 +46,7 @@ from flashprobe.bench.args import add_output_args, run_cli, torch_threads
 from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.results import format_table, write_results, wrote_line
 from flashprobe.formats.atomic import atomic_write_text
-from flashprobe.fuzz import FuzzResult, run_catalogue
+from flashprobe.fuzz import FuzzResult, run_catalogue, select_cases
 from flashprobe.fuzz.ledger import load_ledger
 from flashprobe.fuzz.search import random_search
 from flashprobe.kernels import KernelCapabilities, get_kernel, register_kernel, to_dtype, unregister_kernel
@@ -73,6 +73,8 @@ CONTROLS: dict[str, tuple[Callable[..., torch.Tensor], KernelCapabilities | None
 #: the correct kernels besides the controls (specs)
 CORRECT_KERNELS: tuple[str, ...] = (*(f"ok_{name}" for name in CORRECT), "sdpa_math", "tiled")
 _DTYPES = ("fp32", "bf16", "fp16")
+_Options = dict[str, Any]  # budget: random samples; cases: the catalogue's patterns (None: all)
+_Runner = Callable[[list[str], list[str], range, _Options], list[FuzzResult] | None]
 
 
 def control_of(mutant: str) -> str:
@@ -100,11 +102,12 @@ def _checks_module() -> Any | None:
     return module if hasattr(module, "CHECKS") and hasattr(module, "run_checks") else None
 
 
-def _catalogue(kernels: list[str], dtypes: list[str], seeds: range, budget: int) -> list[FuzzResult]:
-    return [r for s in seeds for r in run_catalogue(kernels, dtypes, seed=s)]
+def _catalogue(kernels: list[str], dtypes: list[str], seeds: range, options: _Options) -> list[FuzzResult]:
+    cases = None if options["cases"] is None else select_cases(options["cases"])
+    return [r for s in seeds for r in run_catalogue(kernels, dtypes, cases=cases, seed=s)]
 
 
-def _random(kernels: list[str], dtypes: list[str], seeds: range, budget: int) -> list[FuzzResult]:
+def _random(kernels: list[str], dtypes: list[str], seeds: range, options: _Options) -> list[FuzzResult]:
     groups: dict[Any, list[str]] = {}
     for k in kernels:  # kernels that declare the same limits draw the same samples
         groups.setdefault(repr(get_kernel(k).capabilities), []).append(k)
@@ -112,12 +115,14 @@ def _random(kernels: list[str], dtypes: list[str], seeds: range, budget: int) ->
         r
         for s in seeds
         for group in groups.values()
-        for r in random_search(group, dtypes, budget=budget, seed=s)
+        for r in random_search(group, dtypes, budget=options["budget"], seed=s)
     ]
 
 
-def _checks(prefix: str) -> Callable[[list[str], list[str], range, int], list[FuzzResult] | None]:
-    def run(kernels: list[str], dtypes: list[str], seeds: range, budget: int) -> list[FuzzResult] | None:
+def _checks(prefix: str) -> _Runner:
+    def run(
+        kernels: list[str], dtypes: list[str], seeds: range, options: _Options
+    ) -> list[FuzzResult] | None:
         module = _checks_module()
         if module is None:
             return None
@@ -128,7 +133,7 @@ def _checks(prefix: str) -> Callable[[list[str], list[str], range, int], list[Fu
     return run
 
 
-_RUNNERS: dict[str, Callable[[list[str], list[str], range, int], list[FuzzResult] | None]] = {
+_RUNNERS: dict[str, _Runner] = {
     "catalogue": _catalogue,
     "random search": _random,
     "sequences": _checks("seq_"),
@@ -177,6 +182,7 @@ def recall_rows(
     seeds: range,
     *,
     budget: int = 8,
+    cases: Sequence[str] | None = None,
     mutants: Sequence[str] | None = None,
     correct: Sequence[str] = CORRECT_KERNELS,
     progress: Callable[[str], None] | None = None,
@@ -188,6 +194,7 @@ def recall_rows(
         dtypes: ``fp32``, ``bf16``, ``fp16``.
         seeds: the seeds each strategy runs.
         budget: random samples per seed and group of kernels with the same limits.
+        cases: the catalogue's case names or globs (None: the default profile).
         mutants: names in :data:`lab.mutants.MUTANTS` (None: all).
         correct: the correct kernels besides the controls (specs).
         progress: called with a line per strategy as it finishes.
@@ -204,7 +211,7 @@ def recall_rows(
         rows = []
         for strategy in strategies:
             start = time.perf_counter()
-            results = _RUNNERS[strategy](kernels, list(dtypes), seeds, budget)
+            results = _RUNNERS[strategy](kernels, list(dtypes), seeds, {"budget": budget, "cases": cases})
             if results is None:
                 row: dict[str, Any] = {"strategy": strategy, "available": False}
                 row |= dict.fromkeys(
@@ -285,6 +292,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--budget", type=int, default=8, help="random samples per seed and group of kernels (default 8)"
     )
+    p.add_argument(
+        "--case",
+        action="append",
+        default=None,
+        metavar="PATTERN",
+        help="the catalogue's cases (names or globs, repeatable; default: the default profile)",
+    )
     p.add_argument("--mutants", default=None, help="comma-separated mutant names (default: the whole suite)")
     p.add_argument(
         "--kernels",
@@ -320,6 +334,7 @@ def _run(args: argparse.Namespace) -> int:
             dtypes,
             range(args.seeds),
             budget=args.budget,
+            cases=args.case,
             mutants=mutants,
             correct=correct,
             progress=lambda line: print(line, file=sys.stderr),

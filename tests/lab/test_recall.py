@@ -41,7 +41,12 @@ def test_a_catch_needs_the_control_to_pass_the_same_case_and_a_ledger_finding_is
 
 def test_the_catalogue_catches_a_planted_bug_its_control_does_not_have(tmp_path):
     rows = recall_rows(
-        ["catalogue", "sequences"], ["fp32"], range(1), mutants=["falsy_scale"], correct=["sdpa_math"]
+        ["catalogue", "sequences"],
+        ["fp32"],
+        range(1),
+        cases=["scale_zero", "single_key"],
+        mutants=["falsy_scale"],
+        correct=["sdpa_math"],
     )
     catalogue, sequences = rows
     assert (catalogue["caught"], catalogue["mutants"], catalogue["false_alarm_kernels"]) == (1, 1, 0)
