@@ -285,7 +285,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--strategies",
         default=",".join(STRATEGIES),
-        help=f"comma-separated, of {', '.join(STRATEGIES)} (default all)",
+        help=f"comma-separated, of {', '.join(STRATEGIES)} ('random' for short; default all)",
     )
     p.add_argument("--seeds", type=int, default=1, help="seeds per strategy (default 1)")
     p.add_argument("--dtype", default="fp32", help="comma-separated: fp32, bf16, fp16 (default fp32)")
@@ -312,7 +312,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    alias = {"random": "random search"}
+    strategies = [alias.get(s.strip(), s.strip()) for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown or not strategies:
         raise BenchArgumentError(f"--strategies {args.strategies!r}: choose from {', '.join(STRATEGIES)}")

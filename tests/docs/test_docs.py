@@ -37,6 +37,10 @@ DOCS = (
 
 #: budgets for documented scripts (``python SCRIPT ...``, ``python -m MODULE ...``): their own flags, appended
 SCRIPT_BUDGETS: dict[str, tuple[str, ...]] = {
+    "-m lab.recall": (
+        *("--strategies", "random", "--budget", "1"),
+        *("--mutants", "falsy_scale", "--kernels", "sdpa_math"),
+    ),
     "-m lab.rules": (
         *("--seeds", "1", "--precision", "fp32"),
         *("--mutants", "one_batch_wrong", "--kernels", "sdpa_math"),
