@@ -209,6 +209,7 @@ def blockwise64():
     unregister_kernel("tail_tile_mask")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("limits", ["seq_multiple 64", "seq_multiple 128", "no mask input"])
 def test_a_correct_kernel_tests_each_property_with_a_call_that_has_it(limits):
     """Issue 54's floor: every property reported tested for a correct blockwise kernel with these
