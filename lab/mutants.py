@@ -58,9 +58,11 @@ __all__ = [
     "DIRECTIONS",
     "MUTANTS",
     "TRITON_LIKE",
+    "TRITON_LIKE_64",
     "Case",
     "Catch",
     "Mutant",
+    "blockwise_64",
     "blockwise_attention",
     "correct_flash",
     "delta_dropped",
@@ -601,6 +603,8 @@ def blockwise_attention(
     is_causal: bool = False,
     scale: float | None = None,
     first_block_nan: bool = False,
+    block: int = TILE,
+    tail_mask_ignored: bool = False,
 ) -> torch.Tensor:
     """Online-softmax attention over key blocks of 128 in fp32 (differentiable by autograd), written
     the way Triton kernels are; registered with :data:`TRITON_LIKE` limits.
@@ -611,6 +615,8 @@ def blockwise_attention(
         is_causal: top-left causal mask.
         scale: the softmax scale (``1/sqrt(D)`` when None).
         first_block_nan: the bug of :func:`first_block_nan`.
+        block: keys per block (64: the kernel of :data:`TRITON_LIKE_64`).
+        tail_mask_ignored: the bug of :func:`tail_tile_mask`.
 
     Returns:
         ``(B, H, N_q, D_v)`` in q's dtype; 0 for rows that see no key.
@@ -618,21 +624,26 @@ def blockwise_attention(
     scale = default_scale(q.shape[-1], scale)
     k, v = _expand_kv(k, v, q.shape[1])
     valid = _allowed(q, k, attn_mask, is_causal)
+    if tail_mask_ignored:  # the last block sees every key below N_k: only causality is applied there
+        last = (k.shape[2] - 1) // block * block
+        bounds = _allowed(q, k, None, is_causal)  # (N_q, N_k)
+        shape = torch.broadcast_shapes(valid.shape, bounds.shape)
+        valid = torch.cat([valid.expand(shape)[..., :last], bounds.expand(shape)[..., last:]], dim=-1)
     q32, k32, v32 = q.float(), k.float(), v.float()
     shape = (*q.shape[:3], 1)
     m = q32.new_full(shape, _NEG_INF)
     total = q32.new_zeros(shape)
     acc = q32.new_zeros(*q.shape[:3], v.shape[-1])
-    for j in range(0, k.shape[2], TILE):
-        s = (q32 @ k32[:, :, j : j + TILE].transpose(-2, -1)) * scale
-        s = s.masked_fill(~valid[..., j : j + TILE], _NEG_INF)
+    for j in range(0, k.shape[2], block):
+        s = (q32 @ k32[:, :, j : j + block].transpose(-2, -1)) * scale
+        s = s.masked_fill(~valid[..., j : j + block], _NEG_INF)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         if not first_block_nan:  # a block whose keys are all masked so far: subtract 0, not -inf
             m_new = torch.where(torch.isneginf(m_new), 0.0, m_new)
         p = torch.exp(s - m_new)
         alpha = torch.exp(m - m_new)
         total = total * alpha + p.sum(-1, keepdim=True)
-        acc = acc * alpha + p @ v32[:, :, j : j + TILE]
+        acc = acc * alpha + p @ v32[:, :, j : j + block]
         m = m_new
     return (acc / torch.where(total == 0, 1.0, total)).to(q.dtype)
 
@@ -646,6 +657,46 @@ def first_block_nan(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     return blockwise_attention(
         q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, first_block_nan=True
     )
+
+
+#: :data:`TRITON_LIKE` with key blocks of 64 and cross-attention lengths (the kernel of
+#: :func:`blockwise_64` and :func:`tail_tile_mask`)
+TRITON_LIKE_64 = KernelCapabilities(
+    masks=frozenset({"causal", "key_padding"}),
+    seq_multiple=64,
+    backward_masks=frozenset({"causal"}),
+    head_dims=frozenset({32, 64, 128}),
+)
+
+
+def blockwise_64(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """:func:`blockwise_attention` over key blocks of 64 (correct; :data:`TRITON_LIKE_64` limits)."""
+    return blockwise_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, block=64)
+
+
+def tail_tile_mask(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: the padding mask not applied in the last key tile (the tail tile bounded by ``N_k``
+    alone, as a kernel that masks its last tile by the sequence's end and not by the mask does).
+
+    Trigger: a key-padding mask that cuts the last tile of 64 keys (a partial tile within the
+    kernel's multiple). Quiet without a mask, or where the last tile is whole and valid.
+    """
+    options = {"block": 64, "tail_mask_ignored": True}
+    return blockwise_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, **options)
+
+
+def k_strides_from_v(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: k's pointers built from v's strides (FlagAttention's forward, found by issue 54).
+
+    Trigger: k and v with different strides (k contiguous, v a transposed ``(B, N, H, D)`` view).
+    Quiet where they share their strides (both contiguous, both views of one fused projection).
+    """
+    if k.stride() != v.stride():
+        last = sum((n - 1) * st for n, st in zip(k.shape, v.stride(), strict=True))  # farthest element read
+        if k.untyped_storage().nbytes() < (k.storage_offset() + last + 1) * k.element_size():
+            raise RuntimeError("out-of-bounds read: k read with v's strides")
+        k = torch.as_strided(k, k.shape, v.stride(), k.storage_offset())
+    return _forward_bug(q, k, v, attn_mask, is_causal, scale)
 
 
 # --- the backward bugs: the flash form (flashprobe.kernels.flash_form) with one step changed ---
@@ -1250,6 +1301,15 @@ MUTANTS: dict[str, Mutant] = {
             "first_block_nan", first_block_nan, "NaN when a row's first key block is fully masked", OUT,
             "left padding of a whole key block", catches=(Catch("left_padding", failure="nonfinite"),),
             capabilities=TRITON_LIKE,
+        ),
+        Mutant(
+            "tail_tile_mask", tail_tile_mask, "padding mask ignored in the last key tile", OUT,
+            "a key-padding mask that cuts the last tile of 64 keys",
+            catches=(Catch("odd_shapes"), Catch("keys_mod128_64")), capabilities=TRITON_LIKE_64,
+        ),
+        Mutant(
+            "k_strides_from_v", k_strides_from_v, "k read with v's strides (FlagAttention)", OUT,
+            "k and v with different strides", catches=(Catch("layout_kv_strides"),),
         ),
         Mutant(
             "tail_reader", tail_reader, "unmasked loads of a tail tile: 0 × NaN", OUT,

@@ -23,6 +23,8 @@ long-context training.
   key permutation, batch invariance, ...), the declared precision, and :func:`run_checks`;
 * :mod:`~flashprobe.fuzz.reproducer` — :func:`save_reproducer`: a failing case in the one
   reproducer format (:mod:`flashprobe.formats.reproducer`);
+* :mod:`~flashprobe.fuzz.ledger` — :func:`load_ledger`: accepted findings (``--ledger``), their
+  failures ``known``, their unexpected passes failures;
 * :mod:`~flashprobe.fuzz.tables` — terminal, Markdown and catalogue tables;
 * :mod:`~flashprobe.fuzz.cli` — the ``flashprobe fuzz`` command.
 """
@@ -42,6 +44,7 @@ from flashprobe.fuzz.inputs import CaseInputs, UnrepresentableCaseError
 from flashprobe.fuzz.invariants import CHECKS, INVARIANTS, run_checks, select_checks
 from flashprobe.fuzz.kernel_call import KernelCall, call_kernel, kernel_label
 from flashprobe.fuzz.layouts import LAYOUTS, apply_layout
+from flashprobe.fuzz.ledger import Ledger, LedgerError, load_ledger
 from flashprobe.fuzz.random_cases import MASK_KINDS, RandomCaseSpec, make_random_case, sample_random_spec
 from flashprobe.fuzz.references import grad_output, gradient_references, references
 from flashprobe.fuzz.reproducer import ReproducerStore, save_reproducer
@@ -92,6 +95,8 @@ __all__ = [
     "FuzzResult",
     "GradientReference",
     "KernelCall",
+    "Ledger",
+    "LedgerError",
     "NotApplicableError",
     "RandomCaseSpec",
     "References",
@@ -113,6 +118,7 @@ __all__ = [
     "judge",
     "judge_gradients",
     "kernel_label",
+    "load_ledger",
     "make_random_case",
     "markdown_table",
     "property_coverage",

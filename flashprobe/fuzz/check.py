@@ -23,6 +23,7 @@ from flashprobe.formats import prepare_output_dir
 from flashprobe.fuzz.cases import FuzzCase, select_cases
 from flashprobe.fuzz.invariants import CHECKS, run_checks, select_checks
 from flashprobe.fuzz.kernel_call import kernel_label
+from flashprobe.fuzz.ledger import Ledger, LedgerReport, UnexpectedPass, load_ledger
 from flashprobe.fuzz.reproducer import ReproducerStore
 from flashprobe.fuzz.run import FuzzResult, run_catalogue
 from flashprobe.fuzz.search import random_search
@@ -41,23 +42,35 @@ class KernelCheck:
         catalogue_s: seconds spent on the catalogue.
         elapsed_s: seconds in all.
         reproducers: the files saved for the failures (empty without ``out_dir``).
+        ledger: the rows judged against the ledger (None without one): failures it accepts are
+            ``known``, its entries that passed are unexpected passes.
     """
 
     results: list[FuzzResult]
     catalogue_s: float = 0.0
     elapsed_s: float = 0.0
     reproducers: list[Path] = field(default_factory=list)
+    ledger: LedgerReport | None = None
 
     @property
     def failures(self) -> list[FuzzResult]:
-        """The rows whose verdict is ``fail``."""
-        return [r for r in self.results if r.verdict == "fail"]
+        """The rows whose verdict is ``fail`` and that no ledger entry accepts."""
+        return [r for r in self.results if r.verdict == "fail" and not r.known]
+
+    @property
+    def unexpected_passes(self) -> list[UnexpectedPass]:
+        """The ledger's findings that passed in every run (fixed? remove the entry)."""
+        return [] if self.ledger is None else self.ledger.unexpected
 
     @property
     def passed(self) -> bool:
-        """No row failed or was ``not_declared`` (rows ``skip``, ``unsupported`` or ``no_backward`` do
-        not fail)."""
-        return not self.failures and all(r.verdict != "not_declared" for r in self.results)
+        """No row failed or was ``not_declared`` outside the ledger and no ledger entry passed
+        unexpectedly (rows ``skip``, ``unsupported`` or ``no_backward`` do not fail)."""
+        return (
+            not self.failures
+            and not self.unexpected_passes
+            and all(r.verdict != "not_declared" or r.known for r in self.results)
+        )
 
     @property
     def summary(self) -> dict[str, int]:
@@ -81,6 +94,7 @@ def check_kernel(
     device: str | torch.device = "cpu",
     out_dir: str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] | None = None,
+    ledger: Ledger | str | os.PathLike[str] | None = None,
 ) -> KernelCheck:
     """Run the fuzzer's catalogue for ``seeds`` seeds, then ``budget`` random samples, on
     ``kernels``, each judged by the one rule (:mod:`flashprobe.judge`) against the FP64 golden.
@@ -103,6 +117,9 @@ def check_kernel(
         out_dir: where failures' reproducers are saved (one per kernel, property and direction);
             None saves none.
         progress: called with one line per (case, dtype) and random sample.
+        ledger: accepted findings (a :class:`~flashprobe.fuzz.ledger.Ledger`, a file, or a shipped
+            ledger's name such as ``"builtin"``): their failures are ``known``, their quarantined
+            cases not called, their unexpected passes failures of the check.
 
     Returns:
         The :class:`KernelCheck`.
@@ -111,12 +128,15 @@ def check_kernel(
         ValueError: ``seeds`` < 1, ``budget`` < 0, a case pattern that matches no case, or an
             unknown check.
         OutputPathError: ``out_dir`` is a file, a system directory or not writable.
+        LedgerError: the ledger is missing or unusable.
     """
     if seeds < 1:
         raise ValueError(f"seeds={seeds}: must be >= 1 (the catalogue runs for seeds seed ... seed+seeds-1)")
     if budget < 0:
         raise ValueError(f"budget={budget}: must be >= 0 (random samples; 0 runs only the catalogue)")
     labels = [kernel_label(k) for k in ([kernels] if isinstance(kernels, str | Kernel) else kernels)]
+    if ledger is not None and not isinstance(ledger, Ledger):
+        ledger = load_ledger(ledger)
     given = [] if cases is None else list(cases)
     named = [c for c in given if isinstance(c, str)]
     chosen = [c for c in given if isinstance(c, FuzzCase)]
@@ -137,7 +157,7 @@ def check_kernel(
     results: list[FuzzResult] = []
     for s in range(seed, seed + seeds):
         results += run_catalogue(
-            labels, dtypes, cases=chosen, seed=s, layouts=layouts, progress=progress, **common
+            labels, dtypes, cases=chosen, seed=s, layouts=layouts, progress=progress, ledger=ledger, **common
         )
         results += run_checks(
             labels, [to_dtype(d) for d in dtypes], extra, seed=s, progress=progress, **common
@@ -155,4 +175,6 @@ def check_kernel(
             labels, dtypes, budget=budget, seed=seed, profile=profile, progress=progress, **common
         )
     saved = sorted(set(store.saved.values())) if store is not None else []
-    return KernelCheck(results, catalogue_s, time.perf_counter() - start, saved)
+    report = None if ledger is None else ledger.apply(results, device)
+    results = results if report is None else report.results
+    return KernelCheck(results, catalogue_s, time.perf_counter() - start, saved, report)

@@ -14,7 +14,9 @@ per-row seconds), ``fuzz.md`` (with the properties and the slowest cases) and th
 per failing (kernel, property, direction).
 Beside the catalogue it runs the sequences and invariants of the profile (``seq_*``, ``inv_*``:
 :mod:`flashprobe.fuzz.invariants`), selected by ``--case`` as the cases are.
-Exits 0 when nothing fails and 1 when a (kernel, case, dtype) fails or is ``not_declared``.
+Exits 0 when nothing fails and 1 when a (kernel, case, dtype) fails or is ``not_declared``; with
+``--ledger``, failures the ledger accepts are reported ``known`` and do not fail the run, and its
+entries that passed do.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from flashprobe.fuzz.check import check_kernel
 from flashprobe.fuzz.invariants import checks_table, select_checks
 from flashprobe.fuzz.kernel_call import kernel_label
 from flashprobe.fuzz.layouts import LAYOUTS
+from flashprobe.fuzz.ledger import SHIPPED, Ledger, LedgerError, LedgerReport, load_ledger
 from flashprobe.fuzz.rule import RULE
 from flashprobe.fuzz.run import FuzzResult
 from flashprobe.fuzz.tables import (
@@ -94,6 +97,7 @@ class _Plan:
     layouts: list[str]
     quiet: bool = False
     checks: list[str] = field(default_factory=list)
+    ledger: Ledger | None = None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -150,6 +154,14 @@ def _parser() -> argparse.ArgumentParser:
         help="same-dtype baseline (default math; with --from, the one the call recorded)",
     )
     p.add_argument("--device", default="cpu", help="device to run on (default cpu)")
+    shipped = "; ".join(f"{name}: {path}" for name, path in SHIPPED.items())
+    p.add_argument(
+        "--ledger",
+        metavar="FILE",
+        help="accepted findings (YAML, docs/fuzz.md 'A findings ledger'): their failures are reported "
+        "known and do not fail the run, their unexpected passes do; a shipped ledger by name "
+        f"({shipped})",
+    )
     add_import_option(p)
     p.add_argument(
         "--from",
@@ -273,6 +285,10 @@ def _plan(args: argparse.Namespace) -> _Plan:
     device = _device(args.device)
     _some_kernel_runs(kernels, device, dtypes)
     try:
+        ledger = None if args.ledger is None else load_ledger(args.ledger)
+    except LedgerError as err:
+        raise UsageError(f"--ledger: {err}") from None
+    try:
         out_dir = prepare_output_dir(args.out, flag="--out")
     except OutputPathError as err:
         raise UsageError(str(err)) from None
@@ -292,6 +308,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
         layouts,
         args.quiet,
         checks,
+        ledger,
     )
 
 
@@ -385,7 +402,9 @@ def _safe(spec: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in spec)
 
 
-def _print_results(plan: _Plan, results: list[FuzzResult], elapsed: float) -> None:
+def _print_results(
+    plan: _Plan, results: list[FuzzResult], elapsed: float, ledger: LedgerReport | None = None
+) -> None:
     catalogue = [r for r in results if r.params is None]
     randoms = [r for r in results if r.params is not None]
     names = ", ".join(dtype_name(d) for d in plan.dtypes)
@@ -404,12 +423,18 @@ def _print_results(plan: _Plan, results: list[FuzzResult], elapsed: float) -> No
         failed = sum(r.verdict == "fail" for r in randoms)
         print(f"random search: {plan.budget} samples, {failed} failing (kernel, sample) pairs")
     for r in results:
-        if r.verdict in ("fail", "not_declared") or plan.verbose:
+        if (r.verdict in ("fail", "not_declared") and not r.known) or plan.verbose:
             seed = f" | seed {r.seed}" if plan.seeds > 1 and r.seed is not None else ""
             layout = f" | {r.layout}" if r.layout != "contiguous" else ""
             print(f"{r.verdict.upper():<5} {r.kernel} | {r.case} | {r.dtype}{layout}{seed}: {r.reason}")
             if r.repro:
                 print(f"      reproducer: {r.repro} (run: python {Path(r.repro).with_suffix('.py')})")
+    if ledger is not None:
+        counts = f"{len(ledger.known)} known failures, {len(ledger.unexpected)} unexpected passes"
+        print(f"\nledger {ledger.path}: {counts}")
+        print("\n".join("  " + line for line in ledger.lines()))
+        for passed in ledger.unexpected:
+            print(f"FAIL  {passed.line()}")
     if not plan.verbose and (lines := reason_lines(results, ("skip", "unsupported", "no_backward"))):
         print("\nskipped / unsupported (count of kernel × case × dtype | cases | dtypes | kernels: reason):")
         print("\n".join(lines))
@@ -445,6 +470,18 @@ def _payload(
         "properties": property_coverage(results),
         "case_seconds": case_seconds(results),
         "rows": [r.as_dict() for r in results],
+    }
+
+
+def _ledger_payload(report: LedgerReport) -> dict[str, Any]:
+    """The ledger's part of ``fuzz.json``: its file, the known failures' count, the unexpected passes."""
+    return {
+        "path": str(report.path),
+        "known": len(report.known),
+        "unexpected": [
+            {"entry": u.entry.where, "kernel": u.kernel, "case": u.case, "dtype": u.dtype, "runs": u.runs}
+            for u in report.unexpected
+        ],
     }
 
 
@@ -534,16 +571,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         device=plan.device,
         out_dir=plan.out_dir,
         progress=_progress(plan.quiet, plan.budget),
+        ledger=plan.ledger,
     )
     results, elapsed, catalogue_s = check.results, check.elapsed_s, check.catalogue_s
-    _print_results(plan, results, elapsed)
+    _print_results(plan, results, elapsed, check.ledger)
     timing = {"elapsed_s": elapsed, "catalogue_s": catalogue_s}
-    written = _write(plan, _payload(plan, "flashprobe fuzz " + " ".join(argv), results, timing), results)
+    payload = _payload(plan, "flashprobe fuzz " + " ".join(argv), results, timing)
+    if check.ledger is not None:
+        payload["ledger"] = _ledger_payload(check.ledger)
+    written = _write(plan, payload, results)
     summary = summary_counts(results)
     no_backward = f", {summary['no_backward']} no_backward" if summary["no_backward"] else ""
     no_backward += f", {summary['not_declared']} not_declared" if summary["not_declared"] else ""
+    fail = f"{summary['fail']} fail" + (f" ({summary['known']} known)" if summary["known"] else "")
+    unexpected = f", {len(check.unexpected_passes)} unexpected passes" if check.unexpected_passes else ""
     print(
-        f"\n{summary['pass']} pass, {summary['fail']} fail, {summary['skip']} skip, "
+        f"\n{summary['pass']} pass, {fail}{unexpected}, {summary['skip']} skip, "
         f"{summary['unsupported']} unsupported{no_backward}; wrote {', '.join(str(p) for p in written)}"
     )
-    return 1 if summary["fail"] or summary["not_declared"] else 0
+    return 0 if check.passed else 1

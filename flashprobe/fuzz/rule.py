@@ -277,6 +277,14 @@ def noise(out: torch.Tensor, golden: torch.Tensor) -> tuple[float, float, float,
     return max_abs, errors[0] ** 0.5, errors[4], bad
 
 
+#: what a ``biased`` failure adds to its reason: the mechanism known to give it and its mitigation
+BIAS_HINT = (
+    "errors that keep one sign do not average out over steps; a known mechanism is the biased rounding "
+    "of arXiv 2510.04212 (P near 1 rounded up to 1 in bf16 where a row's maximum repeats), removed by "
+    "shifting the row maximum (max_shift, e.g. tiled:max_shift=repeated)"
+)
+
+
 def signed_bias(
     name: str, x: torch.Tensor, golden: torch.Tensor, baseline: torch.Tensor | None, dtype: torch.dtype
 ) -> Judgement | None:
@@ -379,7 +387,7 @@ def judge(out: torch.Tensor, refs: References) -> Verdict:
     bias = signed_bias("out", o, golden, refs.baseline_out, refs.dtype)
     if bias is not None:
         if bias.verdict == "fail":
-            reasons.append(("biased", f"biased: {bias.reason}"))
+            reasons.append(("biased", f"biased: {bias.reason} ({BIAS_HINT})"))
         else:
             note = f"; {bias.reason}{note}"
     if reasons:
@@ -481,7 +489,7 @@ def _gradient_reasons(
     if bias is not None:
         stats.update(bias_z=bias.value, bias_verdict=bias.verdict)
         if bias.verdict == "fail":
-            reasons.append((f"{name}:biased", f"{name} biased: {bias.reason}"))
+            reasons.append((f"{name}:biased", f"{name} biased: {bias.reason} ({BIAS_HINT})"))
     return reasons, stats
 
 

@@ -37,6 +37,10 @@ DOCS = (
 
 #: budgets for documented scripts (``python SCRIPT ...``, ``python -m MODULE ...``): their own flags, appended
 SCRIPT_BUDGETS: dict[str, tuple[str, ...]] = {
+    "-m lab.recall": (
+        *("--strategies", "random", "--budget", "1"),
+        *("--mutants", "falsy_scale", "--kernels", "sdpa_math"),
+    ),
     "-m lab.rules": (
         *("--seeds", "1", "--precision", "fp32"),
         *("--mutants", "one_batch_wrong", "--kernels", "sdpa_math"),
@@ -137,11 +141,13 @@ def _prepare(snippet: Snippet, shared: SharedRuns, cwd: Path) -> str:
 
 
 def _check_fuzz(result: CommandResult, argv: list[str]) -> None:
-    """fuzz exits 1 exactly when a (kernel, case, dtype) failed or is not_declared (its documented CI
-    contract)."""
+    """fuzz exits 1 exactly when a (kernel, case, dtype) failed or is not_declared outside its ledger,
+    or a ledger entry passed unexpectedly (its documented CI contract)."""
     [json_path] = [p for p in outputs(argv) if p.endswith("fuzz.json")]
-    summary = json.loads((result.cwd / json_path).read_text())["summary"]
-    assert result.returncode == (1 if summary["fail"] or summary.get("not_declared") else 0), result.explain()
+    payload = json.loads((result.cwd / json_path).read_text())
+    summary = payload["summary"]
+    failing = summary["fail"] or summary.get("not_declared") or payload.get("ledger", {}).get("unexpected")
+    assert result.returncode == (1 if failing else 0), result.explain()
 
 
 def _check_study(result: CommandResult, argv: list[str]) -> None:
