@@ -21,6 +21,7 @@ import torch
 
 from flashprobe.formats import prepare_output_dir
 from flashprobe.fuzz.cases import FuzzCase, select_cases
+from flashprobe.fuzz.contract_run import dense_dtypes, run_contract_catalogue, split_case_patterns, to_dtypes
 from flashprobe.fuzz.kernel_call import kernel_label
 from flashprobe.fuzz.reproducer import ReproducerStore
 from flashprobe.fuzz.run import FuzzResult, run_catalogue
@@ -78,6 +79,7 @@ def check_kernel(
     device: str | torch.device = "cpu",
     out_dir: str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] | None = None,
+    contract_cases: Sequence[str] | None = None,
 ) -> KernelCheck:
     """Run the fuzzer's catalogue for ``seeds`` seeds, then ``budget`` random samples, on
     ``kernels``, each judged by the one rule (:mod:`flashprobe.judge`) against the FP64 golden.
@@ -97,6 +99,8 @@ def check_kernel(
         out_dir: where failures' reproducers are saved (one per kernel, property and direction);
             None saves none.
         progress: called with one line per (case, dtype) and random sample.
+        contract_cases: the contract catalogue's cases (:mod:`flashprobe.fuzz.contract_cases`, for
+            kernels of another api) to run; None: those ``cases``' patterns name (all when none).
 
     Returns:
         The :class:`KernelCheck`.
@@ -113,8 +117,11 @@ def check_kernel(
     given = [] if cases is None else list(cases)
     named = [c for c in given if isinstance(c, str)]
     chosen = [c for c in given if isinstance(c, FuzzCase)]
-    if named or cases is None:  # no cases given: the profile's catalogue
-        chosen += select_cases(named, profile=profile)
+    dense_named, contract_names = split_case_patterns(named)  # the contract apis' cases: contract_run
+    if dense_named is not None and (named or cases is None):  # no cases given: the profile's catalogue
+        chosen += select_cases(dense_named, profile=profile)
+    contract_names = contract_names if cases is None or named else []
+    contract_names = contract_names if contract_cases is None else list(contract_cases)
     store = None
     if out_dir is not None:  # checked as the command checks --out (no system directory, writable)
         store = ReproducerStore(prepare_output_dir(out_dir, flag="out_dir"), baseline, backward)
@@ -123,8 +130,12 @@ def check_kernel(
     results: list[FuzzResult] = []
     for s in range(seed, seed + seeds):
         results += run_catalogue(
-            labels, dtypes, cases=chosen, seed=s, layouts=layouts, progress=progress, **common
+            labels, dense_dtypes(dtypes), cases=chosen, seed=s, layouts=layouts, progress=progress, **common
         )
+        results += run_contract_catalogue(
+            labels, to_dtypes(dtypes), seed=s, device=device, backward=backward, names=contract_names,
+            progress=progress, reproducers=store,
+        )  # fmt: skip
     catalogue_s = time.perf_counter() - start
     if budget and progress is not None and results:
         # up front: the catalogue's pace per (case, dtype) call of every kernel, for the samples

@@ -32,6 +32,8 @@ from flashprobe.formats import OutputPathError, atomic_write_text, prepare_outpu
 from flashprobe.formats.paths import check_output_dir
 from flashprobe.fuzz.cases import PROFILES, FuzzCase, select_cases
 from flashprobe.fuzz.check import check_kernel
+from flashprobe.fuzz.contract_cases import FP8_NAMES
+from flashprobe.fuzz.contract_run import split_case_patterns
 from flashprobe.fuzz.kernel_call import kernel_label
 from flashprobe.fuzz.layouts import LAYOUTS
 from flashprobe.fuzz.rule import RULE
@@ -65,7 +67,7 @@ from flashprobe.kernels import (
 __all__ = ["DEFAULT_DTYPES", "main"]
 
 DEFAULT_DTYPES = ("bf16", "fp16", "fp32")
-_DTYPE_CHOICES = "bf16, fp16, fp32, fp64"
+_DTYPE_CHOICES = "bf16, fp16, fp32, fp64, e4m3 (FP8 inputs, kernels that declare float8_e4m3fn)"
 
 
 class UsageError(ValueError):
@@ -184,7 +186,7 @@ def _dtypes(values: Sequence[str] | None) -> list[torch.dtype]:
     dtypes = []
     for name in names:
         try:
-            dtypes.append(to_dtype(name))
+            dtypes.append(FP8_NAMES[name] if name in FP8_NAMES else to_dtype(name))  # e4m3: FP8 inputs
         except ValueError:
             raise UsageError(f"--dtype {name}: unknown dtype; use one of {_DTYPE_CHOICES}") from None
     return dtypes
@@ -209,11 +211,12 @@ def _cases(args: argparse.Namespace) -> list[FuzzCase]:
         if args.budget == 0:
             raise UsageError("--no-catalogue with --budget 0 runs nothing; give --budget N (random samples)")
         return []
+    dense, args.contract_cases = split_case_patterns(patterns)  # the contract apis' cases by name
     try:
-        cases = select_cases(patterns, profile=args.profile)
+        cases = [] if dense is None else select_cases(dense, profile=args.profile)
     except ValueError as err:
         raise UsageError(f"--case/--exclude: {err}") from None
-    if not cases and not args.budget:
+    if not cases and not args.contract_cases and not args.budget:
         given = " ".join(
             f"{flag} {v!r}"
             for flag, vs in (("--case", args.case), ("--exclude", args.exclude))
@@ -525,6 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         device=plan.device,
         out_dir=plan.out_dir,
         progress=_progress(plan.quiet, plan.budget),
+        contract_cases=getattr(args, "contract_cases", None),
     )
     results, elapsed, catalogue_s = check.results, check.elapsed_s, check.catalogue_s
     _print_results(plan, results, elapsed)
