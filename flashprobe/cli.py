@@ -215,6 +215,10 @@ def list_kernels(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``flashprobe`` console script."""
+    for stream in (sys.stdout, sys.stderr):  # a path whose bytes are not UTF-8 prints as \xNN, not a crash
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["--version"]:
         from importlib.metadata import version

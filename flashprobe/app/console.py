@@ -14,18 +14,22 @@ with the step count instead of ``Epoch 0/-2``) and logs through :class:`LiveStdo
 (``flashprobe/conf/hydra/job_logging/train.yaml``), which writes to whatever ``sys.stdout`` is at
 the time of the record: while the bar is live, Rich has redirected it, so each record is printed
 on its own line above the bar instead of being glued onto the bar's line.
+
+The run's ``train.log`` is written by :class:`RunLogFile`: opened at its first record (a run refused
+before it starts leaves none) and appended to, never through a link.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import warnings
 from collections.abc import Iterable
 from typing import Any, TextIO
 
-__all__ = ["DropLoggers", "LiveStdoutHandler", "StepProgressBar", "quiet_third_party"]
+__all__ = ["DropLoggers", "LiveStdoutHandler", "RunLogFile", "StepProgressBar", "quiet_third_party"]
 
 #: Lightning's own loggers, which add a console handler when imported before logging is set up.
 _LIGHTNING_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning")
@@ -52,6 +56,21 @@ class _NoTips(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = str(record.msg)
         return not (message.startswith("💡 Tip") or _ABSENT_DEVICE.match(message))
+
+
+class RunLogFile(logging.FileHandler):
+    """A run's log file (``train.log``): opened when the first record comes, appended to without following
+    a link (:func:`flashprobe.formats.nofollow.open_append`: a symbolic or hard link planted there is
+    refused, never written through)."""
+
+    def __init__(self, filename: str, mode: str = "a", encoding: str | None = "utf-8") -> None:
+        super().__init__(filename, mode, encoding=encoding, delay=True)
+
+    def _open(self) -> TextIO:
+        from flashprobe.formats.nofollow import open_append
+
+        with open_append(self.baseFilename) as fd:
+            return open(os.dup(fd), "a", encoding=self.encoding, errors=self.errors)
 
 
 class LiveStdoutHandler(logging.StreamHandler):  # type: ignore[type-arg]

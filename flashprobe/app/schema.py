@@ -17,7 +17,7 @@ import fnmatch
 import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,8 +105,16 @@ class DataSchema:
     """Seed of the data."""
     shuffle_seed: int | None = None
     """Seed of the training order."""
+    num_workers: int | None = 0
+    """DataLoader worker processes (at most :func:`max_threads`)."""
 
     def __post_init__(self) -> None:
+        workers, most = self.num_workers, max_threads()
+        if workers is not None and (not _integer(workers) or not 0 <= workers <= most):
+            raise ValueError(
+                f"data.num_workers={workers!r} must be an integer from 0 to {most} (4 per CPU of this "
+                f"machine: {os.cpu_count()}); 0 loads in-process"
+            )
         for key in ("seed", "shuffle_seed"):
             value = getattr(self, key)
             if value is not None and (not _integer(value) or value < 0):
@@ -232,38 +240,6 @@ def _float32() -> Any:
 
 
 @dataclass(frozen=True, kw_only=True)
-class CallbackSchema:
-    """One entry of ``callbacks``: what it writes stays inside the run directory."""
-
-    name: str
-    """Its key under ``callbacks``."""
-    run_dir: Path
-    """The run directory."""
-    dirpath: str | None = None
-    """Where it writes (under ``run_dir``)."""
-    filename: str | None = None
-    """The file it writes: a relative name without ``..``."""
-
-    def __post_init__(self) -> None:
-        if self.dirpath is not None and not Path(str(self.dirpath)).resolve().is_relative_to(
-            self.run_dir.resolve()
-        ):
-            raise ValueError(
-                f"callbacks.{self.name}.dirpath={self.dirpath} lies outside the run directory "
-                f"{self.run_dir}; a run writes only into its own directory: leave dirpath at its default or "
-                "choose the run directory with hydra.run.dir"
-            )
-        filename = self.filename
-        if filename is not None:
-            parts = Path(str(filename)).parts
-            if not parts or Path(str(filename)).is_absolute() or ".." in parts or str(filename) in ("", "."):
-                raise ValueError(
-                    f"callbacks.{self.name}.filename={filename!r} must be a file name inside the run "
-                    "directory, e.g. probe.jsonl (no absolute path, no '..')"
-                )
-
-
-@dataclass(frozen=True, kw_only=True)
 class RunSchema:
     """A whole run's config: the top-level settings and one schema per group."""
 
@@ -273,7 +249,6 @@ class RunSchema:
     data: DataSchema
     module: ModuleSchema
     attention: AttentionSchema
-    callbacks: tuple[CallbackSchema, ...] = ()
     run_name: str = "run"
     """Names the run's directory (and the W&B run)."""
     threads: int | None = None
@@ -292,9 +267,11 @@ class RunSchema:
 
         if not _integer(self.seed) or self.seed < 0:
             raise ValueError(f"seed={self.seed!r} must be a non-negative integer, e.g. seed=0")
-        if self.threads is not None and (not _integer(self.threads) or self.threads <= 0):
+        most = max_threads()
+        if self.threads is not None and (not _integer(self.threads) or not 0 < self.threads <= most):
             raise ValueError(
-                f"threads={self.threads!r} must be a positive integer (or null: torch's default)"
+                f"threads={self.threads!r} must be a positive integer, at most {most} (4 per CPU of this "
+                f"machine: {os.cpu_count()}), or null: torch's default"
             )
         if not isinstance(self.overwrite, bool):
             raise ValueError(f"overwrite={self.overwrite!r} must be true or false")
@@ -308,18 +285,25 @@ class RunSchema:
             )
 
     @classmethod
-    def from_config(cls, cfg: Any, run_dir: str | Path | None = None) -> RunSchema:
-        """Validate a composed run config (``flashprobe/conf/config.yaml``) against the schemas.
+    def from_config(
+        cls, cfg: Any, run_dir: str | Path | None = None, source: Callable[[str], str] | None = None
+    ) -> RunSchema:
+        """Validate a composed run config (``flashprobe/conf/config.yaml``) against the schemas, and every
+        path it writes (:func:`flashprobe.app.compose.check_paths`).
 
         Args:
             cfg: the composed config (a ``DictConfig``).
-            run_dir: the run directory; given, every callback's files are checked to stay inside it.
+            run_dir: the run directory; given, every callback's, logger's and the Trainer's files are
+                checked to stay inside it.
+            source: where a key's value came from, for a refusal's message.
 
         Raises:
             ValueError: naming the setting, the value and what to give instead.
             KernelSpecError: an unknown kernel or kernel option.
         """
         from omegaconf import OmegaConf
+
+        from flashprobe.app.compose import check_paths
 
         trainer = cfg.trainer
         node = OmegaConf.to_container(cfg.attention.probe, resolve=True)
@@ -346,16 +330,6 @@ class RunSchema:
                 accelerator=trainer.get("accelerator"),
                 probed=callbacks.get("attention_probe") is not None,
             ),
-            callbacks=tuple(
-                CallbackSchema(
-                    name=name,
-                    run_dir=Path(run_dir),
-                    dirpath=c.get("dirpath"),
-                    filename=c.get("filename"),
-                )
-                for name, c in callbacks.items()
-                if run_dir is not None and isinstance(c, Mapping)
-            ),
             run_name=cfg.get("run_name"),
             threads=cfg.get("threads"),
             overwrite=cfg.get("overwrite"),
@@ -363,6 +337,7 @@ class RunSchema:
             ckpt_path=cfg.get("ckpt_path"),
             patch_size=(cfg.get("model") or {}).get("patch_size", 2),
         )
+        check_paths(cfg, run_dir, source)  # (after run_name's own check: a logger's name comes from it)
         schema.warn_checkpoint_interval(callbacks)
         return schema
 
@@ -386,6 +361,12 @@ def _known(node: Mapping[str, Any], schema: type) -> dict[str, Any]:
     """The keys of ``node`` that ``schema`` has (the others belong to the constructor alone)."""
     names = schema.__dataclass_fields__
     return {k: v for k, v in node.items() if k in names}
+
+
+def max_threads() -> int:
+    """The most torch threads a run may ask for: 4 per CPU (more only exhausts the machine: each thread
+    reserves its stack and torch's per-thread buffers)."""
+    return 4 * (os.cpu_count() or 1)
 
 
 def _machine_memory() -> int:

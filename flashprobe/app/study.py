@@ -318,11 +318,15 @@ def study_config(overrides: Sequence[str]) -> Any:
 
     from flashprobe.app.train import compose
 
-    config_overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
     try:
-        return compose(["study_run=flash", *config_overrides])
+        return compose(_flash_run(overrides))
     except (HydraException, OmegaConfBaseException) as err:
         raise ValueError(f"the study's overrides do not compose: {err}") from None
+
+
+def _flash_run(overrides: Sequence[str]) -> list[str]:
+    """The overrides composing the study's ``flash`` run (Hydra's own settings left to the launch)."""
+    return ["study_run=flash", *(o for o in overrides if not o.lstrip("+~").startswith("hydra"))]
 
 
 def run_study(
@@ -349,9 +353,24 @@ def run_study(
     """
     from flashprobe.formats.atomic import FULL_BELOW, free_space
     from flashprobe.formats.lock import directory_lock
-    from flashprobe.formats.paths import prepare_output_dir, safe_name
+    from flashprobe.formats.paths import (
+        OutputPathError,
+        check_output_dir,
+        prepare_output_dir,
+        printable,
+        safe_name,
+    )
+    from flashprobe.formats.run_dir import check_links
     from flashprobe.kernels import KernelSpecError, get_kernel
 
+    check_output_dir(out, owned=STUDY_OWNS)  # a system directory is refused as such, before its free space
+    try:
+        str(out).encode("utf-8")
+    except UnicodeEncodeError:  # Hydra writes the sweep's paths into YAML, which holds text only
+        raise OutputPathError(
+            f"--out {printable(out)}: its name holds bytes that are not UTF-8, which Hydra cannot take as "
+            "the runs' directory; give a directory whose name is UTF-8 text"
+        ) from None
     overrides = list(overrides)
     if override_value(overrides, "experiment") is None:
         overrides.insert(0, f"experiment={DEFAULT_EXPERIMENT}")
@@ -362,12 +381,13 @@ def run_study(
         get_kernel(cfg.study.kernel)
     except KernelSpecError as err:
         raise ValueError(f"study.kernel: {err}") from None
+    from flashprobe.app.compose import lazy_sources
     from flashprobe.app.train import check_config
 
     # every run's settings against the schemas, and the probe's sites against the model (the flash run's
     # config; the others differ in the plan's keys), before OUT is made; an argument only a constructor
     # checks (a callback's, the Trainer's) is refused when the first run builds its objects
-    check_config(cfg, Path(out) / "runs" / "flash")
+    check_config(cfg, Path(out) / "runs" / "flash", lazy_sources(_flash_run(overrides)))
     safe_name(str(cfg.run_name), what="run_name")  # it names each run's directory under OUT/runs
     keys = [override_key(o) for o in overrides if "=" in o]
     for key in STUDY_SETS:
@@ -388,6 +408,7 @@ def run_study(
     # holding other files than a study's, is refused
     out = prepare_output_dir(out, owned=STUDY_OWNS).resolve()
     with directory_lock(out, what="study directory (--out)"):
+        check_links(out)
         return _run_locked_study(out, plan, cfg, overrides, train)
 
 
@@ -635,7 +656,10 @@ Writes OUT/study.json, study.csv, report.md, fig7_<pair>.png, fig8_wasserstein.p
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``flashprobe study [--out DIR] [--runs a,b,...] [--compare-only] [HYDRA_OVERRIDES...]``."""
+    from flashprobe.app.imports import command_options
     from flashprobe.formats.lock import DirectoryLockedError
+    from flashprobe.formats.paths import printable
+    from flashprobe.kernels.registry import add_import_option
 
     parser = argparse.ArgumentParser(
         prog="flashprobe study",
@@ -662,23 +686,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="DIR",
         help="a conf/ directory of your own, searched before ./conf and the packaged configs",
     )
+    add_import_option(parser)
     parser.add_argument(
         "overrides", nargs="*", help="Hydra overrides for every run, e.g. study.precision=16-mixed"
     )
     args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))  # options anywhere
     runs = None if args.runs is None else [r for r in args.runs.split(",") if r]
-    if args.config_dir is not None:
-        if not Path(args.config_dir).is_dir():
-            print(
-                f"flashprobe study: error: --config-dir {args.config_dir} is not a directory", file=sys.stderr
-            )
-            return 2
-        os.environ["FLASHPROBE_CONFIG_DIR"] = str(Path(args.config_dir).resolve())  # read by the search path
     again = "run the same command again to continue (finished runs are skipped, the others resume)"
     try:
-        report = run_study(args.out, runs, args.overrides, train=not args.compare_only)
+        options = [f for d in [args.config_dir] if d is not None for f in ("--config-dir", d)]
+        with command_options([*options, *(f for m in args.imports or [] for f in ("--import", m))]):
+            report = run_study(args.out, runs, args.overrides, train=not args.compare_only)
     except (ValueError, DirectoryLockedError) as err:
-        print(f"flashprobe study: error: {err}", file=sys.stderr)
+        print(f"flashprobe study: error: {printable(err)}", file=sys.stderr)
         return 2
     except OSError as err:  # a full disk while writing the study's own files
         from flashprobe.formats.atomic import disk_full

@@ -15,7 +15,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +25,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from flashprobe.app.compose import CONF_DIR, check_paths, compose, compose_with_sources, lazy_sources
 from flashprobe.app.console import StepProgressBar, quiet_third_party
+from flashprobe.app.imports import command_options, import_modules, imported_modules
 from flashprobe.app.machine import machine_facts
 from flashprobe.app.overrides import (
     RecordedOverrideError,
     config_groups,
-    override_key,
     override_path,
     override_value,
     recorded_overrides,
@@ -39,17 +40,17 @@ from flashprobe.app.schema import RunSchema, check_sites
 from flashprobe.formats.atomic import (
     FULL_BELOW,
     DiskFullError,
-    atomic_write_bytes,
     atomic_write_text,
     disk_full,
     exception_chain,
     free_space,
 )
 from flashprobe.formats.lock import DirectoryLockedError, directory_lock
-from flashprobe.formats.paths import OutputPathError, check_output_dir
+from flashprobe.formats.paths import OutputPathError, check_output_dir, printable
 from flashprobe.formats.run_dir import (
     RUN_DIR_NAMES,
     RUN_OUTPUTS,
+    check_links,
     check_resumable,
     checkpoint_step,
     existing_run,
@@ -85,10 +86,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-#: The packaged Hydra configs.
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-
 
 def _run_dir(cfg: DictConfig) -> Path:
     """The run directory: Hydra's output dir inside a Hydra app, else ``cfg.run_dir``."""
@@ -264,7 +261,9 @@ def _redraw_probe_figure(run_dir: Path) -> bool:
     return True
 
 
-def check_config(cfg: DictConfig, run_dir: str | Path | None = None) -> RunSchema:
+def check_config(
+    cfg: DictConfig, run_dir: str | Path | None = None, source: Callable[[str], str] | None = None
+) -> RunSchema:
     """Check every setting of a composed run config before any work (what ``flashprobe train`` and
     ``flashprobe study`` do first): the schemas (:class:`~flashprobe.app.schema.RunSchema`: steps,
     intervals, seeds, threads, learning rate, data sizes against the machine's memory, names that become
@@ -284,7 +283,7 @@ def check_config(cfg: DictConfig, run_dir: str | Path | None = None) -> RunSchem
         cfg = cfg.copy()
         with open_dict(cfg):
             cfg.run_dir = str(run_dir)
-    schema = RunSchema.from_config(cfg, run_dir)
+    schema = RunSchema.from_config(cfg, run_dir, source)
     if schema.attention.probing and cfg.attention.probe.get("sites") is not None:
         try:
             module = hydra.utils.instantiate(cfg.module)
@@ -341,9 +340,10 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     with contextlib.ExitStack() as stack:
         with _refusals():
             run_dir = _run_dir(cfg)
-            schema = RunSchema.from_config(cfg, run_dir)
+            schema = RunSchema.from_config(cfg, run_dir, source=_job_sources())
             if not _launched_rank():  # the ranks run inside rank zero's lock
                 stack.enter_context(directory_lock(run_dir, what="run directory"))
+                check_links(run_dir)
             checkpoint, skipped = _start(cfg, run_dir)
             if skipped:
                 log.info("skipping the run: %s", skipped)
@@ -361,6 +361,7 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
             try:
                 run_dir.mkdir(parents=True, exist_ok=True)
                 if not _launched_rank():
+                    _write_hydra_record(cfg, run_dir)
                     foreign = set(existing_run(run_dir)) - set(owned_outputs(run_dir, RUN_OUTPUTS))
                     claim_outputs(run_dir, [n for n in RUN_OUTPUTS if n not in foreign])  # before writing any
                     atomic_write_text(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
@@ -371,6 +372,23 @@ def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
             return _fit(cfg, run_dir, checkpoint, from_step, built)
         finally:
             torch.set_num_threads(callers_threads)  # an in-process run leaves the caller's setting as it was
+
+
+def _job_sources() -> Any:
+    """Where each value of this Hydra job's config came from (composed only for a refusal's message)."""
+    return lazy_sources(list(HydraConfig.get().overrides.task)) if HydraConfig.initialized() else None
+
+
+def _write_hydra_record(cfg: DictConfig, run_dir: Path) -> None:
+    """Write the run's ``.hydra/`` record (its config, Hydra's config, its overrides: what ``resume=``
+    reads) as Hydra would, once the run starts: through flashprobe's atomic writer, never through a link
+    (Hydra's own writing of it is off: ``hydra.output_subdir: null``); nothing outside a Hydra job."""
+    if not HydraConfig.initialized():
+        return
+    record = run_dir / ".hydra"
+    atomic_write_text(record / "config.yaml", OmegaConf.to_yaml(cfg))
+    atomic_write_text(record / "hydra.yaml", OmegaConf.to_yaml(HydraConfig.instance().cfg))
+    atomic_write_text(record / "overrides.yaml", OmegaConf.to_yaml(HydraConfig.get().overrides.task))
 
 
 def _checkpoint_step(cfg: DictConfig, checkpoint: str | None) -> int:
@@ -480,6 +498,7 @@ def _fit(
                 max_steps=trainer.max_steps,
                 machine=machine_facts(),
                 resumed_from=checkpoint,
+                imports=imported_modules(),
             )
             _announce_wandb(loggers)
         with _ranks_rerun_this_job(run_dir):
@@ -489,7 +508,7 @@ def _fit(
             raise
         failure = RunStoppedError(
             f"interrupted (Ctrl-C) at step {trainer.global_step}; saved: {_saved(run_dir)}. Continue with: "
-            f"flashprobe train resume={run_dir}",
+            f"{_resume_command(run_dir)}",
             exit_code=130,
         )
         failure.__cause__ = exit_
@@ -517,15 +536,17 @@ def _fit(
                 wandb.finish()
     if failure is None and guard.reason is not None and guard.action == "stop":
         failure = RunStoppedError(
-            f"{guard.reason}: training stopped there (run.json says why). Look at the kernel "
-            f"({cfg.attention.kernel}) and probe.jsonl's non-finite counts; on_nonfinite=continue trains on",
+            f"{guard.reason}: training stopped there (run.json says why); the last finite weights: "
+            f"{_saved(run_dir)}. Look at the kernel ({cfg.attention.kernel}) and probe.jsonl's non-finite "
+            f"counts; once it is fixed, `{_resume_command(run_dir)}` continues from there "
+            "(on_nonfinite=continue trains on)",
             exit_code=1,
         )
     stopped = next((c.stopped for c in callbacks if isinstance(c, AttentionProbe) and c.stopped), None)
     if failure is None and stopped is not None:  # the probe saw the primary's non-finite output first
         failure = RunStoppedError(
             f"AttentionProbe: {stopped}: training stopped there (run.json says why; the reproducer is in "
-            "repro/, see probe.jsonl)",
+            f"repro/, see probe.jsonl); the last finite weights: {_saved(run_dir)}",
             exit_code=1,
         )
     if trainer.is_global_zero:
@@ -586,10 +607,17 @@ class RunStoppedError(RuntimeError):
         self.exit_code = exit_code
 
 
+def _resume_command(run_dir: Path) -> str:
+    """The command that continues the run in ``run_dir``, with the modules this one was given to import."""
+    imports = "".join(f" --import {m}" for m in imported_modules())
+    return f"flashprobe train{imports} resume={run_dir}"
+
+
 def _saved(run_dir: Path) -> str:
     """What a stopped run has on disk to continue from, in words."""
     checkpoint = last_checkpoint(run_dir)
-    parts = [f"checkpoint {checkpoint.relative_to(run_dir)}" if checkpoint else "no checkpoint yet"]
+    step = f" (step {checkpoint_step(checkpoint)})" if checkpoint else ""
+    parts = [f"checkpoint {checkpoint.relative_to(run_dir)}{step}" if checkpoint else "no checkpoint yet"]
     parts += [name for name in ("snapshots", "probe.jsonl") if (run_dir / name).exists()]
     return ", ".join(parts)
 
@@ -605,32 +633,11 @@ def _disk_full_stop(run_dir: Path, err: BaseException) -> RunStoppedError:
     stop = RunStoppedError(
         f"the disk holding {run_dir} is full ({(free or 0) / 2**20:.1f} MiB free){writing}; kept: "
         f"{_saved(run_dir)}. Free some space (or train on another disk) and continue with: "
-        f"flashprobe train resume={run_dir}",
+        f"{_resume_command(run_dir)}",
         exit_code=1,
     )
     stop.__cause__ = err
     return stop
-
-
-def compose(overrides: Sequence[str] = (), run_dir: str | Path | None = None) -> DictConfig:
-    """Compose the packaged config with Hydra overrides, outside a Hydra app (tests, the study).
-
-    Args:
-        overrides: Hydra overrides such as ``["attention=math", "trainer.max_steps=5"]``.
-        run_dir: the run directory to train into.
-
-    Returns:
-        The composed config, with ``run_dir`` set when given.
-    """
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = hydra_compose(config_name="config", overrides=list(overrides))
-    if run_dir is not None:
-        with open_dict(cfg):
-            cfg.run_dir = str(run_dir)
-    return cfg
 
 
 #: flashprobe's own refusals of a run (bad setting, directory in the way or in use, unsafe checkpoint):
@@ -670,14 +677,16 @@ def _refused(err: BaseException) -> bool:
 
 
 def _refusal_paragraph(err: BaseException) -> str:
-    """``err``'s message as one paragraph (its lines joined)."""
-    return " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    """``err``'s message as one paragraph (its lines joined), printable (text from a file may hold a
+    terminal's escape sequences)."""
+    return printable(" ".join(line.strip() for line in str(err).splitlines() if line.strip()))
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> float | None:
     global _UNDO_RUN_DIR
     try:
+        import_modules(imported_modules())  # a rank or a launcher's job: the modules --import named
         metrics, objects = train(cfg)
     except RunStoppedError as err:
         if _traceback_wanted():
@@ -717,9 +726,19 @@ def command_line(args: Sequence[str]) -> list[str]:
         raise OutputPathError("resume='' is empty; give the run directory to continue: resume=RUN_DIR")
     if resume not in (None, "null", "auto") and run_dir is None:
         saved = Path(resume) / ".hydra" / "overrides.yaml"
+        check_links(Path(resume))  # before anything in it is read
         if not saved.is_file():
             raise FileNotFoundError(
                 f"resume={resume}: no run started by `flashprobe train` there ({saved} is missing)"
+            )
+        recorded = (read_run_record(resume) or {}).get("imports")
+        needed = [m for m in recorded or [] if isinstance(m, str) and m not in imported_modules()]
+        if needed:
+            flags = " ".join(f"--import {printable(m)}" for m in needed)
+            raise ValueError(
+                f"resume={resume}: the run trained with kernels of {', '.join(map(printable, needed))} "
+                f"(--import); a run directory never makes flashprobe import anything, so give it again: "
+                f"flashprobe train {flags} resume={resume}"
             )
         skip = ("resume", "overwrite", "ckpt_path", "hydra.run.dir")
         from hydra_plugins.flashprobe_searchpath.flashprobe_searchpath import user_config_dirs
@@ -761,20 +780,26 @@ def _quoted(path: str) -> str:
     return "'" + path.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def _precheck(args: Sequence[str]) -> tuple[Path | None, Path | None]:
-    """Compose the run's config as Hydra will and check every setting (:func:`check_config`), before
-    Hydra starts (nothing is built but, for ``attention.probe.sites``, the LightningModule).
+def _precheck(args: Sequence[str], given: Sequence[str] = ()) -> tuple[Path | None, Path | None]:
+    """Compose the run's config as Hydra will and check every setting and every path it writes
+    (:func:`check_config`, :func:`~flashprobe.app.compose.check_paths`: wherever a value was set, in a
+    config file, on the command line or in the run's recorded settings), before Hydra starts (nothing
+    is built but, for ``attention.probe.sites``, the LightningModule).
 
-    Only for a single run given by overrides (no ``-m`` sweep, no Hydra flags, whose composition
-    Hydra alone knows).
+    A multirun (``-m``) is checked for the paths of its first job (a sweep's first value of each
+    override); Hydra's other flags (``--cfg``, ``--info``, ...) run no job and are left to Hydra.
+
+    Args:
+        args: the Hydra command line (:func:`command_line`).
+        given: the overrides the user gave (the others of ``args`` come from ``resume=``'s record).
 
     Returns:
-        ``(run directory, where Hydra creates it)``: the run directory when the command line names it
-        (``hydra.run.dir``), and the directory that is, or will hold, the run directory (None when
-        Hydra alone knows it).
+        ``(run directory, where Hydra creates it)``: the run directory when it is known before Hydra
+        runs (``hydra.run.dir`` set, without a time in it), and the directory that is, or will hold, the
+        run directory (None when Hydra alone knows it).
 
     Raises:
-        ValueError: a setting is invalid, or the overrides do not compose (Hydra's reason).
+        ValueError: a setting or a path is invalid, or the overrides do not compose (Hydra's reason).
     """
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -782,17 +807,41 @@ def _precheck(args: Sequence[str]) -> tuple[Path | None, Path | None]:
     from flashprobe.app.study import check_launcher
 
     check_launcher(args)  # a sweep's launcher too: Hydra would fail after making the run directory
-    if any(a.startswith("-") for a in args):
+    flags = [a for a in args if a.startswith("-")]
+    multirun = bool(flags) and set(flags) <= {"-m", "--multirun"}
+    if flags and not multirun:
         return None, None
-    given = override_path(args, "hydra.run.dir")
-    run_dir = Path(given) if given and "${" not in given else None
-    overrides = [a for a in args if not override_key(a).startswith("hydra")]
+    overrides = [a for a in args if not a.startswith("-")]
+    resume = override_path(args, "resume")
+    record = f"{resume}/.hydra/overrides.yaml"
+    recorded = {o: record for o in overrides if o not in given and not o.startswith("hydra.run.dir=")}
     try:
-        cfg = compose(overrides)
-        new_runs = Path(str(cfg.output_root)) / "train"  # Hydra's default: a new directory in it
+        cfg, sources = compose_with_sources(
+            _first_jobs(overrides) if multirun else overrides, hydra=True, recorded=recorded
+        )
+        if multirun:
+            check_paths(cfg, None, sources)
+            return None, None
+        named = override_path(args, "hydra.run.dir")
+        unresolved = OmegaConf.to_container(cfg.hydra.run, resolve=False).get("dir")
+        configured = OmegaConf.select(cfg, "run_dir", default=None, throw_on_resolution_failure=False)
+        if isinstance(configured, str) and Path(configured).resolve() != Path(cfg.hydra.run.dir).resolve():
+            raise ValueError(
+                f"run_dir ({sources('run_dir')}) is {configured}, not the run's directory "
+                f"{cfg.hydra.run.dir}: `flashprobe train` writes a run into its Hydra directory; give "
+                "hydra.run.dir=DIR instead"
+            )
+        check_paths(cfg, str(cfg.hydra.run.dir), sources)
+        run_dir = Path(str(cfg.hydra.run.dir)) if named or "${now:" not in str(unresolved) else None
+        new_runs = Path(str(cfg.hydra.run.dir)).parent  # where Hydra makes a new run directory
         with open_dict(cfg):  # where the callbacks' ${run_dir} points
+            del cfg["hydra"]
             cfg.run_dir = str(run_dir or new_runs / "new")
-        check_config(cfg, cfg.run_dir)
+        check_config(cfg, cfg.run_dir, sources)
+        if run_dir is not None and run_dir.is_dir():
+            if resume not in (None, "null", "auto"):  # (hydra.run.dir: checked by command_line)
+                check_output_dir(run_dir, flag="resume")
+            check_links(run_dir)
         free = free_space(cfg.run_dir)
         if free is not None and free < FULL_BELOW:  # Hydra's own first writes would fail with a traceback
             raise ValueError(
@@ -819,30 +868,39 @@ def _precheck(args: Sequence[str]) -> tuple[Path | None, Path | None]:
                 "holds '=' or ',', as in attention.kernel='tiled:block_q=32,block_k=64'"
             ) from None
         raise ValueError(reason) from None
-    return run_dir, (run_dir if run_dir is not None else None if given else new_runs)
+    return run_dir, (run_dir if run_dir is not None else new_runs)
+
+
+def _first_jobs(overrides: Sequence[str]) -> list[str]:
+    """A multirun's overrides with each sweep replaced by its first value (its first job's)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser, first = OverridesParser.create(), []
+    for text in overrides:
+        override = parser.parse_override(text)
+        if override.is_sweep_override():
+            value = next(iter(override.sweep_string_iterator()), None)
+            key = override.get_key_element()
+            text = f"{key}={value}" if value is not None else key
+        first.append(text)
+    return first
 
 
 class _HydraRecord:
-    """What Hydra writes for a single run before flashprobe's checks inside it (``.hydra/`` and
-    ``train.log`` in the run directory, which it creates if need be), undone when the run is refused
-    there before it starts: a refused setting leaves nothing behind, and a run directory's recorded
-    overrides (what ``resume=`` replays) stay those of the run."""
+    """What Hydra creates for a single run before flashprobe's checks inside it — the run directory (if
+    need be) and ``train.log`` — removed when the run is refused there before it starts, so a refused
+    setting leaves nothing behind. (The run's ``.hydra/`` record is written by flashprobe once the run
+    starts, so a refused or skipped run's record stays the run's.)"""
 
     def __init__(self, where: Path | None, named: bool) -> None:
         """``where``: the run directory (``named``) or the directory Hydra creates it in; None: unknown."""
         self.where, self.named = where, named
         self.absent = _absent(where) if where is not None else []
         self.before = set(os.listdir(where)) if where is not None and where.is_dir() else set()
-        record = where / ".hydra" if where is not None and named else None
-        self.saved = (
-            {p.name: p.read_bytes() for p in record.iterdir() if p.is_file()}
-            if record and record.is_dir()
-            else {}
-        )
 
     def undo(self, run_dir: Path | None) -> None:
         """Undo Hydra's writes into ``run_dir``: the directory itself and the empty ones above it when this
-        command created it (it then holds only Hydra's record), else ``.hydra/`` as it was before."""
+        command created it (it then holds only a ``train.log``), else a ``train.log`` it did not hold."""
         if run_dir is None or self.where is None or not run_dir.is_dir():
             return
         run_dir, where = run_dir.absolute(), self.where.absolute()
@@ -851,22 +909,15 @@ class _HydraRecord:
             if self.named
             else (run_dir.parent == where and run_dir.name not in self.before)
         )
-        if created and {p.name for p in run_dir.iterdir()} <= {".hydra", "train.log"}:
+        if created and {p.name for p in run_dir.iterdir()} <= {"train.log"}:
             shutil.rmtree(run_dir)
             for parent in self.absent:  # deepest first
                 if parent.is_dir() and not any(parent.iterdir()):
                     parent.rmdir()
-        elif self.named and run_dir == where:
-            record = run_dir / ".hydra"
-            if ".hydra" not in self.before:
-                shutil.rmtree(record, ignore_errors=True)
-            for path in record.iterdir() if record.is_dir() else ():
-                if path.name in self.saved:
-                    atomic_write_bytes(path, self.saved[path.name])
-                elif path.is_file():
-                    path.unlink()
-            if "train.log" not in self.before:
-                (run_dir / "train.log").unlink(missing_ok=True)
+        elif self.named and run_dir == where and "train.log" not in self.before:
+            log_file = run_dir / "train.log"
+            if log_file.is_file() and not log_file.is_symlink():
+                log_file.unlink()
 
 
 def _absent(path: Path) -> list[Path]:
@@ -891,10 +942,14 @@ def _parses(override: str) -> bool:
 
 
 def cli_main(argv: Sequence[str] | None = None) -> int:
-    """``flashprobe train [-v] [overrides]``: run the Hydra app with ``argv`` as its command line.
+    """``flashprobe train [-v] [--import MODULE] [--config-dir DIR] [overrides]``: run the Hydra app with
+    ``argv`` as its command line.
 
-    Every setting is checked and the run directory locked before Hydra starts; flashprobe's own
-    errors print one message and return 2 (``-v`` or ``HYDRA_FULL_ERROR=1``: with the traceback).
+    ``--import MODULE`` (repeatable) imports a module that registers kernels first (its ranks and
+    launcher jobs import it too); ``--config-dir DIR`` is searched before ``./conf`` (as
+    ``$FLASHPROBE_CONFIG_DIR``). Every setting and path is checked and the run directory locked before
+    Hydra starts; flashprobe's own errors print one message and return 2 (``-v`` or
+    ``HYDRA_FULL_ERROR=1``: with the traceback).
 
     Lightning's DDP launcher starts the other ranks by re-running the main script with
     ``sys.argv[1:]``; ``sys.argv`` and ``__main__.__spec__`` are pointed at this module, so the
@@ -908,8 +963,9 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     try:
         with contextlib.ExitStack() as stack:
             try:
+                given = stack.enter_context(command_options(given))
                 args = command_line(given)
-                run_dir, where = _precheck(args)
+                run_dir, where = _precheck(args, given)
                 record = _HydraRecord(where, named=run_dir is not None)  # before the lock makes run_dir
                 if run_dir is not None and not _launched_rank():
                     stack.enter_context(directory_lock(run_dir, what="run directory"))

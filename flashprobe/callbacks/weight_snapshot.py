@@ -41,7 +41,7 @@ from flashprobe.weights.snapshot import (
     module_tensors,
     own_attention,
 )
-from flashprobe.weights.store import TensorSpec
+from flashprobe.weights.store import NonFiniteSnapshotError, TensorSpec
 
 if TYPE_CHECKING:
     from flashprobe.callbacks.attention_probe import AttentionProbe
@@ -196,7 +196,11 @@ class WeightSnapshot(SnapshotSchedule, Callback):
             assert self._writer is not None and tensors is not None
             if self.attention is None:  # what computed the attention so far (a probe's fallbacks)
                 self._writer.manifest.update(trained_attention_record(trainer, pl_module))
-            path = self._writer.write(step, tensors, specs, epoch=trainer.current_epoch)
+            try:
+                path = self._writer.write(step, tensors, specs, epoch=trainer.current_epoch)
+            except NonFiniteSnapshotError as err:  # the run's guard stops it (or records it: continue)
+                log.error("WeightSnapshot: %s", err)
+                return
             log.info("WeightSnapshot: saved step %d to %s", step, path)
         self._saved.add(step)
 

@@ -15,6 +15,11 @@ A write that fails for lack of space raises :class:`DiskFullError` (an ``OSError
 whose one-line message names the directory, its free space and what was kept — whatever the
 library said (torch's zip writer reports ``unexpected pos``, safetensors an ``I/O error``). The
 temporary file is removed first, so the disk holds what it held before the write.
+
+Inside a directory this process writes into (a locked run or study directory,
+:mod:`flashprobe.formats.nofollow`) the file's directory is reached without following links, and the
+temporary file is created and renamed inside that directory's descriptor: no link can send the write
+elsewhere.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from flashprobe.formats.nofollow import open_new, parent_directory
+
 __all__ = [
     "DiskFullError",
     "atomic_write",
@@ -38,6 +45,7 @@ __all__ = [
     "disk_full",
     "exception_chain",
     "free_space",
+    "remove_temporary",
     "stray_temporaries",
     "temporary_path",
 ]
@@ -129,25 +137,22 @@ _TEMPORARY = re.compile(r"^\..+\.\d+\.[0-9a-f]{8}" + re.escape(TMP_SUFFIX) + "$"
 
 
 def stray_temporaries(directory: str | os.PathLike[str]) -> list[Path]:
-    """The writer's temporary files in ``directory`` and below (left by a killed writer, when no writer
-    holds the directory), only those named as :func:`temporary_path` names them."""
+    """The writer's temporaries in ``directory`` and below (left by a killed writer, when no writer
+    holds the directory): files and directories named as :func:`temporary_path` names them, no link."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.rglob(f".*{TMP_SUFFIX}") if _TEMPORARY.match(p.name) and p.is_file())
+    found = directory.rglob(f".*{TMP_SUFFIX}")
+    return sorted(p for p in found if _TEMPORARY.match(p.name) and not p.is_symlink() and p.exists())
 
 
-def _replace(tmp: Path, path: Path) -> None:
-    """fsync ``tmp``, rename it over ``path``, and fsync the directory (so the rename survives a crash)."""
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    with contextlib.suppress(OSError):  # not every platform can open a directory
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def remove_temporary(path: Path) -> None:
+    """Delete a temporary :func:`stray_temporaries` found (a directory with what is in it; no link
+    followed)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def atomic_write(
@@ -166,35 +171,27 @@ def atomic_write(
 
     Raises:
         DiskFullError: the disk ran out of space; ``path`` is as it was before.
+        LinkError: a directory on the way below a directory this process writes into is a link.
     """
     text = {"encoding": "utf-8", "errors": "surrogateescape", "newline": ""}
 
-    def write_to(tmp: Path) -> None:
-        with open(tmp, "wb") if binary else open(tmp, "w", **text) as fh:
+    def write_to(name: str, directory: int) -> None:
+        fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory)
+        with open(fd, "wb") if binary else open(fd, "w", **text) as fh:
             write(fh)
 
-    return atomic_write_file(path, write_to)
-
-
-def _discard(tmp: Path, path: Path, err: BaseException) -> None:
-    """After a failed write: decide whether the disk was full (with ``tmp`` still there), remove ``tmp``,
-    and raise :class:`DiskFullError` if it was.
-
-    Raises:
-        DiskFullError: the write ran out of space.
-    """
-    full = isinstance(err, Exception) and _failed_for_space(err, tmp.parent)
-    with contextlib.suppress(OSError):
-        tmp.unlink()
-    if full and not isinstance(err, DiskFullError):
-        raise DiskFullError(path) from err
+    return _write_atomically(Path(path), write_to)
 
 
 def atomic_write_file(path: str | os.PathLike[str], write: Callable[[Path], None]) -> Path:
     """Call ``write(tmp_path)`` (a library that writes to a path), then rename the result over ``path``.
 
-    The temporary file is created first (mode ``"x"``, so it gets the umask's permissions); if
-    ``write`` changes its mode (safetensors makes files ``0600``) the umask's mode is restored.
+    The library writes inside a private temporary directory beside ``path``, under a plain ASCII name
+    (reached through ``/proc/self/fd/N`` where the system has it, so a path whose bytes are not UTF-8
+    is no concern of the library's, and no link can redirect it); a library that writes its own
+    temporary file and renames it (safetensors) does so inside that directory. The file is created
+    first (mode ``"x"``, so it gets the umask's permissions); if ``write`` changes its mode (safetensors
+    makes files ``0600``) the umask's mode is restored.
 
     Args:
         path: the file to write; parent folders are created.
@@ -205,21 +202,55 @@ def atomic_write_file(path: str | os.PathLike[str], write: Callable[[Path], None
 
     Raises:
         DiskFullError: the disk ran out of space; ``path`` is as it was before.
+        LinkError: a directory on the way below a directory this process writes into is a link.
     """
     path = Path(path)
-    tmp = temporary_path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "xb"):
-            pass
-        mode = tmp.stat().st_mode & 0o7777
-        write(tmp)
-        if tmp.stat().st_mode & 0o7777 != mode:
-            os.chmod(tmp, mode)
-        _replace(tmp, path)
-    except BaseException as err:
-        _discard(tmp, path, err)
-        raise
+
+    def write_to(name: str, directory: int) -> None:
+        through = Path(f"/proc/self/fd/{directory}")
+        write((through if through.is_dir() else temporary) / name)
+
+    temporary = path.parent / temporary_path(path).name  # the fallback path where /proc is absent
+    return _write_atomically(path, write_to, temporary)
+
+
+def _write_atomically(path: Path, write: Callable[[str, int], None], temporary: Path | None = None) -> Path:
+    """Create a private temporary directory beside ``path`` (in the directory opened as
+    :func:`~flashprobe.formats.nofollow.parent_directory` opens it) and an empty file in it,
+    ``write(its name, the temporary directory's descriptor)``, fsync the file, rename it over ``path``,
+    fsync the directory (so the rename survives a crash), and remove the temporary directory."""
+    temporary = temporary or temporary_path(path)
+    name = "file" + (path.suffix if path.suffix.isascii() else "")
+    with parent_directory(path) as parent:
+        try:
+            os.mkdir(temporary.name, 0o700, dir_fd=parent)
+            inner = os.open(temporary.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+            try:
+                fd = open_new(name, inner, temporary / name)
+                mode = os.fstat(fd).st_mode & 0o7777
+                os.close(fd)
+                write(name, inner)
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=inner)
+                try:
+                    if os.fstat(fd).st_mode & 0o7777 != mode:
+                        os.fchmod(fd, mode)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(name, path.name, src_dir_fd=inner, dst_dir_fd=parent)
+            finally:
+                for left in os.listdir(inner):  # what a failed write left (a library's own temporary)
+                    with contextlib.suppress(OSError):
+                        os.unlink(left, dir_fd=inner)
+                os.close(inner)
+                os.rmdir(temporary.name, dir_fd=parent)
+        except BaseException as err:
+            full = isinstance(err, Exception) and _failed_for_space(err, path.parent)
+            if full and not isinstance(err, DiskFullError):
+                raise DiskFullError(path) from err
+            raise
+        with contextlib.suppress(OSError):  # not every platform can fsync a directory
+            os.fsync(parent)
     return path
 
 

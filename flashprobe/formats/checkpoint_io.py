@@ -14,10 +14,14 @@ resumed runs and Lightning's own restore through :class:`AtomicCheckpointIO` —
 containers only. A file that needs anything else (a crafted pickle, or a checkpoint holding
 arbitrary Python objects), a truncated file and a file that is not a checkpoint are refused with
 :class:`CheckpointError`, before any of it is used.
+
+A checkpoint whose weights hold a NaN or an infinity is never written (:func:`nonfinite_weights`):
+a resume continues from the newest checkpoint, so every checkpoint on disk holds finite weights.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 from pathlib import Path
@@ -29,7 +33,9 @@ from typing_extensions import override
 
 from flashprobe.formats.atomic import atomic_write_file
 
-__all__ = ["AtomicCheckpointIO", "CheckpointError", "load_checkpoint"]
+__all__ = ["AtomicCheckpointIO", "CheckpointError", "load_checkpoint", "nonfinite_weights"]
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -91,8 +97,20 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> 
     return checkpoint
 
 
+def nonfinite_weights(state_dict: Any) -> tuple[int, str | None]:
+    """How many NaN/±inf values the floating-point tensors of ``state_dict`` hold, and the first tensor
+    holding one (one host synchronisation per tensor; a checkpoint is written rarely)."""
+    count, first = 0, None
+    for name, value in (state_dict or {}).items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            bad = int((~torch.isfinite(value)).sum())
+            count, first = count + bad, first if first is not None or not bad else str(name)
+    return count, first
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` whose saves are atomic and whose loads run no code (:func:`load_checkpoint`)."""
+    """``TorchCheckpointIO`` whose saves are atomic, whose loads run no code (:func:`load_checkpoint`),
+    and which writes no checkpoint of non-finite weights (it logs why and keeps the earlier files)."""
 
     @override
     def save_checkpoint(
@@ -100,6 +118,17 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     ) -> None:
         if storage_options is not None:
             raise TypeError("AtomicCheckpointIO.save_checkpoint takes no storage_options")
+        count, first = nonfinite_weights(checkpoint.get("state_dict"))
+        if count:
+            log.error(
+                "not writing checkpoint %s (step %s): %d weights are NaN or infinite (first in %s); the "
+                "earlier checkpoints hold the last finite weights",
+                path,
+                checkpoint.get("global_step"),
+                count,
+                first,
+            )
+            return
         atomic_write_file(path, lambda tmp: torch.save(checkpoint, tmp))
 
     @override

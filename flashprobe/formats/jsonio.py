@@ -21,7 +21,16 @@ from typing import Any
 from flashprobe.formats.atomic import atomic_write_text
 
 __all__ = [
-    "NONFINITE", "decode", "dumps", "encode", "flatten", "number", "read_json", "utc_now", "write_json"
+    "NONFINITE",
+    "decode",
+    "dumps",
+    "encode",
+    "flatten",
+    "format_problem",
+    "number",
+    "read_json",
+    "utc_now",
+    "write_json",
 ]
 
 #: How each non-finite float is written.
@@ -118,6 +127,11 @@ def read_json(path: str | os.PathLike[str], *, written_by: str) -> Any:
         raise FileNotFoundError(f"{path} not found: it is written by `{written_by}`") from None
     except IsADirectoryError:
         raise ValueError(f"{path} is a directory, not a JSON file written by `{written_by}`") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{path}: not UTF-8 text (byte {err.start}), so not JSON flashprobe wrote; rewrite it with "
+            f"`{written_by}`"
+        ) from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
@@ -125,3 +139,25 @@ def read_json(path: str | os.PathLike[str], *, written_by: str) -> Any:
             f"{path}: not valid JSON at line {err.lineno}, column {err.colno} ({err.msg}); "
             f"rewrite it with `{written_by}`"
         ) from None
+
+
+def format_problem(
+    path: str | os.PathLike[str], doc: Any, expected: str, what: str = "file"
+) -> str | None:
+    """Why the JSON document ``doc`` read from ``path`` is not of format ``expected`` (``None`` if it is):
+    a file of another flashprobe version (the format it holds and, where recorded, the flashprobe that
+    wrote it, against what this version reads), or not a flashprobe file of that kind at all."""
+    found = doc.get("format") if isinstance(doc, dict) else None
+    if found == expected:
+        return None
+    if isinstance(found, str) and found.split("/")[0] == expected.split("/")[0]:
+        from flashprobe import __version__
+
+        writer = doc.get("flashprobe")
+        by = f" by flashprobe {writer}" if isinstance(writer, str) else " by another flashprobe version"
+        return (
+            f"{path} was written{by}, in format {found!r}; this flashprobe ({__version__}) reads format "
+            f"{expected!r} only: read it with the flashprobe that wrote it (pip install flashprobe==VERSION)"
+        )
+    shown = f"format {found!r}" if isinstance(doc, dict) else f"a JSON {type(doc).__name__}"
+    return f"{path} is not a flashprobe {what}: {shown}, expected {expected!r}"

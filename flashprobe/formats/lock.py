@@ -13,19 +13,28 @@ process that locked a file just removed by its holder sees that the path no long
 locked and tries again, so two processes never both hold a directory. Locks
 are re-entrant within a process (a study's runs, ``flashprobe train`` locking before Hydra starts
 and again in ``train()``): the second request of a directory the process holds already is a no-op.
+
+The lock file is created in the directory's own descriptor and never opened through a link: a
+symbolic or hard link planted as ``.flashprobe.lock`` is refused (a
+:class:`~flashprobe.formats.nofollow.LinkError`), never truncated. While the lock is held,
+everything the process writes below the directory is written without following links
+(:func:`flashprobe.formats.nofollow.writing_into`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import socket
+import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 from flashprobe.formats.jsonio import utc_now
+from flashprobe.formats.nofollow import LinkError, writing_into
 
 __all__ = ["LOCK_NAME", "DirectoryLockedError", "directory_lock", "lock_holder"]
 
@@ -42,11 +51,18 @@ class DirectoryLockedError(RuntimeError):
 
 def lock_holder(directory: str | os.PathLike[str]) -> str:
     """Who holds (or last held) the lock of ``directory``, as written in its lock file."""
+    from flashprobe.formats.paths import printable
+
     try:
-        text = (Path(directory) / LOCK_NAME).read_text(encoding="utf-8", errors="replace").strip()
+        with open(Path(directory) / LOCK_NAME, "rb", opener=_no_follow) as fh:
+            text = fh.read(1000).decode("utf-8", errors="replace").strip()
     except OSError:
         return "an unknown process"
-    return text or "an unknown process"
+    return printable(text) or "an unknown process"
+
+
+def _no_follow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
 
 
 @contextlib.contextmanager
@@ -74,30 +90,51 @@ def directory_lock(directory: str | os.PathLike[str], *, what: str = "directory"
         return
     path.mkdir(parents=True, exist_ok=True)
     lock_file = path / LOCK_NAME
-    fd = _acquire(lock_file, what, path)
+    directory_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = _acquire(directory_fd, what, path)
+    except BaseException:
+        os.close(directory_fd)
+        raise
     command = " ".join(["flashprobe", *sys.argv[1:]])[:300]
     os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {utc_now()}: {command}\n".encode())
+    line = f"pid {os.getpid()} on {socket.gethostname()} since {utc_now()}: {command}\n"
+    os.write(fd, line.encode("utf-8", "surrogateescape"))
     _HELD[path] = [fd, 1]
     try:
-        yield lock_file
+        with writing_into(path):
+            yield lock_file
     finally:
         _HELD[path][1] -= 1
         if _HELD[path][1] == 0:
             del _HELD[path]
-            with contextlib.suppress(OSError):
-                lock_file.unlink()  # while still locked: a waiter then finds the path gone and retries
+            with contextlib.suppress(OSError):  # while still locked: a waiter then finds it gone, retries
+                os.unlink(LOCK_NAME, dir_fd=directory_fd)
             os.close(fd)
+            os.close(directory_fd)
 
 
-def _acquire(lock_file: Path, what: str, directory: Path) -> int:
-    """Open and ``flock`` ``lock_file``; the open descriptor once it is locked and still the file there.
+def _acquire(directory_fd: int, what: str, directory: Path) -> int:
+    """Open (never through a link) and ``flock`` the lock file in ``directory_fd``; the open descriptor
+    once it is locked and still the file there.
 
     Raises:
         DirectoryLockedError: another process holds it.
+        LinkError: the lock file is a link or not a regular file of its own.
     """
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     for _ in range(100):
-        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(LOCK_NAME, flags, 0o644, dir_fd=directory_fd)
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise LinkError(directory / LOCK_NAME, directory) from None
+            raise
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            os.close(fd)
+            kind = "a hard link to another file" if stat.S_ISREG(info.st_mode) else "not a regular file"
+            raise LinkError(directory / LOCK_NAME, directory, kind)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -111,10 +148,10 @@ def _acquire(lock_file: Path, what: str, directory: Path) -> int:
             os.close(fd)
             raise
         try:
-            same = os.stat(lock_file).st_ino == os.fstat(fd).st_ino
+            same = os.stat(LOCK_NAME, dir_fd=directory_fd, follow_symlinks=False).st_ino == info.st_ino
         except FileNotFoundError:
             same = False
         if same:
             return fd
         os.close(fd)  # locked a file its holder removed as it let go: lock the new one
-    raise DirectoryLockedError(f"{what} {directory}: could not take its lock {lock_file}; try again")
+    raise DirectoryLockedError(f"{what} {directory}: could not take its lock {LOCK_NAME}; try again")

@@ -23,6 +23,7 @@ from pathlib import Path
 __all__ = [
     "OutputPathError",
     "check_output_dir",
+    "check_write_dir",
     "library_path",
     "output_dir_arg",
     "prepare_output_dir",
@@ -57,33 +58,65 @@ def _system_dir(resolved: Path) -> str | None:
     return None
 
 
-def _not_under_a_file(path: str | os.PathLike[str], flag: str, owned: tuple[str, ...] | None = None) -> Path:
-    """``path`` as a Path, if it is not empty, not a file, not under a file, not a system directory once
-    resolved, and (with ``owned``) empty, new or holding one of the ``owned`` names."""
+def check_write_dir(
+    path: str | os.PathLike[str],
+    named_by: str,
+    *,
+    owned: tuple[str, ...] | None = None,
+    inside: str | os.PathLike[str] | None = None,
+) -> Path:
+    """The one check of a directory flashprobe will write into, wherever its path came from (a flag, a
+    config file, a run's recorded settings), made before any work; nothing is created.
+
+    Refused: an empty path (it would mean the working directory), a file or a path under one, a system
+    directory once resolved (``/``, ``/usr``, ``/etc``, ..., ``/proc``; a machine-wide one such as
+    ``/tmp``; the home directory or one above it), with ``owned`` a non-empty directory holding none of
+    those names (someone else's), and with ``inside`` a path that does not resolve inside that directory.
+
+    Args:
+        path: the directory.
+        named_by: what named it, for the message: ``--out``, ``hydra.run.dir (set in conf/x.yaml)``.
+        owned: the names the command writes there (``None``: any directory).
+        inside: the directory ``path`` must resolve inside (a run's own directory).
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        OutputPathError: naming ``named_by``, the path, the problem and the fix.
+    """
+    key = named_by.split()[0]
+    example = f"{key}=out/run1" if not key.startswith("-") else f"{key} out/run1"
     if not str(os.fspath(path)).strip():
         raise OutputPathError(
-            f"{flag} is empty: it would write into the working directory; give a directory, e.g. "
-            f"{flag} out/run1 (or {flag} . to mean the working directory)"
+            f"{named_by} is empty: it would write into the working directory; give a directory, e.g. "
+            f"{example} (or {example.removesuffix('out/run1')}. to mean the working directory)"
         )
     path = Path(path)
     for parent in (path, *path.parents):
         if parent.exists() and not parent.is_dir():
             where = "is a file" if parent == path else f"lies under {parent}, which is a file"
-            raise OutputPathError(f"{flag} {path} {where}; give a directory path")
+            raise OutputPathError(f"{named_by} {path} {where}; give a directory path")
     resolved = path.resolve()
+    shown = f"{path}" if resolved == path.absolute() else f"{path} (which is {resolved})"
+    if inside is not None and not resolved.is_relative_to(Path(inside).resolve()):
+        raise OutputPathError(
+            f"{named_by} {shown} lies outside the run directory {inside}; a run writes only into its own "
+            "directory: leave it at its default (inside the run) or choose the run directory with "
+            "hydra.run.dir"
+        )
     why = _system_dir(resolved)
     if why is not None:
-        shown = f"{path}" if resolved == path.absolute() else f"{path} (which is {resolved})"
         raise OutputPathError(
-            f"{flag} {shown} is {why}; flashprobe writes only into directories of its own: give a new "
-            f"directory, e.g. {flag} out/run1"
+            f"{named_by} {shown} is {why}; flashprobe writes only into directories of its own: give a new "
+            f"directory, e.g. {example}"
         )
     if owned is not None and resolved.is_dir():
         present = sorted(os.fsdecode(n) for n in os.listdir(resolved))
         if present and not set(present) & set(owned):
-            listed = ", ".join(present[:5]) + (", ..." if len(present) > 5 else "")
+            listed = ", ".join(printable(n) for n in present[:5]) + (", ..." if len(present) > 5 else "")
             raise OutputPathError(
-                f"{flag} {path} holds files flashprobe did not write there ({listed}); give a new or "
+                f"{named_by} {path} holds files flashprobe did not write there ({listed}); give a new or "
                 f"empty directory (or one this command wrote before: it holds {' or '.join(owned[:2])})"
             )
     return path
@@ -107,7 +140,7 @@ def check_output_dir(
         OutputPathError: ``path`` is empty, a file, lies under a file, a system directory (resolved),
             not the command's own (``owned``), or its nearest existing directory is not writable.
     """
-    path = _not_under_a_file(path, flag, owned)
+    path = check_write_dir(path, flag, owned=owned)
     if path.is_dir():
         _write_check(path, flag)  # a probe file, removed at once: the directory is left as it was
         return path
@@ -133,7 +166,7 @@ def prepare_output_dir(
     Raises:
         OutputPathError: as for :func:`check_output_dir`, or ``path`` cannot be created.
     """
-    path = _not_under_a_file(path, flag, owned)
+    path = check_write_dir(path, flag, owned=owned)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -192,10 +225,16 @@ def library_path(path: str | os.PathLike[str], *, create: bool = False) -> Itera
         os.close(fd)
 
 
+#: Control characters other than tab and newline (escape sequences, carriage returns, C1 controls).
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
 def printable(text: object) -> str:
     """``text`` for a terminal or log: bytes of a path that are not UTF-8 (carried by Python as
-    ``surrogateescape``) shown as ``\\xNN`` instead of failing to print."""
-    return str(text).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    ``surrogateescape``) and control characters (a terminal's escape sequences, carriage returns: text
+    read from a file may hold them) shown as ``\\xNN``, never acted on by the terminal."""
+    text = str(text).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def output_dir_arg(text: str) -> Path:

@@ -31,6 +31,7 @@ from typing import Any
 
 from flashprobe.formats.atomic import DiskFullError, atomic_write_text, disk_full
 from flashprobe.formats.jsonio import decode, dumps
+from flashprobe.formats.nofollow import open_append
 
 __all__ = ["PROBE_LOG_NAME", "ProbeLog", "ProbeLogWriter", "load_probe_records", "read_probe_log"]
 
@@ -161,9 +162,8 @@ class ProbeLogWriter:
         """Append one record as a line and fsync it (see the module docstring)."""
         if not self.opened:
             self.open(None)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         line = (dumps(record) + "\n").encode("utf-8")
-        with self.path.open("ab", buffering=0) as fh:
+        with open_append(self.path) as fd, open(os.dup(fd), "ab", buffering=0) as fh:
             size = fh.seek(0, os.SEEK_END)
             try:
                 written = 0

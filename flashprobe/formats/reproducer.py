@@ -214,11 +214,13 @@ def load_reproducer(path: str | Path, device: torch.device | str | None = None) 
     """
     from safetensors import SafetensorError, safe_open
 
+    from flashprobe.formats.paths import library_path
+
     path = Path(path)
     if not path.is_file():
         raise ReproducerError(f"{path}: no such file (a reproducer is a .safetensors file)")
     try:
-        with safe_open(str(path), framework="pt") as f:
+        with library_path(path) as name, safe_open(name, framework="pt") as f:  # any bytes in the path
             meta = f.metadata() or {}
             tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open API)
     except (SafetensorError, OSError, ValueError) as err:
@@ -238,6 +240,7 @@ def load_reproducer(path: str | Path, device: torch.device | str | None = None) 
         assert not missing, f"missing tensors {missing}"
     except (KeyError, AssertionError, json.JSONDecodeError, TypeError) as err:
         raise ReproducerError(f"{path}: not a flashprobe reproducer ({err or 'no metadata'})") from None
+    info = _printable_text(info)  # shown on a terminal: no escape sequence of the file's acts on it
     if info.get("format") != REPRO_FORMAT:
         raise ReproducerError(f"{path}: {_format_problem(info)}")
     problem = _metadata_problem(info, tensors)
@@ -266,6 +269,20 @@ def load_reproducer(path: str | Path, device: torch.device | str | None = None) 
         scale=info.get("scale"),
         meta=info,
     )
+
+
+def _printable_text(value: Any) -> Any:
+    """``value`` with every string in it :func:`~flashprobe.formats.paths.printable` (control characters
+    escaped); numbers and the rest as they are."""
+    from flashprobe.formats.paths import printable
+
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {printable(k): _printable_text(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_printable_text(v) for v in value]
+    return value
 
 
 def _format_problem(info: dict[str, Any]) -> str:

@@ -8,16 +8,18 @@ delete only what the run's ``run.json`` records as flashprobe's own (:func:`remo
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 
-from flashprobe.formats.atomic import stray_temporaries
+from flashprobe.formats.atomic import remove_temporary, stray_temporaries
 from flashprobe.formats.paths import library_path
 from flashprobe.formats.run_record import owned_outputs, read_run_record
 
 __all__ = [
     "RUN_DIR_NAMES",
     "RUN_OUTPUTS",
+    "check_links",
     "check_resumable",
     "checkpoint_step",
     "existing_run",
@@ -65,12 +67,19 @@ def occupied(run_dir: Path, found: list[str]) -> str:
 
 
 def last_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint a resume continues from: ``checkpoints/last.ckpt``, else the newest ``*.ckpt``."""
+    """The checkpoint a resume continues from: the one of the highest step (``last.ckpt`` among those
+    of that step), whatever the files' names or times — a copied or moved run may hold a ``last.ckpt``
+    older than its newest ``step*.ckpt`` or a ``last-v1.ckpt`` (checkpoints are read with
+    ``weights_only=True``; an unsafe one is refused).
+
+    Raises:
+        CheckpointError: a checkpoint of the run is unsafe, truncated or not a checkpoint.
+    """
     directory = run_dir / "checkpoints"
-    if (directory / "last.ckpt").is_file():
-        return directory / "last.ckpt"
-    found = sorted(directory.glob("*.ckpt"), key=lambda p: p.stat().st_mtime) if directory.is_dir() else []
-    return found[-1] if found else None
+    found = [p for p in directory.glob("*.ckpt") if p.is_file()] if directory.is_dir() else []
+    if not found:
+        return None
+    return max(found, key=lambda p: (checkpoint_step(p), p.name == "last.ckpt", p.stat().st_mtime))
 
 
 def checkpoint_step(checkpoint: str | Path) -> int:
@@ -118,7 +127,7 @@ def remove_stray_temporaries(run_dir: Path) -> None:
             strays += stray_temporaries(run_dir / name)
     for stray in strays:
         log.warning("removing %s, left by an interrupted write", stray)
-        stray.unlink(missing_ok=True)
+        remove_temporary(stray)
 
 
 def refuse_foreign(run_dir: Path, names: list[str]) -> None:
@@ -156,12 +165,47 @@ def remove_outputs(run_dir: Path, names: list[str]) -> None:
             path.unlink()  # a link is removed, never what it points to
 
 
+#: Files a run appends to: never through a link, wherever it points.
+APPENDED = (".flashprobe.lock", "train.log", "probe.jsonl")
+
+
+def check_links(directory: Path) -> None:
+    """Refuse a run or study directory holding a link, before any work: flashprobe's own writes never follow
+    one, but Hydra (``multirun.yaml``), Lightning and the user's next look at the run would. Allowed: a
+    checkpoint linked to another checkpoint of the run (Lightning's ``save_last="link"``), and what is in
+    ``wandb/`` (W&B's own, with links into W&B's cache; ``wandb`` itself must not be a link). A hard link
+    at a file flashprobe appends to is refused too. The writes themselves never follow a link
+    (:mod:`flashprobe.formats.nofollow`); this names the link before anything starts.
+
+    Raises:
+        LinkError: naming the link, where it points and the fix.
+    """
+    from flashprobe.formats.nofollow import LinkError
+
+    root = directory.resolve()
+    if not directory.is_dir():
+        return
+    for where, dirs, files in os.walk(directory):
+        if "wandb" in dirs and not (Path(where) / "wandb").is_symlink():  # (a run's, or a study run's)
+            dirs.remove("wandb")
+        for name in dirs + files:
+            path = Path(where) / name
+            if name in APPENDED and path.is_file() and not path.is_symlink() and path.stat().st_nlink > 1:
+                raise LinkError(path, directory, "a hard link to another file")
+            if not path.is_symlink():
+                continue
+            inside = path.resolve().is_relative_to(root)
+            lightnings = path.parent.name == "checkpoints" and path.suffix == ".ckpt" and path.is_file()
+            if not (inside and lightnings):
+                raise LinkError(path, directory)
+
+
 def check_resumable(run_dir: Path, from_step: int) -> None:
     """A run to continue has a readable record and snapshots: refuse now what would fail or be lost later.
 
     Raises:
-        ValueError: the record, a checkpoint, the snapshot directory or its manifest is a link out of
-            the run, ``run.json`` is not flashprobe's record (its sessions would be dropped), the
+        ValueError: a link where the run writes or out of the run (:func:`check_links`), ``run.json`` is
+            not flashprobe's record (its sessions would be dropped), the
             snapshot manifest is malformed or names files outside its directory, or a snapshot the
             resumed run keeps (at or before ``from_step``) cannot be read.
     """
@@ -169,19 +213,21 @@ def check_resumable(run_dir: Path, from_step: int) -> None:
 
     from flashprobe.weights.store import SNAPSHOT_DIRNAME, read_manifest  # the snapshots' format owner
 
-    root, checkpoints, snapshots = run_dir.resolve(), run_dir / "checkpoints", run_dir / SNAPSHOT_DIRNAME
-    found = [*checkpoints.glob("*.ckpt")] if checkpoints.is_dir() else []
-    for path in (run_dir / "run.json", checkpoints, *found, snapshots, snapshots / "manifest.json"):
-        if path.is_symlink() and not path.resolve().is_relative_to(root):
-            raise ValueError(
-                f"{path} is a link to {path.resolve()}, outside the run {run_dir}; a resume reads and writes "
-                "only inside its run: copy the file in (cp -L) instead of linking it"
-            )
+    check_links(run_dir)
+    snapshots = run_dir / SNAPSHOT_DIRNAME
     record = run_dir / "run.json"
     if record.exists() and read_run_record(run_dir) is None:
+        from flashprobe.formats.jsonio import format_problem, read_json
+        from flashprobe.formats.run_record import RUN_FORMAT
+
+        try:
+            found = read_json(record, written_by="flashprobe train")
+            problem = format_problem(record, found, RUN_FORMAT, "run record")
+        except ValueError as err:
+            problem = f"{record} is not a flashprobe run record ({err})"
         raise ValueError(
-            f"{record} is not a flashprobe run record (not JSON of format flashprobe.run/1), so the run's "
-            "earlier sessions would be lost; restore it, or move it away to continue with a fresh record"
+            f"{problem}; it is not a run record this flashprobe can extend, so the run's earlier sessions "
+            "would be lost: restore it, or move it away to continue with a fresh record"
         )
     if not (snapshots / "manifest.json").is_file():
         return

@@ -96,8 +96,10 @@ def start_session(
     max_steps: int,
     machine: dict[str, Any],
     resumed_from: str | None = None,
+    imports: list[str] | tuple[str, ...] = (),
 ) -> None:
-    """Record that a session starts at ``from_step`` (a fresh run when there is no record yet)."""
+    """Record that a session starts at ``from_step`` (a fresh run when there is no record yet), and the
+    modules given with ``--import`` (they register the run's kernels: a resume needs them again)."""
     existing = read_run_record(run_dir) or {}
     record = (existing if resumed_from is not None and existing else None) or {
         "format": RUN_FORMAT,
@@ -106,6 +108,9 @@ def start_session(
     if "outputs" in existing:
         record["outputs"] = existing["outputs"]
     record.update(status="running", max_steps=max_steps, global_step=from_step, machine=machine)
+    record.update(flashprobe=_version(), **({"imports": list(imports)} if imports else {}))
+    if not imports:
+        record.pop("imports", None)
     record["sessions"].append(
         {
             "started": utc_now(),
@@ -158,6 +163,12 @@ def finish_session(
     (Path(run_dir) / RESERVE).unlink(missing_ok=True)  # the space this write may need
     write_json(Path(run_dir) / RUN_RECORD, record)
     return record
+
+
+def _version() -> str:
+    from flashprobe import __version__
+
+    return __version__
 
 
 def run_seconds(record: dict[str, Any]) -> float | None:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from flashprobe.formats.atomic import atomic_write_text
-from flashprobe.formats.jsonio import decode, read_json, write_json
+from flashprobe.formats.jsonio import decode, format_problem, read_json, write_json
 from flashprobe.formats.paths import OutputPathError, safe_name
 
 __all__ = ["CSV_FIELDS", "STUDY_FORMAT", "STUDY_NAME", "read_study", "write_study"]
@@ -65,7 +65,9 @@ def write_study(
         The two paths.
     """
     out = Path(out_dir)
-    json_path = write_json(out / STUDY_NAME, {"format": STUDY_FORMAT, **doc})
+    from flashprobe import __version__
+
+    json_path = write_json(out / STUDY_NAME, {"format": STUDY_FORMAT, "flashprobe": __version__, **doc})
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=CSV_FIELDS, lineterminator="\n")
     writer.writeheader()
@@ -86,9 +88,9 @@ def read_study(path: str | os.PathLike[str]) -> dict[str, Any]:
     if path.is_dir():
         path = path / STUDY_NAME
     doc = read_json(path, written_by=_WRITERS)
-    if not isinstance(doc, dict) or doc.get("format") != STUDY_FORMAT:
-        found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
-        raise ValueError(f"{path}: format {found!r}, expected {STUDY_FORMAT!r}; rewrite it with `{_WRITERS}`")
+    problem = format_problem(path, doc, STUDY_FORMAT)
+    if problem:
+        raise ValueError(f"{problem}; or rewrite it with `{_WRITERS}`")
     pairs = doc.get("pairs")
     if not isinstance(pairs, dict) or not pairs:
         raise ValueError(f"{path}: no comparison under 'pairs'; rewrite it with `{_WRITERS}`")
@@ -101,6 +103,13 @@ def read_study(path: str | os.PathLike[str]) -> dict[str, Any]:
         model = pair.get("model") if isinstance(pair, dict) else None
         if not isinstance(steps, list) or not isinstance(model, dict):
             raise ValueError(f"{path}: pair {name!r} has no 'steps' list and 'model' columns")
+        bad = next((s for s in steps if isinstance(s, bool) or not isinstance(s, int) or s < 0), None)
+        if bad is not None or len(set(steps)) != len(steps):
+            what = f"holds {bad!r}" if bad is not None else "repeats a step"
+            raise ValueError(
+                f"{path}: pair {name!r} 'steps' {what}; steps are distinct non-negative integers (training "
+                f"steps): rewrite it with `{_WRITERS}`"
+            )
         for column in ("wasserstein", "max_abs"):
             values = model.get(column)
             if not isinstance(values, list) or len(values) not in (0, len(steps)):

@@ -688,8 +688,8 @@ def import_kernel_modules(modules: Iterable[str]) -> None:
     finding modules in the working directory as ``python -m`` does.
 
     Raises:
-        KernelSpecError: a name that is not a dotted module name (a path, ``""``), or a module that
-            cannot be imported, naming it and the fix.
+        KernelSpecError: a name that is not a dotted module name (a path, ``""``), a module that
+            cannot be imported, or one that raises as it is imported, naming it and the fix.
     """
     modules = list(modules)
     if modules and "" not in sys.path and str(Path.cwd()) not in sys.path:
@@ -705,6 +705,11 @@ def import_kernel_modules(modules: Iterable[str]) -> None:
         except ImportError as err:
             raise KernelSpecError(
                 f"--import {module}: {err}; run from the directory that holds it or add that to PYTHONPATH"
+            ) from None
+        except Exception as err:  # the module itself fails as it is imported: its error, in one line
+            first = (str(err).strip().splitlines() or [""])[0]
+            raise KernelSpecError(
+                f"--import {module}: importing it raised {type(err).__name__}: {first}; fix the module"
             ) from None
 
 

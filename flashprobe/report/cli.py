@@ -232,6 +232,7 @@ def _run_report(run_dir: Path) -> int:
 
     path = run_dir / PROBE_LOG_NAME
     try:
+        check_output_dir(run_dir, flag="DIR")  # a read-only disk: one line, before drawing
         figure = plot_probe(path, run_dir / "probe.png")
     except (FileNotFoundError, ValueError, DiskFullError) as err:
         return _fail("flashprobe report", err)

@@ -35,6 +35,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogLocator, NullFormatter
 
+from flashprobe.formats.paths import printable
 from flashprobe.formats.probe_log import load_probe_records
 from flashprobe.probing.summary import bias_words
 from flashprobe.report.bench_figures import save_figure
@@ -219,7 +220,7 @@ def plot_probe(
         _ratio_lines(ax_ratio, steps, series, cap)
     _primary_baseline_panel(ax_pb, steps, series)
     _per_site_panel(ax_site, series)
-    head = title or jsonl.parent.name
+    head = title or printable(jsonl.parent.name)  # (a name whose bytes are not UTF-8: shown escaped)
     last = records[-1].get("summary") or {}
     firsts = [f for f in last.get("failures") or [] if not f.get("worst")]
     for f in firsts:  # each first failure: a red line at its step

@@ -42,14 +42,20 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from flashprobe.formats.atomic import TMP_SUFFIX, atomic_write_file, atomic_write_text
-from flashprobe.formats.jsonio import utc_now
+from flashprobe.formats.atomic import (
+    TMP_SUFFIX,
+    atomic_write_file,
+    atomic_write_text,
+    remove_temporary,
+)
+from flashprobe.formats.jsonio import format_problem, utc_now
 from flashprobe.formats.paths import library_path
 
 __all__ = [
     "MANIFEST_NAME",
     "SNAPSHOT_DIRNAME",
     "SNAPSHOT_FORMAT",
+    "NonFiniteSnapshotError",
     "SnapshotError",
     "SnapshotStore",
     "SnapshotWriter",
@@ -67,6 +73,10 @@ MANIFEST_NAME = "manifest.json"
 
 class SnapshotError(ValueError):
     """A snapshot directory or manifest is missing, malformed or inconsistent."""
+
+
+class NonFiniteSnapshotError(SnapshotError):
+    """Weights holding a NaN or an infinity, refused as a snapshot (a snapshot holds finite weights)."""
 
 
 @dataclass(frozen=True)
@@ -168,6 +178,10 @@ def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
             f"malformed snapshot manifest {path} ({err}); it is written by flashprobe's WeightSnapshot "
             "callback: restore it, or start the run again with overwrite=true"
         ) from None
+    if isinstance(manifest, dict) and "format" in manifest:  # (manifests of before the field: read)
+        problem = format_problem(path, manifest, SNAPSHOT_FORMAT)
+        if problem:
+            raise SnapshotError(problem)
     if not isinstance(manifest, dict) or not isinstance(manifest.get("snapshots", []), list):
         raise SnapshotError(f"malformed snapshot manifest {path}: not an object with a 'snapshots' list")
     if not isinstance(manifest.get("tensors", []), list):
@@ -205,10 +219,18 @@ class SnapshotWriter:
     def __init__(self, run_dir: str | os.PathLike[str], header: Mapping[str, Any]) -> None:
         self.directory = Path(run_dir) / SNAPSHOT_DIRNAME
         self.directory.mkdir(parents=True, exist_ok=True)
-        for stale in self.directory.glob(f".*{TMP_SUFFIX}"):
+        for stale in self.directory.glob(f".*{TMP_SUFFIX}"):  # (its own directory: any hidden .tmp)
             log.warning("removing incomplete snapshot file %s left by an interrupted write", stale)
-            stale.unlink(missing_ok=True)
-        self.manifest: dict[str, Any] = {"format": SNAPSHOT_FORMAT, **header, "tensors": [], "snapshots": []}
+            remove_temporary(stale)
+        from flashprobe import __version__
+
+        self.manifest: dict[str, Any] = {
+            "format": SNAPSHOT_FORMAT,
+            "flashprobe": __version__,
+            **header,
+            "tensors": [],
+            "snapshots": [],
+        }
         if (self.directory / MANIFEST_NAME).is_file():
             old = read_manifest(self.directory)
             self.manifest["tensors"] = old.get("tensors", [])
@@ -236,7 +258,21 @@ class SnapshotWriter:
 
         Returns:
             The path of the snapshot file.
+
+        Raises:
+            NonFiniteSnapshotError: a tensor holds a NaN or an infinity; nothing is written, and the
+                manifest records the first such step (``nonfinite_step``).
         """
+        bad = {n: int((~torch.isfinite(t)).sum()) for n, t in tensors.items() if t.is_floating_point()}
+        if any(bad.values()):
+            first = next(n for n, c in bad.items() if c)
+            if self.manifest.get("nonfinite_step") is None:
+                self.update_header({"nonfinite_step": step})
+            raise NonFiniteSnapshotError(
+                f"the weights of step {step} hold {sum(bad.values())} NaN or infinite values (first in "
+                f"{first}): no snapshot of them is written to {self.directory}; the earlier snapshots hold "
+                "finite weights"
+            )
         name = snapshot_filename(step)
         final = self.directory / name
         run_id = os.fsencode(str(self.manifest.get("run_id"))).decode("utf-8", "backslashreplace")
@@ -271,6 +307,10 @@ class SnapshotWriter:
     def prune_after(self, step: int) -> list[int]:
         """Delete the snapshots of steps after ``step`` (a timeline abandoned by a resume); returns them."""
         dropped = [e for e in self.manifest["snapshots"] if e["step"] > step]
+        nonfinite = self.manifest.get("nonfinite_step")
+        if isinstance(nonfinite, int) and nonfinite > step:  # that timeline is abandoned too
+            self.manifest.pop("nonfinite_step")
+            self._write_manifest()
         if not dropped:
             return []
         self.manifest["snapshots"] = [e for e in self.manifest["snapshots"] if e["step"] <= step]
@@ -412,7 +452,7 @@ class SnapshotStore:
         with self._open(step) as f:
             if name not in f.keys():  # noqa: SIM118 - safe_open handles have no __contains__
                 raise KeyError(f"snapshot {self.path(step)} has no tensor {name!r}")
-            return f.get_tensor(name)
+            return self._as_recorded(step, name, f.get_tensor(name))
 
     def iter_tensors(
         self, step: int, names: Iterable[str] | None = None
@@ -423,7 +463,22 @@ class SnapshotStore:
             for name in self.names() if names is None else names:
                 if name not in available:
                     raise KeyError(f"snapshot {self.path(step)} has no tensor {name!r}")
-                yield name, f.get_tensor(name)
+                yield name, self._as_recorded(step, name, f.get_tensor(name))
+
+    def _as_recorded(self, step: int, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, if its shape is the one the manifest records for ``name``.
+
+        Raises:
+            SnapshotError: another shape (the file was replaced, or written by something else).
+        """
+        spec = self.specs.get(name)
+        if spec is not None and tuple(tensor.shape) != spec.shape:
+            raise SnapshotError(
+                f"snapshot {self.path(step)} (step {step}): {name} has shape {tuple(tensor.shape)}, but "
+                f"{self.directory / MANIFEST_NAME} records {spec.shape}; the file was replaced or written "
+                "by something else: restore it, or remove its entry from the manifest"
+            )
+        return tensor
 
     def load(self, step: int) -> dict[str, torch.Tensor]:
         """All tensors of one snapshot as a state dict (loads the whole snapshot)."""

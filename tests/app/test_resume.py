@@ -93,6 +93,48 @@ def test_kill_at_every_step_then_resume_is_bit_identical(
     test_kill_9_then_resume_is_bit_identical(uninterrupted, tmp_path, kill_at)
 
 
+def _kill_and_resume_a_copy(uninterrupted: Path, tmp_path: Path, kill_at: int) -> None:
+    """A run killed at step 3 and copied elsewhere; its copy resumed and killed at ``kill_at``, then
+    resumed to the end: the same weights as the uninterrupted run, each resume from the copy's newest
+    checkpoint (a copy's Lightning does not know its last.ckpt: it once saved beside it, as last-v1.ckpt,
+    and the next resume took the stale last.ckpt and deleted the newer checkpoints)."""
+    import shutil
+
+    original, run = tmp_path / "original", tmp_path / "copy"
+    kill = ["+callbacks.kill._target_=tests.app._kill.KillAt"]
+    at_3 = [*kill, "+callbacks.kill.step=3"]
+    killed = _flashprobe_train(*RUN, "logger=csv", f"hydra.run.dir={original}", *at_3)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    shutil.copytree(original, run)
+    killed = _flashprobe_train(f"resume={run}", *kill, f"+callbacks.kill.step={kill_at}")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    newest = max(int(p.stem[4:]) for p in (run / "checkpoints").glob("step*.ckpt"))
+    before = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").glob("step*.ckpt")}
+    assert cli_main([f"resume={run}", "~callbacks.kill"]) == 0
+    _assert_same_run(uninterrupted, run)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == sorted(
+        p.name for p in (uninterrupted / "checkpoints").iterdir()
+    )  # no last-v1.ckpt
+    after = {p.name: p.stat().st_mtime_ns for p in (run / "checkpoints").glob("step*.ckpt")}
+    assert all(after.get(name) == mtime for name, mtime in before.items()), "a newer checkpoint was replaced"
+    assert [s["from_step"] for s in read_run_record(run)["sessions"]] == [0, 2, newest]
+    assert [p.name for p in (run / "csv").iterdir()] == ["version_0"]  # one csv version per run
+
+
+def test_a_copied_run_killed_and_resumed_is_bit_identical_and_keeps_newer_checkpoints(
+    uninterrupted: Path, tmp_path: Path
+) -> None:
+    _kill_and_resume_a_copy(uninterrupted, tmp_path, kill_at=5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at", [2, 3, 4])
+def test_a_copied_run_killed_at_every_step_then_resumed_is_bit_identical(
+    uninterrupted: Path, tmp_path: Path, kill_at: int
+) -> None:
+    _kill_and_resume_a_copy(uninterrupted, tmp_path, kill_at)
+
+
 def test_a_kill_at_the_end_of_training_then_resume_has_every_artefact(
     uninterrupted: Path, tmp_path: Path
 ) -> None:

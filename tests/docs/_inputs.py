@@ -56,6 +56,9 @@ def executable(argv: Sequence[str]) -> list[str]:
     if argv[0] == "flashprobe":
         return [sys.executable, "-m", "flashprobe.cli", *argv[1:]]
     if argv[0] in ("python", "python3"):
+        if argv[1:3] == ["-m", "pytest"]:  # the repository's own suites (lab/...): their paths in it
+            paths = [str(REPO / a) if not a.startswith("-") and (REPO / a).exists() else a for a in argv[3:]]
+            return [sys.executable, "-m", "pytest", *paths]
         script = argv[1:2]
         if script and not Path(script[0]).is_absolute() and (REPO / script[0]).is_file():
             script = [str(REPO / script[0])]  # a script of the repository (examples/...)

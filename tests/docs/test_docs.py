@@ -45,7 +45,7 @@ SCRIPT_BUDGETS: dict[str, tuple[str, ...]] = {
     "examples/probe_any_model.py": ("--steps", "1"),
     "examples/lightning_callbacks.py": (),
     "scripts/fuzz_rule_calibration.py": ("--calls", "2"),
-    "scripts/robustness_table.py": ("--only", "fuzz --kernel nosuch"),
+    "-m pytest": ("-p", "no:cacheprovider", "-k", "version or kernels"),  # lab/robustness: 6 quick cases
 }
 
 #: the page whose file block and command make the ``runs/`` directories other snippets read

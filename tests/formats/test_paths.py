@@ -89,3 +89,38 @@ def test_a_directory_of_other_files_is_refused_where_the_command_names_its_own(t
     for fine in ("empty", "ours", "new"):
         assert prepare_output_dir(tmp_path / fine, owned=owned) == tmp_path / fine
     assert check_output_dir(theirs) == theirs  # a command that does not name its files: any directory
+
+
+@pytest.mark.parametrize("target", ["/", "/etc", "/proc/x", "/usr/local/out"])
+def test_the_one_check_names_the_key_and_file_that_named_a_system_directory(target):
+    """Nothing is written: the check only reads (the end-to-end refusals use sandboxed directories)."""
+    from flashprobe.formats.paths import check_write_dir
+
+    named_by = "hydra.run.dir (set in mycfg/experiment/root.yaml)"
+    with pytest.raises(
+        OutputPathError, match=rf"^hydra\.run\.dir \(set in mycfg/experiment/root\.yaml\) {target}"
+    ):
+        check_write_dir(target, named_by)
+
+
+def test_the_one_check_refuses_a_foreign_directory_and_a_path_outside_the_run(tmp_path):
+    from flashprobe.formats.paths import check_write_dir
+
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "notes.txt").write_text("keep")
+    with pytest.raises(
+        OutputPathError, match=r"^output_root \(set in c\.yaml\) .*theirs holds files .*notes\.txt"
+    ):
+        check_write_dir(tmp_path / "theirs", "output_root (set in c.yaml)", owned=("run.json",))
+    run = tmp_path / "run"
+    with pytest.raises(OutputPathError, match=r"logger\.csv\.save_dir .* lies outside the run directory"):
+        check_write_dir(tmp_path / "elsewhere", "logger.csv.save_dir", inside=run)
+    assert check_write_dir(run / "csv", "logger.csv.save_dir", inside=run) == run / "csv"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["theirs"]  # nothing created
+
+
+def test_text_read_from_a_file_prints_without_acting_on_the_terminal():
+    from flashprobe.formats.paths import printable
+
+    assert printable("a\x1b[2J\x07b\rc\td\n\x9b") == "a\\x1b[2J\\x07b\\x0dc\td\n\\x9b"
+    assert printable(os.fsdecode(b"run\xff")) == "run\\xff"

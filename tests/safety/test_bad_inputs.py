@@ -153,6 +153,22 @@ CASES = [
     (["bench", "bias", "--out", ""], "empty"),
     (["bench", "nosuch"], "unknown command 'nosuch'"),
     (["nosuch"], "unknown command 'nosuch'"),
+    # issue 53: numbers past the machine, the options before Hydra, files of another version or damaged
+    ([*T, "threads=100000"], "threads=100000 must be a positive integer, at most"),
+    ([*T, "data.num_workers=100000"], "data.num_workers=100000 must be an integer from 0 to"),
+    (["study", "--out", "s", "threads=100000"], "threads=100000 must be a positive integer, at most"),
+    ([*T, "--config-dir", "a_file"], "--config-dir a_file is not a directory (a file)"),
+    ([*T, "--import", "raising_kernels"], "--import raising_kernels: importing it raised RuntimeError: "),
+    ([*T, "--import"], "--import needs a value"),
+    ([*T, "-cp", "elsewhere"], "-cp would replace flashprobe's packaged configs"),
+    ([*T, "hydra.output_subdir=elsewhere"], "hydra.output_subdir (given on the command line) is 'elsewhere'"),
+    (["study", "--out", "s", "--import", "raising_kernels"], "importing it raised RuntimeError: "),
+    (["fuzz", "--kernel", "math", "--import", "raising_kernels"], "importing it raised RuntimeError: "),
+    (["study", "--out", "/proc/x"], "--out /proc/x is inside the system's /proc"),
+    (["report", "s_strings"], "pair 'p' 'steps' holds '2'; steps are distinct non-negative integers"),
+    (["report", "s_version"], "was written by flashprobe 9.0, in format 'flashprobe.compare/2'"),
+    (["compare", "r_v9", "r_ok", "--out", "c"], "was written by flashprobe 9.0, in format 'flashprobe.snap"),
+    (["compare", "r_size", "r_size_other", "--out", "c"], "w has shape (5,), but r_size_other/snapshots"),
 ]
 
 
@@ -176,8 +192,35 @@ def _inputs(where: Path) -> None:
         (where / name / "snapshots").mkdir(parents=True)
         (where / name / "snapshots" / "manifest.json").write_text(manifest)
     (where / "a_file").write_text("x")
+    for name, doc in {
+        "r_v9": {"format": "flashprobe.snapshots/2", "flashprobe": "9.0", "snapshots": []},
+    }.items():
+        (where / name / "snapshots").mkdir(parents=True)
+        (where / name / "snapshots" / "manifest.json").write_text(json.dumps(doc))
+    pair = {"steps": ["2"], "model": {"wasserstein": [0.5], "max_abs": [0.5]}}
+    for name, doc in {
+        "s_strings": {"format": "flashprobe.compare/1", "pairs": {"p": pair}},
+        "s_version": {"format": "flashprobe.compare/2", "flashprobe": "9.0", "pairs": {}},
+    }.items():
+        (where / name).mkdir()
+        (where / name / "study.json").write_text(json.dumps(doc))
+    (where / "raising_kernels.py").write_text("raise RuntimeError('this module fails as it is imported')\n")
+    _sized_runs(where)
     (where / "users").mkdir()  # a directory of the user's own: no run of flashprobe's
     (where / "users" / "notes.txt").write_text("keep")
+
+
+def _sized_runs(where: Path) -> None:
+    """Two snapshot runs, the second with a snapshot file of the wrong size for its manifest."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tests.weights._helpers import write_run
+
+    weights = {0: {"w": torch.arange(6.0)}, 2: {"w": torch.arange(6.0) + 1}}
+    write_run(where / "r_size", weights, seed=0)
+    other = write_run(where / "r_size_other", weights, seed=1)
+    save_file({"w": torch.zeros(5)}, str(other / "snapshots" / "step_0000002.safetensors"))
 
 
 @pytest.mark.parametrize(("args", "phrase"), CASES, ids=[" ".join(a[:1] + a[-1:]) for a, _ in CASES])

@@ -1,57 +1,36 @@
-"""The robustness table: bad inputs and faults run against every ``flashprobe`` command, each outcome
-classified.
-
-Each case runs ``python -m flashprobe.cli ARGS`` in a subprocess, in its own directory (the working
-directory; HOME, TMPDIR and a sentinel directory of the table's own), at a tiny budget, and is
-classified:
-
-- **clean**: the exit code expected (2 for bad input), a message holding the expected phrase, no
-  ``Traceback``;
-- **traceback**: a ``Traceback`` (or Hydra's "Error executing job") in the output;
-- **silent**: exit 0 where the command should refuse, or a refusal with no message at all;
-- **late**: refused only after work started: files written into the case's directory, training
-  begun (a snapshot saved, ``Trainer.fit`` run), the time limit reached (it counts only time the
-  command could run: not while another job has it or the table stopped), or a refusal slower than
-  the same command's median clean refusal by more than ``--late-after`` seconds;
-- **mismatch**: none of these, but another exit code or message than the table expects.
-
-Independently, each case records every file written outside its own directory (HOME, TMPDIR, the
-sentinel directory, the prepared runs the cases copy from): the floor is none.
+"""The robustness table's cases: bad inputs and faults for every ``flashprobe`` command, each with the
+exit code and the phrase a clean refusal gives, and what its directory holds before the command.
 
 The table reuses the tests' own tables (:data:`tests.safety.test_bad_inputs.CASES` and the
 parametrized cases of the safety, app, fuzz, bench and probe tests) and adds the cases of issue 42
 (crafted reproducers, manifests and checkpoints, symlinked and non-UTF-8 paths, a full disk, a
 read-only HOME, sizes and budgets past any machine, unknown launchers, kernels that raise or return
-the wrong shape). Cases that need a finished run copy one prepared run. Prints a Markdown table of
-counts per class (and each case not clean) and writes ``robustness.json`` (every case's command,
-class, exit code, seconds and the first line of its message) and ``robustness.md`` into ``--out``.
-
-    PYTHONPATH=$PWD python scripts/robustness_table.py --out out/robustness
+the wrong shape) and of issue 53 (paths set in config files, links and recorded settings in a run
+directory, a kernel that turns the weights to NaN, config files Hydra cannot use, read-only disks,
+files of another version, text with escape sequences). Cases that need a finished run copy one
+prepared run (:class:`Prepared`). ``test_robustness.py`` runs them.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import fnmatch
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the tests' tables are imported from the repository
-    sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
-CLASSES = ("clean", "traceback", "silent", "late", "mismatch")
+#: How a case can end: clean (the expected exit code and phrase, nothing else wrong), a traceback, silent
+#: (exit 0, or no message, where it should refuse), late (refused after work started: files written,
+#: training begun, its time limit reached), writes-outside (a file outside its directory changed), or
+#: mismatch (another exit code or message than the table expects, or raw escape sequences printed).
+CLASSES = ("clean", "traceback", "silent", "late", "writes-outside", "mismatch")
 
 #: the expected "exit code" of a command that keeps working until its time limit stops it (a long
 #: search): clean when, by then, its output holds the expected phrase
@@ -428,10 +407,10 @@ def _bench_cases() -> list[Case]:
         _c("bench", "paper", "--device", "nosuch", "--out", "out", expect="nosuch", setup="empty"),
         _c("bench", "overhead", "--steps", "0", "--out", "out", expect="steps", setup="empty"),
         _c("bench", "overhead", "--seq-len", "10000000", "--out", "out", expect="", setup="empty"),
-        _c("bench", "wasserstein", "--sizes", "0", "--out", "out", expect="sizes", setup="empty"),
-        _c("bench", "wasserstein", "--sizes", "100000000000", "--out", "out", expect="", setup="empty"),
+        _c("bench", "wasserstein", "--sizes", "0", "--out", "out", expect="removed", setup="empty"),
+        _c("bench", "wasserstein", "--sizes", "100000000000", "--out", "out", expect="removed", setup="empty"),
         _c("bench", "verdicts", "--models", "nosuch", "--out", "out", expect="nosuch", setup="empty"),
-        _c("bench", "rules", "--mutants", "nosuch", "--out", "out", expect="nosuch", setup="empty"),
+        _c("bench", "rules", "--mutants", "nosuch", "--out", "out", expect="lab.rules", setup="empty"),
     ]
     return cases
 
@@ -585,6 +564,132 @@ def _other_cases() -> list[Case]:
     ]
 
 
+#: A run whose kernel returns NaN from step 3 on (``tests/app/_nan_kernel.py``, a user's module).
+NAN_RUN = (
+    "train",
+    "--import",
+    "tests.app._nan_kernel",
+    "experiment=smoke",
+    "trainer.max_steps=8",
+    "trainer.val_check_interval=1",
+    "trainer.log_every_n_steps=1",
+    "callbacks.weight_snapshot.every_n_steps=1",
+    "attention.kernel=nan_at_step",
+)
+
+#: issue 53's config files (``conf/experiment/<name>.yaml``): what each sets, and the phrase of its refusal
+CONFIG_FILES = {
+    "foreign_run_dir": (
+        "hydra:\n  run:\n    dir: {sentinel}\n",
+        "holds files flashprobe did not write there (keep.txt)",
+    ),
+    "run_dir_outside": ("run_dir: {sentinel}/run\n", "not the run's directory"),
+    "dirpath_outside": (
+        "callbacks:\n  checkpoint:\n    dirpath: {sentinel}/checkpoints\n",
+        "lies outside the run directory",
+    ),
+    "save_dir_outside": ("logger:\n  csv:\n    save_dir: {sentinel}/csv\n", "lies outside the run directory"),
+    "syntax": ("foo: [1, 2\n", "not valid YAML"),
+    "loop": (None, "includes itself"),
+    "list": (None, "holds a YAML list, not settings"),
+    "bytes": (None, "is not UTF-8 text"),
+}
+
+#: issue 53's links planted in a copied run (``NAME:symbolic|hard:file|directory``; the target is the
+#: sentinel directory or its file): a resume must refuse them before it writes
+LINKS = (
+    ".flashprobe.lock:symbolic:file",
+    ".flashprobe.lock:hard:file",
+    ".hydra/config.yaml:symbolic:file",
+    "train.log:symbolic:file",
+    "train.log:hard:file",
+    ".hydra:symbolic:directory",
+    "csv:symbolic:directory",
+    "probe.jsonl:symbolic:file",
+    "probe.jsonl:hard:file",
+    "snapshots:symbolic:directory",
+    "checkpoints:symbolic:directory",
+)
+
+#: issue 53's recorded settings that would write outside the run (appended to .hydra/overrides.yaml)
+RECORDED_PATHS = {
+    "logger.csv.save_dir={sentinel}/csv": "logger.csv.save_dir (recorded in",
+    "+trainer.default_root_dir={sentinel}/root": "trainer.default_root_dir (recorded in",
+    "logger.csv.name=../../escaped": "logger.csv.name='../../escaped' (recorded in",
+    "callbacks.weight_snapshot.dirpath={sentinel}/snapshots": "weight_snapshot.dirpath (recorded in",
+}
+
+
+def _issue53_cases() -> list[Case]:
+    """Paths set in config files, links and recorded settings in a run, a NaN kernel, config files Hydra
+    cannot use, read-only disks, another version's files, escape sequences, non-UTF-8 names."""
+    src, t = "issue 53", ("train", "experiment=smoke", "trainer.max_steps=2")
+    cases = []
+    for name, (_, phrase) in CONFIG_FILES.items():
+        run = () if name == "foreign_run_dir" else ("hydra.run.dir=run",)
+        cases += [
+            _c("train", f"experiment={name}", *run, expect=phrase, setup="conf", source=src),
+            _c("train", "--config-dir", "mycfg", f"experiment={name}", *run, expect=phrase, setup="conf"),
+            _c(
+                "train",
+                f"experiment={name}",
+                *run,
+                expect=phrase,
+                setup="conf",
+                source=src,
+                env=(("FLASHPROBE_CONFIG_DIR", "{case}/mycfg"),),
+                cwd="{case}/elsewhere",
+            ),
+        ]
+    env_file = (("FLASHPROBE_CONFIG_DIR", "{case}/a_file"),)
+    cases += [
+        _c(*t, "hydra.run.dir=run", expect="is not a directory (a file)", env=env_file, source=src),
+        _c("study", "--out", "s", expect="is not a directory (a file)", env=env_file, source=src),
+    ]
+    resume = ("train", "resume={run}", "trainer.max_steps=3")
+    cases += [_c(*resume, expect=f"{link.split(':')[0]} is a", setup=f"links:{link}") for link in LINKS]
+    cases += [_c(*resume, expect=phrase, setup=f"recorded-path:{s}") for s, phrase in RECORDED_PATHS.items()]
+    cases += [
+        _c(
+            *NAN_RUN,
+            "hydra.run.dir=run",
+            expect="the last finite weights",
+            code=1,
+            writes=True,
+            setup="empty",
+        ),
+        _c("train", "resume={run}", expect="give it again: flashprobe train --import", setup="nan-run"),
+        _c(
+            "train",
+            "--import",
+            "tests.app._nan_kernel",
+            "resume={run}",
+            code=0,
+            writes=True,
+            setup="nan-run",
+            env=(("NAN_AT_STEP", "1000"),),
+        ),
+        _c("report", "{run}", expect="is not writable (Read-only file system)", setup="read-only-run"),
+        _c(*resume, expect="is not writable (Read-only file system)", setup="read-only-run"),
+        _c(*resume, expect="written by flashprobe 9.0, in format 'flashprobe.run/9'", setup="run:version-9"),
+        _c(*resume, code=0, writes=True, setup="run:stale-last"),
+        _c("replay", "{repro}", expect="", code=0, setup="repro:escapes"),
+        _c("replay", "{repro}", expect="", code=0, setup="repro:ok-nonutf8"),
+        _c("study", "--out", "{nonutf8}", expect="holds bytes that are not UTF-8", setup="nonutf8"),
+        _c("study", "--out", "/proc/x", expect="inside the system's /proc", setup="empty"),
+        _c(
+            "train",
+            "-m",
+            "--config-dir",
+            "mycfg",
+            "experiment=foreign_run_dir",
+            expect="holds files flashprobe did not write there",
+            setup="conf",
+        ),
+    ]
+    return [replace(c, source=src) for c in cases]
+
+
 def all_cases() -> list[Case]:
     """The table: the tests' cases and issue 42's, each distinct (the first of equal ones kept)."""
     found: dict[tuple, Case] = {}
@@ -597,6 +702,7 @@ def all_cases() -> list[Case]:
         *_study_cases(),
         *_compare_report_cases(),
         *_other_cases(),
+        *_issue53_cases(),
     ]:
         found.setdefault(case.key, case)
     return list(found.values())
@@ -613,6 +719,7 @@ class Prepared:
     def __init__(self, where: Path, env: dict[str, str]) -> None:
         self.where, self.env = where, env
         self._run: Path | None = None
+        self._nan_run: Path | None = None
         self._study: Path | None = None
 
     @property
@@ -621,20 +728,31 @@ class Prepared:
             from tests.safety._runs import SHORT
 
             run = self.where / "run"
-            proc = _flashprobe(["train", *SHORT, f"hydra.run.dir={run}"], self.where, self.env, 600)
-            if proc.returncode != 0:
-                raise RuntimeError(f"the prepared run failed:\n{proc.stderr[-3000:]}")
+            ran = flashprobe(["train", *SHORT, f"hydra.run.dir={run}"], self.where, self.env, 600)
+            if ran.returncode != 0:
+                raise RuntimeError(f"the prepared run failed:\n{ran.output[-3000:]}")
             self._run = run
         return self._run
+
+    @property
+    def nan_run(self) -> Path:
+        """A run of the kernel that turns NaN at step 3 (``tests/app/_nan_kernel.py``), stopped there."""
+        if self._nan_run is None:
+            run = self.where / "nan_run"
+            ran = flashprobe([*NAN_RUN, f"hydra.run.dir={run}"], self.where, self.env, 600)
+            if ran.returncode != 1:
+                raise RuntimeError(f"the prepared NaN run did not stop with exit 1:\n{ran.output[-3000:]}")
+            self._nan_run = run
+        return self._nan_run
 
     @property
     def study(self) -> Path:
         if self._study is None:
             a, b = _write_pair(self.where / "pair")
             out = self.where / "study"
-            proc = _flashprobe(["compare", str(a), str(b), "--out", str(out)], self.where, self.env, 600)
-            if proc.returncode != 0:
-                raise RuntimeError(f"the prepared comparison failed:\n{proc.stderr[-3000:]}")
+            ran = flashprobe(["compare", str(a), str(b), "--out", str(out)], self.where, self.env, 600)
+            if ran.returncode != 0:
+                raise RuntimeError(f"the prepared comparison failed:\n{ran.output[-3000:]}")
             self._study = out
         return self._study
 
@@ -716,6 +834,13 @@ def _damage_run(run: Path, d: Path, damage: str) -> None:
         (run / "probe.jsonl").write_text("garbage\n")
     elif damage == "probe-list-lines":
         (run / "probe.jsonl").write_text("[1, 2]\n[3]\n")
+    elif damage == "version-9":  # a record of a later flashprobe
+        record = json.loads((run / "run.json").read_text())
+        (run / "run.json").write_text(
+            json.dumps({**record, "format": "flashprobe.run/9", "flashprobe": "9.0"})
+        )
+    elif damage == "stale-last":  # a copied run's last.ckpt older than its newest checkpoint
+        shutil.copyfile(run / "checkpoints" / "step0000001.ckpt", run / "checkpoints" / "last.ckpt")
     elif damage == "probe-torn-last-line":
         with open(run / "probe.jsonl", "a") as fh:
             fh.write('{"step": 9, "ver')
@@ -730,14 +855,19 @@ def _write_repro(d: Path, kind: str) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from flashprobe.probing.repro import REPRO_FORMAT
+    from flashprobe.formats.reproducer import REPRO_FORMAT
     from tests.probing.test_repro_metadata import _write
     from tests.safety._runs import CreatesFile
 
     path = d / "call.safetensors"
     x = torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(0))
     info: dict[str, Any] = {"format": REPRO_FORMAT, "is_causal": False, "primary": "math", "baseline": "math"}
-    if kind in ("ok", "ok-and-file"):
+    if kind in ("ok", "ok-and-file", "escapes", "ok-nonutf8"):
+        if kind == "escapes":  # a crafted reproducer whose text would clear the screen and ring the bell
+            info = {**info, "reason": "\x1b[2J\x1b[31mcleared\x07\r", "site": "\x9b1m"}
+        if kind == "ok-nonutf8":
+            path = d / os.fsdecode(b"repro\xfe") / "call.safetensors"
+            path.parent.mkdir()
         _write(path, info)
         if kind == "ok-and-file":
             (d / "a_file").write_text("x")
@@ -783,6 +913,37 @@ register_kernel("bug_raising", _raising, overwrite=True)
 register_kernel("bug_wrong_shape", _wrong_shape, overwrite=True)
 register_kernel("bug_wrong_dtype", _wrong_dtype, overwrite=True)
 '''
+
+
+def _write_config_files(d: Path, sentinel: Path) -> None:
+    """issue 53's config files (:data:`CONFIG_FILES`) in ``d/conf`` (found from ``d``), ``d/mycfg``
+    (given with ``--config-dir`` or ``$FLASHPROBE_CONFIG_DIR``), and ``d/elsewhere`` to run from."""
+    head = "# @package _global_\ndefaults:\n  - smoke\n"
+    bodies = {
+        "loop": b"# @package _global_\ndefaults:\n  - loop\n",
+        "list": b"- a\n- b\n",
+        "bytes": head.encode() + b'foo: "\xff\xfe"\n',
+    }
+    for root in (d / "conf", d / "mycfg"):
+        (root / "experiment").mkdir(parents=True)
+        for name, (text, _) in CONFIG_FILES.items():
+            data = bodies.get(name) or (head + text.format(sentinel=sentinel)).encode()
+            (root / "experiment" / f"{name}.yaml").write_bytes(data)
+    (d / "elsewhere").mkdir()
+
+
+def _plant_link(run: Path, sentinel: Path, name: str, kind: str, target: str) -> None:
+    """Replace ``run/name`` by a symbolic or hard link to the sentinel directory or its file."""
+    path = run / name
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+    pointed = sentinel if target == "directory" else sentinel / "keep.txt"
+    if kind == "hard":
+        os.link(pointed, path)
+    else:
+        path.symlink_to(pointed, target_is_directory=pointed.is_dir())
 
 
 def _write_pair_variant(d: Path, variant: str) -> dict[str, str]:
@@ -867,12 +1028,22 @@ SETUP_KINDS: dict[str, frozenset[str]] = {
     "full-disk": frozenset({"disk"}),
     "read-only-home": frozenset({"home_ro"}),
     "nonutf8": frozenset({"nonutf8"}),
+    "conf": frozenset(),
+    "links": frozenset({"run"}),
+    "recorded-path": frozenset({"run"}),
+    "nan-run": frozenset({"run"}),
+    "read-only-run": frozenset({"run"}),
 }
+
+#: placeholders every case may use: the case's own directory, the shared sentinel directory, HOME
+GLOBAL_PLACEHOLDERS = frozenset({"case", "sentinel", "home"})
 
 
 @contextlib.contextmanager
-def setup(name: str, d: Path, prepared: Prepared) -> Iterator[dict[str, str]]:
-    """Prepare the case directory ``d`` as the setup ``name`` says; yields the placeholders it fills.
+def setup(name: str, d: Path, prepared: Prepared, sentinel: Path) -> Iterator[dict[str, str]]:
+    """Prepare the case directory ``d`` as the setup ``name`` says; yields the placeholders it fills
+    (``sentinel``: the directory no case may write into, which issue 53's setups point their paths and
+    links at).
 
     Raises:
         SkipCaseError: the setup needs what this machine does not allow (mounting a tmpfs).
@@ -953,7 +1124,7 @@ def setup(name: str, d: Path, prepared: Prepared) -> Iterator[dict[str, str]]:
             damage_run(run := _copy_run(prepared, d), arg)
             values["run"] = str(run)
         elif kind == "repro-meta":
-            from flashprobe.probing.repro import REPRO_FORMAT
+            from flashprobe.formats.reproducer import REPRO_FORMAT
             from tests.probing import test_repro_metadata as t
 
             info, tensors, _ = _parametrized(t.test_bad_metadata_is_refused_naming_the_field)[int(arg)]
@@ -1013,99 +1184,31 @@ def setup(name: str, d: Path, prepared: Prepared) -> Iterator[dict[str, str]]:
                 raise SkipCaseError("cannot mount a read-only tmpfs here (not root?)")
             mounts.append(home)
             values["home_ro"] = str(home)
-        else:  # nonutf8
+        elif kind == "nonutf8":
             values["nonutf8"] = str(d / os.fsdecode(b"run\xff"))
+        elif kind == "conf":
+            _write_config_files(d, sentinel)
+        elif kind == "links":
+            values["run"] = str(run := _copy_run(prepared, d))
+            _plant_link(run, sentinel, *arg.split(":"))
+        elif kind == "recorded-path":
+            values["run"] = str(run := _copy_run(prepared, d))
+            with (run / ".hydra" / "overrides.yaml").open("a") as fh:
+                fh.write(f"- {_yaml_str(arg.format(sentinel=sentinel))}\n")
+        elif kind == "nan-run":
+            values["run"] = str(shutil.copytree(prepared.nan_run, d / "run"))
+        else:  # read-only-run: a run on a disk mounted read-only
+            disk(d / "disk", 16 * 1024)
+            run = Path(shutil.copytree(prepared.run, d / "disk" / "run"))
+            (run / "probe.png").unlink()
+            remount = ["mount", "-o", "remount,ro", str(d / "disk")]
+            if subprocess.run(remount, capture_output=True).returncode != 0:
+                raise SkipCaseError("cannot remount a tmpfs read-only here")
+            values["run"] = str(run)
         yield values
     finally:
         for mount in reversed(mounts):
             subprocess.run(["umount", "-l", str(mount)], capture_output=True)
-
-
-# ---------------------------------------------------------------------------------------------------
-# running and classifying
-
-
-@dataclass
-class Ran:
-    """One command's result.
-
-    Attributes:
-        returncode: its exit code, or None when its time limit stopped it.
-        stdout, stderr: its output.
-        held: seconds its clock was held: the command (a process of its group) was stopped, or the
-            table itself was not running (another job paused or starved the machine).
-        cpu: on a time limit, the CPU seconds the command had used (a busy command near its wall
-            time, a waiting one near 0).
-    """
-
-    returncode: int | None
-    stdout: str
-    stderr: str
-    held: float = 0.0
-    cpu: float | None = None
-
-
-#: seconds between two looks at a running command
-_POLL_S = 0.5
-
-#: a gap between two looks longer than this: the table itself was not running (its clock is held)
-_PAUSE_GAP_S = 3.0
-
-
-def _group_stat(pgid: int) -> list[list[str]]:
-    """The ``/proc/PID/stat`` fields after the command name of every process of group ``pgid``
-    (state first; empty where /proc cannot be read)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                fields = (entry / "stat").read_text().rpartition(")")[2].split()
-                if int(fields[2]) == pgid:  # state, ppid, pgrp, ...
-                    found.append(fields)
-    return found
-
-
-def _flashprobe(args: Sequence[str], cwd: Path, env: dict[str, str], timeout: float) -> Ran:
-    """``python -m flashprobe.cli ARGS`` in ``cwd``, under :func:`run_held`."""
-    return run_held([sys.executable, "-m", "flashprobe.cli", *args], cwd, env, timeout)
-
-
-def run_held(cmd: Sequence[str], cwd: Path, env: dict[str, str], timeout: float) -> Ran:
-    """Run ``cmd`` in ``cwd`` in a process group of its own; after ``timeout`` seconds in which it
-    could run, the whole group is killed and the result has returncode ``None``.
-
-    The limit counts only time the command could run: while a process of its group is stopped
-    (SIGSTOP: state ``T``) or the table itself was not running, the clock is held (``held``), so a
-    job that pauses the machine for a minute does not make a quick refusal look late.
-    """
-    ran = held = 0.0
-    cpu: float | None = None
-    with subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
-    ) as proc:
-        last = time.monotonic()
-        while True:
-            try:  # a retried communicate() loses no output
-                out, err = proc.communicate(timeout=_POLL_S)
-                code: int | None = proc.returncode
-                break
-            except subprocess.TimeoutExpired:
-                now = time.monotonic()
-                gap, last = now - last, now
-                stat = _group_stat(proc.pid)
-                if gap > _PAUSE_GAP_S or any(f[0] in "Tt" for f in stat):
-                    held += gap
-                else:
-                    ran += gap
-                if ran > timeout:
-                    ticks = os.sysconf("SC_CLK_TCK")
-                    cpu = sum(int(f[11]) + int(f[12]) for f in stat) / ticks  # utime + stime
-                    os.killpg(proc.pid, 9)
-                    out, err = proc.communicate()
-                    code = None
-                    break
-    decode = lambda b: b.decode("utf-8", "backslashreplace")  # noqa: E731
-    return Ran(code, decode(out), decode(err), held, cpu)
 
 
 def fingerprint(directory: Path) -> dict[str, tuple]:
@@ -1146,51 +1249,12 @@ def _message(output: str, phrase: str) -> str:
     return lines[0] if lines else ""
 
 
-@dataclass
-class Outcome:
-    """What one case did, and its class."""
-
-    case: Case
-    command: list[str]
-    returncode: int | None
-    seconds: float
-    output: str
-    inside: list[str] = field(default_factory=list)
-    outside: list[str] = field(default_factory=list)
-    kind: str = ""
-    reason: str = ""
-    held: float = 0.0
-    cpu: float | None = None
-
-    def to_json(self, index: int) -> dict[str, Any]:
-        return {
-            "index": index,
-            "source": self.case.source,
-            "command": " ".join(_shell(a) for a in ["flashprobe", *self.command]),
-            "template": " ".join(_shell(a) for a in ["flashprobe", *self.case.args]),
-            "setup": self.case.setup,
-            "expected_code": self.case.code,
-            "expected_phrase": self.case.expect,
-            "returncode": self.returncode,
-            "seconds": round(self.seconds, 2),
-            "held_seconds": round(self.held, 2),
-            "cpu_seconds_at_limit": self.cpu,
-            "class": self.kind,
-            "reason": self.reason,
-            "message": _message(self.output, self.case.expect)[:500],
-            "written_inside": self.inside[:20],
-            "written_outside": self.outside[:20],
-        }
-
-
-def _shell(arg: str) -> str:
-    import shlex
-
-    return shlex.quote(arg.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"))
-
-
-def classify(case: Case, returncode: int | None, output: str, inside: Sequence[str]) -> tuple[str, str]:
-    """The class of one outcome and why (before the timing check of :func:`late_by_time`)."""
+def classify(
+    case: Case, returncode: int | None, output: str, inside: Sequence[str], outside: Sequence[str] = ()
+) -> tuple[str, str]:
+    """The class of one outcome (:data:`CLASSES`) and why."""
+    if outside:
+        return "writes-outside", f"wrote outside its directory: {', '.join(outside[:3])}"
     if returncode is None:
         if case.code == RUNS_ON and case.expect and case.expect in output:
             return "clean", ""
@@ -1212,283 +1276,44 @@ def classify(case: Case, returncode: int | None, output: str, inside: Sequence[s
         return "mismatch", f"exit {returncode}, expected {case.code}"
     if case.expect and case.expect not in output:
         return "mismatch", f"no {case.expect!r} in the message"
+    if "\x1b" in output:
+        return "mismatch", "a raw escape sequence in the output (text from a file acting on the terminal)"
     return "clean", ""
 
 
-def late_by_time(outcomes: Sequence[Outcome], late_after: float) -> None:
-    """Reclassify as late a clean refusal slower than its command's median clean refusal by more than
-    ``late_after`` seconds (on a loaded machine startup alone takes seconds: compared like for like)."""
-    by_command: dict[str, list[float]] = {}
-    for o in outcomes:
-        if o.kind == "clean" and o.case.code != 0 and not o.case.writes:
-            by_command.setdefault(o.case.command, []).append(o.seconds)
-    for o in outcomes:
-        times = by_command.get(o.case.command)
-        if o.kind == "clean" and o.case.code != 0 and not o.case.writes and times:
-            median = statistics.median(times)
-            if o.seconds > median + late_after:
-                o.kind, o.reason = "late", f"refused after {o.seconds:.1f} s (median {median:.1f} s)"
+@dataclass
+class Ran:
+    """One command's exit code (``None``: stopped at its time limit) and its output (stderr, stdout)."""
+
+    returncode: int | None
+    output: str
 
 
-class Table:
-    """The environment every case shares: a root directory with HOME, TMPDIR, a sentinel directory and
-    the prepared runs, all checked after each case for writes."""
+def flashprobe(args: Sequence[str], cwd: Path, env: dict[str, str], timeout: float) -> Ran:
+    """``python -m flashprobe.cli ARGS`` in ``cwd`` as a new process would run it (forked from a process
+    that has imported torch and Lightning: :mod:`tests._zygote`), stopped after ``timeout`` seconds."""
+    from tests import _zygote as zygote
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.home, self.tmp, self.sentinel = root / "home", root / "tmp", root / "sentinel"
-        for d in (self.home, self.tmp, self.sentinel, root / "cases", root / "prepared", root / "caches"):
-            d.mkdir(parents=True, exist_ok=True)
-        (self.sentinel / "keep.txt").write_text("a file of the user's that nothing may touch\n")
-        self.env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "HYDRA_"))},
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-            "OMP_NUM_THREADS": "1",
-            "WANDB_MODE": "offline",
-            "WANDB_SILENT": "true",
-            "HOME": str(self.home),
-            "TMPDIR": str(self.tmp),
-            "MPLCONFIGDIR": str(root / "caches" / "matplotlib"),
-            "CI": "1",
-        }
-        self.prepared = Prepared(root / "prepared", self.env)
+    cmd = [sys.executable, "-m", "flashprobe.cli", *args]
+    try:
+        proc = zygote.run(cmd, cwd=cwd, env=env, timeout=timeout, merge_stderr=True)
+    except subprocess.TimeoutExpired:
+        return Ran(None, "")
+    return Ran(proc.returncode, proc.stdout)
 
-    def _watched(self) -> dict[str, dict[str, tuple]]:
-        watched = {
-            "HOME": self.home,
-            "TMPDIR": self.tmp,
-            "sentinel": self.sentinel,
-            "prepared": self.root / "prepared",
-        }
-        return {name: fingerprint(d) for name, d in watched.items()}
 
-    def run(self, case: Case, index: int) -> Outcome:
-        d = self.root / "cases" / f"{index:03d}"
-        d.mkdir(parents=True)
+def flashprobe_until(args: Sequence[str], cwd: Path, env: dict[str, str], timeout: float) -> Ran:
+    """As :func:`flashprobe`, in a process group of its own, keeping what it printed before it was
+    stopped (a command that runs on until its limit: what it said by then is the result)."""
+    cmd = [sys.executable, "-m", "flashprobe.cli", *args]
+    with subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    ) as proc:
         try:
-            with setup(case.setup, d, self.prepared) as values:
-                values = {"home": str(self.home), **values}
-                args = [_fill_in(a, values) for a in case.args]
-                env = {**self.env, **{k: _fill_in(v, values) for k, v in case.env}}
-                cwd = Path(_fill_in(case.cwd, values)) if case.cwd else d
-                inside, outside = fingerprint(d), self._watched()
-                start = time.monotonic()
-                proc = _flashprobe(args, cwd, env, case.timeout)
-                seconds = time.monotonic() - start - proc.held
-                outcome = Outcome(case, args, proc.returncode, seconds, proc.stderr + "\n" + proc.stdout)
-                outcome.held, outcome.cpu = proc.held, proc.cpu
-                outcome.inside = _changes(inside, fingerprint(d))
-                after = self._watched()
-                outcome.outside = [f"{n}:{c}" for n in outside for c in _changes(outside[n], after[n])]
-        except SkipCaseError as skip:
-            return Outcome(case, list(case.args), None, 0.0, "", kind="skipped", reason=str(skip))
-        except Exception as err:  # a defect of the table's own setup: shown, not fatal to the run
-            reason = f"the setup failed: {type(err).__name__}: {err}"
-            return Outcome(case, list(case.args), None, 0.0, "", kind="skipped", reason=reason)
-        outcome.kind, outcome.reason = classify(case, outcome.returncode, outcome.output, outcome.inside)
-        if outcome.cpu is not None:
-            outcome.reason += f"; it had used {outcome.cpu:.1f} s of CPU"
-        return outcome
-
-
-def _fill_in(text: str, values: dict[str, str]) -> str:
-    for key, value in values.items():
-        text = text.replace("{" + key + "}", value)
-    return text
-
-
-def _indices(spec: str) -> set[int]:
-    """``"3,7-9"`` → ``{3, 7, 8, 9}``."""
-    found: set[int] = set()
-    for part in filter(None, spec.split(",")):
-        low, _, high = part.partition("-")
-        found.update(range(int(low), int(high or low) + 1))
-    return found
-
-
-def select(
-    cases: Sequence[Case], only: Sequence[str], sample: int | None, index: str = ""
-) -> list[tuple[int, Case]]:
-    """The cases to run, with their index in the whole table: those matching a pattern of ``only``
-    (a glob of the command line, the setup or the source) or whose index ``index`` lists (``3,7-9``),
-    then ``sample`` of them spread evenly."""
-    listed = _indices(index)
-    chosen = [
-        (i, c)
-        for i, c in enumerate(cases)
-        if i in listed
-        or (not only and not listed)
-        or any(
-            fnmatch.fnmatch(" ".join(c.args), p)
-            or fnmatch.fnmatch(c.setup, p)
-            or fnmatch.fnmatch(c.source, p)
-            for p in only
-        )
-    ]
-    if sample is not None and sample < len(chosen):
-        step = len(chosen) / sample
-        chosen = [chosen[int(k * step)] for k in range(sample)]
-    return chosen
-
-
-def markdown(outcomes: Sequence[Outcome], total: int, seconds: float) -> str:
-    """Counts per class (overall and per command) and every case that is not clean."""
-    kinds = [*CLASSES, "skipped"]
-    count = {k: sum(o.kind == k for o in outcomes) for k in kinds}
-    outside = sum(bool(o.outside) for o in outcomes)
-    lines = [
-        f"{len(outcomes)} of {total} cases in {seconds / 60:.1f} min; "
-        f"{outside} wrote outside their directory",
-        "",
-        "| command | cases | " + " | ".join(kinds) + " | wrote outside |",
-        "|---|---:|" + "---:|" * (len(kinds) + 1),
-    ]
-    for command in sorted({o.case.command for o in outcomes}):
-        mine = [o for o in outcomes if o.case.command == command]
-        cells = [str(sum(o.kind == k for o in mine)) for k in kinds]
-        lines.append(
-            f"| {command} | {len(mine)} | " + " | ".join(cells) + f" | {sum(bool(o.outside) for o in mine)} |"
-        )
-    cells = [f"**{count[k]}**" for k in kinds]
-    lines.append(f"| **all** | **{len(outcomes)}** | " + " | ".join(cells) + f" | **{outside}** |")
-    bad = [o for o in outcomes if o.kind not in ("clean", "skipped") or o.outside]
-    if bad:
-        lines += ["", "| class | command | why | message |", "|---|---|---|---|"]
-        for o in bad:
-            command = " ".join(_shell(a) for a in o.command)[:160].replace("|", "\\|")
-            why = o.reason + (f"; wrote outside: {', '.join(o.outside[:3])}" if o.outside else "")
-            message = _message(o.output, o.case.expect)[:160].replace("|", "\\|")
-            lines.append(f"| {o.kind} | `{command}` | {why} | {message} |")
-    return "\n".join(lines) + "\n"
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--out", type=Path, default=Path("out/robustness"), help="where the JSON and Markdown go"
-    )
-    parser.add_argument(
-        "--only",
-        action="append",
-        default=[],
-        metavar="GLOB",
-        help="run only cases whose command line, setup or source matches (repeatable)",
-    )
-    parser.add_argument(
-        "--sample", type=int, metavar="N", help="run N cases spread evenly over the selection"
-    )
-    parser.add_argument(
-        "--late-after",
-        type=float,
-        default=15.0,
-        metavar="S",
-        help="a refusal this many seconds slower than its command's median is late (default 15)",
-    )
-    parser.add_argument(
-        "--work", type=Path, help="where the cases run (default: a temporary directory, removed)"
-    )
-    parser.add_argument(
-        "--index", default="", metavar="SPEC", help="also run the cases of these indices (3,7-9)"
-    )
-    parser.add_argument("--list", action="store_true", help="print the cases and exit")
-    parser.add_argument(
-        "--merge",
-        nargs="+",
-        type=Path,
-        metavar="JSON",
-        help="run nothing: join the robustness.json of runs of parts of the table (one row per case, "
-        "the last file's where several have one) and write the table of them into --out",
-    )
-    args = parser.parse_args(argv)
-    cases = all_cases()
-    if args.merge:
-        try:
-            outcomes, seconds = merged(args.merge, cases)
-        except (OSError, ValueError, KeyError) as err:
-            print(f"robustness_table: --merge: {err}", file=sys.stderr)
-            return 2
-        args.out.mkdir(parents=True, exist_ok=True)  # (each row keeps the class its run gave it)
-        print(_write(args.out, outcomes, len(cases), seconds))
-        return 0
-    chosen = select(cases, args.only, args.sample, args.index)
-    if args.list:
-        for i, case in chosen:
-            print(f"{i:3d}  [{case.setup}]  flashprobe {' '.join(case.args)}  -> {case.code} {case.expect!r}")
-        return 0
-    if not chosen:
-        print("robustness_table: no case matches", file=sys.stderr)
-        return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    with contextlib.ExitStack() as stack:
-        work = args.work or Path(
-            stack.enter_context(tempfile.TemporaryDirectory(prefix="flashprobe-robustness-"))
-        )
-        table = Table(work.resolve())
-        start = time.monotonic()
-        outcomes: list[tuple[int, Outcome]] = []
-        for n, (i, case) in enumerate(chosen, 1):
-            outcome = table.run(case, i)
-            outcomes.append((i, outcome))
-            print(
-                f"[{n}/{len(chosen)}] {outcome.kind:<9} {outcome.seconds:5.1f}s  #{i} "
-                f"flashprobe {' '.join(_shell(a) for a in outcome.command)[:150]}",
-                file=sys.stderr,
-                flush=True,
-            )
-            _write(args.out, outcomes, len(cases), time.monotonic() - start)  # a stopped run keeps its rows
-        late_by_time([o for _, o in outcomes], args.late_after)
-        print(_write(args.out, outcomes, len(cases), time.monotonic() - start))
-    return 0
-
-
-def merged(paths: Sequence[Path], cases: Sequence[Case]) -> tuple[list[tuple[int, Outcome]], float]:
-    """The outcomes in several ``robustness.json`` files (runs of parts of the table), one per case
-    in the table's order (the last file's row where several have one), and the seconds of all runs.
-
-    Raises:
-        ValueError: a row's command template is not the case at its index in this table (the table
-            changed since that run).
-    """
-    import shlex
-
-    rows: dict[int, dict[str, Any]] = {}
-    seconds = 0.0
-    for path in paths:
-        data = json.loads(path.read_text())
-        seconds += data["summary"]["seconds"]
-        for row in data["cases"]:
-            rows[row["index"]] = row
-    outcomes = []
-    for index, row in sorted(rows.items()):
-        case = cases[index] if 0 <= index < len(cases) else None
-        template = None if case is None else " ".join(_shell(a) for a in ["flashprobe", *case.args])
-        if row.get("template") != template:
-            raise ValueError(f"case {index} of {row.get('template')!r} is {template!r} in this table")
-        command = shlex.split(row["command"])[1:]
-        outcome = Outcome(case, command, row["returncode"], row["seconds"], row["message"])
-        outcome.kind, outcome.reason = row["class"], row["reason"]
-        outcome.inside, outcome.outside = row["written_inside"], row["written_outside"]
-        outcome.held, outcome.cpu = row.get("held_seconds", 0.0), row.get("cpu_seconds_at_limit")
-        outcomes.append((index, outcome))
-    return outcomes, seconds
-
-
-def _write(out: Path, outcomes: Sequence[tuple[int, Outcome]], total: int, seconds: float) -> str:
-    """Write ``robustness.json`` and ``robustness.md`` into ``out``; returns the Markdown."""
-    report = markdown([o for _, o in outcomes], total, seconds)
-    (out / "robustness.md").write_text(report)
-    counts = {k: sum(o.kind == k for _, o in outcomes) for k in [*CLASSES, "skipped"]}
-    summary = {
-        "cases": len(outcomes),
-        "table": total,
-        "seconds": round(seconds, 1),
-        "counts": counts,
-        "wrote_outside": sum(bool(o.outside) for _, o in outcomes),
-    }
-    rows = [o.to_json(i) for i, o in outcomes]
-    (out / "robustness.json").write_text(json.dumps({"summary": summary, "cases": rows}, indent=1) + "\n")
-    return report
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+            out, _ = proc.communicate(timeout=timeout)
+            code: int | None = proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            out, _ = proc.communicate()
+            code = None
+    return Ran(code, out.decode("utf-8", "backslashreplace"))
