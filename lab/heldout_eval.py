@@ -65,7 +65,12 @@ def register_heldout() -> dict[str, Any]:
 
 
 def evaluate(
-    names: Sequence[str] | None = None, *, contract_only: bool = False, seed: int = 0
+    names: Sequence[str] | None = None,
+    *,
+    contract_only: bool = False,
+    seed: int = 0,
+    backward: bool = True,
+    progress: bool = False,
 ) -> list[dict[str, Any]]:
     """Fuzz each held-out kernel (all, or ``names``) at the default profile; one row per kernel:
     name, api, kind, calls, verdict (``fail`` when any case fails), the failing cases, counts, seconds."""
@@ -82,9 +87,9 @@ def evaluate(
             start = time.perf_counter()
             spec = f"heldout_{name}"
             if contract_only:
-                results = run_contract_catalogue([spec], dtypes, seed=seed)
+                results = run_contract_catalogue([spec], dtypes, seed=seed, backward=backward)
             else:
-                results = check_kernel(spec, dtypes=dtypes, seed=seed).results
+                results = check_kernel(spec, dtypes=dtypes, seed=seed, backward=backward).results
             failed = sorted({f"{r.case}@{r.dtype}" for r in results if r.verdict == "fail"})
             counts = {
                 v: sum(r.verdict == v for r in results) for v in ("pass", "fail", "skip", "unsupported")
@@ -95,10 +100,19 @@ def evaluate(
                 "counts": counts, "seconds": round(time.perf_counter() - start, 1),
                 "reasons": sorted({r.reason[:160] for r in results if r.verdict == "fail"})[:3],
             })  # fmt: skip
+            if progress:
+                _line(rows[-1])
     finally:
         for name in held:
             unregister_kernel(f"heldout_{name}")
     return rows
+
+
+def _line(r: dict[str, Any]) -> None:
+    what = ", ".join(r["failed"][:6]) + (" ..." if len(r["failed"]) > 6 else "")
+    print(
+        f"{r['kind']:<8} {r['kernel']:<34} {r['verdict'].upper():<5} {r['seconds']:>6.1f}s {what}", flush=True
+    )
 
 
 def floor(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -124,13 +138,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--kernel", action="append", help="a held-out kernel's name (repeatable; default all)")
     p.add_argument("--contract-only", action="store_true", help="the contract catalogue only")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-backward", action="store_true", help="judge outputs and LSEs only")
     p.add_argument("--json", type=Path, help="write the rows and the floor as JSON")
     args = p.parse_args(argv)
     start = time.perf_counter()
-    rows = evaluate(args.kernel, contract_only=args.contract_only, seed=args.seed)
-    for r in rows:
-        what = ", ".join(r["failed"][:6]) + (" ..." if len(r["failed"]) > 6 else "")
-        print(f"{r['kind']:<8} {r['kernel']:<34} {r['verdict'].upper():<5} {r['seconds']:>6.1f}s {what}")
+    rows = evaluate(
+        args.kernel,
+        contract_only=args.contract_only,
+        seed=args.seed,
+        backward=not args.no_backward,
+        progress=True,
+    )
     result = floor(rows)
     print(
         f"\nsingle-call bugs failing: {result['caught']} of {result['bugs']} "
