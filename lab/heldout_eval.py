@@ -71,6 +71,7 @@ def evaluate(
     seed: int = 0,
     backward: bool = True,
     progress: bool = False,
+    dtypes: Sequence[str] = ("bf16", "fp16", "fp32"),
 ) -> list[dict[str, Any]]:
     """Fuzz each held-out kernel (all, or ``names``) at the default profile; one row per kernel:
     name, api, kind, calls, verdict (``fail`` when any case fails), the failing cases, counts, seconds."""
@@ -81,15 +82,15 @@ def evaluate(
     try:
         for name in names or list(held):
             contract = CONTRACTS[name]
-            dtypes = [_DTYPES[d] for d in ("bf16", "fp16", "fp32")]
-            dtypes += [torch.float8_e4m3fn] if "e4m3" in contract.dtypes else []
+            chosen = [_DTYPES[d] for d in dtypes]
+            chosen += [torch.float8_e4m3fn] if "e4m3" in contract.dtypes else []
             stateful.reset_state()
             start = time.perf_counter()
             spec = f"heldout_{name}"
             if contract_only:
-                results = run_contract_catalogue([spec], dtypes, seed=seed, backward=backward)
+                results = run_contract_catalogue([spec], chosen, seed=seed, backward=backward)
             else:
-                results = check_kernel(spec, dtypes=dtypes, seed=seed, backward=backward).results
+                results = check_kernel(spec, dtypes=chosen, seed=seed, backward=backward).results
             failed = sorted({f"{r.case}@{r.dtype}" for r in results if r.verdict == "fail"})
             counts = {
                 v: sum(r.verdict == v for r in results) for v in ("pass", "fail", "skip", "unsupported")
@@ -139,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--contract-only", action="store_true", help="the contract catalogue only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-backward", action="store_true", help="judge outputs and LSEs only")
+    p.add_argument("--dtype", action="append", choices=("bf16", "fp16", "fp32"), help="default: all three")
     p.add_argument("--json", type=Path, help="write the rows and the floor as JSON")
     args = p.parse_args(argv)
     start = time.perf_counter()
