@@ -148,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.kernel,
         contract_only=args.contract_only,
         seed=args.seed,
+        dtypes=args.dtype or ("bf16", "fp16", "fp32"),
         backward=not args.no_backward,
         progress=True,
     )
