@@ -21,6 +21,7 @@ import torch
 
 from flashprobe.formats import prepare_output_dir
 from flashprobe.fuzz.cases import FuzzCase, select_cases
+from flashprobe.fuzz.contract_run import dense_dtypes, run_contract_catalogue, split_case_patterns, to_dtypes
 from flashprobe.fuzz.invariants import CHECKS, run_checks, select_checks
 from flashprobe.fuzz.kernel_call import kernel_label
 from flashprobe.fuzz.ledger import Ledger, LedgerReport, UnexpectedPass, load_ledger
@@ -95,6 +96,7 @@ def check_kernel(
     out_dir: str | os.PathLike[str] | None = None,
     progress: Callable[[str], None] | None = None,
     ledger: Ledger | str | os.PathLike[str] | None = None,
+    contract_cases: Sequence[str] | None = None,
 ) -> KernelCheck:
     """Run the fuzzer's catalogue for ``seeds`` seeds, then ``budget`` random samples, on
     ``kernels``, each judged by the one rule (:mod:`flashprobe.judge`) against the FP64 golden.
@@ -120,6 +122,8 @@ def check_kernel(
         ledger: accepted findings (a :class:`~flashprobe.fuzz.ledger.Ledger`, a file, or a shipped
             ledger's name such as ``"builtin"``): their failures are ``known``, their quarantined
             cases not called, their unexpected passes failures of the check.
+        contract_cases: the contract catalogue's cases (:mod:`flashprobe.fuzz.contract_cases`, for
+            kernels of another api) to run; None: those ``cases``' patterns name (all when none).
 
     Returns:
         The :class:`KernelCheck`.
@@ -147,8 +151,14 @@ def check_kernel(
         extra, rest = [CHECKS[name] for name in checks or ()], named
     else:
         extra, rest = select_checks(named if cases is not None else None, profile=profile)
-    if rest is not None and (rest or cases is None):  # no cases given: the profile's catalogue
-        chosen += select_cases(rest, profile=profile)
+    contract_names: list[str] = []
+    if rest is not None:  # the contract apis' cases: contract_run
+        dense_named, contract_names = split_case_patterns(rest)
+        if dense_named is not None and (rest or cases is None):  # no cases given: the profile's catalogue
+            chosen += select_cases(dense_named, profile=profile)
+        contract_names = contract_names if cases is None or rest else []
+    if contract_cases is not None:
+        contract_names = list(contract_cases)
     store = None
     if out_dir is not None:  # checked as the command checks --out (no system directory, writable)
         store = ReproducerStore(prepare_output_dir(out_dir, flag="out_dir"), baseline, backward)
@@ -157,11 +167,22 @@ def check_kernel(
     results: list[FuzzResult] = []
     for s in range(seed, seed + seeds):
         results += run_catalogue(
-            labels, dtypes, cases=chosen, seed=s, layouts=layouts, progress=progress, ledger=ledger, **common
+            labels,
+            dense_dtypes(dtypes),
+            cases=chosen,
+            seed=s,
+            layouts=layouts,
+            progress=progress,
+            ledger=ledger,
+            **common,
         )
         results += run_checks(
-            labels, [to_dtype(d) for d in dtypes], extra, seed=s, progress=progress, **common
+            labels, [to_dtype(d) for d in dense_dtypes(dtypes)], extra, seed=s, progress=progress, **common
         )
+        results += run_contract_catalogue(
+            labels, to_dtypes(dtypes), seed=s, device=device, backward=backward, names=contract_names,
+            progress=progress, reproducers=store,
+        )  # fmt: skip
     catalogue_s = time.perf_counter() - start
     if budget and progress is not None and results:
         # up front: the catalogue's pace per (case, dtype) call of every kernel, for the samples

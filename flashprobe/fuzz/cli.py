@@ -36,6 +36,8 @@ from flashprobe.formats import OutputPathError, atomic_write_text, prepare_outpu
 from flashprobe.formats.paths import check_output_dir
 from flashprobe.fuzz.cases import PROFILES, FuzzCase, select_cases
 from flashprobe.fuzz.check import check_kernel
+from flashprobe.fuzz.contract_cases import FP8_NAMES
+from flashprobe.fuzz.contract_run import split_case_patterns
 from flashprobe.fuzz.invariants import checks_table, select_checks
 from flashprobe.fuzz.kernel_call import kernel_label
 from flashprobe.fuzz.layouts import LAYOUTS
@@ -71,7 +73,7 @@ from flashprobe.kernels import (
 __all__ = ["DEFAULT_DTYPES", "main"]
 
 DEFAULT_DTYPES = ("bf16", "fp16", "fp32")
-_DTYPE_CHOICES = "bf16, fp16, fp32, fp64"
+_DTYPE_CHOICES = "bf16, fp16, fp32, fp64, e4m3 (FP8 inputs, kernels that declare float8_e4m3fn)"
 
 
 class UsageError(ValueError):
@@ -200,7 +202,7 @@ def _dtypes(values: Sequence[str] | None) -> list[torch.dtype]:
     dtypes = []
     for name in names:
         try:
-            dtypes.append(to_dtype(name))
+            dtypes.append(FP8_NAMES[name] if name in FP8_NAMES else to_dtype(name))  # e4m3: FP8 inputs
         except ValueError:
             raise UsageError(f"--dtype {name}: unknown dtype; use one of {_DTYPE_CHOICES}") from None
     return dtypes
@@ -225,13 +227,15 @@ def _cases(args: argparse.Namespace) -> tuple[list[FuzzCase], list[str]]:
     if args.no_catalogue:
         if args.budget == 0:
             raise UsageError("--no-catalogue with --budget 0 runs nothing; give --budget N (random samples)")
+        args.contract_cases = []
         return [], []
     checks, rest = select_checks(patterns, profile=args.profile)
+    dense, args.contract_cases = (None, []) if rest is None else split_case_patterns(rest)
     try:
-        cases = [] if rest is None else select_cases(rest, profile=args.profile)
+        cases = [] if dense is None else select_cases(dense, profile=args.profile)
     except ValueError as err:
         raise UsageError(f"--case/--exclude: {err}") from None
-    if not cases and not checks and not args.budget:
+    if not cases and not checks and not args.contract_cases and not args.budget:
         given = " ".join(
             f"{flag} {v!r}"
             for flag, vs in (("--case", args.case), ("--exclude", args.exclude))
@@ -572,6 +576,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out_dir=plan.out_dir,
         progress=_progress(plan.quiet, plan.budget),
         ledger=plan.ledger,
+        contract_cases=getattr(args, "contract_cases", None),
     )
     results, elapsed, catalogue_s = check.results, check.elapsed_s, check.catalogue_s
     _print_results(plan, results, elapsed, check.ledger)
