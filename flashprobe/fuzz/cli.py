@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from flashprobe.errors import FlashprobeError
 from flashprobe.formats import OutputPathError, atomic_write_text, prepare_output_dir, write_json
 from flashprobe.formats.paths import check_output_dir
 from flashprobe.fuzz.cases import PROFILES, FuzzCase, select_cases
@@ -68,7 +69,7 @@ DEFAULT_DTYPES = ("bf16", "fp16", "fp32")
 _DTYPE_CHOICES = "bf16, fp16, fp32, fp64"
 
 
-class UsageError(ValueError):
+class UsageError(ValueError, FlashprobeError):
     """A command-line argument is unusable; the message names it and the fix."""
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from flashprobe.errors import FlashprobeError
 from flashprobe.fuzz.inputs import CaseInputs
 from flashprobe.kernels import KernelCapabilities, default_scale, mask_kind
 
@@ -44,7 +45,7 @@ FIXED = ("head_dim", "lengths", "gqa", "tail")
 MAX_FITTED_SCORES = 1 << 25
 
 
-class NotApplicableError(ValueError):
+class NotApplicableError(ValueError, FlashprobeError):
     """The case cannot be posed to this kernel without losing what it tests; the message says why."""
 
 

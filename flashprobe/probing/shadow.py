@@ -53,6 +53,7 @@ from torch import nn
 
 from flashprobe.bias import BIAS_FIELDS, BiasStats
 from flashprobe.deviation import StatsWorkspace, combine_sums, pair_sums, reads_are_free
+from flashprobe.errors import FlashprobeError
 from flashprobe.formats.jsonio import flatten
 from flashprobe.formats.reproducer import kernel_module, reproducer_stem, save_reproducer
 from flashprobe.judge import CRITERIA, call_statistics, reason, row_statistics
@@ -81,7 +82,7 @@ __all__ = ["ON_FAILURE", "ProbeFailureError", "ShadowAttention"]
 ON_FAILURE: tuple[str, ...] = ("warn", "raise", "ignore")
 
 
-class ProbeFailureError(RuntimeError):
+class ProbeFailureError(RuntimeError, FlashprobeError):
     """Raised with ``on_failure="raise"`` at the first failing call (message: site, direction, step,
     reason, reproducer)."""
 
