@@ -725,27 +725,14 @@ def _closing(report: Path) -> tuple[str, int]:
     """The verdict (plain text, its answer first) and the paths a study wrote: the last lines a user
     sees; and the exit code of its answer (:data:`flashprobe.report.study_verdict.EXIT_CODES`)."""
     from flashprobe.formats.study_file import read_study
-    from flashprobe.report.study_verdict import (
-        EXIT_CODES,
-        UNDETERMINED,
-        no_verdict_line,
-        verdict,
-        verdict_lines,
-    )
+    from flashprobe.report.study_verdict import answer
 
-    study = read_study(report.parent)
-    meta = study.get("study", {})
-    v = verdict(study)
-    lines = (
-        verdict_lines(v, str(meta.get("precision")), str(meta.get("kernel", "sdpa_flash")))
-        if v
-        else [no_verdict_line(study)]
-    )
+    lines, code = answer(read_study(report.parent))
     out = report.parent
     text = "\n".join(
         [
             "",
-            *(line.replace("**", "") for line in lines),
+            *lines,
             "",
             f"report:  {report}",
             f"numbers: {out / 'study.json'}, {out / 'study.csv'}",
@@ -753,4 +740,4 @@ def _closing(report: Path) -> tuple[str, int]:
             f"runs:    {out / 'runs'}/<run> (probe.png, snapshots, samples)",
         ]
     )
-    return text, EXIT_CODES[v.answer if v else UNDETERMINED]
+    return text, code
