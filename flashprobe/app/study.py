@@ -512,6 +512,9 @@ def _run_locked_study(out: Path, plan: StudyPlan, cfg: Any, overrides: list[str]
             for group in ("hydra/job_logging", "hydra/hydra_logging")
             if override_value(overrides, group) is None
         ]
+        console = "callbacks.attention_probe.console"
+        if "attention_probe" in (cfg.get("callbacks") or {}) and override_value(overrides, console) is None:
+            argv.append(f"{console}=false")  # the study's progress prints each run's verdict instead
         kernel = str(cfg.study.kernel)
         labels = {
             n: f"{kernel if r.attention == 'flash' else 'math'}, {r.precision}, seed {r.seed}"

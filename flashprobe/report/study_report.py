@@ -36,7 +36,7 @@ from flashprobe.report.study_verdict import (
 )
 from flashprobe.weights.differences import describe_differences, not_like_for_like
 
-__all__ = ["probe_summary", "verdict", "verdict_lines", "write_report"]
+__all__ = ["probe_summary", "probe_verdict", "verdict", "verdict_lines", "write_report"]
 
 
 def _final(pair: Mapping[str, Any], metric: str = "wasserstein") -> tuple[int, float] | None:
@@ -53,6 +53,22 @@ def probe_summary(run_dir: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     return [{"step": r["step"], **r.get("summary", {})} for r in load_probe_records(path)]
+
+
+def probe_verdict(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """The probe's verdict over a run: the last summary of its ``probe.jsonl`` with every record
+    tallied (:class:`flashprobe.probing.session.RunTally`), and the per-site rows of the verdict
+    block; None when the run has no probe records."""
+    from flashprobe.probing.session import RunTally
+
+    path = run_dir / PROBE_LOG_NAME
+    if not path.is_file():
+        return None
+    tally, summary = RunTally(), {}
+    for record in load_probe_records(path):
+        head = {"step": record["step"], **(record.get("summary") or {})}
+        summary = tally.add(head, record.get("sites") or {})
+    return (summary, tally.rows(summary.get("failures") or [])) if summary else None
 
 
 def _comparisons_table(study: Mapping[str, Any]) -> list[str]:

@@ -167,8 +167,15 @@ def test_a_buggy_kernel_is_told_to_look_closer_with_exit_code_3(
 ) -> None:
     runs = "flash,baseline,seed1,fp32"
     code = main(["--out", str(tmp_path), "--runs", runs, *TINY, f"study.kernel={wrong_scale_kernel}"])
-    first = capsys.readouterr().out.split("\n\n")[-2].splitlines()[0]  # the verdict's first line
+    printed = capsys.readouterr().out
+    first = printed.split("\n\n")[-2].splitlines()[0]  # the verdict's first line
     assert code == 3, first
+    # the probe failed the kernel in the flash run: that run's line says so, its per-site table follows
+    lines = printed.splitlines()
+    [done] = [i for i, line in enumerate(lines) if re.match(r"\[1/4\] flash +done in .* · probe FAIL", line)]
+    assert lines[done + 1].startswith("flash: probe: verdict FAIL")
+    assert any(line.split()[:3] == ["site", "dir", "verdict"] for line in lines[done + 1 : done + 6])
+    assert re.search(r"\[2/4\] baseline +done in \d+ s · elapsed", printed)  # no probe: its line alone
     assert first.startswith(
         "LOOK CLOSER: study_wrong_scale / bf16_vs_fp32 is above 1 in every replicate at steps 2, 4"
     )
