@@ -349,7 +349,7 @@ def test_report_verdict_against_low_precision(
     v = verdict(read_study(tmp_path))
     assert v.context["fp16_vs_fp32"].ratio.median == pytest.approx(flash / 2e-5)
     assert v.answer == answer  # no seed pair: below low precision alone cannot pass
-    assert report_main([str(tmp_path)]) == 0
+    assert report_main([str(tmp_path)]) == EXIT_CODES[answer]  # the answer's code, as study's
     text = (tmp_path / "report.md").read_text()
     assert f"flash_vs_baseline / fp16_vs_fp32 = {finding}" in text  # no run recorded: the pair's name
     assert f"- **{answer}**: " in text
@@ -486,7 +486,9 @@ def test_the_verdict_as_plain_data_holds_every_ratio_computed_by_hand(tmp_path: 
 
 
 def report_line(study_dir: Path) -> str:
-    assert report_main([str(study_dir)]) == 0
+    """The verdict's first line in report.md; ``report`` exits with that answer's code, as study does."""
+    found = verdict(read_study(study_dir))
+    assert report_main([str(study_dir)]) == EXIT_CODES[found.answer if found else "UNDETERMINED"]
     return (study_dir / "report.md").read_text().split("\n## Verdict\n\n- ", 1)[1].split("\n", 1)[0]
 
 
@@ -548,7 +550,7 @@ def test_a_planned_pair_whose_runs_differ_in_more_carries_no_verdict(tmp_path: P
         "machine (torch_threads 2 vs torch_threads 4)"
     )
     assert v.seeds == [0, 4]  # the pair that differs in two things is left out, not averaged in
-    text = (tmp_path / "report.md").read_text() if report_main([str(tmp_path)]) == 0 else ""
+    text = (tmp_path / "report.md").read_text() if report_main([str(tmp_path)]) == 4 else ""  # UNDETERMINED
     assert "`flash_vs_baseline_seed2` differs in attention (x vs y), machine" in text
     # replicate 0's own pair differing in two things leaves no flash_vs_baseline at all
     doc["pairs"]["flash_vs_baseline"]["differs"]["seed"] = [0, 1]
