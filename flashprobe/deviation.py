@@ -26,7 +26,8 @@ underscore (``primary_golden_max_abs``), a nested record nests them (``{"primary
 **One implementation.** :func:`pair_sums` computes the sufficient statistics of up to three pairs
 at once with plain tensor ops on the tensors' device, with no host synchronisation and no branch on
 the values (one path for the CPU and every accelerator); the probe, the benchmarks and the fuzzer
-all use it, through :func:`deviation_tensors` / :func:`deviation` or directly.
+all use it, through :func:`deviation_tensors` / :func:`deviation` or directly; its rows and pairs
+are read by name (:data:`SUM`, :data:`PAIR`).
 :func:`pair_and_row_sums` is the same pass with the L2 norm of every row as well (the verdict's
 row statistics, :func:`flashprobe.judge.call_statistics`): each difference is taken once.
 Differences are taken in float64 (the float32/bf16/fp16 sides are promoted exactly), so on a
@@ -37,8 +38,10 @@ reductions (and so the last bits of the sums) may differ.
 from __future__ import annotations
 
 import math
+from collections import namedtuple
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -46,9 +49,12 @@ __all__ = [
     "DIRECTIONS",
     "FREE_READS",
     "GRADIENTS",
+    "NORM",
+    "PAIR",
     "PAIRS",
     "PAIR_LABELS",
     "SLICE_ELEMENTS",
+    "SUM",
     "SUM_ROWS",
     "Deviation",
     "StatsWorkspace",
@@ -91,12 +97,24 @@ class Deviation:
         return asdict(self)
 
 
+def _positions(name: str, names: Sequence[str]) -> Any:
+    """A named tuple of the positions of ``names`` (``_positions("T", ("a", "b")).b == 1``)."""
+    return namedtuple(name, names)(*range(len(names)))
+
+
 #: The rows of :func:`pair_sums`, per pair.
-SUM_ROWS: tuple[str, ...] = (
-    "max_abs", "sum_abs", "sum_sq_diff", "sum_sq_ref", "nonfinite", "count", "max_ref"
-)
+SUM_ROWS: tuple[str, ...] = ("max_abs", "sum_abs", "sum_sq_diff", "sum_sq_ref", "nonfinite", "count",
+                             "max_ref")
+#: Where a :func:`pair_sums` result holds what, by name: ``sums[SUM.nonfinite, PAIR.primary_golden]``.
+SUM = _positions("SUM", SUM_ROWS)
+PAIR = _positions("PAIR", PAIRS)
+#: The rows of the row norms of :func:`pair_and_row_sums`: those of each row of ``primary − golden``,
+#: ``baseline − golden``, ``golden`` and ``form − golden``.
+NORM = _positions("NORM", ("primary_golden", "baseline_golden", "golden", "form"))
+#: The rows of :data:`SUM_ROWS` that parts combine by their maximum (:func:`combine_sums`); the rest add.
+_MAXIMA = frozenset({"max_abs", "max_ref"})
 #: Elements :func:`pair_sums` processes per slice, by device type: cache-sized on the CPU, fewer
-#: launches elsewhere. Its scratch memory is ``3 · P + 2`` float64 rows of a slice (``P`` pairs).
+#: launches elsewhere. Its scratch memory is ``10`` float64 rows of a slice (:data:`_ROWS`).
 SLICE_ELEMENTS: dict[str, int] = {"cpu": 1 << 14, "default": 1 << 20}
 
 
@@ -112,7 +130,7 @@ def reads_are_free(device: torch.device) -> bool:
 
 class StatsWorkspace:
     """Reusable float64 scratch for :func:`pair_sums` (no allocation per call): per device one
-    buffer of at most ``11 · SLICE_ELEMENTS[device]`` values (more only for rows longer than a slice),
+    buffer of at most ``10 · SLICE_ELEMENTS[device]`` values (more only for rows longer than a slice),
     and the views of the last call shapes' sweeps (:class:`_Layout`, a few small tables each)."""
 
     #: Bytes of per-call-shape tables (:class:`_Layout`) kept; beyond them the oldest shapes are
@@ -140,7 +158,7 @@ class StatsWorkspace:
         found = self._layouts.get(key)
         if found is None:
             stride = -(-chunk // _ROW_ALIGN) * _ROW_ALIGN  # every row starts equally aligned
-            count = 11 if golden else 3
+            count = len(_ROWS) if golden else _ROWS.pb + 1
             scratch = self.get(device, count * stride)[: count * stride].view(count, stride)
             found = _Layout(scratch, stride, n, chunk, width, golden, form)
             if found.nbytes > self.KEPT_BYTES:  # a call this large costs far more than its views
@@ -191,7 +209,8 @@ def pair_sums(
         workspace: scratch buffers to reuse across calls.
 
     Returns:
-        ``(7, q)`` float64 tensor, ``q`` = 3 pairs (1 without golden), rows :data:`SUM_ROWS`:
+        ``(7, q)`` float64 tensor, ``q`` = 3 pairs (1 without golden) in :data:`PAIRS` order, rows
+        :data:`SUM_ROWS` (read them by name: ``sums[SUM.max_abs, PAIR.primary_golden]``):
         ``max_abs``, ``sum_abs``, ``sum_sq_diff``, ``sum_sq_ref``, ``nonfinite``, ``count`` and
         ``max_ref`` (the largest |reference| over the finite positions: max|golden| for the golden
         pairs, what the noise floor needs).
@@ -225,10 +244,11 @@ def pair_and_row_sums(
     Returns:
         ``(sums, norms, golden_max, finite)``: the ``(7, 3)`` :func:`pair_sums`; ``(K, R)`` float64
         L2 norms of the ``R`` rows of ``primary − golden``, ``baseline − golden``, ``golden`` and
-        (with ``form``, ``K`` = 4) ``form − golden``, non-finite where the row holds a non-finite
-        value; ``max|golden|`` over every position (non-finite where ``golden`` is), 0-d float64;
-        and whether ``primary``, ``baseline`` and ``golden`` were read to be finite everywhere
-        (``False`` where that was not read: where host reads are not free, :func:`reads_are_free`).
+        (with ``form``, ``K`` = 4) ``form − golden`` (rows :data:`NORM`), non-finite where the row
+        holds a non-finite value; ``max|golden|`` over every position (non-finite where ``golden``
+        is), 0-d float64; and whether ``primary``, ``baseline`` and ``golden`` were read to be finite
+        everywhere (``False`` where that was not read: where host reads are not free,
+        :func:`reads_are_free`).
 
     Raises:
         ValueError: the tensors have different numbers of elements.
@@ -268,7 +288,8 @@ def _pair_pass(
         sums = torch.zeros(len(SUM_ROWS), pairs, dtype=torch.float64, device=device)
         if not rows:
             return sums, None, None, reads_are_free(device)
-        return sums, sums.new_zeros(3 if f is None else 4, 0), sums.new_zeros(()), reads_are_free(device)
+        norms = sums.new_zeros(NORM.form if f is None else len(NORM), 0)
+        return sums, norms, sums.new_zeros(()), reads_are_free(device)
     # Rows are the golden's last dimension where they are asked for; else each slice is one row.
     width = (g.shape[-1] if g.dim() else 1) if rows and g is not None else 0
     sweep = _Sweep(p, b, g, f if rows else None, width, workspace or StatsWorkspace())
@@ -285,30 +306,62 @@ def _pair_pass(
 #: reductions give the same bits whichever row of the buffer holds it.
 _ROW_ALIGN = 8
 
+#: The columns of the slices' table (one row per slice): the L2 norms of the rows ``b`` and ``pb``,
+#: the largest magnitude of each scratch row from ``b`` to ``g_bg`` (as :attr:`_Slice.magnitudes`),
+#: the sums of the differences' magnitudes, the non-finite positions of each pair, and the golden's
+#: largest and smallest value; without the golden, those of ``primary_baseline`` alone.
+_COLUMNS = _positions("COLUMNS", (
+    "norm_b", "norm_pb", "max_b", "max_pb", "max_pg", "max_bg", "max_g", "max_g_bg", "sum_pb", "sum_pg",
+    "sum_bg", "nonfinite_pb", "nonfinite_pg", "nonfinite_bg", "golden_max", "golden_min",
+))
+_PB_COLUMNS = _positions("PB_COLUMNS", ("norm_b", "norm_pb", "max_b", "max_pb", "sum_pb", "nonfinite_pb"))
 
-class _Views(NamedTuple):
-    """One slice's scratch rows, their blocks and its outputs (see :class:`_Layout`)."""
 
-    x: tuple[torch.Tensor, ...]
-    blocks: dict[str, torch.Tensor]
-    acc: dict[str, torch.Tensor]
-    norms: tuple[torch.Tensor, ...]
-    squares: torch.Tensor | None
+class _Slice(NamedTuple):
+    """One slice's views for one sweep, made once per call shape (:class:`_Layout`): its float64
+    scratch rows (``m`` elements each), the runs of adjacent rows its reductions read (``r`` rows of
+    ``w``) and where they write, its row of the slices' table (:attr:`_Layout.columns`) and its rows'
+    columns of the :data:`NORM` tables. The golden's views are None without it."""
+
+    # The scratch rows in buffer order (_ROWS; without the golden up to pb); reductions read runs of them.
+    z_pb: torch.Tensor  # masked sweep: 1 where primary_baseline is non-finite, else 0
+    z_pg: torch.Tensor  # the same for primary_golden
+    z_bg: torch.Tensor  # and for baseline_golden
+    b: torch.Tensor  # the baseline, the reference of primary_baseline
+    pb: torch.Tensor  # p − b
+    pg: torch.Tensor | None  # p − g
+    bg: torch.Tensor | None  # b − g
+    g: torch.Tensor | None  # the golden where it is loaded; masked, the reference of primary_golden
+    g_bg: torch.Tensor | None  # masked: the golden as the reference of baseline_golden
+    form: torch.Tensor | None  # f − g
+    own: torch.Tensor  # (2, m) b, pb
+    magnitudes: torch.Tensor  # (k, m) b … bg; masked b … g_bg; without the golden b, pb
+    differences: torch.Tensor  # (3, m) pb, pg, bg; without the golden pb (m,)
+    marks: torch.Tensor  # (3, m) z_pb, z_pg, z_bg; without the golden z_pb (m,)
+    golden_rows: torch.Tensor | None  # (2, r, w) pg, bg
+    masked_rows: torch.Tensor | None  # (4, r, w) pg, bg, g, g_bg
+    form_rows: torch.Tensor | None  # (r, w) form
+    norm: torch.Tensor  # (2,) norm_b, norm_pb
+    maxima: torch.Tensor  # (k,) from max_b on, one per row of magnitudes
+    sums: torch.Tensor  # (3,) from sum_pb on; without the golden sum_pb ()
+    nonfinite: torch.Tensor  # (3,) from nonfinite_pb on; without the golden nonfinite_pb ()
+    golden_max: torch.Tensor | None  # () golden_max
+    golden_min: torch.Tensor | None  # () golden_min
+    pair_norms: torch.Tensor | None  # (2, r) NORM rows primary_golden, baseline_golden
+    golden_norms: torch.Tensor | None  # (r,) NORM row golden
+    form_norms: torch.Tensor | None  # (r,) NORM row form
+    squares: torch.Tensor | None  # (4, r) masked: the norms of masked_rows
+
+
+#: The positions of the scratch rows in a slice's buffer: the first fields of :class:`_Slice`.
+_ROWS = _positions("ROWS", _Slice._fields[: _Slice._fields.index("own")])
 
 
 class _Layout:
-    """Everything a call shape's sweep writes through, made once and kept by a
-    :class:`StatsWorkspace`: the slices, each slice's scratch rows and the blocks its reductions run
-    over, and its outputs — a row of the slices' table ``acc (S, C)`` and its columns of the row
-    norms — for the unmasked and the masked sweep. A slice then costs its arithmetic alone.
-
-    Scratch rows of a slice: ``[z (P);] b; p − b[; p − g; b − g[; g; g]]`` (``z`` marks
-    non-finite pairs; the golden pairs get references of their own only when masked), then spares.
-    Columns of ``acc``: ``‖b‖, ‖p − b‖``, the largest magnitudes of ``b`` and of each difference
-    (then, masked, of the two goldens), at 8 the sums of the differences' magnitudes, at 11 the
-    non-finite positions per pair, at 14 and 15 ``max g`` and ``min g``; without golden ``‖b‖,
-    ‖p − b‖, max|b|, max|p − b|, Σ|p − b|`` and the non-finite positions.
-    """
+    """Everything a call shape's sweeps write through, made once and kept by a :class:`StatsWorkspace`:
+    per sweep (unmasked, masked) each slice's :class:`_Slice` and the tables they write, the slices'
+    table ``(S, len(columns))`` (zero where a sweep writes nothing) and with the golden the
+    :data:`NORM` rows ``(K, R)`` and, masked, the squares ``(4, R)``. A slice costs its arithmetic alone."""
 
     def __init__(
         self, scratch: torch.Tensor, stride: int, n: int, chunk: int, width: int, golden: bool, form: bool
@@ -316,90 +369,72 @@ class _Layout:
         self.scratch, self.stride, self.width, self.golden, self.form = scratch, stride, width, golden, form
         self.sizes = [min(chunk, n - a) for a in range(0, n, chunk)]
         self.rows = [m // width for m in self.sizes] if width else [1] * len(self.sizes)
+        self.columns = _COLUMNS if golden else _PB_COLUMNS  # of the slices' table
         self.tables: dict[bool, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
-        rows = sum(self.rows)
-        #: the most its tables take (both sweeps): the slices' table, the row norms, the masked squares
-        self.nbytes = 8 * (
-            2 * len(self.sizes) * 16 + (2 * 4 + 4) * rows if golden else 2 * len(self.sizes) * 6
-        )
-        self._views: dict[bool, list[_Views]] = {}
+        #: the most its tables take (both sweeps): the slices' tables, the row norms, the masked squares
+        norms = (2 * len(NORM) + 4) * sum(self.rows) if golden else 0
+        self.nbytes = 8 * (2 * len(self.sizes) * len(self.columns) + norms)
+        self._views: dict[bool, list[_Slice]] = {}
 
-    def views(self, masked: bool) -> list[_Views]:
-        """Each slice's :class:`_Views` for the masked or the unmasked sweep (made on first use)."""
-        found = self._views.get(masked)
-        if found is None:
-            found = self._views[masked] = self._make(masked)
-        return found
+    def views(self, masked: bool) -> list[_Slice]:
+        """Each slice's :class:`_Slice` for the masked or the unmasked sweep (made on first use)."""
+        if masked not in self._views:
+            self._views[masked] = self._make(masked)
+        return self._views[masked]
 
     def _block(self, first: torch.Tensor, count: int, width: int = 0) -> torch.Tensor:
-        """``count`` consecutive scratch rows from ``first`` on: ``(count, m)``, or with ``width``
-        ``(count, m // width, width)``."""
+        """``count`` scratch rows from ``first`` on: ``(count, m)``, or ``(count, m // width, width)``."""
         m = first.numel()
         if not width:
             return first.as_strided((count, m), (self.stride, 1))
         return first.as_strided((count, m // width, width), (self.stride, width, 1))
 
-    def _make(self, masked: bool) -> list[_Views]:
-        device, f64 = self.scratch.device, torch.float64
-        total = sum(self.rows)
-        acc = torch.zeros(len(self.sizes), 16 if self.golden else 6, dtype=f64, device=device)
+    def _make(self, masked: bool) -> list[_Slice]:
+        device, f64, golden, row, col = self.scratch.device, torch.float64, self.golden, _ROWS, self.columns
+        table = torch.zeros(len(self.sizes), len(col), dtype=f64, device=device)
         norms = squares = None
-        if self.golden:
-            norms = torch.empty(4 if self.form else 3, total, dtype=f64, device=device)
-            squares = torch.empty(4, total, dtype=f64, device=device) if masked else None
-        self.tables[masked] = (acc, norms, squares)
+        if golden:
+            rows = sum(self.rows)
+            norms = torch.empty(len(NORM) if self.form else NORM.form, rows, dtype=f64, device=device)
+            squares = torch.empty(4, rows, dtype=f64, device=device) if masked else None
+        self.tables[masked] = (table, norms, squares)
+        k = (row.g_bg if masked else row.bg) - row.b + 1 if golden else 2
         made, start = [], 0
         for i, m in enumerate(self.sizes):
             x = self.scratch[:, :m].unbind(0)
             w = self.width or m
             at = slice(start, start + self.rows[i])
             start += self.rows[i]
-            a = acc[i]
-            if not self.golden:
-                first = 1 if masked else 0  # b
-                blocks = {"b": self._block(x[first], 2)}
-                outs = {"norm": a[0:2], "max": a[2:4], "sum": a[4], "nonfinite": a[5]}
-                made.append(_Views(x, blocks, outs, (), None))
-                continue
-            first = 3 if masked else 0  # b
-            count = 6 if masked else 4  # magnitudes: b, the differences (and the masked goldens)
-            blocks = {
-                "b": self._block(x[first], 2),
-                "magnitudes": self._block(x[first], count),
-                "differences": self._block(x[first + 1], 3),
-                "rows": self._block(x[first + 2], 2, w),
-                "form_row": x[9 if masked else 5],
-                "form": x[9 if masked else 5].view(-1, w),
-            }
-            if masked:
-                blocks["z"] = self._block(x[0], 3)
-                blocks["masked"] = self._block(x[first], 6)
-                blocks["squares"] = self._block(x[first + 2], 4, w)
-            outs = {
-                "norm": a[0:2],
-                "max": a[2 : 2 + count],
-                "sum": a[8:11],
-                "nonfinite": a[11:14],
-                "gmax": a[14],
-                "gmin": a[15],
-            }
-            assert norms is not None
-            row_norms = (norms[0:2, at], norms[2, at], norms[3, at] if self.form else norms[2, at])
-            made.append(_Views(x, blocks, outs, row_norms, None if squares is None else squares[:, at]))
+            t = table[i]
+            made.append(
+                _Slice(
+                    **{name: x[j] if j < len(x) else None for j, name in enumerate(_ROWS._fields)},
+                    own=self._block(x[row.b], 2),
+                    magnitudes=self._block(x[row.b], k),
+                    differences=self._block(x[row.pb], len(PAIRS)) if golden else x[row.pb],
+                    marks=self._block(x[row.z_pb], len(PAIRS)) if golden else x[row.z_pb],
+                    golden_rows=self._block(x[row.pg], 2, w) if golden else None,
+                    masked_rows=self._block(x[row.pg], 4, w) if golden else None,
+                    form_rows=x[row.form].view(-1, w) if golden else None,
+                    norm=t[col.norm_b : col.norm_pb + 1],
+                    maxima=t[col.max_b : col.max_b + k],
+                    sums=t[col.sum_pb : col.sum_bg + 1] if golden else t[col.sum_pb],
+                    nonfinite=t[col.nonfinite_pb : col.nonfinite_bg + 1] if golden else t[col.nonfinite_pb],
+                    golden_max=t[col.golden_max] if golden else None,
+                    golden_min=t[col.golden_min] if golden else None,
+                    pair_norms=None if norms is None else norms[: NORM.baseline_golden + 1, at],
+                    golden_norms=None if norms is None else norms[NORM.golden, at],
+                    form_norms=norms[NORM.form, at] if norms is not None and self.form else None,
+                    squares=None if squares is None else squares[:, at],
+                )
+            )
         return made
 
 
 class _Sweep:
-    """One pass over ``(primary, baseline[, golden[, form]])`` in slices of whole rows.
-
-    Per slice it writes one row of the slices' table and, with the golden, the L2 norm of every row
-    of ``p − g``, ``b − g``, ``g`` (and ``f − g``) (:class:`_Layout`). The golden pairs' sums of
-    squares are folded from row norms (of the golden's last dimension, or of whole slices where rows
-    are not asked for). Every reduction runs once over adjacent scratch rows, and the unmasked sweep
-    (every value finite) and the masked one (non-finite pairs zeroed and counted) reduce the same
-    values in the same row shapes: on finite data they give the same bits. Slices are cache-sized
-    (:data:`SLICE_ELEMENTS`).
-    """
+    """One pass over ``(primary, baseline[, golden[, form]])`` in cache-sized slices of whole rows
+    (:data:`SLICE_ELEMENTS`), unmasked or masked (:func:`pair_sums`): on finite data both reduce the
+    same values in the same row shapes, so they give the same bits."""
 
     def __init__(
         self, p: torch.Tensor, b: torch.Tensor, g: torch.Tensor | None, f: torch.Tensor | None, width: int,
@@ -440,128 +475,87 @@ class _Sweep:
 
     def run(self, masked: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """``(sums (7, P), norms (K, R) or None, max|golden|)``: the sweep, folded (:meth:`_fold`)."""
-        views = self.layout.views(masked)
-        for v, (p, b, g, f) in zip(views, self.inputs, strict=True):
+        for v, (p, b, g, f) in zip(self.layout.views(masked), self.inputs, strict=True):
             assert p is not None and b is not None
-            if g is None:
-                self._pair_slice(v, p, b, masked)
-            elif masked:
-                self._masked_slice(v, p, b, g, f)
-            else:
-                self._finite_slice(v, p, b, g, f)
+            self._slice(v, p, b, g, f, masked)
         return self._fold(*self.layout.tables[masked])
 
-    def _pair_slice(self, v: _Views, p: torch.Tensor, b: torch.Tensor, masked: bool) -> None:
-        """Without golden. Scratch rows: ``[z;] b; p − b``."""
-        x, block, out = v.x, v.blocks["b"], v.acc
-        z, r, d = (x[0], x[1], x[2]) if masked else (None, x[0], x[1])
-        self._load(d, p)
-        self._load(r, b)
-        d.sub_(r)
-        if z is not None:
-            torch.mul(d, 0.0, out=z)  # 0 where the pair is finite, NaN where it is not
-            r.add_(z)
-            block.nan_to_num_(0.0, 0.0, 0.0)  # b and d over finite pairs only
-            z.nan_to_num_(1.0)  # 1 where the pair is non-finite
-            torch.sum(z, dim=0, out=out["nonfinite"])
-        torch.linalg.vector_norm(block, dim=1, out=out["norm"])
-        block.abs_()
-        torch.amax(block, dim=1, out=out["max"])
-        torch.sum(d, dim=0, out=out["sum"])
-
-    def _differences(
-        self, v: _Views, at: int, p: torch.Tensor, b: torch.Tensor, g: torch.Tensor, f: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Scratch rows from ``at`` on: ``b; p − b; p − g; b − g``, then a spare for the golden; the
-        row norms of ``p − g`` and ``b − g``, of the golden and of the form's ``f − g`` (before any
-        masking: a row with a non-finite value reads non-finite), ``max g`` and ``min g`` over every
-        position (non-finite where the golden is). Returns the golden's slice as a flat row."""
-        x, out, norms = v.x, v.acc, v.norms
-        self._load(x[at + 2], p)  # p, until it becomes p − g
-        self._load(x[at], b)
-        torch.sub(x[at + 2], x[at], out=x[at + 1])
-        ref = self._golden(x[at + 4], g)
-        x[at + 2].sub_(ref)
-        torch.sub(x[at], ref, out=x[at + 3])
-        torch.linalg.vector_norm(v.blocks["rows"], dim=-1, out=norms[0])
-        torch.linalg.vector_norm(ref.view(-1, self.width or ref.numel()), dim=-1, out=norms[1])
-        if f is not None:
-            self._load(v.blocks["form_row"], f).sub_(ref)
-            torch.linalg.vector_norm(v.blocks["form"], dim=-1, out=norms[2])
-        torch.amax(ref, dim=0, out=out["gmax"])
-        torch.amin(ref, dim=0, out=out["gmin"])
-        return ref
-
-    def _finite_slice(
-        self, v: _Views, p: torch.Tensor, b: torch.Tensor, g: torch.Tensor, f: torch.Tensor | None
+    def _slice(
+        self, v: _Slice, p: torch.Tensor, b: torch.Tensor, g: torch.Tensor | None, f: torch.Tensor | None,
+        masked: bool,
     ) -> None:
-        """Scratch rows: ``b; p − b; p − g; b − g; spare (2)``."""
-        self._differences(v, 0, p, b, g, f)
-        self._magnitudes(v)
-
-    def _masked_slice(
-        self, v: _Views, p: torch.Tensor, b: torch.Tensor, g: torch.Tensor, f: torch.Tensor | None
-    ) -> None:
-        """Scratch rows: ``z (3); b; p − b; p − g; b − g; g (of p − g); g (of b − g); spare (2)``."""
-        x, blocks, out = v.x, v.blocks, v.acc
-        ref = self._differences(v, 3, p, b, g, f)
-        if ref.data_ptr() != x[7].data_ptr():
-            x[7].copy_(ref)
-        z = blocks["z"]
-        torch.mul(blocks["differences"], 0.0, out=z)  # 0 where the pair is finite, NaN where it is not
-        torch.add(x[7], x[2], out=x[8])  # the golden of b − g
-        x[7].add_(x[1])  # of p − g
-        x[3].add_(x[0])  # b, of p − b
-        blocks["masked"].nan_to_num_(0.0, 0.0, 0.0)  # over finite pairs only
-        z.nan_to_num_(1.0)  # 1 where the pair is non-finite
-        torch.sum(z, dim=1, out=out["nonfinite"])
-        # the golden pairs' differences and references over their finite positions, by rows
-        torch.linalg.vector_norm(blocks["squares"], dim=-1, out=v.squares)
-        self._magnitudes(v)
-
-    @staticmethod
-    def _magnitudes(v: _Views) -> None:
-        """``‖b‖, ‖p − b‖``, the largest magnitudes and the differences' sums of magnitudes."""
-        blocks, out = v.blocks, v.acc
-        torch.linalg.vector_norm(blocks["b"], dim=1, out=out["norm"])
-        blocks["magnitudes"].abs_()
-        torch.amax(blocks["magnitudes"], dim=1, out=out["max"])
-        torch.sum(blocks["differences"], dim=1, out=out["sum"])
+        """One slice into its row of the slices' table and its rows' norms: the differences, then
+        (with the golden, before any masking, so that a row with a non-finite value reads non-finite)
+        the rows' norms and the golden's extremes, then (masked) the non-finite pairs taken out, then
+        the norms, largest magnitudes and sums of magnitudes."""
+        if g is None:
+            self._load(v.pb, p)
+            self._load(v.b, b)
+            v.pb.sub_(v.b)
+        else:
+            self._load(v.pg, p)  # p, until it becomes p − g
+            self._load(v.b, b)
+            torch.sub(v.pg, v.b, out=v.pb)
+            g = self._golden(v.g, g)
+            v.pg.sub_(g)
+            torch.sub(v.b, g, out=v.bg)
+            torch.linalg.vector_norm(v.golden_rows, dim=-1, out=v.pair_norms)
+            torch.linalg.vector_norm(g.view(-1, self.width or g.numel()), dim=-1, out=v.golden_norms)
+            if f is not None:
+                self._load(v.form, f).sub_(g)
+                torch.linalg.vector_norm(v.form_rows, dim=-1, out=v.form_norms)
+            torch.amax(g, dim=0, out=v.golden_max)
+            torch.amin(g, dim=0, out=v.golden_min)
+        if masked:
+            torch.mul(v.differences, 0.0, out=v.marks)  # 0 where the pair is finite, NaN where it is not
+            if g is not None:
+                if g.data_ptr() != v.g.data_ptr():
+                    v.g.copy_(g)
+                torch.add(v.g, v.z_bg, out=v.g_bg)  # the reference of b − g
+                v.g.add_(v.z_pg)  # of p − g
+            v.b.add_(v.z_pb)  # of p − b
+            v.magnitudes.nan_to_num_(0.0, 0.0, 0.0)  # references and differences over finite pairs only
+            v.marks.nan_to_num_(1.0)  # 1 where the pair is non-finite
+            torch.sum(v.marks, dim=-1, out=v.nonfinite)
+            if g is not None:  # the golden pairs' differences and references over their finite pairs
+                torch.linalg.vector_norm(v.masked_rows, dim=-1, out=v.squares)
+        torch.linalg.vector_norm(v.own, dim=1, out=v.norm)
+        v.magnitudes.abs_()
+        torch.amax(v.magnitudes, dim=1, out=v.maxima)
+        torch.sum(v.differences, dim=-1, out=v.sums)
 
     def _fold(
-        self, acc: torch.Tensor, norms: torch.Tensor | None, squares: torch.Tensor | None
+        self, table: torch.Tensor, norms: torch.Tensor | None, squares: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """``(sums (7, P), norms, max|golden|)`` from the slices' table ``acc`` (maxima, and sums of
-        the magnitudes, squares and counts, over slices) and the row norms (a copy: the layout's
-        table is written again by the next call)."""
-        top, total = acc.amax(dim=0), acc.sum(dim=0)
-        own = acc[:, 0:2].square().sum(dim=0)  # ‖b‖², ‖p − b‖²
+        """``(sums (7, P), norms, max|golden|)`` from the slices' table (maxima over slices, sums of
+        the rest) and the row norms (a copy: the layout's tables are written again by the next call)."""
+        col, pairs = self.layout.columns, len(PAIRS) if self.golden else 1
+        top, total = table.amax(dim=0), table.sum(dim=0)
+        own = table[:, col.norm_b : col.norm_pb + 1].square().sum(dim=0)
+        nonfinite = total[col.nonfinite_pb : col.nonfinite_pb + pairs]
+        found = {
+            "max_abs": top[col.max_pb : col.max_pb + pairs],
+            "sum_abs": total[col.sum_pb : col.sum_pb + pairs],
+            "sum_sq_diff": own[1:2],  # ‖p − b‖²
+            "sum_sq_ref": own[0:1],  # ‖b‖²
+            "nonfinite": nonfinite,
+            "count": self.n - nonfinite,
+            "max_ref": top[col.max_b : col.max_b + 1],
+        }
         if not self.golden:
-            nonfinite = total[5:6]
-            sums = torch.stack(
-                (top[3:4], total[4:5], own[1:2], own[0:1], nonfinite, self.n - nonfinite, top[2:3])
-            )
-            return sums, None, top.new_zeros(())
+            return torch.stack([found[name] for name in SUM_ROWS]), None, top.new_zeros(())
         assert norms is not None
-        golden_max = torch.maximum(top[14], acc[:, 15].amin().neg())
-        if squares is None:  # unmasked: the golden pairs share the golden's rows
-            squares = torch.cat((norms[0:3], norms[2:3]))
+        golden_max = torch.maximum(top[col.golden_max], table[:, col.golden_min].amin().neg())
+        if squares is None:  # unmasked: the golden pairs share the golden as their reference
+            squares = torch.cat((norms[: NORM.golden + 1], norms[NORM.golden : NORM.golden + 1]))
             refs = golden_max.expand(2)
         else:
-            refs = top[6:8]
-        folded = squares.square().sum(dim=1)  # ‖p − g‖², ‖b − g‖², ‖g‖² twice (each pair's finite)
-        nonfinite = total[11:14]
-        sums = torch.stack(
-            (
-                top[3:6],
-                total[8:11],
-                torch.cat((own[1:2], folded[0:2])),
-                torch.cat((own[0:1], folded[2:4])),
-                nonfinite,
-                self.n - nonfinite,
-                torch.cat((top[2:3], refs)),
-            )
-        )
+            refs = top[col.max_g : col.max_g_bg + 1]
+        folded = squares.square().sum(dim=1)  # ‖p − g‖², ‖b − g‖², then their references' ‖·‖²
+        found["sum_sq_diff"] = torch.cat((found["sum_sq_diff"], folded[0:2]))
+        found["sum_sq_ref"] = torch.cat((found["sum_sq_ref"], folded[2:4]))
+        found["max_ref"] = torch.cat((found["max_ref"], refs))
+        sums = torch.stack([found[name] for name in SUM_ROWS])
         return sums, norms.clone() if self.width else None, golden_max
 
 
@@ -571,8 +565,8 @@ def combine_sums(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor
     reference blocks and calls."""
     if total is None:
         return part
-    top = torch.maximum(total, part)
-    return torch.cat((top[:1], total[1:6] + part[1:6], top[6:]))
+    top, added = torch.maximum(total, part), total + part
+    return torch.stack([(top if name in _MAXIMA else added)[i] for i, name in enumerate(SUM_ROWS)])
 
 
 def deviation_tensors(a: torch.Tensor, b: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -590,8 +584,8 @@ def deviation_tensors(a: torch.Tensor, b: torch.Tensor) -> dict[str, torch.Tenso
     """
     if a.shape != b.shape:
         raise ValueError(f"deviation: shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
-    column = pair_sums(a, b)[:, 0]
-    return {name: column[i] for i, name in enumerate(SUM_ROWS[:6])}
+    column = pair_sums(a, b)[:, PAIR.primary_baseline]
+    return {name: column[i] for i, name in enumerate(SUM_ROWS) if name != "max_ref"}
 
 
 def finish_deviation(sums: dict[str, float]) -> Deviation:

@@ -128,7 +128,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from flashprobe.deviation import DIRECTIONS, StatsWorkspace, pair_and_row_sums
+from flashprobe.deviation import DIRECTIONS, NORM, PAIR, SUM, StatsWorkspace, pair_and_row_sums
 from flashprobe.kernels import Kernel, get_kernel
 from flashprobe.kernels.fp8 import FP8_DTYPES
 
@@ -303,13 +303,13 @@ def call_statistics(
         The :class:`CallStatistics`.
     """
     sums, norms, golden_max, finite = pair_and_row_sums(primary, baseline, golden, workspace, form)
-    errors = _row_errors(norms, norms[2])  # (3, or 4 with the form; rows): the golden's own row unused
+    errors = _row_errors(norms, norms[NORM.golden])  # (K, rows) by NORM: the golden's own row unused
     worst = errors.amax(dim=1) if errors.shape[1] else errors.new_zeros(errors.shape[0])
-    worst[2] = golden_max  # in the golden's slot: max|golden|, the rows' third statistic
+    worst[NORM.golden] = golden_max  # in the golden's slot: max|golden|, the rows' third statistic
     noise = None
     if form is not None:
-        noise = torch.stack((norms[3].nan_to_num(0.0, 0.0, 0.0).square().sum(), worst[3]))
-    rows = worst[:3]
+        noise = torch.stack((norms[NORM.form].nan_to_num(0.0, 0.0, 0.0).square().sum(), worst[NORM.form]))
+    rows = worst[: NORM.golden + 1]
     return CallStatistics(sums, rows, noise, finite)
 
 
@@ -339,14 +339,14 @@ def error_columns(sums: torch.Tensor, rows: torch.Tensor, noise: torch.Tensor | 
         noise: ``(K, 2)`` :func:`noise_statistics` of a second form of the baseline (the flash form
             of the backward), or None: the baseline's error is the larger of the two.
     """
-    # rows of pair_sums: 2 sum_sq_diff, 3 sum_sq_ref, 4 nonfinite; pairs: 1 primary-golden, 2 baseline-golden
-    extra = sums[:, 4, 1] - sums[:, 4, 2]
-    base_sq, base_row = sums[:, 2, 2], rows[:, 1]
+    pg, bg = PAIR.primary_golden, PAIR.baseline_golden
+    extra = sums[:, SUM.nonfinite, pg] - sums[:, SUM.nonfinite, bg]
+    base_sq, base_row = sums[:, SUM.sum_sq_diff, bg], rows[:, NORM.baseline_golden]
     if noise is not None:
         base_sq, base_row = torch.maximum(base_sq, noise[:, 0]), torch.maximum(base_row, noise[:, 1])
-    return torch.stack(
-        (sums[:, 2, 1], base_sq, sums[:, 3, 1], extra, rows[:, 0], base_row, rows[:, 2]), dim=1
-    )
+    primary_sq, golden_sq = sums[:, SUM.sum_sq_diff, pg], sums[:, SUM.sum_sq_ref, pg]
+    row, golden_max = rows[:, NORM.primary_golden], rows[:, NORM.golden]
+    return torch.stack((primary_sq, base_sq, golden_sq, extra, row, base_row, golden_max), dim=1)
 
 
 def noise_statistics(

@@ -25,6 +25,15 @@ The bias statistic is :class:`flashprobe.bias.BiasStats` over all seeds: one rep
 (``magnitude``: positive away from zero), its ``z`` and the verdict ``biased`` at ``|z| ≥ 5``.
 Each row also gives the bias relative to the mean ``|golden|`` and its per-seed values.
 
+**Lazy rescale.** A kernel spec with ``rescale_threshold=t`` (FlashAttention-4's stale row max,
+:mod:`flashprobe.kernels.tiled`) is paired with the same spec without it: ``bias.md`` and the
+terminal give both biases side by side (``lazy_rescale`` in ``bias.json``'s metadata). With
+``P = exp(s − m)`` taken against a stale max, the near-maximal probabilities are no longer 1 or a
+hair below: whether that changes the sign-consistent rounding is what the pair measures. The
+stale max needs several key tiles (``--seq-len`` above 128, the tile size) and repeated maxima in
+a tile visited after the first (the tied keys are keys 0 … ties−1; ``fa2`` walks the tiles last to
+first).
+
 Writes ``DIR/bias.json``, ``DIR/bias.csv``, ``DIR/bias.md`` and ``DIR/bias.png``.
 """
 
@@ -53,11 +62,11 @@ from flashprobe.bench.results import format_table, write_results, wrote_line
 from flashprobe.bias import BIAS_TOLERANCE, BIAS_Z_LIMIT, COMPONENTS, BiasStats
 from flashprobe.formats.atomic import atomic_write_text
 from flashprobe.fuzz.inputs import bias_inputs
-from flashprobe.kernels import Kernel, KernelUnavailableError, get_kernel
+from flashprobe.kernels import Kernel, KernelUnavailableError, get_kernel, parse_spec
 from flashprobe.kernels._inputs import dtype_name
 from flashprobe.kernels.math import golden_attention
 
-__all__ = ["DEFAULT_KERNELS", "INPUT_KINDS", "QUANTITIES", "bias_rows", "main"]
+__all__ = ["DEFAULT_KERNELS", "INPUT_KINDS", "QUANTITIES", "bias_rows", "lazy_rescale_pairs", "main"]
 
 #: The baseline, the re-implementation at both presets, torch's CPU kernels, and the mitigation.
 DEFAULT_KERNELS = (
@@ -232,8 +241,42 @@ def mitigation_factors(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
     return factors
 
 
-def markdown(rows: Sequence[Mapping[str, Any]], factors: Sequence[Mapping[str, Any]], command: str) -> str:
-    """``bias.md``: the table of every row, then the mitigation factors."""
+def _lazy_key(spec: str) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], float]:
+    """``((name, options but rescale_threshold), rescale_threshold)`` of a kernel spec."""
+    name, options = parse_spec(spec)
+    threshold = float(options.pop("rescale_threshold", 0) or 0)
+    return (name, tuple(sorted(options.items()))), threshold
+
+
+def lazy_rescale_pairs(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Every kernel with ``rescale_threshold`` > 0 beside the same spec without the option, per
+    inputs, dtype and quantity: both biases of the component the eager kernel's row reports, their
+    z and verdicts."""
+    keyed = [((r["inputs"], r["dtype"], *_lazy_key(r["kernel"]), r["quantity"]), r) for r in rows]
+    eager_rows = {(kind, dtype, spec, name): r for (kind, dtype, spec, t, name), r in keyed if not t}
+    pairs = []
+    for (kind, dtype, spec, threshold, name), lazy in keyed:
+        eager = eager_rows.get((kind, dtype, spec, name)) if threshold else None
+        if eager is None:
+            continue
+        component = eager["component"]
+        pairs.append({
+            "inputs": kind, "dtype": dtype, "kernel": lazy["kernel"], "eager": eager["kernel"],
+            "quantity": name, "component": component, "threshold": threshold,
+            "bias_eager": eager[f"{component}_mean"], "z_eager": eager[f"{component}_z"],
+            "verdict_eager": eager["verdict"], "bias_lazy": lazy[f"{component}_mean"],
+            "z_lazy": lazy[f"{component}_z"], "verdict_lazy": lazy["verdict"],
+        })  # fmt: skip
+    return pairs
+
+
+def markdown(
+    rows: Sequence[Mapping[str, Any]],
+    factors: Sequence[Mapping[str, Any]],
+    command: str,
+    lazy: Sequence[Mapping[str, Any]] = (),
+) -> str:
+    """``bias.md``: the table of every row, then the mitigation factors and the lazy-rescale pairs."""
     lines = [
         "# flashprobe bench bias",
         "",
@@ -267,6 +310,22 @@ def markdown(rows: Sequence[Mapping[str, Any]], factors: Sequence[Mapping[str, A
             f"| {f['inputs']} | {f['dtype']} | `{f['kernel']}` | {f['quantity']} | "
             f"{'yes' if f['biased'] else 'no'} | {f['factor']:.3g} | {f['mitigated_verdict']} |"
             for f in factors
+        ]
+    if lazy:
+        lines += [
+            "",
+            "## rescale_threshold (lazy rescale)",
+            "",
+            "| inputs | dtype | kernel | without it | of | component | bias without | z | verdict "
+            "| bias with | z | verdict |",
+            "|---|---|---|---|---|---|---:|---:|---|---:|---:|---|",
+        ]
+        lines += [
+            f"| {p['inputs']} | {p['dtype']} | `{p['kernel']}` | `{p['eager']}` | {p['quantity']} | "
+            f"{p['component']} | {_signed(p['bias_eager'], '.3g')} | {p['z_eager']:+.1f} | "
+            f"{p['verdict_eager']} | {_signed(p['bias_lazy'], '.3g')} | {p['z_lazy']:+.1f} | "
+            f"{p['verdict_lazy']} |"
+            for p in lazy
         ]
     return "\n".join(lines) + "\n"
 
@@ -351,16 +410,18 @@ def _run(args: argparse.Namespace) -> int:
         shape, kernels=kernels, dtypes=dtypes, seeds=seeds, ties=args.ties, device=device
     )
     factors = mitigation_factors(rows)
+    lazy = lazy_rescale_pairs(rows)
     meta = {
         "command": args.command_line,
         "seeds": seeds,
         "z_limit": BIAS_Z_LIMIT,
         "tolerance": BIAS_TOLERANCE,
         "mitigation": factors,
+        "lazy_rescale": lazy,
     }
     paths = write_results(args.out, "bias", rows, meta=meta, skipped=skipped)
     paths["md"] = args.out / "bias.md"
-    atomic_write_text(paths["md"], markdown(rows, factors, args.command_line))
+    atomic_write_text(paths["md"], markdown(rows, factors, args.command_line, lazy))
     paths["png"] = plot_bias(rows, args.out / "bias.png")
     print(format_table(rows, _COLUMNS))
     for f in factors:
@@ -369,6 +430,12 @@ def _run(args: argparse.Namespace) -> int:
                 f"max_shift=repeated: {f['kernel']} {f['dtype']} {f['inputs']} {f['quantity']}: "
                 f"bias ÷ {f['factor']:.3g} ({f['mitigated_verdict']} after)"
             )
+    for p in lazy:
+        print(
+            f"rescale_threshold={p['threshold']:g}: {p['eager']} {p['dtype']} {p['inputs']} {p['quantity']}: "
+            f"bias {_signed(p['bias_eager'], '.3g')} (z {p['z_eager']:+.1f}, {p['verdict_eager']}) without, "
+            f"{_signed(p['bias_lazy'], '.3g')} (z {p['z_lazy']:+.1f}, {p['verdict_lazy']}) with"
+        )
     for s in skipped:
         print(f"skipped {s['kernel']} {s['dtype']}: {s['reason']}")
     print(wrote_line(rows, time.perf_counter() - start, paths))

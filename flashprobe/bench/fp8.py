@@ -1,6 +1,6 @@
 """``flashprobe bench fp8``: is FP8 attention accurate enough? Error of FP8 forward variants vs FP64.
 
-Two experiments, one command:
+Three experiments, one command (``--part`` picks some):
 
 1. **Error** (``part = "error"``): each variant's output against the FP64 golden value of its own
    inputs, beside 16-bit flash (``tiled``, the ``fa2`` preset, at bf16 and fp16) and the baseline
@@ -19,9 +19,22 @@ Two experiments, one command:
    reverse order × S in {1, 16, 256, 448} × sink strength. Only P is cast (Q, K, V stay bf16), so
    the MSE is the P cast's. The summary reports MSE(forward, S=1) / MSE(reverse, S=256) at the
    moderate sink strength, with a 95% interval over the seeds, beside the paper's 3-10×.
+3. **Saturation** (``part = "saturation"``), after flash-attention issue 2716: FlashAttention-4's
+   lazy rescale (``tiled:rescale_threshold=t``: the row max stays stale until a tile raises it by
+   more than ``t`` powers of two) with the 2^8 offset on P (``p_scale=256``) lets ``P·256`` reach
+   ``2^(8+t)``, past E4M3's 448, where the cast saturates while the fp32 row sum keeps the full
+   value. Gaussian Q, K (logits of standard deviation ``--logit-std``), bf16, fa2 numerics in
+   reverse key order, only P cast (E4M3 at S = 1 and 256, E5M2 at S = 256) × the thresholds
+   ``--rescale-threshold`` (0: FA3, and FA4 since PR 2731; 0.75: under the bound ``log2(448) − 8``
+   of PRs 2713/2731; 4: FA4's FP8 threshold before). Rows give the fraction of P entries the cast
+   saturates (``p_saturated``: ``P·S`` above the format's largest value, by a replay of the
+   kernel's running max), the output on V = 1 against its exact value 1 (``v1_max_abs``, and
+   ``v1_mean``: the signed mean, the mass lost when negative), and the relative L2 error against
+   the golden value on gaussian V (``rel_l2``).
 
 Every row names its FP8 format (``fp8_qkv``, ``fp8_p``), scaling (``fp8_scaling``), P scale
-(``p_scale``), key order (``order``) and rotation (``rotation``); ``-`` where a knob does not apply.
+(``p_scale``), key order (``order``), rotation (``rotation``) and lazy-rescale threshold
+(``rescale_threshold``); ``-`` where a knob does not apply.
 
 Writes ``DIR/fp8.json`` (rows under ``"rows"``, the summaries under ``"summary"``), ``DIR/fp8.csv``,
 ``DIR/fp8.md``, ``DIR/fp8_errors.png`` and ``DIR/fp8_pcast.png``.
@@ -33,7 +46,7 @@ import argparse
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,19 +68,25 @@ from flashprobe.bench.sweep import deviation_stats, summarize_seeds
 from flashprobe.formats.atomic import atomic_write_text
 from flashprobe.kernels import fp8 as fp8_numerics
 from flashprobe.kernels import get_kernel, golden_attention, tile_order
-from flashprobe.kernels.tiled import spec_numerics
+from flashprobe.kernels.tiled import lazy_tile_max, spec_numerics
 
 __all__ = [
     "DISTRIBUTIONS",
+    "LOGIT_STDS",
+    "PARTS",
     "P_SCALES",
+    "RESCALE_THRESHOLDS",
     "VARIANTS",
     "Variant",
     "build_parser",
     "error_rows",
     "fp8_inputs",
     "main",
+    "p_saturation",
     "p_underflow",
     "pcast_rows",
+    "saturation_rows",
+    "saturation_variants",
     "summarize",
 ]
 
@@ -83,6 +102,13 @@ DYNAMIC_RANGE_LOG2 = (-10.0, 2.0)
 MODERATE_SINK = 8.0
 #: The paper's reported range of the MSE ratio at moderate sink strengths.
 PAPER_RATIO = (3.0, 10.0)
+#: The experiments of the command, in order.
+PARTS = ("error", "pcast", "saturation")
+#: Standard deviations of the gaussian logits of the saturation experiment.
+LOGIT_STDS = (0.5, 1.0, 2.0)
+#: Lazy-rescale thresholds (log2 units) of the saturation experiment: off (FA3; FA4 since PR 2731),
+#: under the bound ``log2(448) − 8 ≈ 0.807`` (PRs 2713, 2731), and FA4's FP8 value before.
+RESCALE_THRESHOLDS = (0.0, 0.75, 4.0)
 
 
 @dataclass(frozen=True)
@@ -124,15 +150,27 @@ PCAST_COLUMNS = [
     ("p_underflow", "P underflow"),
     ("mse", "MSE"),
 ]
+#: Columns of the printed saturation table.
+SATURATION_COLUMNS = [
+    ("logit_std", "logit std"),
+    ("fp8_p", "P"),
+    ("p_scale", "S"),
+    ("rescale_threshold", "threshold"),
+    ("p_saturated", "P saturated"),
+    ("v1_max_abs", "V=1: max|o-1|"),
+    ("v1_mean", "V=1: mean(o-1)"),
+    ("rel_l2", "rel L2 (random V)"),
+]
 
 
 def _labels(spec: str, dtype: torch.dtype) -> dict[str, Any]:
     """The row entries that name a kernel's numerics: FP8 formats, scaling, P scale, order, rotation."""
     kernel = get_kernel(spec)
-    if kernel.name != "tiled":
-        return {**fp8_numerics.Fp8Numerics().labels(), "order": "-"}  # FP8 off, no key tiles
+    if kernel.name != "tiled":  # FP8 off, no key tiles
+        return {**fp8_numerics.Fp8Numerics().labels(), "order": "-", "rescale_threshold": None}
     numerics = spec_numerics(kernel.options, dtype)
-    return {**numerics.fp8.labels(), "order": numerics.order}
+    lazy = {"rescale_threshold": numerics.rescale_threshold}
+    return {**numerics.fp8.labels(), "order": numerics.order, **lazy}
 
 
 def fp8_inputs(
@@ -294,16 +332,9 @@ def p_underflow(
     Returns:
         ``{S: fraction}``.
     """
-    s = (q.float() @ k.float().transpose(-2, -1)) * (scale or 1.0 / math.sqrt(q.shape[-1]))
-    n_k = k.shape[-2]
-    starts = list(range(0, n_k, block_k))
-    m = torch.full((*s.shape[:-1], 1), float("-inf"))
     zeros = dict.fromkeys(p_scales, 0)
     positive = 0
-    for t in tile_order(len(starts), order):
-        j0, j1 = starts[t], min(starts[t] + block_k, n_k)
-        m = torch.maximum(m, s[..., j0:j1].amax(dim=-1, keepdim=True))
-        p = torch.exp(s[..., j0:j1] - m)
+    for j0, j1, p in _replayed_p(q, k, order=order, block_k=block_k, scale=scale):
         if j0 <= skip_key < j1:
             p = torch.cat([p[..., : skip_key - j0], p[..., skip_key - j0 + 1 :]], dim=-1)
         counted = p > 0
@@ -311,6 +342,67 @@ def p_underflow(
         for factor in p_scales:
             zeros[factor] += int((counted & (fp8_numerics.cast_fp8(p * factor, p_fp8) == 0)).sum())
     return {factor: zeros[factor] / max(positive, 1) for factor in p_scales}
+
+
+def _replayed_p(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    order: str,
+    block_k: int,
+    scale: float | None,
+    threshold: float = 0.0,
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """The ``P = exp(s − m)`` of each key tile ``j0 … j1-1`` as the ``fa2`` update computes it in
+    ``order``: fp32 scores, ``m`` the running max over the tiles visited so far, left stale while
+    a tile raises it by at most ``threshold`` powers of two (:func:`~flashprobe.kernels.tiled.lazy_tile_max`).
+    Yields ``(j0, j1, P (B, H, N_q, j1 − j0))``."""
+    s = (q.float() @ k.float().transpose(-2, -1)) * (scale or 1.0 / math.sqrt(q.shape[-1]))
+    n_k = k.shape[-2]
+    starts = list(range(0, n_k, block_k))
+    m = torch.full((*s.shape[:-1], 1), float("-inf"))
+    for t in tile_order(len(starts), order):
+        j0, j1 = starts[t], min(starts[t] + block_k, n_k)
+        m_tile = s[..., j0:j1].amax(dim=-1, keepdim=True)
+        m = torch.maximum(m, lazy_tile_max(m, m_tile, threshold) if threshold else m_tile)
+        yield j0, j1, torch.exp(s[..., j0:j1] - m)
+
+
+def p_saturation(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    threshold: float,
+    p_scales: Sequence[float],
+    order: str = "reverse",
+    block_k: int = 128,
+    p_fp8: str = "e4m3",
+    scale: float | None = None,
+) -> dict[float, float]:
+    """Fraction of the P entries whose FP8 cast saturates: ``P · S`` above the format's largest value.
+
+    Replays the running max of the ``fa2`` update with lazy rescaling at ``threshold`` (log2 units;
+    0: the max is always updated and ``P ≤ 1``) over key tiles of ``block_k`` in ``order``.
+
+    Args:
+        q: ``(B, H, N_q, D)``; k: ``(B, H, N_k, D)`` (no mask).
+        threshold: the lazy-rescale threshold (``tiled:rescale_threshold``).
+        p_scales: the static scales S.
+        order: ``"forward"``, ``"reverse"`` or ``"shuffle"``.
+        block_k: keys per tile.
+        p_fp8: the format P is cast to.
+        scale: softmax scale, default ``1/√D``.
+
+    Returns:
+        ``{S: fraction of all N_q · N_k entries}``.
+    """
+    top = fp8_numerics.fp8_max(p_fp8)
+    over = dict.fromkeys(p_scales, 0)
+    for _, _, p in _replayed_p(q, k, order=order, block_k=block_k, scale=scale, threshold=threshold):
+        for factor in p_scales:
+            over[factor] += int((p * factor > top).sum())
+    total = max(q.shape[0] * q.shape[1] * q.shape[2] * k.shape[-2], 1)
+    return {factor: over[factor] / total for factor in p_scales}
 
 
 def pcast_rows(
@@ -361,6 +453,113 @@ def pcast_rows(
         rows.append(row | summarize_seeds(values))
     mse = {key: [v["mse"] for v in values] for key, values in per_seed.items()}
     return rows, mse
+
+
+def saturation_variants(thresholds: Sequence[float] = RESCALE_THRESHOLDS) -> list[Variant]:
+    """The kernels of the saturation experiment: per lazy-rescale threshold, only P cast, to E4M3
+    without and with the 2^8 prescale and to E5M2 with it (fa2 numerics, reverse order, bf16)."""
+    return [
+        Variant(
+            f"P {fmt} ×{s:g}, threshold {t:g}",
+            f"tiled:p_fp8={fmt},p_scale={s:g},rescale_threshold={t:g}",
+            torch.bfloat16,
+        )
+        for t in thresholds
+        for fmt, s in (("e4m3", 1.0), ("e4m3", 256.0), ("e5m2", 256.0))
+    ]
+
+
+def saturation_rows(
+    *,
+    logit_stds: Sequence[float],
+    thresholds: Sequence[float],
+    seeds: Sequence[int],
+    seq_len: int,
+    head_dim: int,
+    heads: int,
+    block_k: int = 128,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[list[dict[str, Any]], dict[tuple[str, float], list[float]]]:
+    """The saturation experiment: gaussian Q, K scaled to logits of each standard deviation, bf16,
+    for every kernel of :func:`saturation_variants`, on V = 1 and on the gaussian V.
+
+    Returns:
+        ``(rows, rel_l2)``: one row per (variant, logit std) with the median and min/max over the
+        seeds of ``p_saturated``, ``v1_max_abs``, ``v1_mean`` and ``rel_l2``; and the per-seed
+        ``rel_l2`` keyed by (variant label, logit std).
+    """
+    variants = saturation_variants(thresholds)
+    shape = Shape(batch=1, heads=heads, seq_len=seq_len, head_dim=head_dim)
+    per_seed: dict[tuple[str, float], list[dict[str, float]]] = {}
+    for std in logit_stds:
+        if progress:
+            progress(f"saturation: logit std {std:g}: {len(variants)} kernels × {len(seeds)} seeds")
+        for seed in seeds:
+            q, k, v = fp8_inputs(shape, "gaussian", seed)
+            q, k, v = (std * q).bfloat16(), k.bfloat16(), v.bfloat16()
+            golden = golden_attention(q, k, v)
+            ones = torch.ones_like(v)
+            saturated = {
+                (t, fmt): p_saturation(q, k, threshold=t, p_scales=(1.0, 256.0), p_fp8=fmt, block_k=block_k)
+                for t in thresholds
+                for fmt in ("e4m3", "e5m2")
+            }
+            for variant in variants:
+                kernel = get_kernel(variant.spec + f",block_k={block_k}")
+                with torch.no_grad():
+                    out, out_one = kernel(q, k, v), kernel(q, k, ones).double()
+                numerics = spec_numerics(kernel.options, torch.bfloat16)
+                fmt, factor = numerics.fp8.p, numerics.fp8.p_scale
+                per_seed.setdefault((variant.label, std), []).append({
+                    "p_saturated": saturated[numerics.rescale_threshold, fmt][factor],
+                    "v1_max_abs": (out_one - 1).abs().max().item(),
+                    "v1_mean": (out_one - 1).mean().item(),
+                    "rel_l2": _error_metrics(out, golden)["rel_l2"],
+                })  # fmt: skip
+    rows = []
+    for (label, std), values in per_seed.items():
+        variant = next(v for v in variants if v.label == label)
+        row = {"part": "saturation", "variant": label, "kernel": variant.spec, "input_dtype": "bfloat16"}
+        row |= _labels(variant.spec, torch.bfloat16)
+        row |= {"distribution": "gaussian", "logit_std": std, **shape.as_dict(), "block_k": block_k}
+        rows.append(row | {"repeats": len(seeds)} | summarize_seeds(values))
+    return rows, {key: [v["rel_l2"] for v in values] for key, values in per_seed.items()}
+
+
+def saturation_summary(
+    rows: Sequence[Mapping[str, Any]], rel_l2: Mapping[tuple[str, float], Sequence[float]]
+) -> list[dict[str, Any]]:
+    """Per logit std: the largest threshold against 0 (the max always updated), E4M3 with the 2^8
+    prescale: its saturated fraction and V = 1 error, the rel L2 error factor seed by seed (same
+    inputs, :func:`_log_interval`), and the E4M3 / E5M2 rel L2 ratio at both thresholds (issue 2716
+    compares the formats: E4M3 rounds finer, so a correct kernel has the smaller error in E4M3)."""
+    sat = [r for r in rows if r["part"] == "saturation"]
+    thresholds = sorted({r["rescale_threshold"] for r in sat})
+    if len(thresholds) < 2 or thresholds[0] != 0:
+        return []
+    lazy = thresholds[-1]
+    pick = {(r["fp8_p"], r["p_scale"], r["rescale_threshold"], r["logit_std"]): r for r in sat}
+    summary = []
+    for std in sorted({r["logit_std"] for r in sat}):
+        on, off = pick.get(("e4m3", 256.0, lazy, std)), pick.get(("e4m3", 256.0, 0.0, std))
+        e5_on, e5_off = pick.get(("e5m2", 256.0, lazy, std)), pick.get(("e5m2", 256.0, 0.0, std))
+        if not (on and off and e5_on and e5_off):
+            continue
+        pairs = zip(rel_l2[on["variant"], std], rel_l2[off["variant"], std], strict=True)
+        ratios = [a / b for a, b in pairs if b > 0]
+        entry = {
+            "logit_std": std,
+            "threshold": lazy,
+            "p_saturated": on["p_saturated"],
+            "v1_max_abs": on["v1_max_abs"],
+            "v1_mean": on["v1_mean"],
+            "rel_l2_lazy": on["rel_l2"],
+            "rel_l2_eager": off["rel_l2"],
+            "e4m3_over_e5m2_lazy": on["rel_l2"] / e5_on["rel_l2"],
+            "e4m3_over_e5m2_eager": off["rel_l2"] / e5_off["rel_l2"],
+        }
+        summary.append(entry | ({"factor": _log_interval(ratios)} if ratios else {}))
+    return summary
 
 
 def _log_interval(ratios: Sequence[float]) -> dict[str, float]:
@@ -443,6 +642,21 @@ def summary_lines(summary: Mapping[str, Any]) -> list[str]:
             f"{ratio['ci95_hi']:.3g}, range {ratio['min']:.3g}-{ratio['max']:.3g} over {ratio['seeds']} "
             f"seeds); the paper reports {PAPER_RATIO[0]:g}-{PAPER_RATIO[1]:g}x at moderate sink strengths"
         )
+    for entry in summary.get("saturation", []):
+        f = entry.get("factor")
+        factor = ""
+        if f:
+            interval = f"95% interval {f['ci95_lo']:.3g}-{f['ci95_hi']:.3g} over {f['seeds']} seeds"
+            factor = f" (x{f['geomean']:.3g}, {interval})"
+        lines.append(
+            f"Lazy rescale at threshold {entry['threshold']:g}, P e4m3 x256 (FA4's FP8 before PR 2731), "
+            f"logits of std {entry['logit_std']:g}: {entry['p_saturated']:.3g} of P saturated; V = 1 off by "
+            f"up to {entry['v1_max_abs']:.3g} (mean {entry['v1_mean']:+.3g}); "
+            f"rel L2 {entry['rel_l2_lazy']:.3g} against {entry['rel_l2_eager']:.3g} with the max always "
+            f"updated{factor}; e4m3 / e5m2 rel L2 "
+            f"{entry['e4m3_over_e5m2_lazy']:.3g} (threshold {entry['threshold']:g}), "
+            f"{entry['e4m3_over_e5m2_eager']:.3g} (threshold 0)"
+        )
     for dist in ("outlier_channels", "gaussian"):
         gain = summary.get(f"rotation_{dist}")
         if gain and "factor" in gain:
@@ -473,11 +687,16 @@ def _markdown(doc: Mapping[str, Any]) -> str:
         "error_ratio",
     ]
     pcast = ["sink_strength", "p_underflow", "p_underflow_lo", "p_underflow_hi", "mse", "mse_lo", "mse_hi"]
+    saturation = ["rescale_threshold", "logit_std", "p_saturated", "v1_max_abs", "v1_mean"]
+    saturation += ["rel_l2", "rel_l2_lo", "rel_l2_hi"]
     for title, part, keys in (
         ("Error vs the FP64 golden value", "error", err),
         ("P-cast collapse", "pcast", pcast),
+        ("P saturation under lazy rescale (flash-attention issue 2716)", "saturation", saturation),
     ):
         part_rows = [r for r in rows if r["part"] == part and (part != "error" or _first_axis(r, rows))]
+        if not part_rows:
+            continue
         out += ["", f"## {title}", "", "| " + " | ".join(names + keys) + " |"]
         out.append("|" + "---|" * len(names + keys))
         out += ["| " + " | ".join(format_cell(r.get(key)) for key in names + keys) + " |" for r in part_rows]
@@ -496,7 +715,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flashprobe bench fp8",
         description="Error of FP8 attention variants vs the FP64 golden value (beside bf16/fp16 flash and "
-        "the baseline) over N, D and input distributions, and the P-cast collapse of arXiv 2606.06521.",
+        "the baseline) over N, D and input distributions, the P-cast collapse of arXiv 2606.06521, and P "
+        "saturation under FlashAttention-4's lazy rescale (flash-attention issue 2716).",
     )
     parser.add_argument(
         "--seq-len", type=int, nargs="+", default=[256, 512, 1024], metavar="N",
@@ -537,9 +757,36 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="L",
         help=f"the sink strength of the headline ratio (default {MODERATE_SINK:g})",
     )
+    parser.add_argument(
+        "--logit-std",
+        type=float,
+        nargs="+",
+        default=list(LOGIT_STDS),
+        metavar="SIGMA",
+        help="standard deviations of the gaussian logits of the saturation experiment (default 0.5 1 2)",
+    )
+    parser.add_argument(
+        "--rescale-threshold",
+        type=float,
+        nargs="+",
+        default=list(RESCALE_THRESHOLDS),
+        metavar="T",
+        help="lazy-rescale thresholds of the saturation experiment, log2 units (default 0 0.75 4)",
+    )
+    parser.add_argument(
+        "--part",
+        nargs="+",
+        default=list(PARTS),
+        choices=PARTS,
+        help="the experiments to run (default: all: error pcast saturation)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
     parser.add_argument(
-        "--repeats", type=int, default=3, metavar="R", help="seeds of the error experiment (default 3)"
+        "--repeats",
+        type=int,
+        default=3,
+        metavar="R",
+        help="seeds of the error and saturation experiments (default 3)",
     )
     parser.add_argument(
         "--pcast-repeats",
@@ -551,7 +798,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tiny",
         action="store_true",
-        help="a seconds-long smoke run: N 64 128, D 16 32, 1 head, 1 seed (2 for P cast)",
+        help="a seconds-long smoke run: N 64 128, D 16 32, 1 head, 1 seed (2 for P cast), logit std 1",
     )
     add_output_args(parser, "fp8", replot=True)
     return parser
@@ -559,14 +806,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_args(args: argparse.Namespace) -> None:
     if args.tiny:
-        args.seq_len, args.head_dim, args.base_seq_len, args.base_head_dim = [64, 128], [16, 32], 128, 16
+        args.seq_len, args.head_dim, args.base_seq_len, args.base_head_dim = [64, 128], [16, 32], 256, 16
         args.heads, args.repeats, args.pcast_repeats = 1, 1, 2
-        args.sink_strength = [0.0, args.moderate_sink]
+        args.sink_strength, args.logit_std = [0.0, args.moderate_sink], [1.0]
     for name in ("seq_len", "head_dim"):
         for value in getattr(args, name):
             if value < 1:
                 raise BenchArgumentError(f"--{name.replace('_', '-')} values must be positive, got {value}")
-    for d in [*args.head_dim, args.base_head_dim]:
+    for d in [*args.head_dim, args.base_head_dim] if "error" in args.part else []:
         if not fp8_numerics.is_power_of_two(d):
             raise BenchArgumentError(
                 f"head dim {d} is not a power of two; the Hadamard rotation of the fa3 fp8 variant needs one"
@@ -576,11 +823,24 @@ def _check_args(args: argparse.Namespace) -> None:
     for dist in args.distribution:
         if dist not in DISTRIBUTIONS:
             raise BenchArgumentError(f"unknown --distribution {dist!r}; use: {', '.join(DISTRIBUTIONS)}")
+    for std in args.logit_std:
+        if not (math.isfinite(std) and std > 0):
+            raise BenchArgumentError(f"--logit-std values must be finite and positive, got {std:g}")
+    for t in args.rescale_threshold:
+        if not (math.isfinite(t) and t >= 0):
+            raise BenchArgumentError(
+                f"--rescale-threshold values must be finite and ≥ 0 (log2 units), got {t:g}"
+            )
+    args.part = [part for part in PARTS if part in args.part]
+    args.rescale_threshold = sorted(set(args.rescale_threshold))
     if args.moderate_sink not in args.sink_strength:
         args.sink_strength = sorted({*args.sink_strength, args.moderate_sink})
     # the largest calls, before any is made: every --seq-len at --base-head-dim, every --head-dim at
-    # --base-seq-len (a batch of 1)
-    for n, d in ((max(args.seq_len), args.base_head_dim), (args.base_seq_len, max(args.head_dim))):
+    # --base-seq-len (a batch of 1); the P cast and saturation experiments run at the base size
+    sizes = [(args.base_seq_len, args.base_head_dim)]
+    if "error" in args.part:
+        sizes += [(max(args.seq_len), args.base_head_dim), (args.base_seq_len, max(args.head_dim))]
+    for n, d in sizes:
         check_size(argparse.Namespace(batch=1, heads=args.heads, seq_len=n, head_dim=d))
 
 
@@ -605,29 +865,51 @@ def _run(args: argparse.Namespace) -> int:
     progress = progress_printer("fp8")
     start = time.perf_counter()
     seeds = parse_seeds(args.seed, args.repeats)
-    rows, rel_l2 = error_rows(
-        seq_lens=sorted(set(args.seq_len)),
-        head_dims=sorted(set(args.head_dim)),
-        base_seq_len=args.base_seq_len,
-        base_head_dim=args.base_head_dim,
-        heads=args.heads,
-        distributions=args.distribution,
-        seeds=seeds,
-        progress=progress,
-    )
-    pcast, mse = pcast_rows(
-        sink_strengths=args.sink_strength,
-        seeds=[args.seed + i for i in range(args.pcast_repeats)],
-        seq_len=args.base_seq_len,
-        head_dim=args.base_head_dim,
-        heads=args.heads,
-        progress=progress,
-    )
-    rows += pcast
+    rows: list[dict[str, Any]] = []
+    rel_l2: dict[tuple[str, str, int, int], list[float]] = {}
+    mse: dict[tuple[float, str, float], list[float]] = {}
+    if "error" in args.part:
+        rows, rel_l2 = error_rows(
+            seq_lens=sorted(set(args.seq_len)),
+            head_dims=sorted(set(args.head_dim)),
+            base_seq_len=args.base_seq_len,
+            base_head_dim=args.base_head_dim,
+            heads=args.heads,
+            distributions=args.distribution,
+            seeds=seeds,
+            progress=progress,
+        )
+    if "pcast" in args.part:
+        pcast, mse = pcast_rows(
+            sink_strengths=args.sink_strength,
+            seeds=[args.seed + i for i in range(args.pcast_repeats)],
+            seq_len=args.base_seq_len,
+            head_dim=args.base_head_dim,
+            heads=args.heads,
+            progress=progress,
+        )
+        rows += pcast
+    saturation_rel_l2: dict[tuple[str, float], list[float]] = {}
+    if "saturation" in args.part:
+        saturated, saturation_rel_l2 = saturation_rows(
+            logit_stds=args.logit_std,
+            thresholds=args.rescale_threshold,
+            seeds=seeds,
+            seq_len=args.base_seq_len,
+            head_dim=args.base_head_dim,
+            heads=args.heads,
+            progress=progress,
+        )
+        rows += saturated
     seconds = time.perf_counter() - start
     summary = summarize(rows, mse, args.moderate_sink, rel_l2)
-    print(format_table([r for r in rows if r["part"] == "error" and _first_axis(r, rows)], ERROR_COLUMNS))
-    print(format_table(pcast, PCAST_COLUMNS))
+    if saturation_rel_l2:
+        summary["saturation"] = saturation_summary(rows, saturation_rel_l2)
+    tables = (("error", ERROR_COLUMNS), ("pcast", PCAST_COLUMNS), ("saturation", SATURATION_COLUMNS))
+    for part, columns in tables:
+        part_rows = [r for r in rows if r["part"] == part and (part != "error" or _first_axis(r, rows))]
+        if part_rows:
+            print(format_table(part_rows, columns))
     for line in summary_lines(summary):
         print(line)
     config = {
@@ -641,7 +923,11 @@ def _run(args: argparse.Namespace) -> int:
         "moderate_sink": args.moderate_sink,
         "seeds": seeds,
         "pcast_seeds": args.pcast_repeats,
+        "parts": list(args.part),
+        "logit_stds": list(args.logit_std),
+        "rescale_thresholds": list(args.rescale_threshold),
         "variants": {v.label: v.spec for v in VARIANTS},
+        "saturation_variants": {v.label: v.spec for v in saturation_variants(args.rescale_threshold)},
     }
     meta = {
         "command": args.command_line,

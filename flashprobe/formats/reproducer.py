@@ -34,10 +34,13 @@ __all__ = [
     "REPRO_FORMAT",
     "Reproducer",
     "ReproducerError",
+    "is_sequence_file",
     "kernel_module",
     "load_reproducer",
+    "load_sequence",
     "reproducer_stem",
     "save_reproducer",
+    "save_sequence",
 ]
 
 #: ``format`` in the metadata of every reproducer file.
@@ -230,6 +233,8 @@ def load_reproducer(path: str | Path, device: torch.device | str | None = None) 
     try:
         info = json.loads(meta["flashprobe"])
         assert isinstance(info, dict), f"its metadata is a JSON {type(info).__name__}, not an object"
+        if SEQUENCE in info:
+            raise ReproducerError(f"{path}: {_SEQUENCE_FIX}")
         missing = [n for n in ("q", "k", "v") if n not in tensors]
         assert not missing, f"missing tensors {missing}"
     except (KeyError, AssertionError, json.JSONDecodeError, TypeError) as err:
@@ -353,3 +358,64 @@ def _metadata_problem(info: Any, tensors: dict[str, torch.Tensor]) -> str | None
         found = ", ".join(f"{n} {str(d).removeprefix('torch.')}" for n, d in dtypes.items())
         return f"its tensors mix dtypes ({found}); a saved call has one compute dtype"
     return None
+
+
+# ---- sequences: several calls in one process, in order (flashprobe fuzz's seq_* checks) ----------
+
+#: the metadata key of a sequence reproducer: its calls, in order (:mod:`flashprobe.fuzz.sequences`)
+SEQUENCE = "sequence"
+_SEQUENCE_FIX = (
+    "a sequence of calls (flashprobe fuzz's seq_* checks), replayed call by call in one process: "
+    "run flashprobe replay FILE"
+)
+
+
+def save_sequence(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
+    """Write a sequence of calls as one reproducer (``path`` ending in ``.safetensors``): every tensor
+    its steps name, by name (contiguous, on the CPU), the steps in ``meta["sequence"]`` with the rest of
+    the metadata, and the script beside it, which replays them (:func:`_script`). Both atomically."""
+    from safetensors.torch import save_file
+
+    from flashprobe import __version__
+    from flashprobe.formats.atomic import atomic_write_file, atomic_write_text
+
+    path = Path(path)
+    stored = {n: t.detach().to("cpu").contiguous().clone() for n, t in tensors.items()}
+    info = {**meta, "format": REPRO_FORMAT, "torch": torch.__version__, "flashprobe": __version__}
+    metadata = {"flashprobe": json.dumps(info, sort_keys=True)}
+    atomic_write_file(path, lambda tmp: save_file(stored, tmp, metadata=metadata))
+    atomic_write_text(path.with_suffix(".py"), _script(path.name, info))
+    return path
+
+
+def is_sequence_file(path: str | Path) -> bool:
+    """Whether ``path`` is a readable sequence reproducer (:func:`save_sequence`); False for anything
+    else, which :func:`load_reproducer` then reads or refuses with its reason."""
+    try:
+        return SEQUENCE in load_sequence(path, tensors=False)[1]
+    except ReproducerError:
+        return False
+
+
+def load_sequence(
+    path: str | Path, *, tensors: bool = True
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Read a sequence reproducer (safetensors only; nothing unpickled): its tensors by name (none with
+    ``tensors=False``) and its metadata. The steps are checked by their reader
+    (:func:`flashprobe.fuzz.sequences.replay_sequence`).
+
+    Raises:
+        ReproducerError: not a safetensors file, not flashprobe's, of another format, or no sequence.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            info = json.loads((f.metadata() or {}).get("flashprobe", "null"))
+            found = {name: f.get_tensor(name) for name in f.keys()} if tensors else {}  # noqa: SIM118
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ReproducerError(f"{path}: not a safetensors reproducer ({err})") from None
+    if not isinstance(info, dict) or info.get("format") != REPRO_FORMAT or SEQUENCE not in info:
+        raise ReproducerError(f"{path}: not a sequence reproducer of format {REPRO_FORMAT!r}")
+    return found, info

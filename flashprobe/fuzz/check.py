@@ -21,12 +21,13 @@ import torch
 
 from flashprobe.formats import prepare_output_dir
 from flashprobe.fuzz.cases import FuzzCase, select_cases
+from flashprobe.fuzz.invariants import CHECKS, run_checks, select_checks
 from flashprobe.fuzz.kernel_call import kernel_label
 from flashprobe.fuzz.reproducer import ReproducerStore
 from flashprobe.fuzz.run import FuzzResult, run_catalogue
 from flashprobe.fuzz.search import random_search
 from flashprobe.fuzz.tables import summary_counts
-from flashprobe.kernels import Kernel
+from flashprobe.kernels import Kernel, to_dtype
 
 __all__ = ["KernelCheck", "check_kernel"]
 
@@ -54,8 +55,9 @@ class KernelCheck:
 
     @property
     def passed(self) -> bool:
-        """No row failed (rows ``skip``, ``unsupported`` or ``no_backward`` do not fail)."""
-        return not self.failures
+        """No row failed or was ``not_declared`` (rows ``skip``, ``unsupported`` or ``no_backward`` do
+        not fail)."""
+        return not self.failures and all(r.verdict != "not_declared" for r in self.results)
 
     @property
     def summary(self) -> dict[str, int]:
@@ -68,6 +70,7 @@ def check_kernel(
     *,
     dtypes: Sequence[str | torch.dtype] = ("bf16", "fp16", "fp32"),
     cases: Iterable[str] | Sequence[FuzzCase] | None = None,
+    checks: Sequence[str] | None = None,
     profile: str = "default",
     seed: int = 0,
     seeds: int = 1,
@@ -86,7 +89,10 @@ def check_kernel(
         kernels: a kernel (spec or :class:`~flashprobe.kernels.Kernel`) or several.
         dtypes: the dtypes to run (``bf16``, ``fp16``, ``fp32`` or torch dtypes).
         cases: case names or globs (``"sentinel_*"``), or :class:`FuzzCase` objects; None: the
-            ``profile``'s catalogue.
+            ``profile``'s catalogue. Names and globs select sequences and invariants too
+            (``seq_*``, ``inv_*``: :data:`~flashprobe.fuzz.invariants.CHECKS`).
+        checks: the sequences and invariants to run, by name (None: those ``cases`` selects; all of
+            the profile's when ``cases`` is None).
         profile: ``default`` (the CI gate) or ``full``.
         seed: the first seed; ``seeds``: how many.
         budget: random samples after the catalogue (0: none).
@@ -102,7 +108,8 @@ def check_kernel(
         The :class:`KernelCheck`.
 
     Raises:
-        ValueError: ``seeds`` < 1, ``budget`` < 0, or a case pattern that matches no case.
+        ValueError: ``seeds`` < 1, ``budget`` < 0, a case pattern that matches no case, or an
+            unknown check.
         OutputPathError: ``out_dir`` is a file, a system directory or not writable.
     """
     if seeds < 1:
@@ -113,8 +120,15 @@ def check_kernel(
     given = [] if cases is None else list(cases)
     named = [c for c in given if isinstance(c, str)]
     chosen = [c for c in given if isinstance(c, FuzzCase)]
-    if named or cases is None:  # no cases given: the profile's catalogue
-        chosen += select_cases(named, profile=profile)
+    if checks is not None or (cases is not None and not named):  # named, or case objects only
+        unknown = [c for c in checks or () if c not in CHECKS]
+        if unknown:
+            raise ValueError(f"checks: no sequence or invariant {unknown[0]!r}; known: {', '.join(CHECKS)}")
+        extra, rest = [CHECKS[name] for name in checks or ()], named
+    else:
+        extra, rest = select_checks(named if cases is not None else None, profile=profile)
+    if rest is not None and (rest or cases is None):  # no cases given: the profile's catalogue
+        chosen += select_cases(rest, profile=profile)
     store = None
     if out_dir is not None:  # checked as the command checks --out (no system directory, writable)
         store = ReproducerStore(prepare_output_dir(out_dir, flag="out_dir"), baseline, backward)
@@ -124,6 +138,9 @@ def check_kernel(
     for s in range(seed, seed + seeds):
         results += run_catalogue(
             labels, dtypes, cases=chosen, seed=s, layouts=layouts, progress=progress, **common
+        )
+        results += run_checks(
+            labels, [to_dtype(d) for d in dtypes], extra, seed=s, progress=progress, **common
         )
     catalogue_s = time.perf_counter() - start
     if budget and progress is not None and results:

@@ -12,7 +12,9 @@ skip/unsupported reasons one line per distinct reason, per kernel the properties
 not), and, last, the files it wrote: ``fuzz.json`` (:func:`flashprobe.formats.write_json`, with
 per-row seconds), ``fuzz.md`` (with the properties and the slowest cases) and the reproducers, one
 per failing (kernel, property, direction).
-Exits 0 when nothing fails and 1 when a (kernel, case, dtype) fails.
+Beside the catalogue it runs the sequences and invariants of the profile (``seq_*``, ``inv_*``:
+:mod:`flashprobe.fuzz.invariants`), selected by ``--case`` as the cases are.
+Exits 0 when nothing fails and 1 when a (kernel, case, dtype) fails or is ``not_declared``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ from flashprobe.formats import OutputPathError, atomic_write_text, prepare_outpu
 from flashprobe.formats.paths import check_output_dir
 from flashprobe.fuzz.cases import PROFILES, FuzzCase, select_cases
 from flashprobe.fuzz.check import check_kernel
+from flashprobe.fuzz.invariants import checks_table, select_checks
 from flashprobe.fuzz.kernel_call import kernel_label
 from flashprobe.fuzz.layouts import LAYOUTS
 from flashprobe.fuzz.rule import RULE
@@ -91,6 +94,7 @@ class _Plan:
     seeds: int
     layouts: list[str]
     quiet: bool = False
+    checks: list[str] = field(default_factory=list)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -201,7 +205,8 @@ def _layouts(values: Sequence[str] | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _cases(args: argparse.Namespace) -> list[FuzzCase]:
+def _cases(args: argparse.Namespace) -> tuple[list[FuzzCase], list[str]]:
+    """The catalogue cases and the sequences and invariants (by name) the patterns select."""
     patterns = _listed(args.case, "--case", "'sentinel_*'")
     patterns += ["!" + p for p in _listed(args.exclude, "--exclude", "'gqa_*'")]
     if args.profile not in PROFILES:
@@ -209,12 +214,13 @@ def _cases(args: argparse.Namespace) -> list[FuzzCase]:
     if args.no_catalogue:
         if args.budget == 0:
             raise UsageError("--no-catalogue with --budget 0 runs nothing; give --budget N (random samples)")
-        return []
+        return [], []
+    checks, rest = select_checks(patterns, profile=args.profile)
     try:
-        cases = select_cases(patterns, profile=args.profile)
+        cases = [] if rest is None else select_cases(rest, profile=args.profile)
     except ValueError as err:
         raise UsageError(f"--case/--exclude: {err}") from None
-    if not cases and not args.budget:
+    if not cases and not checks and not args.budget:
         given = " ".join(
             f"{flag} {v!r}"
             for flag, vs in (("--case", args.case), ("--exclude", args.exclude))
@@ -223,7 +229,7 @@ def _cases(args: argparse.Namespace) -> list[FuzzCase]:
         raise UsageError(
             f"{given} leaves no case of the {args.profile} profile to run; see flashprobe fuzz --list"
         )
-    return cases
+    return cases, [c.name for c in checks]
 
 
 def _device(text: str) -> torch.device:
@@ -256,7 +262,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
         raise UsageError("give at least one --kernel SPEC; available: " + ", ".join(available_kernels()))
     kernels = [_label(k, "--kernel") for k in args.kernel]
     baseline = _label(args.baseline or "math", "--baseline")
-    dtypes, cases, layouts = _dtypes(args.dtype), _cases(args), _layouts(args.layout)
+    dtypes, (cases, checks), layouts = _dtypes(args.dtype), _cases(args), _layouts(args.layout)
     if args.seed < 0:
         raise UsageError(f"--seed {args.seed}: must be ≥ 0 (the seed of the inputs)")
     if args.seeds < 1:
@@ -286,6 +292,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
         args.seeds,
         layouts,
         args.quiet,
+        checks,
     )
 
 
@@ -387,7 +394,8 @@ def _print_results(plan: _Plan, results: list[FuzzResult], elapsed: float) -> No
     last = plan.seed + plan.seeds - 1
     seeds = f"seed {plan.seed}" if plan.seeds == 1 else f"seeds {plan.seed}–{last}"
     print(
-        f"flashprobe fuzz: {len(plan.cases)} cases ({plan.profile} profile) + {plan.budget} random × "
+        f"flashprobe fuzz: {len(plan.cases)} cases ({plan.profile} profile) + {len(plan.checks)} sequences "
+        f"and invariants + {plan.budget} random × "
         f"{len(plan.kernels)} kernels × {names}, {grads} ({seeds}, baseline {plan.baseline}) "
         f"in {elapsed:.1f} s\n"
     )
@@ -397,7 +405,7 @@ def _print_results(plan: _Plan, results: list[FuzzResult], elapsed: float) -> No
         failed = sum(r.verdict == "fail" for r in randoms)
         print(f"random search: {plan.budget} samples, {failed} failing (kernel, sample) pairs")
     for r in results:
-        if r.verdict == "fail" or plan.verbose:
+        if r.verdict in ("fail", "not_declared") or plan.verbose:
             seed = f" | seed {r.seed}" if plan.seeds > 1 and r.seed is not None else ""
             layout = f" | {r.layout}" if r.layout != "contiguous" else ""
             print(f"{r.verdict.upper():<5} {r.kernel} | {r.case} | {r.dtype}{layout}{seed}: {r.reason}")
@@ -444,7 +452,7 @@ def _payload(
 def _write(plan: _Plan, payload: dict[str, Any], results: list[FuzzResult]) -> list[Path]:
     """Write ``fuzz.json`` (and ``fuzz.md`` when the catalogue ran); every file written, reproducers too."""
     written = [write_json(plan.out_dir / "fuzz.json", payload)]
-    if plan.cases:
+    if plan.cases or plan.checks:
         written.append(atomic_write_text(plan.out_dir / "fuzz.md", _markdown(results)))
     for repro in dict.fromkeys(r.repro for r in results if r.repro):
         written += [Path(repro), Path(repro).with_suffix(".py")]
@@ -503,7 +511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as stop:  # --help (0) or a usage error (2)
         return int(stop.code or 0)
     if args.list:
-        print(catalogue_table())
+        print(catalogue_table() + "\n\n" + checks_table())
         return 0
     try:
         if args.from_file is not None:
@@ -522,6 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         budget=plan.budget,
         backward=plan.backward,
         layouts=plan.layouts,
+        checks=plan.checks,
         baseline=plan.baseline,
         device=plan.device,
         out_dir=plan.out_dir,
@@ -533,8 +542,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     written = _write(plan, _payload(plan, "flashprobe fuzz " + " ".join(argv), results, timing), results)
     summary = summary_counts(results)
     no_backward = f", {summary['no_backward']} no_backward" if summary["no_backward"] else ""
+    no_backward += f", {summary['not_declared']} not_declared" if summary["not_declared"] else ""
     print(
         f"\n{summary['pass']} pass, {summary['fail']} fail, {summary['skip']} skip, "
         f"{summary['unsupported']} unsupported{no_backward}; wrote {', '.join(str(p) for p in written)}"
     )
-    return 1 if summary["fail"] else 0
+    return 1 if summary["fail"] or summary["not_declared"] else 0

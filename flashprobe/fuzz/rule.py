@@ -64,8 +64,10 @@ __all__ = [
 ]
 
 #: The verdicts a (kernel, case, dtype) can get; ``no_backward``: the forward passes, but the
-#: kernel's output has no autograd graph, so its gradients could not be checked.
-VERDICTS = ("pass", "fail", "skip", "unsupported", "no_backward")
+#: kernel's output has no autograd graph, so its gradients could not be checked; ``not_declared``:
+#: more accurate than the precision it declares can be (:mod:`flashprobe.fuzz.invariants`), a
+#: finding of its own that fails a gate as ``fail`` does.
+VERDICTS = ("pass", "fail", "skip", "unsupported", "no_backward", "not_declared")
 #: The dtypes at which a ``signed bias`` case judges the sign of the error. Bias adds up where the
 #: rounding is coarse (Qiu & Yao: bf16); in float32 a kernel's deterministic last-bit differences
 #: from the baseline (√scale on q and k, another summation order) keep one sign over a whole call

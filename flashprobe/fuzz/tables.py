@@ -36,10 +36,11 @@ __all__ = [
     "terminal_table",
 ]
 
-_CELL = {"pass": "pass", "fail": "FAIL", "skip": "skip", "unsupported": "unsup", "no_backward": "nobwd"}
-_RAN = ("pass", "fail", "no_backward")
+_CELL = {"pass": "pass", "fail": "FAIL", "skip": "skip", "unsupported": "unsup", "no_backward": "nobwd",
+         "not_declared": "NDECL"}  # fmt: skip
+_RAN = ("pass", "fail", "no_backward", "not_declared")
 #: which verdict a cell shows when several seeds gave different ones: the worst
-_WORST = ("fail", "no_backward", "pass", "skip", "unsupported")
+_WORST = ("fail", "not_declared", "no_backward", "pass", "skip", "unsupported")
 
 
 def _worst(cells: dict, key: tuple, verdict: str) -> None:
@@ -209,10 +210,17 @@ def property_coverage(results: Sequence[FuzzResult]) -> dict[str, dict[str, dict
         rows = [r for r in results if r.kernel == kernel and r.params is None]
         by_property: dict[str, list[FuzzResult]] = {}
         for r in rows:
-            for prop in CATALOGUE[r.case].properties if r.case in CATALOGUE else ():  # none: custom cases
+            # a catalogue case's properties; a sequence's or an invariant's own; none: custom cases
+            props = (
+                CATALOGUE[r.case].properties if r.case in CATALOGUE else (r.property,) if r.property else ()
+            )
+            for prop in props:
                 by_property.setdefault(prop, []).append(r)
         entry: dict[str, dict[str, Any]] = {}
-        for prop in (p for p in PROPERTIES if p in by_property):
+        for prop in [
+            *(p for p in PROPERTIES if p in by_property),
+            *(p for p in by_property if p not in PROPERTIES),
+        ]:
             group = by_property[prop]
             ran = _unique(r.case for r in group if r.verdict in _RAN)
             if ran:

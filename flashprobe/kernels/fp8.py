@@ -249,8 +249,15 @@ def cast_fp8(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def _group_amax(x: torch.Tensor, scaling: str, block: int) -> torch.Tensor:
-    """amax of ``x (B, H, N, D)`` per scaling group, broadcast to ``(B, H, N, 1)`` (or smaller)."""
+    """amax of ``x (B, H, N, D)`` per scaling group, broadcast to ``(B, H, N, 1)`` (or smaller).
+
+    An empty group (a call with no keys, or a head dim of 0) has amax 0, as an all-zero group.
+    """
     mag = x.detach().abs()
+    if mag.numel() == 0:
+        b, h, n, _ = x.shape
+        shape = {"tensor": (1, 1, 1, 1), "head": (b, h, 1, 1)}.get(scaling, (b, h, n, 1))
+        return mag.new_zeros(shape)
     if scaling == "tensor":
         return mag.amax().reshape(1, 1, 1, 1)
     if scaling == "head":

@@ -167,6 +167,10 @@ class KernelCapabilities:
         page_sizes: the page sizes of a paged KV cache it takes, or None for any (within the next).
         page_multiple: page sizes must be multiples of this (flash-attn 2: 256).
         preallocated_out: it writes into a preallocated ``out=``.
+        batch_invariant: a row's output is bit-identical whatever else is in the batch (checked by
+            ``flashprobe fuzz``'s ``inv_batch``).
+        deterministic: the same call gives the same bits every time, its backward included (checked
+            by ``inv_determinism``).
     """
 
     masks: frozenset[str] = frozenset(MASK_KINDS)
@@ -196,6 +200,8 @@ class KernelCapabilities:
     page_sizes: frozenset[int] | None = None
     page_multiple: int = 1
     preallocated_out: bool = False
+    batch_invariant: bool = False
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.lse_base not in LSE_BASES:

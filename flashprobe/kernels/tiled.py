@@ -79,6 +79,20 @@ max_shift        ``off`` (default) or ``repeated``: the mitigation of Qiu & Yao 
                  stays). The shift cancels in ``o / l``; it costs range: ``P ≤ exp(−|m|)``
                  underflows fp16 for ``|m|`` above ~17 and the row then outputs 0; the bias
                  it removes is measured by ``flashprobe bench bias``.
+rescale_threshold FlashAttention-4's lazy rescaling, in log2 units (default 0: off, the max is
+                 always updated). A tile that raises a row's max by at most this many powers of
+                 two, ``(m_tile − m)·log2(e) ≤ t``, leaves the running max stale: ``α = 1``, no
+                 rescaling, and that tile's ``P = exp(s − m)`` reaches up to ``2^t``; a larger rise
+                 updates the max as usual, and the first tile that sees a key always sets it. This
+                 is ``SoftmaxSm100.update_row_max`` of Dao-AILab ``flash_attn/cute/softmax.py``
+                 (keep the old max where ``(m_old − m_new)·scale·log2(e) ≥ −rescale_threshold``),
+                 with the thresholds of ``flash_attn/cute/flash_fwd_sm100.py``: 8 for 16-bit
+                 inputs, and 4 for FP8 (PR 2109, with ``max_offset = 8``, i.e. ``p_scale=256``)
+                 until PR 2731 set it to 0 (flash-attention issue 2716: ``2^(8+4) = 4096``
+                 saturates E4M3's 448, ``tiled:preset=fa3_fp8,rescale_threshold=4``). The stale
+                 max cancels in ``o / l``: exact in exact arithmetic; it costs range (``P`` up to
+                 ``2^t``, the row sum up to ``N·2^t``: a 16-bit ``stats_dtype`` can overflow).
+                 Needs ``update=fa2`` (FA1 renormalises every tile).
 qkv_fp8          FP8 format of Q, K and V: ``e4m3``, ``e5m2`` or ``off`` (default; in a spec
                  ``none`` means the preset's value, as for every knob)
 p_fp8            FP8 format of P in the ``P v`` GEMM: ``e4m3``, ``e5m2`` or ``off``
@@ -135,6 +149,7 @@ __all__ = [
     "UPDATES",
     "TileNumerics",
     "TileSizes",
+    "lazy_tile_max",
     "resolve_numerics",
     "spec_numerics",
     "tile_order",
@@ -153,6 +168,7 @@ UPDATES = ("fa2", "fa1")
 MAX_SHIFTS = ("off", "repeated")
 #: Scores within this distance of a tile's row max count as a repeat of it (``max_shift=repeated``).
 REPEAT_TOLERANCE = 1e-3
+_LOG2E = 1.0 / math.log(2.0)
 #: The dtype value meaning "at least fp32" (torch's ``at::opmath_type``).
 OPMATH = "opmath"
 
@@ -202,6 +218,7 @@ class TileNumerics:
         update: ``"fa2"`` or ``"fa1"``.
         order: ``"forward"``, ``"reverse"`` or ``"shuffle"``.
         order_seed: seed of the ``shuffle`` permutation.
+        rescale_threshold: FA4's lazy rescaling, in log2 units (0: off; module docstring).
         fp8: the FP8 knobs (:class:`~flashprobe.kernels.fp8.Fp8Numerics`; default: FP8 off).
     """
 
@@ -213,6 +230,7 @@ class TileNumerics:
     order: str
     order_seed: int
     fp8: fp8_numerics.Fp8Numerics = field(default_factory=fp8_numerics.Fp8Numerics)
+    rescale_threshold: float = 0.0
 
     def describe(self) -> str:
         """One line such as ``"scores fp32, stats fp32, acc fp32, P bf16, update fa2, order reverse"``."""
@@ -221,6 +239,8 @@ class TileNumerics:
             f"scores {dtype_name(self.score)}, stats {dtype_name(self.stats)}, acc {dtype_name(self.acc)}, "
             f"P {dtype_name(self.compute)}, update {self.update}, order {order}"
         )
+        if self.rescale_threshold:
+            line += f", lazy rescale (threshold {self.rescale_threshold:g} in log2)"
         return line + (f"; FP8: {self.fp8.describe()}" if self.fp8.active else "")
 
 
@@ -237,6 +257,26 @@ def _flag(name: str, value: Any) -> bool:
     if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
         return bool(value)
     raise ValueError(f"tiled: {name}={value!r} must be true or false")
+
+
+def _rescale_threshold(value: Any) -> float:
+    """Check ``rescale_threshold``: a finite number ≥ 0."""
+    number = value if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
+    if not (math.isfinite(number) and number >= 0):
+        raise ValueError(
+            f"tiled: rescale_threshold={value!r} must be a finite number ≥ 0 (log2 units; 0: off, "
+            "FA4 uses 8 for 16-bit inputs)"
+        )
+    return float(number)
+
+
+def _check_lazy_update(update: str, threshold: Any) -> None:
+    """Lazy rescaling (``rescale_threshold`` > 0) is an update of the unnormalised output: fa2 only."""
+    if update != "fa2":
+        raise ValueError(
+            f"tiled: rescale_threshold={threshold!r} needs update=fa2 (FlashAttention-4 defers the "
+            f"normalisation; update={update} renormalises the output after every tile)"
+        )
 
 
 def _step_dtype(name: str, value: Any) -> None:
@@ -346,6 +386,8 @@ def _validate(**options: Any) -> None:
         _step_dtype(name, get(name))
     _mask_value(get("mask_value", float("-inf")))
     check_choice("max_shift", get("max_shift", "off"), MAX_SHIFTS)
+    if _rescale_threshold(get("rescale_threshold", 0.0)):
+        _check_lazy_update(get("update") or _preset_knobs(get("preset"))["update"], get("rescale_threshold"))
 
 
 def _mask_value(value: Any) -> float:
@@ -379,6 +421,7 @@ def resolve_numerics(
     order: str | None = None,
     order_seed: int = 0,
     mask_value: float = float("-inf"),
+    rescale_threshold: float = 0.0,
     **fp8_knobs: Any,
 ) -> TileNumerics:
     """The numerics of a call on inputs of ``input_dtype``: the preset's knobs, overridden by the
@@ -386,7 +429,8 @@ def resolve_numerics(
     knobs of :func:`~flashprobe.kernels.fp8.resolve_fp8` (``qkv_fp8``, ``p_fp8``, ...).
 
     Raises:
-        ValueError: a bad knob value, or a finite ``mask_value`` that overflows the stats dtype.
+        ValueError: a bad knob value, a finite ``mask_value`` that overflows the stats dtype, or
+            a ``rescale_threshold`` with ``update=fa1``.
     """
     knobs = _preset_knobs(preset)
     compute = to_dtype(dtype) or input_dtype
@@ -405,7 +449,10 @@ def resolve_numerics(
         order=check_choice("order", chosen["order"], ORDERS),
         order_seed=check_seed("order_seed", order_seed),
         fp8=fp8_numerics.resolve_fp8(preset, **fp8_knobs),
+        rescale_threshold=_rescale_threshold(rescale_threshold),
     )
+    if numerics.rescale_threshold:
+        _check_lazy_update(numerics.update, rescale_threshold)
     stats = numerics.stats
     if math.isfinite(mask_value) and math.isinf(torch.tensor(mask_value, dtype=stats).item()):
         raise ValueError(
@@ -417,7 +464,10 @@ def resolve_numerics(
 
 
 def _numerics_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    keys = ("preset", "dtype", "score_dtype", "stats_dtype", "acc_dtype", "update", "order", "order_seed")
+    keys = (
+        "preset", "dtype", "score_dtype", "stats_dtype", "acc_dtype", "update", "order", "order_seed",
+        "rescale_threshold",
+    )  # fmt: skip
     return {key: options[key] for key in keys if key in options} | fp8_numerics.fp8_options(options)
 
 
@@ -488,6 +538,7 @@ def tiled_attention(
     acc_dtype: str | torch.dtype | None = None,
     mask_value: float = float("-inf"),
     max_shift: str = "off",
+    rescale_threshold: float = 0.0,
     qkv_fp8: str | None = None,
     p_fp8: str | None = None,
     p_scale: float | None = None,
@@ -515,6 +566,8 @@ def tiled_attention(
         mask_value: masked-logit value and initial running max.
         max_shift: ``"off"`` or ``"repeated"``: shift a tile's row max where it repeats (module
             docstring).
+        rescale_threshold: FA4's lazy rescaling in log2 units, 0 (default) for off (module
+            docstring).
         qkv_fp8, p_fp8, p_scale, fp8_scaling, qkv_scale, rotation, rotation_seed: the FP8 knobs
             (module docstring, :mod:`flashprobe.kernels.fp8`); forward only.
 
@@ -531,8 +584,9 @@ def tiled_attention(
         block_q=block_q, block_k=block_k, sram=sram, swap_blocks=swap_blocks, square=square, loop=loop,
         preset=preset, order=order, order_seed=order_seed, update=update, dtype=dtype,
         score_dtype=score_dtype, stats_dtype=stats_dtype, acc_dtype=acc_dtype, mask_value=mask_value,
-        max_shift=max_shift, qkv_fp8=qkv_fp8, p_fp8=p_fp8, p_scale=p_scale, fp8_scaling=fp8_scaling,
-        qkv_scale=qkv_scale, rotation=rotation, rotation_seed=rotation_seed,
+        max_shift=max_shift, rescale_threshold=rescale_threshold, qkv_fp8=qkv_fp8, p_fp8=p_fp8,
+        p_scale=p_scale, fp8_scaling=fp8_scaling, qkv_scale=qkv_scale, rotation=rotation,
+        rotation_seed=rotation_seed,
     )
     _validate(**options)
     mask_value = _mask_value(mask_value)
@@ -667,6 +721,8 @@ def _attend_rows(
         elif mask is not None:
             _apply_mask(scores, mask[..., j0:j1], mask_value)
         m_tile = _tile_max(scores, m_init, shift_repeated)
+        if numerics.rescale_threshold:
+            m_tile = lazy_tile_max(state.m, m_tile, numerics.rescale_threshold, m_init)
         state = step(
             state,
             scores,
@@ -708,6 +764,30 @@ def _tile_max(scores: torch.Tensor, m_init: float, shift_repeated: bool) -> torc
     repeats = (scores.detach() >= m - REPEAT_TOLERANCE).sum(dim=-1, keepdim=True) > 1
     shifted = torch.where(m > 0, 2 * m, torch.zeros_like(m))
     return torch.where(repeats & (m > m_init), shifted, m)
+
+
+def lazy_tile_max(
+    m: torch.Tensor, m_tile: torch.Tensor, threshold: float, m_init: float = float("-inf")
+) -> torch.Tensor:
+    """FlashAttention-4's lazy rescaling of one tile (``rescale_threshold``).
+
+    ``SoftmaxSm100.update_row_max`` in Dao-AILab ``flash_attn/cute/softmax.py`` keeps the old max
+    where ``(m_old − m_new)·scale_log2 ≥ −rescale_threshold``; scores here already carry the softmax
+    scale, so ``scale_log2`` is log2(e).
+
+    Args:
+        m: ``(…, R, 1)`` the running max of R rows before the tile.
+        m_tile: ``(…, R, 1)`` the tile's row max.
+        threshold: in log2 units (powers of two).
+        m_init: the running max's initial value (the mask value): rows still at it have seen no
+            key, and always take the tile's max (FA4's first tile).
+
+    Returns:
+        ``m_tile``, replaced by ``m`` in rows where it exceeds ``m`` by at most ``threshold`` powers
+        of two, so that ``max(m, ·)`` keeps the stale max (``α = 1``).
+    """
+    stale = ((m_tile - m) * _LOG2E <= threshold) & (m != m_init)
+    return torch.where(stale, m, m_tile)
 
 
 def _no_neg_inf(x: torch.Tensor, exact: bool) -> torch.Tensor:
@@ -767,7 +847,8 @@ def _fa2_step(
 ) -> _RowState:
     """FlashAttention-2's update: rescale the unnormalised output, add ``P v``; divide at the end.
 
-    ``m_new = max(m, m_tile)`` (``m_tile``: the tile's row max, :func:`_tile_max`),
+    ``m_new = max(m, m_tile)`` (``m_tile``: the tile's row max, :func:`_tile_max`, or the stale
+    running max itself with lazy rescaling, :func:`lazy_tile_max`),
     ``P = exp(s − m_new)``, ``α = exp(m − m_new)``, ``l ← α·l + rowsum(P)``, ``o ← α·o + P v``.
     """
     m_new = torch.maximum(state.m, m_tile)

@@ -11,19 +11,19 @@
 * :class:`DeviationStats` holds one site's on-device statistics; :func:`reduce_across_ranks`
   all-reduces them in distributed training; :func:`summarize` gives the worst values over sites.
 
-Modules, one idea each: ``call`` (one SDPA call adapted to the kernels' convention), ``sites``
-(the attached models and the site finder: which attached module made a call), ``patching`` (swapping
-the attention sources' names in and out), the sources ``sdpa`` (with ``opaque`` for compiled
-graphs), ``fastpath``, ``flex``, ``hf_flex``, ``flashattn`` and ``flashinfer`` (the last two through
-``direct``: arguments bound by signature, layouts converted), ``intercept`` (the table of sources and
-the handles' attach/detach), ``compiled`` (the attach-time check for ``torch.compile(...,
-fullgraph=True)``), ``routing`` (``use_kernel``), ``shadow`` (``ShadowAttention``; its references are
-planned in bounded memory by :mod:`flashprobe.kernels.reference`), ``config`` (``ProbeConfig``),
-``stats`` (on-device statistics and their cross-rank reduction), ``summary`` (the summary over sites,
-typed: ``ProbeSummary``), ``session`` (a training run's tally and verdict block), ``run_session`` (the
-training callbacks' ``ProbeSession``),
-``repro`` (reproducers replayed and shrunk, the probe's and the fuzzer's; their file is
-:mod:`flashprobe.formats.reproducer`), ``probe`` (``probe``).
+Modules, one idea each: ``call`` (one SDPA call adapted to the kernels' convention), ``sites`` (the
+attached models and the site finder: which attached module made a call), ``patching`` (swapping the
+attention sources' names in and out), the sources ``sdpa`` (with ``opaque`` for compiled graphs),
+``fastpath``, ``flex``, ``hf_flex``, ``flashattn``, ``flashinfer`` and ``varlen`` (the last three
+through ``direct``: arguments bound by signature, read as a call of the kernels layer), ``intercept``
+(the table of sources and the handles' attach/detach), ``compiled`` (the attach-time check for
+``torch.compile(..., fullgraph=True)``), ``routing`` (``use_kernel``), ``shadow`` (``ShadowAttention``;
+its references are planned in bounded memory by :mod:`flashprobe.kernels.reference`), ``config``
+(``ProbeConfig``), ``stats`` (on-device statistics and their cross-rank reduction), ``summary`` (the
+summary over sites, typed: ``ProbeSummary``), ``session`` (a training run's tally and verdict block),
+``run_session`` (the training callbacks' ``ProbeSession``), ``repro`` (reproducers replayed and shrunk,
+the probe's and the fuzzer's; their file is :mod:`flashprobe.formats.reproducer`), ``probe``
+(``probe``).
 """
 
 from flashprobe.probing.call import SdpaCall

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from flashprobe.kernels import Kernel, KernelOutputError, output_problem
+from flashprobe.kernels import ANY_CAPABILITIES, Kernel, KernelOutputError, mask_kind, output_problem
 from flashprobe.kernels.reference import expand_kv
 
 __all__ = [
@@ -110,7 +110,8 @@ def _to_4d(x: torch.Tensor) -> torch.Tensor:
 
 
 class Prepared(NamedTuple):
-    """An SDPA call brought to the kernels' convention.
+    """A call brought to the references' convention: an SDPA call (:func:`prepare`), or any call of
+    an attention library in its logical form (:func:`flashprobe.probing.direct.prepare_call`).
 
     Attributes:
         q: ``(B, H, N_q, D)`` in the compute dtype (the autocast dtype under autocast).
@@ -121,7 +122,12 @@ class Prepared(NamedTuple):
         scale: softmax scale or None.
         rep: query heads per key/value head (1 without GQA); expand with
             :func:`~flashprobe.kernels.reference.expand_kv`.
-        dtype: the compute dtype.
+        dtype: the dtype the verdict's limits are taken at (the compute dtype; an FP8 or merged
+            call's tensors are wider).
+        terms: the logical :class:`~flashprobe.kernels.AttentionCall` whose terms beyond SDPA's
+            (lengths, bottom-right causal, window, softcap, ALiBi, sinks) each reference block gets
+            (:func:`~flashprobe.kernels.reference.reference_outputs`), or None for an SDPA call.
+        lse_base: the base of the LSE the primary returned (``"e"`` or 2), or None when it returned none.
     """
 
     q: torch.Tensor
@@ -132,6 +138,8 @@ class Prepared(NamedTuple):
     scale: float | None
     rep: int
     dtype: torch.dtype
+    terms: Any = None
+    lse_base: str | int | None = None
 
     @property
     def out_shape(self) -> tuple[int, int, int, int]:
@@ -169,7 +177,10 @@ def prepare(call: SdpaCall, dtype: torch.dtype | None = None) -> Prepared:
 
 
 def run_kernel(kernel: Kernel, call: SdpaCall) -> torch.Tensor:
-    """Run ``kernel`` with SDPA's semantics: autocast casting, any leading dims, GQA, mask, scale.
+    """Run ``kernel`` with SDPA's semantics: autocast casting, any leading dims, GQA, mask, scale;
+    the call adapted to the kernel's declared contract as the fuzzer adapts it: grouped key/value
+    heads passed as they are to a kernel that declares ``gqa="native"`` (else repeated), and a bool
+    mask given as the additive 0/−inf mask it equals to a kernel that takes additive masks only.
 
     Dropout is not handled here (kernels have none); callers fall back to torch's SDPA.
 
@@ -177,9 +188,16 @@ def run_kernel(kernel: Kernel, call: SdpaCall) -> torch.Tensor:
         The output in SDPA's layout: ``query.shape[:-1] + (D_v,)``.
     """
     p = prepare(call)
-    k, v = expand_kv(p.k, p.v, p.rep)
+    caps = kernel.capabilities
+    native = caps is not ANY_CAPABILITIES and caps.gqa == "native"
+    k, v = (p.k, p.v) if native else expand_kv(p.k, p.v, p.rep)
+    mask = p.attn_mask
+    additive_only = "float" in caps.masks and "bool" not in caps.masks
+    if mask is not None and mask.dtype == torch.bool and additive_only:
+        padding = mask_kind(mask) == "key_padding" and "key_padding" in caps.masks
+        mask = mask if padding else torch.where(mask, 0.0, float("-inf")).to(p.dtype)
     with autocast_off(p.q.device.type):
-        out = kernel(p.q, k, v, attn_mask=p.attn_mask, is_causal=p.is_causal, scale=p.scale)
+        out = kernel(p.q, k, v, attn_mask=mask, is_causal=p.is_causal, scale=p.scale)
     problem = output_problem(out, p.q, v, kernel.spec)
     if problem is not None:
         raise KernelOutputError(f"flashprobe: {problem}")

@@ -1,21 +1,28 @@
-"""FlashInfer as a source: its single prefill/decode functions and its batch wrappers.
+"""FlashInfer as a source: its single prefill/decode functions, its batch wrappers and its merges.
 
 An optional, self-contained source (:mod:`flashprobe.probing.direct` has what it shares with
 flash-attn's): while a probe is attached and ``flashinfer`` is imported (flashprobe never imports it),
-``single_prefill_with_kv_cache`` (and ``..._return_lse``), ``single_decode_with_kv_cache`` and the
-batch wrappers ``BatchPrefillWithRaggedKVCacheWrapper``, ``BatchPrefillWithPagedKVCacheWrapper`` and
-``BatchDecodeWithPagedKVCacheWrapper`` are swapped. A wrapper's ``plan()`` is recorded (its sequences,
-page table, mask and scale, per instance, forgotten when the last probe detaches); its ``run()`` (and
-``run_return_lse``) is a site, read with the recorded plan; the deprecated ``forward()`` sets the
-settings later runs use. FlashInfer has no backward: every call runs with the caller's own arguments
-and is compared forward. A run whose ``plan()`` was made before the probe was attached runs unchanged,
-with one warning naming why.
+``single_prefill_with_kv_cache`` (and ``..._return_lse``), ``single_decode_with_kv_cache``, the batch
+wrappers ``BatchPrefillWithRaggedKVCacheWrapper``, ``BatchPrefillWithPagedKVCacheWrapper`` and
+``BatchDecodeWithPagedKVCacheWrapper``, and the split-KV merges ``merge_state``, ``merge_states`` and
+``merge_state_in_place`` are swapped. Each call is read as a call of the kernels layer
+(:class:`~flashprobe.kernels.AttentionCall`): NHD/HND layouts, bottom-right causal, ``window_left``,
+``logits_soft_cap``, ``sm_scale``, ``sinks``, custom masks, ragged and paged sequences (FlashInfer's
+page table as a block table), and the LSE in base 2 (``−inf`` for a row that sees no key). A merge
+``(v, s)`` of states is the attention of one query over the states, each a key whose logit is its
+LSE (``s · ln 2``) and whose value is its output: its golden is the merge in float64, a state whose
+LSE is ``−inf`` an empty one.
+
+A wrapper's ``plan()`` is recorded (per instance, forgotten when the last probe detaches; its index
+tensors are read once per plan); its ``run()`` (and ``run_return_lse``) is a site, read with the
+recorded plan; the deprecated ``forward()`` sets the settings later runs use. FlashInfer has no
+backward: every call runs with the caller's own arguments and is compared forward. A run whose
+``plan()`` was made before the probe was attached runs unchanged, with one warning naming why.
 
 **What this was checked against.** The signatures and semantics are FlashInfer 0.6's as the team read
-them, and the tests run them against the team's own CPU stand-ins of those functions and wrappers
-(``tests/probing/_standins.py``: layouts, bottom-right causal, grouped heads, ragged and paged
-sequences, custom masks, and planted bugs); no test runs the real library (it needs CUDA), so a
-FlashInfer release that changes an argument's meaning would not be caught here.
+them (``flashinfer/prefill.py``, ``decode.py``, ``cascade.py``), and the tests run them against the
+team's own CPU stand-ins of those functions and wrappers (``tests/probing/_standins.py``,
+``lab/contracts.py``); no test runs the real library (it needs CUDA).
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
+import math
 import sys
 import weakref
 from collections.abc import Callable
@@ -31,124 +40,118 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from flashprobe.kernels import AttentionCall, CallOutput
 from flashprobe.probing import patching
 from flashprobe.probing.direct import (
-    Conversion,
-    Convert,
     DirectFunctions,
-    Expressible,
-    Library,
-    PagedSlots,
+    LibraryCall,
+    Reader,
     bind_arguments,
-    bottom_right,
     function_wrapper,
-    gather_pages,
-    is_fp8,
     mark_original,
-    own_arguments,
-    packed_views,
-    segment_mask,
-    segments,
     signature_of,
+    unexpressed,
 )
 
-__all__ = ["CLASSES", "FUNCTIONS", "SOURCE", "flashinfer_slots", "forget_plans", "patch_class"]
+__all__ = ["CLASSES", "FUNCTIONS", "SOURCE", "forget_plans", "patch_class"]
 
-#: FlashInfer's arguments (of its functions, ``plan`` and ``run``) that SDPA can express.
-_ANY_VALUE = frozenset(
+#: FlashInfer's arguments (of its functions, ``plan`` and ``run``) that change nothing compared
+_HARMLESS = frozenset(
     {
         "backend", "use_tensor_cores", "use_fp16_qk_reduction", "enable_pdl", "non_blocking", "out",
-        "lse", "rope_scale", "rope_theta", "return_lse", "q_data_type", "kv_data_type", "o_data_type",
+        "lse", "rope_scale", "rope_theta", "q_data_type", "kv_data_type", "o_data_type", "o_dtype",
         "data_type", "fixed_split_size", "disable_split_kv", "num_qo_heads", "num_kv_heads", "head_dim",
         "head_dim_qk", "head_dim_vo", "page_size", "max_token_per_sequence", "max_sequence_kv",
     }
 )  # fmt: skip
-_ARGUMENTS = Expressible(
-    any_value=_ANY_VALUE,
-    off_values={
-        "window_left": (-1, None),
-        "window_right": (None, 0, -1),  # one decode query is the last position: no right window
-        "logits_soft_cap": (0, None),
-        "pos_encoding_mode": ("NONE",),
-        "q_len_per_req": (None, 1),
-        "token_pos_in_items_len": (0,),
-        "q_scale": (None, 1),
-        "k_scale": (None, 1),
-        "v_scale": (None, 1),
-        "o_scale": (None, 1),
-        "use_fp16_softmax": (None, False),
-        "uses_spcompress": (None, False),
+#: arguments read only at these values (a feature flashprobe does not compare, off)
+_OFF = {
+    "window_right": (None, 0, -1),  # one decode query is the last position: no right window
+    "pos_encoding_mode": ("NONE",),
+    "q_len_per_req": (None, 1),
+    "token_pos_in_items_len": (0,),
+    **{
+        name: (None, 1)
+        for name in ("q_scale", "k_scale", "v_scale", "o_scale", "scale_q", "scale_k", "scale_v")
     },
-)
-
+    "use_fp16_softmax": (None, False),
+    "uses_spcompress": (None, False),
+}
 _LAYOUTS = ("NHD", "HND")
 
 
-def _kv_view(t: torch.Tensor, layout: str) -> torch.Tensor:
-    """A FlashInfer ``(N, H_kv, D)`` (NHD) or ``(H_kv, N, D)`` (HND) tensor as ``(1, H_kv, N, D)``,
-    detached."""
-    t = t.detach()
-    return (t.transpose(0, 1) if layout == "NHD" else t).unsqueeze(0)
+def _features(settings: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor | None]:
+    """Pop FlashInfer's mask and score settings: the :class:`AttentionCall` fields they set, and a
+    custom bool mask (which replaces ``causal``)."""
+    custom = settings.pop("custom_mask", None)
+    causal = bool(settings.pop("causal", False)) and custom is None
+    left = settings.pop("window_left", None)
+    left = -1 if left is None else int(left)
+    cap = settings.pop("logits_soft_cap", None)
+    fields = {
+        "causal": causal, "align": "bottom_right", "window": (left, 0 if causal else -1),
+        "softcap": float(cap or 0.0), "scale": settings.pop("sm_scale", None),
+        "sinks": settings.pop("sinks", None),
+    }  # fmt: skip
+    if fields["window"] == (-1, 0):
+        fields["window"] = (-1, -1)
+    return fields, custom
 
 
-def _forward_only(q: torch.Tensor, *kv: torch.Tensor) -> str | None:
-    if is_fp8(q, *kv):
-        return "has fp8 inputs (the baseline runs in the inputs' dtype; compare 16-bit calls)"
-    return None
+def _outputs(call: AttentionCall) -> Callable[[Any], CallOutput]:
+    """FlashInfer's return (``out``, or ``(out, lse)`` with ``lse`` ``(tokens, H)`` in base 2) in the
+    logical form."""
+
+    def outputs(returned: Any) -> CallOutput:
+        out, lse = (returned[0], returned[1]) if isinstance(returned, tuple | list) else (returned, None)
+        if call.q.dim() == 4:  # a single call: one sequence (or one query) without its batch dim
+            out = out.reshape(*call.q.shape[:-1], out.shape[-1])
+        found = call.lse_to_logical(lse.float(), "th") if call.return_lse and lse is not None else None
+        return CallOutput(call.q_to_logical(out), found, 2)
+
+    return outputs
 
 
-def _single_prefill(
-    lib: Library, named: dict, params: dict, run: Callable[[], Any]
-) -> Conversion | str | None:
-    """``single_prefill_with_kv_cache(q, k, v, ...)``: ``q (N_q, H, D)``, ``k``/``v`` NHD
-    ``(N_k, H_kv, D)`` or HND ``(H_kv, N_k, D)``; a bool ``custom_mask (N_q, N_k)`` replaces ``causal``."""
+def _forward_only(what: str, call: AttentionCall, own: Callable[[], Any], **extra: Any) -> LibraryCall:
+    """A call FlashInfer runs with the caller's own arguments, compared forward."""
+    return LibraryCall(what, call, lambda tensors, dropout: own(), _outputs(call), **extra)
+
+
+def _single(decode: bool, named: dict[str, Any], library: Callable[..., Any], own: Callable[[], Any]) -> Any:
+    """``single_prefill_with_kv_cache(q, k, v, ...)`` (``q (N_q, H, D)``; a bool ``custom_mask (N_q,
+    N_k)`` replaces ``causal``) or, ``decode``, ``single_decode_with_kv_cache(q, k, v, ...)`` (one query
+    ``q (H, D)`` at the last position): ``k``/``v`` NHD ``(N_k, H_kv, D)`` or HND ``(H_kv, N_k, D)``."""
     q, k, v = (named.pop(n, None) for n in "qkv")
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v)):
-        return None
-    layout, custom = named.pop("kv_layout", "NHD"), named.pop("custom_mask", None)
-    causal, scale = bool(named.pop("causal", False)), named.pop("sm_scale", None)
-    if layout not in _LAYOUTS:
-        return f"uses kv_layout={layout!r}"
-    reason = _ARGUMENTS.reason(named) or _forward_only(q, k, v)
-    if reason:
-        return reason
-    keys, values = _kv_view(k, layout), _kv_view(v, layout)
-    n_q, n_k = q.shape[0], keys.shape[2]
-    if custom is not None:
-        mask, sdpa_causal = custom.to(device=q.device, dtype=torch.bool).reshape(n_q, n_k), False
-    else:
-        mask, sdpa_causal = bottom_right(n_q, n_k, causal, q.device)
-    return Conversion(
-        q.detach().transpose(0, 1).unsqueeze(0), keys, values, mask, sdpa_causal, scale, 0.0,
-        own_arguments(run), lambda o: o.transpose(0, 1).unsqueeze(0), lambda o: o[0].transpose(0, 1),
-    )  # fmt: skip
-
-
-def _single_decode(
-    lib: Library, named: dict, params: dict, run: Callable[[], Any]
-) -> Conversion | str | None:
-    """``single_decode_with_kv_cache(q, k, v, ...)``: one query ``q (H, D)`` against all of ``k``/``v``."""
-    q, k, v = (named.pop(n, None) for n in "qkv")
-    if not (
-        isinstance(q, torch.Tensor) and q.dim() == 2 and all(isinstance(t, torch.Tensor) for t in (k, v))
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (k, v)) or not (
+        isinstance(q, torch.Tensor) and q.dim() == 3 - decode
     ):
         return None
-    layout, scale = named.pop("kv_layout", "NHD"), named.pop("sm_scale", None)
+    layout = named.pop("kv_layout", "NHD")
     if layout not in _LAYOUTS:
         return f"uses kv_layout={layout!r}"
-    reason = _ARGUMENTS.reason(named) or _forward_only(q, k, v)
-    if reason:
+    lse = bool(named.pop("return_lse", False))
+    fields, custom = _features(named)
+    reason = unexpressed(named, (), _HARMLESS, _OFF)
+    if reason is not None:
         return reason
-    return Conversion(
-        q.detach()[None, :, None, :], _kv_view(k, layout), _kv_view(v, layout), None, False, scale, 0.0,
-        own_arguments(run), lambda o: o[None, :, None, :], lambda o: o[0, :, 0, :],
-    )  # fmt: skip
+    q = q[None, None] if decode else q[None]  # (1, N_q, H, D)
+    keys, values = (
+        t[None] if layout == "NHD" else t.transpose(0, 1)[None] for t in (k, v)
+    )  # (1, N_k, H_kv, D)
+    mask = None if custom is None else custom.to(torch.bool).reshape(1, 1, q.shape[1], keys.shape[1])
+    call = AttentionCall(
+        q=q, k=keys, v=values, layout="bnhd", attn_mask=mask, return_lse=lse, lse_base=2, **fields
+    )
+    return _forward_only("single", call, own)
+
+
+# --- The batch wrappers: plan, then run ---
 
 
 @dataclasses.dataclass
 class _Plan:
     """A FlashInfer wrapper's last ``plan()`` (its arguments by name), the settings its deprecated
-    ``forward()`` set since, and the page slots and masks computed from them (per device)."""
+    ``forward()`` set since, and what is read from them (index tensors, masks) per device."""
 
     named: dict[str, Any]
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -178,23 +181,61 @@ def forget_plans() -> None:
     _PLANS.clear()
 
 
-def _paged_cache(cache: Any, layout: str) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-    """``(k_cache, v_cache, page_size)`` of a paged KV cache: a ``(k, v)`` pair of 4-D tensors or one
-    5-D tensor with k and v at index 1."""
+def _offsets(indptr: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:
+    """FlashInfer's ``indptr`` as ``cu_seqlens`` on ``device`` and the longest sequence (read once per
+    plan: FlashInfer's plans hold host tensors)."""
+    lengths = (indptr[1:] - indptr[:-1]).tolist()
+    return indptr.to(device=device, dtype=torch.int32), max(lengths, default=0)
+
+
+def _block_table(
+    indptr: torch.Tensor,
+    indices: torch.Tensor,
+    last_page_len: torch.Tensor,
+    page_size: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """FlashInfer's page table (request ``i`` holds pages ``indices[indptr[i]:indptr[i+1]]``, its last one
+    filled to ``last_page_len[i]``) as flash-attn's: ``(block_table (B, max_pages), cu_seqlens_k, longest)``
+    (read once per plan)."""
+    ptr, pages, last = indptr.tolist(), indices.tolist(), last_page_len.tolist()
+    rows = [pages[a:z] for a, z in itertools.pairwise(ptr)]
+    lengths = [(len(r) - 1) * page_size + int(n) if r else 0 for r, n in zip(rows, last, strict=True)]
+    width = max(1, *(len(r) for r in rows)) if rows else 1
+    table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32).reshape(
+        len(rows), width
+    )
+    cu = F.pad(torch.tensor(lengths, dtype=torch.int64).cumsum(0), (1, 0)).to(torch.int32)
+    return table.to(device), cu.to(device), max(lengths, default=0)
+
+
+def _flat_mask(custom: torch.Tensor, logical: AttentionCall) -> torch.Tensor:
+    """FlashInfer's flattened custom mask of a batch (each request's ``(len_q, len_k)`` block row-major,
+    one after the other) as a ``(B, 1, n_q, n_k)`` bool mask of the logical call."""
+    q_len, k_len = logical.q_lens.long(), logical.k_lens.long()  # (B,)
+    offsets = F.pad(torch.cumsum(q_len * k_len, 0), (1, 0))[:-1]
+    i = torch.arange(logical.n_q, device=q_len.device)[None, :, None]
+    j = torch.arange(logical.n_k, device=q_len.device)[None, None, :]
+    index = offsets[:, None, None] + i * k_len[:, None, None] + j
+    inside = (i < q_len[:, None, None]) & (j < k_len[:, None, None])
+    flat = custom.reshape(-1).to(device=q_len.device, dtype=torch.bool)
+    return (flat[index.clamp(0, max(flat.numel() - 1, 0))] & inside)[:, None]
+
+
+def _paged_cache(cache: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(k_cache, v_cache)`` of a paged KV cache: a ``(k, v)`` pair of 4-D tensors or one 5-D tensor
+    with k and v at index 1."""
     if isinstance(cache, tuple | list) and len(cache) == 2:
         k, v = cache
     elif isinstance(cache, torch.Tensor) and cache.dim() == 5:
         k, v = cache[:, 0], cache[:, 1]
     else:
         return None
-    if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dim() == 4):
-        return None
-    return k, v, k.shape[1] if layout == "NHD" else k.shape[2]
+    ok = isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dim() == v.dim() == 4
+    return (k, v) if ok else None
 
 
-def _batch(
-    form: str, lib: Library, named: dict, params: dict, run: Callable[[], Any]
-) -> Conversion | str | None:
+def _batch(form: str, named: dict[str, Any], library: Callable[..., Any], own: Callable[[], Any]) -> Any:
     """A FlashInfer batch wrapper's ``run``, with the sequences, mask and scale of its recorded plan;
     ``form`` names the wrapper:
 
@@ -214,77 +255,125 @@ def _batch(
     if plan is None:
         return _NO_PLAN
     layout = getattr(wrapper, "_kv_layout", "NHD")
+    if layout not in _LAYOUTS:
+        return f"uses kv_layout={layout!r}"
     q = named.pop("q", None)
-    if not isinstance(q, torch.Tensor) or q.dim() != 3 or layout not in _LAYOUTS:
-        return None if layout in _LAYOUTS else f"uses kv_layout={layout!r}"
-    settings = plan.settings()
-    custom = settings.pop("custom_mask", None)
-    causal, scale = bool(settings.pop("causal", False)), settings.pop("sm_scale", None)
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        return None
     device = q.device
+    settings = plan.settings()
+    if named.get("window_left") is not None:  # run()'s own window_left overrides the plan's
+        settings["window_left"] = named["window_left"]
+    named.pop("window_left", None)
+    settings["sinks"] = named.pop("sinks", None)
+    lse = bool(named.pop("return_lse", False))
+    if settings.get("packed_custom_mask") is not None and settings.get("custom_mask") is not None:
+        settings.pop("packed_custom_mask")  # (FlashInfer packs the bool mask itself)
+    fields, custom = _features(settings)
+    index_names = {
+        "ragged": ("qo_indptr", "kv_indptr"),
+        "paged_prefill": ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"),
+        "paged_decode": ("indptr", "indices", "last_page_len"),
+    }[form]
+    index = [settings.pop(n, None) for n in index_names]
+    if not all(isinstance(t, torch.Tensor) for t in index):
+        return None
+    reason = unexpressed(named, ("k", "v", "paged_kv_cache"), _HARMLESS, _OFF) or unexpressed(
+        settings, (), _HARMLESS, _OFF
+    )
+    if reason is not None:
+        return reason
+    if form == "paged_decode":
+        cu_q, most_q = plan.cached(("qo", device, q.shape[0]), lambda: (
+            torch.arange(q.shape[0] + 1, dtype=torch.int32, device=device), 1))  # fmt: skip
+    else:
+        cu_q, most_q = plan.cached(("qo", device), lambda: _offsets(index[0], device))
+    common = {
+        "q": q,
+        "cu_seqlens_q": cu_q,
+        "max_seqlen_q": most_q,
+        "return_lse": lse,
+        "lse_base": 2,
+        **fields,
+    }
     if form == "ragged":
         k, v = named.pop("k", None), named.pop("v", None)
-        qo, kv = settings.pop("qo_indptr", None), settings.pop("kv_indptr", None)
-        if not all(isinstance(t, torch.Tensor) for t in (k, v, qo, kv)):
+        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
             return None
-        keys, values = _kv_view(k, layout), _kv_view(v, layout)
-        total_k = keys.shape[2]
-
-        def key_rows() -> tuple[torch.Tensor, ...]:
-            return segments(kv, total_k, device)
+        keys, values = (t if layout == "NHD" else t.transpose(0, 1) for t in (k, v))  # (total_k, H_kv, D)
+        cu_k, most_k = plan.cached(("kv", device), lambda: _offsets(index[1], device))
+        call = AttentionCall(k=keys, v=values, cu_seqlens_k=cu_k, max_seqlen_k=most_k, **common)
     else:
-        parts = _paged_cache(named.pop("paged_kv_cache", None), layout)
-        prefix = "paged_kv_" if form == "paged_prefill" else ""
-        indptr, indices = settings.pop(f"{prefix}indptr", None), settings.pop(f"{prefix}indices", None)
-        last = settings.pop(f"{prefix}last_page_len", None)
-        qo = settings.pop("qo_indptr", None)
-        if parts is None or not all(isinstance(t, torch.Tensor) for t in (indptr, indices, last)):
+        cache = _paged_cache(named.pop("paged_kv_cache", None))
+        if cache is None:
             return None
-        k_cache, v_cache, page_size = parts
-        slots = plan.cached(
-            ("slots", device), lambda: flashinfer_slots(indptr, indices, last, page_size, device)
-        )
+        page = cache[0].shape[1 if layout == "NHD" else 2]
+        pages = index[-3:]
+        table, cu_k, most_k = plan.cached(("pages", device, page), lambda: _block_table(*pages, page, device))
+        call = AttentionCall(k=cache[0], v=cache[1], block_table=table, kv_layout=layout, cu_seqlens_k=cu_k,
+                             max_seqlen_k=most_k, **common)  # fmt: skip
+    reference = None
+    if custom is not None:
+        logical = call.logical()
+        mask = plan.cached(("mask", device, logical.n_q, logical.n_k), lambda: _flat_mask(custom, logical))
+        reference = logical.replace(attn_mask=mask)
+    return _forward_only(f"{form} run", call, own, reference=reference)
 
-        def key_rows() -> tuple[torch.Tensor, ...]:
-            return slots.seq, slots.pos, slots.lengths
 
-    reason = _ARGUMENTS.reason(named) or _ARGUMENTS.reason(settings) or _forward_only(q)
-    if reason:
-        return reason
-    if form == "paged_decode":  # one query per request
-        qo = torch.arange(q.shape[0] + 1, device=device)
-    elif not isinstance(qo, torch.Tensor):
+# --- Merges of attention states ---
+
+
+def _merge_call(v: torch.Tensor, s: torch.Tensor) -> LibraryCall | None:
+    """States ``v (T, S, H, D)`` with base-2 LSEs ``s (T, S, H)`` as one attention call: per token and
+    head, one query over ``S`` keys whose logits are the LSEs (``1 · s · ln 2``) and whose values are the
+    states' outputs; an empty state (``s = −inf``) is masked out."""
+    if v.dim() != 4 or s.dim() != 3:
         return None
-    if form != "ragged":
-        keys, values = gather_pages(k_cache, slots, layout), gather_pages(v_cache, slots, layout)
+    wide = torch.promote_types(v.dtype, torch.float32)
+    lse = s.detach().to(wide).permute(0, 2, 1)  # (T, H, S)
+    empty = lse == float("-inf")
+    call = AttentionCall(
+        q=lse.new_ones(*lse.shape[:2], 1, 1), k=lse.masked_fill(empty, 0.0)[..., None],
+        v=v.detach().to(wide).permute(0, 2, 1, 3), attn_mask=~empty[:, :, None, :], scale=math.log(2.0),
+        return_lse=True, lse_base=2,
+    )  # fmt: skip
+    return LibraryCall("merge", call, lambda *_: None, _merged, dtype=v.dtype)
 
-    def make_mask() -> torch.Tensor:
-        q_seq, q_pos, q_len = segments(qo, q.shape[0], device)
-        k_seq, k_pos, k_len = key_rows()
-        return segment_mask(q_seq, q_pos, q_len, k_seq, k_pos, k_len, causal, custom)
 
-    mask = plan.cached(("mask", device, q.shape[0], keys.shape[2], causal), make_mask)
-    return Conversion.packed([*packed_views(q.detach()), keys, values], mask, scale, 0.0, own_arguments(run))
+def _merged(returned: Any) -> CallOutput:
+    """A merge's return ``(v (T, H, D), s (T, H))`` in the logical form of its call."""
+    return CallOutput(returned[0][:, :, None, :], returned[1][:, :, None].float(), 2)
 
 
-def flashinfer_slots(
-    indptr: torch.Tensor,
-    indices: torch.Tensor,
-    last_page_len: torch.Tensor,
-    page_size: int,
-    device: torch.device,
-) -> PagedSlots:
-    """FlashInfer's page table: request ``i`` holds pages ``indices[indptr[i]:indptr[i+1]]``, its last
-    one filled to ``last_page_len[i]``."""
-    seq_of_page, _, pages_per_seq = segments(indptr, indices.shape[0], device)
-    last = F.pad(last_page_len.to(device=device, dtype=torch.int64), (0, 1))
-    lengths = ((pages_per_seq - 1) * page_size + last).clamp(min=0)
-    lengths[-1] = 0
-    indptr64 = indptr.to(device=device, dtype=torch.int64)
-    slot = torch.arange(indices.shape[0] * page_size, device=device)
-    rank = slot // page_size  # which entry of indices
-    seq = seq_of_page[rank]
-    pos = (rank - indptr64[seq]) * page_size + slot % page_size
-    return PagedSlots(indices.to(device=device, dtype=torch.int64), seq, pos, lengths)
+def _merge(form: str, named: dict[str, Any], library: Callable[..., Any], own: Callable[[], Any]) -> Any:
+    """``merge_state(v_a, s_a, v_b, s_b) -> (v, s)`` (two states ``v_x (T, H, D)``, ``s_x (T, H)``),
+    ``merge_states(v (T, S, H, D), s (T, S, H)) -> (v, s)``, or ``merge_state_in_place(v, s, v_other,
+    s_other, mask=None)`` (``(v, s)`` updated in place: read before it runs, its result read after)."""
+    names = {
+        "state": ("v_a", "s_a", "v_b", "s_b"),
+        "states": ("v", "s"),
+        "in_place": ("v", "s", "v_other", "s_other"),
+    }
+    parts = [named.pop(n, None) for n in names[form]]
+    if not all(isinstance(t, torch.Tensor) for t in parts):
+        return None
+    reason = unexpressed(named, ())  # merge_state_in_place's mask, an unknown argument
+    if reason is not None:
+        return reason
+    v, s = (
+        (parts[0], parts[1])
+        if form == "states"
+        else (torch.stack(parts[0::2], 1), torch.stack(parts[1::2], 1))
+    )
+    found = _merge_call(v, s)
+    if found is not None:
+        found.run = lambda tensors, dropout: own()
+        if form == "in_place":
+            found.outputs = lambda returned: _merged((parts[0], parts[1]))
+    return found
+
+
+# --- Swapping the wrappers' methods ---
 
 
 def _plan_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -294,9 +383,8 @@ def _plan_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def plan(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
-        bound = None if signature is None else bind_arguments(signature, args, kwargs)
-        if bound is not None:
-            named = bound[0]
+        named = None if signature is None else bind_arguments(signature, args, kwargs)
+        if named is not None:
             wrapper = named.pop("self", None)
             with contextlib.suppress(TypeError):  # not weak-referenceable: its runs are not compared
                 _PLANS[wrapper] = _Plan(named)
@@ -335,7 +423,7 @@ def _forward_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     return mark_original(forward, original)
 
 
-def patch_class(cls: type, convert: Convert, what: str) -> dict[str, Any]:
+def patch_class(cls: type, read: Reader, what: str) -> dict[str, Any]:
     """``{attribute: replacement}`` for a FlashInfer wrapper class: ``plan`` recorded, ``run`` a site,
     ``forward``/``forward_return_lse`` setting ``run``'s settings, ``run_return_lse`` (a
     ``partialmethod`` of the original ``run``) rebuilt on the replacement."""
@@ -344,7 +432,7 @@ def patch_class(cls: type, convert: Convert, what: str) -> dict[str, Any]:
     if not callable(getattr(cls, "plan", None)) or not callable(run):
         return out
     out["plan"] = _plan_wrapper(cls.plan)
-    out["run"] = function_wrapper(run, convert, f"{what}.run")
+    out["run"] = function_wrapper(run, read, f"{what}.run")
     for name in ("forward", "forward_return_lse"):
         if callable(getattr(cls, name, None)):
             out[name] = _forward_wrapper(getattr(cls, name))
@@ -355,19 +443,29 @@ def patch_class(cls: type, convert: Convert, what: str) -> dict[str, Any]:
 
 
 _PREFILL, _DECODE = ("flashinfer", "flashinfer.prefill"), ("flashinfer", "flashinfer.decode")
+_CASCADE = ("flashinfer", "flashinfer.cascade")
 
-#: The single-call functions, swapped where their modules are imported.
+#: The functions, swapped where their modules are imported.
 FUNCTIONS = DirectFunctions(
     (
-        *((m, "single_prefill_with_kv_cache", _single_prefill) for m in _PREFILL),
-        *((m, "single_prefill_with_kv_cache_return_lse", _single_prefill) for m in _PREFILL),
-        *((m, "single_decode_with_kv_cache", _single_decode) for m in _DECODE),
+        *((m, "single_prefill_with_kv_cache", functools.partial(_single, False)) for m in _PREFILL),
+        *(
+            (m, "single_prefill_with_kv_cache_return_lse", functools.partial(_single, False))
+            for m in _PREFILL
+        ),
+        *((m, "single_decode_with_kv_cache", functools.partial(_single, True)) for m in _DECODE),
+        *(
+            (m, f"merge_{form}", functools.partial(_merge, form))
+            for m in _CASCADE
+            for form in ("state", "states")
+        ),
+        *((m, "merge_state_in_place", functools.partial(_merge, "in_place")) for m in _CASCADE),
     )
 )
 
-#: The batch wrappers ``(module, class, convert)``: ``plan`` recorded, ``run`` (and the deprecated
+#: The batch wrappers ``(module, class, read)``: ``plan`` recorded, ``run`` (and the deprecated
 #: ``forward``, which sets ``run``'s settings) a site.
-CLASSES: tuple[tuple[str, str, Convert], ...] = tuple(
+CLASSES: tuple[tuple[str, str, Reader], ...] = tuple(
     (m, name, functools.partial(_batch, form))
     for name, form, modules in (
         ("BatchPrefillWithRaggedKVCacheWrapper", "ragged", _PREFILL),
@@ -381,12 +479,12 @@ CLASSES: tuple[tuple[str, str, Convert], ...] = tuple(
 def _install() -> None:
     FUNCTIONS.install()
     seen: set[int] = set()
-    for module_name, class_name, convert in CLASSES:
+    for module_name, class_name, read in CLASSES:
         cls = getattr(sys.modules.get(module_name), class_name, None)
         if not isinstance(cls, type) or id(cls) in seen:
             continue
         seen.add(id(cls))
-        for attribute, replacement in patch_class(cls, convert, f"{cls.__module__}.{cls.__name__}").items():
+        for attribute, replacement in patch_class(cls, read, f"{cls.__module__}.{cls.__name__}").items():
             patching.patch_attribute(cls, attribute, replacement)
 
 

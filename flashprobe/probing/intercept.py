@@ -16,9 +16,11 @@ at least one handle is attached (:mod:`flashprobe.probing.patching`):
   ``score_mod`` and ``block_mask``; :mod:`~flashprobe.probing.hf_flex`: transformers' compiled wrapper
   of it;
 * :mod:`~flashprobe.probing.flashattn`: flash-attn 2's and FlashAttention-3's entry points;
-  :mod:`~flashprobe.probing.flashinfer`: FlashInfer's functions and batch wrappers (both through
-  :mod:`~flashprobe.probing.direct`: arguments bound by the library's own signature, layouts converted
-  for the baseline and golden, the model gets the library's output).
+  :mod:`~flashprobe.probing.flashinfer`: FlashInfer's functions, batch wrappers and merges;
+  :mod:`~flashprobe.probing.varlen`: PyTorch's ``varlen_attn`` (each through
+  :mod:`~flashprobe.probing.direct`: arguments bound by the library's own signature and read as a call
+  of the kernels layer, whose golden and baseline the shadow computes; the model gets the library's
+  output).
 
 To add a source, write its module and add its ``SOURCE`` to :data:`SOURCES`.
 """
@@ -30,7 +32,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from flashprobe.probing import fastpath, flashattn, flashinfer, flex, hf_flex, patching, sdpa, sites
+from flashprobe.probing import fastpath, flashattn, flashinfer, flex, hf_flex, patching, sdpa, sites, varlen
 from flashprobe.probing.compiled import check_compiled
 from flashprobe.probing.sites import GRAPH_BREAK_REASON, ROOT_SITE, ProbeWarning, active_handles, passthrough
 
@@ -52,6 +54,7 @@ SOURCES: tuple[patching.Source, ...] = (
     hf_flex.SOURCE,
     flashattn.SOURCE,
     flashinfer.SOURCE,
+    varlen.SOURCE,
 )
 
 _H = TypeVar("_H", bound="AttentionRoute")

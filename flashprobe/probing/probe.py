@@ -29,9 +29,11 @@ from torch import nn
 
 from flashprobe.probing.call import SdpaCall
 from flashprobe.probing.config import ProbeConfig
+from flashprobe.probing.direct import LibraryCall
 from flashprobe.probing.intercept import AttentionRoute, active_handles
 from flashprobe.probing.routing import KernelRoute, model_device_dtype
 from flashprobe.probing.shadow import ShadowAttention
+from flashprobe.probing.sites import passthrough
 from flashprobe.probing.stats import failure_order
 from flashprobe.probing.summary import ProbeSummary
 
@@ -116,6 +118,16 @@ class Probe(AttentionRoute):
             return self.shadow.primary_output(call, route, site=site)
         return self.shadow.run(site, call, route)
 
+    def handle_library(self, site: str, call: LibraryCall) -> Any:
+        """Run one intercepted call of an attention library made at ``site`` (sampled like SDPA calls;
+        :mod:`flashprobe.probing.direct`)."""
+        compare = self.will_compare(site)
+        self.count_call(site)
+        with passthrough():
+            if not compare:
+                return self.shadow._library_primary(call, None)
+            return self.shadow.run_library(site, call)
+
     def handle_flex(self, site: str, call: Any) -> Any:
         """Run one intercepted ``flex_attention`` call made at ``site`` (sampled like SDPA calls)."""
         compare = self.will_compare(site)
@@ -155,6 +167,13 @@ class Probe(AttentionRoute):
         (``fallback=True``: calls with attention dropout), ``{site, requested, kernel, from_step,
         reason}`` each, in step order; empty when the primary ran every call."""
         return sorted(self.shadow.fallbacks.values(), key=lambda f: (f["from_step"], f["site"]))
+
+    @property
+    def judged(self) -> list[dict[str, Any]]:
+        """The sites whose verdict judges another computation than the one that trained (attention
+        dropout: the call without it, forward only), ``{site, trained, judged, gradients, from_step,
+        reason}`` each, in step order; empty when every verdict judges what trained."""
+        return sorted(self.shadow.judged.values(), key=lambda j: (j["from_step"], j["site"]))
 
     # Reading ----------------------------------------------------------------------------------
 
@@ -211,6 +230,7 @@ class Probe(AttentionRoute):
         summary.dropout_calls = sum(e.get("dropout_calls", 0) for e in stats.values())
         summary.fallbacks = self.fallbacks
         summary.notes = self._notes(stats)
+        summary.judged = self.judged or None
         return summary
 
     def _no_calls_message(self) -> str:

@@ -49,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns 0 when every kernel passes, 1 when one fails or errors, 2 on bad input."""
+    from flashprobe.formats.reproducer import is_sequence_file
     from flashprobe.fuzz.reproducer import reproducer_judge  # a command: the fuzzer's cases too
     from flashprobe.probing.repro import ReproducerError, load_reproducer, replay, replay_kernels
 
@@ -58,6 +59,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         import_kernel_modules(args.imports or [])
     except KernelSpecError as err:
         parser.error(str(err))
+    if is_sequence_file(args.file):  # several calls in order (flashprobe fuzz's seq_* checks)
+        from flashprobe.fuzz.sequences import replay_main
+
+        try:
+            return replay_main(args.file, args.kernel, args.baseline, args.json)
+        except (ReproducerError, KernelSpecError) as err:
+            parser.error(str(err))
     try:
         call = load_reproducer(args.file)
         kernels, baseline = replay_kernels(call, args.kernel, args.baseline)

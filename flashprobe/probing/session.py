@@ -116,7 +116,7 @@ class RunTally:
         summary["first_primary_nonfinite_sites"] = list(first.get("sites") or [])
         for site, entry in stats.items():
             for d, e in site_directions(entry).items():
-                calls = entry["forward" if d == "out" else "backward"]["calls"]
+                calls = e["calls"] if d == "lse" else entry["forward" if d == "out" else "backward"]["calls"]
                 if not calls:
                     continue
                 row = self.sites.setdefault(site, {}).setdefault(
@@ -242,6 +242,8 @@ def verdict_block(
         lines.append(f"  reproducer: {repro} (flashprobe replay {repro})")
     for note in summary.get("fallbacks") or []:
         lines.append(f"  fallback: {note['reason']}")
+    for note in summary.get("judged") or []:
+        lines.append(f"  judged: {note['reason']}")
     if path is not None:
         lines.append(f"  records: {path}")
     return "\n".join(lines)

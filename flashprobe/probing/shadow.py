@@ -45,23 +45,28 @@ import os
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashprobe.bias import BIAS_FIELDS, BiasStats
-from flashprobe.deviation import StatsWorkspace, combine_sums, pair_sums, reads_are_free
+from flashprobe.deviation import SUM_ROWS, StatsWorkspace, combine_sums, pair_sums, reads_are_free
 from flashprobe.errors import FlashprobeError
 from flashprobe.formats.jsonio import flatten
 from flashprobe.formats.reproducer import kernel_module, reproducer_stem, save_reproducer
 from flashprobe.judge import CRITERIA, call_statistics, reason, row_statistics
-from flashprobe.kernels import KernelUnavailableError, KernelUnsupportedError, math_attention
+from flashprobe.kernels import KernelUnavailableError, KernelUnsupportedError
+from flashprobe.kernels.call import AttentionCall, convert_lse
 from flashprobe.kernels.flash_form import flash_form_attention
+from flashprobe.kernels.math import plain_attention
 from flashprobe.kernels.reference import (
     Block,
     GroupGradients,
+    expand_kv,
     numerics_flags,
     plan_blocks,
     reference_budget,
@@ -70,10 +75,18 @@ from flashprobe.kernels.reference import (
 )
 from flashprobe.probing.call import Prepared, SdpaCall, autocast_off, prepare, run_kernel
 from flashprobe.probing.config import ProbeConfig
+from flashprobe.probing.direct import LibraryCall, prepare_call
 from flashprobe.probing.flex import flex_reference
 from flashprobe.probing.routing import KernelRoute, check_kernel_here
 from flashprobe.probing.sites import GRAPH_BREAK_REASON, ProbeWarning, passthrough
-from flashprobe.probing.stats import DIRECTIONS, DeviationStats, failure_order, site_directions, stats_dict
+from flashprobe.probing.stats import (
+    DIRECTIONS,
+    LSE_CRITERIA,
+    DeviationStats,
+    failure_order,
+    site_directions,
+    stats_dict,
+)
 from flashprobe.probing.summary import summarize
 
 __all__ = ["ON_FAILURE", "ProbeFailureError", "ShadowAttention"]
@@ -93,7 +106,8 @@ class ProbeFailureError(RuntimeError, FlashprobeError):
 
 #: Per row of :func:`~flashprobe.deviation.pair_sums`, the power of the loss scale it carries:
 #: maxima and sums of |d| and |ref| (1), sums of squares (2), counts (0).
-_SCALE_POWERS = (1, 1, 2, 2, 0, 0, 1)
+_POWERS = dict(max_abs=1, sum_abs=1, sum_sq_diff=2, sum_sq_ref=2, nonfinite=0, count=0, max_ref=1)
+_SCALE_POWERS = tuple(_POWERS[row] for row in SUM_ROWS)
 
 
 class _GradTap(torch.autograd.Function):
@@ -120,9 +134,16 @@ class _BackwardRecord:
     shadow, which runs it at its next call or read (:meth:`ShadowAttention._drain`).
     """
 
-    def __init__(self, shadow: ShadowAttention, site: str, prepared: Prepared) -> None:
+    def __init__(
+        self,
+        shadow: ShadowAttention,
+        site: str,
+        prepared: Prepared,
+        logical: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.shadow = shadow
         self.site = site
+        self.logical = logical  # a library's output gradient ("out") and q/k/v gradients → logical form
         self.step = shadow.step  # the step of the forward, recorded with a failure in the backward
         self.prepared = prepared  # detached, compute dtype, 4-D
         self.names: tuple[str, ...] = ()
@@ -147,11 +168,16 @@ class _BackwardRecord:
         return out
 
     def tap(self, call: SdpaCall) -> SdpaCall:
-        tensors = {"q": call.query, "k": call.key, "v": call.value}
-        self.names = tuple(n for n, t in tensors.items() if t.requires_grad)
-        tapped = _GradTap.apply(self, *(tensors[n] for n in self.names))
-        tensors.update(zip(self.names, tapped, strict=True))
+        tensors = self.tap_tensors({"q": call.query, "k": call.key, "v": call.value})
         return call.replace(query=tensors["q"], key=tensors["k"], value=tensors["v"])
+
+    def tap_tensors(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``q``, ``k``, ``v`` through the tap (those that require grad): their gradients come here."""
+        found = dict(tensors)
+        self.names = tuple(n for n, t in found.items() if t.requires_grad)
+        tapped = _GradTap.apply(self, *(found[n] for n in self.names))
+        found.update(zip(self.names, tapped, strict=True))
+        return found
 
     def on_grad_out(self, grad: torch.Tensor) -> None:
         self.grad_out = grad.detach()
@@ -164,6 +190,9 @@ class _BackwardRecord:
                 self.shadow._compare_forward(self.site, None, out, self.prepared, step=self.step)
             return
         primary = {n: g.detach() for n, g in zip(self.names, grads, strict=True) if g is not None}
+        if self.logical is not None:
+            grad_out = self.logical("out", grad_out)
+            primary = {n: self.logical(n, g) for n, g in primary.items()}
         self.shadow._compare_backward(self, grad_out, primary, out)
 
 
@@ -240,6 +269,9 @@ class ShadowAttention(nn.Module):
         #: ``{site: fallback}``: the sites where torch's SDPA ran instead of the primary
         #: (``fallback=True``), from which step and why; kept on the host across resets.
         self.fallbacks: dict[str, dict[str, Any]] = {}
+        #: ``{site: note}``: the sites whose verdict judges another computation than the one that
+        #: trained (attention dropout: the dropout-free call), what each was and why; kept on the host.
+        self.judged: dict[str, dict[str, Any]] = {}
         self._armed: set[str] = set()
         self.config = ProbeConfig.from_settings(config, **settings)
         if device is not None:  # backward="auto": decided by the kernels' capabilities there
@@ -378,24 +410,26 @@ class ShadowAttention(nn.Module):
         if self.primary is None:
             return call.original() if route is None else route.run(call)
         if call.dropout_p > 0:
-            self._fall_back(site or self.name, call)
+            self._fall_back(site or self.name, call.dropout_p)
             return call.original()
         return run_kernel(self.primary, call)
 
-    def _fall_back(self, site: str, call: SdpaCall) -> None:
-        """Refuse a dropout call for the primary, or record that torch's SDPA runs it (host-side only)."""
+    def _fall_back(self, site: str, dropout_p: float, kernel: str = "torch sdpa") -> None:
+        """Refuse a dropout call for the primary, or record that ``kernel`` (torch's SDPA, or the
+        library the model called) runs it (host-side only)."""
         assert self.primary is not None
         spec = self.primary.spec
         if not self.config.fallback:
-            raise KernelUnsupportedError(dropout_refusal(f"site {site!r}", call.dropout_p, spec))
+            raise KernelUnsupportedError(dropout_refusal(f"site {site!r}", dropout_p, spec))
         if site not in self.fallbacks:
+            who = "torch's SDPA" if kernel == "torch sdpa" else kernel
             self.fallbacks[site] = {
                 "site": site,
                 "requested": spec,
-                "kernel": "torch sdpa",
+                "kernel": kernel,
                 "from_step": self.step,
-                "reason": f"attention dropout (dropout_p={call.dropout_p}): {spec!r} implements none, so "
-                f"torch's SDPA computed the attention at {site} from step {self.step} (fallback=True)",
+                "reason": f"attention dropout (dropout_p={dropout_p}): {spec!r} implements none, so "
+                f"{who} computed the attention at {site} from step {self.step} (fallback=True)",
             }
             self._warn_once(("dropout-primary", site), f"flashprobe: {self.fallbacks[site]['reason']}")
 
@@ -455,14 +489,85 @@ class ShadowAttention(nn.Module):
             self._failed(site, err)
         return out
 
-    def _drain(self) -> None:
-        """Run the forward comparisons of calls whose backward never came."""
-        while self._orphans:
-            site, prepared, out, step = self._orphans.popleft()
-            self._compare_forward(site, None, out, prepared, step=step)
+    def run_library(self, site: str, lib: LibraryCall) -> Any:
+        """Run one call of an attention library at ``site`` (:class:`~flashprobe.probing.direct.LibraryCall`):
+        return the library's own result (the primary's, in the library's form, when one is set), and
+        record the comparison of its output, its LSE (where it returns one) and, where it has a
+        backward, its gradients with the references of its call (every feature of the call given to
+        them: :func:`~flashprobe.probing.direct.prepare_call`)."""
+        self._drain()
+        if self.record:
+            self._site(site, lib.call.q.device)
+        try:
+            p = prepare_call(lib)  # before the library runs: a KV-cache call appends in place
+        except Exception as err:
+            self._failed(site, err)
+            return lib.run(None, None)
+        if (p.terms is not None or p.lse_base is not None) and self.baseline.spec != "math":
+            self._warn_once(
+                ("baseline-terms", site),
+                f"flashprobe: the {lib.what} call at site {site!r} has terms beyond SDPA's (lengths, "
+                f"windows, bottom-right causal, softcap, ALiBi, sinks or an LSE), which the baseline "
+                f"{self.baseline.spec!r} cannot take; it runs unchanged and is not compared (use "
+                "baseline='math')",
+            )
+            return lib.run(None, None)
+        if lib.dropout_p > 0:
+            return self._run_library_dropout(site, lib, p)
+        record = None
+        wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in lib.tensors.values())
+        if self.backward and lib.differentiable and wants_grad:
+            record = _BackwardRecord(self, site, p, logical=_logical_grads(lib.call))
+        returned = self._library_primary(lib, None if record is None else record.tap_tensors(lib.tensors))
+        try:
+            found = lib.outputs(returned)
+        except Exception as err:
+            self._failed(site, err)
+            return returned
+        raw = returned[0] if isinstance(returned, tuple | list) else returned
+        # (an LSE with a gradient of its own would take part in the backward: not compared then)
+        lse_grad = found.lse is not None and found.lse.requires_grad
+        if record is not None and isinstance(raw, torch.Tensor) and raw.requires_grad and not lse_grad:
+            raw.register_hook(record.on_grad_out)
+            if found.lse is None:  # compared with the gradients, from the same reference passes
+                record.keep_output(found.out)
+                return returned
+        self._compare_forward(site, None, found.out, p, lse=found.lse)
+        return returned
 
-    def _run_dropout(self, site: str, call: SdpaCall, route: KernelRoute | None) -> torch.Tensor:
-        out = self.primary_output(call, route, site=site)
+    def _library_primary(self, lib: LibraryCall, tensors: Mapping[str, torch.Tensor] | None) -> Any:
+        """The library's return on ``tensors`` (None: the caller's own arguments), or with a primary
+        kernel set, the primary's output on the call (adapted to its contract), in the library's form."""
+        if self.primary is None:
+            return lib.run(tensors, None if tensors is None else 0.0)
+        call = lib.call
+        if tensors is not None:
+            call = call.replace(q=tensors["q"], k=tensors["k"], v=tensors["v"])
+        return call.q_from_logical(self.primary.run(call).out.to(call.out_dtype))
+
+    def _run_library_dropout(self, site: str, lib: LibraryCall, p: Prepared) -> Any:
+        """A library call with attention dropout: the model gets the library's own (dropout) result;
+        the dropout-free call (the primary's, when one is set) is compared forward, and the site is
+        noted as judging another computation than the one that trained (:attr:`judged`)."""
+        if self.primary is not None:
+            self._fall_back(site, lib.dropout_p, kernel=lib.what)
+        returned = lib.run(None, None)
+        who = lib.what if self.primary is None else repr(self.primary.spec)
+        if not self._dropout_policy(site, lib.dropout_p, f"{lib.what} with dropout_p={lib.dropout_p}", who):
+            return returned
+        try:
+            with torch.no_grad():
+                plain = self._library_primary(lib, {n: t.detach() for n, t in lib.tensors.items()})
+                found = lib.outputs(plain)
+        except Exception as err:
+            self._failed(site, err)
+            return returned
+        self._compare_forward(site, None, found.out, p, lse=found.lse)
+        return returned
+
+    def _dropout_policy(self, site: str, dropout_p: float, trained: str, judged: str) -> bool:
+        """Count a call with attention dropout, warn once, and note what the site's verdict judges
+        (``judged`` without dropout) against what trained; whether to compare it (``dropout``)."""
         self._dropout_calls[site] = self._dropout_calls.get(site, 0) + 1
         if self.dropout == "skip":
             what = "skipping these calls (dropout='skip')"
@@ -473,16 +578,49 @@ class ShadowAttention(nn.Module):
             )
         self._warn_once(
             ("dropout", site),
-            f"flashprobe: site {site!r} uses attention dropout (dropout_p={call.dropout_p}), which "
+            f"flashprobe: site {site!r} uses attention dropout (dropout_p={dropout_p}), which "
             f"cannot be compared exactly; {what}",
         )
         if self.dropout == "skip":
+            return False
+        if site not in self.judged:
+            unchecked = "; its gradients went unchecked" if self.backward else ""
+            self.judged[site] = {
+                "site": site,
+                "trained": trained,
+                "judged": f"{judged} without dropout",
+                "gradients": "unchecked" if self.backward else "not compared (backward=False)",
+                "from_step": self.step,
+                "reason": f"attention dropout at {site}: training ran {trained}; the verdict judges "
+                f"{judged} without dropout on the same inputs, forward only{unchecked}",
+            }
+        return True
+
+    def _drain(self) -> None:
+        """Run the forward comparisons of calls whose backward never came."""
+        while self._orphans:
+            site, prepared, out, step = self._orphans.popleft()
+            self._compare_forward(site, None, out, prepared, step=step)
+
+    def _run_dropout(self, site: str, call: SdpaCall, route: KernelRoute | None) -> torch.Tensor:
+        out = self.primary_output(call, route, site=site)
+        backend = _sdpa_backend(call)
+        torch_sdpa = "torch SDPA" + ("" if backend is None else f" ({backend.name} backend)")
+        trained = f"{torch_sdpa} with dropout_p={call.dropout_p}"
+        judged = (
+            torch_sdpa
+            if self.primary is None and route is None
+            else repr((self.primary or route.kernel).spec)
+        )
+        if not self._dropout_policy(site, call.dropout_p, trained, judged):
             if self.record:
                 self._site(site, out.device)  # the site shows in stats() with its dropout_calls
             return out
         plain = call.replace(dropout_p=0.0)
         try:
-            with torch.no_grad():
+            # torch's own SDPA is judged on the backend that trained (it picks another without dropout)
+            chosen = sdpa_kernel(backend) if backend is not None and judged == torch_sdpa else nullcontext()
+            with torch.no_grad(), chosen:
                 reference = self.primary_output(plain.detached(), route, site=site)
         except Exception as err:
             self._failed(site, err)
@@ -493,7 +631,15 @@ class ShadowAttention(nn.Module):
     # --- Comparisons ---
 
     def _call_args(self, p: Prepared) -> dict[str, Any]:
-        return {"attn_mask": p.attn_mask, "is_causal": p.is_causal, "scale": p.scale}
+        args = {"attn_mask": p.attn_mask, "is_causal": p.is_causal, "scale": p.scale}
+        if p.terms is not None:
+            args["terms"] = p.terms
+        return args
+
+    def _baseline_fn(self, p: Prepared) -> Callable[..., Any]:
+        """The baseline of the references' blocks: the configured kernel, or for a call with terms
+        beyond SDPA's (``math`` only: :meth:`run_library` checks) plain attention, which takes them."""
+        return self.baseline if p.terms is None and p.lse_base is None else plain_attention
 
     def _compare_forward(
         self,
@@ -502,8 +648,10 @@ class ShadowAttention(nn.Module):
         out: torch.Tensor,
         prepared: Prepared | None = None,
         step: int | None = None,
+        lse: torch.Tensor | None = None,
     ) -> None:
-        """Compare the primary's output ``out`` with the references (``prepared``, else ``call``'s)."""
+        """Compare the primary's output ``out`` (and its LSE ``(B, H, N_q)``, in ``prepared.lse_base``,
+        where it returned one) with the references (``prepared``, else ``call``'s)."""
         step = self.step if step is None else step
         try:
             # Prepared before autocast is switched off: the compute dtype is the autocast dtype.
@@ -515,12 +663,16 @@ class ShadowAttention(nn.Module):
                 out4 = out.detach().reshape(p.out_shape)
                 plan = self._plan(p, backward=False)
                 args = self._call_args(p)
-                base = reference_outputs(self.baseline, p.q, p.k, p.v, blocks=plan, **args)
+                want = lse is not None and p.lse_base is not None and self.record
+                base = reference_outputs(self._baseline_fn(p), p.q, p.k, p.v, blocks=plan, lse=want, **args)
                 gold = (
-                    reference_outputs(math_attention, p.q, p.k, p.v, blocks=plan, dtype=torch.float64, **args)
+                    reference_outputs(
+                        plain_attention, p.q, p.k, p.v, blocks=plan, dtype=torch.float64, lse=want, **args
+                    )
                     if self.golden
                     else itertools.repeat((None, None))
                 )
+                lses: list[torch.Tensor | None] = [None, None]  # the baseline's and the golden's LSE
                 # Several blocks whose outputs fit the budget twice over are gathered into call-sized
                 # tensors and compared once (one statistics pass per call, rows scaled over the call).
                 gather = self.record and len(plan) > 1 and self._joins(out4.numel(), 24, out4.device)
@@ -528,6 +680,13 @@ class ShadowAttention(nn.Module):
                 bias = self._site(site, out.device).bias if self.record else None
                 whole = None
                 for (blk, b), (_, g) in zip(base, gold, strict=False):  # gold: repeat(None) without golden
+                    if want:
+                        (b, b_lse), (g, g_lse) = b, (g if g is not None else (None, None))
+                        for i, part in enumerate((b_lse, g_lse)):
+                            if part is not None:
+                                if lses[i] is None:
+                                    lses[i] = part.new_empty(p.out_shape[:3])
+                                lses[i][blk.batch, blk.q_heads(p.rep), blk.rows] = part
                     if gather:
                         if whole is None:
                             whole = (b.new_empty(out4.shape), None if g is None else g.new_empty(out4.shape))
@@ -544,9 +703,34 @@ class ShadowAttention(nn.Module):
                     worst = None if rows is None else {"out": rows}
                     kinds = stats.add_many({"out": sums}, p.dtype, step, worst)
                     stats.add_nonfinite_inputs(dict(zip("qkv", p[:3], strict=True)))
+                    if want and lses[1] is not None:
+                        kinds = self._fold_lse(stats, lse, lses[0], lses[1], p, step, kinds)
                     self._after_call(site, step, kinds, p, None)
         except Exception as err:
             self._failed(site, err)
+
+    def _fold_lse(
+        self,
+        stats: DeviationStats,
+        lse: torch.Tensor,
+        base: torch.Tensor | None,
+        gold: torch.Tensor,
+        p: Prepared,
+        step: int,
+        kinds: tuple[tuple[str, ...], torch.Tensor],
+    ) -> tuple[tuple[str, ...], torch.Tensor]:
+        """Fold the primary's LSE ``(B, H, N_q)`` (in ``p.lse_base``, ``−inf`` for a row without keys)
+        against the baseline's and the golden's natural LSEs into ``stats``'s ``lse`` direction;
+        ``kinds`` with the ``lse`` code added."""
+        rows = None if p.terms is None or p.terms.q_lens is None else p.terms.q_lens.long()
+        refs = []
+        for x in (base if base is not None else gold, gold):
+            if rows is not None:  # padding rows are no rows (a sink would see them)
+                at = torch.arange(x.shape[-1], device=x.device)[None, None, :]
+                x = x.masked_fill(at >= rows[:, None, None], float("-inf"))
+            refs.append(convert_lse(x, "e", p.lse_base))
+        code = stats.add_lse(lse, refs[0], refs[1], p.dtype, step)
+        return (*kinds[0], "lse"), torch.cat((kinds[1], code.reshape(1)))
 
     def _fold(
         self,
@@ -648,15 +832,18 @@ class ShadowAttention(nn.Module):
         found = (sums, rows, noise)
         plan = self._plan(p, backward=True)
         args = {**self._call_args(p), "need": names, "blocks": plan}
-        base = reference_gradients(self.baseline, p.q, p.k, p.v, grad_out, dtype=p.dtype, **args)
+        base = reference_gradients(self._baseline_fn(p), p.q, p.k, p.v, grad_out, dtype=p.dtype, **args)
         gold = (
-            reference_gradients(math_attention, p.q, p.k, p.v, grad_out, dtype=torch.float64, **args)
+            reference_gradients(plain_attention, p.q, p.k, p.v, grad_out, dtype=torch.float64, **args)
             if self.golden
             else itertools.repeat(None)
         )
-        flash = (  # a reference like the others: the control (record=False) computes it too
-            reference_gradients(flash_form_attention, p.q, p.k, p.v, grad_out, dtype=p.dtype, **args)
-            if self.golden
+        # the flash form: a reference like the others (the control, record=False, computes it too), for
+        # every call whose terms it takes (lengths, windows, ALiBi: as a mask; not softcap or sinks)
+        form = p.terms is None or not (p.terms.softcap or p.terms.sinks is not None)
+        flash = (
+            reference_gradients(_flash_form_terms, p.q, p.k, p.v, grad_out, dtype=p.dtype, **args)
+            if self.golden and form
             else itertools.repeat(None)
         )
         bias = None if stats is None else stats.bias
@@ -730,8 +917,8 @@ class ShadowAttention(nn.Module):
         entries = site_directions(self._stats[site].as_dict())
         for direction, code in codes.items():
             first = entries[direction].get("first_failure") or {}
-            kind = CRITERIA.get(code, "relative")
             same = first.get("step") == step
+            kind = first["kind"] if same else LSE_CRITERIA.get(code) or CRITERIA.get(code, "relative")
             value = first.get("value", float("nan")) if same else float("nan")
             limit = first.get("limit", float("nan")) if same else float("nan")
             self.failures[(site, direction)] = {
@@ -741,7 +928,7 @@ class ShadowAttention(nn.Module):
                 "kind": kind,
                 "value": value,
                 "limit": limit,
-                "reason": reason(kind, value, limit, self.config.precision),
+                "reason": first["reason"] if same else reason(kind, value, limit, self.config.precision),
                 "repro": None,
             }
 
@@ -753,9 +940,12 @@ class ShadowAttention(nn.Module):
         self, failures: list[dict[str, Any]], p: Prepared | None, grad_out: torch.Tensor | None
     ) -> None:
         """Save the failing call ``p`` (with the output gradient when it had a backward) as one
-        reproducer for the directions ``failures`` name."""
+        reproducer for the directions ``failures`` name: an SDPA-shaped call (a library call with
+        terms beyond SDPA's, or its LSE, has no reproducer file yet)."""
         if p is None or self.repro_dir is None or len(self.reproducers) >= self.max_reproducers:
             return  # (p is None: a FlexAttention call, whose score_mod is code, not data)
+        if p.terms is not None or p.lse_base is not None:
+            return
         first = failures[0]
         path = self.repro_dir / (reproducer_stem(first["site"], first["step"]) + ".safetensors")
         try:
@@ -938,6 +1128,56 @@ class ShadowAttention(nn.Module):
             s.reset()
         self._errors.clear()
         self._dropout_calls.clear()
+
+
+def _sdpa_backend(call: SdpaCall) -> SDPBackend | None:
+    """The backend torch's SDPA picks for ``call`` (host-side, no device work), or None where torch
+    cannot say."""
+    try:
+        p = prepare(call)
+        k, v = (p.k, p.v) if p.rep == 1 else expand_kv(p.k, p.v, p.rep)
+        return SDPBackend(
+            torch._fused_sdp_choice(p.q, k, v, p.attn_mask, call.dropout_p, p.is_causal, scale=p.scale)
+        )
+    except Exception:
+        return None
+
+
+def _logical_grads(call: AttentionCall) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """A library call's output gradient (``"out"``) and ``q``/``k``/``v`` gradients in the logical form."""
+
+    def logical(name: str, grad: torch.Tensor) -> torch.Tensor:
+        return call.q_to_logical(grad) if name in ("out", "q") else call.kv_to_logical(grad)
+
+    return logical
+
+
+def _flash_form_terms(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    valid: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The flash form of the backward (:func:`~flashprobe.kernels.flash_form.flash_form_attention`) for
+    a block with a call's ``valid`` keys and ALiBi ``bias`` (the terms it has), as one additive mask."""
+    if valid is None and bias is None:
+        return flash_form_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+    keep = torch.ones((), dtype=torch.bool, device=q.device) if valid is None else valid
+    if is_causal:
+        keep = keep & torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    extra = torch.zeros((), dtype=q.dtype, device=q.device) if bias is None else bias.to(q.dtype)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            keep = keep & attn_mask
+        else:
+            extra = extra + attn_mask.to(q.dtype)
+    mask = torch.where(keep, extra, float("-inf"))
+    return flash_form_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def _rows_as_one(group: GroupGradients) -> GroupGradients:

@@ -51,6 +51,13 @@ statistic and its limit), ``{dir}.max_l2_step`` (at ``max_l2_ratio``) and ``{dir
     values[N_MAX:N_SUMS]   sums          -> SUM
     values[N_SUMS:]        arg fields    -> the value of the rank holding the key's maximum
 
+**The LSE** (the ``lse`` direction, of library calls that return one: :meth:`DeviationStats.add_lse`)
+has fields of its own after each region's: ``lse.max_limit_ratio``, ``lse.max_error`` and
+``lse.max_baseline_error`` (the worst row's ``|x − golden|``), ``lse.golden_max``, ``lse.first_fail``
+(MAX); ``lse.calls``, ``lse.fail_calls``, ``lse.unrepresentable_calls``, ``lse.nonfinite_rows``,
+``lse.empty_rows`` (SUM); ``lse.first_fail_kind``, ``_value``, ``_limit`` and ``lse.max_limit_step``
+(arg fields).
+
 Every field composes: the maximum or sum over calls, over logging intervals and over ranks is
 the same number a single run over all of them would give.
 """
@@ -67,7 +74,9 @@ from flashprobe.bias import BIAS_FIELDS, BIAS_SAMPLE, COMPONENTS, LOW_PRECISION,
 from flashprobe.deviation import (
     DIRECTIONS,
     GRADIENTS,
+    PAIR,
     PAIRS,
+    SUM,
     StatsWorkspace,
     combine_sums,
     error_ratio,
@@ -75,7 +84,7 @@ from flashprobe.deviation import (
     pair_sums,
     reads_are_free,
 )
-from flashprobe.judge import CRITERIA, UNDETERMINED, decide, error_columns, limits, reason
+from flashprobe.judge import CRITERIA, UNDETERMINED, decide, error_columns, limits, reason, resolution
 
 __all__ = [
     "ARG_FIELDS",
@@ -102,6 +111,33 @@ __all__ = [
     "worst",
 ]
 
+#: The directions a site's verdict reads: the output, its LSE (library calls that return one), the gradients.
+SITE_DIRECTIONS: tuple[str, ...] = ("out", "lse", *GRADIENTS)
+#: The ``lse`` direction's fields, per region (module docstring).
+LSE_MAX_FIELDS = (
+    "lse.max_limit_ratio",
+    "lse.max_error",
+    "lse.max_baseline_error",
+    "lse.golden_max",
+    "lse.first_fail",
+)
+LSE_SUM_FIELDS = (
+    "lse.calls",
+    "lse.fail_calls",
+    "lse.unrepresentable_calls",
+    "lse.nonfinite_rows",
+    "lse.empty_rows",
+)
+LSE_ARG_FIELDS = {
+    "lse.first_fail_kind": "lse.first_fail",
+    "lse.first_fail_value": "lse.first_fail",
+    "lse.first_fail_limit": "lse.first_fail",
+    "lse.max_limit_step": "lse.max_limit_ratio",
+}
+#: The ``lse`` direction's criterion codes beyond :data:`~flashprobe.judge.CRITERIA`: a row that sees
+#: no key not holding the empty-row value, a value off the golden.
+LSE_CRITERIA = {6: "empty_row", 7: "lse"}
+
 #: Inputs whose non-finite entries are counted per site.
 INPUTS: tuple[str, ...] = ("q", "k", "v", "grad_out")
 _SUMS: tuple[str, ...] = ("sum_abs", "sum_sq_diff", "sum_sq_ref", "nonfinite", "count")
@@ -120,6 +156,7 @@ MAX_FIELDS: tuple[str, ...] = tuple(
         f"{d}.first_fail",
     )
 )
+MAX_FIELDS += LSE_MAX_FIELDS
 SUM_FIELDS: tuple[str, ...] = (
     *(
         name
@@ -134,6 +171,7 @@ SUM_FIELDS: tuple[str, ...] = (
     ),
     *(f"nonfinite_inputs.{i}" for i in INPUTS),
     *(f"{d}.{b}" for d in DIRECTIONS for b in BIAS_FIELDS),
+    *LSE_SUM_FIELDS,
 )
 #: Fields taken at the call that set another field's maximum: ``{field: its key field}``.
 ARG_FIELDS: dict[str, str] = {
@@ -146,7 +184,7 @@ ARG_FIELDS: dict[str, str] = {
         (f"{d}.max_l2_step", f"{d}.max_l2_ratio"),
         (f"{d}.max_limit_step", f"{d}.max_limit_ratio"),
     )
-}
+} | LSE_ARG_FIELDS
 #: Every field, in accumulator order: maxima, sums, then arg fields.
 FIELDS: tuple[str, ...] = MAX_FIELDS + SUM_FIELDS + tuple(ARG_FIELDS)
 #: Number of leading max-reduced fields.
@@ -162,8 +200,11 @@ _MAX_BLOCK = len(PAIRS) + 7
 # per direction: 15 sums, calls, ratio_calls, fail_calls, ill_conditioned_calls, unrepresentable_calls
 _SUM_BLOCK = len(PAIRS) * len(_SUMS) + 5
 _ARG_BLOCK = 5  # per direction: first_fail_kind, _value, _limit, max_l2_step, max_limit_step
+_DIRECTIONS_MAX = len(DIRECTIONS) * _MAX_BLOCK  # the directions' maxima; then the LSE's
 _INPUTS_AT = N_MAX + len(DIRECTIONS) * _SUM_BLOCK
 _BIAS_AT = _INPUTS_AT + len(INPUTS)  # the signed-bias sums (flashprobe.bias), kept across resets
+_LSE_SUMS_AT = _BIAS_AT + len(DIRECTIONS) * len(BIAS_FIELDS)
+_LSE_ARGS_AT = N_SUMS + len(DIRECTIONS) * _ARG_BLOCK
 _ARG_KEYS = [FIELDS.index(key) for key in ARG_FIELDS.values()]
 
 
@@ -211,7 +252,7 @@ def call_error_ratio(sums: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Ten
         baseline and the floor all 0, which includes "nothing finite was compared") ``ratio`` is 0,
         so it never raises a maximum, and ``defined`` is 0 (else 1).
     """
-    pg, bg = sums[..., 0, 1], sums[..., 0, 2]  # max_abs of primary_golden, baseline_golden
+    pg, bg = sums[..., SUM.max_abs, PAIR.primary_golden], sums[..., SUM.max_abs, PAIR.baseline_golden]
     denominator = torch.maximum(bg, floor)
     # pg / 0 is inf where the primary is inexact, NaN (undefined: 0) where it is exact as well
     ratio = torch.div(pg, denominator).nan_to_num_(0.0, math.inf)
@@ -221,7 +262,7 @@ def call_error_ratio(sums: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Ten
 
 #: The columns of the accumulator's sums in a :func:`pair_sums` result flattened row-major to ``7 · 3``
 #: columns (``row · 3 + pair``), in :data:`SUM_FIELDS` order (pair-major, rows ``sum_abs`` ... ``count``).
-_SUM_COLUMNS = [i * len(PAIRS) + j for j in range(len(PAIRS)) for i in range(1, 6)]
+_SUM_COLUMNS = [getattr(SUM, s) * len(PAIRS) + j for j in range(len(PAIRS)) for s in _SUMS]
 
 
 class DeviationStats:
@@ -245,9 +286,14 @@ class DeviationStats:
         self.precision = precision
         self._limit_cache: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         # Per-direction views of the accumulator: maxima, sums (without the input counts), arg fields.
-        self._maxima = self.values[:N_MAX].view(len(DIRECTIONS), _MAX_BLOCK)
+        self._maxima = self.values[:_DIRECTIONS_MAX].view(len(DIRECTIONS), _MAX_BLOCK)
         self._sums = self.values[N_MAX:_INPUTS_AT].view(len(DIRECTIONS), _SUM_BLOCK)
-        self._args = self.values[N_SUMS:].view(len(DIRECTIONS), _ARG_BLOCK)
+        self._args = self.values[N_SUMS:_LSE_ARGS_AT].view(len(DIRECTIONS), _ARG_BLOCK)
+        self._lse = (  # the LSE's maxima, sums and arg fields
+            self.values[_DIRECTIONS_MAX:N_MAX],
+            self.values[_LSE_SUMS_AT : _LSE_SUMS_AT + len(LSE_SUM_FIELDS)],
+            self.values[_LSE_ARGS_AT:],
+        )
         # The key field of each arg field, in a direction's maxima: first_fail (three times),
         # max_l2_ratio, max_limit_ratio.
         first, l2, score = _MAX_BLOCK - 1, len(PAIRS) + 2, _MAX_BLOCK - 2
@@ -352,7 +398,9 @@ class DeviationStats:
             sums = torch.cat((sums, sums.new_zeros(k, sums.shape[1], len(PAIRS) - pairs)), dim=2)
         flat = sums.reshape(k, -1)  # (K, 21): columns row · 3 + pair
         if pairs == len(PAIRS):
-            floor = torch.maximum(sums[:, 6, 1], sums[:, 6, 2]).mul_(0.5 * torch.finfo(dtype).eps)  # (K,)
+            max_ref = sums[:, SUM.max_ref]  # (K, 3)
+            floor = torch.maximum(max_ref[:, PAIR.primary_golden], max_ref[:, PAIR.baseline_golden])
+            floor.mul_(0.5 * torch.finfo(dtype).eps)  # (K,)
             ratio, defined = call_error_ratio(sums, floor)
             errors = error_columns(sums, rows.to(sums), noise.to(sums))
             code, value, bound, judged = decide(errors, dtype, self._limits(first, k, dtype))
@@ -372,7 +420,7 @@ class DeviationStats:
         else:
             extra, code = sums.new_zeros(k, 7), sums.new_zeros(k)
             counts = torch.cat((sums.new_ones(k, 1), sums.new_zeros(k, 4)), dim=1)
-        torch.maximum(maxima, torch.cat((flat[:, : len(PAIRS)], extra), dim=1), out=maxima)
+        torch.maximum(maxima, torch.cat((sums[:, SUM.max_abs], extra), dim=1), out=maxima)
         sums_now = torch.cat((flat.index_select(1, self._sum_columns), counts), dim=1)
         self._sums[first : first + k].add_(sums_now)
         return code
@@ -386,6 +434,52 @@ class DeviationStats:
             cached = limits(self.precision or dtype, DIRECTIONS[first : first + k]).to(self.values.device)
             self._limit_cache[key] = cached
         return cached
+
+    def add_lse(
+        self,
+        primary: torch.Tensor,
+        baseline: torch.Tensor,
+        golden: torch.Tensor,
+        dtype: torch.dtype,
+        step: int = 0,
+    ) -> torch.Tensor:
+        """Fold one call's LSE into the ``lse`` direction, on the device (no host read).
+
+        Args:
+            primary: ``(B, H, N_q)`` the library's LSE (``−inf`` for a row that sees no key).
+            baseline: the same-dtype baseline's, in the same base.
+            golden: the FP64 golden's.
+            dtype: the dtype of the call's inputs (the floor's resolution).
+            step: the training step of the call.
+
+        Returns:
+            The call's criterion code, a 0-d float64 tensor (0 pass, 1 ``nonfinite``, 6 ``empty_row``,
+            7 ``lse``, −2 ``unrepresentable``: :data:`LSE_CRITERIA`).
+        """
+        ratio, err, base, nonfinite, empty, golden_max = lse_statistics(
+            primary, baseline, golden, self.precision or dtype
+        ).unbind()
+        huge = golden_max > torch.finfo(torch.float32).max
+        code = torch.where(
+            nonfinite > 0,
+            1.0,
+            torch.where(empty > 0, 6.0, torch.where(huge, -2.0, torch.where(ratio > 1, 7.0, 0.0))),
+        )
+        value = torch.where(
+            code == 1, nonfinite, torch.where(code == 6, empty, torch.where(huge, golden_max, ratio))
+        )
+        bound = torch.where(code == 7, 1.0, torch.where(huge, torch.finfo(torch.float32).max, 0.0)).to(value)
+        ratio = torch.where(huge, 0.0, ratio)
+        failed = (code > 0).to(torch.float64)
+        key = failed * (FIRST_KEY - step)
+        maxima, sums, args = self._lse
+        now = torch.stack((key > maxima[4], ratio > maxima[0]))
+        at = torch.full((), float(step), dtype=torch.float64, device=code.device)
+        torch.where(now[0], torch.stack((code, value, bound)), args[:3], out=args[:3])
+        torch.where(now[1], at, args[3], out=args[3])
+        torch.maximum(maxima, torch.stack((ratio, err, base, golden_max, key)), out=maxima)
+        sums.add_(torch.stack((torch.ones_like(failed), failed, huge.to(failed), nonfinite, empty)))
+        return code
 
     def add_nonfinite_inputs(self, inputs: Mapping[str, torch.Tensor]) -> None:
         """Add the non-finite positions (:func:`count_nonfinite_positions`) of the inputs named in
@@ -506,7 +600,7 @@ def stats_dict(
         return entry
 
     return {
-        "forward": {"calls": int(fields["out.calls"]), "out": direction("out")},
+        "forward": {"calls": int(fields["out.calls"]), "out": direction("out"), "lse": _lse_entry(fields)},
         "backward": {
             "calls": int(max(fields[f"{d}.calls"] for d in GRADIENTS)),
             **{d: direction(d) for d in GRADIENTS},
@@ -516,13 +610,92 @@ def stats_dict(
 
 
 def site_directions(entry: Mapping[str, Any]) -> dict[str, Any]:
-    """A site's :func:`stats_dict` entry per direction: ``{"out": ..., "dq": ..., "dk": ..., "dv": ...}``."""
-    return {"out": entry["forward"]["out"], **{d: entry["backward"][d] for d in GRADIENTS}}
+    """A site's :func:`stats_dict` entry per direction: ``{"out": ..., "lse": ..., "dq": ..., "dk": ...,
+    "dv": ...}``, ``lse`` only where a call returned one."""
+    lse = entry["forward"].get("lse")
+    return {
+        "out": entry["forward"]["out"],
+        **({"lse": lse} if lse else {}),
+        **{d: entry["backward"][d] for d in GRADIENTS},
+    }
 
 
 def failure_order(failure: Mapping[str, Any]) -> tuple[Any, Any, int]:
     """The sort key of a failure (``{site, direction, step, ...}``): by step, site, then direction."""
-    return failure["step"], failure["site"], DIRECTIONS.index(failure["direction"])
+    return failure["step"], failure["site"], SITE_DIRECTIONS.index(failure["direction"])
+
+
+#: The LSE's limit: this many times the same-dtype baseline's worst row error, and its floor in units of
+#: :func:`~flashprobe.judge.resolution` (at least ``4·eps₃₂·|golden|``: an LSE is stored in float32).
+LSE_RELATIVE_LIMIT, LSE_ABSOLUTE_EPS = 8.0, 4.0
+
+
+def lse_statistics(
+    primary: torch.Tensor, baseline: torch.Tensor, golden: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """One call's LSE statistics, on the device (no host read): ``(6,)`` float64, the worst row's
+    ``|primary − golden| / limit``, the worst ``|primary − golden|`` and ``|baseline − golden|`` over the
+    rows that see keys (``limit = max(8 × the baseline's, the floor)``), the rows with keys where the
+    primary is not finite, the rows without keys where it is not ``−inf``, and the golden's largest
+    finite magnitude. (The LSE rule :mod:`flashprobe.judge` gains for the fuzzer and the probe alike;
+    until it lands here, this is its copy.)"""
+    p, b, g = (t.detach().reshape(-1).to(torch.float64) for t in (primary, baseline, golden))
+    seen = torch.isfinite(g)
+    zero = torch.zeros((), dtype=torch.float64, device=g.device)
+    err = torch.where(seen & torch.isfinite(p), (p - g).abs(), zero)
+    base = torch.where(seen & torch.isfinite(b), (b - g).abs(), zero)
+    base_max = base.amax() if base.numel() else zero
+    magnitude = torch.where(seen, g.abs(), zero)
+    floor = (4.0 * float(torch.finfo(torch.float32).eps) * magnitude).clamp(
+        min=LSE_ABSOLUTE_EPS * resolution(dtype)
+    )
+    ratio = (err / torch.maximum(LSE_RELATIVE_LIMIT * base_max, floor)).amax() if err.numel() else zero
+    nonfinite = (seen & ~torch.isfinite(p)).sum().to(torch.float64)
+    empty = (~seen & (p != float("-inf"))).sum().to(torch.float64)
+    top = magnitude.amax() if magnitude.numel() else zero
+    return torch.stack((ratio, err.amax() if err.numel() else zero, base_max, nonfinite, empty, top))
+
+
+def lse_reason(kind: str, value: float, error: float, baseline: float) -> str:
+    """A failing LSE call in words (``kind`` of :data:`LSE_CRITERIA` or ``nonfinite``)."""
+    if kind == "nonfinite":
+        return f"LSE non-finite in {int(value)} row(s) that see keys, where the FP64 golden is finite"
+    if kind == "empty_row":
+        return f"LSE of {int(value)} row(s) that see no key is not -inf (the empty-row value)"
+    return (
+        f"LSE off the golden by up to {error:.3g} (the same-dtype baseline by {baseline:.3g}): {value:.3g}x "
+        f"its limit (max({LSE_RELATIVE_LIMIT:g}x the baseline's, the floor))"
+    )
+
+
+def _lse_entry(fields: Mapping[str, float]) -> dict[str, Any] | None:
+    """The ``lse`` direction of a site (None when no call returned an LSE): its verdict's entries, as a
+    direction's (:func:`_judged`), with ``baseline_error`` and the rows that failed; no pairs."""
+    calls = int(fields["lse.calls"])
+    if not calls:
+        return None
+    failed = int(fields["lse.fail_calls"])
+    undetermined = dict.fromkeys(UNDETERMINED, 0) | {
+        "unrepresentable": int(fields["lse.unrepresentable_calls"])
+    }
+    first = None
+    if failed and fields["lse.first_fail"] > 0:
+        code = int(fields["lse.first_fail_kind"])
+        kind = LSE_CRITERIA.get(code) or CRITERIA.get(code, "lse")
+        value, limit = fields["lse.first_fail_value"], fields["lse.first_fail_limit"]
+        why = lse_reason(kind, value, fields["lse.max_error"], fields["lse.max_baseline_error"])
+        step = int(FIRST_KEY - fields["lse.first_fail"])
+        first = {"step": step, "kind": kind, "value": value, "limit": limit, "reason": why}
+    verdict = "fail" if failed else ("undetermined" if undetermined["unrepresentable"] >= calls else "pass")
+    return {
+        "calls": calls, **dict.fromkeys(PAIRS), "error_ratio": None, "max_call_error_ratio": None,
+        "noise_floor": None, "verdict": verdict, "limit_ratio": fields["lse.max_limit_ratio"],
+        "limit_ratio_step": int(fields["lse.max_limit_step"]), "absolute_error": fields["lse.max_error"],
+        "baseline_error": fields["lse.max_baseline_error"], "worst_row_error": None,
+        "l2_error_ratio": None, "l2_error_ratio_step": None,
+        "nonfinite_rows": int(fields["lse.nonfinite_rows"]), "empty_rows": int(fields["lse.empty_rows"]),
+        "failed_calls": failed, "undetermined_calls": undetermined, "first_failure": first, "bias": None,
+    }  # fmt: skip
 
 
 def _judged(

@@ -78,6 +78,9 @@ class ProbeSummary:
         fallbacks: ``{site, requested, kernel, from_step, reason}`` where torch's SDPA computed the
             attention instead of the primary (``fallback=True``; as ``step``).
         notes: why values are missing, in words (as ``step``).
+        judged: ``{site, trained, judged, gradients, from_step, reason}`` where the verdict judges
+            another computation than the one that trained (attention dropout: the call without it,
+            forward only; as ``step``).
         stopped: why a training callback stopped training on non-finite values; only in the records
             after it did.
         run_nonfinite: non-finite values counted over the run (a training callback's record, from
@@ -119,6 +122,7 @@ class ProbeSummary:
     dropout_calls: int | None = None
     fallbacks: list[dict[str, Any]] | None = None
     notes: list[str] | None = None
+    judged: list[dict[str, Any]] | None = None
     stopped: str | None = None
     run_nonfinite: int | None = None
     run_primary_nonfinite: int | None = None
@@ -198,7 +202,7 @@ class ProbeSummary:
 
 
 #: Fields a summary has only where someone set them (None: left out of ``to_dict``).
-_OPTIONAL_FIELDS = frozenset({"step", "dropout_calls", "fallbacks", "notes", "stopped"})
+_OPTIONAL_FIELDS = frozenset({"step", "dropout_calls", "fallbacks", "notes", "judged", "stopped"})
 #: The run's fields (:class:`~flashprobe.probing.session.RunTally`): all or none.
 _RUN_FIELDS = frozenset(
     {

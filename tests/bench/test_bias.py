@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from flashprobe.bench.bias import lazy_rescale_pairs
 from flashprobe.bench.inputs import Shape
 from flashprobe.cli import main as cli_main
 from flashprobe.fuzz.inputs import TIE_WIDTH, bias_inputs
@@ -150,3 +151,37 @@ def test_bad_input_is_refused_before_any_work(tmp_path, capsys):
     assert "unknown kernel 'nosuch'" in capsys.readouterr().err
     assert cli_main(["bench", "bias", "--dtype", "int8", "--out", str(tmp_path / "z")]) == 2
     assert "unsupported dtype 'int8'" in capsys.readouterr().err
+
+
+def test_lazy_rescale_pairs_match_specs_whatever_the_option_order():
+    def rows(spec: str, bias: float) -> list[dict]:
+        row = {"inputs": "repeated", "dtype": "bf16", "kernel": spec, "quantity": "out", "verdict": "-"}
+        return [row | {"component": "offset", "offset_mean": bias, "offset_z": 10 * bias}]
+
+    doc = rows("tiled:block_k=8", -0.3) + rows("tiled:rescale_threshold=8,block_k=8", 0.01)
+    doc += rows("tiled:rescale_threshold=0", 0.5) + rows("tiled:p_fp8=e4m3,rescale_threshold=4", 0.2)
+    (pair,) = lazy_rescale_pairs(doc)  # threshold 0 is no lazy kernel; the FP8 one has no eager row
+    assert (pair["kernel"], pair["eager"], pair["threshold"]) == ("tiled:rescale_threshold=8,block_k=8",
+                                                                  "tiled:block_k=8", 8.0)  # fmt: skip
+    assert (pair["bias_eager"], pair["z_eager"], pair["bias_lazy"], pair["z_lazy"]) == (-0.3, -3.0, 0.01, 0.1)
+
+
+def test_lazy_rescale_is_paired_with_its_eager_kernel(tmp_path, capsys):
+    """One key tile (N = 32 < 128): the first tile sets the max, so lazy rescale changes no bit and
+    both biases are equal; with tiles of 8 keys the tied keys (keys 0-5) sit in the tile visited
+    last, the stale max changes the arithmetic, and the rows are the hand oracle's."""
+    lazy = ["--kernel", "tiled", "--kernel", "tiled:rescale_threshold=8", "--kernel", "tiled:block_k=8",
+            "--kernel", "tiled:block_k=8,rescale_threshold=8"]  # fmt: skip
+    assert cli_main(["bench", "bias", *TINY, *lazy, "--dtype", "bf16", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "bias.json").read_text())
+    pairs = doc["lazy_rescale"]
+    assert len(pairs) == 2 * 3 * 2  # inputs × quantities × two pairs
+    for pair in pairs:
+        assert (pair["bias_lazy"] == pair["bias_eager"]) is (pair["eager"] == "tiled"), pair
+    assert "## rescale_threshold (lazy rescale)" in (tmp_path / "bias.md").read_text()
+    assert "rescale_threshold=8: tiled:block_k=8 bf16 repeated out: bias " in capsys.readouterr().out
+    for quantity in ("out", "delta"):
+        row = _row(doc, "repeated", "tiled:block_k=8,rescale_threshold=8", quantity)
+        mean, z = _oracle("tiled:block_k=8,rescale_threshold=8", quantity, repeated=True)
+        assert row["offset_mean"] == pytest.approx(mean, rel=1e-6, abs=1e-9)
+        assert row["offset_z"] == pytest.approx(z, rel=1e-6, abs=1e-9)

@@ -1,6 +1,7 @@
 """``flashprobe bench fp8``: FP8 error vs FP64 and the P-cast collapse (issue 41).
 
-Oracles: the P underflow count worked out by hand on a three-key example; the inputs' documented
+Oracles: the P underflow and saturation counts worked out by hand on four-key examples; bounds
+derived from the formats (a stale max lags by at most the threshold); the inputs' documented
 construction (sink logit, outlier channels, per-token magnitudes); the files' own rows.
 """
 
@@ -17,7 +18,7 @@ import torch
 from flashprobe.bench import fp8
 from flashprobe.bench.inputs import Shape
 
-LABELS = ("fp8_qkv", "fp8_scaling", "fp8_p", "p_scale", "order", "rotation")
+LABELS = ("fp8_qkv", "fp8_scaling", "fp8_p", "p_scale", "order", "rotation", "rescale_threshold")
 
 
 def test_p_underflow_by_hand():
@@ -36,6 +37,29 @@ def test_p_underflow_by_hand():
     kw = {"p_scales": [1.0, 16.0], "block_k": 2, "scale": 1.0}
     assert fp8.p_underflow(q, k, order="forward", **kw) == {1.0: 1.0, 16.0: 0.0}
     assert fp8.p_underflow(q, k, order="reverse", **kw) == {1.0: 1 / 3, 16.0: 0.0}
+
+
+def test_p_saturation_by_hand():
+    """Scale 1, q = (1, 0), tiles of two keys, reverse order: keys 2, 3 at logit 0 come first
+    (m = 0, P = 1), then key 0 at Δ·ln 2 (Δ bits above) with key 1 at 0. A stale max (Δ ≤ the
+    threshold) gives key 0 P = 2^Δ: Δ = 3 makes ×256 = 2048 > 448 (1 of 4 entries saturates), ×1 = 8
+    does not, nor E5M2's 57344; Δ = 5 > 4 updates the max (P ≤ 1); forward order sees key 0 first."""
+    q = torch.tensor([[[[1.0, 0.0]]]])
+    kw = {"p_scales": [1.0, 256.0], "block_k": 2, "scale": 1.0}
+
+    def keys(rise_bits: float) -> torch.Tensor:
+        return torch.tensor([[[[rise_bits * math.log(2.0), 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]]])
+
+    assert fp8.p_saturation(q, keys(3), threshold=4, **kw) == {1.0: 0.0, 256.0: 0.25}
+    assert fp8.p_saturation(q, keys(3), threshold=4, p_fp8="e5m2", **kw) == {1.0: 0.0, 256.0: 0.0}
+    assert fp8.p_saturation(q, keys(5), threshold=4, **kw) == {1.0: 0.0, 256.0: 0.0}
+    assert fp8.p_saturation(q, keys(3), threshold=0, **kw) == {1.0: 0.0, 256.0: 0.0}
+    assert fp8.p_saturation(q, keys(3), threshold=4, order="forward", **kw) == {1.0: 0.0, 256.0: 0.0}
+    # the kernel agrees: V = 1 with key 0's P·256 = 2048 saturated to 448 in the numerator only
+    out = fp8.get_kernel("tiled:p_fp8=e4m3,p_scale=256,rescale_threshold=4,block_k=2")(
+        q, keys(3), torch.ones(1, 1, 4, 2), scale=1.0
+    )
+    assert out[0, 0, 0, 0].item() == pytest.approx((3 + 448 / 256) / (3 + 8), rel=1e-6)
 
 
 def test_fp8_inputs_follow_their_construction():
@@ -87,23 +111,48 @@ def test_bench_fp8_tiny_writes_named_rows_and_figures(tmp_path: Path, capsys):
     assert ratio["seeds"] == 2 and ratio["ci95_lo"] <= ratio["geomean"] <= ratio["ci95_hi"]
     assert ratio["paper"] == [3.0, 10.0]
     assert doc["summary"]["rotation_outlier_channels"]["factor"]["seeds"] == 1
+    _check_saturation_rows(rows, doc["summary"]["saturation"])
     with open(tmp_path / "fp8.csv", newline="") as fh:
         assert len(list(csv.DictReader(fh))) == len(rows)
     for name in ("fp8_errors.png", "fp8_pcast.png"):
         assert (tmp_path / name).read_bytes().startswith(b"\x89PNG")
     md = (tmp_path / "fp8.md").read_text()
     assert "MSE(forward, S=1) / MSE(reverse, S=256)" in md and "| fa3 fp8 | e4m3 | block amax |" in md
+    assert "## P saturation under lazy rescale (flash-attention issue 2716)" in md
     printed = capsys.readouterr().out
     assert "the paper reports 3-10x" in printed and "Hadamard rotation on outlier_channels" in printed
+    assert "Lazy rescale at threshold 4, P e4m3 x256" in printed
     (tmp_path / "fp8_pcast.png").unlink()
     assert fp8.main(["--replot", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "fp8_pcast.png").exists()
+
+
+def _check_saturation_rows(rows: list[dict], summary: list[dict]) -> None:
+    """A stale max lags by at most the threshold t, so ``P ≤ 2^t`` and ``P·S ≤ 2^(t + log2 S)``:
+    nothing saturates at S = 1 (16 < 448), in E5M2 (2^12 < 57344) or under the bound t ≤ log2(448)
+    − 8 = 0.807 at S = 256; where nothing saturates (S = 256: every P·256 of these logits is normal)
+    the V = 1 output is within E4M3's 2^-4 of 1, plus its bf16 rounding (2^-7 above 1)."""
+    saturation = [r for r in rows if r["part"] == "saturation"]
+    casts = (("e4m3", 1.0), ("e4m3", 256.0), ("e5m2", 256.0))
+    assert {(r["fp8_p"], r["p_scale"], r["rescale_threshold"]) for r in saturation} == {
+        (fmt, s, t) for t in fp8.RESCALE_THRESHOLDS for fmt, s in casts
+    }
+    for row in saturation:
+        fa4 = (row["fp8_p"], row["p_scale"], row["rescale_threshold"]) == ("e4m3", 256.0, 4.0)
+        assert (row["p_saturated"] > 0) is fa4, row
+        if row["fp8_p"] == "e4m3" and row["p_scale"] == 256.0:
+            assert (row["v1_max_abs"] > 2.0**-4 + 2.0**-7) is fa4, row
+    (entry,) = summary
+    assert entry["threshold"] == 4.0 and entry["rel_l2_lazy"] > entry["rel_l2_eager"]
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--head-dim", "48"], "head dim 48 is not a power of two"),
+        (["--logit-std", "0"], "--logit-std values must be finite and positive"),
+        (["--rescale-threshold", "-1"], "--rescale-threshold values must be finite and ≥ 0"),
+        (["--part", "speed"], "argument --part: invalid choice: 'speed'"),
         (["--distribution", "cauchy"], "unknown --distribution 'cauchy'"),
         (["--repeats", "0"], "--repeats"),
     ],

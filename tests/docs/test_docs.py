@@ -137,10 +137,11 @@ def _prepare(snippet: Snippet, shared: SharedRuns, cwd: Path) -> str:
 
 
 def _check_fuzz(result: CommandResult, argv: list[str]) -> None:
-    """fuzz exits 1 exactly when a (kernel, case, dtype) failed (its documented CI contract)."""
+    """fuzz exits 1 exactly when a (kernel, case, dtype) failed or is not_declared (its documented CI
+    contract)."""
     [json_path] = [p for p in outputs(argv) if p.endswith("fuzz.json")]
     summary = json.loads((result.cwd / json_path).read_text())["summary"]
-    assert result.returncode == (1 if summary["fail"] else 0), result.explain()
+    assert result.returncode == (1 if summary["fail"] or summary.get("not_declared") else 0), result.explain()
 
 
 def _check_study(result: CommandResult, argv: list[str]) -> None:

@@ -133,6 +133,30 @@ def test_amax_scales_map_each_group_max_to_the_format_max(scaling):
     assert ((values * descale - x).abs() <= 2.0**-4 * x.abs() + 2.0**-10 * descale).all()
 
 
+@pytest.mark.parametrize("scaling", ["tensor", "head", "block"])
+def test_an_empty_group_quantizes_like_an_all_zero_one(scaling):
+    """No rows (a call with no keys) or no channels: amax 0, so scale 1 and no values, not a crash."""
+    for shape in ((2, 3, 0, 8), (2, 3, 5, 0)):
+        values, descale = quantize(torch.empty(shape), "e4m3", scaling=scaling, block=4)
+        assert values.shape == shape
+        assert torch.all(descale == 1.0)
+        expected = {"tensor": (1, 1, 1, 1), "head": (2, 3, 1, 1), "block": (2, 3, shape[2], 1)}[scaling]
+        assert descale.shape == expected
+
+
+@pytest.mark.parametrize("spec", ["math:fp8=e4m3", "math:fp8=e5m2,fp8_draw=3", "tiled:qkv_fp8=e4m3",
+                                  "tiled:qkv_fp8=e4m3,fp8_scaling=head", "tiled:preset=fa3_fp8"])  # fmt: skip
+def test_fp8_kernels_take_a_call_with_no_keys(spec, make_qkv):
+    """A call with no keys outputs zeros, as torch SDPA's CPU kernels do (every row fully masked);
+    the FP8 baseline crashed on the amax of its empty K and V."""
+    q, _, _ = make_qkv(6, 0, 16)
+    k, v = torch.empty(1, 2, 0, 16), torch.empty(1, 2, 0, 16)
+    with torch.no_grad():
+        out = get_kernel(spec)(q, k, v)
+    assert out.shape == (1, 2, 6, 16)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
 def test_static_scale():
     x = torch.tensor([0.5, 3.0, 100.0]).view(1, 1, 3, 1)
     values, descale = quantize(x, "e4m3", scale=8.0)

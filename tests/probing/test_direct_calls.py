@@ -1,8 +1,8 @@
-"""Attention libraries called directly inside a model (flash-attn's ``flash_attn_func``, as
-transformers' ``flash_attention_2`` does): each call is a site, the model gets the library's own
-output, the shadow compares it in SDPA's layout (bottom-right causal when ``N_q != N_k``, native
-grouped heads, the library's scale), forward and backward. flash-attn needs CUDA, so the library
-here is a stand-in with flash-attn's signature and semantics, written on torch's SDPA."""
+"""Attention libraries called directly inside a model (flash-attn's ``flash_attn_func``, as transformers'
+``flash_attention_2`` does): each call is a site, the model gets the library's own output, the shadow
+compares it with the references of the call it read (bottom-right causal when ``N_q != N_k``, native
+grouped heads, the library's scale, its window), forward and backward. flash-attn needs CUDA, so the
+library here is a stand-in with flash-attn's signature and semantics, written on torch's SDPA."""
 
 from __future__ import annotations
 
@@ -110,7 +110,9 @@ def test_a_buggy_direct_library_fails_the_verdict(flash_attn) -> None:
     assert p.failures[0]["direction"] == "out"
 
 
-def test_arguments_sdpa_cannot_express_run_unchanged(flash_attn) -> None:
+def test_a_window_is_compared_and_a_library_that_ignores_it_fails(flash_attn) -> None:
+    """A call with ``window_size`` is compared like any other (it once ran unchanged, with a warning):
+    this stand-in ignores the window, so the verdict fails."""
     flash_attn()
 
     class Windowed(nn.Module):
@@ -119,8 +121,9 @@ def test_arguments_sdpa_cannot_express_run_unchanged(flash_attn) -> None:
 
     model = Windowed()
     q = torch.randn(1, 8, 2, 8)
-    with pytest.warns(UserWarning, match="SDPA cannot express .*window_size"), probe(model) as p:
+    with probe(model, on_failure="ignore") as p:
         out = model(q)
-    assert torch.equal(out, _flash_attn_func()(q, q, q, window_size=(4, 0)))
-    assert p.sites == []  # not compared
+    assert torch.equal(out, _flash_attn_func()(q, q, q, window_size=(4, 0)))  # the library's own output
+    entry = p.stats()["<root>"]
+    assert entry["forward"]["calls"] == 1 and entry["verdict"] == "fail"
     assert F.scaled_dot_product_attention is ORIGINAL_SDPA

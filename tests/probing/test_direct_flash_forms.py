@@ -13,8 +13,6 @@ import torch
 from torch import nn
 
 from flashprobe.probing import probe
-from flashprobe.probing.direct import gather_pages, segment_mask
-from flashprobe.probing.flashattn import block_table_slots
 
 from ._standins import Bugs, flash_attention_3, flash_attn_2, install
 
@@ -179,30 +177,6 @@ def test_a_paged_kv_cache_is_gathered_and_compared_forward(monkeypatch, causal: 
     with probe(Paged(causal), on_failure="ignore") as p, torch.no_grad():
         p.model(q, k, v.nan_to_num(3.0))
     assert p.stats()["<root>"]["verdict"] == "fail"
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "bottom_right_causal"])
-def test_block_table_gather_matches_a_hand_conversion(causal: bool) -> None:
-    k, _ = _cache()
-    table = torch.tensor([[5, 0], [2, 6], [3, 1]], dtype=torch.int32)
-    slots = block_table_slots(table, CU_K, page_size=4)
-    got = gather_pages(k, slots, "NHD")  # (1, H_kv, 3 sequences x 2 blocks x 4 rows, D)
-    lengths = (4, 5, 3)
-    want = torch.zeros(24, 2, 8)
-    for i, n in enumerate(lengths):
-        rows = torch.cat([k[b] for b in table[i]])  # (8, H_kv, D): the sequence's blocks in order
-        want[8 * i : 8 * i + n] = rows[:n]
-    assert torch.equal(got, want.transpose(0, 1)[None])
-    q_seq = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 2, 2])
-    q_pos = torch.tensor([0, 1, 2, 0, 1, 2, 3, 4, 0, 1])
-    q_len = torch.tensor([3, 5, 2, 0])
-    mask = segment_mask(q_seq, q_pos, q_len, slots.seq, slots.pos, slots.lengths, causal=causal)
-    hand = torch.zeros(10, 24, dtype=torch.bool)
-    for (a, b), i in zip([(0, 3), (3, 8), (8, 10)], range(3), strict=True):
-        n_q, n_k = b - a, lengths[i]
-        block = torch.ones(n_q, n_k, dtype=torch.bool)
-        hand[a:b, 8 * i : 8 * i + n_k] = block.tril(n_k - n_q) if causal else block
-    assert torch.equal(mask, hand)
 
 
 class Dropout(nn.Module):

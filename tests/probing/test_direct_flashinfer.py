@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
+from flashprobe.kernels import AttentionCall
 from flashprobe.probing import ProbeWarning, probe
-from flashprobe.probing.direct import gather_pages, segment_mask, segments
-from flashprobe.probing.flashinfer import flashinfer_slots
+from flashprobe.probing.flashinfer import _block_table, _flat_mask
 
 from ._standins import Bugs, flashinfer_modules, install
 
@@ -179,36 +179,33 @@ def test_flashinfer_bugs_fail_the_verdict(monkeypatch, bug: Bugs, entry: str) ->
 
 
 def test_page_table_conversion_matches_a_hand_conversion() -> None:
-    k, _ = _paged_cache()
+    """FlashInfer's page table (pages per request, the last one filled to ``last_page_len``) read as
+    flash-attn's block table and sequence lengths, which the kernels layer gathers the keys through."""
     indptr, indices, last = PAGES
-    slots = flashinfer_slots(indptr, indices, last, 4, torch.device("cpu"))
-    got = gather_pages(k, slots, "NHD")[0].transpose(0, 1)  # (slots, H_kv, D)
-    lengths = (4, 6, 2)
-    hand_keys, hand_mask = torch.zeros(16, 2, 16), torch.zeros(10, 16, dtype=torch.bool)
-    slot = 0
+    table, cu_k, longest = _block_table(indptr, indices, last, 4, torch.device("cpu"))
+    assert table.tolist() == [[5, 0], [2, 6], [3, 0]]  # a request's pages in order, padded
+    assert cu_k.tolist() == [0, 4, 10, 12] and longest == 6  # 4, 4 + 2 and 2 keys
+    k, v = _paged_cache()
+    call = AttentionCall(q=torch.zeros(10, 4, 16), k=k, v=v, cu_seqlens_q=QO, cu_seqlens_k=cu_k,
+                         block_table=table, max_seqlen_q=5, max_seqlen_k=longest)  # fmt: skip
+    keys = call.logical().k  # (B, H_kv, 6, D)
     for i, pages in enumerate(([5], [2, 6], [3])):
-        rows = torch.cat([k[page] for page in pages])[: lengths[i]]
-        hand_keys[slot : slot + len(rows)] = rows
-        a, b = QO[i].item(), QO[i + 1].item()
-        hand_mask[a:b, slot : slot + lengths[i]] = torch.ones(b - a, lengths[i], dtype=torch.bool).tril(
-            lengths[i] - (b - a)
-        )
-        slot += 4 * len(pages)
-    assert torch.equal(got, hand_keys)
-    q_seq, q_pos, q_len = segments(QO, 10, torch.device("cpu"))
-    mask = segment_mask(q_seq, q_pos, q_len, slots.seq, slots.pos, slots.lengths, causal=True)
-    assert torch.equal(mask, hand_mask)
+        rows = torch.cat([k[page] for page in pages])[: (4, 6, 2)[i]]  # (n, H_kv, D)
+        assert torch.equal(keys[i, :, : len(rows)], rows.transpose(0, 1))
+        assert not keys[i, :, len(rows) :].any()  # past the request's length: zero, never NaN
 
 
 def test_a_ragged_custom_mask_matches_a_hand_conversion() -> None:
     """FlashInfer's batch ``custom_mask``: each request's ``(len_q, len_k)`` block, row-major, one after
-    the other; it replaces ``causal``."""
+    the other; read as the logical call's ``(B, 1, n_q, n_k)`` mask."""
     blocks = [torch.rand(n_q, n_k) > 0.5 for n_q, n_k in ((3, 4), (5, 5), (2, 3))]
     flat = torch.cat([b.reshape(-1) for b in blocks])
-    q_seq, q_pos, q_len = segments(QO, 10, torch.device("cpu"))
-    k_seq, k_pos, k_len = segments(KV, 12, torch.device("cpu"))
-    got = segment_mask(q_seq, q_pos, q_len, k_seq, k_pos, k_len, causal=True, custom=flat)
-    want = torch.block_diag(*blocks)
+    q, k = torch.zeros(10, 4, 16), torch.zeros(12, 2, 16)
+    logical = AttentionCall(q=q, k=k, v=k, cu_seqlens_q=QO, cu_seqlens_k=KV).logical()
+    got = _flat_mask(flat, logical)
+    want = torch.zeros(3, 1, 5, 5, dtype=torch.bool)
+    for i, block in enumerate(blocks):
+        want[i, 0, : block.shape[0], : block.shape[1]] = block
     assert torch.equal(got, want)
 
 
@@ -223,7 +220,7 @@ def test_calls_it_cannot_compare_run_unchanged_with_one_warning(monkeypatch) -> 
         def forward(self) -> list:
             return [
                 planned.run(q, k, v),
-                fi.single_prefill_with_kv_cache(q[:3], k[:6], v[:6], logits_soft_cap=30.0),
+                fi.single_prefill_with_kv_cache(q[:3], k[:6], v[:6], pos_encoding_mode="ROPE_LLAMA"),
             ]
 
     want = Model()()
@@ -232,5 +229,5 @@ def test_calls_it_cannot_compare_run_unchanged_with_one_warning(monkeypatch) -> 
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
     messages = [str(w.message) for w in caught]
     assert any("plan() made before the probe was attached" in m for m in messages)
-    assert any("SDPA cannot express (logits_soft_cap)" in m for m in messages)
+    assert any("uses pos_encoding_mode, which flashprobe does not compare" in m for m in messages)
     assert p.sites == []

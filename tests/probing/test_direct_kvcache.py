@@ -1,8 +1,9 @@
 """flash-attn 2's ``flash_attn_with_kvcache`` (its inference entry point) called inside a model: the call
 is a site, the model gets the library's own output and cache (the new keys appended once, in place),
-and the shadow compares it forward on the keys the call attends (the cache up to ``cache_seqlens``,
-then the new keys; bottom-right causal). The library is the CPU stand-in (``_standins``) with
-flash-attn 2.8's signature."""
+and the shadow compares it forward with the references of the call read before the append (the cache
+up to ``cache_seqlens``, then the new keys; bottom-right causal), its LSE too where it returns one. The
+library is the CPU stand-in (``_standins``: ``lab.contracts``' correct one, or one with a planted bug)
+with flash-attn 2.8's signature."""
 
 from __future__ import annotations
 
@@ -101,6 +102,13 @@ def test_kvcache_rows_cache_lse_and_unexpressible_arguments(monkeypatch) -> None
     entry = p.stats()["<root>"]
     assert entry["forward"]["calls"] == 1 and entry["verdict"] == "pass", entry["verdict_reason"]
     rotary = Decode(False, False, rotary_cos=torch.ones(9, 4), rotary_sin=torch.zeros(9, 4))
-    with pytest.warns(ProbeWarning, match="rotary_cos, rotary_sin"), probe(rotary) as p, torch.no_grad():
+    with (
+        pytest.warns(ProbeWarning, match="rotary_cos, rotary_sin"),
+        pytest.raises(
+            RuntimeError, match="no rotary embedding"
+        ),  # the stand-in's own refusal: it got the call
+        probe(rotary) as p,
+        torch.no_grad(),
+    ):
         p.model(*_inputs(paged=False))
     assert p.stats() == {} or p.stats()["<root>"]["forward"]["calls"] == 0

@@ -14,6 +14,7 @@ import flashprobe.probing.shadow as shadow_module
 import flashprobe.probing.stats as stats_module
 from flashprobe.deviation import deviation_tensors
 from flashprobe.kernels import get_kernel, math_attention
+from flashprobe.kernels.math import plain_attention
 from flashprobe.kernels.reference import BYTES_PER_SCORE
 from flashprobe.probing import N_MAX, N_SUMS, ProbeWarning, ShadowAttention, probe
 from flashprobe.probing.stats import pair_sums
@@ -149,14 +150,14 @@ def test_blocked_references_bound_memory_and_agree(monkeypatch) -> None:
     within the budget's scores, and the statistics agree with the one-block run (golden exactly up
     to float64 rounding; the fp32 baseline sums dk, dv over row blocks, so only its rounding moves)."""
     seen = []
-    real = math_attention
+    real = plain_attention
 
     def spy(q, k, v, **kw):
         if q.dtype == torch.float64:  # the golden's blocks
             seen.append(q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
         return real(q, k, v, **kw)
 
-    monkeypatch.setattr(shadow_module, "math_attention", spy)
+    monkeypatch.setattr(shadow_module, "plain_attention", spy)
     q, k, v = (t.requires_grad_() for t in _qkv(b=3, n=20))
     grad_out = torch.randn(3, 2, 20, 8, generator=torch.Generator().manual_seed(2))
     results, calls = {}, {}
