@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from flashprobe.errors import FlashprobeError
 from flashprobe.formats.atomic import DiskFullError
 
 __all__ = ["main"]
@@ -98,9 +99,12 @@ def _dispatch(
     module, _, func = table[name][0].partition(":")
     try:
         return int(getattr(importlib.import_module(module), func)(rest) or 0)
-    except DiskFullError as err:  # any command's atomic write on a full disk: one line, nothing torn
-        print(f"{prog} {name}: error: {err}", file=sys.stderr)
-        return 1
+    except FlashprobeError as err:  # flashprobe's own refusal, wherever raised: one line, no traceback
+        from flashprobe.formats.paths import printable
+
+        message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        print(printable(f"{prog} {name}: error: {message}"), file=sys.stderr)
+        return 1 if isinstance(err, DiskFullError) else 2  # a full disk: nothing torn, run it again
 
 
 def _compiles_on_first_call(kernel: Any) -> bool:

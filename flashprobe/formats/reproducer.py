@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from flashprobe.errors import FlashprobeError
+
 __all__ = [
     "REPRO_FORMAT",
     "ContractReproducer",
@@ -57,7 +59,7 @@ REPRO_FORMAT = "flashprobe-repro-1"
 _PICKLE_MAGIC = (b"PK\x03\x04", b"\x80")
 
 
-class ReproducerError(ValueError):
+class ReproducerError(ValueError, FlashprobeError):
     """A reproducer file that cannot be read: not safetensors, not flashprobe's, or incomplete."""
 
 

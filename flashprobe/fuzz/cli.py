@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from flashprobe.errors import FlashprobeError
 from flashprobe.formats import OutputPathError, atomic_write_text, prepare_output_dir, write_json
 from flashprobe.formats.paths import check_output_dir
 from flashprobe.fuzz.cases import PROFILES, FuzzCase, select_cases
@@ -76,7 +77,7 @@ DEFAULT_DTYPES = ("bf16", "fp16", "fp32")
 _DTYPE_CHOICES = "bf16, fp16, fp32, fp64, e4m3 (FP8 inputs, kernels that declare float8_e4m3fn)"
 
 
-class UsageError(ValueError):
+class UsageError(ValueError, FlashprobeError):
     """A command-line argument is unusable; the message names it and the fix."""
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from flashprobe.errors import FlashprobeError
 from flashprobe.fuzz.inputs import CaseInputs
 from flashprobe.kernels import KernelCapabilities, default_scale, mask_kind
 
@@ -65,7 +66,7 @@ MASK_PROPERTIES = frozenset(
 _TILES = (64, 128)
 
 
-class NotApplicableError(ValueError):
+class NotApplicableError(ValueError, FlashprobeError):
     """The case cannot be posed to this kernel without losing what it tests; the message says why."""
 
 

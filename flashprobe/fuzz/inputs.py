@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from flashprobe.errors import FlashprobeError
 from flashprobe.fuzz.layouts import LAYOUTS, apply_layout
 from flashprobe.kernels.reference import expand_kv
 
@@ -35,7 +36,7 @@ def _in_poisoned_memory(x: torch.Tensor, poison: str) -> torch.Tensor:
     return view
 
 
-class UnrepresentableCaseError(ValueError):
+class UnrepresentableCaseError(ValueError, FlashprobeError):
     """The case cannot be posed in this dtype (its logits or inputs do not fit the dtype's range)."""
 
 

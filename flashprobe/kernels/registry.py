@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from flashprobe.errors import FlashprobeError
 from flashprobe.kernels._inputs import check_inputs, dtype_name
 from flashprobe.kernels.call import ALIGNS, LSE_BASES, AttentionCall, CallOutput
 from flashprobe.kernels.contract import (
@@ -72,11 +73,11 @@ class AttentionFn(Protocol):
     ) -> torch.Tensor: ...
 
 
-class KernelSpecError(ValueError):
+class KernelSpecError(ValueError, FlashprobeError):
     """A kernel spec string is malformed, names an unknown kernel or an unknown option."""
 
 
-class KernelUnavailableError(RuntimeError):
+class KernelUnavailableError(RuntimeError, FlashprobeError):
     """A kernel cannot run here (missing package, wrong device, unsupported dtype)."""
 
 

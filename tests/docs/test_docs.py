@@ -164,6 +164,21 @@ def _check_study(result: CommandResult, argv: list[str]) -> None:
     assert answer == UNDETERMINED and result.returncode == EXIT_CODES[answer], result.explain()
 
 
+def _check_verdict(result: CommandResult, argv: list[str]) -> None:
+    """compare and report (of a study or comparison directory) exit with the code of the verdict they
+    print, as study does (docs/study.md "The answer"), recomputed here from the study.json there; report
+    of a training run directory exits 0."""
+    from flashprobe.formats.study_file import read_study
+    from flashprobe.report.study_verdict import EXIT_CODES, UNDETERMINED, verdict
+
+    where = outputs(argv)[0].rpartition("/")[0] if family(argv) == "compare" else argv[2]
+    if not (result.cwd / where / "study.json").is_file():
+        assert family(argv) == "report" and result.returncode == 0, result.explain()
+        return
+    found = verdict(read_study(result.cwd / where))
+    assert result.returncode == EXIT_CODES[found.answer if found else UNDETERMINED], result.explain()
+
+
 @pytest.mark.parametrize("snippet", RUNNABLE, ids=lambda s: s.id)
 def test_documented_snippet_runs(snippet: Snippet, shared: SharedRuns, tmp_path: Path) -> None:
     text = _prepare(snippet, shared, tmp_path)
@@ -190,6 +205,8 @@ def test_documented_snippet_runs(snippet: Snippet, shared: SharedRuns, tmp_path:
         _check_fuzz(result, argv)
     elif family(argv) == "study":
         _check_study(result, argv)
+    elif family(argv) in ("compare", "report"):
+        _check_verdict(result, argv)
     else:
         assert result.returncode == 0, result.explain()
     missing = [p for p in outputs(argv) if not (result.cwd / p).is_file()]
