@@ -175,8 +175,7 @@ def test_only_rank_zero_decides_how_a_run_starts(
     assert _launched_rank() is launched
 
 
-
-def test_a_library_train_with_another_jobs_hydra_config_in_the_process_writes_no_record(tmp_path: Path) -> None:
+def test_a_library_train_with_another_jobs_hydra_config_writes_no_record(tmp_path: Path) -> None:
     """A Hydra job's config left in the process (Hydra sets it for a job and clears it after; a job that
     ends abnormally can leave it) is not a later ``train(compose(...))``'s: that run writes no
     ``.hydra/`` record, where it wrote the other job's config and overrides."""
