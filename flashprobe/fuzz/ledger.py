@@ -44,6 +44,7 @@ import tomllib
 import torch
 import yaml
 
+from flashprobe.errors import FlashprobeError
 from flashprobe.fuzz.cases import CATALOGUE, PROPERTIES
 from flashprobe.kernels import KernelSpecError, available_kernels, get_kernel
 
@@ -82,7 +83,7 @@ _LINK = re.compile(r"^(https?://\S+|[\w./-]+\.md(#[\w.-]+)?)$")
 _RAN = ("pass", "fail", "no_backward")
 
 
-class LedgerError(ValueError):
+class LedgerError(FlashprobeError, ValueError):
     """A ledger file is unusable; the message names the file, the line and the fix."""
 
 
