@@ -17,7 +17,15 @@ from .test_docs import DOCS
 #: task guides: the most lines each may have (issue 55's floor for docs/probe.md)
 LINE_LIMITS = {"docs/probe.md": 600}
 #: pages that open with a contents list linking every one of their ``##`` sections
-WITH_CONTENTS = ("docs/probe.md", "docs/integrations.md", "docs/calibration.md")
+WITH_CONTENTS = (
+    "docs/probe.md",
+    "docs/integrations.md",
+    "docs/calibration.md",
+    "docs/microbenchmark.md",
+    "docs/study.md",
+    "docs/training.md",
+    "docs/weights.md",
+)
 
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
