@@ -12,6 +12,8 @@ verdict. ``__all__`` lists the names of its tasks:
 * bring a kernel: :func:`register_kernel` with its :class:`KernelCapabilities`, :func:`get_kernel`,
   :func:`available_kernels`, the references :func:`math_attention` and :func:`golden_attention`, and
   the errors a kernel raises or is refused with;
+* catch flashprobe's errors: every one derives from :class:`FlashprobeError` (and keeps its built-in
+  class: a bad kernel spec is also a ``ValueError``);
 * compare the weights of runs: :func:`save_snapshot`, :class:`SnapshotStore`, :func:`compare_runs`.
 
 The names are imported on first use, so ``import flashprobe.kernels`` (and ``flashprobe --help``)
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from flashprobe.deviation import Deviation, error_ratio
+    from flashprobe.errors import FlashprobeError
     from flashprobe.fuzz.check import KernelCheck, check_kernel
     from flashprobe.kernels import (
         Kernel,
@@ -80,6 +83,7 @@ _PUBLIC: dict[str, str] = {
         "flashprobe.weights",
     ),
     **dict.fromkeys(("Deviation", "error_ratio"), "flashprobe.deviation"),
+    "FlashprobeError": "flashprobe.errors",
 }
 
 
@@ -126,5 +130,7 @@ __all__ = [  # noqa: RUF022  (grouped by task, not sorted)
     # the deviation statistics
     "Deviation",
     "error_ratio",
+    # every error flashprobe raises on purpose derives from it
+    "FlashprobeError",
     "__version__",
 ]

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from flashprobe.errors import FlashprobeError
 from flashprobe.formats.atomic import DiskFullError
 
 __all__ = ["main"]
@@ -98,9 +99,12 @@ def _dispatch(
     module, _, func = table[name][0].partition(":")
     try:
         return int(getattr(importlib.import_module(module), func)(rest) or 0)
-    except DiskFullError as err:  # any command's atomic write on a full disk: one line, nothing torn
-        print(f"{prog} {name}: error: {err}", file=sys.stderr)
-        return 1
+    except FlashprobeError as err:  # flashprobe's own refusal, wherever raised: one line, no traceback
+        from flashprobe.formats.paths import printable
+
+        message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        print(printable(f"{prog} {name}: error: {message}"), file=sys.stderr)
+        return 1 if isinstance(err, DiskFullError) else 2  # a full disk: nothing torn, run it again
 
 
 def _compiles_on_first_call(kernel: Any) -> bool:
@@ -111,13 +115,43 @@ def _compiles_on_first_call(kernel: Any) -> bool:
     return parameter is not None and kernel.options.get("compile", parameter.default) is True
 
 
+def _availability(name: str, device: str, *, call: bool) -> Any:
+    """:func:`~flashprobe.kernels.kernel_availability` with the tiny call posed in the kernel's own api
+    (:func:`flashprobe.fuzz.contract_cases.tiny_call`: a packed call to a varlen kernel, a KV cache,
+    a merge), at the lengths and head dim it declares, and with FP8 inputs where it declares
+    ``float8_e4m3fn``."""
+    import torch
+
+    from flashprobe.fuzz.contract_cases import short_dtype, tiny_call
+    from flashprobe.kernels import KernelUnavailableError, get_kernel
+    from flashprobe.kernels.registry import KernelAvailability
+
+    kernel = get_kernel(name)
+    dtypes = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
+    dtypes += [torch.float8_e4m3fn] if torch.float8_e4m3fn in (kernel.capabilities.dtypes or ()) else []
+    ran: list[str] = []
+    reasons: dict[str, str] = {}
+    for dtype in dtypes:
+        try:
+            kernel.check(torch.device(device), dtype)
+            if call:
+                kernel.run(tiny_call(kernel.api, kernel.capabilities, dtype, device))
+        except Exception as err:  # any failure means "not here"; its message says why
+            unavailable = isinstance(err, KernelUnavailableError)
+            reasons[short_dtype(dtype)] = str(err) if unavailable else f"{type(err).__name__}: {err}"
+        else:
+            ran.append(short_dtype(dtype))
+    return KernelAvailability(kernel.spec, device, tuple(ran), reasons, called=call)
+
+
 def list_kernels(argv: Sequence[str]) -> int:
     """``flashprobe kernels``: every registered kernel, its options and whether it runs here.
 
     Each kernel is tried on the CPU (and on CUDA when torch sees a GPU) at bf16, fp16, fp32 and
-    fp64 with its declared check and one tiny call; a kernel whose first call compiles (a
-    ``compile`` option that is on) gets only its check unless ``--try`` is given, so the listing
-    takes seconds. A kernel that cannot run says why.
+    fp64 (and e4m3 where it declares FP8 inputs) with its declared check and one tiny call in its own
+    api (``flash_attn_varlen_func``, ...: named under it), at the lengths it declares; a kernel
+    whose first call compiles (a ``compile`` option that is on) gets only its check unless ``--try``
+    is given, so the listing takes seconds. A kernel that cannot run says why.
     """
     import argparse
 
@@ -128,7 +162,6 @@ def list_kernels(argv: Sequence[str]) -> int:
         add_import_option,
         get_kernel,
         import_kernel_modules,
-        kernel_availability,
         list_kernels,
     )
 
@@ -156,10 +189,12 @@ def list_kernels(argv: Sequence[str]) -> int:
     runnable: dict[str, list[str]] = {d: [] for d in devices}
     unchecked: dict[str, list[str]] = {d: [] for d in devices}
     for info in list_kernels():
-        print(f"{info.name:<15} {info.description}\n{'':<15} options: {', '.join(info.options) or '-'}")
-        call = args.try_all or not _compiles_on_first_call(get_kernel(info.name))
+        kernel = get_kernel(info.name)
+        api = f"\n{'':<15} api: {kernel.api}" if kernel.api != "sdpa" else ""
+        print(f"{info.name:<15} {info.description}\n{'':<15} options: {', '.join(info.options) or '-'}{api}")
+        call = args.try_all or not _compiles_on_first_call(kernel)
         for device in devices:
-            found = kernel_availability(info.name, device, call=call)
+            found = _availability(info.name, device, call=call)
             if found.available:
                 runnable[device].append(info.name)
                 if not found.called:

@@ -75,6 +75,18 @@ fails the row criterion: docs/fuzz.md "The `paper` preset's failures, step by st
 1. Gradients get twice the output's limits because ``dS = P∘(dP − rowsum(dO·O))`` cancels: their
 errors are a few times the output's for every correct kernel.
 
+**The LSE** (``lse``, a direction of its own: :func:`judge_lse`, from :func:`lse_statistics` on the
+device) is judged row by row in the base the kernel declares, against the golden's LSE and the
+same-dtype baseline's (both from :func:`flashprobe.kernels.math.call_reference`): a row that sees no
+key must hold exactly the empty-row value (``−inf`` in the logical form, or the kernel's declared
+``KernelCapabilities.empty_lse`` for its own LSE: ``empty_row``), a row that sees keys a finite value
+(``nonfinite``), within ``max(`` :data:`LSE_RELATIVE_LIMIT` ``× the baseline's worst row error, the
+floor)`` of the golden (``lse``), the floor :data:`LSE_ABSOLUTE_EPS` ``· resolution(dtype)`` and at least
+``4·eps₃₂·|golden|`` (an LSE is stored in float32 at least: a base conversion or an exp2 kernel's
+``s·log2(e)`` rounds it so). An LSE error is a relative error of the row's softmax denominator: a base-2
+LSE read as natural, a missing scale or sink, ALiBi added at another anchor, an LSE converted twice
+are off by far more than any rounding.
+
 **FP8.** A kernel that rounds its operands to an FP8 format (Q, K, V or P; it says so in
 ``KernelCapabilities.fp8``) is as correct as a correct FP8 kernel when it is within these criteria
 against the **FP8 baseline** ``math:fp8=<format>`` — Q, K and V rounded to the format with one amax
@@ -143,6 +155,10 @@ __all__ = [
     "FP8_DRAWS",
     "GROSS_RATIO",
     "LIMITS",
+    "LSE_ABSOLUTE_EPS",
+    "LSE_CRITERIA",
+    "LSE_RELATIVE_LIMIT",
+    "LSE_STATISTICS",
     "RELATIVE_LIMITS",
     "ROW_EPS",
     "ROW_RATIO",
@@ -161,8 +177,10 @@ __all__ = [
     "judge",
     "judge_bias",
     "judge_errors",
+    "judge_lse",
     "judge_tensors",
     "limits",
+    "lse_statistics",
     "noise_statistics",
     "reason",
     "resolution",
@@ -326,7 +344,13 @@ def _row_errors(norms: torch.Tensor, golden: torch.Tensor) -> torch.Tensor:
 #: (over the finite pairs), the primary's non-finite positions beyond the baseline's, and the
 #: :func:`row_statistics`.
 ERROR_COLUMNS: tuple[str, ...] = (
-    "primary_sq", "baseline_sq", "golden_sq", "extra_nonfinite", "row", "baseline_row", "golden_max"
+    "primary_sq",
+    "baseline_sq",
+    "golden_sq",
+    "extra_nonfinite",
+    "row",
+    "baseline_row",
+    "golden_max",
 )
 
 
@@ -448,8 +472,14 @@ def decide(
         (relative, values.gather(1, most)[:, 0], baseline, absolute, extra, golden_max), dim=1
     )
     bound = torch.stack(
-        (limit[:, 0], bounds.gather(1, most)[:, 0], const.cond.expand(k), abs_limit, const.zero.expand(k),
-         const.finite_max.expand(k)),
+        (
+            limit[:, 0],
+            bounds.gather(1, most)[:, 0],
+            const.cond.expand(k),
+            abs_limit,
+            const.zero.expand(k),
+            const.finite_max.expand(k),
+        ),
         dim=1,
     )
     at = pick[:, None]
@@ -583,7 +613,12 @@ def judge_bias(entry: Mapping[str, Any], direction: str = "out") -> Judgement:
         text = f"signed bias z = {z:+.3g} (|z| limit {limit:g}); {detail}"
     criterion = "biased" if verdict == "fail" else None
     return Judgement(
-        verdict=verdict, criterion=criterion, value=z, limit=limit, reason=text, limit_ratio=abs(z) / limit,
+        verdict=verdict,
+        criterion=criterion,
+        value=z,
+        limit=limit,
+        reason=text,
+        limit_ratio=abs(z) / limit,
         **dict.fromkeys(STATISTICS[1:], 0.0),  # absolute, baseline, relative, row
     )
 
@@ -692,3 +727,109 @@ def fp8_realisations(baseline: str | Kernel) -> list[str]:
 def code_name(code: float) -> str | None:
     """The :data:`CRITERIA` name of a stored code (None for 0)."""
     return CRITERIA.get(int(code))
+
+
+#: The LSE's limit: this many times the same-dtype baseline's worst row error (:func:`judge_lse`).
+LSE_RELATIVE_LIMIT: float = 8.0
+#: The LSE's floor in units of :func:`resolution` (bf16 0.031, fp16 0.0039, float32 6e-5).
+LSE_ABSOLUTE_EPS: float = 4.0
+#: The criteria of the ``lse`` direction: infinities where the golden is finite, a row without keys
+#: not holding the empty-row value, a value off the golden, a golden beyond float32 (undetermined).
+LSE_CRITERIA: tuple[str, ...] = ("nonfinite", "empty_row", "lse", "unrepresentable")
+#: :func:`lse_statistics`' entries, in order
+LSE_STATISTICS: tuple[str, ...] = (
+    "limit_ratio", "absolute", "baseline", "nonfinite", "empty_row", "golden_max"
+)  # fmt: skip
+
+
+def lse_statistics(
+    primary: torch.Tensor,
+    baseline: torch.Tensor,
+    golden: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    empty: float = float("-inf"),
+) -> torch.Tensor:
+    """One call's LSE statistics, on the device (no host read).
+
+    Args:
+        primary: ``(B, H, N_q)`` (any shape) the kernel's LSE, in the golden's base.
+        baseline: the same-dtype baseline's, as many elements.
+        golden: the FP64 golden's (``−inf`` for a row that sees no key).
+        dtype: the dtype of the call's inputs (the floor's resolution).
+        empty: the value a row without keys must hold: ``−inf`` (the logical form) or a kernel's
+            declared ``empty_lse`` (``+inf`` for flash-attn 2).
+
+    Returns:
+        ``(6,)`` float64 :data:`LSE_STATISTICS`: the worst row's ``|primary − golden| / limit``, the
+        worst ``|primary − golden|`` and ``|baseline − golden|`` (over the rows the golden sees keys
+        in), the rows with keys where the primary is not finite, the rows without keys where it is
+        not ``empty``, and the golden's largest finite magnitude.
+    """
+    p, b, g = (t.detach().reshape(-1).to(torch.float64) for t in (primary, baseline, golden))
+    seen = torch.isfinite(g)
+    zero = torch.zeros((), dtype=torch.float64, device=g.device)
+    err = torch.where(seen & torch.isfinite(p), (p - g).abs(), zero)
+    base = torch.where(seen & torch.isfinite(b), (b - g).abs(), zero)
+    base_max = base.amax() if base.numel() else zero
+    magnitude = torch.where(seen, g.abs(), zero)
+    eps32 = float(torch.finfo(torch.float32).eps)
+    floor = (4.0 * eps32 * magnitude).clamp(min=LSE_ABSOLUTE_EPS * resolution(dtype))
+    limit = torch.maximum(LSE_RELATIVE_LIMIT * base_max, floor)
+    ratio = (err / limit).amax() if err.numel() else zero
+    nonfinite = (seen & ~torch.isfinite(p)).sum().to(torch.float64)
+    empty_rows = (~seen & (p != empty)).sum().to(torch.float64)  # (NaN != anything)
+    return torch.stack(
+        (ratio, err.amax() if err.numel() else zero, base_max, nonfinite, empty_rows,
+         magnitude.amax() if magnitude.numel() else zero)
+    )  # fmt: skip
+
+
+def judge_lse(
+    primary: torch.Tensor,
+    baseline: torch.Tensor,
+    golden: torch.Tensor,
+    *,
+    dtype: torch.dtype,
+    empty: float = float("-inf"),
+) -> Judgement:
+    """The ``lse`` direction's verdict on one call (one host read): :func:`lse_statistics` read by
+    the criteria of :data:`LSE_CRITERIA`, in that order (module docstring, "The LSE").
+
+    Args:
+        primary, baseline, golden, dtype, empty: as :func:`lse_statistics`.
+
+    Returns:
+        The :class:`Judgement`: ``fail`` (``nonfinite``, ``empty_row`` or ``lse``), ``undetermined``
+        (``unrepresentable``: a golden LSE beyond float32's range) or ``pass``; ``limit_ratio`` the
+        worst row's error over its limit, ``absolute`` and ``baseline`` the worst ``|x − golden|``,
+        ``relative`` their ratio, ``row`` 0.
+    """
+    ratio, err, base, nonfinite, empty_rows, golden_max = lse_statistics(
+        primary, baseline, golden, dtype, empty=empty
+    ).tolist()
+    relative = err / base if base > 0 else (0.0 if err == 0 else float("inf"))
+    stats = {"limit_ratio": ratio, "absolute": err, "baseline": base, "relative": relative, "row": 0.0}
+    f32_max = float(torch.finfo(torch.float32).max)
+    if nonfinite:
+        criterion, value, limit = "nonfinite", nonfinite, 0.0
+        text = f"LSE non-finite in {int(nonfinite)} row(s) that see keys, where the FP64 golden is finite"
+    elif empty_rows:
+        criterion, value, limit = "empty_row", empty_rows, 0.0
+        text = f"LSE of {int(empty_rows)} row(s) that see no key is not {empty}, the declared empty-row value"
+    elif golden_max > f32_max:
+        criterion, value, limit = "unrepresentable", golden_max, f32_max
+        text = f"the FP64 golden LSE reaches {golden_max:.3g}, beyond float32 (undetermined)"
+    elif ratio > 1.0:
+        criterion, value, limit = "lse", ratio, 1.0
+        text = (
+            f"LSE off the golden by up to {err:.3g} (the same-dtype baseline by {base:.3g}): "
+            f"{ratio:.3g}x its limit (max({LSE_RELATIVE_LIMIT:g}x the baseline's, the floor))"
+        )
+    else:
+        return Judgement(
+            verdict="pass", criterion=None, value=ratio, limit=1.0, **stats,
+            reason=f"LSE error / limit {ratio:.3g} (off the golden by {err:.3g}, the baseline by {base:.3g})",
+        )  # fmt: skip
+    verdict = "undetermined" if criterion == "unrepresentable" else "fail"
+    return Judgement(verdict=verdict, criterion=criterion, value=value, limit=limit, reason=text, **stats)

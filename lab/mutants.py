@@ -44,23 +44,32 @@ cases.
 
 from __future__ import annotations
 
+import functools
+import itertools
+import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 
 from flashprobe.kernels import KernelCapabilities, default_scale, math_attention, register_kernel
 from flashprobe.kernels.flash_form import FlashForm, FlashFormCall, flash_form_attention
+from lab import contracts
 
 __all__ = [
+    "CONTRACT_MUTANTS",
     "CORRECT",
+    "CORRECT_CONTRACTS",
     "DIRECTIONS",
     "MUTANTS",
     "TRITON_LIKE",
+    "TRITON_LIKE_64",
     "Case",
     "Catch",
+    "ContractMutant",
     "Mutant",
+    "blockwise_64",
     "blockwise_attention",
     "correct_flash",
     "delta_dropped",
@@ -601,6 +610,8 @@ def blockwise_attention(
     is_causal: bool = False,
     scale: float | None = None,
     first_block_nan: bool = False,
+    block: int = TILE,
+    tail_mask_ignored: bool = False,
 ) -> torch.Tensor:
     """Online-softmax attention over key blocks of 128 in fp32 (differentiable by autograd), written
     the way Triton kernels are; registered with :data:`TRITON_LIKE` limits.
@@ -611,6 +622,8 @@ def blockwise_attention(
         is_causal: top-left causal mask.
         scale: the softmax scale (``1/sqrt(D)`` when None).
         first_block_nan: the bug of :func:`first_block_nan`.
+        block: keys per block (64: the kernel of :data:`TRITON_LIKE_64`).
+        tail_mask_ignored: the bug of :func:`tail_tile_mask`.
 
     Returns:
         ``(B, H, N_q, D_v)`` in q's dtype; 0 for rows that see no key.
@@ -618,21 +631,26 @@ def blockwise_attention(
     scale = default_scale(q.shape[-1], scale)
     k, v = _expand_kv(k, v, q.shape[1])
     valid = _allowed(q, k, attn_mask, is_causal)
+    if tail_mask_ignored:  # the last block sees every key below N_k: only causality is applied there
+        last = (k.shape[2] - 1) // block * block
+        bounds = _allowed(q, k, None, is_causal)  # (N_q, N_k)
+        shape = torch.broadcast_shapes(valid.shape, bounds.shape)
+        valid = torch.cat([valid.expand(shape)[..., :last], bounds.expand(shape)[..., last:]], dim=-1)
     q32, k32, v32 = q.float(), k.float(), v.float()
     shape = (*q.shape[:3], 1)
     m = q32.new_full(shape, _NEG_INF)
     total = q32.new_zeros(shape)
     acc = q32.new_zeros(*q.shape[:3], v.shape[-1])
-    for j in range(0, k.shape[2], TILE):
-        s = (q32 @ k32[:, :, j : j + TILE].transpose(-2, -1)) * scale
-        s = s.masked_fill(~valid[..., j : j + TILE], _NEG_INF)
+    for j in range(0, k.shape[2], block):
+        s = (q32 @ k32[:, :, j : j + block].transpose(-2, -1)) * scale
+        s = s.masked_fill(~valid[..., j : j + block], _NEG_INF)
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         if not first_block_nan:  # a block whose keys are all masked so far: subtract 0, not -inf
             m_new = torch.where(torch.isneginf(m_new), 0.0, m_new)
         p = torch.exp(s - m_new)
         alpha = torch.exp(m - m_new)
         total = total * alpha + p.sum(-1, keepdim=True)
-        acc = acc * alpha + p @ v32[:, :, j : j + TILE]
+        acc = acc * alpha + p @ v32[:, :, j : j + block]
         m = m_new
     return (acc / torch.where(total == 0, 1.0, total)).to(q.dtype)
 
@@ -646,6 +664,46 @@ def first_block_nan(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
     return blockwise_attention(
         q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, first_block_nan=True
     )
+
+
+#: :data:`TRITON_LIKE` with key blocks of 64 and cross-attention lengths (the kernel of
+#: :func:`blockwise_64` and :func:`tail_tile_mask`)
+TRITON_LIKE_64 = KernelCapabilities(
+    masks=frozenset({"causal", "key_padding"}),
+    seq_multiple=64,
+    backward_masks=frozenset({"causal"}),
+    head_dims=frozenset({32, 64, 128}),
+)
+
+
+def blockwise_64(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """:func:`blockwise_attention` over key blocks of 64 (correct; :data:`TRITON_LIKE_64` limits)."""
+    return blockwise_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, block=64)
+
+
+def tail_tile_mask(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: the padding mask not applied in the last key tile (the tail tile bounded by ``N_k``
+    alone, as a kernel that masks its last tile by the sequence's end and not by the mask does).
+
+    Trigger: a key-padding mask that cuts the last tile of 64 keys (a partial tile within the
+    kernel's multiple). Quiet without a mask, or where the last tile is whole and valid.
+    """
+    options = {"block": 64, "tail_mask_ignored": True}
+    return blockwise_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, **options)
+
+
+def k_strides_from_v(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """Bug class: k's pointers built from v's strides (FlagAttention's forward, found by issue 54).
+
+    Trigger: k and v with different strides (k contiguous, v a transposed ``(B, N, H, D)`` view).
+    Quiet where they share their strides (both contiguous, both views of one fused projection).
+    """
+    if k.stride() != v.stride():
+        last = sum((n - 1) * st for n, st in zip(k.shape, v.stride(), strict=True))  # farthest element read
+        if k.untyped_storage().nbytes() < (k.storage_offset() + last + 1) * k.element_size():
+            raise RuntimeError("out-of-bounds read: k read with v's strides")
+        k = torch.as_strided(k, k.shape, v.stride(), k.storage_offset())
+    return _forward_bug(q, k, v, attn_mask, is_causal, scale)
 
 
 # --- the backward bugs: the flash form (flashprobe.kernels.flash_form) with one step changed ---
@@ -1252,6 +1310,15 @@ MUTANTS: dict[str, Mutant] = {
             capabilities=TRITON_LIKE,
         ),
         Mutant(
+            "tail_tile_mask", tail_tile_mask, "padding mask ignored in the last key tile", OUT,
+            "a key-padding mask that cuts the last tile of 64 keys",
+            catches=(Catch("odd_shapes"), Catch("keys_mod128_64")), capabilities=TRITON_LIKE_64,
+        ),
+        Mutant(
+            "k_strides_from_v", k_strides_from_v, "k read with v's strides (FlagAttention)", OUT,
+            "k and v with different strides", catches=(Catch("layout_kv_strides"),),
+        ),
+        Mutant(
             "tail_reader", tail_reader, "unmasked loads of a tail tile: 0 × NaN", OUT,
             "N_k % 128 != 0, NaN stored past k/v", catches=(Catch("poisoned_nan", failure="nonfinite"),),
         ),
@@ -1341,14 +1408,258 @@ MUTANTS: dict[str, Mutant] = {
 }  # fmt: skip
 
 
+# ---- the contract apis: one planted bug per field-bug class, a step of a correct stand-in overridden
+
+
+class _SoftcapExp(contracts.FlashAttn):
+    def cap(self, s, softcap):  # tanh through exp: inf / inf once |s / cap| > 44 (vllm 56578)
+        e = torch.exp(2.0 * s / softcap)
+        return softcap * (e - 1.0) / (e + 1.0)
+
+
+class _WindowSymmetric(contracts.FlashAttn):
+    def keep(self, dist, causal, window):  # (left, left) where the api says (left, right) (vllm PR 49202)
+        return super().keep(dist, causal, (window[0], window[0]))
+
+
+class _AlibiTopLeft(contracts.FlashAttn):
+    def alibi(self, slopes, n_q, n_k):  # |j − i|: anchored top-left when N_q != N_k
+        d = (
+            torch.arange(n_k, device=slopes.device)[None, :]
+            - torch.arange(n_q, device=slopes.device)[:, None]
+        )
+        return -slopes.view(-1, 1, 1) * d.abs()
+
+
+class _GqaQueryHead(contracts.FlashAttn):
+    def kv_heads(self, h, h_kv, device):  # K/V indexed h % H_kv (LMCache PR 3092)
+        return torch.arange(h, device=device) % h_kv
+
+
+class _TailTileDropped(contracts.FlashAttn):
+    tile = 128
+
+    def keep(self, dist, causal, window):  # keys past the last whole tile of 128 ignored (pytorch 159247)
+        keep = super().keep(dist, causal, window)
+        n_k = dist.shape[1]
+        if n_k > self.tile and n_k % self.tile:
+            keep = keep.clone()
+            keep[:, n_k // self.tile * self.tile :] = False
+        return keep
+
+
+class _TileTransposed(contracts.FlashAttn):
+    def store(self, out, dtype):  # the first 16 x 16 output tile stored transposed (flash-attention PR 2553)
+        out = out.to(dtype).clone()
+        if out.dim() == 4 and out.shape[1] >= 16 and out.shape[3] >= 16:
+            out[:, :16, 0, :16] = out[:, :16, 0, :16].transpose(1, 2).clone()
+        return out
+
+
+class _AlibiLseShift(contracts.FlashAttn):
+    def attend(self, q, k, v, *, scale, causal, window, softcap, slopes, sink=None, base2=False, wide=False):
+        out, lse = super().attend(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap,
+                                  slopes=slopes, sink=sink, base2=base2, wide=wide)  # fmt: skip
+        if causal and slopes is not None and tuple(window) == (-1, -1):  # the bias as +slope·j: LSE shifted
+            rows = torch.arange(q.shape[0], device=q.device) + (k.shape[0] - q.shape[0])
+            lse = lse + slopes.to(lse.dtype)[:, None] * rows[None, :]
+        return out, lse
+
+
+class _EmptyReadsNeighbour(contracts.FlashAttn):
+    def keys_of(self, k, seqs, b):  # a sequence without keys reads its neighbour's (sglang PR 22688)
+        a, z = seqs[b]
+        if a == z and b > 0:
+            a, z = seqs[b - 1]
+        return k[a:z]
+
+
+class _EmptyRowsUnwritten(contracts.FlashAttn):
+    def write(self, given, out, seq_q, seq_k):  # rows of sequences without keys never written
+        for (qa, qz), (ka, kz) in zip(seq_q, seq_k, strict=True):
+            if kz > ka:
+                given[qa:qz] = out[qa:qz]
+        return given
+
+
+class _PagesPast128(contracts.FlashAttn):
+    def page_keys(self, pages, row, n):  # a page's row j read as j % 128 (flashinfer 4347)
+        page = pages.shape[1]
+        if page <= 128 or not n:
+            return super().page_keys(pages, row, n)
+        j = torch.arange(n, device=pages.device)
+        return pages[row.long()[j // page], j % page % 128]
+
+
+class _CuSeqlensUnchecked(contracts.FlashAttn):
+    def sequences(self, cu, total, name):  # offsets taken as given: reject or correct
+        return list(itertools.pairwise(cu.tolist()))
+
+
+class _SplitScratch(contracts.FlashAttn):
+    def chunk(self, q, keys, values, a, z, keep, dist, scale, softcap, slopes):
+        if z > a:  # an empty split merged from uninitialised scratch (vllm PR 47188)
+            return super().chunk(q, keys, values, a, z, keep, dist, scale, softcap, slopes)
+        n_q, h = q.shape[0], q.shape[1]
+        return q.new_full((n_q, h, values.shape[-1]), float("nan")).float(), q.new_zeros(h, n_q).float()
+
+
+class _CacheNotWritten(contracts.FlashAttn):
+    def append(self, k_cache, v_cache, k, v, b, slots):  # new keys used, never written into the cache
+        return None
+
+
+class _MergeNaturalLog(contracts.MergeState):
+    def weights(self, s_a, s_b):  # base-2 LSEs merged as natural logs (sglang issue 40903)
+        s_max = torch.maximum(s_a, s_b)
+        s_safe = torch.where(torch.isinf(s_max), 0.0, s_max)
+        return torch.exp(s_a - s_safe), torch.exp(s_b - s_safe), s_safe
+
+    def lse(self, total, s_safe):
+        return torch.where(total > 0, torch.log(torch.where(total > 0, total, 1.0)) + s_safe, float("-inf"))
+
+
+class _MergeEmptyNan(contracts.MergeState):
+    def weights(self, s_a, s_b):  # no guard: two empty states give −inf − (−inf) = NaN (vllm 27491)
+        s_max = torch.maximum(s_a, s_b)
+        return torch.exp2(s_a - s_max), torch.exp2(s_b - s_max), s_max
+
+
+class _MergeLseTwice(contracts.MergeState):
+    def lse(self, total, s_safe):  # the base-2 LSE converted to base 2 once more (flashinfer 4663)
+        return super().lse(total, s_safe) * math.log2(math.e)
+
+
+class _Fp8NoPrescale(contracts.FA3PCast):
+    p_prescale = 1.0  # P cast to E4M3 as it is: the diffuse mass underflows (flashinfer PR 5020)
+
+
+class _Fp8StaleMax(contracts.FA3PCast):
+    def new_max(self, m, tile_max):  # a stale max kept until the new one is 4 above it (flash-attention 2716)
+        return torch.where(tile_max > m + 4.0, tile_max, m)
+
+
+@dataclass(frozen=True)
+class ContractMutant:
+    """One planted bug of a contract api: a correct stand-in of :mod:`lab.contracts` with one step
+    overridden.
+
+    Attributes:
+        name: registered as ``bug_<name>``.
+        fn: the kernel, with the real library's signature.
+        api: its contract.
+        bug: the bug class, as the field reported it.
+        catches: the contract cases (:data:`flashprobe.fuzz.contract_cases.CONTRACT_CASES`) that must
+            fail it, at ``dtype``.
+        capabilities: what it declares (its stand-in's).
+        dtype: ``fp32``, ``bf16``, ``fp16`` or ``e4m3``.
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    api: str
+    bug: str
+    catches: tuple[str, ...]
+    capabilities: KernelCapabilities
+    dtype: str = "fp32"
+
+
+_CAPS = contracts.CAPABILITIES
+_FUNC, _VARLEN, _CACHE = "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"
+_OUT_VARLEN = replace(_CAPS[_VARLEN], preallocated_out=True)
+
+#: The planted bugs of the contract apis, by name: one per field-bug class of 2025–26.
+CONTRACT_MUTANTS: dict[str, ContractMutant] = {
+    m.name: m
+    for m in (
+        ContractMutant("softcap_exp", _SoftcapExp().flash_attn_func, _FUNC, "softcap through exp: NaN past "
+                       "|s/cap| ≈ 44", ("softcap_past_88",), _CAPS[_FUNC]),
+        ContractMutant("window_symmetric", _WindowSymmetric().flash_attn_func, _FUNC, "window (left, left) "
+                       "for (left, right)", ("window_left_gt_right", "window_right_gt_left"), _CAPS[_FUNC]),
+        ContractMutant("alibi_top_left", _AlibiTopLeft().flash_attn_func, _FUNC,
+                       "ALiBi anchored top-left when N_q != N_k",
+                       ("alibi_nq_lt_nk", "alibi_nq_gt_nk"), _CAPS[_FUNC]),
+        ContractMutant("gqa_query_head", _GqaQueryHead().flash_attn_func, _FUNC, "K/V indexed by the query "
+                       "head modulo H_kv", ("contract_dense", "contract_gqa4"), _CAPS[_FUNC]),
+        ContractMutant("tail_tile_dropped", _TailTileDropped().flash_attn_func, _FUNC,
+                       "keys past the last whole tile of 128 ignored",
+                       ("tail_tile_200", "tail_tile_130_causal"), _CAPS[_FUNC]),
+        ContractMutant("tile_transposed", _TileTransposed().flash_attn_func, _FUNC, "an output tile stored "
+                       "transposed (its norm unchanged)", ("contract_dense",), _CAPS[_FUNC], "bf16"),
+        ContractMutant("alibi_lse_shift", _AlibiLseShift().flash_attn_func, _FUNC,
+                       "causal + ALiBi: LSE larger by slope·(i + N_k − N_q), output right",
+                       ("alibi_causal_cross",), _CAPS[_FUNC]),
+        ContractMutant("empty_reads_neighbour", _EmptyReadsNeighbour().flash_attn_varlen_func, _VARLEN,
+                       "a sequence without keys reads its neighbour's", ("empty_keys_in_batch",),
+                       _CAPS[_VARLEN]),
+        ContractMutant("empty_rows_unwritten", _EmptyRowsUnwritten().flash_attn_varlen_func, _VARLEN,
+                       "out= rows of sequences without keys never written", ("out_poisoned_ragged",),
+                       _OUT_VARLEN),
+        ContractMutant("pages_past_128", _PagesPast128().flash_attn_varlen_func, _VARLEN,
+                       "pages of more than "
+                       "128 keys read modulo 128", ("paged_256",), _CAPS[_VARLEN]),
+        ContractMutant("cu_seqlens_unchecked", _CuSeqlensUnchecked().flash_attn_varlen_func, _VARLEN,
+                       "cu_seqlens not checked: a bad call accepted",
+                       ("refuse_cu_seqlens_decreasing", "refuse_cu_seqlens_past_total"), _CAPS[_VARLEN]),
+        ContractMutant("split_scratch", _SplitScratch().flash_attn_with_kvcache, _CACHE, "an empty split "
+                       "merged from uninitialised scratch", ("length_one_key", "empty_cache_in_batch"),
+                       _CAPS[_CACHE]),
+        ContractMutant("cache_not_written", _CacheNotWritten().flash_attn_with_kvcache, _CACHE,
+                       "appended keys never written into the cache", ("cache_append",), _CAPS[_CACHE]),
+        ContractMutant("merge_natural_log", _MergeNaturalLog().merge_state, "merge_state",
+                       "base-2 LSEs merged as natural logs", ("merge_halves",), _CAPS["merge_state"]),
+        ContractMutant("merge_empty_nan", _MergeEmptyNan().merge_state, "merge_state", "an empty partial's "
+                       "−inf LSE turns the merge into NaN", ("merge_rows_without_keys",),
+                       _CAPS["merge_state"]),
+        ContractMutant("merge_lse_twice", _MergeLseTwice().merge_state, "merge_state", "the merged LSE "
+                       "converted twice", ("merge_halves",), _CAPS["merge_state"]),
+        ContractMutant("fp8_no_prescale", _Fp8NoPrescale().flash_attn_func, _FUNC, "P cast to E4M3 without "
+                       "the 2^8 prescale", ("fp8_pcast_fixture",), _CAPS["fa3_pcast"], "e4m3"),
+        ContractMutant("fp8_stale_max", _Fp8StaleMax().flash_attn_func, _FUNC,
+                       "a stale max kept until it grows by 4: P·2^8 saturates E4M3",
+                       ("fp8_pcast_fixture",), _CAPS["fa3_pcast"], "e4m3"),
+    )
+}  # fmt: skip
+
+#: Correct kernels of the contract apis, each computed differently from the golden: online softmax over
+#: tiles, exp2 with a base-2 LSE converted on return, split-KV with a merge through LSEs, a base-2
+#: merge, FP8 with P prescaled by 2^8 before its cast: name → (function, api, capabilities).
+CORRECT_CONTRACTS: dict[str, tuple[Callable[..., Any], str, KernelCapabilities]] = {
+    "online_tiles": (contracts.flash_attn_func, _FUNC, _CAPS[_FUNC]),
+    "exp2_varlen": (contracts.flash_attn_varlen_func, _VARLEN, _OUT_VARLEN),
+    "split_kv": (contracts.flash_attn_with_kvcache, _CACHE, _CAPS[_CACHE]),
+    "merge_base2": (contracts.merge_state, "merge_state", _CAPS["merge_state"]),
+    "fp8_prescale": (contracts.fa3_pcast_flash_attn_func, _FUNC, _CAPS["fa3_pcast"]),
+}
+
+
+def _here(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as a function of this module (its signature kept), so a reproducer's script imports
+    ``lab.mutants``, which registers it, and not :mod:`lab.contracts`, where its steps live."""
+    if getattr(fn, "__module__", None) == __name__:
+        return fn
+
+    @functools.wraps(fn)
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    kernel.__module__ = __name__
+    return kernel
+
+
 def register_mutants() -> list[str]:
     """Register every mutant as ``bug_<name>``, :func:`correct_flash` as ``bug_none`` and the
     :data:`CORRECT` kernels as ``ok_<name>`` (replacing earlier registrations); returns the names."""
-    kernels = [(f"bug_{m.name}", m.fn, m.capabilities) for m in MUTANTS.values()]
-    kernels += [("bug_none", correct_flash, None), *((f"ok_{n}", fn, None) for n, fn in CORRECT.items())]
-    for name, fn, capabilities in kernels:
-        register_kernel(name, fn, capabilities=capabilities, overwrite=True)
-    return [name for name, _, _ in kernels]
+    kernels = [(f"bug_{m.name}", m.fn, m.capabilities, "sdpa") for m in MUTANTS.values()]
+    kernels += [
+        ("bug_none", correct_flash, None, "sdpa"),
+        *((f"ok_{n}", fn, None, "sdpa") for n, fn in CORRECT.items()),
+    ]
+    kernels += [(f"bug_{m.name}", m.fn, m.capabilities, m.api) for m in CONTRACT_MUTANTS.values()]
+    kernels += [(f"ok_{n}", fn, caps, api) for n, (fn, api, caps) in CORRECT_CONTRACTS.items()]
+    for name, fn, capabilities, api in kernels:
+        register_kernel(name, _here(fn), capabilities=capabilities, overwrite=True, api=api)
+    return [name for name, *_ in kernels]
 
 
 register_mutants()  # ``--import lab.mutants``: the suite's kernels by name

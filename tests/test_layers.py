@@ -37,7 +37,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "flashprobe"
 #: ``*_cli.py``): the commands sit on top, whatever folder holds them. ``__init__`` is the package's
 #: face, whose names are imported on first use (no import at module level).
 LAYERS: dict[str, int] = {
-    **dict.fromkeys(("kernels", "deviation", "judge", "bias", "formats", "__init__"), 0),
+    **dict.fromkeys(("errors", "kernels", "deviation", "judge", "bias", "formats", "__init__"), 0),
     **dict.fromkeys(("probing", "fuzz", "weights"), 1),
     **dict.fromkeys(("callbacks", "integrations", "report", "t2i", "conf"), 2),
     **dict.fromkeys(("app", "bench", "cli"), 3),

@@ -66,3 +66,47 @@ def test_the_old_probe_package_path_is_gone() -> None:
 def test_new_paths_import_without_a_warning() -> None:
     done = _fresh("from flashprobe import probe\nfrom flashprobe.probing.config import ProbeConfig")
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _package_modules() -> list[str]:
+    """Every module of the installed package, by dotted name."""
+    import pkgutil
+
+    names = ["flashprobe"]
+    for info in pkgutil.walk_packages(flashprobe.__path__, "flashprobe."):
+        names.append(info.name)
+    return names
+
+
+def test_every_error_of_flashprobe_derives_from_flashprobe_error_and_keeps_its_builtin_class() -> None:
+    """One family: each exception class the package defines is a ``FlashprobeError`` (caught by type,
+    never by module name) and still the built-in class it was (``except ValueError`` keeps working)."""
+    import importlib
+
+    from flashprobe import FlashprobeError, errors
+
+    assert FlashprobeError is errors.FlashprobeError and "FlashprobeError" in flashprobe.__all__
+    errors = {}
+    for name in _package_modules():
+        try:
+            module = importlib.import_module(name)
+        except ImportError as err:  # a module for an optional package (flash-attn, triton) not installed
+            assert not (err.name or "").startswith("flashprobe"), err
+            continue
+        for value in vars(module).values():
+            if (
+                inspect.isclass(value)
+                and issubclass(value, BaseException)
+                and not issubclass(value, Warning)
+                and value.__module__ == name
+            ):
+                errors[f"{name}.{value.__qualname__}"] = value
+    assert len(errors) >= 20, sorted(errors)  # the errors of kernels, probing, weights, formats, app, ...
+    outside = sorted(name for name, cls in errors.items() if not issubclass(cls, FlashprobeError))
+    assert not outside, f"exception classes outside the FlashprobeError family: {outside}"
+    from flashprobe.formats.atomic import DiskFullError
+    from flashprobe.kernels import KernelSpecError, KernelUnsupportedError
+    from flashprobe.probing.shadow import ProbeFailureError
+
+    assert issubclass(KernelSpecError, ValueError) and issubclass(DiskFullError, OSError)
+    assert issubclass(KernelUnsupportedError, RuntimeError) and issubclass(ProbeFailureError, RuntimeError)

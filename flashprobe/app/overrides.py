@@ -18,6 +18,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from flashprobe.errors import FlashprobeError
+
 __all__ = [
     "RecordedOverrideError",
     "config_groups",
@@ -65,7 +67,7 @@ def override_path(overrides: Sequence[str], key: str) -> str | None:
     return given[-1].split("=", 1)[1]  # a number or a boolean: the text as given
 
 
-class RecordedOverrideError(ValueError):
+class RecordedOverrideError(ValueError, FlashprobeError):
     """A run directory's recorded overrides ask for more than settings: refused, nothing was run."""
 
 

@@ -512,6 +512,9 @@ def _run_locked_study(out: Path, plan: StudyPlan, cfg: Any, overrides: list[str]
             for group in ("hydra/job_logging", "hydra/hydra_logging")
             if override_value(overrides, group) is None
         ]
+        console = "callbacks.attention_probe.console"
+        if "attention_probe" in (cfg.get("callbacks") or {}) and override_value(overrides, console) is None:
+            argv.append(f"{console}=false")  # the study's progress prints each run's verdict instead
         kernel = str(cfg.study.kernel)
         labels = {
             n: f"{kernel if r.attention == 'flash' else 'math'}, {r.precision}, seed {r.seed}"
@@ -725,27 +728,14 @@ def _closing(report: Path) -> tuple[str, int]:
     """The verdict (plain text, its answer first) and the paths a study wrote: the last lines a user
     sees; and the exit code of its answer (:data:`flashprobe.report.study_verdict.EXIT_CODES`)."""
     from flashprobe.formats.study_file import read_study
-    from flashprobe.report.study_verdict import (
-        EXIT_CODES,
-        UNDETERMINED,
-        no_verdict_line,
-        verdict,
-        verdict_lines,
-    )
+    from flashprobe.report.study_verdict import answer
 
-    study = read_study(report.parent)
-    meta = study.get("study", {})
-    v = verdict(study)
-    lines = (
-        verdict_lines(v, str(meta.get("precision")), str(meta.get("kernel", "sdpa_flash")))
-        if v
-        else [no_verdict_line(study)]
-    )
+    lines, code = answer(read_study(report.parent))
     out = report.parent
     text = "\n".join(
         [
             "",
-            *(line.replace("**", "") for line in lines),
+            *lines,
             "",
             f"report:  {report}",
             f"numbers: {out / 'study.json'}, {out / 'study.csv'}",
@@ -753,4 +743,4 @@ def _closing(report: Path) -> tuple[str, int]:
             f"runs:    {out / 'runs'}/<run> (probe.png, snapshots, samples)",
         ]
     )
-    return text, EXIT_CODES[v.answer if v else UNDETERMINED]
+    return text, code

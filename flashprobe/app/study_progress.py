@@ -1,4 +1,7 @@
-"""The study's console: one line when a run starts and one when it finishes, with elapsed time and ETA.
+"""The study's console: one line when a run starts and one when it finishes, with elapsed time, ETA
+and, for a run with the attention probe, its verdict: in that line when it passed, followed by the
+per-site table (:func:`flashprobe.probing.session.verdict_block`) when it did not (the runs' own
+callbacks print nothing: ``callbacks.attention_probe.console=false``).
 
 The runs may train in this process (Hydra's basic launcher), in worker processes (joblib) or as
 cluster jobs (submitit), so progress is read from what every run writes anyway: its ``run.json``
@@ -48,6 +51,7 @@ class StudyProgress:
         self._started: set[str] = set()
         self._finished: dict[str, float] = {}  # run → seconds it trained in this invocation
         self._skipped: set[str] = set()
+        self._ended: set[str] = set()  # runs that stopped or failed, reported
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="flashprobe-study-progress", daemon=True)
         self._t0 = 0.0
@@ -86,7 +90,35 @@ class StudyProgress:
                     self._say(name, f"training ({what}{f', resumed at step {resumed}' if resumed else ''})")
                 if status == "finished" and sessions:
                     self._finished[name] = float(sessions[-1].get("seconds") or 0.0)
-                    self._say(name, f"done in {format_seconds(self._finished[name])}{self._clock()}")
+                    probe, block = self._probe(name)
+                    self._say(name, f"done in {format_seconds(self._finished[name])}{probe}{self._clock()}")
+                    if block:
+                        print(block, file=self.stream, flush=True)
+                elif status in ("stopped", "failed") and name in self._started and name not in self._ended:
+                    self._ended.add(name)  # its error is printed by the run; the probe's table here
+                    probe, block = self._probe(name)
+                    self._say(name, f"ended: {status}{probe}")
+                    if block:
+                        print(block, file=self.stream, flush=True)
+
+    def _probe(self, name: str) -> tuple[str, str]:
+        """The probe's verdict of run ``name`` (its ``probe.jsonl``): `` · probe PASS (...)`` for the
+        run's line, and the verdict block when it did not pass; two empty strings without a probe."""
+        from flashprobe.probing.session import verdict_block
+        from flashprobe.report.study_report import probe_verdict
+
+        found = probe_verdict(self.runs_dir / name)
+        if found is None:
+            return "", ""
+        summary, rows = found
+        answer = str(summary.get("verdict") or "undetermined").upper()
+        if answer != "PASS":
+            path = self.runs_dir / name / "probe.jsonl"
+            return f" · probe {answer} (below)", verdict_block(summary, rows, who=f"{name}: probe", path=path)
+        ratios = [summary.get(k) for k in ("max_limit_ratio", "max_backward_limit_ratio")]
+        worst = max((r for r in ratios if r is not None), default=None)
+        at = "" if worst is None else f", worst error/limit {worst:.3g}"
+        return f" · probe PASS ({summary.get('sites', 0)} sites{at})", ""
 
     def _clock(self) -> str:
         elapsed = time.perf_counter() - self._t0

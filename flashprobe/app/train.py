@@ -37,6 +37,7 @@ from flashprobe.app.overrides import (
     recorded_overrides,
 )
 from flashprobe.app.schema import RunSchema, check_sites
+from flashprobe.errors import FlashprobeError
 from flashprobe.formats.atomic import (
     FULL_BELOW,
     DiskFullError,
@@ -595,7 +596,7 @@ def _announce_wandb(loggers: list[Any]) -> None:
             log.info("W&B run %s: %s%s", "(offline)" if offline else run.url, where, upload)
 
 
-class RunStoppedError(RuntimeError):
+class RunStoppedError(RuntimeError, FlashprobeError):
     """A run that ended before its ``max_steps``: Ctrl-C, a full disk, or non-finite loss or weights.
 
     Its message says why, what was saved and the command that continues the run; ``run.json``
@@ -668,12 +669,10 @@ def _traceback_wanted() -> bool:
 
 def _refused(err: BaseException) -> bool:
     """Whether ``err`` is flashprobe's own refusal, printed as one paragraph without a traceback: a
-    :data:`REFUSALS` error raised where flashprobe checks the run, or an error of a class flashprobe
-    defines (a kernel refusing a call, the probe's failure with ``on_failure=raise``, an unsafe
-    checkpoint, ...), wherever raised. Anything else is a bug and keeps its traceback."""
-    if getattr(err, "flashprobe_refusal", False):
-        return True
-    return isinstance(err, Exception) and type(err).__module__.split(".")[0] == "flashprobe"
+    :data:`REFUSALS` error raised where flashprobe checks the run, or a :class:`FlashprobeError` (a
+    kernel refusing a call, the probe's failure with ``on_failure=raise``, an unsafe checkpoint, ...),
+    wherever raised. Anything else is a bug and keeps its traceback."""
+    return bool(getattr(err, "flashprobe_refusal", False)) or isinstance(err, FlashprobeError)
 
 
 def _refusal_paragraph(err: BaseException) -> str:

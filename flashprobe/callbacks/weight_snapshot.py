@@ -6,8 +6,12 @@ them back and ``flashprobe compare`` compares the snapshots of several runs.
 
 Which steps: ``step`` is ``trainer.global_step`` just after the optimizer step, so the snapshot at
 step 100 holds the weights after 100 optimizer updates. A step is saved when it is a multiple of
-``every_n_steps`` or listed in ``steps``; step 0 (the initial weights, at ``on_train_start``) and
-the last step (at ``on_train_end``) are saved unless turned off.
+``every_n_steps`` or listed in ``steps``; step 0 (the initial weights) and the last step (at
+``on_train_end``) are saved unless turned off. The initial weights are copied at ``on_train_start``
+and written once the first training batch has run: a run whose kernel is refused in its first step
+(attention dropout passed to SDPA at call time, a call the kernel does not support) leaves no snapshot
+and no manifest naming that kernel, so ``flashprobe compare`` never takes it for a kernel that
+trained. The copy costs one model's worth of CPU memory on rank zero during the first step.
 
 Distributed training: the decision to save depends only on the step, so every rank takes it alike.
 Under DDP (replicated weights) rank zero copies its own parameters; under FSDP (Lightning's
@@ -20,6 +24,7 @@ files. The gathered copy costs one model's worth of CPU memory on rank zero duri
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Mapping
@@ -41,7 +46,7 @@ from flashprobe.weights.snapshot import (
     module_tensors,
     own_attention,
 )
-from flashprobe.weights.store import NonFiniteSnapshotError, TensorSpec
+from flashprobe.weights.store import SNAPSHOT_DIRNAME, NonFiniteSnapshotError, TensorSpec
 
 if TYPE_CHECKING:
     from flashprobe.callbacks.attention_probe import AttentionProbe
@@ -98,6 +103,10 @@ class WeightSnapshot(SnapshotSchedule, Callback):
     #: the run id in the checkpoint resumed from; the run directory, once ``fit`` has started
     _restored_run_id: str | None = None
     _run_dir: Path | None = None
+    #: the initial weights (tensors, specs, epoch) copied at ``on_train_start``, until written
+    _initial: tuple[dict[str, torch.Tensor] | None, list[TensorSpec], int] | None = None
+    #: the snapshot directory, when this run created it (removed again if a refusal leaves it empty)
+    _created: Path | None = None
 
     @property
     @override
@@ -125,7 +134,10 @@ class WeightSnapshot(SnapshotSchedule, Callback):
         step = trainer.global_step
         self._saved = {s for s in self._saved if s <= step}
         if trainer.is_global_zero:
+            assert self._run_dir is not None
+            existed = (self._run_dir / SNAPSHOT_DIRNAME).exists()
             writer = self._open(self._run_dir, self._header(trainer, pl_module), step, rank_zero_warn)
+            self._created = None if existed else writer.directory
             lost = sorted(self._saved - set(writer.steps))
             if lost:
                 rank_zero_warn(
@@ -134,12 +146,14 @@ class WeightSnapshot(SnapshotSchedule, Callback):
                     "cleaned?); they cannot be recreated"
                 )
         if self.save_initial and step == 0 and 0 not in self._saved:
-            self._save(trainer, pl_module, 0)
+            # copied now, written when the first batch has run with the run's attention
+            self._initial = (*self._collect(trainer, pl_module), trainer.current_epoch)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._write_initial(trainer, pl_module)
         step = trainer.global_step
         if step not in self._saved and self.should_save(step):
             self._save(trainer, pl_module, step)
@@ -149,9 +163,22 @@ class WeightSnapshot(SnapshotSchedule, Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._write_initial(trainer, pl_module)  # training that ran no batch
         step = trainer.global_step
         if self.save_last and step not in self._saved:
             self._save(trainer, pl_module, step)
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        """Training ended by an error: initial weights not yet written stay unwritten (the first batch,
+        which would have trained with the run's attention, did not finish), and a snapshot directory
+        this run created and left empty is removed."""
+        self._initial = None
+        if self._created is not None:
+            with contextlib.suppress(OSError):  # not empty (or gone): left as it is
+                self._created.rmdir()
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -190,14 +217,33 @@ class WeightSnapshot(SnapshotSchedule, Callback):
             "config": self.config,
         }
 
+    def _write_initial(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Write the initial weights copied at ``on_train_start``, if they are still waiting."""
+        if self._initial is not None:
+            tensors, specs, epoch = self._initial
+            self._initial = None
+            self._write(trainer, pl_module, 0, tensors, specs, epoch)
+
     def _save(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
         tensors, specs = self._collect(trainer, pl_module)
+        self._write(trainer, pl_module, step, tensors, specs, trainer.current_epoch)
+
+    def _write(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        step: int,
+        tensors: dict[str, torch.Tensor] | None,
+        specs: list[TensorSpec],
+        epoch: int,
+    ) -> None:
+        """Write the snapshot of ``step`` (rank zero) and count it saved (every rank)."""
         if trainer.is_global_zero:
             assert self._writer is not None and tensors is not None
             if self.attention is None:  # what computed the attention so far (a probe's fallbacks)
                 self._writer.manifest.update(trained_attention_record(trainer, pl_module))
             try:
-                path = self._writer.write(step, tensors, specs, epoch=trainer.current_epoch)
+                path = self._writer.write(step, tensors, specs, epoch=epoch)
             except NonFiniteSnapshotError as err:  # the run's guard stops it (or records it: continue)
                 log.error("WeightSnapshot: %s", err)
                 return

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from flashprobe.errors import FlashprobeError
 from flashprobe.formats.nofollow import open_new, parent_directory
 
 __all__ = [
@@ -59,7 +60,7 @@ FULL_BELOW = 1 << 20
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
-class DiskFullError(OSError):
+class DiskFullError(OSError, FlashprobeError):
     """A write that failed for lack of space; the message is one line: the directory, its free space
     (after the failed write's temporary file was removed) and what was kept.
 

@@ -31,6 +31,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
+from flashprobe.errors import FlashprobeError
 from flashprobe.formats.atomic import atomic_write_file
 
 __all__ = ["AtomicCheckpointIO", "CheckpointError", "load_checkpoint", "nonfinite_weights"]
@@ -38,7 +39,7 @@ __all__ = ["AtomicCheckpointIO", "CheckpointError", "load_checkpoint", "nonfinit
 log = logging.getLogger(__name__)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ValueError, FlashprobeError):
     """A checkpoint file that flashprobe will not load (unsafe, truncated or not a checkpoint)."""
 
 

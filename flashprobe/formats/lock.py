@@ -33,6 +33,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from flashprobe.errors import FlashprobeError
 from flashprobe.formats.jsonio import utc_now
 from flashprobe.formats.nofollow import LinkError, writing_into
 
@@ -45,7 +46,7 @@ LOCK_NAME = ".flashprobe.lock"
 _HELD: dict[Path, list] = {}
 
 
-class DirectoryLockedError(RuntimeError):
+class DirectoryLockedError(RuntimeError, FlashprobeError):
     """Another process is writing into the directory."""
 
 

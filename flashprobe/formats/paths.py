@@ -20,6 +20,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from flashprobe.errors import FlashprobeError
+
 __all__ = [
     "OutputPathError",
     "check_output_dir",
@@ -34,7 +36,7 @@ __all__ = [
 _SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=-]*")
 
 
-class OutputPathError(ValueError):
+class OutputPathError(ValueError, FlashprobeError):
     """An output directory or a name used in a file name is unusable."""
 
 

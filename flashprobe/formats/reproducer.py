@@ -15,6 +15,11 @@ A tensor that was a permuted view is stored in its memory order and given back a
 case, ``fuzz`` (:mod:`flashprobe.fuzz.reproducer`). The script runs ``flashprobe replay``
 (:func:`flashprobe.probing.repro.replay`). Reproducers written as ``.pt`` (a torch pickle) by older
 versions of ``flashprobe fuzz`` are refused with that reason: nothing a user hands in is unpickled.
+
+A call of a kernel registered with another api (``flash_attn_varlen_func``, a paged or KV-cache call,
+``merge_state``: :mod:`flashprobe.kernels.contract`) is a :class:`ContractReproducer`: every tensor
+of its :class:`~flashprobe.kernels.AttentionCall` under its field name (``cu_seqlens_k``,
+``block_table``, ``out``, the descales, ...) and the rest in the metadata's ``contract``.
 """
 
 from __future__ import annotations
@@ -28,14 +33,22 @@ from typing import Any
 
 import torch
 
+from flashprobe.errors import FlashprobeError
+
 __all__ = [
     "REPRO_FORMAT",
+    "ContractReproducer",
     "Reproducer",
     "ReproducerError",
+    "is_contract_reproducer",
+    "is_sequence_file",
     "kernel_module",
+    "load_contract_reproducer",
     "load_reproducer",
+    "load_sequence",
     "reproducer_stem",
     "save_reproducer",
+    "save_sequence",
 ]
 
 #: ``format`` in the metadata of every reproducer file.
@@ -46,7 +59,7 @@ REPRO_FORMAT = "flashprobe-repro-1"
 _PICKLE_MAGIC = (b"PK\x03\x04", b"\x80")
 
 
-class ReproducerError(ValueError):
+class ReproducerError(ValueError, FlashprobeError):
     """A reproducer file that cannot be read: not safetensors, not flashprobe's, or incomplete."""
 
 
@@ -228,6 +241,8 @@ def load_reproducer(path: str | Path, device: torch.device | str | None = None) 
     try:
         info = json.loads(meta["flashprobe"])
         assert isinstance(info, dict), f"its metadata is a JSON {type(info).__name__}, not an object"
+        if SEQUENCE in info:
+            raise ReproducerError(f"{path}: {_SEQUENCE_FIX}")
         missing = [n for n in ("q", "k", "v") if n not in tensors]
         assert not missing, f"missing tensors {missing}"
     except (KeyError, AssertionError, json.JSONDecodeError, TypeError) as err:
@@ -351,3 +366,206 @@ def _metadata_problem(info: Any, tensors: dict[str, torch.Tensor]) -> str | None
         found = ", ".join(f"{n} {str(d).removeprefix('torch.')}" for n, d in dtypes.items())
         return f"its tensors mix dtypes ({found}); a saved call has one compute dtype"
     return None
+
+
+# ---- sequences: several calls in one process, in order (flashprobe fuzz's seq_* checks) ----------
+
+#: the metadata key of a sequence reproducer: its calls, in order (:mod:`flashprobe.fuzz.sequences`)
+SEQUENCE = "sequence"
+_SEQUENCE_FIX = (
+    "a sequence of calls (flashprobe fuzz's seq_* checks), replayed call by call in one process: "
+    "run flashprobe replay FILE"
+)
+
+
+def save_sequence(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
+    """Write a sequence of calls as one reproducer (``path`` ending in ``.safetensors``): every tensor
+    its steps name, by name (contiguous, on the CPU), the steps in ``meta["sequence"]`` with the rest of
+    the metadata, and the script beside it, which replays them (:func:`_script`). Both atomically."""
+    from safetensors.torch import save_file
+
+    from flashprobe import __version__
+    from flashprobe.formats.atomic import atomic_write_file, atomic_write_text
+
+    path = Path(path)
+    stored = {n: t.detach().to("cpu").contiguous().clone() for n, t in tensors.items()}
+    info = {**meta, "format": REPRO_FORMAT, "torch": torch.__version__, "flashprobe": __version__}
+    metadata = {"flashprobe": json.dumps(info, sort_keys=True)}
+    atomic_write_file(path, lambda tmp: save_file(stored, tmp, metadata=metadata))
+    atomic_write_text(path.with_suffix(".py"), _script(path.name, info))
+    return path
+
+
+def is_sequence_file(path: str | Path) -> bool:
+    """Whether ``path`` is a readable sequence reproducer (:func:`save_sequence`); False for anything
+    else, which :func:`load_reproducer` then reads or refuses with its reason."""
+    try:
+        return SEQUENCE in load_sequence(path, tensors=False)[1]
+    except ReproducerError:
+        return False
+
+
+def load_sequence(
+    path: str | Path, *, tensors: bool = True
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Read a sequence reproducer (safetensors only; nothing unpickled): its tensors by name (none with
+    ``tensors=False``) and its metadata. The steps are checked by their reader
+    (:func:`flashprobe.fuzz.sequences.replay_sequence`).
+
+    Raises:
+        ReproducerError: not a safetensors file, not flashprobe's, of another format, or no sequence.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            info = json.loads((f.metadata() or {}).get("flashprobe", "null"))
+            found = {name: f.get_tensor(name) for name in f.keys()} if tensors else {}  # noqa: SIM118
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ReproducerError(f"{path}: not a safetensors reproducer ({err})") from None
+    if not isinstance(info, dict) or info.get("format") != REPRO_FORMAT or SEQUENCE not in info:
+        raise ReproducerError(f"{path}: not a sequence reproducer of format {REPRO_FORMAT!r}")
+    return found, info
+
+
+# ---- contract reproducers: a call of any api (flashprobe.kernels.AttentionCall), every tensor stored
+
+#: ``contract`` in a reproducer's metadata marks a call of a kernel's own api (packed, paged, a KV
+#: cache, a merge): every tensor field of the :class:`~flashprobe.kernels.AttentionCall` is stored
+#: under its field name, the other fields in ``contract.fields``.
+_CONTRACT_SCALARS = (
+    "layout", "max_seqlen_q", "max_seqlen_k", "kv_layout", "causal", "align", "window", "softcap", "scale",
+    "return_lse", "lse_base", "split_k",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ContractReproducer:
+    """One saved call of a kernel registered with a contract api (``flash_attn_varlen_func``, ...).
+
+    Attributes:
+        call: the :class:`~flashprobe.kernels.AttentionCall`, in the kernel's own storage (its
+            tensors as they were handed to the kernel: NaN in unused pages and a poisoned ``out=``).
+        meta: ``primary``, ``kernel_module``, ``reason``, ``directions`` and ``fuzz``; ``contract``:
+            ``api``, ``refuse`` (the call must be refused, why), ``backward``, ``property``.
+    """
+
+    call: Any
+    meta: dict[str, Any]
+
+    @property
+    def q(self) -> torch.Tensor:
+        return self.call.q
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.call.k
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.call.v
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.call.q.dtype
+
+    def save(self, path: str | Path) -> Path:
+        """Write the call to ``path`` (``.safetensors``: every tensor field by name, the rest in the
+        metadata) and its script; both atomically. Returns the ``.safetensors`` path."""
+        from safetensors.torch import save_file
+
+        from flashprobe import __version__
+        from flashprobe.formats.atomic import atomic_write_file, atomic_write_text
+
+        path = Path(path)
+        call = self.call
+        tensors: dict[str, torch.Tensor] = {}
+        layout: dict[str, list[int]] = {}
+        for name in call.__dataclass_fields__:
+            t = getattr(call, name)
+            if isinstance(t, torch.Tensor):
+                stored, perm = _memory_order(t.detach())
+                tensors[name] = stored.to("cpu", copy=True)
+                layout[name] = perm
+        fields = {n: getattr(call, n) for n in _CONTRACT_SCALARS}
+        fields["window"] = list(fields["window"])
+        if not isinstance(call.cache_seqlens, torch.Tensor):
+            fields["cache_seqlens"] = call.cache_seqlens
+        info = {
+            **self.meta,
+            "contract": {**self.meta.get("contract", {}), "fields": fields},
+            "format": REPRO_FORMAT,
+            "is_causal": bool(call.causal),
+            "scale": call.scale,
+            "dtype": str(call.q.dtype).removeprefix("torch."),
+            "device": str(call.q.device),
+            "layout": layout,
+            "torch": torch.__version__,
+            "flashprobe": __version__,
+        }
+        metadata = {"flashprobe": json.dumps(info, sort_keys=True)}
+        atomic_write_file(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+        atomic_write_text(path.with_suffix(".py"), _script(path.name, info))
+        return path
+
+
+def is_contract_reproducer(path: str | Path) -> bool:
+    """Whether ``path`` is a reproducer of a contract call (False for any other file, readable or not)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            info = json.loads((f.metadata() or {}).get("flashprobe", "{}"))
+    except Exception:
+        return False
+    return isinstance(info, dict) and isinstance(info.get("contract"), dict)
+
+
+def load_contract_reproducer(
+    path: str | Path, device: torch.device | str | None = None
+) -> ContractReproducer:
+    """Read a :class:`ContractReproducer` (safetensors only; nothing unpickled).
+
+    Raises:
+        ReproducerError: the file is not one, of another format version, or its fields are not those
+            of a call (the field named).
+    """
+    from safetensors import safe_open
+
+    from flashprobe.kernels import AttentionCall
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            info = json.loads((f.metadata() or {})["flashprobe"])
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open API)
+    except Exception as err:
+        raise ReproducerError(f"{path}: not a flashprobe reproducer ({type(err).__name__}: {err})") from None
+    if info.get("format") != REPRO_FORMAT:
+        raise ReproducerError(f"{path}: {_format_problem(info)}")
+    contract = info.get("contract")
+    fields = contract.get("fields") if isinstance(contract, dict) else None
+    names = {f for f in AttentionCall.__dataclass_fields__}
+    problem = None
+    if not isinstance(fields, dict) or not isinstance(contract.get("api"), str):
+        problem = "contract.fields or contract.api missing"
+    elif unknown := sorted((set(fields) | set(tensors)) - names):
+        problem = f"{unknown[0]!r} is not a field of an attention call"
+    elif missing := [n for n in ("q", "k", "v") if n not in tensors]:
+        problem = f"missing tensors {missing}"
+    if problem:
+        raise ReproducerError(f"{path}: not a valid contract reproducer: {problem}; save the call again")
+    if device is None:
+        recorded = torch.device(info.get("device", "cpu"))
+        device = recorded if recorded.type == "cpu" or torch.cuda.is_available() else torch.device("cpu")
+    layout = info.get("layout", {})
+    values: dict[str, Any] = {
+        n: t.permute(layout.get(n, list(range(t.dim())))).to(device) for n, t in tensors.items()
+    }
+    values.update({n: tuple(v) if n == "window" else v for n, v in fields.items()})
+    try:
+        call = AttentionCall.unchecked(**values)
+    except TypeError as err:
+        raise ReproducerError(f"{path}: not a valid contract reproducer: {err}") from None
+    return ContractReproducer(call, info)

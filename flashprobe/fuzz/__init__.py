@@ -17,8 +17,14 @@ long-context training.
 * :mod:`~flashprobe.fuzz.run` — :class:`FuzzResult`, :func:`check_case`, :func:`run_catalogue`;
 * :mod:`~flashprobe.fuzz.search` — :func:`random_search` (its failures shrunk by
   :func:`flashprobe.probing.repro.shrink_reproducer`, the one shrinker of every reproducer);
+* :mod:`~flashprobe.fuzz.sequences` — several calls of a kernel in one process, each judged
+  (:data:`SEQUENCES`: caches keyed without the scale, the strides, ...), saved and replayed whole;
+* :mod:`~flashprobe.fuzz.invariants` — relations a correct kernel keeps (:data:`INVARIANTS`: V = 1,
+  key permutation, batch invariance, ...), the declared precision, and :func:`run_checks`;
 * :mod:`~flashprobe.fuzz.reproducer` — :func:`save_reproducer`: a failing case in the one
   reproducer format (:mod:`flashprobe.formats.reproducer`);
+* :mod:`~flashprobe.fuzz.ledger` — :func:`load_ledger`: accepted findings (``--ledger``), their
+  failures ``known``, their unexpected passes failures;
 * :mod:`~flashprobe.fuzz.tables` — terminal, Markdown and catalogue tables;
 * :mod:`~flashprobe.fuzz.cli` — the ``flashprobe fuzz`` command.
 """
@@ -35,8 +41,10 @@ from flashprobe.fuzz.cases import (
 )
 from flashprobe.fuzz.fit import FittedInputs, NotApplicableError, fit_inputs
 from flashprobe.fuzz.inputs import CaseInputs, UnrepresentableCaseError
+from flashprobe.fuzz.invariants import CHECKS, INVARIANTS, run_checks, select_checks
 from flashprobe.fuzz.kernel_call import KernelCall, call_kernel, kernel_label
 from flashprobe.fuzz.layouts import LAYOUTS, apply_layout
+from flashprobe.fuzz.ledger import Ledger, LedgerError, load_ledger
 from flashprobe.fuzz.random_cases import MASK_KINDS, RandomCaseSpec, make_random_case, sample_random_spec
 from flashprobe.fuzz.references import grad_output, gradient_references, references
 from flashprobe.fuzz.reproducer import ReproducerStore, save_reproducer
@@ -56,6 +64,7 @@ from flashprobe.fuzz.rule import (
 )
 from flashprobe.fuzz.run import FuzzResult, case_references, check_case, run_catalogue
 from flashprobe.fuzz.search import random_search
+from flashprobe.fuzz.sequences import SEQUENCES, replay_sequence
 from flashprobe.fuzz.tables import (
     catalogue_table,
     coverage,
@@ -68,13 +77,16 @@ from flashprobe.fuzz.tables import (
 
 __all__ = [
     "CATALOGUE",
+    "CHECKS",
     "GRADIENTS",
+    "INVARIANTS",
     "LAYOUTS",
     "MASK_KINDS",
     "PROFILES",
     "PROPERTIES",
     "RULE",
     "SENTINELS",
+    "SEQUENCES",
     "VERDICTS",
     "ZEROS_REASON",
     "CaseInputs",
@@ -83,6 +95,8 @@ __all__ = [
     "FuzzResult",
     "GradientReference",
     "KernelCall",
+    "Ledger",
+    "LedgerError",
     "NotApplicableError",
     "RandomCaseSpec",
     "References",
@@ -104,17 +118,21 @@ __all__ = [
     "judge",
     "judge_gradients",
     "kernel_label",
+    "load_ledger",
     "make_random_case",
     "markdown_table",
     "property_coverage",
     "random_search",
     "reason_lines",
     "references",
+    "replay_sequence",
     "rounding_floor",
     "run_catalogue",
+    "run_checks",
     "sample_random_spec",
     "save_reproducer",
     "select_cases",
+    "select_checks",
     "summary_counts",
     "terminal_table",
     "value_floor",

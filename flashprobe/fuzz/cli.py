@@ -12,7 +12,11 @@ skip/unsupported reasons one line per distinct reason, per kernel the properties
 not), and, last, the files it wrote: ``fuzz.json`` (:func:`flashprobe.formats.write_json`, with
 per-row seconds), ``fuzz.md`` (with the properties and the slowest cases) and the reproducers, one
 per failing (kernel, property, direction).
-Exits 0 when nothing fails and 1 when a (kernel, case, dtype) fails.
+Beside the catalogue it runs the sequences and invariants of the profile (``seq_*``, ``inv_*``:
+:mod:`flashprobe.fuzz.invariants`), selected by ``--case`` as the cases are.
+Exits 0 when nothing fails and 1 when a (kernel, case, dtype) fails or is ``not_declared``; with
+``--ledger``, failures the ledger accepts are reported ``known`` and do not fail the run, and its
+entries that passed do.
 """
 
 from __future__ import annotations
@@ -22,18 +26,23 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from flashprobe.errors import FlashprobeError
 from flashprobe.formats import OutputPathError, atomic_write_text, prepare_output_dir, write_json
 from flashprobe.formats.paths import check_output_dir
 from flashprobe.fuzz.cases import PROFILES, FuzzCase, select_cases
 from flashprobe.fuzz.check import check_kernel
+from flashprobe.fuzz.contract_cases import FP8_NAMES
+from flashprobe.fuzz.contract_run import split_case_patterns
+from flashprobe.fuzz.invariants import checks_table, select_checks
 from flashprobe.fuzz.kernel_call import kernel_label
 from flashprobe.fuzz.layouts import LAYOUTS
+from flashprobe.fuzz.ledger import SHIPPED, Ledger, LedgerError, LedgerReport, load_ledger
 from flashprobe.fuzz.rule import RULE
 from flashprobe.fuzz.run import FuzzResult
 from flashprobe.fuzz.tables import (
@@ -65,10 +74,10 @@ from flashprobe.kernels import (
 __all__ = ["DEFAULT_DTYPES", "main"]
 
 DEFAULT_DTYPES = ("bf16", "fp16", "fp32")
-_DTYPE_CHOICES = "bf16, fp16, fp32, fp64"
+_DTYPE_CHOICES = "bf16, fp16, fp32, fp64, e4m3 (FP8 inputs, kernels that declare float8_e4m3fn)"
 
 
-class UsageError(ValueError):
+class UsageError(ValueError, FlashprobeError):
     """A command-line argument is unusable; the message names it and the fix."""
 
 
@@ -90,6 +99,8 @@ class _Plan:
     seeds: int
     layouts: list[str]
     quiet: bool = False
+    checks: list[str] = field(default_factory=list)
+    ledger: Ledger | None = None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -146,6 +157,14 @@ def _parser() -> argparse.ArgumentParser:
         help="same-dtype baseline (default math; with --from, the one the call recorded)",
     )
     p.add_argument("--device", default="cpu", help="device to run on (default cpu)")
+    shipped = "; ".join(f"{name}: {path}" for name, path in SHIPPED.items())
+    p.add_argument(
+        "--ledger",
+        metavar="FILE",
+        help="accepted findings (YAML, docs/fuzz.md 'A findings ledger'): their failures are reported "
+        "known and do not fail the run, their unexpected passes do; a shipped ledger by name "
+        f"({shipped})",
+    )
     add_import_option(p)
     p.add_argument(
         "--from",
@@ -184,7 +203,7 @@ def _dtypes(values: Sequence[str] | None) -> list[torch.dtype]:
     dtypes = []
     for name in names:
         try:
-            dtypes.append(to_dtype(name))
+            dtypes.append(FP8_NAMES[name] if name in FP8_NAMES else to_dtype(name))  # e4m3: FP8 inputs
         except ValueError:
             raise UsageError(f"--dtype {name}: unknown dtype; use one of {_DTYPE_CHOICES}") from None
     return dtypes
@@ -200,7 +219,8 @@ def _layouts(values: Sequence[str] | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _cases(args: argparse.Namespace) -> list[FuzzCase]:
+def _cases(args: argparse.Namespace) -> tuple[list[FuzzCase], list[str]]:
+    """The catalogue cases and the sequences and invariants (by name) the patterns select."""
     patterns = _listed(args.case, "--case", "'sentinel_*'")
     patterns += ["!" + p for p in _listed(args.exclude, "--exclude", "'gqa_*'")]
     if args.profile not in PROFILES:
@@ -208,12 +228,15 @@ def _cases(args: argparse.Namespace) -> list[FuzzCase]:
     if args.no_catalogue:
         if args.budget == 0:
             raise UsageError("--no-catalogue with --budget 0 runs nothing; give --budget N (random samples)")
-        return []
+        args.contract_cases = []
+        return [], []
+    checks, rest = select_checks(patterns, profile=args.profile)
+    dense, args.contract_cases = (None, []) if rest is None else split_case_patterns(rest)
     try:
-        cases = select_cases(patterns, profile=args.profile)
+        cases = [] if dense is None else select_cases(dense, profile=args.profile)
     except ValueError as err:
         raise UsageError(f"--case/--exclude: {err}") from None
-    if not cases and not args.budget:
+    if not cases and not checks and not args.contract_cases and not args.budget:
         given = " ".join(
             f"{flag} {v!r}"
             for flag, vs in (("--case", args.case), ("--exclude", args.exclude))
@@ -222,7 +245,7 @@ def _cases(args: argparse.Namespace) -> list[FuzzCase]:
         raise UsageError(
             f"{given} leaves no case of the {args.profile} profile to run; see flashprobe fuzz --list"
         )
-    return cases
+    return cases, [c.name for c in checks]
 
 
 def _device(text: str) -> torch.device:
@@ -255,7 +278,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
         raise UsageError("give at least one --kernel SPEC; available: " + ", ".join(available_kernels()))
     kernels = [_label(k, "--kernel") for k in args.kernel]
     baseline = _label(args.baseline or "math", "--baseline")
-    dtypes, cases, layouts = _dtypes(args.dtype), _cases(args), _layouts(args.layout)
+    dtypes, (cases, checks), layouts = _dtypes(args.dtype), _cases(args), _layouts(args.layout)
     if args.seed < 0:
         raise UsageError(f"--seed {args.seed}: must be ≥ 0 (the seed of the inputs)")
     if args.seeds < 1:
@@ -266,6 +289,10 @@ def _plan(args: argparse.Namespace) -> _Plan:
         raise UsageError(f"--budget {args.budget}: must be ≥ 0 (random samples; 0 runs only the catalogue)")
     device = _device(args.device)
     _some_kernel_runs(kernels, device, dtypes)
+    try:
+        ledger = None if args.ledger is None else load_ledger(args.ledger)
+    except LedgerError as err:
+        raise UsageError(f"--ledger: {err}") from None
     try:
         out_dir = prepare_output_dir(args.out, flag="--out")
     except OutputPathError as err:
@@ -285,6 +312,8 @@ def _plan(args: argparse.Namespace) -> _Plan:
         args.seeds,
         layouts,
         args.quiet,
+        checks,
+        ledger,
     )
 
 
@@ -378,7 +407,9 @@ def _safe(spec: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in spec)
 
 
-def _print_results(plan: _Plan, results: list[FuzzResult], elapsed: float) -> None:
+def _print_results(
+    plan: _Plan, results: list[FuzzResult], elapsed: float, ledger: LedgerReport | None = None
+) -> None:
     catalogue = [r for r in results if r.params is None]
     randoms = [r for r in results if r.params is not None]
     names = ", ".join(dtype_name(d) for d in plan.dtypes)
@@ -386,7 +417,8 @@ def _print_results(plan: _Plan, results: list[FuzzResult], elapsed: float) -> No
     last = plan.seed + plan.seeds - 1
     seeds = f"seed {plan.seed}" if plan.seeds == 1 else f"seeds {plan.seed}–{last}"
     print(
-        f"flashprobe fuzz: {len(plan.cases)} cases ({plan.profile} profile) + {plan.budget} random × "
+        f"flashprobe fuzz: {len(plan.cases)} cases ({plan.profile} profile) + {len(plan.checks)} sequences "
+        f"and invariants + {plan.budget} random × "
         f"{len(plan.kernels)} kernels × {names}, {grads} ({seeds}, baseline {plan.baseline}) "
         f"in {elapsed:.1f} s\n"
     )
@@ -396,12 +428,18 @@ def _print_results(plan: _Plan, results: list[FuzzResult], elapsed: float) -> No
         failed = sum(r.verdict == "fail" for r in randoms)
         print(f"random search: {plan.budget} samples, {failed} failing (kernel, sample) pairs")
     for r in results:
-        if r.verdict == "fail" or plan.verbose:
+        if (r.verdict in ("fail", "not_declared") and not r.known) or plan.verbose:
             seed = f" | seed {r.seed}" if plan.seeds > 1 and r.seed is not None else ""
             layout = f" | {r.layout}" if r.layout != "contiguous" else ""
             print(f"{r.verdict.upper():<5} {r.kernel} | {r.case} | {r.dtype}{layout}{seed}: {r.reason}")
             if r.repro:
                 print(f"      reproducer: {r.repro} (run: python {Path(r.repro).with_suffix('.py')})")
+    if ledger is not None:
+        counts = f"{len(ledger.known)} known failures, {len(ledger.unexpected)} unexpected passes"
+        print(f"\nledger {ledger.path}: {counts}")
+        print("\n".join("  " + line for line in ledger.lines()))
+        for passed in ledger.unexpected:
+            print(f"FAIL  {passed.line()}")
     if not plan.verbose and (lines := reason_lines(results, ("skip", "unsupported", "no_backward"))):
         print("\nskipped / unsupported (count of kernel × case × dtype | cases | dtypes | kernels: reason):")
         print("\n".join(lines))
@@ -440,10 +478,22 @@ def _payload(
     }
 
 
+def _ledger_payload(report: LedgerReport) -> dict[str, Any]:
+    """The ledger's part of ``fuzz.json``: its file, the known failures' count, the unexpected passes."""
+    return {
+        "path": str(report.path),
+        "known": len(report.known),
+        "unexpected": [
+            {"entry": u.entry.where, "kernel": u.kernel, "case": u.case, "dtype": u.dtype, "runs": u.runs}
+            for u in report.unexpected
+        ],
+    }
+
+
 def _write(plan: _Plan, payload: dict[str, Any], results: list[FuzzResult]) -> list[Path]:
     """Write ``fuzz.json`` (and ``fuzz.md`` when the catalogue ran); every file written, reproducers too."""
     written = [write_json(plan.out_dir / "fuzz.json", payload)]
-    if plan.cases:
+    if plan.cases or plan.checks:
         written.append(atomic_write_text(plan.out_dir / "fuzz.md", _markdown(results)))
     for repro in dict.fromkeys(r.repro for r in results if r.repro):
         written += [Path(repro), Path(repro).with_suffix(".py")]
@@ -502,7 +552,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as stop:  # --help (0) or a usage error (2)
         return int(stop.code or 0)
     if args.list:
-        print(catalogue_table())
+        print(catalogue_table() + "\n\n" + checks_table())
         return 0
     try:
         if args.from_file is not None:
@@ -521,19 +571,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         budget=plan.budget,
         backward=plan.backward,
         layouts=plan.layouts,
+        checks=plan.checks,
         baseline=plan.baseline,
         device=plan.device,
         out_dir=plan.out_dir,
         progress=_progress(plan.quiet, plan.budget),
+        ledger=plan.ledger,
+        contract_cases=getattr(args, "contract_cases", None),
     )
     results, elapsed, catalogue_s = check.results, check.elapsed_s, check.catalogue_s
-    _print_results(plan, results, elapsed)
+    _print_results(plan, results, elapsed, check.ledger)
     timing = {"elapsed_s": elapsed, "catalogue_s": catalogue_s}
-    written = _write(plan, _payload(plan, "flashprobe fuzz " + " ".join(argv), results, timing), results)
+    payload = _payload(plan, "flashprobe fuzz " + " ".join(argv), results, timing)
+    if check.ledger is not None:
+        payload["ledger"] = _ledger_payload(check.ledger)
+    written = _write(plan, payload, results)
     summary = summary_counts(results)
     no_backward = f", {summary['no_backward']} no_backward" if summary["no_backward"] else ""
+    no_backward += f", {summary['not_declared']} not_declared" if summary["not_declared"] else ""
+    fail = f"{summary['fail']} fail" + (f" ({summary['known']} known)" if summary["known"] else "")
+    unexpected = f", {len(check.unexpected_passes)} unexpected passes" if check.unexpected_passes else ""
     print(
-        f"\n{summary['pass']} pass, {summary['fail']} fail, {summary['skip']} skip, "
+        f"\n{summary['pass']} pass, {fail}{unexpected}, {summary['skip']} skip, "
         f"{summary['unsupported']} unsupported{no_backward}; wrote {', '.join(str(p) for p in written)}"
     )
-    return 1 if summary["fail"] else 0
+    return 0 if check.passed else 1

@@ -8,28 +8,35 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from flashprobe.errors import FlashprobeError
 from flashprobe.fuzz.layouts import LAYOUTS, apply_layout
 from flashprobe.kernels.reference import expand_kv
 
 __all__ = ["POISONS", "TIE_WIDTH", "CaseInputs", "UnrepresentableCaseError", "bias_inputs"]
 
-#: what poisoned memory holds: NaN, +Inf, or half the dtype's largest value
+#: what poisoned memory holds: NaN, +Inf, or half the dtype's largest value (``<value>_after``: the same
+#: value only after each tensor's last element, which keeps the tensors contiguous)
 POISONS = ("nan", "inf", "huge")
 #: rows and channels of poisoned memory past each tensor's view
 _POISON_ROWS, _POISON_CHANNELS = 128, 64
 
 
 def _in_poisoned_memory(x: torch.Tensor, poison: str) -> torch.Tensor:
-    """``x`` ``(B, H, N, D)`` as a view into a ``(B, H, N + 128, D + 64)`` buffer filled with ``poison``."""
-    value = {"nan": float("nan"), "inf": float("inf"), "huge": float(torch.finfo(x.dtype).max) / 2}[poison]
+    """``x`` ``(B, H, N, D)`` as a view into a ``(B, H, N + 128, D + 64)`` buffer filled with ``poison``
+    (``<poison>_after``: a contiguous view followed by ``128 · D`` poisoned elements)."""
+    name, _, after = poison.partition("_")
+    value = {"nan": float("nan"), "inf": float("inf"), "huge": float(torch.finfo(x.dtype).max) / 2}[name]
     b, h, n, d = x.shape
-    buffer = x.new_full((b, h, n + _POISON_ROWS, d + _POISON_CHANNELS), value)
-    view = buffer[:, :, :n, :d]
+    if after:
+        buffer = x.new_full((x.numel() + _POISON_ROWS * d,), value)
+        view = buffer[: x.numel()].view(x.shape)
+    else:
+        view = x.new_full((b, h, n + _POISON_ROWS, d + _POISON_CHANNELS), value)[:, :, :n, :d]
     view.copy_(x)
     return view
 
 
-class UnrepresentableCaseError(ValueError):
+class UnrepresentableCaseError(ValueError, FlashprobeError):
     """The case cannot be posed in this dtype (its logits or inputs do not fit the dtype's range)."""
 
 
@@ -48,7 +55,9 @@ class CaseInputs:
             set it with :meth:`with_layout`, which lays the tensors out so.
         poison: what fills the memory around ``q``, ``k``, ``v`` (of :data:`POISONS`; ``""``: none):
             each is a view into a larger buffer (128 more rows, 64 more channels) filled with it,
-            which a correct kernel never reads; set it with :meth:`with_poison`.
+            which a correct kernel never reads; set it with :meth:`with_poison`. ``<value>_after``
+            poisons only the memory after each tensor (contiguous views, for kernels that take no
+            other).
     """
 
     q: torch.Tensor
@@ -63,8 +72,9 @@ class CaseInputs:
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r} must be one of {', '.join(LAYOUTS)}")
-        if self.poison and self.poison not in POISONS:
-            raise ValueError(f"poison={self.poison!r} must be one of {', '.join(POISONS)}")
+        if self.poison and self.poison.removesuffix("_after") not in POISONS:
+            allowed = ", ".join(POISONS)
+            raise ValueError(f"poison={self.poison!r} must be one of {allowed}, or one of them + '_after'")
 
     def with_layout(self, layout: str) -> CaseInputs:
         """The same call with ``q``, ``k``, ``v`` laid out as ``layout``

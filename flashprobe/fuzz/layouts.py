@@ -15,6 +15,10 @@ fused_qkv      slices of one fused projection ``(B, N, 3, H, D)`` (k and v ``(B,
 expanded_kv    k and v of one head (and batch entry) expanded with stride 0 to every head (the
                values change: every k/v head equals the first; the golden follows them)
 offset         views starting at a non-zero storage offset in a larger buffer
+kv_strides     k contiguous, v a transposed view of a ``(B, N, H, D)`` projection: k and v with
+               different strides (a kernel that builds k's pointers from v's strides reads wrong keys)
+mixed          q, k, v each in another layout: q a transposed ``(B, N, H, D)`` view, k at a storage
+               offset, v the second half of a fused ``(B, N, 2, H, D)`` k/v projection
 =============  ===================================================================================
 """
 
@@ -25,7 +29,7 @@ import torch
 __all__ = ["LAYOUTS", "apply_layout"]
 
 #: Every layout, in the order the catalogue and the random search use them.
-LAYOUTS = ("contiguous", "bnhd", "fused_qkv", "expanded_kv", "offset")
+LAYOUTS = ("contiguous", "bnhd", "fused_qkv", "expanded_kv", "offset", "kv_strides", "mixed")
 _OFFSET = 7  # elements before a view's first one in its buffer
 
 
@@ -83,4 +87,8 @@ def apply_layout(
         return q.contiguous(), k[:1, :1].expand(k.shape), v[:1, :1].expand(v.shape)  # batch 0's head 0
     if layout == "offset":
         return _offset(q), _offset(k), _offset(v)
+    if layout == "kv_strides":
+        return q.contiguous(), k.contiguous(), _bnhd(v)
+    if layout == "mixed":
+        return _bnhd(q), _offset(k), _fused(v, v)[1]
     raise ValueError(f"layout={layout!r} must be one of {', '.join(LAYOUTS)}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -18,7 +19,15 @@ from flashprobe.fuzz.inputs import CaseInputs
 from flashprobe.fuzz.layouts import LAYOUTS
 from flashprobe.kernels import KernelCapabilities, default_scale
 
-__all__ = ["MASK_KINDS", "MAX_KEYS", "MAX_SCORES", "RandomCaseSpec", "make_random_case", "sample_random_spec"]
+__all__ = [
+    "MASK_KINDS",
+    "MAX_KEYS",
+    "MAX_SCORES",
+    "RandomCaseSpec",
+    "make_random_case",
+    "sample_random_spec",
+    "shared_limits",
+]
 
 #: Most keys a random sample has, per profile (lengths are drawn log-uniformly up to it).
 MAX_KEYS = {"default": 8192, "full": 16384}
@@ -54,6 +63,7 @@ class RandomCaseSpec:
         kv_heads: key/value heads (a divisor of ``heads``: grouped-query attention); 0 for
             ``heads``.
         layout: the inputs' memory layout (:data:`~flashprobe.fuzz.layouts.LAYOUTS`).
+        shared_mask: a bool mask is one ``(B, 1, N_q, N_k)`` mask shared by every head.
     """
 
     batch: int
@@ -69,6 +79,7 @@ class RandomCaseSpec:
     seed: int
     kv_heads: int = 0
     layout: str = "contiguous"
+    shared_mask: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_heads < 0 or (self.kv_heads and self.heads % self.kv_heads):
@@ -98,6 +109,8 @@ class RandomCaseSpec:
             text += f" H_kv={self.kv_heads}"
         if self.layout != "contiguous":
             text += f" layout={self.layout}"
+        if self.shared_mask:
+            text += " shared-mask"
         return text + (" outliers" if self.outliers else "")
 
 
@@ -125,12 +138,40 @@ def _shape(rng: random.Random, profile: str) -> dict[str, int]:
 _NEEDS = {
     "none": (),
     "causal": ("causal",),
-    "padding": ("key_padding", "bool"),
-    "random": ("bool",),
-    "fully_masked_rows": ("bool",),
-    "one_valid_key": ("bool",),
+    "padding": ("key_padding", "bool", "head_shared"),
+    "random": ("bool", "head_shared"),
+    "fully_masked_rows": ("bool", "head_shared"),
+    "one_valid_key": ("bool", "head_shared"),
     "additive": ("float",),
 }
+
+
+def _mask_kinds(caps: KernelCapabilities) -> frozenset[str]:
+    """The mask kinds a kernel takes, with those its kinds include (any bool mask is shared by every
+    head when it has one head; a key-padding mask is one)."""
+    implied = {"bool": {"head_shared", "key_padding"}, "head_shared": {"key_padding"}}
+    return frozenset(caps.masks).union(*(implied.get(m, set()) for m in caps.masks))
+
+
+def shared_limits(caps: Sequence[KernelCapabilities]) -> KernelCapabilities:
+    """What every kernel of ``caps`` takes: the mask kinds all accept, the head dims all list (when
+    any lists some) up to the smallest largest one, GQA only when all do, causal with ``N_q ≠ N_k``
+    only when all take it, ``N_q = N_k`` or contiguous inputs when one needs them (lengths'
+    multiples are fitted per kernel: :func:`~flashprobe.fuzz.fit.fit_inputs`)."""
+    if not caps:
+        return KernelCapabilities()
+    listed = [c.head_dims for c in caps if c.head_dims is not None]
+    largest = [c.max_head_dim for c in caps if c.max_head_dim is not None]
+    return KernelCapabilities(
+        masks=frozenset.intersection(*(_mask_kinds(c) for c in caps)),
+        head_dims=frozenset.intersection(*listed) or None if listed else None,
+        max_head_dim=min(largest) if largest else None,
+        head_dim_multiple=math.lcm(*(c.head_dim_multiple for c in caps)),
+        gqa="none" if any(c.gqa == "none" for c in caps) else "native",
+        causal_cross=all(c.causal_cross for c in caps),
+        same_length=any(c.same_length for c in caps),
+        contiguous=any(c.contiguous for c in caps),
+    )
 
 
 def sample_random_spec(
@@ -152,13 +193,15 @@ def sample_random_spec(
     itself (the catalogue's ``qk_overflow`` and ``scale_tiny`` test that); such samples get the
     nearest power of four as their scale, so their logits are exact (:func:`make_random_case`).
 
-    ``limits`` keeps the sample inside what kernels take: only mask kinds they accept, head dims
-    they list, no GQA for kernels without it (lengths are fitted to each kernel when it runs:
-    :func:`~flashprobe.fuzz.fit.fit_inputs`).
+    ``limits`` (:func:`shared_limits`) keeps the sample inside what kernels take: only mask kinds
+    they accept (a bool mask shared by every head where they take no other), head dims they take, no
+    GQA for kernels without it, ``N_q = N_k`` where they need it (for causal calls too, when they take
+    no causal ``N_q ≠ N_k``), contiguous inputs where they need them; lengths' multiples are fitted
+    to each kernel when it runs (:func:`~flashprobe.fuzz.fit.fit_inputs`).
     """
     head_dim = rng.choice(HEAD_DIMS) if rng.random() < 0.5 else rng.randint(2, 256)
-    if limits is not None and limits.head_dims:
-        head_dim = sorted(limits.head_dims)[head_dim % len(limits.head_dims)]
+    if limits is not None:
+        head_dim = _head_dim_within(head_dim, limits)
     u = rng.random()
     scale = None if u < 0.6 else 0.0 if u < 0.65 else default_scale(head_dim, None) * 10 ** rng.uniform(-2, 2)
     level = 0.0
@@ -171,19 +214,39 @@ def sample_random_spec(
             level = sentinel * rng.uniform(1.05, min(3.0, limit / abs(sentinel)))
     masks = [m for m in MASK_KINDS if limits is None or not _NEEDS[m] or limits.masks & set(_NEEDS[m])]
     shape = _shape(rng, profile)
-    if limits is not None and limits.gqa == "none":
-        shape["kv_heads"] = 0
+    layout = rng.choice(LAYOUTS)
+    mask = rng.choices(masks, weights=[MASK_KINDS[m] for m in masks])[0]
+    shared = False
+    if limits is not None:
+        shape["kv_heads"] = 0 if limits.gqa == "none" else shape["kv_heads"]
+        if limits.same_length or (mask == "causal" and not limits.causal_cross):
+            side = min(shape["n_k"], math.isqrt(MAX_SCORES // (shape["batch"] * shape["heads"])))
+            shape["n_q"] = shape["n_k"] = max(side, 1)
+        layout = "contiguous" if limits.contiguous else layout
+        shared = mask in ("random", "fully_masked_rows", "one_valid_key") and "bool" not in limits.masks
     return RandomCaseSpec(
         **shape,
-        layout=rng.choice(LAYOUTS),
+        layout=layout,
+        shared_mask=shared,
         head_dim=head_dim,
-        mask=rng.choices(masks, weights=[MASK_KINDS[m] for m in masks])[0],
+        mask=mask,
         logit_std=10 ** rng.uniform(-1, 1.5),
         level=level,
         scale=scale,
         outliers=rng.random() < 0.15,
         seed=rng.randrange(2**31),
     )
+
+
+def _head_dim_within(d: int, limits: KernelCapabilities) -> int:
+    """``d`` moved to a head dim ``limits`` take: one they list, or a multiple up to their largest."""
+    if limits.head_dims:
+        return sorted(limits.head_dims)[d % len(limits.head_dims)]
+    m = limits.head_dim_multiple
+    d = -(-d // m) * m
+    if limits.max_head_dim is not None and d > limits.max_head_dim:
+        d = max(limits.max_head_dim // m * m, m)
+    return d
 
 
 def _level_grid_qk(
@@ -252,7 +315,7 @@ def _random_mask(
     Returns:
         ``(B, 1, 1, N_k)`` for ``padding``, else ``(B, H, N_q, N_k)``: bool, or additive in ``dtype``.
     """
-    b, h, n_q, n_k = spec.batch, spec.heads, spec.n_q, spec.n_k
+    b, h, n_q, n_k = spec.batch, 1 if spec.shared_mask else spec.heads, spec.n_q, spec.n_k
     if spec.mask == "padding":
         lengths = torch.randint(0, n_k + 1, (b,), generator=gen)
         if rand(gen, 1).item() < 0.3:

@@ -32,6 +32,7 @@ __all__ = [
     "ReproducerStore",
     "case_inputs",
     "case_reproducer",
+    "contract_reproducer",
     "failure_directions",
     "replay_case",
     "reproducer_judge",
@@ -238,3 +239,22 @@ class ReproducerStore:
         """Save a catalogue failure when :meth:`wants` it (``inputs`` builds its call on demand)."""
         prop = result.property or result.case
         return self.save(result, inputs(), prop) if self.wants(result, prop) else result
+
+
+def contract_reproducer(result: FuzzResult, kernel: str | Kernel, call: Any, case: Any) -> Any:
+    """A failing contract case (:mod:`flashprobe.fuzz.contract_run`) as a
+    :class:`~flashprobe.formats.reproducer.ContractReproducer`: the call as the kernel got it."""
+    from flashprobe.formats.reproducer import ContractReproducer
+
+    entry = get_kernel(kernel)
+    meta = {
+        "primary": kernel_label(kernel),
+        "kernel_module": kernel_module(entry),
+        "reason": result.reason,
+        "directions": failure_directions(result),
+        "fuzz": {"case": case.name, "layout": call.storage, "params": {}, "failure": result.failure},
+        "contract": {
+            "api": entry.api, "refuse": case.refuse, "backward": case.backward, "property": case.property,
+        },
+    }  # fmt: skip
+    return ContractReproducer(call, meta)

@@ -64,8 +64,10 @@ __all__ = [
 ]
 
 #: The verdicts a (kernel, case, dtype) can get; ``no_backward``: the forward passes, but the
-#: kernel's output has no autograd graph, so its gradients could not be checked.
-VERDICTS = ("pass", "fail", "skip", "unsupported", "no_backward")
+#: kernel's output has no autograd graph, so its gradients could not be checked; ``not_declared``:
+#: more accurate than the precision it declares can be (:mod:`flashprobe.fuzz.invariants`), a
+#: finding of its own that fails a gate as ``fail`` does.
+VERDICTS = ("pass", "fail", "skip", "unsupported", "no_backward", "not_declared")
 #: The dtypes at which a ``signed bias`` case judges the sign of the error. Bias adds up where the
 #: rounding is coarse (Qiu & Yao: bf16); in float32 a kernel's deterministic last-bit differences
 #: from the baseline (√scale on q and k, another summation order) keep one sign over a whole call
@@ -275,6 +277,14 @@ def noise(out: torch.Tensor, golden: torch.Tensor) -> tuple[float, float, float,
     return max_abs, errors[0] ** 0.5, errors[4], bad
 
 
+#: what a ``biased`` failure adds to its reason: the mechanism known to give it and its mitigation
+BIAS_HINT = (
+    "errors that keep one sign do not average out over steps; a known mechanism is the biased rounding "
+    "of arXiv 2510.04212 (P near 1 rounded up to 1 in bf16 where a row's maximum repeats), removed by "
+    "shifting the row maximum (max_shift, e.g. tiled:max_shift=repeated)"
+)
+
+
 def signed_bias(
     name: str, x: torch.Tensor, golden: torch.Tensor, baseline: torch.Tensor | None, dtype: torch.dtype
 ) -> Judgement | None:
@@ -377,7 +387,7 @@ def judge(out: torch.Tensor, refs: References) -> Verdict:
     bias = signed_bias("out", o, golden, refs.baseline_out, refs.dtype)
     if bias is not None:
         if bias.verdict == "fail":
-            reasons.append(("biased", f"biased: {bias.reason}"))
+            reasons.append(("biased", f"biased: {bias.reason} ({BIAS_HINT})"))
         else:
             note = f"; {bias.reason}{note}"
     if reasons:
@@ -479,7 +489,7 @@ def _gradient_reasons(
     if bias is not None:
         stats.update(bias_z=bias.value, bias_verdict=bias.verdict)
         if bias.verdict == "fail":
-            reasons.append((f"{name}:biased", f"{name} biased: {bias.reason}"))
+            reasons.append((f"{name}:biased", f"{name} biased: {bias.reason} ({BIAS_HINT})"))
     return reasons, stats
 
 

@@ -52,6 +52,7 @@ from flashprobe.kernels import (
 )
 
 if TYPE_CHECKING:
+    from flashprobe.fuzz.ledger import Ledger
     from flashprobe.fuzz.reproducer import ReproducerStore
 
 __all__ = ["FuzzResult", "case_references", "check_case", "kernel_availability", "run_catalogue"]
@@ -93,6 +94,9 @@ class FuzzResult:
             (golden, baseline noise) when this row computed them.
         backward_failure: kind of the first failed gradient check (``dq:values``, ...) when the
             gradients fail, also when the output failed first (its kind is ``failure``).
+        lost: the case's other properties its fitted call no longer exhibits, each with why.
+        known: the ledger entry that accepts this failure, or quarantines the call
+            (:mod:`flashprobe.fuzz.ledger`: ``"<file>:<line>: <reason> (<link>)"``); ``""``: none.
     """
 
     kernel: str
@@ -119,6 +123,8 @@ class FuzzResult:
     fitted: str = ""
     seconds: float = 0.0
     backward_failure: str | None = None
+    lost: dict[str, str] = field(default_factory=dict)
+    known: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         """The row as a dict (written with :func:`flashprobe.formats.write_json`)."""
@@ -299,6 +305,7 @@ def _run_case(
     backward: bool,
     layouts: Sequence[str] = ("contiguous",),
     reproducers: ReproducerStore | None = None,
+    ledger: Ledger | None = None,
 ) -> list[FuzzResult]:
     """Every kernel on one case at one dtype (in each of ``layouts``), each at the call it accepts.
 
@@ -322,6 +329,11 @@ def _run_case(
         inputs = base if layout == base.layout else base.with_layout(layout)
         for kernel in labels:
             t0 = time.perf_counter()
+            held = ledger and ledger.quarantined(kernel, case.name, dtype_name(dtype), device.type)
+            if held:  # it raises or crashes there: not called
+                why, label = f"quarantined by the ledger: {held.label}", held.label
+                results.append(FuzzResult(kernel=kernel, verdict="skip", reason=why, known=label, **common))
+                continue
             result = _run_kernel(case, inputs, kernel, unavailable[kernel, dtype], refs, baseline, backward)
             if result is None:  # a golden the expanded values do not allow: this layout is not posable
                 continue
@@ -336,7 +348,7 @@ def _run_case(
 
 def _fitted(case: FuzzCase, inputs: CaseInputs, kernel: str) -> FittedInputs:
     """The case's call as posed to ``kernel`` (:func:`~flashprobe.fuzz.fit.fit_inputs`)."""
-    return fit_inputs(inputs, get_kernel(kernel).capabilities, fixed=case.fixed)
+    return fit_inputs(inputs, get_kernel(kernel).capabilities, fixed=case.fixed, properties=case.properties)
 
 
 def _run_kernel(
@@ -374,7 +386,7 @@ def _run_kernel(
     if refs[key] is None:
         return None
     result = check_case(kernel, fitted.inputs, case=case.name, refs=replace(refs[key], precision=precision))
-    return replace(result, fitted=fitted.changes)
+    return replace(result, fitted=fitted.changes, lost=fitted.lost)
 
 
 def run_catalogue(
@@ -389,6 +401,7 @@ def run_catalogue(
     layouts: Sequence[str] = ("contiguous",),
     progress: Callable[[str], None] | None = None,
     reproducers: ReproducerStore | None = None,
+    ledger: Ledger | None = None,
 ) -> list[FuzzResult]:
     """Run every case against every kernel at every dtype, in every layout of ``layouts``.
 
@@ -403,6 +416,8 @@ def run_catalogue(
         progress: called with one line per (case, dtype) as it finishes: its verdict per kernel and
             its seconds.
         reproducers: where failures are saved, one per (kernel, property, direction), bounded.
+        ledger: its quarantined (kernel, case, dtype) are not called (reported ``skip``); the
+            ledger's other entries are applied to the rows by the caller (:meth:`Ledger.apply`).
 
     Returns:
         One :class:`FuzzResult` per (case, dtype, kernel), in that order.
@@ -418,6 +433,7 @@ def run_catalogue(
         "baseline": baseline,
         "backward": backward,
         "layouts": layouts,
+        "ledger": ledger,
     }
     results: list[FuzzResult] = []
     for i, (case, dtype) in enumerate(todo, 1):

@@ -22,13 +22,12 @@ import torch
 from flashprobe.fuzz.fit import NotApplicableError, fit_inputs
 from flashprobe.fuzz.inputs import CaseInputs
 from flashprobe.fuzz.kernel_call import kernel_label
-from flashprobe.fuzz.random_cases import RandomCaseSpec, make_random_case, sample_random_spec
+from flashprobe.fuzz.random_cases import RandomCaseSpec, make_random_case, sample_random_spec, shared_limits
 from flashprobe.fuzz.reproducer import ReproducerStore
 from flashprobe.fuzz.rule import References
 from flashprobe.fuzz.run import FuzzResult, case_references, check_case, kernel_availability
 from flashprobe.judge import fp8_baseline
-from flashprobe.kernels import Kernel, KernelCapabilities, dtype_name, get_kernel, to_dtype
-from flashprobe.kernels.registry import MASK_KINDS
+from flashprobe.kernels import Kernel, dtype_name, get_kernel, to_dtype
 
 __all__ = ["random_search"]
 
@@ -113,17 +112,6 @@ class _Search:
         return replace(result, fitted=fitted.changes)
 
 
-def _shared_limits(kernels: Sequence[str]) -> KernelCapabilities:
-    """What every kernel takes: the mask kinds all accept, the head dims all list (when any lists
-    some), GQA only when all do; lengths are fitted per kernel."""
-    caps = [get_kernel(k).capabilities for k in kernels]
-    masks = frozenset.intersection(*(c.masks for c in caps)) if caps else frozenset(MASK_KINDS)
-    listed = [c.head_dims for c in caps if c.head_dims is not None]
-    head_dims = frozenset.intersection(*listed) if listed else None
-    gqa = "none" if any(c.gqa == "none" for c in caps) else "native"
-    return KernelCapabilities(masks=masks, head_dims=head_dims or None, gqa=gqa)
-
-
 def random_search(
     kernels: Sequence[str | Kernel],
     dtypes: Sequence[str | torch.dtype],
@@ -174,7 +162,7 @@ def random_search(
     search = _Search(
         labels, device, baseline, reproducers, kernel_availability(labels, device, resolved), backward
     )
-    limits = _shared_limits(labels)
+    limits = shared_limits([get_kernel(k).capabilities for k in labels])
     rng = random.Random(seed)
     results: list[FuzzResult] = []
     start = time.perf_counter()

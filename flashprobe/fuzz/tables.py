@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from flashprobe.fuzz.cases import CATALOGUE, PROPERTIES, select_cases
@@ -36,10 +37,29 @@ __all__ = [
     "terminal_table",
 ]
 
-_CELL = {"pass": "pass", "fail": "FAIL", "skip": "skip", "unsupported": "unsup", "no_backward": "nobwd"}
-_RAN = ("pass", "fail", "no_backward")
+_CELL = {
+    "pass": "pass",
+    "fail": "FAIL",
+    "known": "known",
+    "skip": "skip",
+    "quarantined": "quar",
+    "unsupported": "unsup",
+    "no_backward": "nobwd",
+    "not_declared": "NDECL",
+}
+_RAN = ("pass", "fail", "no_backward", "not_declared")
 #: which verdict a cell shows when several seeds gave different ones: the worst
-_WORST = ("fail", "no_backward", "pass", "skip", "unsupported")
+_WORST = ("fail", "not_declared", "known", "no_backward", "pass", "skip", "quarantined", "unsupported")
+
+
+def _shown(r: FuzzResult) -> str:
+    """The row's verdict as a cell shows it: a failure the ledger accepts is ``known``, a call it
+    quarantined ``quarantined``."""
+    if r.known:
+        if r.verdict in ("fail", "not_declared"):
+            return "known"
+        return "quarantined" if r.verdict == "skip" else r.verdict
+    return r.verdict
 
 
 def _worst(cells: dict, key: tuple, verdict: str) -> None:
@@ -65,7 +85,7 @@ def terminal_table(results: Sequence[FuzzResult]) -> str:
         width = max(len(c) for c in [*cases, dtype])
         worst: dict[tuple[str, str], str] = {}
         for r in rows:
-            _worst(worst, (r.case, r.kernel), r.verdict)
+            _worst(worst, (r.case, r.kernel), _shown(r))
         cell = {key: _CELL[v] for key, v in worst.items()}
         lines.append(
             "  ".join([f"{dtype:<{width}}", *(f"{k:<{w}}" for k, w in zip(kernels, widths, strict=True))])
@@ -85,15 +105,15 @@ def markdown_table(results: Sequence[FuzzResult]) -> str:
     verdict: dict[tuple[str, str, str], str] = {}
     runs: dict[tuple[str, str, str], list[str]] = {}
     for r in results:
-        _worst(verdict, (r.case, r.kernel, r.dtype), r.verdict)
-        runs.setdefault((r.case, r.kernel, r.dtype), []).append(r.verdict)
+        _worst(verdict, (r.case, r.kernel, r.dtype), _shown(r))
+        runs.setdefault((r.case, r.kernel, r.dtype), []).append(_shown(r))
     mark = {**_CELL, "fail": "**FAIL**"}
 
     def cell(key: tuple[str, str, str]) -> str:
         text = mark.get(verdict.get(key, ""), "-")
         seen = runs.get(key, [])
-        if len(seen) > 1 and verdict.get(key) == "fail":
-            text += f" {seen.count('fail')}/{len(seen)}"
+        if len(seen) > 1 and verdict.get(key) in ("fail", "known"):
+            text += f" {seen.count(verdict[key])}/{len(seen)}"
         return text
 
     lines = [
@@ -149,8 +169,12 @@ def coverage_lines(cover: dict[str, list[int | str]]) -> list[str]:
 
 
 def summary_counts(results: Sequence[FuzzResult]) -> dict[str, int]:
-    """How many results got each verdict, for every verdict."""
-    return {v: sum(r.verdict == v for r in results) for v in VERDICTS}
+    """How many results got each verdict, for every verdict; ``fail`` counts the failures no ledger
+    entry accepts, ``known`` those one does (:mod:`flashprobe.fuzz.ledger`)."""
+    counts = {v: sum(r.verdict == v for r in results) for v in VERDICTS}
+    counts["known"] = sum(r.verdict == "fail" and bool(r.known) for r in results)
+    counts["fail"] -= counts["known"]
+    return counts
 
 
 def _names(values: Sequence[str], limit: int = 4) -> str:
@@ -209,10 +233,19 @@ def property_coverage(results: Sequence[FuzzResult]) -> dict[str, dict[str, dict
         rows = [r for r in results if r.kernel == kernel and r.params is None]
         by_property: dict[str, list[FuzzResult]] = {}
         for r in rows:
-            for prop in CATALOGUE[r.case].properties if r.case in CATALOGUE else ():  # none: custom cases
-                by_property.setdefault(prop, []).append(r)
+            # a catalogue case's properties; a sequence's or an invariant's own; none: custom cases
+            props = (
+                CATALOGUE[r.case].properties if r.case in CATALOGUE else (r.property,) if r.property else ()
+            )
+            for prop in props:
+                lost = r.lost.get(prop)  # the fitted call no longer has it: not applicable, with why
+                row = r if lost is None else replace(r, verdict="unsupported", reason=_NOT_APPLICABLE + lost)
+                by_property.setdefault(prop, []).append(row)
         entry: dict[str, dict[str, Any]] = {}
-        for prop in (p for p in PROPERTIES if p in by_property):
+        for prop in [
+            *(p for p in PROPERTIES if p in by_property),
+            *(p for p in by_property if p not in PROPERTIES),
+        ]:
             group = by_property[prop]
             ran = _unique(r.case for r in group if r.verdict in _RAN)
             if ran:

@@ -12,7 +12,9 @@ attention (:func:`~flashprobe.callbacks.weight_snapshot.own_attention`, e.g. ``"
 So ``flashprobe compare`` reads an HF run like a Lightning run, and names what two runs differ in.
 
 The step of a snapshot is ``state.global_step`` just after the optimizer step (``on_step_end``):
-the snapshot at step 3 holds the weights after 3 optimizer updates. Only the main process writes;
+the snapshot at step 3 holds the weights after 3 optimizer updates. The initial weights are copied at
+``on_train_begin`` and written after the first optimizer step: a run whose kernel is refused in its
+first step leaves no snapshot and no manifest naming that kernel. Only the main process writes;
 sharded training (FSDP, DeepSpeed) is refused at train begin.
 
 This module imports transformers; ``import flashprobe`` does not.
@@ -81,6 +83,9 @@ class WeightSnapshotCallback(SnapshotSchedule, TrainerCallback):
     them again as training reaches them.
     """
 
+    #: the initial weights (tensors, specs) copied at ``on_train_begin``, until written
+    _initial: tuple[dict[str, torch.Tensor], list[Any]] | None = None
+
     def __init__(
         self,
         dirpath: str | os.PathLike[str] | None = None,
@@ -122,12 +127,19 @@ class WeightSnapshotCallback(SnapshotSchedule, TrainerCallback):
             self._saved = set(
                 self._open(run_dir, self._header(args, model, run_dir), step, log.warning).steps
             )
+        self._initial = None
         if self.save_initial and step == 0 and 0 not in self._saved:
-            self._save(model, 0, state)
+            if self._writer is None:  # another process writes it
+                self._saved.add(0)
+            else:  # copied now, written when the first step has run with the run's attention
+                self._initial = module_tensors(
+                    model, include_buffers=self.include_buffers, trainable_only=self.trainable_only
+                )
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        self._write_initial(kwargs["model"])
         step = state.global_step
         if step not in self._saved and self.should_save(step):
             self._save(kwargs["model"], step, state)
@@ -138,6 +150,7 @@ class WeightSnapshotCallback(SnapshotSchedule, TrainerCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        self._write_initial(kwargs["model"])  # training that ran no step
         step = state.global_step
         if self.save_last and step not in self._saved:
             self._save(kwargs["model"], step, state)
@@ -156,14 +169,30 @@ class WeightSnapshotCallback(SnapshotSchedule, TrainerCallback):
             "config": self.config,
         }
 
+    def _write_initial(self, model: nn.Module) -> None:
+        """Write the initial weights copied at ``on_train_begin``, if they are still waiting."""
+        if self._initial is not None:
+            tensors, specs = self._initial
+            self._initial = None
+            self._write(model, 0, tensors, specs, 0.0)
+
     def _save(self, model: nn.Module, step: int, state: TrainerState) -> None:
+        if self._writer is None:
+            self._saved.add(step)
+            return
+        tensors, specs = module_tensors(
+            model, include_buffers=self.include_buffers, trainable_only=self.trainable_only
+        )
+        self._write(model, step, tensors, specs, state.epoch or 0.0)
+
+    def _write(
+        self, model: nn.Module, step: int, tensors: dict[str, torch.Tensor], specs: list[Any], epoch: float
+    ) -> None:
+        """Write the snapshot of ``step`` (the main process) and count it saved."""
         if self._writer is not None:
             if self.attention is None:  # what computed the attention so far (a probe's fallbacks)
                 self._writer.manifest.update(_trained_attention(model, self._primary_callback()))
-            tensors, specs = module_tensors(
-                model, include_buffers=self.include_buffers, trainable_only=self.trainable_only
-            )
-            path = self._writer.write(step, tensors, specs, epoch=state.epoch or 0.0)
+            path = self._writer.write(step, tensors, specs, epoch=epoch)
             log.info("%s: saved step %d to %s", type(self).__name__, step, path)
         self._saved.add(step)
 

@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from flashprobe.errors import FlashprobeError
+
 __all__ = [
     "DTYPE_NAMES",
     "KernelInputError",
@@ -46,11 +48,11 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
 }
 
 
-class KernelInputError(ValueError):
+class KernelInputError(ValueError, FlashprobeError):
     """Raised when the inputs of an attention kernel are malformed."""
 
 
-class KernelOutputError(RuntimeError):
+class KernelOutputError(RuntimeError, FlashprobeError):
     """Raised when an attention kernel returns something other than a ``(B, H, N_q, D_v)`` tensor in
     its inputs' dtype and device."""
 

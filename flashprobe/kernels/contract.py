@@ -188,7 +188,7 @@ def contract_problem(api: str, call: AttentionCall, caps: KernelCapabilities) ->
         if problem is not None:
             return problem
     if _fixed_lengths(call):
-        problem = caps.length_problem(call.n_q, call.n_k)
+        problem = caps.length_problem(call.n_q, call.n_k, bool(causal))
         if problem is not None:
             return problem
     elif caps.same_length or caps.seq_multiple > 1:

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from flashprobe.errors import FlashprobeError
 from flashprobe.kernels._inputs import check_inputs, dtype_name
 from flashprobe.kernels.call import ALIGNS, LSE_BASES, AttentionCall, CallOutput
 from flashprobe.kernels.contract import (
@@ -72,16 +73,16 @@ class AttentionFn(Protocol):
     ) -> torch.Tensor: ...
 
 
-class KernelSpecError(ValueError):
+class KernelSpecError(ValueError, FlashprobeError):
     """A kernel spec string is malformed, names an unknown kernel or an unknown option."""
 
 
-class KernelUnavailableError(RuntimeError):
+class KernelUnavailableError(RuntimeError, FlashprobeError):
     """A kernel cannot run here (missing package, wrong device, unsupported dtype)."""
 
 
 #: the mask kinds a kernel can declare; a call without a mask is always supported
-MASK_KINDS = ("causal", "bool", "float", "key_padding")
+MASK_KINDS = ("causal", "bool", "float", "key_padding", "head_shared")
 #: the kinds of call a kernel can declare a backward for (``backward_masks``): no mask, or a mask kind
 BACKWARD_MASK_KINDS = ("none", *MASK_KINDS)
 #: how a kernel handles grouped key/value heads (``H_kv < H``)
@@ -96,6 +97,7 @@ _CALL_TEXT = {
     "bool": "bool masks",
     "float": "additive masks",
     "key_padding": "key-padding masks",
+    "head_shared": "bool masks shared by every head",
 }
 
 
@@ -125,11 +127,17 @@ class KernelCapabilities:
         masks: the mask kinds it accepts, of :data:`MASK_KINDS`: ``causal`` (``is_causal``),
             ``bool`` (any dense bool ``attn_mask``), ``float`` (additive), ``key_padding`` (a bool
             mask that masks the same keys for every head and query: a ``(B, 1, 1, N_k)`` mask, or a
-            ``(B, 1, N_q, N_k)`` one whose rows the kernel checks itself).
+            ``(B, 1, N_q, N_k)`` one whose rows the kernel checks itself), ``head_shared`` (one bool
+            mask shared by every head: ``(B, 1, N_q, N_k)``, key-padding masks included).
         causal_cross: causal with ``N_q != N_k`` in SDPA's top-left alignment.
         seq_multiple: ``N_q`` and ``N_k`` must be multiples of this (a kernel without boundary
             checks on its tiles: 64 or 128); pad longer sequences and mask the tail.
         same_length: ``N_q = N_k`` only (self-attention kernels without a cross-attention path).
+        causal_seq_multiple: the multiple of ``N_q`` and ``N_k`` for causal calls where it differs
+            from ``seq_multiple`` (e.g. ``seq_multiple=128, causal_seq_multiple=1``: lengths multiples
+            of 128 only without causal); None: ``seq_multiple``.
+        contiguous: contiguous q, k, v only (a kernel that reads its inputs from ``data_ptr()``
+            without strides).
         backward_masks: the kinds of call that have a backward, of :data:`BACKWARD_MASK_KINDS`
             (``none`` is a call without a mask, ``causal`` is ``is_causal``), e.g.
             ``frozenset({"causal"})`` for a kernel whose backward is causal only; None: every call
@@ -166,12 +174,18 @@ class KernelCapabilities:
         page_sizes: the page sizes of a paged KV cache it takes, or None for any (within the next).
         page_multiple: page sizes must be multiples of this (flash-attn 2: 256).
         preallocated_out: it writes into a preallocated ``out=``.
+        batch_invariant: a row's output is bit-identical whatever else is in the batch (checked by
+            ``flashprobe fuzz``'s ``inv_batch``).
+        deterministic: the same call gives the same bits every time, its backward included (checked
+            by ``inv_determinism``).
     """
 
     masks: frozenset[str] = frozenset(MASK_KINDS)
     causal_cross: bool = True
     seq_multiple: int = 1
     same_length: bool = False
+    causal_seq_multiple: int | None = None
+    contiguous: bool = False
     backward_masks: frozenset[str] | None = None
     gqa: str = "native"
     head_dims: frozenset[int] | None = None
@@ -195,6 +209,8 @@ class KernelCapabilities:
     page_sizes: frozenset[int] | None = None
     page_multiple: int = 1
     preallocated_out: bool = False
+    batch_invariant: bool = False
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.lse_base not in LSE_BASES:
@@ -217,6 +233,8 @@ class KernelCapabilities:
             raise ValueError(f"head_dim_multiple={self.head_dim_multiple} must be >= 1")
         if self.seq_multiple < 1:
             raise ValueError(f"seq_multiple={self.seq_multiple} must be >= 1")
+        if self.causal_seq_multiple is not None and self.causal_seq_multiple < 1:
+            raise ValueError(f"causal_seq_multiple={self.causal_seq_multiple} must be >= 1 or None")
         unknown = set(self.backward_masks or ()) - set(BACKWARD_MASK_KINDS)
         if unknown:
             raise ValueError(
@@ -230,18 +248,27 @@ class KernelCapabilities:
             return True
         return kind in self.backward_masks or (kind == "key_padding" and "bool" in self.backward_masks)
 
-    def length_problem(self, n_q: int, n_k: int) -> str | None:
+    def seq_multiple_for(self, is_causal: bool) -> int:
+        """The multiple ``N_q`` and ``N_k`` must be for a causal (or a non-causal) call."""
+        if is_causal and self.causal_seq_multiple is not None:
+            return self.causal_seq_multiple
+        return self.seq_multiple
+
+    def length_problem(self, n_q: int, n_k: int, is_causal: bool = False) -> str | None:
         """Why the kernel cannot take ``N_q`` queries and ``N_k`` keys (``seq_multiple``,
-        ``same_length``), feature and fix; None when it can."""
+        ``causal_seq_multiple``, ``same_length``), feature and fix; None when it can."""
         if self.same_length and n_q != n_k:
             return (
                 f"takes N_q = N_k only, not N_q={n_q}, N_k={n_k}; compare cross-attention shapes with "
                 f"a kernel that takes them ({_FALLBACK})"
             )
-        m = self.seq_multiple
+        m = self.seq_multiple_for(is_causal)
         if n_q % m or n_k % m:
+            calls = ""
+            if self.causal_seq_multiple is not None:
+                calls = " in causal calls" if is_causal else " without causal"
             return (
-                f"needs sequence lengths that are multiples of {m}, not N_q={n_q}, N_k={n_k}; pad the "
+                f"needs sequence lengths that are multiples of {m}{calls}, not N_q={n_q}, N_k={n_k}; pad the "
                 f"sequences to a multiple of {m} and mask the padded keys, or choose {_FALLBACK}"
             )
         return None
@@ -322,9 +349,11 @@ class KernelCapabilities:
                     f"not for {_CALL_TEXT[kind]}; compare forward only (the fuzzer's --no-backward) or "
                     f"choose a kernel with that backward ({_FALLBACK})"
                 )
-        problem = self.length_problem(q.shape[-2], k.shape[-2])
+        problem = self.length_problem(q.shape[-2], k.shape[-2], is_causal)
         if problem is not None:
             return problem
+        if self.contiguous and not all(t.is_contiguous() for t in (q, k, v)):
+            return f"takes contiguous q, k, v only; call .contiguous() on them first, or choose {_FALLBACK}"
         problem = self.head_problem(q.shape[-1], v.shape[-1], q.shape[-3], k.shape[-3])
         if problem is not None:
             return problem
@@ -340,9 +369,11 @@ class KernelCapabilities:
             kind = mask_kind(attn_mask)
             if kind == "float" and "float" not in self.masks:
                 return f"does not support additive float masks; pass a bool mask or choose {_FALLBACK}"
-            if kind != "float" and "bool" not in self.masks:
+            shared = attn_mask.dim() < 3 or attn_mask.shape[-3] == 1
+            if kind != "float" and "bool" not in self.masks and not ("head_shared" in self.masks and shared):
                 if "key_padding" not in self.masks:
-                    return f"does not support attn_mask (bool masks); choose {_FALLBACK}"
+                    only = " per head" if "head_shared" in self.masks else ""
+                    return f"does not support attn_mask (bool masks{only}); choose {_FALLBACK}"
                 if attn_mask.dim() == 4 and attn_mask.shape[1] != 1:
                     return (
                         "supports bool masks only as key padding (the same keys masked for every head "
@@ -402,7 +433,12 @@ class KernelCapabilities:
         if self.same_length:
             parts.append("N_q = N_k only")
         if self.seq_multiple > 1:
-            parts.append(f"lengths multiples of {self.seq_multiple}")
+            without = " without causal" if self.causal_seq_multiple not in (None, self.seq_multiple) else ""
+            parts.append(f"lengths multiples of {self.seq_multiple}{without}")
+        if self.causal_seq_multiple not in (None, 1, self.seq_multiple):
+            parts.append(f"causal lengths multiples of {self.causal_seq_multiple}")
+        if self.contiguous:
+            parts.append("contiguous inputs only")
         return ", ".join(parts)
 
     def describe_backward_masks(self) -> str:

@@ -18,10 +18,12 @@ from typing import Any
 
 from torch import nn
 
+from flashprobe.errors import FlashprobeError
+
 __all__ = ["ProbeCompileError", "check_compiled", "fullgraph_modules"]
 
 
-class ProbeCompileError(RuntimeError):
+class ProbeCompileError(RuntimeError, FlashprobeError):
     """The model is compiled in a way the probe cannot run in (``fullgraph=True``)."""
 
 

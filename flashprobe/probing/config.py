@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from flashprobe.errors import FlashprobeError
 from flashprobe.judge import fp8_baseline
 from flashprobe.kernels import Kernel, get_kernel
 
@@ -36,7 +37,7 @@ DROPOUT_POLICIES = ("compare", "skip")
 _COPYING: ContextVar[ProbeConfig | None] = ContextVar("flashprobe_probe_config_copying", default=None)
 
 
-class ProbeConfigError(ValueError):
+class ProbeConfigError(ValueError, FlashprobeError):
     """A probe setting has a value it cannot take; the message names the setting and the fix."""
 
 

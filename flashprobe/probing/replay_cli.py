@@ -6,7 +6,10 @@ the kernel that failed, as recorded) with the judge that found it — a
 :class:`~flashprobe.probing.ShadowAttention`, forward and, when the file holds an output gradient,
 backward, or the fuzzer's — prints one line per kernel and exits 1 when any kernel does not pass
 (2 on bad arguments: a kernel that is not registered, a module that does not import), so it works
-as a regression test for a fix::
+as a regression test for a fix. A call of a kernel's own api (``flash_attn_varlen_func``, a KV cache,
+``merge_state``: a contract reproducer) is judged as ``flashprobe fuzz`` judged it
+(:func:`flashprobe.fuzz.contract_run.check_call`: out, LSE, the cache, gradients, or that a bad call
+is refused); a kernel that refuses a valid call exits 2 (it says nothing about the bug), not 1::
 
     flashprobe replay out/run/repro/blocks.0.attn.dq.step0000003.safetensors --import mykernels
     flashprobe replay FILE --kernel mykernel --kernel sdpa_math
@@ -49,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns 0 when every kernel passes, 1 when one fails or errors, 2 on bad input."""
+    from flashprobe.formats.reproducer import is_sequence_file
     from flashprobe.fuzz.reproducer import reproducer_judge  # a command: the fuzzer's cases too
     from flashprobe.probing.repro import ReproducerError, load_reproducer, replay, replay_kernels
 
@@ -58,6 +62,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         import_kernel_modules(args.imports or [])
     except KernelSpecError as err:
         parser.error(str(err))
+    if is_sequence_file(args.file):  # several calls in order (flashprobe fuzz's seq_* checks)
+        from flashprobe.fuzz.sequences import replay_main
+
+        try:
+            return replay_main(args.file, args.kernel, args.baseline, args.json)
+        except (ReproducerError, KernelSpecError) as err:
+            parser.error(str(err))
+    from flashprobe.formats.reproducer import is_contract_reproducer
+
+    if is_contract_reproducer(args.file):  # a call of a kernel's own api (varlen, paged, KV cache, merge)
+        return _replay_contract(parser, args)
     try:
         call = load_reproducer(args.file)
         kernels, baseline = replay_kernels(call, args.kernel, args.baseline)
@@ -103,3 +118,51 @@ def _describe(call: Reproducer) -> str:
         f"{str(call.dtype).removeprefix('torch.')} on {call.q.device}, causal={call.is_causal}, "
         f"scale={call.scale}, mask {mask}{layout}, backward={'yes' if backward else 'no'}"
     )
+
+
+def _replay_contract(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Replay a contract reproducer: 0 when every kernel passes, 1 when one fails, 2 when none fails
+    and a kernel refuses the (valid) call or is not registered."""
+    from flashprobe.formats.reproducer import ReproducerError, load_contract_reproducer
+    from flashprobe.fuzz.contract_cases import describe_call
+    from flashprobe.fuzz.contract_run import check_call
+    from flashprobe.kernels import get_kernel
+
+    try:
+        saved = load_contract_reproducer(args.file)
+    except ReproducerError as err:
+        parser.error(str(err))
+    meta, contract = saved.meta, saved.meta["contract"]
+    specs = list(args.kernel or ([meta["primary"]] if meta.get("primary") else []))
+    if not specs:
+        parser.error("the reproducer records no kernel; name one with --kernel")
+    for spec in specs:
+        try:
+            get_kernel(spec)
+        except KernelSpecError as err:
+            module = meta.get("kernel_module")
+            parser.error(
+                f"--kernel {spec!r}: {err} ({'--import ' + module if module else 'pass --import MODULE'})"
+            )
+    results = {}
+    for spec in specs:
+        found = check_call(
+            spec, saved.call, refuse=contract.get("refuse", ""), backward=contract.get("backward", True)
+        )
+        results[spec] = {"verdict": found.verdict, "failure": found.failure, "reasons": [found.reason]}
+    case = (meta.get("fuzz") or {}).get("case")
+    if args.json:
+        print(
+            json.dumps(
+                {"file": str(args.file), "call": describe_call(saved.call), "results": results}, indent=2
+            )
+        )
+    else:
+        print(f"{args.file}: fuzz case {case!r} ({contract.get('api')}) — {describe_call(saved.call)}")
+        print(f"  recorded: {meta.get('reason')}")
+        for spec, r in results.items():
+            print(f"  {spec}: {r['verdict'].upper()}: {r['reasons'][0]}")
+    verdicts = {r["verdict"] for r in results.values()}
+    if "fail" in verdicts:
+        return 1
+    return 2 if "unsupported" in verdicts else 0

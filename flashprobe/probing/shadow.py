@@ -55,6 +55,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashprobe.bias import BIAS_FIELDS, BiasStats
 from flashprobe.deviation import SUM_ROWS, StatsWorkspace, combine_sums, pair_sums, reads_are_free
+from flashprobe.errors import FlashprobeError
 from flashprobe.formats.jsonio import flatten
 from flashprobe.formats.reproducer import kernel_module, reproducer_stem, save_reproducer
 from flashprobe.judge import CRITERIA, call_statistics, reason, row_statistics
@@ -94,7 +95,7 @@ __all__ = ["ON_FAILURE", "ProbeFailureError", "ShadowAttention"]
 ON_FAILURE: tuple[str, ...] = ("warn", "raise", "ignore")
 
 
-class ProbeFailureError(RuntimeError):
+class ProbeFailureError(RuntimeError, FlashprobeError):
     """Raised with ``on_failure="raise"`` at the first failing call (message: site, direction, step,
     reason, reproducer)."""
 

@@ -84,7 +84,16 @@ from flashprobe.deviation import (
     pair_sums,
     reads_are_free,
 )
-from flashprobe.judge import CRITERIA, UNDETERMINED, decide, error_columns, limits, reason, resolution
+from flashprobe.judge import (
+    CRITERIA,
+    LSE_RELATIVE_LIMIT,
+    UNDETERMINED,
+    decide,
+    error_columns,
+    limits,
+    lse_statistics,
+    reason,
+)
 
 __all__ = [
     "ARG_FIELDS",
@@ -623,37 +632,6 @@ def site_directions(entry: Mapping[str, Any]) -> dict[str, Any]:
 def failure_order(failure: Mapping[str, Any]) -> tuple[Any, Any, int]:
     """The sort key of a failure (``{site, direction, step, ...}``): by step, site, then direction."""
     return failure["step"], failure["site"], SITE_DIRECTIONS.index(failure["direction"])
-
-
-#: The LSE's limit: this many times the same-dtype baseline's worst row error, and its floor in units of
-#: :func:`~flashprobe.judge.resolution` (at least ``4·eps₃₂·|golden|``: an LSE is stored in float32).
-LSE_RELATIVE_LIMIT, LSE_ABSOLUTE_EPS = 8.0, 4.0
-
-
-def lse_statistics(
-    primary: torch.Tensor, baseline: torch.Tensor, golden: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """One call's LSE statistics, on the device (no host read): ``(6,)`` float64, the worst row's
-    ``|primary − golden| / limit``, the worst ``|primary − golden|`` and ``|baseline − golden|`` over the
-    rows that see keys (``limit = max(8 × the baseline's, the floor)``), the rows with keys where the
-    primary is not finite, the rows without keys where it is not ``−inf``, and the golden's largest
-    finite magnitude. (The LSE rule :mod:`flashprobe.judge` gains for the fuzzer and the probe alike;
-    until it lands here, this is its copy.)"""
-    p, b, g = (t.detach().reshape(-1).to(torch.float64) for t in (primary, baseline, golden))
-    seen = torch.isfinite(g)
-    zero = torch.zeros((), dtype=torch.float64, device=g.device)
-    err = torch.where(seen & torch.isfinite(p), (p - g).abs(), zero)
-    base = torch.where(seen & torch.isfinite(b), (b - g).abs(), zero)
-    base_max = base.amax() if base.numel() else zero
-    magnitude = torch.where(seen, g.abs(), zero)
-    floor = (4.0 * float(torch.finfo(torch.float32).eps) * magnitude).clamp(
-        min=LSE_ABSOLUTE_EPS * resolution(dtype)
-    )
-    ratio = (err / torch.maximum(LSE_RELATIVE_LIMIT * base_max, floor)).amax() if err.numel() else zero
-    nonfinite = (seen & ~torch.isfinite(p)).sum().to(torch.float64)
-    empty = (~seen & (p != float("-inf"))).sum().to(torch.float64)
-    top = magnitude.amax() if magnitude.numel() else zero
-    return torch.stack((ratio, err.amax() if err.numel() else zero, base_max, nonfinite, empty, top))
 
 
 def lse_reason(kind: str, value: float, error: float, baseline: float) -> str:

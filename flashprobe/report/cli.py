@@ -7,6 +7,8 @@
   or comparison from its ``study.json``, or redraws ``probe.png`` of a training run (a directory
   holding ``probe.jsonl``).
 
+Both print the verdict of the comparison (docs/study.md "The answer") and exit with its code, as
+``flashprobe study`` does: 0 PASS, 3 LOOK CLOSER, 4 UNDETERMINED (a pair the rule needs is missing).
 Arguments and output paths are checked before any work; errors print one line and exit with 2. A
 full disk ends in one line too (the directory, its free space, what was kept) and exit code 1: every
 file is written atomically, so none is left half-written.
@@ -127,7 +129,7 @@ def _fmt_e(x: float) -> str:
 
 def compare_main(argv: Sequence[str] | None = None) -> int:
     """``flashprobe compare``: compare the weight snapshots of two or more run directories."""
-    from flashprobe.report.study_verdict import needs_line
+    from flashprobe.report.study_verdict import answer, needs_line
     from flashprobe.report.weights_figures import plot_study_figures
     from flashprobe.weights import SnapshotStore, compare_runs
     from flashprobe.weights.differences import describe_differences, not_like_for_like
@@ -177,9 +179,11 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
             + " — such a distance mixes the effects of everything its runs differ in"
         )
     print(needs_line({"pairs": pairs_doc}))
+    lines, code = answer({"pairs": pairs_doc})
+    print(printable("\n".join(["", *lines, ""])))
     for path in result.files:
         print(printable(f"wrote {path}"))
-    return 0
+    return code
 
 
 # ------------------------------------------------------------------------------------------- report
@@ -187,11 +191,11 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
 
 def report_main(argv: Sequence[str] | None = None) -> int:
     """``flashprobe report DIR``: rebuild ``DIR/report.md`` from ``DIR/study.json`` (``--figures``:
-    redraw the figures too) and name the files written; for a training run directory
-    (``probe.jsonl``, no ``study.json``) redraw ``probe.png`` and print the worst error ratio per
-    logged step."""
+    redraw the figures too), print the verdict and name the files written, exiting with the verdict's
+    code as ``flashprobe study`` does; for a training run directory (``probe.jsonl``, no ``study.json``)
+    redraw ``probe.png`` and print the worst error ratio per logged step and the probe's verdict."""
     from flashprobe.report.study_report import write_report
-    from flashprobe.report.study_verdict import comparison_groups
+    from flashprobe.report.study_verdict import answer, comparison_groups
     from flashprobe.report.weights_figures import plot_study_figures
 
     prog = "flashprobe report"
@@ -217,9 +221,11 @@ def report_main(argv: Sequence[str] | None = None) -> int:
         report = write_report(args.dir)
     except (FileNotFoundError, ValueError, DiskFullError) as err:
         return _fail(prog, err)
+    lines, code = answer(study)  # the verdict and its exit code, as `flashprobe study` gives them
+    print(printable("\n".join([*lines, ""])))
     for path in (report, *figures):  # the files, not their contents: the report is for reading there
         print(printable(f"wrote {path}"))
-    return 0
+    return code
 
 
 def _run_report(run_dir: Path) -> int:

@@ -23,7 +23,6 @@ from flashprobe.formats.probe_log import PROBE_LOG_NAME, load_probe_records
 from flashprobe.formats.run_record import read_run_record, run_seconds
 from flashprobe.formats.study_file import read_study
 from flashprobe.report.study_verdict import (
-    FLASH,
     Verdict,
     comparison_groups,
     format_value,
@@ -33,10 +32,11 @@ from flashprobe.report.study_verdict import (
     study_comparisons,
     verdict,
     verdict_lines,
+    verdict_subject,
 )
 from flashprobe.weights.differences import describe_differences, not_like_for_like
 
-__all__ = ["probe_summary", "verdict", "verdict_lines", "write_report"]
+__all__ = ["probe_summary", "probe_verdict", "verdict", "verdict_lines", "write_report"]
 
 
 def _final(pair: Mapping[str, Any], metric: str = "wasserstein") -> tuple[int, float] | None:
@@ -55,15 +55,35 @@ def probe_summary(run_dir: Path) -> list[dict[str, Any]]:
     return [{"step": r["step"], **r.get("summary", {})} for r in load_probe_records(path)]
 
 
+def probe_verdict(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """The probe's verdict over a run: the last summary of its ``probe.jsonl`` with every record
+    tallied (:class:`flashprobe.probing.session.RunTally`), and the per-site rows of the verdict
+    block; None when the run has no probe records."""
+    from flashprobe.probing.session import RunTally
+
+    path = run_dir / PROBE_LOG_NAME
+    if not path.is_file():
+        return None
+    tally, summary = RunTally(), {}
+    for record in load_probe_records(path):
+        head = {"step": record["step"], **(record.get("summary") or {})}
+        summary = tally.add(head, record.get("sites") or {})
+    return (summary, tally.rows(summary.get("failures") or [])) if summary else None
+
+
 def _comparisons_table(study: Mapping[str, Any]) -> list[str]:
     """One row per pair: what it isolates (the plan), what its runs differ in (their records), its
     distances at its last step."""
     meta = study.get("study") or {}
     comparisons, runs = study_comparisons(study), meta.get("runs") or {}
 
-    def side(name: str) -> str:
-        r = runs.get(name)
-        return name if r is None else f"{name} ({r['attention']}, {r['precision']}, seed {r['seed']})"
+    def side(name: str, recorded: Mapping[str, Any] | None) -> str:
+        """A run by name, with the attention, precision and seed the study planned for it, else those
+        its manifest recorded (a comparison's run)."""
+        r = runs.get(name) or recorded or {}
+        facts = [str(r[k]) for k in ("attention", "precision") if r.get(k) is not None]
+        facts += [f"seed {r['seed']}"] if r.get("seed") is not None else []
+        return f"{name} ({', '.join(facts)})" if facts else name
 
     lines = [
         "| comparison | isolates | run A | run B | differs in (recorded) | last step | Wasserstein | "
@@ -75,8 +95,10 @@ def _comparisons_table(study: Mapping[str, Any]) -> list[str]:
         final, final_max = _final(pair), _final(pair, "max_abs")
         run_a = c.get("run_a") or Path(pair["run_a"]).name
         run_b = c.get("run_b") or Path(pair["run_b"]).name
+        recorded = pair.get("runs") or {}
         lines.append(
-            f"| {name} | {c.get('isolates', '–')} | {side(run_a)} | {side(run_b)} | "
+            f"| {name} | {c.get('isolates', '–')} | {side(run_a, recorded.get('a'))} | "
+            f"{side(run_b, recorded.get('b'))} | "
             f"{describe_differences(pair)} | "
             f"{final[0] if final else '–'} | {format_value(final[1] if final else None)} | "
             f"{format_value(final_max[1] if final_max else None)} |"
@@ -277,9 +299,7 @@ def write_report(study_dir: str | Path) -> Path:
     study = read_study(study_dir)
     meta = study.get("study") or {}
     v = verdict(study)
-    flash_runs = (study["pairs"].get(v.kernel_pair if v else FLASH) or {}).get("runs") or {}
-    precision = meta.get("precision") or (flash_runs.get("a") or {}).get("precision") or "?"
-    kernel = meta.get("kernel") or (flash_runs.get("a") or {}).get("attention") or "the kernel under test"
+    precision, kernel = verdict_subject(study, v)
     mixed = not_like_for_like(study["pairs"])
     subject = kernel_label(v) if v else kernel  # as the runs recorded it, never a fixed kernel word
     title = f"weight deviation of {subject} attention" + ("" if mixed else ", like for like")

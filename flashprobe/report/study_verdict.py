@@ -38,6 +38,7 @@ __all__ = [
     "ExtraLine",
     "Interval",
     "Verdict",
+    "answer",
     "comparison_groups",
     "format_value",
     "kernel_pair",
@@ -46,6 +47,7 @@ __all__ = [
     "study_comparisons",
     "verdict",
     "verdict_lines",
+    "verdict_subject",
 ]
 
 FLASH = "flash_vs_baseline"
@@ -251,6 +253,8 @@ def study_comparisons(study: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         return out
     kernel_pairs = [n for n, p in study["pairs"].items() if _differs_in(p) == ["attention"]]
     kernel_pair = FLASH if FLASH in kernel_pairs else next(iter(kernel_pairs), None)
+    # the one replicate's seed: the seed the kernel pair's runs share (a seed pair's runs have two)
+    shared = _run_seed(study["pairs"][kernel_pair], "a") if kernel_pair else None
     for name, pair in study["pairs"].items():
         things = _differs_in(pair)
         if things is None:
@@ -262,9 +266,15 @@ def study_comparisons(study: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         if kind is None:
             continue
         isolates = "nothing" if not things else f"{things[0]} ({' vs '.join(map(str, differs[things[0]]))})"
-        seed = (pair.get("runs") or {}).get("b", {}).get("seed")
+        seed = shared if shared is not None else _run_seed(pair, "a")
         out[name] = {"kind": kind, "group": name, "replicate": 0, "seed": seed or 0, "isolates": isolates}
     return out
+
+
+def _run_seed(pair: Mapping[str, Any], side: str) -> int | None:
+    """The seed run ``side`` (``a`` or ``b``) of a compared pair recorded, or None."""
+    seed = ((pair.get("runs") or {}).get(side) or {}).get("seed")
+    return seed if isinstance(seed, int) and not isinstance(seed, bool) else None
 
 
 def _differs_in(pair: Mapping[str, Any]) -> list[str] | None:
@@ -355,6 +365,7 @@ def verdict(study: Mapping[str, Any]) -> Verdict | None:
         return None
     flash = {c["replicate"]: n for n, c in comparisons.items() if c["kind"] == "kernel"}
     seeds = {c["replicate"]: c["seed"] for c in comparisons.values()}
+    seeds.update({c["replicate"]: c["seed"] for c in comparisons.values() if c["kind"] == "kernel"})
     curves = {
         n: dict(zip(pairs[n]["steps"], pairs[n]["model"]["wasserstein"], strict=True)) for n in comparisons
     }
@@ -585,6 +596,29 @@ def answer_line(v: Verdict) -> str:
     return f"**UNDETERMINED**: {'; '.join(v.reasons)} — {NEEDS}"
 
 
+def verdict_subject(study: Mapping[str, Any], v: Verdict | None) -> tuple[str, str]:
+    """The precision and the kernel a verdict speaks of: the study's settings, else (a comparison) what
+    the kernel pair's first run recorded."""
+    meta = study.get("study") or {}
+    runs = (study["pairs"].get(v.kernel_pair if v else FLASH) or {}).get("runs") or {}
+    precision = meta.get("precision") or (runs.get("a") or {}).get("precision") or "?"
+    kernel = meta.get("kernel") or (runs.get("a") or {}).get("attention") or "the kernel under test"
+    return str(precision), str(kernel)
+
+
+def answer(study: Mapping[str, Any]) -> tuple[list[str], int]:
+    """The verdict of a study or comparison as ``flashprobe study``, ``compare`` and ``report`` print it:
+    plain-text lines, the answer first, and the exit code of that answer (:data:`EXIT_CODES`; no kernel
+    pair is UNDETERMINED).
+
+    Args:
+        study: ``study.json`` as read by :func:`flashprobe.formats.study_file.read_study`.
+    """
+    v = verdict(study)
+    lines = [no_verdict_line(study)] if v is None else verdict_lines(v, *verdict_subject(study, v))
+    return [line.replace("**", "") for line in lines], EXIT_CODES[v.answer if v else UNDETERMINED]
+
+
 def needs_line(study: Mapping[str, Any]) -> str:
     """One paragraph: the pairs a verdict needs, by what their runs differ in, and which of them this
     comparison has (by name) or misses; the low-precision pair must be at the kernel's precision."""
@@ -639,7 +673,7 @@ def verdict_lines(v: Verdict, precision: str, kernel: str = "sdpa_flash") -> lis
     only where that run recorded none."""
     n, step, steps, kernel = len(v.seeds), v.step, v.steps, kernel_label(v)
     attention = [kernel if v.attention[0] == "not recorded" else v.attention[0], v.attention[1]]
-    reps = "1 replicate, seed 0" if n == 1 else f"{n} replicates, seeds {', '.join(map(str, v.seeds))}"
+    reps = f"{n} replicate{'s' * (n != 1)}, seed{'s' * (n != 1)} {', '.join(map(str, v.seeds))}"
     lines = [
         answer_line(v),
         f"{v.kernel_pair} ({' vs '.join(attention)} attention, both at {precision}, same seed): "

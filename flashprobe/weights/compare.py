@@ -36,6 +36,7 @@ from typing import Any, overload
 
 import torch
 
+from flashprobe.errors import FlashprobeError
 from flashprobe.formats.study_file import write_study
 from flashprobe.weights.differences import is_like_for_like, run_differences
 from flashprobe.weights.distances import sorted_values, wasserstein_sorted
@@ -53,7 +54,7 @@ __all__ = [
 ]
 
 
-class SnapshotMismatchError(ValueError):
+class SnapshotMismatchError(ValueError, FlashprobeError):
     """Two runs cannot be compared: their parameters differ in names or shapes, or no step is common."""
 
 

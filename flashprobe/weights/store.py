@@ -42,6 +42,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from flashprobe.errors import FlashprobeError
 from flashprobe.formats.atomic import (
     TMP_SUFFIX,
     atomic_write_file,
@@ -71,7 +72,7 @@ SNAPSHOT_DIRNAME = "snapshots"
 MANIFEST_NAME = "manifest.json"
 
 
-class SnapshotError(ValueError):
+class SnapshotError(ValueError, FlashprobeError):
     """A snapshot directory or manifest is missing, malformed or inconsistent."""
 
 

@@ -51,20 +51,34 @@ class KillAtTrainEnd(Callback):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _user_refusal() -> type[Exception]:
+    """A user's kernel module's own refusal: a subclass of flashprobe's, defined outside flashprobe."""
+    from flashprobe.kernels import KernelUnsupportedError
+
+    class UserKernelRefusalError(KernelUnsupportedError):
+        """What a user's kernel raises when it refuses a call."""
+
+    return UserKernelRefusalError
+
+
 class RaiseAt(Callback):
     """Raise ``RuntimeError`` when the training batch after ``step`` optimizer steps starts (a crash
     inside training that is not flashprobe's); ``kernel_refusal=True``: raise what a kernel raises
-    when it refuses a call (:class:`~flashprobe.kernels.KernelUnsupportedError`), flashprobe's own."""
+    when it refuses a call (:class:`~flashprobe.kernels.KernelUnsupportedError`), flashprobe's own;
+    ``user_refusal=True``: a subclass of it defined in this module, as a user's kernel module would."""
 
-    def __init__(self, step: int, kernel_refusal: bool = False) -> None:
+    def __init__(self, step: int, kernel_refusal: bool = False, user_refusal: bool = False) -> None:
         self.step = step
         self.kernel_refusal = kernel_refusal
+        self.user_refusal = user_refusal
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int
     ) -> None:
         if trainer.global_step != self.step:
             return
+        if self.user_refusal:
+            raise _user_refusal()(f"mykernel: head dim 59 at step {self.step} is not supported; choose math")
         if self.kernel_refusal:
             from flashprobe.kernels import KernelUnsupportedError
 

@@ -47,7 +47,11 @@ def test_a_tiny_study_prints_at_most_40_lines_ending_with_the_verdict_and_paths(
     assert not [line for line in lines if any(n in line for n in NOISE)]
     for k, run in enumerate(("flash", "baseline", "identical"), start=1):
         assert any(re.match(rf"\[{k}/3\] {run} +training \(", line) for line in lines), run
-        assert any(re.match(rf"\[{k}/3\] {run} +done in \d+ s · elapsed", line) for line in lines), run
+        probe = r" · probe PASS \(5 sites, worst error/limit [0-9.e-]+\)" if run == "flash" else ""
+        assert any(re.match(rf"\[{k}/3\] {run} +done in \d+ s{probe} · elapsed", line) for line in lines), run
+    # a passing run's verdict is its one line: no per-site table (17 lines a flash run), no block
+    assert not [line for line in lines if "site" in line.split() and "dir" in line.split()]
+    assert not [line for line in lines if "AttentionProbe: verdict" in line]
     assert [line.split(":")[0] for line in lines[-4:]] == ["report", "numbers", "figures", "runs"]
     verdict = lines[lines.index("") + 1 : -5] if "" in lines else []
     # the answer comes first

@@ -101,6 +101,21 @@ def test_a_kernel_refusing_a_call_inside_training_is_one_paragraph_with_exit_cod
     assert (run / "run.json").is_file()  # the run recorded why it ended
 
 
+def test_a_users_subclass_of_a_flashprobe_error_is_recognised_by_its_class_not_its_module(
+    tmp_path: Path,
+) -> None:
+    """A kernel module of the user's raises its own subclass of ``KernelUnsupportedError`` at the first
+    step: a ``FlashprobeError``, so one paragraph and exit code 2, though its module is not flashprobe's
+    (a process of its own: a Hydra job that ends inside training leaves Hydra's state set)."""
+    run = tmp_path / "run"
+    refuse = ["+callbacks.crash._target_=tests.app._kill.RaiseAt", "+callbacks.crash.step=0"]
+    refuse.append("+callbacks.crash.user_refusal=true")
+    proc = flashprobe_cli("train", *SHORT, *refuse, f"hydra.run.dir={run}")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = _one_paragraph(proc.stderr)
+    assert line.endswith("error: mykernel: head dim 59 at step 0 is not supported; choose math"), line
+
+
 @pytest.mark.slow
 def test_a_bug_inside_training_keeps_its_traceback(tmp_path: Path) -> None:
     crash = ["+callbacks.crash._target_=tests.app._kill.RaiseAt", "+callbacks.crash.step=1"]

@@ -22,18 +22,31 @@ def _comparison_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_report_names_the_files_it_wrote(tmp_path: Path, capsys) -> None:
+def _wrote(printed: str) -> list[str]:
+    """The ``wrote PATH`` lines ``report`` printed, checked to come last, after the verdict and a blank
+    line."""
+    lines = printed.splitlines()
+    wrote = [line for line in lines if line.startswith("wrote ")]
+    assert wrote and lines[-len(wrote) :] == wrote and lines[-len(wrote) - 1] == "", printed
+    return wrote
+
+
+def test_report_prints_the_verdict_and_names_the_files_it_wrote(tmp_path: Path, capsys) -> None:
+    """The verdict first, as ``flashprobe study`` prints it, with its exit code; then the files written
+    (not their contents: the report is in the file). These runs recorded nothing they differ in, so no
+    pair is a kernel pair: UNDETERMINED, exit code 4."""
     out = _comparison_dir(tmp_path)
-    assert report_main([str(out)]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines == [f"wrote {out / 'report.md'}"]
-    assert (out / "report.md").read_text().startswith("# ")  # the report is in the file
+    assert report_main([str(out)]) == 4
+    printed = capsys.readouterr().out
+    assert printed.startswith("UNDETERMINED: no pair's runs differ in the attention")
+    assert _wrote(printed) == [f"wrote {out / 'report.md'}"]
+    assert (out / "report.md").read_text().startswith("# ")
 
 
 def test_report_with_figures_names_each_figure(tmp_path: Path, capsys) -> None:
     out = _comparison_dir(tmp_path)
-    assert report_main([str(out), "--figures"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    assert report_main([str(out), "--figures"]) == 4
+    lines = _wrote(capsys.readouterr().out)
     written = [Path(line.removeprefix("wrote ")) for line in lines]
     assert all(line.startswith("wrote ") for line in lines) and written[0] == out / "report.md"
     figures = written[1:]
@@ -53,7 +66,7 @@ def test_report_and_compare_on_a_full_disk_end_in_one_line_and_keep_what_was_the
     with tiny_disk(tmp_path / "disk", 1024) as disk:
         (disk / "study").mkdir()
         out = _comparison_dir(disk / "study")
-        assert report_main([str(out)]) == 0
+        assert report_main([str(out)]) == 4  # UNDETERMINED: no kernel pair
         before = {p.name: p.read_bytes() for p in out.iterdir()}
         fill(disk, 0)
         capsys.readouterr()

@@ -167,8 +167,15 @@ def test_a_buggy_kernel_is_told_to_look_closer_with_exit_code_3(
 ) -> None:
     runs = "flash,baseline,seed1,fp32"
     code = main(["--out", str(tmp_path), "--runs", runs, *TINY, f"study.kernel={wrong_scale_kernel}"])
-    first = capsys.readouterr().out.split("\n\n")[-2].splitlines()[0]  # the verdict's first line
+    printed = capsys.readouterr().out
+    first = printed.split("\n\n")[-2].splitlines()[0]  # the verdict's first line
     assert code == 3, first
+    # the probe failed the kernel in the flash run: that run's line says so, its per-site table follows
+    lines = printed.splitlines()
+    [done] = [i for i, line in enumerate(lines) if re.match(r"\[1/4\] flash +done in .* · probe FAIL", line)]
+    assert lines[done + 1].startswith("flash: probe: verdict FAIL")
+    assert any(line.split()[:3] == ["site", "dir", "verdict"] for line in lines[done + 1 : done + 6])
+    assert re.search(r"\[2/4\] baseline +done in \d+ s · elapsed", printed)  # no probe: its line alone
     assert first.startswith(
         "LOOK CLOSER: study_wrong_scale / bf16_vs_fp32 is above 1 in every replicate at steps 2, 4"
     )
@@ -342,7 +349,7 @@ def test_report_verdict_against_low_precision(
     v = verdict(read_study(tmp_path))
     assert v.context["fp16_vs_fp32"].ratio.median == pytest.approx(flash / 2e-5)
     assert v.answer == answer  # no seed pair: below low precision alone cannot pass
-    assert report_main([str(tmp_path)]) == 0
+    assert report_main([str(tmp_path)]) == EXIT_CODES[answer]  # the answer's code, as study's
     text = (tmp_path / "report.md").read_text()
     assert f"flash_vs_baseline / fp16_vs_fp32 = {finding}" in text  # no run recorded: the pair's name
     assert f"- **{answer}**: " in text
@@ -479,7 +486,9 @@ def test_the_verdict_as_plain_data_holds_every_ratio_computed_by_hand(tmp_path: 
 
 
 def report_line(study_dir: Path) -> str:
-    assert report_main([str(study_dir)]) == 0
+    """The verdict's first line in report.md; ``report`` exits with that answer's code, as study does."""
+    found = verdict(read_study(study_dir))
+    assert report_main([str(study_dir)]) == EXIT_CODES[found.answer if found else "UNDETERMINED"]
     return (study_dir / "report.md").read_text().split("\n## Verdict\n\n- ", 1)[1].split("\n", 1)[0]
 
 
@@ -541,7 +550,7 @@ def test_a_planned_pair_whose_runs_differ_in_more_carries_no_verdict(tmp_path: P
         "machine (torch_threads 2 vs torch_threads 4)"
     )
     assert v.seeds == [0, 4]  # the pair that differs in two things is left out, not averaged in
-    text = (tmp_path / "report.md").read_text() if report_main([str(tmp_path)]) == 0 else ""
+    text = (tmp_path / "report.md").read_text() if report_main([str(tmp_path)]) == 4 else ""  # UNDETERMINED
     assert "`flash_vs_baseline_seed2` differs in attention (x vs y), machine" in text
     # replicate 0's own pair differing in two things leaves no flash_vs_baseline at all
     doc["pairs"]["flash_vs_baseline"]["differs"]["seed"] = [0, 1]

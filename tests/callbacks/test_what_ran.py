@@ -113,6 +113,39 @@ def test_a_dropout_call_the_model_makes_is_refused_at_its_first_call(tmp_path: P
     assert trainer.global_step == 0  # refused in the first step, before any optimizer step
 
 
+def test_a_kernel_refused_at_its_first_call_leaves_no_snapshot_and_compare_refuses_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The refusal comes inside the first step, after ``on_train_start``: the initial weights were
+    copied there, but no snapshot, manifest or snapshot directory names ``tiled`` for a run that never
+    trained with it, so ``compare`` cannot take it and a math run for a kernel pair at distance 0."""
+    refused, math_run = tmp_path / "tiled", tmp_path / "math"
+    probe = AttentionProbe(primary="tiled", dirpath=refused, plot=False, console=False)
+    with pytest.raises(KernelUnsupportedError, match=r"site 'attn' uses attention dropout \(0.2\)"):
+        _fit(_DirectDropout(), refused, probe)
+    assert not (refused / "snapshots").exists()
+    _fit(_DirectDropout(), math_run, None)  # the model's own attention, dropout included
+    assert SnapshotStore(math_run).steps == [0, 1, 2]
+    capsys.readouterr()
+    assert cli_main(["compare", str(refused), str(math_run), "--out", str(tmp_path / "cmp")]) == 2
+    err = capsys.readouterr().err
+    assert f"no snapshot manifest at {refused / 'snapshots' / 'manifest.json'}" in err
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_the_initial_snapshot_holds_the_weights_before_the_first_step(tmp_path: Path) -> None:
+    """Written after the first batch, the step-0 snapshot still holds the weights training started from."""
+    module = _Encoder(dropout=0.0)
+    initial = {n: p.detach().clone() for n, p in module.named_parameters()}
+    _fit(module, tmp_path, AttentionProbe(primary="tiled", dirpath=tmp_path, plot=False, console=False))
+    store = SnapshotStore(tmp_path)
+    assert store.steps == [0, 1, 2] and _manifest(tmp_path)["attention"] == "tiled"
+    saved = dict(store.iter_tensors(0))
+    assert saved.keys() == initial.keys()
+    assert all(torch.equal(saved[n], initial[n]) for n in initial)
+    assert not all(torch.equal(t, initial[n]) for n, t in store.iter_tensors(1))  # trained after it
+
+
 def test_with_fallback_the_records_name_what_ran_and_compare_says_so(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -136,8 +169,10 @@ def test_with_fallback_the_records_name_what_ran_and_compare_says_so(
     assert list(differs) == ["attention fallback"]
     assert differs["attention fallback"] == ["torch sdpa instead of tiled at every site from step 0", "none"]
     capsys.readouterr()
-    assert cli_main(["compare", str(fell), str(own), "--out", str(tmp_path / "cmp"), "--no-figures"]) == 0
+    # no kernel pair, so no verdict: UNDETERMINED, exit code 4 (docs/study.md "The answer")
+    assert cli_main(["compare", str(fell), str(own), "--out", str(tmp_path / "cmp"), "--no-figures"]) == 4
     out = capsys.readouterr().out
+    assert "UNDETERMINED: no pair's runs differ in the attention alone" in out
     assert "attention fallback (torch sdpa instead of tiled at every site from step 0 vs none)" in out
     assert "kernel pair (runs that differ in the attention alone): MISSING" in out
 

@@ -94,6 +94,9 @@ def budget(argv: Sequence[str]) -> list[str]:
     extra = list(_BUDGETS[name])  # in a Hydra sweep (-m) every job gets it
     if name == "fuzz":
         extra += [arg for case in _heavy_cases_left_out(argv) for arg in ("--exclude", case)]
+        asked = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--case"]
+        if not any(p.startswith(("seq_", "inv_")) for p in asked):  # tests/fuzz runs them
+            extra += ["--exclude", "seq_*", "--exclude", "inv_*"]
         if "--budget" in argv:  # a random search: 4 samples (each may draw thousands of keys)
             extra += ["--budget", "4"]
     return extra

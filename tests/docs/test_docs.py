@@ -39,6 +39,10 @@ DOCS = (
 
 #: budgets for documented scripts (``python SCRIPT ...``, ``python -m MODULE ...``): their own flags, appended
 SCRIPT_BUDGETS: dict[str, tuple[str, ...]] = {
+    "-m lab.recall": (
+        *("--strategies", "random", "--budget", "1"),
+        *("--mutants", "falsy_scale", "--kernels", "sdpa_math"),
+    ),
     "-m lab.rules": (
         *("--seeds", "1", "--precision", "fp32"),
         *("--mutants", "one_batch_wrong", "--kernels", "sdpa_math"),
@@ -139,10 +143,13 @@ def _prepare(snippet: Snippet, shared: SharedRuns, cwd: Path) -> str:
 
 
 def _check_fuzz(result: CommandResult, argv: list[str]) -> None:
-    """fuzz exits 1 exactly when a (kernel, case, dtype) failed (its documented CI contract)."""
+    """fuzz exits 1 exactly when a (kernel, case, dtype) failed or is not_declared outside its ledger,
+    or a ledger entry passed unexpectedly (its documented CI contract)."""
     [json_path] = [p for p in outputs(argv) if p.endswith("fuzz.json")]
-    summary = json.loads((result.cwd / json_path).read_text())["summary"]
-    assert result.returncode == (1 if summary["fail"] else 0), result.explain()
+    payload = json.loads((result.cwd / json_path).read_text())
+    summary = payload["summary"]
+    failing = summary["fail"] or summary.get("not_declared") or payload.get("ledger", {}).get("unexpected")
+    assert result.returncode == (1 if failing else 0), result.explain()
 
 
 def _check_study(result: CommandResult, argv: list[str]) -> None:
@@ -157,6 +164,21 @@ def _check_study(result: CommandResult, argv: list[str]) -> None:
     found = verdict(read_study(result.cwd / json_path))
     answer = found.answer if found else UNDETERMINED
     assert answer == UNDETERMINED and result.returncode == EXIT_CODES[answer], result.explain()
+
+
+def _check_verdict(result: CommandResult, argv: list[str]) -> None:
+    """compare and report (of a study or comparison directory) exit with the code of the verdict they
+    print, as study does (docs/study.md "The answer"), recomputed here from the study.json there; report
+    of a training run directory exits 0."""
+    from flashprobe.formats.study_file import read_study
+    from flashprobe.report.study_verdict import EXIT_CODES, UNDETERMINED, verdict
+
+    where = outputs(argv)[0].rpartition("/")[0] if family(argv) == "compare" else argv[2]
+    if not (result.cwd / where / "study.json").is_file():
+        assert family(argv) == "report" and result.returncode == 0, result.explain()
+        return
+    found = verdict(read_study(result.cwd / where))
+    assert result.returncode == EXIT_CODES[found.answer if found else UNDETERMINED], result.explain()
 
 
 @pytest.mark.parametrize("snippet", RUNNABLE, ids=lambda s: s.id)
@@ -185,6 +207,8 @@ def test_documented_snippet_runs(snippet: Snippet, shared: SharedRuns, tmp_path:
         _check_fuzz(result, argv)
     elif family(argv) == "study":
         _check_study(result, argv)
+    elif family(argv) in ("compare", "report"):
+        _check_verdict(result, argv)
     else:
         assert result.returncode == 0, result.explain()
     missing = [p for p in outputs(argv) if not (result.cwd / p).is_file()]

@@ -4,6 +4,7 @@ differs in two things is named, and the report claims "like for like" only when 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -114,9 +115,9 @@ def test_compare_warns_about_a_pair_that_differs_in_two_things_and_the_report_cl
 ) -> None:
     out = tmp_path / "mixed"
     pairs = [f"flash_vs_baseline={runs['flash']},{runs['seed1']}", f"seed={runs['seed1']},{runs['base']}"]
-    assert (
+    assert (  # the mixed pair is no kernel pair, so there is no verdict: UNDETERMINED
         cli_main(["compare", *(a for p in pairs for a in ("--pair", p)), "--out", str(out), "--no-figures"])
-        == 0
+        == 4
     )
     printed = capsys.readouterr().out.splitlines()
     assert any(
@@ -133,7 +134,7 @@ def test_compare_warns_about_a_pair_that_differs_in_two_things_and_the_report_cl
     assert "seed differs" not in warning
     doc = json.loads((out / "study.json").read_text())["pairs"]
     assert doc["flash_vs_baseline"]["differs"] == {"attention": ["sdpa_flash", "math"], "seed": [0, 1]}
-    assert cli_main(["report", str(out)]) == 0
+    assert cli_main(["report", str(out)]) == 4
     text = (out / "report.md").read_text()
     title = text.splitlines()[0]
     assert "like for like" not in title
@@ -146,12 +147,12 @@ def test_compare_of_pairs_that_each_differ_in_one_thing_is_like_for_like_and_get
 ) -> None:
     out = tmp_path / "clean"
     pairs = [f"flash_vs_baseline={runs['flash']},{runs['base']}", f"seed={runs['seed1']},{runs['base']}"]
-    assert (
+    assert (  # no low-precision pair: UNDETERMINED
         cli_main(["compare", *(a for p in pairs for a in ("--pair", p)), "--out", str(out), "--no-figures"])
-        == 0
+        == 4
     )
     assert not any(line.startswith("warning:") for line in capsys.readouterr().out.splitlines())
-    assert cli_main(["report", str(out)]) == 0
+    assert cli_main(["report", str(out)]) == 4
     text = (out / "report.md").read_text()
     assert (
         text.splitlines()[0]
@@ -188,14 +189,22 @@ def test_a_kernel_pair_named_anything_gets_the_verdict_labelled_from_the_records
     seed1 = _run(tmp_path, "seed1", value=1.0, **{**facts, "seed": 1})
     fp32 = _run(tmp_path, "fp32", value=0.01, **{**facts, "precision": "32-true"})
 
-    def report(out: Path, *pairs: str) -> str:
+    def report(out: Path, *pairs: str, code: int) -> str:
+        """compare, then report: each prints the verdict (its first line: the answer) and exits with its
+        ``code``, as ``flashprobe study`` does."""
         argv = ["compare", *(a for p in pairs for a in ("--pair", p)), "--out", str(out), "--no-figures"]
-        assert cli_main(argv) == 0
-        assert needs_line({"pairs": read_study(out)["pairs"]}) in capsys.readouterr().out  # compare says it
-        assert cli_main(["report", str(out)]) == 0
-        return (out / "report.md").read_text()
+        assert cli_main(argv) == code
+        printed = capsys.readouterr().out
+        assert needs_line({"pairs": read_study(out)["pairs"]}) in printed  # compare says it
+        [first] = [line for line in printed.splitlines() if line.startswith(("PASS", "LOOK", "UNDET"))]
+        assert cli_main(["report", str(out)]) == code
+        assert capsys.readouterr().out.startswith(f"{first}\n")  # the same answer, first
+        answer = {0: "- **PASS**", 3: "- **LOOK CLOSER**", 4: "- **UNDETERMINED**"}[code]
+        text = (out / "report.md").read_text()
+        assert answer + first.partition(":")[1] + first.partition(":")[2] in text
+        return text
 
-    text = report(tmp_path / "two", f"mine={tiled},{base}", f"other_seed={seed1},{base}")
+    text = report(tmp_path / "two", f"mine={tiled},{base}", f"other_seed={seed1},{base}", code=4)
     verdict = text[text.index("## Verdict") : text.index("## Ratios")]
     assert "- **UNDETERMINED**: no low-precision pair at bf16-mixed" in verdict
     assert "runs that differ in the precision alone" in verdict  # what is missing, by what it differs in
@@ -208,10 +217,16 @@ def test_a_kernel_pair_named_anything_gets_the_verdict_labelled_from_the_records
         "alone, the kernel's precision vs fp32): MISSING. To get one, add a low-precision pair."
     ) in verdict
 
-    text = report(tmp_path / "three", f"mine={tiled},{base}", f"s={seed1},{base}", f"p={base},{fp32}")
+    text = report(tmp_path / "three", f"mine={tiled},{base}", f"s={seed1},{base}", f"p={base},{fp32}", code=0)
     assert "- **PASS**" in text  # 0.001 against a seed distance of 1 and a precision distance of 0.01
 
-    text = report(tmp_path / "none", f"s={seed1},{base}")
+    # the kernel's distance above the seed pair's: 0.5 against 0.001 (a seed run 0.001 away)
+    far = _run(tmp_path, "far", value=0.5, **{**facts, "attention": "tiled"})
+    near = _run(tmp_path, "near", value=0.001, **{**facts, "seed": 1})
+    text = report(tmp_path / "look", f"mine={far},{base}", f"s={near},{base}", f"p={base},{fp32}", code=3)
+    assert "tiled / seed is above 1 in every replicate at step" in text
+
+    text = report(tmp_path / "none", f"s={seed1},{base}", code=4)
     assert "no pair's runs differ in the attention (compared: s)" in text
     assert "a kernel pair (runs that differ in the attention alone)" in text
 
@@ -223,8 +238,8 @@ def test_the_report_tables_name_the_snapshot_steps_they_leave_out(tmp_path: Path
         for name, v, facts in (("a", 1e-3, FACTS), ("b", 0.0, {**FACTS, "seed": 1}))
     ]
     out = tmp_path / "cmp"
-    assert cli_main(["compare", *map(str, runs), "--out", str(out), "--no-figures"]) == 0
-    assert cli_main(["report", str(out)]) == 0
+    assert cli_main(["compare", *map(str, runs), "--out", str(out), "--no-figures"]) == 4  # no kernel pair
+    assert cli_main(["report", str(out)]) == 4
     text = (out / "report.md").read_text()
     table = text[text.index("## Wasserstein distance over training") : text.index("## Max |W_a")]
     rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")]
@@ -232,3 +247,33 @@ def test_the_report_tables_name_the_snapshot_steps_they_leave_out(tmp_path: Path
     assert shown == [0, 10, 30, 40, 50, 60, 80, 90]
     note = "8 of the 10 snapshot steps, evenly spaced, to keep the table short; left out: steps 20, 70"
     assert note in table
+
+
+def test_a_comparisons_report_names_its_one_seed_and_each_runs_recorded_facts(tmp_path: Path) -> None:
+    """Runs at seed 7 (the seed pair: 7 vs 8, listed last): the verdict's replicate is seed 7 wherever
+    the report names it (it said "seed 8" in one line and "seed 0" in the next), and each run of a pair
+    is labelled with the attention, precision and seed it recorded."""
+    facts = {**FACTS, "seed": 7}
+    base = _run(tmp_path, "base", **facts)
+    tiled = _run(tmp_path, "tiled", value=0.001, **{**facts, "attention": "tiled"})
+    fp32 = _run(tmp_path, "fp32", value=0.01, **{**facts, "precision": "32-true"})
+    seed8 = _run(tmp_path, "seed8", value=1.0, **{**facts, "seed": 8})
+    out = tmp_path / "cmp"
+    pairs = [f"mine={tiled},{base}", f"p={base},{fp32}", f"s={base},{seed8}"]
+    argv = ["compare", *(a for p in pairs for a in ("--pair", p)), "--out", str(out), "--no-figures"]
+    assert cli_main(argv) == 0  # PASS: 0.001 against a seed distance of 1 and a precision distance of 0.01
+    assert cli_main(["report", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    verdict = text[text.index("## Verdict") : text.index("## What each comparison isolates")]
+    named = re.findall(r"\bseeds? (\d+)", verdict)
+    assert named and set(named) == {"7"}, named
+    assert "in its one replicate (seed 7)" in verdict and "(1 replicate, seed 7;" in verdict
+    table = text[text.index("## What each comparison isolates") :]
+    row = next(line for line in table.splitlines() if line.startswith("| s |"))
+    cells = [c.strip() for c in row.split("|")]
+    assert cells[3:5] == ["base (math, bf16-mixed, seed 7)", "seed8 (math, bf16-mixed, seed 8)"]
+    row = next(line for line in table.splitlines() if line.startswith("| mine |"))
+    assert [c.strip() for c in row.split("|")][3:5] == [
+        "tiled (tiled, bf16-mixed, seed 7)",
+        "base (math, bf16-mixed, seed 7)",
+    ]

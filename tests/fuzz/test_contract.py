@@ -1,0 +1,199 @@
+"""The contract catalogue: kernels registered with flash-attn's and FlashInfer's apis, fuzzed.
+
+Oracles: planted bugs known by construction (:data:`lab.mutants.CONTRACT_MUTANTS`, one step of a
+correct stand-in overridden) must fail the cases built for their class; correct kernels computed
+differently from the golden (online softmax over tiles, exp2 with a base-2 LSE, split-KV merged
+through LSEs, a base-2 merge, FP8 with P prescaled before its cast) must pass every case they are
+posed, over several seeds; the LSE direction against hand-computed LSEs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashprobe.fuzz.cli import main as fuzz_main
+from flashprobe.fuzz.contract_cases import CONTRACT_CASES, contract_cases
+from flashprobe.fuzz.contract_run import check_contract_case, run_contract_catalogue, split_case_patterns
+from flashprobe.judge import judge_lse
+from flashprobe.kernels import get_kernel, register_kernel, unregister_kernel
+from flashprobe.probing.replay_cli import main as replay_main
+from lab import contracts
+from lab.mutants import CONTRACT_MUTANTS, CORRECT_CONTRACTS, register_mutants
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn}
+
+
+@pytest.fixture
+def suite():
+    """The mutation suite registered for one test (unregistered afterwards)."""
+    names = register_mutants()
+    yield
+    for name in names:
+        unregister_kernel(name)
+
+
+@pytest.mark.parametrize("name", sorted(CONTRACT_MUTANTS))
+def test_every_planted_contract_bug_fails_the_cases_of_its_class(suite, name: str) -> None:
+    mutant = CONTRACT_MUTANTS[name]
+    for case in mutant.catches:
+        result, _ = check_contract_case(f"bug_{name}", case, _DTYPES[mutant.dtype], backward=False)
+        assert result.verdict == "fail", f"bug_{name} on {case}: {result.verdict}: {result.reason}"
+
+
+def test_every_contract_api_has_planted_bugs_and_a_correct_kernel() -> None:
+    apis = {m.api for m in CONTRACT_MUTANTS.values()}
+    assert apis == {"flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "merge_state"}
+    assert {api for _, api, _ in CORRECT_CONTRACTS.values()} == apis
+    for m in CONTRACT_MUTANTS.values():  # each names cases posed to its api
+        assert all(m.api in CONTRACT_CASES[c].apis for c in m.catches), m.name
+
+
+#: the cases the planted bugs fail (the fast test's share of the catalogue; the slow one runs all)
+_POINTED = sorted(
+    {c for m in CONTRACT_MUTANTS.values() for c in m.catches} | {"ragged_causal", "merge_dominant"}
+)
+
+
+@pytest.mark.parametrize("name", sorted(CORRECT_CONTRACTS))
+def test_correct_contract_kernels_pass_the_cases_that_catch_the_bugs(suite, name: str) -> None:
+    rows = run_contract_catalogue([f"ok_{name}"], [torch.float32], seed=0, backward=False, names=_POINTED)
+    assert rows
+    bad = [
+        (r.case, r.verdict, r.reason) for r in rows if r.verdict not in ("pass", "no_backward", "unsupported")
+    ]
+    assert not bad, bad
+    tested = [r for r in rows if r.verdict in ("pass", "no_backward")]
+    assert len(tested) >= len(rows) // 2  # most cases are posed: unsupported only where a limit is the point
+
+
+def test_gradients_of_a_varlen_kernel_are_judged_both_ways(suite) -> None:
+    ok, _ = check_contract_case("ok_exp2_varlen", "ragged_causal", torch.float32)
+    assert ok.verdict == "pass" and ok.backward == "pass", ok.reason
+
+    def no_dkdv(*args, **kwargs):  # the forward right; gradients reach q only, as zeros
+        found = contracts.flash_attn_varlen_func(*args, **kwargs)
+        out, rest = (found[0], found[1:]) if isinstance(found, tuple) else (found, ())
+        out = out.detach() + 0.0 * args[0]
+        return (out, *rest) if rest else out
+
+    caps = contracts.CAPABILITIES["flash_attn_varlen_func"]
+    register_kernel(
+        "varlen_no_dkdv", no_dkdv, api="flash_attn_varlen_func", capabilities=caps, overwrite=True
+    )
+    try:
+        bad, _ = check_contract_case("varlen_no_dkdv", "ragged_causal", torch.float32)
+        assert bad.verdict == "fail" and bad.backward == "fail", bad.reason
+    finally:
+        unregister_kernel("varlen_no_dkdv")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CORRECT_CONTRACTS))
+def test_correct_contract_kernels_pass_over_many_seeds(suite, name: str) -> None:
+    dtypes = [torch.float32, torch.bfloat16, torch.float16]
+    dtypes += [torch.float8_e4m3fn] if name == "fp8_prescale" else []
+    for seed in range(1, 6):
+        rows = run_contract_catalogue([f"ok_{name}"], dtypes, seed=seed, backward=False)
+        bad = [(r.case, r.dtype, r.reason) for r in rows if r.verdict == "fail"]
+        assert not bad, (seed, bad)
+
+
+def test_fp8_pcast_fixture_fails_without_the_prescale_and_passes_with_it(suite) -> None:
+    fixture = CONTRACT_CASES["fp8_pcast_fixture"]
+    for dtype in (torch.float8_e4m3fn, torch.bfloat16):
+        ok, _ = check_contract_case("ok_fp8_prescale", fixture, dtype)
+        assert ok.verdict == "pass", ok.reason
+        for bug in ("bug_fp8_no_prescale", "bug_fp8_stale_max"):
+            bad, _ = check_contract_case(bug, fixture, dtype)
+            assert bad.verdict == "fail", (bug, dtype, bad.reason)
+
+
+def test_lse_direction_reads_base_and_empty_rows_as_the_golden() -> None:
+    golden = torch.tensor([1.5, -0.25, float("-inf")], dtype=torch.float64)
+    ok = judge_lse(golden.float(), golden.float(), golden, dtype=torch.float32)
+    assert ok.verdict == "pass", ok.reason
+    base2 = golden * math.log2(math.e)  # a base-2 LSE read as natural: off by (log2 e − 1)·lse
+    assert judge_lse(base2.float(), golden.float(), golden, dtype=torch.float32).criterion == "lse"
+    plus_inf = golden.masked_fill(torch.isinf(golden), math.inf)  # flash-attn 2's empty row
+    assert judge_lse(plus_inf, golden, golden, dtype=torch.float32).criterion == "empty_row"
+    assert judge_lse(plus_inf, golden, golden, dtype=torch.float32, empty=math.inf).verdict == "pass"
+    nan = golden.clone()
+    nan[0] = float("nan")
+    assert judge_lse(nan, golden, golden, dtype=torch.float32).criterion == "nonfinite"
+
+
+def test_case_patterns_split_between_the_catalogues() -> None:
+    assert split_case_patterns([]) == (([], list(CONTRACT_CASES)))
+    dense, contract = split_case_patterns(["paged_*"])
+    assert dense is None and contract == [n for n in CONTRACT_CASES if n.startswith("paged_")]
+    dense, contract = split_case_patterns(["sentinel_*"])
+    assert dense == ["sentinel_*"] and contract == []
+    dense, contract = split_case_patterns(["-merge_*"])
+    assert dense == ["-merge_*"] and "merge_halves" not in contract and "paged_16" in contract
+
+
+def test_cases_keep_their_point_inside_declared_limits() -> None:
+    caps = replace(contracts.CAPABILITIES["flash_attn_varlen_func"], page_sizes=frozenset({16, 64}))
+    posed = {c.name for c in contract_cases("flash_attn_varlen_func", caps)}
+    assert {"paged_256", "paged_16", "empty_keys_in_batch"} <= posed
+    register_kernel("varlen_16_64", contracts.flash_attn_varlen_func, api="flash_attn_varlen_func",
+                    capabilities=caps, overwrite=True)  # fmt: skip
+    try:
+        big, _ = check_contract_case("varlen_16_64", "paged_256", torch.float32, backward=False)
+        assert big.verdict == "unsupported" and "not applicable" in big.reason  # the size is the point
+        over, call = check_contract_case(
+            "varlen_16_64", "paged_over_allocated", torch.float32, backward=False
+        )
+        assert over.verdict == "pass" and call.page_size in (16, 64)  # any size it takes keeps the point
+    finally:
+        unregister_kernel("varlen_16_64")
+
+
+def test_fuzz_saves_contract_reproducers_and_replay_judges_them(suite, tmp_path: Path, capsys) -> None:
+    kernels = ["--kernel", "bug_pages_past_128", "--kernel", "bug_cu_seqlens_unchecked"]
+    cases = ["--case", "paged_256", "--case", "refuse_cu_seqlens_*"]
+    args = [*kernels, *cases, "--dtype", "fp32", "--quiet", "--out", str(tmp_path)]
+    assert fuzz_main(args) == 1
+    paged = next(tmp_path.glob("repro_paged_256_*.safetensors"))
+    refused = next(tmp_path.glob("repro_refuse_cu_seqlens_decreasing_*.safetensors"))
+    capsys.readouterr()
+    assert replay_main([str(paged)]) == 1  # the recorded kernel still fails
+    assert "FAIL" in capsys.readouterr().out
+    assert replay_main([str(paged), "--kernel", "ok_exp2_varlen"]) == 0
+    assert replay_main([str(refused), "--kernel", "ok_exp2_varlen"]) == 0  # refusing it passes
+    assert replay_main([str(refused), "--kernel", "bug_cu_seqlens_unchecked"]) == 1
+    caps = replace(contracts.CAPABILITIES["flash_attn_varlen_func"], page_sizes=frozenset({16}))
+    register_kernel("varlen_16", contracts.flash_attn_varlen_func, api="flash_attn_varlen_func",
+                    capabilities=caps, overwrite=True)  # fmt: skip
+    try:  # a kernel that refuses the call says nothing about the bug: 2, not 1
+        assert replay_main([str(paged), "--kernel", "varlen_16"]) == 2
+    finally:
+        unregister_kernel("varlen_16")
+    root = Path(__file__).parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}  # lab is importable from the repository's root
+    script = subprocess.run([sys.executable, str(paged.with_suffix(".py"))], capture_output=True, text=True,
+                            cwd=root, env=env, timeout=300)  # fmt: skip
+    assert script.returncode == 1, script.stderr  # the script imports lab.mutants, which registers it
+
+
+def test_kernels_listing_poses_the_tiny_call_in_the_kernel_api(suite) -> None:
+    from flashprobe.cli import _availability
+
+    caps = replace(contracts.CAPABILITIES["flash_attn_varlen_func"], head_dims=frozenset({128}))
+    register_kernel("varlen_64", contracts.flash_attn_varlen_func, api="flash_attn_varlen_func",
+                    capabilities=caps, overwrite=True)  # fmt: skip
+    try:
+        assert get_kernel("varlen_64").api == "flash_attn_varlen_func"
+        found = _availability("varlen_64", "cpu", call=True)
+        assert set(found.dtypes) == {"bf16", "fp16", "fp32", "fp64"}, found.reasons
+        assert "e4m3" in _availability("ok_fp8_prescale", "cpu", call=True).dtypes
+    finally:
+        unregister_kernel("varlen_64")
