@@ -46,6 +46,7 @@ def capabilities(contract: Any) -> KernelCapabilities:
         preallocated_out=bool(contract.out_kwarg),
         sinks=False,
         alibi=contract.signature != "FlashAttention-3",
+        cache_leftpad=False,  # the held-out KV-cache kernels refuse cache_leftpad (ValueError), as declared
     )
 
 

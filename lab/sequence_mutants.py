@@ -325,6 +325,7 @@ def _heldout_capabilities(name: str) -> KernelCapabilities:
         preallocated_out=c.out_kwarg,
         sinks=False,
         alibi=c.signature != "FlashAttention-3",
+        cache_leftpad=False,  # the held-out KV-cache kernels refuse cache_leftpad (ValueError)
         fp8="e4m3" if "e4m3" in c.dtypes else None,  # FlashAttention-3's FP8 path casts P to E4M3
     )
 

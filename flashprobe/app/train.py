@@ -380,11 +380,18 @@ def _job_sources() -> Any:
     return lazy_sources(list(HydraConfig.get().overrides.task)) if HydraConfig.initialized() else None
 
 
+def _job_of(run_dir: Path) -> bool:
+    """Whether the Hydra job this process holds is the one of ``run_dir`` (a job that ran earlier in
+    the process leaves its config behind: a later library call of :func:`train` is not that job)."""
+    output_dir = OmegaConf.select(HydraConfig.instance().cfg, "hydra.runtime.output_dir")
+    return output_dir is not None and Path(str(output_dir)).resolve() == run_dir.resolve()
+
+
 def _write_hydra_record(cfg: DictConfig, run_dir: Path) -> None:
     """Write the run's ``.hydra/`` record (its config, Hydra's config, its overrides: what ``resume=``
     reads) as Hydra would, once the run starts: through flashprobe's atomic writer, never through a link
     (Hydra's own writing of it is off: ``hydra.output_subdir: null``); nothing outside a Hydra job."""
-    if not HydraConfig.initialized():
+    if not HydraConfig.initialized() or not _job_of(run_dir):
         return
     record = run_dir / ".hydra"
     atomic_write_text(record / "config.yaml", OmegaConf.to_yaml(cfg))

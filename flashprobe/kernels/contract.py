@@ -155,6 +155,7 @@ def contract_problem(api: str, call: AttentionCall, caps: KernelCapabilities) ->
         ("sinks", call.sinks is not None, "attention sinks"),
         ("lse", call.return_lse, "an LSE output"),
         ("preallocated_out", call.out is not None, "a preallocated out="),
+        ("cache_leftpad", call.cache_leftpad is not None, "cache_leftpad"),
     ):
         if wanted and not getattr(caps, flag):
             return f"does not declare {what}; compare calls without it, or declare {flag}=True if it has it"

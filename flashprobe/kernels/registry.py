@@ -174,6 +174,8 @@ class KernelCapabilities:
         page_sizes: the page sizes of a paged KV cache it takes, or None for any (within the next).
         page_multiple: page sizes must be multiples of this (flash-attn 2: 256).
         preallocated_out: it writes into a preallocated ``out=``.
+        cache_leftpad: it takes ``flash_attn_with_kvcache``'s ``cache_leftpad`` (each sequence's keys
+            starting at an offset of its cache).
         batch_invariant: a row's output is bit-identical whatever else is in the batch (checked by
             ``flashprobe fuzz``'s ``inv_batch``).
         deterministic: the same call gives the same bits every time, its backward included (checked
@@ -209,6 +211,7 @@ class KernelCapabilities:
     page_sizes: frozenset[int] | None = None
     page_multiple: int = 1
     preallocated_out: bool = False
+    cache_leftpad: bool = True
     batch_invariant: bool = False
     deterministic: bool = False
 
@@ -470,7 +473,8 @@ class KernelCapabilities:
 
     def describe_features(self) -> str:
         """The features beyond SDPA's it lacks and its conventions, in words (``""`` for the defaults)."""
-        lacks = [n for n in ("window", "softcap", "alibi", "sinks", "lse") if not getattr(self, n)]
+        features = ("window", "softcap", "alibi", "sinks", "lse", "cache_leftpad")
+        lacks = [n for n in features if not getattr(self, n)]
         parts = [f"no {', '.join(lacks)}"] if lacks else []
         if self.lse_base != "e" or self.empty_lse != float("-inf"):
             parts.append(f"LSE base {self.lse_base}, {self.empty_lse} for a row without keys")

@@ -173,3 +173,27 @@ def test_only_rank_zero_decides_how_a_run_starts(
     for var, value in env.items():
         monkeypatch.setenv(var, value)
     assert _launched_rank() is launched
+
+
+def test_a_library_train_with_another_jobs_hydra_config_writes_no_record(tmp_path: Path) -> None:
+    """A Hydra job's config left in the process (Hydra sets it for a job and clears it after; a job that
+    ends abnormally can leave it) is not a later ``train(compose(...))``'s: that run writes no
+    ``.hydra/`` record, where it wrote the other job's config and overrides."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import open_dict
+
+    from tests.safety._runs import SHORT
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    job = compose(SHORT, run_dir=first, hydra=True)
+    with open_dict(job):
+        job.hydra.runtime.output_dir = str(first)
+        job.hydra.mode = RunMode.RUN
+    HydraConfig.instance().set_config(job)
+    try:
+        train(compose(SHORT, run_dir=second))
+    finally:
+        HydraConfig.instance().cfg = None
+    assert (second / "run.json").exists()
+    assert not (second / ".hydra").exists()

@@ -364,3 +364,22 @@ def test_a_varlen_kernels_backward_flows_to_the_packed_inputs(dtype):
         got = packed.q_to_logical(got) if name == "q" else packed.kv_to_logical(got)
         verdict = check_output(got, b, g, floor=rounding_floor(g, dtype))
         assert verdict.passed, f"d{name}: {verdict.reason}"
+
+
+def test_a_kernel_without_cache_leftpad_is_not_given_calls_with_it() -> None:
+    """``KernelCapabilities(cache_leftpad=False)``: a KV-cache call with ``cache_leftpad`` is refused
+    before the kernel runs, naming the feature; without leftpad, or for a kernel that declares it, the
+    same call is posed."""
+    from flashprobe.kernels import AttentionCall, KernelCapabilities
+    from flashprobe.kernels.contract import contract_problem
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 6, 2, 16, generator=g) for _ in range(3))
+    dense = AttentionCall(q=q[:, :1], k=k, v=v, layout="bnhd", causal=True, align="bottom_right")
+    padded = dense.cached(new=1, leftpad=torch.tensor([3, 0], dtype=torch.int32))
+    plain = dense.cached(new=1)
+    without = KernelCapabilities(cache_leftpad=False)
+    assert "cache_leftpad" in contract_problem("flash_attn_with_kvcache", padded, without)
+    assert contract_problem("flash_attn_with_kvcache", plain, without) is None
+    assert contract_problem("flash_attn_with_kvcache", padded, KernelCapabilities()) is None
+    assert "no cache_leftpad" in without.describe_features()

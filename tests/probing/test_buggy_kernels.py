@@ -27,7 +27,9 @@ from flashprobe.kernels import get_kernel
 from flashprobe.probing import probe
 from flashprobe.probing.call import SdpaCall, run_kernel
 from lab.mutants import (
+    CONTRACT_MUTANTS,
     CORRECT,
+    CORRECT_CONTRACTS,
     DIRECTIONS,
     MUTANTS,
     Case,
@@ -185,9 +187,19 @@ def test_mask_sentinel_fires_only_on_fully_masked_rows() -> None:
 
 
 def test_registered_kernels_are_the_bugs(make_qkv) -> None:
-    names = register_mutants()
-    assert names == [f"bug_{name}" for name in MUTANTS] + ["bug_none"] + [f"ok_{name}" for name in CORRECT]
-    assert register_mutants() == names  # overwrite=True: registering twice is fine
+    registered = register_mutants()
+    names = [f"bug_{name}" for name in MUTANTS] + ["bug_none"] + [f"ok_{name}" for name in CORRECT]
+    others = [f"bug_{n}" for n in CONTRACT_MUTANTS] + [f"ok_{n}" for n in CORRECT_CONTRACTS]
+    assert registered == names + others
+    assert register_mutants() == registered  # overwrite=True: registering twice is fine
+    for name in others:  # kernels of the other apis, each registered with its own
+        fn, api = (
+            (CONTRACT_MUTANTS[name[4:]].fn, CONTRACT_MUTANTS[name[4:]].api)
+            if name.startswith("bug_")
+            else CORRECT_CONTRACTS[name[3:]][:2]
+        )
+        kernel = get_kernel(name)
+        assert kernel.api == api and getattr(kernel.fn, "__wrapped__", kernel.fn) is fn
     q, k, v = make_qkv(16, 16, 16)
     for name in names:
         kernel = get_kernel(name)
