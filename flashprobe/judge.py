@@ -64,8 +64,8 @@ that shows it shows the number the verdict used; the older ratios stay under the
 **Limits.** With ``ε = max(eps(dtype), 2⁻¹⁶)`` (the dtype's resolution, at least 1.5e-5: float32
 errors are set by the logits and reduction lengths, not by its eps): absolute ``4ε`` (``out``) and
 ``8ε`` (gradients), i.e. bf16 3.1 % / 6.3 %, fp16 0.39 % / 0.78 %, float32 6e-5 / 1.2e-4; row
-``min(½, 64ε)``. Measured (``tests/test_judge.py``, ``flashprobe bench verdicts``; docs/probe.md
-"Reading the verdict"): correct kernels that
+``min(½, 64ε)``. Measured (``tests/test_judge.py``, ``flashprobe bench verdicts``; docs/calibration.md
+"Why the limits are these"): correct kernels that
 accumulate in fp32 (torch's flash and math, ``tiled`` ``fa2``) stay at about ``1ε``; those that
 round every step in the dtype (``tiled`` ``paper``, and the baseline itself) reach ``6ε`` at
 most at moderate sharpness, and within 1.6× of the baseline on the calibration models (the fuzzer's

@@ -1,7 +1,7 @@
 """``flashprobe bench verdicts`` at a tiny budget: torch's correct kernels on every model of the
 calibration never fail the verdict's rule nor read biased, and the suite's truncating kernel
 (``--import lab.mutants --kernel bug_output_truncated``) reads biased with no call failing (the full 200-step
-measurements are in docs/probe.md)."""
+measurements are in docs/calibration.md)."""
 
 from __future__ import annotations
 

@@ -26,6 +26,8 @@ from ._snippets import Snippet, extract
 DOCS = (
     "README.md",
     "docs/probe.md",
+    "docs/integrations.md",
+    "docs/calibration.md",
     "docs/fuzz.md",
     "docs/microbenchmark.md",
     "docs/weights.md",

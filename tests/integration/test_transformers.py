@@ -134,7 +134,7 @@ def _explain(model: torch.nn.Module):
 
 @pytest.mark.parametrize("make", [tiny.gpt2, tiny.llama], ids=["gpt2", "llama"])
 def test_compiled_no_graph_break_one_op_per_attention_call(make) -> None:
-    """docs/probe.md "Graph breaks": torch._dynamo.explain counts no graph break with the probe
+    """docs/integrations.md "Graph breaks": torch._dynamo.explain counts no graph break with the probe
     attached, as without it; each attention call is one flashprobe::attention op in the graph."""
     torch._dynamo.reset()
     model = make()

@@ -1,7 +1,7 @@
 """``python -m lab.rules``: the peer rules against hand-computed tolerances, and the table at a tiny
 budget against independent checks (a known-wrong mutant is caught by flashprobe's rule and by
 ``torch.testing.assert_close``; a correct float32 kernel passes flashprobe's rule and PyTorch's).
-The full table is in docs/probe.md."""
+The full table is in docs/calibration.md."""
 
 from __future__ import annotations
 

@@ -199,7 +199,7 @@ def test_inductor_same_sites_and_close_outputs() -> None:
     with probe(compiled, backward=True) as p:
         probed = train(compiled)
     # Inductor compiles the code between attention calls as separate graphs and may round
-    # differently at those boundaries (docs/probe.md, "with torch.compile"): close, not equal.
+    # differently at those boundaries (docs/integrations.md, "with torch.compile"): close, not equal.
     for x, y in zip(plain["outputs"], probed["outputs"], strict=True):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
     assert p.sites == ["encoder.self_attn", "block"] and p.summary()["backward_calls"] == 6

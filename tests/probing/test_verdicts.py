@@ -136,7 +136,7 @@ def test_a_buggy_kernel_fails_where_and_when_its_bug_fires(bug: str, bugs: None,
     for site, (direction, step) in EXPECTED[bug].items():
         failure = next(f for f in failures if (f["site"], f["direction"]) == (site, direction))
         assert failure["step"] == step, failure
-        # far beyond the criterion's limit: the rule's margin on this side (docs/probe.md)
+        # far beyond the criterion's limit: the rule's margin on this side (docs/calibration.md)
         assert failure["kind"] == "nonfinite" or failure["value"] > 10 * failure["limit"], failure
     stats = p.stats()
     for site in set(BOTH) - set(EXPECTED[bug]):  # a site fed another site's NaN is not blamed
