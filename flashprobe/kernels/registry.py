@@ -725,7 +725,8 @@ def add_import_option(parser: argparse.ArgumentParser) -> None:
 
 def import_kernel_modules(modules: Iterable[str]) -> None:
     """Import the modules that register a user's kernels (the ``--import MODULE`` of the CLIs),
-    finding modules in the working directory as ``python -m`` does.
+    finding modules in the working directory as ``python -m`` does, without writing bytecode beside
+    them (a user's directory is not flashprobe's to write into).
 
     Raises:
         KernelSpecError: a name that is not a dotted module name (a path, ``""``), a module that
@@ -740,6 +741,7 @@ def import_kernel_modules(modules: Iterable[str]) -> None:
                 f"--import {module!r} is not a module name: give a dotted Python name (e.g. mypkg.kernels), "
                 "not a path, and run from the directory that holds it"
             )
+        written, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # no __pycache__ beside it
         try:
             importlib.import_module(module)
         except ImportError as err:
@@ -751,6 +753,8 @@ def import_kernel_modules(modules: Iterable[str]) -> None:
             raise KernelSpecError(
                 f"--import {module}: importing it raised {type(err).__name__}: {first}; fix the module"
             ) from None
+        finally:
+            sys.dont_write_bytecode = written
 
 
 def unregister_kernel(name: str) -> None:
