@@ -33,6 +33,7 @@ controls of the two declarations.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -306,27 +307,14 @@ register()  # ``--import lab.sequence_mutants``: the kernels by name
 
 def _heldout_capabilities(name: str) -> KernelCapabilities:
     """A held-out kernel's capabilities as its user would declare them from its contract
-    (:data:`lab.heldout.CONTRACTS`): LSE base and empty-row LSE, dtypes (``e4m3``: FP8 inputs with
-    descales), backward, ``out=``."""
+    (:func:`lab.heldout_eval.capabilities`), with every mask kind and, for FP8 inputs, the E4M3 P cast
+    of FlashAttention-3's FP8 path as its declared precision."""
     from lab.heldout import CONTRACTS
+    from lab.heldout_eval import capabilities
 
     c = CONTRACTS[name]
-    names = {
-        "e4m3": torch.float8_e4m3fn,
-        "bf16": torch.bfloat16,
-        "fp16": torch.float16,
-        "fp32": torch.float32,
-    }
-    return KernelCapabilities(
-        lse_base=2 if c.lse_base == 2 else "e",
-        empty_lse=c.empty_row_lse,
-        dtypes=frozenset(names[d] for d in c.dtypes),
-        backward_devices=None if c.backward else frozenset(),
-        preallocated_out=c.out_kwarg,
-        sinks=False,
-        alibi=c.signature != "FlashAttention-3",
-        cache_leftpad=False,  # the held-out KV-cache kernels refuse cache_leftpad (ValueError)
-        fp8="e4m3" if "e4m3" in c.dtypes else None,  # FlashAttention-3's FP8 path casts P to E4M3
+    return dataclasses.replace(
+        capabilities(c), masks=KernelCapabilities().masks, fp8="e4m3" if "e4m3" in c.dtypes else None
     )
 
 
