@@ -178,22 +178,27 @@ def test_only_rank_zero_decides_how_a_run_starts(
 def test_a_library_train_with_another_jobs_hydra_config_writes_no_record(tmp_path: Path) -> None:
     """A Hydra job's config left in the process (Hydra sets it for a job and clears it after; a job that
     ends abnormally can leave it) is not a later ``train(compose(...))``'s: that run writes no
-    ``.hydra/`` record, where it wrote the other job's config and overrides."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-    from omegaconf import open_dict
-
-    from tests.safety._runs import SHORT
-
+    ``.hydra/`` record, where it wrote the other job's config and overrides. In a process of its own:
+    the job's config is process-wide state."""
     first, second = tmp_path / "first", tmp_path / "second"
-    job = compose(SHORT, run_dir=first, hydra=True)
-    with open_dict(job):
-        job.hydra.runtime.output_dir = str(first)
-        job.hydra.mode = RunMode.RUN
-    HydraConfig.instance().set_config(job)
-    try:
-        train(compose(SHORT, run_dir=second))
-    finally:
-        HydraConfig.instance().cfg = None
+    script = f"""
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import open_dict
+from flashprobe.app.train import compose, train
+from tests.safety._runs import SHORT
+job = compose(SHORT, run_dir={str(first)!r}, hydra=True)
+with open_dict(job):
+    job.hydra.runtime.output_dir = {str(first)!r}
+    job.hydra.mode = RunMode.RUN
+HydraConfig.instance().set_config(job)
+train(compose(SHORT, run_dir={str(second)!r}))
+"""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
     assert (second / "run.json").exists()
     assert not (second / ".hydra").exists()
