@@ -966,6 +966,7 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     _VERBOSE = any(a in ("-v", "--verbose") for a in given)
     given = [a for a in given if a not in ("-v", "--verbose")]
     _UNDO_RUN_DIR, record = None, _HydraRecord(None, named=False)
+    HydraConfig.instance().cfg = None  # a job that ended earlier in this process is not this command's
     try:
         with contextlib.ExitStack() as stack:
             try:
