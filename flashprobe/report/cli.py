@@ -193,7 +193,8 @@ def report_main(argv: Sequence[str] | None = None) -> int:
     """``flashprobe report DIR``: rebuild ``DIR/report.md`` from ``DIR/study.json`` (``--figures``:
     redraw the figures too), print the verdict and name the files written, exiting with the verdict's
     code as ``flashprobe study`` does; for a training run directory (``probe.jsonl``, no ``study.json``)
-    redraw ``probe.png`` and print the worst error ratio per logged step and the probe's verdict."""
+    redraw ``probe.png``, print the worst error ratio per logged step and the probe's verdict, and exit
+    with :data:`RUN_EXIT_CODES` of that verdict."""
     from flashprobe.report.study_report import write_report
     from flashprobe.report.study_verdict import answer, comparison_groups
     from flashprobe.report.weights_figures import plot_study_figures
@@ -228,10 +229,15 @@ def report_main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+#: ``flashprobe report RUN_DIR``'s exit code for the probe's verdict of a training run: 1 for a
+#: failure, as ``fuzz`` and ``replay``; 4 when nothing was judged, as ``study``'s UNDETERMINED.
+RUN_EXIT_CODES = {"pass": 0, "fail": 1, "undetermined": 4}
+
+
 def _run_report(run_dir: Path) -> int:
     """Redraw ``run_dir/probe.png``, print the per-step summary of ``probe.jsonl`` and the run's
     verdict block (:func:`flashprobe.probing.session.verdict_block`, the per-site table the training
-    callbacks print)."""
+    callbacks print); return the verdict's exit code (:data:`RUN_EXIT_CODES`)."""
     from flashprobe.formats.probe_log import load_probe_records
     from flashprobe.probing.session import RunTally, verdict_block
     from flashprobe.report.probe_figures import plot_probe
@@ -263,7 +269,7 @@ def _run_report(run_dir: Path) -> int:
         rows = tally.rows(summary.get("failures") or [])
         print(printable(verdict_block(summary, rows, who="flashprobe report", path=path, max_rows=10**6)))
     print(printable(f"wrote {figure}"))
-    return 0
+    return RUN_EXIT_CODES.get(summary.get("verdict") or "undetermined", 4)
 
 
 def _g(value: float | None) -> str:

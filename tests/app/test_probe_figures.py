@@ -96,8 +96,9 @@ def test_bad_files_give_clear_errors(tmp_path: Path, caplog: pytest.LogCaptureFi
 
 def test_report_command_on_a_run_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _write(tmp_path / "probe.jsonl", _records())
-    assert report_main([str(tmp_path)]) == 0
+    assert report_main([str(tmp_path)]) == 4  # records without a verdict: UNDETERMINED
     out = capsys.readouterr().out
+    assert "verdict UNDETERMINED" in out
     # (no verdict and no error / limit in these records: the ratio of maxima under its own name)
     assert "| 5 | - | - | - | 2 |" in out and "| 10 | - | - | - | 1.5 |" in out
     assert (tmp_path / "probe.png").read_bytes().startswith(b"\x89PNG")
@@ -124,7 +125,7 @@ def test_non_finite_values_as_stored_in_probe_jsonl(
     _write(tmp_path / "probe.jsonl", records)
     series = site_series(load_probe_records(tmp_path / "probe.jsonl"))
     assert series["model.a.attn"]["error_ratio"] == [math.inf, 1.5]
-    assert report_main([str(tmp_path)]) == 0
+    assert report_main([str(tmp_path)]) == 4  # records without a verdict: UNDETERMINED
     out = capsys.readouterr().out
     assert "| 1 | - | - | - | inf | 1e-06 | 0 |" in out and "| 2 | - | - | - | 1.5 | nan | 2 |" in out
     assert (tmp_path / "probe.png").read_bytes().startswith(b"\x89PNG")

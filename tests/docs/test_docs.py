@@ -169,13 +169,16 @@ def _check_study(result: CommandResult, argv: list[str]) -> None:
 def _check_verdict(result: CommandResult, argv: list[str]) -> None:
     """compare and report (of a study or comparison directory) exit with the code of the verdict they
     print, as study does (docs/study.md "The answer"), recomputed here from the study.json there; report
-    of a training run directory exits 0."""
+    of a training run directory exits 0 for the PASS its last record gives, 1 for FAIL."""
+    from flashprobe.formats.probe_log import load_probe_records
     from flashprobe.formats.study_file import read_study
     from flashprobe.report.study_verdict import EXIT_CODES, UNDETERMINED, verdict
 
     where = outputs(argv)[0].rpartition("/")[0] if family(argv) == "compare" else argv[2]
     if not (result.cwd / where / "study.json").is_file():
-        assert family(argv) == "report" and result.returncode == 0, result.explain()
+        last = list(load_probe_records(result.cwd / where / "probe.jsonl"))[-1]["summary"]["verdict"]
+        code = {"pass": 0, "fail": 1}[last]
+        assert family(argv) == "report" and result.returncode == code, result.explain()
         return
     found = verdict(read_study(result.cwd / where))
     assert result.returncode == EXIT_CODES[found.answer if found else UNDETERMINED], result.explain()
