@@ -129,7 +129,7 @@ def _fmt_e(x: float) -> str:
 
 def compare_main(argv: Sequence[str] | None = None) -> int:
     """``flashprobe compare``: compare the weight snapshots of two or more run directories."""
-    from flashprobe.report.study_verdict import answer, needs_line
+    from flashprobe.report.study_verdict import EXIT_CODES, UNDETERMINED, answer, needs_line
     from flashprobe.report.weights_figures import plot_study_figures
     from flashprobe.weights import SnapshotStore, compare_runs
     from flashprobe.weights.differences import describe_differences, not_like_for_like
@@ -178,8 +178,9 @@ def compare_main(argv: Sequence[str] | None = None) -> int:
             + "; ".join(f"{n} differs in {what}" for n, what in mixed.items())
             + " — such a distance mixes the effects of everything its runs differ in"
         )
-    print(needs_line({"pairs": pairs_doc}))
-    lines, code = answer({"pairs": pairs_doc})
+    lines, code = answer({"pairs": pairs_doc})  # UNDETERMINED: what is missing, in its lines
+    if code != EXIT_CODES[UNDETERMINED]:
+        print(needs_line({"pairs": pairs_doc}))
     print(printable("\n".join(["", *lines, ""])))
     for path in result.files:
         print(printable(f"wrote {path}"))

@@ -31,7 +31,6 @@ __all__ = [
     "EXIT_CODES",
     "FLASH",
     "LOOK_CLOSER",
-    "NEEDS",
     "PASS",
     "UNDETERMINED",
     "ContextRatio",
@@ -51,12 +50,6 @@ __all__ = [
 ]
 
 FLASH = "flash_vs_baseline"
-#: What the rule needs, by what each pair's runs must differ in (any names).
-NEEDS = (
-    "a verdict needs three pairs, named anything: a kernel pair (runs that differ in the attention "
-    "alone), a seed pair (in the seed alone, same attention) and a low-precision pair (in the precision "
-    "alone: the precision the kernel trains at vs fp32)."
-)
 PASS, LOOK_CLOSER, UNDETERMINED = "PASS", "LOOK CLOSER", "UNDETERMINED"
 #: ``flashprobe study``'s exit code for each answer (1, 2 and 130 keep their meanings: a run failed,
 #: a usage error, interrupted).
@@ -593,7 +586,7 @@ def answer_line(v: Verdict) -> str:
         )
     if answer == LOOK_CLOSER:
         return f"**LOOK CLOSER**: {'; '.join(v.reasons)}."
-    return f"**UNDETERMINED**: {'; '.join(v.reasons)} — {NEEDS}"
+    return f"**UNDETERMINED**: {'; '.join(v.reasons)}."
 
 
 def verdict_subject(study: Mapping[str, Any], v: Verdict | None) -> tuple[str, str]:
@@ -608,15 +601,19 @@ def verdict_subject(study: Mapping[str, Any], v: Verdict | None) -> tuple[str, s
 
 def answer(study: Mapping[str, Any]) -> tuple[list[str], int]:
     """The verdict of a study or comparison as ``flashprobe study``, ``compare`` and ``report`` print it:
-    plain-text lines, the answer first, and the exit code of that answer (:data:`EXIT_CODES`; no kernel
-    pair is UNDETERMINED).
+    plain-text lines, the answer first (for UNDETERMINED, then :func:`needs_line`: the pairs a verdict
+    needs, which this study has and which it misses), and the exit code of that answer
+    (:data:`EXIT_CODES`; no kernel pair is UNDETERMINED).
 
     Args:
         study: ``study.json`` as read by :func:`flashprobe.formats.study_file.read_study`.
     """
     v = verdict(study)
     lines = [no_verdict_line(study)] if v is None else verdict_lines(v, *verdict_subject(study, v))
-    return [line.replace("**", "") for line in lines], EXIT_CODES[v.answer if v else UNDETERMINED]
+    code = EXIT_CODES[v.answer if v else UNDETERMINED]
+    if code == EXIT_CODES[UNDETERMINED]:
+        lines.append(needs_line(study))
+    return [line.replace("**", "") for line in lines], code
 
 
 def needs_line(study: Mapping[str, Any]) -> str:
@@ -663,7 +660,7 @@ def no_verdict_line(study: Mapping[str, Any]) -> str:
         )
     else:
         why = f"no pair's runs differ in the attention (compared: {', '.join(pairs) or 'none'})"
-    return f"**UNDETERMINED**: {why}, so no distance here measures the kernel — {NEEDS}"
+    return f"**UNDETERMINED**: {why}, so no distance here measures the kernel."
 
 
 def verdict_lines(v: Verdict, precision: str, kernel: str = "sdpa_flash") -> list[str]:

@@ -12,7 +12,7 @@ import torch
 from flashprobe.app.study import PRECISIONS, main, run_study, study_plan
 from flashprobe.formats.study_file import read_study
 from flashprobe.report.cli import report_main
-from flashprobe.report.study_verdict import EXIT_CODES, NEEDS, verdict
+from flashprobe.report.study_verdict import EXIT_CODES, verdict
 from tests.app._study import TINY
 
 RUNS = ["flash", "baseline", "identical", "seed1", "fp32"]
@@ -558,5 +558,5 @@ def test_a_planned_pair_whose_runs_differ_in_more_carries_no_verdict(tmp_path: P
     assert verdict(read_study(tmp_path)) is None
     assert report_line(tmp_path) == (
         "**UNDETERMINED**: no pair's runs differ in the attention alone: those of flash_vs_baseline differ "
-        "in attention (x vs y), seed (0 vs 1), so no distance here measures the kernel — " + NEEDS
+        "in attention (x vs y), seed (0 vs 1), so no distance here measures the kernel."
     )

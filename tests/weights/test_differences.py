@@ -195,13 +195,15 @@ def test_a_kernel_pair_named_anything_gets_the_verdict_labelled_from_the_records
         argv = ["compare", *(a for p in pairs for a in ("--pair", p)), "--out", str(out), "--no-figures"]
         assert cli_main(argv) == code
         printed = capsys.readouterr().out
-        assert needs_line({"pairs": read_study(out)["pairs"]}) in printed  # compare says it
+        assert needs_line({"pairs": read_study(out)["pairs"]}) in printed  # compare says it, once
+        assert printed.lower().count("a verdict needs three pairs") == 1, printed
         [first] = [line for line in printed.splitlines() if line.startswith(("PASS", "LOOK", "UNDET"))]
         assert cli_main(["report", str(out)]) == code
         assert capsys.readouterr().out.startswith(f"{first}\n")  # the same answer, first
         answer = {0: "- **PASS**", 3: "- **LOOK CLOSER**", 4: "- **UNDETERMINED**"}[code]
         text = (out / "report.md").read_text()
         assert answer + first.partition(":")[1] + first.partition(":")[2] in text
+        assert text.lower().count("a verdict needs three pairs") == 1, text
         return text
 
     text = report(tmp_path / "two", f"mine={tiled},{base}", f"other_seed={seed1},{base}", code=4)
