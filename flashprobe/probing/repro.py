@@ -243,6 +243,16 @@ def _smaller(call: Reproducer, axis: str) -> Iterator[Reproducer]:
             yield _cut(call, axis, start, stop)
 
 
+def _has_fully_masked_row(call: Reproducer) -> bool:
+    """Whether some query row of ``call`` sees no key (its bool mask all False or additive mask all
+    -inf; SDPA's top-left causal mask leaves every row key 0)."""
+    mask = call.attn_mask
+    if mask is None or call.k.shape[2] == 0:
+        return call.k.shape[2] == 0 and call.q.shape[2] > 0
+    sees = mask if mask.dtype == torch.bool else mask > float("-inf")
+    return not bool(sees.any(-1).all())
+
+
 def shrink_reproducer(
     call: Reproducer,
     kernel: str,
@@ -257,8 +267,10 @@ def shrink_reproducer(
     Greedy: along each axis in turn — query rows, keys (together for a causal call with
     ``N_q == N_k``, which SDPA's top-left causal mask needs to stay square), batch entries, heads
     (whole GQA groups), head dims of q/k and of v — the first or second half, else all but the
-    last or first step, as long as one still fails; then the plain layout (contiguous, no poisoned
-    memory) and plain heads; repeated while anything shrank. Cuts the kernel's declared limits
+    last or first step, as long as one still fails the same way; then the plain layout (contiguous,
+    no poisoned memory) and plain heads; repeated while anything shrank. A cut that leaves a query row
+    seeing no key is not tried unless the call had one (such a row's output is a convention, 0 for
+    torch and NaN for others, not the failure being shrunk). Cuts the kernel's declared limits
     refuse (:meth:`~flashprobe.KernelCapabilities.call_problem`) are not tried. The shrunk call's
     ``reason`` is the failure on it. ``baseline`` and ``judge`` are :func:`replay`'s (a fuzz case
     needs the fuzzer's judge).
@@ -277,12 +289,15 @@ def shrink_reproducer(
     square = call.is_causal and call.q.shape[2] == call.k.shape[2]
     axes = (*(("n",) if square else ("n_q", "n_k")), "batch", "heads", "head_dim", "head_dim_v")
     best, tries = call, 1
+    masked = _has_fully_masked_row(call)
 
     def fails(candidate: Reproducer) -> bool:
         nonlocal best, tries
         if tries >= max_tries or caps.call_problem(
             candidate.q, candidate.k, candidate.v, candidate.attn_mask, candidate.is_causal
         ):
+            return False
+        if not masked and _has_fully_masked_row(candidate):  # a convention case, not the failure
             return False
         tries += 1
         result = replay(candidate, [kernel], baseline=baseline, judge=judge)[kernel]
