@@ -24,6 +24,7 @@ WITH_CONTENTS = (
     "docs/fuzz.md",
     "docs/fuzz-reference.md",
     "docs/microbenchmark.md",
+    "docs/microbenchmark-reference.md",
     "docs/study.md",
     "docs/training.md",
     "docs/weights.md",
