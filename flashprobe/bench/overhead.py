@@ -19,8 +19,8 @@ grouped in blocks of ``--every`` rounds (one sampling period); for each block th
 block's total step time to the reference mode's is taken, and a row reports the median over
 blocks: ``ratio_vs_no_probe`` and ``ratio_vs_control``. ``step_ms`` is the median block mean.
 
-Limits (:data:`LIMITS`, CPU): ``probe`` ≤ 1.05 × ``control`` (the statistics cost at most 5 %;
-1.08 with ``--backward``, where four directions are compared per call) and ``probe_every_N`` ≤ 1.10
+Limits (:data:`LIMITS`, CPU): ``probe`` ≤ 1.10 × ``control`` (the statistics cost at most 10 %;
+1.15 with ``--backward``, where four directions are compared per call) and ``probe_every_N`` ≤ 1.10
 × ``no_probe``; the checks are printed, recorded in the JSON under ``"limits"`` and, with
 ``--check``, turned into the exit code.
 
@@ -60,8 +60,8 @@ __all__ = ["LIMITS", "OverheadConfig", "TinyLM", "limit_checks", "main", "measur
 #: (``True``): the mode's ratio to the reference must not exceed the limit (``probe_every`` matches
 #: ``probe_every_N``).
 LIMITS: dict[bool, tuple[tuple[str, str, float], ...]] = {
-    False: (("probe", "control", 1.05), ("probe_every", "no_probe", 1.10)),
-    True: (("probe", "control", 1.08), ("probe_every", "no_probe", 1.10)),
+    False: (("probe", "control", 1.10), ("probe_every", "no_probe", 1.10)),
+    True: (("probe", "control", 1.15), ("probe_every", "no_probe", 1.10)),
 }
 
 #: ``--autocast`` values and their dtypes (``""``: no autocast).

@@ -30,6 +30,7 @@ DOCS = (
     "docs/calibration.md",
     "docs/fuzz.md",
     "docs/microbenchmark.md",
+    "docs/microbenchmark-reference.md",
     "docs/weights.md",
     "docs/README.md",
     "docs/study.md",

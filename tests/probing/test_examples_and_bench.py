@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flashprobe.bench.overhead import limit_checks
 from flashprobe.bench.overhead import main as overhead_main
 from flashprobe.cli import main as cli_main
 
@@ -66,3 +67,25 @@ def test_overhead_bench_under_autocast_and_device_checks(tmp_path: Path) -> None
     assert overhead_main(["--device", "nosuch", "--out", str(tmp_path)]) == 2
     if not torch.cuda.is_available():
         assert overhead_main(["--device", "cuda", "--out", str(tmp_path)]) == 2
+
+
+@pytest.mark.parametrize(
+    ("probe_ratio", "backward", "ok"),
+    [(1.09, False, True), (1.11, False, False), (1.14, True, True), (1.16, True, False)],
+)
+def test_overhead_limits_are_1_10_forward_and_1_15_with_gradients(
+    probe_ratio: float, backward: bool, ok: bool
+) -> None:
+    """Issue 55's floors: probe x control <= 1.10 forward and <= 1.15 with ``--backward``; the sampled
+    mode stays at <= 1.10 x no probe either way."""
+    rows = [
+        {"mode": "no_probe", "ratio_vs_no_probe": 1.0, "ratio_vs_control": 0.8},
+        {"mode": "control", "ratio_vs_no_probe": 1.25, "ratio_vs_control": 1.0},
+        {"mode": "probe", "ratio_vs_no_probe": 1.25 * probe_ratio, "ratio_vs_control": probe_ratio},
+        {"mode": "probe_every_10", "ratio_vs_no_probe": 1.105, "ratio_vs_control": 0.9},
+    ]
+    probe, every = limit_checks(rows, backward=backward)
+    assert (probe["mode"], probe["reference"], probe["ok"]) == ("probe", "control", ok)
+    assert probe["limit"] == (1.15 if backward else 1.10) and probe["ratio"] == probe_ratio
+    expected = ("probe_every_10", "no_probe", 1.10, False)  # 1.105 > 1.10
+    assert (every["mode"], every["reference"], every["limit"], every["ok"]) == expected
