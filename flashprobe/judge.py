@@ -111,11 +111,11 @@ hundreds) per-tensor E4M3 with static scales 0.08–0.14 is 0.042–0.381 off th
 amax draw 0.094 and ``fa3_fp8`` with ``rotation=off`` 0.378: against the amax draw alone it failed
 (4× closer needed), against the five draws (up to 0.246) it passes (``tests/fuzz/test_fp8_rule.py``).
 Measured over 20 seeds of the fuzzer's default catalogue, bf16, fp16 and fp32, outputs only
-(docs/fuzz.md "FA3's FP8 forward (`tiled:preset=fa3_fp8`) over 20 seeds"; ``tests/fuzz/test_fp8_rule.py``
-repeats a subset): ``fa3_fp8`` with ``rotation=off`` failed one of its 2,484 judged calls against the
-amax draw alone, that ``outliers`` call, and none of the cases that failed or came close (``outliers``,
-``rising_max``, ``sentinel_*``) against the five; on seeds 0–1,
-bf16 and fp16, it, per-tensor scales and E5M2 stay within 1.4× the FP8 baseline's error, and four
+(docs/calibration.md "FA3's FP8 forward (`tiled:preset=fa3_fp8`) over 20 seeds";
+``tests/fuzz/test_fp8_rule.py`` repeats a subset): ``fa3_fp8`` with ``rotation=off`` failed one of its
+2,484 judged calls against the amax draw alone, that ``outliers`` call, and none of the cases that
+failed or came close (``outliers``, ``rising_max``, ``sentinel_*``) against the five; on seeds 0–1, bf16
+and fp16, it, per-tensor scales and E5M2 stay within 1.4× the FP8 baseline's error, and four
 FP8 bug classes fail (a descale left out, on all of V or on its last block of keys; Q rotated but not
 K; K scaled from its first rows). With the Hadamard rotation (the preset's default) three kinds of
 call fail, and each is FA3's published algorithm, not the emulation's nor the judge's (the kernel is

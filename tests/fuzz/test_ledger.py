@@ -239,7 +239,7 @@ def test_fuzz_help_prints_the_shipped_ledgers_path(capsys):
 def test_torchs_documented_findings_are_known_under_the_shipped_ledger_and_one_entry_removed_fails_alone(
     tmp_path, capsys
 ):
-    """The floor of issue 54 at a tiny budget (the 20-seed run is in docs/fuzz.md): torch's CPU flash
+    """The floor of issue 54 at a tiny budget (the 20-seed run is in docs/calibration.md): torch's CPU flash
     kernel fails ``scale_zero_causal`` (NaN), known under ``builtin``; the same ledger without that
     entry fails the run on it alone."""
     argv = [

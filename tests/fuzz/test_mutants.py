@@ -88,7 +88,7 @@ def test_backward_bugs_pass_with_no_backward_and_fail_with_it():
 
 
 def test_the_control_and_torchs_kernels_pass_the_default_profile():
-    """One seed here; the 20-seed calibration is the slow test below and docs/fuzz.md. The 2^24-element
+    """One seed here; the 20-seed calibration is the slow test below and docs/calibration.md. The 2^24-element
     case (a third of this test's time per dtype) runs in bf16 only: it tests offsets, not rounding."""
     results = run_catalogue(CORRECT, ["bf16", "fp32"], seed=1, cases=select_cases(["*", "-offsets_2e24"]))
     results += run_catalogue(CORRECT, ["bf16"], seed=1, cases=select_cases(["offsets_2e24"]))
