@@ -166,13 +166,13 @@ def test_ddp_on_two_cpu_processes_gives_one_probe_jsonl(tmp_path: Path) -> None:
 def test_only_rank_zero_decides_how_a_run_starts(
     monkeypatch: pytest.MonkeyPatch, env: dict, launched: bool
 ) -> None:
-    from flashprobe.app.train import _launched_rank
+    from flashprobe.app.run_dir import launched_rank
 
     for var in ("LOCAL_RANK", "NODE_RANK", "RANK", "SLURM_NTASKS", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
         monkeypatch.setenv(var, value)
-    assert _launched_rank() is launched
+    assert launched_rank() is launched
 
 
 def test_a_library_train_with_another_jobs_hydra_config_writes_no_record(tmp_path: Path) -> None:
