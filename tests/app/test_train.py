@@ -108,6 +108,9 @@ def test_bad_config_fails_before_training(tmp_path: Path) -> None:
 
 
 def test_multirun_sweeps_attention_kernels(tmp_path: Path) -> None:
+    import __main__
+
+    argv, spec = list(sys.argv), getattr(__main__, "__spec__", None)
     cli_main(
         [
             "-m",
@@ -118,6 +121,9 @@ def test_multirun_sweeps_attention_kernels(tmp_path: Path) -> None:
             "hydra.sweep.subdir=${run_name}",
         ]
     )
+    # Hydra and Lightning's launcher read sys.argv and __main__.__spec__: set for the command, then put back
+    assert sys.argv == argv
+    assert getattr(__main__, "__spec__", None) is spec
     assert (tmp_path / "flash-seed0" / "probe.jsonl").is_file()
     assert not (tmp_path / "math-seed0" / "probe.jsonl").exists()  # math is the baseline: no probe
     assert (tmp_path / "math-seed0" / "snapshots" / "manifest.json").is_file()
