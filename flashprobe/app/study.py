@@ -389,13 +389,7 @@ def run_study(
     # checks (a callback's, the Trainer's) is refused when the first run builds its objects
     check_config(cfg, Path(out) / "runs" / "flash", lazy_sources(_flash_run(overrides)))
     safe_name(str(cfg.run_name), what="run_name")  # it names each run's directory under OUT/runs
-    keys = [override_key(o) for o in overrides if "=" in o]
-    for key in STUDY_SETS:
-        if any(k == key or k.startswith(f"{key}.") for k in keys):
-            raise ValueError(
-                f"{key}= is set by the study for each run (replicate r trains from seed 2r, its seed pair's "
-                f"other run from 2r + 1): leave it out; study.replicates=N sets how many seeds"
-            )
+    _refuse_study_sets(overrides)
     if not train:  # compare only: the runs must be there already; nothing is created before that
         _check_trained(Path(out) / "runs", plan)
     free = free_space(out)
@@ -410,6 +404,21 @@ def run_study(
     with directory_lock(out, what="study directory (--out)"):
         check_links(out)
         return _run_locked_study(out, plan, cfg, overrides, train)
+
+
+def _refuse_study_sets(overrides: Sequence[str]) -> None:
+    """Refuse an override of a setting the study gives each run itself (:data:`STUDY_SETS`).
+
+    Raises:
+        ValueError: naming the setting and what to give instead.
+    """
+    keys = [override_key(o) for o in overrides if "=" in o]
+    for key in STUDY_SETS:
+        if any(k == key or k.startswith(f"{key}.") for k in keys):
+            raise ValueError(
+                f"{key}= is set by the study for each run (replicate r trains from seed 2r, its seed pair's "
+                f"other run from 2r + 1): leave it out; study.replicates=N sets how many seeds"
+            )
 
 
 #: What a study writes into its ``--out``: a non-empty directory holding none of these is not a study's.

@@ -1,8 +1,8 @@
 """A run directory: what it holds, what flashprobe owns in it, and where a resume continues from.
 
-``flashprobe train`` (:mod:`flashprobe.app.train`) decides how a run starts from these helpers; they
-read the directory as data only (checkpoints with ``weights_only=True``, ``run.json`` as JSON) and
-delete only what the run's ``run.json`` records as flashprobe's own (:func:`remove_outputs`).
+The run directory's owner (:class:`flashprobe.app.run_dir.RunDir`) decides how a run starts from these
+helpers; they read the directory as data only (checkpoints with ``weights_only=True``, ``run.json`` as
+JSON) and delete only what the run's ``run.json`` records as flashprobe's own (:func:`remove_outputs`).
 """
 
 from __future__ import annotations

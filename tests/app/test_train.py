@@ -108,6 +108,9 @@ def test_bad_config_fails_before_training(tmp_path: Path) -> None:
 
 
 def test_multirun_sweeps_attention_kernels(tmp_path: Path) -> None:
+    import __main__
+
+    argv, spec = list(sys.argv), getattr(__main__, "__spec__", None)
     cli_main(
         [
             "-m",
@@ -118,6 +121,9 @@ def test_multirun_sweeps_attention_kernels(tmp_path: Path) -> None:
             "hydra.sweep.subdir=${run_name}",
         ]
     )
+    # Hydra and Lightning's launcher read sys.argv and __main__.__spec__: set for the command, then put back
+    assert sys.argv == argv
+    assert getattr(__main__, "__spec__", None) is spec
     assert (tmp_path / "flash-seed0" / "probe.jsonl").is_file()
     assert not (tmp_path / "math-seed0" / "probe.jsonl").exists()  # math is the baseline: no probe
     assert (tmp_path / "math-seed0" / "snapshots" / "manifest.json").is_file()
@@ -166,13 +172,13 @@ def test_ddp_on_two_cpu_processes_gives_one_probe_jsonl(tmp_path: Path) -> None:
 def test_only_rank_zero_decides_how_a_run_starts(
     monkeypatch: pytest.MonkeyPatch, env: dict, launched: bool
 ) -> None:
-    from flashprobe.app.train import _launched_rank
+    from flashprobe.app.run_dir import launched_rank
 
     for var in ("LOCAL_RANK", "NODE_RANK", "RANK", "SLURM_NTASKS", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
         monkeypatch.setenv(var, value)
-    assert _launched_rank() is launched
+    assert launched_rank() is launched
 
 
 def test_a_library_train_with_another_jobs_hydra_config_writes_no_record(tmp_path: Path) -> None:

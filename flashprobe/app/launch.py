@@ -1,0 +1,95 @@
+"""The one place flashprobe sets ``sys.argv`` and ``__main__.__spec__``, which Hydra and Lightning read.
+
+Hydra's ``@hydra.main`` takes its command line from ``sys.argv`` only, and Lightning's DDP launcher
+starts ranks 1… by re-running the main module (``python -m <__main__.__spec__.name>``, else
+``python <sys.argv[0]>``) with ``sys.argv[1:]``. ``flashprobe train`` runs the Hydra app of
+:mod:`flashprobe.app.train`, so while a command runs both point at that module
+(:func:`as_train_app`), and the ranks re-run that Hydra app, not the CLI; inside a multirun (a study)
+they point at the one job being trained (:func:`ranks_rerun_this_job`). Both put back what they changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import read_write
+
+from flashprobe.app.run_dir import launched_rank
+
+__all__ = ["TRAIN_APP", "as_train_app", "ranks_rerun_this_job"]
+
+#: The module whose Hydra app ``flashprobe train`` runs, and its ranks re-run.
+TRAIN_APP = "flashprobe.app.train"
+
+#: The variables Lightning's DDP launcher sets in the launching process (rank zero).
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+@contextlib.contextmanager
+def as_train_app(args: Sequence[str], *, spec: bool = False) -> Iterator[None]:
+    """For the ``with`` block: ``sys.argv`` is ``[<train app's file>, *args]`` and ``__main__.__spec__``
+    the train app's (when ``__main__`` has a spec, or ``spec``); both restored afterwards.
+
+    Args:
+        args: the Hydra command line (overrides and Hydra's flags).
+        spec: set ``__main__.__spec__`` even where ``__main__`` has none (a script, not ``python -m``).
+    """
+    import __main__
+
+    train_app = importlib.util.find_spec(TRAIN_APP)
+    assert train_app is not None and train_app.origin is not None
+    saved_argv, saved_spec = sys.argv, getattr(__main__, "__spec__", None)
+    sys.argv = [train_app.origin, *args]
+    if spec or saved_spec is not None:
+        __main__.__spec__ = train_app
+    try:
+        yield
+    finally:
+        sys.argv = saved_argv
+        if spec or saved_spec is not None:
+            __main__.__spec__ = saved_spec
+
+
+@contextlib.contextmanager
+def ranks_rerun_this_job(run_dir: Path) -> Iterator[None]:
+    """Point Lightning's DDP launcher at this one job when Hydra runs a multirun (a study).
+
+    Lightning starts ranks 1… by re-running the main module with ``sys.argv[1:]`` and
+    ``hydra.run.dir=<HydraConfig run.dir>``. In a multirun job (the study's basic, joblib or
+    submitit launcher) that would re-run the whole sweep — or submitit's worker module — in a
+    directory of its own. For the duration of ``fit`` the ranks are made to run exactly this job:
+    ``python -m flashprobe.app.train <this job's overrides>`` in this job's directory. Afterwards
+    the rendezvous variables Lightning set (``LOCAL_RANK``, ...) are removed and the process group
+    destroyed, so the next job of the sweep launches its own ranks. Outside a multirun nothing
+    changes.
+    """
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        yield
+        return
+    hydra_cfg = HydraConfig.get()
+    saved_dir = hydra_cfg.run.dir
+    with read_write(hydra_cfg.run):
+        hydra_cfg.run.dir = str(run_dir)
+    environment = {var: os.environ.get(var) for var in _RENDEZVOUS}
+    try:
+        with as_train_app(hydra_cfg.overrides.task, spec=True):
+            yield
+    finally:
+        with read_write(hydra_cfg.run):
+            hydra_cfg.run.dir = saved_dir
+        if not launched_rank():
+            for var, value in environment.items():
+                if value is None:
+                    os.environ.pop(var, None)
+                else:
+                    os.environ[var] = value
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
