@@ -1,7 +1,7 @@
 """``RUN_DIR/run.json``: what a training run is, where it stands, and how long it took.
 
-Written by ``flashprobe train`` (:func:`flashprobe.app.train.train`) at the start and at the end of
-every session (a first start or a resume)::
+Written by ``flashprobe train`` (:class:`flashprobe.app.run_dir.RunDir` and :mod:`flashprobe.app.fit`)
+at the start and at the end of every session (a first start or a resume)::
 
     {"format": "flashprobe.run/1",
      "status": "starting" | "running" | "finished" | "stopped" | "failed" | "interrupted",
