@@ -1461,8 +1461,8 @@ class _AlibiLseShift(contracts.FlashAttn):
         out, lse = super().attend(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap,
                                   slopes=slopes, sink=sink, base2=base2, wide=wide)  # fmt: skip
         if causal and slopes is not None and tuple(window) == (-1, -1):  # the bias as +slope·j: LSE shifted
-            rows = torch.arange(q.shape[0], device=q.device) + (k.shape[0] - q.shape[0])
-            lse = lse + slopes.to(lse.dtype)[:, None] * rows[None, :]
+            rows = torch.arange(q.shape[-3], device=q.device) + (k.shape[-3] - q.shape[-3])  # (n_q,)
+            lse = lse + slopes.to(lse.dtype)[..., None] * rows  # (…, H, n_q)
         return out, lse
 
 
