@@ -1602,8 +1602,8 @@ CONTRACT_MUTANTS: dict[str, ContractMutant] = {
                        "cu_seqlens not checked: a bad call accepted",
                        ("refuse_cu_seqlens_decreasing", "refuse_cu_seqlens_past_total"), _CAPS[_VARLEN]),
         ContractMutant("split_scratch", _SplitScratch().flash_attn_with_kvcache, _CACHE, "an empty split "
-                       "merged from uninitialised scratch", ("length_one_key", "empty_cache_in_batch"),
-                       _CAPS[_CACHE]),
+                       "merged from uninitialised scratch",
+                       ("length_one_key", "empty_cache_in_batch", "cache_num_splits"), _CAPS[_CACHE]),
         ContractMutant("cache_not_written", _CacheNotWritten().flash_attn_with_kvcache, _CACHE,
                        "appended keys never written into the cache", ("cache_append",), _CAPS[_CACHE]),
         ContractMutant("merge_natural_log", _MergeNaturalLog().merge_state, "merge_state",

@@ -19,9 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from flashprobe.formats.reproducer import load_contract_reproducer
 from flashprobe.fuzz.cli import main as fuzz_main
 from flashprobe.fuzz.contract_cases import CONTRACT_CASES, contract_cases
 from flashprobe.fuzz.contract_run import check_contract_case, run_contract_catalogue, split_case_patterns
+from flashprobe.fuzz.reproducer import contract_reproducer
 from flashprobe.judge import judge_lse
 from flashprobe.kernels import get_kernel, register_kernel, unregister_kernel
 from flashprobe.probing.replay_cli import main as replay_main
@@ -155,6 +157,42 @@ def test_cases_keep_their_point_inside_declared_limits() -> None:
         assert over.verdict == "pass" and call.page_size in (16, 64)  # any size it takes keeps the point
     finally:
         unregister_kernel("varlen_16_64")
+
+
+def test_a_kv_cache_call_with_num_splits_reaches_kernels_that_take_it(tmp_path: Path) -> None:
+    """``cache_num_splits`` passes ``num_splits=4`` to a KV-cache kernel whose signature has it (split-KV
+    with empty splits: the correct merge passes), and is not applicable to one whose signature lacks it
+    (refused before the kernel runs)."""
+    seen: list[int] = []
+
+    def recording(q, k_cache, v_cache, *args, num_splits=0, **kwargs):
+        seen.append(num_splits)
+        return contracts.flash_attn_with_kvcache(q, k_cache, v_cache, *args, num_splits=num_splits, **kwargs)
+
+    def without(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, softmax_scale=None, causal=False,
+                return_softmax_lse=False):  # fmt: skip
+        seen.append(-1)
+        return contracts.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                                 softmax_scale=softmax_scale, causal=causal,
+                                                 return_softmax_lse=return_softmax_lse)  # fmt: skip
+
+    caps = contracts.CAPABILITIES["flash_attn_with_kvcache"]
+    for name, fn in (("splits_recording", recording), ("splits_without", without)):
+        register_kernel(name, fn, api="flash_attn_with_kvcache", capabilities=caps, overwrite=True)
+    try:
+        ok, call = check_contract_case("splits_recording", "cache_num_splits", torch.float32)
+        assert ok.verdict == "pass", ok.reason
+        assert seen == [4] and call.num_splits == 4 and "num_splits=4" in ok.shape
+        saved = contract_reproducer(ok, "splits_recording", call, CONTRACT_CASES["cache_num_splits"])
+        assert load_contract_reproducer(saved.save(tmp_path / "splits.safetensors")).call.num_splits == 4
+        plain, _ = check_contract_case("splits_recording", "cache_append", torch.float32)
+        assert plain.verdict == "pass" and seen == [4, 0]  # not passed: the kernel's default
+        refused, _ = check_contract_case("splits_without", "cache_num_splits", torch.float32)
+        assert refused.verdict == "unsupported" and "no num_splits" in refused.reason
+        assert refused.reason.startswith("not applicable") and seen == [4, 0]
+    finally:
+        for name in ("splits_recording", "splits_without"):
+            unregister_kernel(name)
 
 
 def test_fuzz_saves_contract_reproducers_and_replay_judges_them(suite, tmp_path: Path, capsys) -> None:

@@ -19,6 +19,7 @@ import torch
 from flashprobe.fuzz.rule import check_output, rounding_floor
 from flashprobe.kernels import (
     KernelCapabilities,
+    KernelInputError,
     KernelSpecError,
     KernelUnsupportedError,
     get_kernel,
@@ -261,8 +262,11 @@ def test_a_call_read_from_a_real_functions_arguments():
     assert torch.equal(golden_call(read).out, golden_call(packed).out)
     cache = dense_call(seqs).replace(q_lens=None).cached(new=1)
     read = call_from_arguments("flash_attn_with_kvcache", cache.q, cache.k, cache.v, cache.k_new, cache.v_new,
-                               cache_seqlens=cache.cache_seqlens, causal=True)  # fmt: skip
-    assert read.storage == "cache" and read.causal
+                               cache_seqlens=cache.cache_seqlens, causal=True, num_splits=3)  # fmt: skip
+    assert read.storage == "cache" and read.causal and read.num_splits == 3
+    assert torch.equal(golden_call(read).out, golden_call(read.replace(num_splits=None)).out)  # a hint only
+    with pytest.raises(KernelInputError, match="num_splits"):
+        read.replace(num_splits=-1)
     with pytest.raises(TypeError, match="rotary"):
         call_from_arguments("flash_attn_with_kvcache", cache.q, cache.k, cache.v, rotary_cos=torch.ones(1))
 
