@@ -45,6 +45,8 @@ class KernelCheck:
         reproducers: the files saved for the failures (empty without ``out_dir``).
         ledger: the rows judged against the ledger (None without one): failures it accepts are
             ``known``, its entries that passed are unexpected passes.
+        contract_cases: the contract catalogue's cases the run selected (posed to the kernels whose
+            api they take).
     """
 
     results: list[FuzzResult]
@@ -52,6 +54,7 @@ class KernelCheck:
     elapsed_s: float = 0.0
     reproducers: list[Path] = field(default_factory=list)
     ledger: LedgerReport | None = None
+    contract_cases: list[str] = field(default_factory=list)
 
     @property
     def failures(self) -> list[FuzzResult]:
@@ -198,4 +201,5 @@ def check_kernel(
     saved = sorted(set(store.saved.values())) if store is not None else []
     report = None if ledger is None else ledger.apply(results, device)
     results = results if report is None else report.results
-    return KernelCheck(results, catalogue_s, time.perf_counter() - start, saved, report)
+    elapsed = time.perf_counter() - start
+    return KernelCheck(results, catalogue_s, elapsed, saved, report, list(contract_names))

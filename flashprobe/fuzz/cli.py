@@ -408,7 +408,11 @@ def _safe(spec: str) -> str:
 
 
 def _print_results(
-    plan: _Plan, results: list[FuzzResult], elapsed: float, ledger: LedgerReport | None = None
+    plan: _Plan,
+    results: list[FuzzResult],
+    elapsed: float,
+    ledger: LedgerReport | None = None,
+    contract_cases: Sequence[str] = (),
 ) -> None:
     catalogue = [r for r in results if r.params is None]
     randoms = [r for r in results if r.params is not None]
@@ -446,13 +450,17 @@ def _print_results(
     if cover := coverage(results):
         print("\ncoverage (values exercised per axis):")
         print("\n".join("  " + line for line in coverage_lines(cover)))
-    if properties := property_coverage(catalogue):
+    if properties := property_coverage(catalogue, contract_cases):
         print("\nproperties (per kernel: tested, or why not):")
         print("\n".join("  " + line for line in property_lines(properties)))
 
 
 def _payload(
-    plan: _Plan, command: str, results: list[FuzzResult], timing: dict[str, float]
+    plan: _Plan,
+    command: str,
+    results: list[FuzzResult],
+    timing: dict[str, float],
+    contract_cases: Sequence[str] = (),
 ) -> dict[str, Any]:
     return {
         "command": command,
@@ -472,7 +480,7 @@ def _payload(
         **{k: round(v, 3) for k, v in timing.items()},
         "summary": summary_counts(results),
         "coverage": coverage(results),
-        "properties": property_coverage(results),
+        "properties": property_coverage(results, contract_cases),
         "case_seconds": case_seconds(results),
         "rows": [r.as_dict() for r in results],
     }
@@ -490,11 +498,14 @@ def _ledger_payload(report: LedgerReport) -> dict[str, Any]:
     }
 
 
-def _write(plan: _Plan, payload: dict[str, Any], results: list[FuzzResult]) -> list[Path]:
-    """Write ``fuzz.json`` (and ``fuzz.md`` when the catalogue ran); every file written, reproducers too."""
+def _write(
+    plan: _Plan, payload: dict[str, Any], results: list[FuzzResult], contract_cases: Sequence[str] = ()
+) -> list[Path]:
+    """Write ``fuzz.json`` (and ``fuzz.md`` when a catalogue ran: the dense one, the sequences and
+    invariants, or the contract one); every file written, reproducers too."""
     written = [write_json(plan.out_dir / "fuzz.json", payload)]
-    if plan.cases or plan.checks:
-        written.append(atomic_write_text(plan.out_dir / "fuzz.md", _markdown(results)))
+    if plan.cases or plan.checks or any(r.params is None for r in results):
+        written.append(atomic_write_text(plan.out_dir / "fuzz.md", _markdown(results, contract_cases)))
     for repro in dict.fromkeys(r.repro for r in results if r.repro):
         written += [Path(repro), Path(repro).with_suffix(".py")]
     return written
@@ -504,14 +515,14 @@ def _write(plan: _Plan, payload: dict[str, Any], results: list[FuzzResult]) -> l
 _SLOWEST = 8
 
 
-def _markdown(results: list[FuzzResult]) -> str:
+def _markdown(results: list[FuzzResult], contract_cases: Sequence[str] = ()) -> str:
     """``fuzz.md``: the verdict table, the properties per kernel and the slowest cases."""
     catalogue = [r for r in results if r.params is None]
     slowest = list(case_seconds(results).items())[:_SLOWEST]
     return (
         markdown_table(catalogue)
         + "\n## Properties\n\n"
-        + property_markdown(property_coverage(catalogue))
+        + property_markdown(property_coverage(catalogue, contract_cases))
         + "\n## Slowest cases\n\n| case | seconds (every kernel, dtype and seed) |\n| --- | --- |\n"
         + "".join(f"| `{case}` | {seconds:.1f} |\n" for case, seconds in slowest)
     )
@@ -580,12 +591,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         contract_cases=getattr(args, "contract_cases", None),
     )
     results, elapsed, catalogue_s = check.results, check.elapsed_s, check.catalogue_s
-    _print_results(plan, results, elapsed, check.ledger)
+    _print_results(plan, results, elapsed, check.ledger, check.contract_cases)
     timing = {"elapsed_s": elapsed, "catalogue_s": catalogue_s}
-    payload = _payload(plan, "flashprobe fuzz " + " ".join(argv), results, timing)
+    payload = _payload(plan, "flashprobe fuzz " + " ".join(argv), results, timing, check.contract_cases)
     if check.ledger is not None:
         payload["ledger"] = _ledger_payload(check.ledger)
-    written = _write(plan, payload, results)
+    written = _write(plan, payload, results, check.contract_cases)
     summary = summary_counts(results)
     no_backward = f", {summary['no_backward']} no_backward" if summary["no_backward"] else ""
     no_backward += f", {summary['not_declared']} not_declared" if summary["not_declared"] else ""

@@ -195,6 +195,22 @@ def test_a_kv_cache_call_with_num_splits_reaches_kernels_that_take_it(tmp_path: 
             unregister_kernel(name)
 
 
+def test_a_contract_only_run_reports_the_contract_properties_and_writes_fuzz_md(
+    suite, tmp_path: Path, capsys
+) -> None:
+    """A merge kernel fuzzed on contract cases only: the property table counts the contract
+    properties posed to it and names the selected ones no case poses to its api (``window``), and
+    ``fuzz.md`` is written."""
+    argv = ["--kernel", "ok_merge_base2", "--dtype", "fp32", "--case", "merge_halves", "--case", "window_0_0"]
+    assert fuzz_main([*argv, "--out", str(tmp_path), "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "ok_merge_base2: 1 of 2 properties tested" in out
+    assert "not applicable: window, because window_0_0: its cases take flash_attn_func" in out
+    assert "not merge_state ones" in out
+    md = (tmp_path / "fuzz.md").read_text()
+    assert "| window | not applicable, because window_0_0" in md and "1 of 2 tested" in md
+
+
 def test_fuzz_saves_contract_reproducers_and_replay_judges_them(suite, tmp_path: Path, capsys) -> None:
     kernels = ["--kernel", "bug_pages_past_128", "--kernel", "bug_cu_seqlens_unchecked"]
     cases = ["--case", "paged_256", "--case", "refuse_cu_seqlens_*"]
