@@ -101,6 +101,7 @@ class _Plan:
     quiet: bool = False
     checks: list[str] = field(default_factory=list)
     ledger: Ledger | None = None
+    threads: int = 1
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -157,6 +158,15 @@ def _parser() -> argparse.ArgumentParser:
         help="same-dtype baseline (default math; with --from, the one the call recorded)",
     )
     p.add_argument("--device", default="cpu", help="device to run on (default cpu)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        metavar="T",
+        help="torch intra-op CPU threads for the run, the kernel's calls included (default 1: the "
+        "references and statistics are many small ops, and on a small CPU thread hand-offs cost more "
+        "than they save)",
+    )
     shipped = "; ".join(f"{name}: {path}" for name, path in SHIPPED.items())
     p.add_argument(
         "--ledger",
@@ -288,6 +298,8 @@ def _plan(args: argparse.Namespace) -> _Plan:
     if args.budget < 0:
         raise UsageError(f"--budget {args.budget}: must be ≥ 0 (random samples; 0 runs only the catalogue)")
     device = _device(args.device)
+    if args.threads < 1:
+        raise UsageError(f"--threads {args.threads}: must be ≥ 1 (torch intra-op CPU threads)")
     _some_kernel_runs(kernels, device, dtypes)
     try:
         ledger = None if args.ledger is None else load_ledger(args.ledger)
@@ -314,6 +326,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
         args.quiet,
         checks,
         ledger,
+        args.threads,
     )
 
 
@@ -476,6 +489,7 @@ def _payload(
         "budget": plan.budget,
         "profile": plan.profile,
         "backward": plan.backward,
+        "threads": plan.threads,
         "rule": RULE,
         **{k: round(v, 3) for k, v in timing.items()},
         "summary": summary_counts(results),
@@ -589,6 +603,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress=_progress(plan.quiet, plan.budget),
         ledger=plan.ledger,
         contract_cases=getattr(args, "contract_cases", None),
+        threads=plan.threads,
     )
     results, elapsed, catalogue_s = check.results, check.elapsed_s, check.catalogue_s
     _print_results(plan, results, elapsed, check.ledger, check.contract_cases)
