@@ -211,6 +211,30 @@ def test_a_contract_only_run_reports_the_contract_properties_and_writes_fuzz_md(
     assert "| window | not applicable, because window_0_0" in md and "1 of 2 tested" in md
 
 
+def test_gradients_must_be_zero_in_masked_rows_not_where_one_key_makes_the_golden_zero() -> None:
+    """A varlen kernel whose dq carries a rounding-sized extra term ``2^-20 · dO`` (its forward exact):
+    where each query sees one key (``length_one_key``, ``window_0_0``) the golden dq is 0 by the
+    softmax, not by a mask, and the kernel passes; rows of a sequence without keys must be 0, and it
+    fails there (``dq:masked``)."""
+
+    def rounding_dq(q, k, v, *args, **kwargs):
+        found = contracts.flash_attn_varlen_func(q, k, v, *args, **kwargs)  # (out, lse, None) with the LSE
+        out = found[0] if isinstance(found, tuple) else found
+        out = out + 2.0**-20 * (q - q.detach())  # the same forward; dq + 2^-20 dO
+        return (out, *found[1:]) if isinstance(found, tuple) else out
+
+    caps = contracts.CAPABILITIES["flash_attn_varlen_func"]
+    register_kernel("rounding_dq", rounding_dq, api="flash_attn_varlen_func", capabilities=caps)
+    try:
+        for case in ("length_one_key", "window_0_0"):
+            ok, _ = check_contract_case("rounding_dq", case, torch.float32)
+            assert ok.verdict == "pass" and ok.backward == "pass", f"{case}: {ok.reason}"
+        masked, _ = check_contract_case("rounding_dq", "empty_keys_in_batch", torch.float32)
+        assert masked.verdict == "fail" and masked.backward_failure == "dq:masked", masked.reason
+    finally:
+        unregister_kernel("rounding_dq")
+
+
 def test_fuzz_saves_contract_reproducers_and_replay_judges_them(suite, tmp_path: Path, capsys) -> None:
     kernels = ["--kernel", "bug_pages_past_128", "--kernel", "bug_cu_seqlens_unchecked"]
     cases = ["--case", "paged_256", "--case", "refuse_cu_seqlens_*"]
