@@ -191,47 +191,58 @@ class FlashAttn:
     def attend(
         self, q, k, v, *, scale, causal, window, softcap, slopes, sink=None, base2=False, wide=False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One sequence by online softmax over key tiles, in float32 (``wide``: float64): ``q (n_q, H,
-        D)``, ``k (n_k, H_kv, D)``, ``v (n_k, H_kv, D_v)`` → ``out (n_q, H, D_v)`` and the natural LSE
-        ``(H, n_q)`` (``−inf`` for a row without keys); a ``sink (H,)`` joins the denominator (FA4's
-        learnable sink: the running state starts at ``(sink, 1, 0)``)."""
-        n_q, h, _ = q.shape
-        n_k, h_kv, d_v = v.shape
+        """Sequences of one length by online softmax over key tiles, in float32 (``wide``: float64):
+        ``q (G, n_q, H, D)``, ``k (G, n_k, H_kv, D)``, ``v (G, n_k, H_kv, D_v)`` → ``out (G, n_q, H,
+        D_v)`` and the natural LSE ``(G, H, n_q)`` (``−inf`` for a row without keys); one sequence
+        without the leading ``G`` as well. ``slopes`` ``(H,)`` or ``(G, H)``; a ``sink (H,)`` joins the
+        denominator (FA4's learnable sink: the running state starts at ``(sink, 1, 0)``). ``base2``:
+        ``exp2`` of the scores in ``log2`` units, each taken after the row's running max is subtracted
+        (a logit near the dtype's largest value stays finite), the row sum's ``log2`` converted."""
+        if q.dim() == 3:  # one sequence
+            out, lse = self.attend(
+                q[None], k[None], v[None], scale=scale, causal=causal, window=window, softcap=softcap,
+                slopes=slopes, sink=sink, base2=base2, wide=wide,
+            )  # fmt: skip
+            return out[0], lse[0]
+        g, n_q, h, _ = q.shape
+        n_k, h_kv, d_v = v.shape[1:]
         heads = self.kv_heads(h, h_kv, q.device)
         acc_dtype = torch.float64 if wide else torch.float32
-        qf = q.to(acc_dtype).transpose(0, 1)  # (H, n_q, D)
-        kf, vf = (t.to(acc_dtype).transpose(0, 1)[heads] for t in (k, v))  # (H, n_k, ·)
+        qf = q.to(acc_dtype).transpose(1, 2)  # (G, H, n_q, D)
+        kf, vf = (t.to(acc_dtype).transpose(1, 2)[:, heads] for t in (k, v))  # (G, H, n_k, ·)
         dist = self.distance(n_q, n_k, q.device)
-        keep = self.keep(dist, causal, window)
+        keep = self.keep(dist, causal, window)  # (n_q, n_k)
         unit = _LOG2E if base2 else 1.0
         exp = torch.exp2 if base2 else torch.exp
-        bias = None if slopes is None else self.alibi(slopes.to(acc_dtype), n_q, n_k)  # (H, n_q, n_k)
+        bias = None
+        if slopes is not None:  # (H, n_q, n_k) or (G, H, n_q, n_k)
+            bias = self.alibi(slopes.to(acc_dtype).reshape(-1), n_q, n_k).view(*slopes.shape, n_q, n_k)
         like = {"device": q.device, "dtype": acc_dtype}
-        m = torch.full((h, n_q, 1), -_INF, **like)
-        l_sum = torch.zeros(h, n_q, 1, **like)
+        m = torch.full((g, h, n_q, 1), -_INF, **like)
+        l_sum = torch.zeros(g, h, n_q, 1, **like)
         if sink is not None:
-            m = (sink.to(acc_dtype) * unit).view(h, 1, 1).expand(h, n_q, 1)
-            l_sum = torch.ones(h, n_q, 1, **like)
-        acc = torch.zeros(h, n_q, d_v, **like)
+            m = sink.to(acc_dtype).view(1, h, 1, 1).expand(g, h, n_q, 1)
+            l_sum = torch.ones(g, h, n_q, 1, **like)
+        acc = torch.zeros(g, h, n_q, d_v, **like)
         for a in range(0, n_k, self.tile):
             z = min(n_k, a + self.tile)
-            s = qf @ kf[:, a:z].transpose(1, 2) * scale  # (H, n_q, tile)
+            s = qf @ kf[:, :, a:z].transpose(-1, -2) * scale  # (G, H, n_q, tile)
             if softcap:
                 s = self.cap(s, softcap)
             if bias is not None:
-                s = s + bias[:, :, a:z]
-            s = s.masked_fill(~keep[:, a:z], -_INF) * unit
+                s = s + bias[..., a:z]
+            s = s.masked_fill(~keep[:, a:z], -_INF)
             m_new = self.new_max(m, s.amax(-1, keepdim=True))
             m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)
-            p = exp(s - m_safe)
-            rescale = exp(m - m_safe)
+            p = exp((s - m_safe) * unit)
+            rescale = exp((m - m_safe) * unit)
             l_sum = l_sum * rescale + p.sum(-1, keepdim=True)
-            acc = acc * rescale + self.pv(p, vf[:, a:z])
+            acc = acc * rescale + self.pv(p, vf[:, :, a:z])
             m = m_new
         out = acc / torch.where(l_sum > 0, l_sum, 1.0)
         log = torch.log2 if base2 else torch.log
-        lse = torch.where(l_sum > 0, m + log(torch.where(l_sum > 0, l_sum, 1.0)), -_INF) / unit
-        return out.transpose(0, 1), lse[..., 0]
+        lse = torch.where(l_sum > 0, m + log(torch.where(l_sum > 0, l_sum, 1.0)) / unit, -_INF)
+        return out.transpose(1, 2), lse[..., 0]
 
     # ---- flash-attn 2.8's functions -------------------------------------------------------------
 
@@ -265,23 +276,11 @@ class FlashAttn:
         ``out (B, N_q, H, D)``; with ``return_attn_probs`` ``(out, softmax_lse (B, H, N_q), None)``."""
         window = self._common(q, k, window_size, dropout_p)
         scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-        outs, lses = [], []
-        for b in range(q.shape[0]):
-            out, lse = self.attend(
-                q[b],
-                k[b],
-                v[b],
-                scale=scale,
-                causal=causal,
-                window=window,
-                softcap=softcap,
-                slopes=_slopes(alibi_slopes, b),
-            )
-            outs.append(out)
-            lses.append(lse)
-        out = self.store(torch.stack(outs), q.dtype)
-        lse = self.lse_out(torch.stack(lses))
-        return (out, lse, None) if return_attn_probs else out
+        out, lse = self.attend(  # every sequence at once: (B, N_q, H, D_v), (B, H, N_q)
+            q, k, v, scale=scale, causal=causal, window=window, softcap=softcap, slopes=alibi_slopes
+        )
+        out = self.store(out, q.dtype)
+        return (out, self.lse_out(lse), None) if return_attn_probs else out
 
     def flash_attn_varlen_func(
         self,
@@ -320,25 +319,33 @@ class FlashAttn:
         given = out
         out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
         lse = torch.full((q.shape[1], q.shape[0]), -_INF, device=q.device)
-        for b, (qa, qz) in enumerate(seq_q):
+        groups: dict[tuple[int, int], list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        for b, (qa, qz) in enumerate(seq_q):  # each sequence's tokens, grouped by their lengths
             if block_table is not None:
                 n = seq_k[b][1] - seq_k[b][0]
                 keys, values = (self.page_keys(t, block_table[b], n) for t in (k, v))
             else:
                 keys, values = (self.keys_of(t, seq_k, b) for t in (k, v))
+            rows = q[qa:qz]
+            groups.setdefault((rows.shape[0], keys.shape[0]), []).append((b, rows, keys, values))
+        for members in groups.values():  # the sequences of one (n_q, n_k) at once
+            batch = [b for b, *_ in members]
+            slopes = alibi_slopes
+            if alibi_slopes is not None and alibi_slopes.dim() == 2:
+                slopes = alibi_slopes[batch]  # (G, H)
             o, s = self.attend(
-                q[qa:qz],
-                keys,
-                values,
+                *(torch.stack([m[i] for m in members]) for i in (1, 2, 3)),
                 scale=scale,
                 causal=causal,
                 window=window,
                 softcap=softcap,
-                slopes=_slopes(alibi_slopes, b),
+                slopes=slopes,
                 base2=True,
             )
-            out[qa:qz] = o
-            lse[:, qa:qz] = s
+            for g, b in enumerate(batch):
+                qa, qz = seq_q[b]
+                out[qa:qz] = o[g]
+                lse[:, qa:qz] = s[g]
         out = self.store(out, q.dtype)
         if given is not None:
             out = self.write(given, out, seq_q, seq_k)
@@ -498,15 +505,11 @@ class FA3(FlashAttn):
             dq, dk, dv = (ones if d is None else d.float() for d in (q_descale, k_descale, v_descale))
             q = q.float() * dq.repeat_interleave(rep, dim=1)[:, None, :, None]
             k, v = k.float() * dk[:, None, :, None], v.float() * dv[:, None, :, None]
-        outs, lses = [], []
-        for b in range(q.shape[0]):
-            out, lse = self.attend(
-                q[b], k[b], v[b], scale=scale, causal=causal, window=window, softcap=softcap, slopes=None
-            )
-            outs.append(out)
-            lses.append(lse)
-        out = self.store(torch.stack(outs), out_dtype)
-        return (out, self.lse_out(torch.stack(lses))) if return_attn_probs else out
+        out, lse = self.attend(
+            q, k, v, scale=scale, causal=causal, window=window, softcap=softcap, slopes=None
+        )
+        out = self.store(out, out_dtype)
+        return (out, self.lse_out(lse)) if return_attn_probs else out
 
 
 class FA3PCast(FA3):

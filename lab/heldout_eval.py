@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from flashprobe.bench.args import torch_threads
 from flashprobe.fuzz.check import check_kernel
 from flashprobe.fuzz.contract_run import run_contract_catalogue
 from flashprobe.kernels import KernelCapabilities, register_kernel, unregister_kernel
@@ -73,9 +74,11 @@ def evaluate(
     backward: bool = True,
     progress: bool = False,
     dtypes: Sequence[str] = ("bf16", "fp16", "fp32"),
+    threads: int = 1,
 ) -> list[dict[str, Any]]:
-    """Fuzz each held-out kernel (all, or ``names``) at the default profile; one row per kernel:
-    name, api, kind, calls, verdict (``fail`` when any case fails), the failing cases, counts, seconds."""
+    """Fuzz each held-out kernel (all, or ``names``) at the default profile, with ``threads`` torch
+    intra-op threads (``flashprobe fuzz``'s default); one row per kernel: name, api, kind, calls,
+    verdict (``fail`` when any case fails), the failing cases, counts, seconds."""
     from lab.heldout import CONTRACTS, stateful
 
     held = register_heldout()
@@ -89,9 +92,11 @@ def evaluate(
             start = time.perf_counter()
             spec = f"heldout_{name}"
             if contract_only:
-                results = run_contract_catalogue([spec], chosen, seed=seed, backward=backward)
+                with torch_threads(threads):
+                    results = run_contract_catalogue([spec], chosen, seed=seed, backward=backward)
             else:
-                results = check_kernel(spec, dtypes=chosen, seed=seed, backward=backward).results
+                found = check_kernel(spec, dtypes=chosen, seed=seed, backward=backward, threads=threads)
+                results = found.results
             failed = sorted({f"{r.case}@{r.dtype}" for r in results if r.verdict == "fail"})
             counts = {
                 v: sum(r.verdict == v for r in results) for v in ("pass", "fail", "skip", "unsupported")

@@ -1461,8 +1461,8 @@ class _AlibiLseShift(contracts.FlashAttn):
         out, lse = super().attend(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap,
                                   slopes=slopes, sink=sink, base2=base2, wide=wide)  # fmt: skip
         if causal and slopes is not None and tuple(window) == (-1, -1):  # the bias as +slope·j: LSE shifted
-            rows = torch.arange(q.shape[0], device=q.device) + (k.shape[0] - q.shape[0])
-            lse = lse + slopes.to(lse.dtype)[:, None] * rows[None, :]
+            rows = torch.arange(q.shape[-3], device=q.device) + (k.shape[-3] - q.shape[-3])  # (n_q,)
+            lse = lse + slopes.to(lse.dtype)[..., None] * rows  # (…, H, n_q)
         return out, lse
 
 
@@ -1602,8 +1602,8 @@ CONTRACT_MUTANTS: dict[str, ContractMutant] = {
                        "cu_seqlens not checked: a bad call accepted",
                        ("refuse_cu_seqlens_decreasing", "refuse_cu_seqlens_past_total"), _CAPS[_VARLEN]),
         ContractMutant("split_scratch", _SplitScratch().flash_attn_with_kvcache, _CACHE, "an empty split "
-                       "merged from uninitialised scratch", ("length_one_key", "empty_cache_in_batch"),
-                       _CAPS[_CACHE]),
+                       "merged from uninitialised scratch",
+                       ("length_one_key", "empty_cache_in_batch", "cache_num_splits"), _CAPS[_CACHE]),
         ContractMutant("cache_not_written", _CacheNotWritten().flash_attn_with_kvcache, _CACHE,
                        "appended keys never written into the cache", ("cache_append",), _CAPS[_CACHE]),
         ContractMutant("merge_natural_log", _MergeNaturalLog().merge_state, "merge_state",

@@ -436,7 +436,7 @@ def load_sequence(
 #: under its field name, the other fields in ``contract.fields``.
 _CONTRACT_SCALARS = (
     "layout", "max_seqlen_q", "max_seqlen_k", "kv_layout", "causal", "align", "window", "softcap", "scale",
-    "return_lse", "lse_base", "split_k",
+    "return_lse", "lse_base", "split_k", "num_splits",
 )  # fmt: skip
 
 

@@ -11,6 +11,7 @@ kernels and returns a :class:`KernelCheck` — the rows, the failures, the repro
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from flashprobe.bench.args import torch_threads
 from flashprobe.formats import prepare_output_dir
 from flashprobe.fuzz.cases import FuzzCase, select_cases
 from flashprobe.fuzz.contract_run import dense_dtypes, run_contract_catalogue, split_case_patterns, to_dtypes
@@ -45,6 +47,8 @@ class KernelCheck:
         reproducers: the files saved for the failures (empty without ``out_dir``).
         ledger: the rows judged against the ledger (None without one): failures it accepts are
             ``known``, its entries that passed are unexpected passes.
+        contract_cases: the contract catalogue's cases the run selected (posed to the kernels whose
+            api they take).
     """
 
     results: list[FuzzResult]
@@ -52,6 +56,7 @@ class KernelCheck:
     elapsed_s: float = 0.0
     reproducers: list[Path] = field(default_factory=list)
     ledger: LedgerReport | None = None
+    contract_cases: list[str] = field(default_factory=list)
 
     @property
     def failures(self) -> list[FuzzResult]:
@@ -97,6 +102,7 @@ def check_kernel(
     progress: Callable[[str], None] | None = None,
     ledger: Ledger | str | os.PathLike[str] | None = None,
     contract_cases: Sequence[str] | None = None,
+    threads: int | None = None,
 ) -> KernelCheck:
     """Run the fuzzer's catalogue for ``seeds`` seeds, then ``budget`` random samples, on
     ``kernels``, each judged by the one rule (:mod:`flashprobe.judge`) against the FP64 golden.
@@ -124,6 +130,9 @@ def check_kernel(
             cases not called, their unexpected passes failures of the check.
         contract_cases: the contract catalogue's cases (:mod:`flashprobe.fuzz.contract_cases`, for
             kernels of another api) to run; None: those ``cases``' patterns name (all when none).
+        threads: torch's intra-op CPU threads during the run, the kernels' calls included (None: the
+            process's setting; the caller's setting is restored after). ``flashprobe fuzz`` passes 1:
+            on a small CPU the hand-offs of many small ops cost more than they save.
 
     Returns:
         The :class:`KernelCheck`.
@@ -138,6 +147,8 @@ def check_kernel(
         raise ValueError(f"seeds={seeds}: must be >= 1 (the catalogue runs for seeds seed ... seed+seeds-1)")
     if budget < 0:
         raise ValueError(f"budget={budget}: must be >= 0 (random samples; 0 runs only the catalogue)")
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads={threads}: must be >= 1 (torch intra-op CPU threads), or None")
     labels = [kernel_label(k) for k in ([kernels] if isinstance(kernels, str | Kernel) else kernels)]
     if ledger is not None and not isinstance(ledger, Ledger):
         ledger = load_ledger(ledger)
@@ -163,39 +174,40 @@ def check_kernel(
     if out_dir is not None:  # checked as the command checks --out (no system directory, writable)
         store = ReproducerStore(prepare_output_dir(out_dir, flag="out_dir"), baseline, backward)
     common = {"device": device, "baseline": baseline, "backward": backward, "reproducers": store}
-    start = time.perf_counter()
-    results: list[FuzzResult] = []
-    for s in range(seed, seed + seeds):
-        results += run_catalogue(
-            labels,
-            dense_dtypes(dtypes),
-            cases=chosen,
-            seed=s,
-            layouts=layouts,
-            progress=progress,
-            ledger=ledger,
-            **common,
-        )
-        results += run_checks(
-            labels, [to_dtype(d) for d in dense_dtypes(dtypes)], extra, seed=s, progress=progress, **common
-        )
-        results += run_contract_catalogue(
-            labels, to_dtypes(dtypes), seed=s, device=device, backward=backward, names=contract_names,
-            progress=progress, reproducers=store,
-        )  # fmt: skip
-    catalogue_s = time.perf_counter() - start
-    if budget and progress is not None and results:
-        # up front: the catalogue's pace per (case, dtype) call of every kernel, for the samples
-        calls = len({(r.seed, r.case, r.dtype, r.layout) for r in results})
-        progress(
-            f"random search: {budget} samples of {len(labels)} kernel(s), about "
-            f"{catalogue_s / max(calls, 1) * budget:.0f} s at the catalogue's pace"
-        )
-    if budget:
-        results += random_search(
-            labels, dtypes, budget=budget, seed=seed, profile=profile, progress=progress, **common
-        )
+    with contextlib.nullcontext() if threads is None else torch_threads(threads):
+        start = time.perf_counter()
+        results: list[FuzzResult] = []
+        for s in range(seed, seed + seeds):
+            results += run_catalogue(
+                labels,
+                dense_dtypes(dtypes),
+                cases=chosen,
+                seed=s,
+                layouts=layouts,
+                progress=progress,
+                ledger=ledger,
+                **common,
+            )
+            resolved = [to_dtype(d) for d in dense_dtypes(dtypes)]
+            results += run_checks(labels, resolved, extra, seed=s, progress=progress, **common)
+            results += run_contract_catalogue(
+                labels, to_dtypes(dtypes), seed=s, device=device, backward=backward, names=contract_names,
+                progress=progress, reproducers=store,
+            )  # fmt: skip
+        catalogue_s = time.perf_counter() - start
+        if budget and progress is not None and results:
+            # up front: the catalogue's pace per (case, dtype) call of every kernel, for the samples
+            calls = len({(r.seed, r.case, r.dtype, r.layout) for r in results})
+            progress(
+                f"random search: {budget} samples of {len(labels)} kernel(s), about "
+                f"{catalogue_s / max(calls, 1) * budget:.0f} s at the catalogue's pace"
+            )
+        if budget:
+            results += random_search(
+                labels, dtypes, budget=budget, seed=seed, profile=profile, progress=progress, **common
+            )
     saved = sorted(set(store.saved.values())) if store is not None else []
     report = None if ledger is None else ledger.apply(results, device)
     results = results if report is None else report.results
-    return KernelCheck(results, catalogue_s, time.perf_counter() - start, saved, report)
+    elapsed = time.perf_counter() - start
+    return KernelCheck(results, catalogue_s, elapsed, saved, report, list(contract_names))

@@ -101,6 +101,7 @@ class _Plan:
     quiet: bool = False
     checks: list[str] = field(default_factory=list)
     ledger: Ledger | None = None
+    threads: int = 1
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -157,6 +158,15 @@ def _parser() -> argparse.ArgumentParser:
         help="same-dtype baseline (default math; with --from, the one the call recorded)",
     )
     p.add_argument("--device", default="cpu", help="device to run on (default cpu)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        metavar="T",
+        help="torch intra-op CPU threads for the run, the kernel's calls included (default 1: the "
+        "references and statistics are many small ops, and on a small CPU thread hand-offs cost more "
+        "than they save)",
+    )
     shipped = "; ".join(f"{name}: {path}" for name, path in SHIPPED.items())
     p.add_argument(
         "--ledger",
@@ -288,6 +298,8 @@ def _plan(args: argparse.Namespace) -> _Plan:
     if args.budget < 0:
         raise UsageError(f"--budget {args.budget}: must be ≥ 0 (random samples; 0 runs only the catalogue)")
     device = _device(args.device)
+    if args.threads < 1:
+        raise UsageError(f"--threads {args.threads}: must be ≥ 1 (torch intra-op CPU threads)")
     _some_kernel_runs(kernels, device, dtypes)
     try:
         ledger = None if args.ledger is None else load_ledger(args.ledger)
@@ -314,6 +326,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
         args.quiet,
         checks,
         ledger,
+        args.threads,
     )
 
 
@@ -408,7 +421,11 @@ def _safe(spec: str) -> str:
 
 
 def _print_results(
-    plan: _Plan, results: list[FuzzResult], elapsed: float, ledger: LedgerReport | None = None
+    plan: _Plan,
+    results: list[FuzzResult],
+    elapsed: float,
+    ledger: LedgerReport | None = None,
+    contract_cases: Sequence[str] = (),
 ) -> None:
     catalogue = [r for r in results if r.params is None]
     randoms = [r for r in results if r.params is not None]
@@ -446,13 +463,17 @@ def _print_results(
     if cover := coverage(results):
         print("\ncoverage (values exercised per axis):")
         print("\n".join("  " + line for line in coverage_lines(cover)))
-    if properties := property_coverage(catalogue):
+    if properties := property_coverage(catalogue, contract_cases):
         print("\nproperties (per kernel: tested, or why not):")
         print("\n".join("  " + line for line in property_lines(properties)))
 
 
 def _payload(
-    plan: _Plan, command: str, results: list[FuzzResult], timing: dict[str, float]
+    plan: _Plan,
+    command: str,
+    results: list[FuzzResult],
+    timing: dict[str, float],
+    contract_cases: Sequence[str] = (),
 ) -> dict[str, Any]:
     return {
         "command": command,
@@ -468,11 +489,12 @@ def _payload(
         "budget": plan.budget,
         "profile": plan.profile,
         "backward": plan.backward,
+        "threads": plan.threads,
         "rule": RULE,
         **{k: round(v, 3) for k, v in timing.items()},
         "summary": summary_counts(results),
         "coverage": coverage(results),
-        "properties": property_coverage(results),
+        "properties": property_coverage(results, contract_cases),
         "case_seconds": case_seconds(results),
         "rows": [r.as_dict() for r in results],
     }
@@ -490,11 +512,14 @@ def _ledger_payload(report: LedgerReport) -> dict[str, Any]:
     }
 
 
-def _write(plan: _Plan, payload: dict[str, Any], results: list[FuzzResult]) -> list[Path]:
-    """Write ``fuzz.json`` (and ``fuzz.md`` when the catalogue ran); every file written, reproducers too."""
+def _write(
+    plan: _Plan, payload: dict[str, Any], results: list[FuzzResult], contract_cases: Sequence[str] = ()
+) -> list[Path]:
+    """Write ``fuzz.json`` (and ``fuzz.md`` when a catalogue ran: the dense one, the sequences and
+    invariants, or the contract one); every file written, reproducers too."""
     written = [write_json(plan.out_dir / "fuzz.json", payload)]
-    if plan.cases or plan.checks:
-        written.append(atomic_write_text(plan.out_dir / "fuzz.md", _markdown(results)))
+    if plan.cases or plan.checks or any(r.params is None for r in results):
+        written.append(atomic_write_text(plan.out_dir / "fuzz.md", _markdown(results, contract_cases)))
     for repro in dict.fromkeys(r.repro for r in results if r.repro):
         written += [Path(repro), Path(repro).with_suffix(".py")]
     return written
@@ -504,14 +529,14 @@ def _write(plan: _Plan, payload: dict[str, Any], results: list[FuzzResult]) -> l
 _SLOWEST = 8
 
 
-def _markdown(results: list[FuzzResult]) -> str:
+def _markdown(results: list[FuzzResult], contract_cases: Sequence[str] = ()) -> str:
     """``fuzz.md``: the verdict table, the properties per kernel and the slowest cases."""
     catalogue = [r for r in results if r.params is None]
     slowest = list(case_seconds(results).items())[:_SLOWEST]
     return (
         markdown_table(catalogue)
         + "\n## Properties\n\n"
-        + property_markdown(property_coverage(catalogue))
+        + property_markdown(property_coverage(catalogue, contract_cases))
         + "\n## Slowest cases\n\n| case | seconds (every kernel, dtype and seed) |\n| --- | --- |\n"
         + "".join(f"| `{case}` | {seconds:.1f} |\n" for case, seconds in slowest)
     )
@@ -578,14 +603,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress=_progress(plan.quiet, plan.budget),
         ledger=plan.ledger,
         contract_cases=getattr(args, "contract_cases", None),
+        threads=plan.threads,
     )
     results, elapsed, catalogue_s = check.results, check.elapsed_s, check.catalogue_s
-    _print_results(plan, results, elapsed, check.ledger)
+    _print_results(plan, results, elapsed, check.ledger, check.contract_cases)
     timing = {"elapsed_s": elapsed, "catalogue_s": catalogue_s}
-    payload = _payload(plan, "flashprobe fuzz " + " ".join(argv), results, timing)
+    payload = _payload(plan, "flashprobe fuzz " + " ".join(argv), results, timing, check.contract_cases)
     if check.ledger is not None:
         payload["ledger"] = _ledger_payload(check.ledger)
-    written = _write(plan, payload, results)
+    written = _write(plan, payload, results, check.contract_cases)
     summary = summary_counts(results)
     no_backward = f", {summary['no_backward']} no_backward" if summary["no_backward"] else ""
     no_backward += f", {summary['not_declared']} not_declared" if summary["not_declared"] else ""

@@ -76,7 +76,7 @@ CONTRACT_PROPERTIES: dict[str, str] = {
     "softcap": "softcapped scores with |s/cap| far past 88, and a moderate cap",
     "ALiBi": "ALiBi slopes with N_q ≠ N_k both ways, with causal",
     "merge": "split-KV partial states merged through their LSEs: halves, one partial empty, rows with "
-    "no key at all, one partial dominating",
+    "no key at all, one partial dominating; a KV-cache call with num_splits > 1, some splits empty",
     "FP8 P-cast": "V = 1 with peaked, sink, rising and diffuse rows: out = 1 (P cast to FP8 without its "
     "2^8 prescale loses the diffuse mass, a stale max saturates it)",
     "refuses bad calls": "cu_seqlens decreasing or past the tensor, pages that do not exist, cache slots "
@@ -104,6 +104,7 @@ class ContractCase:
         batch_idx: KV cache: the sequences in rows ``cache_batch_idx`` of a bigger cache.
         out: a preallocated ``out=`` full of NaN.
         split_k: merges: keys ``[0, split_k)`` form the first partial (None: half).
+        num_splits: KV cache: ``num_splits`` passed to the kernel (split-KV inside it; None: not passed).
         refuse: what makes the call one the kernel must refuse (empty: a valid call).
         fp8: posed with FP8 inputs too (``--dtype e4m3``).
         cache_q: a KV cache's query length, for a case whose queries are ragged elsewhere (0: as
@@ -135,6 +136,7 @@ class ContractCase:
     batch_idx: bool = False
     out: bool = False
     split_k: int | None = None
+    num_splits: int | None = None
     refuse: str = ""
     fp8: bool = False
     make: Callable[[ContractCase, int, torch.Generator], tuple[torch.Tensor, ...]] | None = None
@@ -266,6 +268,16 @@ def _cases() -> tuple[ContractCase, ...]:
             cache_q=3,
         ),
         ContractCase("cache_append", "KV append", ("flash_attn_with_kvcache",), n_q=4, n_k=(77, 40), new=3),
+        ContractCase(
+            "cache_num_splits",
+            "merge",
+            ("flash_attn_with_kvcache",),
+            b=3,
+            n_q=4,
+            n_k=(77, 2, 40),
+            causal=True,
+            num_splits=4,
+        ),
         ContractCase(
             "cache_leftpad_rows",
             "KV append",
@@ -506,6 +518,7 @@ def _logical(
         return_lse=lse,
         lse_base=caps.lse_base,
         split_k=case.split_k,
+        num_splits=case.num_splits if api == "flash_attn_with_kvcache" else None,
         **lens,
         **descales,
     )
@@ -642,6 +655,7 @@ def describe_call(call: AttentionCall) -> str:
         f"lse base {call.lse_base}" if call.return_lse else "",
         "out=" if call.out is not None else "",
         f"split_k={call.split_k}" if call.split_k is not None else "",
+        f"num_splits={call.num_splits}" if call.num_splits is not None else "",
         call.align.replace("_", "-")
         if call.causal or call.alibi_slopes is not None or call.window != (-1, -1)
         else "",

@@ -277,6 +277,22 @@ def _run(kernel: Kernel, call: AttentionCall) -> Any:
     return run_contract(kernel.api, kernel.fn, call, raw, kernel.options)
 
 
+def _unseen(logical: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows whose gradient must be 0 because of the call's masks: queries that see no key ``(B, H,
+    N_q)`` (dq) and keys no query sees ``(B, H_kv, N_k)`` (dk, dv). A query that sees one key has a
+    zero golden dq too, but rounding leaves a correct kernel's non-zero: the value rule judges it."""
+    b, h, n_q, n_k = logical.batch, logical.heads, logical.n_q, logical.n_k
+    terms = logical.score_terms(slice(0, b), slice(0, h), slice(0, n_q), n_k, torch.float64)
+    valid = terms.get("valid")
+    valid = torch.ones(1, 1, n_q, n_k, dtype=torch.bool, device=logical.q.device) if valid is None else valid
+    mask = logical.attn_mask
+    if mask is not None:
+        valid = valid & (mask if mask.dtype == torch.bool else mask > float("-inf"))
+    valid = valid.expand(b, h, n_q, n_k)
+    unseen = ~valid.any(2).view(b, logical.heads_kv, logical.group, n_k).any(2)
+    return ~valid.any(-1), unseen
+
+
 def _gradients(
     kernel: Kernel, call: AttentionCall, refs: References
 ) -> tuple[Verdict | None, dict[str, Any], str]:
@@ -313,8 +329,9 @@ def _gradients(
     }
     golden = call_gradients(call, g.double(), dtype=torch.float64)
     base = call_gradients(call, g)
+    no_key, unseen = _unseen(logical)
     gradients = {}
-    for name, gold, b in zip(("dq", "dk", "dv"), golden, base, strict=True):
+    for name, gold, b, masked in zip(("dq", "dk", "dv"), golden, base, (no_key, unseen, unseen), strict=True):
         max_abs, l2, row, _ = noise(b.double(), gold)
         gradients[name] = GradientReference(
             name=name,
@@ -324,7 +341,7 @@ def _gradients(
             noise_row=row,
             eps=refs.eps,
             floor=refs.eps * (float(gold.abs().max()) if gold.numel() else 0.0),
-            zero_rows=(gold == 0).all(-1),
+            zero_rows=masked,
         )
     verdict, stats = judge_gradients(found, dataclasses.replace(refs, gradients=gradients))
     return verdict, stats, verdict.reason

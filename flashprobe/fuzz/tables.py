@@ -216,17 +216,27 @@ def _generic_reason(result: FuzzResult) -> str:
 _NOT_APPLICABLE = "not applicable to this kernel: "
 
 
-def property_coverage(results: Sequence[FuzzResult]) -> dict[str, dict[str, dict[str, Any]]]:
+def property_coverage(
+    results: Sequence[FuzzResult], contract_cases: Sequence[str] = ()
+) -> dict[str, dict[str, dict[str, Any]]]:
     """Per kernel, each property the run's catalogue cases test: tested, or why not.
 
     A property is ``tested`` when a kernel ran one of its cases (pass, fail or no_backward) at
     some dtype; else ``not applicable`` (its cases cannot be posed within the kernel's limits:
-    the first reason), ``unsupported`` (the kernel cannot run here) or ``skipped`` (no dtype of
-    the run can pose it).
+    the first reason, or, for a property of the contract catalogue, none of the run's cases of it
+    takes the kernel's api), ``unsupported`` (the kernel cannot run here) or ``skipped`` (no dtype
+    of the run can pose it).
+
+    Args:
+        results: the rows.
+        contract_cases: the contract catalogue's cases the run selected
+            (:data:`~flashprobe.fuzz.contract_cases.CONTRACT_CASES` names): their properties are
+            reported for every kernel of a contract api, posed to it or not.
 
     Returns:
         ``{kernel: {property: {"status", "cases" (those that ran), "reason" ("" when tested)}}}``,
-        properties in the order of :data:`~flashprobe.fuzz.cases.PROPERTIES`.
+        properties in the order of :data:`~flashprobe.fuzz.cases.PROPERTIES`, then the contract
+        catalogue's.
     """
     table: dict[str, dict[str, dict[str, Any]]] = {}
     for kernel in _unique(r.kernel for r in results):
@@ -258,8 +268,36 @@ def property_coverage(results: Sequence[FuzzResult]) -> dict[str, dict[str, dict
             )
             reason = first.reason.removeprefix(_NOT_APPLICABLE)
             entry[prop] = {"status": status, "cases": [], "reason": f"{first.case}: {reason}"}
+        entry.update({p: e for p, e in _contract_not_posed(kernel, contract_cases).items() if p not in entry})
         table[kernel] = entry
     return table
+
+
+def _contract_not_posed(kernel: str, names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """The contract catalogue's properties among ``names`` that no case of them poses to ``kernel``'s
+    api: ``not applicable``, with the apis their cases take (empty for an SDPA kernel, outside the
+    contract catalogue, or a kernel no longer registered)."""
+    from flashprobe.fuzz.contract_cases import CONTRACT_CASES
+    from flashprobe.kernels import KernelSpecError, get_kernel
+
+    try:
+        api = get_kernel(kernel).api
+    except KernelSpecError:
+        return {}
+    if api == "sdpa":
+        return {}
+    cases: dict[str, list[Any]] = {}
+    for name in names:
+        if name in CONTRACT_CASES:
+            cases.setdefault(CONTRACT_CASES[name].property, []).append(CONTRACT_CASES[name])
+    found = {}
+    for prop, group in cases.items():
+        if any(api in c.apis for c in group):
+            continue
+        apis = ", ".join(_unique(a for c in group for a in c.apis))
+        reason = f"{group[0].name}: its cases take {apis} kernels, not {api} ones"
+        found[prop] = {"status": "not applicable", "cases": [], "reason": reason}
+    return found
 
 
 def property_lines(cover: dict[str, dict[str, dict[str, Any]]]) -> list[str]:

@@ -198,6 +198,9 @@ class AttentionCall:
         lse_base: ``"e"`` or 2: the base the LSE is wanted in.
         split_k: for split-KV merges (``merge_state``): the partials are keys ``[0, split_k)`` and
             ``[split_k, N_k)`` of each sequence (default ``N_k // 2``).
+        num_splits: a KV-cache call's ``num_splits`` (flash-attn's ``flash_attn_with_kvcache``): the
+            chunks split-KV cuts each sequence's keys into, merged through their LSEs (0: the kernel's
+            heuristic, 1: no split); None: not passed. It does not change the exact result.
         out: a preallocated output in ``q``'s form with head dim ``D_v`` and dtype
             :attr:`out_dtype`, for kernels that write into one.
     """
@@ -233,6 +236,7 @@ class AttentionCall:
     return_lse: bool = False
     lse_base: str | int = "e"
     split_k: int | None = None
+    num_splits: int | None = None
     out: torch.Tensor | None = None
 
     # ---- construction and validation -------------------------------------------------------
@@ -307,6 +311,8 @@ class AttentionCall:
             raise _problem(f"softcap={self.softcap!r} must be a finite number >= 0 (0: off)")
         if self.split_k is not None and self.split_k < 0:
             raise _problem(f"split_k={self.split_k} must be >= 0")
+        if self.num_splits is not None and not (isinstance(self.num_splits, int) and self.num_splits >= 0):
+            raise _problem(f"num_splits={self.num_splits!r} must be an int >= 0 (0: the kernel's choice)")
         for name in ("q", "k", "v", "k_new", "v_new"):
             t = getattr(self, name)
             if t is None and name in ("k_new", "v_new"):

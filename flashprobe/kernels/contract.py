@@ -10,7 +10,8 @@ A kernel is registered with the **api** it really has (:func:`~flashprobe.kernel
   (bottom-right), ``window_size``, ``softcap``, ``alibi_slopes``, FlashAttention-3's ``q_descale``,
   ``k_descale``, ``v_descale`` ``(B, H_kv)`` for FP8 inputs, flash-attention 4's ``learnable_sink``
   for sinks, ``return_attn_probs`` (``return_softmax_lse`` for the cache) when the LSE is wanted,
-  ``out`` for a kernel that declares ``preallocated_out``.
+  ``out`` for a kernel that declares ``preallocated_out``, ``num_splits`` for a KV-cache call that sets
+  it (a kernel whose signature lacks it is refused such a call).
 * ``merge_state``: FlashInfer's ``merge_state(v_a, s_a, v_b, s_b) -> (v, s)``: ``v_x`` ``(T, H, D)``,
   ``s_x`` ``(T, H)`` float32 LSEs in the kernel's declared base; the partials are the golden of the
   call's keys ``[0, split_k)`` and ``[split_k, N_k)`` (sinks in the first), rounded as a split-KV
@@ -42,6 +43,7 @@ __all__ = [
     "APIS",
     "API_PARAMETERS",
     "FA3_PARAMETERS",
+    "accepts",
     "call_from_arguments",
     "contract_problem",
     "kernel_align",
@@ -285,7 +287,18 @@ def _flash_keywords(api: str, call: AttentionCall) -> dict[str, Any]:
         kw["return_softmax_lse" if api == "flash_attn_with_kvcache" else "return_attn_probs"] = True
     if call.out is not None:
         kw["out"] = call.out
+    if api == "flash_attn_with_kvcache" and call.num_splits is not None:
+        kw["num_splits"] = call.num_splits
     return kw
+
+
+def accepts(fn: Callable[..., Any], name: str) -> bool:
+    """``fn`` takes the keyword ``name`` (a parameter of that name, or ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): assume it does
+        return True
+    return name in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
 
 
 def _key_padding_lengths(call: AttentionCall) -> AttentionCall:
@@ -376,6 +389,13 @@ def run_contract(
     """
     if api == "merge_state":
         return _merge(fn, call, caps, options)
+    if api == "flash_attn_with_kvcache" and call.num_splits is not None and not accepts(fn, "num_splits"):
+        from flashprobe.kernels.registry import KernelUnsupportedError  # (the registry imports this module)
+
+        raise KernelUnsupportedError(
+            f"its signature has no num_splits (flash-attn 2.8's flash_attn_with_kvcache has): a call with "
+            f"num_splits={call.num_splits} cannot be posed; leave num_splits out"
+        )
     kcall, args, kw = kernel_arguments(api, call, caps)
     return logical_outputs(api, kcall, fn(*args, **kw, **options), caps)
 
@@ -470,6 +490,7 @@ def call_from_arguments(api: str, *args: Any, **kwargs: Any) -> AttentionCall:
             q=named["q"], k=named["k_cache"], v=named["v_cache"], k_new=named.get("k"), v_new=named.get("v"),
             cache_seqlens=named.get("cache_seqlens", _slots(named)),
             cache_batch_idx=named.get("cache_batch_idx"), cache_leftpad=named.get("cache_leftpad"),
+            num_splits=named.get("num_splits"),
         )  # fmt: skip
         return AttentionCall(**fields)
     fields.update(q=named["q"], k=named["k"], v=named["v"])

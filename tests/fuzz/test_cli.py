@@ -191,6 +191,7 @@ def test_device_cuda_without_cuda_fails_before_any_case_runs(tmp_path, capsys, n
         (["--no-catalogue"], "--no-catalogue with --budget 0 runs nothing; give --budget N"),
         (["--layout", "nosuch"], "--layout nosuch: unknown layout"),
         (["--import", "../evil"], "--import '../evil' is not a module name: give a dotted Python name"),
+        (["--threads", "0"], "--threads 0: must be ≥ 1 (torch intra-op CPU threads)"),
     ],
     ids=[
         "empty-dtype",
@@ -205,6 +206,7 @@ def test_device_cuda_without_cuda_fails_before_any_case_runs(tmp_path, capsys, n
         "nothing-to-run",
         "unknown-layout",
         "import-a-path",
+        "zero-threads",
     ],
 )
 def test_bad_arguments_fail_before_any_case_runs(tmp_path, capsys, no_run, argv, message):
@@ -366,3 +368,25 @@ def test_gradients_are_judged_when_the_output_fails(register):
     assert result.verdict == "fail" and result.failure == "values"
     assert result.backward == "fail" and (result.backward_failure or "").startswith("d")
     assert "dq" in result.reason or "dk" in result.reason
+
+
+def test_the_run_takes_threads_and_leaves_the_callers_setting(tmp_path, register):
+    """``--threads T`` (default 1) is torch's intra-op threads while the cases run, kernels' calls
+    included; fuzz.json records it, and the caller's setting is back after."""
+    seen: list[int] = []
+
+    def counting(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+        seen.append(torch.get_num_threads())
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale
+        )
+
+    name = register("threads_counting", counting)
+    before = torch.get_num_threads()
+    argv = ["--kernel", name, "--dtype", "fp32", "--case", "single_key", "--no-backward", "-q"]
+    for threads, flags in ((1, []), (2, ["--threads", "2"])):
+        seen.clear()
+        assert main([*argv, *flags, "--out", str(tmp_path)]) == 0
+        assert seen and set(seen) == {threads}
+        assert json.loads((tmp_path / "fuzz.json").read_text())["threads"] == threads
+        assert torch.get_num_threads() == before

@@ -19,9 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from flashprobe.formats.reproducer import load_contract_reproducer
 from flashprobe.fuzz.cli import main as fuzz_main
 from flashprobe.fuzz.contract_cases import CONTRACT_CASES, contract_cases
 from flashprobe.fuzz.contract_run import check_contract_case, run_contract_catalogue, split_case_patterns
+from flashprobe.fuzz.reproducer import contract_reproducer
 from flashprobe.judge import judge_lse
 from flashprobe.kernels import get_kernel, register_kernel, unregister_kernel
 from flashprobe.probing.replay_cli import main as replay_main
@@ -155,6 +157,82 @@ def test_cases_keep_their_point_inside_declared_limits() -> None:
         assert over.verdict == "pass" and call.page_size in (16, 64)  # any size it takes keeps the point
     finally:
         unregister_kernel("varlen_16_64")
+
+
+def test_a_kv_cache_call_with_num_splits_reaches_kernels_that_take_it(tmp_path: Path) -> None:
+    """``cache_num_splits`` passes ``num_splits=4`` to a KV-cache kernel whose signature has it (split-KV
+    with empty splits: the correct merge passes), and is not applicable to one whose signature lacks it
+    (refused before the kernel runs)."""
+    seen: list[int] = []
+
+    def recording(q, k_cache, v_cache, *args, num_splits=0, **kwargs):
+        seen.append(num_splits)
+        return contracts.flash_attn_with_kvcache(q, k_cache, v_cache, *args, num_splits=num_splits, **kwargs)
+
+    def without(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, softmax_scale=None, causal=False,
+                return_softmax_lse=False):  # fmt: skip
+        seen.append(-1)
+        return contracts.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                                 softmax_scale=softmax_scale, causal=causal,
+                                                 return_softmax_lse=return_softmax_lse)  # fmt: skip
+
+    caps = contracts.CAPABILITIES["flash_attn_with_kvcache"]
+    for name, fn in (("splits_recording", recording), ("splits_without", without)):
+        register_kernel(name, fn, api="flash_attn_with_kvcache", capabilities=caps, overwrite=True)
+    try:
+        ok, call = check_contract_case("splits_recording", "cache_num_splits", torch.float32)
+        assert ok.verdict == "pass", ok.reason
+        assert seen == [4] and call.num_splits == 4 and "num_splits=4" in ok.shape
+        saved = contract_reproducer(ok, "splits_recording", call, CONTRACT_CASES["cache_num_splits"])
+        assert load_contract_reproducer(saved.save(tmp_path / "splits.safetensors")).call.num_splits == 4
+        plain, _ = check_contract_case("splits_recording", "cache_append", torch.float32)
+        assert plain.verdict == "pass" and seen == [4, 0]  # not passed: the kernel's default
+        refused, _ = check_contract_case("splits_without", "cache_num_splits", torch.float32)
+        assert refused.verdict == "unsupported" and "no num_splits" in refused.reason
+        assert refused.reason.startswith("not applicable") and seen == [4, 0]
+    finally:
+        for name in ("splits_recording", "splits_without"):
+            unregister_kernel(name)
+
+
+def test_a_contract_only_run_reports_the_contract_properties_and_writes_fuzz_md(
+    suite, tmp_path: Path, capsys
+) -> None:
+    """A merge kernel fuzzed on contract cases only: the property table counts the contract
+    properties posed to it and names the selected ones no case poses to its api (``window``), and
+    ``fuzz.md`` is written."""
+    argv = ["--kernel", "ok_merge_base2", "--dtype", "fp32", "--case", "merge_halves", "--case", "window_0_0"]
+    assert fuzz_main([*argv, "--out", str(tmp_path), "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "ok_merge_base2: 1 of 2 properties tested" in out
+    assert "not applicable: window, because window_0_0: its cases take flash_attn_func" in out
+    assert "not merge_state ones" in out
+    md = (tmp_path / "fuzz.md").read_text()
+    assert "| window | not applicable, because window_0_0" in md and "1 of 2 tested" in md
+
+
+def test_gradients_must_be_zero_in_masked_rows_not_where_one_key_makes_the_golden_zero() -> None:
+    """A varlen kernel whose dq carries a rounding-sized extra term ``2^-20 · dO`` (its forward exact):
+    where each query sees one key (``length_one_key``, ``window_0_0``) the golden dq is 0 by the
+    softmax, not by a mask, and the kernel passes; rows of a sequence without keys must be 0, and it
+    fails there (``dq:masked``)."""
+
+    def rounding_dq(q, k, v, *args, **kwargs):
+        found = contracts.flash_attn_varlen_func(q, k, v, *args, **kwargs)  # (out, lse, None) with the LSE
+        out = found[0] if isinstance(found, tuple) else found
+        out = out + 2.0**-20 * (q - q.detach())  # the same forward; dq + 2^-20 dO
+        return (out, *found[1:]) if isinstance(found, tuple) else out
+
+    caps = contracts.CAPABILITIES["flash_attn_varlen_func"]
+    register_kernel("rounding_dq", rounding_dq, api="flash_attn_varlen_func", capabilities=caps)
+    try:
+        for case in ("length_one_key", "window_0_0"):
+            ok, _ = check_contract_case("rounding_dq", case, torch.float32)
+            assert ok.verdict == "pass" and ok.backward == "pass", f"{case}: {ok.reason}"
+        masked, _ = check_contract_case("rounding_dq", "empty_keys_in_batch", torch.float32)
+        assert masked.verdict == "fail" and masked.backward_failure == "dq:masked", masked.reason
+    finally:
+        unregister_kernel("rounding_dq")
 
 
 def test_fuzz_saves_contract_reproducers_and_replay_judges_them(suite, tmp_path: Path, capsys) -> None:

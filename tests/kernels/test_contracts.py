@@ -19,6 +19,7 @@ import torch
 from flashprobe.fuzz.rule import check_output, rounding_floor
 from flashprobe.kernels import (
     KernelCapabilities,
+    KernelInputError,
     KernelSpecError,
     KernelUnsupportedError,
     get_kernel,
@@ -261,8 +262,11 @@ def test_a_call_read_from_a_real_functions_arguments():
     assert torch.equal(golden_call(read).out, golden_call(packed).out)
     cache = dense_call(seqs).replace(q_lens=None).cached(new=1)
     read = call_from_arguments("flash_attn_with_kvcache", cache.q, cache.k, cache.v, cache.k_new, cache.v_new,
-                               cache_seqlens=cache.cache_seqlens, causal=True)  # fmt: skip
-    assert read.storage == "cache" and read.causal
+                               cache_seqlens=cache.cache_seqlens, causal=True, num_splits=3)  # fmt: skip
+    assert read.storage == "cache" and read.causal and read.num_splits == 3
+    assert torch.equal(golden_call(read).out, golden_call(read.replace(num_splits=None)).out)  # a hint only
+    with pytest.raises(KernelInputError, match="num_splits"):
+        read.replace(num_splits=-1)
     with pytest.raises(TypeError, match="rotary"):
         call_from_arguments("flash_attn_with_kvcache", cache.q, cache.k, cache.v, rotary_cos=torch.ones(1))
 
@@ -383,3 +387,24 @@ def test_a_kernel_without_cache_leftpad_is_not_given_calls_with_it() -> None:
     assert contract_problem("flash_attn_with_kvcache", plain, without) is None
     assert contract_problem("flash_attn_with_kvcache", padded, KernelCapabilities()) is None
     assert "no cache_leftpad" in without.describe_features()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("api", ["flash_attn_func", "flash_attn_varlen_func"])
+def test_stand_ins_take_logits_near_the_dtypes_largest_value(api, dtype):
+    """Valid logits of −0.75·finfo.max (every key the same: the output is the mean of the values): the
+    exp2 stand-in converts to log2 units only after the row max is subtracted, so ``s · log2(e)`` never
+    overflows to −inf and turns the rows into rows without keys (zeros)."""
+    b, n_q, n_k, h, d = 2, 3, 5, 2, 4
+    big = -0.75 * torch.finfo(dtype).max
+    q = torch.zeros(b, h, n_q, d, dtype=dtype)
+    q[..., 0] = 1.0
+    k = torch.zeros(b, h, n_k, d, dtype=dtype)
+    k[..., 0] = big  # q·kᵀ = big exactly, at scale 1
+    v = torch.randn(b, h, n_k, d, generator=torch.Generator().manual_seed(0)).to(dtype)
+    call = AttentionCall(q=q, k=k, v=v, scale=1.0, return_lse=True)
+    call = call.with_layout("bnhd") if api == "flash_attn_func" else call.packed()
+    found = get_kernel(f"control_{api}").run(call)
+    golden = golden_call(call)
+    torch.testing.assert_close(golden.out, v.double().mean(2, keepdim=True).expand(b, h, n_q, d))
+    _check(found, golden, baseline_call(call), dtype, api)
