@@ -305,7 +305,7 @@ def test_stop_writes_the_failing_record_saves_the_call_and_stops(
     assert cli_main(["replay", str(repro)]) == 1  # the recorded primary, bug_batch_kv_mixup
     # flashprobe report shows the verdict and the first failures (and redraws probe.png)
     capsys.readouterr()
-    assert cli_main(["report", str(tmp_path)]) == 0
+    assert cli_main(["report", str(tmp_path)]) == 1  # the FAIL verdict's exit code
     out = capsys.readouterr().out
     assert "| fail |" in out and "flashprobe report: verdict FAIL: failed at model.attn0" in out
     # the per-site table: both sites' failing out rows, with the criterion, its value and limit
