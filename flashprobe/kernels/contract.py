@@ -431,6 +431,14 @@ def _merge(
             partial.out.to(call.out_dtype).permute(0, 2, 1, 3).reshape(-1, logical.heads, logical.head_dim_v)
         )
         s_x = convert_lse(partial.lse, "e", caps.lse_base).float().permute(0, 2, 1).reshape(-1, logical.heads)
+        if (s_x.isinf() & partial.lse.isfinite().permute(0, 2, 1).reshape(-1, logical.heads)).any():
+            from flashprobe.kernels.registry import KernelUnsupportedError  # (it imports this module)
+
+            low = partial.lse[partial.lse.isfinite()].abs().max().item()
+            raise KernelUnsupportedError(
+                f"a partial state's LSE (|LSE| up to {low:.3g}) does not fit merge_state's float32 LSE in "
+                f"base {caps.lse_base}: this call's states cannot be given to the kernel"
+            )
         states += [v_x.contiguous(), s_x.contiguous()]  # (T, H, D_v), (T, H)
     v, s = fn(*states, **options)
     b, n = logical.batch, logical.n_q

@@ -275,3 +275,17 @@ def test_kernels_listing_poses_the_tiny_call_in_the_kernel_api(suite) -> None:
         assert "e4m3" in _availability("ok_fp8_prescale", "cpu", call=True).dtypes
     finally:
         unregister_kernel("varlen_64")
+
+
+def test_a_merge_is_not_given_partial_states_its_float32_lse_cannot_hold(suite) -> None:
+    """``sentinel_halfmax`` at fp32: every valid logit near −3e38, so a partial state's LSE in base 2
+    (×1.44) is past float32's range. Given as −inf, it made a correct base-2 ``merge_state`` return
+    zeros (a false failure); the call is unsupported, saying why. Where the LSEs fit, it runs."""
+    from flashprobe.fuzz.check import check_kernel
+
+    cases = ["sentinel_halfmax", "sentinel_1e5"]
+    found = check_kernel("ok_merge_base2", dtypes=["fp32"], cases=cases, backward=False)
+    verdicts = {r.case: (r.verdict, r.reason) for r in found.results}
+    assert verdicts["sentinel_halfmax"][0] == "unsupported", verdicts
+    assert "float32 LSE in base 2" in verdicts["sentinel_halfmax"][1]
+    assert verdicts["sentinel_1e5"][0] == "pass", verdicts
