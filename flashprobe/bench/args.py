@@ -10,10 +10,9 @@ line naming the problem and the fix, before any work.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import shlex
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from flashprobe.bench.errors import BenchArgumentError
 from flashprobe.bench.inputs import InputConfig
 from flashprobe.formats.paths import OutputPathError, check_output_dir, output_dir_arg
 from flashprobe.kernels import Kernel, KernelInputError, KernelSpecError, get_kernel, to_dtype
+from flashprobe.kernels.threads import torch_threads
 
 __all__ = [
     "DEFAULT_DTYPES",
@@ -236,17 +236,6 @@ def parse_device(name: str) -> torch.device:
 def progress_printer(name: str) -> Callable[[str], None]:
     """A ``progress`` callable that prints ``flashprobe bench <name>: MESSAGE`` on stderr."""
     return lambda msg: print(f"flashprobe bench {name}: {msg}", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def torch_threads(threads: int) -> Iterator[None]:
-    """torch's intra-op CPU threads set to ``threads`` inside the block; the caller's setting after."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def parse_input_config(args: argparse.Namespace) -> InputConfig:

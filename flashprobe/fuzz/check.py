@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from flashprobe.bench.args import torch_threads
 from flashprobe.formats import prepare_output_dir
 from flashprobe.fuzz.cases import FuzzCase, select_cases
 from flashprobe.fuzz.contract_run import dense_dtypes, run_contract_catalogue, split_case_patterns, to_dtypes
@@ -32,6 +31,7 @@ from flashprobe.fuzz.run import FuzzResult, run_catalogue
 from flashprobe.fuzz.search import random_search
 from flashprobe.fuzz.tables import summary_counts
 from flashprobe.kernels import Kernel, to_dtype
+from flashprobe.kernels.threads import torch_threads
 
 __all__ = ["KernelCheck", "check_kernel"]
 
