@@ -111,9 +111,8 @@ def evaluate(
                     spec, dtypes=chosen, seed=seed, backward=backward, threads=threads, ledger=ledger
                 )
                 results, unexpected = found.results, found.unexpected_passes
-            failed = sorted(
-                {f"{r.case}@{r.dtype}" for r in results if r.verdict in _FAILING and not r.known}
-            )
+            failing = [r for r in results if r.verdict in _FAILING and not r.known]
+            failed = sorted({f"{r.case}@{r.dtype}" for r in failing})
             failed += [f"{u.case}@{u.dtype} passed: fixed? remove the entry" for u in unexpected]
             known = sorted({f"{r.case}@{r.dtype}" for r in results if r.verdict == "fail" and r.known})
             counts = {
@@ -124,9 +123,7 @@ def evaluate(
                 "trigger": held[name].trigger, "verdict": "fail" if failed else "pass", "failed": failed,
                 "known": known,
                 "counts": counts, "seconds": round(time.perf_counter() - start, 1),
-                "reasons": sorted({r.reason[:160] for r in results if r.verdict == "fail" and not r.known})[
-                    :3
-                ],
+                "reasons": sorted({r.reason[:160] for r in failing})[:3],
             })  # fmt: skip
             if progress:
                 _line(rows[-1])
