@@ -1,11 +1,7 @@
 """One ``scaled_dot_product_attention`` call, adapted to the kernels' convention.
 
-SDPA takes tensors with any leading dims, casts them under autocast, repeats key/value heads with
-``enable_gqa`` and has a ``dropout_p``; kernels take ``(B, H, N, D)`` tensors in one dtype with
-equal head counts and no dropout. :class:`SdpaCall` holds one call's arguments by name,
-:func:`prepare` brings them to the kernels' convention (:class:`Prepared`),
-:func:`~flashprobe.kernels.reference.expand_kv` repeats grouped key/value heads, and
-:func:`run_kernel` runs a kernel with SDPA's semantics and
+:class:`SdpaCall` holds one call's arguments by name; :func:`prepare` brings them to ``(B, H, N, D)``
+tensors in one dtype (:class:`Prepared`); :func:`run_kernel` runs a kernel with SDPA's semantics and
 layout. :data:`ORIGINAL_SDPA` is torch's own SDPA, saved before anything replaces it.
 """
 

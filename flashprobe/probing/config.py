@@ -1,16 +1,11 @@
 """``ProbeConfig``: every setting of the shadow probe, with one name, one default and one check.
 
-:func:`~flashprobe.probing.probe`, :class:`~flashprobe.probing.ShadowAttention`, the Lightning callback
-:class:`~flashprobe.callbacks.AttentionProbe` and the Hydra config (``attention.probe``) all take
-these settings, by these names, and validate them here, once: a value one of them accepts, all
-accept. Pass a config or its fields as keyword arguments::
+:func:`~flashprobe.probing.probe`, :class:`~flashprobe.probing.ShadowAttention`, the training callbacks
+and the Hydra config (``attention.probe``, schema stored by :func:`register_schema`) all take these
+settings and validate them here::
 
     cfg = ProbeConfig(backward=True, every_n_steps=10)
     probe(model, cfg)                      # or probe(model, backward=True, every_n_steps=10)
-
-For Hydra, :func:`register_schema` stores the fields (plus ``enabled``) as the structured schema of
-``attention.probe``, so an unknown key fails when the config is composed; the values are checked by
-this class when the callback is built, before any training.
 """
 
 from __future__ import annotations

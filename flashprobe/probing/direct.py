@@ -1,31 +1,13 @@
 """Attention libraries called directly inside an attached model: what their sources share.
 
-Models and libraries that call a fused kernel themselves never reach SDPA: transformers'
-``flash_attention_2`` calls ``flash_attn_func`` / ``flash_attn_varlen_func``, inference engines call
-FlashInfer's prefill and decode wrappers and ``merge_state``, training loops call PyTorch's
-``varlen_attn``. While a probe is attached, each library's source (:mod:`~flashprobe.probing.flashattn`,
-:mod:`~flashprobe.probing.flashinfer`, :mod:`~flashprobe.probing.varlen`) swaps its entry points
-(:class:`DirectFunctions`: in the libraries' modules, where they are already imported — flashprobe
-never imports them — in transformers' flash-attention helper, and in model modules that imported them
-by name), and each call made inside the probed model becomes a site, like an SDPA call:
-
-* the arguments are bound to the **library's own signature** (:func:`inspect.signature` of the
-  function found at attach time), so flash-attn 2's and FlashAttention-3's different positional
-  orders, and FlashInfer's changes between versions, are read by name;
-* the source's reader turns them into a :class:`LibraryCall`: the call as the kernels layer describes
-  it (:class:`~flashprobe.kernels.AttentionCall`, read with
-  :func:`~flashprobe.kernels.contract.call_from_arguments` **before the library runs**: a KV-cache
-  call appends its keys in place), how to run the library again on the shadow's tensors, and how its
-  return reads in the logical form (:func:`~flashprobe.kernels.contract.logical_outputs`);
-* the shadow computes the baseline and the golden of that call (:func:`prepare_call`: every feature —
-  lengths, pages, caches, bottom-right causal, windows, softcap, ALiBi, sinks, FP8 descales — given
-  to the blocked references, in bounded memory) and compares the output, the LSE where the library
-  returns one, and, where the library has a backward (dense and packed calls), the gradients;
-* the model gets the library's own return (and gradients), untouched.
-
-What a call uses that flashprobe cannot compare (RoPE inside the kernel, ``seqused_q``, bit-packed
-masks, a FlashInfer wrapper planned before the probe was attached, ...) makes it run unchanged, not
-compared, with one warning per site naming it (:func:`unexpressed`).
+transformers' ``flash_attention_2``, inference engines and training loops call fused kernels
+(flash-attn, FlashInfer, PyTorch's ``varlen_attn``) that never reach SDPA. While a probe is attached,
+each library's source swaps its entry points (:class:`DirectFunctions`) and each call made inside the
+probed model becomes a site: its arguments are bound by the library's own signature, read as a
+:class:`LibraryCall` (an :class:`~flashprobe.kernels.AttentionCall`, read before the library runs: a
+KV-cache call appends in place), compared with the references of :func:`prepare_call` (output, LSE,
+and gradients where the library has a backward), and the model gets the library's own return. A call
+using what flashprobe cannot compare runs unchanged, with one warning per site (:func:`unexpressed`).
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
 """FlexAttention calls under the probe: ``flex_attention(q, k, v, score_mod, block_mask, ...)``.
 
-While a probe is attached, ``torch.nn.attention.flex_attention.flex_attention`` (and the names model
-code imported it under) is swapped for a stand-in like SDPA's (:data:`SOURCE`,
-:mod:`flashprobe.probing.patching`); calls while Dynamo traces (e.g. a compiled ``flex_attention``) run
-unchanged and are not seen.
-A call made inside an attached model is a site like an SDPA call; the model gets the call's own
-output, unchanged (the original function with the original arguments), and the probe compares it
-with a **baseline** (the same dtype) and the FP64 **golden** value that apply the call's own
-``score_mod`` and ``block_mask`` on materialised scores::
+While a probe is attached, ``flex_attention`` is swapped for a stand-in (:data:`SOURCE`); calls while
+Dynamo traces run unchanged and are not seen. The model gets the call's own output; the probe compares
+it forward with references that apply the call's ``score_mod`` and ``block_mask`` on materialised
+scores, element by element as FlexAttention's eager implementation does::
 
     s = scale · q kᵀ;  s = score_mod(s, b, h, q_idx, kv_idx);  s[~mask] = −inf;  out = softmax(s) v
 
-where ``mask`` is the block mask's ``mask_mod`` within its non-empty blocks (a row with no key left
-gives 0, as FlexAttention). The mods are applied element by element as FlexAttention's own eager
-implementation applies them (``torch.vmap`` over the batch, head, query and key indices, through
-torch's private ``_vmap_for_bhqkv``; on a torch without it, broadcast index tensors), so
-soft-capping, ALiBi, sliding windows, document masks and transformers' own ``score_mod`` (which
-indexes its mask tensor one index at a time) are applied as the model applies them. The
-references run in blocks of query rows sized from the device's free memory.
-
-Only the forward is compared (the probe records FlexAttention calls in the ``out`` direction);
-``return_lse``/``return_aux`` outputs are passed through and their first element compared. No
-reproducer is saved for a FlexAttention call (its ``score_mod`` is Python code, not data).
+(a row with no key left gives 0), in blocks of query rows within the memory budget. No reproducer is
+saved for a FlexAttention call (its ``score_mod`` is code, not data).
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Swapping names: the one place where flashprobe replaces a library's functions, and puts them back.
 
-While at least one handle is attached, every **source** of attention calls swaps its entry points for
-stand-ins that ask :func:`flashprobe.probing.sites.find_caller` which attached module made the call. A
-source is one module that builds a :class:`Source` (:mod:`~flashprobe.probing.sdpa`,
-:mod:`~flashprobe.probing.fastpath`, :mod:`~flashprobe.probing.flex`, :mod:`~flashprobe.probing.hf_flex`,
-:mod:`~flashprobe.probing.flashattn`, :mod:`~flashprobe.probing.flashinfer`); the table of them is
-:data:`flashprobe.probing.intercept.SOURCES`. To add a source: write its module (its stand-ins, and a
-``SOURCE``), and add it to that table.
-
-On the first attach each source's ``install`` swaps the names in the libraries' own modules (with
-:func:`patch` and :func:`patch_attribute`); on every attach, model code that imported a function by
-name (``from torch.nn.functional import scaled_dot_product_attention``) has that module global swapped
-too: the globals of the modules defining the attached models' classes are looked up in the sources'
-``stand_ins`` tables, keyed by the original function's identity. When the last handle detaches every
-swapped name is restored, unless someone else replaced it meanwhile (theirs stays, with a warning).
-(A ``TorchFunctionMode`` would also catch names bound elsewhere, but it puts Python on the path of
-*every* tensor op of the model.)
+While at least one handle is attached, every :class:`Source` (listed in
+:data:`flashprobe.probing.intercept.SOURCES`) swaps its entry points for stand-ins: on the first attach
+in the libraries' modules (:func:`patch`, :func:`patch_attribute`), on every attach in the modules of
+the attached models' classes that imported a function by name (looked up in ``stand_ins`` by the
+original's identity). When the last handle detaches every name is restored, unless someone else
+replaced it meanwhile (theirs stays, with a warning).
 """
 
 from __future__ import annotations

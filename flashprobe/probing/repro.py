@@ -1,15 +1,10 @@
 """Reproducers replayed and shrunk: the one path of the probe, ``flashprobe fuzz``, ``fuzz --from``
 and ``flashprobe replay``.
 
-Every reproducer is one file (:mod:`flashprobe.formats.reproducer`: safetensors, no pickle, with
-its metadata, plus a script): a call the probe saved in training (``<site>.step<step>``) or a case
-the fuzzer saved (``repro_<case>_<hash>``, :mod:`flashprobe.fuzz.reproducer`). :func:`replay`
-judges it again for any kernel spec with the judge that found it: a call through a
-:class:`~flashprobe.probing.ShadowAttention`, as in training, forward and, with an output gradient,
-backward (:func:`replay_call`, the default); a case with the judge its caller passes, the fuzzer's
-(:func:`flashprobe.fuzz.reproducer.replay_case`, which ``flashprobe replay`` and ``fuzz --from``
-pass), so this module needs nothing of the fuzzer. :func:`shrink_reproducer` cuts either to the
-smallest call on which a kernel still fails the same way.
+A reproducer (:mod:`flashprobe.formats.reproducer`) is a call the probe saved in training or a case the
+fuzzer saved. :func:`replay` judges it again for any kernel spec with the judge that found it (a call
+through a :class:`~flashprobe.probing.ShadowAttention`: :func:`replay_call`; a case with the judge its
+caller passes); :func:`shrink_reproducer` cuts either to the smallest call that still fails the same way.
 """
 
 from __future__ import annotations

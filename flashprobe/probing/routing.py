@@ -1,11 +1,7 @@
 """``use_kernel(model, spec)``: run a model's attention calls with another kernel, no statistics.
 
-A :class:`KernelRoute` is an :class:`~flashprobe.probing.intercept.AttentionRoute`: every
-``scaled_dot_product_attention`` call made inside the routed model (see
-:mod:`flashprobe.probing.intercept` for how calls are caught) runs the kernel with SDPA's semantics
-(:func:`~flashprobe.probing.call.run_kernel`), with no host synchronisation. The kernel is checked
-against the model's device and dtype (:func:`model_device_dtype`, :func:`check_kernel_here`) before
-anything is attached, so an unusable kernel fails at once rather than at the first forward.
+A :class:`KernelRoute` runs every intercepted call with the kernel (SDPA's semantics, no host
+synchronisation), checked against the model's device and dtype before anything is attached.
 """
 
 from __future__ import annotations
