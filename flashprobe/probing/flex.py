@@ -103,17 +103,9 @@ def _element_mask(
 
 
 def flex_reference(call: FlexCall, dtype: torch.dtype, *, budget: int) -> torch.Tensor:
-    """The call's attention on materialised scores in ``dtype`` (see the module docstring).
-
-    Args:
-        call: the bound ``flex_attention`` call: ``query (B, H, N_q, D)``, ``key (B, H_kv, N_k, D)``,
-            ``value (B, H_kv, N_k, D_v)``.
-        dtype: compute dtype (the inputs' for the baseline, float64 for the golden).
-        budget: bytes of scores per block of query rows.
-
-    Returns:
-        ``(B, H, N_q, D_v)`` in ``dtype``.
-    """
+    """The call's ``(B, H, N_q, D_v)`` attention on materialised scores in ``dtype`` (module
+    docstring), in blocks of query rows of ``budget`` bytes of scores; ``query (B, H, N_q, D)``,
+    ``key (B, H_kv, N_k, D)``, ``value (B, H_kv, N_k, D_v)``."""
     q, k, v = (t.detach().to(dtype) for t in (call.query, call.key, call.value))
     b, h, n_q, d = q.shape
     k, v = expand_kv(k, v, h // k.shape[1])  # grouped-query attention
