@@ -83,26 +83,17 @@ __all__ = [
 #: The directions a site's verdict reads: the output, its LSE (library calls that return one), the gradients.
 SITE_DIRECTIONS: tuple[str, ...] = ("out", "lse", *GRADIENTS)
 #: The ``lse`` direction's fields, per region (module docstring).
-LSE_MAX_FIELDS = (
-    "lse.max_limit_ratio",
-    "lse.max_error",
-    "lse.max_baseline_error",
-    "lse.golden_max",
-    "lse.first_fail",
+LSE_MAX_FIELDS = tuple(
+    f"lse.{n}" for n in ("max_limit_ratio", "max_error", "max_baseline_error", "golden_max", "first_fail")
 )
-LSE_SUM_FIELDS = (
-    "lse.calls",
-    "lse.fail_calls",
-    "lse.unrepresentable_calls",
-    "lse.nonfinite_rows",
-    "lse.empty_rows",
+LSE_SUM_FIELDS = tuple(
+    f"lse.{n}" for n in ("calls", "fail_calls", "unrepresentable_calls", "nonfinite_rows", "empty_rows")
 )
 LSE_ARG_FIELDS = {
-    "lse.first_fail_kind": "lse.first_fail",
-    "lse.first_fail_value": "lse.first_fail",
-    "lse.first_fail_limit": "lse.first_fail",
-    "lse.max_limit_step": "lse.max_limit_ratio",
-}
+    f"lse.{n}": f"lse.{key}"
+    for n, key in (("first_fail_kind", "first_fail"), ("first_fail_value", "first_fail"),
+                   ("first_fail_limit", "first_fail"), ("max_limit_step", "max_limit_ratio"))
+}  # fmt: skip
 #: The ``lse`` direction's criterion codes beyond :data:`~flashprobe.judge.CRITERIA`: a row that sees
 #: no key not holding the empty-row value, a value off the golden.
 LSE_CRITERIA = {6: "empty_row", 7: "lse"}
@@ -111,48 +102,32 @@ LSE_CRITERIA = {6: "empty_row", 7: "lse"}
 INPUTS: tuple[str, ...] = ("q", "k", "v", "grad_out")
 _SUMS: tuple[str, ...] = ("sum_abs", "sum_sq_diff", "sum_sq_ref", "nonfinite", "count")
 
-MAX_FIELDS: tuple[str, ...] = tuple(
-    name
-    for d in DIRECTIONS
-    for name in (
-        *(f"{d}.{p}.max_abs" for p in PAIRS),
-        f"{d}.max_call_error_ratio",
-        f"{d}.noise_floor",
-        f"{d}.max_l2_ratio",
-        f"{d}.max_absolute",
-        f"{d}.max_row",
-        f"{d}.max_limit_ratio",
-        f"{d}.first_fail",
-    )
+#: Per direction (``{d}.<name>``): its maxima, its sums, its arg fields ``{name: key field}``.
+_MAX_NAMES = (
+    *(f"{p}.max_abs" for p in PAIRS),
+    *("max_call_error_ratio", "noise_floor", "max_l2_ratio", "max_absolute", "max_row", "max_limit_ratio"),
+    "first_fail",
 )
-MAX_FIELDS += LSE_MAX_FIELDS
+_SUM_NAMES = (
+    *(f"{p}.{s}" for p in PAIRS for s in _SUMS),
+    *("calls", "ratio_calls", "fail_calls"),
+    *(f"{kind}_calls" for kind in UNDETERMINED),  # ill_conditioned, unrepresentable
+)
+_ARG_NAMES = {
+    "first_fail_kind": "first_fail", "first_fail_value": "first_fail", "first_fail_limit": "first_fail",
+    "max_l2_step": "max_l2_ratio", "max_limit_step": "max_limit_ratio",
+}  # fmt: skip
+
+MAX_FIELDS: tuple[str, ...] = (*(f"{d}.{n}" for d in DIRECTIONS for n in _MAX_NAMES), *LSE_MAX_FIELDS)
 SUM_FIELDS: tuple[str, ...] = (
-    *(
-        name
-        for d in DIRECTIONS
-        for name in (
-            *(f"{d}.{p}.{s}" for p in PAIRS for s in _SUMS),
-            f"{d}.calls",
-            f"{d}.ratio_calls",
-            f"{d}.fail_calls",
-            *(f"{d}.{kind}_calls" for kind in UNDETERMINED),  # ill_conditioned, unrepresentable
-        )
-    ),
+    *(f"{d}.{n}" for d in DIRECTIONS for n in _SUM_NAMES),
     *(f"nonfinite_inputs.{i}" for i in INPUTS),
     *(f"{d}.{b}" for d in DIRECTIONS for b in BIAS_FIELDS),
     *LSE_SUM_FIELDS,
 )
 #: Fields taken at the call that set another field's maximum: ``{field: its key field}``.
 ARG_FIELDS: dict[str, str] = {
-    name: key
-    for d in DIRECTIONS
-    for name, key in (
-        (f"{d}.first_fail_kind", f"{d}.first_fail"),
-        (f"{d}.first_fail_value", f"{d}.first_fail"),
-        (f"{d}.first_fail_limit", f"{d}.first_fail"),
-        (f"{d}.max_l2_step", f"{d}.max_l2_ratio"),
-        (f"{d}.max_limit_step", f"{d}.max_limit_ratio"),
-    )
+    f"{d}.{n}": f"{d}.{key}" for d in DIRECTIONS for n, key in _ARG_NAMES.items()
 } | LSE_ARG_FIELDS
 #: Every field, in accumulator order: maxima, sums, then arg fields.
 FIELDS: tuple[str, ...] = MAX_FIELDS + SUM_FIELDS + tuple(ARG_FIELDS)
@@ -164,11 +139,7 @@ N_SUMS: int = N_MAX + len(SUM_FIELDS)
 #: float64 for any step below 2**52).
 FIRST_KEY: float = float(2**52)
 
-# per direction: 3 max_abs, max_call_error_ratio, noise_floor, l2, absolute, row, limit_ratio, first
-_MAX_BLOCK = len(PAIRS) + 7
-# per direction: 15 sums, calls, ratio_calls, fail_calls, ill_conditioned_calls, unrepresentable_calls
-_SUM_BLOCK = len(PAIRS) * len(_SUMS) + 5
-_ARG_BLOCK = 5  # per direction: first_fail_kind, _value, _limit, max_l2_step, max_limit_step
+_MAX_BLOCK, _SUM_BLOCK, _ARG_BLOCK = len(_MAX_NAMES), len(_SUM_NAMES), len(_ARG_NAMES)
 _DIRECTIONS_MAX = len(DIRECTIONS) * _MAX_BLOCK  # the directions' maxima; then the LSE's
 _INPUTS_AT = N_MAX + len(DIRECTIONS) * _SUM_BLOCK
 _BIAS_AT = _INPUTS_AT + len(INPUTS)  # the signed-bias sums (flashprobe.bias), kept across resets
@@ -243,10 +214,8 @@ class DeviationStats:
             self.values[_LSE_SUMS_AT : _LSE_SUMS_AT + len(LSE_SUM_FIELDS)],
             self.values[_LSE_ARGS_AT:],
         )
-        # The key field of each arg field, in a direction's maxima: first_fail (three times),
-        # max_l2_ratio, max_limit_ratio.
-        first, l2, score = _MAX_BLOCK - 1, len(PAIRS) + 2, _MAX_BLOCK - 2
-        self._arg_keys = torch.tensor([first, first, first, l2, score], device=device)
+        # The key field of each arg field, in a direction's maxima.
+        self._arg_keys = torch.tensor([_MAX_NAMES.index(k) for k in _ARG_NAMES.values()], device=device)
         self._sum_columns = torch.tensor(_SUM_COLUMNS, device=device)
         #: The signed bias of each direction, in this accumulator's sums, kept across :meth:`reset`.
         self.bias = BiasStats(
