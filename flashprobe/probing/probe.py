@@ -186,7 +186,8 @@ class Probe(AttentionRoute):
         self, tensors: Mapping[str, torch.Tensor] | None = None, *, flat: bool = False
     ) -> dict[str, Any]:
         """Per-site statistics (:meth:`ShadowAttention.stats`); warns once if the model made no call."""
-        self._warn_if_no_calls()
+        if not self._calls:
+            self.warn_once("no-calls", self._no_calls_message())
         return self.shadow.stats(tensors, flat=flat)
 
     def summary(self, stats: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -222,36 +223,28 @@ class Probe(AttentionRoute):
             "run yet"
         )
 
-    def _warn_if_no_calls(self) -> None:
-        if not self._calls:
-            self.warn_once("no-calls", self._no_calls_message())
-
     def _notes(self, stats: Mapping[str, Any]) -> list[str]:
         notes = []
         if not self._calls:
             notes.append(self._no_calls_message().removeprefix("flashprobe: "))
         dropout = {site: e["dropout_calls"] for site, e in stats.items() if e.get("dropout_calls")}
-        if dropout:
-            sites = ", ".join(sorted(dropout))
-            calls = sum(dropout.values())
-            if self.shadow.dropout == "skip":
-                notes.append(
-                    f"{calls} calls with attention dropout at {sites} were skipped (dropout='skip'); "
-                    "dropout='compare' compares their dropout-free primary"
+        sites, calls = ", ".join(sorted(dropout)), sum(dropout.values())
+        if dropout and self.shadow.dropout == "skip":
+            notes.append(
+                f"{calls} calls with attention dropout at {sites} were skipped (dropout='skip'); "
+                "dropout='compare' compares their dropout-free primary"
+            )
+        elif dropout:
+            note = f"{calls} calls with attention dropout at {sites}: their forward compares the "
+            note += "dropout-free primary"
+            if self.shadow.backward:
+                note += (
+                    "; their backward is not compared (the gradients depend on the random dropout "
+                    "mask), so those sites have no dq/dk/dv statistics. Set the attention dropout to "
+                    "0 to compare gradients (transformers configs: attention_dropout, attn_pdrop or "
+                    "attention_probs_dropout_prob = 0.0; nn.MultiheadAttention: dropout=0.0)"
                 )
-            else:
-                notes.append(
-                    f"{calls} calls with attention dropout at {sites}: their forward compares the "
-                    "dropout-free primary"
-                    + (
-                        "; their backward is not compared (the gradients depend on the random dropout "
-                        "mask), so those sites have no dq/dk/dv statistics. Set the attention dropout to "
-                        "0 to compare gradients (transformers configs: attention_dropout, attn_pdrop or "
-                        "attention_probs_dropout_prob = 0.0; nn.MultiheadAttention: dropout=0.0)"
-                        if self.shadow.backward
-                        else ""
-                    )
-                )
+            notes.append(note)
         return notes
 
     def reset(self) -> None:
