@@ -51,7 +51,6 @@ def check_compiled(model: nn.Module, what: str) -> None:
     """Raise :class:`ProbeCompileError` if ``model`` holds modules compiled with ``fullgraph=True``.
 
     Args:
-        model: the model a handle attaches to.
         what: the handle, for the message (``"probe"``, ``"use_kernel"``).
 
     Raises:

@@ -137,9 +137,8 @@ def flex_reference(call: FlexCall, dtype: torch.dtype, *, budget: int) -> torch.
 
 
 def probed_call(frame: Any, call: Callable[[], FlexCall], run: Callable[[], Any]) -> Any:
-    """One FlexAttention call made from ``frame``: handed to the probe of the attached module that made
-    it (``call()`` binds its arguments), or ``run()`` unchanged (outside probed models, while Dynamo
-    traces, arguments that do not bind)."""
+    """One FlexAttention call made from ``frame``: handed to the probe of the attached module that
+    made it (``call()`` binds its arguments), else ``run()`` unchanged."""
     res = probing_caller(frame)
     if res is None:
         return run()

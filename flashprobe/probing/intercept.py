@@ -45,11 +45,7 @@ _H = TypeVar("_H", bound="AttentionRoute")
 
 class AttentionRoute:
     """Base of the handles that attach to a model (:class:`~flashprobe.probing.KernelRoute`,
-    :class:`~flashprobe.probing.Probe`).
-
-    Attaching never touches the model's modules; it registers the model so that attention calls made
-    inside it reach this handle. Use as a context manager or call :meth:`detach`.
-    """
+    :class:`~flashprobe.probing.Probe`); a context manager, or call :meth:`detach`."""
 
     kind = "route"
 

@@ -30,11 +30,10 @@ class Source:
 
     Attributes:
         name: what it is, for messages (``"sdpa"``, ``"flash-attn"``).
-        install: swaps the library's own names (:func:`patch`, :func:`patch_attribute`) where the
-            library is imported; run on the first attach.
+        install: swaps the library's own names where it is imported; run on the first attach.
         stand_ins: ``id(original) -> (original, stand-in)`` for the functions model code may have
-            imported by name (read after ``install``; :func:`stand_in_of` builds each stand-in once).
-        forget: run when the last handle detaches (drop what the stand-ins recorded), or None.
+            imported by name (read after ``install``).
+        forget: run when the last handle detaches, or None.
     """
 
     name: str
@@ -86,9 +85,8 @@ def stand_in_of(original: Callable[..., Any], build: Callable[[], Callable[..., 
 
 
 def _freeze_dynamo_rules() -> None:
-    """Build Dynamo's table of torch functions (cached on first use, keyed by the objects found
-    under their torch names) before any name is swapped, so it never lists our stand-ins as torch
-    functions to put in a graph. Best effort: the table is a Dynamo internal."""
+    """Build Dynamo's cached table of torch functions before any name is swapped, so it never lists
+    our stand-ins as torch functions (best effort: a Dynamo internal)."""
     try:
         from torch._dynamo.trace_rules import get_torch_obj_rule_map
 

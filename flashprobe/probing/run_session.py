@@ -209,7 +209,6 @@ class ProbeSession:
         """Build the probe for ``model`` when training begins (detached until :meth:`begin_step`).
 
         Args:
-            model: the model being trained.
             root: the directory of ``probe.jsonl`` and ``repro/`` unless ``dirpath`` was given.
             dtype: the autocast dtype the model computes in (None: the model's).
             is_zero: this process writes files and prints (rank zero).

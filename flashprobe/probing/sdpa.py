@@ -47,8 +47,7 @@ COMPILED_DISPATCH.__doc__ = ORIGINAL_SDPA.__doc__
 
 def stand_in(*args: Any, **kwargs: Any) -> torch.Tensor:
     """What replaces ``F.scaled_dot_product_attention`` while a handle is attached: the eager
-    dispatcher, or, while Dynamo traces it, one opaque op per call (the graph break where that
-    cannot be)."""
+    dispatcher, or one opaque op per call while Dynamo traces it."""
     if torch.compiler.is_compiling():
         return opaque.traced_call(COMPILED_DISPATCH, *args, **kwargs)
     return dispatch(*args, **kwargs)

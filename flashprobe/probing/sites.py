@@ -208,9 +208,8 @@ def probing_caller(frame: FrameType | None) -> Resolution | None:
 
 
 def handle_sdpa(res: Resolution, call: Any, route: Any = None) -> Any:
-    """Run one SDPA-semantics call (a :class:`~flashprobe.probing.call.SdpaCall`) of the module ``res``
-    names, inside :func:`passthrough`: through its probe, whose primary is ``route`` (default: the
-    module's route, None for torch's SDPA), or else through the route alone."""
+    """Run one :class:`~flashprobe.probing.call.SdpaCall` of the module ``res`` names, inside
+    :func:`passthrough`: through its probe (with ``route``, default the module's), else its route."""
     route = res.route if route is None else route
     with passthrough():
         if res.probe is not None:
