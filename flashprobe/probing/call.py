@@ -1,11 +1,7 @@
 """One ``scaled_dot_product_attention`` call, adapted to the kernels' convention.
 
-SDPA takes tensors with any leading dims, casts them under autocast, repeats key/value heads with
-``enable_gqa`` and has a ``dropout_p``; kernels take ``(B, H, N, D)`` tensors in one dtype with
-equal head counts and no dropout. :class:`SdpaCall` holds one call's arguments by name,
-:func:`prepare` brings them to the kernels' convention (:class:`Prepared`),
-:func:`~flashprobe.kernels.reference.expand_kv` repeats grouped key/value heads, and
-:func:`run_kernel` runs a kernel with SDPA's semantics and
+:class:`SdpaCall` holds one call's arguments by name; :func:`prepare` brings them to ``(B, H, N, D)``
+tensors in one dtype (:class:`Prepared`); :func:`run_kernel` runs a kernel with SDPA's semantics and
 layout. :data:`ORIGINAL_SDPA` is torch's own SDPA, saved before anything replaces it.
 """
 
@@ -39,13 +35,9 @@ ORIGINAL_SDPA: Callable[..., torch.Tensor] = F.scaled_dot_product_attention
 
 @dataclasses.dataclass(frozen=True)
 class SdpaCall:
-    """The arguments of one ``scaled_dot_product_attention`` call, bound to their names: its fields are
-    SDPA's parameters in SDPA's order, so ``SdpaCall(*args, **kwargs)`` binds a call's arguments (and
-    raises ``TypeError`` for unknown ones).
-
-    Tensors are SDPA's: ``query (..., N_q, D)``, ``key (..., N_k, D)``, ``value (..., N_k, D_v)``
-    (usually ``(B, H, N, D)``; with ``enable_gqa`` key/value may have fewer heads).
-    """
+    """The arguments of one ``scaled_dot_product_attention`` call, in SDPA's order, so
+    ``SdpaCall(*args, **kwargs)`` binds them: ``query (..., N_q, D)``, ``key (..., N_k, D)``,
+    ``value (..., N_k, D_v)`` (with ``enable_gqa`` key/value may have fewer heads)."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -81,8 +73,7 @@ class SdpaCall:
 
 
 def autocast_dtype(t: torch.Tensor) -> torch.dtype:
-    """The dtype SDPA computes in for input ``t``: the autocast dtype if autocast is on for its
-    device and ``t`` is a floating tensor other than float64 (torch's autocast rule), else ``t.dtype``."""
+    """The dtype SDPA computes in for input ``t`` under torch's autocast rule (float64 is not cast)."""
     if _autocast_on(t.device.type) and t.is_floating_point() and t.dtype != torch.float64:
         return torch.get_autocast_dtype(t.device.type)
     return t.dtype
@@ -110,8 +101,8 @@ def _to_4d(x: torch.Tensor) -> torch.Tensor:
 
 
 class Prepared(NamedTuple):
-    """A call brought to the references' convention: an SDPA call (:func:`prepare`), or any call of
-    an attention library in its logical form (:func:`flashprobe.probing.direct.prepare_call`).
+    """A call brought to the references' convention (:func:`prepare`,
+    :func:`flashprobe.probing.direct.prepare_call`).
 
     Attributes:
         q: ``(B, H, N_q, D)`` in the compute dtype (the autocast dtype under autocast).
@@ -120,14 +111,11 @@ class Prepared(NamedTuple):
         attn_mask: bool or additive mask broadcastable to ``(B, H, N_q, N_k)``, 4-D, or None.
         is_causal: top-left causal mask.
         scale: softmax scale or None.
-        rep: query heads per key/value head (1 without GQA); expand with
-            :func:`~flashprobe.kernels.reference.expand_kv`.
-        dtype: the dtype the verdict's limits are taken at (the compute dtype; an FP8 or merged
-            call's tensors are wider).
-        terms: the logical :class:`~flashprobe.kernels.AttentionCall` whose terms beyond SDPA's
-            (lengths, bottom-right causal, window, softcap, ALiBi, sinks) each reference block gets
-            (:func:`~flashprobe.kernels.reference.reference_outputs`), or None for an SDPA call.
-        lse_base: the base of the LSE the primary returned (``"e"`` or 2), or None when it returned none.
+        rep: query heads per key/value head (1 without GQA).
+        dtype: the dtype the verdict's limits are taken at (an FP8 or merged call's tensors are wider).
+        terms: the logical :class:`~flashprobe.kernels.AttentionCall` whose terms beyond SDPA's each
+            reference block gets, or None for an SDPA call.
+        lse_base: the base of the LSE the primary returned (``"e"`` or 2), or None.
     """
 
     q: torch.Tensor
@@ -148,9 +136,7 @@ class Prepared(NamedTuple):
 
 
 def prepare(call: SdpaCall, dtype: torch.dtype | None = None) -> Prepared:
-    """Cast to the compute dtype (``dtype``, default :func:`autocast_dtype`), reshape to 4-D.
-
-    Differentiable: gradients flow back to the call's tensors.
+    """Cast to the compute dtype (default :func:`autocast_dtype`) and reshape to 4-D, differentiably.
 
     Raises:
         ValueError: ``enable_gqa`` with query heads that are no multiple of the key/value heads.
@@ -177,12 +163,8 @@ def prepare(call: SdpaCall, dtype: torch.dtype | None = None) -> Prepared:
 
 
 def run_kernel(kernel: Kernel, call: SdpaCall) -> torch.Tensor:
-    """Run ``kernel`` with SDPA's semantics: autocast casting, any leading dims, GQA, mask, scale;
-    the call adapted to the kernel's declared contract as the fuzzer adapts it: grouped key/value
-    heads passed as they are to a kernel that declares ``gqa="native"`` (else repeated), and a bool
-    mask given as the additive 0/−inf mask it equals to a kernel that takes additive masks only.
-
-    Dropout is not handled here (kernels have none); callers fall back to torch's SDPA.
+    """Run ``kernel`` with SDPA's semantics (autocast, any leading dims, GQA, mask, scale; no dropout),
+    adapted to its declared contract as the fuzzer does (native GQA, a bool mask as additive).
 
     Returns:
         The output in SDPA's layout: ``query.shape[:-1] + (D_v,)``.

@@ -1,15 +1,9 @@
-"""Compiled models: the attach-time check for what the probe cannot support under ``torch.compile``.
+"""Compiled models: the attach-time check for ``torch.compile(..., fullgraph=True)``.
 
-Under ``torch.compile`` each intercepted attention call is one opaque op, but a call the op cannot
-express falls back to a graph break (see "Compiled models" in :mod:`flashprobe.probing.intercept`).
-A model compiled with ``fullgraph=True`` forbids graph breaks, so Dynamo would raise inside the
-user's forward at such a call. :func:`check_compiled` finds such modules (``torch.compile(model,
-fullgraph=True)`` wrappers and ``module.compile(fullgraph=True)``) when a handle attaches and
-raises :class:`ProbeCompileError` naming them and the fix, before any forward runs.
-
-What it cannot see: a *function* compiled with ``fullgraph=True`` that calls the model (e.g. a
-compiled training step); Dynamo then raises at the first call, with flashprobe's reason and fix in
-its message (:data:`flashprobe.probing.sites.GRAPH_BREAK_REASON`).
+A call the opaque op cannot express falls back to a graph break, which ``fullgraph=True`` forbids.
+:func:`check_compiled` finds such modules when a handle attaches and raises :class:`ProbeCompileError`
+naming them and the fix. A *function* compiled with ``fullgraph=True`` that calls the model is not
+seen; Dynamo then raises with :data:`flashprobe.probing.sites.GRAPH_BREAK_REASON` in its message.
 """
 
 from __future__ import annotations
@@ -57,7 +51,6 @@ def check_compiled(model: nn.Module, what: str) -> None:
     """Raise :class:`ProbeCompileError` if ``model`` holds modules compiled with ``fullgraph=True``.
 
     Args:
-        model: the model a handle attaches to.
         what: the handle, for the message (``"probe"``, ``"use_kernel"``).
 
     Raises:

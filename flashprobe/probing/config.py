@@ -1,16 +1,11 @@
 """``ProbeConfig``: every setting of the shadow probe, with one name, one default and one check.
 
-:func:`~flashprobe.probing.probe`, :class:`~flashprobe.probing.ShadowAttention`, the Lightning callback
-:class:`~flashprobe.callbacks.AttentionProbe` and the Hydra config (``attention.probe``) all take
-these settings, by these names, and validate them here, once: a value one of them accepts, all
-accept. Pass a config or its fields as keyword arguments::
+:func:`~flashprobe.probing.probe`, :class:`~flashprobe.probing.ShadowAttention`, the training callbacks
+and the Hydra config (``attention.probe``, schema stored by :func:`register_schema`) all take these
+settings and validate them here::
 
     cfg = ProbeConfig(backward=True, every_n_steps=10)
     probe(model, cfg)                      # or probe(model, backward=True, every_n_steps=10)
-
-For Hydra, :func:`register_schema` stores the fields (plus ``enabled``) as the structured schema of
-``attention.probe``, so an unknown key fails when the config is composed; the values are checked by
-this class when the callback is built, before any training.
 """
 
 from __future__ import annotations
@@ -75,21 +70,17 @@ class ProbeConfig:
     """
 
     primary: Any = None
-    """Kernel spec (or :class:`~flashprobe.kernels.Kernel`) whose output the model receives; None:
-    the kernel the model already uses (a ``use_kernel`` route, else torch's SDPA with the call's own
-    arguments, so the model's outputs are exactly unchanged)."""
+    """Kernel spec (or :class:`~flashprobe.kernels.Kernel`) whose output the model receives; None: the
+    kernel the model already uses, so its outputs are exactly unchanged."""
     baseline: Any = "math"
-    """Kernel spec of the baseline, computed at the primary's dtype on the same inputs. A primary that
-    rounds to FP8 (``KernelCapabilities.fp8``) gets ``math:fp8=<format>`` in place of ``math`` and is
-    judged with that format's limits (:mod:`flashprobe.judge`, "FP8")."""
+    """Kernel spec of the baseline, computed at the primary's dtype on the same inputs (an FP8 primary
+    gets ``math:fp8=<format>`` in place of ``math`` and that format's limits)."""
     golden: bool = True
     """Also compute the FP64 golden value (the golden pairs and the error ratio)."""
     backward: bool | str = "auto"
-    """Also compare ``dq, dk, dv`` for the model's own output gradient: ``True`` (a primary or
-    baseline without a backward on the device is refused at attach time), ``False`` (forward only), or
-    ``"auto"`` (default): where the primary and the baseline have a backward on the model's device
-    (their :class:`~flashprobe.kernels.KernelCapabilities`), decided when the probe is attached (a
-    config not attached to a device compares none)."""
+    """Also compare ``dq, dk, dv`` for the model's own output gradient: ``True``, ``False``, or
+    ``"auto"``: where the primary and the baseline have a backward on the model's device (decided at
+    attach time)."""
     every_n_calls: int = 1
     """Compare every n-th call of each site (others run the primary only)."""
     every_n_steps: int = 1
@@ -99,13 +90,10 @@ class ProbeConfig:
     dropout: str = "compare"
     """Calls with attention dropout: ``compare`` their dropout-free primary, or ``skip`` them."""
     fallback: bool = False
-    """A call the primary cannot run (attention dropout: kernels implement none): ``False`` (default)
-    refuses it at the first such call, with the reason and the fix, so no run trains on a kernel other
-    than the one it names; ``True`` runs torch's SDPA for it and records the fallback (site, step,
-    why) in the summary's ``fallbacks``, the snapshot manifest and ``run.json``."""
+    """A call the primary cannot run (attention dropout): ``False`` refuses it, naming the fix; ``True``
+    runs torch's SDPA for it and records the fallback (summary, manifest, ``run.json``)."""
     memory_budget: int | None = None
-    """Bytes one reference block may use (:mod:`flashprobe.kernels.reference`); None: a quarter of
-    the device's free memory when a call shape is first seen, within the module's bounds."""
+    """Bytes one reference block may use; None: a quarter of the device's free memory."""
 
     def __post_init__(self) -> None:
         source = _COPYING.get()
@@ -127,8 +115,7 @@ class ProbeConfig:
             _int_at_least("memory_budget", self.memory_budget, 1, "bytes, e.g. 1073741824 = 1 GiB")
 
     def _resolve_kernels(self) -> None:
-        """Resolve ``primary`` and ``baseline`` (once: attaching, deciding ``backward="auto"`` and
-        judging read them here), and an FP8 primary's baseline and precision."""
+        """Resolve ``primary`` and ``baseline`` once, and an FP8 primary's baseline and precision."""
         kernels: dict[str, Kernel] = {}
         for name in ("primary", "baseline"):
             value = getattr(self, name)
@@ -151,13 +138,12 @@ class ProbeConfig:
 
     @property
     def primary_kernel(self) -> Kernel | None:
-        """The primary resolved (:func:`~flashprobe.kernels.get_kernel`, once, when the config was
-        built); None: the model's own attention."""
+        """The primary resolved (None: the model's own attention)."""
         return self._kernels.get("primary")
 
     @property
     def baseline_kernel(self) -> Kernel:
-        """The baseline resolved (once, when the config was built)."""
+        """The baseline resolved."""
         return self._kernels["baseline"]
 
     @property
@@ -166,9 +152,7 @@ class ProbeConfig:
         return self._precision
 
     def resolve_backward(self, device: torch.device | str) -> ProbeConfig:
-        """This config with ``backward="auto"`` decided for ``device``: True when the primary (None:
-        torch's SDPA, which has one) and the baseline both have a backward there. The new config
-        takes this one's kernels (they are not resolved again)."""
+        """This config with ``backward="auto"`` decided for ``device`` (its kernels not resolved again)."""
         if self.backward != "auto":
             return self
         backward = all(k.capabilities.has_backward(device) for k in self._kernels.values())
@@ -180,8 +164,7 @@ class ProbeConfig:
 
     @classmethod
     def from_settings(cls, config: ProbeConfig | None = None, /, **settings: Any) -> ProbeConfig:
-        """``config`` (default: the defaults) with ``settings`` replacing its fields; ``config`` itself
-        when there are none (a config is frozen and validated once, when it is built).
+        """``config`` (default: the defaults) with ``settings`` replacing its fields.
 
         Raises:
             ProbeConfigError: a name that is not a setting (the message lists them), or a bad value.
@@ -220,11 +203,9 @@ def setting_names() -> tuple[str, ...]:
 
 
 def register_schema() -> None:
-    """Store the Hydra schema of ``attention.probe`` (``flashprobe_probe_schema`` in Hydra's
-    ConfigStore): the settings of :class:`ProbeConfig`, with its defaults, plus ``enabled`` (add the
-    callback at all). Typed ``Any`` on purpose: the values are checked by :class:`ProbeConfig` when
-    the callback is built, so Hydra and Python accept exactly the same values; the schema makes
-    an unknown key an error when the config is composed."""
+    """Store the Hydra schema of ``attention.probe`` (``flashprobe_probe_schema``): the settings with
+    their defaults plus ``enabled``. Typed ``Any`` so :class:`ProbeConfig` checks the values, as in
+    Python; the schema makes an unknown key an error when the config is composed."""
     from hydra.core.config_store import ConfigStore
 
     spec = [(f.name, Any, field(default=f.default)) for f in fields(ProbeConfig)]

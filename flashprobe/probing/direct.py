@@ -1,31 +1,13 @@
 """Attention libraries called directly inside an attached model: what their sources share.
 
-Models and libraries that call a fused kernel themselves never reach SDPA: transformers'
-``flash_attention_2`` calls ``flash_attn_func`` / ``flash_attn_varlen_func``, inference engines call
-FlashInfer's prefill and decode wrappers and ``merge_state``, training loops call PyTorch's
-``varlen_attn``. While a probe is attached, each library's source (:mod:`~flashprobe.probing.flashattn`,
-:mod:`~flashprobe.probing.flashinfer`, :mod:`~flashprobe.probing.varlen`) swaps its entry points
-(:class:`DirectFunctions`: in the libraries' modules, where they are already imported — flashprobe
-never imports them — in transformers' flash-attention helper, and in model modules that imported them
-by name), and each call made inside the probed model becomes a site, like an SDPA call:
-
-* the arguments are bound to the **library's own signature** (:func:`inspect.signature` of the
-  function found at attach time), so flash-attn 2's and FlashAttention-3's different positional
-  orders, and FlashInfer's changes between versions, are read by name;
-* the source's reader turns them into a :class:`LibraryCall`: the call as the kernels layer describes
-  it (:class:`~flashprobe.kernels.AttentionCall`, read with
-  :func:`~flashprobe.kernels.contract.call_from_arguments` **before the library runs**: a KV-cache
-  call appends its keys in place), how to run the library again on the shadow's tensors, and how its
-  return reads in the logical form (:func:`~flashprobe.kernels.contract.logical_outputs`);
-* the shadow computes the baseline and the golden of that call (:func:`prepare_call`: every feature —
-  lengths, pages, caches, bottom-right causal, windows, softcap, ALiBi, sinks, FP8 descales — given
-  to the blocked references, in bounded memory) and compares the output, the LSE where the library
-  returns one, and, where the library has a backward (dense and packed calls), the gradients;
-* the model gets the library's own return (and gradients), untouched.
-
-What a call uses that flashprobe cannot compare (RoPE inside the kernel, ``seqused_q``, bit-packed
-masks, a FlashInfer wrapper planned before the probe was attached, ...) makes it run unchanged, not
-compared, with one warning per site naming it (:func:`unexpressed`).
+transformers' ``flash_attention_2``, inference engines and training loops call fused kernels
+(flash-attn, FlashInfer, PyTorch's ``varlen_attn``) that never reach SDPA. While a probe is attached,
+each library's source swaps its entry points (:class:`DirectFunctions`) and each call made inside the
+probed model becomes a site: its arguments are bound by the library's own signature, read as a
+:class:`LibraryCall` (an :class:`~flashprobe.kernels.AttentionCall`, read before the library runs: a
+KV-cache call appends in place), compared with the references of :func:`prepare_call` (output, LSE,
+and gradients where the library has a backward), and the model gets the library's own return. A call
+using what flashprobe cannot compare runs unchanged, with one warning per site (:func:`unexpressed`).
 """
 
 from __future__ import annotations
@@ -68,21 +50,16 @@ class LibraryCall:
 
     Attributes:
         what: the entry point, for messages (``"flash_attn.flash_attn_func"``).
-        call: the call as the kernels layer describes it, in the library's storage (dense ``bnhd``,
-            packed, paged, a cache), ``return_lse`` and ``lse_base`` as the library returns its LSE.
-        run: the library: ``run(None, None)`` with the caller's own arguments exactly (once: a cache
-            call appends in place); ``run(tensors, dropout_p)`` with ``call.q``, ``call.k``, ``call.v``
-            replaced by ``tensors`` (the shadow's tapped tensors) and the attention dropout.
+        call: the call in the library's storage (dense, packed, paged, a cache) and LSE base.
+        run: ``run(None, None)`` calls the library with the caller's own arguments (once: a cache
+            call appends in place); ``run(tensors, dropout_p)`` with ``q``, ``k``, ``v`` replaced.
         outputs: the library's return in the logical form: ``out`` ``(B, H, n_q, D_v)`` and, with
-            ``call.return_lse``, the LSE ``(B, H, n_q)`` in ``call.lse_base`` (``−inf`` for a row that
-            sees no key).
+            ``call.return_lse``, the LSE ``(B, H, n_q)`` in ``call.lse_base``.
         dropout_p: the call's attention dropout (compared dropout-free).
-        reference: the logical call the references compute, where it is not ``call.logical()`` (a
-            FlashInfer custom mask, ``seqused_k``).
+        reference: the logical call the references compute, where it is not ``call.logical()``.
         differentiable: the library has a backward for this call (gradients compared).
         dtype: the dtype the verdict's limits are taken at (default: q's).
-        tensors: ``q``, ``k``, ``v`` as the library got them (default: the call's), the ones a run
-            again replaces.
+        tensors: ``q``, ``k``, ``v`` as the library got them (default: the call's).
     """
 
     what: str
@@ -101,8 +78,7 @@ class LibraryCall:
 
     @property
     def storage_problem(self) -> str | None:
-        """Why an explicit primary kernel cannot stand in for the library here (the model must get
-        the library's own form back), or None."""
+        """Why an explicit primary kernel cannot stand in for the library here, or None."""
         if self.call.return_lse:
             return "returns an LSE, which an explicit primary kernel's output does not carry"
         if self.call.storage not in ("dense", "packed") or self.reference is not None:
@@ -115,10 +91,9 @@ def _detached(x: Any) -> Any:
 
 
 def prepare_call(lib: LibraryCall) -> Prepared:
-    """The references' arguments of a library call (detached, no autograd history), read before the
-    library runs: its logical form in the compute dtype (float32 for FP8 inputs, dequantized), with
-    the terms beyond SDPA's each reference block gets (:func:`~flashprobe.kernels.math.reference_arguments`).
-    No host synchronisation when the call gives its lengths (``max_seqlen``), as the libraries do."""
+    """The references' detached arguments of a library call, read before the library runs: its logical
+    form in the compute dtype (float32 for FP8) with its terms beyond SDPA's
+    (:func:`~flashprobe.kernels.math.reference_arguments`)."""
     source = lib.reference if lib.reference is not None else lib.call
     call = AttentionCall.unchecked(
         **{f.name: _detached(getattr(source, f.name)) for f in dataclasses.fields(source)}
@@ -140,13 +115,8 @@ def unexpressed(
     harmless: Collection[str] = (),
     off: Mapping[str, tuple[Any, ...]] | None = None,
 ) -> str | None:
-    """Why a call is not compared: the arguments its reader does not read (``read``), that change
-    nothing compared (``harmless``: speed, determinism, sizes the tensors say) or that are off
-    (``off[name]``'s values, else None); None when there are none.
-
-    Returns:
-        ``"uses NAME, NAME, which flashprobe does not compare"`` naming them, or None.
-    """
+    """``"uses NAME, NAME, which flashprobe does not compare"`` for the arguments in ``named`` that are
+    not ``read``, not ``harmless`` and not off (``off[name]``'s values, else None), or None."""
     bad = []
     for name, value in named.items():
         if name in read or name in harmless:
@@ -166,10 +136,8 @@ def unexpressed(
 
 # --- Binding and swapping ---
 
-#: A source's reader: ``read(named, library, own)`` → the :class:`LibraryCall`, a reason not to
-#: compare it (a string), or None when the call is not of the form it reads (run unchanged). ``named``
-#: holds the caller's arguments by the library's parameter names, ``library(**kwargs)`` calls the
-#: library, ``own()`` calls it with the caller's own arguments exactly.
+#: A source's reader: ``read(named, library, own)`` → a :class:`LibraryCall`, a reason not to compare
+#: (a string), or None (run unchanged); ``own()`` calls the library with the caller's arguments.
 Reader = Callable[[dict[str, Any], Callable[..., Any], Callable[[], Any]], "LibraryCall | str | None"]
 
 
@@ -181,8 +149,8 @@ def signature_of(fn: Any) -> inspect.Signature | None:
 
 
 def bind_arguments(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, Any] | None:
-    """The caller's arguments by the library's parameter names (``**kwargs`` merged; extra positional
-    arguments kept under ``*name``, which no reader reads), or None when they do not bind."""
+    """The caller's arguments by parameter name (``**kwargs`` merged, extra positionals under
+    ``*name``), or None when they do not bind."""
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError:
@@ -249,10 +217,8 @@ def original_of(fn: Any) -> Any:
 
 
 def function_wrapper(original: Callable[..., Any], read: Reader, what: str) -> Callable[..., Any]:
-    """The probed replacement of one library entry point (or method) whose calls ``read`` reads: each
-    call made inside a probed model is a site; any other call runs the original unchanged. It has the
-    original's name, docstring and signature (``__wrapped__``), which callers such as transformers
-    inspect."""
+    """The probed replacement of one library entry point: a call inside a probed model is a site, any
+    other runs the original; it keeps the original's name and signature (transformers inspects them)."""
     signature = signature_of(original)
 
     @functools.wraps(original)
@@ -270,10 +236,8 @@ class DirectFunctions:
 
     Args:
         entries: ``(module, function, read)``: ``module.function`` is swapped when ``module`` is in
-            ``sys.modules`` (flashprobe never imports the library); a function found under several names
-            is named in messages where it is first found.
-        callers: modules that keep the library's functions in globals of their own (swapped like model
-            modules), e.g. transformers' flash-attention helper.
+            ``sys.modules``.
+        callers: modules holding the library's functions in their globals (transformers' helper).
     """
 
     def __init__(self, entries: Sequence[tuple[str, str, Reader]], callers: Sequence[str] = ()) -> None:
@@ -282,8 +246,7 @@ class DirectFunctions:
         self._found: dict[int, tuple[Any, Any]] = {}  # id(original) -> (original, replacement)
 
     def install(self) -> None:
-        """Swap the entry points of the imported modules (a :class:`~flashprobe.probing.patching.Source`'s
-        ``install``)."""
+        """Swap the entry points of the imported modules."""
         self._found.clear()
         for module_name, function, read in self.entries:
             library = sys.modules.get(module_name)

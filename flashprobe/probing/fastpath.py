@@ -1,15 +1,10 @@
 """torch's attention paths that never reach SDPA, reported: fused fast paths and ``need_weights=True``.
 
-In eval mode without autograd, ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` call fused
-C++ ops (``torch._transformer_encoder_layer_fwd``, ``torch._native_multi_head_attention``) that never
-reach SDPA; ``nn.MultiheadAttention`` called with ``need_weights=True`` (its default) computes attention
-with explicit matmuls. While a handle is attached those functions are swapped (:data:`SOURCE`) for
-stand-ins that detect such a call made inside an attached model and report it once per site with a
-:class:`~flashprobe.probing.ProbeWarning` naming the module; the call itself runs unchanged.
-
-``F.multi_head_attention_forward`` is one opaque op to Dynamo (its SDPA call would run with
-FakeTensors at trace time and without module frames at run time), so while compiling its stand-in
-calls a plain copy of it that Dynamo traces down to the SDPA call.
+``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention`` in eval mode without autograd call fused
+C++ ops, and ``nn.MultiheadAttention`` with ``need_weights=True`` uses explicit matmuls. While a handle
+is attached these are swapped (:data:`SOURCE`) for stand-ins that report such a call once per site
+with a :class:`~flashprobe.probing.ProbeWarning`; the call runs unchanged. While compiling,
+``F.multi_head_attention_forward``'s stand-in calls a plain copy that Dynamo traces down to SDPA.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """flash-attn 2's, FlashAttention-3's and flash-attention 4's entry points as a source
 (:mod:`flashprobe.probing.direct`).
 
-Every form of call is read by the argument names of the library's own signature (flash-attn 2.8's
-``flash_attn/flash_attn_interface.py``, FlashAttention-3's ``hopper/flash_attn_interface.py``,
-flash-attention 4's ``flash_attn/cute/interface.py``: ``window_size`` with None, ``return_lse``) into the
-call of one of the kernels layer's contracts (:func:`~flashprobe.kernels.contract.call_from_arguments`):
-``flash_attn_func`` and its packed forms (``qkvpacked``, ``kvpacked``: their q, k, v are views of the
-packed tensor), ``flash_attn_varlen_func`` and its packed forms (with flash-attn 2's paged
-``block_table``; FlashAttention-3's ``seqused_k``), and ``flash_attn_with_kvcache`` (read before it
-appends its new keys in place). Causal, windows and ALiBi are anchored bottom-right; softcap, ALiBi,
-FlashAttention-3's FP8 descales, flash-attention 4's ``learnable_sink`` and a preallocated ``out``
-are read and compared; the LSE (``return_attn_probs``, ``return_softmax_lse``) is compared in base e,
-flash-attn 2's ``+inf`` for a row without keys read as ``−inf``. Dense and packed calls run the library
-on the shadow's tensors, so their backward is compared too.
-
-The tests check these forms against CPU stand-ins with the libraries' signatures and semantics
-(``lab/contracts.py``, ``tests/probing/_standins.py``), not against the CUDA libraries themselves.
+Each call is read by the argument names of the library's own signature into a call of the kernels
+layer's contracts (:func:`~flashprobe.kernels.contract.call_from_arguments`): ``flash_attn_func`` and
+its packed forms, ``flash_attn_varlen_func`` (with paged ``block_table``, ``seqused_k``) and
+``flash_attn_with_kvcache`` (read before it appends). The LSE is compared in base e (flash-attn 2's
+``+inf`` for an empty row read as ``−inf``); dense and packed calls also compare their backward. Tested
+against CPU stand-ins of the libraries (``lab/contracts.py``, ``tests/probing/_standins.py``).
 """
 
 from __future__ import annotations

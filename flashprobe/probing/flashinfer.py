@@ -1,28 +1,15 @@
 """FlashInfer as a source: its single prefill/decode functions, its batch wrappers and its merges.
 
-An optional, self-contained source (:mod:`flashprobe.probing.direct` has what it shares with
-flash-attn's): while a probe is attached and ``flashinfer`` is imported (flashprobe never imports it),
+While a probe is attached and ``flashinfer`` is imported (flashprobe never imports it), its
 ``single_prefill_with_kv_cache`` (and ``..._return_lse``), ``single_decode_with_kv_cache``, the batch
-wrappers ``BatchPrefillWithRaggedKVCacheWrapper``, ``BatchPrefillWithPagedKVCacheWrapper`` and
-``BatchDecodeWithPagedKVCacheWrapper``, and the split-KV merges ``merge_state``, ``merge_states`` and
-``merge_state_in_place`` are swapped. Each call is read as a call of the kernels layer
-(:class:`~flashprobe.kernels.AttentionCall`): NHD/HND layouts, bottom-right causal, ``window_left``,
-``logits_soft_cap``, ``sm_scale``, ``sinks``, custom masks, ragged and paged sequences (FlashInfer's
-page table as a block table), and the LSE in base 2 (``−inf`` for a row that sees no key). A merge
-``(v, s)`` of states is the attention of one query over the states, each a key whose logit is its
-LSE (``s · ln 2``) and whose value is its output: its golden is the merge in float64, a state whose
-LSE is ``−inf`` an empty one.
-
-A wrapper's ``plan()`` is recorded (per instance, forgotten when the last probe detaches; its index
-tensors are read once per plan); its ``run()`` (and ``run_return_lse``) is a site, read with the
-recorded plan; the deprecated ``forward()`` sets the settings later runs use. FlashInfer has no
-backward: every call runs with the caller's own arguments and is compared forward. A run whose
-``plan()`` was made before the probe was attached runs unchanged, with one warning naming why.
-
-**What this was checked against.** The signatures and semantics are FlashInfer 0.6's as the team read
-them (``flashinfer/prefill.py``, ``decode.py``, ``cascade.py``), and the tests run them against the
-team's own CPU stand-ins of those functions and wrappers (``tests/probing/_standins.py``,
-``lab/contracts.py``); no test runs the real library (it needs CUDA).
+wrappers' ``plan``/``run``/``forward`` and the merges ``merge_state``, ``merge_states`` and
+``merge_state_in_place`` are swapped. Each call is read as an :class:`~flashprobe.kernels.AttentionCall`
+(NHD/HND, bottom-right causal, windows, soft cap, sinks, custom masks, ragged and paged sequences, the
+LSE in base 2) and compared forward (FlashInfer has no backward). A merge of states is the attention
+of one query over the states, each a key whose logit is its LSE and whose value is its output. A
+wrapper's ``plan()`` is recorded per instance while a probe is attached; a ``run()`` whose plan was
+made before runs unchanged, with a warning. Tested against CPU stand-ins of FlashInfer 0.6's API
+(``tests/probing/_standins.py``); no test runs the real library (it needs CUDA).
 """
 
 from __future__ import annotations
@@ -118,9 +105,8 @@ def _forward_only(what: str, call: AttentionCall, own: Callable[[], Any], **extr
 
 
 def _single(decode: bool, named: dict[str, Any], library: Callable[..., Any], own: Callable[[], Any]) -> Any:
-    """``single_prefill_with_kv_cache(q, k, v, ...)`` (``q (N_q, H, D)``; a bool ``custom_mask (N_q,
-    N_k)`` replaces ``causal``) or, ``decode``, ``single_decode_with_kv_cache(q, k, v, ...)`` (one query
-    ``q (H, D)`` at the last position): ``k``/``v`` NHD ``(N_k, H_kv, D)`` or HND ``(H_kv, N_k, D)``."""
+    """``single_prefill_with_kv_cache(q (N_q, H, D), k, v, ...)`` or, ``decode``,
+    ``single_decode_with_kv_cache(q (H, D), k, v, ...)``; ``k``/``v`` NHD ``(N_k, H_kv, D)`` or HND."""
     q, k, v = (named.pop(n, None) for n in "qkv")
     if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (k, v)) or not (
         isinstance(q, torch.Tensor) and q.dim() == 3 - decode
@@ -150,8 +136,8 @@ def _single(decode: bool, named: dict[str, Any], library: Callable[..., Any], ow
 
 @dataclasses.dataclass
 class _Plan:
-    """A FlashInfer wrapper's last ``plan()`` (its arguments by name), the settings its deprecated
-    ``forward()`` set since, and what is read from them (index tensors, masks) per device."""
+    """A wrapper's last ``plan()`` arguments, its deprecated ``forward()``'s settings, and what is read
+    from them per device."""
 
     named: dict[str, Any]
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -166,8 +152,7 @@ class _Plan:
         return self.cache[key]
 
 
-#: Plans recorded while a probe is attached, per wrapper instance (forgotten when the last probe detaches:
-#: a plan made while none is attached is not seen, and a stale one must not be used).
+#: Plans recorded while a probe is attached, per wrapper instance (forgotten when the last probe detaches).
 _PLANS: weakref.WeakKeyDictionary[Any, _Plan] = weakref.WeakKeyDictionary()
 
 _NO_PLAN = (
@@ -182,8 +167,7 @@ def forget_plans() -> None:
 
 
 def _offsets(indptr: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:
-    """FlashInfer's ``indptr`` as ``cu_seqlens`` on ``device`` and the longest sequence (read once per
-    plan: FlashInfer's plans hold host tensors)."""
+    """FlashInfer's ``indptr`` as ``cu_seqlens`` on ``device`` and the longest sequence."""
     lengths = (indptr[1:] - indptr[:-1]).tolist()
     return indptr.to(device=device, dtype=torch.int32), max(lengths, default=0)
 
@@ -195,9 +179,7 @@ def _block_table(
     page_size: int,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """FlashInfer's page table (request ``i`` holds pages ``indices[indptr[i]:indptr[i+1]]``, its last one
-    filled to ``last_page_len[i]``) as flash-attn's: ``(block_table (B, max_pages), cu_seqlens_k, longest)``
-    (read once per plan)."""
+    """FlashInfer's page table as flash-attn's: ``(block_table (B, max_pages), cu_seqlens_k, longest)``."""
     ptr, pages, last = indptr.tolist(), indices.tolist(), last_page_len.tolist()
     rows = [pages[a:z] for a, z in itertools.pairwise(ptr)]
     lengths = [(len(r) - 1) * page_size + int(n) if r else 0 for r, n in zip(rows, last, strict=True)]
@@ -210,8 +192,8 @@ def _block_table(
 
 
 def _flat_mask(custom: torch.Tensor, logical: AttentionCall) -> torch.Tensor:
-    """FlashInfer's flattened custom mask of a batch (each request's ``(len_q, len_k)`` block row-major,
-    one after the other) as a ``(B, 1, n_q, n_k)`` bool mask of the logical call."""
+    """FlashInfer's flattened custom mask (each request's ``(len_q, len_k)`` block, row-major) as a
+    ``(B, 1, n_q, n_k)`` bool mask of the logical call."""
     q_len, k_len = logical.q_lens.long(), logical.k_lens.long()  # (B,)
     offsets = F.pad(torch.cumsum(q_len * k_len, 0), (1, 0))[:-1]
     i = torch.arange(logical.n_q, device=q_len.device)[None, :, None]
@@ -223,8 +205,7 @@ def _flat_mask(custom: torch.Tensor, logical: AttentionCall) -> torch.Tensor:
 
 
 def _paged_cache(cache: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(k_cache, v_cache)`` of a paged KV cache: a ``(k, v)`` pair of 4-D tensors or one 5-D tensor
-    with k and v at index 1."""
+    """``(k_cache, v_cache)`` of a paged KV cache (a pair of 4-D tensors or one 5-D tensor)."""
     if isinstance(cache, tuple | list) and len(cache) == 2:
         k, v = cache
     elif isinstance(cache, torch.Tensor) and cache.dim() == 5:
@@ -236,17 +217,9 @@ def _paged_cache(cache: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 def _batch(form: str, named: dict[str, Any], library: Callable[..., Any], own: Callable[[], Any]) -> Any:
-    """A FlashInfer batch wrapper's ``run``, with the sequences, mask and scale of its recorded plan;
-    ``form`` names the wrapper:
-
-    * ``"ragged"``: ``BatchPrefillWithRaggedKVCacheWrapper.run(q, k, v, ...)``: ``q (total_q, H, D)``,
-      ``k``/``v`` ``(total_k, H_kv, D)`` (NHD; HND ``(H_kv, total_k, D)``), sequences from
-      ``plan(qo_indptr, kv_indptr)``;
-    * ``"paged_prefill"``: ``BatchPrefillWithPagedKVCacheWrapper.run(q, paged_kv_cache, ...)``: pages
-      from ``plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, ...)``;
-    * ``"paged_decode"``: ``BatchDecodeWithPagedKVCacheWrapper.run(q, paged_kv_cache, ...)``:
-      ``q (B, H, D)``, one query per request, pages from ``plan(indptr, indices, last_page_len, ...)``.
-    """
+    """A batch wrapper's ``run`` with its recorded plan's sequences, mask and scale; ``form`` is
+    ``"ragged"`` (``run(q (total_q, H, D), k, v)``), ``"paged_prefill"`` or ``"paged_decode"``
+    (``run(q, paged_kv_cache)``, decode with one query per request)."""
     wrapper = named.pop("self", None)
     try:
         plan = _PLANS.get(wrapper)
@@ -325,8 +298,7 @@ def _batch(form: str, named: dict[str, Any], library: Callable[..., Any], own: C
 
 def _merge_call(v: torch.Tensor, s: torch.Tensor) -> LibraryCall | None:
     """States ``v (T, S, H, D)`` with base-2 LSEs ``s (T, S, H)`` as one attention call: per token and
-    head, one query over ``S`` keys whose logits are the LSEs (``1 · s · ln 2``) and whose values are the
-    states' outputs; an empty state (``s = −inf``) is masked out."""
+    head, one query over ``S`` keys with logits ``s · ln 2``; an empty state (``s = −inf``) is masked out."""
     if v.dim() != 4 or s.dim() != 3:
         return None
     wide = torch.promote_types(v.dtype, torch.float32)
@@ -346,9 +318,8 @@ def _merged(returned: Any) -> CallOutput:
 
 
 def _merge(form: str, named: dict[str, Any], library: Callable[..., Any], own: Callable[[], Any]) -> Any:
-    """``merge_state(v_a, s_a, v_b, s_b) -> (v, s)`` (two states ``v_x (T, H, D)``, ``s_x (T, H)``),
-    ``merge_states(v (T, S, H, D), s (T, S, H)) -> (v, s)``, or ``merge_state_in_place(v, s, v_other,
-    s_other, mask=None)`` (``(v, s)`` updated in place: read before it runs, its result read after)."""
+    """``merge_state(v_a, s_a, v_b, s_b)``, ``merge_states(v, s)`` or ``merge_state_in_place(v, s,
+    v_other, s_other)`` (read before it runs, its result after)."""
     names = {
         "state": ("v_a", "s_a", "v_b", "s_b"),
         "states": ("v", "s"),
@@ -393,8 +364,7 @@ def _plan_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     return mark_original(plan, original)
 
 
-#: The settings the deprecated ``forward`` keeps on the wrapper for its and later runs (the rest of its
-#: arguments it passes on to ``run``).
+#: The settings the deprecated ``forward`` keeps on the wrapper for later runs.
 _FORWARD_SETTINGS = frozenset(
     {"causal", "pos_encoding_mode", "use_fp16_qk_reduction", "window_left", "logits_soft_cap", "sm_scale",
      "rope_scale", "rope_theta"}
@@ -402,8 +372,7 @@ _FORWARD_SETTINGS = frozenset(
 
 
 def _forward_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
-    """The deprecated ``forward``: it sets the wrapper's mask and scale settings (kept for later runs),
-    then calls ``run``; those settings (defaults included) override the recorded plan's."""
+    """The deprecated ``forward``: its settings (defaults included) override the plan's, then ``run``."""
     signature = signature_of(original)
 
     @functools.wraps(original)
@@ -425,8 +394,7 @@ def _forward_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def patch_class(cls: type, read: Reader, what: str) -> dict[str, Any]:
     """``{attribute: replacement}`` for a FlashInfer wrapper class: ``plan`` recorded, ``run`` a site,
-    ``forward``/``forward_return_lse`` setting ``run``'s settings, ``run_return_lse`` (a
-    ``partialmethod`` of the original ``run``) rebuilt on the replacement."""
+    ``forward`` setting ``run``'s settings, ``run_return_lse`` rebuilt on the new ``run``."""
     out: dict[str, Any] = {}
     run = getattr(cls, "run", None)
     if not callable(getattr(cls, "plan", None)) or not callable(run):
@@ -463,8 +431,7 @@ FUNCTIONS = DirectFunctions(
     )
 )
 
-#: The batch wrappers ``(module, class, read)``: ``plan`` recorded, ``run`` (and the deprecated
-#: ``forward``, which sets ``run``'s settings) a site.
+#: The batch wrappers ``(module, class, read)``.
 CLASSES: tuple[tuple[str, str, Reader], ...] = tuple(
     (m, name, functools.partial(_batch, form))
     for name, form, modules in (

@@ -1,27 +1,14 @@
 """FlexAttention calls under the probe: ``flex_attention(q, k, v, score_mod, block_mask, ...)``.
 
-While a probe is attached, ``torch.nn.attention.flex_attention.flex_attention`` (and the names model
-code imported it under) is swapped for a stand-in like SDPA's (:data:`SOURCE`,
-:mod:`flashprobe.probing.patching`); calls while Dynamo traces (e.g. a compiled ``flex_attention``) run
-unchanged and are not seen.
-A call made inside an attached model is a site like an SDPA call; the model gets the call's own
-output, unchanged (the original function with the original arguments), and the probe compares it
-with a **baseline** (the same dtype) and the FP64 **golden** value that apply the call's own
-``score_mod`` and ``block_mask`` on materialised scores::
+While a probe is attached, ``flex_attention`` is swapped for a stand-in (:data:`SOURCE`); calls while
+Dynamo traces run unchanged and are not seen. The model gets the call's own output; the probe compares
+it forward with references that apply the call's ``score_mod`` and ``block_mask`` on materialised
+scores, element by element as FlexAttention's eager implementation does::
 
     s = scale · q kᵀ;  s = score_mod(s, b, h, q_idx, kv_idx);  s[~mask] = −inf;  out = softmax(s) v
 
-where ``mask`` is the block mask's ``mask_mod`` within its non-empty blocks (a row with no key left
-gives 0, as FlexAttention). The mods are applied element by element as FlexAttention's own eager
-implementation applies them (``torch.vmap`` over the batch, head, query and key indices, through
-torch's private ``_vmap_for_bhqkv``; on a torch without it, broadcast index tensors), so
-soft-capping, ALiBi, sliding windows, document masks and transformers' own ``score_mod`` (which
-indexes its mask tensor one index at a time) are applied as the model applies them. The
-references run in blocks of query rows sized from the device's free memory.
-
-Only the forward is compared (the probe records FlexAttention calls in the ``out`` direction);
-``return_lse``/``return_aux`` outputs are passed through and their first element compared. No
-reproducer is saved for a FlexAttention call (its ``score_mod`` is Python code, not data).
+(a row with no key left gives 0), in blocks of query rows within the memory budget. No reproducer is
+saved for a FlexAttention call (its ``score_mod`` is code, not data).
 """
 
 from __future__ import annotations
@@ -116,17 +103,9 @@ def _element_mask(
 
 
 def flex_reference(call: FlexCall, dtype: torch.dtype, *, budget: int) -> torch.Tensor:
-    """The call's attention on materialised scores in ``dtype`` (see the module docstring).
-
-    Args:
-        call: the bound ``flex_attention`` call: ``query (B, H, N_q, D)``, ``key (B, H_kv, N_k, D)``,
-            ``value (B, H_kv, N_k, D_v)``.
-        dtype: compute dtype (the inputs' for the baseline, float64 for the golden).
-        budget: bytes of scores per block of query rows.
-
-    Returns:
-        ``(B, H, N_q, D_v)`` in ``dtype``.
-    """
+    """The call's ``(B, H, N_q, D_v)`` attention on materialised scores in ``dtype`` (module
+    docstring), in blocks of query rows of ``budget`` bytes of scores; ``query (B, H, N_q, D)``,
+    ``key (B, H_kv, N_k, D)``, ``value (B, H_kv, N_k, D_v)``."""
     q, k, v = (t.detach().to(dtype) for t in (call.query, call.key, call.value))
     b, h, n_q, d = q.shape
     k, v = expand_kv(k, v, h // k.shape[1])  # grouped-query attention
@@ -158,9 +137,8 @@ def flex_reference(call: FlexCall, dtype: torch.dtype, *, budget: int) -> torch.
 
 
 def probed_call(frame: Any, call: Callable[[], FlexCall], run: Callable[[], Any]) -> Any:
-    """One FlexAttention call made from ``frame``: handed to the probe of the attached module that made
-    it (``call()`` binds its arguments), or ``run()`` unchanged (outside probed models, while Dynamo
-    traces, arguments that do not bind)."""
+    """One FlexAttention call made from ``frame``: handed to the probe of the attached module that
+    made it (``call()`` binds its arguments), else ``run()`` unchanged."""
     res = probing_caller(frame)
     if res is None:
         return run()

@@ -1,10 +1,8 @@
 """transformers' FlexAttention entry point (``attn_implementation="flex_attention"``) as a source.
 
-transformers calls a compiled ``flex_attention`` (``torch.compile`` of it, made once), which no name
-swap of ``flex_attention`` reaches, so its wrapper ``compile_friendly_flex_attention`` is swapped
-instead, where ``transformers.integrations.flex_attention`` is imported (flashprobe never imports it).
-The model gets the wrapper's own output (the compiled FlexAttention, unchanged); the probe compares
-it like a direct ``flex_attention`` call (:mod:`flashprobe.probing.flex`).
+transformers calls a compiled ``flex_attention`` that no name swap reaches, so its wrapper
+``compile_friendly_flex_attention`` is swapped instead; the model gets the wrapper's output and the
+probe compares it like a direct ``flex_attention`` call (:mod:`flashprobe.probing.flex`).
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """Interception: every attention call made inside an attached model reaches its handle.
 
-A handle (:class:`~flashprobe.probing.KernelRoute` from :func:`~flashprobe.probing.use_kernel`, or a
-:class:`~flashprobe.probing.Probe`) derives from :class:`AttentionRoute`; attaching registers its
-model (:mod:`flashprobe.probing.sites`), and every attention call made inside a registered model reaches
-the handle together with its **site**, the path of the innermost attached module that made it.
-
-The calls come from the **sources** in :data:`SOURCES`, one module each, whose names are swapped while
-at least one handle is attached (:mod:`flashprobe.probing.patching`):
-
-* :mod:`~flashprobe.probing.sdpa`: ``F.scaled_dot_product_attention``, eager and under ``torch.compile``
-  (one opaque op per call, :mod:`~flashprobe.probing.opaque`, or a graph break);
-* :mod:`~flashprobe.probing.fastpath`: torch's fused fast paths and ``nn.MultiheadAttention`` with
-  ``need_weights=True``, which never reach SDPA: reported once per site;
-* :mod:`~flashprobe.probing.flex`: ``flex_attention``, compared with references that apply its own
-  ``score_mod`` and ``block_mask``; :mod:`~flashprobe.probing.hf_flex`: transformers' compiled wrapper
-  of it;
-* :mod:`~flashprobe.probing.flashattn`: flash-attn 2's and FlashAttention-3's entry points;
-  :mod:`~flashprobe.probing.flashinfer`: FlashInfer's functions, batch wrappers and merges;
-  :mod:`~flashprobe.probing.varlen`: PyTorch's ``varlen_attn`` (each through
-  :mod:`~flashprobe.probing.direct`: arguments bound by the library's own signature and read as a call
-  of the kernels layer, whose golden and baseline the shadow computes; the model gets the library's
-  output).
-
+A handle (:class:`~flashprobe.probing.KernelRoute` or :class:`~flashprobe.probing.Probe`) derives from
+:class:`AttentionRoute`; attaching registers its model (:mod:`flashprobe.probing.sites`), and every
+attention call made inside it reaches the handle with its **site**. The calls come from the sources
+in :data:`SOURCES` (``sdpa``, ``fastpath``, ``flex``, ``hf_flex``, ``flashattn``, ``flashinfer``,
+``varlen``), whose names are swapped while a handle is attached (:mod:`flashprobe.probing.patching`).
 To add a source, write its module and add its ``SOURCE`` to :data:`SOURCES`.
 """
 
@@ -62,11 +45,7 @@ _H = TypeVar("_H", bound="AttentionRoute")
 
 class AttentionRoute:
     """Base of the handles that attach to a model (:class:`~flashprobe.probing.KernelRoute`,
-    :class:`~flashprobe.probing.Probe`).
-
-    Attaching never touches the model's modules; it registers the model so that attention calls made
-    inside it reach this handle. Use as a context manager or call :meth:`detach`.
-    """
+    :class:`~flashprobe.probing.Probe`); a context manager, or call :meth:`detach`."""
 
     kind = "route"
 

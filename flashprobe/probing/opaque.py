@@ -1,37 +1,19 @@
 """Attention calls inside compiled graphs: one opaque op per call instead of a graph break.
 
-While a handle is attached, the stand-in for ``F.scaled_dot_product_attention``
-(:mod:`flashprobe.probing.sdpa`) is traced by Dynamo (``torch.compile``) like any Python function.
-:func:`traced_call` is what it runs then:
+While Dynamo traces the SDPA stand-in, :func:`traced_call` runs:
 
-1. **The site, at trace time.** :func:`_trace_site` (run once per traced call, its result a
-   constant of the graph) finds the innermost attached module the call is made in, from the module
-   variables of the frames Dynamo is tracing (its ``symbolic_locals``), and adds an identity guard
-   on that module: a graph traced for one module is never reused for another (a frame compiled on
-   its own and called again from a sibling module recompiles, up to Dynamo's cache limit; past it
-   Dynamo runs the frame eagerly, where the eager dispatcher names the site). This reads Dynamo
-   internals; where they are not as expected, or the module has no source to guard on, the call
-   falls back to the graph break the caller passes (the eager dispatcher under
-   ``torch.compiler.disable``), which needs no internals.
+1. **The site, at trace time.** :func:`_trace_site` finds the innermost attached module from the
+   module variables of the frames Dynamo is tracing (its internals) and guards on that module's
+   identity; where that fails, the call takes the graph break the caller passes.
 2. **The call, as one op.** ``torch.ops.flashprobe.attention`` runs the attached handle on real
-   tensors when the graph runs (the primary kernel, the references, the statistics — exactly the
-   eager code), and returns the primary's output. A fake implementation gives Dynamo and AOT
-   autograd the output's shape and dtype, so the graph around the call compiles as one (with any
-   backend, inductor included).
-3. **Autograd.** When an input needs a gradient, the op runs the handle with autograd on leaf
-   copies of the inputs (the probe's gradient tap included) and keeps that eager graph until the
-   backward op ``torch.ops.flashprobe.attention_backward`` runs ``torch.autograd.grad`` through
-   it: the primary's own backward, compared by the probe exactly as in eager mode. A one-byte CPU
-   token tensor (saved for the backward) names the kept graph by its address, so nothing is read
-   from a tensor; if the backward never comes, the graph is dropped with the token and the probe
-   compares the forward alone. (Should a kept graph be missing at the backward, e.g. a second
-   backward through a retained graph, the primary's gradients are recomputed from the saved inputs.)
-4. **Autocast.** SDPA is cast to the autocast dtype under autocast; a custom op is not, so the
-   stand-in casts the inputs as autocast would before the op (the op itself runs with autocast
-   off), which gives the primary the same inputs as in eager mode.
+   tensors when the graph runs (exactly the eager code) and returns the primary's output; its fake
+   implementation gives the output's shape and dtype.
+3. **Autograd.** With inputs needing a gradient, the op keeps the handle's eager graph until
+   ``torch.ops.flashprobe.attention_backward`` runs ``torch.autograd.grad`` through it, named by a
+   one-byte CPU token tensor's address; a missing graph is recomputed from the saved inputs.
+4. **Autocast.** The stand-in casts the inputs as autocast would; the op runs with autocast off.
 
-Calls the op cannot express (unknown arguments from a newer torch, a mask that needs a gradient)
-take the graph-break path.
+Calls the op cannot express (unknown arguments, a mask that needs a gradient) take the graph break.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Swapping names: the one place where flashprobe replaces a library's functions, and puts them back.
 
-While at least one handle is attached, every **source** of attention calls swaps its entry points for
-stand-ins that ask :func:`flashprobe.probing.sites.find_caller` which attached module made the call. A
-source is one module that builds a :class:`Source` (:mod:`~flashprobe.probing.sdpa`,
-:mod:`~flashprobe.probing.fastpath`, :mod:`~flashprobe.probing.flex`, :mod:`~flashprobe.probing.hf_flex`,
-:mod:`~flashprobe.probing.flashattn`, :mod:`~flashprobe.probing.flashinfer`); the table of them is
-:data:`flashprobe.probing.intercept.SOURCES`. To add a source: write its module (its stand-ins, and a
-``SOURCE``), and add it to that table.
-
-On the first attach each source's ``install`` swaps the names in the libraries' own modules (with
-:func:`patch` and :func:`patch_attribute`); on every attach, model code that imported a function by
-name (``from torch.nn.functional import scaled_dot_product_attention``) has that module global swapped
-too: the globals of the modules defining the attached models' classes are looked up in the sources'
-``stand_ins`` tables, keyed by the original function's identity. When the last handle detaches every
-swapped name is restored, unless someone else replaced it meanwhile (theirs stays, with a warning).
-(A ``TorchFunctionMode`` would also catch names bound elsewhere, but it puts Python on the path of
-*every* tensor op of the model.)
+While at least one handle is attached, every :class:`Source` (listed in
+:data:`flashprobe.probing.intercept.SOURCES`) swaps its entry points for stand-ins: on the first attach
+in the libraries' modules (:func:`patch`, :func:`patch_attribute`), on every attach in the modules of
+the attached models' classes that imported a function by name (looked up in ``stand_ins`` by the
+original's identity). When the last handle detaches every name is restored, unless someone else
+replaced it meanwhile (theirs stays, with a warning).
 """
 
 from __future__ import annotations
@@ -40,11 +30,10 @@ class Source:
 
     Attributes:
         name: what it is, for messages (``"sdpa"``, ``"flash-attn"``).
-        install: swaps the library's own names (:func:`patch`, :func:`patch_attribute`) where the
-            library is imported; run on the first attach.
+        install: swaps the library's own names where it is imported; run on the first attach.
         stand_ins: ``id(original) -> (original, stand-in)`` for the functions model code may have
-            imported by name (read after ``install``; :func:`stand_in_of` builds each stand-in once).
-        forget: run when the last handle detaches (drop what the stand-ins recorded), or None.
+            imported by name (read after ``install``).
+        forget: run when the last handle detaches, or None.
     """
 
     name: str
@@ -96,9 +85,8 @@ def stand_in_of(original: Callable[..., Any], build: Callable[[], Callable[..., 
 
 
 def _freeze_dynamo_rules() -> None:
-    """Build Dynamo's table of torch functions (cached on first use, keyed by the objects found
-    under their torch names) before any name is swapped, so it never lists our stand-ins as torch
-    functions to put in a graph. Best effort: the table is a Dynamo internal."""
+    """Build Dynamo's cached table of torch functions before any name is swapped, so it never lists
+    our stand-ins as torch functions (best effort: a Dynamo internal)."""
     try:
         from torch._dynamo.trace_rules import get_torch_obj_rule_map
 

@@ -6,15 +6,13 @@
         for batch in loader:
             loss = model(batch).sum(); loss.backward(); opt.step()
             if p.step % 100 == 0:
-                print(p.summary()["max_error_ratio"]); p.reset()
+                s = p.summary(); print(s["verdict"], s["limit_ratio"]); p.reset()  # > 1 fails
             p.next_step()
 
-Every ``scaled_dot_product_attention`` call made inside ``model`` (see
-:mod:`flashprobe.probing.intercept` for how calls are caught and named) goes through one
-:class:`~flashprobe.probing.ShadowAttention`; statistics are kept per site (module path) on the
-device and read once when asked. Sampling keeps the cost low in long runs: ``every_n_calls``
-(per site), ``every_n_steps`` (on the step counter the caller advances) and ``sites`` patterns.
-Calls that are not sampled run only the primary.
+Every attention call made inside ``model`` (caught and named by :mod:`flashprobe.probing.intercept`)
+goes through one :class:`~flashprobe.probing.ShadowAttention`; statistics are kept per site (module
+path) on the device. ``every_n_calls``, ``every_n_steps`` and ``sites`` sample the calls compared;
+the others run only the primary.
 """
 
 from __future__ import annotations
@@ -45,9 +43,8 @@ class Probe(AttentionRoute):
 
     Attributes:
         model: the probed model (unmodified).
-        shadow: the :class:`ShadowAttention` every sampled call goes through; its ``config``
-            (:class:`~flashprobe.probing.ProbeConfig`) holds the sampling settings too, with
-            ``backward="auto"`` decided for the model's device (``shadow.backward``).
+        shadow: the :class:`ShadowAttention` every sampled call goes through (its ``config`` has
+            ``backward="auto"`` decided for the model's device).
     """
 
     kind = "probe"
@@ -65,8 +62,7 @@ class Probe(AttentionRoute):
 
     @property
     def config(self) -> ProbeConfig:
-        """The probe's settings as given (``backward="auto"`` stays ``"auto"``; whether gradients
-        are compared on this model's device is ``shadow.backward``)."""
+        """The probe's settings as given (``backward="auto"`` stays; see ``shadow.backward``)."""
         return self._config
 
     @property
@@ -101,8 +97,7 @@ class Probe(AttentionRoute):
         return wanted
 
     def will_compare(self, site: str) -> bool:
-        """Whether the next call at ``site`` is compared (``every_n_calls``, ``every_n_steps``, ``sites``);
-        nothing is counted. Direct library calls ask first, to convert only the calls compared."""
+        """Whether the next call at ``site`` is compared (sampling and ``sites``); counts nothing."""
         n = self._calls.get(site, 0)
         return not (n % self.every_n_calls or self._step % self.every_n_steps) and self.selects(site)
 
@@ -119,8 +114,7 @@ class Probe(AttentionRoute):
         return self.shadow.run(site, call, route)
 
     def handle_library(self, site: str, call: LibraryCall) -> Any:
-        """Run one intercepted call of an attention library made at ``site`` (sampled like SDPA calls;
-        :mod:`flashprobe.probing.direct`)."""
+        """Run one intercepted attention library call made at ``site`` (sampled like SDPA calls)."""
         compare = self.will_compare(site)
         self.count_call(site)
         with passthrough():
@@ -157,22 +151,19 @@ class Probe(AttentionRoute):
 
     @property
     def failures(self) -> list[dict[str, Any]]:
-        """The first failure of each site and direction seen so far (kept across :meth:`reset`):
-        ``{site, direction, step, kind, value, reason, repro}`` each, in step order."""
+        """The first failure of each site and direction so far (kept across :meth:`reset`), in step order."""
         return sorted(self.shadow.failures.values(), key=failure_order)
 
     @property
     def fallbacks(self) -> list[dict[str, Any]]:
-        """The sites where torch's SDPA computed the attention instead of the primary
-        (``fallback=True``: calls with attention dropout), ``{site, requested, kernel, from_step,
-        reason}`` each, in step order; empty when the primary ran every call."""
+        """Where torch's SDPA computed the attention instead of the primary (``fallback=True``: calls
+        with attention dropout), ``{site, requested, kernel, from_step, reason}`` each, in step order."""
         return sorted(self.shadow.fallbacks.values(), key=lambda f: (f["from_step"], f["site"]))
 
     @property
     def judged(self) -> list[dict[str, Any]]:
-        """The sites whose verdict judges another computation than the one that trained (attention
-        dropout: the call without it, forward only), ``{site, trained, judged, gradients, from_step,
-        reason}`` each, in step order; empty when every verdict judges what trained."""
+        """Sites whose verdict judges another computation than the one that trained (attention
+        dropout), ``{site, trained, judged, gradients, from_step, reason}`` each, in step order."""
         return sorted(self.shadow.judged.values(), key=lambda j: (j["from_step"], j["site"]))
 
     # Reading ----------------------------------------------------------------------------------
@@ -194,32 +185,19 @@ class Probe(AttentionRoute):
     def stats(
         self, tensors: Mapping[str, torch.Tensor] | None = None, *, flat: bool = False
     ) -> dict[str, Any]:
-        """Per-site statistics as plain Python data; see :meth:`ShadowAttention.stats`.
-
-        Warns (:class:`ProbeWarning`, once) when the model has made no attention call since the
-        probe was attached, saying why that usually happens.
-        """
-        self._warn_if_no_calls()
+        """Per-site statistics (:meth:`ShadowAttention.stats`); warns once if the model made no call."""
+        if not self._calls:
+            self.warn_once("no-calls", self._no_calls_message())
         return self.shadow.stats(tensors, flat=flat)
 
     def summary(self, stats: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Worst values over all sites, the step counter and ``notes``: :meth:`typed_summary` as a
-        plain dict (:meth:`~flashprobe.probing.summary.ProbeSummary.to_dict`), what ``probe.jsonl``
-        holds.
-
-        Args:
-            stats: per-site statistics to summarise (default: :meth:`stats`).
-        """
+        """:meth:`typed_summary` as a plain dict, what ``probe.jsonl`` holds."""
         return self.typed_summary(stats).to_dict()
 
     def typed_summary(self, stats: Mapping[str, Any] | None = None) -> ProbeSummary:
-        """Worst values over all sites (:class:`~flashprobe.probing.summary.ProbeSummary`, every field
-        documented there), with ``step`` (the step counter) and ``notes``.
-
-        ``notes`` lists, in words, why values are missing: no attention call seen, or backward
-        comparisons skipped at sites with attention dropout (with the fix). ``dropout_calls``
-        counts the calls with attention dropout; ``fallbacks`` is :attr:`fallbacks` (where torch's
-        SDPA computed the attention instead of the primary, ``fallback=True``).
+        """Worst values over all sites (:class:`~flashprobe.probing.summary.ProbeSummary`) with the
+        step counter, ``notes`` (why values are missing), ``dropout_calls``, :attr:`fallbacks` and
+        :attr:`judged`.
 
         Args:
             stats: per-site statistics to summarise (default: :meth:`stats`).
@@ -245,36 +223,28 @@ class Probe(AttentionRoute):
             "run yet"
         )
 
-    def _warn_if_no_calls(self) -> None:
-        if not self._calls:
-            self.warn_once("no-calls", self._no_calls_message())
-
     def _notes(self, stats: Mapping[str, Any]) -> list[str]:
         notes = []
         if not self._calls:
             notes.append(self._no_calls_message().removeprefix("flashprobe: "))
         dropout = {site: e["dropout_calls"] for site, e in stats.items() if e.get("dropout_calls")}
-        if dropout:
-            sites = ", ".join(sorted(dropout))
-            calls = sum(dropout.values())
-            if self.shadow.dropout == "skip":
-                notes.append(
-                    f"{calls} calls with attention dropout at {sites} were skipped (dropout='skip'); "
-                    "dropout='compare' compares their dropout-free primary"
+        sites, calls = ", ".join(sorted(dropout)), sum(dropout.values())
+        if dropout and self.shadow.dropout == "skip":
+            notes.append(
+                f"{calls} calls with attention dropout at {sites} were skipped (dropout='skip'); "
+                "dropout='compare' compares their dropout-free primary"
+            )
+        elif dropout:
+            note = f"{calls} calls with attention dropout at {sites}: their forward compares the "
+            note += "dropout-free primary"
+            if self.shadow.backward:
+                note += (
+                    "; their backward is not compared (the gradients depend on the random dropout "
+                    "mask), so those sites have no dq/dk/dv statistics. Set the attention dropout to "
+                    "0 to compare gradients (transformers configs: attention_dropout, attn_pdrop or "
+                    "attention_probs_dropout_prob = 0.0; nn.MultiheadAttention: dropout=0.0)"
                 )
-            else:
-                notes.append(
-                    f"{calls} calls with attention dropout at {sites}: their forward compares the "
-                    "dropout-free primary"
-                    + (
-                        "; their backward is not compared (the gradients depend on the random dropout "
-                        "mask), so those sites have no dq/dk/dv statistics. Set the attention dropout to "
-                        "0 to compare gradients (transformers configs: attention_dropout, attn_pdrop or "
-                        "attention_probs_dropout_prob = 0.0; nn.MultiheadAttention: dropout=0.0)"
-                        if self.shadow.backward
-                        else ""
-                    )
-                )
+            notes.append(note)
         return notes
 
     def reset(self) -> None:
@@ -300,20 +270,14 @@ def probe(
     """Attach a shadow probe to every attention call made inside ``model``.
 
     Args:
-        model: any ``nn.Module`` (not modified); its SDPA calls, including those of
-            ``nn.MultiheadAttention``/``nn.TransformerEncoderLayer`` and of libraries calling
-            ``F.scaled_dot_product_attention``, are compared per site.
-        config: the settings (:class:`~flashprobe.probing.ProbeConfig`; default: its defaults):
-            ``primary`` (None: the kernel the model already uses — a
-            :func:`~flashprobe.probing.use_kernel` route if any, else torch's SDPA with the call's own
-            arguments, so the model's outputs are exactly unchanged), ``baseline``, ``golden``,
-            ``backward``, ``every_n_calls``, ``every_n_steps`` (see :meth:`Probe.next_step`),
-            ``sites``, ``dropout``, ``memory_budget``.
+        model: any ``nn.Module`` (not modified); its attention calls are compared per site.
+        config: the settings (:class:`~flashprobe.probing.ProbeConfig`); ``primary=None`` compares
+            the kernel the model already uses, so its outputs are exactly unchanged.
         device: device to check the kernels against (default: the model's).
-        dtype: compute dtype to check against (default: the model's; pass the autocast dtype when
-            the model runs under autocast).
-        on_failure: ``"warn"`` (default), ``"raise"`` or ``"ignore"`` at the first failing call of
-            each site and direction (see :class:`~flashprobe.probing.ShadowAttention`).
+        dtype: compute dtype to check against (default: the model's; pass the autocast dtype under
+            autocast).
+        on_failure: ``"warn"``, ``"raise"`` or ``"ignore"`` at the first failing call of each site
+            and direction (:class:`~flashprobe.probing.ShadowAttention`).
         repro_dir: save reproducers of failing calls there (:mod:`flashprobe.probing.repro`).
         max_reproducers: at most this many reproducer files.
         **settings: fields of :class:`~flashprobe.probing.ProbeConfig` replacing ``config``'s.
@@ -322,14 +286,13 @@ def probe(
         The attached :class:`Probe`; use it as a context manager or call ``.detach()``.
 
     Warns:
-        ProbeWarning: at attach time, when a module's transformers config asks for
-            ``attn_implementation='eager'`` (no SDPA call to compare), with the fix.
+        ProbeWarning: a module's transformers config asks for ``attn_implementation='eager'``.
 
     Raises:
-        ProbeConfigError: an unknown setting or a bad value (sampling, patterns, dropout, ...).
+        ProbeConfigError: an unknown setting or a bad value.
         KernelSpecError: unknown kernel spec or option.
-        KernelUnavailableError: a kernel cannot run on the model's device/dtype (e.g.
-            ``flash_attn`` on CPU), or golden on a device without float64.
+        KernelUnavailableError: a kernel cannot run on the model's device/dtype, or golden on a
+            device without float64.
     """
     cfg = ProbeConfig.from_settings(config, **settings)
     dev, dt = model_device_dtype(model, device, dtype)

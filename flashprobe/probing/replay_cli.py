@@ -1,15 +1,8 @@
 """``flashprobe replay FILE [--kernel SPEC ...] [--import MODULE]``: rerun a saved failing call.
 
-A reproducer (:mod:`flashprobe.probing.repro`) is the exact attention call the probe's verdict failed
-in training, or a case ``flashprobe fuzz`` failed. ``replay`` runs it through each kernel (default:
-the kernel that failed, as recorded) with the judge that found it — a
-:class:`~flashprobe.probing.ShadowAttention`, forward and, when the file holds an output gradient,
-backward, or the fuzzer's — prints one line per kernel and exits 1 when any kernel does not pass
-(2 on bad arguments: a kernel that is not registered, a module that does not import), so it works
-as a regression test for a fix. A call of a kernel's own api (``flash_attn_varlen_func``, a KV cache,
-``merge_state``: a contract reproducer) is judged as ``flashprobe fuzz`` judged it
-(:func:`flashprobe.fuzz.contract_run.check_call`: out, LSE, the cache, gradients, or that a bad call
-is refused); a kernel that refuses a valid call exits 2 (it says nothing about the bug), not 1::
+Runs a reproducer (:mod:`flashprobe.probing.repro`) through each kernel (default: the one that failed)
+with the judge that found it, prints one line per kernel and exits 1 when any does not pass, 2 on bad
+arguments (and, for a contract reproducer, when a kernel refuses the valid call)::
 
     flashprobe replay out/run/repro/blocks.0.attn.dq.step0000003.safetensors --import mykernels
     flashprobe replay FILE --kernel mykernel --kernel sdpa_math

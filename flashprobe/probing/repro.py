@@ -1,15 +1,10 @@
 """Reproducers replayed and shrunk: the one path of the probe, ``flashprobe fuzz``, ``fuzz --from``
 and ``flashprobe replay``.
 
-Every reproducer is one file (:mod:`flashprobe.formats.reproducer`: safetensors, no pickle, with
-its metadata, plus a script): a call the probe saved in training (``<site>.step<step>``) or a case
-the fuzzer saved (``repro_<case>_<hash>``, :mod:`flashprobe.fuzz.reproducer`). :func:`replay`
-judges it again for any kernel spec with the judge that found it: a call through a
-:class:`~flashprobe.probing.ShadowAttention`, as in training, forward and, with an output gradient,
-backward (:func:`replay_call`, the default); a case with the judge its caller passes, the fuzzer's
-(:func:`flashprobe.fuzz.reproducer.replay_case`, which ``flashprobe replay`` and ``fuzz --from``
-pass), so this module needs nothing of the fuzzer. :func:`shrink_reproducer` cuts either to the
-smallest call on which a kernel still fails the same way.
+A reproducer (:mod:`flashprobe.formats.reproducer`) is a call the probe saved in training or a case the
+fuzzer saved. :func:`replay` judges it again for any kernel spec with the judge that found it (a call
+through a :class:`~flashprobe.probing.ShadowAttention`: :func:`replay_call`; a case with the judge its
+caller passes); :func:`shrink_reproducer` cuts either to the smallest call that still fails the same way.
 """
 
 from __future__ import annotations
@@ -55,19 +50,14 @@ Judge = Callable[[Reproducer, str, str], dict[str, Any]]
 def replay(
     call: Reproducer, kernels: Sequence[str], *, baseline: str | None = None, judge: Judge | None = None
 ) -> dict[str, dict[str, Any]]:
-    """Run the saved call through each kernel spec and judge it with the judge that found it.
-
-    A call saved in training (the default judge, :func:`replay_call`): forward always; backward with
-    the saved output gradient when the file has one (the kernel must support autograd then), through
-    a :class:`~flashprobe.probing.ShadowAttention` with the kernel as primary (baseline: the recorded
-    one, default ``math``; golden FP64). A fuzz case (``fuzz`` in the metadata) is judged by
-    ``judge``, the fuzzer's :func:`flashprobe.fuzz.reproducer.replay_case`.
+    """Run the saved call through each kernel spec and judge it with the judge that found it: a call
+    saved in training with :func:`replay_call` (forward, and backward when the file holds an output
+    gradient), a fuzz case with ``judge`` (the fuzzer's :func:`flashprobe.fuzz.reproducer.replay_case`).
 
     Returns:
         ``{spec: {"verdict": "pass"|"fail"|"undetermined"|"error", "reasons": [...], "failure": the
-        kind of failure (the first failing direction of a probe call, the fuzzer's kind of a case:
-        ``zeros``, ``dq:values``, ...) or None, "directions": {dir: verdict}, "limit_ratio": {dir:
-        the verdict's statistic}, "l2_error_ratio": {dir: ratio}}}``.
+        kind of failure (a probe call's first failing direction, a case's kind) or None,
+        "directions": {dir: verdict}, "limit_ratio": {dir: ...}, "l2_error_ratio": {dir: ...}}}``.
 
     Raises:
         ReproducerError: a fuzz case without ``judge``, or a recorded baseline that is not a kernel
@@ -85,12 +75,10 @@ def replay(
 
 
 def replay_baseline(call: Reproducer, baseline: str | None = None) -> str:
-    """The baseline spec a replay of ``call`` judges with: ``baseline`` when given, else the one the
-    call recorded, else ``math``.
+    """The baseline a replay of ``call`` judges with: ``baseline``, else the recorded one, else ``math``.
 
     Raises:
-        ReproducerError: ``baseline`` is not given and the recorded one is not a kernel here (the
-            message names it and the fix), checked before any kernel runs.
+        ReproducerError: the recorded baseline is not a kernel here.
     """
     if baseline:
         return baseline
@@ -110,14 +98,11 @@ def replay_baseline(call: Reproducer, baseline: str | None = None) -> str:
 def replay_kernels(
     call: Reproducer, kernels: Sequence[str] | None, baseline: str | None = None
 ) -> tuple[list[str], str]:
-    """The kernel specs and the baseline a replay of ``call`` runs with (``flashprobe replay``,
-    ``flashprobe fuzz --from``), checked before any kernel runs: ``kernels`` when given, else the
-    primary the call recorded; the baseline as :func:`replay_baseline`.
+    """The kernel specs (``kernels``, else the recorded primary) and the baseline
+    (:func:`replay_baseline`) a replay of ``call`` runs with, checked before any kernel runs.
 
     Raises:
-        ReproducerError: no kernel given and none recorded (the call was torch's own SDPA), a given
-            spec that is not a kernel here, or a recorded baseline that is not (the message names
-            the spec and the fix: ``--kernel``, ``--import`` of the module the call recorded).
+        ReproducerError: no kernel given and none recorded, or a spec that is not a kernel here.
     """
     specs = list(kernels or ([call.meta["primary"]] if call.meta.get("primary") else []))
     if not specs:
@@ -139,8 +124,7 @@ def replay_kernels(
 
 
 def replay_call(call: Reproducer, spec: str, baseline: str) -> dict[str, Any]:
-    """A call saved in training, judged with ``spec`` as the probe judges it (:func:`replay`'s default
-    :data:`Judge`)."""
+    """A call saved in training, judged with ``spec`` as the probe judges it (the default :data:`Judge`)."""
     backward, site = call.grad_out is not None, call.meta.get("site") or "attention"
     try:
         shadow = ShadowAttention(
@@ -156,11 +140,7 @@ def replay_call(call: Reproducer, spec: str, baseline: str) -> dict[str, Any]:
         entry = shadow.stats()[site]
     except Exception as err:  # a kernel that raises on the call is a result, not a crash
         reasons = [f"{type(err).__name__}: {err}"]
-        return {
-            "verdict": "error",
-            "reasons": reasons,
-            "failure": None,
-            "directions": {},
+        return {"verdict": "error", "reasons": reasons, "failure": None, "directions": {}} | {
             "limit_ratio": {},
             "l2_error_ratio": {},
         }
@@ -196,9 +176,8 @@ _CUT_DIMS = {
 
 
 def _cut(call: Reproducer, axis: str, start: int, stop: int) -> Reproducer:
-    """The call cut to ``[start, stop)`` along ``axis`` (of :data:`_CUT_DIMS`, or ``n``: query rows
-    and keys together, for a causal square call); ``heads`` are query heads, a whole number of GQA
-    groups, cut with their key/value heads; the mask is cut where it is not broadcast."""
+    """The call cut to ``[start, stop)`` along ``axis`` (of :data:`_CUT_DIMS`, or ``n``: rows and keys
+    together); ``heads`` are query heads, whole GQA groups, cut with their key/value heads."""
     rep = call.q.shape[1] // max(call.k.shape[1], 1)
     tensors = [call.q, call.k, call.v, call.grad_out, call.attn_mask]
     if call.attn_mask is not None:  # broadcastable to (B, H, N_q, N_k): as a 4-D view
@@ -215,8 +194,7 @@ def _cut(call: Reproducer, axis: str, start: int, stop: int) -> Reproducer:
 
 
 def _simplified(call: Reproducer) -> Iterator[Reproducer]:
-    """The call made plainer, one way at a time: q, k, v contiguous (and a fuzz case's layout and
-    poisoned memory dropped), grouped-query heads repeated to plain heads."""
+    """The call made plainer, one way at a time: contiguous and unpoisoned, then GQA heads repeated."""
     fuzz = call.meta.get("fuzz") or {}
     strided = not all(t.is_contiguous() for t in (call.q, call.k, call.v))
     if strided or fuzz.get("layout", "contiguous") != "contiguous" or fuzz.get("poison"):
@@ -230,8 +208,7 @@ def _simplified(call: Reproducer) -> Iterator[Reproducer]:
 
 
 def _smaller(call: Reproducer, axis: str) -> Iterator[Reproducer]:
-    """Cuts of the call along ``axis``: its first half, its second half, all but its last step,
-    all but its first (a step is one GQA group of heads)."""
+    """Cuts along ``axis``: each half, all but the last step, all but the first (heads: a GQA group)."""
     rep = call.q.shape[1] // max(call.k.shape[1], 1)
     dims = zip((call.q, call.k, call.v), _CUT_DIMS["n_q" if axis == "n" else axis], strict=False)
     n = next(t.shape[dim] for t, dim in dims if dim is not None)  # the axis's size, in q, else k or v
@@ -244,8 +221,7 @@ def _smaller(call: Reproducer, axis: str) -> Iterator[Reproducer]:
 
 
 def _has_fully_masked_row(call: Reproducer) -> bool:
-    """Whether some query row of ``call`` sees no key (its bool mask all False or additive mask all
-    -inf; SDPA's top-left causal mask leaves every row key 0)."""
+    """Whether some query row of ``call`` sees no key (SDPA's top-left causal mask leaves each key 0)."""
     mask = call.attn_mask
     if mask is None or call.k.shape[2] == 0:
         return call.k.shape[2] == 0 and call.q.shape[2] > 0
@@ -261,19 +237,14 @@ def shrink_reproducer(
     max_tries: int = 120,
     judge: Judge | None = None,
 ) -> tuple[Reproducer, int]:
-    """The smallest cut of the call on which ``kernel`` still fails :func:`replay` the same way (the
-    same ``failure``: the first failing direction of a probe call, the fuzzer's kind of a case).
+    """The smallest cut of the call on which ``kernel`` still fails :func:`replay` with the same
+    ``failure``.
 
-    Greedy: along each axis in turn — query rows, keys (together for a causal call with
-    ``N_q == N_k``, which SDPA's top-left causal mask needs to stay square), batch entries, heads
-    (whole GQA groups), head dims of q/k and of v — the first or second half, else all but the
-    last or first step, as long as one still fails the same way; then the plain layout (contiguous,
-    no poisoned memory) and plain heads; repeated while anything shrank. A cut that leaves a query row
-    seeing no key is not tried unless the call had one (such a row's output is a convention, 0 for
-    torch and NaN for others, not the failure being shrunk). Cuts the kernel's declared limits
-    refuse (:meth:`~flashprobe.KernelCapabilities.call_problem`) are not tried. The shrunk call's
-    ``reason`` is the failure on it. ``baseline`` and ``judge`` are :func:`replay`'s (a fuzz case
-    needs the fuzzer's judge).
+    Greedy: along each axis in turn (query rows and keys, together for a square causal call; batch;
+    whole GQA head groups; head dims) a half, else all but one step, while one still fails; then the
+    plain layout and heads; repeated while anything shrank. Cuts outside the kernel's declared limits,
+    and cuts leaving a query row that sees no key (a convention case) unless the call had one, are not
+    tried. The shrunk call's ``reason`` is the failure on it.
 
     Returns:
         The shrunk call and the number of replays tried (at most ``max_tries``).

@@ -1,11 +1,7 @@
 """``use_kernel(model, spec)``: run a model's attention calls with another kernel, no statistics.
 
-A :class:`KernelRoute` is an :class:`~flashprobe.probing.intercept.AttentionRoute`: every
-``scaled_dot_product_attention`` call made inside the routed model (see
-:mod:`flashprobe.probing.intercept` for how calls are caught) runs the kernel with SDPA's semantics
-(:func:`~flashprobe.probing.call.run_kernel`), with no host synchronisation. The kernel is checked
-against the model's device and dtype (:func:`model_device_dtype`, :func:`check_kernel_here`) before
-anything is attached, so an unusable kernel fails at once rather than at the first forward.
+A :class:`KernelRoute` runs every intercepted call with the kernel (SDPA's semantics, no host
+synchronisation), checked against the model's device and dtype before anything is attached.
 """
 
 from __future__ import annotations
@@ -51,8 +47,7 @@ class KernelRoute(AttentionRoute):
 def model_device_dtype(
     model: nn.Module, device: torch.device | str | None = None, dtype: torch.dtype | None = None
 ) -> tuple[torch.device, torch.dtype]:
-    """The device and floating dtype a model computes in: given values, else its first floating
-    parameter or buffer, else CPU and the default dtype.
+    """The device and dtype a model computes in: given values, else its first floating tensor's.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -74,21 +69,11 @@ def model_device_dtype(
 def check_kernel_here(
     kernel: Kernel, device: torch.device, dtype: torch.dtype, role: str, *, backward: bool = False
 ) -> None:
-    """Run ``kernel.check`` (its capabilities, then its own check) with a hint on how to tell
-    flashprobe the dtype under autocast.
-
-    Args:
-        kernel: the kernel.
-        device: where it will run.
-        dtype: the compute dtype.
-        role: ``"primary"``, ``"baseline"``, ``"routed"``, ... (named in the message).
-        backward: gradients will be compared: the kernel needs a backward on ``device``.
+    """Run ``kernel.check`` on ``device`` and ``dtype`` (and its backward when ``backward``).
 
     Raises:
-        KernelUnavailableError: the kernel cannot run on ``device`` with ``dtype`` (or has no backward
-            there when ``backward``); the message names the ``role``, the kernel spec, the feature and
-            the fix (a :class:`~flashprobe.kernels.KernelUnsupportedError` for what its capabilities
-            exclude).
+        KernelUnavailableError: the kernel cannot run there; the message names ``role`` (``"primary"``,
+            ``"baseline"``, ...), the kernel, the feature and the fix (the autocast dtype).
     """
     try:
         kernel.check(device, dtype, backward=backward)
@@ -110,19 +95,15 @@ def use_kernel(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
 ) -> KernelRoute:
-    """Route every ``scaled_dot_product_attention`` call made inside ``model`` to ``spec``.
-
-    No statistics, no host synchronisation: each call runs the kernel with SDPA's semantics
-    (mask, ``is_causal``, ``scale``, ``enable_gqa``, autocast, any leading dims). Calls with
-    attention dropout run torch's SDPA (kernels have no dropout; warned once). Re-routing the same
-    model stacks: the newest route applies, and detaching it restores the previous one.
+    """Route every ``scaled_dot_product_attention`` call made inside ``model`` to ``spec``, with
+    SDPA's semantics and no statistics. Calls with attention dropout run torch's SDPA (warned once).
+    Routes stack: the newest applies; detaching it restores the previous one.
 
     Args:
         model: any ``nn.Module``; it is not modified.
         spec: a kernel spec (``"tiled:mask_value=-5e4"``) or :class:`~flashprobe.kernels.Kernel`.
         device: device to check the kernel against (default: the model's).
-        dtype: compute dtype to check against (default: the model's; pass the autocast dtype
-            when the model runs under autocast).
+        dtype: compute dtype to check against (default: the model's; the autocast dtype under autocast).
 
     Returns:
         The attached :class:`KernelRoute`; ``.detach()`` it or use it as a context manager.

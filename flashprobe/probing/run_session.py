@@ -1,8 +1,8 @@
 """``ProbeSession``: one training run's probe, whatever runs the training.
 
 The Lightning :class:`~flashprobe.callbacks.AttentionProbe` and the HF
-:class:`~flashprobe.integrations.hf.AttentionProbeCallback` are thin wrappers around one session: their
-hooks translate the trainer's events into these calls, and everything else happens here, once::
+:class:`~flashprobe.integrations.hf.AttentionProbeCallback` are thin wrappers that translate their
+trainer's events into a session's calls::
 
     session.attach(model, root=run_dir)          # fit / train begins: build the probe, check it can train
     for step in ...:
@@ -12,20 +12,10 @@ hooks translate the trainer's events into these calls, and everything else happe
         if result.stop: ...                      # ask the trainer to stop
     session.finish(final_step, draw=plot_probe)  # the last record, the verdict block, probe.png
 
-A session owns: the validated settings (one :class:`~flashprobe.probing.ProbeConfig`, built once, which
-the probe takes as it is at every attach), the attached :class:`~flashprobe.probing.Probe`, the run's
-:class:`~flashprobe.probing.session.RunTally`, ``probe.jsonl`` (one record per logging step, written
-atomically by :class:`~flashprobe.formats.probe_log.ProbeLogWriter` on rank zero and handed to a
-``publish`` function for the trainer's loggers), the reaction to failures (``on_failure``) and to
-non-finite values (``on_nonfinite``: the primary's output or the weights; the reproducer is saved and
-training asked to stop), its state for checkpoints (:meth:`ProbeSession.state_dict`,
-:meth:`ProbeSession.load_state_dict`) and the end of the run (the verdict line and block, and
-``probe.png`` drawn by the function the wrapper hands to :meth:`ProbeSession.finish`,
-:func:`flashprobe.report.probe_figures.plot_probe`: this module draws nothing itself).
-
-:class:`SessionCallback` gives a wrapper its session's settings and progress as attributes.
-
-This module imports no training framework.
+A session owns the settings, the attached :class:`~flashprobe.probing.Probe`, the run's
+:class:`~flashprobe.probing.session.RunTally`, ``probe.jsonl`` (written on rank zero), the reactions to
+failures and non-finite values, and its checkpoint state. It imports no training framework and draws
+nothing itself (``finish`` is handed the drawing function).
 """
 
 from __future__ import annotations
@@ -87,27 +77,23 @@ class ProbeSession:
     Args:
         config: the probe's settings (:class:`~flashprobe.probing.ProbeConfig`; default: its defaults).
         who: the callback's name, which starts its messages (``"AttentionProbe"``).
-        log_every_n_steps: read, record and reset the statistics every n steps (None: the trainer's
-            interval, given to :meth:`end_step`).
-        dirpath: directory of ``probe.jsonl`` and ``repro/`` (None: the ``root`` given to
-            :meth:`attach`).
+        log_every_n_steps: read, record and reset the statistics every n steps (None: the trainer's).
+        dirpath: directory of ``probe.jsonl`` and ``repro/`` (None: the ``root`` given to :meth:`attach`).
         filename: name of the JSON-lines file.
-        plot: at :meth:`finish`, draw ``probe.png`` next to the file (with the ``draw`` it is given).
-        on_failure: at the first failure of each site and direction: ``"warn"`` (one line),
-            ``"raise"`` (:class:`~flashprobe.probing.ProbeFailureError`) or ``"stop"`` (write the
-            record, then ask the trainer to stop).
+        plot: at :meth:`finish`, draw ``probe.png`` next to the file.
+        on_failure: at the first failure of each site and direction: ``"warn"``, ``"raise"``
+            (:class:`~flashprobe.probing.ProbeFailureError`) or ``"stop"`` (write the record, then ask
+            the trainer to stop).
         max_reproducers: reproducer files saved in ``repro/`` at most (0: none).
-        on_nonfinite: ``"stop"`` (write the record, print the verdict and ask the trainer to stop when
-            the primary returns non-finite values from finite inputs or the weights become
-            non-finite) or ``"continue"`` (only record it).
+        on_nonfinite: ``"stop"`` (ask the trainer to stop when the primary returns non-finite values
+            from finite inputs or the weights become non-finite) or ``"continue"`` (only record it).
         console: print the verdict block to stdout at the first failure and at :meth:`finish`.
-        log: the logger the session's records go to (the callback's).
+        log: the logger the session's records go to.
         **settings: fields of :class:`~flashprobe.probing.ProbeConfig` replacing ``config``'s.
 
     Raises:
-        ProbeConfigError: an unknown setting or a bad value, naming it.
-        ValueError: a bad ``on_failure``, ``on_nonfinite``, ``max_reproducers``, interval or file
-            name, naming the argument and what it must be.
+        ProbeConfigError: an unknown setting or a bad value.
+        ValueError: a bad ``on_failure``, ``on_nonfinite``, ``max_reproducers``, interval or file name.
         KernelSpecError: an unknown kernel spec.
     """
 
@@ -194,8 +180,7 @@ class ProbeSession:
 
     @property
     def fallbacks(self) -> list[dict[str, Any]]:
-        """Where torch's SDPA computed the attention instead of the primary (``fallback=True``):
-        :attr:`flashprobe.probing.Probe.fallbacks`, kept after training."""
+        """:attr:`flashprobe.probing.Probe.fallbacks`, kept after training."""
         return self._fallbacks if self._probe is None else self._probe.fallbacks
 
     @property
@@ -224,24 +209,21 @@ class ProbeSession:
         """Build the probe for ``model`` when training begins (detached until :meth:`begin_step`).
 
         Args:
-            model: the model being trained.
             root: the directory of ``probe.jsonl`` and ``repro/`` unless ``dirpath`` was given.
             dtype: the autocast dtype the model computes in (None: the model's).
             is_zero: this process writes files and prints (rank zero).
-            reduce_device: all-reduce the statistics across ranks on this device before each read
-                (None: one process).
+            reduce_device: all-reduce the statistics across ranks on this device (None: one process).
             grad_scale: the current loss scale (``16-mixed``), divided out of the gradient statistics.
-            resumed_at: the step training resumes from: ``probe.jsonl``'s records after it are dropped
-                (None: the last logged step of a checkpoint restored with :meth:`load_state_dict`).
+            resumed_at: the step training resumes from: later records are dropped (None: the
+                checkpoint's last logged step, after :meth:`load_state_dict`).
             publish: hands each record to the trainer's loggers (called on every rank).
 
         Raises:
             KernelUnavailableError: a kernel that cannot run on the model's device or dtype, or a
-                primary the model cannot train through there (no backward, attention dropout).
+                primary the model cannot train through there.
         """
         root = Path(self.dirpath or root)
         self._is_zero = bool(is_zero)
-        # Attaching checks every kernel on the model's device and dtype now, before any step.
         self._probe = probe(
             model,
             self.config,
@@ -269,8 +251,7 @@ class ProbeSession:
         return self._probe
 
     def _apply_restored(self) -> None:
-        """A resumed run keeps the failures it had seen and its signed bias (restored before or after
-        :meth:`attach`)."""
+        """Give the probe the failures and signed bias restored from a checkpoint or the last fit."""
         if self._probe is None:
             return
         for failure in self.restored_failures:
@@ -295,8 +276,7 @@ class ProbeSession:
             self._probe.detach()
 
     def detach(self) -> None:
-        """Detach the probe for good; the failures, the bias, the fallbacks and the sites seen stay
-        (for :meth:`state_dict` and a next :meth:`attach`)."""
+        """Detach the probe for good, keeping what :meth:`state_dict` and a next :meth:`attach` need."""
         if self._probe is not None:
             self._probe.detach()
             self.restored_failures = self._probe.failures
@@ -313,21 +293,16 @@ class ProbeSession:
         weights: Callable[[], str | None] | None = None,
         stopping: bool = False,
     ) -> StepResult:
-        """A training step ended (``step``: the trainer's step count after it). Checks, after the
-        first step, that there was something to probe; reads the statistics at a logging step, at a
-        failure to stop at and at the last step; reacts to new failures and non-finite values.
+        """A training step ended: check (after the first) that there was something to probe, read the
+        statistics at a logging step, a failure to stop at and the last step, and react.
 
         Args:
             step: the trainer's global step, after the optimizer step.
             every: the trainer's logging interval (``log_every_n_steps`` takes precedence; default 1).
             last: this is the last training step.
-            weights: checks the weights after the step: which are non-finite, in words (e.g.
-                :func:`~flashprobe.probing.session.nonfinite_weights`, decided across ranks), or None
-                when every value is finite. Not given: the weights are not checked.
+            weights: names the non-finite weights in words, or None when all are finite (e.g.
+                :func:`~flashprobe.probing.session.nonfinite_weights`); not given: not checked.
             stopping: the trainer is stopping already (the verdict block waits for :meth:`finish`).
-
-        Returns:
-            What happened: :class:`StepResult`.
 
         Raises:
             ProbeFailureError: a new failure with ``on_failure="raise"``.
@@ -356,8 +331,7 @@ class ProbeSession:
 
     def finish(self, step: int, *, draw: Callable[[Path, Path], Path] | None = None) -> None:
         """Training ended at ``step``: read what is left, detach, then (rank zero) log the verdict
-        line, print the verdict block and, with :attr:`plot`, draw ``probe.png`` from the file with
-        ``draw(jsonl, png)`` (the wrappers pass :func:`flashprobe.report.probe_figures.plot_probe`).
+        line, print the verdict block and, with :attr:`plot`, draw ``probe.png`` with ``draw(jsonl, png)``.
 
         Raises:
             ProbeFailureError: a new failure with ``on_failure="raise"`` (the probe is detached).
@@ -379,7 +353,7 @@ class ProbeSession:
 
     # ------------------------------------------------------------------------------ verdicts
     def check_calls(self) -> None:
-        """After the first training step: fail early when there is nothing to probe (host-side counts).
+        """After the first training step: fail early when there is nothing to probe.
 
         Raises:
             RuntimeError: the model made no attention call the probe can see.
@@ -438,8 +412,7 @@ class ProbeSession:
     def _nonfinite_stop(
         self, step: int, new: list[dict[str, Any]], weights: Callable[[], str | None] | None
     ) -> bool:
-        """Whether to stop for non-finite values (``on_nonfinite="stop"``): a new non-finite failure of
-        the primary, or non-finite weights (``weights``). Records why in :attr:`stopped`."""
+        """Whether to stop for a new non-finite failure or non-finite ``weights``; why in :attr:`stopped`."""
         if self.on_nonfinite != "stop" or self.stopped is not None:
             return False
         nonfinite = next((f for f in new if f.get("kind") == "nonfinite"), None)
@@ -462,8 +435,7 @@ class ProbeSession:
 
     # ------------------------------------------------------------------------------- reading
     def flush(self, step: int) -> dict[str, Any] | None:
-        """Read and reset the statistics (all-reduced across ranks), add them to the tally, hand the
-        record to ``publish`` and (rank zero) append it to ``probe.jsonl``.
+        """Read and reset the statistics, add them to the tally, publish and (rank zero) append the record.
 
         Returns:
             The record's summary, or None when no site had statistics (nothing is written then).
@@ -502,7 +474,6 @@ class ProbeSession:
     def _append(self, step: int, stats: dict[str, Any], summary: dict[str, Any]) -> None:
         assert self._writer is not None
         if not self._writer.opened:
-            # A fresh run starts a new log; a resumed run drops the records after its checkpoint.
             dropped = self._writer.open(self.resumed_from)
             if dropped:
                 self.log.warning(
@@ -524,8 +495,7 @@ class ProbeSession:
             print(block, flush=True)
 
     def _plot(self, draw: Callable[[Path, Path], Path]) -> None:
-        """Draw ``probe.png`` from ``probe.jsonl`` with ``draw`` (``plot=True``); a plotting error is
-        logged, not raised (the run is finished), except a full disk."""
+        """Draw ``probe.png`` from ``probe.jsonl``; an error is logged, not raised, except a full disk."""
         path = self.path
         if not self.plot or path is None or not path.is_file() or not path.stat().st_size:
             return
@@ -538,12 +508,7 @@ class ProbeSession:
 
     # ---------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The session's progress as plain data (for a checkpoint): ``bias``, ``tally``,
-        ``last_logged_step``, ``records``, ``failures``.
-
-        The bias sums are this process's: exact for one process; under DDP the checkpoint holds the
-        saving rank's, restored there (the other ranks' earlier calls are not in it).
-        """
+        """The session's progress as plain data for a checkpoint (the bias sums are this process's)."""
         failures = self.restored_failures if self._probe is None else self._probe.failures
         bias = self.restored_bias if self._probe is None else self._probe.shadow.bias_state()
         return {
@@ -570,8 +535,7 @@ def plain_failures(failures: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class SessionField:
-    """A callback attribute that reads and writes an attribute of the callback's ``session``: the one
-    of the same name, or ``attribute``."""
+    """A callback attribute that reads and writes the ``session``'s attribute of its name."""
 
     def __init__(self, doc: str, attribute: str = "") -> None:
         self.__doc__ = doc
@@ -588,10 +552,8 @@ class SessionField:
 
 
 class SessionCallback:
-    """What the training callbacks share: their :class:`ProbeSession`'s settings and progress, as
-    attributes of the callback (a mixin; its constructor builds ``self.session`` from
-    :class:`ProbeSession`'s arguments, with the callback's name and the logger of the callback's
-    module)."""
+    """Mixin of the training callbacks: builds ``self.session`` and shows its settings and progress
+    as attributes."""
 
     session: ProbeSession
 

@@ -1,22 +1,11 @@
 """``torch.nn.functional.scaled_dot_product_attention`` as a source: the dispatcher that hands each SDPA
 call made inside an attached model to its probe or route.
 
-While at least one handle is attached, ``F.scaled_dot_product_attention`` is the stand-in
-:func:`stand_in` (:data:`SOURCE`). ``nn.MultiheadAttention`` (through ``F.multi_head_attention_forward``)
-and libraries calling ``F.scaled_dot_product_attention`` look the name up at call time, so they reach it;
-modules of the attached models' classes that did ``from torch.nn.functional import
-scaled_dot_product_attention`` have that global swapped too (:mod:`flashprobe.probing.patching`).
-Calls made outside attached models, and calls made by the probe's own kernels, pass straight to torch.
-
-**Compiled models.** While Dynamo traces the stand-in, each call becomes one opaque op
-(:mod:`flashprobe.probing.opaque`: the site found at trace time and guarded on, the handle run on real
-tensors when the graph runs); a call the op cannot express runs the dispatcher wrapped in
-``torch.compiler.disable`` (:data:`COMPILED_DISPATCH`), one graph break, eagerly, with the modules'
-``__call__`` frames on the Python stack (Dynamo runs ``nn.Module._call_impl`` itself, or a copy of its
-code when the module was compiled with ``module.compile()``; both are recognised). Swapping the global
-names changes what Dynamo's guards check, so a model compiled before attaching recompiles once and
-returns to its first graph after detaching. ``fullgraph=True`` forbids the fallback's graph breaks:
-:mod:`flashprobe.probing.compiled` refuses it at attach time.
+While a handle is attached, ``F.scaled_dot_product_attention`` is :func:`stand_in` (:data:`SOURCE`);
+calls made outside attached models, or by the probe's own kernels, pass straight to torch. While Dynamo
+traces it, each call becomes one opaque op (:mod:`flashprobe.probing.opaque`), or else runs the
+dispatcher under ``torch.compiler.disable`` (:data:`COMPILED_DISPATCH`, one graph break). A model
+compiled before attaching recompiles once; ``fullgraph=True`` is refused (:mod:`flashprobe.probing.compiled`).
 """
 
 from __future__ import annotations
@@ -58,8 +47,7 @@ COMPILED_DISPATCH.__doc__ = ORIGINAL_SDPA.__doc__
 
 def stand_in(*args: Any, **kwargs: Any) -> torch.Tensor:
     """What replaces ``F.scaled_dot_product_attention`` while a handle is attached: the eager
-    dispatcher, or, while Dynamo traces it, one opaque op per call (the graph break where that
-    cannot be)."""
+    dispatcher, or one opaque op per call while Dynamo traces it."""
     if torch.compiler.is_compiling():
         return opaque.traced_call(COMPILED_DISPATCH, *args, **kwargs)
     return dispatch(*args, **kwargs)

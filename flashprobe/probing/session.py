@@ -1,24 +1,12 @@
-"""What a training run's probe has seen so far, and the verdict block it prints: one place for the
-training callbacks (Lightning's :class:`~flashprobe.callbacks.AttentionProbe`, the HF
-:class:`~flashprobe.integrations.hf.AttentionProbeCallback`) and ``flashprobe report RUN_DIR``.
+"""What a training run's probe has seen so far, and the verdict it prints, for the training callbacks
+and ``flashprobe report RUN_DIR``.
 
-A probe's statistics are read and reset at every logging step, so a record's numbers are its
-interval's. :class:`RunTally` carries across intervals what the run's answer needs: the worst failing
-call, the non-finite values counted (and where the primary's first appeared), and per site and
-direction the run's verdict and worst ``limit_ratio`` (the verdict's statistic). It writes these
-into each summary (``worst_failure``, ``run_nonfinite``, ``run_primary_nonfinite``,
-``first_primary_nonfinite_step``/``_sites``), so every ``probe.jsonl`` record agrees with the run's
-verdict. ``flashprobe report`` replays a finished run's records through the same tally.
-
-:func:`verdict_block` formats the answer (verdict, per-site table, reproducers, where the records
-are) and :func:`verdict_line` the same in one line; the callbacks print the block to stdout at the end
-of training and at the first failure, so a plain script sees it without any logging set-up.
-:func:`nonfinite_weights` is the check the callbacks (and :class:`~flashprobe.callbacks.NonFiniteGuard`)
-run after a step: a run never ends "finished" on NaN weights without saying so. The training
-callbacks' run itself (attach, read, react, checkpoints) is
-:class:`~flashprobe.probing.run_session.ProbeSession`.
-
-This module imports no training framework.
+A probe's statistics are reset at every logging step; :class:`RunTally` carries across intervals
+what the run's answer needs (the worst failing call, the non-finite counts, each site and direction's
+verdict and worst ``limit_ratio``) and writes it into each summary, so every ``probe.jsonl`` record
+agrees with the run's verdict. :func:`verdict_block` and :func:`verdict_line` format the answer;
+:func:`nonfinite_weights`, :func:`attention_dropout` and :func:`check_trainable` are the checks the
+callbacks run. This module imports no training framework.
 """
 
 from __future__ import annotations
@@ -54,8 +42,7 @@ _RANK = {"fail": 2, "pass": 1, "undetermined": 0}
 
 
 def failure_rank(failure: Mapping[str, Any]) -> float:
-    """How bad a failing call is, to keep the worst: its ``limit_ratio`` (infinite for a non-finite
-    output); older records without one rank by ``value``."""
+    """How bad a failing call is: its ``limit_ratio`` (else ``value``; non-finite ranks infinite)."""
     value = failure.get("limit_ratio", failure.get("value"))
     try:
         value = float(value)
@@ -86,10 +73,8 @@ class RunTally:
         self.sites: dict[str, dict[str, dict[str, Any]]] = {}
 
     def add(self, summary: dict[str, Any], stats: Mapping[str, Any]) -> dict[str, Any]:
-        """Add one interval (its summary and per-site statistics) and write the run's values into
-        ``summary``: ``worst_failure`` (and the last of ``failures``), ``run_nonfinite``,
-        ``run_primary_nonfinite``, ``first_primary_nonfinite_step`` and ``_sites``. Returns
-        ``summary``."""
+        """Add one interval and write the run's values into ``summary`` (``worst_failure``, the last
+        of ``failures`` and the four run fields); returns ``summary``."""
         new = summary.get("worst_failure")
         if new is not None and (self.worst is None or failure_rank(new) > failure_rank(self.worst)):
             self.worst = dict(new)
@@ -136,11 +121,7 @@ class RunTally:
     def rows(self, failures: Iterable[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
         """One row per site and direction, failing ones first: ``site``, ``direction``, ``verdict``,
         ``statistic`` (the failing criterion, else ``"error/limit"``), ``value``, ``limit``, ``step``
-        (of the first failure) and ``repro``.
-
-        Args:
-            failures: the run's first failures (a summary's ``failures``; the worst is skipped): a
-                site and direction there fails even where the interval's statistics passed.
+        and ``repro``; a site and direction in ``failures`` (a summary's) fails.
         """
         firsts = {(f["site"], f["direction"]): f for f in failures if not f.get("worst")}
         rows = []
@@ -195,20 +176,16 @@ def verdict_block(
     max_rows: int = 12,
     stopped: str | None = None,
 ) -> str:
-    """The run's answer as a short block of text: the verdict line, a per-site table (site,
-    direction, verdict, the verdict's statistic, its value and limit, the step of the first
-    failure), the reproducers and where the records are.
+    """The run's answer as text (no trailing newline): the verdict line, a per-site table of
+    :meth:`RunTally.rows` (at most ``max_rows``), the reproducers and where the records are.
 
     Args:
-        summary: the last summary of the run (a :class:`RunTally` has been through it).
+        summary: the run's last summary (through a :class:`RunTally`).
         rows: :meth:`RunTally.rows`.
-        who: the name the block starts with (the callback's).
+        who: the name the block starts with.
         path: the run's ``probe.jsonl``.
-        max_rows: rows shown at most (failing rows first; the rest are counted).
+        max_rows: rows shown at most (the rest are counted).
         stopped: why training was stopped, if it was.
-
-    Returns:
-        The block, lines joined by newlines (no trailing newline).
     """
     verdict = str(summary.get("verdict") or "undetermined").upper()
     lines = [f"{who}: verdict {verdict}: {summary.get('verdict_reason') or ''}".rstrip(": ")]
@@ -250,9 +227,8 @@ def verdict_block(
 
 
 def verdict_line(summary: Mapping[str, Any], path: Path | None = None, *, who: str = "AttentionProbe") -> str:
-    """The run's verdict in one line (the last the callbacks log): verdict, sites, the first failure
-    or the worst forward error ratio, the most biased direction where one is, and where the records
-    are."""
+    """The run's verdict in one line: verdict, the first failure or the worst error / limit, the bias
+    and where the records are."""
     verdict = str(summary.get("verdict") or "undetermined").upper()
     firsts = [f for f in summary.get("failures") or [] if not f.get("worst")]
     if firsts:
@@ -274,9 +250,8 @@ def verdict_line(summary: Mapping[str, Any], path: Path | None = None, *, who: s
 
 
 def nonfinite_weights(module: nn.Module) -> str | None:
-    """Whether any parameter of ``module`` holds NaN or infinity (one host synchronisation), and if
-    so which, in words: ``"12 of 96 values of the weight proj.weight"`` (the first such weight); None
-    when every value is finite."""
+    """The first parameter of ``module`` holding NaN or infinity, in words (``"12 of 96 values of the
+    weight proj.weight"``), or None (one host synchronisation)."""
     params = [(n, p.detach()) for n, p in module.named_parameters()]
     if not params:
         return None
@@ -296,15 +271,13 @@ def attention_record(
 
     Args:
         requested: the primary kernel spec the run asked for (None: the model's own attention).
-        fallbacks: the probe's :attr:`~flashprobe.probing.Probe.fallbacks` (sites where torch's SDPA
-            ran instead, ``fallback=True``).
+        fallbacks: the probe's :attr:`~flashprobe.probing.Probe.fallbacks`.
         sites: every attention site the probe saw.
         own: the model's own attention in words (``"own sdpa on cpu"``).
 
     Returns:
         ``{"attention": ...}``: ``requested`` when it ran every call, ``own`` when every site fell
-        back (the requested kernel never computed the model's attention), else both named; with
-        ``"attention_fallback": {requested, kernel, sites, from_step, reason}`` when anything fell back.
+        back, else both named; with ``"attention_fallback"`` when anything fell back.
     """
     if requested is None:
         return {"attention": own}
@@ -331,10 +304,9 @@ _DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_p
 
 
 def attention_dropout(model: nn.Module) -> dict[str, float]:
-    """The attention dropout ``model`` is configured with, before it runs: ``{where: p}`` for every
-    ``nn.MultiheadAttention`` (by module path, the probe's site name) and every transformers config
-    (``"<path> config.attn_pdrop"``) with ``p > 0``. Calls the model makes are checked too (a call with
-    ``dropout_p > 0`` is refused or falls back); this finds the common cases before the first step."""
+    """The attention dropout ``model`` is configured with, before it runs: ``{where: p}`` with
+    ``p > 0`` for every ``nn.MultiheadAttention`` (by module path) and transformers config
+    (``"<path> config.attn_pdrop"``)."""
     found: dict[str, float] = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.MultiheadAttention) and module.dropout > 0:
@@ -349,18 +321,13 @@ def attention_dropout(model: nn.Module) -> dict[str, float]:
 
 def check_trainable(primary: Any, model: nn.Module, who: str, *, fallback: bool = False) -> None:
     """Refuse, when training begins, a primary the model cannot train through: one without a backward
-    on the model's device (e.g. FlexAttention on the CPU, torch 2.13), which would otherwise crash
-    inside the first training step.
+    on the model's device, or any primary for a model configured with attention dropout
+    (:func:`attention_dropout`) unless ``fallback``.
 
     Args:
         primary: the probe's primary :class:`~flashprobe.kernels.Kernel` (None: the model's own).
-        model: the model being trained (its device decides; a model with no trainable parameter
-            needs no backward).
+        model: the model being trained (a model with no trainable parameter needs no backward).
         who: the callback's name, for the message.
-
-    Also refuses a primary for a model configured with attention dropout (:func:`attention_dropout`),
-    which no kernel implements, unless ``fallback`` (then those calls run torch's SDPA and are
-    recorded).
 
     Raises:
         KernelUnsupportedError: naming the kernel, the device or the dropout, and the fixes.

@@ -1,39 +1,16 @@
 """``ShadowAttention``: the primary kernel's output, with the baseline and golden alongside.
 
-For each call the **primary** kernel produces the output the model receives, untouched. Then, on
-detached copies of the same inputs (cast to the dtype the primary computed in, e.g. the autocast
-dtype), the **baseline** kernel runs at that dtype and, with ``golden=True``, the FP64 **golden**
-value is computed; their deviations are folded into per-site :class:`DeviationStats` on the
-device, without host synchronisation.
-
-**Backward** (``backward=True``). The primary's inputs pass through an identity autograd
-function (:class:`_GradTap`) and a hook on the primary's output records the gradient the model
-sends into it. When the model's backward reaches the inputs, the tap sees the primary's own
-``dq, dk, dv``; the baseline's and golden's are computed with ``torch.autograd.grad`` from the
-same output gradient on detached copies, compared, and the primary's gradients are passed on
-unchanged — so the model's gradients are bit-identical.
-
-**Memory** is bounded: the references are computed in blocks planned by
-:mod:`flashprobe.kernels.reference` (the same path the benchmarks and the fuzzer use): whole batch
-entries when they fit the memory budget, else groups of heads, else query rows; causal calls in
-row blocks against only the keys they see. The budget is a quarter of the device's free memory
-(``memory_budget`` to set it), read when a call shape is first seen; the plan is kept per shape.
-Statistics use fixed scratch buffers. Only statistics are kept; :mod:`flashprobe.probing.summary`
-summarises them over sites.
-
-**Numerics of the references**: float32 matmuls inside them are IEEE whatever TF32 setting the
-training uses (restored after each call; :func:`~flashprobe.kernels.reference.reference_numerics`);
-:meth:`ShadowAttention.numerics` records the training's own flags. **Loss scaling**: with a
-``GradScaler`` (``16-mixed``), the output gradient carries the loss scale; :meth:`set_grad_scale`
-gives the probe the scale (a device tensor, read without a sync), and the gradient statistics are
-divided by it, so they are in the model's units whatever the scale does over training.
-
-**Never breaking training.** The probe consumes no random numbers, changes no autocast state or
-dtype, and any failure of a reference computation is counted (``shadow_errors``) and warned about
-once per site instead of raised. Attention dropout cannot be compared exactly: with
-``dropout="compare"`` (default) the probe compares the dropout-free primary (one extra primary call
-under ``no_grad``) and the model still gets its dropout output; ``dropout="skip"`` skips those
-calls. Backward comparison is skipped for dropout calls.
+The **primary** kernel's output goes to the model untouched. On detached copies of the inputs (in the
+primary's compute dtype) the **baseline** kernel and, with ``golden=True``, the FP64 **golden** value
+are computed and their deviations folded into per-site :class:`DeviationStats` on the device, without
+host synchronisation. With ``backward=True`` an identity autograd function (:class:`_GradTap`) hands the
+primary's ``dq, dk, dv`` to the comparison and passes them on unchanged. References run in blocks
+planned by :mod:`flashprobe.kernels.reference` within ``memory_budget`` (default: a quarter of the free
+device memory), with IEEE float32 matmuls. Gradient statistics are divided by the loss scale
+(:meth:`ShadowAttention.set_grad_scale`). The probe draws no random numbers and changes no autocast
+state; a failing reference computation is counted (``shadow_errors``) and warned about, never raised.
+Calls with attention dropout are compared on their dropout-free primary (``dropout="compare"``) or
+skipped (``dropout="skip"``), forward only.
 """
 
 from __future__ import annotations
@@ -127,11 +104,8 @@ class _GradTap(torch.autograd.Function):
 class _BackwardRecord:
     """What the comparison of one call needs until its backward runs.
 
-    With ``backward=True`` a call's forward comparison waits for its backward: the references'
-    forward outputs come out of the same forward pass their gradients need, so each reference runs
-    forward once, not twice. If the backward never reaches the call (no loss through it, a graph
-    freed without ``backward()``), the record's finalizer queues the forward comparison on the
-    shadow, which runs it at its next call or read (:meth:`ShadowAttention._drain`).
+    The forward comparison waits for the backward, so each reference runs forward once for both. If
+    the backward never comes, a finalizer queues the forward comparison (:meth:`ShadowAttention._drain`).
     """
 
     def __init__(
@@ -152,8 +126,7 @@ class _BackwardRecord:
         self._finalizer: weakref.finalize | None = None
 
     def keep_output(self, out: torch.Tensor) -> None:
-        """Keep a copy of the primary's output (the model may change its own in place) and queue its
-        forward comparison on the shadow should this record die before its backward."""
+        """Keep a copy of the primary's output (the model may change its own in place)."""
         self.out = out.detach().clone()
         self._finalizer = weakref.finalize(
             self, self.shadow._orphans.append, (self.site, self.prepared, self.out, self.step)
@@ -199,38 +172,25 @@ class _BackwardRecord:
 class ShadowAttention(nn.Module):
     """Drop-in for ``F.scaled_dot_product_attention`` that shadows the primary kernel.
 
-    ``forward`` takes SDPA's arguments and returns the primary kernel's output unchanged; on
-    identical detached inputs it computes the baseline at the same dtype and, optionally, the FP64
-    golden value, and records their deviations per site (see the module docstring). Use it inside
-    your own attention module (``self.attend = ShadowAttention(...)``), or let
-    :func:`flashprobe.probing.probe` route a whole model through one. It has no parameters or
-    buffers: ``state_dict`` is unchanged.
+    ``forward`` takes SDPA's arguments and returns the primary's output unchanged, recording its
+    deviations from the references per site (module docstring). Use it inside your own attention
+    module, or let :func:`flashprobe.probing.probe` route a whole model through one. It has no
+    parameters or buffers.
 
     Args:
         config: the probe's settings (:class:`~flashprobe.probing.ProbeConfig`; default: its defaults).
         record: keep statistics; ``False`` computes the references and throws them away (the
             overhead control of ``flashprobe bench overhead``).
         name: site name used when called directly.
-        device: if given, check the kernels against this device (and ``dtype``) now.
-        dtype: compute dtype for that check (default float32).
-        on_failure: at the first failing call of a site and direction (the verdict's rule,
-            :func:`flashprobe.judge.decide`): ``"warn"`` (default: one
-            :class:`~flashprobe.probing.ProbeWarning` line with site, direction, step, reason and
-            reproducer), ``"raise"`` (:class:`ProbeFailureError`, from the forward or backward of the
-            call) or ``"ignore"`` (only recorded). See "When a failure is seen" below.
-        repro_dir: directory for reproducers of failing calls (:mod:`flashprobe.probing.repro`);
-            None: none are saved.
-        max_reproducers: at most this many reproducer files per shadow (bounded disk).
-        **settings: fields of :class:`~flashprobe.probing.ProbeConfig` (``primary``, ``baseline``,
-            ``golden``, ``backward``, ``dropout``, ``memory_budget``, ...) replacing ``config``'s.
-
-    **When a failure is seen.** The rule runs on the device at every compared call, and its
-    verdicts accumulate there (``stats()[site][...]["verdict"]``, ``first_failure``). Where a host
-    read costs nothing (tensors on the CPU) each compared call's verdict is read at once: the
-    warning or exception comes at the failing call, with that call's reproducer. On an accelerator
-    nothing is read per call: a failure is seen when the statistics are read (:meth:`stats`, the
-    callback's logging steps), and the site is then *armed*: its next failing call is read at once
-    (one synchronisation per armed call) and saved as the reproducer.
+        device: if given, check the kernels against this device (and ``dtype``, default float32) now.
+        on_failure: at the first failing call of a site and direction: ``"warn"`` (one
+            :class:`~flashprobe.probing.ProbeWarning`), ``"raise"`` (:class:`ProbeFailureError`) or
+            ``"ignore"``. On the CPU each call's verdict is read at once; on an accelerator a failure
+            is seen when the statistics are read, and the site is then *armed*: its next failing call
+            is read at once and saved as the reproducer.
+        repro_dir: directory for reproducers of failing calls (None: none are saved).
+        max_reproducers: at most this many reproducer files per shadow.
+        **settings: fields of :class:`~flashprobe.probing.ProbeConfig` replacing ``config``'s.
 
     Raises:
         ProbeConfigError: an unknown setting or a bad value.
@@ -266,11 +226,9 @@ class ShadowAttention(nn.Module):
         #: ``{(site, direction): failure}``: the first failure of each, kept on the host across resets.
         self.failures: dict[tuple[str, str], dict[str, Any]] = {}
         self.reproducers: list[Path] = []
-        #: ``{site: fallback}``: the sites where torch's SDPA ran instead of the primary
-        #: (``fallback=True``), from which step and why; kept on the host across resets.
+        #: ``{site: fallback}``: where torch's SDPA ran instead of the primary (``fallback=True``).
         self.fallbacks: dict[str, dict[str, Any]] = {}
-        #: ``{site: note}``: the sites whose verdict judges another computation than the one that
-        #: trained (attention dropout: the dropout-free call), what each was and why; kept on the host.
+        #: ``{site: note}``: sites whose verdict judges another computation than the one that trained.
         self.judged: dict[str, dict[str, Any]] = {}
         self._armed: set[str] = set()
         self.config = ProbeConfig.from_settings(config, **settings)
@@ -316,14 +274,12 @@ class ShadowAttention(nn.Module):
 
         Args:
             scale: called at each compared backward; returns the scale the output gradient carries
-                (a 0-d tensor, e.g. a ``GradScaler``'s current scale tensor, read on its device without
-                a host sync, or a float), or None for no scaling. ``None``: no loss scaling.
+                (a 0-d tensor, read without a host sync, or a float, or None); ``None``: no scaling.
         """
         self._grad_scale = scale
 
     def numerics(self) -> dict[str, Any]:
-        """The training's matmul precision flags (:func:`~flashprobe.kernels.reference.numerics_flags`)
-        and that the references ran with IEEE float32 matmuls regardless."""
+        """The training's matmul precision flags; the references always run IEEE float32 matmuls."""
         return {**numerics_flags(), "references_fp32_matmul": "ieee"}
 
     def check(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -360,8 +316,7 @@ class ShadowAttention(nn.Module):
         return plan
 
     def _joins(self, elements: int, bytes_per_element: int, device: torch.device) -> bool:
-        """Whether reference blocks holding ``elements`` output elements may be joined into one
-        comparison: ``bytes_per_element`` of them fit the block budget."""
+        """Whether ``elements`` output elements of ``bytes_per_element`` fit the block budget."""
         return elements * bytes_per_element <= self._budget(device)
 
     def _budget(self, device: torch.device) -> int:
@@ -387,10 +342,8 @@ class ShadowAttention(nn.Module):
         scale: float | None = None,
         enable_gqa: bool = False,
     ) -> torch.Tensor:
-        """SDPA's signature; returns the primary's ``(..., N_q, D_v)`` output unchanged.
-
-        Under ``torch.compile`` this call is a graph break: it runs eagerly, on real tensors.
-        """
+        """SDPA's signature; returns the primary's ``(..., N_q, D_v)`` output (a graph break
+        under ``torch.compile``)."""
         call = SdpaCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         with passthrough():
             return self.run(self.name, call)
@@ -400,12 +353,9 @@ class ShadowAttention(nn.Module):
     ) -> torch.Tensor:
         """The output the model receives: the primary kernel, else ``route``'s, else torch's SDPA.
 
-        A call with attention dropout, which no kernel implements, is refused (``fallback=False``)
-        or runs torch's SDPA and is recorded in :attr:`fallbacks` (``fallback=True``).
-
         Raises:
-            KernelUnsupportedError: a call with ``dropout_p > 0`` and ``fallback=False``, naming the
-                site, the reason and the fix.
+            KernelUnsupportedError: a call with ``dropout_p > 0`` and ``fallback=False`` (with
+                ``fallback=True`` torch's SDPA runs it, recorded in :attr:`fallbacks`).
         """
         if self.primary is None:
             return call.original() if route is None else route.run(call)
@@ -415,8 +365,7 @@ class ShadowAttention(nn.Module):
         return run_kernel(self.primary, call)
 
     def _fall_back(self, site: str, dropout_p: float, kernel: str = "torch sdpa") -> None:
-        """Refuse a dropout call for the primary, or record that ``kernel`` (torch's SDPA, or the
-        library the model called) runs it (host-side only)."""
+        """Refuse a dropout call for the primary, or record that ``kernel`` runs it."""
         assert self.primary is not None
         spec = self.primary.spec
         if not self.config.fallback:
@@ -434,11 +383,7 @@ class ShadowAttention(nn.Module):
             self._warn_once(("dropout-primary", site), f"flashprobe: {self.fallbacks[site]['reason']}")
 
     def run(self, site: str, call: SdpaCall, route: KernelRoute | None = None) -> torch.Tensor:
-        """Run one call at ``site``: return the primary's output, record the comparison.
-
-        With ``backward=True`` and a call that will get a backward, the forward comparison is made
-        together with the backward one (see :class:`_BackwardRecord`).
-        """
+        """Run one call at ``site``: return the primary's output, record the comparison."""
         self._drain()
         if self.record:  # sites are listed in the order of their first call
             self._site(site, call.query.device)
@@ -461,8 +406,7 @@ class ShadowAttention(nn.Module):
 
     def run_flex(self, site: str, call: Any) -> Any:
         """Run one ``flex_attention`` call (:class:`~flashprobe.probing.flex.FlexCall`) at ``site``:
-        return its own output, compare it forward with references applying its ``score_mod`` and
-        ``block_mask`` (:func:`~flashprobe.probing.flex.flex_reference`)."""
+        return its own output, compare it forward."""
         self._drain()
         out = call.original()
         primary = out[0] if isinstance(out, tuple) else out
@@ -490,11 +434,8 @@ class ShadowAttention(nn.Module):
         return out
 
     def run_library(self, site: str, lib: LibraryCall) -> Any:
-        """Run one call of an attention library at ``site`` (:class:`~flashprobe.probing.direct.LibraryCall`):
-        return the library's own result (the primary's, in the library's form, when one is set), and
-        record the comparison of its output, its LSE (where it returns one) and, where it has a
-        backward, its gradients with the references of its call (every feature of the call given to
-        them: :func:`~flashprobe.probing.direct.prepare_call`)."""
+        """Run one attention library call at ``site``: return the library's result (the primary's,
+        in the library's form, when one is set); compare its output, LSE and gradients."""
         self._drain()
         if self.record:
             self._site(site, lib.call.q.device)
@@ -536,8 +477,7 @@ class ShadowAttention(nn.Module):
         return returned
 
     def _library_primary(self, lib: LibraryCall, tensors: Mapping[str, torch.Tensor] | None) -> Any:
-        """The library's return on ``tensors`` (None: the caller's own arguments), or with a primary
-        kernel set, the primary's output on the call (adapted to its contract), in the library's form."""
+        """The library's return on ``tensors`` (None: the caller's), or the primary's, in its form."""
         if self.primary is None:
             return lib.run(tensors, None if tensors is None else 0.0)
         call = lib.call
@@ -546,9 +486,8 @@ class ShadowAttention(nn.Module):
         return call.q_from_logical(self.primary.run(call).out.to(call.out_dtype))
 
     def _run_library_dropout(self, site: str, lib: LibraryCall, p: Prepared) -> Any:
-        """A library call with attention dropout: the model gets the library's own (dropout) result;
-        the dropout-free call (the primary's, when one is set) is compared forward, and the site is
-        noted as judging another computation than the one that trained (:attr:`judged`)."""
+        """A library call with dropout: the model gets the library's result; the dropout-free call is
+        compared forward and noted in :attr:`judged`."""
         if self.primary is not None:
             self._fall_back(site, lib.dropout_p, kernel=lib.what)
         returned = lib.run(None, None)
@@ -566,8 +505,7 @@ class ShadowAttention(nn.Module):
         return returned
 
     def _dropout_policy(self, site: str, dropout_p: float, trained: str, judged: str) -> bool:
-        """Count a call with attention dropout, warn once, and note what the site's verdict judges
-        (``judged`` without dropout) against what trained; whether to compare it (``dropout``)."""
+        """Count and warn once about a dropout call, note it in :attr:`judged`; whether to compare it."""
         self._dropout_calls[site] = self._dropout_calls.get(site, 0) + 1
         if self.dropout == "skip":
             what = "skipping these calls (dropout='skip')"
@@ -637,8 +575,7 @@ class ShadowAttention(nn.Module):
         return args
 
     def _baseline_fn(self, p: Prepared) -> Callable[..., Any]:
-        """The baseline of the references' blocks: the configured kernel, or for a call with terms
-        beyond SDPA's (``math`` only: :meth:`run_library` checks) plain attention, which takes them."""
+        """The configured baseline, or plain attention for a call with terms beyond SDPA's."""
         return self.baseline if p.terms is None and p.lse_base is None else plain_attention
 
     def _compare_forward(
@@ -673,8 +610,7 @@ class ShadowAttention(nn.Module):
                     else itertools.repeat((None, None))
                 )
                 lses: list[torch.Tensor | None] = [None, None]  # the baseline's and the golden's LSE
-                # Several blocks whose outputs fit the budget twice over are gathered into call-sized
-                # tensors and compared once (one statistics pass per call, rows scaled over the call).
+                # blocks that fit the budget are gathered and compared once, as one call
                 gather = self.record and len(plan) > 1 and self._joins(out4.numel(), 24, out4.device)
                 found: tuple[dict[str, Any], ...] = ({}, {}, {})  # sums, rows, noise
                 bias = self._site(site, out.device).bias if self.record else None
@@ -719,9 +655,8 @@ class ShadowAttention(nn.Module):
         step: int,
         kinds: tuple[tuple[str, ...], torch.Tensor],
     ) -> tuple[tuple[str, ...], torch.Tensor]:
-        """Fold the primary's LSE ``(B, H, N_q)`` (in ``p.lse_base``, ``−inf`` for a row without keys)
-        against the baseline's and the golden's natural LSEs into ``stats``'s ``lse`` direction;
-        ``kinds`` with the ``lse`` code added."""
+        """Fold the primary's LSE ``(B, H, N_q)`` (in ``p.lse_base``) into ``stats``'s ``lse``
+        direction; ``kinds`` with its code added."""
         rows = None if p.terms is None or p.terms.q_lens is None else p.terms.q_lens.long()
         refs = []
         for x in (base if base is not None else gold, gold):
@@ -743,11 +678,8 @@ class ShadowAttention(nn.Module):
         *,
         bias: BiasStats | None = None,
     ) -> None:
-        """Fold one block's (or a whole call's) statistics of direction ``d`` (``out``, or a gradient's,
-        its sums in the model's units) into ``found``'s pair sums, row statistics and flash-form noise
-        under ``d``, and its signed bias into ``bias``: the pair sums alone without the golden, else,
-        from one pass (:func:`~flashprobe.judge.call_statistics`), also the row statistics, (given the
-        baseline's flash ``form``) the form's noise and whether every value was read finite."""
+        """Fold one block's statistics of direction ``d`` into ``found`` (pair sums, row statistics,
+        flash-form noise; gradients in the model's units) and its signed bias into ``bias``."""
         sums, rows, noise = found
         if gold is None:
             part, row, form_noise, finite = pair_sums(mine, base, None, self._workspace), None, None, False
@@ -815,15 +747,11 @@ class ShadowAttention(nn.Module):
         out: torch.Tensor | None = None,
         stats: DeviationStats | None = None,
     ) -> tuple[dict[str, torch.Tensor | None], ...]:
-        """Pair sums and row statistics (:func:`~flashprobe.judge.row_statistics`, with the golden)
-        of the primary's gradients ``mine`` (``q``/``k``/``v``, shaped as in ``p``) against the
-        references' for the ``(B, H, N_q, D_v)`` output gradient, over all blocks; with the primary's
-        ``(B, H, N_q, D_v)`` output ``out``, also the forward's, from the
-        references' outputs of the same passes. With the golden, also the gradients' noise in the
-        baseline's flash form (:func:`~flashprobe.judge.noise_statistics`): flash kernels take
-        ``rowsum(dO∘O)`` from the rounded output, which autograd through the baseline does not.
-        With the golden and ``stats``, also adds each direction's signed bias to ``stats.bias``. Each
-        keyed by direction (``dq``/``dk``/``dv``; ``out``: the forward's)."""
+        """Pair sums, row statistics and flash-form noise per direction (``dq``/``dk``/``dv``, and
+        ``out`` when the primary's ``(B, H, N_q, D_v)`` output ``out`` is given) of the primary's
+        gradients ``mine`` against the references' for ``grad_out``, over all blocks; adds the signed
+        bias to ``stats.bias``. The flash form is a second baseline: flash kernels take
+        ``rowsum(dO∘O)`` from the rounded output, which autograd through the baseline does not."""
         names = tuple(mine)
         directions = tuple(f"d{n}" for n in names)
         sums: dict[str, torch.Tensor | None] = dict.fromkeys((*directions, "out"))
@@ -838,8 +766,7 @@ class ShadowAttention(nn.Module):
             if self.golden
             else itertools.repeat(None)
         )
-        # the flash form: a reference like the others (the control, record=False, computes it too), for
-        # every call whose terms it takes (lengths, windows, ALiBi: as a mask; not softcap or sinks)
+        # the flash form takes lengths, windows and ALiBi as a mask; not softcap or sinks
         form = p.terms is None or not (p.terms.softcap or p.terms.sinks is not None)
         flash = (
             reference_gradients(_flash_form_terms, p.q, p.k, p.v, grad_out, dtype=p.dtype, **args)
@@ -870,9 +797,7 @@ class ShadowAttention(nn.Module):
         return sums, rows, noise
 
     def _noise(self, total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
-        """Fold one block's flash-form gradient noise (:func:`~flashprobe.judge.noise_statistics`) into
-        ``total`` (in the model's units, as the pair sums: its squared error divided by the loss
-        scale's square)."""
+        """Fold one block's flash-form gradient noise into ``total``, in the model's units."""
         if part is None:
             return total
         s = self._loss_scale(part.device)
@@ -890,9 +815,8 @@ class ShadowAttention(nn.Module):
         p: Prepared | None,
         grad_out: torch.Tensor | None,
     ) -> None:
-        """Read this call's verdicts (``kinds``: directions and their failure codes, as
-        :meth:`DeviationStats.add_many` returns them) where that is free (CPU) or the site is armed;
-        act on new failures."""
+        """Read this call's verdicts (``kinds`` of :meth:`DeviationStats.add_many`) where that is free
+        (CPU) or the site is armed; act on new failures."""
         directions, codes_tensor = kinds
         if not self.golden or not directions:
             return
@@ -939,9 +863,7 @@ class ShadowAttention(nn.Module):
     def _save_repro(
         self, failures: list[dict[str, Any]], p: Prepared | None, grad_out: torch.Tensor | None
     ) -> None:
-        """Save the failing call ``p`` (with the output gradient when it had a backward) as one
-        reproducer for the directions ``failures`` name: an SDPA-shaped call (a library call with
-        terms beyond SDPA's, or its LSE, has no reproducer file yet)."""
+        """Save the failing SDPA-shaped call ``p`` (and ``grad_out``) as one reproducer for ``failures``."""
         if p is None or self.repro_dir is None or len(self.reproducers) >= self.max_reproducers:
             return  # (p is None: a FlexAttention call, whose score_mod is code, not data)
         if p.terms is not None or p.lse_base is not None:
@@ -986,8 +908,7 @@ class ShadowAttention(nn.Module):
             warnings.warn(message, ProbeWarning, stacklevel=2)
 
     def _note_read(self, stats: Mapping[str, Any]) -> None:
-        """Record the failures a read of the accumulators shows (e.g. on an accelerator, where calls
-        are not read one by one); arm their sites so the next failing call is saved."""
+        """Record the failures a read of the accumulators shows; arm their sites."""
         for site, entry in stats.items():
             for direction, e in site_directions(entry).items():
                 first = e.get("first_failure")
@@ -1020,16 +941,13 @@ class ShadowAttention(nn.Module):
         return stats
 
     def bias_state(self) -> dict[str, list[float]]:
-        """This process's signed-bias sums per site (:class:`flashprobe.bias.BiasStats`, the run's so
-        far, one host read), for a checkpoint; :meth:`restore_bias` puts them back."""
+        """This process's signed-bias sums per site, for a checkpoint (:meth:`restore_bias`)."""
         self._drain()
         sites = {s: v.bias.state.flatten().tolist() for s, v in self._stats.items()}
         return {**self._restored_bias, **sites}
 
     def restore_bias(self, state: Mapping[str, Sequence[float]]) -> None:
-        """Continue a run's signed bias from :meth:`bias_state` (a resumed run reads the numbers an
-        uninterrupted one would): replaces the sums of recorded sites, and those of sites not yet
-        recorded when they are.
+        """Continue a run's signed bias from :meth:`bias_state`.
 
         Raises:
             ValueError: a site's sums are not ``4 · 2 · 3`` numbers.
@@ -1049,8 +967,7 @@ class ShadowAttention(nn.Module):
                 self._restored_bias[site] = [float(x) for x in sums]
 
     def _failed(self, site: str, err: BaseException) -> None:
-        """Count and warn once about a shadow computation at ``site`` that raised ``err``; re-raise
-        ``err`` when it is the probe's own verdict (:class:`ProbeFailureError`, ``on_failure="raise"``)."""
+        """Count and warn once about a failed shadow computation; re-raise a :class:`ProbeFailureError`."""
         if isinstance(err, ProbeFailureError):
             raise err
         self._errors[site] = self._errors.get(site, 0) + 1
@@ -1072,11 +989,8 @@ class ShadowAttention(nn.Module):
         return list(self._stats)
 
     def stat_tensors(self) -> dict[str, torch.Tensor]:
-        """Copies of the raw per-site accumulators (layout in :mod:`flashprobe.probing.stats`).
-
-        For distributed training: all-reduce ``t[:N_MAX]`` with MAX and ``t[N_MAX:]`` with SUM,
-        then pass the result to :meth:`stats` (``stats(tensors=...)``).
-        """
+        """Copies of the raw per-site accumulators (:mod:`flashprobe.probing.stats`), e.g. to
+        :func:`~flashprobe.probing.stats.reduce_across_ranks` and pass to :meth:`stats`."""
         self._drain()
         return {site: s.values.clone() for site, s in self._stats.items()}
 
@@ -1086,9 +1000,8 @@ class ShadowAttention(nn.Module):
         """Per-site statistics as plain Python data (one host copy for all sites).
 
         Args:
-            tensors: accumulators to read instead of this shadow's own (e.g. all-reduced copies
-                of :meth:`stat_tensors`).
-            flat: flatten each site's nested dict to ``"out.primary_golden.max_abs"``-style keys.
+            tensors: accumulators to read instead of this shadow's own.
+            flat: flatten to ``"out.primary_golden.max_abs"``-style keys.
 
         Returns:
             ``{site: {"forward": ..., "backward": ..., "nonfinite_inputs": ...,
@@ -1131,8 +1044,7 @@ class ShadowAttention(nn.Module):
 
 
 def _sdpa_backend(call: SdpaCall) -> SDPBackend | None:
-    """The backend torch's SDPA picks for ``call`` (host-side, no device work), or None where torch
-    cannot say."""
+    """The backend torch's SDPA picks for ``call`` (host-side), or None."""
     try:
         p = prepare(call)
         k, v = (p.k, p.v) if p.rep == 1 else expand_kv(p.k, p.v, p.rep)
@@ -1163,8 +1075,8 @@ def _flash_form_terms(
     valid: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The flash form of the backward (:func:`~flashprobe.kernels.flash_form.flash_form_attention`) for
-    a block with a call's ``valid`` keys and ALiBi ``bias`` (the terms it has), as one additive mask."""
+    """:func:`~flashprobe.kernels.flash_form.flash_form_attention` with ``valid`` keys and ALiBi ``bias``
+    folded into one additive mask."""
     if valid is None and bias is None:
         return flash_form_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
     keep = torch.ones((), dtype=torch.bool, device=q.device) if valid is None else valid
@@ -1197,10 +1109,8 @@ def _worst(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tenso
 
 
 def site_verdict(entry: Mapping[str, Any], *, golden: bool = True) -> tuple[str, str]:
-    """A site's verdict over its directions: ``fail`` when one failed or is biased (its signed bias
-    reached the limit: :mod:`flashprobe.bias`; no call failed, yet the errors add up), ``pass`` when
-    at least one was judged and none failed, else ``undetermined``; with the reason in words
-    (``"biased: out z=-12.3 (limit 5)"`` for a biased site)."""
+    """A site's verdict over its directions and its reason: ``fail`` when one failed or is biased
+    (:mod:`flashprobe.bias`), ``pass`` when one was judged and none failed, else ``undetermined``."""
     directions = site_directions(entry)
     failed = [d for d, e in directions.items() if e.get("verdict") == "fail"]
     biased = [d for d, e in directions.items() if (e.get("bias") or {}).get("verdict") == "biased"]
@@ -1261,11 +1171,8 @@ def failure_message(failure: Mapping[str, Any]) -> str:
 def failure_summary(
     failures: Mapping[tuple[str, str], Mapping[str, Any]], summary: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """``verdict``, ``verdict_reason`` and ``failures`` of a summary from a shadow's failure log (the
-    first failure of each site and direction seen so far, kept across resets, with reproducer paths)
-    and the summary's own worst call; the summary's verdict when nothing failed yet. A run that failed
-    before the summary's interval reads ``fail`` with a reason that says when, and what the interval
-    showed since."""
+    """``verdict``, ``verdict_reason`` and ``failures`` of a summary from a shadow's failure log (kept
+    across resets) and the summary's own worst call; a failure before the interval still reads ``fail``."""
     if not failures:
         return {
             "verdict": summary.get("verdict", "undetermined"),

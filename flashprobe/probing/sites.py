@@ -1,17 +1,9 @@
 """The attached models and the site finder: which attached module made an attention call.
 
-A handle (a :class:`~flashprobe.probing.KernelRoute` or a :class:`~flashprobe.probing.Probe`) attached to a
-model is **bound** here (:func:`bind`, :func:`unbind`, under :data:`lock`); the index of every module
-of the bound models is rebuilt then. An attention source (:mod:`flashprobe.probing.patching`) asks
-:func:`find_caller` at call time: it walks up the Python stack to the innermost
-``nn.Module.__call__`` frame whose module belongs to an attached model; that module's path in the
-model (``blocks.3.attn``) is the **site**, and the :class:`Resolution` names the probe and the route
-that handle its calls. Nothing is stored on the modules (no hooks, no attributes), so ``state_dict``,
-``deepcopy``, pickling and torch's fused fast paths are untouched. Nested models: the innermost attached
-model that has a probe (or a route) wins.
-
-A probe's own computations (its kernels, references, the library called as the primary) run inside
-:func:`passthrough`: attention calls made there go straight to the original functions.
+Handles attached to a model are bound here (:func:`bind`, :func:`unbind`, under :data:`lock`). At call
+time :func:`find_caller` walks up the Python stack to the innermost ``nn.Module.__call__`` frame of an
+attached model; that module's path (``blocks.3.attn``) is the **site**. Nothing is stored on the
+modules. A probe's own computations run inside :func:`passthrough`, straight to the original functions.
 """
 
 from __future__ import annotations
@@ -216,9 +208,8 @@ def probing_caller(frame: FrameType | None) -> Resolution | None:
 
 
 def handle_sdpa(res: Resolution, call: Any, route: Any = None) -> Any:
-    """Run one SDPA-semantics call (a :class:`~flashprobe.probing.call.SdpaCall`) of the module ``res``
-    names, inside :func:`passthrough`: through its probe, whose primary is ``route`` (default: the
-    module's route, None for torch's SDPA), or else through the route alone."""
+    """Run one :class:`~flashprobe.probing.call.SdpaCall` of the module ``res`` names, inside
+    :func:`passthrough`: through its probe (with ``route``, default the module's), else its route."""
     route = res.route if route is None else route
     with passthrough():
         if res.probe is not None:

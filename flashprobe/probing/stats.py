@@ -1,65 +1,25 @@
 """On-device deviation statistics of one attention site: :class:`DeviationStats`.
 
-For every probed call the shadow compares three outputs — the **primary** kernel's (what the
-model received), the **baseline**'s and the FP64 **golden** value — in three **pairs**
-(``primary_baseline``, ``primary_golden``, ``baseline_golden``), in the forward direction
-(``out``) and, with ``backward=True``, for the input gradients (``dq``, ``dk``, ``dv``). Per pair
-the site keeps the sufficient statistics of :func:`flashprobe.deviation.deviation_tensors`
-(``max_abs``, ``sum_abs``, ``sum_sq_diff``, ``sum_sq_ref``, ``nonfinite``, ``count``), so that
-:func:`flashprobe.deviation.finish_deviation` turns them into ``max_abs``, ``mean_abs``,
-``rel_l2`` and ``nonfinite`` once they are read.
+Per call the shadow compares the **primary**'s output (what the model received), the **baseline**'s
+and the FP64 **golden** value in three pairs (``primary_baseline``, ``primary_golden``,
+``baseline_golden``), forward (``out``) and for the input gradients (``dq``, ``dk``, ``dv``), keeping
+per pair the sufficient statistics of :func:`flashprobe.deviation.deviation_tensors`. Everything lives
+in one float64 accumulator per site on the tensors' device; a call adds to it without a host
+synchronisation, and :meth:`DeviationStats.as_dict` reads it once. Layout (:data:`FIELDS`)::
 
-Everything lives in one float64 tensor per site on the tensors' device; a call adds to it with a
-handful of tensor ops and **no host synchronisation**. Reading (:meth:`DeviationStats.as_dict`)
-copies it to the host once.
+    values[:N_MAX]         maxima      -> MAX across ranks  (MAX_FIELDS)
+    values[N_MAX:N_SUMS]   sums        -> SUM across ranks  (SUM_FIELDS)
+    values[N_SUMS:]        arg fields  -> the value of the rank holding the key's maximum (ARG_FIELDS)
 
-Layout of the accumulator (also what :meth:`Probe.stat_tensors` returns, for DDP reductions)::
-
-    values[:N_MAX]   maxima  -> reduce across ranks with MAX   (names: MAX_FIELDS)
-    values[N_MAX:]   sums    -> reduce across ranks with SUM   (names: SUM_FIELDS)
-
-Per direction ``dir`` in ``out, dq, dk, dv``:
-
-* ``MAX_FIELDS``: ``{dir}.{pair}.max_abs``; ``{dir}.max_call_error_ratio``, the worst per-call
-  error ratio (:func:`call_error_ratio`; a call whose ratio is undefined adds 0, so it never
-  raises or poisons the maximum); ``{dir}.noise_floor``, the largest per-call noise floor
-  ``½·eps(compute dtype)·max|golden|`` (:func:`flashprobe.deviation.noise_floor`), which is what
-  the accumulated error ratio is floored with.
-* ``SUM_FIELDS``: ``{dir}.{pair}.{sum_abs,sum_sq_diff,sum_sq_ref,nonfinite,count}``,
-  ``{dir}.calls`` and ``{dir}.ratio_calls`` (calls whose error ratio was defined: when it is 0,
-  ``max_call_error_ratio`` reads as None).
-* then, per site, ``nonfinite_inputs.{q,k,v,grad_out}``: **positions** (batch entry × token)
-  where the input has a NaN/±inf in any head or channel — one NaN token counts once, not once per
-  element (:func:`count_nonfinite_positions`).
-* then ``{dir}.bias.{offset,magnitude}.{n,s1,s2}``: the signed bias of :class:`flashprobe.bias.BiasStats`
-  (:attr:`DeviationStats.bias` accumulates into them), which :meth:`DeviationStats.reset` keeps: the
-  bias of a kernel adds up over the whole run, so its ``z`` is the run's, not the interval's.
-
-**The verdict's fields** (the rule: :func:`flashprobe.judge.decide`, applied on the device at every
-call, no host read): ``{dir}.max_limit_ratio`` (MAX: the worst call's largest statistic / limit,
-the statistic shown first), ``{dir}.max_l2_ratio`` (MAX: the worst call's L2 error ratio to the
-baseline), ``{dir}.max_absolute`` and ``{dir}.max_row`` (MAX: the worst call's relative L2 error
-against the golden, and its worst row), ``{dir}.first_fail`` (MAX: ``FIRST_KEY − step`` of the
-earliest failing call, 0 when none failed), ``{dir}.fail_calls``, ``{dir}.ill_conditioned_calls``
-and ``{dir}.unrepresentable_calls`` (SUM), and five **arg fields** after the sums, each the value
-*at* the call that set its key field: ``{dir}.first_fail_kind``, ``{dir}.first_fail_value`` and
-``{dir}.first_fail_limit`` (at ``first_fail``: the :data:`~flashprobe.judge.CRITERIA` code, its
-statistic and its limit), ``{dir}.max_l2_step`` (at ``max_l2_ratio``) and ``{dir}.max_limit_step``
-(at ``max_limit_ratio``). Across ranks an arg field is taken from the rank whose key field won
-(:func:`reduce_across_ranks`)::
-
-    values[N_MAX:N_SUMS]   sums          -> SUM
-    values[N_SUMS:]        arg fields    -> the value of the rank holding the key's maximum
-
-**The LSE** (the ``lse`` direction, of library calls that return one: :meth:`DeviationStats.add_lse`)
-has fields of its own after each region's: ``lse.max_limit_ratio``, ``lse.max_error`` and
-``lse.max_baseline_error`` (the worst row's ``|x − golden|``), ``lse.golden_max``, ``lse.first_fail``
-(MAX); ``lse.calls``, ``lse.fail_calls``, ``lse.unrepresentable_calls``, ``lse.nonfinite_rows``,
-``lse.empty_rows`` (SUM); ``lse.first_fail_kind``, ``_value``, ``_limit`` and ``lse.max_limit_step``
-(arg fields).
-
-Every field composes: the maximum or sum over calls, over logging intervals and over ranks is
-the same number a single run over all of them would give.
+Per direction the maxima hold each pair's ``max_abs``, the worst call's error ratio, the noise floor
+and the verdict's statistics (:func:`flashprobe.judge.decide`, applied on the device at every call);
+``first_fail`` stores ``FIRST_KEY − step`` so its maximum is the earliest failing step. The sums hold
+the pairs' sums, call counts, the non-finite input positions per site, and the signed-bias sums of
+:class:`flashprobe.bias.BiasStats` (kept across :meth:`DeviationStats.reset`: the bias is the run's).
+An arg field is the value at the call that set its key field (the first failure's criterion code,
+value and limit; the steps of the worst L2 and limit ratios). The ``lse`` direction (library calls
+that return one: :meth:`DeviationStats.add_lse`) has fields of its own after each region's. Every field
+composes: over calls, logging intervals and ranks it gives what one run over all of them would.
 """
 
 from __future__ import annotations
@@ -123,26 +83,17 @@ __all__ = [
 #: The directions a site's verdict reads: the output, its LSE (library calls that return one), the gradients.
 SITE_DIRECTIONS: tuple[str, ...] = ("out", "lse", *GRADIENTS)
 #: The ``lse`` direction's fields, per region (module docstring).
-LSE_MAX_FIELDS = (
-    "lse.max_limit_ratio",
-    "lse.max_error",
-    "lse.max_baseline_error",
-    "lse.golden_max",
-    "lse.first_fail",
+LSE_MAX_FIELDS = tuple(
+    f"lse.{n}" for n in ("max_limit_ratio", "max_error", "max_baseline_error", "golden_max", "first_fail")
 )
-LSE_SUM_FIELDS = (
-    "lse.calls",
-    "lse.fail_calls",
-    "lse.unrepresentable_calls",
-    "lse.nonfinite_rows",
-    "lse.empty_rows",
+LSE_SUM_FIELDS = tuple(
+    f"lse.{n}" for n in ("calls", "fail_calls", "unrepresentable_calls", "nonfinite_rows", "empty_rows")
 )
 LSE_ARG_FIELDS = {
-    "lse.first_fail_kind": "lse.first_fail",
-    "lse.first_fail_value": "lse.first_fail",
-    "lse.first_fail_limit": "lse.first_fail",
-    "lse.max_limit_step": "lse.max_limit_ratio",
-}
+    f"lse.{n}": f"lse.{key}"
+    for n, key in (("first_fail_kind", "first_fail"), ("first_fail_value", "first_fail"),
+                   ("first_fail_limit", "first_fail"), ("max_limit_step", "max_limit_ratio"))
+}  # fmt: skip
 #: The ``lse`` direction's criterion codes beyond :data:`~flashprobe.judge.CRITERIA`: a row that sees
 #: no key not holding the empty-row value, a value off the golden.
 LSE_CRITERIA = {6: "empty_row", 7: "lse"}
@@ -151,48 +102,32 @@ LSE_CRITERIA = {6: "empty_row", 7: "lse"}
 INPUTS: tuple[str, ...] = ("q", "k", "v", "grad_out")
 _SUMS: tuple[str, ...] = ("sum_abs", "sum_sq_diff", "sum_sq_ref", "nonfinite", "count")
 
-MAX_FIELDS: tuple[str, ...] = tuple(
-    name
-    for d in DIRECTIONS
-    for name in (
-        *(f"{d}.{p}.max_abs" for p in PAIRS),
-        f"{d}.max_call_error_ratio",
-        f"{d}.noise_floor",
-        f"{d}.max_l2_ratio",
-        f"{d}.max_absolute",
-        f"{d}.max_row",
-        f"{d}.max_limit_ratio",
-        f"{d}.first_fail",
-    )
+#: Per direction (``{d}.<name>``): its maxima, its sums, its arg fields ``{name: key field}``.
+_MAX_NAMES = (
+    *(f"{p}.max_abs" for p in PAIRS),
+    *("max_call_error_ratio", "noise_floor", "max_l2_ratio", "max_absolute", "max_row", "max_limit_ratio"),
+    "first_fail",
 )
-MAX_FIELDS += LSE_MAX_FIELDS
+_SUM_NAMES = (
+    *(f"{p}.{s}" for p in PAIRS for s in _SUMS),
+    *("calls", "ratio_calls", "fail_calls"),
+    *(f"{kind}_calls" for kind in UNDETERMINED),  # ill_conditioned, unrepresentable
+)
+_ARG_NAMES = {
+    "first_fail_kind": "first_fail", "first_fail_value": "first_fail", "first_fail_limit": "first_fail",
+    "max_l2_step": "max_l2_ratio", "max_limit_step": "max_limit_ratio",
+}  # fmt: skip
+
+MAX_FIELDS: tuple[str, ...] = (*(f"{d}.{n}" for d in DIRECTIONS for n in _MAX_NAMES), *LSE_MAX_FIELDS)
 SUM_FIELDS: tuple[str, ...] = (
-    *(
-        name
-        for d in DIRECTIONS
-        for name in (
-            *(f"{d}.{p}.{s}" for p in PAIRS for s in _SUMS),
-            f"{d}.calls",
-            f"{d}.ratio_calls",
-            f"{d}.fail_calls",
-            *(f"{d}.{kind}_calls" for kind in UNDETERMINED),  # ill_conditioned, unrepresentable
-        )
-    ),
+    *(f"{d}.{n}" for d in DIRECTIONS for n in _SUM_NAMES),
     *(f"nonfinite_inputs.{i}" for i in INPUTS),
     *(f"{d}.{b}" for d in DIRECTIONS for b in BIAS_FIELDS),
     *LSE_SUM_FIELDS,
 )
 #: Fields taken at the call that set another field's maximum: ``{field: its key field}``.
 ARG_FIELDS: dict[str, str] = {
-    name: key
-    for d in DIRECTIONS
-    for name, key in (
-        (f"{d}.first_fail_kind", f"{d}.first_fail"),
-        (f"{d}.first_fail_value", f"{d}.first_fail"),
-        (f"{d}.first_fail_limit", f"{d}.first_fail"),
-        (f"{d}.max_l2_step", f"{d}.max_l2_ratio"),
-        (f"{d}.max_limit_step", f"{d}.max_limit_ratio"),
-    )
+    f"{d}.{n}": f"{d}.{key}" for d in DIRECTIONS for n, key in _ARG_NAMES.items()
 } | LSE_ARG_FIELDS
 #: Every field, in accumulator order: maxima, sums, then arg fields.
 FIELDS: tuple[str, ...] = MAX_FIELDS + SUM_FIELDS + tuple(ARG_FIELDS)
@@ -204,11 +139,7 @@ N_SUMS: int = N_MAX + len(SUM_FIELDS)
 #: float64 for any step below 2**52).
 FIRST_KEY: float = float(2**52)
 
-# per direction: 3 max_abs, max_call_error_ratio, noise_floor, l2, absolute, row, limit_ratio, first
-_MAX_BLOCK = len(PAIRS) + 7
-# per direction: 15 sums, calls, ratio_calls, fail_calls, ill_conditioned_calls, unrepresentable_calls
-_SUM_BLOCK = len(PAIRS) * len(_SUMS) + 5
-_ARG_BLOCK = 5  # per direction: first_fail_kind, _value, _limit, max_l2_step, max_limit_step
+_MAX_BLOCK, _SUM_BLOCK, _ARG_BLOCK = len(_MAX_NAMES), len(_SUM_NAMES), len(_ARG_NAMES)
 _DIRECTIONS_MAX = len(DIRECTIONS) * _MAX_BLOCK  # the directions' maxima; then the LSE's
 _INPUTS_AT = N_MAX + len(DIRECTIONS) * _SUM_BLOCK
 _BIAS_AT = _INPUTS_AT + len(INPUTS)  # the signed-bias sums (flashprobe.bias), kept across resets
@@ -218,23 +149,12 @@ _ARG_KEYS = [FIELDS.index(key) for key in ARG_FIELDS.values()]
 
 
 def count_nonfinite_positions(x: torch.Tensor) -> torch.Tensor:
-    """Positions of a ``(B, H, N, D)`` tensor with a NaN/±inf in any head or channel, as a 0-d
-    int64 tensor on its device (no host sync): one NaN token counts once, whatever ``H·D`` is.
+    """The number of ``(b, n)`` with a NaN/±inf in ``x[b, :, n, :]`` of a ``(B, H, N, D)`` tensor, as a
+    0-d int64 tensor on its device (no host sync).
 
-    One pass: the float64 sum over heads and channels of a position is non-finite exactly when one
-    of its entries is (finite float32/bf16/fp16 values cannot overflow a float64 sum; float64
-    inputs are summed as ``x − x``, 0 or NaN, for the same reason), and ``s − s`` is NaN (non-zero)
-    there and 0 elsewhere.
-
-    Where a host read is free (:func:`~flashprobe.deviation.reads_are_free`: the CPU) one plain sum
-    of ``x`` is read first: a finite sum means every entry is finite, and the count is 0 without the
-    pass above (a sum that overflows on finite values only sends the call down that pass).
-
-    Args:
-        x: ``(B, H, N, D)``.
-
-    Returns:
-        The number of ``(b, n)`` with a non-finite ``x[b, :, n, :]``.
+    The float64 sum over heads and channels of a position is non-finite exactly when one entry is
+    (finite float32/bf16/fp16 cannot overflow it; float64 inputs are summed as ``x − x``). On the CPU
+    one plain sum is read first: finite means the count is 0.
     """
     x = x.detach()
     if reads_are_free(x.device) and math.isfinite(x.sum().item()):
@@ -246,20 +166,16 @@ def count_nonfinite_positions(x: torch.Tensor) -> torch.Tensor:
 
 
 def call_error_ratio(sums: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One call's error ratio on device, as :func:`flashprobe.deviation.error_ratio` defines it.
-
-    ``max_abs(primary, golden) / max(max_abs(baseline, golden), floor)``; ``inf`` when the
-    denominator is 0 and the primary is not exact (golden exactly 0 where the primary is not).
+    """One call's error ratio on device (:func:`flashprobe.deviation.error_ratio`):
+    ``max_abs(primary, golden) / max(max_abs(baseline, golden), floor)``.
 
     Args:
-        sums: the call's ``(7, 3)`` :func:`pair_sums` (with the golden pairs), or ``(K, 7, 3)``
-            for ``K`` directions at once.
+        sums: the call's ``(7, 3)`` :func:`pair_sums`, or ``(K, 7, 3)`` for ``K`` directions.
         floor: noise floor ``½·eps(compute dtype)·max|golden|``, 0-d (or ``(K,)``).
 
     Returns:
-        ``(ratio, defined)``: 0-d (or ``(K,)``) float64 tensors. Where the ratio is undefined (0/0: primary,
-        baseline and the floor all 0, which includes "nothing finite was compared") ``ratio`` is 0,
-        so it never raises a maximum, and ``defined`` is 0 (else 1).
+        ``(ratio, defined)``, 0-d (or ``(K,)``) float64: where the ratio is 0/0, ``ratio`` and
+        ``defined`` are 0; ``inf`` where only the denominator is 0.
     """
     pg, bg = sums[..., SUM.max_abs, PAIR.primary_golden], sums[..., SUM.max_abs, PAIR.baseline_golden]
     denominator = torch.maximum(bg, floor)
@@ -269,16 +185,12 @@ def call_error_ratio(sums: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Ten
     return ratio, defined
 
 
-#: The columns of the accumulator's sums in a :func:`pair_sums` result flattened row-major to ``7 · 3``
-#: columns (``row · 3 + pair``), in :data:`SUM_FIELDS` order (pair-major, rows ``sum_abs`` ... ``count``).
+#: The accumulator's sums as columns of a :func:`pair_sums` result flattened to ``row · 3 + pair``.
 _SUM_COLUMNS = [getattr(SUM, s) * len(PAIRS) + j for j in range(len(PAIRS)) for s in _SUMS]
 
 
 class DeviationStats:
     """Accumulated deviation statistics of one attention site, on the site's device.
-
-    ``add(direction, sums)`` folds one call's :func:`pair_sums` into the accumulator without a
-    host synchronisation; :meth:`as_dict` reads everything once and returns plain Python data.
 
     Attributes:
         values: the ``(len(FIELDS),)`` float64 accumulator (layout in the module docstring).
@@ -290,8 +202,7 @@ class DeviationStats:
     ) -> None:
         self.values = torch.zeros(len(FIELDS), dtype=torch.float64, device=device)
         self.golden = golden
-        #: the FP8 dtype whose limits judge an FP8 primary (:func:`flashprobe.judge.judge_errors`);
-        #: None: the call's dtype
+        #: the FP8 dtype whose limits judge an FP8 primary (None: the call's dtype)
         self.precision = precision
         self._limit_cache: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
         # Per-direction views of the accumulator: maxima, sums (without the input counts), arg fields.
@@ -303,13 +214,10 @@ class DeviationStats:
             self.values[_LSE_SUMS_AT : _LSE_SUMS_AT + len(LSE_SUM_FIELDS)],
             self.values[_LSE_ARGS_AT:],
         )
-        # The key field of each arg field, in a direction's maxima: first_fail (three times),
-        # max_l2_ratio, max_limit_ratio.
-        first, l2, score = _MAX_BLOCK - 1, len(PAIRS) + 2, _MAX_BLOCK - 2
-        self._arg_keys = torch.tensor([first, first, first, l2, score], device=device)
+        # The key field of each arg field, in a direction's maxima.
+        self._arg_keys = torch.tensor([_MAX_NAMES.index(k) for k in _ARG_NAMES.values()], device=device)
         self._sum_columns = torch.tensor(_SUM_COLUMNS, device=device)
-        #: The signed bias of each direction, accumulated into this accumulator's own sums (so it is
-        #: reduced across ranks with them) and kept across :meth:`reset`: it is a statistic of the run.
+        #: The signed bias of each direction, in this accumulator's sums, kept across :meth:`reset`.
         self.bias = BiasStats(
             DIRECTIONS,
             sample=BIAS_SAMPLE,
@@ -327,19 +235,10 @@ class DeviationStats:
         step: int = 0,
         rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Fold one call's ``(7, P)`` :func:`pair_sums` into ``direction`` (``out``/``dq``/``dk``/``dv``).
-
-        Args:
-            direction: ``out``, ``dq``, ``dk`` or ``dv``.
-            sums: the call's :func:`pair_sums` (``P`` = 3 with golden, else 1).
-            dtype: the dtype the kernels computed in (sets the limits and the noise floor's ``eps``).
-            step: the training step of the call (recorded with its failure).
-            rows: the call's ``(3,)`` :func:`flashprobe.judge.row_statistics` (None: the row criterion is
-                not applied).
-
-        Returns:
-            The call's criterion code, a 0-d float64 tensor on the device (see :meth:`add_many`).
-        """
+        """Fold one call's ``(7, P)`` :func:`pair_sums` (``P`` = 3 with golden, else 1) into
+        ``direction``; ``dtype`` is the compute dtype (limits, noise floor), ``rows`` the call's
+        ``(3,)`` :func:`flashprobe.judge.row_statistics` (None: no row criterion). Returns the call's
+        criterion code (:meth:`add_many`)."""
         row = None if rows is None else {direction: rows}
         return self.add_many({direction: sums}, dtype, step, row)[1][0]
 
@@ -351,17 +250,13 @@ class DeviationStats:
         rows: Mapping[str, torch.Tensor] | None = None,
         noise: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[tuple[str, ...], torch.Tensor]:
-        """:meth:`add` for several directions of one call (e.g. ``out``, ``dq``, ``dk``, ``dv``), with
-        one set of small tensor ops per run of adjacent directions instead of one per direction.
-        ``rows`` are the directions' :func:`~flashprobe.judge.row_statistics`, ``noise`` the
-        :func:`~flashprobe.judge.noise_statistics` of a second baseline form (the flash form of the
-        backward), where computed.
+        """:meth:`add` for several directions of one call, one set of tensor ops per run of adjacent
+        directions; ``noise`` is the :func:`~flashprobe.judge.noise_statistics` of the flash form.
 
         Returns:
             ``(directions, codes)``: the directions in :data:`DIRECTIONS` order and their
-            :data:`~flashprobe.judge.CRITERIA` codes, a ``(K,)`` float64 tensor on the device (0: the
-            call passed, or no golden; > 0 failed; < 0 undetermined), for a caller that reads them
-            where a host read is free (the CPU).
+            :data:`~flashprobe.judge.CRITERIA` codes, ``(K,)`` float64 on the device (0: passed or no
+            golden; > 0 failed; < 0 undetermined).
         """
         order = tuple(sorted(sums, key=DIRECTIONS.index))
         if not order:  # e.g. a backward with nothing to compare (an empty batch)
@@ -397,8 +292,7 @@ class DeviationStats:
         dtype: torch.dtype,
         step: int,
     ) -> torch.Tensor:
-        """Fold ``(K, 7, P)`` sums and ``(K, 3)`` row statistics into the ``K`` adjacent directions from
-        ``DIRECTIONS[first]``; returns the ``(K,)`` criterion codes."""
+        """Fold ``(K, 7, P)`` sums into the ``K`` directions from ``DIRECTIONS[first]``; ``(K,)`` codes."""
         sums = sums.to(self.values.device)
         k, _, pairs = sums.shape
         maxima = self._maxima[first : first + k]
@@ -435,8 +329,7 @@ class DeviationStats:
         return code
 
     def _limits(self, first: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-        """The ``(K, 3)`` :func:`~flashprobe.judge.limits` of the directions from ``DIRECTIONS[first]``
-        at ``dtype`` (cached on the device)."""
+        """The ``(K, 3)`` :func:`~flashprobe.judge.limits` from ``DIRECTIONS[first]`` (cached)."""
         key = (first, k, dtype)
         cached = self._limit_cache.get(key)
         if cached is None:
@@ -452,18 +345,12 @@ class DeviationStats:
         dtype: torch.dtype,
         step: int = 0,
     ) -> torch.Tensor:
-        """Fold one call's LSE into the ``lse`` direction, on the device (no host read).
-
-        Args:
-            primary: ``(B, H, N_q)`` the library's LSE (``−inf`` for a row that sees no key).
-            baseline: the same-dtype baseline's, in the same base.
-            golden: the FP64 golden's.
-            dtype: the dtype of the call's inputs (the floor's resolution).
-            step: the training step of the call.
+        """Fold one call's ``(B, H, N_q)`` LSEs (``−inf`` for a row that sees no key; baseline and
+        golden in the primary's base) into the ``lse`` direction, on the device.
 
         Returns:
-            The call's criterion code, a 0-d float64 tensor (0 pass, 1 ``nonfinite``, 6 ``empty_row``,
-            7 ``lse``, −2 ``unrepresentable``: :data:`LSE_CRITERIA`).
+            The criterion code, 0-d float64 (0 pass, 1 ``nonfinite``, 6 ``empty_row``, 7 ``lse``,
+            −2 ``unrepresentable``).
         """
         ratio, err, base, nonfinite, empty, golden_max = lse_statistics(
             primary, baseline, golden, self.precision or dtype
@@ -491,8 +378,7 @@ class DeviationStats:
         return code
 
     def add_nonfinite_inputs(self, inputs: Mapping[str, torch.Tensor]) -> None:
-        """Add the non-finite positions (:func:`count_nonfinite_positions`) of the inputs named in
-        :data:`INPUTS` (``q``, ``k``, ``v``, ``grad_out``)."""
+        """Add the non-finite positions (:func:`count_nonfinite_positions`) of :data:`INPUTS`."""
         counts = {n: count_nonfinite_positions(t) for n, t in inputs.items()}
         names = sorted(counts, key=INPUTS.index)
         at = [_INPUTS_AT + INPUTS.index(n) for n in names]
@@ -515,20 +401,13 @@ class DeviationStats:
 def reduce_across_ranks(
     tensors: Mapping[str, torch.Tensor], device: torch.device | str, group: Any = None
 ) -> dict[str, torch.Tensor]:
-    """All-reduce per-site accumulators over the ranks of ``torch.distributed``: the maxima
-    (``[:N_MAX]``) with MAX, the sums (``[N_MAX:N_SUMS]``) with SUM and each arg field
-    (``[N_SUMS:]``) from the rank whose key field holds the maximum (MAX over the ranks that hold
-    it), so the result is what one probe over every rank's calls would hold. Sites are matched by
-    name; a site a rank did not see counts as zeros there. A no-op (the tensors themselves) outside
-    an initialised process group.
-
-    Every rank must call it (it is a collective: one ``all_gather_object`` of the site names, then
-    three ``all_reduce`` of one table each).
+    """All-reduce per-site accumulators over the ranks (a collective: every rank calls it), so the
+    result is what one probe over every rank's calls would hold (layout: module docstring). Sites are
+    matched by name, zeros where a rank did not see one; a no-op outside a process group.
 
     Args:
-        tensors: ``{site: accumulator}`` of this rank (e.g. :meth:`ShadowAttention.stat_tensors`).
-        device: where the reduction runs (the process group's device: CPU for gloo, the rank's GPU
-            for NCCL).
+        tensors: ``{site: accumulator}`` of this rank (:meth:`ShadowAttention.stat_tensors`).
+        device: where the reduction runs (CPU for gloo, the rank's GPU for NCCL).
         group: the process group (default: the world).
 
     Returns:
@@ -563,26 +442,17 @@ def _pair(fields: Mapping[str, float], prefix: str) -> dict[str, float | int]:
 def stats_dict(
     values: Sequence[float], *, golden: bool = True, precision: torch.dtype | None = None
 ) -> dict[str, Any]:
-    """Turn one site's accumulator values (layout :data:`FIELDS`) into plain Python data.
+    """One site's accumulator values (layout :data:`FIELDS`) as plain Python data.
 
     Returns:
-        ``{"forward": {"calls", "out"}, "backward": {"calls", "dq", "dk", "dv"},
-        "nonfinite_inputs": {"q", "k", "v", "grad_out"}}`` where each of ``out``/``dq``/``dk``/``dv``
-        maps every pair to ``{max_abs, mean_abs, rel_l2, nonfinite, numel}`` (None without
-        golden, or when nothing was recorded), plus ``error_ratio`` (the accumulated ``max_abs`` of
-        ``primary_golden`` over that of ``baseline_golden`` floored at ``noise_floor``, as
-        :func:`flashprobe.deviation.error_ratio`; None when undefined), ``max_call_error_ratio``
-        (the worst single call; None when no call's ratio was defined), ``noise_floor``, and the
-        verdict's entries (:mod:`flashprobe.judge`): ``verdict`` (``fail`` when a call failed,
-        ``undetermined`` when every call was, else ``pass``; None when nothing was judged: no call,
-        or no golden), ``limit_ratio`` (the statistic shown first: the worst call's largest
-        statistic / limit, > 1 fails) and ``limit_ratio_step``, ``absolute_error`` (the worst call's
-        relative L2 error against the golden), ``worst_row_error``, ``l2_error_ratio`` (the worst
-        call's L2 error ratio to the baseline) and ``l2_error_ratio_step``, ``bias`` (the run's signed
-        bias so far, :func:`flashprobe.bias.bias_dict`; None without golden), ``failed_calls``,
-        ``undetermined_calls`` (``{ill_conditioned, unrepresentable}`` counts) and ``first_failure``
-        (``{step, kind, value, limit, reason}`` of the earliest failing call, ``kind`` the criterion
-        that fired; or None).
+        ``{"forward": {"calls", "out", "lse"}, "backward": {"calls", "dq", "dk", "dv"},
+        "nonfinite_inputs": {"q", "k", "v", "grad_out"}}``. Each direction maps every pair to
+        ``{max_abs, mean_abs, rel_l2, nonfinite, numel}`` (None without golden or calls), plus
+        ``error_ratio``, ``max_call_error_ratio``, ``noise_floor``, the verdict's entries
+        (``verdict``: None when nothing was judged; ``limit_ratio``, the worst call's statistic /
+        limit, > 1 fails, and its step; ``absolute_error``, ``worst_row_error``, ``l2_error_ratio``
+        and its step; ``failed_calls``; ``undetermined_calls``; ``first_failure``:
+        ``{step, kind, value, limit, reason}`` or None) and ``bias`` (:func:`flashprobe.bias.bias_dict`).
     """
     if len(values) != len(FIELDS):
         raise ValueError(f"expected {len(FIELDS)} accumulator values, got {len(values)}")
@@ -619,8 +489,7 @@ def stats_dict(
 
 
 def site_directions(entry: Mapping[str, Any]) -> dict[str, Any]:
-    """A site's :func:`stats_dict` entry per direction: ``{"out": ..., "lse": ..., "dq": ..., "dk": ...,
-    "dv": ...}``, ``lse`` only where a call returned one."""
+    """A site's :func:`stats_dict` entry per direction (``lse`` only where a call returned one)."""
     lse = entry["forward"].get("lse")
     return {
         "out": entry["forward"]["out"],
@@ -647,8 +516,7 @@ def lse_reason(kind: str, value: float, error: float, baseline: float) -> str:
 
 
 def _lse_entry(fields: Mapping[str, float]) -> dict[str, Any] | None:
-    """The ``lse`` direction of a site (None when no call returned an LSE): its verdict's entries, as a
-    direction's (:func:`_judged`), with ``baseline_error`` and the rows that failed; no pairs."""
+    """The ``lse`` direction of a site (None when no call returned an LSE), shaped as a direction's."""
     calls = int(fields["lse.calls"])
     if not calls:
         return None
@@ -679,8 +547,7 @@ def _lse_entry(fields: Mapping[str, float]) -> dict[str, Any] | None:
 def _judged(
     fields: Mapping[str, float], d: str, judged: bool, precision: torch.dtype | None = None
 ) -> dict[str, Any]:
-    """The verdict's entries of direction ``d`` (see :func:`stats_dict`; ``precision`` names an FP8
-    primary's limits in the reason)."""
+    """The verdict's entries of direction ``d`` (:func:`stats_dict`)."""
     if not judged:
         return {
             "verdict": None,

@@ -1,13 +1,5 @@
-"""The summary over sites: the worst values of a probe's per-site statistics, typed
-(:class:`ProbeSummary`, each field documented) and as the plain dict every caller reads.
-
-:func:`summarize` reads what :meth:`ShadowAttention.stats <flashprobe.probing.ShadowAttention.stats>`
-returns (plain Python data, already on the host) and reports the worst error ratios and the sites
-they occurred at, the worst ``max_abs`` per pair, call counts, every non-finite value counted, and
-the verdict over sites (``verdict``, ``verdict_reason``, ``worst_failure``).
-It is what :meth:`ShadowAttention.summary <flashprobe.probing.ShadowAttention.summary>` and
-:meth:`Probe.summary <flashprobe.probing.Probe.summary>` return.
-"""
+"""The summary over sites: the worst values of a probe's per-site statistics and the verdict, typed
+(:class:`ProbeSummary`) and as the plain dict every caller reads (:func:`summarize`)."""
 
 from __future__ import annotations
 
@@ -24,22 +16,18 @@ __all__ = ["ProbeSummary", "bias_words", "summarize", "summary_scalars"]
 
 @dataclass(kw_only=True)
 class ProbeSummary:
-    """The summary over sites, typed: what :func:`summarize`, :meth:`Probe.summary
-    <flashprobe.probing.Probe.summary>` and the training callbacks' records give (as
-    :meth:`to_dict`, the JSON of ``probe.jsonl``); :meth:`Probe.typed_summary
-    <flashprobe.probing.Probe.typed_summary>` gives it as this class.
+    """The summary over sites, typed; :meth:`to_dict` is the JSON of a ``probe.jsonl`` record.
 
-    Ratios are ``error / limit`` (the verdict's statistic, :data:`flashprobe.judge.SCORE`: > 1
-    fails) or ratios of maxima against the golden (flash-attention's statistic, not the verdict's);
-    a site with a direction is written ``"site:dq"``. A failure is ``{site, direction, step, kind,
-    value, limit, limit_ratio, reason}`` (with ``repro``, the reproducer's path, where one was saved).
+    ``limit_ratio``s are ``error / limit`` (the verdict's statistic: > 1 fails); ``error_ratio``s are
+    ratios of maxima against the golden (flash-attention's statistic). A site with a direction is
+    ``"site:dq"``. A failure is ``{site, direction, step, kind, value, limit, limit_ratio, reason}``
+    (and ``repro``, the reproducer's path, where one was saved).
 
     Attributes:
         sites: sites with statistics in the interval.
         forward_calls: compared forward calls, over sites.
         backward_calls: compared backward calls, over sites.
-        limit_ratio: the worse of ``max_limit_ratio`` and ``max_backward_limit_ratio``: the verdict's
-            statistic, shown first (None: nothing judged).
+        limit_ratio: the worse of ``max_limit_ratio`` and ``max_backward_limit_ratio`` (None: nothing judged).
         max_limit_ratio: the worst forward call's error / limit over sites.
         max_limit_ratio_site: its site.
         max_backward_limit_ratio: the worst gradient's error / limit over sites and dq, dk, dv.
@@ -50,42 +38,32 @@ class ProbeSummary:
         max_call_error_ratio: the worst single call's forward ratio of maxima.
         max_backward_error_ratio: the worst gradient's ratio of maxima.
         max_backward_error_ratio_site: its ``"site:dir"``.
-        max_abs: ``{pair: max |a - b|}`` of the forward output over sites, per pair
-            (``primary_baseline``, ``primary_golden``, ``baseline_golden``; None: not computed).
+        max_abs: ``{pair: max |a - b|}`` of the forward output over sites (None: not computed).
         nonfinite: non-finite values counted: inputs and every pair of every direction.
         nonfinite_sites: the sites where any was counted.
         shadow_errors: comparisons the shadow could not run (the primary's output was kept).
-        primary_nonfinite: non-finite values the **primary** returned from finite inputs where the
-            baseline's are finite (a kernel bug, not the data).
+        primary_nonfinite: non-finite values the primary returned from finite inputs where the
+            baseline's are finite (a kernel bug).
         primary_nonfinite_sites: the sites where it did.
-        max_bias_z: the run's largest signed-bias ``|z|``, with its sign (:mod:`flashprobe.bias`;
-            None before any replicate).
+        max_bias_z: the run's largest signed-bias ``|z|``, with its sign (None before any replicate).
         max_bias_site: its ``"site:dir"``.
-        biased: ``{site, direction, z, component, limit}`` of every direction whose ``|z|`` reached
-            its limit.
-        verdict: ``fail`` (a call failed or a site is biased, in this interval or before),
-            ``pass`` (every site passed) or ``undetermined`` (no site, or a site with nothing judged).
+        biased: ``{site, direction, z, component, limit}`` of every direction whose ``|z|`` reached its limit.
+        verdict: ``fail`` (a call failed or a site is biased, now or before), ``pass`` or ``undetermined``.
         verdict_reason: the verdict in words.
-        worst_failure: the worst failing call (the largest ``limit_ratio``; a non-finite output
-            ranks infinite), None when nothing failed; in a training callback's record, the run's.
+        worst_failure: the worst failing call (largest ``limit_ratio``; non-finite ranks infinite), or None.
         failures: the first failure of each site and direction, in step order, then the worst
             (``"worst": True``).
-        step: the probe's step counter (:meth:`Probe.summary <flashprobe.probing.Probe.summary>`; a
-            callback's record: the logging step); None (and not in :meth:`to_dict`) from a bare
-            :func:`summarize`.
-        dropout_calls: calls with attention dropout (from :meth:`Probe.summary
-            <flashprobe.probing.Probe.summary>`, as ``step``).
+        step: the probe's step counter (a callback's record: the logging step). This and the
+            optional fields below are None, and left out of :meth:`to_dict`, from a bare :func:`summarize`.
+        dropout_calls: calls with attention dropout.
         fallbacks: ``{site, requested, kernel, from_step, reason}`` where torch's SDPA computed the
-            attention instead of the primary (``fallback=True``; as ``step``).
-        notes: why values are missing, in words (as ``step``).
+            attention instead of the primary (``fallback=True``).
+        notes: why values are missing, in words.
         judged: ``{site, trained, judged, gradients, from_step, reason}`` where the verdict judges
-            another computation than the one that trained (attention dropout: the call without it,
-            forward only; as ``step``).
-        stopped: why a training callback stopped training on non-finite values; only in the records
-            after it did.
+            another computation than the one that trained (attention dropout).
+        stopped: why a training callback stopped training on non-finite values.
         run_nonfinite: non-finite values counted over the run (a training callback's record, from
-            :class:`~flashprobe.probing.session.RunTally`; the four ``run``/``first`` fields appear
-            together).
+            :class:`~flashprobe.probing.session.RunTally`; the four run fields appear together).
         run_primary_nonfinite: ``primary_nonfinite`` over the run.
         first_primary_nonfinite_step: the step where the primary's first non-finite value appeared.
         first_primary_nonfinite_sites: the sites where it appeared.
@@ -131,8 +109,7 @@ class ProbeSummary:
 
     @classmethod
     def of(cls, stats: Mapping[str, Any]) -> ProbeSummary:
-        """The worst values over sites of per-site statistics (``{site: entry}`` as returned by
-        ``ShadowAttention.stats()``, not flattened)."""
+        """The worst values over sites of ``ShadowAttention.stats()`` (not flattened)."""
         fwd = {s: e["forward"]["out"] for s, e in stats.items()}
         bwd = {(s, d): e["backward"][d] for s, e in stats.items() for d in GRADIENTS}
         limit_site = _argworst({s: f.get("limit_ratio") for s, f in fwd.items()})
@@ -177,8 +154,7 @@ class ProbeSummary:
         """A summary from its :meth:`to_dict` (e.g. a ``probe.jsonl`` record's ``summary``).
 
         Raises:
-            ValueError: a key that is not a field, or a field every summary has that is missing,
-                naming them.
+            ValueError: unknown or missing keys, naming them.
         """
         unknown = sorted(set(summary) - {f.name for f in fields(cls)})
         missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in summary]
@@ -192,10 +168,8 @@ class ProbeSummary:
         return cls(**summary)
 
     def to_dict(self) -> dict[str, Any]:
-        """The summary as plain data, the JSON of ``probe.jsonl``: every field in declaration order,
-        less the optional ones that are None (``step``, ``dropout_calls``, ``fallbacks``, ``notes``,
-        ``stopped``) and the run's four (``run_nonfinite``, ...) outside a training callback. Its
-        lists and dicts are this summary's own (not copies)."""
+        """The summary as plain data (not copies), the JSON of ``probe.jsonl``: every field in order,
+        less the optional ones that are None and the run's four outside a training callback."""
         run = self.run_nonfinite is not None
         values = {f.name: getattr(self, f.name) for f in fields(self) if run or f.name not in _RUN_FIELDS}
         return {k: v for k, v in values.items() if v is not None or k not in _OPTIONAL_FIELDS}
@@ -204,35 +178,17 @@ class ProbeSummary:
 #: Fields a summary has only where someone set them (None: left out of ``to_dict``).
 _OPTIONAL_FIELDS = frozenset({"step", "dropout_calls", "fallbacks", "notes", "judged", "stopped"})
 #: The run's fields (:class:`~flashprobe.probing.session.RunTally`): all or none.
-_RUN_FIELDS = frozenset(
-    {
-        "run_nonfinite",
-        "run_primary_nonfinite",
-        "first_primary_nonfinite_step",
-        "first_primary_nonfinite_sites",
-    }
-)
+_RUN_FIELDS = frozenset(f.name for f in fields(ProbeSummary) if f.name.startswith(("run_", "first_")))
 
 
 def summarize(stats: Mapping[str, Any]) -> dict[str, Any]:
-    """Worst values over all sites, as plain Python data: :meth:`ProbeSummary.of` as
-    :meth:`ProbeSummary.to_dict` (its fields are documented there).
-
-    Args:
-        stats: per-site statistics, ``{site: entry}`` as returned by ``ShadowAttention.stats()``
-            (not flattened).
-
-    Returns:
-        ``sites``, ``forward_calls``, ``backward_calls``, ``limit_ratio`` (the verdict's statistic) and
-        the worst ratios with their sites, ``max_abs`` per pair, the non-finite counts, the signed
-        bias, ``verdict``, ``verdict_reason``, ``worst_failure`` and ``failures``.
-    """
+    """Worst values over all sites of ``ShadowAttention.stats()`` (not flattened), as plain data:
+    :meth:`ProbeSummary.of` as :meth:`ProbeSummary.to_dict`."""
     return ProbeSummary.of(stats).to_dict()
 
 
 def _bias(fwd: Mapping[str, Any], bwd: Mapping[tuple[str, str], Any]) -> dict[str, Any]:
-    """The run's signed bias over sites: the largest ``|z|`` (with its sign) and where, and every
-    biased site and direction (:mod:`flashprobe.bias`)."""
+    """The run's signed bias over sites: the largest ``|z|`` and where, and every biased direction."""
     entries = {(s, "out"): f.get("bias") for s, f in fwd.items()}
     entries.update((k, b.get("bias")) for k, b in bwd.items())
     entries = {k: e for k, e in entries.items() if e and e["replicates"]}
@@ -251,11 +207,8 @@ def _bias(fwd: Mapping[str, Any], bwd: Mapping[tuple[str, str], Any]) -> dict[st
 
 
 def bias_words(summary: Mapping[str, Any]) -> str:
-    """The run's signed bias in words, for a verdict line or a figure title: the most biased
-    direction (``"biased: out of blocks.1.attn z=-12 (limit 5)"``), else the largest ``|z|``
-    (``"bias |z| ≤ 1.3 (limit 5)"``), or, where that ``z`` (the excess over the tolerance) is 0,
-    ``"bias within tolerance: every mean ≤ 0.1 of the baseline's error RMS"``; ``""`` before any
-    replicate."""
+    """The run's signed bias in words (``"biased: out of blocks.1.attn z=-12 (limit 5)"``,
+    ``"bias |z| ≤ 1.3 (limit 5)"``, ``"bias within tolerance: ..."``); ``""`` before any replicate."""
     biased = summary.get("biased") or []
     if biased:
         b = max(biased, key=lambda b: abs(b["z"]))
@@ -307,9 +260,8 @@ def _verdict(stats: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _failing_call(site: str, direction: str, e: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The worst failing call of one site and direction in the interval, or None if none failed: the
-    call with the largest ``limit_ratio`` when that is a failure (> 1), else the first failure itself
-    (a non-finite output, whose ratio is not a number, ranks as infinite)."""
+    """The worst failing call of one site and direction (None if none failed): the largest
+    ``limit_ratio`` when > 1, else the first failure (non-finite ranks infinite)."""
     if e.get("verdict") != "fail":
         return None
     ratio = e.get("limit_ratio")
@@ -338,12 +290,8 @@ def _failing_call(site: str, direction: str, e: Mapping[str, Any]) -> dict[str, 
 
 
 def _primary_nonfinite(entry: Mapping[str, Any]) -> int:
-    """Non-finite forward outputs of the primary at one site that its inputs and the baseline explain not.
-
-    ``primary_baseline.nonfinite`` counts positions where either output is non-finite and
-    ``baseline_golden.nonfinite`` those of the baseline (or golden); with finite ``q``, ``k``, ``v``
-    the excess is the primary's own.
-    """
+    """Non-finite forward outputs of the primary at one site that its inputs and the baseline do
+    not explain: with finite ``q, k, v``, ``primary_baseline``'s count less ``baseline_golden``'s."""
     inputs = entry.get("nonfinite_inputs", {})
     if any(inputs.get(i, 0) for i in ("q", "k", "v")):
         return 0
@@ -382,8 +330,8 @@ SUMMARY_SCALARS = (
 
 
 def summary_scalars(summary: Mapping[str, Any]) -> dict[str, float]:
-    """The summary's finite scalars as the training callbacks log them: ``probe/<statistic>``,
-    ``probe/failed`` (0/1), ``probe/failures`` (first failures seen) and ``probe/max_abs/<pair>``."""
+    """The summary's finite scalars as the training callbacks log them (``probe/<statistic>``,
+    ``probe/failed``, ``probe/failures``, ``probe/max_abs/<pair>``)."""
     metrics: dict[str, float] = {}
     for key in SUMMARY_SCALARS:
         value = summary.get(key)

@@ -1,13 +1,8 @@
 """PyTorch's own variable-length attention as a source (:mod:`flashprobe.probing.direct`).
 
-``torch.nn.attention.varlen.varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
-return_aux=None, scale=None, window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None,
-num_splits=None)`` (torch 2.13; and ``varlen_attn_out``, which writes into ``out``) runs packed
-``(total, H, D)`` sequences through torch's flash kernel: causal only as ``window_size=(-1, 0)``,
-windows anchored bottom-right as flash-attn's, grouped key/value heads, a paged cache
-(``block_table`` with ``seqused_k``), and the LSE on request (``return_aux=AuxRequest(lse=True)``,
-base e). Swapped where ``torch.nn.attention.varlen`` is imported (flashprobe does not import it);
-packed calls run on the shadow's tensors, so their backward is compared too.
+``torch.nn.attention.varlen.varlen_attn`` (and ``varlen_attn_out``) runs packed ``(total, H, D)``
+sequences: causal as ``window_size=(-1, 0)``, bottom-right windows, grouped heads, a paged cache and
+the LSE on request (base e). Swapped where the module is imported; the backward is compared too.
 """
 
 from __future__ import annotations
