@@ -342,9 +342,9 @@ def decide(
     hits = torch.stack(
         (top > 1, ill, ill & gross, extra > 0, golden_max > float(torch.finfo(dtype).max)), dim=1
     )
-    const = _decision_constants(errors.device, dtype)
-    pick = (hits * const.priority).amax(1)
-    code = torch.where(pick == 1, most[:, 0].to(pg.dtype) + 2.0, const.codes[pick])  # relative 2, ...
+    priority, codes, cond, zero, finite_max = _decision_constants(errors.device, dtype)
+    pick = (hits * priority).amax(1)
+    code = torch.where(pick == 1, most[:, 0].to(pg.dtype) + 2.0, codes[pick])  # relative 2, ...
     k = errors.shape[0]
     value = torch.stack(
         (relative, values.gather(1, most)[:, 0], baseline, absolute, extra, golden_max), dim=1
@@ -353,10 +353,10 @@ def decide(
         (
             limit[:, 0],
             bounds.gather(1, most)[:, 0],
-            const.cond.expand(k),
+            cond.expand(k),
             abs_limit,
-            const.zero.expand(k),
-            const.finite_max.expand(k),
+            zero.expand(k),
+            finite_max.expand(k),
         ),
         dim=1,
     )
@@ -366,27 +366,16 @@ def decide(
     return code, value.gather(1, at)[:, 0], bound.gather(1, at)[:, 0], stats
 
 
-class _DecisionConstants(NamedTuple):
-    """:func:`decide`'s constant tensors on one device, for one dtype (made once)."""
-
-    priority: torch.Tensor
-    """``(5,)`` int64: 1 … 5, the checks' priorities."""
-    codes: torch.Tensor
-    """``(6,)`` float64: the code of each check (index 0: none, 1: the exceeded criterion's, set apart)."""
-    cond: torch.Tensor
-    zero: torch.Tensor
-    finite_max: torch.Tensor
-
-
 @cache
-def _decision_constants(device: torch.device, dtype: torch.dtype) -> _DecisionConstants:
+def _decision_constants(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """:func:`decide`'s constant tensors on one device, for one dtype (made once): the checks'
+    priorities 1 … 5, the code of each check (index 0: none; 1: the exceeded criterion's, set apart),
+    and, float64, the conditioning limit, 0 and the dtype's largest value."""
     f64 = torch.float64
-    return _DecisionConstants(
+    return (
         torch.arange(1, 6, device=device),
         torch.tensor([0.0, 0.0, -1.0, 3.0, 1.0, -2.0], dtype=f64, device=device),
-        torch.tensor(CONDITIONING_LIMIT, dtype=f64, device=device),
-        torch.tensor(0.0, dtype=f64, device=device),
-        torch.tensor(float(torch.finfo(dtype).max), dtype=f64, device=device),
+        *torch.tensor([CONDITIONING_LIMIT, 0.0, float(torch.finfo(dtype).max)], dtype=f64, device=device),
     )
 
 

@@ -1,11 +1,5 @@
-"""Save a model's weights as a snapshot, without a trainer: :func:`save_snapshot`.
-
-The snapshot callbacks of both trainers (:class:`flashprobe.callbacks.WeightSnapshot` for Lightning,
-:class:`flashprobe.integrations.hf_snapshots.WeightSnapshotCallback` for Hugging Face) collect the
-tensors and the manifest's facts with the helpers here and write with
-:class:`~flashprobe.weights.store.SnapshotWriter`, the one writer of the format; :func:`save_snapshot`
-is the same path called by hand, so ``flashprobe compare`` and :func:`~flashprobe.weights.compare_runs`
-read its snapshots like a callback's.
+"""Save a model's weights as a snapshot without a trainer (:func:`save_snapshot`), and the helpers the
+snapshot callbacks of both trainers share; all write with :class:`~flashprobe.weights.store.SnapshotWriter`.
 """
 
 from __future__ import annotations
