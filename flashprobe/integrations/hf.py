@@ -229,23 +229,12 @@ class AttentionProbeCallback(SessionCallback, TrainerCallback, ExportableState):
         trainer = Trainer(model, args, train_dataset=data, callbacks=[AttentionProbeCallback(golden=True)])
 
     Args:
-        config: the probe's settings, as for the Lightning :class:`~flashprobe.callbacks.AttentionProbe`.
+        config, filename, plot, on_failure, max_reproducers, on_nonfinite, console, **settings: as for
+            the Lightning :class:`~flashprobe.callbacks.AttentionProbe`; ``"stop"`` stops training
+            through ``control.should_training_stop``.
         log_every_n_steps: read, log and reset the statistics every n optimizer steps; default:
             the Trainer's ``logging_steps``.
         dirpath: directory of ``probe.jsonl`` and ``repro/``; default: ``args.output_dir``.
-        filename: name of the JSON-lines file.
-        plot: draw ``probe.png`` at the end of training, as :class:`~flashprobe.callbacks.AttentionProbe`.
-        on_failure: at the first failure of each site and direction: ``"warn"`` (one line),
-            ``"raise"`` (:class:`~flashprobe.probing.ProbeFailureError`) or ``"stop"`` (write the
-            record, then stop training through ``control.should_training_stop``).
-        max_reproducers: reproducer files saved in ``DIRPATH/repro/`` at most (0: none).
-        on_nonfinite: when the weights become non-finite after a step, or the primary returns
-            non-finite values from finite inputs: ``"stop"`` (default: write the record, save the
-            reproducer, print the verdict and stop through ``control.should_training_stop``) or
-            ``"continue"`` (only record it).
-        console: print the verdict block (:func:`flashprobe.probing.session.verdict_block`) to stdout
-            at the first failure and at the end of training.
-        **settings: fields of :class:`~flashprobe.probing.ProbeConfig` replacing ``config``'s.
 
     It compares every micro-batch of a training step (attached from ``on_step_begin`` to
     ``on_step_end``; evaluation runs the model alone); the work is its

@@ -43,13 +43,8 @@ class WeightSnapshotCallback(SnapshotSchedule, TrainerCallback):
         dirpath: the run directory; snapshots go to ``dirpath/snapshots``. Default: ``args.output_dir``.
         probe: the ``AttentionProbeCallback`` of the same Trainer, whose explicit ``primary`` (and its
             fallbacks) the manifest records as the attention; None: the model's own attention.
-        every_n_steps: save every ``n`` optimizer steps (steps ``n, 2n, ...``); ``None`` for none.
-        steps: explicit steps to save, in addition to ``every_n_steps``.
-        save_initial: save the initial weights as step 0 when training starts from scratch.
-        save_last: always save the weights at the end of training (the last step).
-        include_buffers: also save the model's persistent buffers.
-        trainable_only: save only parameters with ``requires_grad=True``.
-        run_id: recorded in the manifest; default: the name of the run directory.
+        every_n_steps, steps, save_initial, save_last, include_buffers, trainable_only, run_id: as
+            for the Lightning :class:`~flashprobe.callbacks.WeightSnapshot`.
         seed: recorded in the manifest; default: ``args.seed``.
         attention: the attention the run trains with, recorded in the manifest; default: the explicit
             ``primary`` of ``probe``, else the model's own attention.
