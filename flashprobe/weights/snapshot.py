@@ -39,13 +39,10 @@ def manifest_config(config: Any) -> dict[str, Any]:
     """A JSON-serialisable plain dict from a dict, a dataclass or an OmegaConf config."""
     if config is None:
         return {}
-    try:
-        from omegaconf import DictConfig, OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
-        if isinstance(config, DictConfig):
-            config = OmegaConf.to_container(config, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        pass
+    if isinstance(config, DictConfig):
+        config = OmegaConf.to_container(config, resolve=True)
     if hasattr(config, "__dataclass_fields__"):
         from dataclasses import asdict
 
