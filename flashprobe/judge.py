@@ -84,7 +84,8 @@ UNDETERMINED: tuple[str, ...] = tuple(name for code, name in CRITERIA.items() if
 #: Limits on the ratio of the primary's L2 error to the same-dtype baseline's, per direction (wider
 #: for gradients: a flash backward takes ``rowsum(dO∘O)`` from the rounded output, the baseline not).
 RELATIVE_LIMITS: dict[str, float] = {"out": 8.0, "dq": 64.0, "dk": 64.0, "dv": 64.0}
-#: The absolute limit in units of :func:`resolution`, per direction.
+#: The absolute limit in units of :func:`resolution`, per direction (twice for gradients, whose
+#: ``dS = P∘(dP − rowsum(dO·O))`` cancels).
 ABSOLUTE_EPS: dict[str, float] = {"out": 4.0, "dq": 8.0, "dk": 8.0, "dv": 8.0}
 #: The absolute criterion also needs this many times the baseline's relative error.
 ABSOLUTE_RATIO: float = 4.0
@@ -289,9 +290,14 @@ def decide(
        which fails it as ``absolute``.
     4. ``relative``, ``absolute``, ``row`` (fail), the one exceeded most relative to its limit:
        ``relative`` above :data:`RELATIVE_LIMITS`; ``absolute`` above :func:`absolute_limit` (capped
-       at :data:`CONDITIONING_LIMIT`) and :data:`ABSOLUTE_RATIO` × the baseline's; ``row`` above
-       :func:`row_limit` and :data:`ROW_RATIO` × the baseline's worst row. The absolute and row
-       limits are at least 4 × the floor.
+       at :data:`CONDITIONING_LIMIT`) and :data:`ABSOLUTE_RATIO` × the baseline's (a gradient tens of
+       percent off where the 16-bit baseline is a few percent off); ``row`` above :func:`row_limit`
+       and :data:`ROW_RATIO` × the baseline's worst row (a zeroed key tile, wrong tail rows, one
+       wrong head, which the whole-tensor L2 averages away). The absolute and row limits are at
+       least 4 × the floor.
+
+    A further per-call criterion is a code and name in :data:`CRITERIA`, a limit and one comparison
+    here. The ``biased`` criterion is judged over many replicates instead (:func:`judge_bias`).
 
     Args:
         errors: ``(K, 7)`` float64 :data:`ERROR_COLUMNS` (:func:`error_columns`).
@@ -451,7 +457,9 @@ def reason(criterion: str | None, value: float, limit: float, dtype: torch.dtype
 
 
 def judge_bias(entry: Mapping[str, Any], direction: str = "out") -> Judgement:
-    """The ``biased`` criterion on one direction's signed bias, read into a :class:`Judgement`.
+    """The ``biased`` criterion on one direction's signed bias, read into a :class:`Judgement`: the
+    probe applies it to a site over its calls and steps, the fuzzer to the (batch, head) replicates
+    of one call of its signed-bias cases.
 
     Args:
         entry: a :func:`flashprobe.bias.bias_dict` entry (``BiasStats.as_dict()[direction]``).
