@@ -29,7 +29,7 @@ __all__ = [
     "bias_dict",
 ]
 
-#: The two signed statistics kept per direction (module docstring).
+#: The two signed statistics kept per direction (:class:`BiasStats`).
 COMPONENTS = ("offset", "magnitude")
 #: ``|z|`` at or above which a direction reads biased: ``2·exp(−12.5) ≈ 7.5e-6`` per test for a
 #: correct kernel.
