@@ -17,10 +17,7 @@ verdict. ``__all__`` lists the names of its tasks:
 * compare the weights of runs: :func:`save_snapshot`, :class:`SnapshotStore`, :func:`compare_runs`.
 
 The names are imported on first use, so ``import flashprobe.kernels`` (and ``flashprobe --help``)
-do not pay for the probe's import of ``torch._dynamo`` and the fuzzer's. Packages:
-:mod:`flashprobe.kernels`, :mod:`flashprobe.probing`, :mod:`flashprobe.fuzz`,
-:mod:`flashprobe.weights`, :mod:`flashprobe.bench` (the microbenchmarks), :mod:`flashprobe.deviation`
-(the deviation statistics) and :mod:`flashprobe.judge` (the verdict's rule).
+do not pay for the probe's and the fuzzer's imports.
 """
 
 from __future__ import annotations

@@ -1,43 +1,10 @@
 """Signed bias of a kernel's outputs and gradients, accumulated on the device across calls.
 
-Every magnitude statistic (max, L2, ratios) judges one call. A kernel whose error has the size of
-the baseline's but always the same sign passes every call, yet its error adds up over steps
-instead of averaging out: Qiu & Yao (arXiv 2510.04212) trace BF16 flash-attention loss explosions
-to such **biased** rounding. :class:`BiasStats` measures it.
-
-Per call and direction (``out``, ``dq``, ``dk``, ``dv``), each ``(…, N, D)`` slice of the tensors
-(one per batch entry and head: the **replicate**) gives two signed means of the primary's error
-``e = primary − golden`` over its finite elements, in units of the baseline's error RMS on the
-same slice (``baseline − golden``; the primary's when the baseline is exact):
-
-* ``offset``: ``mean(e) / rms``, a shift in one direction;
-* ``magnitude``: ``mean(e · sign(golden)) / rms``, negative toward zero (truncation), positive
-  away from it (a softmax whose numerator is rounded up).
-
-Over calls it keeps, per direction and component, ``n`` (replicates), ``s1 = Σ r`` and
-``s2 = Σ r²`` and reads the self-normalised sum ``z = s1 / √s2``. For replicates whose means are
-symmetric about 0 and independent, ``P(|z| ≥ x) ≤ 2·exp(−x²/2)`` at any ``n`` (Efron 1969), so a
-correct kernel reads ``|z|`` of order 1; a consistent sign makes ``|z|`` grow as ``√n``
-(``|z| ≤ √n`` always, so at least ``limit²`` replicates are needed to call a bias).
-
-Real kernels that are correct carry small systematic errors too (torch's CPU flash kernel in
-fp16: +0.003 of the baseline's error RMS on dense inputs; its backward in fp32: −0.08 to +0.17, at
-fp32's rounding, harmless), which any ``z`` against 0 calls biased after enough calls. So the verdict
-tests the mean against a **tolerance** :data:`BIAS_TOLERANCE` (in the same units) instead: the
-direction's ``z`` is the z-score of the mean's excess over it,
-``sign(s1)·max(|s1| − τ·n, 0) / √s2``, and a direction reads biased when that reaches the limit:
-a bias of at least τ of the baseline's rounding error, established at ``limit`` sigmas. Each
-component keeps its ``z`` against 0 for diagnosis.
-
-The state is three sums, so intervals and DDP ranks combine by adding (:meth:`BiasStats.merge`, or an
-``all_reduce(SUM)`` of :attr:`BiasStats.state`). :meth:`BiasStats.add` is tensor ops only: no host
-synchronisation per call; :meth:`BiasStats.as_dict` and :meth:`BiasStats.verdict` read the
-device once. The element differences are taken in float32 unless the primary is float64 (the
-golden's float32 rounding is symmetric noise far below a 16-bit kernel's error), and ``sample``
-caps the elements read per replicate (the probe reads :data:`BIAS_SAMPLE`, every k-th row).
-
-The probe keeps one per site inside its accumulator (:class:`flashprobe.probing.stats.DeviationStats`
-``.bias``): reported in ``stats()``, ``summary()``, ``probe.jsonl``, and the verdict (``biased``).
+A kernel whose error has the size of the baseline's but always the same sign passes every call, yet
+its error adds up over steps instead of averaging out (Qiu & Yao, arXiv 2510.04212, trace BF16
+flash-attention loss explosions to such **biased** rounding). :class:`BiasStats` measures it; the
+probe keeps one per site (``DeviationStats.bias``) and the judge reads it (``biased``,
+:func:`flashprobe.judge.judge_bias`).
 """
 
 from __future__ import annotations
@@ -62,30 +29,21 @@ __all__ = [
     "bias_dict",
 ]
 
-#: The two signed statistics kept per direction (module docstring).
+#: The two signed statistics kept per direction (:class:`BiasStats`).
 COMPONENTS = ("offset", "magnitude")
 #: ``|z|`` at or above which a direction reads biased: ``2·exp(−12.5) ≈ 7.5e-6`` per test for a
-#: correct kernel (symmetric, independent replicates); its tests hold correct kernels under it
-#: over many seeds.
+#: correct kernel.
 BIAS_Z_LIMIT = 5.0
 #: The mean signed error, in units of the baseline's error RMS, that a direction must exceed to read
-#: biased (module docstring): above the largest mean of torch's correct kernels measured in 16-bit
-#: training (``flashprobe bench verdicts``: within ±0.06 in bf16 and fp16) and the fuzzer's tiniest
-#: one-signed effect (``sdpa_flash`` fp16 on dense inputs: +0.003 to +0.005), below the biases that
-#: matter (a 16-bit output truncated toward zero: −0.55 to −1.6; FlashAttention-2's bf16 ``P̄`` on
-#: repeated maxima, Qiu & Yao's mechanism: −0.27 on the output, ``flashprobe fuzz``'s
-#: ``bias_repeated_max``).
+#: biased: above the means of torch's correct kernels, below the biases that matter (calibration:
+#: docs/calibration.md).
 BIAS_TOLERANCE = 0.1
-#: The dtypes whose errors the probe's bias accumulates (:class:`BiasStats` ``dtypes``): the bias the
-#: sequel paper blames is low-precision rounding's; at fp32 a kernel's summation order leaves
-#: one-signed errors of fp32's own size (torch's CPU flash backward: −0.08 to +0.17 of the fp32
-#: baseline's error RMS), harmless and not what the tolerance is for.
+#: The dtypes whose errors the probe's bias accumulates (:class:`BiasStats` ``dtypes``): the bias
+#: that matters is low-precision rounding's; at fp32 one-signed errors of fp32's own size are harmless.
 LOW_PRECISION: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 
 #: The probe's cap on the elements read per replicate (:class:`BiasStats` ``sample``): every k-th
-#: row of a larger slice, so the statistic costs a fraction of the deviation statistics. A slice
-#: of 4096 elements already resolves a per-element bias of 1/64 of the baseline's error RMS at
-#: one sigma per replicate, and ``z`` grows with the replicates.
+#: row of a larger slice (4096 elements resolve a bias of 1/64 of the error RMS at one sigma).
 BIAS_SAMPLE = 4096
 
 _N, _S1, _S2 = 0, 1, 2
@@ -95,6 +53,17 @@ BIAS_FIELDS: tuple[str, ...] = tuple(f"bias.{c}.{s}" for c in COMPONENTS for s i
 
 class BiasStats:
     """Signed error of a primary kernel against the golden value, accumulated per direction.
+
+    Per call and direction each ``(…, N, D)`` slice (one per batch entry and head: a **replicate**)
+    gives two signed means of ``e = primary − golden`` over its finite elements, in units of the
+    baseline's error RMS on the slice (the primary's where the baseline is exact): ``offset`` =
+    ``mean(e) / rms``, and ``magnitude`` = ``mean(e · sign(golden)) / rms`` (negative toward zero).
+    Per component it keeps ``n``, ``s1 = Σ r`` and ``s2 = Σ r²``; the self-normalised sum
+    ``z = s1 / √s2`` of symmetric independent replicates has ``P(|z| ≥ x) ≤ 2·exp(−x²/2)`` (Efron
+    1969), while a consistent sign grows ``|z|`` as ``√n``. Correct kernels carry tiny systematic
+    errors too, so the verdict tests the mean's excess over :data:`BIAS_TOLERANCE`
+    (:func:`bias_dict`). The state is three sums, so intervals and ranks combine by adding
+    (:meth:`merge`, or an ``all_reduce(SUM)`` of :attr:`state`); :meth:`add` is tensor ops only.
 
     Args:
         directions: the names :meth:`add` accepts (default ``out, dq, dk, dv``).
@@ -190,9 +159,8 @@ class BiasStats:
             if k > 1:
                 primary, golden, baseline = (x[..., ::k, :] for x in (primary, golden, baseline))
         dtype = self.state.dtype
-        # Element differences in float32 unless the primary is float64: the golden's float32
-        # rounding (round to nearest, symmetric) is 2⁻¹⁶ of a bf16 ulp and half an fp32 ulp, noise
-        # that leaves z's band as it is; it halves the memory traffic of these reads.
+        # float32 differences unless the primary is float64: the golden's float32 rounding is
+        # symmetric noise far below a 16-bit kernel's error, and it halves the memory traffic.
         work = dtype if primary.dtype == torch.float64 else torch.float32
         g = golden.detach().to(self.device, work)
         e = torch.empty((2, *g.shape), dtype=work, device=self.device)  # primary, baseline − golden
@@ -209,8 +177,7 @@ class BiasStats:
             count = mask.sum(dim=-1).to(dtype)  # (R,)
             sign = torch.where(mask, torch.sign(g), 0.0)
         per = count.clamp(min=1.0)
-        # Reductions in the work dtype, then widened: R numbers per statistic, each a sum of at most
-        # BIAS_SAMPLE terms (float32's rounding there is far below the tolerance's resolution).
+        # Reductions in the work dtype, then widened: R sums of at most BIAS_SAMPLE terms each.
         rms_p, rms_b = torch.linalg.vector_norm(e, dim=-1).to(dtype) / per.sqrt()
         scale = torch.where(rms_b > 0, rms_b, torch.where(rms_p > 0, rms_p, 1.0))
         sums = torch.stack([e[0].sum(dim=-1), torch.linalg.vecdot(e[0], sign)]).to(dtype)

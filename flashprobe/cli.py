@@ -145,13 +145,9 @@ def _availability(name: str, device: str, *, call: bool) -> Any:
 
 
 def list_kernels(argv: Sequence[str]) -> int:
-    """``flashprobe kernels``: every registered kernel, its options and whether it runs here.
-
-    Each kernel is tried on the CPU (and on CUDA when torch sees a GPU) at bf16, fp16, fp32 and
-    fp64 (and e4m3 where it declares FP8 inputs) with its declared check and one tiny call in its own
-    api (``flash_attn_varlen_func``, ...: named under it), at the lengths it declares; a kernel
-    whose first call compiles (a ``compile`` option that is on) gets only its check unless ``--try``
-    is given, so the listing takes seconds. A kernel that cannot run says why.
+    """``flashprobe kernels``: every registered kernel, its options and whether it runs here (on the
+    CPU, and CUDA where torch sees a GPU), each dtype tried with :func:`_availability`; a kernel whose
+    first call compiles gets only its check unless ``--try`` is given. A kernel that cannot run says why.
     """
     import argparse
 

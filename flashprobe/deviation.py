@@ -1,38 +1,17 @@
 """Elementwise deviation between two attention outputs, and the error ratio.
 
-Vocabulary (DESIGN.md): for outputs ``a`` and reference ``b`` of the same shape,
+For an output ``a`` and a reference ``b`` of one shape (:class:`Deviation`): ``max_abs`` and
+``mean_abs`` of ``|a − b|`` and ``rel_l2 = ‖a − b‖₂ / ‖b‖₂`` over the finite pairs, and ``nonfinite``,
+the positions where either is NaN/±inf (counted, never turning the others into NaN; with no finite
+pair they are NaN). The **error ratio** (:func:`error_ratio`, flash-attention's statistic, reported
+but not judged by; the verdict is :mod:`flashprobe.judge`) is ``max_abs(primary, golden) /
+max(max_abs(baseline, golden), noise floor)``.
 
-* ``max_abs``  = max |a − b| over finite pairs,
-* ``mean_abs`` = mean |a − b| over finite pairs,
-* ``rel_l2``   = ‖a − b‖₂ / ‖b‖₂ over finite pairs (0 when both are 0),
-* ``nonfinite`` = number of positions where ``a`` or ``b`` is NaN/±inf — counted, never
-  allowed to turn the maxima into NaN; when *no* pair is finite the other statistics are
-  undefined (NaN);
-* **error ratio** = ``max_abs(primary, golden) / max(max_abs(baseline, golden), noise floor)``;
-  flash-attention's own tests pass a kernel when it is ≤ 2. It is reported, not judged by:
-  the verdict's rule is :mod:`flashprobe.judge`. The **noise floor**
-  (:func:`noise_floor`) is half a unit in the last place of the largest golden value in the dtype
-  the kernels computed in, ``½·eps(dtype)·max|golden|``: the rounding error of merely storing the
-  golden output in that dtype, which any baseline error normally exceeds. It only matters when the
-  baseline is (nearly) exact, where a bare ratio would be infinite or noise over noise. A ratio
-  that is undefined — no finite value compared (every output NaN), or 0/0 — is ``None``.
-
-**Names** used everywhere (probe statistics, bench rows, fuzz results, reports): the three
-:data:`PAIRS` ``primary_baseline``, ``primary_golden``, ``baseline_golden`` (``a_b`` = deviation of
-``a`` from reference ``b``) and the statistics of :class:`Deviation`. A flat key joins them with an
-underscore (``primary_golden_max_abs``), a nested record nests them (``{"primary_golden": {"max_abs":
-...}}``).
-
-**One implementation.** :func:`pair_sums` computes the sufficient statistics of up to three pairs
-at once with plain tensor ops on the tensors' device, with no host synchronisation and no branch on
-the values (one path for the CPU and every accelerator); the probe, the benchmarks and the fuzzer
-all use it, through :func:`deviation_tensors` / :func:`deviation` or directly; its rows and pairs
-are read by name (:data:`SUM`, :data:`PAIR`).
-:func:`pair_and_row_sums` is the same pass with the L2 norm of every row as well (the verdict's
-row statistics, :func:`flashprobe.judge.call_statistics`): each difference is taken once.
-Differences are taken in float64 (the float32/bf16/fp16 sides are promoted exactly), so on a
-given device the bits do not depend on the inputs' layout; across devices the order of the
-reductions (and so the last bits of the sums) may differ.
+The :data:`PAIRS` (``a_b``: deviation of ``a`` from reference ``b``) and the statistics name every
+record: a flat key joins them (``primary_golden_max_abs``), a nested record nests them.
+:func:`pair_sums` computes the sums of up to three pairs in one pass on the tensors' device, with no
+host synchronisation and no branch on the values; differences are taken in float64 (inputs are
+promoted exactly), so on one device the bits do not depend on the inputs' layout.
 """
 
 from __future__ import annotations
@@ -185,22 +164,10 @@ def pair_sums(
     """Sufficient statistics of the pairs ``(primary, baseline)``, ``(primary, golden)``,
     ``(baseline, golden)`` at once, on the tensors' device (no host synchronisation).
 
-    A position counts as non-finite for a pair when the float64 difference is non-finite, i.e.
-    when either side is NaN or ±inf; every other statistic is over the finite positions. Per
-    cache-sized slice of ``m`` elements (:data:`SLICE_ELEMENTS`) the scratch rows are the
-    references and the differences side by side (:class:`_Layout`), so that each reduction runs once
-    over adjacent rows: ``amax`` of the magnitudes, ``sum`` of the differences' and an L2 norm per
-    row. The golden pairs' sums of squares are folded from the L2 norms of rows (the golden's last
-    dimension, or whole slices): squares of norms, so to the last bit or two.
-
-    **Masking.** Non-finite pairs are taken out with ``ref + 0·d`` (NaN where the pair is not
-    finite) and one ``nan_to_num`` that zeroes every masked entry of ``d`` and ``r``. Where a host
-    read is free (:func:`reads_are_free`: the CPU), the call is first reduced unmasked, and its
-    statistics are read once: when they are finite, no pair is non-finite, masking would change
-    nothing, and it is skipped (the two golden pairs then share one reference row, ``golden`` itself, read
-    where it lies when it is float64 and contiguous). Both ways give the same bits on finite data,
-    so the statistics do not depend on whether the read was made; on an accelerator every slice is
-    masked, without a read.
+    A position is non-finite for a pair when the float64 difference is (either side NaN or ±inf);
+    every other statistic is over the finite positions. The work runs per cache-sized slice
+    (:data:`SLICE_ELEMENTS`, :class:`_Sweep`); where a host read is free (:func:`reads_are_free`)
+    a call whose unmasked statistics read finite skips the masking, with the same bits.
 
     Args:
         primary: any shape, any floating dtype.
@@ -433,8 +400,11 @@ class _Layout:
 
 class _Sweep:
     """One pass over ``(primary, baseline[, golden[, form]])`` in cache-sized slices of whole rows
-    (:data:`SLICE_ELEMENTS`), unmasked or masked (:func:`pair_sums`): on finite data both reduce the
-    same values in the same row shapes, so they give the same bits."""
+    (:data:`SLICE_ELEMENTS`), unmasked or masked: on finite data both reduce the same values in the
+    same row shapes, so they give the same bits. Masked, non-finite pairs are taken out with
+    ``ref + 0·d`` (NaN where the pair is not finite) and one ``nan_to_num``; unmasked, the golden
+    pairs share ``golden`` itself as their reference. The golden pairs' sums of squares are folded
+    from the L2 norms of rows."""
 
     def __init__(
         self, p: torch.Tensor, b: torch.Tensor, g: torch.Tensor | None, f: torch.Tensor | None, width: int,
@@ -615,7 +585,8 @@ def deviation(a: torch.Tensor, b: torch.Tensor) -> Deviation:
 
 
 def noise_floor(golden_max_abs: float, dtype: torch.dtype) -> float:
-    """The error ratio's noise floor: ``½ · eps(dtype) · max|golden|``.
+    """The error ratio's noise floor: ``½ · eps(dtype) · max|golden|``, the rounding of merely storing
+    the golden in the dtype; it matters only where the baseline is (nearly) exact.
 
     Args:
         golden_max_abs: the largest magnitude of the golden output.

@@ -1,19 +1,11 @@
 """The base class of every error flashprobe raises on purpose.
 
-Each error of flashprobe derives from :class:`FlashprobeError` and keeps the built-in class it has
-always had (``ValueError`` for bad input, ``RuntimeError`` for a refusal at run time, ``OSError``
-for a full disk), so ``except ValueError`` still catches a bad kernel spec and
-``except FlashprobeError`` catches every error of flashprobe's own, whatever module raised it::
-
-    try:
-        get_kernel("tiled:block_q=0")
-    except FlashprobeError as err:  # a KernelSpecError, also a ValueError
-        print(f"flashprobe refused: {err}")
-
-The commands recognise their own errors by this class: they print its message in one paragraph
-without a traceback, where an error of another class (a bug) keeps its traceback.
-
-This module imports nothing of flashprobe: it sits at the bottom of the package's import graph.
+Each error of flashprobe derives from :class:`FlashprobeError` and keeps its built-in class
+(``ValueError`` for bad input, ``RuntimeError`` for a refusal at run time, ``OSError`` for a full
+disk), so ``except FlashprobeError`` catches every error of flashprobe's own and ``except ValueError``
+still catches a bad kernel spec. The commands print such an error in one paragraph without a
+traceback; an error of another class (a bug) keeps its traceback. This module imports nothing of
+flashprobe: it sits at the bottom of the package's import graph.
 """
 
 from __future__ import annotations

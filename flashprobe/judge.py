@@ -1,134 +1,13 @@
-"""The verdict's one rule: is this call's output (or gradient) as right as a correct kernel's?
+"""The verdict's rule: is this call's output (or gradient) as right as a correct kernel's?
 
-Every place that says ``pass``, ``fail`` or ``undetermined`` — the probe (on the device, at every
-call), ``flashprobe fuzz``, ``flashprobe replay`` and ``flashprobe bench verdicts`` — decides
-here, with :func:`decide` (tensors, no host read) or :func:`judge` (plain numbers, one call).
-
-**Statistics** of one call and one direction (``out``, ``dq``, ``dk``, ``dv``), all against the
-FP64 **golden** ``g``, over the finite pairs (:func:`flashprobe.deviation.pair_sums` gives the
-sums, :func:`row_statistics` the rows):
-
-* ``absolute`` = ‖primary − g‖₂ / ‖g‖₂, the primary's relative L2 error (0 for an all-zero golden,
-  where no relative error is defined);
-* ``baseline`` = ‖baseline − g‖₂ / ‖g‖₂, the same-dtype baseline's (the larger over its forms where
-  the caller computes several: the probe and the fuzzer add, for gradients, the flash form of the
-  backward, which takes ``rowsum(dO∘O)`` from the rounded output as flash kernels do —
-  :func:`noise_statistics`);
-* ``relative`` = ‖primary − g‖₂ / max(‖baseline − g‖₂, floor · ‖g‖₂), the error ratio to the
-  baseline; ``floor = max(½·eps, eps₃₂·logit_max)``: the rounding of the golden value in the dtype,
-  or of the largest logit where the caller knows it (a kernel that rounds a logit ``s`` in its
-  float32 scores, as every exp2 kernel does with ``s·log2(e)``, is off by about ``|s|·eps₃₂``);
-* ``row`` = the worst row's error, ``max_r ‖primary_r − g_r‖₂ / max(‖g_r‖₂, rms_r ‖g_r‖₂)``: a row is
-  the last dimension, so a query row for ``out`` and ``dq``, a key row for ``dk`` and ``dv``.
-
-**Criteria**, in the order they are checked; the first that applies decides and names itself (of
-4–6, the one exceeded most, relative to its limit):
-
-1. ``unrepresentable`` → ``undetermined``: the golden's largest magnitude exceeds the dtype's
-   range (an fp16 golden gradient of 9.2e5): no value in the dtype could be right.
-2. ``nonfinite`` → ``fail``: NaN/±Inf in the primary at more positions than in the baseline.
-3. ``ill_conditioned`` → ``undetermined``: the baseline is itself more than
-   :data:`CONDITIONING_LIMIT` (a quarter of the golden's size) off — a very sharp or flat softmax,
-   cancelling gradients, logits the 16-bit baseline rounds coarsely — or the rounding of the
-   largest logit is (``eps·logit_max``: logits near the float range, whose differences cannot be
-   resolved), *and* the primary is not within the absolute and row limits (a kernel that close to
-   the golden is right, however poor the baseline; it passes). No ratio means anything there —
-   unless the primary is plainly wrong all the same: off by more than the golden's own size and
-   :data:`GROSS_RATIO` times the baseline's error (then ``absolute`` fails it).
-4. ``absolute`` → ``fail``: the primary's relative error exceeds :func:`absolute_limit` — what no
-   correct kernel at this dtype reaches where the call is well-conditioned — and is
-   :data:`ABSOLUTE_RATIO` times the baseline's. This catches a gradient tens of percent wrong
-   where the 16-bit baseline is itself a few percent off (a ratio of 20, under the relative
-   limit). The guard ratio keeps a correct kernel that rounds every step in the dtype, as the
-   baseline does, from failing where the call is hard for both.
-5. ``row`` → ``fail``: the worst row exceeds :func:`row_limit` and :data:`ROW_RATIO` times the
-   baseline's worst row (where the softmax is sharp some rows are hard for every kernel): a zeroed
-   key tile, wrong tail rows, one wrong head or batch entry, which the whole-tensor L2 averages
-   away.
-6. ``relative`` → ``fail``: the error ratio exceeds :data:`RELATIVE_LIMITS` (where the same-dtype
-   baseline is strong, in float32, the sharpest criterion).
-
-Further per-call criteria extend :data:`CRITERIA`: a code, a name, a limit and one comparison in
-:func:`decide`. The signed bias is judged over many replicates, not by :func:`decide`: criterion 5,
-``biased`` → ``fail``, where the self-normalised sum ``z`` of the replicates' signed mean errors
-(:mod:`flashprobe.bias`) reaches :data:`flashprobe.bias.BIAS_Z_LIMIT` (:func:`judge_bias`). The probe
-applies it to a site over its calls and steps (``biased: ...``,
-:func:`flashprobe.probing.shadow.site_verdict`), the fuzzer to the (batch, head) replicates of one call
-of its ``signed bias`` cases; no other call fails for it.
-
-**The statistic shown first** is :data:`SCORE`, ``limit_ratio``: the largest ``statistic / limit``
-over the criteria 4–6 (> 1 fails; 0 for an undetermined call). A progress bar, summary or figure
-that shows it shows the number the verdict used; the older ratios stay under their own names
-(``error_ratio``: of maxima, flash-attention's statistic; ``l2_error_ratio``: ``relative``).
-
-**Limits.** With ``ε = max(eps(dtype), 2⁻¹⁶)`` (the dtype's resolution, at least 1.5e-5: float32
-errors are set by the logits and reduction lengths, not by its eps): absolute ``4ε`` (``out``) and
-``8ε`` (gradients), i.e. bf16 3.1 % / 6.3 %, fp16 0.39 % / 0.78 %, float32 6e-5 / 1.2e-4; row
-``min(½, 64ε)``. Measured (``tests/test_judge.py``, ``flashprobe bench verdicts``; docs/calibration.md
-"Why the limits are these"): correct kernels that
-accumulate in fp32 (torch's flash and math, ``tiled`` ``fa2``) stay at about ``1ε``; those that
-round every step in the dtype (``tiled`` ``paper``, and the baseline itself) reach ``6ε`` at
-most at moderate sharpness, and within 1.6× of the baseline on the calibration models (the fuzzer's
-``single_query`` and ``grad_out_tiny`` cases take one row of ``paper`` to 2.1–2.3× in some seeds, where it
-fails the row criterion: docs/fuzz.md "The `paper` preset's failures, step by step"); a backward that drops
-``rowsum(dO·O)`` is tens of percent off at 20–1000× the baseline, and a zeroed key tile's rows read
-1. Gradients get twice the output's limits because ``dS = P∘(dP − rowsum(dO·O))`` cancels: their
-errors are a few times the output's for every correct kernel.
-
-**The LSE** (``lse``, a direction of its own: :func:`judge_lse`, from :func:`lse_statistics` on the
-device) is judged row by row in the base the kernel declares, against the golden's LSE and the
-same-dtype baseline's (both from :func:`flashprobe.kernels.math.call_reference`): a row that sees no
-key must hold exactly the empty-row value (``−inf`` in the logical form, or the kernel's declared
-``KernelCapabilities.empty_lse`` for its own LSE: ``empty_row``), a row that sees keys a finite value
-(``nonfinite``), within ``max(`` :data:`LSE_RELATIVE_LIMIT` ``× the baseline's worst row error, the
-floor)`` of the golden (``lse``), the floor :data:`LSE_ABSOLUTE_EPS` ``· resolution(dtype)`` and at least
-``4·eps₃₂·|golden|`` (an LSE is stored in float32 at least: a base conversion or an exp2 kernel's
-``s·log2(e)`` rounds it so). An LSE error is a relative error of the row's softmax denominator: a base-2
-LSE read as natural, a missing scale or sink, ALiBi added at another anchor, an LSE converted twice
-are off by far more than any rounding.
-
-**FP8.** A kernel that rounds its operands to an FP8 format (Q, K, V or P; it says so in
-``KernelCapabilities.fp8``) is as correct as a correct FP8 kernel when it is within these criteria
-against the **FP8 baseline** ``math:fp8=<format>`` — Q, K and V rounded to the format with one amax
-scale per tensor, everything after in float32 — with the limits of the format's dtype
-(``precision`` of :func:`judge_errors`): E4M3's ``ε = 2⁻³`` makes the absolute limit the ¼ cap
-(and 4× the FP8 baseline's error), the row limit ½ (and 4× its worst row), and the relative
-limit stays 8× the FP8 baseline's error. The baseline differs from the kernel in the algorithm
-only (tiling, the FP8 cast of P, finer scales, the rotation), as ``math`` does from a 16-bit kernel.
-Its error is **the spread of FP8's own rounding, not one draw of it**: which scale quantizes a
-tensor is the kernel's choice (the amax, a static scale, one per block), every valid one rounds each
-value differently, and where a few roundings decide the result the error depends on which. So the
-FP8 baseline's error is the largest over :data:`FP8_DRAWS` realisations of its rounding
-(:func:`fp8_realisations`: ``math:fp8=<format>,fp8_draw=<r>``, Q's, K's and V's amax scales shifted
-by factors in ``(½, 1]`` that are not powers of two, :func:`flashprobe.kernels.fp8.realisation_shifts`),
-folded in by the caller as the baseline's other forms are (the fuzzer's noise,
-:mod:`flashprobe.fuzz.references`). Every criterion reads that one yardstick, the conditioning
-included: a call where some valid rounding is more than ¼ off is one FP8 cannot be judged on. The
-probe, which computes one baseline per call on the device, judges an FP8 primary against the amax
-draw alone.
-On the fuzzer's ``outliers`` call of seed 8 (bf16; a channel of q and k 20× the others, logits in the
-hundreds) per-tensor E4M3 with static scales 0.08–0.14 is 0.042–0.381 off the golden, the
-amax draw 0.094 and ``fa3_fp8`` with ``rotation=off`` 0.378: against the amax draw alone it failed
-(4× closer needed), against the five draws (up to 0.246) it passes (``tests/fuzz/test_fp8_rule.py``).
-Measured over 20 seeds of the fuzzer's default catalogue, bf16, fp16 and fp32, outputs only
-(docs/calibration.md "FA3's FP8 forward (`tiled:preset=fa3_fp8`) over 20 seeds";
-``tests/fuzz/test_fp8_rule.py`` repeats a subset): ``fa3_fp8`` with ``rotation=off`` failed one of its
-2,484 judged calls against the amax draw alone, that ``outliers`` call, and none of the cases that
-failed or came close (``outliers``, ``rising_max``, ``sentinel_*``) against the five; on seeds 0–1, bf16
-and fp16, it, per-tensor scales and E5M2 stay within 1.4× the FP8 baseline's error, and four
-FP8 bug classes fail (a descale left out, on all of V or on its last block of keys; Q rotated but not
-K; K scaled from its first rows). With the Hadamard rotation (the preset's default) three kinds of
-call fail, and each is FA3's published algorithm, not the emulation's nor the judge's (the kernel is
-within 1 % of an FP64 FA3 forward written out by hand: ``tests/fuzz/test_fp8_rule.py``): ``rising_max``
-(worst row; every seed in fp16 and fp32, some in bf16) and logits of 1e4 or more (``sentinel_*``,
-``raw_sentinel_*``; a few seeds, 0.7–7× the golden's size off) — rotated, every channel of a key mixes
-all its channels (size about ``‖k_j‖/√d``) and rounds by up to 2⁻⁴ of that, so a logit's error scales
-with ``‖q_i‖·‖k_j‖``, independently key by key, instead of with ``Σ_c |q_ic·k_jc|``: quiet rows inherit
-loud rows' errors and logits of 1e4 are off by hundreds; and ``bias_repeated_max`` in fp16 (signed bias,
-z −5.0 to −6.0) — FA3 divides by the row sum of P in fp32 but multiplies V by P in E4M3, which rounds
-the rotation's near-ties (P above 31/32) up to 1, so the output leans away from zero. The FP8 baseline
-differs from the kernel in the algorithm only at every dtype (both quantize the same bf16, fp16 or fp32
-inputs and return that dtype), so these verdicts are the rotation's, and right.
+Every ``pass``, ``fail`` or ``undetermined`` of flashprobe (the probe at every call, ``flashprobe
+fuzz``, ``replay`` and ``bench verdicts``) is decided here. A call's primary (the kernel's ``out``,
+``dq``, ``dk`` or ``dv``) is compared with the FP64 golden, against the same-dtype baseline's error
+and limits in the dtype's resolution: :func:`decide` (tensors, no host read; its docstring gives the
+statistics and :data:`CRITERIA`), or :func:`judge` / :func:`judge_errors` (plain numbers, one call).
+The LSE is judged by :func:`judge_lse`, the signed bias over many calls by :func:`judge_bias`, an FP8
+kernel against the FP8 baseline (:func:`fp8_baseline`). The headline statistic is :data:`SCORE`.
+How the limits were calibrated: docs/calibration.md.
 """
 
 from __future__ import annotations
@@ -169,7 +48,6 @@ __all__ = [
     "Judgement",
     "absolute_limit",
     "call_statistics",
-    "code_name",
     "decide",
     "error_columns",
     "fp8_baseline",
@@ -203,12 +81,11 @@ CRITERIA: dict[int, str] = {
 FAILURES: tuple[str, ...] = tuple(name for code, name in CRITERIA.items() if code > 0)
 #: The criteria that leave a call undetermined.
 UNDETERMINED: tuple[str, ...] = tuple(name for code, name in CRITERIA.items() if code < 0)
-#: Limits on the ratio of the primary's L2 error to the same-dtype baseline's, per direction: the
-#: output's from ``bench verdicts`` (correct kernels read at most 1.4), the gradients' wider because
-#: FlashAttention's backward takes ``rowsum(dO∘O)`` from the rounded output, which the plain
-#: baseline does not (correct kernels read up to 10.7 where ``dS`` cancels).
+#: Limits on the ratio of the primary's L2 error to the same-dtype baseline's, per direction (wider
+#: for gradients: a flash backward takes ``rowsum(dO∘O)`` from the rounded output, the baseline not).
 RELATIVE_LIMITS: dict[str, float] = {"out": 8.0, "dq": 64.0, "dk": 64.0, "dv": 64.0}
-#: The absolute limit in units of :func:`resolution`, per direction.
+#: The absolute limit in units of :func:`resolution`, per direction (twice for gradients, whose
+#: ``dS = P∘(dP − rowsum(dO·O))`` cancels).
 ABSOLUTE_EPS: dict[str, float] = {"out": 4.0, "dq": 8.0, "dk": 8.0, "dv": 8.0}
 #: The absolute criterion also needs this many times the baseline's relative error.
 ABSOLUTE_RATIO: float = 4.0
@@ -216,19 +93,20 @@ ABSOLUTE_RATIO: float = 4.0
 ROW_EPS: float = 64.0
 #: The row criterion also needs this many times the baseline's worst row.
 ROW_RATIO: float = 4.0
-#: The three limit tables as one record, as ``bench rules`` and ``bench verdicts`` write them.
+#: The three limit tables as one record, as ``bench verdicts`` and ``lab.rules`` write them.
 LIMITS: dict[str, Any] = {"relative": RELATIVE_LIMITS, "absolute_eps": ABSOLUTE_EPS, "row_eps": ROW_EPS}
 #: A call is ill-conditioned when the baseline's relative error exceeds this fraction of the golden.
 CONDITIONING_LIMIT: float = 0.25
-#: In an ill-conditioned call, the primary still fails when it is off by more than the golden's
-#: own size and this many times the baseline's error.
+#: In an ill-conditioned call the primary still fails when off by more than the golden's own size
+#: and this many times the baseline's error.
 GROSS_RATIO: float = 8.0
-#: How many realisations of the FP8 baseline's rounding its error is the largest of
-#: (:func:`fp8_realisations`): the amax scales and ``FP8_DRAWS − 1`` shifts of them.
+#: The FP8 baseline's error is the largest over this many realisations of its rounding
+#: (:func:`fp8_realisations`).
 FP8_DRAWS: int = 5
 #: The statistics of a judgement, in the order :func:`decide` returns them.
 STATISTICS: tuple[str, ...] = ("limit_ratio", "absolute", "baseline", "relative", "row")
-#: The statistic shown first: the largest ``statistic / limit`` over the criteria that fail.
+#: The statistic shown first: the largest ``statistic / limit`` over the criteria that compare errors
+#: with limits (``relative``, ``absolute``, ``row``); > 1 fails, 0 for an undetermined call.
 SCORE: str = "limit_ratio"
 
 
@@ -262,12 +140,10 @@ def row_statistics(primary: torch.Tensor, baseline: torch.Tensor, golden: torch.
     """The worst row's error of the primary and of the baseline, and the golden's largest magnitude,
     on the device (no host read).
 
-    A row is the last dimension (a query's output or ``dq`` row, a key's ``dk``/``dv`` row); its
-    error is ``‖x_r − g_r‖₂ / max(‖g_r‖₂, rms_r ‖g_r‖₂)``: relative to the row's own norm, or to the
-    root mean square of the rows' norms where the row is smaller (a row the golden makes tiny does
-    not turn rounding into a large relative error). A row with a non-finite difference counts as 0
-    here (the ``nonfinite`` criterion counts it). Computed by :func:`call_statistics`, from the
-    differences the pair sums take (memory: their bounded scratch and a few per-row vectors).
+    A row is the last dimension (a query's ``out``/``dq`` row, a key's ``dk``/``dv`` row); its error
+    is ``‖x_r − g_r‖₂ / max(‖g_r‖₂, rms_r ‖g_r‖₂)``, so a row the golden makes tiny does not turn
+    rounding into a large relative error. A row with a non-finite difference counts as 0 here (the
+    ``nonfinite`` criterion counts it).
 
     Args:
         primary: ``(..., D)`` any floating dtype.
@@ -276,9 +152,7 @@ def row_statistics(primary: torch.Tensor, baseline: torch.Tensor, golden: torch.
 
     Returns:
         ``(3,)`` float64: the primary's and the baseline's worst row (0 for an empty tensor or an
-        all-zero golden, where no relative error is defined), and ``max|golden|`` over every
-        position (the ``unrepresentable`` criterion's statistic). Combine calls or blocks with a
-        maximum.
+        all-zero golden), and ``max|golden|`` over every position. Combine calls with a maximum.
     """
     return call_statistics(primary, baseline, golden)[1]
 
@@ -293,8 +167,7 @@ class CallStatistics(NamedTuple):
     noise: torch.Tensor | None
     """``(2,)`` :func:`noise_statistics` of the baseline's second form, where one was given."""
     finite: bool
-    """Whether the primary, the baseline and the golden were read to be finite everywhere (where a
-    host read is free; else ``False``): what lets :meth:`flashprobe.bias.BiasStats.add` skip masking."""
+    """Whether the three tensors were read to be finite everywhere (``False`` where not read)."""
 
 
 def call_statistics(
@@ -305,9 +178,7 @@ def call_statistics(
     *,
     form: torch.Tensor | None = None,
 ) -> CallStatistics:
-    """One call's statistics from one pass over its tensors, on the device (no host read):
-    :func:`~flashprobe.deviation.pair_and_row_sums` takes each difference once and reduces it
-    for the pairs and for the rows.
+    """One call's statistics from one pass over its tensors, on the device (no host read).
 
     Args:
         primary: ``(..., D)`` the kernel's output or gradient.
@@ -316,9 +187,6 @@ def call_statistics(
         workspace: scratch buffers to reuse across calls.
         form: as many elements, a second form of the baseline (the flash form of the backward), or
             None.
-
-    Returns:
-        The :class:`CallStatistics`.
     """
     sums, norms, golden_max, finite = pair_and_row_sums(primary, baseline, golden, workspace, form)
     errors = _row_errors(norms, norms[NORM.golden])  # (K, rows) by NORM: the golden's own row unused
@@ -378,8 +246,7 @@ def noise_statistics(
 ) -> torch.Tensor:
     """A second baseline form's error, on the device: ``(2,)`` float64 ``[‖form − g‖² over its finite
     rows, its worst row]`` (rows as :func:`row_statistics`), folded into ``total`` (sums add, rows
-    take the maximum) when given. One difference tensor, no host read (:func:`call_statistics`
-    computes it with a call's other statistics, in their pass).
+    take the maximum) when given.
 
     Args:
         form: the second form's output or gradient, ``(..., D)``.
@@ -407,6 +274,31 @@ def decide(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rule on ``K`` directions at once, with tensor ops only (no host read, no branch).
 
+    Statistics, against the FP64 golden ``g`` over the finite pairs, each 0 where its denominator is:
+    ``absolute`` = ‖p − g‖₂ / ‖g‖₂; ``baseline`` = ‖b − g‖₂ / ‖g‖₂ (the larger over the baseline's
+    forms, :func:`error_columns`); ``relative`` = ‖p − g‖₂ / max(‖b − g‖₂, floor·‖g‖₂) with
+    ``floor = max(½·eps, eps₃₂·logit_max)`` (the rounding of the golden in the dtype, or of the
+    largest logit in float32 scores); ``row`` = the worst row's error (:func:`row_statistics`).
+
+    Criteria, in order; the first that holds decides:
+
+    1. ``unrepresentable`` (undetermined): ``max|g|`` exceeds the dtype's range.
+    2. ``nonfinite`` (fail): NaN/±Inf in the primary at more positions than in the baseline.
+    3. ``ill_conditioned`` (undetermined): the baseline (or the largest logit's rounding) is more than
+       :data:`CONDITIONING_LIMIT` off and the primary is not within the absolute and row limits;
+       unless the primary is off by more than ‖g‖ and :data:`GROSS_RATIO` × the baseline's error,
+       which fails it as ``absolute``.
+    4. ``relative``, ``absolute``, ``row`` (fail), the one exceeded most relative to its limit:
+       ``relative`` above :data:`RELATIVE_LIMITS`; ``absolute`` above :func:`absolute_limit` (capped
+       at :data:`CONDITIONING_LIMIT`) and :data:`ABSOLUTE_RATIO` × the baseline's (a gradient tens of
+       percent off where the 16-bit baseline is a few percent off); ``row`` above :func:`row_limit`
+       and :data:`ROW_RATIO` × the baseline's worst row (a zeroed key tile, wrong tail rows, one
+       wrong head, which the whole-tensor L2 averages away). The absolute and row limits are at
+       least 4 × the floor.
+
+    A further per-call criterion is a code and name in :data:`CRITERIA`, a limit and one comparison
+    here. The ``biased`` criterion is judged over many replicates instead (:func:`judge_bias`).
+
     Args:
         errors: ``(K, 7)`` float64 :data:`ERROR_COLUMNS` (:func:`error_columns`).
         dtype: the dtype the kernels computed in.
@@ -426,9 +318,7 @@ def decide(
     # to about |s|·eps(scores), whatever the inputs' dtype.
     logit_rounding = logit_max * min(eps, float(torch.finfo(torch.float32).eps))
     rel_floor = max(logit_rounding, 0.5 * eps)
-    # absolute ‖p − g‖/‖g‖, baseline ‖b − g‖/‖g‖ and relative ‖p − g‖/max(‖b − g‖, floor·‖g‖), each 0
-    # where its denominator is: against an all-zero golden a relative error is undefined (the relative
-    # criterion, with the baseline's error as yardstick, still applies).
+    # absolute, baseline, relative (squared until sqrt_), each 0 where its denominator is
     numerator = torch.stack((pg, bg, pg), dim=1)
     denominator = torch.stack((g, g, torch.maximum(bg, rel_floor**2 * g)), dim=1)
     defined = denominator > 0
@@ -437,21 +327,15 @@ def decide(
     # The absolute and row limits widen by the logits' rounding, as the relative floor does.
     widened = limit[:, 1:].clamp(min=4.0 * rel_floor)
     abs_limit, row_fixed = widened[:, 0].clamp(max=CONDITIONING_LIMIT), widened[:, 1]
-    # A row fails above its limit and ROW_RATIO x the baseline's worst row (sharp rows are hard for all).
     row_lim = torch.maximum(row_fixed, ROW_RATIO * base_row)
     ill = baseline > CONDITIONING_LIMIT
     if logit_rounding > CONDITIONING_LIMIT:  # logits too large for their differences to be resolved
         ill = torch.ones_like(ill)
         baseline = baseline.clamp(min=logit_rounding)
-    # Ill-conditioned is undetermined only where the primary is not within the limits a correct kernel
-    # keeps in a well-conditioned call: a kernel that is that close to the golden is right regardless.
-    ill = ill & ((absolute > abs_limit) | (row > row_fixed))
-    # Plainly wrong even where ill-conditioned: off by more than the golden itself, and GROSS x the
-    # baseline's error.
+    ill = ill & ((absolute > abs_limit) | (row > row_fixed))  # a primary that close is right regardless
     gross = (absolute > 1.0) & (relative > GROSS_RATIO)
-    # Of the criteria that compare errors with limits (relative, absolute, row), the most exceeded one
-    # names the failure; absolute is beyond the dtype's limit and ABSOLUTE_RATIO x the baseline's
-    # error (the smaller of the two margins is the criterion's).
+    # The most exceeded of relative, absolute, row names the failure; absolute's margin is the smaller
+    # of its two (the dtype's limit, ABSOLUTE_RATIO x the baseline's error).
     values = torch.stack((relative, absolute, row), dim=1)
     bounds = torch.stack((limit[:, 0], abs_limit, row_lim), dim=1)
     compared = values / bounds
@@ -464,9 +348,9 @@ def decide(
     hits = torch.stack(
         (top > 1, ill, ill & gross, extra > 0, golden_max > float(torch.finfo(dtype).max)), dim=1
     )
-    const = _decision_constants(errors.device, dtype)
-    pick = (hits * const.priority).amax(1)
-    code = torch.where(pick == 1, most[:, 0].to(pg.dtype) + 2.0, const.codes[pick])  # relative 2, ...
+    priority, codes, cond, zero, finite_max = _decision_constants(errors.device, dtype)
+    pick = (hits * priority).amax(1)
+    code = torch.where(pick == 1, most[:, 0].to(pg.dtype) + 2.0, codes[pick])  # relative 2, ...
     k = errors.shape[0]
     value = torch.stack(
         (relative, values.gather(1, most)[:, 0], baseline, absolute, extra, golden_max), dim=1
@@ -475,10 +359,10 @@ def decide(
         (
             limit[:, 0],
             bounds.gather(1, most)[:, 0],
-            const.cond.expand(k),
+            cond.expand(k),
             abs_limit,
-            const.zero.expand(k),
-            const.finite_max.expand(k),
+            zero.expand(k),
+            finite_max.expand(k),
         ),
         dim=1,
     )
@@ -488,27 +372,16 @@ def decide(
     return code, value.gather(1, at)[:, 0], bound.gather(1, at)[:, 0], stats
 
 
-class _DecisionConstants(NamedTuple):
-    """:func:`decide`'s constant tensors on one device, for one dtype (made once)."""
-
-    priority: torch.Tensor
-    """``(5,)`` int64: 1 … 5, the checks' priorities."""
-    codes: torch.Tensor
-    """``(6,)`` float64: the code of each check (index 0: none, 1: the exceeded criterion's, set apart)."""
-    cond: torch.Tensor
-    zero: torch.Tensor
-    finite_max: torch.Tensor
-
-
 @cache
-def _decision_constants(device: torch.device, dtype: torch.dtype) -> _DecisionConstants:
+def _decision_constants(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """:func:`decide`'s constant tensors on one device, for one dtype (made once): the checks'
+    priorities 1 … 5, the code of each check (index 0: none; 1: the exceeded criterion's, set apart),
+    and, float64, the conditioning limit, 0 and the dtype's largest value."""
     f64 = torch.float64
-    return _DecisionConstants(
+    return (
         torch.arange(1, 6, device=device),
         torch.tensor([0.0, 0.0, -1.0, 3.0, 1.0, -2.0], dtype=f64, device=device),
-        torch.tensor(CONDITIONING_LIMIT, dtype=f64, device=device),
-        torch.tensor(0.0, dtype=f64, device=device),
-        torch.tensor(float(torch.finfo(dtype).max), dtype=f64, device=device),
+        *torch.tensor([CONDITIONING_LIMIT, 0.0, float(torch.finfo(dtype).max)], dtype=f64, device=device),
     )
 
 
@@ -584,7 +457,9 @@ def reason(criterion: str | None, value: float, limit: float, dtype: torch.dtype
 
 
 def judge_bias(entry: Mapping[str, Any], direction: str = "out") -> Judgement:
-    """The ``biased`` criterion on one direction's signed bias, read into a :class:`Judgement`.
+    """The ``biased`` criterion on one direction's signed bias, read into a :class:`Judgement`: the
+    probe applies it to a site over its calls and steps, the fuzzer to the (batch, head) replicates
+    of one call of its signed-bias cases.
 
     Args:
         entry: a :func:`flashprobe.bias.bias_dict` entry (``BiasStats.as_dict()[direction]``).
@@ -686,7 +561,7 @@ def judge(
         direction: ``out``, ``dq``, ``dk`` or ``dv``.
         dtype: the dtype the kernels computed in (default: ``primary``'s).
         logit_max: the largest valid |logit| of the call where known (widens the floors for
-            kernels that round logits, see the module docstring).
+            kernels that round logits: :func:`decide`).
 
     Returns:
         The :class:`Judgement`.
@@ -698,10 +573,17 @@ def judge(
 
 
 def fp8_baseline(kernel: str | Kernel, baseline: str | Kernel) -> tuple[str | Kernel, torch.dtype | None]:
-    """The baseline and the limits' precision that judge ``kernel`` (the fuzzer's and the probe's):
-    for a kernel that declares an FP8 format (``KernelCapabilities.fp8``), the FP8 baseline
-    ``math:fp8=<format>`` in place of ``math`` and that format's dtype (``precision`` of
-    :func:`judge_errors`; "FP8" above); otherwise ``baseline`` and None (the call's dtype).
+    """The baseline and the limits' precision that judge ``kernel`` (the fuzzer's and the probe's).
+
+    A kernel that rounds its operands to FP8 (it declares the format in ``KernelCapabilities.fp8``)
+    is as correct as a correct FP8 kernel when it passes against the FP8 baseline
+    ``math:fp8=<format>`` (Q, K and V rounded to the format with one amax scale per tensor, the rest
+    in float32) with the limits of the format's dtype; the baseline then differs from the kernel in
+    the algorithm only, as ``math`` does from a 16-bit kernel.
+
+    Returns:
+        For an FP8 kernel, that baseline in place of ``math`` and the format's dtype (``precision``
+        of :func:`judge_errors`); otherwise ``baseline`` and None (the call's dtype).
     """
     fmt = get_kernel(kernel).capabilities.fp8
     if fmt is None:
@@ -712,21 +594,17 @@ def fp8_baseline(kernel: str | Kernel, baseline: str | Kernel) -> tuple[str | Ke
 
 
 def fp8_realisations(baseline: str | Kernel) -> list[str]:
-    """The FP8 baseline's other realisations of its rounding, whose errors its own error is the
-    largest of ("FP8" above): ``math:fp8=<format>,fp8_draw=<r>`` for ``r = 1 … FP8_DRAWS − 1``, Q's,
-    K's and V's amax scales shifted by factors in ``(½, 1]``
-    (:func:`flashprobe.kernels.fp8.realisation_shifts`). Empty for any other baseline (``math``, a
-    draw already chosen, a user's)."""
+    """The FP8 baseline's other realisations of its rounding: ``math:fp8=<format>,fp8_draw=<r>`` for
+    ``r = 1 … FP8_DRAWS − 1``, Q's, K's and V's amax scales shifted by factors in ``(½, 1]``
+    (:func:`flashprobe.kernels.fp8.realisation_shifts`). Which valid scale quantizes a tensor is the
+    kernel's choice and each rounds differently, so the FP8 baseline's error is the largest over
+    these and the amax draw (folded in by the caller; the probe judges against the amax draw alone).
+    Empty for any other baseline (``math``, a draw already chosen, a user's)."""
     kernel = get_kernel(baseline)
     fmt = kernel.options.get("fp8")
     if kernel.name != "math" or fmt not in FP8_DTYPES or set(kernel.options) != {"fp8"}:
         return []
     return [f"math:fp8={fmt},fp8_draw={r}" for r in range(1, FP8_DRAWS)]
-
-
-def code_name(code: float) -> str | None:
-    """The :data:`CRITERIA` name of a stored code (None for 0)."""
-    return CRITERIA.get(int(code))
 
 
 #: The LSE's limit: this many times the same-dtype baseline's worst row error (:func:`judge_lse`).
@@ -794,7 +672,14 @@ def judge_lse(
     empty: float = float("-inf"),
 ) -> Judgement:
     """The ``lse`` direction's verdict on one call (one host read): :func:`lse_statistics` read by
-    the criteria of :data:`LSE_CRITERIA`, in that order (module docstring, "The LSE").
+    the criteria of :data:`LSE_CRITERIA`, in that order.
+
+    The LSE is judged row by row in the base the kernel declares: a row that sees no key must hold
+    exactly ``empty``, a row that sees keys a finite value within ``max(``
+    :data:`LSE_RELATIVE_LIMIT` ``× the baseline's worst row error, the floor)`` of the golden, the
+    floor :data:`LSE_ABSOLUTE_EPS` ``· resolution(dtype)`` and at least ``4·eps₃₂·|golden|`` (an LSE
+    is stored in float32 at least). A base-2 LSE read as natural, a missing scale or sink, or an LSE
+    converted twice is off by far more than any rounding.
 
     Args:
         primary, baseline, golden, dtype, empty: as :func:`lse_statistics`.

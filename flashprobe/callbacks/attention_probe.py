@@ -1,27 +1,11 @@
 """``AttentionProbe``: the shadow attention probe inside any Lightning ``Trainer``.
 
-At fit start it builds :func:`flashprobe.probing.probe` for the ``LightningModule`` (checking that
-every kernel can run there); during training batches every ``scaled_dot_product_attention`` call
-made inside the module is compared with the baseline and the FP64 golden value (validation and
-sampling run the primary alone). It advances the probe's step with ``trainer.global_step``, and every
-``log_every_n_steps`` reads the statistics once, reduces them across ranks (max of maxima, sum of
-sums), logs them to every logger of the Trainer and appends one JSON line to
-``DIRPATH/probe.jsonl``; at the end of training it draws the per-site deviation plot
-``DIRPATH/probe.png`` from that file. It detaches at the end of fit. Its state (last logged step,
-the failures seen) goes into checkpoints, so a resumed run continues ``probe.jsonl`` without
-duplicate lines and keeps its verdict. The hooks translate Lightning's events for a
-:class:`~flashprobe.probing.run_session.ProbeSession` (``self.session``), which does the work, as for
-the HF callback.
-
-**Verdicts.** Every compared call is judged on the device (:func:`flashprobe.judge.decide`);
-the summary of each record carries ``verdict`` and ``failures`` (the first failure of each site and
-direction since training started, and the worst call). At the first failure of a site and
-direction the callback warns with one line (``on_failure="warn"``), raises
-:class:`~flashprobe.probing.ProbeFailureError` (``"raise"``) or writes its record and asks the
-Trainer to stop (``"stop"``: ``trainer.should_stop``); the failing call is saved as a reproducer in
-``DIRPATH/repro/`` (at most ``max_reproducers``; ``flashprobe replay FILE``). On the CPU a failure
-is seen at the batch it happens in; on a GPU at the next logging step (no host read per call),
-and the reproducer is that site's next failing call.
+A thin adapter: its hooks translate Lightning's events for a
+:class:`~flashprobe.probing.run_session.ProbeSession` (``self.session``), which builds
+:func:`flashprobe.probing.probe` at fit start, compares every training call, logs the statistics
+every ``log_every_n_steps`` (reduced across ranks) to the Trainer's loggers and ``probe.jsonl``,
+acts on failures and draws ``probe.png`` at the end; validation and sampling run the primary alone.
+On the CPU a failure is seen at the batch it happens in; on a GPU at the next logging step.
 """
 
 from __future__ import annotations
@@ -90,7 +74,9 @@ class AttentionProbe(SessionCallback, Callback):
         **settings: fields of :class:`~flashprobe.probing.ProbeConfig` replacing ``config``'s.
 
     With ``16-mixed`` precision the gradient statistics are divided by the ``GradScaler``'s current
-    scale (read on the device, no sync), so they are in the model's units.
+    scale (read on the device, no sync), so they are in the model's units. Its state (last logged
+    step, the failures seen) goes into checkpoints: a resumed run continues ``probe.jsonl`` without
+    duplicate lines and keeps its verdict.
 
     Raises:
         ProbeConfigError: an unknown setting or a bad value, naming it.

@@ -24,9 +24,6 @@ __all__ = ["NonFiniteGuard"]
 
 log = logging.getLogger(__name__)
 
-#: What the guard can do when it finds a non-finite value.
-ACTIONS = NONFINITE_ACTIONS
-
 
 class NonFiniteGuard(Callback):
     """Watch the training loss and every parameter for NaN or infinity after each optimizer step.
@@ -39,8 +36,10 @@ class NonFiniteGuard(Callback):
     """
 
     def __init__(self, action: str = "stop") -> None:
-        if action not in ACTIONS:
-            raise ValueError(f"NonFiniteGuard: action={action!r} must be one of {', '.join(ACTIONS)}")
+        if action not in NONFINITE_ACTIONS:
+            raise ValueError(
+                f"NonFiniteGuard: action={action!r} must be one of {', '.join(NONFINITE_ACTIONS)}"
+            )
         self.action = action
         self.reason: str | None = None
         """What became non-finite and at which step (``None`` while everything is finite)."""

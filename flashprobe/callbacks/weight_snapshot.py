@@ -1,25 +1,7 @@
-"""Lightning callback that saves the model's weights at chosen training steps.
+"""``WeightSnapshot``: a Lightning callback that saves the model's weights at chosen training steps.
 
-Snapshots go to ``RUN_DIR/snapshots/step_XXXXXXX.safetensors`` with a JSON manifest (see
-:mod:`flashprobe.weights.store` for the layout); :class:`flashprobe.weights.SnapshotStore` reads
-them back and ``flashprobe compare`` compares the snapshots of several runs.
-
-Which steps: ``step`` is ``trainer.global_step`` just after the optimizer step, so the snapshot at
-step 100 holds the weights after 100 optimizer updates. A step is saved when it is a multiple of
-``every_n_steps`` or listed in ``steps``; step 0 (the initial weights) and the last step (at
-``on_train_end``) are saved unless turned off. The initial weights are copied at ``on_train_start``
-and written once the first training batch has run: a run whose kernel is refused in its first step
-(attention dropout passed to SDPA at call time, a call the kernel does not support) leaves no snapshot
-and no manifest naming that kernel, so ``flashprobe compare`` never takes it for a kernel that
-trained. The copy costs one model's worth of CPU memory on rank zero during the first step.
-
-Distributed training: the decision to save depends only on the step, so every rank takes it alike.
-Under DDP (replicated weights) rank zero copies its own parameters; under FSDP (Lightning's
-``FSDPStrategy``, or ``ModelParallelStrategy`` / ``fully_shard``) every rank takes part in
-gathering the full, unsharded state dict with torch's
-``torch.distributed.checkpoint.state_dict.get_model_state_dict(full_state_dict=True,
-cpu_offload=True)``, which leaves the full tensors on rank zero's CPU only. Only rank zero writes
-files. The gathered copy costs one model's worth of CPU memory on rank zero during a save.
+Snapshots go to ``RUN_DIR/snapshots/`` (layout: :mod:`flashprobe.weights.store`);
+:class:`flashprobe.weights.SnapshotStore` reads them and ``flashprobe compare`` compares runs.
 """
 
 from __future__ import annotations
@@ -42,7 +24,6 @@ from flashprobe.weights.snapshot import (
     SnapshotSchedule,
     clean_name,
     live_tensors,
-    manifest_config,
     module_tensors,
     own_attention,
 )
@@ -51,13 +32,7 @@ from flashprobe.weights.store import SNAPSHOT_DIRNAME, NonFiniteSnapshotError, T
 if TYPE_CHECKING:
     from flashprobe.callbacks.attention_probe import AttentionProbe
 
-__all__ = [
-    "WeightSnapshot",
-    "manifest_config",
-    "module_tensors",
-    "own_attention",
-    "trained_attention",
-]
+__all__ = ["WeightSnapshot", "trained_attention"]
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +51,9 @@ class WeightSnapshot(SnapshotSchedule, Callback):
         trainable_only: save only parameters with ``requires_grad=True`` (skip frozen encoders).
         run_id: recorded in the manifest; default: the name of the run directory.
         seed: recorded in the manifest; default: ``PL_GLOBAL_SEED`` as set by ``pl.seed_everything``.
-        attention: the attention kernel spec the run trains with, recorded in the manifest; default
-            (:func:`trained_attention`): the explicit ``primary`` of an
-            :class:`~flashprobe.callbacks.AttentionProbe` in the Trainer (the model receives its
-            output in every training batch), else the kernel of a
-            :func:`~flashprobe.probing.use_kernel` route on the module when training starts, else the
-            LightningModule's ``hparams["attention"]``; when none says, the model's own attention,
-            resolved here (:func:`own_attention`: ``"own sdpa on cpu"`` for a Hugging Face model,
-            ``"own attention on cpu"`` for others), so two default runs record the same value.
+        attention: the attention kernel spec the run trains with, recorded in the manifest; default:
+            :func:`trained_attention`, else the model's own attention
+            (:func:`~flashprobe.weights.snapshot.own_attention`, e.g. ``"own sdpa on cpu"``).
         precision: recorded in the manifest; default: ``trainer.precision`` (e.g. ``bf16-mixed``).
         config: any JSON-serialisable mapping (a dict, dataclass or OmegaConf config) recorded in the
             manifest, typically the run's full configuration.
@@ -92,12 +62,13 @@ class WeightSnapshot(SnapshotSchedule, Callback):
         ValueError: an argument is out of range, or nothing would ever be saved.
         TypeError: ``config`` cannot be stored as JSON.
 
-    Weights are saved detached, on CPU, in their training dtype: under mixed precision
-    (``16-mixed``/``bf16-mixed``) these are the float32 master weights; under ``bf16-true`` they are
-    bfloat16. Writes are atomic (see :mod:`flashprobe.weights.store`). Resuming from a checkpoint
-    restores the list of saved steps (:meth:`state_dict`), so no step is written twice; snapshots on
-    disk from steps after the resumed checkpoint belong to an abandoned timeline and are removed
-    (with a warning) before training continues, then written again as training reaches them.
+    The snapshot of step ``s`` holds the weights after ``s`` optimizer updates (``trainer.global_step``
+    after the step), detached, on CPU, in their training dtype (the float32 master weights under
+    mixed precision). The initial weights are copied at ``on_train_start`` and written once the first
+    batch has run, so a run whose kernel is refused in its first step leaves no snapshot naming it.
+    Resuming restores the saved steps (:meth:`state_dict`); snapshots after the resumed step belong
+    to an abandoned timeline and are removed (with a warning), then written again. Only rank zero
+    writes; under FSDP every rank takes part in gathering the full state dict (:meth:`_collect`).
     """
 
     #: the run id in the checkpoint resumed from; the run directory, once ``fit`` has started
@@ -255,7 +226,8 @@ class WeightSnapshot(SnapshotSchedule, Callback):
     ) -> tuple[dict[str, torch.Tensor] | None, list[TensorSpec]]:
         """CPU copies of the tensors to save (rank zero; ``None`` elsewhere) and their specs.
 
-        Every rank must call this: under FSDP the full state dict is gathered collectively.
+        Every rank must call this: under FSDP the full state dict is gathered collectively
+        (``get_model_state_dict(full_state_dict=True, cpu_offload=True)``: on rank zero's CPU only).
         """
         if not _is_sharded(trainer, pl_module):
             if not trainer.is_global_zero:

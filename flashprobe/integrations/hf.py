@@ -1,31 +1,6 @@
-"""Hugging Face transformers: the attention probe in ``transformers.Trainer``, and flashprobe kernels
-as an ``attn_implementation``.
-
-* :class:`AttentionProbeCallback` is the Lightning :class:`~flashprobe.callbacks.AttentionProbe` for
-  the HF ``Trainer``: at train begin it builds :func:`flashprobe.probing.probe` on the Trainer's model;
-  it is attached from ``on_step_begin`` to ``on_step_end`` only (every micro-batch of a training step
-  is compared; evaluation and prediction run the model alone); the probe's step is
-  ``state.global_step``; every ``logging_steps`` it reads the statistics once (all-reduced across
-  ranks in distributed training), puts the summary's scalars into the Trainer's ``logs`` (so every
-  ``report_to`` logger, the console and ``state.log_history`` get them) and appends one record to
-  ``OUTPUT_DIR/probe.jsonl`` (:mod:`flashprobe.formats.probe_log`). Verdicts as in Lightning:
-  ``on_failure`` warn / raise / stop, reproducers in ``OUTPUT_DIR/repro/``.
-* :func:`register_attention` registers a flashprobe kernel spec in transformers'
-  ``AttentionInterface``: a model loaded with ``attn_implementation="probe_kernel"`` runs that kernel,
-  and a probe attached to it compares that kernel as the primary.
-
-**Design of the attention function.** transformers calls it with ``(module, query, key, value,
-attention_mask, dropout=, scaling=, is_causal=, ...)`` and ``(B, H, N, D)`` tensors and takes back
-``(B, N, H, D)``; it prepares the call exactly as transformers' own ``sdpa`` function does (causal
-flag, grouped key/value heads, position bias) and runs the kernel with SDPA's semantics
-(:func:`flashprobe.probing.call.run_kernel`). It makes no SDPA call: inside a probed model it hands the
-call to the probe directly, at the site the probe would give an SDPA call made there, with the
-kernel as the route the primary runs (:meth:`flashprobe.probing.ShadowAttention.primary_output`), so
-``probe(model)`` compares the flashprobe kernel against the baseline and golden; ``probe(model,
-primary=...)`` and a :func:`~flashprobe.probing.use_kernel` route on the model still take precedence.
-Under ``torch.compile`` each call is one graph break (run eagerly, like the probe's own fallback).
-
-This module imports transformers; ``import flashprobe`` does not.
+"""Hugging Face transformers: the attention probe in ``transformers.Trainer``
+(:class:`AttentionProbeCallback`), and flashprobe kernels as an ``attn_implementation``
+(:func:`register_attention`). This module imports transformers; ``import flashprobe`` does not.
 """
 
 from __future__ import annotations
@@ -126,6 +101,13 @@ _COMPILED_DISPATCH = torch.compiler.disable(_dispatch, reason=sites.GRAPH_BREAK_
 
 
 def _attention_function(default: _AttentionKernel) -> Callable[..., tuple[torch.Tensor, None]]:
+    """The attention function registered for ``default``: it prepares the call as transformers' own
+    ``sdpa`` function does (causal flag, grouped key/value heads, position bias) and runs the kernel
+    with SDPA's semantics, making no SDPA call: inside a probed model it hands the call to the probe
+    at the site an SDPA call made there would get, with the kernel as the route the primary runs, so
+    ``probe(model)`` compares the flashprobe kernel (``probe(model, primary=...)`` and a
+    :func:`~flashprobe.probing.use_kernel` route still take precedence). Under ``torch.compile`` each
+    call is one graph break."""
     from transformers.integrations.sdpa_attention import create_position_bias_mask
 
     runners: dict[str, _AttentionKernel] = {}
@@ -190,8 +172,8 @@ def register_attention(name: str = DEFAULT_NAME, kernel: str | Kernel = "math") 
 
     The model's attention calls run ``kernel`` (masks as for ``"sdpa"``), or the kernel spec its
     config names in ``flashprobe_kernel`` (:data:`CONFIG_KEY`); with a probe attached, that kernel
-    is the primary the probe compares (see the module docstring). Registering a name again replaces
-    its kernel for models loaded afterwards and before.
+    is the primary the probe compares. Registering a name again replaces its kernel for models
+    loaded afterwards and before.
 
     Args:
         name: the ``attn_implementation`` name.
@@ -247,35 +229,22 @@ class AttentionProbeCallback(SessionCallback, TrainerCallback, ExportableState):
         trainer = Trainer(model, args, train_dataset=data, callbacks=[AttentionProbeCallback(golden=True)])
 
     Args:
-        config: the probe's settings, as for the Lightning :class:`~flashprobe.callbacks.AttentionProbe`.
+        config, filename, plot, on_failure, max_reproducers, on_nonfinite, console, **settings: as for
+            the Lightning :class:`~flashprobe.callbacks.AttentionProbe`; ``"stop"`` stops training
+            through ``control.should_training_stop``.
         log_every_n_steps: read, log and reset the statistics every n optimizer steps; default:
             the Trainer's ``logging_steps``.
         dirpath: directory of ``probe.jsonl`` and ``repro/``; default: ``args.output_dir``.
-        filename: name of the JSON-lines file.
-        plot: draw ``probe.png`` at the end of training, as :class:`~flashprobe.callbacks.AttentionProbe`.
-        on_failure: at the first failure of each site and direction: ``"warn"`` (one line),
-            ``"raise"`` (:class:`~flashprobe.probing.ProbeFailureError`) or ``"stop"`` (write the
-            record, then stop training through ``control.should_training_stop``).
-        max_reproducers: reproducer files saved in ``DIRPATH/repro/`` at most (0: none).
-        on_nonfinite: when the weights become non-finite after a step, or the primary returns
-            non-finite values from finite inputs: ``"stop"`` (default: write the record, save the
-            reproducer, print the verdict and stop through ``control.should_training_stop``) or
-            ``"continue"`` (only record it).
-        console: print the verdict block (:func:`flashprobe.probing.session.verdict_block`) to stdout
-            at the first failure and at the end of training.
-        **settings: fields of :class:`~flashprobe.probing.ProbeConfig` replacing ``config``'s.
 
-    The scalars logged are :data:`flashprobe.probing.summary.SUMMARY_SCALARS` (first
-    ``probe/limit_ratio``, the verdict's statistic), ``probe/failed``, ``probe/failures`` and
-    ``probe/max_abs/<pair>``. So that every ``report_to`` logger gets them, the callback moves itself
-    ahead of the Trainer's reporting callbacks at train begin (right after ``DefaultFlowCallback``).
-
-    Its state (settings, last logged step, the failures seen, the run's tally and bias sums) goes into
-    the Trainer's checkpoints (``ExportableState``); resumed with
-    ``restore_callback_states_from_checkpoint=True``, a run keeps its verdict and bias, and
-    ``probe.jsonl`` drops the records after the checkpoint's step either way. The work is its
-    :class:`~flashprobe.probing.run_session.ProbeSession`'s (``self.session``), as the Lightning
-    callback's.
+    It compares every micro-batch of a training step (attached from ``on_step_begin`` to
+    ``on_step_end``; evaluation runs the model alone); the work is its
+    :class:`~flashprobe.probing.run_session.ProbeSession`'s (``self.session``). The summary's scalars
+    (:data:`flashprobe.probing.summary.SUMMARY_SCALARS`) go into the Trainer's ``logs``; so that every
+    ``report_to`` logger gets them, the callback moves itself right after ``DefaultFlowCallback`` at
+    train begin. Its state (settings, last logged step, failures, tally, bias sums) goes into the
+    Trainer's checkpoints (``ExportableState``): resumed with
+    ``restore_callback_states_from_checkpoint=True``, a run keeps its verdict and bias
+    (``probe.jsonl`` drops the records after the checkpoint's step either way).
 
     Raises:
         ProbeConfigError: an unknown setting or a bad value, naming it.

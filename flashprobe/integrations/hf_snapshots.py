@@ -1,23 +1,8 @@
 """Hugging Face transformers: weight snapshots of a ``transformers.Trainer`` run, for ``flashprobe compare``.
 
 :class:`WeightSnapshotCallback` is the Lightning :class:`~flashprobe.callbacks.WeightSnapshot` for the
-HF ``Trainer``: the same steps (``every_n_steps``, ``steps``, the initial weights as step 0, the last
-step), the same files (``RUN_DIR/snapshots/step_XXXXXXX.safetensors`` and ``manifest.json``, written
-by :class:`flashprobe.weights.store.SnapshotWriter`, the one writer of that format) and the same
-manifest facts, read from the Trainer: ``seed`` is ``args.seed``, ``precision`` is Lightning's name of
-the Trainer's setting (``bf16-mixed`` for ``bf16=True``, ``16-mixed`` for ``fp16=True``, else the
-weights' dtype: ``32-true``, ``bf16-true``, ...), and ``attention`` the explicit ``primary`` of an
-:class:`~flashprobe.integrations.hf.AttentionProbeCallback` in the same Trainer, else the model's own
-attention (:func:`~flashprobe.callbacks.weight_snapshot.own_attention`, e.g. ``"own sdpa on cpu"``).
-So ``flashprobe compare`` reads an HF run like a Lightning run, and names what two runs differ in.
-
-The step of a snapshot is ``state.global_step`` just after the optimizer step (``on_step_end``):
-the snapshot at step 3 holds the weights after 3 optimizer updates. The initial weights are copied at
-``on_train_begin`` and written after the first optimizer step: a run whose kernel is refused in its
-first step leaves no snapshot and no manifest naming that kernel. Only the main process writes;
-sharded training (FSDP, DeepSpeed) is refused at train begin.
-
-This module imports transformers; ``import flashprobe`` does not.
+HF ``Trainer``: the same steps, files and manifest facts, read from the Trainer. This module imports
+transformers; ``import flashprobe`` does not.
 """
 
 from __future__ import annotations
@@ -58,18 +43,14 @@ class WeightSnapshotCallback(SnapshotSchedule, TrainerCallback):
         dirpath: the run directory; snapshots go to ``dirpath/snapshots``. Default: ``args.output_dir``.
         probe: the ``AttentionProbeCallback`` of the same Trainer, whose explicit ``primary`` (and its
             fallbacks) the manifest records as the attention; None: the model's own attention.
-        every_n_steps: save every ``n`` optimizer steps (steps ``n, 2n, ...``); ``None`` for none.
-        steps: explicit steps to save, in addition to ``every_n_steps``.
-        save_initial: save the initial weights as step 0 when training starts from scratch.
-        save_last: always save the weights at the end of training (the last step).
-        include_buffers: also save the model's persistent buffers.
-        trainable_only: save only parameters with ``requires_grad=True``.
-        run_id: recorded in the manifest; default: the name of the run directory.
+        every_n_steps, steps, save_initial, save_last, include_buffers, trainable_only, run_id: as
+            for the Lightning :class:`~flashprobe.callbacks.WeightSnapshot`.
         seed: recorded in the manifest; default: ``args.seed``.
         attention: the attention the run trains with, recorded in the manifest; default: the explicit
             ``primary`` of ``probe``, else the model's own attention.
-        precision: recorded in the manifest; default: from ``args.bf16``/``args.fp16`` and the weights'
-            dtype, in Lightning's names.
+        precision: recorded in the manifest; default: Lightning's name of the Trainer's setting
+            (``bf16-mixed`` for ``bf16=True``, ``16-mixed`` for ``fp16=True``, else the weights'
+            dtype: ``32-true``, ``bf16-true``, ...).
         config: any JSON-serialisable mapping recorded in the manifest (compared by ``flashprobe
             compare``: a key that differs between two runs is a thing they differ in).
 
@@ -78,9 +59,12 @@ class WeightSnapshotCallback(SnapshotSchedule, TrainerCallback):
             sharded training (FSDP, DeepSpeed).
         TypeError: ``config`` cannot be stored as JSON.
 
-    A resumed run (``trainer.train(resume_from_checkpoint=...)``) keeps the snapshots up to the
-    checkpoint's step, removes those after it (an abandoned timeline, with a warning) and writes
-    them again as training reaches them.
+    The snapshot of step ``s`` holds the weights after ``s`` optimizer updates (``state.global_step``
+    at ``on_step_end``). The initial weights are copied at ``on_train_begin`` and written after the
+    first step, so a run whose kernel is refused in its first step leaves no snapshot naming it. Only
+    the main process writes. A resumed run (``trainer.train(resume_from_checkpoint=...)``) keeps the
+    snapshots up to the checkpoint's step, removes those after it (an abandoned timeline, with a
+    warning) and writes them again as training reaches them.
     """
 
     #: the initial weights (tensors, specs) copied at ``on_train_begin``, until written

@@ -1,27 +1,11 @@
 """Compare the weight snapshots of runs: Wasserstein and max-difference curves over training steps.
 
-For each pair of runs and each step both runs saved, three levels are compared:
-
-* **tensor**: each parameter tensor of run A against the same-named tensor of run B;
-* **group**: all parameters under one module path prefix (``blocks.0`` at ``group_depth=2``) as one
-  distribution;
-* **model**: all parameters as one distribution.
-
-At each level two distances (:mod:`flashprobe.weights.distances`): ``wasserstein`` (the 1-D
-Wasserstein-1 distance between the two empirical weight distributions) and ``max_abs``
-(``max |W_a − W_b|`` element by element). Non-finite weights are counted (``nonfinite_a``,
-``nonfinite_b``) and make that tensor's, group's and model's distances ``NaN`` (``null`` in JSON).
-
-Speed and memory: a study compares each run's snapshot in several pairs, so :func:`compare_runs`
-reads every run's weights once per step and sorts each tensor, group and the whole model once,
-for all the pairs that need them (sorting is the cost floor of an exact Wasserstein distance).
-The peak is therefore about four model-sized float64 vectors per run taking part in a step (the
-weights, and their sorted copies per tensor, per group and whole); ``whole_model=False`` and
-``group_depth=0`` leave out the last two.
-
-With ``out_dir``, :func:`compare_runs` writes ``study.json`` and ``study.csv``
-(:mod:`flashprobe.formats.study_file`); figures are drawn from those by :mod:`flashprobe.report`
-(``flashprobe compare`` does both).
+For each pair of runs and each step both saved, :func:`compare_runs` gives the :class:`Distances` of
+every parameter tensor, every module group (``blocks.0`` at ``group_depth=2``) and the whole model,
+each as one distribution of weights; non-finite weights are counted and make the distances NaN.
+Each run's weights are read and sorted once per step for all the pairs that need them (about four
+model-sized float64 vectors per run; ``whole_model=False`` and ``group_depth=0`` leave out two).
+With ``out_dir`` it writes ``study.json`` and ``study.csv`` (:mod:`flashprobe.formats.study_file`).
 """
 
 from __future__ import annotations

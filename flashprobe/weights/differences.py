@@ -1,20 +1,11 @@
 """What two runs differ in, read from what they recorded: the test of "like for like".
 
 A comparison of two runs' weights is like for like when the runs differ in one thing (or none: the
-noise floor), so the distance measures that thing. The things are read from each run's records:
-
-* the snapshot manifest (:class:`~flashprobe.weights.store.SnapshotStore`): ``attention``,
-  ``precision`` and ``seed``, and the ``config`` given to ``WeightSnapshot``;
-* ``config.yaml`` of a ``flashprobe train`` run: every setting, each key counted under the thing
-  it sets (``attention.kernel``, ``module.attention`` and the probe's settings are the attention;
-  ``trainer.precision`` the precision; ``seed``, ``data.shuffle_seed`` and ``module.noise_seed``
-  the seed) or as a thing of its own (``trainer.max_steps``, ``module.optimizer.lr``, ...); where a run
-  writes its files, its name, its logger and the probe's settings (the probe never changes
-  training) are not things it differs in;
-* ``run.json``: the machine facts (torch build, CPU, instruction set, threads, CUDA device,
-  deterministic algorithms, float32 matmul precision), which change the last bits of every step.
-
-A thing neither run recorded is ``unrecorded``: then the comparison is not shown to be like for like.
+noise floor), so the distance measures that thing. The things are read from each run's snapshot
+manifest (:data:`FACTS` and its ``config``), its ``config.yaml`` (every setting, counted under the fact
+it sets or as a thing of its own; where a run writes its files, its name, logger and the probe's
+settings are not things it differs in) and ``run.json``'s machine facts, which change the last bits of
+every step. A fact a run did not record is ``unrecorded``: the comparison is then not like for like.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """Distances between weight tensors: the 1-D Wasserstein-1 distance and the maximum difference.
 
-:func:`wasserstein_distance` is :func:`scipy.stats.wasserstein_distance`: both distributions are
-empirical, every element of a tensor one observation (tensors are flattened), optionally weighted.
-For two unweighted samples of the same size, the only case the tool itself compares (weights of one
-architecture, :mod:`flashprobe.weights.compare`), the distance reduces to
-
-    W1(u, v) = mean |sort(u) − sort(v)|
-
-which is computed here in float64 (numpy's sort on the CPU, ``torch.sort`` on another device;
-:func:`sorted_values` and :func:`wasserstein_sorted`, so a sample compared with several others is
-sorted once). Every other case (weights, different sizes) is scipy's own computation.
-
-Validation is split from computation as in scipy (``_validate_distribution``): empty inputs,
-non-finite values (NaN/±inf), mismatched weight sizes, negative weights or a weight sum that is not
-positive and finite raise :class:`ValueError` naming the argument and the fix.
+:func:`wasserstein_distance` is :func:`scipy.stats.wasserstein_distance` (every element of a tensor
+one observation). For two unweighted samples of one size, the only case the tool compares, it is
+``mean |sort(u) − sort(v)|``, computed here in float64 (:func:`sorted_values` and
+:func:`wasserstein_sorted`, so a sample compared with several others is sorted once); every other
+case is scipy's. Bad input (empty, non-finite, bad weights) raises :class:`ValueError` naming it.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""Save a model's weights as a snapshot, without a trainer: :func:`save_snapshot`.
-
-The snapshot callbacks of both trainers (:class:`flashprobe.callbacks.WeightSnapshot` for Lightning,
-:class:`flashprobe.integrations.hf_snapshots.WeightSnapshotCallback` for Hugging Face) collect the
-tensors and the manifest's facts with the helpers here and write with
-:class:`~flashprobe.weights.store.SnapshotWriter`, the one writer of the format; :func:`save_snapshot`
-is the same path called by hand, so ``flashprobe compare`` and :func:`~flashprobe.weights.compare_runs`
-read its snapshots like a callback's.
+"""Save a model's weights as a snapshot without a trainer (:func:`save_snapshot`), and the helpers the
+snapshot callbacks of both trainers share; all write with :class:`~flashprobe.weights.store.SnapshotWriter`.
 """
 
 from __future__ import annotations
@@ -45,13 +39,10 @@ def manifest_config(config: Any) -> dict[str, Any]:
     """A JSON-serialisable plain dict from a dict, a dataclass or an OmegaConf config."""
     if config is None:
         return {}
-    try:
-        from omegaconf import DictConfig, OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
-        if isinstance(config, DictConfig):
-            config = OmegaConf.to_container(config, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        pass
+    if isinstance(config, DictConfig):
+        config = OmegaConf.to_container(config, resolve=True)
     if hasattr(config, "__dataclass_fields__"):
         from dataclasses import asdict
 

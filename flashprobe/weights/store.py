@@ -14,15 +14,9 @@ A run directory holds its snapshots as::
      "snapshots": [{"step": 100, "file": "step_0000100.safetensors", "bytes": 123456,
                     "epoch": 0, "saved_at": "2025-01-01T00:00:00Z"}, ...]}
 
-Writes are atomic: a snapshot is written to a hidden temporary file in the same directory, flushed
-to disk and renamed over its final name (``os.replace``); the manifest is rewritten the same way,
-and only after the snapshot file is complete. A process killed at any moment therefore leaves a
-manifest whose every listed snapshot is complete and readable (at worst a stray ``.*.tmp`` file,
-removed by the next writer).
-
-:class:`SnapshotStore` reads lazily: listing steps and tensor specs touches only the manifest, and
-:meth:`SnapshotStore.tensor` / :meth:`SnapshotStore.iter_tensors` memory-map one ``safetensors``
-file and materialise one tensor at a time, so runs far larger than memory can be compared.
+Writes are atomic (a hidden temporary file renamed over the final name), the manifest rewritten only
+after the snapshot file is complete: a killed process leaves a manifest whose every listed snapshot
+is readable. :class:`SnapshotStore` reads lazily, one tensor at a time.
 """
 
 from __future__ import annotations
