@@ -94,14 +94,8 @@ def convert_lse(lse: torch.Tensor, base_from: str | int, base_to: str | int) -> 
 
 @dataclass(frozen=True)
 class CallOutput:
-    """What a call gave, in the logical form.
-
-    Attributes:
-        out: ``(B, H, N_q, D_v)``: rows past a sequence's length are 0.
-        lse: ``(B, H, N_q)`` in base ``lse_base`` (``−inf`` for a row that sees no key and no sink),
-            or None when the call did not ask for it.
-        lse_base: ``"e"`` or 2.
-    """
+    """What a call gave, in the logical form: ``out (B, H, N_q, D_v)`` (rows past a sequence's length
+    are 0) and, when the call asked for it, ``lse (B, H, N_q)`` in base ``lse_base``."""
 
     out: torch.Tensor
     lse: torch.Tensor | None = None
@@ -380,9 +374,7 @@ class AttentionCall:
                 )
 
     def check_values(self) -> None:
-        """Check the index tensors' values (a host synchronisation): ``cu_seqlens`` start at 0, never
-        decrease and end at the total; ``max_seqlen`` covers the longest; lengths fit their storage;
-        block-table entries name pages that exist; cache rows exist.
+        """Check the index tensors' values (a host synchronisation): offsets, lengths, pages, cache rows.
 
         Raises:
             KernelInputError: naming the first problem and the fix.
@@ -540,15 +532,10 @@ class AttentionCall:
         return t if self.layout == "bhnd" else t.transpose(1, 2)
 
     def logical(self) -> AttentionCall:
-        """This call as a dense ``bhnd`` call: sequences padded to the longest (``n_q`` rows, ``n_k``
-        keys; padding is 0), with ``q_lens``/``k_lens`` where lengths differ per sequence; packed,
-        paged and cached keys gathered (a cache's new keys appended, without touching the cache; a
-        left-padded cache shifted so each sequence starts at key 0); every feature kept. No host
-        synchronisation when ``max_seqlen_q/k`` are given (or the storage is dense or a cache).
-
-        Returns:
-            The logical call (this call itself when it is dense ``bhnd`` already).
-        """
+        """This call in its logical form (module docstring): dense ``bhnd``, ``n_q`` rows and ``n_k`` keys
+        padded with 0, ``q_lens``/``k_lens`` where needed, a cache's new keys appended (the cache is
+        not touched) and its left padding removed; every feature kept. No host synchronisation when
+        ``max_seqlen_q/k`` are given (or the storage is dense or a cache)."""
         storage = self.storage
         if storage == "dense" and self.layout == "bhnd":
             return self
@@ -686,21 +673,10 @@ class AttentionCall:
     def score_terms(
         self, batch: slice, q_heads: slice, rows: slice, keys: int, dtype: torch.dtype
     ) -> dict[str, Any]:
-        """What the logical call adds to a block of its scores, as keyword arguments of
-        :func:`flashprobe.kernels.math.plain_attention`.
-
-        Args:
-            batch: the block's sequences.
-            q_heads: its query heads.
-            rows: its query rows.
-            keys: it sees keys ``[0, keys)``.
-            dtype: the compute dtype (of the bias and the sinks).
-
-        Returns:
-            ``valid`` (``(B_b, 1, rows, keys)`` bool, or None when every score is valid), ``bias``
-            (``(B_b or 1, H_b, rows, keys)`` ALiBi, or None), ``softcap`` and ``sinks`` (``(H_b,)``
-            or None); only the entries that are on.
-        """
+        """What the logical call adds to the block of its scores at ``batch``, ``q_heads``, ``rows`` and
+        keys ``[0, keys)``, as keyword arguments of :func:`flashprobe.kernels.math.plain_attention`:
+        those on of ``valid`` ``(B_b, 1, rows, keys)`` bool, ``bias`` (ALiBi, ``(B_b or 1, H_b, rows,
+        keys)`` in ``dtype``), ``softcap`` and ``sinks`` ``(H_b,)``."""
         device = self.q.device
         i = torch.arange(rows.start, rows.stop, device=device)[None, None, :, None]
         j = torch.arange(keys, device=device)[None, None, None, :]
@@ -884,11 +860,10 @@ class AttentionCall:
         generator: torch.Generator | None = None,
         fill: float = 0.0,
     ) -> AttentionCall:
-        """The dense call as ``flash_attn_with_kvcache``'s (``bnhd``; a host sync): the last ``new``
-        keys of each sequence appended as ``k_new``/``v_new``, the others in a cache after ``leftpad``
-        empty slots, with as many slots as the longest sequence needs; paged with ``page_size``
-        (in ``kv_layout``, page order drawn by ``generator``), or in rows ``batch_idx`` of a bigger
-        cache. Its other rows and every unused slot hold ``fill``. Queries must all be valid."""
+        """The dense call as ``flash_attn_with_kvcache``'s (``bnhd``; a host sync): each sequence's last
+        ``new`` keys as ``k_new``/``v_new``, the others in a cache after ``leftpad`` empty slots; paged
+        with ``page_size`` (as :meth:`paged`) or in rows ``batch_idx`` of a bigger cache; unused rows
+        and slots hold ``fill``. Queries must all be valid."""
         call = self._require_dense("cached()")
         if call.q_lens is not None:
             raise _problem("cached(): flash_attn_with_kvcache takes queries of one length; drop q_lens")

@@ -239,13 +239,16 @@ def sdpa_arguments(call: AttentionCall, caps: KernelCapabilities) -> dict[str, A
                 else (extra.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else extra + mask)
             )
         elif valid is not None:
-            mask = (
-                valid
-                if mask is None
-                else (mask & valid if mask.dtype == torch.bool else mask.masked_fill(~valid, float("-inf")))
-            )
+            mask = _restrict(mask, valid)
     causal = logical.causal and logical.is_sdpa
     return {"q": q, "k": k, "v": v, "attn_mask": mask, "is_causal": causal, "scale": logical.scale}
+
+
+def _restrict(mask: torch.Tensor | None, keep: torch.Tensor) -> torch.Tensor:
+    """``mask`` (None, bool or additive) with the positions where ``keep`` is False masked too."""
+    if mask is None:
+        return keep
+    return mask & keep if mask.dtype == torch.bool else mask.masked_fill(~keep, float("-inf"))
 
 
 def _flash_keywords(api: str, call: AttentionCall) -> dict[str, Any]:
@@ -388,14 +391,7 @@ def _merge(
     keys = torch.arange(logical.n_k, device=call.q.device)
     states = []
     for part, sinks in (((keys < split), logical.sinks), ((keys >= split), None)):
-        part = part[None, None, None, :]  # (1, 1, 1, N_k)
-        mask = logical.attn_mask
-        if mask is None:
-            mask = part
-        elif mask.dtype == torch.bool:
-            mask = mask & part
-        else:
-            mask = mask.masked_fill(~part, float("-inf"))
+        mask = _restrict(logical.attn_mask, part[None, None, None, :])  # part: (1, 1, 1, N_k)
         partial = golden_call(logical.replace(attn_mask=mask, sinks=sinks, return_lse=True, lse_base="e"))
         v_x = (
             partial.out.to(call.out_dtype).permute(0, 2, 1, 3).reshape(-1, logical.heads, logical.head_dim_v)

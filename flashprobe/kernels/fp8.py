@@ -86,17 +86,8 @@ _FP8_DEFAULTS: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class Fp8Numerics:
-    """The resolved FP8 knobs of one ``tiled`` call.
-
-    Attributes:
-        qkv: format of Q, K and V (``"e4m3"``, ``"e5m2"`` or ``"off"``).
-        p: format of P in the ``P·V`` GEMM.
-        p_scale: static scale S on P before its cast (the sum ``l`` is unscaled, S cancels).
-        scaling: granularity of the Q/K/V scales, of :data:`GRANULARITIES`.
-        qkv_scale: ``"amax"`` (scale = format max / amax of each group) or a static number.
-        rotation: ``"hadamard"`` (random Hadamard rotation of Q and K) or ``"off"``.
-        rotation_seed: seed of the rotation's random signs.
-    """
+    """The resolved FP8 knobs of one ``tiled`` call (``tiled``'s ``qkv_fp8``, ``p_fp8``, ``p_scale``,
+    ``fp8_scaling``, ``qkv_scale``, ``rotation``, ``rotation_seed``; formats ``"off"`` when not cast)."""
 
     qkv: str = OFF
     p: str = OFF

@@ -17,6 +17,7 @@ assembles them; :func:`reference_gradients` yields outputs and input gradients p
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -398,13 +399,8 @@ def reference_attention(
 
 
 def _groups(blocks: Sequence[Block]) -> list[list[Block]]:
-    groups: list[list[Block]] = []
-    for blk in blocks:
-        if groups and groups[-1][0].group() == blk.group():
-            groups[-1].append(blk)
-        else:
-            groups.append([blk])
-    return groups
+    """Runs of consecutive blocks of one group."""
+    return [list(run) for _, run in itertools.groupby(blocks, key=Block.group)]
 
 
 @dataclass(frozen=True)

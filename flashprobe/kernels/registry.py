@@ -102,11 +102,8 @@ _CALL_TEXT = {
 
 
 class KernelUnsupportedError(KernelUnavailableError):
-    """A kernel does not support a setting or a call (per its :class:`KernelCapabilities`).
-
-    Raised when the kernel is chosen (device, dtype, backward) or at a call before any kernel
-    work (head dim, mask kind, grouped heads); the message names the feature and the fix.
-    """
+    """A kernel does not support a setting or a call (per its :class:`KernelCapabilities`), raised
+    before any kernel work; the message names the feature and the fix."""
 
 
 def _device_label(kind: str) -> str:
@@ -805,8 +802,7 @@ class Kernel:
         """Run the kernel: q, k, v ``(B, H, N_q|N_k, D|D_v)`` → ``(B, H, N_q, D_v)``.
 
         Raises:
-            KernelUnsupportedError: before any kernel work, a call its capabilities exclude (head
-                dim, mask kind, grouped heads, causal alignment, dtype, device, grad).
+            KernelUnsupportedError: before any kernel work, a call its capabilities exclude.
         """
         entry = _REGISTRY[self.name]
         if entry.api != "sdpa":  # another contract: the same call through its adapter
