@@ -198,26 +198,19 @@ class KernelCapabilities:
             raise ValueError(f"empty_lse={self.empty_lse!r} must be -inf or inf")
         if self.causal_align not in (None, *ALIGNS):
             raise ValueError(f"causal_align={self.causal_align!r} must be None or one of {', '.join(ALIGNS)}")
-        if self.page_multiple < 1:
-            raise ValueError(f"page_multiple={self.page_multiple} must be >= 1")
         if self.fp8 is not None and self.fp8 not in FP8_FORMATS:
             raise ValueError(f"fp8={self.fp8!r} must be one of {', '.join(FP8_FORMATS)} or None")
-        unknown = set(self.masks) - set(MASK_KINDS)
-        if unknown:
-            raise ValueError(f"masks: unknown kinds {sorted(unknown)}; allowed: {', '.join(MASK_KINDS)}")
         if self.gqa not in GQA_MODES:
             raise ValueError(f"gqa={self.gqa!r} must be one of {', '.join(GQA_MODES)}")
-        if self.head_dim_multiple < 1:
-            raise ValueError(f"head_dim_multiple={self.head_dim_multiple} must be >= 1")
-        if self.seq_multiple < 1:
-            raise ValueError(f"seq_multiple={self.seq_multiple} must be >= 1")
+        for name in ("page_multiple", "head_dim_multiple", "seq_multiple"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.causal_seq_multiple is not None and self.causal_seq_multiple < 1:
             raise ValueError(f"causal_seq_multiple={self.causal_seq_multiple} must be >= 1 or None")
-        unknown = set(self.backward_masks or ()) - set(BACKWARD_MASK_KINDS)
-        if unknown:
-            raise ValueError(
-                f"backward_masks: unknown kinds {sorted(unknown)}; allowed: {', '.join(BACKWARD_MASK_KINDS)}"
-            )
+        for name, allowed in (("masks", MASK_KINDS), ("backward_masks", BACKWARD_MASK_KINDS)):
+            unknown = set(getattr(self, name) or ()) - set(allowed)
+            if unknown:
+                raise ValueError(f"{name}: unknown kinds {sorted(unknown)}; allowed: {', '.join(allowed)}")
 
     def has_backward_for(self, kind: str) -> bool:
         """Whether a call of ``kind`` (of :data:`BACKWARD_MASK_KINDS`) has a backward; a
