@@ -1,15 +1,10 @@
 """Attention kernels with the contract they really have, chosen by spec strings.
 
-SDPA's ``kernel(q, k, v, *, attn_mask=None, is_causal=False, scale=None) -> out`` with ``(B, H, N, D)``
-tensors is the default contract; a kernel registered with another ``api`` (flash-attn's dense,
-varlen and KV-cache functions, FlashInfer's ``merge_state``: :mod:`flashprobe.kernels.contract`) runs
-an :class:`AttentionCall` (:mod:`flashprobe.kernels.call`) through its adapter,
-:meth:`Kernel.run`; :func:`golden_call` and :func:`baseline_call` judge any call.
-
-Built-in names: ``math`` (the baseline), ``tiled`` (FlashAttention re-implemented at any
-precision), ``sdpa_flash``, ``sdpa_efficient``, ``sdpa_cudnn``, ``sdpa_math`` (torch SDPA pinned to
-one backend), ``flex`` (torch FlexAttention, forward only on the CPU), ``flash_attn``
-(Dao-AILab flash-attn, CUDA only) and ``flashinfer`` (FlashInfer prefill, CUDA only).
+SDPA's ``kernel(q, k, v, *, attn_mask=None, is_causal=False, scale=None)`` on ``(B, H, N, D)`` tensors
+is the default contract; a kernel registered with another ``api`` (:mod:`flashprobe.kernels.contract`)
+runs an :class:`AttentionCall` through its adapter (:meth:`Kernel.run`). Built in: ``math`` (the
+baseline), ``tiled`` (FlashAttention re-implemented at any precision), ``sdpa_flash``,
+``sdpa_efficient``, ``sdpa_cudnn``, ``sdpa_math``, ``flex``, ``flash_attn`` and ``flashinfer``.
 """
 
 from flashprobe.kernels._inputs import (

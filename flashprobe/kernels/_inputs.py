@@ -1,15 +1,9 @@
-"""Input validation and mask handling shared by every kernel.
+"""Input validation and dtype names shared by every kernel.
 
-All kernels use torch SDPA's conventions:
-
-* tensors are ``(B, H, N, D)``; ``q`` is ``(B, H, N_q, D)``, ``k`` is ``(B, H, N_k, D)`` and
-  ``v`` is ``(B, H, N_k, D_v)``;
-* a boolean ``attn_mask`` is ``True`` where a query may attend to a key; a floating mask is
-  *added* to the scaled scores; either broadcasts to ``(B, H, N_q, N_k)``;
-* ``is_causal=True`` uses the top-left aligned lower-triangular mask (query ``i`` sees keys
-  ``j <= i``), as torch SDPA does when ``N_q != N_k``;
-* ``scale`` defaults to ``1 / sqrt(D)``;
-* a row whose keys are all masked outputs zeros (torch's "safe softmax"), never NaN.
+Kernels follow torch SDPA's conventions: ``q (B, H, N_q, D)``, ``k (B, H, N_k, D)``,
+``v (B, H, N_k, D_v)``; a bool ``attn_mask`` is True where a query may attend, a floating one is
+added to the scaled scores, either broadcast to ``(B, H, N_q, N_k)``; ``is_causal`` is top-left
+aligned; ``scale`` defaults to ``1 / sqrt(D)``; a fully masked row outputs zeros, never NaN.
 """
 
 from __future__ import annotations
@@ -58,10 +52,8 @@ class KernelOutputError(RuntimeError, FlashprobeError):
 
 
 def output_problem(out: object, q: torch.Tensor, v: torch.Tensor, kernel: str) -> str | None:
-    """Why ``out``, what ``kernel`` returned for queries ``q`` ``(B, H, N_q, D)`` and values ``v``
-    ``(B, H_kv, N_k, D_v)``, is not the ``(B, H, N_q, D_v)`` tensor of ``q``'s dtype and device
-    every caller reshapes and compares (None when it is). Reads metadata only: no host sync.
-    """
+    """Why ``out``, what ``kernel`` returned for ``q (B, H, N_q, D)`` and ``v (B, H_kv, N_k, D_v)``,
+    is not a ``(B, H, N_q, D_v)`` tensor of ``q``'s dtype and device (None when it is)."""
     expected = (*q.shape[:-1], v.shape[-1])
     if not isinstance(out, torch.Tensor):
         return f"kernel {kernel!r} returned {type(out).__name__}, not a tensor; return the attention output"
@@ -122,17 +114,8 @@ def check_inputs(
     kernel: str = "attention",
     gqa: bool = False,
 ) -> None:
-    """Validate the shapes, dtypes and mask of an attention call.
-
-    Args:
-        q: ``(B, H, N_q, D)`` queries.
-        k: ``(B, H, N_k, D)`` keys.
-        v: ``(B, H, N_k, D_v)`` values.
-        attn_mask: optional boolean or additive mask broadcastable to ``(B, H, N_q, N_k)``.
-        is_causal: whether a causal mask is applied too.
-        kernel: the kernel's name, used in error messages.
-        gqa: the kernel accepts grouped-query attention: k and v may have ``H_kv`` heads where
-            ``H_kv`` divides ``H`` (each k/v head serves ``H / H_kv`` query heads).
+    """Validate the shapes, dtypes and mask of an SDPA call (module docstring), naming ``kernel``;
+    with ``gqa``, k and v may have ``H_kv`` heads dividing ``H``.
 
     Raises:
         KernelInputError: naming the problem and how to fix it.
@@ -213,20 +196,8 @@ def causal_mask(
     q_len: int | None = None,
     k_len: int | None = None,
 ) -> torch.Tensor:
-    """Boolean top-left aligned causal mask (``True`` = attend) for a block of the score matrix.
-
-    Args:
-        n_q: total number of queries (unused except as default block length).
-        n_k: total number of keys (unused except as default block length).
-        device: device of the mask.
-        q_start: index of the block's first query.
-        k_start: index of the block's first key.
-        q_len: queries in the block (default ``n_q - q_start``).
-        k_len: keys in the block (default ``n_k - k_start``).
-
-    Returns:
-        ``(q_len, k_len)`` boolean tensor, ``True`` where key index <= query index.
-    """
+    """Top-left causal mask ``(q_len, k_len)`` (True where key index ≤ query index) of the block of
+    the score matrix at ``(q_start, k_start)``; the lengths default to the rest of ``n_q``, ``n_k``."""
     q_len = n_q - q_start if q_len is None else q_len
     k_len = n_k - k_start if k_len is None else k_len
     qi = torch.arange(q_start, q_start + q_len, device=device).unsqueeze(-1)

@@ -1,59 +1,39 @@
-"""One attention call as data, as the contracts of real kernels describe it, and its logical form.
+"""One attention call as data (:class:`AttentionCall`), as the contracts of real kernels describe it.
 
-:class:`AttentionCall` describes one call: where its tensors are (the **storage**: dense in SDPA's
-``bhnd`` or flash-attn's ``bnhd`` layout, packed varlen sequences, a paged key/value cache, a KV cache
-with appended keys), which keys each query sees (lengths, causal with its alignment, a ``(left,
-right)`` window, an SDPA mask), what is added to the scores (softcap, ALiBi, sinks), the scale, FP8
-descales, and which outputs are wanted (``out``, the LSE and its base). :meth:`AttentionCall.logical`
-turns any call into its **logical form**: a dense ``bhnd`` call, sequences padded to the longest, with
-per-sequence lengths (``q_lens``, ``k_lens``); the golden and the baseline take that form
-(:func:`flashprobe.kernels.math.call_reference`), and each kernel contract's adapter
-(:mod:`flashprobe.kernels.contract`) builds its kernel's arguments from a call and brings its outputs
-back to that form. The builders (:meth:`~AttentionCall.packed`, :meth:`~AttentionCall.paged`,
-:meth:`~AttentionCall.cached`, :meth:`~AttentionCall.with_layout`) go the other way.
+A call's **storage** is dense (SDPA's ``bhnd`` or flash-attn's ``bnhd`` layout), packed varlen
+sequences, a paged key/value cache, or a KV cache with appended keys. :meth:`AttentionCall.logical`
+turns any call into its **logical form**: dense ``bhnd``, sequences padded to the longest, with
+per-sequence lengths ``q_lens``/``k_lens``; the references take that form
+(:func:`flashprobe.kernels.math.call_reference`) and each contract's adapter
+(:mod:`flashprobe.kernels.contract`) converts to and from it. :meth:`~AttentionCall.packed`,
+:meth:`~AttentionCall.paged` and :meth:`~AttentionCall.cached` go the other way.
 
-Conventions (read from the sources below; ``i`` a query row, ``j`` a key of one sequence with
-``n_q`` queries and ``n_k`` keys; ``off = n_k − n_q`` when aligned bottom-right, 0 top-left):
+Conventions (``i`` a query row, ``j`` a key of a sequence with ``n_q`` queries and ``n_k`` keys;
+``off = n_k − n_q`` when aligned bottom-right, 0 top-left):
 
 * **causal** keeps ``j ≤ i + off``. SDPA aligns top-left; flash-attn ≥ 2.1, FlashAttention-3 and
-  FlashInfer bottom-right ("if the row of the mask is all zero, the output will be zero").
-* **window** ``(left, right)`` keeps ``i + off − left ≤ j ≤ i + off + right``; ``-1`` is unbounded on
-  that side; ``causal`` sets ``right = 0`` (flash-attn's ``window_size``; ``(-1, 0)`` is causal).
+  FlashInfer bottom-right.
+* **window** ``(left, right)`` keeps ``i + off − left ≤ j ≤ i + off + right``; ``-1`` is unbounded;
+  ``causal`` sets ``right = 0`` (flash-attn's ``window_size``).
 * **softcap** ``c > 0``: the scaled score ``s`` becomes ``c · tanh(s / c)`` before masks and biases.
-* **ALiBi** adds ``−slope · |i + off − j|`` to the (softcapped) scaled score, unscaled; slopes
-  ``(H,)`` or ``(B, H)`` float32, one per query head (flash-attn's ``alibi_slopes``).
-* **sinks** (gpt-oss; FlashInfer's ``sinks``, flash-attention 4's ``learnable_sink``): one logit per
-  query head ``(H,)`` added to each row's softmax denominator only: ``out = Σ_j e^{s_j} v_j /
-  (e^{sink} + Σ_j e^{s_j})``; the LSE includes it.
-* **GQA**: ``H`` query heads and ``H_kv`` key/value heads, ``H_kv`` dividing ``H``; query head ``h``
-  uses key/value head ``h // (H / H_kv)``. Never expanded in the call.
-* **LSE** ``log Σ_j exp(s_j)`` over the keys a row sees (and the sink); base ``e`` (flash-attn) or 2
-  (FlashInfer: ``m + log2(d)`` with scores in ``log2`` units); a row that sees no key has LSE ``−inf``
-  here (flash-attn 2 returns ``+inf`` for it, FlashAttention-3 and FlashInfer ``−inf``: kernels
-  declare theirs, :class:`~flashprobe.kernels.registry.KernelCapabilities`). Logical LSE is
-  ``(B, H, N_q)``; flash-attn returns ``(B, H, N_q)`` dense and ``(H, total_q)`` packed, FlashInfer
-  ``(total_q, H)``.
-* **FP8** (FlashAttention-3): q, k, v in ``float8_e4m3fn`` with descales ``(B, H_kv)`` float32; the
-  real values are ``q · q_descale[b, h // rep]`` (likewise k, v); the output is bfloat16.
-* **varlen**: ``cu_seqlens_q/k (B + 1,)`` int32 offsets into packed ``(total, H, D)`` tensors;
-  ``max_seqlen_q/k`` at least the longest. **Paged**: keys ``(num_pages, page_size, H_kv, D)`` (NHD)
-  or ``(num_pages, H_kv, page_size, D)`` (HND); sequence ``b``'s key ``j`` is row ``j % page_size`` of
-  page ``block_table[b, j // page_size]``. **KV cache** (``flash_attn_with_kvcache``): caches
-  ``(B_cache, S, H_kv, D)`` (rows ``cache_batch_idx``, default ``0..B−1``) or pages; sequence ``b``
-  holds slots ``[cache_leftpad[b], cache_seqlens[b])`` and the new keys ``k (B, N_new, H_kv, D)``
-  written at slot ``cache_seqlens[b]`` onwards (in place, by the kernel).
+* **ALiBi** adds ``−slope · |i + off − j|`` to the (softcapped) scaled score; slopes ``(H,)`` or
+  ``(B, H)`` float32.
+* **sinks**: one logit per query head ``(H,)`` in each row's softmax denominator only:
+  ``out = Σ_j e^{s_j} v_j / (e^{sink} + Σ_j e^{s_j})``; the LSE includes it.
+* **GQA**: query head ``h`` uses key/value head ``h // (H / H_kv)``; never expanded in the call.
+* **LSE** ``log Σ_j exp(s_j)`` over the keys a row sees (and the sink), base ``e`` (flash-attn) or 2
+  (FlashInfer); ``−inf`` for a row that sees no key (kernels declare theirs:
+  :class:`~flashprobe.kernels.registry.KernelCapabilities`). Logical LSE is ``(B, H, N_q)``.
+* **FP8** (FlashAttention-3): q, k, v in ``float8_e4m3fn`` with descales ``(B, H_kv)`` float32 (the
+  real values are ``q · q_descale[b, h // rep]``); the output is bfloat16.
+* **varlen**: ``cu_seqlens_q/k (B + 1,)`` int32 offsets into packed ``(total, H, D)`` tensors.
+  **Paged**: sequence ``b``'s key ``j`` is row ``j % page_size`` of page
+  ``block_table[b, j // page_size]``. **KV cache** (``flash_attn_with_kvcache``): sequence ``b``
+  holds slots ``[cache_leftpad[b], cache_seqlens[b])`` of cache row ``cache_batch_idx[b]``, then the
+  new keys ``k_new`` written at ``cache_seqlens[b]`` onwards (in place, by the kernel).
 
-Sources: Dao-AILab/flash-attention at 0251105a (flash-attn 2.8.4): ``flash_attn/flash_attn_interface.py``
-(``flash_attn_func``, ``flash_attn_varlen_func``, ``flash_attn_with_kvcache``), ``csrc/flash_attn/
-flash_api.cpp`` (``causal`` sets ``window_size_right = 0``; paged block size a multiple of 256),
-``csrc/flash_attn/src/softmax.h`` and ``flash_fwd_kernel.h`` (LSE ``+inf`` for a row without keys),
-``csrc/flash_attn/src/mask.h`` (ALiBi), ``tests/test_flash_attn.py`` (``attention_ref``,
-``construct_local_mask``, ``attn_bias_from_alibi_slopes``); ``hopper/flash_attn_interface.py`` and
-``hopper/flash_api.cpp`` (descales ``(B, H_kv)``; bf16 output for FP8), ``hopper/softmax.h`` (LSE
-``−inf``); ``flash_attn/cute/testing.py`` (``learnable_sink``). flashinfer-ai/flashinfer at fb28d724
-(0.6.18): ``flashinfer/cascade.py`` (``merge_state``), ``include/flashinfer/attention/state.cuh`` and
-``cascade.cuh`` (base-2 LSE; two empty states merge to 0 and ``−inf``), ``flashinfer/prefill.py``
-(``sinks``, ``window_left``, ``logits_soft_cap``). torch 2.13 ``torch/nn/attention/varlen.py``.
+Sources: flash-attn 2.8.4 (``flash_attn/flash_attn_interface.py``, ``csrc/flash_attn``, ``hopper/``),
+FlashInfer 0.6.18 (``flashinfer/cascade.py``, ``flashinfer/prefill.py``), torch 2.13.
 """
 
 from __future__ import annotations
@@ -114,14 +94,8 @@ def convert_lse(lse: torch.Tensor, base_from: str | int, base_to: str | int) -> 
 
 @dataclass(frozen=True)
 class CallOutput:
-    """What a call gave, in the logical form.
-
-    Attributes:
-        out: ``(B, H, N_q, D_v)``: rows past a sequence's length are 0.
-        lse: ``(B, H, N_q)`` in base ``lse_base`` (``−inf`` for a row that sees no key and no sink),
-            or None when the call did not ask for it.
-        lse_base: ``"e"`` or 2.
-    """
+    """What a call gave, in the logical form: ``out (B, H, N_q, D_v)`` (rows past a sequence's length
+    are 0) and, when the call asked for it, ``lse (B, H, N_q)`` in base ``lse_base``."""
 
     out: torch.Tensor
     lse: torch.Tensor | None = None
@@ -132,10 +106,12 @@ def _problem(text: str) -> KernelInputError:
     return KernelInputError(f"AttentionCall: {text}")
 
 
-def _positions(lens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(pos (1, n), valid (B, n))``: position ``p`` of sequence ``b`` is valid when ``p < lens[b]``."""
-    pos = torch.arange(n, device=lens.device)[None, :]
-    return pos, pos < lens[:, None]
+def _sequences(cu_seqlens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(starts (B,), valid (B, n), lens (B,))`` of packed sequences: position ``p`` of sequence
+    ``b`` is valid when ``p < lens[b]``."""
+    cu = cu_seqlens.long()
+    lens = cu[1:] - cu[:-1]
+    return cu[:-1], torch.arange(n, device=cu.device)[None, :] < lens[:, None], lens
 
 
 def _gather_tokens(packed: torch.Tensor, starts: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -153,14 +129,11 @@ def _gather_tokens(packed: torch.Tensor, starts: torch.Tensor, valid: torch.Tens
 @dataclass(frozen=True, kw_only=True, eq=False)
 class AttentionCall:
     """One attention call: its tensors where the kernel sees them, the keys each query sees, what is
-    added to the scores, and the outputs wanted (conventions and sources: module docstring).
+    added to the scores, and the outputs wanted (conventions: module docstring).
 
-    The **storage** (:attr:`storage`) follows from the fields given: ``dense`` (``q``, ``k``, ``v`` in
-    ``layout``, optionally with ``q_lens``/``k_lens``), ``packed`` (``cu_seqlens_q/k``), ``paged``
-    (packed queries, ``block_table`` and ``cu_seqlens_k``) or ``cache`` (``cache_seqlens``: dense
-    queries against a KV cache, paged with ``block_table``). Shapes and dtypes are checked when the
-    call is built (:class:`~flashprobe.kernels.KernelInputError` naming the field and the fix), with
-    no host synchronisation; :meth:`check_values` checks the index tensors' values.
+    The :attr:`storage` follows from the fields given. Shapes and dtypes are checked when the call
+    is built (:class:`~flashprobe.kernels.KernelInputError` naming the field and the fix), with no
+    host synchronisation; :meth:`check_values` checks the index tensors' values;
     :meth:`unchecked` builds a call a kernel must refuse.
 
     Attributes:
@@ -169,40 +142,29 @@ class AttentionCall:
             ``(P, H_kv, page_size, D)`` (HND) with ``block_table``; a cache ``(B_cache, S, H_kv, D)``
             in ``layout`` with ``cache_seqlens``.
         v: like ``k`` with head dim ``D_v``.
-        layout: ``bhnd`` or ``bnhd``: the layout of dense q, k, v, caches and ``k_new``/``v_new``.
-        cu_seqlens_q: ``(B + 1,)`` int32 offsets of packed queries.
-        cu_seqlens_k: ``(B + 1,)`` int32 offsets of packed keys, or the lengths of paged sequences.
-        max_seqlen_q: the longest query sequence (default: read from ``cu_seqlens_q``, a host sync).
-        max_seqlen_k: the longest key sequence (likewise).
-        q_lens: dense storage: ``(B,)`` valid queries per sequence (rows past it are padding).
-        k_lens: dense storage: ``(B,)`` valid keys per sequence (``seqused_k``).
+        layout: of dense q, k, v, caches and ``k_new``/``v_new``, of :data:`LAYOUTS`.
+        cu_seqlens_q, cu_seqlens_k: ``(B + 1,)`` int32 offsets of packed queries and keys (paged:
+            the keys' lengths).
+        max_seqlen_q, max_seqlen_k: the longest sequences (default: read from ``cu_seqlens``, a
+            host sync).
+        q_lens, k_lens: dense storage: ``(B,)`` valid queries and keys per sequence.
         block_table: ``(B, max_pages)`` int32 page of each sequence's ``j // page_size``-th keys.
-        kv_layout: ``NHD`` or ``HND``: the layout of a page.
+        kv_layout: of a page, of :data:`KV_LAYOUTS`.
         cache_seqlens: ``(B,)`` int32 (or an int) keys in the cache before ``k_new``.
-        k_new: ``(B, N_new, H_kv, D)`` (in ``layout``) keys appended at ``cache_seqlens``.
-        v_new: ``(B, N_new, H_kv, D_v)``.
+        k_new, v_new: ``(B, N_new, H_kv, D|D_v)`` (in ``layout``) keys appended at ``cache_seqlens``.
         cache_batch_idx: ``(B,)`` int32 cache row of each sequence (not with pages).
         cache_leftpad: ``(B,)`` int32 first valid cache slot of each sequence.
         attn_mask: dense storage: SDPA's bool (True = attend) or additive mask broadcastable to
-            ``(B, H, N_q, N_k)``, applied with the other masks.
-        causal: causal mask, anchored at ``align``.
-        align: ``top_left`` (SDPA) or ``bottom_right`` (flash-attn, FlashInfer): anchors ``causal``,
-            ``window`` and ALiBi.
-        window: ``(left, right)`` keys around the diagonal; ``-1`` unbounded.
-        softcap: ``c > 0`` caps scaled scores to ``c · tanh(s / c)``; 0 off.
-        alibi_slopes: ``(H,)`` or ``(B, H)`` float32.
-        sinks: ``(H,)`` one logit per query head in the softmax denominator.
+            ``(B, H, N_q, N_k)``.
+        align: anchors ``causal``, ``window`` and ALiBi, of :data:`ALIGNS`.
         scale: softmax scale (default ``1 / sqrt(D)``).
-        q_descale: FP8 inputs: ``(B, H_kv)`` float32 (default 1); likewise ``k_descale``, ``v_descale``.
-        return_lse: the LSE is wanted too.
-        lse_base: ``"e"`` or 2: the base the LSE is wanted in.
-        split_k: for split-KV merges (``merge_state``): the partials are keys ``[0, split_k)`` and
-            ``[split_k, N_k)`` of each sequence (default ``N_k // 2``).
-        num_splits: a KV-cache call's ``num_splits`` (flash-attn's ``flash_attn_with_kvcache``): the
-            chunks split-KV cuts each sequence's keys into, merged through their LSEs (0: the kernel's
-            heuristic, 1: no split); None: not passed. It does not change the exact result.
-        out: a preallocated output in ``q``'s form with head dim ``D_v`` and dtype
-            :attr:`out_dtype`, for kernels that write into one.
+        q_descale, k_descale, v_descale: FP8 inputs: ``(B, H_kv)`` float32 (default 1).
+        lse_base: the base the LSE is wanted in, of :data:`LSE_BASES`.
+        split_k: for ``merge_state``: the partials are keys ``[0, split_k)`` and ``[split_k, N_k)``
+            (default ``N_k // 2``).
+        num_splits: a KV-cache call's ``num_splits`` (0: the kernel's heuristic, 1: no split; None:
+            not passed); it does not change the exact result.
+        out: a preallocated output in ``q``'s form with head dim ``D_v`` and :attr:`out_dtype`.
     """
 
     q: torch.Tensor
@@ -412,9 +374,7 @@ class AttentionCall:
                 )
 
     def check_values(self) -> None:
-        """Check the index tensors' values (a host synchronisation): ``cu_seqlens`` start at 0, never
-        decrease and end at the total; ``max_seqlen`` covers the longest; lengths fit their storage;
-        block-table entries name pages that exist; cache rows exist.
+        """Check the index tensors' values (a host synchronisation): offsets, lengths, pages, cache rows.
 
         Raises:
             KernelInputError: naming the first problem and the fix.
@@ -559,8 +519,7 @@ class AttentionCall:
         """``(B,)`` int64 key slots each sequence uses in its storage (a cache: up to its end)."""
         storage = self.storage
         if storage in ("packed", "paged"):
-            cu = self.cu_seqlens_k.long()
-            return cu[1:] - cu[:-1]
+            return _sequences(self.cu_seqlens_k, 0)[2]
         if storage == "cache":
             return self._cache_seqlens() + self.n_new
         if self.k_lens is not None:
@@ -573,15 +532,10 @@ class AttentionCall:
         return t if self.layout == "bhnd" else t.transpose(1, 2)
 
     def logical(self) -> AttentionCall:
-        """This call as a dense ``bhnd`` call: sequences padded to the longest (``n_q`` rows, ``n_k``
-        keys; padding is 0), with ``q_lens``/``k_lens`` where lengths differ per sequence; packed,
-        paged and cached keys gathered (a cache's new keys appended, without touching the cache; a
-        left-padded cache shifted so each sequence starts at key 0); every feature kept. No host
-        synchronisation when ``max_seqlen_q/k`` are given (or the storage is dense or a cache).
-
-        Returns:
-            The logical call (this call itself when it is dense ``bhnd`` already).
-        """
+        """This call in its logical form (module docstring): dense ``bhnd``, ``n_q`` rows and ``n_k`` keys
+        padded with 0, ``q_lens``/``k_lens`` where needed, a cache's new keys appended (the cache is
+        not touched) and its left padding removed; every feature kept. No host synchronisation when
+        ``max_seqlen_q/k`` are given (or the storage is dense or a cache)."""
         storage = self.storage
         if storage == "dense" and self.layout == "bhnd":
             return self
@@ -593,25 +547,17 @@ class AttentionCall:
         if storage == "dense":
             q, k, v = (self._to_bhnd(t) for t in (self.q, self.k, self.v))
         else:
-            q, q_lens = self._logical_q()
+            q = self.q_to_logical(self.q)
+            q_lens = None if self.q.dim() == 4 else _sequences(self.cu_seqlens_q, 0)[2].int()
             (k, v), k_lens = self._logical_kv()
-            fields.update(q_lens=None if q_lens is None else q_lens.int(), k_lens=k_lens.int())
+            fields.update(q_lens=q_lens, k_lens=k_lens.int())
         return AttentionCall(**{**fields, "q": q, "k": k, "v": v})
-
-    def _logical_q(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.q.dim() == 4:
-            return self._to_bhnd(self.q), None
-        cu = self.cu_seqlens_q.long()
-        _, valid = _positions(cu[1:] - cu[:-1], self.n_q)
-        return _gather_tokens(self.q, cu[:-1], valid), cu[1:] - cu[:-1]
 
     def _logical_kv(self) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
         storage, n = self.storage, self.n_k
         if storage == "packed":
-            cu = self.cu_seqlens_k.long()
-            lens = cu[1:] - cu[:-1]
-            _, valid = _positions(lens, n)
-            return (_gather_tokens(self.k, cu[:-1], valid), _gather_tokens(self.v, cu[:-1], valid)), lens
+            starts, valid, lens = _sequences(self.cu_seqlens_k, n)
+            return (_gather_tokens(self.k, starts, valid), _gather_tokens(self.v, starts, valid)), lens
         if self.block_table is not None:
             slots = self._paged_slots()  # (B, S, H_kv, D) each, S = max_pages * page_size
         else:
@@ -622,9 +568,7 @@ class AttentionCall:
             )
             slots = tuple(self._to_bhnd(t)[rows].transpose(1, 2) for t in (self.k, self.v))
         if storage == "paged":
-            cu = self.cu_seqlens_k.long()
-            lens = cu[1:] - cu[:-1]
-            _, valid = _positions(lens, n)
+            _, valid, lens = _sequences(self.cu_seqlens_k, n)
             return tuple(
                 t[:, :n].masked_fill(~valid[:, :n, None, None], 0).transpose(1, 2) for t in slots
             ), lens
@@ -632,8 +576,7 @@ class AttentionCall:
         seqlens = self._cache_seqlens()
         start = torch.zeros_like(seqlens) if self.cache_leftpad is None else self.cache_leftpad.long()
         end = seqlens + self.n_new
-        pos, _ = _positions(seqlens, n)
-        slot = pos + start[:, None]  # (B, n)
+        slot = torch.arange(n, device=seqlens.device)[None, :] + start[:, None]  # (B, n)
         valid = slot < end[:, None]
         cached = slot < seqlens[:, None]
         parts = []
@@ -672,9 +615,8 @@ class AttentionCall:
         """A tensor in ``q``'s form (the output, ``dq``; any last dim) as ``(B, H, n_q, ·)``, padding 0."""
         if x.dim() == 4:
             return self._to_bhnd(x)
-        cu = self.cu_seqlens_q.long()
-        _, valid = _positions(cu[1:] - cu[:-1], self.n_q)
-        return _gather_tokens(x, cu[:-1], valid)
+        starts, valid, _ = _sequences(self.cu_seqlens_q, self.n_q)
+        return _gather_tokens(x, starts, valid)
 
     def kv_to_logical(self, x: torch.Tensor) -> torch.Tensor:
         """A tensor in dense or packed ``k``'s form (``dk``, ``dv``) as ``(B, H_kv, n_k, ·)``, padding 0."""
@@ -682,9 +624,8 @@ class AttentionCall:
             return self._to_bhnd(x)
         if self.storage != "packed":
             raise _problem(f"kv_to_logical takes dense or packed keys, not {self.storage} ones")
-        cu = self.cu_seqlens_k.long()
-        _, valid = _positions(cu[1:] - cu[:-1], self.n_k)
-        return _gather_tokens(x, cu[:-1], valid)
+        starts, valid, _ = _sequences(self.cu_seqlens_k, self.n_k)
+        return _gather_tokens(x, starts, valid)
 
     def q_from_logical(self, x: torch.Tensor) -> torch.Tensor:
         """A logical ``(B, H, n_q, ·)`` tensor in ``q``'s form (the inverse of :meth:`q_to_logical`)."""
@@ -712,9 +653,8 @@ class AttentionCall:
         per_token = lse if form == "th" else lse.transpose(0, 1)  # (total, H)
         if self.q.dim() == 4:
             return per_token.reshape(self.batch, self.n_q, self.heads).transpose(1, 2)
-        cu = self.cu_seqlens_q.long()
-        _, valid = _positions(cu[1:] - cu[:-1], self.n_q)
-        found = _gather_tokens(per_token[:, :, None], cu[:-1], valid)[..., 0]  # (B, H, n_q)
+        starts, valid, _ = _sequences(self.cu_seqlens_q, self.n_q)
+        found = _gather_tokens(per_token[:, :, None], starts, valid)[..., 0]  # (B, H, n_q)
         return found.masked_fill(~valid[:, None, :], float("-inf"))
 
     def lse_from_logical(self, lse: torch.Tensor, form: str) -> torch.Tensor:
@@ -733,21 +673,10 @@ class AttentionCall:
     def score_terms(
         self, batch: slice, q_heads: slice, rows: slice, keys: int, dtype: torch.dtype
     ) -> dict[str, Any]:
-        """What the logical call adds to a block of its scores, as keyword arguments of
-        :func:`flashprobe.kernels.math.plain_attention`.
-
-        Args:
-            batch: the block's sequences.
-            q_heads: its query heads.
-            rows: its query rows.
-            keys: it sees keys ``[0, keys)``.
-            dtype: the compute dtype (of the bias and the sinks).
-
-        Returns:
-            ``valid`` (``(B_b, 1, rows, keys)`` bool, or None when every score is valid), ``bias``
-            (``(B_b or 1, H_b, rows, keys)`` ALiBi, or None), ``softcap`` and ``sinks`` (``(H_b,)``
-            or None); only the entries that are on.
-        """
+        """What the logical call adds to the block of its scores at ``batch``, ``q_heads``, ``rows`` and
+        keys ``[0, keys)``, as keyword arguments of :func:`flashprobe.kernels.math.plain_attention`:
+        those on of ``valid`` ``(B_b, 1, rows, keys)`` bool, ``bias`` (ALiBi, ``(B_b or 1, H_b, rows,
+        keys)`` in ``dtype``), ``softcap`` and ``sinks`` ``(H_b,)``."""
         device = self.q.device
         i = torch.arange(rows.start, rows.stop, device=device)[None, None, :, None]
         j = torch.arange(keys, device=device)[None, None, None, :]
@@ -931,11 +860,10 @@ class AttentionCall:
         generator: torch.Generator | None = None,
         fill: float = 0.0,
     ) -> AttentionCall:
-        """The dense call as ``flash_attn_with_kvcache``'s (``bnhd``; a host sync): the last ``new``
-        keys of each sequence appended as ``k_new``/``v_new``, the others in a cache after ``leftpad``
-        empty slots, with as many slots as the longest sequence needs; paged with ``page_size``
-        (in ``kv_layout``, page order drawn by ``generator``), or in rows ``batch_idx`` of a bigger
-        cache. Its other rows and every unused slot hold ``fill``. Queries must all be valid."""
+        """The dense call as ``flash_attn_with_kvcache``'s (``bnhd``; a host sync): each sequence's last
+        ``new`` keys as ``k_new``/``v_new``, the others in a cache after ``leftpad`` empty slots; paged
+        with ``page_size`` (as :meth:`paged`) or in rows ``batch_idx`` of a bigger cache; unused rows
+        and slots hold ``fill``. Queries must all be valid."""
         call = self._require_dense("cached()")
         if call.q_lens is not None:
             raise _problem("cached(): flash_attn_with_kvcache takes queries of one length; drop q_lens")

@@ -1,29 +1,18 @@
-"""The contracts a kernel is registered with, and one adapter per contract.
-
-A kernel is registered with the **api** it really has (:func:`~flashprobe.kernels.register_kernel`):
+"""The contracts (apis) a kernel is registered with, and one adapter per contract.
 
 * ``sdpa``: ``fn(q, k, v, *, attn_mask=None, is_causal=False, scale=None) -> out`` on ``(B, H, N, D)``
-  tensors, SDPA's conventions (:mod:`flashprobe.kernels._inputs`).
+  tensors (:mod:`flashprobe.kernels._inputs`).
 * ``flash_attn_func``, ``flash_attn_varlen_func``, ``flash_attn_with_kvcache``: flash-attn 2.8's
-  functions (:data:`API_PARAMETERS`), called by keyword with the arguments a call uses only (so
-  FlashAttention-3's functions of the same names take them too): ``softmax_scale``, ``causal``
-  (bottom-right), ``window_size``, ``softcap``, ``alibi_slopes``, FlashAttention-3's ``q_descale``,
-  ``k_descale``, ``v_descale`` ``(B, H_kv)`` for FP8 inputs, flash-attention 4's ``learnable_sink``
-  for sinks, ``return_attn_probs`` (``return_softmax_lse`` for the cache) when the LSE is wanted,
-  ``out`` for a kernel that declares ``preallocated_out``, ``num_splits`` for a KV-cache call that sets
-  it (a kernel whose signature lacks it is refused such a call).
-* ``merge_state``: FlashInfer's ``merge_state(v_a, s_a, v_b, s_b) -> (v, s)``: ``v_x`` ``(T, H, D)``,
-  ``s_x`` ``(T, H)`` float32 LSEs in the kernel's declared base; the partials are the golden of the
-  call's keys ``[0, split_k)`` and ``[split_k, N_k)`` (sinks in the first), rounded as a split-KV
-  kernel stores them (out in the call's dtype, LSE in float32).
+  functions (:data:`API_PARAMETERS`), called by keyword with only the arguments a call uses, plus
+  FlashAttention-3's and flash-attention 4's (:data:`FA3_PARAMETERS`).
+* ``merge_state``: FlashInfer's ``merge_state(v_a, s_a, v_b, s_b) -> (v, s)`` (``v_x (T, H, D)``,
+  ``s_x (T, H)`` float32 LSEs in the kernel's base) on the golden partials of keys ``[0, split_k)``
+  and ``[split_k, N_k)``, rounded as a split-KV kernel stores them.
 
-For each api, :func:`run_contract` turns an :class:`~flashprobe.kernels.call.AttentionCall` into the
-kernel's exact arguments (a call already in the api's storage passes as it is, poisoned pages and
-all; another is converted through its logical form: packed, given to a cache, ...), calls the kernel
-and brings its return to the logical form (:class:`~flashprobe.kernels.call.CallOutput`), the LSE
-converted from the kernel's declared base and empty-row value. :func:`contract_problem` says why a
-kernel cannot take a call (feature and fix) before any work; :func:`call_from_arguments` reads a
-call from a real function's arguments (what a probe intercepts).
+:func:`contract_problem` says why a kernel cannot take a call (feature and fix) before any work;
+:func:`run_contract` converts an :class:`~flashprobe.kernels.call.AttentionCall` to the kernel's
+arguments (a call already in the api's storage passes as it is), calls it and brings its return to
+the logical form; :func:`call_from_arguments` reads a call from a real function's arguments.
 """
 
 from __future__ import annotations
@@ -104,8 +93,8 @@ def _fixed_lengths(call: AttentionCall) -> bool:
 
 
 def realign(call: AttentionCall, align: str) -> AttentionCall | str:
-    """``call`` with its causal mask, window and ALiBi anchored at ``align``, or why it cannot be: a
-    dense call of one length per sequence moves its window by ``N_k − N_q``, if the window stays one."""
+    """``call`` with its causal mask, window and ALiBi anchored at ``align`` (a dense call of one
+    length moves its window by ``N_k − N_q``), or why it cannot be."""
     if call.align == align:
         return call
     left, right = call.window
@@ -228,43 +217,38 @@ def _sdpa_problem(call: AttentionCall, caps: KernelCapabilities) -> str | None:
 
 
 def sdpa_arguments(call: AttentionCall, caps: KernelCapabilities) -> dict[str, Any]:
-    """SDPA's ``q, k, v, attn_mask, is_causal, scale`` expressing ``call`` (lengths, windows,
-    bottom-right causal as a bool mask, ALiBi as an additive one; grouped key/value heads repeated
-    unless the kernel declares ``gqa="native"``)."""
+    """SDPA's ``q, k, v, attn_mask, is_causal, scale`` expressing ``call`` (positional masks as a bool
+    mask, ALiBi as an additive one; grouped heads repeated unless the kernel declares ``gqa="native"``)."""
     from flashprobe.kernels.registry import ANY_CAPABILITIES  # (the registry imports this module)
 
     logical = call.logical()
     q, k, v = logical.q, logical.k, logical.v
     if logical.group > 1 and (caps.gqa != "native" or caps is ANY_CAPABILITIES):  # as SDPA without enable_gqa
         k, v = (t.repeat_interleave(logical.group, dim=1) for t in (k, v))
-    if logical.is_sdpa:
-        return {
-            "q": q,
-            "k": k,
-            "v": v,
-            "attn_mask": logical.attn_mask,
-            "is_causal": logical.causal,
-            "scale": logical.scale,
-        }
-    terms = logical.score_terms(
-        slice(0, logical.batch), slice(0, logical.heads), slice(0, logical.n_q), logical.n_k, q.dtype
-    )
     mask = logical.attn_mask
-    valid, bias = terms.get("valid"), terms.get("bias")
-    if bias is not None:
-        extra = bias if valid is None else bias.masked_fill(~valid, float("-inf"))
-        mask = (
-            extra
-            if mask is None
-            else (extra.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else extra + mask)
+    if not logical.is_sdpa:
+        terms = logical.score_terms(
+            slice(0, logical.batch), slice(0, logical.heads), slice(0, logical.n_q), logical.n_k, q.dtype
         )
-    elif valid is not None:
-        mask = (
-            valid
-            if mask is None
-            else (mask & valid if mask.dtype == torch.bool else mask.masked_fill(~valid, float("-inf")))
-        )
-    return {"q": q, "k": k, "v": v, "attn_mask": mask, "is_causal": False, "scale": logical.scale}
+        valid, bias = terms.get("valid"), terms.get("bias")
+        if bias is not None:
+            extra = bias if valid is None else bias.masked_fill(~valid, float("-inf"))
+            mask = (
+                extra
+                if mask is None
+                else (extra.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else extra + mask)
+            )
+        elif valid is not None:
+            mask = _restrict(mask, valid)
+    causal = logical.causal and logical.is_sdpa
+    return {"q": q, "k": k, "v": v, "attn_mask": mask, "is_causal": causal, "scale": logical.scale}
+
+
+def _restrict(mask: torch.Tensor | None, keep: torch.Tensor) -> torch.Tensor:
+    """``mask`` (None, bool or additive) with the positions where ``keep`` is False masked too."""
+    if mask is None:
+        return keep
+    return mask & keep if mask.dtype == torch.bool else mask.masked_fill(~keep, float("-inf"))
 
 
 def _flash_keywords(api: str, call: AttentionCall) -> dict[str, Any]:
@@ -335,14 +319,8 @@ def _kernel_call(api: str, call: AttentionCall) -> AttentionCall:
 def kernel_arguments(
     api: str, call: AttentionCall, caps: KernelCapabilities
 ) -> tuple[AttentionCall, tuple[Any, ...], dict[str, Any]]:
-    """The exact arguments a flash-attn-api kernel gets for ``call`` (checked by
-    :func:`contract_problem` first): the call in the api's storage and anchor, the positional
-    arguments and the keywords.
-
-    Returns:
-        ``(kernel_call, args, kwargs)``; bring the kernel's return back with :func:`logical_outputs`
-        of ``kernel_call``.
-    """
+    """``(kernel_call, args, kwargs)``: the arguments a flash-attn-api kernel gets for ``call`` (checked
+    by :func:`contract_problem` first), and the call in the api's storage for :func:`logical_outputs`."""
     aligned = realign(call, kernel_align(api, caps))
     assert not isinstance(aligned, str)  # (contract_problem refused it)
     kcall = _kernel_call(api, aligned)
@@ -364,10 +342,9 @@ def kernel_arguments(
 
 
 def logical_outputs(api: str, call: AttentionCall, returned: Any, caps: KernelCapabilities) -> CallOutput:
-    """What a flash-attn-api kernel returned for ``call`` (in its storage: the ``kernel_call`` of
-    :func:`kernel_arguments`, or the call a probe read with :func:`call_from_arguments`), in the
-    logical form: ``out`` ``(B, H, n_q, D_v)``; with ``call.return_lse`` the LSE ``(B, H, n_q)`` in
-    ``call.lse_base``, from the kernel's layout, base and empty-row value (``caps``)."""
+    """What a flash-attn-api kernel returned for ``call`` (in the kernel's storage), in the logical
+    form: ``out`` ``(B, H, n_q, D_v)`` and, with ``call.return_lse``, the LSE ``(B, H, n_q)`` in
+    ``call.lse_base`` (from the kernel's declared layout, base and empty-row value)."""
     out, lse = (returned[0], returned[1]) if call.return_lse else (returned, None)
     if lse is not None:
         lse = _logical_lse(call.lse_to_logical(lse, _LSE_FORM[api]), caps, call.lse_base)
@@ -381,12 +358,8 @@ def run_contract(
     caps: KernelCapabilities,
     options: Mapping[str, Any],
 ) -> CallOutput:
-    """Run kernel ``fn`` of ``api`` (not ``sdpa``: :func:`sdpa_arguments`) on ``call``, checked by
-    :func:`contract_problem` first.
-
-    Returns:
-        Its output (and LSE, when the call wants it) in the logical form.
-    """
+    """Run kernel ``fn`` of ``api`` (not ``sdpa``) on ``call`` (checked by :func:`contract_problem`
+    first); its output (and LSE) in the logical form."""
     if api == "merge_state":
         return _merge(fn, call, caps, options)
     if api == "flash_attn_with_kvcache" and call.num_splits is not None and not accepts(fn, "num_splits"):
@@ -418,14 +391,7 @@ def _merge(
     keys = torch.arange(logical.n_k, device=call.q.device)
     states = []
     for part, sinks in (((keys < split), logical.sinks), ((keys >= split), None)):
-        part = part[None, None, None, :]  # (1, 1, 1, N_k)
-        mask = logical.attn_mask
-        if mask is None:
-            mask = part
-        elif mask.dtype == torch.bool:
-            mask = mask & part
-        else:
-            mask = mask.masked_fill(~part, float("-inf"))
+        mask = _restrict(logical.attn_mask, part[None, None, None, :])  # part: (1, 1, 1, N_k)
         partial = golden_call(logical.replace(attn_mask=mask, sinks=sinks, return_lse=True, lse_base="e"))
         v_x = (
             partial.out.to(call.out_dtype).permute(0, 2, 1, 3).reshape(-1, logical.heads, logical.head_dim_v)
@@ -454,10 +420,8 @@ def _slots(named: Mapping[str, Any]) -> int:
 
 
 def call_from_arguments(api: str, *args: Any, **kwargs: Any) -> AttentionCall:
-    """The call a real function of ``api`` is given: its positional and keyword arguments bound by
-    the api's parameter names (:data:`API_PARAMETERS`, with :data:`FA3_PARAMETERS` for the flash
-    apis), as flash-attn reads them: bottom-right, ``causal`` setting ``window_size[1] = 0``, a
-    ``cache_seqlens`` int, RoPE refused.
+    """The call a real function of ``api`` is given, its arguments bound by the api's parameter names,
+    as flash-attn reads them (bottom-right, ``causal`` setting ``window_size[1] = 0``; RoPE refused).
 
     Raises:
         TypeError: an argument the api does not have, or a required one missing.

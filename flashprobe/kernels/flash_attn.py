@@ -1,14 +1,10 @@
 """Adapter for Dao-AILab's ``flash-attn`` package (CUDA only, optional ``cuda`` extra).
 
-flash-attn takes ``(B, N, H, D)`` tensors in fp16/bf16 and aligns its causal mask to the
-bottom-right when ``N_q != N_k``. This adapter keeps flashprobe's ``(B, H, N, D)`` layout. Grouped
-key/value heads are passed natively. A **key-padding mask** (bool, ``(B, 1, 1, N_k)`` or
-``(B, N_k)``-shaped: which keys of each batch entry are real) takes flash-attn's varlen path
-(``flash_attn_varlen_func`` on the real keys of each entry, ``cu_seqlens``); any other mask has no
-flash-attn equivalent and is refused. Causal calls with ``N_q != N_k`` (where the two conventions
-differ) are refused with an explanation; so are head dims above 256 or not a multiple of 8
-(flash-attn's limits). The package is imported lazily, at the first call. The CUDA paths run only
-where a GPU is present (the ``gpu``-marked test in tests/kernels/test_flex_and_flashinfer.py).
+flash-attn takes ``(B, N, H, D)`` fp16/bf16 tensors; this adapter keeps flashprobe's ``(B, H, N, D)``.
+Grouped heads pass natively; a bool key-padding mask takes the varlen path
+(``flash_attn_varlen_func`` on each entry's real keys); other masks, causal with ``N_q != N_k``
+(flash-attn aligns it bottom-right) and head dims flash-attn lacks are refused. The package is
+imported at the first call.
 """
 
 from __future__ import annotations
@@ -78,14 +74,12 @@ def _varlen(
 
 
 def _installed(device: torch.device, dtype: torch.dtype) -> None:
-    """The registered check (:meth:`Kernel.check` checks FLASH_ATTN_CAPABILITIES first): the package."""
+    """The registered check: the package is installed."""
     _import_flash_attn()
 
 
-#: flash-attn 2's limits (its README): Ampere, Ada or Hopper GPUs (sm80+), fp16/bf16, head dims up to
-#: 256 (the adapter keeps multiples of 8, which need no padding), D_v == D, MQA/GQA natively, a
-#: causal mask aligned bottom-right (so SDPA's top-left causal with N_q != N_k is refused), key
-#: padding through the varlen path, no other masks; forward and backward.
+#: flash-attn 2's limits (its README): sm80+, fp16/bf16, head dims up to 256 (multiples of 8 here),
+#: D_v == D, native GQA, causal bottom-right, key padding through the varlen path; with a backward.
 FLASH_ATTN_CAPABILITIES = KernelCapabilities(
     masks=frozenset({"causal", "key_padding"}),
     causal_cross=False,
@@ -112,19 +106,11 @@ def flash_attn_attention(
 ) -> torch.Tensor:
     """Dao-AILab flash-attn (``flash_attn_func``), CUDA fp16/bf16 only.
 
-    Args:
-        q: ``(B, H, N_q, D)``; k: ``(B, H, N_k, D)``; v: ``(B, H, N_k, D)``.
-        attn_mask: None, or a bool key-padding mask (varlen path); other masks are refused.
-        is_causal: causal mask; with ``N_q != N_k`` flash-attn aligns it bottom-right, unlike
-            torch SDPA, so that case is rejected.
-        scale: softmax scale, default ``1/sqrt(D)``.
-
-    Returns:
-        ``(B, H, N_q, D)`` in the inputs' dtype.
+    ``q (B, H, N_q, D)``, ``k``, ``v`` ``(B, H_kv, N_k, D)`` → ``(B, H, N_q, D)``; ``attn_mask`` None
+    or a bool key-padding mask.
 
     Raises:
-        KernelUnavailableError: not on CUDA, wrong dtype, package missing, a mask that is not
-            key padding, a head dim flash-attn lacks, D_v != D, or causal with N_q != N_k.
+        KernelUnavailableError: what flash-attn cannot run (module docstring), or the package missing.
     """
     check_inputs(q, k, v, attn_mask, is_causal, kernel="flash_attn", gqa=True)
     Kernel("flash_attn").check(q.device, q.dtype)  # the raw function may be called without a Kernel

@@ -1,26 +1,17 @@
 """Plain attention whose backward has the flash form: the second standard way attention differentiates.
 
 Autograd through ``softmax(q·kᵀ·s)·v`` forms ``dS = P ∘ (dP − Σⱼ P dP)`` from the saved
-probabilities. Flash kernels (FlashAttention-2, torch's CPU flash backward) instead store the
-row's log-sum-exp in opmath (fp32 for 16-bit and fp32 inputs), **recompute** ``P = exp(S − lse)``
-and use ``D = rowsum(dO ∘ O)``::
+probabilities; flash kernels instead store the row's log-sum-exp in opmath, **recompute**
+``P = exp(S − lse)`` and use ``Δ = rowsum(dO ∘ O)``::
 
     forward:   S = scale · Q Kᵀ (+ an additive mask; masked scores −inf),  lse = logsumexp(S),
                P = exp(S − lse),  O = P V
     backward:  P = exp(S − lse),  dV = Pᵀ dO,  dP = dO Vᵀ,  Δ = rowsum(dO ∘ O),  dS = P ∘ (dP − Δ),
                dQ = scale · dS K,  dK = scale · dSᵀ Q   (dK, dV summed over each GQA group of heads)
 
-Both forms are exact in real arithmetic and round differently: with one valid key the first gives
-exactly 0, the second rounding noise; with logits of magnitude 3e4 the fp32 log-sum-exp carries a
-relative error of ~eps·3e4 into every recomputed probability. Like the two scale placements of the
-forward, both forms belong to the baseline's gradient noise
-(:func:`~flashprobe.fuzz.references.gradient_references`, the probe's gradient references).
-
-:func:`flash_form_attention` computes every step in the inputs' dtype (the statistics in opmath),
-as the same-dtype baseline does; ``upcast=True`` computes in float32 (float64 inputs in float64) and
-returns the inputs' dtype, as flash kernels do. :class:`FlashForm` holds the steps, one method each,
-so a variant of the algorithm overrides exactly the step it changes (the project's planted backward
-bugs do, ``lab/mutants.py``).
+Both forms are exact in real arithmetic and round differently; both belong to the baseline's
+gradient noise. :class:`FlashForm` holds the steps, one method each, so a variant overrides exactly
+the step it changes.
 """
 
 from __future__ import annotations
@@ -40,17 +31,13 @@ class FlashFormCall:
     """One call as the steps of :class:`FlashForm` see it, every tensor in the compute dtype.
 
     Attributes:
-        q: ``(B, H, N_q, D)``.
-        k: ``(B, H, N_k, D)``, key/value heads repeated to the query heads.
-        v: ``(B, H, N_k, D_v)``, likewise.
-        scores: ``(B, H, N_q, N_k)`` the scaled scores with the additive mask added, before the
-            positions a mask removes are set to −inf.
+        q: ``(B, H, N_q, D)``; k: ``(B, H, N_k, D)``; v: ``(B, H, N_k, D_v)`` (heads repeated).
+        scores: ``(B, H, N_q, N_k)`` the scaled scores with the additive mask added.
         valid: ``(B, H, N_q, N_k)`` bool, the positions no mask removes.
-        scale: the softmax scale.
         dtype: the inputs' dtype (the output's and the gradients').
-        kv_heads: the key/value heads of the inputs (``H`` without grouped-query attention).
-        lse: ``(B, H, N_q, 1)`` the rows' log-sum-exp in opmath (float32, or float64), −inf for a
-            row that sees no key; ``None`` until the forward has computed it.
+        kv_heads: the key/value heads of the inputs.
+        lse: ``(B, H, N_q, 1)`` the rows' log-sum-exp in opmath, −inf for a row that sees no key;
+            None until the forward has computed it.
     """
 
     q: torch.Tensor
@@ -84,7 +71,7 @@ class FlashForm:
         compute: torch.dtype,
     ) -> FlashFormCall:
         """The call in the compute dtype: k and v repeated to the query heads, the scores and the
-        valid positions (bool mask, causal top-left, −inf in an additive mask)."""
+        valid positions."""
         dtype, kv_heads = q.dtype, k.shape[1]
         rep = q.shape[1] // kv_heads
         if rep > 1:  # query head h reads key/value head h // rep
@@ -206,20 +193,10 @@ def flash_form_attention(
     upcast: bool = False,
     form: FlashForm | None = None,
 ) -> torch.Tensor:
-    """Plain attention whose backward has the flash form (module docstring).
-
-    Args:
-        q: ``(B, H, N_q, D)``; k: ``(B, H_kv, N_k, D)``; v: ``(B, H_kv, N_k, D_v)``, with ``H_kv``
-            dividing ``H`` (query head ``h`` reads key/value head ``h // (H / H_kv)``).
-        attn_mask: bool (``True`` = attend) or additive, broadcastable to ``(B, H, N_q, N_k)``.
-        is_causal: top-left aligned causal mask.
-        scale: softmax scale, default ``1/sqrt(D)``.
-        upcast: compute in float32 (float64 inputs: float64) instead of the inputs' dtype.
-        form: the steps (default :class:`FlashForm` itself).
-
-    Returns:
-        ``(B, H, N_q, D_v)`` in the inputs' dtype; fully masked rows give 0.
-    """
+    """Plain attention whose backward has the flash form (module docstring), on ``q (B, H, N_q, D)``,
+    ``k (B, H_kv, N_k, D)``, ``v (B, H_kv, N_k, D_v)`` with SDPA's mask arguments; ``(B, H, N_q, D_v)``
+    in the inputs' dtype (fully masked rows give 0). ``upcast`` computes in at least float32; ``form``
+    gives the steps (default :class:`FlashForm`)."""
     check_inputs(q, k, v, attn_mask, is_causal, kernel="flash_form", gqa=True)
     compute = torch.promote_types(q.dtype, torch.float32) if upcast else q.dtype
     scale = default_scale(q.shape[-1], scale)

@@ -1,17 +1,9 @@
 """Adapter for FlashInfer's prefill kernel (CUDA only; ``pip install flashinfer-python``).
 
-FlashInfer is the library whose −50,000 sentinel started this project (``../shared/PAPER.md``).
-``flashinfer`` runs ``flashinfer.single_prefill_with_kv_cache`` once per batch entry on
-``(N, H, D)`` ("NHD") views of flashprobe's ``(B, H, N, D)`` tensors, with grouped key/value heads
-passed natively. FlashInfer aligns its causal mask to the bottom-right when ``N_q != N_k``
-(append attention); SDPA's is top-left, so a causal call with ``N_q != N_k`` is given as a custom
-mask. A bool ``attn_mask`` that is the same for every head becomes FlashInfer's ``custom_mask``
-(per batch entry); an additive float mask or a per-head mask has no FlashInfer equivalent and is
-refused with that reason. fp16/bf16 only; forward only (FlashInfer has no backward): a call whose
-inputs require grad is refused. The package is imported lazily, at the first check or call.
-
-The CUDA path is untested on this project's CPU machines (``scripts/gpu_check.sh`` runs the
-``gpu``-marked comparison against SDPA where a GPU is present).
+``flashinfer`` runs ``flashinfer.single_prefill_with_kv_cache`` once per batch entry on ``(N, H, D)``
+views, grouped heads natively. A causal call with ``N_q != N_k`` is given as a custom top-left mask
+(FlashInfer aligns bottom-right); a bool mask shared by every head becomes ``custom_mask``; additive
+or per-head masks are refused. fp16/bf16, forward only. The package is imported at the first check.
 """
 
 from __future__ import annotations
@@ -39,13 +31,12 @@ def _import_flashinfer() -> Any:
 
 
 def _installed(device: torch.device, dtype: torch.dtype) -> None:
-    """The registered check (:meth:`Kernel.check` checks FLASHINFER_CAPABILITIES first): the package."""
+    """The registered check: the package is installed."""
     _import_flashinfer()
 
 
-#: FlashInfer's prefill: fp16/bf16 on CUDA (sm75+), head dims 64, 128 and 256 (the dims its
-#: prebuilt kernels dispatch; vLLM's FlashInfer backend lists the same), D_v == D, native GQA, causal
-#: (top-left given as a custom mask when N_q != N_k) and bool custom masks, no backward.
+#: FlashInfer's prefill: fp16/bf16 on CUDA (sm75+), head dims its prebuilt kernels dispatch, D_v == D,
+#: native GQA, causal and bool custom masks, no backward.
 FLASHINFER_CAPABILITIES = KernelCapabilities(
     masks=frozenset({"causal", "bool", "key_padding"}),
     gqa="native",

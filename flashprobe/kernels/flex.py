@@ -1,28 +1,14 @@
 """``flex``: torch's FlexAttention behind the SDPA signature.
 
-``flex`` runs :func:`torch.nn.attention.flex_attention.flex_attention` — compiled with
-``torch.compile`` by default (the fused kernel), ``flex:compile=false`` for torch's eager, unfused
-implementation (exact math, for tests and quick checks).
+``flex`` runs :func:`torch.nn.attention.flex_attention.flex_attention` compiled with ``torch.compile``
+(``flex:compile=false``: torch's eager, unfused implementation). ``is_causal`` becomes a causal
+``mask_mod``, a bool ``attn_mask`` a ``mask_mod`` reading it, an additive mask a ``score_mod`` (its
+``-inf`` entries also in the block mask), grouped heads ``enable_gqa``.
 
-**Compiles.** Lengths, batch and head counts are dynamic: one compile (20–50 s on this project's
-2-core CPU) serves every length of a dtype, head dim and mask kind; torch still specialises sizes
-of 1 and a single key block. A bool or additive mask compiles per shape: torch 2.13's CPU template
-fails to compile a ``mask_mod`` or ``score_mod`` that reads a tensor with dynamic shapes (a C++
-error). One process holds up to :data:`RECOMPILE_LIMIT` variants, then the call is an error: under
-torch's own limit (8) the ninth variant would run the unfused eager code in silence.
-
-SDPA's arguments become FlexAttention's: ``is_causal`` a causal ``mask_mod`` (top-left aligned, as
-SDPA), a bool ``attn_mask`` a ``mask_mod`` reading it, an additive float mask a ``score_mod`` adding
-it (its ``-inf`` entries also masked in the block mask, so a fully masked row gives 0, as the
-``math`` baseline), grouped key/value heads ``enable_gqa``.
-
-**Directions.** torch (2.13) has no FlexAttention backward on the CPU: called on CPU tensors that
-require grad, ``flex`` raises :class:`~flashprobe.kernels.KernelUnavailableError` saying so (the
-fuzzer reports such a kernel's gradients as unsupported; a training run must use another kernel or
-a GPU). Forward calls on the CPU and both directions on CUDA run.
-
-The model's own ``score_mod``/``block_mask`` (soft-capping, ALiBi, sliding windows, document masks)
-are not expressible in SDPA's signature; this kernel checks FlexAttention on what SDPA can say.
+Lengths, batch and head counts compile dynamically; a bool or additive mask compiles per shape (torch
+2.13's CPU template cannot compile a mod reading a dynamic-shape tensor). Past
+:data:`RECOMPILE_LIMIT` variants a call is an error, never silent eager code. torch has no
+FlexAttention backward on the CPU: such calls are refused.
 """
 
 from __future__ import annotations
@@ -61,10 +47,8 @@ def _original() -> Any:
     return FLEX_ORIGINAL if FLEX_ORIGINAL is not None else _flex_module().flex_attention
 
 
-#: Compiled variants the one ``flex_attention`` frame may hold (torch's ``recompile_limit`` is 8).
-#: A variant is a dtype, a mask kind, a head dim, a scale given or not, and the sizes torch
-#: specialises; a fuzz run of the default catalogue needs over a hundred. Past torch's limit the
-#: frame would run the unfused eager implementation in silence; past this one it is an error.
+#: Compiled variants the one ``flex_attention`` frame may hold (torch's own limit, 8, would fall back
+#: to eager code in silence; a fuzz run of the default catalogue needs over a hundred).
 RECOMPILE_LIMIT = 512
 
 
@@ -77,10 +61,7 @@ def _compiled(dynamic: bool) -> Any:
 def _run_compiled(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any], *, reads_mask: bool
 ) -> torch.Tensor:
-    """The compiled FlexAttention call: dynamic lengths, batch and head counts (one compile serves
-    them all) unless a ``mask_mod``/``score_mod`` reads a mask tensor, which torch 2.13's CPU
-    template cannot compile with dynamic shapes (a C++ error, ``cur_kvSplitSize…`` undeclared):
-    such calls compile per shape."""
+    """The compiled FlexAttention call: dynamic shapes unless a mod reads a mask tensor."""
     from torch._dynamo.exc import FailOnRecompileLimitHit
 
     try:
@@ -138,8 +119,7 @@ def _mods(
     return score_mod, (mask_mod if (is_causal or keep is not None) else None)
 
 
-#: FlexAttention: CPU and CUDA, every mask (as mask_mod/score_mod), native GQA, any dtype its check
-#: allows; torch has no FlexAttention backward on the CPU.
+#: FlexAttention: CPU and CUDA, every mask, native GQA; no backward on the CPU.
 FLEX_CAPABILITIES = KernelCapabilities(
     devices=frozenset({"cpu", "cuda"}), backward_devices=frozenset({"cuda"})
 )
@@ -160,11 +140,7 @@ def flex_attention_kernel(
     compile: bool = True,
 ) -> torch.Tensor:
     """FlexAttention on ``q (B, H, N_q, D)``, ``k (B, H_kv, N_k, D)``, ``v (B, H_kv, N_k, D_v)`` →
-    ``(B, H, N_q, D_v)``; see the module docstring.
-
-    Raises:
-        KernelUnavailableError: CPU tensors that require grad (no CPU backward in torch).
-    """
+    ``(B, H, N_q, D_v)``; CPU tensors that require grad raise :class:`KernelUnavailableError`."""
     module = _flex_module()
     if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise KernelUnavailableError(

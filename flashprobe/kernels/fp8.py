@@ -1,41 +1,19 @@
 """FP8 numerics of the ``tiled`` re-implementation: formats, scales, casts and the Hadamard rotation.
 
-What FP8 attention kernels (FlashAttention-3's FP8 forward, cuDNN's FP8 attention) do, emulated on
-any device with torch's ``float8_e4m3fn`` / ``float8_e5m2`` tensors:
+What FP8 attention kernels (FlashAttention-3's FP8 forward, cuDNN's) do, emulated on any device:
 
-* **Q, K, V** are cast to an FP8 format after multiplying by a **scale** (one per tensor, per
-  head or per tile-sized block of rows, chosen from the amax so that the largest magnitude maps to
-  the format's largest finite value, or a static number); the kernel multiplies the fp32 GEMM
-  result by the inverse scale (the *descale*).
-* **P** (the softmax probabilities ``exp(s − m)``, in ``[0, 1]``) is multiplied by a static scale
-  ``S`` and cast to FP8 before the ``P·V`` GEMM; the running sum ``l`` stays in fp32, so ``S``
-  cancels in ``o / l``. FA3 uses ``S = 2^8``: its ``hopper/softmax.h`` subtracts ``Max_offset = 8``
-  from the running max inside ``exp2`` for FP8 "so that the value after exp2 is in the range of
-  [0, 256]", and divides the row sum by ``2^8`` at the end.
-* **Incoherent processing** (FA3 paper §3.3): Q and K are multiplied by the same random orthogonal
-  matrix ``M = diag(±1) · H / √d`` (H a Sylvester Hadamard matrix) before quantization.
-  ``(QM)(KM)ᵀ = QKᵀ`` exactly in real arithmetic, and an outlier channel is spread over all ``d``
-  channels, so one amax no longer crushes every other entry.
+* **Q, K, V** are multiplied by a scale (per tensor, per head or per tile of rows; from the amax so
+  the largest magnitude maps to the format's largest value, or static) and cast to FP8; the kernel
+  multiplies the fp32 GEMM result by the inverse scale (the *descale*).
+* **P** is multiplied by a static scale ``S`` and cast to FP8 before the ``P·V`` GEMM; the running
+  sum stays fp32, so ``S`` cancels (FA3: ``S = 2^8``).
+* **Incoherent processing** (FA3 §3.3): Q and K times one random orthogonal ``diag(±1)·H/√d``
+  before quantization; ``(QM)(KM)ᵀ = QKᵀ``, and an outlier channel is spread over all channels.
 
-**Saturation.** Every cast clamps to ``±max`` of the format first (:func:`cast_fp8`), as the GPU's
-``cvt.rn.satfinite`` conversions do: out-of-range values and ±inf become ±max, NaN stays NaN. Torch
-2.13's CPU casts differ between the formats: ``float8_e4m3fn`` already saturates (even ``inf`` →
-448), ``float8_e5m2`` overflows to ``±inf`` (it has an infinity); the explicit clamp gives both
-formats the kernels' behaviour. Rounding is round-to-nearest-even, subnormals included (E4M3's
-smallest positive value is ``2^-9``, E5M2's ``2^-16``); anything below half of it becomes 0.
-
-**GEMMs.** An FP8 GEMM is emulated by casting the FP8 operands to fp32 and multiplying with fp32
-accumulation, which is what tensor cores compute up to the order of the additions. As in the
-kernels, the GEMM multiplies the FP8 *values* (at most ``fp8_max`` each, so its fp32 partial sums
-cannot overflow: ``448² · d`` for E4M3) and the descales multiply the fp32 result
-(:func:`prepare_operands`, :class:`Fp8Operands`): ``S = (Q_fp8 K_fp8ᵀ) · descale_q · descale_k``,
-``O += (P V_fp8) · descale_v`` per key tile. Applying the descales to the operands first
-(``x_fp8 · descale``, as :func:`dequantize` gives the FP8 baseline) rounds the same to within
-``2^-24`` relative, but its partial sums overflow fp32 where the kernel's do not: logits near
-``-3e38`` (the fuzzer's ``sentinel_halfmax`` in fp32, rotated) became ``-inf`` and zeroed their row.
-
-FP8 is forward only here (FA3 has no FP8 backward): a spec with any of these knobs on (the
-rotation included) declares no backward and is refused when its inputs require grad.
+Every cast saturates (clamps to ``±max`` first, as the GPU's ``cvt.rn.satfinite``; NaN stays NaN)
+and rounds to nearest even. An FP8 GEMM multiplies the FP8 *values* in fp32 and the descales
+multiply its fp32 result, as the kernels do: descaling the operands first can overflow fp32 partial
+sums where the kernel's do not. FP8 is forward only.
 """
 
 from __future__ import annotations
@@ -108,17 +86,8 @@ _FP8_DEFAULTS: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class Fp8Numerics:
-    """The resolved FP8 knobs of one ``tiled`` call.
-
-    Attributes:
-        qkv: format of Q, K and V (``"e4m3"``, ``"e5m2"`` or ``"off"``).
-        p: format of P in the ``P·V`` GEMM.
-        p_scale: static scale S on P before its cast (the sum ``l`` is unscaled, S cancels).
-        scaling: granularity of the Q/K/V scales, of :data:`GRANULARITIES`.
-        qkv_scale: ``"amax"`` (scale = format max / amax of each group) or a static number.
-        rotation: ``"hadamard"`` (random Hadamard rotation of Q and K) or ``"off"``.
-        rotation_seed: seed of the rotation's random signs.
-    """
+    """The resolved FP8 knobs of one ``tiled`` call (``tiled``'s ``qkv_fp8``, ``p_fp8``, ``p_scale``,
+    ``fp8_scaling``, ``qkv_scale``, ``rotation``, ``rotation_seed``; formats ``"off"`` when not cast)."""
 
     qkv: str = OFF
     p: str = OFF
@@ -185,8 +154,7 @@ def resolve_fp8(
     rotation: str | None = None,
     rotation_seed: int = 0,
 ) -> Fp8Numerics:
-    """The FP8 knobs of a call: the preset's (FP8 off for a preset without FP8), overridden by
-    the ones given (``None``: the preset's value).
+    """The FP8 knobs of a call: the preset's (FP8 off without one), overridden by those not None.
 
     Raises:
         ValueError: a knob value that is not allowed, naming the allowed ones.
@@ -232,27 +200,14 @@ def fp8_max(fmt: str) -> float:
 
 
 def cast_fp8(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Round ``x`` to the FP8 format ``fmt``, saturating, and return the values in fp32.
-
-    Round-to-nearest-even after clamping to ``±fp8_max(fmt)`` (GPU ``satfinite``: ±inf → ±max,
-    NaN stays NaN). ``x`` should be fp32 or narrower (fp64 is rounded to fp32 first).
-
-    Args:
-        x: any shape.
-        fmt: ``"e4m3"`` or ``"e5m2"``.
-
-    Returns:
-        fp32 tensor of ``x``'s shape holding FP8 values.
-    """
+    """``x`` (any shape; fp64 is rounded to fp32 first) rounded to the FP8 format ``fmt``, saturating
+    at ``±fp8_max(fmt)``, as fp32 values."""
     top = fp8_max(fmt)
     return x.float().clamp(-top, top).to(FP8_DTYPES[fmt]).float()
 
 
 def _group_amax(x: torch.Tensor, scaling: str, block: int) -> torch.Tensor:
-    """amax of ``x (B, H, N, D)`` per scaling group, broadcast to ``(B, H, N, 1)`` (or smaller).
-
-    An empty group (a call with no keys, or a head dim of 0) has amax 0, as an all-zero group.
-    """
+    """amax of ``x (B, H, N, D)`` per scaling group, broadcastable to ``(B, H, N, 1)``; 0 when empty."""
     mag = x.detach().abs()
     if mag.numel() == 0:
         b, h, n, _ = x.shape
@@ -282,23 +237,17 @@ def quantize(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale ``x`` and cast it to FP8, as a kernel's inputs are quantized.
 
-    With ``scale="amax"`` each group's scale is ``shift · fp8_max / amax`` (1 for an all-zero group),
-    so its largest magnitude maps to the format's largest value (times ``shift``); a number is one
-    static scale for all.
-
     Args:
         x: ``(B, H, N, D)``, fp32 or narrower.
         fmt: ``"e4m3"`` or ``"e5m2"``.
-        scaling: ``"tensor"``, ``"head"`` or ``"block"`` (``block`` rows share a scale).
-        scale: ``"amax"`` or a static positive number.
-        block: rows per block for ``scaling="block"``.
-        shift: a factor on the amax scales, in ``(0, 1]`` (:func:`realisation_shifts`): another,
-            equally valid rounding of ``x``.
+        scaling: of :data:`GRANULARITIES` (``block``: ``block`` rows share a scale).
+        scale: ``"amax"`` (each group's scale ``shift · fp8_max / amax``, 1 for an all-zero group)
+            or one static positive number.
+        shift: a factor in ``(0, 1]`` on the amax scales (:func:`realisation_shifts`).
 
     Returns:
-        ``(values, descale)``: the FP8 values of ``x · scale`` in fp32 ``(B, H, N, D)``, and the
-        fp32 descale ``1/scale`` broadcastable to them (``(1, 1, 1, 1)``, ``(B, H, 1, 1)`` or
-        ``(B, H, N, 1)``), so that ``values · descale ≈ x``.
+        ``(values, descale)``: the FP8 values of ``x · scale`` in fp32 ``(B, H, N, D)`` and the fp32
+        descale ``1/scale`` broadcastable to them, so that ``values · descale ≈ x``.
     """
     x32 = x.float()
     if scale == AMAX:
@@ -312,34 +261,22 @@ def quantize(
 def dequantize(
     x: torch.Tensor, fmt: str, *, scaling: str, scale: str | float, block: int, shift: float = 1.0
 ) -> torch.Tensor:
-    """``x`` after quantization, as the fp32 operand of an emulated FP8 GEMM: ``values · descale``
-    (see :func:`quantize`; the module docstring says why the descale is applied here)."""
+    """``x`` after quantization (:func:`quantize`) and descaling: ``values · descale`` in fp32."""
     values, descale = quantize(x, fmt, scaling=scaling, scale=scale, block=block, shift=shift)
     return values * descale
 
 
-#: The steps of :func:`realisation_shifts`, one per tensor (Q, K, V): ``1/φ₃, 1/φ₃², 1/φ₃³`` with
-#: ``φ₃ ≈ 1.2207`` the real root of ``x⁴ = x + 1`` (Roberts' R₃ low-discrepancy sequence), so that any
-#: few realisations spread each tensor's factor evenly over an octave, and independently of the others'.
+#: ``1/φ₃, 1/φ₃², 1/φ₃³`` (Roberts' R₃ low-discrepancy sequence, ``φ₃⁴ = φ₃ + 1``): the steps of
+#: :func:`realisation_shifts` for Q, K and V, spreading their factors evenly and independently.
 _SHIFT_STEPS: tuple[float, float, float] = (0.8191725133961644, 0.671043606703789, 0.5497004779019701)
 
 
 def realisation_shifts(draw: int) -> tuple[float, float, float]:
-    """The factors on Q's, K's and V's amax scales in the ``draw``-th realisation of an FP8 rounding.
+    """The ``(q, k, v)`` factors in ``(½, 1]`` on the amax scales of the ``draw``-th realisation of
+    an FP8 rounding: ``2^-frac(draw · step)``; draw 0 is ``(1, 1, 1)``, the amax scales.
 
-    An amax scale is one valid choice among many: any scale that keeps the largest magnitude in
-    range quantizes as well, and each rounds every value differently. A factor that is a power of
-    two changes no rounding (but of subnormals), so the factors ``2^-frac(draw · a)`` (one step ``a``
-    per tensor, :data:`_SHIFT_STEPS`) cover the distinct roundings within one octave, in ``(½, 1]``
-    (the largest magnitude stays within the format's range). Draw 0 is ``(1, 1, 1)``: the amax
-    scales themselves. The FP8 baseline's realisations (``math:fp8=e4m3,fp8_draw=<draw>``) judge an
-    FP8 kernel against the spread of FP8's own rounding (:mod:`flashprobe.judge`, "FP8").
-
-    Args:
-        draw: the realisation, an integer ≥ 0.
-
-    Returns:
-        ``(q, k, v)`` factors in ``(½, 1]``.
+    Any scale that keeps the largest magnitude in range is as valid as the amax one and rounds
+    differently; within one octave they cover the distinct roundings (a power of two changes none).
     """
     q, k, v = (2.0 ** -((draw * step) % 1.0) for step in _SHIFT_STEPS)
     return q, k, v
@@ -356,18 +293,8 @@ def _hadamard_cpu(d: int, seed: int) -> torch.Tensor:
 
 
 def hadamard_rotation(d: int, seed: int = 0, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """The random orthogonal matrix ``M = diag(s) · H_d / √d`` of incoherent processing.
-
-    ``H_d`` is the Sylvester Hadamard matrix (entries ±1), ``s`` are random signs drawn by
-    ``torch.randint`` on a generator seeded with ``seed``. ``M Mᵀ = I``, so ``(QM)(KM)ᵀ = QKᵀ``.
-
-    Args:
-        d: the head dimension, a power of two.
-        seed: seed of the random signs.
-        dtype: dtype of the result (built in float64).
-
-    Returns:
-        ``(d, d)`` matrix on the CPU.
+    """The ``(d, d)`` CPU matrix ``M = diag(s) · H_d / √d`` of incoherent processing: ``H_d`` the
+    Sylvester Hadamard matrix, ``s`` random signs seeded with ``seed``; ``M Mᵀ = I``.
 
     Raises:
         ValueError: ``d`` is not a power of two.
@@ -389,12 +316,10 @@ class Fp8Operands(NamedTuple):
     """The GEMM operands of a ``tiled`` call with FP8 knobs (:func:`prepare_operands`).
 
     Attributes:
-        q: ``(B, H, N_q, D)``; k: ``(B, H, N_k, D)``; v: ``(B, H, N_k, D_v)``: the FP8 values
-            (in the GEMM dtypes) where Q/K/V are quantized, else the (rotated) operands.
+        q: ``(B, H, N_q, D)``; k: ``(B, H, N_k, D)``; v: ``(B, H, N_k, D_v)``: the FP8 values where
+            Q/K/V are quantized, else the (rotated) operands.
         q_descale: ``1/scale`` of Q's rows, broadcastable to ``(B, H, N_q, 1)``; None without
-            ``qkv_fp8``.
-        k_descale, v_descale: the same for K's and V's rows, ``(…, N_k, 1)``: with
-            ``fp8_scaling=block`` one value per ``block_k`` rows, i.e. per key tile.
+            ``qkv_fp8``; likewise ``k_descale``, ``v_descale`` ``(…, N_k, 1)``.
     """
 
     q: torch.Tensor
@@ -406,9 +331,8 @@ class Fp8Operands(NamedTuple):
 
     @staticmethod
     def tile(descale: torch.Tensor | None, j0: int, j1: int | None = None) -> torch.Tensor | None:
-        """The descale of the key tile starting at row ``j0`` (``(…, 1, 1)``): one value, since
-        K's and V's scale blocks are the key tiles; with ``j1``, of the rows ``j0 … j1-1``
-        (``(…, R, 1)``). None, or one value for all rows, stays as it is."""
+        """The descale of the key tile starting at row ``j0`` (``(…, 1, 1)``; with ``j1``, of rows
+        ``j0 … j1-1``); None or one value for all rows stays as it is."""
         if descale is None or descale.shape[-2] == 1:
             return descale
         return descale[..., j0 : j0 + 1 if j1 is None else j1, :]
@@ -430,24 +354,9 @@ def prepare_operands(
     block_q: int,
     block_k: int,
 ) -> Fp8Operands:
-    """The GEMM operands of a ``tiled`` call with FP8 knobs: rotated, quantized, with descales.
-
-    Q and K are rotated in fp32 (in ``compute`` dtype when they are not quantized: a separate
-    rotation kernel writes them back in the model's dtype), then, with ``fp8.qkv``, quantized with
-    ``block_q``-row blocks for Q and ``block_k``-row blocks for K and V. The GEMMs multiply the FP8
-    values (exact in any GEMM dtype of 16 bits or more) and apply the descales to their fp32
-    results, as the kernels do (module docstring, "GEMMs").
-
-    Args:
-        q: ``(B, H, N_q, D)``; k: ``(B, H, N_k, D)``; v: ``(B, H, N_k, D_v)``.
-        fp8: the FP8 knobs.
-        compute: the tile numerics' compute dtype.
-        gemm_s, gemm_o: the dtypes of the score and output GEMMs' operands.
-        block_q, block_k: the tile sizes (Br, Bc).
-
-    Returns:
-        :class:`Fp8Operands`: ``q, k`` in ``gemm_s``, ``v`` in ``gemm_o``, and the descales.
-    """
+    """The GEMM operands of a ``tiled`` call with FP8 knobs: ``q (B, H, N_q, D)`` and ``k`` rotated
+    (in at least fp32; rounded back to ``compute`` when not quantized), then quantized in blocks of
+    ``block_q`` / ``block_k`` rows; ``q, k`` in ``gemm_s``, ``v`` in ``gemm_o``, with the descales."""
     q, k, v = q.to(compute), k.to(compute), v.to(compute)
     if fp8.rotation != OFF:
         rotation_dtype = torch.promote_types(compute, torch.float32)
@@ -464,13 +373,6 @@ def prepare_operands(
 
 
 def cast_p(p: torch.Tensor, fp8: Fp8Numerics) -> torch.Tensor:
-    """P as the ``P·V`` GEMM sees it, divided back by S: ``cast_fp8(P · S) / S`` in fp32.
-
-    Dividing by S here instead of the row sum at the end is the same up to fp32 rounding (S is a
-    power of two in every preset, so it is exact there).
-
-    Args:
-        p: ``(B, H, R, Bc)`` probabilities ``exp(s − m)`` in the stats dtype.
-        fp8: the FP8 knobs (``fp8.p`` not ``"off"``).
-    """
+    """``cast_fp8(P · S) / S`` in fp32 for ``p (B, H, R, Bc)``: P as the ``P·V`` GEMM sees it (dividing
+    by S here rather than the row sum at the end is exact for a power-of-two S)."""
     return cast_fp8(p * fp8.p_scale, fp8.p) / fp8.p_scale

@@ -1,16 +1,8 @@
-"""The baseline: plain ``softmax(q kᵀ · scale) v``, every step in one dtype.
+"""The baseline: plain ``softmax(q kᵀ · scale) v``, every step in one dtype; in float64, the golden.
 
-Computed in float64 from the same inputs it is the **golden** value every deviation is measured
-against. It materialises the ``(B, H, N_q, N_k)`` score matrix, as unfused attention does.
-
-``math:fp8=e4m3`` (or ``e5m2``) is the baseline of FP8 kernels: Q, K and V rounded to the FP8
-format with one amax scale per tensor (:func:`flashprobe.kernels.fp8.dequantize`), then every
-step in float32, as an FP8 GEMM accumulates. It carries the error every FP8 kernel with
-per-tensor scaled inputs has and nothing else (no FP8 P, no tiling), so an FP8 kernel compared
-with it differs in its algorithm only, as a 16-bit kernel compared with ``math`` in its dtype.
-``fp8_draw=<r>`` is another, equally valid realisation of that rounding: each amax scale shifted by
-a factor in ``(½, 1]`` (:func:`flashprobe.kernels.fp8.realisation_shifts`; draw 0, the default, is
-the amax scales).
+``math:fp8=e4m3`` (or ``e5m2``) is the baseline of FP8 kernels: q, k, v rounded to the format with
+one amax scale per tensor, then every step in float32; ``fp8_draw=<r>`` is another, equally valid
+realisation of that rounding (:func:`flashprobe.kernels.fp8.realisation_shifts`).
 """
 
 from __future__ import annotations
@@ -80,19 +72,11 @@ def math_attention(
     """Baseline attention ``softmax(q kᵀ · scale + mask) v`` (fully masked rows give 0).
 
     Args:
-        q: ``(B, H, N_q, D)`` queries.
-        k: ``(B, H, N_k, D)`` keys.
-        v: ``(B, H, N_k, D_v)`` values.
-        attn_mask: bool (``True`` = attend) or additive mask, broadcastable to
-            ``(B, H, N_q, N_k)``.
-        is_causal: apply the top-left aligned causal mask.
-        scale: softmax scale, default ``1/sqrt(D)``.
-        dtype: compute every step in this dtype instead of the inputs' dtype; the result is cast
-            back to the inputs' dtype.
-        fp8: ``"e4m3"`` or ``"e5m2"``: round q, k and v to that FP8 format first (one amax scale per
-            tensor) and compute in float32, the FP8 kernels' baseline; ``"off"`` (default): no.
-        fp8_draw: with ``fp8``, the realisation of its rounding: the amax scales of q, k and v
-            times :func:`flashprobe.kernels.fp8.realisation_shifts` of it (0: the amax scales).
+        q: ``(B, H, N_q, D)``; k: ``(B, H, N_k, D)``; v: ``(B, H, N_k, D_v)``; the mask, causal flag
+            and scale as SDPA's.
+        dtype: compute every step in this dtype; the result is cast back to the inputs' dtype.
+        fp8: ``"e4m3"`` or ``"e5m2"``: the FP8 baseline (module docstring); ``"off"``: no.
+        fp8_draw: with ``fp8``, the realisation of its rounding (0: the amax scales).
 
     Returns:
         ``(B, H, N_q, D_v)`` in the inputs' dtype.
@@ -109,25 +93,41 @@ def math_attention(
             for x, c in zip((q, k, v), shifts, strict=True)
         )
     q, k, v = q.to(compute), k.to(compute), v.to(compute)  # (no copies when already there)
-    out = _softmax_attention(q, k, v, default_scale(q.shape[-1], scale), attn_mask, is_causal)
+    out = plain_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
     return out.to(out_dtype)  # (B, H, N_q, D_v)
 
 
-def _softmax_attention(
+def plain_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    s: float,
-    attn_mask: torch.Tensor | None,
-    is_causal: bool,
     *,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
     valid: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     lse: bool = False,
 ) -> Any:
-    """``softmax(q kᵀ · s)·v`` in q's dtype, with every term of a call (:func:`plain_attention`)."""
+    """The baseline with every term of a call, in the inputs' dtype: the one implementation behind
+    :func:`math_attention`, the golden and the references of calls.
+
+    ``s = q kᵀ · scale``, softcapped, SDPA's ``is_causal`` / ``attn_mask``, ``−inf`` where ``valid``
+    is False, ``+ bias``; ``sinks`` join the denominator; a row that sees nothing gives 0.
+
+    Args:
+        q: ``(B, H, N_q, D)``; k: ``(B, H, N_k, D)``; v: ``(B, H, N_k, D_v)`` (heads expanded).
+        valid: bool broadcastable to ``(B, H, N_q, N_k)``: the scores the call keeps.
+        bias: added to the scores after the masks (ALiBi), broadcastable likewise.
+        sinks: ``(H,)`` one logit per head.
+        lse: also return the natural-log LSE ``(B, H, N_q)`` in at least float32.
+
+    Returns:
+        ``(B, H, N_q, D_v)`` in the inputs' dtype, or ``(out, lse)`` with ``lse``.
+    """
+    s = default_scale(q.shape[-1], scale)
     # In place on fresh intermediates: the matmul and the scaling save their inputs, not outputs.
     scores = torch.matmul(q, k.transpose(-2, -1)).mul_(s)  # (B, H, N_q, N_k)
     if softcap:
@@ -151,12 +151,9 @@ def _softmax_attention(
     row_lse = None
     if lse:  # in at least float32, as kernels store it (before any fill below)
         row_lse = torch.logsumexp(scores.detach().to(torch.promote_types(q.dtype, torch.float32)), dim=-1)
-    # Safe softmax, as torch SDPA: a row with every key masked (all -inf) gives 0, not NaN, in the
-    # output and in the gradients. Only a mask can mask a whole row (a top-left causal row i keeps
-    # key 0 whenever there are keys; with no keys at all the empty product below gives zeros; a sink
-    # keeps every row finite), so calls without one skip this. Such a row is found with one row-max
-    # reduction (no (N_q, N_k) bool temporary) and given finite scores before the softmax, so autograd
-    # never sees inf - inf.
+    # Safe softmax, as torch SDPA: a row with every key masked gives 0, not NaN, in the output and the
+    # gradients; only a mask (without a sink) can mask a whole row. Its scores are made finite before
+    # the softmax, so autograd never sees inf - inf.
     fully_masked = None
     masks = (attn_mask is not None and not is_causal) or valid is not None
     if masks and sinks is None and scores.shape[-1]:
@@ -171,48 +168,6 @@ def _softmax_attention(
     return out if row_lse is None else (out, row_lse)
 
 
-def plain_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    attn_mask: torch.Tensor | None = None,
-    is_causal: bool = False,
-    scale: float | None = None,
-    valid: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
-    lse: bool = False,
-) -> Any:
-    """The baseline with every term of a call, in the inputs' dtype: the one implementation behind
-    :func:`math_attention`, the golden and the references of calls (:func:`call_reference`).
-
-    ``s = q kᵀ · scale``; ``s = softcap · tanh(s / softcap)`` when ``softcap``; SDPA's ``is_causal`` /
-    ``attn_mask``; ``−inf`` where ``valid`` is False; ``+ bias``; one ``sinks`` logit per head joins each
-    row's softmax denominator; a row that sees nothing gives 0.
-
-    Args:
-        q: ``(B, H, N_q, D)``; k: ``(B, H, N_k, D)``; v: ``(B, H, N_k, D_v)`` (heads expanded).
-        attn_mask: SDPA's bool or additive mask broadcastable to ``(B, H, N_q, N_k)``.
-        is_causal: SDPA's top-left causal mask.
-        scale: softmax scale (default ``1/sqrt(D)``).
-        valid: bool broadcastable to ``(B, H, N_q, N_k)``: the scores the call keeps.
-        bias: added to the scores after the masks (ALiBi), broadcastable likewise.
-        softcap: ``> 0`` caps the scaled scores.
-        sinks: ``(H,)`` one logit per head.
-        lse: also return the natural-log LSE ``(B, H, N_q)`` in at least float32 (``−inf`` for a row
-            that sees no key and no sink).
-
-    Returns:
-        ``(B, H, N_q, D_v)`` in the inputs' dtype, or ``(out, lse)`` with ``lse``.
-    """
-    s = default_scale(q.shape[-1], scale)
-    return _softmax_attention(
-        q, k, v, s, attn_mask, is_causal, valid=valid, bias=bias, softcap=softcap, sinks=sinks, lse=lse
-    )
-
-
 def golden_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -223,14 +178,9 @@ def golden_attention(
     scale: float | None = None,
     budget: int | None = None,
 ) -> torch.Tensor:
-    """The golden value: the baseline computed in float64 from the same inputs, in bounded memory.
-
-    Shapes as :func:`math_attention`; returns a float64 ``(B, H, N_q, D_v)`` tensor. Computed in
-    blocks of at most ``budget`` bytes (:func:`flashprobe.kernels.reference.reference_attention`:
-    default a quarter of the device's free memory), causal calls in row blocks against only the keys
-    they see; each row's value is that of the whole score matrix up to float64 rounding of
-    differently shaped sums.
-    """
+    """The golden value: the baseline in float64 from the same inputs (shapes as
+    :func:`math_attention`), in blocks of at most ``budget`` bytes
+    (:func:`~flashprobe.kernels.reference.reference_attention`); float64 ``(B, H, N_q, D_v)``."""
     check_inputs(q, k, v, attn_mask, is_causal, kernel="golden")
     if attn_mask is not None and attn_mask.is_floating_point():
         attn_mask = attn_mask.double()
@@ -242,9 +192,8 @@ def golden_attention(
 
 def reference_arguments(call: AttentionCall, compute: torch.dtype) -> tuple[Any, ...]:
     """``(logical, q, k, v, attn_mask, is_causal, terms)``: the arguments of the blocked references
-    (:mod:`flashprobe.kernels.reference`, with :func:`plain_attention` as their kernel) for ``call``
-    in ``compute``: a causal mask SDPA expresses stays SDPA's (its row blocks), the other terms are
-    given per block (``terms``: None for an SDPA-shaped call). A probe streams blocks with them."""
+    (with :func:`plain_attention`) for ``call`` in ``compute``; a causal mask SDPA expresses stays
+    SDPA's, the other terms go per block (``terms``: None for an SDPA-shaped call)."""
     logical = call.logical()
     q, k, v = logical.dequantized(compute)
     mask = logical.attn_mask
@@ -262,21 +211,17 @@ def reference_arguments(call: AttentionCall, compute: torch.dtype) -> tuple[Any,
 def call_reference(
     call: AttentionCall, *, dtype: torch.dtype | None = None, budget: int | None = None
 ) -> CallOutput:
-    """Plain attention of any call (:class:`~flashprobe.kernels.call.AttentionCall`), in blocks of at
-    most ``budget`` bytes, through its logical form: the golden in float64, the baseline in the
-    call's dtype. One implementation with SDPA's (:func:`plain_attention`): an SDPA-shaped call gives
-    the bits :func:`golden_attention` and :func:`math_attention` give.
+    """Plain attention (:func:`plain_attention`) of any call through its logical form, in blocks of at
+    most ``budget`` bytes; an SDPA-shaped call gives the bits of :func:`math_attention`.
 
     Args:
         call: the call, in any storage.
-        dtype: compute every step in this dtype (default: the inputs', float32 for FP8 inputs, which
-            are multiplied by their descales first).
-        budget: bytes per block (:func:`~flashprobe.kernels.reference.reference_attention`).
+        dtype: compute every step in this dtype (default: the inputs'; float32 for FP8 inputs,
+            multiplied by their descales first).
 
     Returns:
-        The logical ``out`` ``(B, H, n_q, D_v)`` in ``dtype`` (or the call's output dtype when
-        ``dtype`` is None) and, with ``call.return_lse``, the LSE ``(B, H, n_q)`` in ``call.lse_base``
-        (in at least float32; ``−inf`` for a row that sees no key and no sink).
+        The logical ``out`` ``(B, H, n_q, D_v)`` in ``dtype`` (None: the call's output dtype) and,
+        with ``call.return_lse``, the LSE ``(B, H, n_q)`` in ``call.lse_base``, at least float32.
     """
     compute = dtype or (torch.float32 if call.fp8 else call.q.dtype)
     logical, q, k, v, mask, causal, terms = reference_arguments(call, compute)
@@ -302,15 +247,9 @@ def call_gradients(
     dtype: torch.dtype | None = None,
     budget: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The input gradients of plain attention of ``call`` for the logical output gradient
-    ``grad_out`` ``(B, H, n_q, D_v)``, in bounded memory
-    (:func:`~flashprobe.kernels.reference.reference_input_gradients`): the golden's in float64.
-
-    Returns:
-        Logical ``dq`` ``(B, H, n_q, D)``, ``dk`` ``(B, H_kv, n_k, D)``, ``dv`` ``(B, H_kv, n_k, D_v)``
-        in ``dtype`` (default: the inputs'); a kernel's packed ``dq``, ``dk``, ``dv`` come to this form
-        with :meth:`~flashprobe.kernels.call.AttentionCall.q_to_logical` and ``kv_to_logical``.
-    """
+    """The logical ``dq (B, H, n_q, D)``, ``dk (B, H_kv, n_k, D)``, ``dv (B, H_kv, n_k, D_v)`` of plain
+    attention of ``call`` for the logical ``grad_out`` ``(B, H, n_q, D_v)``, in ``dtype`` (default:
+    the inputs'), in bounded memory."""
     compute = dtype or call.q.dtype
     _, q, k, v, mask, causal, terms = reference_arguments(call, compute)
     _, dq, dk, dv = reference_input_gradients(

@@ -1,38 +1,23 @@
 """Reference attention in bounded memory: the baseline and the FP64 golden of any call, in blocks.
 
-A reference computation materialises scores: ``(B, H, N_q, N_k)`` of them, 32 GiB in float64 for
-one 16k-token call of 16 heads. This module is the one place that splits such a call into
-**blocks** that fit a memory budget, and it serves the probe (:mod:`flashprobe.probing.shadow`), the
-benchmarks and the fuzzer alike (:func:`golden_attention` is built on it).
+A reference materialises ``(B, H, N_q, N_k)`` scores (32 GiB in float64 for one 16k-token call of
+16 heads), so it runs in **blocks** (:func:`plan_blocks`) that fit a memory budget
+(:func:`reference_budget`: a quarter of the device's free memory, clamped to
+``[MIN_BUDGET, MAX_BUDGET[device]]``): whole batch entries, else groups of key/value heads, else
+query rows of one head group. A block's rows are exactly those of the whole call (up to the rounding
+of a differently shaped matmul). Causal calls (top-left) of at least ``2 · CAUSAL_BLOCK_ROWS`` rows
+are cut into row blocks, each against only the keys it can see.
 
-* **Blocks** (:func:`plan_blocks`) cover every score once: whole batch entries when they fit, else
-  groups of key/value heads of one entry, else query rows of one key/value head group. Heads and
-  batch entries are independent and rows are independent, so a block's output rows are exactly
-  those of the whole call (up to the rounding of a differently shaped matmul).
-* **Causal calls** (top-left aligned, as torch SDPA) of at least ``2 · CAUSAL_BLOCK_ROWS`` query
-  rows are cut into row blocks of at least ``CAUSAL_BLOCK_ROWS`` rows (at most
-  ``CAUSAL_BLOCKS``), each against only the keys it can see (``[0, r1)`` for rows ``[r0, r1)``)
-  with an explicit mask on that block; the keys above the diagonal add exact zeros to every sum
-  and are never computed, so the masked-out work is the diagonal blocks' upper triangles only.
-* **The budget** (:func:`reference_budget`) comes from the device: on CUDA a quarter of the memory
-  free for tensors (``torch.cuda.mem_get_info`` plus the caching allocator's unused reserve), on the
-  CPU a quarter of ``MemAvailable``; clamped to ``[MIN_BUDGET, MAX_BUDGET[device]]``. A block's
-  working set is estimated per score element (:data:`BYTES_PER_SCORE`: scores, probabilities and,
-  for gradients, their gradients, in float64) plus its inputs, outputs and gradients.
-* **Numerics of the references.** Inside :func:`reference_numerics` float32 matmuls are IEEE (no
-  TF32 on CUDA, no TF32/bf16 in oneDNN on the CPU), whatever the training set with
-  ``torch.set_float32_matmul_precision`` or ``torch.backends.cuda.matmul.allow_tf32``; the previous
-  settings are restored after. :func:`numerics_flags` records what training runs with.
-
-:func:`reference_outputs` yields the output of each block (the probe compares block by block and
-keeps nothing); :func:`reference_attention` assembles the whole output; :func:`reference_gradients`
-yields, per group of heads, the outputs and the input gradients for a given output gradient, and
-:func:`reference_input_gradients` assembles them into whole tensors.
+Inside :func:`reference_numerics` float32 matmuls are IEEE (no TF32, no bf16 passes), whatever
+training set. :func:`reference_outputs` yields each block's output, :func:`reference_attention`
+assembles them; :func:`reference_gradients` yields outputs and input gradients per group of heads,
+:func:`reference_input_gradients` assembles them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -65,9 +50,8 @@ __all__ = [
 #: Query rows per block of a causal call (at least), and the most row blocks one call is cut into.
 CAUSAL_BLOCK_ROWS = 128
 CAUSAL_BLOCKS = 16
-#: Working set per score element of one block, forward and with gradients: float64 scores and
-#: probabilities (forward); probabilities, their gradient, the scores' gradient and one temporary
-#: (backward); plus one byte of mask.
+#: Working set per score element of one block, forward and with gradients (float64 temporaries and
+#: one byte of mask).
 BYTES_PER_SCORE: Mapping[bool, int] = {False: 2 * 8 + 1, True: 4 * 8 + 1}
 #: Fraction of the device's available memory one block may use.
 BUDGET_FRACTION = 0.25
@@ -82,16 +66,10 @@ AttentionKernel = Callable[..., Any]
 
 @dataclass(frozen=True)
 class Block:
-    """One block of a call's scores: batch entries × key/value heads × query rows × the first keys.
+    """One block of a call's scores: batch entries × key/value heads × query rows × keys ``[0, keys)``.
 
-    Attributes:
-        batch: batch entries.
-        heads: key/value heads (a block holds ``rep`` query heads per key/value head).
-        rows: query rows.
-        keys: the block sees keys ``[0, keys)``: all of them, or for a causal row block the keys its
-            last row can see.
-        causal: the block is causal on its own (``is_causal=True`` on the whole call); a causal
-            row block instead gets an explicit mask from :meth:`mask`.
+    ``heads`` are key/value heads (``rep`` query heads each); ``causal``: the block is the whole
+    causal call (a causal row block gets an explicit mask from :meth:`mask` instead).
     """
 
     batch: slice
@@ -119,14 +97,8 @@ class Block:
     def mask(
         self, attn_mask: torch.Tensor | None, rep: int, causal: bool, device: torch.device
     ) -> tuple[torch.Tensor | None, bool]:
-        """``(attn_mask, is_causal)`` for this block's ``(B_b, H_b, rows, keys)`` scores.
-
-        Args:
-            attn_mask: the call's mask broadcastable to ``(B, H, N_q, N_k)``, or None.
-            rep: query heads per key/value head.
-            causal: the call is causal (top-left aligned).
-            device: device of an explicit causal mask.
-        """
+        """``(attn_mask, is_causal)`` for this block's ``(B_b, H_b, rows, keys)`` scores, from the call's
+        mask (broadcastable to ``(B, H, N_q, N_k)``) or top-left causal flag."""
         if causal:
             if self.causal:
                 return None, True
@@ -174,12 +146,8 @@ def _available_bytes(device: torch.device) -> int:
 
 
 def reference_budget(device: torch.device | str, *, available: int | None = None) -> int:
-    """Bytes one reference block may use on ``device`` (see the module docstring).
-
-    Args:
-        device: where the references run.
-        available: memory free for tensors there, in bytes (default: read from the device now).
-    """
+    """Bytes one reference block may use on ``device``, from ``available`` free bytes (default: read
+    from the device now)."""
     device = torch.device(device)
     free = _available_bytes(device) if available is None else int(available)
     ceiling = MAX_BUDGET.get(device.type, MAX_BUDGET["default"])
@@ -202,19 +170,14 @@ def plan_blocks(
     backward: bool = False,
     budget: int,
 ) -> list[Block]:
-    """Blocks covering every score of a call once, each within ``budget`` bytes where possible.
+    """Blocks covering every score of a call once, each within ``budget`` bytes where possible (one
+    query row of one head group is the smallest block), ordered by group, then rows.
 
     Args:
         q_shape: ``(B, H, N_q, D)``.
-        k_shape: ``(B, H_kv, N_k, D)`` with ``H`` a multiple of ``H_kv`` (grouped-query attention).
-        v_shape: ``(B, H_kv, N_k, D_v)`` (default: like ``k_shape``).
-        is_causal: top-left aligned causal call (row blocks see only their visible keys).
-        backward: size for a forward and backward pass (gradients).
-        budget: bytes one block may use (:func:`reference_budget`); a single query row of one head
-            group is the smallest block, whatever the budget.
-
-    Returns:
-        Blocks ordered by group (batch entries and heads), then rows.
+        k_shape: ``(B, H_kv, N_k, D)``; ``v_shape``: ``(B, H_kv, N_k, D_v)`` (default: like ``k_shape``).
+        is_causal: top-left aligned causal call.
+        backward: size for a forward and backward pass.
     """
     b, h, n_q, d = (int(x) for x in q_shape)
     h_kv, n_k = int(k_shape[1]), int(k_shape[2])
@@ -257,16 +220,7 @@ def plan_blocks(
 
 
 def expand_kv(k: torch.Tensor, v: torch.Tensor, rep: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Repeat each key/value head ``rep`` times along dim 1, as SDPA's ``enable_gqa`` does.
-
-    Args:
-        k: ``(B, H_kv, N_k, D)``.
-        v: ``(B, H_kv, N_k, D_v)``.
-        rep: query heads per key/value head.
-
-    Returns:
-        ``k`` and ``v`` with ``H_kv · rep`` heads (the inputs themselves when ``rep`` is 1).
-    """
+    """``k (B, H_kv, N_k, D)`` and ``v`` with each head repeated ``rep`` times (SDPA's ``enable_gqa``)."""
     if rep == 1:
         return k, v
     return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -276,8 +230,7 @@ _FP32_BACKENDS = ("cuda", "mkldnn")
 
 
 def _fp32_backends() -> dict[str, Any]:
-    """The backends whose float32 matmul precision torch lets one set (``fp32_precision``, torch
-    2.9 and later), by name."""
+    """The backends whose ``fp32_precision`` torch lets one set, by name."""
     found = {}
     for name in _FP32_BACKENDS:
         try:
@@ -291,9 +244,7 @@ def _fp32_backends() -> dict[str, Any]:
 
 @contextlib.contextmanager
 def reference_numerics() -> Iterator[None]:
-    """Inside the block float32 matmuls are IEEE on every backend (no TF32, no bf16 passes); the
-    previous settings are restored after, even on an exception. Reads and sets plain flags: no
-    device work."""
+    """Inside the block float32 matmuls are IEEE on every backend; the previous settings are restored."""
     backends = _fp32_backends()
     if not backends:  # a torch before the per-backend setting: the global one
         previous = torch.get_float32_matmul_precision()
@@ -315,10 +266,8 @@ def reference_numerics() -> Iterator[None]:
 
 
 def numerics_flags() -> dict[str, Any]:
-    """What the training's matmuls run with: float32 precision per backend (``ieee``, ``tf32``,
-    ``bf16``, or ``none`` = torch's default, IEEE) and whether fp16/bf16 matmuls on CUDA may round
-    partial sums to 16 bits (``..._reduced_precision_reduction``). The references ignore the first
-    (:func:`reference_numerics`); the second applies to a 16-bit baseline as to the model."""
+    """What the training's matmuls run with: float32 precision per backend (``none`` = IEEE) and
+    whether fp16/bf16 matmuls on CUDA may reduce in 16 bits (which applies to a 16-bit baseline too)."""
     flags: dict[str, Any] = {}
     backends = _fp32_backends()
     for name, matmul in backends.items():
@@ -336,8 +285,7 @@ def _plan(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, budget: int | None,
     blocks: Sequence[Block] | None, backward: bool = False,
 ) -> Sequence[Block]:
-    """``blocks`` if given, else :func:`plan_blocks` of the call within ``budget`` (default:
-    :func:`reference_budget` of ``q``'s device)."""
+    """``blocks`` if given, else :func:`plan_blocks` of the call within ``budget``."""
     if blocks is not None:
         return blocks
     budget = reference_budget(q.device) if budget is None else budget
@@ -363,28 +311,19 @@ def reference_outputs(
     """Run ``kernel`` block by block and yield each block with its output.
 
     Args:
-        kernel: SDPA-signature attention on ``(B, H, N, D)`` tensors of equal head counts (e.g.
-            :func:`~flashprobe.kernels.math_attention`).
-        q: ``(B, H, N_q, D)``.
-        k: ``(B, H_kv, N_k, D)`` (``H_kv`` divides ``H``: grouped-query attention).
-        v: ``(B, H_kv, N_k, D_v)``.
-        attn_mask: bool or additive mask broadcastable to ``(B, H, N_q, N_k)``, or None.
-        is_causal: top-left aligned causal mask.
-        scale: softmax scale.
-        dtype: cast each block's inputs (and a floating mask) to this dtype first (default: as given).
-        budget: bytes per block (default :func:`reference_budget` of the inputs' device).
-        blocks: a plan to use instead of planning one.
-        grad: record autograd history (the outputs are differentiable; autograd then keeps every
-            block's saved tensors until the backward); default: no autograd.
-        terms: a logical :class:`~flashprobe.kernels.call.AttentionCall` whose terms beyond SDPA's
-            (lengths, alignment, window, softcap, ALiBi, sinks: its ``score_terms``) each block gets
-            as more keyword arguments of ``kernel`` (:func:`~flashprobe.kernels.math.plain_attention`).
-        lse: ask ``kernel`` for the LSE too (``lse=True``).
+        kernel: SDPA-signature attention on tensors of equal head counts (heads are expanded here).
+        q: ``(B, H, N_q, D)``; k: ``(B, H_kv, N_k, D)``; v: ``(B, H_kv, N_k, D_v)``; the mask and
+            top-left causal flag as SDPA's.
+        dtype: cast each block's inputs (and a floating mask) to this dtype first.
+        budget: bytes per block (default :func:`reference_budget`); ``blocks``: a plan to use instead.
+        grad: record autograd history (every block's saved tensors are kept until the backward).
+        terms: a logical :class:`~flashprobe.kernels.call.AttentionCall` whose ``score_terms`` each
+            block passes to ``kernel`` (:func:`~flashprobe.kernels.math.plain_attention`).
+        lse: ask ``kernel`` for the LSE too.
 
     Yields:
-        ``(block, out)``, ``out`` of shape ``(B_b, H_b, rows, D_v)`` for
-        :meth:`Block.take_q` of the call's output; with ``lse``, ``(out, lse)`` with ``lse``
-        ``(B_b, H_b, rows)``.
+        ``(block, out)``, ``out`` ``(B_b, H_b, rows, D_v)`` (:meth:`Block.take_q` of the call's
+        output); with ``lse``, ``(out, lse)`` with ``lse`` ``(B_b, H_b, rows)``.
     """
     rep = q.shape[1] // max(k.shape[1], 1)
     # (no context is held across a yield: the caller runs in its own modes)
@@ -430,16 +369,9 @@ def reference_attention(
     terms: Any = None,
     lse: bool = False,
 ) -> Any:
-    """The whole output of ``kernel`` computed in blocks (:func:`reference_outputs`; ``terms`` and
-    ``lse`` as there).
-
-    Differentiable when autograd is on and an input requires grad (the blocks' saved tensors are
-    then kept for the backward: for gradients in bounded memory use :func:`reference_gradients`).
-
-    Returns:
-        ``(B, H, N_q, D_v)`` in the kernel's output dtype (``dtype`` if given, else the inputs'); with
-        ``lse``, ``(out, lse)`` with ``lse`` ``(B, H, N_q)`` as the kernel gives it.
-    """
+    """The whole output ``(B, H, N_q, D_v)`` of ``kernel`` computed in blocks (arguments as
+    :func:`reference_outputs`); with ``lse``, ``(out, lse)``, ``lse`` ``(B, H, N_q)``. Differentiable
+    when an input requires grad (for gradients in bounded memory use :func:`reference_gradients`)."""
     rep = q.shape[1] // max(k.shape[1], 1)
     out: torch.Tensor | None = None
     row_lse: torch.Tensor | None = None
@@ -467,13 +399,8 @@ def reference_attention(
 
 
 def _groups(blocks: Sequence[Block]) -> list[list[Block]]:
-    groups: list[list[Block]] = []
-    for blk in blocks:
-        if groups and groups[-1][0].group() == blk.group():
-            groups[-1].append(blk)
-        else:
-            groups.append([blk])
-    return groups
+    """Runs of consecutive blocks of one group."""
+    return [list(run) for _, run in itertools.groupby(blocks, key=Block.group)]
 
 
 @dataclass(frozen=True)
@@ -481,11 +408,10 @@ class GroupGradients:
     """The reference's results for one group of heads (the blocks sharing batch entries and heads).
 
     Attributes:
-        blocks: the group's blocks (its row blocks), in row order.
-        outs: each block's output ``(B_b, H_b, rows, D_v)``, detached.
+        blocks: the group's row blocks, in row order.
+        outs: each block's detached output ``(B_b, H_b, rows, D_v)``.
         dq: each block's ``dq`` ``(B_b, H_b, rows, D)`` (empty when not requested).
-        dk: ``(B_b, H_kv_b, N_k, D)`` summed over the row blocks, or None when not requested.
-        dv: ``(B_b, H_kv_b, N_k, D_v)``, likewise.
+        dk: ``(B_b, H_kv_b, N_k, D)`` summed over the row blocks (None when not requested); ``dv`` likewise.
     """
 
     blocks: list[Block]
@@ -511,25 +437,14 @@ def reference_gradients(
     blocks: Sequence[Block] | None = None,
     terms: Any = None,
 ) -> Iterator[GroupGradients]:
-    """Outputs and input gradients of ``kernel`` for the output gradient ``grad_out``, per group.
+    """Outputs and input gradients of ``kernel`` for ``grad_out`` ``(B, H, N_q, D_v)``, one
+    :class:`GroupGradients` per group of heads, in plan order.
 
-    Each block runs forward and backward on its own leaves (``q`` rows, the keys it sees), so
-    memory stays within the budget; ``dk``/``dv`` of a group are summed over its row blocks in at
-    least float32 and returned in the compute dtype (one rounding, as a kernel's own backward).
-
-    Args:
-        kernel: SDPA-signature attention (differentiable).
-        q: ``(B, H, N_q, D)``; k: ``(B, H_kv, N_k, D)``; v: ``(B, H_kv, N_k, D_v)``.
-        grad_out: ``(B, H, N_q, D_v)``.
-        attn_mask, is_causal, scale: as the call.
-        dtype: compute dtype (default: the inputs').
-        need: which of ``q``, ``k``, ``v`` get gradients.
-        budget: bytes per block (default: :func:`reference_budget`).
-        blocks: a plan (``backward=True``) to use instead of planning one.
-        terms: a logical call whose terms beyond SDPA's each block gets (:func:`reference_outputs`).
-
-    Yields:
-        :class:`GroupGradients`, one per group, in plan order.
+    Each block runs forward and backward on its own leaves, so memory stays within the budget; a
+    group's ``dk``/``dv`` are summed over its row blocks in at least float32 and rounded once to the
+    compute dtype ``dtype`` (default: the inputs'). ``need`` names which of ``q``, ``k``, ``v`` get
+    gradients; the other arguments are :func:`reference_outputs`'s (``blocks`` planned with
+    ``backward=True``).
     """
     rep = q.shape[1] // max(k.shape[1], 1)
     compute = dtype or q.dtype
@@ -589,21 +504,8 @@ def reference_input_gradients(
     budget: int | None = None,
     terms: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The whole output and input gradients of ``kernel`` (:func:`reference_gradients`, assembled;
-    ``terms`` as there).
-
-    Args:
-        kernel: SDPA-signature attention (differentiable).
-        q: ``(B, H, N_q, D)``; k: ``(B, H_kv, N_k, D)``; v: ``(B, H_kv, N_k, D_v)``.
-        grad_out: ``(B, H, N_q, D_v)`` the output gradient.
-        attn_mask, is_causal, scale: as the call.
-        dtype: compute dtype (default: the inputs').
-        budget: bytes per block (default: :func:`reference_budget`).
-
-    Returns:
-        ``(out, dq, dk, dv)``: ``(B, H, N_q, D_v)``, ``(B, H, N_q, D)``, ``(B, H_kv, N_k, D)`` and
-        ``(B, H_kv, N_k, D_v)``, in the compute dtype.
-    """
+    """``(out, dq, dk, dv)`` of ``kernel``: ``(B, H, N_q, D_v)`` and the shapes of q, k, v, in the
+    compute dtype (:func:`reference_gradients` assembled)."""
     rep = q.shape[1] // max(k.shape[1], 1)
     compute = dtype or q.dtype
     out = q.new_zeros(*q.shape[:3], v.shape[3], dtype=compute)

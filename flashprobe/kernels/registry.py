@@ -102,11 +102,8 @@ _CALL_TEXT = {
 
 
 class KernelUnsupportedError(KernelUnavailableError):
-    """A kernel does not support a setting or a call (per its :class:`KernelCapabilities`).
-
-    Raised when the kernel is chosen (device, dtype, backward) or at a call before any kernel
-    work (head dim, mask kind, grouped heads); the message names the feature and the fix.
-    """
+    """A kernel does not support a setting or a call (per its :class:`KernelCapabilities`), raised
+    before any kernel work; the message names the feature and the fix."""
 
 
 def _device_label(kind: str) -> str:
@@ -119,67 +116,45 @@ def _device_labels(kinds: frozenset[str]) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class KernelCapabilities:
-    """What a kernel supports, checked when it is chosen and at each call before it runs.
-
-    The default supports everything (a user kernel that declares nothing is never refused).
+    """What a kernel supports, checked when it is chosen and at each call before it runs; the
+    default supports everything (a kernel that declares nothing is never refused).
 
     Attributes:
         masks: the mask kinds it accepts, of :data:`MASK_KINDS`: ``causal`` (``is_causal``),
-            ``bool`` (any dense bool ``attn_mask``), ``float`` (additive), ``key_padding`` (a bool
-            mask that masks the same keys for every head and query: a ``(B, 1, 1, N_k)`` mask, or a
-            ``(B, 1, N_q, N_k)`` one whose rows the kernel checks itself), ``head_shared`` (one bool
-            mask shared by every head: ``(B, 1, N_q, N_k)``, key-padding masks included).
-        causal_cross: causal with ``N_q != N_k`` in SDPA's top-left alignment.
-        seq_multiple: ``N_q`` and ``N_k`` must be multiples of this (a kernel without boundary
-            checks on its tiles: 64 or 128); pad longer sequences and mask the tail.
-        same_length: ``N_q = N_k`` only (self-attention kernels without a cross-attention path).
-        causal_seq_multiple: the multiple of ``N_q`` and ``N_k`` for causal calls where it differs
-            from ``seq_multiple`` (e.g. ``seq_multiple=128, causal_seq_multiple=1``: lengths multiples
-            of 128 only without causal); None: ``seq_multiple``.
-        contiguous: contiguous q, k, v only (a kernel that reads its inputs from ``data_ptr()``
-            without strides).
-        backward_masks: the kinds of call that have a backward, of :data:`BACKWARD_MASK_KINDS`
-            (``none`` is a call without a mask, ``causal`` is ``is_causal``), e.g.
-            ``frozenset({"causal"})`` for a kernel whose backward is causal only; None: every call
-            it takes (on the devices of ``backward_devices``).
+            ``bool``, ``float`` (additive), ``key_padding`` (a bool mask masking the same keys for
+            every head and query: ``(B, 1, 1, N_k)``, or ``(B, 1, N_q, N_k)`` whose rows the kernel
+            checks itself), ``head_shared`` (one bool mask for every head, ``(B, 1, N_q, N_k)``).
+        causal_cross: causal with ``N_q != N_k`` (SDPA's top-left alignment).
+        seq_multiple: ``N_q`` and ``N_k`` must be multiples of this.
+        same_length: ``N_q = N_k`` only.
+        causal_seq_multiple: that multiple for causal calls where it differs (None: ``seq_multiple``).
+        contiguous: contiguous q, k, v only.
+        backward_masks: the kinds of call that have a backward, of :data:`BACKWARD_MASK_KINDS`;
+            None: every call it takes.
         gqa: ``native`` (``H_kv < H`` passed as is), ``expanded`` (k, v repeated to ``H`` heads) or
             ``none`` (refused).
-        head_dims: the exact head dims supported, or None for any (within the two below).
-        max_head_dim: the largest head dim, or None.
-        head_dim_multiple: head dims must be multiples of this.
+        head_dims: the exact head dims supported (None: any within ``max_head_dim`` and
+            ``head_dim_multiple``).
         value_head_dim: ``D_v != D`` supported.
-        dtypes: the input dtypes supported, or None for any floating dtype.
-        devices: the device types it runs on (``"cpu"``, ``"cuda"``), or None for any.
-        backward_devices: the device types it has a backward on; None: every device it runs on;
-            empty: no backward.
-        min_cuda_capability: the oldest CUDA architecture, e.g. ``(8, 0)`` for sm80, or None.
-        install: how to install what it needs where it runs (``"pip install flashinfer-python"``),
-            named in device refusals; ``""`` for nothing to install.
-        fp8: the FP8 format (``"e4m3"``, ``"e5m2"``) the kernel rounds its operands (Q, K, V or
-            the probabilities P) to, the coarsest where it uses two; None for a kernel that
-            computes in its inputs' dtype or wider. ``flashprobe fuzz`` judges such a kernel
-            against ``math:fp8=<format>`` with that format's limits (:mod:`flashprobe.judge`).
-            (A kernel that takes FP8 *inputs* with FlashAttention-3's descales lists
-            ``torch.float8_e4m3fn`` among its ``dtypes``.)
-        window: ``(left, right)`` windows (for the flash apis).
-        softcap: softcapped scores.
-        alibi: ALiBi slopes.
-        sinks: attention sinks (one logit per query head).
-        lse: it returns the LSE when asked.
-        lse_base: the base of the LSE it returns or takes: ``"e"`` (flash-attn) or 2 (FlashInfer).
-        empty_lse: the LSE it returns for a row that sees no key: ``-inf`` (FlashAttention-3,
-            FlashInfer) or ``inf`` (flash-attn 2).
-        causal_align: where it anchors causal masks, windows and ALiBi when N_q != N_k
-            (``top_left``, ``bottom_right``); None: as its api (SDPA top-left, flash-attn bottom-right).
-        page_sizes: the page sizes of a paged KV cache it takes, or None for any (within the next).
-        page_multiple: page sizes must be multiples of this (flash-attn 2: 256).
+        dtypes: the input dtypes (None: any floating dtype); ``torch.float8_e4m3fn`` among them
+            for FlashAttention-3's FP8 inputs with descales.
+        devices: the device types it runs on (None: any).
+        backward_devices: those it has a backward on (None: every device it runs on; empty: none).
+        min_cuda_capability: the oldest CUDA architecture, e.g. ``(8, 0)``.
+        install: how to install what it needs, named in device refusals.
+        fp8: the coarsest FP8 format (``"e4m3"``, ``"e5m2"``) the kernel rounds its operands to;
+            ``flashprobe fuzz`` judges it against ``math:fp8=<format>``. None: no FP8 rounding.
+        window, softcap, alibi, sinks, lse: it has that feature (the flash apis).
+        lse_base: the base of the LSE it returns or takes: ``"e"`` or 2.
+        empty_lse: its LSE for a row that sees no key: ``-inf`` or ``inf`` (flash-attn 2).
+        causal_align: where it anchors causal masks, windows and ALiBi when N_q != N_k; None: as
+            its api (SDPA top-left, flash-attn bottom-right).
+        page_sizes: the page sizes of a paged KV cache it takes (None: any multiple of
+            ``page_multiple``).
         preallocated_out: it writes into a preallocated ``out=``.
-        cache_leftpad: it takes ``flash_attn_with_kvcache``'s ``cache_leftpad`` (each sequence's keys
-            starting at an offset of its cache).
-        batch_invariant: a row's output is bit-identical whatever else is in the batch (checked by
-            ``flashprobe fuzz``'s ``inv_batch``).
-        deterministic: the same call gives the same bits every time, its backward included (checked
-            by ``inv_determinism``).
+        cache_leftpad: it takes ``flash_attn_with_kvcache``'s ``cache_leftpad``.
+        batch_invariant: a row's output is bit-identical whatever else is in the batch.
+        deterministic: the same call gives the same bits every time, its backward included.
     """
 
     masks: frozenset[str] = frozenset(MASK_KINDS)
@@ -223,26 +198,19 @@ class KernelCapabilities:
             raise ValueError(f"empty_lse={self.empty_lse!r} must be -inf or inf")
         if self.causal_align not in (None, *ALIGNS):
             raise ValueError(f"causal_align={self.causal_align!r} must be None or one of {', '.join(ALIGNS)}")
-        if self.page_multiple < 1:
-            raise ValueError(f"page_multiple={self.page_multiple} must be >= 1")
         if self.fp8 is not None and self.fp8 not in FP8_FORMATS:
             raise ValueError(f"fp8={self.fp8!r} must be one of {', '.join(FP8_FORMATS)} or None")
-        unknown = set(self.masks) - set(MASK_KINDS)
-        if unknown:
-            raise ValueError(f"masks: unknown kinds {sorted(unknown)}; allowed: {', '.join(MASK_KINDS)}")
         if self.gqa not in GQA_MODES:
             raise ValueError(f"gqa={self.gqa!r} must be one of {', '.join(GQA_MODES)}")
-        if self.head_dim_multiple < 1:
-            raise ValueError(f"head_dim_multiple={self.head_dim_multiple} must be >= 1")
-        if self.seq_multiple < 1:
-            raise ValueError(f"seq_multiple={self.seq_multiple} must be >= 1")
+        for name in ("page_multiple", "head_dim_multiple", "seq_multiple"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.causal_seq_multiple is not None and self.causal_seq_multiple < 1:
             raise ValueError(f"causal_seq_multiple={self.causal_seq_multiple} must be >= 1 or None")
-        unknown = set(self.backward_masks or ()) - set(BACKWARD_MASK_KINDS)
-        if unknown:
-            raise ValueError(
-                f"backward_masks: unknown kinds {sorted(unknown)}; allowed: {', '.join(BACKWARD_MASK_KINDS)}"
-            )
+        for name, allowed in (("masks", MASK_KINDS), ("backward_masks", BACKWARD_MASK_KINDS)):
+            unknown = set(getattr(self, name) or ()) - set(allowed)
+            if unknown:
+                raise ValueError(f"{name}: unknown kinds {sorted(unknown)}; allowed: {', '.join(allowed)}")
 
     def has_backward_for(self, kind: str) -> bool:
         """Whether a call of ``kind`` (of :data:`BACKWARD_MASK_KINDS`) has a backward; a
@@ -287,7 +255,7 @@ class KernelCapabilities:
         self, device: torch.device | str, dtype: torch.dtype, *, backward: bool = False
     ) -> str | None:
         """Why the kernel cannot run on ``device`` at ``dtype`` (with a backward when ``backward``),
-        feature and fix; None when it can. Reads the CUDA architecture once, no tensor work."""
+        feature and fix; None when it can."""
         device = torch.device(device)
         if self.devices is not None and device.type not in self.devices:
             return (
@@ -330,14 +298,8 @@ class KernelCapabilities:
         attn_mask: torch.Tensor | None,
         is_causal: bool,
     ) -> str | None:
-        """Why the kernel cannot take this call (feature and fix), or None; from shapes, dtypes and
-        devices only (no host synchronisation).
-
-        Args:
-            q: ``(B, H, N_q, D)``; k: ``(B, H_kv, N_k, D)``; v: ``(B, H_kv, N_k, D_v)``.
-            attn_mask: None or a mask broadcastable to ``(B, H, N_q, N_k)``.
-            is_causal: SDPA's top-left causal mask.
-        """
+        """Why the kernel cannot take this SDPA call (feature and fix), or None; from shapes, dtypes
+        and devices only. q ``(B, H, N_q, D)``, k ``(B, H_kv, N_k, D)``, v ``(B, H_kv, N_k, D_v)``."""
         problem = self.setting_problem(q.device, q.dtype)
         if problem is not None:
             return problem
@@ -488,10 +450,8 @@ class KernelCapabilities:
 
 
 def mask_kind(attn_mask: torch.Tensor) -> str:
-    """``"float"``, ``"key_padding"`` (a bool mask broadcast over heads and queries: at least 3 dims,
-    every dim but the first and the last of size 1) or ``"bool"``; by shape and dtype only (a
-    ``(B, 1, N_q, N_k)`` bool mask whose rows are equal is ``"bool"`` here: key-padding kernels check
-    its rows themselves)."""
+    """``"float"``, ``"key_padding"`` (bool, at least 3 dims, every dim but the first and last of
+    size 1) or ``"bool"``, by shape and dtype only."""
     if attn_mask.dtype != torch.bool:
         return "float"
     if attn_mask.dim() >= 3 and all(s == 1 for s in attn_mask.shape[1:-1]):
@@ -533,37 +493,25 @@ def register_kernel(
     overwrite: bool = False,
     api: str = "sdpa",
 ) -> Any:
-    """Register an attention kernel under ``name`` so specs can select it.
-
-    With ``api="sdpa"`` (the default) ``fn`` has the SDPA signature ``fn(q, k, v, *, attn_mask=None,
-    is_causal=False, scale=None, **options)``; otherwise the signature and conventions of the real
-    function ``api`` names (:mod:`flashprobe.kernels.contract`): ``flash_attn_func``,
-    ``flash_attn_varlen_func``, ``flash_attn_with_kvcache`` (flash-attn 2.8; FlashAttention-3's FP8
-    descales when its ``capabilities`` list ``torch.float8_e4m3fn`` among the dtypes) or
-    ``merge_state`` (FlashInfer's, its LSE base declared with ``KernelCapabilities(lse_base=2)``).
-    Keyword-only parameters of ``fn`` that are not the api's become the spec's options. Usable as
-    a decorator::
+    """Register an attention kernel under ``name`` so specs can select it; usable as a decorator::
 
         @register_kernel("mine")
         def my_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, block=64): ...
 
-    Every kernel runs a call of any form with :meth:`Kernel.run`; one of another api is also
-    callable like SDPA (through the same adapter).
+    ``fn`` has the signature of its ``api`` (:mod:`flashprobe.kernels.contract`): SDPA's by default,
+    else flash-attn's or FlashInfer's ``merge_state``; its keyword-only parameters that are not the
+    api's become the spec's options. Every kernel runs a call of any form with :meth:`Kernel.run`.
 
     Args:
         name: the spec name, letters, digits and ``_`` only.
         fn: the kernel function (omit to use as a decorator).
-        description: one line shown by ``flashprobe`` listings.
-        check: optional ``check(device, dtype, /, **options)`` that raises
-            :class:`KernelUnavailableError` when the kernel cannot run there (make ``device`` and
-            ``dtype`` positional-only if the kernel has an option of that name).
-        validate: optional ``validate(**options)`` that raises ``ValueError`` for bad option
-            values; :func:`get_kernel` calls it so a bad spec fails when it is parsed.
-        capabilities: what the kernel supports (:class:`KernelCapabilities`); checked when the kernel
-            is chosen (:meth:`Kernel.check`) and at each call before it runs, so an unsupported
-            setting or call is refused with the feature and the fix. Default: everything. A
-            callable ``capabilities(options) -> KernelCapabilities`` gives them per spec (``tiled``
-            declares no backward when its FP8 knobs are on).
+        description: one line shown by ``flashprobe`` listings (default: the docstring's first line).
+        check: optional ``check(device, dtype, /, **options)`` raising :class:`KernelUnavailableError`
+            where the kernel cannot run.
+        validate: optional ``validate(**options)`` raising ``ValueError`` for bad option values, so a
+            bad spec fails when it is parsed.
+        capabilities: what the kernel supports (default: everything), or
+            ``capabilities(options) -> KernelCapabilities`` per spec.
         overwrite: replace an existing kernel of that name.
         api: the contract ``fn`` has, of :data:`~flashprobe.kernels.contract.APIS`.
 
@@ -594,16 +542,8 @@ def register_kernel(
 
 @dataclass(frozen=True)
 class KernelInfo:
-    """What the registry knows of one kernel.
-
-    Attributes:
-        name: the spec name.
-        description: one line.
-        options: the spec options it accepts, in signature order.
-        builtin: shipped with flashprobe (cannot be unregistered).
-        capabilities: what it supports.
-        api: the contract it is called with (:data:`~flashprobe.kernels.contract.APIS`).
-    """
+    """What the registry knows of one kernel: its spec name, one-line description, spec options (in
+    signature order), whether it ships with flashprobe, its capabilities and its api."""
 
     name: str
     description: str
@@ -640,11 +580,9 @@ class KernelAvailability:
     """Whether a kernel runs on one device, and why not.
 
     Attributes:
-        spec: the kernel spec that was tried.
-        device: the device, e.g. ``"cpu"``.
         dtypes: the dtypes it ran at (``"bf16"``, ...); empty when it cannot run there at all.
         reasons: dtype name → why it cannot run at that dtype (the kernel's own message).
-        called: whether a tiny call ran; False when only the kernel's declared check was asked for.
+        called: whether a tiny call ran (False: only the kernel's declared check was asked).
     """
 
     spec: str
@@ -674,20 +612,8 @@ def kernel_availability(
     *,
     call: bool = True,
 ) -> KernelAvailability:
-    """Try a kernel on ``device`` at each dtype: its ``check``, then one tiny call ``(1, 1, 8, 16)``.
-
-    Nothing heavy runs; the tiny call catches what a kernel's ``check`` does not know (a
-    missing package imported only when called, a user kernel without a check).
-
-    Args:
-        spec: the kernel spec.
-        device: where to try it.
-        dtypes: the dtypes to try.
-        call: make the tiny call; False asks only the kernel's declared check (for a kernel whose
-            first call compiles, which takes tens of seconds).
-
-    Returns:
-        the dtypes it ran at (passed its check at, without ``call``) and, for the others, the reason.
+    """Try a kernel on ``device`` at each dtype: its ``check``, then (with ``call``) one tiny call
+    ``(1, 1, 8, 16)``, which catches what a ``check`` does not know (a package imported when called).
 
     Raises:
         KernelSpecError: the spec is not valid.
@@ -724,9 +650,8 @@ def add_import_option(parser: argparse.ArgumentParser) -> None:
 
 
 def import_kernel_modules(modules: Iterable[str]) -> None:
-    """Import the modules that register a user's kernels (the ``--import MODULE`` of the CLIs),
-    finding modules in the working directory as ``python -m`` does, without writing bytecode beside
-    them (a user's directory is not flashprobe's to write into).
+    """Import the modules that register a user's kernels (``--import MODULE``), finding them in the
+    working directory as ``python -m`` does, without writing bytecode beside them.
 
     Raises:
         KernelSpecError: a name that is not a dotted module name (a path, ``""``), a module that
@@ -813,12 +738,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
 
 @dataclass(frozen=True)
 class Kernel:
-    """A registered kernel bound to its options; call it like SDPA.
-
-    Attributes:
-        name: registry name (``"tiled"``).
-        options: the options from the spec, as parsed.
-    """
+    """A registered kernel (``name``) bound to its spec ``options``; call it like SDPA."""
 
     name: str
     options: Mapping[str, Any] = field(default_factory=dict)
@@ -845,12 +765,8 @@ class Kernel:
         return _REGISTRY[self.name].api
 
     def run(self, call: AttentionCall) -> CallOutput:
-        """Run the kernel on a call of any form, through its contract's adapter
-        (:mod:`flashprobe.kernels.contract`).
-
-        Returns:
-            Its output and, when ``call.return_lse``, its LSE, in the logical form (``(B, H, n_q,
-            D_v)`` and ``(B, H, n_q)`` in ``call.lse_base``).
+        """Run the kernel on a call of any form through its contract's adapter; its output (and LSE)
+        in the logical form.
 
         Raises:
             KernelUnsupportedError: before any kernel work, a call its api or capabilities exclude
@@ -879,8 +795,7 @@ class Kernel:
         """Run the kernel: q, k, v ``(B, H, N_q|N_k, D|D_v)`` → ``(B, H, N_q, D_v)``.
 
         Raises:
-            KernelUnsupportedError: before any kernel work, a call its capabilities exclude (head
-                dim, mask kind, grouped heads, causal alignment, dtype, device, grad).
+            KernelUnsupportedError: before any kernel work, a call its capabilities exclude.
         """
         entry = _REGISTRY[self.name]
         if entry.api != "sdpa":  # another contract: the same call through its adapter
@@ -896,12 +811,10 @@ class Kernel:
         return entry.fn(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, **self.options)
 
     def check(self, device: torch.device | str, dtype: torch.dtype, *, backward: bool = False) -> None:
-        """Raise :class:`KernelUnavailableError` if this kernel cannot run on ``device``/``dtype``
-        (with gradients when ``backward``).
+        """Raise if this kernel cannot run on ``device``/``dtype`` (with gradients when ``backward``).
 
         Raises:
-            KernelUnsupportedError: its capabilities exclude the device, the dtype, the CUDA
-                architecture or the backward (the message names the feature and the fix).
+            KernelUnsupportedError: its capabilities exclude the setting (the feature and the fix).
             KernelUnavailableError: its own check refuses (e.g. a missing package).
         """
         problem = self.capabilities.setting_problem(device, dtype, backward=backward)

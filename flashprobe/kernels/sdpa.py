@@ -1,10 +1,8 @@
 """torch SDPA pinned to one backend: ``sdpa_flash``, ``sdpa_efficient``, ``sdpa_cudnn``, ``sdpa_math``.
 
-Each kernel runs :func:`torch.nn.functional.scaled_dot_product_attention` inside
+Each runs :func:`torch.nn.functional.scaled_dot_product_attention` inside
 :func:`torch.nn.attention.sdpa_kernel` with exactly one backend enabled, so a backend that cannot
-serve the inputs fails loudly instead of silently falling back to another one. On CPU torch has
-real fused flash and math backends (bf16/fp16/fp32/fp64); the efficient and cuDNN backends need
-CUDA.
+serve the inputs fails loudly instead of falling back. The efficient and cuDNN backends need CUDA.
 """
 
 from __future__ import annotations
@@ -35,8 +33,7 @@ BACKENDS: dict[str, SDPBackend] = {
 }
 _CUDA_ONLY = {"sdpa_efficient", "sdpa_cudnn"}
 
-#: What each backend declares; what torch decides per device and shape (the flash backend's dtypes
-#: and masks differ between CPU and CUDA) is left to torch, whose refusal names its reasons.
+#: What each backend declares; what torch decides per device and shape is left to torch's refusal.
 CAPABILITIES: dict[str, KernelCapabilities] = {
     "sdpa_flash": KernelCapabilities(devices=frozenset({"cpu", "cuda"})),
     "sdpa_efficient": KernelCapabilities(
@@ -61,19 +58,8 @@ def sdpa_attention(
     scale: float | None = None,
     backend: str = "sdpa_flash",
 ) -> torch.Tensor:
-    """torch SDPA restricted to one backend.
-
-    Args:
-        q: ``(B, H, N_q, D)``; k: ``(B, H_kv, N_k, D)``; v: ``(B, H_kv, N_k, D_v)``; ``H_kv``
-            dividing ``H`` is grouped-query attention (torch's ``enable_gqa``).
-        attn_mask: bool (``True`` = attend) or additive mask broadcastable to
-            ``(B, H, N_q, N_k)``.
-        is_causal: top-left aligned causal mask.
-        scale: softmax scale, default ``1/sqrt(D)``.
-        backend: one of :data:`BACKENDS`.
-
-    Returns:
-        ``(B, H, N_q, D_v)`` in the inputs' dtype.
+    """torch SDPA restricted to ``backend`` (of :data:`BACKENDS`): ``q (B, H, N_q, D)``,
+    ``k (B, H_kv, N_k, D)``, ``v (B, H_kv, N_k, D_v)`` → ``(B, H, N_q, D_v)``.
 
     Raises:
         KernelUnavailableError: the backend cannot serve these inputs on this device, with

@@ -1,123 +1,47 @@
-"""A readable numerical re-implementation of FlashAttention's forward pass, at any precision.
+"""A readable re-implementation of FlashAttention's forward pass, at any precision.
 
-The score matrix is never materialised. Keys and values are consumed one tile of ``block_k``
-columns at a time; for every query row the kernel keeps a **running max** ``m`` and **running
-sum** ``l`` of the softmax, and whenever the max grows it **rescales** the partial output by
-``exp(m_old - m_new)``. Those rescalings are the extra arithmetic the paper suspects of adding
-numeric deviation. Each step's dtype and the order of the steps are knobs, so one can see which
-step of the algorithm causes a deviation.
+The score matrix is never materialised: keys and values are consumed one tile of ``block_k``
+columns at a time; each query row keeps a running max ``m`` and running sum ``l`` and rescales its
+partial output by ``exp(m_old − m_new)`` when the max grows. Each step's dtype and the order of the
+steps are knobs, so one can see which step causes a deviation.
 
-Every GEMM follows the one rule of the hardware and libraries real kernels call (tensor cores,
-oneDNN/MKL): operands in their dtype, products accumulated in at least fp32, the result rounded
-**once** to its destination dtype. A tile step, for query rows ``R`` and key tile ``j``:
+Every GEMM follows the hardware's rule: operands in their dtype, products accumulated in at least
+fp32, the result rounded once to its destination. A tile step, for query rows ``R`` and key tile ``j``:
 
-1. ``s = round_score(q kⱼᵀ · scale)``: the scale is applied *before* any rounding, in the
-   accumulator (real kernels never form an unscaled 16-bit ``q kᵀ``, so no fp16 overflow);
+1. ``s = round_score(q kⱼᵀ · scale)`` (scaled in the accumulator, before any rounding);
 2. ``s`` is converted to ``stats_dtype``, masked, and the softmax statistics are updated there;
-3. ``P = exp(s − m)`` is rounded to ``dtype`` and ``P vⱼ`` is accumulated into the output in
-   ``acc_dtype`` (``update``: FA2 rescales an unnormalised output and divides once at the end;
-   FA1 keeps the output normalised after every tile).
+3. ``P = exp(s − m)`` is rounded to ``dtype`` and ``P vⱼ`` accumulated into the output in ``acc_dtype``.
 
-===============  ===========================================================================
-knob             meaning
-===============  ===========================================================================
-preset           named set of the numerics knobs below, each overridable in the same spec
-                 (``tiled:preset=paper,order=reverse``); plain ``tiled`` is ``fa2``:
+Knobs (spec options; ``none`` means the preset's value):
 
-                 * ``fa2``: real FlashAttention-2 kernels (Dao-AILab ``flash_fwd_kernel.h``,
-                   torch's CPU ``FlashAttentionKernel.cpp``): inputs, ``P`` and the output in
-                   ``dtype``; scores, statistics and accumulator in ``opmath`` (fp32, fp64 for
-                   fp64 inputs); ``update=fa2``; ``order=reverse`` (FA2's CUDA kernel walks the
-                   key tiles from the last to the first);
-                 * ``paper``: every step in ``dtype``, as the paper's re-implementation:
-                   ``score_dtype = stats_dtype = acc_dtype = dtype``, ``update=fa1`` (FA1's
-                   Algorithm 1, where the paper's ``Bc = ⌈M/4d⌉`` comes from),
-                   ``order=forward``;
-                 * ``fa3_fp8``: FlashAttention-3's FP8 forward as published (Shah et al. 2024,
-                   §3.3, and ``hopper/softmax.h``): the ``fa2`` numerics with
-                   ``qkv_fp8=e4m3, p_fp8=e4m3, p_scale=256, fp8_scaling=block, qkv_scale=amax,
-                   rotation=hadamard``. From the paper: E4M3 Q/K/V, block quantization (one
-                   scale per tile of rows), incoherent processing (random Hadamard rotation),
-                   fp32 accumulation. From the code: P cast to E4M3 after scaling by ``2^8``
-                   (``Max_offset = 8``), key tiles walked last to first. Inferred: amax scales
-                   (the kernel takes descales as given), the rotation's seed, tile sizes (ours:
-                   64×128; FA3 picks per head dim); the released library's default is
-                   ``fp8_scaling=head`` (descale per batch and head) and no rotation inside the
-                   kernel (``tiled:preset=fa3_fp8,fp8_scaling=head,rotation=off``).
-block_q, block_k Br and Bc, the tile's query and key sizes (default 64 and 128)
-sram             the paper's SRAM size M (elements): Bc = ceil(M / 4d), Br = min(Bc, d)
-swap_blocks      swap Br and Bc (paper Fig 6a as the tile shape)
-square           force square tiles Br = Bc = min(Br, Bc) (paper Fig 6b)
-loop             ``"kv"``: all query rows form one batch dimension, a single loop over key
-                 tiles (fast); ``"q"``: an outer loop over query tiles of ``block_q`` rows.
-                 Per row both apply the same updates in the same order (Br never changes a
-                 row's arithmetic); results differ only where the matmul library rounds a
-                 slab of rows differently from all rows (fp32: last bit).
-order            the order in which a row consumes its key tiles: ``forward`` (first to last,
-                 torch's CPU flash kernel), ``reverse`` (last to first, FA2's CUDA kernel) or
-                 ``shuffle`` (a random permutation drawn from ``order_seed``); paper Fig 6a
-order_seed       seed of the ``shuffle`` permutation (default 0)
-update           ``fa2``: deferred normalisation, ``o ← α·o + P v``, ``out = o / l`` once at
-                 the end (FlashAttention-2); ``fa1``: the output is renormalised after every
-                 tile, ``o ← (l·α·o + β·P̃ v) / l_new`` with ``P̃ = exp(s − rowmax(s))`` and
-                 ``β = exp(rowmax(s) − m_new)`` (FlashAttention-1, Algorithm 1)
-dtype            dtype of the inputs and of ``P`` in the ``P v`` GEMM; default: inputs' dtype
-score_dtype      dtype the scaled scores ``q kᵀ · scale`` are rounded to
-stats_dtype      dtype of the running max, the exponentials and the running sum
-acc_dtype        dtype of the output accumulator
-mask_value       value written into masked logits *and* the initial running max. ``-inf``
-                 (default) with exact handling of fully masked rows (they output 0); a finite
-                 sentinel such as ``-5e4`` reproduces kernels that use one (FlashInfer, PR 4401):
-                 rows whose running max never rises above it, i.e. whose valid logits all lie
-                 below it, silently output zeros (FlashInfer: ``d_rcp = m != -inf ? 1/d : 0``).
-                 It must be finite in stats_dtype (-1e5 overflows fp16).
-max_shift        ``off`` (default) or ``repeated``: the mitigation of Qiu & Yao (arXiv 2510.04212)
-                 for biased rounding in low-precision ``P v``. When a tile's row maximum
-                 repeats (another score within ``REPEAT_TOLERANCE`` = 1e-3 of it), the tile's
-                 max is shifted to ``2·m`` if ``m > 0`` and to ``0`` if ``m < 0`` before the
-                 running max is updated, so no probability ``exp(s − m)`` is exactly 1 (``m = 0``
-                 stays). The shift cancels in ``o / l``; it costs range: ``P ≤ exp(−|m|)``
-                 underflows fp16 for ``|m|`` above ~17 and the row then outputs 0; the bias
-                 it removes is measured by ``flashprobe bench bias``.
-rescale_threshold FlashAttention-4's lazy rescaling, in log2 units (default 0: off, the max is
-                 always updated). A tile that raises a row's max by at most this many powers of
-                 two, ``(m_tile − m)·log2(e) ≤ t``, leaves the running max stale: ``α = 1``, no
-                 rescaling, and that tile's ``P = exp(s − m)`` reaches up to ``2^t``; a larger rise
-                 updates the max as usual, and the first tile that sees a key always sets it. This
-                 is ``SoftmaxSm100.update_row_max`` of Dao-AILab ``flash_attn/cute/softmax.py``
-                 (keep the old max where ``(m_old − m_new)·scale·log2(e) ≥ −rescale_threshold``),
-                 with the thresholds of ``flash_attn/cute/flash_fwd_sm100.py``: 8 for 16-bit
-                 inputs, and 4 for FP8 (PR 2109, with ``max_offset = 8``, i.e. ``p_scale=256``)
-                 until PR 2731 set it to 0 (flash-attention issue 2716: ``2^(8+4) = 4096``
-                 saturates E4M3's 448, ``tiled:preset=fa3_fp8,rescale_threshold=4``). The stale
-                 max cancels in ``o / l``: exact in exact arithmetic; it costs range (``P`` up to
-                 ``2^t``, the row sum up to ``N·2^t``: a 16-bit ``stats_dtype`` can overflow).
-                 Needs ``update=fa2`` (FA1 renormalises every tile).
-qkv_fp8          FP8 format of Q, K and V: ``e4m3``, ``e5m2`` or ``off`` (default; in a spec
-                 ``none`` means the preset's value, as for every knob)
-p_fp8            FP8 format of P in the ``P v`` GEMM: ``e4m3``, ``e5m2`` or ``off``
-p_scale          static scale S on P before its FP8 cast (default 1; ``fa3_fp8``: 256); the
-                 running sum stays unscaled fp32, so S cancels
-fp8_scaling      what shares one Q/K/V scale: ``tensor`` (default), ``head`` (each batch and
-                 head) or ``block`` (each tile of ``block_q`` query / ``block_k`` key rows)
-qkv_scale        ``amax`` (default: scale = format max / amax of the group) or a static number
-rotation         ``hadamard``: Q and K times a random orthogonal ``diag(±1)·H/√d`` before
-                 quantization (FA3's incoherent processing; power-of-two head dims), or ``off``
-rotation_seed    seed of the rotation's random signs (default 0)
-===============  ===========================================================================
+* ``preset``: ``fa2`` (default; FlashAttention-2 kernels: scores, statistics and accumulator in
+  opmath, ``update=fa2``, ``order=reverse``), ``paper`` (every step in ``dtype``, ``update=fa1``,
+  ``order=forward``) or ``fa3_fp8`` (``fa2`` with FlashAttention-3's FP8 forward:
+  :data:`~flashprobe.kernels.fp8.FP8_PRESETS`).
+* ``block_q``, ``block_k``: Br and Bc (default 64, 128); ``sram``: the paper's M, Bc = ⌈M/4d⌉,
+  Br = min(Bc, d); ``swap_blocks``: swap Br and Bc; ``square``: Br = Bc = min(Br, Bc).
+* ``loop``: ``kv`` (all rows at once, one loop over key tiles) or ``q`` (an outer loop over query
+  tiles); per row both do the same arithmetic.
+* ``order``: ``forward``, ``reverse`` or ``shuffle`` (seeded by ``order_seed``) key tiles.
+* ``update``: ``fa2`` (``o ← α·o + P v``, divided by ``l`` once at the end) or ``fa1`` (the output
+  renormalised after every tile, FlashAttention-1's Algorithm 1).
+* ``dtype`` (inputs and ``P``), ``score_dtype``, ``stats_dtype`` (max, exponentials, sum),
+  ``acc_dtype``: a dtype name, ``opmath`` (at least fp32, as torch's ``at::opmath_type``) or
+  ``none``. A dtype narrower than the inputs is a precision loss on request.
+* ``mask_value``: masked logits and the initial running max; ``-inf`` (default) or a finite
+  sentinel (e.g. ``-5e4``, as FlashInfer), with which a row whose logits all lie below it outputs
+  0. It must be finite in ``stats_dtype``.
+* ``max_shift``: ``off`` or ``repeated`` (Qiu & Yao, arXiv 2510.04212): a tile whose row max ``m``
+  repeats (within :data:`REPEAT_TOLERANCE`) uses ``2·m`` (``m > 0``) or 0 (``m < 0``) as its max,
+  so no ``P`` is exactly 1.
+* ``rescale_threshold``: FlashAttention-4's lazy rescaling in log2 units (0: off): a tile that
+  raises the max by at most ``t`` powers of two leaves it stale (``α = 1``, ``P`` up to ``2^t``);
+  needs ``update=fa2``.
+* ``qkv_fp8``, ``p_fp8``, ``p_scale``, ``fp8_scaling``, ``qkv_scale``, ``rotation``,
+  ``rotation_seed``: the FP8 knobs (:mod:`flashprobe.kernels.fp8`); forward only.
 
-The FP8 knobs (:mod:`flashprobe.kernels.fp8`: saturating casts, scales, the rotation) model the
-forward only: a spec that uses them declares no backward and refuses inputs that require grad.
-
-The three step dtypes accept a dtype name (``bf16``, ``fp32``, ...), ``opmath`` (at least fp32:
-fp32 for 16-bit and fp32 compute, fp64 for fp64, as torch's ``at::opmath_type``) or ``none``
-(the preset's value). A dtype *narrower* than the inputs (``stats_dtype=fp32`` on fp64 inputs) is
-a precision loss on request; the presets never narrow.
-
-Peak memory is ``O(N_q · block_k)`` per (batch, head): one ``(B, H, rows, block_k)`` tile of
-scores at a time. It is differentiable through autograd (the backward then stores every tile);
-the gradient of P's rounding for the ``P v`` GEMM stays in P's dtype, as dP does in FlashAttention-2's
-fp32 backward (with ``fa2``; with ``paper`` P and so dP are in the dtype).
+Peak memory is one ``(B, H, rows, block_k)`` tile of scores. It is differentiable through autograd;
+the gradient of P's rounding stays in P's dtype, as dP does in FlashAttention-2's fp32 backward.
 """
 
 from __future__ import annotations
@@ -208,18 +132,14 @@ class TileSizes(NamedTuple):
 
 @dataclass(frozen=True)
 class TileNumerics:
-    """The resolved numerics of one call: the dtype of every step, the update and the order.
+    """The resolved numerics of one call (the knobs of the module docstring).
 
     Attributes:
         compute: dtype of the inputs and of ``P`` in the ``P v`` GEMM.
         score: dtype of the scaled scores.
         stats: dtype of the running max, the exponentials and the running sum.
         acc: dtype of the output accumulator.
-        update: ``"fa2"`` or ``"fa1"``.
-        order: ``"forward"``, ``"reverse"`` or ``"shuffle"``.
-        order_seed: seed of the ``shuffle`` permutation.
-        rescale_threshold: FA4's lazy rescaling, in log2 units (0: off; module docstring).
-        fp8: the FP8 knobs (:class:`~flashprobe.kernels.fp8.Fp8Numerics`; default: FP8 off).
+        fp8: the FP8 knobs (default: FP8 off).
     """
 
     compute: torch.dtype
@@ -298,19 +218,7 @@ def tile_sizes(
     swap_blocks: bool = False,
     square: bool = False,
 ) -> TileSizes:
-    """Resolve the tile sizes (Br, Bc) from the knobs.
-
-    Args:
-        head_dim: d, the head dimension.
-        block_q: Br, queries per tile.
-        block_k: Bc, keys per tile.
-        sram: the paper's on-chip memory size M in elements: Bc = ⌈M/4d⌉, Br = min(⌈M/4d⌉, d).
-            Exclusive with ``block_q``/``block_k``.
-        swap_blocks: swap Br and Bc.
-        square: use Br = Bc = min(Br, Bc).
-
-    Returns:
-        The resolved :class:`TileSizes`.
+    """The tile sizes (Br, Bc) for head dim ``head_dim`` from the tile knobs (module docstring).
 
     Raises:
         ValueError: a size is not a positive integer, or ``sram`` is combined with block sizes.
@@ -334,15 +242,8 @@ def tile_sizes(
 
 
 def tile_order(n_tiles: int, order: str = "forward", seed: int = 0) -> list[int]:
-    """The order in which a row consumes ``n_tiles`` key tiles.
-
-    Args:
-        n_tiles: the number of key tiles the row visits.
-        order: ``"forward"`` (0, 1, …), ``"reverse"`` (…, 1, 0) or ``"shuffle"``.
-        seed: seed of the ``shuffle`` permutation (``torch.randperm`` on its own generator).
-
-    Returns:
-        A permutation of ``range(n_tiles)``.
+    """A permutation of ``range(n_tiles)``: ``forward``, ``reverse`` or ``shuffle`` (``torch.randperm``
+    on a generator seeded with ``seed``).
 
     Raises:
         ValueError: an unknown order.
@@ -365,9 +266,7 @@ _TILE_OPTIONS = ("block_q", "block_k", "sram", "swap_blocks", "square")
 
 
 def _validate(**options: Any) -> None:
-    """Check option values that do not depend on the inputs (called when a spec is parsed, and by
-    :func:`tiled_attention`): ``options`` are :func:`tiled_attention`'s, each missing one at its
-    default; the FP8 knobs among them go to :func:`~flashprobe.kernels.fp8.resolve_fp8`."""
+    """Check :func:`tiled_attention`'s option values that do not depend on the inputs."""
     get = options.get
     _preset_knobs(get("preset"))
     fp8_numerics.resolve_fp8(get("preset"), **fp8_numerics.fp8_options(options))
@@ -424,9 +323,8 @@ def resolve_numerics(
     rescale_threshold: float = 0.0,
     **fp8_knobs: Any,
 ) -> TileNumerics:
-    """The numerics of a call on inputs of ``input_dtype``: the preset's knobs, overridden by the
-    ones given, with the mask value checked against the stats dtype; ``fp8_knobs`` are the FP8
-    knobs of :func:`~flashprobe.kernels.fp8.resolve_fp8` (``qkv_fp8``, ``p_fp8``, ...).
+    """The numerics of a call on inputs of ``input_dtype``: the preset's knobs overridden by the ones
+    given; ``fp8_knobs`` go to :func:`~flashprobe.kernels.fp8.resolve_fp8`.
 
     Raises:
         ValueError: a bad knob value, a finite ``mask_value`` that overflows the stats dtype, or
@@ -472,8 +370,7 @@ def _numerics_options(options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def spec_numerics(options: Mapping[str, Any], input_dtype: torch.dtype) -> TileNumerics:
-    """The numerics a ``tiled`` spec's options resolve to on inputs of ``input_dtype`` (what a
-    result row names: step dtypes, order, FP8 knobs).
+    """The numerics a ``tiled`` spec's options resolve to on inputs of ``input_dtype``.
 
     Raises:
         ValueError: a bad knob value.
@@ -486,9 +383,8 @@ _HADAMARD_HEAD_DIMS = frozenset(2**i for i in range(13))
 
 
 def _capabilities(options: Mapping[str, Any]) -> KernelCapabilities:
-    """What a ``tiled`` spec supports: everything, except with FP8 knobs: no backward (FA3's FP8
-    attention is forward only), the coarsest FP8 format it rounds to declared (``fp8``), and with
-    the rotation a power-of-two head dim up to 4096."""
+    """Everything, except with FP8 knobs: no backward, its coarsest FP8 format declared, and with
+    the rotation power-of-two head dims only."""
     try:
         fp8 = fp8_numerics.resolve_fp8(options.get("preset"), **fp8_numerics.fp8_options(options))
     except ValueError:
@@ -549,30 +445,9 @@ def tiled_attention(
 ) -> torch.Tensor:
     """FlashAttention forward (tiling + online softmax + rescaling); see the module docstring.
 
-    Args:
-        q: ``(B, H, N_q, D)`` queries.
-        k: ``(B, H, N_k, D)`` keys.
-        v: ``(B, H, N_k, D_v)`` values.
-        attn_mask: bool (``True`` = attend) or additive mask broadcastable to
-            ``(B, H, N_q, N_k)``.
-        is_causal: top-left aligned causal mask; key tiles above the diagonal are skipped.
-        scale: softmax scale, default ``1/sqrt(D)``.
-        block_q, block_k, sram, swap_blocks, square: tile sizes, see :func:`tile_sizes`.
-        loop: ``"kv"`` (one loop over key tiles) or ``"q"`` (outer loop over query tiles).
-        preset: ``"fa2"`` (default) or ``"paper"``: values of the numerics knobs not given.
-        order, order_seed: the order of the key tiles, see :func:`tile_order`.
-        update: ``"fa2"`` (deferred normalisation) or ``"fa1"`` (per-tile renormalisation).
-        dtype, score_dtype, stats_dtype, acc_dtype: per-step dtypes (module docstring).
-        mask_value: masked-logit value and initial running max.
-        max_shift: ``"off"`` or ``"repeated"``: shift a tile's row max where it repeats (module
-            docstring).
-        rescale_threshold: FA4's lazy rescaling in log2 units, 0 (default) for off (module
-            docstring).
-        qkv_fp8, p_fp8, p_scale, fp8_scaling, qkv_scale, rotation, rotation_seed: the FP8 knobs
-            (module docstring, :mod:`flashprobe.kernels.fp8`); forward only.
-
-    Returns:
-        ``(B, H, N_q, D_v)`` in the inputs' dtype.
+    ``q (B, H, N_q, D)``, ``k (B, H, N_k, D)``, ``v (B, H, N_k, D_v)`` and the mask as SDPA's (key
+    tiles above a causal diagonal are skipped); the other arguments are the knobs of the module
+    docstring. Returns ``(B, H, N_q, D_v)`` in the inputs' dtype.
 
     Raises:
         KernelInputError: malformed inputs.
@@ -622,8 +497,7 @@ def tiled_attention(
 
 
 def _check_fp8_call(fp8: fp8_numerics.Fp8Numerics, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Refuse what the FP8 knobs do not model, before any work: a backward, and the rotation on
-    a head dim that is not a power of two."""
+    """Refuse a backward and a rotation of a head dim that is not a power of two, before any work."""
     if not fp8.active:
         return
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
@@ -641,10 +515,7 @@ def _gemm_dtype(destination: torch.dtype) -> torch.dtype:
 
 
 def _visited_tiles(n_k: int, block_k: int, causal: bool, row_offset: int, rows: int) -> list[int]:
-    """First key index of each key tile these rows attend to, first to last.
-
-    With the causal mask, tiles that lie entirely above the diagonal for every row are skipped.
-    """
+    """First key of each key tile these rows attend to (causal: tiles above the diagonal skipped)."""
     last_row = row_offset + rows - 1
     return [j0 for j0 in range(0, n_k, block_k) if not (causal and j0 > last_row)]
 
@@ -675,20 +546,14 @@ def _attend_rows(
 ) -> torch.Tensor:
     """Online softmax of one slab of query rows over its key tiles, in ``numerics.order``.
 
-    The running max only shifts the exponent and cancels between numerator and denominator, so
-    it is computed from detached scores: autograd then differentiates only ``exp``, the sums and
-    the matmuls. Tile-sized temporaries are updated in place (same values, fewer allocations).
+    The running max cancels between numerator and denominator, so it comes from detached scores.
 
     Args:
-        q: ``(B, H, R, D)`` query rows ``row_offset … row_offset+R-1``, in the score GEMM dtype.
-        k: ``(B, H, N_k, D)`` keys (score GEMM dtype); v: ``(B, H, N_k, D_v)`` values (output
-            GEMM dtype).
-        descales: with ``qkv_fp8``, q, k and v hold FP8 values and these are their descales
-            (:class:`~flashprobe.kernels.fp8.Fp8Operands`: q's ``(…, R, 1)``, k's and v's
-            ``(…, N_k, 1)``, or broadcastable), applied to each tile's fp32 GEMM results as FP8
-            kernels do; None: the operands are the values.
+        q: ``(B, H, R, D)`` query rows ``row_offset …`` in the score GEMM dtype; k ``(B, H, N_k, D)``
+            likewise; v ``(B, H, N_k, D_v)`` in the output GEMM dtype.
+        descales: with ``qkv_fp8``, the descales of the FP8 values in q, k, v
+            (:class:`~flashprobe.kernels.fp8.Fp8Operands`), applied to each tile's GEMM results.
         mask: bool or additive mask ``(…, R, N_k)`` for these rows, or None.
-        shift_repeated: ``max_shift=repeated``, see :func:`_tile_max`.
 
     Returns:
         ``(B, H, R, D_v)`` normalised output in the accumulator dtype.
@@ -732,9 +597,7 @@ def _attend_rows(
             exact=mask_value == float("-inf"),
             v_descale=fp8_numerics.Fp8Operands.tile(v_descale, j0),
         )
-    # Rows whose running max never rose above the mask value output 0. With -inf these are the
-    # fully masked rows (torch SDPA's safe softmax); with a finite sentinel they also include rows
-    # whose valid logits all lie below it, as in FlashInfer (`d_rcp = m != -inf ? 1/d : 0`).
+    # rows whose running max never rose above the mask value output 0 (as FlashInfer)
     dead = state.m == m_init
     out = state.o if numerics.update == "fa1" else state.o / state.l.masked_fill(dead, 1.0).to(acc)
     return out.masked_fill(dead, 0.0)
@@ -751,13 +614,8 @@ def _apply_mask(scores: torch.Tensor, tile: torch.Tensor, mask_value: float) -> 
 
 
 def _tile_max(scores: torch.Tensor, m_init: float, shift_repeated: bool) -> torch.Tensor:
-    """The row max of a tile of ``scores (B, H, R, Bc)``, ``(B, H, R, 1)``, from detached scores.
-
-    With ``shift_repeated`` (``max_shift=repeated``), a row whose max ``m`` repeats (another score
-    within :data:`REPEAT_TOLERANCE` of it) gets ``2·m`` for ``m > 0`` and ``0`` for ``m < 0``, so
-    that no ``exp(s − m)`` of the row is exactly 1. Rows whose max is the mask value (every key of
-    the tile masked) are left alone.
-    """
+    """The row max ``(B, H, R, 1)`` of ``scores (B, H, R, Bc)``; with ``shift_repeated``, shifted
+    where it repeats (``max_shift``, module docstring), except in rows whose every key is masked."""
     m = scores.detach().amax(dim=-1, keepdim=True)
     if not shift_repeated:
         return m
@@ -769,47 +627,29 @@ def _tile_max(scores: torch.Tensor, m_init: float, shift_repeated: bool) -> torc
 def lazy_tile_max(
     m: torch.Tensor, m_tile: torch.Tensor, threshold: float, m_init: float = float("-inf")
 ) -> torch.Tensor:
-    """FlashAttention-4's lazy rescaling of one tile (``rescale_threshold``).
-
-    ``SoftmaxSm100.update_row_max`` in Dao-AILab ``flash_attn/cute/softmax.py`` keeps the old max
-    where ``(m_old − m_new)·scale_log2 ≥ −rescale_threshold``; scores here already carry the softmax
-    scale, so ``scale_log2`` is log2(e).
+    """FlashAttention-4's lazy rescaling of one tile (``SoftmaxSm100.update_row_max``).
 
     Args:
-        m: ``(…, R, 1)`` the running max of R rows before the tile.
+        m: ``(…, R, 1)`` the running max before the tile.
         m_tile: ``(…, R, 1)`` the tile's row max.
-        threshold: in log2 units (powers of two).
-        m_init: the running max's initial value (the mask value): rows still at it have seen no
-            key, and always take the tile's max (FA4's first tile).
+        threshold: in log2 units.
+        m_init: the initial running max: rows still at it have seen no key and take ``m_tile``.
 
     Returns:
-        ``m_tile``, replaced by ``m`` in rows where it exceeds ``m`` by at most ``threshold`` powers
-        of two, so that ``max(m, ·)`` keeps the stale max (``α = 1``).
+        ``m_tile``, replaced by ``m`` where it exceeds ``m`` by at most ``threshold`` powers of two.
     """
     stale = ((m_tile - m) * _LOG2E <= threshold) & (m != m_init)
     return torch.where(stale, m, m_tile)
 
 
 def _no_neg_inf(x: torch.Tensor, exact: bool) -> torch.Tensor:
-    """``x`` with ``-inf`` replaced by 0, so that ``exp(s - x)`` is 0 (not NaN) for masked ``s``.
-
-    With -inf masking a row may have seen only masked keys so far; a finite sentinel never
-    produces -inf.
-    """
+    """``x`` with ``-inf`` replaced by 0 when ``exact``, so ``exp(s - x)`` is 0, not NaN, for masked ``s``."""
     return x.masked_fill(x == float("-inf"), 0.0) if exact else x
 
 
 class _RoundedP(torch.autograd.Function):
-    """P rounded to the compute dtype for the ``P v`` GEMM, with the gradient dP passed through in
-    P's own dtype (the statistics dtype).
-
-    FlashAttention-2's backward recomputes P, rounds it for its GEMMs and accumulates
-    ``dP = dO vᵀ`` in fp32 (``acc_dp`` in ``flash_bwd_kernel.h``), forming ``dS = P∘(dP − D)`` in
-    fp32 too. Autograd through a plain cast would round dP to the compute dtype instead: with a
-    loss-scaled dO in fp16, ``|dP|`` passes 65504 and dq, dk get ±Inf rows where every gradient
-    fits fp16. Where P itself is held in the compute dtype (``paper``: every step in the dtype), dP
-    is rounded there, as before.
-    """
+    """P rounded to the compute dtype for the ``P v`` GEMM, its gradient dP kept in P's own dtype,
+    as FlashAttention-2 accumulates dP in fp32 (a plain cast would overflow fp16 dP)."""
 
     @staticmethod
     def forward(ctx: Any, p: torch.Tensor, compute: torch.dtype, gemm: torch.dtype) -> torch.Tensor:  # type: ignore[override]
@@ -824,10 +664,8 @@ class _RoundedP(torch.autograd.Function):
 def _pv(
     p: torch.Tensor, v: torch.Tensor, numerics: TileNumerics, v_descale: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``P v``: P rounded to the compute dtype (or cast to FP8 with ``p_fp8``), products
-    accumulated in the GEMM dtype of ``v``, the result rounded once to the accumulator dtype.
-    ``(B, H, R, Bc) × (B, H, Bc, D_v)``; with ``v_descale`` (``(…, 1, 1)``), v holds FP8 values
-    and the fp32 result is descaled. In the backward, dP stays in P's dtype (:class:`_RoundedP`)."""
+    """``P v`` ``(B, H, R, Bc) × (B, H, Bc, D_v)``: P rounded to the compute dtype (or FP8), accumulated
+    in ``v``'s GEMM dtype, descaled by ``v_descale`` when given, rounded once to the accumulator dtype."""
     if numerics.fp8.p != fp8_numerics.OFF:
         pv = torch.matmul(fp8_numerics.cast_p(p, numerics.fp8).to(v.dtype), v)
     else:
@@ -845,12 +683,8 @@ def _fa2_step(
     exact: bool,
     v_descale: torch.Tensor | None = None,
 ) -> _RowState:
-    """FlashAttention-2's update: rescale the unnormalised output, add ``P v``; divide at the end.
-
-    ``m_new = max(m, m_tile)`` (``m_tile``: the tile's row max, :func:`_tile_max`, or the stale
-    running max itself with lazy rescaling, :func:`lazy_tile_max`),
-    ``P = exp(s − m_new)``, ``α = exp(m − m_new)``, ``l ← α·l + rowsum(P)``, ``o ← α·o + P v``.
-    """
+    """FlashAttention-2's update: ``m_new = max(m, m_tile)``, ``P = exp(s − m_new)``,
+    ``α = exp(m − m_new)``, ``l ← α·l + rowsum(P)``, ``o ← α·o + P v`` (divided by ``l`` at the end)."""
     m_new = torch.maximum(state.m, m_tile)
     m_ref = _no_neg_inf(m_new, exact)
     p = scores.sub_(m_ref).exp_()  # (B, H, R, Bc)
@@ -870,14 +704,10 @@ def _fa1_step(
     exact: bool,
     v_descale: torch.Tensor | None = None,
 ) -> _RowState:
-    """FlashAttention-1's update (Algorithm 1): the output stays normalised after every tile.
-
-    ``m̃ = m_tile`` (the tile's row max, :func:`_tile_max`), ``P̃ = exp(s − m̃)``,
-    ``l̃ = rowsum(P̃)``, ``m_new = max(m, m̃)``,
-    ``α = exp(m − m_new)``, ``β = exp(m̃ − m_new)``, ``l_new = α·l + β·l̃``,
-    ``o ← (l·α·o + β·P̃ v) / l_new``. A row with ``l_new = 0`` (only masked keys so far, or every
-    exponential underflowed) keeps ``o = 0``.
-    """
+    """FlashAttention-1's update (Algorithm 1), the output normalised after every tile:
+    ``P̃ = exp(s − m_tile)``, ``m_new = max(m, m_tile)``, ``α = exp(m − m_new)``,
+    ``β = exp(m_tile − m_new)``, ``l_new = α·l + β·rowsum(P̃)``, ``o ← (l·α·o + β·P̃ v) / l_new``
+    (``o`` stays 0 while ``l_new = 0``)."""
     m_new = torch.maximum(state.m, m_tile)
     m_ref = _no_neg_inf(m_new, exact)
     p = scores.sub_(_no_neg_inf(m_tile, exact)).exp_()  # P̃ (B, H, R, Bc)
