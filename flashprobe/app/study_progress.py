@@ -1,12 +1,6 @@
-"""The study's console: one line when a run starts and one when it finishes, with elapsed time, ETA
-and, for a run with the attention probe, its verdict: in that line when it passed, followed by the
-per-site table (:func:`flashprobe.probing.session.verdict_block`) when it did not (the runs' own
-callbacks print nothing: ``callbacks.attention_probe.console=false``).
-
-The runs may train in this process (Hydra's basic launcher), in worker processes (joblib) or as
-cluster jobs (submitit), so progress is read from what every run writes anyway: its ``run.json``
-(:mod:`flashprobe.formats.run_record`), polled from a background thread. A run that had finished
-before the study was invoked is reported as skipped.
+"""The study's console: a line when a run starts and when it finishes (time, ETA, probe verdict; the
+per-site table for a probe that did not pass), read by polling each run's ``run.json``, so runs may
+train in this process, in workers or as cluster jobs.
 """
 
 from __future__ import annotations
@@ -102,8 +96,8 @@ class StudyProgress:
                         print(block, file=self.stream, flush=True)
 
     def _probe(self, name: str) -> tuple[str, str]:
-        """The probe's verdict of run ``name`` (its ``probe.jsonl``): `` · probe PASS (...)`` for the
-        run's line, and the verdict block when it did not pass; two empty strings without a probe."""
+        """`` · probe PASS (...)`` for run ``name``'s line, and the verdict block when it did not pass;
+        two empty strings without a probe."""
         from flashprobe.probing.session import verdict_block
         from flashprobe.report.study_report import probe_verdict
 
