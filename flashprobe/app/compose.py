@@ -185,15 +185,17 @@ def _users_files_named() -> Iterator[None]:
         ) from None
 
 
-def _user_files() -> Iterator[Path]:
+def _user_files() -> Iterator[tuple[Path, Path]]:
+    """``(config directory, file)`` of every YAML file in the user's config directories."""
     from hydra_plugins.flashprobe_searchpath.flashprobe_searchpath import user_config_dirs
 
     for directory in user_config_dirs():
-        yield from sorted(directory.rglob("*.yaml"))
+        for path in sorted(directory.rglob("*.yaml")):
+            yield directory, path
 
 
 def _non_utf8_files() -> Iterator[tuple[Path, int]]:
-    for path in _user_files():
+    for _, path in _user_files():
         try:
             path.read_bytes().decode("utf-8")
         except UnicodeDecodeError as err:
@@ -206,22 +208,19 @@ def _self_including_files() -> Iterator[Path]:
     """The user's config files whose defaults list names the file itself."""
     import yaml
 
-    from hydra_plugins.flashprobe_searchpath.flashprobe_searchpath import user_config_dirs
-
-    for directory in user_config_dirs():
-        for path in sorted(directory.rglob("*.yaml")):
-            group, name = str(path.parent.relative_to(directory)), path.stem
-            try:
-                defaults = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("defaults") or []
-            except (OSError, ValueError, AttributeError, yaml.YAMLError):
-                continue
-            for entry in defaults if isinstance(defaults, list) else []:
-                text = entry if isinstance(entry, str) else next(iter(entry.items()), ("", ""))
-                if isinstance(text, tuple):
-                    text = f"/{str(text[0]).split()[-1].lstrip('/')}/{text[1]}"
-                if text in (name, f"/{group}/{name}", f"{group}/{name}"):
-                    yield path
-                    break
+    for directory, path in _user_files():
+        group, name = str(path.parent.relative_to(directory)), path.stem
+        try:
+            defaults = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("defaults") or []
+        except (OSError, ValueError, AttributeError, yaml.YAMLError):
+            continue
+        for entry in defaults if isinstance(defaults, list) else []:
+            text = entry if isinstance(entry, str) else next(iter(entry.items()), ("", ""))
+            if isinstance(text, tuple):
+                text = f"/{str(text[0]).split()[-1].lstrip('/')}/{text[1]}"
+            if text in (name, f"/{group}/{name}", f"{group}/{name}"):
+                yield path
+                break
 
 
 def check_paths(cfg: Any, run_dir: str | Path | None, source: Callable[[str], str] | None = None) -> None:

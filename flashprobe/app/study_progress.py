@@ -84,16 +84,17 @@ class StudyProgress:
                     self._say(name, f"training ({what}{f', resumed at step {resumed}' if resumed else ''})")
                 if status == "finished" and sessions:
                     self._finished[name] = float(sessions[-1].get("seconds") or 0.0)
-                    probe, block = self._probe(name)
-                    self._say(name, f"done in {format_seconds(self._finished[name])}{probe}{self._clock()}")
-                    if block:
-                        print(block, file=self.stream, flush=True)
+                    self._ended_line(name, f"done in {format_seconds(self._finished[name])}", self._clock())
                 elif status in ("stopped", "failed") and name in self._started and name not in self._ended:
                     self._ended.add(name)  # its error is printed by the run; the probe's table here
-                    probe, block = self._probe(name)
-                    self._say(name, f"ended: {status}{probe}")
-                    if block:
-                        print(block, file=self.stream, flush=True)
+                    self._ended_line(name, f"ended: {status}")
+
+    def _ended_line(self, name: str, text: str, clock: str = "") -> None:
+        """Say that run ``name`` ended, with its probe's verdict (and the verdict block when it failed)."""
+        probe, block = self._probe(name)
+        self._say(name, f"{text}{probe}{clock}")
+        if block:
+            print(block, file=self.stream, flush=True)
 
     def _probe(self, name: str) -> tuple[str, str]:
         """`` · probe PASS (...)`` for run ``name``'s line, and the verdict block when it did not pass;

@@ -149,19 +149,19 @@ def prepare_output_dir(
         OutputPathError: as for :func:`check_output_dir`, or ``path`` cannot be created.
     """
     path = check_write_dir(path, flag, owned=owned)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise OutputPathError(
-            f"{flag} {path} is not writable ({err.strerror or err}); give a directory you can write to"
-        ) from None
-    _write_check(path, flag)
+    _write_check(path, flag, create=True)
     return path
 
 
-def _write_check(path: Path, flag: str) -> None:
-    """Create and remove a probe file in the directory ``path`` (:class:`OutputPathError` if it fails)."""
+def _write_check(path: Path, flag: str, *, create: bool = False) -> None:
+    """Create (with ``create``) the directory ``path`` and a probe file in it, then remove the file.
+
+    Raises:
+        OutputPathError: it cannot be done.
+    """
     try:
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
         probe = path / f".flashprobe-write-check.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         probe.touch(exist_ok=False)
         probe.unlink()

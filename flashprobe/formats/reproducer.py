@@ -192,6 +192,18 @@ sys.exit(main([str(Path(__file__).with_name({name!r})), *kernels]))
 '''
 
 
+def _read(path: str | Path, *, tensors: bool = True) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """A safetensors file's header metadata and (with ``tensors``) its tensors by name; any bytes in
+    the path. Raises what safetensors raises."""
+    from safetensors import safe_open
+
+    from flashprobe.formats.paths import library_path
+
+    with library_path(path) as name, safe_open(name, framework="pt") as f:
+        found = {n: f.get_tensor(n) for n in f.keys()} if tensors else {}  # noqa: SIM118 (safe_open API)
+        return f.metadata() or {}, found
+
+
 def load_reproducer(path: str | Path, device: torch.device | str | None = None) -> Reproducer:
     """Read a reproducer written by :func:`save_reproducer` (safetensors only; nothing unpickled).
 
@@ -204,17 +216,13 @@ def load_reproducer(path: str | Path, device: torch.device | str | None = None) 
             flashprobe's, of another format version, or not one valid attention call (the field
             named); all before any kernel runs.
     """
-    from safetensors import SafetensorError, safe_open
-
-    from flashprobe.formats.paths import library_path
+    from safetensors import SafetensorError
 
     path = Path(path)
     if not path.is_file():
         raise ReproducerError(f"{path}: no such file (a reproducer is a .safetensors file)")
     try:
-        with library_path(path) as name, safe_open(name, framework="pt") as f:  # any bytes in the path
-            meta = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open API)
+        meta, tensors = _read(path)
     except (SafetensorError, OSError, ValueError) as err:
         with path.open("rb") as file:
             pickled = file.read(4).startswith(_PICKLE_MAGIC)
@@ -386,13 +394,12 @@ def load_sequence(
     Raises:
         ReproducerError: not a safetensors file, not flashprobe's, of another format, or no sequence.
     """
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
 
     path = Path(path)
     try:
-        with safe_open(str(path), framework="pt") as f:
-            info = json.loads((f.metadata() or {}).get("flashprobe", "null"))
-            found = {name: f.get_tensor(name) for name in f.keys()} if tensors else {}  # noqa: SIM118
+        meta, found = _read(path, tensors=tensors)
+        info = json.loads(meta.get("flashprobe", "null"))
     except (SafetensorError, OSError, ValueError) as err:
         raise ReproducerError(f"{path}: not a safetensors reproducer ({err})") from None
     if not isinstance(info, dict) or info.get("format") != REPRO_FORMAT or SEQUENCE not in info:
@@ -464,11 +471,8 @@ class ContractReproducer:
 
 def is_contract_reproducer(path: str | Path) -> bool:
     """Whether ``path`` is a reproducer of a contract call (False for any other file)."""
-    from safetensors import safe_open
-
     try:
-        with safe_open(str(path), framework="pt") as f:
-            info = json.loads((f.metadata() or {}).get("flashprobe", "{}"))
+        info = json.loads(_read(path, tensors=False)[0].get("flashprobe", "{}"))
     except Exception:
         return False
     return isinstance(info, dict) and isinstance(info.get("contract"), dict)
@@ -483,15 +487,12 @@ def load_contract_reproducer(
         ReproducerError: the file is not one, of another format version, or its fields are not those
             of a call (the field named).
     """
-    from safetensors import safe_open
-
     from flashprobe.kernels import AttentionCall
 
     path = Path(path)
     try:
-        with safe_open(str(path), framework="pt") as f:
-            info = json.loads((f.metadata() or {})["flashprobe"])
-            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open API)
+        meta, tensors = _read(path)
+        info = json.loads(meta["flashprobe"])
     except Exception as err:
         raise ReproducerError(f"{path}: not a flashprobe reproducer ({type(err).__name__}: {err})") from None
     if info.get("format") != REPRO_FORMAT:
