@@ -142,15 +142,13 @@ def remove_temporary(path: Path) -> None:
 def atomic_write(
     path: str | os.PathLike[str], write: Callable[[IO[Any]], None], *, binary: bool = False
 ) -> Path:
-    """Call ``write(fh)`` on a temporary file next to ``path``, then rename it over ``path``.
+    """Call ``write(fh)`` on a temporary file next to ``path`` (parents created), then rename it over
+    ``path``; returns ``path`` as a :class:`~pathlib.Path`.
 
     Args:
-        path: the file to write; parent folders are created.
+        path: the file to write.
         write: writes the content to the open file handle.
         binary: open the handle in binary mode (else UTF-8 text with ``surrogateescape``, ``newline=""``).
-
-    Returns:
-        ``path`` as a :class:`~pathlib.Path`.
 
     Raises:
         DiskFullError: the disk ran out of space; ``path`` is as it was before.
@@ -171,18 +169,7 @@ def atomic_write_file(path: str | os.PathLike[str], write: Callable[[Path], None
 
     The library writes an ASCII name in a private temporary directory beside ``path`` (through
     ``/proc/self/fd/N`` where there is one); a mode it sets (safetensors: ``0600``) is reset to the
-    umask's.
-
-    Args:
-        path: the file to write; parent folders are created.
-        write: writes the whole file at the given path (it may replace the empty file there).
-
-    Returns:
-        ``path`` as a :class:`~pathlib.Path`.
-
-    Raises:
-        DiskFullError: the disk ran out of space; ``path`` is as it was before.
-        LinkError: a directory on the way below a directory this process writes into is a link.
+    umask's. Returns ``path`` as a :class:`~pathlib.Path`; raises as :func:`atomic_write`.
     """
     path = Path(path)
 

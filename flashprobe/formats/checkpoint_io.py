@@ -32,12 +32,8 @@ class CheckpointError(ValueError, FlashprobeError):
 def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> dict[str, Any]:
     """Load a Lightning checkpoint with ``torch.load(weights_only=True)``; nothing in it is executed.
 
-    Args:
-        path: the ``.ckpt`` file.
-        map_location: where tensors go (``torch.load``'s argument).
-
     Returns:
-        The checkpoint dictionary (it has a ``global_step``).
+        The checkpoint dictionary (it has a ``global_step``); tensors at ``map_location``.
 
     Raises:
         FileNotFoundError: no such file.

@@ -104,11 +104,7 @@ def write_json(path: str | os.PathLike[str], value: Any, *, indent: int | None =
 
 
 def read_json(path: str | os.PathLike[str], *, written_by: str) -> Any:
-    """Read a JSON file, with errors that name the file and what writes it.
-
-    Args:
-        path: the file.
-        written_by: the command that writes it, for the error message (``flashprobe compare``).
+    """Read a JSON file, with errors that name the file and ``written_by`` (the command that writes it).
 
     Raises:
         FileNotFoundError: no such file.

@@ -54,14 +54,9 @@ def _no_follow(path: str, flags: int) -> int:
 
 @contextlib.contextmanager
 def directory_lock(directory: str | os.PathLike[str], *, what: str = "directory") -> Iterator[Path]:
-    """Hold the lock of ``directory`` (created if needed) for the ``with`` block.
+    """Hold the lock of ``directory`` (created if needed) for the ``with`` block; yields the lock file.
 
-    Args:
-        directory: the run or study directory.
-        what: what the directory is, for the error message (``run directory``).
-
-    Yields:
-        The lock file.
+    ``what`` says what the directory is, for the error message (``run directory``).
 
     Raises:
         DirectoryLockedError: another process holds the lock; nothing was written.

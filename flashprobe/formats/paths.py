@@ -66,13 +66,10 @@ def check_write_dir(
     non-empty directory holding none of those names, with ``inside`` a path outside that directory.
 
     Args:
-        path: the directory.
+        path: the directory (returned as a :class:`~pathlib.Path`).
         named_by: what named it, for the message: ``--out``, ``hydra.run.dir (set in conf/x.yaml)``.
         owned: the names the command writes there (``None``: any directory).
         inside: the directory ``path`` must resolve inside (a run's own directory).
-
-    Returns:
-        ``path`` as a :class:`~pathlib.Path`.
 
     Raises:
         OutputPathError: naming ``named_by``, the path, the problem and the fix.
@@ -117,15 +114,8 @@ def check_write_dir(
 def check_output_dir(
     path: str | os.PathLike[str], *, flag: str = "--out", owned: tuple[str, ...] | None = None
 ) -> Path:
-    """Check, without creating anything, that ``path`` could be created and written as a directory.
-
-    Args:
-        path: the output directory.
-        flag: how the user gave it, for the error message.
-        owned: as for :func:`check_write_dir`.
-
-    Returns:
-        ``path`` as a :class:`~pathlib.Path`.
+    """:func:`check_write_dir` (``flag`` naming ``path``), and that ``path`` could be created and
+    written as a directory; nothing is created.
 
     Raises:
         OutputPathError: as for :func:`check_write_dir`, or it is not writable.
@@ -177,8 +167,7 @@ def library_path(path: str | os.PathLike[str], *, create: bool = False) -> Itera
     opened here and handed over as ``/proc/self/fd/N``.
 
     Args:
-        path: the file.
-        create: create it (empty) if it does not exist.
+        create: create the file (empty) if it does not exist.
 
     Raises:
         OSError: a non-UTF-8 path on a system without ``/proc/self/fd``, or the file cannot be opened.
