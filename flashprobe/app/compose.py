@@ -1,14 +1,7 @@
-"""A run's config composed as Hydra composes it, with every path it writes checked wherever it was set.
-
-:func:`compose` composes the packaged config (``flashprobe/conf``) with the user's config directories
-(``./conf``, ``$FLASHPROBE_CONFIG_DIR``: :mod:`hydra_plugins.flashprobe_searchpath`) and the overrides
-given; a user's file Hydra cannot use (not YAML, not UTF-8, a list instead of settings, a defaults list
-that includes itself) is refused with one line naming the file. :func:`check_paths` is the one check
-of every path a run writes (:func:`flashprobe.formats.paths.check_write_dir`), applied to the composed
-config: ``hydra.run.dir`` and ``run_dir`` (no system directory, no directory of someone else's),
-``output_root`` and ``hydra.sweep.dir`` (no system directory), and every directory and file name the
-callbacks, loggers and Trainer are given (inside the run). A refusal names the key and where its value
-came from (:class:`ConfigSources`): the config file, the command line, or the run's recorded settings.
+"""A run's config composed as Hydra composes it (:func:`compose`, with the user's config directories
+from :mod:`hydra_plugins.flashprobe_searchpath`), and the one check of every path it writes
+(:func:`check_paths`). A user's file Hydra cannot use, or a refused path, is named in one line, with
+where its value came from (:class:`ConfigSources`).
 """
 
 from __future__ import annotations
@@ -63,7 +56,7 @@ def check_config_dirs() -> None:
 @dataclass
 class ConfigSources:
     """Where each value of a composed config came from: the overrides (given now, or recorded by a
-    run), and the config files in the order Hydra merged them."""
+    run), and the config files in merge order."""
 
     overrides: Sequence[str] = ()
     recorded: Mapping[str, str] = field(default_factory=dict)
@@ -87,8 +80,7 @@ class ConfigSources:
 
 
 def lazy_sources(overrides: Sequence[str]) -> Callable[[str], str]:
-    """:class:`ConfigSources` of a run composed with ``overrides``, composed only when first asked (a
-    refusal's message), not for every run."""
+    """:class:`ConfigSources` of a run composed with ``overrides``, composed only when first asked."""
     found: list[ConfigSources] = []
 
     def source(key: str) -> str:
@@ -111,16 +103,15 @@ def _sets(config: Any, key: str) -> bool:
 def compose(
     overrides: Sequence[str] = (), run_dir: str | Path | None = None, *, hydra: bool = False
 ) -> Any:
-    """Compose the packaged config with Hydra overrides, outside a Hydra app (tests, the study, the
-    checks of ``flashprobe train`` before Hydra starts).
+    """Compose the packaged and user configs with Hydra overrides, outside a Hydra app.
 
     Args:
         overrides: Hydra overrides such as ``["attention=math", "trainer.max_steps=5"]``.
-        run_dir: the run directory to train into.
+        run_dir: set as ``run_dir`` when given.
         hydra: keep Hydra's own section (``hydra.run.dir``, ...).
 
     Returns:
-        The composed ``DictConfig``, with ``run_dir`` set when given.
+        The composed ``DictConfig``.
 
     Raises:
         ValueError: a config file of the user's cannot be used (named, with the problem and the fix).
@@ -135,14 +126,8 @@ def compose_with_sources(
     hydra: bool = False,
     recorded: Mapping[str, str] | None = None,
 ) -> tuple[Any, ConfigSources]:
-    """:func:`compose`, and where each value came from (:class:`ConfigSources`).
-
-    Args:
-        overrides: as for :func:`compose`.
-        run_dir: as for :func:`compose`.
-        hydra: as for :func:`compose`.
-        recorded: the overrides taken from a run's record, each → the file that recorded it.
-    """
+    """:func:`compose`, and where each value came from; ``recorded``: overrides taken from a run's
+    record, each → the file that recorded it."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -200,15 +185,17 @@ def _users_files_named() -> Iterator[None]:
         ) from None
 
 
-def _user_files() -> Iterator[Path]:
+def _user_files() -> Iterator[tuple[Path, Path]]:
+    """``(config directory, file)`` of every YAML file in the user's config directories."""
     from hydra_plugins.flashprobe_searchpath.flashprobe_searchpath import user_config_dirs
 
     for directory in user_config_dirs():
-        yield from sorted(directory.rglob("*.yaml"))
+        for path in sorted(directory.rglob("*.yaml")):
+            yield directory, path
 
 
 def _non_utf8_files() -> Iterator[tuple[Path, int]]:
-    for path in _user_files():
+    for _, path in _user_files():
         try:
             path.read_bytes().decode("utf-8")
         except UnicodeDecodeError as err:
@@ -221,32 +208,28 @@ def _self_including_files() -> Iterator[Path]:
     """The user's config files whose defaults list names the file itself."""
     import yaml
 
-    from hydra_plugins.flashprobe_searchpath.flashprobe_searchpath import user_config_dirs
-
-    for directory in user_config_dirs():
-        for path in sorted(directory.rglob("*.yaml")):
-            group, name = str(path.parent.relative_to(directory)), path.stem
-            try:
-                defaults = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("defaults") or []
-            except (OSError, ValueError, AttributeError, yaml.YAMLError):
-                continue
-            for entry in defaults if isinstance(defaults, list) else []:
-                text = entry if isinstance(entry, str) else next(iter(entry.items()), ("", ""))
-                if isinstance(text, tuple):
-                    text = f"/{str(text[0]).split()[-1].lstrip('/')}/{text[1]}"
-                if text in (name, f"/{group}/{name}", f"{group}/{name}"):
-                    yield path
-                    break
+    for directory, path in _user_files():
+        group, name = str(path.parent.relative_to(directory)), path.stem
+        try:
+            defaults = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("defaults") or []
+        except (OSError, ValueError, AttributeError, yaml.YAMLError):
+            continue
+        for entry in defaults if isinstance(defaults, list) else []:
+            text = entry if isinstance(entry, str) else next(iter(entry.items()), ("", ""))
+            if isinstance(text, tuple):
+                text = f"/{str(text[0]).split()[-1].lstrip('/')}/{text[1]}"
+            if text in (name, f"/{group}/{name}", f"{group}/{name}"):
+                yield path
+                break
 
 
 def check_paths(cfg: Any, run_dir: str | Path | None, source: Callable[[str], str] | None = None) -> None:
     """The one check of every path a composed run config writes (nothing is created).
 
-    ``hydra.run.dir``: no system directory, no non-empty directory of someone else's; ``run_dir``,
-    ``output_root`` and ``hydra.sweep.dir``: no system directory; ``hydra.output_subdir``: unset
-    (flashprobe writes the run's ``.hydra/`` record itself); every ``dirpath``, ``save_dir``, ``dir``,
-    ... of a callback, logger or the Trainer: inside ``run_dir``; every ``filename``, ``name``,
-    ``version``: a relative name without ``..``.
+    ``hydra.run.dir``: no system directory or other's directory; ``run_dir``, ``output_root``,
+    ``hydra.sweep.dir``: no system directory; ``hydra.output_subdir``: unset (flashprobe writes
+    ``.hydra/`` itself); :data:`PATH_KEYS` of :data:`WRITING_GROUPS`: inside ``run_dir``;
+    :data:`NAME_KEYS`: relative names without ``..``.
 
     Args:
         cfg: the composed config (with Hydra's section, or without).

@@ -1,22 +1,6 @@
 """What flashprobe's commands print: Lightning's and Hydra's logging once each, without noise.
 
-Lightning adds a console handler of its own when it is imported before logging is configured;
-under Hydra, which configures the root logger later, every Lightning line then prints twice.
-:func:`quiet_third_party` removes that handler once the root logger has one (so each line is
-printed once, by Hydra's handler, and also lands in the run's ``train.log``), drops Lightning's
-advertising tips and its "GPU available: False" / "TPU available: False" banner (a line that
-says nothing on a CPU; it is kept where a device exists), and silences a deprecation warning that
-torch raises inside Lightning (nothing a user can act on). :class:`DropLoggers` is the logging
-filter the study's console handler uses (``flashprobe/conf/hydra/job_logging/study.yaml``).
-
-In a terminal, ``flashprobe train`` shows :class:`StepProgressBar` (Lightning's Rich bar, labelled
-with the step count instead of ``Epoch 0/-2``) and logs through :class:`LiveStdoutHandler`
-(``flashprobe/conf/hydra/job_logging/train.yaml``), which writes to whatever ``sys.stdout`` is at
-the time of the record: while the bar is live, Rich has redirected it, so each record is printed
-on its own line above the bar instead of being glued onto the bar's line.
-
-The run's ``train.log`` is written by :class:`RunLogFile`: opened at its first record (a run refused
-before it starts leaves none) and appended to, never through a link.
+The logging handlers and filters here are named by ``flashprobe/conf/hydra/job_logging/*.yaml``.
 """
 
 from __future__ import annotations
@@ -59,9 +43,8 @@ class _NoTips(logging.Filter):
 
 
 class RunLogFile(logging.FileHandler):
-    """A run's log file (``train.log``): opened when the first record comes, appended to without following
-    a link (:func:`flashprobe.formats.nofollow.open_append`: a symbolic or hard link planted there is
-    refused, never written through)."""
+    """A run's ``train.log``: opened at the first record (a refused run leaves none), appended to,
+    never through a link (:func:`flashprobe.formats.nofollow.open_append`)."""
 
     def __init__(self, filename: str, mode: str = "a", encoding: str | None = "utf-8") -> None:
         super().__init__(filename, mode, encoding=encoding, delay=True)
@@ -74,12 +57,8 @@ class RunLogFile(logging.FileHandler):
 
 
 class LiveStdoutHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """A console handler that writes to the *current* ``sys.stdout`` (not the one at configuration).
-
-    Rich's live progress bar redirects ``sys.stdout`` while it is shown and prints what is written
-    there above the bar; a plain ``StreamHandler`` keeps the stream it was given and writes over
-    the bar's line instead.
-    """
+    """A console handler that writes to the *current* ``sys.stdout``, which Rich's live progress bar
+    redirects to print records above the bar (a plain ``StreamHandler`` writes over its line)."""
 
     def __init__(self) -> None:
         super().__init__(sys.stdout)
@@ -94,15 +73,8 @@ class LiveStdoutHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
 
 def StepProgressBar() -> Any:  # noqa: N802 (a class factory: Lightning is imported only when a bar is wanted)
-    """Lightning's Rich progress bar, labelled ``train`` instead of ``Epoch 0/-2`` for step-bounded runs.
-
-    ``flashprobe train`` bounds runs by ``trainer.max_steps`` with ``max_epochs=-1``, which
-    Lightning's bar prints as ``Epoch 0/-2``. Falls back to Lightning's tqdm bar where Rich is
-    not installed.
-
-    Returns:
-        A ``lightning.pytorch.callbacks.ProgressBar`` instance.
-    """
+    """Lightning's Rich progress bar, labelled ``train`` instead of ``Epoch 0/-2`` for step-bounded
+    runs (``max_epochs=-1``); Lightning's tqdm bar where Rich is not installed."""
     from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
     from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
@@ -121,10 +93,10 @@ def StepProgressBar() -> Any:  # noqa: N802 (a class factory: Lightning is impor
 
 
 def quiet_third_party() -> None:
-    """Print each Lightning line once, without tips; silence torch's LeafSpec deprecation in Lightning.
+    """Print each Lightning line once (removing the console handler it adds at import when the root
+    logger has one), without tips or absent-device banners; silence torch's LeafSpec deprecation.
 
-    Idempotent; call it after logging is configured (inside a Hydra job, or after
-    ``logging.basicConfig``). Without a root handler, Lightning's own handler is left in place.
+    Idempotent; call it after logging is configured.
     """
     root_has_handlers = bool(logging.getLogger().handlers)
     for name in _LIGHTNING_LOGGERS:

@@ -33,11 +33,10 @@ def fit(
         cfg: the run's composed config.
         run: its directory, locked, its records written (:meth:`RunDir.record_start`).
         start: where the run starts (:meth:`RunDir.start`).
-        built: the ``datamodule``, ``module``, ``trainer``, ``callbacks`` and ``loggers`` to fit.
+        built: the ``datamodule``, ``module``, ``trainer``, ``callbacks`` and ``loggers``.
 
     Returns:
-        ``(metrics, objects)``: the trainer's final callback metrics as floats, and ``built`` with
-        ``run_dir``.
+        ``(metrics, objects)``: the final callback metrics as floats, and ``built`` with ``run_dir``.
 
     Raises:
         RunStoppedError: the run stopped early (non-finite values, Ctrl-C, a full disk).
@@ -108,8 +107,7 @@ def _fit_session(
 def _close_loggers(
     run: RunDir, loggers: list[Any], failure: RunStoppedError | None
 ) -> RunStoppedError | None:
-    """Finalize the loggers and W&B's run: the run's stop ``failure``, or the stop of a full disk that
-    kept the loggers' last rows out."""
+    """Finalize the loggers and W&B's run; returns ``failure``, or the stop of a full disk."""
     try:
         for lg in loggers:
             finalize = getattr(lg, "finalize", None)
@@ -128,8 +126,7 @@ def _close_loggers(
 
 
 def _stopped_early(cfg: DictConfig, run: RunDir, callbacks: list[Any], guard: Any) -> RunStoppedError | None:
-    """The stop of a run a callback ended: the non-finite guard, or the probe that saw the primary's
-    non-finite output first; None when neither did."""
+    """The stop of a run the non-finite guard or the probe ended, or None."""
     from flashprobe.callbacks.attention_probe import AttentionProbe
 
     if guard.reason is not None and guard.action == "stop":
@@ -158,12 +155,12 @@ def _record_end(
     failure: RunStoppedError | None,
     crashed: Exception | None,
 ) -> RunStoppedError | None:
-    """Record the session's end in ``run.json`` (rank zero); the run's stop, with the record's own
-    failure added when it could not be written.
+    """Record the session's end in ``run.json`` (rank zero); returns the run's stop, noting a record
+    that could not be written.
 
     Raises:
-        Exception: ``crashed`` when the record could not be written either; the record's error when
-            the run had not stopped and the disk is not full.
+        Exception: ``crashed`` when the record failed too; the record's error when the run had not
+            stopped and the disk is not full.
     """
     from flashprobe.callbacks.weight_snapshot import trained_attention_record
 

@@ -1,11 +1,7 @@
-"""The options ``flashprobe train`` and ``flashprobe study`` read before Hydra: ``--import MODULE`` and
-``--config-dir DIR``.
+"""``--import MODULE`` and ``--config-dir DIR``, read by ``flashprobe train`` and ``study`` before Hydra.
 
-``--import MODULE`` (repeatable, as for ``fuzz``, ``replay`` and ``kernels``) imports a module that
-registers a user's kernels; the modules are also named in ``$FLASHPROBE_IMPORT`` so the processes a run
-starts (DDP ranks, a launcher's jobs) import them too, and a run records them in ``run.json`` so
-``resume=`` can say which to give again (a run directory never makes flashprobe import anything).
-``--config-dir DIR`` puts ``DIR`` first on the config search path (``$FLASHPROBE_CONFIG_DIR``).
+The imported modules are named in ``$FLASHPROBE_IMPORT`` for the processes a run starts (DDP ranks,
+launcher jobs) and recorded in ``run.json``; ``--config-dir`` sets ``$FLASHPROBE_CONFIG_DIR``.
 """
 
 from __future__ import annotations
@@ -41,9 +37,8 @@ def import_modules(modules: Iterable[str]) -> None:
 
 @contextlib.contextmanager
 def command_options(args: Sequence[str]) -> Iterator[list[str]]:
-    """Read and apply ``--import MODULE`` and ``--config-dir DIR`` (``-cd DIR``, ``--opt=value`` too) from
-    ``args`` for the ``with`` block (the environment is put back after it); yields the other arguments
-    (Hydra's).
+    """Apply ``--import MODULE`` and ``--config-dir DIR`` (``-cd``, ``--opt=value`` too) of ``args`` for
+    the ``with`` block; yields the other (Hydra's) arguments.
 
     Raises:
         ValueError: an option without its value, ``--config-dir`` not naming a directory, or Hydra's

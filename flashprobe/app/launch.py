@@ -1,11 +1,6 @@
-"""The one place flashprobe sets ``sys.argv`` and ``__main__.__spec__``, which Hydra and Lightning read.
-
-Hydra's ``@hydra.main`` takes its command line from ``sys.argv`` only, and Lightning's DDP launcher
-starts ranks 1… by re-running the main module (``python -m <__main__.__spec__.name>``, else
-``python <sys.argv[0]>``) with ``sys.argv[1:]``. ``flashprobe train`` runs the Hydra app of
-:mod:`flashprobe.app.train`, so while a command runs both point at that module
-(:func:`as_train_app`), and the ranks re-run that Hydra app, not the CLI; inside a multirun (a study)
-they point at the one job being trained (:func:`ranks_rerun_this_job`). Both put back what they changed.
+"""The one place flashprobe sets ``sys.argv`` and ``__main__.__spec__``: Hydra reads its command line
+there, and Lightning's DDP launcher starts ranks 1… by re-running the main module with
+``sys.argv[1:]``, so the ranks re-run :mod:`flashprobe.app.train`'s Hydra app, not the CLI.
 """
 
 from __future__ import annotations
@@ -36,7 +31,7 @@ _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_S
 @contextlib.contextmanager
 def as_train_app(args: Sequence[str], *, spec: bool = False) -> Iterator[None]:
     """For the ``with`` block: ``sys.argv`` is ``[<train app's file>, *args]`` and ``__main__.__spec__``
-    the train app's (when ``__main__`` has a spec, or ``spec``); both restored afterwards.
+    the train app's (when ``__main__`` has a spec, or ``spec``).
 
     Args:
         args: the Hydra command line (overrides and Hydra's flags).
@@ -60,17 +55,9 @@ def as_train_app(args: Sequence[str], *, spec: bool = False) -> Iterator[None]:
 
 @contextlib.contextmanager
 def ranks_rerun_this_job(run_dir: Path) -> Iterator[None]:
-    """Point Lightning's DDP launcher at this one job when Hydra runs a multirun (a study).
-
-    Lightning starts ranks 1… by re-running the main module with ``sys.argv[1:]`` and
-    ``hydra.run.dir=<HydraConfig run.dir>``. In a multirun job (the study's basic, joblib or
-    submitit launcher) that would re-run the whole sweep — or submitit's worker module — in a
-    directory of its own. For the duration of ``fit`` the ranks are made to run exactly this job:
-    ``python -m flashprobe.app.train <this job's overrides>`` in this job's directory. Afterwards
-    the rendezvous variables Lightning set (``LOCAL_RANK``, ...) are removed and the process group
-    destroyed, so the next job of the sweep launches its own ranks. Outside a multirun nothing
-    changes.
-    """
+    """In a multirun job, make DDP ranks re-run exactly this job in its directory (not the sweep);
+    afterwards remove Lightning's rendezvous variables and destroy the process group, so the next job
+    launches its own ranks. Outside a multirun nothing changes."""
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         yield
         return

@@ -1,9 +1,5 @@
-"""The facts a numerical result depends on, recorded beside it.
-
-Bit-for-bit results on a CPU depend on the torch build (its kernels and their blocking), the
-number of intra-op threads (reduction order), the CPU's instruction set (vector width, bf16/fp16
-support) and the deterministic-algorithm settings. :func:`machine_facts` collects them so every
-result file (``run.json``, ``study.json``, the bench results) says what it was computed on.
+"""The facts a bit-for-bit CPU result depends on (torch build, threads, CPU, determinism settings),
+recorded beside it in ``run.json``, ``study.json`` and the bench results.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""Hydra override strings (``key=value``, ``+key=value``, ``~key``) read before Hydra composes them.
-
-``flashprobe train`` and ``flashprobe study`` look at a few overrides (``resume``,
-``hydra.run.dir``, ``hydra/launcher``, ``experiment``, ...) to check them before any work; this
-module is the one reader. It imports nothing heavy, so ``--help`` stays fast.
-
-It also reads the overrides a run recorded (``RUN/.hydra/overrides.yaml``) for ``resume=RUN``
-(:func:`recorded_overrides`). A run directory is data that is handed between colleagues, never
-instructions: a recorded override may set flashprobe's settings and choose options of its config
-groups, but nothing that makes Hydra build or import an object of the file's choosing.
+"""Hydra override strings (``key=value``, ``+key=value``, ``~key``) read before Hydra composes them,
+and a run's recorded overrides read as data for ``resume=RUN`` (:func:`recorded_overrides`).
+Imports nothing heavy, so ``--help`` stays fast.
 """
 
 from __future__ import annotations
@@ -42,13 +35,10 @@ def override_value(overrides: Sequence[str], key: str) -> str | None:
 
 
 def override_path(overrides: Sequence[str], key: str) -> str | None:
-    """The value ``key`` gets from ``overrides`` as Hydra reads it: quotes removed (``'/a b'`` → ``/a b``).
-
-    Returns ``None`` when ``key`` is not given. Hydra's override parser is imported only here.
+    """The value ``key`` gets from ``overrides`` as Hydra reads it (quotes removed), or ``None``.
 
     Raises:
-        ValueError: the value is not one value Hydra could use as a path (a sweep such as ``a,b``,
-            a list, or an override Hydra cannot parse).
+        ValueError: not one value Hydra could use as a path (a sweep, a list, unparsable).
     """
     given = [o for o in overrides if "=" in o and override_key(o) == key]
     if not given:
@@ -90,20 +80,14 @@ def config_groups(config_dirs: Iterable[Path]) -> set[str]:
 def recorded_overrides(
     path: Path, groups: set[str], given: Sequence[str] = (), skip: Iterable[str] = ()
 ) -> list[str]:
-    """The overrides a resume runs with: those a run recorded in ``path`` (Hydra's
-    ``.hydra/overrides.yaml``), read as data, then ``given``.
+    """The overrides a resume runs with: those recorded in ``path`` (``.hydra/overrides.yaml``), read
+    as data, then ``given``.
 
-    A recorded override that the command given now replaces is left out unread, as the command line
-    decides: one whose key ``given`` sets or ``skip`` names, or that lies under a key ``given``
-    deletes (``~callbacks.pause`` replaces ``+callbacks.pause._target_=...``; a deletion that only
-    undoes recorded additions is then left out too, as there is nothing left to delete). Each other line must
-    be an override Hydra's grammar accepts that sets a value or chooses an option of a config group.
-    Refused, with the file and line named: a key or a mapping key starting with ``_``
-    (``_target_``, ``_args_``, ``_partial_``, ... make Hydra import and call what they name), a
-    ``hydra`` setting (its search path, launcher and callbacks load code), a resolver in a value
-    (``${oc.decode:...}`` builds config, ``${oc.env:...}`` reads the environment), a package
-    override (``group@pkg=...`` moves a config elsewhere), a sweep, and a group option that is a
-    path (``../..``: a config file outside the config directories).
+    A run directory is data, never instructions. A recorded override the command replaces is left
+    out unread (its key set by ``given`` or ``skip``, or under a key ``given`` deletes; a deletion
+    that only undoes recorded additions is dropped too). Every other line may only set a value or
+    choose a config group option; refused (:func:`_unsafe`), with file and line: ``_``-keys such as
+    ``_target_``, ``hydra`` settings, resolvers, ``group@pkg``, sweeps and option paths.
 
     Args:
         path: the recorded overrides file.

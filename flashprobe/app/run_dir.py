@@ -1,12 +1,6 @@
-"""The owner of a training run's directory: :class:`RunDir`.
-
-A run directory is created, locked, started (fresh, resumed or skipped as finished), recorded
-(``.hydra/``, ``run.json``'s outputs, ``config.yaml``) and described when the run stops (what it kept,
-the command that continues it) here, and nowhere else; :mod:`flashprobe.app.train` is the Hydra app
-around it. The on-disk pieces it is made of are read and written by :mod:`flashprobe.formats`
-(:mod:`~flashprobe.formats.run_dir`: outputs and checkpoints; :mod:`~flashprobe.formats.run_record`:
-``run.json``). :class:`HydraWrites` undoes what Hydra itself creates for a run that flashprobe then
-refuses, so a refused setting leaves nothing behind.
+"""The owner of a training run's directory (:class:`RunDir`): created, locked, started, recorded and
+described when the run stops here only; the files themselves are read and written by
+:mod:`flashprobe.formats`. :class:`HydraWrites` undoes what Hydra creates for a refused run.
 """
 
 from __future__ import annotations
@@ -49,10 +43,10 @@ log = logging.getLogger(__name__)
 
 
 class RunStoppedError(RuntimeError, FlashprobeError):
-    """A run that ended before its ``max_steps``: Ctrl-C, a full disk, or non-finite loss or weights.
+    """A run that ended before its ``max_steps`` (Ctrl-C, a full disk, non-finite loss or weights).
 
-    Its message says why, what was saved and the command that continues the run; ``run.json``
-    records the same. ``flashprobe train`` prints it and exits with :attr:`exit_code`.
+    Its message says why, what was saved and how to continue; ``flashprobe train`` exits with
+    :attr:`exit_code`.
     """
 
     def __init__(self, message: str, *, exit_code: int) -> None:
@@ -61,9 +55,8 @@ class RunStoppedError(RuntimeError, FlashprobeError):
 
 
 def launched_rank() -> bool:
-    """Whether this process is a rank other than zero: started by Lightning's launcher (``LOCAL_RANK``,
-    ``NODE_RANK``), by torchrun (``RANK``) or as a SLURM task of a multi-task job (``SLURM_PROCID``),
-    where rank zero decides how the run starts and writes its records."""
+    """Whether this process is a rank other than zero (Lightning's launcher, torchrun or a SLURM task
+    of a multi-task job); rank zero decides how the run starts and writes its records."""
     ranks = ["LOCAL_RANK", "NODE_RANK", "RANK"]
     if int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1:
         ranks.append("SLURM_PROCID")
@@ -91,13 +84,8 @@ def start_step(cfg: DictConfig, checkpoint: str | None) -> int:
 
 @dataclass(frozen=True)
 class RunStart:
-    """How a run starts in its directory (:meth:`RunDir.start`).
-
-    Attributes:
-        checkpoint: the checkpoint it continues from (None: from step 0).
-        from_step: that checkpoint's step (0 without one).
-        skipped: why the run is not trained at all (it finished already), else None.
-    """
+    """How a run starts in its directory (:meth:`RunDir.start`): from ``checkpoint`` (None: step 0)
+    at ``from_step``, or ``skipped`` (why it is not trained: it finished already)."""
 
     checkpoint: str | None = None
     from_step: int = 0
@@ -105,11 +93,10 @@ class RunStart:
 
 
 class RunDir:
-    """One training run's directory: where it is, its lock, how a run starts in it, its records and
-    what a stopped run kept. Rank zero decides and writes; the other ranks of a run only read."""
+    """One training run's directory (it need not exist yet). Rank zero decides and writes; the other
+    ranks of a run only read."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        """``path``: the run directory (it need not exist yet)."""
         self.path = Path(path)
 
     @classmethod
@@ -117,7 +104,7 @@ class RunDir:
         """The run directory of ``cfg``: ``cfg.run_dir``, else the Hydra job's output directory.
 
         Raises:
-            ValueError: neither is set (a library call of ``train`` outside Hydra without ``run_dir``).
+            ValueError: neither is set.
         """
         if cfg.get("run_dir"):
             return cls(cfg.run_dir)
@@ -131,18 +118,18 @@ class RunDir:
         """Refuse a fresh start here (no ``resume``, no ``overwrite``) when the directory holds a run.
 
         Raises:
-            FileExistsError: naming the run's outputs and the three ways on.
+            FileExistsError: naming the run's outputs and the ways on.
         """
         found = existing_run(self.path)
         if found:
             raise FileExistsError(occupied(self.path, found))
 
     def check_contents(self, resume: str | None) -> None:
-        """What the directory holds, before Hydra writes into it: a link, or (``resume=DIR``) a
-        directory flashprobe may not write into, is refused.
+        """Before Hydra writes into the directory, refuse a link in it, or (``resume=DIR``) a
+        directory flashprobe may not write into.
 
         Raises:
-            LinkError: a link in the directory (:func:`~flashprobe.formats.run_dir.check_links`).
+            LinkError: a link in the directory.
             OutputPathError: ``resume`` names a directory flashprobe may not write into.
         """
         if not self.path.is_dir():
@@ -152,11 +139,10 @@ class RunDir:
         check_links(self.path)
 
     def check_start(self, cfg: DictConfig) -> None:
-        """Refuse now what :meth:`start` would refuse later: deleting files flashprobe did not create,
-        an unsafe checkpoint, a resume past ``trainer.max_steps``, a run that cannot be continued.
+        """Refuse now what :meth:`start` would refuse later.
 
         Raises:
-            FileExistsError: a fresh start would delete outputs no ``run.json`` records as flashprobe's.
+            FileExistsError: a fresh start would delete outputs that are not flashprobe's.
             CheckpointError: the checkpoint to continue from is unsafe, truncated or not a checkpoint.
             ValueError: see :func:`start_step` and :func:`~flashprobe.formats.run_dir.check_resumable`.
         """
@@ -174,8 +160,7 @@ class RunDir:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        """Hold the directory's lock (one writer per run; created with the directory if need be); the
-        other ranks of a run run inside rank zero's lock and take none.
+        """Hold the directory's lock (created with the directory if need be); other ranks take none.
 
         Raises:
             DirectoryLockedError: another process is writing into the directory.
@@ -187,16 +172,15 @@ class RunDir:
             yield
 
     def start(self, cfg: DictConfig) -> RunStart:
-        """Decide how the run starts (the directory locked): fresh, continued from a checkpoint, or
-        skipped as finished; delete what the chosen start writes again (only flashprobe's own outputs).
+        """Decide how the run starts (the directory locked): fresh, from a checkpoint, or skipped as
+        finished; delete the flashprobe outputs that start writes again.
 
         Raises:
             LinkError: a link in the directory (rank zero checks).
             FileExistsError: a fresh start in a directory that holds a run (no resume, no overwrite).
             FileNotFoundError: ``resume`` names a run without a checkpoint.
-            ValueError: ``resume`` names another directory than the run directory, or see
-                :func:`start_step` and :func:`~flashprobe.formats.run_dir.check_resumable`.
-            CheckpointError: the checkpoint to continue from is unsafe, truncated or not a checkpoint.
+            ValueError: ``resume`` names another directory, or as :meth:`check_start`.
+            CheckpointError: as :meth:`check_start`.
         """
         if not launched_rank():
             check_links(self.path)
@@ -256,8 +240,7 @@ class RunDir:
             return str(checkpoint), None
         status = None if record is None else record.get("status")
         checkpointing = (cfg.get("callbacks") or {}).get("checkpoint") is not None
-        # No checkpoint to continue from: a run killed (or stopped) in its start-up (no record yet, or
-        # "starting") or before its first checkpoint, or a finished run to rebuild, trains from step 0.
+        # no checkpoint: a run stopped in start-up or before its first checkpoint, or one to rebuild, restarts
         killed_early = status in (None, "starting") or (checkpointing and status != "finished")
         killed_early = killed_early or bool(missing)
         if killed_early and not missing and record is not None:  # the only continuation is step 0
@@ -271,9 +254,8 @@ class RunDir:
         return None, None
 
     def missing_artefacts(self, cfg: DictConfig) -> list[str]:
-        """What a finished run must have and the directory lacks: ``checkpoints/last.ckpt`` (when the run
-        saves it), ``probe.png`` (when probed and plotted), the sample grid of the last step (when the last
-        step validates), the snapshot manifest (when snapshots are taken); paths relative to the directory."""
+        """What a finished run must have and the directory lacks (``checkpoints/last.ckpt``, ``probe.png``,
+        the last step's sample grid, the snapshot manifest, each when configured), relative paths."""
         callbacks, run_dir = cfg.get("callbacks") or {}, self.path
         max_steps, every = cfg.trainer.get("max_steps", -1), cfg.trainer.get("val_check_interval")
         wanted = []
@@ -316,12 +298,11 @@ class RunDir:
         return True
 
     def record_start(self, cfg: DictConfig) -> None:
-        """Create the directory and, on rank zero, write the run's records before any output: its
-        ``.hydra/`` record (in a Hydra job), the outputs it owns in ``run.json``, its ``config.yaml``.
+        """Create the directory and, on rank zero, write ``.hydra/`` (in a Hydra job), the outputs it
+        owns in ``run.json`` and ``config.yaml``, before any output.
 
         Raises:
-            RunStoppedError: the disk is full (``run.json`` says "starting", or is as it was: ``resume=``
-                starts the run afresh).
+            RunStoppedError: the disk is full.
         """
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -336,11 +317,8 @@ class RunDir:
             raise self.disk_full_stop(err) from err
 
     def _write_hydra_record(self, cfg: DictConfig) -> None:
-        """Write the run's ``.hydra/`` record (its config, Hydra's config, its overrides: what ``resume=``
-        reads) as Hydra would, once the run starts: through flashprobe's atomic writer, never through a
-        link (Hydra's own writing of it is off: ``hydra.output_subdir: null``); nothing outside a Hydra
-        job, or in the job of another directory (a job that ran earlier in the process leaves its config
-        behind: a later library call of ``train`` is not that job)."""
+        """Write the run's ``.hydra/`` record as Hydra would (which has ``hydra.output_subdir: null``),
+        atomically; nothing outside a Hydra job or in the job of another directory."""
         if not HydraConfig.initialized():
             return
         output_dir = OmegaConf.select(HydraConfig.instance().cfg, "hydra.runtime.output_dir")
@@ -368,8 +346,7 @@ class RunDir:
         return ", ".join(parts)
 
     def disk_full_stop(self, err: BaseException) -> RunStoppedError:
-        """The one-line stop of a run whose disk is full: the directory, its free space, the file that
-        could not be written, what the run kept, and the command that continues it."""
+        """The one-line stop of a run whose disk is full: free space, the file, what was kept, what next."""
         target = next((e.path for e in exception_chain(err) if isinstance(e, DiskFullError)), None)
         free = free_space(self.path)
         writing = ""
@@ -387,21 +364,21 @@ class RunDir:
 
 
 class HydraWrites:
-    """What Hydra creates for a single run before flashprobe's checks inside it — the run directory (if
-    need be) and ``train.log`` — removed when the run is refused there before it starts, so a refused
-    setting leaves nothing behind. (The run's ``.hydra/`` record is written by flashprobe once the run
-    starts, so a refused or skipped run's record stays the run's.)"""
+    """What Hydra creates for a single run before flashprobe's checks (the run directory, ``train.log``),
+    removed when the run is refused before it starts.
+
+    Args:
+        where: the run directory (``named``) or the directory Hydra creates it in; None: unknown.
+    """
 
     def __init__(self, where: Path | None, named: bool) -> None:
-        """``where``: the run directory (``named``) or the directory Hydra creates it in; None: unknown."""
         self.where, self.named = where, named
         self.absent = _absent(where) if where is not None else []
         self.before = set(os.listdir(where)) if where is not None and where.is_dir() else set()
 
     def undo(self, run_dir: Path | None) -> None:
-        """Undo Hydra's writes into ``run_dir``: the directory itself and the empty ones above it when this
-        command created it (it then holds only a ``train.log``), else a ``train.log`` it did not hold.
-        Nothing on a rank other than zero."""
+        """Undo Hydra's writes into ``run_dir`` (rank zero): the directory and the empty ones above when
+        this command created it, else a ``train.log`` it did not hold."""
         if run_dir is None or self.where is None or not run_dir.is_dir() or launched_rank():
             return
         run_dir, where = run_dir.absolute(), self.where.absolute()

@@ -1,14 +1,8 @@
-"""The schema of a ``flashprobe train`` config: one keyword-only dataclass per config group, each
-validated in ``__post_init__`` (as :class:`~flashprobe.probing.ProbeConfig` is), so a bad value is
-refused once, before any work, with the setting, the value and the fix named.
+"""The schema of a ``flashprobe train`` config: one keyword-only dataclass per config group,
+validated in ``__post_init__``, so a bad value is refused before any work, naming the fix.
 
-:meth:`RunSchema.from_config` validates a composed Hydra config (after its interpolations are
-resolved) against them. The schemas are not registered in Hydra's ConfigStore: the groups are
-``_target_`` nodes whose other keys are the constructors' own arguments (Lightning's ``Trainer`` has
-dozens), which a structured config would have to mirror to stay strict, and OmegaConf's type errors
-name neither the fix nor the values that are allowed. The schemas cover the settings flashprobe
-itself relies on (steps, intervals, seeds, sizes, kernels, the probe, paths); every other argument is
-checked by the constructor it belongs to, when the run's objects are built (once).
+The schemas cover the settings flashprobe relies on; every other argument of a ``_target_`` node is
+checked by its constructor. They are not in Hydra's ConfigStore, whose type errors name no fix.
 """
 
 from __future__ import annotations
@@ -127,8 +121,7 @@ class DataSchema:
     def check_memory(self, patch_size: int, memory: int, heads: int = 2) -> None:
         """Refuse sizes whose data and attention alone cannot fit in ``memory`` bytes, before allocating.
 
-        The estimate is a floor: the rendered images (``(num_train + num_val) × 3 × S²`` float32) plus
-        one batch's attention scores over the ``(S/p)²`` image tokens, kept for the backward pass.
+        A floor: the float32 images plus one batch's attention scores over the ``(S/p)²`` image tokens.
 
         Raises:
             ValueError: naming the settings, the estimate and the machine's memory.
@@ -288,13 +281,12 @@ class RunSchema:
     def from_config(
         cls, cfg: Any, run_dir: str | Path | None = None, source: Callable[[str], str] | None = None
     ) -> RunSchema:
-        """Validate a composed run config (``flashprobe/conf/config.yaml``) against the schemas, and every
-        path it writes (:func:`flashprobe.app.compose.check_paths`).
+        """Validate a composed run config against the schemas, and every path it writes
+        (:func:`flashprobe.app.compose.check_paths`).
 
         Args:
-            cfg: the composed config (a ``DictConfig``).
-            run_dir: the run directory; given, every callback's, logger's and the Trainer's files are
-                checked to stay inside it.
+            cfg: the composed config (a ``DictConfig``, interpolations resolvable).
+            run_dir: given, every file the run writes is checked to stay inside it.
             source: where a key's value came from, for a refusal's message.
 
         Raises:
@@ -364,8 +356,7 @@ def _known(node: Mapping[str, Any], schema: type) -> dict[str, Any]:
 
 
 def max_threads() -> int:
-    """The most torch threads a run may ask for: 4 per CPU (more only exhausts the machine: each thread
-    reserves its stack and torch's per-thread buffers)."""
+    """The most torch threads a run may ask for: 4 per CPU (each thread reserves a stack and buffers)."""
     return 4 * (os.cpu_count() or 1)
 
 
@@ -378,8 +369,7 @@ def _machine_memory() -> int:
 
 
 def check_sites(sites: str | Sequence[str] | None, module: Any) -> None:
-    """``attention.probe.sites`` must match some module of the model: sites are module paths, so a
-    pattern that names no module can never name a site (checked before training, not at its first batch).
+    """Refuse ``attention.probe.sites`` patterns that match no module path of the model.
 
     Args:
         sites: the patterns (``None``: every site).

@@ -14,19 +14,10 @@ comparison                 runs (A vs B)               isolates
 ``flash_vs_baseline_fp32`` flash vs baseline, fp32     the attention kernel without low precision
 =========================  ==========================  ===========================================
 
-``flash``, ``baseline``, ``identical`` and the seed runs train at the **study precision**
-(``study.precision``, default ``bf16-mixed``: flash kernels run in 16-bit, so their deviation is
-measured where it is used); the low-precision pairs compare the baseline across precisions, so
-the verdict (:mod:`flashprobe.report.study_verdict`) only ever divides distances of pairs that each
-isolate one thing.
-
-**Replicates** (``study.replicates``, default 3): replicate ``r`` is the whole plan again at seed
-``2r`` (its seed pair's other run at ``2r + 1``), its runs and comparisons named with ``_seed<2r>``
-(replicate 0 keeps the plain names; ``identical`` and ``flash_fp32`` train at replicate 0 only).
-Every comparison pairs runs of one replicate, so each ratio of the verdict is computed within a
-replicate and reported over the replicates. Runs go through Hydra multirun (replicate 0's runs,
-then the other replicates' as one sweep) with ``resume=auto``: a study that is invoked again skips
-the runs that finished and resumes the others from their last checkpoint.
+Runs other than the precision pairs train at ``study.precision`` (default ``bf16-mixed``).
+Replicate ``r`` (``study.replicates``) is the plan again at seed ``2r``, its names suffixed
+``_seed<2r>`` (:func:`replicate_suffix`); comparisons pair runs of one replicate. Runs go through
+Hydra multirun with ``resume=auto``, so invoking a study again skips finished runs.
 """
 
 from __future__ import annotations
@@ -87,8 +78,7 @@ def replicate_seed(replicate: int) -> int:
 
 
 def replicate_suffix(replicate: int) -> str:
-    """What replicate ``r`` adds to its runs' and comparisons' names: nothing for replicate 0 (the runs
-    keep the names of a one-replicate study), ``_seed<2r>`` for the others."""
+    """What replicate ``r`` adds to its runs' and comparisons' names: ``""`` for 0, else ``_seed<2r>``."""
     return "" if replicate == 0 else f"_seed{replicate_seed(replicate)}"
 
 
@@ -218,22 +208,17 @@ def _all_comparisons(precision: str, replicate: int) -> list[Comparison]:
 def study_plan(
     precision: str = "bf16-mixed", runs: Sequence[str] | None = None, replicates: int = 1
 ) -> StudyPlan:
-    """The runs and like-for-like comparisons of a study, at each replicate.
-
-    Replicate ``r`` is a full set of runs at seed ``2r`` (:func:`replicate_seed`): the kernel under
-    test, the baseline, the baseline at the other precisions, and the seed pair's other run at seed
-    ``2r + 1``; its comparisons pair only runs of that replicate, so each ratio of the verdict is
-    computed within one replicate. The identical repeat and ``flash_fp32`` train at replicate 0 only.
+    """The runs and like-for-like comparisons of a study, at each replicate (roles in :data:`ONCE`
+    train at replicate 0 only).
 
     Args:
         precision: the study precision (a key of :data:`PRECISIONS`).
-        runs: roles to train (replicate 0's run names; default: every role); comparisons whose two
-            runs are not both in it are left out.
+        runs: roles to train (default: every role); comparisons missing a run are left out.
         replicates: how many replicates (seeds) of the plan.
 
     Raises:
         ValueError: an unknown precision or role, fewer than one replicate, or roles that form no
-            ``flash_vs_baseline`` pair (the comparison every verdict rests on) — naming the valid choices.
+            ``flash_vs_baseline`` pair, naming the valid choices.
     """
     if precision not in PRECISIONS:
         raise ValueError(
@@ -308,10 +293,10 @@ def _launcher_options() -> list[str]:
 
 
 def study_config(overrides: Sequence[str]) -> Any:
-    """The composed config of a study's ``flash`` run (the user's ``conf/`` included).
+    """The composed config of a study's ``flash`` run.
 
     Raises:
-        ValueError: the overrides do not compose (unknown group option or key), with Hydra's reason.
+        ValueError: the overrides do not compose, with Hydra's reason.
     """
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -336,19 +321,20 @@ def run_study(
     *,
     train: bool = True,
 ) -> Path:
-    """Train the study's runs (skipping finished ones) and compare them; returns ``report.md``.
+    """Train the study's runs (skipping finished ones) and compare them.
 
     Args:
         out: the study directory; runs go to ``out/runs/<name>``.
-        runs: run names (default: all of the plan; see :func:`study_plan`).
-        overrides: Hydra overrides applied to every run, e.g. ``study.precision=16-mixed``,
-            ``study.kernel=tiled:preset=fa2``, ``trainer.max_steps=400``, ``experiment=NAME``
-            (default ``experiment=study``) or ``hydra/launcher=submitit_local``.
-        train: train the runs (``False``: only compare the runs already in ``out/runs``).
+        runs: roles to train (default: the whole plan, :func:`study_plan`).
+        overrides: Hydra overrides for every run, e.g. ``study.kernel=tiled:preset=fa2``
+            (default ``experiment=study``).
+        train: ``False``: only compare the runs already in ``out/runs``.
+
+    Returns:
+        The path of ``report.md``.
 
     Raises:
-        ValueError: a bad precision, kernel, run name, run set, launcher or override (before any
-            training).
+        ValueError: a bad precision, kernel, run name, launcher or override (before any training).
         DirectoryLockedError: another process is writing into ``out``.
     """
     from flashprobe.formats.atomic import FULL_BELOW, free_space
@@ -384,9 +370,7 @@ def run_study(
     from flashprobe.app.compose import lazy_sources
     from flashprobe.app.train import check_config
 
-    # every run's settings against the schemas, and the probe's sites against the model (the flash run's
-    # config; the others differ in the plan's keys), before OUT is made; an argument only a constructor
-    # checks (a callback's, the Trainer's) is refused when the first run builds its objects
+    # the flash run's config stands for every run's (the others differ in the plan's keys only)
     check_config(cfg, Path(out) / "runs" / "flash", lazy_sources(_flash_run(overrides)))
     safe_name(str(cfg.run_name), what="run_name")  # it names each run's directory under OUT/runs
     _refuse_study_sets(overrides)
@@ -398,8 +382,7 @@ def run_study(
             f"the disk holding {out} is full ({free / 2**20:.1f} MiB free); free some space or give another "
             "--out, then run the same command again"
         )
-    # resolved once (an empty --out fails before it is resolved to the cwd); a system directory, or one
-    # holding other files than a study's, is refused
+    # resolved once: an empty --out fails before it is resolved to the cwd
     out = prepare_output_dir(out, owned=STUDY_OWNS).resolve()
     with directory_lock(out, what="study directory (--out)"):
         check_links(out)
@@ -407,11 +390,7 @@ def run_study(
 
 
 def _refuse_study_sets(overrides: Sequence[str]) -> None:
-    """Refuse an override of a setting the study gives each run itself (:data:`STUDY_SETS`).
-
-    Raises:
-        ValueError: naming the setting and what to give instead.
-    """
+    """Refuse an override of a setting the study gives each run itself (:data:`STUDY_SETS`)."""
     keys = [override_key(o) for o in overrides if "=" in o]
     for key in STUDY_SETS:
         if any(k == key or k.startswith(f"{key}.") for k in keys):
@@ -430,12 +409,7 @@ STUDY_SETS = ("seed", "study.replicate")
 
 
 def _replicates(value: Any) -> int:
-    """``study.replicates`` as an int (an override may give it as text); :func:`study_plan` checks
-    that it is positive.
-
-    Raises:
-        ValueError: not an integer.
-    """
+    """``study.replicates`` as an int (an override may give text); :func:`study_plan` checks its sign."""
     try:
         return int(str(value))
     except ValueError:
@@ -451,8 +425,7 @@ RUN_INDEPENDENT = ("study.replicates",)
 
 
 def _settings(cfg: Any) -> dict[str, Any]:
-    """What the study's runs are trained with: the composed configuration, without Hydra's own
-    section (launchers, output paths), flattened to ``{"trainer.max_steps": 120, ...}``."""
+    """The composed config without Hydra's section, flattened: ``{"trainer.max_steps": 120, ...}``."""
     from omegaconf import OmegaConf
 
     from flashprobe.formats.jsonio import flatten
@@ -464,13 +437,9 @@ def _settings(cfg: Any) -> dict[str, Any]:
 
 
 def check_settings(out: Path, cfg: Any) -> None:
-    """Refuse a study directory whose runs were trained with other settings (before any training).
+    """Refuse a study directory whose runs were trained with other settings (:data:`SETTINGS_FILE`).
 
-    Its ``study_settings.json`` (written by the first invocation) must match this invocation's
-    composed configuration; otherwise the skipped "finished" runs would be reported under the new
-    settings. A directory without the file (a study from before it existed) is not checked, nor one
-    where no run has started training (no ``runs/*/run.json``: e.g. the first run refused a setting
-    when it built its objects), whose settings protect nothing: the new ones replace them.
+    Not checked without the file, or while no run has started (no ``runs/*/run.json``).
 
     Raises:
         ValueError: naming each setting that differs, old and new, and the fix.
@@ -565,8 +534,7 @@ def _replicate_value(replicate: int) -> str:
 
 
 def _sweeps(plan: StudyPlan) -> list[list[str]]:
-    """The Hydra multiruns that train ``plan``: replicate 0's runs, then every other replicate's
-    (one sweep of replicates x roles: a launcher runs them in parallel)."""
+    """The Hydra multiruns that train ``plan``: replicate 0's runs, then the others' as one sweep."""
     first = [r.role for r in plan.runs.values() if r.replicate == 0]
     sweeps = [[f"study.replicate={_replicate_value(0)}", f"study_run={','.join(first)}"]]
     if plan.replicates > 1:
@@ -585,11 +553,8 @@ def _check_trained(runs_dir: Path, plan: StudyPlan) -> None:
 
 @contextlib.contextmanager
 def _quiet_runs() -> Iterator[None]:
-    """While the study's runs train: Python warnings to the runs' train.log, W&B silent.
-
-    Afterwards the root logger (which Hydra pointed at the last run's train.log) prints warnings
-    to the console again, so the comparison's messages do not land in a run's log.
-    """
+    """While the runs train: warnings to the runs' train.log, W&B silent; afterwards the root
+    logger (which Hydra pointed at the last run's log) prints warnings to the console again."""
     silent = os.environ.get("WANDB_SILENT")
     os.environ["WANDB_SILENT"] = silent or "true"
     logging.captureWarnings(True)
@@ -610,13 +575,8 @@ def _quiet_runs() -> Iterator[None]:
 
 
 def _runs_machine(runs_dir: Path, names: Sequence[str]) -> dict[str, Any]:
-    """The machine facts the runs trained with (their ``run.json``), checked to be one machine.
-
-    Returns:
-        The facts of the runs' last sessions when they agree (``torch_threads``, the torch build,
-        the CPU, ...); otherwise ``{"differ": {run: facts}}``, with a warning: results on CPU depend
-        on them, so pairs from different machines differ in more than the one thing they isolate.
-    """
+    """The machine facts the runs trained with (their ``run.json``) when they agree; otherwise
+    ``{"differ": {run: facts}}``, with a warning (a pair's deviation then includes that difference)."""
     from flashprobe.app.machine import machine_facts
     from flashprobe.formats.run_record import read_run_record
 
@@ -734,8 +694,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _closing(report: Path) -> tuple[str, int]:
-    """The verdict (plain text, its answer first) and the paths a study wrote: the last lines a user
-    sees; and the exit code of its answer (:data:`flashprobe.report.study_verdict.EXIT_CODES`)."""
+    """The verdict (its answer first) and the paths the study wrote, and the answer's exit code."""
     from flashprobe.formats.study_file import read_study
     from flashprobe.report.study_verdict import answer
 

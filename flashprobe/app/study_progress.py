@@ -1,12 +1,6 @@
-"""The study's console: one line when a run starts and one when it finishes, with elapsed time, ETA
-and, for a run with the attention probe, its verdict: in that line when it passed, followed by the
-per-site table (:func:`flashprobe.probing.session.verdict_block`) when it did not (the runs' own
-callbacks print nothing: ``callbacks.attention_probe.console=false``).
-
-The runs may train in this process (Hydra's basic launcher), in worker processes (joblib) or as
-cluster jobs (submitit), so progress is read from what every run writes anyway: its ``run.json``
-(:mod:`flashprobe.formats.run_record`), polled from a background thread. A run that had finished
-before the study was invoked is reported as skipped.
+"""The study's console: a line when a run starts and when it finishes (time, ETA, probe verdict; the
+per-site table for a probe that did not pass), read by polling each run's ``run.json``, so runs may
+train in this process, in workers or as cluster jobs.
 """
 
 from __future__ import annotations
@@ -90,20 +84,21 @@ class StudyProgress:
                     self._say(name, f"training ({what}{f', resumed at step {resumed}' if resumed else ''})")
                 if status == "finished" and sessions:
                     self._finished[name] = float(sessions[-1].get("seconds") or 0.0)
-                    probe, block = self._probe(name)
-                    self._say(name, f"done in {format_seconds(self._finished[name])}{probe}{self._clock()}")
-                    if block:
-                        print(block, file=self.stream, flush=True)
+                    self._ended_line(name, f"done in {format_seconds(self._finished[name])}", self._clock())
                 elif status in ("stopped", "failed") and name in self._started and name not in self._ended:
                     self._ended.add(name)  # its error is printed by the run; the probe's table here
-                    probe, block = self._probe(name)
-                    self._say(name, f"ended: {status}{probe}")
-                    if block:
-                        print(block, file=self.stream, flush=True)
+                    self._ended_line(name, f"ended: {status}")
+
+    def _ended_line(self, name: str, text: str, clock: str = "") -> None:
+        """Say that run ``name`` ended, with its probe's verdict (and the verdict block when it failed)."""
+        probe, block = self._probe(name)
+        self._say(name, f"{text}{probe}{clock}")
+        if block:
+            print(block, file=self.stream, flush=True)
 
     def _probe(self, name: str) -> tuple[str, str]:
-        """The probe's verdict of run ``name`` (its ``probe.jsonl``): `` · probe PASS (...)`` for the
-        run's line, and the verdict block when it did not pass; two empty strings without a probe."""
+        """`` · probe PASS (...)`` for run ``name``'s line, and the verdict block when it did not pass;
+        two empty strings without a probe."""
         from flashprobe.probing.session import verdict_block
         from flashprobe.report.study_report import probe_verdict
 

@@ -1,10 +1,7 @@
 """``flashprobe train``: the Hydra app that trains the text-to-image model.
 
-``train(cfg)`` builds everything from a composed config and returns ``(metrics, objects)`` so tests
-and the study call it directly; :func:`cli_main` is the thin ``@hydra.main`` entry point used by
-the ``flashprobe train`` command (``-m`` multirun sweeps included). The run directory is
-:class:`~flashprobe.app.run_dir.RunDir`'s; the checks before Hydra starts are
-:mod:`flashprobe.app.train_checks`'; one session of training is :func:`flashprobe.app.fit.fit`.
+:func:`train` builds everything from a composed config and returns ``(metrics, objects)``;
+:func:`cli_main` is the ``@hydra.main`` entry point of the command (``-m`` multiruns included).
 """
 
 from __future__ import annotations
@@ -77,19 +74,13 @@ def _trainer_arguments(cfg: DictConfig, callbacks: list[Any]) -> tuple[dict[str,
 def train(cfg: DictConfig) -> tuple[dict[str, float], dict[str, Any]]:
     """Train the text-to-image model described by ``cfg``.
 
-    A run directory that already holds a run is refused unless ``resume`` (continue it from its
-    last checkpoint; ``"auto"``: continue if it can, skip it if it finished, else start it) or
-    ``overwrite=true`` (delete its outputs — only those its ``run.json`` records as flashprobe's)
-    is set. The run holds the lock of its directory throughout (one writer per run), reads
-    checkpoints with ``weights_only=True`` only, and stops at a non-finite loss or weight
-    (``on_nonfinite``), on Ctrl-C or on a full disk with :class:`RunStoppedError`, its session
-    recorded in ``run.json``. Every random choice of a training batch is a
-    function of ``(seed, batch index)`` (:mod:`flashprobe.t2i.steps`), so a resumed run gives the
-    same weights, snapshots and ``probe.jsonl`` as an uninterrupted one.
+    A directory holding a run is refused unless ``resume`` (``"auto"``: continue, skip if finished,
+    else start) or ``overwrite=true`` is set. The run holds its directory's lock throughout and
+    stops with :class:`RunStoppedError` at a non-finite value (``on_nonfinite``), Ctrl-C or a full
+    disk. A resumed run gives the same bits as an uninterrupted one (:mod:`flashprobe.t2i.steps`).
 
     Args:
-        cfg: a composed ``flashprobe/conf/config.yaml`` (see :func:`compose`), optionally with
-            ``run_dir`` set when called outside a Hydra app.
+        cfg: a composed config (:func:`compose`), with ``run_dir`` set outside a Hydra app.
 
     Returns:
         ``(metrics, objects)``: the trainer's final callback metrics as floats, and the built
@@ -131,11 +122,10 @@ def _job_sources() -> Any:
 
 
 def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """Seed and build the run's objects (nothing is written yet); a bad setting fails here.
+    """Seed and build the run's objects (nothing is written yet).
 
     Raises:
-        ValueError: an object refused its configuration (Hydra's ``InstantiationException``, whose
-            message names the config key and the object's reason).
+        ValueError: an object refused its configuration (naming the config key and its reason).
     """
     import lightning as L
     from hydra.errors import InstantiationException
@@ -156,8 +146,7 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         ]
         if not any(isinstance(c, NonFiniteGuard) for c in callbacks):
             callbacks.append(NonFiniteGuard(action=str(cfg.get("on_nonfinite") or "stop")))
-        # The probe's callbacks last: their end-of-training summary (verdict, worst site) is what
-        # the run prints last.
+        # the probe's callbacks last: their summary is what the run prints last
         callbacks.sort(key=lambda c: isinstance(c, AttentionProbe))
         loggers = [hydra.utils.instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
         trainer_config, extra = _trainer_arguments(cfg, callbacks)
@@ -185,12 +174,14 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 
 class _TrainJob:
     """The Hydra task of one ``flashprobe train`` command, run for each job of a multirun: it trains,
-    prints a stop or a refusal in one paragraph (exit 1/130 or 2), and keeps the run directory whose
-    Hydra writes :class:`~flashprobe.app.run_dir.HydraWrites` undoes (a refused run, or one skipped as
-    finished: nothing of this command stays in it)."""
+    prints a stop or refusal in one paragraph (exit 1/130 or 2), and keeps the directory of a refused
+    or skipped run in ``undo_dir`` for :class:`~flashprobe.app.run_dir.HydraWrites`.
+
+    Args:
+        verbose: ``flashprobe train -v``: tracebacks of flashprobe's own errors too.
+    """
 
     def __init__(self, verbose: bool = False) -> None:
-        """``verbose``: ``flashprobe train -v``, tracebacks of flashprobe's own errors too."""
         self.verbose = verbose
         self.undo_dir: Path | None = None
 
@@ -224,19 +215,11 @@ class _TrainJob:
 
 
 def cli_main(argv: Sequence[str] | None = None) -> int:
-    """``flashprobe train [-v] [--import MODULE] [--config-dir DIR] [overrides]``: run the Hydra app with
-    ``argv`` as its command line.
+    """``flashprobe train [-v] [--import MODULE] [--config-dir DIR] [overrides]``.
 
-    ``--import MODULE`` (repeatable) imports a module that registers kernels first (its ranks and
-    launcher jobs import it too); ``--config-dir DIR`` is searched before ``./conf`` (as
-    ``$FLASHPROBE_CONFIG_DIR``). Every setting and path is checked and the run directory locked before
-    Hydra starts; flashprobe's own errors print one message and return 2 (``-v`` or
-    ``HYDRA_FULL_ERROR=1``: with the traceback).
-
-    While Hydra runs, ``sys.argv`` and ``__main__.__spec__`` point at this module
-    (:func:`~flashprobe.app.launch.as_train_app`): Hydra reads its command line there, and Lightning's
-    DDP launcher starts the other ranks by re-running the main module with ``sys.argv[1:]``, so the
-    ranks re-run this Hydra app (``python -m flashprobe.app.train OVERRIDES``), not the CLI.
+    Every setting and path is checked and the run directory locked before Hydra starts; flashprobe's
+    own errors print one message and return 2 (``-v`` or ``HYDRA_FULL_ERROR=1``: with the traceback).
+    Hydra runs inside :func:`~flashprobe.app.launch.as_train_app`, so DDP ranks re-run this module.
     """
     given = list(sys.argv[1:] if argv is None else argv)
     job = _TrainJob(verbose=any(a in ("-v", "--verbose") for a in given))

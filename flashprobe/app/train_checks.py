@@ -1,10 +1,5 @@
-"""What ``flashprobe train`` checks before any work, and how it words a refusal.
-
-:func:`command_line` and :func:`precheck` run before Hydra starts: the command line (``resume=DIR``
-completed from the run's record), then the config composed as Hydra will compose it, every setting
-(:func:`check_config`) and every path it writes, and the run directory's contents
-(:class:`~flashprobe.app.run_dir.RunDir`). A refusal is printed as one paragraph without a traceback
-(:func:`is_refusal`, :func:`refusal_paragraph`).
+"""What ``flashprobe train`` checks before Hydra starts (:func:`command_line`, :func:`precheck`), and
+how it words a refusal: one paragraph without a traceback (:func:`is_refusal`).
 """
 
 from __future__ import annotations
@@ -45,8 +40,8 @@ __all__ = [
     "refusals",
 ]
 
-#: flashprobe's own refusals of a run (bad setting, directory in the way or in use, unsafe checkpoint):
-#: the CLI prints their message alone, without a traceback (``-v`` or ``HYDRA_FULL_ERROR=1``: with it).
+#: Errors that, raised where flashprobe checks a run, are refusals: printed without a traceback
+#: (``-v`` or ``HYDRA_FULL_ERROR=1``: with it).
 REFUSALS = (ValueError, FileExistsError, FileNotFoundError, DirectoryLockedError)
 
 
@@ -61,22 +56,19 @@ def refusals() -> Iterator[None]:
 
 
 def is_refusal(err: BaseException) -> bool:
-    """Whether ``err`` is flashprobe's own refusal, printed as one paragraph without a traceback: a
-    :data:`REFUSALS` error raised where flashprobe checks the run, or a :class:`FlashprobeError` (a
-    kernel refusing a call, the probe's failure with ``on_failure=raise``, an unsafe checkpoint, ...),
-    wherever raised. Anything else is a bug and keeps its traceback."""
+    """Whether ``err`` is flashprobe's own refusal: marked by :func:`refusals`, or a
+    :class:`FlashprobeError` wherever raised. Anything else is a bug and keeps its traceback."""
     return bool(getattr(err, "flashprobe_refusal", False)) or isinstance(err, FlashprobeError)
 
 
 def refusal_paragraph(err: BaseException) -> str:
-    """``err``'s message as one paragraph (its lines joined), printable (text from a file may hold a
-    terminal's escape sequences)."""
+    """``err``'s message as one printable paragraph (its lines joined, escape sequences escaped)."""
     return printable(" ".join(line.strip() for line in str(err).splitlines() if line.strip()))
 
 
 def instantiation_reason(err: Exception) -> str:
-    """Hydra's ``InstantiationException`` as ``KEY: the object's reason`` (one line), or its own message
-    where it names no key or no cause (e.g. a ``_target_`` that cannot be imported)."""
+    """Hydra's ``InstantiationException`` as ``KEY: the object's reason``, or its own message (one
+    line) where it names no key or no cause."""
     lines = str(err).splitlines()
     key = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("full_key:")), None)
     if key is None or err.__cause__ is None:
@@ -87,12 +79,9 @@ def instantiation_reason(err: Exception) -> str:
 def check_config(
     cfg: DictConfig, run_dir: str | Path | None = None, source: Callable[[str], str] | None = None
 ) -> RunSchema:
-    """Check every setting of a composed run config before any work (what ``flashprobe train`` and
-    ``flashprobe study`` do first): the schemas (:class:`~flashprobe.app.schema.RunSchema`: steps,
-    intervals, seeds, threads, learning rate, data sizes against the machine's memory, names that become
-    paths, kernels and their placement, the probe's settings; given ``run_dir``, that every callback
-    writes inside it), and ``attention.probe.sites`` against the model's module paths (the LightningModule
-    is built for it, on its own, which also checks its arguments; nothing is written).
+    """Check every setting of a composed run config before any work: the schemas
+    (:meth:`~flashprobe.app.schema.RunSchema.from_config`) and ``attention.probe.sites`` against the
+    model's module paths (the LightningModule is built for it; nothing is written).
 
     Returns:
         The validated schema.
@@ -119,18 +108,16 @@ def check_config(
 def command_line(args: Sequence[str]) -> list[str]:
     """The Hydra command line of ``flashprobe train ARGS``; checked before Hydra writes anything.
 
-    ``resume=DIR`` continues the run in ``DIR`` with the overrides it was started with
-    (``DIR/.hydra/overrides.yaml``), any overrides given now on top, and ``hydra.run.dir=DIR``.
-    Paths are read as Hydra reads them (quotes removed).
+    ``resume=DIR`` becomes the run's recorded overrides (``DIR/.hydra/overrides.yaml``), those given
+    now on top, and ``hydra.run.dir=DIR``.
 
     Raises:
         FileNotFoundError: ``resume=DIR`` where ``DIR`` holds no run started by ``flashprobe train``.
         FileExistsError: ``hydra.run.dir=DIR`` where ``DIR`` holds a run, without resume or overwrite.
         OutputPathError: ``hydra.run.dir`` is empty, a file, lies under one, or is not writable.
         ValueError: ``resume`` or ``hydra.run.dir`` is not one path (a sweep, a list).
-        RecordedOverrideError: the run's recorded overrides ask for more than flashprobe's settings
-            (an object to build, a resolver, Hydra's own settings): a run directory is data, never
-            instructions (:func:`flashprobe.app.overrides.recorded_overrides`).
+        RecordedOverrideError: the recorded overrides ask for more than flashprobe's settings
+            (:func:`flashprobe.app.overrides.recorded_overrides`).
     """
     args = list(args)
     resume, run_dir = override_path(args, "resume"), override_path(args, "hydra.run.dir")
@@ -196,22 +183,18 @@ def _quoted(path: str) -> str:
 
 
 def precheck(args: Sequence[str], given: Sequence[str] = ()) -> tuple[Path | None, Path | None]:
-    """Compose the run's config as Hydra will and check every setting and every path it writes
-    (:func:`check_config`, :func:`~flashprobe.app.compose.check_paths`: wherever a value was set, in a
-    config file, on the command line or in the run's recorded settings), before Hydra starts (nothing
-    is built but, for ``attention.probe.sites``, the LightningModule).
+    """Compose the run's config as Hydra will and check every setting and path it writes
+    (:func:`check_config`, :func:`~flashprobe.app.compose.check_paths`) before Hydra starts.
 
-    A multirun (``-m``) is checked for the paths of its first job (a sweep's first value of each
-    override); Hydra's other flags (``--cfg``, ``--info``, ...) run no job and are left to Hydra.
+    A multirun (``-m``) is checked for its first job; Hydra's other flags run no job and are left to it.
 
     Args:
         args: the Hydra command line (:func:`command_line`).
-        given: the overrides the user gave (the others of ``args`` come from ``resume=``'s record).
+        given: the overrides the user gave (the others come from ``resume=``'s record).
 
     Returns:
-        ``(run directory, where Hydra creates it)``: the run directory when it is known before Hydra
-        runs (``hydra.run.dir`` set, without a time in it), and the directory that is, or will hold, the
-        run directory (None when Hydra alone knows it).
+        ``(run directory, where Hydra creates it)``: the run directory when known before Hydra runs
+        (else None), and the directory that is or will hold it (None when Hydra alone knows it).
 
     Raises:
         ValueError: a setting or a path is invalid, or the overrides do not compose (Hydra's reason).

@@ -1,15 +1,6 @@
-"""flashprobe's files: one writer for every file, one convention for JSON, one owner per format.
-
-* :mod:`~flashprobe.formats.atomic` — every file is written atomically (temporary file, fsync,
-  rename) with the umask's permissions;
-* :mod:`~flashprobe.formats.jsonio` — non-finite numbers in JSON are ``"nan"``/``"inf"``/``"-inf"``,
-  ``null`` means not recorded;
-* :mod:`~flashprobe.formats.paths` — output directories and names used in file names are checked
-  before any work;
-* :mod:`~flashprobe.formats.run_dir` — what a run directory holds, which of it flashprobe owns (and
-  alone deletes), and the checkpoint a resume continues from;
-
-and the formats, each read and written by one module only:
+"""flashprobe's files: one atomic writer (:mod:`~flashprobe.formats.atomic`), one JSON convention
+(:mod:`~flashprobe.formats.jsonio`), path checks (:mod:`~flashprobe.formats.paths`), and one owner per
+format:
 
 =====================================  ===============================================
 file                                   owner

@@ -1,25 +1,9 @@
-"""The one way flashprobe writes a file: a unique temporary file beside it, fsync, ``os.replace``.
+"""The one way flashprobe writes a file: a temporary file beside it, fsync, ``os.replace``.
 
-A crash mid-write leaves the previous file (or none), never a truncated one, and a killed writer
-leaves at worst a hidden ``.NAME.PID.XXXXXXXX.tmp`` beside the target. Every file gets the usual
-permissions from the umask: the temporary file is created with mode ``"x"`` (not
-:func:`tempfile.mkstemp`, whose files are private ``0600``), and files written by a library that
-sets its own mode (safetensors writes ``0600``) are given that mode back before the rename.
-
-* :func:`atomic_write` — write through an open file handle (text or binary);
-* :func:`atomic_write_text`, :func:`atomic_write_bytes` — a string or bytes;
-* :func:`atomic_write_file` — a library that writes to a path (``torch.save``,
-  ``safetensors.torch.save_file``).
-
-A write that fails for lack of space raises :class:`DiskFullError` (an ``OSError`` with ``ENOSPC``)
-whose one-line message names the directory, its free space and what was kept — whatever the
-library said (torch's zip writer reports ``unexpected pos``, safetensors an ``I/O error``). The
-temporary file is removed first, so the disk holds what it held before the write.
-
-Inside a directory this process writes into (a locked run or study directory,
-:mod:`flashprobe.formats.nofollow`) the file's directory is reached without following links, and the
-temporary file is created and renamed inside that directory's descriptor: no link can send the write
-elsewhere.
+A crash leaves the previous file (or none), at worst with a hidden ``.NAME.PID.XXXXXXXX.tmp`` beside
+it. Files get the umask's permissions. A write that runs out of space raises :class:`DiskFullError`,
+the temporary removed. Inside a directory this process writes into, no link is followed
+(:mod:`flashprobe.formats.nofollow`).
 """
 
 from __future__ import annotations
@@ -61,8 +45,8 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 class DiskFullError(OSError, FlashprobeError):
-    """A write that failed for lack of space; the message is one line: the directory, its free space
-    (after the failed write's temporary file was removed) and what was kept.
+    """A write that failed for lack of space; one line naming the directory, its free space and what
+    was kept.
 
     Attributes:
         path: the file that could not be written.
@@ -117,8 +101,8 @@ def disk_full(err: BaseException | None) -> bool:
 
 
 def _failed_for_space(err: BaseException, directory: Path) -> bool:
-    """Whether a write into ``directory`` that raised ``err`` ran out of space: said so, or it was an
-    I/O-like error while the disk is (nearly) full (torch's zip writer says only ``unexpected pos``)."""
+    """Whether a write into ``directory`` that raised ``err`` ran out of space: said so, or an I/O-like
+    error while the disk is nearly full (torch's zip writer says only ``unexpected pos``)."""
     if disk_full(err):
         return True
     if not isinstance(err, OSError | RuntimeError):
@@ -138,8 +122,8 @@ _TEMPORARY = re.compile(r"^\..+\.\d+\.[0-9a-f]{8}" + re.escape(TMP_SUFFIX) + "$"
 
 
 def stray_temporaries(directory: str | os.PathLike[str]) -> list[Path]:
-    """The writer's temporaries in ``directory`` and below (left by a killed writer, when no writer
-    holds the directory): files and directories named as :func:`temporary_path` names them, no link."""
+    """The temporaries a killed writer left in ``directory`` and below (named as :func:`temporary_path`
+    names them; no link)."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
@@ -148,8 +132,7 @@ def stray_temporaries(directory: str | os.PathLike[str]) -> list[Path]:
 
 
 def remove_temporary(path: Path) -> None:
-    """Delete a temporary :func:`stray_temporaries` found (a directory with what is in it; no link
-    followed)."""
+    """Delete a temporary :func:`stray_temporaries` found (a directory with its contents)."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
@@ -159,16 +142,13 @@ def remove_temporary(path: Path) -> None:
 def atomic_write(
     path: str | os.PathLike[str], write: Callable[[IO[Any]], None], *, binary: bool = False
 ) -> Path:
-    """Call ``write(fh)`` on a temporary file next to ``path``, then rename it over ``path``.
+    """Call ``write(fh)`` on a temporary file next to ``path`` (parents created), then rename it over
+    ``path``; returns ``path`` as a :class:`~pathlib.Path`.
 
     Args:
-        path: the file to write; parent folders are created.
+        path: the file to write.
         write: writes the content to the open file handle.
-        binary: open the handle in binary mode (else UTF-8 text, ``newline=""``; a path's bytes that
-            are not UTF-8, as Python's ``surrogateescape`` carries them, are written back as they were).
-
-    Returns:
-        ``path`` as a :class:`~pathlib.Path`.
+        binary: open the handle in binary mode (else UTF-8 text with ``surrogateescape``, ``newline=""``).
 
     Raises:
         DiskFullError: the disk ran out of space; ``path`` is as it was before.
@@ -187,23 +167,9 @@ def atomic_write(
 def atomic_write_file(path: str | os.PathLike[str], write: Callable[[Path], None]) -> Path:
     """Call ``write(tmp_path)`` (a library that writes to a path), then rename the result over ``path``.
 
-    The library writes inside a private temporary directory beside ``path``, under a plain ASCII name
-    (reached through ``/proc/self/fd/N`` where the system has it, so a path whose bytes are not UTF-8
-    is no concern of the library's, and no link can redirect it); a library that writes its own
-    temporary file and renames it (safetensors) does so inside that directory. The file is created
-    first (mode ``"x"``, so it gets the umask's permissions); if ``write`` changes its mode (safetensors
-    makes files ``0600``) the umask's mode is restored.
-
-    Args:
-        path: the file to write; parent folders are created.
-        write: writes the whole file at the given path (it may replace the empty file there).
-
-    Returns:
-        ``path`` as a :class:`~pathlib.Path`.
-
-    Raises:
-        DiskFullError: the disk ran out of space; ``path`` is as it was before.
-        LinkError: a directory on the way below a directory this process writes into is a link.
+    The library writes an ASCII name in a private temporary directory beside ``path`` (through
+    ``/proc/self/fd/N`` where there is one); a mode it sets (safetensors: ``0600``) is reset to the
+    umask's. Returns ``path`` as a :class:`~pathlib.Path`; raises as :func:`atomic_write`.
     """
     path = Path(path)
 
@@ -216,10 +182,8 @@ def atomic_write_file(path: str | os.PathLike[str], write: Callable[[Path], None
 
 
 def _write_atomically(path: Path, write: Callable[[str, int], None], temporary: Path | None = None) -> Path:
-    """Create a private temporary directory beside ``path`` (in the directory opened as
-    :func:`~flashprobe.formats.nofollow.parent_directory` opens it) and an empty file in it,
-    ``write(its name, the temporary directory's descriptor)``, fsync the file, rename it over ``path``,
-    fsync the directory (so the rename survives a crash), and remove the temporary directory."""
+    """In a private temporary directory beside ``path``: create an empty file, ``write(its name, the
+    directory's descriptor)``, fsync, rename it over ``path``, fsync the parent; remove the directory."""
     temporary = temporary or temporary_path(path)
     name = "file" + (path.suffix if path.suffix.isascii() else "")
     with parent_directory(path) as parent:

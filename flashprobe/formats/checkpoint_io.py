@@ -1,22 +1,8 @@
 """Lightning checkpoints: written atomically, read without running any code.
 
-Lightning's own ``TorchCheckpointIO`` writes the checkpoint file in place, so a process killed
-mid-save leaves a truncated ``last.ckpt`` that no resume can load. :class:`AtomicCheckpointIO`
-writes it through :func:`flashprobe.formats.atomic.atomic_write_file` (temporary file, fsync,
-rename): a checkpoint on disk is always complete. Pass it to any Trainer:
-``Trainer(plugins=[AtomicCheckpointIO()])``.
-
-A checkpoint is a pickle, and unpickling a file runs whatever code it names. Checkpoints come from
-run directories that may be someone else's (a shared cluster, a downloaded run), so every
-checkpoint flashprobe opens — the resume of ``flashprobe train``, ``ckpt_path=FILE``, the study's
-resumed runs and Lightning's own restore through :class:`AtomicCheckpointIO` — is read by
-:func:`load_checkpoint` with ``torch.load(weights_only=True)``: tensors, numbers, strings and plain
-containers only. A file that needs anything else (a crafted pickle, or a checkpoint holding
-arbitrary Python objects), a truncated file and a file that is not a checkpoint are refused with
-:class:`CheckpointError`, before any of it is used.
-
-A checkpoint whose weights hold a NaN or an infinity is never written (:func:`nonfinite_weights`):
-a resume continues from the newest checkpoint, so every checkpoint on disk holds finite weights.
+:class:`AtomicCheckpointIO` (``Trainer(plugins=[AtomicCheckpointIO()])``) writes complete checkpoints
+of finite weights only; every checkpoint flashprobe opens is read by :func:`load_checkpoint` with
+``torch.load(weights_only=True)``, anything else refused with :class:`CheckpointError`.
 """
 
 from __future__ import annotations
@@ -46,12 +32,8 @@ class CheckpointError(ValueError, FlashprobeError):
 def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> dict[str, Any]:
     """Load a Lightning checkpoint with ``torch.load(weights_only=True)``; nothing in it is executed.
 
-    Args:
-        path: the ``.ckpt`` file.
-        map_location: where tensors go (``torch.load``'s argument).
-
     Returns:
-        The checkpoint dictionary (it has a ``global_step``).
+        The checkpoint dictionary (it has a ``global_step``); tensors at ``map_location``.
 
     Raises:
         FileNotFoundError: no such file.
@@ -99,8 +81,8 @@ def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> 
 
 
 def nonfinite_weights(state_dict: Any) -> tuple[int, str | None]:
-    """How many NaN/±inf values the floating-point tensors of ``state_dict`` hold, and the first tensor
-    holding one (one host synchronisation per tensor; a checkpoint is written rarely)."""
+    """How many NaN/±inf values the floating-point tensors of ``state_dict`` hold, and the first
+    tensor holding one (one host synchronisation per tensor)."""
     count, first = 0, None
     for name, value in (state_dict or {}).items():
         if isinstance(value, torch.Tensor) and value.is_floating_point():

@@ -1,10 +1,5 @@
-"""JSON as flashprobe writes it: one convention for non-finite numbers in every file.
-
-JSON has no NaN or infinity. Every JSON file flashprobe writes (``probe.jsonl``, ``study.json``,
-the snapshot manifest, the bench and fuzz results) stores a non-finite float as the string
-``"nan"``, ``"inf"`` or ``"-inf"``, so an infinite error ratio stays distinguishable from an
-undefined one; ``null`` means *not recorded* (no golden value, nothing measured, undefined).
-:func:`number` reads any of these back: ``float("inf")`` for ``"inf"``, ``None`` for ``null``.
+"""JSON as flashprobe writes it: a non-finite float is the string ``"nan"``, ``"inf"`` or ``"-inf"``
+(JSON has none); ``null`` means *not recorded*. :func:`number` reads any of these back.
 """
 
 from __future__ import annotations
@@ -61,9 +56,8 @@ def dumps(value: Any, *, indent: int | None = None) -> str:
 
 
 def decode(value: Any, *, text_keys: frozenset[str] = frozenset()) -> Any:
-    """The inverse of :func:`encode` for numbers: ``"nan"``/``"inf"``/``"-inf"`` strings anywhere in
-    ``value`` become floats again, except under the mapping keys in ``text_keys`` (fields that hold
-    free text, such as a site name, which is never decoded)."""
+    """The inverse of :func:`encode` for numbers, except under the mapping keys in ``text_keys``
+    (free-text fields such as a site name)."""
     if isinstance(value, str):
         return NONFINITE.get(value, value)
     if isinstance(value, Mapping):
@@ -110,11 +104,7 @@ def write_json(path: str | os.PathLike[str], value: Any, *, indent: int | None =
 
 
 def read_json(path: str | os.PathLike[str], *, written_by: str) -> Any:
-    """Read a JSON file, with errors that name the file and what writes it.
-
-    Args:
-        path: the file.
-        written_by: the command that writes it, for the error message (``flashprobe compare``).
+    """Read a JSON file, with errors that name the file and ``written_by`` (the command that writes it).
 
     Raises:
         FileNotFoundError: no such file.
@@ -145,8 +135,7 @@ def format_problem(
     path: str | os.PathLike[str], doc: Any, expected: str, what: str = "file"
 ) -> str | None:
     """Why the JSON document ``doc`` read from ``path`` is not of format ``expected`` (``None`` if it is):
-    a file of another flashprobe version (the format it holds and, where recorded, the flashprobe that
-    wrote it, against what this version reads), or not a flashprobe file of that kind at all."""
+    written by another flashprobe version (naming both formats), or not such a file at all."""
     found = doc.get("format") if isinstance(doc, dict) else None
     if found == expected:
         return None

@@ -1,23 +1,9 @@
-"""One writer per directory: an advisory lock on ``DIR/.flashprobe.lock``.
+"""One writer per directory: an advisory :func:`fcntl.flock` on ``DIR/.flashprobe.lock``.
 
-``flashprobe train`` takes the lock of its run directory and ``flashprobe study`` the lock of its
-``--out`` directory before writing anything there, and hold it until they end. A second process
-that wants the same directory is refused at once with :class:`DirectoryLockedError`, whose message names
-the process holding it (pid, host, command, since when), instead of both writing the same files.
-
-The lock is :func:`fcntl.flock` on an open file: the kernel releases it when its process ends, however
-it ends (``kill -9`` included), so a lock file left by a dead process is stale by construction and the
-next process simply takes it over; the pid written in the file is only there to name the holder. The
-file is removed when its holder lets go (so a finished run's directory holds no trace of it); a
-process that locked a file just removed by its holder sees that the path no longer names the file it
-locked and tries again, so two processes never both hold a directory. Locks
-are re-entrant within a process (a study's runs, ``flashprobe train`` locking before Hydra starts
-and again in ``train()``): the second request of a directory the process holds already is a no-op.
-
-The lock file is created in the directory's own descriptor and never opened through a link: a
-symbolic or hard link planted as ``.flashprobe.lock`` is refused (a
-:class:`~flashprobe.formats.nofollow.LinkError`), never truncated. While the lock is held,
-everything the process writes below the directory is written without following links
+A second process is refused at once (:class:`DirectoryLockedError`, naming the holder). The kernel
+releases the lock when its process ends (``kill -9`` included), so a stale file is simply taken over;
+the file is removed when its holder lets go. Locks are re-entrant within a process. The lock file is
+never opened through a link, and while it is held every write below the directory follows no link
 (:func:`flashprobe.formats.nofollow.writing_into`).
 """
 
@@ -68,14 +54,9 @@ def _no_follow(path: str, flags: int) -> int:
 
 @contextlib.contextmanager
 def directory_lock(directory: str | os.PathLike[str], *, what: str = "directory") -> Iterator[Path]:
-    """Hold the lock of ``directory`` (created if needed) for the ``with`` block.
+    """Hold the lock of ``directory`` (created if needed) for the ``with`` block; yields the lock file.
 
-    Args:
-        directory: the run or study directory.
-        what: what the directory is, for the error message (``run directory``, ``study --out``).
-
-    Yields:
-        The lock file.
+    ``what`` says what the directory is, for the error message (``run directory``).
 
     Raises:
         DirectoryLockedError: another process holds the lock; nothing was written.
@@ -116,8 +97,8 @@ def directory_lock(directory: str | os.PathLike[str], *, what: str = "directory"
 
 
 def _acquire(directory_fd: int, what: str, directory: Path) -> int:
-    """Open (never through a link) and ``flock`` the lock file in ``directory_fd``; the open descriptor
-    once it is locked and still the file there.
+    """Open (never through a link) and ``flock`` the lock file in ``directory_fd``; returns its
+    descriptor once locked and still the file there (a holder may remove it as it lets go).
 
     Raises:
         DirectoryLockedError: another process holds it.

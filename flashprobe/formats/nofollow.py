@@ -1,17 +1,8 @@
 """Writing into a directory flashprobe owns without following links.
 
-A run or study directory is handed between colleagues, copied and moved; a link planted in it
-(``train.log -> ~/.bashrc``, ``csv -> /elsewhere``, ``.flashprobe.lock -> a file of yours``) must not
-make flashprobe write anywhere but inside it. While a process holds a directory
-(:func:`writing_into`, taken by :func:`flashprobe.formats.lock.directory_lock`), every file it writes
-below it is reached from the directory's own descriptor, one component at a time, each opened with
-``O_NOFOLLOW`` (``openat``): a symbolic link on the way, or as the file appended to, is refused with
-:class:`LinkError` — it cannot be swapped in between a check and the write. The directory itself may
-be reached through a link (the path the user gave is resolved once).
-
-* :func:`parent_directory` — an open descriptor of a file's directory (created if need be);
-* :func:`open_new` — create a file that does not exist (``O_EXCL``), never through a link;
-* :func:`open_append` — append to a regular file with one link only (no hard link to a file elsewhere).
+While a process holds a directory (:func:`writing_into`), every file below it is reached from the
+directory's descriptor one component at a time with ``O_NOFOLLOW``, so a planted link is refused
+(:class:`LinkError`) and cannot be swapped in between a check and the write.
 """
 
 from __future__ import annotations
@@ -73,11 +64,8 @@ def writing_into(directory: str | os.PathLike[str]) -> Iterator[Path]:
 
 
 def held_root(path: str | os.PathLike[str]) -> tuple[Path, tuple[str, ...]] | None:
-    """The held directory ``path`` lies in and the components below it, or ``None``.
-
-    The shortest leading part of ``path`` that resolves to a held directory is the root: what follows
-    it is walked without following links, so a link below the root is never resolved here.
-    """
+    """The held directory ``path`` lies in (its shortest leading part that resolves to one) and the
+    components below it, or ``None``."""
     if not _ROOTS:
         return None
     path = Path(os.path.abspath(path))
@@ -90,10 +78,8 @@ def held_root(path: str | os.PathLike[str]) -> tuple[Path, tuple[str, ...]] | No
 
 @contextlib.contextmanager
 def parent_directory(path: str | os.PathLike[str]) -> Iterator[int]:
-    """An open descriptor of the directory of ``path``, created with its parents if need be.
-
-    Below a held directory (:func:`writing_into`) each component is opened with ``O_NOFOLLOW``;
-    elsewhere the directory is opened as the path names it.
+    """An open descriptor of the directory of ``path``, created with its parents if need be (below a
+    held directory, each component opened with ``O_NOFOLLOW``).
 
     Raises:
         LinkError: a component below the held directory is a link, or not a directory.
@@ -115,8 +101,7 @@ def parent_directory(path: str | os.PathLike[str]) -> Iterator[int]:
 
 
 def _step(fd: int, name: str, root: Path, shown: Path) -> int:
-    """Open (creating it if need be) the directory ``name`` in the directory ``fd``, not through a link;
-    closes ``fd``."""
+    """Open (creating) the directory ``name`` in ``fd``, not through a link; closes ``fd``."""
     try:
         with contextlib.suppress(FileExistsError):
             os.mkdir(name, 0o777, dir_fd=fd)
@@ -137,8 +122,8 @@ def _refused(err: OSError, path: Path) -> OSError:
 
 
 def open_new(name: str, parent: int, path: Path) -> int:
-    """Create the file ``name`` in the directory ``parent`` (it must not exist; never through a link);
-    ``path`` is its full path, for messages. Returns its descriptor (read-write)."""
+    """Create the file ``name`` (``O_EXCL``, never through a link) in ``parent``; returns its read-write
+    descriptor. ``path`` is its full path, for messages."""
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         return os.open(name, flags, 0o666, dir_fd=parent)
@@ -148,12 +133,12 @@ def open_new(name: str, parent: int, path: Path) -> int:
 
 @contextlib.contextmanager
 def open_append(path: str | os.PathLike[str], mode: int = 0o666) -> Iterator[int]:
-    """An open descriptor appending to ``path`` (created if need be): never through a symbolic link (any
-    directory), and only to a regular file with one link (a hard link would append to a file elsewhere).
+    """An open descriptor appending to ``path`` (created if need be), never through a symbolic link,
+    and only to a regular file with one link.
 
     Raises:
-        LinkError: ``path`` or a directory on the way below a held directory is a link, or ``path`` is not
-            a regular file of its own.
+        LinkError: ``path`` or a directory below a held directory is a link, or ``path`` is not a
+            regular file of its own.
     """
     path = Path(path)
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC

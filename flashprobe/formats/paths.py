@@ -1,14 +1,6 @@
-"""Checks on where results go, made before any work starts.
-
-* :func:`prepare_output_dir` — ``--out DIR`` must be a directory flashprobe can create and write
-  to; a path that is a file, lies under a file, or is not writable fails at once, naming the path
-  and the fix, instead of after minutes of work;
-* every output directory is resolved once (symlinks followed) and refused when it is a system
-  directory (``/``, ``/usr``, ``/etc``, ..., the home directory itself or one above it), so a
-  symlink to ``/`` cannot make a command write there; with ``owned=`` (the names a command writes)
-  a directory that holds other files and none of these is refused too;
-* :func:`safe_name` — a name that becomes part of a file name (a comparison pair's name, a case
-  name) must stay inside its directory: no path separators, no ``..``, nothing hidden.
+"""Checks on where results go, made before any work starts: output directories
+(:func:`check_write_dir`), names used in file names (:func:`safe_name`), and text shown on a
+terminal (:func:`printable`).
 """
 
 from __future__ import annotations
@@ -67,22 +59,17 @@ def check_write_dir(
     owned: tuple[str, ...] | None = None,
     inside: str | os.PathLike[str] | None = None,
 ) -> Path:
-    """The one check of a directory flashprobe will write into, wherever its path came from (a flag, a
-    config file, a run's recorded settings), made before any work; nothing is created.
+    """The one check of a directory flashprobe will write into, before any work; nothing is created.
 
-    Refused: an empty path (it would mean the working directory), a file or a path under one, a system
-    directory once resolved (``/``, ``/usr``, ``/etc``, ..., ``/proc``; a machine-wide one such as
-    ``/tmp``; the home directory or one above it), with ``owned`` a non-empty directory holding none of
-    those names (someone else's), and with ``inside`` a path that does not resolve inside that directory.
+    Refused: an empty path, a file or a path under one, a system directory once resolved
+    (:data:`SYSTEM_ROOTS`, :data:`SHARED_DIRS`, the home directory or above), with ``owned`` a
+    non-empty directory holding none of those names, with ``inside`` a path outside that directory.
 
     Args:
-        path: the directory.
+        path: the directory (returned as a :class:`~pathlib.Path`).
         named_by: what named it, for the message: ``--out``, ``hydra.run.dir (set in conf/x.yaml)``.
         owned: the names the command writes there (``None``: any directory).
         inside: the directory ``path`` must resolve inside (a run's own directory).
-
-    Returns:
-        ``path`` as a :class:`~pathlib.Path`.
 
     Raises:
         OutputPathError: naming ``named_by``, the path, the problem and the fix.
@@ -127,20 +114,11 @@ def check_write_dir(
 def check_output_dir(
     path: str | os.PathLike[str], *, flag: str = "--out", owned: tuple[str, ...] | None = None
 ) -> Path:
-    """Check, without creating anything, that ``path`` could be created and written as a directory.
-
-    Args:
-        path: the output directory.
-        flag: how the user gave it, for the error message.
-        owned: the names the command writes there; a directory holding other files and none of these
-            is refused (``None``: any directory).
-
-    Returns:
-        ``path`` as a :class:`~pathlib.Path`.
+    """:func:`check_write_dir` (``flag`` naming ``path``), and that ``path`` could be created and
+    written as a directory; nothing is created.
 
     Raises:
-        OutputPathError: ``path`` is empty, a file, lies under a file, a system directory (resolved),
-            not the command's own (``owned``), or its nearest existing directory is not writable.
+        OutputPathError: as for :func:`check_write_dir`, or it is not writable.
     """
     path = check_write_dir(path, flag, owned=owned)
     if path.is_dir():
@@ -155,37 +133,25 @@ def check_output_dir(
 def prepare_output_dir(
     path: str | os.PathLike[str], *, flag: str = "--out", owned: tuple[str, ...] | None = None
 ) -> Path:
-    """Create ``path`` (and its parents) if needed and check that files can be written there.
-
-    Args:
-        path: the output directory.
-        flag: how the user gave it, for the error message (``--out``, ``hydra.run.dir``).
-        owned: as for :func:`check_output_dir`.
-
-    Returns:
-        ``path`` as a :class:`~pathlib.Path`.
+    """:func:`check_output_dir`, creating ``path`` (and its parents) if needed.
 
     Raises:
         OutputPathError: as for :func:`check_output_dir`, or ``path`` cannot be created.
     """
     path = check_write_dir(path, flag, owned=owned)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise OutputPathError(
-            f"{flag} {path} is not writable ({err.strerror or err}); give a directory you can write to"
-        ) from None
-    _write_check(path, flag)
+    _write_check(path, flag, create=True)
     return path
 
 
-def _write_check(path: Path, flag: str) -> None:
-    """Create and remove a probe file in the directory ``path``.
+def _write_check(path: Path, flag: str, *, create: bool = False) -> None:
+    """Create (with ``create``) the directory ``path`` and a probe file in it, then remove the file.
 
     Raises:
-        OutputPathError: it cannot be written.
+        OutputPathError: it cannot be done.
     """
     try:
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
         probe = path / f".flashprobe-write-check.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         probe.touch(exist_ok=False)
         probe.unlink()
@@ -197,15 +163,11 @@ def _write_check(path: Path, flag: str) -> None:
 
 @contextlib.contextmanager
 def library_path(path: str | os.PathLike[str], *, create: bool = False) -> Iterator[str]:
-    """``path`` as a string a library that wants UTF-8 (safetensors) can open, whatever bytes it holds.
-
-    A path whose bytes are not UTF-8 (``os.fsencode`` gives them back exactly) is opened here and
-    handed over as ``/proc/self/fd/N``, the same file, so such a path is never taken for a missing
-    or corrupt file.
+    """``path`` as a string a library that wants UTF-8 (safetensors) can open: a non-UTF-8 path is
+    opened here and handed over as ``/proc/self/fd/N``.
 
     Args:
-        path: the file.
-        create: create it (empty) if it does not exist (the library will write it).
+        create: create the file (empty) if it does not exist.
 
     Raises:
         OSError: a non-UTF-8 path on a system without ``/proc/self/fd``, or the file cannot be opened.
@@ -232,16 +194,14 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 def printable(text: object) -> str:
-    """``text`` for a terminal or log: bytes of a path that are not UTF-8 (carried by Python as
-    ``surrogateescape``) and control characters (a terminal's escape sequences, carriage returns: text
-    read from a file may hold them) shown as ``\\xNN``, never acted on by the terminal."""
+    """``text`` for a terminal or log: non-UTF-8 bytes (``surrogateescape``) and control characters
+    shown as ``\\xNN``, never acted on by the terminal."""
     text = str(text).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def output_dir_arg(text: str) -> Path:
-    """An ``argparse`` type for ``--out DIR``: refuses an empty string (``Path("")`` is the working
-    directory, which ``--out ''`` never means)."""
+    """An ``argparse`` type for ``--out DIR`` that refuses an empty string (not the working directory)."""
     import argparse
 
     if not text.strip():
@@ -254,16 +214,9 @@ def output_dir_arg(text: str) -> Path:
 def safe_name(name: str, *, what: str = "name") -> str:
     """``name`` if it can be used as (part of) a file name inside an output directory.
 
-    Args:
-        name: the name, e.g. a comparison pair's name.
-        what: what the name is, for the error message (``--pair name``).
-
-    Returns:
-        ``name`` unchanged.
-
     Raises:
-        OutputPathError: empty, a path separator, ``..``, a leading dot or dash, or characters
-            other than letters, digits and ``_ . + = -``.
+        OutputPathError: empty, ``..``, a leading dot or dash, or characters other than letters,
+            digits and ``_ . + = -`` (named by ``what``).
     """
     if not isinstance(name, str) or not _SAFE.fullmatch(name) or ".." in name:
         raise OutputPathError(

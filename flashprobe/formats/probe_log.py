@@ -4,18 +4,13 @@ One JSON line per logging step, appended in step order::
 
     {"step": 25, "summary": {...}, "sites": {"model.blocks.0.attn": {...}, ...}}
 
-``summary`` is :meth:`flashprobe.probing.Probe.summary` and ``sites`` is
-:meth:`flashprobe.probing.Probe.stats` of the logging interval; numbers follow
-:mod:`flashprobe.formats.jsonio` (non-finite ones as ``"inf"``/``"nan"``, ``null`` = not recorded).
-Every statistic is its interval's except the signed bias (``sites[s][...][dir]["bias"]``, the summary's
-``max_bias_z``, ``max_bias_site`` and ``biased``: :mod:`flashprobe.bias`), which is the run's so far.
+``summary`` is :meth:`flashprobe.probing.Probe.summary`, ``sites`` :meth:`flashprobe.probing.Probe.stats`
+of the logging interval (numbers as :mod:`flashprobe.formats.jsonio`); the signed bias
+(:mod:`flashprobe.bias`) is the run's so far.
 
-**Write-ahead-log semantics.** A record is one ``write`` of a whole line followed by ``fsync``, so
-after a crash the file is a sequence of complete records possibly followed by one *torn* line (a
-kill mid-append). Readers (:func:`read_probe_log`) take the valid prefix and report what they
-dropped; the writer (:class:`ProbeLogWriter`) cuts a torn tail, with a warning, before it appends.
-A run resumed from a checkpoint at step ``S`` continues the log after dropping the records of
-steps after ``S`` (they belong to the abandoned timeline and are written again).
+A record is one ``write`` of a whole line then ``fsync``, so a crash leaves at most one torn last
+line: readers take the valid prefix; the writer cuts the torn tail, and on resume from step ``S``
+the records after ``S``, before it appends.
 """
 
 from __future__ import annotations
@@ -59,9 +54,8 @@ class ProbeLog:
 
     Attributes:
         path: the file.
-        records: the complete, valid records (numbers decoded: ``"inf"`` → ``float("inf")``).
-        dropped: what was not read, in words (a torn last line, or everything from the first
-            invalid line on), or ``""`` when the whole file was read.
+        records: the complete, valid records (numbers decoded).
+        dropped: what was not read, in words, or ``""`` when the whole file was read.
         valid_bytes: length of the valid prefix of the file.
     """
 
@@ -143,8 +137,8 @@ class ProbeLogWriter:
         """Prepare the file for appending; returns the steps of the records dropped.
 
         Args:
-            keep_until: the step the run starts from when resumed from a checkpoint: records of
-                later steps are dropped. ``None``: a fresh run, which starts an empty log.
+            keep_until: the step a resumed run starts from (later records are dropped); ``None``: a
+                fresh run, which starts an empty log.
         """
         self.opened = True
         if not self.path.exists():

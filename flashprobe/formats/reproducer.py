@@ -1,25 +1,14 @@
-"""The reproducer file: one failing attention call as ``safetensors`` (no pickle) plus a script.
+"""The reproducer file: failing attention calls as ``safetensors`` (never a pickle) plus a script.
 
-One format for every reproducer flashprobe writes — the probe's (a call that failed in training,
-``repro/<site>.step<step>.safetensors``) and the fuzzer's (a case that failed,
-``repro_<case>_<hash>.safetensors``)::
+The probe's (``repro/<site>.step<step>.safetensors``) and the fuzzer's (``repro_<case>_<hash>``)::
 
     NAME.safetensors   q, k, v, [attn_mask], [grad_out]; the metadata as JSON in its header
     NAME.py            python NAME.py [KERNEL_SPEC ...]: exits 1 while the failure reproduces,
                        0 once it passes, 2 when the kernel cannot be loaded
 
-A tensor that was a permuted view is stored in its memory order and given back as the same view
-(``layout``: the permutation per tensor). The metadata (:attr:`Reproducer.meta`) holds
-``is_causal``, ``scale``, dtype, device, the versions, ``primary`` (the kernel that failed),
-``kernel_module`` (the user module that registered it), ``baseline``, ``reason`` and, for a fuzz
-case, ``fuzz`` (:mod:`flashprobe.fuzz.reproducer`). The script runs ``flashprobe replay``
-(:func:`flashprobe.probing.repro.replay`). Reproducers written as ``.pt`` (a torch pickle) by older
-versions of ``flashprobe fuzz`` are refused with that reason: nothing a user hands in is unpickled.
-
-A call of a kernel registered with another api (``flash_attn_varlen_func``, a paged or KV-cache call,
-``merge_state``: :mod:`flashprobe.kernels.contract`) is a :class:`ContractReproducer`: every tensor
-of its :class:`~flashprobe.kernels.AttentionCall` under its field name (``cu_seqlens_k``,
-``block_table``, ``out``, the descales, ...) and the rest in the metadata's ``contract``.
+A permuted view is stored in memory order and given back as the same view (``layout``). A call of a
+contract api (:mod:`flashprobe.kernels.contract`) is a :class:`ContractReproducer`; a sequence of
+calls is written by :func:`save_sequence`. Old ``.pt`` reproducers are refused, never unpickled.
 """
 
 from __future__ import annotations
@@ -54,8 +43,7 @@ __all__ = [
 #: ``format`` in the metadata of every reproducer file.
 REPRO_FORMAT = "flashprobe-repro-1"
 
-#: The first bytes of a file ``torch.save`` wrote (a zip archive, or a legacy pickle), told apart
-#: from safetensors only once a file fails to read as safetensors.
+#: The first bytes of a file ``torch.save`` wrote (a zip archive, or a legacy pickle).
 _PICKLE_MAGIC = (b"PK\x03\x04", b"\x80")
 
 
@@ -73,9 +61,9 @@ class Reproducer:
         attn_mask: bool or additive mask broadcastable to ``(B, H, N_q, N_k)``, or None.
         grad_out: ``(B, H, N_q, D_v)`` output gradient (probe calls with a backward), or None.
         is_causal, scale: the call's arguments.
-        meta: the rest of the metadata (``primary``, ``kernel_module``, ``baseline``, ``reason``,
-            ``dtype``, ``device``, versions; the probe's ``site``, ``direction``, ``step``; the
-            fuzzer's ``fuzz``).
+        meta: the rest of the metadata: ``primary`` (the kernel that failed), ``kernel_module`` (the
+            user module that registered it), ``baseline``, ``reason``, ``dtype``, ``device``,
+            versions; the probe's ``site``, ``direction``, ``step``; the fuzzer's ``fuzz``.
     """
 
     q: torch.Tensor
@@ -98,28 +86,48 @@ class Reproducer:
 
 
 def reproducer_stem(site: str, step: int) -> str:
-    """The file name (without suffix) of a probe reproducer: ``<site>.step<step>``, the site with
-    every character but letters, digits, ``.``, ``_`` and ``-`` replaced by ``_``."""
+    """A probe reproducer's file stem: ``<site>.step<step>``, the site reduced to ``[A-Za-z0-9._-]``."""
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", site).strip(".") or "attention"
     return f"{safe}.step{step:07d}"
 
 
 def kernel_module(kernel: Any) -> str | None:
-    """The module that registered a user's kernel (a :class:`~flashprobe.Kernel`: its function's
-    module), which a reproducer's script imports first; ``None`` for a built-in or ``__main__``."""
+    """The module of a user's kernel function, which a reproducer's script imports first; ``None``
+    for a built-in kernel or ``__main__``."""
     module = getattr(getattr(kernel, "fn", None), "__module__", None)
     if not module or module.startswith("flashprobe.") or module == "__main__":
         return None
     return module
 
 
-def _memory_order(t: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    """``(stored, perm)``: ``t`` as a contiguous tensor in its memory order and the permutation with
-    ``stored.permute(perm)`` equal to ``t`` (the identity for a contiguous ``t``)."""
-    order = sorted(range(t.dim()), key=lambda i: (-t.stride(i), i))
-    stored = t.permute(order).contiguous()
-    perm = [order.index(i) for i in range(t.dim())]
-    return stored, perm
+def _store(named: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
+    """The tensors among ``named`` as stored (contiguous in memory order, on the CPU, own memory)
+    and ``layout``: per tensor the permutation giving back the original view."""
+    tensors: dict[str, torch.Tensor] = {}
+    layout: dict[str, list[int]] = {}
+    for name, t in named.items():
+        if isinstance(t, torch.Tensor):
+            t = t.detach()
+            order = sorted(range(t.dim()), key=lambda i: (-t.stride(i), i))
+            tensors[name] = t.permute(order).contiguous().to("cpu", copy=True)  # q, k, v may share memory
+            layout[name] = [order.index(i) for i in range(t.dim())]
+    return tensors, layout
+
+
+def _write(path: str | Path, tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> Path:
+    """Write ``tensors`` with ``info`` (plus format and versions) and the script beside it, both
+    atomically; returns the ``.safetensors`` path."""
+    from safetensors.torch import save_file
+
+    from flashprobe import __version__
+    from flashprobe.formats.atomic import atomic_write_file, atomic_write_text
+
+    path = Path(path)
+    info = {**info, "format": REPRO_FORMAT, "torch": torch.__version__, "flashprobe": __version__}
+    metadata = {"flashprobe": json.dumps(info, sort_keys=True)}
+    atomic_write_file(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    atomic_write_text(path.with_suffix(".py"), _script(path.name, info))
+    return path
 
 
 def save_reproducer(
@@ -134,45 +142,25 @@ def save_reproducer(
     grad_out: torch.Tensor | None = None,
     meta: dict[str, Any] | None = None,
 ) -> Path:
-    """Write one call as a reproducer (``path`` ending in ``.safetensors``) and its script (``.py``).
+    """Write one call to ``path`` (``.safetensors``) and its script (``.py``), both atomically.
 
-    Both files are written atomically. Returns the ``.safetensors`` path.
+    Returns:
+        The ``.safetensors`` path.
     """
-    from safetensors.torch import save_file
-
-    from flashprobe import __version__
-    from flashprobe.formats.atomic import atomic_write_file, atomic_write_text
-
-    path = Path(path)
-    tensors: dict[str, torch.Tensor] = {}
-    layout: dict[str, list[int]] = {}
-    named = {"q": q, "k": k, "v": v, "attn_mask": attn_mask, "grad_out": grad_out}
-    for name, t in named.items():
-        if t is None:
-            continue
-        stored, perm = _memory_order(t.detach())
-        tensors[name] = stored.to("cpu", copy=True)  # its own memory: q, k, v may be one tensor
-        layout[name] = perm
+    tensors, layout = _store({"q": q, "k": k, "v": v, "attn_mask": attn_mask, "grad_out": grad_out})
     info = {
         **(meta or {}),
-        "format": REPRO_FORMAT,
         "is_causal": bool(is_causal),
         "scale": scale,
         "dtype": str(q.dtype).removeprefix("torch."),
         "device": str(q.device),
         "layout": layout,
-        "torch": torch.__version__,
-        "flashprobe": __version__,
     }
-    metadata = {"flashprobe": json.dumps(info, sort_keys=True)}
-    atomic_write_file(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
-    atomic_write_text(path.with_suffix(".py"), _script(path.name, info))
-    return path
+    return _write(path, tensors, info)
 
 
 def _script(name: str, info: dict[str, Any]) -> str:
-    """The script beside ``name``: ``flashprobe replay`` of it. Every text from the failure is a
-    Python literal (``repr``), so the script is valid Python whatever that text contains."""
+    """The script beside ``name``, running ``flashprobe replay`` of it (texts written as ``repr``)."""
     return f'''"""Reproducer saved by flashprobe: a failing attention call (the constants below).
 
 Run it with `python` (`flashprobe replay` of the .safetensors file beside it), optionally with kernel
@@ -204,6 +192,18 @@ sys.exit(main([str(Path(__file__).with_name({name!r})), *kernels]))
 '''
 
 
+def _read(path: str | Path, *, tensors: bool = True) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """A safetensors file's header metadata and (with ``tensors``) its tensors by name; any bytes in
+    the path. Raises what safetensors raises."""
+    from safetensors import safe_open
+
+    from flashprobe.formats.paths import library_path
+
+    with library_path(path) as name, safe_open(name, framework="pt") as f:
+        found = {n: f.get_tensor(n) for n in f.keys()} if tensors else {}  # noqa: SIM118 (safe_open API)
+        return f.metadata() or {}, found
+
+
 def load_reproducer(path: str | Path, device: torch.device | str | None = None) -> Reproducer:
     """Read a reproducer written by :func:`save_reproducer` (safetensors only; nothing unpickled).
 
@@ -212,22 +212,17 @@ def load_reproducer(path: str | Path, device: torch.device | str | None = None) 
         device: where to put the tensors (default: the recorded device if it exists here, else CPU).
 
     Raises:
-        ReproducerError: the file is missing, not safetensors (an old ``.pt`` reproducer: refused,
-            saying so), not a flashprobe reproducer, of another format version (naming both), or its
-            metadata or tensors are not one valid attention call (a field of the wrong type, a 3-D
-            ``q``, a mask that does not broadcast, ...: the field named), all before any kernel runs.
+        ReproducerError: the file is missing, not safetensors (an old ``.pt`` one: saying so), not
+            flashprobe's, of another format version, or not one valid attention call (the field
+            named); all before any kernel runs.
     """
-    from safetensors import SafetensorError, safe_open
-
-    from flashprobe.formats.paths import library_path
+    from safetensors import SafetensorError
 
     path = Path(path)
     if not path.is_file():
         raise ReproducerError(f"{path}: no such file (a reproducer is a .safetensors file)")
     try:
-        with library_path(path) as name, safe_open(name, framework="pt") as f:  # any bytes in the path
-            meta = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open API)
+        meta, tensors = _read(path)
     except (SafetensorError, OSError, ValueError) as err:
         with path.open("rb") as file:
             pickled = file.read(4).startswith(_PICKLE_MAGIC)
@@ -279,8 +274,7 @@ def load_reproducer(path: str | Path, device: torch.device | str | None = None) 
 
 
 def _printable_text(value: Any) -> Any:
-    """``value`` with every string in it :func:`~flashprobe.formats.paths.printable` (control characters
-    escaped); numbers and the rest as they are."""
+    """``value`` with every string in it :func:`~flashprobe.formats.paths.printable`."""
     from flashprobe.formats.paths import printable
 
     if isinstance(value, str):
@@ -293,8 +287,7 @@ def _printable_text(value: Any) -> Any:
 
 
 def _format_problem(info: dict[str, Any]) -> str:
-    """Why a file whose metadata is not of :data:`REPRO_FORMAT` is refused: the format found (and
-    the flashprobe that wrote it) against the one this version reads."""
+    """Why a file whose metadata is not of :data:`REPRO_FORMAT` is refused, naming both formats."""
     found = info.get("format")
     if not isinstance(found, str) or not found.startswith("flashprobe-repro-"):
         return (
@@ -313,9 +306,8 @@ def _format_problem(info: dict[str, Any]) -> str:
 
 
 def _call_problem(views: dict[str, torch.Tensor], *, is_causal: bool) -> str | None:
-    """What makes the saved tensors (in their recorded layout) not one attention call a kernel could
-    have been given, or ``None``: the kernels' own check (:func:`~flashprobe.kernels.check_inputs`,
-    grouped-query heads allowed) and an output gradient of the output's shape ``(B, H, N_q, D_v)``."""
+    """Why the saved tensors are not one attention call (:func:`~flashprobe.kernels.check_inputs`,
+    GQA allowed; ``grad_out`` of shape ``(B, H, N_q, D_v)``), or ``None``."""
     from flashprobe.kernels import KernelInputError, check_inputs
 
     q, k, v, mask = views["q"], views["k"], views["v"], views.get("attn_mask")
@@ -332,8 +324,7 @@ def _call_problem(views: dict[str, torch.Tensor], *, is_causal: bool) -> str | N
 
 
 def _metadata_problem(info: Any, tensors: dict[str, torch.Tensor]) -> str | None:
-    """What is wrong with a reproducer's metadata and tensors, in words, or ``None``: read as data,
-    every field is checked for its type before it is used (``"is_causal": "no"`` is not True)."""
+    """What is wrong with a reproducer's metadata and tensors, or ``None`` (every field type-checked)."""
     if not isinstance(info.get("is_causal", False), bool):
         return f"is_causal is {info['is_causal']!r}, not true or false"
     scale = info.get("scale")
@@ -370,7 +361,7 @@ def _metadata_problem(info: Any, tensors: dict[str, torch.Tensor]) -> str | None
 
 # ---- sequences: several calls in one process, in order (flashprobe fuzz's seq_* checks) ----------
 
-#: the metadata key of a sequence reproducer: its calls, in order (:mod:`flashprobe.fuzz.sequences`)
+#: The metadata key of a sequence reproducer: its calls, in order (:mod:`flashprobe.fuzz.sequences`).
 SEQUENCE = "sequence"
 _SEQUENCE_FIX = (
     "a sequence of calls (flashprobe fuzz's seq_* checks), replayed call by call in one process: "
@@ -379,26 +370,14 @@ _SEQUENCE_FIX = (
 
 
 def save_sequence(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
-    """Write a sequence of calls as one reproducer (``path`` ending in ``.safetensors``): every tensor
-    its steps name, by name (contiguous, on the CPU), the steps in ``meta["sequence"]`` with the rest of
-    the metadata, and the script beside it, which replays them (:func:`_script`). Both atomically."""
-    from safetensors.torch import save_file
-
-    from flashprobe import __version__
-    from flashprobe.formats.atomic import atomic_write_file, atomic_write_text
-
-    path = Path(path)
+    """Write a sequence of calls (``meta["sequence"]``) and the tensors its steps name as one
+    reproducer, with its script; both atomically."""
     stored = {n: t.detach().to("cpu").contiguous().clone() for n, t in tensors.items()}
-    info = {**meta, "format": REPRO_FORMAT, "torch": torch.__version__, "flashprobe": __version__}
-    metadata = {"flashprobe": json.dumps(info, sort_keys=True)}
-    atomic_write_file(path, lambda tmp: save_file(stored, tmp, metadata=metadata))
-    atomic_write_text(path.with_suffix(".py"), _script(path.name, info))
-    return path
+    return _write(path, stored, meta)
 
 
 def is_sequence_file(path: str | Path) -> bool:
-    """Whether ``path`` is a readable sequence reproducer (:func:`save_sequence`); False for anything
-    else, which :func:`load_reproducer` then reads or refuses with its reason."""
+    """Whether ``path`` is a readable sequence reproducer (:func:`save_sequence`)."""
     try:
         return SEQUENCE in load_sequence(path, tensors=False)[1]
     except ReproducerError:
@@ -408,20 +387,19 @@ def is_sequence_file(path: str | Path) -> bool:
 def load_sequence(
     path: str | Path, *, tensors: bool = True
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Read a sequence reproducer (safetensors only; nothing unpickled): its tensors by name (none with
-    ``tensors=False``) and its metadata. The steps are checked by their reader
-    (:func:`flashprobe.fuzz.sequences.replay_sequence`).
+    """Read a sequence reproducer: its tensors by name (none with ``tensors=False``) and metadata.
+
+    The steps are checked by their reader (:func:`flashprobe.fuzz.sequences.replay_sequence`).
 
     Raises:
         ReproducerError: not a safetensors file, not flashprobe's, of another format, or no sequence.
     """
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
 
     path = Path(path)
     try:
-        with safe_open(str(path), framework="pt") as f:
-            info = json.loads((f.metadata() or {}).get("flashprobe", "null"))
-            found = {name: f.get_tensor(name) for name in f.keys()} if tensors else {}  # noqa: SIM118
+        meta, found = _read(path, tensors=tensors)
+        info = json.loads(meta.get("flashprobe", "null"))
     except (SafetensorError, OSError, ValueError) as err:
         raise ReproducerError(f"{path}: not a safetensors reproducer ({err})") from None
     if not isinstance(info, dict) or info.get("format") != REPRO_FORMAT or SEQUENCE not in info:
@@ -431,9 +409,7 @@ def load_sequence(
 
 # ---- contract reproducers: a call of any api (flashprobe.kernels.AttentionCall), every tensor stored
 
-#: ``contract`` in a reproducer's metadata marks a call of a kernel's own api (packed, paged, a KV
-#: cache, a merge): every tensor field of the :class:`~flashprobe.kernels.AttentionCall` is stored
-#: under its field name, the other fields in ``contract.fields``.
+#: The scalar fields of an :class:`~flashprobe.kernels.AttentionCall`, stored in ``contract.fields``.
 _CONTRACT_SCALARS = (
     "layout", "max_seqlen_q", "max_seqlen_k", "kv_layout", "causal", "align", "window", "softcap", "scale",
     "return_lse", "lse_base", "split_k", "num_splits",
@@ -442,11 +418,13 @@ _CONTRACT_SCALARS = (
 
 @dataclass(frozen=True)
 class ContractReproducer:
-    """One saved call of a kernel registered with a contract api (``flash_attn_varlen_func``, ...).
+    """One saved call of a contract api (``flash_attn_varlen_func``, paged, KV cache, ``merge_state``).
+
+    Every tensor field of the call is stored under its name, the rest in the metadata's ``contract``.
 
     Attributes:
-        call: the :class:`~flashprobe.kernels.AttentionCall`, in the kernel's own storage (its
-            tensors as they were handed to the kernel: NaN in unused pages and a poisoned ``out=``).
+        call: the :class:`~flashprobe.kernels.AttentionCall`, its tensors as handed to the kernel
+            (NaN in unused pages, a poisoned ``out=``).
         meta: ``primary``, ``kernel_module``, ``reason``, ``directions`` and ``fuzz``; ``contract``:
             ``api``, ``refuse`` (the call must be refused, why), ``backward``, ``property``.
     """
@@ -471,23 +449,9 @@ class ContractReproducer:
         return self.call.q.dtype
 
     def save(self, path: str | Path) -> Path:
-        """Write the call to ``path`` (``.safetensors``: every tensor field by name, the rest in the
-        metadata) and its script; both atomically. Returns the ``.safetensors`` path."""
-        from safetensors.torch import save_file
-
-        from flashprobe import __version__
-        from flashprobe.formats.atomic import atomic_write_file, atomic_write_text
-
-        path = Path(path)
+        """Write the call to ``path`` (``.safetensors``) and its script, both atomically."""
         call = self.call
-        tensors: dict[str, torch.Tensor] = {}
-        layout: dict[str, list[int]] = {}
-        for name in call.__dataclass_fields__:
-            t = getattr(call, name)
-            if isinstance(t, torch.Tensor):
-                stored, perm = _memory_order(t.detach())
-                tensors[name] = stored.to("cpu", copy=True)
-                layout[name] = perm
+        tensors, layout = _store({name: getattr(call, name) for name in call.__dataclass_fields__})
         fields = {n: getattr(call, n) for n in _CONTRACT_SCALARS}
         fields["window"] = list(fields["window"])
         if not isinstance(call.cache_seqlens, torch.Tensor):
@@ -501,22 +465,14 @@ class ContractReproducer:
             "dtype": str(call.q.dtype).removeprefix("torch."),
             "device": str(call.q.device),
             "layout": layout,
-            "torch": torch.__version__,
-            "flashprobe": __version__,
         }
-        metadata = {"flashprobe": json.dumps(info, sort_keys=True)}
-        atomic_write_file(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
-        atomic_write_text(path.with_suffix(".py"), _script(path.name, info))
-        return path
+        return _write(path, tensors, info)
 
 
 def is_contract_reproducer(path: str | Path) -> bool:
-    """Whether ``path`` is a reproducer of a contract call (False for any other file, readable or not)."""
-    from safetensors import safe_open
-
+    """Whether ``path`` is a reproducer of a contract call (False for any other file)."""
     try:
-        with safe_open(str(path), framework="pt") as f:
-            info = json.loads((f.metadata() or {}).get("flashprobe", "{}"))
+        info = json.loads(_read(path, tensors=False)[0].get("flashprobe", "{}"))
     except Exception:
         return False
     return isinstance(info, dict) and isinstance(info.get("contract"), dict)
@@ -531,15 +487,12 @@ def load_contract_reproducer(
         ReproducerError: the file is not one, of another format version, or its fields are not those
             of a call (the field named).
     """
-    from safetensors import safe_open
-
     from flashprobe.kernels import AttentionCall
 
     path = Path(path)
     try:
-        with safe_open(str(path), framework="pt") as f:
-            info = json.loads((f.metadata() or {})["flashprobe"])
-            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open API)
+        meta, tensors = _read(path)
+        info = json.loads(meta["flashprobe"])
     except Exception as err:
         raise ReproducerError(f"{path}: not a flashprobe reproducer ({type(err).__name__}: {err})") from None
     if info.get("format") != REPRO_FORMAT:

@@ -1,8 +1,7 @@
-"""A run directory: what it holds, what flashprobe owns in it, and where a resume continues from.
+"""A run directory's files: what it holds, what flashprobe owns in it, where a resume continues from.
 
-The run directory's owner (:class:`flashprobe.app.run_dir.RunDir`) decides how a run starts from these
-helpers; they read the directory as data only (checkpoints with ``weights_only=True``, ``run.json`` as
-JSON) and delete only what the run's ``run.json`` records as flashprobe's own (:func:`remove_outputs`).
+Read as data only (checkpoints with ``weights_only=True``); only what ``run.json`` records as
+flashprobe's is deleted. The decisions are :class:`flashprobe.app.run_dir.RunDir`'s.
 """
 
 from __future__ import annotations
@@ -47,8 +46,7 @@ RUN_OUTPUTS = (
     "wandb",
 )
 
-#: what a run directory holds: flashprobe's outputs, Hydra's record, the lock and the log of a run
-#: (one killed in its start-up has only some of these); a directory holding none of them is not one
+#: What a run directory may hold (outputs, Hydra's record, lock, log); a directory holding none is not one.
 RUN_DIR_NAMES = (*RUN_OUTPUTS, ".hydra", ".flashprobe.lock", "train.log")
 
 
@@ -67,10 +65,8 @@ def occupied(run_dir: Path, found: list[str]) -> str:
 
 
 def last_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint a resume continues from: the one of the highest step (``last.ckpt`` among those
-    of that step), whatever the files' names or times — a copied or moved run may hold a ``last.ckpt``
-    older than its newest ``step*.ckpt`` or a ``last-v1.ckpt`` (checkpoints are read with
-    ``weights_only=True``; an unsafe one is refused).
+    """The checkpoint of the highest step (``last.ckpt`` among those of that step), whatever the
+    files' names or times (a copied run may hold a stale ``last.ckpt``).
 
     Raises:
         CheckpointError: a checkpoint of the run is unsafe, truncated or not a checkpoint.
@@ -94,13 +90,8 @@ def checkpoint_step(checkpoint: str | Path) -> int:
 
 
 def resume_point(run_dir: Path, max_steps: int | None) -> Path | None:
-    """The checkpoint a resume continues from: the newest, unless it holds the last step.
-
-    Lightning does nothing when given a checkpoint of the last step, so whatever the run had still to
-    do after saving it (the last probe record, ``probe.png``, the final samples, ``run.json``) would
-    never be done. The newest checkpoint of an earlier step is taken instead (training from it gives
-    the same bits), or none (train from step 0) when there is none.
-    """
+    """The checkpoint a resume continues from: the newest, unless it holds the last step; then the
+    newest earlier one, or None (Lightning would skip what the run still had to do after saving it)."""
     newest = last_checkpoint(run_dir)
     if newest is None or max_steps in (None, -1) or checkpoint_step(newest) != max_steps:
         return newest  # (a checkpoint past max_steps is refused by the app)
@@ -110,8 +101,7 @@ def resume_point(run_dir: Path, max_steps: int | None) -> Path | None:
 
 
 def remove_later_checkpoints(run_dir: Path, step: int) -> None:
-    """Delete this run's checkpoints of steps after ``step``, which a resume from ``step`` writes again
-    (Lightning would otherwise save the new ones beside them as ``NAME-v1.ckpt``)."""
+    """Delete the checkpoints after ``step``, which a resume writes again (else ``NAME-v1.ckpt``)."""
     for path in sorted((run_dir / "checkpoints").glob("*.ckpt")):
         if path.name != "last.ckpt" and checkpoint_step(path) > step:
             log.warning("removing %s: training from step %d writes it again", path, step)
@@ -119,8 +109,7 @@ def remove_later_checkpoints(run_dir: Path, step: int) -> None:
 
 
 def remove_stray_temporaries(run_dir: Path) -> None:
-    """Delete the atomic writer's temporary files a killed run left in its own outputs (the run directory
-    is locked: no writer is using them)."""
+    """Delete the temporaries a killed run left in its own outputs (the directory is locked)."""
     strays = [p for p in stray_temporaries(run_dir) if p.parent == run_dir]
     for name in owned_outputs(run_dir, RUN_OUTPUTS):
         if (run_dir / name).is_dir() and not (run_dir / name).is_symlink():
@@ -134,7 +123,7 @@ def refuse_foreign(run_dir: Path, names: list[str]) -> None:
     """Refuse to go on when some of ``names`` in ``run_dir`` were not created by flashprobe.
 
     Raises:
-        FileExistsError: naming them; no ``run.json`` of the directory lists them as a run's outputs.
+        FileExistsError: naming them.
     """
     owned = owned_outputs(run_dir, RUN_OUTPUTS)
     foreign = [name for name in names if name not in owned]
@@ -150,8 +139,7 @@ def remove_outputs(run_dir: Path, names: list[str]) -> None:
     """Delete the outputs ``names`` of an earlier run — only those its ``run.json`` records as its own.
 
     Raises:
-        FileExistsError: some of ``names`` were not created by flashprobe (no ``run.json`` lists them);
-            nothing is deleted then.
+        FileExistsError: some of ``names`` are not flashprobe's; nothing is deleted then.
     """
     refuse_foreign(run_dir, names)
     for name in names:
@@ -170,12 +158,9 @@ APPENDED = (".flashprobe.lock", "train.log", "probe.jsonl")
 
 
 def check_links(directory: Path) -> None:
-    """Refuse a run or study directory holding a link, before any work: flashprobe's own writes never follow
-    one, but Hydra (``multirun.yaml``), Lightning and the user's next look at the run would. Allowed: a
-    checkpoint linked to another checkpoint of the run (Lightning's ``save_last="link"``), and what is in
-    ``wandb/`` (W&B's own, with links into W&B's cache; ``wandb`` itself must not be a link). A hard link
-    at a file flashprobe appends to is refused too. The writes themselves never follow a link
-    (:mod:`flashprobe.formats.nofollow`); this names the link before anything starts.
+    """Refuse a run or study directory holding a link, before any work (Hydra and Lightning would follow
+    it), or a hard link at a file in :data:`APPENDED`. Allowed: a checkpoint linked to another of the
+    run (``save_last="link"``) and what is inside ``wandb/``.
 
     Raises:
         LinkError: naming the link, where it points and the fix.
@@ -201,13 +186,12 @@ def check_links(directory: Path) -> None:
 
 
 def check_resumable(run_dir: Path, from_step: int) -> None:
-    """A run to continue has a readable record and snapshots: refuse now what would fail or be lost later.
+    """Refuse now a run to continue whose record or kept snapshots would fail or be lost later.
 
     Raises:
-        ValueError: a link where the run writes or out of the run (:func:`check_links`), ``run.json`` is
-            not flashprobe's record (its sessions would be dropped), the
-            snapshot manifest is malformed or names files outside its directory, or a snapshot the
-            resumed run keeps (at or before ``from_step``) cannot be read.
+        LinkError: as for :func:`check_links`.
+        ValueError: ``run.json`` is not flashprobe's record, the snapshot manifest is malformed, or a
+            snapshot at or before ``from_step`` cannot be read.
     """
     from safetensors import SafetensorError, safe_open
 

@@ -1,7 +1,6 @@
 """``RUN_DIR/run.json``: what a training run is, where it stands, and how long it took.
 
-Written by ``flashprobe train`` (:class:`flashprobe.app.run_dir.RunDir` and :mod:`flashprobe.app.fit`)
-at the start and at the end of every session (a first start or a resume)::
+Written at the start and end of every session (a first start or a resume)::
 
     {"format": "flashprobe.run/1",
      "status": "starting" | "running" | "finished" | "stopped" | "failed" | "interrupted",
@@ -11,15 +10,8 @@ at the start and at the end of every session (a first start or a resume)::
      "machine": {...flashprobe.app.machine.machine_facts()...},
      "outputs": ["checkpoints", "config.yaml", ...]}
 
-A session holds ``.run.json.reserve`` (64 KiB) beside the record while it runs and deletes it just
-before recording its end, so the end — a full disk included — can always be written.
-
-A session killed before its end keeps ``"seconds": null``; ``status`` says whether the run reached
-its ``max_steps``. ``flashprobe study`` reads it to skip finished runs and to report timings.
-
-``outputs`` is the run's own record of the names in its directory that flashprobe created
-(:func:`claim_outputs`, written before any of them): ``overwrite=true`` and ``resume=auto`` delete
-only those (:func:`owned_outputs`), never a file the user put there.
+A session killed before its end keeps ``"seconds": null``. ``outputs`` names what flashprobe
+created in the directory (:func:`claim_outputs`), the only files it ever deletes there.
 """
 
 from __future__ import annotations
@@ -63,12 +55,8 @@ def read_run_record(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 
 def owned_outputs(run_dir: str | os.PathLike[str], candidates: list[str] | tuple[str, ...]) -> list[str]:
-    """The names among ``candidates`` that the run's ``run.json`` records as created by flashprobe.
-
-    A run directory without a ``run.json`` owns nothing. A ``run.json`` of an older flashprobe
-    (no ``outputs`` field) owns every candidate, as those versions assumed; ``run.json`` itself is
-    owned whenever it is flashprobe's (its format is ``flashprobe.run/1``).
-    """
+    """The names among ``candidates`` that the run's ``run.json`` records as created by flashprobe
+    (none without a record; every one for a record without ``outputs``; ``run.json`` itself always)."""
     record = read_run_record(run_dir)
     if record is None:
         return []
@@ -80,10 +68,8 @@ def owned_outputs(run_dir: str | os.PathLike[str], candidates: list[str] | tuple
 
 
 def claim_outputs(run_dir: str | os.PathLike[str], names: list[str] | tuple[str, ...]) -> None:
-    """Record in ``run.json`` (created if needed) that flashprobe creates ``names`` in ``run_dir``.
-
-    Called before the run writes any of them, so a run killed at any later moment has them recorded.
-    """
+    """Record in ``run.json`` (created if needed) that flashprobe creates ``names`` in ``run_dir``,
+    before the run writes any of them."""
     record = read_run_record(run_dir) or {"format": RUN_FORMAT, "status": "starting", "sessions": []}
     record["outputs"] = sorted({*record.get("outputs", []), *names, RUN_RECORD})
     write_json(Path(run_dir) / RUN_RECORD, record)
@@ -98,8 +84,8 @@ def start_session(
     resumed_from: str | None = None,
     imports: list[str] | tuple[str, ...] = (),
 ) -> None:
-    """Record that a session starts at ``from_step`` (a fresh run when there is no record yet), and the
-    modules given with ``--import`` (they register the run's kernels: a resume needs them again)."""
+    """Record that a session starts at ``from_step``, with the ``--import`` modules a resume needs,
+    and hold :data:`RESERVE` so its end can be written on a full disk."""
     existing = read_run_record(run_dir) or {}
     record = (existing if resumed_from is not None and existing else None) or {
         "format": RUN_FORMAT,
@@ -139,12 +125,11 @@ def finish_session(
         run_dir: the run directory.
         global_step: the step the session ended at.
         seconds: how long it trained.
-        failed: why the session ended early (non-finite weights, a full disk, Ctrl-C): the status
-            is then ``failed`` (``interrupted`` for Ctrl-C) and the reason is kept in the session.
+        failed: why the session ended early: the status is then ``failed`` (``interrupted`` for
+            Ctrl-C) and the reason kept in the session.
         note: something the run met but trained through (``on_nonfinite=continue``).
-        attention: what computed the model's attention in this session, ``{"attention": ...}`` and,
-            where a requested kernel fell back, ``"attention_fallback"``
-            (:func:`flashprobe.probing.session.attention_record`); kept in the session.
+        attention: what computed the attention (:func:`flashprobe.probing.session.attention_record`),
+            merged into the session.
     """
     record = read_run_record(run_dir)
     if record is None or not record["sessions"]:

@@ -14,14 +14,10 @@ pair's ``steps``::
          "groups": {"blocks.0": {...same columns...}}, "tensors": {"head.weight": {...}}}},
      ...further top-level fields a study adds (e.g. "study")}
 
-``differs`` names what the pair's runs were recorded to differ in, each thing with both runs'
-values (:mod:`flashprobe.weights.differences`); ``unrecorded`` the facts a run did not record. A
-study adds ``study``: its plan (runs, comparisons with their replicate and seed, replicates), kernel,
-warm-up, overrides and machine facts.
-
-Numbers follow :mod:`flashprobe.formats.jsonio`: a distance that is undefined because a run has
-non-finite weights is ``"nan"``. ``study.csv`` has one row per pair × step × level × name with the
-columns :data:`CSV_FIELDS`.
+``differs``: what the runs were recorded to differ in (:mod:`flashprobe.weights.differences`). A
+study adds ``study``: its plan, kernel, warm-up, overrides and machine facts. Numbers follow
+:mod:`flashprobe.formats.jsonio`. ``study.csv``: one row per pair × step × level × name
+(:data:`CSV_FIELDS`).
 """
 
 from __future__ import annotations
@@ -59,11 +55,8 @@ _TEXT_KEYS = frozenset({"run_a", "run_b", "run_id", "attention", "precision", "d
 def write_study(
     out_dir: str | os.PathLike[str], doc: Mapping[str, Any], rows: Iterable[Mapping[str, Any]]
 ) -> list[Path]:
-    """Write ``out_dir/study.json`` (``doc``, with ``format`` set) and ``out_dir/study.csv`` (``rows``).
-
-    Returns:
-        The two paths.
-    """
+    """Write ``out_dir/study.json`` (``doc``, with ``format`` set) and ``out_dir/study.csv`` (``rows``);
+    returns the two paths."""
     out = Path(out_dir)
     from flashprobe import __version__
 
@@ -82,7 +75,7 @@ def read_study(path: str | os.PathLike[str]) -> dict[str, Any]:
     Raises:
         FileNotFoundError: no such file, naming the commands that write one.
         ValueError: not JSON, another format, or pairs without aligned ``steps`` and ``model``
-            columns — naming the file and what is wrong.
+            columns, naming the file and the problem.
     """
     path = Path(path)
     if path.is_dir():

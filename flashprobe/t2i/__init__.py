@@ -1,13 +1,8 @@
-"""The text-to-image workload: synthetic captioned shapes, a tiny text-conditioned DiT, training.
+"""The text-to-image workload: synthetic captioned shapes (``ShapesDataModule``), a tiny
+text-conditioned DiT (``TextToImageDiT``) and its LightningModule (``TextToImageModule``).
 
-``ShapesDataModule`` renders a deterministic captioned-shapes dataset (no download);
-``TextToImageDiT`` (presets in ``DIT_MODELS``) denoises images (predicts v or ε) with self-attention over
-image patches and cross-attention to the caption, every attention call through torch SDPA;
-``TextToImageModule`` trains it with Lightning, routes attention to a chosen kernel, and writes a
-grid of generated samples with a caption-agreement score after each validation.
-
-Names are imported from their modules on first use (PEP 562), so that :mod:`flashprobe.t2i.precision`
-alone (what ``flashprobe train`` checks a setting with) does not import Lightning.
+Names are imported on first use (PEP 562), so :mod:`flashprobe.t2i.precision` alone does not
+import Lightning.
 """
 
 from __future__ import annotations
@@ -37,7 +32,7 @@ if TYPE_CHECKING:
     from flashprobe.t2i.module import TextToImageModule, default_sample_captions
     from flashprobe.t2i.precision import PRECISIONS, trainer_precision
 
-#: Each module of :mod:`flashprobe.t2i` and the public names it defines (as imported above).
+#: Each module and the public names it defines (as imported above).
 _DEFINED_IN: dict[str, str] = {
     "data": "COLOURS POSITIONS SHAPES SIZES VOCAB CaptionTokenizer ShapeAttributes ShapesDataModule "
     "ShapesDataset describe parse_caption render sample_attributes",
@@ -47,7 +42,6 @@ _DEFINED_IN: dict[str, str] = {
     "module": "TextToImageModule default_sample_captions",
     "precision": "PRECISIONS trainer_precision",
 }
-#: Each public name and the module of :mod:`flashprobe.t2i` that defines it.
 _MODULES: dict[str, str] = {name: module for module, names in _DEFINED_IN.items() for name in names.split()}
 
 __all__ = [

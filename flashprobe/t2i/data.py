@@ -4,13 +4,8 @@ Every image is a flat background with one shape on it; its caption names all the
 
     "a small red circle in the top left on a blue background"
 
-Attributes: shape (circle, square, triangle), colour and background colour (two different
-:data:`COLOURS`), size (small, large) and position (four corners or the center, with a little
-jitter). Images are ``(3, S, S)`` floats in ``[-1, 1]``, with antialiased edges.
-Everything depends only on the generator's seed, so two processes build bit-identical datasets.
-
-The caption language is fixed, so the tokenizer is too: :class:`CaptionTokenizer` maps each word
-of :data:`VOCAB` to an id (``0`` is padding) and decodes back to the exact caption.
+Images are ``(3, S, S)`` floats in ``[-1, 1]`` with antialiased edges, a function of the seed only.
+:class:`CaptionTokenizer` maps each word of :data:`VOCAB` to an id (``0`` is padding).
 """
 
 from __future__ import annotations
@@ -290,10 +285,8 @@ class ShapesDataModule(L.LightningDataModule):
     """Train/val splits of :class:`ShapesDataset`, each from its own seed derived from ``seed``.
 
     Batches are dicts: ``image`` ``(B, 3, S, S)`` in ``[-1, 1]``, ``tokens`` ``(B, L)`` int64,
-    ``caption`` (list of ``B`` strings). The training order is a function of ``(shuffle_seed,
-    batch index)`` (:class:`~flashprobe.t2i.steps.StepSampler`), so a run resumed from a checkpoint
-    sees exactly the batches the uninterrupted run would have; under DDP each rank takes its slice
-    of every global batch (the Trainer needs ``use_distributed_sampler=False``).
+    ``caption`` (list of ``B`` strings). The training order is a
+    :class:`~flashprobe.t2i.steps.StepSampler` (the Trainer needs ``use_distributed_sampler=False``).
 
     Args:
         num_train: training images.
@@ -301,8 +294,7 @@ class ShapesDataModule(L.LightningDataModule):
         image_size: side in pixels.
         batch_size: batch size of both loaders (per rank).
         seed: seed of the data (independent of the training seed).
-        shuffle_seed: seed of the training order; default: the training seed set by
-            ``lightning.seed_everything`` (``PL_GLOBAL_SEED``), else 0.
+        shuffle_seed: seed of the training order; default: ``PL_GLOBAL_SEED``, else 0.
         num_workers: DataLoader workers (0 keeps everything in-process and deterministic).
     """
 

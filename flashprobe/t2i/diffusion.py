@@ -3,17 +3,10 @@
 Forward process ``x_t = sqrt(ᾱ_t) x_0 + sqrt(1 − ᾱ_t) ε`` over ``T`` steps with a cosine
 (Nichol & Dhariwal 2021) or linear (Ho et al. 2020) ``β`` schedule. The model predicts either the
 noise ``ε`` (``prediction="epsilon"``, DDPM) or the velocity ``v = sqrt(ᾱ_t) ε − sqrt(1 − ᾱ_t) x_0``
-(``prediction="v"``, Salimans & Ho 2022), trained with the mean squared error. Both carry the same
-information (each gives ε and x_0 from x_t); they weight the noise levels differently: the ε loss
-gives almost no weight to the high-noise steps where the caption decides the layout, the v loss
-weights them like an x_0 loss, so a small model learns the captioned colours in far fewer steps.
-Sampling runs DDIM (Song et al. 2021) over a few evenly spaced steps (``eta=0`` is deterministic,
-``eta=1`` is DDPM-like ancestral sampling).
-
-Randomness: :meth:`GaussianDiffusion.training_loss` draws timesteps and noise from torch's global
-RNG unless a ``generator`` is given, so ``lightning.seed_everything`` makes runs repeat exactly;
-the sampler always takes an explicit generator so sampling never disturbs training's RNG stream.
-The schedule is kept in float64 and indexed per batch, so half-precision modules never round it.
+(``prediction="v"``, Salimans & Ho 2022), trained with the mean squared error; v weights the
+high-noise steps, where the caption decides the layout, so a small model learns captions sooner.
+Sampling runs DDIM (Song et al. 2021). The schedule is kept in float64, so half precision never
+rounds it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,4 @@
-"""Lightning's loggers as a run directory needs them: the W&B logger without the deprecation noise it
-causes in current wandb releases and with a fallback for a home directory it cannot write to, and the
-CSV logger writing one version per run, continued by a resume, never through a link."""
+"""Lightning's W&B and CSV loggers as a run directory needs them."""
 
 from __future__ import annotations
 
@@ -39,8 +37,7 @@ def _writable(path: Path) -> bool:
 
 
 def _fall_back_from_home(save_dir: str | os.PathLike[str] | None) -> None:
-    """Point wandb's HOME directories that cannot be written (a read-only HOME, a cluster's home
-    quota) into the run's own ``wandb/`` directory, with a warning, instead of failing mid-training."""
+    """Point wandb's HOME directories that cannot be written into the run's ``wandb/``, with a warning."""
     base = Path(save_dir or ".") / "wandb"
     for var, default in _HOME_DIRS.items():
         if os.environ.get(var) or _writable(Path(default).expanduser()):
@@ -56,17 +53,9 @@ def _fall_back_from_home(save_dir: str | os.PathLike[str] | None) -> None:
 
 
 class WandbLogger(_LightningWandbLogger):
-    """:class:`lightning.pytorch.loggers.WandbLogger`, quieter on the console.
-
-    * Lightning always passes ``anonymous`` (``None`` unless asked for) and wandb ≥ 0.19 warns on
-      every run that the setting "has no effect": it is passed only when the user sets it.
-    * wandb prints a run history and summary block at the end of every run, where values below
-      1e-5 (the probe's deviations) show as ``0.0`` beside meaningful ratios. ``quiet`` (wandb's
-      own setting) is on unless ``settings`` are given; ``flashprobe train`` logs the run's
-      directory and the ``wandb sync`` command instead.
-    * wandb keeps settings, a cache and artifact staging under HOME; those that cannot be written
-      are moved into ``SAVE_DIR/wandb/`` with a warning (not a failure after training started).
-    """
+    """:class:`lightning.pytorch.loggers.WandbLogger`, quieter: ``anonymous`` passed only when set
+    (wandb ≥ 0.19 warns otherwise), ``quiet`` on unless ``settings`` are given, and unwritable HOME
+    directories moved into ``SAVE_DIR/wandb/``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _fall_back_from_home(kwargs.get("save_dir") or kwargs.get("dir"))
@@ -78,10 +67,8 @@ class WandbLogger(_LightningWandbLogger):
 
 class CSVLogger(_LightningCSVLogger):
     """:class:`lightning.pytorch.loggers.CSVLogger` keeping one version of a run (``version=0``): a
-    resumed run continues its ``metrics.csv`` (the rows of the steps it trains again replaced), where
-    Lightning's would start a new ``version_N`` (or delete the file). Every file is written through
-    flashprobe's atomic writer, so never through a link planted in the run directory.
-    """
+    resumed run continues its ``metrics.csv`` (rows of steps trained again replaced); every file is
+    written atomically, never through a link."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("version", 0)
@@ -96,8 +83,7 @@ class CSVLogger(_LightningCSVLogger):
 
 
 class _RunMetrics(ExperimentWriter):
-    """The CSV logger's writer: the rows already in ``metrics.csv`` are kept up to the first step this
-    session logs, and the whole file is rewritten atomically at every save."""
+    """Keeps ``metrics.csv``'s rows before this session's first step; rewrites the file at every save."""
 
     def __init__(self, log_dir: str) -> None:  # not Lightning's: it deletes an existing metrics.csv
         self.log_dir, self.hparams = log_dir, {}

@@ -1,11 +1,8 @@
 """Does an image show what its caption says? A pixel-level check for generated shapes.
 
-Each pixel is assigned the nearest of :data:`~flashprobe.t2i.data.COLOURS` (or none when it is far
-from all of them). The most common colour is the image's **background**; the most common other
-colour, if it covers at least ``min_fraction`` of the image, is its **foreground**; the centroid of
-the foreground pixels, snapped to the nearest of :data:`~flashprobe.t2i.data.POSITIONS`, is its
-**position**. :func:`caption_agreement` reports how often each matches the caption — 1.0 on the
-dataset's own images, about chance (1/5 for the colour) for images that ignore their captions.
+Each pixel takes the nearest of :data:`~flashprobe.t2i.data.COLOURS` (none when far from all). The
+most common is the **background**, the most common other (covering ``min_fraction``) the
+**foreground**, whose centroid snapped to :data:`~flashprobe.t2i.data.POSITIONS` is the **position**.
 """
 
 from __future__ import annotations
@@ -118,11 +115,7 @@ def caption_agreement(
     Args:
         images: ``(N, 3, H, W)`` in ``[-1, 1]``.
         captions: ``N`` captions in the dataset's template.
-        max_distance: see :func:`read_images`.
-        min_fraction: see :func:`read_images`.
-
-    Returns:
-        The fractions of matches, a :class:`CaptionAgreement`.
+        max_distance, min_fraction: see :func:`read_images`.
 
     Raises:
         ValueError: the counts differ, or a caption does not follow the template.

@@ -13,8 +13,8 @@ Layout (after DiT, Peebles & Xie 2023, with PixArt-style cross-attention):
   ε, or the velocity v; see :mod:`flashprobe.t2i.diffusion`).
 
 Every attention call is one :func:`torch.nn.functional.scaled_dot_product_attention` call in
-:class:`Attention`, looked up at call time, so a probe or a kernel swap (``flashprobe.probing``)
-applies to the model unchanged. Sizes are chosen by the factory functions in :data:`DIT_MODELS`.
+:class:`Attention`, looked up at call time, so a probe or kernel swap applies unchanged. Sizes:
+:data:`DIT_MODELS`.
 """
 
 from __future__ import annotations
@@ -215,9 +215,7 @@ class TextToImageDiT(nn.Module):
     """Noise predictor ``eps(x_t, t, caption)`` for text-to-image diffusion.
 
     Args:
-        **config: fields of :class:`DiTConfig` (``image_size``, ``patch_size``, ``dim``,
-            ``depth``, ``heads``, ``mlp_ratio``, ``vocab_size``, ``max_caption_length``,
-            ``text_depth``, ``in_channels``).
+        **config: fields of :class:`DiTConfig`.
     """
 
     def __init__(self, **config: int | float) -> None:

@@ -1,16 +1,9 @@
 """The LightningModule that trains :class:`~flashprobe.t2i.model.TextToImageDiT` and samples from it.
 
-Training: the DDPM denoising loss (ε or v prediction); captions are dropped (replaced by the
-all-padding caption) with probability ``caption_dropout`` so the sampler can use classifier-free
-guidance. Validation: the loss at evenly spread timesteps with fixed noise (comparable across
-steps), then a grid of images generated from fixed captions and fixed starting noise, written to
-``<run dir>/samples/step_XXXXXXX.png`` and scored with
-:func:`~flashprobe.t2i.metrics.caption_agreement`. A grid is also written before the first step.
-
-The attention kernel is chosen by ``attention`` (a kernel spec such as ``"sdpa_flash"``,
-``"math"`` or ``"tiled:block_k=64"``; ``None`` keeps torch's own SDPA dispatch) and applied to the
-model with :func:`flashprobe.probing.use_kernel` from ``on_fit_start`` (or the start of
-validate/test/predict) until ``teardown``, and around :meth:`sample` when called outside a Trainer.
+Validation writes a grid of fixed captions to ``<run dir>/samples/step_XXXXXXX.png`` (also before the
+first step), scored with :func:`~flashprobe.t2i.metrics.caption_agreement`. The ``attention`` kernel
+is routed into the model (:func:`flashprobe.probing.use_kernel`) from the start of a Trainer stage
+until ``teardown``.
 """
 
 from __future__ import annotations
@@ -70,8 +63,7 @@ class TextToImageModule(L.LightningModule):
             default SDPA dispatch).
         num_timesteps: diffusion steps ``T``.
         noise_schedule: ``"cosine"`` or ``"linear"``.
-        prediction: the model predicts the noise (``"epsilon"``) or the velocity (``"v"``); see
-            :mod:`flashprobe.t2i.diffusion` for why ``"v"`` learns the captions sooner.
+        prediction: the model predicts the noise (``"epsilon"``) or the velocity (``"v"``).
         caption_dropout: probability of training on the empty caption (for guidance).
         guidance_scale: classifier-free guidance weight of the sampler (1 = off).
         num_sample_steps: DDIM steps of the sampler.
@@ -80,11 +72,8 @@ class TextToImageModule(L.LightningModule):
         sample_captions: captions of the grid (default :func:`default_sample_captions`).
         sample_seed: seed of the grid's starting noise and of the validation noise.
         warmup_steps: linear learning-rate warm-up steps (0 = none).
-        noise_seed: seed of the training noise: each batch's caption dropout, timesteps and noise come
-            from a generator seeded with ``(seed, batch index, rank)``
-            (:func:`~flashprobe.t2i.steps.batch_generator`), so a resumed run repeats the
-            uninterrupted one exactly; default: the training seed set by
-            ``lightning.seed_everything`` (``PL_GLOBAL_SEED``), else 0.
+        noise_seed: seed of each batch's generator (:func:`~flashprobe.t2i.steps.batch_generator`);
+            default: ``PL_GLOBAL_SEED``, else 0.
         tokenizer: caption tokenizer (default :class:`~flashprobe.t2i.data.CaptionTokenizer`).
     """
 
@@ -140,11 +129,8 @@ class TextToImageModule(L.LightningModule):
 
     # ----------------------------------------------------------------- attention kernel
     def _route_attention(self) -> None:
-        """Send every SDPA call inside ``self.model`` to the ``attention`` kernel (until unrouted).
-
-        The kernel is checked against the model's device and the dtype attention computes in
-        under the Trainer's precision, so e.g. a CUDA-only kernel on CPU fails here, clearly.
-        """
+        """Send every SDPA call inside ``self.model`` to the ``attention`` kernel (until unrouted),
+        checked against the model's device and compute dtype."""
         if self.attention is None or self._kernel_handle is not None:
             return
         from flashprobe.probing import use_kernel
@@ -152,8 +138,8 @@ class TextToImageModule(L.LightningModule):
         self._kernel_handle = use_kernel(self.model, self.attention, dtype=self._compute_dtype())
 
     def unroute_attention(self) -> None:
-        """Give torch's SDPA back to the model's attention (``teardown`` does; so does ``flashprobe
-        train`` when a fit raises, as Lightning then skips ``teardown``). Idempotent."""
+        """Give torch's SDPA back to the model's attention (idempotent; also called when a fit raises,
+        as Lightning then skips ``teardown``)."""
         if self._kernel_handle is not None:
             self._kernel_handle.detach()
             self._kernel_handle = None

@@ -1,10 +1,5 @@
-"""Trainer arguments for a precision, including fp16 mixed precision on CPU.
-
-Lightning 2.6 accepts ``precision="32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ``"16-true"`` and
-``"64-true"`` on CPU, but silently turns ``"16-mixed"`` into ``"bf16-mixed"`` there (with a
-warning). torch's CPU autocast does support float16 (with a CPU ``GradScaler``), so
-:func:`trainer_precision` passes Lightning's ``MixedPrecision("16-mixed", "cpu")`` plugin instead:
-the FP16-vs-FP32 comparison of the paper then really runs in FP16 on a CPU.
+"""Trainer arguments for a precision, including fp16 mixed precision on CPU (which Lightning turns
+into bf16 there; torch's CPU autocast supports fp16, so its ``MixedPrecision`` plugin is passed).
 """
 
 from __future__ import annotations
@@ -22,8 +17,7 @@ def trainer_precision(precision: str | int, accelerator: str = "cpu") -> dict[st
     """Keyword arguments for ``lightning.Trainer`` that give exactly ``precision`` on ``accelerator``.
 
     Args:
-        precision: a Lightning precision (``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ...;
-            the short forms ``32``, ``16``, ``"bf16"`` too).
+        precision: one of :data:`PRECISIONS` or a short form (``32``, ``16``, ``"bf16"``).
         accelerator: ``"cpu"``, ``"gpu"``/``"cuda"``, ``"auto"``, ...
 
     Returns:

@@ -1,19 +1,8 @@
 """Randomness as a function of (seed, batch index): what makes a resumed run the run it resumes.
 
-Every random choice of a training batch — which images form it, which captions are dropped, the
-diffusion timesteps and noise — is drawn from a generator seeded with ``(seed, batch index,
-rank)``, never from torch's global RNG stream. Batch ``i`` is then the same whether the run got
-there in one go or was killed and resumed from a checkpoint taken at any earlier step: the
-checkpoint needs no RNG state, and nothing else that draws from the global RNG (a DataLoader
-iterator, validation, a library) can shift the training stream.
-
-* :func:`derived_seed` mixes integers into one 63-bit seed (numpy's ``SeedSequence``);
-* :func:`batch_generator` is the generator of one batch;
-* :class:`StepSampler` is the training order: epoch ``e`` is a permutation drawn from
-  ``(seed, e)``, split into global batches of ``batch_size · world_size`` images, each rank taking
-  its slice; iteration starts at the batch the run is at, so a resumed epoch continues where the
-  interrupted one stopped;
-* :class:`StepLoader` is the DataLoader over it that a checkpoint records (and checks on resume).
+Every random choice of a training batch (its images, dropped captions, timesteps, noise) comes from
+a generator seeded with ``(seed, batch index, rank)``, never from torch's global RNG, so batch ``i``
+is the same however the run got there, and a checkpoint needs no RNG state.
 """
 
 from __future__ import annotations
@@ -56,8 +45,8 @@ class StepSampler(Sampler[int]):
         rank: this process's rank.
         world_size: the number of ranks ``W``; a global batch is ``B · W`` images.
 
-    ``len(sampler)`` is ``B · ⌊N / (B·W)⌋``: the images of one full epoch on this rank (the last,
-    incomplete global batch of an epoch is dropped).
+    Epoch ``e`` is a permutation drawn from ``(seed, e)``, each rank taking its slice of every
+    global batch; ``len(sampler)`` is ``B · ⌊N / (B·W)⌋`` (an incomplete last batch is dropped).
     """
 
     def __init__(
@@ -103,12 +92,8 @@ class StepSampler(Sampler[int]):
 
 
 class StepLoader(DataLoader):
-    """A DataLoader over a :class:`StepSampler`: resumable, and it says so to Lightning.
-
-    Its state in a checkpoint is what the training order depends on (seed, sizes, ranks); a resume
-    with a different order fails at once instead of silently training on other batches. The
-    position needs no state: it is the batch index the Trainer restores.
-    """
+    """A DataLoader over a :class:`StepSampler` whose checkpoint state is what the order depends on,
+    so a resume with another order fails at once (the position is the Trainer's batch index)."""
 
     sampler: StepSampler
 
