@@ -1,38 +1,13 @@
 """``flashprobe bench bias``: the biased rounding of Qiu & Yao (arXiv 2510.04212), measured.
 
-Qiu & Yao trace BF16 flash-attention loss explosions to rounding errors that do not average out:
-when several scores of a row sit at (or within ~1e-3 of) its maximum, ``exp(s − m)`` is 1 or a
-hair below for all of them, and low-precision ``P·V`` rounds them with one sign; with similar
-low-rank rows the error reaches ``δ = rowsum(dO ∘ O)`` and from there every weight gradient the
-same way, step after step. Their mitigation, where the maximum repeats, shifts the row max
-(``tiled:max_shift=repeated``).
-
-The inputs (:func:`flashprobe.fuzz.inputs.bias_inputs`, float64, cast to each dtype; the fuzzer's
-``bias_repeated_max`` case draws them too) have, per batch entry and head:
-
-* **repeated** maxima: ``ties`` keys share one key vector except for a few ulps in two
-  coordinates the queries weight equally, so their scores lie within 1e-3 below the row max
-  (exact in bf16 and fp16), the other keys ≥ 1 below; queries, values, ``dO`` and the inputs
-  ``X`` of the key projection are similar low-rank rows (a shared vector plus 10 % noise);
-* the **control**: the same construction with one key at the maximum.
-
-For each input kind, dtype and kernel, three quantities are compared with their FP64 golden:
-the output ``O``; ``δ = rowsum(dO ∘ O)`` from the kernel's ``O`` in fp32, as FlashAttention-2's
-backward does; and the weight gradient ``X_kᵀ dK`` of a key projection, with ``dK`` from the
-backward formula in float64 where only ``δ`` comes from the kernel (the path the paper follows).
-The bias statistic is :class:`flashprobe.bias.BiasStats` over all seeds: one replicate per
-(seed, batch entry, head), the signed mean error in units of the ``math`` baseline's error RMS
-(``magnitude``: positive away from zero), its ``z`` and the verdict ``biased`` at ``|z| ≥ 5``.
-Each row also gives the bias relative to the mean ``|golden|`` and its per-seed values.
-
-**Lazy rescale.** A kernel spec with ``rescale_threshold=t`` (FlashAttention-4's stale row max,
-:mod:`flashprobe.kernels.tiled`) is paired with the same spec without it: ``bias.md`` and the
-terminal give both biases side by side (``lazy_rescale`` in ``bias.json``'s metadata). With
-``P = exp(s − m)`` taken against a stale max, the near-maximal probabilities are no longer 1 or a
-hair below: whether that changes the sign-consistent rounding is what the pair measures. The
-stale max needs several key tiles (``--seq-len`` above 128, the tile size) and repeated maxima in
-a tile visited after the first (the tied keys are keys 0 … ties−1; ``fa2`` walks the tiles last to
-first).
+Where several scores of a row sit at (or just below) its maximum, low-precision ``P·V`` rounds them
+with one sign, and with similar low-rank rows the error biases ``δ = rowsum(dO ∘ O)`` and every
+weight gradient; ``tiled:max_shift=repeated`` is the mitigation. Inputs
+(:func:`flashprobe.fuzz.inputs.bias_inputs`) have ``ties`` keys at the row max (``repeated``) or one
+(``control``). Per inputs, dtype and kernel, the output, ``δ`` (fp32, from the kernel's output) and
+the key projection's weight gradient (where only ``δ`` comes from the kernel) are compared with their
+FP64 golden by :class:`flashprobe.bias.BiasStats`. A spec with ``rescale_threshold`` is paired with
+the same spec without it (``lazy_rescale`` in the metadata).
 
 Writes ``DIR/bias.json``, ``DIR/bias.csv``, ``DIR/bias.md`` and ``DIR/bias.png``.
 """

@@ -1,35 +1,14 @@
 """``flashprobe bench overhead``: what the shadow probe costs a training step.
 
-A small causal transformer language model (``nn.TransformerEncoder`` layers, pre-norm, torch SDPA)
-is trained for a fixed number of steps in four **modes**, each with its own copy of the same
-initial weights, optimizer and batches:
+A tiny causal LM (:class:`TinyLM`) trains in four modes from the same weights and batches:
+``no_probe``; ``control`` (every attention call also computes the probe's references and throws them
+away: the floor any shadow pays); ``probe``; ``probe_every_N`` (comparing only every ``--every``
+steps). The modes run round-robin in a rotating order, each probe attached only for its own step;
+per block of ``--every`` rounds the step times are divided by the reference mode's, and a row has the
+median over blocks (``ratio_vs_no_probe``, ``ratio_vs_control``). :data:`LIMITS` are checked
+(``--check``: the exit code); ``--compile`` measures compiled training.
 
-* ``no_probe`` — plain training;
-* ``control`` — every attention call also computes the same reference attention(s) as the probe
-  (baseline, golden; their gradients with ``--backward``) and throws them away: the floor any
-  shadow has to pay;
-* ``probe`` — :func:`flashprobe.probing.probe` on every call;
-* ``probe_every_N`` — the probe attached throughout, comparing only at steps that are multiples of
-  ``--every`` (the step counter advanced once per step, as the callback does).
-
-**Side by side.** The modes run round-robin, one step each per round, in an order that rotates
-every round, so machine noise hits all of them alike. Probe handles are attached just for their
-own mode's step (the attach/detach is timed with it) so the other modes run untouched. Rounds are
-grouped in blocks of ``--every`` rounds (one sampling period); for each block the ratio of the
-block's total step time to the reference mode's is taken, and a row reports the median over
-blocks: ``ratio_vs_no_probe`` and ``ratio_vs_control``. ``step_ms`` is the median block mean.
-
-Limits (:data:`LIMITS`, CPU): ``probe`` ≤ 1.10 × ``control`` (the statistics cost at most 10 %;
-1.15 with ``--backward``, where four directions are compared per call) and ``probe_every_N`` ≤ 1.10
-× ``no_probe``; the checks are printed, recorded in the JSON under ``"limits"`` and, with
-``--check``, turned into the exit code.
-
-``--compile [BACKEND]`` compiles every mode's model with ``torch.compile`` (default backend
-inductor) and measures the same ratios on compiled training: the probe's graph breaks at each
-attention call are part of what it costs (warm-up rounds absorb the compilation).
-
-Writes ``DIR/overhead.json`` (rows with ``mode``, ``step_ms``, ``ratio_vs_no_probe``,
-``ratio_vs_control``, ``steps``), ``DIR/overhead.csv`` and the figure (``--figure``, default
+Writes ``DIR/overhead.json``, ``DIR/overhead.csv`` and the figure (``--figure``, default
 ``DIR/overhead.png``).
 """
 

@@ -1,21 +1,10 @@
-"""``flashprobe bench paper``: every microbenchmark claim of the paper, measured and judged.
+"""``flashprobe bench paper``: every microbenchmark claim of the paper (F3–F6c), measured and judged.
 
-*Is Flash Attention Stable?* makes six claims about FlashAttention's forward pass (Figs 3–6: F3,
-F4, F5, F6a, F6b, F6c). This command measures each one at the setting it needs
-(:mod:`flashprobe.bench.paper_runs`), with the paper's re-implementation (``tiled:preset=paper``,
-every step in the compute dtype) and, at the same setting, the real kernels' numerics
-(``tiled:preset=fa2`` and ``sdpa_flash``; ``flash_attn`` and torch's CUDA backends on a GPU), and
-judges every claim from the numbers against a stated criterion (:mod:`flashprobe.bench.claims`).
-
-Writes, under ``--out DIR`` (default ``out/paper``):
-
-* ``paper.json``: ``{"claims": [{"id", "paper", "measured", "unit", "display", "spread",
-  "details", "setting", "criterion", "verdict", "why", "real"}, ...], "sweeps": {name: rows},
-  "settings", "skipped", "command", "environment", "seconds"}`` (non-finite numbers as ``"inf"``);
-* ``paper.md``: the claims table and, per claim, its setting, criterion and reason;
-* ``paper_length.png`` (F4, F5), ``paper_precision.png`` (F3) and ``paper_tiles.png`` (F6).
-
-``--replot`` redraws the figures and ``paper.md`` from ``paper.json`` without measuring.
+Each claim is measured at the setting it needs (:mod:`flashprobe.bench.paper_runs`) with the
+paper's re-implementation and the real kernels' numerics, and judged against a stated criterion
+(:mod:`flashprobe.bench.claims`). Writes ``paper.json`` (claims, sweeps, settings, skipped runs;
+non-finite numbers as ``"inf"``), ``paper.md`` and ``paper_{length,precision,tiles}.png``;
+``--replot`` redraws the figures and ``paper.md`` from ``paper.json``.
 """
 
 from __future__ import annotations

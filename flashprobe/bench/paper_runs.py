@@ -1,22 +1,10 @@
 """What ``flashprobe bench paper`` measures: the setting of each claim, the sweeps, the claims.
 
-Three deviation sweeps (:func:`~flashprobe.bench.sweep.deviation_sweep`, baseline ``math``, FP64
-golden) cover the six claims, each at the setting the claim needs (:class:`PaperSettings`):
-
-========== ======================================================================== ============
-sweep      what                                                                     claims
-========== ======================================================================== ============
-length     bf16, N = 512 … 8192 at Bc = 32 (T = N/Bc = 16 … 256 key tiles per row)  F4 (last N), F5
-precision  bf16, fp16, fp32, fp64 at N = 2048, Bc = 32                              F3
-tiles      bf16, N = 2048: Bc = 16 … 512 (``sram = 4·d·Bc``), Br ↔ Bc swapped,      F6a, F6b, F6c
-           key-tile orders, square vs non-square tiles of the same Bc
-========== ======================================================================== ============
-
-Every sweep runs the paper's re-implementation (``tiled:preset=paper``) beside the real kernels'
-numerics at the same setting: ``tiled:preset=fa2`` with the same tiles, and ``sdpa_flash`` (plus
-``flash_attn``, ``sdpa_efficient`` and ``sdpa_cudnn`` on a CUDA device) where the claim does not
-need tile knobs. :func:`build_claims` turns the rows into :class:`~flashprobe.bench.claims.Claim`
-records, each judged by :mod:`flashprobe.bench.claims`.
+Three deviation sweeps (baseline ``math``, FP64 golden), each at :class:`PaperSettings`: ``length``
+(bf16 over N at Bc; F4, F5), ``precision`` (every dtype; F3) and ``tiles`` (bf16 over Bc, Br ↔ Bc,
+key-tile orders, square vs narrow tiles; F6a–c). Each runs ``tiled:preset=paper`` beside the real
+kernels' numerics (``tiled:preset=fa2`` with the same tiles, and :func:`real_kernels` where the claim
+needs no tile knobs); :func:`build_claims` turns the rows into judged claims.
 """
 
 from __future__ import annotations

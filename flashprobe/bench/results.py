@@ -1,12 +1,8 @@
 """The result files of the ``flashprobe bench`` commands, and their terminal table.
 
-:func:`write_results` writes ``DIR/<name>.json`` (rows under ``"rows"``, with the command, its
-configuration and the environment) and ``DIR/<name>.csv``, each atomically; :func:`load_results`
-reads the JSON back for ``--replot``; :func:`format_table` renders rows for the terminal.
-
-JSON follows :mod:`flashprobe.formats.jsonio`: a non-finite number (an error ratio of ``inf``
-when the baseline equals the golden value) is written as ``"inf"``/``"-inf"``/``"nan"`` and read
-back as a float; ``null`` means not recorded.
+``DIR/<name>.json`` (rows under ``"rows"``, with the command, configuration and environment) and
+``DIR/<name>.csv``, written atomically; JSON follows :mod:`flashprobe.formats.jsonio` (non-finite
+numbers as ``"inf"``/``"-inf"``/``"nan"``, ``null``: not recorded).
 """
 
 from __future__ import annotations

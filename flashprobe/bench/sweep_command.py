@@ -1,11 +1,8 @@
 """The pipeline shared by the deviation-sweep commands ``precision``, ``seqlen`` and ``tiles``.
 
-A command is a :class:`SweepCommand`: its name, table columns, the line printed per skipped run,
-the figure that draws its rows, whether it reports progress, and a ``plan`` function that turns
-the parsed arguments into a :class:`SweepPlan` (sweep points, sort order, its configuration
-entries). :func:`run_sweep_command` does the rest, the same way for every command: ``--replot``,
-the shared options (:class:`SweepSetup`), the timed :func:`~flashprobe.bench.sweep.deviation_sweep`,
-the table, the skipped runs, ``DIR/<name>.json`` and ``.csv`` and ``DIR/<name>.png``.
+A command is a :class:`SweepCommand` whose ``plan`` turns the parsed arguments into a
+:class:`SweepPlan`; :func:`run_sweep_command` does the rest the same way for each: ``--replot``, the
+shared options, the timed sweep, the table, the skipped runs, and the JSON, CSV and figure.
 """
 
 from __future__ import annotations

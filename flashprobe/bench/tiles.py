@@ -1,24 +1,11 @@
 """``flashprobe bench tiles``: deviation vs tile size, block order and tile shape (paper Fig 6).
 
-Tile sizes follow the paper: for an on-chip memory of ``M`` elements, ``Bc = ⌈M/4d⌉`` keys and
-``Br = min(⌈M/4d⌉, d)`` queries per tile. The sweep runs one kernel (default
-``tiled:preset=paper``, the paper's re-implementation; the ``fa2`` preset's deviation does not
-depend on the tiles) over several ``M`` (so over block areas ``Br·Bc``) in these variants:
-
-=========  ===================================================================================
-variant    kernel options added to the spec
-=========  ===================================================================================
-default    ``sram=M``
-swapped    ``sram=M,swap_blocks=true``: Br and Bc exchanged (Fig 6a, block order swapped)
-square     ``sram=M,square=true``: Br = Bc = min(Br, Bc) (Fig 6b)
-loop_q     ``sram=M,loop=q``: outer loop over query tiles (FlashAttention-1 loop order)
-reverse    ``sram=M,order=reverse``: key tiles consumed last to first (Fig 6a, block order)
-shuffle    ``sram=M,order=shuffle``: key tiles consumed in a random order (seed 0)
-=========  ===================================================================================
-
-Each row is one (variant, M, dtype) with ``block_q``, ``block_k``, ``block_area`` and the
-deviation keys of ``flashprobe bench precision``. Writes ``DIR/tiles.json`` (rows under
-``"rows"``), ``DIR/tiles.csv`` and ``DIR/tiles.png``.
+For an on-chip memory of ``M`` elements, ``Bc = ⌈M/4d⌉`` and ``Br = min(⌈M/4d⌉, d)``. One kernel
+(default ``tiled:preset=paper``) runs over several ``M`` in the variants of :data:`VARIANTS`
+(``default``: ``sram=M``; ``swapped``: Br ↔ Bc; ``square``: Br = Bc; ``loop_q``: outer loop over
+query tiles; ``reverse`` and ``shuffle``: key-tile order). Each row is one (variant, M, dtype) with
+``block_q``, ``block_k``, ``block_area`` and the deviation keys. Writes ``DIR/tiles.json``,
+``DIR/tiles.csv`` and ``DIR/tiles.png``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
-"""Tiny random-init models of real model classes, each with a batch for every step: the models that
-``flashprobe bench verdicts`` calibrates the verdict on and that the integration tests probe, built in
-one place.
+"""Tiny random-init models of real model classes, each with a batch for every step.
 
-Builders (each seeds torch's global generator with ``seed`` first, as the weights' initialisation
-draws from it, and takes keyword overrides of the model's config):
-
-- transformers (the ``integration`` extra): :func:`gpt2`, :func:`llama` (grouped-query attention),
-  :func:`bert` (attention dropout 0, so its gradients are judged), :func:`vit`;
-- diffusers (the ``integration`` extra): :func:`unet` (``UNet2DConditionModel``, self- and
-  cross-attention), :func:`dit` (``DiTTransformer2DModel``), :func:`pixart`
-  (``PixArtTransformer2DModel``);
-- :func:`t2i`: the embedded :class:`~flashprobe.t2i.model.TextToImageDiT`, which needs nothing.
-
-The third-party packages are imported when a model is built. :data:`MODELS` maps the calibration's
-model names to a builder of :class:`TinyModel`: the model, its batch of each step and the tensor to
-train on.
+``flashprobe bench verdicts`` calibrates the verdict on them and the integration tests probe them.
+Each builder seeds torch's global generator with ``seed`` and takes keyword overrides of the model's
+config; transformers and diffusers (the ``integration`` extra) are imported when a model is built.
+:data:`MODELS` maps the calibration's model names to a builder of :class:`TinyModel`.
 """
 
 from __future__ import annotations

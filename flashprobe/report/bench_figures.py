@@ -1,10 +1,8 @@
 """Figures of the ``flashprobe bench`` commands, one PNG per paper figure.
 
-Each ``plot_*`` function takes the rows a bench command wrote (the ``"rows"`` of its JSON) and
-saves one PNG atomically. Figures are drawn with matplotlib's object-oriented API on the Agg
-canvas, so plotting never touches pyplot's global state or needs a display. Deviations span
-decades, so their axes are logarithmic; a zero deviation (bitwise identical outputs) cannot sit
-on a log axis and is drawn as a hollow marker on the bottom edge, labelled "= 0".
+Each ``plot_*`` takes the rows a bench command wrote and saves one PNG atomically (matplotlib's
+object-oriented API on the Agg canvas). Deviation axes are logarithmic; a zero deviation is drawn as
+a hollow marker on the bottom edge, labelled "= 0".
 """
 
 from __future__ import annotations

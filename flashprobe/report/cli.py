@@ -1,17 +1,9 @@
 """``flashprobe compare`` and ``flashprobe report``: results files → figures and ``report.md``.
 
-* ``flashprobe compare RUN_A RUN_B ... [--pair NAME=A,B] --out DIR`` compares runs' weight
-  snapshots (:func:`flashprobe.weights.compare_runs`), writes ``study.json``/``study.csv`` and draws
-  Figs 7 and 8;
-* ``flashprobe report DIR`` regenerates ``report.md`` (and with ``--figures`` the figures) of a study
-  or comparison from its ``study.json``, or redraws ``probe.png`` of a training run (a directory
-  holding ``probe.jsonl``).
-
-Both print the verdict of the comparison (docs/study.md "The answer") and exit with its code, as
-``flashprobe study`` does: 0 PASS, 3 LOOK CLOSER, 4 UNDETERMINED (a pair the rule needs is missing).
-Arguments and output paths are checked before any work; errors print one line and exit with 2. A
-full disk ends in one line too (the directory, its free space, what was kept) and exit code 1: every
-file is written atomically, so none is left half-written.
+``compare`` compares runs' weight snapshots into ``study.json``/``study.csv`` and Figs 7 and 8;
+``report`` regenerates a study's ``report.md`` (``--figures``: the figures too) or a training run's
+``probe.png``. Both print the verdict and exit with its code, as ``flashprobe study`` does (0 PASS,
+3 LOOK CLOSER, 4 UNDETERMINED); bad arguments print one line and exit 2, a full disk exits 1.
 """
 
 from __future__ import annotations

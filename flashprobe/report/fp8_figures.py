@@ -1,8 +1,4 @@
-"""Figures of ``flashprobe bench fp8``: FP8 error vs N, D and inputs, and the P-cast collapse.
-
-Drawn from the rows of ``DIR/fp8.json`` with the object-oriented matplotlib API and saved
-atomically by :func:`flashprobe.report.bench_figures.save_figure`, like every bench figure.
-"""
+"""Figures of ``flashprobe bench fp8``: FP8 error vs N, D and inputs, and the P-cast collapse."""
 
 from __future__ import annotations
 

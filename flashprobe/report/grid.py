@@ -1,8 +1,4 @@
-"""A grid of generated images with their captions, saved as one PNG.
-
-Used by the text-to-image workload after each validation (``samples/step_XXXXXXX.png`` in the run
-directory) and by the docs to show samples before and after training.
-"""
+"""A grid of generated images with their captions, saved as one PNG (``samples/step_XXXXXXX.png``)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""``report.md`` of a study: the answer of paper §V's question, computed from ``study.json`` like for like.
+"""``report.md`` of a study: the verdict (:mod:`flashprobe.report.study_verdict`) and its tables.
 
-The verdict (:mod:`flashprobe.report.study_verdict`) puts the flash-vs-baseline weight deviation in
-context, as the paper does (Fig 8): as a multiple of the deviation between runs that differ only in
-their seed, and of the deviation that low-precision training causes — each ratio computed within one
-replicate (pairs sharing its seed) and reported as median and min–max over the replicates, at the
-last step and over training. Each context is a comparison that isolates one thing (``study.json``'s
-``study.comparisons``, checked against what the runs recorded: ``pairs.<name>.differs``); the title
-claims "like for like" only when every pair differs in at most one thing. Everything is recomputed
-from files, so ``flashprobe report STUDY_DIR`` regenerates the report.
+Everything is recomputed from ``study.json`` (and ``runs/*``), so ``flashprobe report STUDY_DIR``
+regenerates the report; the title claims "like for like" only when every pair's runs differ in at
+most one thing.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """The study's answer and the ratios it rests on, each with an interval over replicates and over training.
 
-A study trains its runs at several **replicates** (seeds); each ratio of the verdict divides the
-flash-vs-baseline distance by a context distance *of the same replicate* (pairs that share its
-seed), so every replicate gives one value of every ratio. An :class:`Interval` is the median and
-the min–max range of those values: with ``N`` independent replicates, the range covers the median
-of the ratio's distribution with probability ``1 − 2^(1−N)`` (75 % at ``N = 3``, 94 % at ``N = 5``;
-the sign test's order-statistic interval, free of any assumption on the distribution). A bootstrap
-interval would need more replicates than a CPU study trains: resampling 3–5 values gives back their
-own min–max at best.
-
-The answer (:data:`PASS`, :data:`LOOK_CLOSER`, :data:`UNDETERMINED`) follows one rule, stated in
-docs/study.md and in :func:`verdict`; ``flashprobe study`` exits with :data:`EXIT_CODES` of it. The
-rule reads the low-precision pair *at the precision flash trains at* (``bf16_vs_fp32`` in a bf16
-study): the deviation a team training at that precision has already accepted; the other
-low-precision pairs (e.g. the paper's FP16 vs FP32) are reported beside it, not judged.
-Everything is computed from ``study.json``, so ``flashprobe report STUDY_DIR`` gives the same answer.
-The pairs are known by what their runs differ in (:func:`kernel_pair`, :func:`needs_line`), and the
-kernels by what the runs recorded, never by a fixed name.
+Each ratio divides the kernel pair's distance by a context distance of the same replicate (pairs that
+share its seed). An :class:`Interval` is the median and min–max of the replicates' values: with ``N``
+replicates the range covers the ratio's median with probability ``1 − 2^(1−N)`` (order statistics;
+too few replicates for a bootstrap). The answer (:data:`PASS`, :data:`LOOK_CLOSER`,
+:data:`UNDETERMINED`) follows the rule of :func:`verdict`; ``flashprobe study`` exits with its
+:data:`EXIT_CODES`. Pairs and kernels are known by what their runs recorded, never by a fixed name.
 """
 
 from __future__ import annotations

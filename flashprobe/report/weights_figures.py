@@ -1,21 +1,9 @@
-"""Figures of weight deviation over training (paper §V, Figs 7 and 8).
+"""Figures of weight deviation over training (paper §V, Figs 7 and 8), from ``study.json``.
 
-Both functions draw from the columnar pair records of ``study.json`` (written by
-``flashprobe compare``): ``{"steps": [...], "model": {"wasserstein": [...], "max_abs": [...]},
-"runs": {...}}``, so figures can be redrawn from that file without the snapshots.
-
-* Fig 7 (:func:`plot_pair_over_steps`): one pair (flash vs baseline), max difference and Wasserstein
-  distance of the whole model over steps, side by side.
-* Fig 8 (:func:`plot_wasserstein_curves`): the whole-model Wasserstein curves of every pair on one
-  log-scale plot (flash vs baseline against the identical-run, other-seed and low-precision bounds).
-  A comparison a study made at several replicates (seeds) is one curve, the median over replicates,
-  in a shaded band from the lowest to the highest replicate at each step.
-
-Fig 8 has a log axis; Fig 7 uses one when a curve spans more than two decades. Zero distances
-(bit-identical weights, e.g. at step 0 of runs with one seed) cannot be drawn on a log axis: those
-points are left out (a note under the plot says so), and a pair that is zero at every step says so
-in the legend.
-Files are written atomically with matplotlib's Agg renderer (no pyplot, no display needed).
+Fig 7 (:func:`plot_pair_over_steps`): one pair's whole-model max difference and Wasserstein distance
+over steps. Fig 8 (:func:`plot_wasserstein_curves`): every pair's Wasserstein curve on one log plot,
+a comparison with several replicates as its median in a min–max band. Zero distances cannot sit on a
+log axis: they are left out, with a note under the plot (or in the legend when a pair is all zero).
 """
 
 from __future__ import annotations
