@@ -46,16 +46,9 @@ _PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat
 def calibrate(
     model_name: str, precision: str, steps: int, seed: int = 0, kernel: str | None = None
 ) -> dict[str, Any]:
-    """Train one model under the probe and return its row (see the module docstring).
-
-    Args:
-        model_name: a :data:`MODELS` name.
-        precision: ``fp32``, ``bf16`` or ``fp16``.
-        steps: AdamW steps.
-        seed: the model's initialisation seed.
-        kernel: the primary's kernel spec (None: the model's own torch SDPA); mutants of the suite
-            must be registered first (``import lab.mutants``).
-    """
+    """Train the :data:`MODELS` model ``model_name`` for ``steps`` AdamW steps at ``precision`` (fp32,
+    bf16, fp16) under the probe, with ``kernel`` as the primary (None: the model's own SDPA); returns
+    its row (see the module docstring)."""
     from flashprobe.probing import probe
 
     model, batch, output = MODELS[model_name](seed=seed)
@@ -75,8 +68,7 @@ def calibrate(
             opt.zero_grad(set_to_none=True)
             with torch.autocast("cpu", dtype=low or torch.bfloat16, enabled=low is not None):
                 out = output(model(**batch(step)))
-            # fp16 gradients underflow without loss scaling: a static scale, as fp16 training uses
-            # (the rule's statistics are ratios, so the scale needs no undoing)
+            # a static loss scale for fp16 (the rule's statistics are ratios: nothing to undo)
             (out.float().square().mean() * _LOSS_SCALE.get(precision, 1.0)).backward()
             opt.step()
             if step % 50 == 49 or step == steps - 1:  # read and reset: bounded reads, as the callback
@@ -108,9 +100,8 @@ def calibrate(
 
 
 def _bias(stats: dict[str, Any]) -> dict[str, Any]:
-    """Per direction the verdict's signed ``z`` of the largest ``|z|`` over the sites and the largest
-    mean (either component, in units of the baseline's error RMS; None before any replicate), the
-    (site, direction) pairs that read biased, and the largest replicate count."""
+    """Per direction the signed bias ``z`` and mean of the largest magnitude over the sites (None before
+    any replicate), the (site, direction) pairs that read biased, and the largest replicate count."""
     row: dict[str, Any] = {}
     biased: list[str] = []
     replicates = 0

@@ -67,8 +67,7 @@ def site_series(records: Sequence[Mapping[str, Any]]) -> Series:
 
 
 def _short(name: str, width: int = 56) -> str:
-    """The site name as in probe.jsonl; longer than ``width``, its middle is elided (the start
-    names the block, the end the attention module)."""
+    """The site name as in probe.jsonl, its middle elided when longer than ``width``."""
     if len(name) <= width:
         return name
     head = (width - 1) // 2
@@ -167,15 +166,9 @@ def _per_site_panel(ax: Axes, series: Series) -> None:
 def plot_probe(
     jsonl: str | os.PathLike[str], path: str | os.PathLike[str], *, title: str | None = None
 ) -> Path:
-    """Draw the per-site deviation plot of ``jsonl`` (a ``probe.jsonl``) into ``path`` (PNG).
+    """Draw the per-site deviation plot of a run's ``probe.jsonl`` into ``path`` (PNG); returns ``path``.
 
-    Args:
-        jsonl: the run's ``probe.jsonl``.
-        path: the PNG to write.
-        title: figure title (default: the run directory's name).
-
-    Returns:
-        ``path``.
+    ``title`` defaults to the run directory's name.
 
     Raises:
         FileNotFoundError: no ``jsonl``.
