@@ -50,12 +50,10 @@ def add_kernel_args(
 ) -> None:
     """Add ``--kernel SPEC`` (repeatable) and, with ``baseline``, ``--baseline SPEC``."""
     parser.add_argument(
-        "--kernel",
-        action="append",
-        metavar="SPEC",
+        "--kernel", action="append", metavar="SPEC",
         help=f"primary kernel spec, repeatable (default: {' '.join(default)}); e.g. "
         "'tiled:block_k=64,stats_dtype=fp32' or 'sdpa_flash'; see `flashprobe kernels`",
-    )
+    )  # fmt: skip
     parser.set_defaults(kernel_default=list(default))
     if baseline:
         parser.add_argument(
@@ -75,12 +73,9 @@ def add_shape_args(
     """Add ``--dtype``, ``--batch``, ``--heads``, ``--seq-len`` (several values when ``seq_len`` is a
     sequence), ``--head-dim``, ``--causal`` and ``--device``."""
     parser.add_argument(
-        "--dtype",
-        nargs="+",
-        default=list(dtypes),
-        metavar="DTYPE",
+        "--dtype", nargs="+", default=list(dtypes), metavar="DTYPE",
         help=f"input dtypes: bf16, fp16, fp32, fp64 (default: {' '.join(dtypes)})",
-    )
+    )  # fmt: skip
     parser.add_argument("--batch", type=int, default=batch, metavar="B", help=f"batch size (default {batch})")
     parser.add_argument("--heads", type=int, default=heads, metavar="H", help=f"heads (default {heads})")
     if isinstance(seq_len, int):
@@ -101,41 +96,27 @@ def add_input_args(parser: argparse.ArgumentParser, *, repeats: int, seed: int =
     ``--seed`` and ``--repeats``."""
     defaults = InputConfig()
     parser.add_argument(
-        "--distribution",
-        default=defaults.distribution,
-        metavar="NAME",
+        "--distribution", default=defaults.distribution, metavar="NAME",
         help="input distribution: normal (N(0,1)), uniform (U(-√3,√3)), outliers "
         "(normal with a few large entries) (default normal)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--input-scale",
-        type=float,
-        default=defaults.scale,
-        metavar="S",
+        "--input-scale", type=float, default=defaults.scale, metavar="S",
         help="multiply q, k, v by S; larger S gives larger logits (default 1)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--outlier-frac",
-        type=float,
-        default=defaults.outlier_frac,
-        metavar="P",
+        "--outlier-frac", type=float, default=defaults.outlier_frac, metavar="P",
         help=f"outliers: fraction of entries that are outliers (default {defaults.outlier_frac})",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--outlier-scale",
-        type=float,
-        default=defaults.outlier_scale,
-        metavar="X",
+        "--outlier-scale", type=float, default=defaults.outlier_scale, metavar="X",
         help=f"outliers: factor applied to outlier entries (default {defaults.outlier_scale:g})",
-    )
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=seed, help=f"first seed (default {seed})")
     parser.add_argument(
-        "--repeats",
-        type=int,
-        default=repeats,
-        metavar="R",
+        "--repeats", type=int, default=repeats, metavar="R",
         help=f"repeat over R seeds seed, seed+1, ...; rows carry the median and min/max (default {repeats})",
-    )
+    )  # fmt: skip
 
 
 def add_output_args(
@@ -153,18 +134,14 @@ def add_output_args(
     """
     files = files or (f"{name}.json, {name}.csv and {name}.png" if figure else f"{name}.json and {name}.csv")
     parser.add_argument(
-        "--out",
-        type=output_dir_arg,
-        default=Path("out") / name,
-        metavar="DIR",
+        "--out", type=output_dir_arg, default=Path("out") / name, metavar="DIR",
         help=f"output directory for {files} (default out/{name})",
-    )
+    )  # fmt: skip
     if replot:
         parser.add_argument(
-            "--replot",
-            action="store_true",
+            "--replot", action="store_true",
             help=f"measure nothing: redraw DIR/{name}.png from the rows in DIR/{name}.json",
-        )
+        )  # fmt: skip
 
 
 def parse_kernels(specs: Iterable[str]) -> list[Kernel]:

@@ -108,12 +108,10 @@ def bias_rows(
     """The bias of every kernel's output, ``δ`` and weight gradient, per input kind and dtype.
 
     Returns:
-        ``(rows, skipped)``: one row per (inputs, dtype, kernel, quantity) with ``bias`` (mean
-        signed error in units of the ``math`` baseline's error RMS, the larger-|z| component of
-        :class:`~flashprobe.bias.BiasStats`), ``component``, ``z``, ``replicates``,
-        ``bias_rel`` (the same mean relative to the mean ``|golden|``), ``seed_bias_rel`` (per
-        seed), ``seed_signs``, ``verdict`` and both components' ``*_mean``/``*_z``; and the
-        skipped kernels with the reason.
+        ``(rows, skipped)``: one row per (inputs, dtype, kernel, quantity) with ``bias`` (the signed
+        mean error of the larger-|z| ``component``, in units of the ``math`` baseline's error RMS),
+        ``z``, ``bias_rel`` (relative to the mean ``|golden|``; per seed: ``seed_bias_rel``),
+        ``verdict`` and both components' ``*_mean``/``*_z``; and the skipped kernels with the reason.
     """
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
@@ -143,9 +141,8 @@ def _measure(
     device: torch.device | str,
     skipped: list[dict[str, Any]],
 ) -> _Measured:
-    """Per kernel spec: its :class:`BiasStats` over all seeds, and per (quantity, component) the
-    signed mean error relative to the mean ``|golden|`` of each seed. Appends unavailable kernels
-    to ``skipped``."""
+    """Per kernel spec its :class:`BiasStats` over all seeds and, per (quantity, component), each seed's
+    signed mean error relative to the mean ``|golden|``; unavailable kernels go to ``skipped``."""
     baseline = get_kernel("math")
     measured: _Measured = {}
     unavailable: set[str] = set()
@@ -196,8 +193,8 @@ def _row(
 
 
 def mitigation_factors(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """``|bias(kernel)| / |bias(kernel with max_shift=repeated)|`` per inputs, dtype and quantity,
-    both of the component the kernel's row reports, with whether the kernel read biased."""
+    """``|bias(kernel)| / |bias(kernel with max_shift=repeated)|`` per inputs, dtype and quantity (of the
+    component the kernel's row reports), with whether the kernel read biased."""
     index = {(r["inputs"], r["dtype"], r["kernel"], r["quantity"]): r for r in rows}
     factors = []
     for (kind, dtype, spec, name), row in index.items():
@@ -224,9 +221,8 @@ def _lazy_key(spec: str) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], float
 
 
 def lazy_rescale_pairs(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Every kernel with ``rescale_threshold`` > 0 beside the same spec without the option, per
-    inputs, dtype and quantity: both biases of the component the eager kernel's row reports, their
-    z and verdicts."""
+    """Every kernel with ``rescale_threshold`` > 0 beside the same spec without it, per inputs, dtype and
+    quantity: both biases (of the eager row's component), their z and verdicts."""
     keyed = [((r["inputs"], r["dtype"], *_lazy_key(r["kernel"]), r["quantity"]), r) for r in rows]
     eager_rows = {(kind, dtype, spec, name): r for (kind, dtype, spec, t, name), r in keyed if not t}
     pairs = []

@@ -139,13 +139,16 @@ SATURATION_COLUMNS = [
 ]
 
 
-def _labels(spec: str, dtype: torch.dtype) -> dict[str, Any]:
-    """The row entries that name a kernel's numerics: FP8 formats, scaling, P scale, order, rotation."""
+def _row_head(part: str, label: str, spec: str, dtype: torch.dtype) -> dict[str, Any]:
+    """The first entries of a row: the experiment, the kernel, and what names its numerics (FP8
+    formats, scaling, P scale, order, rotation, lazy-rescale threshold)."""
+    row = {"part": part, "variant": label, "kernel": spec, "input_dtype": str(dtype).removeprefix("torch.")}
     kernel = get_kernel(spec)
     if kernel.name != "tiled":  # FP8 off, no key tiles
-        return {**fp8_numerics.Fp8Numerics().labels(), "order": "-", "rescale_threshold": None}
+        return row | fp8_numerics.Fp8Numerics().labels() | {"order": "-", "rescale_threshold": None}
     numerics = spec_numerics(kernel.options, dtype)
-    return {**numerics.fp8.labels(), "order": numerics.order, "rescale_threshold": numerics.rescale_threshold}
+    lazy = {"order": numerics.order, "rescale_threshold": numerics.rescale_threshold}
+    return row | numerics.fp8.labels() | lazy
 
 
 def fp8_inputs(
@@ -219,9 +222,7 @@ def _run_variants(
             per_variant[variant.label].append(metrics)
     rows = []
     for variant in variants:
-        row = {"part": "error", "variant": variant.label, "kernel": variant.spec}
-        row |= {"input_dtype": str(variant.dtype).removeprefix("torch.")}
-        row |= _labels(variant.spec, variant.dtype)
+        row = _row_head("error", variant.label, variant.spec, variant.dtype)
         row |= {"distribution": distribution, **shape.as_dict(), "repeats": len(seeds)}
         rows.append(row | summarize_seeds(per_variant[variant.label]))
     return rows, {label: [m["rel_l2"] for m in seeds_] for label, seeds_ in per_variant.items()}
@@ -405,13 +406,7 @@ def pcast_rows(
     rows = []
     for (strength, order, s), values in per_seed.items():
         spec = f"tiled:p_fp8=e4m3,p_scale={s:g},order={order}"
-        row = {
-            "part": "pcast",
-            "variant": f"P e4m3, S={s:g}, {order}",
-            "kernel": spec,
-            "input_dtype": "bfloat16",
-        }
-        row |= _labels(spec, torch.bfloat16)
+        row = _row_head("pcast", f"P e4m3, S={s:g}, {order}", spec, torch.bfloat16)
         row |= {"distribution": "sink", "sink_strength": strength, **shape.as_dict(), "repeats": len(seeds)}
         rows.append(row | summarize_seeds(values))
     mse = {key: [v["mse"] for v in values] for key, values in per_seed.items()}
@@ -481,8 +476,7 @@ def saturation_rows(
     rows = []
     for (label, std), values in per_seed.items():
         variant = next(v for v in variants if v.label == label)
-        row = {"part": "saturation", "variant": label, "kernel": variant.spec, "input_dtype": "bfloat16"}
-        row |= _labels(variant.spec, torch.bfloat16)
+        row = _row_head("saturation", label, variant.spec, torch.bfloat16)
         row |= {"distribution": "gaussian", "logit_std": std, **shape.as_dict(), "block_k": block_k}
         rows.append(row | {"repeats": len(seeds)} | summarize_seeds(values))
     return rows, {key: [v["rel_l2"] for v in values] for key, values in per_seed.items()}
@@ -629,11 +623,10 @@ def summary_lines(summary: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _markdown(doc: Mapping[str, Any]) -> str:
-    """``DIR/fp8.md``: the summary and both tables."""
-    rows = doc["rows"]
-    out = ["# flashprobe bench fp8", "", f"Command: `{doc['command']}`", ""]
-    out += [f"- {line}" for line in summary_lines(doc["summary"])]
+def _markdown(rows: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], command: str) -> str:
+    """``DIR/fp8.md``: the summary and the tables."""
+    out = ["# flashprobe bench fp8", "", f"Command: `{command}`", ""]
+    out += [f"- {line}" for line in summary_lines(summary)]
     names = ["variant", "fp8_qkv", "fp8_scaling", "fp8_p", "p_scale", "order", "rotation"]
     err = [
         "distribution",
@@ -698,70 +691,42 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--heads", type=int, default=1, metavar="H", help="heads (default 1; batch is 1)")
     parser.add_argument(
-        "--distribution",
-        nargs="+",
-        default=list(DISTRIBUTIONS),
-        metavar="NAME",
+        "--distribution", nargs="+", default=list(DISTRIBUTIONS), metavar="NAME",
         help=f"input distributions (default: {' '.join(DISTRIBUTIONS)})",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--sink-strength",
-        type=float,
-        nargs="+",
-        default=[0.0, 4.0, 8.0, 12.0, 16.0],
-        metavar="L",
+        "--sink-strength", type=float, nargs="+", default=[0.0, 4.0, 8.0, 12.0, 16.0], metavar="L",
         help="sink logits of the P-cast experiment (default 0 4 8 12 16)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--moderate-sink",
-        type=float,
-        default=MODERATE_SINK,
-        metavar="L",
+        "--moderate-sink", type=float, default=MODERATE_SINK, metavar="L",
         help=f"the sink strength of the headline ratio (default {MODERATE_SINK:g})",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--logit-std",
-        type=float,
-        nargs="+",
-        default=list(LOGIT_STDS),
-        metavar="SIGMA",
+        "--logit-std", type=float, nargs="+", default=list(LOGIT_STDS), metavar="SIGMA",
         help="standard deviations of the gaussian logits of the saturation experiment (default 0.5 1 2)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--rescale-threshold",
-        type=float,
-        nargs="+",
-        default=list(RESCALE_THRESHOLDS),
-        metavar="T",
+        "--rescale-threshold", type=float, nargs="+", default=list(RESCALE_THRESHOLDS), metavar="T",
         help="lazy-rescale thresholds of the saturation experiment, log2 units (default 0 0.75 4)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--part",
-        nargs="+",
-        default=list(PARTS),
-        choices=PARTS,
+        "--part", nargs="+", default=list(PARTS), choices=PARTS,
         help="the experiments to run (default: all: error pcast saturation)",
-    )
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
     parser.add_argument(
-        "--repeats",
-        type=int,
-        default=3,
-        metavar="R",
+        "--repeats", type=int, default=3, metavar="R",
         help="seeds of the error and saturation experiments (default 3)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--pcast-repeats",
-        type=int,
-        default=5,
-        metavar="R",
+        "--pcast-repeats", type=int, default=5, metavar="R",
         help="seeds of the P-cast experiment (at least 5 for the interval; default 5)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--tiny",
-        action="store_true",
+        "--tiny", action="store_true",
         help="a seconds-long smoke run: N 64 128, D 16 32, 1 head, 1 seed (2 for P cast), logit std 1",
-    )
+    )  # fmt: skip
     add_output_args(parser, "fp8", replot=True)
     return parser
 
@@ -830,37 +795,22 @@ def _run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     rel_l2: dict[tuple[str, str, int, int], list[float]] = {}
     mse: dict[tuple[float, str, float], list[float]] = {}
+    at_base = {"seq_len": args.base_seq_len, "head_dim": args.base_head_dim, "heads": args.heads}
+    at_base |= {"progress": progress}
     if "error" in args.part:
         rows, rel_l2 = error_rows(
-            seq_lens=sorted(set(args.seq_len)),
-            head_dims=sorted(set(args.head_dim)),
-            base_seq_len=args.base_seq_len,
-            base_head_dim=args.base_head_dim,
-            heads=args.heads,
-            distributions=args.distribution,
-            seeds=seeds,
-            progress=progress,
-        )
+            seq_lens=sorted(set(args.seq_len)), head_dims=sorted(set(args.head_dim)),
+            base_seq_len=args.base_seq_len, base_head_dim=args.base_head_dim, heads=args.heads,
+            distributions=args.distribution, seeds=seeds, progress=progress,
+        )  # fmt: skip
     if "pcast" in args.part:
-        pcast, mse = pcast_rows(
-            sink_strengths=args.sink_strength,
-            seeds=[args.seed + i for i in range(args.pcast_repeats)],
-            seq_len=args.base_seq_len,
-            head_dim=args.base_head_dim,
-            heads=args.heads,
-            progress=progress,
-        )
+        pcast_seeds = [args.seed + i for i in range(args.pcast_repeats)]
+        pcast, mse = pcast_rows(sink_strengths=args.sink_strength, seeds=pcast_seeds, **at_base)
         rows += pcast
     saturation_rel_l2: dict[tuple[str, float], list[float]] = {}
     if "saturation" in args.part:
         saturated, saturation_rel_l2 = saturation_rows(
-            logit_stds=args.logit_std,
-            thresholds=args.rescale_threshold,
-            seeds=seeds,
-            seq_len=args.base_seq_len,
-            head_dim=args.base_head_dim,
-            heads=args.heads,
-            progress=progress,
+            logit_stds=args.logit_std, thresholds=args.rescale_threshold, seeds=seeds, **at_base
         )
         rows += saturated
     seconds = time.perf_counter() - start
@@ -891,18 +841,11 @@ def _run(args: argparse.Namespace) -> int:
         "variants": {v.label: v.spec for v in VARIANTS},
         "saturation_variants": {v.label: v.spec for v in saturation_variants(args.rescale_threshold)},
     }
-    meta = {
-        "command": args.command_line,
-        "config": config,
-        "summary": summary,
-        "seconds": round(seconds, 2),
-        "peak_memory": peak_memory(),
-    }
+    meta = {"command": args.command_line, "config": config, "summary": summary}
+    meta |= {"seconds": round(seconds, 2), "peak_memory": peak_memory()}
     paths = write_results(args.out, "fp8", rows, meta=meta)
     paths["md"] = args.out / "fp8.md"
-    atomic_write_text(
-        paths["md"], _markdown({"rows": rows, "summary": summary, "command": args.command_line})
-    )
+    atomic_write_text(paths["md"], _markdown(rows, summary, args.command_line))
     paths |= _draw(rows, args.out)
     print(wrote_line(rows, seconds, paths))
     return 0

@@ -35,9 +35,8 @@ from flashprobe.probing import Probe, ShadowAttention
 
 __all__ = ["LIMITS", "OverheadConfig", "TinyLM", "limit_checks", "main", "measure_overhead"]
 
-#: Upper limits on the overhead, ``(mode, reference, limit)`` forward (``False``) and with gradients
-#: (``True``): the mode's ratio to the reference must not exceed the limit (``probe_every`` matches
-#: ``probe_every_N``).
+#: Upper limits on a mode's ratio to a reference mode, ``(mode, reference, limit)``, forward (``False``)
+#: and with gradients (``True``); ``probe_every`` matches ``probe_every_N``.
 LIMITS: dict[bool, tuple[tuple[str, str, float], ...]] = {
     False: (("probe", "control", 1.10), ("probe_every", "no_probe", 1.10)),
     True: (("probe", "control", 1.15), ("probe_every", "no_probe", 1.10)),
@@ -91,8 +90,7 @@ class OverheadConfig:
     compile: str = ""
     """``torch.compile`` backend every mode's model is compiled with (``""``: eager)."""
     device: str = "cpu"
-    """Where the models train (``cpu``, ``cuda``, ``cuda:1``); on CUDA each step ends with a
-    synchronisation so that its wall time is the device's."""
+    """Where the models train (``cpu``, ``cuda``, ``cuda:1``)."""
     autocast: str = ""
     """Train under ``torch.autocast`` in ``bf16`` or ``fp16`` (``""``: fp32 throughout)."""
 
@@ -122,9 +120,8 @@ class OverheadConfig:
         self._check_memory(device)
 
     def _check_memory(self, device: torch.device) -> None:
-        """Refuse a model whose attention cannot fit in memory, before anything is allocated: a floor
-        of the causal mask (``N x N`` fp32) and :data:`~flashprobe.bench.args.FP64_TENSORS` float64
-        tensors of ``(B, H, N, D)`` with one reference block, as ``check_size`` estimates."""
+        """Refuse a model whose attention cannot fit in memory before anything is allocated: the causal
+        mask plus the floor of :func:`~flashprobe.bench.args.check_size`."""
         from flashprobe.bench.args import FP64_TENSORS
         from flashprobe.kernels.reference import _available_bytes, reference_budget
 
@@ -197,8 +194,7 @@ def _measure(
     optims = {m: torch.optim.AdamW(models[m].parameters(), lr=1e-3) for m in modes}
     if config.compile:
         torch._dynamo.reset()
-        # Each mode's own compiled model; the probes attach to the model inside it (warm-up rounds
-        # compile both the plain graph and the one with the probe's graph breaks).
+        # the probes attach to the model inside; warm-up rounds compile with and without them
         calls: dict[str, Callable[..., torch.Tensor]] = {
             m: torch.compile(models[m], backend=config.compile) for m in modes
         }
@@ -245,9 +241,8 @@ def _timed_step(
     step: int,
     autocast: str = "",
 ) -> float:
-    """One training step on tokens ``x (B, N)`` → targets ``y (B, N)``, with ``handle`` attached
-    just for it; returns its wall-clock seconds (attach and detach included; on CUDA up to a
-    synchronisation after the optimizer step)."""
+    """One training step on tokens ``x (B, N)`` → targets ``y (B, N)``, with ``handle`` attached just for
+    it; returns its wall-clock seconds, attach and detach included (on CUDA, synchronised)."""
     cuda = x.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(x.device)
@@ -282,22 +277,19 @@ def _summarize(
     for mode in modes:
         vs_none = [a / b for a, b in zip(blocks[mode], blocks["no_probe"], strict=True)]
         vs_control = [a / b for a, b in zip(blocks[mode], blocks["control"], strict=True)]
-        rows.append(
-            {
-                "mode": mode,
-                "step_ms": 1e3 * statistics.median(blocks[mode]) / config.every,
-                "ratio_vs_no_probe": statistics.median(vs_none),
-                "ratio_vs_control": statistics.median(vs_control),
-                "steps": len(times[mode]),
-            }
-        )
+        rows.append({
+            "mode": mode,
+            "step_ms": 1e3 * statistics.median(blocks[mode]) / config.every,
+            "ratio_vs_no_probe": statistics.median(vs_none),
+            "ratio_vs_control": statistics.median(vs_control),
+            "steps": len(times[mode]),
+        })  # fmt: skip
     block_ms = {m: [1e3 * b / config.every for b in blocks[m]] for m in modes}
     return rows, block_ms
 
 
 def limit_checks(rows: Sequence[dict[str, Any]], backward: bool = False) -> list[dict[str, Any]]:
-    """The checks of :data:`LIMITS` (forward, or with gradients) on the rows: ``{"mode",
-    "reference", "ratio", "limit", "ok"}`` each."""
+    """The checks of :data:`LIMITS` on the rows: ``{"mode", "reference", "ratio", "limit", "ok"}`` each."""
     by_mode = {row["mode"]: row for row in rows}
     checks = []
     for prefix, reference, limit in LIMITS[backward]:
@@ -340,13 +332,9 @@ def _parser() -> argparse.ArgumentParser:
         "--autocast", default=d.autocast, choices=[a for a in AUTOCAST if a], help="train under autocast"
     )
     parser.add_argument(
-        "--compile",
-        nargs="?",
-        const="inductor",
-        default="",
-        metavar="BACKEND",
+        "--compile", nargs="?", const="inductor", default="", metavar="BACKEND",
         help="torch.compile every mode's model (backend default inductor; e.g. eager, aot_eager)",
-    )
+    )  # fmt: skip
     parser.add_argument("--figure", type=Path, help="where to write the PNG (default DIR/overhead.png)")
     parser.add_argument("--check", action="store_true", help="exit with 1 when a limit is exceeded")
     add_output_args(parser, "overhead")

@@ -43,24 +43,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--seed", type=int, default=0, help="first seed of every sweep (default 0)")
     parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        metavar="T",
+        "--threads", type=int, default=1, metavar="T",
         help="torch intra-op threads while measuring (default 1: the tiled kernels are many small ops, "
         "and on a small CPU thread hand-offs cost more than they save)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--tiny",
-        action="store_true",
+        "--tiny", action="store_true",
         help="small shapes and 2–3 seeds: runs in seconds, to check the command (verdicts mean little)",
-    )
+    )  # fmt: skip
     add_output_args(parser, "paper", files="paper.json, paper.md and the paper_*.png figures")
     parser.add_argument(
-        "--replot",
-        action="store_true",
+        "--replot", action="store_true",
         help="measure nothing: redraw the figures and paper.md from DIR/paper.json",
-    )
+    )  # fmt: skip
     return parser
 
 
@@ -81,11 +76,8 @@ def _setting_text(setting: Mapping[str, Any]) -> str:
 
 
 def claims_markdown(doc: Mapping[str, Any]) -> str:
-    """``paper.md``: the claims table, then each claim's setting, criterion and reason.
-
-    Args:
-        doc: the ``paper.json`` object (``claims``, ``command``, ``environment``, ``seconds``, ``device``).
-    """
+    """``paper.md`` of the ``paper.json`` object ``doc``: the claims table, then each claim's setting,
+    criterion and reason."""
     env = doc.get("environment", {})
     lines = [
         "# Is Flash Attention Stable? — the microbenchmark claims, measured",

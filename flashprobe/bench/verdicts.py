@@ -179,12 +179,10 @@ def _parser() -> argparse.ArgumentParser:
         "--precision", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16 (default fp32,bf16)"
     )
     p.add_argument(
-        "--kernel",
-        action="append",
-        metavar="SPEC",
+        "--kernel", action="append", metavar="SPEC",
         help=f"primary kernel spec, repeatable (default: {MODEL_KERNEL}, the models' own SDPA); e.g. "
         "tiled:preset=fa2, or a kernel --import registers (with --import lab.mutants: bug_output_truncated)",
-    )
+    )  # fmt: skip
     p.set_defaults(kernel_default=[MODEL_KERNEL])
     add_import_option(p)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")

@@ -79,13 +79,9 @@ def _compare_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run directories (holding snapshots/)")
     parser.add_argument(
-        "--pair",
-        action="append",
-        default=[],
-        type=_parse_pair,
-        metavar="NAME=RUN_A,RUN_B",
+        "--pair", action="append", default=[], type=_parse_pair, metavar="NAME=RUN_A,RUN_B",
         help="a named comparison (repeatable), e.g. flash_vs_baseline=runs/flash,runs/baseline",
-    )
+    )  # fmt: skip
     parser.add_argument("--out", default="compare", help="output directory (default: ./compare)")
     parser.add_argument("--group-depth", type=int, default=2, help="module path depth of groups; 0: none")
     parser.add_argument("--no-model", action="store_true", help="skip the whole-model distribution")
