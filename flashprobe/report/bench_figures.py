@@ -358,11 +358,10 @@ def plot_paper_tiles(rows: Sequence[Row], path: Path | str) -> Path:
                 linestyle=style,
                 label=label,
             )
-    srams = sorted({_sram(r) for r in rows if r.get("sram") is not None and r.get("variant") == "default"})
+    defaults = [r for r in rows if r.get("variant") == "default" and r.get("sram") is not None]
+    bcs = {_sram(r): r["block_k"] for r in defaults}
+    srams = sorted(bcs)
     ax_m.set_xscale("log", base=2)
-    bcs = {
-        _sram(r): r["block_k"] for r in rows if r.get("variant") == "default" and r.get("sram") is not None
-    }
     ax_m.set_xticks(srams, [f"{m}\nBc={bcs.get(m, '?')}" for m in srams], fontsize=7)
     ax_m.minorticks_off()
     ax_m.set(yscale="log", xlabel="SRAM size M (elements); Bc = ⌈M/4d⌉, Br = min(Bc, d)")
