@@ -98,8 +98,14 @@ class Interval:
         }
 
 
+class _PlainData:
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, in field order (intervals as :meth:`Interval.as_dict`)."""
+        return _plain(self)
+
+
 @dataclass(frozen=True, kw_only=True)
-class ContextRatio:
+class ContextRatio(_PlainData):
     """One context of the verdict (the seed pair, or a low-precision comparison) and the kernel pair's
     distance over its distance, replicate by replicate."""
 
@@ -122,13 +128,9 @@ class ContextRatio:
     in_rule: bool
     """Whether the rule judges it (the seed pair, and the low precision the kernel trains at)."""
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data (intervals as :meth:`Interval.as_dict`)."""
-        return _plain(self)
-
 
 @dataclass(frozen=True, kw_only=True)
-class ExtraLine:
+class ExtraLine(_PlainData):
     """A line reported beside the verdict, not part of it: the kernel pair at fp32 (``kernel_fp32``)."""
 
     distance: float
@@ -138,12 +140,9 @@ class ExtraLine:
     seed: int
     """The replicate's seed."""
 
-    def to_dict(self) -> dict[str, Any]:
-        return _plain(self)
-
 
 @dataclass(frozen=True, kw_only=True)
-class Verdict:
+class Verdict(_PlainData):
     """The study's answer and the ratios it rests on (:func:`verdict`)."""
 
     kernel_pair: str
@@ -174,10 +173,6 @@ class Verdict:
     """:data:`PASS`, :data:`LOOK_CLOSER` or :data:`UNDETERMINED`."""
     reasons: list[str]
     """Why, in words (empty for PASS)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data, in the order of the fields above (intervals as :meth:`Interval.as_dict`)."""
-        return _plain(self)
 
 
 def _plain(x: Any) -> Any:
