@@ -1,10 +1,7 @@
 """Command-line plumbing shared by the ``flashprobe bench`` commands.
 
-``add_*_args`` put the common options on an :class:`argparse.ArgumentParser` (kernel specs,
-dtypes, shapes, input distribution, seeds, output directory), ``parse_*`` turn them into
-validated objects, :func:`torch_threads` sets ``--threads`` for a measurement, and :func:`run_cli`
-runs a command so that bad input — including an unusable ``--out`` — gives exit code 2 and one
-line naming the problem and the fix, before any work.
+``add_*_args`` put the common options on a parser, ``parse_*`` turn them into validated objects, and
+:func:`run_cli` runs a command so that bad input gives exit code 2 and one line, before any work.
 """
 
 from __future__ import annotations
@@ -53,12 +50,10 @@ def add_kernel_args(
 ) -> None:
     """Add ``--kernel SPEC`` (repeatable) and, with ``baseline``, ``--baseline SPEC``."""
     parser.add_argument(
-        "--kernel",
-        action="append",
-        metavar="SPEC",
+        "--kernel", action="append", metavar="SPEC",
         help=f"primary kernel spec, repeatable (default: {' '.join(default)}); e.g. "
         "'tiled:block_k=64,stats_dtype=fp32' or 'sdpa_flash'; see `flashprobe kernels`",
-    )
+    )  # fmt: skip
     parser.set_defaults(kernel_default=list(default))
     if baseline:
         parser.add_argument(
@@ -75,17 +70,12 @@ def add_shape_args(
     head_dim: int,
     dtypes: Sequence[str] = DEFAULT_DTYPES,
 ) -> None:
-    """Add ``--dtype``, ``--batch``, ``--heads``, ``--seq-len``, ``--head-dim``, ``--causal``, ``--device``.
-
-    ``--seq-len`` takes several values when ``seq_len`` is a sequence (the command sweeps it).
-    """
+    """Add ``--dtype``, ``--batch``, ``--heads``, ``--seq-len`` (several values when ``seq_len`` is a
+    sequence), ``--head-dim``, ``--causal`` and ``--device``."""
     parser.add_argument(
-        "--dtype",
-        nargs="+",
-        default=list(dtypes),
-        metavar="DTYPE",
+        "--dtype", nargs="+", default=list(dtypes), metavar="DTYPE",
         help=f"input dtypes: bf16, fp16, fp32, fp64 (default: {' '.join(dtypes)})",
-    )
+    )  # fmt: skip
     parser.add_argument("--batch", type=int, default=batch, metavar="B", help=f"batch size (default {batch})")
     parser.add_argument("--heads", type=int, default=heads, metavar="H", help=f"heads (default {heads})")
     if isinstance(seq_len, int):
@@ -106,41 +96,27 @@ def add_input_args(parser: argparse.ArgumentParser, *, repeats: int, seed: int =
     ``--seed`` and ``--repeats``."""
     defaults = InputConfig()
     parser.add_argument(
-        "--distribution",
-        default=defaults.distribution,
-        metavar="NAME",
+        "--distribution", default=defaults.distribution, metavar="NAME",
         help="input distribution: normal (N(0,1)), uniform (U(-√3,√3)), outliers "
         "(normal with a few large entries) (default normal)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--input-scale",
-        type=float,
-        default=defaults.scale,
-        metavar="S",
+        "--input-scale", type=float, default=defaults.scale, metavar="S",
         help="multiply q, k, v by S; larger S gives larger logits (default 1)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--outlier-frac",
-        type=float,
-        default=defaults.outlier_frac,
-        metavar="P",
+        "--outlier-frac", type=float, default=defaults.outlier_frac, metavar="P",
         help=f"outliers: fraction of entries that are outliers (default {defaults.outlier_frac})",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--outlier-scale",
-        type=float,
-        default=defaults.outlier_scale,
-        metavar="X",
+        "--outlier-scale", type=float, default=defaults.outlier_scale, metavar="X",
         help=f"outliers: factor applied to outlier entries (default {defaults.outlier_scale:g})",
-    )
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=seed, help=f"first seed (default {seed})")
     parser.add_argument(
-        "--repeats",
-        type=int,
-        default=repeats,
-        metavar="R",
+        "--repeats", type=int, default=repeats, metavar="R",
         help=f"repeat over R seeds seed, seed+1, ...; rows carry the median and min/max (default {repeats})",
-    )
+    )  # fmt: skip
 
 
 def add_output_args(
@@ -153,24 +129,19 @@ def add_output_args(
 ) -> None:
     """Add ``--out DIR`` (default ``out/<name>``) and, with ``replot``, ``--replot``.
 
-    :func:`run_cli` checks ``--out`` before the command starts. ``figure`` says whether the
-    command draws ``DIR/<name>.png``, and ``files`` (default: those and ``<name>.json`` and
-    ``<name>.csv``) what it writes, for the help text.
+    ``figure`` (draws ``DIR/<name>.png``) and ``files`` (default: the JSON, CSV and figure) name the
+    files written, for the help text.
     """
     files = files or (f"{name}.json, {name}.csv and {name}.png" if figure else f"{name}.json and {name}.csv")
     parser.add_argument(
-        "--out",
-        type=output_dir_arg,
-        default=Path("out") / name,
-        metavar="DIR",
+        "--out", type=output_dir_arg, default=Path("out") / name, metavar="DIR",
         help=f"output directory for {files} (default out/{name})",
-    )
+    )  # fmt: skip
     if replot:
         parser.add_argument(
-            "--replot",
-            action="store_true",
+            "--replot", action="store_true",
             help=f"measure nothing: redraw DIR/{name}.png from the rows in DIR/{name}.json",
-        )
+        )  # fmt: skip
 
 
 def parse_kernels(specs: Iterable[str]) -> list[Kernel]:
@@ -256,10 +227,8 @@ FP64_TENSORS = 8
 def check_size(args: argparse.Namespace) -> None:
     """Refuse a shape whose tensors alone cannot fit in the device's memory, before anything is allocated.
 
-    The estimate is a floor: :data:`FP64_TENSORS` float64 tensors of ``(B, H, N, D)`` at the largest
-    ``--seq-len``, plus one block of the chunked reference attention
-    (:func:`~flashprobe.kernels.reference.reference_budget`); a kernel that materialises its scores
-    needs more.
+    The floor: :data:`FP64_TENSORS` float64 tensors of ``(B, H, N, D)`` at the largest ``--seq-len``
+    plus one block of the chunked reference attention.
 
     Raises:
         BenchArgumentError: naming the options, the estimate and the memory available.
@@ -297,21 +266,17 @@ def run_cli(
     *,
     command: str | None = None,
 ) -> int:
-    """Parse ``argv``, check ``--out``, and call ``run(args)``; bad input prints one error and returns 2.
+    """Parse ``argv``, check the size and ``--out``, and call ``run(args)``; bad input prints one error.
 
-    ``args.command_line`` is set to the equivalent shell command, for the results' metadata, and
-    ``args.out`` (when the parser has it) is created and checked with
-    :func:`~flashprobe.formats.paths.check_output_dir` before ``run`` starts (and created by the first
-    write), so a file, a path under a file or an unwritable directory fails at once instead of after
-    the measurements, and a command refused for another reason leaves nothing behind.
+    ``args.command_line`` is set to the equivalent shell command (for the results' metadata); an
+    unusable ``--out`` fails before ``run`` starts, and the directory is created by the first write.
 
     Args:
         name: the command name used in messages (``precision``).
         parser: the command's parser.
         run: the command body.
         argv: arguments (default ``sys.argv[1:]``).
-        command: how the command is typed, for ``args.command_line`` and the error line (default
-            ``flashprobe bench NAME``).
+        command: how the command is typed (default ``flashprobe bench NAME``).
 
     Returns:
         The exit code: ``run``'s, 0 for ``--help``, 2 for bad input.

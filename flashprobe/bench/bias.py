@@ -1,38 +1,13 @@
 """``flashprobe bench bias``: the biased rounding of Qiu & Yao (arXiv 2510.04212), measured.
 
-Qiu & Yao trace BF16 flash-attention loss explosions to rounding errors that do not average out:
-when several scores of a row sit at (or within ~1e-3 of) its maximum, ``exp(s − m)`` is 1 or a
-hair below for all of them, and low-precision ``P·V`` rounds them with one sign; with similar
-low-rank rows the error reaches ``δ = rowsum(dO ∘ O)`` and from there every weight gradient the
-same way, step after step. Their mitigation, where the maximum repeats, shifts the row max
-(``tiled:max_shift=repeated``).
-
-The inputs (:func:`flashprobe.fuzz.inputs.bias_inputs`, float64, cast to each dtype; the fuzzer's
-``bias_repeated_max`` case draws them too) have, per batch entry and head:
-
-* **repeated** maxima: ``ties`` keys share one key vector except for a few ulps in two
-  coordinates the queries weight equally, so their scores lie within 1e-3 below the row max
-  (exact in bf16 and fp16), the other keys ≥ 1 below; queries, values, ``dO`` and the inputs
-  ``X`` of the key projection are similar low-rank rows (a shared vector plus 10 % noise);
-* the **control**: the same construction with one key at the maximum.
-
-For each input kind, dtype and kernel, three quantities are compared with their FP64 golden:
-the output ``O``; ``δ = rowsum(dO ∘ O)`` from the kernel's ``O`` in fp32, as FlashAttention-2's
-backward does; and the weight gradient ``X_kᵀ dK`` of a key projection, with ``dK`` from the
-backward formula in float64 where only ``δ`` comes from the kernel (the path the paper follows).
-The bias statistic is :class:`flashprobe.bias.BiasStats` over all seeds: one replicate per
-(seed, batch entry, head), the signed mean error in units of the ``math`` baseline's error RMS
-(``magnitude``: positive away from zero), its ``z`` and the verdict ``biased`` at ``|z| ≥ 5``.
-Each row also gives the bias relative to the mean ``|golden|`` and its per-seed values.
-
-**Lazy rescale.** A kernel spec with ``rescale_threshold=t`` (FlashAttention-4's stale row max,
-:mod:`flashprobe.kernels.tiled`) is paired with the same spec without it: ``bias.md`` and the
-terminal give both biases side by side (``lazy_rescale`` in ``bias.json``'s metadata). With
-``P = exp(s − m)`` taken against a stale max, the near-maximal probabilities are no longer 1 or a
-hair below: whether that changes the sign-consistent rounding is what the pair measures. The
-stale max needs several key tiles (``--seq-len`` above 128, the tile size) and repeated maxima in
-a tile visited after the first (the tied keys are keys 0 … ties−1; ``fa2`` walks the tiles last to
-first).
+Where several scores of a row sit at (or just below) its maximum, low-precision ``P·V`` rounds them
+with one sign, and with similar low-rank rows the error biases ``δ = rowsum(dO ∘ O)`` and every
+weight gradient; ``tiled:max_shift=repeated`` is the mitigation. Inputs
+(:func:`flashprobe.fuzz.inputs.bias_inputs`) have ``ties`` keys at the row max (``repeated``) or one
+(``control``). Per inputs, dtype and kernel, the output, ``δ`` (fp32, from the kernel's output) and
+the key projection's weight gradient (where only ``δ`` comes from the kernel) are compared with their
+FP64 golden by :class:`flashprobe.bias.BiasStats`. A spec with ``rescale_threshold`` is paired with
+the same spec without it (``lazy_rescale`` in the metadata).
 
 Writes ``DIR/bias.json``, ``DIR/bias.csv``, ``DIR/bias.md`` and ``DIR/bias.png``.
 """
@@ -133,12 +108,10 @@ def bias_rows(
     """The bias of every kernel's output, ``δ`` and weight gradient, per input kind and dtype.
 
     Returns:
-        ``(rows, skipped)``: one row per (inputs, dtype, kernel, quantity) with ``bias`` (mean
-        signed error in units of the ``math`` baseline's error RMS, the larger-|z| component of
-        :class:`~flashprobe.bias.BiasStats`), ``component``, ``z``, ``replicates``,
-        ``bias_rel`` (the same mean relative to the mean ``|golden|``), ``seed_bias_rel`` (per
-        seed), ``seed_signs``, ``verdict`` and both components' ``*_mean``/``*_z``; and the
-        skipped kernels with the reason.
+        ``(rows, skipped)``: one row per (inputs, dtype, kernel, quantity) with ``bias`` (the signed
+        mean error of the larger-|z| ``component``, in units of the ``math`` baseline's error RMS),
+        ``z``, ``bias_rel`` (relative to the mean ``|golden|``; per seed: ``seed_bias_rel``),
+        ``verdict`` and both components' ``*_mean``/``*_z``; and the skipped kernels with the reason.
     """
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
@@ -168,9 +141,8 @@ def _measure(
     device: torch.device | str,
     skipped: list[dict[str, Any]],
 ) -> _Measured:
-    """Per kernel spec: its :class:`BiasStats` over all seeds, and per (quantity, component) the
-    signed mean error relative to the mean ``|golden|`` of each seed. Appends unavailable kernels
-    to ``skipped``."""
+    """Per kernel spec its :class:`BiasStats` over all seeds and, per (quantity, component), each seed's
+    signed mean error relative to the mean ``|golden|``; unavailable kernels go to ``skipped``."""
     baseline = get_kernel("math")
     measured: _Measured = {}
     unavailable: set[str] = set()
@@ -221,8 +193,8 @@ def _row(
 
 
 def mitigation_factors(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """``|bias(kernel)| / |bias(kernel with max_shift=repeated)|`` per inputs, dtype and quantity,
-    both of the component the kernel's row reports, with whether the kernel read biased."""
+    """``|bias(kernel)| / |bias(kernel with max_shift=repeated)|`` per inputs, dtype and quantity (of the
+    component the kernel's row reports), with whether the kernel read biased."""
     index = {(r["inputs"], r["dtype"], r["kernel"], r["quantity"]): r for r in rows}
     factors = []
     for (kind, dtype, spec, name), row in index.items():
@@ -249,9 +221,8 @@ def _lazy_key(spec: str) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], float
 
 
 def lazy_rescale_pairs(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Every kernel with ``rescale_threshold`` > 0 beside the same spec without the option, per
-    inputs, dtype and quantity: both biases of the component the eager kernel's row reports, their
-    z and verdicts."""
+    """Every kernel with ``rescale_threshold`` > 0 beside the same spec without it, per inputs, dtype and
+    quantity: both biases (of the eager row's component), their z and verdicts."""
     keyed = [((r["inputs"], r["dtype"], *_lazy_key(r["kernel"]), r["quantity"]), r) for r in rows]
     eager_rows = {(kind, dtype, spec, name): r for (kind, dtype, spec, t, name), r in keyed if not t}
     pairs = []

@@ -1,13 +1,9 @@
-"""The paper's microbenchmark claims and the criteria that turn measured numbers into verdicts.
+"""The paper's microbenchmark claims (Figs 3–6) and the criteria that turn measurements into verdicts.
 
-*Is Flash Attention Stable?* (Figs 3–6) makes six claims about FlashAttention's forward pass. Each
-``judge_*`` function here takes the numbers ``flashprobe bench paper`` measured for one claim and
-returns a :class:`Judgement`: a verdict from :data:`VERDICTS` and the reason, with the numbers. The
-thresholds are module constants and :data:`CRITERIA` states them in words, so a verdict is always
-computed from the measurements against a stated criterion, never written by hand.
-
-Deviation means ``max |flash − baseline|`` (the paper's metric) unless a claim says otherwise; the
-error ratio is ``max|flash − golden| / max|baseline − golden|`` (:mod:`flashprobe.deviation`).
+Each ``judge_*`` takes the numbers ``flashprobe bench paper`` measured for one claim and returns a
+:class:`Judgement` (a verdict from :data:`VERDICTS` and the reason); the thresholds are module
+constants, stated in words in :data:`CRITERIA`. Deviation means ``max |flash − baseline|`` unless a
+claim says otherwise; the error ratio is ``max|flash − golden| / max|baseline − golden|``.
 """
 
 from __future__ import annotations
@@ -114,12 +110,7 @@ class Spread(NamedTuple):
 
 @dataclass(frozen=True)
 class Judgement:
-    """A verdict and the reason for it.
-
-    Attributes:
-        verdict: one of :data:`VERDICTS`.
-        why: the numbers that decided it, in words.
-    """
+    """A verdict (one of :data:`VERDICTS`) and ``why``: the numbers that decided it, in words."""
 
     verdict: str
     why: str
@@ -175,11 +166,8 @@ def _ranks(values: Sequence[float]) -> list[float]:
 
 
 def rank_correlation(x: Sequence[float], y: Sequence[float]) -> float | None:
-    """Spearman's rank correlation of ``x`` and ``y`` (ties get mean ranks).
-
-    Returns:
-        A value in [−1, 1]; ``None`` when it is undefined (fewer than 2 points, or a constant
-        series).
+    """Spearman's rank correlation of ``x`` and ``y`` (ties get mean ranks); ``None`` when undefined
+    (fewer than 2 points, or a constant series).
 
     Raises:
         ValueError: ``x`` and ``y`` differ in length.
@@ -221,12 +209,8 @@ def safe_ratio(a: float | None, b: float | None) -> float | None:
 
 
 def judge_f3(deviation: Mapping[str, float]) -> Judgement:
-    """F3: the deviation falls as mantissa bits increase.
-
-    Args:
-        deviation: dtype name → deviation, ordered from the fewest to the most mantissa bits
-            (``{"bf16": …, "fp16": …, "fp32": …, "fp64": …}``).
-    """
+    """F3: the deviation falls as mantissa bits increase (``deviation``: dtype name → deviation, from
+    the fewest to the most mantissa bits)."""
     names, values = list(deviation), list(deviation.values())
     if len(values) < 2 or not _defined(*values):
         return Judgement(NOT_REPRODUCED, "fewer than two precisions were measured")
@@ -241,11 +225,8 @@ def judge_f3(deviation: Mapping[str, float]) -> Judgement:
 
 
 def judge_f4(median: float | None, lo: float | None, hi: float | None) -> Judgement:
-    """F4: flash at bf16 deviates ≈10× more from the golden value than the baseline.
-
-    Args:
-        median: the median error ratio over seeds; lo, hi: its min and max over seeds.
-    """
+    """F4: flash at bf16 deviates ≈10× more from the golden value than the baseline (the error ratio's
+    median, min and max over seeds)."""
     if not _defined(median, lo, hi):
         return Judgement(NOT_REPRODUCED, "the error ratio is undefined (no finite output compared)")
     assert median is not None and lo is not None and hi is not None
@@ -281,9 +262,9 @@ def judge_f5(
 
     Args:
         seq_lens: the sequence lengths, increasing.
-        deviation: the deviation (max |flash − baseline|) at each length.
-        relative: the flash kernel's relative error ``‖flash − golden‖/‖golden‖`` at each length;
-            outputs shrink as N grows, which the absolute deviation does not correct for.
+        deviation: the deviation at each length.
+        relative: the relative error ``‖flash − golden‖/‖golden‖`` at each length (outputs shrink as
+            N grows, which the absolute deviation does not correct for).
     """
     if len(seq_lens) < 2 or not _defined(*deviation):
         return Judgement(NOT_REPRODUCED, "fewer than two sequence lengths were measured")
@@ -299,9 +280,8 @@ def judge_f5(
 
 
 def _effect(variant: Spread | None, reference: Spread | None) -> float | None:
-    """The ratio of medians when ``variant`` deviates more than ``reference`` beyond the seeds'
-    noise (> :data:`EFFECT` more, and every seed of the variant above every seed of the
-    reference); 0.0 when it does not; ``None`` when either is missing."""
+    """The ratio of medians when ``variant`` deviates more than ``reference`` beyond the seeds' noise
+    (> :data:`EFFECT` more, every seed above every seed of the reference); 0.0 when not; None: missing."""
     if variant is None or reference is None or not _defined(*variant, *reference):
         return None
     larger = variant.median > (1 + EFFECT) * reference.median and variant.lo > reference.hi
@@ -314,17 +294,13 @@ def judge_f6a(
     default_tile: Spread | None = None,
     swapped: Spread | None = None,
 ) -> Judgement:
-    """F6a: swapping the block order gives a larger deviation.
-
-    An effect counts when the variant's median deviation is more than :data:`EFFECT` above the
-    reference's and its seeds' range lies entirely above the reference's (seed noise alone does
-    not count).
+    """F6a: swapping the block order gives a larger deviation (an effect as :func:`_effect` counts it).
 
     Args:
         forward: the deviation when the key tiles are consumed first to last.
         reordered: order name (``reverse``, ``shuffle``) → the deviation in that order.
-        default_tile: the deviation of the default tile at an SRAM size where swapping Br and Bc
-            changes Bc; swapped: the deviation with Br and Bc swapped there (``None``: not measured).
+        default_tile: the default tile's deviation at an SRAM size where swapping Br and Bc changes Bc.
+        swapped: the deviation with Br and Bc swapped there (``None``: not measured).
     """
 
     def text(name: str, variant: Spread, reference: Spread | None) -> str:
@@ -346,11 +322,7 @@ def judge_f6a(
 
 
 def judge_f6b(ratio: float | None) -> Judgement:
-    """F6b: forcing square tiles has no impact.
-
-    Args:
-        ratio: the deviation of a square tile over that of a non-square tile with the same Bc.
-    """
+    """F6b: forcing square tiles has no impact (``ratio``: square over non-square at the same Bc)."""
     if not _defined(ratio):
         return Judgement(NOT_REPRODUCED, "not measured")
     assert ratio is not None
@@ -364,12 +336,7 @@ def judge_f6b(ratio: float | None) -> Judgement:
 
 
 def judge_f6c(block_ks: Sequence[int], deviation: Sequence[float]) -> Judgement:
-    """F6c: larger tiles give a smaller deviation.
-
-    Args:
-        block_ks: the key-tile sizes Bc, increasing.
-        deviation: the deviation at each Bc.
-    """
+    """F6c: larger tiles give a smaller deviation (``deviation`` at each Bc of ``block_ks``, increasing)."""
     if len(block_ks) < 2 or not _defined(*deviation):
         return Judgement(NOT_REPRODUCED, "fewer than two tile sizes were measured")
     gain, rho, text = _trend(block_ks, deviation, falling=True)

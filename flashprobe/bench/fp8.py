@@ -1,43 +1,19 @@
 """``flashprobe bench fp8``: is FP8 attention accurate enough? Error of FP8 forward variants vs FP64.
 
-Three experiments, one command (``--part`` picks some):
+Three experiments (``--part``):
 
-1. **Error** (``part = "error"``): each variant's output against the FP64 golden value of its own
-   inputs, beside 16-bit flash (``tiled``, the ``fa2`` preset, at bf16 and fp16) and the baseline
-   (``math`` at bf16), over the paper's axes (sequence length, head dim; Fig 5's and Figs 3-4's
-   views) and over input distributions that matter for FP8 (:data:`DISTRIBUTIONS`). The FP8
-   variants take bf16 inputs, as FA3's FP8 path takes the model's bf16 activations. Each row has
-   ``rel_l2`` (``‖out − golden‖ / ‖golden‖``), ``max_abs``, ``rmse`` and ``error_ratio``: its
-   ``rel_l2`` over that of the baseline at its input dtype (``math`` in bf16, or fp16 for
-   ``flash fp16``).
-2. **P-cast collapse** (``part = "pcast"``), after *P-Cast Precision in FP8 Attention: Sink-Induced
-   Collapse and the Optimality of S = 2^8* (arXiv 2606.06521): an attention sink (key 0 with a large
-   logit) and P cast to E4M3 after a static scale S; with forward key order the sink's tile comes
-   first, the running max is the sink's logit, and the other keys' ``exp(s − m)`` underflow to zero
-   in E4M3. Rows give the fraction of non-sink P that underflows (``p_underflow``: its fp32 value is
-   positive, its E4M3 cast zero) and the output MSE against the golden value, for forward and
-   reverse order × S in {1, 16, 256, 448} × sink strength. Only P is cast (Q, K, V stay bf16), so
-   the MSE is the P cast's. The summary reports MSE(forward, S=1) / MSE(reverse, S=256) at the
-   moderate sink strength, with a 95% interval over the seeds, beside the paper's 3-10×.
-3. **Saturation** (``part = "saturation"``), after flash-attention issue 2716: FlashAttention-4's
-   lazy rescale (``tiled:rescale_threshold=t``: the row max stays stale until a tile raises it by
-   more than ``t`` powers of two) with the 2^8 offset on P (``p_scale=256``) lets ``P·256`` reach
-   ``2^(8+t)``, past E4M3's 448, where the cast saturates while the fp32 row sum keeps the full
-   value. Gaussian Q, K (logits of standard deviation ``--logit-std``), bf16, fa2 numerics in
-   reverse key order, only P cast (E4M3 at S = 1 and 256, E5M2 at S = 256) × the thresholds
-   ``--rescale-threshold`` (0: FA3, and FA4 since PR 2731; 0.75: under the bound ``log2(448) − 8``
-   of PRs 2713/2731; 4: FA4's FP8 threshold before). Rows give the fraction of P entries the cast
-   saturates (``p_saturated``: ``P·S`` above the format's largest value, by a replay of the
-   kernel's running max), the output on V = 1 against its exact value 1 (``v1_max_abs``, and
-   ``v1_mean``: the signed mean, the mass lost when negative), and the relative L2 error against
-   the golden value on gaussian V (``rel_l2``).
+* ``error``: each of :data:`VARIANTS` against the FP64 golden value of its own inputs, over N, D and
+  :data:`DISTRIBUTIONS`; ``error_ratio`` is ``rel_l2`` over that of ``math`` at the same input dtype.
+* ``pcast``: the P-cast collapse of arXiv 2606.06521: an attention sink, only P cast to E4M3 after a
+  static scale S, forward vs reverse key order; rows give ``p_underflow`` and the output ``mse``.
+* ``saturation`` (flash-attention issue 2716): lazy rescale (``tiled:rescale_threshold``) with the 2^8
+  offset on P lets ``P·S`` pass the format's largest value; rows give ``p_saturated``, the error on
+  V = 1 (``v1_max_abs``, ``v1_mean``) and ``rel_l2`` on gaussian V.
 
-Every row names its FP8 format (``fp8_qkv``, ``fp8_p``), scaling (``fp8_scaling``), P scale
-(``p_scale``), key order (``order``), rotation (``rotation``) and lazy-rescale threshold
-(``rescale_threshold``); ``-`` where a knob does not apply.
-
-Writes ``DIR/fp8.json`` (rows under ``"rows"``, the summaries under ``"summary"``), ``DIR/fp8.csv``,
-``DIR/fp8.md``, ``DIR/fp8_errors.png`` and ``DIR/fp8_pcast.png``.
+Every row names its FP8 numerics (``fp8_qkv``, ``fp8_p``, ``fp8_scaling``, ``p_scale``, ``order``,
+``rotation``, ``rescale_threshold``; ``-`` where a knob does not apply). Writes ``DIR/fp8.json`` (rows,
+and the headline numbers under ``"summary"``), ``fp8.csv``, ``fp8.md``, ``fp8_errors.png`` and
+``fp8_pcast.png``.
 """
 
 from __future__ import annotations
@@ -163,14 +139,16 @@ SATURATION_COLUMNS = [
 ]
 
 
-def _labels(spec: str, dtype: torch.dtype) -> dict[str, Any]:
-    """The row entries that name a kernel's numerics: FP8 formats, scaling, P scale, order, rotation."""
+def _row_head(part: str, label: str, spec: str, dtype: torch.dtype) -> dict[str, Any]:
+    """The first entries of a row: the experiment, the kernel, and what names its numerics (FP8
+    formats, scaling, P scale, order, rotation, lazy-rescale threshold)."""
+    row = {"part": part, "variant": label, "kernel": spec, "input_dtype": str(dtype).removeprefix("torch.")}
     kernel = get_kernel(spec)
     if kernel.name != "tiled":  # FP8 off, no key tiles
-        return {**fp8_numerics.Fp8Numerics().labels(), "order": "-", "rescale_threshold": None}
+        return row | fp8_numerics.Fp8Numerics().labels() | {"order": "-", "rescale_threshold": None}
     numerics = spec_numerics(kernel.options, dtype)
-    lazy = {"rescale_threshold": numerics.rescale_threshold}
-    return {**numerics.fp8.labels(), "order": numerics.order, **lazy}
+    lazy = {"order": numerics.order, "rescale_threshold": numerics.rescale_threshold}
+    return row | numerics.fp8.labels() | lazy
 
 
 def fp8_inputs(
@@ -179,14 +157,10 @@ def fp8_inputs(
     """Draw ``q, k, v`` in float64 from ``seed`` for one of :data:`DISTRIBUTIONS`.
 
     * ``gaussian``: every entry N(0, 1);
-    * ``outlier_channels``: gaussian, with one channel in 32 (at least one, the same for Q and K,
-      drawn by ``torch.randperm``) multiplied by :data:`OUTLIER_SCALE`, as the massive channels of
-      LLM activations;
-    * ``sink``: gaussian, plus ``√D·u`` on every query and key 0 set to ``sink_strength · u``
-      (``u`` a random unit vector), so key 0's logit is ``sink_strength · (1 + z/√D)`` for every
-      query while the others stay O(1);
-    * ``dynamic_range``: gaussian with every token (row) of Q, K and V multiplied by
-      ``2^U(-10, 2)``, twelve binades of magnitude.
+    * ``outlier_channels``: one channel in 32 of Q and K (at least one) times :data:`OUTLIER_SCALE`;
+    * ``sink``: ``√D·u`` added to every query and key 0 set to ``sink_strength · u`` (``u`` a random
+      unit vector), so key 0's logit is about ``sink_strength`` for every query;
+    * ``dynamic_range``: every row of Q, K and V times ``2^U(DYNAMIC_RANGE_LOG2)``.
 
     Returns:
         ``q, k, v``, each ``(B, H, N, D)`` float64 on the CPU.
@@ -218,22 +192,17 @@ def fp8_inputs(
 
 
 def _error_metrics(out: torch.Tensor, golden: torch.Tensor) -> dict[str, float]:
-    """``rel_l2``, ``max_abs`` and ``rmse`` of ``out`` against ``golden`` (one path: deviation_stats)."""
+    """``rel_l2``, ``max_abs``, ``rmse`` and ``nonfinite`` of ``out`` against ``golden``."""
     stats = deviation_stats(out, golden)
     rmse = math.sqrt(stats["std_abs"] ** 2 + stats["mean_abs"] ** 2)
-    return {
-        "rel_l2": stats["rel_l2"],
-        "max_abs": stats["max_abs"],
-        "rmse": rmse,
-        "nonfinite": stats["nonfinite"],
-    }
+    metrics = {"rel_l2": stats["rel_l2"], "max_abs": stats["max_abs"], "rmse": rmse}
+    return metrics | {"nonfinite": stats["nonfinite"]}
 
 
 def _run_variants(
     variants: Sequence[Variant], shape: Shape, distribution: str, seeds: Sequence[int]
 ) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
-    """One row per variant at one shape and distribution (median and min/max over the seeds), and
-    each variant's relative L2 error per seed."""
+    """One row per variant at one point (median, min/max over seeds), and each variant's rel L2 per seed."""
     per_variant: dict[str, list[dict[str, float]]] = {v.label: [] for v in variants}
     for seed in seeds:
         drawn = fp8_inputs(shape, distribution, seed)
@@ -253,9 +222,7 @@ def _run_variants(
             per_variant[variant.label].append(metrics)
     rows = []
     for variant in variants:
-        row = {"part": "error", "variant": variant.label, "kernel": variant.spec}
-        row |= {"input_dtype": str(variant.dtype).removeprefix("torch.")}
-        row |= _labels(variant.spec, variant.dtype)
+        row = _row_head("error", variant.label, variant.spec, variant.dtype)
         row |= {"distribution": distribution, **shape.as_dict(), "repeats": len(seeds)}
         rows.append(row | summarize_seeds(per_variant[variant.label]))
     return rows, {label: [m["rel_l2"] for m in seeds_] for label, seeds_ in per_variant.items()}
@@ -273,14 +240,13 @@ def error_rows(
     variants: Sequence[Variant] = VARIANTS,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[tuple[str, str, int, int], list[float]]]:
-    """The error experiment: gaussian inputs over ``seq_lens`` (at ``base_head_dim``) and over
-    ``head_dims`` (at ``base_seq_len``), and every distribution at ``(base_seq_len, base_head_dim)``.
+    """The error experiment: gaussian inputs over ``seq_lens`` and over ``head_dims``, and every
+    distribution at ``(base_seq_len, base_head_dim)``.
 
     Returns:
-        ``(rows, rel_l2)``: one row per (variant, distribution, N, D), with ``axis`` = ``seq_len``,
-        ``head_dim`` or ``distribution`` naming the sweep it belongs to (a point on several sweeps
-        is run once and listed under each); and the relative L2 errors per seed, keyed by
-        (variant, distribution, N, D).
+        ``(rows, rel_l2)``: one row per (variant, distribution, N, D) and sweep ``axis`` (``seq_len``,
+        ``head_dim`` or ``distribution``; a point on several sweeps is run once, listed under each),
+        and the rel L2 errors per seed keyed by (variant, distribution, N, D).
     """
     points: dict[tuple[str, int, int], list[str]] = {}
     for n in seq_lens:
@@ -313,20 +279,19 @@ def p_underflow(
     skip_key: int = 0,
     scale: float | None = None,
 ) -> dict[float, float]:
-    """Fraction of the P entries (all keys but ``skip_key``) that the FP8 cast turns to zero.
+    """Fraction of the P entries (all keys but ``skip_key``, the sink) that the FP8 cast turns to zero.
 
-    Replays the running max of the ``fa2`` update in ``order`` over key tiles of ``block_k``:
-    when a tile is visited, ``P = exp(s − m)`` with ``m`` the max over the tiles visited so far
-    (fp32 scores, as the kernel); an entry underflows when ``P > 0`` in fp32 but
-    ``cast_fp8(P · S) = 0``.
+    An entry underflows when ``P > 0`` in fp32 but ``cast_fp8(P · S) = 0``, with P replayed as the
+    ``fa2`` update computes it (:func:`_replayed_p`).
 
     Args:
-        q: ``(B, H, N_q, D)``; k: ``(B, H, N_k, D)`` (no mask).
+        q: ``(B, H, N_q, D)``.
+        k: ``(B, H, N_k, D)`` (no mask).
         order: ``"forward"`` or ``"reverse"``.
         p_scales: the static scales S.
         block_k: keys per tile.
         p_fp8: the format P is cast to.
-        skip_key: the key left out of the count (the sink).
+        skip_key: the key left out of the count.
         scale: softmax scale, default ``1/√D``.
 
     Returns:
@@ -353,10 +318,9 @@ def _replayed_p(
     scale: float | None,
     threshold: float = 0.0,
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """The ``P = exp(s − m)`` of each key tile ``j0 … j1-1`` as the ``fa2`` update computes it in
-    ``order``: fp32 scores, ``m`` the running max over the tiles visited so far, left stale while
-    a tile raises it by at most ``threshold`` powers of two (:func:`~flashprobe.kernels.tiled.lazy_tile_max`).
-    Yields ``(j0, j1, P (B, H, N_q, j1 − j0))``."""
+    """Yield ``(j0, j1, P)`` per key tile, ``P = exp(s − m)`` ``(B, H, N_q, j1 − j0)`` as the ``fa2``
+    update computes it in ``order``: fp32 scores, ``m`` the running max over the tiles visited so far,
+    left stale while a tile raises it by at most ``threshold`` powers of two (``lazy_tile_max``)."""
     s = (q.float() @ k.float().transpose(-2, -1)) * (scale or 1.0 / math.sqrt(q.shape[-1]))
     n_k = k.shape[-2]
     starts = list(range(0, n_k, block_k))
@@ -381,12 +345,12 @@ def p_saturation(
 ) -> dict[float, float]:
     """Fraction of the P entries whose FP8 cast saturates: ``P · S`` above the format's largest value.
 
-    Replays the running max of the ``fa2`` update with lazy rescaling at ``threshold`` (log2 units;
-    0: the max is always updated and ``P ≤ 1``) over key tiles of ``block_k`` in ``order``.
+    P is replayed by :func:`_replayed_p` with lazy rescaling at ``threshold`` (0: ``P ≤ 1``).
 
     Args:
-        q: ``(B, H, N_q, D)``; k: ``(B, H, N_k, D)`` (no mask).
-        threshold: the lazy-rescale threshold (``tiled:rescale_threshold``).
+        q: ``(B, H, N_q, D)``.
+        k: ``(B, H, N_k, D)`` (no mask).
+        threshold: the lazy-rescale threshold, log2 units (``tiled:rescale_threshold``).
         p_scales: the static scales S.
         order: ``"forward"``, ``"reverse"`` or ``"shuffle"``.
         block_k: keys per tile.
@@ -418,8 +382,8 @@ def pcast_rows(
     """The P-cast experiment: ``sink`` inputs (bf16), only P cast to E4M3, fa2 numerics.
 
     Returns:
-        ``(rows, mse)``: one row per (sink strength, order, S) with the median and min/max over the
-        seeds of ``p_underflow`` and ``mse``; and the per-seed MSEs keyed by (strength, order, S).
+        ``(rows, mse)``: one row per (sink strength, order, S) with ``p_underflow`` and ``mse`` over
+        the seeds, and the per-seed MSEs keyed by (strength, order, S).
     """
     shape = Shape(batch=1, heads=heads, seq_len=seq_len, head_dim=head_dim)
     per_seed: dict[tuple[float, str, float], list[dict[str, float]]] = {}
@@ -442,13 +406,7 @@ def pcast_rows(
     rows = []
     for (strength, order, s), values in per_seed.items():
         spec = f"tiled:p_fp8=e4m3,p_scale={s:g},order={order}"
-        row = {
-            "part": "pcast",
-            "variant": f"P e4m3, S={s:g}, {order}",
-            "kernel": spec,
-            "input_dtype": "bfloat16",
-        }
-        row |= _labels(spec, torch.bfloat16)
+        row = _row_head("pcast", f"P e4m3, S={s:g}, {order}", spec, torch.bfloat16)
         row |= {"distribution": "sink", "sink_strength": strength, **shape.as_dict(), "repeats": len(seeds)}
         rows.append(row | summarize_seeds(values))
     mse = {key: [v["mse"] for v in values] for key, values in per_seed.items()}
@@ -484,9 +442,8 @@ def saturation_rows(
     for every kernel of :func:`saturation_variants`, on V = 1 and on the gaussian V.
 
     Returns:
-        ``(rows, rel_l2)``: one row per (variant, logit std) with the median and min/max over the
-        seeds of ``p_saturated``, ``v1_max_abs``, ``v1_mean`` and ``rel_l2``; and the per-seed
-        ``rel_l2`` keyed by (variant label, logit std).
+        ``(rows, rel_l2)``: one row per (variant, logit std) with ``p_saturated``, ``v1_max_abs``,
+        ``v1_mean`` and ``rel_l2`` over the seeds, and the per-seed ``rel_l2`` keyed by (label, std).
     """
     variants = saturation_variants(thresholds)
     shape = Shape(batch=1, heads=heads, seq_len=seq_len, head_dim=head_dim)
@@ -519,8 +476,7 @@ def saturation_rows(
     rows = []
     for (label, std), values in per_seed.items():
         variant = next(v for v in variants if v.label == label)
-        row = {"part": "saturation", "variant": label, "kernel": variant.spec, "input_dtype": "bfloat16"}
-        row |= _labels(variant.spec, torch.bfloat16)
+        row = _row_head("saturation", label, variant.spec, torch.bfloat16)
         row |= {"distribution": "gaussian", "logit_std": std, **shape.as_dict(), "block_k": block_k}
         rows.append(row | {"repeats": len(seeds)} | summarize_seeds(values))
     return rows, {key: [v["rel_l2"] for v in values] for key, values in per_seed.items()}
@@ -529,10 +485,9 @@ def saturation_rows(
 def saturation_summary(
     rows: Sequence[Mapping[str, Any]], rel_l2: Mapping[tuple[str, float], Sequence[float]]
 ) -> list[dict[str, Any]]:
-    """Per logit std: the largest threshold against 0 (the max always updated), E4M3 with the 2^8
-    prescale: its saturated fraction and V = 1 error, the rel L2 error factor seed by seed (same
-    inputs, :func:`_log_interval`), and the E4M3 / E5M2 rel L2 ratio at both thresholds (issue 2716
-    compares the formats: E4M3 rounds finer, so a correct kernel has the smaller error in E4M3)."""
+    """Per logit std, E4M3 with the 2^8 prescale at the largest threshold against 0: its saturated
+    fraction and V = 1 error, the rel L2 factor seed by seed, and the E4M3 / E5M2 rel L2 ratio at both
+    thresholds (E4M3 rounds finer, so a correct kernel has the smaller error in E4M3)."""
     sat = [r for r in rows if r["part"] == "saturation"]
     thresholds = sorted({r["rescale_threshold"] for r in sat})
     if len(thresholds) < 2 or thresholds[0] != 0:
@@ -584,8 +539,7 @@ def _log_interval(ratios: Sequence[float]) -> dict[str, float]:
 def _rotation_gain(
     rows: Sequence[Mapping[str, Any]], rel_l2: Mapping[tuple[str, str, int, int], Sequence[float]], dist: str
 ) -> dict[str, Any] | None:
-    """rel L2 of ``fa3 fp8 no rotation`` over ``fa3 fp8`` on ``dist`` inputs: the medians, and the
-    ratio seed by seed (same inputs) with its interval (:func:`_log_interval`)."""
+    """rel L2 of ``fa3 fp8 no rotation`` and ``fa3 fp8`` on ``dist`` inputs, and their ratio seed by seed."""
     pick = {
         r["variant"]: r
         for r in rows
@@ -609,9 +563,8 @@ def summarize(
     moderate: float,
     rel_l2: Mapping[tuple[str, str, int, int], Sequence[float]] | None = None,
 ) -> dict[str, Any]:
-    """The headline numbers: the P-cast MSE ratio at ``moderate`` sink strength (from the per-seed
-    ``mse`` of :func:`pcast_rows`), the Hadamard rotation's error factor on outlier channels and on
-    gaussian inputs (from the per-seed ``rel_l2`` of :func:`error_rows`)."""
+    """The headline numbers: the P-cast MSE ratio at ``moderate`` sink strength (``mse`` of
+    :func:`pcast_rows`) and the Hadamard rotation's error factor (``rel_l2`` of :func:`error_rows`)."""
     summary: dict[str, Any] = {}
     fwd, rev = mse.get((moderate, "forward", 1.0)), mse.get((moderate, "reverse", 256.0))
     if fwd and rev:
@@ -670,11 +623,10 @@ def summary_lines(summary: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _markdown(doc: Mapping[str, Any]) -> str:
-    """``DIR/fp8.md``: the summary and both tables."""
-    rows = doc["rows"]
-    out = ["# flashprobe bench fp8", "", f"Command: `{doc['command']}`", ""]
-    out += [f"- {line}" for line in summary_lines(doc["summary"])]
+def _markdown(rows: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], command: str) -> str:
+    """``DIR/fp8.md``: the summary and the tables."""
+    out = ["# flashprobe bench fp8", "", f"Command: `{command}`", ""]
+    out += [f"- {line}" for line in summary_lines(summary)]
     names = ["variant", "fp8_qkv", "fp8_scaling", "fp8_p", "p_scale", "order", "rotation"]
     err = [
         "distribution",
@@ -694,7 +646,7 @@ def _markdown(doc: Mapping[str, Any]) -> str:
         ("P-cast collapse", "pcast", pcast),
         ("P saturation under lazy rescale (flash-attention issue 2716)", "saturation", saturation),
     ):
-        part_rows = [r for r in rows if r["part"] == part and (part != "error" or _first_axis(r, rows))]
+        part_rows = _listed(rows, part)
         if not part_rows:
             continue
         out += ["", f"## {title}", "", "| " + " | ".join(names + keys) + " |"]
@@ -703,11 +655,14 @@ def _markdown(doc: Mapping[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-def _first_axis(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> bool:
-    """Whether ``row`` is the first listing of its (variant, distribution, N, D) point."""
-    key = ("variant", "distribution", "seq_len", "head_dim")
-    first = next(r for r in rows if r["part"] == "error" and all(r[k] == row[k] for k in key))
-    return first is row
+def _listed(rows: Sequence[Mapping[str, Any]], part: str) -> list[Mapping[str, Any]]:
+    """The rows of ``part`` for a table: an error point listed under several axes appears once."""
+    first: dict[Any, Mapping[str, Any]] = {}
+    for i, r in enumerate(rows):
+        if r["part"] == part:
+            key = (r["variant"], r["distribution"], r["seq_len"], r["head_dim"]) if part == "error" else i
+            first.setdefault(key, r)
+    return list(first.values())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -736,70 +691,42 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--heads", type=int, default=1, metavar="H", help="heads (default 1; batch is 1)")
     parser.add_argument(
-        "--distribution",
-        nargs="+",
-        default=list(DISTRIBUTIONS),
-        metavar="NAME",
+        "--distribution", nargs="+", default=list(DISTRIBUTIONS), metavar="NAME",
         help=f"input distributions (default: {' '.join(DISTRIBUTIONS)})",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--sink-strength",
-        type=float,
-        nargs="+",
-        default=[0.0, 4.0, 8.0, 12.0, 16.0],
-        metavar="L",
+        "--sink-strength", type=float, nargs="+", default=[0.0, 4.0, 8.0, 12.0, 16.0], metavar="L",
         help="sink logits of the P-cast experiment (default 0 4 8 12 16)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--moderate-sink",
-        type=float,
-        default=MODERATE_SINK,
-        metavar="L",
+        "--moderate-sink", type=float, default=MODERATE_SINK, metavar="L",
         help=f"the sink strength of the headline ratio (default {MODERATE_SINK:g})",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--logit-std",
-        type=float,
-        nargs="+",
-        default=list(LOGIT_STDS),
-        metavar="SIGMA",
+        "--logit-std", type=float, nargs="+", default=list(LOGIT_STDS), metavar="SIGMA",
         help="standard deviations of the gaussian logits of the saturation experiment (default 0.5 1 2)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--rescale-threshold",
-        type=float,
-        nargs="+",
-        default=list(RESCALE_THRESHOLDS),
-        metavar="T",
+        "--rescale-threshold", type=float, nargs="+", default=list(RESCALE_THRESHOLDS), metavar="T",
         help="lazy-rescale thresholds of the saturation experiment, log2 units (default 0 0.75 4)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--part",
-        nargs="+",
-        default=list(PARTS),
-        choices=PARTS,
+        "--part", nargs="+", default=list(PARTS), choices=PARTS,
         help="the experiments to run (default: all: error pcast saturation)",
-    )
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
     parser.add_argument(
-        "--repeats",
-        type=int,
-        default=3,
-        metavar="R",
+        "--repeats", type=int, default=3, metavar="R",
         help="seeds of the error and saturation experiments (default 3)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--pcast-repeats",
-        type=int,
-        default=5,
-        metavar="R",
+        "--pcast-repeats", type=int, default=5, metavar="R",
         help="seeds of the P-cast experiment (at least 5 for the interval; default 5)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--tiny",
-        action="store_true",
+        "--tiny", action="store_true",
         help="a seconds-long smoke run: N 64 128, D 16 32, 1 head, 1 seed (2 for P cast), logit std 1",
-    )
+    )  # fmt: skip
     add_output_args(parser, "fp8", replot=True)
     return parser
 
@@ -868,37 +795,22 @@ def _run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     rel_l2: dict[tuple[str, str, int, int], list[float]] = {}
     mse: dict[tuple[float, str, float], list[float]] = {}
+    at_base = {"seq_len": args.base_seq_len, "head_dim": args.base_head_dim, "heads": args.heads}
+    at_base |= {"progress": progress}
     if "error" in args.part:
         rows, rel_l2 = error_rows(
-            seq_lens=sorted(set(args.seq_len)),
-            head_dims=sorted(set(args.head_dim)),
-            base_seq_len=args.base_seq_len,
-            base_head_dim=args.base_head_dim,
-            heads=args.heads,
-            distributions=args.distribution,
-            seeds=seeds,
-            progress=progress,
-        )
+            seq_lens=sorted(set(args.seq_len)), head_dims=sorted(set(args.head_dim)),
+            base_seq_len=args.base_seq_len, base_head_dim=args.base_head_dim, heads=args.heads,
+            distributions=args.distribution, seeds=seeds, progress=progress,
+        )  # fmt: skip
     if "pcast" in args.part:
-        pcast, mse = pcast_rows(
-            sink_strengths=args.sink_strength,
-            seeds=[args.seed + i for i in range(args.pcast_repeats)],
-            seq_len=args.base_seq_len,
-            head_dim=args.base_head_dim,
-            heads=args.heads,
-            progress=progress,
-        )
+        pcast_seeds = [args.seed + i for i in range(args.pcast_repeats)]
+        pcast, mse = pcast_rows(sink_strengths=args.sink_strength, seeds=pcast_seeds, **at_base)
         rows += pcast
     saturation_rel_l2: dict[tuple[str, float], list[float]] = {}
     if "saturation" in args.part:
         saturated, saturation_rel_l2 = saturation_rows(
-            logit_stds=args.logit_std,
-            thresholds=args.rescale_threshold,
-            seeds=seeds,
-            seq_len=args.base_seq_len,
-            head_dim=args.base_head_dim,
-            heads=args.heads,
-            progress=progress,
+            logit_stds=args.logit_std, thresholds=args.rescale_threshold, seeds=seeds, **at_base
         )
         rows += saturated
     seconds = time.perf_counter() - start
@@ -907,7 +819,7 @@ def _run(args: argparse.Namespace) -> int:
         summary["saturation"] = saturation_summary(rows, saturation_rel_l2)
     tables = (("error", ERROR_COLUMNS), ("pcast", PCAST_COLUMNS), ("saturation", SATURATION_COLUMNS))
     for part, columns in tables:
-        part_rows = [r for r in rows if r["part"] == part and (part != "error" or _first_axis(r, rows))]
+        part_rows = _listed(rows, part)
         if part_rows:
             print(format_table(part_rows, columns))
     for line in summary_lines(summary):
@@ -929,18 +841,11 @@ def _run(args: argparse.Namespace) -> int:
         "variants": {v.label: v.spec for v in VARIANTS},
         "saturation_variants": {v.label: v.spec for v in saturation_variants(args.rescale_threshold)},
     }
-    meta = {
-        "command": args.command_line,
-        "config": config,
-        "summary": summary,
-        "seconds": round(seconds, 2),
-        "peak_memory": peak_memory(),
-    }
+    meta = {"command": args.command_line, "config": config, "summary": summary}
+    meta |= {"seconds": round(seconds, 2), "peak_memory": peak_memory()}
     paths = write_results(args.out, "fp8", rows, meta=meta)
     paths["md"] = args.out / "fp8.md"
-    atomic_write_text(
-        paths["md"], _markdown({"rows": rows, "summary": summary, "command": args.command_line})
-    )
+    atomic_write_text(paths["md"], _markdown(rows, summary, args.command_line))
     paths |= _draw(rows, args.out)
     print(wrote_line(rows, seconds, paths))
     return 0

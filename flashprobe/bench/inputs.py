@@ -99,21 +99,8 @@ def _draw(shape: tuple[int, ...], config: InputConfig, gen: torch.Generator) -> 
 def make_inputs(
     shape: Shape, seed: int, config: InputConfig | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Draw ``q, k, v`` in float64 on the CPU from ``seed``.
-
-    One ``torch.Generator`` seeded with ``seed`` draws ``q``, then ``k``, then ``v``: ``normal``
-    is ``torch.randn``; ``uniform`` is ``(2·torch.rand − 1)·√3``; ``outliers`` is ``torch.randn``
-    followed by a ``torch.rand`` draw that picks the outlier entries. Everything is then
-    multiplied by ``config.scale``.
-
-    Args:
-        shape: the ``(B, H, N, D)`` shape.
-        seed: the generator seed.
-        config: the distribution (default: standard normal).
-
-    Returns:
-        ``q, k, v``, each ``(B, H, N, D)`` float64 on the CPU.
-    """
+    """Draw ``q, k, v``, each ``(B, H, N, D)`` float64 on the CPU, in that order from one generator
+    seeded with ``seed``, from ``config`` (default: standard normal)."""
     config = config or InputConfig()
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (_draw(shape.dims, config, gen) for _ in range(3))  # drawn in this order

@@ -1,35 +1,14 @@
 """``flashprobe bench overhead``: what the shadow probe costs a training step.
 
-A small causal transformer language model (``nn.TransformerEncoder`` layers, pre-norm, torch SDPA)
-is trained for a fixed number of steps in four **modes**, each with its own copy of the same
-initial weights, optimizer and batches:
+A tiny causal LM (:class:`TinyLM`) trains in four modes from the same weights and batches:
+``no_probe``; ``control`` (every attention call also computes the probe's references and throws them
+away: the floor any shadow pays); ``probe``; ``probe_every_N`` (comparing only every ``--every``
+steps). The modes run round-robin in a rotating order, each probe attached only for its own step;
+per block of ``--every`` rounds the step times are divided by the reference mode's, and a row has the
+median over blocks (``ratio_vs_no_probe``, ``ratio_vs_control``). :data:`LIMITS` are checked
+(``--check``: the exit code); ``--compile`` measures compiled training.
 
-* ``no_probe`` — plain training;
-* ``control`` — every attention call also computes the same reference attention(s) as the probe
-  (baseline, golden; their gradients with ``--backward``) and throws them away: the floor any
-  shadow has to pay;
-* ``probe`` — :func:`flashprobe.probing.probe` on every call;
-* ``probe_every_N`` — the probe attached throughout, comparing only at steps that are multiples of
-  ``--every`` (the step counter advanced once per step, as the callback does).
-
-**Side by side.** The modes run round-robin, one step each per round, in an order that rotates
-every round, so machine noise hits all of them alike. Probe handles are attached just for their
-own mode's step (the attach/detach is timed with it) so the other modes run untouched. Rounds are
-grouped in blocks of ``--every`` rounds (one sampling period); for each block the ratio of the
-block's total step time to the reference mode's is taken, and a row reports the median over
-blocks: ``ratio_vs_no_probe`` and ``ratio_vs_control``. ``step_ms`` is the median block mean.
-
-Limits (:data:`LIMITS`, CPU): ``probe`` ≤ 1.10 × ``control`` (the statistics cost at most 10 %;
-1.15 with ``--backward``, where four directions are compared per call) and ``probe_every_N`` ≤ 1.10
-× ``no_probe``; the checks are printed, recorded in the JSON under ``"limits"`` and, with
-``--check``, turned into the exit code.
-
-``--compile [BACKEND]`` compiles every mode's model with ``torch.compile`` (default backend
-inductor) and measures the same ratios on compiled training: the probe's graph breaks at each
-attention call are part of what it costs (warm-up rounds absorb the compilation).
-
-Writes ``DIR/overhead.json`` (rows with ``mode``, ``step_ms``, ``ratio_vs_no_probe``,
-``ratio_vs_control``, ``steps``), ``DIR/overhead.csv`` and the figure (``--figure``, default
+Writes ``DIR/overhead.json``, ``DIR/overhead.csv`` and the figure (``--figure``, default
 ``DIR/overhead.png``).
 """
 
@@ -56,9 +35,8 @@ from flashprobe.probing import Probe, ShadowAttention
 
 __all__ = ["LIMITS", "OverheadConfig", "TinyLM", "limit_checks", "main", "measure_overhead"]
 
-#: Upper limits on the overhead, ``(mode, reference, limit)`` forward (``False``) and with gradients
-#: (``True``): the mode's ratio to the reference must not exceed the limit (``probe_every`` matches
-#: ``probe_every_N``).
+#: Upper limits on a mode's ratio to a reference mode, ``(mode, reference, limit)``, forward (``False``)
+#: and with gradients (``True``); ``probe_every`` matches ``probe_every_N``.
 LIMITS: dict[bool, tuple[tuple[str, str, float], ...]] = {
     False: (("probe", "control", 1.10), ("probe_every", "no_probe", 1.10)),
     True: (("probe", "control", 1.15), ("probe_every", "no_probe", 1.10)),
@@ -112,8 +90,7 @@ class OverheadConfig:
     compile: str = ""
     """``torch.compile`` backend every mode's model is compiled with (``""``: eager)."""
     device: str = "cpu"
-    """Where the models train (``cpu``, ``cuda``, ``cuda:1``); on CUDA each step ends with a
-    synchronisation so that its wall time is the device's."""
+    """Where the models train (``cpu``, ``cuda``, ``cuda:1``)."""
     autocast: str = ""
     """Train under ``torch.autocast`` in ``bf16`` or ``fp16`` (``""``: fp32 throughout)."""
 
@@ -143,9 +120,8 @@ class OverheadConfig:
         self._check_memory(device)
 
     def _check_memory(self, device: torch.device) -> None:
-        """Refuse a model whose attention cannot fit in memory, before anything is allocated: a floor
-        of the causal mask (``N x N`` fp32) and :data:`~flashprobe.bench.args.FP64_TENSORS` float64
-        tensors of ``(B, H, N, D)`` with one reference block, as ``check_size`` estimates."""
+        """Refuse a model whose attention cannot fit in memory before anything is allocated: the causal
+        mask plus the floor of :func:`~flashprobe.bench.args.check_size`."""
         from flashprobe.bench.args import FP64_TENSORS
         from flashprobe.kernels.reference import _available_bytes, reference_budget
 
@@ -218,8 +194,7 @@ def _measure(
     optims = {m: torch.optim.AdamW(models[m].parameters(), lr=1e-3) for m in modes}
     if config.compile:
         torch._dynamo.reset()
-        # Each mode's own compiled model; the probes attach to the model inside it (warm-up rounds
-        # compile both the plain graph and the one with the probe's graph breaks).
+        # the probes attach to the model inside; warm-up rounds compile with and without them
         calls: dict[str, Callable[..., torch.Tensor]] = {
             m: torch.compile(models[m], backend=config.compile) for m in modes
         }
@@ -266,9 +241,8 @@ def _timed_step(
     step: int,
     autocast: str = "",
 ) -> float:
-    """One training step on tokens ``x (B, N)`` → targets ``y (B, N)``, with ``handle`` attached
-    just for it; returns its wall-clock seconds (attach and detach included; on CUDA up to a
-    synchronisation after the optimizer step)."""
+    """One training step on tokens ``x (B, N)`` → targets ``y (B, N)``, with ``handle`` attached just for
+    it; returns its wall-clock seconds, attach and detach included (on CUDA, synchronised)."""
     cuda = x.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(x.device)
@@ -303,22 +277,19 @@ def _summarize(
     for mode in modes:
         vs_none = [a / b for a, b in zip(blocks[mode], blocks["no_probe"], strict=True)]
         vs_control = [a / b for a, b in zip(blocks[mode], blocks["control"], strict=True)]
-        rows.append(
-            {
-                "mode": mode,
-                "step_ms": 1e3 * statistics.median(blocks[mode]) / config.every,
-                "ratio_vs_no_probe": statistics.median(vs_none),
-                "ratio_vs_control": statistics.median(vs_control),
-                "steps": len(times[mode]),
-            }
-        )
+        rows.append({
+            "mode": mode,
+            "step_ms": 1e3 * statistics.median(blocks[mode]) / config.every,
+            "ratio_vs_no_probe": statistics.median(vs_none),
+            "ratio_vs_control": statistics.median(vs_control),
+            "steps": len(times[mode]),
+        })  # fmt: skip
     block_ms = {m: [1e3 * b / config.every for b in blocks[m]] for m in modes}
     return rows, block_ms
 
 
 def limit_checks(rows: Sequence[dict[str, Any]], backward: bool = False) -> list[dict[str, Any]]:
-    """The checks of :data:`LIMITS` (forward, or with gradients) on the rows: ``{"mode",
-    "reference", "ratio", "limit", "ok"}`` each."""
+    """The checks of :data:`LIMITS` on the rows: ``{"mode", "reference", "ratio", "limit", "ok"}`` each."""
     by_mode = {row["mode"]: row for row in rows}
     checks = []
     for prefix, reference, limit in LIMITS[backward]:
@@ -361,13 +332,9 @@ def _parser() -> argparse.ArgumentParser:
         "--autocast", default=d.autocast, choices=[a for a in AUTOCAST if a], help="train under autocast"
     )
     parser.add_argument(
-        "--compile",
-        nargs="?",
-        const="inductor",
-        default="",
-        metavar="BACKEND",
+        "--compile", nargs="?", const="inductor", default="", metavar="BACKEND",
         help="torch.compile every mode's model (backend default inductor; e.g. eager, aot_eager)",
-    )
+    )  # fmt: skip
     parser.add_argument("--figure", type=Path, help="where to write the PNG (default DIR/overhead.png)")
     parser.add_argument("--check", action="store_true", help="exit with 1 when a limit is exceeded")
     add_output_args(parser, "overhead")

@@ -1,21 +1,10 @@
-"""``flashprobe bench paper``: every microbenchmark claim of the paper, measured and judged.
+"""``flashprobe bench paper``: every microbenchmark claim of the paper (F3–F6c), measured and judged.
 
-*Is Flash Attention Stable?* makes six claims about FlashAttention's forward pass (Figs 3–6: F3,
-F4, F5, F6a, F6b, F6c). This command measures each one at the setting it needs
-(:mod:`flashprobe.bench.paper_runs`), with the paper's re-implementation (``tiled:preset=paper``,
-every step in the compute dtype) and, at the same setting, the real kernels' numerics
-(``tiled:preset=fa2`` and ``sdpa_flash``; ``flash_attn`` and torch's CUDA backends on a GPU), and
-judges every claim from the numbers against a stated criterion (:mod:`flashprobe.bench.claims`).
-
-Writes, under ``--out DIR`` (default ``out/paper``):
-
-* ``paper.json``: ``{"claims": [{"id", "paper", "measured", "unit", "display", "spread",
-  "details", "setting", "criterion", "verdict", "why", "real"}, ...], "sweeps": {name: rows},
-  "settings", "skipped", "command", "environment", "seconds"}`` (non-finite numbers as ``"inf"``);
-* ``paper.md``: the claims table and, per claim, its setting, criterion and reason;
-* ``paper_length.png`` (F4, F5), ``paper_precision.png`` (F3) and ``paper_tiles.png`` (F6).
-
-``--replot`` redraws the figures and ``paper.md`` from ``paper.json`` without measuring.
+Each claim is measured at the setting it needs (:mod:`flashprobe.bench.paper_runs`) with the
+paper's re-implementation and the real kernels' numerics, and judged against a stated criterion
+(:mod:`flashprobe.bench.claims`). Writes ``paper.json`` (claims, sweeps, settings, skipped runs;
+non-finite numbers as ``"inf"``), ``paper.md`` and ``paper_{length,precision,tiles}.png``;
+``--replot`` redraws the figures and ``paper.md`` from ``paper.json``.
 """
 
 from __future__ import annotations
@@ -54,24 +43,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--seed", type=int, default=0, help="first seed of every sweep (default 0)")
     parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        metavar="T",
+        "--threads", type=int, default=1, metavar="T",
         help="torch intra-op threads while measuring (default 1: the tiled kernels are many small ops, "
         "and on a small CPU thread hand-offs cost more than they save)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--tiny",
-        action="store_true",
+        "--tiny", action="store_true",
         help="small shapes and 2–3 seeds: runs in seconds, to check the command (verdicts mean little)",
-    )
+    )  # fmt: skip
     add_output_args(parser, "paper", files="paper.json, paper.md and the paper_*.png figures")
     parser.add_argument(
-        "--replot",
-        action="store_true",
+        "--replot", action="store_true",
         help="measure nothing: redraw the figures and paper.md from DIR/paper.json",
-    )
+    )  # fmt: skip
     return parser
 
 
@@ -92,11 +76,8 @@ def _setting_text(setting: Mapping[str, Any]) -> str:
 
 
 def claims_markdown(doc: Mapping[str, Any]) -> str:
-    """``paper.md``: the claims table, then each claim's setting, criterion and reason.
-
-    Args:
-        doc: the ``paper.json`` object (``claims``, ``command``, ``environment``, ``seconds``, ``device``).
-    """
+    """``paper.md`` of the ``paper.json`` object ``doc``: the claims table, then each claim's setting,
+    criterion and reason."""
     env = doc.get("environment", {})
     lines = [
         "# Is Flash Attention Stable? — the microbenchmark claims, measured",

@@ -1,22 +1,10 @@
 """What ``flashprobe bench paper`` measures: the setting of each claim, the sweeps, the claims.
 
-Three deviation sweeps (:func:`~flashprobe.bench.sweep.deviation_sweep`, baseline ``math``, FP64
-golden) cover the six claims, each at the setting the claim needs (:class:`PaperSettings`):
-
-========== ======================================================================== ============
-sweep      what                                                                     claims
-========== ======================================================================== ============
-length     bf16, N = 512 … 8192 at Bc = 32 (T = N/Bc = 16 … 256 key tiles per row)  F4 (last N), F5
-precision  bf16, fp16, fp32, fp64 at N = 2048, Bc = 32                              F3
-tiles      bf16, N = 2048: Bc = 16 … 512 (``sram = 4·d·Bc``), Br ↔ Bc swapped,      F6a, F6b, F6c
-           key-tile orders, square vs non-square tiles of the same Bc
-========== ======================================================================== ============
-
-Every sweep runs the paper's re-implementation (``tiled:preset=paper``) beside the real kernels'
-numerics at the same setting: ``tiled:preset=fa2`` with the same tiles, and ``sdpa_flash`` (plus
-``flash_attn``, ``sdpa_efficient`` and ``sdpa_cudnn`` on a CUDA device) where the claim does not
-need tile knobs. :func:`build_claims` turns the rows into :class:`~flashprobe.bench.claims.Claim`
-records, each judged by :mod:`flashprobe.bench.claims`.
+Three deviation sweeps (baseline ``math``, FP64 golden), each at :class:`PaperSettings`: ``length``
+(bf16 over N at Bc; F4, F5), ``precision`` (every dtype; F3) and ``tiles`` (bf16 over Bc, Br ↔ Bc,
+key-tile orders, square vs narrow tiles; F6a–c). Each runs ``tiled:preset=paper`` beside the real
+kernels' numerics (``tiled:preset=fa2`` with the same tiles, and :func:`real_kernels` where the claim
+needs no tile knobs); :func:`build_claims` turns the rows into judged claims.
 """
 
 from __future__ import annotations
@@ -196,17 +184,12 @@ def run_sweeps(
     device: torch.device | str = "cpu",
     progress: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, list[dict[str, Any]]], list[dict[str, Any]]]:
-    """Run the three sweeps of ``flashprobe bench paper``.
-
-    Args:
-        settings: where each claim is measured.
-        device: where the kernels run (inputs are drawn on the CPU).
-        progress: called with a short message before each (point, dtype).
+    """Run the three sweeps of ``flashprobe bench paper`` on ``device`` (inputs drawn on the CPU).
 
     Returns:
-        ``(sweeps, skipped)``: sweep name (:data:`SWEEPS`) → its rows (each labelled with
-        ``sweep``, ``role``, ``variant`` and, for ``tiled``, the tile sizes, ``order`` and
-        ``key_tiles`` = ⌈N/Bc⌉), and the skipped runs.
+        ``(sweeps, skipped)``: sweep name (:data:`SWEEPS`) → its rows (labelled with ``sweep``,
+        ``role``, ``variant`` and, for ``tiled``, the tile sizes, ``order`` and ``key_tiles`` = ⌈N/Bc⌉),
+        and the skipped runs.
     """
     d, bc = settings.head_dim, settings.block_k
     # the length and precision sweeps: both presets at Bc, and the real kernels
@@ -264,7 +247,7 @@ def _others(rows: Sequence[Row], *, roles: Sequence[str] = ("fa2", "real")) -> d
 
 def _claim(claim_id: str, measure: Measure, paper: str, real: Mapping[str, str], **fields: Any) -> Claim:
     """Claim ``claim_id`` judged on ``measure(paper)``, with ``measure(real[kernel])`` for each real
-    kernel at the same setting; ``fields`` are the claim's ``unit``, ``setting`` and the like."""
+    kernel at the same setting; ``fields``: the other :class:`Claim` fields."""
     measured, display, judgement = measure(paper)
     readings = {}
     for kernel, arg in real.items():
@@ -435,15 +418,8 @@ def _f6c(sweep: Sequence[Row], settings: PaperSettings) -> Claim:
 
 
 def build_claims(sweeps: Mapping[str, Sequence[Row]], settings: PaperSettings) -> list[Claim]:
-    """The six claims from the rows of :func:`run_sweeps`, each judged by :mod:`~flashprobe.bench.claims`.
-
-    Args:
-        sweeps: sweep name → rows, as returned (or stored in ``paper.json``).
-        settings: the settings the sweeps ran with.
-
-    Returns:
-        Claims F3, F4, F5, F6a, F6b, F6c in that order.
-    """
+    """Claims F3, F4, F5, F6a, F6b and F6c, judged from the rows of :func:`run_sweeps` (or of
+    ``paper.json``) run with ``settings``."""
     length, precision, tiles = (sweeps.get(name, []) for name in SWEEPS)
     return [
         _f3(precision, settings),

@@ -1,18 +1,9 @@
 """``flashprobe bench precision``: deviation vs numeric precision (paper §IV, Figs 3 and 4).
 
-For each dtype (default bf16, fp16, fp32, fp64) and each primary kernel (default
-``tiled:preset=paper``, the paper's re-implementation with every step in the compute dtype, and
-``tiled``, the ``fa2`` preset with real FlashAttention-2 numerics: fp32 scores, statistics and
-accumulator), the same float64 inputs are cast to the dtype and three outputs are compared
-elementwise: primary vs baseline (Fig 3), primary vs golden and baseline vs golden (Fig 4, golden =
-baseline in float64). The **error ratio** is primary-vs-golden max over baseline-vs-golden max.
-
-Run it against the real kernel too: ``--kernel tiled --kernel sdpa_flash``. Every step of the
-re-implementation is a knob (``--kernel tiled:preset=paper,stats_dtype=fp32``); ``flashprobe bench
-paper`` measures Fig 4 at the setting where the paper's ≈10× appears.
-
-Writes ``DIR/precision.json`` (rows under ``"rows"``), ``DIR/precision.csv`` and
-``DIR/precision.png``.
+Per dtype and primary kernel (default ``tiled:preset=paper`` and ``tiled``), the same float64 inputs
+are cast and compared: primary vs baseline (Fig 3), primary vs golden and baseline vs golden (Fig 4);
+the error ratio is the primary's max error over the baseline's. Writes ``DIR/precision.json``,
+``DIR/precision.csv`` and ``DIR/precision.png``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The result files of the ``flashprobe bench`` commands, and their terminal table.
 
-:func:`write_results` writes ``DIR/<name>.json`` (rows under ``"rows"``, with the command, its
-configuration and the environment) and ``DIR/<name>.csv``, each atomically; :func:`load_results`
-reads the JSON back for ``--replot``; :func:`format_table` renders rows for the terminal.
-
-JSON follows :mod:`flashprobe.formats.jsonio`: a non-finite number (an error ratio of ``inf``
-when the baseline equals the golden value) is written as ``"inf"``/``"-inf"``/``"nan"`` and read
-back as a float; ``null`` means not recorded.
+``DIR/<name>.json`` (rows under ``"rows"``, with the command, configuration and environment) and
+``DIR/<name>.csv``, written atomically; JSON follows :mod:`flashprobe.formats.jsonio` (non-finite
+numbers as ``"inf"``/``"-inf"``/``"nan"``, ``null``: not recorded).
 """
 
 from __future__ import annotations
@@ -42,9 +38,8 @@ def environment() -> dict[str, Any]:
 
 
 def peak_memory() -> dict[str, int | None]:
-    """The process's peak memory so far, in bytes: resident set (``getrusage``, everything the
-    process touched, imports included) and, where CUDA is used, the caching allocator's peak of
-    allocated tensors on the current device."""
+    """The process's peak memory so far, in bytes: resident set (imports included) and, where CUDA is
+    used, the caching allocator's peak on the current device."""
     try:
         import resource
 
@@ -87,16 +82,9 @@ def write_results(
     meta: Mapping[str, Any] | None = None,
     skipped: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Path]:
-    """Write ``out_dir/<name>.json`` and ``out_dir/<name>.csv`` atomically.
-
-    The JSON object holds ``name``, ``environment``, the ``meta`` entries, ``rows`` and
-    ``skipped``, written by :func:`~flashprobe.formats.jsonio.write_json` (non-finite numbers as
-    ``"inf"``/``"-inf"``/``"nan"``). The CSV has one column per key seen in the rows (first-seen
-    order); missing values are empty and non-finite numbers are written as ``inf``/``nan``.
-
-    Returns:
-        ``{"json": path, "csv": path}``.
-    """
+    """Write ``out_dir/<name>.json`` (``name``, ``environment``, the ``meta`` entries, ``rows`` and
+    ``skipped``) and ``out_dir/<name>.csv`` (:func:`_csv_text`) atomically; returns their paths under
+    ``"json"`` and ``"csv"``."""
     out_dir = Path(out_dir)
     doc = {"name": name, "environment": environment(), **(meta or {}), "rows": rows, "skipped": skipped}
     paths = {"json": out_dir / f"{name}.json", "csv": out_dir / f"{name}.csv"}
@@ -106,10 +94,7 @@ def write_results(
 
 
 def read_results_json(out_dir: Path, name: str) -> tuple[Path, Any]:
-    """Read ``out_dir/<name>.json`` for ``--replot``, as :func:`~flashprobe.formats.jsonio.read_json` does.
-
-    Returns:
-        ``(path, the decoded JSON value)``.
+    """Read ``out_dir/<name>.json`` for ``--replot``; returns ``(path, the decoded JSON value)``.
 
     Raises:
         BenchArgumentError: the file is missing or is not JSON.
@@ -126,10 +111,8 @@ def read_results_json(out_dir: Path, name: str) -> tuple[Path, Any]:
 
 
 def load_results(out_dir: Path, name: str) -> dict[str, Any]:
-    """Read ``out_dir/<name>.json`` as written by :func:`write_results`.
-
-    Returns:
-        The JSON object, with the non-finite numbers of ``rows`` and ``skipped`` decoded to floats.
+    """Read ``out_dir/<name>.json`` as written by :func:`write_results`, the non-finite numbers of
+    ``rows`` and ``skipped`` decoded to floats.
 
     Raises:
         BenchArgumentError: the file is missing, is not JSON, or has no ``"rows"`` (or none).
@@ -149,22 +132,13 @@ def format_cell(value: Any) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
-        if math.isinf(value):
-            return "inf"
-        return f"{value:.3g}"
+        return "inf" if math.isinf(value) else f"{value:.3g}"
     return str(value)
 
 
 def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
-    """Render rows as an aligned text table.
-
-    Args:
-        rows: the rows; missing keys show as ``-``.
-        columns: ``(key, header)`` pairs in display order.
-
-    Returns:
-        The table, header first, without a trailing newline.
-    """
+    """Render rows as an aligned text table of ``(key, header)`` columns (missing keys show as ``-``),
+    header first, without a trailing newline."""
     cells = [[header for _, header in columns]]
     cells += [[format_cell(row.get(key)) for key, _ in columns] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]

@@ -1,12 +1,8 @@
 """``flashprobe bench seqlen``: deviation vs sequence length at a fixed tile size (paper Fig 5).
 
-The tile size stays whatever the kernel spec says (``tiled`` defaults to Br=64, Bc=128), so a
-longer sequence means more key tiles per row and more online-softmax rescalings. The default
-kernels are ``tiled:preset=paper`` (every step in the compute dtype, where the deviation grows with
-the number of tiles) and ``tiled`` (the ``fa2`` preset: fp32 statistics, where it does not). Each row
-is one (kernel, dtype, N) with the same deviation keys as ``flashprobe bench precision``.
-
-Writes ``DIR/seqlen.json`` (rows under ``"rows"``), ``DIR/seqlen.csv`` and ``DIR/seqlen.png``.
+A longer sequence means more key tiles per row, so more online-softmax rescalings. Each row is one
+(kernel, dtype, N) with the deviation keys of ``flashprobe bench precision``. Writes
+``DIR/seqlen.json``, ``DIR/seqlen.csv`` and ``DIR/seqlen.png``.
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
 """``flashprobe bench speed``: time and peak memory of attention kernels vs ``math``.
 
-**Time.** For each sequence length the inputs are drawn once; every kernel (``math`` always
-included as the reference) runs once to warm up, then ``--repeats`` rounds run the kernels one
-after the other (interleaved, so machine noise hits them alike) under
-:func:`torch.inference_mode`. A row reports the median and min/max milliseconds and
-``ratio_vs_math`` = median / math's median at the same N and dtype.
+Time: per sequence length, every kernel (``math`` always included) warms up once, then ``--repeats``
+interleaved rounds run under :func:`torch.inference_mode`; a row has the median and min/max ms and
+``ratio_vs_math``. Peak memory: each (kernel, N, dtype) runs once more in a fresh process (freed
+memory in the allocator would hide the growth), reporting ``VmHWM − VmRSS`` after resetting the peak
+through ``/proc/self/clear_refs`` (else ``ru_maxrss``). A kernel that materialises the scores is
+skipped where ``3·B·H·N²·itemsize`` exceeds ``--max-memory-gb``; skips go under ``"skipped"``.
 
-**Peak memory.** Each (kernel, N, dtype) runs once more in a fresh Python process that creates
-the inputs, resets the kernel's peak resident set size (Linux ``/proc/self/clear_refs``, value 5),
-runs one call, and reports ``VmHWM − VmRSS`` from ``/proc/self/status``: the extra memory the
-call held at its peak, which includes the ``B·H·N²`` score matrix of ``math``. A fresh process is
-needed because freed memory a previous call left in the allocator would hide the growth. Where
-``clear_refs`` is not writable the child falls back to ``ru_maxrss`` (the same number, as long as
-the call is the process's largest allocation so far).
-
-**Skipping.** A kernel that materialises the score matrix (``math``, ``sdpa_math``) is skipped at
-an N where ``3·B·H·N²·itemsize`` (scores, probabilities and their temporaries, measured peak
-≈ 3 matrices) exceeds ``--max-memory-gb`` (default: 80 % of the machine's available memory);
-the skip is printed and recorded under ``"skipped"``.
-
-Writes ``DIR/speed.json`` (rows with ``kernel``, ``seq_len``, ``dtype``, ``ms``, ``peak_mb``,
-``ratio_vs_math``), ``DIR/speed.csv`` and ``DIR/speed.png``. The JSON and CSV are rewritten after
-every sequence length with ``"complete": false``, so an interrupted sweep keeps what it measured.
+Writes ``DIR/speed.json``, ``DIR/speed.csv`` (both rewritten after every N with ``"complete":
+false``, so an interrupted sweep keeps what it measured) and ``DIR/speed.png``.
 """
 
 from __future__ import annotations
@@ -111,17 +98,8 @@ def time_kernels(
     repeats: int,
     is_causal: bool = False,
 ) -> list[list[float]]:
-    """Time kernels side by side: one warm-up call each, then ``repeats`` interleaved rounds.
-
-    Args:
-        kernels: the kernels to time.
-        q, k, v: ``(B, H, N, D)`` inputs.
-        repeats: timed calls per kernel.
-        is_causal: apply the causal mask.
-
-    Returns:
-        Per kernel, the ``repeats`` wall-clock times in milliseconds.
-    """
+    """Time kernels on ``(B, H, N, D)`` inputs: one warm-up call each, then ``repeats`` interleaved
+    rounds; returns per kernel the ``repeats`` wall-clock times in milliseconds."""
     device = q.device
     times: list[list[float]] = [[] for _ in kernels]
     with torch.inference_mode():
@@ -178,13 +156,6 @@ def peak_memory_mb(
 ) -> tuple[float, str]:
     """Peak extra resident memory of one CPU call of ``kernel``, measured in a fresh process.
 
-    Args:
-        kernel: the kernel.
-        shape: ``(B, H, N, D)``.
-        dtype: the inputs' dtype.
-        is_causal: apply the causal mask.
-        timeout: seconds before the child is abandoned.
-
     Returns:
         ``(megabytes, method)``; ``method`` names how it was measured (module docstring).
 
@@ -234,7 +205,7 @@ def speed_rows(
         seq_lens: the sequence lengths N.
         kernels: kernels to compare with ``math`` (``math`` is added first when missing).
         dtypes: the inputs' dtypes.
-        repeats: timed calls per kernel (median and min/max reported).
+        repeats: timed calls per kernel.
         seed: seed of the inputs.
         inputs: the input distribution.
         device: where the kernels run; peak memory is measured on CPU only.
@@ -242,15 +213,13 @@ def speed_rows(
         memory: measure peak memory (one fresh process per kernel, N and dtype).
         max_memory_bytes: skip :data:`MATERIALISING` kernels whose estimated peak exceeds this
             (default 80 % of available memory).
-        progress: optional callable taking a short message.
-        checkpoint: optional callable given ``(rows, skipped)`` so far after each (N, dtype), so a
-            long sweep that is interrupted still leaves its finished points behind.
+        progress: called with a short message.
+        checkpoint: given ``(rows, skipped)`` so far after each (N, dtype).
 
     Returns:
-        ``(rows, skipped)``: rows with ``kernel``, ``dtype``, ``seq_len``, ``ms``, ``ms_lo``,
-        ``ms_hi``, ``ratio_vs_math``, ``peak_mb``, ``mem_ratio_vs_math`` (None where ``math``
-        was skipped) and the shape; skipped entries with ``kernel``, ``dtype``, ``seq_len``,
-        ``reason``.
+        ``(rows, skipped)``: rows with ``ms`` (median, ``ms_lo``, ``ms_hi``), ``ratio_vs_math``,
+        ``peak_mb`` and ``mem_ratio_vs_math`` (None where ``math`` was skipped); skipped entries
+        with ``kernel``, ``dtype``, ``seq_len``, ``reason``.
     """
     device = torch.device(device)
     say = progress or (lambda _: None)

@@ -1,10 +1,7 @@
 """Deviation sweeps: primary kernels against the baseline and the FP64 golden value.
 
-:func:`compare_to_references` compares primary kernels with the baseline and the golden value on
-one set of inputs; :func:`deviation_sweep` runs that over sweep points, dtypes and seeds, and
-:func:`summarize_seeds` turns the seeds into a median and a spread. Rows use the project's
-vocabulary (:mod:`flashprobe.deviation`): ``{pair}_{stat}`` with ``pair`` in
-:data:`~flashprobe.deviation.PAIRS` and ``stat`` in :data:`STATS`, e.g. ``primary_golden_max_abs``.
+Row keys are ``{pair}_{stat}``, ``pair`` in :data:`~flashprobe.deviation.PAIRS` and ``stat`` in
+:data:`STATS` (e.g. ``primary_golden_max_abs``); :func:`summarize_seeds` gives their median and spread.
 """
 
 from __future__ import annotations
@@ -65,10 +62,8 @@ class SweepPoint:
 
 
 def check_kernel(kernel: Kernel, dtype: torch.dtype, device: torch.device | str, head_dim: int) -> str | None:
-    """Check that ``kernel`` runs at ``dtype`` on ``device`` before a long sweep starts.
-
-    Runs the kernel's own availability check and one tiny call on ``(1, 1, 4, head_dim)`` zeros,
-    so bad option values (e.g. ``tiled:loop=x``) fail at once.
+    """Check that ``kernel`` runs at ``dtype`` on ``device`` (its own check and one tiny call on zeros)
+    before a long sweep starts.
 
     Returns:
         ``None`` when it runs, else the reason it cannot run here (the sweep skips it).
@@ -121,10 +116,7 @@ def compare_to_references(
     *,
     is_causal: bool = False,
 ) -> list[dict[str, float]]:
-    """Deviation of each primary from the baseline and from the golden value, on one input.
-
-    The golden value is :func:`~flashprobe.kernels.golden_attention` of these very inputs (the
-    baseline in float64), so it measures each kernel's arithmetic, not the rounding of the inputs.
+    """Deviation of each primary from the baseline and from the golden value of these very inputs.
 
     Args:
         q: ``(B, H, N, D)`` queries, in the dtype under test.
@@ -135,10 +127,8 @@ def compare_to_references(
         is_causal: apply the causal mask.
 
     Returns:
-        One dict per primary with ``{pair}_{stat}`` for each pair of
-        :data:`~flashprobe.deviation.PAIRS` and each of :data:`STATS`, ``error_ratio``
-        (``primary_golden_max_abs / max(baseline_golden_max_abs, noise floor)``, see
-        :func:`~flashprobe.deviation.error_ratio`; ``None`` when undefined), ``primary_nonfinite``
+        One dict per primary with ``{pair}_{stat}``, ``error_ratio``
+        (:func:`~flashprobe.deviation.error_ratio`; ``None`` when undefined), ``primary_nonfinite``
         and ``baseline_nonfinite``.
 
     Raises:
@@ -146,8 +136,7 @@ def compare_to_references(
     """
     check_inputs(q, k, v, None, is_causal, kernel="bench")
     with torch.inference_mode():
-        # Both references in blocks of bounded memory (kernels.reference): a 16k-token call's
-        # scores alone would be gigabytes; the primaries are fused or tiled kernels.
+        # both references in blocks of bounded memory: a 16k-token call's scores would be gigabytes
         golden = golden_attention(q, k, v, is_causal=is_causal)
         base = reference_attention(baseline, q, k, v, is_causal=is_causal)
         base_golden = deviation_stats(base, golden)
@@ -172,16 +161,8 @@ def compare_to_references(
 
 
 def summarize_seeds(per_seed: Sequence[Mapping[str, float | None]]) -> dict[str, float | None]:
-    """Median over seeds of every metric, plus its spread.
-
-    Args:
-        per_seed: one metrics dict per seed, all with the same keys.
-
-    Returns:
-        For each key ``m``: ``m`` (median over seeds), ``m_lo`` and ``m_hi`` (min and max over
-        seeds), over the seeds where ``m`` is defined (not ``None``/NaN); ``None`` when it is
-        defined for none. Counts (keys ending in ``nonfinite``) are summed instead.
-    """
+    """Per key ``m`` of the per-seed dicts: ``m`` (median), ``m_lo`` and ``m_hi`` (min, max) over the
+    seeds where it is defined (not None/NaN; None when none); keys ending in ``nonfinite`` are summed."""
     out: dict[str, float | None] = {}
     for key in per_seed[0]:
         values = [row[key] for row in per_seed]
@@ -226,24 +207,12 @@ def deviation_sweep(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Run :func:`compare_to_references` over sweep points × dtypes × seeds.
 
-    For each point and seed the inputs are drawn once in float64 and cast to every dtype, so all
-    precisions see the same values. Kernels that cannot run at a dtype here are skipped.
-
-    Args:
-        points: the sweep points, each with its ``(B, H, N, D)`` shape and primary kernels.
-        baseline: the baseline kernel.
-        dtypes: the dtypes under test.
-        seeds: one repeat per seed.
-        inputs: the input distribution.
-        device: where the kernels run.
-        is_causal: apply the causal mask.
-        progress: called with a short message before each (point, dtype).
+    Per point and seed the inputs are drawn once in float64 and cast to every dtype; kernels that
+    cannot run at a dtype here are skipped. ``progress`` is called before each (point, dtype).
 
     Returns:
-        ``(rows, skipped)``: one row per (point, primary, dtype) with the point's and primary's
-        labels, ``dtype``, ``baseline``, the shape, ``causal``, the input distribution,
-        ``repeats`` and the :func:`summarize_seeds` metrics; and one ``{..., "reason"}`` entry per
-        skipped run.
+        ``(rows, skipped)``: one row per (point, primary, dtype) with the labels, the setting and the
+        :func:`summarize_seeds` metrics; one ``{..., "reason"}`` entry per skipped run.
 
     Raises:
         BenchArgumentError: a kernel spec has invalid option values.

@@ -1,11 +1,8 @@
 """The pipeline shared by the deviation-sweep commands ``precision``, ``seqlen`` and ``tiles``.
 
-A command is a :class:`SweepCommand`: its name, table columns, the line printed per skipped run,
-the figure that draws its rows, whether it reports progress, and a ``plan`` function that turns
-the parsed arguments into a :class:`SweepPlan` (sweep points, sort order, its configuration
-entries). :func:`run_sweep_command` does the rest, the same way for every command: ``--replot``,
-the shared options (:class:`SweepSetup`), the timed :func:`~flashprobe.bench.sweep.deviation_sweep`,
-the table, the skipped runs, ``DIR/<name>.json`` and ``.csv`` and ``DIR/<name>.png``.
+A command is a :class:`SweepCommand` whose ``plan`` turns the parsed arguments into a
+:class:`SweepPlan`; :func:`run_sweep_command` does the rest the same way for each: ``--replot``, the
+shared options, the timed sweep, the table, the skipped runs, and the JSON, CSV and figure.
 """
 
 from __future__ import annotations
@@ -47,24 +44,19 @@ Row = Mapping[str, Any]
 
 @dataclass(frozen=True, kw_only=True)
 class SweepSetup:
-    """The options every deviation sweep shares, parsed and validated (:func:`parse_setup`)."""
+    """The options every deviation sweep shares (``--kernel``, ``--baseline``, ``--dtype`` in the order
+    given, ``--causal``, ...), parsed and validated (:func:`parse_setup`)."""
 
     shape: Shape
     """``(B, H, N, D)``; with several ``--seq-len`` values, N is the smallest."""
     kernels: list[Kernel]
-    """The ``--kernel`` specs."""
     baseline: Kernel
-    """The ``--baseline`` spec."""
     dtypes: list[torch.dtype]
-    """The ``--dtype`` values, in the order given."""
     seeds: list[int]
     """``--seed`` … ``--seed + --repeats − 1``."""
     inputs: InputConfig
-    """The input distribution."""
     device: torch.device
-    """Where the kernels run."""
     is_causal: bool
-    """``--causal``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,8 +82,7 @@ class SweepCommand:
     plan: Callable[[argparse.Namespace, SweepSetup], SweepPlan]
     """Builds the sweep from the parsed arguments; raises ``BenchArgumentError`` on bad input."""
     figure: str
-    """Name of the :mod:`flashprobe.report.bench_figures` function that draws the rows
-    (imported only when drawing: matplotlib is slow to import)."""
+    """Name of the :mod:`flashprobe.report.bench_figures` function that draws the rows."""
     skipped_line: str = "skipped {kernel} at {dtype}: {reason}"
     """Line printed per skipped run, formatted with the skipped entry's keys."""
     progress: bool = False
@@ -99,8 +90,7 @@ class SweepCommand:
 
 
 def parse_setup(args: argparse.Namespace) -> SweepSetup:
-    """The :class:`SweepSetup` from the options of ``add_kernel_args``, ``add_shape_args`` and
-    ``add_input_args`` (:mod:`flashprobe.bench.args`).
+    """The :class:`SweepSetup` from the options of the ``add_*_args`` of :mod:`flashprobe.bench.args`.
 
     Raises:
         BenchArgumentError: a bad shape, kernel spec, dtype, repeat count, distribution or device.
@@ -122,20 +112,14 @@ def parse_setup(args: argparse.Namespace) -> SweepSetup:
 
 
 def _draw(command: SweepCommand, rows: Sequence[Row], path: Path) -> Path:
-    from flashprobe.report import bench_figures
+    from flashprobe.report import bench_figures  # matplotlib is slow to import: only when drawing
 
     return getattr(bench_figures, command.figure)(rows, path)
 
 
 def run_sweep_command(command: SweepCommand, args: argparse.Namespace) -> int:
-    """Run a deviation-sweep command on its parsed arguments; returns the exit code.
-
-    With ``--replot`` only redraws ``DIR/<name>.png`` from ``DIR/<name>.json``. Otherwise parses
-    the shared options, runs the command's plan through
-    :func:`~flashprobe.bench.sweep.deviation_sweep`, prints the table and the skipped runs, and
-    writes the results and the figure (``args.out`` was checked by
-    :func:`~flashprobe.bench.args.run_cli`).
-    """
+    """Run a deviation-sweep command on its parsed arguments (``--replot``: only redraw the figure from
+    the JSON); returns the exit code."""
     png = args.out / f"{command.name}.png"
     if args.replot:
         doc = load_results(args.out, command.name)

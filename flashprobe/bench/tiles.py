@@ -1,24 +1,11 @@
 """``flashprobe bench tiles``: deviation vs tile size, block order and tile shape (paper Fig 6).
 
-Tile sizes follow the paper: for an on-chip memory of ``M`` elements, ``Bc = ⌈M/4d⌉`` keys and
-``Br = min(⌈M/4d⌉, d)`` queries per tile. The sweep runs one kernel (default
-``tiled:preset=paper``, the paper's re-implementation; the ``fa2`` preset's deviation does not
-depend on the tiles) over several ``M`` (so over block areas ``Br·Bc``) in these variants:
-
-=========  ===================================================================================
-variant    kernel options added to the spec
-=========  ===================================================================================
-default    ``sram=M``
-swapped    ``sram=M,swap_blocks=true``: Br and Bc exchanged (Fig 6a, block order swapped)
-square     ``sram=M,square=true``: Br = Bc = min(Br, Bc) (Fig 6b)
-loop_q     ``sram=M,loop=q``: outer loop over query tiles (FlashAttention-1 loop order)
-reverse    ``sram=M,order=reverse``: key tiles consumed last to first (Fig 6a, block order)
-shuffle    ``sram=M,order=shuffle``: key tiles consumed in a random order (seed 0)
-=========  ===================================================================================
-
-Each row is one (variant, M, dtype) with ``block_q``, ``block_k``, ``block_area`` and the
-deviation keys of ``flashprobe bench precision``. Writes ``DIR/tiles.json`` (rows under
-``"rows"``), ``DIR/tiles.csv`` and ``DIR/tiles.png``.
+For an on-chip memory of ``M`` elements, ``Bc = ⌈M/4d⌉`` and ``Br = min(⌈M/4d⌉, d)``. One kernel
+(default ``tiled:preset=paper``) runs over several ``M`` in the variants of :data:`VARIANTS`
+(``default``: ``sram=M``; ``swapped``: Br ↔ Bc; ``square``: Br = Bc; ``loop_q``: outer loop over
+query tiles; ``reverse`` and ``shuffle``: key-tile order). Each row is one (variant, M, dtype) with
+``block_q``, ``block_k``, ``block_area`` and the deviation keys. Writes ``DIR/tiles.json``,
+``DIR/tiles.csv`` and ``DIR/tiles.png``.
 """
 
 from __future__ import annotations
@@ -95,17 +82,9 @@ def _tile_kernel(base: Kernel, head_dim: int, variant: str, sram: int) -> Primar
 
 
 def tile_kernels(base: Kernel, head_dim: int, srams: Sequence[int], variants: Sequence[str]) -> list[Primary]:
-    """The kernels of the sweep: ``base`` with ``sram=M`` and each variant's options.
-
-    Args:
-        base: the kernel to vary, ``tiled`` or a kernel with the same tile options.
-        head_dim: d, which with ``M`` fixes the tile sizes.
-        srams: the SRAM sizes M (elements).
-        variants: names from :data:`VARIANTS`.
-
-    Returns:
-        One :class:`~flashprobe.bench.sweep.Primary` per (variant, M), labelled with
-        ``variant``, ``sram``, ``block_q``, ``block_k``, ``block_area`` and ``kernel``.
+    """The kernels of the sweep: ``base`` (``tiled``, or a kernel with its tile options) with ``sram=M``
+    for each SRAM size and the options of each of ``variants``, one labelled
+    :class:`~flashprobe.bench.sweep.Primary` per (variant, M).
 
     Raises:
         BenchArgumentError: unknown variant, a base kernel without tile options, a base spec
@@ -133,20 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_kernel_args(parser, default=["tiled:preset=paper"])
     add_shape_args(parser, batch=1, heads=2, seq_len=1024, head_dim=64)
     parser.add_argument(
-        "--sram",
-        type=int,
-        nargs="+",
-        metavar="M",
+        "--sram", type=int, nargs="+", metavar="M",
         help="SRAM sizes M in elements; Bc = ⌈M/4d⌉, Br = min(Bc, d) "
         f"(default: 4·d·Bc for Bc in {' '.join(map(str, DEFAULT_BLOCK_K))})",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--variants",
-        nargs="+",
-        default=list(VARIANTS),
-        metavar="NAME",
+        "--variants", nargs="+", default=list(VARIANTS), metavar="NAME",
         help=f"variants to run (default: {' '.join(VARIANTS)})",
-    )
+    )  # fmt: skip
     add_input_args(parser, repeats=3)
     add_output_args(parser, "tiles", replot=True)
     return parser

@@ -1,20 +1,9 @@
-"""Tiny random-init models of real model classes, each with a batch for every step: the models that
-``flashprobe bench verdicts`` calibrates the verdict on and that the integration tests probe, built in
-one place.
+"""Tiny random-init models of real model classes, each with a batch for every step.
 
-Builders (each seeds torch's global generator with ``seed`` first, as the weights' initialisation
-draws from it, and takes keyword overrides of the model's config):
-
-- transformers (the ``integration`` extra): :func:`gpt2`, :func:`llama` (grouped-query attention),
-  :func:`bert` (attention dropout 0, so its gradients are judged), :func:`vit`;
-- diffusers (the ``integration`` extra): :func:`unet` (``UNet2DConditionModel``, self- and
-  cross-attention), :func:`dit` (``DiTTransformer2DModel``), :func:`pixart`
-  (``PixArtTransformer2DModel``);
-- :func:`t2i`: the embedded :class:`~flashprobe.t2i.model.TextToImageDiT`, which needs nothing.
-
-The third-party packages are imported when a model is built. :data:`MODELS` maps the calibration's
-model names to a builder of :class:`TinyModel`: the model, its batch of each step and the tensor to
-train on.
+``flashprobe bench verdicts`` calibrates the verdict on them and the integration tests probe them.
+Each builder seeds torch's global generator with ``seed`` and takes keyword overrides of the model's
+config; transformers and diffusers (the ``integration`` extra) are imported when a model is built.
+:data:`MODELS` maps the calibration's model names to a builder of :class:`TinyModel`.
 """
 
 from __future__ import annotations
@@ -65,12 +54,8 @@ class TinyModel(NamedTuple):
 
 
 def tokens(step: int, *, left_pad: bool = False) -> dict[str, torch.Tensor]:
-    """The batch of ``step``: ``input_ids (2, TOKENS)`` drawn from a generator seeded by the step.
-
-    Args:
-        step: the step; the same step gives the same tokens.
-        left_pad: also return ``attention_mask (2, TOKENS)`` with the first sequence left-padded by 3.
-    """
+    """The batch of ``step``: ``input_ids (2, TOKENS)`` drawn from a generator seeded by the step; with
+    ``left_pad``, also ``attention_mask (2, TOKENS)`` with the first sequence left-padded by 3."""
     gen = torch.Generator().manual_seed(step)
     batch = {"input_ids": torch.randint(1, VOCAB, (2, TOKENS), generator=gen)}
     if left_pad:
@@ -115,13 +100,8 @@ def sample(out: Any) -> torch.Tensor:
 
 
 def gpt2(attn_implementation: str = "sdpa", *, seed: int = 0, **config: Any) -> nn.Module:
-    """A 2-layer ``GPT2LMHeadModel`` (width 32, 4 heads), attention dropout 0.
-
-    Args:
-        attn_implementation: transformers' attention (``sdpa``, ``eager``, a registered name).
-        seed: seeds torch's global generator before the weights are drawn.
-        **config: overrides of ``GPT2Config`` fields (e.g. ``attn_pdrop``, ``resid_pdrop``).
-    """
+    """A 2-layer ``GPT2LMHeadModel`` (width 32, 4 heads), attention dropout 0, on transformers'
+    ``attn_implementation``; ``config`` overrides ``GPT2Config`` fields."""
     import transformers
 
     fields = {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": VOCAB, "n_positions": 16,
@@ -132,13 +112,8 @@ def gpt2(attn_implementation: str = "sdpa", *, seed: int = 0, **config: Any) -> 
 
 
 def llama(attn_implementation: str = "sdpa", *, seed: int = 0, **config: Any) -> nn.Module:
-    """A 2-layer ``LlamaForCausalLM`` (width 32, 4 query heads sharing 2 key/value heads).
-
-    Args:
-        attn_implementation: transformers' attention (``sdpa``, ``flex_attention``, a registered name).
-        seed: seeds torch's global generator before the weights are drawn.
-        **config: overrides of ``LlamaConfig`` fields.
-    """
+    """A 2-layer ``LlamaForCausalLM`` (width 32, 4 query heads sharing 2 key/value heads) on
+    transformers' ``attn_implementation``; ``config`` overrides ``LlamaConfig`` fields."""
     import transformers
 
     fields = {**_SMALL, "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": 32,
@@ -149,12 +124,8 @@ def llama(attn_implementation: str = "sdpa", *, seed: int = 0, **config: Any) ->
 
 
 def bert(*, seed: int = 0, **config: Any) -> nn.Module:
-    """A 2-layer ``BertModel`` (width 32, 4 heads) on SDPA, attention dropout 0.
-
-    Args:
-        seed: seeds torch's global generator before the weights are drawn.
-        **config: overrides of ``BertConfig`` fields (e.g. ``attention_probs_dropout_prob``).
-    """
+    """A 2-layer ``BertModel`` (width 32, 4 heads) on SDPA, attention dropout 0; ``config`` overrides
+    ``BertConfig`` fields."""
     import transformers
 
     fields = {**_SMALL, "vocab_size": VOCAB, "max_position_embeddings": 32,
@@ -164,12 +135,8 @@ def bert(*, seed: int = 0, **config: Any) -> nn.Module:
 
 
 def vit(*, seed: int = 0, **config: Any) -> nn.Module:
-    """A 2-layer ``ViTModel`` (width 32, 4 heads) on SDPA, for ``(B, 3, 16, 16)`` images in 4x4 patches.
-
-    Args:
-        seed: seeds torch's global generator before the weights are drawn.
-        **config: overrides of ``ViTConfig`` fields.
-    """
+    """A 2-layer ``ViTModel`` (width 32, 4 heads) on SDPA, for ``(B, 3, 16, 16)`` images in 4x4 patches;
+    ``config`` overrides ``ViTConfig`` fields."""
     import transformers
 
     fields = {**_SMALL, "image_size": 16, "patch_size": 4}
@@ -184,11 +151,7 @@ def vit_batch(step: int) -> dict[str, torch.Tensor]:
 
 def unet(*, seed: int = 0) -> nn.Module:
     """A diffusers ``UNet2DConditionModel`` for ``(B, 4, 8, 8)`` latents: one cross-attention down
-    block and one up block (8 attention sites, self- ``attn1`` and cross- ``attn2``), text width 16.
-
-    Args:
-        seed: seeds torch's global generator before the weights are drawn.
-    """
+    block and one up block (8 attention sites, self- ``attn1`` and cross- ``attn2``), text width 16."""
     import diffusers
 
     torch.manual_seed(seed)
@@ -213,11 +176,7 @@ def unet_batch(step: int) -> dict[str, torch.Tensor]:
 
 def dit(*, seed: int = 0) -> nn.Module:
     """A 2-block diffusers ``DiTTransformer2DModel`` (2 heads of 8) for ``(B, 4, 8, 8)`` latents and
-    10 class labels.
-
-    Args:
-        seed: seeds torch's global generator before the weights are drawn.
-    """
+    10 class labels."""
     import diffusers
 
     torch.manual_seed(seed)
@@ -239,11 +198,7 @@ def dit_batch(step: int) -> dict[str, torch.Tensor]:
 
 def pixart(*, seed: int = 0) -> nn.Module:
     """A 2-block diffusers ``PixArtTransformer2DModel`` (2 heads of 8; self- and cross-attention to
-    captions of width 12) for ``(B, 4, 8, 8)`` latents.
-
-    Args:
-        seed: seeds torch's global generator before the weights are drawn.
-    """
+    captions of width 12) for ``(B, 4, 8, 8)`` latents."""
     import diffusers
 
     torch.manual_seed(seed)
@@ -255,11 +210,7 @@ def pixart(*, seed: int = 0) -> nn.Module:
 
 def t2i(*, seed: int = 0) -> TinyModel:
     """The embedded text-to-image DiT at its default size, with padded captions; trained to regress
-    towards 0.5 (it starts as the zero function, adaLN-Zero, so its gradients flow).
-
-    Args:
-        seed: seeds torch's global generator before the weights are drawn.
-    """
+    towards 0.5 (it starts as the zero function, adaLN-Zero, so its gradients flow)."""
     from flashprobe.t2i.model import TextToImageDiT
 
     torch.manual_seed(seed)

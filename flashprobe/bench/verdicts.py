@@ -1,37 +1,13 @@
 """``flashprobe bench verdicts``: what the verdict's rule reads on correct kernels in training.
 
-The calibration of the probe's verdict (the rule of :mod:`flashprobe.judge`): third-party model
-classes and the project's own text-to-image DiT, built from tiny random-init configs, are trained
-with AdamW for ``--steps`` steps under :func:`flashprobe.probing.probe` (``backward=True``) with
-**torch's own SDPA** as the kernel (what the models call; on this CPU the fused flash kernel where
-it applies), in float32 and under bf16 or fp16 autocast. Each row reports, per direction (``out``,
-``dq``, ``dk``, ``dv``), the verdict's statistic (``limit_ratio``: the worst call's largest
-statistic / limit over the criteria; > 1 fails), the largest relative L2 error ratio to the baseline
-of any call at any site, the number of judged, failed and undetermined calls; beside it, the largest
-per-call ratio of maxima (``max_call_error_ratio``, the 2x rule's statistic), to show how much
-noisier that is. A correct kernel must never fail; the margin to 1 is what the rule leaves for noise.
-
-Next to the counts, each row reports the judgements that were ``undetermined`` (calls ×
-directions), their share of all judgements and their reasons (``ill_conditioned``: the baseline's
-own error too large a share of the golden's size; ``unrepresentable``: the golden outside the
-dtype's range), and the run's signed **bias** (:mod:`flashprobe.bias`): per direction the largest
-mean over the sites (in units of the baseline's error RMS) and the verdict's largest ``|z|`` (the
-mean's excess over the tolerance, with its sign), and how many (site, direction) pairs read
-``biased`` (``|z| ≥ 5``); a biased pair fails the row as a failed call does.
-
-``--kernel SPEC`` (repeatable; default ``model``: the models' own SDPA) makes a kernel spec the
-primary (the probe's ``primary``): any registered kernel (``--import MODULE`` registers a user's),
-e.g. with ``--import lab.mutants`` from the repository's root, a mutant of the project's suite by
-its registered name ``bug_<name>`` (e.g. ``bug_output_truncated``, the output rounded toward zero,
-which no per-call rule can see but the bias does) or a correct one ``ok_<name>``. Each kernel gets
-its rows.
-
-Models (``--models``): ``gpt2``, ``llama`` (grouped-query attention, left padding), ``bert``
-(padding, attention dropout 0 so gradients are judged), ``vit``, ``unet`` (diffusers
-``UNet2DConditionModel``, self- and cross-attention), ``dit`` (diffusers ``DiTTransformer2DModel``)
-need the ``integration`` extra (transformers, diffusers); ``t2i`` (the embedded
-:class:`~flashprobe.t2i.model.TextToImageDiT`) needs nothing. They are built, tiny and random-init,
-by :mod:`flashprobe.bench.tiny_models`, which the integration tests share.
+The probe's calibration: tiny random-init models (:mod:`flashprobe.bench.tiny_models`; all but
+``t2i`` need the ``integration`` extra) train with AdamW for ``--steps`` steps under
+:func:`flashprobe.probing.probe` (``backward=True``), in float32 and under bf16/fp16 autocast, with
+torch's own SDPA as the kernel or each ``--kernel SPEC`` (``--import MODULE`` registers a user's,
+e.g. ``--import lab.mutants`` for the planted bugs). Each row gives, per direction, ``limit_ratio``
+(> 1 fails), the largest error ratio, the judged, failed and undetermined calls (with their reasons),
+the per-call ratio of maxima for comparison, and the run's signed bias (:mod:`flashprobe.bias`).
+A correct kernel must never fail; the margin to 1 is what the rule leaves for noise.
 
 Writes ``DIR/verdicts.json`` and ``DIR/verdicts.csv``; ``--check`` exits 1 when a call failed or a
 site read biased.
@@ -70,16 +46,9 @@ _PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat
 def calibrate(
     model_name: str, precision: str, steps: int, seed: int = 0, kernel: str | None = None
 ) -> dict[str, Any]:
-    """Train one model under the probe and return its row (see the module docstring).
-
-    Args:
-        model_name: a :data:`MODELS` name.
-        precision: ``fp32``, ``bf16`` or ``fp16``.
-        steps: AdamW steps.
-        seed: the model's initialisation seed.
-        kernel: the primary's kernel spec (None: the model's own torch SDPA); mutants of the suite
-            must be registered first (``import lab.mutants``).
-    """
+    """Train the :data:`MODELS` model ``model_name`` for ``steps`` AdamW steps at ``precision`` (fp32,
+    bf16, fp16) under the probe, with ``kernel`` as the primary (None: the model's own SDPA); returns
+    its row (see the module docstring)."""
     from flashprobe.probing import probe
 
     model, batch, output = MODELS[model_name](seed=seed)
@@ -99,8 +68,7 @@ def calibrate(
             opt.zero_grad(set_to_none=True)
             with torch.autocast("cpu", dtype=low or torch.bfloat16, enabled=low is not None):
                 out = output(model(**batch(step)))
-            # fp16 gradients underflow without loss scaling: a static scale, as fp16 training uses
-            # (the rule's statistics are ratios, so the scale needs no undoing)
+            # a static loss scale for fp16 (the rule's statistics are ratios: nothing to undo)
             (out.float().square().mean() * _LOSS_SCALE.get(precision, 1.0)).backward()
             opt.step()
             if step % 50 == 49 or step == steps - 1:  # read and reset: bounded reads, as the callback
@@ -132,9 +100,8 @@ def calibrate(
 
 
 def _bias(stats: dict[str, Any]) -> dict[str, Any]:
-    """Per direction the verdict's signed ``z`` of the largest ``|z|`` over the sites and the largest
-    mean (either component, in units of the baseline's error RMS; None before any replicate), the
-    (site, direction) pairs that read biased, and the largest replicate count."""
+    """Per direction the signed bias ``z`` and mean of the largest magnitude over the sites (None before
+    any replicate), the (site, direction) pairs that read biased, and the largest replicate count."""
     row: dict[str, Any] = {}
     biased: list[str] = []
     replicates = 0
@@ -212,12 +179,10 @@ def _parser() -> argparse.ArgumentParser:
         "--precision", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16 (default fp32,bf16)"
     )
     p.add_argument(
-        "--kernel",
-        action="append",
-        metavar="SPEC",
+        "--kernel", action="append", metavar="SPEC",
         help=f"primary kernel spec, repeatable (default: {MODEL_KERNEL}, the models' own SDPA); e.g. "
         "tiled:preset=fa2, or a kernel --import registers (with --import lab.mutants: bug_output_truncated)",
-    )
+    )  # fmt: skip
     p.set_defaults(kernel_default=[MODEL_KERNEL])
     add_import_option(p)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")

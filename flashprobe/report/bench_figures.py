@@ -1,10 +1,8 @@
 """Figures of the ``flashprobe bench`` commands, one PNG per paper figure.
 
-Each ``plot_*`` function takes the rows a bench command wrote (the ``"rows"`` of its JSON) and
-saves one PNG atomically. Figures are drawn with matplotlib's object-oriented API on the Agg
-canvas, so plotting never touches pyplot's global state or needs a display. Deviations span
-decades, so their axes are logarithmic; a zero deviation (bitwise identical outputs) cannot sit
-on a log axis and is drawn as a hollow marker on the bottom edge, labelled "= 0".
+Each ``plot_*`` takes the rows a bench command wrote and saves one PNG atomically (matplotlib's
+object-oriented API on the Agg canvas). Deviation axes are logarithmic; a zero deviation is drawn as
+a hollow marker on the bottom edge, labelled "= 0".
 """
 
 from __future__ import annotations
@@ -66,9 +64,15 @@ def _finite_pos(x: Any) -> bool:
     return isinstance(x, int | float) and math.isfinite(x) and x > 0
 
 
-def _bound(value: Any, default: float) -> float:
-    """An error-bar end: ``value`` when it is a finite number other than 0, else ``default``."""
-    return value if isinstance(value, int | float) and math.isfinite(value) and value else default
+def _yerr(row: Row, key: str) -> tuple[float, float]:
+    """The error bar of ``row[key]``: its distances down to ``{key}_lo`` and up to ``{key}_hi`` (0 where
+    an end is missing, zero or not finite)."""
+
+    def end(value: Any) -> float:
+        return value if isinstance(value, int | float) and math.isfinite(value) and value else y
+
+    y = row[key]
+    return max(y - end(row.get(f"{key}_lo")), 0.0), max(end(row.get(f"{key}_hi")) - y, 0.0)
 
 
 def _plot_series(
@@ -87,9 +91,8 @@ def _plot_series(
         px = [x for x, _ in pts]
         py = [r[key] for _, r in pts]
         if spread and all(f"{key}_lo" in r for _, r in pts):
-            lo = [max(y - _bound(r[f"{key}_lo"], y), 0.0) for y, (_, r) in zip(py, pts, strict=True)]
-            hi = [max(_bound(r[f"{key}_hi"], y) - y, 0.0) for y, (_, r) in zip(py, pts, strict=True)]
-            ax.errorbar(px, py, yerr=[lo, hi], capsize=3, **style)
+            yerr = list(zip(*(_yerr(r, key) for _, r in pts), strict=True))  # (2, len(pts))
+            ax.errorbar(px, py, yerr=yerr, capsize=3, **style)
         else:
             ax.plot(px, py, **style)
     zeros = [x for x, r in zip(xs, rows, strict=True) if r.get(key) == 0]
@@ -108,18 +111,11 @@ def _plot_series(
 
 
 def plot_precision(rows: Sequence[Row], path: Path | str) -> Path:
-    """Paper Figs 3 and 4 from ``flashprobe bench precision`` rows.
+    """Paper Figs 3 and 4 from ``flashprobe bench precision`` rows; returns ``path``.
 
-    Left (Fig 3): max and mean ``|primary − baseline|`` per dtype, ordered by mantissa bits.
-    Right (Fig 4): max deviation from the FP64 golden value of the baseline and of each primary
-    kernel, with the error ratio written above each primary's bar.
-
-    Args:
-        rows: rows with ``kernel``, ``dtype`` and the deviation keys.
-        path: where the PNG goes.
-
-    Returns:
-        ``path``.
+    Left (Fig 3): max and mean ``|primary − baseline|`` per dtype, ordered by mantissa bits. Right
+    (Fig 4): max deviation from the FP64 golden value of the baseline and of each primary, with the
+    error ratio above each primary's bar.
     """
     dtypes = _dtypes(rows)
     kernels = _unique([r["kernel"] for r in rows])
@@ -206,12 +202,9 @@ def _caption(fig: Figure, rows: Sequence[Row], extra: str = "") -> None:
 def plot_seqlen(rows: Sequence[Row], path: Path | str) -> Path:
     """Paper Fig 5 from ``flashprobe bench seqlen`` rows: deviation vs sequence length.
 
-    Panels: max ``|primary − baseline|`` (the paper's metric); the growth with N of the relative
-    L2 error against golden, ``‖out − golden‖/‖golden‖`` divided by its value at the smallest N,
-    for the primary (solid) and the baseline (dashed) — outputs shrink as N grows, which the
-    absolute max does not correct for; max deviation from golden of the primary (solid) and the
-    baseline (dashed); the error ratio. Colour tells dtypes apart (kernels with a single dtype),
-    markers tell kernels apart.
+    Panels: max ``|primary − baseline|``; the relative L2 error against golden divided by its value
+    at the smallest N (outputs shrink as N grows); max deviation from golden; the error ratio. The
+    baseline is dashed; colour tells dtypes apart (kernels, with one dtype), markers kernels.
     """
     dtypes = _dtypes(rows)
     kernels = _unique([r["kernel"] for r in rows])
@@ -223,7 +216,6 @@ def plot_seqlen(rows: Sequence[Row], path: Path | str) -> Path:
             if not sel:
                 continue
             name = dtype if len(kernels) == 1 else f"{kernel} {dtype}"
-            # Colour tells the dtypes apart; with a single dtype it tells the kernels apart.
             color = _color(dtype, i) if len(dtypes) > 1 else f"C{j}"
             style = {"color": color, "marker": _MARKERS[j % len(_MARKERS)], "label": name}
             baseline_color = color if len(dtypes) > 1 else "0.35"
@@ -236,8 +228,7 @@ def plot_seqlen(rows: Sequence[Row], path: Path | str) -> Path:
 def _seqlen_series(
     axes: Any, sel: Sequence[Row], style: dict[str, Any], *, dtype: str, baseline_color: str | None
 ) -> None:
-    """One (kernel, dtype) on the four panels of :func:`plot_seqlen`; with ``baseline_color``
-    also the baseline's series (dashed), drawn once per dtype."""
+    """One (kernel, dtype) on the panels of :func:`plot_seqlen`; with ``baseline_color`` the baseline too."""
     (ax_pb, ax_rel), (ax_g, ax_r) = axes
     xs = [_n(r) for r in sel]
     _plot_series(ax_pb, xs, sel, "primary_baseline_max_abs", **style)
@@ -290,8 +281,7 @@ def _n(row: Row) -> int:
 
 
 def _n_panel(ax: Axes, rows: Sequence[Row], *, legend_size: int) -> None:
-    """A panel against the sequence length: log-2 x axis with the swept values as plain-number
-    ticks, its label, the grid, and the legend when the panel has labelled lines."""
+    """A panel against the sequence length: log-2 x axis ticked at the swept values, grid, legend."""
     ax.set_xscale("log", base=2)
     ticks = sorted({_n(r) for r in rows})
     ax.set_xticks(ticks, [str(t) for t in ticks])
@@ -303,12 +293,8 @@ def _n_panel(ax: Axes, rows: Sequence[Row], *, legend_size: int) -> None:
 
 
 def plot_tiles(rows: Sequence[Row], path: Path | str) -> Path:
-    """Paper Fig 6 from ``flashprobe bench tiles`` rows: deviation vs block area.
-
-    One panel per dtype; x is the block area Br·Bc, y the max ``|primary − baseline|``; one line
-    per variant (default tiles, block dimensions swapped, square tiles, query-outer loop order,
-    key tiles reversed or shuffled).
-    """
+    """Paper Fig 6 from ``flashprobe bench tiles`` rows: max ``|primary − baseline|`` vs block area
+    Br·Bc, one panel per dtype and one line per variant."""
     dtypes = _dtypes(rows)
     variants = _unique([r["variant"] for r in rows])
     ncols = min(len(dtypes), 2)
@@ -346,21 +332,11 @@ def plot_tiles(rows: Sequence[Row], path: Path | str) -> Path:
 
 
 def plot_paper_tiles(rows: Sequence[Row], path: Path | str) -> Path:
-    """Paper Fig 6 from the tiles sweep of ``flashprobe bench paper``: F6c, F6a and F6b.
+    """Paper Fig 6 from the tiles sweep of ``flashprobe bench paper``; returns ``path``.
 
-    Left (F6c, F6a as tile shape): max ``|primary − baseline|`` against the SRAM size M of the
-    paper's formula (``Bc = ⌈M/4d⌉``, ``Br = min(Bc, d)``), for the ``paper`` and ``fa2`` presets
-    and for the paper preset with Br and Bc swapped. Middle (F6a as order): the deviation when the
-    key tiles are consumed forward, in reverse and shuffled. Right (F6b): a square tile against a
-    non-square tile of the same Bc. Bars are medians over seeds with min–max error bars.
-
-    Args:
-        rows: rows labelled ``role`` (``paper``/``fa2``), ``variant``, ``order``, ``block_q``,
-            ``block_k`` and ``sram`` where set, with the deviation keys.
-        path: where the PNG goes.
-
-    Returns:
-        ``path``.
+    Left (F6c, F6a as tile shape): max ``|primary − baseline|`` against the SRAM size M, per preset
+    and with Br ↔ Bc swapped. Middle (F6a as order): key tiles forward, reversed and shuffled. Right
+    (F6b): a square tile against a non-square one of the same Bc. Medians with min–max error bars.
     """
     fig = Figure(figsize=(15, 4.8), layout="constrained")
     ax_m, ax_order, ax_square = fig.subplots(1, 3, width_ratios=[1.6, 1, 1])
@@ -382,11 +358,10 @@ def plot_paper_tiles(rows: Sequence[Row], path: Path | str) -> Path:
                 linestyle=style,
                 label=label,
             )
-    srams = sorted({_sram(r) for r in rows if r.get("sram") is not None and r.get("variant") == "default"})
+    defaults = [r for r in rows if r.get("variant") == "default" and r.get("sram") is not None]
+    bcs = {_sram(r): r["block_k"] for r in defaults}
+    srams = sorted(bcs)
     ax_m.set_xscale("log", base=2)
-    bcs = {
-        _sram(r): r["block_k"] for r in rows if r.get("variant") == "default" and r.get("sram") is not None
-    }
     ax_m.set_xticks(srams, [f"{m}\nBc={bcs.get(m, '?')}" for m in srams], fontsize=7)
     ax_m.minorticks_off()
     ax_m.set(yscale="log", xlabel="SRAM size M (elements); Bc = ⌈M/4d⌉, Br = min(Bc, d)")
@@ -431,26 +406,16 @@ def _bars(ax: Axes, labelled: Sequence[tuple[str, Row | None]], key: str) -> Non
     for x, (_, row) in enumerate(labelled):
         if row is None or not _finite_pos(row.get(key)):
             continue
-        y = row[key]
-        err = [
-            [max(y - _bound(row.get(f"{key}_lo"), y), 0.0)],
-            [max(_bound(row.get(f"{key}_hi"), y) - y, 0.0)],
-        ]
+        y, (lo, hi) = row[key], _yerr(row, key)
         color = "C3" if row.get("role") == "paper" else "C0"
-        ax.bar(x, y, 0.7, yerr=err, capsize=3, color=color)
+        ax.bar(x, y, 0.7, yerr=[[lo], [hi]], capsize=3, color=color)
         ax.annotate(f"{y:.2g}", (x, y), xytext=(0, 3), textcoords="offset points", ha="center", fontsize=7)
     ax.set_xticks(range(len(labelled)), [label for label, _ in labelled], fontsize=8)
 
 
 def plot_speed(rows: Sequence[Row], path: Path | str, skipped: Sequence[Row] = ()) -> Path:
-    """Time and peak memory of each kernel vs sequence length, from ``flashprobe bench speed``.
-
-    Args:
-        rows: rows with ``kernel``, ``dtype``, ``seq_len``, ``ms`` (median), ``ms_lo``,
-            ``ms_hi`` and ``peak_mb`` (may be None).
-        path: where the PNG goes.
-        skipped: skipped runs (``kernel``, ``dtype``, ``seq_len``, ``reason``), listed on the plot.
-    """
+    """Time and peak memory of each kernel vs sequence length, from ``flashprobe bench speed`` rows;
+    the ``skipped`` runs are listed under the plot."""
     series = _unique([(r["kernel"], r["dtype"]) for r in rows])
     dtypes = _unique([r["dtype"] for r in rows])
     fig = Figure(figsize=(13, 5), layout="constrained")
@@ -479,19 +444,8 @@ def plot_speed(rows: Sequence[Row], path: Path | str, skipped: Sequence[Row] = (
 
 
 def plot_overhead(rows: Sequence[Row], path: Path | str, subtitle: str = "") -> Path:
-    """Median training-step time per mode, from ``flashprobe bench overhead`` rows.
-
-    One horizontal bar per mode (first mode on top), annotated with its step time and its ratios
-    to ``no_probe`` and ``control``.
-
-    Args:
-        rows: rows with ``mode``, ``step_ms``, ``ratio_vs_no_probe`` and ``ratio_vs_control``.
-        path: where the PNG goes.
-        subtitle: second title line (the model and run settings).
-
-    Returns:
-        ``path``.
-    """
+    """Median training-step time per mode (one bar each, with its ratios), from ``flashprobe bench
+    overhead`` rows, under a title with ``subtitle`` (the run's settings); returns ``path``."""
     labels = [row["mode"] for row in rows]
     values = [row["step_ms"] for row in rows]
     fig = Figure(figsize=(7.5, 3.2), layout="tight")

@@ -1,17 +1,9 @@
 """``flashprobe compare`` and ``flashprobe report``: results files → figures and ``report.md``.
 
-* ``flashprobe compare RUN_A RUN_B ... [--pair NAME=A,B] --out DIR`` compares runs' weight
-  snapshots (:func:`flashprobe.weights.compare_runs`), writes ``study.json``/``study.csv`` and draws
-  Figs 7 and 8;
-* ``flashprobe report DIR`` regenerates ``report.md`` (and with ``--figures`` the figures) of a study
-  or comparison from its ``study.json``, or redraws ``probe.png`` of a training run (a directory
-  holding ``probe.jsonl``).
-
-Both print the verdict of the comparison (docs/study.md "The answer") and exit with its code, as
-``flashprobe study`` does: 0 PASS, 3 LOOK CLOSER, 4 UNDETERMINED (a pair the rule needs is missing).
-Arguments and output paths are checked before any work; errors print one line and exit with 2. A
-full disk ends in one line too (the directory, its free space, what was kept) and exit code 1: every
-file is written atomically, so none is left half-written.
+``compare`` compares runs' weight snapshots into ``study.json``/``study.csv`` and Figs 7 and 8;
+``report`` regenerates a study's ``report.md`` (``--figures``: the figures too) or a training run's
+``probe.png``. Both print the verdict and exit with its code, as ``flashprobe study`` does (0 PASS,
+3 LOOK CLOSER, 4 UNDETERMINED); bad arguments print one line and exit 2, a full disk exits 1.
 """
 
 from __future__ import annotations
@@ -87,13 +79,9 @@ def _compare_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run directories (holding snapshots/)")
     parser.add_argument(
-        "--pair",
-        action="append",
-        default=[],
-        type=_parse_pair,
-        metavar="NAME=RUN_A,RUN_B",
+        "--pair", action="append", default=[], type=_parse_pair, metavar="NAME=RUN_A,RUN_B",
         help="a named comparison (repeatable), e.g. flash_vs_baseline=runs/flash,runs/baseline",
-    )
+    )  # fmt: skip
     parser.add_argument("--out", default="compare", help="output directory (default: ./compare)")
     parser.add_argument("--group-depth", type=int, default=2, help="module path depth of groups; 0: none")
     parser.add_argument("--no-model", action="store_true", help="skip the whole-model distribution")

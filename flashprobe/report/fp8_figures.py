@@ -1,8 +1,4 @@
-"""Figures of ``flashprobe bench fp8``: FP8 error vs N, D and inputs, and the P-cast collapse.
-
-Drawn from the rows of ``DIR/fp8.json`` with the object-oriented matplotlib API and saved
-atomically by :func:`flashprobe.report.bench_figures.save_figure`, like every bench figure.
-"""
+"""Figures of ``flashprobe bench fp8``: FP8 error vs N, D and inputs, and the P-cast collapse."""
 
 from __future__ import annotations
 
@@ -17,17 +13,8 @@ __all__ = ["plot_fp8_errors", "plot_fp8_pcast"]
 
 
 def plot_fp8_errors(rows: Sequence[Row], path: Path | str) -> Path:
-    """Three panels of relative L2 error against the FP64 golden value, one line or bar group per
-    variant (median over seeds, bars: min-max): vs N (gaussian, as paper Fig 5), vs D (gaussian),
-    and per input distribution (as Figs 3-4's bars).
-
-    Args:
-        rows: ``flashprobe bench fp8`` rows (``part == "error"`` are used).
-        path: where the PNG goes.
-
-    Returns:
-        ``path``.
-    """
+    """Relative L2 error against the FP64 golden value of the ``error`` rows, one line or bar group per
+    variant: vs N, vs D and per input distribution; returns ``path``."""
     errors = [r for r in rows if r["part"] == "error"]
     variants = _unique([r["variant"] for r in errors])
     fig = Figure(figsize=(16, 5), layout="constrained")
@@ -87,16 +74,8 @@ def plot_fp8_errors(rows: Sequence[Row], path: Path | str) -> Path:
 
 
 def plot_fp8_pcast(rows: Sequence[Row], path: Path | str) -> Path:
-    """The P-cast collapse: fraction of non-sink P that underflows in E4M3 (left) and output MSE
-    (right) vs sink strength, one line per (order, S); solid forward, dashed reverse.
-
-    Args:
-        rows: ``flashprobe bench fp8`` rows (``part == "pcast"`` are used).
-        path: where the PNG goes.
-
-    Returns:
-        ``path``.
-    """
+    """The P-cast collapse of the ``pcast`` rows: P underflow (left) and output MSE (right) vs sink
+    strength, one line per (order, S), forward solid and reverse dashed; returns ``path``."""
     pcast = [r for r in rows if r["part"] == "pcast"]
     scales = sorted(_unique([r["p_scale"] for r in pcast]))
     fig = Figure(figsize=(12, 5), layout="constrained")

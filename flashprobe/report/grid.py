@@ -1,8 +1,4 @@
-"""A grid of generated images with their captions, saved as one PNG.
-
-Used by the text-to-image workload after each validation (``samples/step_XXXXXXX.png`` in the run
-directory) and by the docs to show samples before and after training.
-"""
+"""A grid of generated images with their captions, saved as one PNG (``samples/step_XXXXXXX.png``)."""
 
 from __future__ import annotations
 
@@ -98,18 +94,7 @@ def save_sample_grid(
     title: str | None = None,
     value_range: tuple[float, float] = (-1.0, 1.0),
 ) -> Path:
-    """Save :func:`sample_grid_figure` as a PNG, atomically (temp file + ``os.replace``).
-
-    Args:
-        images: ``(N, C, H, W)``, C = 1 or 3, values in ``value_range``.
-        captions: ``N`` captions.
-        path: the PNG to write; parent folders are created.
-        ncols: images per row.
-        title: drawn above the grid.
-        value_range: the pixel values shown as black and as full intensity.
-
-    Returns:
-        The path written.
-    """
+    """Save :func:`sample_grid_figure` (same arguments) as a PNG at ``path``, atomically, creating
+    parent folders; returns the path written."""
     fig = sample_grid_figure(images, captions, ncols=ncols, title=title, value_range=value_range)
     return atomic_write(path, lambda fh: fig.savefig(fh, format="png"), binary=True)

@@ -1,25 +1,9 @@
 """The per-site deviation plot of a probed training run, drawn from its ``probe.jsonl``.
 
-One figure, three panels, each site (attention call site, e.g. ``model.blocks.0.attn``) its own
-colour:
-
-* **error ratio over steps**: ``max|primary − golden| / max|baseline − golden|`` of the forward
-  output per logging interval (1 = as accurate as the baseline; the paper's flash kernel sat near
-  1–2 at FP32/BF16). Backward ratios (``dq``, ``dk``, ``dv``, worst of the three) are dashed when
-  the run probed the backward pass. With more than :data:`MAX_LINES` sites this panel is a
-  sites × steps heat map instead.
-* **max |primary − baseline| over steps** (log axis), what a user swapping kernels would see.
-* **per site over the whole run**: the largest ``|primary − golden|`` and ``|baseline − golden|``
-  as two dots per site joined by a line (log axis): position, not bar length, carries the value,
-  so a 1.3× gap looks like 1.3× whatever the axis starts at, and a site where the kernel is worse
-  than the baseline stands out.
-
-Site names are the probe's, exactly as in ``probe.jsonl`` (``model.blocks.0.attn``; long names keep
-their end); the figure grows with the number of sites so the labels never overlap.
-
-Non-finite outputs (counted by the probe) and the run's signed bias (:mod:`flashprobe.bias`; the
-most biased direction, or the largest ``|z|``) are written into the title. The figure is rendered with
-matplotlib's Agg canvas (no pyplot, no display) and written atomically.
+Three panels, one colour per site (named as in ``probe.jsonl``): the forward error ratio over steps
+(backward ratios dashed; a sites × steps heat map beyond :data:`MAX_LINES` sites), ``max |primary −
+baseline|`` over steps, and per site the largest ``|primary − golden|`` and ``|baseline − golden|``
+over the run as two joined dots. Non-finite outputs and the run's signed bias go in the title.
 """
 
 from __future__ import annotations
@@ -83,8 +67,7 @@ def site_series(records: Sequence[Mapping[str, Any]]) -> Series:
 
 
 def _short(name: str, width: int = 56) -> str:
-    """The site name as in probe.jsonl; longer than ``width``, its middle is elided (the start
-    names the block, the end the attention module)."""
+    """The site name as in probe.jsonl, its middle elided when longer than ``width``."""
     if len(name) <= width:
         return name
     head = (width - 1) // 2
@@ -183,15 +166,9 @@ def _per_site_panel(ax: Axes, series: Series) -> None:
 def plot_probe(
     jsonl: str | os.PathLike[str], path: str | os.PathLike[str], *, title: str | None = None
 ) -> Path:
-    """Draw the per-site deviation plot of ``jsonl`` (a ``probe.jsonl``) into ``path`` (PNG).
+    """Draw the per-site deviation plot of a run's ``probe.jsonl`` into ``path`` (PNG); returns ``path``.
 
-    Args:
-        jsonl: the run's ``probe.jsonl``.
-        path: the PNG to write.
-        title: figure title (default: the run directory's name).
-
-    Returns:
-        ``path``.
+    ``title`` defaults to the run directory's name.
 
     Raises:
         FileNotFoundError: no ``jsonl``.

@@ -1,13 +1,8 @@
-"""``report.md`` of a study: the answer of paper §V's question, computed from ``study.json`` like for like.
+"""``report.md`` of a study: the verdict (:mod:`flashprobe.report.study_verdict`) and its tables.
 
-The verdict (:mod:`flashprobe.report.study_verdict`) puts the flash-vs-baseline weight deviation in
-context, as the paper does (Fig 8): as a multiple of the deviation between runs that differ only in
-their seed, and of the deviation that low-precision training causes — each ratio computed within one
-replicate (pairs sharing its seed) and reported as median and min–max over the replicates, at the
-last step and over training. Each context is a comparison that isolates one thing (``study.json``'s
-``study.comparisons``, checked against what the runs recorded: ``pairs.<name>.differs``); the title
-claims "like for like" only when every pair differs in at most one thing. Everything is recomputed
-from files, so ``flashprobe report STUDY_DIR`` regenerates the report.
+Everything is recomputed from ``study.json`` (and ``runs/*``), so ``flashprobe report STUDY_DIR``
+regenerates the report; the title claims "like for like" only when every pair's runs differ in at
+most one thing.
 """
 
 from __future__ import annotations
@@ -57,8 +52,7 @@ def probe_summary(run_dir: Path) -> list[dict[str, Any]]:
 
 def probe_verdict(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
     """The probe's verdict over a run: the last summary of its ``probe.jsonl`` with every record
-    tallied (:class:`flashprobe.probing.session.RunTally`), and the per-site rows of the verdict
-    block; None when the run has no probe records."""
+    tallied, and the per-site rows of the verdict block; None when the run has no probe records."""
     from flashprobe.probing.session import RunTally
 
     path = run_dir / PROBE_LOG_NAME
@@ -72,14 +66,12 @@ def probe_verdict(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]] 
 
 
 def _comparisons_table(study: Mapping[str, Any]) -> list[str]:
-    """One row per pair: what it isolates (the plan), what its runs differ in (their records), its
-    distances at its last step."""
+    """One row per pair: what it isolates, what its runs differ in, its distances at its last step."""
     meta = study.get("study") or {}
     comparisons, runs = study_comparisons(study), meta.get("runs") or {}
 
     def side(name: str, recorded: Mapping[str, Any] | None) -> str:
-        """A run by name, with the attention, precision and seed the study planned for it, else those
-        its manifest recorded (a comparison's run)."""
+        """A run by name, with the attention, precision and seed planned for it, else those recorded."""
         r = runs.get(name) or recorded or {}
         facts = [str(r[k]) for k in ("attention", "precision") if r.get(k) is not None]
         facts += [f"seed {r['seed']}"] if r.get("seed") is not None else []
@@ -107,8 +99,8 @@ def _comparisons_table(study: Mapping[str, Any]) -> list[str]:
 
 
 def _ratios_table(v: Verdict) -> list[str]:
-    """The verdict's ratios: median and min–max over replicates at the last step, each replicate's value,
-    and the range over training."""
+    """The verdict's ratios: median, min–max and each replicate's value at the last step, and the range
+    over training."""
     steps, seeds = v.steps, ", ".join(map(str, v.seeds))
     over = f"steps {steps[0]}–{steps[-1]}" if len(steps) > 1 else f"step {steps[0]}"
     lines = [
@@ -158,8 +150,7 @@ def _value_at(pair: Mapping[str, Any], metric: str, step: int | None) -> float |
 
 
 def _spread(values: Sequence[float | None]) -> str:
-    """``6.47e-05 (5.9e-05–7.1e-05)``: median (min–max) of the values that are not None; one value as
-    is; none as ``–``."""
+    """``6.47e-05 (5.9e-05–7.1e-05)``: median (min–max) of the values that are not None."""
     defined = [v for v in values if v is not None]
     if not defined:
         return "–"
@@ -283,13 +274,8 @@ def _machine_lines(meta: Mapping[str, Any]) -> list[str]:
 
 
 def write_report(study_dir: str | Path) -> Path:
-    """Write ``study_dir/report.md`` from ``study.json`` (and ``runs/*`` when present).
-
-    Args:
-        study_dir: a directory written by ``flashprobe study`` or ``flashprobe compare``.
-
-    Returns:
-        The path of ``report.md``.
+    """Write ``report.md`` of a directory written by ``flashprobe study`` or ``compare`` from its
+    ``study.json`` (and ``runs/*`` when present); returns its path.
 
     Raises:
         FileNotFoundError: no ``study.json`` in ``study_dir``.

@@ -1,22 +1,11 @@
 """The study's answer and the ratios it rests on, each with an interval over replicates and over training.
 
-A study trains its runs at several **replicates** (seeds); each ratio of the verdict divides the
-flash-vs-baseline distance by a context distance *of the same replicate* (pairs that share its
-seed), so every replicate gives one value of every ratio. An :class:`Interval` is the median and
-the min–max range of those values: with ``N`` independent replicates, the range covers the median
-of the ratio's distribution with probability ``1 − 2^(1−N)`` (75 % at ``N = 3``, 94 % at ``N = 5``;
-the sign test's order-statistic interval, free of any assumption on the distribution). A bootstrap
-interval would need more replicates than a CPU study trains: resampling 3–5 values gives back their
-own min–max at best.
-
-The answer (:data:`PASS`, :data:`LOOK_CLOSER`, :data:`UNDETERMINED`) follows one rule, stated in
-docs/study.md and in :func:`verdict`; ``flashprobe study`` exits with :data:`EXIT_CODES` of it. The
-rule reads the low-precision pair *at the precision flash trains at* (``bf16_vs_fp32`` in a bf16
-study): the deviation a team training at that precision has already accepted; the other
-low-precision pairs (e.g. the paper's FP16 vs FP32) are reported beside it, not judged.
-Everything is computed from ``study.json``, so ``flashprobe report STUDY_DIR`` gives the same answer.
-The pairs are known by what their runs differ in (:func:`kernel_pair`, :func:`needs_line`), and the
-kernels by what the runs recorded, never by a fixed name.
+Each ratio divides the kernel pair's distance by a context distance of the same replicate (pairs that
+share its seed). An :class:`Interval` is the median and min–max of the replicates' values: with ``N``
+replicates the range covers the ratio's median with probability ``1 − 2^(1−N)`` (order statistics;
+too few replicates for a bootstrap). The answer (:data:`PASS`, :data:`LOOK_CLOSER`,
+:data:`UNDETERMINED`) follows the rule of :func:`verdict`; ``flashprobe study`` exits with its
+:data:`EXIT_CODES`. Pairs and kernels are known by what their runs recorded, never by a fixed name.
 """
 
 from __future__ import annotations
@@ -63,12 +52,8 @@ FP32 = "32-true"
 
 @dataclass(frozen=True)
 class Interval:
-    """One value per replicate (a distance or a ratio), summarised as median and min–max range.
-
-    Attributes:
-        values: the replicates' values, in replicate order.
-        seeds: each value's replicate seed.
-    """
+    """One value per replicate (a distance or a ratio, in replicate order) with each one's replicate
+    seed, summarised as median and min–max range."""
 
     values: tuple[float, ...]
     seeds: tuple[int, ...]
@@ -113,10 +98,16 @@ class Interval:
         }
 
 
+class _PlainData:
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, in field order (intervals as :meth:`Interval.as_dict`)."""
+        return _plain(self)
+
+
 @dataclass(frozen=True, kw_only=True)
-class ContextRatio:
-    """One context of the verdict: the seed pair, or one low-precision comparison, and the ratio of the
-    kernel pair's distance to its distance, replicate by replicate."""
+class ContextRatio(_PlainData):
+    """One context of the verdict (the seed pair, or a low-precision comparison) and the kernel pair's
+    distance over its distance, replicate by replicate."""
 
     kind: str
     """``seed`` or ``precision``."""
@@ -137,13 +128,9 @@ class ContextRatio:
     in_rule: bool
     """Whether the rule judges it (the seed pair, and the low precision the kernel trains at)."""
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data (intervals as :meth:`Interval.as_dict`)."""
-        return _plain(self)
-
 
 @dataclass(frozen=True, kw_only=True)
-class ExtraLine:
+class ExtraLine(_PlainData):
     """A line reported beside the verdict, not part of it: the kernel pair at fp32 (``kernel_fp32``)."""
 
     distance: float
@@ -153,12 +140,9 @@ class ExtraLine:
     seed: int
     """The replicate's seed."""
 
-    def to_dict(self) -> dict[str, Any]:
-        return _plain(self)
-
 
 @dataclass(frozen=True, kw_only=True)
-class Verdict:
+class Verdict(_PlainData):
     """The study's answer and the ratios it rests on (:func:`verdict`)."""
 
     kernel_pair: str
@@ -190,14 +174,10 @@ class Verdict:
     reasons: list[str]
     """Why, in words (empty for PASS)."""
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data, in the order of the fields above (intervals as :meth:`Interval.as_dict`)."""
-        return _plain(self)
-
 
 def _plain(x: Any) -> Any:
-    """A verdict's value as plain data: intervals as :meth:`Interval.as_dict`, the other dataclasses as
-    dicts of their fields in order, tuples as lists; dicts and lists copied."""
+    """A verdict's value as plain data: intervals as :meth:`Interval.as_dict`, dataclasses as dicts of
+    their fields in order, tuples as lists."""
     if isinstance(x, Interval):
         return x.as_dict()
     if is_dataclass(x):
@@ -221,12 +201,10 @@ def _finite(x: Any) -> bool:
 def study_comparisons(study: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """What each pair of ``study.json`` compares: ``kind``, ``group``, ``replicate``, ``seed``, ``isolates``.
 
-    A study records its plan (``study.comparisons``). For a plain ``flashprobe compare``, the kinds
-    are read from what each pair's runs were recorded to differ in (``pairs.<name>.differs``): only
-    the attention (``kernel``: the pair named ``flash_vs_baseline`` if it is one, else the first such
-    pair, whatever its name; further ones have no kind), only the seed, only the
-    precision, or nothing (``noise``); a pair that differs in more than one thing has no kind and
-    carries no verdict.
+    A study's plan (``study.comparisons``) says so, for the pairs whose runs differ as planned. For a
+    plain ``flashprobe compare`` the kind is read from what each pair's runs differ in: the attention
+    alone (``kernel``: ``flash_vs_baseline`` if it is such a pair, else the first), the seed, the
+    precision, or nothing (``noise``); any other pair has no kind and carries no verdict.
     """
     planned = (study.get("study") or {}).get("comparisons") or {}
     out: dict[str, dict[str, Any]] = {}
@@ -280,7 +258,7 @@ def _differs_in(pair: Mapping[str, Any]) -> list[str] | None:
 
 def kernel_pair(study: Mapping[str, Any]) -> str | None:
     """The pair the verdict measures the kernel by: replicate 0's pair whose runs differ in the attention
-    alone (a study's planned ``flash_vs_baseline``; in a plain comparison any pair, whatever its name)."""
+    alone (see :func:`study_comparisons`)."""
     return next(
         (n for n, c in study_comparisons(study).items() if c["kind"] == "kernel" and not c["replicate"]),
         None,
@@ -298,11 +276,8 @@ _PLANNED_DIFFERENCE = {
 
 
 def _differs_as_planned(pair: Mapping[str, Any] | None, kind: str | None) -> bool:
-    """Whether a planned pair's runs were recorded to differ in exactly what its kind names.
-
-    A pair without records (``differs``) keeps its planned kind: a study written before runs recorded
-    what they differ in. A pair whose runs differ in more, or left a fact unrecorded, has no kind.
-    """
+    """Whether a planned pair's runs were recorded to differ in exactly what its kind names (a pair
+    without ``differs`` records keeps its planned kind)."""
     if pair is None or "differs" not in pair:
         return True
     differs = pair.get("differs")
@@ -331,18 +306,15 @@ def _interval(values: Mapping[int, float | None], seeds: Mapping[int, int]) -> I
 def verdict(study: Mapping[str, Any]) -> Verdict | None:
     """The study's answer and the ratios it rests on, per replicate, at the last step and over training.
 
-    The rule: over the snapshot steps after the learning-rate warm-up (``study.warmup_steps``; step 0
-    never counts, and the last step always does), the answer is
+    The rule, over the snapshot steps after the learning-rate warm-up (never step 0, always the last):
 
-    * **PASS** when at every such step flash / seed lies below 1 in every replicate (its interval
-      is entirely below 1), flash / the low-precision pair at the precision flash trains at (every
-      low-precision pair when flash trains at fp32) does not lie above 1 in every replicate (its
-      interval is not entirely above 1), and flash's weights stay finite;
+    * **PASS** when at every such step flash / seed is below 1 in every replicate, flash / the
+      low-precision pair at flash's precision (every one when flash trains at fp32) is not above 1 in
+      every replicate, and flash's weights stay finite;
     * **LOOK CLOSER** when one of these fails at some step (naming the step and the ratio);
-    * **UNDETERMINED** when nothing says look closer but the study lacks a comparison the rule needs
-      (a seed pair, a low-precision pair), e.g. ``--runs flash,baseline``; when a ratio is undefined
-      in some replicate (its context distance 0 or not finite); or when a planned pair's runs were
-      recorded to differ in more than the one thing it isolates (that pair is left out).
+    * **UNDETERMINED** otherwise when a comparison the rule needs is missing, a ratio is undefined in
+      some replicate (its context distance 0 or not finite), or a planned pair's runs differ in more
+      than the one thing it isolates (that pair is left out).
 
     Args:
         study: ``study.json`` as read by :func:`flashprobe.formats.study_file.read_study`.
@@ -449,7 +421,7 @@ def _attention_labels(pair: Mapping[str, Any]) -> list[str]:
 
 def kernel_label(v: Verdict) -> str:
     """The label of the kernel pair's distance in report text: the attention its first run recorded
-    (``"tiled"``), else the pair's name; never a fixed kernel word."""
+    (``"tiled"``), else the pair's name."""
     return _label(v.kernel_pair, v.attention)
 
 
@@ -466,7 +438,7 @@ def _flash_precision(study: Mapping[str, Any], pair: str) -> str | None:
 
 def _low_precision(pair: Mapping[str, Any], group: str) -> str | None:
     """The low precision a precision pair measures (its run that is not fp32), from the runs' records
-    or else the pair's name (``bf16_vs_fp32``)."""
+    or else its name (``bf16_vs_fp32``)."""
     runs = pair.get("runs") or {}
     recorded = [(runs.get(side) or {}).get("precision") for side in ("a", "b")]
     low = [p for p in recorded if p is not None and p != FP32]
@@ -484,9 +456,8 @@ def _answer(
     precision: str | None,
     nonfinite: Mapping[str, int],
 ) -> tuple[str, list[str]]:
-    """The rule of :func:`verdict`: the answer and its reasons, from the kernel pair's label, the
-    contexts' ratios, the pairs left out, the kernel's precision and where (pair → first step) the
-    kernel pair's distance turned non-finite."""
+    """The rule of :func:`verdict`: the answer and its reasons (``nonfinite``: pair → the first step
+    where the kernel pair's distance is not finite)."""
     from flashprobe.weights.differences import describe_differences
 
     look: list[str] = []
@@ -534,9 +505,8 @@ def _answer(
 
 
 def _undefined(c: ContextRatio) -> str:
-    """Where a context's ratio is undefined in some replicate (its distance 0 or not finite there):
-    ``"in replicate seed 2 at step 100"``; empty when every replicate has it at every rule step. The
-    rule then cannot say "in every replicate"."""
+    """Where a context's ratio is undefined in some replicate (``"in replicate seed 2 at step 100"``);
+    empty when every replicate has it at every rule step."""
     gaps: dict[tuple[int, ...], list[int]] = {}
     for s, i in c.by_step.items():
         lacking = tuple(x for x in c.replicate_seeds if i is None or x not in i.seeds)
@@ -601,13 +571,8 @@ def verdict_subject(study: Mapping[str, Any], v: Verdict | None) -> tuple[str, s
 
 def answer(study: Mapping[str, Any]) -> tuple[list[str], int]:
     """The verdict of a study or comparison as ``flashprobe study``, ``compare`` and ``report`` print it:
-    plain-text lines, the answer first (for UNDETERMINED, then :func:`needs_line`: the pairs a verdict
-    needs, which this study has and which it misses), and the exit code of that answer
-    (:data:`EXIT_CODES`; no kernel pair is UNDETERMINED).
-
-    Args:
-        study: ``study.json`` as read by :func:`flashprobe.formats.study_file.read_study`.
-    """
+    plain-text lines, the answer first (then, for UNDETERMINED, :func:`needs_line`), and the answer's
+    exit code (:data:`EXIT_CODES`; no kernel pair is UNDETERMINED)."""
     v = verdict(study)
     lines = [no_verdict_line(study)] if v is None else verdict_lines(v, *verdict_subject(study, v))
     code = EXIT_CODES[v.answer if v else UNDETERMINED]
@@ -618,7 +583,7 @@ def answer(study: Mapping[str, Any]) -> tuple[list[str], int]:
 
 def needs_line(study: Mapping[str, Any]) -> str:
     """One paragraph: the pairs a verdict needs, by what their runs differ in, and which of them this
-    comparison has (by name) or misses; the low-precision pair must be at the kernel's precision."""
+    comparison has (by name) or misses."""
     comparisons = study_comparisons(study)
     measured = kernel_pair(study)
     seeds = [n for n, c in comparisons.items() if c["kind"] == "seed"]
@@ -664,10 +629,8 @@ def no_verdict_line(study: Mapping[str, Any]) -> str:
 
 
 def verdict_lines(v: Verdict, precision: str, kernel: str = "sdpa_flash") -> list[str]:
-    """The verdict in a few sentences, each computed from ``v`` (:func:`verdict`); the first is the answer.
-
-    The kernel pair's attention is named as its runs recorded it; ``kernel`` stands for the first run's
-    only where that run recorded none."""
+    """The verdict in a few sentences, the answer first; ``kernel`` names the first run's attention
+    where that run recorded none."""
     n, step, steps, kernel = len(v.seeds), v.step, v.steps, kernel_label(v)
     attention = [kernel if v.attention[0] == "not recorded" else v.attention[0], v.attention[1]]
     reps = f"{n} replicate{'s' * (n != 1)}, seed{'s' * (n != 1)} {', '.join(map(str, v.seeds))}"

@@ -1,21 +1,9 @@
-"""Figures of weight deviation over training (paper §V, Figs 7 and 8).
+"""Figures of weight deviation over training (paper §V, Figs 7 and 8), from ``study.json``.
 
-Both functions draw from the columnar pair records of ``study.json`` (written by
-``flashprobe compare``): ``{"steps": [...], "model": {"wasserstein": [...], "max_abs": [...]},
-"runs": {...}}``, so figures can be redrawn from that file without the snapshots.
-
-* Fig 7 (:func:`plot_pair_over_steps`): one pair (flash vs baseline), max difference and Wasserstein
-  distance of the whole model over steps, side by side.
-* Fig 8 (:func:`plot_wasserstein_curves`): the whole-model Wasserstein curves of every pair on one
-  log-scale plot (flash vs baseline against the identical-run, other-seed and low-precision bounds).
-  A comparison a study made at several replicates (seeds) is one curve, the median over replicates,
-  in a shaded band from the lowest to the highest replicate at each step.
-
-Fig 8 has a log axis; Fig 7 uses one when a curve spans more than two decades. Zero distances
-(bit-identical weights, e.g. at step 0 of runs with one seed) cannot be drawn on a log axis: those
-points are left out (a note under the plot says so), and a pair that is zero at every step says so
-in the legend.
-Files are written atomically with matplotlib's Agg renderer (no pyplot, no display needed).
+Fig 7 (:func:`plot_pair_over_steps`): one pair's whole-model max difference and Wasserstein distance
+over steps. Fig 8 (:func:`plot_wasserstein_curves`): every pair's Wasserstein curve on one log plot,
+a comparison with several replicates as its median in a min–max band. Zero distances cannot sit on a
+log axis: they are left out, with a note under the plot (or in the legend when a pair is all zero).
 """
 
 from __future__ import annotations
@@ -81,15 +69,8 @@ def _wide_range(values: Sequence[float | None]) -> bool:
 
 
 def pair_over_steps_figure(name: str, pair: Mapping[str, Any]) -> Figure:
-    """Fig 7: max difference and Wasserstein distance of one pair over training steps.
-
-    Args:
-        name: the pair's name (title).
-        pair: the pair's record from ``study.json`` (needs ``steps`` and ``model``).
-
-    Returns:
-        A matplotlib figure (not attached to pyplot).
-    """
+    """Fig 7: max difference and Wasserstein distance over training steps of the pair ``name`` (its
+    ``study.json`` record); a figure not attached to pyplot."""
     steps, model = pair["steps"], pair["model"]
     fig = Figure(figsize=(10, 4), layout="constrained")
     axes = fig.subplots(1, 2)
@@ -133,9 +114,8 @@ def wasserstein_curves_figure(
 
     Args:
         pairs: pair name → its record from ``study.json``.
-        groups: comparison name → its pairs at every replicate (default: each pair alone); a
-            comparison of several pairs is drawn as the median over them, in a band from the lowest
-            to the highest at each step.
+        groups: comparison name → its pairs at every replicate (default: each pair alone), drawn as
+            their median in a min–max band.
 
     Returns:
         A matplotlib figure (not attached to pyplot).
@@ -156,7 +136,8 @@ def wasserstein_curves_figure(
             pair = pairs[members[0]]
             points: tuple[Any, ...] = (tuple(pair["steps"]), tuple(pair["model"]["wasserstein"]))
         else:
-            points = tuple(map(tuple, _band(pairs, members)))
+            band = _band(pairs, members)
+            points = tuple(map(tuple, band))
         first = drawn.setdefault(points, name)
         label = name if len(members) == 1 else f"{name} ({len(members)} replicates)"
         if first != name:  # the same points as a curve already drawn: said, and drawn dashed on top
@@ -165,7 +146,7 @@ def wasserstein_curves_figure(
         if len(members) == 1:
             _curve(ax, pair["steps"], pair["model"]["wasserstein"], label, log=True, color=color, **style)
             continue
-        xs, mid, low, high = _band(pairs, members)
+        xs, mid, low, high = band
         ax.fill_between(xs, low, high, color=color, alpha=0.18, linewidth=0)
         ax.plot(xs, mid, marker="o", markersize=3, color=color, label=label, **style)
         banded = max(banded, len(members))
@@ -232,11 +213,10 @@ def plot_study_figures(
     """Draw Fig 7 (of :func:`fig7_pair`) and Fig 8 of a study's pairs into ``out_dir``.
 
     Args:
-        pairs: ``study.json``'s ``"pairs"`` (:func:`flashprobe.formats.study_file.read_study`).
+        pairs: ``study.json``'s ``"pairs"``.
         out_dir: where ``fig7_<pair>.png`` and ``fig8_wasserstein.png`` go.
         fig7: the pair of Fig 7 (default: see :func:`fig7_pair`).
-        groups: Fig 8's comparisons, each with its pairs at every replicate
-            (:func:`flashprobe.report.study_verdict.comparison_groups`; default: each pair alone).
+        groups: Fig 8's comparisons (:func:`flashprobe.report.study_verdict.comparison_groups`).
 
     Returns:
         The two paths; none when no pair has whole-model distances (``compare --no-model``).
