@@ -1,9 +1,7 @@
 """Memory layouts of a case's inputs: the same values, laid out as models hand them to kernels.
 
-A kernel sees ``(B, H, N, D)`` tensors, but rarely contiguous ones: attention layers project to
-``(B, N, H, D)`` and transpose, slice q, k and v out of one fused projection, expand one k/v head
-with stride 0, or pass views that start inside a larger buffer. A kernel must give the same answer
-for every layout; one that reads its inputs as if they were contiguous does not.
+A kernel must give the same answer for every layout; one that reads its inputs as if they were
+contiguous does not.
 
 =============  ===================================================================================
 layout         what the kernel gets
@@ -58,9 +56,7 @@ def apply_layout(
     """``q``, ``k``, ``v`` laid out as ``layout`` (see the module docstring).
 
     Args:
-        q: ``(B, H, N_q, D)``.
-        k: ``(B, H_kv, N_k, D)``.
-        v: ``(B, H_kv, N_k, D_v)``.
+        q, k, v: ``(B, H, N_q, D)``, ``(B, H_kv, N_k, D)``, ``(B, H_kv, N_k, D_v)``.
         layout: one of :data:`LAYOUTS`.
 
     Returns:
