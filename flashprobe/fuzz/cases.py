@@ -29,6 +29,7 @@ from flashprobe.fuzz._tensors import (
     uniform,
 )
 from flashprobe.fuzz.inputs import CaseInputs, UnrepresentableCaseError, bias_inputs
+from flashprobe.fuzz.layouts import LAYOUT_TEXT
 from flashprobe.kernels import default_scale, dtype_name
 from flashprobe.kernels.reference import meminfo_available_bytes
 
@@ -425,11 +426,11 @@ def _shape_cases() -> list[FuzzCase]:
     cases = [
         FuzzCase(
             f"layout_{layout}",
-            f"inputs as {_LAYOUT_TEXT[layout]}; causal, B=2 H=3 N=77 D=40",
+            f"inputs as {LAYOUT_TEXT[layout]}; causal, B=2 H=3 N=77 D=40",
             "the same answer as for contiguous inputs",
             _dense_case(2, 3, 77, 77, 40, causal=True, layout=layout),
         )
-        for layout in _LAYOUT_TEXT
+        for layout in LAYOUT_TEXT
     ]
     cases += [
         FuzzCase(
@@ -511,15 +512,6 @@ _GRAD_TEXT = {
     "expanded": "one head's, expanded to every head with stride 0",
     "tiny": "× 2^-20 (a tiny loss: dS underflows in 16 bits)",
     "huge": "× 2^12 (loss scaling)",
-}
-
-_LAYOUT_TEXT = {
-    "bnhd": "transposed views of (B, N, H, D) projections",
-    "fused_qkv": "slices of one fused (B, N, 3, H, D) qkv projection",
-    "expanded_kv": "k, v of one head expanded with stride 0 to every batch entry and head",
-    "offset": "views at a non-zero storage offset",
-    "kv_strides": "k contiguous, v a transposed (B, N, H, D) view: k and v with different strides",
-    "mixed": "q a (B, N, H, D) view, k at a storage offset, v half of a fused k/v projection",
 }
 
 
