@@ -1,32 +1,7 @@
-"""Edge-case fuzzing of attention kernels: the catalogue, the rule, random search, reproducers.
-
-Outputs and gradients (``dq``, ``dk``, ``dv``), in every memory layout, at the shapes of
-long-context training.
-
-* :mod:`~flashprobe.fuzz.inputs` — :class:`CaseInputs`, one attention call in the dtype under test;
-* :mod:`~flashprobe.fuzz.layouts` — the memory layouts a case's inputs can take (:data:`LAYOUTS`);
-* :mod:`~flashprobe.fuzz.cases` — the catalogue of adversarial cases (:data:`CATALOGUE`, profiles,
-  the :data:`PROPERTIES` they test);
-* :mod:`~flashprobe.fuzz.fit` — :func:`fit_inputs`: a case posed within a kernel's declared limits;
-* :mod:`~flashprobe.fuzz.random_cases` — the random family sampled by ``--budget``;
-* :mod:`~flashprobe.fuzz.rule` — the verdict on a case: :class:`Verdict`, :func:`judge`,
-  :func:`judge_gradients`, :func:`check_output` (the rule itself is :mod:`flashprobe.judge`);
-* :mod:`~flashprobe.fuzz.references` — golden, baseline noise and floor of a case, and of its
-  gradients;
-* :mod:`~flashprobe.fuzz.kernel_call` — calling a kernel on copies of a case's inputs;
-* :mod:`~flashprobe.fuzz.run` — :class:`FuzzResult`, :func:`check_case`, :func:`run_catalogue`;
-* :mod:`~flashprobe.fuzz.search` — :func:`random_search` (its failures shrunk by
-  :func:`flashprobe.probing.repro.shrink_reproducer`, the one shrinker of every reproducer);
-* :mod:`~flashprobe.fuzz.sequences` — several calls of a kernel in one process, each judged
-  (:data:`SEQUENCES`: caches keyed without the scale, the strides, ...), saved and replayed whole;
-* :mod:`~flashprobe.fuzz.invariants` — relations a correct kernel keeps (:data:`INVARIANTS`: V = 1,
-  key permutation, batch invariance, ...), the declared precision, and :func:`run_checks`;
-* :mod:`~flashprobe.fuzz.reproducer` — :func:`save_reproducer`: a failing case in the one
-  reproducer format (:mod:`flashprobe.formats.reproducer`);
-* :mod:`~flashprobe.fuzz.ledger` — :func:`load_ledger`: accepted findings (``--ledger``), their
-  failures ``known``, their unexpected passes failures;
-* :mod:`~flashprobe.fuzz.tables` — terminal, Markdown and catalogue tables;
-* :mod:`~flashprobe.fuzz.cli` — the ``flashprobe fuzz`` command.
+"""Edge-case fuzzing of attention kernels: the catalogue (:mod:`~flashprobe.fuzz.cases`), the rule
+(:mod:`~flashprobe.fuzz.rule`), random search, sequences and invariants, reproducers, the findings
+ledger and the ``flashprobe fuzz`` command (:mod:`~flashprobe.fuzz.cli`); outputs and gradients, in
+every memory layout.
 """
 
 from flashprobe.fuzz.cases import (

@@ -1,28 +1,11 @@
 """The catalogue of adversarial attention inputs behind ``flashprobe fuzz``.
 
-Each :class:`FuzzCase` has a name, a line saying what it probes, the semantics the FP64 golden
-expects, and a generator ``make(dtype, generator) -> CaseInputs``. Generators build every tensor in
-float64 and cast it to the dtype under test; the golden is then computed in float64 *from the cast
-inputs*, so it is the exact answer to the question the kernel was asked.
-
-Where a case needs precise logits (the sentinel cases, huge magnitudes, tiny scales, a running max
-that rises tile after tile) it builds them exactly: query ``r`` is ``c·e_r`` (one-hot, ``c`` a power
-of two) and key ``j`` carries ``z[r, j] / (c · scale)`` in channel ``r``, so ``q·kᵀ·scale = z`` with a
-single non-zero product per dot product: no rounding in any dtype once ``z`` itself is rounded to
-the dtype (``c · scale`` is a power of two). This needs ``D ≥ N_q``. Those cases use scales that are
-powers of four, so kernels that scale q and k by √scale each (torch SDPA) get the same exact logits
-and the baseline's noise floor is not made artificially small for them.
-
-Cases whose logits the dtype cannot hold (valid logits below −1e5 in fp16, whose max is 65504)
-raise :class:`~flashprobe.fuzz.inputs.UnrepresentableCaseError`; ``flashprobe fuzz`` reports them as
-``skip``.
-
-Beside the adversarial values, the catalogue covers what kernels really get: one case per memory
-layout (``layout_*``, :mod:`~flashprobe.fuzz.layouts`), head dims past 128 (and v's head dim
-different from q's), ``N_k % 128 == 64``, 8192 keys, B·H = 1280, GQA and MQA. The ``full`` profile
-(:data:`PROFILES`) adds 16384 keys, decode against 32768 keys and a sweep of every head dim
-flash-attention tests with (N_q, N_k) pairs up to 2048. Every case checks the gradients too, except
-the three whose logits reach the dtype's range (``FuzzCase.backward``).
+Each :class:`FuzzCase` has a name, what it probes, the semantics the FP64 golden expects, and a
+generator ``make(dtype, generator) -> CaseInputs``. Generators build every tensor in float64 and cast
+it to the dtype under test; the golden is computed from the *cast* inputs. Cases that need exact
+logits build them with :func:`exact_logit_qk` (scales powers of four, so √scale placements are exact
+too). Cases whose logits the dtype cannot hold raise
+:class:`~flashprobe.fuzz.inputs.UnrepresentableCaseError` (reported ``skip``).
 """
 
 from __future__ import annotations
@@ -46,6 +29,7 @@ from flashprobe.fuzz._tensors import (
     uniform,
 )
 from flashprobe.fuzz.inputs import CaseInputs, UnrepresentableCaseError, bias_inputs
+from flashprobe.fuzz.layouts import LAYOUT_TEXT
 from flashprobe.kernels import default_scale, dtype_name
 from flashprobe.kernels.reference import meminfo_available_bytes
 
@@ -60,9 +44,8 @@ __all__ = [
     "select_cases",
 ]
 
-#: The profiles: ``default`` is what a CI gate can afford (≤ 90 s for one kernel at bf16, fp16 and
-#: fp32 with gradients on a 2-core CPU); ``full`` adds the long-context cases (16k keys, decode
-#: against 32k keys), every head dim flash-attention tests and the (N_q, N_k) pairs up to 2048.
+#: The profiles: ``default`` is what a CI gate can afford; ``full`` adds the long-context cases,
+#: every head dim flash-attention tests and the (N_q, N_k) pairs up to 2048.
 PROFILES = ("default", "full")
 
 
@@ -104,9 +87,8 @@ PROPERTIES: dict[str, str] = {
     "Qiu & Yao), at 16 bits",
 }
 
-#: the output gradients a case can ask for: ``""`` the standard one (:func:`grad_output`),
-#: ``transposed`` (laid out as (B, N, H, D)), ``expanded`` (stride 0 over heads), ``tiny`` (× 2^-20),
-#: ``huge`` (× 2^12)
+#: the output gradients a case can ask for: ``""`` the standard one, ``transposed`` (laid out as
+#: (B, N, H, D)), ``expanded`` (stride 0 over heads), ``tiny`` (× 2^-20), ``huge`` (× 2^12)
 GRAD_FORMS = ("", "transposed", "expanded", "tiny", "huge")
 
 
@@ -120,25 +102,16 @@ class FuzzCase:
     """One adversarial case of the catalogue.
 
     Attributes:
-        name: short identifier used by ``--case`` patterns, e.g. ``sentinel_5e4``.
-        probes: what the case is built to expose, one line.
-        expected: the semantics the FP64 golden gives, one line.
+        name: identifier matched by ``--case`` patterns, e.g. ``sentinel_5e4``.
+        probes: what the case is built to expose; expected: what the FP64 golden gives.
         make: ``make(dtype, generator) -> CaseInputs``; raises :class:`UnrepresentableCaseError`
             when the case cannot be posed in ``dtype``.
-        backward: its gradients are checked too; ``False`` for the cases whose logits reach the
-            dtype's range (the softmax is saturated there and every gradient is the cancellation of
-            terms near ``finfo.max``: no baseline form judges it).
-        profiles: the profiles that run it (:data:`PROFILES`): ``default`` (the CI gate) and
-            ``full``, which runs every case.
-        property: the property it tests (a key of :data:`PROPERTIES`), e.g. ``partial tile``.
-        also: properties it tests as well (a padding mask with a length-0 sequence has fully
-            masked rows).
-        fixed: what a kernel's limits must not change when the case is fitted to them
-            (:data:`~flashprobe.fuzz.fit.FIXED`): the case is not applicable to a kernel that
-            needs it changed (:func:`~flashprobe.fuzz.fit.fit_inputs`).
-        grad: the form of the output gradient, of :data:`GRAD_FORMS` (``""``: the standard one).
-        bias: the sign of the errors is judged too, over the call's (batch, head) replicates, at
-            16 bits (:func:`~flashprobe.fuzz.rule.signed_bias`): the ``signed bias`` cases.
+        backward: its gradients are checked too (not where logits reach the dtype's range).
+        profiles: the :data:`PROFILES` that run it.
+        property: the property it tests (a key of :data:`PROPERTIES`); also: those it tests as well.
+        fixed: what fitting to a kernel's limits must not change (:data:`~flashprobe.fuzz.fit.FIXED`).
+        grad: the form of the output gradient, of :data:`GRAD_FORMS`.
+        bias: the sign of the errors is judged too (:func:`~flashprobe.fuzz.rule.signed_bias`).
     """
 
     # (defined before the field ``property``, which hides the builtin in the class body)
@@ -187,10 +160,8 @@ def exact_logit_qk(
 
     Args:
         z: ``(B, H, N_q, N_k)`` float64 target logits ``q·kᵀ·scale``.
-        dtype: the dtype under test.
         head_dim: ``D ≥ N_q``.
         c: query magnitude; ``c · scale`` must be a power of two.
-        scale: the softmax scale the case passes to the kernel.
 
     Returns:
         ``q`` ``(B, H, N_q, D)`` and ``k`` ``(B, H, N_k, D)`` in ``dtype``.
@@ -222,8 +193,7 @@ def exact_logit_qk(
 
 # --- the catalogue ---
 
-#: Sentinel name → its value for a dtype. Kernels that use a finite "minus infinity" as the masked
-#: logit and as the initial running max return zeros for rows whose valid logits lie below it.
+#: Sentinel name → its value for a dtype: a finite "minus infinity" some kernels mask with.
 SENTINELS: dict[str, Callable[[torch.dtype], float]] = {
     "1e4": lambda dtype: -1e4,
     "5e4": lambda dtype: -5e4,
@@ -398,14 +368,11 @@ def _available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if available is None else available
 
 
-#: The shape of the signed-bias cases: 256 (batch, head) replicates of 8192 elements. A rounding
-#: toward zero reads ``|z|`` near ``√256 = 16``, far past the limit of 5; a correct kernel's
-#: replicates give ``|z|`` of order 1.
+#: The shape of the signed-bias cases: 256 (batch, head) replicates of 8192 elements.
 _BIAS_SHAPE = (8, 32, 128, 64)  # (B, H, N, D)
 
 
 def _bias_repeated_max(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
-    """:func:`~flashprobe.fuzz.inputs.bias_inputs` with repeated maxima at :data:`_BIAS_SHAPE`."""
     seed = int(torch.randint(2**31 - 1, (1,), generator=gen))
     x = bias_inputs(_BIAS_SHAPE, seed, repeated=True)
     return CaseInputs(q=x["q"].to(dtype), k=x["k"].to(dtype), v=x["v"].to(dtype))
@@ -431,7 +398,7 @@ def _dense_case(
     poison: str = "",
 ) -> Callable[[torch.dtype, torch.Generator], CaseInputs]:
     """A generator of standard normal inputs of one shape (``lengths``: a key-padding mask, bool or
-    ``additive`` 0/-inf; ``poison``: the memory around q, k, v, :meth:`CaseInputs.with_poison`)."""
+    ``additive`` 0/-inf; ``poison``: what fills the memory around q, k, v)."""
 
     def make(dtype: torch.dtype, gen: torch.Generator) -> CaseInputs:
         kv = h if h_kv is None else h_kv
@@ -456,15 +423,14 @@ _FULL = ("full",)
 
 
 def _shape_cases() -> list[FuzzCase]:
-    """Layouts, head dims to 256, N_k % 128 == 64, long context, large grids, GQA/MQA."""
     cases = [
         FuzzCase(
             f"layout_{layout}",
-            f"inputs as {_LAYOUT_TEXT[layout]}; causal, B=2 H=3 N=77 D=40",
+            f"inputs as {LAYOUT_TEXT[layout]}; causal, B=2 H=3 N=77 D=40",
             "the same answer as for contiguous inputs",
             _dense_case(2, 3, 77, 77, 40, causal=True, layout=layout),
         )
-        for layout in _LAYOUT_TEXT
+        for layout in LAYOUT_TEXT
     ]
     cases += [
         FuzzCase(
@@ -546,15 +512,6 @@ _GRAD_TEXT = {
     "expanded": "one head's, expanded to every head with stride 0",
     "tiny": "× 2^-20 (a tiny loss: dS underflows in 16 bits)",
     "huge": "× 2^12 (loss scaling)",
-}
-
-_LAYOUT_TEXT = {
-    "bnhd": "transposed views of (B, N, H, D) projections",
-    "fused_qkv": "slices of one fused (B, N, 3, H, D) qkv projection",
-    "expanded_kv": "k, v of one head expanded with stride 0 to every batch entry and head",
-    "offset": "views at a non-zero storage offset",
-    "kv_strides": "k contiguous, v a transposed (B, N, H, D) view: k and v with different strides",
-    "mixed": "q a (B, N, H, D) view, k at a storage offset, v half of a fused k/v projection",
 }
 
 
@@ -819,12 +776,11 @@ CATALOGUE: dict[str, FuzzCase] = {
 def select_cases(patterns: Iterable[str] | None = None, *, profile: str = "default") -> list[FuzzCase]:
     """The catalogue cases of ``profile`` matching any of the glob ``patterns`` (all when none).
 
-    A pattern starting with ``-`` or ``!`` removes the cases it matches, e.g. ``["*", "-gqa_*"]``.
-    A case named exactly by a pattern runs whatever its profile.
+    A pattern starting with ``-`` or ``!`` removes the cases it matches, e.g. ``["*", "-gqa_*"]``;
+    a case named exactly runs whatever its profile.
 
     Raises:
-        ValueError: a positive pattern matches no case, or an unknown profile; the message lists
-            the case names (or profiles).
+        ValueError: a positive pattern matches no case, or an unknown profile.
     """
     if profile not in PROFILES:
         raise ValueError(f"profile {profile!r} must be one of {', '.join(PROFILES)}")

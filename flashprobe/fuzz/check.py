@@ -42,13 +42,10 @@ class KernelCheck:
 
     Attributes:
         results: one row per (seed, case, dtype, kernel), then one per random sample and kernel.
-        catalogue_s: seconds spent on the catalogue.
-        elapsed_s: seconds in all.
+        catalogue_s, elapsed_s: seconds spent on the catalogue, and in all.
         reproducers: the files saved for the failures (empty without ``out_dir``).
-        ledger: the rows judged against the ledger (None without one): failures it accepts are
-            ``known``, its entries that passed are unexpected passes.
-        contract_cases: the contract catalogue's cases the run selected (posed to the kernels whose
-            api they take).
+        ledger: the rows judged against the ledger (None without one).
+        contract_cases: the contract catalogue's cases the run selected.
     """
 
     results: list[FuzzResult]
@@ -70,8 +67,7 @@ class KernelCheck:
 
     @property
     def passed(self) -> bool:
-        """No row failed or was ``not_declared`` outside the ledger and no ledger entry passed
-        unexpectedly (rows ``skip``, ``unsupported`` or ``no_backward`` do not fail)."""
+        """No row failed or was ``not_declared`` outside the ledger, and no unexpected pass."""
         return (
             not self.failures
             and not self.unexpected_passes
@@ -109,33 +105,19 @@ def check_kernel(
 
     Args:
         kernels: a kernel (spec or :class:`~flashprobe.kernels.Kernel`) or several.
-        dtypes: the dtypes to run (``bf16``, ``fp16``, ``fp32`` or torch dtypes).
-        cases: case names or globs (``"sentinel_*"``), or :class:`FuzzCase` objects; None: the
-            ``profile``'s catalogue. Names and globs select sequences and invariants too
-            (``seq_*``, ``inv_*``: :data:`~flashprobe.fuzz.invariants.CHECKS`).
-        checks: the sequences and invariants to run, by name (None: those ``cases`` selects; all of
-            the profile's when ``cases`` is None).
-        profile: ``default`` (the CI gate) or ``full``.
-        seed: the first seed; ``seeds``: how many.
+        cases: case names or globs (``"sentinel_*"``, also selecting sequences and invariants), or
+            :class:`FuzzCase` objects; None: the ``profile``'s catalogue.
+        checks: the sequences and invariants to run, by name (None: those ``cases`` selects).
+        seed, seeds: the first seed and how many.
         budget: random samples after the catalogue (0: none).
-        backward: also judge the gradients ``dq``, ``dk``, ``dv``.
         layouts: memory layouts every case runs in (:data:`~flashprobe.fuzz.layouts.LAYOUTS`).
         baseline: the same-dtype baseline (FP8 kernels get ``math:fp8=<format>`` in place of ``math``).
-        device: where to run.
-        out_dir: where failures' reproducers are saved (one per kernel, property and direction);
-            None saves none.
+        out_dir: where failures' reproducers are saved; None saves none.
         progress: called with one line per (case, dtype) and random sample.
         ledger: accepted findings (a :class:`~flashprobe.fuzz.ledger.Ledger`, a file, or a shipped
-            ledger's name such as ``"builtin"``): their failures are ``known``, their quarantined
-            cases not called, their unexpected passes failures of the check.
-        contract_cases: the contract catalogue's cases (:mod:`flashprobe.fuzz.contract_cases`, for
-            kernels of another api) to run; None: those ``cases``' patterns name (all when none).
-        threads: torch's intra-op CPU threads during the run, the kernels' calls included (None: the
-            process's setting; the caller's setting is restored after). ``flashprobe fuzz`` passes 1:
-            on a small CPU the hand-offs of many small ops cost more than they save.
-
-    Returns:
-        The :class:`KernelCheck`.
+            ledger's name such as ``"builtin"``).
+        contract_cases: the contract cases to run; None: those ``cases``' patterns name.
+        threads: torch's intra-op CPU threads during the run (None: the process's; restored after).
 
     Raises:
         ValueError: ``seeds`` < 1, ``budget`` < 0, a case pattern that matches no case, or an

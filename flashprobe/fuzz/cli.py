@@ -1,22 +1,10 @@
 """``flashprobe fuzz``: run adversarial edge cases against attention kernels and judge each one.
 
-Every case of the chosen profile (``--profile default``, the CI gate, or ``full``) of
-:data:`~flashprobe.fuzz.cases.CATALOGUE` (and, with ``--budget N``, N random samples) runs against
-every kernel at every dtype, judged by the probe's rule (:mod:`flashprobe.judge`, through
-:mod:`flashprobe.fuzz.rule`) on the output
-and, unless ``--no-backward``, on ``dq``, ``dk``, ``dv``. The run reports its coverage: which
-values of each axis it exercised. Every argument is checked before any case runs: bad usage exits 2
-with one message naming the argument and the fix. Prints a progress line per case and
-dtype on a terminal (stderr; not under ``--quiet`` or CI), then the verdict grid, every failure, the
-skip/unsupported reasons one line per distinct reason, per kernel the properties tested (or why
-not), and, last, the files it wrote: ``fuzz.json`` (:func:`flashprobe.formats.write_json`, with
-per-row seconds), ``fuzz.md`` (with the properties and the slowest cases) and the reproducers, one
-per failing (kernel, property, direction).
-Beside the catalogue it runs the sequences and invariants of the profile (``seq_*``, ``inv_*``:
-:mod:`flashprobe.fuzz.invariants`), selected by ``--case`` as the cases are.
-Exits 0 when nothing fails and 1 when a (kernel, case, dtype) fails or is ``not_declared``; with
-``--ledger``, failures the ledger accepts are reported ``known`` and do not fail the run, and its
-entries that passed do.
+Every argument is checked before any case runs (bad usage exits 2 with one message naming the
+argument and the fix). The run prints progress on a terminal, the verdict grid, every failure, the
+skip reasons, coverage and properties per kernel, and writes ``fuzz.json``, ``fuzz.md`` and the
+reproducers. Exits 0 when nothing fails, 1 when a (kernel, case, dtype) fails or is ``not_declared``
+(with ``--ledger``: an unaccepted failure, or an unexpected pass).
 """
 
 from __future__ import annotations
@@ -331,8 +319,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
 
 
 def _some_kernel_runs(kernels: Sequence[str], device: torch.device, dtypes: Sequence[torch.dtype]) -> None:
-    """Refuse a plan in which no kernel runs on ``device`` at any of ``dtypes``: every row would be
-    ``unsupported`` and the exit code 0, a gate passed with nothing judged."""
+    """Refuse a plan in which no kernel runs on ``device`` at any of ``dtypes`` (nothing judged)."""
     reasons = []
     for spec in kernels:
         for dtype in dtypes:
@@ -356,10 +343,8 @@ def _import_modules(modules: Sequence[str] | None) -> None:
 
 
 def _from_reproducer(args: argparse.Namespace) -> int:
-    """``--from FILE``: replay a reproducer (the probe's or the fuzzer's) with each kernel and shrink
-    the failing ones (:func:`flashprobe.probing.repro.shrink_reproducer`); 1 when a kernel fails or
-    errs (raises, returns the wrong shape or dtype: ``replay``'s ``error``, not shrunk), 0 when none
-    does."""
+    """``--from FILE``: replay a reproducer with each kernel and shrink the failing ones; 1 when a
+    kernel fails or errs (raises, returns the wrong shape or dtype: not shrunk), else 0."""
     from flashprobe.fuzz.reproducer import reproducer_judge
     from flashprobe.probing.repro import (
         ReproducerError,
@@ -408,7 +393,7 @@ def _from_reproducer(args: argparse.Namespace) -> int:
 
 def _output_problem(spec: str, call: Any) -> str:
     """Why ``spec``'s output on the saved call is not a ``(B, H, N_q, D_v)`` tensor of the inputs'
-    dtype (``""`` when it is); the probe's judge compares values, not the output's form."""
+    dtype (``""`` when it is)."""
     with torch.no_grad():
         out = get_kernel(spec)(
             call.q, call.k, call.v, attn_mask=call.attn_mask, is_causal=call.is_causal, scale=call.scale
@@ -515,8 +500,7 @@ def _ledger_payload(report: LedgerReport) -> dict[str, Any]:
 def _write(
     plan: _Plan, payload: dict[str, Any], results: list[FuzzResult], contract_cases: Sequence[str] = ()
 ) -> list[Path]:
-    """Write ``fuzz.json`` (and ``fuzz.md`` when a catalogue ran: the dense one, the sequences and
-    invariants, or the contract one); every file written, reproducers too."""
+    """Write ``fuzz.json`` (and ``fuzz.md`` when a catalogue ran); every file written, reproducers too."""
     written = [write_json(plan.out_dir / "fuzz.json", payload)]
     if plan.cases or plan.checks or any(r.params is None for r in results):
         written.append(atomic_write_text(plan.out_dir / "fuzz.md", _markdown(results, contract_cases)))
@@ -543,11 +527,8 @@ def _markdown(results: list[FuzzResult], contract_cases: Sequence[str] = ()) -> 
 
 
 def _progress(quiet: bool, budget: int = 0) -> Callable[[str], None] | None:
-    """The progress printer: every line to stderr when it is a terminal, not under ``--quiet`` or CI.
-
-    Elsewhere (a log file, CI) a random search (``budget`` samples) is never silent: its estimate up
-    front and one progress line a minute (the first at once, saying the time left at its pace).
-    """
+    """The progress printer: every line to stderr on a terminal outside CI; elsewhere a random search
+    prints one line a minute (and its estimate up front); None under ``--quiet``."""
     if quiet:
         return None
     if sys.stderr.isatty() and not os.environ.get("CI"):

@@ -2,20 +2,12 @@
 
 A kernel registered with ``api="flash_attn_func"``, ``"flash_attn_varlen_func"``,
 ``"flash_attn_with_kvcache"`` or ``"merge_state"`` (:mod:`flashprobe.kernels.contract`) gets, beside
-the dense catalogue expressed through its storage (:mod:`flashprobe.fuzz.cases`, through
-:meth:`Kernel.__call__ <flashprobe.kernels.Kernel>`), the cases of :data:`CONTRACT_CASES`: each one
-:class:`ContractCase`, a row of data — the sequences' lengths, the features around the scores, the
-storage (packed, pages of a size, a KV cache with appended keys), what is poisoned — and a
-:data:`CONTRACT_PROPERTIES` it tests. :func:`build_call` poses a case to one kernel as one
-:class:`~flashprobe.kernels.AttentionCall` in that kernel's own storage, inside its declared limits
-(:class:`~flashprobe.kernels.KernelCapabilities`: head dims, page sizes, dtypes, FP8 inputs), or
-raises :class:`~flashprobe.fuzz.fit.NotApplicableError` saying why it cannot keep its point there.
-
-Every call asks for the LSE where the kernel declares one, in its declared base; unused pages, cache
-slots and block-table tails hold NaN; a ``float8_e4m3fn`` run (``--dtype e4m3``) gives q, k, v in
-E4M3 with per-(batch, key/value head) descales, as FlashAttention-3 takes them. The calls a kernel
-must refuse (:attr:`ContractCase.refuse`) are built with :meth:`AttentionCall.unchecked
-<flashprobe.kernels.AttentionCall.unchecked>`.
+the dense catalogue, the cases of :data:`CONTRACT_CASES`: each a :class:`ContractCase`, a call as data
+testing one of :data:`CONTRACT_PROPERTIES`. :func:`build_call` poses a case to one kernel as an
+:class:`~flashprobe.kernels.AttentionCall` in the kernel's own storage and inside its declared limits,
+or raises :class:`~flashprobe.fuzz.fit.NotApplicableError` saying why it cannot. Unused pages, cache
+slots and block-table tails hold NaN; FP8 runs (``--dtype e4m3``) give q, k, v in E4M3 with
+FlashAttention-3's per-(batch, key/value head) descales.
 """
 
 from __future__ import annotations
@@ -89,26 +81,21 @@ class ContractCase:
     """One case of the contract catalogue: a call as data.
 
     Attributes:
-        name: the case's name (``--case`` patterns match it).
-        property: what it tests, a key of :data:`CONTRACT_PROPERTIES`.
-        apis: the apis it is posed to.
+        property: what it tests, a key of :data:`CONTRACT_PROPERTIES`; apis: those it is posed to.
         b, h, h_kv, d: batch, query heads, key/value heads, head dim (fitted to the kernel's).
         n_q, n_k: query and key lengths: one per sequence (a tuple of ``b``) or one for all.
-        causal, align, window, softcap, alibi, scale: the call's features (``alibi``: slopes
-            ``2^(−8(h+1)/H)``).
-        spread: the standard deviation of q's and k's entries (the logits' spread).
-        page_size: keys on pages of this size (varlen: ``block_table``; KV cache: a paged cache).
-        over_allocate: block-table columns added to every row, pointing at a NaN page.
-        new: KV cache: keys appended by the call (``k``, ``v`` of ``flash_attn_with_kvcache``).
-        leftpad: KV cache: ``cache_leftpad`` of 3 slots for every other sequence.
-        batch_idx: KV cache: the sequences in rows ``cache_batch_idx`` of a bigger cache.
+        causal, align, window, softcap, alibi, scale: the call's features (``alibi``: standard slopes).
+        spread: the standard deviation of q's and k's entries.
+        page_size: keys on pages of this size; over_allocate: block-table columns added per row,
+            pointing at a NaN page.
+        new, leftpad, batch_idx: KV cache: keys appended by the call, ``cache_leftpad`` of 3 slots for
+            every other sequence, the sequences in rows ``cache_batch_idx`` of a bigger cache.
         out: a preallocated ``out=`` full of NaN.
         split_k: merges: keys ``[0, split_k)`` form the first partial (None: half).
-        num_splits: KV cache: ``num_splits`` passed to the kernel (split-KV inside it; None: not passed).
+        num_splits: KV cache: ``num_splits`` passed to the kernel (None: not passed).
         refuse: what makes the call one the kernel must refuse (empty: a valid call).
         fp8: posed with FP8 inputs too (``--dtype e4m3``).
-        cache_q: a KV cache's query length, for a case whose queries are ragged elsewhere (0: as
-            ``n_q``).
+        cache_q: a KV cache's query length where the queries are ragged elsewhere (0: ``n_q``).
         make: builds the logical call's float64 ``(q, k, v)`` itself (the FP8 fixture).
         backward: the gradients are judged (where the api has a backward).
     """
@@ -156,9 +143,8 @@ class ContractCase:
 
 
 def _fp8_fixture(case: ContractCase, d: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
-    """V = 1 and exact logits per row kind: peaked (one 0, the rest −7), sink (one 6, the rest in
-    [−2, 0]), rising (``a·j/N_k`` for ``a`` of 1…8: the row max grows tile after tile) and diffuse
-    (in [−1, 0]); query ``r`` is one-hot, so ``q·k_j = z[r, j]`` exactly (``D ≥ N_q``, scale 1)."""
+    """V = 1 and exact logits (one-hot queries, ``D ≥ N_q``, scale 1) per row kind: peaked, sink,
+    rising tile after tile, and diffuse."""
     n_q, n_k = case.n_q, case.n_k
     assert isinstance(n_q, int) and isinstance(n_k, int) and d >= n_q
     j = torch.arange(n_k, dtype=torch.float64)
@@ -187,6 +173,8 @@ def _fp8_fixture(case: ContractCase, d: int, gen: torch.Generator) -> tuple[torc
 
 def _cases() -> tuple[ContractCase, ...]:
     ragged_q, ragged_k = (1, 17, 64, 33), (77, 5, 130, 200)
+    three = dict(b=3, n_q=(13, 9, 20), n_k=(40, 30, 25))  # three ragged sequences
+    paged = dict(b=3, n_q=(17, 1, 9), n_k=(77, 5, 40), cache_q=3)
     windows = {
         "window_0_0": dict(n_q=77, n_k=77, window=(0, 0)),
         "window_1_1": dict(n_q=77, n_k=77, window=(1, 1)),
@@ -201,12 +189,9 @@ def _cases() -> tuple[ContractCase, ...]:
             f"paged_{p}",
             "page sizes",
             _RAGGED,
-            b=3,
-            n_q=(17, 1, 9) if p < 256 else (9, 1, 5),
-            n_k=(77, 5, 40) if p < 256 else (300, 5, 257),
+            **{**paged, **({} if p < 256 else dict(n_q=(9, 1, 5), n_k=(300, 5, 257)))},
             page_size=p,
             fp8=p == 16,
-            cache_q=3,
         )
         for p in (1, 16, 64, 128, 256)
     ]
@@ -235,11 +220,7 @@ def _cases() -> tuple[ContractCase, ...]:
             n_k=(40, 0, 25),
         ),
         ContractCase(
-            "empty_queries_in_batch",
-            "empty sequence",
-            ("flash_attn_varlen_func",),
-            b=3,
-            n_q=(13, 0, 20),
+            "empty_queries_in_batch", "empty sequence", ("flash_attn_varlen_func",), b=3, n_q=(13, 0, 20),
             n_k=(40, 30, 25),
         ),
         ContractCase(
@@ -257,15 +238,7 @@ def _cases() -> tuple[ContractCase, ...]:
         ),
         *pages,
         ContractCase(
-            "paged_over_allocated",
-            "poisoned cache",
-            _RAGGED,
-            b=3,
-            n_q=(17, 1, 9),
-            n_k=(77, 5, 40),
-            page_size=16,
-            over_allocate=2,
-            cache_q=3,
+            "paged_over_allocated", "poisoned cache", _RAGGED, **paged, page_size=16, over_allocate=2
         ),
         ContractCase("cache_append", "KV append", ("flash_attn_with_kvcache",), n_q=4, n_k=(77, 40), new=3),
         ContractCase(
@@ -350,37 +323,16 @@ def _cases() -> tuple[ContractCase, ...]:
             backward=False,
         ),
         ContractCase("refuse_head_ratio", "refuses bad calls", _FLASH, refuse="head_ratio", backward=False),
-        ContractCase(
-            "refuse_cu_seqlens_decreasing",
-            "refuses bad calls",
-            ("flash_attn_varlen_func",),
-            b=3,
-            n_q=(13, 9, 20),
-            n_k=(40, 30, 25),
-            refuse="cu_seqlens_decreasing",
-            backward=False,
+        *(
+            ContractCase(
+                f"refuse_{how}", "refuses bad calls", ("flash_attn_varlen_func",), **three, refuse=how,
+                backward=False,
+            )
+            for how in ("cu_seqlens_decreasing", "cu_seqlens_past_total")
         ),
         ContractCase(
-            "refuse_cu_seqlens_past_total",
-            "refuses bad calls",
-            ("flash_attn_varlen_func",),
-            b=3,
-            n_q=(13, 9, 20),
-            n_k=(40, 30, 25),
-            refuse="cu_seqlens_past_total",
-            backward=False,
-        ),
-        ContractCase(
-            "refuse_page_out_of_range",
-            "refuses bad calls",
-            _RAGGED,
-            b=3,
-            n_q=(13, 9, 20),
-            n_k=(40, 30, 25),
-            page_size=16,
-            refuse="page_out_of_range",
-            backward=False,
-            cache_q=3,
+            "refuse_page_out_of_range", "refuses bad calls", _RAGGED, **three, page_size=16,
+            refuse="page_out_of_range", backward=False, cache_q=3,
         ),
         ContractCase(
             "refuse_cache_past_slots",
@@ -419,9 +371,9 @@ def fp8_format(call: AttentionCall, caps: KernelCapabilities) -> str | None:
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, heads_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` ``(B, H, N, D)`` float64 in an FP8 ``dtype`` with FlashAttention-3's descales: one per
-    (batch, key/value head) ``(B, H_kv)`` float32, each mapping that group's amax onto the format's
-    largest value; the real values are ``x_fp8 · descale``."""
+    """``x`` ``(B, H, N, D)`` float64 in an FP8 ``dtype``, and FlashAttention-3's ``(B, H_kv)``
+    float32 descales mapping each group's amax onto the format's largest value
+    (``x ≈ x_fp8 · descale``)."""
     b, h = x.shape[:2]
     groups = x.reshape(b, heads_kv, -1).abs().amax(-1) if x.numel() else x.new_zeros(b, heads_kv)
     descale = torch.where(groups > 0, groups / _FP8_MAX[dtype], 1.0).float()  # (B, H_kv)
@@ -667,9 +619,7 @@ def tiny_call(
     api: str, caps: KernelCapabilities, dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> AttentionCall:
     """The smallest plain call a kernel of ``api`` declares it takes at ``dtype`` (``flashprobe
-    kernels``' test call): 1 sequence, one key/value head per query head (or GQA where it takes no
-    other), its head dim and lengths (the smallest multiple of its ``seq_multiple`` ≥ 8), pages of
-    a size it takes, FP8 inputs with descales for an FP8 dtype."""
+    kernels``' test call): one sequence and head, lengths ≥ 8 of its multiple, in its storage."""
     d = _head_dim(16, caps)
     n = max(8, caps.seq_multiple)
     gen = torch.Generator().manual_seed(0)

@@ -1,26 +1,14 @@
 """Running and judging the contract catalogue (:mod:`flashprobe.fuzz.contract_cases`).
 
-:func:`check_call` judges one kernel on one :class:`~flashprobe.kernels.AttentionCall` of any
-storage, through its api's adapter (:func:`~flashprobe.kernels.contract.run_contract`), against the
-golden and the same-dtype baseline of that call (:func:`~flashprobe.kernels.golden_call`,
-:func:`~flashprobe.kernels.baseline_call`):
-
-* the output by the one rule (:func:`flashprobe.fuzz.rule.judge`, with the fuzzer's checks of rows
-  that see no key), read from the preallocated ``out=`` when the call gives one (a row left NaN
-  there is a row never written);
-* the LSE, in the kernel's declared base, by :func:`flashprobe.judge.judge_lse`: a row that sees no
-  key must hold exactly the kernel's declared ``empty_lse``;
-* the inputs left as they were (a KV cache may only gain the appended keys, which it must gain);
-* ``dq``, ``dk``, ``dv`` for the apis with a backward (``flash_attn_func``, ``flash_attn_varlen_func``
-  on packed keys), against :func:`~flashprobe.kernels.call_gradients`;
-* an FP8 kernel (FP8 inputs, or ``KernelCapabilities.fp8``) with the limits of its format, the
-  baseline's error the largest over the FP8 baseline's realisations
-  (:func:`flashprobe.judge.fp8_realisations`), as the dense catalogue judges one.
-
-A call the kernel must refuse (``refuse``) passes when the kernel raises, and fails when it returns.
-:func:`run_contract_catalogue` runs the catalogue for a set of kernels and dtypes, one
-:class:`~flashprobe.fuzz.run.FuzzResult` per (case, dtype, kernel) — ``unsupported`` with "not
-applicable to this kernel: <why>" where a case cannot keep its point inside the kernel's limits.
+:func:`check_call` judges one kernel on one :class:`~flashprobe.kernels.AttentionCall` of any storage,
+through its api's adapter, against that call's golden and same-dtype baseline: the output by
+:func:`flashprobe.fuzz.rule.judge` (read from a preallocated ``out=`` when given: a row left NaN was
+never written); the LSE in the kernel's declared base by :func:`flashprobe.judge.judge_lse` (a row that
+sees no key must hold the declared ``empty_lse``); the inputs left as they were (a KV cache gains
+exactly the appended keys); ``dq``, ``dk``, ``dv`` where the api has a backward; an FP8 kernel with
+its format's limits, the baseline's error the largest over its FP8 realisations. A call the kernel
+must refuse passes when the kernel raises. :func:`run_contract_catalogue` gives one
+:class:`~flashprobe.fuzz.run.FuzzResult` per (case, dtype, kernel).
 """
 
 from __future__ import annotations
@@ -94,15 +82,12 @@ _NOT_APPLICABLE = "not applicable to this kernel: "
 
 @dataclasses.dataclass(frozen=True)
 class CallVerdict:
-    """One kernel's verdict on one call (:func:`check_call`): the fields of a
-    :class:`~flashprobe.fuzz.run.FuzzResult` it sets.
+    """One kernel's verdict on one call (:func:`check_call`).
 
     Attributes:
-        verdict: ``pass``, ``fail``, ``skip`` (undetermined), ``unsupported`` (the kernel refuses the
-            call: its limits, its api), ``no_backward``.
-        reason: why.
-        failure: the first failed check's kind (``nonfinite``, ``lse:empty_row``, ``dq:values``,
-            ``accepted``, ...).
+        verdict: ``pass``, ``fail``, ``skip`` (undetermined), ``unsupported`` (the kernel's limits or
+            api refuse the call), ``no_backward``.
+        failure: the first failed check's kind (``nonfinite``, ``lse:empty_row``, ``accepted``, ...).
         fields: the other :class:`FuzzResult` fields it sets (tolerance, gradients, ...).
     """
 
@@ -120,11 +105,17 @@ def _tensor_fields(call: AttentionCall) -> dict[str, torch.Tensor]:
     }
 
 
+def _unchecked(call: AttentionCall, each: Callable[[torch.Tensor], Any] | None = None) -> AttentionCall:
+    """``call`` as an unchecked :class:`AttentionCall`, every tensor mapped through ``each``."""
+    fields = {f.name: getattr(call, f.name) for f in dataclasses.fields(call)}
+    if each is not None:
+        fields.update({n: each(t) for n, t in _tensor_fields(call).items()})
+    return AttentionCall.unchecked(**fields)
+
+
 def _clone(call: AttentionCall) -> AttentionCall:
     """A call with copies of every tensor (a kernel may write into its cache)."""
-    fields = {f.name: getattr(call, f.name) for f in dataclasses.fields(call)}
-    fields.update({n: t.clone() for n, t in _tensor_fields(call).items()})
-    return AttentionCall.unchecked(**fields)
+    return _unchecked(call, torch.Tensor.clone)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -150,9 +141,7 @@ def _appended(original: AttentionCall, ran: AttentionCall) -> str:
     if not isinstance(seqlens, torch.Tensor):
         seqlens = torch.full((original.batch,), int(seqlens), dtype=torch.int32, device=original.q.device)
     seqlens = (seqlens + original.n_new).to(torch.int32)
-    after = AttentionCall.unchecked(
-        **{f.name: getattr(ran, f.name) for f in dataclasses.fields(ran)}
-    ).replace(cache_seqlens=seqlens, k_new=None, v_new=None, out=None, return_lse=False)
+    after = _unchecked(ran).replace(cache_seqlens=seqlens, k_new=None, v_new=None, out=None, return_lse=False)
     want, got = original.logical(), after.logical()
     if _same(want.k, got.k) and _same(want.v, got.v):
         return ""
@@ -182,7 +171,7 @@ def _fp8_forms(call: AttentionCall, fmt: str) -> list[torch.Tensor]:
     lg = call.logical()
     q, k, v = lg.dequantized(torch.float32 if call.fp8 else call.q.dtype)
     k, v = (t.repeat_interleave(lg.group, dim=1) for t in (k, v))  # the SDPA baseline takes no GQA
-    plain = AttentionCall.unchecked(**{f.name: getattr(lg, f.name) for f in dataclasses.fields(lg)}).replace(
+    plain = _unchecked(lg).replace(
         q=q, k=k, v=v, q_descale=None, k_descale=None, v_descale=None, return_lse=False, out=None
     )
     forms = []
@@ -278,9 +267,8 @@ def _run(kernel: Kernel, call: AttentionCall) -> Any:
 
 
 def _unseen(logical: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows whose gradient must be 0 because of the call's masks: queries that see no key ``(B, H,
-    N_q)`` (dq) and keys no query sees ``(B, H_kv, N_k)`` (dk, dv). A query that sees one key has a
-    zero golden dq too, but rounding leaves a correct kernel's non-zero: the value rule judges it."""
+    """The rows whose gradient the masks make 0: queries that see no key ``(B, H, N_q)`` (dq) and keys
+    no query sees ``(B, H_kv, N_k)`` (dk, dv)."""
     b, h, n_q, n_k = logical.batch, logical.heads, logical.n_q, logical.n_k
     terms = logical.score_terms(slice(0, b), slice(0, h), slice(0, n_q), n_k, torch.float64)
     valid = terms.get("valid")
@@ -300,8 +288,8 @@ def _gradients(
     caps = kernel.capabilities
     if kernel.api not in _BACKWARD_APIS or call.storage not in ("dense", "packed") or call.fp8:
         return None, {}, ""
-    if caps.setting_problem(call.q.device, call.q.dtype, backward=True) is not None:
-        why = f"no backward: {caps.setting_problem(call.q.device, call.q.dtype, backward=True)}"
+    if (problem := caps.setting_problem(call.q.device, call.q.dtype, backward=True)) is not None:
+        why = f"no backward: {problem}"
         return Verdict(verdict="no_backward", reason=why), {}, why
     leaves = {n: getattr(call, n).detach().clone().requires_grad_(True) for n in ("q", "k", "v")}
     posed = _clone(call).replace(out=None, **leaves)
@@ -313,19 +301,15 @@ def _gradients(
         with torch.enable_grad():
             out = _run(kernel, posed).out
             if not out.requires_grad:
-                return (
-                    Verdict(verdict="no_backward", reason="no backward: its output has no autograd graph"),
-                    {},
-                    "",
-                )
+                why = "no backward: its output has no autograd graph"
+                return Verdict(verdict="no_backward", reason=why), {}, ""
             grads = torch.autograd.grad(out, tuple(leaves.values()), g.to(out.dtype), allow_unused=True)
     except Exception as err:  # a backward that raises is a bug
         text = f"backward raised {type(err).__name__}: {err}"
         return Verdict(verdict="fail", failure="backward:raised", reason=text), {}, text
+    to_logical = (posed.q_to_logical, posed.kv_to_logical, posed.kv_to_logical)
     found = {
-        "dq": None if grads[0] is None else posed.q_to_logical(grads[0]),
-        "dk": None if grads[1] is None else posed.kv_to_logical(grads[1]),
-        "dv": None if grads[2] is None else posed.kv_to_logical(grads[2]),
+        n: None if x is None else f(x) for n, x, f in zip(("dq", "dk", "dv"), grads, to_logical, strict=True)
     }
     golden = call_gradients(call, g.double(), dtype=torch.float64)
     base = call_gradients(call, g)
@@ -350,19 +334,13 @@ def _gradients(
 def check_call(
     kernel: str | Kernel, call: AttentionCall, *, refuse: str = "", backward: bool = True, ones: bool = False
 ) -> CallVerdict:
-    """Judge ``kernel`` on ``call`` (module docstring).
+    """Judge ``kernel`` (any api) on ``call`` (any storage), as the module docstring says.
 
     Args:
-        kernel: the kernel (any api).
-        call: the call, in any storage (the kernel's own, or converted by its adapter).
         refuse: the call is one the kernel must refuse, for this reason (``cu_seqlens_decreasing``, ...).
-        ones: the call's V is all ones (the FP8 P-cast fixture), so every row that sees a key must be
-            1: within :data:`ONES_LIMIT`, the worst case of P rounded to E4M3 after its ``2^8``
-            prescale (3 mantissa bits: ``2^-4`` relative per element, so the weighted mean too).
         backward: judge the gradients too, where the api has a backward.
-
-    Returns:
-        The :class:`CallVerdict`.
+        ones: V is all ones (the FP8 P-cast fixture): every row that sees a key must be 1 within
+            :data:`ONES_LIMIT` (E4M3's 3 mantissa bits: ``2^-4`` relative per element).
     """
     kernel = get_kernel(kernel)
     if refuse:
@@ -498,11 +476,7 @@ def check_contract_case(
 
 
 def _to(call: AttentionCall, device: torch.device) -> AttentionCall:
-    if call.q.device == device:
-        return call
-    fields = {f.name: getattr(call, f.name) for f in dataclasses.fields(call)}
-    fields.update({n: t.to(device) for n, t in _tensor_fields(call).items()})
-    return AttentionCall.unchecked(**fields)
+    return call if call.q.device == device else _unchecked(call, lambda t: t.to(device))
 
 
 def run_contract_catalogue(
@@ -520,11 +494,7 @@ def run_contract_catalogue(
     an FP8 format), at every dtype: one row per (case, dtype, kernel).
 
     Args:
-        kernels: the kernels; SDPA kernels without ``fp8`` get no rows.
-        dtypes: the dtypes (``float8_e4m3fn`` poses the cases marked ``fp8`` with FP8 inputs).
-        seed: the seed of the inputs (with the case's name).
-        device: where to run.
-        backward: judge the gradients too.
+        dtypes: ``float8_e4m3fn`` poses the cases marked ``fp8`` with FP8 inputs.
         names: the cases to run (default: all).
         progress: called with one line per (case, dtype).
         reproducers: where failures are saved.

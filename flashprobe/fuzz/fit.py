@@ -1,32 +1,14 @@
 """Instantiating a case inside a kernel's limits: the nearest call the kernel accepts that still
 tests the case's property.
 
-A kernel that declares limits (:class:`~flashprobe.KernelCapabilities`: head dims, lengths that
-are multiples of 128, ``N_q = N_k`` only, grouped heads refused, no mask, contiguous inputs only)
-would refuse most of the catalogue's odd-sized calls. :func:`fit_inputs` moves a call to the nearest
-one the kernel takes:
-
-* **head dim** — q and k (and v, when it has q's head dim) get zero channels up to the nearest
-  head dim the kernel takes, and the scale is passed explicitly as the original ``1/sqrt(D)``:
-  every logit is unchanged (exactly: a zero channel adds ``0`` to each dot product);
-* **masks** — a mask the case's properties do not need (the padded batch of a sentinel case) is
-  dropped for a kernel that takes no mask of its kind; a per-head bool mask becomes head 0's for a
-  kernel that takes one mask shared by every head; a bool mask becomes the additive 0/−inf mask it
-  equals for a kernel that takes only additive masks;
-* **lengths** — grown to the kernel's multiple: queries are appended (copies of the case's rows,
-  cyclically, with their mask rows), keys too, hidden from every original row by the case's mask,
-  a key-padding mask added for them, or (causal, ``N_q ≤ N_k``) the causal mask itself. Where
-  nothing can hide added keys (a kernel without a mask), the call shrinks to the multiple below;
-* **a partial tile** — a case whose property is the partial last key tile keeps one at the kernel's
-  multiple: the padding mask cuts the last tile (added where growing did not);
-* **grouped heads** — k and v are repeated to every query head for a kernel that refuses GQA;
-* **contiguous only** — q, k, v are made contiguous (poisoned memory then lies after each tensor).
-
-The fitted call must still **exhibit** the case's property (:data:`EXHIBITS`: a partial tile stays
-partial, a fully masked row stays, a sentinel's logits stay below it, ...): the call is inspected,
-and a case whose property is gone is **not applicable** to the kernel, with the reason
-(:class:`NotApplicableError`), as is a case whose :attr:`FuzzCase.fixed
-<flashprobe.fuzz.cases.FuzzCase>` axes would have to change, or a call that still breaks a limit.
+:func:`fit_inputs` moves a call to one the kernel's :class:`~flashprobe.KernelCapabilities` accept:
+k/v heads repeated where GQA is refused; zero channels up to a head dim it takes (scale kept, logits
+unchanged); a mask shared, made additive or dropped where no property needs it; lengths grown to its
+multiple (rows repeated, added keys hidden by a mask or the causal mask) or cut; a partial last tile
+kept by a padding mask; contiguous inputs. The fitted call must still **exhibit** the case's
+property (:data:`EXHIBITS`); otherwise, or when a :attr:`FuzzCase.fixed
+<flashprobe.fuzz.cases.FuzzCase>` axis would change, the case is not applicable
+(:class:`NotApplicableError`, saying why).
 """
 
 from __future__ import annotations
@@ -51,12 +33,11 @@ __all__ = [
     "missing_property",
 ]
 
-#: what a case can require to stay as built: ``head_dim`` (q's and v's head dims), ``lengths``
-#: (``N_q`` and ``N_k``), ``gqa`` (fewer k/v heads than query heads), ``tail`` (a partial last key
-#: tile: kept by the original lengths, or by a padding mask that cuts the kernel's last tile)
+#: what a case can require to stay as built: ``head_dim`` (q's and v's), ``lengths`` (``N_q``,
+#: ``N_k``), ``gqa`` (fewer k/v heads than query heads), ``tail`` (a partial last key tile)
 FIXED = ("head_dim", "lengths", "gqa", "tail")
-#: the most scores ``B · H · N_q · N_k`` a fitted call may have (a same-length kernel would turn
-#: 32 queries against 8192 keys into 8192 × 8192); beyond it the call shrinks, or is not applicable
+#: the most scores ``B · H · N_q · N_k`` a fitted call may have; beyond it the call shrinks, or is
+#: not applicable
 MAX_FITTED_SCORES = 1 << 25
 #: the properties that need a mask; any other case's mask may be dropped for a kernel without one
 MASK_PROPERTIES = frozenset(
@@ -173,9 +154,8 @@ def _left_padding(x: CaseInputs) -> bool:
     return keep is not None and bool((~keep[..., 0] & keep.any(-1)).any())
 
 
-#: property → ``check(call, caps)``: ``None`` when the call exhibits the property, else why not. The
-#: properties not listed are kept by construction (fitting pads, repeats and hides, but keeps the
-#: case's own rows, keys and values: outliers, rescaling's logits, the output gradient's form).
+#: property → ``check(call, caps)``: ``None`` when the call exhibits the property, else why not;
+#: properties not listed are kept by construction (fitting keeps the case's own rows, keys, values).
 EXHIBITS: dict[str, Callable[[CaseInputs, KernelCapabilities], str | None]] = {
     "partial tile": _partial_tile,
     "sentinel": _check(lambda x: _rows_below(x, -1e4), "no row has every valid logit below −1e4"),
@@ -442,21 +422,18 @@ def fit_inputs(
 
     Args:
         inputs: the case's call: q ``(B, H, N_q, D)``, k, v ``(B, H_kv, N_k, ·)``, in any layout
-            (the fitted call is laid out the same way, unless the kernel takes contiguous inputs only).
-        caps: the kernel's declared limits.
+            (kept, unless the kernel takes contiguous inputs only).
         fixed: what must not change (of :data:`FIXED`).
-        properties: what the case tests (its property first, then those it tests as well): the
-            fitted call is inspected for them (:data:`EXHIBITS`), and a mask none of them needs may be
-            dropped (none given: every mask is kept).
+        properties: what the case tests, its own first: the fitted call is inspected for them, and
+            a mask none of them needs may be dropped (none given: every mask is kept).
 
     Returns:
-        The fitted call, what changed, and which of the other properties it lost; ``inputs`` itself
-        when the kernel takes it as it is.
+        The fitted call (``inputs`` itself when the kernel takes it), what changed, and which of
+        the other properties it lost.
 
     Raises:
         NotApplicableError: the kernel cannot take any call that still tests the case; the
-            message says why (a fixed axis, the property the fitted call no longer exhibits, or
-            the limit it still breaks).
+            message says why.
     """
     unknown = set(fixed) - set(FIXED)
     if unknown:

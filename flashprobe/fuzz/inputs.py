@@ -51,13 +51,10 @@ class CaseInputs:
         attn_mask: bool (``True`` = attend) or additive mask broadcastable to ``(B, H, N_q, N_k)``.
         is_causal: top-left aligned causal mask (as torch SDPA).
         scale: softmax scale; ``None`` means ``1/sqrt(D)``.
-        layout: the memory layout of ``q``, ``k``, ``v`` (:data:`~flashprobe.fuzz.layouts.LAYOUTS`);
-            set it with :meth:`with_layout`, which lays the tensors out so.
-        poison: what fills the memory around ``q``, ``k``, ``v`` (of :data:`POISONS`; ``""``: none):
-            each is a view into a larger buffer (128 more rows, 64 more channels) filled with it,
-            which a correct kernel never reads; set it with :meth:`with_poison`. ``<value>_after``
-            poisons only the memory after each tensor (contiguous views, for kernels that take no
-            other).
+        layout: the memory layout of ``q``, ``k``, ``v`` (:data:`~flashprobe.fuzz.layouts.LAYOUTS`),
+            set with :meth:`with_layout`.
+        poison: what fills the memory around ``q``, ``k``, ``v`` (of :data:`POISONS`; ``""``: none);
+            ``<value>_after`` poisons only the memory after each tensor (contiguous views).
     """
 
     q: torch.Tensor
@@ -84,11 +81,6 @@ class CaseInputs:
         if self.poison:
             q, k, v = (_in_poisoned_memory(t, self.poison) for t in (q, k, v))
         return replace(self, q=q, k=k, v=v, layout=layout)
-
-    def with_poison(self, poison: str) -> CaseInputs:
-        """The same call with ``q``, ``k``, ``v`` as views into buffers filled with ``poison``
-        (of :data:`POISONS`) around them; same values, same layout."""
-        return replace(self, poison=poison).with_layout(self.layout)
 
     def nan_rows(self) -> torch.Tensor | None:
         """Boolean ``(B, H, N_q)``: the rows that depend on a NaN input (a NaN in the row's query, or
@@ -192,15 +184,10 @@ def bias_inputs(
 ) -> dict[str, torch.Tensor]:
     """Float64 ``q, k, v, do, x`` (each ``(B, H, N, D)``) with or without repeated row maxima.
 
-    Per (batch entry, head), with ``c`` the power of two for which one bf16 ulp of a unit
-    coordinate moves a score by at most ``TIE_WIDTH / 2``: queries are ``[c, c, q̄ + noise]``
-    (``q̄ = |N(0, I)|``, so the low-rank direction a weight gradient's error takes is positive); a
-    key ``k*`` = ``[1, 1, …]`` scores ``T ~ U(2, 6)``; ``ties`` keys (1 for the control) equal
-    ``k*`` except that its first two coordinates are lowered by 0–2 ulps in total (the first
-    of them by none: the max itself); other keys are ``N(0, 0.5²)``. ``v``, ``do`` and ``x``
-    are a shared vector (``v``'s negative, as in the paper; ``do``'s and ``x``'s positive) plus
-    10 % noise. All values that set a tie are exact in bf16 and fp16. ``shape`` is ``(B, H, N, D)``
-    (``N`` queries and keys).
+    Per (batch entry, head): ``ties`` keys (1 for the control) score within ``TIE_WIDTH`` of the
+    row max ``T ~ U(2, 6)`` (0–2 bf16 ulps of the two leading coordinates apart; every value that
+    sets a tie is exact in bf16 and fp16); other keys are ``N(0, 0.5²)``; ``v`` (negative), ``do``
+    and ``x`` (positive) are a shared vector plus 10 % noise. ``N`` is both query and key length.
 
     Raises:
         ValueError: ``D < 3``, or ``ties`` is not between 1 and ``N``.

@@ -2,38 +2,13 @@
 kernel computes at the precision it declares. Beside them, the one place ``flashprobe fuzz`` runs the
 sequences and invariants (:data:`CHECKS`, :func:`select_checks`, :func:`run_checks`).
 
-Each invariant of :data:`INVARIANTS` is a named property, judged exactly where the relation is exact
-in floating point and with the rule's limits (:mod:`flashprobe.judge`) where it holds up to rounding:
-
-* ``inv_unit_values`` — V = 1 ⇒ out = 1 on peaked (one logit 7 above 1023 others), sink and diffuse
-  rows: each row within ``u + 4ε`` of 1, ``u`` the unit roundoff of the FP8 format the kernel declares
-  for its operands (0 otherwise; out − 1 is a P-weighted mean of P's rounding errors) and ``4ε`` the
-  rule's absolute limit. P cast to E4M3 without FA3's 2⁸ prescale drops the mass of logits 7 below the
-  max from the numerator only (flashinfer PR 5020): those rows read 0.63.
-* ``inv_positions`` — V = one-hot key positions (v_j = e_{j mod D}): out is the attention matrix
-  folded into D columns, judged by the rule; a tile stored transposed or permuted shows element by
-  element (flash-attention PR 2553), whatever its norm.
-* ``inv_key_permutation`` — permuting keys and values (no mask, not causal) leaves out unchanged up to
-  rounding: the change is judged by the rule against the same-dtype baseline's own change under the
-  permutation (for an FP8 kernel, also the spread of the FP8 rounding over its realisations).
-* ``inv_value_scaling`` — V·2³ ⇒ out·2³, bit for bit (scaling by a power of two commutes with every
-  rounding; with amax scales an FP8 kernel quantizes the same values).
-* ``inv_batch`` — a row's output is bit-identical whatever else is in the batch (each entry alone
-  against the batch of three), for kernels that declare ``batch_invariant=True``.
-* ``inv_determinism`` — the same call twice gives the same bits, out and, with a backward, dq, dk, dv,
-  for kernels that declare ``deterministic=True``.
-* ``inv_forward_backward`` — the kernel's backward is the derivative of its own forward (Attn-QAT's
-  failure, arXiv 2603.00040): along a direction per input the central difference of ⟨dO, out⟩ is
-  compared with ⟨grad, step⟩; what finite differences cannot resolve is the golden's share of it
-  (same points, same steps, in float64), removed, and the rest is judged as the rule judges a
-  gradient: against the same-dtype baseline's (its autograd, or the golden's gradient for a forward-only
-  baseline), at most the gradients' relative limit of it.
-* ``inv_declared_precision`` — a kernel that declares an FP8 format (``KernelCapabilities.fp8``) and
-  is more than twice as accurate as the most accurate correct rounding of that format can be is
-  reported ``not_declared`` (its own verdict, not ``fail``): the least error over realisations of
-  rounding Q, K, V (the FP8 baseline's draws) or P alone (at FA3's 2⁸ scale times the same shifts,
-  everything else exact). A kernel that claims FP8 and computes in bf16 is 5–20× (bf16) to 10⁵×
-  (fp32) more accurate than that; correct FP8 kernels (P alone, Q/K/V, both) lie at 0.4–1×.
+Each invariant of :data:`INVARIANTS` (its ``probes`` says what it checks) is judged exactly where the
+relation is exact in floating point (``inv_value_scaling``, ``inv_batch``, ``inv_determinism``: bit
+for bit) and with the rule's limits (:mod:`flashprobe.judge`) where it holds up to rounding.
+``inv_forward_backward`` compares the kernel's gradients with central differences of its own forward,
+the golden's finite-difference error removed, against the baseline's. ``inv_declared_precision``
+reports a kernel that declares an FP8 format (``KernelCapabilities.fp8``) and is more than twice as
+accurate as the best rounding of that format (of Q, K, V or of P alone) as ``not_declared``.
 """
 
 from __future__ import annotations
@@ -81,9 +56,8 @@ def _inputs(b: Builder, n_q: int, n_k: int, d: int, *, batch: int = 1, causal: b
 
 
 def _fp8_inputs(b: Builder) -> torch.dtype | None:
-    """``float8_e4m3fn`` when the kernel takes FlashAttention-3's FP8 inputs (it lists that dtype) and
-    the check runs at bf16 (their output dtype): the invariants that probe an FP8 P cast pose FP8
-    inputs there; else None."""
+    """``float8_e4m3fn`` when the kernel lists it among its dtypes and the check runs at bf16 (FP8
+    inputs' output dtype); else None."""
     dtypes = b.kernel.capabilities.dtypes
     fp8 = torch.float8_e4m3fn
     return fp8 if dtypes is not None and fp8 in dtypes and b.dtype == torch.bfloat16 else None
@@ -390,14 +364,12 @@ def select_checks(
     """The checks ``--case`` patterns select, and the patterns left for the catalogue.
 
     Args:
-        patterns: globs as :func:`~flashprobe.fuzz.cases.select_cases` takes them (``-``/``!``
-            excludes); None or empty: every check of ``profile``.
-        profile: ``default`` or ``full``.
+        patterns: globs as :func:`~flashprobe.fuzz.cases.select_cases` takes them; None or empty:
+            every check of ``profile``.
 
     Returns:
-        ``(checks, rest)``: the checks of ``profile`` the patterns match (a check named exactly runs
-        whatever its profile), and the patterns without those that match only checks — None when
-        patterns were given and each matched only checks (no catalogue case wanted).
+        ``(checks, rest)``: the checks the patterns match, and the patterns that do not match only
+        checks (None when each pattern given matched only checks: no catalogue case wanted).
     """
     patterns = [p for p in patterns or [] if p]
     include = [p for p in patterns if not p.startswith(("-", "!"))]
@@ -429,8 +401,7 @@ def run_checks(
     progress: Callable[[str], None] | None = None,
 ) -> list[FuzzResult]:
     """Run each check on each kernel at each dtype: one :class:`~flashprobe.fuzz.run.FuzzResult` per
-    (check, dtype, kernel), its ``case`` the check's name and ``property`` its property; a failing
-    sequence is saved (one reproducer per kernel and property) when ``reproducers`` is given."""
+    (check, dtype, kernel), ``case`` the check's name; a failing sequence is saved to ``reproducers``."""
     results = []
     for check in checks:
         for dtype in dtypes:

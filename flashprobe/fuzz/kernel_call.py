@@ -1,8 +1,5 @@
-"""Calling a kernel on a case: its spec as the user wrote it, and one typed outcome per call.
-
-With an output gradient the kernel runs with autograd on leaves laid out as the case's inputs, and
-its ``dq``, ``dk``, ``dv`` come back with the output; a kernel whose output has no autograd graph
-has no backward (``KernelCall.no_backward``), which is reported as such, never as a pass.
+"""Calling a kernel on a case: its spec as the user wrote it, and one typed outcome per call
+(:class:`KernelCall`; a kernel whose output has no autograd graph is reported ``no_backward``).
 """
 
 from __future__ import annotations
@@ -29,17 +26,9 @@ def kernel_label(kernel: str | Kernel) -> str:
 
 
 def attend(kernel: Kernel, inputs: CaseInputs, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``kernel(inputs.q, k, v, ...)`` without autograd, with the case's mask, causality and scale.
-
-    Args:
-        kernel: the kernel.
-        inputs: the case (its ``q``, ``attn_mask``, ``is_causal``, ``scale`` are used).
-        k: ``(B, H_kv, N_k, D)`` keys (the case's, or expanded to ``H`` for a reference).
-        v: ``(B, H_kv, N_k, D_v)`` values.
-
-    Returns:
-        Whatever the kernel returns, normally ``(B, H, N_q, D_v)``.
-    """
+    """``kernel(inputs.q, k, v, ...)`` without autograd, with the case's mask, causality and scale;
+    ``k`` ``(B, H_kv, N_k, D)`` and ``v`` ``(B, H_kv, N_k, D_v)`` (the case's, or expanded to ``H``).
+    Returns whatever the kernel returns, normally ``(B, H, N_q, D_v)``."""
     with torch.no_grad():
         return kernel(
             inputs.q, k, v, attn_mask=inputs.attn_mask, is_causal=inputs.is_causal, scale=inputs.scale
@@ -51,17 +40,14 @@ class KernelCall:
     """What one call of a kernel under test gave: an output to judge, or the verdict already reached.
 
     Attributes:
-        output: ``(B, H, N_q, D_v)`` the kernel's output; ``None`` when ``problem`` is set.
+        output: ``(B, H, N_q, D_v)`` the kernel's output; None when ``problem`` is set.
         grads: ``dq`` ``(B, H, N_q, D)``, ``dk`` ``(B, H_kv, N_k, D)``, ``dv`` ``(B, H_kv, N_k, D_v)``
-            when an output gradient was given and the backward ran (``None`` for an input the
-            output does not depend on); empty otherwise.
-        no_backward: the output has no autograd graph (the kernel has no backward), or the kernel
-            refuses inputs that require grad here (``no_backward_reason`` says why; e.g. FlexAttention
-            on the CPU); the forward ran under ``no_grad`` then.
-        backward_problem: the backward raised (``fail``, kind ``backward:raised``); ``None`` otherwise.
-        problem: ``unsupported`` (the kernel raised KernelUnavailableError/KernelInputError) or
-            ``fail`` (``raised``: it raised anything else or returned no tensor; ``inplace``: it
-            modified its inputs); ``None`` when there is an output to judge.
+            when the backward ran (None for an input the output does not depend on).
+        no_backward: the output has no autograd graph, or the kernel refuses inputs that require
+            grad here (``no_backward_reason`` says why).
+        backward_problem: the backward raised (``fail``, kind ``backward:raised``).
+        problem: ``unsupported`` (KernelUnavailableError/KernelInputError) or ``fail`` (``raised``,
+            ``inplace``); None when there is an output to judge.
     """
 
     output: torch.Tensor | None = None
@@ -104,10 +90,8 @@ def call_kernel(kernel: Kernel, inputs: CaseInputs, grad_out: torch.Tensor | Non
     """Call ``kernel`` on copies of ``inputs`` and check that it left them untouched.
 
     Args:
-        kernel: the kernel under test.
-        inputs: the case.
-        grad_out: ``(B, H, N_q, D_v)`` output gradient: also run the backward and return
-            ``dq``, ``dk``, ``dv``; ``None`` runs the forward under ``no_grad``.
+        grad_out: ``(B, H, N_q, D_v)`` output gradient: also run the backward; None runs the
+            forward under ``no_grad``.
     """
     copies = inputs.clone()
     grads: dict[str, torch.Tensor | None] | None = {}

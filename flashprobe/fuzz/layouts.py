@@ -1,35 +1,27 @@
 """Memory layouts of a case's inputs: the same values, laid out as models hand them to kernels.
 
-A kernel sees ``(B, H, N, D)`` tensors, but rarely contiguous ones: attention layers project to
-``(B, N, H, D)`` and transpose, slice q, k and v out of one fused projection, expand one k/v head
-with stride 0, or pass views that start inside a larger buffer. A kernel must give the same answer
-for every layout; one that reads its inputs as if they were contiguous does not.
-
-=============  ===================================================================================
-layout         what the kernel gets
-=============  ===================================================================================
-contiguous     contiguous ``(B, H, N, D)`` tensors
-bnhd           transposed views of contiguous ``(B, N, H, D)`` projections
-fused_qkv      slices of one fused projection ``(B, N, 3, H, D)`` (k and v ``(B, N, 2, H_kv, D)``
-               when q's shape differs; v on its own when its head dim differs)
-expanded_kv    k and v of one head (and batch entry) expanded with stride 0 to every head (the
-               values change: every k/v head equals the first; the golden follows them)
-offset         views starting at a non-zero storage offset in a larger buffer
-kv_strides     k contiguous, v a transposed view of a ``(B, N, H, D)`` projection: k and v with
-               different strides (a kernel that builds k's pointers from v's strides reads wrong keys)
-mixed          q, k, v each in another layout: q a transposed ``(B, N, H, D)`` view, k at a storage
-               offset, v the second half of a fused ``(B, N, 2, H, D)`` k/v projection
-=============  ===================================================================================
+A kernel must give the same answer for every layout; one that reads its inputs as if they were
+contiguous does not. ``fused_qkv`` fuses k and v alone where q's shape differs (v alone where its
+head dim does); ``expanded_kv`` changes the values (every k/v head is the first; the golden follows).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["LAYOUTS", "apply_layout"]
+__all__ = ["LAYOUTS", "LAYOUT_TEXT", "apply_layout"]
 
 #: Every layout, in the order the catalogue and the random search use them.
 LAYOUTS = ("contiguous", "bnhd", "fused_qkv", "expanded_kv", "offset", "kv_strides", "mixed")
+#: What the kernel gets in each layout but ``contiguous`` (the catalogue's ``layout_*`` cases).
+LAYOUT_TEXT = {
+    "bnhd": "transposed views of (B, N, H, D) projections",
+    "fused_qkv": "slices of one fused (B, N, 3, H, D) qkv projection",
+    "expanded_kv": "k, v of one head expanded with stride 0 to every batch entry and head",
+    "offset": "views at a non-zero storage offset",
+    "kv_strides": "k contiguous, v a transposed (B, N, H, D) view: k and v with different strides",
+    "mixed": "q a (B, N, H, D) view, k at a storage offset, v half of a fused k/v projection",
+}
 _OFFSET = 7  # elements before a view's first one in its buffer
 
 
@@ -58,9 +50,7 @@ def apply_layout(
     """``q``, ``k``, ``v`` laid out as ``layout`` (see the module docstring).
 
     Args:
-        q: ``(B, H, N_q, D)``.
-        k: ``(B, H_kv, N_k, D)``.
-        v: ``(B, H_kv, N_k, D_v)``.
+        q, k, v: ``(B, H, N_q, D)``, ``(B, H_kv, N_k, D)``, ``(B, H_kv, N_k, D_v)``.
         layout: one of :data:`LAYOUTS`.
 
     Returns:

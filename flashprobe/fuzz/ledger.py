@@ -13,22 +13,10 @@ accepted, why (``reason``) and where it is tracked (``link``: an issue URL or a 
         reason: torch 2.13's CPU flash backend returns NaN for scale=0.0 with is_causal=True
         link: https://github.com/pytorch/pytorch/issues/...
 
-Keys: ``kernel`` (a spec or glob, or a list), ``case`` (a case name or glob, or a list) and/or
-``property`` (of :data:`~flashprobe.fuzz.cases.PROPERTIES`, or a list), ``dtype`` (``bf16``, ...;
-default every dtype), ``device`` (``cpu``, ``cuda``; default any), ``failure`` (the failure kinds it
-accepts, globs such as ``biased`` or ``d?:biased``; default any), ``reason`` and ``link`` (both
-required), ``quarantine`` (``true``: the kernel is not called on these cases: it raises or crashes
-there) and ``strict`` (``false``: the finding shows in some seeds only, so a pass is no news).
-
-The ledger changes the gate, not the judgement: a failure an entry accepts is reported ``known``
-(with the entry's reason and link) and does not fail the run; an entry whose (kernel, case, dtype)
-ran and passed in every run is an **unexpected pass** and fails the run ("fixed? remove the
-entry"). Every entry is checked before any case runs (:func:`load_ledger`): an unknown key, a
-missing reason or link, a kernel, case, property or dtype that matches nothing is a one-line error
-naming the file, the line and the fix.
-
-The project ships a ledger of its built-in kernels' documented findings (:data:`SHIPPED`):
-``--ledger builtin``.
+The keys are :data:`KEYS`. The ledger changes the gate, not the judgement: a failure an entry
+accepts is reported ``known`` and does not fail the run; a strict entry whose (kernel, case, dtype)
+passed in every run is an **unexpected pass** and fails it. Every entry is checked before any case
+runs (:func:`load_ledger`). ``--ledger builtin`` is the shipped ledger (:data:`SHIPPED`).
 """
 
 from __future__ import annotations
@@ -92,16 +80,8 @@ class LedgerEntry:
     """One accepted finding.
 
     Attributes:
-        kernels: kernel specs or globs.
-        cases: case names or globs (empty: any case of ``properties``).
-        properties: properties of :data:`~flashprobe.fuzz.cases.PROPERTIES` (empty: any).
-        dtypes: dtype names (empty: every dtype).
-        device: ``cpu`` or ``cuda`` (``""``: any).
-        failures: the failure kinds it accepts, globs (empty: any).
-        reason: why it is accepted.
-        link: where it is tracked.
-        quarantine: the kernel is not called on its cases.
-        strict: a pass in every run of one of its (kernel, case, dtype) fails the gate.
+        kernels, cases, properties, dtypes, device, failures, reason, link, quarantine, strict: the
+            entry's keys (:data:`KEYS`; an empty value matches any).
         where: ``<file>:<line> (entry <n>)`` (a shipped ledger by its name: ``builtin:12 (entry 1)``).
     """
 
@@ -165,7 +145,6 @@ class LedgerReport:
     Attributes:
         results: the rows, each failure an entry accepts marked ``known`` (:attr:`FuzzResult.known`).
         unexpected: the strict entries' (kernel, case, dtype) that passed in every run.
-        path: the ledger file.
     """
 
     results: list[FuzzResult]
@@ -215,12 +194,8 @@ class Ledger:
         return next((e for e in self.entries if e.quarantine and e.covers(kernel, case, dtype, device)), None)
 
     def apply(self, results: Sequence[FuzzResult], device: str | torch.device = "cpu") -> LedgerReport:
-        """Mark the failures the entries accept ``known`` and find the strict entries' unexpected passes.
-
-        Args:
-            results: a run's rows.
-            device: where the run ran (entries with a ``device`` apply only there).
-        """
+        """Mark the failures the entries accept ``known`` and find the strict entries' unexpected passes
+        (entries with a ``device`` apply only where the run ran)."""
         kind = torch.device(device).type
         rows = []
         for r in results:
@@ -338,13 +313,11 @@ def _entry(raw: Any, where: str) -> LedgerEntry:
 
 
 def load_ledger(source: str | Path) -> Ledger:
-    """Read and check a ledger: a shipped one by name (:data:`SHIPPED`), a YAML file, or a TOML
-    file (``*.toml``: one ``[[entries]]`` table per entry, the same keys).
-
-    Kernels are checked against the registry: import the modules that register yours first.
+    """Read and check a ledger: a shipped one by name (:data:`SHIPPED`), a YAML file, or a TOML file
+    (``*.toml``). Kernels are checked against the registry: register yours first.
 
     Raises:
-        LedgerError: the file is missing or not YAML, or an entry is unusable (the message names
+        LedgerError: the file is missing or not YAML/TOML, or an entry is unusable (the message names
             the file, the entry's line and the fix).
     """
     path = _resolve(source)

@@ -1,7 +1,5 @@
-"""The random family of ``flashprobe fuzz --budget``: sampled shapes, masks, logit levels and scales.
-
-:class:`RandomCaseSpec` describes one sample of the randomised search: shapes, mask kind, logit
-spread, a per-row logit level (e.g. below a sentinel), scale and outliers.
+"""The random family of ``flashprobe fuzz --budget``: :class:`RandomCaseSpec` samples of shapes,
+masks, logit spreads and levels (e.g. below a sentinel), scales and outliers.
 """
 
 from __future__ import annotations
@@ -54,14 +52,11 @@ class RandomCaseSpec:
         batch, heads, n_q, n_k, head_dim: the shape ``(B, H, N_q|N_k, D)``.
         mask: one of :data:`MASK_KINDS`.
         logit_std: standard deviation of the logits ``q·kᵀ·scale`` (before the level).
-        level: a per-row logit offset around this value (e.g. below a sentinel); 0 for none.
-            Carried by the last channel of ``q`` and ``k``, so it needs ``head_dim ≥ 2``; q and k
-            then lie on an integer grid that makes every logit exact in the dtype.
+        level: a per-row logit offset around this value (e.g. below a sentinel); 0 for none. It
+            rides on the last channel of ``q`` and ``k`` (``head_dim ≥ 2``), exact logits.
         scale: the softmax scale, ``None`` for ``1/sqrt(D)``.
         outliers: scale channel 0 of q, k by 8 and of v by 1000.
-        seed: seed of the tensors.
-        kv_heads: key/value heads (a divisor of ``heads``: grouped-query attention); 0 for
-            ``heads``.
+        kv_heads: key/value heads (a divisor of ``heads``); 0 for ``heads``.
         layout: the inputs' memory layout (:data:`~flashprobe.fuzz.layouts.LAYOUTS`).
         shared_mask: a bool mask is one ``(B, 1, N_q, N_k)`` mask shared by every head.
     """
@@ -115,11 +110,8 @@ class RandomCaseSpec:
 
 
 def _shape(rng: random.Random, profile: str) -> dict[str, int]:
-    """Batch, heads (GQA), lengths (log-uniform up to :data:`MAX_KEYS`) of one sample.
-
-    One sample in ten is a large grid (B·H from 256 to 2048, lengths ≤ 32); the others have B ≤ 3,
-    H ≤ 8. N_q is redrawn below ``MAX_SCORES / (B · H · N_k)`` so one sample stays cheap.
-    """
+    """Batch, heads (GQA), lengths (log-uniform up to :data:`MAX_KEYS`) of one sample; one in ten
+    is a large grid (B·H from 256 to 2048, lengths ≤ 32)."""
     if rng.random() < 0.1:
         batch, heads = rng.randint(2, 8), rng.choice([128, 160, 256])
         n_q, n_k = rng.randint(1, 32), rng.randint(1, 32)
@@ -154,10 +146,7 @@ def _mask_kinds(caps: KernelCapabilities) -> frozenset[str]:
 
 
 def shared_limits(caps: Sequence[KernelCapabilities]) -> KernelCapabilities:
-    """What every kernel of ``caps`` takes: the mask kinds all accept, the head dims all list (when
-    any lists some) up to the smallest largest one, GQA only when all do, causal with ``N_q ≠ N_k``
-    only when all take it, ``N_q = N_k`` or contiguous inputs when one needs them (lengths'
-    multiples are fitted per kernel: :func:`~flashprobe.fuzz.fit.fit_inputs`)."""
+    """What every kernel of ``caps`` takes (lengths' multiples are fitted per kernel later)."""
     if not caps:
         return KernelCapabilities()
     listed = [c.head_dims for c in caps if c.head_dims is not None]
@@ -182,22 +171,10 @@ def sample_random_spec(
 ) -> RandomCaseSpec:
     """Draw one random case: shapes, GQA, layout, mask kind, logit spread and level, scale, outliers.
 
-    Head dims are one of flash-attention's (32 … 256) half the time, else uniform in 2–256;
-    lengths, B·H and GQA ratios as :func:`_shape`; the layout uniform over
-    :data:`~flashprobe.fuzz.layouts.LAYOUTS`.
-
-    The scale is the default with probability 0.6, zero with 0.05, else log-uniform within 10^±2
-    of the default. With probability 0.4 every row's logits sit below one of :data:`SENTINELS`
-    (×1.05 … ×3, and ×1 … ×1.1 per row), among those for which both the logits and the unscaled
-    ``q·kᵀ`` fit ``dtype``: the level is a construct of the search, so it must not overflow by
-    itself (the catalogue's ``qk_overflow`` and ``scale_tiny`` test that); such samples get the
-    nearest power of four as their scale, so their logits are exact (:func:`make_random_case`).
-
-    ``limits`` (:func:`shared_limits`) keeps the sample inside what kernels take: only mask kinds
-    they accept (a bool mask shared by every head where they take no other), head dims they take, no
-    GQA for kernels without it, ``N_q = N_k`` where they need it (for causal calls too, when they take
-    no causal ``N_q ≠ N_k``), contiguous inputs where they need them; lengths' multiples are fitted
-    to each kernel when it runs (:func:`~flashprobe.fuzz.fit.fit_inputs`).
+    With probability 0.4 every row's logits sit below one of :data:`SENTINELS` that both the logits
+    and the unscaled ``q·kᵀ`` fit in ``dtype``; such samples get a power of four as their scale, so
+    their logits are exact. ``limits`` (:func:`shared_limits`) keeps the sample inside what the
+    kernels take.
     """
     head_dim = rng.choice(HEAD_DIMS) if rng.random() < 0.5 else rng.randint(2, 256)
     if limits is not None:
@@ -254,11 +231,9 @@ def _level_grid_qk(
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """q, k on an integer grid: logits ≈ dense + a per-row level, every dot product exact in ``dtype``.
 
-    Every entry is an integer times a power of two and ``q_d · k_d`` a multiple of one unit ``u``;
-    with ``Σ|q_d k_d| ≤ 2^p · u`` (``p`` the significand bits) every partial sum is representable,
-    so ``q·kᵀ`` is exact in any summation order, in every kernel. The level rides on the last
-    channel (``q = n_r · 2^e``, ``k = −2^e'``); the scale is a power of four (see
-    :func:`sample_random_spec`), so ``q·kᵀ·scale`` and torch's ``(q√s)·(k√s)`` are exact too.
+    Every product ``q_d · k_d`` is a multiple of one unit ``u`` and ``Σ|q_d k_d| ≤ 2^p · u`` (``p``
+    the significand bits), so ``q·kᵀ`` is exact in any summation order. The level rides on the last
+    channel.
 
     Returns:
         ``q (B, H, N_q, D)``, ``k (B, H_kv, N_k, D)`` in float64 (exact in ``dtype``) and the logit
@@ -284,12 +259,8 @@ def _level_grid_qk(
 def _random_qk(
     gen: torch.Generator, spec: RandomCaseSpec, dtype: torch.dtype, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
-    """Float64 q ``(B, H, N_q, D)``, k, v ``(B, H_kv, N_k, D)`` of a sample, and its bias unit.
-
-    Samples with a logit level use :func:`_level_grid_qk` (exact logits; outliers then only scale
-    v) and snap additive biases to multiples of the returned unit; the others use normal q, k
-    scaled to ``logit_std`` and a unit of 0 (no snapping).
-    """
+    """Float64 q ``(B, H, N_q, D)``, k, v ``(B, H_kv, N_k, D)`` of a sample, and the unit additive
+    biases are snapped to (0: none)."""
     b, h, n_q, n_k, d = spec.batch, spec.heads, spec.n_q, spec.n_k, spec.head_dim
     h_kv = spec.kv_heads or h
     bias_unit = 0.0
@@ -342,17 +313,9 @@ def _random_mask(
 
 
 def make_random_case(spec: RandomCaseSpec, dtype: torch.dtype) -> CaseInputs:
-    """Build the inputs of a random sample in ``dtype`` (deterministic in ``spec``).
-
-    Samples with a logit level have exact logits (:func:`_level_grid_qk`), so the verdict does not
-    hinge on how each kernel rounds a sum dominated by the level; the others use normal q, k
-    scaled to ``logit_std``. Special structure is anchored at index 0 (row 0 fully masked, batch 0
-    of length 0, ...) so it survives halving the sizes.
-
-    Returns:
-        The inputs: q ``(B, H, N_q, D)``, k and v ``(B, H_kv, N_k, D)`` in ``dtype``, laid out as
-        ``spec.layout``.
-    """
+    """Build the inputs of a random sample in ``dtype`` (deterministic in ``spec``): q ``(B, H, N_q,
+    D)``, k and v ``(B, H_kv, N_k, D)`` laid out as ``spec.layout``. Special structure is anchored at
+    index 0 so it survives halving the sizes."""
     gen = torch.Generator().manual_seed(spec.seed)
     q, k, v, bias_unit = _random_qk(gen, spec, dtype, default_scale(spec.head_dim, spec.scale))
     mask = _random_mask(gen, spec, dtype, bias_unit)

@@ -1,26 +1,12 @@
 """What a kernel's output is judged against: the golden, the baseline's noise and the floor.
 
-With ``golden`` computed in float64 from the *cast* inputs and ``baseline`` the ``math`` kernel at
-the same dtype (``--baseline``), the baseline's error is the larger of its two standard scale
-placements, ``(q·kᵀ)·s`` and ``(q√s)·(k√s)ᵀ`` (torch SDPA's math backend), which round
-differently; for the FP8 baseline of an FP8 kernel (``math:fp8=<format>``) it is the largest over
-those and :data:`~flashprobe.judge.FP8_DRAWS` realisations of its FP8 rounding
-(:func:`~flashprobe.judge.fp8_realisations`; :mod:`flashprobe.judge`, "FP8"). When the baseline
-itself is non-finite where the golden is finite (``q·kᵀ`` overflows fp16 before the scale, ...), it
-cannot provide a noise floor; the baseline is then recomputed from the logits rounded to the dtype
-(``softmax(round(q·kᵀ·scale)) · v``, every step in the dtype): what the dtype can represent. A
-kernel is judged against that, and its row reports both (``baseline_golden_max_abs`` is null,
-``noise_from`` says which baseline set the floor).
-
-With ``backward=True`` the references also hold the input gradients for a fixed random output
-gradient (:func:`grad_output`): the golden ``dq``, ``dk``, ``dv`` in float64 and the same-dtype
-baseline's gradient noise over both scale placements and the flash form of the backward
-(:mod:`~flashprobe.kernels.flash_form`), computed in bounded memory
-(:func:`~flashprobe.kernels.reference.reference_input_gradients`). When neither placement of the
-baseline gives finite gradients, the noise is the rounding of the golden gradient to the dtype.
-
-With ``bias=True`` (the ``signed bias`` cases) the references also keep the plain baseline's output
-and gradients, which set the error scale of the signed bias (:func:`~flashprobe.fuzz.rule.signed_bias`).
+``golden`` is float64 from the *cast* inputs; the baseline (``math`` at the same dtype,
+``--baseline``) has as error the larger over its scale placements ``(q·kᵀ)·s`` and ``(q√s)·(k√s)ᵀ``
+and, for an FP8 baseline, its FP8 realisations (:func:`~flashprobe.judge.fp8_realisations`). Where the
+baseline is non-finite and the golden is not, the floor comes from the baseline on logits rounded to
+the dtype (``noise_from`` says which). Gradient references (:func:`gradient_references`) hold the
+golden ``dq``, ``dk``, ``dv`` for a fixed output gradient (:func:`grad_output`) and the baseline's
+noise over both placements and the flash form of the backward.
 """
 
 from __future__ import annotations
@@ -42,16 +28,8 @@ __all__ = ["grad_output", "gradient_references", "references"]
 
 
 def _rounded_logits_baseline(inputs: CaseInputs, logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``softmax(round_dtype(q·kᵀ·scale + mask)) · v`` with softmax and ``p·v`` in the dtype.
-
-    Args:
-        inputs: the case.
-        logits: ``(B, H, N_q, N_k)`` float64 scaled logits (mask added).
-        valid: ``(B, H, N_q, N_k)`` bool.
-
-    Returns:
-        ``(B, H, N_q, D_v)`` in the dtype.
-    """
+    """``softmax(round_dtype(q·kᵀ·scale + mask)) · v`` ``(B, H, N_q, D_v)``, every step in the dtype,
+    from the float64 ``logits`` and bool ``valid`` ``(B, H, N_q, N_k)``."""
     _, v = inputs.reference_kv()
     z = logits.to(inputs.dtype).masked_fill(~valid, float("-inf"))
     p = torch.softmax(z, dim=-1).masked_fill(~valid.any(-1, keepdim=True), 0.0)
@@ -62,15 +40,8 @@ def _other_forms_max(
     kernel: Kernel, inputs: CaseInputs, k: torch.Tensor, v: torch.Tensor, golden: torch.Tensor
 ) -> tuple[float, float, float]:
     """``max|baseline − golden|``, the L2 error and the worst row, each the largest over the
-    baseline's other forms: the scale's other standard placement, ``(q√s)·(k√s)ᵀ``, and, for an
-    FP8 baseline, its other realisations of the FP8 rounding
-    (:func:`flashprobe.judge.fp8_realisations`).
-
-    Where the scale is applied is an implementation detail of plain attention (torch SDPA's math
-    backend scales q and k by √scale), and which of the valid scales an FP8 rounding takes is one of
-    the kernel's: each rounds differently, so all belong to the noise floor. A form that is
-    non-finite or raises gives 0s (the plain one decides).
-    """
+    baseline's other forms (``(q√s)·(k√s)ᵀ``, an FP8 baseline's other realisations); a form that is
+    non-finite or raises counts 0."""
     root = math.sqrt(default_scale(inputs.q.shape[-1], inputs.scale))
     forms = [(kernel, replace(inputs, q=inputs.q * root, scale=1.0), k * root)]
     forms += [(get_kernel(spec), inputs, k) for spec in fp8_realisations(kernel)]
@@ -109,13 +80,8 @@ def _baseline_error(
 def grad_output(
     shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device | str
 ) -> torch.Tensor:
-    """The fixed random output gradient of a case: standard normal ``shape`` (seed 0), in ``dtype``.
-
-    Args:
-        shape: the output's shape ``(B, H, N_q, D_v)``.
-        dtype: the dtype under test.
-        device: where the case runs.
-    """
+    """The fixed random output gradient of a case: standard normal ``shape`` ``(B, H, N_q, D_v)``
+    (seed 0), in ``dtype``."""
     gen = torch.Generator().manual_seed(0)
     return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
 
@@ -140,16 +106,14 @@ def gradient_references(
     """Golden ``dq``, ``dk``, ``dv`` and the baseline's gradient noise for ``grad_out``.
 
     Args:
-        inputs: the case in the dtype under test.
-        baseline: spec of the same-dtype baseline kernel.
         grad_out: ``(B, H, N_q, D_v)`` the output gradient, in the dtype.
         valid: ``(B, H, N_q, N_k)`` bool, where a query may attend to a key.
         bias: keep the plain baseline's gradients (``GradientReference.baseline``) where finite.
 
     Returns:
-        ``dq``/``dk``/``dv`` → :class:`~flashprobe.fuzz.rule.GradientReference`, and a note (why
-        the noise came from the golden's rounding; empty otherwise). Empty when the golden
-        gradient is not finite (the note says so).
+        ``dq``/``dk``/``dv`` → :class:`~flashprobe.fuzz.rule.GradientReference` (empty when the
+        golden gradient is not finite), and a note saying why, or why the noise came from the
+        golden's rounding.
     """
     mask = inputs.attn_mask
     call = {"attn_mask": mask, "is_causal": inputs.is_causal, "scale": inputs.scale}
@@ -212,11 +176,8 @@ def references(
     """Golden, baseline error and noise floor for one case (see the module docstring).
 
     Args:
-        inputs: the case in the dtype under test; GQA inputs are expanded for golden and baseline.
-        baseline: spec of the same-dtype baseline kernel.
-        backward: also the gradient references (:func:`gradient_references`) for the output
-            gradient :func:`grad_output`.
-        bias: keep the baseline's output and gradients for the signed bias (``signed bias`` cases).
+        backward: also the gradient references for :func:`grad_output`.
+        bias: keep the baseline's output and gradients for the signed bias.
 
     Returns:
         The :class:`~flashprobe.fuzz.rule.References`; ``skip`` is set when the valid logits do not

@@ -1,12 +1,10 @@
 """Reproducers of fuzz failures, in the one reproducer format (:mod:`flashprobe.formats.reproducer`).
 
-A failing case is saved as ``repro_<case>_<hash>.safetensors`` — its inputs (no pickle), with
-``fuzz`` in the metadata: the case, the inputs' layout and poisoned memory, whether gradients and
-the signed bias were judged, the failure kind and the random sample's parameters — plus the script
-``repro_<case>_<hash>.py``, which exits 1 while the failure reproduces, 0 once it passes and 2
-when the kernel cannot be loaded. ``flashprobe replay`` and ``flashprobe fuzz --from`` read it as
-they read the probe's (:func:`flashprobe.probing.repro.replay` judges it with :func:`replay_case`,
-the fuzzer's judge, as when it was found: :func:`reproducer_judge` picks it for a file).
+A failing case is saved as ``repro_<case>_<hash>.safetensors`` (its inputs, with ``fuzz`` metadata:
+the case, layout, poison, whether gradients and the signed bias were judged, the failure kind, the
+random sample's parameters) plus a script ``repro_<case>_<hash>.py`` that exits 1 while the failure
+reproduces, 0 once it passes and 2 when the kernel cannot be loaded. ``flashprobe replay`` and
+``flashprobe fuzz --from`` judge it with :func:`replay_case` (:func:`reproducer_judge`).
 """
 
 from __future__ import annotations
@@ -63,15 +61,12 @@ def case_reproducer(
     """A failing case as a reproducer, in memory (:meth:`~ReproducerStore.keep` saves it).
 
     Args:
-        case: the case's name.
-        kernel: the failing kernel.
-        inputs: the inputs: q ``(B, H, N_q, D)``, k, v ``(B, H_kv, N_k, ·)``, stored contiguous on
-            the CPU with their layout and poison by name.
+        inputs: q ``(B, H, N_q, D)``, k, v ``(B, H_kv, N_k, ·)``, stored contiguous on the CPU with
+            their layout and poison by name.
         result: the kernel's result on ``inputs``.
         baseline: the same-dtype baseline spec the replay judges with.
         params: the random sample's parameters.
-        backward: the failure was found with gradients checked; the replay checks them too.
-        bias: the case judged the sign of the errors (``signed bias``); the replay does too.
+        backward, bias: gradients and the signed bias were judged; the replay judges them too.
     """
     cpu = inputs.to("cpu")
     fuzz = {"case": case, "layout": cpu.layout, "poison": cpu.poison, "backward": backward, "bias": bias}
@@ -112,10 +107,8 @@ def save_reproducer(
     backward: bool = True,
     bias: bool = False,
 ) -> Path:
-    """Save a failing case (:func:`case_reproducer`, whose arguments these are) as
-    ``out_dir/repro_<case>_<hash>.safetensors`` and the script ``.py`` beside it, which imports the
-    module that registered a user kernel and exits 1 while the failure reproduces. Returns the
-    ``.safetensors`` path.
+    """Save a failing case (:func:`case_reproducer`'s arguments) as
+    ``out_dir/repro_<case>_<hash>.safetensors`` with its script; returns the ``.safetensors`` path.
 
     Raises:
         OutputPathError: ``case`` cannot be used in a file name.
@@ -173,9 +166,7 @@ def replay_case(call: Reproducer, kernel: str, baseline: str = "math") -> dict[s
 
 
 def reproducer_judge(call: Reproducer) -> Callable[[Reproducer, str, str], dict[str, Any]] | None:
-    """The judge a reproducer is replayed with (``judge`` of :func:`flashprobe.probing.repro.replay`):
-    :func:`replay_case` for a case the fuzzer saved, ``None`` (the probe's own) for a call the probe
-    saved in training."""
+    """:func:`replay_case` for a reproducer the fuzzer saved, None (the probe's judge) for the probe's."""
     return replay_case if call.meta.get("fuzz") is not None else None
 
 
@@ -188,14 +179,11 @@ def failure_directions(result: FuzzResult) -> list[str]:
 @dataclass
 class ReproducerStore:
     """Where a fuzz run saves its failures: one reproducer per (kernel, property, direction), at
-    most ``limit`` in all, so every distinct failure keeps its evidence and none floods the
-    directory.
+    most ``limit`` in all.
 
     Attributes:
-        out_dir: the directory the reproducers go to.
         baseline: the same-dtype baseline spec the reproducers are judged with.
         backward: the failures were found with gradients checked.
-        limit: the most reproducers saved.
         saved: (kernel, property, direction) → the reproducer saved for it.
     """
 
@@ -214,8 +202,7 @@ class ReproducerStore:
     def reproducer(
         self, result: FuzzResult, inputs: CaseInputs, prop: str, *, params: dict[str, Any] | None = None
     ) -> Reproducer:
-        """The reproducer of ``result`` on ``inputs`` for property ``prop`` (:func:`case_reproducer`
-        with this store's baseline and gradient setting)."""
+        """:func:`case_reproducer` of ``result`` on ``inputs`` with this store's settings."""
         bias = prop == SIGNED_BIAS
         settings = {"baseline": self.baseline, "params": params, "backward": self.backward, "bias": bias}
         return case_reproducer(result.case, result.kernel, inputs, result, **settings)
@@ -228,8 +215,7 @@ class ReproducerStore:
         return self.keep(result, self.reproducer(result, inputs, prop, params=params), prop)
 
     def keep(self, result: FuzzResult, call: Reproducer, prop: str) -> FuzzResult:
-        """Save ``call`` (a :func:`case_reproducer`, shrunk or not) as the reproducer of ``result``
-        for each of its new directions; returns ``result`` with ``repro`` set."""
+        """Save ``call`` (shrunk or not) as the reproducer of ``result``; see :meth:`save`."""
         path = call.save(self.out_dir / _file_name(call))
         for direction in failure_directions(result):
             self.saved.setdefault((result.kernel, prop, direction), path)

@@ -1,27 +1,12 @@
-"""The fuzzer's verdict on one kernel output: the one rule (:mod:`flashprobe.judge`) plus the
-structure a case knows.
+"""The fuzzer's verdict on one kernel output: the rule of :mod:`flashprobe.judge` plus the checks
+only a case can make.
 
-``golden`` is computed in float64 from the *cast* inputs and ``baseline`` is plain attention at the
-same dtype, its error the larger over the scale placements ``(q kᵀ) s`` and ``(q √s)(k √s)ᵀ`` (and,
-for gradients, the flash form of the backward; for an FP8 kernel's FP8 baseline, also over the
-realisations of its FP8 rounding, :func:`flashprobe.judge.fp8_realisations`). Values are judged by
-:func:`flashprobe.judge.judge_errors` — the same criteria, limits and words as the probe in training
-(``absolute``, ``row``, ``relative``; ``undetermined`` where the golden is beyond the dtype's range
-or the call too ill-conditioned) — with the case's largest valid logit as ``logit_max`` (a kernel
-that rounds a logit ``s`` is off by about ``|s|·eps``: exp2 kernels, split-K combines). Around it,
-the checks only a case can make: NaN/Inf where the golden is finite, rows of zeros where the golden
-is not (a sentinel or underflow bug), non-zero output or gradient in fully masked positions.
-
-An undetermined output is a ``skip`` with the reason (never a failure); an undetermined gradient is
-noted in the reason and not failed. Cases of the ``signed bias`` property keep the baseline's
-output and gradients (``References.baseline_out``, ``GradientReference.baseline``); at 16-bit dtypes
-(:data:`BIAS_DTYPES`) each direction is also judged for a consistent sign of its error over the
-call's (batch, head) replicates (:class:`~flashprobe.bias.BiasStats`,
-:func:`flashprobe.judge.judge_bias`): failure kind ``biased`` (``dq:biased``, ...).
-``tolerance`` (``2 · max|baseline − golden| + eps(dtype) · max|v|``, flash-attention's 2x rule
-with the fuzzer's floor) is reported beside the verdict for comparison, and sets the size above
-which a row of zeros or a masked row counts.
-:func:`check_output` applies the rule to three tensors, for tests.
+``golden`` is float64 from the *cast* inputs; ``baseline`` is plain attention at the same dtype, its
+error the larger over the scale placements ``(q kᵀ) s`` and ``(q √s)(k √s)ᵀ`` (see :data:`RULE`).
+Values are judged by :func:`flashprobe.judge.judge_errors` with the case's largest valid logit as
+``logit_max``; around it, NaN/Inf where the golden is finite, rows of zeros where it is not, and
+non-zero output or gradient in fully masked positions fail. An undetermined output is a ``skip``.
+``signed bias`` cases at :data:`BIAS_DTYPES` also judge the sign of the errors (failure ``biased``).
 """
 
 from __future__ import annotations
@@ -31,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashprobe.bias import BiasStats
-from flashprobe.deviation import GRADIENTS, error_ratio, pair_sums
+from flashprobe.deviation import GRADIENTS, PAIR, error_ratio
 from flashprobe.judge import (
     ABSOLUTE_RATIO,
     CONDITIONING_LIMIT,
@@ -39,9 +24,9 @@ from flashprobe.judge import (
     RELATIVE_LIMITS,
     ROW_RATIO,
     Judgement,
+    call_statistics,
     judge_bias,
     judge_errors,
-    row_statistics,
 )
 
 __all__ = [
@@ -63,16 +48,12 @@ __all__ = [
     "value_floor",
 ]
 
-#: The verdicts a (kernel, case, dtype) can get; ``no_backward``: the forward passes, but the
-#: kernel's output has no autograd graph, so its gradients could not be checked; ``not_declared``:
-#: more accurate than the precision it declares can be (:mod:`flashprobe.fuzz.invariants`), a
-#: finding of its own that fails a gate as ``fail`` does.
+#: The verdicts a (kernel, case, dtype) can get; ``no_backward``: the forward passes but the output
+#: has no autograd graph; ``not_declared``: more accurate than its declared precision can be
+#: (:mod:`flashprobe.fuzz.invariants`), which fails a gate as ``fail`` does.
 VERDICTS = ("pass", "fail", "skip", "unsupported", "no_backward", "not_declared")
-#: The dtypes at which a ``signed bias`` case judges the sign of the error. Bias adds up where the
-#: rounding is coarse (Qiu & Yao: bf16); in float32 a kernel's deterministic last-bit differences
-#: from the baseline (√scale on q and k, another summation order) keep one sign over a whole call
-#: at a size no training run notices, and read biased (torch's sdpa_math dq, dk, dv at fp32: z of −7.5
-#: to −7.8 over 64 standard-normal heads, where one sign throughout gives −8).
+#: The dtypes at which a ``signed bias`` case judges the sign of the error; in float32 a kernel's
+#: deterministic last-bit differences from the baseline keep one sign at a harmless size.
 BIAS_DTYPES = (torch.bfloat16, torch.float16)
 ZEROS_REASON = "row returned zeros where golden is non-zero: sentinel/underflow bug"
 #: The rule in words, as recorded in ``fuzz.json``.
@@ -131,33 +112,25 @@ class References:
 
     Attributes:
         golden: ``(B, H, N_q, D_v)`` float64 golden from the cast inputs.
-        baseline_golden_max_abs: ``max|baseline − golden|``, ``None`` when the baseline is
-            non-finite where the golden is finite (or raised).
+        baseline_golden_max_abs: ``max|baseline − golden|``; None when the baseline is non-finite
+            where the golden is finite (or raised).
         baseline_nonfinite: positions where the same-dtype baseline is NaN/Inf.
-        noise_max: the baseline error that sets the noise floor: the larger of the baseline's
-            errors with the scale applied to the scores and to q and k (``√scale`` each), and of an
-            FP8 baseline's other realisations (:func:`flashprobe.judge.fp8_realisations`); or,
-            when the baseline is non-finite, the error of the baseline on rounded logits.
+        noise_max: the baseline error that sets the noise floor (the larger over the baseline's
+            forms; the rounded-logits baseline's when the baseline is non-finite).
         noise_from: ``"baseline"`` or ``"rounded-logits baseline"``.
         floor: ``eps(dtype) · max|v|`` (:func:`value_floor`).
         fully_masked: ``(B, H, N_q)`` bool, rows that see no key.
-        note: why the fallback was used (empty otherwise).
-        skip: why the case cannot be posed in this dtype (empty otherwise).
-        noise_l2: the baseline's L2 error ``‖baseline − golden‖₂`` (the larger over the forms
-            that set ``noise_max``).
-        eps: ``eps(dtype)``.
-        noise_row: the baseline's worst row (:func:`flashprobe.judge.row_statistics`), the larger
-            over the same forms.
+        note: why the fallback was used; skip: why the case cannot be posed in this dtype.
+        noise_l2, noise_row: the baseline's ``‖baseline − golden‖₂`` and worst row
+            (:func:`flashprobe.judge.row_statistics`), the larger over the same forms.
         dtype: the dtype under test (the rule's limits).
-        precision: the FP8 dtype the kernel under test rounds to, whose limits apply instead
-            (:func:`flashprobe.judge.judge_errors`), with an FP8 baseline; None for other kernels.
+        precision: the FP8 dtype an FP8 kernel rounds to, whose limits apply instead; None otherwise.
         logit_max: the largest valid |logit| of the case (widens the rule's floors).
-        baseline_out: ``(B, H, N_q, D_v)`` the same-dtype baseline's output, kept for the signed
-            bias (``signed bias`` cases only; None otherwise).
-        grad_out: ``(B, H, N_q, D_v)`` the fixed random output gradient (in the dtype), or None
-            when gradients are not checked.
+        baseline_out: ``(B, H, N_q, D_v)`` the baseline's output (``signed bias`` cases only).
+        grad_out: ``(B, H, N_q, D_v)`` the fixed random output gradient, or None when gradients are
+            not checked.
         gradients: ``dq``/``dk``/``dv`` → :class:`GradientReference` (empty when not checked).
-        grad_note: why the gradients are not checked although asked for (empty otherwise).
+        grad_note: why the gradients are not checked although asked for.
     """
 
     golden: torch.Tensor
@@ -193,15 +166,12 @@ class GradientReference:
     Attributes:
         name: ``dq``, ``dk`` or ``dv``.
         golden: the FP64 golden gradient: ``(B, H, N_q, D)`` for dq, ``(B, H_kv, N_k, ·)`` for dk, dv.
-        noise_max: ``max|baseline gradient − golden|`` (the larger over both scale placements).
-        noise_l2: the baseline gradient's L2 error ``‖baseline − golden‖₂``.
+        noise_max, noise_l2, noise_row: the baseline gradient's ``max|baseline − golden|``,
+            ``‖baseline − golden‖₂`` and worst row (the larger over the forms).
         floor: ``eps(dtype) · max|golden|``.
-        eps: ``eps(dtype)``.
-        noise_row: the baseline gradient's worst row (the larger over the forms).
-        zero_rows: bool, shape of ``golden`` without its last dim: rows that must be 0 (queries that
-            see no key for dq, keys no query sees for dk and dv): gradient into masked positions.
-        baseline: the same-dtype baseline's gradient, kept for the signed bias (``signed bias``
-            cases only; None otherwise).
+        zero_rows: bool, ``golden``'s shape without its last dim: rows that must be 0 (queries
+            that see no key for dq, keys no query sees for dk and dv).
+        baseline: the baseline's gradient (``signed bias`` cases only).
     """
 
     name: str
@@ -221,24 +191,14 @@ class GradientReference:
 
 
 def value_floor(v: torch.Tensor, dtype: torch.dtype) -> float:
-    """The rule's floor: ``eps(dtype) · max|v|``, one unit in the last place of the largest value.
-
-    Args:
-        v: ``(B, H_kv, N_k, D_v)`` the values of the attention call (any dtype).
-        dtype: the dtype under test.
-    """
+    """The rule's floor ``eps(dtype) · max|v|`` for the values ``v`` ``(B, H_kv, N_k, D_v)``."""
     largest = v.detach().abs().max().item() if v.numel() else 0.0
     return float(torch.finfo(dtype).eps) * largest
 
 
 def rounding_floor(golden: torch.Tensor, dtype: torch.dtype) -> float:
-    """flash-attention's floor: the rounding error of the golden output in ``dtype``,
-    ``max|(g + 0.3 − 0.3) − g|`` computed in ``dtype`` (its tests' ``fwd_atol`` without the 2×).
-
-    Args:
-        golden: ``(B, H, N_q, D_v)`` the FP64 golden output.
-        dtype: the dtype under test.
-    """
+    """flash-attention's floor (its tests' ``fwd_atol`` without the 2×): ``max|(g + 0.3 − 0.3) − g|``
+    in ``dtype`` for the golden output ``g`` ``(B, H, N_q, D_v)``."""
     g = golden.detach().to(dtype)
     return (g + 0.3 - 0.3 - g).abs().max().item() if g.numel() else 0.0
 
@@ -249,30 +209,25 @@ def output_errors(
     """The rule's inputs for one output against the golden, and ``max|out − golden|``.
 
     Args:
-        out: any shape ``(..., D)``, any floating dtype.
+        out: ``(..., D)``, any floating dtype.
         golden: the same shape, float64.
-        noise_l2: the baseline's ``‖baseline − golden‖₂``.
-        noise_row: the baseline's worst row.
+        noise_l2, noise_row: the baseline's ``‖baseline − golden‖₂`` and worst row.
 
     Returns:
-        ``(errors, max_abs, nonfinite)``: the :data:`flashprobe.judge.ERROR_COLUMNS` (the
-        non-finite count left 0: the fuzzer's own check reports those with the case's structure),
-        ``max|out − golden|`` over the finite positions and the count of the others.
+        ``(errors, max_abs, nonfinite)``: the :data:`flashprobe.judge.ERROR_COLUMNS` (non-finite
+        count 0: the fuzzer's own check reports those), ``max|out − golden|`` over the finite
+        positions and the count of the others.
     """
-    sums = pair_sums(out, golden)[:, 0].tolist()  # primary vs golden: rows of SUM_ROWS
-    rows = row_statistics(out, golden, golden).tolist()
+    stats = call_statistics(out, golden, golden)  # one pass; golden as the baseline too
+    sums = stats.sums[:, PAIR.primary_baseline].tolist()  # rows of SUM_ROWS
+    rows = stats.rows.tolist()
     errors = [sums[2], noise_l2**2, sums[3], 0.0, rows[0], noise_row, rows[2]]
     return errors, sums[0], int(sums[4])
 
 
 def noise(out: torch.Tensor, golden: torch.Tensor) -> tuple[float, float, float, int]:
-    """A baseline's noise against the golden: ``max|out − golden|``, ``‖out − golden‖₂`` and its
-    worst row over the finite positions, and the count of non-finite positions.
-
-    Args:
-        out: a baseline's output or gradient, any shape ``(..., D)``.
-        golden: the same shape, float64.
-    """
+    """A baseline's ``(..., D)`` noise against the float64 golden: ``max|out − golden|``,
+    ``‖out − golden‖₂`` and its worst row over the finite positions, and the non-finite count."""
     errors, max_abs, bad = output_errors(out, golden, 0.0, 0.0)
     return max_abs, errors[0] ** 0.5, errors[4], bad
 
@@ -288,18 +243,15 @@ BIAS_HINT = (
 def signed_bias(
     name: str, x: torch.Tensor, golden: torch.Tensor, baseline: torch.Tensor | None, dtype: torch.dtype
 ) -> Judgement | None:
-    """The ``biased`` criterion on one direction of one call: its ``(…, N, D)`` slices are the
-    replicates (:class:`~flashprobe.bias.BiasStats`), judged by :func:`flashprobe.judge.judge_bias`.
+    """The ``biased`` criterion (:func:`flashprobe.judge.judge_bias`) on one direction ``name``
+    of one call, its ``(…, N, D)`` slices the replicates (:class:`~flashprobe.bias.BiasStats`).
 
     Args:
-        name: ``out``, ``dq``, ``dk`` or ``dv``.
-        x: the kernel's output or gradient ``(B, H, N, D)``.
-        golden: the FP64 golden, same shape.
-        baseline: the same-dtype baseline's, same shape; None: not a ``signed bias`` case.
-        dtype: the dtype under test.
+        x: the kernel's output or gradient ``(B, H, N, D)``; golden, baseline: the same shape
+            (``baseline`` None: not a ``signed bias`` case).
 
     Returns:
-        The judgement, or None where the sign is not judged (no baseline kept, or a dtype outside
+        The judgement, or None where the sign is not judged (no baseline, or a dtype outside
         :data:`BIAS_DTYPES`).
     """
     if baseline is None or dtype not in BIAS_DTYPES:
@@ -316,7 +268,7 @@ def _nan_inf(x: torch.Tensor, bad: int) -> str:
 
 
 def _nonfinite(o: torch.Tensor, bad: int, refs: References) -> list[tuple[str, str]]:
-    """The ``nonfinite`` check on ``o`` ``(B, H, N_q, D_v)`` float64 with ``bad`` NaN/Inf."""
+    """The ``nonfinite`` check on ``o`` ``(B, H, N_q, D_v)`` with ``bad`` NaN/Inf."""
     if not bad:
         return []
     text = _nan_inf(o, bad)
@@ -331,8 +283,7 @@ def _nonfinite(o: torch.Tensor, bad: int, refs: References) -> list[tuple[str, s
 def _zero_rows(
     o: torch.Tensor, golden: torch.Tensor, tolerance: float, kind: str, what: str
 ) -> list[tuple[str, str]]:
-    """The ``zeros`` check (failure ``kind``, text ``what`` and the count): rows of exact zeros in
-    ``o`` ``(..., D)`` where the golden row clearly is not zero."""
+    """The ``zeros`` check: rows of exact zeros in ``o`` ``(..., D)`` where the golden's are not."""
     golden_rows = golden.abs().amax(-1)  # (B, H, N_q) for the output
     zero_rows = (o == 0).all(-1) & (golden_rows > 2 * tolerance)
     if not zero_rows.any():
@@ -361,12 +312,12 @@ def judge(out: torch.Tensor, refs: References) -> Verdict:
     """Apply the rule to one kernel output.
 
     Args:
-        out: ``(B, H, N_q, D_v)`` the primary kernel's output (any floating dtype).
+        out: ``(B, H, N_q, D_v)`` the kernel's output (any floating dtype).
         refs: the case's :class:`References`.
 
     Returns:
-        ``pass``, or ``fail`` with every failed check in the reason and the kind of the first
-        (``shape``, ``nonfinite``, ``zeros``, ``masked_nonzero``, ``values``) as ``failure``.
+        ``pass``, ``skip`` (undetermined), or ``fail`` with every failed check in the reason and
+        the first's kind as ``failure``.
     """
     golden = refs.golden
     if tuple(out.shape) != tuple(golden.shape):
@@ -416,16 +367,14 @@ def _passed(judged: Judgement, err: float, noise_max: float) -> str:
 def check_output(
     out: torch.Tensor, baseline: torch.Tensor, golden: torch.Tensor, *, floor: float = 0.0
 ) -> Verdict:
-    """The rule (:mod:`flashprobe.judge`) on three tensors, as :func:`judge` applies it, without
-    the knowledge of a case's mask (NaN/Inf in ``out`` fails).
+    """:func:`judge` on three tensors, without a case's mask (NaN/Inf in ``out`` fails).
 
     Args:
         out: ``(B, H, N_q, D_v)`` the output under test; its dtype sets the rule's limits.
-        baseline: ``(B, H, N_q, D_v)`` the baseline at the same dtype.
-        golden: ``(B, H, N_q, D_v)`` the FP64 golden, finite.
-        floor: the floor of the reported 2x tolerance (``value_floor(v, dtype)`` as the fuzzer,
-            ``rounding_floor(golden, dtype)`` as flash-attention's tests); it also sets the size
-            above which a row of zeros counts.
+        baseline: the same shape, the baseline at the same dtype.
+        golden: the same shape, the FP64 golden, finite.
+        floor: the floor of the reported 2x tolerance (:func:`value_floor` as the fuzzer,
+            :func:`rounding_floor` as flash-attention's tests).
 
     Returns:
         The :class:`Verdict` (``pass``, ``fail``, or ``skip`` when undetermined).
@@ -504,12 +453,10 @@ def judge_gradients(
         refs: the case's :class:`References` with ``gradients`` set.
 
     Returns:
-        The verdict (``pass``, or ``fail`` with every failed check; ``failure`` is the first's kind,
-        ``dq:nonfinite``, ``dk:zeros``, ``dv:masked``, ``dq:values``, ...) and per gradient its
-        ``max_abs``, ``tolerance`` (the reported 2x tolerance), and the rule's ``verdict``,
-        ``limit_ratio``, ``absolute``, ``relative``, ``row`` and ``reason``. An undetermined
-        gradient (golden beyond the dtype's range, or too ill-conditioned) is not failed; the
-        reason says so.
+        The verdict (``fail`` with every failed check, ``failure`` the first's kind such as
+        ``dq:values``; an undetermined gradient is not failed) and per gradient its ``max_abs``,
+        ``tolerance`` and the rule's ``verdict``, ``limit_ratio``, ``absolute``, ``relative``,
+        ``row`` and ``reason``.
     """
     reasons: list[tuple[str, str]] = []
     stats: dict[str, dict[str, float | str | None]] = {}

@@ -1,28 +1,11 @@
 """Running kernels on cases: one :class:`FuzzResult` per (kernel, case, dtype).
 
-Every (kernel, case, dtype) gets a verdict:
-
-``pass``
-    the output matches the FP64 golden within the noise floor (:mod:`flashprobe.fuzz.rule`);
-``fail``
-    with the reason: the kernel raised; NaN/Inf where the golden is finite; a row of zeros where
-    the golden is clearly non-zero (the sentinel/underflow signature of FlashInfer PR 4401);
-    non-zero output for a fully masked row (expected 0, torch SDPA's convention); or wrong values
-    beyond the rule; or, in a ``signed bias`` case, errors of one sign (``biased``);
-``skip``
-    the case cannot be posed in this dtype (its logits do not fit the dtype's range);
-``unsupported``
-    the kernel raised :class:`~flashprobe.KernelUnavailableError` or
-    :class:`~flashprobe.KernelInputError` (wrong device, mask kind or GQA not supported): not a
-    failure, reported with the kernel's message;
-``no_backward``
-    the output passes, but the kernel has no backward (its output has no autograd graph), so its
-    gradients could not be checked: not a pass, not a failure.
-
-With ``backward=True`` (the default of ``flashprobe fuzz``; ``--no-backward`` turns it off) each
-case also checks ``dq``, ``dk``, ``dv`` for a fixed random output gradient against the FP64 golden
-gradients (:func:`~flashprobe.fuzz.rule.judge_gradients`); a failed gradient check fails the case
-with a ``failure`` kind such as ``dq:nonfinite``, ``dk:zeros``, ``dv:masked`` or ``dq:values``.
+Verdicts (:data:`~flashprobe.fuzz.rule.VERDICTS`): ``pass``; ``fail`` with the reason (the kernel
+raised, NaN/Inf, rows of zeros, non-zero fully masked rows, wrong values, ``biased``); ``skip`` (the
+case cannot be posed in this dtype); ``unsupported`` (the kernel raised
+:class:`~flashprobe.KernelUnavailableError` or :class:`~flashprobe.KernelInputError`); ``no_backward``
+(the output passes but has no autograd graph). With ``backward`` each case also judges ``dq``, ``dk``,
+``dv`` (:func:`~flashprobe.fuzz.rule.judge_gradients`), failure kinds such as ``dq:values``.
 """
 
 from __future__ import annotations
@@ -69,34 +52,27 @@ class FuzzResult:
         case: catalogue name or ``random_<i>``.
         dtype: ``bf16``/``fp16``/``fp32``/``fp64``.
         verdict, reason, failure, primary_golden_max_abs, primary_nonfinite: as
-            :class:`~flashprobe.fuzz.rule.Verdict` (``failure`` the first failed check's kind, of
-            the output or, when it passed, of the gradients: ``dq:values``, ...).
-        baseline_golden_max_abs: ``max|baseline − golden|``; ``None`` when the baseline is
-            non-finite.
+            :class:`~flashprobe.fuzz.rule.Verdict` (``failure`` the output's first failed check or,
+            when it passed, the gradients').
+        baseline_golden_max_abs: ``max|baseline − golden|``; None when the baseline is non-finite.
         tolerance: ``2 · noise + floor`` the error was held to.
         noise_from: which baseline set the noise floor.
         baseline_nonfinite: NaN/Inf count of the same-dtype baseline.
         shape: the inputs, e.g. ``B=2 H=2 Nq=16 Nk=203 D=64 mask=bool(2,1,1,203) scale=1``.
         params: the random sample's parameters (random cases only).
-        repro: path of the saved reproducer (shrunk random failures only).
-        backward: the gradients' verdict: ``pass``, ``fail``, ``no_backward``, or ``None`` when
-            they were not checked (``--no-backward``, the forward failed, a skip).
-        gradients: per gradient (``dq``, ``dk``, ``dv``) its ``max_abs``, ``tolerance``,
-            ``l2`` and ``l2_tolerance``; empty when not checked.
+        repro: path of the saved reproducer.
+        backward: the gradients' verdict; None when not checked.
+        gradients: per gradient (``dq``, ``dk``, ``dv``) its statistics; empty when not checked.
         layout: the inputs' memory layout (:data:`~flashprobe.fuzz.layouts.LAYOUTS`).
         axes: where the inputs lie on each covered axis (:meth:`CaseInputs.axes`).
-        seed: the seed of a catalogue case's inputs (``None`` for random samples and custom cases).
-        property: the property the case tests (:data:`~flashprobe.fuzz.cases.PROPERTIES`; ``""``
-            for random samples and custom cases).
-        fitted: how the case's call was moved inside the kernel's limits
-            (:func:`~flashprobe.fuzz.fit.fit_inputs`; ``""``: posed as built).
-        seconds: wall time of this row: the kernel's call and its judgement, and the references
-            (golden, baseline noise) when this row computed them.
-        backward_failure: kind of the first failed gradient check (``dq:values``, ...) when the
-            gradients fail, also when the output failed first (its kind is ``failure``).
+        seed: the seed of a catalogue case's inputs (None for random samples and custom cases).
+        property: the property the case tests (``""`` for random samples and custom cases).
+        fitted: how the call was moved inside the kernel's limits (``""``: posed as built).
+        seconds: wall time of the call, its judgement and the references it computed.
+        backward_failure: kind of the first failed gradient check, also when the output failed.
         lost: the case's other properties its fitted call no longer exhibits, each with why.
-        known: the ledger entry that accepts this failure, or quarantines the call
-            (:mod:`flashprobe.fuzz.ledger`: ``"<file>:<line>: <reason> (<link>)"``); ``""``: none.
+        known: the ledger entry that accepts this failure or quarantines the call
+            (``"<file>:<line>: <reason> (<link>)"``).
     """
 
     kernel: str
@@ -143,24 +119,14 @@ def check_case(
 ) -> FuzzResult:
     """Run one kernel on one case and judge its output and (``backward``) its gradients.
 
-    The gradients are judged whenever the kernel gave an output, also when the output fails: a
-    backward bug is reported beside a forward one (``backward_failure``), not hidden behind it.
-    Inputs with NaN (:meth:`CaseInputs.nan_rows`) are judged against the call without them: the
-    rows that depend on a NaN must be NaN (``nan_hidden`` otherwise), the others exact.
+    The gradients are judged whenever the kernel gave an output, also when the output fails
+    (``backward_failure``). Rows that depend on a NaN input must be NaN (``nan_hidden`` otherwise).
 
     Args:
         kernel: spec or :class:`~flashprobe.Kernel`.
         inputs: the case in the dtype under test: q ``(B, H, N_q, D)``, k, v ``(B, H_kv, N_k, ·)``.
-        case: the case's name, for the result.
-        baseline: same-dtype baseline spec (ignored when ``refs`` is given).
-        refs: precomputed references (:func:`case_references`, reused across kernels); gradients
-            are checked only when they hold gradient references.
-        backward: check ``dq``, ``dk``, ``dv`` too (when ``refs`` is not given).
-        bias: judge the sign of the errors too, as the ``signed bias`` cases (when ``refs`` is not
-            given; :func:`~flashprobe.fuzz.rule.signed_bias`).
-
-    Returns:
-        The :class:`FuzzResult`.
+        baseline, backward, bias: used when ``refs`` is not given (:func:`case_references`).
+        refs: precomputed references, reused across kernels.
     """
     label = kernel_label(kernel)
     refs = case_references(inputs, baseline, backward=backward, bias=bias) if refs is None else refs
@@ -222,18 +188,9 @@ def case_references(
     grad: str = "",
     bias: bool = False,
 ) -> References:
-    """The references of one case's call: :func:`~flashprobe.fuzz.references.references` of the
-    call (without its NaN inputs: the gradients are not checked then), for the output gradient
-    form ``grad`` (:data:`~flashprobe.fuzz.cases.GRAD_FORMS`).
-
-    Args:
-        inputs: the call, in the dtype under test.
-        baseline: same-dtype baseline spec.
-        backward: with gradient references.
-        grad: ``""`` (the standard output gradient), ``transposed`` (laid out as ``(B, N, H, D)``),
-            ``expanded`` (the first head's, stride 0 over heads), ``tiny`` (× 2^-20), ``huge`` (× 2^12).
-        bias: keep the baseline's output and gradients for the signed bias (``signed bias`` cases).
-    """
+    """:func:`~flashprobe.fuzz.references.references` of one call (without its NaN inputs; no
+    gradients then) for the output gradient form ``grad`` (:data:`~flashprobe.fuzz.cases.GRAD_FORMS`);
+    ``bias`` keeps the baseline's output and gradients for the signed bias."""
     nan_rows = inputs.nan_rows()
     clean = inputs if nan_rows is None else inputs.without_nan()
     backward = backward and nan_rows is None
@@ -307,13 +264,9 @@ def _run_case(
     reproducers: ReproducerStore | None = None,
     ledger: Ledger | None = None,
 ) -> list[FuzzResult]:
-    """Every kernel on one case at one dtype (in each of ``layouts``), each at the call it accepts.
-
-    The call is fitted to each kernel's limits (:func:`~flashprobe.fuzz.fit.fit_inputs`); kernels
-    given the same call share its golden and baseline. A case built in its own layout
-    (``layout_*``) runs in that one only; ``expanded_kv`` changes the values (every k/v head is the
-    first), so it gets references of its own.
-    """
+    """Every kernel on one case at one dtype (in each of ``layouts``), each at the call fitted to
+    its limits; kernels given the same call share its references. A ``layout_*`` case runs in its
+    own layout only."""
     common = {"case": case.name, "dtype": dtype_name(dtype), "seed": seed, "property": case.property}
     start = time.perf_counter()
     try:
@@ -360,8 +313,8 @@ def _run_kernel(
     baseline: str | Kernel,
     backward: bool,
 ) -> FuzzResult | None:
-    """One kernel on one case's call: fitted to its limits, judged against the shared references
-    (computed here for the first kernel given that call; cached in ``refs``)."""
+    """One kernel on one case's call fitted to its limits, judged against the references cached in
+    ``refs``; None when ``expanded_kv`` values allow no golden."""
     unsupported = {"verdict": "unsupported", "shape": inputs.describe(), "layout": inputs.layout}
     if why is not None:
         return FuzzResult(
@@ -405,19 +358,15 @@ def run_catalogue(
 ) -> list[FuzzResult]:
     """Run every case against every kernel at every dtype, in every layout of ``layouts``.
 
-    Each case is posed to each kernel at the nearest call its limits accept that still tests the
-    case's property (:func:`~flashprobe.fuzz.fit.fit_inputs`), or reported ``unsupported`` with
-    "not applicable to this kernel: <why>". Golden and baseline are computed once per (case, dtype,
-    fitted call) and shared by the kernels. The inputs of a case depend only on ``seed`` and the
-    case's name. ``backward`` checks the gradients too; ``layouts``
-    (:data:`~flashprobe.fuzz.layouts.LAYOUTS`) lays each case's inputs out so.
+    Each case is posed to each kernel at the nearest call its limits accept that still tests its
+    property (:func:`~flashprobe.fuzz.fit.fit_inputs`), or reported ``unsupported`` ("not
+    applicable to this kernel: <why>"). A case's inputs depend only on ``seed`` and its name.
 
     Args:
-        progress: called with one line per (case, dtype) as it finishes: its verdict per kernel and
-            its seconds.
-        reproducers: where failures are saved, one per (kernel, property, direction), bounded.
-        ledger: its quarantined (kernel, case, dtype) are not called (reported ``skip``); the
-            ledger's other entries are applied to the rows by the caller (:meth:`Ledger.apply`).
+        progress: called with one line per (case, dtype) as it finishes.
+        reproducers: where failures are saved.
+        ledger: its quarantined (kernel, case, dtype) are reported ``skip`` without a call; the
+            caller applies its other entries (:meth:`Ledger.apply`).
 
     Returns:
         One :class:`FuzzResult` per (case, dtype, kernel), in that order.

@@ -1,10 +1,5 @@
-"""The random search of ``flashprobe fuzz --budget N``.
-
-Samples are drawn inside the kernels' limits and posed to each within its own
-(:func:`~flashprobe.fuzz.fit.fit_inputs`). Random failures are shrunk by the one shrinker of every
-reproducer (:func:`flashprobe.probing.repro.shrink_reproducer`: cutting N_q, N_k, B, H, D and making
-the layout contiguous and GQA plain while the same failure persists) and saved as reproducers, one
-per (kernel, property, direction) (:class:`~flashprobe.fuzz.reproducer.ReproducerStore`).
+"""The random search of ``flashprobe fuzz --budget N``: samples drawn inside the kernels' shared
+limits, posed to each within its own; failures shrunk and saved as reproducers.
 """
 
 from __future__ import annotations
@@ -71,8 +66,7 @@ class _Search:
         self, name: str, kernel: str, spec: RandomCaseSpec, base: CaseInputs, result: FuzzResult, prop: str
     ) -> FuzzResult:
         """Save a failure's reproducer: shrunk the first time its (kernel, failure kind) fails
-        (:func:`~flashprobe.probing.repro.shrink_reproducer`), as sampled (posed within the kernel's
-        limits) after that, so every property keeps its evidence at the cost of one shrink per kind."""
+        (:func:`~flashprobe.probing.repro.shrink_reproducer`), as sampled after that."""
         from flashprobe.fuzz.reproducer import replay_case
         from flashprobe.probing.repro import shrink_reproducer  # the one shrinker (it imports the probe)
 
@@ -128,23 +122,13 @@ def random_search(
 ) -> list[FuzzResult]:
     """Sample ``budget`` random cases (dtypes in turn) and run every kernel on each.
 
-    Samples are drawn inside what every kernel takes (mask kinds, head dims, GQA:
-    :func:`~flashprobe.fuzz.random_cases.sample_random_spec` with their shared limits) and posed
-    to each kernel within its own limits (lengths: :func:`~flashprobe.fuzz.fit.fit_inputs`).
-    ``backward`` checks the gradients too; ``profile`` sets the longest lengths sampled
-    (:data:`~flashprobe.fuzz.random_cases.MAX_KEYS`).
-
-    A failure of a (kernel, property, direction) not seen before (the property of a sample is its
-    mask kind, and whether its logits sit below a sentinel; the directions are ``out``, ``dq``,
-    ``dk``, ``dv``) is saved by ``reproducers`` (or, given only ``out_dir``, a
-    :class:`~flashprobe.fuzz.reproducer.ReproducerStore` there), shrunk (one shrink per (kernel,
-    failure kind), :func:`~flashprobe.probing.repro.shrink_reproducer`) the
-    first time its (kernel, failure kind) fails and as sampled after that; its row carries the path
-    in ``repro``.
+    Samples are drawn inside what every kernel takes and posed to each within its own limits
+    (:func:`~flashprobe.fuzz.fit.fit_inputs`); ``profile`` sets the longest lengths sampled
+    (:data:`~flashprobe.fuzz.random_cases.MAX_KEYS`). A failure of a new (kernel, property,
+    direction) is saved by ``reproducers`` (or a store in ``out_dir``); its row's ``repro`` says where.
 
     Args:
-        progress: called with one line per sample: its verdict per kernel, the seconds so far and
-            the seconds left at that pace.
+        progress: called with one line per sample.
 
     Returns:
         One :class:`FuzzResult` per (sample, kernel); cases are named ``random_<i>``.

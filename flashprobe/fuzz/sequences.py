@@ -1,25 +1,13 @@
 """Sequences: several calls of one kernel in one process, every call judged.
 
-A kernel that keeps anything between calls — a compiled plan or graph, scratch buffers, a saved
-output gradient, a result memoised by pointer — is right on its first call and wrong on a later one
-that its cache key misses: a cuDNN graph keyed without the softmax scale (flashinfer 4014) or without
-the strides (an HND graph replayed on NHD tensors, flashinfer 5007), CUDA graphs replayed on stale
-pointers (KernelBench-Hard PR 7), a backward that reads a stale dO (flash-attention PR 2481), scratch
-sized by an earlier call (vllm PR 47188). Each sequence of :data:`SEQUENCES` calls the kernel several
-times, changing one thing such a key must hold, and judges every call with the rule against its own
-FP64 golden (:func:`~flashprobe.fuzz.rule.judge`, :func:`~flashprobe.fuzz.rule.judge_gradients`).
-
-A sequence is data: :class:`Step` s naming their tensors, run by :func:`run_steps` in order. Steps of
-the same ``slot`` and layout share storage: each writes its values into it in place, so a kernel sees
-the same pointers with new contents. A failing sequence is saved whole, every call in order, as one
-reproducer (:func:`save_sequence`, :func:`flashprobe.formats.reproducer.save_sequence`), which
-``flashprobe replay FILE`` replays call by call (:func:`replay_sequence`).
-
-Every call goes through :meth:`Kernel.run <flashprobe.kernels.Kernel.run>`, so kernels of every api
-are run through their adapter (a ``bnhd`` step gives an SDPA kernel transposed views, a
-``flash_attn_func`` kernel contiguous ones; a paged step gives a varlen kernel pages and a block table,
-a KV-cache kernel a paged cache). A step the kernel cannot take is left out before anything runs; a
-sequence with fewer than two calls left is not applicable, with the reason.
+A kernel that keeps state between calls (a compiled plan or graph, scratch buffers, a saved output
+gradient, a result memoised by pointer) can be right on its first call and wrong on a later one its
+cache key misses. Each sequence of :data:`SEQUENCES` changes one thing such a key must hold and judges
+every call against its own FP64 golden. A sequence is data: :class:`Step` s run in order by
+:func:`run_steps`; steps of the same ``slot`` and layout share storage, written in place. Every call
+goes through :meth:`Kernel.run <flashprobe.kernels.Kernel.run>`; steps the kernel cannot take are left
+out first (fewer than two left: not applicable). A failing sequence is saved whole
+(:func:`save_sequence`) and replayed by ``flashprobe replay FILE`` (:func:`replay_sequence`).
 """
 
 from __future__ import annotations
@@ -72,21 +60,15 @@ class Step:
 
     Attributes:
         q, k, v: names of the call's logical tensors, ``(B, H, N_q, D)``, ``(B, H, N_k, D)``,
-            ``(B, H, N_k, D_v)``, in the sequence's tensors.
-        note: what this call is, in words (the sequence is printed with them).
+            ``(B, H, N_k, D_v)``.
+        note: what this call is, in words.
         mask: name of its ``attn_mask`` (bool or additive), or None.
-        causal, scale: the call's arguments (causal steps have ``N_q = N_k``).
-        layout: how q, k, v lie in memory: ``bhnd`` (contiguous ``(B, H, N, D)``) or ``bnhd``
-            (contiguous ``(B, N, H, D)``: an SDPA kernel gets transposed views, as NHD projections give).
-        slot: the storage of q, k and v: steps with the same slot, layout, dtype and shapes use the
-            same memory, written in place before the call.
-        pages: keys on pages of this many rows (a varlen kernel's block table, a KV-cache kernel's
-            paged cache) in an order drawn from ``page_seed``, unused rows NaN; 0: dense.
-        page_seed: the seed of the page order.
-        grads: ``(name, slot)`` of each output gradient: one backward each, in order, on this call's
-            one forward (same slot: the same memory, written in place).
-        k_lens: valid keys per batch entry (``seqused_k``, a KV cache's ``cache_seqlens``; an SDPA
-            kernel gets a key-padding mask), or ``()`` for all.
+        layout: ``bhnd`` (contiguous ``(B, H, N, D)``) or ``bnhd`` (contiguous ``(B, N, H, D)``).
+        slot: steps with the same slot, layout, dtype and shapes share memory, written in place.
+        pages: keys on pages of this many rows in an order drawn from ``page_seed``, unused rows
+            NaN; 0: dense.
+        grads: ``(name, slot)`` of each output gradient: one backward each on this call's forward.
+        k_lens: valid keys per batch entry, or ``()`` for all.
     """
 
     q: str
@@ -148,8 +130,7 @@ class _Storage:
     buffers: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)
 
     def put(self, slot: str, values: torch.Tensor, layout: str = "bhnd") -> torch.Tensor:
-        """``values`` ``(B, H, N, D)`` written into the slot's memory (in place when the slot exists):
-        the tensor in ``layout`` (``bnhd``: ``(B, N, H, D)``)."""
+        """``values`` ``(B, H, N, D)`` written into the slot's memory in ``layout``; that tensor."""
         physical = values.transpose(1, 2) if layout == "bnhd" else values
         key = (slot, layout, physical.dtype, tuple(physical.shape), str(physical.device))
         if key not in self.buffers:
@@ -208,8 +189,8 @@ def call_problem(kernel: Kernel, call: AttentionCall) -> str | None:
 
 
 def references_for(kernel: Kernel, inputs: CaseInputs, baseline: str | Kernel) -> References:
-    """The forward references of one call (golden, baseline noise; the FP8 baseline and limits for an
-    FP8 kernel), as the catalogue computes them (:func:`~flashprobe.fuzz.run.case_references`)."""
+    """The forward references of one call (:func:`~flashprobe.fuzz.run.case_references`; an FP8
+    kernel's FP8 baseline and limits)."""
     base, precision = fp8_baseline(kernel, baseline)
     return replace(case_references(inputs, base, backward=False), precision=precision)
 
@@ -246,12 +227,9 @@ def run_steps(
     """Run ``steps`` in order on one kernel, in one process, and judge every call.
 
     Args:
-        kernel: the kernel.
-        steps: the calls, in order.
         tensors: every tensor the steps name, in its dtype.
         baseline: the same-dtype baseline (an FP8 kernel gets the FP8 one).
         backward: run each step's backwards (kernels without a backward run forward only).
-        device: where to run.
 
     Returns:
         ``(step index, what was judged, verdict)`` per judgement, in order: ``out``, then
@@ -281,14 +259,8 @@ def run_steps(
                 call = _call(kernel, step, *bufs, mask)
                 out = kernel.run(call).out
         except Exception as err:  # a kernel that raises on a later call fails there
-            judged.append(
-                (
-                    i,
-                    "out",
-                    Verdict(verdict="fail", failure="raised", reason=f"raised {type(err).__name__}: {err}"),
-                )
-            )
-            return judged
+            raised = Verdict(verdict="fail", failure="raised", reason=f"raised {type(err).__name__}: {err}")
+            return [*judged, (i, "out", raised)]
         verdict = judge_output(out, refs)
         judged.append((i, "out", verdict))
         if verdict.verdict == "fail":
@@ -463,11 +435,10 @@ class Outcome:
 
     Attributes:
         verdict: of :data:`~flashprobe.fuzz.rule.VERDICTS`.
-        reason: why, in words.
         failure: the failed check's kind (``values``, ``dq:values``, ``bits``, ...).
         shape: the (first) call, in words.
         repro: the saved reproducer (sequences), or None.
-        saved: what to save when it fails: ``(steps, tensors)`` of a sequence.
+        saved: a failing sequence's ``(steps, tensors)``, to save.
     """
 
     verdict: str
@@ -484,10 +455,8 @@ class Check:
 
     Attributes:
         name: the name ``--case`` selects (``seq_scale``, ``inv_unit_values``).
-        property: the property it tests (a row's ``property``).
-        probes: what it probes, one line.
+        property: the property it tests (a row's ``property``); probes: what it probes, one line.
         run: ``run(kernel, dtype, seed, baseline, backward, device) -> Outcome``.
-        profiles: the profiles that run it.
     """
 
     name: str
@@ -610,8 +579,7 @@ def save_sequence(
 
 def replay_sequence(path: str | Path, kernels: Sequence[str] | None = None, baseline: str | None = None,
                     device: str | torch.device = "cpu") -> dict[str, dict[str, Any]]:  # fmt: skip
-    """Replay a sequence reproducer with each kernel (default: the recorded one), every call in
-    order in this process, judged as when it was found.
+    """Replay a sequence reproducer with each kernel (default: the recorded one), judged as found.
 
     Returns:
         ``{spec: {"verdict": "pass"|"fail", "calls": [(step, what, verdict, reason)], "reasons": [...]}}``.

@@ -1,15 +1,5 @@
-"""How fuzz results are shown: the terminal grid, the Markdown table, the catalogue, the reasons.
-
-* :func:`terminal_table` — one block per dtype, a row per case, a column per kernel;
-* :func:`markdown_table` — the same as Markdown (``fuzz.md``), each cell the verdicts per dtype;
-* :func:`catalogue_table` — the cases, what each probes and what the golden expects (``--list``);
-* :func:`reason_lines` — skip/unsupported reasons, one line per distinct reason with its count and
-  the cases, dtypes and kernels it applies to;
-* :func:`coverage` — which values of each axis (head dims, lengths, B·H, GQA ratios, layouts,
-  masks, dtypes, gradients) the run exercised;
-* :func:`property_coverage` — per kernel, each property of the catalogue ``tested`` or ``not
-  applicable`` to it with the reason (never silently fewer cases);
-* :func:`case_seconds` — the seconds each case took, slowest first.
+"""How fuzz results are shown: the terminal grid and Markdown table of verdicts, the catalogue
+(``--list``), the skip reasons, the axes and properties covered, and the seconds per case.
 """
 
 from __future__ import annotations
@@ -142,14 +132,8 @@ def catalogue_table() -> str:
 
 
 def coverage(results: Sequence[FuzzResult]) -> dict[str, list[int | str]]:
-    """The values of each axis exercised: by the results a kernel ran on (pass, fail, no_backward).
-
-    Returns:
-        Axis → sorted distinct values: ``head_dim``, ``head_dim_v``, ``n_q``, ``n_k``,
-        ``batch_heads``, ``gqa_ratio``, ``layout``, ``mask`` (:meth:`CaseInputs.axes`), ``dtype``
-        and ``gradients`` (``checked`` where the gradients were judged, ``forward only`` where an
-        output passed without them: ``--no-backward`` or a forward-only case).
-    """
+    """Axis → the sorted distinct values the rows a kernel ran on exercised: those of
+    :meth:`CaseInputs.axes`, ``dtype`` and ``gradients`` (``checked`` or ``forward only``)."""
     ran = [r for r in results if r.verdict in _RAN and r.axes]
     axes: dict[str, set[int | str]] = {}
     for r in ran:
@@ -186,13 +170,9 @@ def _names(values: Sequence[str], limit: int = 4) -> str:
 def reason_lines(
     results: Sequence[FuzzResult], verdicts: Sequence[str] = ("skip", "unsupported")
 ) -> list[str]:
-    """One line per distinct (verdict, reason) among ``verdicts``, most frequent first.
-
-    Each line reads ``SKIP  ×2  sentinel_1e5 | fp16 | tiled, math: <reason>``: the count of
-    (kernel, case, dtype) it applies to, then the cases, dtypes and kernels (long lists cut short).
-    A reason that names its kernel (``KernelInputError: math: head counts differ ...``) is shown
-    with ``<kernel>`` in its place, so kernels that fail the same way share one line.
-    """
+    """One line per distinct (verdict, reason) among ``verdicts``, most frequent first, e.g.
+    ``SKIP  ×2  sentinel_1e5 | fp16 | tiled, math: <reason>``; a kernel's own name in a reason reads
+    ``<kernel>``, so kernels that fail the same way share one line."""
     groups: dict[tuple[str, str], list[FuzzResult]] = {}
     for r in results:
         if r.verdict in verdicts:
@@ -219,24 +199,15 @@ _NOT_APPLICABLE = "not applicable to this kernel: "
 def property_coverage(
     results: Sequence[FuzzResult], contract_cases: Sequence[str] = ()
 ) -> dict[str, dict[str, dict[str, Any]]]:
-    """Per kernel, each property the run's catalogue cases test: tested, or why not.
-
-    A property is ``tested`` when a kernel ran one of its cases (pass, fail or no_backward) at
-    some dtype; else ``not applicable`` (its cases cannot be posed within the kernel's limits:
-    the first reason, or, for a property of the contract catalogue, none of the run's cases of it
-    takes the kernel's api), ``unsupported`` (the kernel cannot run here) or ``skipped`` (no dtype
-    of the run can pose it).
+    """Per kernel, each property the run's cases test: ``tested`` (a case of it ran at some dtype),
+    or ``not applicable``, ``unsupported`` or ``skipped`` with the first reason.
 
     Args:
-        results: the rows.
-        contract_cases: the contract catalogue's cases the run selected
-            (:data:`~flashprobe.fuzz.contract_cases.CONTRACT_CASES` names): their properties are
-            reported for every kernel of a contract api, posed to it or not.
+        contract_cases: the contract cases the run selected: their properties are reported for
+            every kernel of a contract api, posed to it or not.
 
     Returns:
-        ``{kernel: {property: {"status", "cases" (those that ran), "reason" ("" when tested)}}}``,
-        properties in the order of :data:`~flashprobe.fuzz.cases.PROPERTIES`, then the contract
-        catalogue's.
+        ``{kernel: {property: {"status", "cases" (those that ran), "reason" ("" when tested)}}}``.
     """
     table: dict[str, dict[str, dict[str, Any]]] = {}
     for kernel in _unique(r.kernel for r in results):
@@ -274,9 +245,8 @@ def property_coverage(
 
 
 def _contract_not_posed(kernel: str, names: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """The contract catalogue's properties among ``names`` that no case of them poses to ``kernel``'s
-    api: ``not applicable``, with the apis their cases take (empty for an SDPA kernel, outside the
-    contract catalogue, or a kernel no longer registered)."""
+    """The contract properties among ``names`` that no case of them poses to ``kernel``'s api:
+    ``not applicable``, with the apis their cases take (none for an SDPA or unregistered kernel)."""
     from flashprobe.fuzz.contract_cases import CONTRACT_CASES
     from flashprobe.kernels import KernelSpecError, get_kernel
 
