@@ -39,7 +39,14 @@ from flashprobe.fuzz.sequences import (
     save_sequence,
 )
 from flashprobe.judge import RELATIVE_LIMITS, absolute_limit, fp8_baseline, fp8_realisations, judge_errors
-from flashprobe.kernels import AttentionCall, Kernel, KernelUnavailableError, default_scale, dtype_name
+from flashprobe.kernels import (
+    AttentionCall,
+    Kernel,
+    KernelInputError,
+    KernelUnavailableError,
+    default_scale,
+    dtype_name,
+)
 from flashprobe.kernels import get_kernel as _get
 from flashprobe.kernels.fp8 import FP8_DTYPES, cast_fp8, realisation_shifts
 
@@ -411,8 +418,8 @@ def run_checks(
                 try:
                     _get(kernel).check(device, dtype)
                     outcome = check.run(_get(kernel), dtype, seed, baseline, backward, device)
-                except KernelUnavailableError as err:
-                    outcome = Outcome("unsupported", f"{type(err).__name__}: {err}")
+                except (KernelUnavailableError, KernelInputError) as err:  # the kernel refuses a call
+                    outcome = Outcome("unsupported", f"refused: {type(err).__name__}: {err}")
                 except Exception as err:  # the kernel raised on one of the check's calls
                     outcome = Outcome("fail", f"raised {type(err).__name__}: {err}", "raised")
                 row = FuzzResult(

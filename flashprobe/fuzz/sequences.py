@@ -34,6 +34,7 @@ from flashprobe.kernels import (
     ANY_CAPABILITIES,
     AttentionCall,
     Kernel,
+    KernelInputError,
     KernelUnavailableError,
     KernelUnsupportedError,
     default_scale,
@@ -258,6 +259,9 @@ def run_steps(
                 with_grad, leaves = False, bufs
                 call = _call(kernel, step, *bufs, mask)
                 out = kernel.run(call).out
+        except (KernelUnavailableError, KernelInputError) as err:  # the kernel refuses the call
+            refused = Verdict(verdict="unsupported", reason=f"refused: {type(err).__name__}: {err}")
+            return [*judged, (i, "out", refused)]
         except Exception as err:  # a kernel that raises on a later call fails there
             raised = Verdict(verdict="fail", failure="raised", reason=f"raised {type(err).__name__}: {err}")
             return [*judged, (i, "out", raised)]
@@ -511,8 +515,10 @@ def _sequence(
         if left_out:
             listing += f" (left out: {', '.join(s.note for s, _ in left_out)})"
         i, what, verdict = judged[-1]
+        where = f"call {i + 1} of {len(steps)} ({steps[i].note}){'' if what == 'out' else ', ' + what}"
+        if verdict.verdict == "unsupported":
+            return Outcome("unsupported", f"{where}: {verdict.reason} — sequence: {listing}", shape=shape)
         if verdict.verdict == "fail":
-            where = f"call {i + 1} of {len(steps)} ({steps[i].note}){'' if what == 'out' else ', ' + what}"
             return Outcome("fail", f"{where}: {verdict.reason} — sequence: {listing}", verdict.failure, shape,
                            saved=(steps, tensors))  # fmt: skip
         grads = sum(w != "out" for _, w, _ in judged)
@@ -582,7 +588,8 @@ def replay_sequence(path: str | Path, kernels: Sequence[str] | None = None, base
     """Replay a sequence reproducer with each kernel (default: the recorded one), judged as found.
 
     Returns:
-        ``{spec: {"verdict": "pass"|"fail", "calls": [(step, what, verdict, reason)], "reasons": [...]}}``.
+        ``{spec: {"verdict": "pass"|"fail"|"unsupported", "calls": [(step, what, verdict, reason)],
+        "reasons": [...]}}``; ``unsupported``: the kernel refused a call.
 
     Raises:
         ReproducerError: the file is not a sequence reproducer, or its steps are not valid data.
@@ -603,13 +610,15 @@ def replay_sequence(path: str | Path, kernels: Sequence[str] | None = None, base
         failed = [
             f"call {i} ({steps[i - 1].note}) {w}: {r}" for i, w, verdict, r in calls if verdict == "fail"
         ]
-        results[spec] = {"verdict": "fail" if failed else "pass", "calls": calls, "reasons": failed}
+        refused = [f"call {i} ({steps[i - 1].note}): {r}" for i, _, v, r in calls if v == "unsupported"]
+        overall = "fail" if failed else "unsupported" if refused else "pass"
+        results[spec] = {"verdict": overall, "calls": calls, "reasons": failed or refused}
     return results
 
 
 def replay_main(path: Path, kernels: Sequence[str] | None, baseline: str | None, as_json: bool) -> int:
     """``flashprobe replay`` of a sequence reproducer: a line per kernel (and per failing call);
-    1 when a kernel fails."""
+    1 when a kernel fails, 2 when one refuses a call (and none fails)."""
     results = replay_sequence(path, kernels, baseline)
     if as_json:
         print(json.dumps({"file": str(path), "results": results}, indent=2))
@@ -621,4 +630,5 @@ def replay_main(path: Path, kernels: Sequence[str] | None, baseline: str | None,
                 f"  {spec}: {r['verdict'].upper()} ({len(r['calls'])} judgements)"
                 + "".join(f"\n    {x}" for x in r["reasons"])
             )
-    return 1 if any(r["verdict"] != "pass" for r in results.values()) else 0
+    verdicts = {r["verdict"] for r in results.values()}
+    return 1 if "fail" in verdicts else 2 if "unsupported" in verdicts else 0

@@ -18,6 +18,7 @@ import torch
 from flashprobe.formats.reproducer import ReproducerError
 from flashprobe.fuzz import CHECKS, SEQUENCES, replay_sequence, select_checks
 from flashprobe.fuzz.cli import main
+from flashprobe.fuzz.invariants import run_checks
 from flashprobe.fuzz.sequences import Builder, Step, _call, _in_place, _layout, _Storage, run_steps
 from flashprobe.kernels import get_kernel
 from flashprobe.probing.replay_cli import main as replay_main
@@ -234,3 +235,43 @@ def test_select_checks_by_case_patterns() -> None:
     assert checks == [] and rest == ["sentinel_*"]
     checks, rest = select_checks(["!seq_*", "!inv_*"])
     assert checks == [] and rest == ["!seq_*", "!inv_*"]
+
+
+def test_a_kernel_refusing_a_call_at_run_time_is_unsupported_not_failed(register, tmp_path, capsys) -> None:
+    """A kernel that raises KernelInputError (its refusal, as a decode kernel refuses N_q > 1) makes a
+    sequence or invariant row ``unsupported`` naming the refusal, as the catalogue does; any other
+    exception still fails. The refusing kernel's output, where it computes, is the float64 softmax;
+    its replay of a sequence reproducer exits 2 (refused), not 1 (failed)."""
+    from flashprobe.kernels import KernelInputError
+
+    def one_query(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+        if q.shape[-2] != 1:
+            raise KernelInputError(f"a decode kernel: one query per sequence, not N_q={q.shape[-2]}")
+        return softmax64(q, k, v, attn_mask, is_causal, scale).to(q.dtype)
+
+    def crashing(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+        raise RuntimeError("an illegal memory access")
+
+    register("one_query", one_query)
+    register("crashing", crashing)
+    checks = [CHECKS[n] for n in ("seq_scale", "seq_layout", "inv_unit_values", "inv_value_scaling")]
+    rows = run_checks(["one_query", "crashing"], [torch.float32], checks)
+    assert len(rows) == 8
+    for row in rows:
+        if row.kernel == "one_query":
+            assert row.verdict == "unsupported", (row.case, row.reason)
+            assert "refused: KernelInputError: a decode kernel" in row.reason, row.reason
+        else:
+            assert row.verdict == "fail", (row.case, row.reason)
+    out = tmp_path / "out"
+    argv = ["--import", "lab.sequence_mutants", "--kernel", "plant_plan_no_scale", "--case", "seq_scale",
+            "--dtype", "fp32", "--out", str(out)]  # fmt: skip
+    import lab.sequence_mutants as m
+
+    m.register()
+    assert main(argv) == 1
+    (repro,) = out.glob("repro_seq_scale_*.safetensors")
+    capsys.readouterr()
+    assert replay_main([str(repro), "--kernel", "one_query"]) == 2
+    assert "one_query: UNSUPPORTED" in capsys.readouterr().out
+    assert replay_main([str(repro), "--kernel", "crashing"]) == 1
