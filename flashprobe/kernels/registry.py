@@ -369,6 +369,8 @@ class KernelCapabilities:
 
     def page_problem(self, page_size: int) -> str | None:
         """Why the kernel cannot take pages of ``page_size`` keys (feature and fix), or None."""
+        if self.page_sizes is not None and not self.page_sizes:
+            return "does not take a paged KV cache (page_sizes is empty); pass k and v unpaged"
         listed = self.page_sizes is None or page_size in self.page_sizes
         if not listed or page_size % self.page_multiple:
             return f"does not take pages of {page_size} keys ({self.describe_pages()}); page the cache so"
@@ -376,6 +378,8 @@ class KernelCapabilities:
 
     def describe_pages(self) -> str:
         """The page sizes supported, in words."""
+        if self.page_sizes is not None and not self.page_sizes:
+            return "no paged KV cache"
         parts = [] if self.page_sizes is None else [", ".join(str(p) for p in sorted(self.page_sizes))]
         if self.page_multiple > 1:
             parts.append(f"multiples of {self.page_multiple}")

@@ -2,7 +2,7 @@
 
 Runs a reproducer (:mod:`flashprobe.probing.repro`) through each kernel (default: the one that failed)
 with the judge that found it, prints one line per kernel and exits 1 when any does not pass, 2 on bad
-arguments (and, for a contract reproducer, when a kernel refuses the valid call)::
+arguments (and, for a contract or sequence reproducer, when a kernel refuses a call)::
 
     flashprobe replay out/run/repro/blocks.0.attn.dq.step0000003.safetensors --import mykernels
     flashprobe replay FILE --kernel mykernel --kernel sdpa_math

@@ -234,3 +234,13 @@ def test_bad_length_and_backward_declarations_are_refused():
         KernelCapabilities(seq_multiple=0)
     with pytest.raises(ValueError, match="backward_masks: unknown kinds"):
         KernelCapabilities(backward_masks=frozenset({"sliding"}))
+
+
+def test_a_kernel_declaring_no_page_sizes_is_said_to_take_no_paged_cache() -> None:
+    """``page_sizes=frozenset()`` (no paged KV cache) is said so, not as "page sizes any"."""
+    none = KernelCapabilities(page_sizes=frozenset())
+    assert none.describe_pages() == "no paged KV cache"
+    assert "does not take a paged KV cache" in none.page_problem(16)
+    listed = KernelCapabilities(page_sizes=frozenset({16, 64}))
+    assert listed.page_problem(16) is None and "16, 64" in listed.page_problem(32)
+    assert KernelCapabilities().page_problem(7) is None
