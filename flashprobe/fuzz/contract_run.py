@@ -35,6 +35,7 @@ from flashprobe.fuzz.contract_cases import (
     short_dtype,
 )
 from flashprobe.fuzz.fit import NotApplicableError
+from flashprobe.fuzz.kernel_call import REFUSALS
 from flashprobe.fuzz.references import grad_output
 from flashprobe.fuzz.rule import (
     GradientReference,
@@ -50,8 +51,6 @@ from flashprobe.judge import fp8_realisations, judge_lse
 from flashprobe.kernels import (
     AttentionCall,
     Kernel,
-    KernelInputError,
-    KernelUnavailableError,
     baseline_call,
     get_kernel,
     golden_call,
@@ -194,7 +193,7 @@ def _fp8_forms(call: AttentionCall, fmt: str) -> list[torch.Tensor]:
     for spec in (base, *fp8_realisations(base)):
         try:
             forms.append(get_kernel(spec).run(plain).out.to(call.out_dtype))
-        except (KernelUnavailableError, KernelInputError):
+        except REFUSALS:
             continue
     return forms
 
@@ -355,7 +354,7 @@ def check_call(
     ran = _clone(call)
     try:
         found = _run(kernel, ran)
-    except (KernelUnavailableError, KernelInputError) as err:
+    except REFUSALS as err:
         return CallVerdict("unsupported", f"{type(err).__name__}: {err}")
     except Exception as err:  # any other exception is a bug the fuzzer reports
         return CallVerdict("fail", f"raised {type(err).__name__}: {err}", "raised")

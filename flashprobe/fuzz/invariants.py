@@ -24,7 +24,7 @@ import torch
 from flashprobe.fuzz.cases import CATALOGUE, case_generator
 from flashprobe.fuzz.fit import NotApplicableError
 from flashprobe.fuzz.inputs import CaseInputs
-from flashprobe.fuzz.kernel_call import kernel_label
+from flashprobe.fuzz.kernel_call import REFUSALS, kernel_label
 from flashprobe.fuzz.reproducer import ReproducerStore, failure_directions
 from flashprobe.fuzz.rule import noise, output_errors
 from flashprobe.fuzz.run import FuzzResult
@@ -42,8 +42,6 @@ from flashprobe.judge import RELATIVE_LIMITS, absolute_limit, fp8_baseline, fp8_
 from flashprobe.kernels import (
     AttentionCall,
     Kernel,
-    KernelInputError,
-    KernelUnavailableError,
     default_scale,
     dtype_name,
 )
@@ -418,7 +416,7 @@ def run_checks(
                 try:
                     _get(kernel).check(device, dtype)
                     outcome = check.run(_get(kernel), dtype, seed, baseline, backward, device)
-                except (KernelUnavailableError, KernelInputError) as err:  # the kernel refuses a call
+                except REFUSALS as err:  # the kernel refuses a call
                     outcome = Outcome("unsupported", f"refused: {type(err).__name__}: {err}")
                 except Exception as err:  # the kernel raised on one of the check's calls
                     outcome = Outcome("fail", f"raised {type(err).__name__}: {err}", "raised")

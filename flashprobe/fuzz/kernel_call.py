@@ -12,7 +12,10 @@ from flashprobe.fuzz.inputs import CaseInputs
 from flashprobe.fuzz.rule import Verdict
 from flashprobe.kernels import Kernel, KernelInputError, KernelUnavailableError, get_kernel
 
-__all__ = ["KernelCall", "attend", "call_kernel", "kernel_label"]
+__all__ = ["REFUSALS", "KernelCall", "attend", "call_kernel", "kernel_label"]
+
+#: The exceptions with which a kernel refuses a call: a row they end is ``unsupported``, not failed.
+REFUSALS: tuple[type[Exception], ...] = (KernelUnavailableError, KernelInputError)
 
 
 def kernel_label(kernel: str | Kernel) -> str:
@@ -101,7 +104,7 @@ def call_kernel(kernel: Kernel, inputs: CaseInputs, grad_out: torch.Tensor | Non
             out = attend(kernel, copies, copies.k, copies.v)
         else:
             out, grads, backward_problem = _forward_backward(kernel, copies, grad_out)
-    except (KernelUnavailableError, KernelInputError) as err:
+    except REFUSALS as err:
         reason = f"{type(err).__name__}: {err}"
         if grad_out is None or not isinstance(err, KernelUnavailableError):
             return KernelCall(problem=Verdict(verdict="unsupported", reason=reason))

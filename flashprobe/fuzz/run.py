@@ -21,14 +21,12 @@ import torch
 from flashprobe.fuzz.cases import FuzzCase, case_generator, select_cases
 from flashprobe.fuzz.fit import FittedInputs, NotApplicableError, fit_inputs
 from flashprobe.fuzz.inputs import CaseInputs, UnrepresentableCaseError
-from flashprobe.fuzz.kernel_call import KernelCall, call_kernel, kernel_label
+from flashprobe.fuzz.kernel_call import REFUSALS, KernelCall, call_kernel, kernel_label
 from flashprobe.fuzz.references import grad_output, gradient_references, references
 from flashprobe.fuzz.rule import References, Verdict, judge, judge_gradients
 from flashprobe.judge import fp8_baseline
 from flashprobe.kernels import (
     Kernel,
-    KernelInputError,
-    KernelUnavailableError,
     dtype_name,
     get_kernel,
     to_dtype,
@@ -245,7 +243,7 @@ def kernel_availability(
             try:
                 get_kernel(label).check(device, dtype)
                 why[label, dtype] = None
-            except (KernelUnavailableError, KernelInputError) as err:
+            except REFUSALS as err:
                 why[label, dtype] = f"{type(err).__name__}: {err}"
     return why
 

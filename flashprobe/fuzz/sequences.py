@@ -26,6 +26,7 @@ from flashprobe.formats.reproducer import save_sequence as _save_file
 from flashprobe.fuzz.cases import case_generator
 from flashprobe.fuzz.fit import NotApplicableError
 from flashprobe.fuzz.inputs import CaseInputs
+from flashprobe.fuzz.kernel_call import REFUSALS
 from flashprobe.fuzz.references import gradient_references
 from flashprobe.fuzz.rule import References, Verdict, judge, judge_gradients
 from flashprobe.fuzz.run import case_references
@@ -34,7 +35,6 @@ from flashprobe.kernels import (
     ANY_CAPABILITIES,
     AttentionCall,
     Kernel,
-    KernelInputError,
     KernelUnavailableError,
     KernelUnsupportedError,
     default_scale,
@@ -259,7 +259,7 @@ def run_steps(
                 with_grad, leaves = False, bufs
                 call = _call(kernel, step, *bufs, mask)
                 out = kernel.run(call).out
-        except (KernelUnavailableError, KernelInputError) as err:  # the kernel refuses the call
+        except REFUSALS as err:  # the kernel refuses the call
             refused = Verdict(verdict="unsupported", reason=f"refused: {type(err).__name__}: {err}")
             return [*judged, (i, "out", refused)]
         except Exception as err:  # a kernel that raises on a later call fails there
