@@ -90,8 +90,8 @@ def main() -> None:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
         if i == 0:
             print("  ".join("-" * w for w in widths))
-    ratio, site = summary["limit_ratio"], summary["max_limit_ratio_site"]
-    verdict = summary["verdict"].upper()
+    ratio, site = summary.limit_ratio, summary.max_limit_ratio_site
+    verdict = summary.verdict.upper()
     print(f"\nverdict {verdict}: worst error / limit {_cell(ratio)} (> 1 fails); worst forward at {site}")
 
 

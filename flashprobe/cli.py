@@ -66,7 +66,7 @@ In your own training, in Python:
     from flashprobe import probe
     with probe(model) as p:          # your model, unchanged: every attention call is compared
         ...                          # train as usual
-    print(p.summary()["verdict"])
+    print(p.summary().verdict)
 (docs/probe.md). The commands: the embedded model trained with the probe and the paper's study of the
 weights (train, study, compare, report), adversarial cases for any kernel (fuzz), a saved failing call
 (replay), the kernels that run here (kernels) and the microbenchmarks (bench)."""

@@ -106,14 +106,14 @@ class StudyProgress:
         if found is None:
             return "", ""
         summary, rows = found
-        answer = str(summary.get("verdict") or "undetermined").upper()
+        answer = summary.verdict.upper()
         if answer != "PASS":
             path = self.runs_dir / name / "probe.jsonl"
             return f" · probe {answer} (below)", verdict_block(summary, rows, who=f"{name}: probe", path=path)
-        ratios = [summary.get(k) for k in ("max_limit_ratio", "max_backward_limit_ratio")]
+        ratios = [summary.max_limit_ratio, summary.max_backward_limit_ratio]
         worst = max((r for r in ratios if r is not None), default=None)
         at = "" if worst is None else f", worst error/limit {worst:.3g}"
-        return f" · probe PASS ({summary.get('sites', 0)} sites{at})", ""
+        return f" · probe PASS ({summary.sites} sites{at})", ""
 
     def _clock(self) -> str:
         elapsed = time.perf_counter() - self._t0

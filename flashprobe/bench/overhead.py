@@ -227,8 +227,8 @@ def _measure(
             progress(f"[{done}/{config.steps}] ms per step over the last block: {means}")
     rows, block_ms = _summarize(config, times)
     # The probes really compared something (and the sampled one only at its steps).
-    rows[2]["compared_calls"] = handles["probe"].shadow.summary()["forward_calls"]  # type: ignore[union-attr]
-    rows[3]["compared_calls"] = handles[modes[3]].shadow.summary()["forward_calls"]  # type: ignore[union-attr]
+    rows[2]["compared_calls"] = handles["probe"].shadow.summary().forward_calls  # type: ignore[union-attr]
+    rows[3]["compared_calls"] = handles[modes[3]].shadow.summary().forward_calls  # type: ignore[union-attr]
     return rows, block_ms
 
 

@@ -25,7 +25,7 @@ from flashprobe.probing import ProbeConfig
 from flashprobe.probing.run_session import SessionCallback
 from flashprobe.probing.session import nonfinite_weights
 from flashprobe.probing.session import verdict_line as verdict_line
-from flashprobe.probing.summary import summary_scalars
+from flashprobe.probing.summary import ProbeSummary, summary_scalars
 
 __all__ = ["AttentionProbe"]
 
@@ -111,7 +111,7 @@ class AttentionProbe(SessionCallback, Callback):
     # ------------------------------------------------------------------------------ lifecycle
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        def publish(step: int, stats: dict[str, Any], summary: dict[str, Any]) -> None:
+        def publish(step: int, stats: dict[str, Any], summary: ProbeSummary) -> None:
             if trainer.is_global_zero:
                 self._log_to_loggers(trainer, stats, summary, step)
 
@@ -160,7 +160,7 @@ class AttentionProbe(SessionCallback, Callback):
         )
         if result.stop:
             trainer.should_stop = True
-        ratio = None if result.summary is None else result.summary.get("limit_ratio")
+        ratio = None if result.summary is None else result.summary.limit_ratio
         if ratio is not None and math.isfinite(ratio):  # the verdict's statistic: error / limit, > 1 fails
             # The progress bar only (logger=False): the loggers get every metric once, under the
             # same name and step.
@@ -182,7 +182,7 @@ class AttentionProbe(SessionCallback, Callback):
         self.session.finish(trainer.global_step, draw=plot_probe)
 
     def _log_to_loggers(
-        self, trainer: pl.Trainer, stats: dict[str, Any], summary: dict[str, Any], step: int
+        self, trainer: pl.Trainer, stats: dict[str, Any], summary: ProbeSummary, step: int
     ) -> None:
         metrics = summary_scalars(summary)
         if self.log_sites:

@@ -27,8 +27,16 @@ from typing import Any
 from flashprobe.formats.atomic import DiskFullError, atomic_write_text, disk_full
 from flashprobe.formats.jsonio import decode, dumps
 from flashprobe.formats.nofollow import open_append
+from flashprobe.formats.probe_summary import ProbeSummary
 
-__all__ = ["PROBE_LOG_NAME", "ProbeLog", "ProbeLogWriter", "load_probe_records", "read_probe_log"]
+__all__ = [
+    "PROBE_LOG_NAME",
+    "ProbeLog",
+    "ProbeLogWriter",
+    "load_probe_records",
+    "read_probe_log",
+    "record_summary",
+]
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +128,16 @@ def load_probe_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     if probe_log.dropped:
         log.warning("%s: read %d records, dropped %s", path, len(probe_log.records), probe_log.dropped)
     return probe_log.records
+
+
+def record_summary(record: Mapping[str, Any]) -> ProbeSummary:
+    """A record's ``summary`` as a :class:`~flashprobe.formats.probe_summary.ProbeSummary`, with the
+    record's step.
+
+    Raises:
+        ValueError: the record's summary is not a probe summary, naming the keys.
+    """
+    return ProbeSummary.from_dict({**(record.get("summary") or {}), "step": record["step"]})
 
 
 class ProbeLogWriter:

@@ -23,9 +23,9 @@ from flashprobe.kernels import Kernel, get_kernel
 from flashprobe.probing import ProbeConfig, ProbeWarning, SdpaCall, sites
 from flashprobe.probing.call import autocast_dtype, run_kernel
 from flashprobe.probing.routing import check_kernel_here
-from flashprobe.probing.run_session import SessionCallback, SessionField
+from flashprobe.probing.run_session import SessionCallback, SessionField, plain_failures
 from flashprobe.probing.session import nonfinite_weights
-from flashprobe.probing.summary import summary_scalars
+from flashprobe.probing.summary import Failure, ProbeSummary, summary_scalars
 
 __all__ = [
     "CONFIG_KEY",
@@ -259,7 +259,6 @@ class AttentionProbeCallback(SessionCallback, TrainerCallback, ExportableState):
         self._pending: dict[str, float] = {}
 
     # The Trainer restores a checkpoint's state by setting these (see :meth:`state`).
-    _restored_failures = SessionField("The first failures to apply at the next attach.", "restored_failures")
     _restored_bias = SessionField("The signed-bias sums to continue from.", "restored_bias")
 
     @property
@@ -270,6 +269,15 @@ class AttentionProbeCallback(SessionCallback, TrainerCallback, ExportableState):
     def _tally_state(self, state: dict[str, Any]) -> None:
         self.session.tally.load_state_dict(state)
 
+    @property
+    def _restored_failures(self) -> list[dict[str, Any]]:
+        """The first failures to apply at the next attach, as plain data."""
+        return plain_failures(self.session.restored_failures)
+
+    @_restored_failures.setter
+    def _restored_failures(self, failures: list[dict[str, Any]]) -> None:
+        self.session.restored_failures = [Failure.from_dict(f) for f in failures]
+
     # ------------------------------------------------------------------------------ lifecycle
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -279,7 +287,7 @@ class AttentionProbeCallback(SessionCallback, TrainerCallback, ExportableState):
             raise RuntimeError(f"{type(self).__name__}: the Trainer passed no model to on_train_begin")
         self._lead_the_loggers()
 
-        def publish(step: int, stats: dict[str, Any], summary: dict[str, Any]) -> None:
+        def publish(step: int, stats: dict[str, Any], summary: ProbeSummary) -> None:
             self._pending = summary_scalars(summary)  # into the Trainer's logs at its next on_log
 
         distributed = args.world_size > 1 and torch.distributed.is_available()

@@ -6,7 +6,8 @@
 * :class:`ShadowAttention` is the same as an ``nn.Module`` to call in place of SDPA.
 * :func:`use_kernel` routes a model's attention calls to any kernel spec, with no statistics.
 * :class:`ProbeConfig` holds every setting; :class:`DeviationStats` one site's statistics;
-  :func:`reduce_across_ranks` all-reduces them; :func:`summarize` gives the worst values over sites.
+  :func:`reduce_across_ranks` all-reduces them; :func:`summarize` gives the verdict and the worst
+  values over sites (a :class:`ProbeSummary`, whose failing calls are :class:`Failure` records).
 """
 
 from flashprobe.probing.call import SdpaCall
@@ -31,7 +32,7 @@ from flashprobe.probing.stats import (
     reduce_across_ranks,
     stats_dict,
 )
-from flashprobe.probing.summary import ProbeSummary, summarize
+from flashprobe.probing.summary import Failure, ProbeSummary, summarize
 
 __all__ = [
     "ARG_FIELDS",
@@ -48,6 +49,7 @@ __all__ = [
     "ROOT_SITE",
     "SUM_FIELDS",
     "DeviationStats",
+    "Failure",
     "KernelRoute",
     "Probe",
     "ProbeCompileError",

@@ -6,7 +6,7 @@
         for batch in loader:
             loss = model(batch).sum(); loss.backward(); opt.step()
             if p.step % 100 == 0:
-                s = p.summary(); print(s["verdict"], s["limit_ratio"]); p.reset()  # > 1 fails
+                s = p.summary(); print(s.verdict, s.limit_ratio); p.reset()  # > 1 fails
             p.next_step()
 
 Every attention call made inside ``model`` (caught and named by :mod:`flashprobe.probing.intercept`)
@@ -33,7 +33,7 @@ from flashprobe.probing.routing import KernelRoute, model_device_dtype
 from flashprobe.probing.shadow import ShadowAttention
 from flashprobe.probing.sites import passthrough
 from flashprobe.probing.stats import failure_order
-from flashprobe.probing.summary import ProbeSummary
+from flashprobe.probing.summary import Failure, ProbeSummary
 
 __all__ = ["Probe", "probe"]
 
@@ -150,7 +150,7 @@ class Probe(AttentionRoute):
         return self._step
 
     @property
-    def failures(self) -> list[dict[str, Any]]:
+    def failures(self) -> list[Failure]:
         """The first failure of each site and direction so far (kept across :meth:`reset`), in step order."""
         return sorted(self.shadow.failures.values(), key=failure_order)
 
@@ -190,20 +190,17 @@ class Probe(AttentionRoute):
             self.warn_once("no-calls", self._no_calls_message())
         return self.shadow.stats(tensors, flat=flat)
 
-    def summary(self, stats: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """:meth:`typed_summary` as a plain dict, what ``probe.jsonl`` holds."""
-        return self.typed_summary(stats).to_dict()
-
-    def typed_summary(self, stats: Mapping[str, Any] | None = None) -> ProbeSummary:
-        """Worst values over all sites (:class:`~flashprobe.probing.summary.ProbeSummary`) with the
-        step counter, ``notes`` (why values are missing), ``dropout_calls``, :attr:`fallbacks` and
-        :attr:`judged`.
+    def summary(self, stats: Mapping[str, Any] | None = None) -> ProbeSummary:
+        """The verdict and the worst values over all sites
+        (:class:`~flashprobe.formats.probe_summary.ProbeSummary`; its ``to_dict()`` is what
+        ``probe.jsonl`` holds) with the step counter, ``notes`` (why values are missing),
+        ``dropout_calls``, :attr:`fallbacks` and :attr:`judged`.
 
         Args:
             stats: per-site statistics to summarise (default: :meth:`stats`).
         """
         stats = self.stats() if stats is None else stats
-        summary = ProbeSummary.from_dict(self.shadow.summary(stats))
+        summary = self.shadow.summary(stats)
         summary.step = self._step
         summary.dropout_calls = sum(e.get("dropout_calls", 0) for e in stats.values())
         summary.fallbacks = self.fallbacks

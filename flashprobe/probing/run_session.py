@@ -20,6 +20,7 @@ nothing itself (``finish`` is handed the drawing function).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import warnings
@@ -33,6 +34,7 @@ from torch import nn
 
 from flashprobe.formats.atomic import DiskFullError
 from flashprobe.formats.probe_log import PROBE_LOG_NAME, ProbeLogWriter
+from flashprobe.formats.probe_summary import Failure, ProbeSummary
 from flashprobe.kernels import KernelUnavailableError
 from flashprobe.probing.config import ProbeConfig
 from flashprobe.probing.probe import Probe, probe
@@ -68,7 +70,7 @@ class StepResult:
 
     flushed: bool = False
     stop: bool = False
-    summary: dict[str, Any] | None = None
+    summary: ProbeSummary | None = None
 
 
 class ProbeSession:
@@ -148,14 +150,14 @@ class ProbeSession:
         self.last_logged_step = -1
         #: Records written to ``probe.jsonl`` by this process.
         self.records = 0
-        #: The summary of the last record with statistics (``{}`` before the first).
-        self.last_summary: dict[str, Any] = {}
+        #: The summary of the last record with statistics (None before the first).
+        self.last_summary: ProbeSummary | None = None
         #: Why the session asked to stop training on non-finite values (None: it did not).
         self.stopped: str | None = None
         #: The run's answer so far, across logging intervals (and checkpoints).
         self.tally = RunTally()
         #: The first failures to apply at the next attach (from a checkpoint, or the last fit's).
-        self.restored_failures: list[dict[str, Any]] = []
+        self.restored_failures: list[Failure] = []
         #: The signed-bias sums to continue from (from a checkpoint, or the last fit's).
         self.restored_bias: dict[str, list[float]] = {}
         #: The last logged step of the checkpoint restored from (records after it are dropped).
@@ -255,8 +257,8 @@ class ProbeSession:
         if self._probe is None:
             return
         for failure in self.restored_failures:
-            key = (failure["site"], failure["direction"])
-            self._probe.shadow.failures.setdefault(key, dict(failure))
+            key = (failure.site, failure.direction)
+            self._probe.shadow.failures.setdefault(key, dataclasses.replace(failure))
             self._reported.add(key)
         self.restored_failures = []
         if self.restored_bias and self._is_zero:  # the other ranks' sums add from zero
@@ -345,7 +347,7 @@ class ProbeSession:
             self.detach()
         if not self._is_zero:
             return
-        if self.last_summary:
+        if self.last_summary is not None:
             self.log.info("%s", verdict_line(self.last_summary, self.path, who=self.who))
             self.print_block()
         if draw is not None:
@@ -383,14 +385,14 @@ class ProbeSession:
                 f"({', '.join(sorted(calls))}); fix the patterns or use sites=None for all"
             )
 
-    def _new_failures(self) -> list[dict[str, Any]]:
+    def _new_failures(self) -> list[Failure]:
         """Failures not reported yet (the shadow's log: at once on the CPU, at reads elsewhere)."""
         assert self._probe is not None
-        new = [f for f in self._probe.failures if (f["site"], f["direction"]) not in self._reported]
-        self._reported.update((f["site"], f["direction"]) for f in new)
+        new = [f for f in self._probe.failures if (f.site, f.direction) not in self._reported]
+        self._reported.update((f.site, f.direction) for f in new)
         return new
 
-    def react(self, failures: list[dict[str, Any]]) -> bool:
+    def react(self, failures: list[Failure]) -> bool:
         """Report new failures as ``on_failure`` says; returns whether to stop training.
 
         Raises:
@@ -410,17 +412,17 @@ class ProbeSession:
         return True
 
     def _nonfinite_stop(
-        self, step: int, new: list[dict[str, Any]], weights: Callable[[], str | None] | None
+        self, step: int, new: list[Failure], weights: Callable[[], str | None] | None
     ) -> bool:
         """Whether to stop for a new non-finite failure or non-finite ``weights``; why in :attr:`stopped`."""
         if self.on_nonfinite != "stop" or self.stopped is not None:
             return False
-        nonfinite = next((f for f in new if f.get("kind") == "nonfinite"), None)
+        nonfinite = next((f for f in new if f.kind == "nonfinite"), None)
         why = None
         if nonfinite is not None:
             why = (
-                f"the primary returned non-finite values at {nonfinite['site']} {nonfinite['direction']}, "
-                f"step {nonfinite['step']}"
+                f"the primary returned non-finite values at {nonfinite.site} {nonfinite.direction}, "
+                f"step {nonfinite.step}"
             )
         elif weights is not None:
             found = weights()
@@ -434,7 +436,7 @@ class ProbeSession:
         return True
 
     # ------------------------------------------------------------------------------- reading
-    def flush(self, step: int) -> dict[str, Any] | None:
+    def flush(self, step: int) -> ProbeSummary | None:
         """Read and reset the statistics, add them to the tally, publish and (rank zero) append the record.
 
         Returns:
@@ -446,23 +448,23 @@ class ProbeSession:
             tensors = reduce_across_ranks(tensors, self._reduce_device)  # max of maxima, sum of sums
         stats = self._probe.stats(tensors)
         summary = self._probe.summary(stats)
-        summary["step"] = step
+        summary.step = step
         if self.stopped is not None:
-            summary["stopped"] = self.stopped
+            summary.stopped = self.stopped
         self.tally.add(summary, stats)
         self._probe.reset()
         self.last_logged_step = step
         if not stats:
             return None
         self.last_summary = summary
-        sites = summary.get("primary_nonfinite_sites")
+        sites = summary.primary_nonfinite_sites
         if sites and self._is_zero:
             self.log.error(
                 "step %s: the primary kernel %s returned %s non-finite values from finite inputs at %s "
                 "(the baseline's are finite there): a kernel bug; its error ratio does not show it",
                 step,
                 self.config.primary,
-                summary["primary_nonfinite"],
+                summary.primary_nonfinite,
                 ", ".join(sites[:3]) + (f" and {len(sites) - 3} more sites" if len(sites) > 3 else ""),
             )
         if self._publish is not None:
@@ -471,7 +473,7 @@ class ProbeSession:
             self._append(step, stats, summary)
         return summary
 
-    def _append(self, step: int, stats: dict[str, Any], summary: dict[str, Any]) -> None:
+    def _append(self, step: int, stats: dict[str, Any], summary: ProbeSummary) -> None:
         assert self._writer is not None
         if not self._writer.opened:
             dropped = self._writer.open(self.resumed_from)
@@ -483,14 +485,14 @@ class ProbeSession:
                     dropped,
                     self._writer.path,
                 )
-        self._writer.append({"step": step, "summary": summary, "sites": stats})
+        self._writer.append({"step": step, "summary": summary.to_dict(), "sites": stats})
         self.records += 1
 
     # ------------------------------------------------------------------------------ the answer
     def print_block(self) -> None:
         """Print the verdict block to stdout (``console=True``)."""
-        if self.console and self.last_summary:
-            rows = self.tally.rows(self.last_summary.get("failures") or [])
+        if self.console and self.last_summary is not None:
+            rows = self.tally.rows(self.last_summary.failures)
             block = verdict_block(self.last_summary, rows, who=self.who, path=self.path, stopped=self.stopped)
             print(block, flush=True)
 
@@ -523,15 +525,15 @@ class ProbeSession:
         """Continue from :meth:`state_dict` (missing keys: a fresh session's values)."""
         self.last_logged_step = state.get("last_logged_step", -1)
         self.records = state.get("records", 0)
-        self.restored_failures = [dict(f) for f in state.get("failures", [])]
+        self.restored_failures = [Failure.from_dict(f) for f in state.get("failures", [])]
         self.restored_bias = {s: list(v) for s, v in state.get("bias", {}).items()}
         self.tally.load_state_dict(state.get("tally", {}))
         self.resumed_from = self.last_logged_step
 
 
-def plain_failures(failures: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Failures with only their plain values (strings, numbers, None), for a checkpoint."""
-    return [{k: v for k, v in f.items() if isinstance(v, str | int | float | type(None))} for f in failures]
+def plain_failures(failures: list[Failure]) -> list[dict[str, Any]]:
+    """Failures as plain data, for a checkpoint."""
+    return [f.to_dict() for f in failures]
 
 
 class SessionField:

@@ -11,6 +11,7 @@ callbacks run. This module imports no training framework.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -22,7 +23,7 @@ from torch import nn
 from flashprobe.kernels import KernelUnsupportedError
 from flashprobe.probing.routing import model_device_dtype
 from flashprobe.probing.stats import site_directions
-from flashprobe.probing.summary import bias_words
+from flashprobe.probing.summary import Failure, ProbeSummary, bias_words
 
 __all__ = [
     "NONFINITE_ACTIONS",
@@ -41,22 +42,19 @@ NONFINITE_ACTIONS = ("stop", "continue")
 _RANK = {"fail": 2, "pass": 1, "undetermined": 0}
 
 
-def failure_rank(failure: Mapping[str, Any]) -> float:
+def failure_rank(failure: Failure) -> float:
     """How bad a failing call is: its ``limit_ratio`` (else ``value``; non-finite ranks infinite)."""
-    value = failure.get("limit_ratio", failure.get("value"))
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
+    value = failure.value if failure.limit_ratio is None else failure.limit_ratio
+    if value is None or math.isnan(value):
         return math.inf
-    return math.inf if math.isnan(value) else value
+    return float(value)
 
 
 class RunTally:
     """The run's answer so far, carried across the probe's logging intervals.
 
     Attributes:
-        worst: the worst failing call of the run (``{site, direction, step, kind, value, limit,
-            limit_ratio, reason}``) or None.
+        worst: the worst failing call of the run, or None.
         nonfinite: non-finite values counted over the run (inputs, every pair and direction).
         primary_nonfinite: non-finite values the primary returned from finite inputs over the run.
         first_primary_nonfinite: ``{"step", "sites"}`` of the record where the primary's first
@@ -66,39 +64,35 @@ class RunTally:
     """
 
     def __init__(self) -> None:
-        self.worst: dict[str, Any] | None = None
+        self.worst: Failure | None = None
         self.nonfinite = 0
         self.primary_nonfinite = 0
         self.first_primary_nonfinite: dict[str, Any] | None = None
         self.sites: dict[str, dict[str, dict[str, Any]]] = {}
 
-    def add(self, summary: dict[str, Any], stats: Mapping[str, Any]) -> dict[str, Any]:
+    def add(self, summary: ProbeSummary, stats: Mapping[str, Any]) -> ProbeSummary:
         """Add one interval and write the run's values into ``summary`` (``worst_failure``, the last
         of ``failures`` and the four run fields); returns ``summary``."""
-        new = summary.get("worst_failure")
+        new = summary.worst_failure
         if new is not None and (self.worst is None or failure_rank(new) > failure_rank(self.worst)):
-            self.worst = dict(new)
+            self.worst = dataclasses.replace(new, worst=False)
         if self.worst is not None:
-            failures = [f for f in summary.get("failures") or [] if not f.get("worst")]
-            summary["failures"] = [*failures, {**self.worst, "worst": True}]
-            summary["worst_failure"] = dict(self.worst)
-        self.nonfinite += int(summary.get("nonfinite") or 0)
-        primary = int(summary.get("primary_nonfinite") or 0)
+            worst = dataclasses.replace(self.worst, worst=True)
+            summary.failures = [*summary.first_failures, worst]
+            summary.worst_failure = dataclasses.replace(self.worst)
+        self.nonfinite += summary.nonfinite
+        primary = summary.primary_nonfinite
         if primary and self.first_primary_nonfinite is None:
-            sites = list(summary.get("primary_nonfinite_sites") or [])
+            sites = list(summary.primary_nonfinite_sites)
             # the step of the call (a failure's), else the record's (the step after it)
-            steps = [
-                f["step"]
-                for f in summary.get("failures") or []
-                if f.get("kind") == "nonfinite" and f.get("site") in sites and not f.get("worst")
-            ]
-            self.first_primary_nonfinite = {"step": min(steps, default=summary.get("step")), "sites": sites}
+            steps = [f.step for f in summary.first_failures if f.kind == "nonfinite" and f.site in sites]
+            self.first_primary_nonfinite = {"step": min(steps, default=summary.step), "sites": sites}
         self.primary_nonfinite += primary
-        summary["run_nonfinite"] = self.nonfinite
-        summary["run_primary_nonfinite"] = self.primary_nonfinite
+        summary.run_nonfinite = self.nonfinite
+        summary.run_primary_nonfinite = self.primary_nonfinite
         first = self.first_primary_nonfinite or {}
-        summary["first_primary_nonfinite_step"] = first.get("step")
-        summary["first_primary_nonfinite_sites"] = list(first.get("sites") or [])
+        summary.first_primary_nonfinite_step = first.get("step")
+        summary.first_primary_nonfinite_sites = list(first.get("sites") or [])
         for site, entry in stats.items():
             for d, e in site_directions(entry).items():
                 calls = e["calls"] if d == "lse" else entry["forward" if d == "out" else "backward"]["calls"]
@@ -118,12 +112,12 @@ class RunTally:
                     )
         return summary
 
-    def rows(self, failures: Iterable[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
+    def rows(self, failures: Iterable[Failure] = ()) -> list[dict[str, Any]]:
         """One row per site and direction, failing ones first: ``site``, ``direction``, ``verdict``,
         ``statistic`` (the failing criterion, else ``"error/limit"``), ``value``, ``limit``, ``step``
         and ``repro``; a site and direction in ``failures`` (a summary's) fails.
         """
-        firsts = {(f["site"], f["direction"]): f for f in failures if not f.get("worst")}
+        firsts = {(f.site, f.direction): f for f in failures if not f.worst}
         rows = []
         keys = [(s, d) for s, ds in self.sites.items() for d in ds]
         keys += [k for k in firsts if k not in set(keys)]
@@ -131,8 +125,8 @@ class RunTally:
             row = self.sites.get(site, {}).get(d, {"verdict": "undetermined", "limit_ratio": None})
             first = firsts.get((site, d))
             if first is not None:
-                found = {"verdict": "fail", "statistic": first.get("kind") or "-"}
-                found |= {k: first.get(k) for k in ("value", "limit", "step", "repro")}
+                found = {"verdict": "fail", "statistic": first.kind or "-"}
+                found |= {k: getattr(first, k) for k in ("value", "limit", "step", "repro")}
             else:
                 found = {"verdict": row["verdict"], "statistic": "error/limit", "value": row["limit_ratio"]}
                 found |= {"limit": 1.0, "step": None, "repro": None}
@@ -143,7 +137,7 @@ class RunTally:
     def state_dict(self) -> dict[str, Any]:
         """The tally as plain data (for a checkpoint)."""
         return {
-            "worst": self.worst,
+            "worst": None if self.worst is None else self.worst.to_dict(),
             "nonfinite": self.nonfinite,
             "primary_nonfinite": self.primary_nonfinite,
             "first_primary_nonfinite": self.first_primary_nonfinite,
@@ -152,7 +146,8 @@ class RunTally:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict` (missing keys: a fresh tally's values)."""
-        self.worst = state.get("worst")
+        worst = state.get("worst")
+        self.worst = None if worst is None else Failure.from_dict(worst)
         self.nonfinite = int(state.get("nonfinite", 0))
         self.primary_nonfinite = int(state.get("primary_nonfinite", 0))
         self.first_primary_nonfinite = state.get("first_primary_nonfinite")
@@ -168,7 +163,7 @@ def _g(value: Any) -> str:
 
 
 def verdict_block(
-    summary: Mapping[str, Any],
+    summary: ProbeSummary,
     rows: Sequence[Mapping[str, Any]],
     *,
     who: str = "flashprobe",
@@ -187,14 +182,14 @@ def verdict_block(
         max_rows: rows shown at most (the rest are counted).
         stopped: why training was stopped, if it was.
     """
-    verdict = str(summary.get("verdict") or "undetermined").upper()
-    lines = [f"{who}: verdict {verdict}: {summary.get('verdict_reason') or ''}".rstrip(": ")]
-    primary_nf = summary.get("run_primary_nonfinite") or 0
+    verdict = summary.verdict.upper()
+    lines = [f"{who}: verdict {verdict}: {summary.verdict_reason}".rstrip(": ")]
+    primary_nf = summary.run_primary_nonfinite or 0
     if primary_nf:
-        sites = ", ".join(summary.get("first_primary_nonfinite_sites") or [])
+        sites = ", ".join(summary.first_primary_nonfinite_sites or [])
         lines.append(
             f"  the primary returned {primary_nf} non-finite values from finite inputs, first at step "
-            f"{summary.get('first_primary_nonfinite_step')} ({sites})"
+            f"{summary.first_primary_nonfinite_step} ({sites})"
         )
     bias = bias_words(summary)
     if bias:
@@ -217,32 +212,32 @@ def verdict_block(
     repros = list(dict.fromkeys(str(r["repro"]) for r in rows if r.get("repro")))
     for repro in repros:
         lines.append(f"  reproducer: {repro} (flashprobe replay {repro})")
-    for note in summary.get("fallbacks") or []:
+    for note in summary.fallbacks or []:
         lines.append(f"  fallback: {note['reason']}")
-    for note in summary.get("judged") or []:
+    for note in summary.judged or []:
         lines.append(f"  judged: {note['reason']}")
     if path is not None:
         lines.append(f"  records: {path}")
     return "\n".join(lines)
 
 
-def verdict_line(summary: Mapping[str, Any], path: Path | None = None, *, who: str = "AttentionProbe") -> str:
+def verdict_line(summary: ProbeSummary, path: Path | None = None, *, who: str = "AttentionProbe") -> str:
     """The run's verdict in one line: verdict, the first failure or the worst error / limit, the bias
     and where the records are."""
-    verdict = str(summary.get("verdict") or "undetermined").upper()
-    firsts = [f for f in summary.get("failures") or [] if not f.get("worst")]
+    verdict = summary.verdict.upper()
+    firsts = summary.first_failures
     if firsts:
         f = firsts[0]
-        detail = f"first failure at {f['site']} {f['direction']}, step {f['step']}: {f['reason']}" + (
-            f"; reproducer {f['repro']}" if f.get("repro") else ""
+        detail = f"first failure at {f.site} {f.direction}, step {f.step}: {f.reason}" + (
+            f"; reproducer {f.repro}" if f.repro else ""
         )
     else:
-        ratio = summary.get("max_limit_ratio")
-        at = f"{ratio:.3g} at {summary.get('max_limit_ratio_site')}" if ratio is not None else "n/a"
-        back = summary.get("max_backward_limit_ratio")
+        ratio = summary.max_limit_ratio
+        at = f"{ratio:.3g} at {summary.max_limit_ratio_site}" if ratio is not None else "n/a"
+        back = summary.max_backward_limit_ratio
         if back is not None:
-            at += f", backward {back:.3g} at {summary.get('max_backward_limit_ratio_site')}"
-        detail = f"{summary.get('sites', 0)} sites, worst error / limit {at} (> 1 fails)"
+            at += f", backward {back:.3g} at {summary.max_backward_limit_ratio_site}"
+        detail = f"{summary.sites} sites, worst error / limit {at} (> 1 fails)"
     bias = bias_words(summary)
     detail += f"; {bias}" if bias else ""
     where = f" ({path})" if path is not None else ""

@@ -60,11 +60,10 @@ from flashprobe.probing.stats import (
     DIRECTIONS,
     LSE_CRITERIA,
     DeviationStats,
-    failure_order,
     site_directions,
     stats_dict,
 )
-from flashprobe.probing.summary import summarize
+from flashprobe.probing.summary import Failure, ProbeSummary, add_failure_log, summarize
 
 __all__ = ["ON_FAILURE", "ProbeFailureError", "ShadowAttention"]
 
@@ -76,9 +75,9 @@ class ProbeFailureError(RuntimeError, FlashprobeError):
     """Raised with ``on_failure="raise"`` at the first failing call (message: site, direction, step,
     reason, reproducer)."""
 
-    def __init__(self, message: str, failure: Mapping[str, Any]) -> None:
+    def __init__(self, message: str, failure: Failure) -> None:
         super().__init__(message)
-        self.failure = dict(failure)
+        self.failure = failure
 
 
 #: Per row of :func:`~flashprobe.deviation.pair_sums`, the power of the loss scale it carries:
@@ -224,7 +223,7 @@ class ShadowAttention(nn.Module):
         self.max_reproducers = max_reproducers
         self.step = 0
         #: ``{(site, direction): failure}``: the first failure of each, kept on the host across resets.
-        self.failures: dict[tuple[str, str], dict[str, Any]] = {}
+        self.failures: dict[tuple[str, str], Failure] = {}
         self.reproducers: list[Path] = []
         #: ``{site: fallback}``: where torch's SDPA ran instead of the primary (``fallback=True``).
         self.fallbacks: dict[str, dict[str, Any]] = {}
@@ -845,23 +844,22 @@ class ShadowAttention(nn.Module):
             kind = first["kind"] if same else LSE_CRITERIA.get(code) or CRITERIA.get(code, "relative")
             value = first.get("value", float("nan")) if same else float("nan")
             limit = first.get("limit", float("nan")) if same else float("nan")
-            self.failures[(site, direction)] = {
-                "site": site,
-                "direction": direction,
-                "step": step,
-                "kind": kind,
-                "value": value,
-                "limit": limit,
-                "reason": first["reason"] if same else reason(kind, value, limit, self.config.precision),
-                "repro": None,
-            }
+            self.failures[(site, direction)] = Failure(
+                site=site,
+                direction=direction,
+                step=step,
+                kind=kind,
+                value=value,
+                limit=limit,
+                reason=first["reason"] if same else reason(kind, value, limit, self.config.precision),
+            )
 
     def _has_repro(self, site: str, direction: str) -> bool:
         failure = self.failures.get((site, direction))
-        return failure is not None and (failure.get("repro") is not None or self.repro_dir is None)
+        return failure is not None and (failure.repro is not None or self.repro_dir is None)
 
     def _save_repro(
-        self, failures: list[dict[str, Any]], p: Prepared | None, grad_out: torch.Tensor | None
+        self, failures: list[Failure], p: Prepared | None, grad_out: torch.Tensor | None
     ) -> None:
         """Save the failing SDPA-shaped call ``p`` (and ``grad_out``) as one reproducer for ``failures``."""
         if p is None or self.repro_dir is None or len(self.reproducers) >= self.max_reproducers:
@@ -869,7 +867,7 @@ class ShadowAttention(nn.Module):
         if p.terms is not None or p.lse_base is not None:
             return
         first = failures[0]
-        path = self.repro_dir / (reproducer_stem(first["site"], first["step"]) + ".safetensors")
+        path = self.repro_dir / (reproducer_stem(first.site, first.step) + ".safetensors")
         try:
             save_reproducer(
                 path,
@@ -881,9 +879,9 @@ class ShadowAttention(nn.Module):
                 scale=p.scale,
                 grad_out=grad_out,
                 meta={
-                    **{k: first[k] for k in ("site", "direction", "step", "kind", "reason")},
-                    "directions": [f["direction"] for f in failures],
-                    "reasons": {f["direction"]: f["reason"] for f in failures},
+                    **{k: getattr(first, k) for k in ("site", "direction", "step", "kind", "reason")},
+                    "directions": [f.direction for f in failures],
+                    "reasons": {f.direction: f.reason for f in failures},
                     "primary": None if self.primary is None else self.primary.spec,
                     "kernel_module": kernel_module(self.primary),
                     "baseline": self.baseline.spec,
@@ -897,10 +895,10 @@ class ShadowAttention(nn.Module):
             )
             return
         for failure in failures:
-            failure["repro"] = str(path)
+            failure.repro = str(path)
         self.reproducers.append(path)
 
-    def _react(self, failure: Mapping[str, Any]) -> None:
+    def _react(self, failure: Failure) -> None:
         message = failure_message(failure)
         if self.on_failure == "raise":
             raise ProbeFailureError(message, failure)
@@ -915,11 +913,11 @@ class ShadowAttention(nn.Module):
                 if not first:
                     continue
                 known = self.failures.get((site, direction))
-                if known is not None and known["step"] <= first["step"]:
+                if known is not None and known.step <= first["step"]:
                     continue
-                failure = {"site": site, "direction": direction, **first, "repro": None}
+                failure = Failure(site=site, direction=direction, **first)
                 if known is not None:
-                    failure["repro"] = known.get("repro")
+                    failure.repro = known.repro
                 self.failures[(site, direction)] = failure
                 if known is None:
                     self._react(failure)
@@ -1024,15 +1022,14 @@ class ShadowAttention(nn.Module):
             self._note_read(nested)
         return {site: flatten(entry) for site, entry in nested.items()} if flat else nested
 
-    def summary(self, stats: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Worst values over all sites, as plain Python data; see :func:`~flashprobe.probing.summarize`.
+    def summary(self, stats: Mapping[str, Any] | None = None) -> ProbeSummary:
+        """The verdict and the worst values over all sites (:func:`~flashprobe.probing.summarize`) with
+        the failures of earlier intervals (:attr:`failures`).
 
         Args:
             stats: per-site statistics to summarise (default: :meth:`stats`).
         """
-        summary = summarize(self.stats() if stats is None else stats)
-        summary.update(failure_summary(self.failures, summary))
-        return summary
+        return add_failure_log(summarize(self.stats() if stats is None else stats), self.failures)
 
     def reset(self) -> None:
         """Zero every site's statistics (on device, no sync); sites stay known."""
@@ -1158,36 +1155,11 @@ def dropout_refusal(where: str, dropout_p: float, spec: str) -> str:
     )
 
 
-def failure_message(failure: Mapping[str, Any]) -> str:
+def failure_message(failure: Failure) -> str:
     """One line for a failure: site, direction, step, reason and the reproducer."""
-    repro = failure.get("repro")
+    repro = failure.repro
     where = f"; reproducer: {repro} (flashprobe replay {repro})" if repro else ""
     return (
-        f"flashprobe: FAIL at site {failure['site']!r}, {failure['direction']}, step {failure['step']}: "
-        f"{failure['reason']}{where}"
+        f"flashprobe: FAIL at site {failure.site!r}, {failure.direction}, step {failure.step}: "
+        f"{failure.reason}{where}"
     )
-
-
-def failure_summary(
-    failures: Mapping[tuple[str, str], Mapping[str, Any]], summary: Mapping[str, Any]
-) -> dict[str, Any]:
-    """``verdict``, ``verdict_reason`` and ``failures`` of a summary from a shadow's failure log (kept
-    across resets) and the summary's own worst call; a failure before the interval still reads ``fail``."""
-    if not failures:
-        return {
-            "verdict": summary.get("verdict", "undetermined"),
-            "verdict_reason": summary.get("verdict_reason", ""),
-            "failures": list(summary.get("failures", [])),
-        }
-    listed = [dict(f) for f in sorted(failures.values(), key=failure_order)]
-    worst = summary.get("worst_failure")
-    if worst is not None:
-        listed.append({**worst, "worst": True})
-    reason = summary.get("verdict_reason", "")
-    if summary.get("verdict") != "fail":  # the failure came earlier: the reason says so
-        first = listed[0]
-        reason = (
-            f"failed at step {first['step']} ({first['site']} {first['direction']}: {first['reason']}); "
-            f"since the last record: {reason or summary.get('verdict', 'undetermined')}"
-        )
-    return {"verdict": "fail", "verdict_reason": reason, "failures": listed}

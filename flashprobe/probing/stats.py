@@ -44,6 +44,7 @@ from flashprobe.deviation import (
     pair_sums,
     reads_are_free,
 )
+from flashprobe.formats.probe_summary import Failure
 from flashprobe.judge import (
     CRITERIA,
     LSE_RELATIVE_LIMIT,
@@ -498,9 +499,9 @@ def site_directions(entry: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def failure_order(failure: Mapping[str, Any]) -> tuple[Any, Any, int]:
-    """The sort key of a failure (``{site, direction, step, ...}``): by step, site, then direction."""
-    return failure["step"], failure["site"], SITE_DIRECTIONS.index(failure["direction"])
+def failure_order(failure: Failure) -> tuple[Any, Any, int]:
+    """The sort key of a failure: by step, site, then direction."""
+    return failure.step, failure.site, SITE_DIRECTIONS.index(failure.direction)
 
 
 def lse_reason(kind: str, value: float, error: float, baseline: float) -> str:

@@ -1,190 +1,60 @@
-"""The summary over sites: the worst values of a probe's per-site statistics and the verdict, typed
-(:class:`ProbeSummary`) and as the plain dict every caller reads (:func:`summarize`)."""
+"""The summary over sites: the worst values of a probe's per-site statistics and the verdict, as a
+:class:`~flashprobe.formats.probe_summary.ProbeSummary` (:func:`summarize`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from flashprobe.bias import BIAS_TOLERANCE, BIAS_Z_LIMIT
+from flashprobe.formats.probe_summary import Failure, ProbeSummary
 from flashprobe.probing.stats import GRADIENTS, PAIRS, failure_order, site_directions, worst
 
-__all__ = ["ProbeSummary", "bias_words", "summarize", "summary_scalars"]
+__all__ = ["Failure", "ProbeSummary", "add_failure_log", "bias_words", "summarize", "summary_scalars"]
 
 
-@dataclass(kw_only=True)
-class ProbeSummary:
-    """The summary over sites, typed; :meth:`to_dict` is the JSON of a ``probe.jsonl`` record.
-
-    ``limit_ratio``s are ``error / limit`` (the verdict's statistic: > 1 fails); ``error_ratio``s are
-    ratios of maxima against the golden (flash-attention's statistic). A site with a direction is
-    ``"site:dq"``. A failure is ``{site, direction, step, kind, value, limit, limit_ratio, reason}``
-    (and ``repro``, the reproducer's path, where one was saved).
-
-    Attributes:
-        sites: sites with statistics in the interval.
-        forward_calls: compared forward calls, over sites.
-        backward_calls: compared backward calls, over sites.
-        limit_ratio: the worse of ``max_limit_ratio`` and ``max_backward_limit_ratio`` (None: nothing judged).
-        max_limit_ratio: the worst forward call's error / limit over sites.
-        max_limit_ratio_site: its site.
-        max_backward_limit_ratio: the worst gradient's error / limit over sites and dq, dk, dv.
-        max_backward_limit_ratio_site: its ``"site:dir"``.
-        undetermined_calls: calls too ill-conditioned or unrepresentable to judge, all directions.
-        max_error_ratio: the worst forward ratio of maxima against the golden (primary's / baseline's).
-        max_error_ratio_site: its site.
-        max_call_error_ratio: the worst single call's forward ratio of maxima.
-        max_backward_error_ratio: the worst gradient's ratio of maxima.
-        max_backward_error_ratio_site: its ``"site:dir"``.
-        max_abs: ``{pair: max |a - b|}`` of the forward output over sites (None: not computed).
-        nonfinite: non-finite values counted: inputs and every pair of every direction.
-        nonfinite_sites: the sites where any was counted.
-        shadow_errors: comparisons the shadow could not run (the primary's output was kept).
-        primary_nonfinite: non-finite values the primary returned from finite inputs where the
-            baseline's are finite (a kernel bug).
-        primary_nonfinite_sites: the sites where it did.
-        max_bias_z: the run's largest signed-bias ``|z|``, with its sign (None before any replicate).
-        max_bias_site: its ``"site:dir"``.
-        biased: ``{site, direction, z, component, limit}`` of every direction whose ``|z|`` reached its limit.
-        verdict: ``fail`` (a call failed or a site is biased, now or before), ``pass`` or ``undetermined``.
-        verdict_reason: the verdict in words.
-        worst_failure: the worst failing call (largest ``limit_ratio``; non-finite ranks infinite), or None.
-        failures: the first failure of each site and direction, in step order, then the worst
-            (``"worst": True``).
-        step: the probe's step counter (a callback's record: the logging step). This and the
-            optional fields below are None, and left out of :meth:`to_dict`, from a bare :func:`summarize`.
-        dropout_calls: calls with attention dropout.
-        fallbacks: ``{site, requested, kernel, from_step, reason}`` where torch's SDPA computed the
-            attention instead of the primary (``fallback=True``).
-        notes: why values are missing, in words.
-        judged: ``{site, trained, judged, gradients, from_step, reason}`` where the verdict judges
-            another computation than the one that trained (attention dropout).
-        stopped: why a training callback stopped training on non-finite values.
-        run_nonfinite: non-finite values counted over the run (a training callback's record, from
-            :class:`~flashprobe.probing.session.RunTally`; the four run fields appear together).
-        run_primary_nonfinite: ``primary_nonfinite`` over the run.
-        first_primary_nonfinite_step: the step where the primary's first non-finite value appeared.
-        first_primary_nonfinite_sites: the sites where it appeared.
-    """
-
-    sites: int
-    forward_calls: int
-    backward_calls: int
-    limit_ratio: float | None
-    max_limit_ratio: float | None
-    max_limit_ratio_site: str | None
-    max_backward_limit_ratio: float | None
-    max_backward_limit_ratio_site: str | None
-    undetermined_calls: int
-    max_error_ratio: float | None
-    max_error_ratio_site: str | None
-    max_call_error_ratio: float | None
-    max_backward_error_ratio: float | None
-    max_backward_error_ratio_site: str | None
-    max_abs: dict[str, float | None]
-    nonfinite: int
-    nonfinite_sites: list[str]
-    shadow_errors: int
-    primary_nonfinite: int
-    primary_nonfinite_sites: list[str]
-    max_bias_z: float | None
-    max_bias_site: str | None
-    biased: list[dict[str, Any]]
-    verdict: str
-    verdict_reason: str
-    worst_failure: dict[str, Any] | None
-    failures: list[dict[str, Any]]
-    step: int | None = None
-    dropout_calls: int | None = None
-    fallbacks: list[dict[str, Any]] | None = None
-    notes: list[str] | None = None
-    judged: list[dict[str, Any]] | None = None
-    stopped: str | None = None
-    run_nonfinite: int | None = None
-    run_primary_nonfinite: int | None = None
-    first_primary_nonfinite_step: int | None = None
-    first_primary_nonfinite_sites: list[str] | None = None
-
-    @classmethod
-    def of(cls, stats: Mapping[str, Any]) -> ProbeSummary:
-        """The worst values over sites of ``ShadowAttention.stats()`` (not flattened)."""
-        fwd = {s: e["forward"]["out"] for s, e in stats.items()}
-        bwd = {(s, d): e["backward"][d] for s, e in stats.items() for d in GRADIENTS}
-        limit_site = _argworst({s: f.get("limit_ratio") for s, f in fwd.items()})
-        limit_bwd = _argworst({k: b.get("limit_ratio") for k, b in bwd.items()})
-        ratio_site = _argworst({s: f["error_ratio"] for s, f in fwd.items()})
-        bwd_site = _argworst({k: b["error_ratio"] for k, b in bwd.items()})
-        nonfinite = {site: _nonfinite(entry) for site, entry in stats.items()}
-        primary = {site: _primary_nonfinite(entry) for site, entry in stats.items()}
-        forward_limit = None if limit_site is None else fwd[limit_site]["limit_ratio"]
-        backward_limit = None if limit_bwd is None else bwd[limit_bwd]["limit_ratio"]
-        return cls(
-            sites=len(stats),
-            forward_calls=sum(e["forward"]["calls"] for e in stats.values()),
-            backward_calls=sum(e["backward"]["calls"] for e in stats.values()),
-            limit_ratio=worst([forward_limit, backward_limit]),
-            max_limit_ratio=forward_limit,
-            max_limit_ratio_site=limit_site,
-            max_backward_limit_ratio=backward_limit,
-            max_backward_limit_ratio_site=None if limit_bwd is None else f"{limit_bwd[0]}:{limit_bwd[1]}",
-            undetermined_calls=sum(
-                sum((e.get("undetermined_calls") or {}).values()) for e in (*fwd.values(), *bwd.values())
-            ),
-            max_error_ratio=None if ratio_site is None else fwd[ratio_site]["error_ratio"],
-            max_error_ratio_site=ratio_site,
-            max_call_error_ratio=worst([f["max_call_error_ratio"] for f in fwd.values()]),
-            max_backward_error_ratio=None if bwd_site is None else bwd[bwd_site]["error_ratio"],
-            max_backward_error_ratio_site=None if bwd_site is None else f"{bwd_site[0]}:{bwd_site[1]}",
-            max_abs={
-                pair: worst([f[pair]["max_abs"] if f[pair] else None for f in fwd.values()]) for pair in PAIRS
-            },
-            nonfinite=sum(nonfinite.values()),
-            nonfinite_sites=[site for site, n in nonfinite.items() if n],
-            shadow_errors=sum(e["shadow_errors"] for e in stats.values()),
-            primary_nonfinite=sum(primary.values()),
-            primary_nonfinite_sites=[site for site, n in primary.items() if n],
-            **_bias(fwd, bwd),
-            **_verdict(stats),
-        )
-
-    @classmethod
-    def from_dict(cls, summary: Mapping[str, Any]) -> ProbeSummary:
-        """A summary from its :meth:`to_dict` (e.g. a ``probe.jsonl`` record's ``summary``).
-
-        Raises:
-            ValueError: unknown or missing keys, naming them.
-        """
-        unknown = sorted(set(summary) - {f.name for f in fields(cls)})
-        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in summary]
-        problems = [
-            f"{what} keys {', '.join(keys)}"
-            for what, keys in (("unknown", unknown), ("missing", missing))
-            if keys
-        ]
-        if problems:
-            raise ValueError(f"not a probe summary: {'; '.join(problems)}")
-        return cls(**summary)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The summary as plain data (not copies), the JSON of ``probe.jsonl``: every field in order,
-        less the optional ones that are None and the run's four outside a training callback."""
-        run = self.run_nonfinite is not None
-        values = {f.name: getattr(self, f.name) for f in fields(self) if run or f.name not in _RUN_FIELDS}
-        return {k: v for k, v in values.items() if v is not None or k not in _OPTIONAL_FIELDS}
-
-
-#: Fields a summary has only where someone set them (None: left out of ``to_dict``).
-_OPTIONAL_FIELDS = frozenset({"step", "dropout_calls", "fallbacks", "notes", "judged", "stopped"})
-#: The run's fields (:class:`~flashprobe.probing.session.RunTally`): all or none.
-_RUN_FIELDS = frozenset(f.name for f in fields(ProbeSummary) if f.name.startswith(("run_", "first_")))
-
-
-def summarize(stats: Mapping[str, Any]) -> dict[str, Any]:
-    """Worst values over all sites of ``ShadowAttention.stats()`` (not flattened), as plain data:
-    :meth:`ProbeSummary.of` as :meth:`ProbeSummary.to_dict`."""
-    return ProbeSummary.of(stats).to_dict()
+def summarize(stats: Mapping[str, Any]) -> ProbeSummary:
+    """The worst values over all sites of ``ShadowAttention.stats()`` (not flattened) and the verdict."""
+    fwd = {s: e["forward"]["out"] for s, e in stats.items()}
+    bwd = {(s, d): e["backward"][d] for s, e in stats.items() for d in GRADIENTS}
+    limit_site = _argworst({s: f.get("limit_ratio") for s, f in fwd.items()})
+    limit_bwd = _argworst({k: b.get("limit_ratio") for k, b in bwd.items()})
+    ratio_site = _argworst({s: f["error_ratio"] for s, f in fwd.items()})
+    bwd_site = _argworst({k: b["error_ratio"] for k, b in bwd.items()})
+    nonfinite = {site: _nonfinite(entry) for site, entry in stats.items()}
+    primary = {site: _primary_nonfinite(entry) for site, entry in stats.items()}
+    forward_limit = None if limit_site is None else fwd[limit_site]["limit_ratio"]
+    backward_limit = None if limit_bwd is None else bwd[limit_bwd]["limit_ratio"]
+    return ProbeSummary(
+        sites=len(stats),
+        forward_calls=sum(e["forward"]["calls"] for e in stats.values()),
+        backward_calls=sum(e["backward"]["calls"] for e in stats.values()),
+        limit_ratio=worst([forward_limit, backward_limit]),
+        max_limit_ratio=forward_limit,
+        max_limit_ratio_site=limit_site,
+        max_backward_limit_ratio=backward_limit,
+        max_backward_limit_ratio_site=None if limit_bwd is None else f"{limit_bwd[0]}:{limit_bwd[1]}",
+        undetermined_calls=sum(
+            sum((e.get("undetermined_calls") or {}).values()) for e in (*fwd.values(), *bwd.values())
+        ),
+        max_error_ratio=None if ratio_site is None else fwd[ratio_site]["error_ratio"],
+        max_error_ratio_site=ratio_site,
+        max_call_error_ratio=worst([f["max_call_error_ratio"] for f in fwd.values()]),
+        max_backward_error_ratio=None if bwd_site is None else bwd[bwd_site]["error_ratio"],
+        max_backward_error_ratio_site=None if bwd_site is None else f"{bwd_site[0]}:{bwd_site[1]}",
+        max_abs={
+            pair: worst([f[pair]["max_abs"] if f[pair] else None for f in fwd.values()]) for pair in PAIRS
+        },
+        nonfinite=sum(nonfinite.values()),
+        nonfinite_sites=[site for site, n in nonfinite.items() if n],
+        shadow_errors=sum(e["shadow_errors"] for e in stats.values()),
+        primary_nonfinite=sum(primary.values()),
+        primary_nonfinite_sites=[site for site, n in primary.items() if n],
+        **_bias(fwd, bwd),
+        **_verdict(stats),
+    )
 
 
 def _bias(fwd: Mapping[str, Any], bwd: Mapping[tuple[str, str], Any]) -> dict[str, Any]:
@@ -206,15 +76,34 @@ def _bias(fwd: Mapping[str, Any], bwd: Mapping[tuple[str, str], Any]) -> dict[st
     }
 
 
-def bias_words(summary: Mapping[str, Any]) -> str:
+def add_failure_log(summary: ProbeSummary, log: Mapping[tuple[str, str], Failure]) -> ProbeSummary:
+    """Write a shadow's failure log (the first failure of each site and direction, kept across resets)
+    into ``summary``'s ``verdict``, ``verdict_reason`` and ``failures``: a failure before the interval
+    still reads ``fail``. Returns ``summary``."""
+    if not log:
+        return summary
+    listed = [dataclasses.replace(f) for f in sorted(log.values(), key=failure_order)]
+    if summary.worst_failure is not None:
+        listed.append(dataclasses.replace(summary.worst_failure, worst=True))
+    if summary.verdict != "fail":  # the failure came earlier: the reason says so
+        first = listed[0]
+        summary.verdict_reason = (
+            f"failed at step {first.step} ({first.site} {first.direction}: {first.reason}); "
+            f"since the last record: {summary.verdict_reason or summary.verdict}"
+        )
+    summary.verdict, summary.failures = "fail", listed
+    return summary
+
+
+def bias_words(summary: ProbeSummary) -> str:
     """The run's signed bias in words (``"biased: out of blocks.1.attn z=-12 (limit 5)"``,
     ``"bias |z| ≤ 1.3 (limit 5)"``, ``"bias within tolerance: ..."``); ``""`` before any replicate."""
-    biased = summary.get("biased") or []
+    biased = summary.biased
     if biased:
         b = max(biased, key=lambda b: abs(b["z"]))
         more = f" and {len(biased) - 1} more" if len(biased) > 1 else ""
         return f"biased: {b['direction']} of {b['site']} z={b['z']:.3g} (limit {b['limit']:g}){more}"
-    z = summary.get("max_bias_z")
+    z = summary.max_bias_z
     if z is None:
         return ""
     if z == 0:  # no mean exceeds the tolerance ("bias |z| ≤ 0" read as if nothing were measured)
@@ -241,16 +130,16 @@ def _verdict(stats: Mapping[str, Any]) -> dict[str, Any]:
         verdict, reason = "pass", f"every site passed ({len(verdicts)})"
     directions = {site: site_directions(entry) for site, entry in stats.items()}
     calls = [_failing_call(s, d, e) for s, entries in directions.items() for d, e in entries.items()]
-    worst_failure = max((c for c in calls if c is not None), key=lambda c: c["limit_ratio"], default=None)
+    worst_failure = max((c for c in calls if c is not None), key=lambda c: c.limit_ratio, default=None)
     failures = [
-        {"site": s, "direction": d, **e["first_failure"]}
+        Failure(site=s, direction=d, **e["first_failure"])
         for s, entries in directions.items()
         for d, e in entries.items()
         if e.get("first_failure")
     ]
     failures.sort(key=failure_order)
     if worst_failure is not None:
-        failures.append({**worst_failure, "worst": True})
+        failures.append(dataclasses.replace(worst_failure, worst=True))
     return {
         "verdict": verdict,
         "verdict_reason": reason,
@@ -259,7 +148,7 @@ def _verdict(stats: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _failing_call(site: str, direction: str, e: Mapping[str, Any]) -> dict[str, Any] | None:
+def _failing_call(site: str, direction: str, e: Mapping[str, Any]) -> Failure | None:
     """The worst failing call of one site and direction (None if none failed): the largest
     ``limit_ratio`` when > 1, else the first failure (non-finite ranks infinite)."""
     if e.get("verdict") != "fail":
@@ -268,25 +157,25 @@ def _failing_call(site: str, direction: str, e: Mapping[str, Any]) -> dict[str, 
     first = e.get("first_failure") or {}
     where = {"site": site, "direction": direction}
     if first.get("kind") != "nonfinite" and isinstance(ratio, int | float) and ratio > 1:
-        return {
+        return Failure(
             **where,
-            "step": e.get("limit_ratio_step"),
-            "kind": "limit_ratio",
-            "value": ratio,
-            "limit": 1.0,
-            "limit_ratio": ratio,
-            "reason": f"worst call: {direction}: {ratio:.3g}x its limit (relative L2 error "
+            step=e.get("limit_ratio_step"),
+            kind="limit_ratio",
+            value=ratio,
+            limit=1.0,
+            limit_ratio=ratio,
+            reason=f"worst call: {direction}: {ratio:.3g}x its limit (relative L2 error "
             f"{e.get('absolute_error') or 0.0:.3g} against the golden, worst row "
             f"{e.get('worst_row_error') or 0.0:.3g}, "
             f"{e.get('l2_error_ratio') or 0.0:.3g}x the baseline's)",
-        }
+        )
     nonfinite = first.get("kind") == "nonfinite" or not isinstance(ratio, int | float)
-    return {
+    return Failure(
         **where,
         **{k: first.get(k) for k in ("step", "kind", "value", "limit")},
-        "limit_ratio": math.inf if nonfinite or not math.isfinite(ratio) else ratio,
-        "reason": f"worst call: {direction}: {first.get('reason', 'failed')}",
-    }
+        limit_ratio=math.inf if nonfinite or not math.isfinite(ratio) else ratio,
+        reason=f"worst call: {direction}: {first.get('reason', 'failed')}",
+    )
 
 
 def _primary_nonfinite(entry: Mapping[str, Any]) -> int:
@@ -329,17 +218,17 @@ SUMMARY_SCALARS = (
 )
 
 
-def summary_scalars(summary: Mapping[str, Any]) -> dict[str, float]:
+def summary_scalars(summary: ProbeSummary) -> dict[str, float]:
     """The summary's finite scalars as the training callbacks log them (``probe/<statistic>``,
     ``probe/failed``, ``probe/failures``, ``probe/max_abs/<pair>``)."""
     metrics: dict[str, float] = {}
     for key in SUMMARY_SCALARS:
-        value = summary.get(key)
+        value = getattr(summary, key)
         if value is not None:
             metrics[f"probe/{key}"] = float(value)
-    metrics["probe/failed"] = float(summary.get("verdict") == "fail")
-    metrics["probe/failures"] = float(sum(not f.get("worst") for f in summary.get("failures", [])))
-    for pair, value in (summary.get("max_abs") or {}).items():
+    metrics["probe/failed"] = float(summary.verdict == "fail")
+    metrics["probe/failures"] = float(len(summary.first_failures))
+    for pair, value in (summary.max_abs or {}).items():
         if value is not None:
             metrics[f"probe/max_abs/{pair}"] = float(value)
     return {k: v for k, v in metrics.items() if math.isfinite(v)}

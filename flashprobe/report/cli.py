@@ -227,7 +227,7 @@ def _run_report(run_dir: Path) -> int:
     """Redraw ``run_dir/probe.png``, print the per-step summary of ``probe.jsonl`` and the run's
     verdict block (:func:`flashprobe.probing.session.verdict_block`, the per-site table the training
     callbacks print); return the verdict's exit code (:data:`RUN_EXIT_CODES`)."""
-    from flashprobe.formats.probe_log import load_probe_records
+    from flashprobe.formats.probe_log import load_probe_records, record_summary
     from flashprobe.probing.session import RunTally, verdict_block
     from flashprobe.report.probe_figures import plot_probe
 
@@ -243,22 +243,21 @@ def _run_report(run_dir: Path) -> int:
         "| non-finite |"
     )
     print("| ---: | --- | ---: | --- | ---: | ---: | ---: |")
-    tally, summary = RunTally(), {}
-    for record in load_probe_records(path):
-        summary = tally.add(
-            {"step": record["step"], **(record.get("summary") or {})}, record.get("sites") or {}
-        )
-        ratio, old = _g(summary.get("limit_ratio")), _g(summary.get("max_error_ratio"))
-        diff = _g((summary.get("max_abs") or {}).get("primary_baseline"))
-        site = summary.get("max_limit_ratio_site") or "-"
-        verdict = summary.get("verdict") or "-"
-        nonfinite = summary.get("nonfinite", 0)
-        print(f"| {record['step']} | {verdict} | {ratio} | {site} | {old} | {diff} | {nonfinite} |")
-    if summary:
-        rows = tally.rows(summary.get("failures") or [])
+    tally, summary = RunTally(), None
+    try:
+        for record in load_probe_records(path):
+            summary = tally.add(record_summary(record), record.get("sites") or {})
+            ratio, old = _g(summary.limit_ratio), _g(summary.max_error_ratio)
+            diff = _g(summary.max_abs.get("primary_baseline"))
+            site, verdict, nonfinite = summary.max_limit_ratio_site or "-", summary.verdict, summary.nonfinite
+            print(f"| {record['step']} | {verdict} | {ratio} | {site} | {old} | {diff} | {nonfinite} |")
+    except ValueError as err:
+        return _fail("flashprobe report", ValueError(f"{path}: {err}"))
+    if summary is not None:
+        rows = tally.rows(summary.failures)
         print(printable(verdict_block(summary, rows, who="flashprobe report", path=path, max_rows=10**6)))
     print(printable(f"wrote {figure}"))
-    return RUN_EXIT_CODES.get(summary.get("verdict") or "undetermined", 4)
+    return RUN_EXIT_CODES.get("undetermined" if summary is None else summary.verdict, 4)
 
 
 def _g(value: float | None) -> str:

@@ -20,7 +20,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import LogLocator, NullFormatter
 
 from flashprobe.formats.paths import printable
-from flashprobe.formats.probe_log import load_probe_records
+from flashprobe.formats.probe_log import load_probe_records, record_summary
 from flashprobe.probing.summary import bias_words
 from flashprobe.report.bench_figures import save_figure
 
@@ -198,17 +198,14 @@ def plot_probe(
     _primary_baseline_panel(ax_pb, steps, series)
     _per_site_panel(ax_site, series)
     head = title or printable(jsonl.parent.name)  # (a name whose bytes are not UTF-8: shown escaped)
-    last = records[-1].get("summary") or {}
-    firsts = [f for f in last.get("failures") or [] if not f.get("worst")]
+    last = record_summary(records[-1])
+    firsts = last.first_failures
     for f in firsts:  # each first failure: a red line at its step
-        ax_ratio.axvline(f["step"], color="red", linewidth=1.0, linestyle="--", alpha=0.7)
-    verdict = last.get("verdict")
-    verdict_text = "" if verdict is None else f"verdict {verdict.upper()}"
+        ax_ratio.axvline(f.step, color="red", linewidth=1.0, linestyle="--", alpha=0.7)
+    verdict_text = f"verdict {last.verdict.upper()}"
     if firsts:
         f = firsts[0]
-        verdict_text += (
-            f" (first: {f['site']} {f['direction']} at step {f['step']}; red lines: first failures)"
-        )
+        verdict_text += f" (first: {f.site} {f.direction} at step {f.step}; red lines: first failures)"
     bias = bias_words(last)
     if bias:
         verdict_text += f"; {bias}"

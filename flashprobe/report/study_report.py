@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from flashprobe.formats.atomic import atomic_write_text
-from flashprobe.formats.probe_log import PROBE_LOG_NAME, load_probe_records
+from flashprobe.formats.probe_log import PROBE_LOG_NAME, load_probe_records, record_summary
+from flashprobe.formats.probe_summary import ProbeSummary
 from flashprobe.formats.run_record import read_run_record, run_seconds
 from flashprobe.formats.study_file import read_study
 from flashprobe.report.study_verdict import (
@@ -42,15 +43,15 @@ def _final(pair: Mapping[str, Any], metric: str = "wasserstein") -> tuple[int, f
     return None
 
 
-def probe_summary(run_dir: Path) -> list[dict[str, Any]]:
+def probe_summary(run_dir: Path) -> list[ProbeSummary]:
     """Per logged step of a run's ``probe.jsonl``: worst error ratio, worst max_abs, non-finite count."""
     path = run_dir / PROBE_LOG_NAME
     if not path.is_file():
         return []
-    return [{"step": r["step"], **r.get("summary", {})} for r in load_probe_records(path)]
+    return [record_summary(r) for r in load_probe_records(path)]
 
 
-def probe_verdict(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+def probe_verdict(run_dir: Path) -> tuple[ProbeSummary, list[dict[str, Any]]] | None:
     """The probe's verdict over a run: the last summary of its ``probe.jsonl`` with every record
     tallied, and the per-site rows of the verdict block; None when the run has no probe records."""
     from flashprobe.probing.session import RunTally
@@ -58,11 +59,10 @@ def probe_verdict(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]] 
     path = run_dir / PROBE_LOG_NAME
     if not path.is_file():
         return None
-    tally, summary = RunTally(), {}
+    tally, summary = RunTally(), None
     for record in load_probe_records(path):
-        head = {"step": record["step"], **(record.get("summary") or {})}
-        summary = tally.add(head, record.get("sites") or {})
-    return (summary, tally.rows(summary.get("failures") or [])) if summary else None
+        summary = tally.add(record_summary(record), record.get("sites") or {})
+    return None if summary is None else (summary, tally.rows(summary.failures))
 
 
 def _comparisons_table(study: Mapping[str, Any]) -> list[str]:
@@ -211,8 +211,8 @@ def _probe_lines(study_dir: Path, runs: Mapping[str, Any]) -> list[str]:
     for name in runs:
         summary = probe_summary(study_dir / "runs" / name)
         if summary:
-            ratios = [r.get("max_error_ratio") for r in summary if r.get("max_error_ratio") is not None]
-            nonfinite = sum(r.get("nonfinite", 0) for r in summary)
+            ratios = [r.max_error_ratio for r in summary if r.max_error_ratio is not None]
+            nonfinite = sum(r.nonfinite for r in summary)
             first, last, worst = (ratios[0], ratios[-1], max(ratios)) if ratios else (None, None, None)
             verdict, failure = _verdict_cell(summary[-1])
             rows.append(
@@ -237,14 +237,13 @@ def _probe_lines(study_dir: Path, runs: Mapping[str, Any]) -> list[str]:
     ]
 
 
-def _verdict_cell(summary: Mapping[str, Any]) -> tuple[str, str]:
+def _verdict_cell(summary: ProbeSummary) -> tuple[str, str]:
     """The run's verdict (its last record covers the whole run) and its first failure, in words."""
-    verdict = summary.get("verdict") or "–"
-    firsts = [f for f in summary.get("failures") or [] if not f.get("worst")]
+    firsts = summary.first_failures
     if not firsts:
-        return verdict, "–"
+        return summary.verdict, "–"
     f = firsts[0]
-    return verdict, f"{f['site']} {f['direction']}, step {f['step']}: {f['reason']}"
+    return summary.verdict, f"{f.site} {f.direction}, step {f.step}: {f.reason}"
 
 
 def _machine_lines(meta: Mapping[str, Any]) -> list[str]:

@@ -351,6 +351,7 @@ def test_a_correct_kernel_passes_and_a_resumed_run_keeps_its_failures(
         "step": 3,
         "kind": "l2",
         "value": 40.0,
+        "limit": 1.0,
         "reason": "x",
         "repro": None,
     }

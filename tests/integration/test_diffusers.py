@@ -27,7 +27,7 @@ def test_unet_self_and_cross_attention_sites_and_bit_identical_training() -> Non
     assert "down_blocks.0.attentions.0.transformer_blocks.0.attn2" in sites  # cross-attention
     assert len(sites) == 8 and all(s.startswith(("down_blocks", "mid_block", "up_blocks")) for s in sites)
     summary = p.summary()
-    assert summary["backward_calls"] == summary["forward_calls"] == 16 and summary["shadow_errors"] == 0
+    assert summary.backward_calls == summary.forward_calls == 16 and summary.shadow_errors == 0
 
 
 def test_unet_gradient_ratios_use_the_noise_floor() -> None:
@@ -52,7 +52,7 @@ def test_dit_and_pixart_sites() -> None:
     with probe(dit, backward=True) as p:
         dit(**tiny.dit_batch(0)).sample.sum().backward()
     assert p.sites == ["transformer_blocks.0.attn1", "transformer_blocks.1.attn1"]
-    assert p.summary()["backward_calls"] == 2
+    assert p.summary().backward_calls == 2
     with probe(pixart) as p:
         pixart(
             hidden_states=latents,
@@ -74,4 +74,4 @@ def test_compiled_unet_matches_compiled_without_probe() -> None:
     with probe(compiled, backward=True) as p:
         probed = train_steps(model, tiny.unet_batch, tiny.sample, call=compiled)
     assert_identical(plain, probed)
-    assert len(p.sites) == 8 and p.summary()["backward_calls"] == 16
+    assert len(p.sites) == 8 and p.summary().backward_calls == 16

@@ -12,7 +12,8 @@ hf = pytest.importorskip("flashprobe.integrations.hf")
 
 def test_the_state_restores_settings_progress_failures_tally_and_bias() -> None:
     callback = hf.AttentionProbeCallback(plot=False, backward=True, on_failure="stop", log_every_n_steps=3)
-    failure = {"site": "h.0.attn", "direction": "dq", "step": 1, "kind": "l2", "value": 40.0, "reason": "x"}
+    failure = {"site": "h.0.attn", "direction": "dq", "step": 1, "kind": "l2", "value": 40.0, "limit": 1.0,
+               "reason": "x", "repro": None}  # fmt: skip
     callback.session.load_state_dict(
         {
             "last_logged_step": 6,
@@ -36,4 +37,4 @@ def test_the_state_restores_settings_progress_failures_tally_and_bias() -> None:
     again = type(callback)(**saved["args"])
     for attribute, value in older.items():
         setattr(again, attribute, value)
-    assert again.session.restored_failures == [failure] and again.session.restored_bias == {}
+    assert again._restored_failures == [failure] and again.session.restored_bias == {}

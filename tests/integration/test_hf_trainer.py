@@ -137,7 +137,7 @@ def test_trainer_callback_stop_and_raise_on_a_buggy_kernel(tmp_path: Path) -> No
 @needs_accelerate
 def test_a_resumed_run_continues_the_log_and_keeps_its_failures(tmp_path: Path) -> None:
     old = {"site": "transformer.h.0.attn", "direction": "dq", "step": 1, "kind": "l2", "value": 40.0,
-           "reason": "x", "repro": None}  # fmt: skip
+           "limit": 1.0, "reason": "x", "repro": None}  # fmt: skip
     first = hf.AttentionProbeCallback(plot=False, backward=True)
     first._restored_failures = [old]  # as if seen before: goes into the checkpoint's state
     _train(_gpt2(), tmp_path, [first], save_steps=2, max_steps=4)  # restored failures: not warned again
@@ -176,22 +176,22 @@ def test_llama_with_probe_kernel_attention_is_probed() -> None:
         out.square().mean().backward()
     assert p.sites == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     summary = p.summary()
-    assert summary["forward_calls"] == summary["backward_calls"] == 2
+    assert summary.forward_calls == summary.backward_calls == 2
     # The primary is the registered kernel (tiled, fp32): close to, not equal to, the math baseline.
-    assert 0 < summary["max_abs"]["primary_baseline"] < 1e-5
-    assert summary["verdict"] == "pass"
+    assert 0 < summary.max_abs["primary_baseline"] < 1e-5
+    assert summary.verdict == "pass"
     # A buggy registered kernel is what the probe judges.
     hf.register_attention("probe_kernel", "bug_batch_kv_mixup")
     batch = torch.cat([ids, ids.flip(1)])
     with probe(model, on_failure="ignore") as p:
         model(input_ids=batch)
-    assert p.summary(p.stats())["verdict"] == "fail"
+    assert p.summary(p.stats()).verdict == "fail"
     hf.register_attention("probe_kernel", "tiled:block_q=4,block_k=4")
     # A model's config can name its own kernel spec.
     model.config.flashprobe_kernel = "bug_batch_kv_mixup"
     with probe(model, on_failure="ignore") as p:
         model(input_ids=batch)
-    assert p.summary(p.stats())["verdict"] == "fail"
+    assert p.summary(p.stats()).verdict == "fail"
     del model.config.flashprobe_kernel
     # Without a probe the kernel runs too, and gives what sdpa gives up to rounding (GQA, left padding).
     mask = torch.ones(2, TOKENS, dtype=torch.long)
@@ -257,7 +257,7 @@ def test_flashprobe_attention_under_torch_compile_is_probed() -> None:
     torch._dynamo.reset()
     assert torch.equal(out, eager)
     assert p.sites == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
-    assert p.summary()["backward_calls"] == 2
+    assert p.summary().backward_calls == 2
 
 
 def test_flashprobe_imports_without_transformers() -> None:

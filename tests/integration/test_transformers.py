@@ -26,8 +26,8 @@ def test_gpt2_sites_and_bit_identical_training() -> None:
     assert_identical(plain, probed)
     assert p.sites == ["transformer.h.0.attn", "transformer.h.1.attn"]
     summary = p.summary()
-    assert summary["forward_calls"] == summary["backward_calls"] == 4
-    assert 0 < summary["max_error_ratio"] < 2 and summary["nonfinite"] == 0 and not summary["notes"]
+    assert summary.forward_calls == summary.backward_calls == 4
+    assert 0 < summary.max_error_ratio < 2 and summary.nonfinite == 0 and not summary.notes
 
 
 def test_llama_gqa_with_left_padding() -> None:
@@ -44,7 +44,7 @@ def test_llama_gqa_with_left_padding() -> None:
     assert stats["backward"]["dq"]["primary_golden"]["numel"] == 2 * (2 * 4 * TOKENS * 8)
     assert stats["backward"]["dk"]["primary_golden"]["numel"] in (2 * (2 * h * TOKENS * 8) for h in (2, 4))
     assert stats["nonfinite_inputs"] == {"q": 0, "k": 0, "v": 0, "grad_out": 0}
-    assert p.summary()["max_backward_error_ratio"] is not None
+    assert p.summary().max_backward_error_ratio is not None
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager", "probe_kernel"])
@@ -68,12 +68,12 @@ def test_tiny_llama_with_each_attention_implementation(attn: str) -> None:
         summary = p.summary()
     assert_identical(plain, probed)
     if attn == "eager":
-        assert p.sites == [] and "attn_implementation='sdpa'" in summary["notes"][0]
+        assert p.sites == [] and "attn_implementation='sdpa'" in summary.notes[0]
         assert any("attn_implementation='eager'" in str(w.message) for w in caught)
         return
     assert p.sites == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
-    assert summary["forward_calls"] == summary["backward_calls"] == 4
-    assert summary["verdict"] == "pass" and summary["shadow_errors"] == 0
+    assert summary.forward_calls == summary.backward_calls == 4
+    assert summary.verdict == "pass" and summary.shadow_errors == 0
 
 
 def test_bert_attention_dropout_is_explained() -> None:
@@ -85,9 +85,9 @@ def test_bert_attention_dropout_is_explained() -> None:
     assert_identical(plain, probed)  # BERT's dropout masks are unchanged: no random number drawn
     summary = p.summary()
     assert p.sites == ["encoder.layer.0.attention.self", "encoder.layer.1.attention.self"]
-    assert summary["forward_calls"] == 4 and summary["backward_calls"] == 0
-    assert summary["dropout_calls"] == 4
-    (note,) = summary["notes"]
+    assert summary.forward_calls == 4 and summary.backward_calls == 0
+    assert summary.dropout_calls == 4
+    (note,) = summary.notes
     assert "backward is not compared" in note and "attention_probs_dropout_prob" in note
 
 
@@ -96,7 +96,7 @@ def test_vit_sites() -> None:
     with probe(model) as p:
         model(**tiny.vit_batch(0))
     assert len(p.sites) == 2 and all(site.endswith("attention") for site in p.sites), p.sites
-    assert p.summary()["forward_calls"] == 2
+    assert p.summary().forward_calls == 2
 
 
 def test_eager_attention_implementation_warns_with_the_fix() -> None:
@@ -107,7 +107,7 @@ def test_eager_attention_implementation_warns_with_the_fix() -> None:
         model(**tiny.tokens(0))
     with pytest.warns(ProbeWarning, match="attn_implementation='sdpa'"):
         summary = p.summary()
-    assert summary["sites"] == 0 and "attn_implementation='sdpa'" in summary["notes"][0]
+    assert summary.sites == 0 and "attn_implementation='sdpa'" in summary.notes[0]
 
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param("aot_eager", marks=pytest.mark.slow)])
@@ -124,7 +124,7 @@ def test_compiled_gpt2_matches_compiled_without_probe(backend: str) -> None:
             probed = train_steps(model, tiny.tokens, tiny.logits, call=compiled)
     assert_identical(plain, probed)
     assert p.sites == ["transformer.h.0.attn", "transformer.h.1.attn"]  # as in eager mode
-    assert p.summary()["backward_calls"] == 4 and p.summary()["shadow_errors"] == 0
+    assert p.summary().backward_calls == 4 and p.summary().shadow_errors == 0
 
 
 def _explain(model: torch.nn.Module):
@@ -164,7 +164,7 @@ def test_compiled_llama_under_aot_eager_matches_compiled_without_probe() -> None
         probed = train_steps(model, batch, tiny.logits, call=compiled)
     torch._dynamo.reset()
     assert_identical(plain, probed)
-    assert p.summary()["backward_calls"] > 0 and p.summary()["shadow_errors"] == 0
+    assert p.summary().backward_calls > 0 and p.summary().shadow_errors == 0
 
 
 def test_llama_with_flex_attention_forward() -> None:

@@ -127,7 +127,7 @@ def test_attach_refuses_dtype_device_and_backward_naming_the_fix(limited):
         probe(model, primary=forward_only, backward=True)
     with probe(model, primary=forward_only) as p, torch.no_grad():  # forward only: accepted, and compared
         model(torch.randn(2, 5, 16))
-    assert p.summary()["sites"] == 1 and p.summary()["forward_calls"] == 1
+    assert p.summary().sites == 1 and p.summary().forward_calls == 1
 
 
 def test_flex_backward_on_cpu_is_refused_at_attach():
@@ -172,11 +172,11 @@ def test_backward_auto_follows_the_kernels_capabilities(limited):
     with probe(model, backward="auto") as p:  # torch SDPA and math: both have a backward
         assert p.shadow.backward is True
         model(torch.randn(2, 5, 16)).sum().backward()
-    assert (p.summary()["forward_calls"], p.summary()["backward_calls"]) == (1, 1)
+    assert (p.summary().forward_calls, p.summary().backward_calls) == (1, 1)
     with probe(model, primary=forward_only, backward="auto") as p, torch.no_grad():  # accepted, forward only
         assert p.shadow.backward is False
         model(torch.randn(2, 5, 16))
-    assert (p.summary()["forward_calls"], p.summary()["backward_calls"]) == (1, 0)
+    assert (p.summary().forward_calls, p.summary().backward_calls) == (1, 0)
     with probe(model, primary="flex:compile=false", backward="auto") as p:
         assert p.shadow.backward is False  # no FlexAttention backward on the CPU
 

@@ -6,6 +6,8 @@ several seeds. The on-device sums equal a :class:`BiasStats` fed the same tensor
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,7 +19,7 @@ from flashprobe.callbacks.attention_probe import verdict_line
 from flashprobe.kernels import get_kernel
 from flashprobe.kernels.math import golden_attention
 from flashprobe.probing import probe
-from flashprobe.probing.summary import bias_words, summarize, summary_scalars
+from flashprobe.probing.summary import ProbeSummary, bias_words, summarize, summary_scalars
 from lab.mutants import output_truncated, register_mutants
 
 WIDTH, HEADS, TOKENS = 32, 2, 16
@@ -74,15 +76,15 @@ def test_a_truncating_kernel_is_reported_biased_without_failing_a_call(truncatin
         assert out["bias"]["component"] == "magnitude" and out["bias"]["z"] < -BIAS_Z_LIMIT  # toward zero
         assert entry["verdict"] == "fail" and entry["verdict_reason"].startswith("biased: out z=-")
     summary = p.summary()
-    assert summary["verdict"] == "fail", summary["verdict_reason"]
-    assert "biased at" in summary["verdict_reason"] and "(limit 5)" in summary["verdict_reason"]
-    assert summary["max_bias_z"] < -BIAS_Z_LIMIT
-    assert {(b["site"], b["direction"]) for b in summary["biased"]} >= {(s, "out") for s in stats}
-    assert summary["failures"] == []  # a bias is not a per-call failure
+    assert summary.verdict == "fail", summary.verdict_reason
+    assert "biased at" in summary.verdict_reason and "(limit 5)" in summary.verdict_reason
+    assert summary.max_bias_z < -BIAS_Z_LIMIT
+    assert {(b["site"], b["direction"]) for b in summary.biased} >= {(s, "out") for s in stats}
+    assert summary.failures == []  # a bias is not a per-call failure
     # in words (the callback's last line, probe.png's title) and as a logged scalar
-    z = summary["max_bias_z"]
+    z = summary.max_bias_z
     assert bias_words(summary).startswith(
-        f"biased: out of {summary['max_bias_site'].split(':')[0]} z={z:.3g}"
+        f"biased: out of {summary.max_bias_site.split(':')[0]} z={z:.3g}"
     )
     assert "biased: out of" in verdict_line(summary)
     assert summary_scalars(summary)["probe/max_bias_z"] == z
@@ -93,17 +95,22 @@ def test_correct_kernels_are_not_biased_over_seeds(kernel: str) -> None:
     for seed in range(5):
         p = train(kernel, seed=seed, steps=50, backward=True)
         summary = p.summary()
-        assert summary["biased"] == [], (kernel, seed, summary["biased"])
-        assert abs(summary["max_bias_z"]) < BIAS_Z_LIMIT
-        assert summary["verdict"] == "pass", (kernel, seed, summary["verdict_reason"])
-        within = summary["max_bias_z"] == 0  # no mean above the tolerance
+        assert summary.biased == [], (kernel, seed, summary.biased)
+        assert abs(summary.max_bias_z) < BIAS_Z_LIMIT
+        assert summary.verdict == "pass", (kernel, seed, summary.verdict_reason)
+        within = summary.max_bias_z == 0  # no mean above the tolerance
         assert bias_words(summary).startswith("bias within tolerance" if within else "bias |z| ≤ ")
 
 
+def _bare(**values: object) -> ProbeSummary:
+    """A summary of no site with ``values`` set."""
+    return dataclasses.replace(summarize({}), **values)
+
+
 def test_bias_in_words_says_within_tolerance_where_no_mean_exceeds_it() -> None:
-    assert bias_words({"biased": [], "max_bias_z": None}) == ""
-    assert bias_words({"biased": [], "max_bias_z": -1.93}) == "bias |z| ≤ 1.9 (limit 5)"
-    assert bias_words({"biased": [], "max_bias_z": 0.0}) == (
+    assert bias_words(_bare(max_bias_z=None)) == ""
+    assert bias_words(_bare(max_bias_z=-1.93)) == "bias |z| ≤ 1.9 (limit 5)"
+    assert bias_words(_bare(max_bias_z=0.0)) == (
         "bias within tolerance: every mean ≤ 0.1 of the baseline's error RMS"
     )
 
@@ -162,7 +169,7 @@ def test_summarize_reads_the_bias_of_stats_it_is_given() -> None:
     for c in ("offset", "magnitude"):
         assert a[c] == pytest.approx(b[c], rel=1e-12)
     assert a["replicates"] == b["replicates"] == 16 and a["verdict"] == b["verdict"]
-    assert summarize({"s": {**whole.as_dict(), "shadow_errors": 0}})["max_bias_z"] == pytest.approx(a["z"])
+    assert summarize({"s": {**whole.as_dict(), "shadow_errors": 0}}).max_bias_z == pytest.approx(a["z"])
 
 
 def test_bias_state_restores_into_a_new_probe(truncating: str) -> None:

@@ -61,7 +61,7 @@ def test_issue_reproducer_runs_and_names_sites(backend: str) -> None:
             out = compiled(x)
     assert torch.equal(out, model(x))
     assert p.sites == ["0", "1"] and p.calls == {"0": 1, "1": 1}
-    assert p.summary()["forward_calls"] == 2
+    assert p.summary().forward_calls == 2
 
 
 @pytest.mark.parametrize(
@@ -123,8 +123,8 @@ def test_compiled_stock_encoder_under_aot_eager() -> None:
     sites = [f"layers.{i}.self_attn" for i in range(3)]
     assert p.sites == sites and p.calls == dict.fromkeys(sites, 2)  # named, counted once each
     summary = p.summary()
-    assert summary["forward_calls"] == summary["backward_calls"] == 6
-    assert summary["shadow_errors"] == 0 and 0 < summary["max_error_ratio"] < 2
+    assert summary.forward_calls == summary.backward_calls == 6
+    assert summary.shadow_errors == 0 and 0 < summary.max_error_ratio < 2
 
 
 def test_no_graph_break_one_opaque_op_per_attention_call() -> None:
@@ -202,7 +202,7 @@ def test_inductor_same_sites_and_close_outputs() -> None:
     # differently at those boundaries (docs/integrations.md, "with torch.compile"): close, not equal.
     for x, y in zip(plain["outputs"], probed["outputs"], strict=True):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
-    assert p.sites == ["encoder.self_attn", "block"] and p.summary()["backward_calls"] == 6
+    assert p.sites == ["encoder.self_attn", "block"] and p.summary().backward_calls == 6
 
 
 class BreaksItself(nn.Module):

@@ -119,7 +119,7 @@ def test_a_flash_attn_model_with_every_feature_trains_10_steps_every_call_compar
         assert entry["shadow_errors"] == 0
         assert entry["forward"]["calls"] == 10 and entry["backward"]["calls"] == 10, site
         assert entry["verdict"] == "pass", (site, entry["verdict_reason"])
-    assert p.summary()["verdict"] == "pass"
+    assert p.summary().verdict == "pass"
 
 
 @pytest.mark.parametrize(
@@ -144,7 +144,7 @@ def test_each_bug_class_that_fires_in_the_model_fails_where_it_fires(
     failed = {site for site, entry in stats.items() if entry["verdict"] == "fail"}
     assert failed == sites, {s: e["verdict_reason"] for s, e in stats.items()}
     assert all(e["shadow_errors"] == 0 for e in stats.values())
-    assert p.summary()["verdict"] == "fail"
+    assert p.summary().verdict == "fail"
 
 
 # --- PyTorch's varlen_attn ---
@@ -403,5 +403,5 @@ def test_the_lse_a_library_returns_is_compared(monkeypatch, bug: bool) -> None:
     assert lse["verdict"] == ("fail" if bug else "pass"), lse
     assert entry["verdict"] == ("fail" if bug else "pass")
     if bug:
-        assert [f["direction"] for f in p.failures] == ["lse"]
-        assert p.failures[0]["kind"] == "lse" and "LSE off the golden" in p.failures[0]["reason"]
+        assert [f.direction for f in p.failures] == ["lse"]
+        assert p.failures[0].kind == "lse" and "LSE off the golden" in p.failures[0].reason

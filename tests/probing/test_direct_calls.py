@@ -106,8 +106,8 @@ def test_a_buggy_direct_library_fails_the_verdict(flash_attn) -> None:
     model = models.Block()
     with probe(model, backward=True, on_failure="ignore") as p:
         _train(model, causal=False)
-    assert p.summary()["verdict"] == "fail"
-    assert p.failures[0]["direction"] == "out"
+    assert p.summary().verdict == "fail"
+    assert p.failures[0].direction == "out"
 
 
 def test_a_window_is_compared_and_a_library_that_ignores_it_fails(flash_attn) -> None:

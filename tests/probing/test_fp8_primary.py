@@ -50,7 +50,7 @@ def test_fp8_primary_under_the_probe_forward():
     assert forward["primary_golden"]["nonfinite"] == 0
     # judged as an FP8 kernel: against the FP8 baseline (per-tensor E4M3 inputs), with E4M3's limits
     assert p.config.baseline == "math:fp8=e4m3" and p.config.precision == torch.float8_e4m3fn
-    assert forward["verdict"] == "pass" and p.summary()["verdict"] == "pass"
+    assert forward["verdict"] == "pass" and p.summary().verdict == "pass"
 
 
 @pytest.fixture
@@ -73,9 +73,9 @@ def test_an_fp8_primary_with_a_bug_fails_and_a_correct_one_passes(fp8_bugs):
             for _ in range(3):
                 model(x)
         summary = p.summary()
-        verdicts[spec] = summary["verdict"]
+        verdicts[spec] = summary.verdict
         for failure in p.shadow.failures.values():  # the reason names the FP8 baseline
-            assert "the FP8 baseline" in failure["reason"] or "FP8 E4M3" in failure["reason"], failure
+            assert "the FP8 baseline" in failure.reason or "FP8 E4M3" in failure.reason, failure
     assert verdicts == {
         "tiled:preset=fa3_fp8,rotation=off": "pass",
         "fp8_bug_no_v_descale": "fail",

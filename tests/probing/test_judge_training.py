@@ -112,19 +112,19 @@ def test_a_planted_bug_fails_where_and_when_it_fires(
     bug: str, dtype: torch.dtype, bugs, tmp_path: Path
 ) -> None:
     p = train(f"bug_{bug}", dtype, repro_dir=tmp_path, on_failure="ignore")
-    assert p.summary()["verdict"] == "fail"
+    assert p.summary().verdict == "fail"
     expected = {_site(s): v for s, v in EXPECTED[bug].items()}
     first: dict[str, int] = {}
     for f in p.failures:
-        first[f["site"]] = min(first.get(f["site"], f["step"]), f["step"])
-        assert f["kind"] in FAILURES, f
+        first[f.site] = min(first.get(f.site, f.step), f.step)
+        assert f.kind in FAILURES, f
     assert first == {site: step for site, (_, step) in expected.items()}, p.failures
     for site, (direction, step) in expected.items():
-        failure = next(f for f in p.failures if (f["site"], f["direction"]) == (site, direction))
-        assert failure["step"] == step and failure["reason"], failure
+        failure = next(f for f in p.failures if (f.site, f.direction) == (site, direction))
+        assert failure.step == step and failure.reason, failure
     site, (direction, _) = next(iter(expected.items()))
-    failure = next(f for f in p.failures if (f["site"], f["direction"]) == (site, direction))
-    call = load_reproducer(failure["repro"])
+    failure = next(f for f in p.failures if (f.site, f.direction) == (site, direction))
+    call = load_reproducer(failure.repro)
     results = replay(call, [f"bug_{bug}", "sdpa_math", "ok_flash_backward"])
     assert results[f"bug_{bug}"]["verdict"] == "fail", results
     assert results["sdpa_math"]["verdict"] == "pass", results
@@ -136,5 +136,5 @@ def test_a_planted_bug_fails_where_and_when_it_fires(
 def test_correct_kernels_pass_the_16_bit_loop(primary: str | None, dtype: torch.dtype, bugs) -> None:
     p = train(primary, dtype, on_failure="raise")
     summary = p.summary()
-    assert summary["verdict"] == "pass", summary["verdict_reason"]
-    assert 0 < summary["limit_ratio"] <= 1
+    assert summary.verdict == "pass", summary.verdict_reason
+    assert 0 < summary.limit_ratio <= 1

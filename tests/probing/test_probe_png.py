@@ -6,6 +6,7 @@ import itertools
 import json
 from pathlib import Path
 
+from flashprobe.probing.summary import summarize
 from flashprobe.report import probe_figures
 from flashprobe.report.probe_figures import plot_probe
 
@@ -43,7 +44,7 @@ def test_per_site_panel_is_dots_on_a_log_axis_without_overlapping_labels(tmp_pat
 
     monkeypatch.setattr(probe_figures, "_per_site_panel", spy)
     sites = {f"model.blocks.{i}.attn": _site(1.3e-7 * (1 + i), 1e-7 * (1 + i)) for i in range(16)}
-    records = [{"step": s, "summary": {"nonfinite": 0}, "sites": sites} for s in (1, 2)]
+    records = [{"step": s, "summary": summarize({}).to_dict(), "sites": sites} for s in (1, 2)]
     path = tmp_path / "probe.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     plot_probe(path, tmp_path / "probe.png")

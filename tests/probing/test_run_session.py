@@ -5,6 +5,7 @@ the arguments both training callbacks share, and one kernel resolution per attac
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import re
 import sys
@@ -19,7 +20,7 @@ from torch import nn
 
 import flashprobe.kernels.registry as registry
 from flashprobe.formats.probe_log import read_probe_log
-from flashprobe.probing import ProbeConfig, ProbeFailureError, ProbeSummary, probe
+from flashprobe.probing import Failure, ProbeConfig, ProbeFailureError, ProbeSummary, probe
 from flashprobe.probing.run_session import ProbeSession
 
 
@@ -92,7 +93,7 @@ def test_a_failing_primary_stops_with_its_record_and_raise_raises(tmp_path: Path
     stop.attach(_Model(), root=tmp_path / "stop")
     with pytest.warns(UserWarning, match=r"FAIL at site 'attn', out, step 0"):
         results = _train(stop, stop.probe.model, range(5), last=5, every=10)
-    assert len(results) == 1 and results[0].stop and results[0].summary["verdict"] == "fail"
+    assert len(results) == 1 and results[0].stop and results[0].summary.verdict == "fail"
     stop.detach()
     (record,) = read_probe_log(tmp_path / "stop" / "probe.jsonl").records
     assert record["step"] == 1 and record["summary"]["failures"][0]["site"] == "attn"
@@ -201,12 +202,21 @@ def test_the_typed_summary_documents_every_field_and_rejects_what_is_not_one() -
     x = torch.randn(1, 2, 8, 4, generator=torch.Generator().manual_seed(1))
     with probe(_Model(), backward=False) as p:
         p.model(x)
-    summary = p.summary()
-    typed = p.typed_summary()
-    assert typed.to_dict() == summary and typed.forward_calls == 1 and typed.step == 0
+    typed = p.summary()
+    summary = typed.to_dict()
+    assert typed.forward_calls == 1 and typed.step == 0
     assert ProbeSummary.from_dict(summary) == typed
+    typed_only = r"ProbeSummary is typed: read .verdict \(or .to_dict\(\)\['verdict'\]\)"
+    with pytest.raises(TypeError, match=typed_only):
+        typed["verdict"]
+    failure = Failure(site="a", direction="dq", step=3, kind="relative", value=2.0, limit=1.0, reason="r")
+    assert failure.to_dict() == {
+        "site": "a", "direction": "dq", "step": 3, "kind": "relative", "value": 2.0, "limit": 1.0,
+        "reason": "r", "repro": None,
+    }  # fmt: skip
+    assert Failure.from_dict({**failure.to_dict(), "worst": True}) == dataclasses.replace(failure, worst=True)
     # a bare summary over sites has neither the probe's nor the run's fields
-    bare = p.shadow.summary()
+    bare = p.shadow.summary().to_dict()
     assert set(summary) - set(bare) == {"step", "dropout_calls", "fallbacks", "notes"}
     assert ProbeSummary.from_dict(bare).to_dict() == bare
     with pytest.raises(ValueError, match="unknown keys colour; missing keys sites"):

@@ -141,7 +141,7 @@ def test_nonfinite_inputs_are_counted_without_raising() -> None:
     assert fwd["primary_golden"]["max_abs"] == pytest.approx(want, rel=1e-9)
     assert math.isfinite(fwd["error_ratio"])
     summary = shadow.summary()
-    assert summary["nonfinite"] == 1 + 3 * 8 and summary["nonfinite_sites"] == ["attention"]
+    assert summary.nonfinite == 1 + 3 * 8 and summary.nonfinite_sites == ["attention"]
 
 
 def test_blocked_references_bound_memory_and_agree(monkeypatch) -> None:
@@ -250,7 +250,7 @@ def test_sdpa_arguments_are_forwarded_faithfully() -> None:
 def test_without_golden_and_with_dropout_skip() -> None:
     q, k, v = _qkv()
     shadow = ShadowAttention(primary="tiled", golden=False)
-    assert shadow.summary()["max_error_ratio"] is None  # nothing recorded yet
+    assert shadow.summary().max_error_ratio is None  # nothing recorded yet
     shadow(q, k, v)
     out = shadow.stats()["attention"]["forward"]["out"]
     assert out["primary_golden"] is None and out["baseline_golden"] is None and out["error_ratio"] is None

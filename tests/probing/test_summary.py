@@ -44,18 +44,18 @@ def test_summarize_finds_the_worst_sites_and_counts_nonfinite() -> None:
     }
     stats["b"]["shadow_errors"] = 1
     summary = summarize(stats)
-    assert summary["sites"] == 3 and summary["forward_calls"] == 3 and summary["backward_calls"] == 2
-    assert (summary["max_error_ratio"], summary["max_error_ratio_site"]) == (3.0, "a")
-    assert (summary["max_backward_error_ratio"], summary["max_backward_error_ratio_site"]) == (4.0, "b:dv")
-    assert summary["max_abs"] == {"primary_baseline": 2.0, "primary_golden": 3.0, "baseline_golden": 1.0}
-    assert summary["nonfinite"] == 7 and summary["nonfinite_sites"] == ["a", "b"]
-    assert summary["shadow_errors"] == 1
+    assert summary.sites == 3 and summary.forward_calls == 3 and summary.backward_calls == 2
+    assert (summary.max_error_ratio, summary.max_error_ratio_site) == (3.0, "a")
+    assert (summary.max_backward_error_ratio, summary.max_backward_error_ratio_site) == (4.0, "b:dv")
+    assert summary.max_abs == {"primary_baseline": 2.0, "primary_golden": 3.0, "baseline_golden": 1.0}
+    assert summary.nonfinite == 7 and summary.nonfinite_sites == ["a", "b"]
+    assert summary.shadow_errors == 1
 
 
 def test_summarize_of_nothing_and_the_shadow_summary_agree() -> None:
-    assert summarize({})["max_error_ratio"] is None
+    assert summarize({}).max_error_ratio is None
     shadow = ShadowAttention()
     q = torch.randn(2, 2, 5, 8, generator=torch.Generator().manual_seed(0))
     shadow(q, q, q)
     assert shadow.summary() == summarize(shadow.stats())
-    assert not math.isnan(shadow.summary()["max_error_ratio"])
+    assert not math.isnan(shadow.summary().max_error_ratio)

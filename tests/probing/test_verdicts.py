@@ -127,24 +127,24 @@ def bugs() -> None:
 def test_a_buggy_kernel_fails_where_and_when_its_bug_fires(bug: str, bugs: None, tmp_path: Path) -> None:
     p = train(f"bug_{bug}", repro_dir=tmp_path, on_failure="ignore")
     summary = p.summary()
-    assert summary["verdict"] == "fail"
+    assert summary.verdict == "fail"
     failures = p.failures
     first_step = {}
     for f in failures:
-        first_step[f["site"]] = min(first_step.get(f["site"], f["step"]), f["step"])
+        first_step[f.site] = min(first_step.get(f.site, f.step), f.step)
     assert first_step == {site: step for site, (_, step) in EXPECTED[bug].items()}, failures
     for site, (direction, step) in EXPECTED[bug].items():
-        failure = next(f for f in failures if (f["site"], f["direction"]) == (site, direction))
-        assert failure["step"] == step, failure
+        failure = next(f for f in failures if (f.site, f.direction) == (site, direction))
+        assert failure.step == step, failure
         # far beyond the criterion's limit: the rule's margin on this side (docs/calibration.md)
-        assert failure["kind"] == "nonfinite" or failure["value"] > 10 * failure["limit"], failure
+        assert failure.kind == "nonfinite" or failure.value > 10 * failure.limit, failure
     stats = p.stats()
     for site in set(BOTH) - set(EXPECTED[bug]):  # a site fed another site's NaN is not blamed
         assert stats[site]["verdict"] == "pass", stats[site]["verdict_reason"]
     # The reproducer of the named failure replays to a failure, and passes with correct kernels.
     site, (direction, step) = next(iter(EXPECTED[bug].items()))
-    failure = next(f for f in failures if (f["site"], f["direction"]) == (site, direction))
-    call = load_reproducer(failure["repro"])
+    failure = next(f for f in failures if (f.site, f.direction) == (site, direction))
+    call = load_reproducer(failure.repro)
     assert (call.meta["site"], call.meta["direction"], call.meta["step"]) == (site, direction, step)
     assert call.grad_out is not None  # the call had a backward: one file holds every direction
     results = replay(call, [f"bug_{bug}", "bug_none", "sdpa_math"])
@@ -158,23 +158,23 @@ def test_a_buggy_kernel_fails_where_and_when_its_bug_fires(bug: str, bugs: None,
 def test_correct_kernels_pass_the_same_loop(primary: str | None, seed: int, bugs: None) -> None:
     p = train(primary, seed=seed, on_failure="raise")
     summary = p.summary()
-    assert summary["verdict"] == "pass", summary["verdict_reason"]
-    assert summary["failures"] == []
-    assert summary["forward_calls"] == 2 * len(SCHEDULE) and summary["backward_calls"] == 2 * len(SCHEDULE)
+    assert summary.verdict == "pass", summary.verdict_reason
+    assert summary.failures == []
+    assert summary.forward_calls == 2 * len(SCHEDULE) and summary.backward_calls == 2 * len(SCHEDULE)
 
 
 @pytest.mark.parametrize("primary", [None, "bug_none"])
 def test_correct_kernels_pass_under_bf16_autocast(primary: str | None, bugs: None) -> None:
     p = train(primary, autocast=True, on_failure="raise")
-    assert p.summary()["verdict"] == "pass"
+    assert p.summary().verdict == "pass"
 
 
 def test_on_failure_raise_stops_at_the_failing_call(bugs: None, tmp_path: Path) -> None:
     # With backward=True a call is judged in its backward, which reaches attn1 first.
     with pytest.raises(ProbeFailureError, match=r"site 'attn1', out, step 1: relative L2 error") as info:
         train("bug_batch_kv_mixup", on_failure="raise", repro_dir=tmp_path)
-    assert info.value.failure["step"] == 1
-    assert Path(info.value.failure["repro"]).is_file()
+    assert info.value.failure.step == 1
+    assert Path(info.value.failure.repro).is_file()
 
 
 def test_on_failure_warn_says_site_direction_step_and_reproducer(bugs: None, tmp_path: Path) -> None:
@@ -211,7 +211,7 @@ def test_a_reproducer_shrinks_to_a_smaller_failing_call(bug: str, bugs: None, tm
     from flashprobe.probing.repro import shrink_reproducer
 
     p = train(f"bug_{bug}", repro_dir=tmp_path, on_failure="ignore")
-    call = load_reproducer(p.failures[0]["repro"])
+    call = load_reproducer(p.failures[0].repro)
     small, tries = shrink_reproducer(call, f"bug_{bug}")
     assert small.q.numel() < call.q.numel() and tries > 1
     assert replay(small, [f"bug_{bug}"])[f"bug_{bug}"]["verdict"] == "fail"
@@ -222,7 +222,7 @@ def test_a_reproducer_shrinks_to_a_smaller_failing_call(bug: str, bugs: None, tm
 
 def test_fuzz_from_a_training_reproducer_shrinks_it(bugs: None, tmp_path: Path, capsys) -> None:
     p = train("bug_keys_truncated", repro_dir=tmp_path / "repro", on_failure="ignore")
-    repro = p.failures[0]["repro"]
+    repro = p.failures[0].repro
     capsys.readouterr()
     assert cli_main(["fuzz", "--from", repro, "--out", str(tmp_path / "fuzz")]) == 1  # the recorded primary
     out = capsys.readouterr().out
