@@ -7,7 +7,7 @@ file                                   owner
 =====================================  ===============================================
 ``RUN_DIR/probe.jsonl``                :mod:`flashprobe.formats.probe_log`
 ``STUDY_DIR/study.json``, ``.csv``     :mod:`flashprobe.formats.study_file`
-``RUN_DIR/snapshots/`` (+ manifest)    :mod:`flashprobe.weights.store`
+``RUN_DIR/snapshots/manifest.json``    :mod:`flashprobe.formats.snapshot_manifest`
 ``DIR/<bench>.json``, ``.csv``         :mod:`flashprobe.bench.results`
 ``DIR/fuzz.json``                      :mod:`flashprobe.fuzz`
 ``*.safetensors`` reproducers (+ .py)  :mod:`flashprobe.formats.reproducer`

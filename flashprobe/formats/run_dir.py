@@ -14,6 +14,7 @@ from pathlib import Path
 from flashprobe.formats.atomic import remove_temporary, stray_temporaries
 from flashprobe.formats.paths import library_path
 from flashprobe.formats.run_record import owned_outputs, read_run_record
+from flashprobe.formats.snapshot_manifest import MANIFEST_NAME, SNAPSHOT_DIRNAME, read_manifest
 
 __all__ = [
     "RUN_DIR_NAMES",
@@ -195,8 +196,6 @@ def check_resumable(run_dir: Path, from_step: int) -> None:
     """
     from safetensors import SafetensorError, safe_open
 
-    from flashprobe.weights.store import SNAPSHOT_DIRNAME, read_manifest  # the snapshots' format owner
-
     check_links(run_dir)
     snapshots = run_dir / SNAPSHOT_DIRNAME
     record = run_dir / "run.json"
@@ -213,7 +212,7 @@ def check_resumable(run_dir: Path, from_step: int) -> None:
             f"{problem}; it is not a run record this flashprobe can extend, so the run's earlier sessions "
             "would be lost: restore it, or move it away to continue with a fresh record"
         )
-    if not (snapshots / "manifest.json").is_file():
+    if not (snapshots / MANIFEST_NAME).is_file():
         return
     for entry in read_manifest(snapshots).get("snapshots", []):
         if entry["step"] > from_step or not (snapshots / entry["file"]).is_file():

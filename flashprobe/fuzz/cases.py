@@ -38,6 +38,7 @@ __all__ = [
     "PROFILES",
     "SENTINELS",
     "SIGNED_BIAS",
+    "CasePatterns",
     "FuzzCase",
     "case_generator",
     "exact_logit_qk",
@@ -773,6 +774,39 @@ CATALOGUE: dict[str, FuzzCase] = {
 }
 
 
+@dataclass(frozen=True)
+class CasePatterns:
+    """``--case`` globs: those that select names, and those given with a ``-`` or ``!`` prefix, which
+    remove the names they match, e.g. ``["*", "-gqa_*"]``.
+
+    Attributes:
+        given: the non-empty patterns, in the order given.
+        include: the selecting globs (none: every name is selected).
+        exclude: the removing globs, prefix stripped.
+    """
+
+    given: list[str]
+    include: list[str]
+    exclude: list[str]
+
+    @classmethod
+    def parse(cls, patterns: Iterable[str] | None) -> CasePatterns:
+        """Split ``patterns`` (None: none); empty strings are ignored."""
+        given = [p for p in patterns or [] if p]
+        include = [p for p in given if not p.startswith(("-", "!"))]
+        return cls(given, include, [p[1:] for p in given if p.startswith(("-", "!"))])
+
+    @property
+    def removals(self) -> list[str]:
+        """The removing patterns as given (prefix kept)."""
+        return [p for p in self.given if p.startswith(("-", "!"))]
+
+    def selects(self, name: str) -> bool:
+        """Whether ``name`` matches a selecting glob (any name when there is none) and no removing one."""
+        included = not self.include or any(fnmatch.fnmatchcase(name, p) for p in self.include)
+        return included and not any(fnmatch.fnmatchcase(name, p) for p in self.exclude)
+
+
 def select_cases(patterns: Iterable[str] | None = None, *, profile: str = "default") -> list[FuzzCase]:
     """The catalogue cases of ``profile`` matching any of the glob ``patterns`` (all when none).
 
@@ -784,16 +818,12 @@ def select_cases(patterns: Iterable[str] | None = None, *, profile: str = "defau
     """
     if profile not in PROFILES:
         raise ValueError(f"profile {profile!r} must be one of {', '.join(PROFILES)}")
-    patterns = [p for p in (patterns or []) if p]
-    include = [p for p in patterns if not p.startswith(("-", "!"))] or ["*"]
-    exclude = [p[1:] for p in patterns if p.startswith(("-", "!"))]
-    for pattern in include:
+    chosen = CasePatterns.parse(patterns)
+    for pattern in chosen.include:
         if not fnmatch.filter(CATALOGUE, pattern):
             raise ValueError(f"case pattern {pattern!r} matches no case; cases: {', '.join(CATALOGUE)}")
     return [
         case
         for name, case in CATALOGUE.items()
-        if (profile in case.profiles or name in include)
-        and any(fnmatch.fnmatchcase(name, p) for p in include)
-        and not any(fnmatch.fnmatchcase(name, p) for p in exclude)
+        if (profile in case.profiles or name in chosen.include) and chosen.selects(name)
     ]

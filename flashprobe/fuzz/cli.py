@@ -405,17 +405,45 @@ def _safe(spec: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in spec)
 
 
+def _outputs_only(plan: _Plan, results: Sequence[FuzzResult]) -> dict[str, str]:
+    """The kernels given whose gradients were not checked, each with why: ``--no-backward``, no
+    backward declared on the device (its ``KernelCapabilities``), or none in the calls run (every
+    row of it that asked for gradients got ``no_backward``)."""
+    why = {}
+    for spec in plan.kernels:
+        asked = {r.backward for r in results if r.kernel == spec and r.backward is not None}
+        if not plan.backward:
+            why[spec] = "--no-backward"
+        elif not get_kernel(spec).capabilities.has_backward(plan.device):
+            why[spec] = f"no backward on {plan.device.type}"
+        elif asked == {"no_backward"}:
+            why[spec] = "no backward in the calls run"
+    return why
+
+
+def _gradients_text(plan: _Plan, outputs_only: dict[str, str]) -> str:
+    """What the header says of the gradients: ``with gradients``, ``outputs only`` or both, with why."""
+    if not plan.backward:
+        return "outputs only"
+    without = ", ".join(f"{spec}: {why}" for spec, why in outputs_only.items())
+    if len(outputs_only) == len(plan.kernels):
+        return f"outputs only ({without})"
+    return f"with gradients (outputs only for {without})" if outputs_only else "with gradients"
+
+
 def _print_results(
     plan: _Plan,
     results: list[FuzzResult],
     elapsed: float,
     ledger: LedgerReport | None = None,
     contract_cases: Sequence[str] = (),
+    *,
+    outputs_only: dict[str, str],
 ) -> None:
     catalogue = [r for r in results if r.params is None]
     randoms = [r for r in results if r.params is not None]
     names = ", ".join(dtype_name(d) for d in plan.dtypes)
-    grads = "with gradients" if plan.backward else "outputs only"
+    grads = _gradients_text(plan, outputs_only)
     last = plan.seed + plan.seeds - 1
     seeds = f"seed {plan.seed}" if plan.seeds == 1 else f"seeds {plan.seed}–{last}"
     print(
@@ -459,6 +487,8 @@ def _payload(
     results: list[FuzzResult],
     timing: dict[str, float],
     contract_cases: Sequence[str] = (),
+    *,
+    outputs_only: dict[str, str],
 ) -> dict[str, Any]:
     return {
         "command": command,
@@ -474,6 +504,7 @@ def _payload(
         "budget": plan.budget,
         "profile": plan.profile,
         "backward": plan.backward,
+        "outputs_only": outputs_only,
         "threads": plan.threads,
         "rule": RULE,
         **{k: round(v, 3) for k, v in timing.items()},
@@ -587,9 +618,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         threads=plan.threads,
     )
     results, elapsed, catalogue_s = check.results, check.elapsed_s, check.catalogue_s
-    _print_results(plan, results, elapsed, check.ledger, check.contract_cases)
+    outputs_only = _outputs_only(plan, results)
+    _print_results(plan, results, elapsed, check.ledger, check.contract_cases, outputs_only=outputs_only)
     timing = {"elapsed_s": elapsed, "catalogue_s": catalogue_s}
-    payload = _payload(plan, "flashprobe fuzz " + " ".join(argv), results, timing, check.contract_cases)
+    command = "flashprobe fuzz " + " ".join(argv)
+    payload = _payload(plan, command, results, timing, check.contract_cases, outputs_only=outputs_only)
     if check.ledger is not None:
         payload["ledger"] = _ledger_payload(check.ledger)
     written = _write(plan, payload, results, check.contract_cases)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from flashprobe.fuzz.cases import case_generator
+from flashprobe.fuzz.cases import CATALOGUE, CasePatterns, case_generator
 from flashprobe.fuzz.contract_cases import (
     CONTRACT_CASES,
     FP8_NAMES,
@@ -35,7 +35,7 @@ from flashprobe.fuzz.contract_cases import (
     short_dtype,
 )
 from flashprobe.fuzz.fit import NotApplicableError
-from flashprobe.fuzz.kernel_call import REFUSALS
+from flashprobe.fuzz.kernel_call import REFUSALS, same_values
 from flashprobe.fuzz.references import grad_output
 from flashprobe.fuzz.rule import (
     GradientReference,
@@ -117,17 +117,13 @@ def _clone(call: AttentionCall) -> AttentionCall:
     return _unchecked(call, torch.Tensor.clone)
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and bool(((a == b) | (a != a) & (b != b)).all())
-
-
 def _touched(original: AttentionCall, ran: AttentionCall) -> list[str]:
     """The tensors the kernel changed, but a cache's keys and values (checked by :func:`_appended`)."""
     cache = original.storage == "cache"
     return [
         name
         for name, t in _tensor_fields(original).items()
-        if name != "out" and not (cache and name in ("k", "v")) and not _same(t, getattr(ran, name))
+        if name != "out" and not (cache and name in ("k", "v")) and not same_values(t, getattr(ran, name))
     ]
 
 
@@ -142,7 +138,7 @@ def _appended(original: AttentionCall, ran: AttentionCall) -> str:
     seqlens = (seqlens + original.n_new).to(torch.int32)
     after = _unchecked(ran).replace(cache_seqlens=seqlens, k_new=None, v_new=None, out=None, return_lse=False)
     want, got = original.logical(), after.logical()
-    if _same(want.k, got.k) and _same(want.v, got.v):
+    if same_values(want.k, got.k) and same_values(want.v, got.v):
         return ""
     return "the appended keys and values are not in the cache at cache_seqlens after the call"
 
@@ -362,7 +358,7 @@ def check_call(
     out = found.out
     if call.out is not None:  # judged where the kernel wrote: a row never written stays NaN
         written = ran.q_to_logical(ran.out)
-        if out.shape != written.shape or not _same(out.to(written.dtype), written):
+        if out.shape != written.shape or not same_values(out.to(written.dtype), written):
             reasons.append(("out_buffer", "the output it returned is not what it wrote into out="))
         out = written
     verdict = judge(out, refs)
@@ -532,21 +528,14 @@ def split_case_patterns(patterns: Sequence[str]) -> tuple[list[str] | None, list
         run none) and the names of the contract cases the patterns select (all when none is given;
         ``-``/``!`` patterns remove cases from both).
     """
-    patterns = [p for p in patterns if p]
-    include = [p for p in patterns if not p.startswith(("-", "!"))]
-    exclude = [p[1:] for p in patterns if p.startswith(("-", "!"))]
-    contract = [
-        n
-        for n in CONTRACT_CASES
-        if (not include or any(fnmatch.fnmatchcase(n, p) for p in include))
-        and not any(fnmatch.fnmatchcase(n, p) for p in exclude)
+    chosen = CasePatterns.parse(patterns)
+    contract = [n for n in CONTRACT_CASES if chosen.selects(n)]
+    dense = [
+        p for p in chosen.include if fnmatch.filter(CATALOGUE, p) or not fnmatch.filter(CONTRACT_CASES, p)
     ]
-    from flashprobe.fuzz.cases import CATALOGUE
-
-    dense = [p for p in include if fnmatch.filter(CATALOGUE, p) or not fnmatch.filter(CONTRACT_CASES, p)]
-    if include and not dense:
+    if chosen.include and not dense:
         return None, contract
-    return [*dense, *(p for p in patterns if p.startswith(("-", "!")))], contract
+    return [*dense, *chosen.removals], contract
 
 
 def dense_dtypes(dtypes: Sequence[str | torch.dtype]) -> list[str | torch.dtype]:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from flashprobe.fuzz.cases import CATALOGUE, case_generator
+from flashprobe.fuzz.cases import CATALOGUE, CasePatterns, case_generator
 from flashprobe.fuzz.fit import NotApplicableError
 from flashprobe.fuzz.inputs import CaseInputs
 from flashprobe.fuzz.kernel_call import REFUSALS, kernel_label
@@ -376,20 +376,13 @@ def select_checks(
         ``(checks, rest)``: the checks the patterns match, and the patterns that do not match only
         checks (None when each pattern given matched only checks: no catalogue case wanted).
     """
-    patterns = [p for p in patterns or [] if p]
-    include = [p for p in patterns if not p.startswith(("-", "!"))]
-    exclude = [p[1:] for p in patterns if p.startswith(("-", "!"))]
-
-    def matches(name: str, globs: list[str]) -> bool:
-        return any(fnmatch.fnmatchcase(name, p) for p in globs)
-
+    globs = CasePatterns.parse(patterns)
+    include = globs.include
     chosen = [
-        c for name, c in CHECKS.items()
-        if (profile in c.profiles or name in include) and matches(name, include or ["*"])
-        and not matches(name, exclude)
-    ]  # fmt: skip
+        c for name, c in CHECKS.items() if (profile in c.profiles or name in include) and globs.selects(name)
+    ]
     only_checks = [p for p in include if fnmatch.filter(CHECKS, p) and not fnmatch.filter(CATALOGUE, p)]
-    rest = [p for p in patterns if p not in only_checks]
+    rest = [p for p in globs.given if p not in only_checks]
     return chosen, (None if include and len(only_checks) == len(include) else rest)
 
 

@@ -80,7 +80,7 @@ def _forward_backward(
     return out.detach(), dict(zip(("dq", "dk", "dv"), grads, strict=True)), None
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``a`` and ``b`` hold the same values, NaN where the other has NaN (inputs may hold NaN)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
@@ -123,7 +123,7 @@ def call_kernel(kernel: Kernel, inputs: CaseInputs, grad_out: torch.Tensor | Non
         name
         for name in ("q", "k", "v", "attn_mask")
         if getattr(inputs, name) is not None
-        and not _same(getattr(inputs, name), getattr(copies, name).detach())
+        and not same_values(getattr(inputs, name), getattr(copies, name).detach())
     ]
     if changed:
         reason = f"modified its inputs in place: {', '.join(changed)}"

@@ -140,9 +140,9 @@ def coverage(results: Sequence[FuzzResult]) -> dict[str, list[int | str]]:
         for axis, value in r.axes.items():
             axes.setdefault(axis, set()).add(value)
         axes.setdefault("dtype", set()).add(r.dtype)
-        if r.backward is not None:
+        if r.backward not in (None, "no_backward"):  # judged: pass or fail
             axes.setdefault("gradients", set()).add("checked")
-        elif r.verdict == "pass":  # the output passed and its gradients were not asked for
+        elif r.verdict in ("pass", "no_backward"):  # the output passed; its gradients not asked for, or none
             axes.setdefault("gradients", set()).add("forward only")
     return {axis: sorted(values, key=lambda x: (isinstance(x, str), x)) for axis, values in axes.items()}
 

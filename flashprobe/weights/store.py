@@ -1,18 +1,8 @@
-"""Weight snapshots on disk: the layout, atomic writes, and a lazy reader.
+"""Weight snapshots on disk: atomic writes and a lazy reader.
 
-A run directory holds its snapshots as::
-
-    RUN_DIR/snapshots/manifest.json
-    RUN_DIR/snapshots/step_0000100.safetensors      one file per saved step
-
-``manifest.json`` (format ``flashprobe.snapshots/1``)::
-
-    {"format": "flashprobe.snapshots/1", "run_id": "...", "seed": 0, "attention": "math",
-     "precision": "32-true", "config": {...},
-     "tensors": [{"name": "blocks.0.attn.qkv.weight", "shape": [96, 32], "dtype": "float32",
-                  "kind": "parameter"}, ...],
-     "snapshots": [{"step": 100, "file": "step_0000100.safetensors", "bytes": 123456,
-                    "epoch": 0, "saved_at": "2025-01-01T00:00:00Z"}, ...]}
+A run's snapshots are ``RUN_DIR/snapshots/step_NNNNNNN.safetensors`` files listed in
+``RUN_DIR/snapshots/manifest.json``; that layout and the manifest's format are
+:mod:`flashprobe.formats.snapshot_manifest`'s (its names are re-exported here).
 
 Writes are atomic (a hidden temporary file renamed over the final name), the manifest rewritten only
 after the snapshot file is complete: a killed process leaves a manifest whose every listed snapshot
@@ -22,7 +12,6 @@ is readable. :class:`SnapshotStore` reads lazily, one tensor at a time.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -36,15 +25,25 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from flashprobe.errors import FlashprobeError
 from flashprobe.formats.atomic import (
     TMP_SUFFIX,
     atomic_write_file,
     atomic_write_text,
     remove_temporary,
 )
-from flashprobe.formats.jsonio import format_problem, utc_now
+from flashprobe.formats.jsonio import utc_now
 from flashprobe.formats.paths import library_path
+from flashprobe.formats.snapshot_manifest import (
+    MANIFEST_NAME,
+    SNAPSHOT_DIRNAME,
+    SNAPSHOT_FORMAT,
+    SnapshotError,
+    dumps_manifest,
+    manifest_entry,
+    read_manifest,
+    resolved_inside,
+    snapshot_filename,
+)
 
 __all__ = [
     "MANIFEST_NAME",
@@ -60,14 +59,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-SNAPSHOT_FORMAT = "flashprobe.snapshots/1"
-SNAPSHOT_DIRNAME = "snapshots"
-MANIFEST_NAME = "manifest.json"
-
-
-class SnapshotError(ValueError, FlashprobeError):
-    """A snapshot directory or manifest is missing, malformed or inconsistent."""
 
 
 class NonFiniteSnapshotError(SnapshotError):
@@ -102,100 +93,18 @@ class TensorSpec:
         return cls(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), kind)
 
 
-def snapshot_filename(step: int) -> str:
-    """File name of the snapshot at ``step``: ``step_0000100.safetensors`` (7 digits, more if needed)."""
-    if step < 0:
-        raise ValueError(f"snapshot step must be >= 0, got {step}")
-    return f"step_{step:07d}.safetensors"
-
-
-def _entry_file(directory: Path, entry: Any, manifest: Path) -> tuple[int, Path]:
-    """The step and file of one manifest entry; the file must be a plain name inside ``directory``.
-
-    A manifest is read from run directories that may be anyone's, and a resume deletes the files of
-    abandoned entries: an entry naming an absolute path, a ``..`` or a sub-directory is refused, so
-    no manifest can make flashprobe read or delete a file outside its snapshot directory.
-
-    Raises:
-        SnapshotError: the entry is not ``{"step": int >= 0, "file": "NAME"}`` with a plain file name.
-    """
-    if not isinstance(entry, Mapping):
-        raise SnapshotError(f"{manifest}: a snapshot entry is {entry!r}, not {{'step': N, 'file': NAME}}")
-    step, name = entry.get("step"), entry.get("file")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise SnapshotError(f"{manifest}: snapshot entry {dict(entry)!r} has no non-negative integer 'step'")
-    plain = isinstance(name, str) and name not in ("", ".", "..") and not name.startswith(".")
-    if not plain or os.sep in name or (os.altsep and os.altsep in name) or Path(name).name != name:
-        raise SnapshotError(
-            f"{manifest}: snapshot entry of step {step} names the file {name!r}, which is not a plain file "
-            f"name inside {directory} (no '/', no '..'); flashprobe reads and deletes only files inside the "
-            "snapshot directory: fix or remove that entry (snapshot files are named like "
-            f"{snapshot_filename(step)})"
-        )
-    return step, _inside(directory / name, directory, f"{manifest}: the snapshot of step {step}")
-
-
-def _inside(path: Path, root: Path, what: str) -> Path:
-    """``path``, if it resolves (links followed) inside ``root``: a snapshot directory handed around must
-    not make flashprobe read another run's files (a distance of 0) or anything outside the run.
-
-    Raises:
-        SnapshotError: naming ``what``, the path and where it leads.
-    """
-    resolved = path.resolve()
-    if not resolved.is_relative_to(root.resolve()):
-        raise SnapshotError(
-            f"{what} ({path}) is a link to {resolved}, outside {root}; flashprobe reads a run's snapshots "
-            "only from inside the run: copy the files in (cp -L) instead of linking them"
-        )
-    return path
-
-
-def read_manifest(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    """The manifest of a snapshot directory, checked: a JSON object whose every entry is valid.
-
-    Args:
-        directory: the snapshot directory (``RUN_DIR/snapshots``).
-
-    Raises:
-        FileNotFoundError: no manifest.
-        SnapshotError: not valid JSON, not an object, no ``snapshots`` list, or an entry that is not
-            ``{"step": N, "file": NAME}`` with a plain file name (see :func:`_entry_file`).
-    """
-    directory = Path(directory)
-    path = directory / MANIFEST_NAME
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"no snapshot manifest at {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise SnapshotError(
-            f"malformed snapshot manifest {path} ({err}); it is written by flashprobe's WeightSnapshot "
-            "callback: restore it, or start the run again with overwrite=true"
-        ) from None
-    if isinstance(manifest, dict) and "format" in manifest:  # (manifests of before the field: read)
-        problem = format_problem(path, manifest, SNAPSHOT_FORMAT)
-        if problem:
-            raise SnapshotError(problem)
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("snapshots", []), list):
-        raise SnapshotError(f"malformed snapshot manifest {path}: not an object with a 'snapshots' list")
-    if not isinstance(manifest.get("tensors", []), list):
-        raise SnapshotError(f"malformed snapshot manifest {path}: 'tensors' is not a list")
-    for entry in manifest.get("snapshots", []):
-        _entry_file(directory, entry, path)
-    return manifest
-
-
 def _snapshot_dir(run_dir: str | os.PathLike[str]) -> Path:
     """``RUN_DIR/snapshots``, or ``run_dir`` itself when it already holds a manifest; it and its manifest
-    must resolve inside ``run_dir`` (:func:`_inside`)."""
+    must resolve inside ``run_dir`` (:func:`~flashprobe.formats.snapshot_manifest.resolved_inside`)."""
     run_dir = Path(run_dir)
     if (run_dir / MANIFEST_NAME).is_file() and not (run_dir / SNAPSHOT_DIRNAME).is_dir():
         directory = run_dir
     else:
-        directory = _inside(run_dir / SNAPSHOT_DIRNAME, run_dir, f"{run_dir}'s {SNAPSHOT_DIRNAME} directory")
+        directory = resolved_inside(
+            run_dir / SNAPSHOT_DIRNAME, run_dir, f"{run_dir}'s {SNAPSHOT_DIRNAME} directory"
+        )
     if (directory / MANIFEST_NAME).exists():
-        _inside(directory / MANIFEST_NAME, directory, f"the snapshot manifest of {directory}")
+        resolved_inside(directory / MANIFEST_NAME, directory, f"the snapshot manifest of {directory}")
     return directory
 
 
@@ -232,7 +141,7 @@ class SnapshotWriter:
             self.manifest["snapshots"] = [
                 entry
                 for entry in old.get("snapshots", [])
-                if _entry_file(self.directory, entry, self.directory / MANIFEST_NAME)[1].is_file()
+                if manifest_entry(self.directory, entry, self.directory / MANIFEST_NAME)[1].is_file()
             ]
 
     @property
@@ -311,23 +220,11 @@ class SnapshotWriter:
         self.manifest["snapshots"] = [e for e in self.manifest["snapshots"] if e["step"] <= step]
         self._write_manifest()  # unlist first, delete after: a crash in between leaves only orphans
         for entry in dropped:
-            _entry_file(self.directory, entry, self.directory / MANIFEST_NAME)[1].unlink(missing_ok=True)
+            manifest_entry(self.directory, entry, self.directory / MANIFEST_NAME)[1].unlink(missing_ok=True)
         return [e["step"] for e in dropped]
 
     def _write_manifest(self) -> None:
-        atomic_write_text(self.directory / MANIFEST_NAME, _dumps_manifest(self.manifest))
-
-
-def _dumps_manifest(manifest: Mapping[str, Any]) -> str:
-    """JSON with one line per field, and one line per tensor and per snapshot entry."""
-    lines = []
-    for key, value in manifest.items():
-        if key in ("tensors", "snapshots") and value:
-            items = ",\n".join(f"  {json.dumps(item)}" for item in value)
-            lines.append(f" {json.dumps(key)}: [\n{items}\n ]")
-        else:
-            lines.append(f" {json.dumps(key)}: {json.dumps(value)}")
-    return "{\n" + ",\n".join(lines) + "\n}\n"
+        atomic_write_text(self.directory / MANIFEST_NAME, dumps_manifest(self.manifest))
 
 
 class SnapshotStore:
@@ -376,7 +273,7 @@ class SnapshotStore:
         self.specs: dict[str, TensorSpec] = {s.name: s for s in specs}
         self._files: dict[int, Path] = {}
         for entry in entries:
-            step, file = _entry_file(self.directory, entry, path)
+            step, file = manifest_entry(self.directory, entry, path)
             if not file.is_file():
                 raise SnapshotError(f"{path} lists step {step} but {file} does not exist")
             self._files[step] = file

@@ -12,11 +12,12 @@ from flashprobe.kernels import unregister_kernel
 
 @pytest.fixture
 def register() -> Iterator[Callable[..., str]]:
-    """``register(name, fn)``: register a kernel for one test, unregistered afterwards."""
+    """``register(name, fn, **options)``: register a kernel for one test (``options`` as
+    :func:`~flashprobe.register_kernel` takes them, e.g. ``capabilities``), unregistered afterwards."""
     names: dict[str, None] = {}
 
-    def add(name: str, fn: Callable[..., object]) -> str:
-        register_kernel(name, fn, overwrite=True)
+    def add(name: str, fn: Callable[..., object], **options: object) -> str:
+        register_kernel(name, fn, overwrite=True, **options)
         names[name] = None
         return name
 

@@ -18,7 +18,7 @@ from flashprobe.fuzz import CATALOGUE, CaseInputs, check_case, references
 from flashprobe.fuzz.cli import main
 from flashprobe.fuzz.layouts import LAYOUTS, apply_layout
 from flashprobe.fuzz.references import grad_output
-from flashprobe.kernels import get_kernel
+from flashprobe.kernels import KernelCapabilities, get_kernel
 from flashprobe.kernels.flash_form import flash_form_attention
 
 from ._helpers import case
@@ -162,3 +162,39 @@ def test_cli_reports_coverage_profile_and_gradients(tmp_path, capsys):
     assert payload["coverage"]["gradients"] == ["forward only"]
     assert main([*argv, "--profile", "huge", "--out", str(out)]) == 2
     assert "--profile huge: unknown profile; use one of default, full" in capsys.readouterr().err
+
+
+def _forward_only(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+
+
+def _detached(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    return _forward_only(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale).detach()
+
+
+def test_a_kernel_without_backward_is_not_said_to_be_fuzzed_with_gradients(register, tmp_path, capsys):
+    """The header and fuzz.json said "with gradients" (``coverage`` ``gradients: checked``) for a
+    kernel declaring no backward, whose every row was no_backward: they say outputs only, and why."""
+    name = register(
+        "user_forward_only", _forward_only, capabilities=KernelCapabilities(backward_devices=frozenset())
+    )
+    argv = ["--dtype", "fp32", "--case", "odd_shapes,mqa", "--out", str(tmp_path)]
+    assert main(["--kernel", name, *argv]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "with gradients" not in header and f"outputs only ({name}: no backward on cpu)" in header, header
+    payload = json.loads((tmp_path / "fuzz.json").read_text())
+    assert {r["verdict"] for r in payload["rows"]} == {"no_backward"}  # asked for, not checked
+    assert payload["outputs_only"] == {name: "no backward on cpu"}
+    assert payload["coverage"]["gradients"] == ["forward only"]
+    assert main(["--kernel", "sdpa_math", "--kernel", name, *argv]) == 0  # one with, one without
+    header = capsys.readouterr().out.splitlines()[0]
+    assert f"with gradients (outputs only for {name}: no backward on cpu)" in header, header
+    payload = json.loads((tmp_path / "fuzz.json").read_text())
+    assert payload["outputs_only"] == {name: "no backward on cpu"}
+    assert payload["coverage"]["gradients"] == ["checked", "forward only"]
+    detached = register("user_detached", _detached)  # declares nothing: a backward is assumed
+    assert main(["--kernel", detached, *argv]) == 0
+    assert f"outputs only ({detached}: no backward in the calls run)" in capsys.readouterr().out
+    assert main(["--kernel", "sdpa_math", *argv, "--no-backward"]) == 0
+    assert ", outputs only (seed 0" in capsys.readouterr().out
+    assert json.loads((tmp_path / "fuzz.json").read_text())["outputs_only"] == {"sdpa_math": "--no-backward"}
