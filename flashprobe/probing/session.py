@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from flashprobe.probing.summary import Failure, ProbeSummary, bias_words
 __all__ = [
     "NONFINITE_ACTIONS",
     "RunTally",
+    "SiteVerdict",
     "attention_dropout",
     "attention_record",
     "check_trainable",
@@ -48,6 +50,31 @@ def failure_rank(failure: Failure) -> float:
     if value is None or math.isnan(value):
         return math.inf
     return float(value)
+
+
+@dataclass(frozen=True)
+class SiteVerdict:
+    """The run's verdict at one site and direction (a row of the verdict block).
+
+    Attributes:
+        site: the attention site.
+        direction: ``out``, ``lse``, ``dq``, ``dk`` or ``dv``.
+        verdict: ``pass``, ``fail`` or ``undetermined``.
+        statistic: the criterion that failed the first failing call, else ``"error/limit"``.
+        value: its value (for ``error/limit``: the worst call's, > 1 fails).
+        limit: its limit.
+        step: the step of the first failing call (None: none failed).
+        repro: the first failing call's reproducer, where one was saved.
+    """
+
+    site: str
+    direction: str
+    verdict: str
+    statistic: str
+    value: float | None
+    limit: float | None
+    step: int | None = None
+    repro: str | None = None
 
 
 class RunTally:
@@ -112,26 +139,21 @@ class RunTally:
                     )
         return summary
 
-    def rows(self, failures: Iterable[Failure] = ()) -> list[dict[str, Any]]:
-        """One row per site and direction, failing ones first: ``site``, ``direction``, ``verdict``,
-        ``statistic`` (the failing criterion, else ``"error/limit"``), ``value``, ``limit``, ``step``
-        and ``repro``; a site and direction in ``failures`` (a summary's) fails.
-        """
+    def rows(self, failures: Iterable[Failure] = ()) -> list[SiteVerdict]:
+        """One row per site and direction, failing ones first; a site and direction in ``failures``
+        (a summary's) fails, with its first failure's criterion."""
         firsts = {(f.site, f.direction): f for f in failures if not f.worst}
         rows = []
         keys = [(s, d) for s, ds in self.sites.items() for d in ds]
         keys += [k for k in firsts if k not in set(keys)]
         for site, d in keys:
             row = self.sites.get(site, {}).get(d, {"verdict": "undetermined", "limit_ratio": None})
-            first = firsts.get((site, d))
-            if first is not None:
-                found = {"verdict": "fail", "statistic": first.kind or "-"}
-                found |= {k: getattr(first, k) for k in ("value", "limit", "step", "repro")}
+            f = firsts.get((site, d))
+            if f is not None:
+                rows.append(SiteVerdict(site, d, "fail", f.kind or "-", f.value, f.limit, f.step, f.repro))
             else:
-                found = {"verdict": row["verdict"], "statistic": "error/limit", "value": row["limit_ratio"]}
-                found |= {"limit": 1.0, "step": None, "repro": None}
-            rows.append({"site": site, "direction": d, **found})
-        rows.sort(key=lambda r: r["verdict"] != "fail")  # failing rows first, otherwise in site order
+                rows.append(SiteVerdict(site, d, row["verdict"], "error/limit", row["limit_ratio"], 1.0))
+        rows.sort(key=lambda r: r.verdict != "fail")  # failing rows first, otherwise in site order
         return rows
 
     def state_dict(self) -> dict[str, Any]:
@@ -164,7 +186,7 @@ def _g(value: Any) -> str:
 
 def verdict_block(
     summary: ProbeSummary,
-    rows: Sequence[Mapping[str, Any]],
+    rows: Sequence[SiteVerdict],
     *,
     who: str = "flashprobe",
     path: str | Path | None = None,
@@ -200,7 +222,7 @@ def verdict_block(
         shown = list(rows[:max_rows])
         columns = ("site", "direction", "verdict", "statistic", "value", "limit", "step")
         table = [("site", "dir", *columns[2:])]
-        table += [tuple(_g(r[c]) for c in columns) for r in shown]
+        table += [tuple(_g(getattr(r, c)) for c in columns) for r in shown]
         widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
         for row in table:
             lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
@@ -209,7 +231,7 @@ def verdict_block(
         lines.append(
             "  error/limit: the verdict's statistic, the worst call's error over its limit (> 1 fails)"
         )
-    repros = list(dict.fromkeys(str(r["repro"]) for r in rows if r.get("repro")))
+    repros = list(dict.fromkeys(str(r.repro) for r in rows if r.repro))
     for repro in repros:
         lines.append(f"  reproducer: {repro} (flashprobe replay {repro})")
     for note in summary.fallbacks or []:

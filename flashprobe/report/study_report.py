@@ -11,7 +11,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flashprobe.formats.atomic import atomic_write_text
 from flashprobe.formats.probe_log import PROBE_LOG_NAME, load_probe_records, record_summary
@@ -32,6 +32,9 @@ from flashprobe.report.study_verdict import (
 )
 from flashprobe.weights.differences import describe_differences, not_like_for_like
 
+if TYPE_CHECKING:
+    from flashprobe.probing.session import SiteVerdict
+
 __all__ = ["probe_summary", "probe_verdict", "verdict", "verdict_lines", "write_report"]
 
 
@@ -51,7 +54,7 @@ def probe_summary(run_dir: Path) -> list[ProbeSummary]:
     return [record_summary(r) for r in load_probe_records(path)]
 
 
-def probe_verdict(run_dir: Path) -> tuple[ProbeSummary, list[dict[str, Any]]] | None:
+def probe_verdict(run_dir: Path) -> tuple[ProbeSummary, list[SiteVerdict]] | None:
     """The probe's verdict over a run: the last summary of its ``probe.jsonl`` with every record
     tallied, and the per-site rows of the verdict block; None when the run has no probe records."""
     from flashprobe.probing.session import RunTally
