@@ -20,7 +20,7 @@ from __future__ import annotations
 import fnmatch
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -207,6 +207,10 @@ class Probe(AttentionRoute):
         summary.notes = self._notes(stats)
         summary.judged = self.judged or None
         return summary
+
+    def typed_summary(self, stats: Mapping[str, Any] | None = None) -> NoReturn:
+        """Replaced by :meth:`summary`, which returns the typed summary; raises naming it."""
+        raise AttributeError("Probe.typed_summary() is now Probe.summary(), which returns the ProbeSummary")
 
     def _no_calls_message(self) -> str:
         return (

@@ -209,6 +209,8 @@ def test_the_typed_summary_documents_every_field_and_rejects_what_is_not_one() -
     typed_only = r"ProbeSummary is typed: read .verdict \(or .to_dict\(\)\['verdict'\]\)"
     with pytest.raises(TypeError, match=typed_only):
         typed["verdict"]
+    with pytest.raises(AttributeError, match=r"is now Probe.summary\(\), which returns the ProbeSummary"):
+        p.typed_summary()
     failure = Failure(site="a", direction="dq", step=3, kind="relative", value=2.0, limit=1.0, reason="r")
     assert failure.to_dict() == {
         "site": "a", "direction": "dq", "step": 3, "kind": "relative", "value": 2.0, "limit": 1.0,
