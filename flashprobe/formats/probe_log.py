@@ -135,9 +135,12 @@ def record_summary(record: Mapping[str, Any]) -> ProbeSummary:
     record's step.
 
     Raises:
-        ValueError: the record's summary is not a probe summary, naming the keys.
+        ValueError: the record's summary is not a probe summary, naming the step and the keys.
     """
-    return ProbeSummary.from_dict({**(record.get("summary") or {}), "step": record["step"]})
+    try:
+        return ProbeSummary.from_dict({**(record.get("summary") or {}), "step": record["step"]})
+    except ValueError as err:
+        raise ValueError(f"the record of step {record['step']}: {err}") from None
 
 
 class ProbeLogWriter:

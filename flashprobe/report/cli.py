@@ -252,7 +252,7 @@ def _run_report(run_dir: Path) -> int:
             site, verdict, nonfinite = summary.max_limit_ratio_site or "-", summary.verdict, summary.nonfinite
             print(f"| {record['step']} | {verdict} | {ratio} | {site} | {old} | {diff} | {nonfinite} |")
     except ValueError as err:
-        return _fail("flashprobe report", ValueError(f"{path}: {err}"))
+        return _fail("flashprobe report", f"{path}: {err}")
     if summary is not None:
         rows = tally.rows(summary.failures)
         print(printable(verdict_block(summary, rows, who="flashprobe report", path=path, max_rows=10**6)))

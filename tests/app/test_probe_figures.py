@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from flashprobe.formats.probe_log import load_probe_records
+from flashprobe.probing.summary import summarize
 from flashprobe.report.cli import report_main
 from flashprobe.report.probe_figures import MAX_LINES, plot_probe, site_series
 
@@ -30,6 +31,11 @@ def _site(ratio: float | None, pb: float, pg: float, bg: float, dq: float | None
     }
 
 
+def _summary(**values: object) -> dict:
+    """A record's summary of no judged call (verdict undetermined) holding ``values``."""
+    return {**summarize({}).to_dict(), **values}
+
+
 def _write(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
@@ -39,7 +45,7 @@ def _records() -> list[dict]:
     return [
         {
             "step": 5,
-            "summary": {"nonfinite": 0, "max_error_ratio": 2.0},
+            "summary": _summary(nonfinite=0, max_error_ratio=2.0),
             "sites": {
                 "model.a.attn": _site(2.0, 1e-6, 2e-6, 1e-6, dq=3.0),
                 "model.b.attn": _site(0.5, 4e-7, 1e-7, 2e-7),
@@ -47,7 +53,7 @@ def _records() -> list[dict]:
         },
         {
             "step": 10,
-            "summary": {"nonfinite": 1, "max_error_ratio": 1.5},
+            "summary": _summary(nonfinite=1, max_error_ratio=1.5),
             "sites": {
                 "model.a.attn": _site(1.5, 3e-6, 3e-6, 2e-6),
             },
@@ -70,7 +76,7 @@ def test_plot_probe_writes_a_png(tmp_path: Path, sites: int) -> None:
     records = [
         {
             "step": s,
-            "summary": {"nonfinite": 0},
+            "summary": _summary(),
             "sites": {f"model.blocks.{i}.attn": _site(1 + i / 10, 1e-6, 1e-6, 1e-6) for i in range(sites)},
         }
         for s in (1, 2, 3)
@@ -96,12 +102,17 @@ def test_bad_files_give_clear_errors(tmp_path: Path, caplog: pytest.LogCaptureFi
 
 def test_report_command_on_a_run_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _write(tmp_path / "probe.jsonl", _records())
-    assert report_main([str(tmp_path)]) == 4  # records without a verdict: UNDETERMINED
+    assert report_main([str(tmp_path)]) == 4  # records without a judged call: UNDETERMINED
     out = capsys.readouterr().out
     assert "verdict UNDETERMINED" in out
-    # (no verdict and no error / limit in these records: the ratio of maxima under its own name)
-    assert "| 5 | - | - | - | 2 |" in out and "| 10 | - | - | - | 1.5 |" in out
+    # (no error / limit in these records: the ratio of maxima under its own name)
+    assert "| 5 | undetermined | - | - | 2 |" in out and "| 10 | undetermined | - | - | 1.5 |" in out
     assert (tmp_path / "probe.png").read_bytes().startswith(b"\x89PNG")
+    # a record whose summary is not a probe summary: one line naming the file and the keys, exit 2
+    _write(tmp_path / "probe.jsonl", [{**_records()[0], "summary": {"nonfinite": 0, "colour": 1}}])
+    assert report_main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "the record of step 5: not a probe summary: unknown keys colour; missing keys sites" in err
 
 
 def test_non_finite_values_as_stored_in_probe_jsonl(
@@ -113,19 +124,20 @@ def test_non_finite_values_as_stored_in_probe_jsonl(
     records = [
         {
             "step": 1,
-            "summary": {"nonfinite": 0, "max_error_ratio": "inf", "max_abs": {"primary_baseline": 1e-6}},
+            "summary": _summary(nonfinite=0, max_error_ratio="inf", max_abs={"primary_baseline": 1e-6}),
             "sites": {"model.a.attn": site},
         },
         {
             "step": 2,
-            "summary": {"nonfinite": 2, "max_error_ratio": 1.5, "max_abs": {"primary_baseline": "nan"}},
+            "summary": _summary(nonfinite=2, max_error_ratio=1.5, max_abs={"primary_baseline": "nan"}),
             "sites": {"model.a.attn": _site(1.5, 2e-6, 2e-6, 1e-6)},
         },
     ]
     _write(tmp_path / "probe.jsonl", records)
     series = site_series(load_probe_records(tmp_path / "probe.jsonl"))
     assert series["model.a.attn"]["error_ratio"] == [math.inf, 1.5]
-    assert report_main([str(tmp_path)]) == 4  # records without a verdict: UNDETERMINED
+    assert report_main([str(tmp_path)]) == 4  # records without a judged call: UNDETERMINED
     out = capsys.readouterr().out
-    assert "| 1 | - | - | - | inf | 1e-06 | 0 |" in out and "| 2 | - | - | - | 1.5 | nan | 2 |" in out
+    assert "| 1 | undetermined | - | - | inf | 1e-06 | 0 |" in out
+    assert "| 2 | undetermined | - | - | 1.5 | nan | 2 |" in out
     assert (tmp_path / "probe.png").read_bytes().startswith(b"\x89PNG")
