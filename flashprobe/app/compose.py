@@ -136,7 +136,9 @@ def compose_with_sources(
 
     check_config_dirs()
     sources = ConfigSources(list(overrides), dict(recorded or {}))
-    with _users_files_named(), initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    with _users_files_named(), initialize_config_dir(
+        config_dir=str(CONF_DIR), version_base="1.3", job_name="train"  # hydra.job.name: train.log
+    ):
         cfg = hydra_compose(config_name="config", overrides=list(overrides), return_hydra_config=hydra)
         loader = GlobalHydra.instance().config_loader()
         run_mode = RunMode.RUN
