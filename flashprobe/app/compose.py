@@ -25,8 +25,9 @@ __all__ = [
     "lazy_sources",
 ]
 
-#: The packaged Hydra configs.
+#: The packaged Hydra configs, and their module.
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_MODULE = "flashprobe.conf"
 
 #: Keys (the last part) whose value is a directory a callback, logger or the Trainer writes into.
 PATH_KEYS = ("dirpath", "save_dir", "default_root_dir", "dir", "log_dir", "root_dir", "output_dir")
@@ -129,22 +130,25 @@ def compose_with_sources(
     """:func:`compose`, and where each value came from; ``recorded``: overrides taken from a run's
     record, each → the file that recorded it."""
     from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from hydra import initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
     from omegaconf import ListConfig, open_dict
 
     check_config_dirs()
     sources = ConfigSources(list(overrides), dict(recorded or {}))
-    with _users_files_named(), initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    # the packaged configs as the train app's @hydra.main finds them (pkg://flashprobe.conf), its name
+    with _users_files_named(), initialize_config_module(CONF_MODULE, version_base="1.3", job_name="train"):
         cfg = hydra_compose(config_name="config", overrides=list(overrides), return_hydra_config=hydra)
         loader = GlobalHydra.instance().config_loader()
         run_mode = RunMode.RUN
         for default in loader.compute_defaults_list("config", list(overrides), run_mode).defaults:
             found = loader.repository.load_config(default.config_path) if default.config_path else None
-            if found is None or not found.path.startswith("file://"):
-                continue
-            path = Path(found.path.removeprefix("file://")) / f"{default.config_path}.yaml"
+            scheme, _, where = found.path.partition("://") if found is not None else ("", "", "")
+            if scheme not in ("file", "pkg") or (scheme == "pkg" and where != CONF_MODULE):
+                continue  # Hydra's own configs
+            directory = CONF_DIR if scheme == "pkg" else Path(where)
+            path = directory / f"{default.config_path}.yaml"
             if isinstance(found.config, ListConfig):
                 raise ValueError(
                     f"{path} holds a YAML list, not settings: a config file is a mapping of keys to values "

@@ -1,6 +1,6 @@
 """The owner of a training run's directory (:class:`RunDir`): created, locked, started, recorded and
 described when the run stops here only; the files themselves are read and written by
-:mod:`flashprobe.formats`. :class:`HydraWrites` undoes what Hydra creates for a refused run.
+:mod:`flashprobe.formats`.
 """
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +36,7 @@ from flashprobe.formats.run_dir import (
 )
 from flashprobe.formats.run_record import claim_outputs, owned_outputs, read_run_record
 
-__all__ = ["HydraWrites", "RunDir", "RunStart", "RunStoppedError", "launched_rank", "start_step"]
+__all__ = ["RunDir", "RunStart", "RunStoppedError", "launched_rank", "start_step"]
 
 log = logging.getLogger(__name__)
 
@@ -216,11 +215,7 @@ class RunDir:
         remove_stray_temporaries(self.path)
         record = read_run_record(self.path)
         max_steps = cfg.trainer.get("max_steps", -1)
-        finished = (
-            record is not None
-            and record.get("status") == "finished"
-            and record.get("global_step") == max_steps
-        )
+        finished = self._finished(cfg)
         missing = self.missing_artefacts(cfg) if finished else []
         if missing == ["probe.png"] and self._redraw_probe_figure():
             missing = []
@@ -252,6 +247,29 @@ class RunDir:
             )
         remove_outputs(self.path, found)  # this run's own outputs, written before its first checkpoint
         return None, None
+
+    def _finished(self, cfg: DictConfig) -> bool:
+        """Whether the run's record says it finished ``trainer.max_steps``."""
+        record = read_run_record(self.path)
+        return (
+            record is not None
+            and record.get("status") == "finished"
+            and record.get("global_step") == cfg.trainer.get("max_steps", -1)
+        )
+
+    def skipped(self, cfg: DictConfig) -> str | None:
+        """Why :meth:`start` would skip the run (``resume`` set, it finished and nothing it must have
+        is missing), or None; nothing is written.
+
+        Raises:
+            LinkError: a link in the directory.
+        """
+        if cfg.get("resume") is None or not self.path.is_dir() or launched_rank():
+            return None
+        check_links(self.path)
+        if not self._finished(cfg) or self.missing_artefacts(cfg):
+            return None
+        return f"{self.path} finished {cfg.trainer.get('max_steps', -1)} steps already"
 
     def missing_artefacts(self, cfg: DictConfig) -> list[str]:
         """What a finished run must have and the directory lacks (``checkpoints/last.ckpt``, ``probe.png``,
@@ -361,47 +379,3 @@ class RunDir:
         )
         stop.__cause__ = err
         return stop
-
-
-class HydraWrites:
-    """What Hydra creates for a single run before flashprobe's checks (the run directory, ``train.log``),
-    removed when the run is refused before it starts.
-
-    Args:
-        where: the run directory (``named``) or the directory Hydra creates it in; None: unknown.
-    """
-
-    def __init__(self, where: Path | None, named: bool) -> None:
-        self.where, self.named = where, named
-        self.absent = _absent(where) if where is not None else []
-        self.before = set(os.listdir(where)) if where is not None and where.is_dir() else set()
-
-    def undo(self, run_dir: Path | None) -> None:
-        """Undo Hydra's writes into ``run_dir`` (rank zero): the directory and the empty ones above when
-        this command created it, else a ``train.log`` it did not hold."""
-        if run_dir is None or self.where is None or not run_dir.is_dir() or launched_rank():
-            return
-        run_dir, where = run_dir.absolute(), self.where.absolute()
-        created = (
-            run_dir in self.absent
-            if self.named
-            else (run_dir.parent == where and run_dir.name not in self.before)
-        )
-        if created and {p.name for p in run_dir.iterdir()} <= {"train.log"}:
-            shutil.rmtree(run_dir)
-            for parent in self.absent:  # deepest first
-                if parent.is_dir() and not any(parent.iterdir()):
-                    parent.rmdir()
-        elif self.named and run_dir == where and "train.log" not in self.before:
-            log_file = run_dir / "train.log"
-            if log_file.is_file() and not log_file.is_symlink():
-                log_file.unlink()
-
-
-def _absent(path: Path) -> list[Path]:
-    """``path`` and its ancestors that do not exist, deepest first (absolute)."""
-    missing, path = [], path.absolute()
-    while not path.exists() and path != path.parent:
-        missing.append(path)
-        path = path.parent
-    return missing

@@ -7,9 +7,11 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,14 +19,14 @@ from typing import Any
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from flashprobe.app.compose import CONF_DIR, compose, lazy_sources
 from flashprobe.app.console import StepProgressBar, quiet_third_party
 from flashprobe.app.fit import fit
 from flashprobe.app.imports import command_options, import_modules, imported_modules
-from flashprobe.app.launch import as_train_app
-from flashprobe.app.run_dir import HydraWrites, RunDir, RunStoppedError
+from flashprobe.app.launch import as_train_app, run_hydra_job
+from flashprobe.app.run_dir import RunDir, RunStoppedError
 from flashprobe.app.schema import RunSchema, check_sites
 from flashprobe.app.train_checks import (
     REFUSALS,
@@ -172,10 +174,31 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     }
 
 
+def _check_build(cfg: DictConfig, run_dir: Path) -> None:
+    """Build the run's objects and let them go, before the run directory exists: an object that
+    refuses its configuration refuses the run before anything is written. The build logs nothing
+    and leaves the process's environment, warnings and logging as they were; the run builds its
+    own objects (and logs) in its job.
+
+    Raises:
+        ValueError: an object refused its configuration (see :func:`_build`).
+    """
+    environment, disabled = dict(os.environ), logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings(), refusals():
+            warnings.simplefilter("ignore")
+            _build(cfg, run_dir)
+    finally:
+        logging.disable(disabled)
+        for name in set(os.environ) - set(environment):  # set by the build (the seed, W&B's homes)
+            del os.environ[name]
+        os.environ.update({k: v for k, v in environment.items() if os.environ.get(k) != v})
+
+
 class _TrainJob:
     """The Hydra task of one ``flashprobe train`` command, run for each job of a multirun: it trains,
-    prints a stop or refusal in one paragraph (exit 1/130 or 2), and keeps the directory of a refused
-    or skipped run in ``undo_dir`` for :class:`~flashprobe.app.run_dir.HydraWrites`.
+    and prints a stop or refusal in one paragraph (exit 1/130 or 2).
 
     Args:
         verbose: ``flashprobe train -v``: tracebacks of flashprobe's own errors too.
@@ -183,7 +206,6 @@ class _TrainJob:
 
     def __init__(self, verbose: bool = False) -> None:
         self.verbose = verbose
-        self.undo_dir: Path | None = None
 
     def traceback_wanted(self) -> bool:
         """Whether flashprobe's own errors keep their traceback (``-v`` or ``HYDRA_FULL_ERROR=1``)."""
@@ -193,7 +215,7 @@ class _TrainJob:
         """Train one job's run; its validation loss (what a Hydra sweeper would minimise)."""
         try:
             import_modules(imported_modules())  # a rank or a launcher's job: the modules --import named
-            metrics, objects = train(cfg)
+            metrics, _ = train(cfg)
         except RunStoppedError as err:
             if self.traceback_wanted():
                 raise
@@ -202,52 +224,70 @@ class _TrainJob:
         except Exception as err:
             if not is_refusal(err) or self.traceback_wanted():
                 raise
-            self.undo_dir = RunDir.of(cfg).path
             print(f"flashprobe train: error: {refusal_paragraph(err)}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
-        if objects.get("skipped"):  # nothing ran: the run's record stays the run's, not this command's
-            self.undo_dir = objects["run_dir"]
         return metrics.get("val/loss")
 
     def run_hydra(self) -> None:
         """Run Hydra's app on ``sys.argv`` (Hydra reads its command line there only) with :meth:`task`."""
         hydra.main(config_path="../conf", config_name="config", version_base="1.3")(self.task)()
 
+    def refused(self, err: Exception) -> bool:
+        """Print ``err`` as a refusal (one paragraph) and say so; False: ``err`` is to be raised."""
+        if not (isinstance(err, REFUSALS) or is_refusal(err)) or self.traceback_wanted():
+            return False
+        print(f"flashprobe train: error: {refusal_paragraph(err)}", file=sys.stderr)
+        return True
+
 
 def cli_main(argv: Sequence[str] | None = None) -> int:
     """``flashprobe train [-v] [--import MODULE] [--config-dir DIR] [overrides]``.
 
-    Every setting and path is checked and the run directory locked before Hydra starts; flashprobe's
-    own errors print one message and return 2 (``-v`` or ``HYDRA_FULL_ERROR=1``: with the traceback).
-    Hydra runs inside :func:`~flashprobe.app.launch.as_train_app`, so DDP ranks re-run this module.
+    A single run's config is composed once, every setting and path checked and the run's objects
+    built once on trial before its directory exists: a refused run writes nothing. Its Hydra job
+    then runs on that config with the directory locked (:func:`~flashprobe.app.launch.run_hydra_job`);
+    a finished run that ``resume=`` skips runs none. ``-m`` and Hydra's other flags run Hydra's app
+    (a multirun checked for its first job). flashprobe's own errors print one message and return 2
+    (``-v`` or ``HYDRA_FULL_ERROR=1``: with the traceback). Hydra runs inside
+    :func:`~flashprobe.app.launch.as_train_app`, so DDP ranks re-run this module.
     """
     given = list(sys.argv[1:] if argv is None else argv)
     job = _TrainJob(verbose=any(a in ("-v", "--verbose") for a in given))
     given = [a for a in given if a not in ("-v", "--verbose")]
-    writes = HydraWrites(None, named=False)
     HydraConfig.instance().cfg = None  # a job that ended earlier in this process is not this command's
-    try:
-        with contextlib.ExitStack() as stack:
-            try:
-                given = stack.enter_context(command_options(given))
-                args = command_line(given)
-                run_dir, where = precheck(args, given)
-                writes = HydraWrites(where, named=run_dir is not None)  # before the lock makes run_dir
-                if run_dir is not None:
-                    stack.enter_context(RunDir(run_dir).locked())
-            except Exception as err:
-                if not (isinstance(err, REFUSALS) or is_refusal(err)) or job.traceback_wanted():
-                    raise
-                print(f"flashprobe train: error: {refusal_paragraph(err)}", file=sys.stderr)
-                return 2
-            with as_train_app(args):
+    with contextlib.ExitStack() as stack:
+        try:
+            given = stack.enter_context(command_options(given))
+            args = command_line(given)
+            cfg, run_dir = precheck(args, given)
+            skipped = None
+            if cfg is not None and run_dir is not None:
+                task_cfg = _task_config(cfg, run_dir)
+                skipped = RunDir(run_dir).skipped(task_cfg)
+                if not skipped:
+                    _check_build(task_cfg, run_dir)
+                stack.enter_context(RunDir(run_dir).locked())
+        except Exception as err:
+            if not job.refused(err):
+                raise
+            return 2
+        with as_train_app(args):
+            if cfg is None:
                 job.run_hydra()
-    except SystemExit as exit_:  # 2: refused inside the job (any other code: the run's own outcome)
-        if exit_.code == 2:
-            writes.undo(job.undo_dir)
-        raise
-    writes.undo(job.undo_dir)  # a finished run that resume= skipped (else nothing is marked)
+            elif skipped:
+                print(f"flashprobe train: skipping the run: {skipped}", flush=True)
+            else:
+                run_hydra_job(cfg, job.task)
     return 0
+
+
+def _task_config(cfg: DictConfig, run_dir: Path) -> DictConfig:
+    """The config the job of ``cfg`` trains with (without Hydra's section), ``run_dir`` its directory."""
+    task_cfg = copy.deepcopy(cfg)
+    with open_dict(task_cfg):
+        del task_cfg["hydra"]
+        task_cfg.run_dir = str(run_dir)
+    return task_cfg
 
 
 if __name__ == "__main__":  # a rank Lightning's DDP launcher started, or `python -m flashprobe.app.train`

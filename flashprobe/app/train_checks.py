@@ -5,6 +5,7 @@ how it words a refusal: one paragraph without a traceback (:func:`is_refusal`).
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from flashprobe.app.overrides import (
     override_value,
     recorded_overrides,
 )
-from flashprobe.app.run_dir import RunDir, start_step
+from flashprobe.app.run_dir import RunDir
 from flashprobe.app.schema import RunSchema, check_sites
 from flashprobe.errors import FlashprobeError
 from flashprobe.formats.atomic import FULL_BELOW, free_space
@@ -182,19 +183,22 @@ def _quoted(path: str) -> str:
     return "'" + path.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def precheck(args: Sequence[str], given: Sequence[str] = ()) -> tuple[Path | None, Path | None]:
-    """Compose the run's config as Hydra will and check every setting and path it writes
-    (:func:`check_config`, :func:`~flashprobe.app.compose.check_paths`) before Hydra starts.
+def precheck(args: Sequence[str], given: Sequence[str] = ()) -> tuple[DictConfig | None, Path | None]:
+    """Compose the run's config, once, and check every setting and path it writes
+    (:func:`check_config`, :func:`~flashprobe.app.compose.check_paths`) before anything is written.
 
-    A multirun (``-m``) is checked for its first job; Hydra's other flags run no job and are left to it.
+    A multirun (``-m``) is checked for its first job (its jobs are composed by Hydra's launcher);
+    Hydra's other flags run no job and are left to it.
 
     Args:
         args: the Hydra command line (:func:`command_line`).
         given: the overrides the user gave (the others come from ``resume=``'s record).
 
     Returns:
-        ``(run directory, where Hydra creates it)``: the run directory when known before Hydra runs
-        (else None), and the directory that is or will hold it (None when Hydra alone knows it).
+        ``(config, run directory)`` of a single run: its config as composed, with Hydra's section
+        (the config its Hydra job runs, :func:`~flashprobe.app.launch.run_hydra_job`), and the
+        directory it writes into (``${now:...}`` resolved once, as the job sees it); ``(None, None)``
+        for a multirun or another of Hydra's flags.
 
     Raises:
         ValueError: a setting or a path is invalid, or the overrides do not compose (Hydra's reason).
@@ -222,47 +226,42 @@ def precheck(args: Sequence[str], given: Sequence[str] = ()) -> tuple[Path | Non
         raise ValueError(reason) from None
 
 
-def _check_job(args: Sequence[str], given: Sequence[str], multirun: bool) -> tuple[Path | None, Path | None]:
+def _check_job(
+    args: Sequence[str], given: Sequence[str], multirun: bool
+) -> tuple[DictConfig | None, Path | None]:
     """:func:`precheck` of the job (a multirun's first) that ``args`` runs."""
     overrides = [a for a in args if not a.startswith("-")]
     resume = override_path(args, "resume")
     record = f"{resume}/.hydra/overrides.yaml"
     recorded = {o: record for o in overrides if o not in given and not o.startswith("hydra.run.dir=")}
-    cfg, sources = compose_with_sources(
-        _first_jobs(overrides) if multirun else overrides, hydra=True, recorded=recorded
-    )
     if multirun:
+        cfg, sources = compose_with_sources(_first_jobs(overrides), hydra=True, recorded=recorded)
         check_paths(cfg, None, sources)
         return None, None
-    named = override_path(args, "hydra.run.dir")
-    unresolved = OmegaConf.to_container(cfg.hydra.run, resolve=False).get("dir")
+    cfg, sources = compose_with_sources([*overrides, "hydra.mode=RUN"], hydra=True, recorded=recorded)
+    run_dir = Path(str(cfg.hydra.run.dir))  # ${now:...} resolved once: the config keeps the value
     configured = OmegaConf.select(cfg, "run_dir", default=None, throw_on_resolution_failure=False)
-    if isinstance(configured, str) and Path(configured).resolve() != Path(cfg.hydra.run.dir).resolve():
+    if isinstance(configured, str) and Path(configured).resolve() != run_dir.resolve():
         raise ValueError(
             f"run_dir ({sources('run_dir')}) is {configured}, not the run's directory "
             f"{cfg.hydra.run.dir}: `flashprobe train` writes a run into its Hydra directory; give "
             "hydra.run.dir=DIR instead"
         )
-    check_paths(cfg, str(cfg.hydra.run.dir), sources)
-    run_dir = Path(str(cfg.hydra.run.dir)) if named or "${now:" not in str(unresolved) else None
-    new_runs = Path(str(cfg.hydra.run.dir)).parent  # where Hydra makes a new run directory
-    with open_dict(cfg):  # where the callbacks' ${run_dir} points
-        del cfg["hydra"]
-        cfg.run_dir = str(run_dir or new_runs / "new")
-    check_config(cfg, cfg.run_dir, sources)
-    if run_dir is not None:
-        RunDir(run_dir).check_contents(resume)
-    free = free_space(cfg.run_dir)
+    check_paths(cfg, str(run_dir), sources)
+    job = copy.deepcopy(cfg)
+    with open_dict(job):  # the job's config, with ${run_dir} where the run will be
+        del job["hydra"]
+        job.run_dir = str(run_dir)
+    check_config(job, job.run_dir, sources)
+    RunDir(run_dir).check_contents(resume)
+    free = free_space(job.run_dir)
     if free is not None and free < FULL_BELOW:  # Hydra's own first writes would fail with a traceback
         raise ValueError(
-            f"the disk holding {cfg.run_dir} is full ({free / 2**20:.1f} MiB free); free some space or "
+            f"the disk holding {job.run_dir} is full ({free / 2**20:.1f} MiB free); free some space or "
             "train on another disk (hydra.run.dir=...)"
         )
-    if run_dir is not None:
-        RunDir(run_dir).check_start(cfg)
-    else:
-        start_step(cfg, cfg.get("ckpt_path"))  # an unsafe checkpoint is refused now
-    return run_dir, (run_dir if run_dir is not None else new_runs)
+    RunDir(run_dir).check_start(job)
+    return cfg, run_dir
 
 
 def _first_jobs(overrides: Sequence[str]) -> list[str]:
