@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,12 +215,12 @@ class RunDir:
         remove_stray_temporaries(self.path)
         record = read_run_record(self.path)
         max_steps = cfg.trainer.get("max_steps", -1)
-        finished = self._finished(cfg)
+        finished = _finished(record, cfg)
         missing = self.missing_artefacts(cfg) if finished else []
         if missing == ["probe.png"] and self._redraw_probe_figure():
             missing = []
         if finished and not missing:
-            return None, f"{self.path} finished {max_steps} steps already"
+            return None, _finished_already(self.path, cfg)
         checkpoint = resume_point(self.path, max_steps)
         if missing:
             log.warning(
@@ -248,15 +248,6 @@ class RunDir:
         remove_outputs(self.path, found)  # this run's own outputs, written before its first checkpoint
         return None, None
 
-    def _finished(self, cfg: DictConfig) -> bool:
-        """Whether the run's record says it finished ``trainer.max_steps``."""
-        record = read_run_record(self.path)
-        return (
-            record is not None
-            and record.get("status") == "finished"
-            and record.get("global_step") == cfg.trainer.get("max_steps", -1)
-        )
-
     def skipped(self, cfg: DictConfig) -> str | None:
         """Why :meth:`start` would skip the run (``resume`` set, it finished and nothing it must have
         is missing), or None; nothing is written.
@@ -267,9 +258,9 @@ class RunDir:
         if cfg.get("resume") is None or not self.path.is_dir() or launched_rank():
             return None
         check_links(self.path)
-        if not self._finished(cfg) or self.missing_artefacts(cfg):
+        if not _finished(read_run_record(self.path), cfg) or self.missing_artefacts(cfg):
             return None
-        return f"{self.path} finished {cfg.trainer.get('max_steps', -1)} steps already"
+        return _finished_already(self.path, cfg)
 
     def missing_artefacts(self, cfg: DictConfig) -> list[str]:
         """What a finished run must have and the directory lacks (``checkpoints/last.ckpt``, ``probe.png``,
@@ -379,3 +370,17 @@ class RunDir:
         )
         stop.__cause__ = err
         return stop
+
+
+def _finished(record: Mapping[str, object] | None, cfg: DictConfig) -> bool:
+    """Whether a run's record says it finished ``trainer.max_steps``."""
+    return (
+        record is not None
+        and record.get("status") == "finished"
+        and record.get("global_step") == cfg.trainer.get("max_steps", -1)
+    )
+
+
+def _finished_already(path: Path, cfg: DictConfig) -> str:
+    """Why a finished run is skipped, in words."""
+    return f"{path} finished {cfg.trainer.get('max_steps', -1)} steps already"

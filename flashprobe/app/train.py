@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import os
 import sys
@@ -19,7 +18,7 @@ from typing import Any
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from flashprobe.app.compose import CONF_DIR, compose, lazy_sources
 from flashprobe.app.console import StepProgressBar, quiet_third_party
@@ -34,6 +33,7 @@ from flashprobe.app.train_checks import (
     command_line,
     instantiation_reason,
     is_refusal,
+    job_config,
     precheck,
     refusal_paragraph,
     refusals,
@@ -262,7 +262,7 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
             cfg, run_dir = precheck(args, given)
             skipped = None
             if cfg is not None and run_dir is not None:
-                task_cfg = _task_config(cfg, run_dir)
+                task_cfg = job_config(cfg, run_dir)
                 skipped = RunDir(run_dir).skipped(task_cfg)
                 if not skipped:
                     _check_build(task_cfg, run_dir)
@@ -279,15 +279,6 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
             else:
                 run_hydra_job(cfg, job.task)
     return 0
-
-
-def _task_config(cfg: DictConfig, run_dir: Path) -> DictConfig:
-    """The config the job of ``cfg`` trains with (without Hydra's section), ``run_dir`` its directory."""
-    task_cfg = copy.deepcopy(cfg)
-    with open_dict(task_cfg):
-        del task_cfg["hydra"]
-        task_cfg.run_dir = str(run_dir)
-    return task_cfg
 
 
 if __name__ == "__main__":  # a rank Lightning's DDP launcher started, or `python -m flashprobe.app.train`

@@ -248,10 +248,7 @@ def _check_job(
             "hydra.run.dir=DIR instead"
         )
     check_paths(cfg, str(run_dir), sources)
-    job = copy.deepcopy(cfg)
-    with open_dict(job):  # the job's config, with ${run_dir} where the run will be
-        del job["hydra"]
-        job.run_dir = str(run_dir)
+    job = job_config(cfg, run_dir)
     check_config(job, job.run_dir, sources)
     RunDir(run_dir).check_contents(resume)
     free = free_space(job.run_dir)
@@ -262,6 +259,16 @@ def _check_job(
         )
     RunDir(run_dir).check_start(job)
     return cfg, run_dir
+
+
+def job_config(cfg: DictConfig, run_dir: Path) -> DictConfig:
+    """The config the Hydra job of ``cfg`` trains with: a copy without Hydra's section, its
+    ``${run_dir}`` the run's directory."""
+    job = copy.deepcopy(cfg)
+    with open_dict(job):
+        del job["hydra"]
+        job.run_dir = str(run_dir)
+    return job
 
 
 def _first_jobs(overrides: Sequence[str]) -> list[str]:
