@@ -172,15 +172,17 @@ def plot_probe(
 
     Raises:
         FileNotFoundError: no ``jsonl``.
-        ValueError: ``jsonl`` has no record with per-site statistics.
+        ValueError: ``jsonl`` has no record with per-site statistics, or a record's summary is not a
+            probe summary.
     """
     jsonl = Path(jsonl)
     records = load_probe_records(jsonl)
     series = site_series(records)
     if not series:
         raise ValueError(f"{jsonl}: no per-site statistics to plot (did the probe see any attention call?)")
-    steps = [int(r["step"]) for r in records]
-    nonfinite = sum(int((r.get("summary") or {}).get("nonfinite") or 0) for r in records)
+    summaries = [record_summary(r) for r in records]
+    steps = [s.step for s in summaries]
+    nonfinite = sum(s.nonfinite for s in summaries)
     # An infinite error ratio (the baseline matched golden exactly, the primary did not) is drawn at
     # the top of the axis with a triangle, so the worst points are not lost as gaps.
     ratios = [v for s in series.values() for k in ("error_ratio", "backward_error_ratio") for v in s[k]]
@@ -198,7 +200,7 @@ def plot_probe(
     _primary_baseline_panel(ax_pb, steps, series)
     _per_site_panel(ax_site, series)
     head = title or printable(jsonl.parent.name)  # (a name whose bytes are not UTF-8: shown escaped)
-    last = record_summary(records[-1])
+    last = summaries[-1]
     firsts = last.first_failures
     for f in firsts:  # each first failure: a red line at its step
         ax_ratio.axvline(f.step, color="red", linewidth=1.0, linestyle="--", alpha=0.7)
